@@ -1,0 +1,339 @@
+"""gRPC client for the tiercache `ensemble` model on Triton.
+
+The model is decoupled, so every request goes over a gRPC stream: one stream per `generate()`
+call, on a pooled `InferenceServerClient` (tritonclient allows one stream per client at a time,
+so concurrent calls each take their own client and `TierCacheClient` is thread-safe).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from .errors import (
+    InvalidRequestError,
+    TierCacheClientError,
+    UnavailableError,
+    classify,
+)
+
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """Outcome of one generation.
+
+    `cache_status` is "exact", "semantic", "miss" or "bypass" (empty if the server sent none);
+    `similarity` is set only for semantic hits when the server reports it; `latency_s` runs from
+    sending the request to the final response, `first_chunk_s` to the first non-empty text chunk
+    (None when no text arrived); `chunks` counts non-empty text chunks.
+    """
+
+    text: str
+    cache_status: str
+    similarity: float | None
+    latency_s: float
+    first_chunk_s: float | None
+    chunks: int
+
+
+def _error(exc: InferenceServerException) -> TierCacheClientError:
+    return classify(str(exc.message()), exc.status())
+
+
+def _bytes_input(name: str, values: Sequence[str]) -> grpcclient.InferInput:
+    data = np.array([[v.encode("utf-8") for v in values]], dtype=np.object_)
+    tensor = grpcclient.InferInput(name, list(data.shape), "BYTES")
+    tensor.set_data_from_numpy(data)
+    return tensor
+
+
+def _scalar_input(name: str, value: Any, datatype: str, dtype: type) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1, 1], datatype)
+    tensor.set_data_from_numpy(np.array([[value]], dtype=dtype))
+    return tensor
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= int(value) <= high:
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def build_inputs(
+    prompt: str,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop_words: Sequence[str] | None = None,
+    tenant: str | None = None,
+    cache_control: str | None = None,
+    lora_name: str | None = None,
+    stream: bool = True,
+) -> list[grpcclient.InferInput]:
+    """Build the `ensemble` input tensors, each with a leading batch dim of 1.
+
+    Only the options given (not None) are sent, plus `text_input` and `stream`; an empty
+    `stop_words` is not sent. Raises TypeError for wrong Python types and InvalidRequestError for
+    integers that do not fit their tensor type (INT32, UINT64); value ranges are the server's job.
+    """
+    inputs = [_bytes_input("text_input", [_check_str("prompt", prompt)])]
+    if not isinstance(stream, bool):
+        raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+    inputs.append(_scalar_input("stream", stream, "BOOL", np.bool_))
+    for name, number in (("max_tokens", max_tokens), ("top_k", top_k)):
+        if number is not None:
+            value = _check_int(name, number, -_INT32_MAX - 1, _INT32_MAX)
+            inputs.append(_scalar_input(name, value, "INT32", np.int32))
+    for name, real in (("temperature", temperature), ("top_p", top_p)):
+        if real is not None:
+            inputs.append(_scalar_input(name, _check_float(name, real), "FP32", np.float32))
+    if seed is not None:
+        value = _check_int("seed", seed, 0, _UINT64_MAX)
+        inputs.append(_scalar_input("seed", value, "UINT64", np.uint64))
+    if stop_words is not None:
+        if isinstance(stop_words, str):
+            raise TypeError("stop_words must be a sequence of str, not a str")
+        words = [_check_str("stop word", w) for w in stop_words]
+        if words:
+            inputs.append(_bytes_input("stop_words", words))
+    texts = (("tenant", tenant), ("cache_control", cache_control), ("lora_name", lora_name))
+    for name, text in texts:
+        if text is not None:
+            inputs.append(_bytes_input(name, [_check_str(name, text)]))
+    return inputs
+
+
+def _texts(result: grpcclient.InferResult, name: str) -> list[str]:
+    array = result.as_numpy(name)
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def _is_final(result: grpcclient.InferResult) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+class TierCacheClient:
+    """Client of one tiercache server (`url` is gRPC "host:port").
+
+    `timeout_s` bounds a whole `generate()` call and each health RPC; when it passes,
+    `UnavailableError` is raised. Use as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self, url: str = "localhost:8001", model: str = "ensemble", timeout_s: float = 300.0
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.url = url
+        self.model = model
+        self.timeout_s = timeout_s
+        self._idle: list[grpcclient.InferenceServerClient] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _acquire(self) -> grpcclient.InferenceServerClient:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("TierCacheClient is closed")
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return grpcclient.InferenceServerClient(self.url)
+        except InferenceServerException as exc:
+            raise _error(exc) from None
+
+    def _release(self, client: grpcclient.InferenceServerClient, reusable: bool) -> None:
+        with self._lock:
+            if reusable and not self._closed:
+                self._idle.append(client)
+                return
+        client.close()
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop_words: Sequence[str] | None = None,
+        tenant: str | None = None,
+        cache_control: str | None = None,
+        lora_name: str | None = None,
+        stream: bool = True,
+    ) -> Iterator[str | GenerationResult]:
+        """Run one generation, yielding each non-empty text chunk (str) as it arrives, then one
+        `GenerationResult` last.
+
+        Raises a `TierCacheClientError` subclass for server or transport errors (mapped by
+        `errors.classify`), `UnavailableError` when `timeout_s` passes. Closing the generator
+        early cancels the request.
+        """
+        inputs = build_inputs(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_words=stop_words,
+            tenant=tenant,
+            cache_control=cache_control,
+            lora_name=lora_name,
+            stream=stream,
+        )
+        responses: queue.Queue[
+            tuple[grpcclient.InferResult | None, InferenceServerException | None]
+        ] = queue.Queue()
+
+        def on_response(
+            result: grpcclient.InferResult | None, error: InferenceServerException | None
+        ) -> None:
+            responses.put((result, error))
+
+        client = self._acquire()
+        completed = False
+        try:
+            start = time.perf_counter()
+            deadline = start + self.timeout_s
+            try:
+                client.start_stream(on_response, stream_timeout=self.timeout_s)
+                client.async_stream_infer(
+                    self.model,
+                    inputs,
+                    request_id=uuid.uuid4().hex,
+                    enable_empty_final_response=True,
+                )
+            except InferenceServerException as exc:
+                # A stream that already failed reports the real cause through the callback.
+                try:
+                    _, reported = responses.get(timeout=0.5)
+                except queue.Empty:
+                    reported = None
+                raise _error(reported or exc) from None
+            parts: list[str] = []
+            cache_status = ""
+            similarity: float | None = None
+            first_chunk_s: float | None = None
+            while True:
+                remaining = deadline - time.perf_counter()
+                try:
+                    result, error = responses.get(timeout=max(remaining, 0.0))
+                except queue.Empty:
+                    raise UnavailableError(
+                        f"no response from {self.url} within {self.timeout_s:g} s"
+                    ) from None
+                if error is not None:
+                    raise _error(error)
+                if result is None:
+                    continue
+                for chunk in _texts(result, "text_output"):
+                    if chunk:
+                        if first_chunk_s is None:
+                            first_chunk_s = time.perf_counter() - start
+                        parts.append(chunk)
+                        yield chunk
+                statuses = _texts(result, "cache_status")
+                if statuses:
+                    cache_status = statuses[0]
+                sim = result.as_numpy("cache_similarity")
+                if sim is not None and sim.size:
+                    similarity = float(sim.reshape(-1)[0])
+                if _is_final(result):
+                    break
+            completed = True
+            yield GenerationResult(
+                text="".join(parts),
+                cache_status=cache_status,
+                similarity=similarity,
+                latency_s=time.perf_counter() - start,
+                first_chunk_s=first_chunk_s,
+                chunks=len(parts),
+            )
+        finally:
+            client.stop_stream(cancel_requests=not completed)
+            self._release(client, reusable=completed)
+
+    def generate_text(self, prompt: str, **kwargs: Any) -> GenerationResult:
+        """Run `generate()` to the end and return its `GenerationResult` (same errors)."""
+        for item in self.generate(prompt, **kwargs):
+            if isinstance(item, GenerationResult):
+                return item
+        raise UnavailableError("stream ended without a final result")
+
+    def health(self) -> dict[str, Any]:
+        """Return {"live": bool, "ready": bool, "models": {name: ready}}.
+
+        A model counts as ready when any of its versions is READY. Raises
+        `ServerUnreachableError` when the server cannot be reached.
+        """
+        client = self._acquire()
+        reusable = False
+        try:
+            live = client.is_server_live(client_timeout=self.timeout_s)
+            ready = client.is_server_ready(client_timeout=self.timeout_s)
+            index = client.get_model_repository_index(as_json=True, client_timeout=self.timeout_s)
+            models: dict[str, bool] = {}
+            for entry in index.get("models", []):
+                name = entry.get("name", "")
+                models[name] = models.get(name, False) or entry.get("state") == "READY"
+            reusable = True
+            return {"live": bool(live), "ready": bool(ready), "models": models}
+        except InferenceServerException as exc:
+            raise _error(exc) from None
+        finally:
+            self._release(client, reusable)
+
+    def close(self) -> None:
+        """Close every pooled connection; later calls raise RuntimeError."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
+
+    def __enter__(self) -> TierCacheClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

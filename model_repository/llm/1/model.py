@@ -1,0 +1,127 @@
+"""Triton model `llm` (decoupled): hits stream at once; misses go to tiercache.llm_stage, which
+calls the engine model through BLS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import triton_python_backend_utils as pb_utils
+
+from tiercache.config import LlmConfig
+from tiercache.engine.events import StreamEvent
+from tiercache.errors import Unavailable
+from tiercache.keys import Digest
+from tiercache.llm_stage import GenerationRecord, LlmStage
+from tiercache.prompt_cache import CacheStatus, open_tiered_cache
+from tiercache.request import GenerationRequest
+from tiercache.triton import boundary as tb
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON", "GENERATED_TOKENS", "PROMPT_TOKENS"]
+
+
+class _Responder:
+    """One request's response sender, in the shape tiercache.llm_stage.Responder asks for."""
+
+    def __init__(self, sender: object) -> None:
+        self.sender = sender
+
+    def is_cancelled(self) -> bool:
+        return bool(self.sender.is_cancelled())
+
+    def send_chunk(self, text: str) -> None:
+        self.sender.send(pb_utils.InferenceResponse([tb.bytes_tensor("TEXT_OUTPUT", [text])]))
+
+    def send_final(self, text: str | None, status: str) -> None:
+        outputs = [tb.bytes_tensor("CACHE_STATUS", [status])]
+        if text is not None:
+            outputs.insert(0, tb.bytes_tensor("TEXT_OUTPUT", [text]))
+        self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
+
+    def send_cancelled(self) -> None:
+        self.sender.send(flags=FINAL)
+
+    def send_error(self, exc: BaseException) -> None:
+        self.sender.send(tb.error_response(exc), flags=FINAL)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self.config, _ = tb.load_config(LlmConfig, args)
+        self.metrics = m = tb.Metrics(args["model_name"])
+        self.requests = {
+            s: m.counter("tiercache_llm_requests_total", "Responses by cache status", status=s)
+            for s in [*(c.value for c in CacheStatus), "error"]
+        }
+        self.generations = m.counter("tiercache_llm_generations_total", "Engine generations")
+        self.coalesced = m.counter(
+            "tiercache_llm_coalesced_total", "Misses served by joining an identical in-flight one"
+        )
+        self.write_backs = m.counter("tiercache_llm_write_backs_total", "Answers stored in L2")
+        self.tokens = m.counter("tiercache_llm_generated_tokens_total", "Tokens generated")
+        self.ttft_s = m.histogram("tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss")
+        self.duration_s = m.histogram("tiercache_llm_generation_seconds", "Engine time per miss")
+        self.stage = LlmStage(
+            open_tiered_cache(self.config, with_l1=False),
+            self._generate,
+            max_workers=self.config.max_concurrency,
+            on_generation=self._record,
+            on_follow=lambda: self.coalesced.increment(1),
+        )
+
+    def _generate(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        """One engine call over BLS, as a stream of events. BLS requests cannot be cancelled in
+        this Triton version, so an abandoned generation runs to max_tokens and is discarded."""
+        infer = pb_utils.InferenceRequest(
+            model_name=self.config.engine_model,
+            inputs=[tb.bytes_tensor("REQUEST", [request.to_json()], batched=False)],
+            requested_output_names=ENGINE_OUTPUTS,
+        )
+        for response in infer.exec(decoupled=True):
+            if response.has_error():
+                raise Unavailable(f"engine {self.config.engine_model}: {response.error().message()}")
+            finish = tb.output_string(response, "FINISH_REASON")
+            yield StreamEvent(
+                text=tb.output_string(response, "TEXT") or "",
+                finish_reason=finish or None,
+                generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
+                prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
+            )
+
+    def _record(self, record: GenerationRecord) -> None:
+        self.generations.increment(1)
+        self.tokens.increment(record.generated_tokens)
+        if record.ttft_s is not None:
+            self.ttft_s.observe(record.ttft_s)
+        self.duration_s.observe(record.duration_s)
+        if record.stored:
+            self.write_backs.increment(1)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            responder = _Responder(request.get_response_sender())
+            try:
+                lookup = tb.read_string(request, "LOOKUP_STATUS")
+                if lookup == CacheStatus.EXACT.value:
+                    self.stage.serve_hit(tb.read_string(request, "CACHED_TEXT") or "", lookup, responder)
+                    self.requests[lookup].increment(1)
+                    continue
+                request_json = tb.read_string(request, "REQUEST")
+                if request_json is None or lookup not in (CacheStatus.MISS, CacheStatus.BYPASS):
+                    raise Unavailable(f"llm got an incomplete lookup (status {lookup!r})")
+                digest = tb.read_string(request, "DIGEST") or None
+                self.stage.submit_miss(
+                    GenerationRequest.from_json(request_json),
+                    Digest(digest) if digest else None,
+                    lookup,
+                    bool(tb.read_bool(request, "WRITE_BACK")),
+                    responder,
+                )
+                self.requests[lookup].increment(1)
+            except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
+                self.requests["error"].increment(1)
+                responder.send_error(exc)
+        return None
+
+    def finalize(self) -> None:
+        self.stage.close()

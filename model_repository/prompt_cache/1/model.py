@@ -1,0 +1,73 @@
+"""Triton model `prompt_cache`: decode inputs, call tiercache.prompt_cache, encode outputs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tiercache.config import PromptCacheConfig
+from tiercache.engine.model_source import resolve_model
+from tiercache.keys import load_or_create_secret
+from tiercache.prompt_cache import CacheStatus, PromptCache, open_tiered_cache
+from tiercache.triton import boundary as tb
+
+STATS_INTERVAL_S = 1.0
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config, _ = tb.load_config(PromptCacheConfig, args)
+        self.cache = PromptCache(
+            open_tiered_cache(config),
+            load_or_create_secret(config.secret_path()),
+            resolve_model(config.model).identity,
+            config.limits(),
+        )
+        self.metrics = m = tb.Metrics(args["model_name"])
+        self.requests = {
+            s: m.counter("tiercache_prompt_cache_requests_total", "Requests by cache status", status=s)
+            for s in [*(c.value for c in CacheStatus), "error"]
+        }
+        self.hits = {
+            t: m.counter("tiercache_prompt_cache_hits_total", "Exact hits by tier", tier=t.value)
+            for t, _ in self.cache.cache.stores()
+        }
+        self.lookup_s = m.histogram("tiercache_prompt_cache_lookup_seconds", "Stage time per request")
+        self.store_metrics = tb.StoreMetrics(m, self.cache.cache)
+        self._stats_at = 0.0
+
+    def execute(self, requests: list) -> list:
+        responses = []
+        for request in requests:
+            started = time.perf_counter()
+            try:
+                result = self.cache.lookup(tb.read_raw_inputs(request))
+            except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
+                self.requests["error"].increment(1)
+                responses.append(tb.error_response(exc))
+                continue
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        tb.bytes_tensor("REQUEST", [result.request.to_json()]),
+                        tb.bytes_tensor("DIGEST", [result.digest or ""]),
+                        tb.bytes_tensor("CACHED_TEXT", [result.text]),
+                        tb.bytes_tensor("LOOKUP_STATUS", [result.status.value]),
+                        tb.scalar_tensor("WRITE_BACK", result.write_back, np.bool_),
+                    ]
+                )
+            )
+            self.requests[result.status.value].increment(1)
+            if result.tier is not None:
+                self.hits[result.tier].increment(1)
+            self.lookup_s.observe(time.perf_counter() - started)
+        now = time.monotonic()
+        if now - self._stats_at >= STATS_INTERVAL_S:
+            self._stats_at = now
+            self.store_metrics.update()
+        return responses
+
+    def finalize(self) -> None:
+        self.cache.cache.close()

@@ -1,0 +1,89 @@
+"""Cache entries and their on-disk encoding.
+
+Layout (little endian): magic `TCE1` | created_s f64 | ttl_s f64 | payload length u32 |
+SHA-256 of the payload (32 bytes) | payload (UTF-8 JSON). Any mismatch (magic, length, checksum,
+JSON) raises `CorruptEntry`; stores turn that into a miss and drop the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"TCE1"
+_HEADER = struct.Struct("<4sddI32s")
+# Fixed per-entry overhead counted in L1 byte budgets: object headers, key, dict slot (measured
+# with sys.getsizeof on CPython 3.11, rounded up).
+ENTRY_OVERHEAD_BYTES = 256
+
+
+class CorruptEntry(ValueError):
+    """Stored bytes that do not decode to an entry."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """One cached answer. `ttl_s` 0 means it never expires."""
+
+    text: str
+    created_s: float
+    ttl_s: float = 0.0
+    finish_reason: str = "stop"
+    generated_tokens: int = 0
+
+    def expired(self, now_s: float) -> bool:
+        return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
+
+    @property
+    def size_bytes(self) -> int:
+        """What this entry costs an in-memory tier (text as UTF-8 plus fixed overhead)."""
+        return len(self.text.encode("utf-8")) + ENTRY_OVERHEAD_BYTES
+
+
+def encode_entry(entry: CacheEntry) -> bytes:
+    payload = json.dumps(
+        {
+            "text": entry.text,
+            "finish_reason": entry.finish_reason,
+            "generated_tokens": entry.generated_tokens,
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode("utf-8")
+    header = _HEADER.pack(
+        MAGIC, entry.created_s, entry.ttl_s, len(payload), hashlib.sha256(payload).digest()
+    )
+    return header + payload
+
+
+def decode_entry(data: bytes) -> CacheEntry:
+    if len(data) < _HEADER.size:
+        raise CorruptEntry(f"entry of {len(data)} bytes is shorter than its header")
+    magic, created_s, ttl_s, length, checksum = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptEntry(f"bad magic {magic!r}")
+    payload = bytes(data[_HEADER.size :])
+    if len(payload) != length:
+        raise CorruptEntry(f"payload has {len(payload)} bytes, header says {length}")
+    if hashlib.sha256(payload).digest() != checksum:
+        raise CorruptEntry("checksum mismatch")
+    try:
+        fields = json.loads(payload.decode("utf-8"))
+        return CacheEntry(
+            text=str(fields["text"]),
+            created_s=created_s,
+            ttl_s=ttl_s,
+            finish_reason=str(fields["finish_reason"]),
+            generated_tokens=int(fields["generated_tokens"]),
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptEntry(f"payload does not decode: {exc}") from exc
+
+
+def peek_created_s(data: bytes) -> float:
+    """Creation time from the header alone (for eviction scans); raises `CorruptEntry`."""
+    if len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
+        raise CorruptEntry("bad header")
+    return float(_HEADER.unpack_from(data)[1])

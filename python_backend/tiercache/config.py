@@ -1,0 +1,119 @@
+"""Typed stage configuration, parsed from Triton stage parameters (strings) with defaults.
+
+Each stage declares a frozen dataclass; `parse_config` fills it from `parameters` in config.pbtxt,
+rejects unknown keys and malformed values in one message, so `initialize` fails fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tiercache.errors import ConfigError
+from tiercache.request import Limits
+
+T = TypeVar("T")
+
+STATE_DIR_ENV = "TIERCACHE_STATE_DIR"
+_LIMITS = Limits()
+
+
+def default_state_dir() -> Path:
+    """Where L2, the server secret and converted weights live: $TIERCACHE_STATE_DIR, else
+    ~/.cache/tiercache."""
+    env = os.environ.get(STATE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "tiercache"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Settings every stage that touches the exact cache shares (prompt_cache, llm)."""
+
+    state_dir: str = ""  # empty: default_state_dir()
+    l1_max_bytes: int = 64 << 20
+    l2_max_bytes: int = 1 << 30
+    ttl_s: float = 0.0  # 0: entries never expire
+    model: str = "smollm2-135m-instruct"
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    def l2_path(self) -> Path:
+        return self.state_path() / "l2"
+
+    def secret_path(self) -> Path:
+        return self.state_path() / "secret"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCacheConfig(CacheConfig):
+    max_prompt_chars: int = _LIMITS.max_prompt_chars
+    max_tokens: int = _LIMITS.max_tokens
+    max_stop_words: int = _LIMITS.max_stop_words
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_prompt_chars=self.max_prompt_chars,
+            max_tokens=self.max_tokens,
+            max_stop_words=self.max_stop_words,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LlmConfig(CacheConfig):
+    engine_model: str = "torch_llm"  # the Triton model that generates (BLS target)
+    max_concurrency: int = 64  # worker threads: generations plus waiting followers
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    state_dir: str = ""
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"  # auto | cpu | cuda
+
+    def models_path(self) -> Path:
+        return (Path(self.state_dir) if self.state_dir else default_state_dir()) / "models"
+
+
+def parse_config(cls: type[T], values: dict[str, str]) -> T:
+    """Build `cls` from string values; unknown keys and bad values raise one ConfigError."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    problems = [f"unknown parameter {k!r}" for k in sorted(values) if k not in fields]
+    kwargs: dict[str, Any] = {}
+    for key, text in values.items():
+        if key not in fields:
+            continue
+        kind = hints[key]
+        try:
+            kwargs[key] = _convert(kind, text)
+        except ValueError as exc:
+            problems.append(f"parameter {key!r}: {exc}")
+    if problems:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(f"{'; '.join(problems)} (known parameters: {known})")
+    return cls(**kwargs)
+
+
+def _convert(kind: Any, text: str) -> Any:
+    text = text.strip()
+    if kind is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {text!r}")
+    if kind is int:
+        return int(text.replace("_", ""))
+    if kind is float:
+        return float(text)
+    if kind is str:
+        return text
+    raise ValueError(f"unsupported parameter type {kind!r}")

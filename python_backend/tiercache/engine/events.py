@@ -1,0 +1,17 @@
+"""What an engine streams back, shared by the engine and the llm stage (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One step of a generation: new text (may be empty) and, on the last event, why it ended."""
+
+    text: str
+    finish_reason: str | None = None  # one of FINISH_REASONS on the last event
+    generated_tokens: int = 0
+    prompt_tokens: int = 0

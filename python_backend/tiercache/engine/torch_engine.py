@@ -1,0 +1,201 @@
+"""The CPU engine: SmolLM2 through transformers, with a token-by-token decode loop.
+
+The loop is our own (not `model.generate`) because the stage needs per-token streaming with
+incremental detokenization, stop words that never leak a partial match, cancellation between tokens,
+and (next) control over the KV cache for prefix reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiercache.engine.model_source import ModelSource
+from tiercache.engine.events import StreamEvent
+from tiercache.request import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def pick_device(requested: str = "auto") -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def load_model(
+    source: ModelSource, cache_dir: Path, device: str
+) -> tuple[AutoTokenizer, AutoModelForCausalLM]:
+    """Load weights, de-quantising the GGUF only once: the float32 result is saved as safetensors
+    under `cache_dir/<revision>` (18 s -> well under 1 s on the next start)."""
+    converted = cache_dir / f"{source.spec.package}-{source.identity.revision[:16]}"
+    if not (converted / "COMPLETE").exists():
+        started = time.perf_counter()
+        gguf_dir, gguf_file = str(source.gguf_path.parent), source.gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        # transformers refuses to save a model loaded from GGUF; the weights are plain float32 now.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = converted.with_name(f"{converted.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "COMPLETE").write_text(source.identity.revision)
+        try:
+            tmp.rename(converted)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+        log.info("de-quantised %s in %.1f s", source.gguf_path.name, time.perf_counter() - started)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    model.to(device)
+    model.eval()
+    return tokenizer, model
+
+
+class TorchEngine:
+    """Generates for one request at a time (callers serialize); safe to call from any thread."""
+
+    def __init__(self, source: ModelSource, cache_dir: Path, device: str = "auto") -> None:
+        self.source = source
+        self.identity = source.identity
+        self.device = pick_device(device)
+        self.tokenizer, self.model = load_model(source, cache_dir, self.device)
+        eos = {self.tokenizer.eos_token_id}
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            eos.add(im_end)
+        self.eos_token_ids = frozenset(t for t in eos if t is not None)
+
+    def prompt_ids(self, prompt: str) -> torch.Tensor:
+        encoded = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+        return encoded["input_ids"].to(self.device)
+
+    def generate(
+        self, request: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[StreamEvent]:
+        """Stream the answer. The last event has `finish_reason`; its text ends the answer."""
+        input_ids = self.prompt_ids(request.prompt)
+        prompt_tokens = int(input_ids.shape[1])
+        sampler = _Sampler(request, self.device)
+        detok = _Detokenizer(self.tokenizer, request.stop_words)
+        generated: list[int] = []
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, use_cache=True)
+            while True:
+                if is_cancelled():
+                    yield StreamEvent("", "cancelled", len(generated), prompt_tokens)
+                    return
+                token = sampler.pick(out.logits[:, -1, :])
+                if token in self.eos_token_ids:
+                    yield StreamEvent(detok.flush(), "stop", len(generated), prompt_tokens)
+                    return
+                generated.append(token)
+                text, stopped = detok.push(generated)
+                if stopped:
+                    yield StreamEvent(text, "stop", len(generated), prompt_tokens)
+                    return
+                if len(generated) >= request.max_tokens:
+                    yield StreamEvent(text + detok.flush(), "length", len(generated), prompt_tokens)
+                    return
+                if text:
+                    yield StreamEvent(text, None, len(generated), prompt_tokens)
+                step = torch.tensor([[token]], device=self.device)
+                out = self.model(
+                    input_ids=step, past_key_values=out.past_key_values, use_cache=True
+                )
+
+
+class _Sampler:
+    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator."""
+
+    def __init__(self, request: GenerationRequest, device: str) -> None:
+        self.request = request
+        self.generator: torch.Generator | None = None
+        if not request.greedy:
+            self.generator = torch.Generator(device=device)
+            seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
+            self.generator.manual_seed(seed % 2**63)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        if self.generator is None:
+            return int(torch.argmax(logits, dim=-1)[0])
+        scores = logits[0].float() / self.request.temperature
+        if self.request.top_k > 0:
+            k = min(self.request.top_k, scores.shape[-1])
+            kth = torch.topk(scores, k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.request.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+            drop = cumulative - torch.softmax(sorted_scores, dim=-1) > self.request.top_p
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+
+class _Detokenizer:
+    """Incremental detokenization that never emits broken UTF-8 or a partial stop word.
+
+    Each step decodes all generated tokens (O(n) per token; answers are short) and emits only text
+    past what was already emitted, holding back a trailing replacement character (an unfinished
+    multi-byte sequence) and any suffix that could still grow into a stop word.
+    """
+
+    def __init__(self, tokenizer: AutoTokenizer, stop_words: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_words = stop_words
+        self.emitted = 0
+        self.text = ""
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """New safe text, and whether a stop word ended the answer (text cut before it)."""
+        self.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cut = min((i for w in self.stop_words if (i := self.text.find(w)) >= 0), default=-1)
+        if cut >= 0:
+            new = self.text[self.emitted : cut] if cut > self.emitted else ""
+            self.emitted = max(self.emitted, cut)
+            return new, True
+        safe = len(self.text)
+        if self.text.endswith(REPLACEMENT_CHAR):
+            safe -= 1
+        safe -= self._stop_prefix_len(self.text[:safe])
+        if safe <= self.emitted:
+            return "", False
+        new = self.text[self.emitted : safe]
+        self.emitted = safe
+        return new, False
+
+    def flush(self) -> str:
+        """At the end: the held-back text, minus an unfinished UTF-8 sequence."""
+        rest = self.text[self.emitted :]
+        if rest.endswith(REPLACEMENT_CHAR):
+            rest = rest[:-1]
+        self.emitted = len(self.text)
+        return rest
+
+    def _stop_prefix_len(self, text: str) -> int:
+        longest = 0
+        for word in self.stop_words:
+            for n in range(min(len(word) - 1, len(text)), longest, -1):
+                if text.endswith(word[:n]):
+                    longest = n
+                    break
+        return longest

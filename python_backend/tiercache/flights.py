@@ -1,0 +1,109 @@
+"""Coalescing of identical in-flight misses (single flight).
+
+The first request for a digest becomes a flight's first subscriber and starts one generation; later
+identical requests subscribe to the same flight and receive the same chunks, from the beginning,
+as they arrive. The generation belongs to the flight, not to any one request: a subscriber that
+cancels only detaches, and the flight reports `abandoned` once every subscriber has gone, so the
+producer can stop early.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from tiercache.errors import TierCacheError, Unavailable
+
+
+@dataclass(slots=True)
+class Flight:
+    """Chunks of one generation, readable by many subscribers while it is being written."""
+
+    key: str
+    chunks: list[str] = field(default_factory=list)
+    done: bool = False
+    error: TierCacheError | None = None
+    subscribers: int = 0
+    followers: int = 0
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def append(self, chunk: str) -> None:
+        with self._cond:
+            self.chunks.append(chunk)
+            self._cond.notify_all()
+
+    def finish(self, error: TierCacheError | None = None) -> None:
+        with self._cond:
+            self.done = True
+            self.error = error
+            self._cond.notify_all()
+
+    @property
+    def abandoned(self) -> bool:
+        with self._cond:
+            return self.subscribers == 0
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(self.chunks)
+
+    def read(
+        self, is_cancelled: Callable[[], bool] = lambda: False, poll_s: float = 0.05
+    ) -> Iterator[str]:
+        """Yield every chunk from the first; raise the flight's error; stop if `is_cancelled`."""
+        index = 0
+        while True:
+            with self._cond:
+                while index >= len(self.chunks) and not self.done:
+                    if is_cancelled():
+                        return
+                    self._cond.wait(poll_s)
+                pending = self.chunks[index:]
+                index = len(self.chunks)
+                finished, error = self.done, self.error
+            yield from pending
+            if finished and index >= len(self.chunks):
+                if error is not None:
+                    raise error
+                return
+
+
+class FlightTable:
+    """Digest -> running Flight. `join` tells the caller whether it leads (must produce)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[str, Flight] = {}
+        self.coalesced_total = 0
+
+    def join(self, key: str) -> tuple[Flight, bool]:
+        with self._lock:
+            flight = self._flights.get(key)
+            if flight is not None:
+                flight.subscribers += 1
+                flight.followers += 1
+                self.coalesced_total += 1
+                return flight, False
+            flight = Flight(key, subscribers=1)
+            self._flights[key] = flight
+            return flight, True
+
+    def leave(self, flight: Flight) -> None:
+        with self._lock, flight._cond:
+            flight.subscribers -= 1
+
+    def complete(self, flight: Flight, error: TierCacheError | None = None) -> None:
+        """Remove the flight from the table (new requests start afresh) and wake subscribers."""
+        with self._lock:
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+        flight.finish(error)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._flights)
+
+
+def abandoned_error() -> TierCacheError:
+    return Unavailable("generation abandoned: every requester cancelled")

@@ -1,0 +1,102 @@
+"""Cache keys: scoped SHA-256 digests over a canonical encoding.
+
+A key covers everything that changes the value (house style 5): the tenant scope, the engine's model
+id and weight revision, the adapter, and the canonical request. The tenant enters only as a keyed
+hash with a server secret, so digests of two tenants cannot be compared or guessed from outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NewType
+
+from tiercache.request import GenerationRequest
+
+Digest = NewType("Digest", str)
+"""Hex SHA-256 of a canonical request encoding; the exact-cache key."""
+
+TenantScope = NewType("TenantScope", str)
+
+KEY_SCHEMA_VERSION = 1
+SECRET_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """Which weights answer: a model id and a digest of the weight file(s)."""
+
+    model_id: str
+    revision: str
+
+
+def tenant_scope(secret: bytes, tenant: str) -> TenantScope:
+    """HMAC-SHA256 of the tenant under the server secret (the empty tenant is a scope too)."""
+    mac = hmac.new(secret, b"tenant\x00" + tenant.encode("utf-8"), hashlib.sha256)
+    return TenantScope(mac.hexdigest())
+
+
+def request_digest(
+    scope: TenantScope,
+    engine: EngineIdentity,
+    request: GenerationRequest,
+    adapter_digest: str = "",
+) -> Digest:
+    """SHA-256 over a canonical JSON encoding (sorted keys, no spaces, UTF-8)."""
+    document = {
+        "v": KEY_SCHEMA_VERSION,
+        "scope": scope,
+        "model": engine.model_id,
+        "revision": engine.revision,
+        "adapter_digest": adapter_digest,
+        "request": request.key_fields(),
+    }
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return Digest(hashlib.sha256(encoded.encode("utf-8")).hexdigest())
+
+
+def load_or_create_secret(path: Path) -> bytes:
+    """The server secret: read from `path`, or created there once (0600) and kept across restarts.
+
+    Race-free across processes: the secret is written whole to a private temporary file, then
+    hard-linked into place; `link` fails if another process got there first, and then its secret is
+    read. No process can ever read a partly written secret.
+    """
+    if path.exists():
+        return _read_secret(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(secrets.token_bytes(SECRET_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _read_secret(path)
+
+
+def _read_secret(path: Path) -> bytes:
+    data = path.read_bytes()
+    if len(data) < SECRET_BYTES:
+        raise RuntimeError(f"server secret file {path} is shorter than {SECRET_BYTES} bytes")
+    return data
+
+
+def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes (weight revisions)."""
+    h = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()

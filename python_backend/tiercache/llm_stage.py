@@ -1,0 +1,227 @@
+"""Stage 4, `llm`: serve hits, run one generation per digest on a miss, write back clean results.
+
+Transport-free: the Triton model.py supplies a `Responder` per request and an engine call
+(`GenerateFn`, a BLS stream in production, a fake in unit tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from tiercache.engine.events import StreamEvent
+from tiercache.errors import TierCacheError, Unavailable
+from tiercache.flights import Flight, FlightTable, abandoned_error
+from tiercache.keys import Digest
+from tiercache.request import GenerationRequest
+from tiercache.tiered import TieredCache
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
+CLEAN_FINISHES = frozenset({"stop", "length"})
+
+
+class Responder(Protocol):
+    """What the stage needs from one request's response channel."""
+
+    def is_cancelled(self) -> bool: ...
+
+    def send_chunk(self, text: str) -> None: ...
+
+    def send_final(self, text: str | None, status: str) -> None:
+        """The last response: `text` (None in stream mode, where chunks carried it) and status."""
+        ...
+
+    def send_cancelled(self) -> None:
+        """Only the final flag: the client went away."""
+        ...
+
+    def send_error(self, exc: BaseException) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRecord:
+    """One engine call that ran to its end (clean or not), for metrics."""
+
+    ttft_s: float | None
+    duration_s: float
+    generated_tokens: int
+    finish_reason: str
+    stored: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LlmStats:
+    generations: int
+    coalesced: int
+    write_backs: int
+    write_failures: int
+    in_flight: int
+
+
+class LlmStage:
+    def __init__(
+        self,
+        cache: TieredCache,
+        generate: GenerateFn,
+        max_workers: int = 64,
+        on_generation: Callable[[GenerationRecord], None] | None = None,
+        on_follow: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cache = cache
+        self._generate = generate
+        self._on_generation = on_generation
+        self._on_follow = on_follow
+        self._clock = clock
+        self.flights = FlightTable()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm")
+        self._lock = threading.Lock()
+        self._generations = self._write_backs = self._write_failures = 0
+
+    # -- entry points (called from execute) ------------------------------------------------
+
+    @staticmethod
+    def serve_hit(text: str, status: str, responder: Responder) -> None:
+        """A cache hit: the whole answer in one final response, so the first chunk is at once."""
+        responder.send_final(text, status)
+
+    def submit_miss(
+        self,
+        request: GenerationRequest,
+        digest: Digest | None,
+        status: str,
+        write_back: bool,
+        responder: Responder,
+    ) -> None:
+        """Serve a miss on a worker thread; returns at once (the model is decoupled)."""
+        self._pool.submit(self._serve_miss, request, digest, status, write_back, responder)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _serve_miss(
+        self,
+        request: GenerationRequest,
+        digest: Digest | None,
+        status: str,
+        write_back: bool,
+        responder: Responder,
+    ) -> None:
+        if digest is None:
+            flight, leader = Flight(key="", subscribers=1), True
+        else:
+            flight, leader = self.flights.join(digest)
+            if not leader and self._on_follow is not None:
+                self._on_follow()
+        if leader:
+            self._pool.submit(self._produce, flight, request, digest, write_back)
+        try:
+            parts: list[str] = []
+            for chunk in flight.read(responder.is_cancelled):
+                parts.append(chunk)
+                if request.stream and chunk:
+                    responder.send_chunk(chunk)
+            if responder.is_cancelled():
+                responder.send_cancelled()
+            else:
+                responder.send_final(None if request.stream else "".join(parts), status)
+        except TierCacheError as exc:
+            responder.send_error(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with traceback
+            log.exception("serving a miss failed")
+            responder.send_error(exc)
+        finally:
+            self.flights.leave(flight)
+
+    def _produce(
+        self,
+        flight: Flight,
+        request: GenerationRequest,
+        digest: Digest | None,
+        write_back: bool,
+    ) -> None:
+        """Run one generation into `flight`; store it only if clean, complete and wanted."""
+        error: TierCacheError | None = None
+        try:
+            if digest is not None:
+                # A flight for this digest may have finished between the lookup and now.
+                found = self.cache.get(digest)
+                if found is not None:
+                    flight.append(found.entry.text)
+                    return
+            record = self._run_engine(flight, request)
+            stored = False
+            if flight.abandoned or record.finish_reason == "cancelled":
+                error = abandoned_error()
+            elif record.finish_reason not in CLEAN_FINISHES:
+                error = Unavailable(f"engine finished with {record.finish_reason!r}")
+            elif write_back and digest is not None:
+                stored = self._store(digest, flight.text(), record)
+            if self._on_generation is not None:
+                self._on_generation(dataclasses.replace(record, stored=stored))
+        except TierCacheError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - every subscriber gets the error; traceback logged
+            log.exception("generation failed")
+            error = Unavailable(f"generation failed: {type(exc).__name__}: {exc}")
+        finally:
+            if digest is None:
+                flight.finish(error)
+            else:
+                self.flights.complete(flight, error)
+
+    def _run_engine(self, flight: Flight, request: GenerationRequest) -> GenerationRecord:
+        with self._lock:
+            self._generations += 1
+        started = self._clock()
+        ttft: float | None = None
+        finish: str | None = None
+        tokens = 0
+        for event in self._generate(request):
+            if event.text:
+                if ttft is None:
+                    ttft = self._clock() - started
+                flight.append(event.text)
+            if event.finish_reason is not None:
+                finish, tokens = event.finish_reason, event.generated_tokens
+        if finish is None:
+            raise Unavailable("engine stream ended without a finish reason")
+        return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)
+
+    def _store(self, digest: Digest, text: str, record: GenerationRecord) -> bool:
+        try:
+            self.cache.put(
+                digest,
+                text,
+                finish_reason=record.finish_reason,
+                generated_tokens=record.generated_tokens,
+            )
+        except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
+            log.exception("write-back of %s failed", digest)
+            with self._lock:
+                self._write_failures += 1
+            return False
+        with self._lock:
+            self._write_backs += 1
+        return True
+
+    def stats(self) -> LlmStats:
+        with self._lock:
+            return LlmStats(
+                generations=self._generations,
+                coalesced=self.flights.coalesced_total,
+                write_backs=self._write_backs,
+                write_failures=self._write_failures,
+                in_flight=self.flights.in_flight(),
+            )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        self.cache.close()

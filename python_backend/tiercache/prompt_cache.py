@@ -1,0 +1,64 @@
+"""Stage 1, the prompt cache: canonical request -> scoped digest -> L1 -> L2."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from tiercache.config import CacheConfig
+from tiercache.keys import Digest, EngineIdentity, request_digest, tenant_scope
+from tiercache.request import GenerationRequest, Limits, RawInputs, canonicalize
+from tiercache.stores import LmdbStore, MemoryStore
+from tiercache.tiered import TieredCache, Tier
+
+
+class CacheStatus(str, Enum):
+    EXACT = "exact"  # served from the exact cache
+    MISS = "miss"  # looked up, not found: generated (and stored if allowed)
+    BYPASS = "bypass"  # not looked up: `no-cache`, or a sampled request without a seed
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    request: GenerationRequest
+    digest: Digest | None  # None: the request is not cacheable (never coalesced or stored)
+    status: CacheStatus
+    text: str  # the cached answer on EXACT, else ""
+    tier: Tier | None
+    write_back: bool  # whether the llm stage may store the answer
+
+
+def open_tiered_cache(
+    config: CacheConfig, clock: Callable[[], float] = time.time, with_l1: bool = True
+) -> TieredCache:
+    """L1 in this process (unless `with_l1` is False) plus the host's shared L2, as configured."""
+    l1 = MemoryStore(config.l1_max_bytes) if with_l1 else None
+    l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)
+    return TieredCache(l1, l2, clock=clock, default_ttl_s=config.ttl_s)
+
+
+class PromptCache:
+    def __init__(
+        self, cache: TieredCache, secret: bytes, engine: EngineIdentity, limits: Limits = Limits()
+    ) -> None:
+        self.cache = cache
+        self._secret = secret
+        self.engine = engine
+        self.limits = limits
+
+    def lookup(self, raw: RawInputs) -> LookupResult:
+        """Validate and canonicalize `raw` (InvalidRequest on bad input), then look it up."""
+        canonical = canonicalize(raw, self.limits)
+        request, control = canonical.request, canonical.cache_control
+        if not canonical.cacheable:
+            return LookupResult(request, None, CacheStatus.BYPASS, "", None, False)
+        digest = request_digest(tenant_scope(self._secret, canonical.tenant), self.engine, request)
+        write_back = not control.no_store
+        if control.no_cache:
+            return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back)
+        found = self.cache.get(digest)
+        if found is None:
+            return LookupResult(request, digest, CacheStatus.MISS, "", None, write_back)
+        return LookupResult(request, digest, CacheStatus.EXACT, found.entry.text, found.tier, False)

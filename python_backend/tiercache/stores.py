@@ -1,0 +1,246 @@
+"""Exact-cache stores: L1 in process memory, L2 in an embedded LMDB on local disk.
+
+Both keep the same contract (`Store`), checked by one test suite run against each. Store, policy
+and codec are separate: L1's policy is cachetools' LRU (we only override `popitem` to count
+evictions); L2 asks an `EvictionPolicy` for victims when its byte budget (the LMDB map size) is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import cachetools
+import lmdb
+
+from tiercache.codec import CacheEntry, CorruptEntry, decode_entry, encode_entry, peek_created_s
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int
+
+
+class Store(Protocol):
+    """A bounded key -> CacheEntry map. Thread-safe. Never raises on a corrupt stored value."""
+
+    def get(self, key: str) -> CacheEntry | None: ...
+
+    def put(self, key: str, entry: CacheEntry) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def clear(self) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
+
+
+class _CountingLRU(cachetools.LRUCache[str, CacheEntry]):
+    """cachetools' LRU with a byte budget; only `popitem` is overridden, to count evictions."""
+
+    evictions = 0
+
+    def popitem(self) -> tuple[str, CacheEntry]:
+        item = super().popitem()
+        self.evictions += 1
+        return item
+
+
+class MemoryStore:
+    """L1: in-process LRU bounded in bytes (`CacheEntry.size_bytes`). Entries larger than the
+    whole budget are not stored (cachetools raises ValueError for them; we skip instead)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self._lru = _CountingLRU(maxsize=max_bytes, getsizeof=lambda e: e.size_bytes)
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    def get(self, key: str) -> CacheEntry | None:
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+            return entry
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        if entry.size_bytes > self._lru.maxsize:
+            return
+        with self._lock:
+            self._lru[key] = entry
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._lru.pop(key, None) is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                entries=len(self._lru),
+                bytes=int(self._lru.currsize),
+                max_bytes=int(self._lru.maxsize),
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._lru.evictions,
+                corrupt=0,
+            )
+
+    def close(self) -> None:
+        self.clear()
+
+
+class EvictionPolicy(Protocol):
+    """Nominates victims; the store deletes them."""
+
+    def nominate(self, candidates: Iterable[tuple[str, float]], count: int) -> list[str]:
+        """`candidates` are (key, created_s); return at most `count` keys to evict."""
+        ...
+
+
+class OldestFirst:
+    """FIFO by creation time: an L2 read never writes, so L2 keeps no access times."""
+
+    def nominate(self, candidates: Iterable[tuple[str, float]], count: int) -> list[str]:
+        ordered = sorted(candidates, key=lambda kc: kc[1])
+        return [key for key, _ in ordered[:count]]
+
+
+class LmdbStore:
+    """L2: an LMDB environment on local disk, shared by every process on the host.
+
+    LMDB gives multi-process readers and one writer at a time with crash-safe commits. The byte
+    budget is the map size: LMDB cannot grow past it, and on `MapFullError` we evict
+    `evict_fraction` of the entries (policy's choice) and retry the write once.
+    A database that does not open (truncated or corrupt file) is moved aside and rebuilt empty.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int,
+        policy: EvictionPolicy | None = None,
+        evict_fraction: float = 0.1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self._max_bytes = max_bytes
+        self._policy = policy or OldestFirst()
+        self._evict_fraction = evict_fraction
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = self._corrupt = 0
+        self._env = self._open()
+
+    def _open(self) -> lmdb.Environment:
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            env = lmdb.open(str(self.path), map_size=self._max_bytes, max_readers=512)
+            with env.begin() as txn:
+                txn.stat()
+            return env
+        except lmdb.Error as exc:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(self._clock())}")
+            log.warning("L2 store %s does not open (%s); moved aside to %s", self.path, exc, aside)
+            shutil.move(str(self.path), str(aside))
+            self.path.mkdir(parents=True)
+            return lmdb.open(str(self.path), map_size=self._max_bytes, max_readers=512)
+
+    def get(self, key: str) -> CacheEntry | None:
+        with self._env.begin(buffers=False) as txn:
+            data = txn.get(key.encode())
+        if data is None:
+            self._count(misses=1)
+            return None
+        try:
+            entry = decode_entry(data)
+        except CorruptEntry as exc:
+            log.warning("L2 entry %s is corrupt (%s); dropped", key, exc)
+            self._count(misses=1, corrupt=1)
+            self.delete(key)
+            return None
+        self._count(hits=1)
+        return entry
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        data = encode_entry(entry)
+        try:
+            self._write(key.encode(), data)
+        except lmdb.MapFullError:
+            self._evict()
+            self._write(key.encode(), data)
+
+    def _write(self, key: bytes, data: bytes) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(key, data)
+
+    def _evict(self) -> None:
+        candidates: list[tuple[str, float]] = []
+        broken: list[bytes] = []
+        with self._env.begin() as txn:
+            for key, value in txn.cursor():
+                try:
+                    candidates.append((key.decode(), peek_created_s(value)))
+                except CorruptEntry:
+                    broken.append(key)
+        count = max(1, int(len(candidates) * self._evict_fraction))
+        victims = [k.encode() for k in self._policy.nominate(candidates, count)] + broken
+        with self._env.begin(write=True) as txn:
+            for key in victims:
+                txn.delete(key)
+        self._count(evictions=len(victims))
+
+    def delete(self, key: str) -> bool:
+        with self._env.begin(write=True) as txn:
+            return bool(txn.delete(key.encode()))
+
+    def clear(self) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.drop(self._env.open_db(), delete=False)
+
+    def stats(self) -> StoreStats:
+        st = self._env.stat()
+        pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        with self._lock:
+            return StoreStats(
+                entries=int(st["entries"]),
+                bytes=int(pages * st["psize"]),
+                max_bytes=self._max_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                corrupt=self._corrupt,
+            )
+
+    def _count(self, hits: int = 0, misses: int = 0, evictions: int = 0, corrupt: int = 0) -> None:
+        with self._lock:
+            self._hits += hits
+            self._misses += misses
+            self._evictions += evictions
+            self._corrupt += corrupt
+
+    def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,230 @@
+"""Triton boundary: reading inputs, building outputs, stage parameters, errors and metrics.
+
+Every model.py imports this module instead of repeating helpers (house style 2). Only this module
+imports `triton_python_backend_utils`; the core stays importable without Triton.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tiercache.config import parse_config
+from tiercache.errors import (
+    CapacityError,
+    InvalidRequest,
+    NotFound,
+    TierCacheError,
+    Unavailable,
+)
+from tiercache.request import RawInputs
+
+log = logging.getLogger("tiercache")
+T = TypeVar("T")
+
+# Histogram buckets, in seconds.
+LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0]
+
+
+def load_config(cls: type[T], args: dict[str, str]) -> tuple[T, dict[str, Any]]:
+    """Parse `args["model_config"]`'s parameters into `cls`; returns it and the raw model config."""
+    model_config = json.loads(args["model_config"])
+    raw = model_config.get("parameters", {}) or {}
+    values = {key: str(value.get("string_value", "")) for key, value in raw.items()}
+    return parse_config(cls, values), model_config
+
+
+def to_triton_error(exc: BaseException) -> pb_utils.TritonError:
+    """The single mapping from the core's errors to Triton codes; unexpected errors are logged
+    with their traceback and reach the client as a one-line INTERNAL message."""
+    if isinstance(exc, InvalidRequest):
+        code = pb_utils.TritonError.INVALID_ARG
+    elif isinstance(exc, NotFound):
+        code = pb_utils.TritonError.NOT_FOUND
+    elif isinstance(exc, (Unavailable, CapacityError)):
+        code = pb_utils.TritonError.UNAVAILABLE
+    elif isinstance(exc, TierCacheError):
+        code = pb_utils.TritonError.INTERNAL
+    else:
+        log.exception("unexpected error", exc_info=exc)
+        return pb_utils.TritonError(
+            f"internal: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
+        )
+    return pb_utils.TritonError(exc.client_message(), code)
+
+
+def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(output_tensors=[], error=to_triton_error(exc))
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+
+def _input_array(request: Any, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.ndim >= 2 and array.shape[0] != 1:
+        raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
+    return array
+
+
+def _one(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _decode(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (bytes, np.bytes_)):
+        raise InvalidRequest(f"{name} must be BYTES (UTF-8 text), got {type(value).__name__}")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def read_string(request: Any, name: str) -> str | None:
+    array = _input_array(request, name)
+    return None if array is None else _decode(name, _one(name, array))
+
+
+def read_strings(request: Any, name: str) -> list[str] | None:
+    array = _input_array(request, name)
+    if array is None:
+        return None
+    return [_decode(name, value) for value in array.reshape(-1)]
+
+
+def read_int(request: Any, name: str) -> int | None:
+    array = _input_array(request, name)
+    if array is None:
+        return None
+    if array.dtype.kind not in "iu":
+        raise InvalidRequest(f"{name} must be an integer tensor, got {array.dtype}")
+    return int(_one(name, array))
+
+
+def read_float(request: Any, name: str) -> float | None:
+    array = _input_array(request, name)
+    if array is None:
+        return None
+    if array.dtype.kind != "f":
+        raise InvalidRequest(f"{name} must be a float tensor, got {array.dtype}")
+    return float(_one(name, array))
+
+
+def read_bool(request: Any, name: str) -> bool | None:
+    array = _input_array(request, name)
+    if array is None:
+        return None
+    if array.dtype.kind != "b":
+        raise InvalidRequest(f"{name} must be a BOOL tensor, got {array.dtype}")
+    return bool(_one(name, array))
+
+
+def read_raw_inputs(request: Any) -> RawInputs:
+    """The public ensemble inputs of one request (TensorRT-LLM's names plus ours)."""
+    return RawInputs(
+        text_input=read_string(request, "text_input"),
+        max_tokens=read_int(request, "max_tokens"),
+        stream=read_bool(request, "stream"),
+        temperature=read_float(request, "temperature"),
+        top_p=read_float(request, "top_p"),
+        top_k=read_int(request, "top_k"),
+        seed=read_int(request, "seed"),
+        stop_words=read_strings(request, "stop_words"),
+        tenant=read_string(request, "tenant"),
+        cache_control=read_string(request, "cache_control"),
+        lora_name=read_string(request, "lora_name"),
+    )
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+
+
+def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:
+    encoded = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    array = np.array(encoded, dtype=np.object_)
+    return pb_utils.Tensor(name, array.reshape(1, -1) if batched else array)
+
+
+def scalar_tensor(name: str, value: Any, dtype: Any, batched: bool = True) -> Any:
+    array = np.array([value], dtype=dtype)
+    return pb_utils.Tensor(name, array.reshape(1, 1) if batched else array)
+
+
+def output_string(response: Any, name: str) -> str | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        return None
+    return _decode(name, tensor.as_numpy().reshape(-1)[0])
+
+
+def output_int(response: Any, name: str) -> int | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return None if tensor is None else int(tensor.as_numpy().reshape(-1)[0])
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+class Metrics:
+    """Metric families created once per model (in initialize), with one label set per model."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model": model_name}
+        self._families: dict[str, Any] = {}
+
+    def counter(self, name: str, description: str, **labels: str) -> Any:
+        return self._metric(name, description, pb_utils.MetricFamily.COUNTER, labels)
+
+    def gauge(self, name: str, description: str, **labels: str) -> Any:
+        return self._metric(name, description, pb_utils.MetricFamily.GAUGE, labels)
+
+    def histogram(
+        self, name: str, description: str, buckets: list[float] = LATENCY_BUCKETS_S, **labels: str
+    ) -> Any:
+        family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
+        return family.Metric(labels={**self.labels, **labels}, buckets=buckets)
+
+    def _metric(self, name: str, description: str, kind: Any, labels: dict[str, str]) -> Any:
+        return self._family(name, description, kind).Metric(labels={**self.labels, **labels})
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        if name not in self._families:
+            self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        return self._families[name]
+
+
+class StoreMetrics:
+    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache."""
+
+    def __init__(self, metrics: Metrics, cache: Any) -> None:
+        self._cache = cache
+        self._gauges = {}
+        for tier, _ in cache.stores():
+            self._gauges[tier] = (
+                metrics.gauge("tiercache_cache_entries", "Entries per tier", tier=tier.value),
+                metrics.gauge("tiercache_cache_bytes", "Bytes per tier", tier=tier.value),
+                metrics.counter("tiercache_cache_evictions_total", "Evictions", tier=tier.value),
+            )
+        self._evictions_seen = {tier: 0 for tier in self._gauges}
+
+    def update(self) -> None:
+        for tier, store in self._cache.stores():
+            entries, nbytes, evictions = self._gauges[tier]
+            stats = store.stats()
+            entries.set(stats.entries)
+            nbytes.set(stats.bytes)
+            if stats.evictions > self._evictions_seen[tier]:
+                evictions.increment(stats.evictions - self._evictions_seen[tier])
+                self._evictions_seen[tier] = stats.evictions

@@ -1,0 +1,381 @@
+"""Unit tests of tiercache_client: no Triton needed.
+
+The streaming path runs against a tiny in-process gRPC server speaking Triton's
+GRPCInferenceService, so the real tritonclient stream, result decoding and final-flag handling
+are exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from tiercache_client import (
+    CapacityError,
+    GenerationResult,
+    InvalidRequestError,
+    NotFoundError,
+    ServerError,
+    ServerUnreachableError,
+    TierCacheClient,
+    TierCacheClientError,
+    UnavailableError,
+    build_inputs,
+    classify,
+)
+from tiercache_client.cli import build_parser, main, summary_line
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------- error mapping
+
+
+@pytest.mark.parametrize("prefix", ["", "in ensemble 'ensemble', "])
+@pytest.mark.parametrize(
+    ("kind", "cls"),
+    [
+        ("invalid request", InvalidRequestError),
+        ("not found", NotFoundError),
+        ("unavailable", UnavailableError),
+        ("capacity", CapacityError),
+    ],
+)
+def test_classify_kind_prefix(prefix: str, kind: str, cls: type[TierCacheClientError]) -> None:
+    err = classify(f"{prefix}{kind}: something went wrong, got 0")
+    assert type(err) is cls
+    assert err.kind == kind
+    assert err.message == "something went wrong, got 0"
+    assert str(err) == f"{kind}: something went wrong, got 0"
+
+
+def test_classify_kind_wins_over_status_and_unknown_is_internal() -> None:
+    err = classify("in ensemble 'ensemble', not found: adapter 'x'", "StatusCode.INTERNAL")
+    assert type(err) is NotFoundError
+    err = classify("in ensemble 'ensemble', boom")
+    assert type(err) is ServerError and err.kind == "internal"
+    assert err.message == "in ensemble 'ensemble', boom"
+    assert type(classify("config: bad parameter")) is ServerError
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"),
+    [
+        ("StatusCode.INVALID_ARGUMENT", InvalidRequestError),
+        ("StatusCode.NOT_FOUND", NotFoundError),
+        ("StatusCode.UNAVAILABLE", UnavailableError),
+        ("StatusCode.DEADLINE_EXCEEDED", UnavailableError),
+        ("StatusCode.RESOURCE_EXHAUSTED", CapacityError),
+        ("StatusCode.INTERNAL", ServerError),
+        (None, ServerError),
+    ],
+)
+def test_classify_by_status(status: str | None, cls: type[TierCacheClientError]) -> None:
+    err = classify("opaque failure", status)
+    assert type(err) is cls
+    assert err.status == status
+
+
+def test_classify_connection_failure_and_unknown_model() -> None:
+    msg = "failed to connect to all addresses; last error: UNKNOWN: Connection refused"
+    err = classify(msg, "StatusCode.UNAVAILABLE")
+    assert type(err) is ServerUnreachableError and isinstance(err, UnavailableError)
+    assert type(classify("Request for unknown model: 'foo' is not found")) is NotFoundError
+
+
+# ---------------------------------------------------------------- input tensors
+
+
+def _shapes(**kwargs: Any) -> dict[str, tuple[str, list[int]]]:
+    return {t.name(): (t.datatype(), list(t.shape())) for t in build_inputs("hi", **kwargs)}
+
+
+def test_build_inputs_minimal() -> None:
+    assert _shapes() == {"text_input": ("BYTES", [1, 1]), "stream": ("BOOL", [1, 1])}
+
+
+def test_build_inputs_all() -> None:
+    got = _shapes(
+        max_tokens=8,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        seed=2**63,
+        stop_words=["\n", "END", "x"],
+        tenant="acme",
+        cache_control="no-cache, no-store",
+        lora_name="sql",
+        stream=False,
+    )
+    assert got == {
+        "text_input": ("BYTES", [1, 1]),
+        "stream": ("BOOL", [1, 1]),
+        "max_tokens": ("INT32", [1, 1]),
+        "temperature": ("FP32", [1, 1]),
+        "top_p": ("FP32", [1, 1]),
+        "top_k": ("INT32", [1, 1]),
+        "seed": ("UINT64", [1, 1]),
+        "stop_words": ("BYTES", [1, 3]),
+        "tenant": ("BYTES", [1, 1]),
+        "cache_control": ("BYTES", [1, 1]),
+        "lora_name": ("BYTES", [1, 1]),
+    }
+
+
+def test_build_inputs_empty_stop_words_not_sent() -> None:
+    assert "stop_words" not in _shapes(stop_words=[])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_tokens": 1.5}, {"max_tokens": True}, {"temperature": "hot"}, {"stop_words": "END"},
+     {"tenant": 3}, {"stream": 1}],
+)
+def test_build_inputs_type_errors(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(TypeError):
+        build_inputs("hi", **kwargs)
+
+
+def test_build_inputs_out_of_range_ints() -> None:
+    with pytest.raises(InvalidRequestError):
+        build_inputs("hi", seed=-1)
+    with pytest.raises(InvalidRequestError):
+        build_inputs("hi", max_tokens=2**31)
+
+
+def test_build_inputs_non_str_prompt() -> None:
+    with pytest.raises(TypeError):
+        build_inputs(b"hi")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- fake Triton
+
+
+def _bytes_output(resp: service_pb2.ModelInferResponse, name: str, values: list[str]) -> None:
+    out = resp.outputs.add()
+    out.name, out.datatype = name, "BYTES"
+    out.shape.extend([1, len(values)])
+    array = np.array([v.encode() for v in values], dtype=np.object_)
+    resp.raw_output_contents.append(serialize_byte_tensor(array).item())
+
+
+class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Prompt decides the behaviour: "error:<msg>" fails, "slow" never answers, else two chunks."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, tuple[str, list[int]]]] = []
+
+    def ServerLive(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerReadyResponse(ready=True)
+
+    def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        M = service_pb2.RepositoryIndexResponse.ModelIndex
+        return service_pb2.RepositoryIndexResponse(
+            models=[M(name="ensemble", version="1", state="READY"), M(name="engine", state="")]
+        )
+
+    def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Iterator[Any]:
+        for req in request_iterator:
+            self.requests.append({i.name: (i.datatype, list(i.shape)) for i in req.inputs})
+            names = [i.name for i in req.inputs]
+            raw = req.raw_input_contents[names.index("text_input")]
+            prompt = deserialize_bytes_tensor(raw)[0].decode()
+            if prompt.startswith("error:"):
+                yield service_pb2.ModelStreamInferResponse(error_message=prompt[len("error:") :])
+                continue
+            if prompt == "slow":
+                time.sleep(3)
+                continue
+            for chunk in ("Hello", ", world"):
+                resp = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
+                _bytes_output(resp, "text_output", [chunk])
+                resp.parameters["triton_final_response"].bool_param = False
+                yield service_pb2.ModelStreamInferResponse(infer_response=resp)
+            final = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
+            _bytes_output(final, "cache_status", ["semantic"])
+            sim = final.outputs.add()
+            sim.name, sim.datatype = "cache_similarity", "FP32"
+            sim.shape.extend([1, 1])
+            final.raw_output_contents.append(np.array([0.9375], dtype=np.float32).tobytes())
+            final.parameters["triton_final_response"].bool_param = True
+            yield service_pb2.ModelStreamInferResponse(infer_response=final)
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[tuple[str, _FakeTriton]]:
+    servicer = _FakeTriton()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(grace=None)
+
+
+def test_generate_streams_chunks_then_result(fake_server: tuple[str, _FakeTriton]) -> None:
+    url, servicer = fake_server
+    with TierCacheClient(url, timeout_s=10) as client:
+        items = list(client.generate("hi", max_tokens=4, tenant="acme"))
+        again = client.generate_text("hi")
+    assert items[:2] == ["Hello", ", world"]
+    result = items[2]
+    assert isinstance(result, GenerationResult)
+    assert (result.text, result.cache_status, result.chunks) == ("Hello, world", "semantic", 2)
+    assert result.similarity == pytest.approx(0.9375)
+    assert result.first_chunk_s is not None and 0 <= result.first_chunk_s <= result.latency_s
+    assert again.text == "Hello, world"
+    assert servicer.requests[-2]["max_tokens"] == ("INT32", [1, 1])
+    assert servicer.requests[-2]["tenant"] == ("BYTES", [1, 1])
+
+
+def test_generate_maps_stream_error(fake_server: tuple[str, _FakeTriton]) -> None:
+    url, _ = fake_server
+    msg = "in ensemble 'ensemble', invalid request: max_tokens must be >= 1, got 0"
+    with TierCacheClient(url, timeout_s=10) as client:
+        with pytest.raises(InvalidRequestError) as info:
+            client.generate_text(f"error:{msg}")
+        assert info.value.message == "max_tokens must be >= 1, got 0"
+        with pytest.raises(CapacityError):
+            client.generate_text("error:capacity: adapter slots full")
+        assert client.generate_text("hi").text == "Hello, world"  # client still usable
+
+
+def test_generate_times_out(fake_server: tuple[str, _FakeTriton]) -> None:
+    url, _ = fake_server
+    start = time.monotonic()
+    with TierCacheClient(url, timeout_s=0.5) as client, pytest.raises(UnavailableError):
+        client.generate_text("slow")
+    assert time.monotonic() - start < 2.5
+
+
+def test_health(fake_server: tuple[str, _FakeTriton]) -> None:
+    url, _ = fake_server
+    with TierCacheClient(url, timeout_s=5) as client:
+        assert client.health() == {
+            "live": True,
+            "ready": True,
+            "models": {"ensemble": True, "engine": False},
+        }
+
+
+def test_generate_unreachable_fails_fast() -> None:
+    url = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    with TierCacheClient(url, timeout_s=3) as client, pytest.raises(ServerUnreachableError):
+        client.generate_text("hi")
+    assert time.monotonic() - start < 3.5
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_parser_generate_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERCACHE_URL", "triton:9001")
+    args = build_parser().parse_args(
+        ["generate", "why?", "--max-tokens", "5", "--temperature", "0.2", "--top-p", "0.9",
+         "--top-k", "3", "--seed", "7", "--stop", "a", "--stop", "b", "--tenant", "t",
+         "--cache-control", "no-cache", "--adapter", "sql", "--no-stream", "--json"]
+    )
+    assert (args.command, args.prompt, args.url) == ("generate", "why?", "triton:9001")
+    assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed) == (
+        5, 0.2, 0.9, 3, 7)
+    assert (args.stop, args.tenant, args.cache_control, args.lora_name) == (
+        ["a", "b"], "t", "no-cache", "sql")
+    assert args.stream is False and args.json is True
+
+
+def test_parser_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERCACHE_URL", raising=False)
+    args = build_parser().parse_args(["generate", "p"])
+    assert args.url == "localhost:8001" and args.stream is True and args.json is False
+    assert args.stop is None and args.max_tokens is None
+    assert build_parser().parse_args(["health", "--url", "h:1"]).url == "h:1"
+
+
+def test_parser_rejects_bad_args() -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["generate", "p", "--max-tokens", "many"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+def test_summary_line() -> None:
+    result = GenerationResult("x", "semantic", 0.95, 0.00123, 0.0009, 1)
+    assert summary_line(result) == "[cache: semantic (sim 0.950) | 1.23 ms | first chunk 0.90 ms]"
+    assert summary_line(GenerationResult("", "exact", None, 0.002, None, 0)) == (
+        "[cache: exact | 2.00 ms]"
+    )
+
+
+def test_cli_generate_stream(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = fake_server
+    assert main(["generate", "hi", "--url", url]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello, world\n"
+    assert err.startswith("[cache: semantic (sim 0.938) | ")
+
+
+def test_cli_generate_json(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = fake_server
+    assert main(["generate", "hi", "--url", url, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] == "Hello, world" and record["cache_status"] == "semantic"
+    assert set(record) == {"text", "cache_status", "similarity", "latency_ms", "first_chunk_ms"}
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [("invalid request: bad", 2), ("not found: adapter 'x'", 2), ("capacity: full", 1),
+     ("boom", 1)],
+)
+def test_cli_error_exit_codes(
+    fake_server: tuple[str, _FakeTriton],
+    capsys: pytest.CaptureFixture[str],
+    message: str,
+    code: int,
+) -> None:
+    url, _ = fake_server
+    assert main(["generate", f"error:{message}", "--url", url]) == code
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_cli_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"127.0.0.1:{_free_port()}"
+    assert main(["health", "--url", url, "--timeout", "3"]) == 1
+    assert capsys.readouterr().err.startswith("error: unreachable: ")
+    assert main(["generate", "hi", "--url", url, "--timeout", "3"]) == 1
+
+
+def test_cli_health(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = fake_server
+    assert main(["health", "--url", url]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "live: yes",
+        "ready: yes",
+        "model engine: not ready",
+        "model ensemble: ready",
+    ]
