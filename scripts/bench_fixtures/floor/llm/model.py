@@ -1,0 +1,21 @@
+"""No-op `llm` (decoupled) for the benchmark floor: one final response per request carrying
+TEXT_OUTPUT = CACHED_TEXT and CACHE_STATUS = LOOKUP_STATUS, as the real stage does on a hit."""
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "CACHED_TEXT").as_numpy()
+            status = pb_utils.get_input_tensor_by_name(request, "LOOKUP_STATUS").as_numpy()
+            response = pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor("TEXT_OUTPUT", text.reshape(1, -1)),
+                    pb_utils.Tensor("CACHE_STATUS", status.reshape(1, 1)),
+                ]
+            )
+            request.get_response_sender().send(response, flags=FINAL)
+        return None

@@ -1,0 +1,112 @@
+"""A real tritonserver serving the repository's model_repository on free loopback ports."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tiercache.server import Ports, TritonServer
+from tiercache_client import TierCacheClient
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO / "model_repository"
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiercache-state")
+
+
+def start_server(state_dir: Path, log_name: str) -> TritonServer:
+    server = TritonServer(
+        model_repository=MODEL_REPOSITORY,
+        state_dir=state_dir,
+        ports=Ports.free(),
+        exit_timeout_s=5,
+        log_path=state_dir / log_name,
+    )
+    server.start()
+    try:
+        server.wait_ready(timeout_s=600)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(state_dir: Path) -> Iterator[TritonServer]:
+    srv = start_server(state_dir, "triton-session.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server: TritonServer) -> Iterator[TierCacheClient]:
+    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=300) as c:
+        yield c
+
+
+def metric_value(server: TritonServer, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on the metrics port whose labels include `labels`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics") as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if not match:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class RawOutcome:
+    responses: list[grpcclient.InferResult]
+    error: str | None
+
+
+def raw_stream_infer(server: TritonServer, inputs: list[grpcclient.InferInput]) -> RawOutcome:
+    """One request over the gRPC stream with hand-built tensors (for malformed requests)."""
+    import queue
+
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    try:
+        c.start_stream(callback=lambda result, error: results.put((result, error)))
+        c.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                return RawOutcome(responses, str(error.message()))
+            responses.append(result)
+            params = result.get_response().parameters
+            if params["triton_final_response"].bool_param:
+                return RawOutcome(responses, None)
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def tensor(name: str, values: list, datatype: str) -> grpcclient.InferInput:
+    if datatype == "BYTES":
+        array = np.array([values], dtype=np.object_)
+    else:
+        dtype = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64,
+                 "INT64": np.int64}[datatype]
+        array = np.array([values], dtype=dtype)
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t

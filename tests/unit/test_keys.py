@@ -1,0 +1,152 @@
+"""Cache keys (tiercache.keys): digest stability and scope, and the server secret."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercache.keys import (
+    SECRET_BYTES,
+    EngineIdentity,
+    load_or_create_secret,
+    request_digest,
+    tenant_scope,
+)
+from tiercache.request import GenerationRequest
+
+PYTHON_BACKEND = Path(__file__).resolve().parents[2] / "python_backend"
+SECRET = b"s" * 32
+ENGINE = EngineIdentity("org/model", "rev-1")
+REQUEST = GenerationRequest(
+    prompt="héllo ☃", max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=7,
+    stop_words=("\n", "END"), lora_name="a",
+)
+
+_DIGEST_SCRIPT = """
+from tiercache.keys import EngineIdentity, request_digest, tenant_scope
+from tiercache.request import GenerationRequest
+r = GenerationRequest(prompt="h\\u00e9llo \\u2603", max_tokens=9, temperature=0.5, top_p=0.9,
+    top_k=4, seed=7, stop_words=("\\n", "END"), lora_name="a")
+print(request_digest(tenant_scope(b"s" * 32, "acme"), EngineIdentity("org/model", "rev-1"), r))
+"""
+
+
+def digest(**changes: object) -> str:
+    engine = dataclasses.replace(ENGINE, **{k: v for k, v in changes.items() if k in ("model_id", "revision")})
+    request = dataclasses.replace(
+        REQUEST, **{k: v for k, v in changes.items() if k in REQUEST.key_fields() or k == "stream"}
+    )
+    adapter = str(changes.get("adapter_digest", ""))
+    return request_digest(tenant_scope(SECRET, "acme"), engine, request, adapter)
+
+
+def test_digest_is_hex_sha256() -> None:
+    assert re.fullmatch(r"[0-9a-f]{64}", digest())
+
+
+def test_digest_is_stable_across_processes() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_BACKEND), *sys.path]),
+           "PYTHONHASHSEED": "random"}
+    out = subprocess.run(
+        [sys.executable, "-c", _DIGEST_SCRIPT], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == digest()
+
+
+def test_tenant_scope_differs_per_tenant_and_secret() -> None:
+    scopes = {
+        tenant_scope(SECRET, "acme"),
+        tenant_scope(SECRET, "other"),
+        tenant_scope(SECRET, ""),
+        tenant_scope(b"t" * 32, "acme"),
+    }
+    assert len(scopes) == 4
+    assert tenant_scope(SECRET, "acme") == tenant_scope(SECRET, "acme")
+
+
+def test_digest_differs_per_tenant() -> None:
+    a = request_digest(tenant_scope(SECRET, "a"), ENGINE, REQUEST)
+    b = request_digest(tenant_scope(SECRET, "b"), ENGINE, REQUEST)
+    assert a != b
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"revision": "rev-2"},
+        {"model_id": "org/other"},
+        {"adapter_digest": "abc"},
+        {"prompt": "hello ☃"},
+        {"max_tokens": 10},
+        {"temperature": 0.6},
+        {"top_p": 0.8},
+        {"top_k": 5},
+        {"seed": 8},
+        {"seed": None},
+        {"stop_words": ("END",)},
+        {"stop_words": ("\n", "END", "x")},
+        {"lora_name": ""},
+    ],
+    ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items()),
+)
+def test_digest_changes_with_every_key_field(change: dict[str, object]) -> None:
+    assert digest(**change) != digest()
+
+
+def test_digest_ignores_stream() -> None:
+    assert digest(stream=True) == digest(stream=False)
+
+
+# ---------------------------------------------------------------- server secret
+
+
+def test_secret_created_once_with_mode_0600(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "secret"
+    first = load_or_create_secret(path)
+    assert len(first) == SECRET_BYTES
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    inode = path.stat().st_ino
+    assert load_or_create_secret(path) == first
+    assert path.stat().st_ino == inode
+    assert sorted(p.name for p in path.parent.iterdir()) == ["secret"]
+
+
+def test_secret_differs_per_path(tmp_path: Path) -> None:
+    assert load_or_create_secret(tmp_path / "a") != load_or_create_secret(tmp_path / "b")
+
+
+def test_short_secret_file_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"short")
+    with pytest.raises(RuntimeError, match="shorter"):
+        load_or_create_secret(path)
+
+
+def _race(path: Path, barrier: object, results: object) -> None:
+    barrier.wait()  # type: ignore[attr-defined]
+    results.put(load_or_create_secret(path))  # type: ignore[attr-defined]
+
+
+def test_concurrent_creation_yields_one_secret(tmp_path: Path) -> None:
+    ctx = mp.get_context("fork")
+    workers = 8
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    path = tmp_path / "secret"
+    procs = [ctx.Process(target=_race, args=(path, barrier, results)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    secrets_seen = [results.get(timeout=20) for _ in procs]
+    for p in procs:
+        p.join(timeout=20)
+        assert p.exitcode == 0
+    assert len(set(secrets_seen)) == 1
+    assert secrets_seen[0] == path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]

@@ -1,0 +1,245 @@
+"""Canonicalization and validation of generation requests (tiercache.request)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tiercache.errors import InvalidRequest
+from tiercache.request import (
+    CacheControl,
+    GenerationRequest,
+    Limits,
+    RawInputs,
+    canonicalize,
+)
+
+
+def canon(text: str | None = "What is Triton?", **kwargs: object) -> GenerationRequest:
+    return canonicalize(RawInputs(text_input=text, **kwargs)).request  # type: ignore[arg-type]
+
+
+def _canon_params(params: dict[str, object]) -> GenerationRequest:
+    kwargs = dict(params)
+    return canon(kwargs.pop("text", "What is Triton?"), **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- equal after canonicalization
+
+SAME = [
+    pytest.param({"text": "  What is Triton?"}, {}, id="leading-spaces"),
+    pytest.param({"text": "What is Triton?   "}, {}, id="trailing-spaces"),
+    pytest.param({"text": "What   is  Triton?"}, {}, id="multiple-spaces"),
+    pytest.param({"text": "What\tis\tTriton?"}, {}, id="tabs"),
+    pytest.param({"text": "What\nis\r\nTriton?\n"}, {}, id="newlines"),
+    pytest.param({"text": "What\u00a0is\u3000Triton?"}, {}, id="unicode-spaces"),
+    pytest.param({"text": "Ｗｈａｔ is Triton?"}, {}, id="nfkc-fullwidth"),
+    pytest.param({"text": "a \ufb01le"}, {"text": "a file"}, id="nfkc-ligature"),
+    pytest.param({"max_tokens": 128}, {}, id="explicit-max-tokens"),
+    pytest.param({"temperature": 0.0}, {}, id="explicit-temperature"),
+    pytest.param({"top_p": 1.0}, {}, id="explicit-top-p"),
+    pytest.param({"top_k": 0}, {}, id="explicit-top-k"),
+    pytest.param(
+        {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop_words": []},
+        {},
+        id="all-explicit-defaults",
+    ),
+    pytest.param(
+        {"temperature": np.float32(0.7), "seed": 1},
+        {"temperature": 0.7, "seed": 1},
+        id="float32-temperature",
+    ),
+    pytest.param(
+        {"temperature": 0.7, "top_p": np.float32(0.9), "seed": 1},
+        {"temperature": 0.7, "top_p": 0.9, "seed": 1},
+        id="float32-top-p",
+    ),
+    pytest.param({"stop_words": ["b", "a"]}, {"stop_words": ["a", "b"]}, id="stop-order"),
+    pytest.param({"stop_words": ["a", "b", "a"]}, {"stop_words": ["b", "a"]}, id="stop-dupes"),
+    pytest.param({"stop_words": ["ＥＮＤ"]}, {"stop_words": ["END"]}, id="stop-nfkc"),
+    pytest.param({"stop_words": ["", "x"]}, {"stop_words": ["x"]}, id="stop-empty-dropped"),
+    pytest.param({"temperature": 0.0, "top_p": 0.5}, {}, id="greedy-drops-top-p"),
+    pytest.param({"temperature": 0.0, "top_k": 5}, {}, id="greedy-drops-top-k"),
+    pytest.param({"temperature": 0.0, "seed": 9}, {}, id="greedy-drops-seed"),
+    pytest.param({"top_p": 0.5, "top_k": 5, "seed": 9}, {}, id="greedy-drops-all"),
+    pytest.param({"lora_name": "  "}, {}, id="blank-lora"),
+    pytest.param({"stream": True}, {"stream": False}, id="stream-not-in-key"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SAME)
+def test_canonicalizes_equal(a: dict[str, object], b: dict[str, object]) -> None:
+    ra, rb = _canon_params(a), _canon_params(b)
+    assert ra.key_fields() == rb.key_fields()
+    if ra.stream == rb.stream:
+        assert ra == rb
+        assert ra.to_json() == rb.to_json()
+
+
+DIFFERENT = [
+    pytest.param({"max_tokens": 10}, {"max_tokens": 11}, id="max-tokens"),
+    pytest.param(
+        {"temperature": 0.7, "seed": 1}, {"temperature": 0.7, "seed": 2}, id="seed-sampled"
+    ),
+    pytest.param({"temperature": 0.7}, {"temperature": 0.8}, id="temperature"),
+    pytest.param({"temperature": 0.7}, {}, id="sampled-vs-greedy"),
+    pytest.param(
+        {"temperature": 0.7, "top_p": 0.5}, {"temperature": 0.7}, id="top-p-sampled"
+    ),
+    pytest.param({"temperature": 0.7, "top_k": 5}, {"temperature": 0.7}, id="top-k-sampled"),
+    pytest.param({"stop_words": ["a"]}, {"stop_words": ["b"]}, id="stop-words"),
+    pytest.param({"stop_words": ["\n"]}, {}, id="whitespace-stop-word-kept"),
+    pytest.param({"lora_name": "x"}, {}, id="lora-name"),
+    pytest.param({"text": "What is Triton"}, {}, id="prompt"),
+    pytest.param({"text": "what is triton?"}, {}, id="prompt-case"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), DIFFERENT)
+def test_canonicalizes_different(a: dict[str, object], b: dict[str, object]) -> None:
+    ra, rb = _canon_params(a), _canon_params(b)
+    assert ra.key_fields() != rb.key_fields()
+
+
+def test_greedy_canonical_values() -> None:
+    r = canon("hi", temperature=0.0, top_p=0.5, top_k=5, seed=9)
+    assert (r.top_p, r.top_k, r.seed, r.greedy, r.deterministic) == (1.0, 0, None, True, True)
+
+
+def test_sampled_keeps_parameters() -> None:
+    r = canon("hi", temperature=0.7, top_p=0.5, top_k=5, seed=9)
+    assert (r.temperature, r.top_p, r.top_k, r.seed, r.greedy) == (0.7, 0.5, 5, 9, False)
+
+
+# ---------------------------------------------------------------- validation
+
+INVALID = [
+    pytest.param(None, {}, "text_input", id="missing-text"),
+    pytest.param("", {}, "text_input", id="empty-text"),
+    pytest.param(" \t\n ", {}, "text_input", id="whitespace-text"),
+    pytest.param("x" * 17, {}, "text_input", id="prompt-over-limit"),
+    pytest.param("hi", {"max_tokens": 0}, "max_tokens", id="max-tokens-0"),
+    pytest.param("hi", {"max_tokens": -1}, "max_tokens", id="max-tokens-negative"),
+    pytest.param("hi", {"max_tokens": 257}, "max_tokens", id="max-tokens-over"),
+    pytest.param("hi", {"temperature": math.nan}, "temperature", id="temperature-nan"),
+    pytest.param("hi", {"temperature": math.inf}, "temperature", id="temperature-inf"),
+    pytest.param("hi", {"temperature": -0.1}, "temperature", id="temperature-negative"),
+    pytest.param("hi", {"temperature": 2.01}, "temperature", id="temperature-over-2"),
+    pytest.param("hi", {"top_p": 0.0}, "top_p", id="top-p-0"),
+    pytest.param("hi", {"top_p": 1.01}, "top_p", id="top-p-over-1"),
+    pytest.param("hi", {"top_p": math.nan}, "top_p", id="top-p-nan"),
+    pytest.param("hi", {"top_k": -1}, "top_k", id="top-k-negative"),
+    pytest.param("hi", {"seed": -1, "temperature": 0.5}, "seed", id="seed-negative"),
+    pytest.param("hi", {"seed": 2**64}, "seed", id="seed-over-uint64"),
+    pytest.param("hi", {"stop_words": [str(i) for i in range(5)]}, "stop_words", id="stops"),
+    pytest.param("hi", {"stop_words": ["x" * 9]}, "stop word", id="stop-word-too-long"),
+    pytest.param("hi", {"tenant": "t" * 9}, "tenant", id="tenant-too-long"),
+    pytest.param("hi", {"cache_control": "no-cache, bogus"}, "cache_control", id="cache-word"),
+]
+
+SMALL = Limits(
+    max_prompt_chars=16, max_tokens=256, max_stop_words=4, max_stop_word_chars=8, max_tenant_chars=8
+)
+
+
+@pytest.mark.parametrize(("text", "kwargs", "field"), INVALID)
+def test_invalid_request_names_field(text: str | None, kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        canonicalize(RawInputs(text_input=text, **kwargs), SMALL)  # type: ignore[arg-type]
+    assert field in info.value.message
+    assert info.value.client_message().startswith("invalid request: ")
+
+
+def test_limits_are_inclusive() -> None:
+    canonicalize(
+        RawInputs(
+            "x" * 16, max_tokens=256, temperature=2.0, top_p=1.0, stop_words=list("abcd"), tenant="t" * 8
+        ),
+        SMALL,
+    )
+
+
+def test_prompt_limit_counts_normalized_text() -> None:
+    assert canonicalize(RawInputs("  " + "x" * 16 + "  "), SMALL).request.prompt == "x" * 16
+
+
+def test_unknown_cache_word_is_named() -> None:
+    with pytest.raises(InvalidRequest, match="'bogus'"):
+        CacheControl.parse("no-cache bogus")
+
+
+# ---------------------------------------------------------------- cache_control
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, CacheControl()),
+        ("", CacheControl()),
+        ("no-cache", CacheControl(no_cache=True)),
+        ("no-cache,no-store", CacheControl(no_cache=True, no_store=True)),
+        ("no-cache no-store", CacheControl(no_cache=True, no_store=True)),
+        (" No-Store , ALLOW-SAMPLED ", CacheControl(no_store=True, allow_sampled=True)),
+        ("no-store,,no-store", CacheControl(no_store=True)),
+        ("no-cache,\tno-store allow-sampled", CacheControl(True, True, True)),
+    ],
+)
+def test_cache_control_parse(text: str | None, expected: CacheControl) -> None:
+    assert CacheControl.parse(text) == expected
+
+
+# ---------------------------------------------------------------- JSON round trip
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        GenerationRequest(prompt="hi"),
+        GenerationRequest(
+            prompt="héllo \u2603 \"quoted\"",
+            max_tokens=7,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            seed=2**64 - 1,
+            stop_words=("\n", "END"),
+            stream=True,
+            lora_name="adapter-a",
+        ),
+    ],
+)
+def test_generation_request_json_round_trip(request_: GenerationRequest) -> None:
+    assert GenerationRequest.from_json(request_.to_json()) == request_
+
+
+def test_canonical_request_json_round_trip() -> None:
+    r = canon("  Ｗｈａｔ\tnow ", temperature=np.float32(0.7), seed=3, stop_words=["b", "a"], stream=True)
+    assert GenerationRequest.from_json(r.to_json()) == r
+
+
+# ---------------------------------------------------------------- cacheable
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cacheable"),
+    [
+        ({}, True),
+        ({"temperature": 0.0, "seed": 5}, True),
+        ({"temperature": 0.7, "seed": 5}, True),
+        ({"temperature": 0.7, "seed": 0}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0.7, "cache_control": "allow-sampled"}, True),
+        ({"temperature": 0.7, "cache_control": "no-cache"}, False),
+    ],
+)
+def test_cacheable(kwargs: dict[str, object], cacheable: bool) -> None:
+    assert canonicalize(RawInputs("hi", **kwargs)).cacheable is cacheable  # type: ignore[arg-type]
+
+
+def test_tenant_is_normalized_but_not_in_request() -> None:
+    a = canonicalize(RawInputs("hi", tenant="  ａｃｍｅ "))
+    b = canonicalize(RawInputs("hi"))
+    assert a.tenant == "acme"
+    assert a.request == b.request

@@ -1,0 +1,281 @@
+"""Exact-cache stores (tiercache.stores) and their entry codec (tiercache.codec).
+
+One contract suite runs against both stores; store-specific behaviour follows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tiercache.codec import (
+    ENTRY_OVERHEAD_BYTES,
+    MAGIC,
+    CacheEntry,
+    CorruptEntry,
+    decode_entry,
+    encode_entry,
+    peek_created_s,
+)
+from tiercache.stores import LmdbStore, MemoryStore, OldestFirst, Store
+
+
+def entry(text: str = "answer", created_s: float = 1.0, **kwargs: object) -> CacheEntry:
+    return CacheEntry(text=text, created_s=created_s, **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- contract (both stores)
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    s: Store = MemoryStore(1 << 20) if request.param == "memory" else LmdbStore(tmp_path / "l2", 1 << 20)
+    yield s
+    s.close()
+
+
+def test_missing_key_is_none(store: Store) -> None:
+    assert store.get("nope") is None
+
+
+def test_put_get_round_trip(store: Store) -> None:
+    e = entry("héllo ☃", created_s=12.5, ttl_s=3.0, finish_reason="length", generated_tokens=7)
+    store.put("k", e)
+    assert store.get("k") == e
+
+
+def test_overwrite(store: Store) -> None:
+    store.put("k", entry("first"))
+    store.put("k", entry("second"))
+    assert store.get("k") == entry("second")
+    assert store.stats().entries == 1
+
+
+def test_delete(store: Store) -> None:
+    store.put("k", entry())
+    assert store.delete("k") is True
+    assert store.delete("k") is False
+    assert store.get("k") is None
+
+
+def test_clear(store: Store) -> None:
+    for i in range(5):
+        store.put(f"k{i}", entry())
+    store.clear()
+    assert store.stats().entries == 0
+    assert all(store.get(f"k{i}") is None for i in range(5))
+    store.put("k0", entry("again"))
+    assert store.get("k0") == entry("again")
+
+
+def test_stats_count_hits_misses_entries(store: Store) -> None:
+    store.get("a")
+    store.put("a", entry())
+    store.put("b", entry())
+    store.get("a")
+    store.get("a")
+    store.get("c")
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (2, 2, 2)
+    assert stats.corrupt == 0
+    assert 0 < stats.bytes <= stats.max_bytes == 1 << 20
+
+
+# ---------------------------------------------------------------- MemoryStore
+
+
+def test_memory_rejects_non_positive_budget() -> None:
+    with pytest.raises(ValueError):
+        MemoryStore(0)
+
+
+def test_memory_byte_budget_holds() -> None:
+    store = MemoryStore(10_000)
+    sizes: dict[str, int] = {}
+    for i in range(200):
+        e = entry("é" * (i % 37) * 10)
+        store.put(f"k{i}", e)
+        sizes[f"k{i}"] = e.size_bytes
+        assert store.stats().bytes <= 10_000
+    stats = store.stats()
+    assert sum(sizes[k] for k in sizes if store.get(k) is not None) == stats.bytes
+    assert stats.bytes <= stats.max_bytes == 10_000
+    assert stats.evictions == 200 - stats.entries > 0
+
+
+def test_memory_size_counts_utf8_bytes() -> None:
+    store = MemoryStore(10_000)
+    store.put("k", entry("é" * 100))
+    assert store.stats().bytes == 200 + ENTRY_OVERHEAD_BYTES
+
+
+def test_memory_evicts_least_recently_used() -> None:
+    store = MemoryStore(3 * entry("x").size_bytes)
+    for key in "abc":
+        store.put(key, entry("x"))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("d", entry("x"))
+    assert store.get("b") is None
+    assert all(store.get(k) is not None for k in "acd")
+    assert store.stats().evictions == 1
+
+
+def test_memory_skips_entry_larger_than_budget() -> None:
+    store = MemoryStore(1_000)
+    store.put("small", entry("x"))
+    store.put("big", entry("x" * 1_000))
+    assert store.get("big") is None
+    assert store.get("small") is not None
+    assert store.stats().evictions == 0
+
+
+# ---------------------------------------------------------------- LmdbStore
+
+
+def _raw_put(path: Path, key: str, value: bytes) -> None:
+    env = lmdb.open(str(path), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(key.encode(), value)
+    env.close()
+
+
+def test_lmdb_persists_across_reopen(tmp_path: Path) -> None:
+    store = LmdbStore(tmp_path / "l2", 1 << 20)
+    store.put("k", entry("kept", created_s=5.0))
+    store.close()
+    reopened = LmdbStore(tmp_path / "l2", 1 << 20)
+    assert reopened.get("k") == entry("kept", created_s=5.0)
+    reopened.close()
+
+
+def _flipped_payload() -> bytes:
+    data = bytearray(encode_entry(entry("payload")))
+    data[-3] ^= 0x01
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"garbage bytes, not an entry", id="garbage"),
+        pytest.param(b"", id="empty"),
+        pytest.param(_flipped_payload(), id="flipped-payload-byte"),
+        pytest.param(encode_entry(entry("payload"))[:-1], id="truncated"),
+        pytest.param(b"XXXX" + encode_entry(entry("payload"))[4:], id="bad-magic"),
+    ],
+)
+def test_lmdb_corrupt_value_is_a_counted_miss_and_dropped(tmp_path: Path, raw: bytes) -> None:
+    path = tmp_path / "l2"
+    LmdbStore(path, 1 << 20).close()
+    _raw_put(path, "bad", raw)
+    _raw_put(path, "good", encode_entry(entry("fine")))
+    store = LmdbStore(path, 1 << 20)
+    assert store.get("bad") is None
+    stats = store.stats()
+    assert (stats.corrupt, stats.misses, stats.entries) == (1, 1, 1)
+    assert store.delete("bad") is False
+    assert store.get("good") == entry("fine")
+    store.close()
+
+
+@pytest.mark.parametrize("text_bytes", [100, 1_000, 3_000])
+def test_lmdb_tiny_map_evicts_oldest_first_and_never_raises(tmp_path: Path, text_bytes: int) -> None:
+    store = LmdbStore(tmp_path / "l2", 256 * 1024)
+    keys = [f"k{i:05d}" for i in range(1_200)]
+    for i, key in enumerate(keys):
+        store.put(key, entry("x" * text_bytes, created_s=float(i)))
+        assert store.get(key) is not None
+    stats = store.stats()
+    assert stats.evictions > 0
+    assert 0 < stats.entries < len(keys)
+    present = [k for k in keys if store.get(k) is not None]
+    # Oldest first: what survives is exactly the newest entries.
+    assert present == keys[len(keys) - len(present) :]
+    store.close()
+
+
+def test_lmdb_garbage_database_is_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "l2"
+    store = LmdbStore(path, 1 << 20)
+    store.put("k", entry())
+    store.close()
+    (path / "data.mdb").write_bytes(b"this is not an lmdb file" * 1_000)
+    reopened = LmdbStore(path, 1 << 20, clock=lambda: 1234.0)
+    assert reopened.stats().entries == 0
+    assert reopened.get("k") is None
+    reopened.put("k2", entry("new"))
+    assert reopened.get("k2") == entry("new")
+    reopened.close()
+    aside = tmp_path / "l2.corrupt-1234"
+    assert (aside / "data.mdb").read_bytes().startswith(b"this is not an lmdb file")
+
+
+def test_oldest_first_policy() -> None:
+    candidates = [("c", 3.0), ("a", 1.0), ("d", 4.0), ("b", 2.0)]
+    assert OldestFirst().nominate(candidates, 2) == ["a", "b"]
+    assert OldestFirst().nominate(candidates, 10) == ["a", "b", "c", "d"]
+
+
+# ---------------------------------------------------------------- codec
+
+_HEADER = struct.Struct("<4sddI32s")
+
+
+def _with_payload(payload: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, 1.0, 0.0, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+@pytest.mark.parametrize(
+    "e",
+    [
+        entry(),
+        entry("", created_s=0.0),
+        entry("héllo ☃ \"q\" \n", created_s=1e9 + 0.25, ttl_s=60.0, finish_reason="length",
+              generated_tokens=12),
+    ],
+)
+def test_codec_round_trip(e: CacheEntry) -> None:
+    data = encode_entry(e)
+    assert decode_entry(data) == e
+    assert decode_entry(memoryview(data)) == e
+    assert peek_created_s(data) == e.created_s
+
+
+CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
+    "truncated-header": lambda d: d[: _HEADER.size - 1],
+    "empty": lambda d: b"",
+    "bad-magic": lambda d: b"TCE0" + d[4:],
+    "payload-longer": lambda d: d + b"x",
+    "payload-shorter": lambda d: d[:-1],
+    "checksum": lambda d: d[:-1] + bytes([d[-1] ^ 0x20]),
+    "not-json": lambda d: _with_payload(b"not json"),
+    "missing-field": lambda d: _with_payload(json.dumps({"text": "x"}).encode()),
+    "not-utf8": lambda d: _with_payload(b"\xff\xfe"),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_codec_rejects_corruption(corrupt: Callable[[bytes], bytes]) -> None:
+    with pytest.raises(CorruptEntry):
+        decode_entry(corrupt(encode_entry(entry("some answer"))))
+
+
+def test_peek_rejects_bad_header() -> None:
+    with pytest.raises(CorruptEntry):
+        peek_created_s(b"TCE0" + encode_entry(entry())[4:])
+    with pytest.raises(CorruptEntry):
+        peek_created_s(b"TCE1")
+
+
+@pytest.mark.parametrize(
+    ("ttl_s", "now_s", "expired"),
+    [(0.0, 1e12, False), (10.0, 10.999, False), (10.0, 11.0, True), (10.0, 50.0, True)],
+)
+def test_entry_expiry(ttl_s: float, now_s: float, expired: bool) -> None:
+    assert entry(created_s=1.0, ttl_s=ttl_s).expired(now_s) is expired
