@@ -82,7 +82,10 @@ class LlmStage:
         self._on_follow = on_follow
         self._clock = clock
         self.flights = FlightTable()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm")
+        # Two pools: readers block on their flight, so producers must never queue behind them
+        # (one shared pool deadlocks once every worker is a waiting reader).
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-serve")
+        self._producers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-gen")
         self._lock = threading.Lock()
         self._generations = self._write_backs = self._write_failures = 0
 
@@ -121,7 +124,7 @@ class LlmStage:
             if not leader and self._on_follow is not None:
                 self._on_follow()
         if leader:
-            self._pool.submit(self._produce, flight, request, digest, write_back)
+            self._producers.submit(self._produce, flight, request, digest, write_back)
         try:
             parts: list[str] = []
             for chunk in flight.read(responder.is_cancelled):
@@ -224,4 +227,5 @@ class LlmStage:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._producers.shutdown(wait=True, cancel_futures=False)
         self.cache.close()

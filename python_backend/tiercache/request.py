@@ -192,7 +192,8 @@ def canonicalize(raw: RawInputs, limits: Limits = Limits()) -> Canonical:
             f"text_input has {len(prompt)} characters, over the limit of {limits.max_prompt_chars}"
         )
 
-    max_tokens = DEFAULT_MAX_TOKENS if raw.max_tokens is None else int(raw.max_tokens)
+    default_max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
+    max_tokens = default_max_tokens if raw.max_tokens is None else int(raw.max_tokens)
     if max_tokens < 1 or max_tokens > limits.max_tokens:
         raise InvalidRequest(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
 

@@ -8,6 +8,8 @@ evictions); L2 asks an `EvictionPolicy` for victims when its byte budget (the LM
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import threading
 import time
@@ -84,9 +86,10 @@ class MemoryStore:
             return entry
 
     def put(self, key: str, entry: CacheEntry) -> None:
-        if entry.size_bytes > self._lru.maxsize:
-            return
         with self._lock:
+            if entry.size_bytes > self._lru.maxsize:
+                self._lru.pop(key, None)  # never keep serving an older value under this key
+                return
             self._lru[key] = entry
 
     def delete(self, key: str) -> bool:
@@ -133,8 +136,11 @@ class LmdbStore:
     """L2: an LMDB environment on local disk, shared by every process on the host.
 
     LMDB gives multi-process readers and one writer at a time with crash-safe commits. The byte
-    budget is the map size: LMDB cannot grow past it, and on `MapFullError` we evict
-    `evict_fraction` of the entries (policy's choice) and retry the write once.
+    budget is the map size: LMDB cannot grow past it. Writes keep `headroom_fraction` of the map
+    free, because LMDB needs free pages even to delete (a completely full map cannot evict): when
+    live pages plus the new value would pass that mark, `evict_fraction` of the entries (the
+    policy's choice) go first. A `MapFullError` all the same (a large value, fragmentation)
+    evicts again and retries once.
     A database that does not open (truncated or corrupt file) is moved aside and rebuilt empty.
     """
 
@@ -144,12 +150,14 @@ class LmdbStore:
         max_bytes: int,
         policy: EvictionPolicy | None = None,
         evict_fraction: float = 0.1,
+        headroom_fraction: float = 0.25,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = path
         self._max_bytes = max_bytes
         self._policy = policy or OldestFirst()
         self._evict_fraction = evict_fraction
+        self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
         self._clock = clock
         self._lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._corrupt = 0
@@ -163,7 +171,8 @@ class LmdbStore:
                 txn.stat()
             return env
         except lmdb.Error as exc:
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(self._clock())}")
+            stamp = f"{int(self._clock())}-{os.getpid()}-{secrets.token_hex(3)}"
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
             log.warning("L2 store %s does not open (%s); moved aside to %s", self.path, exc, aside)
             shutil.move(str(self.path), str(aside))
             self.path.mkdir(parents=True)
@@ -187,17 +196,23 @@ class LmdbStore:
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
+        if self._live_bytes() + len(data) > self._high_water_bytes:
+            self._evict()
         try:
             self._write(key.encode(), data)
         except lmdb.MapFullError:
-            self._evict()
+            self._evict(fraction=max(0.5, self._evict_fraction))
             self._write(key.encode(), data)
+
+    def _live_bytes(self) -> int:
+        st = self._env.stat()
+        return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
 
     def _write(self, key: bytes, data: bytes) -> None:
         with self._env.begin(write=True) as txn:
             txn.put(key, data)
 
-    def _evict(self) -> None:
+    def _evict(self, fraction: float | None = None) -> None:
         candidates: list[tuple[str, float]] = []
         broken: list[bytes] = []
         with self._env.begin() as txn:
@@ -206,7 +221,8 @@ class LmdbStore:
                     candidates.append((key.decode(), peek_created_s(value)))
                 except CorruptEntry:
                     broken.append(key)
-        count = max(1, int(len(candidates) * self._evict_fraction))
+        share = self._evict_fraction if fraction is None else fraction
+        count = max(1, int(len(candidates) * share))
         victims = [k.encode() for k in self._policy.nominate(candidates, count)] + broken
         with self._env.begin(write=True) as txn:
             for key in victims:
@@ -222,12 +238,12 @@ class LmdbStore:
             txn.drop(self._env.open_db(), delete=False)
 
     def stats(self) -> StoreStats:
-        st = self._env.stat()
-        pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        entries = int(self._env.stat()["entries"])
+        live_bytes = self._live_bytes()
         with self._lock:
             return StoreStats(
-                entries=int(st["entries"]),
-                bytes=int(pages * st["psize"]),
+                entries=entries,
+                bytes=live_bytes,
                 max_bytes=self._max_bytes,
                 hits=self._hits,
                 misses=self._misses,

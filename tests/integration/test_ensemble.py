@@ -170,3 +170,42 @@ def test_entry_survives_server_restart(state_dir: Path, server: TritonServer) ->
     finally:
         second.stop()
     assert (hit.cache_status, hit.text) == ("exact", miss.text)
+
+
+def test_cancelled_stream_never_leaves_a_partial_entry(
+    server: TritonServer, client: TierCacheClient
+) -> None:
+    """A client that cancels mid-stream: the server stays up and no partial text is ever stored.
+
+    Triton 2.51 does not pass an ensemble request's cancellation on to the composing `llm`
+    request (its `is_cancelled()` stays False), so the generation runs to its clean end and may
+    be stored whole; what must never happen is a stored prefix. Cancellation inside the stage
+    (a subscriber that leaves, all subscribers gone) is covered by tests/unit/test_llm_stage.py.
+    """
+    import queue
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    from tiercache_client.client import build_inputs
+
+    prompt = unique("Tell a long story about a lighthouse keeper.")
+    generations = metric_value(server, "tiercache_llm_generations_total")
+    chunks: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    c.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    c.async_stream_infer(
+        "ensemble", build_inputs(prompt, max_tokens=48, stream=True), enable_empty_final_response=True
+    )
+    result, error = chunks.get(timeout=120)
+    assert error is None and result.as_numpy("text_output") is not None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 120
+    while metric_value(server, "tiercache_llm_generations_total") == generations:
+        assert time.monotonic() < deadline, "the abandoned generation never finished"
+        time.sleep(0.2)
+    served = client.generate_text(prompt, max_tokens=48)
+    fresh = client.generate_text(prompt, max_tokens=48, cache_control="no-cache, no-store")
+    assert served.cache_status in ("exact", "miss")
+    assert served.text == fresh.text  # greedy: a whole answer, never a prefix

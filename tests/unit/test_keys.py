@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiercache.keys import (
     SECRET_BYTES,
     EngineIdentity,
@@ -26,8 +25,14 @@ PYTHON_BACKEND = Path(__file__).resolve().parents[2] / "python_backend"
 SECRET = b"s" * 32
 ENGINE = EngineIdentity("org/model", "rev-1")
 REQUEST = GenerationRequest(
-    prompt="héllo ☃", max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, seed=7,
-    stop_words=("\n", "END"), lora_name="a",
+    prompt="héllo ☃",
+    max_tokens=9,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=4,
+    seed=7,
+    stop_words=("\n", "END"),
+    lora_name="a",
 )
 
 _DIGEST_SCRIPT = """
@@ -40,10 +45,10 @@ print(request_digest(tenant_scope(b"s" * 32, "acme"), EngineIdentity("org/model"
 
 
 def digest(**changes: object) -> str:
-    engine = dataclasses.replace(ENGINE, **{k: v for k, v in changes.items() if k in ("model_id", "revision")})
-    request = dataclasses.replace(
-        REQUEST, **{k: v for k, v in changes.items() if k in REQUEST.key_fields() or k == "stream"}
-    )
+    engine_fields = {k: v for k, v in changes.items() if k in ("model_id", "revision")}
+    request_fields = {k: v for k, v in changes.items() if k in (*REQUEST.key_fields(), "stream")}
+    engine = dataclasses.replace(ENGINE, **engine_fields)  # type: ignore[arg-type]
+    request = dataclasses.replace(REQUEST, **request_fields)  # type: ignore[arg-type]
     adapter = str(changes.get("adapter_digest", ""))
     return request_digest(tenant_scope(SECRET, "acme"), engine, request, adapter)
 
@@ -53,8 +58,11 @@ def test_digest_is_hex_sha256() -> None:
 
 
 def test_digest_is_stable_across_processes() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_BACKEND), *sys.path]),
-           "PYTHONHASHSEED": "random"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(PYTHON_BACKEND), *sys.path]),
+        "PYTHONHASHSEED": "random",
+    }
     out = subprocess.run(
         [sys.executable, "-c", _DIGEST_SCRIPT], env=env, capture_output=True, text=True, check=True
     )

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from tiercache.errors import InvalidRequest
 from tiercache.request import (
     CacheControl,
@@ -85,9 +84,7 @@ DIFFERENT = [
     ),
     pytest.param({"temperature": 0.7}, {"temperature": 0.8}, id="temperature"),
     pytest.param({"temperature": 0.7}, {}, id="sampled-vs-greedy"),
-    pytest.param(
-        {"temperature": 0.7, "top_p": 0.5}, {"temperature": 0.7}, id="top-p-sampled"
-    ),
+    pytest.param({"temperature": 0.7, "top_p": 0.5}, {"temperature": 0.7}, id="top-p-sampled"),
     pytest.param({"temperature": 0.7, "top_k": 5}, {"temperature": 0.7}, id="top-k-sampled"),
     pytest.param({"stop_words": ["a"]}, {"stop_words": ["b"]}, id="stop-words"),
     pytest.param({"stop_words": ["\n"]}, {}, id="whitespace-stop-word-kept"),
@@ -145,7 +142,9 @@ SMALL = Limits(
 
 
 @pytest.mark.parametrize(("text", "kwargs", "field"), INVALID)
-def test_invalid_request_names_field(text: str | None, kwargs: dict[str, object], field: str) -> None:
+def test_invalid_request_names_field(
+    text: str | None, kwargs: dict[str, object], field: str
+) -> None:
     with pytest.raises(InvalidRequest) as info:
         canonicalize(RawInputs(text_input=text, **kwargs), SMALL)  # type: ignore[arg-type]
     assert field in info.value.message
@@ -155,7 +154,12 @@ def test_invalid_request_names_field(text: str | None, kwargs: dict[str, object]
 def test_limits_are_inclusive() -> None:
     canonicalize(
         RawInputs(
-            "x" * 16, max_tokens=256, temperature=2.0, top_p=1.0, stop_words=list("abcd"), tenant="t" * 8
+            "x" * 16,
+            max_tokens=256,
+            temperature=2.0,
+            top_p=1.0,
+            stop_words=list("abcd"),
+            tenant="t" * 8,
         ),
         SMALL,
     )
@@ -198,7 +202,7 @@ def test_cache_control_parse(text: str | None, expected: CacheControl) -> None:
     [
         GenerationRequest(prompt="hi"),
         GenerationRequest(
-            prompt="héllo \u2603 \"quoted\"",
+            prompt='héllo \u2603 "quoted"',
             max_tokens=7,
             temperature=0.7,
             top_p=0.9,
@@ -215,7 +219,9 @@ def test_generation_request_json_round_trip(request_: GenerationRequest) -> None
 
 
 def test_canonical_request_json_round_trip() -> None:
-    r = canon("  Ｗｈａｔ\tnow ", temperature=np.float32(0.7), seed=3, stop_words=["b", "a"], stream=True)
+    r = canon(
+        "  Ｗｈａｔ\tnow ", temperature=np.float32(0.7), seed=3, stop_words=["b", "a"], stream=True
+    )
     assert GenerationRequest.from_json(r.to_json()) == r
 
 

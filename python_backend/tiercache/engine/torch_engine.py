@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,18 +125,22 @@ class TorchEngine:
 
 
 class _Sampler:
-    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator."""
+    """Greedy argmax, or temperature / top-k / top-p sampling.
+
+    Draws come from NumPy's PCG64 seeded with the full 64-bit seed: torch's CPU generator keeps
+    only part of a uint64 seed (0 and 2**63 gave the same stream), and distinct seeds in distinct
+    cache entries should mean distinct samples.
+    """
 
     def __init__(self, request: GenerationRequest, device: str) -> None:
         self.request = request
-        self.generator: torch.Generator | None = None
+        self.rng: np.random.Generator | None = None
         if not request.greedy:
-            self.generator = torch.Generator(device=device)
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
-            self.generator.manual_seed(seed % 2**63)
+            self.rng = np.random.Generator(np.random.PCG64(seed))
 
     def pick(self, logits: torch.Tensor) -> int:
-        if self.generator is None:
+        if self.rng is None:
             return int(torch.argmax(logits, dim=-1)[0])
         scores = logits[0].float() / self.request.temperature
         if self.request.top_k > 0:
@@ -144,11 +149,12 @@ class _Sampler:
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.request.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
-            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-            drop = cumulative - torch.softmax(sorted_scores, dim=-1) > self.request.top_p
+            probs_sorted = torch.softmax(sorted_scores, dim=-1)
+            drop = probs_sorted.cumsum(dim=-1) - probs_sorted > self.request.top_p
             scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+        cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1).cpu().numpy()
+        index = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return min(index, len(cdf) - 1)
 
 
 class _Detokenizer:

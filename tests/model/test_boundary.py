@@ -1,0 +1,152 @@
+"""The Triton boundary (tiercache.triton.boundary): error mapping, input reading, metrics."""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from tiercache.codec import CacheEntry
+from tiercache.config import PromptCacheConfig
+from tiercache.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    TierCacheError,
+    Unavailable,
+)
+from tiercache.stores import MemoryStore
+from tiercache.tiered import TieredCache
+
+
+@pytest.fixture
+def tb(pb_utils: ModuleType) -> ModuleType:
+    from tiercache.triton import boundary
+
+    return boundary
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (InvalidRequest("bad"), "INVALID_ARG"),
+        (NotFound("no adapter"), "NOT_FOUND"),
+        (Unavailable("engine down"), "UNAVAILABLE"),
+        (CapacityError("full"), "UNAVAILABLE"),
+        (ConfigError("bad param"), "INTERNAL"),
+        (TierCacheError("oops"), "INTERNAL"),
+    ],
+)
+def test_core_errors_map_to_codes(
+    tb: ModuleType, pb_utils: ModuleType, exc: TierCacheError, code: str
+) -> None:
+    error = tb.to_triton_error(exc)
+    assert error.code() == getattr(pb_utils.TritonError, code)
+    assert error.message() == exc.client_message() == f"{exc.kind}: {exc.message}"
+
+
+def test_unexpected_error_is_one_line_internal(tb: ModuleType, pb_utils: ModuleType) -> None:
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        error = tb.to_triton_error(exc)
+    assert error.code() == pb_utils.TritonError.INTERNAL
+    assert error.message() == "internal: RuntimeError: boom"
+    assert "Traceback" not in error.message() and "\n" not in error.message()
+
+
+def test_error_response(tb: ModuleType, pb_utils: ModuleType) -> None:
+    response = tb.error_response(NotFound("x"))
+    assert response.has_error() and response.output_tensors() == []
+    assert response.error().code() == pb_utils.TritonError.NOT_FOUND
+
+
+def request_with(pb_utils: ModuleType, **arrays: np.ndarray) -> Any:
+    return pb_utils.InferenceRequest([pb_utils.Tensor(k, v) for k, v in arrays.items()])
+
+
+def test_read_raw_inputs(tb: ModuleType, pb_utils: ModuleType) -> None:
+    raw = tb.read_raw_inputs(
+        request_with(
+            pb_utils,
+            text_input=np.array([["héllo".encode()]], dtype=np.object_),
+            max_tokens=np.array([[7]], dtype=np.int32),
+            stream=np.array([[True]]),
+            temperature=np.array([[0.5]], dtype=np.float32),
+            seed=np.array([[2**64 - 1]], dtype=np.uint64),
+            stop_words=np.array([[b"a", b"b"]], dtype=np.object_),
+        )
+    )
+    assert raw.text_input == "héllo"
+    assert (raw.max_tokens, raw.stream, raw.temperature, raw.seed) == (7, True, 0.5, 2**64 - 1)
+    assert raw.stop_words == ["a", "b"]
+    assert (raw.top_p, raw.top_k, raw.tenant, raw.cache_control, raw.lora_name) == (None,) * 5
+
+
+@pytest.mark.parametrize(
+    ("reader", "array", "fragment"),
+    [
+        ("read_int", np.array([[1.5]], dtype=np.float32), "integer"),
+        ("read_float", np.array([[1]], dtype=np.int32), "float"),
+        ("read_bool", np.array([[1]], dtype=np.int8), "BOOL"),
+        ("read_string", np.array([[1]], dtype=np.int32), "BYTES"),
+        ("read_string", np.array([[b"a", b"b"]], dtype=np.object_), "exactly one"),
+        ("read_string", np.array([[b"\xff"]], dtype=np.object_), "UTF-8"),
+        ("read_int", np.array([[1], [2]], dtype=np.int32), "batch size"),
+    ],
+)
+def test_readers_reject_bad_tensors(
+    tb: ModuleType, pb_utils: ModuleType, reader: str, array: np.ndarray, fragment: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=fragment):
+        getattr(tb, reader)(request_with(pb_utils, x=array), "x")
+
+
+def test_missing_input_reads_as_none(tb: ModuleType, pb_utils: ModuleType) -> None:
+    request = request_with(pb_utils)
+    for reader in ("read_int", "read_float", "read_bool", "read_string", "read_strings"):
+        assert getattr(tb, reader)(request, "absent") is None
+
+
+def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:
+    response = pb_utils.InferenceResponse(
+        [tb.bytes_tensor("S", ["☃"]), tb.scalar_tensor("N", 5, np.int32, batched=False)]
+    )
+    assert tb.output_string(response, "S") == "☃"
+    assert tb.output_int(response, "N") == 5
+    assert tb.output_string(response, "absent") is None
+    assert tb.output_int(response, "absent") is None
+
+
+def test_load_config(tb: ModuleType) -> None:
+    model_config = {"parameters": {"ttl_s": {"string_value": "30"}}, "name": "prompt_cache"}
+    config, raw = tb.load_config(PromptCacheConfig, {"model_config": json.dumps(model_config)})
+    assert config == PromptCacheConfig(ttl_s=30.0)
+    assert raw == model_config
+
+
+def test_metrics_families_and_labels(tb: ModuleType, pb_utils: ModuleType) -> None:
+    metrics = tb.Metrics("m")
+    a = metrics.counter("c_total", "c", status="a")
+    b = metrics.counter("c_total", "c", status="b")
+    assert a.family is b.family and a.family.kind == pb_utils.MetricFamily.COUNTER
+    assert (a.labels, b.labels) == ({"model": "m", "status": "a"}, {"model": "m", "status": "b"})
+    h = metrics.histogram("h_seconds", "h")
+    assert h.buckets == tb.LATENCY_BUCKETS_S
+    assert metrics.gauge("g", "g").family.kind == pb_utils.MetricFamily.GAUGE
+
+
+def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:
+    store = MemoryStore(3 * CacheEntry("x", 0.0).size_bytes)
+    metrics = tb.Metrics("m")
+    store_metrics = tb.StoreMetrics(metrics, TieredCache(store, None))
+    entries, nbytes, evictions = store_metrics._gauges[next(iter(store_metrics._gauges))]
+    for i in range(5):
+        store.put(f"k{i}", CacheEntry("x", 0.0))
+    store_metrics.update()
+    store_metrics.update()
+    assert (entries.value(), nbytes.value(), evictions.value()) == (3, store.stats().bytes, 2)
+    assert nbytes.value() == store.stats().max_bytes

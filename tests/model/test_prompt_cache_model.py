@@ -1,0 +1,213 @@
+"""model_repository/prompt_cache/1/model.py run in-process against the pb_utils stand-in."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from tiercache.codec import CacheEntry
+from tiercache.errors import ConfigError
+from tiercache.request import GenerationRequest
+from tiercache.tiered import Tier
+
+
+@pytest.fixture
+def model(load_model: Callable[[str], ModuleType], tmp_path: Path) -> Iterator[Any]:
+    instance = load_model("prompt_cache").TritonPythonModel()
+    config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})
+    yield instance
+    instance.finalize()
+
+
+def make_request(pb_utils: ModuleType, text: bytes = b"What is Triton?", **inputs: Any) -> Any:
+    tensors = [pb_utils.Tensor("text_input", np.array([[text]], dtype=np.object_))]
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            array = value
+        elif isinstance(value, bool):
+            array = np.array([[value]], dtype=np.bool_)
+        elif isinstance(value, float):
+            array = np.array([[value]], dtype=np.float32)
+        elif isinstance(value, list):
+            array = np.array([[v.encode() for v in value]], dtype=np.object_)
+        elif isinstance(value, str):
+            array = np.array([[value.encode()]], dtype=np.object_)
+        else:
+            array = np.array([[value]], dtype=np.uint64 if name == "seed" else np.int32)
+        tensors.append(pb_utils.Tensor(name, array))
+    return pb_utils.InferenceRequest(tensors)
+
+
+def output(pb_utils: ModuleType, response: Any, name: str) -> Any:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    assert tensor is not None, f"no output {name}"
+    array = tensor.as_numpy()
+    assert array.shape == (1, 1)
+    value = array[0, 0]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType) -> None:
+    requests = [
+        make_request(pb_utils, b"first", max_tokens=16),
+        make_request(pb_utils, b"second", max_tokens=0),
+        make_request(pb_utils, b"third"),
+    ]
+    responses = model.execute(requests)
+    assert len(responses) == 3
+    bad = responses[1]
+    assert bad.has_error()
+    assert bad.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert bad.error().message().startswith("invalid request:")
+    assert "max_tokens" in bad.error().message()
+    for response, prompt, max_tokens in ((responses[0], "first", 16), (responses[2], "third", 128)):
+        assert not response.has_error()
+        assert output(pb_utils, response, "LOOKUP_STATUS") == "miss"
+        request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+        assert (request.prompt, request.max_tokens) == (prompt, max_tokens)
+        assert len(output(pb_utils, response, "DIGEST")) == 64
+        assert output(pb_utils, response, "CACHED_TEXT") == ""
+        assert output(pb_utils, response, "WRITE_BACK").item() is True
+    assert model.requests["miss"].value() == 2
+    assert model.requests["error"].value() == 1
+    assert model.requests["exact"].value() == 0
+    assert model.requests["miss"].labels == {"model": "prompt_cache", "status": "miss"}
+    assert len(model.lookup_s.observations) == 2
+
+
+def test_non_utf8_text_is_invalid(model: Any, pb_utils: ModuleType) -> None:
+    (response,) = model.execute([make_request(pb_utils, b"caf\xe9")])
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert "text_input" in response.error().message()
+
+
+def test_batch_dimension_two_is_invalid(model: Any, pb_utils: ModuleType) -> None:
+    two = pb_utils.Tensor("text_input", np.array([[b"a"], [b"b"]], dtype=np.object_))
+    (response,) = model.execute([pb_utils.InferenceRequest([two])])
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert "batch size" in response.error().message()
+
+
+@pytest.mark.parametrize(
+    ("inputs", "fragment"),
+    [
+        ({"max_tokens": np.array([[1.0]], dtype=np.float32)}, "max_tokens"),
+        ({"temperature": np.array([[1]], dtype=np.int32)}, "temperature"),
+        ({"stream": np.array([[1]], dtype=np.int32)}, "stream"),
+        ({"top_k": np.array([[1, 2]], dtype=np.int32)}, "top_k"),
+    ],
+)
+def test_wrong_input_types_are_invalid(
+    model: Any, pb_utils: ModuleType, inputs: dict[str, Any], fragment: str
+) -> None:
+    (response,) = model.execute([make_request(pb_utils, **inputs)])
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert fragment in response.error().message()
+
+
+def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType) -> None:
+    (miss,) = model.execute([make_request(pb_utils)])
+    digest = output(pb_utils, miss, "DIGEST")
+    model.cache.cache.put(digest, "answer")
+    (hit,) = model.execute([make_request(pb_utils, b"  What   is Triton?\n")])
+    assert output(pb_utils, hit, "LOOKUP_STATUS") == "exact"
+    assert output(pb_utils, hit, "CACHED_TEXT") == "answer"
+    assert output(pb_utils, hit, "DIGEST") == digest
+    assert output(pb_utils, hit, "WRITE_BACK").item() is False
+    assert model.requests["exact"].value() == 1
+    assert model.hits[Tier.L1].value() == 1
+
+
+def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> None:
+    (miss,) = model.execute([make_request(pb_utils)])
+    digest = output(pb_utils, miss, "DIGEST")
+    model.cache.cache.l2.put(digest, CacheEntry("from l2", created_s=0.0))
+    (hit,) = model.execute([make_request(pb_utils)])
+    assert output(pb_utils, hit, "CACHED_TEXT") == "from l2"
+    assert model.hits[Tier.L2].value() == 1
+
+
+def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType) -> None:
+    (a,) = model.execute([make_request(pb_utils, tenant="a")])
+    model.cache.cache.put(output(pb_utils, a, "DIGEST"), "for a")
+    (b,) = model.execute([make_request(pb_utils, tenant="b")])
+    assert output(pb_utils, b, "LOOKUP_STATUS") == "miss"
+    assert output(pb_utils, b, "DIGEST") != output(pb_utils, a, "DIGEST")
+
+
+@pytest.mark.parametrize(
+    ("inputs", "status", "has_digest", "write_back"),
+    [
+        ({"cache_control": "no-store"}, "miss", True, False),
+        ({"cache_control": "no-cache"}, "bypass", True, True),
+        ({"temperature": 0.7}, "bypass", False, False),
+        ({"temperature": 0.7, "seed": 3}, "miss", True, True),
+        ({"temperature": 0.7, "cache_control": "allow-sampled"}, "miss", True, True),
+    ],
+)
+def test_cache_control_and_sampling(
+    model: Any,
+    pb_utils: ModuleType,
+    inputs: dict[str, Any],
+    status: str,
+    has_digest: bool,
+    write_back: bool,
+) -> None:
+    (response,) = model.execute([make_request(pb_utils, **inputs)])
+    assert output(pb_utils, response, "LOOKUP_STATUS") == status
+    assert bool(output(pb_utils, response, "DIGEST")) is has_digest
+    assert bool(output(pb_utils, response, "WRITE_BACK")) is write_back
+    assert model.requests[status].value() == 1
+
+
+def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> None:
+    (response,) = model.execute(
+        [
+            make_request(
+                pb_utils,
+                max_tokens=5,
+                stream=True,
+                temperature=0.7,
+                top_p=0.9,
+                top_k=4,
+                seed=11,
+                stop_words=["b", "a"],
+                lora_name="adapter",
+            )
+        ]
+    )
+    request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+    assert request == GenerationRequest(
+        prompt="What is Triton?",
+        max_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=4,
+        seed=11,
+        stop_words=("a", "b"),
+        stream=True,
+        lora_name="adapter",
+    )
+
+
+def test_store_gauges_are_published(model: Any, pb_utils: ModuleType) -> None:
+    model.execute([make_request(pb_utils)])
+    families = model.metrics._families
+    entries = {m.labels["tier"]: m.value() for m in families["tiercache_cache_entries"].metrics}
+    assert entries == {"l1": 0, "l2": 0}
+
+
+def test_unknown_parameter_fails_initialize(
+    load_model: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {"state_dir": {"string_value": str(tmp_path)}, "bogus": {"string_value": "1"}}
+    config = {"parameters": parameters}
+    with pytest.raises(ConfigError, match="bogus"):
+        instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})

@@ -1,0 +1,353 @@
+"""The llm stage (tiercache.llm_stage) with a fake engine and fake responders."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from tiercache.engine.events import StreamEvent
+from tiercache.errors import TierCacheError, Unavailable
+from tiercache.keys import Digest
+from tiercache.llm_stage import GenerationRecord, LlmStage
+from tiercache.request import GenerationRequest
+from tiercache.stores import MemoryStore
+from tiercache.tiered import TieredCache
+
+TIMEOUT_S = 10.0
+DIGEST = Digest("d" * 64)
+REQUEST = GenerationRequest(prompt="hi")
+STREAMING = GenerationRequest(prompt="hi", stream=True)
+
+
+class Recorder:
+    """A Responder that records every call; `done` is set on the last one."""
+
+    def __init__(self, cancelled: bool = False) -> None:
+        self._lock = threading.Lock()
+        self.calls: list[tuple] = []
+        self.done = threading.Event()
+        self.cancelled = threading.Event()
+        if cancelled:
+            self.cancelled.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+    def _record(self, *call: object, last: bool = False) -> None:
+        with self._lock:
+            self.calls.append(call)
+        if last:
+            self.done.set()
+
+    def send_chunk(self, text: str) -> None:
+        self._record("chunk", text)
+
+    def send_final(self, text: str | None, status: str) -> None:
+        self._record("final", text, status, last=True)
+
+    def send_cancelled(self) -> None:
+        self._record("cancelled", last=True)
+
+    def send_error(self, exc: BaseException) -> None:
+        self._record("error", exc, last=True)
+
+    def wait(self) -> list[tuple]:
+        assert self.done.wait(TIMEOUT_S), f"no final response; calls so far: {self.calls}"
+        with self._lock:
+            return list(self.calls)
+
+
+@dataclass
+class FakeEngine:
+    """A GenerateFn: yields `chunks`, then a finish event; can wait on `gate` first."""
+
+    chunks: tuple[str, ...] = ("Hel", "", "lo")
+    finish: str | None = "stop"
+    raises: BaseException | None = None
+    gate: threading.Event | None = None
+    calls: int = 0
+    started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        with self._lock:
+            self.calls += 1
+        self.started.release()
+        if self.gate is not None:
+            assert self.gate.wait(TIMEOUT_S)
+        for chunk in self.chunks:
+            yield StreamEvent(chunk)
+        if self.raises is not None:
+            raise self.raises
+        if self.finish is not None:
+            yield StreamEvent("", self.finish, generated_tokens=len(self.chunks))
+
+    def wait_started(self, count: int = 1) -> None:
+        for _ in range(count):
+            assert self.started.acquire(timeout=TIMEOUT_S)
+
+
+class Follows:
+    """on_follow callback: `reached` is set once `target` followers have joined."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.count = target, 0
+        self.reached = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count >= self.target:
+                self.reached.set()
+
+
+@pytest.fixture
+def cache() -> TieredCache:
+    return TieredCache(MemoryStore(1 << 20), None)
+
+
+def make_stage(cache: TieredCache, engine: FakeEngine, **kwargs: object) -> LlmStage:
+    return LlmStage(cache, engine, **kwargs)  # type: ignore[arg-type]
+
+
+def stored_text(cache: TieredCache, digest: str = DIGEST) -> str | None:
+    found = cache.get(digest)
+    return None if found is None else found.entry.text
+
+
+def test_identical_misses_coalesce_into_one_generation(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(15)
+    records: list[GenerationRecord] = []
+    stage = make_stage(cache, engine, on_follow=follows, on_generation=records.append)
+    responders = [Recorder() for _ in range(16)]
+    for r in responders:
+        stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        assert r.wait() == [("final", "Hello", "miss")]
+    stats = stage.stats()
+    assert engine.calls == 1
+    assert (stats.generations, stats.coalesced, stats.write_backs, stats.in_flight) == (1, 15, 1, 0)
+    assert stored_text(cache) == "Hello"
+    assert len(records) == 1 and records[0].stored and records[0].finish_reason == "stop"
+    stage.close()
+
+
+def test_stream_sends_chunks_then_final_without_text(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(STREAMING, DIGEST, "miss", True, r)
+    assert r.wait() == [("chunk", "Hel"), ("chunk", "lo"), ("final", None, "miss")]
+    stage.close()
+
+
+def test_non_stream_sends_one_final_with_text(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, r)
+    assert r.wait() == [("final", "Hello", "bypass")]
+    stage.close()
+
+
+def test_serve_hit_is_one_final() -> None:
+    r = Recorder()
+    LlmStage.serve_hit("cached", "exact", r)
+    assert r.wait() == [("final", "cached", "exact")]
+
+
+def test_uncacheable_is_never_coalesced_or_stored(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    responders = [Recorder(), Recorder()]
+    for r in responders:
+        stage.submit_miss(REQUEST, None, "bypass", True, r)
+    engine.wait_started(2)  # both generations run at once: nothing joined the other
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        assert r.wait() == [("final", "Hello", "bypass")]
+    stats = stage.stats()
+    assert (engine.calls, stats.coalesced, stats.write_backs) == (2, 0, 0)
+    assert cache.l1 is not None and cache.l1.stats().entries == 0
+    stage.close()
+
+
+def test_write_back_false_is_not_stored(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    stage.close()
+
+
+@pytest.mark.parametrize(
+    "raises", [RuntimeError("boom"), Unavailable("engine gone")], ids=["runtime", "tiercache"]
+)
+def test_engine_error_reaches_every_subscriber(cache: TieredCache, raises: Exception) -> None:
+    engine = FakeEngine(raises=raises, gate=threading.Event())
+    follows = Follows(2)
+    stage = make_stage(cache, engine, on_follow=follows)
+    responders = [Recorder() for _ in range(3)]
+    for r in responders:
+        stage.submit_miss(STREAMING, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        calls = r.wait()
+        assert calls[:-1] == [("chunk", "Hel"), ("chunk", "lo")]
+        kind, exc = calls[-1]
+        assert kind == "error" and isinstance(exc, Unavailable)
+        assert ("boom" if isinstance(raises, RuntimeError) else "engine gone") in str(exc)
+    assert engine.calls == 1
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    stage.close()
+
+
+@pytest.mark.parametrize("finish", ["cancelled", None, "weird"])
+def test_unclean_finish_is_not_stored(cache: TieredCache, finish: str | None) -> None:
+    records: list[GenerationRecord] = []
+    stage = make_stage(cache, FakeEngine(finish=finish), on_generation=records.append)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    kind, exc = r.wait()[-1]
+    assert kind == "error" and isinstance(exc, TierCacheError)
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    assert all(not rec.stored for rec in records)
+    stage.close()
+
+
+def test_length_finish_is_stored(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine(finish="length"))
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    found = cache.get(DIGEST)
+    assert found is not None and found.entry.finish_reason == "length"
+    stage.close()
+
+
+def test_cancelled_subscriber_gets_cancelled_others_get_text(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(1)
+    stage = make_stage(cache, engine, on_follow=follows)
+    staying, leaving = Recorder(), Recorder(cancelled=True)
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, staying)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, leaving)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert leaving.wait() == [("cancelled",)]
+    assert engine.gate is not None
+    engine.gate.set()
+    assert staying.wait() == [("final", "Hello", "miss")]
+    assert engine.calls == 1
+    assert stored_text(cache) == "Hello"
+    stage.close()
+
+
+def test_every_subscriber_cancelled_is_not_stored(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    engine.wait_started()
+    r.cancelled.set()
+    assert r.wait() == [("cancelled",)]
+    assert engine.gate is not None
+    engine.gate.set()
+    stage.close()  # waits for the generation to end
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+
+
+def test_entry_stored_after_lookup_skips_generation(cache: TieredCache) -> None:
+    engine = FakeEngine()
+    cache.put(DIGEST, "from cache")
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "from cache", "miss")]
+    assert engine.calls == 0
+    assert stage.stats().generations == 0
+    stage.close()
+
+
+def test_failed_write_back_still_answers(cache: TieredCache) -> None:
+    class BrokenStore(MemoryStore):
+        def put(self, key: str, entry: object) -> None:
+            raise OSError("disk full")
+
+    broken = TieredCache(None, BrokenStore(1 << 20))
+    stage = make_stage(broken, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert (stage.stats().write_backs, stage.stats().write_failures) == (0, 1)
+
+
+def test_after_completion_a_new_miss_starts_a_new_flight(cache: TieredCache) -> None:
+    engine = FakeEngine()
+    stage = make_stage(cache, engine)
+    first, second = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, first)
+    first.wait()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, second)
+    assert second.wait() == [("final", "Hello", "miss")]
+    assert (engine.calls, stage.stats().coalesced) == (2, 0)
+    stage.close()
+
+
+def all_done(responders: list[Recorder], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    return all(r.done.wait(max(0.0, deadline - time.monotonic())) for r in responders)
+
+
+def test_single_worker_serves_a_miss(cache: TieredCache) -> None:
+    """The waiting reader must not starve its own generation of the only worker."""
+    stage = make_stage(cache, FakeEngine(), max_workers=1)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    try:
+        assert all_done([r], 2.0), "the miss was never answered: the pool deadlocked"
+    finally:
+        r.cancelled.set()  # let a stuck reader return so the pool can shut down
+        stage.close()
+
+
+def test_burst_of_misses_while_pool_busy_does_not_deadlock(cache: TieredCache) -> None:
+    """Misses queued behind a busy pool take every worker as readers before any of their
+    generations is scheduled; they must still be answered."""
+    workers = 4
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(workers - 2)
+    stage = make_stage(cache, engine, max_workers=workers, on_follow=follows)
+    # One generation plus its readers occupy every worker...
+    busy = [Recorder() for _ in range(workers - 1)]
+    for r in busy:
+        stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    # ...while a burst of distinct misses queues up behind them.
+    burst = [Recorder() for _ in range(workers)]
+    for i, r in enumerate(burst):
+        stage.submit_miss(REQUEST, Digest(f"{i:064x}"), "miss", True, r)
+    assert engine.gate is not None
+    engine.gate.set()
+    try:
+        assert all_done(busy, TIMEOUT_S)
+        assert all_done(burst, 2.0), "queued misses were never answered: the pool deadlocked"
+    finally:
+        for r in busy + burst:
+            r.cancelled.set()
+        stage.close()

@@ -1,0 +1,121 @@
+"""The read-through two-tier cache (tiercache.tiered) with an injected clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tiercache.codec import CacheEntry
+from tiercache.stores import LmdbStore, MemoryStore
+from tiercache.tiered import Tier, TieredCache
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def l1() -> MemoryStore:
+    return MemoryStore(1 << 20)
+
+
+@pytest.fixture
+def l2(tmp_path: Path) -> Iterator[LmdbStore]:
+    store = LmdbStore(tmp_path / "l2", 1 << 20)
+    yield store
+    store.close()
+
+
+def test_l2_hit_is_promoted_into_l1(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
+    cache = TieredCache(l1, l2, clock=clock)
+    l2.put("k", CacheEntry("answer", created_s=clock.now))
+    assert l1.get("k") is None
+    first = cache.get("k")
+    assert first is not None and (first.tier, first.entry.text) == (Tier.L2, "answer")
+    second = cache.get("k")
+    assert second is not None and (second.tier, second.entry.text) == (Tier.L1, "answer")
+    assert l2.stats().hits == 1  # the second read never reached L2
+
+
+def test_put_writes_both_tiers(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
+    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=5.0)
+    written = cache.put("k", "answer", finish_reason="length", generated_tokens=3)
+    assert written == CacheEntry("answer", clock.now, 5.0, "length", 3)
+    assert l1.get("k") == written
+    assert l2.get("k") == written
+
+
+def test_miss_in_both_tiers(l1: MemoryStore, l2: LmdbStore) -> None:
+    assert TieredCache(l1, l2).get("k") is None
+
+
+@pytest.mark.parametrize("promoted", [False, True])
+def test_ttl_expiry(l1: MemoryStore, l2: LmdbStore, clock: FakeClock, promoted: bool) -> None:
+    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=10.0)
+    if promoted:
+        cache.put("k", "answer")
+    else:
+        l2.put("k", CacheEntry("answer", created_s=clock.now, ttl_s=10.0))
+    created = clock.now
+    clock.now = created + 9.999
+    live = cache.get("k")
+    assert live is not None and live.entry.text == "answer"
+    clock.now = created + 10.0
+    assert cache.get("k") is None
+    assert l1.stats().entries == 0
+    assert l2.stats().entries == 0
+    clock.now = created  # deleted, not just hidden
+    assert cache.get("k") is None
+
+
+def test_explicit_ttl_overrides_default(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
+    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=10.0)
+    cache.put("k", "answer", ttl_s=1.0)
+    clock.now += 1.0
+    assert cache.get("k") is None
+
+
+def test_ttl_zero_never_expires(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
+    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=0.0)
+    cache.put("k", "answer")
+    clock.now += 1e9
+    found = cache.get("k")
+    assert found is not None and found.entry.text == "answer"
+
+
+def test_without_l1(l2: LmdbStore, clock: FakeClock) -> None:
+    cache = TieredCache(None, l2, clock=clock)
+    cache.put("k", "answer")
+    for _ in range(2):
+        found = cache.get("k")
+        assert found is not None and (found.tier, found.entry.text) == (Tier.L2, "answer")
+    assert [t for t, _ in cache.stores()] == [Tier.L2]
+    assert cache.delete("k") is True
+    assert cache.delete("k") is False
+    assert cache.get("k") is None
+
+
+def test_without_l2(l1: MemoryStore, clock: FakeClock) -> None:
+    cache = TieredCache(l1, None, clock=clock)
+    cache.put("k", "answer")
+    found = cache.get("k")
+    assert found is not None and found.tier == Tier.L1
+    assert cache.delete("k") is True
+    assert cache.get("k") is None
+
+
+def test_delete_removes_from_both_tiers(l1: MemoryStore, l2: LmdbStore) -> None:
+    cache = TieredCache(l1, l2)
+    cache.put("k", "answer")
+    assert cache.delete("k") is True
+    assert l1.get("k") is None and l2.get("k") is None
