@@ -20,7 +20,9 @@ def _serve(args: argparse.Namespace) -> int:
         extra_args=args.tritonserver_args,
         exit_timeout_s=args.exit_timeout_secs,
     )
-    print(f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})")
+    print(
+        f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})"
+    )
     server.start()
     # tritonserver runs in its own session, so a terminal's Ctrl-C reaches only us; we forward it
     # as Triton's clean shutdown. SIGTERM is treated the same way.

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tiercache.errors import ConfigError
-from tiercache.request import Limits
+from tiercache.request import DEFAULT_LIMITS, Limits
 
 T = TypeVar("T")
 
 STATE_DIR_ENV = "TIERCACHE_STATE_DIR"
-_LIMITS = Limits()
 
 
 def default_state_dir() -> Path:
@@ -51,9 +50,9 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class PromptCacheConfig(CacheConfig):
-    max_prompt_chars: int = _LIMITS.max_prompt_chars
-    max_tokens: int = _LIMITS.max_tokens
-    max_stop_words: int = _LIMITS.max_stop_words
+    max_prompt_chars: int = DEFAULT_LIMITS.max_prompt_chars
+    max_tokens: int = DEFAULT_LIMITS.max_tokens
+    max_stop_words: int = DEFAULT_LIMITS.max_stop_words
 
     def limits(self) -> Limits:
         return Limits(

@@ -9,9 +9,9 @@ from enum import Enum
 
 from tiercache.config import CacheConfig
 from tiercache.keys import Digest, EngineIdentity, request_digest, tenant_scope
-from tiercache.request import GenerationRequest, Limits, RawInputs, canonicalize
+from tiercache.request import DEFAULT_LIMITS, GenerationRequest, Limits, RawInputs, canonicalize
 from tiercache.stores import LmdbStore, MemoryStore
-from tiercache.tiered import TieredCache, Tier
+from tiercache.tiered import Tier, TieredCache
 
 
 class CacheStatus(str, Enum):
@@ -41,7 +41,11 @@ def open_tiered_cache(
 
 class PromptCache:
     def __init__(
-        self, cache: TieredCache, secret: bytes, engine: EngineIdentity, limits: Limits = Limits()
+        self,
+        cache: TieredCache,
+        secret: bytes,
+        engine: EngineIdentity,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.cache = cache
         self._secret = secret

@@ -1,8 +1,8 @@
 """Canonical generation requests.
 
 A request reaches the core as `RawInputs` (optional fields, as the client sent them) and leaves
-`canonicalize` as a validated, normalized `GenerationRequest`. Two raw requests that must produce the
-same answer canonicalize to equal `GenerationRequest`s: spacing and Unicode form of the prompt,
+`canonicalize` as a validated, normalized `GenerationRequest`. Two raw requests that must produce
+the same answer canonicalize to equal `GenerationRequest`s: spacing and Unicode form of the prompt,
 omitted versus explicit default parameters, float spelling, the order of stop words, and sampling
 parameters that cannot change a greedy result are all normalized away.
 """
@@ -35,6 +35,9 @@ class Limits:
     max_stop_words: int = 16
     max_stop_word_chars: int = 64
     max_tenant_chars: int = 256
+
+
+DEFAULT_LIMITS = Limits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +183,7 @@ class Canonical:
         return self.request.deterministic or self.cache_control.allow_sampled
 
 
-def canonicalize(raw: RawInputs, limits: Limits = Limits()) -> Canonical:
+def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     """Validate `raw` and build its canonical form; raises `InvalidRequest` naming the problem."""
     if raw.text_input is None:
         raise InvalidRequest("text_input is required")

@@ -44,8 +44,11 @@ class TritonInstall:
         return self.root / "caches"
 
     def stub(self, version: tuple[int, int] = sys.version_info[:2]) -> Path:
-        return self.root / "python_backend_stubs" / f"{version[0]}.{version[1]}" / (
-            "triton_python_backend_stub"
+        return (
+            self.root
+            / "python_backend_stubs"
+            / f"{version[0]}.{version[1]}"
+            / ("triton_python_backend_stub")
         )
 
 

@@ -2,7 +2,7 @@
 
 Both keep the same contract (`Store`), checked by one test suite run against each. Store, policy
 and codec are separate: L1's policy is cachetools' LRU (we only override `popitem` to count
-evictions); L2 asks an `EvictionPolicy` for victims when its byte budget (the LMDB map size) is full.
+evictions); L2 asks an `EvictionPolicy` for victims as its byte budget (the LMDB map size) fills.
 """
 
 from __future__ import annotations

@@ -104,8 +104,13 @@ def tensor(name: str, values: list, datatype: str) -> grpcclient.InferInput:
     if datatype == "BYTES":
         array = np.array([values], dtype=np.object_)
     else:
-        dtype = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64,
-                 "INT64": np.int64}[datatype]
+        dtype = {
+            "INT32": np.int32,
+            "FP32": np.float32,
+            "BOOL": np.bool_,
+            "UINT64": np.uint64,
+            "INT64": np.int64,
+        }[datatype]
         array = np.array([values], dtype=dtype)
     t = grpcclient.InferInput(name, list(array.shape), datatype)
     t.set_data_from_numpy(array)

@@ -142,10 +142,14 @@ def test_malformed_tensors_fail_only_that_request(
     cases = [
         ([tensor("text_input", [b"\xff\xfe bad"], "BYTES")], "not valid UTF-8"),
         ([tensor("max_tokens", [4], "INT32")], "text_input"),  # required input missing
-        ([tensor("text_input", [b"hi"], "BYTES"), tensor("max_tokens", [4, 5], "INT32")],
-         "max_tokens"),  # wrong shape
-        ([tensor("text_input", [b"hi"], "BYTES"), tensor("max_tokens", [4], "INT64")],
-         "max_tokens"),  # wrong dtype, rejected by Triton itself
+        (
+            [tensor("text_input", [b"hi"], "BYTES"), tensor("max_tokens", [4, 5], "INT32")],
+            "max_tokens",
+        ),  # wrong shape
+        (
+            [tensor("text_input", [b"hi"], "BYTES"), tensor("max_tokens", [4], "INT64")],
+            "max_tokens",
+        ),  # wrong dtype, rejected by Triton itself
     ]
     for inputs, message in cases:
         outcome = raw_stream_infer(server, inputs)
@@ -195,7 +199,9 @@ def test_cancelled_stream_never_leaves_a_partial_entry(
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
     c.start_stream(callback=lambda result, error: chunks.put((result, error)))
     c.async_stream_infer(
-        "ensemble", build_inputs(prompt, max_tokens=48, stream=True), enable_empty_final_response=True
+        "ensemble",
+        build_inputs(prompt, max_tokens=48, stream=True),
+        enable_empty_final_response=True,
     )
     result, error = chunks.get(timeout=120)
     assert error is None and result.as_numpy("text_output") is not None

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from tiercache.codec import CacheEntry
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import (

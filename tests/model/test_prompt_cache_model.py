@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from tiercache.codec import CacheEntry
 from tiercache.errors import ConfigError
 from tiercache.request import GenerationRequest

@@ -142,8 +142,14 @@ def test_build_inputs_empty_stop_words_not_sent() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 1.5}, {"max_tokens": True}, {"temperature": "hot"}, {"stop_words": "END"},
-     {"tenant": 3}, {"stream": 1}],
+    [
+        {"max_tokens": 1.5},
+        {"max_tokens": True},
+        {"temperature": "hot"},
+        {"stop_words": "END"},
+        {"tenant": 3},
+        {"stream": 1},
+    ],
 )
 def test_build_inputs_type_errors(kwargs: dict[str, Any]) -> None:
     with pytest.raises(TypeError):
@@ -289,15 +295,47 @@ def test_generate_unreachable_fails_fast() -> None:
 def test_parser_generate_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERCACHE_URL", "triton:9001")
     args = build_parser().parse_args(
-        ["generate", "why?", "--max-tokens", "5", "--temperature", "0.2", "--top-p", "0.9",
-         "--top-k", "3", "--seed", "7", "--stop", "a", "--stop", "b", "--tenant", "t",
-         "--cache-control", "no-cache", "--adapter", "sql", "--no-stream", "--json"]
+        [
+            "generate",
+            "why?",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0.2",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "3",
+            "--seed",
+            "7",
+            "--stop",
+            "a",
+            "--stop",
+            "b",
+            "--tenant",
+            "t",
+            "--cache-control",
+            "no-cache",
+            "--adapter",
+            "sql",
+            "--no-stream",
+            "--json",
+        ]
     )
     assert (args.command, args.prompt, args.url) == ("generate", "why?", "triton:9001")
     assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed) == (
-        5, 0.2, 0.9, 3, 7)
+        5,
+        0.2,
+        0.9,
+        3,
+        7,
+    )
     assert (args.stop, args.tenant, args.cache_control, args.lora_name) == (
-        ["a", "b"], "t", "no-cache", "sql")
+        ["a", "b"],
+        "t",
+        "no-cache",
+        "sql",
+    )
     assert args.stream is False and args.json is True
 
 
@@ -347,8 +385,12 @@ def test_cli_generate_json(
 
 @pytest.mark.parametrize(
     ("message", "code"),
-    [("invalid request: bad", 2), ("not found: adapter 'x'", 2), ("capacity: full", 1),
-     ("boom", 1)],
+    [
+        ("invalid request: bad", 2),
+        ("not found: adapter 'x'", 2),
+        ("capacity: full", 1),
+        ("boom", 1),
+    ],
 )
 def test_cli_error_exit_codes(
     fake_server: tuple[str, _FakeTriton],

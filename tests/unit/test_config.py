@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from tiercache.config import (
     STATE_DIR_ENV,
     CacheConfig,

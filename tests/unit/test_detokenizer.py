@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tiercache.engine.torch_engine import _Detokenizer, _Sampler
 from tiercache.request import GenerationRequest
 

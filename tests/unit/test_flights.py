@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from tiercache.errors import Unavailable
 from tiercache.flights import Flight, FlightTable, abandoned_error
 

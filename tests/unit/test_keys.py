@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tiercache.keys import (
     SECRET_BYTES,
     EngineIdentity,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
 from tiercache.keys import Digest

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from tiercache.errors import InvalidRequest
 from tiercache.request import (
     CacheControl,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+
 from tiercache.codec import (
     ENTRY_OVERHEAD_BYTES,
     MAGIC,

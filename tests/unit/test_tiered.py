@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tiercache.codec import CacheEntry
 from tiercache.stores import LmdbStore, MemoryStore
 from tiercache.tiered import Tier, TieredCache

@@ -59,7 +59,9 @@ class TritonPythonModel:
         )
         self.write_backs = m.counter("tiercache_llm_write_backs_total", "Answers stored in L2")
         self.tokens = m.counter("tiercache_llm_generated_tokens_total", "Tokens generated")
-        self.ttft_s = m.histogram("tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss")
+        self.ttft_s = m.histogram(
+            "tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss"
+        )
         self.duration_s = m.histogram("tiercache_llm_generation_seconds", "Engine time per miss")
         self.stage = LlmStage(
             open_tiered_cache(self.config, with_l1=False),
@@ -79,7 +81,9 @@ class TritonPythonModel:
         )
         for response in infer.exec(decoupled=True):
             if response.has_error():
-                raise Unavailable(f"engine {self.config.engine_model}: {response.error().message()}")
+                raise Unavailable(
+                    f"engine {self.config.engine_model}: {response.error().message()}"
+                )
             finish = tb.output_string(response, "FINISH_REASON")
             yield StreamEvent(
                 text=tb.output_string(response, "TEXT") or "",
@@ -103,7 +107,9 @@ class TritonPythonModel:
             try:
                 lookup = tb.read_string(request, "LOOKUP_STATUS")
                 if lookup == CacheStatus.EXACT.value:
-                    self.stage.serve_hit(tb.read_string(request, "CACHED_TEXT") or "", lookup, responder)
+                    self.stage.serve_hit(
+                        tb.read_string(request, "CACHED_TEXT") or "", lookup, responder
+                    )
                     self.requests[lookup].increment(1)
                     continue
                 request_json = tb.read_string(request, "REQUEST")

@@ -27,14 +27,18 @@ class TritonPythonModel:
         )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
-            s: m.counter("tiercache_prompt_cache_requests_total", "Requests by cache status", status=s)
+            s: m.counter(
+                "tiercache_prompt_cache_requests_total", "Requests by cache status", status=s
+            )
             for s in [*(c.value for c in CacheStatus), "error"]
         }
         self.hits = {
             t: m.counter("tiercache_prompt_cache_hits_total", "Exact hits by tier", tier=t.value)
             for t, _ in self.cache.cache.stores()
         }
-        self.lookup_s = m.histogram("tiercache_prompt_cache_lookup_seconds", "Stage time per request")
+        self.lookup_s = m.histogram(
+            "tiercache_prompt_cache_lookup_seconds", "Stage time per request"
+        )
         self.store_metrics = tb.StoreMetrics(m, self.cache.cache)
         self._stats_at = 0.0
 

@@ -27,10 +27,14 @@ class TritonPythonModel:
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
         self.finished = {
-            r: m.counter("tiercache_engine_finished_total", "Generations by finish reason", reason=r)
+            r: m.counter(
+                "tiercache_engine_finished_total", "Generations by finish reason", reason=r
+            )
             for r in ("stop", "length", "cancelled", "error")
         }
-        self.queue_depth = m.gauge("tiercache_engine_queue_depth", "Requests waiting for the engine")
+        self.queue_depth = m.gauge(
+            "tiercache_engine_queue_depth", "Requests waiting for the engine"
+        )
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
         self._worker.start()

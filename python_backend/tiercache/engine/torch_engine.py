@@ -13,13 +13,14 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiercache.engine.model_source import ModelSource
 from tiercache.engine.events import StreamEvent
+from tiercache.engine.model_source import ModelSource
 from tiercache.request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,7 @@ def pick_device(requested: str = "auto") -> str:
     return requested
 
 
-def load_model(
-    source: ModelSource, cache_dir: Path, device: str
-) -> tuple[AutoTokenizer, AutoModelForCausalLM]:
+def load_model(source: ModelSource, cache_dir: Path, device: str) -> tuple[Any, Any]:
     """Load weights, de-quantising the GGUF only once: the float32 result is saved as safetensors
     under `cache_dir/<revision>` (18 s -> well under 1 s on the next start)."""
     converted = cache_dir / f"{source.spec.package}-{source.identity.revision[:16]}"
@@ -45,8 +44,8 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
         # transformers refuses to save a model loaded from GGUF; the weights are plain float32 now.
-        model.hf_quantizer = None
-        model.is_quantized = False
+        setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a submodule by transformers
+        setattr(model, "is_quantized", False)  # noqa: B010
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp = converted.with_name(f"{converted.name}.tmp-{os.getpid()}")
@@ -60,10 +59,10 @@ def load_model(
             shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
         log.info("de-quantised %s in %.1f s", source.gguf_path.name, time.perf_counter() - started)
     tokenizer = AutoTokenizer.from_pretrained(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
-    model.to(device)
-    model.eval()
-    return tokenizer, model
+    loaded: Any = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    loaded = loaded.to(device)
+    loaded.eval()
+    return tokenizer, loaded
 
 
 class TorchEngine:
@@ -151,7 +150,9 @@ class _Sampler:
             sorted_scores, order = torch.sort(scores, descending=True)
             probs_sorted = torch.softmax(sorted_scores, dim=-1)
             drop = probs_sorted.cumsum(dim=-1) - probs_sorted > self.request.top_p
-            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+            scores = scores.masked_fill(
+                torch.zeros_like(drop).scatter(0, order, drop), float("-inf")
+            )
         cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1).cpu().numpy()
         index = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return min(index, len(cdf) - 1)
@@ -165,7 +166,7 @@ class _Detokenizer:
     multi-byte sequence) and any suffix that could still grow into a stop word.
     """
 
-    def __init__(self, tokenizer: AutoTokenizer, stop_words: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop_words: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.stop_words = stop_words
         self.emitted = 0

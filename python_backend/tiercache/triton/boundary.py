@@ -201,7 +201,9 @@ class Metrics:
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         if name not in self._families:
-            self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families[name] = pb_utils.MetricFamily(
+                name=name, description=description, kind=kind
+            )
         return self._families[name]
 
 
