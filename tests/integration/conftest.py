@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +70,24 @@ def metric_value(server: TritonServer, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(match.group(2))
     return total
+
+
+METRICS_FLUSH_S = 0.25  # tiercache.triton.boundary.Metrics' default flush interval
+
+
+def settled_metric(server: TritonServer, name: str, timeout_s: float = 30, **labels: str) -> float:
+    """The metric once the stages' deferred updates have been flushed: read until two reads two
+    flush intervals apart agree (updates reach the metrics port at most one interval late)."""
+    deadline = time.monotonic() + timeout_s
+    previous = metric_value(server, name, **labels)
+    while True:
+        time.sleep(2 * METRICS_FLUSH_S)
+        current = metric_value(server, name, **labels)
+        if current == previous:
+            return current
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not settle within {timeout_s} s")
+        previous = current
 
 
 @dataclass(frozen=True, slots=True)

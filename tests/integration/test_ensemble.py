@@ -12,7 +12,7 @@ from tiercache.server import TritonServer
 from tiercache_client import TierCacheClient
 from tiercache_client.errors import InvalidRequestError
 
-from .conftest import metric_value, raw_stream_infer, start_server, tensor
+from .conftest import raw_stream_infer, settled_metric, start_server, tensor
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12
@@ -91,25 +91,25 @@ def test_concurrent_identical_misses_generate_once(
     server: TritonServer, client: TierCacheClient
 ) -> None:
     prompt = unique("Write one sentence about trains.")
-    generations = metric_value(server, "tiercache_llm_generations_total")
-    coalesced = metric_value(server, "tiercache_llm_coalesced_total")
+    generations = settled_metric(server, "tiercache_llm_generations_total")
+    coalesced = settled_metric(server, "tiercache_llm_coalesced_total")
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: client.generate_text(prompt, max_tokens=24), range(16)))
     assert {r.text for r in results} == {results[0].text}
-    assert metric_value(server, "tiercache_llm_generations_total") - generations == 1
-    assert metric_value(server, "tiercache_llm_coalesced_total") - coalesced == 15
+    assert settled_metric(server, "tiercache_llm_generations_total") - generations == 1
+    assert settled_metric(server, "tiercache_llm_coalesced_total") - coalesced == 15
     assert client.generate_text(prompt, max_tokens=24).cache_status == "exact"
 
 
 def test_metrics_count_requests_by_status(server: TritonServer, client: TierCacheClient) -> None:
-    before = metric_value(server, "tiercache_prompt_cache_requests_total", status="exact")
+    before = settled_metric(server, "tiercache_prompt_cache_requests_total", status="exact")
     prompt = unique("Name a planet.")
     client.generate_text(prompt, max_tokens=4)
     client.generate_text(prompt, max_tokens=4)
-    assert metric_value(server, "tiercache_prompt_cache_requests_total", status="exact") == (
+    assert settled_metric(server, "tiercache_prompt_cache_requests_total", status="exact") == (
         before + 1
     )
-    assert metric_value(server, "tiercache_cache_entries", tier="l2") >= 1
+    assert settled_metric(server, "tiercache_cache_entries", tier="l2") >= 1
 
 
 @pytest.mark.parametrize(
@@ -194,7 +194,7 @@ def test_cancelled_stream_never_leaves_a_partial_entry(
     from tiercache_client.client import build_inputs
 
     prompt = unique("Tell a long story about a lighthouse keeper.")
-    generations = metric_value(server, "tiercache_llm_generations_total")
+    generations = settled_metric(server, "tiercache_llm_generations_total")
     chunks: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
     c.start_stream(callback=lambda result, error: chunks.put((result, error)))
@@ -208,7 +208,7 @@ def test_cancelled_stream_never_leaves_a_partial_entry(
     c.stop_stream(cancel_requests=True)
     c.close()
     deadline = time.monotonic() + 120
-    while metric_value(server, "tiercache_llm_generations_total") == generations:
+    while settled_metric(server, "tiercache_llm_generations_total") == generations:
         assert time.monotonic() < deadline, "the abandoned generation never finished"
         time.sleep(0.2)
     served = client.generate_text(prompt, max_tokens=48)

@@ -26,6 +26,12 @@ def model(load_model: Callable[[str], ModuleType], tmp_path: Path) -> Iterator[A
     instance.finalize()
 
 
+def flushed(model: Any) -> Any:
+    """The model after its deferred metric updates were applied (a flusher tick)."""
+    model.metrics.flush()
+    return model
+
+
 def make_request(pb_utils: ModuleType, text: bytes = b"What is Triton?", **inputs: Any) -> Any:
     tensors = [pb_utils.Tensor("text_input", np.array([[text]], dtype=np.object_))]
     for name, value in inputs.items():
@@ -75,11 +81,14 @@ def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType) -> None:
         assert len(output(pb_utils, response, "DIGEST")) == 64
         assert output(pb_utils, response, "CACHED_TEXT") == ""
         assert output(pb_utils, response, "WRITE_BACK").item() is True
-    assert model.requests["miss"].value() == 2
-    assert model.requests["error"].value() == 1
-    assert model.requests["exact"].value() == 0
-    assert model.requests["miss"].labels == {"model": "prompt_cache", "status": "miss"}
-    assert len(model.lookup_s.observations) == 2
+    assert flushed(model).requests["miss"].metric.value() == 2
+    assert flushed(model).requests["error"].metric.value() == 1
+    assert flushed(model).requests["exact"].metric.value() == 0
+    assert flushed(model).requests["miss"].metric.labels == {
+        "model": "prompt_cache",
+        "status": "miss",
+    }
+    assert len(flushed(model).lookup_s.metric.observations) == 2
 
 
 def test_non_utf8_text_is_invalid(model: Any, pb_utils: ModuleType) -> None:
@@ -121,8 +130,8 @@ def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType) -> None:
     assert output(pb_utils, hit, "CACHED_TEXT") == "answer"
     assert output(pb_utils, hit, "DIGEST") == digest
     assert output(pb_utils, hit, "WRITE_BACK").item() is False
-    assert model.requests["exact"].value() == 1
-    assert model.hits[Tier.L1].value() == 1
+    assert flushed(model).requests["exact"].metric.value() == 1
+    assert flushed(model).hits[Tier.L1].metric.value() == 1
 
 
 def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> None:
@@ -131,7 +140,7 @@ def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> Non
     model.cache.cache.l2.put(digest, CacheEntry("from l2", created_s=0.0))
     (hit,) = model.execute([make_request(pb_utils)])
     assert output(pb_utils, hit, "CACHED_TEXT") == "from l2"
-    assert model.hits[Tier.L2].value() == 1
+    assert flushed(model).hits[Tier.L2].metric.value() == 1
 
 
 def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType) -> None:
@@ -164,7 +173,7 @@ def test_cache_control_and_sampling(
     assert output(pb_utils, response, "LOOKUP_STATUS") == status
     assert bool(output(pb_utils, response, "DIGEST")) is has_digest
     assert bool(output(pb_utils, response, "WRITE_BACK")) is write_back
-    assert model.requests[status].value() == 1
+    assert flushed(model).requests[status].metric.value() == 1
 
 
 def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> None:
@@ -199,6 +208,7 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> N
 
 def test_store_gauges_are_published(model: Any, pb_utils: ModuleType) -> None:
     model.execute([make_request(pb_utils)])
+    model.metrics.flush()
     families = model.metrics._families
     entries = {m.labels["tier"]: m.value() for m in families["tiercache_cache_entries"].metrics}
     assert entries == {"l1": 0, "l2": 0}

@@ -70,6 +70,7 @@ class TritonPythonModel:
             on_generation=self._record,
             on_follow=lambda: self.coalesced.increment(1),
         )
+        m.start()
 
     def _generate(self, request: GenerationRequest) -> Iterator[StreamEvent]:
         """One engine call over BLS, as a stream of events. BLS requests cannot be cancelled in
@@ -131,3 +132,4 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.stage.close()
+        self.metrics.close()

@@ -13,8 +13,6 @@ from tiercache.keys import load_or_create_secret
 from tiercache.prompt_cache import CacheStatus, PromptCache, open_tiered_cache
 from tiercache.triton import boundary as tb
 
-STATS_INTERVAL_S = 1.0
-
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
@@ -39,8 +37,8 @@ class TritonPythonModel:
         self.lookup_s = m.histogram(
             "tiercache_prompt_cache_lookup_seconds", "Stage time per request"
         )
-        self.store_metrics = tb.StoreMetrics(m, self.cache.cache)
-        self._stats_at = 0.0
+        tb.StoreMetrics(m, self.cache.cache)
+        m.start()
 
     def execute(self, requests: list) -> list:
         responses = []
@@ -67,11 +65,8 @@ class TritonPythonModel:
             if result.tier is not None:
                 self.hits[result.tier].increment(1)
             self.lookup_s.observe(time.perf_counter() - started)
-        now = time.monotonic()
-        if now - self._stats_at >= STATS_INTERVAL_S:
-            self._stats_at = now
-            self.store_metrics.update()
         return responses
 
     def finalize(self) -> None:
+        self.metrics.close()
         self.cache.cache.close()

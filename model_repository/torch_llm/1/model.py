@@ -35,6 +35,7 @@ class TritonPythonModel:
         self.queue_depth = m.gauge(
             "tiercache_engine_queue_depth", "Requests waiting for the engine"
         )
+        m.start()
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
         self._worker.start()
@@ -78,3 +79,4 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._queue.put(_STOP)
         self._worker.join(timeout=30)
+        self.metrics.close()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -177,27 +178,115 @@ def output_int(response: Any, name: str) -> int | None:
 # ---- metrics ----------------------------------------------------------------------------------
 
 
-class Metrics:
-    """Metric families created once per model (in initialize), with one label set per model."""
+class _DeferredMetric:
+    """A Triton metric whose updates are recorded locally and applied by the flusher thread.
 
-    def __init__(self, model_name: str) -> None:
+    Each pb_utils metric call is a round trip from the stub process to the server; three of them
+    on the hit path cost more than the whole cache lookup, so requests only touch local numbers.
+    """
+
+    __slots__ = ("_metric", "_lock", "_delta", "_value", "_observations")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._lock = threading.Lock()
+        self._delta = 0.0
+        self._value: float | None = None
+        self._observations: list[float] = []
+
+    @property
+    def metric(self) -> Any:
+        """The underlying pb_utils metric (what a scrape reads after the next flush)."""
+        return self._metric
+
+    def increment(self, amount: float) -> None:
+        with self._lock:
+            self._delta += amount
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = value
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._observations.append(value)
+
+    def flush(self) -> None:
+        with self._lock:
+            delta, value, observations = self._delta, self._value, self._observations
+            self._delta, self._value, self._observations = 0.0, None, []
+        if delta:
+            self._metric.increment(delta)
+        if value is not None:
+            self._metric.set(value)
+        for observation in observations:
+            self._metric.observe(observation)
+
+
+class Metrics:
+    """Metric families created once per model (in initialize), one label set per model, and a
+    flusher thread (started by `start`, joined by `close` in finalize) that applies the deferred
+    updates every `flush_interval_s`, so a scrape sees them at most that much later."""
+
+    def __init__(self, model_name: str, flush_interval_s: float = 0.25) -> None:
         self.labels = {"model": model_name}
         self._families: dict[str, Any] = {}
+        self._metrics: list[_DeferredMetric] = []
+        self._hooks: list[Callable[[], None]] = []
+        self._interval_s = flush_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def counter(self, name: str, description: str, **labels: str) -> Any:
+    def counter(self, name: str, description: str, **labels: str) -> _DeferredMetric:
         return self._metric(name, description, pb_utils.MetricFamily.COUNTER, labels)
 
-    def gauge(self, name: str, description: str, **labels: str) -> Any:
+    def gauge(self, name: str, description: str, **labels: str) -> _DeferredMetric:
         return self._metric(name, description, pb_utils.MetricFamily.GAUGE, labels)
 
     def histogram(
         self, name: str, description: str, buckets: list[float] = LATENCY_BUCKETS_S, **labels: str
-    ) -> Any:
+    ) -> _DeferredMetric:
         family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
-        return family.Metric(labels={**self.labels, **labels}, buckets=buckets)
+        return self._track(family.Metric(labels={**self.labels, **labels}, buckets=buckets))
 
-    def _metric(self, name: str, description: str, kind: Any, labels: dict[str, str]) -> Any:
-        return self._family(name, description, kind).Metric(labels={**self.labels, **labels})
+    def on_flush(self, hook: Callable[[], None]) -> None:
+        """Run `hook` on the flusher thread before each flush (e.g. to refresh gauges)."""
+        self._hooks.append(hook)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        for hook in self._hooks:
+            hook()
+        for metric in self._metrics:
+            metric.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - metrics must never take a model down; logged
+                log.exception("metrics flush failed")
+
+    def _metric(
+        self, name: str, description: str, kind: Any, labels: dict[str, str]
+    ) -> _DeferredMetric:
+        return self._track(
+            self._family(name, description, kind).Metric(labels={**self.labels, **labels})
+        )
+
+    def _track(self, metric: Any) -> _DeferredMetric:
+        deferred = _DeferredMetric(metric)
+        self._metrics.append(deferred)
+        return deferred
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         if name not in self._families:
@@ -208,7 +297,8 @@ class Metrics:
 
 
 class StoreMetrics:
-    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache."""
+    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache;
+    refreshed on the metrics flusher thread."""
 
     def __init__(self, metrics: Metrics, cache: Any) -> None:
         self._cache = cache
@@ -220,6 +310,7 @@ class StoreMetrics:
                 metrics.counter("tiercache_cache_evictions_total", "Evictions", tier=tier.value),
             )
         self._evictions_seen = {tier: 0 for tier in self._gauges}
+        metrics.on_flush(self.update)
 
     def update(self) -> None:
         for tier, store in self._cache.stores():
