@@ -90,26 +90,26 @@ def test_read_raw_inputs(tb: ModuleType, pb_utils: ModuleType) -> None:
 @pytest.mark.parametrize(
     ("reader", "array", "fragment"),
     [
-        ("read_int", np.array([[1.5]], dtype=np.float32), "integer"),
-        ("read_float", np.array([[1]], dtype=np.int32), "float"),
-        ("read_bool", np.array([[1]], dtype=np.int8), "BOOL"),
-        ("read_string", np.array([[1]], dtype=np.int32), "BYTES"),
-        ("read_string", np.array([[b"a", b"b"]], dtype=np.object_), "exactly one"),
-        ("read_string", np.array([[b"\xff"]], dtype=np.object_), "UTF-8"),
-        ("read_int", np.array([[1], [2]], dtype=np.int32), "batch size"),
+        ("integer", np.array([[1.5]], dtype=np.float32), "integer"),
+        ("number", np.array([[1]], dtype=np.int32), "float"),
+        ("boolean", np.array([[1]], dtype=np.int8), "BOOL"),
+        ("string", np.array([[1]], dtype=np.int32), "BYTES"),
+        ("string", np.array([[b"a", b"b"]], dtype=np.object_), "exactly one"),
+        ("string", np.array([[b"\xff"]], dtype=np.object_), "UTF-8"),
+        ("integer", np.array([[1], [2]], dtype=np.int32), "batch size"),
     ],
 )
 def test_readers_reject_bad_tensors(
     tb: ModuleType, pb_utils: ModuleType, reader: str, array: np.ndarray, fragment: str
 ) -> None:
     with pytest.raises(InvalidRequest, match=fragment):
-        getattr(tb, reader)(request_with(pb_utils, x=array), "x")
+        getattr(tb.Inputs(request_with(pb_utils, x=array)), reader)("x")
 
 
 def test_missing_input_reads_as_none(tb: ModuleType, pb_utils: ModuleType) -> None:
     request = request_with(pb_utils)
-    for reader in ("read_int", "read_float", "read_bool", "read_string", "read_strings"):
-        assert getattr(tb, reader)(request, "absent") is None
+    for reader in ("integer", "number", "boolean", "string", "strings"):
+        assert getattr(tb.Inputs(request), reader)("absent") is None
 
 
 def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:

@@ -106,22 +106,21 @@ class TritonPythonModel:
         for request in requests:
             responder = _Responder(request.get_response_sender())
             try:
-                lookup = tb.read_string(request, "LOOKUP_STATUS")
+                inputs = tb.Inputs(request)
+                lookup = inputs.string("LOOKUP_STATUS")
                 if lookup == CacheStatus.EXACT.value:
-                    self.stage.serve_hit(
-                        tb.read_string(request, "CACHED_TEXT") or "", lookup, responder
-                    )
+                    self.stage.serve_hit(inputs.string("CACHED_TEXT") or "", lookup, responder)
                     self.requests[lookup].increment(1)
                     continue
-                request_json = tb.read_string(request, "REQUEST")
+                request_json = inputs.string("REQUEST")
                 if request_json is None or lookup not in (CacheStatus.MISS, CacheStatus.BYPASS):
                     raise Unavailable(f"llm got an incomplete lookup (status {lookup!r})")
-                digest = tb.read_string(request, "DIGEST") or None
+                digest = inputs.string("DIGEST") or None
                 self.stage.submit_miss(
                     GenerationRequest.from_json(request_json),
                     Digest(digest) if digest else None,
                     lookup,
-                    bool(tb.read_bool(request, "WRITE_BACK")),
+                    bool(inputs.boolean("WRITE_BACK")),
                     responder,
                 )
                 self.requests[lookup].increment(1)

@@ -10,8 +10,12 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
 from tiercache.keys import load_or_create_secret
-from tiercache.prompt_cache import CacheStatus, PromptCache, open_tiered_cache
+from tiercache.prompt_cache import CacheStatus, LookupResult, PromptCache, open_tiered_cache
 from tiercache.triton import boundary as tb
+
+
+def request_json(result: LookupResult) -> str:
+    return "" if result.status is CacheStatus.EXACT else result.request.to_json()
 
 
 class TritonPythonModel:
@@ -53,7 +57,8 @@ class TritonPythonModel:
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[
-                        tb.bytes_tensor("REQUEST", [result.request.to_json()]),
+                        # llm needs the request only to generate: a hit skips the encoding.
+                        tb.bytes_tensor("REQUEST", [request_json(result)]),
                         tb.bytes_tensor("DIGEST", [result.digest or ""]),
                         tb.bytes_tensor("CACHED_TEXT", [result.text]),
                         tb.bytes_tensor("LOOKUP_STATUS", [result.status.value]),

@@ -57,7 +57,7 @@ class TritonPythonModel:
                 sender.send(tb.error_response(exc), flags=FINAL)
 
     def _generate(self, request: object, sender: object) -> None:
-        text = tb.read_string(request, "REQUEST")
+        text = tb.Inputs(request).string("REQUEST")
         if text is None:
             raise ValueError("REQUEST is required")
         gen_request = GenerationRequest.from_json(text)

@@ -66,14 +66,62 @@ def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
 # ---- inputs -----------------------------------------------------------------------------------
 
 
-def _input_array(request: Any, name: str) -> np.ndarray | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    array = tensor.as_numpy()
-    if array.ndim >= 2 and array.shape[0] != 1:
-        raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
-    return array
+class Inputs:
+    """One request's input tensors, looked up by name.
+
+    Built once per request: `pb_utils.get_input_tensor_by_name` rebuilds the list of the
+    request's tensors on every call, which on the 11-input hit path cost more than the lookup.
+    Every reader returns None for an omitted input and raises InvalidRequest naming the input
+    for a wrong batch size, shape, dtype or encoding.
+    """
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, request: Any) -> None:
+        self._tensors = {tensor.name(): tensor for tensor in request.inputs()}
+
+    def _array(self, name: str) -> np.ndarray | None:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        array = tensor.as_numpy()
+        if array.ndim >= 2 and array.shape[0] != 1:
+            raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
+        return array
+
+    def string(self, name: str) -> str | None:
+        array = self._array(name)
+        return None if array is None else _decode(name, _one(name, array))
+
+    def strings(self, name: str) -> list[str] | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        return [_decode(name, value) for value in array.reshape(-1)]
+
+    def integer(self, name: str) -> int | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind not in "iu":
+            raise InvalidRequest(f"{name} must be an integer tensor, got {array.dtype}")
+        return int(_one(name, array))
+
+    def number(self, name: str) -> float | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind != "f":
+            raise InvalidRequest(f"{name} must be a float tensor, got {array.dtype}")
+        return float(_one(name, array))
+
+    def boolean(self, name: str) -> bool | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind != "b":
+            raise InvalidRequest(f"{name} must be a BOOL tensor, got {array.dtype}")
+        return bool(_one(name, array))
 
 
 def _one(name: str, array: np.ndarray) -> Any:
@@ -93,59 +141,21 @@ def _decode(name: str, value: Any) -> str:
         raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
 
 
-def read_string(request: Any, name: str) -> str | None:
-    array = _input_array(request, name)
-    return None if array is None else _decode(name, _one(name, array))
-
-
-def read_strings(request: Any, name: str) -> list[str] | None:
-    array = _input_array(request, name)
-    if array is None:
-        return None
-    return [_decode(name, value) for value in array.reshape(-1)]
-
-
-def read_int(request: Any, name: str) -> int | None:
-    array = _input_array(request, name)
-    if array is None:
-        return None
-    if array.dtype.kind not in "iu":
-        raise InvalidRequest(f"{name} must be an integer tensor, got {array.dtype}")
-    return int(_one(name, array))
-
-
-def read_float(request: Any, name: str) -> float | None:
-    array = _input_array(request, name)
-    if array is None:
-        return None
-    if array.dtype.kind != "f":
-        raise InvalidRequest(f"{name} must be a float tensor, got {array.dtype}")
-    return float(_one(name, array))
-
-
-def read_bool(request: Any, name: str) -> bool | None:
-    array = _input_array(request, name)
-    if array is None:
-        return None
-    if array.dtype.kind != "b":
-        raise InvalidRequest(f"{name} must be a BOOL tensor, got {array.dtype}")
-    return bool(_one(name, array))
-
-
 def read_raw_inputs(request: Any) -> RawInputs:
     """The public ensemble inputs of one request (TensorRT-LLM's names plus ours)."""
+    inputs = Inputs(request)
     return RawInputs(
-        text_input=read_string(request, "text_input"),
-        max_tokens=read_int(request, "max_tokens"),
-        stream=read_bool(request, "stream"),
-        temperature=read_float(request, "temperature"),
-        top_p=read_float(request, "top_p"),
-        top_k=read_int(request, "top_k"),
-        seed=read_int(request, "seed"),
-        stop_words=read_strings(request, "stop_words"),
-        tenant=read_string(request, "tenant"),
-        cache_control=read_string(request, "cache_control"),
-        lora_name=read_string(request, "lora_name"),
+        text_input=inputs.string("text_input"),
+        max_tokens=inputs.integer("max_tokens"),
+        stream=inputs.boolean("stream"),
+        temperature=inputs.number("temperature"),
+        top_p=inputs.number("top_p"),
+        top_k=inputs.integer("top_k"),
+        seed=inputs.integer("seed"),
+        stop_words=inputs.strings("stop_words"),
+        tenant=inputs.string("tenant"),
+        cache_control=inputs.string("cache_control"),
+        lora_name=inputs.string("lora_name"),
     )
 
 
