@@ -46,13 +46,13 @@ import os
 import random
 import sys
 from collections import Counter
-from typing import Iterable, List, Sequence
+from collections.abc import Iterable, Sequence
 
 
-def load_prompt_pool(path: str, fields: Sequence[str]) -> List[str]:
+def load_prompt_pool(path: str, fields: Sequence[str]) -> list[str]:
     """Distinct, non-empty texts of the given fields, in first-seen file order."""
     seen = set()
-    pool: List[str] = []
+    pool: list[str] = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             line = line.strip()
@@ -74,7 +74,7 @@ def load_prompt_pool(path: str, fields: Sequence[str]) -> List[str]:
 
 def build_sequence(
     pool: Sequence[str], count: int, repeat_share: float, seed: int, zipf_s: float
-) -> List[str]:
+) -> list[str]:
     """Return `count` prompts, about `repeat_share` of them repeats of earlier ones."""
     if count <= 0:
         return []
@@ -107,11 +107,11 @@ def build_sequence(
     # Zipf-like popularity: each unique prompt gets a random rank 1..n_new.
     ranks = list(range(1, n_new + 1))
     rng.shuffle(ranks)
-    weights = [1.0 / (r ** zipf_s) for r in ranks]
+    weights = [1.0 / (r**zipf_s) for r in ranks]
 
-    out: List[str] = []
-    seen: List[str] = []
-    cum: List[float] = []  # cumulative popularity of the prompts seen so far
+    out: list[str] = []
+    seen: list[str] = []
+    cum: list[float] = []  # cumulative popularity of the prompts seen so far
     next_new = 0
     for pos in range(count):
         if is_new[pos]:
@@ -156,14 +156,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--single", metavar="PROMPT", help="emit exactly one entry with this prompt")
     p.add_argument("--out", required=True, help="output JSON path ('-' for stdout)")
     p.add_argument("--count", type=int, default=200, help="number of entries (default 200)")
-    p.add_argument("--repeat-share", type=float, default=0.5,
-                   help="fraction of entries that repeat an earlier prompt (default 0.5)")
+    p.add_argument(
+        "--repeat-share",
+        type=float,
+        default=0.5,
+        help="fraction of entries that repeat an earlier prompt (default 0.5)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens value (default 16)")
-    p.add_argument("--fields", default="a,b",
-                   help="comma-separated JSONL fields used as prompts (default a,b)")
-    p.add_argument("--zipf-s", type=float, default=1.1,
-                   help="Zipf exponent of prompt popularity for repeats (default 1.1)")
+    p.add_argument(
+        "--fields", default="a,b", help="comma-separated JSONL fields used as prompts (default a,b)"
+    )
+    p.add_argument(
+        "--zipf-s",
+        type=float,
+        default=1.1,
+        help="Zipf exponent of prompt popularity for repeats (default 1.1)",
+    )
     p.add_argument("--text-name", default="text_input", help="prompt tensor name")
     p.add_argument("--max-tokens-name", default="max_tokens", help="max-tokens tensor name")
     args = p.parse_args(argv)
@@ -189,12 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool_size = len(pool)
         prompts = build_sequence(pool, args.count, args.repeat_share, args.seed, args.zipf_s)
 
-    entries = [make_entry(p, args.max_tokens, args.text_name, args.max_tokens_name) for p in prompts]
+    entries = [
+        make_entry(p, args.max_tokens, args.text_name, args.max_tokens_name) for p in prompts
+    ]
     # {"data": [...]} with one entry per line (valid JSON, easy to diff/grep).
     text = (
-        '{"data": [\n'
-        + ",\n".join(json.dumps(e, ensure_ascii=False) for e in entries)
-        + "\n]}\n"
+        '{"data": [\n' + ",\n".join(json.dumps(e, ensure_ascii=False) for e in entries) + "\n]}\n"
     )
     if args.out == "-":
         sys.stdout.write(text)

@@ -4,31 +4,37 @@
 Usage::
 
     python scripts/perf/run_perf.py --out .perf [--pairs PATH] [--count 200] [--repeat-share 0.5]
-        [--max-tokens 8] [--concurrency 1:4:3] [--measurement-mode count_windows]
-        [--measurement-request-count 50] [--tenant NAME]
+        [--max-tokens 8] [--concurrency 1:4:3] [--request-count N] [--tenant NAME]
+    # perf_analyzer's stabilizing windows over the whole range, in one run, instead:
+    python scripts/perf/run_perf.py --out .perf --request-count 0 \\
+        [--measurement-mode count_windows] [--measurement-request-count 50] [--max-trials 10]
 
 Steps: install perf_analyzer into OUT/pa (scripts/perf/install_perf_analyzer.sh, idempotent);
 build OUT/perf_inputs.json with scripts/perf/make_inputs.py from the pairs file (default
 `<repo>/../shared/eval/semantic_pairs_dev.jsonl`); start tritonserver on model_repository/ on free
 ports (state dir `<repo>/.tiercache`, shared with `make serve`, so the converted weights are
-reused); run perf_analyzer over gRPC with `--streaming` (the ensemble is decoupled); write
-OUT/perf_report.txt (settings, perf_analyzer's output, cache-status counts from the server's
-metrics) and OUT/perf.csv (`perf_analyzer -f`).
+reused); run perf_analyzer over gRPC with `--streaming` (the ensemble is decoupled) and
+`--input-data`; write OUT/perf_report.txt (settings, a summary, perf_analyzer's full output,
+cache-status counts from the server's metrics) and OUT/perf.csv (`perf_analyzer -f`, all levels).
 
-What the figures mean:
+How it measures, and what the figures mean:
 
-* perf_analyzer cycles through the input list round-robin. The list holds `--count` entries of
-  which about `--repeat-share` repeat an earlier prompt; once a run has sent more than `--count`
-  requests every later request repeats one already answered (so it is an exact hit), and the
-  concurrency levels after the first run on a cache the earlier levels filled. The cache-status
-  counts at the end of the report say how many requests really hit.
-* Each run uses its own cache scope (the `tenant` input, default `perf-<unix time>`), so a run
-  starts cold even though the state dir, and with it L2, persists across runs. `--tenant ""`
-  sends no tenant: the default scope, warm from earlier runs and from `make serve`.
-* On a decoupled model perf_analyzer times the FIRST response: for a miss that is the first
-  streamed token chunk (time to first token), not the whole generation. A hit is one response.
-* Misses run the real CPU LLM (about 1-2 s each on 2 cores), hence the short defaults: max_tokens 8
-  and count-based windows of 50 requests.
+* Default: one perf_analyzer run per concurrency level with `--request-count` requests (default
+  `--count`: exactly one pass over the input list), measured as one window. perf_analyzer refuses
+  `--request-count` over several levels in one run, and a mix of ~1 ms hits and ~1 s misses
+  seldom passes its stability check (it then aborts after `--max-trials` windows, with no
+  result), so `--request-count 0`, the windowed mode, is opt-in.
+* perf_analyzer cycles through the input list round-robin, in order. The list holds `--count`
+  entries of which about `--repeat-share` repeat an earlier prompt; once a run has sent more than
+  `--count` requests, every later request repeats one already answered (an exact hit). The
+  cache-status counts in the report say how many requests really hit.
+* Each run uses a cache scope of its own (the `tenant` input: `perf-<unix time>`, plus `-c<N>`
+  per level), so every level starts cold although the state dir, and with it L2, persists across
+  runs. `--tenant ""` sends no tenant: the default scope, warm from earlier runs and `make serve`.
+* On a decoupled model perf_analyzer times the FIRST response: on a miss that is the first
+  streamed chunk (time to first token), not the whole generation. A hit is one response.
+* Misses run the real CPU LLM (about 0.5-1 s each at max_tokens 8 on 2 cores; one engine
+  instance, so concurrent misses queue), hence the short defaults: about 2 minutes in all.
 
 This module also holds the perf_analyzer helpers that scripts/bench_prompt_cache.py imports.
 """
@@ -36,6 +42,7 @@ This module also holds the perf_analyzer helpers that scripts/bench_prompt_cache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -46,9 +53,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PERF_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PERF_DIR.parent.parent
@@ -71,11 +79,12 @@ def exit_on_sigterm() -> None:
 
 
 def display_path(path: Path) -> str:
-    """`path` relative to the current directory when it lies below it (shorter logs)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+    """`path` relative to the current directory when it lies below it (symlinks kept as they
+    are: the venv's python stays .venv/bin/python)."""
+    full, cwd = os.path.abspath(path), os.getcwd()
+    if full.startswith(cwd + os.sep):
+        return os.path.relpath(full, cwd)
+    return str(path)
 
 
 # ---- perf_analyzer ------------------------------------------------------------------------------
@@ -198,18 +207,41 @@ class PerfRun:
 
 
 def run_perf_analyzer(
-    perf_analyzer: Path, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 900
+    perf_analyzer: Path,
+    args: Sequence[str],
+    log_path: Path | None = None,
+    timeout_s: float = 900,
+    server: Any = None,
 ) -> PerfRun:
-    """Run perf_analyzer with `args`; its stdout (and stderr) also go to `log_path`."""
+    """Run perf_analyzer with `args`; its output also goes to `log_path`. perf_analyzer waits
+    forever on a stream whose server died, so it is killed when `server` (a TritonServer) exits
+    or `timeout_s` passes."""
     command = [str(perf_analyzer), *args]
     started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    problem = ""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-        returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode = 124
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = f"perf_analyzer timed out after {timeout_s:.0f} s\n"
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if server is not None and server.process is not None:
+                    code = server.process.poll()
+                    if code is not None:
+                        problem = f"tritonserver exited (code {code}) during the run"
+                if not problem and time.monotonic() - started > timeout_s:
+                    problem = f"perf_analyzer timed out after {timeout_s:.0f} s"
+                if problem:
+                    proc.kill()
+                    stdout, stderr = proc.communicate()
+                    stderr = (stderr or "") + problem + "\n"
+                    break
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    returncode = proc.returncode if not problem else 124
     wall_s = time.monotonic() - started
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +250,21 @@ def run_perf_analyzer(
             + (f"\n--- stderr ---\n{stderr}" if stderr.strip() else "")
         )
     return PerfRun(command, returncode, stdout, stderr, parse_perf_output(stdout), wall_s)
+
+
+@contextlib.contextmanager
+def running(server: Any) -> Iterator[Any]:
+    """`with server`, then SIGKILL whatever is left of its process group: when tritonserver
+    dies abruptly its Python-backend stubs outlive it (and ignore SIGTERM)."""
+    try:
+        with server:
+            yield server
+    finally:
+        if server.process is not None:
+            try:
+                os.killpg(server.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def failure_reason(run: PerfRun) -> str:
@@ -269,7 +316,52 @@ def counts_by_label(
     return out
 
 
+def status_counts(port: int, settle_s: float = 0.3, max_wait_s: float = 5.0) -> dict[str, float]:
+    """tiercache's counters: requests by cache status (prompt_cache), plus the llm stage's
+    `generations` and `coalesced` (misses that joined an identical in-flight generation).
+
+    The stages flush their metrics from a thread every 0.25 s, so this scrapes until two scrapes
+    `settle_s` apart agree (at most `max_wait_s`). {} when the metrics port does not answer."""
+
+    def scrape() -> dict[str, float]:
+        samples = scrape_metrics(port)
+        counts = counts_by_label(samples, "tiercache_prompt_cache_requests_total", "status")
+        for key, metric in (
+            ("generations", "tiercache_llm_generations_total"),
+            ("coalesced", "tiercache_llm_coalesced_total"),
+        ):
+            counts[key] = sum(v for name, _, v in samples if name == metric)
+        return counts
+
+    deadline = time.monotonic() + max_wait_s
+    try:
+        counts = scrape()
+        while time.monotonic() < deadline:
+            time.sleep(settle_s)
+            again = scrape()
+            if again == counts:
+                break
+            counts = again
+        return counts
+    except OSError:
+        return {}
+
+
+def status_text(delta: dict[str, int]) -> str:
+    """ "exact 90, miss 110 (generations 100, coalesced 10)"."""
+    if not delta:
+        return "unknown (metrics unavailable)"
+    delta = dict(delta)
+    extra = {k: delta.pop(k) for k in ("generations", "coalesced") if k in delta}
+    text = ", ".join(f"{k} {v}" for k, v in delta.items() if v) or "no requests"
+    if any(extra.values()):
+        text += " (" + ", ".join(f"{k} {v}" for k, v in extra.items()) + ")"
+    return text
+
+
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    if not before and not after:
+        return {}
     return {k: int(after.get(k, 0) - before.get(k, 0)) for k in sorted(set(before) | set(after))}
 
 
@@ -368,6 +460,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.levels = concurrency_levels(args.concurrency)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         p.error(str(exc))
+    if not args.pairs.is_file():
+        p.error(
+            f"pairs file {args.pairs} not found (the default is "
+            "../shared/eval/semantic_pairs_dev.jsonl beside the repository); pass --pairs PATH"
+        )
     if args.request_count is None:
         args.request_count = args.count
     if args.request_count < 0:
@@ -387,11 +484,6 @@ def write_inputs_json(path: Path, entries: list[dict]) -> None:
 
 def build_inputs(args: argparse.Namespace, out: Path) -> tuple[list[dict], str]:
     """make_inputs.py from the pairs file -> (its entries, its one-line summary)."""
-    if not args.pairs.is_file():
-        raise SystemExit(
-            f"error: pairs file {args.pairs} not found (the default is "
-            "../shared/eval/semantic_pairs_dev.jsonl beside the repository); pass --pairs PATH"
-        )
     command = [
         sys.executable,
         str(MAKE_INPUTS),
@@ -448,7 +540,6 @@ def merge_csv(parts: list[Path], dest: Path) -> None:
         if lines:
             header = header or lines[0]
             rows += lines[1:]
-        part.unlink()
     if header:
         dest.write_text("\n".join([header, *rows]) + "\n")
 
@@ -473,12 +564,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # One perf_analyzer run per level (--request-count cannot span several levels), each in a
     # cache scope of its own; or one windowed run over the whole range.
-    plans: list[tuple[str, str, list[str]]] = []  # (label, tenant, level-specific args)
+    plans: list[tuple[str, str, str, list[str]]] = []  # (file suffix, label, tenant, args)
     if args.request_count > 0:
         for c in args.levels:
             tenant = f"{args.tenant}-c{c}" if args.tenant else ""
             plans.append(
                 (
+                    f"c{c}",
                     f"concurrency {c}",
                     tenant,
                     ["--concurrency-range", str(c), "--request-count", str(args.request_count)],
@@ -499,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             windows += ["--measurement-interval", str(args.measurement_ms)]
         plans.append(
             (
+                "range",
                 f"concurrency {args.concurrency}",
                 args.tenant,
                 ["--concurrency-range", args.concurrency, *windows],
@@ -514,19 +607,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.monotonic()
     runs: list[LevelRun] = []
-    metric = "tiercache_prompt_cache_requests_total"
     try:
-        with TritonServer(
-            model_repository=MODEL_REPOSITORY,
-            state_dir=args.state_dir.resolve(),
-            ports=ports,
-            log_path=server_log,
+        with running(
+            TritonServer(
+                model_repository=MODEL_REPOSITORY,
+                state_dir=args.state_dir.resolve(),
+                ports=ports,
+                log_path=server_log,
+            )
         ) as server:
             progress(f"server ready in {time.monotonic() - started:.1f} s")
-            for i, (label, tenant, level_args) in enumerate(plans):
-                data_path = out / f"perf_inputs_{i}.json"
+            for suffix, label, tenant, level_args in plans:
+                data_path = out / f"perf_inputs_{suffix}.json"
                 write_inputs_json(data_path, with_tenant(entries, tenant))
-                part_csv = out / f"perf_{i}.csv"
+                part_csv = out / f"perf_{suffix}.csv"
                 pa_args = [
                     "-m",
                     "ensemble",
@@ -541,22 +635,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "-f",
                     str(part_csv),
                 ]
-                before = counts_by_label(scrape_metrics(ports.metrics), metric, "status")
+                before = status_counts(ports.metrics)
                 progress(f"{label}: perf_analyzer {shown(pa_args)}")
-                run = run_perf_analyzer(perf_analyzer, pa_args, timeout_s=args.timeout_s)
-                after = counts_by_label(scrape_metrics(ports.metrics), metric, "status")
+                run = run_perf_analyzer(
+                    perf_analyzer, pa_args, timeout_s=args.timeout_s, server=server
+                )
+                after = status_counts(ports.metrics)
                 runs.append(LevelRun(label, tenant, run, part_csv, counter_delta(before, after)))
                 progress(f"{label}: done in {run.wall_s:.1f} s (exit {run.returncode})")
-                data_path.unlink()
                 if server.process is not None and server.process.poll() is not None:
                     progress(f"tritonserver exited (code {server.process.returncode})")
                     break
     except ServerError as exc:
         raise SystemExit(f"error: {exc}; see {server_log}") from None
     merge_csv([r.csv_path for r in runs], csv_path)
-
-    def status_text(statuses: dict[str, int]) -> str:
-        return ", ".join(f"{k} {v}" for k, v in statuses.items() if v) or "none"
 
     machine = machine_summary()
     mode = (
@@ -578,7 +670,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.count} of a run repeat earlier ones, which are then exact hits.",
         "- The ensemble is decoupled: perf_analyzer times the FIRST response, which on a miss is "
         "the first streamed chunk (time to first token), on a hit the whole answer.",
-        "- 'cache status' counts come from the server's tiercache_prompt_cache_requests_total.",
+        "- 'cache status' counts come from the server's metrics: prompt_cache's requests by "
+        "status; generations = engine runs; coalesced = misses that joined an identical "
+        "generation already in flight (a repeat sent before the first answer was stored).",
         "",
         "Summary:",
     ]
