@@ -215,3 +215,35 @@ def test_cancelled_stream_never_leaves_a_partial_entry(
     fresh = client.generate_text(prompt, max_tokens=48, cache_control="no-cache, no-store")
     assert served.cache_status in ("exact", "miss")
     assert served.text == fresh.text  # greedy: a whole answer, never a prefix
+
+
+def test_engine_stops_generating_when_its_request_is_cancelled(
+    server: TritonServer, client: TierCacheClient
+) -> None:
+    """torch_llm checks cancellation between tokens: a cancelled direct request ends early."""
+    import queue
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tiercache.request import GenerationRequest
+
+    request = GenerationRequest(unique("Tell a very long story about a river."), max_tokens=200)
+    before = settled_metric(server, "tiercache_engine_finished_total", reason="cancelled")
+    data = np.array([request.to_json().encode()], dtype=np.object_)
+    tensor_in = grpcclient.InferInput("REQUEST", [1], "BYTES")
+    tensor_in.set_data_from_numpy(data)
+    responses: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    c.start_stream(callback=lambda result, error: responses.put((result, error)))
+    c.async_stream_infer("torch_llm", [tensor_in], enable_empty_final_response=True)
+    result, error = responses.get(timeout=120)
+    assert error is None and result.as_numpy("TEXT") is not None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 60
+    while settled_metric(server, "tiercache_engine_finished_total", reason="cancelled") == before:
+        assert time.monotonic() < deadline, "the engine never reported the cancellation"
+    assert settled_metric(server, "tiercache_engine_finished_total", reason="error") == 0
+    assert client.generate_text(unique("Still generating?"), max_tokens=2).cache_status == "miss"

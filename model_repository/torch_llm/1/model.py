@@ -54,7 +54,10 @@ class TritonPythonModel:
                 self._generate(request, sender)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.finished["error"].increment(1)
-                sender.send(tb.error_response(exc), flags=FINAL)
+                try:
+                    sender.send(tb.error_response(exc), flags=FINAL)
+                except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
+                    tb.log.exception("could not send an error response")
 
     def _generate(self, request: object, sender: object) -> None:
         text = tb.Inputs(request).string("REQUEST")
