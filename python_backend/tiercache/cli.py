@@ -63,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "tritonserver_args", nargs=argparse.REMAINDER, help="after --: passed to tritonserver"
     )
+    sub.add_parser(
+        "eval-semantic",
+        help="evaluate the semantic cache's guard on a pairs file (see --help)",
+        add_help=False,
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "eval-semantic":
+        from tiercache.semantic.evaluate import main_eval_semantic  # loads the embedder: lazy
+
+        return main_eval_semantic(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.tritonserver_args and args.tritonserver_args[0] == "--":

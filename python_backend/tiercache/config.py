@@ -50,6 +50,7 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class PromptCacheConfig(CacheConfig):
+    embedder: str = "all-minilm-l6-v2"  # "": no semantic scopes (embedding_cache not deployed)
     max_prompt_chars: int = DEFAULT_LIMITS.max_prompt_chars
     max_tokens: int = DEFAULT_LIMITS.max_tokens
     max_stop_words: int = DEFAULT_LIMITS.max_stop_words
@@ -63,7 +64,38 @@ class PromptCacheConfig(CacheConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class LlmConfig(CacheConfig):
+class SemanticConfig(CacheConfig):
+    """Settings shared by the stages that touch the semantic index (embedding_cache, llm)."""
+
+    embedder: str = "all-minilm-l6-v2"
+    semantic_max_bytes: int = 2 << 30  # the index's row log (LMDB map size)
+
+    def semantic_path(self) -> Path:
+        return self.state_path() / "semantic"
+
+    def vectors_path(self) -> Path:
+        return self.state_path() / "vectors"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingCacheConfig(SemanticConfig):
+    embedder_model: str = "embedder"  # the Triton model that embeds (BLS target)
+    target_precision: float = 0.0  # 0: the guard model's default operating point
+    top_k: int = 5
+    min_similarity: float = 0.6
+    flat_max_rows: int = 10_000  # per scope; an HNSW graph (hnswlib) above this
+    vector_l1_max_bytes: int = 16 << 20
+    vector_l2_max_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedderConfig:
+    embedder: str = "all-minilm-l6-v2"
+    device: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class LlmConfig(SemanticConfig):
     engine_model: str = "torch_llm"  # the Triton model that generates (BLS target)
     max_concurrency: int = 64  # worker threads: generations plus waiting followers
 

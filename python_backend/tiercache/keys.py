@@ -60,6 +60,31 @@ def request_digest(
     return Digest(hashlib.sha256(encoded.encode("utf-8")).hexdigest())
 
 
+def semantic_scope(
+    scope: TenantScope,
+    engine: EngineIdentity,
+    request: GenerationRequest,
+    embedder_key: str,
+    adapter_digest: str = "",
+) -> str:
+    """The scope a semantic hit must stay inside: everything in the exact key except the prompt,
+    plus the embedder (vectors of two embedders are not comparable). Two requests in one scope
+    differ only in wording, so one's answer can serve the other."""
+    fields = request.key_fields()
+    del fields["prompt"]
+    document = {
+        "v": KEY_SCHEMA_VERSION,
+        "scope": scope,
+        "model": engine.model_id,
+        "revision": engine.revision,
+        "adapter_digest": adapter_digest,
+        "embedder": embedder_key,
+        "request": fields,
+    }
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
 def load_or_create_secret(path: Path) -> bytes:
     """The server secret: read from `path`, or created there once (0600) and kept across restarts.
 

@@ -35,8 +35,9 @@ class Responder(Protocol):
 
     def send_chunk(self, text: str) -> None: ...
 
-    def send_final(self, text: str | None, status: str) -> None:
-        """The last response: `text` (None in stream mode, where chunks carried it) and status."""
+    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
+        """The last response: `text` (None in stream mode, where chunks carried it), status, and
+        the similarity of a semantic hit."""
         ...
 
     def send_cancelled(self) -> None:
@@ -92,9 +93,11 @@ class LlmStage:
     # -- entry points (called from execute) ------------------------------------------------
 
     @staticmethod
-    def serve_hit(text: str, status: str, responder: Responder) -> None:
+    def serve_hit(
+        text: str, status: str, responder: Responder, similarity: float | None = None
+    ) -> None:
         """A cache hit: the whole answer in one final response, so the first chunk is at once."""
-        responder.send_final(text, status)
+        responder.send_final(text, status, similarity)
 
     def submit_miss(
         self,
@@ -103,9 +106,13 @@ class LlmStage:
         status: str,
         write_back: bool,
         responder: Responder,
+        after_store: Callable[[], None] | None = None,
     ) -> None:
-        """Serve a miss on a worker thread; returns at once (the model is decoupled)."""
-        self._pool.submit(self._serve_miss, request, digest, status, write_back, responder)
+        """Serve a miss on a worker thread; returns at once (the model is decoupled).
+        `after_store` runs once the answer is stored (the semantic index write), if it is."""
+        self._pool.submit(
+            self._serve_miss, request, digest, status, write_back, responder, after_store
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -116,6 +123,7 @@ class LlmStage:
         status: str,
         write_back: bool,
         responder: Responder,
+        after_store: Callable[[], None] | None,
     ) -> None:
         if digest is None:
             flight, leader = Flight(key="", subscribers=1), True
@@ -124,7 +132,7 @@ class LlmStage:
             if not leader and self._on_follow is not None:
                 self._on_follow()
         if leader:
-            self._producers.submit(self._produce, flight, request, digest, write_back)
+            self._producers.submit(self._produce, flight, request, digest, write_back, after_store)
         try:
             parts: list[str] = []
             for chunk in flight.read(responder.is_cancelled):
@@ -149,6 +157,7 @@ class LlmStage:
         request: GenerationRequest,
         digest: Digest | None,
         write_back: bool,
+        after_store: Callable[[], None] | None = None,
     ) -> None:
         """Run one generation into `flight`; store it only if clean, complete and wanted."""
         error: TierCacheError | None = None
@@ -167,6 +176,8 @@ class LlmStage:
                 error = Unavailable(f"engine finished with {record.finish_reason!r}")
             elif write_back and digest is not None:
                 stored = self._store(digest, flight.text(), record)
+                if stored and after_store is not None:
+                    self._run_after_store(after_store)
             if self._on_generation is not None:
                 self._on_generation(dataclasses.replace(record, stored=stored))
         except TierCacheError as exc:
@@ -214,6 +225,14 @@ class LlmStage:
         with self._lock:
             self._write_backs += 1
         return True
+
+    def _run_after_store(self, after_store: Callable[[], None]) -> None:
+        try:
+            after_store()
+        except Exception:  # noqa: BLE001 - the answer is stored; an index write may fail alone
+            log.exception("after-store hook failed")
+            with self._lock:
+                self._write_failures += 1
 
     def stats(self) -> LlmStats:
         with self._lock:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tiercache.config import CacheConfig
-from tiercache.keys import Digest, EngineIdentity, request_digest, tenant_scope
+from tiercache.keys import Digest, EngineIdentity, request_digest, semantic_scope, tenant_scope
 from tiercache.request import DEFAULT_LIMITS, GenerationRequest, Limits, RawInputs, canonicalize
 from tiercache.stores import LmdbStore, MemoryStore
 from tiercache.tiered import Tier, TieredCache
@@ -18,6 +18,7 @@ class CacheStatus(str, Enum):
     EXACT = "exact"  # served from the exact cache
     MISS = "miss"  # looked up, not found: generated (and stored if allowed)
     BYPASS = "bypass"  # not looked up: `no-cache`, or a sampled request without a seed
+    SEMANTIC = "semantic"  # served from the answer of a reworded request in the same scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class LookupResult:
     text: str  # the cached answer on EXACT, else ""
     tier: Tier | None
     write_back: bool  # whether the llm stage may store the answer
+    scope: str = ""  # semantic scope ("" when semantic caching does not apply)
+    semantic_lookup: bool = False  # whether embedding_cache should look this request up
 
 
 def open_tiered_cache(
@@ -46,11 +49,14 @@ class PromptCache:
         secret: bytes,
         engine: EngineIdentity,
         limits: Limits = DEFAULT_LIMITS,
+        embedder_key: str = "",
     ) -> None:
+        """`embedder_key` names the embedding cache's embedder; empty turns semantic scopes off."""
         self.cache = cache
         self._secret = secret
         self.engine = engine
         self.limits = limits
+        self.embedder_key = embedder_key
 
     def lookup(self, raw: RawInputs) -> LookupResult:
         """Validate and canonicalize `raw` (InvalidRequest on bad input), then look it up."""
@@ -58,11 +64,21 @@ class PromptCache:
         request, control = canonical.request, canonical.cache_control
         if not canonical.cacheable:
             return LookupResult(request, None, CacheStatus.BYPASS, "", None, False)
-        digest = request_digest(tenant_scope(self._secret, canonical.tenant), self.engine, request)
+        tenant = tenant_scope(self._secret, canonical.tenant)
+        digest = request_digest(tenant, self.engine, request)
         write_back = not control.no_store
+        scope = ""
+        if self.embedder_key and canonical.semantic_eligible:
+            scope = semantic_scope(tenant, self.engine, request, self.embedder_key)
         if control.no_cache:
-            return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back)
+            return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back, scope)
+        if control.semantic_only:
+            return LookupResult(
+                request, digest, CacheStatus.MISS, "", None, write_back, scope, bool(scope)
+            )
         found = self.cache.get(digest)
         if found is None:
-            return LookupResult(request, digest, CacheStatus.MISS, "", None, write_back)
+            return LookupResult(
+                request, digest, CacheStatus.MISS, "", None, write_back, scope, bool(scope)
+            )
         return LookupResult(request, digest, CacheStatus.EXACT, found.entry.text, found.tier, False)

@@ -47,13 +47,17 @@ class CacheControl:
     - `no-cache`: skip lookup (the answer is generated, and stored unless `no-store`).
     - `no-store`: do not write the answer back.
     - `allow-sampled`: cache a sampled request that has no seed (off by default: its answers vary).
+    - `no-semantic`: exact lookup only; the answer is not added to the semantic index either.
+    - `semantic-only`: skip the exact lookup and look up by meaning only.
     """
 
     no_cache: bool = False
     no_store: bool = False
     allow_sampled: bool = False
+    no_semantic: bool = False
+    semantic_only: bool = False
 
-    WORDS = ("no-cache", "no-store", "allow-sampled")
+    WORDS = ("no-cache", "no-store", "allow-sampled", "no-semantic", "semantic-only")
 
     @classmethod
     def parse(cls, text: str | None) -> CacheControl:
@@ -70,6 +74,8 @@ class CacheControl:
             no_cache="no-cache" in words,
             no_store="no-store" in words,
             allow_sampled="allow-sampled" in words,
+            no_semantic="no-semantic" in words,
+            semantic_only="semantic-only" in words,
         )
 
 
@@ -181,6 +187,12 @@ class Canonical:
     @property
     def cacheable(self) -> bool:
         return self.request.deterministic or self.cache_control.allow_sampled
+
+    @property
+    def semantic_eligible(self) -> bool:
+        """Greedy, or sampled with a seed; not opted out. An unseeded sampled answer is one draw
+        of many, so it never stands in for a reworded request (even with allow-sampled)."""
+        return self.request.deterministic and not self.cache_control.no_semantic
 
 
 def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:

@@ -46,8 +46,11 @@ class Recorder:
     def send_chunk(self, text: str) -> None:
         self._record("chunk", text)
 
-    def send_final(self, text: str | None, status: str) -> None:
-        self._record("final", text, status, last=True)
+    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
+        if similarity is None:
+            self._record("final", text, status, last=True)
+        else:
+            self._record("final", text, status, similarity, last=True)
 
     def send_cancelled(self) -> None:
         self._record("cancelled", last=True)
@@ -352,3 +355,38 @@ def test_burst_of_misses_while_pool_busy_does_not_deadlock(cache: TieredCache) -
         for r in busy + burst:
             r.cancelled.set()
         stage.close()
+
+
+def test_after_store_runs_once_only_when_the_answer_is_stored(cache: TieredCache) -> None:
+    stored_calls: list[str] = []
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r, lambda: stored_calls.append("indexed"))
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert stored_calls == ["indexed"]
+    not_stored: list[str] = []
+    stage = make_stage(TieredCache(MemoryStore(1 << 20), None), FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, r, lambda: not_stored.append("indexed"))
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert not_stored == []
+
+
+def test_failing_after_store_does_not_fail_the_answer(cache: TieredCache) -> None:
+    def broken() -> None:
+        raise RuntimeError("index unavailable")
+
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r, broken)
+    assert r.wait() == [("final", "Hello", "miss")]  # the hook runs before the flight completes
+    assert stored_text(cache) == "Hello"
+    assert stage.stats().write_failures == 1
+
+
+def test_semantic_hit_carries_its_similarity() -> None:
+    r = Recorder()
+    LlmStage.serve_hit("cached", "semantic", r, 0.93)
+    assert r.wait() == [("final", "cached", "semantic", 0.93)]

@@ -3,8 +3,9 @@ calls the engine model through BLS."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
@@ -14,6 +15,7 @@ from tiercache.keys import Digest
 from tiercache.llm_stage import GenerationRecord, LlmStage
 from tiercache.prompt_cache import CacheStatus, open_tiered_cache
 from tiercache.request import GenerationRequest
+from tiercache.semantic.index import SemanticStore
 from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -32,8 +34,10 @@ class _Responder:
     def send_chunk(self, text: str) -> None:
         self.sender.send(pb_utils.InferenceResponse([tb.bytes_tensor("TEXT_OUTPUT", [text])]))
 
-    def send_final(self, text: str | None, status: str) -> None:
+    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
         outputs = [tb.bytes_tensor("CACHE_STATUS", [status])]
+        if similarity is not None:
+            outputs.append(tb.scalar_tensor("CACHE_SIMILARITY", similarity, np.float32))
         if text is not None:
             outputs.insert(0, tb.bytes_tensor("TEXT_OUTPUT", [text]))
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
@@ -63,6 +67,7 @@ class TritonPythonModel:
             "tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss"
         )
         self.duration_s = m.histogram("tiercache_llm_generation_seconds", "Engine time per miss")
+        self.semantic = SemanticStore(self.config.semantic_path(), self.config.semantic_max_bytes)
         self.stage = LlmStage(
             open_tiered_cache(self.config, with_l1=False),
             self._generate,
@@ -93,6 +98,17 @@ class TritonPythonModel:
                 prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
             )
 
+    def _index_writer(
+        self, inputs: tb.Inputs, request: GenerationRequest, digest: str | None
+    ) -> Callable[[], None] | None:
+        """What to run once the answer is stored: add the prompt's vector to its scope's rows."""
+        scope = inputs.string("SCOPE") or ""
+        tensor = inputs.vector("EMBEDDING")
+        if not scope or not digest or tensor is None or tensor.size == 0:
+            return None
+        vector = tensor.reshape(-1).astype(np.float32)
+        return lambda: self.semantic.append(scope, digest, request.prompt, vector)
+
     def _record(self, record: GenerationRecord) -> None:
         self.generations.increment(1)
         self.tokens.increment(record.generated_tokens)
@@ -108,20 +124,25 @@ class TritonPythonModel:
             try:
                 inputs = tb.Inputs(request)
                 lookup = inputs.string("LOOKUP_STATUS")
-                if lookup == CacheStatus.EXACT.value:
-                    self.stage.serve_hit(inputs.string("CACHED_TEXT") or "", lookup, responder)
-                    self.requests[lookup].increment(1)
+                if lookup in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
+                    semantic = lookup == CacheStatus.SEMANTIC
+                    similarity = inputs.number("SIMILARITY") if semantic else None
+                    text = inputs.string("CACHED_TEXT") or ""
+                    self.stage.serve_hit(text, str(lookup), responder, similarity)
+                    self.requests[str(lookup)].increment(1)
                     continue
                 request_json = inputs.string("REQUEST")
                 if request_json is None or lookup not in (CacheStatus.MISS, CacheStatus.BYPASS):
                     raise Unavailable(f"llm got an incomplete lookup (status {lookup!r})")
                 digest = inputs.string("DIGEST") or None
+                request_obj = GenerationRequest.from_json(request_json)
                 self.stage.submit_miss(
-                    GenerationRequest.from_json(request_json),
+                    request_obj,
                     Digest(digest) if digest else None,
                     lookup,
                     bool(inputs.boolean("WRITE_BACK")),
                     responder,
+                    self._index_writer(inputs, request_obj, digest),
                 )
                 self.requests[lookup].increment(1)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
@@ -131,4 +152,5 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.stage.close()
+        self.semantic.close()
         self.metrics.close()

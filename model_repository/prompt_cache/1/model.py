@@ -11,6 +11,7 @@ from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
 from tiercache.keys import load_or_create_secret
 from tiercache.prompt_cache import CacheStatus, LookupResult, PromptCache, open_tiered_cache
+from tiercache.semantic.embedder import resolve_embedder
 from tiercache.triton import boundary as tb
 
 
@@ -26,6 +27,7 @@ class TritonPythonModel:
             load_or_create_secret(config.secret_path()),
             resolve_model(config.model).identity,
             config.limits(),
+            resolve_embedder(config.embedder)[1].key if config.embedder else "",
         )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
@@ -63,6 +65,8 @@ class TritonPythonModel:
                         tb.bytes_tensor("CACHED_TEXT", [result.text]),
                         tb.bytes_tensor("LOOKUP_STATUS", [result.status.value]),
                         tb.scalar_tensor("WRITE_BACK", result.write_back, np.bool_),
+                        tb.bytes_tensor("SCOPE", [result.scope]),
+                        tb.scalar_tensor("SEMANTIC_LOOKUP", result.semantic_lookup, np.bool_),
                     ]
                 )
             )

@@ -89,6 +89,10 @@ class Inputs:
             raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
         return array
 
+    def vector(self, name: str) -> np.ndarray | None:
+        """A numeric tensor as it came (e.g. an embedding), batch dimension included."""
+        return self._array(name)
+
     def string(self, name: str) -> str | None:
         array = self._array(name)
         return None if array is None else _decode(name, _one(name, array))
@@ -238,8 +242,13 @@ class Metrics:
     flusher thread (started by `start`, joined by `close` in finalize) that applies the deferred
     updates every `flush_interval_s`, so a scrape sees them at most that much later."""
 
-    def __init__(self, model_name: str, flush_interval_s: float = 0.25) -> None:
+    def __init__(
+        self, model_name: str, flush_interval_s: float = 0.25, instance: str | None = None
+    ) -> None:
+        """`instance` adds an `instance` label (for models that run several instances)."""
         self.labels = {"model": model_name}
+        if instance is not None:
+            self.labels["instance"] = instance
         self._families: dict[str, Any] = {}
         self._metrics: list[_DeferredMetric] = []
         self._hooks: list[Callable[[], None]] = []

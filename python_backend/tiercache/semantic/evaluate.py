@@ -1,0 +1,716 @@
+"""`tiercache eval-semantic`: how often a semantic cache serves a wrong answer, guard vs cosine.
+
+The protocol is GPTCache's benchmark, on any JSON-lines file of paraphrase pairs
+(`{"a": str, "b": str, "label": 0|1, "source": str}`; `source` optional):
+
+1. Insert side `a` of every pair, normalized as the cache keys prompts
+   (`tiercache.request.normalize_text`); identical normalized texts are inserted once.
+2. Query with side `b`: the `k` nearest inserted vectors by cosine (exact search), then the
+   decision rule picks one candidate or none:
+   - guard: the accepted candidate with the highest guard score (`tiercache.semantic.guard`);
+   - cosine baseline: the nearest candidate when its cosine >= the threshold (GPTCache, RedisVL).
+3. A hit is CORRECT iff the pair's label is 1 and the returned text equals the pair's own
+   normalized `a`; every other hit is FALSE (a label-0 pair, or a wrong neighbour); no hit is a
+   MISS. precision = correct / (correct + false); recall = correct / label-1 pairs. Per `source`
+   and overall.
+
+Lookup latency is search + decision per query, measured one query at a time; embedding is
+excluded and reported separately (per text, batched). The core functions take an injected
+`embed` function, so tests run without a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
+from tiercache.request import normalize_text
+from tiercache.semantic import features as feats
+from tiercache.semantic.guard import SemanticGuard, load_guard
+
+DEFAULT_K = 5
+BASELINE_THRESHOLD = 0.90
+BASELINE_TARGET_PRECISION = 0.97
+OVERALL = "overall"
+SWEEP_TARGETS = (0.80, 0.85, 0.90, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99)
+SWEEP_COSINES = (0.70, 0.75, 0.80, 0.85, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98)
+
+EmbedFn = Callable[[Sequence[str]], np.ndarray]
+Progress = Callable[[str], None]
+
+
+class PairsFileError(InvalidRequest):
+    """The pairs file is missing or a line is malformed (the message names the line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One evaluation pair; `a` and `b` are normalized."""
+
+    a: str
+    b: str
+    label: int
+    source: str
+
+
+def load_pairs(path: Path | str) -> list[Pair]:
+    """Read a pairs file; raises `PairsFileError` naming the file and the 1-based line."""
+    where = Path(path)
+    try:
+        lines = where.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise PairsFileError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PairsFileError(f"{where}: cannot read: {exc}") from None
+    pairs: list[Pair] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PairsFileError(f"{where}:{number}: not JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise PairsFileError(f"{where}:{number}: expected a JSON object")
+        texts = []
+        for key in ("a", "b"):
+            value = row.get(key)
+            if not isinstance(value, str) or not normalize_text(value):
+                raise PairsFileError(f"{where}:{number}: {key!r} must be a non-empty string")
+            texts.append(normalize_text(value))
+        label = row.get("label")
+        if isinstance(label, bool) or label not in (0, 1):
+            raise PairsFileError(f"{where}:{number}: 'label' must be 0 or 1, got {label!r}")
+        source = row.get("source", "-")
+        if not isinstance(source, str) or not source or source == OVERALL:
+            raise PairsFileError(f"{where}:{number}: 'source' must be a non-empty string")
+        pairs.append(Pair(texts[0], texts[1], int(label), source))
+    if not pairs:
+        raise PairsFileError(f"{where}: holds no pairs")
+    return pairs
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """The pairs and the deduplicated inserted side (built by `build_corpus`)."""
+
+    pairs: tuple[Pair, ...]
+    inserted: tuple[str, ...]  # distinct `a` texts, first-seen order
+    own: np.ndarray  # (n_pairs,) index into `inserted` of each pair's own `a`
+    query_match: np.ndarray  # (n_pairs,) index of the inserted text identical to `b`, or -1
+    labels: np.ndarray  # (n_pairs,) 0 or 1
+    source_array: np.ndarray  # (n_pairs,) object: each pair's source
+
+    def sources(self) -> list[str]:
+        """Distinct sources in first-seen order."""
+        return list(dict.fromkeys(p.source for p in self.pairs))
+
+
+def build_corpus(pairs: Sequence[Pair]) -> Corpus:
+    index: dict[str, int] = {}
+    own = np.empty(len(pairs), dtype=np.int64)
+    for i, pair in enumerate(pairs):
+        own[i] = index.setdefault(pair.a, len(index))
+    return Corpus(
+        pairs=tuple(pairs),
+        inserted=tuple(index),
+        own=own,
+        query_match=np.array([index.get(p.b, -1) for p in pairs], dtype=np.int64),
+        labels=np.array([p.label for p in pairs], dtype=np.int64),
+        source_array=np.array([p.source for p in pairs], dtype=object),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    inserted: np.ndarray  # (n_inserted, d) float32, L2-normalized
+    queries: np.ndarray  # (n_pairs, d)
+    seconds: float  # wall time spent embedding
+    texts: int  # distinct texts embedded
+
+    @property
+    def ms_per_text(self) -> float:
+        return 1000.0 * self.seconds / max(1, self.texts)
+
+
+def embed_corpus(
+    corpus: Corpus, embed: EmbedFn, progress: Progress | None = None, chunk: int = 512
+) -> Embedded:
+    """Embed every distinct text once (both sides), in chunks, reporting progress."""
+    order = list(dict.fromkeys([*corpus.inserted, *(p.b for p in corpus.pairs)]))
+    position = {text: i for i, text in enumerate(order)}
+    parts: list[np.ndarray] = []
+    start = time.perf_counter()
+    for begin in range(0, len(order), chunk):
+        part = np.asarray(embed(order[begin : begin + chunk]), dtype=np.float32)
+        if part.ndim != 2 or part.shape[0] != len(order[begin : begin + chunk]):
+            raise ConfigError(f"embed returned shape {part.shape} for {chunk} texts")
+        parts.append(part)
+        if progress is not None:
+            done = min(len(order), begin + chunk)
+            elapsed = time.perf_counter() - start
+            progress(f"embedding: {done}/{len(order)} texts ({elapsed:.1f} s)")
+    seconds = time.perf_counter() - start
+    vectors = np.concatenate(parts)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    vectors = vectors / np.maximum(norms, 1e-12)
+    inserted = vectors[[position[t] for t in corpus.inserted]]
+    queries = vectors[[position[p.b] for p in corpus.pairs]]
+    return Embedded(
+        np.ascontiguousarray(inserted), np.ascontiguousarray(queries), seconds, len(order)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Top-k neighbours of each query among the inserted texts, nearest first."""
+
+    index: np.ndarray  # (n_pairs, k) int64 into Corpus.inserted
+    cosine: np.ndarray  # (n_pairs, k) float32
+
+
+def search_one(inserted: np.ndarray, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k by cosine for one query vector: (indices, cosines), nearest first."""
+    sims = inserted @ query
+    k = min(k, sims.shape[0])
+    top = np.argpartition(-sims, k - 1)[:k] if k < sims.shape[0] else np.arange(sims.shape[0])
+    top = top[np.lexsort((top, -sims[top]))]
+    return top, sims[top]
+
+
+def search_topk(inserted: np.ndarray, queries: np.ndarray, k: int, block: int = 1024) -> Candidates:
+    """`search_one` for every query, in blocks (same result, faster)."""
+    k = min(k, inserted.shape[0])
+    index = np.empty((queries.shape[0], k), dtype=np.int64)
+    cosine = np.empty((queries.shape[0], k), dtype=np.float32)
+    for begin in range(0, queries.shape[0], block):
+        sims = queries[begin : begin + block] @ inserted.T
+        for row in range(sims.shape[0]):
+            s = sims[row]
+            top = np.argpartition(-s, k - 1)[:k] if k < s.shape[0] else np.arange(s.shape[0])
+            top = top[np.lexsort((top, -s[top]))]
+            index[begin + row] = top
+            cosine[begin + row] = s[top]
+    return Candidates(index, cosine)
+
+
+def candidate_features(corpus: Corpus, candidates: Candidates) -> np.ndarray:
+    """(n_pairs, k, n_features) guard features of every (query, candidate) pair."""
+    n, k = candidates.index.shape
+    out = np.empty((n, k, len(feats.FEATURE_NAMES)), dtype=np.float64)
+    for i, pair in enumerate(corpus.pairs):
+        query = feats.profile(pair.b)
+        for j in range(k):
+            text = corpus.inserted[candidates.index[i, j]]
+            out[i, j] = feats.pair_features(
+                query, feats.profile(text), float(candidates.cosine[i, j])
+            )
+    return out
+
+
+def correct_candidates(corpus: Corpus, candidates: Candidates) -> np.ndarray:
+    """(n_pairs, k) bool: serving this candidate would be a correct hit."""
+    return (candidates.index == corpus.own[:, None]) & (corpus.labels[:, None] == 1)
+
+
+def choose_by_score(
+    scores: np.ndarray, cosine: np.ndarray, threshold: float, floor: float
+) -> np.ndarray:
+    """(n_pairs,) position of the best accepted candidate by score, -1 for a miss."""
+    accepted = (scores > 0.0) & (scores >= threshold) & (cosine >= floor)
+    masked = np.where(accepted, scores, -np.inf)
+    best = np.argmax(masked, axis=1)
+    return np.where(accepted.any(axis=1), best, -1)
+
+
+def choose_by_cosine(cosine: np.ndarray, threshold: float) -> np.ndarray:
+    """(n_pairs,) 0 (the nearest) when its cosine >= threshold, else -1."""
+    return np.where(cosine[:, 0] >= threshold, 0, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """Protocol counts for one source (or `OVERALL`).
+
+    `false` counts every false hit; `neighbour` is the part of it that served another pair's `a`
+    (the rest served the pair's own `a` on a label-0 pair), and `same_text` the part of
+    `neighbour` whose served text is identical to the query (another pair holds the same
+    question; in tiercache the exact-match tier answers such a prompt first).
+    """
+
+    correct: int
+    false: int
+    miss: int
+    positives: int
+    pairs: int
+    neighbour: int = 0
+    same_text: int = 0
+
+    @property
+    def precision(self) -> float:
+        hits = self.correct + self.false
+        return self.correct / hits if hits else math.nan
+
+    @property
+    def recall(self) -> float:
+        return self.correct / self.positives if self.positives else math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "precision": _finite(self.precision),
+            "recall": _finite(self.recall),
+        }
+
+
+def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[str, Tally]:
+    """Counts per source and `OVERALL` for `chosen` positions (-1: miss)."""
+    rows = np.arange(len(corpus.pairs))
+    hit = chosen >= 0
+    served = np.where(hit, candidates.index[rows, np.maximum(chosen, 0)], -1)
+    labels = corpus.labels
+    correct = hit & (served == corpus.own) & (labels == 1)
+    neighbour = hit & (served != corpus.own)
+    same_text = neighbour & (served == corpus.query_match)
+    sources = corpus.source_array
+    result: dict[str, Tally] = {}
+    for source in [*corpus.sources(), OVERALL]:
+        mask = np.ones(len(rows), dtype=bool) if source == OVERALL else sources == source
+        result[source] = Tally(
+            correct=int((correct & mask).sum()),
+            false=int((hit & ~correct & mask).sum()),
+            miss=int((~hit & mask).sum()),
+            positives=int(((labels == 1) & mask).sum()),
+            pairs=int(mask.sum()),
+            neighbour=int((neighbour & mask).sum()),
+            same_text=int((same_text & mask).sum()),
+        )
+    return result
+
+
+def best_cosine_threshold(
+    corpus: Corpus, candidates: Candidates, target: float, grid: Iterable[float] | None = None
+) -> tuple[float, dict[str, Tally]] | None:
+    """The cosine threshold with the highest overall recall whose overall precision >= target."""
+    thresholds = grid if grid is not None else np.round(np.arange(0.60, 1.0001, 0.005), 3)
+    best: tuple[float, dict[str, Tally]] | None = None
+    for t in thresholds:
+        counts = tally(corpus, candidates, choose_by_cosine(candidates.cosine, float(t)))
+        total = counts[OVERALL]
+        if total.correct + total.false == 0 or total.precision < target:
+            continue
+        if best is None or total.recall > best[1][OVERALL].recall:
+            best = (float(t), counts)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Per-query lookup time in microseconds (search + decision, no embedding)."""
+
+    p50_us: float
+    p99_us: float
+    mean_us: float
+    queries: int
+
+
+def _latency(samples: list[float]) -> Latency:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return Latency(
+        p50_us=statistics.median(ordered) * 1e6,
+        p99_us=p99 * 1e6,
+        mean_us=statistics.fmean(ordered) * 1e6,
+        queries=len(ordered),
+    )
+
+
+def measure_latency(
+    corpus: Corpus,
+    embedded: Embedded,
+    guard: SemanticGuard,
+    threshold: float,
+    baseline_threshold: float,
+    k: int,
+    limit: int = 5000,
+) -> tuple[Latency, Latency]:
+    """(guard, cosine baseline) lookup latency, one query at a time, on up to `limit` queries.
+
+    Both: exact top-k search over every inserted vector. Guard: then `SemanticGuard.choose` over
+    the k candidates; each query's text profile is computed in the timed region, candidates'
+    are memoized beforehand (as a cache keeps them beside its entries; `profile`'s LRU).
+    Baseline: then the nearest cosine against the threshold.
+    """
+    n = min(limit, len(corpus.pairs))
+    feats.profile.cache_clear()
+    for text in corpus.inserted:
+        feats.profile(text)
+    guard_samples: list[float] = []
+    base_samples: list[float] = []
+    clock = time.perf_counter
+    for i in range(n):
+        query_text = corpus.pairs[i].b
+        vector = embedded.queries[i]
+        t0 = clock()
+        top, sims = search_one(embedded.inserted, vector, k)
+        _ = bool(sims[0] >= baseline_threshold)
+        t1 = clock()
+        top, sims = search_one(embedded.inserted, vector, k)
+        guard.choose(
+            query_text,
+            [(corpus.inserted[int(j)], float(c)) for j, c in zip(top, sims, strict=True)],
+            threshold,
+        )
+        t2 = clock()
+        base_samples.append(t1 - t0)
+        guard_samples.append(t2 - t1)
+    return _latency(guard_samples), _latency(base_samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiercache eval-semantic",
+        description=(
+            "Semantic-cache hit quality on a pairs file (GPTCache's protocol): insert side a, "
+            "query with side b, count correct hits, false hits and misses for the hit guard and "
+            "for a plain cosine threshold."
+        ),
+    )
+    parser.add_argument("--pairs", required=True, type=Path, help="JSON lines: a, b, label, source")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--target-precision",
+        type=float,
+        default=None,
+        help="the guard's operating point (default: the packaged model's default)",
+    )
+    mode.add_argument(
+        "--sweep", action="store_true", help="also print precision/recall over a range of settings"
+    )
+    parser.add_argument("--plot", type=Path, help="write a precision-recall plot (PNG)")
+    parser.add_argument("--k", type=int, default=DEFAULT_K, help="candidates per query (5)")
+    parser.add_argument("--json", type=Path, dest="json_out", help="write the results as JSON")
+    parser.add_argument(
+        "--baseline-threshold",
+        type=float,
+        default=BASELINE_THRESHOLD,
+        help="plain cosine threshold to compare with (0.90)",
+    )
+    parser.add_argument("--guard", type=Path, help="a guard model file (default: the packaged one)")
+    parser.add_argument(
+        "--latency-queries",
+        type=int,
+        default=5000,
+        help="queries timed one by one for the latency figures (5000)",
+    )
+    return parser
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _fmt(value: float) -> str:
+    return "   -  " if math.isnan(value) else f"{value:6.3f}"
+
+
+def format_table(title: str, counts: dict[str, Tally], out: TextIO) -> None:
+    """One row per source: false hits split into negative-pair / neighbour (same text)."""
+    print(title, file=out)
+    print(
+        f"  {'source':<20} {'pairs':>6} {'pos':>5} {'correct':>7} {'false':>5} "
+        f"{'(neg/nbr/same)':>15} {'miss':>5} {'precision':>9} {'recall':>6}",
+        file=out,
+    )
+    for source, t in counts.items():
+        split = f"{t.false - t.neighbour}/{t.neighbour}/{t.same_text}"
+        print(
+            f"  {source[:20]:<20} {t.pairs:>6} {t.positives:>5} {t.correct:>7} {t.false:>5} "
+            f"{split:>15} {t.miss:>5} {_fmt(t.precision):>9} {_fmt(t.recall):>6}",
+            file=out,
+        )
+
+
+def _sweep_rows(
+    corpus: Corpus,
+    candidates: Candidates,
+    scores: np.ndarray,
+    guard: SemanticGuard,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    guard_rows: list[dict[str, Any]] = []
+    for target in SWEEP_TARGETS:
+        try:
+            threshold = guard.threshold_for(target)
+        except ConfigError:
+            continue
+        chosen = choose_by_score(scores, candidates.cosine, threshold, guard.config.cosine_floor)
+        counts = tally(corpus, candidates, chosen)
+        guard_rows.append(
+            {
+                "target_precision": target,
+                "threshold": threshold,
+                **{s: t.as_dict() for s, t in counts.items()},
+            }
+        )
+    cosine_rows: list[dict[str, Any]] = []
+    for t in SWEEP_COSINES:
+        counts = tally(corpus, candidates, choose_by_cosine(candidates.cosine, t))
+        cosine_rows.append({"threshold": t, **{s: c.as_dict() for s, c in counts.items()}})
+    return guard_rows, cosine_rows
+
+
+def _print_sweep(
+    name: str, key: str, rows: list[dict[str, Any]], sources: list[str], out: TextIO
+) -> None:
+    print(f"\n{name} sweep (precision / recall)", file=out)
+    header = f"  {key:>10} " + " ".join(f"{s[:15]:>15}" for s in [*sources, OVERALL])
+    print(header, file=out)
+    for row in rows:
+        cells = []
+        for s in [*sources, OVERALL]:
+            p, r = row[s]["precision"], row[s]["recall"]
+            cells.append(f"{'-' if p is None else f'{p:.3f}':>7}/{r:.3f}".rjust(15))
+        label = f"{row[key]:.3f}" if isinstance(row[key], float) else str(row[key])
+        print(f"  {label:>10} " + " ".join(cells), file=out)
+
+
+def plot_curves(
+    path: Path,
+    corpus: Corpus,
+    candidates: Candidates,
+    scores: np.ndarray,
+    guard: SemanticGuard,
+    threshold: float,
+    baseline_threshold: float,
+) -> None:
+    """Precision against recall for the guard (score thresholds) and plain cosine, per source."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    sources = [*corpus.sources(), OVERALL]
+    figure, axes = plt.subplots(1, len(sources), figsize=(4.2 * len(sources), 4.2), squeeze=False)
+    score_grid = np.unique(np.concatenate([np.linspace(0.0, 1.0, 201), [threshold]]))
+    cosine_grid = np.unique(np.concatenate([np.linspace(0.6, 1.0, 161), [baseline_threshold]]))
+    floor = guard.config.cosine_floor
+    guard_curves = [
+        tally(corpus, candidates, choose_by_score(scores, candidates.cosine, t, floor))
+        for t in score_grid
+    ]
+    cosine_curves = [
+        tally(corpus, candidates, choose_by_cosine(candidates.cosine, t)) for t in cosine_grid
+    ]
+    at_guard = tally(
+        corpus, candidates, choose_by_score(scores, candidates.cosine, threshold, floor)
+    )
+    at_base = tally(corpus, candidates, choose_by_cosine(candidates.cosine, baseline_threshold))
+    for ax, source in zip(axes[0], sources, strict=True):
+        for curves, label, style in (
+            (guard_curves, "hit guard", "-"),
+            (cosine_curves, "plain cosine", "--"),
+        ):
+            pts = [(c[source].recall, c[source].precision) for c in curves]
+            pts = [(r, p) for r, p in pts if not (math.isnan(p) or math.isnan(r))]
+            if pts:
+                ax.plot([r for r, _ in pts], [p for _, p in pts], style, label=label)
+        g, b = at_guard[source], at_base[source]
+        ax.plot([g.recall], [g.precision], "o", label=f"guard @ {threshold:.3f}")
+        ax.plot([b.recall], [b.precision], "s", label=f"cosine @ {baseline_threshold:.2f}")
+        ax.set_title(f"{source} ({at_base[source].positives} positives)")
+        ax.set_xlabel("recall")
+        ax.set_ylabel("precision")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0.4, 1.005)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left", fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_eval(
+    args: argparse.Namespace,
+    embed_factory: Callable[[], EmbedFn] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> dict[str, Any]:
+    """The whole command on parsed arguments (output: stdout, progress: stderr); returns what
+    `--json` writes."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    if args.k < 1:
+        raise InvalidRequest(f"--k must be >= 1, got {args.k}")
+    guard = load_guard(args.guard, args.target_precision)
+    pairs = load_pairs(args.pairs)
+    corpus = build_corpus(pairs)
+
+    def progress(line: str) -> None:
+        print(line, file=err, flush=True)
+
+    progress(
+        f"eval-semantic: {len(pairs)} pairs, {len(corpus.inserted)} distinct inserted texts, "
+        f"sources {', '.join(corpus.sources())}"
+    )
+    load_start = time.perf_counter()
+    if embed_factory is None:
+        from tiercache.semantic.embedder import Embedder
+
+        embedder = Embedder()
+        if guard.config.embedder and embedder.identity.embedder_id != guard.config.embedder:
+            progress(
+                f"warning: the guard was trained for {guard.config.embedder}, "
+                f"embedding with {embedder.identity.embedder_id}"
+            )
+        embed: EmbedFn = embedder.embed
+    else:
+        embed = embed_factory()
+    load_s = time.perf_counter() - load_start
+    embedded = embed_corpus(corpus, embed, progress)
+    candidates = search_topk(embedded.inserted, embedded.queries, args.k)
+    matrix = candidate_features(corpus, candidates)
+    scores = guard.score_matrix(matrix)
+    threshold = guard.threshold
+    floor = guard.config.cosine_floor
+    guard_counts = tally(
+        corpus, candidates, choose_by_score(scores, candidates.cosine, threshold, floor)
+    )
+    base_counts = tally(
+        corpus, candidates, choose_by_cosine(candidates.cosine, args.baseline_threshold)
+    )
+    best = best_cosine_threshold(corpus, candidates, BASELINE_TARGET_PRECISION)
+    progress(f"timing {min(args.latency_queries, len(pairs))} lookups one by one")
+    guard_latency, base_latency = measure_latency(
+        corpus,
+        embedded,
+        guard,
+        threshold,
+        args.baseline_threshold,
+        args.k,
+        args.latency_queries,
+    )
+
+    point = guard.config.point_for(threshold)
+    print(
+        f"\npairs: {args.pairs.name}  ({len(pairs)} pairs, {len(corpus.inserted)} inserted, "
+        f"k={args.k})",
+        file=out,
+    )
+    print(
+        f"embedding: {embedded.texts} texts in {embedded.seconds:.1f} s "
+        f"({embedded.ms_per_text:.2f} ms per text, batched; model load {load_s:.1f} s)\n",
+        file=out,
+    )
+    format_table(
+        f"hit guard: target precision {guard.target_precision:g} -> score threshold "
+        f"{threshold:.3f} (held-out at training: precision {point.precision:.3f}, recall "
+        f"{point.recall:.3f}); cosine floor {floor:g}",
+        guard_counts,
+        out,
+    )
+    print(
+        f"  lookup latency (search + guard): p50 {guard_latency.p50_us:.0f} us, "
+        f"p99 {guard_latency.p99_us:.0f} us\n",
+        file=out,
+    )
+    format_table(f"plain cosine >= {args.baseline_threshold:g}", base_counts, out)
+    print(
+        f"  lookup latency (search + compare): p50 {base_latency.p50_us:.0f} us, "
+        f"p99 {base_latency.p99_us:.0f} us\n",
+        file=out,
+    )
+    if best is None:
+        print(
+            f"plain cosine: no threshold in [0.60, 1.00] reaches overall precision "
+            f">= {BASELINE_TARGET_PRECISION:g}",
+            file=out,
+        )
+    else:
+        format_table(
+            f"plain cosine, best threshold for overall precision >= "
+            f"{BASELINE_TARGET_PRECISION:g}: {best[0]:.3f}",
+            best[1],
+            out,
+        )
+    result: dict[str, Any] = {
+        "pairs_file": args.pairs.name,
+        "pairs": len(pairs),
+        "inserted": len(corpus.inserted),
+        "k": args.k,
+        "embedding": {
+            "texts": embedded.texts,
+            "seconds": round(embedded.seconds, 3),
+            "ms_per_text": round(embedded.ms_per_text, 3),
+            "model_load_s": round(load_s, 3),
+        },
+        "guard": {
+            "target_precision": guard.target_precision,
+            "threshold": threshold,
+            "cosine_floor": floor,
+            "held_out_at_training": asdict(point),
+            "latency_us": asdict(guard_latency),
+            "counts": {s: t.as_dict() for s, t in guard_counts.items()},
+        },
+        "cosine_baseline": {
+            "threshold": args.baseline_threshold,
+            "latency_us": asdict(base_latency),
+            "counts": {s: t.as_dict() for s, t in base_counts.items()},
+        },
+        "cosine_best_for_target": None
+        if best is None
+        else {
+            "target_precision": BASELINE_TARGET_PRECISION,
+            "threshold": best[0],
+            "counts": {s: t.as_dict() for s, t in best[1].items()},
+        },
+    }
+    if args.sweep:
+        guard_rows, cosine_rows = _sweep_rows(corpus, candidates, scores, guard)
+        _print_sweep("hit guard", "target_precision", guard_rows, corpus.sources(), out)
+        _print_sweep("plain cosine", "threshold", cosine_rows, corpus.sources(), out)
+        result["sweep"] = {"guard": guard_rows, "cosine": cosine_rows}
+    if args.plot is not None:
+        plot_curves(
+            args.plot, corpus, candidates, scores, guard, threshold, args.baseline_threshold
+        )
+        print(f"\nplot: {args.plot}", file=out)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"json: {args.json_out}", file=out)
+    return result
+
+
+def main_eval_semantic(
+    argv: list[str] | None = None, embed_factory: Callable[[], EmbedFn] | None = None
+) -> int:
+    """`tiercache eval-semantic ...`; 0 on success, 2 on bad input or configuration."""
+    args = build_parser().parse_args(argv)
+    try:
+        run_eval(args, embed_factory)
+    except TierCacheError as exc:
+        print(f"tiercache eval-semantic: {exc.client_message()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_eval_semantic())

@@ -1,0 +1,104 @@
+"""Stage 2, `embedding_cache`: on an exact miss, find a reworded request's answer in the scope.
+
+Transport-free: the Triton model.py injects the embedding call (BLS to the `embedder` model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.vectors import VectorCache, vector_key
+from tiercache.tiered import TieredCache
+
+EmbedFn = Callable[[Sequence[str]], np.ndarray]
+# (query, [(candidate prompt, cosine), ...] nearest first) -> index of the accepted one, or None
+ChooseFn = Callable[[str, Sequence[tuple[str, float]]], "int | None"]
+
+
+class SemanticOutcome(str, Enum):
+    HIT = "semantic"  # a candidate passed the guard and its answer is still cached
+    MISS = "miss"  # no candidate passed (or the scope is empty)
+    REJECTED = "rejected"  # candidates above the similarity floor, all refused by the guard
+    STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticLookup:
+    outcome: SemanticOutcome
+    vector: np.ndarray  # the query's vector (written to the index with a new answer)
+    text: str = ""
+    similarity: float = 0.0
+    vector_cached: bool = False
+
+
+class EmbeddingCache:
+    def __init__(
+        self,
+        vectors: VectorCache,
+        index: SemanticIndex,
+        answers: TieredCache,
+        embed: EmbedFn,
+        choose: ChooseFn,
+        embedder_key: str,
+        top_k: int = 5,
+        min_similarity: float = 0.6,
+    ) -> None:
+        self.vectors = vectors
+        self.index = index
+        self.answers = answers
+        self._embed = embed
+        self._choose = choose
+        self.embedder_key = embedder_key
+        self.top_k = top_k
+        self.min_similarity = min_similarity
+
+    def vectors_for(self, prompts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
+        """Each prompt's vector and whether it came from the vector cache; the ones not cached
+        are embedded in one call and stored."""
+        keys = [vector_key(self.embedder_key, p) for p in prompts]
+        found = [self.vectors.get(k) for k in keys]
+        missing = [i for i, v in enumerate(found) if v is None]
+        if missing:
+            fresh = self._embed([prompts[i] for i in missing])
+            for i, vector in zip(missing, fresh, strict=True):
+                self.vectors.put(keys[i], vector)
+                found[i] = vector
+        return [(v, i not in missing) for i, v in enumerate(found) if v is not None]
+
+    def search(self, prompt: str, scope: str, vector: np.ndarray, cached: bool) -> SemanticLookup:
+        """The candidate of `scope` the guard likes best, if its answer still exists."""
+        neighbours = [
+            n
+            for n in self.index.search(scope, vector, self.top_k)
+            if n.similarity >= self.min_similarity
+        ]
+        outcome = SemanticOutcome.MISS
+        while neighbours:
+            chosen = self._choose(prompt, [(n.prompt, n.similarity) for n in neighbours])
+            if chosen is None:
+                return SemanticLookup(SemanticOutcome.REJECTED, vector, vector_cached=cached)
+            neighbour = neighbours.pop(chosen)
+            found = self.answers.get(neighbour.digest)
+            if found is not None:
+                return SemanticLookup(
+                    SemanticOutcome.HIT, vector, found.entry.text, neighbour.similarity, cached
+                )
+            outcome = SemanticOutcome.STALE
+        return SemanticLookup(outcome, vector, vector_cached=cached)
+
+    def lookup(self, prompts: Sequence[str], scopes: Sequence[str]) -> list[SemanticLookup]:
+        vectors = self.vectors_for(prompts)
+        return [
+            self.search(prompt, scope, vector, cached)
+            for prompt, scope, (vector, cached) in zip(prompts, scopes, vectors, strict=True)
+        ]
+
+    def close(self) -> None:
+        self.vectors.close()
+        self.index.close()
+        self.answers.close()

@@ -1,0 +1,110 @@
+"""The embedding vector cache: the same text is never embedded twice, also across restarts.
+
+Keyed by (embedder id and revision, SHA-256 of the normalized text). L1 is an in-process LRU
+bounded in bytes (cachetools); L2 is an LMDB environment on the host. Values on disk carry a
+checksum; a corrupt one is a miss and is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import cachetools
+import lmdb
+import numpy as np
+
+log = logging.getLogger(__name__)
+_CHECKSUM_BYTES = 16
+
+
+def vector_key(embedder_key: str, text: str) -> bytes:
+    """Key of a text's vector: embedder id@revision and the digest of the normalized text."""
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return f"{embedder_key}/{digest}".encode()
+
+
+def encode_vector(vector: np.ndarray) -> bytes:
+    data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
+    return hashlib.sha256(data).digest()[:_CHECKSUM_BYTES] + data
+
+
+def decode_vector(blob: bytes, dimensions: int) -> np.ndarray | None:
+    """The vector, or None when the bytes are not a whole, intact vector of `dimensions`."""
+    data = bytes(blob[_CHECKSUM_BYTES:])
+    if len(data) != 4 * dimensions or hashlib.sha256(data).digest()[:_CHECKSUM_BYTES] != bytes(
+        blob[:_CHECKSUM_BYTES]
+    ):
+        return None
+    return np.frombuffer(data, dtype=np.float32).copy()
+
+
+@dataclass(frozen=True, slots=True)
+class VectorCacheStats:
+    l1_hits: int
+    l2_hits: int
+    misses: int
+    corrupt: int
+    l1_entries: int
+
+
+class VectorCache:
+    def __init__(
+        self, path: Path, dimensions: int, l1_max_bytes: int = 16 << 20, l2_max_bytes: int = 1 << 30
+    ) -> None:
+        self.dimensions = dimensions
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(path), map_size=l2_max_bytes, max_readers=512)
+        self._l1: cachetools.LRUCache[bytes, np.ndarray] = cachetools.LRUCache(
+            maxsize=l1_max_bytes, getsizeof=lambda v: v.nbytes + 100
+        )
+        self._lock = threading.Lock()
+        self._l1_hits = self._l2_hits = self._misses = self._corrupt = 0
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            vector = self._l1.get(key)
+            if vector is not None:
+                self._l1_hits += 1
+                return vector
+        with self._env.begin() as txn:
+            blob = txn.get(key)
+        vector = None if blob is None else decode_vector(blob, self.dimensions)
+        with self._lock:
+            if vector is None:
+                self._misses += 1
+                if blob is not None:
+                    self._corrupt += 1
+            else:
+                self._l2_hits += 1
+                self._l1[key] = vector
+        if blob is not None and vector is None:
+            log.warning("vector %s is corrupt; dropped", key.decode())
+            with self._env.begin(write=True) as txn:
+                txn.delete(key)
+        return vector
+
+    def put(self, key: bytes, vector: np.ndarray) -> None:
+        vector = np.ascontiguousarray(vector, dtype=np.float32)
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(key, encode_vector(vector))
+        except lmdb.MapFullError:
+            # Vectors are re-computable: when the budget is full, start over rather than fail.
+            log.warning("vector cache L2 is full; cleared")
+            with self._env.begin(write=True) as txn:
+                txn.drop(self._env.open_db(), delete=False)
+        with self._lock:
+            self._l1[key] = vector
+
+    def stats(self) -> VectorCacheStats:
+        with self._lock:
+            return VectorCacheStats(
+                self._l1_hits, self._l2_hits, self._misses, self._corrupt, len(self._l1)
+            )
+
+    def close(self) -> None:
+        self._env.close()

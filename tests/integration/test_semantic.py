@@ -1,0 +1,121 @@
+"""The embedding cache through the real ensemble: reworded prompts hit, wrong answers do not."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tiercache.server import TritonServer
+from tiercache_client import TierCacheClient
+
+from .conftest import settled_metric, start_server
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 8
+
+
+def tenant() -> str:
+    """A tenant of its own: its scope holds only what the test puts there."""
+    return f"semantic-{uuid.uuid4().hex[:8]}"
+
+
+def test_reworded_prompt_is_a_semantic_hit_with_the_same_text(client: TierCacheClient) -> None:
+    t = tenant()
+    first = client.generate_text("What is the capital of France?", max_tokens=MAX_TOKENS, tenant=t)
+    assert first.cache_status == "miss"
+    again = client.generate_text("What's the capital of France?", max_tokens=MAX_TOKENS, tenant=t)
+    assert (again.cache_status, again.text) == ("semantic", first.text)
+    assert again.similarity is not None and 0.8 < again.similarity <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("stored", "changed"),
+    [
+        ("How do I cancel my order?", "How do I not cancel my order?"),
+        ("Give me 3 tips for sleeping better.", "Give me 7 tips for sleeping better."),
+        ("What is the capital of France?", "What is the capital of Germany?"),
+    ],
+)
+def test_negated_number_or_entity_change_misses(
+    client: TierCacheClient, stored: str, changed: str
+) -> None:
+    t = tenant()
+    assert client.generate_text(stored, max_tokens=MAX_TOKENS, tenant=t).cache_status == "miss"
+    assert client.generate_text(changed, max_tokens=MAX_TOKENS, tenant=t).cache_status == "miss"
+
+
+def test_another_tenants_reworded_prompt_misses(client: TierCacheClient) -> None:
+    owner, other = tenant(), tenant()
+    client.generate_text("How tall is Mount Everest?", max_tokens=MAX_TOKENS, tenant=owner)
+    result = client.generate_text("How high is Mount Everest?", max_tokens=MAX_TOKENS, tenant=other)
+    assert result.cache_status == "miss"
+
+
+def test_opt_outs_and_sampled_requests_skip_the_semantic_cache(client: TierCacheClient) -> None:
+    t = tenant()
+    client.generate_text("Name the largest ocean on Earth.", max_tokens=MAX_TOKENS, tenant=t)
+    reworded = "Which is the largest ocean on Earth?"
+    skipped = client.generate_text(
+        reworded, max_tokens=MAX_TOKENS, tenant=t, cache_control="no-semantic"
+    )
+    assert skipped.cache_status == "miss"
+    other_params = client.generate_text(reworded, max_tokens=MAX_TOKENS + 1, tenant=t)
+    assert other_params.cache_status == "miss"  # max_tokens is part of the scope
+
+
+def test_both_embedding_cache_instances_serve_each_others_writes(
+    server: TritonServer, client: TierCacheClient
+) -> None:
+    """Answers are written by the llm process; both embedding_cache processes find them."""
+    t = tenant()
+    client.generate_text("How do I boil an egg?", max_tokens=MAX_TOKENS, tenant=t)
+    labels = [f"embedding_cache_0_{i}" for i in range(2)]
+    before = [
+        settled_metric(
+            server, "tiercache_embedding_cache_lookups_total", outcome="semantic", instance=name
+        )
+        for name in labels
+    ]
+    prompts = ["How do I boil an egg ?", "How do I boil an egg??", "how do I boil an egg"] * 4
+    with ThreadPoolExecutor(6) as pool:
+        results = list(
+            pool.map(
+                lambda p: client.generate_text(
+                    p, max_tokens=MAX_TOKENS, tenant=t, cache_control="semantic-only"
+                ),
+                prompts,
+            )
+        )
+    assert {r.cache_status for r in results} == {"semantic"}
+    after = [
+        settled_metric(
+            server, "tiercache_embedding_cache_lookups_total", outcome="semantic", instance=name
+        )
+        for name in labels
+    ]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_semantic_hit_survives_a_restart(state_dir: Path, server: TritonServer) -> None:
+    t = tenant()
+    first = start_server(state_dir, "triton-semantic-1.log")
+    try:
+        with TierCacheClient(f"127.0.0.1:{first.ports.grpc}") as c:
+            miss = c.generate_text(
+                "What is the boiling point of water?", max_tokens=MAX_TOKENS, tenant=t
+            )
+            assert miss.cache_status == "miss"
+    finally:
+        first.stop()
+    second = start_server(state_dir, "triton-semantic-2.log")
+    try:
+        with TierCacheClient(f"127.0.0.1:{second.ports.grpc}") as c:
+            hit = c.generate_text(
+                "What's the boiling point of water?", max_tokens=MAX_TOKENS, tenant=t
+            )
+    finally:
+        second.stop()
+    assert (hit.cache_status, hit.text) == ("semantic", miss.text)

@@ -1,0 +1,187 @@
+"""`tiercache eval-semantic` (tiercache.semantic.evaluate) on tiny pair sets with a fake embedder.
+
+The fake embedder returns hand-made unit vectors, so every cosine is known and no model loads.
+A small guard model (cosine only, a number veto) is written per test, so the counts do not
+depend on the packaged model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.semantic import evaluate as ev
+from tiercache.semantic import features as feats
+
+# Inserted side: four directions. A query's vector is cos * e_i + sqrt(1 - cos^2) * e_noise.
+CAPITAL = "What is the capital of France?"
+TOP5 = "Top 5 movies of 2020"
+RESET = "How do I reset my password?"
+RESET_PIN = "How do I reset my PIN?"
+BREAD = "How do I bake bread?"
+DIM = 8
+
+
+def _unit(axis: int, cos: float = 1.0, noise_axis: int = 7) -> np.ndarray:
+    v = np.zeros(DIM, dtype=np.float32)
+    v[axis] = cos
+    v[noise_axis] = np.sqrt(max(0.0, 1.0 - cos * cos))
+    return v
+
+
+VECTORS = {
+    CAPITAL: _unit(0),
+    TOP5: _unit(1),
+    RESET: _unit(2),
+    RESET_PIN: _unit(3),
+    BREAD: _unit(4),
+    "Which city is France's capital?": _unit(0, 0.95, 5),  # correct hit
+    "Top 10 movies of 2020": _unit(1, 0.98, 5),  # label 0: the guard vetoes, cosine hits
+    "How can I change my password?": _unit(3, 0.95, 2),  # 0.95 to RESET_PIN, 0.31 to RESET
+    "Where do penguins live?": _unit(6),  # nothing near: a miss
+}
+
+
+def fake_embed(texts: Sequence[str]) -> np.ndarray:
+    return np.stack([VECTORS[t] / np.linalg.norm(VECTORS[t]) for t in texts])
+
+
+PAIRS = [
+    {"a": CAPITAL, "b": "Which city is France's capital?", "label": 1, "source": "s1"},
+    {"a": TOP5, "b": "Top 10 movies of 2020", "label": 0, "source": "s1"},
+    {"a": RESET, "b": "How can I change my password?", "label": 1, "source": "s2"},
+    {"a": BREAD, "b": "Where do penguins live?", "label": 1, "source": "s2"},
+    {"a": "How do I   reset my PIN?", "b": RESET_PIN, "label": 1, "source": "s2"},
+]
+
+
+def write_pairs(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_guard(path: Path) -> Path:
+    model = {
+        "format": "tiercache-semantic-guard/1",
+        "embedder": "fake",
+        "features": list(feats.FEATURE_NAMES),
+        "coefficients": [40.0] + [0.0] * (len(feats.FEATURE_NAMES) - 1),
+        "intercept": -36.0,  # p = 0.5 at cosine 0.9
+        "cosine_floor": 0.6,
+        "vetoes": {"number_mismatch": 1.0},
+        "default_target_precision": 0.97,
+        "operating_table": {
+            "columns": ["threshold", "precision", "recall"],
+            "rows": [[0.3, 0.9, 0.9], [0.5, 0.97, 0.8], [0.9, 0.99, 0.5]],
+        },
+    }
+    path.write_text(json.dumps(model), encoding="utf-8")
+    return path
+
+
+def run(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    pairs = write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    guard = write_guard(tmp_path / "guard.json")
+    out = tmp_path / "out.json"
+    argv = ["--pairs", str(pairs), "--guard", str(guard), "--json", str(out), *extra]
+    code = ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed)
+    return code, json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+
+
+def test_protocol_counts_for_guard_and_cosine(tmp_path: Path, capsys: Any) -> None:
+    code, result = run(tmp_path, "--k", "3")
+    assert code == 0
+    assert result["inserted"] == 5  # "How do I   reset my PIN?" normalizes onto RESET_PIN
+    guard = result["guard"]["counts"]
+    # s1: correct hit on the capital; the number change is vetoed (a miss, the right outcome).
+    assert (guard["s1"]["correct"], guard["s1"]["false"], guard["s1"]["miss"]) == (1, 0, 1)
+    # s2: the password query lands on RESET_PIN (wrong neighbour), penguins miss, the PIN
+    # query is identical to its own (normalized) a: correct.
+    s2 = guard["s2"]
+    assert (s2["correct"], s2["false"], s2["miss"], s2["neighbour"]) == (1, 1, 1, 1)
+    assert guard["overall"]["precision"] == pytest.approx(2 / 3, abs=1e-4)
+    assert guard["overall"]["recall"] == pytest.approx(2 / 4)
+    base = result["cosine_baseline"]["counts"]
+    # The baseline serves the number change: a false hit on a label-0 pair.
+    assert (base["s1"]["correct"], base["s1"]["false"], base["s1"]["miss"]) == (1, 1, 0)
+    assert base["overall"]["false"] == 2
+    printed = capsys.readouterr().out
+    assert "hit guard" in printed and "plain cosine >= 0.9" in printed
+    assert "lookup latency" in printed
+
+
+def test_same_text_neighbour_is_counted_apart(tmp_path: Path) -> None:
+    rows = [
+        {"a": RESET, "b": RESET_PIN, "label": 1, "source": "s"},  # RESET_PIN is inserted too
+        {"a": RESET_PIN, "b": BREAD, "label": 0, "source": "s"},
+    ]
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows))
+    corpus = ev.build_corpus(pairs)
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
+    counts = ev.tally(corpus, candidates, ev.choose_by_cosine(candidates.cosine, 0.9))
+    assert (counts["s"].false, counts["s"].neighbour, counts["s"].same_text) == (1, 1, 1)
+    assert counts["s"].correct == 0 and counts["s"].miss == 1
+
+
+def test_search_one_matches_search_topk() -> None:
+    rng = np.random.default_rng(0)
+    inserted = rng.normal(size=(50, DIM)).astype(np.float32)
+    inserted /= np.linalg.norm(inserted, axis=1, keepdims=True)
+    queries = inserted[:7] + 0.1 * rng.normal(size=(7, DIM)).astype(np.float32)
+    batch = ev.search_topk(inserted, queries, 5, block=3)
+    for i, q in enumerate(queries):
+        idx, cos = ev.search_one(inserted, q, 5)
+        assert list(idx) == list(batch.index[i])
+        assert cos == pytest.approx(batch.cosine[i], abs=1e-5)
+        assert list(cos) == sorted(cos, reverse=True)
+
+
+def test_sweep_and_plot(tmp_path: Path, capsys: Any) -> None:
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "pr.png"
+    code, result = run(tmp_path, "--sweep", "--plot", str(plot))
+    assert code == 0
+    assert plot.stat().st_size > 1000
+    assert result["sweep"]["cosine"] and result["sweep"]["guard"]
+    assert "plain cosine sweep" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"a": "x", "b": "y", "label": 1}\n{"a": "x", "b": "y"\n', ":2: not JSON"),
+        ('{"a": "x", "b": "y", "label": 1}\n\n[1, 2]\n', ":3: expected a JSON object"),
+        ('{"a": "x", "label": 1}\n', ":1: 'b' must be a non-empty string"),
+        ('{"a": "  ", "b": "y", "label": 1}\n', ":1: 'a' must be a non-empty string"),
+        ('{"a": "x", "b": "y", "label": 2}\n', ":1: 'label' must be 0 or 1"),
+        ('{"a": "x", "b": "y", "label": true}\n', ":1: 'label' must be 0 or 1"),
+        ('{"a": "x", "b": "y", "label": 1, "source": 3}\n', ":1: 'source'"),
+        ("\n\n", "holds no pairs"),
+    ],
+)
+def test_malformed_pairs_file_names_the_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ev.PairsFileError, match=message):
+        ev.load_pairs(path)
+
+
+def test_cli_reports_bad_input_with_exit_code_2(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"a": "x", "b": "y", "label": 1}\nnot json\n', encoding="utf-8")
+    assert ev.main_eval_semantic(["--pairs", str(path)], embed_factory=lambda: fake_embed) == 2
+    err = capsys.readouterr().err
+    assert "invalid request" in err and "bad.jsonl:2" in err
+    assert ev.main_eval_semantic(["--pairs", str(tmp_path / "none.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_source_is_optional(tmp_path: Path) -> None:
+    path = write_pairs(tmp_path / "p.jsonl", [{"a": "x", "b": "y", "label": 0}])
+    assert ev.load_pairs(path)[0].source == "-"

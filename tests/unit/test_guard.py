@@ -1,0 +1,335 @@
+"""The semantic hit guard (tiercache.semantic.guard) and its features, with fixed cosines.
+
+No embedding model is loaded: every cosine here is given. Rejections are tested at cosines as
+high as all-MiniLM-L6-v2 really gives those pairs (0.98 for the number and negation flips, 0.99
+for the swapped roles), acceptances at a cosine a true rewording typically reaches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.errors import ConfigError
+from tiercache.semantic import features as feats
+from tiercache.semantic.guard import (
+    MODEL_PATH,
+    GuardConfig,
+    SemanticGuard,
+    load_guard,
+    read_guard_config,
+)
+
+
+@pytest.fixture(scope="module")
+def guard() -> SemanticGuard:
+    return load_guard()
+
+
+def feature(name: str, query: str, candidate: str, cosine: float = 0.95) -> float:
+    return feats.features(query, candidate, cosine)[feats.FEATURE_NAMES.index(name)]
+
+
+# ---------------------------------------------------------------- the guard refuses
+
+
+REJECTED = [
+    pytest.param("How do I cancel my order?", "How do I not cancel my order?", 0.98, id="negation"),
+    pytest.param("Is it safe to eat raw eggs?", "Is it unsafe to eat raw eggs?", 0.99, id="un-"),
+    pytest.param("Why can't I sleep at night?", "Why can I sleep at night?", 0.97, id="n't"),
+    pytest.param("Top 5 movies of 2020", "Top 10 movies of 2020", 0.98, id="number"),
+    pytest.param("Best laptops of 2023", "Best laptops of 2024", 0.98, id="year"),
+    pytest.param("Is 1GB enough RAM for Ubuntu?", "Is 2GB enough RAM for Ubuntu?", 0.98, id="2GB"),
+    pytest.param("Top five movies of 2020", "Top 10 movies of 2020", 0.97, id="number-word"),
+    pytest.param(
+        "What is the capital of France?", "What is the capital of Germany?", 0.95, id="entity"
+    ),
+    pytest.param(
+        "Will Jio sim work on Moto E2?", "Will Jio sim work on Moto G2?", 0.97, id="model"
+    ),
+    pytest.param(
+        "Do black girls like Mexican guys?", "Do Mexican girls like black guys?", 0.99, id="roles"
+    ),
+    pytest.param(
+        "How do I fly from Paris to Rome?", "How do I fly from Rome to Paris?", 0.99, id="from-to"
+    ),
+    pytest.param("Brutus betrayed Caesar.", "Caesar betrayed Brutus.", 0.99, id="subject-object"),
+    pytest.param("Is India afraid of China?", "Why is China afraid of India?", 0.95, id="of"),
+]
+
+
+@pytest.mark.parametrize(("query", "candidate", "cosine"), REJECTED)
+def test_rejects_a_changed_question_even_at_high_cosine(
+    guard: SemanticGuard, query: str, candidate: str, cosine: float
+) -> None:
+    assert not guard.accept(query, candidate, cosine)
+    assert not guard.accept(candidate, query, cosine)
+    assert guard.score(query, candidate, cosine) == 0.0  # a veto, not a low score
+
+
+def test_what_the_features_cannot_tell_who_did_what_to_whom_in_a_question() -> None:
+    # "Who did Brutus betray?" / "Who betrayed Brutus?": the wh-word's role changes, no content
+    # word moves around a pivot, so role_swap stays 0 and the guard leans on the cosine.
+    assert feature("role_swap", "Who did Brutus betray?", "Who betrayed Brutus?") == 0.0
+
+
+# ---------------------------------------------------------------- the guard serves
+
+
+ACCEPTED = [
+    pytest.param("What is the capital of France?", "Which city is France's capital?", id="city"),
+    pytest.param("What is the capital of France?", "What is France's capital?", id="possessive"),
+    pytest.param("How do I cancel my order?", "How can I cancel my order?", id="modal"),
+    pytest.param("How can one make money online?", "How could I make money online?", id="one"),
+    pytest.param("Is India a safe country?", "Is India a safe country to visit?", id="extra"),
+    pytest.param(
+        "Top 10 movies of 2020?", "What are the ten best movies of 2020?", id="number-as-word"
+    ),
+    pytest.param(
+        "Brutus betrayed Caesar.", "Caesar was betrayed by Brutus.", id="passive-keeps-roles"
+    ),
+    pytest.param(
+        "What is the population of the U.S.?", "What's the population of the US?", id="acronym"
+    ),
+    pytest.param("Why don't cats like water?", "Why do cats not like water?", id="both-negated"),
+]
+
+
+@pytest.mark.parametrize(("query", "candidate"), ACCEPTED)
+def test_accepts_a_true_rewording(guard: SemanticGuard, query: str, candidate: str) -> None:
+    assert guard.accept(query, candidate, 0.95)
+    assert guard.accept(candidate, query, 0.95)
+
+
+def test_identical_text_is_accepted_and_scores_high(guard: SemanticGuard) -> None:
+    text = "How do I reset my password?"
+    assert guard.accept(text, text, 1.0)
+    assert guard.score(text, text, 1.0) > max(0.8, guard.threshold)
+
+
+def test_cosine_floor_is_a_hard_prefilter(guard: SemanticGuard) -> None:
+    floor = guard.config.cosine_floor
+    text = "How do I reset my password?"
+    assert guard.score(text, text, floor - 1e-6) == 0.0
+    assert not guard.accept(text, text, floor - 1e-6, threshold=0.0)
+
+
+def test_score_rises_with_cosine(guard: SemanticGuard) -> None:
+    q, c = "How do I cancel my order?", "How can I cancel an order I placed?"
+    scores = [guard.score(q, c, x) for x in (0.7, 0.8, 0.9, 0.95, 1.0)]
+    assert scores == sorted(scores)
+    assert all(0.0 < s < 1.0 for s in scores)
+
+
+def test_choose_returns_the_best_accepted_candidate(guard: SemanticGuard) -> None:
+    query = "Top 5 movies of 2020"
+    candidates = [
+        ("Top 10 movies of 2020", 0.98),  # vetoed: another number
+        ("Top 5 films of 2020", 0.96),
+        ("Top 5 movies of 2020 ranked", 0.95),
+        ("How do I bake bread?", 0.2),  # under the floor
+    ]
+    best = guard.choose(query, candidates)
+    assert best in (1, 2)
+    assert guard.choose(query, candidates[:1]) is None
+    assert guard.choose(query, []) is None
+
+
+# ---------------------------------------------------------------- operating table
+
+
+def test_packaged_model_loads_and_matches_the_features() -> None:
+    config = read_guard_config()
+    assert config.feature_names == feats.FEATURE_NAMES
+    assert len(config.coefficients) == len(feats.FEATURE_NAMES)
+    assert config.embedder == "sentence-transformers/all-MiniLM-L6-v2"
+    data = json.loads(MODEL_PATH.read_text(encoding="utf-8"))
+    assert set(data["vetoes"]) <= set(feats.FEATURE_NAMES)
+    assert config.cosine_floor == pytest.approx(0.6)
+    assert config.coefficients[0] > 0  # more similar, more likely the same question
+
+
+def test_default_threshold_meets_the_default_target(guard: SemanticGuard) -> None:
+    config = guard.config
+    assert guard.target_precision == config.default_target_precision
+    assert guard.threshold == config.threshold_for(config.default_target_precision)
+    at = [p for p in config.operating_table if p.threshold >= guard.threshold]
+    assert at and all(p.precision >= config.default_target_precision for p in at)
+
+
+def test_threshold_for_is_monotonic(guard: SemanticGuard) -> None:
+    config = guard.config
+    reachable = [t for t in np.arange(0.90, 1.0, 0.0025) if _reachable(config, float(t))]
+    assert len(reachable) > 5
+    thresholds = [config.threshold_for(float(t)) for t in reachable]
+    assert thresholds == sorted(thresholds)
+
+
+def _reachable(config: GuardConfig, target: float) -> bool:
+    try:
+        config.threshold_for(target)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_target_precision_is_configurable(guard: SemanticGuard) -> None:
+    strict = load_guard(target_precision=0.98)
+    assert strict.threshold >= guard.threshold
+    with pytest.raises(ConfigError, match="target_precision"):
+        load_guard(target_precision=1.5)
+
+
+def _model(**overrides: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {
+        "format": "tiercache-semantic-guard/1",
+        "embedder": "test",
+        "features": list(feats.FEATURE_NAMES),
+        "coefficients": [10.0] + [0.0] * (len(feats.FEATURE_NAMES) - 1),
+        "intercept": -9.0,
+        "cosine_floor": 0.6,
+        "vetoes": {"number_mismatch": 1.0},
+        "default_target_precision": 0.95,
+        "operating_table": {
+            "columns": ["threshold", "precision", "recall"],
+            "rows": [[0.2, 0.90, 0.9], [0.5, 0.96, 0.7], [0.6, 0.94, 0.6], [0.8, 0.99, 0.3]],
+        },
+    }
+    model.update(overrides)
+    return model
+
+
+def test_threshold_for_takes_the_lowest_row_from_which_on_all_rows_qualify(tmp_path: Path) -> None:
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps(_model()), encoding="utf-8")
+    config = read_guard_config(path)
+    assert config.threshold_for(0.90) == 0.2
+    assert config.threshold_for(0.95) == 0.8  # row 0.6 dips under 0.95 after row 0.5
+    assert config.threshold_for(0.99) == 0.8
+    with pytest.raises(ConfigError, match="above what the guard reached"):
+        config.threshold_for(0.995)
+    assert load_guard(path).threshold == 0.8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"format": "v0"}, "format"),
+        ({"features": ["cosine"]}, "coefficients"),
+        ({"vetoes": {"nope": 1.0}}, "unknown feature"),
+        ({"intercept": "x"}, "malformed"),
+        (
+            {"operating_table": {"columns": ["threshold", "precision", "recall"], "rows": []}},
+            "rows",
+        ),
+        ({"cosine_floor": float("nan")}, "non-finite"),
+    ],
+)
+def test_malformed_model_is_a_config_error(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps(_model(**overrides)), encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_guard(path)
+
+
+def test_model_for_other_features_is_refused(tmp_path: Path) -> None:
+    names = list(reversed(feats.FEATURE_NAMES))
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps(_model(features=names)), encoding="utf-8")
+    with pytest.raises(ConfigError, match="trained on features"):
+        load_guard(path)
+
+
+def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_guard(tmp_path / "none.json")
+
+
+def test_score_matrix_agrees_with_score(guard: SemanticGuard) -> None:
+    pairs = [(q, c, x) for q, c, x in (p.values for p in REJECTED)]
+    pairs += [(q, c, 0.95) for q, c in (p.values for p in ACCEPTED)]
+    matrix = np.array([feats.features(q, c, x) for q, c, x in pairs])
+    expected = [guard.score(q, c, x) for q, c, x in pairs]
+    assert guard.score_matrix(matrix) == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------- features
+
+
+def test_features_are_symmetric_and_fixed_length() -> None:
+    for q, c, x in (p.values for p in REJECTED):
+        assert feats.features(q, c, x) == feats.features(c, q, x)
+        assert len(feats.features(q, c, x)) == len(feats.FEATURE_NAMES)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ("It costs 1,000 dollars", "It costs 1000 dollars", 0.0),
+        ("It costs 1,000 dollars", "It costs 2,000 dollars", 1.0),
+        ("Top ten movies", "Top 10 movies", 0.0),
+        ("Top 10 movies", "Top movies", 0.5),
+        ("How can one learn Python?", "How can I learn Python?", 0.0),
+        ("Pick one book", "Pick 2 books", 1.0),
+        ("Which one is best?", "Which is best?", 0.0),  # "one" alone may be a pronoun
+        ("Pick one book", "Pick 1 book", 0.0),
+        ("Pick one book", "Pick two books", 1.0),
+        ("What is pi to 3.14?", "What is pi to 3.15?", 1.0),
+        ("What does roll No. 1 mean?", "What does roll no.1 mean?", 0.0),
+    ],
+)
+def test_number_mismatch(a: str, b: str, expected: float) -> None:
+    assert feature("number_mismatch", a, b) == expected
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ("Is it legal?", "Is it illegal?", 1.0),
+        ("Can I park here?", "Can't I park here?", 1.0),
+        ("Is this the No. 1 song?", "Is this the number 1 song?", 0.0),
+        ("No, the method was removed.", "The method was removed.", 0.0),
+        # A free rewording: "without" against "removed" is not a flip of the same sentence.
+        (
+            "The method returns a new table without the given column.",
+            "The method creates a new table with the specified column removed.",
+            0.0,
+        ),
+    ],
+)
+def test_negation_mismatch(a: str, b: str, expected: float) -> None:
+    assert feature("negation_mismatch", a, b) == expected
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ("Is India safe?", "Is India safe for Indian women?", 0.0),
+        ("How did Donald Trump win?", "How did donald trump win?", 0.0),
+        ("Best hotels in Paris", "Best hotels in London", 1.0),
+        ("Why do people hate Apple?", "Why do people hate smartphones?", 0.5),
+        ("What is PyTorch?", "What is pytorch?", 0.0),
+    ],
+)
+def test_entity_mismatch(a: str, b: str, expected: float) -> None:
+    assert feature("entity_mismatch", a, b) == expected
+
+
+def test_features_are_fast_on_profiled_texts() -> None:
+    texts = [p.values[:2] for p in REJECTED] + [p.values for p in ACCEPTED]
+    for q, c in texts:
+        feats.features(q, c, 0.9)  # profiles memoized, as for cached entries
+    rounds = 200
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for q, c in texts:
+            feats.features(q, c, 0.9)
+    per_pair_us = (time.perf_counter() - start) / (rounds * len(texts)) * 1e6
+    assert per_pair_us < 50, per_pair_us

@@ -1,0 +1,196 @@
+"""The semantic index (row log + per-process mirror), the vector cache and the stage's search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from tiercache.codec import CacheEntry
+from tiercache.keys import EngineIdentity, semantic_scope, tenant_scope
+from tiercache.request import GenerationRequest
+from tiercache.semantic.index import SemanticIndex, SemanticStore
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.vectors import VectorCache, vector_key
+from tiercache.stores import MemoryStore
+from tiercache.tiered import TieredCache
+
+DIM = 8
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.zeros(DIM, dtype=np.float32)
+    v[: len(values)] = values
+    return v / np.linalg.norm(v)
+
+
+def test_rows_written_by_one_index_are_seen_by_another_and_after_reopen(tmp_path: Path) -> None:
+    writer = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    reader = SemanticIndex(SemanticStore(tmp_path / "sem2"), DIM)  # a different host: sees nothing
+    writer.add("s", "d1", "p1", unit(1, 0))
+    assert [n.digest for n in writer.search("s", unit(1, 0))] == ["d1"]
+    assert reader.search("s", unit(1, 0)) == []
+    writer.close()
+    reopened = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    hits = reopened.search("s", unit(1, 0.1))
+    assert [(n.digest, n.prompt) for n in hits] == [("d1", "p1")]
+    assert hits[0].similarity == pytest.approx(float(unit(1, 0) @ unit(1, 0.1)))
+
+
+def test_two_processes_views_of_one_store_stay_in_step(tmp_path: Path) -> None:
+    """Two SemanticIndex objects on one LMDB path stand for two stage processes on one host."""
+    store = SemanticStore(tmp_path / "sem")
+    a, b = SemanticIndex(store, DIM), SemanticIndex(store, DIM)
+    a.add("s", "d1", "p1", unit(1, 0))
+    b.add("s", "d2", "p2", unit(0, 1))
+    assert {n.digest for n in a.search("s", unit(1, 1), k=5)} == {"d1", "d2"}
+    assert {n.digest for n in b.search("s", unit(1, 1), k=5)} == {"d1", "d2"}
+
+
+def test_search_never_leaves_its_scope(tmp_path: Path) -> None:
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    index.add("tenant-a", "da", "p", unit(1, 0))
+    index.add("tenant-b", "db", "p", unit(1, 0))
+    assert [n.digest for n in index.search("tenant-a", unit(1, 0), k=10)] == ["da"]
+    assert index.search("tenant-c", unit(1, 0)) == []
+
+
+def test_nearest_first_and_duplicate_digests_once(tmp_path: Path) -> None:
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    index.add("s", "far", "p", unit(0, 1))
+    index.add("s", "near", "p", unit(1, 0.1))
+    index.add("s", "near", "p", unit(1, 0.1))
+    assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["near", "far"]
+    assert index.size("s") == 2
+
+
+def test_hnsw_above_the_flat_limit_finds_the_same_rows(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((300, DIM)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    store = SemanticStore(tmp_path / "sem")
+    store.append_many([("s", f"d{i}", f"p{i}", v) for i, v in enumerate(vectors)])
+    flat = SemanticIndex(store, DIM, flat_max_rows=10_000)
+    graph = SemanticIndex(store, DIM, flat_max_rows=50)
+    agree = sum(
+        flat.search("s", v, k=1)[0].digest == graph.search("s", v, k=1)[0].digest
+        for v in vectors[:100]
+    )
+    assert agree >= 95
+
+
+def test_damaged_row_is_skipped(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "good", "p", unit(1, 0))
+    seq = store.append("s", "bad", "p", unit(1, 0.1))
+    store.close()
+    env = lmdb.open(str(tmp_path / "sem"))
+    with env.begin(write=True) as txn:
+        key = b"r" + seq.to_bytes(8, "big")
+        blob = bytearray(txn.get(key))
+        blob[-1] ^= 0xFF
+        txn.put(key, bytes(blob))
+    env.close()
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
+
+
+def test_vector_cache_l1_l2_and_corruption(tmp_path: Path) -> None:
+    cache = VectorCache(tmp_path / "vec", DIM)
+    key = vector_key("emb@1", "hello")
+    assert cache.get(key) is None
+    cache.put(key, unit(1, 2))
+    assert np.array_equal(cache.get(key), unit(1, 2))
+    cache.close()
+    reopened = VectorCache(tmp_path / "vec", DIM)
+    assert np.array_equal(reopened.get(key), unit(1, 2))
+    assert reopened.stats().l2_hits == 1
+    reopened.close()
+    env = lmdb.open(str(tmp_path / "vec"))
+    with env.begin(write=True) as txn:
+        txn.put(key, b"\x00" * 20)
+    env.close()
+    damaged = VectorCache(tmp_path / "vec", DIM)
+    assert damaged.get(key) is None
+    assert damaged.stats().corrupt == 1
+    assert vector_key("emb@1", "hello") != vector_key("emb@2", "hello")
+
+
+def test_semantic_scope_separates_tenant_model_adapter_sampling_and_embedder() -> None:
+    engine = EngineIdentity("m", "r1")
+    greedy = GenerationRequest("a question", max_tokens=16)
+    base = semantic_scope(tenant_scope(b"k" * 32, "t1"), engine, greedy, "emb@1")
+    reworded = GenerationRequest("the same question, reworded", max_tokens=16)
+    assert semantic_scope(tenant_scope(b"k" * 32, "t1"), engine, reworded, "emb@1") == base
+    others = [
+        semantic_scope(tenant_scope(b"k" * 32, "t2"), engine, greedy, "emb@1"),
+        semantic_scope(tenant_scope(b"k" * 32, "t1"), EngineIdentity("m", "r2"), greedy, "emb@1"),
+        semantic_scope(tenant_scope(b"k" * 32, "t1"), engine, greedy, "emb@1", "adapter"),
+        semantic_scope(
+            tenant_scope(b"k" * 32, "t1"),
+            engine,
+            GenerationRequest("a question", max_tokens=16, temperature=0.7, seed=1),
+            "emb@1",
+        ),
+        semantic_scope(
+            tenant_scope(b"k" * 32, "t1"), engine, GenerationRequest("q", max_tokens=17), "emb@1"
+        ),
+        semantic_scope(tenant_scope(b"k" * 32, "t1"), engine, greedy, "emb@2"),
+    ]
+    assert base not in others and len(set(others)) == len(others)
+
+
+class _Embed:
+    def __init__(self, table: dict[str, np.ndarray]) -> None:
+        self.table = table
+        self.calls: list[list[str]] = []
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        self.calls.append(list(texts))
+        return np.stack([self.table[t] for t in texts])
+
+
+def _stage(tmp_path: Path, embed: _Embed, accept_all: bool = True) -> EmbeddingCache:
+    answers = TieredCache(MemoryStore(1 << 20), None)
+    return EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        answers,
+        embed,
+        (lambda q, cands: 0 if cands else None) if accept_all else (lambda q, cands: None),
+        "emb@1",
+        min_similarity=0.5,
+    )
+
+
+def test_stage_hits_a_stored_answer_and_embeds_each_text_once(tmp_path: Path) -> None:
+    embed = _Embed({"q1": unit(1, 0), "q1 reworded": unit(1, 0.05)})
+    stage = _stage(tmp_path, embed)
+    stage.answers.l1.put("digest-1", CacheEntry("answer one", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "digest-1", "q1", unit(1, 0))
+    (hit,) = stage.lookup(["q1 reworded"], ["scope"])
+    assert (hit.outcome, hit.text) == (SemanticOutcome.HIT, "answer one")
+    assert hit.similarity == pytest.approx(float(unit(1, 0) @ unit(1, 0.05)))
+    (again,) = stage.lookup(["q1 reworded"], ["other-scope"])
+    assert again.outcome is SemanticOutcome.MISS and again.vector_cached
+    assert embed.calls == [["q1 reworded"]]
+
+
+def test_stage_guard_rejection_and_stale_answers(tmp_path: Path) -> None:
+    embed = _Embed({"q": unit(1, 0)})
+    refusing = _stage(tmp_path / "a", embed, accept_all=False)
+    refusing.index.add("scope", "d", "p", unit(1, 0))
+    assert refusing.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.REJECTED
+    stale = _stage(tmp_path / "b", embed)
+    stale.index.add("scope", "gone", "p", unit(1, 0))  # its answer was never stored / evicted
+    assert stale.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.STALE
+
+
+def test_stage_ignores_candidates_under_the_similarity_floor(tmp_path: Path) -> None:
+    embed = _Embed({"q": unit(1, 0)})
+    stage = _stage(tmp_path, embed)
+    stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "d", "p", unit(0, 1))  # cosine 0
+    assert stage.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.MISS
