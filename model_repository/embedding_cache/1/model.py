@@ -46,6 +46,9 @@ class TritonPythonModel:
             top_k=config.top_k,
             min_similarity=config.min_similarity,
         )
+        # Load the host's rows now (large scopes build their HNSW graph here), so the first
+        # request does not pay for it; later rows arrive incrementally before each search.
+        self.stage.index.refresh()
         self.metrics = m = tb.Metrics(args["model_name"], instance=args["model_instance_name"])
         self.outcomes = {
             o: m.counter(

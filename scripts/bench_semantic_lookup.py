@@ -1,0 +1,145 @@
+"""`make bench-semantic`: embedding_cache lookup latency with a large scope, in process.
+
+Builds a scope of N rows (default 100,000) in a temporary state dir: random unit vectors stand in
+for the stored prompts' embeddings (the worst case for the HNSW graph: no cluster structure),
+with their answers in the exact cache, then times `EmbeddingCache.lookup` for real prompts with
+the real embedder and guard:
+- vector cached: the prompt's vector is in the vector cache (a repeat or a warmed text), so a
+  lookup is vector-cache read + HNSW search + guard + answer fetch;
+- vector not cached: the embedding itself included (one text per call, as a lone request).
+Also prints the flat-scan cost per scope size, which is where the flat scan stops being fast
+enough and the HNSW graph takes over (`flat_max_rows`). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tiercache.semantic.embedder import Embedder  # noqa: E402
+from tiercache.semantic.guard import load_guard  # noqa: E402
+from tiercache.semantic.index import SemanticIndex, SemanticStore, _Scope  # noqa: E402
+from tiercache.semantic.stage import EmbeddingCache  # noqa: E402
+from tiercache.semantic.vectors import VectorCache  # noqa: E402
+from tiercache.stores import LmdbStore, MemoryStore  # noqa: E402
+from tiercache.tiered import TieredCache  # noqa: E402
+
+QUERIES = [
+    "What is the capital of France?",
+    "How do I reset my password?",
+    "Explain the difference between TCP and UDP.",
+    "What are the health benefits of green tea?",
+    "How many moons does Jupiter have?",
+    "Write a haiku about autumn leaves.",
+    "What is the best way to learn Python?",
+    "Why is the sky blue?",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--lookups", type=int, default=400)
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="tiercache-semantic-bench-"))
+    print("loading the embedder and guard; state in a temp dir", flush=True)
+    embedder = Embedder()
+    guard = load_guard()
+    dims = embedder.identity.dimensions
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((args.rows, dims)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+
+    print(f"writing {args.rows:,} rows into one scope", flush=True)
+    store = SemanticStore(tmp / "semantic")
+    answers = TieredCache(MemoryStore(64 << 20), LmdbStore(tmp / "l2", 1 << 30))
+    chunk = 10_000
+    for start in range(0, args.rows, chunk):
+        stop = min(args.rows, start + chunk)
+        store.append_many(
+            [("scope", f"d{i}", f"stored prompt {i}", vectors[i]) for i in range(start, stop)]
+        )
+    # Real stored prompts for the queries, so some lookups end in a guard decision on a hit.
+    real = embedder.embed(QUERIES)
+    for i, (text, vector) in enumerate(zip(QUERIES, real, strict=True)):
+        store.append("scope", f"real{i}", text, vector)
+        answers.put(f"real{i}", f"answer {i}")
+    index = SemanticIndex(store, dims)
+    started = time.perf_counter()
+    index.refresh()
+    build_s = time.perf_counter() - started
+    print(
+        f"index loaded in {build_s:.1f} s (HNSW graph: {index.size('scope') > index.flat_max_rows})"
+    )
+    stage = EmbeddingCache(
+        VectorCache(tmp / "vectors", dims),
+        index,
+        answers,
+        embedder.embed,
+        guard.choose,
+        embedder.identity.key,
+    )
+    reworded = [q.replace("What is", "What's").replace("How do I", "How can I") for q in QUERIES]
+
+    cached_ms: list[float] = []
+    stage.vectors_for(reworded)  # warm the vector cache
+    for i in range(args.lookups):
+        q = reworded[i % len(reworded)]
+        t = time.perf_counter()
+        stage.lookup([q], ["scope"])
+        cached_ms.append((time.perf_counter() - t) * 1e3)
+    uncached_ms: list[float] = []
+    for i in range(min(args.lookups, 200)):
+        q = f"{reworded[i % len(reworded)]} (variant {i})"
+        t = time.perf_counter()
+        stage.lookup([q], ["scope"])
+        uncached_ms.append((time.perf_counter() - t) * 1e3)
+    hits = sum(stage.lookup([q], ["scope"])[0].outcome.value == "semantic" for q in reworded)
+
+    print("\nflat scan cost per scope size (one query, numpy matrix-vector product):")
+    flat_rows = []
+    for n in (1_000, 10_000, 20_000, 50_000, 100_000):
+        if n > args.rows:
+            break
+        scope = _Scope(dims)
+        scope.vectors, scope.count = vectors[:n], n
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            scope.search(vectors[3], 5)
+            times.append((time.perf_counter() - t) * 1e3)
+        flat_rows.append((n, statistics.median(times)))
+
+    cmd = " ".join(["python", "scripts/bench_semantic_lookup.py", *(argv or sys.argv[1:])])
+    print(f"\n## embedding_cache lookup, {args.rows:,} rows in one scope\n")
+    print(f"- command: `{cmd}`; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
+    print(f"- index load (row log -> memory, HNSW build): {build_s:.1f} s")
+    print("\n| lookup | p50 ms | p99 ms |\n|---|---:|---:|")
+    for label, values in (
+        ("vector cached (search + guard + answer)", cached_ms),
+        ("vector not cached (embedding included)", uncached_ms),
+    ):
+        print(f"| {label} | {percentile(values, 0.5):.3f} | {percentile(values, 0.99):.3f} |")
+    print(f"\nsemantic hits among the {len(reworded)} reworded queries: {hits}")
+    print("\n| rows in scope | flat scan p50 ms |\n|---:|---:|")
+    for n, ms in flat_rows:
+        print(f"| {n:,} | {ms:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
