@@ -152,6 +152,16 @@ def test_sweep_and_plot(tmp_path: Path, capsys: Any) -> None:
     assert "plain cosine sweep" in capsys.readouterr().out
 
 
+def test_sweep_with_a_source_without_positives(tmp_path: Path, capsys: Any) -> None:
+    rows = [*PAIRS, {"a": TOP5, "b": "Top 10 movies of 2020", "label": 0, "source": "neg"}]
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    guard = write_guard(tmp_path / "guard.json")
+    argv = ["--pairs", str(pairs), "--guard", str(guard), "--sweep"]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
+    printed = capsys.readouterr().out
+    assert "neg" in printed and "(score >= 0.50)" in printed
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -211,7 +211,7 @@ def test_threshold_for_takes_the_lowest_row_from_which_on_all_rows_qualify(tmp_p
     assert config.threshold_for(0.90) == 0.2
     assert config.threshold_for(0.95) == 0.8  # row 0.6 dips under 0.95 after row 0.5
     assert config.threshold_for(0.99) == 0.8
-    with pytest.raises(ConfigError, match="above what the guard reached"):
+    with pytest.raises(ConfigError, match="not held from any threshold"):
         config.threshold_for(0.995)
     assert load_guard(path).threshold == 0.8
 

@@ -41,11 +41,11 @@ FEATURE_NAMES: tuple[str, ...] = (
   "top 10"). Numbers: digits (5, 2,000, 3.5, 2nd, 2GB) and number words (two..ninety, hundred,
   dozen...); the word "one" counts only against a side that has a number too, since it is
   mostly a pronoun ("how can one ...").
-- negation_mismatch: 1 when one side is negated and the other is not (not, n't, no, never,
-  none, nothing, without, cannot, ...) or a word is the un-/in-/im-/il-/ir-/dis-/non- form of a
-  word on the other side ("safe" / "unsafe"), and the texts are otherwise near-identical (at most
-  a third of either side's content words missing from the other): in a free rewording, "without
-  X" and "X removed" trade places all the time.
+- negation_mismatch: 1 when the sides hold different numbers of negations (not, n't, no,
+  never, none, nothing, without, cannot, ...) or a word is the un-/in-/im-/il-/ir-/dis-/non-
+  form of a word on the other side ("safe" / "unsafe"), and the texts are otherwise
+  near-identical (at most a third of either side's content words missing from the other): in a
+  free rewording, "without X" and "X removed" trade places all the time.
 - entity_mismatch: 0, 0.5 or 1 as for numbers, over proper nouns, acronyms and alphanumeric
   names ("Moto E2", "GATE", "PyTorch") that the other side does not mention in any casing
   (words sharing their first 5 letters match: India / Indian).
@@ -124,7 +124,7 @@ class TextProfile:
     prefixes: frozenset[str]  # the first 5 letters of every vocabulary word of 5 or more
     numbers: tuple[float, ...]  # sorted; digits and number words except "one"
     has_word_one: bool  # "one" as a word (a 1 only against a side that has a number)
-    negated: bool
+    negations: int  # how many negation words
     entities: frozenset[str]  # stemmed proper nouns, acronyms and alphanumeric names
     passive: bool  # a form of "be" followed by a participle ("is mentioned", "was betrayed")
 
@@ -222,7 +222,7 @@ def profile(text: str) -> TextProfile:
             numbers.append(NUMBER_WORDS[low])
         words.append(low)
 
-    negated = False
+    negations = 0
     passive = False
     order: list[str] = []
     vocabulary: set[str] = set()
@@ -230,7 +230,7 @@ def profile(text: str) -> TextProfile:
         vocabulary.add(low)
         vocabulary.add(stem(low))
         if low in NEGATIONS or low.endswith("n't"):
-            negated = True
+            negations += 1
         elif low in _BE and any(_is_participle(w) for w in words[i + 1 : i + 3]):
             passive = True
         elif low in PIVOT_PREPOSITIONS:
@@ -245,7 +245,7 @@ def profile(text: str) -> TextProfile:
         prefixes=frozenset(w[:5] for w in vocabulary if len(w) >= 5),
         numbers=tuple(sorted(numbers)),
         has_word_one=has_word_one,
-        negated=negated,
+        negations=negations,
         entities=frozenset(entities),
         passive=passive,
     )
@@ -338,7 +338,7 @@ def pair_features(p: TextProfile, q: TextProfile, cosine: float) -> tuple[float,
     """The feature vector of two profiles, laid out as `FEATURE_NAMES`; symmetric in p and q."""
     p_prefixed = _prefix_negations(p, q)
     q_prefixed = _prefix_negations(q, p)
-    negated = p.negated != q.negated or bool(p_prefixed) or bool(q_prefixed)
+    negated = p.negations != q.negations or bool(p_prefixed) or bool(q_prefixed)
     # "safe" / "unsafe" is the flip itself, not a difference in content
     p_content = frozenset(p_prefixed.get(w, w) for w in p.content)
     q_content = frozenset(q_prefixed.get(w, w) for w in q.content)

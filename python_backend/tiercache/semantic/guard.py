@@ -119,9 +119,11 @@ class GuardConfig:
             chosen = point.threshold
         if chosen is None:
             best = max(p.precision for p in self.operating_table)
+            last = self.operating_table[-1]
             raise ConfigError(
-                f"target_precision {target_precision:g} is above what the guard reached on "
-                f"held-out pairs at its highest threshold (best precision {best:.4f})"
+                f"target_precision {target_precision:g} is not held from any threshold on in "
+                f"the guard's operating table (held-out precision: best row {best:.4f}, "
+                f"highest threshold {last.threshold:g}: {last.precision:.4f})"
             )
         return chosen
 
