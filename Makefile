@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup serve test test-unit test-integration perf bench lint clean
+.PHONY: setup serve test test-unit test-integration perf bench bench-semantic eval-semantic lint clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,13 @@ perf: setup
 
 bench: setup
 	$(PY) scripts/bench_prompt_cache.py
+
+bench-semantic: setup
+	$(PY) scripts/bench_semantic_lookup.py
+
+PAIRS ?= ../shared/eval/semantic_pairs_dev.jsonl
+eval-semantic: setup
+	$(VENV)/bin/tiercache eval-semantic --pairs $(PAIRS)
 
 lint: setup
 	$(VENV)/bin/ruff check python_backend client tests scripts model_repository
