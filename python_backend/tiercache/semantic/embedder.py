@@ -7,8 +7,6 @@ is the cosine similarity.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tiercache.engine.model_source import packaged_file
 from tiercache.errors import ConfigError
+from tiercache.keys import file_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,19 +56,9 @@ def resolve_embedder(name: str = DEFAULT_EMBEDDER) -> tuple[Path, EmbedderIdenti
     spec = KNOWN_EMBEDDERS.get(name)
     if spec is None:
         raise ConfigError(f"unknown embedder {name!r}; known: {', '.join(sorted(KNOWN_EMBEDDERS))}")
-    found = importlib.util.find_spec(spec.package)
-    if found is None or found.origin is None:
-        raise ConfigError(f"embedder {name!r} needs the package {spec.package!r}; run `make setup`")
-    folder = Path(found.origin).parent / spec.subdir
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"package {spec.package!r} has no {spec.subdir}/model.safetensors")
-    # The weights are 90 MB; the first 1 MiB plus the size identify a release well enough and
-    # keep resolution cheap for every stage that only needs the identity.
-    h = hashlib.sha256(str(weights.stat().st_size).encode())
-    with weights.open("rb") as handle:
-        h.update(handle.read(1 << 20))
-    return folder, EmbedderIdentity(spec.embedder_id, h.hexdigest(), spec.dimensions)
+    weights = packaged_file(spec.package, f"{spec.subdir}/model.safetensors", f"embedder {name!r}")
+    identity = EmbedderIdentity(spec.embedder_id, file_digest(weights), spec.dimensions)
+    return weights.parent, identity
 
 
 class Embedder:
