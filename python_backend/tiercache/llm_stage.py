@@ -132,7 +132,12 @@ class LlmStage:
             if not leader and self._on_follow is not None:
                 self._on_follow()
         if leader:
-            self._producers.submit(self._produce, flight, request, digest, write_back, after_store)
+            # Only a looked-up miss may be answered by an entry stored since its lookup; `bypass`
+            # (no-cache, semantic-only) asked not to be served from the exact cache.
+            recheck = status == "miss"
+            self._producers.submit(
+                self._produce, flight, request, digest, write_back, after_store, recheck
+            )
         try:
             parts: list[str] = []
             for chunk in flight.read(responder.is_cancelled):
@@ -158,11 +163,12 @@ class LlmStage:
         digest: Digest | None,
         write_back: bool,
         after_store: Callable[[], None] | None = None,
+        recheck: bool = True,
     ) -> None:
         """Run one generation into `flight`; store it only if clean, complete and wanted."""
         error: TierCacheError | None = None
         try:
-            if digest is not None:
+            if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
                 found = self.cache.get(digest)
                 if found is not None:

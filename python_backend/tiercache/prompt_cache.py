@@ -72,9 +72,9 @@ class PromptCache:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key)
         if control.no_cache:
             return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back, scope)
-        if control.semantic_only:
+        if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return LookupResult(
-                request, digest, CacheStatus.MISS, "", None, write_back, scope, bool(scope)
+                request, digest, CacheStatus.BYPASS, "", None, write_back, scope, bool(scope)
             )
         found = self.cache.get(digest)
         if found is None:

@@ -199,6 +199,12 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     """Validate `raw` and build its canonical form; raises `InvalidRequest` naming the problem."""
     if raw.text_input is None:
         raise InvalidRequest("text_input is required")
+    # NFKC can expand a character up to 18x: bound the input before normalizing it.
+    if len(raw.text_input) > 4 * limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"text_input has {len(raw.text_input)} characters, over the limit of "
+            f"{limits.max_prompt_chars}"
+        )
     prompt = normalize_text(raw.text_input)
     if not prompt:
         raise InvalidRequest("text_input is empty")

@@ -160,6 +160,7 @@ class LmdbStore:
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
         self._clock = clock
         self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._corrupt = 0
         self._env = self._open()
 
@@ -170,7 +171,10 @@ class LmdbStore:
             with env.begin() as txn:
                 txn.stat()
             return env
-        except lmdb.Error as exc:
+        except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
+            # Only a damaged file is moved aside; any other error (readers full, disk full, a
+            # lock) is raised, because other processes may have this database open and moving
+            # it would split the host's L2 in two.
             stamp = f"{int(self._clock())}-{os.getpid()}-{secrets.token_hex(3)}"
             aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
             log.warning("L2 store %s does not open (%s); moved aside to %s", self.path, exc, aside)
@@ -196,8 +200,9 @@ class LmdbStore:
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
-        if self._live_bytes() + len(data) > self._high_water_bytes:
-            self._evict()
+        with self._evict_lock:  # one evicting thread per process; the others re-check after it
+            if self._live_bytes() + len(data) > self._high_water_bytes:
+                self._evict()
         try:
             self._write(key.encode(), data)
         except lmdb.MapFullError:
@@ -225,9 +230,8 @@ class LmdbStore:
         count = max(1, int(len(candidates) * share))
         victims = [k.encode() for k in self._policy.nominate(candidates, count)] + broken
         with self._env.begin(write=True) as txn:
-            for key in victims:
-                txn.delete(key)
-        self._count(evictions=len(victims))
+            deleted = sum(bool(txn.delete(key)) for key in victims)  # another writer may have won
+        self._count(evictions=deleted)
 
     def delete(self, key: str) -> bool:
         with self._env.begin(write=True) as txn:

@@ -119,3 +119,18 @@ def test_semantic_hit_survives_a_restart(state_dir: Path, server: TritonServer) 
     finally:
         second.stop()
     assert (hit.cache_status, hit.text) == ("semantic", miss.text)
+
+
+def test_long_prompts_that_differ_past_the_embedders_window_never_share_an_answer(
+    client: TierCacheClient,
+) -> None:
+    """MiniLM reads 256 tokens; two prompts equal up to there would get one vector."""
+    t = tenant()
+    shared = "Follow the support policy below carefully and answer briefly. " * 30
+    first = client.generate_text(
+        shared + "How do I cancel my hotel booking?", max_tokens=4, tenant=t
+    )
+    second = client.generate_text(
+        shared + "How do I change the name on my flight ticket?", max_tokens=4, tenant=t
+    )
+    assert (first.cache_status, second.cache_status) == ("miss", "miss")

@@ -390,3 +390,16 @@ def test_semantic_hit_carries_its_similarity() -> None:
     r = Recorder()
     LlmStage.serve_hit("cached", "semantic", r, 0.93)
     assert r.wait() == [("final", "cached", "semantic", 0.93)]
+
+
+def test_bypass_is_generated_even_when_an_entry_exists(cache: TieredCache) -> None:
+    """no-cache (and semantic-only) asked not to be served from the exact cache: the producer
+    must not answer them from an entry that is already there."""
+    cache.put(DIGEST, "OLD")
+    engine = FakeEngine()
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, r)
+    assert r.wait() == [("final", "Hello", "bypass")]
+    assert engine.calls == 1
+    assert stored_text(cache) == "Hello"

@@ -194,3 +194,27 @@ def test_stage_ignores_candidates_under_the_similarity_floor(tmp_path: Path) -> 
     stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
     stage.index.add("scope", "d", "p", unit(0, 1))  # cosine 0
     assert stage.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.MISS
+
+
+def test_prompts_over_the_embedders_window_are_neither_embedded_nor_looked_up(
+    tmp_path: Path,
+) -> None:
+    embed = _Embed({"short": unit(1, 0)})
+    stage = _stage(tmp_path, embed)
+    stage._fits = lambda text: text == "short"  # type: ignore[method-assign]
+    stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "d", "p", unit(1, 0))
+    long_result, short_result = stage.lookup(["a very long prompt", "short"], ["scope", "scope"])
+    assert long_result.outcome is SemanticOutcome.TOO_LONG and long_result.vector.size == 0
+    assert short_result.outcome is SemanticOutcome.HIT
+    assert embed.calls == [["short"]]
+
+
+def test_token_budget_counts_the_embedders_tokens() -> None:
+    from tiercache.semantic.embedder import TokenBudget
+
+    budget = TokenBudget()
+    assert budget.max_tokens == 256
+    assert budget.fits("What is the capital of France?")
+    shared = "Follow the policy below carefully. " * 60  # about 360 tokens
+    assert not budget.fits(shared + "How do I cancel my hotel booking?")

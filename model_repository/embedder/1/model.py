@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbedderConfig
 from tiercache.engine.torch_engine import pick_device
+from tiercache.errors import InvalidRequest
 from tiercache.semantic.embedder import Embedder
 from tiercache.triton import boundary as tb
 
@@ -23,30 +24,31 @@ class TritonPythonModel:
         m.start()
 
     def execute(self, requests: list) -> list:
-        texts: list[str | None] = []
-        errors: list[Exception | None] = []
-        for request in requests:
+        """Every text of every request in one encode call; each request may hold a batch of
+        texts ([n, 1], as embedding_cache sends them) and gets [n, 384] back."""
+        batches: list[list[str] | None] = []
+        responses: list = [None] * len(requests)
+        for i, request in enumerate(requests):
             try:
-                text = tb.Inputs(request).string("TEXT")
-                if text is None:
-                    raise ValueError("TEXT is required")
-                texts.append(text)
-                errors.append(None)
+                texts = tb.Inputs(request).batch_strings("TEXT")
+                if not texts:
+                    raise InvalidRequest("TEXT is required")
+                batches.append(texts)
             except Exception as exc:  # noqa: BLE001 - this request's error response
-                texts.append(None)
-                errors.append(exc)
-        valid = [t for t in texts if t is not None]
-        started = time.perf_counter()
-        vectors = iter(self.embedder.embed(valid)) if valid else iter(())
-        self.batch_s.observe(time.perf_counter() - started)
-        self.texts.increment(len(valid))
-        responses = []
-        for text, error in zip(texts, errors, strict=True):
-            if error is not None or text is None:
-                responses.append(tb.error_response(error or ValueError("no text")))
-                continue
-            vector = next(vectors).reshape(1, -1).astype(np.float32)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", vector)]))
+                batches.append(None)
+                responses[i] = tb.error_response(exc)
+        flat = [t for texts in batches if texts for t in texts]
+        if flat:
+            started = time.perf_counter()
+            vectors = self.embedder.embed(flat)
+            self.batch_s.observe(time.perf_counter() - started)
+            self.texts.increment(len(flat))
+            offset = 0
+            for i, texts in enumerate(batches):
+                if texts:
+                    block = vectors[offset : offset + len(texts)].astype(np.float32)
+                    offset += len(texts)
+                    responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", block)])
         return responses
 
     def finalize(self) -> None:

@@ -12,10 +12,10 @@ from tiercache.config import EmbeddingCacheConfig
 from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.prompt_cache import CacheStatus, open_tiered_cache
 from tiercache.request import GenerationRequest
-from tiercache.semantic.embedder import resolve_embedder
+from tiercache.semantic.embedder import TokenBudget, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex, SemanticStore
-from tiercache.semantic.stage import EmbeddingCache, SemanticLookup, SemanticOutcome
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.vectors import VectorCache
 from tiercache.triton import boundary as tb
 
@@ -45,6 +45,7 @@ class TritonPythonModel:
             identity.key,
             top_k=config.top_k,
             min_similarity=config.min_similarity,
+            fits=TokenBudget(config.embedder).fits,
         )
         # Load the host's rows now (large scopes build their HNSW graph here), so the first
         # request does not pay for it; later rows arrive incrementally before each search.
@@ -67,7 +68,7 @@ class TritonPythonModel:
         m.start()
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
-        """One BLS call to the embedder for all texts (it batches them as one)."""
+        """One BLS call to the embedder for all texts, as one [n, 1] batch."""
         batch = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
         request = pb_utils.InferenceRequest(
             model_name=self.config.embedder_model,
@@ -81,7 +82,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
-        todo: list[tuple[int, str, str]] = []  # (index, prompt, scope) of the lookups to run
+        todo: list[tuple[int, str, str, str]] = []  # (index, prompt, scope, status) to look up
         for i, request in enumerate(requests):
             try:
                 inputs = tb.Inputs(request)
@@ -93,7 +94,8 @@ class TritonPythonModel:
                 request_json, scope = inputs.string("REQUEST"), inputs.string("SCOPE")
                 if not request_json or not scope:
                     raise InvalidRequest("a semantic lookup needs REQUEST and SCOPE")
-                todo.append((i, GenerationRequest.from_json(request_json).prompt, scope))
+                prompt = GenerationRequest.from_json(request_json).prompt
+                todo.append((i, prompt, scope, status))
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 self.outcomes["error"].increment(1)
                 responses[i] = tb.error_response(exc)
@@ -101,29 +103,27 @@ class TritonPythonModel:
             self._lookup(todo, responses)
         return responses
 
-    def _lookup(self, todo: list[tuple[int, str, str]], responses: list) -> None:
+    def _lookup(self, todo: list[tuple[int, str, str, str]], responses: list) -> None:
         started = time.perf_counter()
         try:
-            found = self.stage.lookup([p for _, p, _ in todo], [s for _, _, s in todo])
-        except Exception as exc:  # noqa: BLE001 - these requests fail; the model stays up
-            for i, _, _ in todo:
+            found = self.stage.lookup([t[1] for t in todo], [t[2] for t in todo])
+        except Exception:  # noqa: BLE001 - semantic caching is an optimisation: fall through
+            tb.log.exception("semantic lookup failed; the requests go on as misses")
+            for i, _, _, status in todo:
                 self.outcomes["error"].increment(1)
-                responses[i] = tb.error_response(exc)
+                responses[i] = self._respond("", status)
             return
         elapsed = time.perf_counter() - started
-        for (i, _, _), result in zip(todo, found, strict=True):
-            responses[i] = self._respond_lookup(result)
+        for (i, _, _, status), result in zip(todo, found, strict=True):
+            if result.outcome is SemanticOutcome.HIT:
+                responses[i] = self._respond(
+                    result.text, CacheStatus.SEMANTIC.value, result.similarity, result.vector
+                )
+            else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
+                responses[i] = self._respond("", status, 0.0, result.vector)
             self.outcomes[result.outcome.value].increment(1)
             self.vector_hits.increment(int(result.vector_cached))
             self.lookup_s.observe(elapsed / len(todo))
-
-    @staticmethod
-    def _respond_lookup(result: SemanticLookup) -> object:
-        if result.outcome is SemanticOutcome.HIT:
-            return TritonPythonModel._respond(
-                result.text, CacheStatus.SEMANTIC.value, result.similarity, result.vector
-            )
-        return TritonPythonModel._respond("", CacheStatus.MISS.value, 0.0, result.vector)
 
     @staticmethod
     def _respond(

@@ -3,6 +3,7 @@ calls the engine model through BLS."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -62,6 +63,11 @@ class TritonPythonModel:
             "tiercache_llm_coalesced_total", "Misses served by joining an identical in-flight one"
         )
         self.write_backs = m.counter("tiercache_llm_write_backs_total", "Answers stored in L2")
+        self.write_failures = m.counter(
+            "tiercache_llm_write_failures_total", "Failed writes of an answer or its index row"
+        )
+        self._write_failures_seen = 0
+        self._seen_lock = threading.Lock()
         self.tokens = m.counter("tiercache_llm_generated_tokens_total", "Tokens generated")
         self.ttft_s = m.histogram(
             "tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss"
@@ -111,6 +117,11 @@ class TritonPythonModel:
 
     def _record(self, record: GenerationRecord) -> None:
         self.generations.increment(1)
+        with self._seen_lock:  # producers finish on several threads
+            failures = self.stage.stats().write_failures
+            if failures > self._write_failures_seen:
+                self.write_failures.increment(failures - self._write_failures_seen)
+                self._write_failures_seen = failures
         self.tokens.increment(record.generated_tokens)
         if record.ttft_s is not None:
             self.ttft_s.observe(record.ttft_s)

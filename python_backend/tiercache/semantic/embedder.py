@@ -7,6 +7,7 @@ is the cosine similarity.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,26 @@ def resolve_embedder(name: str = DEFAULT_EMBEDDER) -> tuple[Path, EmbedderIdenti
     weights = packaged_file(spec.package, f"{spec.subdir}/model.safetensors", f"embedder {name!r}")
     identity = EmbedderIdentity(spec.embedder_id, file_digest(weights), spec.dimensions)
     return weights.parent, identity
+
+
+class TokenBudget:
+    """Whether a text fits the embedder's window. The embedder silently drops tokens past
+    `max_seq_length` (256 for MiniLM), so two long prompts that differ only after it would get
+    the same vector: such prompts are kept out of the semantic cache altogether."""
+
+    def __init__(self, name: str = DEFAULT_EMBEDDER) -> None:
+        from transformers import AutoTokenizer  # the tokenizer only, not the model
+
+        folder, _ = resolve_embedder(name)
+        config = json.loads((folder / "sentence_bert_config.json").read_text())
+        self.max_tokens = int(config["max_seq_length"])
+        self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+
+    def fits(self, text: str) -> bool:
+        # A cheap bound first: every token covers at least one character of the text.
+        if len(text) <= self.max_tokens - 2:
+            return True
+        return len(self._tokenizer(text)["input_ids"]) <= self.max_tokens
 
 
 class Embedder:

@@ -16,6 +16,7 @@ from tiercache.semantic.vectors import VectorCache, vector_key
 from tiercache.tiered import TieredCache
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
+NO_VECTOR = np.zeros(0, dtype=np.float32)
 # (query, [(candidate prompt, cosine), ...] nearest first) -> index of the accepted one, or None
 ChooseFn = Callable[[str, Sequence[tuple[str, float]]], "int | None"]
 
@@ -25,6 +26,7 @@ class SemanticOutcome(str, Enum):
     MISS = "miss"  # no candidate passed (or the scope is empty)
     REJECTED = "rejected"  # candidates above the similarity floor, all refused by the guard
     STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
+    TOO_LONG = "too_long"  # over the embedder's window: neither looked up nor indexed
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class EmbeddingCache:
         embedder_key: str,
         top_k: int = 5,
         min_similarity: float = 0.6,
+        fits: Callable[[str], bool] = lambda text: True,
     ) -> None:
         self.vectors = vectors
         self.index = index
@@ -56,6 +59,7 @@ class EmbeddingCache:
         self.embedder_key = embedder_key
         self.top_k = top_k
         self.min_similarity = min_similarity
+        self._fits = fits
 
     def vectors_for(self, prompts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
         """Each prompt's vector and whether it came from the vector cache; the ones not cached
@@ -92,11 +96,18 @@ class EmbeddingCache:
         return SemanticLookup(outcome, vector, vector_cached=cached)
 
     def lookup(self, prompts: Sequence[str], scopes: Sequence[str]) -> list[SemanticLookup]:
-        vectors = self.vectors_for(prompts)
-        return [
-            self.search(prompt, scope, vector, cached)
-            for prompt, scope, (vector, cached) in zip(prompts, scopes, vectors, strict=True)
-        ]
+        """One result per prompt, in order; prompts over the embedder's window are not embedded
+        (their result has an empty vector, so the llm stage does not index them either)."""
+        fitting = [i for i, p in enumerate(prompts) if self._fits(p)]
+        vectors = dict(zip(fitting, self.vectors_for([prompts[i] for i in fitting]), strict=True))
+        results = []
+        for i, (prompt, scope) in enumerate(zip(prompts, scopes, strict=True)):
+            if i not in vectors:
+                results.append(SemanticLookup(SemanticOutcome.TOO_LONG, NO_VECTOR))
+                continue
+            vector, cached = vectors[i]
+            results.append(self.search(prompt, scope, vector, cached))
+        return results
 
     def close(self) -> None:
         self.vectors.close()

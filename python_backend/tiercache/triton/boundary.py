@@ -89,6 +89,13 @@ class Inputs:
             raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
         return array
 
+    def batch_strings(self, name: str) -> list[str] | None:
+        """All texts of a BYTES input whose batch dimension may exceed 1 (one per row)."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        return [_decode(name, value) for value in tensor.as_numpy().reshape(-1)]
+
     def vector(self, name: str) -> np.ndarray | None:
         """A numeric tensor as it came (e.g. an embedding), batch dimension included."""
         return self._array(name)
