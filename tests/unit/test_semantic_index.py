@@ -218,3 +218,25 @@ def test_token_budget_counts_the_embedders_tokens() -> None:
     assert budget.fits("What is the capital of France?")
     shared = "Follow the policy below carefully. " * 60  # about 360 tokens
     assert not budget.fits(shared + "How do I cancel my hotel booking?")
+
+
+def test_full_row_log_compacts_rows_whose_answers_are_gone(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_bytes=64 * 1024)
+    live = {"d0"}
+    written = 0
+    for i in range(400):  # far more rows than 64 KiB holds
+        store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i / 400), live.__contains__)
+        written += 1
+    assert written == 400  # no append raised
+    rows = list(store.rows_since(0))
+    assert 0 < len(rows) < 400
+    assert rows[-1].digest == "d399"  # the newest row always made it in
+
+
+def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    for i in range(10):
+        store.append("s", f"d{i}", "p", unit(1, i))
+    deleted = store.compact(lambda digest: digest in {"d2", "d7"})
+    assert deleted == 8
+    assert [r.digest for r in store.rows_since(0)] == ["d2", "d7"]

@@ -113,7 +113,10 @@ class TritonPythonModel:
         if not scope or not digest or tensor is None or tensor.size == 0:
             return None
         vector = tensor.reshape(-1).astype(np.float32)
-        return lambda: self.semantic.append(scope, digest, request.prompt, vector)
+        cache = self.stage.cache
+        return lambda: self.semantic.append_or_compact(
+            scope, digest, request.prompt, vector, lambda d: cache.get(d) is not None
+        )
 
     def _record(self, record: GenerationRecord) -> None:
         self.generations.increment(1)

@@ -87,6 +87,40 @@ class SemanticStore:
     def append(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.append_many([(scope, digest, prompt, vector)])[0]
 
+    def append_or_compact(
+        self,
+        scope: str,
+        digest: str,
+        prompt: str,
+        vector: np.ndarray,
+        answer_exists: Callable[[str], bool],
+    ) -> int:
+        """Append; when the log is full, drop rows whose answer is gone (else the oldest tenth)
+        and try once more. Processes that mirrored a dropped row keep it until they restart;
+        a hit on it finds no answer and is a miss, never a wrong answer."""
+        try:
+            return self.append(scope, digest, prompt, vector)
+        except lmdb.MapFullError:
+            self.compact(answer_exists)
+            return self.append(scope, digest, prompt, vector)
+
+    def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
+        """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`."""
+        dead: list[bytes] = []
+        keys: list[bytes] = []
+        with self._env.begin() as txn:
+            for key, blob in txn.cursor():
+                if not key.startswith(_ROW_PREFIX):
+                    continue
+                keys.append(bytes(key))
+                row = decode_row(int.from_bytes(key[1:], "big"), blob)
+                if row is None or not answer_exists(row.digest):
+                    dead.append(bytes(key))
+        if not dead:
+            dead = keys[: max(1, int(len(keys) * fallback_fraction))]  # keys are in seq order
+        with self._env.begin(write=True) as txn:
+            return sum(bool(txn.delete(key)) for key in dead)
+
     def append_many(self, rows: list[tuple[str, str, str, np.ndarray]]) -> list[int]:
         """Append (scope, digest, prompt, vector) rows in one transaction (one fsync)."""
         seqs: list[int] = []
