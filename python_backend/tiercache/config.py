@@ -19,6 +19,7 @@ from tiercache.request import DEFAULT_LIMITS, Limits
 T = TypeVar("T")
 
 STATE_DIR_ENV = "TIERCACHE_STATE_DIR"
+ADAPTERS_DIR_ENV = "TIERCACHE_ADAPTERS_DIR"
 
 
 def default_state_dir() -> Path:
@@ -26,6 +27,15 @@ def default_state_dir() -> Path:
     ~/.cache/tiercache."""
     env = os.environ.get(STATE_DIR_ENV)
     return Path(env) if env else Path.home() / ".cache" / "tiercache"
+
+
+def adapters_path(adapters_dir: str, state_dir: Path) -> Path:
+    """The adapters folder: the stage parameter, else $TIERCACHE_ADAPTERS_DIR, else
+    `<state dir>/adapters` (which may not exist: then only the base model is served)."""
+    if adapters_dir:
+        return Path(adapters_dir)
+    env = os.environ.get(ADAPTERS_DIR_ENV)
+    return Path(env) if env else state_dir / "adapters"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +47,14 @@ class CacheConfig:
     l2_max_bytes: int = 1 << 30
     ttl_s: float = 0.0  # 0: entries never expire
     model: str = "smollm2-135m-instruct"
+    adapters_dir: str = ""  # empty: adapters_path()'s default
+    adapters_manifest: str = ""  # optional JSON manifest (tiercache.lora.registry)
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    def adapters_path(self) -> Path:
+        return adapters_path(self.adapters_dir, self.state_path())
 
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
@@ -101,13 +116,41 @@ class LlmConfig(SemanticConfig):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraCacheConfig(CacheConfig):
+    """The `lora_cache` stage: where adapters live and how many stay resident in each tier."""
+
+    engine_model: str = "torch_llm"  # the engine it keeps warm (BLS target of warm and list)
+    engine_slots: int = 4  # adapters loaded in the engine at once (vLLM's max_loras)
+    engine_max_bytes: int = 0  # 0: bounded by engine_slots only
+    host_max_adapters: int = 32  # adapters whose weights lora_cache keeps in memory
+    host_max_bytes: int = 256 << 20
+    pin: str = ""  # comma-separated names never evicted from the engine
+    prefetch: str = ""  # comma-separated names loaded into the engine at start
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     state_dir: str = ""
     model: str = "smollm2-135m-instruct"
     device: str = "auto"  # auto | cpu | cuda
+    adapters_dir: str = ""
+    adapters_manifest: str = ""
+    lora_slots: int = 4  # hard bound on adapters loaded at once; lora_cache decides which
+    lora_prefetch: str = ""  # comma-separated names loaded at start (same list as lora_cache's)
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
 
     def models_path(self) -> Path:
-        return (Path(self.state_dir) if self.state_dir else default_state_dir()) / "models"
+        return self.state_path() / "models"
+
+    def adapters_path(self) -> Path:
+        return adapters_path(self.adapters_dir, self.state_path())
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """A comma-separated parameter as a tuple of non-empty, stripped names."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def parse_config(cls: type[T], values: dict[str, str]) -> T:

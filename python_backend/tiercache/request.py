@@ -113,6 +113,10 @@ class GenerationRequest:
     stop_words: tuple[str, ...] = field(default_factory=tuple)
     stream: bool = False
     lora_name: str = ""
+    # The adapter version lora_name resolved to (set by prompt_cache; not in key_fields(), the
+    # digest enters the key document itself, see tiercache.keys). 0 / "" for the base model.
+    lora_task_id: int = 0
+    lora_digest: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +143,8 @@ class GenerationRequest:
     def to_json(self) -> str:
         fields = self.key_fields()
         fields["stream"] = self.stream
+        fields["lora_task_id"] = self.lora_task_id
+        fields["lora_digest"] = self.lora_digest
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @classmethod
@@ -154,6 +160,8 @@ class GenerationRequest:
             stop_words=tuple(data["stop_words"]),
             stream=bool(data["stream"]),
             lora_name=data["lora_name"],
+            lora_task_id=int(data.get("lora_task_id", 0)),
+            lora_digest=str(data.get("lora_digest", "")),
         )
 
 
