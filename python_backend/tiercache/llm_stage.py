@@ -107,11 +107,14 @@ class LlmStage:
         write_back: bool,
         responder: Responder,
         after_store: Callable[[], None] | None = None,
+        generate: GenerateFn | None = None,
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
-        `after_store` runs once the answer is stored (the semantic index write), if it is."""
+        `after_store` runs once the answer is stored (the semantic index write), if it is.
+        `generate` replaces the stage's engine call for this request if it leads its flight (it
+        carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
         self._pool.submit(
-            self._serve_miss, request, digest, status, write_back, responder, after_store
+            self._serve_miss, request, digest, status, write_back, responder, after_store, generate
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class LlmStage:
         write_back: bool,
         responder: Responder,
         after_store: Callable[[], None] | None,
+        generate: GenerateFn | None = None,
     ) -> None:
         if digest is None:
             flight, leader = Flight(key="", subscribers=1), True
@@ -136,7 +140,7 @@ class LlmStage:
             # (no-cache, semantic-only) asked not to be served from the exact cache.
             recheck = status == "miss"
             self._producers.submit(
-                self._produce, flight, request, digest, write_back, after_store, recheck
+                self._produce, flight, request, digest, write_back, after_store, recheck, generate
             )
         try:
             parts: list[str] = []
@@ -164,6 +168,7 @@ class LlmStage:
         write_back: bool,
         after_store: Callable[[], None] | None = None,
         recheck: bool = True,
+        generate: GenerateFn | None = None,
     ) -> None:
         """Run one generation into `flight`; store it only if clean, complete and wanted."""
         error: TierCacheError | None = None
@@ -174,7 +179,7 @@ class LlmStage:
                 if found is not None:
                     flight.append(found.entry.text)
                     return
-            record = self._run_engine(flight, request)
+            record = self._run_engine(flight, request, generate or self._generate)
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":
                 error = abandoned_error()
@@ -197,14 +202,16 @@ class LlmStage:
             else:
                 self.flights.complete(flight, error)
 
-    def _run_engine(self, flight: Flight, request: GenerationRequest) -> GenerationRecord:
+    def _run_engine(
+        self, flight: Flight, request: GenerationRequest, generate: GenerateFn
+    ) -> GenerationRecord:
         with self._lock:
             self._generations += 1
         started = self._clock()
         ttft: float | None = None
         finish: str | None = None
         tokens = 0
-        for event in self._generate(request):
+        for event in generate(request):
             if event.text:
                 if ttft is None:
                     ttft = self._clock() - started

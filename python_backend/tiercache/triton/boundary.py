@@ -104,6 +104,18 @@ class Inputs:
         array = self._array(name)
         return None if array is None else _decode(name, _one(name, array))
 
+    def blob(self, name: str) -> bytes | None:
+        """One BYTES value as raw bytes (binary payloads such as adapter weights)."""
+        array = self._array(name)
+        if array is None:
+            return None
+        value = _one(name, array)
+        if isinstance(value, str):
+            return value.encode("utf-8")
+        if not isinstance(value, (bytes, np.bytes_)):
+            raise InvalidRequest(f"{name} must be BYTES, got {type(value).__name__}")
+        return bytes(value)
+
     def strings(self, name: str) -> list[str] | None:
         array = self._array(name)
         if array is None:
@@ -189,6 +201,14 @@ def output_string(response: Any, name: str) -> str | None:
     if tensor is None:
         return None
     return _decode(name, tensor.as_numpy().reshape(-1)[0])
+
+
+def output_blob(response: Any, name: str) -> bytes | None:
+    """One BYTES output as raw bytes."""
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        return None
+    return bytes(tensor.as_numpy().reshape(-1)[0])
 
 
 def output_int(response: Any, name: str) -> int | None:

@@ -1,0 +1,68 @@
+"""One engine call with an adapter, retried once with the weights when the engine lost them.
+
+lora_cache keeps a mirror of what the engine holds and sends weights only when the mirror says the
+engine lacks them. The mirror can be wrong (the engine restarted, another instance evicted): the
+engine then answers "LoRA task N ... not found in cache" before it generates anything, and the
+call is repeated once with the weights fetched again from lora_cache. This is TensorRT-LLM's
+backend protocol, so the same rule serves `torch_llm` and `tensorrt_llm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from tiercache.engine.events import StreamEvent
+from tiercache.errors import TierCacheError
+from tiercache.lora.types import NOT_IN_ENGINE_MARK, AdapterRef
+from tiercache.request import GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLora:
+    """What goes to the engine with one request besides the request itself."""
+
+    config_json: str = ""  # adapter_config.json, only when the engine must load the adapter
+    weights: bytes = b""  # adapter_model.safetensors, idem
+    evict: tuple[str, ...] = ()  # digests the engine drops first, to make room
+
+    @property
+    def loads(self) -> bool:
+        return bool(self.weights)
+
+
+NO_LORA = EngineLora()
+
+EngineCall = Callable[[GenerationRequest, EngineLora], Iterator[StreamEvent]]
+FetchWeights = Callable[[AdapterRef], EngineLora]
+
+
+def adapter_ref(request: GenerationRequest) -> AdapterRef | None:
+    """The adapter version a request was resolved to, or None for the base model."""
+    if not request.lora_digest:
+        return None
+    return AdapterRef(request.lora_name, request.lora_task_id, request.lora_digest)
+
+
+def is_not_in_engine(exc: BaseException) -> bool:
+    return isinstance(exc, TierCacheError) and NOT_IN_ENGINE_MARK in exc.message
+
+
+def generate_with_adapter(
+    call: EngineCall, fetch: FetchWeights, request: GenerationRequest, lora: EngineLora
+) -> Iterator[StreamEvent]:
+    """Stream `call(request, lora)`; if the engine says it does not hold the request's adapter
+    (before any output, and only when no weights were sent), fetch them and call once more."""
+    ref = adapter_ref(request)
+    events = call(request, lora)
+    try:
+        first = next(events, None)
+    except TierCacheError as exc:
+        if ref is None or lora.loads or not is_not_in_engine(exc):
+            raise
+        events = call(request, fetch(ref))
+        first = next(events, None)
+    if first is None:
+        return
+    yield first
+    yield from events
