@@ -11,7 +11,7 @@ import pytest
 from tiercache.codec import CacheEntry
 from tiercache.keys import EngineIdentity, semantic_scope, tenant_scope
 from tiercache.request import GenerationRequest
-from tiercache.semantic.index import SemanticIndex, SemanticStore
+from tiercache.semantic.index import SemanticIndex, SemanticStore, file_digest
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.vectors import VectorCache, vector_key
 from tiercache.stores import MemoryStore
@@ -240,3 +240,161 @@ def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:
     deleted = store.compact(lambda digest: digest in {"d2", "d7"})
     assert deleted == 8
     assert [r.digest for r in store.rows_since(0)] == ["d2", "d7"]
+
+
+# ---- saved HNSW graphs ----------------------------------------------------------------------
+# LMDB opens an environment once per process, so the "processes" below share one SemanticStore;
+# each SemanticIndex has its own mirror and graph, as each stage process does.
+
+
+def _random_rows(count: int, seed: int) -> np.ndarray:
+    vectors = np.random.default_rng(seed).standard_normal((count, DIM)).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def _fill(store: SemanticStore, vectors: np.ndarray, first: int = 0) -> None:
+    store.append_many([("s", f"d{first + i}", f"p{first + i}", v) for i, v in enumerate(vectors)])
+
+
+def _start(store: SemanticStore) -> SemanticIndex:
+    """A process starting on the host's row log: HNSW above 50 rows."""
+    index = SemanticIndex(store, DIM, flat_max_rows=50)
+    index.refresh()
+    return index
+
+
+def _graph_files(store: SemanticStore) -> list[Path]:
+    return sorted((store.path / "graphs").glob("*.hnsw"))
+
+
+def _agree_with_flat(index: SemanticIndex, queries: np.ndarray) -> int:
+    flat = SemanticIndex(index.store, DIM, persist_graphs=False)
+    return sum(
+        index.search("s", q, k=1)[0].digest == flat.search("s", q, k=1)[0].digest for q in queries
+    )
+
+
+def test_a_saved_graph_is_loaded_at_start_and_rows_appended_after_it_are_found(
+    tmp_path: Path,
+) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    first = _start(store)
+    assert (first.stats().graphs_built, first.stats().graphs_saved) == (1, 1)
+    (saved,) = _graph_files(store)
+    assert saved.name.split(".")[1] == "300"
+
+    later = _random_rows(10, 1)  # appended after the save: under the re-save share
+    _fill(store, later, first=300)
+    second = _start(store)
+    stats = second.stats()
+    assert (stats.graphs_built, stats.graphs_loaded, stats.graphs_saved) == (0, 1, 0)
+    assert stats.rows == 310
+    for i, v in enumerate(later):
+        (hit,) = second.search("s", v, k=1)
+        assert hit.digest == f"d{300 + i}"
+        assert hit.similarity == pytest.approx(1.0, abs=1e-5)
+    assert _agree_with_flat(second, _random_rows(100, 2)) >= 95
+
+    second.save_graphs()  # what close does: the graph grew since its file, the older file goes
+    (resaved,) = _graph_files(store)
+    assert resaved.name.split(".")[1] == "310"
+    third = _start(store)
+    assert (third.stats().graphs_built, third.stats().graphs_loaded) == (0, 1)
+    third.close()
+    assert _graph_files(store) == [resaved]  # nothing new to save at close
+
+
+def test_a_load_that_adds_many_rows_on_top_saves_the_larger_graph(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    _start(store)  # builds and saves 300 rows, then never closes (a crash)
+    _fill(store, _random_rows(100, 1), first=300)
+    index = _start(store)
+    assert (index.stats().graphs_loaded, index.stats().graphs_saved) == (1, 1)
+    assert [f.name.split(".")[1] for f in _graph_files(store)] == ["400"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty"])
+def test_a_damaged_graph_file_is_rebuilt_and_results_stay_right(
+    tmp_path: Path, damage: str
+) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    _start(store)
+    (saved,) = _graph_files(store)
+    data = bytearray(saved.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "flipped byte":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = bytearray()
+    saved.write_bytes(bytes(data))
+
+    index = _start(store)
+    stats = index.stats()
+    assert (stats.graphs_loaded, stats.graphs_built, stats.graph_files_rejected) == (0, 1, 1)
+    assert _agree_with_flat(index, _random_rows(100, 2)) >= 95
+    (rebuilt,) = _graph_files(store)  # the damaged file is gone, a good one took its place
+    assert rebuilt.read_bytes() != bytes(data)
+    assert _start(store).stats().graphs_loaded == 1
+
+
+def test_a_graph_of_other_rows_is_never_used(tmp_path: Path) -> None:
+    other = SemanticStore(tmp_path / "other")
+    _fill(other, _random_rows(300, 7))
+    _start(other)
+    (foreign,) = _graph_files(other)
+    # Same scope, same row count, other rows: the prefix digest in its name does not match.
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    (store.path / "graphs").mkdir()
+    (store.path / "graphs" / foreign.name).write_bytes(foreign.read_bytes())
+    index = _start(store)
+    stats = index.stats()
+    assert (stats.graphs_loaded, stats.graphs_built, stats.graph_files_rejected) == (0, 1, 1)
+    assert _agree_with_flat(index, _random_rows(100, 2)) >= 95
+
+    # The foreign graph renamed to claim this log's rows still fails the vector spot check.
+    (own,) = _graph_files(store)
+    tag, rows, prefix, _, ext = own.name.split(".")
+    own.unlink()
+    tmp = store.path / "graphs" / "forged"
+    tmp.write_bytes(foreign.read_bytes())
+    tmp.rename(tmp.with_name(f"{tag}.{rows}.{prefix}.{file_digest(tmp)}.{ext}"))
+    forged = _start(store)
+    assert (forged.stats().graphs_loaded, forged.stats().graph_files_rejected) == (0, 1)
+    assert _agree_with_flat(forged, _random_rows(100, 2)) >= 95
+
+
+def test_a_graph_saved_before_compaction_is_not_used_after_it(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    rows = _random_rows(300, 0)
+    _fill(store, rows)
+    _start(store)
+    store.compact(lambda digest: digest != "d5")  # one early row's answer is gone
+    _fill(store, _random_rows(5, 3), first=1000)
+    index = _start(store)  # 304 rows; the file's first 300 are not this log's first 300
+    assert (index.stats().graphs_loaded, index.stats().graphs_built) == (0, 1)
+    assert all(n.digest != "d5" for n in index.search("s", rows[5], k=5))
+
+
+def test_saving_a_graph_of_the_same_rows_again_writes_nothing(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    index = _start(store)
+    assert index.graphs is not None
+    (saved,) = _graph_files(store)
+    _, rows, prefix, _, _ = saved.name.split(".")
+    assert index.graphs.save("s", int(rows), prefix, index._scopes["s"].hnsw) is None
+    assert _graph_files(store) == [saved]
+    assert not list((store.path / "graphs").glob(".*.tmp"))
+
+
+def test_scopes_under_the_flat_limit_write_no_graph(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(40, 0))
+    index = _start(store)
+    index.close()
+    assert _graph_files(store) == [] and index.stats().graphs_built == 0
