@@ -1,8 +1,10 @@
-"""Triton model `torch_llm` (decoupled): the CPU engine. One worker thread generates for one
-request at a time, streaming each chunk as a response; execute() only enqueues."""
+"""Triton model `torch_llm` (decoupled): the CPU engine with its LoRA adapters. One worker thread
+handles one request at a time, in arrival order (adapter evictions, a load, then the op; see
+config.pbtxt), streaming each chunk of an answer as a response; execute() only enqueues."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 
@@ -10,6 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EngineConfig
+from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.request import GenerationRequest
@@ -17,12 +20,16 @@ from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _STOP = object()
+# What the final response of each admin op says in FINISH_REASON.
+OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(EngineConfig, args)
-        self.engine = TorchEngine(resolve_model(config.model), config.models_path(), config.device)
+        self.engine = TorchEngine(
+            resolve_model(config.model), config.models_path(), config.device, config.lora_slots
+        )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -34,6 +41,23 @@ class TritonPythonModel:
         }
         self.queue_depth = m.gauge(
             "tiercache_engine_queue_depth", "Requests waiting for the engine"
+        )
+        self.adapter_loads = m.counter(
+            "tiercache_engine_adapter_loads_total", "LoRA adapters loaded into the engine"
+        )
+        self.adapter_evictions = m.counter(
+            "tiercache_engine_adapter_evictions_total",
+            "LoRA adapters dropped from the engine (asked for, or to make room)",
+        )
+        self.adapter_load_s = m.histogram(
+            "tiercache_engine_adapter_load_seconds", "Time to load one adapter into the engine"
+        )
+        self.adapter_swap_s = m.histogram(
+            "tiercache_engine_adapter_swap_seconds",
+            "Time to switch the active adapter (when a request needs another one)",
+        )
+        self.adapters_resident = m.gauge(
+            "tiercache_engine_adapters_resident", "LoRA adapters loaded in the engine"
         )
         m.start()
         self._queue: queue.Queue = queue.Queue()
@@ -50,34 +74,78 @@ class TritonPythonModel:
         while (request := self._queue.get()) is not _STOP:
             self.queue_depth.set(self._queue.qsize())
             sender = request.get_response_sender()
+            before = self.engine.adapters.stats()
             try:
-                self._generate(request, sender)
+                self._serve(request, sender)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.finished["error"].increment(1)
                 try:
                     sender.send(tb.error_response(exc), flags=FINAL)
                 except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
                     tb.log.exception("could not send an error response")
+            finally:
+                self._record_adapters(before, self.engine.adapters.stats())
 
-    def _generate(self, request: object, sender: object) -> None:
-        text = tb.Inputs(request).string("REQUEST")
-        if text is None:
-            raise ValueError("REQUEST is required")
-        gen_request = GenerationRequest.from_json(text)
+    def _serve(self, request: object, sender: object) -> None:
+        inputs = tb.Inputs(request)
+        text = inputs.string("REQUEST")
+        gen_request = None if text is None else GenerationRequest.from_json(text)
+        order = AdapterOrder.parse(
+            op=inputs.string("LORA_OP"),
+            lora=inputs.string("LORA"),
+            config_json=inputs.string("LORA_CONFIG"),
+            weights=inputs.blob("LORA_WEIGHTS"),
+            evict=inputs.string("LORA_EVICT"),
+            request=gen_request,
+        )
+        done = self.engine.adapters.prepare(order)
+        if order.op == GENERATE and gen_request is not None:
+            self._generate(gen_request, sender)
+            return
+        if order.op == LOAD:
+            answer = json.dumps({"load_ms": done.load_s * 1e3, "evicted": list(done.evicted)})
+        elif order.op == LIST:
+            answer = json.dumps(self.engine.adapters.resident())
+        else:
+            answer = json.dumps({"evicted": list(done.evicted)})
+        sender.send(self._final(answer, OP_FINISH[order.op], 0, 0), flags=FINAL)
+
+    def _generate(self, gen_request: GenerationRequest, sender: object) -> None:
         for event in self.engine.generate(gen_request, sender.is_cancelled):
-            outputs = [tb.bytes_tensor("TEXT", [event.text], batched=False)]
             if event.finish_reason is None:
-                sender.send(pb_utils.InferenceResponse(outputs))
+                text = tb.bytes_tensor("TEXT", [event.text], batched=False)
+                sender.send(pb_utils.InferenceResponse([text]))
                 continue
-            outputs += [
-                tb.bytes_tensor("FINISH_REASON", [event.finish_reason], batched=False),
-                tb.scalar_tensor("GENERATED_TOKENS", event.generated_tokens, np.int32, False),
-                tb.scalar_tensor("PROMPT_TOKENS", event.prompt_tokens, np.int32, False),
-            ]
-            sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
+            response = self._final(
+                event.text, event.finish_reason, event.generated_tokens, event.prompt_tokens
+            )
+            sender.send(response, flags=FINAL)
             self.tokens.increment(event.generated_tokens)
             self.prompt_tokens.increment(event.prompt_tokens)
             self.finished[event.finish_reason].increment(1)
+
+    @staticmethod
+    def _final(text: str, finish_reason: str, generated: int, prompt: int) -> object:
+        return pb_utils.InferenceResponse(
+            [
+                tb.bytes_tensor("TEXT", [text], batched=False),
+                tb.bytes_tensor("FINISH_REASON", [finish_reason], batched=False),
+                tb.scalar_tensor("GENERATED_TOKENS", generated, np.int32, False),
+                tb.scalar_tensor("PROMPT_TOKENS", prompt, np.int32, False),
+            ]
+        )
+
+    def _record_adapters(self, before: AdapterStats, after: AdapterStats) -> None:
+        """Metrics from the adapter stats, on the worker thread (the only one that changes them).
+        Each request loads and switches at most once, so the last timing is this request's."""
+        if after.loads > before.loads:
+            self.adapter_loads.increment(after.loads - before.loads)
+            self.adapter_load_s.observe(after.last_load_s)
+        if after.evictions > before.evictions:
+            self.adapter_evictions.increment(after.evictions - before.evictions)
+        if after.switches > before.switches:
+            self.adapter_swap_s.observe(after.last_switch_s)
+        self.adapters_resident.set(after.resident)
 
     def finalize(self) -> None:
         self._queue.put(_STOP)

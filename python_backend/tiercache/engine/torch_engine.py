@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.model_source import ModelSource
+from tiercache.lora.engine_call import adapter_ref
 from tiercache.request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,19 @@ def load_model(source: ModelSource, cache_dir: Path, device: str) -> tuple[Any, 
 
 
 class TorchEngine:
-    """Generates for one request at a time (callers serialize); safe to call from any thread."""
+    """Generates for one request at a time (callers serialize); safe to call from any thread.
 
-    def __init__(self, source: ModelSource, cache_dir: Path, device: str = "auto") -> None:
+    `adapters` holds up to `lora_slots` LoRA adapters; each request runs with the one its
+    `lora_digest` names, or the base model."""
+
+    def __init__(
+        self, source: ModelSource, cache_dir: Path, device: str = "auto", lora_slots: int = 4
+    ) -> None:
         self.source = source
         self.identity = source.identity
         self.device = pick_device(device)
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
+        self.adapters = EngineAdapters(self.model, max_slots=lora_slots)
         eos = {self.tokenizer.eos_token_id}
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
@@ -91,7 +99,11 @@ class TorchEngine:
     def generate(
         self, request: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False
     ) -> Iterator[StreamEvent]:
-        """Stream the answer. The last event has `finish_reason`; its text ends the answer."""
+        """Stream the answer. The last event has `finish_reason`; its text ends the answer.
+
+        Raises NotFound ("... not found in cache") before any output when the request's adapter
+        is not loaded."""
+        self.adapters.activate(adapter_ref(request))
         input_ids = self.prompt_ids(request.prompt)
         prompt_tokens = int(input_ids.shape[1])
         sampler = _Sampler(request, self.device)

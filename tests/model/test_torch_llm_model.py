@@ -1,0 +1,216 @@
+"""model_repository/torch_llm/1/model.py run in-process against the pb_utils stand-in.
+
+The engine is a stand-in whose adapters are the real EngineAdapters on a tiny random Llama (one
+layer, hidden size 16) with tiny LoRA adapters made by peft: the adapter protocol (evict, load,
+op) is exercised end to end without loading SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.engine.adapters import EngineAdapters
+from tiercache.engine.events import StreamEvent
+from tiercache.lora.engine_call import adapter_ref
+from tiercache.lora.types import AdapterRef
+from tiercache.request import GenerationRequest
+
+# peft still asks transformers for the deprecated name.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+
+WAIT_S = 30
+
+
+def tiny_model(seed: int = 0) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_adapter(seed: int) -> tuple[str, bytes]:
+    """adapter_config.json text and adapter_model.safetensors bytes, as peft saves them."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save
+
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(tiny_model(seed), config)
+    state_dict = {k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    config = peft_model.peft_config["default"].to_dict()
+    config_json = json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    return config_json, save(state_dict)
+
+
+class FakeEngine:
+    """TorchEngine's surface: real adapters, canned answers."""
+
+    def __init__(self, source: object, cache_dir: Path, device: str, lora_slots: int) -> None:
+        self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
+
+    def generate(
+        self, request: GenerationRequest, is_cancelled: Callable[[], bool]
+    ) -> Iterator[StreamEvent]:
+        self.adapters.activate(adapter_ref(request))
+        yield StreamEvent("Hello", None, 1, 3)
+        yield StreamEvent(" there", "stop", 2, 3)
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.responses: list[Any] = []
+        self.done = threading.Event()
+
+    def send(self, response: Any, flags: int = 0) -> None:
+        self.responses.append(response)
+        if flags:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def model(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    module = load_model("torch_llm")
+    monkeypatch.setattr(module, "TorchEngine", FakeEngine)
+    monkeypatch.setattr(module, "resolve_model", lambda name: None)
+    instance = module.TritonPythonModel()
+    params = {"state_dir": {"string_value": str(tmp_path)}, "lora_slots": {"string_value": "2"}}
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    yield instance
+    instance.finalize()
+
+
+def call(pb_utils: ModuleType, model: Any, **inputs: str | bytes) -> list[Any]:
+    """One request through execute(); the responses once the final one arrived."""
+    sender = Sender()
+    tensors = [
+        pb_utils.Tensor(name, np.array([v.encode() if isinstance(v, str) else v], np.object_))
+        for name, v in inputs.items()
+    ]
+    request = pb_utils.InferenceRequest(tensors)
+    request.get_response_sender = lambda: sender
+    model.execute([request])
+    assert sender.done.wait(WAIT_S), "no final response"
+    return sender.responses
+
+
+def text(pb_utils: ModuleType, response: Any, name: str = "TEXT") -> str:
+    assert not response.has_error(), response.error().message()
+    return str(pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode())
+
+
+def request_json(ref: AdapterRef | None = None) -> str:
+    if ref is None:
+        return GenerationRequest("Hi").to_json()
+    return GenerationRequest(
+        "Hi", lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
+    ).to_json()
+
+
+def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
+    config_json, weights = tiny_adapter(1)
+    ref = AdapterRef("one", 1, "d1")
+    (loaded,) = call(
+        pb_utils,
+        model,
+        LORA_OP="load",
+        LORA=ref.to_json(),
+        LORA_CONFIG=config_json,
+        LORA_WEIGHTS=weights,
+    )
+    assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
+    assert json.loads(text(pb_utils, loaded))["load_ms"] > 0
+    (listed,) = call(pb_utils, model, LORA_OP="list")
+    assert text(pb_utils, listed, "FINISH_REASON") == "listed"
+    assert [(a["name"], a["digest"]) for a in json.loads(text(pb_utils, listed))] == [("one", "d1")]
+
+    chunk, final = call(pb_utils, model, REQUEST=request_json(ref))
+    assert (text(pb_utils, chunk), text(pb_utils, final)) == ("Hello", " there")
+    assert text(pb_utils, final, "FINISH_REASON") == "stop"
+
+    (evicted,) = call(pb_utils, model, LORA_OP="evict", LORA_EVICT=json.dumps(["d1", "zz"]))
+    assert json.loads(text(pb_utils, evicted)) == {"evicted": ["d1"]}
+    (missing,) = call(pb_utils, model, REQUEST=request_json(ref))
+    assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
+    assert "not found in cache" in missing.error().message()
+
+    model.metrics.flush()
+    assert model.adapter_loads.metric.value() == 1
+    assert model.adapter_evictions.metric.value() == 1
+    assert len(model.adapter_load_s.metric.observations) == 1
+    assert len(model.adapter_swap_s.metric.observations) == 1  # base -> one
+    assert model.adapters_resident.metric.value() == 0
+
+
+def test_generate_request_evicts_then_loads_its_adapter(pb_utils: ModuleType, model: Any) -> None:
+    """The llm stage's call: REQUEST names the adapter, the weights come along, and LORA_EVICT
+    lists digests to drop first, never the one this request needs."""
+    ref1, ref2, ref3 = (
+        AdapterRef("one", 1, "d1"),
+        AdapterRef("two", 2, "d2"),
+        AdapterRef("x", 3, "d3"),
+    )
+    for ref, seed in ((ref1, 1), (ref2, 2)):
+        config_json, weights = tiny_adapter(seed)
+        call(
+            pb_utils,
+            model,
+            REQUEST=request_json(ref),
+            LORA_CONFIG=config_json,
+            LORA_WEIGHTS=weights,
+        )
+    config_json, weights = tiny_adapter(3)
+    responses = call(
+        pb_utils,
+        model,
+        REQUEST=request_json(ref3),
+        LORA_CONFIG=config_json,
+        LORA_WEIGHTS=weights,
+        LORA_EVICT=json.dumps(["d1", "d3"]),
+    )
+    assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
+    assert [a["digest"] for a in model.engine.adapters.resident()] == ["d2", "d3"]
+    (base,) = call(pb_utils, model, REQUEST=request_json(), LORA_OP="")[-1:]
+    assert text(pb_utils, base, "FINISH_REASON") == "stop"
+    assert model.engine.adapters.stats().active is None
+
+
+def test_bad_inputs_get_their_own_error_and_the_worker_goes_on(
+    pb_utils: ModuleType, model: Any
+) -> None:
+    (bad,) = call(pb_utils, model, LORA_OP="train")
+    assert bad.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert "LORA_OP must be one of" in bad.error().message()
+    config_json, weights = tiny_adapter(1)
+    (rejected,) = call(
+        pb_utils,
+        model,
+        LORA_OP="load",
+        LORA=AdapterRef("one", 1, "d1").to_json(),
+        LORA_CONFIG=config_json.replace('"LORA"', '"IA3"'),
+        LORA_WEIGHTS=weights,
+    )
+    assert rejected.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert "peft_type must be LORA" in rejected.error().message()
+    (listed,) = call(pb_utils, model, LORA_OP="list")
+    assert json.loads(text(pb_utils, listed)) == []

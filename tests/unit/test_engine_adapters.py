@@ -1,0 +1,304 @@
+"""The engine's LoRA adapters (tiercache.engine.adapters) on the real model and committed adapters.
+
+One TorchEngine is loaded for the module, plus a second copy of the base model wrapped in a plain
+peft `PeftModel` holding the same adapters: the reference. Each test leaves the engine holding no
+adapter. Runs on one CPU thread, like tests/unit/test_adapters.py (same state directory rule:
+$TIERCACHE_STATE_DIR, else the repository's `.tiercache/`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402 - after HF_HUB_OFFLINE
+
+from tiercache.engine.adapters import AdapterOrder, EngineAdapters, peft_adapter_name  # noqa: E402
+from tiercache.errors import InvalidRequest, NotFound  # noqa: E402
+from tiercache.lora.types import NOT_IN_ENGINE_MARK, AdapterRef, AdapterWeights  # noqa: E402
+from tiercache.request import GenerationRequest  # noqa: E402
+
+# peft still asks transformers for the deprecated name.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+
+REPO = Path(__file__).resolve().parents[2]
+ADAPTERS = REPO / "adapters"
+STYLES = ("french", "caps", "brief")
+PROMPT = "How do I boil an egg?"
+MAX_TOKENS = 6
+
+
+def adapter_weights(style: str, task_id: int = 0, digest: str = "") -> AdapterWeights:
+    config = (ADAPTERS / style / "adapter_config.json").read_text()
+    weights = (ADAPTERS / style / "adapter_model.safetensors").read_bytes()
+    digest = digest or hashlib.sha256(config.encode() + weights).hexdigest()
+    task_id = task_id or STYLES.index(style) + 1
+    return AdapterWeights(AdapterRef(style, task_id, digest), config, weights)
+
+
+@dataclass
+class Bench:
+    engine: Any  # TorchEngine
+    reference: Any  # PeftModel over a second copy of the base model, holding STYLES
+    input_ids: torch.Tensor
+    base_logits: torch.Tensor  # the engine's, before any adapter was loaded
+    base_text: str
+    base_params: int
+
+    @property
+    def adapters(self) -> EngineAdapters:
+        return self.engine.adapters
+
+    def logits(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.engine.model(input_ids=self.input_ids).logits[0, -1]
+
+    def text(self, ref: AdapterRef | None = None) -> str:
+        request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+        if ref is not None:
+            request = replace(
+                request, lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
+            )
+        return "".join(event.text for event in self.engine.generate(request))
+
+    def reference_text(self, style: str) -> str:
+        self.reference.set_adapter(style)
+        tokenizer = self.engine.tokenizer
+        with torch.inference_mode():
+            out = self.reference.generate(
+                input_ids=self.input_ids,
+                attention_mask=torch.ones_like(self.input_ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=sorted(self.engine.eos_token_ids),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        kept = out[0, self.input_ids.shape[1] :].tolist()
+        kept = kept[: next((i for i, t in enumerate(kept) if t in self.engine.eos_token_ids), None)]
+        return str(tokenizer.decode(kept, skip_special_tokens=True))
+
+    def reference_logits(self, style: str) -> torch.Tensor:
+        self.reference.set_adapter(style)
+        with torch.inference_mode():
+            return self.reference(input_ids=self.input_ids).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[Bench]:
+    from peft import PeftModel
+
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import TorchEngine, load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    state = Path(os.environ.get("TIERCACHE_STATE_DIR") or REPO / ".tiercache")
+    try:
+        engine = TorchEngine(resolve_model(), state / "models", "cpu", lora_slots=4)
+        _, base = load_model(resolve_model(), state / "models", "cpu")
+        reference = PeftModel.from_pretrained(base, str(ADAPTERS / STYLES[0]), STYLES[0])
+        for style in STYLES[1:]:
+            reference.load_adapter(str(ADAPTERS / style), adapter_name=style)
+        reference.eval()
+        input_ids = engine.prompt_ids(PROMPT)
+        bench = Bench(engine, reference, input_ids, torch.empty(0), "", 0)
+        bench.base_logits = bench.logits()
+        bench.base_text = bench.text()
+        bench.base_params = sum(p.numel() for p in engine.model.parameters())
+        yield bench
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def adapters(bench: Bench) -> Iterator[EngineAdapters]:
+    """The engine's adapters, emptied (and the slot bound restored) after each test."""
+    yield bench.adapters
+    bench.adapters.max_slots = 4
+    for entry in bench.adapters.resident():
+        bench.adapters.evict(entry["digest"])
+    bench.adapters.activate(None)
+    assert sum(p.numel() for p in bench.engine.model.parameters()) == bench.base_params
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_active_adapter_computes_what_peft_computes(
+    bench: Bench, adapters: EngineAdapters, style: str
+) -> None:
+    weights = adapter_weights(style)
+    assert adapters.load(weights) > 0
+    assert adapters.holds(weights.ref)
+    adapters.activate(weights.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits(style), rtol=0, atol=1e-5)
+    text = bench.text(weights.ref)
+    assert text == bench.reference_text(style)
+    assert text != bench.base_text
+
+
+def test_base_model_is_unchanged_by_loaded_and_switched_adapters(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    refs = [adapter_weights(style).ref for style in STYLES]
+    for style in STYLES:
+        adapters.load(adapter_weights(style))
+    assert torch.equal(bench.logits(), bench.base_logits)  # loading activates nothing
+    adapters.activate(refs[1])
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+    assert bench.text() == bench.base_text  # a request without lora_digest runs the base model
+
+
+def test_switching_back_reproduces_the_first_adapter(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    a, b = adapter_weights("french"), adapter_weights("caps")
+    adapters.load(a)
+    adapters.load(b)
+    adapters.activate(a.ref)
+    first = bench.logits()
+    adapters.activate(b.ref)
+    assert not torch.allclose(bench.logits(), first)
+    switches = adapters.stats().switches
+    adapters.activate(a.ref)
+    assert torch.equal(bench.logits(), first)
+    adapters.activate(a.ref)  # already active: counted as a use, not a switch
+    stats = adapters.stats()
+    assert (stats.switches, stats.active) == (switches + 1, a.ref)
+    assert {e["name"]: e["uses"] for e in adapters.resident()} == {"french": 3, "caps": 1}
+
+
+def test_a_load_into_full_slots_evicts_the_least_recently_used(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    adapters.max_slots = 2
+    # The same files under a new digest are another version: held side by side.
+    v1, v2 = adapter_weights("brief", 9, "v1"), adapter_weights("brief", 9, "v2")
+    caps = adapter_weights("caps")
+    adapters.load(v1)
+    adapters.load(v2)
+    adapters.activate(v1.ref)  # v2 is now the least recently used
+    before = adapters.stats()
+    adapters.load(caps)
+    assert [e["digest"] for e in adapters.resident()] == ["v1", caps.ref.digest]
+    assert not adapters.holds(v2.ref)
+    stats = adapters.stats()
+    assert (stats.evictions, stats.lru_evictions) == (
+        before.evictions + 1,
+        1 + before.lru_evictions,
+    )
+    assert adapters.load(v1) == 0.0  # held: idempotent, nothing loaded
+    assert adapters.stats().loads == stats.loads
+
+
+def test_evict_frees_the_adapter(bench: Bench, adapters: EngineAdapters) -> None:
+    weights = adapter_weights("caps")
+    adapters.load(weights)
+    adapters.activate(weights.ref)
+    name = peft_adapter_name(weights.ref)
+    assert any(name in n for n, _ in bench.engine.model.named_parameters())
+    assert adapters.evict(weights.ref.digest)
+    assert not adapters.evict(weights.ref.digest)
+    assert not adapters.holds(weights.ref) and adapters.resident() == []
+    assert not any(name in n for n, _ in bench.engine.model.named_parameters())
+    assert sum(p.numel() for p in bench.engine.model.parameters()) == bench.base_params
+    stats = adapters.stats()
+    assert (stats.active, stats.resident, stats.resident_bytes) == (None, 0, 0)
+    assert torch.equal(bench.logits(), bench.base_logits)  # evicting the active one: base
+
+
+def test_a_request_for_an_adapter_not_held_fails_before_generating(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    ref = adapter_weights("french").ref
+    with pytest.raises(NotFound, match=NOT_IN_ENGINE_MARK) as caught:
+        bench.text(ref)
+    assert f"LoRA task {ref.task_id}" in caught.value.message
+
+
+def bad_config(**changes: Any) -> AdapterWeights:
+    weights = adapter_weights("french")
+    config = json.loads(weights.config_json)
+    config.update(changes)
+    return replace(weights, config_json=json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (bad_config(peft_type="IA3"), "peft_type must be LORA"),
+        (bad_config(r=0), "rank r must be a positive integer"),
+        (bad_config(target_modules=["q_proj", "nope_proj"]), r"\['nope_proj'\] are not modules"),
+        (bad_config(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
+        (bad_config(r=4), "does not fit the model"),  # weights are rank 8: fails mid-load
+        (bad_config(target_modules=["q_proj", "k_proj", "v_proj"]), "weights missing"),
+        (replace(adapter_weights("french"), weights=b"not safetensors"), "not valid safetensors"),
+        (replace(adapter_weights("french"), config_json="{"), "not valid JSON"),
+    ],
+    ids=["ia3", "rank0", "target", "modules_to_save", "shape", "missing", "bytes", "json"],
+)
+def test_a_bad_adapter_is_rejected_and_the_model_keeps_serving(
+    bench: Bench, adapters: EngineAdapters, weights: AdapterWeights, message: str
+) -> None:
+    good = adapter_weights("caps")
+    adapters.load(good)
+    adapters.activate(good.ref)
+    good_logits = bench.logits()
+    failures = adapters.stats().load_failures
+    with pytest.raises(InvalidRequest, match=message):
+        adapters.load(weights)
+    assert adapters.stats().load_failures == failures + 1
+    assert not adapters.holds(weights.ref)
+    assert [e["name"] for e in adapters.resident()] == ["caps"]
+    assert torch.equal(bench.logits(), good_logits)  # still the good adapter, as it was
+    name = peft_adapter_name(weights.ref)
+    assert not any(name in n for n, _ in bench.engine.model.named_parameters())
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+
+
+def test_an_order_evicts_then_loads_and_never_evicts_what_it_generates_with(
+    adapters: EngineAdapters,
+) -> None:
+    french, caps = adapter_weights("french"), adapter_weights("caps")
+    adapters.load(french)
+    request = GenerationRequest(
+        PROMPT, lora_name="caps", lora_task_id=caps.ref.task_id, lora_digest=caps.ref.digest
+    )
+    order = AdapterOrder.parse(
+        config_json=caps.config_json,
+        weights=caps.weights,
+        evict=json.dumps([french.ref.digest, caps.ref.digest]),
+        request=request,
+    )
+    assert order.ref == order.needs == caps.ref
+    done = adapters.prepare(order)
+    assert done.evicted == (french.ref.digest,) and done.load_s > 0
+    assert [e["name"] for e in adapters.resident()] == ["caps"]
+    evict_all = AdapterOrder.parse(op="evict", evict=json.dumps([caps.ref.digest]))
+    assert adapters.prepare(evict_all).evicted == (caps.ref.digest,)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"op": "train"}, "LORA_OP must be one of"),
+        ({}, "REQUEST is required"),
+        ({"op": "load", "lora": "{}"}, "LORA must be JSON"),
+        ({"op": "load", "config_json": "{}"}, "sent together"),
+        ({"op": "load", "config_json": "{}", "weights": b""}, "need an adapter version"),
+        ({"op": "load", "lora": AdapterRef("a", 1, "d").to_json()}, "load needs"),
+        ({"op": "evict", "evict": '{"a": 1}'}, "JSON list of digests"),
+    ],
+)
+def test_bad_orders_are_rejected(inputs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        AdapterOrder.parse(**inputs)
