@@ -3,6 +3,7 @@ in-process. Metrics record what they are given so tests can read them back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,8 +63,14 @@ class InferenceResponse:
         return self._outputs
 
 
+BLS_MODELS: dict[str, Callable[[InferenceRequest], list[InferenceResponse]]] = {}
+"""The models a BLS call reaches: name -> handler returning that model's responses in order.
+Tests register handlers with `monkeypatch.setitem(pb_utils.BLS_MODELS, name, handler)`."""
+
+
 class InferenceRequest:
-    """What `execute` receives: named input tensors (the real class also does BLS)."""
+    """What `execute` receives: named input tensors; as a BLS request (`model_name=`), `exec`
+    runs the handler registered in BLS_MODELS."""
 
     def __init__(self, inputs: list[Tensor], **kwargs: Any) -> None:
         self._inputs = list(inputs)
@@ -71,6 +78,17 @@ class InferenceRequest:
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
+
+    def exec(self, decoupled: bool = False) -> Any:
+        """A decoupled call yields every response; otherwise the one response."""
+        name = self.kwargs.get("model_name", "")
+        handler = BLS_MODELS.get(name)
+        if handler is None:
+            error = TritonError(f"Request for unknown model: '{name}'", TritonError.NOT_FOUND)
+            responses = [InferenceResponse([], error=error)]
+        else:
+            responses = handler(self)
+        return iter(responses) if decoupled else responses[0]
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

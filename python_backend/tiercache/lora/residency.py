@@ -1,0 +1,414 @@
+"""Where each adapter version lives: the engine's slots, host memory, or only on disk.
+
+Three tiers, each keyed by version digest:
+
+- engine: a MIRROR of what the engine holds. `lora_cache` is its single owner: it decides what
+  the engine loads and evicts (each plan says so) and the engine obeys. Bounded by a number of
+  slots and optionally bytes. Pinned names are never evicted from it.
+- host: the weights themselves, in this process's memory, bounded by count and bytes. It also
+  keeps older versions of an adapter for requests resolved before the folder changed, so those
+  finish on the version they started with. An adapter larger than the whole host budget passes
+  through without being kept (never a "cache is full" error).
+- disk: the registry (`read`), the last tier.
+
+Store and policy are separate (house style 3): a `VictimPolicy` orders the candidates, the tier
+store evicts in that order and skips the protected ones (pinned adapters, the one being loaded).
+
+Older versions. `latest(name)` (injected; the registry's current digest) tells a current version
+from a stale one: when the current version of a name is planned, the engine drops every other
+version of that name in the same plan (an engine that keys adapters by task id alone, like
+TensorRT-LLM's, cannot hold two versions of one task id). A stale version that a late request
+still asks for is loaded like any other, without evicting the current one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from tiercache.errors import CapacityError, ConfigError
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, AdapterRef, AdapterWeights
+
+V = TypeVar("V")
+
+ReadAdapter = Callable[[AdapterRef], AdapterWeights]
+"""Reads a version from disk (the registry's `read`); Unavailable when it is gone."""
+
+LatestDigest = Callable[[str], "str | None"]
+"""name -> the digest of its current version, or None when unknown (no older-version eviction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPlan:
+    """What the engine must do before serving `ref`."""
+
+    ref: AdapterRef
+    tier: str  # where the version was found: ENGINE_TIER, HOST_TIER or DISK_TIER
+    weights: AdapterWeights | None  # None: the engine already holds it; else what to send
+    evict: tuple[str, ...]  # digests the engine drops first (room, and older versions)
+    read_s: float = 0.0  # time spent reading it from disk (0 unless tier is DISK_TIER)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentAdapter:
+    name: str
+    task_id: int
+    digest: str
+    nbytes: int
+    pinned: bool
+    last_use_s: float  # on the injected clock
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencySnapshot:
+    engine: tuple[ResidentAdapter, ...]  # most recently used first
+    host: tuple[ResidentAdapter, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyStats:
+    """Cumulative counts since construction, keyed by tier name."""
+
+    hits: Mapping[str, int]  # plans by the tier the version was found in
+    loads: Mapping[str, int]  # engine: loads ordered (and prefetches); host: disk reads kept
+    evictions: Mapping[str, int]  # engine: digests planned out; host: weights dropped
+    resident: Mapping[str, int]  # adapters now in the engine mirror and the host tier
+    resident_bytes: Mapping[str, int]
+    disk_reads: int
+    disk_read_s: float
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    digest: str
+    name: str
+    nbytes: int
+    last_use: int  # a use counter: ties of the clock cannot reorder uses
+
+
+class VictimPolicy(Protocol):
+    def nominate(self, candidates: Sequence[Candidate]) -> list[str]:
+        """Every candidate's digest, the first to evict first."""
+        ...
+
+
+class LeastRecentlyUsed:
+    """LRU. Sorting on each eviction is O(n log n) in the tier's size, which is small (engine
+    slots, host adapters: tens), and keeps the store free of ordering concerns."""
+
+    def nominate(self, candidates: Sequence[Candidate]) -> list[str]:
+        return [c.digest for c in sorted(candidates, key=lambda c: c.last_use)]
+
+
+# -- store ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Resident(Generic[V]):
+    ref: AdapterRef
+    nbytes: int
+    last_use: int
+    last_use_s: float
+    value: V
+
+
+class _Tier(Generic[V]):
+    """A bounded map digest -> resident; evicts in the policy's order, skipping protected ones.
+    Not thread-safe by itself: Residency's lock guards it."""
+
+    def __init__(self, name: str, max_count: int, max_bytes: int, policy: VictimPolicy) -> None:
+        self.name = name
+        self.max_count = max_count
+        self.max_bytes = max_bytes  # 0: no byte bound
+        self._policy = policy
+        self.items: dict[str, _Resident[V]] = {}
+        self.nbytes = 0
+
+    def get(self, digest: str) -> _Resident[V] | None:
+        return self.items.get(digest)
+
+    def can_hold(self, nbytes: int) -> bool:
+        return self.max_count >= 1 and (not self.max_bytes or nbytes <= self.max_bytes)
+
+    def victims(
+        self,
+        nbytes: int,
+        protected: Callable[[_Resident[V]], bool],
+        forced: Sequence[str] = (),
+    ) -> list[_Resident[V]] | None:
+        """Who to evict so one more resident of `nbytes` fits: the `forced` digests first, then
+        in the policy's order, skipping protected residents; None when it cannot fit. Changes
+        nothing."""
+        chosen = [self.items[d] for d in forced if d in self.items]
+        count = len(self.items) - len(chosen)
+        total = self.nbytes - sum(r.nbytes for r in chosen)
+
+        def fits() -> bool:
+            return count + 1 <= self.max_count and (
+                not self.max_bytes or total + nbytes <= self.max_bytes
+            )
+
+        if fits():
+            return chosen
+        candidates = [
+            Candidate(d, r.ref.name, r.nbytes, r.last_use)
+            for d, r in self.items.items()
+            if d not in forced
+        ]
+        for digest in self._policy.nominate(candidates):
+            resident = self.items[digest]
+            if protected(resident):
+                continue
+            chosen.append(resident)
+            count -= 1
+            total -= resident.nbytes
+            if fits():
+                return chosen
+        return None
+
+    def add(self, resident: _Resident[V]) -> None:
+        self.remove(resident.ref.digest)
+        self.items[resident.ref.digest] = resident
+        self.nbytes += resident.nbytes
+
+    def remove(self, digest: str) -> _Resident[V] | None:
+        resident = self.items.pop(digest, None)
+        if resident is not None:
+            self.nbytes -= resident.nbytes
+        return resident
+
+
+# -- residency --------------------------------------------------------------------------------
+
+
+class Residency:
+    """The three tiers and the plan that moves a version into the engine. Thread-safe (one lock;
+    disk reads happen outside it)."""
+
+    def __init__(
+        self,
+        engine_slots: int,
+        engine_max_bytes: int = 0,
+        host_max_adapters: int = 32,
+        host_max_bytes: int = 256 << 20,
+        pinned: Iterable[str] = (),
+        *,
+        latest: LatestDigest | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: VictimPolicy | None = None,
+    ) -> None:
+        """Pins must leave at least one engine slot free (len(pinned) < engine_slots), so an
+        unpinned adapter can always be loaded; ConfigError otherwise."""
+        self.pinned = frozenset(pinned)
+        problems = []
+        if engine_slots < 1:
+            problems.append(f"engine_slots must be >= 1, got {engine_slots}")
+        elif len(self.pinned) >= engine_slots:
+            problems.append(
+                f"{len(self.pinned)} pinned adapters ({', '.join(sorted(self.pinned))}) need "
+                f"engine_slots >= {len(self.pinned) + 1} (one slot stays free for the others), "
+                f"got {engine_slots}"
+            )
+        for key, value in (
+            ("engine_max_bytes", engine_max_bytes),
+            ("host_max_adapters", host_max_adapters),
+            ("host_max_bytes", host_max_bytes),
+        ):
+            if value < 0:
+                problems.append(f"{key} must be >= 0, got {value}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        policy = policy or LeastRecentlyUsed()
+        self._engine: _Tier[None] = _Tier(ENGINE_TIER, engine_slots, engine_max_bytes, policy)
+        # host_max_bytes 0 means "keep nothing" (not "unbounded"): memory must have a bound.
+        self._host: _Tier[AdapterWeights] = _Tier(
+            HOST_TIER, host_max_adapters if host_max_bytes else 0, host_max_bytes, policy
+        )
+        self._latest = latest or (lambda name: None)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._uses = 0
+        self._hits = dict.fromkeys((ENGINE_TIER, HOST_TIER, DISK_TIER), 0)
+        self._loads = dict.fromkeys((ENGINE_TIER, HOST_TIER), 0)
+        self._evictions = dict.fromkeys((ENGINE_TIER, HOST_TIER), 0)
+        self._disk_reads = 0
+        self._disk_read_s = 0.0
+
+    # -- the request path ----------------------------------------------------------------------
+
+    def plan(self, ref: AdapterRef, read: ReadAdapter, *, reload: bool = False) -> LoraPlan:
+        """Where `ref` is, and what the engine must load and evict to serve it; afterwards the
+        mirror holds `ref` as engine-resident. `reload=True` (the engine said it lost `ref`)
+        always returns the weights. CapacityError when pinned adapters leave no room for it;
+        `read`'s errors (Unavailable: no tier holds this version anymore) pass through."""
+        current = self._latest(ref.name) == ref.digest
+        with self._lock:
+            if reload:
+                self._engine.remove(ref.digest)
+            if self._engine.get(ref.digest) is not None:
+                self._hits[ENGINE_TIER] += 1
+                return self._admit(ref, None, 0, ENGINE_TIER, 0.0, current)
+            held = self._host.get(ref.digest)
+            if held is not None:
+                self._hits[HOST_TIER] += 1
+                return self._admit(ref, held.value, held.nbytes, HOST_TIER, 0.0, current)
+        started = self._clock()
+        weights = read(ref)
+        read_s = self._clock() - started
+        if weights.ref.digest != ref.digest:
+            raise RuntimeError(f"read({ref.short}) returned {weights.ref.short}")
+        with self._lock:
+            self._hits[DISK_TIER] += 1
+            self._disk_reads += 1
+            self._disk_read_s += read_s
+            if self._host.get(ref.digest) is None:
+                self._keep(weights)
+            if self._engine.get(ref.digest) is not None and not reload:
+                # Another thread planned it while this one read: the engine gets it from there.
+                return self._admit(ref, None, weights.nbytes, DISK_TIER, read_s, current)
+            return self._admit(ref, weights, weights.nbytes, DISK_TIER, read_s, current)
+
+    def forget(self, ref: AdapterRef) -> bool:
+        """The engine said it does not hold `ref`: drop it from the mirror (True if it was
+        there). The next plan for it carries its weights."""
+        with self._lock:
+            return self._engine.remove(ref.digest) is not None
+
+    def drop(self, digests: Iterable[str]) -> int:
+        """The engine reports these versions gone (e.g. dropped on its own to make room): drop
+        them from the mirror; returns how many were there."""
+        with self._lock:
+            return sum(self._engine.remove(digest) is not None for digest in digests)
+
+    def mark_resident(self, weights: AdapterWeights) -> tuple[str, ...]:
+        """The engine loaded this version on its own (prefetch at start): record it in the
+        mirror, keep its weights in the host tier, and return the digests that made room (the
+        engine is expected to have dropped them, or never to have held them)."""
+        current = self._latest(weights.ref.name) == weights.ref.digest
+        with self._lock:
+            if self._host.get(weights.ref.digest) is None:
+                self._keep(weights)
+            plan = self._admit(weights.ref, None, weights.nbytes, ENGINE_TIER, 0.0, current)
+            return plan.evict
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> ResidencySnapshot:
+        with self._lock:
+            return ResidencySnapshot(self._view(self._engine), self._view(self._host))
+
+    def stats(self) -> ResidencyStats:
+        with self._lock:
+            return ResidencyStats(
+                hits=dict(self._hits),
+                loads=dict(self._loads),
+                evictions=dict(self._evictions),
+                resident={t.name: len(t.items) for t in (self._engine, self._host)},
+                resident_bytes={t.name: t.nbytes for t in (self._engine, self._host)},
+                disk_reads=self._disk_reads,
+                disk_read_s=self._disk_read_s,
+            )
+
+    def engine_digests(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._engine.items)
+
+    # -- internals (lock held) -----------------------------------------------------------------
+
+    def _admit(
+        self,
+        ref: AdapterRef,
+        weights: AdapterWeights | None,
+        nbytes: int,
+        tier: str,
+        read_s: float,
+        current: bool,
+    ) -> LoraPlan:
+        """Make `ref` (of `nbytes`; ignored when already resident) engine-resident in the mirror.
+        Everything is computed before anything changes, so a CapacityError leaves the mirror as
+        the engine has it."""
+        engine = self._engine
+        held = engine.get(ref.digest)
+        stale = [
+            digest
+            for digest, resident in engine.items.items()
+            if current and resident.ref.name == ref.name and digest != ref.digest
+        ]
+        if held is not None:
+            victims = [engine.items[digest] for digest in stale]
+        else:
+            if not engine.can_hold(nbytes):
+                raise CapacityError(
+                    f"adapter {ref.short} ({nbytes} bytes) is larger than the engine's adapter "
+                    f"budget (engine_max_bytes {engine.max_bytes})"
+                )
+            found = engine.victims(nbytes, self._pinned_check(ref), forced=stale)
+            if found is None:
+                raise CapacityError(
+                    f"no engine adapter slot can be freed for {ref.short}: the resident "
+                    f"adapters are pinned ({', '.join(sorted(self.pinned))})"
+                )
+            victims = found
+        for victim in victims:
+            engine.remove(victim.ref.digest)
+        self._evictions[ENGINE_TIER] += len(victims)
+        self._uses += 1
+        now = self._clock()
+        if held is None:
+            engine.add(_Resident(ref, nbytes, self._uses, now, None))
+            self._loads[ENGINE_TIER] += 1
+        else:
+            held.last_use, held.last_use_s = self._uses, now
+        kept = self._host.get(ref.digest)
+        if kept is not None:  # the host copy stays warm while the engine uses it (for retries)
+            kept.last_use, kept.last_use_s = self._uses, now
+        evict = tuple(v.ref.digest for v in victims)
+        return LoraPlan(ref, tier, weights, evict, read_s)
+
+    def _pinned_check(self, loading: AdapterRef) -> Callable[[_Resident[None]], bool]:
+        """Protected in the engine: the adapter being loaded, and per pinned name its most
+        recently used version (older versions of a pinned name are not pinned)."""
+        newest: dict[str, _Resident[None]] = {}
+        for resident in self._engine.items.values():
+            name = resident.ref.name
+            if name in self.pinned and (
+                name not in newest or resident.last_use > newest[name].last_use
+            ):
+                newest[name] = resident
+        protected = {r.ref.digest for r in newest.values()} | {loading.digest}
+        return lambda resident: resident.ref.digest in protected
+
+    def _keep(self, weights: AdapterWeights) -> None:
+        """Keep `weights` in the host tier if it can hold them at all (else they pass through)."""
+        host = self._host
+        if not host.can_hold(weights.nbytes):
+            return
+        victims = host.victims(weights.nbytes, lambda resident: False)
+        if victims is None:  # cannot happen without protected residents; keep it loud
+            raise RuntimeError(f"host tier cannot make room for {weights.ref.short}")
+        for victim in victims:
+            host.remove(victim.ref.digest)
+        self._evictions[HOST_TIER] += len(victims)
+        self._uses += 1
+        host.add(_Resident(weights.ref, weights.nbytes, self._uses, self._clock(), weights))
+        self._loads[HOST_TIER] += 1
+
+    def _view(self, tier: _Tier[V]) -> tuple[ResidentAdapter, ...]:
+        ordered = sorted(tier.items.values(), key=lambda r: r.last_use, reverse=True)
+        return tuple(
+            ResidentAdapter(
+                r.ref.name,
+                r.ref.task_id,
+                r.ref.digest,
+                r.nbytes,
+                r.ref.name in self.pinned,
+                r.last_use_s,
+            )
+            for r in ordered
+        )

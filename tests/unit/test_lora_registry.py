@@ -1,0 +1,344 @@
+"""tiercache.lora.registry: names -> versions, change detection, stable task ids, the manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tiercache.errors import ConfigError, InvalidRequest, NotFound, Unavailable
+from tiercache.lora.registry import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterRegistry,
+    TaskIds,
+    adapter_digest,
+    check_ref,
+)
+from tiercache.lora.types import AdapterRef
+
+ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    for name in ("french", "caps"):
+        shutil.copytree(ADAPTERS / name, root / name)
+    return root
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def registry_of(root: Path, state: Path, clock: FakeClock, **kwargs: object) -> AdapterRegistry:
+    return AdapterRegistry(root, state, clock=clock, **kwargs)  # type: ignore[arg-type]
+
+
+def rewrite(path: Path, data: bytes) -> None:
+    """Replace a file as an operator's copy does: a new file renamed over the old one."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_digest_is_the_documented_encoding(root: Path, state: Path, clock: FakeClock) -> None:
+    ref = registry_of(root, state, clock).resolve("french")
+    config = (root / "french" / CONFIG_FILE).read_bytes()
+    weights = (root / "french" / WEIGHTS_FILE).read_bytes()
+    assert ref.digest == adapter_digest(config, weights)
+    # The length prefixes keep the boundary between the files in the encoding.
+    assert adapter_digest(b"ab", b"c") != adapter_digest(b"a", b"bc")
+    assert ref.name == "french" and ref.task_id >= 1
+
+
+def test_changed_file_is_a_new_version_with_the_same_task_id(
+    root: Path, state: Path, clock: FakeClock
+) -> None:
+    registry = registry_of(root, state, clock)
+    old = registry.resolve("french")
+    config = json.loads((root / "french" / CONFIG_FILE).read_text())
+    config["lora_alpha"] = 32
+    rewrite(root / "french" / CONFIG_FILE, json.dumps(config).encode())
+    new = registry.resolve("french")
+    assert new.digest != old.digest
+    assert new.task_id == old.task_id
+    # read() of the old version now fails: its files are gone from disk.
+    with pytest.raises(Unavailable, match="changed since this request was resolved"):
+        registry.read(old)
+    weights = registry.read(new)
+    assert weights.ref == new
+    assert json.loads(weights.config_json)["lora_alpha"] == 32
+    assert weights.weights == (root / "french" / WEIGHTS_FILE).read_bytes()
+
+
+def test_unchanged_files_are_not_read_again(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    first = registry.resolve("caps")
+    reads: list[Path] = []
+    original = Path.read_bytes
+
+    def counting(self: Path) -> bytes:
+        reads.append(self)
+        return original(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counting)
+    for _ in range(5):
+        assert registry.resolve("caps") == first
+    assert reads == []
+    rewrite(root / "caps" / WEIGHTS_FILE, (root / "caps" / WEIGHTS_FILE).read_bytes() + b" ")
+    assert registry.resolve("caps").digest != first.digest
+    assert {p.name for p in reads} == {CONFIG_FILE, WEIGHTS_FILE}
+
+
+def in_a_minute() -> int:
+    """A wall clock a minute ahead: files written now are old enough to trust their stat."""
+    return time.time_ns() + 60 * 10**9
+
+
+def test_fresh_files_are_read_again_until_their_timestamps_are_old(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write in the same timestamp tick as the last stat leaves the signature as it was (here
+    forced: same inode, same size, mtime restored as `cp -p` does); files that recent are not
+    trusted by their stat alone."""
+    registry = registry_of(root, state, clock)  # the real wall clock: the copies are fresh
+    old = registry.resolve("caps")
+    target = root / "caps" / WEIGHTS_FILE
+    before = os.stat(target)
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 1
+    with open(target, "r+b") as out:
+        out.write(data)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    signature = registry._entries["caps"].signature
+    monkeypatch.setattr("tiercache.lora.registry._signature", lambda name, folder: signature)
+    assert registry.resolve("caps").digest != old.digest
+
+
+def test_task_ids_are_stable_across_instances_and_never_reused(
+    root: Path, state: Path, clock: FakeClock
+) -> None:
+    a = registry_of(root, state, clock)
+    ids = {name: a.resolve(name).task_id for name in ("french", "caps")}
+    assert sorted(ids.values()) == [1, 2]
+    shutil.copytree(ADAPTERS / "brief", root / "brief")
+    b = registry_of(root, state, clock)  # a second process, a restart
+    assert b.resolve("brief").task_id == 3
+    assert {name: b.resolve(name).task_id for name in ("caps", "french")} == ids
+    shutil.rmtree(root / "caps")
+    shutil.copytree(ADAPTERS / "caps", root / "other")
+    c = registry_of(root, state, clock)
+    assert c.resolve("other").task_id == 4  # caps's id stays retired for caps
+    stored = json.loads((state / "lora" / "task_ids.json").read_text())
+    assert stored["task_ids"] == {
+        "brief": 3,
+        "caps": ids["caps"],
+        "french": ids["french"],
+        "other": 4,
+    }
+
+
+def test_unknown_and_invalid_names(root: Path, state: Path, clock: FakeClock) -> None:
+    registry = registry_of(root, state, clock)
+    with pytest.raises(NotFound, match=r"unknown adapter 'nope' \(known: caps, french\)"):
+        registry.resolve("nope")
+    for bad in ("", "../french", ".hidden", "a/b", "x" * 65, "sp ace"):
+        with pytest.raises(InvalidRequest, match="invalid adapter name"):
+            registry.resolve(bad)
+
+
+def test_new_folders_appear_after_the_rescan_interval(
+    root: Path, state: Path, clock: FakeClock
+) -> None:
+    registry = registry_of(root, state, clock, rescan_interval_s=5.0)
+    shutil.copytree(ADAPTERS / "brief", root / "brief")
+    with pytest.raises(NotFound):
+        registry.resolve("brief")  # scanned at construction, not due yet
+    clock.now += 5.0
+    assert registry.resolve("brief").name == "brief"
+    assert registry.names() == ("brief", "caps", "french")
+
+
+def test_removed_folder_disappears(root: Path, state: Path, clock: FakeClock) -> None:
+    registry = registry_of(root, state, clock)
+    ref = registry.resolve("caps")
+    shutil.rmtree(root / "caps")
+    with pytest.raises(NotFound, match="caps"):
+        registry.resolve("caps")
+    with pytest.raises(Unavailable):
+        registry.read(ref)
+    clock.now += 10
+    assert registry.names() == ("french",)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda d: (d / WEIGHTS_FILE).unlink(), f"has no {WEIGHTS_FILE}"),
+        (lambda d: (d / CONFIG_FILE).write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / CONFIG_FILE).write_text('{"peft_type": "IA3"}'), "expected 'LORA'"),
+        (lambda d: (d / CONFIG_FILE).write_text("[]"), "not a JSON object"),
+        (lambda d: (d / WEIGHTS_FILE).write_bytes(b"\x10\x00"), "not a whole safetensors"),
+    ],
+)
+def test_broken_folder_is_unavailable_naming_the_adapter(
+    root: Path, state: Path, clock: FakeClock, change: object, fragment: str
+) -> None:
+    registry = registry_of(root, state, clock)
+    change(root / "caps")  # type: ignore[operator]
+    with pytest.raises(Unavailable, match=fragment) as info:
+        registry.resolve("caps")
+    assert "'caps'" in info.value.message
+    # the other adapters are unaffected; listing reports the problem, refs leaves caps out
+    assert registry.resolve("french").name == "french"
+    listing = {item.name: item for item in registry.listing()}
+    assert listing["caps"].ref is None and fragment in listing["caps"].problem
+    assert [r.name for r in registry.refs()] == ["french"]
+
+
+def test_broken_folder_recovers_when_fixed(root: Path, state: Path, clock: FakeClock) -> None:
+    registry = registry_of(root, state, clock)
+    before = registry.resolve("caps")
+    good = (root / "caps" / CONFIG_FILE).read_bytes()
+    rewrite(root / "caps" / CONFIG_FILE, b'{"peft_type": "IA3"}')
+    for _ in range(2):  # the problem is remembered for these files, and raised each time
+        with pytest.raises(Unavailable):
+            registry.resolve("caps")
+    rewrite(root / "caps" / CONFIG_FILE, good)
+    assert registry.resolve("caps") == before
+
+
+def test_missing_root_serves_no_adapters(tmp_path: Path, state: Path, clock: FakeClock) -> None:
+    registry = registry_of(tmp_path / "absent", state, clock)
+    assert registry.names() == ()
+    with pytest.raises(NotFound, match="known: none"):
+        registry.resolve("french")
+
+
+def test_read_checks_the_digest(root: Path, state: Path, clock: FakeClock) -> None:
+    registry = registry_of(root, state, clock)
+    ref = registry.resolve("french")
+    forged = AdapterRef("french", ref.task_id, "0" * 64)
+    with pytest.raises(Unavailable, match="changed since"):
+        registry.read(forged)
+    with pytest.raises(InvalidRequest, match="digest"):
+        registry.read(AdapterRef("french", ref.task_id, "xyz"))
+    with pytest.raises(InvalidRequest, match="task id"):
+        check_ref(AdapterRef("french", 0, ref.digest))
+
+
+def write_manifest(path: Path, adapters: list[dict[str, object]]) -> Path:
+    path.write_text(json.dumps({"adapters": adapters}))
+    return path
+
+
+def test_manifest_names_outside_root_and_fixes_task_ids(
+    root: Path, tmp_path: Path, state: Path, clock: FakeClock
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(ADAPTERS / "brief", elsewhere / "short")
+    manifest = write_manifest(
+        elsewhere / "manifest.json",
+        [
+            {"name": "brief", "path": "short", "task_id": 7, "pin": True},
+            {"name": "french", "path": str(root / "french")},
+        ],
+    )
+    registry = registry_of(root, state, clock, manifest=manifest)
+    assert registry.resolve("brief").task_id == 7
+    assert registry.pinned() == ("brief",)
+    assert registry.names() == ("brief", "caps", "french")
+    assert registry.resolve("caps").task_id == 8  # ids after the manifest's
+    # a declared folder that is missing is a problem, not an unknown name
+    shutil.rmtree(elsewhere / "short")
+    with pytest.raises(Unavailable, match="'brief'"):
+        registry.resolve("brief")
+
+
+@pytest.mark.parametrize(
+    ("adapters", "fragment"),
+    [
+        ([{"name": "a", "task_id": 3}, {"name": "b", "task_id": 3}], "task id 3 is given to both"),
+        ([{"name": "a"}, {"name": "a"}], "listed twice"),
+        ([{"name": "../a"}], "invalid adapter name"),
+        ([{"name": "a", "task_id": 0}], "task_id"),
+        ([{"name": "a", "task_id": True}], "task_id"),
+        ([{"name": "a", "pin": "yes"}], "pin"),
+        ([{"name": "a", "colour": "red"}], "unknown keys"),
+    ],
+)
+def test_bad_manifests_are_config_errors(
+    root: Path,
+    tmp_path: Path,
+    state: Path,
+    clock: FakeClock,
+    adapters: list[dict[str, object]],
+    fragment: str,
+) -> None:
+    manifest = write_manifest(tmp_path / "manifest.json", adapters)
+    with pytest.raises(ConfigError, match=fragment):
+        registry_of(root, state, clock, manifest=manifest)
+
+
+def test_manifest_cannot_take_an_id_given_to_another_name(
+    root: Path, tmp_path: Path, state: Path, clock: FakeClock
+) -> None:
+    registry = registry_of(root, state, clock)
+    caps_id = registry.resolve("caps").task_id
+    manifest = write_manifest(tmp_path / "m.json", [{"name": "french", "task_id": caps_id}])
+    with pytest.raises(ConfigError, match="never reused"):
+        registry_of(root, state, clock, manifest=manifest)
+
+
+def test_unreadable_manifest_is_a_config_error(
+    root: Path, tmp_path: Path, state: Path, clock: FakeClock
+) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        registry_of(root, state, clock, manifest=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"adapters": 3}')
+    with pytest.raises(ConfigError, match="expected"):
+        registry_of(root, state, clock, manifest=tmp_path / "bad.json")
+
+
+def test_concurrent_assignment_gives_each_name_one_id(tmp_path: Path) -> None:
+    """Two TaskIds on one file (as two processes; flock locks each open file separately)."""
+    path = tmp_path / "lora" / "task_ids.json"
+    tables = [TaskIds(path), TaskIds(path)]
+    names = [f"adapter{i}" for i in range(30)]
+    results: list[dict[str, int]] = [{}, {}]
+
+    def run(k: int) -> None:
+        for name in names if k == 0 else reversed(names):
+            results[k][name] = tables[k].assign(name)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results[0] == results[1]
+    assert sorted(results[0].values()) == list(range(1, 31))

@@ -1,0 +1,342 @@
+"""tiercache.lora.residency: the engine mirror, the host tier and the plans between them."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from tiercache.errors import CapacityError, ConfigError, Unavailable
+from tiercache.lora.residency import Candidate, LeastRecentlyUsed, LoraPlan, Residency
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, AdapterRef, AdapterWeights
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeDisk:
+    """The registry's read(): versions by digest, counting reads; a read takes 0.5 s."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.versions: dict[str, AdapterWeights] = {}
+        self.latest: dict[str, str] = {}
+        self.reads: list[str] = []
+
+    def add(self, name: str, task_id: int, nbytes: int = 100, version: str = "v1") -> AdapterRef:
+        digest = hashlib.sha256(f"{name}/{version}".encode()).hexdigest()
+        ref = AdapterRef(name, task_id, digest)
+        self.versions[digest] = AdapterWeights(ref, "{}", b"w" * (nbytes - 2))
+        self.latest[name] = digest
+        return ref
+
+    def remove(self, ref: AdapterRef) -> None:
+        del self.versions[ref.digest]
+
+    def read(self, ref: AdapterRef) -> AdapterWeights:
+        self.reads.append(ref.name)
+        self.clock.now += 0.5
+        if ref.digest not in self.versions:
+            raise Unavailable(f"adapter {ref.name!r} changed since this request was resolved")
+        return self.versions[ref.digest]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def disk(clock: FakeClock) -> FakeDisk:
+    return FakeDisk(clock)
+
+
+MakeResidency = Callable[..., Residency]
+
+
+@pytest.fixture
+def make(clock: FakeClock, disk: FakeDisk) -> MakeResidency:
+    def make(**kwargs: object) -> Residency:
+        settings: dict[str, object] = {
+            "engine_slots": 2,
+            "host_max_adapters": 4,
+            "host_max_bytes": 10_000,
+            "latest": disk.latest.get,
+            "clock": clock,
+        }
+        settings.update(kwargs)
+        return Residency(**settings)  # type: ignore[arg-type]
+
+    return make
+
+
+def engine_names(residency: Residency) -> list[str]:
+    return [a.name for a in residency.snapshot().engine]
+
+
+def host_names(residency: Residency) -> list[str]:
+    return [a.name for a in residency.snapshot().host]
+
+
+def test_first_plan_reads_disk_then_the_engine_holds_it(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    residency = make()
+    a = disk.add("a", 1)
+    first = residency.plan(a, disk.read)
+    assert (first.tier, first.evict, first.read_s) == (DISK_TIER, (), 0.5)
+    assert first.weights is disk.versions[a.digest]
+    second = residency.plan(a, disk.read)
+    assert second == LoraPlan(a, ENGINE_TIER, None, (), 0.0)
+    assert disk.reads == ["a"]
+    stats = residency.stats()
+    assert stats.hits == {ENGINE_TIER: 1, HOST_TIER: 0, DISK_TIER: 1}
+    assert stats.loads == {ENGINE_TIER: 1, HOST_TIER: 1}
+    assert (stats.disk_reads, stats.disk_read_s) == (1, 0.5)
+    assert stats.resident == {ENGINE_TIER: 1, HOST_TIER: 1}
+
+
+def test_engine_is_lru_by_slots_and_host_serves_the_evicted(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    residency = make(engine_slots=2)
+    a, b, c = disk.add("a", 1), disk.add("b", 2), disk.add("c", 3)
+    residency.plan(a, disk.read)
+    residency.plan(b, disk.read)
+    residency.plan(a, disk.read)  # a is now more recent than b
+    plan = residency.plan(c, disk.read)
+    assert plan.evict == (b.digest,)
+    assert engine_names(residency) == ["c", "a"]
+    again = residency.plan(b, disk.read)
+    assert (again.tier, again.evict) == (HOST_TIER, (a.digest,))
+    assert again.weights is disk.versions[b.digest]
+    assert disk.reads == ["a", "b", "c"]
+    assert residency.stats().evictions[ENGINE_TIER] == 2
+
+
+def test_engine_byte_budget(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=8, engine_max_bytes=250)
+    a, b, c = disk.add("a", 1, 100), disk.add("b", 2, 100), disk.add("c", 3, 120)
+    residency.plan(a, disk.read)
+    residency.plan(b, disk.read)
+    assert residency.plan(c, disk.read).evict == (a.digest,)  # 100 + 120 <= 250
+    big = disk.add("big", 4, 300)
+    with pytest.raises(CapacityError, match="engine_max_bytes"):
+        residency.plan(big, disk.read)
+    assert engine_names(residency) == ["c", "b"]  # unchanged by the refused plan
+
+
+def test_host_is_lru_by_count_and_bytes(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=1, host_max_adapters=2, host_max_bytes=250)
+    a, b, c = disk.add("a", 1, 100), disk.add("b", 2, 100), disk.add("c", 3, 100)
+    for ref in (a, b, c):
+        residency.plan(ref, disk.read)
+    assert host_names(residency) == ["c", "b"]  # count bound: 2
+    d = disk.add("d", 4, 200)
+    residency.plan(d, disk.read)
+    assert host_names(residency) == ["d"]  # byte bound: 200 + 100 > 250
+    assert residency.stats().evictions[HOST_TIER] == 3
+
+
+def test_host_smaller_than_one_adapter_still_serves(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=1, host_max_adapters=1, host_max_bytes=50)
+    a, b = disk.add("a", 1, 100), disk.add("b", 2, 100)
+    plan = residency.plan(a, disk.read)
+    assert plan.weights is not None and plan.tier == DISK_TIER
+    assert host_names(residency) == []
+    residency.plan(b, disk.read)
+    again = residency.plan(a, disk.read)  # evicted from the engine, never kept: disk again
+    assert again.tier == DISK_TIER and again.weights is not None
+    assert residency.stats().loads[HOST_TIER] == 0
+
+
+@pytest.mark.parametrize("host_max_adapters, host_max_bytes", [(0, 10_000), (4, 0)])
+def test_host_tier_can_be_off(
+    make: MakeResidency, disk: FakeDisk, host_max_adapters: int, host_max_bytes: int
+) -> None:
+    residency = make(host_max_adapters=host_max_adapters, host_max_bytes=host_max_bytes)
+    plan = residency.plan(disk.add("a", 1), disk.read)
+    assert plan.weights is not None and host_names(residency) == []
+
+
+def test_pinned_adapters_stay_in_the_engine(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=2, pinned=["a"])
+    a, b, c = disk.add("a", 1), disk.add("b", 2), disk.add("c", 3)
+    residency.plan(a, disk.read)
+    residency.plan(b, disk.read)
+    for ref in (c, b, c):  # a is least recently used throughout, yet stays
+        assert a.digest not in residency.plan(ref, disk.read).evict
+    assert sorted(engine_names(residency)) == ["a", "c"]
+    assert [x.pinned for x in residency.snapshot().engine if x.name == "a"] == [True]
+
+
+def test_pins_must_leave_a_free_slot() -> None:
+    Residency(engine_slots=3, pinned=["a", "b"])
+    with pytest.raises(ConfigError, match="engine_slots >= 3"):
+        Residency(engine_slots=2, pinned=["a", "b"])
+    with pytest.raises(ConfigError, match="engine_slots must be >= 1"):
+        Residency(engine_slots=0)
+    with pytest.raises(ConfigError, match="host_max_bytes must be >= 0"):
+        Residency(engine_slots=1, host_max_bytes=-1)
+
+
+def test_pinned_bytes_can_leave_no_room(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=3, engine_max_bytes=250, pinned=["a"])
+    a, b = disk.add("a", 1, 200), disk.add("b", 2, 100)
+    residency.plan(a, disk.read)
+    with pytest.raises(CapacityError, match="pinned"):
+        residency.plan(b, disk.read)
+    assert engine_names(residency) == ["a"]
+
+
+def test_new_version_evicts_the_old_one_from_the_engine(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    residency = make(engine_slots=3)
+    old = disk.add("a", 1, version="v1")
+    residency.plan(old, disk.read)
+    new = disk.add("a", 1, version="v2")  # the folder changed: same name and task id
+    plan = residency.plan(new, disk.read)
+    assert plan.tier == DISK_TIER and plan.weights is not None
+    assert plan.evict == (old.digest,)  # even though a free slot was left
+    assert [x.digest for x in residency.snapshot().engine] == [new.digest]
+    # a late request resolved before the change finishes on the old version, from host memory,
+    # without evicting the current one
+    disk.remove(old)
+    late = residency.plan(old, disk.read)
+    assert (late.tier, late.evict) == (HOST_TIER, ())
+    assert late.weights is not None and late.weights.ref == old
+    # the next request for the current version drops the old one again
+    assert residency.plan(new, disk.read).evict == (old.digest,)
+
+
+def test_gone_version_is_unavailable(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(host_max_adapters=0)
+    old = disk.add("a", 1, version="v1")
+    disk.add("a", 1, version="v2")
+    disk.remove(old)
+    with pytest.raises(Unavailable, match="changed since"):
+        residency.plan(old, disk.read)
+    assert engine_names(residency) == []
+
+
+def test_old_versions_of_a_pinned_name_are_not_pinned(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=2, pinned=["a"], latest=None)  # no current-version knowledge
+    v1 = disk.add("a", 1, version="v1")
+    v2 = disk.add("a", 1, version="v2")
+    residency.plan(v1, disk.read)
+    residency.plan(v2, disk.read)
+    b = disk.add("b", 2)
+    assert residency.plan(b, disk.read).evict == (v1.digest,)
+
+
+def test_forget_then_replan_sends_the_weights(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make()
+    a = disk.add("a", 1)
+    residency.plan(a, disk.read)
+    assert residency.forget(a) is True
+    assert residency.forget(a) is False
+    plan = residency.plan(a, disk.read)
+    assert (plan.tier, plan.weights is not None) == (HOST_TIER, True)
+    # reload=True is the same in one call, even while the mirror still lists it
+    reload = residency.plan(a, disk.read, reload=True)
+    assert (reload.tier, reload.weights is not None) == (HOST_TIER, True)
+    assert disk.reads == ["a"]
+    assert residency.stats().loads[ENGINE_TIER] == 3
+
+
+def test_mark_resident_records_a_prefetch(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make(engine_slots=2)
+    a, b, c = disk.add("a", 1), disk.add("b", 2), disk.add("c", 3)
+    for ref in (a, b):
+        assert residency.mark_resident(disk.versions[ref.digest]) == ()
+    assert residency.mark_resident(disk.versions[c.digest]) == (a.digest,)
+    assert residency.plan(c, disk.read).tier == ENGINE_TIER
+    assert disk.reads == []
+    assert host_names(residency) == ["c", "b", "a"]
+
+
+def test_snapshot_reports_bytes_and_last_use(
+    make: MakeResidency, disk: FakeDisk, clock: FakeClock
+) -> None:
+    residency = make()
+    a = disk.add("a", 7, 123)
+    clock.now = 10.0
+    residency.plan(a, disk.read)  # the read advances the clock by 0.5
+    (engine,) = residency.snapshot().engine
+    assert (engine.name, engine.task_id, engine.digest, engine.nbytes) == ("a", 7, a.digest, 123)
+    assert (engine.pinned, engine.last_use_s) == (False, 10.5)
+    assert residency.stats().resident_bytes == {ENGINE_TIER: 123, HOST_TIER: 123}
+    assert residency.engine_digests() == frozenset({a.digest})
+
+
+def test_lru_policy_orders_by_use_not_by_clock() -> None:
+    candidates = [Candidate("x", "x", 1, 5), Candidate("y", "y", 1, 2), Candidate("z", "z", 1, 9)]
+    assert LeastRecentlyUsed().nominate(candidates) == ["y", "x", "z"]
+
+
+def test_a_custom_policy_chooses_the_victims(make: MakeResidency, disk: FakeDisk) -> None:
+    class BiggestFirst:
+        def nominate(self, candidates: list[Candidate]) -> list[str]:
+            return [c.digest for c in sorted(candidates, key=lambda c: -c.nbytes)]
+
+    residency = make(engine_slots=2, policy=BiggestFirst())
+    big, small = disk.add("big", 1, 500), disk.add("small", 2, 100)
+    residency.plan(big, disk.read)
+    residency.plan(small, disk.read)
+    residency.plan(big, disk.read)
+    assert residency.plan(disk.add("c", 3), disk.read).evict == (big.digest,)
+
+
+def test_an_engine_that_obeys_the_plans_always_holds_what_it_needs(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Random requests over more adapters (and versions) than slots, each plan applied to a
+    strict engine: it never needs an adapter it was not sent and never exceeds its slots."""
+    rng = random.Random(7)
+    residency = make(engine_slots=3, host_max_adapters=2, host_max_bytes=10_000, pinned=["a"])
+    refs = [disk.add(name, i + 1) for i, name in enumerate("abcdef")]
+    held: set[str] = set()
+    for step in range(400):
+        if step % 50 == 49:  # an adapter folder changes: a new version of the same name
+            old = rng.choice(refs)
+            refs[refs.index(old)] = disk.add(old.name, old.task_id, version=f"v{step}")
+        ref = rng.choice(refs)
+        plan = residency.plan(ref, disk.read)
+        held -= set(plan.evict)
+        if plan.weights is None:
+            assert ref.digest in held, f"step {step}: engine lacks {ref.short}"
+        else:
+            held.add(ref.digest)
+        assert len(held) <= 3
+        assert held == residency.engine_digests()
+
+
+def test_disk_reads_do_not_block_engine_hits(make: MakeResidency, disk: FakeDisk) -> None:
+    residency = make()
+    a, b = disk.add("a", 1), disk.add("b", 2)
+    residency.plan(a, disk.read)
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_read(ref: AdapterRef) -> AdapterWeights:
+        reading.set()
+        assert release.wait(timeout=10)
+        return disk.versions[ref.digest]
+
+    worker = threading.Thread(target=residency.plan, args=(b, slow_read))
+    worker.start()
+    try:
+        assert reading.wait(timeout=10)
+        assert residency.plan(a, disk.read).tier == ENGINE_TIER  # served while b is being read
+    finally:
+        release.set()
+        worker.join(timeout=10)
+    assert set(engine_names(residency)) == {"a", "b"}
