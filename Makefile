@@ -26,7 +26,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/tiercache serve --state-dir .tiercache $(SERVE_ARGS)
+	$(VENV)/bin/tiercache serve --state-dir .tiercache --adapters-dir adapters $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

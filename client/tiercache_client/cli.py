@@ -49,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
 
     sub.add_parser("health", parents=[common], help="show server and model readiness")
+
+    adapters = sub.add_parser(
+        "adapters", parents=[common], help="list LoRA adapters and the tier each is resident in"
+    )
+    adapters.add_argument(
+        "--warm",
+        action="append",
+        metavar="NAME",
+        default=[],
+        help="load this adapter into the engine first (repeatable)",
+    )
+    adapters.add_argument("--json", action="store_true", help="print the server's JSON answer")
     return parser
 
 
@@ -112,6 +124,41 @@ def _health(client: TierCacheClient) -> int:
     return 0 if state["ready"] else 1
 
 
+def adapter_rows(report: dict) -> list[tuple[str, ...]]:
+    """One row per adapter version: name, task id, short digest, lora_cache's tier, whether the
+    engine itself reports it loaded, pinned."""
+    engine = {a.get("digest") for a in report.get("engine_reported") or []}
+    rows = []
+    for entry in report.get("adapters", []):
+        digest = str(entry.get("digest", ""))
+        rows.append(
+            (
+                str(entry.get("name", "")),
+                str(entry.get("task_id", "")),
+                digest[:12],
+                str(entry.get("tier", "")),
+                "yes" if digest in engine else "no",
+                "yes" if entry.get("pinned") else "no",
+            )
+        )
+    return rows
+
+
+def _adapters(client: TierCacheClient, args: argparse.Namespace) -> int:
+    report = client.adapters(warm=args.warm)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    for name, outcome in sorted((report.get("warmed") or {}).items()):
+        print(f"warm {name}: {outcome}")
+    header = ("adapter", "task", "digest", "tier", "in engine", "pinned")
+    rows = [header, *adapter_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (argparse exits 2 itself on bad arguments)."""
     args = build_parser().parse_args(argv)
@@ -122,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with TierCacheClient(args.url, model=args.model, timeout_s=args.timeout) as client:
             if args.command == "generate":
                 return _generate(client, args)
+            if args.command == "adapters":
+                return _adapters(client, args)
             return _health(client)
     except (InvalidRequestError, NotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

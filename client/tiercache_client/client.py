@@ -7,6 +7,7 @@ so concurrent calls each take their own client and `TierCacheClient` is thread-s
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from .errors import (
     classify,
 )
 
+LORA_CACHE_MODEL = "lora_cache"
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -318,6 +320,37 @@ class TierCacheClient:
             raise _error(exc) from None
         finally:
             self._release(client, reusable)
+
+    def adapters(self, warm: Sequence[str] = ()) -> dict[str, Any]:
+        """What the `lora_cache` stage reports: each adapter's tier (engine, host, disk) as it
+        sees it and as the engine reports it. With `warm`, those adapters are first loaded into
+        the engine (prefetch before their first request). Raises `NotFoundError` for an unknown
+        adapter name, `ServerUnreachableError` / `UnavailableError` otherwise."""
+        names = [_check_str("adapter name", n) for n in warm]
+        admin = {"op": "warm", "names": names} if names else {"op": "list"}
+        admin_input = grpcclient.InferInput("ADMIN", [1, 1], "BYTES")
+        admin_input.set_data_from_numpy(
+            np.array([[json.dumps(admin).encode("utf-8")]], dtype=np.object_)
+        )
+        client = self._acquire()
+        reusable = False
+        try:
+            result = client.infer(
+                LORA_CACHE_MODEL,
+                [admin_input],
+                outputs=[grpcclient.InferRequestedOutput("ADMIN_RESULT")],
+                client_timeout=self.timeout_s,
+            )
+            reusable = True
+        except InferenceServerException as exc:
+            raise _error(exc) from None
+        finally:
+            self._release(client, reusable)
+        texts = _texts(result, "ADMIN_RESULT")
+        if not texts:
+            raise UnavailableError(f"{LORA_CACHE_MODEL} answered without ADMIN_RESULT")
+        parsed: dict[str, Any] = json.loads(texts[0])
+        return parsed
 
     def close(self) -> None:
         """Close every pooled connection; later calls raise RuntimeError."""

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tiercache.config import default_state_dir
+from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
 from tiercache.server import Ports, ServerError, TritonServer
 
 
@@ -19,6 +19,9 @@ def _serve(args: argparse.Namespace) -> int:
         ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
         extra_args=args.tritonserver_args,
         exit_timeout_s=args.exit_timeout_secs,
+        env_overrides=(
+            {ADAPTERS_DIR_ENV: str(Path(args.adapters_dir).resolve())} if args.adapters_dir else {}
+        ),
     )
     print(
         f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})"
@@ -55,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve the model repository with tritonserver")
     serve.add_argument("--model-repository", default="model_repository")
     serve.add_argument("--state-dir", default=str(default_state_dir()))
+    serve.add_argument(
+        "--adapters-dir",
+        default="",
+        help="LoRA adapters folder, one PEFT folder per adapter (default: $TIERCACHE_ADAPTERS_DIR, "
+        "else <state dir>/adapters)",
+    )
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)

@@ -112,6 +112,7 @@ class EmbedderConfig:
 @dataclass(frozen=True, slots=True)
 class LlmConfig(SemanticConfig):
     engine_model: str = "torch_llm"  # the Triton model that generates (BLS target)
+    lora_model: str = "lora_cache"  # asked again for adapter weights the engine lost (BLS)
     max_concurrency: int = 64  # worker threads: generations plus waiting followers
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from tiercache.config import CacheConfig
+from tiercache.errors import NotFound
 from tiercache.keys import Digest, EngineIdentity, request_digest, semantic_scope, tenant_scope
+from tiercache.lora.types import AdapterRef
 from tiercache.request import DEFAULT_LIMITS, GenerationRequest, Limits, RawInputs, canonicalize
 from tiercache.stores import LmdbStore, MemoryStore
 from tiercache.tiered import Tier, TieredCache
+
+ResolveAdapter = Callable[[str], AdapterRef]
+"""lora_name -> the adapter's current version (NotFound for an unknown name)."""
 
 
 class CacheStatus(str, Enum):
@@ -50,26 +56,42 @@ class PromptCache:
         engine: EngineIdentity,
         limits: Limits = DEFAULT_LIMITS,
         embedder_key: str = "",
+        resolve_adapter: ResolveAdapter | None = None,
     ) -> None:
-        """`embedder_key` names the embedding cache's embedder; empty turns semantic scopes off."""
+        """`embedder_key` names the embedding cache's embedder; empty turns semantic scopes off.
+        `resolve_adapter` maps a lora_name to its current version; None serves the base only."""
         self.cache = cache
         self._secret = secret
         self.engine = engine
         self.limits = limits
         self.embedder_key = embedder_key
+        self.resolve_adapter = resolve_adapter
+
+    def _with_adapter(self, request: GenerationRequest) -> GenerationRequest:
+        """Pin the request to the adapter version its name resolves to now: the version's digest
+        goes into every key, so a changed adapter folder never hits the old version's entries."""
+        if not request.lora_name:
+            return request
+        if self.resolve_adapter is None:
+            raise NotFound(f"unknown adapter {request.lora_name!r}: no adapters are configured")
+        ref = self.resolve_adapter(request.lora_name)
+        return dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
 
     def lookup(self, raw: RawInputs) -> LookupResult:
-        """Validate and canonicalize `raw` (InvalidRequest on bad input), then look it up."""
+        """Validate and canonicalize `raw` (InvalidRequest on bad input; NotFound for an unknown
+        adapter), then look it up."""
         canonical = canonicalize(raw, self.limits)
-        request, control = canonical.request, canonical.cache_control
+        request = self._with_adapter(canonical.request)
+        control = canonical.cache_control
         if not canonical.cacheable:
             return LookupResult(request, None, CacheStatus.BYPASS, "", None, False)
         tenant = tenant_scope(self._secret, canonical.tenant)
-        digest = request_digest(tenant, self.engine, request)
+        adapter = request.lora_digest
+        digest = request_digest(tenant, self.engine, request, adapter)
         write_back = not control.no_store
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:
-            scope = semantic_scope(tenant, self.engine, request, self.embedder_key)
+            scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
         if control.no_cache:
             return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back, scope)
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits

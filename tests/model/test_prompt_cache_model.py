@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -176,7 +177,11 @@ def test_cache_control_and_sampling(
     assert flushed(model).requests[status].metric.value() == 1
 
 
-def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> None:
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_path: Path) -> None:
+    shutil.copytree(REPO / "adapters" / "brief", tmp_path / "adapters" / "adapter")
     (response,) = model.execute(
         [
             make_request(
@@ -193,6 +198,8 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> N
         ]
     )
     request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+    ref = model.adapters.resolve("adapter")
+    assert (ref.task_id, len(ref.digest)) == (1, 64)
     assert request == GenerationRequest(
         prompt="What is Triton?",
         max_tokens=5,
@@ -203,7 +210,26 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType) -> N
         stop_words=("a", "b"),
         stream=True,
         lora_name="adapter",
+        lora_task_id=ref.task_id,
+        lora_digest=ref.digest,
     )
+
+
+def test_adapters_are_resolved_and_their_digest_is_in_the_key(
+    model: Any, pb_utils: ModuleType, tmp_path: Path
+) -> None:
+    """An unknown adapter is NOT_FOUND; a changed adapter folder changes the digest."""
+    (unknown,) = model.execute([make_request(pb_utils, lora_name="nope")])
+    assert unknown.error().code() == pb_utils.TritonError.NOT_FOUND
+    assert "unknown adapter 'nope'" in unknown.error().message()
+    folder = tmp_path / "adapters" / "a"
+    shutil.copytree(REPO / "adapters" / "brief", folder)
+    base, first = model.execute([make_request(pb_utils), make_request(pb_utils, lora_name="a")])
+    digests = {output(pb_utils, r, "DIGEST") for r in (base, first)}
+    assert len(digests) == 2
+    shutil.copy2(REPO / "adapters" / "caps" / "adapter_model.safetensors", folder)
+    (changed,) = model.execute([make_request(pb_utils, lora_name="a")])
+    assert output(pb_utils, changed, "DIGEST") not in digests
 
 
 def test_store_gauges_are_published(model: Any, pb_utils: ModuleType) -> None:

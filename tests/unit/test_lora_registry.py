@@ -171,16 +171,26 @@ def test_unknown_and_invalid_names(root: Path, state: Path, clock: FakeClock) ->
             registry.resolve(bad)
 
 
-def test_new_folders_appear_after_the_rescan_interval(
+def test_new_folders_appear_at_once_when_root_changes(
     root: Path, state: Path, clock: FakeClock
 ) -> None:
     registry = registry_of(root, state, clock, rescan_interval_s=5.0)
     shutil.copytree(ADAPTERS / "brief", root / "brief")
+    assert registry.resolve("brief").name == "brief"  # root's mtime moved: rescanned now
+    assert registry.names() == ("brief", "caps", "french")
+
+
+def test_rescans_are_paced_when_root_looks_unchanged(
+    root: Path, state: Path, clock: FakeClock
+) -> None:
+    registry = registry_of(root, state, clock, rescan_interval_s=5.0)
+    mtime = root.stat().st_mtime_ns
+    shutil.copytree(ADAPTERS / "brief", root / "brief")
+    os.utime(root, ns=(mtime, mtime))  # a file system whose directory mtime did not move
     with pytest.raises(NotFound):
         registry.resolve("brief")  # scanned at construction, not due yet
     clock.now += 5.0
     assert registry.resolve("brief").name == "brief"
-    assert registry.names() == ("brief", "caps", "french")
 
 
 def test_removed_folder_disappears(root: Path, state: Path, clock: FakeClock) -> None:

@@ -3,6 +3,7 @@ calls the engine model through BLS."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 
@@ -14,6 +15,8 @@ from tiercache.engine.events import StreamEvent
 from tiercache.errors import Unavailable
 from tiercache.keys import Digest
 from tiercache.llm_stage import GenerationRecord, LlmStage
+from tiercache.lora.engine_call import NO_LORA, EngineLora, generate_with_adapter
+from tiercache.lora.types import AdapterRef
 from tiercache.prompt_cache import CacheStatus, open_tiered_cache
 from tiercache.request import GenerationRequest
 from tiercache.semantic.index import SemanticStore
@@ -21,6 +24,14 @@ from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON", "GENERATED_TOKENS", "PROMPT_TOKENS"]
+
+
+def lora_from_response(response: object) -> EngineLora:
+    return EngineLora(
+        config_json=tb.output_string(response, "LORA_CONFIG") or "",
+        weights=tb.output_blob(response, "LORA_WEIGHTS") or b"",
+        evict=tuple(json.loads(tb.output_string(response, "LORA_EVICT") or "[]")),
+    )
 
 
 class _Responder:
@@ -83,12 +94,21 @@ class TritonPythonModel:
         )
         m.start()
 
-    def _generate(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+    def _generate(
+        self, request: GenerationRequest, lora: EngineLora = NO_LORA
+    ) -> Iterator[StreamEvent]:
         """One engine call over BLS, as a stream of events. BLS requests cannot be cancelled in
         this Triton version, so an abandoned generation runs to max_tokens and is discarded."""
+        inputs = [tb.bytes_tensor("REQUEST", [request.to_json()], batched=False)]
+        if lora.loads:
+            inputs.append(tb.bytes_tensor("LORA_CONFIG", [lora.config_json], batched=False))
+            inputs.append(tb.bytes_tensor("LORA_WEIGHTS", [lora.weights], batched=False))
+        if lora.evict:
+            evict = json.dumps(list(lora.evict))
+            inputs.append(tb.bytes_tensor("LORA_EVICT", [evict], batched=False))
         infer = pb_utils.InferenceRequest(
             model_name=self.config.engine_model,
-            inputs=[tb.bytes_tensor("REQUEST", [request.to_json()], batched=False)],
+            inputs=inputs,
             requested_output_names=ENGINE_OUTPUTS,
         )
         for response in infer.exec(decoupled=True):
@@ -103,6 +123,32 @@ class TritonPythonModel:
                 generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
                 prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
             )
+
+    def _fetch_weights(self, ref: AdapterRef) -> EngineLora:
+        """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""
+        admin = json.dumps({"op": "weights", "lora": json.loads(ref.to_json())})
+        infer = pb_utils.InferenceRequest(
+            model_name=self.config.lora_model,
+            inputs=[tb.bytes_tensor("ADMIN", [admin])],
+            requested_output_names=["LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT"],
+        )
+        response = infer.exec()
+        if response.has_error():
+            raise Unavailable(f"{self.config.lora_model}: {response.error().message()}")
+        return lora_from_response(response)
+
+    def _engine_call(
+        self, inputs: tb.Inputs
+    ) -> Callable[[GenerationRequest], Iterator[StreamEvent]]:
+        """This request's engine call: with what lora_cache sent, retried once on a lost adapter."""
+        lora = EngineLora(
+            config_json=inputs.string("LORA_CONFIG") or "",
+            weights=inputs.blob("LORA_WEIGHTS") or b"",
+            evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
+        )
+        return lambda request: generate_with_adapter(
+            self._generate, self._fetch_weights, request, lora
+        )
 
     def _index_writer(
         self, inputs: tb.Inputs, request: GenerationRequest, digest: str | None
@@ -157,6 +203,7 @@ class TritonPythonModel:
                     bool(inputs.boolean("WRITE_BACK")),
                     responder,
                     self._index_writer(inputs, request_obj, digest),
+                    self._engine_call(inputs),
                 )
                 self.requests[lookup].increment(1)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response

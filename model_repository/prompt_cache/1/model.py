@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -10,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
 from tiercache.keys import load_or_create_secret
+from tiercache.lora.registry import AdapterRegistry
 from tiercache.prompt_cache import CacheStatus, LookupResult, PromptCache, open_tiered_cache
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.triton import boundary as tb
@@ -22,12 +24,15 @@ def request_json(result: LookupResult) -> str:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(PromptCacheConfig, args)
+        manifest = Path(config.adapters_manifest) if config.adapters_manifest else None
+        self.adapters = AdapterRegistry(config.adapters_path(), config.state_path(), manifest)
         self.cache = PromptCache(
             open_tiered_cache(config),
             load_or_create_secret(config.secret_path()),
             resolve_model(config.model).identity,
             config.limits(),
             resolve_embedder(config.embedder)[1].key if config.embedder else "",
+            self.adapters.resolve,
         )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {

@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tiercache.config import EngineConfig
+from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.torch_engine import TorchEngine
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.lora.registry import AdapterRegistry
 from tiercache.request import GenerationRequest
 from tiercache.triton import boundary as tb
 
@@ -30,6 +33,7 @@ class TritonPythonModel:
         self.engine = TorchEngine(
             resolve_model(config.model), config.models_path(), config.device, config.lora_slots
         )
+        self._prefetch(config)
         self.metrics = m = tb.Metrics(args["model_name"])
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -63,6 +67,21 @@ class TritonPythonModel:
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
         self._worker.start()
+
+    def _prefetch(self, config: EngineConfig) -> None:
+        """Load the `lora_prefetch` adapters before the first request (lora_cache's `prefetch`
+        names the same list, so its mirror starts in step with the engine)."""
+        names = name_list(config.lora_prefetch)
+        if not names:
+            return
+        manifest = Path(config.adapters_manifest) if config.adapters_manifest else None
+        registry = AdapterRegistry(config.adapters_path(), config.state_path(), manifest)
+        for name in names:
+            try:
+                seconds = self.engine.adapters.load(registry.read(registry.resolve(name)))
+            except TierCacheError as exc:
+                raise ConfigError(f"lora_prefetch adapter {name!r}: {exc.message}") from exc
+            tb.log.info("prefetched adapter %s in %.0f ms", name, seconds * 1000.0)
 
     def execute(self, requests: list) -> None:
         for request in requests:

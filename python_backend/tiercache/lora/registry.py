@@ -8,9 +8,9 @@ the entries of an optional JSON manifest, which may point anywhere and fix task 
 
 `path` is relative to the manifest's folder (default: `<root>/<name>`); `task_id` and `pin` are
 optional. A manifest entry shadows a root folder of the same name. The manifest is read once, at
-construction; root is rescanned when an unknown name is asked for (at most once per
-`rescan_interval_s`), so new folders appear without a restart, and a folder that is gone is
-dropped the next time its name is resolved.
+construction; root is rescanned when an unknown name is asked for (when root's mtime changed,
+else at most once per `rescan_interval_s`), so new folders appear without a restart, and a
+folder that is gone is dropped the next time its name is resolved.
 
 Versions. A version's digest is the SHA-256 of this canonical encoding of the two files:
 
@@ -149,6 +149,7 @@ class AdapterRegistry:
             fixed = self._read_manifest(Path(manifest))
             self._task_ids.fix(fixed)
         self._last_scan_s = 0.0
+        self._scanned_mtime_ns = -1
         self._scan()
 
     # -- lookups -----------------------------------------------------------------------------
@@ -256,13 +257,24 @@ class AdapterRegistry:
             log.info("adapter %s is version %s (task id %d)", entry.name, entry.ref.short, task_id)
 
     def _scan_if_due(self) -> None:
-        if self._clock() - self._last_scan_s >= self._rescan_interval_s:
+        """Rescan when the root folder's mtime changed (a folder was added, removed or renamed:
+        one stat, so a new adapter is served at once) or at most every `rescan_interval_s`."""
+        if self._root_mtime_ns() != self._scanned_mtime_ns:
             self._scan()
+        elif self._clock() - self._last_scan_s >= self._rescan_interval_s:
+            self._scan()
+
+    def _root_mtime_ns(self) -> int:
+        try:
+            return self.root.stat().st_mtime_ns
+        except OSError:
+            return -1
 
     def _scan(self) -> None:
         """Add root's new folders, drop root entries whose folder is gone (manifest entries stay:
         they are declared, so a missing folder is reported as a problem, not as unknown)."""
         self._last_scan_s = self._clock()
+        self._scanned_mtime_ns = self._root_mtime_ns()
         try:
             found = {
                 p.name: p

@@ -1,0 +1,219 @@
+"""`make bench-lora` (serving half): many adapters through few engine slots, against one adapter.
+
+Starts a real tritonserver on a copy of model_repository whose lora_cache and torch_llm hold
+`--slots` adapters (default 4), serving `--adapters` synthetic adapters (default 20). Each is a
+copy of one committed rank-8 adapter (adapters/<name>/) whose LoRA B matrices are scaled by a
+seeded random factor: real PEFT files of the real size, each with its own digest, so every one is
+a distinct version to load. Then, in alternating rounds within one run:
+
+- one adapter: `--requests` generations at concurrency `--concurrency`, all on adapter 0;
+- round robin: the same prompts, the i-th request on adapter i mod N, so with N > slots nearly
+  every request evicts one adapter and loads another.
+
+Every request carries `cache_control: no-cache, no-store`, so each one runs the engine (the point
+is the swap cost, not the prompt cache). Reports throughput per mode, the ratio (target >= 0.8),
+failed requests (target 0) and the engine's adapter loads and evictions from the metrics port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiercache.config import ADAPTERS_DIR_ENV
+from tiercache.server import Ports, TritonServer
+from tiercache_client import TierCacheClient, TierCacheClientError
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "How do I boil an egg?",
+    "What is 7 plus 5?",
+    "Name a large animal.",
+    "Why is the sky blue?",
+    "Give me a tip for sleeping better.",
+    "What is the capital of Italy?",
+    "How do plants make food?",
+    "What is a good name for a cat?",
+]
+
+
+def make_adapters(dest: Path, count: int, template: str, seed: int = 0) -> list[str]:
+    """`count` distinct adapters derived from adapters/<template>/ (see the module docstring)."""
+    source = REPO / "adapters" / template
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(count):
+        name = f"synthetic-{i:02d}"
+        folder = dest / name
+        folder.mkdir(parents=True)
+        shutil.copy2(source / "adapter_config.json", folder / "adapter_config.json")
+        factor = float(rng.uniform(0.5, 1.5))
+        scaled = {k: (v * factor if "lora_B" in k else v).contiguous() for k, v in tensors.items()}
+        save_file(scaled, str(folder / "adapter_model.safetensors"))
+        names.append(name)
+    return names
+
+
+def with_parameters(config: Path, **parameters: str) -> None:
+    text = config.read_text()
+    for key, value in parameters.items():
+        text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+    config.write_text(text)
+
+
+def metric(server: TritonServer, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics") as response:
+        text = response.read().decode()
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    )
+
+
+def run_mode(
+    client: TierCacheClient, adapters: list[str], requests: int, concurrency: int, max_tokens: int
+) -> tuple[float, int, list[float]]:
+    """(requests per second, failed requests, per-request seconds)."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], adapters[i % len(adapters)]) for i in range(requests)]
+
+    def one(job: tuple[str, str]) -> float | None:
+        prompt, adapter = job
+        started = time.perf_counter()
+        try:
+            client.generate_text(
+                prompt,
+                max_tokens=max_tokens,
+                lora_name=adapter,
+                cache_control="no-cache, no-store",
+            )
+        except TierCacheClientError as exc:
+            print(f"  failed: {adapter}: {exc}", file=sys.stderr)
+            return None
+        return time.perf_counter() - started
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outcomes = list(pool.map(one, jobs))
+    wall = time.perf_counter() - started
+    latencies = [o for o in outcomes if o is not None]
+    return len(latencies) / wall, len(outcomes) - len(latencies), latencies
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=20)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=40, help="per mode and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--template", default="french", help="committed adapter to derive from")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    tmp = Path(tempfile.mkdtemp(prefix="tiercache-bench-lora-"))
+    try:
+        names = make_adapters(tmp / "adapters", args.adapters, args.template)
+        repository = tmp / "model_repository"
+        shutil.copytree(REPO / "model_repository", repository)
+        with_parameters(repository / "lora_cache" / "config.pbtxt", engine_slots=str(args.slots))
+        with_parameters(repository / "torch_llm" / "config.pbtxt", lora_slots=str(args.slots))
+        server = TritonServer(
+            model_repository=repository,
+            state_dir=tmp / "state",
+            ports=Ports.free(),
+            log_path=tmp / "triton.log",
+            env_overrides={ADAPTERS_DIR_ENV: str(tmp / "adapters")},
+        )
+        print(
+            f"{args.adapters} adapters, {args.slots} engine slots; starting tritonserver",
+            flush=True,
+        )
+        server.start()
+        try:
+            server.wait_ready(timeout_s=600)
+            figures = measure(server, names, args)
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(figures, args)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0 if figures["failed"] == 0 else 1
+
+
+def measure(server: TritonServer, names: list[str], args: argparse.Namespace) -> dict:
+    modes = {"one adapter": names[:1], "round robin": names}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    latencies: dict[str, list[float]] = {m: [] for m in modes}
+    failed = 0
+    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
+        # Warm-up: the engine's first forward passes, and adapter 0 resident for "one adapter".
+        run_mode(client, names[:1], args.concurrency, args.concurrency, args.max_tokens)
+        loads_before = metric(server, "tiercache_engine_adapter_loads_total")
+        evictions_before = metric(server, "tiercache_engine_adapter_evictions_total")
+        for round_no in range(1, args.rounds + 1):
+            for mode, adapters in modes.items():
+                rate, lost, seconds = run_mode(
+                    client, adapters, args.requests, args.concurrency, args.max_tokens
+                )
+                rates[mode].append(rate)
+                latencies[mode].extend(seconds)
+                failed += lost
+                print(f"round {round_no}: {mode}: {rate:.2f} req/s, {lost} failed", flush=True)
+        time.sleep(0.6)  # the stages flush metrics every 0.25 s
+        loads = metric(server, "tiercache_engine_adapter_loads_total") - loads_before
+        evictions = metric(server, "tiercache_engine_adapter_evictions_total") - evictions_before
+    one, rr = statistics.median(rates["one adapter"]), statistics.median(rates["round robin"])
+    return {
+        "adapters": len(names),
+        "slots": args.slots,
+        "concurrency": args.concurrency,
+        "requests_per_mode": args.requests * args.rounds,
+        "max_tokens": args.max_tokens,
+        "one_adapter_rps": one,
+        "round_robin_rps": rr,
+        "ratio": rr / one,
+        "one_adapter_p50_s": statistics.median(latencies["one adapter"]),
+        "round_robin_p50_s": statistics.median(latencies["round robin"]),
+        "failed": failed,
+        "engine_loads": loads,
+        "engine_evictions": evictions,
+    }
+
+
+def report(f: dict, args: argparse.Namespace) -> None:
+    print()
+    print(
+        f"{f['adapters']} adapters, {f['slots']} engine slots, concurrency {f['concurrency']}, "
+        f"{f['requests_per_mode']} requests per mode, max_tokens {f['max_tokens']}"
+    )
+    print("| mode | req/s (median of rounds) | latency p50 |")
+    print("|---|---|---|")
+    print(f"| one adapter | {f['one_adapter_rps']:.2f} | {f['one_adapter_p50_s'] * 1000:.0f} ms |")
+    print(f"| round robin | {f['round_robin_rps']:.2f} | {f['round_robin_p50_s'] * 1000:.0f} ms |")
+    print(
+        f"round robin / one adapter: {f['ratio']:.2f}x (target >= 0.8); failed requests: "
+        f"{f['failed']} (target 0); engine adapter loads {f['engine_loads']:.0f}, "
+        f"evictions {f['engine_evictions']:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
