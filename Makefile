@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup serve test test-unit test-integration perf bench bench-semantic eval-semantic lint clean
+.PHONY: setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ bench: setup
 
 bench-semantic: setup
 	$(PY) scripts/bench_semantic_lookup.py
+
+bench-lora: setup
+	$(PY) scripts/bench_lora.py engine
+	$(PY) scripts/bench_lora_serving.py
 
 PAIRS ?= ../shared/eval/semantic_pairs_dev.jsonl
 eval-semantic: setup

@@ -84,6 +84,20 @@ def metric(server: TritonServer, name: str) -> float:
     )
 
 
+TIMERS = (
+    "tiercache_engine_adapter_load_seconds",
+    "tiercache_engine_adapter_swap_seconds",
+    "tiercache_lora_disk_read_seconds",
+    "tiercache_llm_time_to_first_token_seconds",
+    "tiercache_llm_generation_seconds",
+)
+
+
+def timer(server: TritonServer, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram."""
+    return metric(server, f"{name}_sum"), metric(server, f"{name}_count")
+
+
 def run_mode(
     client: TierCacheClient, adapters: list[str], requests: int, concurrency: int, max_tokens: int
 ) -> tuple[float, int, list[float]]:
@@ -168,6 +182,7 @@ def measure(server: TritonServer, names: list[str], args: argparse.Namespace) ->
         run_mode(client, names[:1], args.concurrency, args.concurrency, args.max_tokens)
         loads_before = metric(server, "tiercache_engine_adapter_loads_total")
         evictions_before = metric(server, "tiercache_engine_adapter_evictions_total")
+        timers = {name: timer(server, name) for name in TIMERS}
         for round_no in range(1, args.rounds + 1):
             for mode, adapters in modes.items():
                 rate, lost, seconds = run_mode(
@@ -180,6 +195,11 @@ def measure(server: TritonServer, names: list[str], args: argparse.Namespace) ->
         time.sleep(0.6)  # the stages flush metrics every 0.25 s
         loads = metric(server, "tiercache_engine_adapter_loads_total") - loads_before
         evictions = metric(server, "tiercache_engine_adapter_evictions_total") - evictions_before
+        mean_ms = {}
+        for name, (total, count) in timers.items():
+            now_total, now_count = timer(server, name)
+            n = now_count - count
+            mean_ms[name] = 1000.0 * (now_total - total) / n if n else None
     one, rr = statistics.median(rates["one adapter"]), statistics.median(rates["round robin"])
     return {
         "adapters": len(names),
@@ -195,6 +215,7 @@ def measure(server: TritonServer, names: list[str], args: argparse.Namespace) ->
         "failed": failed,
         "engine_loads": loads,
         "engine_evictions": evictions,
+        "mean_ms": mean_ms,
     }
 
 
@@ -213,6 +234,8 @@ def report(f: dict, args: argparse.Namespace) -> None:
         f"{f['failed']} (target 0); engine adapter loads {f['engine_loads']:.0f}, "
         f"evictions {f['engine_evictions']:.0f}"
     )
+    for name, value in f["mean_ms"].items():
+        print(f"  mean {name}: " + ("-" if value is None else f"{value:.1f} ms"))
 
 
 if __name__ == "__main__":
