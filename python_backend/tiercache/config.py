@@ -121,6 +121,10 @@ class LoraCacheConfig(CacheConfig):
     """The `lora_cache` stage: where adapters live and how many stay resident in each tier."""
 
     engine_model: str = "torch_llm"  # the engine it keeps warm (BLS target of warm and list)
+    # torch_llm: adapters go out as PEFT files (LORA_CONFIG, LORA_WEIGHTS); tensorrt_llm: also
+    # as TensorRT-LLM's lora_task_id / lora_weights / lora_config (tiercache.lora.trtllm).
+    engine_kind: str = "torch_llm"
+    trtllm_dtype: str = "float16"  # the TensorRT-LLM engine's dtype (lora_weights' dtype)
     engine_slots: int = 4  # adapters loaded in the engine at once (vLLM's max_loras)
     engine_max_bytes: int = 0  # 0: bounded by engine_slots only
     host_max_adapters: int = 32  # adapters whose weights lora_cache keeps in memory

@@ -428,3 +428,30 @@ def test_bad_configuration_fails_initialize(
 ) -> None:
     with pytest.raises(ConfigError, match=fragment):
         start(**parameters)
+
+
+def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
+    start: Start, pb_utils: ModuleType, registry: AdapterRegistry
+) -> None:
+    """engine_kind tensorrt_llm: TensorRT-LLM's request tensors beside the PEFT files; the
+    version's lora_task_id on every miss, lora_weights / lora_config only on a load."""
+    from tiercache.lora.trtllm import engine_task_id
+
+    model = start(engine_slots="2", engine_kind="tensorrt_llm")
+    french = registry.resolve("french")
+    first, second = model.execute([miss(pb_utils, french), miss(pb_utils, french)])
+    for response in (first, second):
+        task = pb_utils.get_output_tensor_by_name(response, "LORA_TASK_ID").as_numpy()
+        assert task.dtype == np.uint64 and task.tolist() == [[engine_task_id(french)]]
+    weights = pb_utils.get_output_tensor_by_name(first, "LORA_TRT_WEIGHTS").as_numpy()
+    config = pb_utils.get_output_tensor_by_name(first, "LORA_TRT_CONFIG").as_numpy()
+    assert weights.dtype == np.float16 and weights.shape[:2] == (1, 60)  # q and v, 30 layers
+    assert config.dtype == np.int32 and config.shape == (1, 60, 3)
+    assert pb_utils.get_output_tensor_by_name(second, "LORA_TRT_WEIGHTS") is None
+    (base,) = model.execute([miss(pb_utils, None)])
+    assert pb_utils.get_output_tensor_by_name(base, "LORA_TASK_ID") is None
+
+
+def test_unknown_engine_kind_fails_initialize(start: Start) -> None:
+    with pytest.raises(ConfigError, match="engine_kind"):
+        start(engine_kind="vllm")

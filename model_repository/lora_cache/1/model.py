@@ -6,16 +6,25 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LoraCacheConfig
-from tiercache.errors import Unavailable
+from tiercache.errors import ConfigError, Unavailable
 from tiercache.lora.residency import LoraPlan
 from tiercache.lora.stage import open_lora_cache
+from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
 from tiercache.triton import boundary as tb
 
 OUTPUTS = ("LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT")
+ENGINE_KINDS = ("torch_llm", "tensorrt_llm")
+# TensorRT-LLM's request tensors (tiercache.lora.trtllm), sent only with engine_kind tensorrt_llm.
+TRTLLM_OUTPUTS = {
+    "lora_task_id": "LORA_TASK_ID",
+    "lora_weights": "LORA_TRT_WEIGHTS",
+    "lora_config": "LORA_TRT_CONFIG",
+}
 ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON"]
 
 
@@ -74,6 +83,15 @@ class EngineBls:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.config = config = tb.load_config(LoraCacheConfig, args)[0]
+        if config.engine_kind not in ENGINE_KINDS:
+            raise ConfigError(
+                f"engine_kind must be one of {', '.join(ENGINE_KINDS)}, got {config.engine_kind!r}"
+            )
+        self.trtllm = (
+            TrtllmLoraConverter(dtype=config.trtllm_dtype)
+            if config.engine_kind == "tensorrt_llm"
+            else None
+        )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
             tier: m.counter(
@@ -146,8 +164,7 @@ class TritonPythonModel:
             self.requests["none"].increment(1)
         return self._respond(plan)
 
-    @staticmethod
-    def _respond(plan: LoraPlan | None, admin_result: str = "") -> Any:
+    def _respond(self, plan: LoraPlan | None, admin_result: str = "") -> Any:
         values: tuple[str | bytes, ...]
         if plan is None:
             values = ("", "", b"", "", "", admin_result)
@@ -161,9 +178,16 @@ class TritonPythonModel:
                 plan.tier,
                 admin_result,
             )
-        return pb_utils.InferenceResponse(
-            [tb.bytes_tensor(name, [value]) for name, value in zip(OUTPUTS, values, strict=True)]
-        )
+        tensors = [
+            tb.bytes_tensor(name, [value]) for name, value in zip(OUTPUTS, values, strict=True)
+        ]
+        if self.trtllm is not None and plan is not None:
+            # The task id always; the weights only when the engine lacks this version.
+            trt = self.trtllm.request_lora(plan.ref, plan.weights).tensors()
+            tensors += [
+                pb_utils.Tensor(TRTLLM_OUTPUTS[k], np.ascontiguousarray(v)) for k, v in trt.items()
+            ]
+        return pb_utils.InferenceResponse(tensors)
 
     def finalize(self) -> None:
         self.metrics.close()
