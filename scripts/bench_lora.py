@@ -12,6 +12,10 @@ measures, in one process and one run, on the committed rank-8 adapters (adapters
 - cold load: read adapter_config.json and adapter_model.safetensors from disk (and hash them, as
   the registry does), then `EngineAdapters.load`; evicted again after each round (`--rounds`);
 - load from host bytes: `EngineAdapters.load` of weights already in memory (what lora_cache sends);
+- each of the two loads both ways (tiercache.engine.adapters): "recycled", into the free slot the
+  previous round's evict left (same shapes: the weights are copied in place), which is what a
+  serving engine with its slots all injected does; and "injected", with the free slots deleted
+  from the model before each round (untimed), so the load injects a new peft adapter;
 - swap: `activate(A)` then `activate(B)` with both resident, each call timed (`--swaps`); and, to
   pin the cached-layer trick in tiercache.engine.adapters, the same switch done by walking every
   module of the model (as transformers' `model.set_adapter` does);
@@ -145,7 +149,6 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from tiercache.engine.adapters import peft_adapter_name
     from tiercache.engine.model_source import resolve_model
     from tiercache.engine.torch_engine import TorchEngine
 
@@ -157,12 +160,21 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
 
     adapters.load(a)  # warm-up: peft's first injection also wraps the target layers
     adapters.evict(a.ref.digest)
-    cold, host = [], []
-    for _ in range(args.rounds):
-        cold.append(timed_ms(lambda: adapters.load(read_adapter(name_a, 1))))
-        adapters.evict(a.ref.digest)
-        host.append(timed_ms(lambda: adapters.load(a)))
-        adapters.evict(a.ref.digest)
+    loads: dict[str, list[float]] = {}
+    for way in ("recycled", "injected"):
+        cold, host = loads.setdefault(f"cold {way}", []), loads.setdefault(f"host {way}", [])
+        for _ in range(args.rounds):
+            for samples, load in (
+                (cold, lambda: adapters.load(read_adapter(name_a, 1))),
+                (host, lambda: adapters.load(a)),
+            ):
+                if way == "injected":
+                    adapters.remove_free_slots()
+                recycled = adapters.stats().recycled_loads
+                samples.append(timed_ms(load))
+                if (adapters.stats().recycled_loads > recycled) != (way == "recycled"):
+                    raise RuntimeError(f"a load meant to be {way} was not")
+                adapters.evict(a.ref.digest)
 
     adapters.load(a)
     adapters.load(b)
@@ -171,7 +183,10 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
         swaps.append(timed_ms(lambda: adapters.activate(a.ref)))
         swaps.append(timed_ms(lambda: adapters.activate(b.ref)))
     layers = [m for m in engine.model.modules() if isinstance(m, BaseTunerLayer)]
-    names = [peft_adapter_name(a.ref)], [peft_adapter_name(b.ref)]
+    names = []
+    for ref in (a.ref, b.ref):  # the peft names of their slots
+        adapters.activate(ref)
+        names.append(list(layers[0].active_adapters))
 
     def walk(index: int) -> None:
         for module in engine.model.modules():
@@ -191,8 +206,10 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
 
     print(f"{len(layers)} LoRA layers, torch threads {args.threads}", file=sys.stderr)
     return [
-        Row("cold load (read files + load)", tuple(cold), COLD_LOAD_TARGET_MS),
-        Row("load from host bytes", tuple(host)),
+        Row("cold load, recycled slot", tuple(loads["cold recycled"]), COLD_LOAD_TARGET_MS),
+        Row("cold load, injected", tuple(loads["cold injected"]), COLD_LOAD_TARGET_MS),
+        Row("load from host bytes, recycled slot", tuple(loads["host recycled"])),
+        Row("load from host bytes, injected", tuple(loads["host injected"])),
         Row("swap A<->B (cached layer list)", tuple(swaps), SWAP_TARGET_MS),
         Row("swap A<->B (walk all modules)", tuple(walks)),
         Row("decode step, base model", tuple(base_steps)),

@@ -2,8 +2,9 @@
 
 One TorchEngine is loaded for the module, plus a second copy of the base model wrapped in a plain
 peft `PeftModel` holding the same adapters: the reference. Each test leaves the engine holding no
-adapter. Runs on one CPU thread, like tests/unit/test_adapters.py (same state directory rule:
-$TIERCACHE_STATE_DIR, else the repository's `.tiercache/`).
+adapter and no slot (free slots are deleted), so each test's first load injects afresh. Runs on
+one CPU thread, like tests/unit/test_adapters.py (same state directory rule: $TIERCACHE_STATE_DIR,
+else the repository's `.tiercache/`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402 - after HF_HUB_OFFLINE
 
-from tiercache.engine.adapters import AdapterOrder, EngineAdapters, peft_adapter_name  # noqa: E402
+from tiercache.engine import adapters as engine_adapters  # noqa: E402
+from tiercache.engine.adapters import AdapterOrder, EngineAdapters  # noqa: E402
 from tiercache.errors import InvalidRequest, NotFound  # noqa: E402
 from tiercache.lora.types import NOT_IN_ENGINE_MARK, AdapterRef, AdapterWeights  # noqa: E402
 from tiercache.request import GenerationRequest  # noqa: E402
@@ -43,6 +45,26 @@ def adapter_weights(style: str, task_id: int = 0, digest: str = "") -> AdapterWe
     digest = digest or hashlib.sha256(config.encode() + weights).hexdigest()
     task_id = task_id or STYLES.index(style) + 1
     return AdapterWeights(AdapterRef(style, task_id, digest), config, weights)
+
+
+def variant(style: str, digest: str, **changes: Any) -> AdapterWeights:
+    """The committed adapter with config fields changed, as another version (task 20)."""
+    weights = adapter_weights(style, 20, digest)
+    config = json.loads(weights.config_json)
+    config.update(changes)
+    return replace(weights, config_json=json.dumps(config))
+
+
+def slot_names(model: torch.nn.Module) -> set[str]:
+    """The peft adapters injected in the model, whatever they hold."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {
+        name
+        for module in model.modules()
+        if isinstance(module, BaseTunerLayer)
+        for name in getattr(module, "lora_A", {})
+    }
 
 
 @dataclass
@@ -127,7 +149,34 @@ def adapters(bench: Bench) -> Iterator[EngineAdapters]:
     for entry in bench.adapters.resident():
         bench.adapters.evict(entry["digest"])
     bench.adapters.activate(None)
+    bench.adapters.remove_free_slots()
+    assert slot_names(bench.engine.model) == set()
     assert sum(p.numel() for p in bench.engine.model.parameters()) == bench.base_params
+
+
+@pytest.fixture(scope="module")
+def rank4(bench: Bench) -> AdapterWeights:
+    """A rank-4 adapter on q_proj and k_proj (the committed ones: rank 8, q_proj and v_proj),
+    with dropout, built with peft on the reference model (where set_adapter("rank4") runs it)."""
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save
+
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj"],
+        lora_dropout=0.1,
+        init_lora_weights=False,  # random A and B: the adapter changes the logits
+    )
+    torch.manual_seed(0)
+    bench.reference.add_adapter("rank4", config)
+    bench.reference.eval()  # peft builds the new dropout modules in training mode
+    tensors = get_peft_model_state_dict(bench.reference, adapter_name="rank4")
+    config_json = json.dumps(
+        config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
+    )
+    contiguous = {k: t.contiguous() for k, t in tensors.items()}
+    return AdapterWeights(AdapterRef("rank4", 40, "rank4-v1"), config_json, save(contiguous))
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -199,20 +248,160 @@ def test_a_load_into_full_slots_evicts_the_least_recently_used(
     assert adapters.stats().loads == stats.loads
 
 
-def test_evict_frees_the_adapter(bench: Bench, adapters: EngineAdapters) -> None:
+def test_evict_frees_the_adapter_and_keeps_its_slot_for_the_next_load(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
     weights = adapter_weights("caps")
     adapters.load(weights)
     adapters.activate(weights.ref)
-    name = peft_adapter_name(weights.ref)
-    assert any(name in n for n, _ in bench.engine.model.named_parameters())
+    assert slot_names(bench.engine.model) == {"slot0"}
     assert adapters.evict(weights.ref.digest)
     assert not adapters.evict(weights.ref.digest)
     assert not adapters.holds(weights.ref) and adapters.resident() == []
-    assert not any(name in n for n, _ in bench.engine.model.named_parameters())
-    assert sum(p.numel() for p in bench.engine.model.parameters()) == bench.base_params
     stats = adapters.stats()
     assert (stats.active, stats.resident, stats.resident_bytes) == (None, 0, 0)
     assert torch.equal(bench.logits(), bench.base_logits)  # evicting the active one: base
+    assert stats.injected_slots == 1 and slot_names(bench.engine.model) == {"slot0"}  # free
+    assert adapters.remove_free_slots() == 1
+    assert slot_names(bench.engine.model) == set() and adapters.stats().injected_slots == 0
+    assert sum(p.numel() for p in bench.engine.model.parameters()) == bench.base_params
+
+
+def test_a_recycled_slot_computes_what_a_fresh_injection_and_peft_compute(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    french, caps = adapter_weights("french"), adapter_weights("caps")
+    adapters.load(french)  # injected: the first slot
+    adapters.activate(french.ref)
+    fresh = bench.logits()
+    adapters.evict(french.ref.digest)
+    recycled = adapters.stats().recycled_loads
+    adapters.load(caps)  # same shapes: copied into the free slot
+    adapters.activate(caps.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("caps"), rtol=0, atol=1e-6)
+    assert bench.text(caps.ref) == bench.reference_text("caps")
+    adapters.evict(caps.ref.digest)
+    adapters.load(french)
+    adapters.activate(french.ref)
+    assert torch.equal(bench.logits(), fresh)
+    torch.testing.assert_close(fresh, bench.reference_logits("french"), rtol=0, atol=1e-6)
+    stats = adapters.stats()
+    assert (stats.recycled_loads, stats.injected_slots) == (recycled + 2, 1)
+    assert slot_names(bench.engine.model) == {"slot0"}
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+
+
+def test_a_recycled_slot_takes_the_new_adapters_lora_alpha(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    louder = variant("french", "alpha32", lora_alpha=32)  # scaling 4 instead of 2
+    adapters.load(louder)  # injected
+    adapters.activate(louder.ref)
+    fresh = bench.logits()
+    adapters.evict(louder.ref.digest)
+    french = adapter_weights("french")
+    adapters.load(french)  # recycled, back to scaling 2
+    adapters.activate(french.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("french"), rtol=0, atol=1e-6)
+    adapters.evict(french.ref.digest)
+    adapters.load(louder)  # recycled, scaling 4
+    adapters.activate(louder.ref)
+    assert torch.equal(bench.logits(), fresh)
+    assert adapters.stats().injected_slots == 1
+
+
+def test_loads_into_a_full_set_recycle_and_never_inject_more_than_max_slots(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    adapters.max_slots = 2
+    before = adapters.stats()
+    versions = [adapter_weights(s, 10 + i, f"v{i}") for i, s in enumerate(STYLES * 2)]
+    for weights in versions:
+        adapters.load(weights)
+        adapters.activate(weights.ref)
+        assert len(slot_names(bench.engine.model)) <= 2
+    stats = adapters.stats()
+    assert stats.loads - before.loads == 6
+    assert stats.recycled_loads - before.recycled_loads == 4  # all but the first two
+    assert stats.lru_evictions - before.lru_evictions == 4
+    assert [e["digest"] for e in adapters.resident()] == ["v4", "v5"]
+    assert (stats.injected_slots, stats.active) == (2, versions[-1].ref)
+    torch.testing.assert_close(
+        bench.logits(), bench.reference_logits(STYLES[-1]), rtol=0, atol=1e-6
+    )
+
+
+def test_an_adapter_of_another_shape_replaces_a_free_slot_by_injection(
+    bench: Bench, adapters: EngineAdapters, rank4: AdapterWeights
+) -> None:
+    adapters.max_slots = 1
+    french = adapter_weights("french")
+    adapters.load(french)
+    adapters.evict(french.ref.digest)  # a free rank-8 q/v slot
+    before = adapters.stats()
+    adapters.load(rank4)  # no slot of its shape: the free one is deleted, a new one injected
+    stats = adapters.stats()
+    assert (stats.recycled_loads, stats.injected_slots) == (before.recycled_loads, 1)
+    assert len(slot_names(bench.engine.model)) == 1
+    adapters.activate(rank4.ref)
+    logits = bench.logits()
+    assert torch.equal(bench.logits(), logits)  # its dropout is the identity in eval mode
+    torch.testing.assert_close(logits, bench.reference_logits("rank4"), rtol=0, atol=1e-6)
+    adapters.evict(rank4.ref.digest)
+    again = replace(rank4, ref=AdapterRef("rank4", 41, "rank4-v2"))
+    adapters.load(again)  # now a slot of its shape is free: recycled
+    assert adapters.stats().recycled_loads == before.recycled_loads + 1
+    adapters.activate(again.ref)
+    assert torch.equal(bench.logits(), logits)
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+
+
+def test_a_failed_load_into_a_free_slot_leaves_it_free_and_the_others_serving(
+    bench: Bench, adapters: EngineAdapters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load, save
+
+    french, caps, brief = (adapter_weights(s) for s in STYLES)
+    adapters.load(french)
+    adapters.load(caps)
+    adapters.activate(caps.ref)
+    caps_logits = bench.logits()
+    adapters.evict(french.ref.digest)  # its slot is free, of the committed adapters' shape
+    before = adapters.stats()
+
+    tensors = load(french.weights)
+    key = next(iter(tensors))
+    tensors[key] = tensors[key][:-1].contiguous()  # one rank row short: another signature
+    corrupt = AdapterWeights(AdapterRef("bad", 30, "bad"), french.config_json, save(tensors))
+    with pytest.raises(InvalidRequest, match="does not fit the model"):
+        adapters.load(corrupt)
+
+    def copy_half_then_fail(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for param, tensor in pairs[: len(pairs) // 2]:
+                param.copy_(tensor)
+        raise RuntimeError("copy failed half-way")
+
+    monkeypatch.setattr(engine_adapters, "_copy_weights", copy_half_then_fail)
+    with pytest.raises(RuntimeError, match="copy failed half-way"):
+        adapters.load(brief)
+    monkeypatch.undo()
+
+    stats = adapters.stats()
+    assert stats.load_failures == before.load_failures + 2
+    assert stats.recycled_loads == before.recycled_loads  # neither load is counted
+    assert not adapters.holds(corrupt.ref) and not adapters.holds(brief.ref)
+    assert [e["name"] for e in adapters.resident()] == ["caps"]
+    assert stats.injected_slots == 2 and len(slot_names(bench.engine.model)) == 2
+    assert torch.equal(bench.logits(), caps_logits)  # the active adapter, as it was
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+    adapters.load(brief)  # into the half-copied free slot: every tensor is copied again
+    assert adapters.stats().recycled_loads == before.recycled_loads + 1
+    adapters.activate(brief.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("brief"), rtol=0, atol=1e-6)
 
 
 def test_a_request_for_an_adapter_not_held_fails_before_generating(
@@ -259,8 +448,7 @@ def test_a_bad_adapter_is_rejected_and_the_model_keeps_serving(
     assert not adapters.holds(weights.ref)
     assert [e["name"] for e in adapters.resident()] == ["caps"]
     assert torch.equal(bench.logits(), good_logits)  # still the good adapter, as it was
-    name = peft_adapter_name(weights.ref)
-    assert not any(name in n for n, _ in bench.engine.model.named_parameters())
+    assert slot_names(bench.engine.model) == {"slot0"}  # the failed injection was removed
     adapters.activate(None)
     assert torch.equal(bench.logits(), bench.base_logits)
 
