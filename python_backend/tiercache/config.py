@@ -112,8 +112,16 @@ class EmbedderConfig:
 @dataclass(frozen=True, slots=True)
 class LlmConfig(SemanticConfig):
     engine_model: str = "torch_llm"  # the Triton model that generates (BLS target)
+    # torch_llm: canonical request JSON in, text out; tensorrt_llm: Triton's TensorRT-LLM backend
+    # model, token ids in and out (tiercache.engine.trtllm_client).
+    engine_kind: str = "torch_llm"
     lora_model: str = "lora_cache"  # asked again for adapter weights the engine lost (BLS)
     max_concurrency: int = 64  # worker threads: generations plus waiting followers
+    # engine_kind tensorrt_llm only: the engine's tokenizer folder (required), and the limits it
+    # was built with (trtllm-build --max_input_len / --max_seq_len; 0: not checked here).
+    tokenizer_dir: str = ""
+    trtllm_max_input_len: int = 0
+    trtllm_max_seq_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,18 +1,28 @@
 """Triton model `llm` (decoupled): hits stream at once; misses go to tiercache.llm_stage, which
-calls the engine model through BLS."""
+calls the engine model through BLS: `torch_llm` (engine_kind torch_llm, the default) or Triton's
+TensorRT-LLM backend model (engine_kind tensorrt_llm, tiercache.engine.trtllm_client)."""
 
 from __future__ import annotations
 
 import json
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
 from tiercache.engine.events import StreamEvent
-from tiercache.errors import Unavailable
+from tiercache.engine.trtllm_client import (
+    REQUESTED_OUTPUTS,
+    EngineLimits,
+    KvCacheReuse,
+    TrtllmClient,
+    load_tokenizer,
+    request_lora_from_arrays,
+)
+from tiercache.errors import ConfigError, Unavailable
 from tiercache.keys import Digest
 from tiercache.llm_stage import GenerationRecord, LlmStage
 from tiercache.lora.engine_call import NO_LORA, EngineLora, generate_with_adapter
@@ -24,6 +34,10 @@ from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON", "GENERATED_TOKENS", "PROMPT_TOKENS"]
+ENGINE_KINDS = ("torch_llm", "tensorrt_llm")
+# lora_cache's TensorRT-LLM tensors (engine_kind tensorrt_llm): on the ensemble path and on the
+# `weights` admin call of the retry.
+TRT_LORA = ("LORA_TASK_ID", "LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
 
 
 def lora_from_response(response: object) -> EngineLora:
@@ -64,6 +78,22 @@ class _Responder:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.config, _ = tb.load_config(LlmConfig, args)
+        if self.config.engine_kind not in ENGINE_KINDS:
+            raise ConfigError(
+                f"engine_kind must be one of {', '.join(ENGINE_KINDS)}, "
+                f"got {self.config.engine_kind!r}"
+            )
+        self.trtllm: TrtllmClient | None = None
+        if self.config.engine_kind == "tensorrt_llm":
+            if not self.config.tokenizer_dir:
+                raise ConfigError("engine_kind tensorrt_llm needs tokenizer_dir (the engine's)")
+            self.trtllm = TrtllmClient(
+                load_tokenizer(self.config.tokenizer_dir),
+                limits=EngineLimits(
+                    self.config.trtllm_max_input_len, self.config.trtllm_max_seq_len
+                ),
+            )
+        self.engine = self._generate_trtllm if self.trtllm is not None else self._generate
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
             s: m.counter("tiercache_llm_requests_total", "Responses by cache status", status=s)
@@ -84,10 +114,19 @@ class TritonPythonModel:
             "tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss"
         )
         self.duration_s = m.histogram("tiercache_llm_generation_seconds", "Engine time per miss")
+        if self.trtllm is not None:
+            self.kv_reused_blocks = m.counter(
+                "tiercache_trtllm_kv_cache_reused_blocks_total",
+                "KV-cache blocks TensorRT-LLM reused from earlier requests (prefix reuse)",
+            )
+            self.kv_total_blocks = m.counter(
+                "tiercache_trtllm_kv_cache_blocks_total",
+                "KV-cache blocks TensorRT-LLM's requests used in all, reused or new",
+            )
         self.semantic = SemanticStore(self.config.semantic_path(), self.config.semantic_max_bytes)
         self.stage = LlmStage(
             open_tiered_cache(self.config, with_l1=False),
-            self._generate,
+            self.engine,
             max_workers=self.config.max_concurrency,
             on_generation=self._record,
             on_follow=lambda: self.coalesced.increment(1),
@@ -124,30 +163,77 @@ class TritonPythonModel:
                 prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
             )
 
+    def _generate_trtllm(
+        self, request: GenerationRequest, lora: EngineLora = NO_LORA
+    ) -> Iterator[StreamEvent]:
+        """One generation on Triton's TensorRT-LLM backend model, over BLS. An answer that ends
+        early (a stop word) cancels the rest of the engine's stream."""
+        trtllm = self.trtllm
+        if trtllm is None:
+            raise RuntimeError("_generate_trtllm without a TensorRT-LLM client")
+        call = trtllm.request(request, lora.trtllm)
+        infer = pb_utils.InferenceRequest(
+            model_name=self.config.engine_model,
+            inputs=[pb_utils.Tensor(name, array) for name, array in call.tensors.items()],
+            requested_output_names=list(REQUESTED_OUTPUTS),
+        )
+        responses = infer.exec(decoupled=True)
+        try:
+            yield from trtllm.events(request, call, self._outputs(responses), self._record_kv)
+        finally:
+            cancel = getattr(responses, "cancel", None)  # python_backend >= 25.05
+            if cancel is not None:
+                cancel()  # a no-op once the stream has ended
+
+    def _outputs(self, responses: Iterator[Any]) -> Iterator[dict[str, np.ndarray]]:
+        for response in responses:
+            if response.has_error():
+                raise Unavailable(
+                    f"engine {self.config.engine_model}: {response.error().message()}"
+                )
+            yield {t.name(): t.as_numpy() for t in response.output_tensors()}
+
+    def _record_kv(self, reuse: KvCacheReuse) -> None:
+        self.kv_reused_blocks.increment(reuse.reused_blocks)
+        self.kv_total_blocks.increment(reuse.total_blocks)
+
     def _fetch_weights(self, ref: AdapterRef) -> EngineLora:
         """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""
         admin = json.dumps({"op": "weights", "lora": json.loads(ref.to_json())})
+        wanted = list(TRT_LORA) if self.trtllm else ["LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT"]
         infer = pb_utils.InferenceRequest(
             model_name=self.config.lora_model,
             inputs=[tb.bytes_tensor("ADMIN", [admin])],
-            requested_output_names=["LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT"],
+            requested_output_names=wanted,
         )
         response = infer.exec()
         if response.has_error():
             raise Unavailable(f"{self.config.lora_model}: {response.error().message()}")
-        return lora_from_response(response)
+        if self.trtllm is None:
+            return lora_from_response(response)
+        trt = request_lora_from_arrays(*(_output_array(response, name) for name in TRT_LORA))
+        if trt is None or trt.lora is None:
+            raise Unavailable(
+                f"{self.config.lora_model} sent no TensorRT-LLM weights for {ref.short} "
+                "(is its engine_kind tensorrt_llm?)"
+            )
+        return EngineLora(trtllm=trt)
 
     def _engine_call(
         self, inputs: tb.Inputs
     ) -> Callable[[GenerationRequest], Iterator[StreamEvent]]:
         """This request's engine call: with what lora_cache sent, retried once on a lost adapter."""
-        lora = EngineLora(
-            config_json=inputs.string("LORA_CONFIG") or "",
-            weights=inputs.blob("LORA_WEIGHTS") or b"",
-            evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
-        )
+        if self.trtllm is not None:
+            trt = request_lora_from_arrays(*(inputs.vector(name) for name in TRT_LORA))
+            lora = EngineLora(trtllm=trt)
+        else:
+            lora = EngineLora(
+                config_json=inputs.string("LORA_CONFIG") or "",
+                weights=inputs.blob("LORA_WEIGHTS") or b"",
+                evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
+            )
         return lambda request: generate_with_adapter(
-            self._generate, self._fetch_weights, request, lora
+            self.engine, self._fetch_weights, request, lora
         )
 
     def _index_writer(
@@ -215,3 +301,8 @@ class TritonPythonModel:
         self.stage.close()
         self.semantic.close()
         self.metrics.close()
+
+
+def _output_array(response: object, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return None if tensor is None else tensor.as_numpy()

@@ -14,21 +14,25 @@ from dataclasses import dataclass
 
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError
+from tiercache.lora.trtllm import TrtllmRequestLora
 from tiercache.lora.types import NOT_IN_ENGINE_MARK, AdapterRef
 from tiercache.request import GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
 class EngineLora:
-    """What goes to the engine with one request besides the request itself."""
+    """What goes to the engine with one request besides the request itself: PEFT files for
+    torch_llm, TensorRT-LLM's tensors for tensorrt_llm (which evicts by itself)."""
 
     config_json: str = ""  # adapter_config.json, only when the engine must load the adapter
     weights: bytes = b""  # adapter_model.safetensors, idem
     evict: tuple[str, ...] = ()  # digests the engine drops first, to make room
+    trtllm: TrtllmRequestLora | None = None  # lora_task_id, and lora_weights/lora_config to load
 
     @property
     def loads(self) -> bool:
-        return bool(self.weights)
+        """Whether the adapter's weights travel with this call (then there is no retry)."""
+        return bool(self.weights) or (self.trtllm is not None and self.trtllm.lora is not None)
 
 
 NO_LORA = EngineLora()

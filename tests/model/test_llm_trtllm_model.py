@@ -1,0 +1,357 @@
+"""model_repository/llm/1/model.py with engine_kind tensorrt_llm, against the pb_utils stand-in:
+a fake `tensorrt_llm` model behind BLS that answers like TensorRT-LLM's backend (token ids,
+streamed; "LoRA task N not found in cache" for an adapter it does not hold) and a fake
+`lora_cache` that answers the `weights` admin call with TensorRT-LLM tensors. The tokenizer is a
+byte-level fake; the detokenizer is the CPU engine's real one."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.errors import ConfigError
+from tiercache.lora.trtllm import engine_task_id
+from tiercache.lora.types import AdapterRef
+from tiercache.request import GenerationRequest
+
+WAIT_S = 30
+REF = AdapterRef("french", 3, "ab" * 32)
+TASK_ID = engine_task_id(REF)
+SPECIAL = 4  # ids 0-3 are special; 2 is <|im_end|>
+
+
+class ByteTokenizer:
+    eos_token_id = 2
+    unk_token_id = 0
+    pad_token_id = 2
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 2 if token == "<|im_end|>" else 0
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> dict[str, list[int]]:
+        return {"input_ids": [1, *self.encode(messages[0]["content"]), 2]}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [SPECIAL + b for b in text.encode()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - SPECIAL for i in ids if i >= SPECIAL).decode("utf-8", errors="replace")
+
+
+class FakeTensorrtLlm:
+    """The backend's side: answers `answer` in chunks of 3 tokens, then <|im_end|>; holds LoRA
+    task ids it was sent weights for."""
+
+    def __init__(self, pb_utils: ModuleType, answer: str = "Bonjour") -> None:
+        self.pb = pb_utils
+        self.answer = answer
+        self.held: set[int] = set()
+        self.calls: list[dict[str, np.ndarray]] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        pb = self.pb
+        assert request.kwargs["model_name"] == "tensorrt_llm"
+        assert {"output_ids", "sequence_length"} <= set(request.kwargs["requested_output_names"])
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        self.calls.append(inputs)
+        assert all(a.shape[0] == 1 for a in inputs.values()), "one request, batch dimension 1"
+        if "lora_task_id" in inputs:
+            task = int(inputs["lora_task_id"][0, 0])
+            if "lora_weights" in inputs:
+                self.held.add(task)
+            elif task not in self.held:
+                message = (
+                    f"LoRA task {task} not found in cache. Please send LoRA weights with request"
+                )
+                return [pb.InferenceResponse([], pb.TritonError(message))]
+        tokens = ByteTokenizer().encode(self.answer) + [2]
+        responses = []
+        for start in range(0, len(tokens), 3):
+            chunk = tokens[start : start + 3]
+            outputs = [
+                pb.Tensor("output_ids", np.array([[chunk]], dtype=np.int32)),
+                pb.Tensor("sequence_length", np.array([[len(chunk)]], dtype=np.int32)),
+            ]
+            if start + 3 >= len(tokens):
+                for name, value in (
+                    ("kv_cache_reused_blocks", 2),
+                    ("kv_cache_alloc_new_blocks", 1),
+                    ("kv_cache_alloc_total_blocks", 3),
+                ):
+                    outputs.append(pb.Tensor(name, np.array([[value]], dtype=np.int32)))
+            responses.append(pb.InferenceResponse(outputs))
+        return responses
+
+
+class FakeLoraCache:
+    """lora_cache's `weights` admin op with engine_kind tensorrt_llm."""
+
+    def __init__(self, pb_utils: ModuleType) -> None:
+        self.pb = pb_utils
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        pb = self.pb
+        admin = json.loads(request.inputs()[0].as_numpy().reshape(-1)[0])
+        self.calls.append(admin)
+        assert admin["op"] == "weights" and admin["lora"]["name"] == "french"
+        return [
+            pb.InferenceResponse(
+                [
+                    pb.Tensor("LORA_TASK_ID", np.array([[TASK_ID]], dtype=np.uint64)),
+                    pb.Tensor("LORA_TRT_WEIGHTS", np.ones((1, 2, 8), dtype=np.float16)),
+                    pb.Tensor("LORA_TRT_CONFIG", np.array([[[1, 0, 2], [3, 0, 2]]], np.int32)),
+                ]
+            )
+        ]
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.responses: list[Any] = []
+        self.done = threading.Event()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.responses.append(response)
+        if flags:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def params(tmp_path: Path, **extra: str) -> dict[str, dict[str, str]]:
+    values = {
+        "state_dir": str(tmp_path),
+        "engine_kind": "tensorrt_llm",
+        "engine_model": "tensorrt_llm",
+        "tokenizer_dir": str(tmp_path),
+        **extra,
+    }
+    return {k: {"string_value": v} for k, v in values.items()}
+
+
+@pytest.fixture
+def llm_module(load_model: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> Any:
+    module = load_model("llm")
+    monkeypatch.setattr(module, "load_tokenizer", lambda path: ByteTokenizer())
+    return module
+
+
+@pytest.fixture
+def engine(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeTensorrtLlm:
+    fake = FakeTensorrtLlm(pb_utils)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "tensorrt_llm", fake)
+    return fake
+
+
+@pytest.fixture
+def lora_cache(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeLoraCache:
+    fake = FakeLoraCache(pb_utils)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", fake)
+    return fake
+
+
+@pytest.fixture
+def model(llm_module: Any, tmp_path: Path) -> Iterator[Any]:
+    instance = llm_module.TritonPythonModel()
+    config = json.dumps({"parameters": params(tmp_path)})
+    instance.initialize({"model_config": config, "model_name": "llm"})
+    yield instance
+    instance.finalize()
+
+
+def call(pb_utils: ModuleType, model: Any, request: GenerationRequest, **extra: Any) -> list[Any]:
+    """One miss through execute(); every response once the final one arrived."""
+
+    def text(name: str, value: str) -> Any:
+        return pb_utils.Tensor(name, np.array([[value.encode()]], dtype=np.object_))
+
+    tensors = [
+        text("REQUEST", request.to_json()),
+        text("DIGEST", ""),
+        text("CACHED_TEXT", ""),
+        text("LOOKUP_STATUS", "bypass"),
+        pb_utils.Tensor("WRITE_BACK", np.array([[False]])),
+        text("SCOPE", ""),
+        pb_utils.Tensor("SIMILARITY", np.array([[0.0]], dtype=np.float32)),
+        pb_utils.Tensor("EMBEDDING", np.zeros((1, 0), dtype=np.float32)),
+    ]
+    tensors += [pb_utils.Tensor(name, value) for name, value in extra.items()]
+    sender = Sender()
+    infer = pb_utils.InferenceRequest(tensors)
+    infer.get_response_sender = lambda: sender
+    model.execute([infer])
+    assert sender.done.wait(WAIT_S), "no final response"
+    return sender.responses
+
+
+def answer(pb_utils: ModuleType, responses: list[Any]) -> tuple[str, str]:
+    """(the text of every response, the final CACHE_STATUS); fails on an error response."""
+    parts, status = [], ""
+    for response in responses:
+        assert not response.has_error(), response.error().message()
+        for tensor in response.output_tensors():
+            value = tensor.as_numpy().reshape(-1)[0].decode()
+            if tensor.name() == "TEXT_OUTPUT":
+                parts.append(value)
+            elif tensor.name() == "CACHE_STATUS":
+                status = value
+    return "".join(parts), status
+
+
+def on_french(**kwargs: Any) -> GenerationRequest:
+    return GenerationRequest(
+        "Hi", lora_name=REF.name, lora_task_id=REF.task_id, lora_digest=REF.digest, **kwargs
+    )
+
+
+def metric(pb_utils: ModuleType, model: Any, name: str) -> float:
+    model.metrics.flush()
+    family = model.metrics._families[name]
+    return sum(m.value() for m in family.metrics)
+
+
+def test_base_request_generates_through_tensorrt_llm(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm
+) -> None:
+    responses = call(pb_utils, model, GenerationRequest("Hi", max_tokens=20, stream=True))
+    assert answer(pb_utils, responses) == ("Bonjour", "bypass")
+    assert len(responses) > 2, "streamed in several chunks"
+    sent = engine.calls[0]
+    assert sent["input_ids"].tolist() == [[1, *ByteTokenizer().encode("Hi"), 2]]
+    assert int(sent["request_output_len"][0, 0]) == 20 and bool(sent["streaming"][0, 0])
+    assert "lora_task_id" not in sent
+    assert metric(pb_utils, model, "tiercache_trtllm_kv_cache_reused_blocks_total") == 2
+    assert metric(pb_utils, model, "tiercache_trtllm_kv_cache_blocks_total") == 3
+
+
+def test_held_adapter_is_sent_by_task_id_alone(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+) -> None:
+    engine.held.add(TASK_ID)
+    task = np.array([[TASK_ID]], dtype=np.uint64)
+    responses = call(pb_utils, model, on_french(), LORA_TASK_ID=task)
+    assert answer(pb_utils, responses) == ("Bonjour", "bypass")
+    assert len(engine.calls) == 1 and lora_cache.calls == []
+    assert int(engine.calls[0]["lora_task_id"][0, 0]) == TASK_ID
+    assert "lora_weights" not in engine.calls[0]
+
+
+def test_weights_from_lora_cache_go_to_the_engine(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+) -> None:
+    responses = call(
+        pb_utils,
+        model,
+        on_french(),
+        LORA_TASK_ID=np.array([[TASK_ID]], dtype=np.uint64),
+        LORA_TRT_WEIGHTS=np.ones((1, 2, 8), dtype=np.float16),
+        LORA_TRT_CONFIG=np.array([[[1, 0, 2], [3, 0, 2]]], dtype=np.int32),
+    )
+    assert answer(pb_utils, responses)[0] == "Bonjour"
+    sent = engine.calls[0]
+    assert sent["lora_weights"].shape == (1, 2, 8) and sent["lora_config"].shape == (1, 2, 3)
+    assert lora_cache.calls == []
+
+
+def test_adapter_the_engine_lost_is_fetched_and_retried_once(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+) -> None:
+    """lora_cache's mirror said the engine holds it (no weights sent); TensorRT-LLM answers "not
+    found in cache"; llm asks lora_cache for the weights and sends the request again."""
+    responses = call(pb_utils, model, on_french(), LORA_TASK_ID=np.array([[TASK_ID]], np.uint64))
+    assert answer(pb_utils, responses) == ("Bonjour", "bypass")
+    assert len(engine.calls) == 2 and len(lora_cache.calls) == 1
+    assert lora_cache.calls[0]["lora"] == json.loads(REF.to_json())
+    assert "lora_weights" not in engine.calls[0] and "lora_weights" in engine.calls[1]
+    assert engine.held == {TASK_ID}
+
+
+def test_request_without_lora_inputs_still_names_its_adapter_version(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+) -> None:
+    """The task id follows from the request itself; the engine's "not found" then brings the
+    weights, as for a lost adapter."""
+    responses = call(pb_utils, model, on_french())
+    assert answer(pb_utils, responses)[0] == "Bonjour"
+    assert int(engine.calls[0]["lora_task_id"][0, 0]) == TASK_ID
+    assert len(engine.calls) == 2
+
+
+def test_stop_word_cancels_the_rest_of_the_engines_stream(
+    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cancelled: list[bool] = []
+
+    class Stream:
+        """A response iterator with python_backend's cancel()."""
+
+        def __init__(self, responses: list[Any]) -> None:
+            self.items = iter(responses)
+
+        def __iter__(self) -> Stream:
+            return self
+
+        def __next__(self) -> Any:
+            return next(self.items)
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    original = pb_utils.InferenceRequest.exec
+    monkeypatch.setattr(
+        pb_utils.InferenceRequest,
+        "exec",
+        lambda self, decoupled=False: Stream(list(original(self, decoupled=True))),
+    )
+    responses = call(pb_utils, model, GenerationRequest("Hi", max_tokens=20, stop_words=("jo",)))
+    assert answer(pb_utils, responses) == ("Bon", "bypass")
+    assert cancelled == [True]
+
+
+def test_engine_error_reaches_the_client_as_its_own_error(
+    pb_utils: ModuleType, model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(request: Any) -> list[Any]:
+        return [pb_utils.InferenceResponse([], pb_utils.TritonError("out of KV cache"))]
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "tensorrt_llm", failing)
+    responses = call(pb_utils, model, GenerationRequest("Hi"))
+    assert len(responses) == 1 and responses[0].has_error()
+    assert "out of KV cache" in responses[0].error().message()
+
+
+def test_too_long_prompt_is_refused_before_the_engine(
+    pb_utils: ModuleType, llm_module: Any, engine: FakeTensorrtLlm, tmp_path: Path
+) -> None:
+    instance = llm_module.TritonPythonModel()
+    config = {"parameters": params(tmp_path, trtllm_max_input_len="3")}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    try:
+        responses = call(pb_utils, instance, GenerationRequest("Hello there"))
+    finally:
+        instance.finalize()
+    assert responses[0].has_error()
+    assert "max_input_len" in responses[0].error().message()
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"engine_kind": "vllm"}, "engine_kind must be one of"), ({"tokenizer_dir": ""}, "tokenizer")],
+)
+def test_bad_engine_settings_fail_the_load(
+    llm_module: Any, tmp_path: Path, extra: dict[str, str], message: str
+) -> None:
+    instance = llm_module.TritonPythonModel()
+    config = {"parameters": params(tmp_path, **extra)}
+    with pytest.raises(ConfigError, match=message):
+        instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
