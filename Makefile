@@ -55,7 +55,7 @@ eval-semantic: setup
 	$(VENV)/bin/tiercache eval-semantic --pairs $(PAIRS)
 
 lint: setup
-	$(VENV)/bin/ruff check python_backend client tests scripts model_repository
+	$(VENV)/bin/ruff check python_backend client tests scripts model_repository deploy
 	$(VENV)/bin/mypy python_backend/tiercache client/tiercache_client
 
 clean:
