@@ -184,6 +184,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self) -> None:
         self.requests: list[dict[str, tuple[str, list[int]]]] = []
+        self.admin_calls: list[dict[str, Any]] = []
 
     def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -196,6 +197,28 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.RepositoryIndexResponse(
             models=[M(name="ensemble", version="1", state="READY"), M(name="engine", state="")]
         )
+
+    def ModelInfer(self, request: Any, context: Any) -> Any:
+        """lora_cache's ADMIN call: answers a fixed report, naming the op it was asked."""
+        assert request.model_name == "lora_cache"
+        (admin,) = deserialize_bytes_tensor(request.raw_input_contents[0])
+        op = json.loads(admin)
+        self.admin_calls.append(op)
+        if "nope" in op.get("names", []):
+            context.abort(grpc.StatusCode.NOT_FOUND, "not found: unknown adapter 'nope'")
+        report = {
+            "op": op["op"],
+            "adapters": [
+                {"name": "caps", "task_id": 2, "digest": "ab" * 32, "tier": "engine"},
+                {"name": "french", "task_id": 1, "digest": "cd" * 32, "tier": "disk"},
+            ],
+            "engine_reported": [{"name": "caps", "digest": "ab" * 32}],
+        }
+        if op["op"] == "warm":
+            report["warmed"] = {name: "loaded" for name in op["names"]}
+        resp = service_pb2.ModelInferResponse(model_name="lora_cache", id=request.id)
+        _bytes_output(resp, "ADMIN_RESULT", [json.dumps(report)])
+        return resp
 
     def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Iterator[Any]:
         for req in request_iterator:
@@ -421,3 +444,25 @@ def test_cli_health(
         "model engine: not ready",
         "model ensemble: ready",
     ]
+
+
+def test_adapters_lists_tiers_and_warms(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, servicer = fake_server
+    assert main(["adapters", "--url", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["adapter", "task", "digest", "tier", "in", "engine", "pinned"]
+    assert lines[1].split() == ["caps", "2", "ab" * 6, "engine", "yes", "no"]
+    assert lines[2].split() == ["french", "1", "cd" * 6, "disk", "no", "no"]
+    assert main(["adapters", "--url", url, "--warm", "french", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warmed"] == {"french": "loaded"}
+    assert servicer.admin_calls[-2:] == [{"op": "list"}, {"op": "warm", "names": ["french"]}]
+
+
+def test_adapters_unknown_name_exits_2(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = fake_server
+    assert main(["adapters", "--url", url, "--warm", "nope"]) == 2
+    assert "unknown adapter 'nope'" in capsys.readouterr().err
