@@ -150,6 +150,9 @@ class EngineConfig:
     adapters_manifest: str = ""
     lora_slots: int = 4  # hard bound on adapters loaded at once; lora_cache decides which
     lora_prefetch: str = ""  # comma-separated names loaded at start (same list as lora_cache's)
+    kv_reuse: bool = True  # paged prefix KV reuse (tiercache.engine.kv_cache)
+    tokens_per_block: int = 32  # KV block size; only full blocks are reused
+    kv_pool_max_bytes: int = 256 << 20  # the KV block pool's byte budget
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()

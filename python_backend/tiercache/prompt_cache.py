@@ -81,11 +81,12 @@ class PromptCache:
         """Validate and canonicalize `raw` (InvalidRequest on bad input; NotFound for an unknown
         adapter), then look it up."""
         canonical = canonicalize(raw, self.limits)
-        request = self._with_adapter(canonical.request)
+        tenant = tenant_scope(self._secret, canonical.tenant)
+        # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
+        request = dataclasses.replace(self._with_adapter(canonical.request), kv_scope=tenant)
         control = canonical.cache_control
         if not canonical.cacheable:
             return LookupResult(request, None, CacheStatus.BYPASS, "", None, False)
-        tenant = tenant_scope(self._secret, canonical.tenant)
         adapter = request.lora_digest
         digest = request_digest(tenant, self.engine, request, adapter)
         write_back = not control.no_store

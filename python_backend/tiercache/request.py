@@ -117,6 +117,10 @@ class GenerationRequest:
     # digest enters the key document itself, see tiercache.keys). 0 / "" for the base model.
     lora_task_id: int = 0
     lora_digest: str = ""
+    # The tenant scope (HMAC, tiercache.keys.tenant_scope; set by prompt_cache) that the engine's
+    # prefix KV blocks are keyed by, so KV is never shared across tenants. Not in key_fields():
+    # the scope enters the cache key document itself.
+    kv_scope: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +149,7 @@ class GenerationRequest:
         fields["stream"] = self.stream
         fields["lora_task_id"] = self.lora_task_id
         fields["lora_digest"] = self.lora_digest
+        fields["kv_scope"] = self.kv_scope
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @classmethod
@@ -162,6 +167,7 @@ class GenerationRequest:
             lora_name=data["lora_name"],
             lora_task_id=int(data.get("lora_task_id", 0)),
             lora_digest=str(data.get("lora_digest", "")),
+            kv_scope=str(data.get("kv_scope", "")),
         )
 
 

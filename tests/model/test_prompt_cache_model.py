@@ -14,6 +14,7 @@ import pytest
 
 from tiercache.codec import CacheEntry
 from tiercache.errors import ConfigError
+from tiercache.keys import tenant_scope
 from tiercache.request import GenerationRequest
 from tiercache.tiered import Tier
 
@@ -212,7 +213,30 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
         lora_name="adapter",
         lora_task_id=ref.task_id,
         lora_digest=ref.digest,
+        kv_scope=request.kv_scope,
     )
+    assert len(request.kv_scope) == 64
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        {},
+        {"tenant": "a"},
+        {"tenant": "b", "cache_control": "no-cache"},
+        {"tenant": "a", "temperature": 0.7},  # not cacheable: bypass without a digest
+    ],
+)
+def test_request_carries_the_tenant_scope_for_the_engine_kv(
+    model: Any, pb_utils: ModuleType, tmp_path: Path, inputs: dict[str, Any]
+) -> None:
+    """The engine keys prefix KV blocks by `kv_scope`: the tenant's scope HMAC, on every status
+    that reaches the engine; it is not part of the cache key."""
+    (response,) = model.execute([make_request(pb_utils, **inputs)])
+    request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+    secret = (tmp_path / "secret").read_bytes()
+    assert request.kv_scope == tenant_scope(secret, inputs.get("tenant", ""))
+    assert "kv_scope" not in request.key_fields()
 
 
 def test_adapters_are_resolved_and_their_digest_is_in_the_key(

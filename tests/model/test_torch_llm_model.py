@@ -19,6 +19,7 @@ import pytest
 
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
+from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
 from tiercache.lora.engine_call import adapter_ref
 from tiercache.lora.types import AdapterRef
 from tiercache.request import GenerationRequest
@@ -59,17 +60,40 @@ def tiny_adapter(seed: int) -> tuple[str, bytes]:
 
 
 class FakeEngine:
-    """TorchEngine's surface: real adapters, canned answers."""
+    """TorchEngine's surface: real adapters, a real KV block pool over the prompt's bytes as
+    tokens (4 per block, 10 bytes a block), canned answers."""
 
-    def __init__(self, source: object, cache_dir: Path, device: str, lora_slots: int) -> None:
+    def __init__(
+        self,
+        source: object,
+        cache_dir: Path,
+        device: str,
+        lora_slots: int,
+        *,
+        kv_reuse: bool,
+        tokens_per_block: int,
+        kv_pool_max_bytes: int,
+    ) -> None:
         self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
+        self.kv_pool: KvBlockPool[str] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
+
+    def kv_stats(self) -> KvStats:
+        return self.kv_pool.stats()
 
     def generate(
         self, request: GenerationRequest, is_cancelled: Callable[[], bool]
     ) -> Iterator[StreamEvent]:
         self.adapters.activate(adapter_ref(request))
-        yield StreamEvent("Hello", None, 1, 3)
-        yield StreamEvent(" there", "stop", 2, 3)
+        tokens = list(request.prompt.encode())
+        salt = kv_salt("rev", request.kv_scope, request.lora_digest)
+        hashes = block_hashes(tokens, self.kv_pool.tokens_per_block, salt)
+        lease = self.kv_pool.acquire(hashes, len(tokens))
+        for key in hashes[len(lease.blocks) :]:
+            self.kv_pool.insert(lease, key, 10, lambda: "kv")
+        self.kv_pool.release(lease)
+        counts = (len(tokens), lease.reused_tokens, lease.computed_tokens)
+        yield StreamEvent("Hello", None, 1, *counts)
+        yield StreamEvent(" there", "stop", 2, *counts)
 
 
 class Sender:
@@ -94,7 +118,12 @@ def model(
     monkeypatch.setattr(module, "TorchEngine", FakeEngine)
     monkeypatch.setattr(module, "resolve_model", lambda name: None)
     instance = module.TritonPythonModel()
-    params = {"state_dir": {"string_value": str(tmp_path)}, "lora_slots": {"string_value": "2"}}
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "lora_slots": {"string_value": "2"},
+        "tokens_per_block": {"string_value": "4"},
+        "kv_pool_max_bytes": {"string_value": "30"},
+    }
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     yield instance
     instance.finalize()
@@ -214,3 +243,36 @@ def test_bad_inputs_get_their_own_error_and_the_worker_goes_on(
     assert "peft_type must be LORA" in rejected.error().message()
     (listed,) = call(pb_utils, model, LORA_OP="list")
     assert json.loads(text(pb_utils, listed)) == []
+
+
+def int_output(pb_utils: ModuleType, response: Any, name: str) -> int:
+    return int(pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0])
+
+
+def test_final_response_and_metrics_report_kv_reuse(pb_utils: ModuleType, model: Any) -> None:
+    """REUSED_TOKENS + COMPUTED_TOKENS = PROMPT_TOKENS on the final response; the pool's
+    lookups, evictions and bytes reach the metrics."""
+
+    def counts(prompt: str) -> tuple[int, int, int]:
+        final = call(pb_utils, model, REQUEST=GenerationRequest(prompt).to_json())[-1]
+        assert text(pb_utils, final, "FINISH_REASON") == "stop"
+        names = ("PROMPT_TOKENS", "REUSED_TOKENS", "COMPUTED_TOKENS")
+        prompt_tokens, reused, computed = (int_output(pb_utils, final, n) for n in names)
+        assert reused + computed == prompt_tokens
+        return prompt_tokens, reused, computed
+
+    assert counts("abcdefghij") == (10, 0, 10)  # two blocks cached, 20 bytes
+    assert counts("abcdefghXYZ") == (11, 8, 3)  # reuses both; XYZ is no full block
+    assert counts("zzzzyyyy") == (8, 0, 8)  # two new blocks: the LRU leaf (efgh) evicted
+    model.metrics.flush()
+    assert model.kv_lookups["hit"].metric.value() == 1
+    assert model.kv_lookups["miss"].metric.value() == 2
+    assert model.kv_reused.metric.value() == 8
+    assert model.kv_computed.metric.value() == 21
+    assert model.kv_evictions.metric.value() == 1
+    assert model.kv_pool_bytes.metric.value() == 30
+    (listed,) = call(pb_utils, model, LORA_OP="list")  # admin ops report zeros
+    assert (
+        int_output(pb_utils, listed, "REUSED_TOKENS"),
+        int_output(pb_utils, listed, "COMPUTED_TOKENS"),
+    ) == (0, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -212,11 +213,21 @@ def test_cache_control_parse(text: str | None, expected: CacheControl) -> None:
             stop_words=("\n", "END"),
             stream=True,
             lora_name="adapter-a",
+            kv_scope="f" * 64,
         ),
     ],
 )
 def test_generation_request_json_round_trip(request_: GenerationRequest) -> None:
     assert GenerationRequest.from_json(request_.to_json()) == request_
+
+
+def test_kv_scope_defaults_to_empty_and_is_not_a_key_field() -> None:
+    """JSON from before the field reads as the empty scope; the scope is not in key_fields()
+    (the tenant scope enters the cache key document itself)."""
+    old = json.loads(GenerationRequest(prompt="hi", kv_scope="s").to_json())
+    del old["kv_scope"]
+    assert GenerationRequest.from_json(json.dumps(old)).kv_scope == ""
+    assert "kv_scope" not in GenerationRequest(prompt="hi", kv_scope="s").key_fields()
 
 
 def test_canonical_request_json_round_trip() -> None:

@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
+from tiercache.engine.kv_cache import KvStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, TierCacheError
@@ -31,7 +32,13 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(EngineConfig, args)
         self.engine = TorchEngine(
-            resolve_model(config.model), config.models_path(), config.device, config.lora_slots
+            resolve_model(config.model),
+            config.models_path(),
+            config.device,
+            config.lora_slots,
+            kv_reuse=config.kv_reuse,
+            tokens_per_block=config.tokens_per_block,
+            kv_pool_max_bytes=config.kv_pool_max_bytes,
         )
         self._prefetch(config)
         self.metrics = m = tb.Metrics(args["model_name"])
@@ -63,6 +70,27 @@ class TritonPythonModel:
         self.adapters_resident = m.gauge(
             "tiercache_engine_adapters_resident", "LoRA adapters loaded in the engine"
         )
+        self.kv_reused = m.counter(
+            "tiercache_engine_kv_reused_tokens_total", "Prompt tokens served from the KV pool"
+        )
+        self.kv_computed = m.counter(
+            "tiercache_engine_kv_computed_tokens_total", "Prompt tokens the engine computed"
+        )
+        self.kv_pool_bytes = m.gauge(
+            "tiercache_engine_kv_pool_bytes", "Bytes of KV blocks held in the prefix pool"
+        )
+        self.kv_evictions = m.counter(
+            "tiercache_engine_kv_evictions_total", "KV blocks evicted from the prefix pool"
+        )
+        self.kv_lookups = {
+            r: m.counter(
+                "tiercache_engine_kv_lookups_total",
+                "Prefix KV lookups (hit: at least one prompt token reused)",
+                result=r,
+            )
+            for r in ("hit", "miss")
+        }
+        self.kv_pool_bytes.set(self.engine.kv_stats().bytes)
         m.start()
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
@@ -94,6 +122,7 @@ class TritonPythonModel:
             self.queue_depth.set(self._queue.qsize())
             sender = request.get_response_sender()
             before = self.engine.adapters.stats()
+            kv_before = self.engine.kv_stats()
             try:
                 self._serve(request, sender)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
@@ -104,6 +133,7 @@ class TritonPythonModel:
                     tb.log.exception("could not send an error response")
             finally:
                 self._record_adapters(before, self.engine.adapters.stats())
+                self._record_kv(kv_before, self.engine.kv_stats())
 
     def _serve(self, request: object, sender: object) -> None:
         inputs = tb.Inputs(request)
@@ -127,7 +157,7 @@ class TritonPythonModel:
             answer = json.dumps(self.engine.adapters.resident())
         else:
             answer = json.dumps({"evicted": list(done.evicted)})
-        sender.send(self._final(answer, OP_FINISH[order.op], 0, 0), flags=FINAL)
+        sender.send(self._final(answer, OP_FINISH[order.op], 0, 0, 0, 0), flags=FINAL)
 
     def _generate(self, gen_request: GenerationRequest, sender: object) -> None:
         for event in self.engine.generate(gen_request, sender.is_cancelled):
@@ -136,21 +166,32 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse([text]))
                 continue
             response = self._final(
-                event.text, event.finish_reason, event.generated_tokens, event.prompt_tokens
+                event.text,
+                event.finish_reason,
+                event.generated_tokens,
+                event.prompt_tokens,
+                event.reused_tokens,
+                event.computed_tokens,
             )
             sender.send(response, flags=FINAL)
             self.tokens.increment(event.generated_tokens)
             self.prompt_tokens.increment(event.prompt_tokens)
+            self.kv_reused.increment(event.reused_tokens)
+            self.kv_computed.increment(event.computed_tokens)
             self.finished[event.finish_reason].increment(1)
 
     @staticmethod
-    def _final(text: str, finish_reason: str, generated: int, prompt: int) -> object:
+    def _final(
+        text: str, finish_reason: str, generated: int, prompt: int, reused: int, computed: int
+    ) -> object:
         return pb_utils.InferenceResponse(
             [
                 tb.bytes_tensor("TEXT", [text], batched=False),
                 tb.bytes_tensor("FINISH_REASON", [finish_reason], batched=False),
                 tb.scalar_tensor("GENERATED_TOKENS", generated, np.int32, False),
                 tb.scalar_tensor("PROMPT_TOKENS", prompt, np.int32, False),
+                tb.scalar_tensor("REUSED_TOKENS", reused, np.int32, False),
+                tb.scalar_tensor("COMPUTED_TOKENS", computed, np.int32, False),
             ]
         )
 
@@ -165,6 +206,18 @@ class TritonPythonModel:
         if after.switches > before.switches:
             self.adapter_swap_s.observe(after.last_switch_s)
         self.adapters_resident.set(after.resident)
+
+    def _record_kv(self, before: KvStats, after: KvStats) -> None:
+        """Prefix-pool metrics from its stats, on the worker thread (the only one using it)."""
+        hits = after.hit_lookups - before.hit_lookups
+        if hits:
+            self.kv_lookups["hit"].increment(hits)
+        misses = (after.lookups - before.lookups) - hits
+        if misses:
+            self.kv_lookups["miss"].increment(misses)
+        if after.evictions > before.evictions:
+            self.kv_evictions.increment(after.evictions - before.evictions)
+        self.kv_pool_bytes.set(after.bytes)
 
     def finalize(self) -> None:
         self._queue.put(_STOP)

@@ -15,3 +15,7 @@ class StreamEvent:
     finish_reason: str | None = None  # one of FINISH_REASONS on the last event
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    # Prompt tokens served from the engine's prefix KV pool and computed (they add up to
+    # prompt_tokens); 0 and 0 from engines that do not report them.
+    reused_tokens: int = 0
+    computed_tokens: int = 0

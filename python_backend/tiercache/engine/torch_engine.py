@@ -2,7 +2,8 @@
 
 The loop is our own (not `model.generate`) because the stage needs per-token streaming with
 incremental detokenization, stop words that never leak a partial match, cancellation between tokens,
-and (next) control over the KV cache for prefix reuse.
+and control over the KV cache for prefix reuse (tiercache.engine.kv_cache): a request's prompt
+reuses the longest chain of cached full blocks and computes only the tokens after it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
+from tiercache.engine.kv_cache import (
+    BlockHash,
+    KvBlockPool,
+    KvLease,
+    KvStats,
+    block_hashes,
+    kv_salt,
+)
 from tiercache.engine.model_source import ModelSource
 from tiercache.lora.engine_call import adapter_ref
 from tiercache.request import GenerationRequest
@@ -28,6 +38,7 @@ from tiercache.request import GenerationRequest
 log = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+DEFAULT_KV_POOL_MAX_BYTES = 256 << 20
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -71,10 +82,23 @@ class TorchEngine:
     """Generates for one request at a time (callers serialize); safe to call from any thread.
 
     `adapters` holds up to `lora_slots` LoRA adapters; each request runs with the one its
-    `lora_digest` names, or the base model."""
+    `lora_digest` names, or the base model.
+
+    With `kv_reuse`, `kv_pool` keeps the KV of prompts' full blocks of `tokens_per_block` tokens,
+    at most `kv_pool_max_bytes`, keyed by the model revision, the request's `kv_scope` (tenant)
+    and `lora_digest` (adapter). Setting `kv_reuse` to False later stops lookups and inserts
+    (benchmarks compare both in one process); the pool keeps what it holds."""
 
     def __init__(
-        self, source: ModelSource, cache_dir: Path, device: str = "auto", lora_slots: int = 4
+        self,
+        source: ModelSource,
+        cache_dir: Path,
+        device: str = "auto",
+        lora_slots: int = 4,
+        *,
+        kv_reuse: bool = True,
+        tokens_per_block: int = 32,
+        kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
     ) -> None:
         self.source = source
         self.identity = source.identity
@@ -86,6 +110,24 @@ class TorchEngine:
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             eos.add(im_end)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
+        self.kv_pool: KvBlockPool[torch.Tensor] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
+        self.kv_reuse = kv_reuse and _full_attention_only(self.model)
+        if kv_reuse and not self.kv_reuse:
+            log.warning("KV prefix reuse is off: the model has layers other than full attention")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes in every layer (keys and values)."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        element = torch.finfo(self.model.dtype).bits // 8
+        return int(2 * config.num_hidden_layers * kv_heads * head_dim * element)
+
+    def kv_stats(self) -> KvStats:
+        return self.kv_pool.stats()
 
     def prompt_ids(self, prompt: str) -> torch.Tensor:
         encoded = self.tokenizer.apply_chat_template(
@@ -99,7 +141,8 @@ class TorchEngine:
     def generate(
         self, request: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False
     ) -> Iterator[StreamEvent]:
-        """Stream the answer. The last event has `finish_reason`; its text ends the answer.
+        """Stream the answer. The last event has `finish_reason`; its text ends the answer, and
+        every event carries how many prompt tokens were reused from the KV pool and computed.
 
         Raises NotFound ("... not found in cache") before any output when the request's adapter
         is not loaded."""
@@ -109,30 +152,100 @@ class TorchEngine:
         sampler = _Sampler(request, self.device)
         detok = _Detokenizer(self.tokenizer, request.stop_words)
         generated: list[int] = []
-        with torch.inference_mode():
-            out = self.model(input_ids=input_ids, use_cache=True)
-            while True:
-                if is_cancelled():
-                    yield StreamEvent("", "cancelled", len(generated), prompt_tokens)
-                    return
-                token = sampler.pick(out.logits[:, -1, :])
-                if token in self.eos_token_ids:
-                    yield StreamEvent(detok.flush(), "stop", len(generated), prompt_tokens)
-                    return
-                generated.append(token)
-                text, stopped = detok.push(generated)
-                if stopped:
-                    yield StreamEvent(text, "stop", len(generated), prompt_tokens)
-                    return
-                if len(generated) >= request.max_tokens:
-                    yield StreamEvent(text + detok.flush(), "length", len(generated), prompt_tokens)
-                    return
-                if text:
-                    yield StreamEvent(text, None, len(generated), prompt_tokens)
-                step = torch.tensor([[token]], device=self.device)
-                out = self.model(
-                    input_ids=step, past_key_values=out.past_key_values, use_cache=True
-                )
+        hashes: list[BlockHash] = []
+        lease: KvLease[torch.Tensor] | None = None
+        if self.kv_reuse:
+            salt = kv_salt(self.identity.revision, request.kv_scope, request.lora_digest)
+            hashes = block_hashes(input_ids[0].tolist(), self.kv_pool.tokens_per_block, salt)
+            lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
+        reused = 0 if lease is None else lease.reused_tokens
+        computed = prompt_tokens - reused
+
+        def event(text: str, finish_reason: str | None) -> StreamEvent:
+            return StreamEvent(text, finish_reason, len(generated), prompt_tokens, reused, computed)
+
+        try:
+            with torch.inference_mode():
+                out = self._prefill(input_ids, lease)
+                if lease is not None:
+                    self._store_blocks(lease, hashes, out.past_key_values)
+                while True:
+                    if is_cancelled():
+                        yield event("", "cancelled")
+                        return
+                    token = sampler.pick(out.logits[:, -1, :])
+                    if token in self.eos_token_ids:
+                        yield event(detok.flush(), "stop")
+                        return
+                    generated.append(token)
+                    text, stopped = detok.push(generated)
+                    if stopped:
+                        yield event(text, "stop")
+                        return
+                    if len(generated) >= request.max_tokens:
+                        yield event(text + detok.flush(), "length")
+                        return
+                    if text:
+                        yield event(text, None)
+                    step = torch.tensor([[token]], device=self.device)
+                    out = self.model(
+                        input_ids=step, past_key_values=out.past_key_values, use_cache=True
+                    )
+        finally:
+            if lease is not None:
+                self.kv_pool.release(lease)
+
+    def _prefill(self, input_ids: torch.Tensor, lease: KvLease[torch.Tensor] | None) -> Any:
+        """Run the prompt after the lease's reused tokens, on a cache built from its blocks.
+        Only the last position's logits are computed (`logits_to_keep=1`): the LM head over a
+        49k vocabulary is about a fifth of SmolLM2's prefill, and only the next token is needed."""
+        if lease is None or lease.reused_tokens == 0:
+            return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        start = lease.reused_tokens
+        # One block is [layers, 2 (keys, values), kv_heads, tokens_per_block, head_dim].
+        kv = torch.cat(lease.payloads(), dim=3)[:, :, :, :start]
+        cache = DynamicCache(
+            ddp_cache_data=[(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in kv],
+            config=self.model.config,
+        )
+        positions = torch.arange(start, input_ids.shape[1], device=self.device).unsqueeze(0)
+        return self.model(
+            input_ids=input_ids[:, start:],
+            past_key_values=cache,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+    def _store_blocks(
+        self, lease: KvLease[torch.Tensor], hashes: list[BlockHash], cache: Any
+    ) -> None:
+        """Add the prompt's full blocks past the reused ones to the pool, right after prefill,
+        so a later request can reuse them while this one is still decoding. Each block is a
+        copy: a view would keep the whole, growing cache tensor alive."""
+        size = self.kv_pool.tokens_per_block
+        layers = cache.layers
+
+        def block_at(index: int) -> Callable[[], torch.Tensor]:
+            first, last = index * size, (index + 1) * size
+            return lambda: torch.stack(
+                [
+                    torch.stack((layer.keys[0, :, first:last], layer.values[0, :, first:last]))
+                    for layer in layers
+                ]
+            )
+
+        nbytes = self.kv_bytes_per_token * size
+        for index in range(len(lease.blocks), len(hashes)):
+            if not self.kv_pool.insert(lease, hashes[index], nbytes, block_at(index)):
+                return
+
+
+def _full_attention_only(model: Any) -> bool:
+    """Blocks are stitched into a DynamicCache of plain (full-attention) layers; sliding-window
+    or other layer kinds would need their own handling."""
+    cache = DynamicCache(config=model.config)
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 class _Sampler:

@@ -1,0 +1,355 @@
+"""Paged prefix KV reuse with TensorRT-LLM's block semantics, independent of any engine or tensor
+library (torch-free: the engine stores its own tensors as opaque payloads).
+
+- A prompt is split into blocks of `tokens_per_block` tokens; only full blocks are cached.
+- Each block's key is SHA-256 over its parent's key, a salt and its token ids, so a block stands
+  for its whole prefix. The salt covers the model revision, the tenant scope and the adapter
+  digest: reuse never crosses tenants, adapters or weights (vLLM's `hash_block_tokens` with its
+  LoRA and cache-salt extra keys).
+- Blocks form a trie: a block exists only below its parent. Eviction takes least recently used
+  *leaves* only (a parent is never dropped before its children, which would strand them), and
+  never a block pinned by a request (`KvLease`).
+- The pool is bounded in bytes; a block that does not fit after evicting every unpinned block is
+  not cached, and the request goes on without it (never over the budget, never a failure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, NewType, TypeVar
+
+from tiercache.errors import ConfigError
+
+BlockHash = NewType("BlockHash", bytes)
+"""SHA-256 digest (32 bytes) of a block's parent key, salt and token ids."""
+
+HashFn = Callable[[bytes], bytes]
+"""bytes -> a digest of fixed length (the chain relies on fixed-width parent keys and salts)."""
+
+P = TypeVar("P")
+
+KV_HASH_VERSION = 1
+_BLOCK_DOMAIN = b"tiercache-kv-block\x00"
+
+
+def sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def kv_salt(
+    model_revision: str, kv_scope: str, adapter_digest: str, hash_fn: HashFn = sha256_digest
+) -> bytes:
+    """What, besides the tokens, changes a block's KV values: the weights (revision), the tenant
+    (its scope HMAC, so two tenants never share blocks) and the LoRA adapter's content digest."""
+    document = {
+        "v": KV_HASH_VERSION,
+        "revision": model_revision,
+        "scope": kv_scope,
+        "adapter_digest": adapter_digest,
+    }
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hash_fn(encoded.encode("utf-8"))
+
+
+def hash_block(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    salt: bytes,
+    hash_fn: HashFn = sha256_digest,
+) -> BlockHash:
+    """The key of one block: hash of (domain, parent key or empty for the first block, salt,
+    token ids as little-endian uint32). Parent and salt are fixed-width digests, so the encoding
+    is unambiguous."""
+    encoded = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return BlockHash(hash_fn(_BLOCK_DOMAIN + (parent or b"") + salt + encoded))
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    tokens_per_block: int,
+    salt: bytes,
+    hash_fn: HashFn = sha256_digest,
+) -> list[BlockHash]:
+    """Chained keys of the full blocks of `token_ids` (a trailing partial block has none)."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+        parent = hash_block(parent, token_ids[start : start + tokens_per_block], salt, hash_fn)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class KvStats:
+    """A snapshot of the pool's counters (cumulative) and its current size."""
+
+    lookups: int  # acquire() calls
+    hit_lookups: int  # ... that reused at least one token
+    looked_up_blocks: int  # full prompt blocks asked for
+    hit_blocks: int  # ... found in the pool
+    reused_tokens: int  # prompt tokens served from the pool
+    computed_tokens: int  # prompt tokens the engine had to compute
+    inserted_blocks: int
+    rejected_blocks: int  # not cached: no room even after evicting every unpinned block
+    evictions: int
+    blocks: int
+    pinned_blocks: int
+    bytes: int
+    max_bytes: int
+    tokens_per_block: int
+
+    @property
+    def block_hit_rate(self) -> float:
+        """Found blocks over looked-up blocks (0.0 before any lookup)."""
+        return self.hit_blocks / self.looked_up_blocks if self.looked_up_blocks else 0.0
+
+    @property
+    def token_reuse_rate(self) -> float:
+        """Reused prompt tokens over all prompt tokens looked up."""
+        total = self.reused_tokens + self.computed_tokens
+        return self.reused_tokens / total if total else 0.0
+
+
+class _Block(Generic[P]):
+    """A trie node: one block's payload; `children` and `refs` decide whether it may go."""
+
+    __slots__ = ("key", "parent", "payload", "nbytes", "children", "refs", "used_s", "tick")
+
+    def __init__(
+        self, key: BlockHash, parent: _Block[P] | None, payload: P, nbytes: int, tick: int
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.payload = payload
+        self.nbytes = nbytes
+        self.children = 0
+        self.refs = 0
+        self.used_s = 0.0
+        self.tick = tick  # recency order (ties of the clock) and heap-entry validity
+
+    @property
+    def evictable(self) -> bool:
+        return self.children == 0 and self.refs == 0
+
+
+class KvLease(Generic[P]):
+    """The blocks one request holds pinned, root first: those it reused (`hit_blocks`), then
+    those it added. Give it back with `KvBlockPool.release` when the request ends."""
+
+    __slots__ = ("blocks", "hit_blocks", "prompt_tokens", "reused_tokens", "broken", "released")
+
+    def __init__(self, blocks: list[_Block[P]], prompt_tokens: int, reused_tokens: int) -> None:
+        self.blocks = blocks
+        self.hit_blocks = len(blocks)
+        self.prompt_tokens = prompt_tokens
+        self.reused_tokens = reused_tokens
+        self.broken = False  # a block could not be cached: no later block of this chain can be
+        self.released = False
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+    def payloads(self) -> list[P]:
+        """The reused blocks' payloads, root first (they stay valid while the lease is held)."""
+        return [block.payload for block in self.blocks[: self.hit_blocks]]
+
+
+class KvBlockPool(Generic[P]):
+    """Prefix blocks bounded by `max_bytes`, evicted LRU from the leaves, pinned while used.
+
+    Not thread-safe: one engine thread calls it (the engine runs one request at a time).
+    `clock` (seconds) orders recency; ties keep insertion order.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        tokens_per_block: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if tokens_per_block < 1:
+            raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        if max_bytes < 0:
+            raise ConfigError(f"kv_pool_max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.tokens_per_block = tokens_per_block
+        self._clock = clock
+        self._blocks: dict[BlockHash, _Block[P]] = {}
+        # Candidate victims: (used_s, tick, key); an entry is stale once its block was used again,
+        # evicted, pinned or got a child. Lazy deletion keeps touch and pin O(1).
+        self._victims: list[tuple[float, int, BlockHash]] = []
+        self._tick = 0
+        self._bytes = 0
+        self._pinned_bytes = 0
+        self._pinned_blocks = 0
+        self._lookups = 0
+        self._hit_lookups = 0
+        self._looked_up_blocks = 0
+        self._hit_blocks = 0
+        self._reused_tokens = 0
+        self._computed_tokens = 0
+        self._inserted = 0
+        self._rejected = 0
+        self._evictions = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def acquire(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> KvLease[P]:
+        """Pin the longest cached chain of `hashes` (a prompt's `block_hashes`) and count the
+        lookup. The lease's `reused_tokens` leave at least one prompt token to compute, so the
+        engine has logits for the next token: when every block of a prompt whose length is a
+        multiple of the block size is cached, the last cached token is computed again."""
+        if len(hashes) * self.tokens_per_block > prompt_tokens:
+            raise ValueError(
+                f"{len(hashes)} blocks of {self.tokens_per_block} tokens are more than the "
+                f"{prompt_tokens} prompt tokens"
+            )
+        found: list[_Block[P]] = []
+        for key in hashes:
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        for block in found:
+            self._pin(block)
+        reused = min(len(found) * self.tokens_per_block, max(prompt_tokens - 1, 0))
+        self._lookups += 1
+        self._hit_lookups += reused > 0
+        self._looked_up_blocks += len(hashes)
+        self._hit_blocks += len(found)
+        self._reused_tokens += reused
+        self._computed_tokens += prompt_tokens - reused
+        return KvLease(found, prompt_tokens, reused)
+
+    def insert(
+        self, lease: KvLease[P], key: BlockHash, nbytes: int, make_payload: Callable[[], P]
+    ) -> bool:
+        """Add the block that follows `lease`'s last block (root when the lease is empty) and pin
+        it in the lease. `make_payload` is called only if the block is admitted. Returns whether
+        the block is now cached; False (nothing evicted) when it cannot fit even after evicting
+        every unpinned block, and then for every later block of this lease."""
+        if lease.released:
+            raise ValueError("insert into a released lease")
+        parent = lease.blocks[-1] if lease.blocks else None
+        existing = self._blocks.get(key)
+        if existing is not None and not lease.broken:
+            if existing.parent is not parent:
+                raise ValueError("block key already cached under another parent")
+            self._pin(existing)
+            lease.blocks.append(existing)
+            return True
+        if lease.broken or not self._make_room(nbytes):
+            lease.broken = True
+            self._rejected += 1
+            return False
+        block = _Block(key, parent, make_payload(), nbytes, self._next_tick())
+        self._blocks[key] = block
+        self._bytes += nbytes
+        if parent is not None:
+            parent.children += 1
+        self._pin(block)
+        lease.blocks.append(block)
+        self._inserted += 1
+        return True
+
+    def release(self, lease: KvLease[P]) -> None:
+        """Unpin the lease's blocks (marking them used now); a second release does nothing."""
+        if lease.released:
+            return
+        lease.released = True
+        for block in lease.blocks:
+            self._unpin(block)
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def stats(self) -> KvStats:
+        return KvStats(
+            lookups=self._lookups,
+            hit_lookups=self._hit_lookups,
+            looked_up_blocks=self._looked_up_blocks,
+            hit_blocks=self._hit_blocks,
+            reused_tokens=self._reused_tokens,
+            computed_tokens=self._computed_tokens,
+            inserted_blocks=self._inserted,
+            rejected_blocks=self._rejected,
+            evictions=self._evictions,
+            blocks=len(self._blocks),
+            pinned_blocks=self._pinned_blocks,
+            bytes=self._bytes,
+            max_bytes=self.max_bytes,
+            tokens_per_block=self.tokens_per_block,
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _pin(self, block: _Block[P]) -> None:
+        if block.refs == 0:
+            self._pinned_blocks += 1
+            self._pinned_bytes += block.nbytes
+        block.refs += 1
+        self._touch(block)
+
+    def _unpin(self, block: _Block[P]) -> None:
+        if block.refs <= 0:
+            raise RuntimeError("KV block unpinned more often than pinned")
+        block.refs -= 1
+        self._touch(block)
+        if block.refs == 0:
+            self._pinned_blocks -= 1
+            self._pinned_bytes -= block.nbytes
+            if block.children == 0:
+                self._push_victim(block)
+
+    def _touch(self, block: _Block[P]) -> None:
+        block.used_s = self._clock()
+        block.tick = self._next_tick()
+
+    def _push_victim(self, block: _Block[P]) -> None:
+        heapq.heappush(self._victims, (block.used_s, block.tick, block.key))
+        if len(self._victims) > 2 * len(self._blocks) + 64:  # drop stale entries
+            self._victims = [
+                (b.used_s, b.tick, b.key) for b in self._blocks.values() if b.evictable
+            ]
+            heapq.heapify(self._victims)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict LRU unpinned leaves until `nbytes` more fit; False, evicting nothing, if they
+        cannot fit even with every unpinned block gone. Every ancestor of a pinned block is
+        pinned (leases pin whole chains from the root), so all unpinned blocks are reachable by
+        peeling leaves."""
+        if self._pinned_bytes + nbytes > self.max_bytes:
+            return False
+        while self._bytes + nbytes > self.max_bytes:
+            used_s, tick, key = heapq.heappop(self._victims)  # non-empty: unpinned bytes remain
+            block = self._blocks.get(key)
+            if block is None or block.tick != tick or not block.evictable:
+                continue
+            self._evict(block)
+        return True
+
+    def _evict(self, block: _Block[P]) -> None:
+        del self._blocks[block.key]
+        self._bytes -= block.nbytes
+        self._evictions += 1
+        parent = block.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.evictable:
+                self._push_victim(parent)
