@@ -183,6 +183,10 @@ _ABANDONED_TMP_S = 3600.0  # a temporary file this old is left over from a crash
 _RESAVE_FRACTION = 0.1  # after a load, re-save when the rows added on top reach this share
 
 
+def _since(started: float) -> float:
+    return time.perf_counter() - started
+
+
 class GraphFileError(Exception):
     """A saved graph that must not be used (its bytes or contents do not match its name)."""
 
@@ -443,17 +447,25 @@ class SemanticIndex:
     def _attach_graph(self, scope: _Scope) -> None:
         """Give a scope that outgrew the flat scan its graph: the newest saved one that matches
         its rows plus the rows after it, else a new build."""
+        started = time.perf_counter()
         covered = self._load_graph(scope)
         if covered is None:
             scope.build_hnsw()
             self._built += 1
+            log.info("built a graph of %d rows in %.1f s", scope.count, _since(started))
             self._save_graph(scope)
             return
         self._loaded += 1
         if scope.count > covered:
             scope.hnsw_add(covered, scope.count)
-            if scope.count - covered >= _RESAVE_FRACTION * covered:
-                self._save_graph(scope)
+        log.info(
+            "loaded a saved graph of %d rows and added %d in %.1f s",
+            covered,
+            scope.count - covered,
+            _since(started),
+        )
+        if scope.count - covered >= _RESAVE_FRACTION * covered:
+            self._save_graph(scope)
 
     def _load_graph(self, scope: _Scope) -> int | None:
         """Attach the newest usable saved graph; the number of rows it covers, or None."""
