@@ -74,6 +74,8 @@ def summary_line(result: GenerationResult) -> str:
     if result.similarity is not None:
         cache += f" (sim {result.similarity:.3f})"
     parts = [cache, f"{result.latency_s * 1000.0:.2f} ms"]
+    if result.kv_reused_tokens:
+        parts.append(f"prefix KV reused {result.kv_reused_tokens} tokens")
     if result.first_chunk_s is not None:
         parts.append(f"first chunk {result.first_chunk_s * 1000.0:.2f} ms")
     return "[" + " | ".join(parts) + "]"
@@ -102,6 +104,8 @@ def _generate(client: TierCacheClient, args: argparse.Namespace) -> int:
                     "similarity": item.similarity,
                     "latency_ms": _ms(item.latency_s),
                     "first_chunk_ms": _ms(item.first_chunk_s),
+                    "kv_reused_tokens": item.kv_reused_tokens,
+                    "kv_computed_tokens": item.kv_computed_tokens,
                 }
                 print(json.dumps(record, ensure_ascii=False))
             else:
@@ -128,7 +132,7 @@ def adapter_rows(report: dict) -> list[tuple[str, ...]]:
     """One row per adapter version: name, task id, short digest, lora_cache's tier, whether the
     engine itself reports it loaded, pinned."""
     engine = {a.get("digest") for a in report.get("engine_reported") or []}
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for entry in report.get("adapters", []):
         digest = str(entry.get("digest", ""))
         rows.append(

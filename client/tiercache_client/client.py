@@ -40,7 +40,9 @@ class GenerationResult:
     `cache_status` is "exact", "semantic", "miss" or "bypass" (empty if the server sent none);
     `similarity` is set only for semantic hits when the server reports it; `latency_s` runs from
     sending the request to the final response, `first_chunk_s` to the first non-empty text chunk
-    (None when no text arrived); `chunks` counts non-empty text chunks.
+    (None when no text arrived); `chunks` counts non-empty text chunks. For a generated answer,
+    `kv_reused_tokens` and `kv_computed_tokens` are its prompt tokens served from the engine's
+    prefix KV cache and computed (None when the server did not report them: cache hits).
     """
 
     text: str
@@ -49,6 +51,8 @@ class GenerationResult:
     latency_s: float
     first_chunk_s: float | None
     chunks: int
+    kv_reused_tokens: int | None = None
+    kv_computed_tokens: int | None = None
 
 
 def _error(exc: InferenceServerException) -> TierCacheClientError:
@@ -252,6 +256,7 @@ class TierCacheClient:
             cache_status = ""
             similarity: float | None = None
             first_chunk_s: float | None = None
+            usage: dict[str, int] = {}
             while True:
                 remaining = deadline - time.perf_counter()
                 try:
@@ -276,6 +281,10 @@ class TierCacheClient:
                 sim = result.as_numpy("cache_similarity")
                 if sim is not None and sim.size:
                     similarity = float(sim.reshape(-1)[0])
+                for name in ("kv_reused_tokens", "kv_computed_tokens"):
+                    value = result.as_numpy(name)
+                    if value is not None and value.size:
+                        usage[name] = int(value.reshape(-1)[0])
                 if _is_final(result):
                     break
             completed = True
@@ -286,6 +295,8 @@ class TierCacheClient:
                 latency_s=time.perf_counter() - start,
                 first_chunk_s=first_chunk_s,
                 chunks=len(parts),
+                kv_reused_tokens=usage.get("kv_reused_tokens"),
+                kv_computed_tokens=usage.get("kv_computed_tokens"),
             )
         finally:
             client.stop_stream(cancel_requests=not completed)

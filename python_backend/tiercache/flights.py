@@ -26,6 +26,8 @@ class Flight:
     error: TierCacheError | None = None
     subscribers: int = 0
     followers: int = 0
+    # (reused, computed) prompt tokens of the generation, once the engine reported them.
+    prompt_usage: tuple[int, int] | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:

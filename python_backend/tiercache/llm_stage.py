@@ -35,9 +35,16 @@ class Responder(Protocol):
 
     def send_chunk(self, text: str) -> None: ...
 
-    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
-        """The last response: `text` (None in stream mode, where chunks carried it), status, and
-        the similarity of a semantic hit."""
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+    ) -> None:
+        """The last response: `text` (None in stream mode, where chunks carried it), status, the
+        similarity of a semantic hit, and for a generated answer the (reused, computed) prompt
+        tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them)."""
         ...
 
     def send_cancelled(self) -> None:
@@ -151,7 +158,8 @@ class LlmStage:
             if responder.is_cancelled():
                 responder.send_cancelled()
             else:
-                responder.send_final(None if request.stream else "".join(parts), status)
+                text = None if request.stream else "".join(parts)
+                responder.send_final(text, status, prompt_usage=flight.prompt_usage)
         except TierCacheError as exc:
             responder.send_error(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged with traceback
@@ -218,6 +226,7 @@ class LlmStage:
                 flight.append(event.text)
             if event.finish_reason is not None:
                 finish, tokens = event.finish_reason, event.generated_tokens
+                flight.prompt_usage = (event.reused_tokens, event.computed_tokens)
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
         return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)

@@ -47,12 +47,20 @@ def test_shared_prefix_is_reused_within_a_tenant_only(
     assert after_second - before >= 3 * BLOCK  # the system prompt's full blocks (~115 tokens)
     assert lookups("hit") == hits_before + 1
     assert lookups("miss") == misses_before + 1
+    # The ensemble's kv_reused_tokens / kv_computed_tokens say the same per request.
+    assert first.kv_reused_tokens == 0 and (first.kv_computed_tokens or 0) > 3 * BLOCK
+    assert second.kv_reused_tokens == after_second - before
+    assert (second.kv_computed_tokens or 0) > 0
 
     # Another tenant computes everything, and gets the same greedy answer.
     third = client.generate_text(f"{SYSTEM} Can I print?", tenant=other, **ANSWER)
     assert third.cache_status == "miss"
     assert third.text == second.text
+    assert third.kv_reused_tokens == 0
     assert reused() == after_second
+    repeat = client.generate_text(f"{SYSTEM} Can I print?", tenant=tenant, **ANSWER)
+    assert repeat.cache_status == "exact"  # a hit runs no engine: no KV figures
+    assert (repeat.kv_reused_tokens, repeat.kv_computed_tokens) == (None, None)
     assert lookups("miss") == misses_before + 2
     pool_bytes = settled_metric(server, "tiercache_engine_kv_pool_bytes")
     assert 0 < pool_bytes <= 256 << 20

@@ -199,11 +199,10 @@ def answer(pb_utils: ModuleType, responses: list[Any]) -> tuple[str, str]:
     for response in responses:
         assert not response.has_error(), response.error().message()
         for tensor in response.output_tensors():
-            value = tensor.as_numpy().reshape(-1)[0].decode()
             if tensor.name() == "TEXT_OUTPUT":
-                parts.append(value)
+                parts.append(tensor.as_numpy().reshape(-1)[0].decode())
             elif tensor.name() == "CACHE_STATUS":
-                status = value
+                status = tensor.as_numpy().reshape(-1)[0].decode()
     return "".join(parts), status
 
 

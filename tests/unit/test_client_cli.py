@@ -403,7 +403,16 @@ def test_cli_generate_json(
     assert main(["generate", "hi", "--url", url, "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["text"] == "Hello, world" and record["cache_status"] == "semantic"
-    assert set(record) == {"text", "cache_status", "similarity", "latency_ms", "first_chunk_ms"}
+    assert set(record) == {
+        "text",
+        "cache_status",
+        "similarity",
+        "latency_ms",
+        "first_chunk_ms",
+        "kv_reused_tokens",
+        "kv_computed_tokens",
+    }
+    assert (record["kv_reused_tokens"], record["kv_computed_tokens"]) == (None, None)  # a hit
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,14 @@ class Recorder:
     def send_chunk(self, text: str) -> None:
         self._record("chunk", text)
 
-    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+    ) -> None:
+        self.prompt_usage = prompt_usage
         if similarity is None:
             self._record("final", text, status, last=True)
         else:
@@ -87,7 +94,14 @@ class FakeEngine:
         if self.raises is not None:
             raise self.raises
         if self.finish is not None:
-            yield StreamEvent("", self.finish, generated_tokens=len(self.chunks))
+            yield StreamEvent(
+                "",
+                self.finish,
+                generated_tokens=len(self.chunks),
+                prompt_tokens=40,
+                reused_tokens=32,
+                computed_tokens=8,
+            )
 
     def wait_started(self, count: int = 1) -> None:
         for _ in range(count):
@@ -136,6 +150,7 @@ def test_identical_misses_coalesce_into_one_generation(cache: TieredCache) -> No
     engine.gate.set()
     for r in responders:
         assert r.wait() == [("final", "Hello", "miss")]
+        assert r.prompt_usage == (32, 8)  # every subscriber: the one generation's prefix reuse
     stats = stage.stats()
     assert engine.calls == 1
     assert (stats.generations, stats.coalesced, stats.write_backs, stats.in_flight) == (1, 15, 1, 0)

@@ -33,7 +33,14 @@ from tiercache.semantic.index import SemanticStore
 from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON", "GENERATED_TOKENS", "PROMPT_TOKENS"]
+ENGINE_OUTPUTS = [
+    "TEXT",
+    "FINISH_REASON",
+    "GENERATED_TOKENS",
+    "PROMPT_TOKENS",
+    "REUSED_TOKENS",
+    "COMPUTED_TOKENS",
+]
 ENGINE_KINDS = ("torch_llm", "tensorrt_llm")
 # lora_cache's TensorRT-LLM tensors (engine_kind tensorrt_llm): on the ensemble path and on the
 # `weights` admin call of the retry.
@@ -60,10 +67,20 @@ class _Responder:
     def send_chunk(self, text: str) -> None:
         self.sender.send(pb_utils.InferenceResponse([tb.bytes_tensor("TEXT_OUTPUT", [text])]))
 
-    def send_final(self, text: str | None, status: str, similarity: float | None = None) -> None:
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+    ) -> None:
         outputs = [tb.bytes_tensor("CACHE_STATUS", [status])]
         if similarity is not None:
             outputs.append(tb.scalar_tensor("CACHE_SIMILARITY", similarity, np.float32))
+        if prompt_usage is not None:
+            reused, computed = prompt_usage
+            outputs.append(tb.scalar_tensor("KV_REUSED_TOKENS", reused, np.int32))
+            outputs.append(tb.scalar_tensor("KV_COMPUTED_TOKENS", computed, np.int32))
         if text is not None:
             outputs.insert(0, tb.bytes_tensor("TEXT_OUTPUT", [text]))
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
@@ -161,6 +178,8 @@ class TritonPythonModel:
                 finish_reason=finish or None,
                 generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
                 prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
+                reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
+                computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
             )
 
     def _generate_trtllm(
