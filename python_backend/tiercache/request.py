@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,15 +41,26 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]{1,128}$")
+MAX_TAGS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class CacheControl:
-    """The parsed `cache_control` input: comma- or space-separated words, case-insensitive.
+    """The parsed `cache_control` input: comma- or space-separated words; the word names are
+    case-insensitive, tag values are not.
 
     - `no-cache`: skip lookup (the answer is generated, and stored unless `no-store`).
     - `no-store`: do not write the answer back.
     - `allow-sampled`: cache a sampled request that has no seed (off by default: its answers vary).
     - `no-semantic`: exact lookup only; the answer is not added to the semantic index either.
     - `semantic-only`: skip the exact lookup and look up by meaning only.
+    - `max-age=<seconds>`: serve a cached answer only if it is at most that old (a finite
+      number >= 0); an older one is a miss for this request and stays for others. The semantic
+      lookup is skipped (it cannot tell an answer's age), so `semantic-only` is refused with it.
+    - `tag=<name>` (repeatable, at most 16): labels stored with the answer (not part of the
+      key), e.g. `tag=kb:v7`, so `tiercache.invalidation` can drop every answer carrying it.
+      Names are 1-128 characters of letters, digits and `_ . : / @ + = -`.
     """
 
     no_cache: bool = False
@@ -56,19 +68,50 @@ class CacheControl:
     allow_sampled: bool = False
     no_semantic: bool = False
     semantic_only: bool = False
+    max_age_s: float | None = None
+    tags: tuple[str, ...] = ()
 
     WORDS = ("no-cache", "no-store", "allow-sampled", "no-semantic", "semantic-only")
+    VALUED = ("max-age=<seconds>", "tag=<name>")
 
     @classmethod
     def parse(cls, text: str | None) -> CacheControl:
         if text is None:
             return cls()
-        words = {w.strip().lower() for w in text.replace(",", " ").split() if w.strip()}
-        unknown = sorted(words - set(cls.WORDS))
+        words: set[str] = set()
+        unknown: set[str] = set()
+        max_ages: list[float] = []
+        tags: set[str] = set()
+        for raw in text.replace(",", " ").split():
+            name, has_value, value = raw.partition("=")
+            name = name.lower()
+            if not has_value:
+                (words if name in cls.WORDS else unknown).add(name)
+            elif name == "max-age":
+                max_ages.append(_parse_max_age(value))
+            elif name == "tag":
+                if not _TAG_PATTERN.match(value):
+                    raise InvalidRequest(
+                        f"cache_control tag {value!r} is not 1-128 characters of letters, "
+                        "digits and _ . : / @ + = -"
+                    )
+                tags.add(value)
+            else:
+                unknown.add(raw)
         if unknown:
             raise InvalidRequest(
-                f"unknown cache_control word(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(cls.WORDS)}"
+                f"unknown cache_control word(s) {', '.join(map(repr, sorted(unknown)))}; "
+                f"known: {', '.join(cls.WORDS + cls.VALUED)}"
+            )
+        if len(set(max_ages)) > 1:
+            raise InvalidRequest("cache_control has more than one max-age")
+        if len(tags) > MAX_TAGS:
+            raise InvalidRequest(f"cache_control has {len(tags)} tags, at most {MAX_TAGS}")
+        max_age_s = max_ages[0] if max_ages else None
+        if max_age_s is not None and "semantic-only" in words:
+            raise InvalidRequest(
+                "cache_control max-age cannot be combined with semantic-only (a semantic hit's "
+                "age is not checked)"
             )
         return cls(
             no_cache="no-cache" in words,
@@ -76,7 +119,21 @@ class CacheControl:
             allow_sampled="allow-sampled" in words,
             no_semantic="no-semantic" in words,
             semantic_only="semantic-only" in words,
+            max_age_s=max_age_s,
+            tags=tuple(sorted(tags)),
         )
+
+
+def _parse_max_age(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequest(
+            f"cache_control max-age must be a finite number of seconds >= 0, got {value!r}"
+        )
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +178,10 @@ class GenerationRequest:
     # prefix KV blocks are keyed by, so KV is never shared across tenants. Not in key_fields():
     # the scope enters the cache key document itself.
     kv_scope: str = ""
+    # From cache_control (set by prompt_cache; not in key_fields()): the tags the stored answer
+    # carries, and the oldest cached answer this request accepts (None: any age).
+    cache_tags: tuple[str, ...] = ()
+    max_age_s: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +211,10 @@ class GenerationRequest:
         fields["lora_task_id"] = self.lora_task_id
         fields["lora_digest"] = self.lora_digest
         fields["kv_scope"] = self.kv_scope
+        if self.cache_tags:
+            fields["cache_tags"] = list(self.cache_tags)
+        if self.max_age_s is not None:
+            fields["max_age_s"] = self.max_age_s
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @classmethod
@@ -168,6 +233,8 @@ class GenerationRequest:
             lora_task_id=int(data.get("lora_task_id", 0)),
             lora_digest=str(data.get("lora_digest", "")),
             kv_scope=str(data.get("kv_scope", "")),
+            cache_tags=tuple(data.get("cache_tags", ())),
+            max_age_s=None if data.get("max_age_s") is None else float(data["max_age_s"]),
         )
 
 

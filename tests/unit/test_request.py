@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -196,6 +197,54 @@ def test_cache_control_parse(text: str | None, expected: CacheControl) -> None:
     assert CacheControl.parse(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("max-age=30", CacheControl(max_age_s=30.0)),
+        ("MAX-AGE=0.5, no-store", CacheControl(no_store=True, max_age_s=0.5)),
+        ("max-age=0", CacheControl(max_age_s=0.0)),
+        ("max-age=5 max-age=5", CacheControl(max_age_s=5.0)),
+        ("tag=kb:v7", CacheControl(tags=("kb:v7",))),
+        ("tag=b TAG=A tag=b, no-cache", CacheControl(no_cache=True, tags=("A", "b"))),
+        ("tag=team/a@x+y=z_1.0-rc", CacheControl(tags=("team/a@x+y=z_1.0-rc",))),
+        (
+            "no-semantic max-age=60 tag=kb",
+            CacheControl(no_semantic=True, max_age_s=60.0, tags=("kb",)),
+        ),
+    ],
+)
+def test_cache_control_valued_words(text: str, expected: CacheControl) -> None:
+    assert CacheControl.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max-age=-1", "max-age must be a finite number of seconds >= 0, got '-1'"),
+        ("max-age=soon", "max-age must be a finite number"),
+        ("max-age=nan", "max-age must be a finite number"),
+        ("max-age=inf", "max-age must be a finite number"),
+        ("max-age=", "max-age must be a finite number"),
+        ("max-age=1 max-age=2", "more than one max-age"),
+        ("tag=", "tag '' is not 1-128 characters"),
+        ("tag=has space", "unknown cache_control word"),  # "space" is a word of its own
+        ("tag=ünï", "tag 'ünï' is not"),
+        ("tag=" + "x" * 129, "is not 1-128 characters"),
+        (" ".join(f"tag=t{i}" for i in range(17)), "17 tags, at most 16"),
+        ("semantic-only max-age=5", "cannot be combined with semantic-only"),
+        ("stale=5", "unknown cache_control word(s) 'stale=5'"),
+    ],
+)
+def test_cache_control_valued_words_are_validated(text: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        CacheControl.parse(text)
+
+
+def test_unknown_word_message_lists_the_valued_words() -> None:
+    with pytest.raises(InvalidRequest, match=re.escape("max-age=<seconds>, tag=<name>")):
+        CacheControl.parse("bogus")
+
+
 # ---------------------------------------------------------------- JSON round trip
 
 
@@ -215,6 +264,8 @@ def test_cache_control_parse(text: str | None, expected: CacheControl) -> None:
             lora_name="adapter-a",
             kv_scope="f" * 64,
         ),
+        GenerationRequest(prompt="hi", cache_tags=("a", "kb:v1"), max_age_s=2.5),
+        GenerationRequest(prompt="hi", max_age_s=0.0),
     ],
 )
 def test_generation_request_json_round_trip(request_: GenerationRequest) -> None:
@@ -228,6 +279,13 @@ def test_kv_scope_defaults_to_empty_and_is_not_a_key_field() -> None:
     del old["kv_scope"]
     assert GenerationRequest.from_json(json.dumps(old)).kv_scope == ""
     assert "kv_scope" not in GenerationRequest(prompt="hi", kv_scope="s").key_fields()
+
+
+def test_cache_tags_and_max_age_are_not_key_fields() -> None:
+    plain = GenerationRequest(prompt="hi")
+    tagged = GenerationRequest(prompt="hi", cache_tags=("kb",), max_age_s=1.0)
+    assert plain.key_fields() == tagged.key_fields()
+    assert "cache_tags" not in json.loads(plain.to_json())  # old readers see what they knew
 
 
 def test_canonical_request_json_round_trip() -> None:
