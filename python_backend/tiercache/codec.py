@@ -3,6 +3,10 @@
 Layout (little endian): magic `TCE1` | created_s f64 | ttl_s f64 | payload length u32 |
 SHA-256 of the payload (32 bytes) | payload (UTF-8 JSON). Any mismatch (magic, length, checksum,
 JSON) raises `CorruptEntry`; stores turn that into a miss and drop the entry.
+
+The payload's optional fields (`tags`, `scope`, `adapter`: what invalidation matches on) are
+written only when set and read as empty when absent, so entries written before they existed
+still decode.
 """
 
 from __future__ import annotations
@@ -25,13 +29,22 @@ class CorruptEntry(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
-    """One cached answer. `ttl_s` 0 means it never expires."""
+    """One cached answer. `ttl_s` 0 means it never expires.
+
+    `tags`, `scope` (the tenant scope, `tiercache.keys.tenant_scope`) and `adapter` (the adapter
+    digest, "" for the base model) are metadata for invalidation (`tiercache.invalidation`);
+    they are not part of the key. `created_s` is when the answer's generation started, so an
+    invalidation issued while it was generating also covers it.
+    """
 
     text: str
     created_s: float
     ttl_s: float = 0.0
     finish_reason: str = "stop"
     generated_tokens: int = 0
+    tags: tuple[str, ...] = ()
+    scope: str = ""
+    adapter: str = ""
 
     def expired(self, now_s: float) -> bool:
         return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
@@ -39,16 +52,24 @@ class CacheEntry:
     @property
     def size_bytes(self) -> int:
         """What this entry costs an in-memory tier (text as UTF-8 plus fixed overhead)."""
-        return len(self.text.encode("utf-8")) + ENTRY_OVERHEAD_BYTES
+        meta = sum(len(t) for t in self.tags) + len(self.scope) + len(self.adapter)
+        return len(self.text.encode("utf-8")) + meta + ENTRY_OVERHEAD_BYTES
 
 
 def encode_entry(entry: CacheEntry) -> bytes:
+    fields: dict[str, object] = {
+        "text": entry.text,
+        "finish_reason": entry.finish_reason,
+        "generated_tokens": entry.generated_tokens,
+    }
+    if entry.tags:
+        fields["tags"] = list(entry.tags)
+    if entry.scope:
+        fields["scope"] = entry.scope
+    if entry.adapter:
+        fields["adapter"] = entry.adapter
     payload = json.dumps(
-        {
-            "text": entry.text,
-            "finish_reason": entry.finish_reason,
-            "generated_tokens": entry.generated_tokens,
-        },
+        fields,
         separators=(",", ":"),
         ensure_ascii=False,
     ).encode("utf-8")
@@ -71,12 +92,18 @@ def decode_entry(data: bytes) -> CacheEntry:
         raise CorruptEntry("checksum mismatch")
     try:
         fields = json.loads(payload.decode("utf-8"))
+        tags = fields.get("tags", [])
+        if not isinstance(tags, list):
+            raise TypeError(f"tags is a {type(tags).__name__}, not a list")
         return CacheEntry(
             text=str(fields["text"]),
             created_s=created_s,
             ttl_s=ttl_s,
             finish_reason=str(fields["finish_reason"]),
             generated_tokens=int(fields["generated_tokens"]),
+            tags=tuple(str(t) for t in tags),
+            scope=str(fields.get("scope", "")),
+            adapter=str(fields.get("adapter", "")),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc

@@ -13,7 +13,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +45,15 @@ class Store(Protocol):
     def put(self, key: str, entry: CacheEntry) -> None: ...
 
     def delete(self, key: str) -> bool: ...
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete `keys`; how many were present. (A loop over `delete` where nothing batches.)"""
+        ...
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        """Every readable entry, for invalidation sweeps. Best effort: entries written or deleted
+        during the scan may or may not appear; corrupt ones are skipped. Not counted as hits."""
+        ...
 
     def clear(self) -> None: ...
 
@@ -95,6 +104,14 @@ class MemoryStore:
     def delete(self, key: str) -> bool:
         with self._lock:
             return self._lru.pop(key, None) is not None
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        return sum(self.delete(key) for key in keys)
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        with self._lock:  # a snapshot: reading cachetools' dict does not change LRU order
+            items = list(self._lru.items())
+        yield from items
 
     def clear(self) -> None:
         with self._lock:
@@ -236,6 +253,21 @@ class LmdbStore:
     def delete(self, key: str) -> bool:
         with self._env.begin(write=True) as txn:
             return bool(txn.delete(key.encode()))
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """One write transaction (one commit) for all of them."""
+        with self._env.begin(write=True) as txn:
+            return sum(bool(txn.delete(key.encode())) for key in keys)
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        """One read transaction over the whole map; decoding every entry costs about as much
+        as reading it (see docs/replicas.md for the figure)."""
+        with self._env.begin(buffers=False) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield key.decode(), decode_entry(value)
+                except CorruptEntry:
+                    continue
 
     def clear(self) -> None:
         with self._env.begin(write=True) as txn:

@@ -1,24 +1,31 @@
-"""The exact cache: L1 (this process) in front of L2 (shared on the host), read-through.
+"""The exact cache: L1 (this process) in front of L2 (shared on the host) in front of an optional
+L3 (Redis, shared by every replica), read-through.
 
-A read tries L1, then L2; an L2 hit is promoted into L1. A write goes to L2 first (the tier other
-processes see), then L1. Expiry is checked on every read with the injected clock, so an expired
-entry is a miss in every tier and is dropped where it was found.
+A read tries each tier in turn; a hit in a lower tier is copied into the tiers above it (an L3 hit
+fills L2 and L1). A write goes to L2 first (the tier other processes on the host see), then L3
+(other replicas), then L1. Expiry is checked on every read with the injected clock, and so are
+invalidations (`tiercache.invalidation.InvalidationTable`): an expired or invalidated entry is a
+miss in every tier and is dropped where it was found. A `max_age_s` read only skips entries that
+are too old for that one request; they stay for others.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from tiercache.codec import CacheEntry
+from tiercache.invalidation import InvalidationTable
 from tiercache.stores import Store
 
 
 class Tier(str, Enum):
     L1 = "l1"
     L2 = "l2"
+    L3 = "l3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,42 +34,58 @@ class Lookup:
     tier: Tier
 
 
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
 class TieredCache:
-    """Either tier may be None: the llm stage writes through L2 only, since its own L1 would
-    never be read (lookups happen in the prompt_cache process, whose L1 fills on the first L2 hit).
+    """Any tier may be None: the llm stage writes through L2 (and L3) only, since its own L1 would
+    never be read (lookups happen in the prompt_cache process, whose L1 fills on the first hit).
+
+    `background` holds what runs beside the tiers and is closed first (the invalidation
+    listener, `tiercache.invalidation.InvalidationListener`).
     """
 
     def __init__(
         self,
         l1: Store | None,
         l2: Store | None,
+        l3: Store | None = None,
+        *,
         clock: Callable[[], float] = time.time,
         default_ttl_s: float = 0.0,
+        invalidations: InvalidationTable | None = None,
+        background: Sequence[Closeable] = (),
     ) -> None:
         self.l1 = l1
         self.l2 = l2
+        self.l3 = l3
         self._clock = clock
         self.default_ttl_s = default_ttl_s
+        self.invalidations = invalidations if invalidations is not None else InvalidationTable()
+        self.background = list(background)
 
-    def get(self, key: str) -> Lookup | None:
+    def now(self) -> float:
+        """The wall clock entries are stamped with (`created_s`)."""
+        return self._clock()
+
+    def get(self, key: str, max_age_s: float | None = None) -> Lookup | None:
+        """The freshest usable entry, from the highest tier that has one; None on a miss."""
         now = self._clock()
-        if self.l1 is not None:
-            entry = self.l1.get(key)
-            if entry is not None:
-                if not entry.expired(now):
-                    return Lookup(entry, Tier.L1)
-                self.l1.delete(key)
-        if self.l2 is None:
-            return None
-        entry = self.l2.get(key)
-        if entry is None:
-            return None
-        if entry.expired(now):
-            self.l2.delete(key)
-            return None
-        if self.l1 is not None:
-            self.l1.put(key, entry)
-        return Lookup(entry, Tier.L2)
+        tiers = self.stores()
+        for i, (tier, store) in enumerate(tiers):
+            entry = store.get(key)
+            if entry is None:
+                continue
+            if entry.expired(now) or self.invalidations.covers(key, entry):
+                store.delete(key)
+                continue
+            if max_age_s is not None and now - entry.created_s > max_age_s:
+                continue
+            for _, upper in tiers[:i]:
+                upper.put(key, entry)
+            return Lookup(entry, tier)
+        return None
 
     def put(
         self,
@@ -72,18 +95,26 @@ class TieredCache:
         ttl_s: float | None = None,
         finish_reason: str = "stop",
         generated_tokens: int = 0,
+        tags: tuple[str, ...] = (),
+        scope: str = "",
+        adapter: str = "",
+        created_s: float | None = None,
     ) -> CacheEntry:
+        """Store an answer in every tier. `created_s` (default: now) is when its generation
+        started; `tags`, `scope` and `adapter` are what invalidations match on."""
         entry = CacheEntry(
             text=text,
-            created_s=self._clock(),
+            created_s=self._clock() if created_s is None else created_s,
             ttl_s=self.default_ttl_s if ttl_s is None else ttl_s,
             finish_reason=finish_reason,
             generated_tokens=generated_tokens,
+            tags=tags,
+            scope=scope,
+            adapter=adapter,
         )
-        if self.l2 is not None:
-            self.l2.put(key, entry)
-        if self.l1 is not None:
-            self.l1.put(key, entry)
+        for store in (self.l2, self.l3, self.l1):
+            if store is not None:
+                store.put(key, entry)
         return entry
 
     def delete(self, key: str) -> bool:
@@ -93,8 +124,15 @@ class TieredCache:
         return removed
 
     def stores(self) -> list[tuple[Tier, Store]]:
-        return [(t, s) for t, s in ((Tier.L1, self.l1), (Tier.L2, self.l2)) if s is not None]
+        tiers = ((Tier.L1, self.l1), (Tier.L2, self.l2), (Tier.L3, self.l3))
+        return [(t, s) for t, s in tiers if s is not None]
+
+    def local_stores(self) -> list[tuple[Tier, Store]]:
+        """The tiers of this host (L1, L2): what an invalidation message makes each process drop."""
+        return [(t, s) for t, s in self.stores() if t is not Tier.L3]
 
     def close(self) -> None:
+        for item in self.background:
+            item.close()
         for _, store in self.stores():
             store.close()

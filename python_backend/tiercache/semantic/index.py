@@ -311,6 +311,26 @@ class _Scope:
     row_ids: bytearray = field(default_factory=bytearray)  # _ROW_ID per row, in matrix order
     hnsw: object | None = None
     graph_rows: int = 0  # rows in the graph file this process last loaded or saved
+    # Rows whose answer was invalidated (tiercache.invalidation): kept in the matrix and graph
+    # (their positions and saved graphs stay valid), never returned by a search.
+    dead: set[int] = field(default_factory=set)
+
+    @property
+    def live(self) -> int:
+        return self.count - len(self.dead)
+
+    def forget(self, digests: set[str]) -> int:
+        """Mark the rows of `digests` dead; a later row with one of them is indexed afresh.
+        O(rows of the scope)."""
+        if not digests & self.known:
+            return 0
+        forgotten = 0
+        for i, digest in enumerate(self.digests):
+            if digest in digests and i not in self.dead:
+                self.dead.add(i)
+                forgotten += 1
+        self.known -= digests
+        return forgotten
 
     def extend(self, rows: list[IndexRow]) -> None:
         """Add rows (a digest already present is skipped); a graph takes them in one batch."""
@@ -366,19 +386,23 @@ class _Scope:
         return bool(np.array_equal(stored, self.vectors[labels]))
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[float, int]]:
-        if self.count == 0:
+        if self.live == 0:
             return []
-        k = min(k, self.count)
+        k = min(k, self.live)
         if self.hnsw is not None:
             index: Any = self.hnsw
-            labels, _ = index.knn_query(query, k=k)
-            ids = labels[0].astype(np.int64)
+            labels, _ = index.knn_query(query, k=min(self.count, k + len(self.dead)))
+            ids = np.array([i for i in labels[0].astype(np.int64) if i not in self.dead][:k])
+            if ids.size == 0:
+                return []
             # The graph only nominates rows; their similarity comes from this process's own
             # matrix, so a graph can cost recall but never report a wrong similarity.
             scores = self.vectors[ids] @ query
             order = np.argsort(-scores, kind="stable")
             return [(float(scores[j]), int(ids[j])) for j in order]
         scores = self.vectors[: self.count] @ query
+        if self.dead:
+            scores[list(self.dead)] = -np.inf
         if k == self.count:
             top = np.argsort(-scores)
         else:
@@ -537,17 +561,27 @@ class SemanticIndex:
     def add(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.store.append(scope, digest, prompt, vector)
 
+    def forget(self, digests: list[str]) -> int:
+        """Stop returning the rows of these answers' digests (their answers were invalidated);
+        how many rows. In this process only and until it restarts: the host's row log keeps
+        them, and a row whose answer is gone is a miss (`stale`), never a wrong answer."""
+        wanted = set(digests)
+        if not wanted:
+            return 0
+        with self._lock:
+            return sum(scope.forget(wanted) for scope in self._scopes.values())
+
     def size(self, scope: str | None = None) -> int:
         with self._lock:
             if scope is not None:
                 rows = self._scopes.get(scope)
-                return 0 if rows is None else rows.count
-            return sum(s.count for s in self._scopes.values())
+                return 0 if rows is None else rows.live
+            return sum(s.live for s in self._scopes.values())
 
     def stats(self) -> IndexStats:
         with self._lock:
             return IndexStats(
-                sum(s.count for s in self._scopes.values()),
+                sum(s.live for s in self._scopes.values()),
                 len(self._scopes),
                 self._built,
                 self._loaded,

@@ -1,0 +1,446 @@
+"""Invalidation by key, tag, tenant or adapter, on every tier of every replica.
+
+An invalidation is a watermark: `(kind, value, at_s)` says "every entry that matches and whose
+generation started at or before `at_s` is dead". Each process keeps the watermarks it has seen in
+an `InvalidationTable`, and `TieredCache.get` checks every entry it finds against it (a few dict
+look-ups; nothing when the table is empty), so a matching entry is never served again from any
+tier once the table holds its watermark, whether or not it has been deleted yet. Deleting is the
+second, eager step that gives the space back:
+
+- The process that receives the command (`Invalidator`) notes the watermark, drops its own L1/L2
+  copies, deletes from L3 (a key directly; a tag, tenant or adapter by scanning this prefix's L3
+  entries), records the watermark in Redis (`<prefix>invalidated`, a sorted set by time, trimmed
+  to the newest `max_events`) and publishes it on the channel `<prefix>invalidations`.
+- Every replica process runs an `InvalidationListener` (a thread started with its cache and
+  joined at close) subscribed to that channel: it notes the watermark, then sweeps its L1 and L2
+  and tells its listeners (the semantic index) which digests it dropped.
+- A message sent while a listener was disconnected (Redis restarted, a network blip) is not lost:
+  on every (re)connect the listener first subscribes, then reads the watermarks recorded since the
+  last one it saw (all of them at start), so it never misses one that Redis still holds.
+
+Matching needs metadata in the entry (`CacheEntry.tags/scope/adapter`). L1 and L2 have no
+secondary index: a tag, tenant or adapter sweep decodes every entry of the tier (L2: one read
+transaction, see docs/replicas.md for the cost per 10,000 entries); a key needs one delete. The
+reads stay correct without the sweep, so its cost is off the request path, on the listener thread.
+
+Times: `at_s` is Redis's clock (`TIME`), `created_s` the generating replica's wall clock; entries
+created up to `skew_s` after the watermark are also dropped, to absorb clock skew between hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from tiercache.codec import CacheEntry
+from tiercache.errors import Unavailable
+
+if TYPE_CHECKING:
+    from tiercache.redis_tier import RedisLink
+    from tiercache.stores import Store
+    from tiercache.tiered import TieredCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SKEW_S = 0.05
+DEFAULT_MAX_EVENTS = 100_000
+
+
+class InvalidationKind(str, Enum):
+    KEY = "key"  # one exact-cache digest
+    TAG = "tag"  # every entry stored with this cache_control tag
+    TENANT = "tenant"  # every entry of a tenant scope (tiercache.keys.tenant_scope)
+    ADAPTER = "adapter"  # every entry generated with this adapter digest
+
+
+@dataclass(frozen=True, slots=True)
+class Invalidation:
+    kind: InvalidationKind
+    value: str
+    at_s: float  # entries whose generation started at or before this are dead
+    origin: str = ""  # the table that issued it (its own listener skips it)
+
+    def member(self) -> str:
+        """Its identity in the Redis sorted set: a later one for the same thing replaces it."""
+        return f"{self.kind.value}:{self.value}"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"kind": self.kind.value, "value": self.value, "at_s": self.at_s, "origin": self.origin}
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Invalidation:
+        data = json.loads(text)
+        kind = InvalidationKind(data["kind"])
+        return cls(kind, str(data["value"]), float(data["at_s"]), str(data.get("origin", "")))
+
+    @classmethod
+    def from_member(cls, member: str | bytes, at_s: float) -> Invalidation:
+        text = member.decode() if isinstance(member, bytes) else member
+        kind, _, value = text.partition(":")
+        return cls(InvalidationKind(kind), value, at_s)
+
+
+def applies(inv: Invalidation, key: str, entry: CacheEntry, skew_s: float = DEFAULT_SKEW_S) -> bool:
+    """Whether `inv` kills `entry` (stored under `key`)."""
+    if entry.created_s > inv.at_s + skew_s:
+        return False
+    if inv.kind is InvalidationKind.KEY:
+        return key == inv.value
+    if inv.kind is InvalidationKind.TAG:
+        return inv.value in entry.tags
+    if inv.kind is InvalidationKind.TENANT:
+        return bool(entry.scope) and entry.scope == inv.value
+    return bool(entry.adapter) and entry.adapter == inv.value
+
+
+class InvalidationTable:
+    """The watermarks this process has seen, checked on every read. Thread-safe: writers hold a
+    lock; readers do plain dict look-ups (atomic in CPython). Bounded: past `max_events` the
+    oldest tenth is forgotten (those invalidations have long been swept)."""
+
+    def __init__(
+        self, skew_s: float = DEFAULT_SKEW_S, max_events: int = DEFAULT_MAX_EVENTS
+    ) -> None:
+        self.skew_s = skew_s
+        self.max_events = max_events
+        self.origin = uuid.uuid4().hex
+        self._marks: dict[InvalidationKind, dict[str, float]] = {k: {} for k in InvalidationKind}
+        self._count = 0
+        self._lock = threading.Lock()
+        self.newest_s = 0.0  # the newest watermark seen
+
+    def note(self, inv: Invalidation) -> bool:
+        """Record `inv`; True if it raised a watermark (it was news)."""
+        with self._lock:
+            marks = self._marks[inv.kind]
+            old = marks.get(inv.value)
+            if old is not None and old >= inv.at_s:
+                return False
+            if old is None:
+                self._count += 1
+            marks[inv.value] = inv.at_s
+            self.newest_s = max(self.newest_s, inv.at_s)
+            if self._count > self.max_events:
+                self._forget_oldest()
+            return True
+
+    def _forget_oldest(self) -> None:
+        every = sorted((at, k, v) for k, marks in self._marks.items() for v, at in marks.items())
+        for _, kind, value in every[: max(1, len(every) // 10)]:
+            del self._marks[kind][value]
+            self._count -= 1
+
+    def covers(self, key: str, entry: CacheEntry) -> bool:
+        """Whether a watermark this process has seen kills `entry`."""
+        if not self._count:
+            return False
+        floor = entry.created_s - self.skew_s  # dead if some watermark >= floor
+        marks = self._marks
+        mark = marks[InvalidationKind.KEY].get(key)
+        if mark is not None and mark >= floor:
+            return True
+        if entry.scope:
+            mark = marks[InvalidationKind.TENANT].get(entry.scope)
+            if mark is not None and mark >= floor:
+                return True
+        if entry.adapter:
+            mark = marks[InvalidationKind.ADAPTER].get(entry.adapter)
+            if mark is not None and mark >= floor:
+                return True
+        tags = marks[InvalidationKind.TAG]
+        for tag in entry.tags:
+            mark = tags.get(tag)
+            if mark is not None and mark >= floor:
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> list[str]:
+    """Delete what `inv` kills from `store`; the keys deleted. A key costs one delete; a tag,
+    tenant or adapter a scan of the whole store."""
+    if inv.kind is InvalidationKind.KEY:
+        return [inv.value] if store.delete(inv.value) else []
+    victims = [key for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
+    if victims:
+        store.delete_many(victims)
+    return victims
+
+
+DroppedFn = Callable[[Invalidation, list[str]], None]
+"""Told which digests a received invalidation dropped locally (for a key: always that digest);
+the semantic index forgets their rows."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerStats:
+    connected: bool
+    received: int  # messages applied from other replicas
+    caught_up: int  # watermarks read from Redis on (re)connect
+    reconnects: int
+    dropped: int  # entries this listener's sweeps deleted
+
+
+class InvalidationListener:
+    """A background thread that applies other replicas' invalidations to one `TieredCache`.
+
+    Subscribes to `<prefix>invalidations` on its own connection; after any error it reconnects
+    every `retry_s` and catches up from `<prefix>invalidated`. `close()` stops and joins it
+    (at most `poll_s` plus one Redis timeout). `on_dropped` callbacks run on this thread.
+    """
+
+    def __init__(
+        self,
+        link: RedisLink,
+        cache: TieredCache,
+        poll_s: float = 0.2,
+        retry_s: float = 1.0,
+        ping_s: float = 5.0,
+    ) -> None:
+        self.link = link
+        self.cache = cache
+        self.table = cache.invalidations
+        self.channel = link.key("invalidations")
+        self.events = link.key("invalidated")
+        self._poll_s = poll_s
+        self._retry_s = retry_s
+        self._ping_s = ping_s
+        self._callbacks: list[DroppedFn] = []
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._lock = threading.Lock()
+        self._received = self._caught_up = self._reconnects = self._dropped = 0
+        self._thread: threading.Thread | None = None
+
+    def on_dropped(self, callback: DroppedFn) -> None:
+        self._callbacks.append(callback)
+
+    def start(self) -> InvalidationListener:
+        self._thread = threading.Thread(target=self._run, name="tiercache-invalidations")
+        self._thread.daemon = True  # never keeps a stub process alive; close() joins it
+        self._thread.start()
+        return self
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._connected.wait(timeout_s)
+
+    def _run(self) -> None:
+        import redis  # only processes with L3 import the client
+
+        errors = (redis.exceptions.RedisError, OSError, ValueError)
+        pubsub: Any = None
+        first = True
+        next_ping = 0.0
+        while not self._stop.is_set():
+            if pubsub is None:
+                try:
+                    pubsub = self._connect(catch_up_sweeps=not first)
+                except errors as exc:
+                    self._disconnected(exc, first)
+                    self._stop.wait(self._retry_s)
+                    continue
+                first = False
+                next_ping = time.monotonic() + self._ping_s
+            try:
+                message = pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
+                if time.monotonic() >= next_ping:  # a dead peer that never closed the socket
+                    pubsub.ping()
+                    next_ping = time.monotonic() + self._ping_s
+            except errors as exc:
+                self._close_quietly(pubsub)
+                pubsub = None
+                self._disconnected(exc, False)
+                continue
+            if message is None or message.get("type") != "message":
+                continue
+            try:
+                inv = Invalidation.from_json(message["data"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignored a malformed invalidation message: %s", exc)
+                continue
+            if inv.origin != self.table.origin:
+                self._apply(inv, sweep_local=True)
+                with self._lock:
+                    self._received += 1
+        self._close_quietly(pubsub)
+
+    def _connect(self, catch_up_sweeps: bool) -> Any:
+        """Subscribe first, then read the watermarks recorded since the newest one seen: an
+        invalidation published in between arrives twice, which is harmless."""
+        pubsub = self.link.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self.channel)
+            since = self.table.newest_s - 2 * self.table.skew_s if self.table.newest_s else "-inf"
+            rows: Any = self.link.client.zrangebyscore(self.events, since, "+inf", withscores=True)
+        except BaseException:
+            self._close_quietly(pubsub)
+            raise
+        for member, score in rows:
+            try:
+                inv = Invalidation.from_member(member, float(score))
+            except ValueError:
+                continue
+            # At start every recorded watermark is noted; reads check them, so no sweep is
+            # needed. After an outage only the news is swept.
+            if self.table.note(inv) and catch_up_sweeps:
+                self._apply(inv, sweep_local=True, noted=True)
+            with self._lock:
+                self._caught_up += 1
+        if self._connected.is_set() is False:
+            log.info("invalidation listener subscribed to %s", self.channel)
+        self._connected.set()
+        return pubsub
+
+    def _apply(self, inv: Invalidation, sweep_local: bool, noted: bool = False) -> None:
+        if not noted:
+            self.table.note(inv)
+        if not sweep_local:
+            return
+        dropped: list[str] = []
+        for _, store in self.cache.local_stores():
+            dropped.extend(sweep(store, inv, self.table.skew_s))
+        with self._lock:
+            self._dropped += len(dropped)  # entries, counted once per tier
+        digests = list(dict.fromkeys(dropped))
+        if inv.kind is InvalidationKind.KEY and inv.value not in digests:
+            digests.append(inv.value)  # another process on the host may have swept it first
+        for callback in self._callbacks:
+            try:
+                callback(inv, digests)
+            except Exception:  # noqa: BLE001 - a listener's hook must not stop the thread
+                log.exception("invalidation callback failed")
+
+    def _disconnected(self, exc: BaseException, first: bool) -> None:
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        with self._lock:
+            self._reconnects += 1
+        if was_connected or first:
+            log.warning(
+                "invalidation listener lost Redis (%s: %s); reconnecting every %.1f s",
+                type(exc).__name__,
+                exc,
+                self._retry_s,
+            )
+
+    @staticmethod
+    def _close_quietly(pubsub: Any) -> None:
+        if pubsub is None:
+            return
+        try:
+            pubsub.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            log.debug("closing a pubsub connection failed", exc_info=True)
+
+    def stats(self) -> ListenerStats:
+        with self._lock:
+            return ListenerStats(
+                self._connected.is_set(),
+                self._received,
+                self._caught_up,
+                self._reconnects,
+                self._dropped,
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidationReport:
+    invalidation: Invalidation
+    dropped_local: int  # entries this process dropped from its L1 and L2
+    dropped_shared: int  # entries deleted from L3
+    published: bool  # recorded in Redis and sent to the other replicas
+
+
+class Invalidator:
+    """The admin side: apply an invalidation here, in L3, and on every other replica.
+
+    Without Redis (`link` None) an invalidation is local to this process and its host's L2. With
+    Redis, `at_s` is Redis's clock; if Redis cannot be reached the invalidation is still applied
+    here and `Unavailable` is raised, so the caller knows the other replicas did not get it.
+    """
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        link: RedisLink | None = None,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> None:
+        self.cache = cache
+        self.link = link
+        self.max_events = max_events
+
+    def invalidate(
+        self, kind: InvalidationKind, value: str, sweep_shared: bool = True
+    ) -> InvalidationReport:
+        """`sweep_shared` False leaves matching L3 entries to expire (they are never served:
+        every reader checks the watermark), avoiding a scan of every L3 entry."""
+        if not value:
+            raise ValueError(f"an invalidation by {kind.value} needs a value")
+        table = self.cache.invalidations
+        redis_s = self._redis_time()
+        at_s = self.cache.now() if redis_s is None else redis_s
+        inv = Invalidation(kind, value, at_s, table.origin)
+        table.note(inv)
+        local = 0
+        for _, store in self.cache.local_stores():
+            local += len(sweep(store, inv, table.skew_s))
+        link = self.link
+        if link is None:
+            return InvalidationReport(inv, local, 0, False)
+        if redis_s is None:
+            raise Unavailable(
+                f"Redis {link.url or ''} is unavailable: the invalidation of {kind.value} "
+                f"{value!r} was applied on this replica only"
+            )
+        shared = 0
+        if self.cache.l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
+            shared = len(sweep(self.cache.l3, inv, table.skew_s))
+        link.call_or_raise(lambda c: self._record(c, link, inv))
+        return InvalidationReport(inv, local, shared, True)
+
+    def _redis_time(self) -> float | None:
+        """Redis's clock (every replica's watermarks on one clock); None without Redis."""
+        if self.link is None:
+            return None
+        found: Any = self.link.call(lambda c: c.time(), None)
+        return None if found is None else float(found[0]) + float(found[1]) / 1e6
+
+    def _record(self, client: Any, link: RedisLink, inv: Invalidation) -> None:
+        """Record the watermark (for replicas that connect later), then publish it."""
+        events = link.key("invalidated")
+        pipe = client.pipeline(transaction=False)
+        pipe.zadd(events, {inv.member(): inv.at_s}, gt=True)
+        pipe.zremrangebyrank(events, 0, -(self.max_events + 1))
+        pipe.publish(link.key("invalidations"), inv.to_json())
+        pipe.execute()
+
+    def key(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.KEY, digest, sweep_shared)
+
+    def tag(self, name: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.TAG, name, sweep_shared)
+
+    def tenant(self, scope: str, sweep_shared: bool = True) -> InvalidationReport:
+        """By tenant scope (`tiercache.keys.tenant_scope(secret, tenant)`): every replica shares
+        the secret (`tiercache.redis_tier.shared_secret`), so one scope names the tenant there."""
+        return self.invalidate(InvalidationKind.TENANT, scope, sweep_shared)
+
+    def adapter(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.ADAPTER, digest, sweep_shared)

@@ -1,0 +1,229 @@
+"""Invalidation watermarks, sweeps and the three-tier read path without Redis
+(tiercache.invalidation, tiercache.tiered); with Redis: tests/integration/test_invalidation_redis.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiercache.codec import CacheEntry
+from tiercache.invalidation import (
+    Invalidation,
+    InvalidationKind,
+    InvalidationTable,
+    Invalidator,
+    applies,
+    sweep,
+)
+from tiercache.semantic.index import SemanticIndex, SemanticStore
+from tiercache.stores import LmdbStore, MemoryStore, Store
+from tiercache.tiered import Tier, TieredCache
+
+K, T, S, A = (
+    InvalidationKind.KEY,
+    InvalidationKind.TAG,
+    InvalidationKind.TENANT,
+    InvalidationKind.ADAPTER,
+)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def entry(created_s: float = 100.0, **meta: object) -> CacheEntry:
+    return CacheEntry("answer", created_s, **meta)  # type: ignore[arg-type]
+
+
+TAGGED = entry(tags=("kb:v1", "faq"), scope="tenant-a", adapter="ad-1")
+
+
+@pytest.mark.parametrize(
+    ("inv", "key", "expected"),
+    [
+        (Invalidation(K, "k", 100.0), "k", True),
+        (Invalidation(K, "k", 100.0), "other", False),
+        (Invalidation(T, "kb:v1", 100.0), "k", True),
+        (Invalidation(T, "kb:v2", 100.0), "k", False),
+        (Invalidation(S, "tenant-a", 100.0), "k", True),
+        (Invalidation(S, "tenant-b", 100.0), "k", False),
+        (Invalidation(A, "ad-1", 100.0), "k", True),
+        (Invalidation(A, "ad-2", 100.0), "k", False),
+        # generated after the invalidation (beyond the skew allowance): a new answer, kept
+        (Invalidation(T, "kb:v1", 99.0), "k", False),
+        (Invalidation(T, "kb:v1", 99.96), "k", True),  # within skew_s (0.05)
+    ],
+)
+def test_applies(inv: Invalidation, key: str, expected: bool) -> None:
+    assert applies(inv, key, TAGGED) is expected
+
+
+def test_empty_metadata_never_matches_tenant_or_adapter() -> None:
+    bare = entry()
+    assert not applies(Invalidation(S, "", 1e9), "k", bare)
+    assert not applies(Invalidation(A, "", 1e9), "k", bare)
+    table = InvalidationTable()
+    table.note(Invalidation(T, "faq", 1e9))
+    assert not table.covers("k", bare)
+
+
+def test_table_covers_like_applies_and_keeps_the_newest_watermark() -> None:
+    table = InvalidationTable(skew_s=0.0)
+    assert not table.covers("k", TAGGED)
+    assert table.note(Invalidation(T, "faq", 100.0)) is True
+    assert table.covers("k", TAGGED)
+    assert not table.covers("k", entry(created_s=100.5, tags=("faq",)))
+    assert table.note(Invalidation(T, "faq", 50.0)) is False  # older: not news
+    assert table.covers("k", TAGGED) and len(table) == 1
+    assert table.note(Invalidation(T, "faq", 200.0)) is True
+    assert table.covers("k", entry(created_s=150.0, tags=("faq",)))
+    for kind, value in ((K, "k2"), (S, "tenant-a"), (A, "ad-1")):
+        fresh = InvalidationTable(skew_s=0.0)
+        fresh.note(Invalidation(kind, value, 100.0))
+        assert fresh.covers("k2", TAGGED)
+        assert not fresh.covers("k2", entry(created_s=101.0, scope="tenant-a", adapter="ad-1"))
+
+
+def test_table_is_bounded_and_forgets_the_oldest() -> None:
+    table = InvalidationTable(max_events=100)
+    for i in range(101):
+        table.note(Invalidation(K, f"k{i}", float(i)))
+    assert len(table) == 91  # past the bound, the oldest tenth went
+    assert not table.covers("k0", entry(created_s=0.0))
+    assert table.covers("k100", entry(created_s=0.0))
+
+
+def test_invalidation_json_and_member_round_trip() -> None:
+    inv = Invalidation(T, "kb:v1", 123.5, "origin")
+    assert Invalidation.from_json(inv.to_json()) == inv
+    assert Invalidation.from_member(inv.member().encode(), 123.5) == Invalidation(T, "kb:v1", 123.5)
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    s: Store = MemoryStore(1 << 20) if request.param == "memory" else LmdbStore(tmp_path, 1 << 20)
+    yield s
+    s.close()
+
+
+def test_sweep_by_tag_tenant_adapter_and_key(store: Store) -> None:
+    store.put("a", entry(tags=("kb:v1",), scope="t1"))
+    store.put("b", entry(tags=("kb:v1", "x"), scope="t2", adapter="ad"))
+    store.put("c", entry(tags=("kb:v2",), scope="t1"))
+    store.put("late", entry(created_s=500.0, tags=("kb:v1",)))
+    assert sorted(sweep(store, Invalidation(T, "kb:v1", 200.0))) == ["a", "b"]
+    assert sweep(store, Invalidation(A, "ad", 200.0)) == []
+    assert sweep(store, Invalidation(S, "t1", 200.0)) == ["c"]
+    assert sweep(store, Invalidation(K, "late", 0.0)) == ["late"]  # a key goes whatever its age
+    assert list(store.scan()) == []
+
+
+# ---------------------------------------------------------------- the tiered read path
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore]]:
+    l1, l2, l3 = MemoryStore(1 << 20), LmdbStore(tmp_path / "l2", 1 << 20), MemoryStore(1 << 20)
+    cache = TieredCache(l1, l2, l3, clock=FakeClock())
+    yield cache, l1, l2, l3
+    cache.close()
+
+
+def test_l3_hit_fills_l2_and_l1(
+    three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
+) -> None:
+    cache, l1, l2, l3 = three
+    l3.put("k", entry(created_s=999.0))
+    found = cache.get("k")
+    assert found is not None and found.tier is Tier.L3
+    assert l2.get("k") == l1.get("k") == entry(created_s=999.0)
+    again = cache.get("k")
+    assert again is not None and again.tier is Tier.L1
+
+
+def test_put_writes_every_tier_with_metadata(
+    three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
+) -> None:
+    cache, l1, l2, l3 = three
+    written = cache.put("k", "answer", tags=("kb:v1",), scope="t", adapter="a", created_s=990.0)
+    assert written == CacheEntry("answer", 990.0, tags=("kb:v1",), scope="t", adapter="a")
+    assert l1.get("k") == l2.get("k") == l3.get("k") == written
+
+
+def test_invalidated_entry_is_a_miss_and_dropped_in_every_tier(
+    three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
+) -> None:
+    cache, l1, l2, l3 = three
+    cache.put("k", "old", tags=("kb:v1",), created_s=990.0)
+    cache.invalidations.note(Invalidation(T, "kb:v1", 995.0))
+    assert cache.get("k") is None
+    assert l1.get("k") is None and l2.get("k") is None and l3.get("k") is None
+    cache.put("k", "new", tags=("kb:v1",), created_s=996.0)  # generated after: served
+    found = cache.get("k")
+    assert found is not None and found.entry.text == "new"
+
+
+def test_max_age_skips_old_entries_for_that_request_only(
+    three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
+) -> None:
+    cache, l1, l2, l3 = three
+    l1.put("k", entry(created_s=900.0))  # 100 s old
+    l3.put("k", entry(created_s=995.0))  # 5 s old, from another replica
+    assert cache.get("k", max_age_s=1.0) is None
+    fresher = cache.get("k", max_age_s=10.0)
+    assert fresher is not None and fresher.tier is Tier.L3
+    assert fresher.entry.created_s == 995.0
+    found = cache.get("k")  # without max-age the promoted fresher entry now sits in L1
+    assert found is not None and found.tier is Tier.L1 and found.entry.created_s == 995.0
+    assert cache.get("k", max_age_s=0.0) is None
+    assert l1.get("k") is not None  # still there for everyone else
+
+
+def test_local_invalidator_without_redis(
+    three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
+) -> None:
+    cache, l1, l2, l3 = three
+    cache.put("a", "x", tags=("kb:v1",), created_s=990.0)
+    cache.put("b", "y", tags=("kb:v2",), created_s=990.0)
+    report = Invalidator(cache).tag("kb:v1")
+    assert (report.dropped_local, report.dropped_shared, report.published) == (2, 0, False)
+    assert report.invalidation.at_s == 1_000.0  # the cache's clock
+    assert l3.get("a") is not None  # L3 is swept only through Redis ...
+    assert cache.get("a") is None and cache.get("b") is not None  # ... but never served
+    assert l3.get("a") is None  # and dropped where it was found
+    with pytest.raises(ValueError):
+        Invalidator(cache).tag("")
+
+
+# ---------------------------------------------------------------- semantic rows
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.zeros(8, dtype=np.float32)
+    v[: len(values)] = values
+    return v / np.linalg.norm(v)
+
+
+@pytest.mark.parametrize("flat_max_rows", [10_000, 2])
+def test_forgotten_rows_are_never_returned_and_come_back_when_indexed_again(
+    tmp_path: Path, flat_max_rows: int
+) -> None:
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), 8, flat_max_rows, persist_graphs=False)
+    index.add("s", "d1", "p1", unit(1, 0))
+    index.add("s", "d2", "p2", unit(1, 0.2))
+    index.add("s", "d3", "p3", unit(0, 1))
+    assert [n.digest for n in index.search("s", unit(1, 0), k=2)] == ["d1", "d2"]
+    assert index.forget(["d1", "unknown"]) == 1
+    assert [n.digest for n in index.search("s", unit(1, 0), k=2)] == ["d2", "d3"]
+    assert index.size("s") == 2 and index.stats().rows == 2
+    index.add("s", "d1", "p1 again", unit(1, 0))  # the answer was generated and indexed anew
+    assert [n.prompt for n in index.search("s", unit(1, 0), k=1)] == ["p1 again"]
+    index.close()
