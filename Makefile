@@ -21,6 +21,14 @@ export TRANSFORMERS_OFFLINE := 1
 .PHONY: setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
 
 setup: $(STAMP) $(NATIVE_STAMP)
+	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
+	@# when missing. Needs root; without it setup goes on and says so (Redis stays optional).
+	@command -v redis-server >/dev/null || \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } || \
+	  echo "tiercache: could not install redis-server (apt-get failed: not root, or no package" \
+	    "index). Redis is off unless redis_url is set; the Redis tests fail naming this, and" \
+	    "TIERCACHE_SKIP_REDIS=1 skips them." >&2
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

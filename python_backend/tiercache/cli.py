@@ -1,12 +1,14 @@
-"""`tiercache`: the server-side command line (`tiercache serve`)."""
+"""`tiercache`: the server-side command line (`tiercache serve`, `tiercache invalidate`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
 from tiercache.server import Ports, ServerError, TritonServer
@@ -52,6 +54,79 @@ def _serve(args: argparse.Namespace) -> int:
         return server.stop() or 0
 
 
+def _invalidate(args: argparse.Namespace) -> int:
+    """Delete from L3 and tell every replica (they drop their L1/L2 copies): an admin tool, not
+    a replica, so it holds no local tier itself."""
+    from tiercache.errors import TierCacheError
+    from tiercache.invalidation import InvalidationKind, Invalidator
+    from tiercache.keys import load_or_create_secret, tenant_scope
+    from tiercache.redis_tier import RedisLink, RedisStore
+    from tiercache.tiered import TieredCache
+
+    link = RedisLink.from_url(args.redis_url, args.redis_prefix, timeout_s=args.timeout_s)
+    cache = TieredCache(None, None, RedisStore(link))
+    try:
+        if args.key:
+            kind, value = InvalidationKind.KEY, args.key
+        elif args.tag:
+            kind, value = InvalidationKind.TAG, args.tag
+        elif args.adapter:
+            kind, value = InvalidationKind.ADAPTER, args.adapter
+        else:
+            kind = InvalidationKind.TENANT
+            stored: Any = link.call_or_raise(lambda c: c.get(link.key("secret")))
+            if stored:
+                secret = bytes(stored)  # the replicas' shared secret
+            else:
+                secret = load_or_create_secret(Path(args.state_dir) / "secret")
+            value = tenant_scope(secret, args.tenant)
+        report = Invalidator(cache, link).invalidate(kind, value, sweep_shared=not args.no_sweep)
+    except TierCacheError as exc:
+        print(f"tiercache: {exc.client_message()}", file=sys.stderr)
+        return 1
+    finally:
+        cache.close()
+    inv = report.invalidation
+    print(
+        json.dumps(
+            {
+                "kind": inv.kind.value,
+                "value": inv.value,
+                "at_s": inv.at_s,
+                "dropped_l3": report.dropped_shared,
+                "published": report.published,
+            }
+        )
+    )
+    return 0
+
+
+def _add_invalidate(sub: argparse._SubParsersAction) -> None:
+    inv = sub.add_parser(
+        "invalidate",
+        help="drop cached answers by key, tag, tenant or adapter on every replica (needs Redis)",
+    )
+    what = inv.add_mutually_exclusive_group(required=True)
+    what.add_argument("--key", help="an exact-cache digest")
+    what.add_argument("--tag", help="a cache_control tag (tag=NAME)")
+    what.add_argument("--tenant", help="a tenant name (its scope uses the replicas' secret)")
+    what.add_argument("--adapter", help="a LoRA adapter's content digest")
+    inv.add_argument("--redis-url", required=True, help="the replicas' redis_url")
+    inv.add_argument("--redis-prefix", default="tiercache:", help="the replicas' redis_prefix")
+    inv.add_argument(
+        "--state-dir",
+        default=str(default_state_dir()),
+        help="--tenant only: where the secret is when Redis holds none",
+    )
+    inv.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="do not scan L3 for a tag/tenant/adapter (its entries are never served again and "
+        "expire with their TTL)",
+    )
+    inv.add_argument("--timeout-s", type=float, default=2.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiercache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "tritonserver_args", nargs=argparse.REMAINDER, help="after --: passed to tritonserver"
     )
+    _add_invalidate(sub)
     sub.add_parser(
         "eval-semantic",
         help="evaluate the semantic cache's guard on a pairs file (see --help)",
@@ -84,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_eval_semantic(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "invalidate":
+        return _invalidate(args)
     if args.tritonserver_args and args.tritonserver_args[0] == "--":
         args.tritonserver_args = args.tritonserver_args[1:]
     if args.command == "serve":

@@ -49,6 +49,12 @@ class CacheConfig:
     model: str = "smollm2-135m-instruct"
     adapters_dir: str = ""  # empty: adapters_path()'s default
     adapters_manifest: str = ""  # optional JSON manifest (tiercache.lora.registry)
+    # L3 on Redis, shared by replicas (tiercache.redis_tier); "" keeps every tier on this host.
+    redis_url: str = ""  # e.g. redis://cache-redis:6379/0
+    redis_prefix: str = "tiercache:"  # every key and channel of this deployment starts with it
+    redis_timeout_s: float = 0.25  # socket connect/read timeout of one call
+    redis_retry_s: float = 1.0  # after a failure, Redis is tried again at most this often
+    redis_max_ttl_s: float = 7 * 86400.0  # L3 expiry cap (0: none; entries' own ttl_s applies)
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()
@@ -117,6 +123,9 @@ class LlmConfig(SemanticConfig):
     engine_kind: str = "torch_llm"
     lora_model: str = "lora_cache"  # asked again for adapter weights the engine lost (BLS)
     max_concurrency: int = 64  # worker threads: generations plus waiting followers
+    # With redis_url: a miss another replica is generating waits for its answer (tiercache.leases)
+    lease_ttl_s: float = 10.0  # a dead replica's lease expires after this (renewed while alive)
+    lease_wait_s: float = 60.0  # the longest wait for another replica before generating here
     # engine_kind tensorrt_llm only: the engine's tokenizer folder (required), and the limits it
     # was built with (trtllm-build --max_input_len / --max_seq_len; 0: not checked here).
     tokenizer_dir: str = ""

@@ -112,6 +112,23 @@ def load_or_create_secret(path: Path) -> bytes:
     return _read_secret(path)
 
 
+def replace_secret(path: Path, secret: bytes) -> None:
+    """Write `secret` to `path` atomically (0600): readers see the old file or the new one."""
+    if len(secret) < SECRET_BYTES:
+        raise ValueError(f"a server secret has at least {SECRET_BYTES} bytes, got {len(secret)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(secret)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _read_secret(path: Path) -> bytes:
     data = path.read_bytes()
     if len(data) < SECRET_BYTES:

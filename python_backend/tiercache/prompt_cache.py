@@ -10,8 +10,18 @@ from enum import Enum
 
 from tiercache.config import CacheConfig
 from tiercache.errors import NotFound
-from tiercache.keys import Digest, EngineIdentity, request_digest, semantic_scope, tenant_scope
+from tiercache.invalidation import InvalidationListener
+from tiercache.keys import (
+    Digest,
+    EngineIdentity,
+    load_or_create_secret,
+    replace_secret,
+    request_digest,
+    semantic_scope,
+    tenant_scope,
+)
 from tiercache.lora.types import AdapterRef
+from tiercache.redis_tier import RedisLink, RedisStore, shared_secret
 from tiercache.request import DEFAULT_LIMITS, GenerationRequest, Limits, RawInputs, canonicalize
 from tiercache.stores import LmdbStore, MemoryStore
 from tiercache.tiered import Tier, TieredCache
@@ -42,10 +52,43 @@ class LookupResult:
 def open_tiered_cache(
     config: CacheConfig, clock: Callable[[], float] = time.time, with_l1: bool = True
 ) -> TieredCache:
-    """L1 in this process (unless `with_l1` is False) plus the host's shared L2, as configured."""
+    """L1 in this process (unless `with_l1` is False), the host's shared L2 and, with
+    `redis_url`, L3 on Redis plus the invalidation listener (a thread, joined by `close()`)."""
     l1 = MemoryStore(config.l1_max_bytes) if with_l1 else None
     l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)
-    return TieredCache(l1, l2, clock=clock, default_ttl_s=config.ttl_s)
+    if not config.redis_url:
+        return TieredCache(l1, l2, clock=clock, default_ttl_s=config.ttl_s)
+    link = RedisLink.from_url(
+        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
+    )
+    l3 = RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)
+    cache = TieredCache(l1, l2, l3, clock=clock, default_ttl_s=config.ttl_s)
+    cache.background.append(InvalidationListener(link, cache, retry_s=config.redis_retry_s).start())
+    return cache
+
+
+def redis_link(cache: TieredCache) -> RedisLink | None:
+    """The cache's Redis link (for leases and invalidations), None without L3."""
+    return cache.l3.link if isinstance(cache.l3, RedisStore) else None
+
+
+def invalidation_listener(cache: TieredCache) -> InvalidationListener | None:
+    found = [b for b in cache.background if isinstance(b, InvalidationListener)]
+    return found[0] if found else None
+
+
+def load_secret(config: CacheConfig, cache: TieredCache) -> bytes:
+    """The server secret: the host's (`<state>/secret`) or, with L3, the one every replica shares
+    (kept in Redis; the host's file is replaced by it, so a later start without Redis agrees)."""
+    path = config.secret_path()
+    local = load_or_create_secret(path)
+    link = redis_link(cache)
+    if link is None:
+        return local
+    shared = shared_secret(link, local)
+    if shared != local:
+        replace_secret(path, shared)
+    return shared
 
 
 class PromptCache:
@@ -83,8 +126,13 @@ class PromptCache:
         canonical = canonicalize(raw, self.limits)
         tenant = tenant_scope(self._secret, canonical.tenant)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
-        request = dataclasses.replace(self._with_adapter(canonical.request), kv_scope=tenant)
         control = canonical.cache_control
+        request = dataclasses.replace(
+            self._with_adapter(canonical.request),
+            kv_scope=tenant,
+            cache_tags=control.tags,
+            max_age_s=control.max_age_s,
+        )
         if not canonical.cacheable:
             return LookupResult(request, None, CacheStatus.BYPASS, "", None, False)
         adapter = request.lora_digest
@@ -93,15 +141,18 @@ class PromptCache:
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
+        # A semantic hit's age is not checked, so a request with max-age is not looked up by
+        # meaning (its answer is still indexed for others).
+        semantic = bool(scope) and control.max_age_s is None
         if control.no_cache:
             return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back, scope)
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return LookupResult(
-                request, digest, CacheStatus.BYPASS, "", None, write_back, scope, bool(scope)
+                request, digest, CacheStatus.BYPASS, "", None, write_back, scope, semantic
             )
-        found = self.cache.get(digest)
+        found = self.cache.get(digest, control.max_age_s)
         if found is None:
             return LookupResult(
-                request, digest, CacheStatus.MISS, "", None, write_back, scope, bool(scope)
+                request, digest, CacheStatus.MISS, "", None, write_back, scope, semantic
             )
         return LookupResult(request, digest, CacheStatus.EXACT, found.entry.text, found.tier, False)

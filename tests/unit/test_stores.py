@@ -1,6 +1,7 @@
-"""Exact-cache stores (tiercache.stores) and their entry codec (tiercache.codec).
+"""Exact-cache stores (tiercache.stores, tiercache.redis_tier) and their codec (tiercache.codec).
 
-One contract suite runs against both stores; store-specific behaviour follows it.
+One contract suite runs against every store (L1 memory, L2 LMDB, L3 on a real redis-server);
+store-specific behaviour follows it (Redis-specific tests: tests/integration/test_redis_tier.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tiercache.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.redis_tier import RedisLink, RedisStore
 from tiercache.stores import LmdbStore, MemoryStore, OldestFirst, Store
 
 
@@ -30,16 +32,22 @@ def entry(text: str = "answer", created_s: float = 1.0, **kwargs: object) -> Cac
     return CacheEntry(text=text, created_s=created_s, **kwargs)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- contract (both stores)
+# ---------------------------------------------------------------- contract (every store)
 
 
-@pytest.fixture(params=["memory", "lmdb"])
+@pytest.fixture(params=["memory", "lmdb", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     s: Store
     if request.param == "memory":
         s = MemoryStore(1 << 20)
-    else:
+    elif request.param == "lmdb":
         s = LmdbStore(tmp_path / "l2", 1 << 20)
+    else:
+        server = request.getfixturevalue("redis_server")
+        prefix = request.getfixturevalue("redis_prefix")
+        # Redis expires entries itself, from the store's clock: pinned to the entries' epoch.
+        link = RedisLink.from_url(server.url, prefix)
+        s = RedisStore(link, 1 << 20, clock=lambda: 1.0, stats_max_age_s=0)
     yield s
     s.close()
 
@@ -76,6 +84,22 @@ def test_clear(store: Store) -> None:
     assert all(store.get(f"k{i}") is None for i in range(5))
     store.put("k0", entry("again"))
     assert store.get("k0") == entry("again")
+
+
+def test_scan_and_delete_many(store: Store) -> None:
+    for i in range(7):
+        store.put(f"k{i}", entry(f"v{i}", tags=("a",) if i % 2 else ()))
+    assert dict(store.scan()) == {
+        f"k{i}": entry(f"v{i}", tags=("a",) if i % 2 else ()) for i in range(7)
+    }
+    assert store.delete_many(["k1", "k3", "nope"]) == 2
+    assert sorted(k for k, _ in store.scan()) == ["k0", "k2", "k4", "k5", "k6"]
+
+
+def test_entry_metadata_round_trip(store: Store) -> None:
+    e = entry("x", tags=("kb:v7", "b"), scope="s" * 64, adapter="a" * 64)
+    store.put("k", e)
+    assert store.get("k") == e
 
 
 def test_stats_count_hits_misses_entries(store: Store) -> None:

@@ -1,0 +1,219 @@
+"""Invalidation across replicas through a real redis-server (tiercache.invalidation): another
+process drops its L1/L2 copies, a listener that was cut off catches up, a replica started later
+never serves what was invalidated before it started, and the `tiercache invalidate` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis_server import RedisServer
+
+from tiercache.cli import main as tiercache_main
+from tiercache.errors import Unavailable
+from tiercache.invalidation import Invalidation, InvalidationKind, Invalidator
+from tiercache.keys import tenant_scope
+from tiercache.prompt_cache import invalidation_listener, load_secret, redis_link
+from tiercache.tiered import TieredCache
+
+from .replicas import open_replica, replica_config, wait_until
+
+CHILD = Path(__file__).with_name("invalidation_child.py")
+ENTRIES = {
+    "k-tag": {"tags": ["kb:v1"]},
+    "k-tag2": {"tags": ["kb:v1", "faq"], "scope": "scope-b"},
+    "k-tenant": {"scope": "scope-a"},
+    "k-adapter": {"adapter": "adapter-1"},
+    "k-key": {},
+    "k-kept": {"tags": ["kb:v2"], "scope": "scope-b"},
+}
+
+
+@pytest.fixture
+def child(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, str(CHILD), str(tmp_path / "child"), redis_server.url, redis_prefix,
+         json.dumps(ENTRIES)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    yield process
+    if process.stdin is not None:
+        process.stdin.close()
+    process.wait(timeout=10)
+
+
+def next_report(process: subprocess.Popen[str]) -> dict[str, object]:
+    assert process.stdout is not None
+    return dict(json.loads(process.stdout.readline()))
+
+
+def test_invalidations_reach_another_process(
+    child: subprocess.Popen[str], redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    invalidator = Invalidator(admin, redis_link(admin))
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.exists(f"{redis_prefix}e:k-tag") == 1  # the child wrote through to L3
+
+    report = invalidator.tag("kb:v1")
+    assert (report.published, report.dropped_shared) == (True, 2)  # L3 swept here
+    seen = next_report(child)
+    assert (seen["kind"], seen["value"], seen["dropped"]) == ("tag", "kb:v1", ["k-tag", "k-tag2"])
+    assert "k-tag" not in seen["l1"] and "k-tag" not in seen["l2"]  # type: ignore[operator]
+    assert client.exists(f"{redis_prefix}e:k-tag") == 0
+
+    expected = [
+        (InvalidationKind.TENANT, "scope-a", ["k-tenant"]),
+        (InvalidationKind.ADAPTER, "adapter-1", ["k-adapter"]),
+        (InvalidationKind.KEY, "k-key", ["k-key"]),
+    ]
+    for kind, value, dropped in expected:
+        invalidator.invalidate(kind, value)
+        seen = next_report(child)
+        assert (seen["kind"], seen["value"], seen["dropped"]) == (kind.value, value, dropped)
+    assert seen["l1"] == seen["l2"] == ["k-kept"]
+    assert sorted(k.decode() for k in client.keys(f"{redis_prefix}e:*")) == [
+        f"{redis_prefix}e:k-kept"
+    ]
+    admin.close()
+
+
+def test_a_cut_off_listener_catches_up_when_redis_returns(
+    redis_factory: Callable[[], RedisServer], redis_prefix: str, tmp_path: Path
+) -> None:
+    server = redis_factory()
+    admin = open_replica(tmp_path / "admin", server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", server.url, redis_prefix, redis_retry_s=1.0)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    replica.put("k", "old answer", tags=("kb:v1",), created_s=time.time() - 1)
+    server.kill()
+    wait_until(lambda: not listener.stats().connected)
+    server.start()  # empty: the replica's listener reconnects within its retry interval (1 s)
+    link = redis_link(admin)
+    assert link is not None
+    wait_until(lambda: link.call(lambda c: c.ping(), False))
+    Invalidator(admin, link).tag("kb:v1")  # sent while the replica was not subscribed
+    wait_until(lambda: listener.stats().connected and listener.stats().caught_up >= 1)
+    wait_until(lambda: replica.l1 is not None and replica.l1.get("k") is None)
+    assert listener.stats().received == 0  # it came from the recorded watermarks, not the channel
+    assert replica.get("k") is None
+    admin.close()
+    replica.close()
+
+
+def test_a_replica_started_later_never_serves_what_was_invalidated(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    old = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
+    old.put("k", "old answer", tags=("kb:v1",), created_s=time.time() - 1)
+    old.close()  # the host's L2 keeps the entry while no process runs
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    Invalidator(admin, redis_link(admin)).tag("kb:v1")
+    restarted = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
+    listener = invalidation_listener(restarted)
+    assert listener is not None and listener.wait_connected(5)
+    assert restarted.l2 is not None and restarted.l2.get("k") is not None  # still on disk ...
+    assert restarted.get("k") is None  # ... but never served, and dropped on sight
+    assert restarted.l2.get("k") is None
+    admin.close()
+    restarted.close()
+
+
+def test_an_answer_generated_during_the_invalidation_is_dropped(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """created_s is when the generation started: a write that lands after the invalidation of
+    its tag is still covered (no stale answer slips in behind the sweep)."""
+    a = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    b = open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    started_s = time.time()
+    report = Invalidator(a, redis_link(a)).tag("kb:v1")
+    b.put("k", "generated from the old knowledge base", tags=("kb:v1",), created_s=started_s)
+    assert a.get("k") is None  # read from L3, covered by the watermark, dropped
+    after = report.invalidation.at_s + 0.1  # past the skew allowance (0.05 s): a new answer
+    b.put("k", "generated from the new one", tags=("kb:v1",), created_s=after)
+    found = a.get("k")
+    assert found is not None and found.entry.text == "generated from the new one"
+    a.close()
+    b.close()
+
+
+def test_redis_down_invalidation_is_local_and_reported(redis_prefix: str, tmp_path: Path) -> None:
+    cache = open_replica(tmp_path, "redis://127.0.0.1:1/0", redis_prefix)
+    cache.put("k", "answer", tags=("t",), created_s=time.time() - 1)
+    with pytest.raises(Unavailable, match="applied on this replica only"):
+        Invalidator(cache, redis_link(cache)).tag("t")
+    assert cache.get("k") is None
+    cache.close()
+
+
+def test_semantic_rows_are_forgotten_through_the_listener(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    forgotten: list[tuple[Invalidation, list[str]]] = []
+    listener.on_dropped(lambda inv, digests: forgotten.append((inv, digests)))
+    Invalidator(admin, redis_link(admin)).key("never-cached-here")
+    wait_until(lambda: len(forgotten) == 1)
+    assert forgotten[0][1] == ["never-cached-here"]  # a key's rows go even if another process swept
+    admin.close()
+    replica.close()
+
+
+def test_cli_invalidates_a_tenant_with_the_shared_secret(
+    redis_server: RedisServer,
+    redis_prefix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    secret = load_secret(
+        replica_config(tmp_path / "replica", redis_server.url, redis_prefix), replica
+    )
+    scope = tenant_scope(secret, "acme")
+    replica.put("k", "answer", scope=scope, created_s=time.time() - 1)
+    replica.put("other", "answer", scope=tenant_scope(secret, "other"), created_s=time.time() - 1)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    code = tiercache_main(
+        ["invalidate", "--tenant", "acme", "--redis-url", redis_server.url,
+         "--redis-prefix", redis_prefix, "--state-dir", str(tmp_path / "nowhere")]
+    )  # fmt: skip
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kind"] == "tenant" and printed["value"] == scope
+    assert (printed["dropped_l3"], printed["published"]) == (1, True)
+    wait_until(lambda: replica.l1 is not None and replica.l1.get("k") is None)
+    assert replica.get("other") is not None
+    assert tiercache_main(["invalidate", "--tag", "x", "--redis-url", "redis://127.0.0.1:1/0"]) == 1
+    replica.close()
+
+
+def test_two_caches_in_one_process_do_not_skip_each_others_messages(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    a: TieredCache = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    b: TieredCache = open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    listener = invalidation_listener(b)
+    assert listener is not None and listener.wait_connected(5)
+    b.put("k", "answer", created_s=time.time() - 1)
+    Invalidator(a, redis_link(a)).key("k")
+    wait_until(lambda: b.l1 is not None and b.l1.get("k") is None)
+    a.close()
+    b.close()
