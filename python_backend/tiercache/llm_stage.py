@@ -2,6 +2,10 @@
 
 Transport-free: the Triton model.py supplies a `Responder` per request and an engine call
 (`GenerateFn`, a BLS stream in production, a fake in unit tests).
+
+One generation per digest in this process (`tiercache.flights`) and, with a `LeaseCoordinator`,
+across every replica sharing a Redis (`tiercache.leases`): a flight's leader whose digest another
+replica is generating waits for that replica's answer instead of generating it again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
 from tiercache.flights import Flight, FlightTable, abandoned_error
 from tiercache.keys import Digest
+from tiercache.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.request import GenerationRequest
 from tiercache.tiered import TieredCache
 
@@ -72,6 +77,8 @@ class LlmStats:
     write_backs: int
     write_failures: int
     in_flight: int
+    remote_waits: int = 0  # flights that waited for another replica's generation
+    remote_hits: int = 0  # of those, served by the other replica's answer
 
 
 class LlmStage:
@@ -83,8 +90,11 @@ class LlmStage:
         on_generation: Callable[[GenerationRecord], None] | None = None,
         on_follow: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        leases: LeaseCoordinator | None = None,
     ) -> None:
+        """`leases` coalesces misses across replicas (None: this process only)."""
         self.cache = cache
+        self._leases = leases
         self._generate = generate
         self._on_generation = on_generation
         self._on_follow = on_follow
@@ -96,6 +106,7 @@ class LlmStage:
         self._producers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-gen")
         self._lock = threading.Lock()
         self._generations = self._write_backs = self._write_failures = 0
+        self._remote_waits = self._remote_hits = 0
 
     # -- entry points (called from execute) ------------------------------------------------
 
@@ -180,13 +191,21 @@ class LlmStage:
     ) -> None:
         """Run one generation into `flight`; store it only if clean, complete and wanted."""
         error: TierCacheError | None = None
+        lease: Lease | None = None
         try:
+            max_age_s = request.max_age_s
             if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
-                found = self.cache.get(digest)
+                found = self.cache.get(digest, max_age_s)
                 if found is not None:
                     flight.append(found.entry.text)
                     return
+                if write_back and self._leases is not None:
+                    lease, text = self._take_turn(flight, digest, max_age_s)
+                    if text is not None:
+                        flight.append(text)
+                        return
+            started_s = self.cache.now()
             record = self._run_engine(flight, request, generate or self._generate)
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":
@@ -194,7 +213,7 @@ class LlmStage:
             elif record.finish_reason not in CLEAN_FINISHES:
                 error = Unavailable(f"engine finished with {record.finish_reason!r}")
             elif write_back and digest is not None:
-                stored = self._store(digest, flight.text(), record)
+                stored = self._store(digest, flight.text(), record, request, started_s)
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
             if self._on_generation is not None:
@@ -205,10 +224,64 @@ class LlmStage:
             log.exception("generation failed")
             error = Unavailable(f"generation failed: {type(exc).__name__}: {exc}")
         finally:
+            if lease is not None and self._leases is not None:
+                self._leases.release(lease)  # after the store: waiting replicas find the answer
             if digest is None:
                 flight.finish(error)
             else:
                 self.flights.complete(flight, error)
+
+    def _take_turn(
+        self, flight: Flight, digest: Digest, max_age_s: float | None
+    ) -> tuple[Lease | None, str | None]:
+        """Across replicas: (our lease, None) to generate; (None, text) when another replica's
+        answer arrived; (None, None) to generate without a lease (Redis unavailable, or the
+        other replica took longer than `wait_s`). Raises if every local requester left."""
+        leases = self._leases
+        if leases is None:
+            return None, None
+        deadline = self._clock() + leases.wait_s
+        waited = False
+        while True:
+            state, lease = leases.acquire(digest)
+            if state is LeaseState.ACQUIRED and lease is not None:
+                if waited:  # the holder may have stored its answer just before letting go
+                    found = self.cache.get(digest, max_age_s)
+                    if found is not None:
+                        leases.release(lease)
+                        self._count_remote(hit=True)
+                        return None, found.entry.text
+                return lease, None
+            if state is LeaseState.UNAVAILABLE:
+                return None, None
+            if not waited:
+                waited = True
+                self._count_remote(wait=True)
+            while True:
+                found = self.cache.get(digest, max_age_s)
+                if found is not None:
+                    self._count_remote(hit=True)
+                    return None, found.entry.text
+                if flight.abandoned:
+                    raise abandoned_error()
+                if self._clock() >= deadline:
+                    log.warning(
+                        "another replica held %s for over %.0f s; generating here too",
+                        digest,
+                        leases.wait_s,
+                    )
+                    return None, None
+                held = leases.held(digest)
+                if held is None:
+                    return None, None
+                if not held:
+                    break  # released without an answer, or expired: take it
+                leases.pause()
+
+    def _count_remote(self, wait: bool = False, hit: bool = False) -> None:
+        with self._lock:
+            self._remote_waits += wait
+            self._remote_hits += hit
 
     def _run_engine(
         self, flight: Flight, request: GenerationRequest, generate: GenerateFn
@@ -231,13 +304,24 @@ class LlmStage:
             raise Unavailable("engine stream ended without a finish reason")
         return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)
 
-    def _store(self, digest: Digest, text: str, record: GenerationRecord) -> bool:
+    def _store(
+        self,
+        digest: Digest,
+        text: str,
+        record: GenerationRecord,
+        request: GenerationRequest,
+        started_s: float,
+    ) -> bool:
         try:
             self.cache.put(
                 digest,
                 text,
                 finish_reason=record.finish_reason,
                 generated_tokens=record.generated_tokens,
+                tags=request.cache_tags,
+                scope=request.kv_scope,
+                adapter=request.lora_digest,
+                created_s=started_s,  # an invalidation issued while it generated covers it
             )
         except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
             log.exception("write-back of %s failed", digest)
@@ -264,9 +348,13 @@ class LlmStage:
                 write_backs=self._write_backs,
                 write_failures=self._write_failures,
                 in_flight=self.flights.in_flight(),
+                remote_waits=self._remote_waits,
+                remote_hits=self._remote_hits,
             )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._producers.shutdown(wait=True, cancel_futures=False)
+        if self._leases is not None:
+            self._leases.close()
         self.cache.close()

@@ -24,10 +24,11 @@ from tiercache.engine.trtllm_client import (
 )
 from tiercache.errors import ConfigError, Unavailable
 from tiercache.keys import Digest
+from tiercache.leases import LeaseCoordinator
 from tiercache.llm_stage import GenerationRecord, LlmStage
 from tiercache.lora.engine_call import NO_LORA, EngineLora, generate_with_adapter
 from tiercache.lora.types import AdapterRef
-from tiercache.prompt_cache import CacheStatus, open_tiered_cache
+from tiercache.prompt_cache import CacheStatus, open_tiered_cache, redis_link
 from tiercache.request import GenerationRequest
 from tiercache.semantic.index import SemanticStore
 from tiercache.triton import boundary as tb
@@ -141,12 +142,19 @@ class TritonPythonModel:
                 "KV-cache blocks TensorRT-LLM's requests used in all, reused or new",
             )
         self.semantic = SemanticStore(self.config.semantic_path(), self.config.semantic_max_bytes)
+        cache = open_tiered_cache(self.config, with_l1=False)
+        link = redis_link(cache)
         self.stage = LlmStage(
-            open_tiered_cache(self.config, with_l1=False),
+            cache,
             self.engine,
             max_workers=self.config.max_concurrency,
             on_generation=self._record,
             on_follow=lambda: self.coalesced.increment(1),
+            leases=(
+                LeaseCoordinator(link, self.config.lease_ttl_s, self.config.lease_wait_s)
+                if link is not None
+                else None
+            ),
         )
         m.start()
 
