@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.errors import InvalidRequest, Unavailable
-from tiercache.prompt_cache import CacheStatus, open_tiered_cache
+from tiercache.prompt_cache import CacheStatus, invalidation_listener, open_tiered_cache
 from tiercache.request import GenerationRequest
 from tiercache.semantic.embedder import TokenBudget, resolve_embedder
 from tiercache.semantic.guard import load_guard
@@ -50,6 +50,9 @@ class TritonPythonModel:
         # Load the host's rows now (large scopes build their HNSW graph here), so the first
         # request does not pay for it; later rows arrive incrementally before each search.
         self.stage.index.refresh()
+        listener = invalidation_listener(self.stage.answers)
+        if listener is not None:  # with L3: invalidated answers' rows stop being candidates
+            listener.on_dropped(lambda _inv, digests: self.stage.index.forget(digests))
         self.metrics = m = tb.Metrics(args["model_name"], instance=args["model_instance_name"])
         self.outcomes = {
             o: m.counter(

@@ -10,9 +10,14 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
-from tiercache.keys import load_or_create_secret
 from tiercache.lora.registry import AdapterRegistry
-from tiercache.prompt_cache import CacheStatus, LookupResult, PromptCache, open_tiered_cache
+from tiercache.prompt_cache import (
+    CacheStatus,
+    LookupResult,
+    PromptCache,
+    load_secret,
+    open_tiered_cache,
+)
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.triton import boundary as tb
 
@@ -26,9 +31,10 @@ class TritonPythonModel:
         config, _ = tb.load_config(PromptCacheConfig, args)
         manifest = Path(config.adapters_manifest) if config.adapters_manifest else None
         self.adapters = AdapterRegistry(config.adapters_path(), config.state_path(), manifest)
+        cache = open_tiered_cache(config)
         self.cache = PromptCache(
-            open_tiered_cache(config),
-            load_or_create_secret(config.secret_path()),
+            cache,
+            load_secret(config, cache),
             resolve_model(config.model).identity,
             config.limits(),
             resolve_embedder(config.embedder)[1].key if config.embedder else "",
