@@ -303,13 +303,17 @@ class InvalidationListener:
         return pubsub
 
     def _apply(self, inv: Invalidation, sweep_local: bool, noted: bool = False) -> None:
+        """Note the watermark (reads are right from here on), then reclaim the space."""
         if not noted:
             self.table.note(inv)
         if not sweep_local:
             return
         dropped: list[str] = []
-        for _, store in self.cache.local_stores():
-            dropped.extend(sweep(store, inv, self.table.skew_s))
+        for tier, store in self.cache.local_stores():
+            try:
+                dropped.extend(sweep(store, inv, self.table.skew_s))
+            except Exception:  # noqa: BLE001 - the watermark holds; the thread must go on
+                log.exception("sweeping %s for %s %r failed", tier.value, inv.kind.value, inv.value)
         with self._lock:
             self._dropped += len(dropped)  # entries, counted once per tier
         digests = list(dict.fromkeys(dropped))

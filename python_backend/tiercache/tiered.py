@@ -11,6 +11,7 @@ are too old for that one request; they stay for others.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Protocol
 from tiercache.codec import CacheEntry
 from tiercache.invalidation import InvalidationTable
 from tiercache.stores import Store
+
+log = logging.getLogger(__name__)
 
 
 class Tier(str, Enum):
@@ -82,8 +85,11 @@ class TieredCache:
                 continue
             if max_age_s is not None and now - entry.created_s > max_age_s:
                 continue
-            for _, upper in tiers[:i]:
-                upper.put(key, entry)
+            for upper_tier, upper in tiers[:i]:
+                try:
+                    upper.put(key, entry)
+                except Exception:  # noqa: BLE001 - a failed fill (a full disk) must not fail a hit
+                    log.exception("filling %s with %s failed", upper_tier.value, key)
             return Lookup(entry, tier)
         return None
 

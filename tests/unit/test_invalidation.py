@@ -227,3 +227,17 @@ def test_forgotten_rows_are_never_returned_and_come_back_when_indexed_again(
     index.add("s", "d1", "p1 again", unit(1, 0))  # the answer was generated and indexed anew
     assert [n.prompt for n in index.search("s", unit(1, 0), k=1)] == ["p1 again"]
     index.close()
+
+
+def test_a_failed_fill_does_not_fail_the_hit() -> None:
+    class FullStore(MemoryStore):
+        def put(self, key: str, entry: CacheEntry) -> None:
+            raise OSError("disk full")
+
+    l3 = MemoryStore(1 << 20)
+    cache = TieredCache(MemoryStore(1 << 20), FullStore(1 << 20), l3, clock=FakeClock())
+    l3.put("k", entry(created_s=999.0))
+    found = cache.get("k")
+    assert found is not None and found.tier is Tier.L3
+    again = cache.get("k")
+    assert again is not None and again.tier is Tier.L1  # the fill above the failing tier held
