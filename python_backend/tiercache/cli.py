@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ def _invalidate(args: argparse.Namespace) -> int:
                 secret = bytes(stored)  # the replicas' shared secret
             else:
                 secret = load_or_create_secret(Path(args.state_dir) / "secret")
-            value = tenant_scope(secret, args.tenant)
+            # normalized as prompt_cache normalizes the tenant input (tiercache.request)
+            value = tenant_scope(secret, unicodedata.normalize("NFKC", args.tenant).strip())
         report = Invalidator(cache, link).invalidate(kind, value, sweep_shared=not args.no_sweep)
     except TierCacheError as exc:
         print(f"tiercache: {exc.client_message()}", file=sys.stderr)
