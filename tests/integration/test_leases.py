@@ -125,15 +125,15 @@ def test_follower_generates_when_the_leaders_generation_fails(
 
 
 def test_a_long_generation_keeps_its_lease(make_replica: Callable[..., Replica]) -> None:
-    """ttl 0.3 s, a generation of about 1 s: the renewals keep the other replica waiting."""
+    """ttl 0.5 s, a generation of about 1.2 s: the renewals keep the other replica waiting."""
     gate = threading.Event()
-    a, engine_a, _ = make_replica("a", GatedEngine(gate=gate), ttl_s=0.3)
-    b, engine_b, _ = make_replica("b", ttl_s=0.3)
+    a, engine_a, _ = make_replica("a", GatedEngine(gate=gate), ttl_s=0.5)
+    b, engine_b, _ = make_replica("b", ttl_s=0.5)
     ra, rb = Recorder(), Recorder()
     a.submit_miss(REQUEST, DIGEST, "miss", True, ra)
     assert engine_a.started.wait(5)
     b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
-    threading.Timer(1.0, gate.set).start()
+    threading.Timer(1.2, gate.set).start()
     assert rb.wait() == ("final", "Hello", "miss")
     assert (engine_a.calls, engine_b.calls) == (1, 0)
     assert ra.wait() == ("final", "Hello", "miss")
