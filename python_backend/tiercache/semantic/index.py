@@ -538,23 +538,34 @@ class _Scope:
         if count == 0:
             return []
         k = min(k, count)
-        first_flat = 0
-        candidates = np.zeros(0, dtype=np.int64)
-        if self.hnsw is not None and self.graph_rows:
-            index: Any = self.hnsw
-            labels, _ = index.knn_query(query, k=min(k, self.graph_rows))
-            candidates = labels[0].astype(np.int64)
-            first_flat = self.graph_rows
-        if first_flat < count:  # the flat scan: all rows, or those past the graph
-            scores = rows[first_flat:] @ query
+        if self.hnsw is None or not self.graph_rows:  # the flat scan alone
+            scores = rows @ query
+            top = np.argpartition(-scores, k - 1)[:k] if k < count else np.arange(count)
+            top = top[np.argsort(-scores[top], kind="stable")]
+            return [(float(scores[i]), int(i)) for i in top]
+        index: Any = self.hnsw
+        labels, _ = index.knn_query(query, k=min(k, self.graph_rows))
+        candidates = labels[0].astype(np.int64)
+        if self.graph_rows < count:  # the rows past the graph's end, scanned flat
+            scores = rows[self.graph_rows :] @ query
             kk = min(k, len(scores))
             part = np.argpartition(-scores, kk - 1)[:kk] if kk < len(scores) else np.arange(kk)
-            candidates = np.concatenate([candidates, part.astype(np.int64) + first_flat])
+            candidates = np.concatenate([candidates, part.astype(np.int64) + self.graph_rows])
         # The graph only nominates rows; their similarity comes from the table's rows, so a
         # graph can cost recall but never report a wrong similarity.
         scores = rows[candidates] @ query
         order = np.argsort(-scores, kind="stable")[:k]
         return [(float(scores[j]), int(candidates[j])) for j in order]
+
+
+@dataclass(frozen=True, slots=True)
+class _RowMeta:
+    scope: str
+    digest: str
+    prompt: str
+
+
+_META_CACHE_ROWS = 1 << 16  # metadata of the candidates a process served lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,6 +603,7 @@ class SemanticIndex:
         self.graphs = GraphFiles(store.path / "graphs") if persist_graphs else None
         self._scopes: dict[str, _Scope] = {}
         self._visible = 0  # rows seen by the last refresh
+        self._meta: dict[int, _RowMeta] = {}  # by log seq, see _metadata
         self._lock = threading.Lock()
         self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
 
@@ -732,12 +744,26 @@ class SemanticIndex:
             snapshot = rows.table.snapshot()
             nearest = rows.search(snapshot, query, k)
             ids = rows.table.ids(len(snapshot))
-        found = self.store.rows([int(ids[i]) for _, i in nearest])
+        found = self._metadata([int(ids[i]) for _, i in nearest])
         return [
             Neighbour(similarity, row.digest, row.prompt)
             for (similarity, _), row in zip(nearest, found, strict=True)
             if row is not None and row.scope == scope
         ]
+
+    def _metadata(self, seqs: list[int]) -> list[_RowMeta | None]:
+        """The rows' scope, digest and prompt: from this process's cache, else the log (a row
+        never changes under its seq; one deleted since is at worst a stale candidate, whose
+        answer is gone too). The cache is bounded: it is cleared when full."""
+        cache = self._meta
+        wanted = [seq for seq in seqs if seq not in cache]
+        if wanted:
+            if len(cache) + len(wanted) > _META_CACHE_ROWS:
+                cache.clear()
+            for seq, row in zip(wanted, self.store.rows(wanted), strict=True):
+                if row is not None:
+                    cache[seq] = _RowMeta(row.scope, row.digest, row.prompt)
+        return [cache.get(seq) for seq in seqs]
 
     def add(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.store.append(scope, digest, prompt, vector)
