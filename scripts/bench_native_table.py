@@ -14,6 +14,11 @@
    table side is only the vector part (no scopes, digests or prompts: that is the integration,
    still to come).
 
+Written for part 1, before the embedding cache used the table: since part 2, `SemanticIndex`
+and `SemanticStore.append_many` are the table-backed versions, so items 1 (LMDB column), 2 and 3
+no longer measure the previous code. `scripts/bench_native_index.py` compares the two
+implementations side by side (it keeps a copy of the previous mirror as its baseline).
+
 Every figure is the median of --repeats runs; the table files live in a temporary directory
 (--dir to choose one, e.g. /dev/shm). Prints Markdown tables.
 """

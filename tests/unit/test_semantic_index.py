@@ -1,8 +1,12 @@
-"""The semantic index (row log + per-process mirror), the vector cache and the stage's search."""
+"""The semantic index (row log + shared tables), the vector cache and the stage's search."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 from tiercache.codec import CacheEntry
 from tiercache.keys import EngineIdentity, semantic_scope, tenant_scope
 from tiercache.request import GenerationRequest
-from tiercache.semantic.index import SemanticIndex, SemanticStore, file_digest
+from tiercache.semantic.index import SemanticIndex, SemanticStore, file_digest, scope_tag
+from tiercache.semantic.shared_rows import INITIAL_CAPACITY
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.vectors import VectorCache, vector_key
 from tiercache.stores import MemoryStore
@@ -244,7 +249,7 @@ def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:
 
 # ---- saved HNSW graphs ----------------------------------------------------------------------
 # LMDB opens an environment once per process, so the "processes" below share one SemanticStore;
-# each SemanticIndex has its own mirror and graph, as each stage process does.
+# each SemanticIndex has its own graph, as each stage process does.
 
 
 def _random_rows(count: int, seed: int) -> np.ndarray:
@@ -398,3 +403,185 @@ def test_scopes_under_the_flat_limit_write_no_graph(tmp_path: Path) -> None:
     index = _start(store)
     index.close()
     assert _graph_files(store) == [] and index.stats().graphs_built == 0
+
+
+# ---- the shared tables (tiercache_native.SharedTable per scope) -----------------------------
+# Processes below are real (spawn, as Triton starts model instances): LMDB and the tables are
+# opened once per process, as in the stages.
+
+
+def _table_of(index: SemanticIndex, scope: str = "s") -> Any:
+    return index._scopes[scope].table
+
+
+def _write_through_llm_path(path: str, first: int, count: int) -> None:
+    """The llm stage's process: `append_or_compact` on its own store after each answer."""
+    store = SemanticStore(Path(path))
+    _append_like_llm(store, first, count)
+    store.close()
+
+
+def _append_like_llm(store: SemanticStore, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        store.append_or_compact("s", f"d{i}", f"p{i}", _random_rows(1, i)[0], lambda d: True)
+
+
+def _read_in_a_process(path: str, first: int, count: int, found: Any) -> None:
+    index = SemanticIndex(SemanticStore(Path(path)), DIM)
+    found.put(
+        [
+            index.search("s", _random_rows(1, i)[0], k=1)[0].digest
+            for i in range(first, first + count)
+        ]
+    )
+    index.close()
+
+
+def _log_then_die(path: str, seq_out: Any) -> None:
+    """A writer that dies after its log append, before publishing to the table."""
+    store = SemanticStore(Path(path))
+    seqs, _ = store.log_rows([("s", "orphan", "p", unit(0, 0, 1))])
+    seq_out.put(seqs[0])
+    os._exit(1)
+
+
+def test_a_writer_process_and_a_reader_process_see_each_others_rows(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    path = str(tmp_path / "sem")
+    reader = SemanticIndex(SemanticStore(Path(path)), DIM)
+    assert reader.search("s", unit(1, 0)) == []
+    writer = ctx.Process(target=_write_through_llm_path, args=(path, 0, 20))
+    writer.start()
+    writer.join(60)
+    assert writer.exitcode == 0
+    for i in range(20):
+        (hit,) = reader.search("s", _random_rows(1, i)[0], k=1)
+        assert hit.digest == f"d{i}" and hit.similarity == pytest.approx(1.0, abs=1e-5)
+    # The other way round: this process writes, a reader process finds the rows.
+    _append_like_llm(reader.store, 20, 5)
+    found = ctx.Queue()
+    other = ctx.Process(target=_read_in_a_process, args=(path, 18, 7, found))
+    other.start()
+    assert found.get(timeout=60) == [f"d{i}" for i in range(18, 25)]
+    other.join(60)
+    table = _table_of(reader)
+    assert table.count() == 25 and sorted(np.asarray(table.ids()).tolist()) == list(range(25))
+    reader.close()
+
+
+def test_a_row_logged_by_a_writer_that_died_before_publishing_is_recovered(
+    tmp_path: Path,
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    path = tmp_path / "sem"
+    store = SemanticStore(path)
+    store.append("s", "d0", "p0", unit(1, 0))
+    reader = SemanticIndex(store, DIM)
+    assert [n.digest for n in reader.search("s", unit(1, 0), k=5)] == ["d0"]
+    seq_out = ctx.SimpleQueue()  # put writes to the pipe at once, before the exit
+    dying = ctx.Process(target=_log_then_die, args=(str(path), seq_out))
+    dying.start()
+    dying.join(60)
+    orphan = seq_out.get()
+    assert dying.exitcode == 1
+    # Logged, not published: no reader serves it, and nothing half-written is in the table.
+    assert [n.digest for n in reader.search("s", unit(0, 0, 1), k=5)] == ["d0"]
+    assert _table_of(reader).count() == 1
+    # A process that opens the table now finds it behind the log and publishes the row.
+    fresh = SemanticIndex(store, DIM)
+    assert fresh.search("s", unit(0, 0, 1), k=1)[0].digest == "orphan"
+    # The next write publishes its own row once, the recovered row is not duplicated.
+    store.append("s", "d2", "p2", unit(0, 1))
+    table = _table_of(reader)
+    ids = np.asarray(table.ids()).tolist()
+    assert sorted(ids) == sorted([0, orphan, orphan + 1]) and len(set(ids)) == len(ids)
+    rows = np.asarray(table.snapshot())
+    assert np.array_equal(rows[ids.index(orphan)], unit(0, 0, 1))
+    assert {n.digest for n in reader.search("s", unit(0, 0, 1), k=5)} == {"d0", "orphan", "d2"}
+
+
+def test_the_next_publish_recovers_a_row_a_dead_writer_left_unpublished(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    reader = SemanticIndex(store, DIM)
+    store.append("s", "d0", "p0", unit(1, 0))
+    reader.search("s", unit(1, 0))
+    store.log_rows([("s", "orphan", "p", unit(0, 0, 1))])  # the writer's first step only
+    assert _table_of(reader).count() == 1
+    store.append("s", "d2", "p2", unit(0, 1))
+    assert _table_of(reader).count() == 3
+    assert reader.search("s", unit(0, 0, 1), k=1)[0].digest == "orphan"
+
+
+@pytest.mark.parametrize("loss", ["files deleted", "emptied by a reboot"])
+def test_tables_lost_or_emptied_are_rebuilt_from_the_log(tmp_path: Path, loss: str) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(40, 0))
+    store.close()
+    tables = sorted((tmp_path / "sem" / "tables").glob("*.tbl"))
+    assert len(tables) == 1
+    if loss == "files deleted":  # e.g. /dev/shm after a reboot
+        shutil.rmtree(tmp_path / "sem" / "tables")
+    else:  # the native table resets itself when its header names another boot
+        data = bytearray(tables[0].read_bytes())
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().encode()
+        at = data.find(boot)
+        assert at > 0
+        data[at : at + len(boot)] = b"0" * len(boot)
+        tables[0].write_bytes(bytes(data))
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    assert index.refresh() == 40
+    assert _table_of(index).count() == 40
+    for i, v in enumerate(_random_rows(40, 0)[:10]):
+        assert index.search("s", v, k=1)[0].digest == f"d{i}"
+
+
+def test_compaction_retires_the_table_and_readers_reopen(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    for i in range(10):
+        store.append("s", f"d{i}", "p", unit(1, i))
+    reader = SemanticIndex(store, DIM)
+    assert reader.size("s") == 10
+    old = _table_of(reader)
+    assert store.compact(lambda digest: digest in {"d2", "d7"}) == 8
+    assert old.retired()
+    hits = reader.search("s", unit(1, 2), k=10)
+    assert [n.digest for n in hits] == ["d2", "d7"]
+    assert reader.stats().tables_reopened == 1 and _table_of(reader).count() == 2
+    assert len(list((tmp_path / "sem" / "tables").glob("*.tbl"))) == 1  # the old file is gone
+
+
+def test_a_full_table_grows_into_a_new_one_and_a_graph_keeps_its_rows(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    vectors = _random_rows(INITIAL_CAPACITY + 300, 0)
+    _fill(store, vectors[:300])
+    reader = _start(store)  # a graph of 300 rows
+    assert reader.stats().graphs_built == 1
+    old = _table_of(reader)
+    for first in range(300, len(vectors), 100):  # past the first table's capacity
+        _fill(store, vectors[first : first + 100], first=first)
+    assert old.retired()
+    (hit,) = reader.search("s", vectors[-1], k=1)
+    assert hit.digest == f"d{len(vectors) - 1}"
+    stats = reader.stats()
+    assert (stats.tables_reopened, stats.graphs_built, stats.rows) == (1, 1, len(vectors))
+    assert _table_of(reader).capacity() > INITIAL_CAPACITY
+    assert _agree_with_flat(reader, _random_rows(100, 2)) >= 95
+
+
+def test_a_damaged_row_missing_from_the_table_is_dropped_from_the_log(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "good", "p", unit(1, 0))
+    seqs, _ = store.log_rows([("s", "bad", "p", unit(1, 0.1))])  # logged, never published
+    store.close()
+    env = lmdb.open(str(tmp_path / "sem"))
+    with env.begin(write=True) as txn:
+        key = b"r" + seqs[0].to_bytes(8, "big")
+        blob = bytearray(txn.get(key))
+        blob[-1] ^= 0xFF
+        txn.put(key, bytes(blob))
+    env.close()
+    reopened = SemanticStore(tmp_path / "sem")
+    index = SemanticIndex(reopened, DIM)
+    assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
+    tag = scope_tag("s")
+    assert reopened.live_count(tag) == 1 and reopened.scope_seqs(tag) == [0]

@@ -47,8 +47,8 @@ class TritonPythonModel:
             min_similarity=config.min_similarity,
             fits=TokenBudget(config.embedder).fits,
         )
-        # Load the host's rows now (large scopes build their HNSW graph here), so the first
-        # request does not pay for it; later rows arrive incrementally before each search.
+        # Open the host's scope tables now (large scopes load or build their HNSW graph here),
+        # so the first request does not pay for it; later rows are in the shared tables.
         self.stage.index.refresh()
         listener = invalidation_listener(self.stage.answers)
         if listener is not None:  # with L3: invalidated answers' rows stop being candidates

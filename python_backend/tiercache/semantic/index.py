@@ -1,14 +1,17 @@
 """The semantic index: prompt vectors of cached answers, searched only inside their scope.
 
-Rows live in an append-only LMDB log on the host (`SemanticStore`), so every process sees every
-other process's writes and the index survives restarts. Each process mirrors the log in memory
-(`SemanticIndex`), catching up on new rows before each search with one read of the log's head.
-Inside a scope the search is a flat matrix-vector product up to `flat_max_rows` rows, and an
-HNSW graph (hnswlib) beyond, where the flat scan stops being fast enough (see README).
+Rows live in an append-only LMDB log on the host (`SemanticStore`): durable, and the source of
+each row's scope, answer digest and normalized prompt. Each scope's vectors are also published
+to a shared table of the host (`tiercache_native.SharedTable`, see `shared_rows`), with the
+row's log sequence number as its id, so every process searches the same rows without copying
+them or catching up on the log: a search takes the table's snapshot (zero copy, an acquire load
+of its count), scans it, and reads only the top k rows' metadata from the log.
 
-Building a large scope's graph dominates a start (about 12 s for 100,000 rows on 2 cores), so
-graphs are saved next to the row log (`GraphFiles`) and a start loads the newest one that covers
-a prefix of the scope's rows, then adds only the rows appended after it.
+Inside a scope the search is a flat matrix-vector product up to `flat_max_rows` rows, and an
+HNSW graph (hnswlib) beyond, per process, fed from the table (rows not yet in it are scanned
+flat). Building a large scope's graph dominates a start (about 12 s for 100,000 rows on 2
+cores), so graphs are saved next to the row log (`GraphFiles`) and a start loads the newest one
+that covers a prefix of the table's rows, then adds only the rows after it.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
+import tiercache_native as native
+
+from tiercache.semantic.shared_rows import INITIAL_CAPACITY, ScopeTables, TableManifest
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +93,47 @@ def decode_row(seq: int, blob: bytes) -> IndexRow | None:
         return None
 
 
+_SCOPE_ROW = b"x"  # x<tag><seq>: the scope's live rows, in seq order
+_DIGEST = b"g"  # g<tag><digest>: the scope's row for an answer digest (one row per digest)
+_LIVE = b"n"  # n<tag>: how many live rows the scope has
+_MANIFEST = b"t"  # t<tag>: the scope's current table (TableManifest)
+_FORGOTTEN = b"f"  # f<tag><digest>: seqs (8 bytes each) of the digest's invalidated rows
+_LOG_ID_KEY = b"meta:log"
+_MANIFEST_HEAD = struct.Struct("<QIQ")  # epoch, width, capacity; then the scope, UTF-8
+
+
+def _tag_bytes(scope: str) -> bytes:
+    return bytes.fromhex(scope_tag(scope))
+
+
 class SemanticStore:
-    """Append-only row log in LMDB; LMDB serializes writers across processes."""
+    """The host's semantic rows: an append-only log in LMDB (durable, the source of each row's
+    scope, digest and prompt; LMDB serializes writers across processes) and, per scope, a
+    shared table of the vectors (`ScopeTables`) that readers scan without copying.
+
+    A write appends to the log first, then publishes to the scope's table; a writer that dies
+    between the two leaves a row the next publish to that scope (or the next process that
+    opens the table) publishes. `tables_path` defaults to `<path>/tables`; it may be anywhere
+    on the host (e.g. under /dev/shm) as long as every process of the host passes the same."""
 
     def __init__(
-        self, path: Path, max_bytes: int = 2 << 30, clock: Callable[[], float] = time.time
+        self,
+        path: Path,
+        max_bytes: int = 2 << 30,
+        clock: Callable[[], float] = time.time,
+        tables_path: Path | None = None,
     ) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._env = lmdb.open(str(path), map_size=max_bytes, max_readers=512)
         self._clock = clock
+        with self._env.begin(write=True) as txn:
+            log_id = txn.get(_LOG_ID_KEY)
+            if log_id is None:
+                log_id = uuid.uuid4().bytes
+                txn.put(_LOG_ID_KEY, log_id)
+            self.log_id: bytes = bytes(log_id)
+        self.tables = ScopeTables(self, tables_path or path / "tables")
 
     def append(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.append_many([(scope, digest, prompt, vector)])[0]
@@ -110,8 +147,7 @@ class SemanticStore:
         answer_exists: Callable[[str], bool],
     ) -> int:
         """Append; when the log is full, drop rows whose answer is gone (else the oldest tenth)
-        and try once more. Processes that mirrored a dropped row keep it until they restart;
-        a hit on it finds no answer and is a miss, never a wrong answer."""
+        and try once more. Compaction rewrites the tables of the scopes it touched."""
         try:
             return self.append(scope, digest, prompt, vector)
         except lmdb.MapFullError:
@@ -119,35 +155,97 @@ class SemanticStore:
             return self.append(scope, digest, prompt, vector)
 
     def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
-        """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`."""
-        dead: list[bytes] = []
-        keys: list[bytes] = []
+        """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`.
+        Then each touched scope's table is rewritten without them (the old one retired)."""
+        dead: list[tuple[int, IndexRow | None]] = []
+        rows: list[tuple[int, IndexRow | None]] = []
         with self._env.begin() as txn:
-            for key, blob in txn.cursor():
-                if not key.startswith(_ROW_PREFIX):
-                    continue
-                keys.append(bytes(key))
-                row = decode_row(int.from_bytes(key[1:], "big"), blob)
-                if row is None or not answer_exists(row.digest):
-                    dead.append(bytes(key))
+            cursor = txn.cursor()
+            if cursor.set_range(_ROW_PREFIX):
+                for key, blob in cursor:
+                    if not key.startswith(_ROW_PREFIX):
+                        break
+                    seq = int.from_bytes(key[1:], "big")
+                    row = decode_row(seq, blob)
+                    rows.append((seq, row))
+                    if row is None or not answer_exists(row.digest):
+                        dead.append((seq, row))
         if not dead:
-            dead = keys[: max(1, int(len(keys) * fallback_fraction))]  # keys are in seq order
+            dead = rows[: max(1, int(len(rows) * fallback_fraction))]  # rows are in seq order
+        touched: set[bytes] = set()
         with self._env.begin(write=True) as txn:
-            return sum(bool(txn.delete(key)) for key in dead)
+            deleted = 0
+            for seq, row in dead:
+                deleted += bool(txn.delete(_row_key(seq)))
+                if row is not None:  # a damaged row's scope index entry goes at its next sync
+                    tag = _tag_bytes(row.scope)
+                    self._unindex(txn, tag, seq)
+                    digest_key = _DIGEST + tag + row.digest.encode("utf-8")
+                    if txn.get(digest_key) == seq.to_bytes(8, "big"):
+                        txn.delete(digest_key)
+                    touched.add(tag)
+        for tag in touched:
+            with self.tables.locked(tag.hex()):
+                synced = self.tables.sync_scope(tag.hex())
+                if synced is not None:
+                    synced.close()
+        return deleted
+
+    @staticmethod
+    def _unindex(txn: Any, tag: bytes, seq: int) -> None:
+        if txn.delete(_SCOPE_ROW + tag + seq.to_bytes(8, "big")):
+            raw = txn.get(_LIVE + tag)
+            live = int.from_bytes(raw, "big") if raw else 0
+            txn.put(_LIVE + tag, max(0, live - 1).to_bytes(8, "big"))
 
     def append_many(self, rows: list[tuple[str, str, str, np.ndarray]]) -> list[int]:
-        """Append (scope, digest, prompt, vector) rows in one transaction (one fsync)."""
+        """Append (scope, digest, prompt, vector) rows in one transaction (one fsync), then
+        publish them to their scopes' tables. A digest the scope already has keeps its row
+        (the returned seq is that row's)."""
+        seqs, fresh = self.log_rows(rows)
+        for tag, (new_seqs, vectors) in fresh.items():
+            self.tables.publish(tag, new_seqs, np.stack(vectors))
+        return seqs
+
+    def log_rows(
+        self, rows: list[tuple[str, str, str, np.ndarray]]
+    ) -> tuple[list[int], dict[str, tuple[list[int], list[np.ndarray]]]]:
+        """The log half of `append_many`: the seqs, and the new rows by scope tag, to publish."""
         seqs: list[int] = []
+        fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
         with self._env.begin(write=True) as txn:
             raw = txn.get(_NEXT_KEY)
             seq = int.from_bytes(raw, "big") if raw else 0
             for scope, digest, prompt, vector in rows:
+                vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+                tag = _tag_bytes(scope)
+                digest_key = _DIGEST + tag + digest.encode("utf-8")
+                known = txn.get(digest_key)
+                if known is not None and txn.get(_ROW_PREFIX + known) is not None:
+                    seqs.append(int.from_bytes(known, "big"))
+                    continue
+                manifest = self._manifest(txn, tag)
+                if manifest is None:
+                    manifest = TableManifest(scope, 0, len(vector), INITIAL_CAPACITY)
+                    txn.put(_MANIFEST + tag, _encode_manifest(manifest))
+                elif manifest.width != len(vector):
+                    raise ValueError(
+                        f"a vector of {len(vector)} floats for a scope of {manifest.width}"
+                    )
                 row = IndexRow(seq, scope, digest, prompt, vector, self._clock())
                 txn.put(_row_key(seq), encode_row(row))
+                txn.put(_SCOPE_ROW + tag + seq.to_bytes(8, "big"), b"")
+                raw_live = txn.get(_LIVE + tag)
+                live = int.from_bytes(raw_live, "big") if raw_live else 0
+                txn.put(_LIVE + tag, (live + 1).to_bytes(8, "big"))
+                txn.put(digest_key, seq.to_bytes(8, "big"))
                 seqs.append(seq)
+                entry = fresh.setdefault(tag.hex(), ([], []))
+                entry[0].append(seq)
+                entry[1].append(vector)
                 seq += 1
             txn.put(_NEXT_KEY, seq.to_bytes(8, "big"))
-        return seqs
+        return seqs, fresh
 
     def head(self) -> int:
         """The next sequence number: rows [0, head) have been written."""
@@ -167,8 +265,107 @@ class SemanticStore:
                 if row is not None:
                     yield row
 
+    def rows(self, seqs: Sequence[int]) -> list[IndexRow | None]:
+        """The rows with these seqs, in one read; None for one deleted or damaged."""
+        with self._env.begin() as txn:
+            return [
+                None if (blob := txn.get(_row_key(seq))) is None else decode_row(seq, blob)
+                for seq in seqs
+            ]
+
+    def read_vectors(self, seqs: list[int], width: int) -> tuple[np.ndarray, list[int]]:
+        """The vectors of these rows (in order) and the seqs that could not be read (damaged,
+        deleted or of another width), which are left out of the vectors."""
+        vectors: list[np.ndarray] = []
+        bad: list[int] = []
+        for seq, row in zip(seqs, self.rows(seqs), strict=True):
+            if row is None or len(row.vector) != width:
+                bad.append(seq)
+            else:
+                vectors.append(row.vector)
+        return (np.stack(vectors) if vectors else np.zeros((0, width), np.float32)), bad
+
+    def forget_digests(self, tag: str, digests: list[str]) -> list[int]:
+        """The rows of these answer digests that were forgotten in scope `tag`: each digest's
+        current row moves to its forgotten list (`f` keys) and loses the digest key, so the
+        same digest appended again gets a new row. Idempotent across processes."""
+        scope = bytes.fromhex(tag)
+        seqs: list[int] = []
+        with self._env.begin(write=True) as txn:
+            for digest in digests:
+                encoded = digest.encode("utf-8")
+                forgotten_key = _FORGOTTEN + scope + encoded
+                known = txn.get(_DIGEST + scope + encoded)
+                listed = txn.get(forgotten_key) or b""
+                if known is not None:
+                    listed += known
+                    txn.put(forgotten_key, listed)
+                    txn.delete(_DIGEST + scope + encoded)
+                seqs += [int.from_bytes(listed[i : i + 8], "big") for i in range(0, len(listed), 8)]
+        return seqs
+
+    def delete_rows(self, tag: str, seqs: list[int]) -> None:
+        with self._env.begin(write=True) as txn:
+            for seq in seqs:
+                txn.delete(_row_key(seq))
+                self._unindex(txn, bytes.fromhex(tag), seq)
+
+    def scope_seqs(self, tag: str) -> list[int]:
+        """The scope's live rows, in seq order."""
+        prefix = _SCOPE_ROW + bytes.fromhex(tag)
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return []
+            seqs = []
+            for key in cursor.iternext(values=False):
+                if not key.startswith(prefix):
+                    break
+                seqs.append(int.from_bytes(key[len(prefix) :], "big"))
+            return seqs
+
+    def live_count(self, tag: str) -> int:
+        with self._env.begin() as txn:
+            raw = txn.get(_LIVE + bytes.fromhex(tag))
+        return int.from_bytes(raw, "big") if raw else 0
+
+    def manifest(self, tag: str) -> TableManifest | None:
+        with self._env.begin() as txn:
+            return self._manifest(txn, bytes.fromhex(tag))
+
+    @staticmethod
+    def _manifest(txn: Any, tag: bytes) -> TableManifest | None:
+        raw = txn.get(_MANIFEST + tag)
+        if raw is None:
+            return None
+        epoch, width, capacity = _MANIFEST_HEAD.unpack_from(raw)
+        return TableManifest(bytes(raw[_MANIFEST_HEAD.size :]).decode(), epoch, width, capacity)
+
+    def set_manifest(self, tag: str, manifest: TableManifest) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(_MANIFEST + bytes.fromhex(tag), _encode_manifest(manifest))
+
+    def manifests(self) -> list[tuple[str, TableManifest]]:
+        """Every scope's (tag, manifest)."""
+        found = []
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(_MANIFEST):
+                for key, _ in cursor:
+                    if not key.startswith(_MANIFEST):
+                        break
+                    manifest = self._manifest(txn, key[1:])
+                    if manifest is not None:
+                        found.append((bytes(key[1:]).hex(), manifest))
+        return found
+
     def close(self) -> None:
         self._env.close()
+
+
+def _encode_manifest(manifest: TableManifest) -> bytes:
+    head = _MANIFEST_HEAD.pack(manifest.epoch, manifest.width, manifest.capacity)
+    return head + manifest.scope.encode("utf-8")
 
 
 # HNSW parameters. They are hashed into every saved graph's prefix digest, so a graph built with
@@ -297,118 +494,101 @@ class GraphFiles:
                 pass
 
 
+_GRAPH_TAIL_ROWS = 256  # rows past a graph's end are scanned flat until this many, then added
+
+
 @dataclass(slots=True)
 class _Scope:
-    """One scope's rows in memory: a growing matrix, plus an HNSW graph once it is large."""
+    """One scope as this process reads it: the host's shared table of its vectors (zero copy),
+    plus, once it is large, this process's HNSW graph of the table's first `graph_rows` rows,
+    labelled by table index. Rows after those are scanned flat."""
 
     name: str
     dimensions: int
-    vectors: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
-    count: int = 0
-    digests: list[str] = field(default_factory=list)
-    prompts: list[str] = field(default_factory=list)
-    known: set[str] = field(default_factory=set)
-    row_ids: bytearray = field(default_factory=bytearray)  # _ROW_ID per row, in matrix order
+    log_id: bytes
+    table: native.SharedTable
     hnsw: object | None = None
-    graph_rows: int = 0  # rows in the graph file this process last loaded or saved
-    # Rows whose answer was invalidated (tiercache.invalidation): kept in the matrix and graph
-    # (their positions and saved graphs stay valid), never returned by a search.
+    graph_rows: int = 0  # table rows in the graph
+    graph_prefix: str = ""  # prefix_digest(graph_rows) when the graph was built or loaded
+    saved_rows: int = 0  # rows in the graph file this process last loaded or saved
+    # Log seqs of rows whose answer was invalidated (tiercache.invalidation): they stay in the
+    # table and graph, and a search never returns them (SemanticIndex.forget).
     dead: set[int] = field(default_factory=set)
 
     @property
-    def live(self) -> int:
-        return self.count - len(self.dead)
-
-    def forget(self, digests: set[str]) -> int:
-        """Mark the rows of `digests` dead; a later row with one of them is indexed afresh.
-        O(rows of the scope)."""
-        if not digests & self.known:
-            return 0
-        forgotten = 0
-        for i, digest in enumerate(self.digests):
-            if digest in digests and i not in self.dead:
-                self.dead.add(i)
-                forgotten += 1
-        self.known -= digests
-        return forgotten
-
-    def extend(self, rows: list[IndexRow]) -> None:
-        """Add rows (a digest already present is skipped); a graph takes them in one batch."""
-        fresh = [r for r in rows if r.digest not in self.known]
-        if not fresh:
-            return
-        needed = self.count + len(fresh)
-        if needed > self.vectors.shape[0]:
-            grown = np.zeros((max(64, 2 * needed), self.dimensions), dtype=np.float32)
-            if self.count:
-                grown[: self.count] = self.vectors[: self.count]
-            self.vectors = grown
-        start = self.count
-        for row in fresh:
-            if row.digest in self.known:  # duplicates inside one batch
-                continue
-            self.vectors[self.count] = row.vector
-            self.count += 1
-            self.digests.append(row.digest)
-            self.prompts.append(row.prompt)
-            self.known.add(row.digest)
-            self.row_ids += _ROW_ID.pack(row.seq, row.checksum)
-        if self.hnsw is not None:
-            self.hnsw_add(start, self.count)
+    def count(self) -> int:
+        return self.table.count()
 
     def prefix_digest(self, rows: int) -> str:
-        """Identity of the first `rows` rows: a saved graph of them is valid for this scope."""
+        """Identity of the table's first `rows` rows (their log seqs, in table order, of this
+        row log): a saved graph of them is valid for this scope."""
         h = hashlib.sha256(f"{_GRAPH_FORMAT} dim={self.dimensions}\0{self.name}\0".encode())
-        h.update(memoryview(self.row_ids)[: rows * _ROW_ID.size])
+        h.update(self.log_id)
+        h.update(np.asarray(self.table.ids(rows)).tobytes())
         return h.hexdigest()[:32]
 
-    def build_hnsw(self) -> None:
+    def build_hnsw(self, rows: np.ndarray) -> None:
         import hnswlib  # only large scopes need it
 
         index = hnswlib.Index(space="ip", dim=self.dimensions)
-        index.init_index(
-            max_elements=2 * self.count, ef_construction=_HNSW_EF_CONSTRUCTION, M=_HNSW_M
-        )
+        count = len(rows)
+        index.init_index(max_elements=2 * count, ef_construction=_HNSW_EF_CONSTRUCTION, M=_HNSW_M)
         index.set_ef(_HNSW_EF_SEARCH)
-        index.add_items(self.vectors[: self.count], np.arange(self.count))
-        self.hnsw = index
+        index.add_items(rows, np.arange(count))
+        self.hnsw, self.graph_rows, self.graph_prefix = index, count, self.prefix_digest(count)
 
-    def hnsw_add(self, start: int, stop: int) -> None:
+    def hnsw_add(self, rows: np.ndarray) -> None:
+        """Add the snapshot's rows past the graph's end."""
         index: Any = self.hnsw
+        stop = len(rows)
+        if stop <= self.graph_rows:
+            return
         if stop > index.get_max_elements():
             index.resize_index(2 * stop)
-        index.add_items(self.vectors[start:stop], np.arange(start, stop))
+        index.add_items(rows[self.graph_rows : stop], np.arange(self.graph_rows, stop))
+        self.graph_rows, self.graph_prefix = stop, self.prefix_digest(stop)
 
-    def holds_own_vectors(self, index: Any, rows: int) -> bool:
-        """Spot check of a loaded graph: a few of its stored vectors equal this scope's rows."""
-        labels = sorted({0, rows // 3, (2 * rows) // 3, rows - 1})
+    @staticmethod
+    def holds_own_vectors(index: Any, rows: np.ndarray, count: int) -> bool:
+        """Spot check of a loaded graph: a few of its stored vectors equal the table's rows."""
+        labels = sorted({0, count // 3, (2 * count) // 3, count - 1})
         stored = np.asarray(index.get_items(labels), dtype=np.float32)
-        return bool(np.array_equal(stored, self.vectors[labels]))
+        return bool(np.array_equal(stored, rows[labels]))
 
-    def search(self, query: np.ndarray, k: int) -> list[tuple[float, int]]:
-        if self.live == 0:
+    def search(self, rows: np.ndarray, query: np.ndarray, k: int) -> list[tuple[float, int]]:
+        """(similarity, table index) of the nearest rows of the snapshot `rows`, best first."""
+        count = len(rows)
+        if count == 0:
             return []
-        k = min(k, self.live)
-        if self.hnsw is not None:
-            index: Any = self.hnsw
-            labels, _ = index.knn_query(query, k=min(self.count, k + len(self.dead)))
-            ids = np.array([i for i in labels[0].astype(np.int64) if i not in self.dead][:k])
-            if ids.size == 0:
-                return []
-            # The graph only nominates rows; their similarity comes from this process's own
-            # matrix, so a graph can cost recall but never report a wrong similarity.
-            scores = self.vectors[ids] @ query
-            order = np.argsort(-scores, kind="stable")
-            return [(float(scores[j]), int(ids[j])) for j in order]
-        scores = self.vectors[: self.count] @ query
-        if self.dead:
-            scores[list(self.dead)] = -np.inf
-        if k == self.count:
-            top = np.argsort(-scores)
-        else:
-            part = np.argpartition(-scores, k - 1)[:k]
-            top = part[np.argsort(-scores[part])]
-        return [(float(scores[i]), int(i)) for i in top]
+        k = min(k, count)
+        if self.hnsw is None or not self.graph_rows:  # the flat scan alone
+            scores = rows @ query
+            top = np.argpartition(-scores, k - 1)[:k] if k < count else np.arange(count)
+            top = top[np.argsort(-scores[top], kind="stable")]
+            return [(float(scores[i]), int(i)) for i in top]
+        index: Any = self.hnsw
+        labels, _ = index.knn_query(query, k=min(k, self.graph_rows))
+        candidates = labels[0].astype(np.int64)
+        if self.graph_rows < count:  # the rows past the graph's end, scanned flat
+            scores = rows[self.graph_rows :] @ query
+            kk = min(k, len(scores))
+            part = np.argpartition(-scores, kk - 1)[:kk] if kk < len(scores) else np.arange(kk)
+            candidates = np.concatenate([candidates, part.astype(np.int64) + self.graph_rows])
+        # The graph only nominates rows; their similarity comes from the table's rows, so a
+        # graph can cost recall but never report a wrong similarity.
+        scores = rows[candidates] @ query
+        order = np.argsort(-scores, kind="stable")[:k]
+        return [(float(scores[j]), int(candidates[j])) for j in order]
+
+
+@dataclass(frozen=True, slots=True)
+class _RowMeta:
+    scope: str
+    digest: str
+    prompt: str
+
+
+_META_CACHE_ROWS = 1 << 16  # metadata of the candidates a process served lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,10 +599,13 @@ class IndexStats:
     graphs_loaded: int  # HNSW graphs loaded from a saved file
     graphs_saved: int  # graph files written by this process
     graph_files_rejected: int  # saved files not used: other rows, damaged, unreadable
+    tables_reopened: int = 0  # scope tables found retired (compacted, grown) and reopened
 
 
 class SemanticIndex:
-    """This process's view of the host's semantic rows, kept in step with the store.
+    """Search of the host's semantic rows: each scope's vectors come from its shared table
+    (`SemanticStore.tables`), a zero-copy snapshot per search; the digest and prompt of the
+    top k from the row log, by seq. A table found retired (compaction, growth) is reopened.
 
     Graph files (`persist_graphs`, under `<row log>/graphs`) are saved after a build, after a
     load that had to add many rows on top (a restart after a crash), and at `close`; searches
@@ -442,72 +625,97 @@ class SemanticIndex:
         self.flat_max_rows = flat_max_rows
         self.graphs = GraphFiles(store.path / "graphs") if persist_graphs else None
         self._scopes: dict[str, _Scope] = {}
-        self._seen = 0
+        self._visible = 0  # rows seen by the last refresh
+        self._meta: dict[int, _RowMeta] = {}  # by log seq, see _metadata
         self._lock = threading.Lock()
-        self._built = self._loaded = self._saved = self._rejected = 0
+        self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
 
     def refresh(self) -> int:
-        """Load rows other processes (or this one) appended since the last refresh."""
-        head = self.store.head()
+        """Open every scope's table of the host (a start: large scopes get their graph here,
+        holding every row); the number of rows that became visible since the last refresh."""
         with self._lock:
-            if head <= self._seen:
-                return 0
-            by_scope: dict[str, list[IndexRow]] = {}
-            for row in self.store.rows_since(self._seen):
-                if row.seq >= head:
-                    break
-                if len(row.vector) == self.dimensions:
-                    by_scope.setdefault(row.scope, []).append(row)
-            for name, rows in by_scope.items():
-                scope = self._scopes.get(name)
-                if scope is None:
-                    scope = self._scopes[name] = _Scope(name, self.dimensions)
-                scope.extend(rows)
-                if scope.hnsw is None and scope.count > self.flat_max_rows:
-                    self._attach_graph(scope)
-            self._seen = head
-            return sum(len(rows) for rows in by_scope.values())
+            for _, manifest in self.store.manifests():
+                if manifest.width == self.dimensions:
+                    scope = self._open(manifest.scope)
+                    if scope is not None and scope.hnsw is not None:
+                        scope.hnsw_add(scope.table.snapshot())
+            visible = sum(s.count for s in self._scopes.values())
+            fresh, self._visible = max(0, visible - self._visible), visible
+            return fresh
+
+    def _open(self, name: str) -> _Scope | None:
+        """The scope, its table reopened if it was retired; None when it has no rows. Call
+        with the lock held."""
+        scope = self._scopes.get(name)
+        if scope is not None and not scope.table.retired():
+            self._grow_graph(scope)
+            return scope
+        table = self.store.tables.open_current(scope_tag(name), self.dimensions)
+        if table is None:
+            self._scopes.pop(name, None)
+            return None
+        if scope is None:
+            scope = self._scopes[name] = _Scope(name, self.dimensions, self.store.log_id, table)
+        else:
+            old, scope.table = scope.table, table
+            old.close()
+            self._reopened += 1
+            if scope.hnsw is not None and (
+                table.count() < scope.graph_rows
+                or scope.prefix_digest(scope.graph_rows) != scope.graph_prefix
+            ):  # the rows were rewritten (compaction): the graph's labels no longer hold
+                scope.hnsw, scope.graph_rows, scope.graph_prefix = None, 0, ""
+        self._grow_graph(scope)
+        return scope
+
+    def _grow_graph(self, scope: _Scope) -> None:
+        if scope.hnsw is None:
+            if scope.count > self.flat_max_rows:
+                self._attach_graph(scope)
+        elif scope.count - scope.graph_rows >= _GRAPH_TAIL_ROWS:
+            scope.hnsw_add(scope.table.snapshot())
 
     def _attach_graph(self, scope: _Scope) -> None:
         """Give a scope that outgrew the flat scan its graph: the newest saved one that matches
         its rows plus the rows after it, else a new build."""
         started = time.perf_counter()
-        covered = self._load_graph(scope)
+        rows = scope.table.snapshot()
+        covered = self._load_graph(scope, rows)
         if covered is None:
-            scope.build_hnsw()
+            scope.build_hnsw(rows)
             self._built += 1
-            log.info("built a graph of %d rows in %.1f s", scope.count, _since(started))
+            log.info("built a graph of %d rows in %.1f s", len(rows), _since(started))
             self._save_graph(scope)
             return
         self._loaded += 1
-        if scope.count > covered:
-            scope.hnsw_add(covered, scope.count)
+        scope.hnsw_add(rows)
         log.info(
             "loaded a saved graph of %d rows and added %d in %.1f s",
             covered,
-            scope.count - covered,
+            len(rows) - covered,
             _since(started),
         )
-        if scope.count - covered >= _RESAVE_FRACTION * covered:
+        if len(rows) - covered >= _RESAVE_FRACTION * covered:
             self._save_graph(scope)
 
-    def _load_graph(self, scope: _Scope) -> int | None:
+    def _load_graph(self, scope: _Scope, rows: np.ndarray) -> int | None:
         """Attach the newest usable saved graph; the number of rows it covers, or None."""
         if self.graphs is None:
             return None
         for file in self.graphs.candidates(scope.name):
-            if file.rows > scope.count:
+            if file.rows > len(rows):
                 continue  # saved by a process that has seen more rows than this one
-            if scope.prefix_digest(file.rows) != file.prefix:
-                # It covers rows the log no longer holds in that order (compacted or rewritten
-                # since), so it can never match again.
-                log.info("graph %s covers other rows than the log; deleted", file.path.name)
+            prefix = scope.prefix_digest(file.rows)
+            if prefix != file.prefix:
+                # It covers other rows than the table holds in that order (compacted or
+                # rebuilt since, or another log's), so it can never match again.
+                log.info("graph %s covers other rows than the table; deleted", file.path.name)
                 self._reject(file)
                 continue
             try:
-                index = self.graphs.load(file, self.dimensions, 2 * scope.count)
-                if not scope.holds_own_vectors(index, file.rows):
-                    raise GraphFileError("its vectors differ from the log's rows")
+                index = self.graphs.load(file, self.dimensions, 2 * len(rows))
+                if not scope.holds_own_vectors(index, rows, file.rows):
+                    raise GraphFileError("its vectors differ from the table's rows")
             except GraphFileError as exc:
                 log.warning("graph %s is unusable (%s); deleted", file.path.name, exc)
                 self._reject(file)
@@ -516,7 +724,8 @@ class SemanticIndex:
                 log.info("graph %s could not be read (%s)", file.path.name, exc)
                 self._rejected += 1
                 continue
-            scope.hnsw, scope.graph_rows = index, file.rows
+            scope.hnsw, scope.graph_rows, scope.graph_prefix = index, file.rows, prefix
+            scope.saved_rows = file.rows
             return file.rows
         return None
 
@@ -530,65 +739,105 @@ class SemanticIndex:
         if self.graphs is None or scope.hnsw is None:
             return
         try:
-            saved = self.graphs.save(
-                scope.name, scope.count, scope.prefix_digest(scope.count), scope.hnsw
-            )
+            saved = self.graphs.save(scope.name, scope.graph_rows, scope.graph_prefix, scope.hnsw)
         except (OSError, RuntimeError) as exc:
-            log.warning("could not save a scope's graph (%d rows): %s", scope.count, exc)
+            log.warning("could not save a scope's graph (%d rows): %s", scope.graph_rows, exc)
             return
-        scope.graph_rows = scope.count
+        scope.saved_rows = scope.graph_rows
         self._saved += saved is not None
 
     def save_graphs(self) -> None:
-        """Save every graph that has grown since its file was written."""
+        """Add the rows past each graph's end to it, and save every graph that has grown since
+        its file was written."""
         with self._lock:
             for scope in self._scopes.values():
-                if scope.hnsw is not None and scope.count > scope.graph_rows:
-                    self._save_graph(scope)
+                if scope.hnsw is not None and not scope.table.retired():
+                    scope.hnsw_add(scope.table.snapshot())
+                    if scope.graph_rows > scope.saved_rows:
+                        self._save_graph(scope)
 
     def search(self, scope: str, query: np.ndarray, k: int = 5) -> list[Neighbour]:
-        """Nearest rows of `scope` only, best first (after catching up with the store)."""
-        self.refresh()
+        """Nearest rows of `scope` only, best first. Best effort: a row deleted from the log
+        since the snapshot (compaction) or damaged there is left out, so fewer than k may
+        come back."""
         with self._lock:
-            rows = self._scopes.get(scope)
+            rows = self._open(scope)
             if rows is None:
                 return []
-            return [
-                Neighbour(similarity, rows.digests[i], rows.prompts[i])
-                for similarity, i in rows.search(query, k)
-            ]
+            snapshot = rows.table.snapshot()
+            nearest = rows.search(snapshot, query, k + len(rows.dead))
+            ids = rows.table.ids(len(snapshot))
+            if rows.dead:
+                nearest = [(sim, i) for sim, i in nearest if int(ids[i]) not in rows.dead][:k]
+        found = self._metadata([int(ids[i]) for _, i in nearest])
+        return [
+            Neighbour(similarity, row.digest, row.prompt)
+            for (similarity, _), row in zip(nearest, found, strict=True)
+            if row is not None and row.scope == scope
+        ]
+
+    def _metadata(self, seqs: list[int]) -> list[_RowMeta | None]:
+        """The rows' scope, digest and prompt: from this process's cache, else the log (a row
+        never changes under its seq; one deleted since is at worst a stale candidate, whose
+        answer is gone too). The cache is bounded: it is cleared when full."""
+        cache = self._meta
+        wanted = [seq for seq in seqs if seq not in cache]
+        if wanted:
+            if len(cache) + len(wanted) > _META_CACHE_ROWS:
+                cache.clear()
+            for seq, row in zip(wanted, self.store.rows(wanted), strict=True):
+                if row is not None:
+                    cache[seq] = _RowMeta(row.scope, row.digest, row.prompt)
+        return [cache.get(seq) for seq in seqs]
 
     def add(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.store.append(scope, digest, prompt, vector)
 
     def forget(self, digests: list[str]) -> int:
         """Stop returning the rows of these answers' digests (their answers were invalidated);
-        how many rows. In this process only and until it restarts: the host's row log keeps
-        them, and a row whose answer is gone is a miss (`stale`), never a wrong answer."""
-        wanted = set(digests)
+        how many rows this process stopped returning. Every process that hears of the
+        invalidation calls this: the first one moves each digest's row from the scope's
+        digest key to its forgotten list in the log (so the answer, generated again, is indexed
+        as a new row), and every process hides the rows on that list. Hidden until the process
+        restarts; after that such a row is a `stale` miss (its answer is gone), never a wrong
+        answer. A process that handles the message only after the answer was generated and
+        indexed again also hides the new row (recall, not correctness)."""
+        wanted = sorted(set(digests))
         if not wanted:
             return 0
         with self._lock:
-            return sum(scope.forget(wanted) for scope in self._scopes.values())
+            forgotten = 0
+            for name, scope in self._scopes.items():
+                seqs = set(self.store.forget_digests(scope_tag(name), wanted)) - scope.dead
+                if seqs:
+                    scope.dead |= seqs
+                    forgotten += len(seqs)
+            return forgotten
 
     def size(self, scope: str | None = None) -> int:
+        """Rows in `scope`'s table, or in every table this process has opened."""
         with self._lock:
             if scope is not None:
-                rows = self._scopes.get(scope)
-                return 0 if rows is None else rows.live
-            return sum(s.live for s in self._scopes.values())
+                rows = self._open(scope)
+                return 0 if rows is None else rows.count - len(rows.dead)
+            return sum(s.count - len(s.dead) for s in self._scopes.values())
 
     def stats(self) -> IndexStats:
         with self._lock:
             return IndexStats(
-                sum(s.live for s in self._scopes.values()),
+                sum(s.count - len(s.dead) for s in self._scopes.values()),
                 len(self._scopes),
                 self._built,
                 self._loaded,
                 self._saved,
                 self._rejected,
+                self._reopened,
             )
 
     def close(self) -> None:
         self.save_graphs()
+        with self._lock:
+            for scope in self._scopes.values():
+                scope.table.close()
+            self._scopes.clear()
         self.store.close()

@@ -1,0 +1,195 @@
+"""The semantic index's vectors in the host's shared tables: one `tiercache_native.SharedTable`
+per scope, keyed by the scope's tag, each row's id its sequence number in the LMDB row log.
+
+The row log (`SemanticStore`) stays the durable record and the source of every row's metadata;
+a table is a copy of one scope's vectors that every process on the host maps, published with
+release/acquire ordering (backends/README.md), so readers never copy or catch up on rows.
+
+Files, under the folder the store is given (default `<semantic state>/tables/`):
+`<scope tag>.<epoch>.tbl`, the scope's current table, and `<scope tag>.lock`, an `flock` that
+every process holds while it publishes to, rebuilds or replaces that scope's table. The
+current epoch, width and capacity are in the log's manifest for the scope (`TableManifest`),
+so a process never guesses which file is current. One file per scope keeps each scope's flat
+scan one contiguous matrix; a table starts at `INITIAL_CAPACITY` rows (about 1.5 MB of sparse
+file at 384 floats) and processes map only the scopes they touch.
+
+Invariant, under the scope's lock: the current table holds the scope's live log rows, once
+each, or fewer (a writer that died between its log append and its publish, a table emptied by
+a reboot or deleted): `sync_scope` publishes what is missing, and rewrites the table into a new
+epoch when it holds rows the log no longer has (compaction) or when the rows do not fit
+(growth), keeping the order of the rows it keeps (an HNSW graph's labels stay valid).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import tiercache_native as native
+
+if TYPE_CHECKING:
+    from tiercache.semantic.index import SemanticStore
+
+log = logging.getLogger(__name__)
+
+INITIAL_CAPACITY = 1024
+_PUBLISH_CHUNK = 8192  # rows per publish call when a table is rebuilt
+
+
+@dataclass(frozen=True, slots=True)
+class TableManifest:
+    """Which table file is a scope's current one, as the row log records it."""
+
+    scope: str
+    epoch: int
+    width: int
+    capacity: int
+
+
+def capacity_for(rows: int) -> int:
+    """Room for `rows` and as many again: growth rewrites the table, so it must be rare."""
+    capacity = INITIAL_CAPACITY
+    while capacity < 2 * rows:
+        capacity *= 2
+    return capacity
+
+
+class ScopeTables:
+    """The host's shared tables of one row log, as this process sees them."""
+
+    def __init__(self, store: SemanticStore, path: Path) -> None:
+        self.store = store
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+
+    def table_path(self, tag: str, epoch: int) -> Path:
+        return self.path / f"{tag}.{epoch}.tbl"
+
+    @contextmanager
+    def locked(self, tag: str) -> Iterator[None]:
+        """The scope's writer lock across processes (and threads: each call opens its own
+        file description, which flock treats as a separate owner)."""
+        fd = os.open(self.path / f"{tag}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def open_current(self, tag: str, width: int) -> native.SharedTable | None:
+        """The scope's current table, complete with the log's live rows; None when the log has
+        no rows of the scope or they have another width. Lock-free unless the table is behind
+        the log (a writer died before publishing, a reboot emptied it, it was deleted)."""
+        manifest = self.store.manifest(tag)
+        if manifest is None or manifest.width != width:
+            return None
+        table = native.SharedTable(self.table_path(tag, manifest.epoch), width, manifest.capacity)
+        # Re-read: a table replaced meanwhile may have been unlinked before the open, which then
+        # created a stray file of the old epoch. Epochs only grow, so an unchanged manifest
+        # means the file opened is the current one.
+        again = self.store.manifest(tag)
+        if (
+            again is None
+            or again.epoch != manifest.epoch
+            or table.retired()
+            or table.count() < self.store.live_count(tag)
+        ):
+            table.close()
+            with self.locked(tag):
+                return self.sync_scope(tag)
+        return table
+
+    def publish(self, tag: str, seqs: list[int], vectors: np.ndarray) -> None:
+        """Publish rows just appended to the log (the writer's second step)."""
+        with self.locked(tag):
+            manifest = self.store.manifest(tag)
+            if manifest is None:  # compacted away before this writer got the lock
+                return
+            table = self._open_locked(tag, manifest)
+            wanted = np.asarray(seqs, dtype=np.uint64)
+            fast = (
+                not table.retired()
+                and table.count() + len(seqs) == self.store.live_count(tag)
+                and table.count() + len(seqs) <= table.capacity()
+                and not np.isin(wanted, table.ids()).any()
+            )
+            if fast:  # the usual case: the table holds every other live row
+                table.publish(np.ascontiguousarray(vectors, dtype=np.float32), wanted)
+                table.close()
+                return
+            table.close()
+            synced = self.sync_scope(tag)
+            if synced is not None:
+                synced.close()
+
+    def sync_scope(self, tag: str) -> native.SharedTable | None:
+        """Make the scope's current table hold exactly its live log rows, in place when it
+        only lacks rows that fit, else in a new epoch (the old table retired). Call with the
+        scope's lock held. Damaged log rows are deleted from the log here."""
+        manifest = self.store.manifest(tag)
+        if manifest is None:
+            return None
+        table = self._open_locked(tag, manifest)
+        count = table.count()
+        have = np.array(table.ids(count), dtype=np.uint64)
+        live = np.asarray(self.store.scope_seqs(tag), dtype=np.uint64)
+        keep = np.isin(have, live)
+        missing = live[~np.isin(live, have)]
+        vectors = np.zeros((0, manifest.width), dtype=np.float32)
+        if len(missing):
+            rows, damaged = self.store.read_vectors(missing.tolist(), manifest.width)
+            if damaged:
+                log.warning("deleted %d damaged rows from the semantic log", len(damaged))
+                self.store.delete_rows(tag, damaged)
+                missing = missing[~np.isin(missing, np.asarray(damaged, dtype=np.uint64))]
+            vectors = rows
+        in_place = bool(keep.all()) and not table.retired()
+        if in_place and count + len(missing) <= table.capacity():
+            if len(missing):
+                log.info("published %d log rows missing from a scope's table", len(missing))
+                table.publish(vectors, missing)
+            return table
+        kept_rows = np.asarray(table.snapshot())[keep]
+        ids = np.concatenate([have[keep], missing])
+        rows = np.concatenate([kept_rows, vectors]) if len(missing) else kept_rows
+        return self._replace_locked(tag, manifest, table, rows, ids)
+
+    def _open_locked(self, tag: str, manifest: TableManifest) -> native.SharedTable:
+        path = self.table_path(tag, manifest.epoch)
+        try:
+            return native.SharedTable(path, manifest.width, manifest.capacity)
+        except native.TableFormatError:  # not a table of ours (damaged): start it again
+            log.warning("table %s is unreadable; rebuilt from the log", path.name)
+            path.unlink(missing_ok=True)
+            return native.SharedTable(path, manifest.width, manifest.capacity)
+
+    def _replace_locked(
+        self,
+        tag: str,
+        manifest: TableManifest,
+        old: native.SharedTable,
+        rows: np.ndarray,
+        ids: np.ndarray,
+    ) -> native.SharedTable:
+        """Write `rows` into a new epoch's table, make it current, retire the old one."""
+        epoch = manifest.epoch + 1
+        path = self.table_path(tag, epoch)
+        path.unlink(missing_ok=True)  # left by a writer that died while replacing
+        capacity = capacity_for(len(ids))
+        table = native.SharedTable(path, manifest.width, capacity)
+        for start in range(0, len(ids), _PUBLISH_CHUNK):
+            stop = start + _PUBLISH_CHUNK
+            table.publish(np.ascontiguousarray(rows[start:stop]), ids[start:stop])
+        self.store.set_manifest(tag, TableManifest(manifest.scope, epoch, manifest.width, capacity))
+        old.retire()  # readers holding it reopen through the manifest
+        Path(old.path).unlink(missing_ok=True)
+        old.close()
+        log.info("scope table rewritten: epoch %d, %d rows, capacity %d", epoch, len(ids), capacity)
+        return table
