@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 from tiercache.codec import CacheEntry, CorruptEntry, decode_entry, encode_entry
 from tiercache.errors import Unavailable
-from tiercache.stores import StoreStats
+from tiercache.stores import StoreStats, read_stored
 
 log = logging.getLogger(__name__)
 
@@ -244,18 +244,7 @@ class RedisStore:
 
     def get(self, key: str) -> CacheEntry | None:
         data: Any = self.link.call(lambda c: c.get(self._key(key)), None)
-        if data is None:
-            self._count(misses=1)
-            return None
-        try:
-            entry = decode_entry(data)
-        except CorruptEntry as exc:
-            log.warning("L3 entry %s is corrupt (%s); dropped", key, exc)
-            self._count(misses=1, corrupt=1)
-            self.delete(key)
-            return None
-        self._count(hits=1)
-        return entry
+        return read_stored(self, "L3", key, data)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)

@@ -149,6 +149,31 @@ class OldestFirst:
         return [key for key, _ in ordered[:count]]
 
 
+class _CountingStore(Protocol):
+    def _count(self, *, hits: int = 0, misses: int = 0, corrupt: int = 0) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+
+def read_stored(
+    store: _CountingStore, tier: str, key: str, data: bytes | None
+) -> CacheEntry | None:
+    """A shared tier's read of one stored value: None (a miss) when absent, and when corrupt,
+    which also drops it; hits, misses and corrupt entries counted on `store`."""
+    if data is None:
+        store._count(misses=1)
+        return None
+    try:
+        entry = decode_entry(data)
+    except CorruptEntry as exc:
+        log.warning("%s entry %s is corrupt (%s); dropped", tier, key, exc)
+        store._count(misses=1, corrupt=1)
+        store.delete(key)
+        return None
+    store._count(hits=1)
+    return entry
+
+
 class LmdbStore:
     """L2: an LMDB environment on local disk, shared by every process on the host.
 
@@ -202,18 +227,7 @@ class LmdbStore:
     def get(self, key: str) -> CacheEntry | None:
         with self._env.begin(buffers=False) as txn:
             data = txn.get(key.encode())
-        if data is None:
-            self._count(misses=1)
-            return None
-        try:
-            entry = decode_entry(data)
-        except CorruptEntry as exc:
-            log.warning("L2 entry %s is corrupt (%s); dropped", key, exc)
-            self._count(misses=1, corrupt=1)
-            self.delete(key)
-            return None
-        self._count(hits=1)
-        return entry
+        return read_stored(self, "L2", key, data)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
