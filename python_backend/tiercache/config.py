@@ -216,3 +216,12 @@ def _convert(kind: Any, text: str) -> Any:
     if kind is str:
         return text
     raise ValueError(f"unsupported parameter type {kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAdminConfig(PromptCacheConfig):
+    """The `cache_admin` model: the same cache settings as prompt_cache (so its digests, tiers
+    and secret are the ones the ensemble uses), plus the lora_cache model it forwards adapter
+    warm-ups to (BLS). `embedder` is accepted for symmetry and not used."""
+
+    lora_model: str = "lora_cache"

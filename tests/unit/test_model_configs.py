@@ -125,6 +125,7 @@ def test_cpu_repository_lines_up(assemble: ModuleType) -> None:
 def test_gpu_repository_models(gpu_repo: Path) -> None:
     names = sorted(p.name for p in gpu_repo.iterdir())
     assert names == [
+        "cache_admin",
         "embedder",
         "embedding_cache",
         "ensemble",

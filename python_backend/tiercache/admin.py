@@ -1,0 +1,283 @@
+"""The cache's admin operations (the `cache_admin` model's core): stats, invalidate, flush, warm.
+
+The admin runs in its own process, over the host's tiers: L2 (LMDB on this host) and, with
+`redis_url`, L3 (Redis) plus the invalidation channel. The L1 of each prompt_cache process is
+not reachable from here:
+
+- `stats` reports L2 and L3; L1's counters are prompt_cache's metrics.
+- `invalidate` with Redis goes through `Invalidator`: L3 is swept and every replica process
+  (prompt_cache included) drops its L1/L2 copies. Without Redis it is local: the host's L2 is
+  swept, but a prompt_cache process keeps serving what its L1 already holds until that entry is
+  evicted from L1 (bounded by `l1_max_bytes`) or expires. Deploy Redis for invalidations that
+  must reach every process.
+- `flush` empties L2 and L3; L1 copies stay (as above). It gives space back; to stop serving
+  something, invalidate it.
+
+`warm` stores answers under exactly the digest prompt_cache computes: each prompt goes through
+`PromptCache.lookup` (validation, canonicalization, tenant scope, adapter version, cache_control),
+and the answer is stored as the llm stage stores a generated one (tags, scope, adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.config import CacheAdminConfig
+from tiercache.errors import InvalidRequest, TierCacheError
+from tiercache.invalidation import InvalidationKind, Invalidator
+from tiercache.keys import EngineIdentity, tenant_scope
+from tiercache.prompt_cache import (
+    PromptCache,
+    ResolveAdapter,
+    load_secret,
+    open_tiered_cache,
+    redis_link,
+)
+from tiercache.request import Limits, RawInputs
+from tiercache.tiered import TieredCache
+
+WarmAdapters = Callable[[Sequence[str]], dict[str, Any]]
+"""Adapter names -> lora_cache's `warm` answer (NotFound for an unknown name)."""
+
+ADMIN_OPS: dict[str, frozenset[str]] = {
+    "stats": frozenset({"op"}),
+    "invalidate": frozenset({"op", "key", "tag", "tenant", "adapter", "sweep_shared"}),
+    "flush": frozenset({"op", "confirm"}),
+    "warm": frozenset({"op", "prompts", "adapters"}),
+}
+_KINDS = ("key", "tag", "tenant", "adapter")
+# A warmed prompt's keys: the ensemble's inputs (as prompt_cache reads them) plus the answer.
+_STR_FIELDS = ("text_input", "tenant", "cache_control", "lora_name")
+_INT_FIELDS = ("max_tokens", "top_k", "seed")
+_NUMBER_FIELDS = ("temperature", "top_p")
+_PROMPT_FIELDS = frozenset(
+    {*_STR_FIELDS, *_INT_FIELDS, *_NUMBER_FIELDS, "stop_words", "stream", "answer"}
+)
+L1_NOTE = (
+    "L1 lives in each prompt_cache process and is not reachable from cache_admin: see "
+    "prompt_cache's tiercache_store_* metrics"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAnswer:
+    result: dict[str, Any]
+
+
+def parse_admin(text: str) -> dict[str, Any]:
+    """The ADMIN JSON object; InvalidRequest for bad JSON, an unknown op or unknown keys."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"ADMIN is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("op") not in ADMIN_OPS:
+        raise InvalidRequest(f"ADMIN must be a JSON object with op one of {sorted(ADMIN_OPS)}")
+    unknown = set(data) - ADMIN_OPS[data["op"]]
+    if unknown:
+        raise InvalidRequest(f"ADMIN op {data['op']!r}: unknown keys {sorted(unknown)}")
+    return data
+
+
+def raw_inputs(item: dict[str, Any]) -> RawInputs:
+    """A warmed prompt's ensemble inputs, type-checked as the wire would (values are
+    prompt_cache's to validate)."""
+    unknown = set(item) - _PROMPT_FIELDS
+    if unknown:
+        raise InvalidRequest(f"unknown keys {sorted(unknown)}")
+    for name in _STR_FIELDS:
+        if name in item and not isinstance(item[name], str):
+            raise InvalidRequest(f"{name} must be a string")
+    for name in _INT_FIELDS:
+        if name in item and (isinstance(item[name], bool) or not isinstance(item[name], int)):
+            raise InvalidRequest(f"{name} must be an integer")
+    for name in _NUMBER_FIELDS:
+        value = item.get(name)
+        if name in item and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidRequest(f"{name} must be a number")
+    words = item.get("stop_words")
+    if words is not None and (
+        not isinstance(words, list) or not all(isinstance(w, str) for w in words)
+    ):
+        raise InvalidRequest("stop_words must be a list of strings")
+    if "stream" in item and not isinstance(item["stream"], bool):
+        raise InvalidRequest("stream must be a boolean")
+    temperature, top_p = item.get("temperature"), item.get("top_p")
+    return RawInputs(
+        text_input=item.get("text_input"),
+        max_tokens=item.get("max_tokens"),
+        stream=item.get("stream"),
+        temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p),
+        top_k=item.get("top_k"),
+        seed=item.get("seed"),
+        stop_words=words,
+        tenant=item.get("tenant"),
+        cache_control=item.get("cache_control"),
+        lora_name=item.get("lora_name"),
+    )
+
+
+class Admin:
+    """Admin operations over `cache` (L2 and optionally L3; no L1). `prompts` computes digests
+    as prompt_cache does (it must share the cache, secret, engine identity, limits and adapter
+    registry of the deployment); `warm_adapters` reaches lora_cache (None: adapter warm-ups are
+    refused)."""
+
+    def __init__(
+        self,
+        prompts: PromptCache,
+        secret: bytes,
+        warm_adapters: WarmAdapters | None = None,
+    ) -> None:
+        self.prompts = prompts
+        self.cache: TieredCache = prompts.cache
+        self._secret = secret
+        self.link = redis_link(self.cache)
+        self.invalidator = Invalidator(self.cache, self.link)
+        self.warm_adapters = warm_adapters
+
+    def run(self, text: str) -> AdminAnswer:
+        """One ADMIN call. InvalidRequest for a malformed one, NotFound for an unknown adapter,
+        Unavailable when Redis (or lora_cache) cannot be reached."""
+        data = parse_admin(text)
+        op = data["op"]
+        if op == "stats":
+            return AdminAnswer(self.stats())
+        if op == "invalidate":
+            return AdminAnswer(self.invalidate(data))
+        if op == "flush":
+            if data.get("confirm") is not True:
+                raise InvalidRequest('flush deletes every entry of L2 and L3: send "confirm": true')
+            return AdminAnswer(self.flush())
+        return AdminAnswer(self.warm(data.get("prompts"), data.get("adapters")))
+
+    def stats(self) -> dict[str, Any]:
+        tiers: dict[str, Any] = {"l1": {"reachable": False, "note": L1_NOTE}}
+        for tier, store in self.cache.stores():
+            s = store.stats()
+            tiers[tier.value] = {
+                "reachable": True,
+                "entries": s.entries,
+                "bytes": s.bytes,
+                "max_bytes": s.max_bytes,
+                "hits": s.hits,
+                "misses": s.misses,
+                "evictions": s.evictions,
+                "corrupt": s.corrupt,
+            }
+        return {
+            "op": "stats",
+            "tiers": tiers,
+            "redis": self.link is not None,
+            "invalidations_seen": len(self.cache.invalidations),
+        }
+
+    def invalidate(self, data: dict[str, Any]) -> dict[str, Any]:
+        given = [k for k in _KINDS if k in data]
+        if len(given) != 1:
+            raise InvalidRequest(f"invalidate needs exactly one of {', '.join(_KINDS)}")
+        name = given[0]
+        value = data[name]
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidRequest(f"invalidate: {name} must be a non-empty string")
+        sweep_shared = data.get("sweep_shared", True)
+        if not isinstance(sweep_shared, bool):
+            raise InvalidRequest("invalidate: sweep_shared must be a boolean")
+        kind = InvalidationKind(name)
+        if kind is InvalidationKind.TENANT:
+            # normalized as prompt_cache normalizes the tenant input (tiercache.request)
+            value = tenant_scope(self._secret, unicodedata.normalize("NFKC", value).strip())
+        report = self.invalidator.invalidate(kind, value, sweep_shared=sweep_shared)
+        inv = report.invalidation
+        return {
+            "op": "invalidate",
+            "kind": inv.kind.value,
+            "value": inv.value,
+            "at_s": inv.at_s,
+            "dropped_l2": report.dropped_local,
+            "dropped_l3": report.dropped_shared,
+            "published": report.published,
+            "reaches": "every replica (L1, L2, L3)"
+            if report.published
+            else "this host's L2 only (no Redis: prompt_cache's L1 keeps its copies)",
+        }
+
+    def flush(self) -> dict[str, Any]:
+        flushed: dict[str, int] = {}
+        for tier, store in self.cache.stores():
+            flushed[tier.value] = store.stats().entries
+            store.clear()
+        return {"op": "flush", "flushed": flushed, "note": "prompt_cache's L1 keeps its copies"}
+
+    def warm(self, prompts: object, adapters: object) -> dict[str, Any]:
+        if prompts is None and adapters is None:
+            raise InvalidRequest("warm needs prompts, adapters or both")
+        if prompts is not None and not isinstance(prompts, list):
+            raise InvalidRequest("warm: prompts must be a list of objects")
+        names: list[str] = []
+        if adapters is not None:
+            if not isinstance(adapters, list) or not all(
+                isinstance(n, str) and n for n in adapters
+            ):
+                raise InvalidRequest("warm: adapters must be a list of adapter names")
+            names = list(adapters)
+        result: dict[str, Any] = {"op": "warm"}
+        if names:
+            if self.warm_adapters is None:
+                raise InvalidRequest("warm: adapters cannot be warmed here (no lora_cache)")
+            result["adapters"] = self.warm_adapters(names)  # NotFound before anything loads
+        if prompts is not None:
+            items = [self.warm_prompt(item) for item in prompts]
+            result["prompts"] = items
+            result["stored"] = sum(1 for i in items if i["status"] == "stored")
+            result["failed"] = len(items) - result["stored"]
+        return result
+
+    def warm_prompt(self, item: object) -> dict[str, Any]:
+        """Store one prompt's answer; reports `stored` with its digest, or `error` and why."""
+        try:
+            if not isinstance(item, dict):
+                raise InvalidRequest("each prompt must be a JSON object")
+            answer = item.get("answer")
+            if not isinstance(answer, str) or not answer:
+                raise InvalidRequest("answer must be a non-empty string")
+            # The digest through prompt_cache's own path (a lookup: it counts in the stats).
+            found = self.prompts.lookup(
+                raw_inputs({k: v for k, v in item.items() if k != "answer"})
+            )
+            if found.digest is None:
+                raise InvalidRequest("not cacheable (a sampled request without a seed)")
+            if not found.write_back:
+                raise InvalidRequest("cache_control no-store: never stored")
+            request = found.request
+            self.cache.put(
+                found.digest,
+                answer,
+                tags=request.cache_tags,
+                scope=request.kv_scope,
+                adapter=request.lora_digest,
+            )
+        except TierCacheError as exc:
+            return {"status": "error", "error": exc.client_message()}
+        return {"status": "stored", "digest": found.digest}
+
+
+def open_admin(
+    config: CacheAdminConfig,
+    engine: EngineIdentity,
+    resolve_adapter: ResolveAdapter | None = None,
+    warm_adapters: WarmAdapters | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Admin:
+    """The deployment's L2 (and L3 with its listener) without an L1, its secret, and a
+    `PromptCache` over them for digests. `close()` the admin's `cache` when done."""
+    cache = open_tiered_cache(config, clock=clock, with_l1=False)
+    secret = load_secret(config, cache)
+    limits: Limits = config.limits()
+    prompts = PromptCache(cache, secret, engine, limits, "", resolve_adapter)
+    return Admin(prompts, secret, warm_adapters)

@@ -1,0 +1,157 @@
+"""tiercache.admin without Redis: stats, flush, warm (prompt_cache then hits `exact` with the
+warmed answer), local invalidation, and the ADMIN protocol's errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tiercache.admin import Admin, open_admin
+from tiercache.config import CacheAdminConfig
+from tiercache.errors import InvalidRequest, NotFound
+from tiercache.keys import EngineIdentity
+from tiercache.prompt_cache import CacheStatus
+from tiercache.request import RawInputs
+
+ENGINE = EngineIdentity("m", "r1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def admin(tmp_path: Path, clock: Clock) -> Iterator[Admin]:
+    config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20)
+    found = open_admin(config, ENGINE, clock=clock)
+    yield found
+    found.cache.close()
+
+
+def run(admin: Admin, **op: object) -> dict:
+    return admin.run(json.dumps(op)).result
+
+
+def test_warm_then_prompt_cache_hits_exact(admin: Admin) -> None:
+    result = run(
+        admin,
+        op="warm",
+        prompts=[
+            {"text_input": "Capital of France?", "answer": "Paris.", "tenant": "acme"},
+            {"text_input": "x", "answer": "y", "temperature": 0.7},  # sampled, no seed
+            {"text_input": "x"},  # no answer
+            {"text_input": "x", "answer": "y", "max_tokens": "9"},
+            {"text_input": "x", "answer": "y", "lora_name": "nope"},
+        ],
+    )
+    items = result["prompts"]
+    assert [i["status"] for i in items] == ["stored", "error", "error", "error", "error"]
+    assert (result["stored"], result["failed"]) == (1, 4)
+    assert "not found" in items[4]["error"]
+    # the tenant is normalized as prompt_cache normalizes it
+    hit = admin.prompts.lookup(RawInputs("Capital of France?", tenant=" acme "))
+    assert (hit.status, hit.text, hit.digest) == (CacheStatus.EXACT, "Paris.", items[0]["digest"])
+    other = admin.prompts.lookup(RawInputs("Capital of France?", tenant="other"))
+    assert other.status is CacheStatus.MISS
+
+
+def test_stats_counts_l2_and_says_l1_is_unreachable(admin: Admin) -> None:
+    run(admin, op="warm", prompts=[{"text_input": "a", "answer": "b"}])
+    stats = run(admin, op="stats")
+    assert stats["tiers"]["l1"]["reachable"] is False
+    assert stats["tiers"]["l2"]["entries"] == 1
+    assert stats["tiers"]["l2"]["bytes"] > 0
+    assert "l3" not in stats["tiers"] and stats["redis"] is False
+
+
+def test_flush_needs_confirm(admin: Admin) -> None:
+    run(admin, op="warm", prompts=[{"text_input": "a", "answer": "b"}])
+    for bad in ({}, {"confirm": False}, {"confirm": "yes"}):
+        with pytest.raises(InvalidRequest, match="confirm"):
+            run(admin, op="flush", **bad)
+    assert run(admin, op="stats")["tiers"]["l2"]["entries"] == 1
+    assert run(admin, op="flush", confirm=True)["flushed"] == {"l2": 1}
+    assert run(admin, op="stats")["tiers"]["l2"]["entries"] == 0
+    assert admin.prompts.lookup(RawInputs("a")).status is CacheStatus.MISS
+
+
+def test_invalidate_tenant_and_tag_locally(admin: Admin, clock: Clock) -> None:
+    run(
+        admin,
+        op="warm",
+        prompts=[
+            {"text_input": "a", "answer": "1", "tenant": "acme"},
+            {"text_input": "b", "answer": "2", "tenant": "acme"},
+            {"text_input": "a", "answer": "3", "tenant": "beta", "cache_control": "tag=kb"},
+        ],
+    )
+    report = run(admin, op="invalidate", tenant="acme")
+    assert (report["kind"], report["dropped_l2"], report["published"]) == ("tenant", 2, False)
+    assert "L2 only" in report["reaches"]
+    assert admin.prompts.lookup(RawInputs("a", tenant="acme")).status is CacheStatus.MISS
+    beta = admin.prompts.lookup(RawInputs("a", tenant="beta", cache_control="tag=kb"))
+    assert beta.status is CacheStatus.EXACT
+    assert run(admin, op="invalidate", tag="kb")["dropped_l2"] == 1
+    # a warm after the invalidation (past the clock-skew margin) is served again
+    clock.now_s += 1.0
+    run(admin, op="warm", prompts=[{"text_input": "a", "answer": "4", "tenant": "acme"}])
+    again = admin.prompts.lookup(RawInputs("a", tenant="acme"))
+    assert (again.status, again.text) == (CacheStatus.EXACT, "4")
+
+
+def test_invalidate_by_key(admin: Admin) -> None:
+    digest = run(admin, op="warm", prompts=[{"text_input": "a", "answer": "b"}])["prompts"][0][
+        "digest"
+    ]
+    assert run(admin, op="invalidate", key=digest)["dropped_l2"] == 1
+    assert admin.prompts.lookup(RawInputs("a")).status is CacheStatus.MISS
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        "[]",
+        '{"op": "nope"}',
+        '{"op": "stats", "x": 1}',
+        '{"op": "invalidate"}',
+        '{"op": "invalidate", "tag": "a", "tenant": "b"}',
+        '{"op": "invalidate", "tag": ""}',
+        '{"op": "warm"}',
+        '{"op": "warm", "prompts": {}}',
+        '{"op": "warm", "adapters": "french"}',
+        '{"op": "warm", "adapters": ["french"]}',  # no lora_cache behind this admin
+    ],
+)
+def test_bad_admin_is_invalid_request(admin: Admin, text: str) -> None:
+    with pytest.raises(InvalidRequest):
+        admin.run(text)
+
+
+def test_warm_adapters_forwarded(admin: Admin) -> None:
+    asked: list[list[str]] = []
+
+    def warm(names: object) -> dict:
+        asked.append(list(names))  # type: ignore[call-overload]
+        if "nope" in asked[-1]:
+            raise NotFound("unknown adapter 'nope'")
+        return {"warmed": {n: "loaded" for n in asked[-1]}}
+
+    admin.warm_adapters = warm
+    result = run(admin, op="warm", adapters=["french"])
+    assert result["adapters"] == {"warmed": {"french": "loaded"}}
+    assert "prompts" not in result
+    with pytest.raises(NotFound):
+        run(admin, op="warm", adapters=["nope"])
