@@ -1,7 +1,7 @@
 """`tiercache-client`: command line for a tiercache server.
 
 Exit codes: 0 success; 1 server/transport error or server not ready; 2 invalid request, not
-found, or bad command-line arguments; 130 interrupted.
+found, bad command-line arguments, or a warmed prompt the server refused; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -61,6 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="load this adapter into the engine first (repeatable)",
     )
     adapters.add_argument("--json", action="store_true", help="print the server's JSON answer")
+
+    stats = sub.add_parser("stats", parents=[common], help="show the cache tiers' counters")
+    stats.add_argument("--json", action="store_true", help="print the server's JSON answer")
+
+    inv = sub.add_parser(
+        "invalidate", parents=[common], help="drop cached answers by key, tag, tenant or adapter"
+    )
+    what = inv.add_mutually_exclusive_group(required=True)
+    what.add_argument("--key", metavar="DIGEST", help="an exact-cache digest")
+    what.add_argument("--tag", help="a cache_control tag (tag=NAME)")
+    what.add_argument("--tenant", metavar="NAME", help="a tenant name")
+    what.add_argument("--adapter", metavar="DIGEST", help="a LoRA adapter's content digest")
+
+    flush = sub.add_parser("flush", parents=[common], help="delete every entry of L2 and L3")
+    flush.add_argument("--yes", action="store_true", help="required: confirm the flush")
+
+    warm = sub.add_parser(
+        "warm", parents=[common], help="pre-load answers and/or load adapters into the engine"
+    )
+    warm.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='one {"text_input", "answer", ...ensemble inputs} object per line',
+    )
+    warm.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        metavar="NAME",
+        default=[],
+        help="load this adapter into the engine (repeatable)",
+    )
     return parser
 
 
@@ -156,11 +188,97 @@ def _adapters(client: TierCacheClient, args: argparse.Namespace) -> int:
     for name, outcome in sorted((report.get("warmed") or {}).items()):
         print(f"warm {name}: {outcome}")
     header = ("adapter", "task", "digest", "tier", "in engine", "pinned")
-    rows = [header, *adapter_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    print_table([header, *adapter_rows(report)])
+    return 0
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+STAT_COLUMNS = ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "corrupt")
+
+
+def _stats(client: TierCacheClient, args: argparse.Namespace) -> int:
+    report = client.stats()
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    rows: list[tuple[str, ...]] = [("tier", *STAT_COLUMNS)]
+    notes = []
+    for tier, values in sorted(report.get("tiers", {}).items()):
+        if not values.get("reachable", True):
+            rows.append((tier, *("-" for _ in STAT_COLUMNS)))
+            notes.append(f"{tier}: {values.get('note', 'not reachable')}")
+            continue
+        rows.append((tier, *(str(values.get(c, "")) for c in STAT_COLUMNS)))
+    print_table(rows)
+    for note in notes:
+        print(note)
     return 0
+
+
+def _invalidate(client: TierCacheClient, args: argparse.Namespace) -> int:
+    report = client.invalidate(key=args.key, tag=args.tag, tenant=args.tenant, adapter=args.adapter)
+    print(
+        f"invalidated {report.get('kind')}: dropped {report.get('dropped_l2', 0)} from L2, "
+        f"{report.get('dropped_l3', 0)} from L3; reaches {report.get('reaches', '?')}"
+    )
+    return 0
+
+
+def _flush(client: TierCacheClient, args: argparse.Namespace) -> int:
+    if not args.yes:
+        print("error: flush deletes every cached answer in L2 and L3: pass --yes", file=sys.stderr)
+        return 2
+    report = client.flush()
+    for tier, count in sorted((report.get("flushed") or {}).items()):
+        print(f"flushed {tier}: {count} entries")
+    return 0
+
+
+def read_prompts(path: str) -> list[dict]:
+    """The JSONL file's objects; InvalidRequestError naming the first bad line."""
+    prompts = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"{path}:{number}: not JSON: {exc}") from None
+            if not isinstance(item, dict):
+                raise InvalidRequestError(f"{path}:{number}: not a JSON object")
+            prompts.append(item)
+    return prompts
+
+
+def _warm(client: TierCacheClient, args: argparse.Namespace) -> int:
+    if not args.prompts and not args.adapters:
+        print("error: warm needs --prompts FILE.jsonl and/or --adapter NAME", file=sys.stderr)
+        return 2
+    try:
+        prompts = read_prompts(args.prompts) if args.prompts else []
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.prompts and not prompts:
+        print(f"error: {args.prompts} holds no prompts", file=sys.stderr)
+        return 2
+    report = client.warm(prompts, args.adapters)
+    for name, outcome in sorted(((report.get("adapters") or {}).get("warmed") or {}).items()):
+        print(f"adapter {name}: {outcome}")
+    failed = 0
+    for number, item in enumerate(report.get("prompts") or [], 1):
+        if item.get("status") == "stored":
+            print(f"prompt {number}: stored {str(item.get('digest', ''))[:16]}")
+        else:
+            failed += 1
+            print(f"prompt {number}: {item.get('error', item.get('status'))}")
+    return 2 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _generate(client, args)
             if args.command == "adapters":
                 return _adapters(client, args)
+            admin = {"stats": _stats, "invalidate": _invalidate, "flush": _flush, "warm": _warm}
+            if args.command in admin:
+                return admin[args.command](client, args)
             return _health(client)
     except (InvalidRequestError, NotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ from .errors import (
 )
 
 LORA_CACHE_MODEL = "lora_cache"
+CACHE_ADMIN_MODEL = "cache_admin"
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -339,6 +340,55 @@ class TierCacheClient:
         adapter name, `ServerUnreachableError` / `UnavailableError` otherwise."""
         names = [_check_str("adapter name", n) for n in warm]
         admin = {"op": "warm", "names": names} if names else {"op": "list"}
+        return self._admin_call(LORA_CACHE_MODEL, admin)
+
+    def admin(self, op: dict[str, Any]) -> dict[str, Any]:
+        """One `cache_admin` call (`{"op": "stats" | "invalidate" | "flush" | "warm", ...}`);
+        its JSON answer. `InvalidRequestError` for a malformed op, `NotFoundError` for an unknown
+        adapter, `ServerUnreachableError` / `UnavailableError` otherwise."""
+        return self._admin_call(CACHE_ADMIN_MODEL, op)
+
+    def stats(self) -> dict[str, Any]:
+        """Entries, bytes, hits, misses, evictions, corrupt per tier (L2, L3; L1 is per
+        prompt_cache process and reported unreachable)."""
+        return self.admin({"op": "stats"})
+
+    def invalidate(
+        self,
+        *,
+        key: str | None = None,
+        tag: str | None = None,
+        tenant: str | None = None,
+        adapter: str | None = None,
+    ) -> dict[str, Any]:
+        """Drop cached answers by exactly one of key (digest), tag, tenant name or adapter
+        digest (on every replica with Redis; else on the server host's L2 only)."""
+        given = {
+            k: _check_str(k, v)
+            for k, v in (("key", key), ("tag", tag), ("tenant", tenant), ("adapter", adapter))
+            if v is not None
+        }
+        if len(given) != 1:
+            raise TypeError("invalidate takes exactly one of key, tag, tenant, adapter")
+        return self.admin({"op": "invalidate", **given})
+
+    def flush(self) -> dict[str, Any]:
+        """Delete every entry of L2 and L3 (prompt_cache's L1 copies stay)."""
+        return self.admin({"op": "flush", "confirm": True})
+
+    def warm(
+        self, prompts: Sequence[dict[str, Any]] = (), adapters: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Pre-load answers (`{"text_input", "answer", ...ensemble inputs}` each; reported per
+        item) and load adapters into the engine (`NotFoundError` for an unknown name)."""
+        op: dict[str, Any] = {"op": "warm"}
+        if prompts:
+            op["prompts"] = list(prompts)
+        if adapters:
+            op["adapters"] = [_check_str("adapter name", n) for n in adapters]
+        return self.admin(op)
+
+    def _admin_call(self, model: str, admin: dict[str, Any]) -> dict[str, Any]:
         admin_input = grpcclient.InferInput("ADMIN", [1, 1], "BYTES")
         admin_input.set_data_from_numpy(
             np.array([[json.dumps(admin).encode("utf-8")]], dtype=np.object_)
@@ -347,7 +397,7 @@ class TierCacheClient:
         reusable = False
         try:
             result = client.infer(
-                LORA_CACHE_MODEL,
+                model,
                 [admin_input],
                 outputs=[grpcclient.InferRequestedOutput("ADMIN_RESULT")],
                 client_timeout=self.timeout_s,
@@ -359,7 +409,7 @@ class TierCacheClient:
             self._release(client, reusable)
         texts = _texts(result, "ADMIN_RESULT")
         if not texts:
-            raise UnavailableError(f"{LORA_CACHE_MODEL} answered without ADMIN_RESULT")
+            raise UnavailableError(f"{model} answered without ADMIN_RESULT")
         parsed: dict[str, Any] = json.loads(texts[0])
         return parsed
 

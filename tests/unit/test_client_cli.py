@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -199,11 +200,14 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     def ModelInfer(self, request: Any, context: Any) -> Any:
-        """lora_cache's ADMIN call: answers a fixed report, naming the op it was asked."""
-        assert request.model_name == "lora_cache"
+        """lora_cache's ADMIN call: answers a fixed report, naming the op it was asked;
+        cache_admin's: a fixed answer per op."""
+        assert request.model_name in ("lora_cache", "cache_admin")
         (admin,) = deserialize_bytes_tensor(request.raw_input_contents[0])
         op = json.loads(admin)
         self.admin_calls.append(op)
+        if request.model_name == "cache_admin":
+            return self._cache_admin(request, op, context)
         if "nope" in op.get("names", []):
             context.abort(grpc.StatusCode.NOT_FOUND, "not found: unknown adapter 'nope'")
         report = {
@@ -218,6 +222,30 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             report["warmed"] = {name: "loaded" for name in op["names"]}
         resp = service_pb2.ModelInferResponse(model_name="lora_cache", id=request.id)
         _bytes_output(resp, "ADMIN_RESULT", [json.dumps(report)])
+        return resp
+
+    def _cache_admin(self, request: Any, op: dict, context: Any) -> Any:
+        if op["op"] == "flush" and op.get("confirm") is not True:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid request: confirm")
+        if "nope" in op.get("adapters", []):
+            context.abort(grpc.StatusCode.NOT_FOUND, "not found: unknown adapter 'nope'")
+        stats = {"reachable": True, "entries": 3, "bytes": 120, "max_bytes": 1024}
+        answers: dict[str, Any] = {
+            "stats": {"tiers": {"l1": {"reachable": False, "note": "per process"}, "l2": stats}},
+            "invalidate": {"kind": "tenant", "dropped_l2": 2, "dropped_l3": 0, "reaches": "L2"},
+            "flush": {"flushed": {"l2": 3}},
+            "warm": {
+                "prompts": [
+                    {"status": "stored", "digest": "ab" * 32}
+                    if p.get("answer")
+                    else {"status": "error", "error": "invalid request: answer"}
+                    for p in op.get("prompts", [])
+                ],
+                "adapters": {"warmed": {n: "loaded" for n in op.get("adapters", [])}},
+            },
+        }
+        resp = service_pb2.ModelInferResponse(model_name="cache_admin", id=request.id)
+        _bytes_output(resp, "ADMIN_RESULT", [json.dumps({"op": op["op"], **answers[op["op"]]})])
         return resp
 
     def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Iterator[Any]:
@@ -475,3 +503,57 @@ def test_adapters_unknown_name_exits_2(
     url, _ = fake_server
     assert main(["adapters", "--url", url, "--warm", "nope"]) == 2
     assert "unknown adapter 'nope'" in capsys.readouterr().err
+
+
+def test_cli_stats_table_and_json(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, fake = fake_server
+    assert main(["stats", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "l2" in out and "120" in out and "l1: per process" in out
+    assert main(["stats", "--url", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tiers"]["l2"]["entries"] == 3
+    assert fake.admin_calls[-1] == {"op": "stats"}
+
+
+def test_cli_invalidate_and_flush(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, fake = fake_server
+    assert main(["invalidate", "--url", url, "--tenant", "acme"]) == 0
+    assert fake.admin_calls[-1] == {"op": "invalidate", "tenant": "acme"}
+    assert "dropped 2 from L2" in capsys.readouterr().out
+    calls = len(fake.admin_calls)
+    assert main(["flush", "--url", url]) == 2  # no --yes: nothing sent
+    assert len(fake.admin_calls) == calls
+    assert main(["flush", "--url", url, "--yes"]) == 0
+    assert fake.admin_calls[-1] == {"op": "flush", "confirm": True}
+    assert "flushed l2: 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["invalidate", "--url", url, "--tag", "a", "--key", "b"])
+
+
+def test_cli_warm(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url, fake = fake_server
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text_input": "a", "answer": "b", "tenant": "t"}\n\n')
+    assert main(["warm", "--url", url, "--prompts", str(good), "--adapter", "caps"]) == 0
+    assert fake.admin_calls[-1] == {
+        "op": "warm",
+        "prompts": [{"text_input": "a", "answer": "b", "tenant": "t"}],
+        "adapters": ["caps"],
+    }
+    out = capsys.readouterr().out
+    assert "adapter caps: loaded" in out and "prompt 1: stored" in out
+    refused = tmp_path / "refused.jsonl"
+    refused.write_text('{"text_input": "a"}\n')
+    assert main(["warm", "--url", url, "--prompts", str(refused)]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{\n")
+    assert main(["warm", "--url", url, "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert main(["warm", "--url", url, "--adapter", "nope"]) == 2
+    assert main(["warm", "--url", url]) == 2
