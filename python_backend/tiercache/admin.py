@@ -20,13 +20,13 @@ and the answer is stored as the llm stage stores a generated one (tags, scope, a
 
 from __future__ import annotations
 
-import json
 import time
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiercache.admin_ops import parse_admin as parse_admin_ops
 from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, TierCacheError
 from tiercache.invalidation import InvalidationKind, Invalidator
@@ -71,16 +71,7 @@ class AdminAnswer:
 
 def parse_admin(text: str) -> dict[str, Any]:
     """The ADMIN JSON object; InvalidRequest for bad JSON, an unknown op or unknown keys."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"ADMIN is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("op") not in ADMIN_OPS:
-        raise InvalidRequest(f"ADMIN must be a JSON object with op one of {sorted(ADMIN_OPS)}")
-    unknown = set(data) - ADMIN_OPS[data["op"]]
-    if unknown:
-        raise InvalidRequest(f"ADMIN op {data['op']!r}: unknown keys {sorted(unknown)}")
-    return data
+    return parse_admin_ops(text, ADMIN_OPS)
 
 
 def raw_inputs(item: dict[str, Any]) -> RawInputs:

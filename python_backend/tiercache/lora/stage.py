@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tiercache.admin_ops import parse_admin
 from tiercache.config import LoraCacheConfig, name_list
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.lora.registry import AdapterRegistry, check_name, check_ref
@@ -125,15 +126,7 @@ class LoraCache:
           text): the engine said it does not hold that version; the plan carries its weights
           again (llm's retry). Result: `{"op", "lora", "tier", "evict"}` plus the plan.
         """
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"ADMIN is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict) or data.get("op") not in ADMIN_OPS:
-            raise InvalidRequest(f"ADMIN must be a JSON object with op one of {sorted(ADMIN_OPS)}")
-        unknown = set(data) - ADMIN_OPS[data["op"]]
-        if unknown:
-            raise InvalidRequest(f"ADMIN op {data['op']!r}: unknown keys {sorted(unknown)}")
+        data = parse_admin(text, ADMIN_OPS)
         if data["op"] == "list":
             return AdminAnswer(self.list_report())
         if data["op"] == "warm":
