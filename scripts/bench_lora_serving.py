@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tiercache.config import ADAPTERS_DIR_ENV
-from tiercache.server import Ports, TritonServer
+from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import TierCacheClient, TierCacheClientError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,13 +66,6 @@ def make_adapters(dest: Path, count: int, template: str, seed: int = 0) -> list[
         save_file(scaled, str(folder / "adapter_model.safetensors"))
         names.append(name)
     return names
-
-
-def with_parameters(config: Path, **parameters: str) -> None:
-    text = config.read_text()
-    for key, value in parameters.items():
-        text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-    config.write_text(text)
 
 
 def metric(server: TritonServer, name: str) -> float:
@@ -143,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tiercache-bench-lora-"))
     try:
         names = make_adapters(tmp / "adapters", args.adapters, args.template)
-        repository = tmp / "model_repository"
-        shutil.copytree(REPO / "model_repository", repository)
-        with_parameters(repository / "lora_cache" / "config.pbtxt", engine_slots=str(args.slots))
-        with_parameters(repository / "torch_llm" / "config.pbtxt", lora_slots=str(args.slots))
+        slots = str(args.slots)
+        repository = copy_repository(
+            REPO / "model_repository",
+            tmp / "model_repository",
+            {"lora_cache": {"engine_slots": slots}, "torch_llm": {"lora_slots": slots}},
+        )
         server = TritonServer(
             model_repository=repository,
             state_dir=tmp / "state",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import sys
 import tempfile
 import threading
@@ -40,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_invalidation import start_redis  # noqa: E402
 
-from tiercache.server import Ports, TritonServer  # noqa: E402
+from tiercache.server import Ports, TritonServer, copy_repository  # noqa: E402
 from tiercache_client import TierCacheClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,15 +49,11 @@ POLL_TIMEOUT_S = 10.0
 
 
 def replica_repository(root: Path, redis_url: str, redis_prefix: str) -> Path:
-    repository = root / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository)
-    for stage in REDIS_STAGES:
-        config = repository / stage / "config.pbtxt"
-        text = config.read_text()
-        for key, value in (("redis_url", redis_url), ("redis_prefix", redis_prefix)):
-            text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-        config.write_text(text)
-    return repository
+    """A copy of model_repository under `root` whose Redis-aware stages share one Redis."""
+    shared = {"redis_url": redis_url, "redis_prefix": redis_prefix}
+    return copy_repository(
+        MODEL_REPOSITORY, root / "model_repository", dict.fromkeys(REDIS_STAGES, shared)
+    )
 
 
 def summary_ms(values_s: list[float]) -> dict[str, float]:

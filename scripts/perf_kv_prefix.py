@@ -36,7 +36,6 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -172,19 +171,15 @@ def settled_kv_counters(port: int) -> dict[str, float]:
 def run_mode(
     mode: str, args: argparse.Namespace, pa: Path, data: Path, system: str, work: Path
 ) -> dict[str, Any]:
-    from tiercache.server import Ports, TritonServer
+    from tiercache.server import Ports, TritonServer, copy_repository
     from tiercache_client import TierCacheClient
 
     state = work / f"state-{mode}"
     state.mkdir()
     (state / "models").symlink_to((args.state_dir / "models").resolve(), target_is_directory=True)
-    repository = work / f"repository-{mode}"
-    shutil.copytree(MODEL_REPOSITORY, repository)
-    config = repository / "torch_llm" / "config.pbtxt"
     reuse = "true" if mode == "on" else "false"
-    config.write_text(
-        config.read_text()
-        + f'\nparameters {{ key: "kv_reuse" value: {{ string_value: "{reuse}" }} }}\n'
+    repository = copy_repository(
+        MODEL_REPOSITORY, work / f"repository-{mode}", {"torch_llm": {"kv_reuse": reuse}}
     )
     raw = args.out_dir / "perf_kv_prefix"
     log_path = raw / f"server-{mode}.log"

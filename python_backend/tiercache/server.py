@@ -15,7 +15,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,3 +200,19 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def copy_repository(
+    source: Path, dest: Path, parameters: Mapping[str, Mapping[str, str]] | None = None
+) -> Path:
+    """A copy of the model repository `source` at `dest`, with `parameters` ({model: {key:
+    value}}) appended to those models' config.pbtxt: for benchmarks and tests that serve a
+    variant of the committed repository."""
+    shutil.copytree(source, dest)
+    for model, values in (parameters or {}).items():
+        config = dest / model / "config.pbtxt"
+        text = config.read_text()
+        for key, value in values.items():
+            text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+        config.write_text(text)
+    return dest

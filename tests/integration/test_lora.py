@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tiercache.config import ADAPTERS_DIR_ENV
-from tiercache.server import Ports, TritonServer
+from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import NotFoundError, TierCacheClient
 
 from .conftest import MODEL_REPOSITORY, REPO, settled_metric
@@ -29,13 +29,6 @@ MAX_TOKENS = 12
 SLOTS = 2
 ADAPTERS = ("french", "caps", "brief")
 PROMPT = "How do I boil an egg?"
-
-
-def with_parameters(config: Path, **parameters: str) -> None:
-    text = config.read_text()
-    for key, value in parameters.items():
-        text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-    config.write_text(text)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +44,11 @@ def lora_server(
     tmp_path_factory: pytest.TempPathFactory, adapters_dir: Path
 ) -> Iterator[TritonServer]:
     state = tmp_path_factory.mktemp("lora-state")
-    repository = state / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository)
-    with_parameters(repository / "lora_cache" / "config.pbtxt", engine_slots=str(SLOTS))
-    with_parameters(repository / "torch_llm" / "config.pbtxt", lora_slots=str(SLOTS))
+    repository = copy_repository(
+        MODEL_REPOSITORY,
+        state / "model_repository",
+        {"lora_cache": {"engine_slots": str(SLOTS)}, "torch_llm": {"lora_slots": str(SLOTS)}},
+    )
     server = TritonServer(
         model_repository=repository,
         state_dir=state,

@@ -9,7 +9,6 @@ model_repository whose prompt_cache, embedding_cache, llm and cache_admin carry 
 
 from __future__ import annotations
 
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from redis_server import RedisServer
 
-from tiercache.server import Ports, TritonServer
+from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import GenerationResult, TierCacheClient
 
 from .conftest import MODEL_REPOSITORY
@@ -31,15 +30,10 @@ PROPAGATION_TIMEOUT_S = 10.0
 
 def replica_repository(root: Path, redis_url: str, redis_prefix: str) -> Path:
     """A copy of model_repository under `root` whose Redis-aware stages share one Redis."""
-    repository = root / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository)
-    for stage in REDIS_STAGES:
-        config = repository / stage / "config.pbtxt"
-        text = config.read_text()
-        for key, value in (("redis_url", redis_url), ("redis_prefix", redis_prefix)):
-            text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-        config.write_text(text)
-    return repository
+    shared = {"redis_url": redis_url, "redis_prefix": redis_prefix}
+    return copy_repository(
+        MODEL_REPOSITORY, root / "model_repository", dict.fromkeys(REDIS_STAGES, shared)
+    )
 
 
 @pytest.fixture(scope="module")
