@@ -162,6 +162,11 @@ class EngineConfig:
     kv_reuse: bool = True  # paged prefix KV reuse (tiercache.engine.kv_cache)
     tokens_per_block: int = 32  # KV block size; only full blocks are reused
     kv_pool_max_bytes: int = 256 << 20  # the KV block pool's byte budget
+    # Input policy (tiercache.engine.policy): a prompt this regex matches (re.search over the
+    # canonical prompt; "" refuses nothing) is answered with `refusal_text` and finish reason
+    # content_filter without generating; the llm stage never caches such an answer.
+    refuse_prompt_pattern: str = ""
+    refusal_text: str = "I can't help with that request."
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()

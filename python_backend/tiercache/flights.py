@@ -28,6 +28,8 @@ class Flight:
     followers: int = 0
     # (reused, computed) prompt tokens of the generation, once the engine reported them.
     prompt_usage: tuple[int, int] | None = None
+    # How the generation ended (the engine's finish reason), once it did.
+    finish_reason: str | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:

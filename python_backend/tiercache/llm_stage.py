@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from tiercache.engine.events import StreamEvent
+from tiercache.engine.events import CONTENT_FILTER, StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
 from tiercache.flights import Flight, FlightTable, abandoned_error
 from tiercache.keys import Digest
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
 CLEAN_FINISHES = frozenset({"stop", "length"})
+# Served to every requester as the answer, never stored or indexed: the engine flagged it (a
+# refusal; tiercache.engine.policy).
+SERVED_UNCACHED_FINISHES = frozenset({CONTENT_FILTER})
 
 
 class Responder(Protocol):
@@ -46,10 +49,12 @@ class Responder(Protocol):
         status: str,
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         """The last response: `text` (None in stream mode, where chunks carried it), status, the
         similarity of a semantic hit, and for a generated answer the (reused, computed) prompt
-        tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them)."""
+        tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them) and
+        its finish reason (`content_filter`: a refusal, not cached)."""
         ...
 
     def send_cancelled(self) -> None:
@@ -170,7 +175,12 @@ class LlmStage:
                 responder.send_cancelled()
             else:
                 text = None if request.stream else "".join(parts)
-                responder.send_final(text, status, prompt_usage=flight.prompt_usage)
+                responder.send_final(
+                    text,
+                    status,
+                    prompt_usage=flight.prompt_usage,
+                    finish_reason=flight.finish_reason,
+                )
         except TierCacheError as exc:
             responder.send_error(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged with traceback
@@ -210,6 +220,10 @@ class LlmStage:
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":
                 error = abandoned_error()
+            elif record.finish_reason in SERVED_UNCACHED_FINISHES:
+                log.info(
+                    "engine finished %s with %r: served, not cached", digest, record.finish_reason
+                )
             elif record.finish_reason not in CLEAN_FINISHES:
                 error = Unavailable(f"engine finished with {record.finish_reason!r}")
             elif write_back and digest is not None:
@@ -299,6 +313,7 @@ class LlmStage:
                 flight.append(event.text)
             if event.finish_reason is not None:
                 finish, tokens = event.finish_reason, event.generated_tokens
+                flight.finish_reason = finish
                 flight.prompt_usage = (event.reused_tokens, event.computed_tokens)
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")

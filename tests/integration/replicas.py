@@ -90,6 +90,7 @@ class Recorder:
         status: str,
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         self.outcome = ("final", text, status)
         self.done.set()

@@ -52,8 +52,10 @@ class Recorder:
         status: str,
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         self.prompt_usage = prompt_usage
+        self.finish_reason = finish_reason
         if similarity is None:
             self._record("final", text, status, last=True)
         else:

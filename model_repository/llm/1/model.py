@@ -74,8 +74,11 @@ class _Responder:
         status: str,
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         outputs = [tb.bytes_tensor("CACHE_STATUS", [status])]
+        if finish_reason is not None:
+            outputs.append(tb.bytes_tensor("FINISH_REASON", [finish_reason]))
         if similarity is not None:
             outputs.append(tb.scalar_tensor("CACHE_SIMILARITY", similarity, np.float32))
         if prompt_usage is not None:

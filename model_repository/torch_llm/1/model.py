@@ -16,6 +16,7 @@ from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
 from tiercache.engine.kv_cache import KvStats
 from tiercache.engine.model_source import resolve_model
+from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.lora.registry import AdapterRegistry
@@ -31,6 +32,7 @@ OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(EngineConfig, args)
+        self.refusal = RefusalPolicy.parse(config.refuse_prompt_pattern, config.refusal_text)
         self.engine = TorchEngine(
             resolve_model(config.model),
             config.models_path(),
@@ -48,7 +50,7 @@ class TritonPythonModel:
             r: m.counter(
                 "tiercache_engine_finished_total", "Generations by finish reason", reason=r
             )
-            for r in ("stop", "length", "cancelled", "error")
+            for r in ("stop", "length", "cancelled", "content_filter", "error")
         }
         self.queue_depth = m.gauge(
             "tiercache_engine_queue_depth", "Requests waiting for the engine"
@@ -160,7 +162,10 @@ class TritonPythonModel:
         sender.send(self._final(answer, OP_FINISH[order.op], 0, 0, 0, 0), flags=FINAL)
 
     def _generate(self, gen_request: GenerationRequest, sender: object) -> None:
-        for event in self.engine.generate(gen_request, sender.is_cancelled):
+        events = self.refusal.generate(
+            gen_request, lambda: self.engine.generate(gen_request, sender.is_cancelled)
+        )
+        for event in events:
             if event.finish_reason is None:
                 text = tb.bytes_tensor("TEXT", [event.text], batched=False)
                 sender.send(pb_utils.InferenceResponse([text]))

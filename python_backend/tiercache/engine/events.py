@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+CONTENT_FILTER = "content_filter"  # the engine refused: answered with its refusal, never cached
+FINISH_REASONS = ("stop", "length", "cancelled", CONTENT_FILTER)
 
 
 @dataclass(frozen=True, slots=True)
