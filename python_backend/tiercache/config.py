@@ -131,6 +131,12 @@ class LlmConfig(SemanticConfig):
     tokenizer_dir: str = ""
     trtllm_max_input_len: int = 0
     trtllm_max_seq_len: int = 0
+    # Response-time padding (tiercache.padding, docs/isolation.md): no response of a request from
+    # a tenant not in trusted_tenants leaves llm before hit_padding_ms plus a uniform jitter in
+    # [0, hit_padding_jitter_ms] since llm received it, so a hit is not told from a miss by time.
+    hit_padding_ms: float = 0.0  # 0: off
+    hit_padding_jitter_ms: float = 0.0
+    trusted_tenants: str = ""  # comma-separated tenant names never padded (normalized like tenant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,10 +26,11 @@ from tiercache.engine.trtllm_client import (
 from tiercache.errors import ConfigError, Unavailable
 from tiercache.keys import Digest
 from tiercache.leases import LeaseCoordinator
-from tiercache.llm_stage import GenerationRecord, LlmStage
+from tiercache.llm_stage import GenerationRecord, LlmStage, Responder
 from tiercache.lora.engine_call import NO_LORA, EngineLora, generate_with_adapter
 from tiercache.lora.types import AdapterRef
-from tiercache.prompt_cache import CacheStatus, open_tiered_cache, redis_link
+from tiercache.padding import PaddedResponder, ResponseTimer, padding_policy, uniform_source
+from tiercache.prompt_cache import CacheStatus, load_secret, open_tiered_cache, redis_link
 from tiercache.request import GenerationRequest
 from tiercache.semantic.index import SemanticStore
 from tiercache.triton import boundary as tb
@@ -147,6 +149,12 @@ class TritonPythonModel:
         self.semantic = SemanticStore(self.config.semantic_path(), self.config.semantic_max_bytes)
         cache = open_tiered_cache(self.config, with_l1=False)
         link = redis_link(cache)
+        # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
+        self.padding = padding_policy(
+            self.config, load_secret(self.config, cache) if self.config.hit_padding_ms > 0 else b""
+        )
+        self.padding_timer = ResponseTimer() if self.padding.enabled else None
+        self.padding_jitter = uniform_source()
         self.stage = LlmStage(
             cache,
             self.engine,
@@ -294,12 +302,29 @@ class TritonPythonModel:
         if record.stored:
             self.write_backs.increment(1)
 
+    def _padded(
+        self, responder: Responder, request_json: str | None, arrival_s: float
+    ) -> Responder:
+        """`responder`, held until the padding floor if this request's tenant is padded. The
+        tenant is known by its scope (kv_scope of REQUEST; prompt_cache sends it on hits too); a
+        request without one is padded."""
+        timer = self.padding_timer
+        if timer is None:
+            return responder
+        scope = str(json.loads(request_json).get("kv_scope", "")) if request_json else ""
+        if not self.padding.pads(scope):
+            return responder
+        release_s = self.padding.release_at(arrival_s, self.padding_jitter)
+        return PaddedResponder(responder, release_s, timer)
+
     def execute(self, requests: list) -> None:
         for request in requests:
-            responder = _Responder(request.get_response_sender())
+            arrival_s = time.monotonic()  # padding counts from here (ResponseTimer's clock)
+            responder: Responder = _Responder(request.get_response_sender())
             try:
                 inputs = tb.Inputs(request)
                 lookup = inputs.string("LOOKUP_STATUS")
+                responder = self._padded(responder, inputs.string("REQUEST"), arrival_s)
                 if lookup in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
                     semantic = lookup == CacheStatus.SEMANTIC
                     similarity = inputs.number("SIMILARITY") if semantic else None
@@ -329,6 +354,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.stage.close()
+        if self.padding_timer is not None:
+            self.padding_timer.close()  # after the stage: its last misses may still be held
         self.semantic.close()
         self.metrics.close()
 

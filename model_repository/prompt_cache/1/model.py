@@ -23,7 +23,9 @@ from tiercache.triton import boundary as tb
 
 
 def request_json(result: LookupResult) -> str:
-    return "" if result.status is CacheStatus.EXACT else result.request.to_json()
+    """The canonical request, also on an exact hit: llm reads the hit's tenant scope (kv_scope)
+    from it to decide response-time padding (tiercache.padding)."""
+    return result.request.to_json()
 
 
 class TritonPythonModel:
@@ -55,6 +57,7 @@ class TritonPythonModel:
             "tiercache_prompt_cache_lookup_seconds", "Stage time per request"
         )
         tb.StoreMetrics(m, self.cache.cache)
+        tb.export_redis(m, self.cache.cache)  # with L3: Redis health and invalidations applied
         m.start()
 
     def execute(self, requests: list) -> list:
@@ -70,7 +73,6 @@ class TritonPythonModel:
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[
-                        # llm needs the request only to generate: a hit skips the encoding.
                         tb.bytes_tensor("REQUEST", [request_json(result)]),
                         tb.bytes_tensor("DIGEST", [result.digest or ""]),
                         tb.bytes_tensor("CACHED_TEXT", [result.text]),
