@@ -34,8 +34,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,9 @@ class Invalidation:
     value: str
     at_s: float  # entries whose generation started at or before this are dead
     origin: str = ""  # the table that issued it (its own listener skips it)
+    # The issuer's clock (`TieredCache.now`) when it published; 0 when not published (a
+    # watermark read back from Redis). Listeners measure their lag from it (metrics only).
+    published_s: float = 0.0
 
     def member(self) -> str:
         """Its identity in the Redis sorted set: a later one for the same thing replaces it."""
@@ -73,14 +77,26 @@ class Invalidation:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"kind": self.kind.value, "value": self.value, "at_s": self.at_s, "origin": self.origin}
+            {
+                "kind": self.kind.value,
+                "value": self.value,
+                "at_s": self.at_s,
+                "origin": self.origin,
+                "published_s": self.published_s,
+            }
         )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Invalidation:
         data = json.loads(text)
         kind = InvalidationKind(data["kind"])
-        return cls(kind, str(data["value"]), float(data["at_s"]), str(data.get("origin", "")))
+        return cls(
+            kind,
+            str(data["value"]),
+            float(data["at_s"]),
+            str(data.get("origin", "")),
+            float(data.get("published_s", 0.0)),
+        )
 
     @classmethod
     def from_member(cls, member: str | bytes, at_s: float) -> Invalidation:
@@ -182,6 +198,11 @@ DroppedFn = Callable[[Invalidation, list[str]], None]
 """Told which digests a received invalidation dropped locally (for a key: always that digest);
 the semantic index forgets their rows."""
 
+ReceivedFn = Callable[[Invalidation, float], None]
+"""Told of each message from another process once it is applied (watermark noted, local tiers
+swept), with its lag in seconds: from `published_s` (or `at_s` for a message without it) to now
+on this cache's clock; clock skew between hosts shows in it, clamped at 0."""
+
 
 @dataclass(frozen=True, slots=True)
 class ListenerStats:
@@ -190,6 +211,11 @@ class ListenerStats:
     caught_up: int  # watermarks read from Redis on (re)connect
     reconnects: int
     dropped: int  # entries this listener's sweeps deleted
+    # By kind (`InvalidationKind.value`; a kind never counted may be absent):
+    received_by_kind: dict[str, int] = field(default_factory=dict)  # messages, as `received`
+    applied_by_kind: dict[str, int] = field(default_factory=dict)  # news: raised a watermark
+    replayed_by_kind: dict[str, int] = field(default_factory=dict)  # news read on a reconnect
+    dropped_by_kind: dict[str, int] = field(default_factory=dict)  # entries, as `dropped`
 
 
 class InvalidationListener:
@@ -217,6 +243,10 @@ class InvalidationListener:
         self._retry_s = retry_s
         self._ping_s = ping_s
         self._callbacks: list[DroppedFn] = []
+        self._received_callbacks: list[ReceivedFn] = []
+        self._by_kind: dict[str, Counter[str]] = {
+            name: Counter() for name in ("received", "applied", "replayed", "dropped")
+        }
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._lock = threading.Lock()
@@ -225,6 +255,9 @@ class InvalidationListener:
 
     def on_dropped(self, callback: DroppedFn) -> None:
         self._callbacks.append(callback)
+
+    def on_received(self, callback: ReceivedFn) -> None:
+        self._received_callbacks.append(callback)
 
     def start(self) -> InvalidationListener:
         self._thread = threading.Thread(target=self._run, name="tiercache-invalidations")
@@ -270,9 +303,18 @@ class InvalidationListener:
                 log.warning("ignored a malformed invalidation message: %s", exc)
                 continue
             if inv.origin != self.table.origin:
-                self._apply(inv, sweep_local=True)
+                news = self.table.note(inv)
+                self._apply(inv, sweep_local=True, noted=True)
+                lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
                 with self._lock:
                     self._received += 1
+                    self._by_kind["received"][inv.kind.value] += 1
+                    self._by_kind["applied"][inv.kind.value] += news
+                for received in self._received_callbacks:
+                    try:
+                        received(inv, lag_s)
+                    except Exception:  # noqa: BLE001 - a listener's hook must not stop the thread
+                        log.exception("invalidation callback failed")
         self._close_quietly(pubsub)
 
     def _connect(self, catch_up_sweeps: bool) -> Any:
@@ -293,10 +335,13 @@ class InvalidationListener:
                 continue
             # At start every recorded watermark is noted; reads check them, so no sweep is
             # needed. After an outage only the news is swept.
-            if self.table.note(inv) and catch_up_sweeps:
+            news = self.table.note(inv)
+            if news and catch_up_sweeps:
                 self._apply(inv, sweep_local=True, noted=True)
             with self._lock:
                 self._caught_up += 1
+                self._by_kind["applied"][inv.kind.value] += news
+                self._by_kind["replayed"][inv.kind.value] += news and catch_up_sweeps
         if self._connected.is_set() is False:
             log.info("invalidation listener subscribed to %s", self.channel)
         self._connected.set()
@@ -316,6 +361,7 @@ class InvalidationListener:
                 log.exception("sweeping %s for %s %r failed", tier.value, inv.kind.value, inv.value)
         with self._lock:
             self._dropped += len(dropped)  # entries, counted once per tier
+            self._by_kind["dropped"][inv.kind.value] += len(dropped)
         digests = list(dict.fromkeys(dropped))
         if inv.kind is InvalidationKind.KEY and inv.value not in digests:
             digests.append(inv.value)  # another process on the host may have swept it first
@@ -355,6 +401,10 @@ class InvalidationListener:
                 self._caught_up,
                 self._reconnects,
                 self._dropped,
+                received_by_kind=dict(self._by_kind["received"]),
+                applied_by_kind=dict(self._by_kind["applied"]),
+                replayed_by_kind=dict(self._by_kind["replayed"]),
+                dropped_by_kind=dict(self._by_kind["dropped"]),
             )
 
     def close(self) -> None:
@@ -370,6 +420,13 @@ class InvalidationReport:
     dropped_local: int  # entries this process dropped from its L1 and L2
     dropped_shared: int  # entries deleted from L3
     published: bool  # recorded in Redis and sent to the other replicas
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidatorStats:
+    issued_by_kind: dict[str, int]  # invalidations applied here (published or not), by kind
+    published: int  # of those, recorded in Redis and sent to the other replicas
+    dropped_by_kind: dict[str, int]  # entries deleted here (L1/L2) and from L3, by kind
 
 
 class Invalidator:
@@ -389,6 +446,10 @@ class Invalidator:
         self.cache = cache
         self.link = link
         self.max_events = max_events
+        self._lock = threading.Lock()
+        self._issued: Counter[str] = Counter()
+        self._dropped: Counter[str] = Counter()
+        self._published = 0
 
     def invalidate(
         self, kind: InvalidationKind, value: str, sweep_shared: bool = True
@@ -405,6 +466,7 @@ class Invalidator:
         local = 0
         for _, store in self.cache.local_stores():
             local += len(sweep(store, inv, table.skew_s))
+        self._count(inv, local, issued=True)
         link = self.link
         if link is None:
             return InvalidationReport(inv, local, 0, False)
@@ -416,8 +478,20 @@ class Invalidator:
         shared = 0
         if self.cache.l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
             shared = len(sweep(self.cache.l3, inv, table.skew_s))
+        self._count(inv, shared)
         link.call_or_raise(lambda c: self._record(c, link, inv))
+        with self._lock:
+            self._published += 1
         return InvalidationReport(inv, local, shared, True)
+
+    def _count(self, inv: Invalidation, dropped: int, issued: bool = False) -> None:
+        with self._lock:
+            self._issued[inv.kind.value] += issued
+            self._dropped[inv.kind.value] += dropped
+
+    def stats(self) -> InvalidatorStats:
+        with self._lock:
+            return InvalidatorStats(dict(self._issued), self._published, dict(self._dropped))
 
     def _redis_time(self) -> float | None:
         """Redis's clock (every replica's watermarks on one clock); None without Redis."""
@@ -432,7 +506,8 @@ class Invalidator:
         pipe = client.pipeline(transaction=False)
         pipe.zadd(events, {inv.member(): inv.at_s}, gt=True)
         pipe.zremrangebyrank(events, 0, -(self.max_events + 1))
-        pipe.publish(link.key("invalidations"), inv.to_json())
+        message = replace(inv, published_s=self.cache.now()).to_json()
+        pipe.publish(link.key("invalidations"), message)
         pipe.execute()
 
     def key(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:

@@ -84,6 +84,8 @@ class LlmStats:
     in_flight: int
     remote_waits: int = 0  # flights that waited for another replica's generation
     remote_hits: int = 0  # of those, served by the other replica's answer
+    lease_takeovers: int = 0  # waits that ended in taking the lease: freed without an answer
+    lease_wait_timeouts: int = 0  # waits that gave up after `wait_s` and generated here too
 
 
 class LlmStage:
@@ -112,6 +114,7 @@ class LlmStage:
         self._lock = threading.Lock()
         self._generations = self._write_backs = self._write_failures = 0
         self._remote_waits = self._remote_hits = 0
+        self._lease_takeovers = self._lease_wait_timeouts = 0
 
     # -- entry points (called from execute) ------------------------------------------------
 
@@ -265,6 +268,7 @@ class LlmStage:
                         leases.release(lease)
                         self._count_remote(hit=True)
                         return None, found.entry.text
+                    self._count_remote(takeover=True)
                 return lease, None
             if state is LeaseState.UNAVAILABLE:
                 return None, None
@@ -279,6 +283,7 @@ class LlmStage:
                 if flight.abandoned:
                     raise abandoned_error()
                 if self._clock() >= deadline:
+                    self._count_remote(wait_timeout=True)
                     log.warning(
                         "another replica held %s for over %.0f s; generating here too",
                         digest,
@@ -292,10 +297,23 @@ class LlmStage:
                     break  # released without an answer, or expired: take it
                 leases.pause()
 
-    def _count_remote(self, wait: bool = False, hit: bool = False) -> None:
+    @property
+    def leases(self) -> LeaseCoordinator | None:
+        """The cross-replica lease coordinator (None: this process only), for its metrics."""
+        return self._leases
+
+    def _count_remote(
+        self,
+        wait: bool = False,
+        hit: bool = False,
+        takeover: bool = False,
+        wait_timeout: bool = False,
+    ) -> None:
         with self._lock:
             self._remote_waits += wait
             self._remote_hits += hit
+            self._lease_takeovers += takeover
+            self._lease_wait_timeouts += wait_timeout
 
     def _run_engine(
         self, flight: Flight, request: GenerationRequest, generate: GenerateFn
@@ -365,6 +383,8 @@ class LlmStage:
                 in_flight=self.flights.in_flight(),
                 remote_waits=self._remote_waits,
                 remote_hits=self._remote_hits,
+                lease_takeovers=self._lease_takeovers,
+                lease_wait_timeouts=self._lease_wait_timeouts,
             )
 
     def close(self) -> None:

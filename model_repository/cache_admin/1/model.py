@@ -58,6 +58,10 @@ class TritonPythonModel:
             adapters.resolve,
             LoraWarmBls(config.lora_model),
         )
+        self.metrics = m = tb.Metrics(args["model_name"])
+        tb.InvalidatorMetrics(m, self.admin.invalidator)
+        tb.export_redis(m, self.admin.cache)  # with L3: Redis health and invalidations applied
+        m.start()
 
     def execute(self, requests: list) -> list:
         responses = []
@@ -77,4 +81,5 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
+        self.metrics.close()
         self.admin.cache.close()

@@ -68,6 +68,7 @@ class TritonPythonModel:
         )
         self.rows = m.gauge("tiercache_embedding_cache_index_rows", "Rows in the semantic index")
         m.on_flush(lambda: self.rows.set(self.stage.index.size()))
+        tb.export_redis(m, self.stage.answers)  # with L3: Redis health and invalidations applied
         m.start()
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:

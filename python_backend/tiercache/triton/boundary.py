@@ -367,3 +367,219 @@ class StoreMetrics:
             if stats.evictions > self._evictions_seen[tier]:
                 evictions.increment(stats.evictions - self._evictions_seen[tier])
                 self._evictions_seen[tier] = stats.evictions
+
+
+# Invalidation lag buckets, in seconds: a message crosses Redis pub/sub in about a millisecond; a
+# tag, tenant or adapter sweep of a large L2 takes longer (docs/replicas.md).
+LAG_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
+INVALIDATION_KINDS = ("key", "tag", "tenant", "adapter")  # tiercache.invalidation.InvalidationKind
+
+
+class _Growth:
+    """A counter fed from a monotonically increasing total in a stats snapshot: each update
+    increments it by what the total grew since the last one."""
+
+    __slots__ = ("counter", "seen")
+
+    def __init__(self, counter: _DeferredMetric) -> None:
+        self.counter = counter
+        self.seen = 0
+
+    def update(self, total: int) -> None:
+        if total > self.seen:
+            self.counter.increment(total - self.seen)
+            self.seen = total
+
+
+def _by_kind(metrics: Metrics, name: str, description: str, **labels: str) -> dict[str, _Growth]:
+    return {
+        kind: _Growth(metrics.counter(name, description, kind=kind, **labels))
+        for kind in INVALIDATION_KINDS
+    }
+
+
+DROPPED_ENTRIES = (
+    "tiercache_invalidation_dropped_entries_total",
+    "Entries invalidations deleted, once per tier (source received: this process's L1/L2 on "
+    "another's message; issued: the issuer's L1/L2 and L3)",
+)
+
+
+class RedisMetrics:
+    """The health of one process's Redis link (`tiercache.redis_tier.RedisLink.health`):
+    refreshed on the metrics flusher thread."""
+
+    def __init__(self, metrics: Metrics, link: Any) -> None:
+        self._link = link
+        self._up = metrics.gauge(
+            "tiercache_redis_up",
+            "1 while the Redis link's breaker is closed (Redis in use), else 0",
+        )
+        self._errors = _Growth(
+            metrics.counter("tiercache_redis_errors_total", "Redis calls that failed")
+        )
+        self._opens = _Growth(
+            metrics.counter(
+                "tiercache_redis_breaker_opens_total", "Outages: the breaker went closed -> open"
+            )
+        )
+        self._refused = _Growth(
+            metrics.counter(
+                "tiercache_redis_short_circuits_total", "Calls refused while the breaker was open"
+            )
+        )
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        health = self._link.health()
+        self._up.set(1.0 if health.available else 0.0)
+        self._errors.update(health.errors)
+        self._opens.update(health.outages)
+        self._refused.update(health.short_circuits)
+
+
+class InvalidationMetrics:
+    """What one process's `InvalidationListener` applied, by kind, and the lag of each message
+    from another process (publish -> applied here)."""
+
+    def __init__(self, metrics: Metrics, listener: Any) -> None:
+        self._listener = listener
+        self._received = _by_kind(
+            metrics,
+            "tiercache_invalidations_received_total",
+            "Invalidation messages received from other processes",
+        )
+        self._applied = _by_kind(
+            metrics,
+            "tiercache_invalidations_applied_total",
+            "Invalidations that raised a watermark here (live or read back from Redis)",
+        )
+        self._replayed = _by_kind(
+            metrics,
+            "tiercache_invalidations_replayed_total",
+            "Invalidations missed while disconnected, applied from Redis on a reconnect",
+        )
+        self._dropped = _by_kind(metrics, *DROPPED_ENTRIES, source="received")
+        self._reconnects = _Growth(
+            metrics.counter(
+                "tiercache_invalidation_reconnects_total",
+                "Times the invalidation listener lost Redis and had to reconnect",
+            )
+        )
+        self._connected = metrics.gauge(
+            "tiercache_invalidation_listener_connected",
+            "1 while the invalidation listener is subscribed, else 0",
+        )
+        self._lag_s = metrics.histogram(
+            "tiercache_invalidation_lag_seconds",
+            "From an invalidation's publish to its being applied here (watermark and sweep)",
+            buckets=LAG_BUCKETS_S,
+        )
+        listener.on_received(lambda _inv, lag_s: self._lag_s.observe(lag_s))
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        stats = self._listener.stats()
+        self._connected.set(1.0 if stats.connected else 0.0)
+        self._reconnects.update(stats.reconnects)
+        for counters, totals in (
+            (self._received, stats.received_by_kind),
+            (self._applied, stats.applied_by_kind),
+            (self._replayed, stats.replayed_by_kind),
+            (self._dropped, stats.dropped_by_kind),
+        ):
+            for kind, counter in counters.items():
+                counter.update(totals.get(kind, 0))
+
+
+class InvalidatorMetrics:
+    """Invalidations issued by this process (`tiercache.invalidation.Invalidator.stats`)."""
+
+    def __init__(self, metrics: Metrics, invalidator: Any) -> None:
+        self._invalidator = invalidator
+        self._issued = _by_kind(
+            metrics, "tiercache_invalidations_issued_total", "Invalidations issued here"
+        )
+        self._published = _Growth(
+            metrics.counter(
+                "tiercache_invalidations_published_total",
+                "Invalidations issued here and sent to every replica through Redis",
+            )
+        )
+        self._dropped = _by_kind(metrics, *DROPPED_ENTRIES, source="issued")
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        stats = self._invalidator.stats()
+        self._published.update(stats.published)
+        for kind, counter in self._issued.items():
+            counter.update(stats.issued_by_kind.get(kind, 0))
+        for kind, counter in self._dropped.items():
+            counter.update(stats.dropped_by_kind.get(kind, 0))
+
+
+class LeaseMetrics:
+    """Cross-replica generation leases of the llm stage: `tiercache.leases.LeaseStats` and the
+    waits in `tiercache.llm_stage.LlmStats` (`stage_stats` returns the latter)."""
+
+    def __init__(self, metrics: Metrics, leases: Any, stage_stats: Callable[[], Any]) -> None:
+        self._leases = leases
+        self._stage_stats = stage_stats
+        name = "tiercache_lease_acquisitions_total"
+        description = "Lease attempts by result (held_elsewhere: another replica generates)"
+        self._acquisitions = {
+            result: _Growth(metrics.counter(name, description, result=result))
+            for result in ("acquired", "held_elsewhere", "unavailable")
+        }
+        self._active = metrics.gauge("tiercache_leases_active", "Leases held by this process")
+        self._lost = _Growth(
+            metrics.counter(
+                "tiercache_lease_lost_total", "Leases found expired or taken while generating"
+            )
+        )
+        self._waits = _Growth(
+            metrics.counter(
+                "tiercache_lease_waits_total", "Misses that waited for another replica's answer"
+            )
+        )
+        self._remote_hits = _Growth(
+            metrics.counter(
+                "tiercache_lease_remote_hits_total",
+                "Waits served by the answer another replica generated",
+            )
+        )
+        name = "tiercache_lease_takeovers_total"
+        description = "Waits that generated here: lease freed without an answer, or wait_s passed"
+        self._takeovers = {
+            reason: _Growth(metrics.counter(name, description, reason=reason))
+            for reason in ("lease_free", "wait_timeout")
+        }
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        leases = self._leases.stats()
+        self._acquisitions["acquired"].update(leases.acquired)
+        self._acquisitions["held_elsewhere"].update(leases.held_elsewhere)
+        self._acquisitions["unavailable"].update(leases.unavailable)
+        self._active.set(leases.active)
+        self._lost.update(leases.lost)
+        stage = self._stage_stats()
+        self._waits.update(stage.remote_waits)
+        self._remote_hits.update(stage.remote_hits)
+        self._takeovers["lease_free"].update(stage.lease_takeovers)
+        self._takeovers["wait_timeout"].update(stage.lease_wait_timeouts)
+
+
+def export_redis(metrics: Metrics, cache: Any) -> bool:
+    """Redis and invalidation-listener metrics for a `TieredCache` with L3 on Redis; False (and
+    nothing exported) without L3."""
+    from tiercache.prompt_cache import invalidation_listener, redis_link
+
+    link = redis_link(cache)
+    if link is None:
+        return False
+    RedisMetrics(metrics, link)
+    listener = invalidation_listener(cache)
+    if listener is not None:
+        InvalidationMetrics(metrics, listener)
+    return True
