@@ -167,6 +167,9 @@ class TritonPythonModel:
                 else None
             ),
         )
+        tb.export_redis(m, cache)  # with L3: Redis health and invalidations applied
+        if self.stage.leases is not None:
+            tb.LeaseMetrics(m, self.stage.leases, self.stage.stats)
         m.start()
 
     def _generate(
