@@ -7,6 +7,8 @@ evictions); L2 asks an `EvictionPolicy` for victims as its byte budget (the LMDB
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -133,6 +135,85 @@ class MemoryStore:
         self.clear()
 
 
+LMDB_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PageNotFoundError,
+    lmdb.BadValsizeError,
+    lmdb.BadTxnError,
+    lmdb.BadRslotError,
+)
+"""What a damaged LMDB file raises (as opposed to full maps, full reader tables, locks)."""
+
+
+class DamagedDatabase(Exception):
+    """An LMDB file is shorter than its own meta page says (truncated) or fails a walk."""
+
+
+def open_lmdb(
+    path: Path,
+    map_size: int,
+    what: str,
+    clock: Callable[[], float] = time.time,
+    max_readers: int = 512,
+) -> lmdb.Environment:
+    """Open the LMDB environment in `path`, checked; a damaged one is moved aside to
+    `<name>.corrupt-<time>-<pid>-<random>` (kept for inspection) and rebuilt empty, with a
+    warning naming both. Damaged means: LMDB refuses the file, the file is shorter than the last
+    page its meta page records (reading past the end of a memory map is SIGBUS, which would kill
+    the process on the first read of a truncated file), or a walk over every key fails.
+
+    Under an exclusive lock on `<path>.open-lock`, so that the processes of a host opening the same
+    damaged file at once agree: the first moves it aside and creates the new one, the others open
+    that. Opening costs one key walk (leaf pages only; values are checked by their own checksums
+    when read). Only damage moves a database; any other error (disk full, readers full) is raised,
+    because moving a healthy database that other processes use would split it in two."""
+    path.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.with_name(path.name + ".open-lock")):
+        try:
+            return _open_checked(path, map_size, max_readers)
+        except (DamagedDatabase, *LMDB_DAMAGE) as exc:
+            stamp = f"{int(clock())}-{os.getpid()}-{secrets.token_hex(3)}"
+            aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+            log.warning(
+                "%s %s is damaged (%s); moved aside to %s, rebuilt empty", what, path, exc, aside
+            )
+            shutil.move(str(path), str(aside))
+            path.mkdir(parents=True)
+            return lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+b") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+
+
+def _open_checked(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
+    data_file = path / "data.mdb"
+    env = lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+    try:
+        page_size = int(env.stat()["psize"])
+        needed = (int(env.info()["last_pgno"]) + 1) * page_size
+        if data_file.exists() and data_file.stat().st_size < needed:
+            raise DamagedDatabase(
+                f"data.mdb has {data_file.stat().st_size} bytes, its pages need {needed}"
+            )
+        with env.begin() as txn:
+            for db_key in txn.cursor().iternext(keys=True, values=False):
+                if isinstance(db_key, bytes) and not db_key:
+                    raise DamagedDatabase("an empty key")
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
 class EvictionPolicy(Protocol):
     """Nominates victims; the store deletes them."""
 
@@ -183,7 +264,8 @@ class LmdbStore:
     live pages plus the new value would pass that mark, `evict_fraction` of the entries (the
     policy's choice) go first. A `MapFullError` all the same (a large value, fragmentation)
     evicts again and retries once.
-    A database that does not open (truncated or corrupt file) is moved aside and rebuilt empty.
+    A database that is damaged when it opens (truncated or corrupt file; `open_lmdb`) is moved
+    aside and rebuilt empty; a damaged page met later makes that read a miss.
     """
 
     def __init__(
@@ -204,29 +286,18 @@ class LmdbStore:
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._corrupt = 0
-        self._env = self._open()
-
-    def _open(self) -> lmdb.Environment:
-        self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            env = lmdb.open(str(self.path), map_size=self._max_bytes, max_readers=512)
-            with env.begin() as txn:
-                txn.stat()
-            return env
-        except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
-            # Only a damaged file is moved aside; any other error (readers full, disk full, a
-            # lock) is raised, because other processes may have this database open and moving
-            # it would split the host's L2 in two.
-            stamp = f"{int(self._clock())}-{os.getpid()}-{secrets.token_hex(3)}"
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-            log.warning("L2 store %s does not open (%s); moved aside to %s", self.path, exc, aside)
-            shutil.move(str(self.path), str(aside))
-            self.path.mkdir(parents=True)
-            return lmdb.open(str(self.path), map_size=self._max_bytes, max_readers=512)
+        self._env = open_lmdb(path, max_bytes, "L2 store", clock)
 
     def get(self, key: str) -> CacheEntry | None:
-        with self._env.begin(buffers=False) as txn:
-            data = txn.get(key.encode())
+        """A damaged page met while reading is a miss (counted as corrupt), never an error: the
+        answer is generated again and its write may fail the same way, which llm logs."""
+        try:
+            with self._env.begin(buffers=False) as txn:
+                data = txn.get(key.encode())
+        except LMDB_DAMAGE as exc:
+            log.warning("L2 read of %s met a damaged page (%s); a miss", key, exc)
+            self._count(misses=1, corrupt=1)
+            return None
         return read_stored(self, "L2", key, data)
 
     def put(self, key: str, entry: CacheEntry) -> None:
