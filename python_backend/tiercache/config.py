@@ -126,6 +126,9 @@ class LlmConfig(SemanticConfig):
     # With redis_url: a miss another replica is generating waits for its answer (tiercache.leases)
     lease_ttl_s: float = 10.0  # a dead replica's lease expires after this (renewed while alive)
     lease_wait_s: float = 60.0  # the longest wait for another replica before generating here
+    # With redis_url: semantic rows shared through a Redis stream (tiercache.semantic.redis_rows)
+    redis_semantic_max_rows: int = 1_000_000  # the stream's approximate bound; 0: not shared
+    redis_semantic_warm_s: float = 10.0  # initialize waits this long at most for the catch-up
     # engine_kind tensorrt_llm only: the engine's tokenizer folder (required), and the limits it
     # was built with (trtllm-build --max_input_len / --max_seq_len; 0: not checked here).
     tokenizer_dir: str = ""
@@ -154,6 +157,9 @@ class LoraCacheConfig(CacheConfig):
     host_max_bytes: int = 256 << 20
     pin: str = ""  # comma-separated names never evicted from the engine
     prefetch: str = ""  # comma-separated names loaded into the engine at start
+    # With redis_url: adapter metadata and usage shared by the fleet (tiercache.lora.fleet)
+    prefetch_fleet_top: int = 0  # at start, warm the fleet's N most-used adapters; 0: off
+    fleet_sync_s: float = 10.0  # publish this replica's adapters and usage counts this often
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,12 @@ from tiercache.lora.engine_call import NO_LORA, EngineLora, generate_with_adapte
 from tiercache.lora.types import AdapterRef
 from tiercache.padding import PaddedResponder, ResponseTimer, padding_policy, uniform_source
 from tiercache.prompt_cache import CacheStatus, load_secret, open_tiered_cache, redis_link
+from tiercache.redis_tier import RedisLink
 from tiercache.request import GenerationRequest
+from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.index import SemanticStore
+from tiercache.semantic.redis_rows import RowSharing
+from tiercache.tiered import TieredCache
 from tiercache.triton import boundary as tb
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -168,9 +172,65 @@ class TritonPythonModel:
             ),
         )
         tb.export_redis(m, cache)  # with L3: Redis health and invalidations applied
+        self.sharing = self._share_rows(cache, link, m)
         if self.stage.leases is not None:
             tb.LeaseMetrics(m, self.stage.leases, self.stage.stats)
         m.start()
+
+    def _share_rows(
+        self, cache: TieredCache, link: RedisLink | None, m: tb.Metrics
+    ) -> RowSharing | None:
+        """With L3: share index rows through Redis (tiercache.semantic.redis_rows), catch up with
+        the fleet's rows (waiting up to redis_semantic_warm_s) and follow them."""
+        if link is None or self.config.redis_semantic_max_rows <= 0:
+            return None
+        _, embedder = resolve_embedder(self.config.embedder)
+        sharing = RowSharing(
+            cache,
+            self.semantic,
+            link,
+            max_rows=self.config.redis_semantic_max_rows,
+            embedder=embedder.key,
+            dimensions=embedder.dimensions,
+            retry_s=self.config.redis_retry_s,
+        ).start()
+        events = ("published", "publish_failed", "added", "duplicate", "own", "dead", "foreign")
+        counters = {
+            e: m.counter(
+                "tiercache_semantic_redis_rows_total",
+                "Semantic index rows shared through Redis: published here, or read from the "
+                "stream and added, already held, own, dead (invalidated/expired), foreign",
+                event=e,
+            )
+            for e in (*events, "malformed")
+        }
+        counted = dict.fromkeys(counters, 0)
+
+        def refresh() -> None:
+            f = sharing.follower.stats()
+            p = sharing.publisher
+            totals = {
+                "published": p.published,
+                "publish_failed": p.failed,
+                "added": f.added,
+                "duplicate": f.duplicate,
+                "own": f.own,
+                "dead": f.dead,
+                "foreign": f.foreign,
+                "malformed": f.malformed,
+            }
+            for event, total in totals.items():
+                if total > counted[event]:
+                    counters[event].increment(total - counted[event])
+                    counted[event] = total
+
+        m.on_flush(refresh)
+        caught_up = sharing.follower.wait_caught_up(self.config.redis_semantic_warm_s)
+        tb.log.info(
+            "semantic rows from Redis: %s",
+            "caught up" if caught_up else "catching up in the background",
+        )
+        return sharing
 
     def _generate(
         self, request: GenerationRequest, lora: EngineLora = NO_LORA
@@ -287,9 +347,16 @@ class TritonPythonModel:
             return None
         vector = tensor.reshape(-1).astype(np.float32)
         cache = self.stage.cache
-        return lambda: self.semantic.append_or_compact(
-            scope, digest, request.prompt, vector, lambda d: cache.get(d) is not None
-        )
+        sharing = self.sharing
+
+        def write() -> None:
+            self.semantic.append_or_compact(
+                scope, digest, request.prompt, vector, lambda d: cache.get(d) is not None
+            )
+            if sharing is not None:  # then to the other replicas, through Redis
+                sharing.publish(scope, digest, request.prompt, vector)
+
+        return write
 
     def _record(self, record: GenerationRecord) -> None:
         self.generations.increment(1)
@@ -356,6 +423,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
+        if self.sharing is not None:
+            self.sharing.close()  # joins the follower before the stage closes the Redis link
         self.stage.close()
         if self.padding_timer is not None:
             self.padding_timer.close()  # after the stage: its last misses may still be held

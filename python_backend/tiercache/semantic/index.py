@@ -99,6 +99,7 @@ _LIVE = b"n"  # n<tag>: how many live rows the scope has
 _MANIFEST = b"t"  # t<tag>: the scope's current table (TableManifest)
 _FORGOTTEN = b"f"  # f<tag><digest>: seqs (8 bytes each) of the digest's invalidated rows
 _LOG_ID_KEY = b"meta:log"
+_META_PREFIX = b"meta:"  # the log's own values (not rows); see log_rows(meta=...)
 _MANIFEST_HEAD = struct.Struct("<QIQ")  # epoch, width, capacity; then the scope, UTF-8
 
 
@@ -208,12 +209,20 @@ class SemanticStore:
         return seqs
 
     def log_rows(
-        self, rows: list[tuple[str, str, str, np.ndarray]]
+        self,
+        rows: list[tuple[str, str, str, np.ndarray]],
+        meta: dict[bytes, bytes] | None = None,
     ) -> tuple[list[int], dict[str, tuple[list[int], list[np.ndarray]]]]:
-        """The log half of `append_many`: the seqs, and the new rows by scope tag, to publish."""
+        """The log half of `append_many`: the seqs, and the new rows by scope tag, to publish.
+        `meta` (keys under `meta:`) is written in the same transaction as the rows: a reader of
+        a shared stream records how far it has read together with what it read."""
         seqs: list[int] = []
         fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
         with self._env.begin(write=True) as txn:
+            for key, value in (meta or {}).items():
+                if not key.startswith(_META_PREFIX):
+                    raise ValueError(f"a log meta key must start with {_META_PREFIX!r}: {key!r}")
+                txn.put(key, value)
             raw = txn.get(_NEXT_KEY)
             seq = int.from_bytes(raw, "big") if raw else 0
             for scope, digest, prompt, vector in rows:
@@ -246,6 +255,12 @@ class SemanticStore:
                 seq += 1
             txn.put(_NEXT_KEY, seq.to_bytes(8, "big"))
         return seqs, fresh
+
+    def meta(self, key: bytes) -> bytes | None:
+        """A value `log_rows` wrote under `meta`, or None."""
+        with self._env.begin() as txn:
+            raw = txn.get(key)
+        return None if raw is None else bytes(raw)
 
     def head(self) -> int:
         """The next sequence number: rows [0, head) have been written."""

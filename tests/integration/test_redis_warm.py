@@ -1,0 +1,251 @@
+"""A new replica warms from Redis (issue 7): semantic rows shared through a Redis stream
+(tiercache.semantic.redis_rows) and adapter metadata shared through Redis hashes
+(tiercache.lora.fleet), in process, against a real redis-server.
+
+Each "host" is a state dir of its own (its own L2 and semantic row log), as in replicas.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from redis_server import RedisServer
+
+from tiercache.invalidation import Invalidator
+from tiercache.prompt_cache import invalidation_listener, redis_link
+from tiercache.semantic.index import Neighbour, SemanticIndex, SemanticStore, scope_tag
+from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
+from tiercache.tiered import TieredCache
+
+from .replicas import TIMEOUT_S, open_replica, wait_until
+
+pytestmark = pytest.mark.integration
+DIMENSIONS = 8
+EMBEDDER = "test-embedder@1"
+
+
+@dataclass
+class Host:
+    """One replica's semantic side: its L2 (+ L3 and listener), row log and row sharing."""
+
+    cache: TieredCache
+    store: SemanticStore
+    sharing: RowSharing
+    searcher: SemanticIndex | None = None
+
+    def index(
+        self,
+        scope: str,
+        digest: str,
+        prompt: str,
+        vector: np.ndarray,
+        tenant: str = "",
+        **entry: object,
+    ) -> None:
+        """What the llm stage does for a stored answer: store it, index it, share the row."""
+        self.cache.put(digest, f"answer of {prompt}", scope=tenant, **entry)  # type: ignore[arg-type]
+        self.store.append(scope, digest, prompt, vector)
+        assert self.sharing.publish(scope, digest, prompt, vector)
+
+    def rows(self, scope: str) -> list[tuple[str, str]]:
+        """(digest, prompt) of the scope's live rows in this host's log."""
+        seqs = self.store.scope_seqs(scope_tag(scope))
+        return [(r.digest, r.prompt) for r in self.store.rows(seqs) if r is not None]
+
+    def search(self, scope: str, vector: np.ndarray) -> Neighbour:
+        """The nearest row as this host's embedding_cache would find it."""
+        if self.searcher is None:
+            self.searcher = SemanticIndex(self.store, DIMENSIONS, persist_graphs=False)
+        return self.searcher.search(scope, vector, k=1)[0]
+
+    def close(self) -> None:
+        self.sharing.close()
+        self.cache.close()
+        if self.searcher is not None:
+            self.searcher.close()  # closes the store too
+        else:
+            self.store.close()
+
+
+@pytest.fixture
+def open_host(tmp_path: Path) -> Iterator[Callable[..., Host]]:
+    hosts: list[Host] = []
+
+    def make(name: str, url: str, prefix: str, start: bool = True, **sharing: object) -> Host:
+        state = tmp_path / name
+        cache = open_replica(state, url, prefix, with_l1=False)
+        store = SemanticStore(state / "semantic", 1 << 26)
+        link = redis_link(cache)
+        assert link is not None
+        share = RowSharing(
+            cache,
+            store,
+            link,
+            embedder=EMBEDDER,
+            dimensions=DIMENSIONS,
+            retry_s=0.2,
+            batch_rows=64,
+            **sharing,  # type: ignore[arg-type]
+        )
+        host = Host(cache, store, share)
+        if start:
+            listener = invalidation_listener(cache)
+            assert listener is not None and listener.wait_connected(TIMEOUT_S)
+            share.start()
+        hosts.append(host)
+        return host
+
+    yield make
+    for host in hosts:
+        host.close()
+
+
+def unit(seed: int) -> np.ndarray:
+    vector = np.random.default_rng(seed).standard_normal(DIMENSIONS).astype(np.float32)
+    return vector / np.linalg.norm(vector)
+
+
+def scope_name() -> str:
+    return f"scope-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_row_goes_to_the_stream_with_its_answers_metadata(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a = open_host("a", redis_server.url, redis_prefix)
+    scope, vector = scope_name(), unit(1)
+    a.index(scope, "d1", "what is x?", vector, tags=("kb:1",), tenant="tenant-1", ttl_s=60.0)
+
+    client = redis.Redis.from_url(redis_server.url)
+    (entry_id, fields), *rest = client.xrange(redis_prefix + STREAM)
+    assert rest == []
+    row = SharedRow.from_fields(fields)
+    assert (row.scope, row.digest, row.prompt, row.embedder) == (
+        scope,
+        "d1",
+        "what is x?",
+        EMBEDDER,
+    )
+    assert np.array_equal(row.vector, vector)
+    assert (row.tags, row.tenant, row.origin) == (("kb:1",), "tenant-1", a.store.log_id.hex())
+    assert row.expires_s == pytest.approx(row.created_s + 60.0)
+    client.close()
+
+
+def test_a_fresh_host_catches_up_then_follows_and_a_restart_resumes(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a = open_host("a", redis_server.url, redis_prefix)
+    scope = scope_name()
+    for i in range(150):  # more than two of the follower's batches (64)
+        a.index(scope, f"d{i}", f"prompt {i}", unit(i))
+
+    b = open_host("b", redis_server.url, redis_prefix)
+    assert b.sharing.follower.wait_caught_up(TIMEOUT_S)
+    assert len(b.rows(scope)) == 150
+    stats = b.sharing.follower.stats()
+    assert (stats.read, stats.added, stats.own, stats.dead) == (150, 150, 0, 0)
+    # B's index finds A's rows by vector: the rows reached the scope's shared table.
+    best = b.search(scope, unit(42))
+    assert (best.digest, best.prompt) == ("d42", "prompt 42")
+    assert best.similarity == pytest.approx(1.0, abs=1e-5)
+
+    a.index(scope, "late", "a later prompt", unit(999))  # followed while B runs
+    wait_until(lambda: ("late", "a later prompt") in b.rows(scope))
+    # A's own follower skipped its rows (they came from its log id), adding nothing.
+    assert a.sharing.follower.wait_caught_up(TIMEOUT_S)
+    wait_until(lambda: a.sharing.follower.stats().own == 151)
+    assert a.sharing.follower.stats().added == 0
+
+    # B restarts: it resumes after the last id it stored and reads nothing again.
+    last_id = b.sharing.follower.stats().last_id
+    b.close()
+    b2 = open_host("b", redis_server.url, redis_prefix)
+    assert b2.sharing.follower.wait_caught_up(TIMEOUT_S)
+    assert b2.sharing.follower.stats().read == 0
+    assert b2.sharing.follower.stats().last_id == last_id
+    assert len(b2.rows(scope)) == 151
+
+
+def test_a_row_the_host_already_has_stays_one_row(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a = open_host("a", redis_server.url, redis_prefix)
+    b = open_host("b", redis_server.url, redis_prefix)
+    scope = scope_name()
+    # The same answer digest indexed on both hosts (the same prompt answered on each).
+    b.index(scope, "same", "the same prompt", unit(7))
+    a.index(scope, "same", "the same prompt", unit(7))
+    a.index(scope, "other", "another prompt", unit(8))
+    wait_until(lambda: b.sharing.follower.stats().read >= 3)
+    wait_until(lambda: len(b.rows(scope)) == 2)
+    assert sorted(b.rows(scope)) == [("other", "another prompt"), ("same", "the same prompt")]
+    stats = b.sharing.follower.stats()
+    assert (stats.own, stats.duplicate, stats.added) == (1, 1, 1)
+
+
+def test_an_invalidated_answer_is_not_brought_back_by_its_row(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a = open_host("a", redis_server.url, redis_prefix)
+    scope = scope_name()
+    a.index(scope, "old", "an old answer's prompt", unit(1), tags=("kb:v1",))
+    a.index(scope, "keep", "a kept answer's prompt", unit(2), tags=("kb:v2",))
+    a.index(scope, "tenant", "a tenant's prompt", unit(3), tenant="tenant-x")
+    admin = Invalidator(a.cache, redis_link(a.cache))
+    assert admin.tag("kb:v1", sweep_shared=False).published  # L3 keeps the entry: the
+    report = admin.tenant("tenant-x", sweep_shared=False)  # the watermark alone hides it
+    assert report.published
+    # Generated again after the invalidation (past the clock-skew margin): a new answer for the
+    # same digest, shared anew.
+    later_s = report.invalidation.at_s + 1.0
+    a.index(scope, "tenant", "a tenant's prompt", unit(3), tenant="tenant-x", created_s=later_s)
+
+    b = open_host("b", redis_server.url, redis_prefix)
+    assert b.sharing.follower.wait_caught_up(TIMEOUT_S)
+    assert sorted(b.rows(scope)) == [
+        ("keep", "a kept answer's prompt"),
+        ("tenant", "a tenant's prompt"),
+    ]
+    assert b.sharing.follower.stats().dead == 2  # the first "old" and "tenant" rows
+    # The exact cache agrees: the invalidated answer is not served from L3 either.
+    assert b.cache.get("old") is None
+    assert b.cache.get("tenant") is not None and b.cache.get("keep") is not None
+
+
+def test_redis_down_then_back(
+    open_host: Callable[..., Host], redis_factory: Callable[[], RedisServer], redis_prefix: str
+) -> None:
+    server = redis_factory()
+    a = open_host("a", server.url, redis_prefix)
+    b = open_host("b", server.url, redis_prefix)
+    scope = scope_name()
+    a.index(scope, "before", "before the outage", unit(1))
+    wait_until(lambda: len(b.rows(scope)) == 1)
+
+    server.kill()
+    a.cache.put("during", "an answer while Redis is down")
+    a.store.append(scope, "during", "during the outage", unit(2))
+    assert a.sharing.publish(scope, "during", "during the outage", unit(2)) is False
+    wait_until(lambda: b.cache.l3 is not None and redis_link(b.cache).breaker.is_open)  # type: ignore[union-attr]
+    c = open_host("c", server.url, redis_prefix, start=False)
+    c.sharing.start()
+    started = time.monotonic()
+    assert c.sharing.follower.wait_caught_up(TIMEOUT_S) is False  # Redis is down: no wait
+    assert time.monotonic() - started < TIMEOUT_S / 2
+
+    server.start()  # the same port, empty (no persistence)
+    a.cache.put("after", "an answer after the outage")
+    wait_until(lambda: a.sharing.publish(scope, "after", "after the outage", unit(3)), poll_s=0.1)
+    a.store.append(scope, "after", "after the outage", unit(3))
+    wait_until(lambda: ("after", "after the outage") in b.rows(scope))
+    assert ("during", "during the outage") not in b.rows(scope)  # never reached Redis
+    assert c.sharing.follower.wait_caught_up(TIMEOUT_S)
+    assert c.rows(scope) == [("after", "after the outage")]
