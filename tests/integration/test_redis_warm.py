@@ -7,6 +7,9 @@ Each "host" is a state dir of its own (its own L2 and semantic row log), as in r
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +22,10 @@ import redis
 from redis_server import RedisServer
 
 from tiercache.invalidation import Invalidator
+from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions
+from tiercache.lora.registry import AdapterRegistry
 from tiercache.prompt_cache import invalidation_listener, redis_link
+from tiercache.redis_tier import RedisLink
 from tiercache.semantic.index import Neighbour, SemanticIndex, SemanticStore, scope_tag
 from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
 from tiercache.tiered import TieredCache
@@ -247,5 +253,136 @@ def test_redis_down_then_back(
     a.store.append(scope, "after", "after the outage", unit(3))
     wait_until(lambda: ("after", "after the outage") in b.rows(scope))
     assert ("during", "during the outage") not in b.rows(scope)  # never reached Redis
-    assert c.sharing.follower.wait_caught_up(TIMEOUT_S)
-    assert c.rows(scope) == [("after", "after the outage")]
+    # C, started during the outage, catches up once Redis is back.
+    wait_until(lambda: c.rows(scope) == [("after", "after the outage")])
+    assert c.sharing.follower.stats().caught_up
+
+
+# -- adapter metadata (tiercache.lora.fleet) -----------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def adapters_folder(root: Path, names: tuple[str, ...] = ("caps", "french")) -> Path:
+    for name in names:
+        shutil.copytree(REPO / "adapters" / name, root / name)
+    return root
+
+
+def rewrite(folder: Path, mtime_s: float) -> None:
+    """Another version of the adapter in `folder` (its config gains a key), dated `mtime_s`."""
+    config = folder / "adapter_config.json"
+    document = json.loads(config.read_text())
+    document["revision"] = uuid.uuid4().hex
+    config.write_text(json.dumps(document))
+    for file in folder.iterdir():
+        os.utime(file, (mtime_s, mtime_s))
+
+
+def fleet_of(
+    tmp_path: Path, name: str, url: str, prefix: str
+) -> tuple[AdapterFleet, AdapterRegistry]:
+    registry = AdapterRegistry(adapters_folder(tmp_path / name / "adapters"), tmp_path / name)
+    link = RedisLink.from_url(url, prefix, retry_s=0.2)
+    return AdapterFleet(link, f"replica-{name}"), registry
+
+
+def test_the_fleets_latest_version_and_a_replica_that_differs(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a, a_registry = fleet_of(tmp_path, "a", redis_server.url, redis_prefix)
+    b, b_registry = fleet_of(tmp_path, "b", redis_server.url, redis_prefix)
+    # B's copy of caps is another version with older files: the fleet keeps A's.
+    rewrite(b_registry.root / "caps", time.time() - 86400)
+    a_local, b_local = local_versions(a_registry), local_versions(b_registry)
+    assert a.publish(a_local) and b.publish(b_local)
+
+    found = b.fleet()
+    assert found is not None
+    latest, _ = found
+    caps_a = next(v for v in a_local if v.name == "caps")
+    caps_b = next(v for v in b_local if v.name == "caps")
+    assert caps_a.digest != caps_b.digest
+    assert (latest["caps"].digest, latest["caps"].replica) == (caps_a.digest, "replica-a")
+    assert latest["caps"].nbytes == caps_a.nbytes > 0
+    assert latest["french"].digest == next(v.digest for v in b_local if v.name == "french")
+    report = b.report(b_local)
+    assert report["available"] is True and report["mismatched"] == ["caps"]
+    row = next(r for r in report["adapters"] if r["name"] == "caps")
+    assert (row["digest"], row["local_digest"]) == (caps_a.digest, caps_b.digest)
+    assert a.report(a_local)["mismatched"] == []
+
+    # B's folder gets a newer version: it becomes the fleet's latest, and A now differs.
+    rewrite(b_registry.root / "caps", time.time() + 5)
+    newer = local_versions(b_registry)
+    assert b.publish(newer)
+    assert a.report(local_versions(a_registry))["mismatched"] == ["caps"]
+    assert b.report(newer)["mismatched"] == []
+    a.link.close()
+    b.link.close()
+
+
+def test_usage_counts_add_up_across_replicas_and_survive_an_outage(
+    tmp_path: Path, redis_factory: Callable[[], RedisServer], redis_prefix: str
+) -> None:
+    server = redis_factory()
+    a, _ = fleet_of(tmp_path, "a", server.url, redis_prefix)
+    b, _ = fleet_of(tmp_path, "b", server.url, redis_prefix)
+    for _ in range(3):
+        a.count_use("french")
+    b.count_use("french")
+    b.count_use("caps")
+    assert a.flush_uses() and b.flush_uses()
+    assert a.top(2) == ["french", "caps"]
+    assert b.fleet() is not None and b.fleet()[1] == {"french": 4, "caps": 1}  # type: ignore[index]
+
+    server.kill()
+    for _ in range(5):
+        b.count_use("caps")
+    assert b.flush_uses() is False  # kept in memory
+    assert b.top(1) == []  # nothing known while Redis is down
+    server.start()  # empty: the counts before the outage are gone, B's pending ones are not
+    wait_until(b.flush_uses, poll_s=0.1)
+    assert a.top(2) == ["caps"]
+    found = a.fleet()
+    assert found is not None and found[1] == {"caps": 5}
+    a.link.close()
+    b.link.close()
+
+
+def test_fleet_sync_warms_the_fleets_top_adapters_retrying_until_the_engine_takes_them(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    a, a_registry = fleet_of(tmp_path, "a", redis_server.url, redis_prefix)
+    for name, uses in (("french", 5), ("caps", 2), ("gone", 9)):
+        for _ in range(uses):
+            a.count_use(name)
+    assert a.flush_uses()
+
+    b, b_registry = fleet_of(tmp_path, "b", redis_server.url, redis_prefix)
+    calls: list[list[str]] = []
+
+    def warm(names: list[str]) -> dict[str, str]:
+        calls.append(list(names))
+        if len(calls) == 1:  # the engine is still loading
+            return dict.fromkeys(names, "error: engine torch_llm is not ready")
+        return dict.fromkeys(names, "loaded")
+
+    sync = FleetSync(
+        b,
+        lambda: local_versions(b_registry),
+        sync_s=60,
+        warm=warm,
+        choose_warm=lambda names: [n for n in names if n in b_registry.names()],
+        warm_top=3,
+        warm_retry_s=0.05,
+    ).start()
+    try:
+        wait_until(lambda: sync.warmed == {"french": "loaded", "caps": "loaded"})
+        assert calls == [["french", "caps"], ["french", "caps"]]  # "gone" is not in B's folder
+        found = a.fleet()
+        assert found is not None and set(found[0]) == {"caps", "french"}  # B published its own
+        assert found[0]["caps"].replica == "replica-b"
+    finally:
+        sync.close()  # closes b's link
+    a.link.close()

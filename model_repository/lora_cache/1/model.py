@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LoraCacheConfig
 from tiercache.errors import ConfigError, Unavailable
+from tiercache.lora.fleet import local_versions, open_fleet
 from tiercache.lora.residency import LoraPlan
 from tiercache.lora.stage import open_lora_cache
 from tiercache.lora.trtllm import TrtllmLoraConverter
@@ -119,6 +120,9 @@ class TritonPythonModel:
             "tiercache_lora_disk_read_seconds", "Time to read and verify an adapter from disk"
         )
         self.stage = open_lora_cache(config, EngineBls(config.engine_model), on_plan=self._count)
+        # With redis_url: this replica's adapter versions and usage shared with the fleet, and
+        # the fleet's most-used adapters warmed at start (tiercache.lora.fleet).
+        self.fleet = open_fleet(config, self.stage)
         self._counted: dict[tuple[str, str], int] = {}  # (kind, tier) -> total already counted
         m.on_flush(self._refresh)
         m.start()
@@ -158,10 +162,16 @@ class TritonPythonModel:
         admin = inputs.string("ADMIN")
         if admin:
             answer = self.stage.admin(admin)
-            return self._respond(answer.plan, json.dumps(answer.result, sort_keys=True))
+            result = answer.result
+            if self.fleet is not None and "adapters" in result:  # list and warm
+                local = local_versions(self.stage.registry)
+                result = {**result, "fleet": self.fleet.fleet.report(local)}
+            return self._respond(answer.plan, json.dumps(result, sort_keys=True))
         plan = self.stage.plan_request(inputs.string("REQUEST"), inputs.string("LOOKUP_STATUS"))
         if plan is None:
             self.requests["none"].increment(1)
+        elif self.fleet is not None:
+            self.fleet.fleet.count_use(plan.ref.name)
         return self._respond(plan)
 
     def _respond(self, plan: LoraPlan | None, admin_result: str = "") -> Any:
@@ -190,4 +200,6 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(tensors)
 
     def finalize(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
         self.metrics.close()

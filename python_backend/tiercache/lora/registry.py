@@ -65,6 +65,10 @@ DIGEST_DOMAIN = b"tiercache-lora-v1\x00"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 TASK_IDS_VERSION = 1
+# After a damaged task-id file, new ids start this far above the highest id still readable in it,
+# so an id the damaged part held is not handed out again (unless that many were issued past it).
+TASK_IDS_REPAIR_GAP = 1 << 20
+_TASK_ID_PAIR = re.compile(r'"([^"\\]{1,128})": *([0-9]{1,18})\b')
 KNOWN_IN_MESSAGE = 20  # names listed in an unknown-adapter message
 READ_ATTEMPTS = 3  # a folder that changes under every read attempt is reported as Unavailable
 RACY_NS = 2_000_000_000  # a signature younger than this may miss a write in the same tick
@@ -209,6 +213,17 @@ class AdapterRegistry:
     def pinned(self) -> tuple[str, ...]:
         """The names the manifest pins."""
         return self._pinned
+
+    def file_stats(self, name: str) -> tuple[int, float]:
+        """(bytes, updated_s) of adapter `name`'s files as they are now: their total size and
+        their newest modification time (what the fleet compares versions by, see
+        tiercache.lora.fleet). Errors as `resolve`; the files may change right after."""
+        check_name(name)
+        with self._lock:
+            folder = self._entry(name).folder
+        signature = _signature(name, folder)
+        nbytes = sum(size for _, size, _, _ in signature)
+        return nbytes, max(mtime_ns for _, _, mtime_ns, _ in signature) / 1e9
 
     # -- internals (called with the lock held) ------------------------------------------------
 
@@ -459,17 +474,42 @@ class TaskIds:
 
     def _read(self) -> tuple[dict[str, int], int]:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}, 1
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except OSError as exc:
             raise ConfigError(f"adapter task ids {self.path}: unreadable: {exc}") from exc
         try:
+            data = json.loads(raw.decode("utf-8"))
             ids = {str(name): int(task_id) for name, task_id in data["task_ids"].items()}
             next_id = int(data["next_task_id"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"adapter task ids {self.path}: malformed ({exc!r})") from exc
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return self._repair(raw, exc)
         return ids, max([next_id, *(i + 1 for i in ids.values())])
+
+    def _repair(self, raw: bytes, problem: Exception) -> tuple[dict[str, int], int]:
+        """A damaged file (truncated, overwritten; the file is only ever replaced whole, so this
+        is damage from outside): moved aside as `<name>.corrupt-<stamp>`, the `"name": id` pairs
+        still readable kept, new ids above them by TASK_IDS_REPAIR_GAP, written back at once.
+        Called under the file lock. Ids only matter to TensorRT-LLM's adapter cache; answers are
+        keyed by adapter content digests, so a name that gets a new id costs one adapter load."""
+        text = raw.decode("utf-8", errors="replace")
+        ids = {m.group(1): int(m.group(2)) for m in _TASK_ID_PAIR.finditer(text)}
+        for field_name in ("version", "next_task_id"):
+            ids.pop(field_name, None)
+        next_id = max(ids.values(), default=0) + 1 + TASK_IDS_REPAIR_GAP
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{os.getpid()}")
+        os.replace(self.path, aside)
+        log.warning(
+            "adapter task ids %s are damaged (%s); moved aside to %s, %d ids kept, new ids from %d",
+            self.path,
+            problem,
+            aside.name,
+            len(ids),
+            next_id,
+        )
+        self._write(ids, next_id)
+        return ids, next_id
 
     def _write(self, ids: dict[str, int], next_id: int) -> None:
         data = {"version": TASK_IDS_VERSION, "next_task_id": next_id, "task_ids": ids}

@@ -1,0 +1,407 @@
+"""Adapter metadata shared by the replicas through Redis: which version of each adapter the
+fleet runs, and how much each adapter is used, so a new replica can warm the adapters the
+fleet uses most and a replica whose folder holds another version says so.
+
+Layout under the deployment's prefix (`redis_prefix`):
+  `<prefix>adapters`      hash: name -> JSON `{"digest", "bytes", "updated_s", "replica"}`, the
+                          fleet's latest version of each name (see below).
+  `<prefix>adapter_uses`  hash: name -> requests that needed the adapter (summed over replicas).
+
+Latest: versions are compared by `updated_s`, the newest modification time of the version's
+files (the registry's `file_stats`), so a replica started later with an older copy of a folder
+does not take over. A replica publishes its version of a name unless the hash holds the same
+digest or a version with newer files (one Lua script, so two replicas cannot interleave). Ties
+go to the last writer. Clocks: mtimes come from the hosts that wrote the files; copies that keep
+mtimes (`cp -p`, rsync -t) compare as the source.
+
+A replica whose folder holds another version than the fleet's latest logs a warning (once per
+pair of versions) and `lora_cache`'s `list` shows it (`fleet.mismatched`). It still serves its
+own version: the digest is part of every cache key (tiercache.keys), so its answers are kept
+apart from the fleet's, never mixed up.
+
+Usage counts are kept in memory per request (no Redis call on the request path) and added to
+Redis with one pipelined HINCRBY per adapter every `sync_s` (and at close). Redis down: nothing
+is published; counts stay in memory (bounded by the number of adapter names) until Redis is
+back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiercache.config import LoraCacheConfig, name_list
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.lora.registry import AdapterRegistry
+from tiercache.lora.stage import LoraCache
+from tiercache.redis_tier import RedisLink
+
+log = logging.getLogger(__name__)
+
+ADAPTERS = "adapters"
+USES = "adapter_uses"
+_MISSING = object()
+
+# KEYS[1] the hash; ARGV: name, value (JSON), digest, updated_s. 1 when written.
+_PUBLISH_LATEST = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if current then
+  local ok, held = pcall(cjson.decode, current)
+  if ok and type(held) == 'table' then
+    if held['digest'] == ARGV[3] then return 0 end
+    local held_s = tonumber(held['updated_s'])
+    if held_s and held_s > tonumber(ARGV[4]) then return 0 end
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """One adapter version as a replica publishes it."""
+
+    name: str
+    digest: str
+    nbytes: int
+    updated_s: float  # newest modification time of its files
+    replica: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "digest": self.digest,
+                "bytes": self.nbytes,
+                "updated_s": self.updated_s,
+                "replica": self.replica,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, name: str, text: str | bytes) -> AdapterVersion:
+        data = json.loads(text)
+        return cls(
+            name,
+            str(data["digest"]),
+            int(data["bytes"]),
+            float(data["updated_s"]),
+            str(data.get("replica", "")),
+        )
+
+
+def replica_id(state_path: Path) -> str:
+    """This replica's name in the fleet: the host name and a digest of its state dir (two
+    replicas on one host have different state dirs)."""
+    where = hashlib.sha256(str(state_path.resolve()).encode("utf-8")).hexdigest()[:8]
+    return f"{socket.gethostname()}/{where}"
+
+
+def local_versions(registry: AdapterRegistry) -> list[AdapterVersion]:
+    """The versions this replica's folder holds now (broken folders left out)."""
+    versions = []
+    for item in registry.listing():
+        if item.ref is None:
+            continue
+        try:
+            nbytes, updated_s = registry.file_stats(item.name)
+        except TierCacheError:
+            continue  # removed or broken since the listing
+        versions.append(AdapterVersion(item.name, item.ref.digest, nbytes, updated_s))
+    return versions
+
+
+class AdapterFleet:
+    """This replica's view of, and contributions to, the fleet's adapter metadata."""
+
+    def __init__(self, link: RedisLink, replica: str) -> None:
+        self.link = link
+        self.replica = replica
+        self.adapters_key = link.key(ADAPTERS)
+        self.uses_key = link.key(USES)
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # uses not yet added to Redis
+        self._warned: set[tuple[str, str, str]] = set()
+
+    def count_use(self, name: str) -> None:
+        """One request needed adapter `name` (no Redis call: see `flush_uses`)."""
+        with self._lock:
+            self._pending[name] = self._pending.get(name, 0) + 1
+
+    def flush_uses(self) -> bool:
+        """Add the counted uses to Redis; on failure they stay counted here."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return True
+
+        def add(client: Any) -> bool:
+            pipe = client.pipeline(transaction=False)
+            for name, uses in pending.items():
+                pipe.hincrby(self.uses_key, name, uses)
+            pipe.execute()
+            return True
+
+        if self.link.call(add, False):
+            return True
+        with self._lock:
+            for name, uses in pending.items():
+                self._pending[name] = self._pending.get(name, 0) + uses
+        return False
+
+    def publish(self, versions: Sequence[AdapterVersion]) -> bool:
+        """Offer this replica's versions as the fleet's latest (see the module docstring)."""
+        if not versions:
+            return True
+
+        def offer(client: Any) -> bool:
+            script = client.register_script(_PUBLISH_LATEST)
+            pipe = client.pipeline(transaction=False)
+            for v in versions:
+                mine = AdapterVersion(v.name, v.digest, v.nbytes, v.updated_s, self.replica)
+                script(
+                    keys=[self.adapters_key],
+                    args=[v.name, mine.to_json(), v.digest, repr(v.updated_s)],
+                    client=pipe,
+                )
+            pipe.execute()
+            return True
+
+        return bool(self.link.call(offer, False))
+
+    def fleet(self) -> tuple[dict[str, AdapterVersion], dict[str, int]] | None:
+        """The fleet's latest version and use count of each adapter; None when Redis is down."""
+
+        def read(client: Any) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(self.adapters_key)
+            pipe.hgetall(self.uses_key)
+            adapters, uses = pipe.execute()
+            return adapters, uses
+
+        found: Any = self.link.call(read, _MISSING)
+        if found is _MISSING:
+            return None
+        raw_adapters, raw_uses = found
+        versions: dict[str, AdapterVersion] = {}
+        for key, value in raw_adapters.items():
+            name = key.decode("utf-8", "replace")
+            try:
+                versions[name] = AdapterVersion.from_json(name, value)
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignored malformed fleet metadata for adapter %r", name)
+        uses = {}
+        for key, value in raw_uses.items():
+            try:
+                uses[key.decode("utf-8", "replace")] = int(value)
+            except ValueError:
+                continue
+        return versions, uses
+
+    def top(self, count: int) -> list[str]:
+        """The fleet's `count` most-used adapter names, most used first ([] if Redis is down)."""
+        found = self.fleet()
+        if found is None:
+            return []
+        _, uses = found
+        return [name for name, _ in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0]))][:count]
+
+    def mismatched(
+        self, local: Sequence[AdapterVersion], fleet: dict[str, AdapterVersion]
+    ) -> list[tuple[AdapterVersion, AdapterVersion]]:
+        """(local, fleet's latest) for each name whose versions differ; warns once per pair."""
+        out = []
+        for mine in local:
+            theirs = fleet.get(mine.name)
+            if theirs is None or theirs.digest == mine.digest:
+                continue
+            out.append((mine, theirs))
+            pair = (mine.name, mine.digest, theirs.digest)
+            with self._lock:
+                new = pair not in self._warned
+                self._warned.add(pair)
+            if new:
+                log.warning(
+                    "adapter %s: this replica's folder holds version %s (files of %s), but the "
+                    "fleet's latest is %s (files of %s, from replica %s); this replica serves "
+                    "its own version (cache keys keep them apart): update its adapter folder",
+                    mine.name,
+                    mine.digest[:12],
+                    _when(mine.updated_s),
+                    theirs.digest[:12],
+                    _when(theirs.updated_s),
+                    theirs.replica,
+                )
+        return out
+
+    def report(self, local: Sequence[AdapterVersion]) -> dict[str, Any]:
+        """What `lora_cache`'s `list` shows under "fleet"."""
+        found = self.fleet()
+        if found is None:
+            return {"available": False, "replica": self.replica, "adapters": [], "mismatched": []}
+        versions, uses = found
+        mine = {v.name: v for v in local}
+        rows = []
+        for name in sorted(set(versions) | set(uses)):
+            latest = versions.get(name)
+            local_version = mine.get(name)
+            rows.append(
+                {
+                    "name": name,
+                    "digest": latest.digest if latest else None,
+                    "bytes": latest.nbytes if latest else None,
+                    "updated_s": latest.updated_s if latest else None,
+                    "replica": latest.replica if latest else None,
+                    "uses": uses.get(name, 0),
+                    "local_digest": local_version.digest if local_version else None,
+                }
+            )
+        mismatched = sorted(m.name for m, _ in self.mismatched(local, versions))
+        return {
+            "available": True,
+            "replica": self.replica,
+            "adapters": rows,
+            "mismatched": mismatched,
+        }
+
+
+class FleetSync:
+    """A thread that publishes this replica's versions and usage every `sync_s`, checks them
+    against the fleet's (warning on a mismatch), and at start warms the fleet's most-used
+    adapters through `warm` (lora_cache's warm: names -> {name: outcome}), retrying names the
+    engine could not take yet (it may still be loading) for up to `warm_deadline_s`.
+    `close()` joins it, flushes the last counts and closes the fleet's Redis link (it owns
+    it)."""
+
+    def __init__(
+        self,
+        fleet: AdapterFleet,
+        local: Callable[[], list[AdapterVersion]],
+        *,
+        sync_s: float = 10.0,
+        warm: Callable[[list[str]], dict[str, str]] | None = None,
+        choose_warm: Callable[[list[str]], list[str]] = lambda names: names,
+        warm_top: int = 0,
+        warm_retry_s: float = 1.0,
+        warm_deadline_s: float = 120.0,
+    ) -> None:
+        """`choose_warm` narrows the fleet's top names to what this replica can warm (known
+        here, not already prefetched, as many as its engine slots allow)."""
+        self.fleet = fleet
+        self._local = local
+        self._sync_s = sync_s
+        self._warm = warm
+        self._choose_warm = choose_warm
+        self._warm_top = warm_top
+        self._warm_retry_s = warm_retry_s
+        self._warm_deadline_s = warm_deadline_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.warmed: dict[str, str] = {}  # name -> the last outcome of its warm-up
+        self.syncs = 0
+
+    def start(self) -> FleetSync:
+        self._thread = threading.Thread(target=self._run, name="tiercache-adapter-fleet")
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def sync(self) -> None:
+        local = self._local()
+        self.fleet.publish(local)
+        self.fleet.flush_uses()
+        found = self.fleet.fleet()
+        if found is not None:
+            self.fleet.mismatched(local, found[0])
+        self.syncs += 1
+
+    def _run(self) -> None:
+        self._safely(self.sync)
+        if self._warm is not None and self._warm_top > 0:
+            self._safely(self._warm_fleet_top)
+        while not self._stop.wait(self._sync_s):
+            self._safely(self.sync)
+
+    def _warm_fleet_top(self) -> None:
+        if self._warm is None:
+            return
+        names = self._choose_warm(self.fleet.top(self._warm_top))
+        if not names:
+            return
+        log.info("warming the fleet's most-used adapters: %s", ", ".join(names))
+        deadline = time.monotonic() + self._warm_deadline_s
+        todo = list(names)
+        while todo and not self._stop.is_set():
+            try:
+                outcomes = self._warm(todo)
+            except TierCacheError as exc:  # e.g. a name removed from the folder meanwhile
+                outcomes = dict.fromkeys(todo, f"error: {exc.client_message()}")
+            self.warmed.update(outcomes)
+            todo = [n for n in todo if outcomes.get(n, "error").startswith("error")]
+            if not todo or time.monotonic() >= deadline:
+                break
+            self._stop.wait(self._warm_retry_s)
+        if todo:
+            log.warning("could not warm adapters %s: %s", todo, [self.warmed.get(n) for n in todo])
+
+    def _safely(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - a failed sync must not stop the thread
+            log.exception("adapter fleet sync failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.fleet.flush_uses()
+        self.fleet.link.close()
+
+
+def open_fleet(config: LoraCacheConfig, stage: LoraCache) -> FleetSync | None:
+    """The `lora_cache` stage's fleet sync (started), or None without `redis_url`. With
+    `prefetch_fleet_top` N > 0 it warms, at start, those of the fleet's N most-used adapters
+    that this replica's folder has and that are not already pinned or prefetched, as many as
+    the engine slots left by those allow."""
+    if config.fleet_sync_s <= 0 or config.prefetch_fleet_top < 0:
+        raise ConfigError(
+            f"fleet_sync_s must be > 0 and prefetch_fleet_top >= 0, got {config.fleet_sync_s} "
+            f"and {config.prefetch_fleet_top}"
+        )
+    if not config.redis_url:
+        return None
+    link = RedisLink.from_url(
+        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
+    )
+    fleet = AdapterFleet(link, replica_id(config.state_path()))
+    registry = stage.registry
+    configured = {*name_list(config.pin), *name_list(config.prefetch), *registry.pinned()}
+    room = max(0, config.engine_slots - len(configured))
+
+    def choose(names: list[str]) -> list[str]:
+        known = set(registry.names())
+        return [n for n in names if n in known and n not in configured][:room]
+
+    return FleetSync(
+        fleet,
+        lambda: local_versions(registry),
+        sync_s=config.fleet_sync_s,
+        warm=lambda names: dict(stage.warm(names)["warmed"]),
+        choose_warm=choose,
+        warm_top=config.prefetch_fleet_top,
+    ).start()
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
