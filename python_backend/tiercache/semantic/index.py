@@ -35,6 +35,7 @@ import numpy as np
 import tiercache_native as native
 
 from tiercache.semantic.shared_rows import INITIAL_CAPACITY, ScopeTables, TableManifest
+from tiercache.stores import open_lmdb
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ class SemanticStore:
     ) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._env = lmdb.open(str(path), map_size=max_bytes, max_readers=512)
+        # Damaged while stopped (truncated, overwritten): moved aside with its tables, rebuilt.
+        self._env = open_lmdb(path, max_bytes, "semantic row log", clock)
         self._clock = clock
         with self._env.begin(write=True) as txn:
             log_id = txn.get(_LOG_ID_KEY)

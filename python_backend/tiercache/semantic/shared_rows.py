@@ -90,7 +90,13 @@ class ScopeTables:
         manifest = self.store.manifest(tag)
         if manifest is None or manifest.width != width:
             return None
-        table = native.SharedTable(self.table_path(tag, manifest.epoch), width, manifest.capacity)
+        try:
+            table = native.SharedTable(
+                self.table_path(tag, manifest.epoch), width, manifest.capacity
+            )
+        except native.TableFormatError:  # damaged: sync_scope rebuilds it from the log
+            with self.locked(tag):
+                return self.sync_scope(tag)
         # Re-read: a table replaced meanwhile may have been unlinked before the open, which then
         # created a stray file of the old epoch. Epochs only grow, so an unchanged manifest
         # means the file opened is the current one.

@@ -17,6 +17,8 @@ import cachetools
 import lmdb
 import numpy as np
 
+from tiercache.stores import open_lmdb
+
 log = logging.getLogger(__name__)
 _CHECKSUM_BYTES = 16
 
@@ -57,7 +59,8 @@ class VectorCache:
     ) -> None:
         self.dimensions = dimensions
         path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=l2_max_bytes, max_readers=512)
+        # Damaged while stopped: moved aside and rebuilt empty (vectors are recomputable).
+        self._env = open_lmdb(path, l2_max_bytes, "vector cache")
         self._l1: cachetools.LRUCache[bytes, np.ndarray] = cachetools.LRUCache(
             maxsize=l1_max_bytes, getsizeof=lambda v: v.nbytes + 100
         )
