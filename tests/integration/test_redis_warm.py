@@ -15,12 +15,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 from redis_server import RedisServer
 
+from tiercache.config import ADAPTERS_DIR_ENV
 from tiercache.invalidation import Invalidator
 from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions
 from tiercache.lora.registry import AdapterRegistry
@@ -28,8 +30,11 @@ from tiercache.prompt_cache import invalidation_listener, redis_link
 from tiercache.redis_tier import RedisLink
 from tiercache.semantic.index import Neighbour, SemanticIndex, SemanticStore, scope_tag
 from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
+from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache.tiered import TieredCache
+from tiercache_client import TierCacheClient
 
+from .conftest import MODEL_REPOSITORY, metric_value
 from .replicas import TIMEOUT_S, open_replica, wait_until
 
 pytestmark = pytest.mark.integration
@@ -130,9 +135,9 @@ def test_a_row_goes_to_the_stream_with_its_answers_metadata(
     a.index(scope, "d1", "what is x?", vector, tags=("kb:1",), tenant="tenant-1", ttl_s=60.0)
 
     client = redis.Redis.from_url(redis_server.url)
-    (entry_id, fields), *rest = client.xrange(redis_prefix + STREAM)
-    assert rest == []
-    row = SharedRow.from_fields(fields)
+    entries: Any = client.xrange(redis_prefix + STREAM)
+    assert len(entries) == 1
+    row = SharedRow.from_fields(entries[0][1])
     assert (row.scope, row.digest, row.prompt, row.embedder) == (
         scope,
         "d1",
@@ -386,3 +391,94 @@ def test_fleet_sync_warms_the_fleets_top_adapters_retrying_until_the_engine_take
     finally:
         sync.close()  # closes b's link
     a.link.close()
+
+
+# -- through two real tritonservers ----------------------------------------------------------------
+
+REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin", "lora_cache")
+MAX_TOKENS = 8
+
+
+def start_replica(
+    root: Path, name: str, redis_url: str, prefix: str, adapters: Path, **lora: str
+) -> TritonServer:
+    """A tritonserver on a model_repository copy whose Redis-aware stages share one Redis, with
+    its own state dir and adapters folder."""
+    state = root / f"state-{name}"
+    shared = {"redis_url": redis_url, "redis_prefix": prefix}
+    stages: dict[str, dict[str, str]] = {stage: dict(shared) for stage in REDIS_STAGES}
+    stages["lora_cache"].update({"fleet_sync_s": "1", **lora})
+    server = TritonServer(
+        model_repository=copy_repository(MODEL_REPOSITORY, root / f"repo-{name}", stages),
+        state_dir=state,
+        ports=Ports.free(),
+        exit_timeout_s=5,
+        log_path=root / f"triton-warm-{name}.log",
+        env_overrides={ADAPTERS_DIR_ENV: str(adapters)},
+    )
+    server.start()
+    try:
+        server.wait_ready(timeout_s=600)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def test_a_replica_started_later_answers_a_reworded_prompt_from_the_fleet(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    servers: list[TritonServer] = []
+    try:
+        a_adapters = adapters_folder(tmp_path / "adapters-a")
+        a = start_replica(tmp_path, "a", redis_server.url, redis_prefix, a_adapters)
+        servers.append(a)
+        tenant = f"warm-{uuid.uuid4().hex[:8]}"
+        with TierCacheClient(f"127.0.0.1:{a.ports.grpc}", timeout_s=300) as on_a:
+            first = on_a.generate_text(
+                "What is the capital of France?", max_tokens=MAX_TOKENS, tenant=tenant
+            )
+            assert first.cache_status == "miss" and first.text
+            styled = on_a.generate_text("Say hi.", max_tokens=4, tenant=tenant, lora_name="caps")
+            assert styled.cache_status == "miss"
+        # A's row is in the stream; A's use of caps reaches Redis within its fleet_sync_s.
+        shared: Any = client.xrange(redis_prefix + STREAM)
+        prompts = [SharedRow.from_fields(fields).prompt for _, fields in shared]
+        assert any("capital of france" in p.lower() for p in prompts), prompts
+        wait_until(lambda: client.hget(redis_prefix + "adapter_uses", "caps") == b"1")
+
+        # B starts afterwards with an empty state dir, an older copy of french, and warms the
+        # fleet's most-used adapter.
+        b_adapters = adapters_folder(tmp_path / "adapters-b")
+        rewrite(b_adapters / "french", time.time() - 86400)
+        b = start_replica(
+            tmp_path, "b", redis_server.url, redis_prefix, b_adapters, prefetch_fleet_top="1"
+        )
+        servers.append(b)
+        with TierCacheClient(f"127.0.0.1:{b.ports.grpc}", timeout_s=300) as on_b:
+            reworded = on_b.generate_text(
+                "What's the capital of France?", max_tokens=MAX_TOKENS, tenant=tenant
+            )
+            assert (reworded.cache_status, reworded.text) == ("semantic", first.text)
+            assert metric_value(b, "tiercache_semantic_redis_rows_total", event="added") >= 1
+
+            def warmed() -> dict[str, Any]:
+                report = on_b.adapters()
+                tiers = {row["name"]: row["tier"] for row in report["adapters"]}
+                return report if tiers.get("caps") == "engine" else {}
+
+            wait_until(lambda: bool(warmed()), timeout_s=60, poll_s=0.5)
+            fleet = warmed()["fleet"]
+        assert fleet["available"] is True
+        rows = {row["name"]: row for row in fleet["adapters"]}
+        assert rows["caps"]["uses"] == 1 and rows["caps"]["digest"] == rows["caps"]["local_digest"]
+        assert set(rows) == {"caps", "french"}
+        assert fleet["replica"] != rows["caps"]["replica"]  # A published caps first
+        # B's french is another, older version: the fleet keeps A's, and B says so.
+        assert fleet["mismatched"] == ["french"]
+        assert rows["french"]["digest"] != rows["french"]["local_digest"]
+    finally:
+        for server in servers:
+            server.stop()
+        client.close()
