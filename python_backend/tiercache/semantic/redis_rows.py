@@ -477,9 +477,13 @@ class RowFollower:
 
 
 def _entries(reply: Any, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
-    """XREAD's reply for one stream (RESP2: [[key, [(id, fields), ...]]]) as (id, fields)."""
+    """XREAD's reply for one stream as (id, fields): RESP2 `[[key, [(id, fields), ...]]]` (the
+    client's default) or RESP3 `{key: [[(id, fields), ...]]}`."""
     out: list[tuple[str, dict[bytes, bytes]]] = []
-    for _, entries in reply or []:
+    streams = reply.items() if isinstance(reply, dict) else (reply or [])
+    for _, entries in streams:
+        if entries and isinstance(entries[0], list):  # RESP3 wraps the entries once more
+            entries = entries[0]
         for entry_id, fields in entries:
             ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             out.append((ident, dict(fields or {})))
