@@ -30,6 +30,8 @@ from tiercache.prompt_cache import invalidation_listener, redis_link
 from tiercache.redis_tier import RedisLink
 from tiercache.semantic.index import Neighbour, SemanticIndex, SemanticStore, scope_tag
 from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.vectors import VectorCache
 from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache.tiered import TieredCache
 from tiercache_client import TierCacheClient
@@ -229,6 +231,34 @@ def test_an_invalidated_answer_is_not_brought_back_by_its_row(
     # The exact cache agrees: the invalidated answer is not served from L3 either.
     assert b.cache.get("old") is None
     assert b.cache.get("tenant") is not None and b.cache.get("keep") is not None
+
+
+def test_a_replayed_row_stops_hitting_once_its_answer_is_invalidated(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    a = open_host("a", redis_server.url, redis_prefix)
+    b = open_host("b", redis_server.url, redis_prefix)
+    scope, vector = scope_name(), unit(5)
+    a.index(scope, "d", "how do I reset my password?", vector, tags=("kb:v1",))
+    wait_until(lambda: b.rows(scope) == [("d", "how do I reset my password?")])
+    # B's embedding cache, as embedding_cache builds it (the guard accepts the best candidate).
+    b.searcher = SemanticIndex(b.store, DIMENSIONS, persist_graphs=False)
+    stage = EmbeddingCache(
+        VectorCache(tmp_path / "b-vectors", DIMENSIONS, 1 << 20, 1 << 24),
+        b.searcher,
+        b.cache,
+        embed=lambda texts: np.stack([vector for _ in texts]),
+        choose=lambda query, candidates: 0,
+        embedder_key=EMBEDDER,
+    )
+    hit = stage.search("how can I reset my password?", scope, vector, cached=True)
+    assert (hit.outcome, hit.text) == (SemanticOutcome.HIT, "answer of how do I reset my password?")
+
+    assert Invalidator(a.cache, redis_link(a.cache)).tag("kb:v1", sweep_shared=False).published
+    wait_until(lambda: b.cache.get("d") is None)  # B's listener noted the watermark
+    after = stage.search("how can I reset my password?", scope, vector, cached=True)
+    assert (after.outcome, after.text) == (SemanticOutcome.STALE, "")
+    stage.vectors.close()
 
 
 def test_redis_down_then_back(

@@ -27,8 +27,9 @@ Invalidation: a semantic hit takes its text from the exact cache (`TieredCache.g
 checks every watermark, so a replayed row can never serve an invalidated answer. The follower
 also drops such rows before they reach the log: it waits until the process's invalidation
 listener has read the recorded watermarks, and skips a row the watermark table covers (or whose
-answer has expired), judged on the entry metadata the row carries. A row whose answer was
-invalidated after it was replayed is forgotten like a local one (`SemanticIndex.forget`).
+answer has expired), judged on the entry metadata the row carries. A row replayed before its
+answer was invalidated stays in the log; a lookup that picks it finds the answer refused by the
+exact cache (`stale`), never served.
 
 Redis down: every call goes through the process's `RedisLink` (breaker); a publish is skipped
 (the row stays local), the follower waits `retry_s` and resumes from its stored id, so rows
