@@ -187,6 +187,32 @@ def test_a_fresh_host_catches_up_then_follows_and_a_restart_resumes(
     assert len(b2.rows(scope)) == 151
 
 
+def test_a_stream_older_than_the_stored_id_is_read_again(
+    open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A Redis restored from an older snapshot: its stream ends before the id this host stored,
+    so the host reads it from its start instead of waiting for ids it will never see."""
+    a = open_host("a", redis_server.url, redis_prefix)
+    scope = scope_name()
+    a.index(scope, "d", "a prompt", unit(3))
+    b = open_host("b", redis_server.url, redis_prefix, start=False)
+    future = f"{int(time.time() * 1000) + 3_600_000}-0"
+    b.store.log_rows(
+        [], {b"meta:redis-stream:" + (redis_prefix + STREAM).encode(): future.encode()}
+    )
+    b.sharing.follower.close()  # it read the stored id at construction: make it again
+    b.sharing = RowSharing(
+        b.cache,
+        b.store,
+        redis_link(b.cache),
+        embedder=EMBEDDER,
+        dimensions=DIMENSIONS,  # type: ignore[arg-type]
+    )
+    assert b.sharing.follower.stats().last_id == future
+    b.sharing.start()
+    wait_until(lambda: b.rows(scope) == [("d", "a prompt")])
+
+
 def test_a_row_the_host_already_has_stays_one_row(
     open_host: Callable[..., Host], redis_server: RedisServer, redis_prefix: str
 ) -> None:

@@ -182,7 +182,7 @@ class TritonPythonModel:
     ) -> RowSharing | None:
         """With L3: share index rows through Redis (tiercache.semantic.redis_rows), catch up with
         the fleet's rows (waiting up to redis_semantic_warm_s) and follow them."""
-        if link is None or self.config.redis_semantic_max_rows <= 0:
+        if link is None or self.config.redis_semantic_max_rows <= 0 or not self.config.embedder:
             return None
         _, embedder = resolve_embedder(self.config.embedder)
         sharing = RowSharing(
