@@ -138,9 +138,15 @@ class TritonPythonModel:
         self._seen_lock = threading.Lock()
         self.tokens = m.counter("tiercache_llm_generated_tokens_total", "Tokens generated")
         self.ttft_s = m.histogram(
-            "tiercache_llm_time_to_first_token_seconds", "Engine TTFT on a miss"
+            "tiercache_llm_time_to_first_token_seconds",
+            "Engine TTFT on a miss",
+            buckets=tb.GENERATION_BUCKETS_S,
         )
-        self.duration_s = m.histogram("tiercache_llm_generation_seconds", "Engine time per miss")
+        self.duration_s = m.histogram(
+            "tiercache_llm_generation_seconds",
+            "Engine time per miss",
+            buckets=tb.GENERATION_BUCKETS_S,
+        )
         if self.trtllm is not None:
             self.kv_reused_blocks = m.counter(
                 "tiercache_trtllm_kv_cache_reused_blocks_total",

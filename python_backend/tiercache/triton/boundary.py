@@ -30,6 +30,9 @@ T = TypeVar("T")
 
 # Histogram buckets, in seconds.
 LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0]
+# Engine time: a CPU generation under load takes longer than 5 s (past the last bucket, a
+# quantile only reads "over 5 s").
+GENERATION_BUCKETS_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 
 
 def load_config(cls: type[T], args: dict[str, str]) -> tuple[T, dict[str, Any]]:
