@@ -96,6 +96,9 @@ class Tally:
 class Report:
     verdicts: list[Verdict] = field(default_factory=list)
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> status -> n
+    # kind -> requests that would have been a cross-tenant hit had the scopes been shared: what
+    # the run gave a leak the chance to show (see IsolationOracle.chances)
+    chances: dict[str, int] = field(default_factory=dict)
 
     @property
     def leaks(self) -> list[Verdict]:
@@ -137,6 +140,11 @@ class Report:
         for kind in KINDS:
             row += f"{total[kind].hits:>13}{total[kind].legit:>7}{total[kind].leaks:>6}"
         lines.append(row)
+        if self.chances:
+            lines.append(
+                "cross-tenant chances (a leak would have shown here): "
+                + ", ".join(f"{kind} {self.chances.get(kind, 0)}" for kind in KINDS)
+            )
         return "\n".join(lines)
 
 
@@ -178,7 +186,66 @@ class IsolationOracle:
             counts[status] = counts.get(status, 0) + 1
         for own in by_tenant.values():
             report.verdicts.extend(self._check_tenant(own))
+        report.chances = self.chances([o for own in by_tenant.values() for o in own])
         return report
+
+    def chances(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+        """How many requests a shared scope would have turned into a cross-tenant hit: a
+        tenant's first request for a key another tenant had answered before it started (exact);
+        its first of a rewording group another tenant had generated an answer for (semantic); a
+        generated one whose prompt shares more full KV blocks with another tenant's earlier
+        engine run than with any of its own (kv)."""
+        ok = [o for o in outcomes if o.error is None]
+        block = self._tokens_per_block
+        first_done: dict[tuple[object, str], float] = {}  # (key, tenant) -> earliest finish
+        group_done: dict[tuple[object, str], float] = {}
+        runs: list[tuple[Outcome, str]] = []
+        for o in ok:
+            k = (o.sent.exact_key, o.sent.tenant)
+            first_done[k] = min(first_done.get(k, o.finished_s), o.finished_s)
+            if o.sent.group and o.cache_status in GENERATED_STATUSES:
+                g = ((o.sent.group, o.sent.semantic_key), o.sent.tenant)
+                group_done[g] = min(group_done.get(g, o.finished_s), o.finished_s)
+            if o.cache_status in GENERATED_STATUSES:
+                runs.append((o, normalize_prompt(o.sent.prompt)))
+        tenants = {o.sent.tenant for o in ok}
+        first_start: dict[tuple[object, str], float] = {}
+        group_start: dict[tuple[object, str], float] = {}
+        for o in ok:
+            k = (o.sent.exact_key, o.sent.tenant)
+            first_start[k] = min(first_start.get(k, o.started_s), o.started_s)
+            if o.sent.group:
+                g = ((o.sent.group, o.sent.semantic_key), o.sent.tenant)
+                group_start[g] = min(group_start.get(g, o.started_s), o.started_s)
+        counts = dict.fromkeys(KINDS, 0)
+        for o in ok:
+            t = o.sent.tenant
+            key = o.sent.exact_key
+            if first_start[(key, t)] == o.started_s and any(
+                first_done.get((key, u), float("inf")) < o.started_s for u in tenants - {t}
+            ):
+                counts["exact"] += 1
+            if o.sent.group:
+                group = (o.sent.group, o.sent.semantic_key)
+                if group_start[(group, t)] == o.started_s and any(
+                    group_done.get((group, u), float("inf")) < o.started_s for u in tenants - {t}
+                ):
+                    counts["semantic"] += 1
+        by_head: dict[object, list[tuple[Outcome, str]]] = defaultdict(list)
+        for o, prompt in runs:  # only prompts with the same first block can share a block
+            by_head[(o.sent.lora_name, self._tokens(prompt)[:block])].append((o, prompt))
+        for o, prompt in runs:
+            own = other = 0
+            for p, other_prompt in by_head[(o.sent.lora_name, self._tokens(prompt)[:block])]:
+                if p is o or p.sent.lora_name != o.sent.lora_name or p.finished_s >= o.started_s:
+                    continue
+                shared = self.shared_tokens(prompt, other_prompt) // block
+                if p.sent.tenant == o.sent.tenant:
+                    own = max(own, shared)
+                else:
+                    other = max(other, shared)
+            counts["kv"] += other > own
+        return counts
 
     def _check_tenant(self, own: list[Outcome]) -> list[Verdict]:
         # Indexes over the tenant's own requests: key -> [(start, position in `own`)], so a

@@ -90,6 +90,11 @@ def test_a_server_that_keeps_tenants_apart_has_no_leaks_but_many_hits() -> None:
         assert tally[tenant]["exact"].legit == 1
         assert tally[tenant]["semantic"].legit == 1
         assert tally[tenant]["kv"].legit == 1  # the second user turn after the system prompt
+    # What b and c asked after a would have hit had scopes been shared: France, both Everest
+    # wordings and the adapter prompt (exact); Everest (semantic); France's and Everest's first
+    # block, and both system-prompt turns (kv: the second shares "change address" with a's).
+    assert report.chances == {"exact": 2 * 4, "semantic": 2 * 1, "kv": 2 * 4}
+    assert "exact 8, semantic 2, kv 8" in report.table()
 
 
 def test_positive_control_one_scope_for_every_tenant_is_flagged_for_every_kind() -> None:
