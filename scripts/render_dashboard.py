@@ -265,12 +265,18 @@ class Tally:
     statuses: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    first_errors: dict[str, str] = field(default_factory=dict)  # kind -> its first message
     invalidations: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, table: dict[str, int], key: str) -> None:
         with self.lock:
             table[key] = table.get(key, 0) + 1
+
+    def error(self, kind: str, exc: BaseException) -> None:
+        self.count(self.errors, kind)
+        with self.lock:
+            self.first_errors.setdefault(kind, str(exc))
 
 
 def progress(total_s: int) -> Any:
@@ -313,7 +319,7 @@ def drive(grpc_url: str, args: argparse.Namespace, mix: Mix, tally: Tally) -> No
                     result = client.generate_text(prompt, max_tokens=args.max_tokens, **request)
                     tally.count(tally.statuses, result.cache_status or "?")
                 except TierCacheClientError as exc:
-                    tally.count(tally.errors, type(exc).__name__)
+                    tally.error(type(exc).__name__, exc)
 
     def invalidator() -> None:
         kinds = ("tag", "tenant", "key")
@@ -344,7 +350,7 @@ def drive(grpc_url: str, args: argparse.Namespace, mix: Mix, tally: Tally) -> No
                         report = client.invalidate(key=digest)
                     tally.invalidations.append(f"{what}: dropped {report.get('dropped_l2', 0)}")
                 except TierCacheClientError as exc:
-                    tally.count(tally.errors, f"invalidate {type(exc).__name__}")
+                    tally.error(f"invalidate {type(exc).__name__}", exc)
 
     finished = threading.Event()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
@@ -589,6 +595,8 @@ def main() -> int:
         print(f"requests by kind: {tally.kinds}", flush=True)
         print(f"responses by cache status: {tally.statuses}", flush=True)
         print(f"errors: {tally.errors or 'none'}", flush=True)
+        for kind, message in tally.first_errors.items():
+            print(f"  first {kind}: {message}", flush=True)
         print(f"invalidations: {len(tally.invalidations)} {tally.invalidations}", flush=True)
         for note in notes:
             print(f"note: {note}", flush=True)
