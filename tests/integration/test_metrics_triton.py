@@ -1,10 +1,10 @@
 """The Grafana dashboard's metrics on a real tritonserver with Redis (issue 7).
 
 One server for the module, on a copy of model_repository whose Redis-aware stages share a
-redis-server (the session fixture) under their own prefix. It serves a miss, an exact hit, a
-tenant invalidation through cache_admin and a miss after it; then every metric name a dashboard
-panel reads must be in the /metrics scrape, and the Redis, invalidation and lease families must
-show what that traffic implies.
+redis-server of the module's own. It serves a miss, an exact hit, a tenant invalidation through
+cache_admin and a miss after it; then every metric name a dashboard panel reads must be in the
+/metrics scrape, and the Redis, invalidation and lease families must show what that traffic
+implies. Last, Redis is killed and restarted: the outage and the recovery show in them too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from dashboard_queries import load_dashboard, metric_names, missing_from_scrape, targets
@@ -22,20 +22,27 @@ from redis_server import RedisServer
 from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 
-from .conftest import MODEL_REPOSITORY, settled_metric
+from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, settled_metric
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
 REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 PROPAGATION_TIMEOUT_S = 10.0
+OUTAGE_TIMEOUT_S = 120.0  # each poke is a generation on a shared CPU
 
 
 @pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
-) -> Iterator[TritonServer]:
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The module's own redis-server: the last test kills and restarts it."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-metrics")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[TritonServer]:
     state = tmp_path_factory.mktemp("metrics")
-    shared = {"redis_url": redis_server.url, "redis_prefix": f"m{uuid.uuid4().hex[:12]}:"}
+    shared = {"redis_url": redis.url, "redis_prefix": f"m{uuid.uuid4().hex[:12]}:"}
     repository = copy_repository(
         MODEL_REPOSITORY, state / "model_repository", dict.fromkeys(REDIS_STAGES, shared)
     )
@@ -151,3 +158,59 @@ def test_cache_families_agree_with_the_traffic(traffic: str) -> None:
     assert total(traffic, "tiercache_llm_requests_total", status="miss") == 2
     assert total(traffic, "tiercache_llm_requests_total", status="exact") == 1
     assert total(traffic, "nv_inference_request_success", model="ensemble") == 3
+
+
+def wait_for_scrape(
+    server: TritonServer, done: Callable[[str], bool], poke: Callable[[], None], what: str
+) -> str:
+    """Scrape (after `poke`, e.g. one request) until `done` holds, up to OUTAGE_TIMEOUT_S."""
+    deadline = time.monotonic() + OUTAGE_TIMEOUT_S
+    while True:
+        poke()
+        time.sleep(2 * METRICS_FLUSH_S)
+        text = scrape(server)
+        if done(text):
+            return text
+        assert time.monotonic() < deadline, f"not within {OUTAGE_TIMEOUT_S} s: {what}"
+
+
+def test_a_redis_outage_and_its_end_show_in_the_redis_families(
+    server: TritonServer, redis: RedisServer, traffic: str
+) -> None:
+    stage = {"model": "prompt_cache"}
+    opens_before = total(traffic, "tiercache_redis_breaker_opens_total", **stage)
+    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=300) as client:
+
+        def ask() -> None:  # a fresh prompt: prompt_cache and llm both call Redis
+            prompt = f"Name one mountain ({uuid.uuid4().hex[:6]})."
+            result = client.generate_text(prompt, max_tokens=MAX_TOKENS)
+            assert result.cache_status == "miss"  # served from local tiers, no error
+
+        redis.kill()
+        down = wait_for_scrape(
+            server,
+            lambda t: (
+                total(t, "tiercache_redis_up", **stage) == 0
+                and total(t, "tiercache_lease_acquisitions_total", result="unavailable") >= 1
+                and min(v for _, v in samples(t, "tiercache_invalidation_listener_connected")) == 0
+            ),
+            ask,
+            "Redis down in prompt_cache's link, llm's leases and a listener",
+        )
+        assert total(down, "tiercache_redis_errors_total", **stage) >= 1
+        assert total(down, "tiercache_redis_breaker_opens_total", **stage) == opens_before + 1
+
+        redis.start()  # the same port, empty (no persistence)
+        up = wait_for_scrape(
+            server,
+            lambda t: (
+                all(v == 1.0 for _, v in samples(t, "tiercache_redis_up", **stage))
+                and all(
+                    v == 1.0 for _, v in samples(t, "tiercache_invalidation_listener_connected")
+                )
+            ),
+            ask,
+            "Redis back in prompt_cache's link and every listener",
+        )
+    assert total(up, "tiercache_invalidation_reconnects_total") >= 1
+    assert total(up, "tiercache_redis_breaker_opens_total", **stage) == opens_before + 1
