@@ -1,0 +1,72 @@
+"""torch_llm's input policy through its model.py (pb_utils stand-in, the stand-in engine of
+test_torch_llm_model): a matching prompt is answered with the refusal text and FINISH_REASON
+content_filter without reaching the engine, counted on its own metric; a bad pattern fails
+initialize."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from test_torch_llm_model import FakeEngine, call, text
+
+from tiercache.errors import ConfigError
+from tiercache.request import GenerationRequest
+
+REFUSAL = "Not here."
+
+
+def start(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    pattern: str,
+) -> Any:
+    module = load_model("torch_llm")
+    monkeypatch.setattr(module, "TorchEngine", FakeEngine)
+    monkeypatch.setattr(module, "resolve_model", lambda name: None)
+    instance = module.TritonPythonModel()
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "refuse_prompt_pattern": {"string_value": pattern},
+        "refusal_text": {"string_value": REFUSAL},
+    }
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    return instance
+
+
+@pytest.fixture
+def model(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    instance = start(load_model, tmp_path, monkeypatch, "(?i)secret recipe")
+    yield instance
+    instance.finalize()
+
+
+def test_matching_prompt_is_refused_with_content_filter(pb_utils: ModuleType, model: Any) -> None:
+    responses = call(
+        pb_utils, model, REQUEST=GenerationRequest("The SECRET recipe, please").to_json()
+    )
+    assert len(responses) == 1  # one final response, no engine chunks
+    assert text(pb_utils, responses[0]) == REFUSAL
+    assert text(pb_utils, responses[0], "FINISH_REASON") == "content_filter"
+    model.metrics.flush()
+    assert model.finished["content_filter"].metric.value() == 1
+
+
+def test_other_prompts_are_generated(pb_utils: ModuleType, model: Any) -> None:
+    responses = call(pb_utils, model, REQUEST=GenerationRequest("A cake recipe").to_json())
+    assert [text(pb_utils, r) for r in responses] == ["Hello", " there"]
+    assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
+
+
+def test_bad_pattern_fails_initialize(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match="refuse_prompt_pattern"):
+        start(load_model, tmp_path, monkeypatch, "(unclosed")
