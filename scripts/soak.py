@@ -370,10 +370,13 @@ def rss_by_process(root_pid: int, labels: dict[int, str]) -> dict[str, int]:
             name = process_name(proc)
             n = sum(1 for v in labels.values() if v.split("#")[0] == name)
             labels[proc.pid] = name if n == 0 else f"{name}#{n}"
-        try:
-            out[labels[proc.pid]] = proc.memory_info().rss
+        try:  # a stub that died and was not reaped (a zombie) reads as 0
+            zombie = proc.status() == psutil.STATUS_ZOMBIE
+            out[labels[proc.pid]] = 0 if zombie else proc.memory_info().rss
         except psutil.NoSuchProcess:
-            continue
+            out[labels[proc.pid]] = 0
+    for label in set(labels.values()) - set(out):  # gone (reaped)
+        out[label] = 0
     return out
 
 
@@ -397,10 +400,14 @@ def tier_sizes(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, tu
 class Sampler(threading.Thread):
     """Every `period_s`: RSS per process and tier sizes into two CSV files."""
 
-    def __init__(self, server: Any, out_dir: Path, period_s: float, duration_s: float) -> None:
+    def __init__(
+        self, server: Any, out_dir: Path, period_s: float, duration_s: float, prefix: str = "soak"
+    ) -> None:
         super().__init__(daemon=True)
         self.server, self.period_s, self.duration_s = server, period_s, duration_s
-        self.rss_path, self.tiers_path = out_dir / "soak_rss.csv", out_dir / "soak_tiers.csv"
+        self.rss_path = out_dir / f"{prefix}_rss.csv"
+        self.tiers_path = out_dir / f"{prefix}_tiers.csv"
+        self.died: dict[str, float] = {}  # process label -> seconds into the run it was gone
         self.rss: dict[str, list[tuple[float, int]]] = {}
         self.tiers: dict[str, list[tuple[float, float, float]]] = {}
         self.labels: dict[int, str] = {}
@@ -413,6 +420,9 @@ class Sampler(threading.Thread):
         for label, rss in rss_by_process(self.server.process.pid, self.labels).items():
             self.rss.setdefault(label, []).append((t, rss))
             self.rss_writer.writerow([t, label, rss])
+            if rss == 0 and label not in self.died:
+                self.died[label] = t
+                progress(f"  process {label} died ({t:.0f} s into the run)")
         try:
             samples = scrape_metrics(self.server.ports.metrics)
         except OSError:
@@ -455,6 +465,25 @@ class Sampler(threading.Thread):
                         break
         if bar is not None:
             bar.close()
+
+
+class StubWatch:
+    """What run_perf_analyzer polls instead of the server: it reads as exited when tritonserver
+    exits or, `grace_s` after the sampler saw a stub die (tritonserver neither restarts a dead
+    Python stub nor fails the streams it held: perf_analyzer would wait for them forever)."""
+
+    def __init__(self, server: Any, sampler: Sampler, grace_s: float = 20.0) -> None:
+        self.server, self.sampler, self.grace_s = server, sampler, grace_s
+        self.process = self  # run_perf_analyzer calls server.process.poll()
+        self.first_seen: float | None = None
+
+    def poll(self) -> int | None:
+        code = self.server.process.poll()
+        if code is not None or not self.sampler.died:
+            return code
+        if self.first_seen is None:
+            self.first_seen = time.monotonic()
+        return -1 if time.monotonic() - self.first_seen > self.grace_s else None
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -601,10 +630,9 @@ def measure(
         with running(server):
             progress(f"  ready in {time.monotonic() - started:.1f} s")
             before = settled_counters(server.ports.metrics)
-            sampler = None
-            if sample:
-                sampler = Sampler(server, args.out_dir, args.sample_s, duration_s)
-                sampler.start()
+            prefix = "soak" if sample else f"compare-{config}"
+            sampler = Sampler(server, args.out_dir, args.sample_s, duration_s, prefix)
+            sampler.start()
             pa_args = perf_args(
                 model,
                 server,
@@ -620,12 +648,11 @@ def measure(
                 pa_args,
                 logs / f"perf-{config}.txt",
                 timeout_s=duration_s * 2 + 300,
-                server=server,
+                server=StubWatch(server, sampler),
             )
             after = settled_counters(server.ports.metrics)
-            if sampler is not None:
-                sampler.stop_event.set()
-                sampler.join(timeout=30)
+            sampler.stop_event.set()
+            sampler.join(timeout=30)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
@@ -638,8 +665,12 @@ def measure(
         run.wall_s,
         shown([str(pa), *pa_args]),
     )
-    if sampler is not None:
-        result.rss, result.tiers = sampler.rss, sampler.tiers
+    result.rss, result.tiers = sampler.rss, sampler.tiers
+    for label, t in sampler.died.items():
+        result.notes.append(
+            f"the {label} process died {t:.0f} s into the run (see the server log); the "
+            "requests it held never finished"
+        )
     if run.returncode != 0:
         result.notes.append(f"perf_analyzer exit {run.returncode}: {failure_reason(run)}")
         progress(f"  {result.notes[-1]}")
@@ -733,8 +764,13 @@ def soak_report(
         + ("Redis L3" if args.redis else "no Redis")
         + "; committed adapters",
         f"- input list: {mix_summary(mix)}",
-        f"- sent (perf_analyzer's measured requests): {sent}; the first {sent} entries hold "
-        f"{mix_summary(mix, sent)}",
+        (
+            f"- sent (perf_analyzer's measured requests): {sent}; the first {sent} entries hold "
+            f"{mix_summary(mix, sent)}"
+            if sent
+            else "- sent: perf_analyzer gave no result (see the notes); the server's counts "
+            "below say how many requests it answered"
+        ),
         "",
         "### Result",
         "",
