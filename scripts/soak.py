@@ -149,6 +149,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="L1 byte budget of the exact cache (default: the stages' own, 64 MiB); a small one "
         "makes L1 evict during the soak",
     )
+    p.add_argument(
+        "--kv-pool-max-bytes",
+        type=int,
+        default=None,
+        help="torch_llm's prefix-KV pool budget (default: its own, 256 MiB, which a 10-minute "
+        "CPU run only just fills); a small one fills early, so RSS can be seen flat after it",
+    )
     p.add_argument("--compare", action="store_true", help="the three-server comparison instead")
     p.add_argument("--compare-duration", type=int, default=120, help="seconds per server")
     p.add_argument(
@@ -301,6 +308,8 @@ def tiercache_repository(root: Path, args: argparse.Namespace, config: str, redi
     if args.l1_max_bytes is not None:
         for stage in L1_STAGES:
             params.setdefault(stage, {})["l1_max_bytes"] = str(args.l1_max_bytes)
+    if args.kv_pool_max_bytes is not None:
+        params.setdefault("torch_llm", {})["kv_pool_max_bytes"] = str(args.kv_pool_max_bytes)
     if config == OFF:
         params.setdefault("torch_llm", {})["kv_reuse"] = "false"
     from tiercache.server import copy_repository
@@ -507,6 +516,10 @@ def status_counters(samples: list[tuple[str, dict[str, str], float]]) -> dict[st
             out["generations"] += value
         elif name == "tiercache_llm_coalesced_total":
             out["coalesced"] += value
+        elif name == "tiercache_engine_generated_tokens_total":
+            out["engine:generated_tokens"] += value
+        elif name == "tiercache_engine_finished_total" and labels.get("reason") != "error":
+            out["engine:generations"] += value
         elif name == "tiercache_engine_kv_reused_tokens_total":
             out["kv:reused_tokens"] += value
         elif name == "tiercache_engine_kv_computed_tokens_total":
@@ -699,6 +712,11 @@ def status_line(run: Run) -> str:
             f"response cache hits {server['cache_hit_count']:.0f}, misses "
             f"{server.get('cache_miss_count', 0):.0f} (perf_analyzer's server section)"
         )
+    if s.get("engine:generations"):
+        text += (
+            f"; engine: {s['engine:generations']} generations, "
+            f"{s.get('engine:generated_tokens', 0)} tokens"
+        )
     return text
 
 
@@ -719,7 +737,11 @@ def budgets(args: argparse.Namespace) -> dict[str, int]:
     out = {
         "exact L1": args.l1_max_bytes if args.l1_max_bytes is not None else cache.l1_max_bytes,
         "exact L2": cache.l2_max_bytes,
-        "engine KV pool": engine.kv_pool_max_bytes,
+        "engine KV pool": (
+            args.kv_pool_max_bytes
+            if args.kv_pool_max_bytes is not None
+            else engine.kv_pool_max_bytes
+        ),
     }
     return out
 
@@ -761,6 +783,11 @@ def soak_report(
     md += [
         "- server: model_repository/ copy, fresh state dir, "
         + (f"L1 budget {args.l1_max_bytes} bytes, " if args.l1_max_bytes is not None else "")
+        + (
+            f"KV pool budget {args.kv_pool_max_bytes} bytes, "
+            if args.kv_pool_max_bytes is not None
+            else ""
+        )
         + ("Redis L3" if args.redis else "no Redis")
         + "; committed adapters",
         f"- input list: {mix_summary(mix)}",
@@ -797,7 +824,8 @@ def soak_report(
     extra = {
         k: v
         for k, v in s.items()
-        if k.startswith(("semantic:", "kv:", "evictions:", "generations", "coalesced")) and v
+        if k.startswith(("semantic:", "kv:", "engine:", "evictions:", "generations", "coalesced"))
+        and v
     }
     md += ["", "Other counters: " + ", ".join(f"{k} {v}" for k, v in extra.items())]
     md += ["", "### Memory (RSS, MiB)", ""]
