@@ -6,13 +6,15 @@ import argparse
 import json
 import logging
 import signal
+import subprocess
 import sys
+import time
 import unicodedata
 from pathlib import Path
 from typing import Any
 
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
-from tiercache.server import Ports, ServerError, TritonServer
+from tiercache.server import Ports, ServerError, StageWatch, TritonServer
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             "  Ctrl-C stops the server.",
             flush=True,
         )
-        code = server.process.wait() if server.process is not None else 1
+        code = _supervise(server, args)
         print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
         return code or 0
     except ServerError as exc:
@@ -53,6 +55,57 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("tiercache: stopping tritonserver", file=sys.stderr)
         return server.stop() or 0
+
+
+def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
+    """Wait for tritonserver to exit; meanwhile, unless --no-restart, restart it when one of its
+    stage processes dies (Triton does not restart a dead Python stub, and every request through
+    that stage fails until the server restarts). Gives up after --max-restarts restarts within
+    an hour. Returns tritonserver's exit code."""
+    watch = StageWatch(server)
+    watch.reset()
+    restarts: list[float] = []
+    while True:
+        process = server.process
+        if process is None:
+            return 1
+        try:
+            return process.wait(timeout=args.watch_interval_s)
+        except subprocess.TimeoutExpired:
+            pass
+        dead = watch.dead() if args.restart else {}
+        if not dead or process.poll() is not None:
+            continue
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < 3600.0]
+        names = ", ".join(f"{model} (pid {pid})" for pid, model in sorted(dead.items()))
+        if len(restarts) >= args.max_restarts:
+            print(
+                f"tiercache: stage process {names} died; {len(restarts)} restarts in the last "
+                "hour already (--max-restarts): stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            server.stop()
+            return 1
+        restarts.append(now)
+        print(
+            f"tiercache: stage process {names} died; Triton does not restart it, so every "
+            "request through it would fail: restarting tritonserver (cached answers are on disk)",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.monotonic()
+        server.stop(timeout_s=args.exit_timeout_secs + 20)
+        server.start()
+        server.wait_ready(args.ready_timeout)
+        watch.reset()
+        print(
+            f"tiercache: ready again after {time.monotonic() - started:.1f} s "
+            f"(restart {len(restarts)})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _invalidate(args: argparse.Namespace) -> int:
@@ -146,6 +199,24 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--exit-timeout-secs", type=int, default=10)
     serve.add_argument("--ready-timeout", type=float, default=600.0)
+    serve.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="do not restart tritonserver when one of its stage processes dies",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts allowed within an hour before giving up (default 5)",
+    )
+    serve.add_argument(
+        "--watch-interval-s",
+        type=float,
+        default=2.0,
+        help="how often stage processes are checked (default 2 s)",
+    )
     serve.add_argument(
         "tritonserver_args", nargs=argparse.REMAINDER, help="after --: passed to tritonserver"
     )

@@ -3,6 +3,7 @@ the integration tests and the benchmarks alike)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -179,15 +180,28 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT (Triton's clean shutdown), then SIGKILL to the process group if it hangs."""
+        """SIGINT (Triton's clean shutdown), then SIGKILL to the process group if it hangs.
+        Stubs left behind (seen after a stub of the same server died) are killed too: they
+        are in tritonserver's process group, which it leads (`start_new_session`)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers; none after a clean exit
+        return self.process.returncode
+
+    def stage_processes(self) -> dict[int, str]:
+        """pid -> model name of each live Python-backend stub of this server (empty when the
+        server is not running)."""
         if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+            return {}
+        return stage_processes(self.process.pid)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -200,6 +214,50 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stage_processes(server_pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """pid -> model name of each live `triton_python_backend_stub` child of `server_pid`: one
+    per model instance (`<repository>/<model>/1/model.py` is its first argument). A stub that
+    died and was not reaped yet (a zombie) is not live. Linux only (reads /proc)."""
+    stubs: dict[int, str] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and ')'.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != server_pid or fields[0] in ("Z", "X"):
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub"):
+            model_py = Path(os.fsdecode(argv[1]))
+            stubs[int(entry.name)] = model_py.parent.parent.name
+    return stubs
+
+
+@dataclass(slots=True)
+class StageWatch:
+    """Finds stage processes (Python-backend stubs) that died since the last look.
+
+    Triton 2.51 does not restart a dead stub: every request through that stage then fails with
+    "Stub process ... is not healthy" while /v2/health/ready stays green (docs/faults.md), so
+    a supervisor must notice the death itself."""
+
+    server: TritonServer
+    seen: dict[int, str] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.seen = self.server.stage_processes()
+
+    def dead(self) -> dict[int, str]:
+        """Stubs seen before and gone now (pid -> model); new ones are watched from now on."""
+        alive = self.server.stage_processes()
+        gone = {pid: model for pid, model in self.seen.items() if pid not in alive}
+        self.seen = alive
+        return gone
 
 
 def copy_repository(

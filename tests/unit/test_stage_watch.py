@@ -1,0 +1,72 @@
+"""Finding tritonserver's stage processes (Python-backend stubs) in /proc, and their deaths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiercache.server import StageWatch, TritonServer, stage_processes
+
+STUB = "/opt/backends/python/triton_python_backend_stub"
+
+
+def add_process(proc: Path, pid: int, ppid: int, argv: list[str], state: str = "S") -> None:
+    entry = proc / str(pid)
+    entry.mkdir()
+    comm = Path(argv[0]).name[:15]
+    # comm may hold spaces and parentheses: the parser must split on the last ')'.
+    (entry / "stat").write_text(f"{pid} ({comm} (x) y) {state} {ppid} {pid} 0 0 0\n")
+    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def fake_proc(tmp_path: Path) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "self").mkdir()  # not a pid: skipped
+    add_process(proc, 100, 1, ["/usr/bin/tritonserver", "--model-repository=/r"])
+    add_process(proc, 101, 100, [STUB, "/r/llm/1/model.py", "shm_region", "1048576"])
+    add_process(proc, 102, 100, [STUB, "/r/embedding_cache/1/model.py", "shm_region"])
+    add_process(proc, 103, 100, [STUB, "/r/embedding_cache/1/model.py", "shm_region"])
+    add_process(proc, 104, 100, [STUB, "/r/prompt_cache/1/model.py", "shm"], state="Z")
+    add_process(proc, 105, 100, ["/bin/sh", "-c", "true"])  # a child, not a stub
+    add_process(proc, 201, 200, [STUB, "/other/llm/1/model.py", "shm"])  # another server's
+    return proc
+
+
+def test_stage_processes_are_the_servers_live_stubs_by_model(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path)
+    assert stage_processes(100, proc) == {
+        101: "llm",
+        102: "embedding_cache",
+        103: "embedding_cache",
+    }
+    assert stage_processes(200, proc) == {201: "llm"}
+    assert stage_processes(999, proc) == {}
+
+
+class _Server(TritonServer):
+    """A TritonServer whose stage processes come from a list of snapshots (no process)."""
+
+    def __init__(self, snapshots: list[dict[int, str]]) -> None:
+        super().__init__(model_repository=Path("r"), state_dir=Path("s"))
+        self.snapshots = snapshots
+
+    def stage_processes(self) -> dict[int, str]:
+        return self.snapshots.pop(0)
+
+
+def test_stage_watch_reports_each_death_once_and_watches_new_stubs() -> None:
+    server = _Server(
+        [
+            {1: "llm", 2: "prompt_cache"},
+            {1: "llm", 2: "prompt_cache", 3: "embedding_cache"},  # a new instance: not a death
+            {2: "prompt_cache", 3: "embedding_cache"},  # llm died
+            {2: "prompt_cache", 3: "embedding_cache"},  # reported once only
+            {2: "prompt_cache"},
+        ]
+    )
+    watch = StageWatch(server)
+    watch.reset()
+    assert watch.dead() == {}
+    assert watch.dead() == {1: "llm"}
+    assert watch.dead() == {}
+    assert watch.dead() == {3: "embedding_cache"}
