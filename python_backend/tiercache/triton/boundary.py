@@ -6,6 +6,7 @@ imports `triton_python_backend_utils`; the core stays importable without Triton.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import threading
@@ -26,6 +27,12 @@ from tiercache.errors import (
 from tiercache.request import RawInputs
 
 log = logging.getLogger("tiercache")
+
+# A stage process that crashes (SIGSEGV, or SIGABRT from a corrupted heap) prints every thread's
+# Python stack to stderr, which is tritonserver's log; Triton itself only reports the stub as
+# "not healthy" afterwards (docs/faults.md). Imported only by model.py files, i.e. in stubs.
+if not faulthandler.is_enabled():
+    faulthandler.enable(all_threads=True)
 T = TypeVar("T")
 
 # Histogram buckets, in seconds.
