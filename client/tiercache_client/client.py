@@ -43,7 +43,9 @@ class GenerationResult:
     sending the request to the final response, `first_chunk_s` to the first non-empty text chunk
     (None when no text arrived); `chunks` counts non-empty text chunks. For a generated answer,
     `kv_reused_tokens` and `kv_computed_tokens` are its prompt tokens served from the engine's
-    prefix KV cache and computed (None when the server did not report them: cache hits).
+    prefix KV cache and computed (None when the server did not report them: cache hits), and
+    `finish_reason` how the engine ended it: "stop", "length" or "content_filter" (an engine
+    refusal, never cached); None for cache hits.
     """
 
     text: str
@@ -54,6 +56,7 @@ class GenerationResult:
     chunks: int
     kv_reused_tokens: int | None = None
     kv_computed_tokens: int | None = None
+    finish_reason: str | None = None
 
 
 def _error(exc: InferenceServerException) -> TierCacheClientError:
@@ -258,6 +261,7 @@ class TierCacheClient:
             similarity: float | None = None
             first_chunk_s: float | None = None
             usage: dict[str, int] = {}
+            finish_reason: str | None = None
             while True:
                 remaining = deadline - time.perf_counter()
                 try:
@@ -282,6 +286,9 @@ class TierCacheClient:
                 sim = result.as_numpy("cache_similarity")
                 if sim is not None and sim.size:
                     similarity = float(sim.reshape(-1)[0])
+                finish = _texts(result, "finish_reason")
+                if finish and finish[0]:
+                    finish_reason = finish[0]
                 for name in ("kv_reused_tokens", "kv_computed_tokens"):
                     value = result.as_numpy(name)
                     if value is not None and value.size:
@@ -298,6 +305,7 @@ class TierCacheClient:
                 chunks=len(parts),
                 kv_reused_tokens=usage.get("kv_reused_tokens"),
                 kv_computed_tokens=usage.get("kv_computed_tokens"),
+                finish_reason=finish_reason,
             )
         finally:
             client.stop_stream(cancel_requests=not completed)

@@ -27,10 +27,12 @@ def test_miss_generates_then_repeat_is_exact_hit(client: TierCacheClient) -> Non
     prompt = unique("What is the capital of France?")
     first = client.generate_text(prompt, max_tokens=MAX_TOKENS)
     assert first.cache_status == "miss"
+    assert first.finish_reason in ("stop", "length")
     assert len(first.text.strip()) > 0
     second = client.generate_text(prompt, max_tokens=MAX_TOKENS)
     assert second.cache_status == "exact"
     assert second.text == first.text
+    assert second.finish_reason is None  # a hit carries no engine finish reason
 
 
 def test_spacing_unicode_and_parameter_variants_hit(client: TierCacheClient) -> None:
