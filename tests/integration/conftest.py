@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tiercache.server import Ports, TritonServer
+from tiercache.server import Ports, StageWatch, TritonServer
 from tiercache_client import TierCacheClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,11 +45,47 @@ def start_server(state_dir: Path, log_name: str) -> TritonServer:
     return server
 
 
+class StageDied(UserWarning):
+    """A stage process of the session's server died between tests (see `server`)."""
+
+
+_session_watch: list[StageWatch] = []
+
+
 @pytest.fixture(scope="session")
 def server(state_dir: Path) -> Iterator[TritonServer]:
     srv = start_server(state_dir, "triton-session.log")
+    watch = StageWatch(srv)
+    watch.reset()
+    _session_watch.append(watch)
     yield srv
+    _session_watch.clear()
     srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _session_server_stages_alive(request: pytest.FixtureRequest) -> None:
+    """Before each test that uses the session server: if one of its stage processes died since
+    the last test, restart the server, as `tiercache serve` does in production (Triton 2.51 does
+    not restart a dead Python stub; docs/faults.md), and say so with a StageDied warning in the
+    test summary, so an unexplained crash is visible instead of failing every later test."""
+    if "server" not in request.fixturenames or not _session_watch:
+        return
+    watch = _session_watch[0]
+    dead = watch.dead()
+    if not dead:
+        return
+    names = ", ".join(f"{model} (pid {pid})" for pid, model in sorted(dead.items()))
+    warnings.warn(
+        f"stage process {names} of the session server died before {request.node.nodeid}; "
+        f"server restarted (log: {watch.server.log_path})",
+        StageDied,
+        stacklevel=1,
+    )
+    watch.server.stop()
+    watch.server.start()
+    watch.server.wait_ready(timeout_s=600)
+    watch.reset()
 
 
 @pytest.fixture(scope="session")
