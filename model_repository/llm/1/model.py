@@ -121,6 +121,11 @@ class TritonPythonModel:
                 ),
             )
         self.engine = self._generate_trtllm if self.trtllm is not None else self._generate
+        if self.config.engine_streams < 0:
+            raise ConfigError(f"engine_streams must be >= 0, got {self.config.engine_streams}")
+        self.engine_streams = threading.BoundedSemaphore(
+            self.config.engine_streams or self.config.max_concurrency
+        )
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
             s: m.counter("tiercache_llm_requests_total", "Responses by cache status", status=s)
@@ -255,20 +260,21 @@ class TritonPythonModel:
             inputs=inputs,
             requested_output_names=ENGINE_OUTPUTS,
         )
-        for response in infer.exec(decoupled=True):
-            if response.has_error():
-                raise Unavailable(
-                    f"engine {self.config.engine_model}: {response.error().message()}"
+        with self.engine_streams:  # held until the stream ends (engine_streams)
+            for response in infer.exec(decoupled=True):
+                if response.has_error():
+                    raise Unavailable(
+                        f"engine {self.config.engine_model}: {response.error().message()}"
+                    )
+                finish = tb.output_string(response, "FINISH_REASON")
+                yield StreamEvent(
+                    text=tb.output_string(response, "TEXT") or "",
+                    finish_reason=finish or None,
+                    generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
+                    prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
+                    reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
+                    computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
                 )
-            finish = tb.output_string(response, "FINISH_REASON")
-            yield StreamEvent(
-                text=tb.output_string(response, "TEXT") or "",
-                finish_reason=finish or None,
-                generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
-                prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
-                reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
-                computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
-            )
 
     def _generate_trtllm(
         self, request: GenerationRequest, lora: EngineLora = NO_LORA

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Many concurrent misses through a real tritonserver; reports whether a stage process died.
+
+Usage::
+
+    python scripts/stress_llm_streams.py [--engine-streams N] [--concurrency 16] [--duration 270]
+
+Starts tritonserver on a copy of model_repository/ (fresh state dir; `llm`'s `engine_streams`
+set to N when given, else the committed default), then `--concurrency` client threads send
+short prompts (max_tokens 1-6, four tenants; mostly misses, some repeats) for `--duration`
+seconds. Every 5 s it prints the requests answered and failed and whether a Python-backend stub
+died (tritonserver does not restart one: docs/faults.md). Exit code 1 if a stub died, else 0.
+
+Triton 2.51's Python stub crashed (SIGSEGV or heap corruption, in `llm` with many concurrent
+decoupled BLS streams to the engine) under this load with `--engine-streams 0` (no limit);
+`engine_streams` bounds those streams (docs/faults.md has the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache_client import TierCacheClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ("cats", "dogs", "rain", "tea", "maps", "trains", "bread", "clocks")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine-streams", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--duration", type=float, default=270.0)
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="tiercache-stress-"))
+    params = {} if args.engine_streams is None else {"llm": {"engine_streams": args.engine_streams}}
+    repository = copy_repository(REPO_ROOT / "model_repository", work / "repository", params)
+    server = TritonServer(
+        model_repository=repository,
+        state_dir=work / "state",
+        ports=Ports.free(),
+        log_path=work / "tritonserver.log",
+    )
+    server.start()
+    server.wait_ready(600)
+    stubs = server.stage_processes()
+    print(f"ready; engine_streams={args.engine_streams}; log {server.log_path}", flush=True)
+    deadline = time.monotonic() + args.duration
+    counts = {"ok": 0, "failed": 0}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client_thread(seed: int) -> None:
+        rng = random.Random(seed)
+        with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120) as client:
+            while not stop.is_set() and time.monotonic() < deadline:
+                prompt = f"Say something about {rng.choice(TOPICS)} {rng.randint(0, 60)}."
+                try:
+                    client.generate_text(
+                        prompt, max_tokens=rng.randint(1, 6), tenant=f"t{rng.randint(0, 3)}"
+                    )
+                    outcome = "ok"
+                except Exception:  # noqa: BLE001 - counted; a dead stub fails every request
+                    outcome = "failed"
+                with lock:
+                    counts[outcome] += 1
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(args.concurrency)]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    dead: dict[int, str] = {}
+    try:
+        while any(t.is_alive() for t in threads):
+            time.sleep(5)
+            alive = server.stage_processes()
+            dead = {pid: model for pid, model in stubs.items() if pid not in alive}
+            with lock:
+                line = f"{time.monotonic() - started:6.0f} s  answered {counts['ok']:5d}  "
+                line += f"failed {counts['failed']:4d}"
+            print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
+            if dead:
+                break
+    finally:
+        stop.set()
+        server.stop()
+        for thread in threads:
+            thread.join(timeout=130)
+    if dead:
+        print(
+            f"a stage process died after {time.monotonic() - started:.0f} s; see {server.log_path}"
+        )
+        return 1
+    print(f"no stage process died in {args.duration:.0f} s ({counts['ok']} answered)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
