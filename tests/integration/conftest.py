@@ -28,9 +28,13 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiercache-state")
 
 
-def start_server(state_dir: Path, log_name: str) -> TritonServer:
+def start_server(
+    state_dir: Path, log_name: str, repository: Path = MODEL_REPOSITORY
+) -> TritonServer:
+    """A ready tritonserver on `repository` (default: the committed one), its log in the state
+    dir; stopped again if it does not become ready."""
     server = TritonServer(
-        model_repository=MODEL_REPOSITORY,
+        model_repository=repository,
         state_dir=state_dir,
         ports=Ports.free(),
         exit_timeout_s=5,

@@ -29,11 +29,18 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import TritonServer, copy_repository
 from tiercache.stores import LmdbStore
 from tiercache_client import GenerationResult, TierCacheClient, TierCacheClientError
 
-from .conftest import MODEL_REPOSITORY, RawOutcome, metric_value, raw_stream_infer, tensor
+from .conftest import (
+    MODEL_REPOSITORY,
+    RawOutcome,
+    metric_value,
+    raw_stream_infer,
+    start_server,
+    tensor,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,32 +72,14 @@ def fault_repository(root: Path, redis_url: str, prefix: str) -> Path:
     return copy_repository(MODEL_REPOSITORY, root / "model_repository", parameters)
 
 
-def start(repository: Path, state: Path, log_name: str) -> TritonServer:
-    server = TritonServer(
-        model_repository=repository,
-        state_dir=state,
-        ports=Ports.free(),
-        exit_timeout_s=5,
-        log_path=state / log_name,
-    )
-    server.start()
-    try:
-        server.wait_ready(timeout_s=600)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
     state = tmp_path_factory.mktemp("faults")
     redis_server = RedisServer(state / "redis").start()
     prefix = f"f{uuid.uuid4().hex[:10]}:"
     repository = fault_repository(state, redis_server.url, prefix)
-    setup = Faults(
-        start(repository, state, "triton-faults.log"), redis_server, prefix, state, repository
-    )
+    server = start_server(state, "triton-faults.log", repository)
+    setup = Faults(server, redis_server, prefix, state, repository)
     try:
         yield setup
     finally:
@@ -317,7 +306,8 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     server.stop()
     stop_stray_stubs(faults.repository)
     restarted = time.monotonic()
-    faults.server = server = start(faults.repository, faults.state, "triton-faults-llm-kill.log")
+    log_name = "triton-faults-llm-kill.log"
+    faults.server = server = start_server(faults.state, log_name, faults.repository)
     restart_s = time.monotonic() - restarted
     print(
         f"\nllm stub {pid} killed after {len(chunks)} chunks; {len(probe_errors)} probes in 10 s "
@@ -389,7 +379,8 @@ def test_prompt_cache_stub_killed_under_requests(faults: Faults) -> None:
     server.stop()
     stop_stray_stubs(faults.repository)
     restarted = time.monotonic()
-    faults.server = server = start(faults.repository, faults.state, "triton-faults-pc-kill.log")
+    log_name = "triton-faults-pc-kill.log"
+    faults.server = server = start_server(faults.state, log_name, faults.repository)
     print(f"server restart on the same state: {time.monotonic() - restarted:.1f} s")
     again = ask(server, prompt, tenant=tenant, max_tokens=4)
     assert (again.cache_status, again.text) == ("exact", cached.text)
@@ -547,7 +538,8 @@ def test_damaged_state_files_after_restart(faults: Faults, damage: Callable[[Pat
     names = [str(p.relative_to(faults.state)) for p in damaged]
     aside_before = len(list(faults.state.glob("l2.corrupt-*")))
     started = time.monotonic()
-    faults.server = start(faults.repository, faults.state, f"triton-faults-{damage.__name__}.log")
+    log_name = f"triton-faults-{damage.__name__}.log"
+    faults.server = start_server(faults.state, log_name, faults.repository)
     print(f"\n{damage.__name__}: {names}; ready again in {time.monotonic() - started:.1f} s")
     assert "l2/data.mdb" in names
     try:

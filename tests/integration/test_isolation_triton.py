@@ -16,11 +16,11 @@ from types import ModuleType
 
 import pytest
 
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_client.isolation import IsolationOracle
 
-from .conftest import MODEL_REPOSITORY, REPO
+from .conftest import MODEL_REPOSITORY, REPO, start_server
 
 pytestmark = pytest.mark.integration
 FLOOR_S = 1.0  # well above a hit on a loaded 2-core machine, so the trusted side cannot reach it
@@ -84,16 +84,8 @@ def padded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     root = tmp_path_factory.mktemp("padding")
     params = {"hit_padding_ms": f"{FLOOR_S * 1000:g}", "trusted_tenants": "trusted"}
     repo = copy_repository(MODEL_REPOSITORY, root / "model_repository", {"llm": params})
-    server = TritonServer(
-        model_repository=repo,
-        state_dir=root / "state",
-        ports=Ports.free(),
-        exit_timeout_s=5,
-        log_path=root / "triton.log",
-    )
-    server.start()
+    server = start_server(root / "state", "triton.log", repo)
     try:
-        server.wait_ready(timeout_s=600)
         yield server
     finally:
         server.stop()

@@ -19,10 +19,10 @@ import pytest
 from dashboard_queries import load_dashboard, metric_names, missing_from_scrape, targets
 from redis_server import RedisServer
 
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 
-from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, settled_metric
+from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, settled_metric, start_server
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
@@ -46,16 +46,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iter
     repository = copy_repository(
         MODEL_REPOSITORY, state / "model_repository", dict.fromkeys(REDIS_STAGES, shared)
     )
-    srv = TritonServer(
-        model_repository=repository,
-        state_dir=state,
-        ports=Ports.free(),
-        exit_timeout_s=5,
-        log_path=state / "triton-metrics.log",
-    )
-    srv.start()
+    srv = start_server(state, "triton-metrics.log", repository)
     try:
-        srv.wait_ready(timeout_s=600)
         yield srv
     finally:
         srv.stop()
