@@ -72,7 +72,9 @@ def _session_server_stages_alive(request: pytest.FixtureRequest) -> None:
     """Before each test that uses the session server: if one of its stage processes died since
     the last test, restart the server, as `tiercache serve` does in production (Triton 2.51 does
     not restart a dead Python stub; docs/faults.md), and say so with a StageDied warning in the
-    test summary, so an unexplained crash is visible instead of failing every later test."""
+    test summary, so an unexplained crash is visible instead of failing every later test. A
+    test that failed because the stage died under it is run once more after the restart
+    (pytest-rerunfailures, `--only-rerun 'is not healthy'` in pyproject.toml)."""
     if "server" not in request.fixturenames or not _session_watch:
         return
     watch = _session_watch[0]
