@@ -62,6 +62,7 @@ from run_perf import (  # noqa: E402 - scripts/perf is not a package
     failure_reason,
     install_perf_analyzer,
     machine_summary,
+    perf_analyzer_version,
     progress,
     run_perf_analyzer,
     running,
@@ -580,14 +581,6 @@ def build_report(
         f"`{display_path(args.out_dir / 'bench')}/`",
     ]
     return "\n".join(text), "\n".join(md) + "\n", complete
-
-
-def perf_analyzer_version(perf_analyzer: Path) -> str:
-    import subprocess
-
-    done = subprocess.run([str(perf_analyzer), "--version"], capture_output=True, text=True)
-    first = (done.stdout or done.stderr).strip().splitlines()
-    return first[0] if first else "perf_analyzer"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

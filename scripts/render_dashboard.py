@@ -50,6 +50,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench_invalidation import start_redis  # a sibling script (scripts/ is on sys.path)
+
 from tiercache.config import ADAPTERS_DIR_ENV
 from tiercache.server import Ports, TritonServer, copy_repository, free_port
 from tiercache_client import TierCacheClient, TierCacheClientError
@@ -88,30 +90,6 @@ def stop(process: subprocess.Popen[bytes] | None) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import redis
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (make setup installs it as root)")
-    port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def answers() -> bool:
-        try:
-            return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
-        except redis.exceptions.ConnectionError:
-            return False
-
-    wait_for(answers, READY_TIMEOUT_S, "redis-server")
-    return process, url
 
 
 def prometheus_binary() -> str:

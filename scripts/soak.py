@@ -83,6 +83,7 @@ from run_perf import (  # noqa: E402 - scripts/perf is not a package
     failure_reason,
     install_perf_analyzer,
     machine_summary,
+    perf_analyzer_version,
     progress,
     run_perf_analyzer,
     running,
@@ -911,12 +912,6 @@ def compare_report(
     md += ["", *(f"- {LABELS[r.config]}: `{r.command}`" for r in runs)]
     md += [f"- note ({r.config}): {n}" for r in runs for n in r.notes]
     return "\n".join(md) + "\n", ok
-
-
-def perf_analyzer_version(pa: Path) -> str:
-    done = subprocess.run([str(pa), "--version"], capture_output=True, text=True)
-    first = (done.stdout or done.stderr).strip().splitlines()
-    return first[0] if first else "perf_analyzer"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -131,6 +131,13 @@ _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 _BREAKDOWN = re.compile(r"([a-z][a-z /]*?)\s+" + _NUMBER + r" usec")
 
 
+def perf_analyzer_version(perf_analyzer: Path) -> str:
+    """The first line perf_analyzer's --version prints (for reports)."""
+    done = subprocess.run([str(perf_analyzer), "--version"], capture_output=True, text=True)
+    first = (done.stdout or done.stderr).strip().splitlines()
+    return first[0] if first else "perf_analyzer"
+
+
 def _latency_parts(text: str, prefix: str, into: dict[str, float]) -> None:
     """ "Avg request latency: 460 usec (overhead 1 usec + queue 26 usec + ...)" -> into[...]."""
     head = re.match(r"\s*" + _NUMBER + r" usec", text)
