@@ -316,7 +316,9 @@ def test_redis_down_then_back(
     assert ("during", "during the outage") not in b.rows(scope)  # never reached Redis
     # C, started during the outage, catches up once Redis is back.
     wait_until(lambda: c.rows(scope) == [("after", "after the outage")])
-    assert c.sharing.follower.stats().caught_up
+    # The rows are in the log before the follower counts them and marks itself caught up.
+    assert c.sharing.follower.wait_caught_up(TIMEOUT_S)
+    wait_until(lambda: c.sharing.follower.stats().added == 1)
 
 
 # -- adapter metadata (tiercache.lora.fleet) -----------------------------------------------------
