@@ -184,6 +184,9 @@ class EngineConfig:
     # content_filter without generating; the llm stage never caches such an answer.
     refuse_prompt_pattern: str = ""
     refusal_text: str = "I can't help with that request."
+    # Seconds between returns of freed heap memory to the system (glibc malloc_trim, after a
+    # request; tiercache.memory); 0 never trims. Without it the engine's RSS keeps climbing.
+    memory_trim_interval_s: float = 5.0
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()

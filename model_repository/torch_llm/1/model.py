@@ -20,6 +20,7 @@ from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.lora.registry import AdapterRegistry
+from tiercache.memory import MemoryTrimmer
 from tiercache.request import GenerationRequest
 from tiercache.triton import boundary as tb
 
@@ -43,6 +44,11 @@ class TritonPythonModel:
             kv_pool_max_bytes=config.kv_pool_max_bytes,
         )
         self._prefetch(config)
+        if config.memory_trim_interval_s < 0:
+            raise ConfigError(
+                f"memory_trim_interval_s must be >= 0, got {config.memory_trim_interval_s}"
+            )
+        self.trimmer = MemoryTrimmer(config.memory_trim_interval_s)
         self.metrics = m = tb.Metrics(args["model_name"])
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -136,6 +142,7 @@ class TritonPythonModel:
             finally:
                 self._record_adapters(before, self.engine.adapters.stats())
                 self._record_kv(kv_before, self.engine.kv_stats())
+                self.trimmer.maybe_trim()  # freed activations back to the system
 
     def _serve(self, request: object, sender: object) -> None:
         inputs = tb.Inputs(request)
