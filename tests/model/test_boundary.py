@@ -152,3 +152,39 @@ def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:
     values = (entries.metric.value(), nbytes.metric.value(), evictions.metric.value())
     assert values == (3, store.stats().bytes, 2)
     assert nbytes.metric.value() == store.stats().max_bytes
+
+
+class _Stream:
+    """A response iterator that records when it is dropped."""
+
+    def __init__(self, name: str, dropped: list[str]) -> None:
+        self.name = name
+        self.dropped = dropped
+
+    def __del__(self) -> None:
+        self.dropped.append(self.name)
+
+
+def test_stream_keeper_holds_streams_for_hold_s_then_drops_them(tb: ModuleType) -> None:
+    now = [0.0]
+    dropped: list[str] = []
+    keeper = tb.StreamKeeper(30.0, clock=lambda: now[0])
+    keeper.keep(_Stream("a", dropped))
+    now[0] = 10.0
+    keeper.keep(_Stream("b", dropped))
+    now[0] = 29.9
+    keeper.keep(_Stream("c", dropped))
+    assert dropped == [] and len(keeper) == 3  # the caller's reference is never the last one
+    now[0] = 30.0
+    keeper.keep(_Stream("d", dropped))  # a's 30 s are over: dropped by this call
+    assert dropped == ["a"] and len(keeper) == 3
+    now[0] = 60.0
+    keeper.keep(_Stream("e", dropped))
+    assert sorted(dropped) == ["a", "b", "c", "d"] and len(keeper) == 1
+    keeper.clear()
+    assert sorted(dropped) == ["a", "b", "c", "d", "e"] and len(keeper) == 0
+
+
+def test_stream_keeper_refuses_a_hold_of_zero(tb: ModuleType) -> None:
+    with pytest.raises(ValueError, match="hold_s must be > 0"):
+        tb.StreamKeeper(0.0)

@@ -126,6 +126,7 @@ class TritonPythonModel:
         self.engine_streams = threading.BoundedSemaphore(
             self.config.engine_streams or self.config.max_concurrency
         )
+        self.streams = tb.StreamKeeper()  # finished engine streams, released with the GIL
         self.metrics = m = tb.Metrics(args["model_name"])
         self.requests = {
             s: m.counter("tiercache_llm_requests_total", "Responses by cache status", status=s)
@@ -261,20 +262,24 @@ class TritonPythonModel:
             requested_output_names=ENGINE_OUTPUTS,
         )
         with self.engine_streams:  # held until the stream ends (engine_streams)
-            for response in infer.exec(decoupled=True):
-                if response.has_error():
-                    raise Unavailable(
-                        f"engine {self.config.engine_model}: {response.error().message()}"
+            stream = infer.exec(decoupled=True)
+            try:
+                for response in stream:
+                    if response.has_error():
+                        raise Unavailable(
+                            f"engine {self.config.engine_model}: {response.error().message()}"
+                        )
+                    finish = tb.output_string(response, "FINISH_REASON")
+                    yield StreamEvent(
+                        text=tb.output_string(response, "TEXT") or "",
+                        finish_reason=finish or None,
+                        generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
+                        prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
+                        reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
+                        computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
                     )
-                finish = tb.output_string(response, "FINISH_REASON")
-                yield StreamEvent(
-                    text=tb.output_string(response, "TEXT") or "",
-                    finish_reason=finish or None,
-                    generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
-                    prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
-                    reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
-                    computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
-                )
+            finally:
+                self.streams.keep(stream)  # never the stub's last reference (StreamKeeper)
 
     def _generate_trtllm(
         self, request: GenerationRequest, lora: EngineLora = NO_LORA
@@ -297,6 +302,7 @@ class TritonPythonModel:
             cancel = getattr(responses, "cancel", None)  # python_backend >= 25.05
             if cancel is not None:
                 cancel()  # a no-op once the stream has ended
+            self.streams.keep(responses)  # never the stub's last reference (StreamKeeper)
 
     def _outputs(self, responses: Iterator[Any]) -> Iterator[dict[str, np.ndarray]]:
         for response in responses:
@@ -441,6 +447,7 @@ class TritonPythonModel:
         if self.padding_timer is not None:
             self.padding_timer.close()  # after the stage: its last misses may still be held
         self.semantic.close()
+        self.streams.clear()
         self.metrics.close()
 
 

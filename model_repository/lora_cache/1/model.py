@@ -35,6 +35,7 @@ class EngineBls:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.streams = tb.StreamKeeper()  # finished engine streams, released with the GIL
 
     def list_adapters(self) -> Any:
         text = self._call("listed", [tb.bytes_tensor("LORA_OP", ["list"], batched=False)])
@@ -67,12 +68,16 @@ class EngineBls:
             model_name=self.model_name, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )
         finish, text = "", ""
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                raise Unavailable(f"engine {self.model_name}: {response.error().message()}")
-            reason = tb.output_string(response, "FINISH_REASON")
-            if reason is not None:  # the final, flags-only response carries no outputs
-                finish, text = reason, tb.output_string(response, "TEXT") or ""
+        stream = request.exec(decoupled=True)
+        try:
+            for response in stream:
+                if response.has_error():
+                    raise Unavailable(f"engine {self.model_name}: {response.error().message()}")
+                reason = tb.output_string(response, "FINISH_REASON")
+                if reason is not None:  # the final, flags-only response carries no outputs
+                    finish, text = reason, tb.output_string(response, "TEXT") or ""
+        finally:
+            self.streams.keep(stream)  # never the stub's last reference (tb.StreamKeeper)
         if finish != expected_finish:
             raise Unavailable(
                 f"engine {self.model_name}: answered {finish or 'nothing'!r}, "

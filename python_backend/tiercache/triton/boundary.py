@@ -10,6 +10,8 @@ import faulthandler
 import json
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -227,6 +229,48 @@ def output_int(response: Any, name: str) -> int | None:
 
 
 # ---- metrics ----------------------------------------------------------------------------------
+
+
+class StreamKeeper:
+    """Holds the response iterators of finished decoupled BLS streams for `hold_s` seconds.
+
+    Triton 2.51's Python stub (python_backend r24.10, and its head as of 2026) erases a finished
+    stream from its iterator map on its stub-to-parent thread, without the GIL. When the model
+    has already dropped its own reference, that erase destroys the iterator there, with its
+    responses' numpy arrays: Python objects freed without the GIL corrupt the interpreter's heap
+    and the stub segfaults later (docs/faults.md; `scripts/repro_bls_streams.py`). Handing each
+    stream's iterator to `keep()` once it is read (or abandoned) makes the model's reference the
+    last one; it is dropped here, by a later `keep()` or `clear()`, holding the GIL.
+    """
+
+    def __init__(self, hold_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._clock = clock
+        self._held: deque[tuple[float, object]] = deque()
+        self._lock = threading.Lock()
+
+    def keep(self, stream: object) -> None:
+        """Hold `stream` for hold_s; drop those held longer (outside the lock: dropping an
+        unfinished iterator waits for its remaining responses)."""
+        now = self._clock()
+        expired = []
+        with self._lock:
+            self._held.append((now + self.hold_s, stream))
+            while self._held and self._held[0][0] <= now:
+                expired.append(self._held.popleft())
+        expired.clear()
+
+    def clear(self) -> None:
+        """Drop every held stream (in finalize)."""
+        with self._lock:
+            held, self._held = self._held, deque()
+        held.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
 
 
 class _DeferredMetric:

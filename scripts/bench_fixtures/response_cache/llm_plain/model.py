@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
 from tiercache.lora.registry import AdapterRegistry
 from tiercache.request import GenerationRequest
+from tiercache.triton.boundary import StreamKeeper
 
 ENGINE = "torch_llm"
 DEFAULT_MAX_TOKENS = 16
@@ -45,6 +46,7 @@ class TritonPythonModel:
         adapters = Path(os.environ.get(ADAPTERS_DIR_ENV) or state_dir / "adapters")
         self.registry = AdapterRegistry(adapters, state_dir)
         self.loaded: set[str] = set()  # adapter digests sent to the engine
+        self.streams = StreamKeeper()  # as in llm: the stub never drops a stream without the GIL
 
     def execute(self, requests: list) -> list:
         responses = []
@@ -93,13 +95,17 @@ class TritonPythonModel:
             model_name=ENGINE, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )
         chunks = []
-        for response in infer.exec(decoupled=True):
-            if response.has_error():
-                raise RuntimeError(f"engine {ENGINE}: {response.error().message()}")
-            tensor = pb_utils.get_output_tensor_by_name(response, "TEXT")
-            if tensor is not None:
-                value = tensor.as_numpy().reshape(-1)[0]
-                chunks.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
+        stream = infer.exec(decoupled=True)
+        try:
+            for response in stream:
+                if response.has_error():
+                    raise RuntimeError(f"engine {ENGINE}: {response.error().message()}")
+                tensor = pb_utils.get_output_tensor_by_name(response, "TEXT")
+                if tensor is not None:
+                    value = tensor.as_numpy().reshape(-1)[0]
+                    chunks.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
+        finally:
+            self.streams.keep(stream)
         if digest:
             self.loaded.add(digest)
         return "".join(chunks)
