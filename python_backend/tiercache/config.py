@@ -123,10 +123,10 @@ class LlmConfig(SemanticConfig):
     engine_kind: str = "torch_llm"
     lora_model: str = "lora_cache"  # asked again for adapter weights the engine lost (BLS)
     max_concurrency: int = 64  # worker threads: generations plus waiting followers
-    # Engine calls (BLS streams) open at once; more wait in llm. Triton 2.51's Python stub crashed
-    # (SIGSEGV, heap corruption) under many concurrent decoupled BLS streams (docs/faults.md);
-    # the CPU engine generates one request at a time anyway. engine_kind torch_llm only
-    # (TensorRT-LLM batches requests in flight). 0: no limit (max_concurrency).
+    # Engine calls (BLS streams) open at once; more wait in llm, not in the engine's queue (the
+    # CPU engine generates one request at a time anyway). engine_kind torch_llm only (TensorRT-LLM
+    # batches requests in flight). 0: no limit (max_concurrency). It was first added against the
+    # stub crash of docs/faults.md, whose cause turned out to be another (tb.StreamKeeper).
     engine_streams: int = 2
     # With redis_url: a miss another replica is generating waits for its answer (tiercache.leases)
     lease_ttl_s: float = 10.0  # a dead replica's lease expires after this (renewed while alive)

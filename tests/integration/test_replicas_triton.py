@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from redis_server import RedisServer
 from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import GenerationResult, TierCacheClient
 
-from .conftest import MODEL_REPOSITORY
+from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, metric_value
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
@@ -122,3 +123,38 @@ def test_invalidation_sent_to_one_replica_reaches_the_other(
     # The other tenant's entry is untouched on B.
     still = b.generate_text(prompt, tenant=other_tenant, max_tokens=MAX_TOKENS)
     assert (still.cache_status, still.text) == ("exact", kept.text)
+
+
+def test_identical_misses_on_both_replicas_generate_once(
+    replicas: tuple[TritonServer, TritonServer],
+    clients: tuple[TierCacheClient, TierCacheClient],
+) -> None:
+    """Cross-replica coalescing through the servers: a prompt A is generating, sent to B too, is
+    not generated again: B waits on A's Redis lease and serves A's answer."""
+    servers = replicas
+    tenant = f"lease-{uuid.uuid4().hex[:8]}"
+    # A long answer (96 tokens, seconds on a CPU) so that B's request reaches llm meanwhile.
+    prompt = f"Count from 1 to 200, separated by commas ({uuid.uuid4().hex[:6]})."
+    names = (
+        "tiercache_llm_generations_total",
+        "tiercache_lease_waits_total",
+        "tiercache_lease_remote_hits_total",
+    )
+
+    def totals() -> dict[str, float]:
+        return {n: sum(metric_value(s, n) for s in servers) for n in names}
+
+    before = totals()
+    with ThreadPoolExecutor(2) as pool:
+        on_a = pool.submit(clients[0].generate_text, prompt, tenant=tenant, max_tokens=96)
+        deadline = time.monotonic() + 120
+        while metric_value(servers[0], "tiercache_leases_active") < 1:  # A holds the lease
+            assert time.monotonic() < deadline and not on_a.done(), "A never took a lease"
+            time.sleep(0.05)
+        on_b = pool.submit(clients[1].generate_text, prompt, tenant=tenant, max_tokens=96)
+        first, second = on_a.result(), on_b.result()
+    assert (first.cache_status, second.cache_status) == ("miss", "miss")  # B's was a miss too
+    assert first.text and second.text == first.text
+    time.sleep(4 * METRICS_FLUSH_S)
+    delta = {n: v - before[n] for n, v in totals().items()}
+    assert delta == dict.fromkeys(names, 1.0), delta
