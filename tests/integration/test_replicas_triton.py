@@ -144,6 +144,7 @@ def test_identical_misses_on_both_replicas_generate_once(
     def totals() -> dict[str, float]:
         return {n: sum(metric_value(s, n) for s in servers) for n in names}
 
+    time.sleep(4 * METRICS_FLUSH_S)  # earlier tests' generations are counted by now
     before = totals()
     with ThreadPoolExecutor(2) as pool:
         on_a = pool.submit(clients[0].generate_text, prompt, tenant=tenant, max_tokens=96)
