@@ -249,6 +249,7 @@ class InvalidationListener:
         }
         self._stop = threading.Event()
         self._connected = threading.Event()
+        self._attempted = threading.Event()  # the first connection attempt ended, either way
         self._lock = threading.Lock()
         self._received = self._caught_up = self._reconnects = self._dropped = 0
         self._thread: threading.Thread | None = None
@@ -268,6 +269,13 @@ class InvalidationListener:
     def wait_connected(self, timeout_s: float) -> bool:
         return self._connected.wait(timeout_s)
 
+    def wait_first_attempt(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the first connection attempt to end; True when it
+        connected, so that every watermark recorded in Redis is noted (a replica started after
+        an invalidation must not serve what its L2 kept). False at once when Redis refused."""
+        self._attempted.wait(timeout_s)
+        return self._connected.is_set()
+
     def _run(self) -> None:
         import redis  # only processes with L3 import the client
 
@@ -281,8 +289,10 @@ class InvalidationListener:
                     pubsub = self._connect(catch_up_sweeps=not first)
                 except errors as exc:
                     self._disconnected(exc, first)
+                    self._attempted.set()
                     self._stop.wait(self._retry_s)
                     continue
+                self._attempted.set()
                 first = False
                 next_ping = time.monotonic() + self._ping_s
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from tiercache.redis_tier import RedisLink, RedisStore, shared_secret
 from tiercache.request import DEFAULT_LIMITS, GenerationRequest, Limits, RawInputs, canonicalize
 from tiercache.stores import LmdbStore, MemoryStore
 from tiercache.tiered import Tier, TieredCache
+
+log = logging.getLogger(__name__)
 
 ResolveAdapter = Callable[[str], AdapterRef]
 """lora_name -> the adapter's current version (NotFound for an unknown name)."""
@@ -63,7 +66,16 @@ def open_tiered_cache(
     )
     l3 = RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)
     cache = TieredCache(l1, l2, l3, clock=clock, default_ttl_s=config.ttl_s)
-    cache.background.append(InvalidationListener(link, cache, retry_s=config.redis_retry_s).start())
+    listener = InvalidationListener(link, cache, retry_s=config.redis_retry_s).start()
+    cache.background.append(listener)
+    # Serve nothing before the recorded watermarks are noted: this replica's L2 may hold entries
+    # invalidated while it was down. Redis down: the local tiers serve at once (docs/replicas.md).
+    if not listener.wait_first_attempt(2 * config.redis_timeout_s + 1.0):
+        log.warning(
+            "Redis %s did not answer at start: entries invalidated while this replica was down "
+            "can be served from its own tiers until Redis is back",
+            link.url or "(injected client)",
+        )
     return cache
 
 

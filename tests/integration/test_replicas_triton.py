@@ -159,3 +159,31 @@ def test_identical_misses_on_both_replicas_generate_once(
     time.sleep(4 * METRICS_FLUSH_S)
     delta = {n: v - before[n] for n, v in totals().items()}
     assert delta == dict.fromkeys(names, 1.0), delta
+
+
+def test_a_replica_stopped_during_an_invalidation_never_serves_the_entry_again(
+    replicas: tuple[TritonServer, TritonServer],
+    clients: tuple[TierCacheClient, TierCacheClient],
+) -> None:
+    """B is down while A invalidates a tenant; B's L2 still holds the tenant's answer when it
+    starts again, and B replays the watermark from Redis before serving: a miss, never the
+    invalidated text. (B restarts on the same ports, so later tests find it up.)"""
+    a, b = clients
+    server_b = replicas[1]
+    tenant = f"down-{uuid.uuid4().hex[:8]}"
+    prompt = f"Name one river ({uuid.uuid4().hex[:6]})."
+    generated = a.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS)
+    assert generated.cache_status == "miss"
+    assert b.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS).cache_status == "exact"
+
+    server_b.stop()
+    assert a.invalidate(tenant=tenant)["published"] is True
+    server_b.start()
+    server_b.wait_ready(timeout_s=600)
+    with TierCacheClient(f"127.0.0.1:{server_b.ports.grpc}", timeout_s=300) as b_again:
+        after = b_again.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS)
+    assert after.cache_status == "miss"  # generated again, not B's stored copy
+    time.sleep(4 * METRICS_FLUSH_S)
+    # B noted the watermarks recorded in Redis when it started (not from a message: it was down)
+    noted = metric_value(server_b, "tiercache_invalidations_applied_total", kind="tenant")
+    assert noted >= 1

@@ -98,6 +98,12 @@ class TritonPythonModel:
             )
             for r in ("hit", "miss")
         }
+        self.memory_trims = m.counter(
+            "tiercache_engine_memory_trims_total", "Returns of freed heap memory to the system"
+        )
+        self.memory_trim_s = m.counter(
+            "tiercache_engine_memory_trim_seconds_total", "Time spent returning freed memory"
+        )
         self.kv_pool_bytes.set(self.engine.kv_stats().bytes)
         m.start()
         self._queue: queue.Queue = queue.Queue()
@@ -142,7 +148,7 @@ class TritonPythonModel:
             finally:
                 self._record_adapters(before, self.engine.adapters.stats())
                 self._record_kv(kv_before, self.engine.kv_stats())
-                self.trimmer.maybe_trim()  # freed activations back to the system
+                self._trim_memory()
 
     def _serve(self, request: object, sender: object) -> None:
         inputs = tb.Inputs(request)
@@ -206,6 +212,13 @@ class TritonPythonModel:
                 tb.scalar_tensor("COMPUTED_TOKENS", computed, np.int32, False),
             ]
         )
+
+    def _trim_memory(self) -> None:
+        """Freed activations back to the system, at most every memory_trim_interval_s."""
+        before = self.trimmer.stats()
+        if self.trimmer.maybe_trim():
+            self.memory_trims.increment(1)
+            self.memory_trim_s.increment(self.trimmer.stats().seconds - before.seconds)
 
     def _record_adapters(self, before: AdapterStats, after: AdapterStats) -> None:
         """Metrics from the adapter stats, on the worker thread (the only one that changes them).
