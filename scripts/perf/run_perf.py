@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -298,10 +299,19 @@ def concurrency_levels(spec: str) -> list[int]:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
-def scrape_metrics(port: int) -> list[tuple[str, dict[str, str], float]]:
-    """The server's Prometheus samples: (name, labels, value)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode("utf-8", "replace")
+def scrape_metrics(port: int, wait_s: float = 10.0) -> list[tuple[str, dict[str, str], float]]:
+    """The server's Prometheus samples: (name, labels, value). A refused connection is retried
+    for up to `wait_s`: Triton reports ready a moment before its metrics port listens."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                text = response.read().decode("utf-8", "replace")
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
     samples = []
     for line in text.splitlines():
         m = _SAMPLE.match(line)
