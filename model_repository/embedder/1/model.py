@@ -9,7 +9,8 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbedderConfig
 from tiercache.engine.torch_engine import pick_device
-from tiercache.errors import InvalidRequest
+from tiercache.errors import ConfigError, InvalidRequest
+from tiercache.memory import MemoryTrimmer
 from tiercache.semantic.embedder import Embedder
 from tiercache.triton import boundary as tb
 
@@ -18,6 +19,11 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(EmbedderConfig, args)
         self.embedder = Embedder(config.embedder, pick_device(config.device))
+        if config.memory_trim_interval_s < 0:
+            raise ConfigError(
+                f"memory_trim_interval_s must be >= 0, got {config.memory_trim_interval_s}"
+            )
+        self.trimmer = MemoryTrimmer(config.memory_trim_interval_s)
         self.metrics = m = tb.Metrics(args["model_name"])
         self.texts = m.counter("tiercache_embedder_texts_total", "Texts embedded")
         self.batch_s = m.histogram("tiercache_embedder_batch_seconds", "Time per encode call")
@@ -49,6 +55,7 @@ class TritonPythonModel:
                     block = vectors[offset : offset + len(texts)].astype(np.float32)
                     offset += len(texts)
                     responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", block)])
+        self.trimmer.maybe_trim()  # freed activations back to the system, at most every interval
         return responses
 
     def finalize(self) -> None:
