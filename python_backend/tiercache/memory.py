@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tiercache.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -59,8 +61,8 @@ class MemoryTrimmer:
     since the last call (0 disables it). Thread-safe; cheap when it does nothing."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if interval_s < 0:
-            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        if interval_s < 0:  # the stages' parameter memory_trim_interval_s
+            raise ConfigError(f"memory_trim_interval_s must be >= 0, got {interval_s}")
         self.interval_s = interval_s
         self._clock = clock
         self._next = clock() + interval_s

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tiercache.errors import ConfigError
 from tiercache.memory import MemoryTrimmer, trim_available
 
 pytestmark = pytest.mark.skipif(not trim_available(), reason="no glibc malloc_trim here")
@@ -64,5 +65,5 @@ def test_interval_zero_never_trims_and_negative_is_refused() -> None:
     assert not trimmer.enabled
     assert trimmer.maybe_trim() is False
     assert trimmer.stats().trims == 0
-    with pytest.raises(ValueError, match="interval_s must be >= 0"):
+    with pytest.raises(ConfigError, match="memory_trim_interval_s must be >= 0"):
         MemoryTrimmer(-1.0)

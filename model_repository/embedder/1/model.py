@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbedderConfig
 from tiercache.engine.torch_engine import pick_device
-from tiercache.errors import ConfigError, InvalidRequest
+from tiercache.errors import InvalidRequest
 from tiercache.memory import MemoryTrimmer
 from tiercache.semantic.embedder import Embedder
 from tiercache.triton import boundary as tb
@@ -19,10 +19,6 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = tb.load_config(EmbedderConfig, args)
         self.embedder = Embedder(config.embedder, pick_device(config.device))
-        if config.memory_trim_interval_s < 0:
-            raise ConfigError(
-                f"memory_trim_interval_s must be >= 0, got {config.memory_trim_interval_s}"
-            )
         self.trimmer = MemoryTrimmer(config.memory_trim_interval_s)
         self.metrics = m = tb.Metrics(args["model_name"])
         self.texts = m.counter("tiercache_embedder_texts_total", "Texts embedded")

@@ -44,10 +44,6 @@ class TritonPythonModel:
             kv_pool_max_bytes=config.kv_pool_max_bytes,
         )
         self._prefetch(config)
-        if config.memory_trim_interval_s < 0:
-            raise ConfigError(
-                f"memory_trim_interval_s must be >= 0, got {config.memory_trim_interval_s}"
-            )
         self.trimmer = MemoryTrimmer(config.memory_trim_interval_s)
         self.metrics = m = tb.Metrics(args["model_name"])
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
