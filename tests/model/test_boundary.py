@@ -188,3 +188,19 @@ def test_stream_keeper_holds_streams_for_hold_s_then_drops_them(tb: ModuleType) 
 def test_stream_keeper_refuses_a_hold_of_zero(tb: ModuleType) -> None:
     with pytest.raises(ValueError, match="hold_s must be > 0"):
         tb.StreamKeeper(0.0)
+
+
+def test_stream_keeper_read_keeps_the_stream_when_read_to_the_end_or_abandoned(
+    tb: ModuleType,
+) -> None:
+    keeper = tb.StreamKeeper(30.0)
+    whole, partial, failing = ["a", "b"], ["c", "d"], ["e"]
+    assert list(keeper.read(whole)) == ["a", "b"]
+    reader = keeper.read(partial)
+    assert next(reader) == "c"
+    reader.close()  # the consumer stopped early (an error, a cancelled request)
+    with pytest.raises(RuntimeError, match="engine down"):
+        for _ in keeper.read(failing):
+            raise RuntimeError("engine down")
+    held = [stream for _, stream in keeper._held]
+    assert [id(s) for s in held] == [id(whole), id(partial), id(failing)]

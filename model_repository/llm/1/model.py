@@ -262,24 +262,21 @@ class TritonPythonModel:
             requested_output_names=ENGINE_OUTPUTS,
         )
         with self.engine_streams:  # held until the stream ends (engine_streams)
-            stream = infer.exec(decoupled=True)
-            try:
-                for response in stream:
-                    if response.has_error():
-                        raise Unavailable(
-                            f"engine {self.config.engine_model}: {response.error().message()}"
-                        )
-                    finish = tb.output_string(response, "FINISH_REASON")
-                    yield StreamEvent(
-                        text=tb.output_string(response, "TEXT") or "",
-                        finish_reason=finish or None,
-                        generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
-                        prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
-                        reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
-                        computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
+            # The keeper, not the stub's cleanup thread, drops the stream (tb.StreamKeeper).
+            for response in self.streams.read(infer.exec(decoupled=True)):
+                if response.has_error():
+                    raise Unavailable(
+                        f"engine {self.config.engine_model}: {response.error().message()}"
                     )
-            finally:
-                self.streams.keep(stream)  # never the stub's last reference (StreamKeeper)
+                finish = tb.output_string(response, "FINISH_REASON")
+                yield StreamEvent(
+                    text=tb.output_string(response, "TEXT") or "",
+                    finish_reason=finish or None,
+                    generated_tokens=tb.output_int(response, "GENERATED_TOKENS") or 0,
+                    prompt_tokens=tb.output_int(response, "PROMPT_TOKENS") or 0,
+                    reused_tokens=tb.output_int(response, "REUSED_TOKENS") or 0,
+                    computed_tokens=tb.output_int(response, "COMPUTED_TOKENS") or 0,
+                )
 
     def _generate_trtllm(
         self, request: GenerationRequest, lora: EngineLora = NO_LORA

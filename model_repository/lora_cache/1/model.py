@@ -68,16 +68,12 @@ class EngineBls:
             model_name=self.model_name, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )
         finish, text = "", ""
-        stream = request.exec(decoupled=True)
-        try:
-            for response in stream:
-                if response.has_error():
-                    raise Unavailable(f"engine {self.model_name}: {response.error().message()}")
-                reason = tb.output_string(response, "FINISH_REASON")
-                if reason is not None:  # the final, flags-only response carries no outputs
-                    finish, text = reason, tb.output_string(response, "TEXT") or ""
-        finally:
-            self.streams.keep(stream)  # never the stub's last reference (tb.StreamKeeper)
+        for response in self.streams.read(request.exec(decoupled=True)):
+            if response.has_error():
+                raise Unavailable(f"engine {self.model_name}: {response.error().message()}")
+            reason = tb.output_string(response, "FINISH_REASON")
+            if reason is not None:  # the final, flags-only response carries no outputs
+                finish, text = reason, tb.output_string(response, "TEXT") or ""
         if finish != expected_finish:
             raise Unavailable(
                 f"engine {self.model_name}: answered {finish or 'nothing'!r}, "

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -261,6 +261,14 @@ class StreamKeeper:
             while self._held and self._held[0][0] <= now:
                 expired.append(self._held.popleft())
         expired.clear()
+
+    def read(self, stream: Iterable[Any]) -> Iterator[Any]:
+        """Iterate `stream` (a `request.exec(decoupled=True)` result), then keep it: also when
+        the reader stops early, raises, or the generator reading it is closed."""
+        try:
+            yield from stream
+        finally:
+            self.keep(stream)
 
     def clear(self) -> None:
         """Drop every held stream (in finalize)."""

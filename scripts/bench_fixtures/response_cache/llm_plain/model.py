@@ -95,17 +95,13 @@ class TritonPythonModel:
             model_name=ENGINE, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )
         chunks = []
-        stream = infer.exec(decoupled=True)
-        try:
-            for response in stream:
-                if response.has_error():
-                    raise RuntimeError(f"engine {ENGINE}: {response.error().message()}")
-                tensor = pb_utils.get_output_tensor_by_name(response, "TEXT")
-                if tensor is not None:
-                    value = tensor.as_numpy().reshape(-1)[0]
-                    chunks.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
-        finally:
-            self.streams.keep(stream)
+        for response in self.streams.read(infer.exec(decoupled=True)):
+            if response.has_error():
+                raise RuntimeError(f"engine {ENGINE}: {response.error().message()}")
+            tensor = pb_utils.get_output_tensor_by_name(response, "TEXT")
+            if tensor is not None:
+                value = tensor.as_numpy().reshape(-1)[0]
+                chunks.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
         if digest:
             self.loaded.add(digest)
         return "".join(chunks)
