@@ -21,19 +21,13 @@ import random
 import sys
 import time
 
+from engine_rss import rss_mib  # a script beside this one
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 WORDS = (
     "river mountain cloud engine paper window garden market signal winter summer orange "
     "library bridge island forest planet letter number people travel coffee music simple"
 ).split()
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def main() -> int:

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from stress_llm_streams import report_until_done  # a script beside this one
 
-from tiercache.server import Ports, TritonServer
+from tiercache.server import Ports, StageWatch, TritonServer
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python_backend"
 
@@ -178,7 +179,8 @@ def main() -> int:
     )
     server.start()
     server.wait_ready(300)
-    stubs = server.stage_processes()
+    watch = StageWatch(server)
+    watch.reset()
     print(f"ready; keep_s={args.keep_s}; log {server.log_path}", flush=True)
     counts = {"streams": 0, "failed": 0}
     lock = threading.Lock()
@@ -205,26 +207,20 @@ def main() -> int:
     threads = [threading.Thread(target=client_thread) for _ in range(args.clients)]
     for thread in threads:
         thread.start()
-    started = time.monotonic()
-    dead: dict[int, str] = {}
+
+    def status() -> str:
+        with lock:
+            return f"streams {counts['streams']:7d}  failed responses {counts['failed']:6d}"
+
     try:
-        while any(t.is_alive() for t in threads):
-            time.sleep(5)
-            alive = server.stage_processes()
-            dead = {pid: model for pid, model in stubs.items() if pid not in alive}
-            with lock:
-                line = f"{time.monotonic() - started:6.0f} s  streams {counts['streams']:7d}  "
-                line += f"failed responses {counts['failed']:6d}"
-            print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
-            if dead:
-                break
+        dead, seconds = report_until_done(watch, threads, status)
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=70)
         server.stop()
     if dead:
-        print(f"a stub died after {time.monotonic() - started:.0f} s; see {server.log_path}")
+        print(f"a stub died after {seconds:.0f} s; see {server.log_path}")
         return 1
     print(f"no stub died in {args.duration:.0f} s ({counts['streams']} streams)")
     return 0

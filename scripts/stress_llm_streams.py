@@ -25,13 +25,30 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import Ports, StageWatch, TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ("cats", "dogs", "rain", "tea", "maps", "trains", "bread", "clocks")
+
+
+def report_until_done(
+    watch: StageWatch, threads: list[threading.Thread], status: Callable[[], str]
+) -> tuple[dict[int, str], float]:
+    """Every 5 s until the client `threads` end: print the seconds so far, `status()` and any
+    stage process that died. Returns at the first death: (pid -> model of the dead, seconds)."""
+    started = time.monotonic()
+    while any(t.is_alive() for t in threads):
+        time.sleep(5)
+        dead = watch.dead()
+        line = f"{time.monotonic() - started:6.0f} s  {status()}"
+        print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
+        if dead:
+            return dead, time.monotonic() - started
+    return {}, time.monotonic() - started
 
 
 def main() -> int:
@@ -52,7 +69,8 @@ def main() -> int:
     )
     server.start()
     server.wait_ready(600)
-    stubs = server.stage_processes()
+    watch = StageWatch(server)
+    watch.reset()
     print(f"ready; engine_streams={args.engine_streams}; log {server.log_path}", flush=True)
     deadline = time.monotonic() + args.duration
     counts = {"ok": 0, "failed": 0}
@@ -77,28 +95,20 @@ def main() -> int:
     threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(args.concurrency)]
     for thread in threads:
         thread.start()
-    started = time.monotonic()
-    dead: dict[int, str] = {}
+
+    def status() -> str:
+        with lock:
+            return f"answered {counts['ok']:5d}  failed {counts['failed']:4d}"
+
     try:
-        while any(t.is_alive() for t in threads):
-            time.sleep(5)
-            alive = server.stage_processes()
-            dead = {pid: model for pid, model in stubs.items() if pid not in alive}
-            with lock:
-                line = f"{time.monotonic() - started:6.0f} s  answered {counts['ok']:5d}  "
-                line += f"failed {counts['failed']:4d}"
-            print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
-            if dead:
-                break
+        dead, seconds = report_until_done(watch, threads, status)
     finally:
         stop.set()
         server.stop()
         for thread in threads:
             thread.join(timeout=130)
     if dead:
-        print(
-            f"a stage process died after {time.monotonic() - started:.0f} s; see {server.log_path}"
-        )
+        print(f"a stage process died after {seconds:.0f} s; see {server.log_path}")
         return 1
     print(f"no stage process died in {args.duration:.0f} s ({counts['ok']} answered)")
     return 0
