@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from stress_llm_streams import report_until_done  # a script beside this one
+from stress_llm_streams import drive  # a script beside this one
 
-from tiercache.server import Ports, StageWatch, TritonServer
+from tiercache.server import Ports, TritonServer
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python_backend"
 
@@ -179,8 +179,6 @@ def main() -> int:
     )
     server.start()
     server.wait_ready(300)
-    watch = StageWatch(server)
-    watch.reset()
     print(f"ready; keep_s={args.keep_s}; log {server.log_path}", flush=True)
     counts = {"streams": 0, "failed": 0}
     lock = threading.Lock()
@@ -204,23 +202,12 @@ def main() -> int:
                 time.sleep(0.5)
         client.close()
 
-    threads = [threading.Thread(target=client_thread) for _ in range(args.clients)]
-    for thread in threads:
-        thread.start()
-
     def status() -> str:
         with lock:
             return f"streams {counts['streams']:7d}  failed responses {counts['failed']:6d}"
 
-    try:
-        dead, seconds = report_until_done(watch, threads, status)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=70)
-        server.stop()
-    if dead:
-        print(f"a stub died after {seconds:.0f} s; see {server.log_path}")
+    threads = [threading.Thread(target=client_thread) for _ in range(args.clients)]
+    if drive(server, threads, stop, status, join_timeout_s=70.0):
         return 1
     print(f"no stub died in {args.duration:.0f} s ({counts['streams']} streams)")
     return 0

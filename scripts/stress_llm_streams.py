@@ -35,20 +35,37 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ("cats", "dogs", "rain", "tea", "maps", "trains", "bread", "clocks")
 
 
-def report_until_done(
-    watch: StageWatch, threads: list[threading.Thread], status: Callable[[], str]
-) -> tuple[dict[int, str], float]:
-    """Every 5 s until the client `threads` end: print the seconds so far, `status()` and any
-    stage process that died. Returns at the first death: (pid -> model of the dead, seconds)."""
+def drive(
+    server: TritonServer,
+    threads: list[threading.Thread],
+    stop: threading.Event,
+    status: Callable[[], str],
+    join_timeout_s: float = 130.0,
+) -> bool:
+    """Start the client `threads` and, every 5 s until they end, print the seconds so far,
+    `status()` and any stage process that died; at the first death, or at the end, set `stop`,
+    stop the server and join the threads. True (after saying so) if a stage process died."""
+    watch = StageWatch(server)
+    watch.reset()
+    for thread in threads:
+        thread.start()
     started = time.monotonic()
-    while any(t.is_alive() for t in threads):
-        time.sleep(5)
-        dead = watch.dead()
-        line = f"{time.monotonic() - started:6.0f} s  {status()}"
-        print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
-        if dead:
-            return dead, time.monotonic() - started
-    return {}, time.monotonic() - started
+    dead: dict[int, str] = {}
+    try:
+        while not dead and any(t.is_alive() for t in threads):
+            time.sleep(5)
+            dead = watch.dead()
+            line = f"{time.monotonic() - started:6.0f} s  {status()}"
+            print(line + (f"  DIED: {sorted(dead.values())}" if dead else ""), flush=True)
+    finally:
+        stop.set()
+        server.stop()  # clients waiting on a dead stage fail now instead of at their deadline
+        for thread in threads:
+            thread.join(timeout=join_timeout_s)
+    if dead:
+        seconds = time.monotonic() - started
+        print(f"a stage process died after {seconds:.0f} s; see {server.log_path}")
+    return bool(dead)
 
 
 def main() -> int:
@@ -69,8 +86,6 @@ def main() -> int:
     )
     server.start()
     server.wait_ready(600)
-    watch = StageWatch(server)
-    watch.reset()
     print(f"ready; engine_streams={args.engine_streams}; log {server.log_path}", flush=True)
     deadline = time.monotonic() + args.duration
     counts = {"ok": 0, "failed": 0}
@@ -92,23 +107,12 @@ def main() -> int:
                 with lock:
                     counts[outcome] += 1
 
-    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(args.concurrency)]
-    for thread in threads:
-        thread.start()
-
     def status() -> str:
         with lock:
             return f"answered {counts['ok']:5d}  failed {counts['failed']:4d}"
 
-    try:
-        dead, seconds = report_until_done(watch, threads, status)
-    finally:
-        stop.set()
-        server.stop()
-        for thread in threads:
-            thread.join(timeout=130)
-    if dead:
-        print(f"a stage process died after {seconds:.0f} s; see {server.log_path}")
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(args.concurrency)]
+    if drive(server, threads, stop, status):
         return 1
     print(f"no stage process died in {args.duration:.0f} s ({counts['ok']} answered)")
     return 0
