@@ -195,3 +195,11 @@ def test_cli_reports_bad_input_with_exit_code_2(tmp_path: Path, capsys: Any) -> 
 def test_source_is_optional(tmp_path: Path) -> None:
     path = write_pairs(tmp_path / "p.jsonl", [{"a": "x", "b": "y", "label": 0}])
     assert ev.load_pairs(path)[0].source == "-"
+
+
+def test_byte_order_mark_and_crlf_lines_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    rows = '{"a": "x y", "b": "y x", "label": 1}\r\n{"a": "p", "b": "q", "label": 0}\r\n'
+    path.write_bytes(b"\xef\xbb\xbf" + rows.encode("utf-8"))
+    pairs = ev.load_pairs(path)
+    assert [(p.a, p.b, p.label) for p in pairs] == [("x y", "y x", 1), ("p", "q", 0)]

@@ -68,7 +68,7 @@ def load_pairs(path: Path | str) -> list[Pair]:
     """Read a pairs file; raises `PairsFileError` naming the file and the 1-based line."""
     where = Path(path)
     try:
-        lines = where.read_text(encoding="utf-8").splitlines()
+        lines = where.read_text(encoding="utf-8-sig").splitlines()  # a leading BOM is fine
     except FileNotFoundError:
         raise PairsFileError(f"{where}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
