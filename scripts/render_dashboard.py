@@ -3,7 +3,8 @@
 
 Usage::
 
-    python scripts/render_dashboard.py [--duration 240] [--redis] [--out docs/dashboard.png]
+    .venv/bin/python scripts/render_dashboard.py [--duration 240] [--redis]
+        [--out docs/dashboard.png]
 
 Grafana's server is not installable where this was written (not in Debian bookworm, PyPI or
 npm), so the picture is not Grafana's: this script runs the dashboard's own PromQL on a real

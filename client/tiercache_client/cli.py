@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--key", metavar="DIGEST", help="an exact-cache digest")
     what.add_argument("--tag", help="a cache_control tag (tag=NAME)")
     what.add_argument("--tenant", metavar="NAME", help="a tenant name")
-    what.add_argument("--adapter", metavar="DIGEST", help="a LoRA adapter's content digest")
+    what.add_argument(
+        "--adapter",
+        metavar="NAME|DIGEST",
+        help="a LoRA adapter: its name (the current version) or a version's content digest",
+    )
 
     flush = sub.add_parser("flush", parents=[common], help="delete every entry of L2 and L3")
     flush.add_argument("--yes", action="store_true", help="required: confirm the flush")

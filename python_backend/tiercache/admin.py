@@ -20,6 +20,7 @@ and the answer is stored as the llm stage stores a generated one (tags, scope, a
 
 from __future__ import annotations
 
+import re
 import time
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from typing import Any
 
 from tiercache.admin_ops import parse_admin as parse_admin_ops
 from tiercache.config import CacheAdminConfig
-from tiercache.errors import InvalidRequest, TierCacheError
+from tiercache.errors import InvalidRequest, NotFound, TierCacheError
 from tiercache.invalidation import InvalidationKind, Invalidator
 from tiercache.keys import EngineIdentity, tenant_scope
 from tiercache.prompt_cache import (
@@ -51,6 +52,7 @@ ADMIN_OPS: dict[str, frozenset[str]] = {
     "warm": frozenset({"op", "prompts", "adapters"}),
 }
 _KINDS = ("key", "tag", "tenant", "adapter")
+_DIGEST = re.compile(r"[0-9a-fA-F]{64}")  # an adapter content digest (hex SHA-256)
 # A warmed prompt's keys: the ensemble's inputs (as prompt_cache reads them) plus the answer.
 _STR_FIELDS = ("text_input", "tenant", "cache_control", "lora_name")
 _INT_FIELDS = ("max_tokens", "top_k", "seed")
@@ -183,6 +185,8 @@ class Admin:
         if kind is InvalidationKind.TENANT:
             # normalized as prompt_cache normalizes the tenant input (tiercache.request)
             value = tenant_scope(self._secret, unicodedata.normalize("NFKC", value).strip())
+        elif kind is InvalidationKind.ADAPTER:
+            value = self._adapter_digest(value.strip())
         report = self.invalidator.invalidate(kind, value, sweep_shared=sweep_shared)
         inv = report.invalidation
         return {
@@ -204,6 +208,16 @@ class Admin:
             flushed[tier.value] = store.stats().entries
             store.clear()
         return {"op": "flush", "flushed": flushed, "note": "prompt_cache's L1 keeps its copies"}
+
+    def _adapter_digest(self, value: str) -> str:
+        """A content digest as given; anything else is an adapter name, resolved to the digest of
+        its current version (NotFound when the registry does not know it)."""
+        if _DIGEST.fullmatch(value):
+            return value.lower()
+        resolve = self.prompts.resolve_adapter
+        if resolve is None:
+            raise NotFound(f"unknown adapter {value!r}: no adapters are configured")
+        return resolve(value).digest
 
     def warm(self, prompts: object, adapters: object) -> dict[str, Any]:
         if prompts is None and adapters is None:

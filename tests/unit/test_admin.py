@@ -13,6 +13,7 @@ from tiercache.admin import Admin, open_admin
 from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, NotFound
 from tiercache.keys import EngineIdentity
+from tiercache.lora.types import AdapterRef
 from tiercache.prompt_cache import CacheStatus
 from tiercache.request import RawInputs
 
@@ -117,6 +118,34 @@ def test_invalidate_by_key(admin: Admin) -> None:
     ]
     assert run(admin, op="invalidate", key=digest)["dropped_l2"] == 1
     assert admin.prompts.lookup(RawInputs("a")).status is CacheStatus.MISS
+
+
+def test_invalidate_adapter_by_name_or_digest(tmp_path: Path, clock: Clock) -> None:
+    digests = {"french": "ab" * 32, "caps": "cd" * 32}
+
+    def resolve(name: str) -> AdapterRef:
+        if name not in digests:
+            raise NotFound(f"unknown adapter {name!r}")
+        return AdapterRef(name, 1 + sorted(digests).index(name), digests[name])
+
+    config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20)
+    admin = open_admin(config, ENGINE, resolve, clock=clock)
+    try:
+        prompts = [{"text_input": t, "answer": "x", "lora_name": n} for t in "ab" for n in digests]
+        assert run(admin, op="warm", prompts=prompts)["stored"] == 4
+        report = run(admin, op="invalidate", adapter=" french ")
+        assert (report["value"], report["dropped_l2"]) == (digests["french"], 2)
+        assert run(admin, op="invalidate", adapter=digests["caps"].upper())["dropped_l2"] == 2
+        with pytest.raises(NotFound, match="unknown adapter 'nope'"):
+            run(admin, op="invalidate", adapter="nope")
+    finally:
+        admin.cache.close()
+
+
+def test_invalidate_adapter_name_without_adapters_is_not_found(admin: Admin) -> None:
+    with pytest.raises(NotFound, match="no adapters are configured"):
+        run(admin, op="invalidate", adapter="french")
+    assert run(admin, op="invalidate", adapter="0" * 64)["dropped_l2"] == 0
 
 
 @pytest.mark.parametrize(
