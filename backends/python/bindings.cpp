@@ -27,7 +27,10 @@ using tiercache::cuda::DeviceTable;
 using tiercache::cuda::ReplicaSet;
 
 using HostRows = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
-using AnyRows = nb::ndarray<const float, nb::c_contig>;  // host or CUDA (DLPack)
+// Any CUDA array, taken as it is: nanobind would otherwise convert the dtype or the layout on
+// the producer's stream into a temporary that is freed when the call returns, while the
+// publication kernel, on the table's stream, has yet to read it. The binding checks instead.
+using CudaArray = nb::ndarray<nb::ro, nb::device::cuda>;
 using HostIds = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using RowsView = nb::ndarray<nb::numpy, const float, nb::ndim<2>>;
 using IdsView = nb::ndarray<nb::numpy, const std::uint64_t, nb::ndim<1>>;
@@ -44,6 +47,15 @@ std::uint64_t row_count(const Rows& rows, std::uint32_t width) {
   throw nb::value_error(("rows must have shape (n, " + std::to_string(width) + "), not " +
                          shape + (rows.ndim() == 1 ? ",)" : ")"))
                             .c_str());
+}
+
+// "float16", "bfloat16", "int64", ... (DLPack type codes).
+std::string dtype_name(nb::dlpack::dtype dtype) {
+  static const char* const kinds[] = {"int",    "uint",    "float", "opaque",
+                                      "bfloat", "complex", "bool"};
+  const std::string kind =
+      dtype.code < 7 ? kinds[dtype.code] : "type code " + std::to_string(dtype.code) + ", bits ";
+  return kind + std::to_string(dtype.bits);
 }
 
 SharedTable& live(SharedTable& table) {
@@ -98,8 +110,8 @@ void bind_table(nb::module_& m) {
               throw nb::value_error(("ids has " + std::to_string(ids->shape(0)) +
                                      " values for " + std::to_string(n) + " rows")
                                         .c_str());
-            if (timeout_s && !(*timeout_s >= 0.0))
-              throw nb::value_error("timeout_s must be >= 0, or None to wait forever");
+            if (timeout_s && !(*timeout_s >= 0.0))  // negative or NaN
+              throw nb::value_error("timeout_s must be >= 0 (None or inf: wait forever)");
             tiercache::PublishOptions options;
             options.lock_timeout_s = timeout_s ? *timeout_s : -1.0;
             options.pause_after_copy_s = pause_after_copy_s;
@@ -110,9 +122,10 @@ void bind_table(nb::module_& m) {
           "_pause_after_copy_s"_a = 0.0,
           "Append rows (n, width) with one uint64 id each (default: the row's index); returns\n"
           "the first row's index. All or nothing: TableFullError publishes none. Waits up to\n"
-          "`timeout_s` for the writer lock (None: forever; TimeoutError after). A writer that\n"
-          "died holding the lock is recovered here (generation + 1). `_pause_after_copy_s` is\n"
-          "a test hook: sleep holding the lock after the copy, before publication.")
+          "`timeout_s` for the writer lock (None, inf or over 1e9: forever; TimeoutError after;\n"
+          "negative or NaN: ValueError). A writer that died holding the lock is recovered here\n"
+          "(generation + 1). `_pause_after_copy_s` is a test hook: sleep holding the lock after\n"
+          "the copy, before publication.")
       .def(
           "snapshot",
           [](SharedTable& table) {
@@ -216,24 +229,50 @@ void bind_cuda(nb::module_& m) {
           "writes every row into pinned host memory (host_snapshot), for visibility checks.")
       .def(
           "publish",
-          [](DeviceTable& t, AnyRows rows) {
+          [](DeviceTable& t, CudaArray rows, std::uint64_t stream) {
             const std::uint64_t n = row_count(rows, t.width());
-            if (rows.device_type() == nb::device::cpu::value) {
-              nb::gil_scoped_release release;
-              return t.publish_host(rows.data(), n);
+            if (rows.device_id() != t.device())
+              throw nb::value_error(("rows are on CUDA device " + std::to_string(rows.device_id()) +
+                                     ", the table on " + std::to_string(t.device()))
+                                        .c_str());
+            if (rows.dtype() != nb::dtype<float>())
+              throw nb::type_error(("CUDA rows must be float32, not " + dtype_name(rows.dtype()) +
+                                    ": device arrays are not converted here (convert them on "
+                                    "your stream, e.g. rows.float(), and pass that stream)")
+                                       .c_str());
+            std::int64_t expect = 1;  // strides in elements, last dimension first
+            for (std::size_t i = rows.ndim(); i-- > 0;) {
+              if (rows.shape(i) != 1 && rows.stride(i) != expect)
+                throw nb::value_error(
+                    "CUDA rows must be C-contiguous: device arrays are not copied here (use "
+                    "rows.contiguous() on your stream, and pass that stream)");
+              expect *= static_cast<std::int64_t>(rows.shape(i));
             }
-            if (rows.device_type() == nb::device::cuda::value) {
-              if (rows.device_id() != t.device())
-                throw nb::value_error("rows are on another CUDA device than the table");
-              nb::gil_scoped_release release;
-              return t.publish_device(rows.data(), n);
-            }
-            throw nb::type_error("rows must be in host memory or on a CUDA device");
+            const auto* data = static_cast<const float*>(rows.data());
+            nb::gil_scoped_release release;
+            return t.publish_device(data, n, stream);
+          },
+          "rows"_a, nb::kw_only(), "stream"_a = 0,
+          "Publish rows (n, width) already on this card: a DLPack CUDA array, float32 and\n"
+          "C-contiguous (others raise TypeError/ValueError: device arrays are never converted).\n"
+          "`stream` is the cudaStream_t (an int, e.g. torch.cuda.current_stream().cuda_stream;\n"
+          "default 0, the legacy default stream) of the work that wrote the rows: the kernel\n"
+          "runs after the work queued on it so far, and later work on it runs after the kernel\n"
+          "has read the rows. Until then the rows must stay allocated and unchanged: call\n"
+          "synchronize() before freeing or rewriting them, unless only work on `stream` does\n"
+          "that (e.g. dropping a PyTorch tensor allocated on `stream`: torch reuses its memory\n"
+          "in that stream's order). Asynchronous; returns the first index.")
+      .def(
+          "publish",
+          [](DeviceTable& t, HostRows rows) {
+            const std::uint64_t n = row_count(rows, t.width());
+            nb::gil_scoped_release release;
+            return t.publish_host(rows.data(), n);
           },
           "rows"_a,
-          "Publish rows from host memory (copied before return) or from this card (a DLPack\n"
-          "CUDA array that must stay alive until synchronize()). Asynchronous; returns the\n"
-          "first index.")
+          "Publish rows (n, width) from host memory (converted to float32 if need be). They\n"
+          "have been copied when this returns (it waits for the copy), so the buffer may be\n"
+          "reused, pinned or not; the kernel is asynchronous. Returns the first index.")
       .def("host_count", &DeviceTable::host_count,
            "The host-visible count (acquire load of mapped memory).")
       .def(
@@ -315,13 +354,16 @@ void bind_cuda(nb::module_& m) {
             return s.broadcast_host(rows.data(), n);
           },
           "rows"_a,
-          "Upload rows (copied before return) to replica 0 and replicate them to every other\n"
-          "replica; asynchronous. Returns the first index.")
+          "Upload rows to replica 0 (done when this returns: it waits for the upload, so the\n"
+          "buffer may be reused, pinned or not) and replicate them to every other replica\n"
+          "(asynchronous). Returns the first index. If a broadcast fails partway, the set\n"
+          "refuses every later one (CudaError): its count may be published on some replicas.")
       .def("broadcast_range", &ReplicaSet::broadcast_range, "first"_a, "count"_a,
            nb::call_guard<nb::gil_scoped_release>(),
            "Replicate rows [first, first + count) already in replica 0 (written on work that\n"
-           "has completed) and publish their count; `first` must equal count().")
-      .def("count", &ReplicaSet::count, "Rows broadcast so far.")
+           "has completed) and publish their count; `first` must equal count(). Refused, as\n"
+          "broadcast, after a broadcast that failed partway.")
+      .def("count", &ReplicaSet::count, "Rows fully broadcast so far.")
       .def("width", &ReplicaSet::width)
       .def("capacity", &ReplicaSet::capacity)
       .def("__len__", &ReplicaSet::replicas)

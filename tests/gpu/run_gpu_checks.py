@@ -5,25 +5,43 @@
 - device publication: a host thread spins on the host-visible count of a DeviceTable while
   another thread publishes many small batches; every row below each count it reads must be
   complete in the pinned host mirror (the __threadfence_system() ordering). The device count
-  and the rows copied back must match. With PyTorch on the machine, rows published from device
-  memory (DLPack) too.
+  and the rows copied back must match.
+- device rows (with PyTorch): rows written into a CUDA tensor on a side stream behind a slow
+  kernel and published with `stream=` at once, no torch.cuda.synchronize(); each tensor is
+  dropped right after publish and its memory refilled with NaN on that stream. The same on the
+  default stream without `stream=`. An fp16 and a non-contiguous tensor must be refused.
+- host sources (with PyTorch, for pinned memory): a pinned buffer refilled with NaN right after
+  each publish and each broadcast; the rows must arrive intact.
 - broadcast: a ReplicaSet over the cards; after every broadcast a kernel on each replica's
   reader stream reads the count and checks every row below it. On one card the replicas share
   it: one by a device copy ("same-card"), one staged through pinned host memory ("staging");
   with two or more cards, peer copies where peer access is on, and the staging path forced.
+- teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
+  go wrong across cards; on one card it is a smoke test), then a new set must work. With two
+  cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
 
-Without a GPU it says so and exits 0. When tiercache_native is not importable (a bare GPU
-machine), it is built first with CMake into build/gpu-checks/ for this machine's card.
+A check that raises is a FAIL row with its error; the others still run.
+
+Exit status: 0 when every check passes, and on a machine without a GPU (no nvidia-smi on PATH,
+no /dev/nvidia0), where it says so. On a GPU machine, when the importable tiercache_native has no
+CUDA part (or none is importable), it builds one with CMake into build/gpu-checks/ for this
+machine's card and runs again with it; a build that fails, or a module that sees no device
+(e.g. a driver older than the CUDA toolkit it was built with: CUDA 13 needs R580 or newer),
+is reported with what to do, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,38 +49,126 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "build" / "gpu-checks"
+REBUILT = "TIERCACHE_GPU_CHECKS_BUILT"  # set for the second run, on the module just built
 WIDTH = 64
 
+Row = tuple[str, ...]
 
-def load_native() -> ModuleType | None:
+
+# --- The module -----------------------------------------------------------------------------------
+
+
+def machine_has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+
+
+def import_native() -> tuple[ModuleType | None, str]:
     try:
-        return importlib.import_module("tiercache_native")
-    except ImportError:
-        pass
-    if shutil.which("nvidia-smi") is None or shutil.which("cmake") is None:
-        return None
-    build = ROOT / "build" / "gpu-checks"
+        return importlib.import_module("tiercache_native"), ""
+    except ImportError as e:
+        return None, f"tiercache_native is not importable: {e}"
+
+
+def run_quietly(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
+    """Runs a build step; on failure prints its command and the end of its output."""
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode == 0:
+        return result
+    print(f"cannot build tiercache_native: `{' '.join(cmd)}` failed (exit {result.returncode}):")
+    print("\n".join((result.stdout + result.stderr).splitlines()[-40:]))
+    return None
+
+
+def build_native() -> bool:
+    """Builds tiercache_native with CMake into build/gpu-checks/ for this machine's card."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        print("cannot build tiercache_native: cmake (3.24 or newer) is not on PATH")
+        return False
+    probe = [sys.executable, "-m", "nanobind", "--cmake_dir"]
+    if subprocess.run(probe, capture_output=True, check=False).returncode != 0:
+        print(
+            f"cannot build tiercache_native: nanobind is not installed for {sys.executable}"
+            f" (`{sys.executable} -m pip install nanobind`)"
+        )
+        return False
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        print(
+            f"cannot build tiercache_native: the Python headers are missing ({headers});"
+            f" install python{version}-dev (Debian, Ubuntu) or python3-devel (RHEL)"
+        )
+        return False
     configure = [
-        "cmake",
+        cmake,
         "-S",
         str(ROOT),
         "-B",
-        str(build),
+        str(BUILD),
         f"-DPython_EXECUTABLE={sys.executable}",
         "-DCMAKE_CUDA_ARCHITECTURES=native",
         "-DTIERCACHE_BUILD_TESTS=OFF",
     ]
-    if shutil.which("ninja"):
+    if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
         configure += ["-G", "Ninja"]
     started = time.perf_counter()
-    subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "-j"], check=True, stdout=subprocess.DEVNULL)
-    print(f"built tiercache_native in {time.perf_counter() - started:.0f} s")
-    sys.path.insert(0, str(build / "python"))
-    return importlib.import_module("tiercache_native")
+    configured = run_quietly(configure)
+    if configured is None or run_quietly([cmake, "--build", str(BUILD), "-j"]) is None:
+        return False
+    if not any((BUILD / "python" / "tiercache_native").glob("_core*.so")):
+        notes = [line for line in configured.stderr.splitlines() if "tiercache" in line]
+        print("cannot build tiercache_native: CMake built no Python module. It said:")
+        print("\n".join(notes) or configured.stderr[-2000:])
+        return False
+    print(f"built tiercache_native in {BUILD} in {time.perf_counter() - started:.0f} s")
+    return True
 
 
-Row = tuple[str, ...]
+def run_with_built_module() -> int:
+    """Runs this script again in a fresh interpreter that imports the module in BUILD."""
+    path = [str(BUILD / "python"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, REBUILT: "1", "PYTHONPATH": os.pathsep.join(path)}
+    script = [sys.executable, str(Path(__file__).resolve())]
+    return subprocess.run(script, env=env, check=False).returncode
+
+
+def no_device_hint(status: str) -> str:
+    if "InsufficientDriver" in status:
+        return (
+            "The driver is older than the CUDA runtime the module was built with (CUDA 13 needs\n"
+            "driver R580 or newer; nvidia-smi shows the driver). Build with a toolkit that this\n"
+            "driver supports:\n"
+            "  CUDACXX=/usr/local/cuda-12.8/bin/nvcc cmake -S . -B build/gpu-cuda12 \\\n"
+            "    -DCMAKE_CUDA_ARCHITECTURES=native && cmake --build build/gpu-cuda12 -j\n"
+            f"  PYTHONPATH=build/gpu-cuda12/python {sys.executable} tests/gpu/run_gpu_checks.py"
+        )
+    return "Check CUDA_VISIBLE_DEVICES, the driver (nvidia-smi) and the container's device access."
+
+
+def import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+# --- Checks ---------------------------------------------------------------------------------------
+
+
+def failed_row(name: str, error: BaseException) -> Row:
+    message = " ".join(str(error).split())  # one line
+    return (name, "-", "-", "-", "-", f"FAIL: {type(error).__name__}: {message}")
+
+
+def run_check(name: str, check: Callable[[], list[Row]]) -> list[Row]:
+    """A check that raises becomes a FAIL row with its error, and the next check runs."""
+    try:
+        return check()
+    except Exception as e:  # reported, not swallowed: the row fails and the exit status is 1
+        return [failed_row(name, e)]
 
 
 def check_device_publication(native: Any, testing: Any) -> list[Row]:
@@ -70,67 +176,158 @@ def check_device_publication(native: Any, testing: Any) -> list[Row]:
     total = batch * batches
     rows = testing.make_rows(np.arange(total, dtype=np.uint64), WIDTH)
     table = native.DeviceTable(WIDTH, total, device=0, host_mirror=True)
+    errors: list[BaseException] = []
 
     def publish() -> None:
-        for i in range(batches):
-            table.publish(rows[i * batch : (i + 1) * batch])
+        try:
+            for i in range(batches):
+                table.publish(rows[i * batch : (i + 1) * batch])
+        except BaseException as e:  # handed to the main thread, which fails the check
+            errors.append(e)
 
     writer = threading.Thread(target=publish)
     started = time.perf_counter()
     writer.start()
-    seen = table.watch_mirror(total, timeout_s=60.0)
+    # Watched in slices, so a writer that failed does not leave the watch spinning for long.
+    polls = distinct = bad = last = 0
+    deadline = time.monotonic() + 60.0
+    while last < total and not errors and time.monotonic() < deadline:
+        seen = table.watch_mirror(total, timeout_s=2.0)
+        polls += seen["polls"]
+        distinct += seen["distinct_counts"]
+        bad += seen["bad_rows"]
+        last = seen["last_count"]
     writer.join()
+    if errors:
+        raise RuntimeError(f"publishing thread: {type(errors[0]).__name__}: {errors[0]}")
     table.synchronize()
     elapsed = time.perf_counter() - started
     ok = (
-        seen["bad_rows"] == 0
-        and seen["last_count"] == total
+        bad == 0
+        and last == total
         and table.host_count() == total
         and table.device_count() == total
         and np.array_equal(table.rows(), rows)
         and np.array_equal(table.host_snapshot(), rows)
     )
-    out: list[Row] = [
+    return [
         (
             "device publication (host rows)",
             f"{total} rows in {batches} kernels",
-            f"host saw {seen['distinct_counts']} counts in {seen['polls']} polls",
-            f"{seen['bad_rows']} bad rows",
+            f"host saw {distinct} counts in {polls} polls",
+            f"{bad} bad rows",
             f"{elapsed / batches * 1e6:.1f} us/publish",
             "ok" if ok else "FAIL",
         )
     ]
-    out.append(check_device_rows(native, testing))
-    return out
 
 
-def check_device_rows(native: Any, testing: Any) -> Row:
-    """Rows already on the card (a PyTorch tensor through DLPack), published by the kernel."""
-    name = "device publication (device rows)"
-    try:
-        import torch
-    except ImportError:
-        return (name, "-", "-", "-", "-", "skipped: no torch")
-    if not torch.cuda.is_available():
-        return (name, "-", "-", "-", "-", "skipped: torch sees no GPU")
-    total = 4096
+def slow_kernel(torch: Any) -> None:
+    """Queues about a millisecond of GPU work on the current stream (when torch has it)."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000)
+
+
+def publish_from_tensors(native: Any, testing: Any, torch: Any, on_side_stream: bool) -> Row:
+    """Rows copied into a fresh tensor behind a slow kernel and published at once; the tensor
+    is dropped and its memory refilled with NaN on the same stream right after."""
+    total, batch = 4096, 256
     rows = testing.make_rows(np.arange(total, dtype=np.uint64), WIDTH)
+    host = torch.from_numpy(rows).pin_memory()  # so that the copies are asynchronous
     table = native.DeviceTable(WIDTH, total, device=0, host_mirror=True)
-    on_card = torch.from_numpy(rows).to("cuda:0")
-    torch.cuda.synchronize()
-    for first in range(0, total, 256):
-        table.publish(on_card[first : first + 256])
+    stream = torch.cuda.Stream(device=0) if on_side_stream else torch.cuda.current_stream(0)
+    with torch.cuda.stream(stream):
+        for first in range(0, total, batch):
+            on_card = torch.empty((batch, WIDTH), dtype=torch.float32, device="cuda:0")
+            slow_kernel(torch)
+            on_card.copy_(host[first : first + batch], non_blocking=True)
+            if on_side_stream:
+                table.publish(on_card, stream=stream.cuda_stream)
+            else:
+                table.publish(on_card)
+            del on_card
+            torch.full((batch, WIDTH), float("nan"), device="cuda:0")  # its memory, reused
     seen = table.watch_mirror(total, timeout_s=30.0)
     table.synchronize()
     ok = seen["bad_rows"] == 0 and np.array_equal(table.rows(), rows)
+    how = "side stream, stream=" if on_side_stream else "default stream, no stream="
     return (
-        name,
-        f"{total} rows in {total // 256} kernels",
-        f"host saw {seen['distinct_counts']} counts",
+        f"device rows ({how})",
+        f"{total} rows in {total // batch} kernels",
+        "no host wait; tensors freed, refilled",
         f"{seen['bad_rows']} bad rows",
         "-",
         "ok" if ok else "FAIL",
     )
+
+
+def check_device_rows(native: Any, testing: Any, torch: Any) -> list[Row]:
+    name = "device rows"
+    if torch is None:
+        return [(name, "-", "-", "-", "-", "skipped: no torch")]
+    if not torch.cuda.is_available():
+        return [(name, "-", "-", "-", "-", "skipped: torch sees no GPU")]
+    out = [publish_from_tensors(native, testing, torch, on_side_stream=True)]
+    if torch.cuda.current_stream(0).cuda_stream == 0:
+        out.append(publish_from_tensors(native, testing, torch, on_side_stream=False))
+    else:
+        out.append((name, "-", "-", "-", "-", "skipped: torch's default stream is not stream 0"))
+    table = native.DeviceTable(WIDTH, 16, device=0)
+    refused = {
+        "fp16": (torch.zeros((4, WIDTH), dtype=torch.float16, device="cuda:0"), "float32"),
+        "non-contiguous": (torch.zeros((WIDTH, 4), device="cuda:0").t(), "C-contiguous"),
+    }
+    for what, (tensor, expected) in refused.items():
+        try:
+            table.publish(tensor)
+            outcome = "FAIL: accepted"
+        except (TypeError, ValueError) as e:
+            outcome = "ok" if expected in str(e) else f"FAIL: {' '.join(str(e).split())}"
+        out.append((f"device rows ({what})", "refused", "-", "-", "-", outcome))
+    if table.count() != 0:
+        out.append((name, "refused rows were counted", "-", "-", "-", "FAIL"))
+    return out
+
+
+def check_pinned_sources(native: Any, testing: Any, torch: Any, devices: list[int]) -> list[Row]:
+    """publish() and broadcast() must have read a host buffer when they return: pinned memory
+    is copied asynchronously, so the buffer is refilled with NaN right after each call."""
+    name = "pinned host rows"
+    if torch is None:
+        return [(name, "-", "-", "-", "-", "skipped: no torch (for pinned memory)")]
+    batch, batches = 16384, 8  # 4 MiB per call
+    total = batch * batches
+    rows = testing.make_rows(np.arange(total, dtype=np.uint64), WIDTH)
+    buffer = torch.empty((batch, WIDTH), dtype=torch.float32).pin_memory().numpy()
+    table = native.DeviceTable(WIDTH, total, device=0)
+    replicas = native.ReplicaSet(WIDTH, total, devices=devices, allow_peer=True)
+    for send in (table.publish, replicas.broadcast):
+        for first in range(0, total, batch):
+            buffer[:] = rows[first : first + batch]
+            send(buffer)
+            buffer.fill(np.nan)
+    table.synchronize()
+    replicas.synchronize()
+    published = np.array_equal(table.rows(), rows)
+    broadcast = all(np.array_equal(replicas.rows(k), rows) for k in range(len(replicas)))
+    return [
+        (
+            f"{name} (publish)",
+            f"{total} rows in {batches} calls",
+            "buffer refilled after each",
+            "-",
+            "-",
+            "ok" if published else "FAIL",
+        ),
+        (
+            f"{name} (broadcast)",
+            ", ".join(replicas.paths()),
+            f"{total} rows in {batches} calls",
+            "buffer refilled after each",
+            "-",
+            "ok" if broadcast else "FAIL",
+        ),
+    ]
 
 
 def check_broadcast(native: Any, testing: Any, devices: list[int], allow_peer: bool) -> list[Row]:
@@ -172,26 +369,94 @@ def check_broadcast(native: Any, testing: Any, devices: list[int], allow_peer: b
     return out
 
 
+def check_teardown(native: Any, testing: Any, torch: Any, devices: list[int]) -> list[Row]:
+    total = 1 << 16  # 16 MiB per replica
+    rows = testing.make_rows(np.arange(total, dtype=np.uint64), WIDTH)
+    for allow_peer in (True, False):
+        for _ in range(3):
+            dropped = native.ReplicaSet(WIDTH, total, devices=devices, allow_peer=allow_peer)
+            dropped.broadcast(rows)
+            del dropped  # copies still in flight: freed only after every replica's streams
+    after = native.ReplicaSet(WIDTH, 1024, devices=devices)
+    after.broadcast(rows[:1024])
+    after.synchronize()
+    ok = all(np.array_equal(after.rows(k), rows[:1024]) for k in range(len(after)))
+    out: list[Row] = [
+        (
+            "teardown (set dropped after broadcast)",
+            f"{len(devices)} replicas, 6 sets",
+            f"{total} rows each",
+            "a new set works after" if ok else "a new set fails after",
+            "-",
+            "ok" if ok else "FAIL",
+        )
+    ]
+    if len(set(devices)) > 1 and torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        table = native.DeviceTable(WIDTH, 16, device=1)
+        replicas = native.ReplicaSet(WIDTH, 16, devices=[1, 0])
+        del table, replicas
+        current = torch.cuda.current_device()
+        out.append(
+            (
+                "teardown (current device)",
+                "objects on card 1 dropped",
+                f"current device {current}",
+                "-",
+                "-",
+                "ok" if current == 0 else "FAIL",
+            )
+        )
+    return out
+
+
+# --- Main -----------------------------------------------------------------------------------------
+
+
 def main() -> int:
-    native = load_native()
-    if native is None or native.cuda_device_count() == 0:
-        status = native.cuda_status() if native is not None else "tiercache_native not built"
+    native, why = import_native()
+    if not machine_has_gpu():
+        status = native.cuda_status() if native is not None else why
         print(f"no GPU here ({status}); nothing to check")
         return 0
-    testing = importlib.import_module("tiercache_native.testing")
+    if native is None or not native.cuda_compiled():
+        found = why if native is None else f"{native.__file__} was built without CUDA"
+        if os.environ.get(REBUILT):
+            print(f"FAIL: this machine has a GPU, and after the build in {BUILD}: {found}.")
+            print("CMake found no CUDA compiler: put nvcc on PATH (or set CUDACXX), remove")
+            print(f"{BUILD} and run again.")
+            return 1
+        print(f"this machine has a GPU and {found}: building it for this card")
+        if not build_native():
+            return 1
+        return run_with_built_module()
     cards = native.cuda_device_count()
-    print(native.cuda_status())
-    rows = check_device_publication(native, testing)
-    if cards == 1:
-        rows += check_broadcast(native, testing, [0, 0], allow_peer=True)
-        rows += check_broadcast(native, testing, [0, 0], allow_peer=False)
-    else:
-        rows += check_broadcast(native, testing, list(range(cards)), allow_peer=True)
-        rows += check_broadcast(native, testing, list(range(cards)), allow_peer=False)
+    status = native.cuda_status()
+    if cards == 0:
+        print(f"FAIL: this machine has a GPU, but tiercache_native sees none: {status}")
+        print(no_device_hint(status))
+        return 1
+    testing = importlib.import_module("tiercache_native.testing")
+    torch = import_torch()
+    torch_note = f", torch {torch.__version__}" if torch is not None else ", no torch"
+    print(f"{status} (runtime/driver: 1000 * major + 10 * minor){torch_note}")
+    print(f"module: {native.__file__}")
+    devices = [0, 0] if cards == 1 else list(range(cards))
+    rows = run_check("device publication", lambda: check_device_publication(native, testing))
+    rows += run_check("device rows", lambda: check_device_rows(native, testing, torch))
+    rows += run_check(
+        "pinned host rows", lambda: check_pinned_sources(native, testing, torch, devices)
+    )
+    for allow_peer in (True, False):
+        rows += run_check(
+            f"broadcast (allow_peer={allow_peer})",
+            partial(check_broadcast, native, testing, devices, allow_peer),
+        )
+    rows += run_check("teardown", lambda: check_teardown(native, testing, torch, devices))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
-    failed = sum(r[-1] == "FAIL" for r in rows)
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    failed = sum(r[-1].startswith("FAIL") for r in rows)
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
 

@@ -105,8 +105,9 @@ def test_capacity_is_all_or_nothing(tmp_path: Path) -> None:
         table.publish(np.zeros((3, WIDTH), dtype=np.float32))
     assert table.count() == table.claimed() == 3
     assert table.publish(np.zeros((2, WIDTH), dtype=np.float32)) == 3
-    with pytest.raises(ValueError, match="timeout_s"):
-        table.publish(np.zeros((1, WIDTH), dtype=np.float32), timeout_s=-1.0)
+    for timeout_s in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be >= 0"):
+            table.publish(np.zeros((1, WIDTH), dtype=np.float32), timeout_s=timeout_s)
 
 
 def test_a_second_handle_sees_the_same_rows(tmp_path: Path) -> None:
@@ -334,6 +335,33 @@ def test_a_writer_killed_mid_publish_is_recovered(tmp_path: Path) -> None:
     assert testing.bad_rows(table.snapshot(), table.ids()) == 0
     table.publish(np.zeros((1, WIDTH), dtype=np.float32))
     assert table.generation() == 1  # one recovery, one bump
+
+
+def _hold_the_lock(path: str, capacity: int, hold_s: float) -> None:
+    """Publishes 7 rows, holding the writer lock for `hold_s` after copying them."""
+    table = native.SharedTable(path, WIDTH, capacity)
+    ids = check_ids(0, 7)
+    table.publish(testing.make_rows(ids, WIDTH), ids, _pause_after_copy_s=hold_s)
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
+def test_an_unbounded_timeout_waits_for_a_live_writer(tmp_path: Path, timeout_s: float) -> None:
+    # Converting these to a time_t deadline used to be undefined (an immediate TimeoutError on
+    # x86-64); they mean "wait forever", as None does.
+    path = str(tmp_path / "t.tbl")
+    table = native.SharedTable(path, WIDTH, 100)
+    proc = mp.get_context("spawn").Process(target=_hold_the_lock, args=(path, 100, 0.5))
+    proc.start()
+    try:
+        wait_until(lambda: table.claimed() == 7)  # the other writer holds the lock
+        assert table.count() == 0
+        row = testing.make_rows(check_ids(7, 1), WIDTH)
+        assert table.publish(row, check_ids(7, 1), timeout_s=timeout_s) == 7  # after its rows
+    finally:
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert table.count() == 8 and table.generation() == 0
+    assert testing.bad_rows(table.snapshot(), table.ids()) == 0
 
 
 def _publish_and_exit(path: str) -> None:

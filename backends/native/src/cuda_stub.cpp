@@ -19,7 +19,9 @@ struct DeviceTable::Impl {};
 DeviceTable::DeviceTable(int, std::uint32_t, std::uint64_t, bool) { unavailable(); }
 DeviceTable::~DeviceTable() = default;
 std::uint64_t DeviceTable::publish_host(const float*, std::uint64_t) { unavailable(); }
-std::uint64_t DeviceTable::publish_device(const float*, std::uint64_t) { unavailable(); }
+std::uint64_t DeviceTable::publish_device(const float*, std::uint64_t, std::uint64_t) {
+  unavailable();
+}
 std::uint64_t DeviceTable::count() const { unavailable(); }
 std::uint64_t DeviceTable::host_count() const { unavailable(); }
 const float* DeviceTable::host_mirror() const { unavailable(); }

@@ -58,6 +58,9 @@ void populate_for_write(char* begin, std::size_t bytes) {
 #endif
 }
 
+// Lock timeouts longer than this (about 32 years) wait forever.
+constexpr double kForeverS = 1e9;
+
 std::string errno_text(const std::string& what, int err) {
   return what + ": " + std::strerror(err);
 }
@@ -295,9 +298,13 @@ bool SharedTable::retired() const {
 void SharedTable::retire() { header()->retired.store(1, std::memory_order_release); }
 
 void SharedTable::lock_writer(const PublishOptions& options, bool* recovered) {
+  if (std::isnan(options.lock_timeout_s))
+    throw std::invalid_argument("lock_timeout_s is NaN (< 0 or inf: wait forever)");
   TableHeader* h = header();
   int rc;
-  if (options.lock_timeout_s < 0) {
+  // Converting inf, or anything past time_t's range, to time_t is undefined (on x86-64 it gives
+  // INT64_MIN: a deadline in the past, so an immediate timeout). Past kForeverS, wait forever.
+  if (options.lock_timeout_s < 0 || options.lock_timeout_s > kForeverS) {
     rc = pthread_mutex_lock(&h->writer_lock);
   } else {
     timespec deadline{};

@@ -42,10 +42,21 @@ class DeviceTable {
   DeviceTable(const DeviceTable&) = delete;
   DeviceTable& operator=(const DeviceTable&) = delete;
 
-  // Rows from host memory (copied before return) or from this card's memory (read by the
-  // kernel; must stay valid until synchronize()). Asynchronous; returns the first index.
+  // Both return the first index, and count() covers the rows once the call returns. A call
+  // that throws before its kernel is queued publishes nothing, and the next publish starts at
+  // the same index (no hole); publish_device can still throw after that, with the rows counted.
+  //
+  // publish_host: `rows` in host memory (pageable or pinned) has been copied when the call
+  // returns (it waits for the copy), so the caller may reuse it; the kernel is asynchronous.
   std::uint64_t publish_host(const float* rows, std::uint64_t n);
-  std::uint64_t publish_device(const float* device_rows, std::uint64_t n);
+  // publish_device: `device_rows` on this card, float32, contiguous. The kernel runs after the
+  // work queued so far on `caller_stream` (a cudaStream_t of this card as an integer; 0 is the
+  // legacy default stream), which wrote the rows, and later work queued on `caller_stream`
+  // runs after the kernel has read them. Until then the rows must stay allocated and
+  // unchanged: wait for synchronize(), unless their memory is reused or rewritten only by work
+  // queued on `caller_stream` (e.g. by a stream-ordered allocator, on that stream).
+  std::uint64_t publish_device(const float* device_rows, std::uint64_t n,
+                               std::uint64_t caller_stream);
 
   std::uint64_t count() const;       // rows published so far, kernels in flight included
   std::uint64_t host_count() const;  // acquire load of the host-visible flag
@@ -86,12 +97,18 @@ class ReplicaSet {
   ReplicaSet(const ReplicaSet&) = delete;
   ReplicaSet& operator=(const ReplicaSet&) = delete;
 
-  std::uint64_t broadcast_host(const float* rows, std::uint64_t n);  // returns the first index
+  // Uploads `rows` (host memory, pageable or pinned) to replica 0 and replicates them; returns
+  // the first index. The upload is done when the call returns, so the caller may reuse `rows`;
+  // the replication is asynchronous.
+  std::uint64_t broadcast_host(const float* rows, std::uint64_t n);
   // Replicates rows [first, first + n) that are already in replica 0 (e.g. written there by a
   // DeviceTable sharing its memory, or by the caller) and publishes count first + n.
   void broadcast_range(std::uint64_t first, std::uint64_t n);
+  // A broadcast that fails partway (a CUDA error while replicating) may have published its
+  // count on some replicas and not on others. The set is then poisoned: every later broadcast
+  // throws CudaError, so no row index a reader may have seen is ever written again.
 
-  std::uint64_t count() const;  // rows broadcast so far (host side)
+  std::uint64_t count() const;  // rows fully broadcast so far (host side)
   std::size_t replicas() const;
   std::uint32_t width() const;
   std::uint64_t capacity() const;

@@ -61,7 +61,8 @@ class Mapping {
 struct TableHeader;  // the file's first page; see shared_table.cpp
 
 struct PublishOptions {
-  double lock_timeout_s = -1.0;      // < 0: wait for the writer lock as long as it takes
+  double lock_timeout_s = -1.0;      // < 0 or > 1e9 (inf): wait for the writer lock as long
+                                     // as it takes; NaN: std::invalid_argument
   double pause_after_copy_s = 0.0;   // test hook: sleep holding the lock, rows copied, unpublished
 };
 

@@ -3,7 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <new>
 #include <string>
+#include <utility>
 
 #include "tiercache/cuda.h"
 
@@ -16,23 +18,74 @@ namespace detail {
                   cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
+}  // namespace detail
+}  // namespace cuda
+}  // namespace tiercache
+
+#define TIERCACHE_CUDA(call)                                                      \
+  do {                                                                            \
+    cudaError_t tiercache_err_ = (call);                                          \
+    if (tiercache_err_ != cudaSuccess)                                            \
+      ::tiercache::cuda::detail::throw_cuda(tiercache_err_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+namespace tiercache {
+namespace cuda {
+namespace detail {
+
 // Throws CudaUnavailableError unless `device` is a usable device index.
 void require_device(int device);
 
-// Sets the current device for the lifetime of the guard, then restores the previous one.
+// Makes `device` current for the lifetime of the guard, then restores the previous one.
+//
+// DeviceGuard(device) throws CudaError when the current device cannot be read or set: going on
+// would allocate and launch on whatever card was current before. DeviceGuard(device,
+// std::nothrow) is for teardown, which must not throw: ok() says whether `device` is current.
+// The destructor never throws; a failure to restore the previous device is dropped.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
+    TIERCACHE_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      TIERCACHE_CUDA(cudaSetDevice(device));
+      restore_ = true;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) return;
+    if (previous_ != device) {
+      if (cudaSetDevice(device) != cudaSuccess) return;
+      restore_ = true;
+    }
+    ok_ = true;
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
+  bool ok() const { return ok_; }
+
  private:
   int previous_ = 0;
+  bool restore_ = false;
+  bool ok_ = true;
 };
+
+// Launches `kernel` and returns this launch's own error. A <<<>>> launch reports a bad
+// configuration only through cudaGetLastError(), which returns (and clears) an earlier,
+// unrelated error of this thread just as well, so a publish would fail for someone else's
+// error. The arguments are converted to the kernel's parameter types, as by a <<<>>> launch.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), unsigned int blocks, unsigned int threads,
+                          cudaStream_t stream, Args&&... args) {
+  return [&](Params... params) {
+    void* slots[] = {&params...};
+    return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads),
+                            slots, 0, stream);
+  }(std::forward<Args>(args)...);
+}
 
 constexpr int kThreads = 256;
 
@@ -45,10 +98,3 @@ inline unsigned int blocks_for(unsigned long long work, unsigned int max_blocks 
 }  // namespace detail
 }  // namespace cuda
 }  // namespace tiercache
-
-#define TIERCACHE_CUDA(call)                                                      \
-  do {                                                                            \
-    cudaError_t tiercache_err_ = (call);                                          \
-    if (tiercache_err_ != cudaSuccess)                                            \
-      ::tiercache::cuda::detail::throw_cuda(tiercache_err_, #call, __FILE__, __LINE__); \
-  } while (0)

@@ -1,5 +1,6 @@
 // Publication of rows into one card's memory, with a count the host reads from mapped memory.
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -64,38 +65,74 @@ struct DeviceTable::Impl {
   float* mirror = nullptr;          // pinned, mapped (optional)
   float* mirror_dev = nullptr;
   cudaStream_t stream = nullptr;
+  cudaEvent_t caller_ready = nullptr;  // recorded on the caller's stream before a device publish
+  cudaEvent_t source_read = nullptr;   // recorded on `stream` after that publish's kernel
   bool pools = false;               // stream-ordered allocation supported
-  std::uint64_t next = 0;
+  std::uint64_t next = 0;           // rows whose publication kernel has been queued
   mutable std::mutex writer;
 
   void launch(const float* src, std::uint64_t first, std::uint64_t n) {
-    const unsigned int blocks = detail::blocks_for(n * width);
-    publish_rows_kernel<<<blocks, detail::kThreads, 0, stream>>>(
-        src, rows, mirror_dev, first, n, width, blocks_done, count, flag_dev);
-    TIERCACHE_CUDA(cudaGetLastError());
+    TIERCACHE_CUDA(detail::launch_kernel(publish_rows_kernel, detail::blocks_for(n * width),
+                                         detail::kThreads, stream, src, rows, mirror_dev, first,
+                                         n, width, blocks_done, count, flag_dev));
   }
 
-  std::uint64_t reserve(std::uint64_t n) {
+  // Checks that n more rows fit; the caller advances `next` only once their kernel is queued,
+  // so a publish that fails before that leaves no hole for a later publish to count.
+  void check_room(std::uint64_t n) const {
     if (n > capacity - next)
       throw TableFullError("device table full: " + std::to_string(next) + " of " +
                               std::to_string(capacity) + " rows used, " + std::to_string(n) +
                               " more do not fit");
-    std::uint64_t first = next;
-    next += n;
-    return first;
   }
 
   void release() noexcept {
-    cudaSetDevice(device);
+    DeviceGuard guard(device, std::nothrow);
     if (stream != nullptr) cudaStreamSynchronize(stream);
     cudaFree(rows);
     cudaFree(count);
     cudaFree(blocks_done);
     if (flag != nullptr) cudaFreeHost(flag);
     if (mirror != nullptr) cudaFreeHost(mirror);
+    if (caller_ready != nullptr) cudaEventDestroy(caller_ready);
+    if (source_read != nullptr) cudaEventDestroy(source_read);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
+
+namespace {
+
+// The scratch copy of one host publish. Freed in stream order after the kernel that reads it
+// (pools), else after a wait for the stream; on error paths as well.
+class Scratch {
+ public:
+  explicit Scratch(DeviceTable::Impl& table) : table_(table) {}
+  ~Scratch() {
+    if (data_ == nullptr) return;
+    if (table_.pools) {
+      cudaFreeAsync(data_, table_.stream);
+    } else {
+      cudaStreamSynchronize(table_.stream);
+      cudaFree(data_);
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  float* allocate(std::size_t bytes) {
+    if (table_.pools)
+      TIERCACHE_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&data_), bytes, table_.stream));
+    else
+      TIERCACHE_CUDA(cudaMalloc(&data_, bytes));
+    return data_;
+  }
+
+ private:
+  DeviceTable::Impl& table_;
+  float* data_ = nullptr;
+};
+
+}  // namespace
 
 DeviceTable::DeviceTable(int device, std::uint32_t width, std::uint64_t capacity,
                          bool host_mirror)
@@ -110,6 +147,8 @@ DeviceTable::DeviceTable(int device, std::uint32_t width, std::uint64_t capacity
   try {
     const std::size_t bytes = capacity * width * sizeof(float);
     TIERCACHE_CUDA(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
+    TIERCACHE_CUDA(cudaEventCreateWithFlags(&d.caller_ready, cudaEventDisableTiming));
+    TIERCACHE_CUDA(cudaEventCreateWithFlags(&d.source_read, cudaEventDisableTiming));
     TIERCACHE_CUDA(cudaMalloc(&d.rows, bytes));
     TIERCACHE_CUDA(cudaMemset(d.rows, 0, bytes));
     TIERCACHE_CUDA(cudaMalloc(&d.count, sizeof(std::uint64_t)));
@@ -142,35 +181,43 @@ DeviceTable::~DeviceTable() {
 std::uint64_t DeviceTable::publish_host(const float* rows, std::uint64_t n) {
   Impl& d = *impl_;
   std::lock_guard<std::mutex> lock(d.writer);
-  const std::uint64_t first = d.reserve(n);
+  d.check_room(n);
+  const std::uint64_t first = d.next;
   if (n == 0) return first;
   DeviceGuard guard(d.device);
+  Scratch src(d);
   const std::size_t bytes = n * d.width * sizeof(float);
-  float* src = nullptr;
-  if (d.pools) {
-    // Stream-ordered scratch: freed after the kernel that reads it, without a host wait. The
-    // copy from pageable memory returns once the source is staged, so `rows` may go away.
-    TIERCACHE_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&src), bytes, d.stream));
-    TIERCACHE_CUDA(cudaMemcpyAsync(src, rows, bytes, cudaMemcpyHostToDevice, d.stream));
-    d.launch(src, first, n);
-    TIERCACHE_CUDA(cudaFreeAsync(src, d.stream));
-  } else {
-    TIERCACHE_CUDA(cudaMalloc(&src, bytes));
-    TIERCACHE_CUDA(cudaMemcpyAsync(src, rows, bytes, cudaMemcpyHostToDevice, d.stream));
-    d.launch(src, first, n);
-    TIERCACHE_CUDA(cudaStreamSynchronize(d.stream));
-    TIERCACHE_CUDA(cudaFree(src));
-  }
+  float* scratch = src.allocate(bytes);
+  TIERCACHE_CUDA(cudaMemcpyAsync(scratch, rows, bytes, cudaMemcpyHostToDevice, d.stream));
+  // cudaMemcpyAsync may return before it has read `rows` (always for pinned memory, and for
+  // pageable memory where the driver chooses to), and `rows` may be the caller's buffer or
+  // nanobind's temporary, both reused as soon as this returns: wait until the copy is done.
+  // (The wait also covers earlier publishes still queued on the stream.)
+  TIERCACHE_CUDA(cudaStreamSynchronize(d.stream));
+  d.launch(scratch, first, n);
+  d.next = first + n;  // queued: the kernel publishes first + n
   return first;
 }
 
-std::uint64_t DeviceTable::publish_device(const float* device_rows, std::uint64_t n) {
+std::uint64_t DeviceTable::publish_device(const float* device_rows, std::uint64_t n,
+                                          std::uint64_t caller_stream) {
   Impl& d = *impl_;
   std::lock_guard<std::mutex> lock(d.writer);
-  const std::uint64_t first = d.reserve(n);
+  d.check_room(n);
+  const std::uint64_t first = d.next;
   if (n == 0) return first;
   DeviceGuard guard(d.device);
+  auto caller = reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(caller_stream));
+  // The rows were written by work on the caller's stream; the table's stream is non-blocking,
+  // so nothing orders it after that work unless it waits for it.
+  TIERCACHE_CUDA(cudaEventRecord(d.caller_ready, caller));
+  TIERCACHE_CUDA(cudaStreamWaitEvent(d.stream, d.caller_ready, 0));
   d.launch(device_rows, first, n);
+  d.next = first + n;
+  // And later work on the caller's stream waits for the kernel to have read the rows, so a
+  // stream-ordered allocator can reuse their memory on that stream.
+  TIERCACHE_CUDA(cudaEventRecord(d.source_read, d.stream));
+  TIERCACHE_CUDA(cudaStreamWaitEvent(caller, d.source_read, 0));
   return first;
 }
 

@@ -1,5 +1,6 @@
 // Replicas of one table on several cards, kept in step by broadcast.
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -72,8 +73,9 @@ struct ReplicaSet::Impl {
   float* staging = nullptr;                 // pinned host memory for the staging path
   cudaEvent_t staging_filled = nullptr;     // source -> staging copy done
   cudaEvent_t staging_drained = nullptr;    // the latest staging -> replica copy; then reusable
-  std::uint64_t count = 0;
+  std::atomic<std::uint64_t> count{0};  // stored under `writer`, read by count() without it
   std::mutex writer;
+  std::string poisoned;  // under `writer`: why broadcasts are refused (empty: they are not)
 
   std::size_t row_bytes() const { return std::size_t{width} * sizeof(float); }
 
@@ -105,11 +107,30 @@ struct ReplicaSet::Impl {
     for (Replica& r : replicas) {
       DeviceGuard guard(r.device);
       TIERCACHE_CUDA(cudaStreamWaitEvent(r.reader, r.copied, 0));
-      store_count_kernel<<<1, 1, 0, r.reader>>>(r.count, first + n);
-      TIERCACHE_CUDA(cudaGetLastError());
+      TIERCACHE_CUDA(
+          detail::launch_kernel(store_count_kernel, 1, 1, r.reader, r.count, first + n));
       TIERCACHE_CUDA(cudaEventRecord(r.published, r.reader));
     }
-    count = first + n;
+    count.store(first + n, std::memory_order_release);
+  }
+
+  void check_usable() const {
+    if (!poisoned.empty())
+      throw CudaError("this ReplicaSet refuses broadcasts: an earlier one failed partway and may "
+                      "have published its rows on some replicas only (" + poisoned +
+                      "); make a new ReplicaSet");
+  }
+
+  // Replicates, and poisons the set if that fails partway: some replicas may already show
+  // count first + n while count() stays at first, and a later broadcast would write rows
+  // [first, ...) again under readers that saw them published.
+  void replicate_or_poison(std::uint64_t first, std::uint64_t n) {
+    try {
+      replicate(first, n);
+    } catch (const std::exception& e) {
+      poisoned = e.what();
+      throw;
+    }
   }
 
   // Source card -> pinned host buffer -> destination card, one staging buffer's worth at a
@@ -145,11 +166,17 @@ struct ReplicaSet::Impl {
     if (first > capacity || n > capacity - first) throw std::out_of_range("rows outside the table");
   }
 
+  // Waits for every replica's streams before freeing anything: a replica's copy stream reads
+  // the source's rows (and the staging buffer), and for a replica on another card that work is
+  // not covered by cudaFree's implicit synchronization of the source's card.
   void release() noexcept {
     for (Replica& r : replicas) {
-      cudaSetDevice(r.device);
+      DeviceGuard guard(r.device, std::nothrow);
       if (r.copy != nullptr) cudaStreamSynchronize(r.copy);
       if (r.reader != nullptr) cudaStreamSynchronize(r.reader);
+    }
+    for (Replica& r : replicas) {
+      DeviceGuard guard(r.device, std::nothrow);
       cudaFree(r.rows);
       cudaFree(r.count);
       cudaFree(r.report);
@@ -159,7 +186,8 @@ struct ReplicaSet::Impl {
       if (r.copy != nullptr) cudaStreamDestroy(r.copy);
       if (r.reader != nullptr) cudaStreamDestroy(r.reader);
     }
-    if (!replicas.empty()) cudaSetDevice(replicas[0].device);
+    if (replicas.empty()) return;
+    DeviceGuard guard(replicas[0].device, std::nothrow);
     if (staging_filled != nullptr) cudaEventDestroy(staging_filled);
     if (staging != nullptr) cudaFreeHost(staging);
   }
@@ -232,7 +260,8 @@ ReplicaSet::~ReplicaSet() {
 std::uint64_t ReplicaSet::broadcast_host(const float* rows, std::uint64_t n) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.writer);
-  const std::uint64_t first = s.count;
+  s.check_usable();
+  const std::uint64_t first = s.count.load(std::memory_order_relaxed);
   if (n > s.capacity - first)
     throw TableFullError("replica set full: " + std::to_string(first) + " of " +
                             std::to_string(s.capacity) + " rows used");
@@ -240,25 +269,32 @@ std::uint64_t ReplicaSet::broadcast_host(const float* rows, std::uint64_t n) {
   Replica& src = s.replicas[0];
   {
     DeviceGuard guard(src.device);
-    // From pageable memory: returns once `rows` has been staged by the driver.
     TIERCACHE_CUDA(cudaMemcpyAsync(src.rows + first * s.width, rows, n * s.row_bytes(),
                                    cudaMemcpyHostToDevice, src.copy));
+    // cudaMemcpyAsync may return before it has read `rows` (always for pinned memory), and the
+    // caller reuses `rows` once this returns: wait for the upload. Rows past count() are not
+    // published, so an upload that fails leaves nothing to undo.
+    TIERCACHE_CUDA(cudaStreamSynchronize(src.copy));
   }
-  s.replicate(first, n);
+  s.replicate_or_poison(first, n);
   return first;
 }
 
 void ReplicaSet::broadcast_range(std::uint64_t first, std::uint64_t n) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.writer);
-  if (first != s.count)
-    throw std::invalid_argument("broadcast_range must continue at row " + std::to_string(s.count));
+  s.check_usable();
+  const std::uint64_t count = s.count.load(std::memory_order_relaxed);
+  if (first != count)
+    throw std::invalid_argument("broadcast_range must continue at row " + std::to_string(count));
   if (n > s.capacity - first) throw TableFullError("replica set full");
   if (n == 0) return;
-  s.replicate(first, n);
+  s.replicate_or_poison(first, n);
 }
 
-std::uint64_t ReplicaSet::count() const { return impl_->count; }
+std::uint64_t ReplicaSet::count() const {
+  return impl_->count.load(std::memory_order_acquire);
+}
 std::size_t ReplicaSet::replicas() const { return impl_->replicas.size(); }
 std::uint32_t ReplicaSet::width() const { return impl_->width; }
 std::uint64_t ReplicaSet::capacity() const { return impl_->capacity; }
@@ -295,9 +331,8 @@ void ReplicaSet::launch_reader_checks() {
   for (Replica& r : s.replicas) {
     DeviceGuard guard(r.device);
     const unsigned int blocks = detail::blocks_for(s.capacity, 256);
-    check_rows_kernel<<<blocks, detail::kThreads, 0, r.reader>>>(r.rows, r.count, s.width,
-                                                                 r.report);
-    TIERCACHE_CUDA(cudaGetLastError());
+    TIERCACHE_CUDA(detail::launch_kernel(check_rows_kernel, blocks, detail::kThreads, r.reader,
+                                         r.rows, r.count, s.width, r.report));
   }
 }
 
