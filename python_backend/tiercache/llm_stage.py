@@ -36,6 +36,19 @@ CLEAN_FINISHES = frozenset({"stop", "length"})
 SERVED_UNCACHED_FINISHES = frozenset({CONTENT_FILTER})
 
 
+def flight_key(digest: Digest, status: str, max_age_s: float | None, write_back: bool) -> str:
+    """The key under which identical in-flight misses share one generation. A looked-up miss
+    (`status` "miss") without `max-age` may be answered by an entry stored since its lookup, so
+    its leader checks the cache again, and it stores its answer. A `bypass` request (no-cache,
+    semantic-only) must get a fresh generation, a `max-age` request nothing older than its own
+    bound, and a `no-store` leader would leave its followers' answer unstored: each such kind
+    shares flights only with requests that want the same thing."""
+    if status == "miss" and max_age_s is None and write_back:
+        return digest
+    age = "" if max_age_s is None else repr(max_age_s)
+    return f"{digest}|{status}|{age}|{'store' if write_back else 'no-store'}"
+
+
 class Responder(Protocol):
     """What the stage needs from one request's response channel."""
 
@@ -158,7 +171,8 @@ class LlmStage:
         if digest is None:
             flight, leader = Flight(key="", subscribers=1), True
         else:
-            flight, leader = self.flights.join(digest)
+            key = flight_key(digest, status, request.max_age_s, write_back)
+            flight, leader = self.flights.join(key)
             if not leader and self._on_follow is not None:
                 self._on_follow()
         if leader:
@@ -234,7 +248,10 @@ class LlmStage:
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
             if self._on_generation is not None:
-                self._on_generation(dataclasses.replace(record, stored=stored))
+                try:
+                    self._on_generation(dataclasses.replace(record, stored=stored))
+                except Exception:  # noqa: BLE001 - a report must not fail a served answer
+                    log.exception("on_generation callback failed for %s", digest)
         except TierCacheError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - every subscriber gets the error; traceback logged
@@ -263,7 +280,11 @@ class LlmStage:
             state, lease = leases.acquire(digest)
             if state is LeaseState.ACQUIRED and lease is not None:
                 if waited:  # the holder may have stored its answer just before letting go
-                    found = self.cache.get(digest, max_age_s)
+                    try:
+                        found = self.cache.get(digest, max_age_s)
+                    except BaseException:
+                        leases.release(lease)  # not yet _produce's to release: never leak it
+                        raise
                     if found is not None:
                         leases.release(lease)
                         self._count_remote(hit=True)

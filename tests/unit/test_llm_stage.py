@@ -12,6 +12,7 @@ import pytest
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
 from tiercache.keys import Digest
+from tiercache.leases import Lease, LeaseState
 from tiercache.llm_stage import GenerationRecord, LlmStage
 from tiercache.request import GenerationRequest
 from tiercache.stores import MemoryStore
@@ -420,3 +421,107 @@ def test_bypass_is_generated_even_when_an_entry_exists(cache: TieredCache) -> No
     assert r.wait() == [("final", "Hello", "bypass")]
     assert engine.calls == 1
     assert stored_text(cache) == "Hello"
+
+
+def test_bypass_does_not_join_a_looked_up_miss_in_flight(cache: TieredCache) -> None:
+    """A miss's leader may answer from an entry stored after its lookup; a no-cache request
+    joining its flight would get that instead of a fresh generation: it gets its own flight."""
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    miss, bypass = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, miss)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, bypass)
+    engine.wait_started()  # a second generation started: the bypass did not follow the miss
+    assert engine.gate is not None
+    engine.gate.set()
+    assert miss.wait() == [("final", "Hello", "miss")]
+    assert bypass.wait() == [("final", "Hello", "bypass")]
+    assert (engine.calls, stage.stats().coalesced) == (2, 0)
+    stage.close()
+
+
+@pytest.mark.parametrize(
+    ("second", "max_age_s", "write_back"),
+    [("miss", 30.0, True), ("miss", None, False), ("bypass", None, True)],
+)
+def test_requests_that_want_other_answers_lead_their_own_flight(
+    cache: TieredCache, second: str, max_age_s: float | None, write_back: bool
+) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    first, other, same = Recorder(), Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, first)
+    engine.wait_started()
+    aged = GenerationRequest(prompt="hi", max_age_s=max_age_s)
+    stage.submit_miss(aged, DIGEST, second, write_back, other)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, same)  # joins the first flight
+    assert engine.gate is not None
+    engine.gate.set()
+    for r, status in ((first, "miss"), (other, second), (same, "miss")):
+        assert r.wait() == [("final", "Hello", status)]
+    assert (engine.calls, stage.stats().coalesced) == (2, 1)
+    stage.close()
+
+
+def test_failing_generation_report_does_not_fail_the_answer(cache: TieredCache) -> None:
+    def report(record: GenerationRecord) -> None:
+        raise RuntimeError("metrics backend down")
+
+    stage = make_stage(cache, FakeEngine(), on_generation=report)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    assert stored_text(cache) == "Hello"
+    stage.close()
+
+
+class HandOverLeases:
+    """A LeaseCoordinator stand-in: the lease is held elsewhere once, then handed over."""
+
+    wait_s = 5.0
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released: list[Lease] = []
+
+    def acquire(self, digest: str) -> tuple[LeaseState, Lease | None]:
+        self.calls += 1
+        if self.calls == 1:
+            return LeaseState.HELD, None
+        return LeaseState.ACQUIRED, Lease(f"lease:{digest}", "token")
+
+    def held(self, digest: str) -> bool | None:
+        return False  # the other replica let go without an answer
+
+    def pause(self) -> None:
+        time.sleep(0.01)
+
+    def release(self, lease: Lease) -> bool:
+        self.released.append(lease)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
+    class FailsAfterWaiting(TieredCache):
+        reads = 0
+
+        def get(self, key: str, max_age_s: float | None = None):  # type: ignore[override]
+            self.reads += 1
+            if self.reads >= 3:  # the recheck, the wait loop, then the read after the takeover
+                raise OSError("L2 read failed")
+            return super().get(key, max_age_s)
+
+    leases = HandOverLeases()
+    failing = FailsAfterWaiting(None, MemoryStore(1 << 20))
+    stage = make_stage(failing, FakeEngine(), leases=leases)  # type: ignore[arg-type]
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    calls = r.wait()
+    assert calls[0][0] == "error" and "L2 read failed" in str(calls[0][1])
+    assert leases.released == [Lease(f"lease:{DIGEST}", "token")]
+    stage.close()
