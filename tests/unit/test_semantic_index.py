@@ -206,23 +206,66 @@ def test_prompts_over_the_embedders_window_are_neither_embedded_nor_looked_up(
 ) -> None:
     embed = _Embed({"short": unit(1, 0)})
     stage = _stage(tmp_path, embed)
-    stage._fits = lambda text: text == "short"  # type: ignore[method-assign]
+    reasons = {"a very long prompt": "too_long", "한국어": "unsupported"}
+    stage._screen = reasons.get  # type: ignore[method-assign]
     stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
     stage.index.add("scope", "d", "p", unit(1, 0))
-    long_result, short_result = stage.lookup(["a very long prompt", "short"], ["scope", "scope"])
+    long_result, korean, short_result = stage.lookup(
+        ["a very long prompt", "한국어", "short"], ["scope"] * 3
+    )
     assert long_result.outcome is SemanticOutcome.TOO_LONG and long_result.vector.size == 0
+    assert korean.outcome is SemanticOutcome.UNSUPPORTED and korean.vector.size == 0
     assert short_result.outcome is SemanticOutcome.HIT
     assert embed.calls == [["short"]]
 
 
-def test_token_budget_counts_the_embedders_tokens() -> None:
-    from tiercache.semantic.embedder import TokenBudget
+@pytest.fixture(scope="module")
+def screen() -> Any:
+    from tiercache.semantic.embedder import Screen
 
-    budget = TokenBudget()
-    assert budget.max_tokens == 256
-    assert budget.fits("What is the capital of France?")
+    return Screen()
+
+
+def test_screen_counts_the_embedders_tokens(screen: Any) -> None:
+    assert screen.max_tokens == 256
+    assert screen.check("What is the capital of France?") is None
     shared = "Follow the policy below carefully. " * 60  # about 360 tokens
-    assert not budget.fits(shared + "How do I cancel my hotel booking?")
+    assert screen.check(shared + "How do I cancel my hotel booking?") == "too_long"
+
+
+def test_screen_counts_tokens_of_non_ascii_text(screen: Any) -> None:
+    """Past the ASCII shortcut the tokenizer counts: 300 characters of accented Latin text
+    are 300 tokens (over the window); before, a 227-character Korean prompt of 357 tokens
+    passed as short, and two of them sharing a preamble got one vector (cosine 1.0)."""
+    accented = "é," * 150
+    assert screen.check(accented) == "too_long"
+    assert screen.check("é," * 100) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "How do I reset my password " + "x" * 120,  # a word over 100 characters is one [UNK]
+        "What does 😀 mean in a text message?",  # emoji: [UNK]
+        "如何重置我的密码？",  # CJK: [UNK] each
+        "비밀번호를 재설정하려면 어떻게 해야 하나요?",  # Hangul: tokens, but not Latin
+        "Как сбросить мой пароль?",  # Cyrillic
+    ],
+)
+def test_screen_refuses_what_the_embedder_cannot_tell_apart(screen: Any, text: str) -> None:
+    assert screen.check(text) == "unsupported"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Où est la gare ? Je cherche un café près d'ici.",
+        "Schöne Grüße aus Köln",
+        "Tôi muốn đặt phòng khách sạn",  # Vietnamese: Latin Extended Additional
+    ],
+)
+def test_screen_takes_latin_text_with_accents(screen: Any, text: str) -> None:
+    assert screen.check(text) is None
 
 
 def test_full_row_log_compacts_rows_whose_answers_are_gone(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from tiercache.config import EmbeddingCacheConfig
 from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.prompt_cache import CacheStatus, invalidation_listener, open_tiered_cache
 from tiercache.request import GenerationRequest
-from tiercache.semantic.embedder import TokenBudget, resolve_embedder
+from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex, SemanticStore
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
@@ -45,7 +45,7 @@ class TritonPythonModel:
             identity.key,
             top_k=config.top_k,
             min_similarity=config.min_similarity,
-            fits=TokenBudget(config.embedder).fits,
+            screen=Screen(config.embedder).check,
         )
         # Open the host's scope tables now (large scopes load or build their HNSW graph here),
         # so the first request does not pay for it; later rows are in the shared tables.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,27 @@ def resolve_embedder(name: str = DEFAULT_EMBEDDER) -> tuple[Path, EmbedderIdenti
     return weights.parent, identity
 
 
-class TokenBudget:
-    """Whether a text fits the embedder's window. The embedder silently drops tokens past
-    `max_seq_length` (256 for MiniLM), so two long prompts that differ only after it would get
-    the same vector: such prompts are kept out of the semantic cache altogether."""
+# Share of a text's letters that must be Latin for the semantic cache to take it (see Screen).
+MIN_LATIN_LETTERS = 0.9
+
+
+class Screen:
+    """Whether the embedder represents a text faithfully enough for the semantic cache; a text it
+    does not is neither looked up nor indexed (the exact cache still serves it). `check` says
+    why not, or None:
+
+    - "too_long": over the window. The embedder silently drops tokens past `max_seq_length`
+      (256 for MiniLM), so two prompts that differ only after it get the same vector. The
+      token count is measured, never estimated from characters: one Hangul syllable is two or
+      three tokens, and an emoji or a CJK character one [UNK] each.
+    - "unsupported": a token the vocabulary does not know ([UNK]: CJK, emoji, any word over 100
+      characters; two prompts that differ only there get the same vector), or fewer than
+      MIN_LATIN_LETTERS of the letters in the Latin script. all-MiniLM-L6-v2 learned English:
+      unrelated Korean or Russian questions reach cosine 0.99, past any guard.
+    """
+
+    TOO_LONG = "too_long"
+    UNSUPPORTED = "unsupported"
 
     def __init__(self, name: str = DEFAULT_EMBEDDER) -> None:
         from transformers import AutoTokenizer  # the tokenizer only, not the model
@@ -74,12 +92,38 @@ class TokenBudget:
         config = json.loads((folder / "sentence_bert_config.json").read_text())
         self.max_tokens = int(config["max_seq_length"])
         self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self._unknown = self._tokenizer.unk_token_id
+
+    def check(self, text: str) -> str | None:
+        if text.isascii():
+            # ASCII: each token covers at least one character, and only a word over 100
+            # characters becomes [UNK] (printable ASCII is all in the vocabulary), so a short
+            # text needs no tokenizer (which costs about 40 us).
+            if len(text) <= self.max_tokens - 2 and all(len(w) <= 100 for w in text.split()):
+                return None
+        elif not latin_enough(text):
+            return self.UNSUPPORTED
+        ids = self._tokenizer(text)["input_ids"]
+        if len(ids) > self.max_tokens:
+            return self.TOO_LONG
+        if self._unknown is not None and self._unknown in ids:
+            return self.UNSUPPORTED
+        return None
 
     def fits(self, text: str) -> bool:
-        # A cheap bound first: every token covers at least one character of the text.
-        if len(text) <= self.max_tokens - 2:
-            return True
-        return len(self._tokenizer(text)["input_ids"]) <= self.max_tokens
+        return self.check(text) is None
+
+
+def latin_enough(text: str) -> bool:
+    """At least MIN_LATIN_LETTERS of the letters are in the Latin script (any Unicode block)."""
+    if text.isascii():
+        return True
+    letters = latin = 0
+    for char in text:
+        if char.isalpha():
+            letters += 1
+            latin += char.isascii() or unicodedata.name(char, "").startswith("LATIN")
+    return letters == 0 or latin >= MIN_LATIN_LETTERS * letters
 
 
 class Embedder:

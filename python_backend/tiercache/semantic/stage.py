@@ -27,6 +27,7 @@ class SemanticOutcome(str, Enum):
     REJECTED = "rejected"  # candidates above the similarity floor, all refused by the guard
     STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
     TOO_LONG = "too_long"  # over the embedder's window: neither looked up nor indexed
+    UNSUPPORTED = "unsupported"  # [UNK] tokens or a non-Latin script: the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +50,10 @@ class EmbeddingCache:
         embedder_key: str,
         top_k: int = 5,
         min_similarity: float = 0.6,
-        fits: Callable[[str], bool] = lambda text: True,
+        screen: Callable[[str], str | None] = lambda text: None,
     ) -> None:
+        """`screen` says why a prompt is kept out of the semantic cache ("too_long",
+        "unsupported"; `tiercache.semantic.embedder.Screen.check`), or None to take it."""
         self.vectors = vectors
         self.index = index
         self.answers = answers
@@ -59,7 +62,7 @@ class EmbeddingCache:
         self.embedder_key = embedder_key
         self.top_k = top_k
         self.min_similarity = min_similarity
-        self._fits = fits
+        self._screen = screen
 
     def vectors_for(self, prompts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
         """Each prompt's vector and whether it came from the vector cache; the ones not cached
@@ -96,14 +99,15 @@ class EmbeddingCache:
         return SemanticLookup(outcome, vector, vector_cached=cached)
 
     def lookup(self, prompts: Sequence[str], scopes: Sequence[str]) -> list[SemanticLookup]:
-        """One result per prompt, in order; prompts over the embedder's window are not embedded
-        (their result has an empty vector, so the llm stage does not index them either)."""
-        fitting = [i for i, p in enumerate(prompts) if self._fits(p)]
-        vectors = dict(zip(fitting, self.vectors_for([prompts[i] for i in fitting]), strict=True))
+        """One result per prompt, in order; prompts the screen refuses are not embedded (their
+        result has an empty vector, so the llm stage does not index them either)."""
+        refused = {i: why for i, p in enumerate(prompts) if (why := self._screen(p)) is not None}
+        taken = [i for i in range(len(prompts)) if i not in refused]
+        vectors = dict(zip(taken, self.vectors_for([prompts[i] for i in taken]), strict=True))
         results = []
         for i, (prompt, scope) in enumerate(zip(prompts, scopes, strict=True)):
-            if i not in vectors:
-                results.append(SemanticLookup(SemanticOutcome.TOO_LONG, NO_VECTOR))
+            if i in refused:
+                results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
             results.append(self.search(prompt, scope, vector, cached))
