@@ -30,7 +30,7 @@ from typing import Any
 from tiercache.admin_ops import parse_admin as parse_admin_ops
 from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, NotFound, TierCacheError
-from tiercache.invalidation import InvalidationKind, Invalidator
+from tiercache.invalidation import InvalidationKind, Invalidator, checked_digest
 from tiercache.keys import EngineIdentity, tenant_scope
 from tiercache.prompt_cache import (
     PromptCache,
@@ -187,6 +187,8 @@ class Admin:
             value = tenant_scope(self._secret, unicodedata.normalize("NFKC", value).strip())
         elif kind is InvalidationKind.ADAPTER:
             value = self._adapter_digest(value.strip())
+        elif kind is InvalidationKind.KEY:
+            value = checked_digest(value, "key")
         report = self.invalidator.invalidate(kind, value, sweep_shared=sweep_shared)
         inv = report.invalidation
         return {
@@ -251,9 +253,10 @@ class Admin:
             answer = item.get("answer")
             if not isinstance(answer, str) or not answer:
                 raise InvalidRequest("answer must be a non-empty string")
-            # The digest through prompt_cache's own path (a lookup: it counts in the stats).
+            # The digest through prompt_cache's own path, without reading the cache: an answer
+            # already there is replaced.
             found = self.prompts.lookup(
-                raw_inputs({k: v for k, v in item.items() if k != "answer"})
+                raw_inputs({k: v for k, v in item.items() if k != "answer"}), read=False
             )
             if found.digest is None:
                 raise InvalidRequest("not cacheable (a sampled request without a seed)")

@@ -112,7 +112,7 @@ def _invalidate(args: argparse.Namespace) -> int:
     """Delete from L3 and tell every replica (they drop their L1/L2 copies): an admin tool, not
     a replica, so it holds no local tier itself."""
     from tiercache.errors import TierCacheError
-    from tiercache.invalidation import InvalidationKind, Invalidator
+    from tiercache.invalidation import InvalidationKind, Invalidator, checked_digest
     from tiercache.keys import load_or_create_secret, tenant_scope
     from tiercache.redis_tier import RedisLink, RedisStore
     from tiercache.tiered import TieredCache
@@ -121,11 +121,11 @@ def _invalidate(args: argparse.Namespace) -> int:
     cache = TieredCache(None, None, RedisStore(link))
     try:
         if args.key:
-            kind, value = InvalidationKind.KEY, args.key
+            kind, value = InvalidationKind.KEY, checked_digest(args.key, "--key")
         elif args.tag:
             kind, value = InvalidationKind.TAG, args.tag
         elif args.adapter:
-            kind, value = InvalidationKind.ADAPTER, args.adapter
+            kind, value = InvalidationKind.ADAPTER, checked_digest(args.adapter, "--adapter")
         else:
             kind = InvalidationKind.TENANT
             stored: Any = link.call_or_raise(lambda c: c.get(link.key("secret")))

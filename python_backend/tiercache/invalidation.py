@@ -41,7 +41,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from tiercache.codec import CacheEntry
-from tiercache.errors import Unavailable
+from tiercache.errors import InvalidRequest, Unavailable
 
 if TYPE_CHECKING:
     from tiercache.redis_tier import RedisLink
@@ -103,6 +103,15 @@ class Invalidation:
         text = member.decode() if isinstance(member, bytes) else member
         kind, _, value = text.partition(":")
         return cls(InvalidationKind(kind), value, at_s)
+
+
+def checked_digest(value: str, what: str) -> str:
+    """A hex SHA-256 digest as keys and adapter versions are written (lower case, no spaces);
+    InvalidRequest otherwise, rather than an invalidation that silently matches nothing."""
+    digest = value.strip().lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise InvalidRequest(f"{what} must be a 64-character hex digest, got {value!r}")
+    return digest
 
 
 def applies(inv: Invalidation, key: str, entry: CacheEntry, skew_s: float = DEFAULT_SKEW_S) -> bool:

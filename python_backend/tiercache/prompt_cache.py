@@ -132,9 +132,11 @@ class PromptCache:
         ref = self.resolve_adapter(request.lora_name)
         return dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
 
-    def lookup(self, raw: RawInputs) -> LookupResult:
+    def lookup(self, raw: RawInputs, read: bool = True) -> LookupResult:
         """Validate and canonicalize `raw` (InvalidRequest on bad input; NotFound for an unknown
-        adapter), then look it up."""
+        adapter), then look it up. `read` False computes everything but reads no tier: a
+        cacheable request is then a MISS (cache_admin's warm, which stores an answer under the
+        digest whether or not one is there)."""
         canonical = canonicalize(raw, self.limits)
         tenant = tenant_scope(self._secret, canonical.tenant)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
@@ -162,7 +164,7 @@ class PromptCache:
             return LookupResult(
                 request, digest, CacheStatus.BYPASS, "", None, write_back, scope, semantic
             )
-        found = self.cache.get(digest, control.max_age_s)
+        found = self.cache.get(digest, control.max_age_s) if read else None
         if found is None:
             return LookupResult(
                 request, digest, CacheStatus.MISS, "", None, write_back, scope, semantic

@@ -68,6 +68,18 @@ def test_warm_then_prompt_cache_hits_exact(admin: Admin) -> None:
     assert other.status is CacheStatus.MISS
 
 
+def test_warm_again_replaces_the_answer(admin: Admin) -> None:
+    first = run(admin, op="warm", prompts=[{"text_input": "Capital of France?", "answer": "Lyon."}])
+    again = run(
+        admin, op="warm", prompts=[{"text_input": "Capital of France?", "answer": "Paris."}]
+    )
+    assert again["prompts"][0] == {"status": "stored", "digest": first["prompts"][0]["digest"]}
+    assert admin.prompts.lookup(RawInputs("Capital of France?")).text == "Paris."
+    no_store = {"text_input": "Capital of France?", "answer": "x", "cache_control": "no-store"}
+    assert run(admin, op="warm", prompts=[no_store])["prompts"][0]["status"] == "error"
+    assert admin.prompts.lookup(RawInputs("Capital of France?")).text == "Paris."
+
+
 def test_stats_counts_l2_and_says_l1_is_unreachable(admin: Admin) -> None:
     run(admin, op="warm", prompts=[{"text_input": "a", "answer": "b"}])
     stats = run(admin, op="stats")
@@ -140,6 +152,16 @@ def test_invalidate_adapter_by_name_or_digest(tmp_path: Path, clock: Clock) -> N
             run(admin, op="invalidate", adapter="nope")
     finally:
         admin.cache.close()
+
+
+def test_invalidate_key_is_normalized_and_checked(admin: Admin) -> None:
+    digest = run(admin, op="warm", prompts=[{"text_input": "a", "answer": "b"}])["prompts"][0][
+        "digest"
+    ]
+    assert run(admin, op="invalidate", key=f" {digest.upper()} ")["dropped_l2"] == 1
+    for bad in ("abc", "g" * 64, digest + "0"):
+        with pytest.raises(InvalidRequest, match="64-character hex digest"):
+            run(admin, op="invalidate", key=bad)
 
 
 def test_invalidate_adapter_name_without_adapters_is_not_found(admin: Admin) -> None:
