@@ -151,6 +151,14 @@ class DamagedDatabase(Exception):
     """An LMDB file is shorter than its own meta page says (truncated) or fails a walk."""
 
 
+def map_resized_message(path: Path, max_bytes: int) -> str:
+    return (
+        f"L2 {path} has grown past this process's map of {max_bytes} bytes: another stage of "
+        "this host opened it with a larger l2_max_bytes. Set the same l2_max_bytes on every "
+        "stage that shares the state_dir and restart; until then this stage cannot use L2"
+    )
+
+
 def open_lmdb(
     path: Path,
     map_size: int,
@@ -298,18 +306,23 @@ class LmdbStore:
             log.warning("L2 read of %s met a damaged page (%s); a miss", key, exc)
             self._count(misses=1, corrupt=1)
             return None
+        except lmdb.MapResizedError:
+            log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
+            self._count(misses=1)
+            return None
         return read_stored(self, "L2", key, data)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
-        with self._evict_lock:  # one evicting thread per process; the others re-check after it
-            if self._live_bytes() + len(data) > self._high_water_bytes:
-                self._evict()
-        try:
-            self._write(key.encode(), data)
-        except lmdb.MapFullError:
-            self._evict(fraction=max(0.5, self._evict_fraction))
-            self._write(key.encode(), data)
+        with self._resized_is_an_error():
+            with self._evict_lock:  # one evicting thread per process; the others re-check after
+                if self._live_bytes() + len(data) > self._high_water_bytes:
+                    self._evict()
+            try:
+                self._write(key.encode(), data)
+            except lmdb.MapFullError:
+                self._evict(fraction=max(0.5, self._evict_fraction))
+                self._write(key.encode(), data)
 
     def _live_bytes(self) -> int:
         st = self._env.stat()
@@ -318,6 +331,14 @@ class LmdbStore:
     def _write(self, key: bytes, data: bytes) -> None:
         with self._env.begin(write=True) as txn:
             txn.put(key, data)
+
+    @contextlib.contextmanager
+    def _resized_is_an_error(self) -> Iterator[None]:
+        """MDB_MAP_RESIZED as an OSError that says what to do (see map_resized_message)."""
+        try:
+            yield
+        except lmdb.MapResizedError:
+            raise OSError(map_resized_message(self.path, self._max_bytes)) from None
 
     def _evict(self, fraction: float | None = None) -> None:
         candidates: list[tuple[str, float]] = []
@@ -336,12 +357,12 @@ class LmdbStore:
         self._count(evictions=deleted)
 
     def delete(self, key: str) -> bool:
-        with self._env.begin(write=True) as txn:
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
             return bool(txn.delete(key.encode()))
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """One write transaction (one commit) for all of them."""
-        with self._env.begin(write=True) as txn:
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
             return sum(bool(txn.delete(key.encode())) for key in keys)
 
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:

@@ -73,17 +73,27 @@ class TieredCache:
         return self._clock()
 
     def get(self, key: str, max_age_s: float | None = None) -> Lookup | None:
-        """The freshest usable entry, from the highest tier that has one; None on a miss."""
+        """The freshest usable entry, from the highest tier that has one; None on a miss. A tier
+        that fails to read is a miss in that tier (logged), never an error: the request goes on
+        to a lower tier or to the engine. `default_ttl_s` caps the age of what this cache
+        serves, whatever TTL the writer gave the entry (prompt_cache reads what llm wrote)."""
         now = self._clock()
         tiers = self.stores()
         for i, (tier, store) in enumerate(tiers):
-            entry = store.get(key)
+            try:
+                entry = store.get(key)
+            except Exception:  # noqa: BLE001 - a broken tier costs a miss, not the request
+                log.exception("reading %s from %s failed; a miss there", key, tier.value)
+                continue
             if entry is None:
                 continue
             if entry.expired(now) or self.invalidations.covers(key, entry):
-                store.delete(key)
+                self._drop(tier, store, key)
                 continue
-            if max_age_s is not None and now - entry.created_s > max_age_s:
+            age_s = now - entry.created_s
+            if self.default_ttl_s > 0 and age_s >= self.default_ttl_s:
+                continue  # too old for this reader; the writer's TTL may keep it for others
+            if max_age_s is not None and age_s > max_age_s:
                 continue
             for upper_tier, upper in tiers[:i]:
                 try:
@@ -118,10 +128,26 @@ class TieredCache:
             scope=scope,
             adapter=adapter,
         )
+        # Each tier on its own: a full local disk must not keep the answer from L3 (other
+        # replicas wait for it there) or from L1. The first failure is raised after the others.
+        failure: Exception | None = None
         for store in (self.l2, self.l3, self.l1):
-            if store is not None:
+            if store is None:
+                continue
+            try:
                 store.put(key, entry)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return entry
+
+    @staticmethod
+    def _drop(tier: Tier, store: Store, key: str) -> None:
+        try:
+            store.delete(key)
+        except Exception:  # noqa: BLE001 - it stays a miss; the next read tries again
+            log.exception("dropping %s from %s failed", key, tier.value)
 
     def delete(self, key: str) -> bool:
         removed = False

@@ -314,3 +314,31 @@ def test_peek_rejects_bad_header() -> None:
 )
 def test_entry_expiry(ttl_s: float, now_s: float, expired: bool) -> None:
     assert entry(created_s=1.0, ttl_s=ttl_s).expired(now_s) is expired
+
+
+def _grow_l2(path: str, max_bytes: int, count: int) -> None:
+    """In another process: a stage with a larger l2_max_bytes fills the shared L2."""
+    big = LmdbStore(Path(path), max_bytes)
+    for i in range(count):
+        big.put(f"k{i}", entry("x" * 2000))
+    big.close()
+
+
+def test_l2_grown_by_a_stage_with_a_larger_map_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    """Before, every read and write of the smaller stage raised MapResizedError (each request
+    an error) until a restart."""
+    import multiprocessing
+
+    small = LmdbStore(tmp_path / "l2", 1 << 20)
+    small.put("mine", entry("kept"))
+    process = multiprocessing.get_context("spawn").Process(
+        target=_grow_l2, args=(str(tmp_path / "l2"), 16 << 20, 3000)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    assert small.get("mine") is None  # a miss, with a warning naming the fix
+    with pytest.raises(OSError, match="same l2_max_bytes on every stage"):
+        small.put("new", entry("y"))
+    small.close()
+    assert LmdbStore(tmp_path / "l2", 16 << 20).get("mine") == entry("kept")

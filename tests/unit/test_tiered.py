@@ -120,3 +120,46 @@ def test_delete_removes_from_both_tiers(l1: MemoryStore, l2: LmdbStore) -> None:
     cache.put("k", "answer")
     assert cache.delete("k") is True
     assert l1.get("k") is None and l2.get("k") is None
+
+
+class Broken(MemoryStore):
+    """A tier whose reads, writes and deletes fail (a disk error, Redis gone mid-call)."""
+
+    def get(self, key: str) -> CacheEntry | None:
+        raise OSError("read failed")
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        raise OSError("disk full")
+
+    def delete(self, key: str) -> bool:
+        raise OSError("delete failed")
+
+
+def test_a_tier_that_fails_to_read_is_a_miss_there(l2: LmdbStore, clock: FakeClock) -> None:
+    TieredCache(None, l2, clock=clock).put("k", "from L2")
+    cache = TieredCache(Broken(1 << 20), l2, clock=clock)
+    found = cache.get("k")
+    assert found is not None and (found.entry.text, found.tier) == ("from L2", Tier.L2)
+    assert TieredCache(Broken(1 << 20), None, clock=clock).get("k") is None
+
+
+def test_a_failing_tier_does_not_keep_the_answer_from_the_others(
+    l1: MemoryStore, clock: FakeClock
+) -> None:
+    l3 = MemoryStore(1 << 20)
+    cache = TieredCache(l1, Broken(1 << 20), l3, clock=clock)
+    with pytest.raises(OSError, match="disk full"):
+        cache.put("k", "answer")
+    assert l3.get("k") is not None and l1.get("k") is not None
+
+
+def test_readers_ttl_caps_what_it_serves_whatever_the_writer_gave(
+    l2: LmdbStore, clock: FakeClock
+) -> None:
+    """prompt_cache reads what llm wrote: its own ttl_s must still bound the age it serves."""
+    TieredCache(None, l2, clock=clock, default_ttl_s=0).put("k", "forever")  # the writer
+    reader = TieredCache(MemoryStore(1 << 20), l2, clock=clock, default_ttl_s=60)
+    assert reader.get("k") is not None
+    clock.now += 61
+    assert reader.get("k") is None
+    assert TieredCache(None, l2, clock=clock).get("k") is not None  # kept for a reader without
