@@ -606,6 +606,7 @@ class _RowMeta:
 
 
 _META_CACHE_ROWS = 1 << 16  # metadata of the candidates a process served lately
+_DEAD_OVERFETCH = 64  # extra candidates a search fetches to make up for hidden rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,6 +678,8 @@ class SemanticIndex:
             old, scope.table = scope.table, table
             old.close()
             self._reopened += 1
+            if scope.dead:  # compaction drops hidden rows whose answers are gone: forget them
+                scope.dead &= set(np.asarray(table.ids(table.count())).tolist())
             if scope.hnsw is not None and (
                 table.count() < scope.graph_rows
                 or scope.prefix_digest(scope.graph_rows) != scope.graph_prefix
@@ -782,7 +785,10 @@ class SemanticIndex:
             if rows is None:
                 return []
             snapshot = rows.table.snapshot()
-            nearest = rows.search(snapshot, query, k + len(rows.dead))
+            # Hidden rows are skipped by fetching a few more, bounded: a tag or tenant that hid
+            # thousands of rows must not make every search fetch thousands (recall may drop
+            # where hidden rows crowd the top; a hidden row is never returned).
+            nearest = rows.search(snapshot, query, k + min(len(rows.dead), _DEAD_OVERFETCH))
             ids = rows.table.ids(len(snapshot))
             if rows.dead:
                 nearest = [(sim, i) for sim, i in nearest if int(ids[i]) not in rows.dead][:k]
