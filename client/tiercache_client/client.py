@@ -370,7 +370,7 @@ class TierCacheClient:
         adapter: str | None = None,
     ) -> dict[str, Any]:
         """Drop cached answers by exactly one of key (digest), tag, tenant name or adapter
-        digest (on every replica with Redis; else on the server host's L2 only)."""
+        digest (on every replica with Redis; else on the server's host only)."""
         given = {
             k: _check_str(k, v)
             for k, v in (("key", key), ("tag", tag), ("tenant", tenant), ("adapter", adapter))

@@ -201,7 +201,7 @@ class Admin:
             "published": report.published,
             "reaches": "every replica (L1, L2, L3)"
             if report.published
-            else "this host's L2 only (no Redis: prompt_cache's L1 keeps its copies)",
+            else "this host only (no Redis: its processes through the host's invalidation log)",
         }
 
     def flush(self) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class CacheConfig:
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
 
+    def invalidations_path(self) -> Path:
+        return self.state_path() / "invalidations"
+
     def secret_path(self) -> Path:
         return self.state_path() / "secret"
 

@@ -38,10 +38,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercache.codec import CacheEntry
 from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.stores import open_lmdb
 
 if TYPE_CHECKING:
     from tiercache.redis_tier import RedisLink
@@ -201,6 +203,66 @@ def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> li
     if victims:
         store.delete_many(victims)
     return victims
+
+
+class HostWatermarks:
+    """The watermarks issued on this host, in an LMDB file every process of the host reads
+    (`<state>/invalidations`). Without Redis this is how an invalidation reaches the other
+    processes: prompt_cache's L1 copies, an answer an llm process was generating while the sweep
+    ran (it is written after the sweep, with a `created_s` before the watermark), the answers
+    embedding_cache serves. Each read of a `TieredCache` first notes what was recorded since its
+    last read (one small read transaction when nothing is new). Records are numbered; the
+    oldest are dropped past `max_events`, as `InvalidationTable` forgets them."""
+
+    _SEQ = b"seq"
+
+    def __init__(
+        self, path: Path, max_events: int = DEFAULT_MAX_EVENTS, map_bytes: int = 64 << 20
+    ) -> None:
+        self.path = path
+        self.max_events = max_events
+        self._env = open_lmdb(path, map_bytes, "invalidation log")
+        self._seen = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(seq: int) -> bytes:
+        return b"e" + seq.to_bytes(8, "big")
+
+    def record(self, inv: Invalidation) -> None:
+        """Append `inv` (before the sweep: a process reading after the sweep has noted it)."""
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(self._SEQ)
+            seq = 1 + (int.from_bytes(raw, "big") if raw else 0)
+            txn.put(self._key(seq), inv.to_json().encode())
+            txn.put(self._SEQ, seq.to_bytes(8, "big"))
+            if seq > self.max_events:
+                txn.delete(self._key(seq - self.max_events))
+
+    def catch_up(self, table: InvalidationTable) -> int:
+        """Note in `table` every record since the last call; how many there were."""
+        with self._env.begin(buffers=False) as txn:
+            raw = txn.get(self._SEQ)
+            newest = int.from_bytes(raw, "big") if raw else 0
+            if newest <= self._seen:
+                return 0
+            with self._lock:
+                start, noted = self._seen, 0
+                cursor = txn.cursor()
+                if cursor.set_range(self._key(start + 1)):
+                    for key, value in cursor:
+                        if not key.startswith(b"e"):
+                            break
+                        try:
+                            table.note(Invalidation.from_json(value))
+                            noted += 1
+                        except (ValueError, KeyError) as exc:
+                            log.warning("skipping a malformed invalidation record: %s", exc)
+                self._seen = max(self._seen, newest)
+                return noted
+
+    def close(self) -> None:
+        self._env.close()
 
 
 DroppedFn = Callable[[Invalidation, list[str]], None]
@@ -482,6 +544,8 @@ class Invalidator:
         at_s = self.cache.now() if redis_s is None else redis_s
         inv = Invalidation(kind, value, at_s, table.origin)
         table.note(inv)
+        if self.cache.host_marks is not None:
+            self.cache.host_marks.record(inv)  # the host's other processes, before the sweep
         local = 0
         for _, store in self.cache.local_stores():
             local += len(sweep(store, inv, table.skew_s))

@@ -11,7 +11,7 @@ from enum import Enum
 
 from tiercache.config import CacheConfig
 from tiercache.errors import NotFound
-from tiercache.invalidation import InvalidationListener
+from tiercache.invalidation import HostWatermarks, InvalidationListener
 from tiercache.keys import (
     Digest,
     EngineIdentity,
@@ -59,13 +59,14 @@ def open_tiered_cache(
     `redis_url`, L3 on Redis plus the invalidation listener (a thread, joined by `close()`)."""
     l1 = MemoryStore(config.l1_max_bytes) if with_l1 else None
     l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)
+    marks = HostWatermarks(config.invalidations_path())
     if not config.redis_url:
-        return TieredCache(l1, l2, clock=clock, default_ttl_s=config.ttl_s)
+        return TieredCache(l1, l2, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
     link = RedisLink.from_url(
         config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
     )
     l3 = RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)
-    cache = TieredCache(l1, l2, l3, clock=clock, default_ttl_s=config.ttl_s)
+    cache = TieredCache(l1, l2, l3, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
     listener = InvalidationListener(link, cache, retry_s=config.redis_retry_s).start()
     cache.background.append(listener)
     # Serve nothing before the recorded watermarks are noted: this replica's L2 may hold entries

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.codec import CacheEntry
-from tiercache.invalidation import InvalidationTable
+from tiercache.invalidation import HostWatermarks, InvalidationTable
 from tiercache.stores import Store
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class TieredCache:
         default_ttl_s: float = 0.0,
         invalidations: InvalidationTable | None = None,
         background: Sequence[Closeable] = (),
+        host_marks: HostWatermarks | None = None,
     ) -> None:
         self.l1 = l1
         self.l2 = l2
@@ -67,6 +68,7 @@ class TieredCache:
         self.default_ttl_s = default_ttl_s
         self.invalidations = invalidations if invalidations is not None else InvalidationTable()
         self.background = list(background)
+        self.host_marks = host_marks  # the host's invalidation log: noted before every read
 
     def now(self) -> float:
         """The wall clock entries are stamped with (`created_s`)."""
@@ -77,6 +79,7 @@ class TieredCache:
         that fails to read is a miss in that tier (logged), never an error: the request goes on
         to a lower tier or to the engine. `default_ttl_s` caps the age of what this cache
         serves, whatever TTL the writer gave the entry (prompt_cache reads what llm wrote)."""
+        self._catch_up()
         now = self._clock()
         tiers = self.stores()
         for i, (tier, store) in enumerate(tiers):
@@ -142,6 +145,14 @@ class TieredCache:
             raise failure
         return entry
 
+    def _catch_up(self) -> None:
+        if self.host_marks is None:
+            return
+        try:
+            self.host_marks.catch_up(self.invalidations)
+        except Exception:  # noqa: BLE001 - the tiers still answer; logged for the operator
+            log.exception("reading the host's invalidation log failed")
+
     @staticmethod
     def _drop(tier: Tier, store: Store, key: str) -> None:
         try:
@@ -168,3 +179,5 @@ class TieredCache:
             item.close()
         for _, store in self.stores():
             store.close()
+        if self.host_marks is not None:
+            self.host_marks.close()

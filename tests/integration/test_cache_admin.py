@@ -1,9 +1,9 @@
 """cache_admin through a real tritonserver: warm pre-loads an answer under the digest
 prompt_cache computes, invalidate by tenant stops it being served, stats counts L2.
 
-The session server runs without Redis, so an invalidation reaches L2 only (an L1 copy in a
-prompt_cache process stays until it is evicted): the invalidated prompt here is one that was
-warmed but never served, so no L1 holds it."""
+The session server runs without Redis: the invalidation reaches prompt_cache's processes through
+the host's invalidation log, so an answer already served (an L1 copy there) is not served again
+either."""
 
 from __future__ import annotations
 
@@ -32,9 +32,14 @@ def test_warm_invalidate_and_stats(client: TierCacheClient) -> None:
     hit = client.generate_text(first["text_input"], tenant=tenant, max_tokens=MAX_TOKENS)
     assert (hit.cache_status, hit.text) == ("exact", "Yellow (warmed).")
 
+    again = client.generate_text(first["text_input"], tenant=tenant, max_tokens=MAX_TOKENS)
+    assert again.cache_status == "exact"  # now also in a prompt_cache process's L1
+
     client.invalidate(tenant=tenant)
     after = client.generate_text(second["text_input"], tenant=tenant, max_tokens=MAX_TOKENS)
     assert after.cache_status == "miss" and after.text != "Blue (warmed)."
+    served = client.generate_text(first["text_input"], tenant=tenant, max_tokens=MAX_TOKENS)
+    assert served.cache_status == "miss" and served.text != "Yellow (warmed)."
 
     stats = client.stats()
     assert stats["tiers"]["l2"]["entries"] >= 1

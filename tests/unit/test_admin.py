@@ -4,6 +4,7 @@ warmed answer), local invalidation, and the ADMIN protocol's errors."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, NotFound
 from tiercache.keys import EngineIdentity
 from tiercache.lora.types import AdapterRef
-from tiercache.prompt_cache import CacheStatus
+from tiercache.prompt_cache import CacheStatus, open_tiered_cache
 from tiercache.request import RawInputs
 
 ENGINE = EngineIdentity("m", "r1")
@@ -112,7 +113,7 @@ def test_invalidate_tenant_and_tag_locally(admin: Admin, clock: Clock) -> None:
     )
     report = run(admin, op="invalidate", tenant="acme")
     assert (report["kind"], report["dropped_l2"], report["published"]) == ("tenant", 2, False)
-    assert "L2 only" in report["reaches"]
+    assert "this host only" in report["reaches"]
     assert admin.prompts.lookup(RawInputs("a", tenant="acme")).status is CacheStatus.MISS
     beta = admin.prompts.lookup(RawInputs("a", tenant="beta", cache_control="tag=kb"))
     assert beta.status is CacheStatus.EXACT
@@ -206,3 +207,40 @@ def test_warm_adapters_forwarded(admin: Admin) -> None:
     assert "prompts" not in result
     with pytest.raises(NotFound):
         run(admin, op="warm", adapters=["nope"])
+
+
+def _invalidate_tag_elsewhere(state_dir: str, tag: str) -> None:
+    """In another process, as cache_admin does: record the watermark, sweep L2."""
+    config = CacheAdminConfig(state_dir=state_dir, l2_max_bytes=16 << 20)
+    other = open_admin(config, ENGINE)
+    try:
+        assert run(other, op="invalidate", tag=tag)["published"] is False
+    finally:
+        other.cache.close()
+
+
+def test_without_redis_an_invalidation_reaches_the_hosts_other_processes(tmp_path: Path) -> None:
+    """Before, the watermark stayed in cache_admin's process: prompt_cache's L1 copies kept being
+    served, and so did an answer an llm process wrote after the sweep (its generation started
+    before the invalidation)."""
+    import multiprocessing
+
+    config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20)
+    here = open_tiered_cache(config)  # this process: an L1 (prompt_cache) and the host's L2
+    try:
+        here.put("copied", "old", tags=("kb",))
+        assert here.get("copied") is not None  # now in this process's L1 too
+        started_s = time.time() - 5.0
+        spawn = multiprocessing.get_context("spawn")
+        process = spawn.Process(target=_invalidate_tag_elsewhere, args=(str(tmp_path), "kb"))
+        process.start()
+        process.join(60)
+        assert process.exitcode == 0
+        # written after the sweep by a generation that started before the invalidation
+        here.put("in-flight", "stale", tags=("kb",), created_s=started_s)
+        assert here.get("copied") is None and here.get("in-flight") is None
+        time.sleep(0.1)  # past the watermark's clock-skew margin (50 ms)
+        here.put("fresh", "new", tags=("kb",))  # generated after it: served
+        assert here.get("fresh") is not None
+    finally:
+        here.close()

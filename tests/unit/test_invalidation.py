@@ -275,3 +275,21 @@ def test_many_hidden_rows_do_not_inflate_every_search(
         assert found and not {n.digest for n in found} & set(hidden)
     assert max(asked) == 5 + index_module._DEAD_OVERFETCH
     index.close()
+
+
+def test_host_watermarks_note_each_record_once_and_drop_the_oldest(tmp_path: Path) -> None:
+    from tiercache.invalidation import HostWatermarks
+
+    marks = HostWatermarks(tmp_path / "inv", max_events=3)
+    table = InvalidationTable()
+    assert marks.catch_up(table) == 0
+    marks.record(Invalidation(InvalidationKind.TAG, "a", 10.0))
+    marks.record(Invalidation(InvalidationKind.KEY, "k", 11.0))
+    assert marks.catch_up(table) == 2 and marks.catch_up(table) == 0
+    assert table.covers("k", entry(created_s=11.0))
+    assert table.covers("x", entry(created_s=5.0, tags=("a",)))
+    for i in range(4):  # past max_events: the oldest records are dropped
+        marks.record(Invalidation(InvalidationKind.TAG, f"t{i}", 20.0 + i))
+    assert marks.catch_up(table) == 3  # what is kept of the four new ones
+    assert table.covers("x", entry(created_s=23.0, tags=("t3",)))
+    marks.close()
