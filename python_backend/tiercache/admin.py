@@ -29,7 +29,7 @@ from typing import Any
 
 from tiercache.admin_ops import parse_admin as parse_admin_ops
 from tiercache.config import CacheAdminConfig
-from tiercache.errors import InvalidRequest, NotFound, TierCacheError
+from tiercache.errors import InvalidRequest, NotFound, TierCacheError, Unavailable
 from tiercache.invalidation import InvalidationKind, Invalidator, checked_digest
 from tiercache.keys import EngineIdentity, tenant_scope
 from tiercache.prompt_cache import (
@@ -263,13 +263,15 @@ class Admin:
             if not found.write_back:
                 raise InvalidRequest("cache_control no-store: never stored")
             request = found.request
-            self.cache.put(
+            stored = self.cache.put(
                 found.digest,
                 answer,
                 tags=request.cache_tags,
                 scope=request.kv_scope,
                 adapter=request.lora_digest,
             )
+            if stored is None:
+                raise Unavailable("an invalidation issued this instant covers it: warm it again")
         except TierCacheError as exc:
             return {"status": "error", "error": exc.client_message()}
         return {"status": "stored", "digest": found.digest}

@@ -145,8 +145,11 @@ class InvalidationTable:
         self._lock = threading.Lock()
         self.newest_s = 0.0  # the newest watermark seen
 
-    def note(self, inv: Invalidation) -> bool:
-        """Record `inv`; True if it raised a watermark (it was news)."""
+    def note(self, inv: Invalidation, from_redis: bool = False) -> bool:
+        """Record `inv`; True if it raised a watermark (it was news). Only watermarks read from
+        Redis (`from_redis`) move `newest_s`, from which the listener catches up after a
+        reconnect: one stamped by this host's clock while Redis was away, or taken from the
+        host's log, must not make it skip what others recorded meanwhile."""
         with self._lock:
             marks = self._marks[inv.kind]
             old = marks.get(inv.value)
@@ -155,7 +158,8 @@ class InvalidationTable:
             if old is None:
                 self._count += 1
             marks[inv.value] = inv.at_s
-            self.newest_s = max(self.newest_s, inv.at_s)
+            if from_redis:
+                self.newest_s = max(self.newest_s, inv.at_s)
             if self._count > self.max_events:
                 self._forget_oldest()
             return True
@@ -384,7 +388,7 @@ class InvalidationListener:
                 log.warning("ignored a malformed invalidation message: %s", exc)
                 continue
             if inv.origin != self.table.origin:
-                news = self.table.note(inv)
+                news = self.table.note(inv, from_redis=True)
                 self._apply(inv, sweep_local=True, noted=True)
                 lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
                 with self._lock:
@@ -416,7 +420,7 @@ class InvalidationListener:
                 continue
             # At start every recorded watermark is noted; reads check them, so no sweep is
             # needed. After an outage only the news is swept.
-            news = self.table.note(inv)
+            news = self.table.note(inv, from_redis=True)
             if news and catch_up_sweeps:
                 self._apply(inv, sweep_local=True, noted=True)
             with self._lock:
@@ -431,7 +435,7 @@ class InvalidationListener:
     def _apply(self, inv: Invalidation, sweep_local: bool, noted: bool = False) -> None:
         """Note the watermark (reads are right from here on), then reclaim the space."""
         if not noted:
-            self.table.note(inv)
+            self.table.note(inv, from_redis=True)
         if not sweep_local:
             return
         dropped: list[str] = []
@@ -558,13 +562,16 @@ class Invalidator:
                 f"Redis {link.url or ''} is unavailable: the invalidation of {kind.value} "
                 f"{value!r} was applied on this replica only"
             )
+        # Record and publish first, then sweep L3: the replicas act at once however long the
+        # sweep takes, and the record's score stays close to when it is written (a listener
+        # that reconnects catches up from the newest score it has seen).
+        link.call_or_raise(lambda c: self._record(c, link, inv))
+        with self._lock:
+            self._published += 1
         shared = 0
         if self.cache.l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
             shared = len(sweep(self.cache.l3, inv, table.skew_s))
         self._count(inv, shared)
-        link.call_or_raise(lambda c: self._record(c, link, inv))
-        with self._lock:
-            self._published += 1
         return InvalidationReport(inv, local, shared, True)
 
     def _count(self, inv: Invalidation, dropped: int, issued: bool = False) -> None:

@@ -367,7 +367,7 @@ class LlmStage:
         started_s: float,
     ) -> bool:
         try:
-            self.cache.put(
+            stored = self.cache.put(
                 digest,
                 text,
                 finish_reason=record.finish_reason,
@@ -381,6 +381,8 @@ class LlmStage:
             log.exception("write-back of %s failed", digest)
             with self._lock:
                 self._write_failures += 1
+            return False
+        if stored is None:  # invalidated while it was generated: served, not stored
             return False
         with self._lock:
             self._write_backs += 1

@@ -118,9 +118,12 @@ class TieredCache:
         scope: str = "",
         adapter: str = "",
         created_s: float | None = None,
-    ) -> CacheEntry:
-        """Store an answer in every tier. `created_s` (default: now) is when its generation
-        started; `tags`, `scope` and `adapter` are what invalidations match on."""
+    ) -> CacheEntry | None:
+        """Store an answer in every tier; None, writing nothing, when an invalidation this
+        process knows of already covers it (a generation that started before the watermark:
+        readers would refuse it, and once the watermark is forgotten it would be served).
+        `created_s` (default: now) is when its generation started; `tags`, `scope` and
+        `adapter` are what invalidations match on."""
         entry = CacheEntry(
             text=text,
             created_s=self._clock() if created_s is None else created_s,
@@ -131,6 +134,12 @@ class TieredCache:
             scope=scope,
             adapter=adapter,
         )
+        self._catch_up()
+        if self.invalidations.covers(key, entry):
+            log.info(
+                "not storing %s: an invalidation issued since its generation began covers it", key
+            )
+            return None
         # Each tier on its own: a full local disk must not keep the answer from L3 (other
         # replicas wait for it there) or from L1. The first failure is raised after the others.
         failure: Exception | None = None

@@ -163,3 +163,20 @@ def test_readers_ttl_caps_what_it_serves_whatever_the_writer_gave(
     clock.now += 61
     assert reader.get("k") is None
     assert TieredCache(None, l2, clock=clock).get("k") is not None  # kept for a reader without
+
+
+def test_an_answer_an_invalidation_already_covers_is_not_written(
+    l1: MemoryStore, l2: LmdbStore, clock: FakeClock
+) -> None:
+    """A generation that started before a watermark this process knows: readers would refuse
+    it, and once the watermark is forgotten (past max_events) it would be served again."""
+    from tiercache.invalidation import Invalidation, InvalidationKind
+
+    cache = TieredCache(l1, l2, clock=clock)
+    started_s = clock.now
+    clock.now += 10
+    cache.invalidations.note(Invalidation(InvalidationKind.TAG, "kb", clock.now - 5))
+    assert cache.put("k", "stale", tags=("kb",), created_s=started_s) is None
+    assert l1.get("k") is None and l2.get("k") is None
+    assert cache.put("k", "fresh", tags=("kb",)) is not None
+    assert l2.get("k") is not None
