@@ -593,21 +593,42 @@ def test_compaction_retires_the_table_and_readers_reopen(tmp_path: Path) -> None
     assert len(list((tmp_path / "sem" / "tables").glob("*.tbl"))) == 1  # the old file is gone
 
 
+def test_a_scope_left_without_rows_loses_its_table_and_graphs(tmp_path: Path) -> None:
+    """Scopes include the seed, max_tokens, adapter and model revision: many are never used
+    again. Before, each kept an allocated table (1.5 MB at least) and its graphs forever."""
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))  # scope "s": a graph is saved at start
+    for i in range(5):
+        store.append(f"seed-{i}", f"x{i}", "p", unit(1, i))
+    reader = _start(store)
+    reader.size("seed-0")
+    assert _graph_files(store) and len(list((store.path / "tables").glob("*.tbl"))) == 6
+    assert store.compact(lambda digest: digest == "x0") == 304
+    assert list((store.path / "tables").glob("*.tbl")) == [
+        store.tables.table_path(scope_tag("seed-0"), 0)
+    ]
+    assert _graph_files(store) == [] and reader.search("s", unit(1, 0), k=1) == []
+    assert reader.size("seed-1") == 0 and reader.size("seed-0") == 1
+    store.append("s", "again", "p", unit(1, 0))  # a new row starts the scope over
+    assert [n.digest for n in reader.search("s", unit(1, 0), k=1)] == ["again"]
+
+
 def test_a_full_table_grows_into_a_new_one_and_a_graph_keeps_its_rows(tmp_path: Path) -> None:
     store = SemanticStore(tmp_path / "sem")
-    vectors = _random_rows(INITIAL_CAPACITY + 300, 0)
-    _fill(store, vectors[:300])
+    _fill(store, _random_rows(300, 0))
     reader = _start(store)  # a graph of 300 rows
     assert reader.stats().graphs_built == 1
     old = _table_of(reader)
-    for first in range(300, len(vectors), 100):  # past the first table's capacity
+    old_capacity = old.capacity()
+    vectors = np.concatenate([_random_rows(300, 0), _random_rows(old_capacity, 3)])
+    for first in range(300, len(vectors), 100):  # past the table's capacity
         _fill(store, vectors[first : first + 100], first=first)
     assert old.retired()
     (hit,) = reader.search("s", vectors[-1], k=1)
     assert hit.digest == f"d{len(vectors) - 1}"
     stats = reader.stats()
     assert (stats.tables_reopened, stats.graphs_built, stats.rows) == (1, 1, len(vectors))
-    assert _table_of(reader).capacity() > INITIAL_CAPACITY
+    assert _table_of(reader).capacity() > old_capacity >= INITIAL_CAPACITY
     assert _agree_with_flat(reader, _random_rows(100, 2)) >= 95
 
 

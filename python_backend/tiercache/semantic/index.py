@@ -358,6 +358,16 @@ class SemanticStore:
         epoch, width, capacity = _MANIFEST_HEAD.unpack_from(raw)
         return TableManifest(bytes(raw[_MANIFEST_HEAD.size :]).decode(), epoch, width, capacity)
 
+    def drop_manifest_if_empty(self, tag: str) -> bool:
+        """Forget an empty scope's table (its manifest), in the transaction that sees it empty:
+        a row appended after it starts the scope again with a new table."""
+        key = bytes.fromhex(tag)
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(_LIVE + key)
+            if raw and int.from_bytes(raw, "big"):
+                return False
+            return bool(txn.delete(_MANIFEST + key))
+
     def set_manifest(self, tag: str, manifest: TableManifest) -> None:
         with self._env.begin(write=True) as txn:
             txn.put(_MANIFEST + bytes.fromhex(tag), _encode_manifest(manifest))

@@ -10,8 +10,10 @@ Files, under the folder the store is given (default `<semantic state>/tables/`):
 every process holds while it publishes to, rebuilds or replaces that scope's table. The
 current epoch, width and capacity are in the log's manifest for the scope (`TableManifest`),
 so a process never guesses which file is current. One file per scope keeps each scope's flat
-scan one contiguous matrix; a table starts at `INITIAL_CAPACITY` rows (about 1.5 MB of sparse
-file at 384 floats) and processes map only the scopes they touch.
+scan one contiguous matrix; a table starts at `INITIAL_CAPACITY` rows (the file is allocated
+in full, about 28 KB at 384 floats, so that a full disk fails the creation rather than a later
+write into the mapping) and processes map only the scopes they touch. A scope that compaction
+leaves without rows loses its table and graphs (`_drop_locked`); its lock file stays (empty).
 
 Invariant, under the scope's lock: the current table holds the scope's live log rows, once
 each, or fewer (a writer that died between its log append and its publish, a table emptied by
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INITIAL_CAPACITY = 1024
+INITIAL_CAPACITY = 16  # rows; a scope's table doubles (a new epoch) as it grows
 _PUBLISH_CHUNK = 8192  # rows per publish call when a table is rebuilt
 
 
@@ -146,6 +148,9 @@ class ScopeTables:
         count = table.count()
         have = np.array(table.ids(count), dtype=np.uint64)
         live = np.asarray(self.store.scope_seqs(tag), dtype=np.uint64)
+        if not len(live) and self.store.drop_manifest_if_empty(tag):
+            self._drop_locked(tag, table)
+            return None
         keep = np.isin(have, live)
         missing = live[~np.isin(live, have)]
         vectors = np.zeros((0, manifest.width), dtype=np.float32)
@@ -166,6 +171,17 @@ class ScopeTables:
         ids = np.concatenate([have[keep], missing])
         rows = np.concatenate([kept_rows, vectors]) if len(missing) else kept_rows
         return self._replace_locked(tag, manifest, table, rows, ids)
+
+    def _drop_locked(self, tag: str, table: native.SharedTable) -> None:
+        """A scope with no rows left (compaction): its table and saved graphs go, so scopes
+        that are never used again (an old model revision, a seed) cost no disk. Readers
+        holding the table find it retired and the scope gone."""
+        table.retire()
+        Path(table.path).unlink(missing_ok=True)
+        table.close()
+        for graph in (self.store.path / "graphs").glob(f"{tag}.*"):
+            graph.unlink(missing_ok=True)
+        log.info("scope %s has no rows left: its table and graphs were deleted", tag[:12])
 
     def _open_locked(self, tag: str, manifest: TableManifest) -> native.SharedTable:
         path = self.table_path(tag, manifest.epoch)
