@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -272,13 +274,40 @@ def test_full_row_log_compacts_rows_whose_answers_are_gone(tmp_path: Path) -> No
     store = SemanticStore(tmp_path / "sem", max_bytes=64 * 1024)
     live = {"d0"}
     written = 0
+    deferred = 0
     for i in range(400):  # far more rows than 64 KiB holds
-        store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i / 400), live.__contains__)
+        seq = store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i / 400), live.__contains__)
+        deferred += seq is None  # the log was full: compacted in the background, appended after
         written += 1
-    assert written == 400  # no append raised
+        if i % 50 == 49:
+            assert store.wait_compacted()
+    assert written == 400 and deferred > 0  # no append raised
+    assert store.wait_compacted()
     rows = list(store.rows_since(0))
     assert 0 < len(rows) < 400
     assert rows[-1].digest == "d399"  # the newest row always made it in
+
+
+def test_a_full_log_does_not_hold_up_the_writer(tmp_path: Path) -> None:
+    """A miss's write-back ran a whole-log compaction before its answer was delivered (seconds
+    for a 2 GiB log); now it returns at once and the row lands after the compaction."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=64 * 1024)
+    gate = threading.Event()
+
+    def slow_exists(digest: str) -> bool:
+        gate.wait(10)  # compaction checks every row's answer: held here
+        return False
+
+    i = 0
+    while store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i), slow_exists) is not None:
+        i += 1  # until the log is full
+    started = time.perf_counter()
+    assert store.append_or_compact("s", "late", "p", unit(0, 1), slow_exists) is None
+    assert time.perf_counter() - started < 1.0  # did not wait for the compaction
+    gate.set()
+    assert store.wait_compacted()
+    assert {r.digest for r in store.rows_since(0)} >= {f"d{i}", "late"}
+    store.close()
 
 
 def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:

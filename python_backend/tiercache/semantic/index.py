@@ -40,6 +40,7 @@ from tiercache.stores import open_lmdb
 log = logging.getLogger(__name__)
 
 _ROW_PREFIX = b"r"
+_MAX_PENDING = 10_000  # rows waiting for a background compaction (SemanticStore)
 _NEXT_KEY = b"meta:next"
 _HEADER = struct.Struct("<16sdI")  # checksum, created_s, dimensions
 
@@ -137,6 +138,11 @@ class SemanticStore:
                 txn.put(_LOG_ID_KEY, log_id)
             self.log_id: bytes = bytes(log_id)
         self.tables = ScopeTables(self, tables_path or path / "tables")
+        # Compaction runs on one background thread per process; rows that find the log full
+        # meanwhile wait for it in `_pending` (bounded) and are appended after it.
+        self._compaction_lock = threading.Lock()
+        self._pending: list[tuple[str, str, str, np.ndarray]] = []
+        self._compactor: threading.Thread | None = None
 
     def append(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
         return self.append_many([(scope, digest, prompt, vector)])[0]
@@ -148,14 +154,55 @@ class SemanticStore:
         prompt: str,
         vector: np.ndarray,
         answer_exists: Callable[[str], bool],
-    ) -> int:
-        """Append; when the log is full, drop rows whose answer is gone (else the oldest tenth)
-        and try once more. Compaction rewrites the tables of the scopes it touched."""
+    ) -> int | None:
+        """Append and return the row's seq. When the log is full: None at once, and a
+        background compaction (one per process) drops rows whose answer is gone (else the
+        oldest tenth), rewrites the touched scopes' tables, then appends this row and the
+        others that found the log full meanwhile (at most `_MAX_PENDING`; more are dropped:
+        a row missing costs a later semantic hit, never a wrong one). The caller, a miss's
+        write-back, does not wait for it: compacting a full log takes seconds."""
         try:
             return self.append(scope, digest, prompt, vector)
         except lmdb.MapFullError:
-            self.compact(answer_exists)
-            return self.append(scope, digest, prompt, vector)
+            with self._compaction_lock:
+                if len(self._pending) < _MAX_PENDING:
+                    self._pending.append((scope, digest, prompt, vector))
+                if self._compactor is None:
+                    self._compactor = threading.Thread(
+                        target=self._compact_then_append,
+                        args=(answer_exists,),
+                        name="semantic-compaction",
+                        daemon=True,
+                    )
+                    self._compactor.start()
+            return None
+
+    def _compact_then_append(self, answer_exists: Callable[[str], bool]) -> None:
+        started = time.perf_counter()
+        try:
+            deleted = self.compact(answer_exists)
+            log.info(
+                "compacted the semantic log: %d rows deleted in %.1f s", deleted, _since(started)
+            )
+        except Exception:  # noqa: BLE001 - the rows below are tried anyway
+            log.exception("compacting the semantic log failed")
+        with self._compaction_lock:
+            pending, self._pending = self._pending, []
+            self._compactor = None
+        if pending:
+            try:
+                self.append_many(pending)
+            except Exception:  # noqa: BLE001 - rows lost: fewer semantic hits, logged
+                log.exception("appending %d rows after compaction failed", len(pending))
+
+    def wait_compacted(self, timeout_s: float = 60.0) -> bool:
+        """Wait for a running background compaction (and its appends); False on timeout."""
+        with self._compaction_lock:
+            compactor = self._compactor
+        if compactor is not None:
+            compactor.join(timeout_s)
+            return not compactor.is_alive()
+        return True
 
     def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
         """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`.
@@ -387,6 +434,7 @@ class SemanticStore:
         return found
 
     def close(self) -> None:
+        self.wait_compacted()
         self._env.close()
 
 
