@@ -17,6 +17,7 @@ import pytest
 from tiercache.codec import CacheEntry
 from tiercache.keys import EngineIdentity, semantic_scope, tenant_scope
 from tiercache.request import GenerationRequest
+from tiercache.semantic import index as index_module
 from tiercache.semantic.index import SemanticIndex, SemanticStore, file_digest, scope_tag
 from tiercache.semantic.shared_rows import INITIAL_CAPACITY
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
@@ -270,28 +271,28 @@ def test_screen_takes_latin_text_with_accents(screen: Any, text: str) -> None:
     assert screen.check(text) is None
 
 
-def test_full_row_log_compacts_rows_whose_answers_are_gone(tmp_path: Path) -> None:
-    store = SemanticStore(tmp_path / "sem", max_bytes=64 * 1024)
-    live = {"d0"}
-    written = 0
-    deferred = 0
-    for i in range(400):  # far more rows than 64 KiB holds
-        seq = store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i / 400), live.__contains__)
-        deferred += seq is None  # the log was full: compacted in the background, appended after
-        written += 1
-        if i % 50 == 49:
-            assert store.wait_compacted()
-    assert written == 400 and deferred > 0  # no append raised
-    assert store.wait_compacted()
-    rows = list(store.rows_since(0))
-    assert 0 < len(rows) < 400
-    assert rows[-1].digest == "d399"  # the newest row always made it in
+def test_full_row_log_compacts_rows_whose_answers_are_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 * 1024)
+    live = {"d0"}  # and the 20 newest answers: the older ones were evicted
+    for i in range(2000):  # far more rows than 256 KiB holds
+        live.add(f"d{i}")
+        if i > 20:
+            live.discard(f"d{i - 20}")
+        store.append_or_compact("s", f"d{i}", "p" * 40, unit(1, i / 400), live.__contains__)
+        assert store.wait_compacted()  # answers come slower than a compaction of this log
+    kept = {r.digest for r in store.rows_since(0)}
+    assert 20 <= len(kept) < 2000
+    assert {"d0", "d1999"} <= kept  # a live old answer's row stays; the newest made it in
+    assert "failed" not in caplog.text and "not indexed" not in caplog.text
+    store.close()
 
 
 def test_a_full_log_does_not_hold_up_the_writer(tmp_path: Path) -> None:
     """A miss's write-back ran a whole-log compaction before its answer was delivered (seconds
     for a 2 GiB log); now it returns at once and the row lands after the compaction."""
-    store = SemanticStore(tmp_path / "sem", max_bytes=64 * 1024)
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 * 1024)
     gate = threading.Event()
 
     def slow_exists(digest: str) -> bool:
@@ -678,3 +679,40 @@ def test_a_damaged_row_missing_from_the_table_is_dropped_from_the_log(tmp_path: 
     assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
     tag = scope_tag("s")
     assert reopened.live_count(tag) == 1 and reopened.scope_seqs(tag) == [0]
+
+
+def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Path) -> None:
+    """A scope that crosses flat_max_rows (or whose rows compaction rewrote) got its graph built
+    inside search(), holding the index lock: every lookup of the process waited (1.6 s per
+    20,000 rows). Now searches scan flat until a background build is swapped in."""
+    store = SemanticStore(tmp_path / "sem")
+    reader = SemanticIndex(store, DIM, flat_max_rows=50, persist_graphs=False)
+    vectors = _random_rows(300, 0)
+    _fill(store, vectors[:40])
+    assert reader.search("s", vectors[0], k=1)[0].digest == "d0"  # flat, under the limit
+    _fill(store, vectors[40:], first=40)
+    gate = threading.Event()
+    build = index_module._Scope.build_hnsw
+
+    def slow_build(scope: Any, rows: np.ndarray) -> None:
+        assert gate.wait(10)
+        build(scope, rows)
+
+    index_module._Scope.build_hnsw = slow_build  # type: ignore[method-assign]
+    try:
+        found: list[Any] = []
+        searching = threading.Thread(target=lambda: found.extend(reader.search("s", vectors[299])))
+        searching.start()
+        searching.join(5)  # over the limit: answered by the flat scan, the build still held
+        assert not searching.is_alive() and found[0].digest == "d299"
+        assert reader.stats().graphs_built == 0
+    finally:
+        gate.set()
+        index_module._Scope.build_hnsw = build  # type: ignore[method-assign]
+    assert reader.wait_graphs()
+    assert reader.stats().graphs_built == 1
+    assert _agree_with_flat(reader, _random_rows(50, 5)) >= 48
+    assert store.compact(lambda digest: digest != "d1") == 1  # rows rewritten: graph dropped
+    assert reader.search("s", vectors[0], k=1)[0].digest == "d0"
+    assert reader.wait_graphs() and reader.stats().graphs_built == 2
+    reader.close()

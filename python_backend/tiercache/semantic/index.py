@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 _ROW_PREFIX = b"r"
 _MAX_PENDING = 10_000  # rows waiting for a background compaction (SemanticStore)
+_COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropped
+_COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
+_COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
+_APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
 _NEXT_KEY = b"meta:next"
 _HEADER = struct.Struct("<16sdI")  # checksum, created_s, dimensions
 
@@ -130,6 +134,7 @@ class SemanticStore:
         self.path = path
         # Damaged while stopped (truncated, overwritten): moved aside with its tables, rebuilt.
         self._env = open_lmdb(path, max_bytes, "semantic row log", clock)
+        self._compact_at_bytes = int(max_bytes * _COMPACT_AT_FRACTION)
         self._clock = clock
         with self._env.begin(write=True) as txn:
             log_id = txn.get(_LOG_ID_KEY)
@@ -155,45 +160,82 @@ class SemanticStore:
         vector: np.ndarray,
         answer_exists: Callable[[str], bool],
     ) -> int | None:
-        """Append and return the row's seq. When the log is full: None at once, and a
-        background compaction (one per process) drops rows whose answer is gone (else the
-        oldest tenth), rewrites the touched scopes' tables, then appends this row and the
-        others that found the log full meanwhile (at most `_MAX_PENDING`; more are dropped:
-        a row missing costs a later semantic hit, never a wrong one). The caller, a miss's
-        write-back, does not wait for it: compacting a full log takes seconds."""
-        try:
-            return self.append(scope, digest, prompt, vector)
-        except lmdb.MapFullError:
-            with self._compaction_lock:
+        """Append and return the row's seq; None when the log is full or being compacted.
+        Once the log's data pages pass `_COMPACT_AT_FRACTION` of its map (or it is full), a
+        background compaction starts (one per process): rows whose answer is gone are
+        dropped (else the oldest tenth) and the touched scopes' tables rewritten. Rows that
+        arrive while it runs wait (LMDB copies every page it changes, so compaction needs
+        free pages even to delete) and are appended after it (at most `_MAX_PENDING`; more
+        are dropped: a row missing costs a later semantic hit, never a wrong one). The
+        caller, a miss's write-back, never waits for it: compacting a large log takes
+        seconds."""
+        row = (scope, digest, prompt, vector)
+        with self._compaction_lock:
+            if self._compactor is not None:
                 if len(self._pending) < _MAX_PENDING:
-                    self._pending.append((scope, digest, prompt, vector))
-                if self._compactor is None:
-                    self._compactor = threading.Thread(
-                        target=self._compact_then_append,
-                        args=(answer_exists,),
-                        name="semantic-compaction",
-                        daemon=True,
-                    )
-                    self._compactor.start()
-            return None
+                    self._pending.append(row)
+                return None
+        seq: int | None = None
+        try:
+            seq = self.append(scope, digest, prompt, vector)
+        except lmdb.MapFullError:
+            pass
+        if seq is not None and self._data_bytes() < self._compact_at_bytes:
+            return seq
+        with self._compaction_lock:
+            if seq is None and len(self._pending) < _MAX_PENDING:
+                self._pending.append(row)
+            if self._compactor is None:
+                self._compactor = threading.Thread(
+                    target=self._compact_then_append,
+                    args=(answer_exists,),
+                    name="semantic-compaction",
+                    daemon=True,
+                )
+                self._compactor.start()
+        return seq
+
+    def _data_bytes(self) -> int:
+        """Bytes in pages that hold data (the file itself never shrinks; freed pages are
+        reused)."""
+        st = self._env.stat()
+        return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
 
     def _compact_then_append(self, answer_exists: Callable[[str], bool]) -> None:
-        started = time.perf_counter()
-        try:
-            deleted = self.compact(answer_exists)
-            log.info(
-                "compacted the semantic log: %d rows deleted in %.1f s", deleted, _since(started)
-            )
-        except Exception:  # noqa: BLE001 - the rows below are tried anyway
-            log.exception("compacting the semantic log failed")
-        with self._compaction_lock:
-            pending, self._pending = self._pending, []
-            self._compactor = None
-        if pending:
+        """Compact, then append the rows that waited, `_APPEND_BATCH` at a time, until none
+        is left; if the log fills again first, compact again, at most `_COMPACTION_ROUNDS`
+        times, then drop what still waits (logged)."""
+        for _ in range(_COMPACTION_ROUNDS):
+            started = time.perf_counter()
             try:
-                self.append_many(pending)
-            except Exception:  # noqa: BLE001 - rows lost: fewer semantic hits, logged
-                log.exception("appending %d rows after compaction failed", len(pending))
+                deleted = self.compact(answer_exists)
+                log.info(
+                    "semantic log compacted: %d rows deleted in %.1f s", deleted, _since(started)
+                )
+            except Exception:  # noqa: BLE001 - the waiting rows are tried anyway
+                log.exception("compacting the semantic log failed")
+            while True:
+                with self._compaction_lock:
+                    if not self._pending:
+                        self._compactor = None
+                        return
+                if self._data_bytes() >= self._compact_at_bytes:
+                    break  # past the mark again: compact before the rest
+                with self._compaction_lock:
+                    batch = self._pending[:_APPEND_BATCH]
+                    del self._pending[: len(batch)]
+                try:
+                    self.append_many(batch)
+                except lmdb.MapFullError:
+                    with self._compaction_lock:
+                        self._pending[:0] = batch
+                    break  # full again: another round
+                except Exception:  # noqa: BLE001 - rows lost: fewer semantic hits, logged
+                    log.exception("appending %d rows after compaction failed", len(batch))
+        with self._compaction_lock:
+            dropped, self._pending = len(self._pending), []
+            self._compactor = None
+        log.warning("semantic log still full after compaction: %d rows not indexed", dropped)
 
     def wait_compacted(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""
@@ -206,9 +248,12 @@ class SemanticStore:
 
     def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
         """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`.
-        Then each touched scope's table is rewritten without them (the old one retired)."""
-        dead: list[tuple[int, IndexRow | None]] = []
-        rows: list[tuple[int, IndexRow | None]] = []
+        Then each touched scope's table is rewritten without them (the old one retired).
+        Keeps only each row's scope and digest in memory (not its vector), and deletes in
+        transactions of `_COMPACT_BATCH` rows: LMDB copies the pages it changes, so one
+        transaction over a nearly full map could not even delete."""
+        dead: list[tuple[int, tuple[str, str] | None]] = []
+        rows: list[tuple[int, tuple[str, str] | None]] = []
         with self._env.begin() as txn:
             cursor = txn.cursor()
             if cursor.set_range(_ROW_PREFIX):
@@ -217,23 +262,27 @@ class SemanticStore:
                         break
                     seq = int.from_bytes(key[1:], "big")
                     row = decode_row(seq, blob)
-                    rows.append((seq, row))
+                    brief = None if row is None else (row.scope, row.digest)
+                    rows.append((seq, brief))
                     if row is None or not answer_exists(row.digest):
-                        dead.append((seq, row))
+                        dead.append((seq, brief))
         if not dead:
             dead = rows[: max(1, int(len(rows) * fallback_fraction))]  # rows are in seq order
+        del rows
         touched: set[bytes] = set()
-        with self._env.begin(write=True) as txn:
-            deleted = 0
-            for seq, row in dead:
-                deleted += bool(txn.delete(_row_key(seq)))
-                if row is not None:  # a damaged row's scope index entry goes at its next sync
-                    tag = _tag_bytes(row.scope)
-                    self._unindex(txn, tag, seq)
-                    digest_key = _DIGEST + tag + row.digest.encode("utf-8")
-                    if txn.get(digest_key) == seq.to_bytes(8, "big"):
-                        txn.delete(digest_key)
-                    touched.add(tag)
+        deleted = 0
+        for start in range(0, len(dead), _COMPACT_BATCH):
+            with self._env.begin(write=True) as txn:
+                for seq, brief in dead[start : start + _COMPACT_BATCH]:
+                    deleted += bool(txn.delete(_row_key(seq)))
+                    if brief is not None:  # a damaged row's scope entry goes at its next sync
+                        scope, digest = brief
+                        tag = _tag_bytes(scope)
+                        self._unindex(txn, tag, seq)
+                        digest_key = _DIGEST + tag + digest.encode("utf-8")
+                        if txn.get(digest_key) == seq.to_bytes(8, "big"):
+                            txn.delete(digest_key)
+                        touched.add(tag)
         for tag in touched:
             with self.tables.locked(tag.hex()):
                 synced = self.tables.sync_scope(tag.hex())
@@ -705,6 +754,7 @@ class SemanticIndex:
         self._meta: dict[int, _RowMeta] = {}  # by log seq, see _metadata
         self._lock = threading.Lock()
         self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
+        self._builders: dict[str, threading.Thread] = {}  # scopes whose graph is being built
 
     def refresh(self) -> int:
         """Open every scope's table of the host (a start: large scopes get their graph here,
@@ -712,19 +762,21 @@ class SemanticIndex:
         with self._lock:
             for _, manifest in self.store.manifests():
                 if manifest.width == self.dimensions:
-                    scope = self._open(manifest.scope)
+                    scope = self._open(manifest.scope, background=False)
                     if scope is not None and scope.hnsw is not None:
                         scope.hnsw_add(scope.table.snapshot())
             visible = sum(s.count for s in self._scopes.values())
             fresh, self._visible = max(0, visible - self._visible), visible
             return fresh
 
-    def _open(self, name: str) -> _Scope | None:
+    def _open(self, name: str, background: bool = True) -> _Scope | None:
         """The scope, its table reopened if it was retired; None when it has no rows. Call
-        with the lock held."""
+        with the lock held. A graph the scope needs (it crossed `flat_max_rows`, or compaction
+        rewrote its rows) is built on a background thread (`background`; searches scan flat
+        meanwhile), or here (a start: `refresh`)."""
         scope = self._scopes.get(name)
         if scope is not None and not scope.table.retired():
-            self._grow_graph(scope)
+            self._grow_graph(scope, background)
             return scope
         table = self.store.tables.open_current(scope_tag(name), self.dimensions)
         if table is None:
@@ -743,15 +795,75 @@ class SemanticIndex:
                 or scope.prefix_digest(scope.graph_rows) != scope.graph_prefix
             ):  # the rows were rewritten (compaction): the graph's labels no longer hold
                 scope.hnsw, scope.graph_rows, scope.graph_prefix = None, 0, ""
-        self._grow_graph(scope)
+        self._grow_graph(scope, background)
         return scope
 
-    def _grow_graph(self, scope: _Scope) -> None:
+    def _grow_graph(self, scope: _Scope, background: bool = False) -> None:
         if scope.hnsw is None:
             if scope.count > self.flat_max_rows:
-                self._attach_graph(scope)
+                if background:
+                    self._attach_later(scope.name)
+                else:
+                    self._attach_graph(scope)
         elif scope.count - scope.graph_rows >= _GRAPH_TAIL_ROWS:
             scope.hnsw_add(scope.table.snapshot())
+
+    def _attach_later(self, name: str) -> None:
+        """Start building (or loading) `name`'s graph on a thread of its own, unless one is
+        already at it. Call with the lock held."""
+        if name in self._builders:
+            return
+        builder = threading.Thread(
+            target=self._build_detached, args=(name,), name="semantic-graph", daemon=True
+        )
+        self._builders[name] = builder
+        builder.start()
+
+    def _build_detached(self, name: str) -> None:
+        """Load or build a graph on this thread's own handle of the scope's table, then give it
+        to the scope if its rows are still the ones it covers (same log seqs, same order)."""
+        try:
+            table = self.store.tables.open_current(scope_tag(name), self.dimensions)
+            if table is None:
+                return
+            shadow = _Scope(name, self.dimensions, self.store.log_id, table)
+            try:
+                self._attach_graph(shadow)
+                with self._lock:
+                    scope = self._scopes.get(name)
+                    if (
+                        scope is not None
+                        and scope.hnsw is None
+                        and not scope.table.retired()
+                        and scope.count >= shadow.graph_rows
+                        and scope.prefix_digest(shadow.graph_rows) == shadow.graph_prefix
+                    ):
+                        scope.hnsw, scope.graph_rows = shadow.hnsw, shadow.graph_rows
+                        scope.graph_prefix, scope.saved_rows = (
+                            shadow.graph_prefix,
+                            shadow.saved_rows,
+                        )
+            finally:
+                table.close()
+        except Exception:  # noqa: BLE001 - searches go on scanning flat; the next one retries
+            log.exception("building the graph of a scope failed")
+        finally:
+            with self._lock:
+                self._builders.pop(name, None)
+
+    def wait_graphs(self, timeout_s: float = 120.0) -> bool:
+        """Wait for the graphs being built in the background; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                builders = list(self._builders.values())
+            if not builders:
+                return True
+            for builder in builders:
+                builder.join(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    return not self._builders
 
     def _attach_graph(self, scope: _Scope) -> None:
         """Give a scope that outgrew the flat scan its graph: the newest saved one that matches
@@ -916,6 +1028,7 @@ class SemanticIndex:
             )
 
     def close(self) -> None:
+        self.wait_graphs()
         self.save_graphs()
         with self._lock:
             for scope in self._scopes.values():
