@@ -716,3 +716,28 @@ def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Pat
     assert reader.search("s", vectors[0], k=1)[0].digest == "d0"
     assert reader.wait_graphs() and reader.stats().graphs_built == 2
     reader.close()
+
+
+def test_a_log_restored_from_a_backup_never_pairs_a_row_with_another_rows_vector(
+    tmp_path: Path,
+) -> None:
+    """Tables were keyed by scope and epoch only: a log restored from a backup gives out seqs
+    the table already holds for other rows, and a search for the old row's vector served the
+    new row (similarity 1.0, past the guard)."""
+    tables = tmp_path / "tables"  # outside the log's folder, as tables_path allows
+    store = SemanticStore(tmp_path / "sem", tables_path=tables)
+    store.append("s", "password", "how do I reset my password", unit(1, 0))
+    store.close()
+    shutil.copytree(tmp_path / "sem", tmp_path / "backup")
+    store = SemanticStore(tmp_path / "sem", tables_path=tables)
+    store.append("s", "refund", "how do I get a refund", unit(0, 1))  # seq 1, in the table
+    store.close()
+    shutil.rmtree(tmp_path / "sem")
+    shutil.copytree(tmp_path / "backup", tmp_path / "sem")  # restored: next seq is 1 again
+    store = SemanticStore(tmp_path / "sem", tables_path=tables)
+    store.append("s", "joke", "tell me a joke", unit(1, 1))  # seq 1 again, another row
+    index = SemanticIndex(store, DIM, persist_graphs=False)
+    found = index.search("s", unit(0, 1), k=2)
+    assert all(n.digest != "joke" or n.similarity < 0.99 for n in found)
+    assert {n.digest for n in index.search("s", unit(1, 1), k=2)} == {"joke", "password"}
+    index.close()

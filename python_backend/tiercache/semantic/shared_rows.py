@@ -6,8 +6,9 @@ a table is a copy of one scope's vectors that every process on the host maps, pu
 release/acquire ordering (backends/README.md), so readers never copy or catch up on rows.
 
 Files, under the folder the store is given (default `<semantic state>/tables/`):
-`<scope tag>.<epoch>.tbl`, the scope's current table, and `<scope tag>.lock`, an `flock` that
-every process holds while it publishes to, rebuilds or replaces that scope's table. The
+`<scope tag>.<log id>.<epoch>.tbl`, the scope's current table, and `<scope tag>.lock`, an
+`flock` that every process holds while it publishes to, rebuilds or replaces that scope's
+table. The
 current epoch, width and capacity are in the log's manifest for the scope (`TableManifest`),
 so a process never guesses which file is current. One file per scope keeps each scope's flat
 scan one contiguous matrix; a table starts at `INITIAL_CAPACITY` rows (the file is allocated
@@ -72,7 +73,10 @@ class ScopeTables:
         path.mkdir(parents=True, exist_ok=True)
 
     def table_path(self, tag: str, epoch: int) -> Path:
-        return self.path / f"{tag}.{epoch}.tbl"
+        """Named by the row log's id too: a table of another log (rebuilt after damage, or a
+        `tables_path` shared with another log) is never opened as this log's, whose seqs
+        would name other rows."""
+        return self.path / f"{tag}.{self.store.log_id.hex()[:16]}.{epoch}.tbl"
 
     @contextmanager
     def locked(self, tag: str) -> Iterator[None]:
@@ -103,14 +107,19 @@ class ScopeTables:
         # created a stray file of the old epoch. Epochs only grow, so an unchanged manifest
         # means the file opened is the current one.
         again = self.store.manifest(tag)
+        count = table.count()
         if (
             again is None
             or again.epoch != manifest.epoch
             or table.retired()
-            or table.count() < self.store.live_count(tag)
+            or count < self.store.live_count(tag)
+            or (count and int(np.max(table.ids(count))) >= self.store.head())
         ):
             table.close()
             with self.locked(tag):
+                if again is not None and again.epoch > manifest.epoch:
+                    # opened after its replacement unlinked it: the open created a stray file
+                    self.table_path(tag, manifest.epoch).unlink(missing_ok=True)
                 return self.sync_scope(tag)
         return table
 
@@ -122,37 +131,47 @@ class ScopeTables:
                 return
             table = self._open_locked(tag, manifest)
             wanted = np.asarray(seqs, dtype=np.uint64)
+            # Seqs just given out can only be in the table if it holds another log's rows (a
+            # log restored from a backup gives the same seqs to other rows again).
+            foreign = bool(np.isin(wanted, table.ids()).any())
             fast = (
-                not table.retired()
+                not foreign
+                and not table.retired()
                 and table.count() + len(seqs) == self.store.live_count(tag)
                 and table.count() + len(seqs) <= table.capacity()
-                and not np.isin(wanted, table.ids()).any()
             )
             if fast:  # the usual case: the table holds every other live row
                 table.publish(np.ascontiguousarray(vectors, dtype=np.float32), wanted)
                 table.close()
                 return
             table.close()
-            synced = self.sync_scope(tag)
+            synced = self.sync_scope(tag, distrust=foreign)
             if synced is not None:
                 synced.close()
 
-    def sync_scope(self, tag: str) -> native.SharedTable | None:
+    def sync_scope(self, tag: str, distrust: bool = False) -> native.SharedTable | None:
         """Make the scope's current table hold exactly its live log rows, in place when it
         only lacks rows that fit, else in a new epoch (the old table retired). Call with the
-        scope's lock held. Damaged log rows are deleted from the log here."""
+        scope's lock held. Damaged log rows are deleted from the log here. A table holding
+        ids this log has not given out, or (`distrust`) ids it just gave to new rows, holds
+        another log's rows: it is rebuilt from the log, none of its rows kept."""
         manifest = self.store.manifest(tag)
         if manifest is None:
             return None
         table = self._open_locked(tag, manifest)
         count = table.count()
         have = np.array(table.ids(count), dtype=np.uint64)
+        # ids this log has not given out yet: the table holds another log's rows (a log
+        # restored from a backup reuses seqs); none of them can be trusted
+        foreign = distrust or (bool(count) and int(have.max()) >= self.store.head())
+        if foreign:
+            log.warning("table %s holds rows of another row log; rebuilt", Path(table.path).name)
         live = np.asarray(self.store.scope_seqs(tag), dtype=np.uint64)
         if not len(live) and self.store.drop_manifest_if_empty(tag):
             self._drop_locked(tag, table)
             return None
-        keep = np.isin(have, live)
-        missing = live[~np.isin(live, have)]
+        keep = np.zeros(count, dtype=bool) if foreign else np.isin(have, live)
+        missing = live if foreign else live[~np.isin(live, have)]
         vectors = np.zeros((0, manifest.width), dtype=np.float32)
         if len(missing):
             rows, damaged = self.store.read_vectors(missing.tolist(), manifest.width)
@@ -161,7 +180,7 @@ class ScopeTables:
                 self.store.delete_rows(tag, damaged)
                 missing = missing[~np.isin(missing, np.asarray(damaged, dtype=np.uint64))]
             vectors = rows
-        in_place = bool(keep.all()) and not table.retired()
+        in_place = bool(keep.all()) and not table.retired() and not foreign
         if in_place and count + len(missing) <= table.capacity():
             if len(missing):
                 log.info("published %d log rows missing from a scope's table", len(missing))
@@ -209,8 +228,11 @@ class ScopeTables:
         for start in range(0, len(ids), _PUBLISH_CHUNK):
             stop = start + _PUBLISH_CHUNK
             table.publish(np.ascontiguousarray(rows[start:stop]), ids[start:stop])
-        self.store.set_manifest(tag, TableManifest(manifest.scope, epoch, manifest.width, capacity))
+        # Retire first: a writer that dies before the manifest moves leaves a retired current
+        # table, which the next reader rebuilds under the lock (the other order left readers
+        # on the old table, never retired, for good).
         old.retire()  # readers holding it reopen through the manifest
+        self.store.set_manifest(tag, TableManifest(manifest.scope, epoch, manifest.width, capacity))
         Path(old.path).unlink(missing_ok=True)
         old.close()
         log.info("scope table rewritten: epoch %d, %d rows, capacity %d", epoch, len(ids), capacity)
