@@ -157,7 +157,7 @@ class PromptCache:
         if self.embedder_key and canonical.semantic_eligible:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
         # A semantic hit's age is not checked, so a request with max-age is not looked up by
-        # meaning (its answer is still indexed for others).
+        # meaning; embedding_cache then embeds nothing, so its answer is not indexed either.
         semantic = bool(scope) and control.max_age_s is None
         if control.no_cache:
             return LookupResult(request, digest, CacheStatus.BYPASS, "", None, write_back, scope)
