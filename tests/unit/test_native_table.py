@@ -209,12 +209,15 @@ def _writer(
     rng = np.random.default_rng(seed)
     if start is not None:
         start.wait(timeout=60)  # type: ignore[attr-defined]
-    seq = 0
+    seq = batches = 0
     while seq < rows:
         n = min(int(rng.integers(1, 65)), rows - seq)
         ids = check_ids(seq, n, writer)
         table.publish(testing.make_rows(ids, WIDTH), ids)
         seq += n
+        batches += 1
+        if batches % 20 == 0:
+            time.sleep(0.002)  # let readers in while the table fills, even on a busy machine
 
 
 def _reader(
