@@ -410,9 +410,14 @@ class LlmStage:
                 lease_wait_timeouts=self._lease_wait_timeouts,
             )
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Finish every miss in flight (their answers stored, their after-store hooks run);
+        the cache stays open."""
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._producers.shutdown(wait=True, cancel_futures=False)
+
+    def close(self) -> None:
+        self.drain()
         if self._leases is not None:
             self._leases.close()
         self.cache.close()

@@ -106,6 +106,19 @@ class TieredCache:
             return Lookup(entry, tier)
         return None
 
+    def exists(self, key: str) -> bool:
+        """Whether some tier holds a usable entry (not expired, not invalidated), without filling
+        tiers or dropping anything; a tier that fails to read raises. For decisions that must
+        not take an error for a miss (compaction deletes the rows of answers that are gone)."""
+        self._catch_up()
+        now = self._clock()
+        for _, store in self.stores():
+            entry = store.get(key)
+            if entry is not None and not entry.expired(now):
+                if not self.invalidations.covers(key, entry):
+                    return True
+        return False
+
     def put(
         self,
         key: str,

@@ -741,3 +741,22 @@ def test_a_log_restored_from_a_backup_never_pairs_a_row_with_another_rows_vector
     assert all(n.digest != "joke" or n.similarity < 0.99 for n in found)
     assert {n.digest for n in index.search("s", unit(1, 1), k=2)} == {"joke", "password"}
     index.close()
+
+
+def test_a_reader_publishing_a_writers_rows_first_is_not_taken_for_another_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between a writer's log append and its publish, a reader (or compaction) may publish the
+    same rows; the writer then finds its seqs in the table with its own vectors: no rebuild."""
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "first", "p", unit(1, 0))
+    _, fresh = store.log_rows([("s", "second", "q", unit(0, 1))])  # appended, not published
+    reader = SemanticIndex(store, DIM, persist_graphs=False)  # opens the table: publishes it
+    assert {n.digest for n in reader.search("s", unit(0, 1), k=2)} == {"first", "second"}
+    epoch = store.manifest(scope_tag("s")).epoch  # type: ignore[union-attr]
+    for tag, (seqs, vectors) in fresh.items():
+        store.tables.publish(tag, seqs, np.asarray(vectors))  # the writer's second step
+    assert store.manifest(scope_tag("s")).epoch == epoch  # type: ignore[union-attr]
+    assert "another row log" not in caplog.text
+    assert reader.size("s") == 2
+    reader.close()

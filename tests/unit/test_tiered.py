@@ -180,3 +180,18 @@ def test_an_answer_an_invalidation_already_covers_is_not_written(
     assert l1.get("k") is None and l2.get("k") is None
     assert cache.put("k", "fresh", tags=("kb",)) is not None
     assert l2.get("k") is not None
+
+
+def test_exists_raises_on_a_broken_tier_and_fills_nothing(
+    l1: MemoryStore, clock: FakeClock
+) -> None:
+    """Compaction deletes the rows of answers that are gone: a read error must not count as
+    gone (get() takes it for a miss)."""
+    l2 = MemoryStore(1 << 20)
+    TieredCache(None, l2, clock=clock).put("k", "answer", ttl_s=60)
+    cache = TieredCache(l1, l2, clock=clock)
+    assert cache.exists("k") and l1.get("k") is None  # found, not copied into L1
+    clock.now += 61
+    assert not cache.exists("k")  # expired
+    with pytest.raises(OSError, match="read failed"):
+        TieredCache(Broken(1 << 20), l2, clock=clock).exists("k")

@@ -365,9 +365,7 @@ class TritonPythonModel:
         sharing = self.sharing
 
         def write() -> None:
-            self.semantic.append_or_compact(
-                scope, digest, request.prompt, vector, lambda d: cache.get(d) is not None
-            )
+            self.semantic.append_or_compact(scope, digest, request.prompt, vector, cache.exists)
             if sharing is not None:  # then to the other replicas, through Redis
                 sharing.publish(scope, digest, request.prompt, vector)
 
@@ -440,10 +438,14 @@ class TritonPythonModel:
     def finalize(self) -> None:
         if self.sharing is not None:
             self.sharing.close()  # joins the follower before the stage closes the Redis link
+        # Misses in flight first (their rows go to the semantic store), then the semantic
+        # store (a compaction it runs checks answers in the cache, which must still be open),
+        # then the cache.
+        self.stage.drain()
+        self.semantic.close()
         self.stage.close()
         if self.padding_timer is not None:
             self.padding_timer.close()  # after the stage: its last misses may still be held
-        self.semantic.close()
         self.streams.clear()
         self.metrics.close()
 

@@ -780,7 +780,9 @@ class SemanticIndex:
             return scope
         table = self.store.tables.open_current(scope_tag(name), self.dimensions)
         if table is None:
-            self._scopes.pop(name, None)
+            gone = self._scopes.pop(name, None)
+            if gone is not None:  # dropped (no rows left): unmap its deleted file now
+                gone.table.close()
             return None
         if scope is None:
             scope = self._scopes[name] = _Scope(name, self.dimensions, self.store.log_id, table)

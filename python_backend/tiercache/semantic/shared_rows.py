@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tiercache_native as native
@@ -131,11 +131,10 @@ class ScopeTables:
                 return
             table = self._open_locked(tag, manifest)
             wanted = np.asarray(seqs, dtype=np.uint64)
-            # Seqs just given out can only be in the table if it holds another log's rows (a
-            # log restored from a backup gives the same seqs to other rows again).
-            foreign = bool(np.isin(wanted, table.ids()).any())
+            foreign = self._holds_other_rows(table, wanted, vectors)
             fast = (
                 not foreign
+                and not np.isin(wanted, table.ids()).any()
                 and not table.retired()
                 and table.count() + len(seqs) == self.store.live_count(tag)
                 and table.count() + len(seqs) <= table.capacity()
@@ -148,6 +147,26 @@ class ScopeTables:
             synced = self.sync_scope(tag, distrust=foreign)
             if synced is not None:
                 synced.close()
+
+    @staticmethod
+    def _holds_other_rows(table: native.SharedTable, seqs: np.ndarray, vectors: Any) -> bool:
+        """Whether the table holds rows under `seqs` (just given out by the log) with other
+        vectors: another log's rows (a log restored from a backup gives the same seqs to other
+        rows again). The same vectors are a benign race: a reader or compaction published the
+        writer's rows between its log append and this publish."""
+        count = table.count()
+        ids = np.asarray(table.ids(count))
+        present = np.isin(seqs, ids)
+        if not present.any():
+            return False
+        position = {int(seq): i for i, seq in enumerate(ids.tolist())}
+        rows = np.asarray(table.snapshot())
+        mine = np.asarray(vectors, dtype=np.float32).reshape(len(seqs), -1)
+        return any(
+            not np.array_equal(rows[position[int(seq)]], mine[i])
+            for i, seq in enumerate(seqs.tolist())
+            if present[i]
+        )
 
     def sync_scope(self, tag: str, distrust: bool = False) -> native.SharedTable | None:
         """Make the scope's current table hold exactly its live log rows, in place when it
