@@ -549,7 +549,10 @@ class Invalidator:
         inv = Invalidation(kind, value, at_s, table.origin)
         table.note(inv)
         if self.cache.host_marks is not None:
-            self.cache.host_marks.record(inv)  # the host's other processes, before the sweep
+            try:
+                self.cache.host_marks.record(inv)  # the host's other processes, before the sweep
+            except Exception:  # noqa: BLE001 - the sweep and Redis still reach what they reach
+                log.exception("recording %s in the host's invalidation log failed", inv.member())
         local = 0
         for _, store in self.cache.local_stores():
             local += len(sweep(store, inv, table.skew_s))
@@ -565,13 +568,15 @@ class Invalidator:
         # Record and publish first, then sweep L3: the replicas act at once however long the
         # sweep takes, and the record's score stays close to when it is written (a listener
         # that reconnects catches up from the newest score it has seen).
-        link.call_or_raise(lambda c: self._record(c, link, inv))
-        with self._lock:
-            self._published += 1
         shared = 0
-        if self.cache.l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
-            shared = len(sweep(self.cache.l3, inv, table.skew_s))
-        self._count(inv, shared)
+        try:
+            link.call_or_raise(lambda c: self._record(c, link, inv))
+            with self._lock:
+                self._published += 1
+        finally:  # swept also when publishing failed: what L3 holds is dropped either way
+            if self.cache.l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
+                shared = len(sweep(self.cache.l3, inv, table.skew_s))
+            self._count(inv, shared)
         return InvalidationReport(inv, local, shared, True)
 
     def _count(self, inv: Invalidation, dropped: int, issued: bool = False) -> None:

@@ -295,6 +295,7 @@ class LmdbStore:
         self._evict_lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._corrupt = 0
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
+        self._resized_logged_s = -60.0
 
     def get(self, key: str) -> CacheEntry | None:
         """A damaged page met while reading is a miss (counted as corrupt), never an error: the
@@ -307,7 +308,10 @@ class LmdbStore:
             self._count(misses=1, corrupt=1)
             return None
         except lmdb.MapResizedError:
-            log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
+            now = time.monotonic()
+            if now - self._resized_logged_s >= 60.0:  # once a minute, not on every read
+                self._resized_logged_s = now
+                log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
             self._count(misses=1)
             return None
         return read_stored(self, "L2", key, data)

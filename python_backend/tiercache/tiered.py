@@ -69,6 +69,7 @@ class TieredCache:
         self.invalidations = invalidations if invalidations is not None else InvalidationTable()
         self.background = list(background)
         self.host_marks = host_marks  # the host's invalidation log: noted before every read
+        self._catch_up_logged_s = -60.0
 
     def now(self) -> float:
         """The wall clock entries are stamped with (`created_s`)."""
@@ -173,7 +174,10 @@ class TieredCache:
         try:
             self.host_marks.catch_up(self.invalidations)
         except Exception:  # noqa: BLE001 - the tiers still answer; logged for the operator
-            log.exception("reading the host's invalidation log failed")
+            now = time.monotonic()
+            if now - self._catch_up_logged_s >= 60.0:  # once a minute, not on every read
+                self._catch_up_logged_s = now
+                log.exception("reading the host's invalidation log failed")
 
     @staticmethod
     def _drop(tier: Tier, store: Store, key: str) -> None:

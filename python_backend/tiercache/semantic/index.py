@@ -43,6 +43,7 @@ _ROW_PREFIX = b"r"
 _MAX_PENDING = 10_000  # rows waiting for a background compaction (SemanticStore)
 _COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropped
 _COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
+_BUILD_RETRY_S = 60.0  # a scope whose graph build failed scans flat this long before a retry
 _COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
 _APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
 _NEXT_KEY = b"meta:next"
@@ -755,6 +756,7 @@ class SemanticIndex:
         self._lock = threading.Lock()
         self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
         self._builders: dict[str, threading.Thread] = {}  # scopes whose graph is being built
+        self._build_failed: dict[str, float] = {}  # scope -> when its last build failed
 
     def refresh(self) -> int:
         """Open every scope's table of the host (a start: large scopes get their graph here,
@@ -815,6 +817,9 @@ class SemanticIndex:
         already at it. Call with the lock held."""
         if name in self._builders:
             return
+        failed_s = self._build_failed.get(name)
+        if failed_s is not None and time.monotonic() - failed_s < _BUILD_RETRY_S:
+            return  # failed lately: scan flat, try again later
         builder = threading.Thread(
             target=self._build_detached, args=(name,), name="semantic-graph", daemon=True
         )
@@ -847,8 +852,10 @@ class SemanticIndex:
                         )
             finally:
                 table.close()
-        except Exception:  # noqa: BLE001 - searches go on scanning flat; the next one retries
-            log.exception("building the graph of a scope failed")
+        except Exception:  # noqa: BLE001 - searches go on scanning flat; retried later
+            log.exception("building the graph of a scope failed; retried in %.0f s", _BUILD_RETRY_S)
+            with self._lock:
+                self._build_failed[name] = time.monotonic()
         finally:
             with self._lock:
                 self._builders.pop(name, None)

@@ -117,8 +117,9 @@ class ScopeTables:
         ):
             table.close()
             with self.locked(tag):
-                if again is not None and again.epoch > manifest.epoch:
-                    # opened after its replacement unlinked it: the open created a stray file
+                if again is None or again.epoch != manifest.epoch:
+                    # opened after its replacement (or the scope's drop) unlinked it: the open
+                    # created a stray file, which no manifest names
                     self.table_path(tag, manifest.epoch).unlink(missing_ok=True)
                 return self.sync_scope(tag)
         return table
