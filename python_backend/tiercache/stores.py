@@ -151,6 +151,13 @@ class DamagedDatabase(Exception):
     """An LMDB file is shorter than its own meta page says (truncated) or fails a walk."""
 
 
+def data_bytes(env: lmdb.Environment) -> int:
+    """Bytes in an environment's pages that hold data: not the file's size, which never shrinks
+    (freed pages are reused)."""
+    st = env.stat()
+    return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
+
+
 def map_resized_message(path: Path, max_bytes: int) -> str:
     return (
         f"L2 {path} has grown past this process's map of {max_bytes} bytes: another stage of "
@@ -329,8 +336,7 @@ class LmdbStore:
                 self._write(key.encode(), data)
 
     def _live_bytes(self) -> int:
-        st = self._env.stat()
-        return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
+        return data_bytes(self._env)
 
     def _write(self, key: bytes, data: bytes) -> None:
         with self._env.begin(write=True) as txn:

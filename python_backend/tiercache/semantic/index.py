@@ -35,7 +35,7 @@ import numpy as np
 import tiercache_native as native
 
 from tiercache.semantic.shared_rows import INITIAL_CAPACITY, ScopeTables, TableManifest
-from tiercache.stores import open_lmdb
+from tiercache.stores import data_bytes, open_lmdb
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class SemanticStore:
             seq = self.append(scope, digest, prompt, vector)
         except lmdb.MapFullError:
             pass
-        if seq is not None and self._data_bytes() < self._compact_at_bytes:
+        if seq is not None and data_bytes(self._env) < self._compact_at_bytes:
             return seq
         with self._compaction_lock:
             if seq is None and len(self._pending) < _MAX_PENDING:
@@ -195,12 +195,6 @@ class SemanticStore:
                 )
                 self._compactor.start()
         return seq
-
-    def _data_bytes(self) -> int:
-        """Bytes in pages that hold data (the file itself never shrinks; freed pages are
-        reused)."""
-        st = self._env.stat()
-        return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
 
     def _compact_then_append(self, answer_exists: Callable[[str], bool]) -> None:
         """Compact, then append the rows that waited, `_APPEND_BATCH` at a time, until none
@@ -220,7 +214,7 @@ class SemanticStore:
                     if not self._pending:
                         self._compactor = None
                         return
-                if self._data_bytes() >= self._compact_at_bytes:
+                if data_bytes(self._env) >= self._compact_at_bytes:
                     break  # past the mark again: compact before the rest
                 with self._compaction_lock:
                     batch = self._pending[:_APPEND_BATCH]
