@@ -110,9 +110,6 @@ class Screen:
             return self.UNSUPPORTED
         return None
 
-    def fits(self, text: str) -> bool:
-        return self.check(text) is None
-
 
 def latin_enough(text: str) -> bool:
     """At least MIN_LATIN_LETTERS of the letters are in the Latin script (any Unicode block)."""
