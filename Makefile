@@ -57,17 +57,17 @@ test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 perf: setup
-	$(PY) scripts/perf/run_perf.py --out $(PERF_DIR)
+	$(PY) -m tiercache_dev.perf.run --out $(PERF_DIR)
 
 bench: setup
-	$(PY) scripts/bench_prompt_cache.py
+	$(PY) -m tiercache_dev.bench.prompt_cache
 
 bench-semantic: setup
-	$(PY) scripts/bench_semantic_lookup.py
+	$(PY) -m tiercache_dev.bench.semantic_lookup
 
 bench-lora: setup
-	$(PY) scripts/bench_lora.py engine
-	$(PY) scripts/bench_lora_serving.py
+	$(PY) -m tiercache_dev.bench.lora engine
+	$(PY) -m tiercache_dev.bench.lora_serving
 
 PAIRS ?= ../shared/eval/semantic_pairs_dev.jsonl
 eval-semantic: setup
@@ -76,6 +76,9 @@ eval-semantic: setup
 lint: setup
 	$(VENV)/bin/ruff check python_backend client tests scripts model_repository deploy backends/python
 	$(VENV)/bin/mypy python_backend/tiercache client/tiercache_client
+	@# The package's layers and independences (.importlinter): stages -> triton -> config ->
+	@# caches -> basics; engine and lora independent; no import cycles.
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .tiercache $(PERF_DIR) build backends/build *.egg-info

@@ -2,7 +2,7 @@
 
 It lives in the client package because it sees only what a client sees (the request it sent, the
 status, text, similarity and KV counts that came back, and when), and so it can audit any
-deployment from outside; it imports nothing from the server. scripts/check_isolation.py drives a
+deployment from outside; it imports nothing from the server. tiercache_dev.diagnostics.check_isolation drives a
 server and feeds it; tests/unit/test_isolation_oracle.py proves it flags leaks.
 
 The rules, for an outcome `o` of tenant `t` (the tenant the driver meant, which is what the oracle
@@ -39,8 +39,8 @@ Tokenize = Callable[[str], Sequence[Hashable]]
 
 
 def normalize_prompt(text: str) -> str:
-    """As prompt_cache canonicalizes text_input (tiercache.request.normalize_text): NFKC, runs of
-    whitespace to one space, trimmed."""
+    """As prompt_cache canonicalizes text_input (tiercache.exact.request.normalize_text): NFKC,
+    runs of whitespace to one space, trimmed."""
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 

@@ -21,26 +21,20 @@ and the answer is stored as the llm stage stores a generated one (tags, scope, a
 from __future__ import annotations
 
 import re
-import time
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tiercache.admin_ops import parse_admin as parse_admin_ops
-from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, NotFound, TierCacheError, Unavailable
-from tiercache.invalidation import InvalidationKind, Invalidator, checked_digest
-from tiercache.keys import EngineIdentity, tenant_scope
-from tiercache.prompt_cache import (
-    PromptCache,
-    ResolveAdapter,
-    load_secret,
-    open_tiered_cache,
-    redis_link,
-)
-from tiercache.request import Limits, RawInputs
-from tiercache.tiered import TieredCache
+from tiercache.exact.invalidation import Invalidator, checked_digest
+from tiercache.exact.keys import tenant_scope
+from tiercache.exact.prompt_cache import PromptCache
+from tiercache.exact.redis_tier import RedisLink
+from tiercache.exact.request import RawInputs
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import InvalidationKind
 
 WarmAdapters = Callable[[Sequence[str]], dict[str, Any]]
 """Adapter names -> lora_cache's `warm` answer (NotFound for an unknown name)."""
@@ -126,11 +120,13 @@ class Admin:
         prompts: PromptCache,
         secret: bytes,
         warm_adapters: WarmAdapters | None = None,
+        link: RedisLink | None = None,
     ) -> None:
+        """`link`: the cache's Redis link (invalidations reach every replica through it)."""
         self.prompts = prompts
         self.cache: TieredCache = prompts.cache
         self._secret = secret
-        self.link = redis_link(self.cache)
+        self.link = link
         self.invalidator = Invalidator(self.cache, self.link)
         self.warm_adapters = warm_adapters
 
@@ -183,7 +179,7 @@ class Admin:
             raise InvalidRequest("invalidate: sweep_shared must be a boolean")
         kind = InvalidationKind(name)
         if kind is InvalidationKind.TENANT:
-            # normalized as prompt_cache normalizes the tenant input (tiercache.request)
+            # normalized as prompt_cache normalizes the tenant input (tiercache.exact.request)
             value = tenant_scope(self._secret, unicodedata.normalize("NFKC", value).strip())
         elif kind is InvalidationKind.ADAPTER:
             value = self._adapter_digest(value.strip())
@@ -266,8 +262,8 @@ class Admin:
             stored = self.cache.put(
                 found.digest,
                 answer,
-                tags=request.cache_tags,
-                scope=request.kv_scope,
+                tags=found.cache_tags,
+                tenant_scope=request.tenant_scope,
                 adapter=request.lora_digest,
             )
             if stored is None:
@@ -275,19 +271,3 @@ class Admin:
         except TierCacheError as exc:
             return {"status": "error", "error": exc.client_message()}
         return {"status": "stored", "digest": found.digest}
-
-
-def open_admin(
-    config: CacheAdminConfig,
-    engine: EngineIdentity,
-    resolve_adapter: ResolveAdapter | None = None,
-    warm_adapters: WarmAdapters | None = None,
-    clock: Callable[[], float] = time.time,
-) -> Admin:
-    """The deployment's L2 (and L3 with its listener) without an L1, its secret, and a
-    `PromptCache` over them for digests. `close()` the admin's `cache` when done."""
-    cache = open_tiered_cache(config, clock=clock, with_l1=False)
-    secret = load_secret(config, cache)
-    limits: Limits = config.limits()
-    prompts = PromptCache(cache, secret, engine, limits, "", resolve_adapter)
-    return Admin(prompts, secret, warm_adapters)

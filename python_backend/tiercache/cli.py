@@ -112,13 +112,14 @@ def _invalidate(args: argparse.Namespace) -> int:
     """Delete from L3 and tell every replica (they drop their L1/L2 copies): an admin tool, not
     a replica, so it holds no local tier itself."""
     from tiercache.errors import TierCacheError
-    from tiercache.invalidation import InvalidationKind, Invalidator, checked_digest
-    from tiercache.keys import load_or_create_secret, tenant_scope
-    from tiercache.redis_tier import RedisLink, RedisStore
-    from tiercache.tiered import TieredCache
+    from tiercache.exact.invalidation import Invalidator, checked_digest
+    from tiercache.exact.keys import load_or_create_secret, tenant_scope
+    from tiercache.exact.redis_tier import RedisLink, RedisStore
+    from tiercache.exact.tiered import TieredCache
+    from tiercache.vocabulary import InvalidationKind, Tier
 
     link = RedisLink.from_url(args.redis_url, args.redis_prefix, timeout_s=args.timeout_s)
-    cache = TieredCache(None, None, RedisStore(link))
+    cache = TieredCache([(Tier.L3, RedisStore(link))])
     try:
         if args.key:
             kind, value = InvalidationKind.KEY, checked_digest(args.key, "--key")
@@ -133,7 +134,7 @@ def _invalidate(args: argparse.Namespace) -> int:
                 secret = bytes(stored)  # the replicas' shared secret
             else:
                 secret = load_or_create_secret(Path(args.state_dir) / "secret")
-            # normalized as prompt_cache normalizes the tenant input (tiercache.request)
+            # normalized as prompt_cache normalizes the tenant input (tiercache.exact.request)
             value = tenant_scope(secret, unicodedata.normalize("NFKC", args.tenant).strip())
         report = Invalidator(cache, link).invalidate(kind, value, sweep_shared=not args.no_sweep)
     except TierCacheError as exc:

@@ -1,20 +1,29 @@
 """Typed stage configuration, parsed from Triton stage parameters (strings) with defaults.
 
-Each stage declares a frozen dataclass; `parse_config` fills it from `parameters` in config.pbtxt,
-rejects unknown keys and malformed values in one message, so `initialize` fails fast.
+Each Triton model has one frozen dataclass listing exactly the parameters that stage reads
+(`STAGE_CONFIGS`). Every field is declared with `param`, which carries its description and the
+checks on its value (a range, a set of choices); `parse_config` converts the strings, runs every
+check and the class's cross-field checks, and reports every problem in one `ConfigError`, so
+`initialize` fails once with the whole list. A parameter is documented once, in `PARAMETERS`, and
+a stage that reads it lists it with `shared(name)`; docs/configuration.md is generated from these
+declarations (`python -m tiercache_dev.config_docs --write`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tiercache.errors import ConfigError
-from tiercache.request import DEFAULT_LIMITS, Limits
+from tiercache.exact.request import DEFAULT_LIMITS, Limits
+from tiercache.vocabulary import EngineKind, choices
 
 T = TypeVar("T")
 
@@ -38,29 +47,163 @@ def adapters_path(adapters_dir: str, state_dir: Path) -> Path:
     return Path(env) if env else state_dir / "adapters"
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    """A comma-separated parameter as a tuple of non-empty, stripped names."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+# ---- declaring parameters ---------------------------------------------------------------------
+
+
+def param(
+    default: Any,
+    doc: str,
+    *,
+    choices: Sequence[str] | None = None,
+    min: float | None = None,  # noqa: A002 - the metadata key it fills
+    max: float | None = None,  # noqa: A002
+    min_open: bool = False,
+    pattern: str | None = None,
+) -> Any:
+    """A config field: its default, its one-line description and the checks on its value
+    (`choices` or a regex `pattern` the whole string must match, for a string; `min`/`max`
+    bounds for a number, `min_open` excluding `min`)."""
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "doc": doc,
+            "choices": tuple(choices) if choices is not None else None,
+            "min": min,
+            "max": max,
+            "min_open": min_open,
+            "pattern": pattern,
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    pattern: str | None = None
+
+
+# Parameters that several stages read, documented once; a stage lists each it reads.
+PARAMETERS: dict[str, _Spec] = {
+    "state_dir": _Spec(
+        "",
+        "Folder of L2, the semantic rows, the server secret and converted weights; "
+        "empty: $TIERCACHE_STATE_DIR, else ~/.cache/tiercache",
+    ),
+    "l1_max_bytes": _Spec(64 << 20, "Byte budget of this process's L1 (exact answers)", min=0),
+    "l2_max_bytes": _Spec(
+        1 << 30,
+        "Byte budget of the host's L2 (LMDB map size; every process of the host shares it)",
+        min=1 << 20,
+    ),
+    "ttl_s": _Spec(0.0, "Age after which a cached answer is not served (0: never expires)", min=0),
+    "model": _Spec(
+        "smollm2-135m-instruct",
+        "The served model's name (its identity enters every "
+        "key: prompt_cache and cache_admin must agree)",
+    ),
+    "adapters_dir": _Spec(
+        "", "Folder of LoRA adapters; empty: $TIERCACHE_ADAPTERS_DIR, else <state_dir>/adapters"
+    ),
+    "adapters_manifest": _Spec(
+        "",
+        "Optional JSON manifest of adapters (names, paths, task ids, "
+        "pins); empty: every folder under adapters_dir",
+    ),
+    "redis_url": _Spec(
+        "",
+        "Redis for L3, invalidations, leases and shared rows (e.g. "
+        "redis://cache-redis:6379/0); empty: every tier stays on this host",
+    ),
+    "redis_prefix": _Spec(
+        "tiercache:", "Every Redis key and channel of this deployment starts with it"
+    ),
+    "redis_timeout_s": _Spec(
+        0.25, "Socket connect/read timeout of one Redis call", min=0, min_open=True
+    ),
+    "redis_retry_s": _Spec(
+        1.0, "After a Redis failure, Redis is tried again at most this often", min=0, min_open=True
+    ),
+    "redis_max_ttl_s": _Spec(
+        7 * 86400.0, "Expiry cap of L3 entries (0: none; an entry's own ttl_s still applies)", min=0
+    ),
+    "embedder": _Spec(
+        "all-minilm-l6-v2",
+        "The sentence embedder of the semantic cache (its identity enters every semantic scope)",
+    ),
+    "semantic_max_bytes": _Spec(
+        2 << 30, "Byte budget of the semantic row log (LMDB map size)", min=1 << 20
+    ),
+    "engine_model": _Spec("torch_llm", "The Triton model that generates (BLS target)"),
+    "engine_kind": _Spec(
+        EngineKind.TORCH_LLM.value,
+        "torch_llm: canonical request in, text out; tensorrt_llm: "
+        "Triton's TensorRT-LLM backend model, token ids in and out",
+        choices=choices(EngineKind),
+    ),
+    "lora_model": _Spec(
+        "lora_cache", "The lora_cache model (BLS target for adapter weights and warm-ups)"
+    ),
+    "device": _Spec(
+        "auto",
+        "Where the model runs: auto (a GPU if torch sees one), cpu, cuda or cuda:<index>",
+        pattern=r"auto|cpu|cuda(:[0-9]+)?",
+    ),
+    "memory_trim_interval_s": _Spec(
+        5.0,
+        "Seconds between returns of freed heap memory to the system after a request "
+        "(glibc malloc_trim; 0: never)",
+        min=0,
+    ),
+}
+
+
+def shared(name: str) -> Any:
+    """A field for the shared parameter `name` (PARAMETERS), with its default and checks."""
+    spec = PARAMETERS[name]
+    return param(
+        spec.default,
+        spec.doc,
+        choices=spec.choices,
+        min=spec.min,
+        max=spec.max,
+        min_open=spec.min_open,
+        pattern=spec.pattern,
+    )
+
+
+# ---- the exact cache's settings (not a stage: what opening the tiers needs) ---------------------
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Settings every stage that touches the exact cache shares (prompt_cache, llm)."""
+    """What opening the exact cache's tiers needs (tiercache.stages.parts.open_exact_cache);
+    each stage that opens them derives one from its own config (`cache()`)."""
 
-    state_dir: str = ""  # empty: default_state_dir()
-    l1_max_bytes: int = 64 << 20
-    l2_max_bytes: int = 1 << 30
-    ttl_s: float = 0.0  # 0: entries never expire
-    model: str = "smollm2-135m-instruct"
-    adapters_dir: str = ""  # empty: adapters_path()'s default
-    adapters_manifest: str = ""  # optional JSON manifest (tiercache.lora.registry)
-    # L3 on Redis, shared by replicas (tiercache.redis_tier); "" keeps every tier on this host.
-    redis_url: str = ""  # e.g. redis://cache-redis:6379/0
-    redis_prefix: str = "tiercache:"  # every key and channel of this deployment starts with it
-    redis_timeout_s: float = 0.25  # socket connect/read timeout of one call
-    redis_retry_s: float = 1.0  # after a failure, Redis is tried again at most this often
-    redis_max_ttl_s: float = 7 * 86400.0  # L3 expiry cap (0: none; entries' own ttl_s applies)
+    state_dir: str = shared("state_dir")
+    l1_max_bytes: int = shared("l1_max_bytes")  # 0: no L1 in this process
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
 
     def state_path(self) -> Path:
-        return Path(self.state_dir) if self.state_dir else default_state_dir()
-
-    def adapters_path(self) -> Path:
-        return adapters_path(self.adapters_dir, self.state_path())
+        return state_path(self.state_dir)
 
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
@@ -72,12 +215,66 @@ class CacheConfig:
         return self.state_path() / "secret"
 
 
+def state_path(state_dir: str) -> Path:
+    return Path(state_dir) if state_dir else default_state_dir()
+
+
+def _cache_of(config: Any, with_l1: bool) -> CacheConfig:
+    return CacheConfig(
+        state_dir=config.state_dir,
+        l1_max_bytes=config.l1_max_bytes if with_l1 else 0,
+        l2_max_bytes=config.l2_max_bytes,
+        ttl_s=config.ttl_s,
+        redis_url=config.redis_url,
+        redis_prefix=config.redis_prefix,
+        redis_timeout_s=config.redis_timeout_s,
+        redis_retry_s=config.redis_retry_s,
+        redis_max_ttl_s=config.redis_max_ttl_s,
+    )
+
+
+# ---- the stages ---------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
-class PromptCacheConfig(CacheConfig):
-    embedder: str = "all-minilm-l6-v2"  # "": no semantic scopes (embedding_cache not deployed)
-    max_prompt_chars: int = DEFAULT_LIMITS.max_prompt_chars
-    max_tokens: int = DEFAULT_LIMITS.max_tokens
-    max_stop_words: int = DEFAULT_LIMITS.max_stop_words
+class PromptCacheConfig:
+    """`prompt_cache`: canonical request -> scoped digest -> L1 -> L2 -> L3."""
+
+    state_dir: str = shared("state_dir")
+    l1_max_bytes: int = shared("l1_max_bytes")
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+    model: str = shared("model")
+    adapters_dir: str = shared("adapters_dir")
+    adapters_manifest: str = shared("adapters_manifest")
+    embedder: str = param(
+        "all-minilm-l6-v2",
+        "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
+    )
+    max_prompt_chars: int = param(
+        DEFAULT_LIMITS.max_prompt_chars,
+        "Longest prompt accepted (characters after normalization)",
+        min=1,
+    )
+    max_tokens: int = param(DEFAULT_LIMITS.max_tokens, "Largest max_tokens accepted", min=1)
+    max_stop_words: int = param(DEFAULT_LIMITS.max_stop_words, "Most stop_words accepted", min=0)
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def cache(self) -> CacheConfig:
+        return _cache_of(self, with_l1=True)
+
+    def state_path(self) -> Path:
+        return state_path(self.state_dir)
+
+    def adapters_path(self) -> Path:
+        return adapters_path(self.adapters_dir, self.state_path())
 
     def limits(self) -> Limits:
         return Limits(
@@ -88,11 +285,96 @@ class PromptCacheConfig(CacheConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class SemanticConfig(CacheConfig):
-    """Settings shared by the stages that touch the semantic index (embedding_cache, llm)."""
+class CacheAdminConfig:
+    """`cache_admin`: the same cache settings as prompt_cache (so its digests, tiers and secret
+    are the ones the ensemble uses; it opens no L1), plus the lora_cache model it forwards
+    adapter warm-ups to."""
 
-    embedder: str = "all-minilm-l6-v2"
-    semantic_max_bytes: int = 2 << 30  # the index's row log (LMDB map size)
+    state_dir: str = shared("state_dir")
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+    model: str = shared("model")
+    adapters_dir: str = shared("adapters_dir")
+    adapters_manifest: str = shared("adapters_manifest")
+    max_prompt_chars: int = param(
+        DEFAULT_LIMITS.max_prompt_chars,
+        "As prompt_cache's (warm-ups are checked the same way)",
+        min=1,
+    )
+    max_tokens: int = param(DEFAULT_LIMITS.max_tokens, "As prompt_cache's", min=1)
+    max_stop_words: int = param(DEFAULT_LIMITS.max_stop_words, "As prompt_cache's", min=0)
+    lora_model: str = shared("lora_model")
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def cache(self) -> CacheConfig:
+        return _cache_of(self, with_l1=False)
+
+    def state_path(self) -> Path:
+        return state_path(self.state_dir)
+
+    def adapters_path(self) -> Path:
+        return adapters_path(self.adapters_dir, self.state_path())
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_prompt_chars=self.max_prompt_chars,
+            max_tokens=self.max_tokens,
+            max_stop_words=self.max_stop_words,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingCacheConfig:
+    """`embedding_cache`: embed, search the caller's semantic scope, guard, serve or pass on."""
+
+    state_dir: str = shared("state_dir")
+    l1_max_bytes: int = shared("l1_max_bytes")
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+    embedder: str = shared("embedder")
+    semantic_max_bytes: int = shared("semantic_max_bytes")
+    embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
+    target_precision: float = param(
+        0.0,
+        "The guard's operating point: the precision it aims for on its calibration data "
+        "(0: the guard model's default)",
+        min=0,
+        max=1,
+    )
+    top_k: int = param(5, "Neighbours the guard considers per lookup", min=1, max=1000)
+    min_similarity: float = param(
+        0.6, "Cosine similarity below which a neighbour is not considered", min=-1, max=1
+    )
+    flat_max_rows: int = param(
+        10_000, "Rows per scope searched exactly; above it an HNSW graph (hnswlib)", min=1
+    )
+    vector_l1_max_bytes: int = param(
+        16 << 20, "Byte budget of this process's cache of prompt vectors", min=0
+    )
+    vector_l2_max_bytes: int = param(
+        1 << 30, "Byte budget of the host's cache of prompt vectors (LMDB map size)", min=1 << 20
+    )
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def cache(self) -> CacheConfig:
+        return _cache_of(self, with_l1=True)
+
+    def state_path(self) -> Path:
+        return state_path(self.state_dir)
 
     def semantic_path(self) -> Path:
         return self.state_path() / "semantic"
@@ -102,100 +384,202 @@ class SemanticConfig(CacheConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class EmbeddingCacheConfig(SemanticConfig):
-    embedder_model: str = "embedder"  # the Triton model that embeds (BLS target)
-    target_precision: float = 0.0  # 0: the guard model's default operating point
-    top_k: int = 5
-    min_similarity: float = 0.6
-    flat_max_rows: int = 10_000  # per scope; an HNSW graph (hnswlib) above this
-    vector_l1_max_bytes: int = 16 << 20
-    vector_l2_max_bytes: int = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
 class EmbedderConfig:
-    embedder: str = "all-minilm-l6-v2"
-    device: str = "auto"
-    # Seconds between returns of freed heap memory to the system after a batch (tiercache.memory;
-    # 0: never). scripts/embedder_rss.py: one trim after 3,000 batches gave back 217 MiB.
-    memory_trim_interval_s: float = 5.0
+    """`embedder`: one encode call per batch of requests."""
+
+    embedder: str = shared("embedder")
+    device: str = shared("device")
+    # scripts' embedder_rss benchmark: one trim after 3,000 batches gave back 217 MiB.
+    memory_trim_interval_s: float = shared("memory_trim_interval_s")
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
 
 
 @dataclass(frozen=True, slots=True)
-class LlmConfig(SemanticConfig):
-    engine_model: str = "torch_llm"  # the Triton model that generates (BLS target)
-    # torch_llm: canonical request JSON in, text out; tensorrt_llm: Triton's TensorRT-LLM backend
-    # model, token ids in and out (tiercache.engine.trtllm_client).
-    engine_kind: str = "torch_llm"
-    lora_model: str = "lora_cache"  # asked again for adapter weights the engine lost (BLS)
-    max_concurrency: int = 64  # worker threads: generations plus waiting followers
-    # Engine calls (BLS streams) open at once; more wait in llm, not in the engine's queue (the
-    # CPU engine generates one request at a time anyway). engine_kind torch_llm only (TensorRT-LLM
-    # batches requests in flight). 0: no limit (max_concurrency). It was first added against the
-    # stub crash of docs/faults.md, whose cause turned out to be another (tb.StreamKeeper).
-    engine_streams: int = 2
-    # With redis_url: a miss another replica is generating waits for its answer (tiercache.leases)
-    lease_ttl_s: float = 10.0  # a dead replica's lease expires after this (renewed while alive)
-    lease_wait_s: float = 60.0  # the longest wait for another replica before generating here
-    # With redis_url: semantic rows shared through a Redis stream (tiercache.semantic.redis_rows)
-    redis_semantic_max_rows: int = 1_000_000  # the stream's approximate bound; 0: not shared
-    redis_semantic_warm_s: float = 10.0  # initialize waits this long at most for the catch-up
-    # engine_kind tensorrt_llm only: the engine's tokenizer folder (required), and the limits it
-    # was built with (trtllm-build --max_input_len / --max_seq_len; 0: not checked here).
-    tokenizer_dir: str = ""
-    trtllm_max_input_len: int = 0
-    trtllm_max_seq_len: int = 0
-    # Response-time padding (tiercache.padding, docs/isolation.md): no response of a request from
-    # a tenant not in trusted_tenants leaves llm before hit_padding_ms plus a uniform jitter in
-    # [0, hit_padding_jitter_ms] since llm received it, so a hit is not told from a miss by time.
-    hit_padding_ms: float = 0.0  # 0: off
-    hit_padding_jitter_ms: float = 0.0
-    trusted_tenants: str = ""  # comma-separated tenant names never padded (normalized like tenant)
+class LlmConfig:
+    """`llm` (decoupled): hits stream at once; misses are coalesced, generated by the engine
+    over BLS, streamed and written back."""
+
+    state_dir: str = shared("state_dir")
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+    embedder: str = shared("embedder")
+    semantic_max_bytes: int = shared("semantic_max_bytes")
+    engine_model: str = shared("engine_model")
+    engine_kind: str = shared("engine_kind")
+    lora_model: str = shared("lora_model")
+    max_concurrency: int = param(
+        64, "Worker threads: generations plus misses waiting for an identical one", min=1
+    )
+    engine_streams: int = param(
+        2,
+        "Engine calls (BLS streams) open at once; more wait in llm, not in the engine's "
+        "queue. engine_kind torch_llm only (TensorRT-LLM batches in flight). 0: "
+        "max_concurrency",
+        min=0,
+    )
+    lease_ttl_s: float = param(
+        10.0,
+        "With redis_url: a dead replica's generation lease expires after this (renewed "
+        "while alive)",
+        min=0,
+        min_open=True,
+    )
+    lease_wait_s: float = param(
+        60.0,
+        "With redis_url: the longest wait for another replica's answer before generating here",
+        min=0,
+    )
+    redis_semantic_max_rows: int = param(
+        1_000_000,
+        "With redis_url: bound of the Redis stream sharing semantic rows (0: not shared)",
+        min=0,
+    )
+    redis_semantic_warm_s: float = param(
+        10.0, "With redis_url: longest wait at start for the shared rows' catch-up", min=0
+    )
+    tokenizer_dir: str = param(
+        "", "engine_kind tensorrt_llm: the engine's tokenizer folder (required there)"
+    )
+    trtllm_max_input_len: int = param(
+        0, "engine_kind tensorrt_llm: the engine's --max_input_len (0: not checked here)", min=0
+    )
+    trtllm_max_seq_len: int = param(
+        0, "engine_kind tensorrt_llm: the engine's --max_seq_len (0: not checked here)", min=0
+    )
+    hit_padding_ms: float = param(
+        0.0,
+        "No response to an untrusted tenant leaves llm before this many ms since llm "
+        "received the request, so a hit is not told from a miss by time (0: off)",
+        min=0,
+    )
+    hit_padding_jitter_ms: float = param(
+        0.0, "A uniform jitter in [0, this] added to hit_padding_ms", min=0
+    )
+    trusted_tenants: str = param(
+        "", "Comma-separated tenant names never padded (normalized like tenant)"
+    )
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def extra_problems(self) -> list[str]:
+        if self.engine_kind == EngineKind.TENSORRT_LLM and not self.tokenizer_dir:
+            return ["engine_kind tensorrt_llm needs tokenizer_dir (the engine's)"]
+        return []
+
+    def cache(self) -> CacheConfig:
+        return _cache_of(self, with_l1=False)
+
+    def state_path(self) -> Path:
+        return state_path(self.state_dir)
+
+    def semantic_path(self) -> Path:
+        return self.state_path() / "semantic"
 
 
 @dataclass(frozen=True, slots=True)
-class LoraCacheConfig(CacheConfig):
-    """The `lora_cache` stage: where adapters live and how many stay resident in each tier."""
+class LoraCacheConfig:
+    """`lora_cache`: where adapters live and how many stay resident in each tier."""
 
-    engine_model: str = "torch_llm"  # the engine it keeps warm (BLS target of warm and list)
-    # torch_llm: adapters go out as PEFT files (LORA_CONFIG, LORA_WEIGHTS); tensorrt_llm: also
-    # as TensorRT-LLM's lora_task_id / lora_weights / lora_config (tiercache.lora.trtllm).
-    engine_kind: str = "torch_llm"
-    trtllm_dtype: str = "float16"  # the TensorRT-LLM engine's dtype (lora_weights' dtype)
-    engine_slots: int = 4  # adapters loaded in the engine at once (vLLM's max_loras)
-    engine_max_bytes: int = 0  # 0: bounded by engine_slots only
-    host_max_adapters: int = 32  # adapters whose weights lora_cache keeps in memory
-    host_max_bytes: int = 256 << 20
-    pin: str = ""  # comma-separated names never evicted from the engine
-    prefetch: str = ""  # comma-separated names loaded into the engine at start
-    # With redis_url: adapter metadata and usage shared by the fleet (tiercache.lora.fleet)
-    prefetch_fleet_top: int = 0  # at start, warm the fleet's N most-used adapters; 0: off
-    fleet_sync_s: float = 10.0  # publish this replica's adapters and usage counts this often
+    state_dir: str = shared("state_dir")
+    adapters_dir: str = shared("adapters_dir")
+    adapters_manifest: str = shared("adapters_manifest")
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+    engine_model: str = param("torch_llm", "The engine it keeps warm (BLS target of load/list)")
+    engine_kind: str = param(
+        EngineKind.TORCH_LLM.value,
+        "torch_llm: adapters go out as PEFT files; tensorrt_llm: "
+        "also as TensorRT-LLM's lora_task_id / lora_weights / lora_config",
+        choices=choices(EngineKind),
+    )
+    trtllm_dtype: str = param(
+        "float16",
+        "The TensorRT-LLM engine's dtype (lora_weights' dtype)",
+        choices=("float16", "bfloat16", "float32"),
+    )
+    engine_slots: int = param(4, "Adapters loaded in the engine at once (vLLM's max_loras)", min=1)
+    engine_max_bytes: int = param(
+        0, "Byte bound of engine-resident adapters (0: slots only)", min=0
+    )
+    host_max_adapters: int = param(32, "Adapters whose weights lora_cache keeps in memory", min=0)
+    host_max_bytes: int = param(256 << 20, "Byte bound of the adapters kept in memory", min=0)
+    pin: str = param("", "Comma-separated adapter names never evicted from the engine")
+    prefetch: str = param("", "Comma-separated adapter names loaded into the engine at start")
+    prefetch_fleet_top: int = param(
+        0, "With redis_url: at start, warm the fleet's N most-used adapters (0: off)", min=0
+    )
+    fleet_sync_s: float = param(
+        10.0,
+        "With redis_url: publish this replica's adapters and usage counts this often",
+        min=0,
+        min_open=True,
+    )
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def extra_problems(self) -> list[str]:
+        prefetch = name_list(self.prefetch)
+        if len(prefetch) > self.engine_slots:
+            return [
+                f"prefetch names {len(prefetch)} adapters but engine_slots is {self.engine_slots}"
+            ]
+        return []
+
+    def state_path(self) -> Path:
+        return state_path(self.state_dir)
+
+    def adapters_path(self) -> Path:
+        return adapters_path(self.adapters_dir, self.state_path())
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    state_dir: str = ""
-    model: str = "smollm2-135m-instruct"
-    device: str = "auto"  # auto | cpu | cuda
-    adapters_dir: str = ""
-    adapters_manifest: str = ""
-    lora_slots: int = 4  # hard bound on adapters loaded at once; lora_cache decides which
-    lora_prefetch: str = ""  # comma-separated names loaded at start (same list as lora_cache's)
-    kv_reuse: bool = True  # paged prefix KV reuse (tiercache.engine.kv_cache)
-    tokens_per_block: int = 32  # KV block size; only full blocks are reused
-    kv_pool_max_bytes: int = 256 << 20  # the KV block pool's byte budget
-    # Input policy (tiercache.engine.policy): a prompt this regex matches (re.search over the
-    # canonical prompt; "" refuses nothing) is answered with `refusal_text` and finish reason
-    # content_filter without generating; the llm stage never caches such an answer.
-    refuse_prompt_pattern: str = ""
-    refusal_text: str = "I can't help with that request."
-    # Seconds between returns of freed heap memory to the system (glibc malloc_trim, after a
-    # request; tiercache.memory); 0 never trims. Without it the engine's RSS keeps climbing.
-    memory_trim_interval_s: float = 5.0
+    """`torch_llm` (decoupled): the CPU/GPU PyTorch engine with LoRA adapters and paged prefix
+    KV reuse."""
+
+    state_dir: str = shared("state_dir")
+    model: str = shared("model")
+    device: str = shared("device")
+    adapters_dir: str = shared("adapters_dir")
+    adapters_manifest: str = shared("adapters_manifest")
+    lora_slots: int = param(
+        4, "Hard bound on adapters loaded at once (lora_cache decides which)", min=0
+    )
+    lora_prefetch: str = param(
+        "", "Comma-separated adapter names loaded at start (the same list as lora_cache's prefetch)"
+    )
+    kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
+    tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
+    kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
+    refuse_prompt_pattern: str = param(
+        "",
+        "A prompt this regex matches (re.search over the canonical prompt) is answered with "
+        "refusal_text and finish reason content_filter, never cached; empty: refuse nothing",
+    )
+    refusal_text: str = param("I can't help with that request.", "The refusal's text")
+    memory_trim_interval_s: float = shared("memory_trim_interval_s")
+
+    def __post_init__(self) -> None:
+        raise_problems(type(self), check_values(self))
+
+    def extra_problems(self) -> list[str]:
+        if self.refuse_prompt_pattern and not self.refusal_text:
+            return ["refusal_text must not be empty when refuse_prompt_pattern is set"]
+        return []
 
     def state_path(self) -> Path:
-        return Path(self.state_dir) if self.state_dir else default_state_dir()
+        return state_path(self.state_dir)
 
     def models_path(self) -> Path:
         return self.state_path() / "models"
@@ -204,31 +588,85 @@ class EngineConfig:
         return adapters_path(self.adapters_dir, self.state_path())
 
 
-def name_list(text: str) -> tuple[str, ...]:
-    """A comma-separated parameter as a tuple of non-empty, stripped names."""
-    return tuple(n.strip() for n in text.split(",") if n.strip())
+STAGE_CONFIGS: dict[str, type] = {
+    "prompt_cache": PromptCacheConfig,
+    "embedding_cache": EmbeddingCacheConfig,
+    "lora_cache": LoraCacheConfig,
+    "llm": LlmConfig,
+    "torch_llm": EngineConfig,
+    "embedder": EmbedderConfig,
+    "cache_admin": CacheAdminConfig,
+}
+"""Each Triton model of model_repository/ -> the config its stage parses."""
+
+
+# ---- parsing and checking -----------------------------------------------------------------------
+
+
+def check_values(config: Any) -> list[str]:
+    """Every field's range and choices (from its `param` metadata), then the class's own
+    cross-field checks (`extra_problems`), as messages naming the parameter."""
+    problems = []
+    for f in dataclasses.fields(config):
+        problem = _check_field(f, getattr(config, f.name))
+        if problem:
+            problems.append(problem)
+    extra = getattr(config, "extra_problems", None)
+    if not problems and extra is not None:
+        problems.extend(extra())
+    return problems
+
+
+def _check_field(f: dataclasses.Field[Any], value: Any) -> str | None:
+    meta = f.metadata
+    allowed = meta.get("choices")
+    if allowed is not None and value not in allowed:
+        return f"parameter {f.name!r} must be one of {', '.join(allowed)}, got {value!r}"
+    pattern = meta.get("pattern")
+    if pattern is not None and not re.fullmatch(pattern, str(value)):
+        return f"parameter {f.name!r} must match {pattern}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"parameter {f.name!r} must be a finite number, got {value!r}"
+    low, high, low_open = meta.get("min"), meta.get("max"), meta.get("min_open", False)
+    if low is not None and (value < low or (low_open and value == low)):
+        relation = ">" if low_open else ">="
+        return f"parameter {f.name!r} must be {relation} {low:g}, got {value:g}"
+    if high is not None and value > high:
+        return f"parameter {f.name!r} must be <= {high:g}, got {value:g}"
+    return None
+
+
+def raise_problems(cls: type, problems: list[str]) -> None:
+    if problems:
+        known = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+        raise ConfigError(f"{'; '.join(problems)} (known parameters: {known})")
 
 
 def parse_config(cls: type[T], values: dict[str, str]) -> T:
-    """Build `cls` from string values; unknown keys and bad values raise one ConfigError."""
+    """Build `cls` from string values; unknown keys, malformed values, values out of range and
+    inconsistent combinations are all reported in one ConfigError."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     problems = [f"unknown parameter {k!r}" for k in sorted(values) if k not in fields]
     kwargs: dict[str, Any] = {}
     for key, text in values.items():
         if key not in fields:
             continue
-        kind = hints[key]
         try:
-            kwargs[key] = _convert(kind, text)
+            kwargs[key] = _convert(hints[key], text)
         except ValueError as exc:
             problems.append(f"parameter {key!r}: {exc}")
-    if problems:
-        known = ", ".join(sorted(fields))
-        raise ConfigError(f"{'; '.join(problems)} (known parameters: {known})")
-    return cls(**kwargs)
+            continue
+        problem = _check_field(fields[key], kwargs[key])
+        if problem:
+            problems.append(problem)
+            del kwargs[key]
+    raise_problems(cls, problems)
+    return cls(**kwargs)  # __post_init__ runs the cross-field checks
 
 
 def _convert(kind: Any, text: str) -> Any:
@@ -247,12 +685,3 @@ def _convert(kind: Any, text: str) -> Any:
     if kind is str:
         return text
     raise ValueError(f"unsupported parameter type {kind!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class CacheAdminConfig(PromptCacheConfig):
-    """The `cache_admin` model: the same cache settings as prompt_cache (so its digests, tiers
-    and secret are the ones the ensemble uses), plus the lora_cache model it forwards adapter
-    warm-ups to (BLS). `embedder` is accepted for symmetry and not used."""
-
-    lora_model: str = "lora_cache"

@@ -2,7 +2,7 @@
 
 Each class carries a stable `kind` that prefixes the message a client sees ("invalid request: ..."),
 because over Triton's gRPC stream the status code is lost and only the message arrives. The Triton
-boundary maps `kind` to a Triton error code exactly once (`tiercache.triton.boundary`).
+boundary maps `kind` to a Triton error code exactly once (`tiercache.triton.io`).
 """
 
 from __future__ import annotations

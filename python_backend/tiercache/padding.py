@@ -14,8 +14,8 @@ what it says. It must be set at or above the slowest miss that is to be hidden (
 has the measured misses of the reference model).
 
 Nothing here sleeps on the caller's thread: `PaddedResponder` hands held responses to a
-`ResponseTimer`, one thread that sends them at their due time (house style 9: the decoupled
-model's execute thread never blocks). Clock and randomness are injected (house style 4).
+`ResponseTimer`, one thread that sends them at their due time (the decoupled
+model's execute thread never blocks). Clock and randomness are injected, so tests never sleep.
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ import logging
 import random
 import threading
 import time
-import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tiercache.config import LlmConfig, name_list
-from tiercache.errors import ConfigError
-from tiercache.keys import tenant_scope
-from tiercache.llm_stage import Responder
+from tiercache.generation import Responder
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +46,7 @@ class Scheduler(Protocol):
 @dataclass(frozen=True, slots=True)
 class PaddingPolicy:
     """Which tenants are padded and for how long. `trusted` holds tenant scopes
-    (tiercache.keys.tenant_scope), never raw tenant names: the llm stage only sees scopes."""
+    (tiercache.exact.keys.tenant_scope), never raw tenant names: the llm stage only sees scopes."""
 
     floor_s: float = 0.0  # 0: padding off
     jitter_s: float = 0.0
@@ -73,22 +69,6 @@ class PaddingPolicy:
         """When the first response of a request received at `arrival_s` may leave; `uniform`
         returns a float in [0, 1)."""
         return arrival_s + self.floor_s + self.jitter_s * uniform()
-
-
-def padding_policy(config: LlmConfig, secret: bytes) -> PaddingPolicy:
-    """The llm stage's policy from its parameters; `trusted_tenants` names are normalized as
-    prompt_cache normalizes `tenant` (NFKC, stripped) and turned into scopes under `secret`."""
-    if config.hit_padding_ms < 0 or config.hit_padding_jitter_ms < 0:
-        raise ConfigError(
-            "hit_padding_ms and hit_padding_jitter_ms must be >= 0, got "
-            f"{config.hit_padding_ms:g} and {config.hit_padding_jitter_ms:g}"
-        )
-    names = (unicodedata.normalize("NFKC", n).strip() for n in name_list(config.trusted_tenants))
-    return PaddingPolicy(
-        floor_s=config.hit_padding_ms / 1000.0,
-        jitter_s=config.hit_padding_jitter_ms / 1000.0,
-        trusted=frozenset(tenant_scope(secret, n) for n in names),
-    )
 
 
 class DueQueue:
@@ -179,7 +159,7 @@ def _run_all(actions: Iterable[Action]) -> None:
 
 
 class PaddedResponder:
-    """Wraps a request's responder (tiercache.llm_stage.Responder): every response sent before
+    """Wraps a request's responder (tiercache.generation.Responder): every response sent before
     `release_s` is held and sent, in order, at `release_s`; once released, responses pass
     straight through. Thread-safe: a miss's worker and the timer may send at the same time."""
 

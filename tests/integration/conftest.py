@@ -115,7 +115,7 @@ def metric_value(server: TritonServer, name: str, **labels: str) -> float:
     return total
 
 
-METRICS_FLUSH_S = 0.25  # tiercache.triton.boundary.Metrics' default flush interval
+METRICS_FLUSH_S = 0.25  # tiercache.triton.metrics.Metrics' default flush interval
 
 
 def settled_metric(server: TritonServer, name: str, timeout_s: float = 30, **labels: str) -> float:

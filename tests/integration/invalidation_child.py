@@ -14,17 +14,18 @@ import time
 from pathlib import Path
 
 from tiercache.config import CacheConfig
-from tiercache.invalidation import Invalidation
-from tiercache.prompt_cache import invalidation_listener, open_tiered_cache
+from tiercache.exact.watermarks import Invalidation
+from tiercache.stages.parts import open_exact_cache
 
 
 def main() -> int:
     state_dir, url, prefix, entries_json = sys.argv[1:5]
     config = CacheConfig(state_dir=state_dir, redis_url=url, redis_prefix=prefix, redis_retry_s=0.2)
-    cache = open_tiered_cache(config)
+    tiers = open_exact_cache(config)
+    cache = tiers.cache
     for key, meta in json.loads(entries_json).items():
         cache.put(key, f"answer {key}", created_s=time.time() - 1.0, **_meta(meta))
-    listener = invalidation_listener(cache)
+    listener = tiers.listener
     if listener is None or not listener.wait_connected(10.0):
         print("no listener", flush=True)
         return 1
@@ -47,7 +48,7 @@ def main() -> int:
 def _meta(meta: dict[str, object]) -> dict[str, object]:
     return {
         "tags": tuple(meta.get("tags", ())),  # type: ignore[call-overload]
-        "scope": str(meta.get("scope", "")),
+        "tenant_scope": str(meta.get("scope", "")),
         "adapter": str(meta.get("adapter", "")),
     }
 

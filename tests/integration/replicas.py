@@ -3,17 +3,21 @@ L2) against one real redis-server (the fixtures in tests/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config import CacheConfig
 from tiercache.engine.events import StreamEvent
-from tiercache.prompt_cache import open_tiered_cache
-from tiercache.request import GenerationRequest
-from tiercache.tiered import TieredCache
+from tiercache.exact.invalidation import InvalidationListener
+from tiercache.exact.redis_tier import RedisLink, RedisStore
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tiered import TieredCache
+from tiercache.stages import parts
 
 TIMEOUT_S = 10.0
 
@@ -31,10 +35,33 @@ def replica_config(state_dir: Path, url: str, prefix: str, **overrides: object) 
     return CacheConfig(**values)  # type: ignore[arg-type]
 
 
+_OPENED: weakref.WeakKeyDictionary[TieredCache, parts.ExactTiers] = weakref.WeakKeyDictionary()
+
+
 def open_replica(
     state_dir: Path, url: str, prefix: str, with_l1: bool = True, **overrides: object
 ) -> TieredCache:
-    return open_tiered_cache(replica_config(state_dir, url, prefix, **overrides), with_l1=with_l1)
+    """One replica's exact cache, as the stages open it (tiercache.stages.parts)."""
+    config = replica_config(state_dir, url, prefix, **overrides)
+    if not with_l1:
+        config = dataclasses.replace(config, l1_max_bytes=0)
+    tiers = parts.open_exact_cache(config)
+    _OPENED[tiers.cache] = tiers
+    return tiers.cache
+
+
+def redis_link(cache: TieredCache) -> RedisLink | None:
+    """The Redis link of a cache's L3 (None without one)."""
+    return next((s.link for _, s in cache.stores() if isinstance(s, RedisStore)), None)
+
+
+def invalidation_listener(cache: TieredCache) -> InvalidationListener | None:
+    """The listener `open_replica` started beside `cache`."""
+    return _OPENED[cache].listener
+
+
+def load_secret(config: CacheConfig, cache: TieredCache) -> bytes:
+    return parts.load_secret(config, redis_link(cache))
 
 
 def wait_until(
@@ -72,7 +99,7 @@ class GatedEngine:
 
 
 class Recorder:
-    """A Responder (tiercache.llm_stage) that records the final outcome."""
+    """A Responder (tiercache.generation) that records the final outcome."""
 
     def __init__(self) -> None:
         self.done = threading.Event()

@@ -186,7 +186,7 @@ def test_cancelled_stream_never_leaves_a_partial_entry(
     Triton 2.51 does not pass an ensemble request's cancellation on to the composing `llm`
     request (its `is_cancelled()` stays False), so the generation runs to its clean end and may
     be stored whole; what must never happen is a stored prefix. Cancellation inside the stage
-    (a subscriber that leaves, all subscribers gone) is covered by tests/unit/test_llm_stage.py.
+    (a subscriber that leaves, all subscribers gone) is covered by tests/unit/test_generation.py.
     """
     import queue
     import time
@@ -229,12 +229,13 @@ def test_engine_stops_generating_when_its_request_is_cancelled(
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from tiercache.request import GenerationRequest
+    from tiercache.exact.request import GenerationRequest
+    from tiercache.stages.envelope import Envelope
 
     request = GenerationRequest(unique("Tell a very long story about a river."), max_tokens=200)
     before = settled_metric(server, "tiercache_engine_finished_total", reason="cancelled")
-    data = np.array([request.to_json().encode()], dtype=np.object_)
-    tensor_in = grpcclient.InferInput("REQUEST", [1], "BYTES")
+    data = np.array([Envelope(request=request).encode()], dtype=np.object_)
+    tensor_in = grpcclient.InferInput("ENVELOPE", [1], "BYTES")
     tensor_in.set_data_from_numpy(data)
     responses: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")

@@ -12,26 +12,24 @@ in docs/faults.md.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import redis
 from redis_server import RedisServer
 
+from tiercache.exact.stores import LmdbStore
 from tiercache.server import TritonServer, copy_repository
-from tiercache.stores import LmdbStore
 from tiercache_client import GenerationResult, TierCacheClient, TierCacheClientError
+from tiercache_dev.perf.analyzer import install_perf_analyzer, run_perf_analyzer
 
 from .conftest import (
     MODEL_REPOSITORY,
@@ -389,16 +387,6 @@ def test_prompt_cache_stub_killed_under_requests(faults: Faults) -> None:
 # -- Redis killed under perf_analyzer load ------------
 
 
-def load_run_perf() -> ModuleType:
-    path = REPO / "scripts" / "perf" / "run_perf.py"
-    spec = importlib.util.spec_from_file_location("tiercache_run_perf", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def perf_inputs(path: Path, tenant: str, count: int = 60) -> None:
     """Half new prompts, half repeats of earlier ones, 4 tokens each, streamed."""
     entries = []
@@ -421,8 +409,7 @@ def l3_keys(faults: Faults) -> int:
 
 
 def test_redis_killed_under_perf_analyzer_load(faults: Faults) -> None:
-    run_perf = load_run_perf()
-    perf_analyzer = run_perf.install_perf_analyzer(REPO / ".perf" / "pa")
+    perf_analyzer = install_perf_analyzer(REPO / ".perf" / "pa")
     work = faults.state / "perf"
     work.mkdir(exist_ok=True)
     inputs = work / "inputs.json"
@@ -451,7 +438,7 @@ def test_redis_killed_under_perf_analyzer_load(faults: Faults) -> None:
     killer = threading.Thread(target=outage)
     started = time.monotonic()
     killer.start()
-    run = run_perf.run_perf_analyzer(
+    run = run_perf_analyzer(
         perf_analyzer, args, log_path=work / "perf.txt", timeout_s=300, server=faults.server
     )
     killer.join()

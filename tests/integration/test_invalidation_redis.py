@@ -1,4 +1,4 @@
-"""Invalidation across replicas through a real redis-server (tiercache.invalidation): another
+"""Invalidation across replicas through a real redis-server (tiercache.exact.invalidation): another
 process drops its L1/L2 copies, a listener that was cut off catches up, a replica started later
 never serves what was invalidated before it started, and the `tiercache invalidate` command."""
 
@@ -17,12 +17,20 @@ from redis_server import RedisServer
 
 from tiercache.cli import main as tiercache_main
 from tiercache.errors import Unavailable
-from tiercache.invalidation import Invalidation, InvalidationKind, Invalidator
-from tiercache.keys import tenant_scope
-from tiercache.prompt_cache import invalidation_listener, load_secret, redis_link
-from tiercache.tiered import TieredCache
+from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.keys import tenant_scope
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import Invalidation
+from tiercache.vocabulary import InvalidationKind, Tier
 
-from .replicas import open_replica, replica_config, wait_until
+from .replicas import (
+    invalidation_listener,
+    load_secret,
+    open_replica,
+    redis_link,
+    replica_config,
+    wait_until,
+)
 
 CHILD = Path(__file__).with_name("invalidation_child.py")
 ENTRIES = {
@@ -52,6 +60,13 @@ def child(
     if process.stdin is not None:
         process.stdin.close()
     process.wait(timeout=10)
+
+
+def holds(cache: TieredCache, tier: Tier, key: str) -> bool:
+    """Whether `tier` of `cache` holds `key`, read there directly (no fill, no expiry check)."""
+    store = cache.store(tier)
+    assert store is not None, f"no {tier.value} in this cache"
+    return store.get(key) is not None
 
 
 def next_report(process: subprocess.Popen[str]) -> dict[str, object]:
@@ -107,7 +122,7 @@ def test_a_cut_off_listener_catches_up_when_redis_returns(
     wait_until(lambda: link.call(lambda c: c.ping(), False))
     Invalidator(admin, link).tag("kb:v1")  # sent while the replica was not subscribed
     wait_until(lambda: listener.stats().connected and listener.stats().caught_up >= 1)
-    wait_until(lambda: replica.l1 is not None and replica.l1.get("k") is None)
+    wait_until(lambda: not holds(replica, Tier.L1, "k"))
     assert listener.stats().received == 0  # it came from the recorded watermarks, not the channel
     assert replica.get("k") is None
     admin.close()
@@ -124,11 +139,11 @@ def test_a_replica_started_later_never_serves_what_was_invalidated(
     Invalidator(admin, redis_link(admin)).tag("kb:v1")
     restarted = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
     # No wait here: opening the cache waited for the listener to note the recorded watermarks.
-    assert restarted.l2 is not None and restarted.l2.get("k") is not None  # still on disk ...
+    assert holds(restarted, Tier.L2, "k")  # still on disk ...
     assert restarted.get("k") is None  # ... but never served, and dropped on sight
     listener = invalidation_listener(restarted)
     assert listener is not None and listener.stats().connected
-    assert restarted.l2.get("k") is None
+    assert not holds(restarted, Tier.L2, "k")
     admin.close()
     restarted.close()
 
@@ -190,8 +205,10 @@ def test_cli_invalidates_a_tenant_with_the_shared_secret(
         replica_config(tmp_path / "replica", redis_server.url, redis_prefix), replica
     )
     scope = tenant_scope(secret, "acme")
-    replica.put("k", "answer", scope=scope, created_s=time.time() - 1)
-    replica.put("other", "answer", scope=tenant_scope(secret, "other"), created_s=time.time() - 1)
+    replica.put("k", "answer", tenant_scope=scope, created_s=time.time() - 1)
+    replica.put(
+        "other", "answer", tenant_scope=tenant_scope(secret, "other"), created_s=time.time() - 1
+    )
     listener = invalidation_listener(replica)
     assert listener is not None and listener.wait_connected(5)
     code = tiercache_main(
@@ -202,7 +219,7 @@ def test_cli_invalidates_a_tenant_with_the_shared_secret(
     printed = json.loads(capsys.readouterr().out)
     assert printed["kind"] == "tenant" and printed["value"] == scope
     assert (printed["dropped_l3"], printed["published"]) == (1, True)
-    wait_until(lambda: replica.l1 is not None and replica.l1.get("k") is None)
+    wait_until(lambda: not holds(replica, Tier.L1, "k"))
     assert replica.get("other") is not None
     assert tiercache_main(["invalidate", "--tag", "x", "--redis-url", "redis://127.0.0.1:1/0"]) == 1
     replica.close()
@@ -217,6 +234,6 @@ def test_two_caches_in_one_process_do_not_skip_each_others_messages(
     assert listener is not None and listener.wait_connected(5)
     b.put("k", "answer", created_s=time.time() - 1)
     Invalidator(a, redis_link(a)).key("k")
-    wait_until(lambda: b.l1 is not None and b.l1.get("k") is None)
+    wait_until(lambda: not holds(b, Tier.L1, "k"))
     a.close()
     b.close()

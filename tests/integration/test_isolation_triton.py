@@ -1,15 +1,13 @@
 """Tenant isolation and response-time padding through a real tritonserver.
 
-A few hundred mixed requests (scripts/check_isolation.py's workload, without adapters: the session
-server has none) from three tenants, judged by tiercache_client.isolation's oracle; the same
-oracle on requests sent as one tenant (the live positive control); and a server whose llm pads
-every tenant but one.
+A few hundred mixed requests (tiercache_dev.diagnostics.check_isolation's workload, without
+adapters: the session server has none) from three tenants, judged by tiercache_client.isolation's
+oracle; the same oracle on requests sent as one tenant (the live positive control); and a server
+whose llm pads every tenant but one.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
@@ -19,27 +17,17 @@ import pytest
 from tiercache.server import TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_client.isolation import IsolationOracle
+from tiercache_dev.diagnostics import check_isolation
 
-from .conftest import MODEL_REPOSITORY, REPO, start_server
+from .conftest import MODEL_REPOSITORY, start_server
 
 pytestmark = pytest.mark.integration
 FLOOR_S = 1.0  # well above a hit on a loaded 2-core machine, so the trusted side cannot reach it
 
 
-def load_check_isolation() -> ModuleType:
-    name = "tiercache_check_isolation"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "check_isolation.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    return load_check_isolation()
+    return check_isolation
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 from tiercache.server import TritonServer
+from tiercache.stages.envelope import Envelope
 from tiercache_client import TierCacheClient
 
 from .conftest import settled_metric
@@ -73,8 +74,9 @@ def engine_final(server: TritonServer, request: GenerationRequest) -> dict[str, 
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
     try:
         c.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensor = grpcclient.InferInput("REQUEST", [1], "BYTES")
-        tensor.set_data_from_numpy(np.array([request.to_json().encode()], dtype=np.object_))
+        tensor = grpcclient.InferInput("ENVELOPE", [1], "BYTES")
+        envelope = Envelope(request=request).encode()
+        tensor.set_data_from_numpy(np.array([envelope], dtype=np.object_))
         c.async_stream_infer("torch_llm", [tensor], enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=300)
@@ -91,7 +93,7 @@ def engine_final(server: TritonServer, request: GenerationRequest) -> dict[str, 
 
 def test_engine_final_response_carries_reused_and_computed_tokens(server: TritonServer) -> None:
     scope = uuid.uuid4().hex
-    request = GenerationRequest(f"{SYSTEM} Is it open?", max_tokens=2, kv_scope=scope)
+    request = GenerationRequest(f"{SYSTEM} Is it open?", max_tokens=2, tenant_scope=scope)
     cold = engine_final(server, request)
     warm = engine_final(server, request)
     assert (cold["REUSED_TOKENS"], cold["COMPUTED_TOKENS"]) == (0, cold["PROMPT_TOKENS"])

@@ -1,5 +1,5 @@
-"""Cross-replica coalescing (tiercache.leases in tiercache.llm_stage): two LlmStage "replicas",
-each with its own L2, sharing one real redis-server and fake engines."""
+"""Cross-replica coalescing (tiercache.exact.leases in tiercache.generation): two Generations
+"replicas", each with its own L2, sharing one real redis-server and fake engines."""
 
 from __future__ import annotations
 
@@ -12,26 +12,26 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from tiercache.keys import Digest
-from tiercache.leases import LeaseCoordinator, LeaseState
-from tiercache.llm_stage import LlmStage
-from tiercache.prompt_cache import redis_link
-from tiercache.request import GenerationRequest
-from tiercache.tiered import TieredCache
+from tiercache.exact.keys import Digest
+from tiercache.exact.leases import LeaseCoordinator, LeaseState
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tiered import TieredCache
+from tiercache.generation import Generations
 
-from .replicas import GatedEngine, Recorder, open_replica, wait_until
+from .replicas import GatedEngine, Recorder, open_replica, redis_link, wait_until
 
 DIGEST = Digest("c" * 64)
-REQUEST = GenerationRequest(prompt="hi", cache_tags=("kb:v1",), kv_scope="tenant-scope")
+REQUEST = GenerationRequest(prompt="hi", tenant_scope="tenant-scope")
+TAGS = ("kb:v1",)
 
-Replica = tuple[LlmStage, GatedEngine, TieredCache]
+Replica = tuple[Generations, GatedEngine, TieredCache]
 
 
 @pytest.fixture
 def make_replica(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path
 ) -> Iterator[Callable[..., Replica]]:
-    stages: list[LlmStage] = []
+    stages: list[Generations] = []
 
     def make(
         name: str, engine: GatedEngine | None = None, url: str = "", **lease: float
@@ -41,7 +41,7 @@ def make_replica(
         assert link is not None
         engine = engine or GatedEngine()
         leases = LeaseCoordinator(link, **{"ttl_s": 2.0, "wait_s": 10.0, "poll_s": 0.01, **lease})
-        stage = LlmStage(cache, engine, max_workers=4, leases=leases)
+        stage = Generations(cache, engine, max_workers=4, leases=leases)
         stages.append(stage)
         return stage, engine, cache
 
@@ -57,9 +57,9 @@ def test_identical_misses_on_two_replicas_generate_once(
     a, engine_a, cache_a = make_replica("a", GatedEngine(gate=gate))
     b, engine_b, cache_b = make_replica("b", GatedEngine(gate=gate))
     ra, rb = Recorder(), Recorder()
-    a.submit_miss(REQUEST, DIGEST, "miss", True, ra)
+    a.submit_miss(REQUEST, DIGEST, "miss", True, ra, tags=TAGS)
     assert engine_a.started.wait(5)  # a leads and holds the lease
-    b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
+    b.submit_miss(REQUEST, DIGEST, "miss", True, rb, tags=TAGS)
     wait_until(lambda: b.stats().remote_waits == 1)
     gate.set()
     assert ra.wait() == ("final", "Hello", "miss")
@@ -68,7 +68,7 @@ def test_identical_misses_on_two_replicas_generate_once(
     assert (b.stats().remote_waits, b.stats().remote_hits, b.stats().generations) == (1, 1, 0)
     stored = cache_b.get(DIGEST)  # b's L2 now holds a's answer, with a's metadata
     assert stored is not None and stored.entry.tags == ("kb:v1",)
-    assert stored.entry.scope == "tenant-scope"
+    assert stored.entry.tenant_scope == "tenant-scope"
     link = redis_link(cache_a)
     assert link is not None and not link.client.exists(link.key("lease", DIGEST))  # released
 
@@ -81,7 +81,7 @@ def test_many_concurrent_misses_on_two_replicas_generate_once(
     b, engine_b, _ = make_replica("b", GatedEngine(gate=gate))
     recorders = [Recorder() for _ in range(8)]
     for i, recorder in enumerate(recorders):
-        (a if i % 2 else b).submit_miss(REQUEST, DIGEST, "miss", True, recorder)
+        (a if i % 2 else b).submit_miss(REQUEST, DIGEST, "miss", True, recorder, tags=TAGS)
     wait_until(lambda: engine_a.calls + engine_b.calls == 1)
     wait_until(lambda: a.stats().remote_waits + b.stats().remote_waits == 1)
     gate.set()
@@ -99,7 +99,7 @@ def test_follower_generates_when_the_leader_died(
     assert client.set(f"{redis_prefix}lease:{DIGEST}", "dead-replica", nx=True, px=500)
     started = time.monotonic()
     rb = Recorder()
-    b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
+    b.submit_miss(REQUEST, DIGEST, "miss", True, rb, tags=TAGS)
     assert rb.wait() == ("final", "Hello", "miss")
     waited = time.monotonic() - started
     assert engine_b.calls == 1
@@ -114,9 +114,9 @@ def test_follower_generates_when_the_leaders_generation_fails(
     a, engine_a, _ = make_replica("a", GatedEngine(gate=gate, finish="error"))
     b, engine_b, _ = make_replica("b", GatedEngine(text="From b"))
     ra, rb = Recorder(), Recorder()
-    a.submit_miss(REQUEST, DIGEST, "miss", True, ra)
+    a.submit_miss(REQUEST, DIGEST, "miss", True, ra, tags=TAGS)
     assert engine_a.started.wait(5)
-    b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
+    b.submit_miss(REQUEST, DIGEST, "miss", True, rb, tags=TAGS)
     wait_until(lambda: b.stats().remote_waits == 1)
     gate.set()
     assert ra.wait()[0] == "error"  # a's own requester sees its engine's failure
@@ -130,9 +130,9 @@ def test_a_long_generation_keeps_its_lease(make_replica: Callable[..., Replica])
     a, engine_a, _ = make_replica("a", GatedEngine(gate=gate), ttl_s=0.5)
     b, engine_b, _ = make_replica("b", ttl_s=0.5)
     ra, rb = Recorder(), Recorder()
-    a.submit_miss(REQUEST, DIGEST, "miss", True, ra)
+    a.submit_miss(REQUEST, DIGEST, "miss", True, ra, tags=TAGS)
     assert engine_a.started.wait(5)
-    b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
+    b.submit_miss(REQUEST, DIGEST, "miss", True, rb, tags=TAGS)
     threading.Timer(1.2, gate.set).start()
     assert rb.wait() == ("final", "Hello", "miss")
     assert (engine_a.calls, engine_b.calls) == (1, 0)
@@ -144,7 +144,7 @@ def test_no_store_and_bypass_do_not_take_leases(make_replica: Callable[..., Repl
     a, engine_a, _ = make_replica("a", GatedEngine(gate=gate))
     b, engine_b, _ = make_replica("b")
     ra = Recorder()
-    a.submit_miss(REQUEST, DIGEST, "miss", True, ra)
+    a.submit_miss(REQUEST, DIGEST, "miss", True, ra, tags=TAGS)
     assert engine_a.started.wait(5)
     rb1, rb2 = Recorder(), Recorder()
     b.submit_miss(REQUEST, DIGEST, "miss", False, rb1)  # no-store: will not store, so no wait
@@ -161,7 +161,7 @@ def test_redis_down_means_local_coalescing_only(
 ) -> None:
     b, engine_b, cache = make_replica("b", url="redis://127.0.0.1:1/0")
     rb = Recorder()
-    b.submit_miss(REQUEST, DIGEST, "miss", True, rb)
+    b.submit_miss(REQUEST, DIGEST, "miss", True, rb, tags=TAGS)
     assert rb.wait() == ("final", "Hello", "miss")
     assert engine_b.calls == 1
     link = redis_link(cache)
@@ -170,7 +170,7 @@ def test_redis_down_means_local_coalescing_only(
 
 
 def test_release_deletes_only_its_own_lease(redis_server: RedisServer, redis_prefix: str) -> None:
-    from tiercache.redis_tier import RedisLink
+    from tiercache.exact.redis_tier import RedisLink
 
     link = RedisLink.from_url(redis_server.url, redis_prefix)
     one, two = LeaseCoordinator(link, ttl_s=0.2), LeaseCoordinator(link, ttl_s=5.0)

@@ -1,5 +1,5 @@
-"""L3 on a real redis-server (tiercache.redis_tier): TTL, corruption, the breaker when Redis is
-killed during traffic and when it returns, the shared secret, replicas sharing answers."""
+"""L3 on a real redis-server (tiercache.exact.redis_tier): TTL, corruption, the breaker when
+Redis is killed during traffic and when it returns, the shared secret, replicas sharing answers."""
 
 from __future__ import annotations
 
@@ -12,16 +12,25 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from tiercache.codec import CacheEntry
-from tiercache.keys import EngineIdentity, load_or_create_secret
-from tiercache.llm_stage import LlmStage
-from tiercache.prompt_cache import CacheStatus, PromptCache, load_secret, redis_link
-from tiercache.redis_tier import Breaker, RedisLink, RedisStore, shared_secret
-from tiercache.request import RawInputs
-from tiercache.stores import LmdbStore, MemoryStore
-from tiercache.tiered import Tier, TieredCache
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.keys import EngineIdentity, load_or_create_secret
+from tiercache.exact.prompt_cache import PromptCache
+from tiercache.exact.redis_tier import Breaker, RedisLink, RedisStore, shared_secret
+from tiercache.exact.request import RawInputs
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.generation import Generations
+from tiercache.vocabulary import CacheStatus, Tier
 
-from .replicas import GatedEngine, Recorder, open_replica, replica_config, wait_until
+from .replicas import (
+    GatedEngine,
+    Recorder,
+    load_secret,
+    open_replica,
+    redis_link,
+    replica_config,
+    wait_until,
+)
 
 ENGINE = EngineIdentity("model", "rev")
 
@@ -91,7 +100,7 @@ def test_dead_redis_is_a_miss_costing_microseconds_and_l3_resumes(
     server = redis_factory()
     link = RedisLink.from_url(server.url, redis_prefix, timeout_s=0.25, retry_s=0.3)
     l1, l2 = MemoryStore(1 << 20), LmdbStore(tmp_path / "l2", 1 << 22)
-    cache = TieredCache(l1, l2, RedisStore(link))
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2), (Tier.L3, RedisStore(link))])
     cache.put("before", "kept locally")
     server.kill()
 
@@ -100,7 +109,7 @@ def test_dead_redis_is_a_miss_costing_microseconds_and_l3_resumes(
         found = cache.get("before")
         assert found is not None and found.entry.text == "kept locally"
         assert cache.get(f"missing{i}") is None
-    l3 = cache.l3
+    l3 = cache.store(Tier.L3)
     assert l3 is not None
     started = time.perf_counter()
     for i in range(10_000):
@@ -137,8 +146,9 @@ def test_killed_during_traffic_zero_failed_requests_then_resumes(
     # The llm process of the same host: its own view of the same L2 and L3 (one LMDB environment
     # per process, so the stores are shared here rather than opened twice).
     shared = front.cache
-    back_cache = TieredCache(None, shared.l2, shared.l3, invalidations=shared.invalidations)
-    stage = LlmStage(back_cache, engine, max_workers=8)
+    shared_tiers = [t for t in shared.tiers if t.tier is not Tier.L1]
+    back_cache = TieredCache(shared_tiers, invalidations=shared.invalidations)
+    stage = Generations(back_cache, engine, max_workers=8)
     outcomes: list[tuple[str, object, object]] = []
     stop = threading.Event()
 
@@ -191,7 +201,8 @@ def test_replicas_share_answers_through_l3(
     )
     again = front_b.lookup(RawInputs("What is Triton?", tenant="acme"))
     assert again.tier is Tier.L1  # the L3 hit filled B's L1 (and L2)
-    assert b.l2 is not None and b.l2.get(first.digest) is not None
+    b_l2 = b.store(Tier.L2)
+    assert b_l2 is not None and b_l2.get(first.digest) is not None
     fresh_only = front_b.lookup(
         RawInputs("What is Triton?", tenant="acme", cache_control="max-age=0")
     )

@@ -23,21 +23,23 @@ import redis
 from redis_server import RedisServer
 
 from tiercache.config import ADAPTERS_DIR_ENV
-from tiercache.invalidation import Invalidator
+from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.redis_tier import RedisLink
+from tiercache.exact.tiered import TieredCache
 from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions
 from tiercache.lora.registry import AdapterRegistry
-from tiercache.prompt_cache import invalidation_listener, redis_link
-from tiercache.redis_tier import RedisLink
-from tiercache.semantic.index import Neighbour, SemanticIndex, SemanticStore, scope_tag
+from tiercache.semantic.index import Neighbour, SemanticIndex
 from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
+from tiercache.semantic.row_log import scope_tag
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.server import Ports, TritonServer, copy_repository
-from tiercache.tiered import TieredCache
+from tiercache.vocabulary import Tier
 from tiercache_client import TierCacheClient
 
 from .conftest import MODEL_REPOSITORY, metric_value
-from .replicas import TIMEOUT_S, open_replica, wait_until
+from .replicas import TIMEOUT_S, invalidation_listener, open_replica, redis_link, wait_until
 
 pytestmark = pytest.mark.integration
 DIMENSIONS = 8
@@ -63,7 +65,7 @@ class Host:
         **entry: object,
     ) -> None:
         """What the llm stage does for a stored answer: store it, index it, share the row."""
-        self.cache.put(digest, f"answer of {prompt}", scope=tenant, **entry)  # type: ignore[arg-type]
+        self.cache.put(digest, f"answer of {prompt}", tenant_scope=tenant, **entry)  # type: ignore[arg-type]
         self.store.append(scope, digest, prompt, vector)
         assert self.sharing.publish(scope, digest, prompt, vector)
 
@@ -301,7 +303,7 @@ def test_redis_down_then_back(
     a.cache.put("during", "an answer while Redis is down")
     a.store.append(scope, "during", "during the outage", unit(2))
     assert a.sharing.publish(scope, "during", "during the outage", unit(2)) is False
-    wait_until(lambda: b.cache.l3 is not None and redis_link(b.cache).breaker.is_open)  # type: ignore[union-attr]
+    wait_until(lambda: b.cache.store(Tier.L3) is not None and redis_link(b.cache).breaker.is_open)  # type: ignore[union-attr]
     c = open_host("c", server.url, redis_prefix, start=False)
     c.sharing.start()
     started = time.monotonic()

@@ -16,9 +16,9 @@ MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 @pytest.fixture
 def pb_utils(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """Install the stand-in as `triton_python_backend_utils`; the boundary re-imports against it."""
+    """Install the stand-in as `triton_python_backend_utils` (always the same module object, so
+    the boundary and stage modules imported against it stay valid across tests)."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils_stub)
-    monkeypatch.delitem(sys.modules, "tiercache.triton.boundary", raising=False)
     return pb_utils_stub
 
 

@@ -6,6 +6,7 @@ byte-level fake; the detokenizer is the CPU engine's real one."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -16,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.adapter_types import AdapterRef, engine_task_id
 from tiercache.errors import ConfigError
-from tiercache.lora.trtllm import engine_task_id
-from tiercache.lora.types import AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
+from tiercache.stages.envelope import Envelope
+from tiercache.vocabulary import CacheStatus
 
 WAIT_S = 30
 REF = AdapterRef("french", 3, "ab" * 32)
@@ -141,7 +143,8 @@ def params(tmp_path: Path, **extra: str) -> dict[str, dict[str, str]]:
 @pytest.fixture
 def llm_module(load_model: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> Any:
     module = load_model("llm")
-    monkeypatch.setattr(module, "load_tokenizer", lambda path: ByteTokenizer())
+    stage_module = importlib.import_module("tiercache.stages.llm")  # after the stand-in
+    monkeypatch.setattr(stage_module, "load_tokenizer", lambda path: ByteTokenizer())
     return module
 
 
@@ -174,13 +177,11 @@ def call(pb_utils: ModuleType, model: Any, request: GenerationRequest, **extra: 
     def text(name: str, value: str) -> Any:
         return pb_utils.Tensor(name, np.array([[value.encode()]], dtype=np.object_))
 
+    envelope = Envelope(request=request, status=CacheStatus.BYPASS).encode().decode()
     tensors = [
-        text("REQUEST", request.to_json()),
-        text("DIGEST", ""),
+        text("ENVELOPE", envelope),
         text("CACHED_TEXT", ""),
         text("LOOKUP_STATUS", "bypass"),
-        pb_utils.Tensor("WRITE_BACK", np.array([[False]])),
-        text("SCOPE", ""),
         pb_utils.Tensor("SIMILARITY", np.array([[0.0]], dtype=np.float32)),
         pb_utils.Tensor("EMBEDDING", np.zeros((1, 0), dtype=np.float32)),
     ]
@@ -213,8 +214,8 @@ def on_french(**kwargs: Any) -> GenerationRequest:
 
 
 def metric(pb_utils: ModuleType, model: Any, name: str) -> float:
-    model.metrics.flush()
-    family = model.metrics._families[name]
+    model.stage.metrics.flush()
+    family = model.stage.metrics._families[name]
     return sum(m.value() for m in family.metrics)
 
 
@@ -345,7 +346,10 @@ def test_too_long_prompt_is_refused_before_the_engine(
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [({"engine_kind": "vllm"}, "engine_kind must be one of"), ({"tokenizer_dir": ""}, "tokenizer")],
+    [
+        ({"engine_kind": "vllm"}, "'engine_kind' must be one of"),
+        ({"tokenizer_dir": ""}, "tokenizer"),
+    ],
 )
 def test_bad_engine_settings_fail_the_load(
     llm_module: Any, tmp_path: Path, extra: dict[str, str], message: str

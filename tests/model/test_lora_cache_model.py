@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.adapter_types import AdapterRef
 from tiercache.errors import ConfigError
+from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE, AdapterRegistry
-from tiercache.lora.types import AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.stages.envelope import Envelope
+from tiercache.vocabulary import CacheStatus
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 NAMES = ("french", "caps", "brief")
@@ -112,11 +114,18 @@ def registry(adapters: Path, tmp_path: Path) -> AdapterRegistry:
 
 
 def request_json(ref: AdapterRef | None = None, prompt: str = "Hello?") -> str:
+    """The envelope prompt_cache sends for a request with adapter `ref` (None: the base)."""
     if ref is None:
-        return GenerationRequest(prompt=prompt).to_json()
-    return GenerationRequest(
-        prompt=prompt, lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
-    ).to_json()
+        return envelope_text(GenerationRequest(prompt=prompt))
+    return envelope_text(
+        GenerationRequest(
+            prompt=prompt, lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
+        )
+    )
+
+
+def envelope_text(request: GenerationRequest) -> str:
+    return Envelope(request=request, status=CacheStatus.MISS).encode().decode()
 
 
 def make_request(pb_utils: ModuleType, **inputs: str) -> Any:
@@ -129,7 +138,7 @@ def make_request(pb_utils: ModuleType, **inputs: str) -> Any:
 
 
 def miss(pb_utils: ModuleType, ref: AdapterRef | None, status: str = "miss") -> Any:
-    return make_request(pb_utils, REQUEST=request_json(ref), LOOKUP_STATUS=status)
+    return make_request(pb_utils, ENVELOPE=request_json(ref), LOOKUP_STATUS=status)
 
 
 def admin(pb_utils: ModuleType, **op: Any) -> Any:
@@ -153,8 +162,8 @@ def files(adapters: Path, name: str) -> tuple[str, bytes]:
 
 
 def flushed(model: Any) -> Any:
-    model.metrics.flush()
-    return model
+    model.stage.metrics.flush()
+    return model.stage
 
 
 def test_hits_and_base_model_requests_pass_with_empty_outputs(
@@ -164,7 +173,7 @@ def test_hits_and_base_model_requests_pass_with_empty_outputs(
     requests = [
         miss(pb_utils, french, status="exact"),  # a hit needs no adapter
         miss(pb_utils, french, status="semantic"),
-        make_request(pb_utils, REQUEST="", LOOKUP_STATUS="exact"),
+        make_request(pb_utils, ENVELOPE="", LOOKUP_STATUS="exact"),
         miss(pb_utils, None),  # the base model
         miss(pb_utils, None, status="bypass"),
         make_request(pb_utils),  # nothing at all
@@ -256,13 +265,13 @@ def test_bad_requests_get_their_own_errors_and_the_batch_is_served(
     model: Any, pb_utils: ModuleType, registry: AdapterRegistry
 ) -> None:
     french = registry.resolve("french")
-    unresolved = GenerationRequest(prompt="x", lora_name="french").to_json()
+    unresolved = envelope_text(GenerationRequest(prompt="x", lora_name="french"))
     bad_digest = AdapterRef("french", french.task_id, "not-hex")
     requests = [
         miss(pb_utils, french),
-        make_request(pb_utils, REQUEST="{not json", LOOKUP_STATUS="miss"),
-        make_request(pb_utils, REQUEST=request_json(french), LOOKUP_STATUS="maybe"),
-        make_request(pb_utils, REQUEST=unresolved, LOOKUP_STATUS="miss"),
+        make_request(pb_utils, ENVELOPE="{not json", LOOKUP_STATUS="miss"),
+        make_request(pb_utils, ENVELOPE=request_json(french), LOOKUP_STATUS="maybe"),
+        make_request(pb_utils, ENVELOPE=unresolved, LOOKUP_STATUS="miss"),
         miss(pb_utils, bad_digest),
         admin(pb_utils, op="drop-everything"),
         make_request(pb_utils, ADMIN="[1, 2]"),
@@ -276,7 +285,7 @@ def test_bad_requests_get_their_own_errors_and_the_batch_is_served(
     assert outputs(pb_utils, responses[0])["LORA_TIER"] == "disk"
     assert outputs(pb_utils, responses[-1])["LORA"] == ""
     fragments = [
-        "REQUEST is not a canonical request",
+        "ENVELOPE is not JSON",
         "LOOKUP_STATUS must be one of",
         "without its version",
         "digest must be 64",
@@ -312,7 +321,7 @@ def test_list_reports_each_version_in_its_tier_and_the_engines_own_list(
     }
     assert rows["french"]["digest"] == french.digest
     assert rows["french"]["bytes"] == sum(
-        len(x) for x in files(model.stage.registry.root, "french")
+        len(x) for x in files(model.stage.core.registry.root, "french")
     )
     assert rows["french"]["current"] is True and rows["french"]["pinned"] is False
     assert report["engine_reported"] == [json.loads(french.to_json())]
@@ -410,7 +419,7 @@ def test_prefetch_marks_resident_and_pins_stay(
     model.execute([miss(pb_utils, caps)])
     (third,) = model.execute([miss(pb_utils, brief)])
     assert json.loads(outputs(pb_utils, third)["LORA_EVICT"]) == [caps.digest]  # not french
-    report = model.stage.list_report()
+    report = model.stage.core.list_report()
     assert [r["pinned"] for r in report["adapters"] if r["name"] == "french"] == [True]
 
 
@@ -435,7 +444,7 @@ def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
 ) -> None:
     """engine_kind tensorrt_llm: TensorRT-LLM's request tensors beside the PEFT files; the
     version's lora_task_id on every miss, lora_weights / lora_config only on a load."""
-    from tiercache.lora.trtllm import engine_task_id
+    from tiercache.adapter_types import engine_task_id
 
     model = start(engine_slots="2", engine_kind="tensorrt_llm")
     french = registry.resolve("french")

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tiercache.codec import CacheEntry
 from tiercache.errors import ConfigError
-from tiercache.keys import tenant_scope
-from tiercache.request import GenerationRequest
-from tiercache.tiered import Tier
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.keys import key_fields, tenant_scope
+from tiercache.exact.request import GenerationRequest
+from tiercache.stages.envelope import Envelope
+from tiercache.vocabulary import Tier
 
 
 @pytest.fixture
@@ -29,9 +30,17 @@ def model(load_model: Callable[[str], ModuleType], tmp_path: Path) -> Iterator[A
 
 
 def flushed(model: Any) -> Any:
-    """The model after its deferred metric updates were applied (a flusher tick)."""
-    model.metrics.flush()
-    return model
+    """The model's stage after its deferred metric updates were applied (a flusher tick)."""
+    model.stage.metrics.flush()
+    return model.stage
+
+
+def envelope(pb_utils: ModuleType, response: Any) -> Envelope:
+    """The envelope prompt_cache handed the later stages."""
+    tensor = pb_utils.get_output_tensor_by_name(response, "ENVELOPE")
+    assert tensor is not None, "no output ENVELOPE"
+    assert tensor.as_numpy().shape == (1, 1)
+    return Envelope.decode(tensor.as_numpy()[0, 0])
 
 
 def make_request(pb_utils: ModuleType, text: bytes = b"What is Triton?", **inputs: Any) -> Any:
@@ -77,12 +86,12 @@ def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType) -> None:
     assert "max_tokens" in bad.error().message()
     for response, prompt, max_tokens in ((responses[0], "first", 16), (responses[2], "third", 128)):
         assert not response.has_error()
-        assert output(pb_utils, response, "LOOKUP_STATUS") == "miss"
-        request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+        assert envelope(pb_utils, response).status == "miss"
+        request = envelope(pb_utils, response).request
         assert (request.prompt, request.max_tokens) == (prompt, max_tokens)
-        assert len(output(pb_utils, response, "DIGEST")) == 64
+        assert len(envelope(pb_utils, response).digest or "") == 64
         assert output(pb_utils, response, "CACHED_TEXT") == ""
-        assert output(pb_utils, response, "WRITE_BACK").item() is True
+        assert envelope(pb_utils, response).write_back is True
     assert flushed(model).requests["miss"].metric.value() == 2
     assert flushed(model).requests["error"].metric.value() == 1
     assert flushed(model).requests["exact"].metric.value() == 0
@@ -125,21 +134,23 @@ def test_wrong_input_types_are_invalid(
 
 def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
-    digest = output(pb_utils, miss, "DIGEST")
-    model.cache.cache.put(digest, "answer")
+    digest = envelope(pb_utils, miss).digest
+    model.stage.cache.cache.put(digest, "answer")
     (hit,) = model.execute([make_request(pb_utils, b"  What   is Triton?\n")])
-    assert output(pb_utils, hit, "LOOKUP_STATUS") == "exact"
+    assert envelope(pb_utils, hit).status == "exact"
     assert output(pb_utils, hit, "CACHED_TEXT") == "answer"
-    assert output(pb_utils, hit, "DIGEST") == digest
-    assert output(pb_utils, hit, "WRITE_BACK").item() is False
+    assert envelope(pb_utils, hit).digest == digest
+    assert envelope(pb_utils, hit).write_back is False
     assert flushed(model).requests["exact"].metric.value() == 1
     assert flushed(model).hits[Tier.L1].metric.value() == 1
 
 
 def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
-    digest = output(pb_utils, miss, "DIGEST")
-    model.cache.cache.l2.put(digest, CacheEntry("from l2", created_s=0.0))
+    digest = envelope(pb_utils, miss).digest
+    dict(model.stage.cache.cache.stores())[Tier.L2].put(
+        digest, CacheEntry("from l2", created_s=0.0)
+    )
     (hit,) = model.execute([make_request(pb_utils)])
     assert output(pb_utils, hit, "CACHED_TEXT") == "from l2"
     assert flushed(model).hits[Tier.L2].metric.value() == 1
@@ -147,10 +158,10 @@ def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> Non
 
 def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType) -> None:
     (a,) = model.execute([make_request(pb_utils, tenant="a")])
-    model.cache.cache.put(output(pb_utils, a, "DIGEST"), "for a")
+    model.stage.cache.cache.put(envelope(pb_utils, a).digest, "for a")
     (b,) = model.execute([make_request(pb_utils, tenant="b")])
-    assert output(pb_utils, b, "LOOKUP_STATUS") == "miss"
-    assert output(pb_utils, b, "DIGEST") != output(pb_utils, a, "DIGEST")
+    assert envelope(pb_utils, b).status == "miss"
+    assert envelope(pb_utils, b).digest != envelope(pb_utils, a).digest
 
 
 @pytest.mark.parametrize(
@@ -172,9 +183,9 @@ def test_cache_control_and_sampling(
     write_back: bool,
 ) -> None:
     (response,) = model.execute([make_request(pb_utils, **inputs)])
-    assert output(pb_utils, response, "LOOKUP_STATUS") == status
-    assert bool(output(pb_utils, response, "DIGEST")) is has_digest
-    assert bool(output(pb_utils, response, "WRITE_BACK")) is write_back
+    assert envelope(pb_utils, response).status == status
+    assert (envelope(pb_utils, response).digest is not None) is has_digest
+    assert envelope(pb_utils, response).write_back is write_back
     assert flushed(model).requests[status].metric.value() == 1
 
 
@@ -198,8 +209,8 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
             )
         ]
     )
-    request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
-    ref = model.adapters.resolve("adapter")
+    request = envelope(pb_utils, response).request
+    ref = model.stage.cache.resolve_adapter("adapter")
     assert (ref.task_id, len(ref.digest)) == (1, 64)
     assert request == GenerationRequest(
         prompt="What is Triton?",
@@ -213,9 +224,9 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
         lora_name="adapter",
         lora_task_id=ref.task_id,
         lora_digest=ref.digest,
-        kv_scope=request.kv_scope,
+        tenant_scope=request.tenant_scope,
     )
-    assert len(request.kv_scope) == 64
+    assert len(request.tenant_scope) == 64
 
 
 @pytest.mark.parametrize(
@@ -230,13 +241,13 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
 def test_request_carries_the_tenant_scope_for_the_engine_kv(
     model: Any, pb_utils: ModuleType, tmp_path: Path, inputs: dict[str, Any]
 ) -> None:
-    """The engine keys prefix KV blocks by `kv_scope`: the tenant's scope HMAC, on every status
+    """The engine keys prefix KV blocks by `tenant_scope`: the tenant's scope HMAC, on every status
     that reaches the engine; it is not part of the cache key."""
     (response,) = model.execute([make_request(pb_utils, **inputs)])
-    request = GenerationRequest.from_json(output(pb_utils, response, "REQUEST"))
+    request = envelope(pb_utils, response).request
     secret = (tmp_path / "secret").read_bytes()
-    assert request.kv_scope == tenant_scope(secret, inputs.get("tenant", ""))
-    assert "kv_scope" not in request.key_fields()
+    assert request.tenant_scope == tenant_scope(secret, inputs.get("tenant", ""))
+    assert "tenant_scope" not in key_fields(request)
 
 
 def test_adapters_are_resolved_and_their_digest_is_in_the_key(
@@ -249,17 +260,17 @@ def test_adapters_are_resolved_and_their_digest_is_in_the_key(
     folder = tmp_path / "adapters" / "a"
     shutil.copytree(REPO / "adapters" / "brief", folder)
     base, first = model.execute([make_request(pb_utils), make_request(pb_utils, lora_name="a")])
-    digests = {output(pb_utils, r, "DIGEST") for r in (base, first)}
+    digests = {envelope(pb_utils, r).digest for r in (base, first)}
     assert len(digests) == 2
     shutil.copy2(REPO / "adapters" / "caps" / "adapter_model.safetensors", folder)
     (changed,) = model.execute([make_request(pb_utils, lora_name="a")])
-    assert output(pb_utils, changed, "DIGEST") not in digests
+    assert envelope(pb_utils, changed).digest not in digests
 
 
 def test_store_gauges_are_published(model: Any, pb_utils: ModuleType) -> None:
     model.execute([make_request(pb_utils)])
-    model.metrics.flush()
-    families = model.metrics._families
+    model.stage.metrics.flush()
+    families = model.stage.metrics._families
     entries = {m.labels["tier"]: m.value() for m in families["tiercache_cache_entries"].metrics}
     assert entries == {"l1": 0, "l2": 0}
 

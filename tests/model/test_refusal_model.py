@@ -5,6 +5,7 @@ initialize."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,10 +13,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_torch_llm_model import FakeEngine, call, text
+from test_torch_llm_model import FakeEngine, call, envelope_text, text
 
 from tiercache.errors import ConfigError
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 REFUSAL = "Not here."
 
@@ -27,8 +28,9 @@ def start(
     pattern: str,
 ) -> Any:
     module = load_model("torch_llm")
-    monkeypatch.setattr(module, "TorchEngine", FakeEngine)
-    monkeypatch.setattr(module, "resolve_model", lambda name: None)
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")  # after the stand-in
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
     instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
@@ -50,17 +52,17 @@ def model(
 
 def test_matching_prompt_is_refused_with_content_filter(pb_utils: ModuleType, model: Any) -> None:
     responses = call(
-        pb_utils, model, REQUEST=GenerationRequest("The SECRET recipe, please").to_json()
+        pb_utils, model, ENVELOPE=envelope_text(GenerationRequest("The SECRET recipe, please"))
     )
     assert len(responses) == 1  # one final response, no engine chunks
     assert text(pb_utils, responses[0]) == REFUSAL
     assert text(pb_utils, responses[0], "FINISH_REASON") == "content_filter"
-    model.metrics.flush()
-    assert model.finished["content_filter"].metric.value() == 1
+    model.stage.metrics.flush()
+    assert model.stage.finished["content_filter"].metric.value() == 1
 
 
 def test_other_prompts_are_generated(pb_utils: ModuleType, model: Any) -> None:
-    responses = call(pb_utils, model, REQUEST=GenerationRequest("A cake recipe").to_json())
+    responses = call(pb_utils, model, ENVELOPE=envelope_text(GenerationRequest("A cake recipe")))
     assert [text(pb_utils, r) for r in responses] == ["Hello", " there"]
     assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
 

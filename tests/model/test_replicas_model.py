@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 from redis_server import RedisServer
-from test_prompt_cache_model import flushed, make_request, output
+from test_prompt_cache_model import envelope, flushed, make_request, output
 
-from tiercache.leases import LeaseCoordinator
-from tiercache.request import GenerationRequest
-from tiercache.tiered import Tier
+from tiercache.exact.leases import LeaseCoordinator
+from tiercache.vocabulary import Tier
 
 
 def parameters(values: dict[str, str]) -> str:
@@ -55,10 +54,10 @@ def test_an_answer_stored_on_one_replica_is_an_exact_hit_on_another(
 ) -> None:
     a, b = replicas("a"), replicas("b")
     (miss,) = a.execute([make_request(pb_utils, tenant="acme")])
-    digest = output(pb_utils, miss, "DIGEST")
-    a.cache.cache.put(digest, "answer from a")
+    digest = envelope(pb_utils, miss).digest
+    a.stage.cache.cache.put(digest, "answer from a")
     (hit,) = b.execute([make_request(pb_utils, b" What is  Triton?", tenant="acme")])
-    assert output(pb_utils, hit, "LOOKUP_STATUS") == "exact"
+    assert envelope(pb_utils, hit).status == "exact"
     assert output(pb_utils, hit, "CACHED_TEXT") == "answer from a"
     assert flushed(b).hits[Tier.L3].metric.value() == 1
     assert Tier.L3 in flushed(b).hits
@@ -70,9 +69,9 @@ def test_cache_control_tags_and_max_age_reach_the_llm_request(
     a = replicas("a")
     control = "tag=kb:v3, max-age=30 tag=faq"
     (miss,) = a.execute([make_request(pb_utils, cache_control=control)])
-    request = GenerationRequest.from_json(output(pb_utils, miss, "REQUEST"))
-    assert (request.cache_tags, request.max_age_s) == (("faq", "kb:v3"), 30.0)
-    assert output(pb_utils, miss, "SEMANTIC_LOOKUP").item() is False  # max-age: exact only
+    sent = envelope(pb_utils, miss)
+    assert (sent.cache_tags, sent.max_age_s) == (("faq", "kb:v3"), 30.0)
+    assert envelope(pb_utils, miss).semantic_lookup is False  # max-age: exact only
     (bad,) = a.execute([make_request(pb_utils, cache_control="max-age=-3")])
     assert bad.error().code() == pb_utils.TritonError.INVALID_ARG
     assert "max-age" in bad.error().message()
@@ -91,6 +90,6 @@ def test_unknown_redis_parameter_fails_the_load(
 
 def test_llm_takes_leases_with_redis(replicas: Callable[..., Any]) -> None:
     llm = replicas("a", "llm")
-    leases = llm.stage._leases
+    leases = llm.stage.core.leases
     assert isinstance(leases, LeaseCoordinator)
     assert (leases.ttl_s, leases.wait_s) == (10.0, 60.0)

@@ -7,6 +7,7 @@ op) is exercised end to end without loading SmolLM2.
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -17,12 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.adapter_types import AdapterRef
+from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
-from tiercache.lora.engine_call import adapter_ref
-from tiercache.lora.types import AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
+from tiercache.stages.envelope import Envelope
 
 # peft still asks transformers for the deprecated name.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -85,7 +87,7 @@ class FakeEngine:
     ) -> Iterator[StreamEvent]:
         self.adapters.activate(adapter_ref(request))
         tokens = list(request.prompt.encode())
-        salt = kv_salt("rev", request.kv_scope, request.lora_digest)
+        salt = kv_salt("rev", request.tenant_scope, request.lora_digest)
         hashes = block_hashes(tokens, self.kv_pool.tokens_per_block, salt)
         lease = self.kv_pool.acquire(hashes, len(tokens))
         for key in hashes[len(lease.blocks) :]:
@@ -115,8 +117,9 @@ def model(
     load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Any]:
     module = load_model("torch_llm")
-    monkeypatch.setattr(module, "TorchEngine", FakeEngine)
-    monkeypatch.setattr(module, "resolve_model", lambda name: None)
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")  # after the stand-in
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
     instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
@@ -148,12 +151,18 @@ def text(pb_utils: ModuleType, response: Any, name: str = "TEXT") -> str:
     return str(pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode())
 
 
+def envelope_text(request: GenerationRequest) -> str:
+    return Envelope(request=request).encode().decode()
+
+
 def request_json(ref: AdapterRef | None = None) -> str:
     if ref is None:
-        return GenerationRequest("Hi").to_json()
-    return GenerationRequest(
-        "Hi", lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
-    ).to_json()
+        return envelope_text(GenerationRequest("Hi"))
+    return envelope_text(
+        GenerationRequest(
+            "Hi", lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
+        )
+    )
 
 
 def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
@@ -173,22 +182,22 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
     assert text(pb_utils, listed, "FINISH_REASON") == "listed"
     assert [(a["name"], a["digest"]) for a in json.loads(text(pb_utils, listed))] == [("one", "d1")]
 
-    chunk, final = call(pb_utils, model, REQUEST=request_json(ref))
+    chunk, final = call(pb_utils, model, ENVELOPE=request_json(ref))
     assert (text(pb_utils, chunk), text(pb_utils, final)) == ("Hello", " there")
     assert text(pb_utils, final, "FINISH_REASON") == "stop"
 
     (evicted,) = call(pb_utils, model, LORA_OP="evict", LORA_EVICT=json.dumps(["d1", "zz"]))
     assert json.loads(text(pb_utils, evicted)) == {"evicted": ["d1"]}
-    (missing,) = call(pb_utils, model, REQUEST=request_json(ref))
+    (missing,) = call(pb_utils, model, ENVELOPE=request_json(ref))
     assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
     assert "not found in cache" in missing.error().message()
 
-    model.metrics.flush()
-    assert model.adapter_loads.metric.value() == 1
-    assert model.adapter_evictions.metric.value() == 1
-    assert len(model.adapter_load_s.metric.observations) == 1
-    assert len(model.adapter_swap_s.metric.observations) == 1  # base -> one
-    assert model.adapters_resident.metric.value() == 0
+    model.stage.metrics.flush()
+    assert model.stage.adapter_loads.metric.value() == 1
+    assert model.stage.adapter_evictions.metric.value() == 1
+    assert len(model.stage.adapter_load_s.metric.observations) == 1
+    assert len(model.stage.adapter_swap_s.metric.observations) == 1  # base -> one
+    assert model.stage.adapters_resident.metric.value() == 0
 
 
 def test_generate_request_evicts_then_loads_its_adapter(pb_utils: ModuleType, model: Any) -> None:
@@ -204,7 +213,7 @@ def test_generate_request_evicts_then_loads_its_adapter(pb_utils: ModuleType, mo
         call(
             pb_utils,
             model,
-            REQUEST=request_json(ref),
+            ENVELOPE=request_json(ref),
             LORA_CONFIG=config_json,
             LORA_WEIGHTS=weights,
         )
@@ -212,16 +221,16 @@ def test_generate_request_evicts_then_loads_its_adapter(pb_utils: ModuleType, mo
     responses = call(
         pb_utils,
         model,
-        REQUEST=request_json(ref3),
+        ENVELOPE=request_json(ref3),
         LORA_CONFIG=config_json,
         LORA_WEIGHTS=weights,
         LORA_EVICT=json.dumps(["d1", "d3"]),
     )
     assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
-    assert [a["digest"] for a in model.engine.adapters.resident()] == ["d2", "d3"]
-    (base,) = call(pb_utils, model, REQUEST=request_json(), LORA_OP="")[-1:]
+    assert [a["digest"] for a in model.stage.engine.adapters.resident()] == ["d2", "d3"]
+    (base,) = call(pb_utils, model, ENVELOPE=request_json(), LORA_OP="")[-1:]
     assert text(pb_utils, base, "FINISH_REASON") == "stop"
-    assert model.engine.adapters.stats().active is None
+    assert model.stage.engine.adapters.stats().active is None
 
 
 def test_bad_inputs_get_their_own_error_and_the_worker_goes_on(
@@ -254,7 +263,7 @@ def test_final_response_and_metrics_report_kv_reuse(pb_utils: ModuleType, model:
     lookups, evictions and bytes reach the metrics."""
 
     def counts(prompt: str) -> tuple[int, int, int]:
-        final = call(pb_utils, model, REQUEST=GenerationRequest(prompt).to_json())[-1]
+        final = call(pb_utils, model, ENVELOPE=envelope_text(GenerationRequest(prompt)))[-1]
         assert text(pb_utils, final, "FINISH_REASON") == "stop"
         names = ("PROMPT_TOKENS", "REUSED_TOKENS", "COMPUTED_TOKENS")
         prompt_tokens, reused, computed = (int_output(pb_utils, final, n) for n in names)
@@ -264,13 +273,13 @@ def test_final_response_and_metrics_report_kv_reuse(pb_utils: ModuleType, model:
     assert counts("abcdefghij") == (10, 0, 10)  # two blocks cached, 20 bytes
     assert counts("abcdefghXYZ") == (11, 8, 3)  # reuses both; XYZ is no full block
     assert counts("zzzzyyyy") == (8, 0, 8)  # two new blocks: the LRU leaf (efgh) evicted
-    model.metrics.flush()
-    assert model.kv_lookups["hit"].metric.value() == 1
-    assert model.kv_lookups["miss"].metric.value() == 2
-    assert model.kv_reused.metric.value() == 8
-    assert model.kv_computed.metric.value() == 21
-    assert model.kv_evictions.metric.value() == 1
-    assert model.kv_pool_bytes.metric.value() == 30
+    model.stage.metrics.flush()
+    assert model.stage.kv_lookups["hit"].metric.value() == 1
+    assert model.stage.kv_lookups["miss"].metric.value() == 2
+    assert model.stage.kv_reused.metric.value() == 8
+    assert model.stage.kv_computed.metric.value() == 21
+    assert model.stage.kv_evictions.metric.value() == 1
+    assert model.stage.kv_pool_bytes.metric.value() == 30
     (listed,) = call(pb_utils, model, LORA_OP="list")  # admin ops report zeros
     assert (
         int_output(pb_utils, listed, "REUSED_TOKENS"),

@@ -13,7 +13,6 @@ de-quantises the GGUF once (about 20 s more).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -138,13 +137,10 @@ def generate(tokenizer: Any, model: Any, questions: tuple[str, ...]) -> list[Ans
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "train_adapters", REPO / "scripts" / "train_adapters.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The training module (python -m tiercache_dev.train.adapters)."""
+    from tiercache_dev.train import adapters
+
+    return adapters
 
 
 @pytest.fixture(scope="module")

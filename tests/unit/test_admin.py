@@ -3,6 +3,7 @@ warmed answer), local invalidation, and the ADMIN protocol's errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -10,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.admin import Admin, open_admin
+from tiercache.adapter_types import AdapterRef
+from tiercache.admin import Admin
 from tiercache.config import CacheAdminConfig
 from tiercache.errors import InvalidRequest, NotFound
-from tiercache.keys import EngineIdentity
-from tiercache.lora.types import AdapterRef
-from tiercache.prompt_cache import CacheStatus, open_tiered_cache
-from tiercache.request import RawInputs
+from tiercache.exact.keys import EngineIdentity
+from tiercache.exact.request import RawInputs
+from tiercache.stages.parts import open_admin, open_exact_cache
+from tiercache.vocabulary import CacheStatus
 
 ENGINE = EngineIdentity("m", "r1")
 
@@ -226,7 +228,8 @@ def test_without_redis_an_invalidation_reaches_the_hosts_other_processes(tmp_pat
     import multiprocessing
 
     config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20)
-    here = open_tiered_cache(config)  # this process: an L1 (prompt_cache) and the host's L2
+    # this process: an L1 (as prompt_cache has) and the host's L2
+    here = open_exact_cache(dataclasses.replace(config.cache(), l1_max_bytes=64 << 20)).cache
     try:
         here.put("copied", "old", tags=("kb",))
         assert here.get("copied") is not None  # now in this process's L1 too

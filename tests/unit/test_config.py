@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tiercache.config import (
+    STAGE_CONFIGS,
     STATE_DIR_ENV,
+    CacheAdminConfig,
     CacheConfig,
     EngineConfig,
     LlmConfig,
+    LoraCacheConfig,
     PromptCacheConfig,
     parse_config,
 )
 from tiercache.errors import ConfigError
-from tiercache.request import Limits
+from tiercache.exact.request import Limits
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class Sample:
     name: str = "x"
 
 
-@pytest.mark.parametrize("cls", [CacheConfig, PromptCacheConfig, LlmConfig, EngineConfig, Sample])
+@pytest.mark.parametrize("cls", [CacheConfig, *STAGE_CONFIGS.values(), Sample])
 def test_defaults(cls: type) -> None:
     assert parse_config(cls, {}) == cls()
 
@@ -56,8 +60,9 @@ def test_real_config_conversion() -> None:
         {"l1_max_bytes": "64_000", "ttl_s": "1.5", "state_dir": "state", "max_tokens": "256"},
     )
     assert (config.l1_max_bytes, config.ttl_s, config.max_tokens) == (64_000, 1.5, 256)
-    assert config.l2_path() == Path("state") / "l2"
-    assert config.secret_path() == Path("state") / "secret"
+    assert config.cache().l2_path() == Path("state") / "l2"
+    assert config.cache().secret_path() == Path("state") / "secret"
+    assert config.cache().l1_max_bytes == 64_000
     assert config.limits() == Limits(max_tokens=256)
 
 
@@ -100,3 +105,76 @@ def test_state_dir_default_from_environment(
     assert CacheConfig(state_dir="elsewhere").state_path() == Path("elsewhere")
     monkeypatch.delenv(STATE_DIR_ENV)
     assert CacheConfig().state_path() == Path.home() / ".cache" / "tiercache"
+
+
+# ---- each stage's own parameters, checked all at once ------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(STAGE_CONFIGS))
+def test_every_stage_parameter_is_documented(model: str) -> None:
+    for f in dataclasses.fields(STAGE_CONFIGS[model]):
+        assert f.metadata.get("doc"), f"{model}.{f.name} has no description"
+
+
+@pytest.mark.parametrize(
+    ("cls", "foreign"),
+    [
+        (LoraCacheConfig, "l2_max_bytes"),  # lora_cache opens no exact-cache tier
+        (LoraCacheConfig, "model"),
+        (LlmConfig, "l1_max_bytes"),  # llm writes through L2/L3 only
+        (LlmConfig, "adapters_dir"),
+        (CacheAdminConfig, "embedder"),  # it computes no semantic scope
+        (CacheAdminConfig, "l1_max_bytes"),
+        (EngineConfig, "redis_url"),
+    ],
+)
+def test_a_stage_refuses_keys_it_does_not_read(cls: type, foreign: str) -> None:
+    with pytest.raises(ConfigError, match=f"unknown parameter '{foreign}'"):
+        parse_config(cls, {foreign: "1"})
+
+
+def test_every_problem_in_one_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            LlmConfig,
+            {
+                "engine_kind": "vllm",  # not a choice
+                "max_concurrency": "0",  # below its minimum
+                "hit_padding_ms": "-5",  # below its minimum
+                "lease_ttl_s": "0",  # must be > 0
+                "redis_timeout_s": "inf",  # not finite
+                "engine_streams": "two",  # not an integer
+                "l1_max_bytes": "1",  # not llm's
+            },
+        )
+    message = info.value.message
+    for fragment in (
+        "parameter 'engine_kind' must be one of torch_llm, tensorrt_llm, got 'vllm'",
+        "parameter 'max_concurrency' must be >= 1, got 0",
+        "parameter 'hit_padding_ms' must be >= 0, got -5",
+        "parameter 'lease_ttl_s' must be > 0, got 0",
+        "parameter 'redis_timeout_s' must be a finite number",
+        "parameter 'engine_streams':",
+        "unknown parameter 'l1_max_bytes'",
+    ):
+        assert fragment in message
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "fragment"),
+    [
+        (LlmConfig, {"engine_kind": "tensorrt_llm"}, "needs tokenizer_dir"),
+        (LoraCacheConfig, {"prefetch": "a,b,c", "engine_slots": "2"}, "engine_slots is 2"),
+        (EngineConfig, {"refuse_prompt_pattern": "x", "refusal_text": ""}, "refusal_text"),
+        (EngineConfig, {"device": "gpu"}, "parameter 'device' must match"),
+    ],
+)
+def test_cross_field_and_pattern_checks(cls: type, values: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(cls, values)
+
+
+def test_direct_construction_is_checked_too() -> None:
+    with pytest.raises(ConfigError, match="hit_padding_ms"):
+        LlmConfig(hit_padding_ms=-1)
+    assert EngineConfig(device="cuda:1").device == "cuda:1"

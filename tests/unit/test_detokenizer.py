@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiercache.engine.torch_engine import _Detokenizer, _Sampler
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 
 class ByteTokenizer:

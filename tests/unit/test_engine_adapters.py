@@ -23,11 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402 - after HF_HUB_OFFLINE
 
+from tiercache.adapter_types import NOT_IN_ENGINE_MARK, AdapterRef, AdapterWeights  # noqa: E402
 from tiercache.engine import adapters as engine_adapters  # noqa: E402
 from tiercache.engine.adapters import AdapterOrder, EngineAdapters  # noqa: E402
 from tiercache.errors import InvalidRequest, NotFound  # noqa: E402
-from tiercache.lora.types import NOT_IN_ENGINE_MARK, AdapterRef, AdapterWeights  # noqa: E402
-from tiercache.request import GenerationRequest  # noqa: E402
+from tiercache.eviction import LruPolicy  # noqa: E402
+from tiercache.exact.request import GenerationRequest  # noqa: E402
 
 # peft still asks transformers for the deprecated name.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -223,6 +224,63 @@ def test_switching_back_reproduces_the_first_adapter(
     stats = adapters.stats()
     assert (stats.switches, stats.active) == (switches + 1, a.ref)
     assert {e["name"]: e["uses"] for e in adapters.resident()} == {"french": 3, "caps": 1}
+
+
+class RecordingLru(LruPolicy[tuple[int, str]]):
+    """LRU that notes what the adapter slots tell and ask it (digests only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def admit(
+        self, key: tuple[int, str], size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0
+    ) -> None:
+        self.calls.append(("admit", key[1]))
+        super().admit(key, size, created_s=created_s, cost_s=cost_s)
+
+    def access(self, key: tuple[int, str]) -> None:
+        self.calls.append(("access", key[1]))
+        super().access(key)
+
+    def remove(self, key: tuple[int, str]) -> None:
+        self.calls.append(("remove", key[1]))
+        super().remove(key)
+
+
+def test_the_slots_tell_their_eviction_policy_and_evict_its_victim() -> None:
+    """On a one-layer model (no engine needed): each load, use and drop reaches the injected
+    policy, and a load into full slots drops the adapter it ranks first."""
+
+    class OneLayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4)
+
+    config = json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    )
+    tensors = {
+        "base_model.model.q_proj.lora_A.weight": torch.ones(2, 4),
+        "base_model.model.q_proj.lora_B.weight": torch.ones(4, 2),
+    }
+    from safetensors.torch import save
+
+    def version(name: str, task_id: int) -> AdapterWeights:
+        return AdapterWeights(AdapterRef(name, task_id, name), config, save(tensors))
+
+    policy = RecordingLru()
+    slots = EngineAdapters(OneLayer().eval(), max_slots=2, policy=policy)
+    a, b, c = version("a", 1), version("b", 2), version("c", 3)
+    slots.load(a)
+    slots.load(b)
+    slots.activate(a.ref)
+    slots.load(c)
+    assert policy.calls == [
+        ("admit", "a"), ("admit", "b"), ("access", "a"), ("remove", "b"), ("admit", "c")
+    ]  # fmt: skip
+    assert [e["digest"] for e in slots.resident()] == ["a", "c"]  # the policy's order
+    assert slots.stats().lru_evictions == 1
 
 
 def test_a_load_into_full_slots_evicts_the_least_recently_used(
@@ -479,7 +537,7 @@ def test_an_order_evicts_then_loads_and_never_evicts_what_it_generates_with(
     ("inputs", "message"),
     [
         ({"op": "train"}, "LORA_OP must be one of"),
-        ({}, "REQUEST is required"),
+        ({}, "ENVELOPE is required"),
         ({"op": "load", "lora": "{}"}, "LORA must be JSON"),
         ({"op": "load", "config_json": "{}"}, "sent together"),
         ({"op": "load", "config_json": "{}", "weights": b""}, "need an adapter version"),

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from tiercache.adapter_types import AdapterRef, not_in_engine_message
+from tiercache.engine.adapter_call import EngineLora, adapter_ref, generate_with_adapter
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import NotFound, Unavailable
-from tiercache.lora.engine_call import EngineLora, adapter_ref, generate_with_adapter
-from tiercache.lora.types import AdapterRef, not_in_engine_message
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 REF = AdapterRef("french", 3, "ab" * 32)
 WITH_ADAPTER = GenerationRequest("hi", lora_name="french", lora_task_id=3, lora_digest="ab" * 32)

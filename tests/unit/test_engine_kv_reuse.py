@@ -21,10 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402 - after HF_HUB_OFFLINE
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights  # noqa: E402
 from tiercache.engine.events import StreamEvent  # noqa: E402
 from tiercache.engine.kv_cache import KvBlockPool  # noqa: E402
-from tiercache.lora.types import AdapterRef, AdapterWeights  # noqa: E402
-from tiercache.request import GenerationRequest  # noqa: E402
+from tiercache.exact.request import GenerationRequest  # noqa: E402
 
 # peft still asks transformers for the deprecated name.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -87,7 +87,9 @@ def common_prefix(engine: Any, turn: str, other: str) -> int:
 
 
 def request(turn: str, scope: str = SCOPE_A, **fields: Any) -> GenerationRequest:
-    return GenerationRequest(f"{SYSTEM} {turn}", max_tokens=MAX_TOKENS, kv_scope=scope, **fields)
+    return GenerationRequest(
+        f"{SYSTEM} {turn}", max_tokens=MAX_TOKENS, tenant_scope=scope, **fields
+    )
 
 
 def test_reuse_gives_the_same_greedy_output(engine: Any) -> None:

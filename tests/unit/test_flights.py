@@ -1,4 +1,4 @@
-"""Single-flight coalescing (tiercache.flights)."""
+"""Single-flight coalescing (tiercache.exact.flights)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from tiercache.errors import Unavailable
-from tiercache.flights import Flight, FlightTable, abandoned_error
+from tiercache.exact.flights import Flight, FlightTable, abandoned_error
 
 
 def test_read_yields_chunks_before_and_after_subscribe() -> None:

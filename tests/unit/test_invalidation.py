@@ -1,5 +1,6 @@
 """Invalidation watermarks, sweeps and the three-tier read path without Redis
-(tiercache.invalidation, tiercache.tiered); with Redis: tests/integration/test_invalidation_redis.py
+(tiercache.exact.watermarks, tiercache.exact.invalidation, tiercache.exact.tiered); with Redis:
+tests/integration/test_invalidation_redis.py
 """
 
 from __future__ import annotations
@@ -11,18 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tiercache.codec import CacheEntry
-from tiercache.invalidation import (
-    Invalidation,
-    InvalidationKind,
-    InvalidationTable,
-    Invalidator,
-    applies,
-    sweep,
-)
-from tiercache.semantic.index import SemanticIndex, SemanticStore
-from tiercache.stores import LmdbStore, MemoryStore, Store
-from tiercache.tiered import Tier, TieredCache
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.invalidation import Invalidator, sweep
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import Invalidation, InvalidationTable, applies
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.store import SemanticStore
+from tiercache.vocabulary import InvalidationKind, Tier
 
 K, T, S, A = (
     InvalidationKind.KEY,
@@ -44,7 +41,7 @@ def entry(created_s: float = 100.0, **meta: object) -> CacheEntry:
     return CacheEntry("answer", created_s, **meta)  # type: ignore[arg-type]
 
 
-TAGGED = entry(tags=("kb:v1", "faq"), scope="tenant-a", adapter="ad-1")
+TAGGED = entry(tags=("kb:v1", "faq"), tenant_scope="tenant-a", adapter="ad-1")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +87,9 @@ def test_table_covers_like_applies_and_keeps_the_newest_watermark() -> None:
         fresh = InvalidationTable(skew_s=0.0)
         fresh.note(Invalidation(kind, value, 100.0))
         assert fresh.covers("k2", TAGGED)
-        assert not fresh.covers("k2", entry(created_s=101.0, scope="tenant-a", adapter="ad-1"))
+        assert not fresh.covers(
+            "k2", entry(created_s=101.0, tenant_scope="tenant-a", adapter="ad-1")
+        )
 
 
 def test_table_is_bounded_and_forgets_the_oldest() -> None:
@@ -116,9 +115,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 
 
 def test_sweep_by_tag_tenant_adapter_and_key(store: Store) -> None:
-    store.put("a", entry(tags=("kb:v1",), scope="t1"))
-    store.put("b", entry(tags=("kb:v1", "x"), scope="t2", adapter="ad"))
-    store.put("c", entry(tags=("kb:v2",), scope="t1"))
+    store.put("a", entry(tags=("kb:v1",), tenant_scope="t1"))
+    store.put("b", entry(tags=("kb:v1", "x"), tenant_scope="t2", adapter="ad"))
+    store.put("c", entry(tags=("kb:v2",), tenant_scope="t1"))
     store.put("late", entry(created_s=500.0, tags=("kb:v1",)))
     assert sorted(sweep(store, Invalidation(T, "kb:v1", 200.0))) == ["a", "b"]
     assert sweep(store, Invalidation(A, "ad", 200.0)) == []
@@ -133,7 +132,7 @@ def test_sweep_by_tag_tenant_adapter_and_key(store: Store) -> None:
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore]]:
     l1, l2, l3 = MemoryStore(1 << 20), LmdbStore(tmp_path / "l2", 1 << 20), MemoryStore(1 << 20)
-    cache = TieredCache(l1, l2, l3, clock=FakeClock())
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2), (Tier.L3, l3)], clock=FakeClock())
     yield cache, l1, l2, l3
     cache.close()
 
@@ -154,8 +153,10 @@ def test_put_writes_every_tier_with_metadata(
     three: tuple[TieredCache, MemoryStore, LmdbStore, MemoryStore],
 ) -> None:
     cache, l1, l2, l3 = three
-    written = cache.put("k", "answer", tags=("kb:v1",), scope="t", adapter="a", created_s=990.0)
-    assert written == CacheEntry("answer", 990.0, tags=("kb:v1",), scope="t", adapter="a")
+    written = cache.put(
+        "k", "answer", tags=("kb:v1",), tenant_scope="t", adapter="a", created_s=990.0
+    )
+    assert written == CacheEntry("answer", 990.0, tags=("kb:v1",), tenant_scope="t", adapter="a")
     assert l1.get("k") == l2.get("k") == l3.get("k") == written
 
 
@@ -236,7 +237,8 @@ def test_a_failed_fill_does_not_fail_the_hit() -> None:
             raise OSError("disk full")
 
     l3 = MemoryStore(1 << 20)
-    cache = TieredCache(MemoryStore(1 << 20), FullStore(1 << 20), l3, clock=FakeClock())
+    tiers = [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, FullStore(1 << 20)), (Tier.L3, l3)]
+    cache = TieredCache(tiers, clock=FakeClock())
     l3.put("k", entry(created_s=999.0))
     found = cache.get("k")
     assert found is not None and found.tier is Tier.L3
@@ -252,6 +254,7 @@ def test_many_hidden_rows_do_not_inflate_every_search(
     19.76 ms per search); the over-fetch is bounded now, and hidden rows are still never
     returned."""
     from tiercache.semantic import index as index_module
+    from tiercache.semantic.scope_search import ScopeSearch
 
     rng = np.random.default_rng(7)
     index = SemanticIndex(SemanticStore(tmp_path / "sem"), 8, flat_max_rows, persist_graphs=False)
@@ -263,13 +266,13 @@ def test_many_hidden_rows_do_not_inflate_every_search(
     hidden = [f"d{i}" for i in range(0, 600, 2)]
     assert index.forget(hidden) == 300
     asked: list[int] = []
-    search = index_module._Scope.search
+    search = ScopeSearch.search
 
     def recording(self: Any, rows: np.ndarray, query: np.ndarray, k: int) -> Any:
         asked.append(k)
         return search(self, rows, query, k)
 
-    monkeypatch.setattr(index_module._Scope, "search", recording)
+    monkeypatch.setattr(ScopeSearch, "search", recording)
     for query in vectors[:50]:
         found = index.search("s", query, k=5)
         assert found and not {n.digest for n in found} & set(hidden)
@@ -278,7 +281,7 @@ def test_many_hidden_rows_do_not_inflate_every_search(
 
 
 def test_host_watermarks_note_each_record_once_and_drop_the_oldest(tmp_path: Path) -> None:
-    from tiercache.invalidation import HostWatermarks
+    from tiercache.exact.watermarks import HostWatermarks
 
     marks = HostWatermarks(tmp_path / "inv", max_events=3)
     table = InvalidationTable()

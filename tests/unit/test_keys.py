@@ -1,4 +1,4 @@
-"""Cache keys (tiercache.keys): digest stability and scope, and the server secret."""
+"""Cache keys (tiercache.exact.keys): digest stability and scope, and the server secret."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.keys import (
+from tiercache.exact.keys import (
     SECRET_BYTES,
     EngineIdentity,
+    key_fields,
     load_or_create_secret,
     request_digest,
     tenant_scope,
 )
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 PYTHON_BACKEND = Path(__file__).resolve().parents[2] / "python_backend"
 SECRET = b"s" * 32
@@ -37,8 +38,8 @@ REQUEST = GenerationRequest(
 )
 
 _DIGEST_SCRIPT = """
-from tiercache.keys import EngineIdentity, request_digest, tenant_scope
-from tiercache.request import GenerationRequest
+from tiercache.exact.keys import EngineIdentity, request_digest, tenant_scope
+from tiercache.exact.request import GenerationRequest
 r = GenerationRequest(prompt="h\\u00e9llo \\u2603", max_tokens=9, temperature=0.5, top_p=0.9,
     top_k=4, seed=7, stop_words=("\\n", "END"), lora_name="a")
 print(request_digest(tenant_scope(b"s" * 32, "acme"), EngineIdentity("org/model", "rev-1"), r))
@@ -47,7 +48,7 @@ print(request_digest(tenant_scope(b"s" * 32, "acme"), EngineIdentity("org/model"
 
 def digest(**changes: object) -> str:
     engine_fields = {k: v for k, v in changes.items() if k in ("model_id", "revision")}
-    request_fields = {k: v for k, v in changes.items() if k in (*REQUEST.key_fields(), "stream")}
+    request_fields = {k: v for k, v in changes.items() if k in (*key_fields(REQUEST), "stream")}
     engine = dataclasses.replace(ENGINE, **engine_fields)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, **request_fields)  # type: ignore[arg-type]
     adapter = str(changes.get("adapter_digest", ""))

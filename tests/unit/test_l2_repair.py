@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.stores import LmdbStore, open_lmdb
-from tiercache.tiered import TieredCache
+from tiercache.exact.stores import LmdbStore, open_lmdb
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import Tier
 
 ENTRIES = 300
 MAP_BYTES = 1 << 24
@@ -25,7 +26,7 @@ def answer(i: int) -> str:
 
 
 def filled(root: Path) -> Path:
-    cache = TieredCache(None, LmdbStore(root / "l2", MAP_BYTES))
+    cache = TieredCache([(Tier.L2, LmdbStore(root / "l2", MAP_BYTES))])
     for i in range(ENTRIES):
         cache.put(f"k{i:04d}", answer(i))
     cache.close()
@@ -63,8 +64,8 @@ def test_damaged_l2_is_moved_aside_and_rebuilt(
     tmp_path: Path, damage: Callable[[Path], None], caplog: pytest.LogCaptureFixture
 ) -> None:
     damage(filled(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="tiercache.stores"):
-        cache = TieredCache(None, LmdbStore(tmp_path / "l2", MAP_BYTES))
+    with caplog.at_level(logging.WARNING, logger="tiercache.exact.stores"):
+        cache = TieredCache([(Tier.L2, LmdbStore(tmp_path / "l2", MAP_BYTES))])
     try:
         aside = sorted(p.name for p in tmp_path.glob("l2.corrupt-*"))
         assert len(aside) == 1, os.listdir(tmp_path)
@@ -91,7 +92,7 @@ def test_truncated_to_zero_opens_empty_in_place(tmp_path: Path) -> None:
 
 def test_healthy_store_is_opened_as_it_is(tmp_path: Path) -> None:
     filled(tmp_path)
-    cache = TieredCache(None, LmdbStore(tmp_path / "l2", MAP_BYTES))
+    cache = TieredCache([(Tier.L2, LmdbStore(tmp_path / "l2", MAP_BYTES))])
     try:
         texts = [cache.get(f"k{i:04d}") for i in range(ENTRIES)]
         assert [t.entry.text if t else None for t in texts] == [answer(i) for i in range(ENTRIES)]

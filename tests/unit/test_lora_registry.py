@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tiercache.adapter_types import AdapterRef
 from tiercache.errors import ConfigError, InvalidRequest, NotFound, Unavailable
 from tiercache.lora.registry import (
     CONFIG_FILE,
@@ -20,7 +21,6 @@ from tiercache.lora.registry import (
     adapter_digest,
     check_ref,
 )
-from tiercache.lora.types import AdapterRef
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 

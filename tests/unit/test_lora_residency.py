@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 import pytest
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.errors import CapacityError, ConfigError, Unavailable
-from tiercache.lora.residency import Candidate, LeastRecentlyUsed, LoraPlan, Residency
-from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, AdapterRef, AdapterWeights
+from tiercache.eviction import SkipKey, take_victims
+from tiercache.lora.residency import LoraPlan, Residency
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER
 
 
 class FakeClock:
@@ -278,17 +280,32 @@ def test_snapshot_reports_bytes_and_last_use(
     assert residency.engine_digests() == frozenset({a.digest})
 
 
-def test_lru_policy_orders_by_use_not_by_clock() -> None:
-    candidates = [Candidate("x", "x", 1, 5), Candidate("y", "y", 1, 2), Candidate("z", "z", 1, 9)]
-    assert LeastRecentlyUsed().nominate(candidates) == ["y", "x", "z"]
-
-
 def test_a_custom_policy_chooses_the_victims(make: MakeResidency, disk: FakeDisk) -> None:
     class BiggestFirst:
-        def nominate(self, candidates: list[Candidate]) -> list[str]:
-            return [c.digest for c in sorted(candidates, key=lambda c: -c.nbytes)]
+        def __init__(self) -> None:
+            self.sizes: dict[str, int] = {}
 
-    residency = make(engine_slots=2, policy=BiggestFirst())
+        def admit(
+            self, key: str, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0
+        ) -> None:
+            self.sizes[key] = size
+
+        def access(self, key: str) -> None:
+            pass
+
+        def remove(self, key: str) -> None:
+            self.sizes.pop(key, None)
+
+        def nominate(
+            self, count: int = 1, size: int = 0, skip: SkipKey[str] | None = None
+        ) -> list[str]:
+            ranked = sorted(self.sizes.items(), key=lambda item: -item[1])
+            return take_victims(ranked, count, size, skip)
+
+        def clear(self) -> None:
+            self.sizes.clear()
+
+    residency = make(engine_slots=2, engine_policy=BiggestFirst())
     big, small = disk.add("big", 1, 500), disk.add("small", 2, 100)
     residency.plan(big, disk.read)
     residency.plan(small, disk.read)

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights, engine_task_id
 from tiercache.errors import ConfigError, InvalidRequest
 from tiercache.lora.registry import adapter_digest
 from tiercache.lora.trtllm import (
@@ -22,9 +23,7 @@ from tiercache.lora.trtllm import (
     TrtllmLoraConverter,
     convert_adapter,
     convert_peft,
-    engine_task_id,
 )
-from tiercache.lora.types import AdapterRef, AdapterWeights
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 NAMES = ("french", "caps", "brief")

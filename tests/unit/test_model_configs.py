@@ -22,10 +22,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from tiercache.adapter_types import AdapterRef, TrtllmLora, TrtllmRequestLora, engine_task_id
 from tiercache.engine.trtllm_client import REQUESTED_OUTPUTS, TrtllmClient
-from tiercache.lora.trtllm import TrtllmLora, TrtllmRequestLora, engine_task_id
-from tiercache.lora.types import AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "tensorrt_llm"
@@ -284,9 +283,9 @@ def broken(gpu_repo: Path, edit: str) -> tuple[Any, dict[str, Any]]:
     if edit == "unknown output":
         steps["lora_cache"].output_map["LORA_NOPE"] = "_nope"
     elif edit == "read before written":
-        steps["embedding_cache"].input_map["SCOPE"] = "_lora_task_id"
+        steps["embedding_cache"].input_map["CACHED_TEXT"] = "_lora_task_id"
     elif edit == "unmapped required input":
-        del steps["llm"].input_map["REQUEST"]
+        del steps["llm"].input_map["ENVELOPE"]
     elif edit == "missing model":
         del configs["lora_cache"]
     elif edit == "unused ensemble input":
@@ -299,7 +298,7 @@ def broken(gpu_repo: Path, edit: str) -> tuple[Any, dict[str, Any]]:
     [
         ("unknown output", "LORA_NOPE is not an output of lora_cache"),
         ("read before written", "reads _lora_task_id before any step writes it"),
-        ("unmapped required input", "required input REQUEST is not mapped"),
+        ("unmapped required input", "required input ENVELOPE is not mapped"),
         ("missing model", "no such model"),
         ("unused ensemble input", "ensemble input tenant is not used"),
     ],

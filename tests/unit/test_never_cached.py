@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from test_llm_stage import (
+from test_generation import (
     DIGEST,
     REQUEST,
     STREAMING,
@@ -27,17 +27,18 @@ from test_llm_stage import (
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
 from tiercache.engine.policy import DEFAULT_REFUSAL_TEXT, RefusalPolicy
 from tiercache.errors import ConfigError, Unavailable
-from tiercache.llm_stage import GenerationRecord
-from tiercache.request import GenerationRequest
-from tiercache.stores import MemoryStore
-from tiercache.tiered import TieredCache
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.generation import GenerationRecord
+from tiercache.vocabulary import Tier
 
 REFUSAL = "I can't help with that request."
 
 
 @pytest.fixture
 def cache() -> TieredCache:
-    return TieredCache(MemoryStore(1 << 20), None)
+    return TieredCache([(Tier.L1, MemoryStore(1 << 20))])
 
 
 # -- the engine's input policy ---------------------------------------------------------------

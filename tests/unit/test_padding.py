@@ -10,15 +10,15 @@ import pytest
 
 from tiercache.config import LlmConfig
 from tiercache.errors import ConfigError
-from tiercache.keys import tenant_scope
+from tiercache.exact.keys import tenant_scope
 from tiercache.padding import (
     Action,
     DueQueue,
     PaddedResponder,
     PaddingPolicy,
     ResponseTimer,
-    padding_policy,
 )
+from tiercache.stages.parts import padding_policy
 
 SECRET = b"s" * 32
 
@@ -107,7 +107,7 @@ def test_policy_from_config_normalizes_trusted_names_into_scopes() -> None:
     # NFKC folds the full-width name, as prompt_cache folds the tenant input
     assert policy.trusted == {tenant_scope(SECRET, "ops"), tenant_scope(SECRET, "ops2")}
     with pytest.raises(ConfigError, match="hit_padding_ms"):
-        padding_policy(LlmConfig(hit_padding_ms=-1), SECRET)
+        LlmConfig(hit_padding_ms=-1)  # refused by the config itself
 
 
 def test_a_hit_is_held_until_the_release_time() -> None:

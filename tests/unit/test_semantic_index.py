@@ -14,16 +14,19 @@ import lmdb
 import numpy as np
 import pytest
 
-from tiercache.codec import CacheEntry
-from tiercache.keys import EngineIdentity, semantic_scope, tenant_scope
-from tiercache.request import GenerationRequest
-from tiercache.semantic import index as index_module
-from tiercache.semantic.index import SemanticIndex, SemanticStore, file_digest, scope_tag
-from tiercache.semantic.shared_rows import INITIAL_CAPACITY
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.keys import EngineIdentity, semantic_scope, tenant_scope
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.semantic.graph_files import file_digest
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.row_log import INITIAL_CAPACITY, scope_tag
+from tiercache.semantic.scope_search import ScopeSearch
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache, vector_key
-from tiercache.stores import MemoryStore
-from tiercache.tiered import TieredCache
+from tiercache.vocabulary import Tier
 
 DIM = 8
 
@@ -161,7 +164,7 @@ class _Embed:
 
 
 def _stage(tmp_path: Path, embed: _Embed, accept_all: bool = True) -> EmbeddingCache:
-    answers = TieredCache(MemoryStore(1 << 20), None)
+    answers = TieredCache([(Tier.L1, MemoryStore(1 << 20))])
     return EmbeddingCache(
         VectorCache(tmp_path / "vec", DIM),
         SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
@@ -176,7 +179,7 @@ def _stage(tmp_path: Path, embed: _Embed, accept_all: bool = True) -> EmbeddingC
 def test_stage_hits_a_stored_answer_and_embeds_each_text_once(tmp_path: Path) -> None:
     embed = _Embed({"q1": unit(1, 0), "q1 reworded": unit(1, 0.05)})
     stage = _stage(tmp_path, embed)
-    stage.answers.l1.put("digest-1", CacheEntry("answer one", 0.0))  # type: ignore[union-attr]
+    stage.answers.store(Tier.L1).put("digest-1", CacheEntry("answer one", 0.0))  # type: ignore[union-attr]
     stage.index.add("scope", "digest-1", "q1", unit(1, 0))
     (hit,) = stage.lookup(["q1 reworded"], ["scope"])
     assert (hit.outcome, hit.text) == (SemanticOutcome.HIT, "answer one")
@@ -199,7 +202,7 @@ def test_stage_guard_rejection_and_stale_answers(tmp_path: Path) -> None:
 def test_stage_ignores_candidates_under_the_similarity_floor(tmp_path: Path) -> None:
     embed = _Embed({"q": unit(1, 0)})
     stage = _stage(tmp_path, embed)
-    stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
+    stage.answers.store(Tier.L1).put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
     stage.index.add("scope", "d", "p", unit(0, 1))  # cosine 0
     assert stage.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.MISS
 
@@ -211,7 +214,7 @@ def test_prompts_over_the_embedders_window_are_neither_embedded_nor_looked_up(
     stage = _stage(tmp_path, embed)
     reasons = {"a very long prompt": "too_long", "한국어": "unsupported"}
     stage._screen = reasons.get  # type: ignore[method-assign]
-    stage.answers.l1.put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
+    stage.answers.store(Tier.L1).put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
     stage.index.add("scope", "d", "p", unit(1, 0))
     long_result, korean, short_result = stage.lookup(
         ["a very long prompt", "한국어", "short"], ["scope"] * 3
@@ -692,13 +695,13 @@ def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Pat
     assert reader.search("s", vectors[0], k=1)[0].digest == "d0"  # flat, under the limit
     _fill(store, vectors[40:], first=40)
     gate = threading.Event()
-    build = index_module._Scope.build_hnsw
+    build = ScopeSearch.build_hnsw
 
     def slow_build(scope: Any, rows: np.ndarray) -> None:
         assert gate.wait(10)
         build(scope, rows)
 
-    index_module._Scope.build_hnsw = slow_build  # type: ignore[method-assign]
+    ScopeSearch.build_hnsw = slow_build  # type: ignore[method-assign]
     try:
         found: list[Any] = []
         searching = threading.Thread(target=lambda: found.extend(reader.search("s", vectors[299])))
@@ -708,7 +711,7 @@ def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Pat
         assert reader.stats().graphs_built == 0
     finally:
         gate.set()
-        index_module._Scope.build_hnsw = build  # type: ignore[method-assign]
+        ScopeSearch.build_hnsw = build  # type: ignore[method-assign]
     assert reader.wait_graphs()
     assert reader.stats().graphs_built == 1
     assert _agree_with_flat(reader, _random_rows(50, 5)) >= 48

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tiercache.lora.registry import TASK_IDS_REPAIR_GAP, TaskIds
-from tiercache.semantic.index import SemanticIndex, SemanticStore
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 
 DIMENSIONS = 8

@@ -1,4 +1,5 @@
-"""Exact-cache stores (tiercache.stores, tiercache.redis_tier) and their codec (tiercache.codec).
+"""Exact-cache stores (tiercache.exact.stores, tiercache.exact.redis_tier) and their codec
+(tiercache.exact.codec).
 
 One contract suite runs against every store (L1 memory, L2 LMDB, L3 on a real redis-server);
 store-specific behaviour follows it (Redis-specific tests: tests/integration/test_redis_tier.py).
@@ -15,7 +16,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tiercache.codec import (
+from tiercache.exact.codec import (
     ENTRY_OVERHEAD_BYTES,
     MAGIC,
     CacheEntry,
@@ -24,8 +25,8 @@ from tiercache.codec import (
     encode_entry,
     peek_created_s,
 )
-from tiercache.redis_tier import RedisLink, RedisStore
-from tiercache.stores import LmdbStore, MemoryStore, OldestFirst, Store
+from tiercache.exact.redis_tier import RedisLink, RedisStore
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 
 
 def entry(text: str = "answer", created_s: float = 1.0, **kwargs: object) -> CacheEntry:
@@ -97,7 +98,7 @@ def test_scan_and_delete_many(store: Store) -> None:
 
 
 def test_entry_metadata_round_trip(store: Store) -> None:
-    e = entry("x", tags=("kb:v7", "b"), scope="s" * 64, adapter="a" * 64)
+    e = entry("x", tags=("kb:v7", "b"), tenant_scope="s" * 64, adapter="a" * 64)
     store.put("k", e)
     assert store.get("k") == e
 
@@ -152,6 +153,17 @@ def test_memory_evicts_least_recently_used() -> None:
     assert store.get("b") is None
     assert all(store.get(k) is not None for k in "acd")
     assert store.stats().evictions == 1
+
+
+def test_memory_replacing_a_value_keeps_it_and_evicts_the_least_recently_used_others() -> None:
+    small = entry("x").size_bytes
+    store = MemoryStore(3 * small)
+    for key in "abc":
+        store.put(key, entry("x"))
+    bigger = entry("x" * (small // 2))  # "a", the least recently used, now needs more room
+    store.put("a", bigger)
+    assert store.get("a") == bigger and store.get("b") is None and store.get("c") is not None
+    assert store.stats().bytes == bigger.size_bytes + small
 
 
 def test_memory_skips_entry_larger_than_budget() -> None:
@@ -244,12 +256,6 @@ def test_lmdb_garbage_database_is_moved_aside(tmp_path: Path) -> None:
     reopened.close()
     (aside,) = tmp_path.glob("l2.corrupt-1234-*")
     assert (aside / "data.mdb").read_bytes().startswith(b"this is not an lmdb file")
-
-
-def test_oldest_first_policy() -> None:
-    candidates = [("c", 3.0), ("a", 1.0), ("d", 4.0), ("b", 2.0)]
-    assert OldestFirst().nominate(candidates, 2) == ["a", "b"]
-    assert OldestFirst().nominate(candidates, 10) == ["a", "b", "c", "d"]
 
 
 # ---------------------------------------------------------------- codec

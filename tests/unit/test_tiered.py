@@ -1,4 +1,4 @@
-"""The read-through two-tier cache (tiercache.tiered) with an injected clock."""
+"""The read-through tiered cache (tiercache.exact.tiered) with an injected clock."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.codec import CacheEntry
-from tiercache.stores import LmdbStore, MemoryStore
-from tiercache.tiered import Tier, TieredCache
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.tiered import Reach, TieredCache, TierSlot
+from tiercache.vocabulary import Tier
 
 
 class FakeClock:
@@ -38,7 +39,7 @@ def l2(tmp_path: Path) -> Iterator[LmdbStore]:
 
 
 def test_l2_hit_is_promoted_into_l1(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
-    cache = TieredCache(l1, l2, clock=clock)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock)
     l2.put("k", CacheEntry("answer", created_s=clock.now))
     assert l1.get("k") is None
     first = cache.get("k")
@@ -49,7 +50,7 @@ def test_l2_hit_is_promoted_into_l1(l1: MemoryStore, l2: LmdbStore, clock: FakeC
 
 
 def test_put_writes_both_tiers(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
-    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=5.0)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock, default_ttl_s=5.0)
     written = cache.put("k", "answer", finish_reason="length", generated_tokens=3)
     assert written == CacheEntry("answer", clock.now, 5.0, "length", 3)
     assert l1.get("k") == written
@@ -57,12 +58,12 @@ def test_put_writes_both_tiers(l1: MemoryStore, l2: LmdbStore, clock: FakeClock)
 
 
 def test_miss_in_both_tiers(l1: MemoryStore, l2: LmdbStore) -> None:
-    assert TieredCache(l1, l2).get("k") is None
+    assert TieredCache([(Tier.L1, l1), (Tier.L2, l2)]).get("k") is None
 
 
 @pytest.mark.parametrize("promoted", [False, True])
 def test_ttl_expiry(l1: MemoryStore, l2: LmdbStore, clock: FakeClock, promoted: bool) -> None:
-    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=10.0)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock, default_ttl_s=10.0)
     if promoted:
         cache.put("k", "answer")
     else:
@@ -80,14 +81,14 @@ def test_ttl_expiry(l1: MemoryStore, l2: LmdbStore, clock: FakeClock, promoted: 
 
 
 def test_explicit_ttl_overrides_default(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
-    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=10.0)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock, default_ttl_s=10.0)
     cache.put("k", "answer", ttl_s=1.0)
     clock.now += 1.0
     assert cache.get("k") is None
 
 
 def test_ttl_zero_never_expires(l1: MemoryStore, l2: LmdbStore, clock: FakeClock) -> None:
-    cache = TieredCache(l1, l2, clock=clock, default_ttl_s=0.0)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock, default_ttl_s=0.0)
     cache.put("k", "answer")
     clock.now += 1e9
     found = cache.get("k")
@@ -95,7 +96,7 @@ def test_ttl_zero_never_expires(l1: MemoryStore, l2: LmdbStore, clock: FakeClock
 
 
 def test_without_l1(l2: LmdbStore, clock: FakeClock) -> None:
-    cache = TieredCache(None, l2, clock=clock)
+    cache = TieredCache([(Tier.L2, l2)], clock=clock)
     cache.put("k", "answer")
     for _ in range(2):
         found = cache.get("k")
@@ -107,7 +108,7 @@ def test_without_l1(l2: LmdbStore, clock: FakeClock) -> None:
 
 
 def test_without_l2(l1: MemoryStore, clock: FakeClock) -> None:
-    cache = TieredCache(l1, None, clock=clock)
+    cache = TieredCache([(Tier.L1, l1)], clock=clock)
     cache.put("k", "answer")
     found = cache.get("k")
     assert found is not None and found.tier == Tier.L1
@@ -116,7 +117,7 @@ def test_without_l2(l1: MemoryStore, clock: FakeClock) -> None:
 
 
 def test_delete_removes_from_both_tiers(l1: MemoryStore, l2: LmdbStore) -> None:
-    cache = TieredCache(l1, l2)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)])
     cache.put("k", "answer")
     assert cache.delete("k") is True
     assert l1.get("k") is None and l2.get("k") is None
@@ -136,18 +137,19 @@ class Broken(MemoryStore):
 
 
 def test_a_tier_that_fails_to_read_is_a_miss_there(l2: LmdbStore, clock: FakeClock) -> None:
-    TieredCache(None, l2, clock=clock).put("k", "from L2")
-    cache = TieredCache(Broken(1 << 20), l2, clock=clock)
+    TieredCache([(Tier.L2, l2)], clock=clock).put("k", "from L2")
+    cache = TieredCache([(Tier.L1, Broken(1 << 20)), (Tier.L2, l2)], clock=clock)
     found = cache.get("k")
     assert found is not None and (found.entry.text, found.tier) == ("from L2", Tier.L2)
-    assert TieredCache(Broken(1 << 20), None, clock=clock).get("k") is None
+    assert TieredCache([(Tier.L1, Broken(1 << 20))], clock=clock).get("k") is None
 
 
 def test_a_failing_tier_does_not_keep_the_answer_from_the_others(
     l1: MemoryStore, clock: FakeClock
 ) -> None:
     l3 = MemoryStore(1 << 20)
-    cache = TieredCache(l1, Broken(1 << 20), l3, clock=clock)
+    tiers = [(Tier.L1, l1), (Tier.L2, Broken(1 << 20)), (Tier.L3, l3)]
+    cache = TieredCache(tiers, clock=clock)
     with pytest.raises(OSError, match="disk full"):
         cache.put("k", "answer")
     assert l3.get("k") is not None and l1.get("k") is not None
@@ -157,12 +159,14 @@ def test_readers_ttl_caps_what_it_serves_whatever_the_writer_gave(
     l2: LmdbStore, clock: FakeClock
 ) -> None:
     """prompt_cache reads what llm wrote: its own ttl_s must still bound the age it serves."""
-    TieredCache(None, l2, clock=clock, default_ttl_s=0).put("k", "forever")  # the writer
-    reader = TieredCache(MemoryStore(1 << 20), l2, clock=clock, default_ttl_s=60)
+    TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=0).put("k", "forever")  # the writer
+    reader_tiers = [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)]
+    reader = TieredCache(reader_tiers, clock=clock, default_ttl_s=60)
     assert reader.get("k") is not None
     clock.now += 61
     assert reader.get("k") is None
-    assert TieredCache(None, l2, clock=clock).get("k") is not None  # kept for a reader without
+    without = TieredCache([(Tier.L2, l2)], clock=clock)
+    assert without.get("k") is not None  # kept for a reader without a ttl_s of its own
 
 
 def test_an_answer_an_invalidation_already_covers_is_not_written(
@@ -170,9 +174,10 @@ def test_an_answer_an_invalidation_already_covers_is_not_written(
 ) -> None:
     """A generation that started before a watermark this process knows: readers would refuse
     it, and once the watermark is forgotten (past max_events) it would be served again."""
-    from tiercache.invalidation import Invalidation, InvalidationKind
+    from tiercache.exact.watermarks import Invalidation
+    from tiercache.vocabulary import InvalidationKind
 
-    cache = TieredCache(l1, l2, clock=clock)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock)
     started_s = clock.now
     clock.now += 10
     cache.invalidations.note(Invalidation(InvalidationKind.TAG, "kb", clock.now - 5))
@@ -188,10 +193,53 @@ def test_exists_raises_on_a_broken_tier_and_fills_nothing(
     """Compaction deletes the rows of answers that are gone: a read error must not count as
     gone (get() takes it for a miss)."""
     l2 = MemoryStore(1 << 20)
-    TieredCache(None, l2, clock=clock).put("k", "answer", ttl_s=60)
-    cache = TieredCache(l1, l2, clock=clock)
+    TieredCache([(Tier.L2, l2)], clock=clock).put("k", "answer", ttl_s=60)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=clock)
     assert cache.exists("k") and l1.get("k") is None  # found, not copied into L1
     clock.now += 61
     assert not cache.exists("k")  # expired
     with pytest.raises(OSError, match="read failed"):
-        TieredCache(Broken(1 << 20), l2, clock=clock).exists("k")
+        TieredCache([(Tier.L1, Broken(1 << 20)), (Tier.L2, l2)], clock=clock).exists("k")
+
+
+class Logged(MemoryStore):
+    """A tier that notes each write in a log shared with the other tiers."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__(1 << 20)
+        self.name, self.log = name, log
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        self.log.append(self.name)
+        super().put(key, entry)
+
+
+def test_writes_go_to_shared_tiers_first_then_this_processs() -> None:
+    """L2 first (the host's other processes see it), then L3 (other replicas), then L1."""
+    log: list[str] = []
+    l1, l2, l3 = Logged("l1", log), Logged("l2", log), Logged("l3", log)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2), (Tier.L3, l3)])
+    cache.put("k", "answer")
+    assert log == ["l2", "l3", "l1"]
+    assert cache.stores() == [(Tier.L1, l1), (Tier.L2, l2), (Tier.L3, l3)]  # nearest first
+    assert cache.local_stores() == [(Tier.L1, l1), (Tier.L2, l2)]
+    assert [slot.reach for slot in cache.tiers] == [Reach.PROCESS, Reach.HOST, Reach.FLEET]
+
+
+def test_the_write_order_follows_each_tiers_reach_not_its_name() -> None:
+    log: list[str] = []
+    near, far = Logged("near", log), Logged("far", log)
+    cache = TieredCache([TierSlot(Tier.L1, near, Reach.HOST), TierSlot(Tier.L2, far, Reach.FLEET)])
+    cache.put("k", "answer")
+    assert log == ["near", "far"]
+    assert cache.local_stores() == [(Tier.L1, near)]
+
+
+def test_store_finds_a_tier_by_name_and_a_tier_named_twice_is_refused(
+    l1: MemoryStore, l2: LmdbStore
+) -> None:
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)])
+    assert cache.store(Tier.L1) is l1 and cache.store(Tier.L2) is l2
+    assert cache.store(Tier.L3) is None
+    with pytest.raises(ValueError, match="named twice"):
+        TieredCache([(Tier.L1, l1), (Tier.L1, MemoryStore(1 << 20))])

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.adapter_types import AdapterRef, TrtllmLora, TrtllmRequestLora, engine_task_id
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.trtllm_client import (
     EngineLimits,
@@ -22,9 +23,7 @@ from tiercache.engine.trtllm_client import (
     stop_words_list,
 )
 from tiercache.errors import InvalidRequest, Unavailable
-from tiercache.lora.trtllm import TrtllmLora, TrtllmRequestLora, engine_task_id
-from tiercache.lora.types import AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 REF = AdapterRef("french", 3, "ab" * 32)

@@ -15,7 +15,7 @@ stays in the model. A load then takes, in this order:
   state dict's keys, shapes and dtypes) gets the new weights copied into its parameters in place,
   through a file-key -> Parameter map built once per slot, and its scaling set from lora_alpha.
   No module walk: ~1.3 ms instead of ~65 ms for an injection, loading the committed rank-8
-  adapters from host bytes (scripts/bench_lora.py engine: the recycled and injected rows);
+  adapters from host bytes (python -m tiercache_dev.bench.lora engine: the recycled and injected rows);
 - inject: with fewer than `max_slots` slots, a new one, as peft's functional API does it
   (`inject_adapter_in_model` with `low_cpu_mem_usage`, then `set_peft_model_state_dict`; config from
   the adapter_config.json text, weights from the safetensors bytes, nothing read from disk or the
@@ -34,7 +34,7 @@ this module does not know, an alpha_pattern), or that holds a LoRA variant with 
 (DoRA), is never recycled, only replaced.
 
 Switching calls `set_adapter` on the LoRA layers directly (a cached list): walking every module,
-as `model.set_adapter` does, costs about twice as much (scripts/bench_lora.py engine).
+as `model.set_adapter` does, costs about twice as much (python -m tiercache_dev.bench.lora engine).
 
 The base model is "no active adapter": each LoRA layer then computes exactly its base layer's
 output, so base-model answers are unchanged by what is loaded or left in free slots.
@@ -51,7 +51,6 @@ import math
 import re
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +61,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights, not_in_engine_message
+from tiercache.engine.adapter_call import adapter_ref
 from tiercache.errors import CapacityError, ConfigError, InvalidRequest, NotFound
-from tiercache.lora.engine_call import adapter_ref
-from tiercache.lora.types import AdapterRef, AdapterWeights, not_in_engine_message
-from tiercache.request import GenerationRequest
+from tiercache.eviction import EvictionPolicy, LruPolicy
+from tiercache.exact.request import GenerationRequest
 
 # Config keys whose features need more than LoRA layers switched by name (extra trainable modules,
 # extra forward arguments or a changed model structure); this engine refuses them.
@@ -113,7 +113,7 @@ class AdapterOrder:
         if op not in OPS:
             raise InvalidRequest(f"LORA_OP must be one of {', '.join(OPS)} (or empty), got {op!r}")
         if op == GENERATE and request is None:
-            raise InvalidRequest("REQUEST is required to generate")
+            raise InvalidRequest("ENVELOPE is required to generate")
         needs = adapter_ref(request) if request is not None and op == GENERATE else None
         ref = adapter_ref(request) if request is not None else None
         if lora:
@@ -214,8 +214,9 @@ class EngineAdapters:
 
     `load` adds one (all or nothing), `activate` picks the one the next forward uses, `evict`
     drops one and frees its slot for the next load. A load into a full set first evicts the
-    least recently used adapter (loads and activations count as uses); normally lora_cache sends
-    evictions ahead of loads, so this bound is a safety net.
+    policy's victim (default LRU; loads and activations count as uses, size is one slot, cost is
+    the load's seconds); normally lora_cache sends evictions ahead of loads, so this bound is a
+    safety net.
     """
 
     def __init__(
@@ -223,6 +224,7 @@ class EngineAdapters:
         model: torch.nn.Module,
         max_slots: int = 4,
         clock: Callable[[], float] = time.perf_counter,
+        policy: EvictionPolicy[AdapterKey] | None = None,
     ) -> None:
         if max_slots < 0:
             raise ConfigError(f"lora_slots must be >= 0, got {max_slots}")
@@ -230,7 +232,8 @@ class EngineAdapters:
         self.max_slots = max_slots
         self._clock = clock
         self._module_names = tuple(name for name, _ in model.named_modules() if name)
-        self._held: OrderedDict[AdapterKey, _Resident] = OrderedDict()  # least recent first
+        self._held: dict[AdapterKey, _Resident] = {}
+        self._policy: EvictionPolicy[AdapterKey] = policy if policy is not None else LruPolicy()
         self._slots: dict[str, _Slot] = {}  # every peft adapter in the model, by name
         self._layers: list[tuple[str, BaseTunerLayer]] = []  # (module name, layer)
         self._active: _Resident | None = None
@@ -251,7 +254,12 @@ class EngineAdapters:
         return (ref.task_id, ref.digest) in self._held
 
     def resident(self) -> list[dict[str, Any]]:
-        """The adapters held, least recently used first (JSON-ready: the engine's `list` op)."""
+        """The adapters held, in eviction order: the policy's next victim first (the least
+        recently used, by default), then any it does not rank. JSON-ready: the engine's `list`
+        op."""
+        order = [key for key in self._policy.nominate(len(self._held)) if key in self._held]
+        ranked = set(order)
+        order += [key for key in self._held if key not in ranked]
         return [
             {
                 "name": r.ref.name,
@@ -260,7 +268,7 @@ class EngineAdapters:
                 "bytes": r.nbytes,
                 "uses": r.uses,
             }
-            for r in self._held.values()
+            for r in (self._held[key] for key in order)
         ]
 
     def stats(self) -> AdapterStats:
@@ -296,7 +304,7 @@ class EngineAdapters:
         """
         key = (weights.ref.task_id, weights.ref.digest)
         if key in self._held:
-            self._held.move_to_end(key)
+            self._policy.access(key)
             return 0.0
         if self.max_slots == 0:
             raise CapacityError("this engine holds no adapters (lora_slots is 0)")
@@ -309,7 +317,10 @@ class EngineAdapters:
             raise
         signature = self._signature(config, state_dict)
         while len(self._held) >= self.max_slots:
-            self._drop(next(iter(self._held)))
+            victims = self._policy.nominate(1)
+            if not victims or victims[0] not in self._held:
+                raise RuntimeError(f"the adapter policy nominated {victims}: none is held")
+            self._drop(victims[0])
             self._lru_evictions += 1
         slot = next(
             (s for s in self._slots.values() if s.holder is None and s.signature == signature),
@@ -329,6 +340,7 @@ class EngineAdapters:
         self._bytes += nbytes
         self._loads += 1
         self._last_load_s = self._clock() - started
+        self._policy.admit(key, 1, cost_s=self._last_load_s)
         return self._last_load_s
 
     def activate(self, ref: AdapterRef | None) -> float:
@@ -343,7 +355,7 @@ class EngineAdapters:
             target = self._held.get(key)
             if target is None:
                 raise NotFound(not_in_engine_message(ref))
-            self._held.move_to_end(key)
+            self._policy.access(key)
             target.uses += 1
         self._activations += 1
         if target is self._active:
@@ -386,6 +398,7 @@ class EngineAdapters:
 
     def _drop(self, key: AdapterKey) -> None:
         resident = self._held.pop(key)
+        self._policy.remove(key)
         if resident is self._active:
             self._apply(None)
             self._active = None

@@ -6,9 +6,10 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
   for its whole prefix. The salt covers the model revision, the tenant scope and the adapter
   digest: reuse never crosses tenants, adapters or weights (vLLM's `hash_block_tokens` with its
   LoRA and cache-salt extra keys).
-- Blocks form a trie: a block exists only below its parent. Eviction takes least recently used
-  *leaves* only (a parent is never dropped before its children, which would strand them), and
-  never a block pinned by a request (`KvLease`).
+- Blocks form a trie: a block exists only below its parent. Eviction takes *leaves* only (a
+  parent is never dropped before its children, which would strand them), and never a block
+  pinned by a request (`KvLease`), in the order of an eviction policy
+  (`tiercache.eviction.LruPolicy` by default: least recently used first).
 - The pool is bounded in bytes; a block that does not fit after evicting every unpinned block is
   not cached, and the request goes on without it (never over the budget, never a failure).
 """
@@ -16,15 +17,14 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import struct
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, NewType, TypeVar
 
 from tiercache.errors import ConfigError
+from tiercache.eviction import EvictionPolicy, LruPolicy
 
 BlockHash = NewType("BlockHash", bytes)
 """SHA-256 digest (32 bytes) of a block's parent key, salt and token ids."""
@@ -43,14 +43,14 @@ def sha256_digest(data: bytes) -> bytes:
 
 
 def kv_salt(
-    model_revision: str, kv_scope: str, adapter_digest: str, hash_fn: HashFn = sha256_digest
+    model_revision: str, tenant_scope: str, adapter_digest: str, hash_fn: HashFn = sha256_digest
 ) -> bytes:
     """What, besides the tokens, changes a block's KV values: the weights (revision), the tenant
     (its scope HMAC, so two tenants never share blocks) and the LoRA adapter's content digest."""
     document = {
         "v": KV_HASH_VERSION,
         "revision": model_revision,
-        "scope": kv_scope,
+        "scope": tenant_scope,
         "adapter_digest": adapter_digest,
     }
     encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -119,19 +119,15 @@ class KvStats:
 class _Block(Generic[P]):
     """A trie node: one block's payload; `children` and `refs` decide whether it may go."""
 
-    __slots__ = ("key", "parent", "payload", "nbytes", "children", "refs", "used_s", "tick")
+    __slots__ = ("key", "parent", "payload", "nbytes", "children", "refs")
 
-    def __init__(
-        self, key: BlockHash, parent: _Block[P] | None, payload: P, nbytes: int, tick: int
-    ) -> None:
+    def __init__(self, key: BlockHash, parent: _Block[P] | None, payload: P, nbytes: int) -> None:
         self.key = key
         self.parent = parent
         self.payload = payload
         self.nbytes = nbytes
         self.children = 0
         self.refs = 0
-        self.used_s = 0.0
-        self.tick = tick  # recency order (ties of the clock) and heap-entry validity
 
     @property
     def evictable(self) -> bool:
@@ -162,17 +158,20 @@ class KvLease(Generic[P]):
 
 
 class KvBlockPool(Generic[P]):
-    """Prefix blocks bounded by `max_bytes`, evicted LRU from the leaves, pinned while used.
+    """Prefix blocks bounded by `max_bytes`, evicted from the leaves, pinned while used.
 
     Not thread-safe: one engine thread calls it (the engine runs one request at a time).
-    `clock` (seconds) orders recency; ties keep insertion order.
+    `policy` (default LRU) sees every block: admitted when inserted (size: its bytes), accessed
+    each time a lease pins or unpins it, removed when evicted. It nominates one victim at a time
+    and never a block the pool keeps (pinned, or with children), since evicting a leaf can make
+    its parent the next victim.
     """
 
     def __init__(
         self,
         max_bytes: int,
         tokens_per_block: int,
-        clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy[BlockHash] | None = None,
     ) -> None:
         if tokens_per_block < 1:
             raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
@@ -180,12 +179,8 @@ class KvBlockPool(Generic[P]):
             raise ConfigError(f"kv_pool_max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.tokens_per_block = tokens_per_block
-        self._clock = clock
+        self._policy: EvictionPolicy[BlockHash] = policy if policy is not None else LruPolicy()
         self._blocks: dict[BlockHash, _Block[P]] = {}
-        # Candidate victims: (used_s, tick, key); an entry is stale once its block was used again,
-        # evicted, pinned or got a child. Lazy deletion keeps touch and pin O(1).
-        self._victims: list[tuple[float, int, BlockHash]] = []
-        self._tick = 0
         self._bytes = 0
         self._pinned_bytes = 0
         self._pinned_blocks = 0
@@ -249,9 +244,10 @@ class KvBlockPool(Generic[P]):
             lease.broken = True
             self._rejected += 1
             return False
-        block = _Block(key, parent, make_payload(), nbytes, self._next_tick())
+        block = _Block(key, parent, make_payload(), nbytes)
         self._blocks[key] = block
         self._bytes += nbytes
+        self._policy.admit(key, nbytes)
         if parent is not None:
             parent.children += 1
         self._pin(block)
@@ -260,11 +256,16 @@ class KvBlockPool(Generic[P]):
         return True
 
     def release(self, lease: KvLease[P]) -> None:
-        """Unpin the lease's blocks (marking them used now); a second release does nothing."""
+        """Unpin the lease's blocks (marking them used now); a second release does nothing.
+
+        Leaf first, so that every unpinned block was used after its descendants: the least
+        recently used unpinned block is then a leaf, and the LRU policy finds its victim without
+        walking past ancestors. The order within one lease never decides between two victims:
+        its blocks form one chain, of which at most one is a leaf."""
         if lease.released:
             return
         lease.released = True
-        for block in lease.blocks:
+        for block in reversed(lease.blocks):
             self._unpin(block)
 
     # ---- queries ----------------------------------------------------------------------------
@@ -295,52 +296,41 @@ class KvBlockPool(Generic[P]):
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
     def _pin(self, block: _Block[P]) -> None:
         if block.refs == 0:
             self._pinned_blocks += 1
             self._pinned_bytes += block.nbytes
         block.refs += 1
-        self._touch(block)
+        self._policy.access(block.key)
 
     def _unpin(self, block: _Block[P]) -> None:
         if block.refs <= 0:
             raise RuntimeError("KV block unpinned more often than pinned")
         block.refs -= 1
-        self._touch(block)
+        self._policy.access(block.key)
         if block.refs == 0:
             self._pinned_blocks -= 1
             self._pinned_bytes -= block.nbytes
-            if block.children == 0:
-                self._push_victim(block)
 
-    def _touch(self, block: _Block[P]) -> None:
-        block.used_s = self._clock()
-        block.tick = self._next_tick()
-
-    def _push_victim(self, block: _Block[P]) -> None:
-        heapq.heappush(self._victims, (block.used_s, block.tick, block.key))
-        if len(self._victims) > 2 * len(self._blocks) + 64:  # drop stale entries
-            self._victims = [
-                (b.used_s, b.tick, b.key) for b in self._blocks.values() if b.evictable
-            ]
-            heapq.heapify(self._victims)
+    def _kept(self, key: BlockHash) -> bool:
+        """Whether the block under `key` cannot go now: pinned, or a parent."""
+        return not self._blocks[key].evictable
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict LRU unpinned leaves until `nbytes` more fit; False, evicting nothing, if they
-        cannot fit even with every unpinned block gone. Every ancestor of a pinned block is
-        pinned (leases pin whole chains from the root), so all unpinned blocks are reachable by
-        peeling leaves."""
+        """Evict the policy's victims among unpinned leaves until `nbytes` more fit; False,
+        evicting nothing, if they cannot fit even with every unpinned block gone. Every ancestor
+        of a pinned block is pinned (leases pin whole chains from the root), so all unpinned
+        blocks are reachable by peeling leaves: a policy that names none while unpinned bytes
+        remain is broken (RuntimeError)."""
         if self._pinned_bytes + nbytes > self.max_bytes:
             return False
         while self._bytes + nbytes > self.max_bytes:
-            used_s, tick, key = heapq.heappop(self._victims)  # non-empty: unpinned bytes remain
-            block = self._blocks.get(key)
-            if block is None or block.tick != tick or not block.evictable:
-                continue
+            victims = self._policy.nominate(1, skip=self._kept)
+            if not victims:
+                raise RuntimeError("the KV pool's policy nominated no unpinned leaf")
+            block = self._blocks[victims[0]]
+            if not block.evictable:
+                raise RuntimeError("the KV pool's policy nominated a block it was told to skip")
             self._evict(block)
         return True
 
@@ -348,8 +338,7 @@ class KvBlockPool(Generic[P]):
         del self._blocks[block.key]
         self._bytes -= block.nbytes
         self._evictions += 1
+        self._policy.remove(block.key)
         parent = block.parent
         if parent is not None:
             parent.children -= 1
-            if parent.evictable:
-                self._push_victim(parent)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import ConfigError
-from tiercache.keys import EngineIdentity, file_digest
+from tiercache.exact.keys import EngineIdentity, file_digest
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
 from tiercache.errors import ConfigError
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 DEFAULT_REFUSAL_TEXT = "I can't help with that request."
 

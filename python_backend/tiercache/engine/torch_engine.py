@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import (
@@ -32,8 +33,7 @@ from tiercache.engine.kv_cache import (
     kv_salt,
 )
 from tiercache.engine.model_source import ModelSource
-from tiercache.lora.engine_call import adapter_ref
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TorchEngine:
     `lora_digest` names, or the base model.
 
     With `kv_reuse`, `kv_pool` keeps the KV of prompts' full blocks of `tokens_per_block` tokens,
-    at most `kv_pool_max_bytes`, keyed by the model revision, the request's `kv_scope` (tenant)
+    at most `kv_pool_max_bytes`, keyed by the model revision, the request's `tenant_scope` (tenant)
     and `lora_digest` (adapter). Setting `kv_reuse` to False later stops lookups and inserts
     (benchmarks compare both in one process); the pool keeps what it holds."""
 
@@ -155,7 +155,7 @@ class TorchEngine:
         hashes: list[BlockHash] = []
         lease: KvLease[torch.Tensor] | None = None
         if self.kv_reuse:
-            salt = kv_salt(self.identity.revision, request.kv_scope, request.lora_digest)
+            salt = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
             hashes = block_hashes(input_ids[0].tolist(), self.kv_pool.tokens_per_block, salt)
             lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
         reused = 0 if lease is None else lease.reused_tokens

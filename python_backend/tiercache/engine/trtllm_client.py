@@ -23,7 +23,7 @@ leading batch dimension of 1 that a `max_batch_size > 0` model takes):
   offsets padded with -1. Best effort: the engine stops early only when the word is tokenized
   the same way in context; the detokenizer's text match is what decides (and cuts) either way.
 - LoRA: `lora_task_id` uint64 [1, 1] for a request on an adapter version (the version-unique id
-  of `tiercache.lora.trtllm.engine_task_id`, computed from the request itself), plus
+  of `tiercache.adapter_types.engine_task_id`, computed from the request itself), plus
   `lora_weights` / `lora_config` when lora_cache sent them.
 - `return_perf_metrics` bool [1, 1] true: the final response then carries
   `kv_cache_reused_blocks`, `kv_cache_alloc_new_blocks` and `kv_cache_alloc_total_blocks`.
@@ -48,11 +48,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tiercache.adapter_types import TrtllmLora, TrtllmRequestLora, engine_task_id
+from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import ConfigError, InvalidRequest, Unavailable
-from tiercache.lora.engine_call import adapter_ref
-from tiercache.lora.trtllm import TrtllmLora, TrtllmRequestLora, engine_task_id
-from tiercache.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest
 
 IM_END = "<|im_end|>"
 

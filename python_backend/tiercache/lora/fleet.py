@@ -16,7 +16,7 @@ mtimes (`cp -p`, rsync -t) compare as the source.
 
 A replica whose folder holds another version than the fleet's latest logs a warning (once per
 pair of versions) and `lora_cache`'s `list` shows it (`fleet.mismatched`). It still serves its
-own version: the digest is part of every cache key (tiercache.keys), so its answers are kept
+own version: the digest is part of every cache key (tiercache.exact.keys), so its answers are kept
 apart from the fleet's, never mixed up.
 
 Usage counts are kept in memory per request (no Redis call on the request path) and added to
@@ -38,11 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiercache.config import LoraCacheConfig, name_list
-from tiercache.errors import ConfigError, TierCacheError
+from tiercache.errors import TierCacheError
+from tiercache.exact.redis_tier import RedisLink
 from tiercache.lora.registry import AdapterRegistry
-from tiercache.lora.stage import LoraCache
-from tiercache.redis_tier import RedisLink
 
 log = logging.getLogger(__name__)
 
@@ -367,40 +365,6 @@ class FleetSync:
             self._thread = None
         self.fleet.flush_uses()
         self.fleet.link.close()
-
-
-def open_fleet(config: LoraCacheConfig, stage: LoraCache) -> FleetSync | None:
-    """The `lora_cache` stage's fleet sync (started), or None without `redis_url`. With
-    `prefetch_fleet_top` N > 0 it warms, at start, those of the fleet's N most-used adapters
-    that this replica's folder has and that are not already pinned or prefetched, as many as
-    the engine slots left by those allow."""
-    if config.fleet_sync_s <= 0 or config.prefetch_fleet_top < 0:
-        raise ConfigError(
-            f"fleet_sync_s must be > 0 and prefetch_fleet_top >= 0, got {config.fleet_sync_s} "
-            f"and {config.prefetch_fleet_top}"
-        )
-    if not config.redis_url:
-        return None
-    link = RedisLink.from_url(
-        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
-    )
-    fleet = AdapterFleet(link, replica_id(config.state_path()))
-    registry = stage.registry
-    configured = {*name_list(config.pin), *name_list(config.prefetch), *registry.pinned()}
-    room = max(0, config.engine_slots - len(configured))
-
-    def choose(names: list[str]) -> list[str]:
-        known = set(registry.names())
-        return [n for n in names if n in known and n not in configured][:room]
-
-    return FleetSync(
-        fleet,
-        lambda: local_versions(registry),
-        sync_s=config.fleet_sync_s,
-        warm=lambda names: dict(stage.warm(names)["warmed"]),
-        choose_warm=choose,
-        warm_top=config.prefetch_fleet_top,
-    ).start()
 
 
 def _when(seconds: float) -> str:

@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.errors import ConfigError, InvalidRequest, NotFound, TierCacheError, Unavailable
-from tiercache.lora.types import AdapterRef, AdapterWeights
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ Three tiers, each keyed by version digest:
   through without being kept (never a "cache is full" error).
 - disk: the registry (`read`), the last tier.
 
-Store and policy are separate (house style 3): a `VictimPolicy` orders the candidates, the tier
-store evicts in that order and skips the protected ones (pinned adapters, the one being loaded).
+Store and policy are separate: each tier has its own eviction policy
+(`tiercache.eviction`, LRU by default; size: the adapter's bytes), which nominates victims; the
+tier evicts them and skips the protected ones (pinned adapters, the one being loaded).
 
 Older versions. `latest(name)` (injected; the registry's current digest) tells a current version
 from a stale one: when the current version of a name is planned, the engine drops every other
@@ -27,10 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
+from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.errors import CapacityError, ConfigError
-from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, AdapterRef, AdapterWeights
+from tiercache.eviction import EvictionPolicy, LruPolicy
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER
 
 V = TypeVar("V")
 
@@ -81,31 +84,6 @@ class ResidencyStats:
     disk_read_s: float
 
 
-# -- policy -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    digest: str
-    name: str
-    nbytes: int
-    last_use: int  # a use counter: ties of the clock cannot reorder uses
-
-
-class VictimPolicy(Protocol):
-    def nominate(self, candidates: Sequence[Candidate]) -> list[str]:
-        """Every candidate's digest, the first to evict first."""
-        ...
-
-
-class LeastRecentlyUsed:
-    """LRU. Sorting on each eviction is O(n log n) in the tier's size, which is small (engine
-    slots, host adapters: tens), and keeps the store free of ordering concerns."""
-
-    def nominate(self, candidates: Sequence[Candidate]) -> list[str]:
-        return [c.digest for c in sorted(candidates, key=lambda c: c.last_use)]
-
-
 # -- store ------------------------------------------------------------------------------------
 
 
@@ -113,16 +91,19 @@ class LeastRecentlyUsed:
 class _Resident(Generic[V]):
     ref: AdapterRef
     nbytes: int
-    last_use: int
+    last_use: int  # a use counter: which version of a pinned name is newest; snapshot order
     last_use_s: float
     value: V
 
 
 class _Tier(Generic[V]):
     """A bounded map digest -> resident; evicts in the policy's order, skipping protected ones.
-    Not thread-safe by itself: Residency's lock guards it."""
+    Tells its policy of every add, use and removal. Not thread-safe by itself: Residency's lock
+    guards it (and so the policy)."""
 
-    def __init__(self, name: str, max_count: int, max_bytes: int, policy: VictimPolicy) -> None:
+    def __init__(
+        self, name: str, max_count: int, max_bytes: int, policy: EvictionPolicy[str]
+    ) -> None:
         self.name = name
         self.max_count = max_count
         self.max_bytes = max_bytes  # 0: no byte bound
@@ -132,6 +113,10 @@ class _Tier(Generic[V]):
 
     def get(self, digest: str) -> _Resident[V] | None:
         return self.items.get(digest)
+
+    def use(self, resident: _Resident[V], uses: int, now: float) -> None:
+        resident.last_use, resident.last_use_s = uses, now
+        self._policy.access(resident.ref.digest)
 
     def can_hold(self, nbytes: int) -> bool:
         return self.max_count >= 1 and (not self.max_bytes or nbytes <= self.max_bytes)
@@ -143,44 +128,37 @@ class _Tier(Generic[V]):
         forced: Sequence[str] = (),
     ) -> list[_Resident[V]] | None:
         """Who to evict so one more resident of `nbytes` fits: the `forced` digests first, then
-        in the policy's order, skipping protected residents; None when it cannot fit. Changes
+        the policy's nominees, skipping protected residents; None when it cannot fit. Changes
         nothing."""
         chosen = [self.items[d] for d in forced if d in self.items]
-        count = len(self.items) - len(chosen)
-        total = self.nbytes - sum(r.nbytes for r in chosen)
-
-        def fits() -> bool:
-            return count + 1 <= self.max_count and (
-                not self.max_bytes or total + nbytes <= self.max_bytes
-            )
-
-        if fits():
+        over_count = len(self.items) - len(chosen) + 1 - self.max_count
+        over_bytes = self.nbytes - sum(r.nbytes for r in chosen) + nbytes - self.max_bytes
+        if not self.max_bytes:
+            over_bytes = 0
+        if over_count <= 0 and over_bytes <= 0:
             return chosen
-        candidates = [
-            Candidate(d, r.ref.name, r.nbytes, r.last_use)
-            for d, r in self.items.items()
-            if d not in forced
-        ]
-        for digest in self._policy.nominate(candidates):
-            resident = self.items[digest]
-            if protected(resident):
-                continue
-            chosen.append(resident)
-            count -= 1
-            total -= resident.nbytes
-            if fits():
-                return chosen
-        return None
+        kept = {r.ref.digest for r in chosen}
 
-    def add(self, resident: _Resident[V]) -> None:
+        def skip(digest: str) -> bool:
+            return digest in kept or protected(self.items[digest])
+
+        nominees = [self.items[d] for d in self._policy.nominate(over_count, over_bytes, skip)]
+        if len(nominees) < over_count or sum(r.nbytes for r in nominees) < over_bytes:
+            return None
+        return chosen + nominees
+
+    def add(self, resident: _Resident[V], cost_s: float = 0.0) -> None:
+        """`cost_s`: what fetching the value cost (the disk read), for value-aware policies."""
         self.remove(resident.ref.digest)
         self.items[resident.ref.digest] = resident
         self.nbytes += resident.nbytes
+        self._policy.admit(resident.ref.digest, resident.nbytes, cost_s=cost_s)
 
     def remove(self, digest: str) -> _Resident[V] | None:
         resident = self.items.pop(digest, None)
         if resident is not None:
             self.nbytes -= resident.nbytes
+            self._policy.remove(digest)
         return resident
 
 
@@ -201,10 +179,12 @@ class Residency:
         *,
         latest: LatestDigest | None = None,
         clock: Callable[[], float] = time.monotonic,
-        policy: VictimPolicy | None = None,
+        engine_policy: EvictionPolicy[str] | None = None,
+        host_policy: EvictionPolicy[str] | None = None,
     ) -> None:
         """Pins must leave at least one engine slot free (len(pinned) < engine_slots), so an
-        unpinned adapter can always be loaded; ConfigError otherwise."""
+        unpinned adapter can always be loaded; ConfigError otherwise. Each tier has its own
+        policy (they are stateful): LRU by default."""
         self.pinned = frozenset(pinned)
         problems = []
         if engine_slots < 1:
@@ -224,11 +204,18 @@ class Residency:
                 problems.append(f"{key} must be >= 0, got {value}")
         if problems:
             raise ConfigError("; ".join(problems))
-        policy = policy or LeastRecentlyUsed()
-        self._engine: _Tier[None] = _Tier(ENGINE_TIER, engine_slots, engine_max_bytes, policy)
+        self._engine: _Tier[None] = _Tier(
+            ENGINE_TIER,
+            engine_slots,
+            engine_max_bytes,
+            engine_policy if engine_policy is not None else LruPolicy(),
+        )
         # host_max_bytes 0 means "keep nothing" (not "unbounded"): memory must have a bound.
         self._host: _Tier[AdapterWeights] = _Tier(
-            HOST_TIER, host_max_adapters if host_max_bytes else 0, host_max_bytes, policy
+            HOST_TIER,
+            host_max_adapters if host_max_bytes else 0,
+            host_max_bytes,
+            host_policy if host_policy is not None else LruPolicy(),
         )
         self._latest = latest or (lambda name: None)
         self._clock = clock
@@ -268,7 +255,7 @@ class Residency:
             self._disk_reads += 1
             self._disk_read_s += read_s
             if self._host.get(ref.digest) is None:
-                self._keep(weights)
+                self._keep(weights, read_s)
             if self._engine.get(ref.digest) is not None and not reload:
                 # Another thread planned it while this one read: the engine gets it from there.
                 return self._admit(ref, None, weights.nbytes, DISK_TIER, read_s, current)
@@ -364,10 +351,10 @@ class Residency:
             engine.add(_Resident(ref, nbytes, self._uses, now, None))
             self._loads[ENGINE_TIER] += 1
         else:
-            held.last_use, held.last_use_s = self._uses, now
+            engine.use(held, self._uses, now)
         kept = self._host.get(ref.digest)
         if kept is not None:  # the host copy stays warm while the engine uses it (for retries)
-            kept.last_use, kept.last_use_s = self._uses, now
+            self._host.use(kept, self._uses, now)
         evict = tuple(v.ref.digest for v in victims)
         return LoraPlan(ref, tier, weights, evict, read_s)
 
@@ -384,8 +371,9 @@ class Residency:
         protected = {r.ref.digest for r in newest.values()} | {loading.digest}
         return lambda resident: resident.ref.digest in protected
 
-    def _keep(self, weights: AdapterWeights) -> None:
-        """Keep `weights` in the host tier if it can hold them at all (else they pass through)."""
+    def _keep(self, weights: AdapterWeights, read_s: float = 0.0) -> None:
+        """Keep `weights` (read from disk in `read_s`) in the host tier if it can hold them at
+        all (else they pass through)."""
         host = self._host
         if not host.can_hold(weights.nbytes):
             return
@@ -396,7 +384,8 @@ class Residency:
             host.remove(victim.ref.digest)
         self._evictions[HOST_TIER] += len(victims)
         self._uses += 1
-        host.add(_Resident(weights.ref, weights.nbytes, self._uses, self._clock(), weights))
+        resident = _Resident(weights.ref, weights.nbytes, self._uses, self._clock(), weights)
+        host.add(resident, cost_s=read_s)
         self._loads[HOST_TIER] += 1
 
     def _view(self, tier: _Tier[V]) -> tuple[ResidentAdapter, ...]:

@@ -12,16 +12,15 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+from tiercache.adapter_types import AdapterRef
 from tiercache.admin_ops import parse_admin
-from tiercache.config import LoraCacheConfig, name_list
-from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
+from tiercache.errors import InvalidRequest, TierCacheError
+from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import AdapterRegistry, check_name, check_ref
 from tiercache.lora.residency import LoraPlan, Residency, ResidentAdapter
-from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS, AdapterRef
-from tiercache.request import GenerationRequest
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
 
 HIT_STATUSES = frozenset({"exact", "semantic"})  # answered from a cache: no engine, no adapter
 LOOKUP_STATUSES = HIT_STATUSES | {"", "miss", "bypass"}
@@ -82,26 +81,24 @@ class LoraCache:
 
     # -- the request path ----------------------------------------------------------------------
 
-    def plan_request(self, request_json: str | None, lookup_status: str | None) -> LoraPlan | None:
+    def plan_request(
+        self, request: GenerationRequest | None, lookup_status: str | None
+    ) -> LoraPlan | None:
         """The plan for one ensemble request; None when no adapter is involved: a cache hit
-        (`lookup_status` exact or semantic, or an empty REQUEST) or a base-model request."""
+        (`lookup_status` exact or semantic, or no request) or a base-model request."""
         status = (lookup_status or "").strip()
         if status not in LOOKUP_STATUSES:
             raise InvalidRequest(
                 f"LOOKUP_STATUS must be one of {', '.join(sorted(LOOKUP_STATUSES - {''}))}, "
                 f"got {status[:40]!r}"
             )
-        if status in HIT_STATUSES or not request_json:
+        if status in HIT_STATUSES or request is None:
             return None
-        try:
-            request = GenerationRequest.from_json(request_json)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidRequest(f"REQUEST is not a canonical request: {exc!r}") from exc
         if not request.lora_digest:
             if request.lora_name:
                 # The cache key was computed without the version: serving it could be stale.
                 raise InvalidRequest(
-                    f"REQUEST names adapter {request.lora_name!r} without its version "
+                    f"the request names adapter {request.lora_name!r} without its version "
                     "(lora_digest); prompt_cache resolves it"
                 )
             return None
@@ -215,45 +212,6 @@ class LoraCache:
             "disk_reads": stats.disk_reads,
             "disk_read_s": round(stats.disk_read_s, 6),
         }
-
-
-def open_lora_cache(
-    config: LoraCacheConfig,
-    engine: EngineAdmin,
-    *,
-    on_plan: Callable[[LoraPlan], None] = lambda plan: None,
-    clock: Callable[[], float] = time.monotonic,
-) -> LoraCache:
-    """The stage from its config: the registry, the residency with pins (the `pin` parameter
-    plus the manifest's), and the `prefetch` adapters recorded as engine-resident (the engine
-    loads the same list at its start; if they diverge, the engine's "not found in cache" answer
-    and llm's retry correct it). ConfigError for a pin or prefetch name that does not resolve."""
-    manifest = Path(config.adapters_manifest) if config.adapters_manifest else None
-    registry = AdapterRegistry(config.adapters_path(), config.state_path(), manifest, clock=clock)
-    pinned = tuple(dict.fromkeys([*name_list(config.pin), *registry.pinned()]))
-    prefetch = tuple(dict.fromkeys(name_list(config.prefetch)))
-    if len(prefetch) > config.engine_slots:
-        raise ConfigError(
-            f"prefetch names {len(prefetch)} adapters but engine_slots is {config.engine_slots}"
-        )
-    refs: dict[str, AdapterRef] = {}
-    for name in (*pinned, *prefetch):
-        try:
-            refs[name] = registry.resolve(name)
-        except TierCacheError as exc:
-            raise ConfigError(f"pin/prefetch adapter {name!r}: {exc.message}") from exc
-    residency = Residency(
-        config.engine_slots,
-        config.engine_max_bytes,
-        config.host_max_adapters,
-        config.host_max_bytes,
-        pinned,
-        latest=latest_digest(registry),
-        clock=clock,
-    )
-    for name in prefetch:
-        residency.mark_resident(registry.read(refs[name]))
-    return LoraCache(registry, residency, engine, config.engine_model, clock=clock, on_plan=on_plan)
 
 
 def _row(resident: ResidentAdapter, tier: str, now: float, current: bool) -> dict[str, Any]:

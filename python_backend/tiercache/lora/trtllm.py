@@ -24,7 +24,7 @@ A request that brings an adapter to the backend's `tensorrt_llm` model carries:
 
 - `lora_task_id` uint64 [1]: the id the engine caches the adapter under. Later requests send it
   alone; an id the engine does not hold fails with "LoRA task N not found in cache. Please send
-  LoRA weights with request" (the retry rule in `tiercache.lora.engine_call`).
+  LoRA weights with request" (the retry rule in `tiercache.engine.adapter_call`).
 - `lora_config` int32 [rows, 3]: one row per adapted (module, layer) pair, holding
   (module_id, layer_idx, adapter_size). Newer engines also accept a 4th column, is_dora; the
   3-column form stays valid ("pre-DoRA" rows in `loraUtils.cpp`).
@@ -65,6 +65,10 @@ version its own id: the per-name id in the high 32 bits, the first 32 bits of th
 in the low 32. (Two versions of one name collide with probability 2**-32. The backend's
 `lora_prefetch_dir` parses folder names as 32-bit ints, so it cannot take these ids.)
 
+`engine_task_id` and the two payload types, `TrtllmLora` and `TrtllmRequestLora`, are in
+`tiercache.adapter_types`: the engine's client (`tiercache.engine.trtllm_client`) sends what this
+module converts, and the engine and lora packages do not import each other.
+
 What the layout cannot carry is refused with InvalidRequest, naming the feature: DoRA, whole
 modules (`modules_to_save`), trained biases, other LoRA variants that change the forward pass,
 per-module alphas, and tensors of any module outside the table above.
@@ -82,8 +86,14 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.adapter_types import (
+    AdapterRef,
+    AdapterWeights,
+    TrtllmLora,
+    TrtllmRequestLora,
+    engine_task_id,
+)
 from tiercache.errors import ConfigError, InvalidRequest
-from tiercache.lora.types import AdapterRef, AdapterWeights
 
 MODULE_IDS: dict[str, int] = {
     "attn_qkv": 0,
@@ -113,7 +123,6 @@ _PARENT = {hf: "self_attn" if trt.startswith("attn") else "mlp" for hf, trt in H
 DTYPES = ("float16", "bfloat16", "float32")
 """Weight dtypes an engine can be built in (`--lora_plugin`); the weights must match it."""
 
-TASK_ID_BITS = 32  # per-name task id in the high half of the engine's uint64 id
 CONFIG_COLUMNS = 3  # module_id, layer_idx, adapter_size
 
 # PEFT file names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight
@@ -184,51 +193,6 @@ class EngineLoraShape:
             "mlp_gate": (self.hidden_size, self.intermediate_size),
             "mlp_4h_to_h": (self.intermediate_size, self.hidden_size),
         }[module]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class TrtllmLora:
-    """One adapter in TensorRT-LLM's layout (the module docstring). Both arrays are read-only."""
-
-    weights: np.ndarray  # [rows, row_size], the engine's dtype
-    config: np.ndarray  # int32 [rows, 3]: module_id, layer_idx, adapter_size
-
-    @property
-    def rows(self) -> int:
-        return int(self.config.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.weights.nbytes + self.config.nbytes)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class TrtllmRequestLora:
-    """What one request sends to the `tensorrt_llm` model for its adapter."""
-
-    task_id: int  # engine_task_id(ref)
-    lora: TrtllmLora | None = None  # None: the engine holds task_id, send the id alone
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """The model's inputs by name, each with the request's batch dimension of 1."""
-        out = {"lora_task_id": np.array([[self.task_id]], dtype=np.uint64)}
-        if self.lora is not None:
-            out["lora_weights"] = self.lora.weights[np.newaxis]
-            out["lora_config"] = self.lora.config[np.newaxis]
-        return out
-
-
-def engine_task_id(ref: AdapterRef) -> int:
-    """A uint64 `lora_task_id` unique to the version: (ref.task_id << 32) | digest[:8]."""
-    if not 1 <= ref.task_id < 1 << TASK_ID_BITS:
-        raise InvalidRequest(f"adapter {ref.short}: task id {ref.task_id} is outside [1, 2**32)")
-    try:
-        low = int(ref.digest[:8], 16) if len(ref.digest) >= 8 else -1
-    except ValueError:
-        low = -1
-    if low < 0:
-        raise InvalidRequest(f"adapter {ref.name!r}: digest {ref.digest[:16]!r} is not hex")
-    return (ref.task_id << TASK_ID_BITS) | low
 
 
 def convert_peft(

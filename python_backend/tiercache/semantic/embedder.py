@@ -18,7 +18,7 @@ import numpy as np
 
 from tiercache.engine.model_source import packaged_file
 from tiercache.errors import ConfigError
-from tiercache.keys import file_digest
+from tiercache.exact.keys import file_digest
 
 
 @dataclass(frozen=True, slots=True)

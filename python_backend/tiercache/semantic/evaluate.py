@@ -4,7 +4,7 @@ The protocol is GPTCache's benchmark, on any JSON-lines file of paraphrase pairs
 (`{"a": str, "b": str, "label": 0|1, "source": str}`; `source` optional):
 
 1. Insert side `a` of every pair, normalized as the cache keys prompts
-   (`tiercache.request.normalize_text`); identical normalized texts are inserted once.
+   (`tiercache.exact.request.normalize_text`); identical normalized texts are inserted once.
 2. Query with side `b`: the `k` nearest inserted vectors by cosine (exact search), then the
    decision rule picks one candidate or none:
    - guard: the accepted candidate with the highest guard score (`tiercache.semantic.guard`);
@@ -35,7 +35,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
-from tiercache.request import normalize_text
+from tiercache.exact.request import normalize_text
 from tiercache.semantic import features as feats
 from tiercache.semantic.guard import SemanticGuard, load_guard
 

@@ -13,7 +13,7 @@ Contract:
 - Only general English resources: a short function-word list, negation words, number words,
   auxiliaries and a few prepositions, a crude suffix stemmer. No word list was tuned on
   evaluation rows.
-- Texts should already be normalized the way the cache keys them (`tiercache.request
+- Texts should already be normalized the way the cache keys them (`tiercache.exact.request
   .normalize_text`); `profile` lowercases and unifies apostrophes for its own use.
 - Cost: about 25 us to profile a text (memoized) and under 10 us per pair of profiles.
 """

@@ -8,7 +8,7 @@ a small logistic model over `tiercache.semantic.features` and accepts it when th
 
 Contract:
 - `GuardConfig` is frozen and comes from `guard_model.json` (packaged beside this module, written
-  by `scripts/train_guard.py`): feature names (must equal `features.FEATURE_NAMES`), logistic
+  by `python -m tiercache_dev.train.guard`): feature names (must equal `features.FEATURE_NAMES`), logistic
   coefficients and intercept, a hard cosine floor, vetoes, the embedder it was trained for, and
   an operating table of (threshold, held-out precision, held-out recall) rows.
 - A candidate under the cosine floor never hits (a cheap pre-filter), nor does one on which a
@@ -19,7 +19,7 @@ Contract:
 - Pure Python and the standard library at serve time (numpy only for `score_matrix`); no
   scikit-learn, no Triton.
 - Scores and thresholds are calibrated for the embedder named in the config; another embedder
-  needs its own model (`scripts/train_guard.py`).
+  needs its own model (`python -m tiercache_dev.train.guard`).
 """
 
 from __future__ import annotations

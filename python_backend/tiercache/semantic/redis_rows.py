@@ -49,17 +49,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lmdb
 import numpy as np
 
-from tiercache.codec import CacheEntry
-from tiercache.invalidation import InvalidationTable
-from tiercache.prompt_cache import invalidation_listener
-from tiercache.redis_tier import RedisLink
-from tiercache.semantic.index import SemanticStore
-from tiercache.tiered import TieredCache
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.redis_tier import RedisLink
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import InvalidationTable
+from tiercache.semantic.store import SemanticStore
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class SharedRow:
             entry.created_s,
             expires_s,
             entry.tags,
-            entry.scope,
+            entry.tenant_scope,
             entry.adapter,
             origin,
         )
@@ -172,7 +171,7 @@ class SharedRow:
             created_s=self.created_s,
             ttl_s=ttl_s,
             tags=self.tags,
-            scope=self.tenant,
+            tenant_scope=self.tenant,
             adapter=self.adapter,
         )
 
@@ -501,6 +500,12 @@ def follower_lock_path(semantic_path: Path) -> Path:
     return semantic_path / "redis-follower.lock"
 
 
+class ListenerStatus(Protocol):
+    """What RowSharing needs of the invalidation listener."""
+
+    def stats(self) -> Any: ...
+
+
 class RowSharing:
     """The llm stage's side of sharing: `publish` each row it indexes (with the metadata of the
     answer it just stored), and one `RowFollower` per host that takes in the others' rows."""
@@ -516,11 +521,13 @@ class RowSharing:
         dimensions: int = 0,
         retry_s: float = 1.0,
         batch_rows: int = 512,
+        listener: ListenerStatus | None = None,
     ) -> None:
+        """`listener` is the process's invalidation listener: the follower takes rows in only
+        while it is connected (None: always)."""
         self.cache = cache
         self.embedder = embedder
         self.publisher = RowPublisher(link, max_rows)
-        listener = invalidation_listener(cache)
         self.follower = RowFollower(
             link,
             store,

@@ -1,7 +1,7 @@
 """The semantic index's vectors in the host's shared tables: one `tiercache_native.SharedTable`
 per scope, keyed by the scope's tag, each row's id its sequence number in the LMDB row log.
 
-The row log (`SemanticStore`) stays the durable record and the source of every row's metadata;
+The row log (`RowLog`) stays the durable record and the source of every row's metadata;
 a table is a copy of one scope's vectors that every process on the host maps, published with
 release/acquire ordering (backends/README.md), so readers never copy or catch up on rows.
 
@@ -30,34 +30,22 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tiercache_native as native
 
-if TYPE_CHECKING:
-    from tiercache.semantic.index import SemanticStore
+from tiercache.semantic.row_log import INITIAL_CAPACITY, RowLog, TableManifest
 
 log = logging.getLogger(__name__)
 
-INITIAL_CAPACITY = 16  # rows; a scope's table doubles (a new epoch) as it grows
 _PUBLISH_CHUNK = 8192  # rows per publish call when a table is rebuilt
 
 
-@dataclass(frozen=True, slots=True)
-class TableManifest:
-    """Which table file is a scope's current one, as the row log records it."""
-
-    scope: str
-    epoch: int
-    width: int
-    capacity: int
-
-
 def capacity_for(rows: int) -> int:
-    """Room for `rows` and as many again: growth rewrites the table, so it must be rare."""
+    """Room for `rows` and as many again: growth rewrites the table, so it must be rare. A
+    scope's table starts at `INITIAL_CAPACITY` and doubles (a new epoch) as it grows."""
     capacity = INITIAL_CAPACITY
     while capacity < 2 * rows:
         capacity *= 2
@@ -65,10 +53,11 @@ def capacity_for(rows: int) -> int:
 
 
 class ScopeTables:
-    """The host's shared tables of one row log, as this process sees them."""
+    """The host's shared tables of one row log, as this process sees them. The log is the only
+    thing they read; what writes rows calls `publish` after each append to the log."""
 
-    def __init__(self, store: SemanticStore, path: Path) -> None:
-        self.store = store
+    def __init__(self, row_log: RowLog, path: Path) -> None:
+        self.row_log = row_log
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
 
@@ -76,7 +65,7 @@ class ScopeTables:
         """Named by the row log's id too: a table of another log (rebuilt after damage, or a
         `tables_path` shared with another log) is never opened as this log's, whose seqs
         would name other rows."""
-        return self.path / f"{tag}.{self.store.log_id.hex()[:16]}.{epoch}.tbl"
+        return self.path / f"{tag}.{self.row_log.log_id.hex()[:16]}.{epoch}.tbl"
 
     @contextmanager
     def locked(self, tag: str) -> Iterator[None]:
@@ -93,7 +82,7 @@ class ScopeTables:
         """The scope's current table, complete with the log's live rows; None when the log has
         no rows of the scope or they have another width. Lock-free unless the table is behind
         the log (a writer died before publishing, a reboot emptied it, it was deleted)."""
-        manifest = self.store.manifest(tag)
+        manifest = self.row_log.manifest(tag)
         if manifest is None or manifest.width != width:
             return None
         try:
@@ -106,14 +95,14 @@ class ScopeTables:
         # Re-read: a table replaced meanwhile may have been unlinked before the open, which then
         # created a stray file of the old epoch. Epochs only grow, so an unchanged manifest
         # means the file opened is the current one.
-        again = self.store.manifest(tag)
+        again = self.row_log.manifest(tag)
         count = table.count()
         if (
             again is None
             or again.epoch != manifest.epoch
             or table.retired()
-            or count < self.store.live_count(tag)
-            or (count and int(np.max(table.ids(count))) >= self.store.head())
+            or count < self.row_log.live_count(tag)
+            or (count and int(np.max(table.ids(count))) >= self.row_log.head())
         ):
             table.close()
             with self.locked(tag):
@@ -127,7 +116,7 @@ class ScopeTables:
     def publish(self, tag: str, seqs: list[int], vectors: np.ndarray) -> None:
         """Publish rows just appended to the log (the writer's second step)."""
         with self.locked(tag):
-            manifest = self.store.manifest(tag)
+            manifest = self.row_log.manifest(tag)
             if manifest is None:  # compacted away before this writer got the lock
                 return
             table = self._open_locked(tag, manifest)
@@ -137,7 +126,7 @@ class ScopeTables:
                 not foreign
                 and not np.isin(wanted, table.ids()).any()
                 and not table.retired()
-                and table.count() + len(seqs) == self.store.live_count(tag)
+                and table.count() + len(seqs) == self.row_log.live_count(tag)
                 and table.count() + len(seqs) <= table.capacity()
             )
             if fast:  # the usual case: the table holds every other live row
@@ -175,7 +164,7 @@ class ScopeTables:
         scope's lock held. Damaged log rows are deleted from the log here. A table holding
         ids this log has not given out, or (`distrust`) ids it just gave to new rows, holds
         another log's rows: it is rebuilt from the log, none of its rows kept."""
-        manifest = self.store.manifest(tag)
+        manifest = self.row_log.manifest(tag)
         if manifest is None:
             return None
         table = self._open_locked(tag, manifest)
@@ -183,21 +172,21 @@ class ScopeTables:
         have = np.array(table.ids(count), dtype=np.uint64)
         # ids this log has not given out yet: the table holds another log's rows (a log
         # restored from a backup reuses seqs); none of them can be trusted
-        foreign = distrust or (bool(count) and int(have.max()) >= self.store.head())
+        foreign = distrust or (bool(count) and int(have.max()) >= self.row_log.head())
         if foreign:
             log.warning("table %s holds rows of another row log; rebuilt", Path(table.path).name)
-        live = np.asarray(self.store.scope_seqs(tag), dtype=np.uint64)
-        if not len(live) and self.store.drop_manifest_if_empty(tag):
+        live = np.asarray(self.row_log.scope_seqs(tag), dtype=np.uint64)
+        if not len(live) and self.row_log.drop_manifest_if_empty(tag):
             self._drop_locked(tag, table)
             return None
         keep = np.zeros(count, dtype=bool) if foreign else np.isin(have, live)
         missing = live if foreign else live[~np.isin(live, have)]
         vectors = np.zeros((0, manifest.width), dtype=np.float32)
         if len(missing):
-            rows, damaged = self.store.read_vectors(missing.tolist(), manifest.width)
+            rows, damaged = self.row_log.read_vectors(missing.tolist(), manifest.width)
             if damaged:
                 log.warning("deleted %d damaged rows from the semantic log", len(damaged))
-                self.store.delete_rows(tag, damaged)
+                self.row_log.delete_rows(tag, damaged)
                 missing = missing[~np.isin(missing, np.asarray(damaged, dtype=np.uint64))]
             vectors = rows
         in_place = bool(keep.all()) and not table.retired() and not foreign
@@ -218,7 +207,7 @@ class ScopeTables:
         table.retire()
         Path(table.path).unlink(missing_ok=True)
         table.close()
-        for graph in (self.store.path / "graphs").glob(f"{tag}.*"):
+        for graph in (self.row_log.path / "graphs").glob(f"{tag}.*"):
             graph.unlink(missing_ok=True)
         log.info("scope %s has no rows left: its table and graphs were deleted", tag[:12])
 
@@ -252,7 +241,9 @@ class ScopeTables:
         # table, which the next reader rebuilds under the lock (the other order left readers
         # on the old table, never retired, for good).
         old.retire()  # readers holding it reopen through the manifest
-        self.store.set_manifest(tag, TableManifest(manifest.scope, epoch, manifest.width, capacity))
+        self.row_log.set_manifest(
+            tag, TableManifest(manifest.scope, epoch, manifest.width, capacity)
+        )
         Path(old.path).unlink(missing_ok=True)
         old.close()
         log.info("scope table rewritten: epoch %d, %d rows, capacity %d", epoch, len(ids), capacity)

@@ -11,9 +11,9 @@ from enum import Enum
 
 import numpy as np
 
+from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.vectors import VectorCache, vector_key
-from tiercache.tiered import TieredCache
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 NO_VECTOR = np.zeros(0, dtype=np.float32)

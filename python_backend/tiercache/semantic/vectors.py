@@ -17,7 +17,7 @@ import cachetools
 import lmdb
 import numpy as np
 
-from tiercache.stores import open_lmdb
+from tiercache.exact.stores import open_lmdb
 
 log = logging.getLogger(__name__)
 _CHECKSUM_BYTES = 16

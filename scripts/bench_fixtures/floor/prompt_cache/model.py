@@ -17,13 +17,8 @@ class TritonPythonModel:
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[
-                        _bytes("REQUEST", b"{}"),
-                        _bytes("DIGEST", b""),
+                        _bytes("ENVELOPE", b"{}"),
                         pb_utils.Tensor("CACHED_TEXT", text.reshape(1, 1)),
-                        _bytes("LOOKUP_STATUS", b"exact"),
-                        pb_utils.Tensor("WRITE_BACK", np.array([[True]], dtype=np.bool_)),
-                        _bytes("SCOPE", b""),
-                        pb_utils.Tensor("SEMANTIC_LOOKUP", np.array([[False]], dtype=np.bool_)),
                     ]
                 )
             )

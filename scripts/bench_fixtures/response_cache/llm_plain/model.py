@@ -6,7 +6,7 @@ as tiercache. A miss reaches execute(): the request becomes the engine's canonic
 files travel with its first request (the engine holds up to `lora_slots` adapters, four by
 default, so the committed three stay loaded). A hit never reaches this code: Triton answers it.
 
-Benchmark fixture (scripts/soak.py --compare); not served from this folder."""
+Benchmark fixture (tiercache_dev.perf.soak --compare); not served from this folder."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
+from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import AdapterRegistry
-from tiercache.request import GenerationRequest
-from tiercache.triton.boundary import StreamKeeper
+from tiercache.stages.envelope import Envelope
+from tiercache.triton.bls import StreamKeeper
 
 ENGINE = "torch_llm"
 DEFAULT_MAX_TOKENS = 16
@@ -88,9 +89,10 @@ class TritonPythonModel:
             lora_name=lora_name,
             lora_task_id=task_id,
             lora_digest=digest,
-            kv_scope=hashlib.sha256(tenant.encode()).hexdigest(),
+            tenant_scope=hashlib.sha256(tenant.encode()).hexdigest(),
         )
-        inputs.append(pb_utils.Tensor("REQUEST", np.array([gen.to_json().encode()], np.object_)))
+        envelope = Envelope(request=gen).encode()
+        inputs.append(pb_utils.Tensor("ENVELOPE", np.array([envelope], np.object_)))
         infer = pb_utils.InferenceRequest(
             model_name=ENGINE, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )

@@ -1,0 +1,120 @@
+"""What the adapter registry, the `lora_cache` stage and the engines exchange.
+
+The engine executes adapters (`tiercache.engine`) and lora_cache decides which ones are resident
+where (`tiercache.lora`); the two packages never import each other (an import-linter
+independence contract checks it). The values they pass between them live here, in a module that
+imports neither: an adapter version, its files, the engines' "not held" answer, and an adapter in
+TensorRT-LLM's per-request layout (converted by `tiercache.lora.trtllm`, sent by
+`tiercache.engine.trtllm_client`).
+
+An adapter *version* is its name plus the SHA-256 of its files (`digest`): a changed folder is a
+new version. `task_id` is a stable small integer per name (TensorRT-LLM's `lora_task_id`); it does
+not change when the files change, so an engine must key what it holds by (task_id, digest).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiercache.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    name: str
+    task_id: int
+    digest: str  # hex SHA-256 over the adapter's files (see tiercache.lora.registry)
+
+    @property
+    def short(self) -> str:
+        return f"{self.name}@{self.digest[:12]}"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"name": self.name, "task_id": self.task_id, "digest": self.digest},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> AdapterRef:
+        data = json.loads(text)
+        return cls(str(data["name"]), int(data["task_id"]), str(data["digest"]))
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """One version's files, read once and checked against its digest."""
+
+    ref: AdapterRef
+    config_json: str  # adapter_config.json (PEFT)
+    weights: bytes  # adapter_model.safetensors
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.weights) + len(self.config_json)
+
+
+def not_in_engine_message(ref: AdapterRef) -> str:
+    """The engine's answer for an adapter it does not hold, worded as TensorRT-LLM's backend
+    words it, so one retry rule covers both engines."""
+    return (
+        f"LoRA task {ref.task_id} ({ref.short}) not found in cache. "
+        "Please send LoRA weights with request"
+    )
+
+
+NOT_IN_ENGINE_MARK = "not found in cache"
+
+
+TASK_ID_BITS = 32  # per-name task id in the high half of the engine's uint64 id
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrtllmLora:
+    """One adapter in TensorRT-LLM's layout (described in `tiercache.lora.trtllm`). Both arrays
+    are read-only."""
+
+    weights: np.ndarray  # [rows, row_size], the engine's dtype
+    config: np.ndarray  # int32 [rows, 3]: module_id, layer_idx, adapter_size
+
+    @property
+    def rows(self) -> int:
+        return int(self.config.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.weights.nbytes + self.config.nbytes)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrtllmRequestLora:
+    """What one request sends to the `tensorrt_llm` model for its adapter."""
+
+    task_id: int  # engine_task_id(ref)
+    lora: TrtllmLora | None = None  # None: the engine holds task_id, send the id alone
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The model's inputs by name, each with the request's batch dimension of 1."""
+        out = {"lora_task_id": np.array([[self.task_id]], dtype=np.uint64)}
+        if self.lora is not None:
+            out["lora_weights"] = self.lora.weights[np.newaxis]
+            out["lora_config"] = self.lora.config[np.newaxis]
+        return out
+
+
+def engine_task_id(ref: AdapterRef) -> int:
+    """A uint64 `lora_task_id` unique to the version: (ref.task_id << 32) | digest[:8]. Why
+    the version and not the name: see "Task ids" in `tiercache.lora.trtllm`."""
+    if not 1 <= ref.task_id < 1 << TASK_ID_BITS:
+        raise InvalidRequest(f"adapter {ref.short}: task id {ref.task_id} is outside [1, 2**32)")
+    try:
+        low = int(ref.digest[:8], 16) if len(ref.digest) >= 8 else -1
+    except ValueError:
+        low = -1
+    if low < 0:
+        raise InvalidRequest(f"adapter {ref.name!r}: digest {ref.digest[:16]!r} is not hex")
+    return (ref.task_id << TASK_ID_BITS) | low

@@ -1,0 +1,419 @@
+"""Invalidation by key, tag, tenant or adapter, on every tier of every replica.
+
+The watermark itself, and the table every read checks, are `tiercache.exact.watermarks`: once a
+process has noted a watermark, no tier serves what it kills. Deleting is the second, eager step
+that gives the space back, and it is this module's job, on a `TieredCache`:
+
+- The process that receives the command (`Invalidator`) notes the watermark, drops its own L1/L2
+  copies, deletes from L3 (a key directly; a tag, tenant or adapter by scanning this prefix's L3
+  entries), records the watermark in Redis (`<prefix>invalidated`, a sorted set by time, trimmed
+  to the newest `max_events`) and publishes it on the channel `<prefix>invalidations`.
+- Every replica process runs an `InvalidationListener` (a thread started with its cache and
+  joined at close) subscribed to that channel: it notes the watermark, then sweeps its L1 and L2
+  and tells its listeners (the semantic index) which digests it dropped.
+- A message sent while a listener was disconnected (Redis restarted, a network blip) is not lost:
+  on every (re)connect the listener first subscribes, then reads the watermarks recorded since the
+  last one it saw (all of them at start), so it never misses one that Redis still holds.
+
+The issuer and the listener stay in one module: they are the two ends of one Redis protocol (the
+channel, the sorted set and the message format), which must change together.
+
+L1 and L2 have no secondary index: a tag, tenant or adapter sweep decodes every entry of the tier
+(L2: one read transaction, see docs/replicas.md for the cost per 10,000 entries); a key needs one
+delete. The reads stay correct without the sweep, so its cost is off the request path, on the
+listener thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.exact.stores import Store
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import DEFAULT_MAX_EVENTS, DEFAULT_SKEW_S, Invalidation, applies
+from tiercache.vocabulary import InvalidationKind, Tier
+
+if TYPE_CHECKING:  # the Redis client is imported only by processes with L3
+    from tiercache.exact.redis_tier import RedisLink
+
+log = logging.getLogger(__name__)
+
+
+def checked_digest(value: str, what: str) -> str:
+    """A hex SHA-256 digest as keys and adapter versions are written (lower case, no spaces);
+    InvalidRequest otherwise, rather than an invalidation that silently matches nothing."""
+    digest = value.strip().lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise InvalidRequest(f"{what} must be a 64-character hex digest, got {value!r}")
+    return digest
+
+
+def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> list[str]:
+    """Delete what `inv` kills from `store`; the keys deleted. A key costs one delete; a tag,
+    tenant or adapter a scan of the whole store."""
+    if inv.kind is InvalidationKind.KEY:
+        return [inv.value] if store.delete(inv.value) else []
+    victims = [key for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
+    if victims:
+        store.delete_many(victims)
+    return victims
+
+
+DroppedFn = Callable[[Invalidation, list[str]], None]
+"""Told which digests a received invalidation dropped locally (for a key: always that digest);
+the semantic index forgets their rows."""
+
+ReceivedFn = Callable[[Invalidation, float], None]
+"""Told of each message from another process once it is applied (watermark noted, local tiers
+swept), with its lag in seconds: from `published_s` (or `at_s` for a message without it) to now
+on this cache's clock; clock skew between hosts shows in it, clamped at 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerStats:
+    connected: bool
+    received: int  # messages applied from other replicas
+    caught_up: int  # watermarks read from Redis on (re)connect
+    reconnects: int
+    dropped: int  # entries this listener's sweeps deleted
+    # By kind (`InvalidationKind.value`; a kind never counted may be absent):
+    received_by_kind: dict[str, int] = field(default_factory=dict)  # messages, as `received`
+    applied_by_kind: dict[str, int] = field(default_factory=dict)  # news: raised a watermark
+    replayed_by_kind: dict[str, int] = field(default_factory=dict)  # news read on a reconnect
+    dropped_by_kind: dict[str, int] = field(default_factory=dict)  # entries, as `dropped`
+
+
+class InvalidationListener:
+    """A background thread that applies other replicas' invalidations to one `TieredCache`.
+
+    Subscribes to `<prefix>invalidations` on its own connection; after any error it reconnects
+    every `retry_s` and catches up from `<prefix>invalidated`. `close()` stops and joins it
+    (at most `poll_s` plus one Redis timeout). `on_dropped` callbacks run on this thread.
+    """
+
+    def __init__(
+        self,
+        link: RedisLink,
+        cache: TieredCache,
+        poll_s: float = 0.2,
+        retry_s: float = 1.0,
+        ping_s: float = 5.0,
+    ) -> None:
+        self.link = link
+        self.cache = cache
+        self.table = cache.invalidations
+        self.channel = link.key("invalidations")
+        self.events = link.key("invalidated")
+        self._poll_s = poll_s
+        self._retry_s = retry_s
+        self._ping_s = ping_s
+        self._callbacks: list[DroppedFn] = []
+        self._received_callbacks: list[ReceivedFn] = []
+        self._by_kind: dict[str, Counter[str]] = {
+            name: Counter() for name in ("received", "applied", "replayed", "dropped")
+        }
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._attempted = threading.Event()  # the first connection attempt ended, either way
+        self._lock = threading.Lock()
+        self._received = self._caught_up = self._reconnects = self._dropped = 0
+        self._thread: threading.Thread | None = None
+
+    def on_dropped(self, callback: DroppedFn) -> None:
+        self._callbacks.append(callback)
+
+    def on_received(self, callback: ReceivedFn) -> None:
+        self._received_callbacks.append(callback)
+
+    def start(self) -> InvalidationListener:
+        self._thread = threading.Thread(target=self._run, name="tiercache-invalidations")
+        self._thread.daemon = True  # never keeps a stub process alive; close() joins it
+        self._thread.start()
+        return self
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._connected.wait(timeout_s)
+
+    def wait_first_attempt(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the first connection attempt to end; True when it
+        connected, so that every watermark recorded in Redis is noted (a replica started after
+        an invalidation must not serve what its L2 kept). False at once when Redis refused."""
+        self._attempted.wait(timeout_s)
+        return self._connected.is_set()
+
+    def _run(self) -> None:
+        import redis  # only processes with L3 import the client
+
+        errors = (redis.exceptions.RedisError, OSError, ValueError)
+        pubsub: Any = None
+        first = True
+        next_ping = 0.0
+        while not self._stop.is_set():
+            if pubsub is None:
+                try:
+                    pubsub = self._connect(catch_up_sweeps=not first)
+                except errors as exc:
+                    self._disconnected(exc, first)
+                    self._attempted.set()
+                    self._stop.wait(self._retry_s)
+                    continue
+                self._attempted.set()
+                first = False
+                next_ping = time.monotonic() + self._ping_s
+            try:
+                message = pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
+                if time.monotonic() >= next_ping:  # a dead peer that never closed the socket
+                    pubsub.ping()
+                    next_ping = time.monotonic() + self._ping_s
+            except errors as exc:
+                self._close_quietly(pubsub)
+                pubsub = None
+                self._disconnected(exc, False)
+                continue
+            if message is None or message.get("type") != "message":
+                continue
+            try:
+                inv = Invalidation.from_json(message["data"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignored a malformed invalidation message: %s", exc)
+                continue
+            if inv.origin != self.table.origin:
+                news = self.table.note(inv, from_redis=True)
+                self._apply(inv, sweep_local=True, noted=True)
+                lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
+                with self._lock:
+                    self._received += 1
+                    self._by_kind["received"][inv.kind.value] += 1
+                    self._by_kind["applied"][inv.kind.value] += news
+                for received in self._received_callbacks:
+                    try:
+                        received(inv, lag_s)
+                    except Exception:  # noqa: BLE001 - a listener's hook must not stop the thread
+                        log.exception("invalidation callback failed")
+        self._close_quietly(pubsub)
+
+    def _connect(self, catch_up_sweeps: bool) -> Any:
+        """Subscribe first, then read the watermarks recorded since the newest one seen: an
+        invalidation published in between arrives twice, which is harmless."""
+        pubsub = self.link.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self.channel)
+            since = self.table.newest_s - 2 * self.table.skew_s if self.table.newest_s else "-inf"
+            rows: Any = self.link.client.zrangebyscore(self.events, since, "+inf", withscores=True)
+        except BaseException:
+            self._close_quietly(pubsub)
+            raise
+        for member, score in rows:
+            try:
+                inv = Invalidation.from_member(member, float(score))
+            except ValueError:
+                continue
+            # At start every recorded watermark is noted; reads check them, so no sweep is
+            # needed. After an outage only the news is swept.
+            news = self.table.note(inv, from_redis=True)
+            if news and catch_up_sweeps:
+                self._apply(inv, sweep_local=True, noted=True)
+            with self._lock:
+                self._caught_up += 1
+                self._by_kind["applied"][inv.kind.value] += news
+                self._by_kind["replayed"][inv.kind.value] += news and catch_up_sweeps
+        if self._connected.is_set() is False:
+            log.info("invalidation listener subscribed to %s", self.channel)
+        self._connected.set()
+        return pubsub
+
+    def _apply(self, inv: Invalidation, sweep_local: bool, noted: bool = False) -> None:
+        """Note the watermark (reads are right from here on), then reclaim the space."""
+        if not noted:
+            self.table.note(inv, from_redis=True)
+        if not sweep_local:
+            return
+        dropped: list[str] = []
+        for tier, store in self.cache.local_stores():
+            try:
+                dropped.extend(sweep(store, inv, self.table.skew_s))
+            except Exception:  # noqa: BLE001 - the watermark holds; the thread must go on
+                log.exception("sweeping %s for %s %r failed", tier.value, inv.kind.value, inv.value)
+        with self._lock:
+            self._dropped += len(dropped)  # entries, counted once per tier
+            self._by_kind["dropped"][inv.kind.value] += len(dropped)
+        digests = list(dict.fromkeys(dropped))
+        if inv.kind is InvalidationKind.KEY and inv.value not in digests:
+            digests.append(inv.value)  # another process on the host may have swept it first
+        for callback in self._callbacks:
+            try:
+                callback(inv, digests)
+            except Exception:  # noqa: BLE001 - a listener's hook must not stop the thread
+                log.exception("invalidation callback failed")
+
+    def _disconnected(self, exc: BaseException, first: bool) -> None:
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        with self._lock:
+            self._reconnects += 1
+        if was_connected or first:
+            log.warning(
+                "invalidation listener lost Redis (%s: %s); reconnecting every %.1f s",
+                type(exc).__name__,
+                exc,
+                self._retry_s,
+            )
+
+    @staticmethod
+    def _close_quietly(pubsub: Any) -> None:
+        if pubsub is None:
+            return
+        try:
+            pubsub.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            log.debug("closing a pubsub connection failed", exc_info=True)
+
+    def stats(self) -> ListenerStats:
+        with self._lock:
+            return ListenerStats(
+                self._connected.is_set(),
+                self._received,
+                self._caught_up,
+                self._reconnects,
+                self._dropped,
+                received_by_kind=dict(self._by_kind["received"]),
+                applied_by_kind=dict(self._by_kind["applied"]),
+                replayed_by_kind=dict(self._by_kind["replayed"]),
+                dropped_by_kind=dict(self._by_kind["dropped"]),
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidationReport:
+    invalidation: Invalidation
+    dropped_local: int  # entries this process dropped from its L1 and L2
+    dropped_shared: int  # entries deleted from L3
+    published: bool  # recorded in Redis and sent to the other replicas
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidatorStats:
+    issued_by_kind: dict[str, int]  # invalidations applied here (published or not), by kind
+    published: int  # of those, recorded in Redis and sent to the other replicas
+    dropped_by_kind: dict[str, int]  # entries deleted here (L1/L2) and from L3, by kind
+
+
+class Invalidator:
+    """The admin side: apply an invalidation here, in L3, and on every other replica.
+
+    Without Redis (`link` None) an invalidation is local to this process and its host's L2. With
+    Redis, `at_s` is Redis's clock; if Redis cannot be reached the invalidation is still applied
+    here and `Unavailable` is raised, so the caller knows the other replicas did not get it.
+    """
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        link: RedisLink | None = None,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> None:
+        self.cache = cache
+        self.link = link
+        self.max_events = max_events
+        self._lock = threading.Lock()
+        self._issued: Counter[str] = Counter()
+        self._dropped: Counter[str] = Counter()
+        self._published = 0
+
+    def invalidate(
+        self, kind: InvalidationKind, value: str, sweep_shared: bool = True
+    ) -> InvalidationReport:
+        """`sweep_shared` False leaves matching L3 entries to expire (they are never served:
+        every reader checks the watermark), avoiding a scan of every L3 entry."""
+        if not value:
+            raise ValueError(f"an invalidation by {kind.value} needs a value")
+        table = self.cache.invalidations
+        redis_s = self._redis_time()
+        at_s = self.cache.now() if redis_s is None else redis_s
+        inv = Invalidation(kind, value, at_s, table.origin)
+        table.note(inv)
+        if self.cache.host_marks is not None:
+            try:
+                self.cache.host_marks.record(inv)  # the host's other processes, before the sweep
+            except Exception:  # noqa: BLE001 - the sweep and Redis still reach what they reach
+                log.exception("recording %s in the host's invalidation log failed", inv.member())
+        local = 0
+        for _, store in self.cache.local_stores():
+            local += len(sweep(store, inv, table.skew_s))
+        self._count(inv, local, issued=True)
+        link = self.link
+        if link is None:
+            return InvalidationReport(inv, local, 0, False)
+        if redis_s is None:
+            raise Unavailable(
+                f"Redis {link.url or ''} is unavailable: the invalidation of {kind.value} "
+                f"{value!r} was applied on this replica only"
+            )
+        # Record and publish first, then sweep L3: the replicas act at once however long the
+        # sweep takes, and the record's score stays close to when it is written (a listener
+        # that reconnects catches up from the newest score it has seen).
+        shared = 0
+        try:
+            link.call_or_raise(lambda c: self._record(c, link, inv))
+            with self._lock:
+                self._published += 1
+        finally:  # swept also when publishing failed: what L3 holds is dropped either way
+            l3 = self.cache.store(Tier.L3)
+            if l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
+                shared = len(sweep(l3, inv, table.skew_s))
+            self._count(inv, shared)
+        return InvalidationReport(inv, local, shared, True)
+
+    def _count(self, inv: Invalidation, dropped: int, issued: bool = False) -> None:
+        with self._lock:
+            self._issued[inv.kind.value] += issued
+            self._dropped[inv.kind.value] += dropped
+
+    def stats(self) -> InvalidatorStats:
+        with self._lock:
+            return InvalidatorStats(dict(self._issued), self._published, dict(self._dropped))
+
+    def _redis_time(self) -> float | None:
+        """Redis's clock (every replica's watermarks on one clock); None without Redis."""
+        if self.link is None:
+            return None
+        found: Any = self.link.call(lambda c: c.time(), None)
+        return None if found is None else float(found[0]) + float(found[1]) / 1e6
+
+    def _record(self, client: Any, link: RedisLink, inv: Invalidation) -> None:
+        """Record the watermark (for replicas that connect later), then publish it."""
+        events = link.key("invalidated")
+        pipe = client.pipeline(transaction=False)
+        pipe.zadd(events, {inv.member(): inv.at_s}, gt=True)
+        pipe.zremrangebyrank(events, 0, -(self.max_events + 1))
+        message = replace(inv, published_s=self.cache.now()).to_json()
+        pipe.publish(link.key("invalidations"), message)
+        pipe.execute()
+
+    def key(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.KEY, digest, sweep_shared)
+
+    def tag(self, name: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.TAG, name, sweep_shared)
+
+    def tenant(self, scope: str, sweep_shared: bool = True) -> InvalidationReport:
+        """By tenant scope (`tiercache.exact.keys.tenant_scope(secret, tenant)`): every replica
+        shares the secret (`tiercache.exact.redis_tier.shared_secret`), so one scope names the
+        tenant there."""
+        return self.invalidate(InvalidationKind.TENANT, scope, sweep_shared)
+
+    def adapter(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:
+        return self.invalidate(InvalidationKind.ADAPTER, digest, sweep_shared)

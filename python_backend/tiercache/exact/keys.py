@@ -1,0 +1,161 @@
+"""Cache keys: scoped SHA-256 digests over a canonical encoding.
+
+A key covers everything that changes the value: the tenant scope, the engine's model
+id and weight revision, the adapter, and the canonical request. The tenant enters only as a keyed
+hash with a server secret, so digests of two tenants cannot be compared or guessed from outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NewType
+
+from tiercache.exact.request import GenerationRequest
+
+Digest = NewType("Digest", str)
+"""Hex SHA-256 of a canonical request encoding; the exact-cache key."""
+
+TenantScope = NewType("TenantScope", str)
+
+KEY_SCHEMA_VERSION = 1
+SECRET_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """Which weights answer: a model id and a digest of the weight file(s)."""
+
+    model_id: str
+    revision: str
+
+
+def tenant_scope(secret: bytes, tenant: str) -> TenantScope:
+    """HMAC-SHA256 of the tenant under the server secret (the empty tenant is a scope too)."""
+    mac = hmac.new(secret, b"tenant\x00" + tenant.encode("utf-8"), hashlib.sha256)
+    return TenantScope(mac.hexdigest())
+
+
+def key_fields(request: GenerationRequest) -> dict[str, object]:
+    """The request's part of its key, its canonical form: everything that changes the generated
+    text (not `stream`: it only changes chunking; not the adapter version or the tenant scope:
+    they enter the key document beside it)."""
+    return {
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "seed": request.seed,
+        "stop_words": list(request.stop_words),
+        "lora_name": request.lora_name,
+    }
+
+
+def _document(scope: TenantScope, engine: EngineIdentity, adapter_digest: str) -> dict:
+    return {
+        "v": KEY_SCHEMA_VERSION,
+        "scope": scope,
+        "model": engine.model_id,
+        "revision": engine.revision,
+        "adapter_digest": adapter_digest,
+    }
+
+
+def _sha256_of(document: dict) -> str:
+    """SHA-256 over a canonical JSON encoding (sorted keys, no spaces, UTF-8)."""
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def request_digest(
+    scope: TenantScope,
+    engine: EngineIdentity,
+    request: GenerationRequest,
+    adapter_digest: str = "",
+) -> Digest:
+    """The exact-cache key of `request` in `scope` on `engine` (with `adapter_digest`)."""
+    return Digest(
+        _sha256_of({**_document(scope, engine, adapter_digest), "request": key_fields(request)})
+    )
+
+
+def semantic_scope(
+    scope: TenantScope,
+    engine: EngineIdentity,
+    request: GenerationRequest,
+    embedder_key: str,
+    adapter_digest: str = "",
+) -> str:
+    """The scope a semantic hit must stay inside: everything in the exact key except the prompt,
+    plus the embedder (vectors of two embedders are not comparable). Two requests in one scope
+    differ only in wording, so one's answer can serve the other."""
+    fields = key_fields(request)
+    del fields["prompt"]
+    return _sha256_of(
+        {**_document(scope, engine, adapter_digest), "embedder": embedder_key, "request": fields}
+    )
+
+
+def load_or_create_secret(path: Path) -> bytes:
+    """The server secret: read from `path`, or created there once (0600) and kept across restarts.
+
+    Race-free across processes: the secret is written whole to a private temporary file, then
+    hard-linked into place; `link` fails if another process got there first, and then its secret is
+    read. No process can ever read a partly written secret.
+    """
+    if path.exists():
+        return _read_secret(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(secrets.token_bytes(SECRET_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _read_secret(path)
+
+
+def replace_secret(path: Path, secret: bytes) -> None:
+    """Write `secret` to `path` atomically (0600): readers see the old file or the new one."""
+    if len(secret) < SECRET_BYTES:
+        raise ValueError(f"a server secret has at least {SECRET_BYTES} bytes, got {len(secret)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(secret)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_secret(path: Path) -> bytes:
+    data = path.read_bytes()
+    if len(data) < SECRET_BYTES:
+        raise RuntimeError(f"server secret file {path} is shorter than {SECRET_BYTES} bytes")
+    return data
+
+
+def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes (weight revisions)."""
+    h = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()

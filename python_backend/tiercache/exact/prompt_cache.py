@@ -1,0 +1,132 @@
+"""Stage 1, the prompt cache: canonical request -> scoped digest -> L1 -> L2 -> L3."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercache.adapter_types import AdapterRef
+from tiercache.errors import NotFound
+from tiercache.exact.keys import (
+    Digest,
+    EngineIdentity,
+    request_digest,
+    semantic_scope,
+    tenant_scope,
+)
+from tiercache.exact.request import (
+    DEFAULT_LIMITS,
+    GenerationRequest,
+    Limits,
+    RawInputs,
+    canonicalize,
+)
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import CacheStatus, Tier
+
+log = logging.getLogger(__name__)
+
+ResolveAdapter = Callable[[str], AdapterRef]
+"""lora_name -> the adapter's current version (NotFound for an unknown name)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    request: GenerationRequest
+    digest: Digest | None  # None: the request is not cacheable (never coalesced or stored)
+    status: CacheStatus
+    text: str  # the cached answer on EXACT, else ""
+    tier: Tier | None
+    write_back: bool  # whether the llm stage may store the answer
+    semantic_scope: str = ""  # "" when semantic caching does not apply
+    semantic_lookup: bool = False  # whether embedding_cache should look this request up
+    cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
+    max_age_s: float | None = None  # the oldest cached answer this request accepts
+
+
+class PromptCache:
+    def __init__(
+        self,
+        cache: TieredCache,
+        secret: bytes,
+        engine: EngineIdentity,
+        limits: Limits = DEFAULT_LIMITS,
+        embedder_key: str = "",
+        resolve_adapter: ResolveAdapter | None = None,
+    ) -> None:
+        """`embedder_key` names the embedding cache's embedder; empty turns semantic scopes off.
+        `resolve_adapter` maps a lora_name to its current version; None serves the base only."""
+        self.cache = cache
+        self._secret = secret
+        self.engine = engine
+        self.limits = limits
+        self.embedder_key = embedder_key
+        self.resolve_adapter = resolve_adapter
+
+    def _with_adapter(self, request: GenerationRequest) -> GenerationRequest:
+        """Pin the request to the adapter version its name resolves to now: the version's digest
+        goes into every key, so a changed adapter folder never hits the old version's entries."""
+        if not request.lora_name:
+            return request
+        if self.resolve_adapter is None:
+            raise NotFound(f"unknown adapter {request.lora_name!r}: no adapters are configured")
+        ref = self.resolve_adapter(request.lora_name)
+        return dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
+
+    def lookup(self, raw: RawInputs, read: bool = True) -> LookupResult:
+        """Validate and canonicalize `raw` (InvalidRequest on bad input; NotFound for an unknown
+        adapter), then look it up. `read` False computes everything but reads no tier: a
+        cacheable request is then a MISS (cache_admin's warm, which stores an answer under the
+        digest whether or not one is there)."""
+        canonical = canonicalize(raw, self.limits)
+        tenant = tenant_scope(self._secret, canonical.tenant)
+        # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
+        control = canonical.cache_control
+        request = dataclasses.replace(
+            self._with_adapter(canonical.request),
+            tenant_scope=tenant,
+        )
+
+        def result(
+            digest: Digest | None,
+            status: CacheStatus,
+            write_back: bool,
+            semantic_scope: str = "",
+            semantic_lookup: bool = False,
+            text: str = "",
+            tier: Tier | None = None,
+        ) -> LookupResult:
+            return LookupResult(
+                request,
+                digest,
+                status,
+                text,
+                tier,
+                write_back,
+                semantic_scope,
+                semantic_lookup,
+                control.tags,
+                control.max_age_s,
+            )
+
+        if not canonical.cacheable:
+            return result(None, CacheStatus.BYPASS, False)
+        adapter = request.lora_digest
+        digest = request_digest(tenant, self.engine, request, adapter)
+        write_back = not control.no_store
+        scope = ""
+        if self.embedder_key and canonical.semantic_eligible:
+            scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
+        # A semantic hit's age is not checked, so a request with max-age is not looked up by
+        # meaning; embedding_cache then embeds nothing, so its answer is not indexed either.
+        semantic = bool(scope) and control.max_age_s is None
+        if control.no_cache:
+            return result(digest, CacheStatus.BYPASS, write_back, scope)
+        if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
+            return result(digest, CacheStatus.BYPASS, write_back, scope, semantic)
+        found = self.cache.get(digest, control.max_age_s) if read else None
+        if found is None:
+            return result(digest, CacheStatus.MISS, write_back, scope, semantic)
+        return result(digest, CacheStatus.EXACT, False, text=found.entry.text, tier=found.tier)

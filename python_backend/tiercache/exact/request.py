@@ -1,0 +1,301 @@
+"""Canonical generation requests.
+
+A request reaches the core as `RawInputs` (optional fields, as the client sent them) and leaves
+`canonicalize` as a validated, normalized `GenerationRequest`. Two raw requests that must produce
+the same answer canonicalize to equal `GenerationRequest`s: spacing and Unicode form of the prompt,
+omitted versus explicit default parameters, float spelling, the order of stop words, and sampling
+parameters that cannot change a greedy result are all normalized away.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiercache.errors import InvalidRequest
+
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+MAX_TEMPERATURE = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-deployment bounds on one request (stage parameters)."""
+
+    max_prompt_chars: int = 16_384
+    max_tokens: int = 1_024
+    max_stop_words: int = 16
+    max_stop_word_chars: int = 64
+    max_tenant_chars: int = 256
+
+
+DEFAULT_LIMITS = Limits()
+
+
+_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]{1,128}$")
+MAX_TAGS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CacheControl:
+    """The parsed `cache_control` input: comma- or space-separated words; the word names are
+    case-insensitive, tag values are not.
+
+    - `no-cache`: skip lookup (the answer is generated, and stored unless `no-store`).
+    - `no-store`: do not write the answer back.
+    - `allow-sampled`: cache a sampled request that has no seed (off by default: its answers vary).
+    - `no-semantic`: exact lookup only; the answer is not added to the semantic index either.
+    - `semantic-only`: skip the exact lookup and look up by meaning only.
+    - `max-age=<seconds>`: serve a cached answer only if it is at most that old (a finite
+      number >= 0); an older one is a miss for this request and stays for others. The semantic
+      lookup is skipped (it cannot tell an answer's age), so `semantic-only` is refused with it.
+    - `tag=<name>` (repeatable, at most 16): labels stored with the answer (not part of the
+      key), e.g. `tag=kb:v7`, so `tiercache.exact.invalidation` can drop every answer carrying it.
+      Names are 1-128 characters of letters, digits and `_ . : / @ + = -`.
+    """
+
+    no_cache: bool = False
+    no_store: bool = False
+    allow_sampled: bool = False
+    no_semantic: bool = False
+    semantic_only: bool = False
+    max_age_s: float | None = None
+    tags: tuple[str, ...] = ()
+
+    WORDS = ("no-cache", "no-store", "allow-sampled", "no-semantic", "semantic-only")
+    VALUED = ("max-age=<seconds>", "tag=<name>")
+
+    @classmethod
+    def parse(cls, text: str | None) -> CacheControl:
+        if text is None:
+            return cls()
+        words: set[str] = set()
+        unknown: set[str] = set()
+        max_ages: list[float] = []
+        tags: set[str] = set()
+        for raw in text.replace(",", " ").split():
+            name, has_value, value = raw.partition("=")
+            name = name.lower()
+            if not has_value:
+                (words if name in cls.WORDS else unknown).add(name)
+            elif name == "max-age":
+                max_ages.append(_parse_max_age(value))
+            elif name == "tag":
+                if not _TAG_PATTERN.match(value):
+                    raise InvalidRequest(
+                        f"cache_control tag {value!r} is not 1-128 characters of letters, "
+                        "digits and _ . : / @ + = -"
+                    )
+                tags.add(value)
+            else:
+                unknown.add(raw)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown cache_control word(s) {', '.join(map(repr, sorted(unknown)))}; "
+                f"known: {', '.join(cls.WORDS + cls.VALUED)}"
+            )
+        if len(set(max_ages)) > 1:
+            raise InvalidRequest("cache_control has more than one max-age")
+        if len(tags) > MAX_TAGS:
+            raise InvalidRequest(f"cache_control has {len(tags)} tags, at most {MAX_TAGS}")
+        max_age_s = max_ages[0] if max_ages else None
+        if max_age_s is not None and "semantic-only" in words:
+            raise InvalidRequest(
+                "cache_control max-age cannot be combined with semantic-only (a semantic hit's "
+                "age is not checked)"
+            )
+        return cls(
+            no_cache="no-cache" in words,
+            no_store="no-store" in words,
+            allow_sampled="allow-sampled" in words,
+            no_semantic="no-semantic" in words,
+            semantic_only="semantic-only" in words,
+            max_age_s=max_age_s,
+            tags=tuple(sorted(tags)),
+        )
+
+
+def _parse_max_age(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequest(
+            f"cache_control max-age must be a finite number of seconds >= 0, got {value!r}"
+        )
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class RawInputs:
+    """Inputs as decoded from the wire; None means the client omitted the input."""
+
+    text_input: str | None
+    max_tokens: int | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_words: Sequence[str] | None = None
+    tenant: str | None = None
+    cache_control: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated, canonical request: what the engine runs.
+
+    Greedy requests (temperature 0) carry top_p=1, top_k=0 and seed=None whatever the client sent,
+    because those parameters cannot change a greedy result. The exact-cache key covers a subset
+    of it (`tiercache.exact.keys.key_fields`); the stages hand it on inside the inter-stage
+    envelope (`tiercache.stages.envelope`), with what prompt_cache decided about it.
+    """
+
+    prompt: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
+    seed: int | None = None
+    stop_words: tuple[str, ...] = field(default_factory=tuple)
+    stream: bool = False
+    lora_name: str = ""
+    # The adapter version lora_name resolved to (set by prompt_cache; the digest enters the key
+    # document itself, see tiercache.exact.keys). 0 / "" for the base model.
+    lora_task_id: int = 0
+    lora_digest: str = ""
+    # The tenant scope (HMAC, tiercache.exact.keys.tenant_scope; set by prompt_cache) that the
+    # engine's prefix KV blocks are keyed by, so KV is never shared across tenants. The scope
+    # enters the cache key document itself.
+    tenant_scope: str = ""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def deterministic(self) -> bool:
+        """True when the same request always yields the same text (greedy, or seeded sampling)."""
+        return self.greedy or self.seed is not None
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, then every run of Unicode whitespace becomes one space, trimmed at both ends."""
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def canonical_float(value: float) -> float:
+    """The shortest decimal that round-trips through float32, so FP32 0.7 and Python 0.7 agree."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))
+
+
+def _check_float(name: str, value: float, low: float, high: float, low_open: bool = False) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise InvalidRequest(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
+    return canonical_float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Canonical:
+    """What `canonicalize` returns: the request plus the per-call context that is not the key."""
+
+    request: GenerationRequest
+    tenant: str
+    cache_control: CacheControl
+
+    @property
+    def cacheable(self) -> bool:
+        return self.request.deterministic or self.cache_control.allow_sampled
+
+    @property
+    def semantic_eligible(self) -> bool:
+        """Greedy, or sampled with a seed; not opted out. An unseeded sampled answer is one draw
+        of many, so it never stands in for a reworded request (even with allow-sampled)."""
+        return self.request.deterministic and not self.cache_control.no_semantic
+
+
+def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
+    """Validate `raw` and build its canonical form; raises `InvalidRequest` naming the problem."""
+    if raw.text_input is None:
+        raise InvalidRequest("text_input is required")
+    # NFKC can expand a character up to 18x: bound the input before normalizing it.
+    if len(raw.text_input) > 4 * limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"text_input has {len(raw.text_input)} characters, over the limit of "
+            f"{limits.max_prompt_chars}"
+        )
+    prompt = normalize_text(raw.text_input)
+    if not prompt:
+        raise InvalidRequest("text_input is empty")
+    if len(prompt) > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"text_input has {len(prompt)} characters, over the limit of {limits.max_prompt_chars}"
+        )
+
+    default_max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
+    max_tokens = default_max_tokens if raw.max_tokens is None else int(raw.max_tokens)
+    if max_tokens < 1 or max_tokens > limits.max_tokens:
+        raise InvalidRequest(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+
+    temperature = DEFAULT_TEMPERATURE if raw.temperature is None else raw.temperature
+    temperature = _check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)
+    top_p = DEFAULT_TOP_P if raw.top_p is None else raw.top_p
+    top_p = _check_float("top_p", top_p, 0.0, 1.0, low_open=True)
+    top_k = DEFAULT_TOP_K if raw.top_k is None else int(raw.top_k)
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    seed = raw.seed
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidRequest(f"seed must fit in uint64, got {seed}")
+
+    stop_words = _canonical_stop_words(raw.stop_words, limits)
+
+    tenant = "" if raw.tenant is None else unicodedata.normalize("NFKC", raw.tenant).strip()
+    if len(tenant) > limits.max_tenant_chars:
+        raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
+    lora_name = "" if raw.lora_name is None else raw.lora_name.strip()
+
+    if temperature == 0.0:
+        top_p, top_k, seed = DEFAULT_TOP_P, DEFAULT_TOP_K, None
+    request = GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop_words=stop_words,
+        stream=bool(raw.stream) if raw.stream is not None else False,
+        lora_name=lora_name,
+    )
+    return Canonical(request, tenant, CacheControl.parse(raw.cache_control))
+
+
+def _canonical_stop_words(words: Sequence[str] | None, limits: Limits) -> tuple[str, ...]:
+    if not words:
+        return ()
+    # Stop words keep their whitespace ("\n" is a common one); only the Unicode form is normalized.
+    normalized = {unicodedata.normalize("NFKC", w) for w in words}
+    normalized.discard("")
+    if len(normalized) > limits.max_stop_words:
+        raise InvalidRequest(f"at most {limits.max_stop_words} stop_words, got {len(normalized)}")
+    for word in normalized:
+        if len(word) > limits.max_stop_word_chars:
+            raise InvalidRequest(
+                f"a stop word is longer than {limits.max_stop_word_chars} characters"
+            )
+    return tuple(sorted(normalized))

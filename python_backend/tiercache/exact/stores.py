@@ -1,0 +1,450 @@
+"""Exact-cache stores: L1 in process memory, L2 in an embedded LMDB on local disk.
+
+Both keep the same contract (`Store`), checked by one test suite run against each. Store, policy
+and codec are separate: each store takes a `tiercache.eviction.EvictionPolicy` (L1: LRU by default,
+L2: oldest first) and asks it for victims as its byte budget fills; the store evicts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import lmdb
+
+from tiercache.eviction import EvictionPolicy, LruPolicy, OldestFirstPolicy
+from tiercache.exact.codec import (
+    CacheEntry,
+    CorruptEntry,
+    decode_entry,
+    encode_entry,
+    peek_created_s,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int
+
+
+class Store(Protocol):
+    """A bounded key -> CacheEntry map. Thread-safe. Never raises on a corrupt stored value."""
+
+    def get(self, key: str) -> CacheEntry | None: ...
+
+    def put(self, key: str, entry: CacheEntry) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete `keys`; how many were present. (A loop over `delete` where nothing batches.)"""
+        ...
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        """Every readable entry, for invalidation sweeps. Best effort: entries written or deleted
+        during the scan may or may not appear; corrupt ones are skipped. Not counted as hits."""
+        ...
+
+    def clear(self) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
+    `policy` (LRU by default: a hit is one `access` call, O(1)). Entries larger than the whole
+    budget are not stored (and an older value under their key is dropped)."""
+
+    def __init__(self, max_bytes: int, policy: EvictionPolicy[str] | None = None) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self._max_bytes = max_bytes
+        self._policy: EvictionPolicy[str] = policy if policy is not None else LruPolicy()
+        self._access = self._policy.access  # bound once: the hit path's only policy call
+        self._entries: dict[str, CacheEntry] = {}
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    def get(self, key: str) -> CacheEntry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+                self._access(key)
+            return entry
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        size = entry.size_bytes
+        with self._lock:
+            if size > self._max_bytes:
+                self._discard(key)  # never keep serving an older value under this key
+                return
+            replaced = self._sizes.get(key, 0)
+            over = self._bytes - replaced + size - self._max_bytes
+            if over > 0:
+                self._evict(over, key)
+            self._entries[key] = entry
+            self._sizes[key] = size
+            self._bytes += size - replaced
+            self._policy.admit(key, size, created_s=entry.created_s)
+
+    def _evict(self, nbytes: int, replacing: str) -> None:
+        """Free at least `nbytes` (lock held), never the entry `replacing` (its bytes are
+        already counted as freed). Nothing in L1 is pinned and `put` never asks for more than
+        the budget, so a policy that cannot name enough is broken: RuntimeError."""
+        freed = 0
+        for victim in self._policy.nominate(0, nbytes, replacing.__eq__):
+            size = self._sizes.get(victim, 0)
+            if not self._discard(victim):
+                raise RuntimeError(f"L1's policy nominated {victim!r}, which L1 does not hold")
+            freed += size
+            self._evictions += 1
+        if freed < nbytes:
+            raise RuntimeError(f"L1's policy nominated {freed} of the {nbytes} bytes needed")
+
+    def _discard(self, key: str) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes -= self._sizes.pop(key)
+        self._policy.remove(key)
+        return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._discard(key)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        return sum(self.delete(key) for key in keys)
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        with self._lock:  # a snapshot, not counted as reads: the policy's order is unchanged
+            items = list(self._entries.items())
+        yield from items
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._sizes.clear()
+            self._bytes = 0
+            self._policy.clear()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                entries=len(self._entries),
+                bytes=self._bytes,
+                max_bytes=self._max_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                corrupt=0,
+            )
+
+    def close(self) -> None:
+        self.clear()
+
+
+LMDB_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PageNotFoundError,
+    lmdb.BadValsizeError,
+    lmdb.BadTxnError,
+    lmdb.BadRslotError,
+)
+"""What a damaged LMDB file raises (as opposed to full maps, full reader tables, locks)."""
+
+
+class DamagedDatabase(Exception):
+    """An LMDB file is shorter than its own meta page says (truncated) or fails a walk."""
+
+
+def data_bytes(env: lmdb.Environment) -> int:
+    """Bytes in an environment's pages that hold data: not the file's size, which never shrinks
+    (freed pages are reused)."""
+    st = env.stat()
+    return int((st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
+
+
+def map_resized_message(path: Path, max_bytes: int) -> str:
+    return (
+        f"L2 {path} has grown past this process's map of {max_bytes} bytes: another stage of "
+        "this host opened it with a larger l2_max_bytes. Set the same l2_max_bytes on every "
+        "stage that shares the state_dir and restart; until then this stage cannot use L2"
+    )
+
+
+def open_lmdb(
+    path: Path,
+    map_size: int,
+    what: str,
+    clock: Callable[[], float] = time.time,
+    max_readers: int = 512,
+) -> lmdb.Environment:
+    """Open the LMDB environment in `path`, checked; a damaged one is moved aside to
+    `<name>.corrupt-<time>-<pid>-<random>` (kept for inspection) and rebuilt empty, with a
+    warning naming both. Damaged means: LMDB refuses the file, the file is shorter than the last
+    page its meta page records (reading past the end of a memory map is SIGBUS, which would kill
+    the process on the first read of a truncated file), or a walk over every key fails.
+
+    Under an exclusive lock on `<path>.open-lock`, so that the processes of a host opening the same
+    damaged file at once agree: the first moves it aside and creates the new one, the others open
+    that. Opening costs one key walk (leaf pages only; values are checked by their own checksums
+    when read). Only damage moves a database; any other error (disk full, readers full) is raised,
+    because moving a healthy database that other processes use would split it in two."""
+    path.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.with_name(path.name + ".open-lock")):
+        try:
+            return _open_checked(path, map_size, max_readers)
+        except (DamagedDatabase, *LMDB_DAMAGE) as exc:
+            stamp = f"{int(clock())}-{os.getpid()}-{secrets.token_hex(3)}"
+            aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+            log.warning(
+                "%s %s is damaged (%s); moved aside to %s, rebuilt empty", what, path, exc, aside
+            )
+            shutil.move(str(path), str(aside))
+            path.mkdir(parents=True)
+            return lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+b") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+
+
+def _open_checked(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
+    data_file = path / "data.mdb"
+    env = lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+    try:
+        page_size = int(env.stat()["psize"])
+        needed = (int(env.info()["last_pgno"]) + 1) * page_size
+        if data_file.exists() and data_file.stat().st_size < needed:
+            raise DamagedDatabase(
+                f"data.mdb has {data_file.stat().st_size} bytes, its pages need {needed}"
+            )
+        with env.begin() as txn:
+            for db_key in txn.cursor().iternext(keys=True, values=False):
+                if isinstance(db_key, bytes) and not db_key:
+                    raise DamagedDatabase("an empty key")
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+class _CountingStore(Protocol):
+    def _count(self, *, hits: int = 0, misses: int = 0, corrupt: int = 0) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
+
+
+def read_stored(
+    store: _CountingStore, tier: str, key: str, data: bytes | None
+) -> CacheEntry | None:
+    """A shared tier's read of one stored value: None (a miss) when absent, and when corrupt,
+    which also drops it; hits, misses and corrupt entries counted on `store`."""
+    if data is None:
+        store._count(misses=1)
+        return None
+    try:
+        entry = decode_entry(data)
+    except CorruptEntry as exc:
+        log.warning("%s entry %s is corrupt (%s); dropped", tier, key, exc)
+        store._count(misses=1, corrupt=1)
+        store.delete(key)
+        return None
+    store._count(hits=1)
+    return entry
+
+
+class LmdbStore:
+    """L2: an LMDB environment on local disk, shared by every process on the host.
+
+    LMDB gives multi-process readers and one writer at a time with crash-safe commits. The byte
+    budget is the map size: LMDB cannot grow past it. Writes keep `headroom_fraction` of the map
+    free, because LMDB needs free pages even to delete (a completely full map cannot evict): when
+    live pages plus the new value would pass that mark, `evict_fraction` of the entries (the
+    policy's choice) go first. A `MapFullError` all the same (a large value, fragmentation)
+    evicts again and retries once.
+    The policy (default `OldestFirstPolicy`: an L2 read never writes, so L2 keeps no access
+    times) sees the whole database at each eviction and nothing in between: other processes
+    write L2 too, so no process could keep a lasting view of it. Each eviction clears it, admits
+    every entry in key order (size: the stored bytes; `created_s` from the value), asks it for
+    victims and clears it again.
+    A database that is damaged when it opens (truncated or corrupt file; `open_lmdb`) is moved
+    aside and rebuilt empty; a damaged page met later makes that read a miss.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int,
+        policy: EvictionPolicy[str] | None = None,
+        evict_fraction: float = 0.1,
+        headroom_fraction: float = 0.25,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self._max_bytes = max_bytes
+        self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
+        self._evict_fraction = evict_fraction
+        self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._hits = self._misses = self._evictions = self._corrupt = 0
+        self._env = open_lmdb(path, max_bytes, "L2 store", clock)
+        self._resized_logged_s = -60.0
+
+    def get(self, key: str) -> CacheEntry | None:
+        """A damaged page met while reading is a miss (counted as corrupt), never an error: the
+        answer is generated again and its write may fail the same way, which llm logs."""
+        try:
+            with self._env.begin(buffers=False) as txn:
+                data = txn.get(key.encode())
+        except LMDB_DAMAGE as exc:
+            log.warning("L2 read of %s met a damaged page (%s); a miss", key, exc)
+            self._count(misses=1, corrupt=1)
+            return None
+        except lmdb.MapResizedError:
+            now = time.monotonic()
+            if now - self._resized_logged_s >= 60.0:  # once a minute, not on every read
+                self._resized_logged_s = now
+                log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
+            self._count(misses=1)
+            return None
+        return read_stored(self, "L2", key, data)
+
+    def put(self, key: str, entry: CacheEntry) -> None:
+        data = encode_entry(entry)
+        with self._resized_is_an_error():
+            with self._evict_lock:  # one evicting thread per process; the others re-check after
+                if self._live_bytes() + len(data) > self._high_water_bytes:
+                    self._evict()
+            try:
+                self._write(key.encode(), data)
+            except lmdb.MapFullError:
+                with self._evict_lock:  # the policy is one per store: one eviction at a time
+                    self._evict(fraction=max(0.5, self._evict_fraction))
+                self._write(key.encode(), data)
+
+    def _live_bytes(self) -> int:
+        return data_bytes(self._env)
+
+    def _write(self, key: bytes, data: bytes) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(key, data)
+
+    @contextlib.contextmanager
+    def _resized_is_an_error(self) -> Iterator[None]:
+        """MDB_MAP_RESIZED as an OSError that says what to do (see map_resized_message)."""
+        try:
+            yield
+        except lmdb.MapResizedError:
+            raise OSError(map_resized_message(self.path, self._max_bytes)) from None
+
+    def _evict(self, fraction: float | None = None) -> None:
+        """Delete `fraction` of the entries (at least one), as the policy nominates them, and
+        every entry too corrupt to rank. Called under `_evict_lock`, which guards the policy."""
+        policy = self._policy
+        policy.clear()
+        entries = 0
+        broken: list[bytes] = []
+        try:
+            with self._env.begin() as txn:
+                for key, value in txn.cursor():
+                    try:
+                        created_s = peek_created_s(value)
+                    except CorruptEntry:
+                        broken.append(key)
+                        continue
+                    policy.admit(key.decode(), len(value), created_s=created_s)
+                    entries += 1
+            share = self._evict_fraction if fraction is None else fraction
+            count = max(1, int(entries * share))
+            victims = [k.encode() for k in policy.nominate(count)] + broken
+        finally:
+            policy.clear()
+        with self._env.begin(write=True) as txn:
+            deleted = sum(bool(txn.delete(key)) for key in victims)  # another writer may have won
+        self._count(evictions=deleted)
+
+    def delete(self, key: str) -> bool:
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
+            return bool(txn.delete(key.encode()))
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """One write transaction (one commit) for all of them."""
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
+            return sum(bool(txn.delete(key.encode())) for key in keys)
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        """One read transaction over the whole map; decoding every entry costs about as much
+        as reading it (see docs/replicas.md for the figure)."""
+        with self._env.begin(buffers=False) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield key.decode(), decode_entry(value)
+                except CorruptEntry:
+                    continue
+
+    def clear(self) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.drop(self._env.open_db(), delete=False)
+
+    def stats(self) -> StoreStats:
+        entries = int(self._env.stat()["entries"])
+        live_bytes = self._live_bytes()
+        with self._lock:
+            return StoreStats(
+                entries=entries,
+                bytes=live_bytes,
+                max_bytes=self._max_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                corrupt=self._corrupt,
+            )
+
+    def _count(self, hits: int = 0, misses: int = 0, evictions: int = 0, corrupt: int = 0) -> None:
+        with self._lock:
+            self._hits += hits
+            self._misses += misses
+            self._evictions += evictions
+            self._corrupt += corrupt
+
+    def close(self) -> None:
+        self._env.close()

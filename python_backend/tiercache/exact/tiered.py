@@ -1,0 +1,242 @@
+"""The exact cache: L1 (this process) in front of L2 (shared on the host) in front of an optional
+L3 (Redis, shared by every replica), read-through.
+
+The tiers are an ordered list of `TierSlot`s, nearest first, each saying who else reads it
+(`Reach`). A read tries each tier in turn; a hit in a lower tier is copied into the tiers above it
+(an L3 hit fills L2 and L1). A write goes to the shared tiers first, nearest first (L2, which the
+other processes of the host see, then L3, which other replicas see: a peer waiting for the answer
+sees it as early as possible), then to this process's own (L1). Expiry is checked on every read
+with the injected clock, and so are invalidations
+(`tiercache.exact.watermarks.InvalidationTable`): an expired or invalidated entry is a miss in
+every tier and is dropped where it was found. A `max_age_s` read only skips entries that are too
+old for that one request; they stay for others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import Store
+from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
+from tiercache.vocabulary import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    entry: CacheEntry
+    tier: Tier
+
+
+class Reach(str, Enum):
+    """Who reads a tier besides this process: what decides the order of writes (shared tiers
+    first) and what an invalidation message makes each process drop (this host's tiers)."""
+
+    PROCESS = "process"  # this process alone (L1)
+    HOST = "host"  # every process of this host (L2)
+    FLEET = "fleet"  # every replica (L3)
+
+
+USUAL_REACH = {Tier.L1: Reach.PROCESS, Tier.L2: Reach.HOST, Tier.L3: Reach.FLEET}
+"""Each tier's reach, as `tiercache.vocabulary.Tier` defines the tiers."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierSlot:
+    """One tier of a `TieredCache`: its name, its store and who else reads it."""
+
+    tier: Tier
+    store: Store
+    reach: Reach
+
+    @classmethod
+    def of(cls, tier: Tier, store: Store) -> TierSlot:
+        """A slot with the tier's usual reach (`USUAL_REACH`)."""
+        return cls(tier, store, USUAL_REACH[tier])
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class TieredCache:
+    """`tiers`, nearest first: `TierSlot`s, or (Tier, Store) pairs that take the tier's usual
+    reach. Any tier may be left out: the llm stage writes through L2 (and L3) only, since its own
+    L1 would never be read (lookups happen in the prompt_cache process, whose L1 fills on the
+    first hit). A tier named twice is a ValueError.
+
+    `background` holds what runs beside the tiers and is closed first (the invalidation
+    listener, `tiercache.exact.invalidation.InvalidationListener`).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSlot | tuple[Tier, Store]],
+        *,
+        clock: Callable[[], float] = time.time,
+        default_ttl_s: float = 0.0,
+        invalidations: InvalidationTable | None = None,
+        background: Sequence[Closeable] = (),
+        host_marks: HostWatermarks | None = None,
+    ) -> None:
+        self.tiers = tuple(t if isinstance(t, TierSlot) else TierSlot.of(*t) for t in tiers)
+        names = [t.tier for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a tier named twice in {[n.value for n in names]}")
+        self._stores = [(t.tier, t.store) for t in self.tiers]
+        # Shared tiers first (peers see the answer soonest), nearest first; then this process's.
+        self._write_order = [t for t in self.tiers if t.reach is not Reach.PROCESS] + [
+            t for t in self.tiers if t.reach is Reach.PROCESS
+        ]
+        self._clock = clock
+        self.default_ttl_s = default_ttl_s
+        self.invalidations = invalidations if invalidations is not None else InvalidationTable()
+        self.background = list(background)
+        self.host_marks = host_marks  # the host's invalidation log: noted before every read
+        self._catch_up_logged_s = -60.0
+
+    def now(self) -> float:
+        """The wall clock entries are stamped with (`created_s`)."""
+        return self._clock()
+
+    def get(self, key: str, max_age_s: float | None = None) -> Lookup | None:
+        """The freshest usable entry, from the highest tier that has one; None on a miss. A tier
+        that fails to read is a miss in that tier (logged), never an error: the request goes on
+        to a lower tier or to the engine. `default_ttl_s` caps the age of what this cache
+        serves, whatever TTL the writer gave the entry (prompt_cache reads what llm wrote)."""
+        self._catch_up()
+        now = self._clock()
+        tiers = self._stores
+        for i, (tier, store) in enumerate(tiers):
+            try:
+                entry = store.get(key)
+            except Exception:  # noqa: BLE001 - a broken tier costs a miss, not the request
+                log.exception("reading %s from %s failed; a miss there", key, tier.value)
+                continue
+            if entry is None:
+                continue
+            if entry.expired(now) or self.invalidations.covers(key, entry):
+                self._drop(tier, store, key)
+                continue
+            age_s = now - entry.created_s
+            if self.default_ttl_s > 0 and age_s >= self.default_ttl_s:
+                continue  # too old for this reader; the writer's TTL may keep it for others
+            if max_age_s is not None and age_s > max_age_s:
+                continue
+            for upper_tier, upper in tiers[:i]:
+                try:
+                    upper.put(key, entry)
+                except Exception:  # noqa: BLE001 - a failed fill (a full disk) must not fail a hit
+                    log.exception("filling %s with %s failed", upper_tier.value, key)
+            return Lookup(entry, tier)
+        return None
+
+    def exists(self, key: str) -> bool:
+        """Whether some tier holds a usable entry (not expired, not invalidated), without filling
+        tiers or dropping anything; a tier that fails to read raises. For decisions that must
+        not take an error for a miss (compaction deletes the rows of answers that are gone)."""
+        self._catch_up()
+        now = self._clock()
+        for _, store in self._stores:
+            entry = store.get(key)
+            if entry is not None and not entry.expired(now):
+                if not self.invalidations.covers(key, entry):
+                    return True
+        return False
+
+    def put(
+        self,
+        key: str,
+        text: str,
+        *,
+        ttl_s: float | None = None,
+        finish_reason: str = "stop",
+        generated_tokens: int = 0,
+        tags: tuple[str, ...] = (),
+        tenant_scope: str = "",
+        adapter: str = "",
+        created_s: float | None = None,
+    ) -> CacheEntry | None:
+        """Store an answer in every tier; None, writing nothing, when an invalidation this
+        process knows of already covers it (a generation that started before the watermark:
+        readers would refuse it, and once the watermark is forgotten it would be served).
+        `created_s` (default: now) is when its generation started; `tags`, `tenant_scope`
+        and `adapter` are what invalidations match on."""
+        entry = CacheEntry(
+            text=text,
+            created_s=self._clock() if created_s is None else created_s,
+            ttl_s=self.default_ttl_s if ttl_s is None else ttl_s,
+            finish_reason=finish_reason,
+            generated_tokens=generated_tokens,
+            tags=tags,
+            tenant_scope=tenant_scope,
+            adapter=adapter,
+        )
+        self._catch_up()
+        if self.invalidations.covers(key, entry):
+            log.info(
+                "not storing %s: an invalidation issued since its generation began covers it", key
+            )
+            return None
+        # Each tier on its own: a full local disk must not keep the answer from L3 (other
+        # replicas wait for it there) or from L1. The first failure is raised after the others.
+        failure: Exception | None = None
+        for slot in self._write_order:
+            try:
+                slot.store.put(key, entry)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return entry
+
+    def _catch_up(self) -> None:
+        if self.host_marks is None:
+            return
+        try:
+            self.host_marks.catch_up(self.invalidations)
+        except Exception:  # noqa: BLE001 - the tiers still answer; logged for the operator
+            now = time.monotonic()
+            if now - self._catch_up_logged_s >= 60.0:  # once a minute, not on every read
+                self._catch_up_logged_s = now
+                log.exception("reading the host's invalidation log failed")
+
+    @staticmethod
+    def _drop(tier: Tier, store: Store, key: str) -> None:
+        try:
+            store.delete(key)
+        except Exception:  # noqa: BLE001 - it stays a miss; the next read tries again
+            log.exception("dropping %s from %s failed", key, tier.value)
+
+    def delete(self, key: str) -> bool:
+        removed = False
+        for _, store in self._stores:
+            removed = store.delete(key) or removed
+        return removed
+
+    def stores(self) -> list[tuple[Tier, Store]]:
+        """(tier, store) pairs, nearest first (a new list: callers may keep or change it)."""
+        return list(self._stores)
+
+    def store(self, tier: Tier) -> Store | None:
+        """The store of `tier`; None when this cache has no such tier."""
+        return next((t.store for t in self.tiers if t.tier is tier), None)
+
+    def local_stores(self) -> list[tuple[Tier, Store]]:
+        """The tiers of this host (L1, L2): what an invalidation message makes each process drop."""
+        return [(t.tier, t.store) for t in self.tiers if t.reach is not Reach.FLEET]
+
+    def close(self) -> None:
+        for item in self.background:
+            item.close()
+        for _, store in self._stores:
+            store.close()
+        if self.host_marks is not None:
+            self.host_marks.close()

@@ -1,0 +1,465 @@
+"""The core of stage 4, `llm`: serve hits, run one generation per digest on a miss, write back
+clean results.
+
+Transport-free: the stage (tiercache.stages.llm) supplies a `Responder` per request and an engine
+call (`GenerateFn`, a BLS stream in production, a fake in unit tests).
+
+One generation per digest in this process (`tiercache.exact.flights`) and, with a
+`LeaseCoordinator`, across every replica sharing a Redis (`tiercache.exact.leases`): a flight's
+leader whose digest another replica is generating waits for that replica's answer instead of
+generating it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from tiercache.engine.events import CONTENT_FILTER, StreamEvent
+from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.flights import Flight, FlightTable, abandoned_error
+from tiercache.exact.keys import Digest
+from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tiered import TieredCache
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
+CLEAN_FINISHES = frozenset({"stop", "length"})
+# Served to every requester as the answer, never stored or indexed: the engine flagged it (a
+# refusal; tiercache.engine.policy).
+SERVED_UNCACHED_FINISHES = frozenset({CONTENT_FILTER})
+
+
+def flight_key(digest: Digest, status: str, max_age_s: float | None, write_back: bool) -> str:
+    """The key under which identical in-flight misses share one generation. A looked-up miss
+    (`status` "miss") without `max-age` may be answered by an entry stored since its lookup, so
+    its leader checks the cache again, and it stores its answer. A `bypass` request (no-cache,
+    semantic-only) must get a fresh generation, a `max-age` request nothing older than its own
+    bound, and a `no-store` leader would leave its followers' answer unstored: each such kind
+    shares flights only with requests that want the same thing."""
+    if status == "miss" and max_age_s is None and write_back:
+        return digest
+    age = "" if max_age_s is None else repr(max_age_s)
+    return f"{digest}|{status}|{age}|{'store' if write_back else 'no-store'}"
+
+
+class Responder(Protocol):
+    """What the stage needs from one request's response channel."""
+
+    def is_cancelled(self) -> bool: ...
+
+    def send_chunk(self, text: str) -> None: ...
+
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        """The last response: `text` (None in stream mode, where chunks carried it), status, the
+        similarity of a semantic hit, and for a generated answer the (reused, computed) prompt
+        tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them) and
+        its finish reason (`content_filter`: a refusal, not cached)."""
+        ...
+
+    def send_cancelled(self) -> None:
+        """Only the final flag: the client went away."""
+        ...
+
+    def send_error(self, exc: BaseException) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Directives:
+    """A miss's cache_control directives that are not part of its key."""
+
+    tags: tuple[str, ...] = ()
+    max_age_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRecord:
+    """One engine call that ran to its end (clean or not), for metrics."""
+
+    ttft_s: float | None
+    duration_s: float
+    generated_tokens: int
+    finish_reason: str
+    stored: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    generations: int
+    coalesced: int
+    write_backs: int
+    write_failures: int
+    in_flight: int
+    remote_waits: int = 0  # flights that waited for another replica's generation
+    remote_hits: int = 0  # of those, served by the other replica's answer
+    lease_takeovers: int = 0  # waits that ended in taking the lease: freed without an answer
+    lease_wait_timeouts: int = 0  # waits that gave up after `wait_s` and generated here too
+
+
+class Generations:
+    """Hits served whole; misses coalesced into one generation per digest (and across replicas
+    with leases), streamed to every subscriber and written back when clean."""
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        generate: GenerateFn,
+        max_workers: int = 64,
+        on_generation: Callable[[GenerationRecord], None] | None = None,
+        on_follow: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        leases: LeaseCoordinator | None = None,
+    ) -> None:
+        """`leases` coalesces misses across replicas (None: this process only)."""
+        self.cache = cache
+        self._leases = leases
+        self._generate = generate
+        self._on_generation = on_generation
+        self._on_follow = on_follow
+        self._clock = clock
+        self.flights = FlightTable()
+        # Two pools: readers block on their flight, so producers must never queue behind them
+        # (one shared pool deadlocks once every worker is a waiting reader).
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-serve")
+        self._producers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-gen")
+        self._lock = threading.Lock()
+        self._generations = self._write_backs = self._write_failures = 0
+        self._remote_waits = self._remote_hits = 0
+        self._lease_takeovers = self._lease_wait_timeouts = 0
+
+    # -- entry points (called from execute) ------------------------------------------------
+
+    @staticmethod
+    def serve_hit(
+        text: str, status: str, responder: Responder, similarity: float | None = None
+    ) -> None:
+        """A cache hit: the whole answer in one final response, so the first chunk is at once."""
+        responder.send_final(text, status, similarity)
+
+    def submit_miss(
+        self,
+        request: GenerationRequest,
+        digest: Digest | None,
+        status: str,
+        write_back: bool,
+        responder: Responder,
+        after_store: Callable[[], None] | None = None,
+        generate: GenerateFn | None = None,
+        *,
+        tags: tuple[str, ...] = (),
+        max_age_s: float | None = None,
+    ) -> None:
+        """Serve a miss on a worker thread; returns at once (the model is decoupled).
+        `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
+        request accepts instead of a generation (its cache_control directives).
+        `after_store` runs once the answer is stored (the semantic index write), if it is.
+        `generate` replaces the stage's engine call for this request if it leads its flight (it
+        carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
+        directives = _Directives(tags, max_age_s)
+        self._pool.submit(
+            self._serve_miss,
+            request,
+            digest,
+            status,
+            write_back,
+            responder,
+            after_store,
+            generate,
+            directives,
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _serve_miss(
+        self,
+        request: GenerationRequest,
+        digest: Digest | None,
+        status: str,
+        write_back: bool,
+        responder: Responder,
+        after_store: Callable[[], None] | None,
+        generate: GenerateFn | None = None,
+        directives: _Directives | None = None,
+    ) -> None:
+        directives = directives or _Directives()
+        if digest is None:
+            flight, leader = Flight(key="", subscribers=1), True
+        else:
+            key = flight_key(digest, status, directives.max_age_s, write_back)
+            flight, leader = self.flights.join(key)
+            if not leader and self._on_follow is not None:
+                self._on_follow()
+        if leader:
+            # Only a looked-up miss may be answered by an entry stored since its lookup; `bypass`
+            # (no-cache, semantic-only) asked not to be served from the exact cache.
+            recheck = status == "miss"
+            self._producers.submit(
+                self._produce,
+                flight,
+                request,
+                digest,
+                write_back,
+                after_store,
+                recheck,
+                generate,
+                directives,
+            )
+        try:
+            parts: list[str] = []
+            for chunk in flight.read(responder.is_cancelled):
+                parts.append(chunk)
+                if request.stream and chunk:
+                    responder.send_chunk(chunk)
+            if responder.is_cancelled():
+                responder.send_cancelled()
+            else:
+                text = None if request.stream else "".join(parts)
+                responder.send_final(
+                    text,
+                    status,
+                    prompt_usage=flight.prompt_usage,
+                    finish_reason=flight.finish_reason,
+                )
+        except TierCacheError as exc:
+            responder.send_error(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with traceback
+            log.exception("serving a miss failed")
+            responder.send_error(exc)
+        finally:
+            self.flights.leave(flight)
+
+    def _produce(
+        self,
+        flight: Flight,
+        request: GenerationRequest,
+        digest: Digest | None,
+        write_back: bool,
+        after_store: Callable[[], None] | None = None,
+        recheck: bool = True,
+        generate: GenerateFn | None = None,
+        directives: _Directives | None = None,
+    ) -> None:
+        """Run one generation into `flight`; store it only if clean, complete and wanted."""
+        error: TierCacheError | None = None
+        lease: Lease | None = None
+        directives = directives or _Directives()
+        try:
+            max_age_s = directives.max_age_s
+            if digest is not None and recheck:
+                # A flight for this digest may have finished between the lookup and now.
+                found = self.cache.get(digest, max_age_s)
+                if found is not None:
+                    flight.append(found.entry.text)
+                    return
+                if write_back and self._leases is not None:
+                    lease, text = self._take_turn(flight, digest, max_age_s)
+                    if text is not None:
+                        flight.append(text)
+                        return
+            started_s = self.cache.now()
+            record = self._run_engine(flight, request, generate or self._generate)
+            stored = False
+            if flight.abandoned or record.finish_reason == "cancelled":
+                error = abandoned_error()
+            elif record.finish_reason in SERVED_UNCACHED_FINISHES:
+                log.info(
+                    "engine finished %s with %r: served, not cached", digest, record.finish_reason
+                )
+            elif record.finish_reason not in CLEAN_FINISHES:
+                error = Unavailable(f"engine finished with {record.finish_reason!r}")
+            elif write_back and digest is not None:
+                stored = self._store(
+                    digest, flight.text(), record, request, started_s, directives.tags
+                )
+                if stored and after_store is not None:
+                    self._run_after_store(after_store)
+            if self._on_generation is not None:
+                try:
+                    self._on_generation(dataclasses.replace(record, stored=stored))
+                except Exception:  # noqa: BLE001 - a report must not fail a served answer
+                    log.exception("on_generation callback failed for %s", digest)
+        except TierCacheError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - every subscriber gets the error; traceback logged
+            log.exception("generation failed")
+            error = Unavailable(f"generation failed: {type(exc).__name__}: {exc}")
+        finally:
+            if lease is not None and self._leases is not None:
+                self._leases.release(lease)  # after the store: waiting replicas find the answer
+            if digest is None:
+                flight.finish(error)
+            else:
+                self.flights.complete(flight, error)
+
+    def _take_turn(
+        self, flight: Flight, digest: Digest, max_age_s: float | None
+    ) -> tuple[Lease | None, str | None]:
+        """Across replicas: (our lease, None) to generate; (None, text) when another replica's
+        answer arrived; (None, None) to generate without a lease (Redis unavailable, or the
+        other replica took longer than `wait_s`). Raises if every local requester left."""
+        leases = self._leases
+        if leases is None:
+            return None, None
+        deadline = self._clock() + leases.wait_s
+        waited = False
+        while True:
+            state, lease = leases.acquire(digest)
+            if state is LeaseState.ACQUIRED and lease is not None:
+                if waited:  # the holder may have stored its answer just before letting go
+                    try:
+                        found = self.cache.get(digest, max_age_s)
+                    except BaseException:
+                        leases.release(lease)  # not yet _produce's to release: never leak it
+                        raise
+                    if found is not None:
+                        leases.release(lease)
+                        self._count_remote(hit=True)
+                        return None, found.entry.text
+                    self._count_remote(takeover=True)
+                return lease, None
+            if state is LeaseState.UNAVAILABLE:
+                return None, None
+            if not waited:
+                waited = True
+                self._count_remote(wait=True)
+            while True:
+                found = self.cache.get(digest, max_age_s)
+                if found is not None:
+                    self._count_remote(hit=True)
+                    return None, found.entry.text
+                if flight.abandoned:
+                    raise abandoned_error()
+                if self._clock() >= deadline:
+                    self._count_remote(wait_timeout=True)
+                    log.warning(
+                        "another replica held %s for over %.0f s; generating here too",
+                        digest,
+                        leases.wait_s,
+                    )
+                    return None, None
+                held = leases.held(digest)
+                if held is None:
+                    return None, None
+                if not held:
+                    break  # released without an answer, or expired: take it
+                leases.pause()
+
+    @property
+    def leases(self) -> LeaseCoordinator | None:
+        """The cross-replica lease coordinator (None: this process only), for its metrics."""
+        return self._leases
+
+    def _count_remote(
+        self,
+        wait: bool = False,
+        hit: bool = False,
+        takeover: bool = False,
+        wait_timeout: bool = False,
+    ) -> None:
+        with self._lock:
+            self._remote_waits += wait
+            self._remote_hits += hit
+            self._lease_takeovers += takeover
+            self._lease_wait_timeouts += wait_timeout
+
+    def _run_engine(
+        self, flight: Flight, request: GenerationRequest, generate: GenerateFn
+    ) -> GenerationRecord:
+        with self._lock:
+            self._generations += 1
+        started = self._clock()
+        ttft: float | None = None
+        finish: str | None = None
+        tokens = 0
+        for event in generate(request):
+            if event.text:
+                if ttft is None:
+                    ttft = self._clock() - started
+                flight.append(event.text)
+            if event.finish_reason is not None:
+                finish, tokens = event.finish_reason, event.generated_tokens
+                flight.finish_reason = finish
+                flight.prompt_usage = (event.reused_tokens, event.computed_tokens)
+        if finish is None:
+            raise Unavailable("engine stream ended without a finish reason")
+        return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)
+
+    def _store(
+        self,
+        digest: Digest,
+        text: str,
+        record: GenerationRecord,
+        request: GenerationRequest,
+        started_s: float,
+        tags: tuple[str, ...] = (),
+    ) -> bool:
+        try:
+            stored = self.cache.put(
+                digest,
+                text,
+                finish_reason=record.finish_reason,
+                generated_tokens=record.generated_tokens,
+                tags=tags,
+                tenant_scope=request.tenant_scope,
+                adapter=request.lora_digest,
+                created_s=started_s,  # an invalidation issued while it generated covers it
+            )
+        except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
+            log.exception("write-back of %s failed", digest)
+            with self._lock:
+                self._write_failures += 1
+            return False
+        if stored is None:  # invalidated while it was generated: served, not stored
+            return False
+        with self._lock:
+            self._write_backs += 1
+        return True
+
+    def _run_after_store(self, after_store: Callable[[], None]) -> None:
+        try:
+            after_store()
+        except Exception:  # noqa: BLE001 - the answer is stored; an index write may fail alone
+            log.exception("after-store hook failed")
+            with self._lock:
+                self._write_failures += 1
+
+    def stats(self) -> GenerationStats:
+        with self._lock:
+            return GenerationStats(
+                generations=self._generations,
+                coalesced=self.flights.coalesced_total,
+                write_backs=self._write_backs,
+                write_failures=self._write_failures,
+                in_flight=self.flights.in_flight(),
+                remote_waits=self._remote_waits,
+                remote_hits=self._remote_hits,
+                lease_takeovers=self._lease_takeovers,
+                lease_wait_timeouts=self._lease_wait_timeouts,
+            )
+
+    def drain(self) -> None:
+        """Finish every miss in flight (their answers stored, their after-store hooks run);
+        the cache stays open."""
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        self._producers.shutdown(wait=True, cancel_futures=False)
+
+    def close(self) -> None:
+        self.drain()
+        if self._leases is not None:
+            self._leases.close()
+        self.cache.close()

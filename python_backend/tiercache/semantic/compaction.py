@@ -1,0 +1,166 @@
+"""Compaction of the host's semantic row log: keeps the log inside its LMDB map.
+
+The log only grows (`RowLog`); compaction deletes rows whose answer is gone from the exact
+cache (else the oldest tenth), then rewrites the touched scopes' shared tables without them
+(`ScopeTables.sync_scope`). It runs on one background thread per process, started by the write
+that finds the log past `_COMPACT_AT_FRACTION` of its map, so the write-back of a miss never
+waits for it: compacting a large log takes seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import lmdb
+import numpy as np
+
+from tiercache.semantic.row_log import RowLog
+from tiercache.semantic.shared_rows import ScopeTables
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING = 10_000  # rows waiting for a background compaction
+_COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropped
+_COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
+_COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
+_APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
+
+Row = tuple[str, str, str, np.ndarray]
+"""(scope, answer digest, normalized prompt, vector): a row to append, before it has a seq."""
+
+AppendMany = Callable[[list[Row]], list[int]]
+"""Append rows to the log and publish them to their tables (`SemanticStore.append_many`)."""
+
+
+class Compactor:
+    """Compaction of one row log and its tables, on at most one background thread per process.
+
+    Rows that find the log full (or being compacted) wait in a bounded list and are appended,
+    through `append_many`, after the compaction."""
+
+    def __init__(
+        self, row_log: RowLog, tables: ScopeTables, append_many: AppendMany, max_bytes: int
+    ) -> None:
+        self._log = row_log
+        self._tables = tables
+        self._append_many = append_many
+        self._compact_at_bytes = int(max_bytes * _COMPACT_AT_FRACTION)
+        # Rows that find the log full meanwhile wait for the compaction in `_pending`
+        # (bounded) and are appended after it.
+        self._lock = threading.Lock()
+        self._pending: list[Row] = []
+        self._thread: threading.Thread | None = None
+
+    def append_or_compact(self, row: Row, answer_exists: Callable[[str], bool]) -> int | None:
+        """Append and return the row's seq; None when the log is full or being compacted.
+        Once the log's data pages pass `_COMPACT_AT_FRACTION` of its map (or it is full), a
+        background compaction starts (one per process): rows whose answer is gone are
+        dropped (else the oldest tenth) and the touched scopes' tables rewritten. Rows that
+        arrive while it runs wait (LMDB copies every page it changes, so compaction needs
+        free pages even to delete) and are appended after it (at most `_MAX_PENDING`; more
+        are dropped: a row missing costs a later semantic hit, never a wrong one). The
+        caller, a miss's write-back, never waits for it: compacting a large log takes
+        seconds."""
+        with self._lock:
+            if self._thread is not None:
+                if len(self._pending) < _MAX_PENDING:
+                    self._pending.append(row)
+                return None
+        seq: int | None = None
+        try:
+            seq = self._append_many([row])[0]
+        except lmdb.MapFullError:
+            pass
+        if seq is not None and self._log.data_bytes() < self._compact_at_bytes:
+            return seq
+        with self._lock:
+            if seq is None and len(self._pending) < _MAX_PENDING:
+                self._pending.append(row)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._compact_then_append,
+                    args=(answer_exists,),
+                    name="semantic-compaction",
+                    daemon=True,
+                )
+                self._thread.start()
+        return seq
+
+    def _compact_then_append(self, answer_exists: Callable[[str], bool]) -> None:
+        """Compact, then append the rows that waited, `_APPEND_BATCH` at a time, until none
+        is left; if the log fills again first, compact again, at most `_COMPACTION_ROUNDS`
+        times, then drop what still waits (logged)."""
+        for _ in range(_COMPACTION_ROUNDS):
+            started = time.perf_counter()
+            try:
+                deleted = self.compact(answer_exists)
+                log.info(
+                    "semantic log compacted: %d rows deleted in %.1f s",
+                    deleted,
+                    time.perf_counter() - started,
+                )
+            except Exception:  # noqa: BLE001 - the waiting rows are tried anyway
+                log.exception("compacting the semantic log failed")
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        self._thread = None
+                        return
+                if self._log.data_bytes() >= self._compact_at_bytes:
+                    break  # past the mark again: compact before the rest
+                with self._lock:
+                    batch = self._pending[:_APPEND_BATCH]
+                    del self._pending[: len(batch)]
+                try:
+                    self._append_many(batch)
+                except lmdb.MapFullError:
+                    with self._lock:
+                        self._pending[:0] = batch
+                    break  # full again: another round
+                except Exception:  # noqa: BLE001 - rows lost: fewer semantic hits, logged
+                    log.exception("appending %d rows after compaction failed", len(batch))
+        with self._lock:
+            dropped, self._pending = len(self._pending), []
+            self._thread = None
+        log.warning("semantic log still full after compaction: %d rows not indexed", dropped)
+
+    def wait(self, timeout_s: float = 60.0) -> bool:
+        """Wait for a running background compaction (and its appends); False on timeout."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
+        """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`.
+        Then each touched scope's table is rewritten without them (the old one retired).
+        Keeps only each row's scope and digest in memory (not its vector), and deletes in
+        transactions of `_COMPACT_BATCH` rows: LMDB copies the pages it changes, so one
+        transaction over a nearly full map could not even delete."""
+        dead: list[tuple[int, tuple[str, str] | None]] = []
+        rows: list[tuple[int, tuple[str, str] | None]] = []
+        for seq, row in self._log.scan():
+            brief = None if row is None else (row.scope, row.digest)
+            rows.append((seq, brief))
+            if row is None or not answer_exists(row.digest):
+                dead.append((seq, brief))
+        if not dead:
+            dead = rows[: max(1, int(len(rows) * fallback_fraction))]  # rows are in seq order
+        del rows
+        touched: set[str] = set()
+        deleted = 0
+        for start in range(0, len(dead), _COMPACT_BATCH):
+            count, tags = self._log.delete_compacted(dead[start : start + _COMPACT_BATCH])
+            deleted += count
+            touched |= tags
+        for tag in touched:
+            with self._tables.locked(tag):
+                synced = self._tables.sync_scope(tag)
+                if synced is not None:
+                    synced.close()
+        return deleted

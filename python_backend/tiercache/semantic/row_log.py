@@ -1,0 +1,360 @@
+"""The host's semantic row log: an append-only LMDB log of (scope, answer digest, normalized
+prompt, vector) rows, durable, and the source of every row's metadata.
+
+Each row has a sequence number (`seq`) that never changes and is never given out again by this
+log (`log_id` tells logs apart: a log rebuilt after damage starts again at 0). Per scope the log
+also keeps the scope's live rows in seq order, one row per answer digest, the rows of digests
+that were invalidated, and the manifest of the scope's current shared table (`TableManifest`).
+Writers serialize on LMDB's write lock across processes.
+
+It is the lowest layer of the semantic index and imports none of the others: the shared tables
+that copy its vectors (`shared_rows`), compaction (`compaction`), the store that writes both
+(`store`) and the search (`index`) all read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiercache.exact.stores import data_bytes, open_lmdb
+
+INITIAL_CAPACITY = 16  # rows; a scope's first table (its manifest written with its first row)
+
+_ROW_PREFIX = b"r"
+_NEXT_KEY = b"meta:next"
+_HEADER = struct.Struct("<16sdI")  # checksum, created_s, dimensions
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRow:
+    seq: int
+    scope: str
+    digest: str  # the exact-cache key of the answer this prompt produced
+    prompt: str  # the normalized prompt (the guard compares texts)
+    vector: np.ndarray
+    created_s: float
+    checksum: bytes = b""  # of the stored row's bytes (set when read back from the log)
+
+
+@dataclass(frozen=True, slots=True)
+class TableManifest:
+    """Which table file is a scope's current one, as the row log records it."""
+
+    scope: str
+    epoch: int
+    width: int
+    capacity: int
+
+
+def _row_key(seq: int) -> bytes:
+    return _ROW_PREFIX + seq.to_bytes(8, "big")
+
+
+def encode_row(row: IndexRow) -> bytes:
+    vector = np.ascontiguousarray(row.vector, dtype=np.float32).tobytes()
+    meta = json.dumps(
+        {"scope": row.scope, "digest": row.digest, "prompt": row.prompt}, ensure_ascii=False
+    ).encode("utf-8")
+    body = vector + meta
+    checksum = hashlib.sha256(body).digest()[:16]
+    return _HEADER.pack(checksum, row.created_s, len(row.vector)) + body
+
+
+def decode_row(seq: int, blob: bytes) -> IndexRow | None:
+    """The row, or None when its bytes are damaged (a damaged row is skipped, never served)."""
+    if len(blob) < _HEADER.size:
+        return None
+    checksum, created_s, dimensions = _HEADER.unpack_from(blob)
+    body = bytes(blob[_HEADER.size :])
+    if hashlib.sha256(body).digest()[:16] != checksum or len(body) < 4 * dimensions:
+        return None
+    vector = np.frombuffer(body[: 4 * dimensions], dtype=np.float32).copy()
+    try:
+        meta = json.loads(body[4 * dimensions :].decode("utf-8"))
+        return IndexRow(
+            seq, meta["scope"], meta["digest"], meta["prompt"], vector, created_s, checksum
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+_SCOPE_ROW = b"x"  # x<tag><seq>: the scope's live rows, in seq order
+_DIGEST = b"g"  # g<tag><digest>: the scope's row for an answer digest (one row per digest)
+_LIVE = b"n"  # n<tag>: how many live rows the scope has
+_MANIFEST = b"t"  # t<tag>: the scope's current table (TableManifest)
+_FORGOTTEN = b"f"  # f<tag><digest>: seqs (8 bytes each) of the digest's invalidated rows
+_LOG_ID_KEY = b"meta:log"
+_META_PREFIX = b"meta:"  # the log's own values (not rows); see log_rows(meta=...)
+_MANIFEST_HEAD = struct.Struct("<QIQ")  # epoch, width, capacity; then the scope, UTF-8
+
+
+def scope_tag(scope: str) -> str:
+    """A scope's name in the log's keys, its table files and its graph files."""
+    return hashlib.sha256(scope.encode("utf-8")).hexdigest()[:24]
+
+
+def _tag_bytes(scope: str) -> bytes:
+    return bytes.fromhex(scope_tag(scope))
+
+
+class RowLog:
+    """The host's semantic rows in an append-only LMDB log at `path` (see the module docstring).
+    Every method is one LMDB transaction, safe from any thread and process."""
+
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = 2 << 30,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        # Damaged while stopped (truncated, overwritten): moved aside with its tables, rebuilt.
+        self._env = open_lmdb(path, max_bytes, "semantic row log", clock)
+        self._clock = clock
+        with self._env.begin(write=True) as txn:
+            log_id = txn.get(_LOG_ID_KEY)
+            if log_id is None:
+                log_id = uuid.uuid4().bytes
+                txn.put(_LOG_ID_KEY, log_id)
+            self.log_id: bytes = bytes(log_id)
+
+    def data_bytes(self) -> int:
+        """Bytes of the log's map in use by data pages (what compaction is measured against)."""
+        return data_bytes(self._env)
+
+    def scan(self) -> Iterator[tuple[int, IndexRow | None]]:
+        """Every row in seq order, None for a damaged one, from one read transaction that stays
+        open while the caller iterates (a consistent view of the whole log)."""
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(_ROW_PREFIX):
+                return
+            for key, blob in cursor:
+                if not key.startswith(_ROW_PREFIX):
+                    break
+                seq = int.from_bytes(key[1:], "big")
+                yield seq, decode_row(seq, blob)
+
+    def delete_compacted(
+        self, rows: Sequence[tuple[int, tuple[str, str] | None]]
+    ) -> tuple[int, set[str]]:
+        """Compaction's delete: rows given as (seq, (scope, digest)), or (seq, None) for a
+        damaged row, go with their scope entries (and the digest key, when it still names the
+        row) in one write transaction. Returns how many rows were deleted and the tags of the
+        scopes touched, whose tables must then be synced."""
+        touched: set[str] = set()
+        deleted = 0
+        with self._env.begin(write=True) as txn:
+            for seq, brief in rows:
+                deleted += bool(txn.delete(_row_key(seq)))
+                if brief is not None:  # a damaged row's scope entry goes at its next sync
+                    scope, digest = brief
+                    tag = _tag_bytes(scope)
+                    self._unindex(txn, tag, seq)
+                    digest_key = _DIGEST + tag + digest.encode("utf-8")
+                    if txn.get(digest_key) == seq.to_bytes(8, "big"):
+                        txn.delete(digest_key)
+                    touched.add(tag.hex())
+        return deleted, touched
+
+    @staticmethod
+    def _unindex(txn: Any, tag: bytes, seq: int) -> None:
+        if txn.delete(_SCOPE_ROW + tag + seq.to_bytes(8, "big")):
+            raw = txn.get(_LIVE + tag)
+            live = int.from_bytes(raw, "big") if raw else 0
+            txn.put(_LIVE + tag, max(0, live - 1).to_bytes(8, "big"))
+
+    def log_rows(
+        self,
+        rows: list[tuple[str, str, str, np.ndarray]],
+        meta: dict[bytes, bytes] | None = None,
+    ) -> tuple[list[int], dict[str, tuple[list[int], list[np.ndarray]]]]:
+        """The log half of `SemanticStore.append_many`: the seqs, and the new rows by scope tag,
+        to publish. `meta` (keys under `meta:`) is written in the same transaction as the rows:
+        a reader of a shared stream records how far it has read together with what it read."""
+        seqs: list[int] = []
+        fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
+        with self._env.begin(write=True) as txn:
+            for key, value in (meta or {}).items():
+                if not key.startswith(_META_PREFIX):
+                    raise ValueError(f"a log meta key must start with {_META_PREFIX!r}: {key!r}")
+                txn.put(key, value)
+            raw = txn.get(_NEXT_KEY)
+            seq = int.from_bytes(raw, "big") if raw else 0
+            for scope, digest, prompt, vector in rows:
+                vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+                tag = _tag_bytes(scope)
+                digest_key = _DIGEST + tag + digest.encode("utf-8")
+                known = txn.get(digest_key)
+                if known is not None and txn.get(_ROW_PREFIX + known) is not None:
+                    seqs.append(int.from_bytes(known, "big"))
+                    continue
+                manifest = self._manifest(txn, tag)
+                if manifest is None:
+                    manifest = TableManifest(scope, 0, len(vector), INITIAL_CAPACITY)
+                    txn.put(_MANIFEST + tag, _encode_manifest(manifest))
+                elif manifest.width != len(vector):
+                    raise ValueError(
+                        f"a vector of {len(vector)} floats for a scope of {manifest.width}"
+                    )
+                row = IndexRow(seq, scope, digest, prompt, vector, self._clock())
+                txn.put(_row_key(seq), encode_row(row))
+                txn.put(_SCOPE_ROW + tag + seq.to_bytes(8, "big"), b"")
+                raw_live = txn.get(_LIVE + tag)
+                live = int.from_bytes(raw_live, "big") if raw_live else 0
+                txn.put(_LIVE + tag, (live + 1).to_bytes(8, "big"))
+                txn.put(digest_key, seq.to_bytes(8, "big"))
+                seqs.append(seq)
+                entry = fresh.setdefault(tag.hex(), ([], []))
+                entry[0].append(seq)
+                entry[1].append(vector)
+                seq += 1
+            txn.put(_NEXT_KEY, seq.to_bytes(8, "big"))
+        return seqs, fresh
+
+    def meta(self, key: bytes) -> bytes | None:
+        """A value `log_rows` wrote under `meta`, or None."""
+        with self._env.begin() as txn:
+            raw = txn.get(key)
+        return None if raw is None else bytes(raw)
+
+    def head(self) -> int:
+        """The next sequence number: rows [0, head) have been written."""
+        with self._env.begin() as txn:
+            raw = txn.get(_NEXT_KEY)
+        return int.from_bytes(raw, "big") if raw else 0
+
+    def rows_since(self, seq: int) -> Iterator[IndexRow]:
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(_row_key(seq)):
+                return
+            for key, blob in cursor:
+                if not key.startswith(_ROW_PREFIX):
+                    break
+                row = decode_row(int.from_bytes(key[1:], "big"), blob)
+                if row is not None:
+                    yield row
+
+    def rows(self, seqs: Sequence[int]) -> list[IndexRow | None]:
+        """The rows with these seqs, in one read; None for one deleted or damaged."""
+        with self._env.begin() as txn:
+            return [
+                None if (blob := txn.get(_row_key(seq))) is None else decode_row(seq, blob)
+                for seq in seqs
+            ]
+
+    def read_vectors(self, seqs: list[int], width: int) -> tuple[np.ndarray, list[int]]:
+        """The vectors of these rows (in order) and the seqs that could not be read (damaged,
+        deleted or of another width), which are left out of the vectors."""
+        vectors: list[np.ndarray] = []
+        bad: list[int] = []
+        for seq, row in zip(seqs, self.rows(seqs), strict=True):
+            if row is None or len(row.vector) != width:
+                bad.append(seq)
+            else:
+                vectors.append(row.vector)
+        return (np.stack(vectors) if vectors else np.zeros((0, width), np.float32)), bad
+
+    def forget_digests(self, tag: str, digests: list[str]) -> list[int]:
+        """The rows of these answer digests that were forgotten in scope `tag`: each digest's
+        current row moves to its forgotten list (`f` keys) and loses the digest key, so the
+        same digest appended again gets a new row. Idempotent across processes."""
+        scope = bytes.fromhex(tag)
+        seqs: list[int] = []
+        with self._env.begin(write=True) as txn:
+            for digest in digests:
+                encoded = digest.encode("utf-8")
+                forgotten_key = _FORGOTTEN + scope + encoded
+                known = txn.get(_DIGEST + scope + encoded)
+                listed = txn.get(forgotten_key) or b""
+                if known is not None:
+                    listed += known
+                    txn.put(forgotten_key, listed)
+                    txn.delete(_DIGEST + scope + encoded)
+                seqs += [int.from_bytes(listed[i : i + 8], "big") for i in range(0, len(listed), 8)]
+        return seqs
+
+    def delete_rows(self, tag: str, seqs: list[int]) -> None:
+        with self._env.begin(write=True) as txn:
+            for seq in seqs:
+                txn.delete(_row_key(seq))
+                self._unindex(txn, bytes.fromhex(tag), seq)
+
+    def scope_seqs(self, tag: str) -> list[int]:
+        """The scope's live rows, in seq order."""
+        prefix = _SCOPE_ROW + bytes.fromhex(tag)
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return []
+            seqs = []
+            for key in cursor.iternext(values=False):
+                if not key.startswith(prefix):
+                    break
+                seqs.append(int.from_bytes(key[len(prefix) :], "big"))
+            return seqs
+
+    def live_count(self, tag: str) -> int:
+        with self._env.begin() as txn:
+            raw = txn.get(_LIVE + bytes.fromhex(tag))
+        return int.from_bytes(raw, "big") if raw else 0
+
+    def manifest(self, tag: str) -> TableManifest | None:
+        with self._env.begin() as txn:
+            return self._manifest(txn, bytes.fromhex(tag))
+
+    @staticmethod
+    def _manifest(txn: Any, tag: bytes) -> TableManifest | None:
+        raw = txn.get(_MANIFEST + tag)
+        if raw is None:
+            return None
+        epoch, width, capacity = _MANIFEST_HEAD.unpack_from(raw)
+        return TableManifest(bytes(raw[_MANIFEST_HEAD.size :]).decode(), epoch, width, capacity)
+
+    def drop_manifest_if_empty(self, tag: str) -> bool:
+        """Forget an empty scope's table (its manifest), in the transaction that sees it empty:
+        a row appended after it starts the scope again with a new table."""
+        key = bytes.fromhex(tag)
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(_LIVE + key)
+            if raw and int.from_bytes(raw, "big"):
+                return False
+            return bool(txn.delete(_MANIFEST + key))
+
+    def set_manifest(self, tag: str, manifest: TableManifest) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(_MANIFEST + bytes.fromhex(tag), _encode_manifest(manifest))
+
+    def manifests(self) -> list[tuple[str, TableManifest]]:
+        """Every scope's (tag, manifest)."""
+        found = []
+        with self._env.begin() as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(_MANIFEST):
+                for key, _ in cursor:
+                    if not key.startswith(_MANIFEST):
+                        break
+                    manifest = self._manifest(txn, key[1:])
+                    if manifest is not None:
+                        found.append((bytes(key[1:]).hex(), manifest))
+        return found
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def _encode_manifest(manifest: TableManifest) -> bytes:
+    head = _MANIFEST_HEAD.pack(manifest.epoch, manifest.width, manifest.capacity)
+    return head + manifest.scope.encode("utf-8")

@@ -1,0 +1,79 @@
+"""The host's semantic rows as writers see them: the row log, its shared tables and compaction.
+
+Rows live in an append-only LMDB log on the host (`RowLog`): durable, and the source of each
+row's scope, answer digest and normalized prompt. Each scope's vectors are also published to a
+shared table of the host (`tiercache_native.SharedTable`, see `shared_rows`), with the row's log
+sequence number as its id, so every process searches the same rows without copying them or
+catching up on the log (`tiercache.semantic.index`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.semantic.compaction import Compactor, Row
+from tiercache.semantic.row_log import RowLog
+from tiercache.semantic.shared_rows import ScopeTables
+
+
+class SemanticStore(RowLog):
+    """The host's semantic rows: an append-only log in LMDB (durable, the source of each row's
+    scope, digest and prompt; LMDB serializes writers across processes) and, per scope, a
+    shared table of the vectors (`ScopeTables`) that readers scan without copying.
+
+    A write appends to the log first, then publishes to the scope's table; a writer that dies
+    between the two leaves a row the next publish to that scope (or the next process that
+    opens the table) publishes. `tables_path` defaults to `<path>/tables`; it may be anywhere
+    on the host (e.g. under /dev/shm) as long as every process of the host passes the same."""
+
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = 2 << 30,
+        clock: Callable[[], float] = time.time,
+        tables_path: Path | None = None,
+    ) -> None:
+        super().__init__(path, max_bytes, clock)
+        self.tables = ScopeTables(self, tables_path or path / "tables")
+        self._compactor = Compactor(self, self.tables, self.append_many, max_bytes)
+
+    def append(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
+        return self.append_many([(scope, digest, prompt, vector)])[0]
+
+    def append_many(self, rows: list[Row]) -> list[int]:
+        """Append (scope, digest, prompt, vector) rows in one transaction (one fsync), then
+        publish them to their scopes' tables. A digest the scope already has keeps its row
+        (the returned seq is that row's)."""
+        seqs, fresh = self.log_rows(rows)
+        for tag, (new_seqs, vectors) in fresh.items():
+            self.tables.publish(tag, new_seqs, np.stack(vectors))
+        return seqs
+
+    def append_or_compact(
+        self,
+        scope: str,
+        digest: str,
+        prompt: str,
+        vector: np.ndarray,
+        answer_exists: Callable[[str], bool],
+    ) -> int | None:
+        """Append and return the row's seq; None when the log is full or being compacted, in
+        which case the row waits for the background compaction this starts and is appended
+        after it (`Compactor.append_or_compact`). The caller never waits for a compaction."""
+        return self._compactor.append_or_compact((scope, digest, prompt, vector), answer_exists)
+
+    def wait_compacted(self, timeout_s: float = 60.0) -> bool:
+        """Wait for a running background compaction (and its appends); False on timeout."""
+        return self._compactor.wait(timeout_s)
+
+    def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
+        """Compact now, on this thread (`Compactor.compact`); the number of rows deleted."""
+        return self._compactor.compact(answer_exists, fallback_fraction)
+
+    def close(self) -> None:
+        self.wait_compacted()
+        super().close()

@@ -1,0 +1,156 @@
+"""The `embedding_cache` stage: on an exact miss, embed the prompt (BLS to the `embedder` model),
+search the request's semantic scope, and serve a reworded request's answer if the guard passes
+it; every other request passes through with the exact lookup's status."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tiercache.config import EmbeddingCacheConfig
+from tiercache.semantic.embedder import Screen, resolve_embedder
+from tiercache.semantic.guard import load_guard
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
+from tiercache.semantic.vectors import VectorCache
+from tiercache.stages.common import export_redis, status_counters
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import ExactTiers, open_exact_cache
+from tiercache.triton import io
+from tiercache.triton import metrics as tm
+from tiercache.triton.bls import BlsClient
+from tiercache.vocabulary import CacheStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What embedding_cache hands llm for one request."""
+
+    text: str  # the answer to serve ("" unless a hit)
+    status: str  # semantic on a hit, else the exact lookup's status (exact, miss, bypass)
+    similarity: float = 0.0
+    vector: np.ndarray | None = None  # the prompt's vector (llm indexes it with a new answer)
+
+
+class EmbeddingCacheStage:
+    """Batched semantic lookups with their metrics. Semantic caching is an optimisation: a
+    failing lookup sends its requests on as misses (logged), never as errors."""
+
+    def __init__(self, stage: EmbeddingCache, metrics: tm.Metrics) -> None:
+        self.core = stage
+        self.metrics = m = metrics
+        self.outcomes = status_counters(
+            m,
+            "tiercache_embedding_cache_lookups_total",
+            "Semantic lookups by outcome",
+            "outcome",
+            [*(x.value for x in SemanticOutcome), "skipped", "error"],
+        )
+        self.vector_hits = m.counter(
+            "tiercache_embedding_cache_vector_hits_total", "Prompt vectors found in the cache"
+        )
+        self.lookup_s = m.histogram(
+            "tiercache_embedding_cache_lookup_seconds", "Semantic lookup time, embedding included"
+        )
+        rows = m.gauge("tiercache_embedding_cache_index_rows", "Rows in the semantic index")
+        m.on_flush(lambda: rows.set(stage.index.size()))
+
+    def pass_through(self, envelope: Envelope, cached_text: str) -> Answer | None:
+        """The answer for a request that is not looked up by meaning (an exact hit, or not
+        semantic-eligible); None when it must be looked up (then `lookup` it with others)."""
+        if envelope.semantic_lookup:
+            return None
+        self.outcomes["skipped"].increment(1)
+        return Answer(cached_text, envelope.status.value)
+
+    def lookup(self, envelopes: Sequence[Envelope]) -> list[Answer]:
+        """One batched lookup of requests `pass_through` did not answer."""
+        started = time.perf_counter()
+        try:
+            found = self.core.lookup(
+                [e.request.prompt for e in envelopes], [e.semantic_scope for e in envelopes]
+            )
+        except Exception:  # noqa: BLE001 - semantic caching is an optimisation: fall through
+            io.log.exception("semantic lookup failed; the requests go on as misses")
+            self.outcomes["error"].increment(len(envelopes))
+            return [Answer("", e.status.value) for e in envelopes]
+        elapsed = time.perf_counter() - started
+        answers = []
+        for envelope, result in zip(envelopes, found, strict=True):
+            if result.outcome is SemanticOutcome.HIT:
+                status = CacheStatus.SEMANTIC.value
+                answers.append(Answer(result.text, status, result.similarity, result.vector))
+            else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
+                answers.append(Answer("", envelope.status.value, 0.0, result.vector))
+            self.outcomes[result.outcome.value].increment(1)
+            self.vector_hits.increment(int(result.vector_cached))
+            self.lookup_s.observe(elapsed / len(envelopes))
+        return answers
+
+    def count_error(self) -> None:
+        self.outcomes["error"].increment(1)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.core.close()
+
+
+class EmbedderBls:
+    """The embedder model over BLS: all texts as one [n, 1] batch, [n, d] vectors back."""
+
+    def __init__(self, model_name: str) -> None:
+        self.client = BlsClient(model_name, label="embedder")
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        batch = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+        response = self.client.infer([pb_utils.Tensor("TEXT", batch)], ["EMBEDDING"])
+        vectors: np.ndarray = pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
+        return vectors
+
+
+def open_embedding_cache(
+    config: EmbeddingCacheConfig, model_name: str, instance_name: str
+) -> EmbeddingCacheStage:
+    """The stage over the host's vector cache and semantic tables, the exact cache's tiers (a
+    hit is served only while its answer is), the guard and its metrics (started)."""
+    _, identity = resolve_embedder(config.embedder)
+    guard = load_guard(target_precision=config.target_precision or None)
+    tiers: ExactTiers = open_exact_cache(config.cache())
+    core = EmbeddingCache(
+        VectorCache(
+            config.vectors_path(),
+            identity.dimensions,
+            config.vector_l1_max_bytes,
+            config.vector_l2_max_bytes,
+        ),
+        SemanticIndex(
+            SemanticStore(config.semantic_path(), config.semantic_max_bytes),
+            identity.dimensions,
+            config.flat_max_rows,
+        ),
+        tiers.cache,
+        EmbedderBls(config.embedder_model),
+        guard.choose,
+        identity.key,
+        top_k=config.top_k,
+        min_similarity=config.min_similarity,
+        screen=Screen(config.embedder).check,
+    )
+    # Open the host's scope tables now (large scopes load or build their HNSW graph here), so
+    # the first request does not pay for it; later rows are in the shared tables.
+    core.index.refresh()
+    if tiers.listener is not None:  # with L3: invalidated answers' rows stop being candidates
+        def forget(_inv: object, digests: list[str]) -> None:
+            core.index.forget(digests)
+
+        tiers.listener.on_dropped(forget)
+    metrics = tm.Metrics(model_name, instance=instance_name)
+    stage = EmbeddingCacheStage(core, metrics)
+    export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    metrics.start()
+    return stage

@@ -1,0 +1,405 @@
+"""The `llm` stage (decoupled): hits stream at once; misses go to `tiercache.generation`, which
+calls the engine model through BLS: `torch_llm` (engine_kind torch_llm, the default) or Triton's
+TensorRT-LLM backend model (engine_kind tensorrt_llm, tiercache.engine.trtllm_client). Response
+padding for untrusted tenants, cross-replica leases and shared semantic rows are wired here."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tiercache.adapter_types import AdapterRef
+from tiercache.config import LlmConfig
+from tiercache.engine.adapter_call import NO_LORA, EngineLora, generate_with_adapter
+from tiercache.engine.events import StreamEvent
+from tiercache.engine.trtllm_client import (
+    REQUESTED_OUTPUTS,
+    EngineLimits,
+    KvCacheReuse,
+    TrtllmClient,
+    load_tokenizer,
+    request_lora_from_arrays,
+)
+from tiercache.errors import Unavailable
+from tiercache.exact.leases import LeaseCoordinator
+from tiercache.exact.request import GenerationRequest
+from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
+from tiercache.padding import PaddedResponder, ResponseTimer, uniform_source
+from tiercache.semantic.embedder import resolve_embedder
+from tiercache.semantic.redis_rows import RowSharing
+from tiercache.semantic.store import SemanticStore
+from tiercache.stages.common import export_redis, status_counters
+from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope
+from tiercache.stages.parts import ExactTiers, load_secret, open_exact_cache, padding_policy
+from tiercache.triton import io
+from tiercache.triton import metrics as tm
+from tiercache.triton.bls import BlsClient
+from tiercache.vocabulary import CacheStatus, EngineKind, choices
+
+ENGINE_OUTPUTS = [
+    "TEXT",
+    "FINISH_REASON",
+    "GENERATED_TOKENS",
+    "PROMPT_TOKENS",
+    "REUSED_TOKENS",
+    "COMPUTED_TOKENS",
+]
+# lora_cache's TensorRT-LLM tensors (engine_kind tensorrt_llm): on the ensemble path and on the
+# `weights` admin call of the retry.
+TRT_LORA = ("LORA_TASK_ID", "LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
+PEFT_LORA = ("LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT")
+
+
+@dataclass(frozen=True, slots=True)
+class LlmInput:
+    """One request to llm, as model.py decoded it."""
+
+    envelope: Envelope
+    status: str  # embedding_cache's: exact, semantic, miss or bypass
+    cached_text: str  # the answer to serve on a hit
+    similarity: float | None  # a semantic hit's
+    vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
+    lora: EngineLora  # what lora_cache sent for the engine
+
+
+def lora_from_response(response: object) -> EngineLora:
+    """The PEFT files lora_cache sent in a response (its `weights` admin op)."""
+    return EngineLora(
+        config_json=io.output_string(response, "LORA_CONFIG") or "",
+        weights=io.output_blob(response, "LORA_WEIGHTS") or b"",
+        evict=tuple(json.loads(io.output_string(response, "LORA_EVICT") or "[]")),
+    )
+
+
+class EngineBls:
+    """The engine model over BLS, as `GenerateFn`s: torch_llm (the envelope in, text chunks
+    out) or TensorRT-LLM (token ids in and out, through `TrtllmClient`)."""
+
+    def __init__(self, config: LlmConfig, on_kv: Callable[[KvCacheReuse], None]) -> None:
+        self.model_name = config.engine_model
+        self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
+        self.lora_client = BlsClient(config.lora_model)
+        self._on_kv = on_kv
+        self.trtllm: TrtllmClient | None = None
+        if config.engine_kind == EngineKind.TENSORRT_LLM:
+            self.trtllm = TrtllmClient(
+                load_tokenizer(config.tokenizer_dir),
+                limits=EngineLimits(config.trtllm_max_input_len, config.trtllm_max_seq_len),
+            )
+        # Engine calls open at once (torch_llm: more wait here, not in the engine's queue).
+        self._streams = threading.BoundedSemaphore(config.engine_streams or config.max_concurrency)
+
+    def generate(
+        self, request: GenerationRequest, lora: EngineLora = NO_LORA
+    ) -> Iterator[StreamEvent]:
+        if self.trtllm is not None:
+            return self._generate_trtllm(self.trtllm, request, lora)
+        return self._generate_torch(request, lora)
+
+    def _generate_torch(
+        self, request: GenerationRequest, lora: EngineLora
+    ) -> Iterator[StreamEvent]:
+        """One engine call, as a stream of events. BLS requests cannot be cancelled in this
+        Triton version, so an abandoned generation runs to max_tokens and is discarded."""
+        envelope = Envelope(request=request).encode()
+        inputs = [io.bytes_tensor(ENVELOPE_TENSOR, [envelope], batched=False)]
+        if lora.loads:
+            inputs.append(io.bytes_tensor("LORA_CONFIG", [lora.config_json], batched=False))
+            inputs.append(io.bytes_tensor("LORA_WEIGHTS", [lora.weights], batched=False))
+        if lora.evict:
+            evict = json.dumps(list(lora.evict))
+            inputs.append(io.bytes_tensor("LORA_EVICT", [evict], batched=False))
+        with self._streams:  # held until the stream ends (engine_streams)
+            for response in self.client.stream(inputs, ENGINE_OUTPUTS):
+                finish = io.output_string(response, "FINISH_REASON")
+                yield StreamEvent(
+                    text=io.output_string(response, "TEXT") or "",
+                    finish_reason=finish or None,
+                    generated_tokens=io.output_int(response, "GENERATED_TOKENS") or 0,
+                    prompt_tokens=io.output_int(response, "PROMPT_TOKENS") or 0,
+                    reused_tokens=io.output_int(response, "REUSED_TOKENS") or 0,
+                    computed_tokens=io.output_int(response, "COMPUTED_TOKENS") or 0,
+                )
+
+    def _generate_trtllm(
+        self, trtllm: TrtllmClient, request: GenerationRequest, lora: EngineLora
+    ) -> Iterator[StreamEvent]:
+        """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
+        stop word) cancels the rest of the engine's stream."""
+        call = trtllm.request(request, lora.trtllm)
+        tensors = [pb_utils.Tensor(name, array) for name, array in call.tensors.items()]
+        responses = self.client.stream(tensors, list(REQUESTED_OUTPUTS), cancel_on_close=True)
+        outputs = ({t.name(): t.as_numpy() for t in r.output_tensors()} for r in responses)
+        try:
+            yield from trtllm.events(request, call, outputs, self._on_kv)
+        finally:
+            responses.close()  # cancels the rest and hands the stream to the keeper
+
+    def fetch_weights(self, ref: AdapterRef) -> EngineLora:
+        """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""
+        admin = json.dumps({"op": "weights", "lora": json.loads(ref.to_json())})
+        wanted = list(TRT_LORA) if self.trtllm else list(PEFT_LORA)
+        response = self.lora_client.infer([io.bytes_tensor("ADMIN", [admin])], wanted)
+        if self.trtllm is None:
+            return lora_from_response(response)
+        trt = request_lora_from_arrays(*(_output_array(response, name) for name in TRT_LORA))
+        if trt is None or trt.lora is None:
+            raise Unavailable(
+                f"{self.lora_client.model_name} sent no TensorRT-LLM weights for {ref.short} "
+                "(is its engine_kind tensorrt_llm?)"
+            )
+        return EngineLora(trtllm=trt)
+
+    def call_with(self, lora: EngineLora) -> GenerateFn:
+        """This request's engine call: with what lora_cache sent, retried once on a lost adapter."""
+        return lambda request: generate_with_adapter(
+            self.generate, self.fetch_weights, request, lora
+        )
+
+
+def _output_array(response: object, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+class LlmStage:
+    """Hits served, misses submitted to `Generations`, every response padded for untrusted
+    tenants, and generated answers indexed (semantic rows, shared through Redis with L3)."""
+
+    def __init__(
+        self,
+        config: LlmConfig,
+        tiers: ExactTiers,
+        metrics: tm.Metrics,
+        secret: bytes,
+    ) -> None:
+        self.config = config
+        self.metrics = m = metrics
+        self.requests = status_counters(
+            m,
+            "tiercache_llm_requests_total",
+            "Responses by cache status",
+            "status",
+            (*choices(CacheStatus), "error"),
+        )
+        self.generations = m.counter("tiercache_llm_generations_total", "Engine generations")
+        self.coalesced = m.counter(
+            "tiercache_llm_coalesced_total", "Misses served by joining an identical in-flight one"
+        )
+        self.write_backs = m.counter("tiercache_llm_write_backs_total", "Answers stored in L2")
+        self.write_failures = tm.DeltaCounter(
+            m.counter(
+                "tiercache_llm_write_failures_total", "Failed writes of an answer or its index row"
+            )
+        )
+        self._failures_lock = threading.Lock()  # producers finish on several threads
+        self.tokens = m.counter("tiercache_llm_generated_tokens_total", "Tokens generated")
+        self.ttft_s = m.histogram(
+            "tiercache_llm_time_to_first_token_seconds",
+            "Engine TTFT on a miss",
+            buckets=tm.GENERATION_BUCKETS_S,
+        )
+        self.duration_s = m.histogram(
+            "tiercache_llm_generation_seconds",
+            "Engine time per miss",
+            buckets=tm.GENERATION_BUCKETS_S,
+        )
+        self.engine = EngineBls(config, self._record_kv)
+        if self.engine.trtllm is not None:
+            self.kv_reused_blocks = m.counter(
+                "tiercache_trtllm_kv_cache_reused_blocks_total",
+                "KV-cache blocks TensorRT-LLM reused from earlier requests (prefix reuse)",
+            )
+            self.kv_total_blocks = m.counter(
+                "tiercache_trtllm_kv_cache_blocks_total",
+                "KV-cache blocks TensorRT-LLM's requests used in all, reused or new",
+            )
+        self.semantic = SemanticStore(config.semantic_path(), config.semantic_max_bytes)
+        # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
+        self.padding = padding_policy(config, secret)
+        self.padding_timer = ResponseTimer() if self.padding.enabled else None
+        self.padding_jitter = uniform_source()
+        link = tiers.link
+        self.core = Generations(
+            tiers.cache,
+            self.engine.generate,
+            max_workers=config.max_concurrency,
+            on_generation=self._record,
+            on_follow=lambda: self.coalesced.increment(1),
+            leases=(
+                LeaseCoordinator(link, config.lease_ttl_s, config.lease_wait_s)
+                if link is not None
+                else None
+            ),
+        )
+        self.sharing: RowSharing | None = None
+        if self.core.leases is not None:
+            tm.LeaseMetrics(m, self.core.leases, self.core.stats)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
+        """Answer one request through `responder` (a hit at once, a miss from a worker)."""
+        responder = self._padded(responder, item.envelope, arrival_s)
+        try:
+            self._serve(item, responder)
+        except Exception as exc:  # noqa: BLE001 - this request's error, padded like the rest
+            self.requests["error"].increment(1)
+            responder.send_error(exc)
+
+    def _serve(self, item: LlmInput, responder: Responder) -> None:
+        status = item.status
+        if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
+            similarity = item.similarity if status == CacheStatus.SEMANTIC else None
+            self.core.serve_hit(item.cached_text, status, responder, similarity)
+            self.requests[status].increment(1)
+            return
+        if status not in (CacheStatus.MISS, CacheStatus.BYPASS):
+            raise Unavailable(f"llm got an incomplete lookup (status {status!r})")
+        envelope = item.envelope
+        self.core.submit_miss(
+            envelope.request,
+            envelope.digest,
+            status,
+            envelope.write_back,
+            responder,
+            self._index_writer(envelope, item.vector),
+            self.engine.call_with(item.lora),
+            tags=envelope.cache_tags,
+            max_age_s=envelope.max_age_s,
+        )
+        self.requests[status].increment(1)
+
+    def count_error(self, responder: Responder, exc: BaseException) -> None:
+        """A request whose inputs did not decode: its error response (never padded: without an
+        envelope its tenant is unknown, and the error does not depend on the cache)."""
+        self.requests["error"].increment(1)
+        responder.send_error(exc)
+
+    def _padded(self, responder: Responder, envelope: Envelope, arrival_s: float) -> Responder:
+        """`responder`, held until the padding floor if this request's tenant is padded."""
+        timer = self.padding_timer
+        if timer is None or not self.padding.pads(envelope.request.tenant_scope):
+            return responder
+        release_s = self.padding.release_at(arrival_s, self.padding_jitter)
+        return PaddedResponder(responder, release_s, timer)
+
+    def _index_writer(
+        self, envelope: Envelope, vector: np.ndarray | None
+    ) -> Callable[[], None] | None:
+        """What to run once the answer is stored: add the prompt's vector to its scope's rows."""
+        scope, digest = envelope.semantic_scope, envelope.digest
+        if not scope or not digest or vector is None or vector.size == 0:
+            return None
+        row = vector.reshape(-1).astype(np.float32)
+        prompt = envelope.request.prompt
+        cache = self.core.cache
+        sharing = self.sharing
+
+        def write() -> None:
+            self.semantic.append_or_compact(scope, digest, prompt, row, cache.exists)
+            if sharing is not None:  # then to the other replicas, through Redis
+                sharing.publish(scope, digest, prompt, row)
+
+        return write
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def _record(self, record: GenerationRecord) -> None:
+        self.generations.increment(1)
+        with self._failures_lock:
+            self.write_failures.update(self.core.stats().write_failures)
+        self.tokens.increment(record.generated_tokens)
+        if record.ttft_s is not None:
+            self.ttft_s.observe(record.ttft_s)
+        self.duration_s.observe(record.duration_s)
+        if record.stored:
+            self.write_backs.increment(1)
+
+    def _record_kv(self, reuse: KvCacheReuse) -> None:
+        self.kv_reused_blocks.increment(reuse.reused_blocks)
+        self.kv_total_blocks.increment(reuse.total_blocks)
+
+    def close(self) -> None:
+        if self.sharing is not None:
+            self.sharing.close()  # joins the follower before the core closes the Redis link
+        # Misses in flight first (their rows go to the semantic store), then the semantic
+        # store (a compaction it runs checks answers in the cache, which must still be open),
+        # then the cache.
+        self.core.drain()
+        self.semantic.close()
+        self.core.close()
+        if self.padding_timer is not None:
+            self.padding_timer.close()  # after the core: its last misses may still be held
+        self.engine.client.keeper.clear()
+        self.metrics.close()
+
+
+def share_rows(stage: LlmStage, config: LlmConfig, tiers: ExactTiers) -> RowSharing | None:
+    """With L3: share index rows through Redis (tiercache.semantic.redis_rows), catch up with
+    the fleet's rows (waiting up to redis_semantic_warm_s) and follow them."""
+    link = tiers.link
+    if link is None or config.redis_semantic_max_rows <= 0 or not config.embedder:
+        return None
+    _, embedder = resolve_embedder(config.embedder)
+    sharing = RowSharing(
+        tiers.cache,
+        stage.semantic,
+        link,
+        max_rows=config.redis_semantic_max_rows,
+        embedder=embedder.key,
+        dimensions=embedder.dimensions,
+        retry_s=config.redis_retry_s,
+        listener=tiers.listener,
+    ).start()
+    events = ("published", "publish_failed", "added", "duplicate", "own", "dead", "foreign")
+    counters = tm.delta_counters(
+        stage.metrics,
+        "tiercache_semantic_redis_rows_total",
+        "Semantic index rows shared through Redis: published here, or read from the stream "
+        "and added, already held, own, dead (invalidated/expired), foreign",
+        "event",
+        (*events, "malformed"),
+    )
+
+    def refresh() -> None:
+        f = sharing.follower.stats()
+        p = sharing.publisher
+        totals: dict[str, Any] = {
+            "published": p.published,
+            "publish_failed": p.failed,
+            "added": f.added,
+            "duplicate": f.duplicate,
+            "own": f.own,
+            "dead": f.dead,
+            "foreign": f.foreign,
+            "malformed": f.malformed,
+        }
+        tm.update_all(counters, totals)
+
+    stage.metrics.on_flush(refresh)
+    caught_up = sharing.follower.wait_caught_up(config.redis_semantic_warm_s)
+    io.log.info(
+        "semantic rows from Redis: %s",
+        "caught up" if caught_up else "catching up in the background",
+    )
+    return sharing
+
+
+def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
+    """The stage over the host's L2 (no L1: lookups happen in prompt_cache) and L3 with
+    `redis_url`, the semantic row log, the engine over BLS, and its metrics (started)."""
+    tiers = open_exact_cache(config.cache())
+    secret = load_secret(config.cache(), tiers.link) if config.hit_padding_ms > 0 else b""
+    metrics = tm.Metrics(model_name)
+    stage = LlmStage(config, tiers, metrics, secret)
+    export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    stage.sharing = share_rows(stage, config, tiers)
+    metrics.start()
+    return stage

@@ -1,0 +1,206 @@
+"""The `lora_cache` stage: the request's adapter version -> its tier, and what the engine must
+load and evict before it generates; the admin ops `list`, `warm` and `weights`; with Redis, the
+fleet's adapter metadata and usage."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from tiercache.config import LoraCacheConfig
+from tiercache.errors import Unavailable
+from tiercache.lora.fleet import FleetSync, local_versions
+from tiercache.lora.residency import LoraPlan
+from tiercache.lora.stage import LoraCache
+from tiercache.lora.trtllm import TrtllmLoraConverter
+from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import open_fleet, open_lora_core
+from tiercache.triton import io
+from tiercache.triton import metrics as tm
+from tiercache.triton.bls import BlsClient
+from tiercache.vocabulary import EngineKind
+
+# The outputs of every lora_cache response, in order; TensorRT-LLM's tensors come on top.
+OUTPUTS = ("LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT")
+TRTLLM_OUTPUTS = {
+    "lora_task_id": "LORA_TASK_ID",
+    "lora_weights": "LORA_TRT_WEIGHTS",
+    "lora_config": "LORA_TRT_CONFIG",
+}
+ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON"]
+
+
+class EngineBls:
+    """`EngineAdmin` over BLS: torch_llm's LORA_OP "list" and "load" (its inputs have no batch
+    dimension: max_batch_size 0)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.client = BlsClient(model_name, label=f"engine {model_name}")
+
+    def list_adapters(self) -> Any:
+        text = self._call("listed", [io.bytes_tensor("LORA_OP", ["list"], batched=False)])
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise Unavailable(f"engine {self.model_name}: list answer is not JSON") from exc
+
+    def load(self, plan: LoraPlan) -> tuple[float, tuple[str, ...]]:
+        if plan.weights is None:
+            raise ValueError("a load needs the plan's weights (plan with reload=True)")
+        inputs = [
+            io.bytes_tensor("LORA_OP", ["load"], batched=False),
+            io.bytes_tensor("LORA", [plan.ref.to_json()], batched=False),
+            io.bytes_tensor("LORA_CONFIG", [plan.weights.config_json], batched=False),
+            io.bytes_tensor("LORA_WEIGHTS", [plan.weights.weights], batched=False),
+        ]
+        if plan.evict:
+            inputs.append(io.bytes_tensor("LORA_EVICT", [json.dumps(plan.evict)], batched=False))
+        text = self._call("loaded", inputs)
+        try:
+            answer = json.loads(text)
+            return float(answer.get("load_ms", 0.0)), tuple(answer.get("evicted", ()))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise Unavailable(f"engine {self.model_name}: unexpected load answer") from exc
+
+    def _call(self, expected_finish: str, inputs: list) -> str:
+        """The engine's TEXT, once its answer finished with `expected_finish`."""
+        finish, text = "", ""
+        for response in self.client.stream(inputs, ENGINE_OUTPUTS):
+            reason = io.output_string(response, "FINISH_REASON")
+            if reason is not None:  # the final, flags-only response carries no outputs
+                finish, text = reason, io.output_string(response, "TEXT") or ""
+        if finish != expected_finish:
+            raise Unavailable(
+                f"engine {self.model_name}: answered {finish or 'nothing'!r}, "
+                f"expected {expected_finish!r}"
+            )
+        return text
+
+
+class PlanCounter:
+    """Plans by the tier their adapter was found in (requests, warm, weights), and disk reads."""
+
+    def __init__(self, metrics: tm.Metrics) -> None:
+        self.requests = {
+            tier: metrics.counter(
+                "tiercache_lora_requests_total",
+                "Adapter requests by the tier the version was found in (none: no adapter)",
+                tier=tier,
+            )
+            for tier in (*TIERS, "none", "error")
+        }
+        self.disk_read_s = metrics.histogram(
+            "tiercache_lora_disk_read_seconds", "Time to read and verify an adapter from disk"
+        )
+
+    def __call__(self, plan: LoraPlan) -> None:
+        self.requests[plan.tier].increment(1)
+        if plan.tier == DISK_TIER:
+            self.disk_read_s.observe(plan.read_s)
+
+
+class LoraCacheStage:
+    """Plans and admin calls, counted by tier; the fleet's usage counted with Redis."""
+
+    def __init__(
+        self,
+        core: LoraCache,
+        metrics: tm.Metrics,
+        plans: PlanCounter,
+        trtllm: TrtllmLoraConverter | None = None,
+        fleet: FleetSync | None = None,
+    ) -> None:
+        """`plans` must be the `on_plan` hook `core` was built with."""
+        self.core = core
+        self.trtllm = trtllm
+        self.fleet = fleet
+        self.metrics = m = metrics
+        self.requests = plans.requests
+        self.disk_read_s = plans.disk_read_s
+        self.resident = {
+            tier: m.gauge("tiercache_lora_resident", "Adapters resident per tier", tier=tier)
+            for tier in TIERS
+        }
+        self.loads = tm.delta_counters(
+            m,
+            "tiercache_lora_loads_total",
+            "Adapters loaded into a tier",
+            "tier",
+            (ENGINE_TIER, HOST_TIER),
+        )
+        self.evictions = tm.delta_counters(
+            m,
+            "tiercache_lora_evictions_total",
+            "Adapters evicted from a tier",
+            "tier",
+            (ENGINE_TIER, HOST_TIER),
+        )
+        m.on_flush(self._refresh)
+
+    def count_error(self) -> None:
+        self.requests["error"].increment(1)
+
+    def _refresh(self) -> None:
+        """On the metrics flusher: gauges, and the counters the residency keeps."""
+        stats = self.core.residency.stats()
+        for tier in (ENGINE_TIER, HOST_TIER):
+            self.resident[tier].set(stats.resident[tier])
+        self.resident[DISK_TIER].set(len(self.core.registry.names()))
+        tm.update_all(self.loads, stats.loads)
+        tm.update_all(self.evictions, stats.evictions)
+
+    def plan(self, envelope: Envelope | None, lookup_status: str | None) -> LoraPlan | None:
+        """The plan for one ensemble request (None: no adapter involved)."""
+        plan = self.core.plan_request(
+            envelope.request if envelope is not None else None, lookup_status
+        )
+        if plan is None:
+            self.requests["none"].increment(1)
+        elif self.fleet is not None:
+            self.fleet.fleet.count_use(plan.ref.name)
+        return plan
+
+    def admin(self, text: str) -> tuple[LoraPlan | None, str]:
+        """One admin call: the plan it made (`weights`) and its JSON result, with the fleet's
+        view on `list` and `warm` when Redis is configured."""
+        answer = self.core.admin(text)
+        result = answer.result
+        if self.fleet is not None and "adapters" in result:  # list and warm
+            local = local_versions(self.core.registry)
+            result = {**result, "fleet": self.fleet.fleet.report(local)}
+        return answer.plan, json.dumps(result, sort_keys=True)
+
+    def trtllm_tensors(self, plan: LoraPlan) -> dict[str, np.ndarray]:
+        """engine_kind tensorrt_llm: TensorRT-LLM's request tensors for `plan` (the task id
+        always; the weights only when the engine lacks this version), by output name."""
+        if self.trtllm is None:
+            return {}
+        trt = self.trtllm.request_lora(plan.ref, plan.weights).tensors()
+        return {TRTLLM_OUTPUTS[k]: np.ascontiguousarray(v) for k, v in trt.items()}
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
+        self.metrics.close()
+
+
+def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCacheStage:
+    """The stage with its registry, residency, engine admin calls over BLS, the fleet sync with
+    `redis_url`, and its metrics (started)."""
+    trtllm = (
+        TrtllmLoraConverter(dtype=config.trtllm_dtype)
+        if config.engine_kind == EngineKind.TENSORRT_LLM
+        else None
+    )
+    metrics = tm.Metrics(model_name)
+    plans = PlanCounter(metrics)
+    core = open_lora_core(config, EngineBls(config.engine_model), on_plan=plans)
+    # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
+    # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
+    stage = LoraCacheStage(core, metrics, plans, trtllm, open_fleet(config, core))
+    metrics.start()
+    return stage

@@ -1,0 +1,193 @@
+"""The stages' parts, built from their typed configs; no Triton here, so unit tests build them too.
+
+Shared by several stages: the exact cache's tiers with their Redis link and invalidation listener,
+the server secret, the adapter registry. One stage's each: the admin (cache_admin), the adapter
+residency and fleet sync (lora_cache), the response padding policy (llm). The Triton-facing stage
+objects that hold them, with their metrics and BLS clients, are the other modules of this
+package."""
+
+from __future__ import annotations
+
+import logging
+import time
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache.adapter_types import AdapterRef
+from tiercache.admin import Admin, WarmAdapters
+from tiercache.config import CacheAdminConfig, CacheConfig, LlmConfig, LoraCacheConfig, name_list
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.exact.invalidation import InvalidationListener
+from tiercache.exact.keys import EngineIdentity, load_or_create_secret, replace_secret, tenant_scope
+from tiercache.exact.prompt_cache import PromptCache, ResolveAdapter
+from tiercache.exact.redis_tier import RedisLink, RedisStore, shared_secret
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import HostWatermarks
+from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions, replica_id
+from tiercache.lora.registry import AdapterRegistry
+from tiercache.lora.residency import LoraPlan, Residency
+from tiercache.lora.stage import EngineAdmin, LoraCache, latest_digest
+from tiercache.padding import PaddingPolicy
+from tiercache.vocabulary import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExactTiers:
+    """An opened exact cache and what runs beside it. `cache.close()` closes all of it (the
+    listener is among its `background`, closed first)."""
+
+    cache: TieredCache
+    link: RedisLink | None = None  # with redis_url: the link of L3, leases and shared rows
+    listener: InvalidationListener | None = None  # with redis_url
+
+
+def open_exact_cache(config: CacheConfig, clock: Callable[[], float] = time.time) -> ExactTiers:
+    """L1 in this process (if `l1_max_bytes` > 0), the host's shared L2 and, with `redis_url`,
+    L3 on Redis plus the invalidation listener (a thread, joined by the cache's `close()`)."""
+    tiers: list[tuple[Tier, Store]] = []
+    if config.l1_max_bytes > 0:
+        tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes)))
+    tiers.append((Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)))
+    marks = HostWatermarks(config.invalidations_path())
+    if not config.redis_url:
+        cache = TieredCache(tiers, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
+        return ExactTiers(cache)
+    link = RedisLink.from_url(
+        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
+    )
+    tiers.append((Tier.L3, RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)))
+    cache = TieredCache(tiers, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
+    listener = InvalidationListener(link, cache, retry_s=config.redis_retry_s).start()
+    cache.background.append(listener)
+    # Serve nothing before the recorded watermarks are noted: this replica's L2 may hold entries
+    # invalidated while it was down. Redis down: the local tiers serve at once (docs/replicas.md).
+    if not listener.wait_first_attempt(2 * config.redis_timeout_s + 1.0):
+        log.warning(
+            "Redis %s did not answer at start: entries invalidated while this replica was down "
+            "can be served from its own tiers until Redis is back",
+            link.url or "(injected client)",
+        )
+    return ExactTiers(cache, link, listener)
+
+
+def load_secret(config: CacheConfig, link: RedisLink | None) -> bytes:
+    """The server secret: the host's (`<state>/secret`) or, with L3, the one every replica shares
+    (kept in Redis; the host's file is replaced by it, so a later start without Redis agrees)."""
+    path = config.secret_path()
+    local = load_or_create_secret(path)
+    if link is None:
+        return local
+    shared = shared_secret(link, local)
+    if shared != local:
+        replace_secret(path, shared)
+    return shared
+
+
+def open_adapters(adapters_dir: Path, state_dir: Path, manifest: str) -> AdapterRegistry:
+    """The adapter registry over `adapters_dir` (and the optional JSON `manifest`)."""
+    return AdapterRegistry(adapters_dir, state_dir, Path(manifest) if manifest else None)
+
+
+def open_admin(
+    config: CacheAdminConfig,
+    engine: EngineIdentity,
+    resolve_adapter: ResolveAdapter | None = None,
+    warm_adapters: WarmAdapters | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Admin:
+    """The deployment's L2 (and L3 with its listener) without an L1, its secret, and a
+    `PromptCache` over them for digests. `close()` the admin's `cache` when done."""
+    tiers = open_exact_cache(config.cache(), clock=clock)
+    return admin_over(config, tiers, engine, resolve_adapter, warm_adapters)
+
+
+def admin_over(
+    config: CacheAdminConfig,
+    tiers: ExactTiers,
+    engine: EngineIdentity,
+    resolve_adapter: ResolveAdapter | None = None,
+    warm_adapters: WarmAdapters | None = None,
+) -> Admin:
+    secret = load_secret(config.cache(), tiers.link)
+    prompts = PromptCache(tiers.cache, secret, engine, config.limits(), "", resolve_adapter)
+    return Admin(prompts, secret, warm_adapters, tiers.link)
+
+
+def open_lora_core(
+    config: LoraCacheConfig,
+    engine: EngineAdmin,
+    *,
+    on_plan: Callable[[LoraPlan], None] = lambda plan: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> LoraCache:
+    """The stage from its config: the registry, the residency with pins (the `pin` parameter
+    plus the manifest's), and the `prefetch` adapters recorded as engine-resident (the engine
+    loads the same list at its start; if they diverge, the engine's "not found in cache" answer
+    and llm's retry correct it). ConfigError for a pin or prefetch name that does not resolve."""
+    manifest = Path(config.adapters_manifest) if config.adapters_manifest else None
+    registry = AdapterRegistry(config.adapters_path(), config.state_path(), manifest, clock=clock)
+    pinned = tuple(dict.fromkeys([*name_list(config.pin), *registry.pinned()]))
+    prefetch = tuple(dict.fromkeys(name_list(config.prefetch)))  # LoraCacheConfig checks its size
+    refs: dict[str, AdapterRef] = {}
+    for name in (*pinned, *prefetch):
+        try:
+            refs[name] = registry.resolve(name)
+        except TierCacheError as exc:
+            raise ConfigError(f"pin/prefetch adapter {name!r}: {exc.message}") from exc
+    residency = Residency(
+        config.engine_slots,
+        config.engine_max_bytes,
+        config.host_max_adapters,
+        config.host_max_bytes,
+        pinned,
+        latest=latest_digest(registry),
+        clock=clock,
+    )
+    for name in prefetch:
+        residency.mark_resident(registry.read(refs[name]))
+    return LoraCache(registry, residency, engine, config.engine_model, clock=clock, on_plan=on_plan)
+
+
+def open_fleet(config: LoraCacheConfig, stage: LoraCache) -> FleetSync | None:
+    """The `lora_cache` stage's fleet sync (started), or None without `redis_url`. With
+    `prefetch_fleet_top` N > 0 it warms, at start, those of the fleet's N most-used adapters
+    that this replica's folder has and that are not already pinned or prefetched, as many as
+    the engine slots left by those allow."""
+    if not config.redis_url:
+        return None
+    link = RedisLink.from_url(
+        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
+    )
+    fleet = AdapterFleet(link, replica_id(config.state_path()))
+    registry = stage.registry
+    configured = {*name_list(config.pin), *name_list(config.prefetch), *registry.pinned()}
+    room = max(0, config.engine_slots - len(configured))
+
+    def choose(names: list[str]) -> list[str]:
+        known = set(registry.names())
+        return [n for n in names if n in known and n not in configured][:room]
+
+    return FleetSync(
+        fleet,
+        lambda: local_versions(registry),
+        sync_s=config.fleet_sync_s,
+        warm=lambda names: dict(stage.warm(names)["warmed"]),
+        choose_warm=choose,
+        warm_top=config.prefetch_fleet_top,
+    ).start()
+
+
+def padding_policy(config: LlmConfig, secret: bytes) -> PaddingPolicy:
+    """The stage's policy from its parameters; `trusted_tenants` names are normalized as
+    prompt_cache normalizes `tenant` (NFKC, stripped) and turned into scopes under `secret`."""
+    names = (unicodedata.normalize("NFKC", n).strip() for n in name_list(config.trusted_tenants))
+    return PaddingPolicy(
+        floor_s=config.hit_padding_ms / 1000.0,
+        jitter_s=config.hit_padding_jitter_ms / 1000.0,
+        trusted=frozenset(tenant_scope(secret, n) for n in names),
+    )

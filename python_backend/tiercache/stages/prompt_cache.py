@@ -1,0 +1,97 @@
+"""The `prompt_cache` stage: canonical request -> scoped digest -> L1 -> L2 -> L3, and the
+envelope every later stage reads."""
+
+from __future__ import annotations
+
+import time
+
+from tiercache.config import PromptCacheConfig
+from tiercache.engine.model_source import resolve_model
+from tiercache.exact.prompt_cache import LookupResult, PromptCache
+from tiercache.exact.request import RawInputs
+from tiercache.semantic.embedder import resolve_embedder
+from tiercache.stages.common import export_redis, status_counters
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import load_secret, open_adapters, open_exact_cache
+from tiercache.triton import metrics as tm
+from tiercache.vocabulary import CacheStatus, choices
+
+
+class PromptCacheStage:
+    """Lookups, counted by status and by the tier that answered."""
+
+    def __init__(self, cache: PromptCache, metrics: tm.Metrics) -> None:
+        self.cache = cache
+        self.metrics = m = metrics
+        self.requests = status_counters(
+            m,
+            "tiercache_prompt_cache_requests_total",
+            "Requests by cache status",
+            "status",
+            (*choices(CacheStatus), "error"),
+        )
+        self.hits = {
+            tier: m.counter(
+                "tiercache_prompt_cache_hits_total", "Exact hits by tier", tier=tier.value
+            )
+            for tier, _ in cache.cache.stores()
+        }
+        self.lookup_s = m.histogram(
+            "tiercache_prompt_cache_lookup_seconds", "Stage time per request"
+        )
+        tm.StoreMetrics(m, cache.cache)
+
+    def lookup(self, raw: RawInputs) -> tuple[Envelope, str]:
+        """The envelope for the later stages and the cached answer ("" unless an exact hit);
+        InvalidRequest / NotFound for this request alone."""
+        started = time.perf_counter()
+        result = self.cache.lookup(raw)
+        self.requests[result.status.value].increment(1)
+        if result.tier is not None:
+            self.hits[result.tier].increment(1)
+        envelope = envelope_of(result)
+        self.lookup_s.observe(time.perf_counter() - started)
+        return envelope, result.text
+
+    def count_error(self) -> None:
+        """A request answered with an error (bad inputs, unknown adapter)."""
+        self.requests["error"].increment(1)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.cache.cache.close()
+
+
+def envelope_of(result: LookupResult) -> Envelope:
+    """The envelope of a lookup, also on an exact hit: llm reads the hit's tenant scope from it
+    to decide response-time padding (tiercache.padding)."""
+    return Envelope(
+        request=result.request,
+        status=result.status,
+        digest=result.digest,
+        write_back=result.write_back,
+        semantic_scope=result.semantic_scope,
+        semantic_lookup=result.semantic_lookup,
+        cache_tags=result.cache_tags,
+        max_age_s=result.max_age_s,
+    )
+
+
+def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCacheStage:
+    """The stage with its L1, the host's L2, L3 with `redis_url`, the deployment's secret,
+    the adapter registry and its metrics (started)."""
+    tiers = open_exact_cache(config.cache())
+    adapters = open_adapters(config.adapters_path(), config.state_path(), config.adapters_manifest)
+    cache = PromptCache(
+        tiers.cache,
+        load_secret(config.cache(), tiers.link),
+        resolve_model(config.model).identity,
+        config.limits(),
+        resolve_embedder(config.embedder)[1].key if config.embedder else "",
+        adapters.resolve,
+    )
+    metrics = tm.Metrics(model_name)
+    stage = PromptCacheStage(cache, metrics)
+    export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    metrics.start()
+    return stage

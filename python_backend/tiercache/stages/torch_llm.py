@@ -1,0 +1,265 @@
+"""The `torch_llm` engine model (decoupled): the PyTorch engine with its LoRA adapters and paged
+prefix KV pool. One worker thread runs one request at a time, in arrival order (adapter
+evictions, a load, then the op); `submit` only enqueues."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from tiercache.config import EngineConfig, name_list
+from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
+from tiercache.engine.kv_cache import KvStats
+from tiercache.engine.model_source import resolve_model
+from tiercache.engine.policy import RefusalPolicy
+from tiercache.engine.torch_engine import TorchEngine
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.exact.request import GenerationRequest
+from tiercache.memory import MemoryTrimmer
+from tiercache.stages.parts import open_adapters
+from tiercache.triton import io
+from tiercache.triton import metrics as tm
+
+# What the final response of each admin op says in FINISH_REASON.
+OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
+FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error")
+_STOP = object()
+
+
+class EngineSink(Protocol):
+    """One request's response channel (model.py encodes the tensors)."""
+
+    def is_cancelled(self) -> bool: ...
+
+    def send_chunk(self, text: str) -> None: ...
+
+    def send_final(
+        self, text: str, finish_reason: str, generated: int, prompt: int, reused: int, computed: int
+    ) -> None: ...
+
+    def send_error(self, exc: BaseException) -> None: ...
+
+
+Decode = Callable[[], tuple[AdapterOrder, GenerationRequest | None]]
+"""Reads one request's inputs into its adapter order and request (InvalidRequest on bad input);
+run on the worker."""
+
+
+class TorchLlmStage:
+    def __init__(
+        self,
+        engine: TorchEngine,
+        refusal: RefusalPolicy,
+        trimmer: MemoryTrimmer,
+        metrics: tm.Metrics,
+    ) -> None:
+        self.engine = engine
+        self.refusal = refusal
+        self.trimmer = trimmer
+        self.metrics = m = metrics
+        self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
+        self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
+        self.finished = {
+            r: m.counter(
+                "tiercache_engine_finished_total", "Generations by finish reason", reason=r
+            )
+            for r in FINISH_REASONS
+        }
+        self.queue_depth = m.gauge(
+            "tiercache_engine_queue_depth", "Requests waiting for the engine"
+        )
+        self.adapter_loads = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_adapter_loads_total", "LoRA adapters loaded into the engine"
+            )
+        )
+        self.adapter_evictions = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_adapter_evictions_total",
+                "LoRA adapters dropped from the engine (asked for, or to make room)",
+            )
+        )
+        self.adapter_load_s = m.histogram(
+            "tiercache_engine_adapter_load_seconds", "Time to load one adapter into the engine"
+        )
+        self.adapter_swap_s = m.histogram(
+            "tiercache_engine_adapter_swap_seconds",
+            "Time to switch the active adapter (when a request needs another one)",
+        )
+        self.adapters_resident = m.gauge(
+            "tiercache_engine_adapters_resident", "LoRA adapters loaded in the engine"
+        )
+        self.kv_reused = m.counter(
+            "tiercache_engine_kv_reused_tokens_total", "Prompt tokens served from the KV pool"
+        )
+        self.kv_computed = m.counter(
+            "tiercache_engine_kv_computed_tokens_total", "Prompt tokens the engine computed"
+        )
+        self.kv_pool_bytes = m.gauge(
+            "tiercache_engine_kv_pool_bytes", "Bytes of KV blocks held in the prefix pool"
+        )
+        self.kv_evictions = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_kv_evictions_total", "KV blocks evicted from the prefix pool"
+            )
+        )
+        self.kv_lookups = tm.delta_counters(
+            m,
+            "tiercache_engine_kv_lookups_total",
+            "Prefix KV lookups (hit: at least one prompt token reused)",
+            "result",
+            ("hit", "miss"),
+        )
+        self.memory_trims = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_memory_trims_total", "Returns of freed heap memory to the system"
+            )
+        )
+        self.memory_trim_s = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_memory_trim_seconds_total", "Time spent returning freed memory"
+            )
+        )
+        self._seed_counters()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
+        self._worker.start()
+
+    def _seed_counters(self) -> None:
+        """Totals from before the first request (prefetched adapters) are not counted again."""
+        adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
+        self.adapter_loads.seen = adapters.loads
+        self.adapter_evictions.seen = adapters.evictions
+        self.kv_evictions.seen = kv.evictions
+        self.kv_lookups["hit"].seen = kv.hit_lookups
+        self.kv_lookups["miss"].seen = kv.lookups - kv.hit_lookups
+        self.kv_pool_bytes.set(kv.bytes)
+
+    def submit(self, decode: Decode, sink: EngineSink) -> None:
+        """Queue one request for the worker."""
+        self._queue.put((decode, sink))
+        self.queue_depth.set(self._queue.qsize())
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not _STOP:
+            self.queue_depth.set(self._queue.qsize())
+            decode, sink = job
+            before = self.engine.adapters.stats()
+            try:
+                order, request = decode()
+                self._serve(order, request, sink)
+            except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
+                self.finished["error"].increment(1)
+                try:
+                    sink.send_error(exc)
+                except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
+                    io.log.exception("could not send an error response")
+            finally:
+                self._record_adapters(before, self.engine.adapters.stats())
+                self._record_kv(self.engine.kv_stats())
+                self._trim_memory()
+
+    def _serve(
+        self, order: AdapterOrder, request: GenerationRequest | None, sink: EngineSink
+    ) -> None:
+        done = self.engine.adapters.prepare(order)
+        if order.op == GENERATE and request is not None:
+            self._generate(request, sink)
+            return
+        if order.op == LOAD:
+            answer = json.dumps({"load_ms": done.load_s * 1e3, "evicted": list(done.evicted)})
+        elif order.op == LIST:
+            answer = json.dumps(self.engine.adapters.resident())
+        else:
+            answer = json.dumps({"evicted": list(done.evicted)})
+        sink.send_final(answer, OP_FINISH[order.op], 0, 0, 0, 0)
+
+    def _generate(self, request: GenerationRequest, sink: EngineSink) -> None:
+        events = self.refusal.generate(
+            request, lambda: self.engine.generate(request, sink.is_cancelled)
+        )
+        for event in events:
+            if event.finish_reason is None:
+                sink.send_chunk(event.text)
+                continue
+            sink.send_final(
+                event.text,
+                event.finish_reason,
+                event.generated_tokens,
+                event.prompt_tokens,
+                event.reused_tokens,
+                event.computed_tokens,
+            )
+            self.tokens.increment(event.generated_tokens)
+            self.prompt_tokens.increment(event.prompt_tokens)
+            self.kv_reused.increment(event.reused_tokens)
+            self.kv_computed.increment(event.computed_tokens)
+            self.finished[event.finish_reason].increment(1)
+
+    def _trim_memory(self) -> None:
+        """Freed activations back to the system, at most every memory_trim_interval_s."""
+        if self.trimmer.maybe_trim():
+            stats = self.trimmer.stats()
+            self.memory_trims.update(stats.trims)
+            self.memory_trim_s.update(stats.seconds)
+
+    def _record_adapters(self, before: AdapterStats, after: AdapterStats) -> None:
+        """Metrics from the adapter stats, on the worker thread (the only one that changes them).
+        Each request loads and switches at most once, so the last timing is this request's."""
+        if after.loads > before.loads:
+            self.adapter_load_s.observe(after.last_load_s)
+        if after.switches > before.switches:
+            self.adapter_swap_s.observe(after.last_switch_s)
+        self.adapter_loads.update(after.loads)
+        self.adapter_evictions.update(after.evictions)
+        self.adapters_resident.set(after.resident)
+
+    def _record_kv(self, after: KvStats) -> None:
+        """Prefix-pool metrics from its stats, on the worker thread (the only one using it)."""
+        self.kv_lookups["hit"].update(after.hit_lookups)
+        self.kv_lookups["miss"].update(after.lookups - after.hit_lookups)
+        self.kv_evictions.update(after.evictions)
+        self.kv_pool_bytes.set(after.bytes)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._worker.join(timeout=30)
+        self.metrics.close()
+
+
+def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
+    """The engine (weights converted once under the state folder), its refusal policy, the
+    `lora_prefetch` adapters loaded, its metrics (started) and its worker (started)."""
+    refusal = RefusalPolicy.parse(config.refuse_prompt_pattern, config.refusal_text)
+    engine = TorchEngine(
+        resolve_model(config.model),
+        config.models_path(),
+        config.device,
+        config.lora_slots,
+        kv_reuse=config.kv_reuse,
+        tokens_per_block=config.tokens_per_block,
+        kv_pool_max_bytes=config.kv_pool_max_bytes,
+    )
+    prefetch(engine, config)
+    metrics = tm.Metrics(model_name)
+    stage = TorchLlmStage(engine, refusal, MemoryTrimmer(config.memory_trim_interval_s), metrics)
+    metrics.start()
+    return stage
+
+
+def prefetch(engine: TorchEngine, config: EngineConfig) -> None:
+    """Load the `lora_prefetch` adapters before the first request (lora_cache's `prefetch`
+    names the same list, so its mirror starts in step with the engine)."""
+    names = name_list(config.lora_prefetch)
+    if not names:
+        return
+    registry = open_adapters(config.adapters_path(), config.state_path(), config.adapters_manifest)
+    for name in names:
+        try:
+            seconds = engine.adapters.load(registry.read(registry.resolve(name)))
+        except TierCacheError as exc:
+            raise ConfigError(f"lora_prefetch adapter {name!r}: {exc.message}") from exc
+        io.log.info("prefetched adapter %s in %.0f ms", name, seconds * 1000.0)

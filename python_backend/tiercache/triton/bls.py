@@ -1,0 +1,136 @@
+"""Triton boundary, BLS: every call from one stage to another model goes through `BlsClient`.
+
+A called model's typed error reaches the caller as the same typed error (`io.from_triton_error`):
+a caller's fault (InvalidRequest, NotFound) keeps its message as the called model worded it, so
+the client sees the same words whichever stage raised it; a dependency's failure (Unavailable,
+capacity, internal) is prefixed with the callee's label, so the client learns which dependency
+failed. Decoupled streams are handed to a `StreamKeeper` when read or abandoned (see there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from tiercache.errors import InvalidRequest, NotFound, TierCacheError
+from tiercache.triton.io import from_triton_error
+
+
+class StreamKeeper:
+    """Holds the response iterators of finished decoupled BLS streams for `hold_s` seconds.
+
+    Triton 2.51's Python stub (python_backend r24.10, and its head as of 2026) erases a finished
+    stream from its iterator map on its stub-to-parent thread, without the GIL. When the model
+    has already dropped its own reference, that erase destroys the iterator there, with its
+    responses' numpy arrays: Python objects freed without the GIL corrupt the interpreter's heap
+    and the stub segfaults later (docs/faults.md; `python -m tiercache_dev.diagnostics.repro_bls_streams`). Handing each
+    stream's iterator to `keep()` once it is read (or abandoned) makes the model's reference the
+    last one; it is dropped here, by a later `keep()` or `clear()`, holding the GIL.
+    """
+
+    def __init__(self, hold_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._clock = clock
+        self._held: deque[tuple[float, object]] = deque()
+        self._lock = threading.Lock()
+
+    def keep(self, stream: object) -> None:
+        """Hold `stream` for hold_s; drop those held longer (outside the lock: dropping an
+        unfinished iterator waits for its remaining responses)."""
+        now = self._clock()
+        expired = []
+        with self._lock:
+            self._held.append((now + self.hold_s, stream))
+            while self._held and self._held[0][0] <= now:
+                expired.append(self._held.popleft())
+        expired.clear()
+
+    def read(self, stream: Iterable[Any]) -> Iterator[Any]:
+        """Iterate `stream` (a `request.exec(decoupled=True)` result), then keep it: also when
+        the reader stops early, raises, or the generator reading it is closed."""
+        try:
+            yield from stream
+        finally:
+            self.keep(stream)
+
+    def clear(self) -> None:
+        """Drop every held stream (in finalize)."""
+        with self._lock:
+            held, self._held = self._held, deque()
+        held.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+def raise_if_error(response: Any, label: str) -> None:
+    """Raise the typed error a BLS response carries, if any (see the module docstring)."""
+    if not response.has_error():
+        return
+    error = response.error()
+    code = error.code() if hasattr(error, "code") else None
+    raise typed_error(str(error.message()), code, label)
+
+
+def typed_error(message: str, code: int | None, label: str) -> TierCacheError:
+    """`from_triton_error`, with the callee's `label` in front of a dependency's failure."""
+    exc = from_triton_error(message, code)
+    if isinstance(exc, (InvalidRequest, NotFound)):
+        return exc
+    return type(exc)(f"{label}: {exc.message}")
+
+
+class BlsClient:
+    """Calls to one Triton model from inside a stage.
+
+    `label` names the callee in the messages of its failures ("engine torch_llm", "embedder");
+    `keeper` holds finished decoupled streams (one per model process is enough).
+    """
+
+    def __init__(
+        self, model_name: str, label: str = "", keeper: StreamKeeper | None = None
+    ) -> None:
+        self.model_name = model_name
+        self.label = label or model_name
+        self.keeper = keeper if keeper is not None else StreamKeeper()
+
+    def request(self, inputs: Sequence[Any], outputs: Sequence[str]) -> Any:
+        """The `pb_utils.InferenceRequest` of one call (for `infer`/`stream`)."""
+        return pb_utils.InferenceRequest(
+            model_name=self.model_name,
+            inputs=list(inputs),
+            requested_output_names=list(outputs),
+        )
+
+    def infer(self, inputs: Sequence[Any], outputs: Sequence[str]) -> Any:
+        """One unary call; its response, or the callee's typed error raised."""
+        response = self.request(inputs, outputs).exec()
+        raise_if_error(response, self.label)
+        return response
+
+    def stream(
+        self, inputs: Sequence[Any], outputs: Sequence[str], *, cancel_on_close: bool = False
+    ) -> Generator[Any, None, None]:
+        """A decoupled call's responses, in order; the first error response is raised typed.
+        The stream goes to the keeper when it ends, is abandoned or fails. `cancel_on_close`
+        also cancels what the callee has not sent yet (python_backend >= 25.05; a no-op once
+        the stream has ended, and on older versions)."""
+        responses = self.request(inputs, outputs).exec(decoupled=True)
+        try:
+            for response in responses:
+                raise_if_error(response, self.label)
+                yield response
+        finally:
+            if cancel_on_close:
+                cancel: Callable[[], None] | None = getattr(responses, "cancel", None)
+                if cancel is not None:
+                    cancel()
+            self.keeper.keep(responses)

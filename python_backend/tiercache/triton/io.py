@@ -1,0 +1,241 @@
+"""Triton boundary, I/O: reading a request's inputs, building outputs, parsing stage parameters,
+and the one mapping between the core's typed errors and Triton errors, both ways.
+
+Only the `tiercache.triton` package imports `triton_python_backend_utils`; the core stays
+importable without Triton. Encoding (`to_triton_error`) and decoding (`from_triton_error`) are
+inverses: a typed error raised in one model reaches a BLS caller as the same type with the same
+message (`tiercache.triton.bls`), because over Triton's gRPC stream the status code is lost and
+only the message (which starts with the error's `kind`) arrives.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tiercache.config import parse_config
+from tiercache.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    TierCacheError,
+    Unavailable,
+)
+from tiercache.exact.request import RawInputs
+
+log = logging.getLogger("tiercache")
+
+# A stage process that crashes (SIGSEGV, or SIGABRT from a corrupted heap) prints every thread's
+# Python stack to stderr, which is tritonserver's log; Triton itself only reports the stub as
+# "not healthy" afterwards (docs/faults.md). Imported only by model.py files, i.e. in stubs.
+if not faulthandler.is_enabled():
+    faulthandler.enable(all_threads=True)
+T = TypeVar("T")
+
+
+def load_config(cls: type[T], args: dict[str, str]) -> tuple[T, dict[str, Any]]:
+    """Parse `args["model_config"]`'s parameters into `cls`; returns it and the raw model config."""
+    model_config = json.loads(args["model_config"])
+    raw = model_config.get("parameters", {}) or {}
+    values = {key: str(value.get("string_value", "")) for key, value in raw.items()}
+    return parse_config(cls, values), model_config
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+# Each typed error and its Triton code. Two kinds share UNAVAILABLE and two INTERNAL: the
+# message's `kind` prefix tells them apart when decoding.
+_CODES: tuple[tuple[type[TierCacheError], str], ...] = (
+    (InvalidRequest, "INVALID_ARG"),
+    (NotFound, "NOT_FOUND"),
+    (Unavailable, "UNAVAILABLE"),
+    (CapacityError, "UNAVAILABLE"),
+    (ConfigError, "INTERNAL"),
+    (TierCacheError, "INTERNAL"),
+)
+_BY_KIND: dict[str, type[TierCacheError]] = {cls.kind: cls for cls, _ in reversed(_CODES)}
+
+
+def to_triton_error(exc: BaseException) -> pb_utils.TritonError:
+    """The core's error as a Triton error; unexpected errors are logged with their traceback and
+    reach the client as a one-line INTERNAL message."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return pb_utils.TritonError(exc.client_message(), getattr(pb_utils.TritonError, code))
+    log.exception("unexpected error", exc_info=exc)
+    return pb_utils.TritonError(
+        f"internal: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
+    )
+
+
+def from_triton_error(message: str, code: int | None = None) -> TierCacheError:
+    """The typed error behind a Triton error's message (and code, when the transport kept it):
+    the class its `kind` prefix names, with the message after the prefix. A message without a
+    known prefix (another backend's error) is typed by its code: INVALID_ARG and NOT_FOUND as
+    the caller's fault, anything else as Unavailable (the dependency failed; a retry may work)."""
+    kind, sep, rest = message.partition(": ")
+    if sep and kind in _BY_KIND:
+        return _BY_KIND[kind](rest)
+    if code == pb_utils.TritonError.INVALID_ARG:
+        return InvalidRequest(message)
+    if code == pb_utils.TritonError.NOT_FOUND:
+        return NotFound(message)
+    return Unavailable(message)
+
+
+def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(output_tensors=[], error=to_triton_error(exc))
+
+
+class Inputs:
+    """One request's input tensors, looked up by name.
+
+    Built once per request: `pb_utils.get_input_tensor_by_name` rebuilds the list of the
+    request's tensors on every call, which on the 11-input hit path cost more than the lookup.
+    Every reader returns None for an omitted input and raises InvalidRequest naming the input
+    for a wrong batch size, shape, dtype or encoding.
+    """
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, request: Any) -> None:
+        self._tensors = {tensor.name(): tensor for tensor in request.inputs()}
+
+    def _array(self, name: str) -> np.ndarray | None:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        array = tensor.as_numpy()
+        if array.ndim >= 2 and array.shape[0] != 1:
+            raise InvalidRequest(f"{name}: batch size must be 1, got shape {list(array.shape)}")
+        return array
+
+    def batch_strings(self, name: str) -> list[str] | None:
+        """All texts of a BYTES input whose batch dimension may exceed 1 (one per row)."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        return [_decode(name, value) for value in tensor.as_numpy().reshape(-1)]
+
+    def vector(self, name: str) -> np.ndarray | None:
+        """A numeric tensor as it came (e.g. an embedding), batch dimension included."""
+        return self._array(name)
+
+    def string(self, name: str) -> str | None:
+        array = self._array(name)
+        return None if array is None else _decode(name, _one(name, array))
+
+    def blob(self, name: str) -> bytes | None:
+        """One BYTES value as raw bytes (binary payloads such as adapter weights)."""
+        array = self._array(name)
+        if array is None:
+            return None
+        value = _one(name, array)
+        if isinstance(value, str):
+            return value.encode("utf-8")
+        if not isinstance(value, (bytes, np.bytes_)):
+            raise InvalidRequest(f"{name} must be BYTES, got {type(value).__name__}")
+        return bytes(value)
+
+    def strings(self, name: str) -> list[str] | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        return [_decode(name, value) for value in array.reshape(-1)]
+
+    def integer(self, name: str) -> int | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind not in "iu":
+            raise InvalidRequest(f"{name} must be an integer tensor, got {array.dtype}")
+        return int(_one(name, array))
+
+    def number(self, name: str) -> float | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind != "f":
+            raise InvalidRequest(f"{name} must be a float tensor, got {array.dtype}")
+        return float(_one(name, array))
+
+    def boolean(self, name: str) -> bool | None:
+        array = self._array(name)
+        if array is None:
+            return None
+        if array.dtype.kind != "b":
+            raise InvalidRequest(f"{name} must be a BOOL tensor, got {array.dtype}")
+        return bool(_one(name, array))
+
+
+def _one(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _decode(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (bytes, np.bytes_)):
+        raise InvalidRequest(f"{name} must be BYTES (UTF-8 text), got {type(value).__name__}")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def read_raw_inputs(request: Any) -> RawInputs:
+    """The public ensemble inputs of one request (TensorRT-LLM's names plus ours)."""
+    inputs = Inputs(request)
+    return RawInputs(
+        text_input=inputs.string("text_input"),
+        max_tokens=inputs.integer("max_tokens"),
+        stream=inputs.boolean("stream"),
+        temperature=inputs.number("temperature"),
+        top_p=inputs.number("top_p"),
+        top_k=inputs.integer("top_k"),
+        seed=inputs.integer("seed"),
+        stop_words=inputs.strings("stop_words"),
+        tenant=inputs.string("tenant"),
+        cache_control=inputs.string("cache_control"),
+        lora_name=inputs.string("lora_name"),
+    )
+
+
+def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:
+    encoded = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    array = np.array(encoded, dtype=np.object_)
+    return pb_utils.Tensor(name, array.reshape(1, -1) if batched else array)
+
+
+def scalar_tensor(name: str, value: Any, dtype: Any, batched: bool = True) -> Any:
+    array = np.array([value], dtype=dtype)
+    return pb_utils.Tensor(name, array.reshape(1, 1) if batched else array)
+
+
+def output_string(response: Any, name: str) -> str | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        return None
+    return _decode(name, tensor.as_numpy().reshape(-1)[0])
+
+
+def output_blob(response: Any, name: str) -> bytes | None:
+    """One BYTES output as raw bytes."""
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        return None
+    return bytes(tensor.as_numpy().reshape(-1)[0])
+
+
+def output_int(response: Any, name: str) -> int | None:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return None if tensor is None else int(tensor.as_numpy().reshape(-1)[0])

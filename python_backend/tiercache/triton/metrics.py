@@ -1,0 +1,431 @@
+"""Triton boundary, metrics: families created once per model, updates deferred to a flusher
+thread, and the exporters that turn the core's stats snapshots into Prometheus series.
+
+The core knows nothing of Prometheus: it exposes stats snapshots (monotonic totals and levels).
+An exporter reads one on the flusher thread; a total becomes a counter through `DeltaCounter`
+(the one place that turns "a total that grew" into an increment).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import triton_python_backend_utils as pb_utils
+
+from tiercache.exact.invalidation import InvalidatorStats, ListenerStats
+from tiercache.exact.leases import LeaseStats
+from tiercache.exact.redis_tier import RedisHealth
+from tiercache.exact.stores import StoreStats
+from tiercache.exact.watermarks import Invalidation
+from tiercache.vocabulary import InvalidationKind, Tier, choices
+
+log = logging.getLogger("tiercache")
+
+# Histogram buckets, in seconds.
+LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0]
+# Engine time: a CPU generation under load takes longer than 5 s (past the last bucket, a
+# quantile only reads "over 5 s").
+GENERATION_BUCKETS_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+# Invalidation lag buckets, in seconds: a message crosses Redis pub/sub in about a millisecond; a
+# tag, tenant or adapter sweep of a large L2 takes longer (docs/replicas.md).
+LAG_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
+
+
+class _DeferredMetric:
+    """A Triton metric whose updates are recorded locally and applied by the flusher thread.
+
+    Each pb_utils metric call is a round trip from the stub process to the server; three of them
+    on the hit path cost more than the whole cache lookup, so requests only touch local numbers.
+    """
+
+    __slots__ = ("_metric", "_lock", "_delta", "_value", "_observations")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._lock = threading.Lock()
+        self._delta = 0.0
+        self._value: float | None = None
+        self._observations: list[float] = []
+
+    @property
+    def metric(self) -> Any:
+        """The underlying pb_utils metric (what a scrape reads after the next flush)."""
+        return self._metric
+
+    def increment(self, amount: float) -> None:
+        with self._lock:
+            self._delta += amount
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = value
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._observations.append(value)
+
+    def flush(self) -> None:
+        with self._lock:
+            delta, value, observations = self._delta, self._value, self._observations
+            self._delta, self._value, self._observations = 0.0, None, []
+        if delta:
+            self._metric.increment(delta)
+        if value is not None:
+            self._metric.set(value)
+        for observation in observations:
+            self._metric.observe(observation)
+
+
+class Metrics:
+    """Metric families created once per model (in initialize), one label set per model, and a
+    flusher thread (started by `start`, joined by `close` in finalize) that applies the deferred
+    updates every `flush_interval_s`, so a scrape sees them at most that much later."""
+
+    def __init__(
+        self, model_name: str, flush_interval_s: float = 0.25, instance: str | None = None
+    ) -> None:
+        """`instance` adds an `instance` label (for models that run several instances)."""
+        self.labels = {"model": model_name}
+        if instance is not None:
+            self.labels["instance"] = instance
+        self._families: dict[str, Any] = {}
+        self._metrics: list[_DeferredMetric] = []
+        self._hooks: list[Callable[[], None]] = []
+        self._interval_s = flush_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def counter(self, name: str, description: str, **labels: str) -> _DeferredMetric:
+        return self._metric(name, description, pb_utils.MetricFamily.COUNTER, labels)
+
+    def gauge(self, name: str, description: str, **labels: str) -> _DeferredMetric:
+        return self._metric(name, description, pb_utils.MetricFamily.GAUGE, labels)
+
+    def histogram(
+        self, name: str, description: str, buckets: list[float] = LATENCY_BUCKETS_S, **labels: str
+    ) -> _DeferredMetric:
+        family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
+        return self._track(family.Metric(labels={**self.labels, **labels}, buckets=buckets))
+
+    def on_flush(self, hook: Callable[[], None]) -> None:
+        """Run `hook` on the flusher thread before each flush (e.g. to refresh gauges)."""
+        self._hooks.append(hook)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        for hook in self._hooks:
+            hook()
+        for metric in self._metrics:
+            metric.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - metrics must never take a model down; logged
+                log.exception("metrics flush failed")
+
+    def _metric(
+        self, name: str, description: str, kind: Any, labels: dict[str, str]
+    ) -> _DeferredMetric:
+        return self._track(
+            self._family(name, description, kind).Metric(labels={**self.labels, **labels})
+        )
+
+    def _track(self, metric: Any) -> _DeferredMetric:
+        deferred = _DeferredMetric(metric)
+        self._metrics.append(deferred)
+        return deferred
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        if name not in self._families:
+            self._families[name] = pb_utils.MetricFamily(
+                name=name, description=description, kind=kind
+            )
+        return self._families[name]
+
+
+class DeltaCounter:
+    """A counter fed from a monotonically increasing total in a stats snapshot: each `update`
+    increments it by what the total grew since the last one. Not thread-safe: one updater."""
+
+    __slots__ = ("counter", "seen")
+
+    def __init__(self, counter: _DeferredMetric, seen: float = 0) -> None:
+        self.counter = counter
+        self.seen = seen
+
+    @property
+    def metric(self) -> Any:
+        """The underlying pb_utils metric (what a scrape reads after the next flush)."""
+        return self.counter.metric
+
+    def update(self, total: float) -> None:
+        if total > self.seen:
+            self.counter.increment(total - self.seen)
+            self.seen = total
+
+
+def delta_counters(
+    metrics: Metrics, name: str, description: str, label: str, values: Iterable[str], **labels: str
+) -> dict[str, DeltaCounter]:
+    """One DeltaCounter per value of `label` (e.g. per invalidation kind or per tier)."""
+    return {
+        value: DeltaCounter(metrics.counter(name, description, **{label: value}, **labels))
+        for value in values
+    }
+
+
+def update_all(counters: Mapping[str, DeltaCounter], totals: Mapping[str, float]) -> None:
+    """Each counter from its total in `totals` (absent: 0)."""
+    for key, counter in counters.items():
+        counter.update(totals.get(key, 0))
+
+
+# ---- exporters of the core's stats (protocols: what each exporter reads) ------------------------
+
+
+class StatsSource(Protocol):
+    def stats(self) -> Any: ...
+
+
+class TieredStores(Protocol):
+    def stores(self) -> Sequence[tuple[Tier, StatsSource]]: ...
+
+
+class RedisHealthSource(Protocol):
+    def health(self) -> RedisHealth: ...
+
+
+class ListenerSource(Protocol):
+    def stats(self) -> ListenerStats: ...
+
+    def on_received(self, callback: Callable[[Invalidation, float], None]) -> None: ...
+
+
+class InvalidatorSource(Protocol):
+    def stats(self) -> InvalidatorStats: ...
+
+
+class LeaseSource(Protocol):
+    def stats(self) -> LeaseStats: ...
+
+
+class StoreMetrics:
+    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache."""
+
+    def __init__(self, metrics: Metrics, cache: TieredStores) -> None:
+        self._cache = cache
+        self._gauges: dict[Tier, tuple[_DeferredMetric, _DeferredMetric, DeltaCounter]] = {}
+        for tier, _ in cache.stores():
+            self._gauges[tier] = (
+                metrics.gauge("tiercache_cache_entries", "Entries per tier", tier=tier.value),
+                metrics.gauge("tiercache_cache_bytes", "Bytes per tier", tier=tier.value),
+                DeltaCounter(
+                    metrics.counter("tiercache_cache_evictions_total", "Evictions", tier=tier.value)
+                ),
+            )
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        for tier, store in self._cache.stores():
+            entries, nbytes, evictions = self._gauges[tier]
+            stats: StoreStats = store.stats()
+            entries.set(stats.entries)
+            nbytes.set(stats.bytes)
+            evictions.update(stats.evictions)
+
+
+INVALIDATION_KINDS = choices(InvalidationKind)
+DROPPED_ENTRIES = (
+    "tiercache_invalidation_dropped_entries_total",
+    "Entries invalidations deleted, once per tier (source received: this process's L1/L2 on "
+    "another's message; issued: the issuer's L1/L2 and L3)",
+)
+
+
+def _by_kind(
+    metrics: Metrics, name: str, description: str, **labels: str
+) -> dict[str, DeltaCounter]:
+    return delta_counters(metrics, name, description, "kind", INVALIDATION_KINDS, **labels)
+
+
+class RedisMetrics:
+    """The health of one process's Redis link (`tiercache.exact.redis_tier.RedisLink.health`)."""
+
+    def __init__(self, metrics: Metrics, link: RedisHealthSource) -> None:
+        self._link = link
+        self._up = metrics.gauge(
+            "tiercache_redis_up",
+            "1 while the Redis link's breaker is closed (Redis in use), else 0",
+        )
+        self._errors = DeltaCounter(
+            metrics.counter("tiercache_redis_errors_total", "Redis calls that failed")
+        )
+        self._opens = DeltaCounter(
+            metrics.counter(
+                "tiercache_redis_breaker_opens_total", "Outages: the breaker went closed -> open"
+            )
+        )
+        self._refused = DeltaCounter(
+            metrics.counter(
+                "tiercache_redis_short_circuits_total", "Calls refused while the breaker was open"
+            )
+        )
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        health = self._link.health()
+        self._up.set(1.0 if health.available else 0.0)
+        self._errors.update(health.errors)
+        self._opens.update(health.outages)
+        self._refused.update(health.short_circuits)
+
+
+class InvalidationMetrics:
+    """What one process's invalidation listener applied, by kind, and the lag of each message
+    from another process (publish -> applied here)."""
+
+    def __init__(self, metrics: Metrics, listener: ListenerSource) -> None:
+        self._listener = listener
+        self._received = _by_kind(
+            metrics,
+            "tiercache_invalidations_received_total",
+            "Invalidation messages received from other processes",
+        )
+        self._applied = _by_kind(
+            metrics,
+            "tiercache_invalidations_applied_total",
+            "Invalidations that raised a watermark here (live or read back from Redis)",
+        )
+        self._replayed = _by_kind(
+            metrics,
+            "tiercache_invalidations_replayed_total",
+            "Invalidations missed while disconnected, applied from Redis on a reconnect",
+        )
+        self._dropped = _by_kind(metrics, *DROPPED_ENTRIES, source="received")
+        self._reconnects = DeltaCounter(
+            metrics.counter(
+                "tiercache_invalidation_reconnects_total",
+                "Times the invalidation listener lost Redis and had to reconnect",
+            )
+        )
+        self._connected = metrics.gauge(
+            "tiercache_invalidation_listener_connected",
+            "1 while the invalidation listener is subscribed, else 0",
+        )
+        self._lag_s = metrics.histogram(
+            "tiercache_invalidation_lag_seconds",
+            "From an invalidation's publish to its being applied here (watermark and sweep)",
+            buckets=LAG_BUCKETS_S,
+        )
+        listener.on_received(lambda _inv, lag_s: self._lag_s.observe(lag_s))
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        stats = self._listener.stats()
+        self._connected.set(1.0 if stats.connected else 0.0)
+        self._reconnects.update(stats.reconnects)
+        update_all(self._received, stats.received_by_kind)
+        update_all(self._applied, stats.applied_by_kind)
+        update_all(self._replayed, stats.replayed_by_kind)
+        update_all(self._dropped, stats.dropped_by_kind)
+
+
+class InvalidatorMetrics:
+    """Invalidations issued by this process (`tiercache.exact.invalidation.Invalidator`)."""
+
+    def __init__(self, metrics: Metrics, invalidator: InvalidatorSource) -> None:
+        self._invalidator = invalidator
+        self._issued = _by_kind(
+            metrics, "tiercache_invalidations_issued_total", "Invalidations issued here"
+        )
+        self._published = DeltaCounter(
+            metrics.counter(
+                "tiercache_invalidations_published_total",
+                "Invalidations issued here and sent to every replica through Redis",
+            )
+        )
+        self._dropped = _by_kind(metrics, *DROPPED_ENTRIES, source="issued")
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        stats = self._invalidator.stats()
+        self._published.update(stats.published)
+        update_all(self._issued, stats.issued_by_kind)
+        update_all(self._dropped, stats.dropped_by_kind)
+
+
+class LeaseMetrics:
+    """Cross-replica generation leases of the llm stage: `tiercache.exact.leases.LeaseStats`
+    and the waits in the llm stage's stats (`stage_stats` returns them)."""
+
+    def __init__(
+        self, metrics: Metrics, leases: LeaseSource, stage_stats: Callable[[], Any]
+    ) -> None:
+        self._leases = leases
+        self._stage_stats = stage_stats
+        self._acquisitions = delta_counters(
+            metrics,
+            "tiercache_lease_acquisitions_total",
+            "Lease attempts by result (held_elsewhere: another replica generates)",
+            "result",
+            ("acquired", "held_elsewhere", "unavailable"),
+        )
+        self._active = metrics.gauge("tiercache_leases_active", "Leases held by this process")
+        self._lost = DeltaCounter(
+            metrics.counter(
+                "tiercache_lease_lost_total", "Leases found expired or taken while generating"
+            )
+        )
+        self._waits = DeltaCounter(
+            metrics.counter(
+                "tiercache_lease_waits_total", "Misses that waited for another replica's answer"
+            )
+        )
+        self._remote_hits = DeltaCounter(
+            metrics.counter(
+                "tiercache_lease_remote_hits_total",
+                "Waits served by the answer another replica generated",
+            )
+        )
+        self._takeovers = delta_counters(
+            metrics,
+            "tiercache_lease_takeovers_total",
+            "Waits that generated here: lease freed without an answer, or wait_s passed",
+            "reason",
+            ("lease_free", "wait_timeout"),
+        )
+        metrics.on_flush(self.update)
+
+    def update(self) -> None:
+        leases = self._leases.stats()
+        update_all(
+            self._acquisitions,
+            {
+                "acquired": leases.acquired,
+                "held_elsewhere": leases.held_elsewhere,
+                "unavailable": leases.unavailable,
+            },
+        )
+        self._active.set(leases.active)
+        self._lost.update(leases.lost)
+        stage = self._stage_stats()
+        self._waits.update(stage.remote_waits)
+        self._remote_hits.update(stage.remote_hits)
+        update_all(
+            self._takeovers,
+            {"lease_free": stage.lease_takeovers, "wait_timeout": stage.lease_wait_timeouts},
+        )

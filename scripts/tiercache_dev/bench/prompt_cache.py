@@ -1,0 +1,629 @@
+"""`make bench`: what an exact hit costs in tiercache, against two floors, in one run.
+
+Usage::
+
+    python -m tiercache_dev.bench.prompt_cache [--out-dir .perf] [--state-dir .tiercache]
+        [--measurement-ms 3000] [--concurrency 1:4:3] [--lookups 2000] [--rounds 1]
+
+Measured one after another on this machine (never two servers at once), with perf_analyzer over
+gRPC at each concurrency level:
+
+1. tiercache: the real model_repository/ (ensemble -> prompt_cache -> llm). The prompt is sent
+   once with the client first, so every perf_analyzer request is an exact hit (checked with the
+   server's cache-status counters). `--streaming`: the ensemble is decoupled.
+2. floor: a temporary repository with the same ensemble and the same stage configs, but Python
+   steps that do nothing but echo (scripts/bench_fixtures/floor/); no torch_llm. `--streaming`.
+3. Triton's own response cache: a trivial, non-decoupled Python echo model with
+   `response_cache { enable: true }` and `--cache-config local,size=1048576`
+   (scripts/bench_fixtures/response_cache/). Unary gRPC, `--async`: perf_analyzer's streaming
+   mode rejects this model ("response output count mismatch").
+4. The prompt-cache stage's own time on a miss, in process: `PromptCache.lookup` of `--lookups`
+   distinct, unseen prompts against a cache holding as many entries (no Triton, no server).
+
+Then it prints a table and writes a Markdown summary to OUT_DIR/bench_prompt_cache.md (raw
+perf_analyzer output, CSVs and server logs under OUT_DIR/bench/). Targets: tiercache hit p50 at
+most 1.25x the floor's, throughput at least 0.8x the floor's, the stage's miss p50 under 1 ms.
+Only ratios measured side by side in one run mean anything on a shared machine; `--rounds N`
+repeats the three configurations in turn and reports medians. The exit code is 0 whether or not
+the targets are met (PASS/MISS is printed), 1 if a measurement could not be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache_dev.console import (
+    display_path,
+    exit_on_sigterm,
+    invocation,
+    machine_summary,
+    progress,
+    shown,
+)
+from tiercache_dev.metrics import counter_delta, status_counts, status_text
+from tiercache_dev.paths import BENCH_FIXTURES as FIXTURES
+from tiercache_dev.paths import DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
+from tiercache_dev.perf.analyzer import (
+    LevelStats,
+    concurrency_levels,
+    failure_reason,
+    install_perf_analyzer,
+    perf_analyzer_version,
+    run_perf_analyzer,
+)
+from tiercache_dev.servers import TritonServer, running, triton
+from tiercache_dev.stats import mean, median, percentile
+
+PROMPT = "What is Triton Inference Server?"
+RESPONSE_CACHE_BYTES = 1 << 20
+TIERCACHE, FLOOR, RESPONSE_CACHE = "tiercache", "floor", "response-cache"
+LABELS = {
+    TIERCACHE: "tiercache exact hit",
+    FLOOR: "floor (no-op steps)",
+    RESPONSE_CACHE: "Triton response cache",
+}
+P50_TARGET, THROUGHPUT_TARGET, MISS_P50_TARGET_US = 1.25, 0.8, 1000.0
+READY_S = 300.0  # each server's start, the weights already converted in --state-dir
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--out-dir", type=Path, default=PERF_DIR, help="output folder")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="tiercache state dir (the one `make serve` uses: the converted model is reused)",
+    )
+    p.add_argument("--measurement-ms", type=int, default=3000, help="perf_analyzer window")
+    p.add_argument("--concurrency", default="1:4:3", help="perf_analyzer --concurrency-range")
+    p.add_argument("--stability-percentage", type=float, default=10.0, help="perf_analyzer -s")
+    p.add_argument("--max-trials", type=int, default=6, help="perf_analyzer -r (windows per level)")
+    p.add_argument("--prompt", default=PROMPT, help="the one prompt every request sends")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
+    p.add_argument("--lookups", type=int, default=2000, help="in-process misses to time")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the three servers N times")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=[TIERCACHE, FLOOR, RESPONSE_CACHE, "stage"],
+        help="run only these parts (repeatable; default all)",
+    )
+    p.add_argument("--perf-analyzer", type=Path, default=None, help="skip the install; use this")
+    args = p.parse_args(argv)
+    try:
+        args.levels = concurrency_levels(args.concurrency)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        p.error(str(exc))
+    if args.rounds < 1 or args.lookups < 10:
+        p.error("--rounds must be >= 1 and --lookups >= 10")
+    args.only = set(args.only or [TIERCACHE, FLOOR, RESPONSE_CACHE, "stage"])
+    return args
+
+
+# ---- 4. the prompt-cache stage in process -------------------------------------------------------
+
+
+def synthetic_prompt(i: int, kind: str) -> str:
+    return (
+        f"{kind} question {i}: in two sentences, explain how a cache in front of a language "
+        f"model can answer request number {i * 7919 % 100_003} without running the model."
+    )
+
+
+def bench_stage(n: int, max_tokens: int) -> dict[str, float]:
+    """Time PromptCache.lookup: n misses (unseen prompts) and n L1 hits, in microseconds."""
+    from tiercache.config import PromptCacheConfig
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.exact.prompt_cache import PromptCache
+    from tiercache.exact.request import RawInputs
+    from tiercache.stages.parts import load_secret, open_exact_cache
+    from tiercache.vocabulary import CacheStatus
+
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-stage-") as tmp:
+        config = PromptCacheConfig(state_dir=tmp)
+        tiers = open_exact_cache(config.cache())
+        tiered = tiers.cache
+        try:
+            cache = PromptCache(
+                tiered,
+                load_secret(config.cache(), tiers.link),
+                resolve_model(config.model).identity,
+                config.limits(),
+            )
+            stored = [
+                RawInputs(synthetic_prompt(i, "stored"), max_tokens=max_tokens) for i in range(n)
+            ]
+            for raw in stored:
+                digest = cache.lookup(raw).digest
+                if digest is None:
+                    raise RuntimeError(f"prompt {raw.text_input!r} is not cacheable")
+                tiered.put(digest, f"An answer of a few words to {raw.text_input}")
+            unseen = [
+                RawInputs(synthetic_prompt(i, "unseen"), max_tokens=max_tokens) for i in range(n)
+            ]
+
+            def timed(inputs: list[RawInputs], expect: CacheStatus) -> list[float]:
+                for raw in inputs[:50]:  # warm-up (not timed; misses stay misses)
+                    cache.lookup(raw)
+                gc.collect()
+                times = []
+                for raw in inputs:
+                    start = time.perf_counter_ns()
+                    result = cache.lookup(raw)
+                    times.append((time.perf_counter_ns() - start) / 1000)
+                    if result.status is not expect:
+                        raise RuntimeError(f"expected {expect.value}, got {result.status.value}")
+                return times
+
+            misses = timed(unseen, CacheStatus.MISS)
+            hits = timed(stored, CacheStatus.EXACT)
+        finally:
+            tiered.close()
+    return {
+        "miss_p50_us": percentile(misses, 50),
+        "miss_p99_us": percentile(misses, 99),
+        "miss_mean_us": mean(misses),
+        "hit_p50_us": percentile(hits, 50),
+        "hit_p99_us": percentile(hits, 99),
+    }
+
+
+# ---- temporary model repositories ---------------------------------------------------------------
+
+
+def ensemble_steps(config_text: str) -> list[str]:
+    return re.findall(r'model_name:\s*"([^"]+)"', config_text)
+
+
+def build_floor_repository(dest: Path) -> Path:
+    """model_repository/'s ensemble and stage configs, with no-op model.py files."""
+    ensemble_config = (MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text()
+    steps = ensemble_steps(ensemble_config)
+    missing = [s for s in steps if not (FIXTURES / "floor" / s / "model.py").is_file()]
+    if missing:
+        raise SystemExit(
+            f"error: the ensemble has steps {missing} without a no-op stand-in in "
+            f"{display_path(FIXTURES / 'floor')}; add one per step to keep the floor the same shape"
+        )
+    (dest / "ensemble" / "1").mkdir(parents=True)
+    (dest / "ensemble" / "config.pbtxt").write_text(ensemble_config)
+    for step in steps:
+        (dest / step / "1").mkdir(parents=True)
+        shutil.copy2(MODEL_REPOSITORY / step / "config.pbtxt", dest / step / "config.pbtxt")
+        shutil.copy2(FIXTURES / "floor" / step / "model.py", dest / step / "1" / "model.py")
+    return dest
+
+
+def build_response_cache_repository(dest: Path) -> Path:
+    source = FIXTURES / "response_cache" / "echo"
+    (dest / "echo" / "1").mkdir(parents=True)
+    shutil.copy2(source / "config.pbtxt", dest / "echo" / "config.pbtxt")
+    shutil.copy2(source / "model.py", dest / "echo" / "1" / "model.py")
+    return dest
+
+
+def write_input_data(path: Path, prompt: str, max_tokens: int | None) -> Path:
+    entry: dict[str, dict] = {"text_input": {"content": [prompt], "shape": [1]}}
+    if max_tokens is not None:
+        entry["max_tokens"] = {"content": [max_tokens], "shape": [1]}
+    path.write_text(json.dumps({"data": [entry]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+# ---- perf_analyzer against one server -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Measurement:
+    config: str
+    round: int
+    levels: dict[int, LevelStats]
+    commands: list[str]
+    notes: list[str]
+
+
+def measure(
+    args: argparse.Namespace,
+    perf_analyzer: Path,
+    config: str,
+    round_no: int,
+    model: str,
+    server: TritonServer,
+    input_data: Path,
+    transport: list[str],
+) -> Measurement:
+    """perf_analyzer over the concurrency range; a level that does not settle within
+    --max-trials windows is measured again on its own with twice the stability percentage."""
+    bench_dir = args.out_dir / "bench"
+    stem = f"{config}-r{round_no}"
+    base = [
+        "-m",
+        model,
+        "-i",
+        "grpc",
+        "-u",
+        f"127.0.0.1:{server.ports.grpc}",
+        *transport,
+        "--input-data",
+        str(input_data),
+        "--measurement-interval",
+        str(args.measurement_ms),
+        "--max-trials",
+        str(args.max_trials),
+    ]
+    pa_args = [
+        *base,
+        "--concurrency-range",
+        args.concurrency,
+        "--stability-percentage",
+        f"{args.stability_percentage:g}",
+        "-f",
+        str(bench_dir / f"{stem}.csv"),
+    ]
+    progress(f"  perf_analyzer {shown(pa_args)}")
+    run = run_perf_analyzer(perf_analyzer, pa_args, bench_dir / f"{stem}.txt", server=server)
+    result = Measurement(config, round_no, dict(run.levels), [shown(pa_args)], [])
+    if run.returncode != 0:
+        result.notes.append(f"perf_analyzer exit {run.returncode}: {failure_reason(run)}")
+        progress(f"  {result.notes[-1]}")
+    for c in args.levels:
+        if c in result.levels or server.process.poll() is not None:
+            continue
+        loose = f"{args.stability_percentage * 2:g}"
+        retry = [
+            *base,
+            "--concurrency-range",
+            str(c),
+            "--stability-percentage",
+            loose,
+            "-f",
+            str(bench_dir / f"{stem}-c{c}.csv"),
+        ]
+        progress(f"  concurrency {c} again, -s {loose}: perf_analyzer {shown(retry)}")
+        again = run_perf_analyzer(
+            perf_analyzer, retry, bench_dir / f"{stem}-c{c}.txt", server=server
+        )
+        result.commands.append(shown(retry))
+        if c in again.levels:
+            result.levels[c] = again.levels[c]
+            result.notes.append(f"concurrency {c} measured with -s {loose}")
+        else:
+            result.notes.append(f"concurrency {c} failed: {failure_reason(again)}")
+            progress(f"  {result.notes[-1]}")
+    for c, level in sorted(result.levels.items()):
+        progress(
+            f"  {LABELS[config]}, concurrency {c}: p50 {level.p50_us / 1000:.3f} ms, "
+            f"p99 {level.p99_us / 1000:.3f} ms, {level.throughput:.0f} infer/s"
+        )
+    return result
+
+
+def serve(
+    args: argparse.Namespace, name: str, repository: Path, extra: Sequence[str] = ()
+) -> TritonServer:
+    """A tritonserver for one configuration, not started (enter it with servers.running)."""
+    log_path = args.out_dir / "bench" / f"{name}-server.log"
+    server = triton(
+        repository, args.state_dir, log_path=log_path, extra_args=extra, exit_timeout_s=2
+    )
+    progress(
+        f"starting tritonserver: {LABELS[name]} ({display_path(repository)}, grpc "
+        f"{server.ports.grpc}, log {display_path(log_path)})"
+    )
+    return server
+
+
+def run_tiercache(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
+    from tiercache_client import TierCacheClient
+
+    data = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
+    started = time.monotonic()
+    with running(serve(args, TIERCACHE, MODEL_REPOSITORY), READY_S) as server:
+        progress(f"  ready in {time.monotonic() - started:.1f} s; caching the prompt")
+        url = f"127.0.0.1:{server.ports.grpc}"
+        with TierCacheClient(url, timeout_s=600) as client:
+            first = client.generate_text(args.prompt, max_tokens=args.max_tokens)
+            second = client.generate_text(args.prompt, max_tokens=args.max_tokens)
+        progress(
+            f"  first request: {first.cache_status} in {first.latency_s * 1000:.1f} ms, "
+            f"second: {second.cache_status} in {second.latency_s * 1000:.1f} ms"
+        )
+        if second.cache_status != "exact":
+            raise RuntimeError(
+                f"the repeated prompt was not an exact hit ({second.cache_status!r}); "
+                f"see {display_path(server.log_path or Path('server log'))}"
+            )
+        before = status_counts(server.ports.metrics)
+        result = measure(args, pa, TIERCACHE, round_no, "ensemble", server, data, ["--streaming"])
+        after = status_counts(server.ports.metrics)
+    statuses = counter_delta(before, after)
+    not_hits = {k: v for k, v in statuses.items() if k != "exact" and v}
+    result.notes.append(f"server cache status during perf_analyzer: {status_text(statuses)}")
+    if not_hits:
+        progress(f"  WARNING: not every request was an exact hit: {not_hits}")
+    return result
+
+
+def run_floor(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
+    repository = build_floor_repository(tmp / f"floor-repository-{round_no}")
+    data = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
+    started = time.monotonic()
+    with running(serve(args, FLOOR, repository), READY_S) as server:
+        progress(f"  ready in {time.monotonic() - started:.1f} s")
+        return measure(args, pa, FLOOR, round_no, "ensemble", server, data, ["--streaming"])
+
+
+def run_response_cache(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
+    repository = build_response_cache_repository(tmp / f"response-cache-repository-{round_no}")
+    data = write_input_data(tmp / "echo.json", args.prompt, None)
+    started = time.monotonic()
+    extra = ["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"]
+    with running(serve(args, RESPONSE_CACHE, repository, extra), READY_S) as server:
+        progress(f"  ready in {time.monotonic() - started:.1f} s")
+        result = measure(args, pa, RESPONSE_CACHE, round_no, "echo", server, data, ["--async"])
+    for c, level in sorted(result.levels.items()):
+        hits, misses = level.server.get("cache_hit_count"), level.server.get("cache_miss_count")
+        if hits is not None:
+            result.notes.append(
+                f"concurrency {c}: response cache hits {hits:.0f}, misses {misses or 0:.0f}"
+            )
+    return result
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    p50_ms: float
+    p99_ms: float
+    throughput: float
+
+
+def median_rows(measurements: list[Measurement]) -> dict[str, dict[int, Row]]:
+    table: dict[str, dict[int, Row]] = {}
+    configs = {m.config for m in measurements}
+    for config in configs:
+        levels = sorted({c for m in measurements if m.config == config for c in m.levels})
+        for c in levels:
+            got = [m.levels[c] for m in measurements if m.config == config and c in m.levels]
+            table.setdefault(config, {})[c] = Row(
+                median(x.p50_us for x in got) / 1000,
+                median(x.p99_us for x in got) / 1000,
+                median(x.throughput for x in got),
+            )
+    return table
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def build_report(
+    args: argparse.Namespace,
+    measurements: list[Measurement],
+    stage: dict[str, float] | None,
+    wall_s: float,
+    perf_version: str,
+) -> tuple[str, str, bool]:
+    """(plain-text table for the terminal, Markdown, whether every wanted figure was measured)."""
+    table = median_rows(measurements)
+    complete = True
+    order = [c for c in (TIERCACHE, FLOOR, RESPONSE_CACHE) if c in args.only]
+    machine = machine_summary()
+    md: list[str] = [
+        "## Prompt-cache exact-hit benchmark",
+        "",
+        f"- command: `{invocation('tiercache_dev.bench.prompt_cache')}` (`make bench`)",
+        f"- date: {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}, "
+        f"wall time {wall_s:.0f} s",
+        f"- machine: {machine['nproc']} CPUs ({machine['cpu']}), load average at the end "
+        f"{machine['loadavg']}; Python {platform.python_version()}, tritonserver 2.51 "
+        f"(nvidia-pytriton), {perf_version}",
+        f"- perf_analyzer: gRPC, `--concurrency-range {args.concurrency}`, "
+        f"`--measurement-interval {args.measurement_ms}`, `-s {args.stability_percentage:g}`, "
+        f"`-r {args.max_trials}`; one prompt ({len(args.prompt)} chars), "
+        f"max_tokens {args.max_tokens}; "
+        + (f"medians of {args.rounds} rounds" if args.rounds > 1 else "one round"),
+        "",
+        "| configuration | concurrency | p50 ms | p99 ms | infer/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    text: list[str] = [
+        f"{'configuration':<24} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'infer/s':>9}"
+    ]
+    for config in order:
+        for c in args.levels:
+            row = table.get(config, {}).get(c)
+            complete &= row is not None
+            cells = (
+                [f"{row.p50_ms:.3f}", f"{row.p99_ms:.3f}", f"{row.throughput:.0f}"]
+                if row is not None
+                else ["n/a"] * 3
+            )
+            md.append(f"| {LABELS[config]} | {c} | " + " | ".join(cells) + " |")
+            text.append(f"{LABELS[config]:<24} {c:>4} {cells[0]:>8} {cells[1]:>8} {cells[2]:>9}")
+
+    def ratio(a: str, b: str, c: int, field: str) -> float | None:
+        ra, rb = table.get(a, {}).get(c), table.get(b, {}).get(c)
+        if ra is None or rb is None or not getattr(rb, field):
+            return None
+        return float(getattr(ra, field) / getattr(rb, field))
+
+    ratio_lines: list[tuple[str, str, str, str]] = []  # (what, concurrency, value, verdict)
+    for c in args.levels:
+        if TIERCACHE in table and FLOOR in table:
+            r = ratio(TIERCACHE, FLOOR, c, "p50_ms")
+            ratio_lines.append(
+                (
+                    f"tiercache p50 / floor p50 (target <= {P50_TARGET})",
+                    str(c),
+                    fmt(r, ".2f"),
+                    verdict(None if r is None else r <= P50_TARGET),
+                )
+            )
+            r = ratio(TIERCACHE, FLOOR, c, "throughput")
+            ratio_lines.append(
+                (
+                    f"tiercache infer/s / floor infer/s (target >= {THROUGHPUT_TARGET})",
+                    str(c),
+                    fmt(r, ".2f"),
+                    verdict(None if r is None else r >= THROUGHPUT_TARGET),
+                )
+            )
+        for config in (TIERCACHE, FLOOR):
+            if config in table and RESPONSE_CACHE in table:
+                name = "tiercache" if config == TIERCACHE else "floor"
+                r = ratio(config, RESPONSE_CACHE, c, "p50_ms")
+                ratio_lines.append((f"{name} p50 / response-cache p50", str(c), fmt(r, ".2f"), ""))
+                r = ratio(config, RESPONSE_CACHE, c, "throughput")
+                ratio_lines.append(
+                    (f"{name} infer/s / response-cache infer/s", str(c), fmt(r, ".2f"), "")
+                )
+    if stage is not None:
+        ok = stage["miss_p50_us"] < MISS_P50_TARGET_US
+        ratio_lines.append(
+            (
+                "prompt_cache lookup on a miss, p50 us (target < 1000)",
+                "-",
+                f"{stage['miss_p50_us']:.1f}",
+                verdict(ok),
+            )
+        )
+    if ratio_lines:
+        md += ["", "| ratio | concurrency | value | target |", "|---|---:|---:|---|"]
+        md += [f"| {w} | {c} | {v} | {t} |" for w, c, v, t in ratio_lines]
+        text += [""] + [f"{w:<58} c={c:<2} {v:>8}  {t}" for w, c, v, t in ratio_lines]
+
+    if stage is not None:
+        md += [
+            "",
+            f"prompt_cache stage in process (`PromptCache.lookup`, L1 + LMDB L2 holding "
+            f"{args.lookups} entries, {args.lookups} timed calls each): miss p50 "
+            f"{stage['miss_p50_us']:.1f} us, p99 {stage['miss_p99_us']:.1f} us, mean "
+            f"{stage['miss_mean_us']:.1f} us; L1 hit p50 {stage['hit_p50_us']:.1f} us, "
+            f"p99 {stage['hit_p99_us']:.1f} us.",
+        ]
+        text += ["", md[-1]]
+
+    # perf_analyzer's per-composing-model breakdown (server side, microseconds).
+    breakdown = [
+        "",
+        "Server-side time per composing model (perf_analyzer, averages in us, last round):",
+        "",
+        "| configuration | concurrency | model | request | queue | compute infer |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    found = False
+    for m in measurements:
+        if m.round != args.rounds or m.config not in (TIERCACHE, FLOOR):
+            continue
+        for c, level in sorted(m.levels.items()):
+            for model, stats in sorted(level.composing.items()):
+                found = True
+                breakdown.append(
+                    f"| {LABELS[m.config]} | {c} | {model} | "
+                    f"{stats.get('avg_request_latency_us', 0):.0f} | "
+                    f"{stats.get('avg_request_latency.queue_us', 0):.0f} | "
+                    f"{stats.get('avg_request_latency.compute_infer_us', 0):.0f} |"
+                )
+    if found:
+        md += breakdown
+        md.append("")
+        md.append(
+            "(On these runs prompt_cache answers hits: its miss cost is the in-process "
+            "figure above.)"
+        )
+    notes = [f"- {LABELS[m.config]} (round {m.round}): {n}" for m in measurements for n in m.notes]
+    md += [
+        "",
+        "Notes:",
+        "- Latency is perf_analyzer's client-side time to the first response; a hit is a single "
+        "final response, so it is the whole answer.",
+        "- tiercache and the floor are measured over the gRPC stream (`--streaming`, decoupled "
+        "ensemble); Triton's response cache over unary gRPC with `--async` (perf_analyzer's "
+        'streaming mode rejects a non-decoupled model with "response output count mismatch").',
+        *notes,
+        f"- raw perf_analyzer output, CSVs and server logs: "
+        f"`{display_path(args.out_dir / 'bench')}/`",
+    ]
+    return "\n".join(text), "\n".join(md) + "\n", complete
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    started = time.monotonic()
+    args.out_dir = args.out_dir.resolve()
+    args.state_dir = args.state_dir.resolve()
+    (args.out_dir / "bench").mkdir(parents=True, exist_ok=True)
+
+    if args.perf_analyzer is None:
+        progress(f"installing perf_analyzer into {display_path(args.out_dir / 'pa')}")
+    pa = args.perf_analyzer or install_perf_analyzer(args.out_dir / "pa")
+    version = perf_analyzer_version(pa)
+
+    stage = None
+    if "stage" in args.only:
+        progress(f"prompt_cache stage in process: {args.lookups} misses, {args.lookups} hits")
+        stage = bench_stage(args.lookups, args.max_tokens)
+        progress(
+            f"  miss p50 {stage['miss_p50_us']:.1f} us, p99 {stage['miss_p99_us']:.1f} us; "
+            f"hit p50 {stage['hit_p50_us']:.1f} us"
+        )
+
+    runners: dict[str, Callable[[argparse.Namespace, Path, int, Path], Measurement]] = {
+        TIERCACHE: run_tiercache,
+        FLOOR: run_floor,
+        RESPONSE_CACHE: run_response_cache,
+    }
+    measurements: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        for round_no in range(1, args.rounds + 1):
+            for config, runner in runners.items():
+                if config not in args.only:
+                    continue
+                if args.rounds > 1:
+                    progress(f"round {round_no}/{args.rounds}: {LABELS[config]}")
+                try:
+                    measurements.append(runner(args, pa, round_no, tmp))
+                except Exception as exc:  # noqa: BLE001 - report it, go on with the others
+                    progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
+                    measurements.append(Measurement(config, round_no, {}, [], [f"failed: {exc}"]))
+                progress(f"  stopped {LABELS[config]}")
+
+    text, md, complete = build_report(
+        args, measurements, stage, time.monotonic() - started, version
+    )
+    md_path = args.out_dir / "bench_prompt_cache.md"
+    md_path.write_text(md)
+    print()
+    print(text)
+    print()
+    print(md)
+    progress(f"wrote {display_path(md_path)}")
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

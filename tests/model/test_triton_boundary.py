@@ -1,0 +1,310 @@
+"""The Triton boundary (tiercache.triton): I/O and error mapping, BLS, metrics."""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.config import PromptCacheConfig
+from tiercache.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    TierCacheError,
+    Unavailable,
+)
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import Tier
+
+
+@pytest.fixture
+def tb(pb_utils: ModuleType) -> ModuleType:
+    """The three boundary modules' names in one namespace (each name is defined once)."""
+    from tiercache.triton import bls, io, metrics
+
+    merged = ModuleType("triton_boundary")
+    for module in (io, bls, metrics):
+        for name in dir(module):
+            if not name.startswith("__"):
+                setattr(merged, name, getattr(module, name))
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (InvalidRequest("bad"), "INVALID_ARG"),
+        (NotFound("no adapter"), "NOT_FOUND"),
+        (Unavailable("engine down"), "UNAVAILABLE"),
+        (CapacityError("full"), "UNAVAILABLE"),
+        (ConfigError("bad param"), "INTERNAL"),
+        (TierCacheError("oops"), "INTERNAL"),
+    ],
+)
+def test_core_errors_map_to_codes(
+    tb: ModuleType, pb_utils: ModuleType, exc: TierCacheError, code: str
+) -> None:
+    error = tb.to_triton_error(exc)
+    assert error.code() == getattr(pb_utils.TritonError, code)
+    assert error.message() == exc.client_message() == f"{exc.kind}: {exc.message}"
+
+
+def test_unexpected_error_is_one_line_internal(tb: ModuleType, pb_utils: ModuleType) -> None:
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        error = tb.to_triton_error(exc)
+    assert error.code() == pb_utils.TritonError.INTERNAL
+    assert error.message() == "internal: RuntimeError: boom"
+    assert "Traceback" not in error.message() and "\n" not in error.message()
+
+
+def test_error_response(tb: ModuleType, pb_utils: ModuleType) -> None:
+    response = tb.error_response(NotFound("x"))
+    assert response.has_error() and response.output_tensors() == []
+    assert response.error().code() == pb_utils.TritonError.NOT_FOUND
+
+
+def request_with(pb_utils: ModuleType, **arrays: np.ndarray) -> Any:
+    return pb_utils.InferenceRequest([pb_utils.Tensor(k, v) for k, v in arrays.items()])
+
+
+def test_read_raw_inputs(tb: ModuleType, pb_utils: ModuleType) -> None:
+    raw = tb.read_raw_inputs(
+        request_with(
+            pb_utils,
+            text_input=np.array([["héllo".encode()]], dtype=np.object_),
+            max_tokens=np.array([[7]], dtype=np.int32),
+            stream=np.array([[True]]),
+            temperature=np.array([[0.5]], dtype=np.float32),
+            seed=np.array([[2**64 - 1]], dtype=np.uint64),
+            stop_words=np.array([[b"a", b"b"]], dtype=np.object_),
+        )
+    )
+    assert raw.text_input == "héllo"
+    assert (raw.max_tokens, raw.stream, raw.temperature, raw.seed) == (7, True, 0.5, 2**64 - 1)
+    assert raw.stop_words == ["a", "b"]
+    assert (raw.top_p, raw.top_k, raw.tenant, raw.cache_control, raw.lora_name) == (None,) * 5
+
+
+@pytest.mark.parametrize(
+    ("reader", "array", "fragment"),
+    [
+        ("integer", np.array([[1.5]], dtype=np.float32), "integer"),
+        ("number", np.array([[1]], dtype=np.int32), "float"),
+        ("boolean", np.array([[1]], dtype=np.int8), "BOOL"),
+        ("string", np.array([[1]], dtype=np.int32), "BYTES"),
+        ("string", np.array([[b"a", b"b"]], dtype=np.object_), "exactly one"),
+        ("string", np.array([[b"\xff"]], dtype=np.object_), "UTF-8"),
+        ("integer", np.array([[1], [2]], dtype=np.int32), "batch size"),
+    ],
+)
+def test_readers_reject_bad_tensors(
+    tb: ModuleType, pb_utils: ModuleType, reader: str, array: np.ndarray, fragment: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=fragment):
+        getattr(tb.Inputs(request_with(pb_utils, x=array)), reader)("x")
+
+
+def test_missing_input_reads_as_none(tb: ModuleType, pb_utils: ModuleType) -> None:
+    request = request_with(pb_utils)
+    for reader in ("integer", "number", "boolean", "string", "strings"):
+        assert getattr(tb.Inputs(request), reader)("absent") is None
+
+
+def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:
+    response = pb_utils.InferenceResponse(
+        [tb.bytes_tensor("S", ["☃"]), tb.scalar_tensor("N", 5, np.int32, batched=False)]
+    )
+    assert tb.output_string(response, "S") == "☃"
+    assert tb.output_int(response, "N") == 5
+    assert tb.output_string(response, "absent") is None
+    assert tb.output_int(response, "absent") is None
+
+
+def test_load_config(tb: ModuleType) -> None:
+    model_config = {"parameters": {"ttl_s": {"string_value": "30"}}, "name": "prompt_cache"}
+    config, raw = tb.load_config(PromptCacheConfig, {"model_config": json.dumps(model_config)})
+    assert config == PromptCacheConfig(ttl_s=30.0)
+    assert raw == model_config
+
+
+def test_metrics_families_and_labels(tb: ModuleType, pb_utils: ModuleType) -> None:
+    metrics = tb.Metrics("m")
+    a = metrics.counter("c_total", "c", status="a").metric
+    b = metrics.counter("c_total", "c", status="b").metric
+    assert a.family is b.family and a.family.kind == pb_utils.MetricFamily.COUNTER
+    assert (a.labels, b.labels) == ({"model": "m", "status": "a"}, {"model": "m", "status": "b"})
+    h = metrics.histogram("h_seconds", "h").metric
+    assert h.buckets == tb.LATENCY_BUCKETS_S
+    assert metrics.gauge("g", "g").metric.family.kind == pb_utils.MetricFamily.GAUGE
+
+
+def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:
+    store = MemoryStore(3 * CacheEntry("x", 0.0).size_bytes)
+    metrics = tb.Metrics("m")
+    store_metrics = tb.StoreMetrics(metrics, TieredCache([(Tier.L1, store)]))
+    entries, nbytes, evictions = store_metrics._gauges[next(iter(store_metrics._gauges))]
+    for i in range(5):
+        store.put(f"k{i}", CacheEntry("x", 0.0))
+    metrics.flush()  # runs StoreMetrics.update as a flush hook, then applies the updates
+    metrics.flush()  # a second refresh must not count the same evictions again
+    values = (entries.metric.value(), nbytes.metric.value(), evictions.counter.metric.value())
+    assert values == (3, store.stats().bytes, 2)
+    assert nbytes.metric.value() == store.stats().max_bytes
+
+
+class _Stream:
+    """A response iterator that records when it is dropped."""
+
+    def __init__(self, name: str, dropped: list[str]) -> None:
+        self.name = name
+        self.dropped = dropped
+
+    def __del__(self) -> None:
+        self.dropped.append(self.name)
+
+
+def test_stream_keeper_holds_streams_for_hold_s_then_drops_them(tb: ModuleType) -> None:
+    now = [0.0]
+    dropped: list[str] = []
+    keeper = tb.StreamKeeper(30.0, clock=lambda: now[0])
+    keeper.keep(_Stream("a", dropped))
+    now[0] = 10.0
+    keeper.keep(_Stream("b", dropped))
+    now[0] = 29.9
+    keeper.keep(_Stream("c", dropped))
+    assert dropped == [] and len(keeper) == 3  # the caller's reference is never the last one
+    now[0] = 30.0
+    keeper.keep(_Stream("d", dropped))  # a's 30 s are over: dropped by this call
+    assert dropped == ["a"] and len(keeper) == 3
+    now[0] = 60.0
+    keeper.keep(_Stream("e", dropped))
+    assert sorted(dropped) == ["a", "b", "c", "d"] and len(keeper) == 1
+    keeper.clear()
+    assert sorted(dropped) == ["a", "b", "c", "d", "e"] and len(keeper) == 0
+
+
+def test_stream_keeper_refuses_a_hold_of_zero(tb: ModuleType) -> None:
+    with pytest.raises(ValueError, match="hold_s must be > 0"):
+        tb.StreamKeeper(0.0)
+
+
+def test_stream_keeper_read_keeps_the_stream_when_read_to_the_end_or_abandoned(
+    tb: ModuleType,
+) -> None:
+    keeper = tb.StreamKeeper(30.0)
+    whole, partial, failing = ["a", "b"], ["c", "d"], ["e"]
+    assert list(keeper.read(whole)) == ["a", "b"]
+    reader = keeper.read(partial)
+    assert next(reader) == "c"
+    reader.close()  # the consumer stopped early (an error, a cancelled request)
+    with pytest.raises(RuntimeError, match="engine down"):
+        for _ in keeper.read(failing):
+            raise RuntimeError("engine down")
+    held = [stream for _, stream in keeper._held]
+    assert [id(s) for s in held] == [id(whole), id(partial), id(failing)]
+
+
+# ---- a typed error crosses a BLS call as the same typed error -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        InvalidRequest("bad input"),
+        NotFound("unknown adapter 'x'"),
+        Unavailable("engine down"),
+        CapacityError("pool full"),
+        ConfigError("bad parameter"),
+        TierCacheError("broken state"),
+    ],
+)
+def test_error_round_trip(tb: ModuleType, exc: TierCacheError) -> None:
+    """Encoding then decoding gives back the same class and message, by message alone (the
+    gRPC stream loses the code) and with the code."""
+    error = tb.to_triton_error(exc)
+    for code in (None, error.code()):
+        back = tb.from_triton_error(error.message(), code)
+        assert type(back) is type(exc) and back.message == exc.message
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [("INVALID_ARG", InvalidRequest), ("NOT_FOUND", NotFound), ("INTERNAL", Unavailable)],
+)
+def test_foreign_errors_are_typed_by_code(
+    tb: ModuleType, pb_utils: ModuleType, code: str, expected: type
+) -> None:
+    """Another backend's message (no kind prefix) is typed by its code; anything but the
+    caller's fault is the dependency being unavailable."""
+    back = tb.from_triton_error("[TensorRT-LLM][ERROR] boom", getattr(pb_utils.TritonError, code))
+    assert type(back) is expected and back.message == "[TensorRT-LLM][ERROR] boom"
+
+
+def _callee(exc: BaseException, pb_utils: ModuleType, tb: ModuleType) -> Any:
+    """A BLS model that answers every request with `exc` as its error response."""
+    return lambda request: [tb.error_response(exc)]
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected_message"),
+    [
+        (InvalidRequest("prompt too long"), "prompt too long"),  # the caller's fault: verbatim
+        (NotFound("unknown adapter 'x'"), "unknown adapter 'x'"),
+        (Unavailable("out of memory"), "engine e: out of memory"),  # a dependency: labelled
+        (CapacityError("slots full"), "engine e: slots full"),
+        (RuntimeError("bug"), "engine e: RuntimeError: bug"),  # unexpected: internal, labelled
+    ],
+)
+def test_bls_client_raises_the_callees_typed_error(
+    tb: ModuleType,
+    pb_utils: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    raised: BaseException,
+    expected_message: str,
+) -> None:
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "e", _callee(raised, pb_utils, tb))
+    client = tb.BlsClient("e", label="engine e")
+    expected = type(raised) if isinstance(raised, TierCacheError) else TierCacheError
+    for call in (
+        lambda: client.infer([], ["OUT"]),
+        lambda: list(client.stream([], ["OUT"])),
+    ):
+        with pytest.raises(TierCacheError) as info:
+            call()
+        assert type(info.value) is expected
+        assert info.value.message == expected_message
+    # and back out to this stage's own caller: the same kind and Triton code again
+    error = tb.to_triton_error(info.value)
+    assert error.message() == f"{expected.kind}: {expected_message}"
+
+
+def test_bls_stream_is_kept_when_read_abandoned_or_failed(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ok = pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "ok", lambda request: [ok, ok])
+    keeper = tb.StreamKeeper(30.0)
+    client = tb.BlsClient("ok", keeper=keeper)
+    assert len(list(client.stream([], ["OUT"]))) == 2
+    reader = client.stream([], ["OUT"])
+    next(reader)
+    reader.close()  # abandoned after one response
+    assert len(keeper) == 2
+
+
+def test_delta_counter_counts_growth_once(tb: ModuleType) -> None:
+    metrics = tb.Metrics("m")
+    counter = tb.DeltaCounter(metrics.counter("c_total", "c"))
+    for total in (0, 3, 3, 2, 7):  # a total that shrank (a restart of its source) adds nothing
+        counter.update(total)
+    metrics.flush()
+    assert counter.counter.metric.value() == 3 + 4

@@ -1,0 +1,240 @@
+"""Eviction policies (tiercache.eviction): one contract suite run against every policy, each
+policy's own order, and every bounded structure telling its policy what happens and asking it
+for victims (the engine's adapter slots: tests/unit/test_engine_adapters.py, which has torch).
+
+As cachetools' CacheTestMixin: a new policy joins POLICIES and must pass the whole suite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from tiercache.adapter_types import AdapterRef, AdapterWeights
+from tiercache.engine.kv_cache import BlockHash, KvBlockPool, block_hashes, kv_salt
+from tiercache.eviction import EvictionPolicy, LruPolicy, OldestFirstPolicy, SkipKey
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.lora.residency import Residency
+
+K = TypeVar("K", bound=Hashable)
+
+POLICIES: dict[str, Callable[[], EvictionPolicy[str]]] = {
+    "lru": LruPolicy,
+    "oldest-first": OldestFirstPolicy,
+}
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request: pytest.FixtureRequest) -> EvictionPolicy[str]:
+    return POLICIES[request.param]()
+
+
+def fill(policy: EvictionPolicy[str], sizes: dict[str, int]) -> None:
+    """Admit `sizes` in order, each created after the one before (so that every policy here
+    ranks them in admission order until told more)."""
+    for index, (key, size) in enumerate(sizes.items()):
+        policy.admit(key, size, created_s=float(index))
+
+
+# ---------------------------------------------------------------- contract (every policy)
+
+
+def test_an_empty_policy_nominates_nothing(policy: EvictionPolicy[str]) -> None:
+    assert policy.nominate() == []
+    assert policy.nominate(5, 100) == []
+
+
+def test_nominees_are_admitted_keys_each_once(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abcde", 1))
+    nominees = policy.nominate(10)
+    assert sorted(nominees) == list("abcde")  # best effort: fewer than asked, all there is
+
+
+def test_nominating_changes_nothing(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abcde", 1))
+    assert policy.nominate(2) == policy.nominate(2)
+    assert policy.nominate(2) == policy.nominate(5)[:2]  # a run from the front of one order
+
+
+def test_count_is_met_and_not_exceeded(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abcde", 1))
+    assert len(policy.nominate()) == 1
+    assert len(policy.nominate(3)) == 3
+    assert policy.nominate(0) == []
+
+
+def test_size_is_met_by_the_shortest_run(policy: EvictionPolicy[str]) -> None:
+    sizes = {"a": 3, "b": 5, "c": 7, "d": 2}
+    fill(policy, sizes)
+    for needed in (1, 3, 4, 8, 9, 15, 17):
+        nominees = policy.nominate(0, needed)
+        freed = sum(sizes[key] for key in nominees)
+        assert freed >= needed
+        assert freed - sizes[nominees[-1]] < needed  # one fewer would not do
+    assert len(policy.nominate(3, 1)) == 3  # both bounds hold: three keys, however small
+
+
+def test_skipped_keys_are_never_nominated(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abcde", 1))
+    first = policy.nominate()[0]
+    nominees = policy.nominate(2, skip=first.__eq__)
+    assert first not in nominees and len(nominees) == 2
+    assert policy.nominate(10, skip=lambda key: key != "c") == ["c"]
+
+
+def test_removed_keys_are_never_nominated(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abc", 1))
+    policy.remove("b")
+    policy.remove("never admitted")  # ignored
+    policy.access("never admitted")  # ignored, and not admitted by it
+    assert sorted(policy.nominate(10)) == ["a", "c"]
+
+
+def test_readmission_keeps_one_key_with_its_new_size(policy: EvictionPolicy[str]) -> None:
+    policy.admit("a", 1, created_s=1.0)
+    policy.admit("b", 1, created_s=2.0)
+    policy.admit("a", 10, created_s=3.0)
+    assert sorted(policy.nominate(10)) == ["a", "b"]
+    assert policy.nominate(0, 11) == ["b", "a"]  # "a" counts its new size, ranks as readmitted
+
+
+def test_clear_forgets_every_key(policy: EvictionPolicy[str]) -> None:
+    fill(policy, dict.fromkeys("abc", 1))
+    policy.clear()
+    assert policy.nominate(10) == []
+    policy.admit("d", 1)
+    assert policy.nominate(10) == ["d"]
+
+
+# ---------------------------------------------------------------- each policy's order
+
+
+def test_lru_ranks_by_last_admission_or_access() -> None:
+    lru: LruPolicy[str] = LruPolicy()
+    fill(lru, dict.fromkeys("abcd", 1))
+    lru.access("a")
+    lru.admit("b", 1)
+    assert lru.nominate(4) == ["c", "d", "a", "b"]
+
+
+def test_oldest_first_ranks_by_created_s_not_by_use() -> None:
+    oldest: OldestFirstPolicy[str] = OldestFirstPolicy()
+    for key, created_s in (("c", 3.0), ("a", 1.0), ("d", 4.0), ("b", 2.0), ("a2", 1.0)):
+        oldest.admit(key, 1, created_s=created_s)
+    oldest.access("a")
+    assert oldest.nominate(5) == ["a", "a2", "b", "c", "d"]  # ties in admission order
+    assert oldest.nominate(2) == ["a", "a2"]
+
+
+# ---------------------------------------------------------------- every store asks its policy
+
+
+class Recording(LruPolicy[K]):
+    """LRU that notes what it was told and asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object]] = []
+        self.nominated: list[list[K]] = []
+
+    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+        self.calls.append(("admit", key))
+        super().admit(key, size, created_s=created_s, cost_s=cost_s)
+
+    def access(self, key: K) -> None:
+        self.calls.append(("access", key))
+        super().access(key)
+
+    def remove(self, key: K) -> None:
+        self.calls.append(("remove", key))
+        super().remove(key)
+
+    def nominate(self, count: int = 1, size: int = 0, skip: SkipKey[K] | None = None) -> list[K]:
+        nominees = super().nominate(count, size, skip)
+        self.calls.append(("nominate", tuple(nominees)))
+        self.nominated.append(nominees)
+        return nominees
+
+    def told(self, kind: str) -> list[object]:
+        return [arg for what, arg in self.calls if what == kind]
+
+
+def test_l1_tells_its_policy_and_evicts_its_nominees() -> None:
+    policy: Recording[str] = Recording()
+    size = CacheEntry("x", 0.0).size_bytes
+    store = MemoryStore(2 * size, policy=policy)
+    store.put("a", CacheEntry("x", 0.0))
+    store.put("b", CacheEntry("x", 0.0))
+    assert store.get("a") is not None
+    store.put("c", CacheEntry("x", 0.0))
+    assert policy.told("admit") == ["a", "b", "c"]
+    assert policy.told("access") == ["a"]
+    assert policy.told("nominate") == [("b",)] and policy.told("remove") == ["b"]
+    assert store.get("b") is None and store.stats().evictions == 1
+
+
+def test_l1_evicts_in_the_order_of_an_injected_policy() -> None:
+    size = CacheEntry("x", 0.0).size_bytes
+    store = MemoryStore(2 * size, policy=OldestFirstPolicy())
+    store.put("new", CacheEntry("x", created_s=2.0))
+    store.put("old", CacheEntry("x", created_s=1.0))
+    assert store.get("new") is not None  # a read does not save it from an age-ordered policy
+    store.put("c", CacheEntry("x", created_s=3.0))
+    assert store.get("old") is None and store.get("new") is not None
+
+
+def test_l2_rebuilds_its_policys_view_at_each_eviction(tmp_path: Path) -> None:
+    policy: Recording[str] = Recording()
+    store = LmdbStore(tmp_path / "l2", 256 * 1024, policy=policy)
+    for i in range(400):
+        store.put(f"k{i:04d}", CacheEntry("x" * 1_000, created_s=float(i)))
+    evicted = [key for nominees in policy.nominated for key in nominees]
+    assert evicted and store.stats().evictions == len(evicted)
+    assert all(store.get(key) is None for key in evicted)
+    assert "k0000" in evicted and policy.told("admit")
+    assert len(policy) == 0  # cleared after each eviction: other processes write L2 too
+    store.close()
+
+
+def test_the_kv_pool_offers_only_unpinned_leaves_and_evicts_its_nominees() -> None:
+    policy: Recording[BlockHash] = Recording()
+    pool: KvBlockPool[str] = KvBlockPool(30, 4, policy=policy)
+    salt = kv_salt("rev", "tenant", "")
+    chain = block_hashes(list(range(8)), 4, salt)
+    lease = pool.acquire(chain, 8)
+    for key in chain:
+        assert pool.insert(lease, key, 10, lambda: "payload")
+    pool.release(lease)
+    assert policy.told("admit") == chain
+    assert set(policy.told("access")) == set(chain)  # pinned and unpinned: both are uses
+    other = block_hashes(list(range(50, 58)), 4, salt)
+    lease = pool.acquire(other, 8)
+    assert pool.insert(lease, other[0], 10, lambda: "p")
+    assert pool.insert(lease, other[1], 10, lambda: "p")  # needs room: the old chain's leaf
+    pool.release(lease)
+    assert policy.told("nominate") == [(chain[1],)] and policy.told("remove") == [chain[1]]
+    assert chain[0] in pool and chain[1] not in pool  # never the root before its child
+
+
+def test_residency_tells_each_tiers_policy() -> None:
+    engine: Recording[str] = Recording()
+    host: Recording[str] = Recording()
+    residency = Residency(engine_slots=2, engine_policy=engine, host_policy=host)
+    refs, versions = [], {}
+    for task_id, name in enumerate("abc", start=1):
+        ref = AdapterRef(name, task_id, hashlib.sha256(name.encode()).hexdigest())
+        versions[ref.digest] = AdapterWeights(ref, "{}", b"w" * 100)
+        refs.append(ref)
+    for ref in (refs[0], refs[1], refs[0], refs[2]):
+        residency.plan(ref, lambda r: versions[r.digest])
+    digests = [ref.digest for ref in refs]
+    assert engine.told("admit") == [digests[0], digests[1], digests[2]]
+    assert digests[0] in engine.told("access")
+    assert (digests[1],) in engine.told("nominate") and engine.told("remove") == [digests[1]]
+    assert host.told("admit") == digests and digests[0] in host.told("access")
+    assert residency.engine_digests() == {digests[0], digests[2]}

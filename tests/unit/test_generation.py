@@ -1,0 +1,528 @@
+"""The llm stage (tiercache.generation) with a fake engine and fake responders."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from tiercache.engine.events import StreamEvent
+from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.keys import Digest
+from tiercache.exact.leases import Lease, LeaseState
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.generation import GenerationRecord, Generations
+from tiercache.vocabulary import Tier
+
+TIMEOUT_S = 10.0
+DIGEST = Digest("d" * 64)
+REQUEST = GenerationRequest(prompt="hi")
+STREAMING = GenerationRequest(prompt="hi", stream=True)
+
+
+class Recorder:
+    """A Responder that records every call; `done` is set on the last one."""
+
+    def __init__(self, cancelled: bool = False) -> None:
+        self._lock = threading.Lock()
+        self.calls: list[tuple] = []
+        self.done = threading.Event()
+        self.cancelled = threading.Event()
+        if cancelled:
+            self.cancelled.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+    def _record(self, *call: object, last: bool = False) -> None:
+        with self._lock:
+            self.calls.append(call)
+        if last:
+            self.done.set()
+
+    def send_chunk(self, text: str) -> None:
+        self._record("chunk", text)
+
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        self.prompt_usage = prompt_usage
+        self.finish_reason = finish_reason
+        if similarity is None:
+            self._record("final", text, status, last=True)
+        else:
+            self._record("final", text, status, similarity, last=True)
+
+    def send_cancelled(self) -> None:
+        self._record("cancelled", last=True)
+
+    def send_error(self, exc: BaseException) -> None:
+        self._record("error", exc, last=True)
+
+    def wait(self) -> list[tuple]:
+        assert self.done.wait(TIMEOUT_S), f"no final response; calls so far: {self.calls}"
+        with self._lock:
+            return list(self.calls)
+
+
+@dataclass
+class FakeEngine:
+    """A GenerateFn: yields `chunks`, then a finish event; can wait on `gate` first."""
+
+    chunks: tuple[str, ...] = ("Hel", "", "lo")
+    finish: str | None = "stop"
+    raises: BaseException | None = None
+    gate: threading.Event | None = None
+    calls: int = 0
+    started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        with self._lock:
+            self.calls += 1
+        self.started.release()
+        if self.gate is not None:
+            assert self.gate.wait(TIMEOUT_S)
+        for chunk in self.chunks:
+            yield StreamEvent(chunk)
+        if self.raises is not None:
+            raise self.raises
+        if self.finish is not None:
+            yield StreamEvent(
+                "",
+                self.finish,
+                generated_tokens=len(self.chunks),
+                prompt_tokens=40,
+                reused_tokens=32,
+                computed_tokens=8,
+            )
+
+    def wait_started(self, count: int = 1) -> None:
+        for _ in range(count):
+            assert self.started.acquire(timeout=TIMEOUT_S)
+
+
+class Follows:
+    """on_follow callback: `reached` is set once `target` followers have joined."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.count = target, 0
+        self.reached = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count >= self.target:
+                self.reached.set()
+
+
+@pytest.fixture
+def cache() -> TieredCache:
+    return TieredCache([(Tier.L1, MemoryStore(1 << 20))])
+
+
+def make_stage(cache: TieredCache, engine: FakeEngine, **kwargs: object) -> Generations:
+    return Generations(cache, engine, **kwargs)  # type: ignore[arg-type]
+
+
+def stored_text(cache: TieredCache, digest: str = DIGEST) -> str | None:
+    found = cache.get(digest)
+    return None if found is None else found.entry.text
+
+
+def test_identical_misses_coalesce_into_one_generation(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(15)
+    records: list[GenerationRecord] = []
+    stage = make_stage(cache, engine, on_follow=follows, on_generation=records.append)
+    responders = [Recorder() for _ in range(16)]
+    for r in responders:
+        stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        assert r.wait() == [("final", "Hello", "miss")]
+        assert r.prompt_usage == (32, 8)  # every subscriber: the one generation's prefix reuse
+    stats = stage.stats()
+    assert engine.calls == 1
+    assert (stats.generations, stats.coalesced, stats.write_backs, stats.in_flight) == (1, 15, 1, 0)
+    assert stored_text(cache) == "Hello"
+    assert len(records) == 1 and records[0].stored and records[0].finish_reason == "stop"
+    stage.close()
+
+
+def test_stream_sends_chunks_then_final_without_text(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(STREAMING, DIGEST, "miss", True, r)
+    assert r.wait() == [("chunk", "Hel"), ("chunk", "lo"), ("final", None, "miss")]
+    stage.close()
+
+
+def test_non_stream_sends_one_final_with_text(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, r)
+    assert r.wait() == [("final", "Hello", "bypass")]
+    stage.close()
+
+
+def test_serve_hit_is_one_final() -> None:
+    r = Recorder()
+    Generations.serve_hit("cached", "exact", r)
+    assert r.wait() == [("final", "cached", "exact")]
+
+
+def test_uncacheable_is_never_coalesced_or_stored(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    responders = [Recorder(), Recorder()]
+    for r in responders:
+        stage.submit_miss(REQUEST, None, "bypass", True, r)
+    engine.wait_started(2)  # both generations run at once: nothing joined the other
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        assert r.wait() == [("final", "Hello", "bypass")]
+    stats = stage.stats()
+    assert (engine.calls, stats.coalesced, stats.write_backs) == (2, 0, 0)
+    l1 = cache.store(Tier.L1)
+    assert l1 is not None and l1.stats().entries == 0
+    stage.close()
+
+
+def test_write_back_false_is_not_stored(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    stage.close()
+
+
+@pytest.mark.parametrize(
+    "raises", [RuntimeError("boom"), Unavailable("engine gone")], ids=["runtime", "tiercache"]
+)
+def test_engine_error_reaches_every_subscriber(cache: TieredCache, raises: Exception) -> None:
+    engine = FakeEngine(raises=raises, gate=threading.Event())
+    follows = Follows(2)
+    stage = make_stage(cache, engine, on_follow=follows)
+    responders = [Recorder() for _ in range(3)]
+    for r in responders:
+        stage.submit_miss(STREAMING, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in responders:
+        calls = r.wait()
+        assert calls[:-1] == [("chunk", "Hel"), ("chunk", "lo")]
+        kind, exc = calls[-1]
+        assert kind == "error" and isinstance(exc, Unavailable)
+        assert ("boom" if isinstance(raises, RuntimeError) else "engine gone") in str(exc)
+    assert engine.calls == 1
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    stage.close()
+
+
+@pytest.mark.parametrize("finish", ["cancelled", None, "weird"])
+def test_unclean_finish_is_not_stored(cache: TieredCache, finish: str | None) -> None:
+    records: list[GenerationRecord] = []
+    stage = make_stage(cache, FakeEngine(finish=finish), on_generation=records.append)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    kind, exc = r.wait()[-1]
+    assert kind == "error" and isinstance(exc, TierCacheError)
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+    assert all(not rec.stored for rec in records)
+    stage.close()
+
+
+def test_length_finish_is_stored(cache: TieredCache) -> None:
+    stage = make_stage(cache, FakeEngine(finish="length"))
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    found = cache.get(DIGEST)
+    assert found is not None and found.entry.finish_reason == "length"
+    stage.close()
+
+
+def test_cancelled_subscriber_gets_cancelled_others_get_text(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(1)
+    stage = make_stage(cache, engine, on_follow=follows)
+    staying, leaving = Recorder(), Recorder(cancelled=True)
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, staying)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, leaving)
+    assert follows.reached.wait(TIMEOUT_S)
+    assert leaving.wait() == [("cancelled",)]
+    assert engine.gate is not None
+    engine.gate.set()
+    assert staying.wait() == [("final", "Hello", "miss")]
+    assert engine.calls == 1
+    assert stored_text(cache) == "Hello"
+    stage.close()
+
+
+def test_every_subscriber_cancelled_is_not_stored(cache: TieredCache) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    engine.wait_started()
+    r.cancelled.set()
+    assert r.wait() == [("cancelled",)]
+    assert engine.gate is not None
+    engine.gate.set()
+    stage.close()  # waits for the generation to end
+    assert stored_text(cache) is None
+    assert stage.stats().write_backs == 0
+
+
+def test_entry_stored_after_lookup_skips_generation(cache: TieredCache) -> None:
+    engine = FakeEngine()
+    cache.put(DIGEST, "from cache")
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "from cache", "miss")]
+    assert engine.calls == 0
+    assert stage.stats().generations == 0
+    stage.close()
+
+
+def test_failed_write_back_still_answers(cache: TieredCache) -> None:
+    class BrokenStore(MemoryStore):
+        def put(self, key: str, entry: object) -> None:
+            raise OSError("disk full")
+
+    broken = TieredCache([(Tier.L2, BrokenStore(1 << 20))])
+    stage = make_stage(broken, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert (stage.stats().write_backs, stage.stats().write_failures) == (0, 1)
+
+
+def test_after_completion_a_new_miss_starts_a_new_flight(cache: TieredCache) -> None:
+    engine = FakeEngine()
+    stage = make_stage(cache, engine)
+    first, second = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, first)
+    first.wait()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, second)
+    assert second.wait() == [("final", "Hello", "miss")]
+    assert (engine.calls, stage.stats().coalesced) == (2, 0)
+    stage.close()
+
+
+def all_done(responders: list[Recorder], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    return all(r.done.wait(max(0.0, deadline - time.monotonic())) for r in responders)
+
+
+def test_single_worker_serves_a_miss(cache: TieredCache) -> None:
+    """The waiting reader must not starve its own generation of the only worker."""
+    stage = make_stage(cache, FakeEngine(), max_workers=1)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    try:
+        assert all_done([r], 2.0), "the miss was never answered: the pool deadlocked"
+    finally:
+        r.cancelled.set()  # let a stuck reader return so the pool can shut down
+        stage.close()
+
+
+def test_burst_of_misses_while_pool_busy_does_not_deadlock(cache: TieredCache) -> None:
+    """Misses queued behind a busy pool take every worker as readers before any of their
+    generations is scheduled; they must still be answered."""
+    workers = 4
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(workers - 2)
+    stage = make_stage(cache, engine, max_workers=workers, on_follow=follows)
+    # One generation plus its readers occupy every worker...
+    busy = [Recorder() for _ in range(workers - 1)]
+    for r in busy:
+        stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert follows.reached.wait(TIMEOUT_S)
+    # ...while a burst of distinct misses queues up behind them.
+    burst = [Recorder() for _ in range(workers)]
+    for i, r in enumerate(burst):
+        stage.submit_miss(REQUEST, Digest(f"{i:064x}"), "miss", True, r)
+    assert engine.gate is not None
+    engine.gate.set()
+    try:
+        assert all_done(busy, TIMEOUT_S)
+        assert all_done(burst, 2.0), "queued misses were never answered: the pool deadlocked"
+    finally:
+        for r in busy + burst:
+            r.cancelled.set()
+        stage.close()
+
+
+def test_after_store_runs_once_only_when_the_answer_is_stored(cache: TieredCache) -> None:
+    stored_calls: list[str] = []
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r, lambda: stored_calls.append("indexed"))
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert stored_calls == ["indexed"]
+    not_stored: list[str] = []
+    stage = make_stage(TieredCache([(Tier.L1, MemoryStore(1 << 20))]), FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", False, r, lambda: not_stored.append("indexed"))
+    assert r.wait() == [("final", "Hello", "miss")]
+    stage.close()
+    assert not_stored == []
+
+
+def test_failing_after_store_does_not_fail_the_answer(cache: TieredCache) -> None:
+    def broken() -> None:
+        raise RuntimeError("index unavailable")
+
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r, broken)
+    assert r.wait() == [("final", "Hello", "miss")]  # the hook runs before the flight completes
+    assert stored_text(cache) == "Hello"
+    assert stage.stats().write_failures == 1
+
+
+def test_semantic_hit_carries_its_similarity() -> None:
+    r = Recorder()
+    Generations.serve_hit("cached", "semantic", r, 0.93)
+    assert r.wait() == [("final", "cached", "semantic", 0.93)]
+
+
+def test_bypass_is_generated_even_when_an_entry_exists(cache: TieredCache) -> None:
+    """no-cache (and semantic-only) asked not to be served from the exact cache: the producer
+    must not answer them from an entry that is already there."""
+    cache.put(DIGEST, "OLD")
+    engine = FakeEngine()
+    stage = make_stage(cache, engine)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, r)
+    assert r.wait() == [("final", "Hello", "bypass")]
+    assert engine.calls == 1
+    assert stored_text(cache) == "Hello"
+
+
+def test_bypass_does_not_join_a_looked_up_miss_in_flight(cache: TieredCache) -> None:
+    """A miss's leader may answer from an entry stored after its lookup; a no-cache request
+    joining its flight would get that instead of a fresh generation: it gets its own flight."""
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    miss, bypass = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, miss)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "bypass", True, bypass)
+    engine.wait_started()  # a second generation started: the bypass did not follow the miss
+    assert engine.gate is not None
+    engine.gate.set()
+    assert miss.wait() == [("final", "Hello", "miss")]
+    assert bypass.wait() == [("final", "Hello", "bypass")]
+    assert (engine.calls, stage.stats().coalesced) == (2, 0)
+    stage.close()
+
+
+@pytest.mark.parametrize(
+    ("second", "max_age_s", "write_back"),
+    [("miss", 30.0, True), ("miss", None, False), ("bypass", None, True)],
+)
+def test_requests_that_want_other_answers_lead_their_own_flight(
+    cache: TieredCache, second: str, max_age_s: float | None, write_back: bool
+) -> None:
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    first, other, same = Recorder(), Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, first)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, second, write_back, other, max_age_s=max_age_s)
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, same)  # joins the first flight
+    assert engine.gate is not None
+    engine.gate.set()
+    for r, status in ((first, "miss"), (other, second), (same, "miss")):
+        assert r.wait() == [("final", "Hello", status)]
+    assert (engine.calls, stage.stats().coalesced) == (2, 1)
+    stage.close()
+
+
+def test_failing_generation_report_does_not_fail_the_answer(cache: TieredCache) -> None:
+    def report(record: GenerationRecord) -> None:
+        raise RuntimeError("metrics backend down")
+
+    stage = make_stage(cache, FakeEngine(), on_generation=report)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    assert stored_text(cache) == "Hello"
+    stage.close()
+
+
+class HandOverLeases:
+    """A LeaseCoordinator stand-in: the lease is held elsewhere once, then handed over."""
+
+    wait_s = 5.0
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released: list[Lease] = []
+
+    def acquire(self, digest: str) -> tuple[LeaseState, Lease | None]:
+        self.calls += 1
+        if self.calls == 1:
+            return LeaseState.HELD, None
+        return LeaseState.ACQUIRED, Lease(f"lease:{digest}", "token")
+
+    def held(self, digest: str) -> bool | None:
+        return False  # the other replica let go without an answer
+
+    def pause(self) -> None:
+        time.sleep(0.01)
+
+    def release(self, lease: Lease) -> bool:
+        self.released.append(lease)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
+    class FailsAfterWaiting(TieredCache):
+        reads = 0
+
+        def get(self, key: str, max_age_s: float | None = None):  # type: ignore[override]
+            self.reads += 1
+            if self.reads >= 3:  # the recheck, the wait loop, then the read after the takeover
+                raise OSError("L2 read failed")
+            return super().get(key, max_age_s)
+
+    leases = HandOverLeases()
+    failing = FailsAfterWaiting([(Tier.L2, MemoryStore(1 << 20))])
+    stage = make_stage(failing, FakeEngine(), leases=leases)  # type: ignore[arg-type]
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    calls = r.wait()
+    assert calls[0][0] == "error" and "L2 read failed" in str(calls[0][1])
+    assert leases.released == [Lease(f"lease:{DIGEST}", "token")]
+    stage.close()
