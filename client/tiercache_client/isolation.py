@@ -2,8 +2,9 @@
 
 It lives in the client package because it sees only what a client sees (the request it sent, the
 status, text, similarity and KV counts that came back, and when), and so it can audit any
-deployment from outside; it imports nothing from the server. tiercache_dev.diagnostics.check_isolation drives a
-server and feeds it; tests/unit/test_isolation_oracle.py proves it flags leaks.
+deployment from outside; it imports nothing from the server.
+`tiercache_dev.diagnostics.check_isolation` drives a server and feeds it;
+tests/unit/test_isolation_oracle.py proves it flags leaks.
 
 The rules, for an outcome `o` of tenant `t` (the tenant the driver meant, which is what the oracle
 is told; a server that mixed tenants up is exactly what it must catch):

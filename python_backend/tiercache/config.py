@@ -181,29 +181,57 @@ def shared(name: str) -> Any:
     )
 
 
-# ---- the exact cache's settings (not a stage: what opening the tiers needs) ---------------------
+# ---- groups of parameters several stages read (single inheritance: slotted dataclasses) ---------
 
 
 @dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """What opening the exact cache's tiers needs (tiercache.stages.parts.open_exact_cache);
-    each stage that opens them derives one from its own config (`cache()`)."""
-
+class _StateConfig:
     state_dir: str = shared("state_dir")
-    l1_max_bytes: int = shared("l1_max_bytes")  # 0: no L1 in this process
-    l2_max_bytes: int = shared("l2_max_bytes")
-    ttl_s: float = shared("ttl_s")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
-    redis_max_ttl_s: float = shared("redis_max_ttl_s")
 
     def __post_init__(self) -> None:
         raise_problems(type(self), check_values(self))
 
     def state_path(self) -> Path:
-        return state_path(self.state_dir)
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+
+@dataclass(frozen=True, slots=True)
+class _RedisConfig(_StateConfig):
+    redis_url: str = shared("redis_url")
+    redis_prefix: str = shared("redis_prefix")
+    redis_timeout_s: float = shared("redis_timeout_s")
+    redis_retry_s: float = shared("redis_retry_s")
+
+
+@dataclass(frozen=True, slots=True)
+class _TiersConfig(_RedisConfig):
+    """What opening the exact cache's tiers reads, but L1 (which not every stage opens)."""
+
+    l2_max_bytes: int = shared("l2_max_bytes")
+    ttl_s: float = shared("ttl_s")
+    redis_max_ttl_s: float = shared("redis_max_ttl_s")
+
+    def cache(self) -> CacheConfig:
+        """The tiers this stage opens (an L1 only if the stage has `l1_max_bytes`)."""
+        return CacheConfig(
+            state_dir=self.state_dir,
+            l1_max_bytes=getattr(self, "l1_max_bytes", 0),
+            l2_max_bytes=self.l2_max_bytes,
+            ttl_s=self.ttl_s,
+            redis_url=self.redis_url,
+            redis_prefix=self.redis_prefix,
+            redis_timeout_s=self.redis_timeout_s,
+            redis_retry_s=self.redis_retry_s,
+            redis_max_ttl_s=self.redis_max_ttl_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig(_TiersConfig):
+    """What opening the exact cache's tiers needs (tiercache.stages.parts.open_exact_cache);
+    each stage that opens them derives one from its own config (`cache()`)."""
+
+    l1_max_bytes: int = param(64 << 20, "Byte budget of this process's L1 (0: no L1)", min=0)
 
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
@@ -215,47 +243,13 @@ class CacheConfig:
         return self.state_path() / "secret"
 
 
-def state_path(state_dir: str) -> Path:
-    return Path(state_dir) if state_dir else default_state_dir()
-
-
-def _cache_of(config: Any, with_l1: bool) -> CacheConfig:
-    return CacheConfig(
-        state_dir=config.state_dir,
-        l1_max_bytes=config.l1_max_bytes if with_l1 else 0,
-        l2_max_bytes=config.l2_max_bytes,
-        ttl_s=config.ttl_s,
-        redis_url=config.redis_url,
-        redis_prefix=config.redis_prefix,
-        redis_timeout_s=config.redis_timeout_s,
-        redis_retry_s=config.redis_retry_s,
-        redis_max_ttl_s=config.redis_max_ttl_s,
-    )
-
-
-# ---- the stages ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
-class PromptCacheConfig:
-    """`prompt_cache`: canonical request -> scoped digest -> L1 -> L2 -> L3."""
+class _LookupConfig(_TiersConfig):
+    """What computing a request's digest as prompt_cache does reads (prompt_cache, cache_admin)."""
 
-    state_dir: str = shared("state_dir")
-    l1_max_bytes: int = shared("l1_max_bytes")
-    l2_max_bytes: int = shared("l2_max_bytes")
-    ttl_s: float = shared("ttl_s")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
-    redis_max_ttl_s: float = shared("redis_max_ttl_s")
     model: str = shared("model")
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
-    embedder: str = param(
-        "all-minilm-l6-v2",
-        "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
-    )
     max_prompt_chars: int = param(
         DEFAULT_LIMITS.max_prompt_chars,
         "Longest prompt accepted (characters after normalization)",
@@ -264,15 +258,6 @@ class PromptCacheConfig:
     max_tokens: int = param(DEFAULT_LIMITS.max_tokens, "Largest max_tokens accepted", min=1)
     max_stop_words: int = param(DEFAULT_LIMITS.max_stop_words, "Most stop_words accepted", min=0)
 
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
-    def cache(self) -> CacheConfig:
-        return _cache_of(self, with_l1=True)
-
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
-
     def adapters_path(self) -> Path:
         return adapters_path(self.adapters_dir, self.state_path())
 
@@ -284,65 +269,34 @@ class PromptCacheConfig:
         )
 
 
+# ---- the stages ---------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
-class CacheAdminConfig:
+class PromptCacheConfig(_LookupConfig):
+    """`prompt_cache`: canonical request -> scoped digest -> L1 -> L2 -> L3."""
+
+    l1_max_bytes: int = shared("l1_max_bytes")
+    embedder: str = param(
+        "all-minilm-l6-v2",
+        "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAdminConfig(_LookupConfig):
     """`cache_admin`: the same cache settings as prompt_cache (so its digests, tiers and secret
     are the ones the ensemble uses; it opens no L1), plus the lora_cache model it forwards
     adapter warm-ups to."""
 
-    state_dir: str = shared("state_dir")
-    l2_max_bytes: int = shared("l2_max_bytes")
-    ttl_s: float = shared("ttl_s")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
-    redis_max_ttl_s: float = shared("redis_max_ttl_s")
-    model: str = shared("model")
-    adapters_dir: str = shared("adapters_dir")
-    adapters_manifest: str = shared("adapters_manifest")
-    max_prompt_chars: int = param(
-        DEFAULT_LIMITS.max_prompt_chars,
-        "As prompt_cache's (warm-ups are checked the same way)",
-        min=1,
-    )
-    max_tokens: int = param(DEFAULT_LIMITS.max_tokens, "As prompt_cache's", min=1)
-    max_stop_words: int = param(DEFAULT_LIMITS.max_stop_words, "As prompt_cache's", min=0)
     lora_model: str = shared("lora_model")
-
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
-    def cache(self) -> CacheConfig:
-        return _cache_of(self, with_l1=False)
-
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
-
-    def adapters_path(self) -> Path:
-        return adapters_path(self.adapters_dir, self.state_path())
-
-    def limits(self) -> Limits:
-        return Limits(
-            max_prompt_chars=self.max_prompt_chars,
-            max_tokens=self.max_tokens,
-            max_stop_words=self.max_stop_words,
-        )
 
 
 @dataclass(frozen=True, slots=True)
-class EmbeddingCacheConfig:
+class EmbeddingCacheConfig(_TiersConfig):
     """`embedding_cache`: embed, search the caller's semantic scope, guard, serve or pass on."""
 
-    state_dir: str = shared("state_dir")
     l1_max_bytes: int = shared("l1_max_bytes")
-    l2_max_bytes: int = shared("l2_max_bytes")
-    ttl_s: float = shared("ttl_s")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
-    redis_max_ttl_s: float = shared("redis_max_ttl_s")
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
@@ -367,15 +321,6 @@ class EmbeddingCacheConfig:
         1 << 30, "Byte budget of the host's cache of prompt vectors (LMDB map size)", min=1 << 20
     )
 
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
-    def cache(self) -> CacheConfig:
-        return _cache_of(self, with_l1=True)
-
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
-
     def semantic_path(self) -> Path:
         return self.state_path() / "semantic"
 
@@ -389,7 +334,7 @@ class EmbedderConfig:
 
     embedder: str = shared("embedder")
     device: str = shared("device")
-    # scripts' embedder_rss benchmark: one trim after 3,000 batches gave back 217 MiB.
+    # The dev package's embedder_rss diagnostic: one trim after 3,000 batches gave 217 MiB back.
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
 
     def __post_init__(self) -> None:
@@ -397,18 +342,10 @@ class EmbedderConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class LlmConfig:
+class LlmConfig(_TiersConfig):
     """`llm` (decoupled): hits stream at once; misses are coalesced, generated by the engine
     over BLS, streamed and written back."""
 
-    state_dir: str = shared("state_dir")
-    l2_max_bytes: int = shared("l2_max_bytes")
-    ttl_s: float = shared("ttl_s")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
-    redis_max_ttl_s: float = shared("redis_max_ttl_s")
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     engine_model: str = shared("engine_model")
@@ -466,40 +403,26 @@ class LlmConfig:
         "", "Comma-separated tenant names never padded (normalized like tenant)"
     )
 
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
     def extra_problems(self) -> list[str]:
         if self.engine_kind == EngineKind.TENSORRT_LLM and not self.tokenizer_dir:
             return ["engine_kind tensorrt_llm needs tokenizer_dir (the engine's)"]
         return []
-
-    def cache(self) -> CacheConfig:
-        return _cache_of(self, with_l1=False)
-
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
 
     def semantic_path(self) -> Path:
         return self.state_path() / "semantic"
 
 
 @dataclass(frozen=True, slots=True)
-class LoraCacheConfig:
+class LoraCacheConfig(_RedisConfig):
     """`lora_cache`: where adapters live and how many stay resident in each tier."""
 
-    state_dir: str = shared("state_dir")
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
-    redis_url: str = shared("redis_url")
-    redis_prefix: str = shared("redis_prefix")
-    redis_timeout_s: float = shared("redis_timeout_s")
-    redis_retry_s: float = shared("redis_retry_s")
     engine_model: str = param("torch_llm", "The engine it keeps warm (BLS target of load/list)")
     engine_kind: str = param(
         EngineKind.TORCH_LLM.value,
-        "torch_llm: adapters go out as PEFT files; tensorrt_llm: "
-        "also as TensorRT-LLM's lora_task_id / lora_weights / lora_config",
+        "torch_llm: adapters go out as PEFT files; tensorrt_llm: also as TensorRT-LLM's "
+        "lora_task_id / lora_weights / lora_config",
         choices=choices(EngineKind),
     )
     trtllm_dtype: str = param(
@@ -507,7 +430,9 @@ class LoraCacheConfig:
         "The TensorRT-LLM engine's dtype (lora_weights' dtype)",
         choices=("float16", "bfloat16", "float32"),
     )
-    engine_slots: int = param(4, "Adapters loaded in the engine at once (vLLM's max_loras)", min=1)
+    engine_slots: int = param(
+        4, "Adapters loaded in the engine at once (vLLM's max_loras; torch_llm's lora_slots)", min=1
+    )
     engine_max_bytes: int = param(
         0, "Byte bound of engine-resident adapters (0: slots only)", min=0
     )
@@ -525,9 +450,6 @@ class LoraCacheConfig:
         min_open=True,
     )
 
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
     def extra_problems(self) -> list[str]:
         prefetch = name_list(self.prefetch)
         if len(prefetch) > self.engine_slots:
@@ -536,28 +458,28 @@ class LoraCacheConfig:
             ]
         return []
 
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
-
     def adapters_path(self) -> Path:
         return adapters_path(self.adapters_dir, self.state_path())
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
+class EngineConfig(_StateConfig):
     """`torch_llm` (decoupled): the CPU/GPU PyTorch engine with LoRA adapters and paged prefix
     KV reuse."""
 
-    state_dir: str = shared("state_dir")
     model: str = shared("model")
     device: str = shared("device")
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
     lora_slots: int = param(
-        4, "Hard bound on adapters loaded at once (lora_cache decides which)", min=0
+        4,
+        "Hard bound on adapters loaded at once (lora_cache decides which; keep it equal to "
+        "lora_cache's engine_slots)",
+        min=0,
     )
     lora_prefetch: str = param(
-        "", "Comma-separated adapter names loaded at start (the same list as lora_cache's prefetch)"
+        "",
+        "Comma-separated adapter names loaded at start (the same list as lora_cache's prefetch)",
     )
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
@@ -570,16 +492,10 @@ class EngineConfig:
     refusal_text: str = param("I can't help with that request.", "The refusal's text")
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
 
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
-
     def extra_problems(self) -> list[str]:
         if self.refuse_prompt_pattern and not self.refusal_text:
             return ["refusal_text must not be empty when refuse_prompt_pattern is set"]
         return []
-
-    def state_path(self) -> Path:
-        return state_path(self.state_dir)
 
     def models_path(self) -> Path:
         return self.state_path() / "models"

@@ -10,7 +10,7 @@ import pytest
 from tiercache.errors import InvalidRequest
 from tiercache.exact.keys import Digest, key_fields
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import ENVELOPE_VERSION, Envelope
+from tiercache.stages.envelope import ENVELOPE_VERSION, Envelope, ReceivedEnvelope
 from tiercache.vocabulary import CacheStatus
 
 FULL = Envelope(
@@ -111,3 +111,13 @@ _DELETE = object()
 def test_hostile_input_is_an_invalid_request(data: bytes, fragment: str) -> None:
     with pytest.raises(InvalidRequest, match=fragment):
         Envelope.decode(data)
+
+
+def test_a_received_envelope_is_decoded_once_and_only_when_asked() -> None:
+    received = ReceivedEnvelope(b"not json")  # a hit passed on never looks at it
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        received.get()
+    good = ReceivedEnvelope(FULL.encode())
+    assert good.get() is good.get() and good.get() == FULL
+    with pytest.raises(InvalidRequest, match="ENVELOPE is required"):
+        ReceivedEnvelope(None).get()

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import EngineLora
 from tiercache.engine.trtllm_client import request_lora_from_arrays
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import ReceivedEnvelope
 from tiercache.stages.llm import TRT_LORA, LlmInput, open_llm
 from tiercache.triton import io
 
@@ -71,7 +71,7 @@ def decode(inputs: io.Inputs, trtllm: bool) -> LlmInput:
             evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
         )
     return LlmInput(
-        envelope=Envelope.decode(inputs.blob("ENVELOPE") or b""),
+        envelope=ReceivedEnvelope(inputs.blob("ENVELOPE")),
         status=status,
         cached_text=inputs.string("CACHED_TEXT") or "",
         similarity=inputs.number("SIMILARITY"),

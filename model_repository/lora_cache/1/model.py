@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LoraCacheConfig
 from tiercache.lora.residency import LoraPlan
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import ReceivedEnvelope
 from tiercache.stages.lora_cache import OUTPUTS, open_lora_cache_stage
 from tiercache.triton import io
 
@@ -34,8 +34,7 @@ class TritonPythonModel:
         admin = inputs.string("ADMIN")
         if admin:
             return self._respond(*self.stage.admin(admin))
-        data = inputs.blob("ENVELOPE")
-        envelope = Envelope.decode(data) if data else None
+        envelope = ReceivedEnvelope(inputs.blob("ENVELOPE"))
         return self._respond(self.stage.plan(envelope, inputs.string("LOOKUP_STATUS")))
 
     def _respond(self, plan: LoraPlan | None, admin_result: str = "") -> Any:

@@ -82,17 +82,21 @@ class LoraCache:
     # -- the request path ----------------------------------------------------------------------
 
     def plan_request(
-        self, request: GenerationRequest | None, lookup_status: str | None
+        self, request_of: Callable[[], GenerationRequest | None], lookup_status: str | None
     ) -> LoraPlan | None:
         """The plan for one ensemble request; None when no adapter is involved: a cache hit
-        (`lookup_status` exact or semantic, or no request) or a base-model request."""
+        (`lookup_status` exact or semantic, or no request) or a base-model request.
+        `request_of` is called only when an adapter may be involved (not on a hit)."""
         status = (lookup_status or "").strip()
         if status not in LOOKUP_STATUSES:
             raise InvalidRequest(
                 f"LOOKUP_STATUS must be one of {', '.join(sorted(LOOKUP_STATUSES - {''}))}, "
                 f"got {status[:40]!r}"
             )
-        if status in HIT_STATUSES or request is None:
+        if status in HIT_STATUSES:
+            return None
+        request = request_of()
+        if request is None:
             return None
         if not request.lora_digest:
             if request.lora_name:

@@ -8,9 +8,10 @@ a small logistic model over `tiercache.semantic.features` and accepts it when th
 
 Contract:
 - `GuardConfig` is frozen and comes from `guard_model.json` (packaged beside this module, written
-  by `python -m tiercache_dev.train.guard`): feature names (must equal `features.FEATURE_NAMES`), logistic
-  coefficients and intercept, a hard cosine floor, vetoes, the embedder it was trained for, and
-  an operating table of (threshold, held-out precision, held-out recall) rows.
+  by `python -m tiercache_dev.train.guard`): feature names (must equal
+  `features.FEATURE_NAMES`), logistic coefficients and intercept, a hard cosine floor, vetoes,
+  the embedder it was trained for, and an operating table of (threshold, held-out precision,
+  held-out recall) rows.
 - A candidate under the cosine floor never hits (a cheap pre-filter), nor does one on which a
   veto fires (a feature at or above its veto value: a changed number, a negation flip, a swapped
   named entity, swapped roles); `score` is 0.0 for both.

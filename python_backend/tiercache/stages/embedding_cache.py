@@ -145,6 +145,7 @@ def open_embedding_cache(
     # the first request does not pay for it; later rows are in the shared tables.
     core.index.refresh()
     if tiers.listener is not None:  # with L3: invalidated answers' rows stop being candidates
+
         def forget(_inv: object, digests: list[str]) -> None:
             core.index.forget(digests)
 

@@ -118,6 +118,23 @@ class Envelope:
         )
 
 
+class ReceivedEnvelope:
+    """An envelope as a stage received it, decoded on first use: a stage that only passes a
+    hit on never pays for decoding it, and no stage decodes it twice."""
+
+    __slots__ = ("data", "_envelope")
+
+    def __init__(self, data: bytes | None) -> None:
+        self.data = data
+        self._envelope: Envelope | None = None
+
+    def get(self) -> Envelope:
+        """The envelope; InvalidRequest when it is missing or malformed."""
+        if self._envelope is None:
+            self._envelope = Envelope.decode(self.data or b"")
+        return self._envelope
+
+
 class _Fields:
     """Typed reads from one decoded JSON object; every problem is an InvalidRequest."""
 

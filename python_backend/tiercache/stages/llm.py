@@ -35,7 +35,7 @@ from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope
+from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope
 from tiercache.stages.parts import ExactTiers, load_secret, open_exact_cache, padding_policy
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
@@ -60,7 +60,7 @@ PEFT_LORA = ("LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT")
 class LlmInput:
     """One request to llm, as model.py decoded it."""
 
-    envelope: Envelope
+    envelope: ReceivedEnvelope  # decoded when needed: a hit without padding never decodes it
     status: str  # embedding_cache's: exact, semantic, miss or bypass
     cached_text: str  # the answer to serve on a hit
     similarity: float | None  # a semantic hit's
@@ -246,7 +246,11 @@ class LlmStage:
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
         """Answer one request through `responder` (a hit at once, a miss from a worker)."""
-        responder = self._padded(responder, item.envelope, arrival_s)
+        try:
+            responder = self._padded(responder, item.envelope, arrival_s)
+        except Exception as exc:  # noqa: BLE001 - no envelope: its error, at once (see count_error)
+            self.count_error(responder, exc)
+            return
         try:
             self._serve(item, responder)
         except Exception as exc:  # noqa: BLE001 - this request's error, padded like the rest
@@ -262,7 +266,7 @@ class LlmStage:
             return
         if status not in (CacheStatus.MISS, CacheStatus.BYPASS):
             raise Unavailable(f"llm got an incomplete lookup (status {status!r})")
-        envelope = item.envelope
+        envelope = item.envelope.get()
         self.core.submit_miss(
             envelope.request,
             envelope.digest,
@@ -282,10 +286,12 @@ class LlmStage:
         self.requests["error"].increment(1)
         responder.send_error(exc)
 
-    def _padded(self, responder: Responder, envelope: Envelope, arrival_s: float) -> Responder:
+    def _padded(
+        self, responder: Responder, envelope: ReceivedEnvelope, arrival_s: float
+    ) -> Responder:
         """`responder`, held until the padding floor if this request's tenant is padded."""
         timer = self.padding_timer
-        if timer is None or not self.padding.pads(envelope.request.tenant_scope):
+        if timer is None or not self.padding.pads(envelope.get().request.tenant_scope):
             return responder
         release_s = self.padding.release_at(arrival_s, self.padding_jitter)
         return PaddedResponder(responder, release_s, timer)

@@ -16,7 +16,7 @@ from tiercache.lora.residency import LoraPlan
 from tiercache.lora.stage import LoraCache
 from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import ReceivedEnvelope
 from tiercache.stages.parts import open_fleet, open_lora_core
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
@@ -153,10 +153,11 @@ class LoraCacheStage:
         tm.update_all(self.loads, stats.loads)
         tm.update_all(self.evictions, stats.evictions)
 
-    def plan(self, envelope: Envelope | None, lookup_status: str | None) -> LoraPlan | None:
-        """The plan for one ensemble request (None: no adapter involved)."""
+    def plan(self, envelope: ReceivedEnvelope, lookup_status: str | None) -> LoraPlan | None:
+        """The plan for one ensemble request (None: no adapter involved); the envelope is
+        decoded only when an adapter may be involved."""
         plan = self.core.plan_request(
-            envelope.request if envelope is not None else None, lookup_status
+            lambda: envelope.get().request if envelope.data else None, lookup_status
         )
         if plan is None:
             self.requests["none"].increment(1)

@@ -28,9 +28,10 @@ class StreamKeeper:
     stream from its iterator map on its stub-to-parent thread, without the GIL. When the model
     has already dropped its own reference, that erase destroys the iterator there, with its
     responses' numpy arrays: Python objects freed without the GIL corrupt the interpreter's heap
-    and the stub segfaults later (docs/faults.md; `python -m tiercache_dev.diagnostics.repro_bls_streams`). Handing each
-    stream's iterator to `keep()` once it is read (or abandoned) makes the model's reference the
-    last one; it is dropped here, by a later `keep()` or `clear()`, holding the GIL.
+    and the stub segfaults later (docs/faults.md;
+    `python -m tiercache_dev.diagnostics.repro_bls_streams`). Handing each stream's iterator to
+    `keep()` once it is read (or abandoned) makes the model's reference the last one; it is
+    dropped here, by a later `keep()` or `clear()`, holding the GIL.
     """
 
     def __init__(self, hold_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
