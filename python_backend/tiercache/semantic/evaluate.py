@@ -38,6 +38,7 @@ from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import normalize_text
 from tiercache.semantic import features as feats
 from tiercache.semantic.guard import SemanticGuard, load_guard
+from tiercache.stats import percentile
 
 DEFAULT_K = 5
 BASELINE_THRESHOLD = 0.90
@@ -330,13 +331,11 @@ class Latency:
 
 
 def _latency(samples: list[float]) -> Latency:
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
     return Latency(
-        p50_us=statistics.median(ordered) * 1e6,
-        p99_us=p99 * 1e6,
-        mean_us=statistics.fmean(ordered) * 1e6,
-        queries=len(ordered),
+        p50_us=percentile(samples, 50) * 1e6,
+        p99_us=percentile(samples, 99) * 1e6,
+        mean_us=statistics.fmean(samples) * 1e6,
+        queries=len(samples),
     )
 
 
