@@ -10,10 +10,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
-from tiercache.engine.adapter_call import EngineLora
+from tiercache.engine.adapter_call import NO_LORA, EngineLora
 from tiercache.engine.trtllm_client import request_lora_from_arrays
 from tiercache.stages.envelope import ReceivedEnvelope
-from tiercache.stages.llm import TRT_LORA, LlmInput, open_llm
+from tiercache.stages.llm import TRT_LORA, LlmInput, is_hit, open_llm
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -61,6 +61,10 @@ class Responder:
 
 def decode(inputs: io.Inputs, trtllm: bool) -> LlmInput:
     status = inputs.string("LOOKUP_STATUS") or ""
+    envelope = ReceivedEnvelope(inputs.blob("ENVELOPE"))
+    cached_text = inputs.string("CACHED_TEXT") or ""
+    if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
+        return LlmInput(envelope, status, cached_text, inputs.number("SIMILARITY"), None, NO_LORA)
     vector = inputs.vector("EMBEDDING")
     if trtllm:
         lora = EngineLora(trtllm=request_lora_from_arrays(*(inputs.vector(n) for n in TRT_LORA)))
@@ -71,9 +75,9 @@ def decode(inputs: io.Inputs, trtllm: bool) -> LlmInput:
             evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
         )
     return LlmInput(
-        envelope=ReceivedEnvelope(inputs.blob("ENVELOPE")),
+        envelope=envelope,
         status=status,
-        cached_text=inputs.string("CACHED_TEXT") or "",
+        cached_text=cached_text,
         similarity=inputs.number("SIMILARITY"),
         vector=None if vector is None else vector.astype(np.float32),
         lora=lora,

@@ -77,44 +77,44 @@ class Envelope:
             document = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"{ENVELOPE_TENSOR} is not JSON: {exc}") from None
-        top = _Fields(document, ENVELOPE_TENSOR)
-        version = top.integer("v")
+        top = _object(document, ENVELOPE_TENSOR)
+        version = _read(top, "v", int, ENVELOPE_TENSOR)
         if version != ENVELOPE_VERSION:
             raise InvalidRequest(
                 f"{ENVELOPE_TENSOR} version {version} is not supported (this stage speaks "
                 f"version {ENVELOPE_VERSION}; are all stages of one release?)"
             )
-        fields = _Fields(top.value("request", dict), f"{ENVELOPE_TENSOR}.request")
+        where = f"{ENVELOPE_TENSOR}.request"
+        fields = _object(_read(top, "request", dict, ENVELOPE_TENSOR), where)
         request = GenerationRequest(
-            prompt=fields.string("prompt"),
-            max_tokens=fields.integer("max_tokens"),
-            temperature=fields.number("temperature"),
-            top_p=fields.number("top_p"),
-            top_k=fields.integer("top_k"),
-            seed=fields.integer("seed", optional=True),
-            stop_words=fields.strings("stop_words"),
-            stream=fields.boolean("stream"),
-            lora_name=fields.string("lora_name"),
-            lora_task_id=fields.integer("lora_task_id"),
-            lora_digest=fields.string("lora_digest"),
-            tenant_scope=fields.string("tenant_scope"),
+            prompt=_read(fields, "prompt", str, where),
+            max_tokens=_read(fields, "max_tokens", int, where),
+            temperature=_read(fields, "temperature", float, where),
+            top_p=_read(fields, "top_p", float, where),
+            top_k=_read(fields, "top_k", int, where),
+            seed=_read(fields, "seed", int, where, optional=True),
+            stop_words=_read(fields, "stop_words", tuple, where),
+            stream=_read(fields, "stream", bool, where),
+            lora_name=_read(fields, "lora_name", str, where),
+            lora_task_id=_read(fields, "lora_task_id", int, where),
+            lora_digest=_read(fields, "lora_digest", str, where),
+            tenant_scope=_read(fields, "tenant_scope", str, where),
         )
-        status = top.string("status")
+        status = _read(top, "status", str, ENVELOPE_TENSOR)
         try:
             lookup = CacheStatus(status)
         except ValueError:
             raise InvalidRequest(f"{ENVELOPE_TENSOR}.status {status!r} is unknown") from None
-        digest = top.string("digest", optional=True)
-        max_age_s = top.number("max_age_s", optional=True)
+        digest = _read(top, "digest", str, ENVELOPE_TENSOR, optional=True)
         return cls(
             request=request,
             status=lookup,
             digest=Digest(digest) if digest else None,
-            write_back=top.boolean("write_back"),
-            semantic_scope=top.string("semantic_scope"),
-            semantic_lookup=top.boolean("semantic_lookup"),
-            cache_tags=top.strings("cache_tags"),
-            max_age_s=max_age_s,
+            write_back=_read(top, "write_back", bool, ENVELOPE_TENSOR),
+            semantic_scope=_read(top, "semantic_scope", str, ENVELOPE_TENSOR),
+            semantic_lookup=_read(top, "semantic_lookup", bool, ENVELOPE_TENSOR),
+            cache_tags=_read(top, "cache_tags", tuple, ENVELOPE_TENSOR),
+            max_age_s=_read(top, "max_age_s", float, ENVELOPE_TENSOR, optional=True),
         )
 
 
@@ -135,47 +135,33 @@ class ReceivedEnvelope:
         return self._envelope
 
 
-class _Fields:
-    """Typed reads from one decoded JSON object; every problem is an InvalidRequest."""
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where} must be a JSON object")
+    return value
 
-    def __init__(self, document: Any, where: str) -> None:
-        if not isinstance(document, dict):
-            raise InvalidRequest(f"{where} must be a JSON object")
-        self._document = document
-        self._where = where
 
-    def value(self, name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-        if name not in self._document:
-            raise InvalidRequest(f"{self._where} lacks {name!r}")
-        value = self._document[name]
-        if value is None and optional:
-            return None
-        # bool is an int in Python: a flag is never a number and a number never a flag.
-        is_bool = isinstance(value, bool)
-        wants_bool = kind is bool or (isinstance(kind, tuple) and bool in kind)
-        if not isinstance(value, kind) or (is_bool and not wants_bool):
-            raise InvalidRequest(f"{self._where}.{name} has the wrong type")
-        return value
-
-    def string(self, name: str, optional: bool = False) -> Any:
-        return self.value(name, str, optional)
-
-    def integer(self, name: str, optional: bool = False) -> Any:
-        return self.value(name, int, optional)
-
-    def boolean(self, name: str) -> bool:
-        return bool(self.value(name, bool))
-
-    def number(self, name: str, optional: bool = False) -> Any:
-        value = self.value(name, (int, float), optional)
-        if value is None:
-            return None
+def _read(
+    document: dict[str, Any], name: str, kind: type, where: str, optional: bool = False
+) -> Any:
+    """`document[name]` as `kind`; InvalidRequest naming the field. Exact type checks (JSON's
+    true is never an integer here); a float also takes an integer and must be finite; a tuple
+    is a JSON list of strings. On the hit path of every stage: kept to plain lookups."""
+    try:
+        value = document[name]
+    except KeyError:
+        raise InvalidRequest(f"{where} lacks {name!r}") from None
+    if value is None and optional:
+        return None
+    actual = type(value)
+    if kind is float and (actual is float or actual is int):
         if not math.isfinite(value):
-            raise InvalidRequest(f"{self._where}.{name} must be finite")
+            raise InvalidRequest(f"{where}.{name} must be finite")
         return float(value)
-
-    def strings(self, name: str) -> tuple[str, ...]:
-        values = self.value(name, list)
-        if not all(isinstance(v, str) for v in values):
-            raise InvalidRequest(f"{self._where}.{name} must be a list of strings")
-        return tuple(values)
+    if actual is kind:
+        return value
+    if kind is tuple and actual is list:
+        if not all(type(v) is str for v in value):
+            raise InvalidRequest(f"{where}.{name} must be a list of strings")
+        return tuple(value)
+    raise InvalidRequest(f"{where}.{name} has the wrong type")

@@ -68,6 +68,11 @@ class LlmInput:
     lora: EngineLora  # what lora_cache sent for the engine
 
 
+def is_hit(status: str) -> bool:
+    """Whether embedding_cache's status means llm serves a cached answer (no engine call)."""
+    return status in (CacheStatus.EXACT, CacheStatus.SEMANTIC)
+
+
 def lora_from_response(response: object) -> EngineLora:
     """The PEFT files lora_cache sent in a response (its `weights` admin op)."""
     return EngineLora(
@@ -259,7 +264,7 @@ class LlmStage:
 
     def _serve(self, item: LlmInput, responder: Responder) -> None:
         status = item.status
-        if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
+        if is_hit(status):
             similarity = item.similarity if status == CacheStatus.SEMANTIC else None
             self.core.serve_hit(item.cached_text, status, responder, similarity)
             self.requests[status].increment(1)
