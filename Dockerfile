@@ -2,13 +2,25 @@
 # with llm calling Triton's TensorRT-LLM backend model `tensorrt_llm` instead of torch_llm.
 #
 #   docker build -t tiercache-trtllm .
-#   docker run --rm --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
+#   docker run --rm --gpus all --shm-size=2g -p 127.0.0.1:8001:8001 -p 127.0.0.1:8002:8002 \
 #       -v tiercache-state:/var/lib/tiercache tiercache-trtllm
+#
+# Exposure (docs/security.md, "Defaults"): the command below starts tritonserver as `tiercache
+# serve` does, without the HTTP, SageMaker and Vertex AI front ends and with the APIs no client
+# needs (model repository control, model configs, shared memory, trace, logging) restricted
+# behind a header whose value is random per start. Inside the container Triton listens on every
+# interface (else no published port could reach it), so who can reach it is decided where the
+# ports are published: `-p 127.0.0.1:8001:8001` (gRPC) and `-p 127.0.0.1:8002:8002` (metrics)
+# keep it to this host. Publishing on every interface (`-p 8001:8001`) opens unencrypted gRPC to
+# the network: only on a private network or behind a TLS-terminating proxy. cache_admin's token
+# is created in the state volume (/var/lib/tiercache/admin_token): clients need a copy of it.
 #
 # A TensorRT engine is built for the GPU it runs on, so it is built at the first start into the
 # state volume and reused after; the model repository is assembled at each start
-# (deploy/tensorrt_llm/README.md). To pass options to tritonserver, name the command:
-#   docker run ... tiercache-trtllm /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh --log-verbose=1
+# (deploy/tensorrt_llm/README.md). To pass more options to tritonserver, name the command; that
+# replaces the one below, so repeat its options:
+#   docker run ... tiercache-trtllm /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh \
+#       --allow-http=false ... --log-verbose=1
 #
 # TRITON_VERSION and TRTLLM_VERSION must match: 25.08's trtllm image ships TensorRT-LLM 0.21.0
 # (Triton's compatibility matrix); the source tree is only read for its Llama checkpoint
@@ -60,8 +72,8 @@ COPY model_repository model_repository
 COPY adapters adapters
 COPY deploy deploy
 
-# Ports: HTTP 8000, gRPC 8001, metrics 8002. State (L2 cache, semantic index, de-quantised
-# weights, the engine) lives in the volume.
-EXPOSE 8000 8001 8002
+# Ports: gRPC 8001, metrics 8002 (HTTP 8000 is off). State (L2 cache, semantic index,
+# de-quantised weights, the engine, the admin token) lives in the volume.
+EXPOSE 8001 8002
 VOLUME ["/var/lib/tiercache"]
-CMD ["/opt/tiercache/deploy/tensorrt_llm/entrypoint.sh"]
+CMD ["/bin/sh", "-c", "exec /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh '--grpc-header-forward-pattern=^authorization$' --allow-http=false --allow-sagemaker=false --allow-vertex-ai=false --grpc-restricted-protocol=model-repository,model-config,shared-memory,trace,logging:tiercache-restricted=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"]

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,14 @@ class RedisServer:
     and `start()` again on the same port simulate an outage (data is lost, as in production
     without persistence)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
+        """`extra_args`: more redis-server options, e.g. `("--maxmemory", "10mb")`."""
         self.binary = redis_binary()
         self.workdir = workdir
         self.port = port or free_port()
+        self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -67,6 +72,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                *self.extra_args,
             ],  # fmt: skip
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,8 +1,9 @@
 """Client for the tiercache cache-first LLM server (Triton model `ensemble`, gRPC streaming)."""
 
-from .client import GenerationResult, TierCacheClient, build_inputs
+from .client import GenerationResult, TierCacheClient, build_inputs, read_admin_token
 from .errors import (
     CapacityError,
+    ForbiddenError,
     InvalidRequestError,
     NotFoundError,
     ServerError,
@@ -14,6 +15,7 @@ from .errors import (
 
 __all__ = [
     "CapacityError",
+    "ForbiddenError",
     "GenerationResult",
     "InvalidRequestError",
     "NotFoundError",
@@ -24,4 +26,5 @@ __all__ = [
     "UnavailableError",
     "build_inputs",
     "classify",
+    "read_admin_token",
 ]

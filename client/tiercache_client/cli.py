@@ -1,7 +1,13 @@
 """`tiercache-client`: command line for a tiercache server.
 
 Exit codes: 0 success; 1 server/transport error or server not ready; 2 invalid request, not
-found, bad command-line arguments, or a warmed prompt the server refused; 130 interrupted.
+found, refused (no or a wrong admin token), bad command-line arguments, or a warmed prompt the
+server refused; 130 interrupted.
+
+The admin commands (stats, invalidate, flush, warm) send the operator's admin token, read from
+--admin-token-file (default: $TIERCACHE_ADMIN_TOKEN_FILE, else <state dir>/admin_token with the
+state dir $TIERCACHE_STATE_DIR or ~/.cache/tiercache, as on the server's host). The token is only
+ever read from a file: a command-line value would show in `ps`.
 """
 
 from __future__ import annotations
@@ -12,10 +18,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .client import GenerationResult, TierCacheClient
+from .client import GenerationResult, TierCacheClient, read_admin_token
 from .errors import InvalidRequestError, NotFoundError, TierCacheClientError
 
 DEFAULT_URL = "localhost:8001"
+ADMIN_TOKEN_FILE_ENV = "TIERCACHE_ADMIN_TOKEN_FILE"
+STATE_DIR_ENV = "TIERCACHE_STATE_DIR"
+ADMIN_COMMANDS = ("stats", "invalidate", "flush", "warm", "adapters")
+
+
+def default_admin_token_file() -> str:
+    """$TIERCACHE_ADMIN_TOKEN_FILE, else the server's default: <state dir>/admin_token, the state
+    dir being $TIERCACHE_STATE_DIR or ~/.cache/tiercache (tiercache.config.default_state_dir)."""
+    named = os.environ.get(ADMIN_TOKEN_FILE_ENV)
+    if named:
+        return named
+    state = os.environ.get(STATE_DIR_ENV) or os.path.join("~", ".cache", "tiercache")
+    return os.path.join(os.path.expanduser(state), "admin_token")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=300.0, help="seconds before giving up (default: 300)"
     )
     common.add_argument("--model", default="ensemble", help=argparse.SUPPRESS)
+    admin = argparse.ArgumentParser(add_help=False, parents=[common])
+    admin.add_argument(
+        "--admin-token-file",
+        default=default_admin_token_file(),
+        metavar="FILE",
+        help="the server's admin token file, printed by `tiercache serve` at start (default: "
+        "$TIERCACHE_ADMIN_TOKEN_FILE, else <$TIERCACHE_STATE_DIR or ~/.cache/tiercache>/"
+        "admin_token)",
+    )
 
     parser = argparse.ArgumentParser(prog="tiercache-client", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("health", parents=[common], help="show server and model readiness")
 
     adapters = sub.add_parser(
-        "adapters", parents=[common], help="list LoRA adapters and the tier each is resident in"
+        "adapters", parents=[admin], help="list LoRA adapters and the tier each is resident in"
     )
     adapters.add_argument(
         "--warm",
@@ -62,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     adapters.add_argument("--json", action="store_true", help="print the server's JSON answer")
 
-    stats = sub.add_parser("stats", parents=[common], help="show the cache tiers' counters")
+    stats = sub.add_parser("stats", parents=[admin], help="show the cache tiers' counters")
     stats.add_argument("--json", action="store_true", help="print the server's JSON answer")
 
     inv = sub.add_parser(
-        "invalidate", parents=[common], help="drop cached answers by key, tag, tenant or adapter"
+        "invalidate", parents=[admin], help="drop cached answers by key, tag, tenant or adapter"
     )
     what = inv.add_mutually_exclusive_group(required=True)
     what.add_argument("--key", metavar="DIGEST", help="an exact-cache digest")
@@ -78,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA adapter: its name (the current version) or a version's content digest",
     )
 
-    flush = sub.add_parser("flush", parents=[common], help="delete every entry of L2 and L3")
+    flush = sub.add_parser("flush", parents=[admin], help="delete every entry of L2 and L3")
     flush.add_argument("--yes", action="store_true", help="required: confirm the flush")
 
     warm = sub.add_parser(
-        "warm", parents=[common], help="pre-load answers and/or load adapters into the engine"
+        "warm", parents=[admin], help="pre-load answers and/or load adapters into the engine"
     )
     warm.add_argument(
         "--prompts",
@@ -291,8 +319,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print("error: --timeout must be > 0", file=sys.stderr)
         return 2
+    token = None
+    if args.command in ADMIN_COMMANDS:
+        try:
+            token = read_admin_token(args.admin_token_file)
+        except (OSError, ValueError) as exc:
+            print(
+                f"error: cannot read the admin token: {exc} (`tiercache serve` prints its file "
+                "at start; pass it with --admin-token-file)",
+                file=sys.stderr,
+            )
+            return 2
     try:
-        with TierCacheClient(args.url, model=args.model, timeout_s=args.timeout) as client:
+        with TierCacheClient(
+            args.url, model=args.model, timeout_s=args.timeout, admin_token=token
+        ) as client:
             if args.command == "generate":
                 return _generate(client, args)
             if args.command == "adapters":

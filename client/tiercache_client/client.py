@@ -3,11 +3,16 @@
 The model is decoupled, so every request goes over a gRPC stream: one stream per `generate()`
 call, on a pooled `InferenceServerClient` (tritonclient allows one stream per client at a time,
 so concurrent calls each take their own client and `TierCacheClient` is thread-safe).
+
+Cache administration (`cache_admin`) needs the operator's admin token: `read_admin_token` reads
+it from the server's token file (`<state dir>/admin_token`), and `TierCacheClient(...,
+admin_token=...)` sends it with every admin call.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -28,8 +33,10 @@ from .errors import (
     classify,
 )
 
-LORA_CACHE_MODEL = "lora_cache"
 CACHE_ADMIN_MODEL = "cache_admin"
+ADMIN_TOKEN_MIN_BYTES = 32
+# Triton's answer to a call of a restricted API (--grpc-restricted-protocol) without its header.
+_RESTRICTED = "This protocol is restricted"
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -155,21 +162,44 @@ def _is_final(result: grpcclient.InferResult) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+def read_admin_token(path: str | os.PathLike[str]) -> str:
+    """The admin token in the file at `path`, as `cache_admin` takes it: the file's bytes,
+    hex-encoded (the server reads its copy of the same file the same way). Read from a file,
+    never passed on a command line, where other local users could see it. OSError if the file
+    cannot be read; ValueError if it is too short to be a token."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < ADMIN_TOKEN_MIN_BYTES:
+        raise ValueError(
+            f"{os.fspath(path)} holds {len(data)} bytes: an admin token file holds at least "
+            f"{ADMIN_TOKEN_MIN_BYTES}"
+        )
+    return data.hex()
+
+
 class TierCacheClient:
     """Client of one tiercache server (`url` is gRPC "host:port").
 
     `timeout_s` bounds a whole `generate()` call and each health RPC; when it passes,
-    `UnavailableError` is raised. Use as a context manager or call `close()`.
+    `UnavailableError` is raised. `admin_token` (`read_admin_token`) goes with every
+    `cache_admin` call (`stats`, `invalidate`, `flush`, `warm`, `admin`); without it the server
+    refuses them (`ForbiddenError`). Use as a context manager or call `close()`.
     """
 
     def __init__(
-        self, url: str = "localhost:8001", model: str = "ensemble", timeout_s: float = 300.0
+        self,
+        url: str = "localhost:8001",
+        model: str = "ensemble",
+        timeout_s: float = 300.0,
+        *,
+        admin_token: str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
+        self._admin_token = admin_token
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -321,19 +351,18 @@ class TierCacheClient:
     def health(self) -> dict[str, Any]:
         """Return {"live": bool, "ready": bool, "models": {name: ready}}.
 
-        A model counts as ready when any of its versions is READY. Raises
-        `ServerUnreachableError` when the server cannot be reached.
+        `models` lists every model of the repository where the server lets clients read its
+        index; `tiercache serve` restricts that API (docs/security.md), and then `models` holds
+        the client's model and `cache_admin`, asked one by one. A model counts as ready when any
+        of its versions is READY. Raises `ServerUnreachableError` when the server cannot be
+        reached.
         """
         client = self._acquire()
         reusable = False
         try:
             live = client.is_server_live(client_timeout=self.timeout_s)
             ready = client.is_server_ready(client_timeout=self.timeout_s)
-            index = client.get_model_repository_index(as_json=True, client_timeout=self.timeout_s)
-            models: dict[str, bool] = {}
-            for entry in index.get("models", []):
-                name = entry.get("name", "")
-                models[name] = models.get(name, False) or entry.get("state") == "READY"
+            models = self._model_readiness(client)
             reusable = True
             return {"live": bool(live), "ready": bool(ready), "models": models}
         except InferenceServerException as exc:
@@ -341,20 +370,38 @@ class TierCacheClient:
         finally:
             self._release(client, reusable)
 
+    def _model_readiness(self, client: grpcclient.InferenceServerClient) -> dict[str, bool]:
+        try:
+            index = client.get_model_repository_index(as_json=True, client_timeout=self.timeout_s)
+        except InferenceServerException as exc:
+            if _RESTRICTED not in str(exc.message()):
+                raise
+            return {
+                name: bool(client.is_model_ready(name, client_timeout=self.timeout_s))
+                for name in (self.model, CACHE_ADMIN_MODEL)
+            }
+        models: dict[str, bool] = {}
+        for entry in index.get("models", []):
+            name = entry.get("name", "")
+            models[name] = models.get(name, False) or entry.get("state") == "READY"
+        return models
+
     def adapters(self, warm: Sequence[str] = ()) -> dict[str, Any]:
-        """What the `lora_cache` stage reports: each adapter's tier (engine, host, disk) as it
-        sees it and as the engine reports it. With `warm`, those adapters are first loaded into
-        the engine (prefetch before their first request). Raises `NotFoundError` for an unknown
-        adapter name, `ServerUnreachableError` / `UnavailableError` otherwise."""
+        """What the `lora_cache` stage reports, through `cache_admin` (with the admin token:
+        lora_cache itself takes no outside calls): each adapter's tier (engine, host, disk) as
+        it sees it and as the engine reports it. With `warm`, those adapters are first loaded
+        into the engine (prefetch before their first request). Raises `ForbiddenError` without
+        the right token, `NotFoundError` for an unknown adapter name,
+        `ServerUnreachableError` / `UnavailableError` otherwise."""
         names = [_check_str("adapter name", n) for n in warm]
-        admin = {"op": "warm", "names": names} if names else {"op": "list"}
-        return self._admin_call(LORA_CACHE_MODEL, admin)
+        return self.admin({"op": "adapters", "warm": names})
 
     def admin(self, op: dict[str, Any]) -> dict[str, Any]:
-        """One `cache_admin` call (`{"op": "stats" | "invalidate" | "flush" | "warm", ...}`);
-        its JSON answer. `InvalidRequestError` for a malformed op, `NotFoundError` for an unknown
+        """One `cache_admin` call (`{"op": "stats" | "invalidate" | "flush" | "warm", ...}`)
+        with the admin token; its JSON answer. `ForbiddenError` without the right token (nothing
+        was done), `InvalidRequestError` for a malformed op, `NotFoundError` for an unknown
         adapter, `ServerUnreachableError` / `UnavailableError` otherwise."""
-        return self._admin_call(CACHE_ADMIN_MODEL, op)
+        return self._admin_call(CACHE_ADMIN_MODEL, op, self._admin_token)
 
     def stats(self) -> dict[str, Any]:
         """Entries, bytes, hits, misses, evictions, corrupt per tier (L2, L3; L1 is per
@@ -396,17 +443,19 @@ class TierCacheClient:
             op["adapters"] = [_check_str("adapter name", n) for n in adapters]
         return self.admin(op)
 
-    def _admin_call(self, model: str, admin: dict[str, Any]) -> dict[str, Any]:
-        admin_input = grpcclient.InferInput("ADMIN", [1, 1], "BYTES")
-        admin_input.set_data_from_numpy(
-            np.array([[json.dumps(admin).encode("utf-8")]], dtype=np.object_)
-        )
+    def _admin_call(
+        self, model: str, admin: dict[str, Any], token: str | None = None
+    ) -> dict[str, Any]:
+        """`admin` to `model`'s ADMIN input (with ADMIN_TOKEN when `token` is given)."""
+        inputs = [_bytes_input("ADMIN", [json.dumps(admin)])]
+        if token is not None:
+            inputs.append(_bytes_input("ADMIN_TOKEN", [token]))
         client = self._acquire()
         reusable = False
         try:
             result = client.infer(
                 model,
-                [admin_input],
+                inputs,
                 outputs=[grpcclient.InferRequestedOutput("ADMIN_RESULT")],
                 client_timeout=self.timeout_s,
             )

@@ -2,8 +2,8 @@
 
 Over Triton's gRPC stream the status code of a failed request is lost and only its message
 arrives, so the server prefixes every message with a stable kind ("invalid request: ...",
-"not found: ...", "unavailable: ...", "capacity: ..."). `classify` turns such a message, plus
-the gRPC status when one is known, into exactly one of the classes below.
+"forbidden: ...", "not found: ...", "unavailable: ...", "capacity: ..."). `classify` turns such
+a message, plus the gRPC status when one is known, into exactly one of the classes below.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ class InvalidRequestError(TierCacheClientError):
     """The request itself is wrong; retrying it unchanged fails again."""
 
     kind = "invalid request"
+
+
+class ForbiddenError(InvalidRequestError):
+    """The server refused the caller: no or a wrong credential (e.g. cache_admin's admin token).
+    An InvalidRequestError too: retrying unchanged fails again."""
+
+    kind = "forbidden"
 
 
 class NotFoundError(TierCacheClientError):
@@ -62,6 +69,7 @@ class ServerError(TierCacheClientError):
 
 _KIND_CLASSES: dict[str, type[TierCacheClientError]] = {
     "invalid request": InvalidRequestError,
+    "forbidden": ForbiddenError,
     "not found": NotFoundError,
     "unavailable": UnavailableError,
     "capacity": CapacityError,

@@ -6,7 +6,10 @@ deploy/tensorrt_llm/tensorrt_llm/, the engine built by build_engine.py in `tenso
 tokenizer in `tensorrt_llm/tokenizer/`) and rewrites the configs the engine changes:
 
 - `tensorrt_llm`: `gpt_model_path` is this repository's `tensorrt_llm/1` (absolute);
-  `lora_cache_max_adapter_size` is the engine's `--max_lora_rank`.
+  `lora_cache_max_adapter_size` is the engine's `--max_lora_rank`; `enable_kv_cache_reuse` as
+  `--kv-reuse` decides (`kv_reuse_decision`): TensorRT-LLM's Triton backend takes no per-tenant
+  cache salt, so reused prefix blocks would cross tenants (a prefix oracle, the vLLM
+  CVE-2025-46570 class); reuse is on only for one tenant, or when the operator says so.
 - `lora_cache`: `engine_kind` and `engine_model` tensorrt_llm, `trtllm_dtype` the engine's dtype,
   no `prefetch` (TensorRT-LLM has no load-only call; adapters load with their first request).
 - `llm`: `engine_kind` and `engine_model` tensorrt_llm, `tokenizer_dir`, `trtllm_max_input_len`
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterable, Sequence
@@ -131,12 +135,39 @@ class EngineFacts:
     max_lora_rank: int
 
 
-def rewrite_tensorrt_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
+KV_REUSE_MODES = ("auto", "on", "off")
+
+
+def kv_reuse_decision(mode: str, api_keys: Path | None) -> tuple[bool, str]:
+    """Whether TensorRT-LLM reuses KV blocks across requests, and why. `auto` (the default):
+    only when an API key file (tiercache.exact.tenant_keys) names exactly one tenant, the one
+    case where shared prefixes cannot cross tenants; `on` is the operator's explicit choice
+    (prefixes shared by every tenant), `off` never reuses."""
+    if mode not in KV_REUSE_MODES:
+        raise ValueError(f"--kv-reuse must be one of {', '.join(KV_REUSE_MODES)}, got {mode!r}")
+    if mode == "on":
+        return True, "on by the operator's choice: cached prefixes are shared by all tenants"
+    if mode == "off":
+        return False, "off by the operator's choice"
+    if api_keys is None:
+        return False, "off: no API key file, so any caller may name any tenant"
+    from tiercache.exact.tenant_keys import list_grants
+
+    tenants = {grant.tenant for grant in list_grants(api_keys)}
+    if len(tenants) == 1:
+        return True, f"on: the API key file names one tenant ({next(iter(tenants))!r})"
+    return False, f"off: the API key file names {len(tenants)} tenants and there is no cache salt"
+
+
+def rewrite_tensorrt_llm(
+    config: Any, repository: Path, engine: EngineFacts, kv_reuse: bool = False
+) -> None:
     set_parameters(
         config,
         {
             "gpt_model_path": str(repository / ENGINE / "1"),
             "lora_cache_max_adapter_size": str(engine.max_lora_rank),
+            "enable_kv_cache_reuse": "true" if kv_reuse else "false",
         },
     )
     weights = [i for i in config.input if i.name == "lora_weights"]
@@ -205,10 +236,12 @@ def assemble(
     source: Path = CPU_REPOSITORY,
     trtllm_config: Path = TRTLLM_CONFIG,
     force: bool = False,
+    kv_reuse: bool = False,
 ) -> Path:
     """Write the GPU repository into `output` (absolute paths in it point inside `output`);
     returns `output`. `engine_dir` is build_engine.py's output folder (engine/, tokenizer/,
-    build.json); without it the engine files are left out."""
+    build.json); without it the engine files are left out. `kv_reuse`: see
+    `kv_reuse_decision` (off unless asked)."""
     build = load_build_engine()
     output = output.resolve()
     if output.exists():
@@ -234,7 +267,7 @@ def assemble(
     rel = {name: f"model_repository/{name}/config.pbtxt" for name in ("lora_cache", "llm")}
     rel["ensemble"] = "model_repository/ensemble/config.pbtxt"
     trt = read_config(trtllm_config)
-    rewrite_tensorrt_llm(trt, output, facts)
+    rewrite_tensorrt_llm(trt, output, facts, kv_reuse)
     write_config(target / "config.pbtxt", trt, "deploy/tensorrt_llm/tensorrt_llm/config.pbtxt")
     for name, rewrite in (
         ("lora_cache", lambda c: rewrite_lora_cache(c, facts)),
@@ -325,13 +358,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--engine-dir", type=Path, help="build_engine.py's --output-dir (engine/, tokenizer/)"
     )
     parser.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    parser.add_argument(
+        "--kv-reuse",
+        choices=KV_REUSE_MODES,
+        default="auto",
+        help="TensorRT-LLM prefix KV reuse: auto (on only when --api-keys names one tenant), "
+        "on (shared by all tenants: the operator's choice), off",
+    )
+    parser.add_argument(
+        "--api-keys",
+        type=Path,
+        default=Path(os.environ["TIERCACHE_API_KEYS_FILE"])
+        if os.environ.get("TIERCACHE_API_KEYS_FILE")
+        else None,
+        help="the deployment's API key file (default: $TIERCACHE_API_KEYS_FILE)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = assemble(args.output, args.engine_dir, force=args.force)
+        reuse, why = kv_reuse_decision(args.kv_reuse, args.api_keys)
+        out = assemble(args.output, args.engine_dir, force=args.force, kv_reuse=reuse)
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
         print(f"assemble_repository: {exc}", file=sys.stderr)
         return 2
-    print(f"assemble_repository: GPU model repository in {out}")
+    print(f"assemble_repository: GPU model repository in {out}; KV reuse {why}")
     return 0
 
 

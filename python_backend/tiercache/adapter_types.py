@@ -14,6 +14,7 @@ not change when the files change, so an engine must key what it holds by (task_i
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -45,6 +46,23 @@ class AdapterRef:
         return cls(str(data["name"]), int(data["task_id"]), str(data["digest"]))
 
 
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+DIGEST_DOMAIN = b"tiercache-lora-v1\x00"
+
+
+def adapter_digest(config: bytes, weights: bytes) -> str:
+    """The version digest of an adapter's two files: SHA-256 over a domain tag and, for each
+    file in ADAPTER_FILES order, its name, its length and its bytes (the registry names versions
+    by it; the engine recomputes it before loading)."""
+    sha = hashlib.sha256(DIGEST_DOMAIN)
+    for name, data in zip(ADAPTER_FILES, (config, weights), strict=True):
+        sha.update(name.encode("ascii") + b"\x00" + len(data).to_bytes(8, "big"))
+        sha.update(data)
+    return sha.hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterWeights:
     """One version's files, read once and checked against its digest."""
@@ -52,6 +70,10 @@ class AdapterWeights:
     ref: AdapterRef
     config_json: str  # adapter_config.json (PEFT)
     weights: bytes  # adapter_model.safetensors
+
+    def matches(self) -> bool:
+        """Whether the files are the ones `ref.digest` names."""
+        return adapter_digest(self.config_json.encode("utf-8"), self.weights) == self.ref.digest
 
     @property
     def nbytes(self) -> int:

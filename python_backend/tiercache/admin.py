@@ -16,34 +16,56 @@ not reachable from here:
 `warm` stores answers under exactly the digest prompt_cache computes: each prompt goes through
 `PromptCache.lookup` (validation, canonicalization, tenant scope, adapter version, cache_control),
 and the answer is stored as the llm stage stores a generated one (tags, scope, adapter).
+
+Every operation needs the operator's admin token (`AdminGate`): 32 random bytes in a 0600 file,
+`<state dir>/admin_token` unless `$TIERCACHE_ADMIN_TOKEN_FILE` names another, created once at the
+first start. Whoever can read that file may administer the cache; nobody else can.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+import os
 import re
+import threading
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tiercache.admin_ops import parse_admin as parse_admin_ops
-from tiercache.errors import InvalidRequest, NotFound, TierCacheError, Unavailable
+from tiercache.errors import (
+    ConfigError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    TierCacheError,
+    Unavailable,
+)
 from tiercache.exact.invalidation import Invalidator, checked_digest
-from tiercache.exact.keys import tenant_scope
+from tiercache.exact.keys import SECRET_BYTES, load_or_create_secret, tenant_scope
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.redis_tier import RedisLink
 from tiercache.exact.request import RawInputs
 from tiercache.exact.tiered import TieredCache
 from tiercache.vocabulary import InvalidationKind
 
-WarmAdapters = Callable[[Sequence[str]], dict[str, Any]]
-"""Adapter names -> lora_cache's `warm` answer (NotFound for an unknown name)."""
+log = logging.getLogger("tiercache")
+
+LoraAdmin = Callable[[dict[str, Any]], dict[str, Any]]
+"""One call of lora_cache's internal admin ops (`{"op": "list"}`, `{"op": "warm", "names":
+[...]}`) -> its answer (NotFound for an unknown adapter name). cache_admin makes it over BLS,
+sealed (tiercache.stages.seal): lora_cache takes admin calls from the pipeline only, so the
+operator's token guards them here."""
 
 ADMIN_OPS: dict[str, frozenset[str]] = {
     "stats": frozenset({"op"}),
     "invalidate": frozenset({"op", "key", "tag", "tenant", "adapter", "sweep_shared"}),
     "flush": frozenset({"op", "confirm"}),
     "warm": frozenset({"op", "prompts", "adapters"}),
+    "adapters": frozenset({"op", "warm"}),
 }
 _KINDS = ("key", "tag", "tenant", "adapter")
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")  # an adapter content digest (hex SHA-256)
@@ -58,6 +80,88 @@ L1_NOTE = (
     "L1 lives in each prompt_cache process and is not reachable from cache_admin: see "
     "prompt_cache's tiercache_store_* metrics"
 )
+
+
+ADMIN_TOKEN_FILE_ENV = "TIERCACHE_ADMIN_TOKEN_FILE"
+ADMIN_TOKEN_FILE_NAME = "admin_token"
+
+
+def admin_token_path(state_dir: Path, environ: Mapping[str, str] | None = None) -> Path:
+    """Where the admin token is: `$TIERCACHE_ADMIN_TOKEN_FILE`, else `<state_dir>/admin_token`.
+    One function for the stage, `tiercache serve` and the tests, so they name the same file."""
+    named = (os.environ if environ is None else environ).get(ADMIN_TOKEN_FILE_ENV)
+    return Path(named) if named else state_dir / ADMIN_TOKEN_FILE_NAME
+
+
+def load_or_create_admin_token(path: Path) -> str:
+    """The admin token: the bytes of the file at `path`, hex-encoded (the form ADMIN_TOKEN
+    carries). A missing file is created once with 32 random bytes, 0600, race-free across
+    processes: the server secret's own recipe (`tiercache.exact.keys.load_or_create_secret`), so
+    the stage and `tiercache serve` starting side by side agree. An operator's own file serves as
+    it is if it holds at least 32 bytes; ConfigError if it holds fewer."""
+    try:
+        token = load_or_create_secret(path).hex()
+    except RuntimeError as exc:  # load_or_create_secret's "shorter than 32 bytes"
+        raise ConfigError(
+            f"admin token file {path} holds fewer than {SECRET_BYTES} bytes: delete it (a new "
+            f"one is made) or put at least {SECRET_BYTES} random bytes in it"
+        ) from exc
+    if path.stat().st_mode & 0o077:
+        log.warning(
+            "admin token file %s is readable by other users: whoever reads it may flush, warm "
+            "and invalidate the cache (chmod 600 it)",
+            path,
+        )
+    return token
+
+
+@dataclass(frozen=True, slots=True)
+class GateStats:
+    """Admin calls let through and refused since start (monotonic totals)."""
+
+    allowed: int
+    refused_missing: int
+    refused_wrong: int
+
+
+class AdminGate:
+    """Lets an admin call through only with the operator's token; refuses it with Forbidden
+    before anything else happens (not even parsing), and counts it.
+
+    The comparison is `hmac.compare_digest`, whose time does not depend on where a wrong token
+    first differs, so a caller cannot find the token byte by byte from response times. A
+    missing token and a wrong one get different messages: that tells an attacker nothing
+    about the token and tells an operator which mistake they made."""
+
+    def __init__(self, token: str) -> None:
+        if len(token) < 2 * SECRET_BYTES:
+            raise ValueError(f"an admin token has at least {2 * SECRET_BYTES} hex digits")
+        self._expected = token.encode("ascii")
+        self._lock = threading.Lock()
+        self._allowed = 0
+        self._missing = 0
+        self._wrong = 0
+
+    def check(self, given: str | None) -> None:
+        """Return if `given` is the token; Forbidden otherwise."""
+        if not given:
+            with self._lock:
+                self._missing += 1
+            raise Forbidden(
+                "cache_admin needs the operator's admin token in ADMIN_TOKEN (the hex of the "
+                "admin_token file `tiercache serve` names at start; tiercache-client "
+                "--admin-token-file reads it)"
+            )
+        if not hmac.compare_digest(given.encode("utf-8"), self._expected):
+            with self._lock:
+                self._wrong += 1
+            raise Forbidden("ADMIN_TOKEN is not the operator's admin token")
+        with self._lock:
+            self._allowed += 1
+
+    def stats(self) -> GateStats:
+        with self._lock:
+            return GateStats(self._allowed, self._missing, self._wrong)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +216,14 @@ def raw_inputs(item: dict[str, Any]) -> RawInputs:
 class Admin:
     """Admin operations over `cache` (L2 and optionally L3; no L1). `prompts` computes digests
     as prompt_cache does (it must share the cache, secret, engine identity, limits and adapter
-    registry of the deployment); `warm_adapters` reaches lora_cache (None: adapter warm-ups are
+    registry of the deployment); `lora_admin` reaches lora_cache (None: adapter operations are
     refused)."""
 
     def __init__(
         self,
         prompts: PromptCache,
         secret: bytes,
-        warm_adapters: WarmAdapters | None = None,
+        lora_admin: LoraAdmin | None = None,
         link: RedisLink | None = None,
     ) -> None:
         """`link`: the cache's Redis link (invalidations reach every replica through it)."""
@@ -128,7 +232,7 @@ class Admin:
         self._secret = secret
         self.link = link
         self.invalidator = Invalidator(self.cache, self.link)
-        self.warm_adapters = warm_adapters
+        self.lora_admin = lora_admin
 
     def run(self, text: str) -> AdminAnswer:
         """One ADMIN call. InvalidRequest for a malformed one, NotFound for an unknown adapter,
@@ -143,6 +247,8 @@ class Admin:
             if data.get("confirm") is not True:
                 raise InvalidRequest('flush deletes every entry of L2 and L3: send "confirm": true')
             return AdminAnswer(self.flush())
+        if op == "adapters":
+            return AdminAnswer(self.adapters(data.get("warm")))
         return AdminAnswer(self.warm(data.get("prompts"), data.get("adapters")))
 
     def stats(self) -> dict[str, Any]:
@@ -231,15 +337,27 @@ class Admin:
             names = list(adapters)
         result: dict[str, Any] = {"op": "warm"}
         if names:
-            if self.warm_adapters is None:
-                raise InvalidRequest("warm: adapters cannot be warmed here (no lora_cache)")
-            result["adapters"] = self.warm_adapters(names)  # NotFound before anything loads
+            result["adapters"] = self._lora({"op": "warm", "names": names})  # NotFound first
         if prompts is not None:
             items = [self.warm_prompt(item) for item in prompts]
             result["prompts"] = items
             result["stored"] = sum(1 for i in items if i["status"] == "stored")
             result["failed"] = len(items) - result["stored"]
         return result
+
+    def adapters(self, warm: object = None) -> dict[str, Any]:
+        """lora_cache's report of every adapter's tier (and the fleet's, with Redis); with
+        `warm` (adapter names), those are first loaded into the engine."""
+        if warm is None or warm == []:
+            return self._lora({"op": "list"})
+        if not isinstance(warm, list) or not all(isinstance(n, str) and n for n in warm):
+            raise InvalidRequest("adapters: warm must be a list of adapter names")
+        return self._lora({"op": "warm", "names": list(warm)})
+
+    def _lora(self, op: dict[str, Any]) -> dict[str, Any]:
+        if self.lora_admin is None:
+            raise InvalidRequest("adapter operations are not available here (no lora_cache)")
+        return self.lora_admin(op)
 
     def warm_prompt(self, item: object) -> dict[str, Any]:
         """Store one prompt's answer; reports `stored` with its digest, or `error` and why."""

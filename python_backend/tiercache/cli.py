@@ -1,47 +1,115 @@
-"""`tiercache`: the server-side command line (`tiercache serve`, `tiercache invalidate`)."""
+"""`tiercache`: the server-side command line (`tiercache serve`, `tiercache invalidate`).
+
+`tiercache serve` is safe by default (docs/security.md): tritonserver on 127.0.0.1 only, no HTTP,
+the APIs clients do not need restricted, and cache_admin behind the admin token, whose file it
+names at start."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any
 
-from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
-from tiercache.server import Ports, ServerError, StageWatch, TritonServer
+from tiercache.config import ADAPTERS_DIR_ENV, API_KEYS_FILE_ENV, default_state_dir
+from tiercache.server import (
+    HOST_ENV,
+    LOOPBACK,
+    RESTRICTABLE_APIS,
+    Exposure,
+    Ports,
+    ServerError,
+    StageWatch,
+    TritonServer,
+    connect_host,
+    is_loopback,
+)
+
+
+def exposure_from(args: argparse.Namespace) -> Exposure:
+    """What `serve` opens: --host (default loopback), --metrics-host, --http, and every
+    restrictable API restricted except those named by --open-api."""
+    return Exposure(
+        host=args.host,
+        metrics_host=args.metrics_host or None,
+        http=args.http,
+        restricted_apis=tuple(api for api in RESTRICTABLE_APIS if api not in args.open_api),
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tiercache.admin import ADMIN_TOKEN_FILE_ENV, admin_token_path, load_or_create_admin_token
+    from tiercache.errors import ConfigError
+
+    state_dir = Path(args.state_dir).resolve()
+    token_file = (
+        Path(args.admin_token_file).resolve()
+        if args.admin_token_file
+        else admin_token_path(state_dir).resolve()
+    )
+    try:
+        load_or_create_admin_token(token_file)  # there before cache_admin starts: printable now
+    except (ConfigError, OSError) as exc:
+        print(f"tiercache: admin token: {exc}", file=sys.stderr)
+        return 1
+    overrides = {ADMIN_TOKEN_FILE_ENV: str(token_file)}  # the stage uses the file printed here
+    keys_note = "no API key file: the tenant input is trusted as sent (docs/security.md)"
+    if args.api_keys:
+        from tiercache.exact.tenant_keys import KeyFile
+
+        keys_file = Path(args.api_keys).resolve()
+        try:
+            tenants = len({g.tenant for g in KeyFile(keys_file).grants()})
+        except ConfigError as exc:
+            print(f"tiercache: {exc.message}", file=sys.stderr)
+            return 1
+        overrides[API_KEYS_FILE_ENV] = str(keys_file)
+        keys_note = f"API keys from {keys_file} ({tenants} tenants): the key decides the tenant"
+    if args.adapters_dir:
+        overrides[ADAPTERS_DIR_ENV] = str(Path(args.adapters_dir).resolve())
+    exposure = exposure_from(args)
     server = TritonServer(
         model_repository=Path(args.model_repository).resolve(),
-        state_dir=Path(args.state_dir).resolve(),
+        state_dir=state_dir,
         ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
         extra_args=args.tritonserver_args,
         exit_timeout_s=args.exit_timeout_secs,
-        env_overrides=(
-            {ADAPTERS_DIR_ENV: str(Path(args.adapters_dir).resolve())} if args.adapters_dir else {}
-        ),
+        env_overrides=overrides,
+        exposure=exposure,
     )
     print(
-        f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})"
+        f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})\n"
+        f"tiercache: admin token file {token_file} (cache_admin refuses every call without "
+        f"it: tiercache-client stats --admin-token-file {token_file})\n"
+        f"tiercache: {keys_note}"
     )
+    if not is_loopback(exposure.host) or not is_loopback(exposure.metrics_host or LOOPBACK):
+        print(
+            f"tiercache: listening on {exposure.host} (metrics on "
+            f"{exposure.metrics_host or exposure.host}), not only loopback: reachable from the "
+            "network, unencrypted (docs/security.md)",
+            file=sys.stderr,
+        )
     server.start()
     # tritonserver runs in its own session, so a terminal's Ctrl-C reaches only us; we forward it
     # as Triton's clean shutdown. SIGTERM is treated the same way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.wait_ready(args.ready_timeout)
+        grpc = server.grpc_url
+        metrics = f"{connect_host(exposure.metrics_host or exposure.host)}:{args.metrics_port}"
+        http = (
+            f"HTTP {connect_host(exposure.host)}:{args.http_port}" if exposure.http else "no HTTP"
+        )
         print(
-            f"tiercache: ready. gRPC localhost:{args.grpc_port}, HTTP localhost:{args.http_port}, "
-            f"metrics http://localhost:{args.metrics_port}/metrics\n"
-            f'  try: tiercache-client generate "What is the capital of France?" '
-            f"--url localhost:{args.grpc_port}\n"
+            f"tiercache: ready. gRPC {grpc}, {http}, metrics http://{metrics}/metrics\n"
+            f'  try: tiercache-client generate "What is the capital of France?" --url {grpc}\n'
             "  Ctrl-C stops the server.",
             flush=True,
         )
@@ -110,17 +178,28 @@ def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
 
 def _invalidate(args: argparse.Namespace) -> int:
     """Delete from L3 and tell every replica (they drop their L1/L2 copies): an admin tool, not
-    a replica, so it holds no local tier itself."""
+    a replica, so it holds no local tier itself. It signs what it publishes with the fleet's
+    secret, read from a file ($TIERCACHE_SECRET_FILE, else `<state-dir>/secret`), never Redis."""
     from tiercache.errors import TierCacheError
     from tiercache.exact.invalidation import Invalidator, checked_digest
-    from tiercache.exact.keys import load_or_create_secret, tenant_scope
-    from tiercache.exact.redis_tier import RedisLink, RedisStore
+    from tiercache.exact.keys import tenant_scope
+    from tiercache.exact.redis_tier import RedisLink, RedisStore, check_fleet_secret
     from tiercache.exact.tiered import TieredCache
+    from tiercache.stages.parts import host_secret, secret_source
     from tiercache.vocabulary import InvalidationKind, Tier
 
-    link = RedisLink.from_url(args.redis_url, args.redis_prefix, timeout_s=args.timeout_s)
+    try:
+        secret = host_secret(Path(args.state_dir))
+        link = RedisLink.from_url(
+            args.redis_url, args.redis_prefix, timeout_s=args.timeout_s, secret=secret
+        )
+    except TierCacheError as exc:
+        print(f"tiercache: {exc.client_message()}", file=sys.stderr)
+        return 1
     cache = TieredCache([(Tier.L3, RedisStore(link))])
     try:
+        # Redis away: not checked here, and the Invalidator reports it below.
+        check_fleet_secret(link, secret, secret_source(Path(args.state_dir)))
         if args.key:
             kind, value = InvalidationKind.KEY, checked_digest(args.key, "--key")
         elif args.tag:
@@ -129,11 +208,6 @@ def _invalidate(args: argparse.Namespace) -> int:
             kind, value = InvalidationKind.ADAPTER, checked_digest(args.adapter, "--adapter")
         else:
             kind = InvalidationKind.TENANT
-            stored: Any = link.call_or_raise(lambda c: c.get(link.key("secret")))
-            if stored:
-                secret = bytes(stored)  # the replicas' shared secret
-            else:
-                secret = load_or_create_secret(Path(args.state_dir) / "secret")
             # normalized as prompt_cache normalizes the tenant input (tiercache.exact.request)
             value = tenant_scope(secret, unicodedata.normalize("NFKC", args.tenant).strip())
         report = Invalidator(cache, link).invalidate(kind, value, sweep_shared=not args.no_sweep)
@@ -172,7 +246,7 @@ def _add_invalidate(sub: argparse._SubParsersAction) -> None:
     inv.add_argument(
         "--state-dir",
         default=str(default_state_dir()),
-        help="--tenant only: where the secret is when Redis holds none",
+        help="where the fleet's secret is (<state-dir>/secret; $TIERCACHE_SECRET_FILE wins)",
     )
     inv.add_argument(
         "--no-sweep",
@@ -183,7 +257,76 @@ def _add_invalidate(sub: argparse._SubParsersAction) -> None:
     inv.add_argument("--timeout-s", type=float, default=2.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser("keys", help="API keys -> tenants (docs/security.md)")
+    keys.add_argument(
+        "--file",
+        default="",
+        help="the key file (default: $TIERCACHE_API_KEYS_FILE, else <state dir>/api_keys.json)",
+    )
+    keys.add_argument("--state-dir", default=str(default_state_dir()))
+    ops = keys.add_subparsers(dest="keys_command", required=True)
+    add = ops.add_parser("add", help="make a key for a tenant; prints it once")
+    add.add_argument("--tenant", required=True)
+    add.add_argument(
+        "--adapters",
+        default=None,
+        help="comma-separated adapter names the key may use (default: any; '' for none)",
+    )
+    add.add_argument(
+        "--cache-control",
+        default=None,
+        help="comma-separated cache_control words the key may use (default: any; '' for none)",
+    )
+    ops.add_parser("list", help="key ids and their tenants (never the keys)")
+    revoke = ops.add_parser("revoke", help="remove a key by its id")
+    revoke.add_argument("key_id")
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """`tiercache keys add|list|revoke`: the key file prompt_cache reads (re-read within a
+    second of a change, so no restart)."""
+    import unicodedata
+
+    from tiercache.errors import ConfigError
+    from tiercache.exact.tenant_keys import add_key, list_grants, revoke_key
+
+    named = args.file or os.environ.get(API_KEYS_FILE_ENV, "")
+    path = Path(named) if named else Path(args.state_dir) / "api_keys.json"
+
+    def names(value: str | None) -> list[str] | None:
+        return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
+
+    try:
+        if args.keys_command == "add":
+            tenant = unicodedata.normalize("NFKC", args.tenant).strip()  # as prompt_cache does
+            key, grant = add_key(path, tenant, names(args.adapters), names(args.cache_control))
+            print(f"{key}\n(key id {grant.key_id}, tenant {grant.tenant!r}; stored hashed in "
+                  f"{path}: this is the only time the key is shown)")  # fmt: skip
+            return 0
+        if args.keys_command == "list":
+            for grant in list_grants(path):
+                limits = [
+                    f"{what}={'any' if allowed is None else ','.join(sorted(allowed)) or 'none'}"
+                    for what, allowed in (
+                        ("adapters", grant.adapters),
+                        ("cache_control", grant.cache_control),
+                    )
+                ]
+                print("\t".join([grant.key_id, grant.tenant, *limits]))
+            return 0
+        if revoke_key(path, args.key_id):
+            print(f"revoked {args.key_id}")
+            return 0
+        print(f"tiercache: no key {args.key_id!r} in {path}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"tiercache: {exc.message}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tiercache` command line (serve, invalidate, eval-semantic)."""
     parser = argparse.ArgumentParser(prog="tiercache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the model repository with tritonserver")
@@ -194,6 +337,43 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="LoRA adapters folder, one PEFT folder per adapter (default: $TIERCACHE_ADAPTERS_DIR, "
         "else <state dir>/adapters)",
+    )
+    serve.add_argument(
+        "--host",
+        default=os.environ.get(HOST_ENV) or LOOPBACK,
+        help="address gRPC (and HTTP with --http) listen on (default: $TIERCACHE_HOST, else "
+        "127.0.0.1: this host only); 0.0.0.0 is every interface (docs/security.md)",
+    )
+    serve.add_argument(
+        "--metrics-host", default="", help="address the metrics port listens on (default: --host)"
+    )
+    serve.add_argument(
+        "--http",
+        action="store_true",
+        help="also serve Triton's HTTP/REST front end (off by default: tiercache's clients use "
+        "gRPC, and Triton 2.51's HTTP front end has known CVEs)",
+    )
+    serve.add_argument(
+        "--open-api",
+        action="append",
+        default=[],
+        choices=RESTRICTABLE_APIS,
+        help="open this Triton API group to every client (restricted by default; repeatable), "
+        "e.g. model-config for perf_analyzer",
+    )
+    serve.add_argument(
+        "--admin-token-file",
+        default="",
+        help="the admin token file cache_admin checks (default: $TIERCACHE_ADMIN_TOKEN_FILE, "
+        "else <state dir>/admin_token; created 0600 if missing)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        default=os.environ.get(API_KEYS_FILE_ENV, ""),
+        metavar="FILE",
+        help="API key file (`tiercache keys add`): each request's tenant comes from its "
+        "`authorization: Bearer <key>` header (default: $TIERCACHE_API_KEYS_FILE; none: the "
+        "tenant input is trusted as sent)",
     )
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
@@ -222,11 +402,17 @@ def main(argv: list[str] | None = None) -> int:
         "tritonserver_args", nargs=argparse.REMAINDER, help="after --: passed to tritonserver"
     )
     _add_invalidate(sub)
+    _add_keys(sub)
     sub.add_parser(
         "eval-semantic",
         help="evaluate the semantic cache's guard on a pairs file (see --help)",
         add_help=False,
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "eval-semantic":
         from tiercache.semantic.evaluate import main_eval_semantic  # loads the embedder: lazy
@@ -236,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "invalidate":
         return _invalidate(args)
+    if args.command == "keys":
+        return _keys(args)
     if args.tritonserver_args and args.tritonserver_args[0] == "--":
         args.tritonserver_args = args.tritonserver_args[1:]
     if args.command == "serve":

@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 STATE_DIR_ENV = "TIERCACHE_STATE_DIR"
 ADAPTERS_DIR_ENV = "TIERCACHE_ADAPTERS_DIR"
+API_KEYS_FILE_ENV = "TIERCACHE_API_KEYS_FILE"
 
 
 def default_state_dir() -> Path:
@@ -105,7 +106,13 @@ PARAMETERS: dict[str, _Spec] = {
         "Byte budget of the host's L2 (LMDB map size; every process of the host shares it)",
         min=1 << 20,
     ),
-    "ttl_s": _Spec(0.0, "Age after which a cached answer is not served (0: never expires)", min=0),
+    "ttl_s": _Spec(
+        0.0,
+        "Age after which a cached answer is not served (0: never expires). Also the horizon "
+        "after which invalidation watermarks may be forgotten: a finite value bounds the "
+        "invalidation table and logs; with 0 every watermark is kept",
+        min=0,
+    ),
     "model": _Spec(
         "smollm2-135m-instruct",
         "The served model's name (its identity enters every "
@@ -134,7 +141,11 @@ PARAMETERS: dict[str, _Spec] = {
         1.0, "After a Redis failure, Redis is tried again at most this often", min=0, min_open=True
     ),
     "redis_max_ttl_s": _Spec(
-        7 * 86400.0, "Expiry cap of L3 entries (0: none; an entry's own ttl_s still applies)", min=0
+        7 * 86400.0,
+        "Expiry cap of L3 entries (0: none; an entry's own ttl_s still applies). With it (or "
+        "ttl_s) every L3 entry has a Redis TTL, so a volatile-lru Redis can evict entries and "
+        "never the control keys",
+        min=0,
     ),
     "embedder": _Spec(
         "all-minilm-l6-v2",
@@ -142,6 +153,13 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "semantic_max_bytes": _Spec(
         2 << 30, "Byte budget of the semantic row log (LMDB map size)", min=1 << 20
+    ),
+    "semantic_max_scopes": _Spec(
+        4096,
+        "Most semantic scopes on the host (each is a table file every process searching it "
+        "maps: about 65k exhaust vm.max_map_count); a row that would start one more is not "
+        "indexed (counted and logged, never an error)",
+        min=1,
     ),
     "engine_model": _Spec("torch_llm", "The Triton model that generates (BLS target)"),
     "engine_kind": _Spec(
@@ -281,6 +299,16 @@ class PromptCacheConfig(_LookupConfig):
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
     )
+    api_keys_file: str = param(
+        "",
+        "JSON file of hashed API keys -> tenants (tiercache.tenant_keys; `tiercache keys add` "
+        "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
+        "trusted as sent",
+    )
+
+    def api_keys_path(self) -> Path | None:
+        named = self.api_keys_file or os.environ.get(API_KEYS_FILE_ENV, "")
+        return Path(named) if named else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +327,7 @@ class EmbeddingCacheConfig(_TiersConfig):
     l1_max_bytes: int = shared("l1_max_bytes")
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
+    semantic_max_scopes: int = shared("semantic_max_scopes")
     embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
     target_precision: float = param(
         0.0,
@@ -348,6 +377,7 @@ class LlmConfig(_TiersConfig):
 
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
+    semantic_max_scopes: int = shared("semantic_max_scopes")
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
     lora_model: str = shared("lora_model")

@@ -27,6 +27,14 @@ class InvalidRequest(TierCacheError):
     kind = "invalid request"
 
 
+class Forbidden(InvalidRequest):
+    """The caller may not do this: no or a wrong credential (admin token, API key), or an internal
+    stage called without the server's seal. A subclass of InvalidRequest, so Triton answers it
+    INVALID_ARG (Triton's Python backend has no permission code); its kind names it."""
+
+    kind = "forbidden"
+
+
 class NotFound(TierCacheError):
     """A named thing (adapter, key) does not exist."""
 

@@ -13,6 +13,10 @@ moves with load and with other tenants' traffic, which is itself a signal, and a
 what it says. It must be set at or above the slowest miss that is to be hidden (docs/isolation.md
 has the measured misses of the reference model).
 
+Padding hides the latency; `MaskedResponder` hides the rest of what differs: a padded tenant's
+responses carry no cache status, similarity, prompt-token counts or finish reason, and arrive in
+one final response (no streamed chunks whose count would tell a generation from a hit).
+
 Nothing here sleeps on the caller's thread: `PaddedResponder` hands held responses to a
 `ResponseTimer`, one thread that sends them at their due time (the decoupled
 model's execute thread never blocks). Clock and randomness are injected, so tests never sleep.
@@ -230,6 +234,43 @@ class PaddedResponder:
 
     def send_error(self, exc: BaseException) -> None:
         self._send(lambda: self.inner.send_error(exc))
+
+
+MASKED_STATUS = "masked"
+
+
+class MaskedResponder:
+    """Wraps a padded tenant's responder so that a hit's response and a miss's look alike: the
+    answer in one final response (a streamed miss's chunks are joined), `cache_status`
+    "masked", and no similarity, prompt-token counts (an exact prefix oracle otherwise) or finish
+    reason. Errors and cancellations pass as they are (they do not depend on the cache)."""
+
+    def __init__(self, inner: Responder) -> None:
+        self.inner = inner
+        self._chunks: list[str] = []
+
+    def is_cancelled(self) -> bool:
+        return self.inner.is_cancelled()
+
+    def send_chunk(self, text: str) -> None:
+        self._chunks.append(text)  # only one worker sends a request's chunks, then its final
+
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        prompt_usage: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        whole = "".join(self._chunks) + (text or "")
+        self.inner.send_final(whole, MASKED_STATUS)
+
+    def send_cancelled(self) -> None:
+        self.inner.send_cancelled()
+
+    def send_error(self, exc: BaseException) -> None:
+        self.inner.send_error(exc)
 
 
 def uniform_source(seed: int | None = None) -> Callable[[], float]:

@@ -1,12 +1,20 @@
 """Start and stop a real `tritonserver` from the nvidia-pytriton wheel (used by `tiercache serve`,
-the integration tests and the benchmarks alike)."""
+the integration tests and the benchmarks alike).
+
+Safe by default (`Exposure`, docs/security.md): loopback only; gRPC and metrics, no HTTP,
+SageMaker or Vertex AI front ends; and the Triton APIs no client of the ensemble needs
+(model-repository control, model configs, shared memory, trace and log settings) restricted
+behind a header whose value is random per server and never printed.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -14,8 +22,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,88 @@ log = logging.getLogger(__name__)
 
 class ServerError(RuntimeError):
     """tritonserver is missing, failed to start or did not become ready."""
+
+
+LOOPBACK = "127.0.0.1"
+HOST_ENV = "TIERCACHE_HOST"
+# Triton's API groups (--grpc-restricted-protocol / --http-restricted-api) that no client of the
+# ensemble needs, and that would let a client unload models, read every stage's parameters,
+# map shared-memory regions (the path of CVE-2025-23319/23320/23334), trace requests or change
+# logging. Open ones: health, metadata, inference, statistics.
+RESTRICTABLE_APIS = ("model-repository", "model-config", "shared-memory", "trace", "logging")
+RESTRICTED_KEY = "tiercache-restricted"
+# Triton prefixes the key of a restricted gRPC protocol: this is the header a gRPC call sends.
+GRPC_RESTRICTED_HEADER = f"triton-grpc-protocol-{RESTRICTED_KEY}"
+
+
+AUTH_HEADER_PATTERN = "^authorization$"
+
+
+@dataclass(frozen=True, slots=True)
+class Exposure:
+    """Where tritonserver listens and which of its APIs a client may call.
+
+    `host` is the address gRPC (and HTTP, when `http`) bind to; `metrics_host` the metrics
+    port's (default: `host`). `restricted_apis` need the restricted header (`args`). The default
+    is loopback only, HTTP off, everything in RESTRICTABLE_APIS restricted."""
+
+    host: str = LOOPBACK
+    metrics_host: str | None = None
+    http: bool = False
+    restricted_apis: tuple[str, ...] = RESTRICTABLE_APIS
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.restricted_apis) - set(RESTRICTABLE_APIS))
+        if unknown:
+            raise ValueError(f"not restrictable here: {unknown}; choose from {RESTRICTABLE_APIS}")
+
+    def args(self, restricted_value: str) -> list[str]:
+        """tritonserver's flags for this exposure; `restricted_value` is the header value that
+        opens the restricted APIs (it shows in tritonserver's command line: see
+        docs/security.md)."""
+        out = [
+            # The caller's API key reaches prompt_cache as a request parameter (a tenant key
+            # file, tiercache.exact.tenant_keys); no other header is forwarded.
+            f"--grpc-header-forward-pattern={AUTH_HEADER_PATTERN}",
+            f"--grpc-address={_bracketed(self.host)}",
+            f"--metrics-address={_bracketed(self.metrics_host or self.host)}",
+            f"--allow-http={'true' if self.http else 'false'}",
+            "--allow-sagemaker=false",
+            "--allow-vertex-ai=false",
+        ]
+        if self.http:
+            out.append(f"--http-address={_bracketed(self.host)}")
+            out.append(f"--http-header-forward-pattern={AUTH_HEADER_PATTERN}")
+        if self.restricted_apis:
+            rule = f"{','.join(self.restricted_apis)}:{RESTRICTED_KEY}={restricted_value}"
+            out.append(f"--grpc-restricted-protocol={rule}")
+            if self.http:
+                out.append(f"--http-restricted-api={rule}")
+        return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address as --host takes it) reaches this host only."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 address in brackets: Triton's gRPC front end appends ":port" to the address as
+    given, and a bare "::1" does not parse ("Name or service not known")."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this host dials to reach a server bound to `host` (gRPC
+    "host:port" form: IPv6 in brackets)."""
+    if host in ("", "0.0.0.0"):
+        return LOOPBACK
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return _bracketed(host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +203,30 @@ class TritonServer:
     exit_timeout_s: int = 5
     log_path: Path | None = None
     env_overrides: dict[str, str] = field(default_factory=dict)
+    exposure: Exposure = field(default_factory=Exposure)
+    # Opens exposure.restricted_apis (header GRPC_RESTRICTED_HEADER); random per server, so a
+    # value seen once (it is in tritonserver's command line) opens nothing after a new start.
+    restricted_value: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     process: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        """The "host:port" a gRPC client on this host dials."""
+        return f"{connect_host(self.exposure.host)}:{self.ports.grpc}"
+
+    @property
+    def admin_token_file(self) -> Path:
+        """The file cache_admin takes its admin token from, under this server's environment
+        (tiercache.admin.admin_token_path)."""
+        from tiercache.admin import admin_token_path  # the cache package: only when asked
+
+        return admin_token_path(self.state_dir, {**os.environ, **self.env_overrides})
+
+    @property
+    def restricted_headers(self) -> dict[str, str]:
+        """The gRPC headers that open the restricted APIs of this server (tests, perf_analyzer
+        `-H`)."""
+        return {GRPC_RESTRICTED_HEADER: self.restricted_value}
 
     def command(self, install: TritonInstall, backends: Path) -> list[str]:
         return [
@@ -127,6 +238,7 @@ class TritonServer:
             f"--grpc-port={self.ports.grpc}",
             f"--metrics-port={self.ports.metrics}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            *self.exposure.args(self.restricted_value),
             *self.extra_args,
         ]
 
@@ -151,7 +263,8 @@ class TritonServer:
         install = find_triton()
         backends = prepare_backends(install, self.state_dir / "backends")
         cmd = self.command(install, backends)
-        log.info("starting %s", " ".join(cmd))
+        shown = " ".join(cmd).replace(self.restricted_value, "<restricted>")
+        log.info("starting %s", shown)
         output = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
             cmd,
@@ -162,20 +275,28 @@ class TritonServer:
         )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until gRPC's ServerReady says so (HTTP may be off), or ServerError when the process
+        exits first or `timeout_s` passes."""
+        import tritonclient.grpc as grpcclient  # the launcher's only client call; lazy
+        from tritonclient.utils import InferenceServerException
+
         deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise ServerError(
                     f"tritonserver exited with code {self.process.returncode} before it was ready"
                     + (f"; see {self.log_path}" if self.log_path else "")
                 )
+            # A channel per try: one kept across a long model load would back off its
+            # reconnects to tens of seconds and see the port open that much late.
+            client = grpcclient.InferenceServerClient(self.grpc_url)
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if client.is_server_ready(client_timeout=2):
+                    return
+            except InferenceServerException:
                 pass
+            finally:
+                client.close()
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 

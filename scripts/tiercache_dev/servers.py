@@ -24,13 +24,21 @@ from pathlib import Path
 import redis
 
 from tiercache.config import ADAPTERS_DIR_ENV
-from tiercache.server import Ports, ServerError, TritonServer, free_port
+from tiercache.server import (
+    RESTRICTABLE_APIS,
+    Exposure,
+    Ports,
+    ServerError,
+    TritonServer,
+    free_port,
+)
 
 __all__ = [
     "READY_TIMEOUT_S",
     "RedisServer",
     "ServerError",
     "TritonServer",
+    "admin_token",
     "free_port",
     "redis_running",
     "running",
@@ -40,6 +48,10 @@ __all__ = [
 
 READY_TIMEOUT_S = 600.0  # a first start converts the weights and loads the LLM: minutes on 2 CPUs
 REDIS_READY_TIMEOUT_S = 10.0
+# What a measurement server opens beyond `tiercache serve`'s defaults (tiercache.server.Exposure):
+# perf_analyzer reads the model's config (ModelConfig) before it sends a request. Everything else
+# stays as served: loopback, no HTTP, the other APIs restricted.
+MEASUREMENT_OPEN_APIS = ("model-config",)
 
 
 def triton(
@@ -55,7 +67,9 @@ def triton(
     """A tritonserver for `model_repository` on free loopback ports, not started yet: its ports
     are known, so a caller can say where it will listen before `running` starts it. `log_path`
     (emptied here) receives its output; `adapters_dir` is the stages' adapters folder
-    (tiercache.config.ADAPTERS_DIR_ENV); `env` adds other variables."""
+    (tiercache.config.ADAPTERS_DIR_ENV); `env` adds other variables. Exposed as `tiercache serve`
+    exposes it, except that MEASUREMENT_OPEN_APIS are open; cache_admin calls need the admin token
+    (`admin_token`)."""
     overrides = dict(env or {})
     if adapters_dir is not None:
         overrides[ADAPTERS_DIR_ENV] = str(adapters_dir)
@@ -70,7 +84,19 @@ def triton(
         exit_timeout_s=exit_timeout_s,
         log_path=log_path,
         env_overrides=overrides,
+        exposure=Exposure(
+            restricted_apis=tuple(a for a in RESTRICTABLE_APIS if a not in MEASUREMENT_OPEN_APIS)
+        ),
     )
+
+
+def admin_token(server: TritonServer) -> str:
+    """The admin token of `server` (its cache_admin creates the file at start): for
+    `TierCacheClient(..., admin_token=admin_token(server))` in a measurement that warms,
+    flushes or invalidates."""
+    from tiercache.admin import load_or_create_admin_token
+
+    return load_or_create_admin_token(server.admin_token_file)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """Helpers for tests that stand up several "replicas" (each its own state dir, so its own L1 and
-L2) against one real redis-server (the fixtures in tests/conftest.py)."""
+L2) against one real redis-server (the fixtures in tests/conftest.py). The replicas of a test are
+one fleet: each state dir is given the same secret file (`FLEET_SECRET`), as an operator gives
+the replicas of a fleet one secret (Redis only checks its fingerprint)."""
 
 from __future__ import annotations
 
@@ -7,19 +9,31 @@ import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config import CacheConfig
 from tiercache.engine.events import StreamEvent
-from tiercache.exact.invalidation import InvalidationListener
+from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
+from tiercache.exact.keys import replace_secret
 from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import DEFAULT_MAX_EVENTS
 from tiercache.stages import parts
 
 TIMEOUT_S = 10.0
+FLEET_SECRET = bytes(range(32))  # the test fleet's secret (each test has a prefix of its own)
+
+
+def give_secret(state_dir: Path, secret: bytes = FLEET_SECRET) -> Path:
+    """Put `secret` in `state_dir` (`<state>/secret`, 0600) unless it has a secret already, as
+    when the operator copies the fleet's secret file to a new replica; the file's path."""
+    path = state_dir / "secret"
+    if not path.exists():
+        replace_secret(path, secret)
+    return path
 
 
 def replica_config(state_dir: Path, url: str, prefix: str, **overrides: object) -> CacheConfig:
@@ -39,13 +53,24 @@ _OPENED: weakref.WeakKeyDictionary[TieredCache, parts.ExactTiers] = weakref.Weak
 
 
 def open_replica(
-    state_dir: Path, url: str, prefix: str, with_l1: bool = True, **overrides: object
+    state_dir: Path,
+    url: str,
+    prefix: str,
+    with_l1: bool = True,
+    secret: bytes = FLEET_SECRET,
+    *,
+    max_events: int = DEFAULT_MAX_EVENTS,
+    environ: Mapping[str, str] | None = None,
+    **overrides: object,
 ) -> TieredCache:
-    """One replica's exact cache, as the stages open it (tiercache.stages.parts)."""
+    """One replica's exact cache, as the stages open it (tiercache.stages.parts), in the fleet
+    of `secret` (given to its state dir unless it has one). `max_events` and `environ` (where
+    the eviction override is read; None: the process's environment) go to `open_exact_cache`."""
+    give_secret(state_dir, secret)
     config = replica_config(state_dir, url, prefix, **overrides)
     if not with_l1:
         config = dataclasses.replace(config, l1_max_bytes=0)
-    tiers = parts.open_exact_cache(config)
+    tiers = parts.open_exact_cache(config, max_events=max_events, environ=environ)
     _OPENED[tiers.cache] = tiers
     return tiers.cache
 
@@ -58,6 +83,13 @@ def redis_link(cache: TieredCache) -> RedisLink | None:
 def invalidation_listener(cache: TieredCache) -> InvalidationListener | None:
     """The listener `open_replica` started beside `cache`."""
     return _OPENED[cache].listener
+
+
+def restart_sweeper(cache: TieredCache) -> RestartSweeper:
+    """The L2 sweep at start `open_replica` started beside `cache`."""
+    sweeper = _OPENED[cache].sweeper
+    assert sweeper is not None, "a replica without redis_url has no restart sweep"
+    return sweeper
 
 
 def load_secret(config: CacheConfig, cache: TieredCache) -> bytes:

@@ -226,21 +226,19 @@ def test_engine_stops_generating_when_its_request_is_cancelled(
     import queue
     import time
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
 
     from tiercache.exact.request import GenerationRequest
-    from tiercache.stages.envelope import Envelope
+
+    from .sealing import engine_inputs
 
     request = GenerationRequest(unique("Tell a very long story about a river."), max_tokens=200)
     before = settled_metric(server, "tiercache_engine_finished_total", reason="cancelled")
-    data = np.array([Envelope(request=request).encode()], dtype=np.object_)
-    tensor_in = grpcclient.InferInput("ENVELOPE", [1], "BYTES")
-    tensor_in.set_data_from_numpy(data)
     responses: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
     c.start_stream(callback=lambda result, error: responses.put((result, error)))
-    c.async_stream_infer("torch_llm", [tensor_in], enable_empty_final_response=True)
+    inputs = engine_inputs(server.state_dir, request)
+    c.async_stream_infer("torch_llm", inputs, enable_empty_final_response=True)
     result, error = responses.get(timeout=120)
     assert error is None and result.as_numpy("TEXT") is not None
     c.stop_stream(cancel_requests=True)

@@ -1,6 +1,7 @@
 """Invalidation across replicas through a real redis-server (tiercache.exact.invalidation): another
 process drops its L1/L2 copies, a listener that was cut off catches up, a replica started later
-never serves what was invalidated before it started, and the `tiercache invalidate` command."""
+never serves what was invalidated before it started, the `tiercache invalidate` command, and
+invalidations an attacker writes straight into Redis (messages and records), ignored and counted."""
 
 from __future__ import annotations
 
@@ -17,18 +18,23 @@ from redis_server import RedisServer
 
 from tiercache.cli import main as tiercache_main
 from tiercache.errors import Unavailable
-from tiercache.exact.invalidation import Invalidator
-from tiercache.exact.keys import tenant_scope
+from tiercache.exact.invalidation import Invalidator, signed_member
+from tiercache.exact.keys import REDIS_INVALIDATIONS, tenant_scope
+from tiercache.exact.redis_tier import Signer
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import Invalidation
 from tiercache.vocabulary import InvalidationKind, Tier
 
 from .replicas import (
+    FLEET_SECRET,
+    TIMEOUT_S,
+    give_secret,
     invalidation_listener,
     load_secret,
     open_replica,
     redis_link,
     replica_config,
+    restart_sweeper,
     wait_until,
 )
 
@@ -47,6 +53,7 @@ ENTRIES = {
 def child(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path
 ) -> Iterator[subprocess.Popen[str]]:
+    give_secret(tmp_path / "child")  # one fleet with the replicas this test opens
     process = subprocess.Popen(
         [sys.executable, str(CHILD), str(tmp_path / "child"), redis_server.url, redis_prefix,
          json.dumps(ENTRIES)],
@@ -138,11 +145,13 @@ def test_a_replica_started_later_never_serves_what_was_invalidated(
     admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
     Invalidator(admin, redis_link(admin)).tag("kb:v1")
     restarted = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
-    # No wait here: opening the cache waited for the listener to note the recorded watermarks.
-    assert holds(restarted, Tier.L2, "k")  # still on disk ...
-    assert restarted.get("k") is None  # ... but never served, and dropped on sight
+    # No wait here: opening the cache waited for the listener to note the recorded watermarks,
+    # so the entry is never served, whether or not the sweep at start has removed it yet.
+    assert restarted.get("k") is None
     listener = invalidation_listener(restarted)
     assert listener is not None and listener.stats().connected
+    report = restart_sweeper(restarted).wait(TIMEOUT_S)
+    assert report is not None and report.watermarks >= 1
     assert not holds(restarted, Tier.L2, "k")
     admin.close()
     restarted.close()
@@ -194,16 +203,19 @@ def test_semantic_rows_are_forgotten_through_the_listener(
     replica.close()
 
 
-def test_cli_invalidates_a_tenant_with_the_shared_secret(
+def test_cli_invalidates_a_tenant_with_the_fleets_secret(
     redis_server: RedisServer,
     redis_prefix: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """The command reads the fleet's secret from a file (`--state-dir`'s, or
+    $TIERCACHE_SECRET_FILE), never from Redis, and signs what it publishes with it."""
     replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
     secret = load_secret(
         replica_config(tmp_path / "replica", redis_server.url, redis_prefix), replica
     )
+    assert secret == FLEET_SECRET
     scope = tenant_scope(secret, "acme")
     replica.put("k", "answer", tenant_scope=scope, created_s=time.time() - 1)
     replica.put(
@@ -211,9 +223,10 @@ def test_cli_invalidates_a_tenant_with_the_shared_secret(
     )
     listener = invalidation_listener(replica)
     assert listener is not None and listener.wait_connected(5)
+    give_secret(tmp_path / "admin-host")  # the operator's copy of the fleet's secret file
     code = tiercache_main(
         ["invalidate", "--tenant", "acme", "--redis-url", redis_server.url,
-         "--redis-prefix", redis_prefix, "--state-dir", str(tmp_path / "nowhere")]
+         "--redis-prefix", redis_prefix, "--state-dir", str(tmp_path / "admin-host")]
     )  # fmt: skip
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
@@ -221,8 +234,72 @@ def test_cli_invalidates_a_tenant_with_the_shared_secret(
     assert (printed["dropped_l3"], printed["published"]) == (1, True)
     wait_until(lambda: not holds(replica, Tier.L1, "k"))
     assert replica.get("other") is not None
-    assert tiercache_main(["invalidate", "--tag", "x", "--redis-url", "redis://127.0.0.1:1/0"]) == 1
+    assert listener.stats().forged == 0
+    # A host with another secret is refused before it publishes anything.
+    give_secret(tmp_path / "stranger", b"z" * 32)
+    assert tiercache_main(
+        ["invalidate", "--tag", "x", "--redis-url", redis_server.url,
+         "--redis-prefix", redis_prefix, "--state-dir", str(tmp_path / "stranger")]
+    ) == 1  # fmt: skip
+    assert "TIERCACHE_SECRET_FILE" in capsys.readouterr().err
+    assert tiercache_main(["invalidate", "--tag", "x", "--redis-url", "redis://127.0.0.1:1/0",
+                           "--state-dir", str(tmp_path / "admin-host")]) == 1  # fmt: skip
     replica.close()
+
+
+def test_forged_invalidations_are_ignored_and_counted(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Written straight into Redis by someone without the fleet's secret: on the channel and in
+    the record every replica catches up from. None wipes an entry; each is counted."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    replica.put("k", "answer", tags=("kb:v1",), tenant_scope="scope-a", created_s=time.time() - 1)
+    client = redis.Redis.from_url(redis_server.url)
+    channel, events = f"{redis_prefix}invalidations", f"{redis_prefix}invalidated"
+    later_s = time.time() + 3600  # would kill everything generated before it
+    wipe = Invalidation(InvalidationKind.TAG, "kb:v1", later_s, "attacker")
+    stranger = Signer(b"x" * 32, REDIS_INVALIDATIONS)
+    fleet = Signer(FLEET_SECRET, REDIS_INVALIDATIONS)
+    other_channel = f"{redis_prefix}elsewhere"
+    messages = [
+        wipe.to_json().encode(),  # unsigned, as an older release published
+        stranger.seal(channel, wipe.to_json().encode()),  # another secret
+        fleet.seal(other_channel, wipe.to_json().encode()),  # the fleet's, for another channel
+        b"TCA1",  # truncated
+    ]
+    for message in messages:
+        client.publish(channel, message)
+    Invalidator(admin, redis_link(admin)).key("unrelated")  # a genuine one, after them
+    wait_until(lambda: listener.stats().received == 1)
+    assert listener.stats().forged == len(messages)
+    link = redis_link(replica)
+    assert link is not None and link.health().forged[REDIS_INVALIDATIONS] == len(messages)
+    assert holds(replica, Tier.L1, "k") and replica.get("k") is not None
+
+    # The record: a replica that starts later reads it; forged members are skipped.
+    genuine = signed_member(fleet, events, Invalidation(InvalidationKind.TAG, "kb:v0", 5.0))
+    body = genuine.split("|", 1)[1]
+    members = {
+        wipe.member(): later_s,  # an older release's format, unsigned
+        signed_member(stranger, events, wipe): later_s,  # another secret
+        genuine.replace("kb:v0", "kb:v1"): later_s,  # a genuine record altered
+        genuine.replace(body, f"{later_s!r}|tag:kb:v0"): later_s,  # a later at_s for it
+        signed_member(fleet, f"{redis_prefix}other", wipe): later_s,  # bound to another key
+    }
+    client.zadd(events, members)
+    give_secret(tmp_path / "late")
+    late = open_replica(tmp_path / "late", redis_server.url, redis_prefix)
+    late_listener = invalidation_listener(late)
+    assert late_listener is not None and late_listener.stats().connected
+    assert late_listener.stats().forged == len(members)
+    assert late_listener.stats().caught_up == 1  # the genuine "unrelated" key only
+    late.put("k2", "answer", tags=("kb:v1", "kb:v0"), created_s=time.time() - 1)
+    assert late.get("k2") is not None
+    for cache in (admin, replica, late):
+        cache.close()
 
 
 def test_two_caches_in_one_process_do_not_skip_each_others_messages(

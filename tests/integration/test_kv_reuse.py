@@ -7,16 +7,15 @@ from __future__ import annotations
 import queue
 import uuid
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tiercache.exact.request import GenerationRequest
 from tiercache.server import TritonServer
-from tiercache.stages.envelope import Envelope
 from tiercache_client import TierCacheClient
 
 from .conftest import settled_metric
+from .sealing import engine_inputs
 
 pytestmark = pytest.mark.integration
 ANSWER = {"max_tokens": 6}  # greedy, short
@@ -74,10 +73,8 @@ def engine_final(server: TritonServer, request: GenerationRequest) -> dict[str, 
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
     try:
         c.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensor = grpcclient.InferInput("ENVELOPE", [1], "BYTES")
-        envelope = Envelope(request=request).encode()
-        tensor.set_data_from_numpy(np.array([envelope], dtype=np.object_))
-        c.async_stream_infer("torch_llm", [tensor], enable_empty_final_response=True)
+        inputs = engine_inputs(server.state_dir, request)
+        c.async_stream_infer("torch_llm", inputs, enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=300)
             assert error is None, error

@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 
 from tiercache.config import ADAPTERS_DIR_ENV
 from tiercache.server import Ports, TritonServer, copy_repository
-from tiercache_client import NotFoundError, TierCacheClient
+from tiercache_client import NotFoundError, TierCacheClient, read_admin_token
 
 from .conftest import MODEL_REPOSITORY, REPO, settled_metric
 
@@ -67,7 +67,10 @@ def lora_server(
 
 @pytest.fixture(scope="module")
 def lora_client(lora_server: TritonServer) -> Iterator[TierCacheClient]:
-    with TierCacheClient(f"127.0.0.1:{lora_server.ports.grpc}", timeout_s=300) as c:
+    """A client with the server's admin token (adapter listing and warming go through
+    cache_admin)."""
+    token = read_admin_token(lora_server.admin_token_file)
+    with TierCacheClient(lora_server.grpc_url, timeout_s=300, admin_token=token) as c:
         yield c
 
 

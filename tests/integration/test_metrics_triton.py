@@ -20,7 +20,7 @@ from dashboard_queries import load_dashboard, metric_names, missing_from_scrape,
 from redis_server import RedisServer
 
 from tiercache.server import TritonServer, copy_repository
-from tiercache_client import TierCacheClient
+from tiercache_client import TierCacheClient, read_admin_token
 
 from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, settled_metric, start_server
 
@@ -59,7 +59,8 @@ def traffic(server: TritonServer) -> str:
     has applied the invalidation and the counters have settled."""
     tenant = f"metrics-{uuid.uuid4().hex[:8]}"
     prompt = f"Name one river ({uuid.uuid4().hex[:6]})."
-    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=300) as client:
+    token = read_admin_token(server.admin_token_file)
+    with TierCacheClient(server.grpc_url, timeout_s=300, admin_token=token) as client:
         first = client.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS)
         again = client.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS)
         assert (first.cache_status, again.cache_status) == ("miss", "exact")

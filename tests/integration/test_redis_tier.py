@@ -1,5 +1,7 @@
 """L3 on a real redis-server (tiercache.exact.redis_tier): TTL, corruption, the breaker when
-Redis is killed during traffic and when it returns, the shared secret, replicas sharing answers."""
+Redis is killed during traffic and when it returns, replicas sharing answers, and Redis as an
+attacker's: forged values refused and counted, the secret never in Redis (only its fingerprint;
+a replica with another secret refuses to start), the password from the environment, redacted."""
 
 from __future__ import annotations
 
@@ -12,10 +14,25 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from tiercache.exact.codec import CacheEntry
-from tiercache.exact.keys import EngineIdentity, load_or_create_secret
+from tiercache.errors import ConfigError
+from tiercache.exact.codec import CacheEntry, encode_entry
+from tiercache.exact.keys import (
+    REDIS_VALUES,
+    EngineIdentity,
+    load_or_create_secret,
+    replace_secret,
+    secret_fingerprint,
+)
 from tiercache.exact.prompt_cache import PromptCache
-from tiercache.exact.redis_tier import Breaker, RedisLink, RedisStore, shared_secret
+from tiercache.exact.redis_tier import (
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    Breaker,
+    RedisLink,
+    RedisStore,
+    Signer,
+    check_fleet_secret,
+)
 from tiercache.exact.request import RawInputs
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
@@ -23,12 +40,15 @@ from tiercache.generation import Generations
 from tiercache.vocabulary import CacheStatus, Tier
 
 from .replicas import (
+    FLEET_SECRET,
     GatedEngine,
     Recorder,
+    give_secret,
     load_secret,
     open_replica,
     redis_link,
     replica_config,
+    restart_sweeper,
     wait_until,
 )
 
@@ -70,14 +90,62 @@ def test_redis_expiry_removes_the_entry(redis_server: RedisServer, redis_prefix:
 def test_corrupt_redis_value_is_a_counted_miss_and_dropped(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:
-    store = RedisStore(RedisLink.from_url(redis_server.url, redis_prefix), stats_max_age_s=0)
+    """Signed with the fleet's secret but not an entry (damaged): `corrupt`, dropped."""
+    secret = b"k" * 32
+    link = RedisLink.from_url(redis_server.url, redis_prefix, secret=secret)
+    store = RedisStore(link, stats_max_age_s=0)
     client = raw_client(redis_server)
-    client.set(f"{redis_prefix}e:bad", b"TCE1 not really an entry")
+    name = f"{redis_prefix}e:bad"
+    client.set(name, Signer(secret, REDIS_VALUES).seal(name, b"TCE1 not really an entry"))
     assert store.get("bad") is None
-    assert client.exists(f"{redis_prefix}e:bad") == 0
+    assert client.exists(name) == 0
     stats = store.stats()
-    assert (stats.corrupt, stats.misses) == (1, 1)
+    assert (stats.corrupt, stats.misses, store.forged) == (1, 1, 0)
     store.close()
+
+
+def test_forged_l3_values_are_counted_misses_never_served_nor_copied(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """An attacker who can write Redis plants answers: an unsigned value (also what an older
+    release wrote), one signed with another secret, and a genuine one copied to another key.
+    None is served or copied into L2/L1; each is counted and left in Redis."""
+    replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    link = redis_link(replica)
+    assert link is not None
+    client = raw_client(redis_server)
+    poison = encode_entry(CacheEntry("attacker's text", created_s=time.time() - 1))
+
+    def name(key: str) -> str:
+        return f"{redis_prefix}e:{key}"
+
+    replica.put("genuine", "the real answer", created_s=time.time() - 1)
+    genuine = client.get(name("genuine"))
+    assert genuine is not None and genuine.startswith(b"TCA1")
+    planted = {
+        "unsigned": poison,
+        "other-secret": Signer(b"x" * 32, REDIS_VALUES).seal(name("other-secret"), poison),
+        "moved": genuine,  # the fleet's tag, but bound to another key name
+        "truncated-tag": genuine[:20],
+    }
+    for key, value in planted.items():
+        client.set(name(key), value)
+    l2, l3 = replica.store(Tier.L2), replica.store(Tier.L3)
+    assert l2 is not None and isinstance(l3, RedisStore)
+    for key in planted:
+        assert replica.get(key) is None, key
+        assert l2.get(key) is None, key  # never copied into a local tier
+        assert client.exists(name(key)) == 1, key  # left alone (the next write-back replaces it)
+    assert l3.forged == len(planted)
+    assert link.health().forged[REDIS_VALUES] == len(planted)
+    assert [key for key, _ in l3.scan()] == ["genuine"]  # a sweep sees only signed entries
+    assert l3.forged == 2 * len(planted)
+    found = replica.get("genuine")
+    assert found is not None and found.entry.text == "the real answer"
+    replica.put("unsigned", "generated again", created_s=time.time())  # the write-back
+    found = replica.get("unsigned")
+    assert found is not None and found.entry.text == "generated again"
+    replica.close()
 
 
 def test_breaker_short_circuits_then_probes_once_per_interval() -> None:
@@ -209,25 +277,110 @@ def test_replicas_share_answers_through_l3(
     assert fresh_only.status is CacheStatus.MISS and not fresh_only.semantic_lookup
     a.close()
     b.close()
-    assert not [t for t in threading.enumerate() if t.name == "tiercache-invalidations"]
+    background = ("tiercache-invalidations", "tiercache-restart-sweep")
+    assert not [t for t in threading.enumerate() if t.name in background]  # joined at close
 
 
-def test_secret_is_shared_and_written_to_each_host(
+def test_the_secret_never_reaches_redis_only_its_fingerprint(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path
 ) -> None:
-    first = load_or_create_secret(tmp_path / "a" / "secret")
-    second = load_or_create_secret(tmp_path / "b" / "secret")
-    assert first != second
     a = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
     b = open_replica(tmp_path / "b", redis_server.url, redis_prefix)
-    assert load_secret(replica_config(tmp_path / "a", redis_server.url, redis_prefix), a) == first
-    assert load_secret(replica_config(tmp_path / "b", redis_server.url, redis_prefix), b) == first
-    assert (tmp_path / "b" / "secret").read_bytes() == first  # a start without Redis agrees
-    assert (tmp_path / "b" / "secret").stat().st_mode & 0o777 == 0o600
-    dead = RedisLink.from_url("redis://127.0.0.1:1/0", redis_prefix)
-    assert shared_secret(dead, second) == second  # Redis away: the host's own
+    config = replica_config(tmp_path / "b", redis_server.url, redis_prefix)
+    assert load_secret(config, b) == FLEET_SECRET
+    a.put("k", "answer", created_s=time.time() - 1)
+    client = raw_client(redis_server)
+    names = {n.decode() for n in client.keys(f"{redis_prefix}*")}
+    assert f"{redis_prefix}secret" not in names
+    fingerprint = client.get(f"{redis_prefix}secret_fingerprint")
+    assert fingerprint == secret_fingerprint(FLEET_SECRET).encode()
+    for n in names:
+        if client.type(n) == b"string":
+            assert FLEET_SECRET not in client.get(n), n
     a.close()
     b.close()
+
+
+def test_a_replica_with_another_secret_refuses_to_start(
+    redis_server: RedisServer,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    restart_sweeper(a).close()  # its sweep at start (nothing to do) joined: a stable thread set
+    threads = {t.name for t in threading.enumerate()}
+    other = load_or_create_secret(tmp_path / "b" / "secret")  # a new host's own, random
+    with pytest.raises(ConfigError, match="TIERCACHE_SECRET_FILE") as refused:
+        open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    assert "not the fleet's" in refused.value.message
+    assert {t.name for t in threading.enumerate()} == threads  # no listener left behind
+    assert (tmp_path / "b" / "secret").read_bytes() == other  # nothing adopted
+    # The operator gives it the fleet's secret through the environment: it starts.
+    fleet_file = tmp_path / "fleet-secret"
+    replace_secret(fleet_file, FLEET_SECRET)
+    monkeypatch.setenv("TIERCACHE_SECRET_FILE", str(fleet_file))
+    b = open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    a.put("k", "from a", created_s=time.time() - 1)
+    found = b.get("k")
+    assert found is not None and (found.tier, found.entry.text) == (Tier.L3, "from a")
+    a.close()
+    b.close()
+
+
+def test_an_older_releases_clear_secret_is_deleted_or_refused_never_adopted(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    client = raw_client(redis_server)
+    legacy = f"{redis_prefix}secret"
+    # The fleet's own secret in clear (the older release put it there): deleted on start.
+    client.set(legacy, FLEET_SECRET)
+    a = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    assert client.exists(legacy) == 0
+    assert client.get(f"{redis_prefix}secret_fingerprint") == (
+        secret_fingerprint(FLEET_SECRET).encode()
+    )
+    a.close()
+    # Another secret in clear: refused, kept for the operator to resolve, never adopted.
+    other = b"o" * 32
+    client.set(legacy, other)
+    with pytest.raises(ConfigError, match="distributed as a file"):
+        open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    assert client.get(legacy) == other
+    assert (tmp_path / "b" / "secret").read_bytes() == FLEET_SECRET
+    dead = RedisLink.from_url("redis://127.0.0.1:1/0", redis_prefix)
+    assert check_fleet_secret(dead, other, "a test") is False  # Redis away: not checked
+
+
+def test_the_password_comes_from_the_environment_and_is_never_shown(
+    redis_factory: Callable[[], RedisServer],
+    redis_prefix: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = redis_factory()
+    password = "s3cr3t-pass"
+    raw_client(server).config_set("requirepass", password)
+    password_file = tmp_path / "redis-password"
+    password_file.write_text(password + "\n")
+    for environ in ({PASSWORD_ENV: password}, {PASSWORD_FILE_ENV: str(password_file)}):
+        link = RedisLink.from_url(server.url, redis_prefix, environ=environ)
+        assert link.call(lambda c: c.ping(), False) is True
+        link.close()
+    no_password = RedisLink.from_url(server.url, redis_prefix, environ={})
+    assert no_password.call(lambda c: c.ping(), None) is None  # NOAUTH: an error, counted
+    no_password.close()
+    in_url = server.url.replace("redis://", f"redis://:{password}@")
+    with pytest.raises(ConfigError, match="given twice") as twice:
+        RedisLink.from_url(in_url, redis_prefix, environ={PASSWORD_ENV: password})
+    assert password not in twice.value.message
+    give_secret(tmp_path / "a")
+    caplog.set_level("WARNING")
+    replica = open_replica(tmp_path / "a", in_url.replace(password, "wrong"), redis_prefix)
+    link = redis_link(replica)
+    assert link is not None and link.url == server.url.replace("redis://", "redis://:***@")
+    replica.close()
+    assert "wrong" not in caplog.text and "redis://:***@" in caplog.text
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0"])

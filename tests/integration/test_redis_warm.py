@@ -36,10 +36,17 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache.vocabulary import Tier
-from tiercache_client import TierCacheClient
+from tiercache_client import TierCacheClient, read_admin_token
 
 from .conftest import MODEL_REPOSITORY, metric_value
-from .replicas import TIMEOUT_S, invalidation_listener, open_replica, redis_link, wait_until
+from .replicas import (
+    TIMEOUT_S,
+    give_secret,
+    invalidation_listener,
+    open_replica,
+    redis_link,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 DIMENSIONS = 8
@@ -463,8 +470,10 @@ def start_replica(
     root: Path, name: str, redis_url: str, prefix: str, adapters: Path, **lora: str
 ) -> TritonServer:
     """A tritonserver on a model_repository copy whose Redis-aware stages share one Redis, with
-    its own state dir and adapters folder."""
+    its own state dir and adapters folder, in one fleet (the fleet's secret given to its state
+    dir, as the operator copies it; Redis only checks its fingerprint)."""
     state = root / f"state-{name}"
+    give_secret(state)
     shared = {"redis_url": redis_url, "redis_prefix": prefix}
     stages: dict[str, dict[str, str]] = {stage: dict(shared) for stage in REDIS_STAGES}
     stages["lora_cache"].update({"fleet_sync_s": "1", **lora})
@@ -516,7 +525,8 @@ def test_a_replica_started_later_answers_a_reworded_prompt_from_the_fleet(
             tmp_path, "b", redis_server.url, redis_prefix, b_adapters, prefetch_fleet_top="1"
         )
         servers.append(b)
-        with TierCacheClient(f"127.0.0.1:{b.ports.grpc}", timeout_s=300) as on_b:
+        token = read_admin_token(b.admin_token_file)
+        with TierCacheClient(b.grpc_url, timeout_s=300, admin_token=token) as on_b:
             reworded = on_b.generate_text(
                 "What's the capital of France?", max_tokens=MAX_TOKENS, tenant=tenant
             )

@@ -4,11 +4,14 @@ serving the entry.
 
 Each replica has its own state dir (its own L1 and L2, as on separate hosts) and a copy of
 model_repository whose prompt_cache, embedding_cache, llm and cache_admin carry the same
-`redis_url` and `redis_prefix`. The redis-server is the session fixture (tests/conftest.py).
+`redis_url` and `redis_prefix`. The replicas are one fleet: they are given one secret file
+(`$TIERCACHE_SECRET_FILE`), since Redis never holds the secret and a replica with another one
+refuses to start. The redis-server is the session fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,8 +21,9 @@ from pathlib import Path
 import pytest
 from redis_server import RedisServer
 
+from tiercache.exact.keys import replace_secret
 from tiercache.server import Ports, TritonServer, copy_repository
-from tiercache_client import GenerationResult, TierCacheClient
+from tiercache_client import GenerationResult, TierCacheClient, read_admin_token
 
 from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, metric_value
 
@@ -42,6 +46,8 @@ def replicas(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
 ) -> Iterator[tuple[TritonServer, TritonServer]]:
     prefix = f"r{uuid.uuid4().hex[:12]}:"
+    fleet_secret = tmp_path_factory.mktemp("fleet") / "secret"
+    replace_secret(fleet_secret, secrets.token_bytes(32))
     servers: list[TritonServer] = []
     try:
         for name in ("a", "b"):
@@ -52,6 +58,7 @@ def replicas(
                 ports=Ports.free(),
                 exit_timeout_s=5,
                 log_path=state / f"triton-replica-{name}.log",
+                env_overrides={"TIERCACHE_SECRET_FILE": str(fleet_secret)},
             )
             servers.append(server)
             server.start()
@@ -69,7 +76,9 @@ def clients(
 ) -> Iterator[tuple[TierCacheClient, TierCacheClient]]:
     a, b = replicas
     with (
-        TierCacheClient(f"127.0.0.1:{a.ports.grpc}", timeout_s=300) as ca,
+        TierCacheClient(
+            a.grpc_url, timeout_s=300, admin_token=read_admin_token(a.admin_token_file)
+        ) as ca,
         TierCacheClient(f"127.0.0.1:{b.ports.grpc}", timeout_s=300) as cb,
     ):
         yield ca, cb

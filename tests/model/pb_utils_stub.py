@@ -3,6 +3,7 @@ in-process. Metrics record what they are given so tests can read them back."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,11 @@ class InferenceRequest:
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
+
+    def parameters(self) -> str:
+        """The request's parameters as JSON, as Triton hands them (the client's, and headers
+        forwarded with --grpc-header-forward-pattern): `parameters=` of the constructor."""
+        return json.dumps(self.kwargs.get("parameters") or {})
 
     def exec(self, decoupled: bool = False) -> Any:
         """A decoupled call yields every response; otherwise the one response."""

@@ -1,9 +1,12 @@
 """model_repository/cache_admin/1/model.py against the pb_utils stand-in: warm then a
-prompt_cache lookup hits, error codes, and adapter warm-ups forwarded to lora_cache over BLS."""
+prompt_cache lookup hits, error codes, adapter warm-ups forwarded to lora_cache over BLS, and the
+admin token: every op refused without it or with another one (nothing done, counted), served
+with it."""
 
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -12,9 +15,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+# One call of each op kind, each of which would change or reveal something if let through.
+EVERY_OP = [
+    {"op": "stats"},
+    {"op": "invalidate", "tag": "news"},
+    {"op": "flush", "confirm": True},
+    {"op": "warm", "prompts": [{"text_input": "poison", "answer": "attacker's text"}]},
+    {"op": "warm", "adapters": ["caps"]},
+]
+
 
 @pytest.fixture
-def model(load_model: Callable[[str], ModuleType], tmp_path: Path) -> Iterator[Any]:
+def model(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    monkeypatch.delenv("TIERCACHE_ADMIN_TOKEN_FILE", raising=False)
     instance = load_model("cache_admin").TritonPythonModel()
     config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
     instance.initialize({"model_config": json.dumps(config), "model_name": "cache_admin"})
@@ -22,32 +37,21 @@ def model(load_model: Callable[[str], ModuleType], tmp_path: Path) -> Iterator[A
     instance.finalize()
 
 
-def call(pb: ModuleType, model: Any, admin: str) -> Any:
-    tensor = pb.Tensor("ADMIN", np.array([[admin.encode()]], dtype=np.object_))
-    (response,) = model.execute([pb.InferenceRequest([tensor])])
-    return response
+@pytest.fixture
+def token(model: Any, tmp_path: Path) -> str:
+    """The admin token the model created at initialize (the file's bytes, in hex)."""
+    return (tmp_path / "admin_token").read_bytes().hex()
 
 
-def result(response: Any) -> dict:
-    (tensor,) = response.output_tensors()
-    return dict(json.loads(tensor.as_numpy().reshape(-1)[0]))
+@pytest.fixture
+def lora_cache(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """A stand-in lora_cache answering `warm` over BLS; records the names it was asked for."""
+    asked: list[list[str]] = []
 
-
-def test_warm_stats_and_errors(pb_utils: ModuleType, model: Any) -> None:
-    warm = {"op": "warm", "prompts": [{"text_input": "hi", "answer": "hello"}]}
-    assert result(call(pb_utils, model, json.dumps(warm)))["stored"] == 1
-    stats = result(call(pb_utils, model, '{"op": "stats"}'))
-    assert stats["tiers"]["l2"]["entries"] == 1
-    bad = call(pb_utils, model, "{")
-    assert bad.has_error() and bad.error().code() == pb_utils.TritonError.INVALID_ARG
-
-
-def test_adapters_forwarded_over_bls(
-    pb_utils: ModuleType, model: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def lora_cache(request: Any) -> list[Any]:
-        (tensor,) = request.inputs()
+    def serve(request: Any) -> list[Any]:
+        tensor = pb_utils.get_input_tensor_by_name(request, "ADMIN")
         names = json.loads(tensor.as_numpy().reshape(-1)[0])["names"]
+        asked.append(names)
         if "nope" in names:
             error = pb_utils.TritonError("not found: unknown adapter 'nope'")
             return [pb_utils.InferenceResponse([], error)]
@@ -55,8 +59,114 @@ def test_adapters_forwarded_over_bls(
         out = pb_utils.Tensor("ADMIN_RESULT", np.array([[answer]], dtype=np.object_))
         return [pb_utils.InferenceResponse([out])]
 
-    monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", lora_cache)
-    ok = result(call(pb_utils, model, '{"op": "warm", "adapters": ["caps"]}'))
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", serve)
+    return asked
+
+
+def call(pb: ModuleType, model: Any, admin: str, token: str | None) -> Any:
+    tensors = [pb.Tensor("ADMIN", np.array([[admin.encode()]], dtype=np.object_))]
+    if token is not None:
+        tensors.append(pb.Tensor("ADMIN_TOKEN", np.array([[token.encode()]], dtype=np.object_)))
+    (response,) = model.execute([pb.InferenceRequest(tensors)])
+    return response
+
+
+def result(response: Any) -> dict:
+    assert not response.has_error(), response.error().message()
+    (tensor,) = response.output_tensors()
+    return dict(json.loads(tensor.as_numpy().reshape(-1)[0]))
+
+
+def refused(model: Any) -> dict[str, float]:
+    model.stage.metrics.flush()
+    return {k: c.metric.value() for k, c in model.stage.gate_metrics.refused.items()}
+
+
+def test_warm_stats_and_errors(pb_utils: ModuleType, model: Any, token: str) -> None:
+    warm = {"op": "warm", "prompts": [{"text_input": "hi", "answer": "hello"}]}
+    assert result(call(pb_utils, model, json.dumps(warm), token))["stored"] == 1
+    stats = result(call(pb_utils, model, '{"op": "stats"}', token))
+    assert stats["tiers"]["l2"]["entries"] == 1
+    bad = call(pb_utils, model, "{", token)
+    assert bad.has_error() and bad.error().code() == pb_utils.TritonError.INVALID_ARG
+
+
+def test_adapters_forwarded_over_bls(
+    pb_utils: ModuleType, model: Any, token: str, lora_cache: list[list[str]]
+) -> None:
+    ok = result(call(pb_utils, model, '{"op": "warm", "adapters": ["caps"]}', token))
     assert ok["adapters"] == {"warmed": {"caps": "loaded"}}
-    missing = call(pb_utils, model, '{"op": "warm", "adapters": ["nope"]}')
+    missing = call(pb_utils, model, '{"op": "warm", "adapters": ["nope"]}', token)
     assert missing.has_error() and missing.error().code() == pb_utils.TritonError.NOT_FOUND
+
+
+def test_token_file_is_private_and_kept(model: Any, tmp_path: Path, token: str) -> None:
+    path = tmp_path / "admin_token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(path.read_bytes()) == 32 and len(token) == 64
+
+
+@pytest.mark.parametrize("op", EVERY_OP, ids=lambda op: op["op"] + "-" + "-".join(sorted(op)))
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [(None, "missing"), ("", "missing"), ("0" * 64, "wrong"), ("short", "wrong")],
+    ids=["no-input", "empty", "wrong", "short"],
+)
+def test_every_op_refused_without_the_token(
+    pb_utils: ModuleType,
+    model: Any,
+    token: str,
+    lora_cache: list[list[str]],
+    op: dict,
+    given: str | None,
+    reason: str,
+) -> None:
+    seeded = {"op": "warm", "prompts": [{"text_input": "kept", "answer": "kept answer"}]}
+    assert result(call(pb_utils, model, json.dumps(seeded), token))["stored"] == 1
+
+    response = call(pb_utils, model, json.dumps(op), given)
+    assert response.has_error()
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert response.error().message().startswith("forbidden: ")
+    assert response.output_tensors() == []
+    # Nothing was done: the seeded entry is still the only one, lora_cache was never asked.
+    stats = result(call(pb_utils, model, '{"op": "stats"}', token))
+    assert stats["tiers"]["l2"]["entries"] == 1
+    assert lora_cache == []
+    assert refused(model) == {"missing": 0, "wrong": 0, reason: 1}
+
+
+def test_bad_json_with_no_token_is_forbidden_first(pb_utils: ModuleType, model: Any) -> None:
+    response = call(pb_utils, model, "{", None)
+    assert response.error().message().startswith("forbidden: ")
+
+
+@pytest.mark.parametrize("op", EVERY_OP, ids=lambda op: op["op"] + "-" + "-".join(sorted(op)))
+def test_every_op_served_with_the_token(
+    pb_utils: ModuleType, model: Any, token: str, lora_cache: list[list[str]], op: dict
+) -> None:
+    assert result(call(pb_utils, model, json.dumps(op), token))["op"] == op["op"]
+    assert refused(model) == {"missing": 0, "wrong": 0}
+
+
+def test_token_file_named_by_the_environment(
+    load_model: Callable[[str], ModuleType],
+    pb_utils: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    named = tmp_path / "secrets" / "operator_token"
+    named.parent.mkdir()
+    named.write_bytes(b"x" * 40)
+    named.chmod(0o600)
+    monkeypatch.setenv("TIERCACHE_ADMIN_TOKEN_FILE", str(named))
+    instance = load_model("cache_admin").TritonPythonModel()
+    config = {"parameters": {"state_dir": {"string_value": str(tmp_path / "state")}}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "cache_admin"})
+    try:
+        assert not (tmp_path / "state" / "admin_token").exists()
+        assert result(call(pb_utils, instance, '{"op": "stats"}', (b"x" * 40).hex()))
+        wrong = call(pb_utils, instance, '{"op": "stats"}', (b"x" * 32).hex())
+        assert wrong.error().message().startswith("forbidden: ")
+    finally:
+        instance.finalize()

@@ -2,7 +2,9 @@
 a fake `tensorrt_llm` model behind BLS that answers like TensorRT-LLM's backend (token ids,
 streamed; "LoRA task N not found in cache" for an adapter it does not hold) and a fake
 `lora_cache` that answers the `weights` admin call with TensorRT-LLM tensors. The tokenizer is a
-byte-level fake; the detokenizer is the CPU engine's real one."""
+byte-level fake; the detokenizer is the CPU engine's real one. What llm receives is sealed as
+embedding_cache and lora_cache seal it, and the fake lora_cache checks llm's admin seal
+(tests/model/seals.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import seals
 
 from tiercache.adapter_types import AdapterRef, engine_task_id
 from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import CacheStatus
 
 WAIT_S = 30
@@ -93,15 +97,17 @@ class FakeTensorrtLlm:
 
 
 class FakeLoraCache:
-    """lora_cache's `weights` admin op with engine_kind tensorrt_llm."""
+    """lora_cache's `weights` admin op with engine_kind tensorrt_llm; like lora_cache, it takes
+    sealed admin calls only."""
 
-    def __init__(self, pb_utils: ModuleType) -> None:
+    def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
         self.pb = pb_utils
+        self.sealer = sealer
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, request: Any) -> list[Any]:
         pb = self.pb
-        admin = json.loads(request.inputs()[0].as_numpy().reshape(-1)[0])
+        admin = json.loads(seals.admin_call(self.sealer, request))
         self.calls.append(admin)
         assert admin["op"] == "weights" and admin["lora"]["name"] == "french"
         return [
@@ -156,8 +162,16 @@ def engine(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeTensorr
 
 
 @pytest.fixture
-def lora_cache(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeLoraCache:
-    fake = FakeLoraCache(pb_utils)
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (every llm here has state_dir tmp_path)."""
+    return seals.sealer_for(tmp_path)
+
+
+@pytest.fixture
+def lora_cache(
+    pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+) -> FakeLoraCache:
+    fake = FakeLoraCache(pb_utils, sealer)
     monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", fake)
     return fake
 
@@ -171,21 +185,21 @@ def model(llm_module: Any, tmp_path: Path) -> Iterator[Any]:
     instance.finalize()
 
 
-def call(pb_utils: ModuleType, model: Any, request: GenerationRequest, **extra: Any) -> list[Any]:
-    """One miss through execute(); every response once the final one arrived."""
-
-    def text(name: str, value: str) -> Any:
-        return pb_utils.Tensor(name, np.array([[value.encode()]], dtype=np.object_))
-
-    envelope = Envelope(request=request, status=CacheStatus.BYPASS).encode().decode()
-    tensors = [
-        text("ENVELOPE", envelope),
-        text("CACHED_TEXT", ""),
-        text("LOOKUP_STATUS", "bypass"),
-        pb_utils.Tensor("SIMILARITY", np.array([[0.0]], dtype=np.float32)),
-        pb_utils.Tensor("EMBEDDING", np.zeros((1, 0), dtype=np.float32)),
-    ]
+def call(
+    pb_utils: ModuleType,
+    model: Any,
+    sealer: Sealer,
+    request: GenerationRequest,
+    **extra: np.ndarray,
+) -> list[Any]:
+    """One miss through execute(), as the ensemble hands it on: the envelope, embedding_cache's
+    answer and lora_cache's TensorRT-LLM tensors `extra`, each sealed; every response once the
+    final one arrived."""
+    envelope = seals.sealed(sealer, Envelope(request=request, status=CacheStatus.BYPASS))
+    tensors = seals.llm_answer(sealer, envelope, "", "bypass")
     tensors += [pb_utils.Tensor(name, value) for name, value in extra.items()]
+    lora_seal = seals.lora_seal(sealer, envelope, extra, trtllm=True)
+    tensors.append(pb_utils.Tensor("LORA_SEAL", np.array([[lora_seal.encode()]], np.object_)))
     sender = Sender()
     infer = pb_utils.InferenceRequest(tensors)
     infer.get_response_sender = lambda: sender
@@ -220,9 +234,9 @@ def metric(pb_utils: ModuleType, model: Any, name: str) -> float:
 
 
 def test_base_request_generates_through_tensorrt_llm(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm
+    pb_utils: ModuleType, sealer: Sealer, model: Any, engine: FakeTensorrtLlm
 ) -> None:
-    responses = call(pb_utils, model, GenerationRequest("Hi", max_tokens=20, stream=True))
+    responses = call(pb_utils, model, sealer, GenerationRequest("Hi", max_tokens=20, stream=True))
     assert answer(pb_utils, responses) == ("Bonjour", "bypass")
     assert len(responses) > 2, "streamed in several chunks"
     sent = engine.calls[0]
@@ -234,11 +248,15 @@ def test_base_request_generates_through_tensorrt_llm(
 
 
 def test_held_adapter_is_sent_by_task_id_alone(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    model: Any,
+    engine: FakeTensorrtLlm,
+    lora_cache: FakeLoraCache,
 ) -> None:
     engine.held.add(TASK_ID)
     task = np.array([[TASK_ID]], dtype=np.uint64)
-    responses = call(pb_utils, model, on_french(), LORA_TASK_ID=task)
+    responses = call(pb_utils, model, sealer, on_french(), LORA_TASK_ID=task)
     assert answer(pb_utils, responses) == ("Bonjour", "bypass")
     assert len(engine.calls) == 1 and lora_cache.calls == []
     assert int(engine.calls[0]["lora_task_id"][0, 0]) == TASK_ID
@@ -246,11 +264,16 @@ def test_held_adapter_is_sent_by_task_id_alone(
 
 
 def test_weights_from_lora_cache_go_to_the_engine(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    model: Any,
+    engine: FakeTensorrtLlm,
+    lora_cache: FakeLoraCache,
 ) -> None:
     responses = call(
         pb_utils,
         model,
+        sealer,
         on_french(),
         LORA_TASK_ID=np.array([[TASK_ID]], dtype=np.uint64),
         LORA_TRT_WEIGHTS=np.ones((1, 2, 8), dtype=np.float16),
@@ -263,11 +286,17 @@ def test_weights_from_lora_cache_go_to_the_engine(
 
 
 def test_adapter_the_engine_lost_is_fetched_and_retried_once(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    model: Any,
+    engine: FakeTensorrtLlm,
+    lora_cache: FakeLoraCache,
 ) -> None:
     """lora_cache's mirror said the engine holds it (no weights sent); TensorRT-LLM answers "not
     found in cache"; llm asks lora_cache for the weights and sends the request again."""
-    responses = call(pb_utils, model, on_french(), LORA_TASK_ID=np.array([[TASK_ID]], np.uint64))
+    responses = call(
+        pb_utils, model, sealer, on_french(), LORA_TASK_ID=np.array([[TASK_ID]], np.uint64)
+    )
     assert answer(pb_utils, responses) == ("Bonjour", "bypass")
     assert len(engine.calls) == 2 and len(lora_cache.calls) == 1
     assert lora_cache.calls[0]["lora"] == json.loads(REF.to_json())
@@ -276,18 +305,26 @@ def test_adapter_the_engine_lost_is_fetched_and_retried_once(
 
 
 def test_request_without_lora_inputs_still_names_its_adapter_version(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, lora_cache: FakeLoraCache
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    model: Any,
+    engine: FakeTensorrtLlm,
+    lora_cache: FakeLoraCache,
 ) -> None:
     """The task id follows from the request itself; the engine's "not found" then brings the
     weights, as for a lost adapter."""
-    responses = call(pb_utils, model, on_french())
+    responses = call(pb_utils, model, sealer, on_french())
     assert answer(pb_utils, responses)[0] == "Bonjour"
     assert int(engine.calls[0]["lora_task_id"][0, 0]) == TASK_ID
     assert len(engine.calls) == 2
 
 
 def test_stop_word_cancels_the_rest_of_the_engines_stream(
-    pb_utils: ModuleType, model: Any, engine: FakeTensorrtLlm, monkeypatch: pytest.MonkeyPatch
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    model: Any,
+    engine: FakeTensorrtLlm,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cancelled: list[bool] = []
 
@@ -312,31 +349,33 @@ def test_stop_word_cancels_the_rest_of_the_engines_stream(
         "exec",
         lambda self, decoupled=False: Stream(list(original(self, decoupled=True))),
     )
-    responses = call(pb_utils, model, GenerationRequest("Hi", max_tokens=20, stop_words=("jo",)))
+    responses = call(
+        pb_utils, model, sealer, GenerationRequest("Hi", max_tokens=20, stop_words=("jo",))
+    )
     assert answer(pb_utils, responses) == ("Bon", "bypass")
     assert cancelled == [True]
 
 
 def test_engine_error_reaches_the_client_as_its_own_error(
-    pb_utils: ModuleType, model: Any, monkeypatch: pytest.MonkeyPatch
+    pb_utils: ModuleType, sealer: Sealer, model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing(request: Any) -> list[Any]:
         return [pb_utils.InferenceResponse([], pb_utils.TritonError("out of KV cache"))]
 
     monkeypatch.setitem(pb_utils.BLS_MODELS, "tensorrt_llm", failing)
-    responses = call(pb_utils, model, GenerationRequest("Hi"))
+    responses = call(pb_utils, model, sealer, GenerationRequest("Hi"))
     assert len(responses) == 1 and responses[0].has_error()
     assert "out of KV cache" in responses[0].error().message()
 
 
 def test_too_long_prompt_is_refused_before_the_engine(
-    pb_utils: ModuleType, llm_module: Any, engine: FakeTensorrtLlm, tmp_path: Path
+    pb_utils: ModuleType, sealer: Sealer, llm_module: Any, engine: FakeTensorrtLlm, tmp_path: Path
 ) -> None:
     instance = llm_module.TritonPythonModel()
     config = {"parameters": params(tmp_path, trtllm_max_input_len="3")}
     instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
     try:
-        responses = call(pb_utils, instance, GenerationRequest("Hello there"))
+        responses = call(pb_utils, instance, sealer, GenerationRequest("Hello there"))
     finally:
         instance.finalize()
     assert responses[0].has_error()

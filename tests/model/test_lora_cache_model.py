@@ -1,5 +1,7 @@
 """model_repository/lora_cache/1/model.py run in-process against the pb_utils stand-in, with a
-fake engine model behind BLS that obeys LORA_OP list / load as torch_llm does."""
+fake engine model behind BLS that obeys LORA_OP list / load as torch_llm does and, like it, takes
+sealed calls only. Envelopes and admin calls are sealed as the pipeline seals them
+(tests/model/seals.py); the last tests show unsealed and altered ones refused."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import seals
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE, AdapterRegistry
-from tiercache.stages.envelope import Envelope
-from tiercache.vocabulary import CacheStatus
+from tiercache.stages.seal import ENGINE_LABEL, Sealer
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 NAMES = ("french", "caps", "brief")
@@ -28,8 +30,9 @@ NAMES = ("french", "caps", "brief")
 class FakeEngine:
     """torch_llm's adapter ops: "list" answers the held versions, "load" evicts then loads."""
 
-    def __init__(self, pb_utils: ModuleType) -> None:
+    def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
         self.pb = pb_utils
+        self.sealer = sealer
         self.held: dict[str, dict[str, Any]] = {}  # digest -> AdapterRef as JSON object
         self.calls: list[dict[str, Any]] = []
         self.error = ""  # when set, every call fails with it
@@ -39,7 +42,8 @@ class FakeEngine:
         assert request.kwargs["model_name"] == "torch_llm"
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
         assert all(a.shape == (1,) for a in inputs.values()), "torch_llm has no batch dimension"
-        values = {name: a[0] for name, a in inputs.items()}
+        seals.engine_call(self.sealer, request)  # Forbidden unless sealed, as torch_llm checks
+        values = {name: a[0] for name, a in inputs.items() if name != "ENGINE_SEAL"}
         self.calls.append(values)
         if self.error:
             return [pb.InferenceResponse([], pb.TritonError(self.error, pb.TritonError.INTERNAL))]
@@ -73,8 +77,14 @@ def adapters(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def engine(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
-    fake = FakeEngine(pb_utils)
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (the stage's state_dir is tmp_path / "state")."""
+    return seals.sealer_for(tmp_path / "state")
+
+
+@pytest.fixture
+def engine(pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
+    fake = FakeEngine(pb_utils, sealer)
     monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", fake)
     return fake
 
@@ -113,36 +123,51 @@ def registry(adapters: Path, tmp_path: Path) -> AdapterRegistry:
     return AdapterRegistry(adapters, tmp_path / "state", rescan_interval_s=0.0)
 
 
-def request_json(ref: AdapterRef | None = None, prompt: str = "Hello?") -> str:
-    """The envelope prompt_cache sends for a request with adapter `ref` (None: the base)."""
+def on_adapter(ref: AdapterRef | None = None, prompt: str = "Hello?", **fields: Any) -> Any:
+    """A request with adapter `ref` (None: the base model), as prompt_cache resolved it."""
     if ref is None:
-        return envelope_text(GenerationRequest(prompt=prompt))
-    return envelope_text(
-        GenerationRequest(
-            prompt=prompt, lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
-        )
+        return GenerationRequest(prompt=prompt, **fields)
+    return GenerationRequest(
+        prompt=prompt,
+        lora_name=ref.name,
+        lora_task_id=ref.task_id,
+        lora_digest=ref.digest,
+        **fields,
     )
 
 
-def envelope_text(request: GenerationRequest) -> str:
-    return Envelope(request=request, status=CacheStatus.MISS).encode().decode()
+def request_json(sealer: Sealer, ref: AdapterRef | None = None, prompt: str = "Hello?") -> bytes:
+    """The sealed envelope prompt_cache sends for a request with adapter `ref` (None: the base)."""
+    return envelope_text(sealer, on_adapter(ref, prompt))
 
 
-def make_request(pb_utils: ModuleType, **inputs: str) -> Any:
+def envelope_text(sealer: Sealer, request: GenerationRequest) -> bytes:
+    return seals.sealed_miss(sealer, request)
+
+
+def make_request(pb_utils: ModuleType, **inputs: str | bytes) -> Any:
     return pb_utils.InferenceRequest(
         [
-            pb_utils.Tensor(name, np.array([[value.encode()]], dtype=np.object_))
+            pb_utils.Tensor(
+                name,
+                np.array([[value.encode() if isinstance(value, str) else value]], np.object_),
+            )
             for name, value in inputs.items()
         ]
     )
 
 
-def miss(pb_utils: ModuleType, ref: AdapterRef | None, status: str = "miss") -> Any:
-    return make_request(pb_utils, ENVELOPE=request_json(ref), LOOKUP_STATUS=status)
+def miss(pb_utils: ModuleType, sealer: Sealer, ref: AdapterRef | None, status: str = "miss") -> Any:
+    return make_request(pb_utils, ENVELOPE=request_json(sealer, ref), LOOKUP_STATUS=status)
 
 
-def admin(pb_utils: ModuleType, **op: Any) -> Any:
-    return make_request(pb_utils, ADMIN=json.dumps(op))
+def admin_text(pb_utils: ModuleType, sealer: Sealer, text: str) -> Any:
+    """An admin call, sealed as llm and cache_admin seal theirs."""
+    return pb_utils.InferenceRequest(seals.admin_inputs(sealer, text))
+
+
+def admin(pb_utils: ModuleType, sealer: Sealer, **op: Any) -> Any:
+    return admin_text(pb_utils, sealer, json.dumps(op))
 
 
 def outputs(pb_utils: ModuleType, response: Any) -> dict[str, Any]:
@@ -161,21 +186,36 @@ def files(adapters: Path, name: str) -> tuple[str, bytes]:
     return (folder / CONFIG_FILE).read_text(), (folder / WEIGHTS_FILE).read_bytes()
 
 
+def lora_seal(pb_utils: ModuleType, response: Any) -> str:
+    return str(pb_utils.get_output_tensor_by_name(response, "LORA_SEAL").as_numpy()[0, 0].decode())
+
+
+def check_lora_seal(
+    pb_utils: ModuleType, sealer: Sealer, envelope: bytes, response: Any, trtllm: bool = False
+) -> None:
+    """The response's LORA_SEAL verifies over its adapter tensors, as llm checks it."""
+    values = {}
+    for tensor in response.output_tensors():
+        value = tensor.as_numpy()
+        values[tensor.name()] = value[0, 0] if value.dtype == np.object_ else value
+    seals.check_lora(sealer, envelope, values, lora_seal(pb_utils, response), trtllm)
+
+
 def flushed(model: Any) -> Any:
     model.stage.metrics.flush()
     return model.stage
 
 
 def test_hits_and_base_model_requests_pass_with_empty_outputs(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
 ) -> None:
     french = registry.resolve("french")
     requests = [
-        miss(pb_utils, french, status="exact"),  # a hit needs no adapter
-        miss(pb_utils, french, status="semantic"),
+        miss(pb_utils, sealer, french, status="exact"),  # a hit needs no adapter
+        miss(pb_utils, sealer, french, status="semantic"),
         make_request(pb_utils, ENVELOPE="", LOOKUP_STATUS="exact"),
-        miss(pb_utils, None),  # the base model
-        miss(pb_utils, None, status="bypass"),
+        miss(pb_utils, sealer, None),  # the base model
+        miss(pb_utils, sealer, None, status="bypass"),
         make_request(pb_utils),  # nothing at all
     ]
     empty = dict.fromkeys(("LORA", "LORA_CONFIG", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT"), "")
@@ -185,15 +225,19 @@ def test_hits_and_base_model_requests_pass_with_empty_outputs(
 
 
 def test_first_request_loads_from_disk_then_the_engine_holds_it(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry, adapters: Path
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
 ) -> None:
     french = registry.resolve("french")
-    (first,) = model.execute([miss(pb_utils, french)])
+    request = miss(pb_utils, sealer, french)
+    (first,) = model.execute([request])
     out = outputs(pb_utils, first)
     assert AdapterRef.from_json(out["LORA"]) == french
     assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"]) == files(adapters, "french")
+    # sealed for llm over the files, bound to this request's envelope
+    envelope = pb_utils.get_input_tensor_by_name(request, "ENVELOPE").as_numpy()[0, 0]
+    check_lora_seal(pb_utils, sealer, envelope, first)
     assert (out["LORA_EVICT"], out["LORA_TIER"], out["ADMIN_RESULT"]) == ("[]", "disk", "")
-    (second,) = model.execute([miss(pb_utils, french, status="bypass")])
+    (second,) = model.execute([miss(pb_utils, sealer, french, status="bypass")])
     out = outputs(pb_utils, second)
     assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"], out["LORA_TIER"]) == ("", b"", "engine")
     assert AdapterRef.from_json(out["LORA"]) == french
@@ -209,13 +253,19 @@ def test_first_request_loads_from_disk_then_the_engine_holds_it(
 
 
 def test_more_adapters_than_slots_evict_the_least_recently_used(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
 ) -> None:
     french, caps, brief = (registry.resolve(n) for n in NAMES)
-    model.execute([miss(pb_utils, french), miss(pb_utils, caps), miss(pb_utils, french)])
-    (response,) = model.execute([miss(pb_utils, brief)])
+    model.execute(
+        [
+            miss(pb_utils, sealer, french),
+            miss(pb_utils, sealer, caps),
+            miss(pb_utils, sealer, french),
+        ]
+    )
+    (response,) = model.execute([miss(pb_utils, sealer, brief)])
     assert json.loads(outputs(pb_utils, response)["LORA_EVICT"]) == [caps.digest]
-    (again,) = model.execute([miss(pb_utils, caps)])
+    (again,) = model.execute([miss(pb_utils, sealer, caps)])
     out = outputs(pb_utils, again)
     assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("host", [french.digest])
     assert out["LORA_WEIGHTS"]  # the engine dropped it: the weights go again, from memory
@@ -225,10 +275,10 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
 
 
 def test_a_changed_folder_is_a_new_version_and_in_flight_requests_keep_the_old_one(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry, adapters: Path
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
 ) -> None:
     old = registry.resolve("caps")
-    model.execute([miss(pb_utils, old)])
+    model.execute([miss(pb_utils, sealer, old)])
     for file in (CONFIG_FILE, WEIGHTS_FILE):  # caps now holds brief's files
         tmp = adapters / "caps" / (file + ".new")
         shutil.copy2(adapters / "brief" / file, tmp)
@@ -236,49 +286,51 @@ def test_a_changed_folder_is_a_new_version_and_in_flight_requests_keep_the_old_o
     new = registry.resolve("caps")
     assert (new.task_id, new.digest != old.digest) == (old.task_id, True)
     # a request resolved before the change finishes on the old version
-    (late,) = model.execute([miss(pb_utils, old)])
+    (late,) = model.execute([miss(pb_utils, sealer, old)])
     assert AdapterRef.from_json(outputs(pb_utils, late)["LORA"]) == old
     assert outputs(pb_utils, late)["LORA_TIER"] == "engine"
     # new requests load the new version, and the engine drops the old one
-    (fresh,) = model.execute([miss(pb_utils, new)])
+    (fresh,) = model.execute([miss(pb_utils, sealer, new)])
     out = outputs(pb_utils, fresh)
     assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("disk", [old.digest])
     assert out["LORA_WEIGHTS"] == (adapters / "brief" / WEIGHTS_FILE).read_bytes()
     # the old version is still in host memory for stragglers, without evicting the new one
-    (straggler,) = model.execute([miss(pb_utils, old)])
+    (straggler,) = model.execute([miss(pb_utils, sealer, old)])
     out = outputs(pb_utils, straggler)
     assert (out["LORA_TIER"], out["LORA_EVICT"]) == ("host", "[]")
 
 
 def test_a_version_no_tier_holds_is_unavailable(
-    start: Start, pb_utils: ModuleType, registry: AdapterRegistry, adapters: Path
+    start: Start, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
 ) -> None:
     model = start(host_max_adapters="0")
     old = registry.resolve("french")
     shutil.copy2(adapters / "brief" / WEIGHTS_FILE, adapters / "french" / WEIGHTS_FILE)
-    (response,) = model.execute([miss(pb_utils, old)])
+    (response,) = model.execute([miss(pb_utils, sealer, old)])
     assert response.error().code() == pb_utils.TritonError.UNAVAILABLE
     assert "changed since this request was resolved" in response.error().message()
 
 
 def test_bad_requests_get_their_own_errors_and_the_batch_is_served(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
 ) -> None:
     french = registry.resolve("french")
-    unresolved = envelope_text(GenerationRequest(prompt="x", lora_name="french"))
+    unresolved = envelope_text(sealer, GenerationRequest(prompt="x", lora_name="french"))
     bad_digest = AdapterRef("french", french.task_id, "not-hex")
     requests = [
-        miss(pb_utils, french),
-        make_request(pb_utils, ENVELOPE="{not json", LOOKUP_STATUS="miss"),
-        make_request(pb_utils, ENVELOPE=request_json(french), LOOKUP_STATUS="maybe"),
+        miss(pb_utils, sealer, french),
+        make_request(
+            pb_utils, ENVELOPE=seals.sealed_payload(sealer, b"{not json"), LOOKUP_STATUS="miss"
+        ),
+        make_request(pb_utils, ENVELOPE=request_json(sealer, french), LOOKUP_STATUS="maybe"),
         make_request(pb_utils, ENVELOPE=unresolved, LOOKUP_STATUS="miss"),
-        miss(pb_utils, bad_digest),
-        admin(pb_utils, op="drop-everything"),
-        make_request(pb_utils, ADMIN="[1, 2]"),
-        admin(pb_utils, op="list", verbose=True),
-        admin(pb_utils, op="warm", names=[]),
-        admin(pb_utils, op="weights", lora={"name": "french"}),
-        miss(pb_utils, None),
+        miss(pb_utils, sealer, bad_digest),
+        admin(pb_utils, sealer, op="drop-everything"),
+        admin_text(pb_utils, sealer, "[1, 2]"),
+        admin(pb_utils, sealer, op="list", verbose=True),
+        admin(pb_utils, sealer, op="warm", names=[]),
+        admin(pb_utils, sealer, op="weights", lora={"name": "french"}),
+        miss(pb_utils, sealer, None),
     ]
     responses = model.execute(requests)
     assert len(responses) == len(requests)
@@ -303,12 +355,12 @@ def test_bad_requests_get_their_own_errors_and_the_batch_is_served(
 
 
 def test_list_reports_each_version_in_its_tier_and_the_engines_own_list(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry, engine: FakeEngine
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, engine: FakeEngine
 ) -> None:
     french = registry.resolve("french")
-    model.execute([miss(pb_utils, french)])
+    model.execute([miss(pb_utils, sealer, french)])
     engine.held[french.digest] = json.loads(french.to_json())  # llm passed it on
-    (response,) = model.execute([admin(pb_utils, op="list")])
+    (response,) = model.execute([admin(pb_utils, sealer, op="list")])
     out = outputs(pb_utils, response)
     assert (out["LORA"], out["LORA_WEIGHTS"]) == ("", b"")
     report = json.loads(out["ADMIN_RESULT"])
@@ -330,11 +382,11 @@ def test_list_reports_each_version_in_its_tier_and_the_engines_own_list(
 
 
 def test_list_reports_a_broken_folder_and_an_engine_that_cannot_answer(
-    model: Any, pb_utils: ModuleType, engine: FakeEngine, adapters: Path
+    model: Any, pb_utils: ModuleType, sealer: Sealer, engine: FakeEngine, adapters: Path
 ) -> None:
     (adapters / "caps" / CONFIG_FILE).write_text('{"peft_type": "PREFIX_TUNING"}')
     engine.error = "engine is restarting"
-    (response,) = model.execute([admin(pb_utils, op="list")])
+    (response,) = model.execute([admin(pb_utils, sealer, op="list")])
     report = json.loads(outputs(pb_utils, response)["ADMIN_RESULT"])
     (broken,) = [row for row in report["adapters"] if row["name"] == "caps"]
     assert broken["tier"] == "" and "expected 'LORA'" in broken["problem"]
@@ -343,9 +395,14 @@ def test_list_reports_a_broken_folder_and_an_engine_that_cannot_answer(
 
 
 def test_warm_loads_into_the_engine_before_the_first_request(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry, engine: FakeEngine, adapters: Path
+    model: Any,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    registry: AdapterRegistry,
+    engine: FakeEngine,
+    adapters: Path,
 ) -> None:
-    (response,) = model.execute([admin(pb_utils, op="warm", names=["brief", "caps"])])
+    (response,) = model.execute([admin(pb_utils, sealer, op="warm", names=["brief", "caps"])])
     report = json.loads(outputs(pb_utils, response)["ADMIN_RESULT"])
     assert report["op"] == "warm"
     assert report["warmed"] == {"brief": "loaded", "caps": "loaded"}
@@ -357,11 +414,11 @@ def test_warm_loads_into_the_engine_before_the_first_request(
     assert {r["name"]: r["tier"] for r in report["adapters"]}["brief"] == "engine"
     assert {a["name"] for a in report["engine_reported"]} == {"brief", "caps"}
     # the first request finds it in the engine: nothing to send
-    (first,) = model.execute([miss(pb_utils, brief)])
+    (first,) = model.execute([miss(pb_utils, sealer, brief)])
     assert outputs(pb_utils, first)["LORA_TIER"] == "engine"
     assert outputs(pb_utils, first)["LORA_WEIGHTS"] == b""
     # warming again is harmless; warming a third adapter evicts through the engine call
-    (again,) = model.execute([admin(pb_utils, op="warm", names=["caps", "french"])])
+    (again,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps", "french"])])
     report = json.loads(outputs(pb_utils, again)["ADMIN_RESULT"])
     assert report["warmed"] == {"caps": "already loaded", "french": "loaded"}
     assert json.loads(engine.calls[-2]["LORA_EVICT"]) == [brief.digest]
@@ -369,19 +426,19 @@ def test_warm_loads_into_the_engine_before_the_first_request(
 
 
 def test_warm_of_an_unknown_adapter_is_not_found_and_loads_nothing(
-    model: Any, pb_utils: ModuleType, engine: FakeEngine
+    model: Any, pb_utils: ModuleType, sealer: Sealer, engine: FakeEngine
 ) -> None:
-    (response,) = model.execute([admin(pb_utils, op="warm", names=["caps", "nope"])])
+    (response,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps", "nope"])])
     assert response.error().code() == pb_utils.TritonError.NOT_FOUND
     assert "unknown adapter 'nope'" in response.error().message()
     assert engine.calls == []
 
 
 def test_warm_reports_an_engine_failure_per_name(
-    model: Any, pb_utils: ModuleType, engine: FakeEngine
+    model: Any, pb_utils: ModuleType, sealer: Sealer, engine: FakeEngine
 ) -> None:
     engine.error = "out of adapter memory"
-    (response,) = model.execute([admin(pb_utils, op="warm", names=["caps"])])
+    (response,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps"])])
     report = json.loads(outputs(pb_utils, response)["ADMIN_RESULT"])
     assert report["warmed"]["caps"].startswith("error: unavailable:")
     assert "out of adapter memory" in report["warmed"]["caps"]
@@ -390,12 +447,12 @@ def test_warm_reports_an_engine_failure_per_name(
 
 
 def test_weights_op_sends_them_again_after_the_engine_lost_them(
-    model: Any, pb_utils: ModuleType, registry: AdapterRegistry, adapters: Path
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
 ) -> None:
     caps = registry.resolve("caps")
-    model.execute([miss(pb_utils, caps)])  # the mirror now says the engine holds it
+    model.execute([miss(pb_utils, sealer, caps)])  # the mirror now says the engine holds it
     for lora in (json.loads(caps.to_json()), caps.to_json()):  # an object, or its JSON text
-        (response,) = model.execute([admin(pb_utils, op="weights", lora=lora)])
+        (response,) = model.execute([admin(pb_utils, sealer, op="weights", lora=lora)])
         out = outputs(pb_utils, response)
         assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"]) == files(adapters, "caps")
         assert (out["LORA_TIER"], out["LORA_EVICT"]) == ("host", "[]")
@@ -410,14 +467,14 @@ def test_weights_op_sends_them_again_after_the_engine_lost_them(
 
 
 def test_prefetch_marks_resident_and_pins_stay(
-    start: Start, pb_utils: ModuleType, registry: AdapterRegistry
+    start: Start, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
 ) -> None:
     model = start(engine_slots="2", prefetch="french", pin="french")
     french, caps, brief = (registry.resolve(n) for n in NAMES)
-    (first,) = model.execute([miss(pb_utils, french)])
+    (first,) = model.execute([miss(pb_utils, sealer, french)])
     assert outputs(pb_utils, first)["LORA_TIER"] == "engine"  # torch_llm loaded it at its start
-    model.execute([miss(pb_utils, caps)])
-    (third,) = model.execute([miss(pb_utils, brief)])
+    model.execute([miss(pb_utils, sealer, caps)])
+    (third,) = model.execute([miss(pb_utils, sealer, brief)])
     assert json.loads(outputs(pb_utils, third)["LORA_EVICT"]) == [caps.digest]  # not french
     report = model.stage.core.list_report()
     assert [r["pinned"] for r in report["adapters"] if r["name"] == "french"] == [True]
@@ -440,7 +497,7 @@ def test_bad_configuration_fails_initialize(
 
 
 def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
-    start: Start, pb_utils: ModuleType, registry: AdapterRegistry
+    start: Start, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
 ) -> None:
     """engine_kind tensorrt_llm: TensorRT-LLM's request tensors beside the PEFT files; the
     version's lora_task_id on every miss, lora_weights / lora_config only on a load."""
@@ -448,7 +505,11 @@ def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
 
     model = start(engine_slots="2", engine_kind="tensorrt_llm")
     french = registry.resolve("french")
-    first, second = model.execute([miss(pb_utils, french), miss(pb_utils, french)])
+    requests = [miss(pb_utils, sealer, french), miss(pb_utils, sealer, french)]
+    first, second = model.execute(requests)
+    for request, response in zip(requests, (first, second), strict=True):  # as llm checks it
+        envelope = pb_utils.get_input_tensor_by_name(request, "ENVELOPE").as_numpy()[0, 0]
+        check_lora_seal(pb_utils, sealer, envelope, response, trtllm=True)
     for response in (first, second):
         task = pb_utils.get_output_tensor_by_name(response, "LORA_TASK_ID").as_numpy()
         assert task.dtype == np.uint64 and task.tolist() == [[engine_task_id(french)]]
@@ -457,10 +518,100 @@ def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
     assert weights.dtype == np.float16 and weights.shape[:2] == (1, 60)  # q and v, 30 layers
     assert config.dtype == np.int32 and config.shape == (1, 60, 3)
     assert pb_utils.get_output_tensor_by_name(second, "LORA_TRT_WEIGHTS") is None
-    (base,) = model.execute([miss(pb_utils, None)])
+    (base,) = model.execute([miss(pb_utils, sealer, None)])
     assert pb_utils.get_output_tensor_by_name(base, "LORA_TASK_ID") is None
 
 
 def test_unknown_engine_kind_fails_initialize(start: Start) -> None:
     with pytest.raises(ConfigError, match="engine_kind"):
         start(engine_kind="vllm")
+
+
+# ---- lora_cache is internal: unsealed and altered calls are refused -----------------------------
+
+
+def assert_forbidden(pb_utils: ModuleType, response: Any, fragment: str) -> None:
+    assert response.has_error()
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert response.error().message().startswith("forbidden: ")
+    assert fragment in response.error().message()
+    assert response.output_tensors() == []  # no adapter files, no LORA_SEAL
+
+
+def test_unsealed_or_altered_envelopes_get_no_adapter_plan(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, engine: FakeEngine
+) -> None:
+    """An envelope sent without its seal, one moved to another tenant's scope, one switched to
+    another adapter, one sealed by another deployment: each refused alone, no adapter read or
+    planned for it (so no adapter files handed out); the good request of the batch is served."""
+    french, caps = registry.resolve("french"), registry.resolve("caps")
+    mine = envelope_text(sealer, on_adapter(french, tenant_scope="a" * 64))
+    stranger = Sealer.from_secret(b"another deployment's secret....")
+    good = miss(pb_utils, sealer, caps)
+    requests = [
+        make_request(pb_utils, ENVELOPE=mine[64:], LOOKUP_STATUS="miss"),  # a direct call
+        make_request(
+            pb_utils, ENVELOPE=seals.altered(mine, b"a" * 64, b"b" * 64), LOOKUP_STATUS="miss"
+        ),
+        make_request(
+            pb_utils,
+            ENVELOPE=seals.altered(
+                seals.altered(mine, french.digest.encode(), caps.digest.encode()),
+                b'"lora_name":"french"',
+                b'"lora_name":"caps"',
+            ),
+            LOOKUP_STATUS="miss",
+        ),
+        make_request(pb_utils, ENVELOPE=request_json(stranger, french), LOOKUP_STATUS="miss"),
+        good,
+    ]
+    *refused, served = model.execute(requests)
+    for response in refused:
+        assert_forbidden(pb_utils, response, "ENVELOPE's seal does not verify")
+    out = outputs(pb_utils, served)
+    assert (AdapterRef.from_json(out["LORA"]), out["LORA_TIER"]) == (caps, "disk")
+    envelope = pb_utils.get_input_tensor_by_name(good, "ENVELOPE").as_numpy()[0, 0]
+    check_lora_seal(pb_utils, sealer, envelope, served)
+    m = flushed(model)
+    assert m.requests["error"].metric.value() == len(refused)
+    assert m.requests["disk"].metric.value() == 1  # the good request's plan alone
+    assert m.loads["host"].metric.value() == 1 and m.resident["host"].metric.value() == 1
+    assert engine.calls == []
+
+
+def test_unsealed_or_altered_admin_calls_are_refused(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, engine: FakeEngine
+) -> None:
+    """lora_cache's admin ops are internal (llm, cache_admin): a warm without ADMIN_SEAL, one
+    whose names were changed after sealing, one carrying a seal made for another hop, and a
+    `weights` call (the adapter's files) without a seal are refused with nothing loaded; the
+    good call of the batch is served."""
+    warm_caps = json.dumps({"op": "warm", "names": ["caps"]})
+    warm_french = json.dumps({"op": "warm", "names": ["french"]})
+    other_hop = sealer.seal(ENGINE_LABEL, warm_french.encode())  # valid, for another hop
+    weights = json.dumps(
+        {"op": "weights", "lora": json.loads(registry.resolve("french").to_json())}
+    )
+    requests = [
+        make_request(pb_utils, ADMIN=warm_french),  # a direct call
+        make_request(pb_utils, ADMIN=warm_french, ADMIN_SEAL=seals.admin_seal(sealer, warm_caps)),
+        make_request(pb_utils, ADMIN=warm_french, ADMIN_SEAL=other_hop),
+        make_request(pb_utils, ADMIN=weights),
+        admin(pb_utils, sealer, op="warm", names=["brief"]),
+    ]
+    *refused, served = model.execute(requests)
+    fragments = [
+        "ADMIN is not sealed",
+        "ADMIN's seal does not verify",
+        "ADMIN's seal does not verify",
+        "ADMIN is not sealed",
+    ]
+    for response, fragment in zip(refused, fragments, strict=True):
+        assert_forbidden(pb_utils, response, fragment)
+    report = json.loads(outputs(pb_utils, served)["ADMIN_RESULT"])
+    assert report["warmed"] == {"brief": "loaded"}
+    brief = registry.resolve("brief")
+    assert set(engine.held) == {brief.digest}  # nothing of the refused calls was loaded
+    loads = [c for c in engine.calls if c["LORA_OP"] == b"load"]
+    assert [AdapterRef.from_json(c["LORA"].decode()) for c in loads] == [brief]
+    assert flushed(model).requests["error"].metric.value() == len(refused)

@@ -11,12 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import seals
 
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import key_fields, tenant_scope
 from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tenant_keys import add_key
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import Tier
 
 
@@ -35,12 +38,19 @@ def flushed(model: Any) -> Any:
     return model.stage
 
 
-def envelope(pb_utils: ModuleType, response: Any) -> Envelope:
-    """The envelope prompt_cache handed the later stages."""
+@pytest.fixture
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (the model's state_dir is tmp_path)."""
+    return seals.sealer_for(tmp_path)
+
+
+def envelope(pb_utils: ModuleType, response: Any, sealer: Sealer) -> Envelope:
+    """The envelope prompt_cache handed the later stages, opened: it must be sealed, over its
+    JSON and the CACHED_TEXT beside it."""
     tensor = pb_utils.get_output_tensor_by_name(response, "ENVELOPE")
     assert tensor is not None, "no output ENVELOPE"
     assert tensor.as_numpy().shape == (1, 1)
-    return Envelope.decode(tensor.as_numpy()[0, 0])
+    return seals.opened(sealer, tensor.as_numpy()[0, 0], output(pb_utils, response, "CACHED_TEXT"))
 
 
 def make_request(pb_utils: ModuleType, text: bytes = b"What is Triton?", **inputs: Any) -> Any:
@@ -71,7 +81,7 @@ def output(pb_utils: ModuleType, response: Any, name: str) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType) -> None:
+def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:
     requests = [
         make_request(pb_utils, b"first", max_tokens=16),
         make_request(pb_utils, b"second", max_tokens=0),
@@ -86,12 +96,12 @@ def test_batch_with_one_bad_request(model: Any, pb_utils: ModuleType) -> None:
     assert "max_tokens" in bad.error().message()
     for response, prompt, max_tokens in ((responses[0], "first", 16), (responses[2], "third", 128)):
         assert not response.has_error()
-        assert envelope(pb_utils, response).status == "miss"
-        request = envelope(pb_utils, response).request
+        assert envelope(pb_utils, response, sealer).status == "miss"
+        request = envelope(pb_utils, response, sealer).request
         assert (request.prompt, request.max_tokens) == (prompt, max_tokens)
-        assert len(envelope(pb_utils, response).digest or "") == 64
+        assert len(envelope(pb_utils, response, sealer).digest or "") == 64
         assert output(pb_utils, response, "CACHED_TEXT") == ""
-        assert envelope(pb_utils, response).write_back is True
+        assert envelope(pb_utils, response, sealer).write_back is True
     assert flushed(model).requests["miss"].metric.value() == 2
     assert flushed(model).requests["error"].metric.value() == 1
     assert flushed(model).requests["exact"].metric.value() == 0
@@ -132,22 +142,26 @@ def test_wrong_input_types_are_invalid(
     assert fragment in response.error().message()
 
 
-def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType) -> None:
+def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
-    digest = envelope(pb_utils, miss).digest
+    digest = envelope(pb_utils, miss, sealer).digest
     model.stage.cache.cache.put(digest, "answer")
     (hit,) = model.execute([make_request(pb_utils, b"  What   is Triton?\n")])
-    assert envelope(pb_utils, hit).status == "exact"
+    assert envelope(pb_utils, hit, sealer).status == "exact"
     assert output(pb_utils, hit, "CACHED_TEXT") == "answer"
-    assert envelope(pb_utils, hit).digest == digest
-    assert envelope(pb_utils, hit).write_back is False
+    assert envelope(pb_utils, hit, sealer).digest == digest
+    assert envelope(pb_utils, hit, sealer).write_back is False
+    # the seal binds the envelope to the hit's answer: with another answer it does not open
+    data = pb_utils.get_output_tensor_by_name(hit, "ENVELOPE").as_numpy()[0, 0]
+    with pytest.raises(Forbidden, match="does not verify"):
+        seals.opened(sealer, data, "another answer")
     assert flushed(model).requests["exact"].metric.value() == 1
     assert flushed(model).hits[Tier.L1].metric.value() == 1
 
 
-def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> None:
+def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
-    digest = envelope(pb_utils, miss).digest
+    digest = envelope(pb_utils, miss, sealer).digest
     dict(model.stage.cache.cache.stores())[Tier.L2].put(
         digest, CacheEntry("from l2", created_s=0.0)
     )
@@ -156,12 +170,12 @@ def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType) -> Non
     assert flushed(model).hits[Tier.L2].metric.value() == 1
 
 
-def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType) -> None:
+def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:
     (a,) = model.execute([make_request(pb_utils, tenant="a")])
-    model.stage.cache.cache.put(envelope(pb_utils, a).digest, "for a")
+    model.stage.cache.cache.put(envelope(pb_utils, a, sealer).digest, "for a")
     (b,) = model.execute([make_request(pb_utils, tenant="b")])
-    assert envelope(pb_utils, b).status == "miss"
-    assert envelope(pb_utils, b).digest != envelope(pb_utils, a).digest
+    assert envelope(pb_utils, b, sealer).status == "miss"
+    assert envelope(pb_utils, b, sealer).digest != envelope(pb_utils, a, sealer).digest
 
 
 @pytest.mark.parametrize(
@@ -177,22 +191,25 @@ def test_tenants_do_not_share_entries(model: Any, pb_utils: ModuleType) -> None:
 def test_cache_control_and_sampling(
     model: Any,
     pb_utils: ModuleType,
+    sealer: Sealer,
     inputs: dict[str, Any],
     status: str,
     has_digest: bool,
     write_back: bool,
 ) -> None:
     (response,) = model.execute([make_request(pb_utils, **inputs)])
-    assert envelope(pb_utils, response).status == status
-    assert (envelope(pb_utils, response).digest is not None) is has_digest
-    assert envelope(pb_utils, response).write_back is write_back
+    assert envelope(pb_utils, response, sealer).status == status
+    assert (envelope(pb_utils, response, sealer).digest is not None) is has_digest
+    assert envelope(pb_utils, response, sealer).write_back is write_back
     assert flushed(model).requests[status].metric.value() == 1
 
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_path: Path) -> None:
+def test_request_json_carries_every_input(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, tmp_path: Path
+) -> None:
     shutil.copytree(REPO / "adapters" / "brief", tmp_path / "adapters" / "adapter")
     (response,) = model.execute(
         [
@@ -209,7 +226,7 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
             )
         ]
     )
-    request = envelope(pb_utils, response).request
+    request = envelope(pb_utils, response, sealer).request
     ref = model.stage.cache.resolve_adapter("adapter")
     assert (ref.task_id, len(ref.digest)) == (1, 64)
     assert request == GenerationRequest(
@@ -239,19 +256,19 @@ def test_request_json_carries_every_input(model: Any, pb_utils: ModuleType, tmp_
     ],
 )
 def test_request_carries_the_tenant_scope_for_the_engine_kv(
-    model: Any, pb_utils: ModuleType, tmp_path: Path, inputs: dict[str, Any]
+    model: Any, pb_utils: ModuleType, sealer: Sealer, tmp_path: Path, inputs: dict[str, Any]
 ) -> None:
     """The engine keys prefix KV blocks by `tenant_scope`: the tenant's scope HMAC, on every status
     that reaches the engine; it is not part of the cache key."""
     (response,) = model.execute([make_request(pb_utils, **inputs)])
-    request = envelope(pb_utils, response).request
+    request = envelope(pb_utils, response, sealer).request
     secret = (tmp_path / "secret").read_bytes()
     assert request.tenant_scope == tenant_scope(secret, inputs.get("tenant", ""))
     assert "tenant_scope" not in key_fields(request)
 
 
 def test_adapters_are_resolved_and_their_digest_is_in_the_key(
-    model: Any, pb_utils: ModuleType, tmp_path: Path
+    model: Any, pb_utils: ModuleType, sealer: Sealer, tmp_path: Path
 ) -> None:
     """An unknown adapter is NOT_FOUND; a changed adapter folder changes the digest."""
     (unknown,) = model.execute([make_request(pb_utils, lora_name="nope")])
@@ -260,11 +277,11 @@ def test_adapters_are_resolved_and_their_digest_is_in_the_key(
     folder = tmp_path / "adapters" / "a"
     shutil.copytree(REPO / "adapters" / "brief", folder)
     base, first = model.execute([make_request(pb_utils), make_request(pb_utils, lora_name="a")])
-    digests = {envelope(pb_utils, r).digest for r in (base, first)}
+    digests = {envelope(pb_utils, r, sealer).digest for r in (base, first)}
     assert len(digests) == 2
     shutil.copy2(REPO / "adapters" / "caps" / "adapter_model.safetensors", folder)
     (changed,) = model.execute([make_request(pb_utils, lora_name="a")])
-    assert envelope(pb_utils, changed).digest not in digests
+    assert envelope(pb_utils, changed, sealer).digest not in digests
 
 
 def test_store_gauges_are_published(model: Any, pb_utils: ModuleType) -> None:
@@ -283,3 +300,48 @@ def test_unknown_parameter_fails_initialize(
     config = {"parameters": parameters}
     with pytest.raises(ConfigError, match="bogus"):
         instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})
+
+
+def test_with_a_key_file_the_tenant_comes_from_the_callers_key(
+    load_model: Callable[[str], ModuleType], pb_utils: ModuleType, tmp_path: Path, sealer: Sealer
+) -> None:
+    """api_keys_file set: each request's tenant is its key's (the forwarded authorization
+    header, a request parameter); no key, an unknown one, or a tenant input naming another
+    tenant is refused for that request alone, counted as forbidden."""
+    keys = tmp_path / "keys.json"
+    acme_key, _ = add_key(keys, "acme")
+    globex_key, _ = add_key(keys, "globex", adapters=[])
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "api_keys_file": str(keys)}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})
+
+    def call(authorization: str | None, **inputs: Any) -> Any:
+        request = make_request(pb_utils, **inputs)
+        if authorization is not None:
+            request.kwargs["parameters"] = {"authorization": authorization}
+        return request
+
+    try:
+        responses = instance.execute(
+            [
+                call(None),
+                call("Bearer tc_not-a-key"),
+                call(f"Bearer {globex_key}", tenant="acme"),  # another tenant's name
+                call(f"Bearer {globex_key}", lora_name="caps"),  # an adapter it may not use
+                call(f"Bearer {acme_key}"),
+                call(acme_key, tenant="acme"),
+            ]
+        )
+        errors = [r.error().message() if r.has_error() else None for r in responses]
+        assert all(e is not None and e.startswith("forbidden: ") for e in errors[:4]), errors
+        assert errors[4:] == [None, None]
+        scopes = {envelope(pb_utils, r, sealer).request.tenant_scope for r in responses[4:]}
+        assert scopes == {tenant_scope(load_secret_of(tmp_path), "acme")}
+        assert flushed(instance).requests["forbidden"].metric.value() == 4
+    finally:
+        instance.finalize()
+
+
+def load_secret_of(state_dir: Path) -> bytes:
+    return (state_dir / "secret").read_bytes()

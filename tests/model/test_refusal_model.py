@@ -13,10 +13,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import seals
 from test_torch_llm_model import FakeEngine, call, envelope_text, text
 
 from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
+from tiercache.stages.seal import Sealer
 
 REFUSAL = "Not here."
 
@@ -50,10 +52,16 @@ def model(
     instance.finalize()
 
 
-def test_matching_prompt_is_refused_with_content_filter(pb_utils: ModuleType, model: Any) -> None:
-    responses = call(
-        pb_utils, model, ENVELOPE=envelope_text(GenerationRequest("The SECRET recipe, please"))
-    )
+@pytest.fixture
+def sealer(tmp_path: Path) -> Sealer:
+    return seals.sealer_for(tmp_path)
+
+
+def test_matching_prompt_is_refused_with_content_filter(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    envelope = envelope_text(sealer, GenerationRequest("The SECRET recipe, please"))
+    responses = call(pb_utils, model, sealer, ENVELOPE=envelope)
     assert len(responses) == 1  # one final response, no engine chunks
     assert text(pb_utils, responses[0]) == REFUSAL
     assert text(pb_utils, responses[0], "FINISH_REASON") == "content_filter"
@@ -61,8 +69,9 @@ def test_matching_prompt_is_refused_with_content_filter(pb_utils: ModuleType, mo
     assert model.stage.finished["content_filter"].metric.value() == 1
 
 
-def test_other_prompts_are_generated(pb_utils: ModuleType, model: Any) -> None:
-    responses = call(pb_utils, model, ENVELOPE=envelope_text(GenerationRequest("A cake recipe")))
+def test_other_prompts_are_generated(pb_utils: ModuleType, model: Any, sealer: Sealer) -> None:
+    envelope = envelope_text(sealer, GenerationRequest("A cake recipe"))
+    responses = call(pb_utils, model, sealer, ENVELOPE=envelope)
     assert [text(pb_utils, r) for r in responses] == ["Hello", " there"]
     assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
 

@@ -2,7 +2,8 @@
 
 The engine is a stand-in whose adapters are the real EngineAdapters on a tiny random Llama (one
 layer, hidden size 16) with tiny LoRA adapters made by peft: the adapter protocol (evict, load,
-op) is exercised end to end without loading SmolLM2.
+op) is exercised end to end without loading SmolLM2. Calls are sealed as llm and lora_cache seal
+them (tests/model/seals.py); the last tests show unsealed and altered calls refused.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import seals
 
-from tiercache.adapter_types import AdapterRef
+from tiercache.adapter_types import AdapterRef, adapter_digest
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.seal import Sealer
 
 # peft still asks transformers for the deprecated name.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -59,6 +62,16 @@ def tiny_adapter(seed: int) -> tuple[str, bytes]:
     config = peft_model.peft_config["default"].to_dict()
     config_json = json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
     return config_json, save(state_dict)
+
+
+def tiny_version(name: str, task_id: int, seed: int) -> tuple[AdapterRef, str, bytes]:
+    """A tiny adapter's version (its digest over its files, as the registry names it) and files."""
+    config_json, weights = tiny_adapter(seed)
+    return (
+        AdapterRef(name, task_id, adapter_digest(config_json.encode(), weights)),
+        config_json,
+        weights,
+    )
 
 
 class FakeEngine:
@@ -132,18 +145,41 @@ def model(
     instance.finalize()
 
 
-def call(pb_utils: ModuleType, model: Any, **inputs: str | bytes) -> list[Any]:
-    """One request through execute(); the responses once the final one arrived."""
-    sender = Sender()
-    tensors = [
+@pytest.fixture
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (the model's state_dir is tmp_path)."""
+    return seals.sealer_for(tmp_path)
+
+
+def tensors(pb_utils: ModuleType, **inputs: str | bytes) -> list[Any]:
+    """Engine inputs as they are, sealed or not (no batch dimension)."""
+    return [
         pb_utils.Tensor(name, np.array([v.encode() if isinstance(v, str) else v], np.object_))
         for name, v in inputs.items()
     ]
-    request = pb_utils.InferenceRequest(tensors)
-    request.get_response_sender = lambda: sender
-    model.execute([request])
-    assert sender.done.wait(WAIT_S), "no final response"
-    return sender.responses
+
+
+def call_batch(pb_utils: ModuleType, model: Any, batch: list[list[Any]]) -> list[list[Any]]:
+    """Requests (each its input tensors) through one execute(); each one's responses once the
+    final one arrived."""
+    senders, requests = [], []
+    for inputs in batch:
+        sender = Sender()
+        request = pb_utils.InferenceRequest(inputs)
+        request.get_response_sender = lambda s=sender: s
+        senders.append(sender)
+        requests.append(request)
+    model.execute(requests)
+    for sender in senders:
+        assert sender.done.wait(WAIT_S), "no final response"
+    return [sender.responses for sender in senders]
+
+
+def call(pb_utils: ModuleType, model: Any, sealer: Sealer, **inputs: str | bytes) -> list[Any]:
+    """One engine call, sealed as llm and lora_cache seal theirs, through execute(); the
+    responses once the final one arrived."""
+    (responses,) = call_batch(pb_utils, model, [seals.engine_inputs(sealer, **inputs)])
+    return responses
 
 
 def text(pb_utils: ModuleType, response: Any, name: str = "TEXT") -> str:
@@ -151,26 +187,29 @@ def text(pb_utils: ModuleType, response: Any, name: str = "TEXT") -> str:
     return str(pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0].decode())
 
 
-def envelope_text(request: GenerationRequest) -> str:
-    return Envelope(request=request).encode().decode()
+def envelope_text(sealer: Sealer, request: GenerationRequest) -> bytes:
+    """The envelope llm hands the engine: the request alone, sealed."""
+    return seals.sealed(sealer, Envelope(request=request))
 
 
-def request_json(ref: AdapterRef | None = None) -> str:
+def on_adapter(ref: AdapterRef | None = None, **fields: Any) -> GenerationRequest:
     if ref is None:
-        return envelope_text(GenerationRequest("Hi"))
-    return envelope_text(
-        GenerationRequest(
-            "Hi", lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest
-        )
+        return GenerationRequest("Hi", **fields)
+    return GenerationRequest(
+        "Hi", lora_name=ref.name, lora_task_id=ref.task_id, lora_digest=ref.digest, **fields
     )
 
 
-def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
-    config_json, weights = tiny_adapter(1)
-    ref = AdapterRef("one", 1, "d1")
+def request_json(sealer: Sealer, ref: AdapterRef | None = None) -> bytes:
+    return envelope_text(sealer, on_adapter(ref))
+
+
+def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Sealer) -> None:
+    ref, config_json, weights = tiny_version("one", 1, seed=1)
     (loaded,) = call(
         pb_utils,
         model,
+        sealer,
         LORA_OP="load",
         LORA=ref.to_json(),
         LORA_CONFIG=config_json,
@@ -178,17 +217,19 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
     )
     assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
     assert json.loads(text(pb_utils, loaded))["load_ms"] > 0
-    (listed,) = call(pb_utils, model, LORA_OP="list")
+    (listed,) = call(pb_utils, model, sealer, LORA_OP="list")
     assert text(pb_utils, listed, "FINISH_REASON") == "listed"
-    assert [(a["name"], a["digest"]) for a in json.loads(text(pb_utils, listed))] == [("one", "d1")]
+    listing = [(a["name"], a["digest"]) for a in json.loads(text(pb_utils, listed))]
+    assert listing == [("one", ref.digest)]
 
-    chunk, final = call(pb_utils, model, ENVELOPE=request_json(ref))
+    chunk, final = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer, ref))
     assert (text(pb_utils, chunk), text(pb_utils, final)) == ("Hello", " there")
     assert text(pb_utils, final, "FINISH_REASON") == "stop"
 
-    (evicted,) = call(pb_utils, model, LORA_OP="evict", LORA_EVICT=json.dumps(["d1", "zz"]))
-    assert json.loads(text(pb_utils, evicted)) == {"evicted": ["d1"]}
-    (missing,) = call(pb_utils, model, ENVELOPE=request_json(ref))
+    evict = json.dumps([ref.digest, "zz"])
+    (evicted,) = call(pb_utils, model, sealer, LORA_OP="evict", LORA_EVICT=evict)
+    assert json.loads(text(pb_utils, evicted)) == {"evicted": [ref.digest]}
+    (missing,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer, ref))
     assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
     assert "not found in cache" in missing.error().message()
 
@@ -200,57 +241,63 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any) -> None:
     assert model.stage.adapters_resident.metric.value() == 0
 
 
-def test_generate_request_evicts_then_loads_its_adapter(pb_utils: ModuleType, model: Any) -> None:
+def test_generate_request_evicts_then_loads_its_adapter(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
     """The llm stage's call: REQUEST names the adapter, the weights come along, and LORA_EVICT
     lists digests to drop first, never the one this request needs."""
-    ref1, ref2, ref3 = (
-        AdapterRef("one", 1, "d1"),
-        AdapterRef("two", 2, "d2"),
-        AdapterRef("x", 3, "d3"),
+    (ref1, *files1), (ref2, *files2), (ref3, *files3) = (
+        tiny_version("one", 1, seed=1),
+        tiny_version("two", 2, seed=2),
+        tiny_version("x", 3, seed=3),
     )
-    for ref, seed in ((ref1, 1), (ref2, 2)):
-        config_json, weights = tiny_adapter(seed)
+    for ref, (config_json, weights) in ((ref1, files1), (ref2, files2)):
         call(
             pb_utils,
             model,
-            ENVELOPE=request_json(ref),
+            sealer,
+            ENVELOPE=request_json(sealer, ref),
             LORA_CONFIG=config_json,
             LORA_WEIGHTS=weights,
         )
-    config_json, weights = tiny_adapter(3)
+    config_json, weights = files3
     responses = call(
         pb_utils,
         model,
-        ENVELOPE=request_json(ref3),
+        sealer,
+        ENVELOPE=request_json(sealer, ref3),
         LORA_CONFIG=config_json,
         LORA_WEIGHTS=weights,
-        LORA_EVICT=json.dumps(["d1", "d3"]),
+        LORA_EVICT=json.dumps([ref1.digest, ref3.digest]),
     )
     assert text(pb_utils, responses[-1], "FINISH_REASON") == "stop"
-    assert [a["digest"] for a in model.stage.engine.adapters.resident()] == ["d2", "d3"]
-    (base,) = call(pb_utils, model, ENVELOPE=request_json(), LORA_OP="")[-1:]
+    resident = [a["digest"] for a in model.stage.engine.adapters.resident()]
+    assert resident == [ref2.digest, ref3.digest]
+    (base,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
     assert text(pb_utils, base, "FINISH_REASON") == "stop"
     assert model.stage.engine.adapters.stats().active is None
 
 
 def test_bad_inputs_get_their_own_error_and_the_worker_goes_on(
-    pb_utils: ModuleType, model: Any
+    pb_utils: ModuleType, model: Any, sealer: Sealer
 ) -> None:
-    (bad,) = call(pb_utils, model, LORA_OP="train")
+    (bad,) = call(pb_utils, model, sealer, LORA_OP="train")
     assert bad.error().code() == pb_utils.TritonError.INVALID_ARG
     assert "LORA_OP must be one of" in bad.error().message()
     config_json, weights = tiny_adapter(1)
+    ia3 = config_json.replace('"LORA"', '"IA3"')  # a version of its own: its digest matches
     (rejected,) = call(
         pb_utils,
         model,
+        sealer,
         LORA_OP="load",
-        LORA=AdapterRef("one", 1, "d1").to_json(),
-        LORA_CONFIG=config_json.replace('"LORA"', '"IA3"'),
+        LORA=AdapterRef("one", 1, adapter_digest(ia3.encode(), weights)).to_json(),
+        LORA_CONFIG=ia3,
         LORA_WEIGHTS=weights,
     )
     assert rejected.error().code() == pb_utils.TritonError.INVALID_ARG
     assert "peft_type must be LORA" in rejected.error().message()
-    (listed,) = call(pb_utils, model, LORA_OP="list")
+    (listed,) = call(pb_utils, model, sealer, LORA_OP="list")
     assert json.loads(text(pb_utils, listed)) == []
 
 
@@ -258,12 +305,15 @@ def int_output(pb_utils: ModuleType, response: Any, name: str) -> int:
     return int(pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0])
 
 
-def test_final_response_and_metrics_report_kv_reuse(pb_utils: ModuleType, model: Any) -> None:
+def test_final_response_and_metrics_report_kv_reuse(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
     """REUSED_TOKENS + COMPUTED_TOKENS = PROMPT_TOKENS on the final response; the pool's
     lookups, evictions and bytes reach the metrics."""
 
     def counts(prompt: str) -> tuple[int, int, int]:
-        final = call(pb_utils, model, ENVELOPE=envelope_text(GenerationRequest(prompt)))[-1]
+        envelope = envelope_text(sealer, GenerationRequest(prompt))
+        final = call(pb_utils, model, sealer, ENVELOPE=envelope)[-1]
         assert text(pb_utils, final, "FINISH_REASON") == "stop"
         names = ("PROMPT_TOKENS", "REUSED_TOKENS", "COMPUTED_TOKENS")
         prompt_tokens, reused, computed = (int_output(pb_utils, final, n) for n in names)
@@ -280,8 +330,102 @@ def test_final_response_and_metrics_report_kv_reuse(pb_utils: ModuleType, model:
     assert model.stage.kv_computed.metric.value() == 21
     assert model.stage.kv_evictions.metric.value() == 1
     assert model.stage.kv_pool_bytes.metric.value() == 30
-    (listed,) = call(pb_utils, model, LORA_OP="list")  # admin ops report zeros
+    (listed,) = call(pb_utils, model, sealer, LORA_OP="list")  # admin ops report zeros
     assert (
         int_output(pb_utils, listed, "REUSED_TOKENS"),
         int_output(pb_utils, listed, "COMPUTED_TOKENS"),
     ) == (0, 0)
+
+
+# ---- the engine is internal: unsealed and altered calls are refused ----------------------------
+
+
+def with_input(inputs: list[Any], name: str, value: str | bytes) -> list[Any]:
+    """`inputs` with `name`'s value replaced (every other tensor, ENGINE_SEAL included, kept)."""
+    array = np.array([value.encode() if isinstance(value, str) else value], np.object_)
+    return [type(t)(name, array) if t.name() == name else t for t in inputs]
+
+
+def assert_forbidden(pb_utils: ModuleType, responses: list[Any], fragment: str) -> None:
+    (response,) = responses  # the error alone, no chunk before it
+    assert response.has_error()
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert response.error().message().startswith("forbidden: ")
+    assert fragment in response.error().message()
+
+
+def test_unsealed_or_altered_generations_are_forbidden_alone(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """A generation called directly (no ENGINE_SEAL), one whose envelope is not sealed, one moved
+    to another tenant's scope (its prefix KV), one sealed by another deployment: each refused
+    with nothing loaded or run; the good request of the same batch is served."""
+    ref, config_json, weights = tiny_version("one", 1, seed=1)
+    files = {"LORA_CONFIG": config_json, "LORA_WEIGHTS": weights}
+    mine = on_adapter(ref, tenant_scope="a" * 64)
+    good = seals.engine_inputs(sealer, ENVELOPE=envelope_text(sealer, mine), **files)
+    bare = Envelope(request=mine).encode()
+    stranger = Sealer.from_secret(b"another deployment's secret....")
+    batch = [
+        tensors(pb_utils, ENVELOPE=bare, **files),  # a direct call
+        seals.engine_inputs(sealer, ENVELOPE=bare, **files),  # the envelope is not sealed
+        with_input(
+            good, "ENVELOPE", seals.altered(envelope_text(sealer, mine), b"a" * 64, b"b" * 64)
+        ),
+        seals.engine_inputs(stranger, ENVELOPE=envelope_text(stranger, mine), **files),
+        good,
+    ]
+    *refused, served = call_batch(pb_utils, model, batch)
+    fragments = [
+        "the engine call is not sealed",
+        "ENVELOPE's seal does not verify",
+        "the engine call's seal does not verify",
+        "the engine call's seal does not verify",
+    ]
+    for responses, fragment in zip(refused, fragments, strict=True):
+        assert_forbidden(pb_utils, responses, fragment)
+    assert [text(pb_utils, r) for r in served] == ["Hello", " there"]
+    # only the good request loaded its adapter and reached the engine (one KV lookup)
+    assert [a["digest"] for a in model.stage.engine.adapters.resident()] == [ref.digest]
+    assert model.stage.engine.adapters.stats().loads == 1
+    assert model.stage.engine.kv_stats().lookups == 1
+    model.stage.metrics.flush()
+    assert model.stage.finished["error"].metric.value() == len(refused)
+    assert model.stage.finished["stop"].metric.value() == 1
+
+
+def test_unsealed_forged_or_mismatched_loads_are_forbidden_alone(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """An adapter load called directly, one whose LORA_WEIGHTS were swapped after sealing, and a
+    sealed one whose files are not the version its digest names: each refused, nothing loaded;
+    the good load of the same batch is served."""
+    (ref1, config1, weights1), (ref2, config2, weights2) = (
+        tiny_version("one", 1, seed=1),
+        tiny_version("two", 2, seed=2),
+    )
+    load1 = {"LORA_OP": "load", "LORA": ref1.to_json(), "LORA_CONFIG": config1}
+    batch = [
+        tensors(pb_utils, **load1, LORA_WEIGHTS=weights1),  # a direct call
+        with_input(
+            seals.engine_inputs(sealer, **load1, LORA_WEIGHTS=weights1), "LORA_WEIGHTS", weights2
+        ),
+        seals.engine_inputs(sealer, **{**load1, "LORA_CONFIG": config2}, LORA_WEIGHTS=weights2),
+        tensors(pb_utils, LORA_OP="list"),  # nor may a caller read what the engine holds
+        seals.engine_inputs(
+            sealer, LORA_OP="load", LORA=ref2.to_json(), LORA_CONFIG=config2, LORA_WEIGHTS=weights2
+        ),
+    ]
+    *refused, served = call_batch(pb_utils, model, batch)
+    fragments = [
+        "the engine call is not sealed",
+        "the engine call's seal does not verify",
+        f"adapter {ref1.short}: its files do not match its digest; not loaded",
+        "the engine call is not sealed",
+    ]
+    for responses, fragment in zip(refused, fragments, strict=True):
+        assert_forbidden(pb_utils, responses, fragment)
+    assert text(pb_utils, served[-1], "FINISH_REASON") == "loaded"
+    assert [a["digest"] for a in model.stage.engine.adapters.resident()] == [ref2.digest]
+    stats = model.stage.engine.adapters.stats()
+    assert (stats.loads, stats.load_failures) == (1, 0)

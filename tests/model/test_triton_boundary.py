@@ -13,6 +13,7 @@ from tiercache.config import PromptCacheConfig
 from tiercache.errors import (
     CapacityError,
     ConfigError,
+    Forbidden,
     InvalidRequest,
     NotFound,
     TierCacheError,
@@ -41,6 +42,7 @@ def tb(pb_utils: ModuleType) -> ModuleType:
     ("exc", "code"),
     [
         (InvalidRequest("bad"), "INVALID_ARG"),
+        (Forbidden("not sealed"), "INVALID_ARG"),  # Triton has no permission code
         (NotFound("no adapter"), "NOT_FOUND"),
         (Unavailable("engine down"), "UNAVAILABLE"),
         (CapacityError("full"), "UNAVAILABLE"),
@@ -88,9 +90,9 @@ def test_read_raw_inputs(tb: ModuleType, pb_utils: ModuleType) -> None:
             stop_words=np.array([[b"a", b"b"]], dtype=np.object_),
         )
     )
-    assert raw.text_input == "héllo"
+    assert raw.text_input == "héllo".encode()  # raw: canonicalize bounds, then decodes it
     assert (raw.max_tokens, raw.stream, raw.temperature, raw.seed) == (7, True, 0.5, 2**64 - 1)
-    assert raw.stop_words == ["a", "b"]
+    assert raw.stop_words == [b"a", b"b"]
     assert (raw.top_p, raw.top_k, raw.tenant, raw.cache_control, raw.lora_name) == (None,) * 5
 
 
@@ -220,6 +222,7 @@ def test_stream_keeper_read_keeps_the_stream_when_read_to_the_end_or_abandoned(
     "exc",
     [
         InvalidRequest("bad input"),
+        Forbidden("the engine call is not sealed"),
         NotFound("unknown adapter 'x'"),
         Unavailable("engine down"),
         CapacityError("pool full"),
@@ -258,6 +261,7 @@ def _callee(exc: BaseException, pb_utils: ModuleType, tb: ModuleType) -> Any:
     ("raised", "expected_message"),
     [
         (InvalidRequest("prompt too long"), "prompt too long"),  # the caller's fault: verbatim
+        (Forbidden("ENVELOPE is not sealed"), "ENVELOPE is not sealed"),
         (NotFound("unknown adapter 'x'"), "unknown adapter 'x'"),
         (Unavailable("out of memory"), "engine e: out of memory"),  # a dependency: labelled
         (CapacityError("slots full"), "engine e: slots full"),

@@ -1,10 +1,15 @@
 """tiercache.admin without Redis: stats, flush, warm (prompt_cache then hits `exact` with the
-warmed answer), local invalidation, and the ADMIN protocol's errors."""
+warmed answer), local invalidation, the ADMIN protocol's errors, and the admin token (its file
+and the gate in front of every operation)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
+import logging
+import multiprocessing
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +17,15 @@ from pathlib import Path
 import pytest
 
 from tiercache.adapter_types import AdapterRef
-from tiercache.admin import Admin
+from tiercache.admin import (
+    Admin,
+    AdminGate,
+    GateStats,
+    admin_token_path,
+    load_or_create_admin_token,
+)
 from tiercache.config import CacheAdminConfig
-from tiercache.errors import InvalidRequest, NotFound
+from tiercache.errors import ConfigError, Forbidden, InvalidRequest, NotFound
 from tiercache.exact.keys import EngineIdentity
 from tiercache.exact.request import RawInputs
 from tiercache.stages.parts import open_admin, open_exact_cache
@@ -197,18 +208,24 @@ def test_bad_admin_is_invalid_request(admin: Admin, text: str) -> None:
 def test_warm_adapters_forwarded(admin: Admin) -> None:
     asked: list[list[str]] = []
 
-    def warm(names: object) -> dict:
-        asked.append(list(names))  # type: ignore[call-overload]
+    def lora(op: dict) -> dict:
+        if op["op"] == "list":
+            return {"op": "list", "adapters": []}
+        asked.append(list(op["names"]))
         if "nope" in asked[-1]:
             raise NotFound("unknown adapter 'nope'")
         return {"warmed": {n: "loaded" for n in asked[-1]}}
 
-    admin.warm_adapters = warm
+    admin.lora_admin = lora
     result = run(admin, op="warm", adapters=["french"])
     assert result["adapters"] == {"warmed": {"french": "loaded"}}
     assert "prompts" not in result
     with pytest.raises(NotFound):
         run(admin, op="warm", adapters=["nope"])
+    assert run(admin, op="adapters") == {"op": "list", "adapters": []}
+    assert run(admin, op="adapters", warm=["french"]) == {"warmed": {"french": "loaded"}}
+    with pytest.raises(InvalidRequest, match="list of adapter names"):
+        run(admin, op="adapters", warm="french")
 
 
 def _invalidate_tag_elsewhere(state_dir: str, tag: str) -> None:
@@ -247,3 +264,89 @@ def test_without_redis_an_invalidation_reaches_the_hosts_other_processes(tmp_pat
         assert here.get("fresh") is not None
     finally:
         here.close()
+
+
+# ---- the admin token ----------------------------------------------------------------------------
+
+
+def test_admin_token_path_state_dir_or_environment(tmp_path: Path) -> None:
+    assert admin_token_path(tmp_path, {}) == tmp_path / "admin_token"
+    named = {"TIERCACHE_ADMIN_TOKEN_FILE": "/run/secrets/tiercache_admin"}
+    assert admin_token_path(tmp_path, named) == Path("/run/secrets/tiercache_admin")
+
+
+def test_admin_token_created_once_private_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "admin_token"
+    token = load_or_create_admin_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(path.read_bytes()) == 32 and token == path.read_bytes().hex()
+    assert load_or_create_admin_token(path) == token
+    assert load_or_create_admin_token(tmp_path / "other") != token
+
+
+def _create_token(path: Path, results: multiprocessing.Queue) -> None:
+    results.put(load_or_create_admin_token(path))
+
+
+def test_admin_token_race_free_across_processes(tmp_path: Path) -> None:
+    path = tmp_path / "admin_token"
+    results: multiprocessing.Queue = multiprocessing.Queue()
+    workers = [
+        multiprocessing.Process(target=_create_token, args=(path, results)) for _ in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    assert len({results.get(timeout=5) for _ in workers}) == 1
+
+
+def test_operator_token_file_serves_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(b"operator-chosen random text, 40 bytes..")
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        assert load_or_create_admin_token(path) == path.read_bytes().hex()
+    assert "readable by other users" in caplog.text
+    path.write_bytes(b"too short")
+    with pytest.raises(ConfigError, match="fewer than 32 bytes"):
+        load_or_create_admin_token(path)
+
+
+def test_gate_lets_the_token_through_and_counts_refusals() -> None:
+    token = "ab" * 32
+    gate = AdminGate(token)
+    gate.check(token)
+    for given, reason in [(None, "missing"), ("", "missing"), ("ab" * 31 + "ac", "wrong")]:
+        with pytest.raises(Forbidden) as info:
+            gate.check(given)
+        assert info.value.client_message().startswith("forbidden: ")
+        assert ("ADMIN_TOKEN is not" in info.value.message) == (reason == "wrong")
+    with pytest.raises(Forbidden):
+        gate.check("é" * 64)  # not ASCII: refused, not an error of its own
+    assert gate.stats() == GateStats(allowed=1, refused_missing=2, refused_wrong=2)
+
+
+def test_gate_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token is compared with hmac.compare_digest, whose time does not depend on where the
+    first differing byte is (a timing measurement over gRPC could not resolve it anyway)."""
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("tiercache.admin.hmac.compare_digest", spy)
+    gate = AdminGate("cd" * 32)
+    with pytest.raises(Forbidden):
+        gate.check("00" * 32)
+    gate.check("cd" * 32)
+    assert compared == [(b"00" * 32, b"cd" * 32), (b"cd" * 32, b"cd" * 32)]
+
+
+def test_gate_refuses_a_short_token() -> None:
+    with pytest.raises(ValueError):
+        AdminGate("ab" * 8)

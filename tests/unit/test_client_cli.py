@@ -23,6 +23,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from tiercache_client import (
     CapacityError,
+    ForbiddenError,
     GenerationResult,
     InvalidRequestError,
     NotFoundError,
@@ -33,8 +34,12 @@ from tiercache_client import (
     UnavailableError,
     build_inputs,
     classify,
+    read_admin_token,
 )
-from tiercache_client.cli import build_parser, main, summary_line
+from tiercache_client.cli import build_parser, default_admin_token_file, main, summary_line
+
+TOKEN_BYTES = bytes(range(32))  # what the fake server's admin token file holds
+TOKEN = TOKEN_BYTES.hex()
 
 
 def _free_port() -> int:
@@ -200,27 +205,37 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     def ModelInfer(self, request: Any, context: Any) -> Any:
-        """lora_cache's ADMIN call: answers a fixed report, naming the op it was asked;
-        cache_admin's: a fixed answer per op."""
-        assert request.model_name in ("lora_cache", "cache_admin")
-        (admin,) = deserialize_bytes_tensor(request.raw_input_contents[0])
+        """cache_admin's ADMIN call (the only model the client calls unary): a fixed answer
+        per op; lora_cache's adapter report for `adapters` (cache_admin forwards it there)."""
+        assert request.model_name == "cache_admin"
+        names = [i.name for i in request.inputs]
+        (admin,) = deserialize_bytes_tensor(request.raw_input_contents[names.index("ADMIN")])
         op = json.loads(admin)
+        # As cache_admin: no or a wrong token is refused before anything else.
+        if "ADMIN_TOKEN" not in names:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "forbidden: no admin token")
+        raw = request.raw_input_contents[names.index("ADMIN_TOKEN")]
+        if deserialize_bytes_tensor(raw)[0].decode() != TOKEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "forbidden: wrong admin token")
         self.admin_calls.append(op)
-        if request.model_name == "cache_admin":
-            return self._cache_admin(request, op, context)
-        if "nope" in op.get("names", []):
+        if op["op"] == "adapters":
+            return self._adapters(request, op.get("warm") or [], context)
+        return self._cache_admin(request, op, context)
+
+    def _adapters(self, request: Any, warm: list[str], context: Any) -> Any:
+        if "nope" in warm:
             context.abort(grpc.StatusCode.NOT_FOUND, "not found: unknown adapter 'nope'")
-        report = {
-            "op": op["op"],
+        report: dict[str, Any] = {
+            "op": "warm" if warm else "list",
             "adapters": [
                 {"name": "caps", "task_id": 2, "digest": "ab" * 32, "tier": "engine"},
                 {"name": "french", "task_id": 1, "digest": "cd" * 32, "tier": "disk"},
             ],
             "engine_reported": [{"name": "caps", "digest": "ab" * 32}],
         }
-        if op["op"] == "warm":
-            report["warmed"] = {name: "loaded" for name in op["names"]}
-        resp = service_pb2.ModelInferResponse(model_name="lora_cache", id=request.id)
+        if warm:
+            report["warmed"] = {name: "loaded" for name in warm}
+        resp = service_pb2.ModelInferResponse(model_name="cache_admin", id=request.id)
         _bytes_output(resp, "ADMIN_RESULT", [json.dumps(report)])
         return resp
 
@@ -273,6 +288,15 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             final.raw_output_contents.append(np.array([0.9375], dtype=np.float32).tobytes())
             final.parameters["triton_final_response"].bool_param = True
             yield service_pb2.ModelStreamInferResponse(infer_response=final)
+
+
+@pytest.fixture(autouse=True)
+def admin_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake server's admin token file, where the CLI looks by default."""
+    path = tmp_path / "admin_token"
+    path.write_bytes(TOKEN_BYTES)
+    monkeypatch.setenv("TIERCACHE_ADMIN_TOKEN_FILE", str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -494,7 +518,10 @@ def test_adapters_lists_tiers_and_warms(
     assert lines[2].split() == ["french", "1", "cd" * 6, "disk", "no", "no"]
     assert main(["adapters", "--url", url, "--warm", "french", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["warmed"] == {"french": "loaded"}
-    assert servicer.admin_calls[-2:] == [{"op": "list"}, {"op": "warm", "names": ["french"]}]
+    assert servicer.admin_calls[-2:] == [
+        {"op": "adapters", "warm": []},
+        {"op": "adapters", "warm": ["french"]},
+    ]
 
 
 def test_adapters_unknown_name_exits_2(
@@ -557,3 +584,121 @@ def test_cli_warm(
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert main(["warm", "--url", url, "--adapter", "nope"]) == 2
     assert main(["warm", "--url", url]) == 2
+
+
+# ---------------------------------------------------------------- admin token
+
+
+def test_read_admin_token_is_the_files_bytes_in_hex(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(TOKEN_BYTES)
+    assert read_admin_token(path) == TOKEN
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="at least 32"):
+        read_admin_token(path)
+    with pytest.raises(OSError):
+        read_admin_token(tmp_path / "missing")
+
+
+def test_admin_calls_carry_the_token(fake_server: tuple[str, _FakeTriton]) -> None:
+    url, fake = fake_server
+    with TierCacheClient(url, timeout_s=5, admin_token=TOKEN) as client:
+        assert client.stats()["op"] == "stats"
+        assert client.invalidate(tag="t")["op"] == "invalidate"
+        assert client.flush()["op"] == "flush"
+        assert client.warm(prompts=[{"text_input": "a", "answer": "b"}])["op"] == "warm"
+        assert client.adapters()["op"] == "list"  # through cache_admin, with the token
+    assert [c["op"] for c in fake.admin_calls[-5:]] == [
+        "stats",
+        "invalidate",
+        "flush",
+        "warm",
+        "adapters",
+    ]
+
+
+@pytest.mark.parametrize("token", [None, "00" * 32])
+def test_admin_calls_without_the_right_token_are_forbidden(
+    fake_server: tuple[str, _FakeTriton], token: str | None
+) -> None:
+    url, fake = fake_server
+    calls = len(fake.admin_calls)
+    with TierCacheClient(url, timeout_s=5, admin_token=token) as client:
+        for call in (
+            client.stats,
+            lambda: client.invalidate(tag="t"),
+            client.flush,
+            lambda: client.warm(adapters=["caps"]),
+        ):
+            with pytest.raises(ForbiddenError) as info:
+                call()
+            assert isinstance(info.value, InvalidRequestError)
+    assert len(fake.admin_calls) == calls
+
+
+def test_classify_forbidden() -> None:
+    error = classify("forbidden: ADMIN_TOKEN is not the operator's admin token", "INVALID_ARG")
+    assert isinstance(error, ForbiddenError) and error.kind == "forbidden"
+
+
+def test_default_admin_token_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TIERCACHE_ADMIN_TOKEN_FILE", "/etc/tiercache/token")
+    assert default_admin_token_file() == "/etc/tiercache/token"
+    monkeypatch.delenv("TIERCACHE_ADMIN_TOKEN_FILE")
+    monkeypatch.setenv("TIERCACHE_STATE_DIR", str(tmp_path))
+    assert default_admin_token_file() == str(tmp_path / "admin_token")
+    monkeypatch.delenv("TIERCACHE_STATE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_admin_token_file() == str(tmp_path / ".cache" / "tiercache" / "admin_token")
+
+
+def test_cli_admin_token_file_flag(
+    fake_server: tuple[str, _FakeTriton],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, _ = fake_server
+    monkeypatch.delenv("TIERCACHE_ADMIN_TOKEN_FILE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert main(["stats", "--url", url]) == 2  # the default file does not exist
+    assert "cannot read the admin token" in capsys.readouterr().err
+    other = tmp_path / "elsewhere"
+    other.write_bytes(TOKEN_BYTES)
+    assert main(["stats", "--url", url, "--admin-token-file", str(other)]) == 0
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(bytes(32))
+    assert main(["flush", "--yes", "--url", url, "--admin-token-file", str(wrong)]) == 2
+    assert capsys.readouterr().err.startswith("error: forbidden: wrong admin token")
+    with pytest.raises(SystemExit):  # generate takes no admin token
+        build_parser().parse_args(["generate", "p", "--admin-token-file", str(other)])
+
+
+class _RestrictedIndexTriton(_FakeTriton):
+    """As `tiercache serve` runs Triton: the repository index is a restricted API."""
+
+    def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "This protocol is restricted, expecting header "
+            "'triton-grpc-protocol-tiercache-restricted'",
+        )
+
+    def ModelReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ModelReadyResponse(ready=request.name == "ensemble")
+
+
+def test_health_when_the_repository_index_is_restricted() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_RestrictedIndexTriton(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with TierCacheClient(f"127.0.0.1:{port}", timeout_s=5) as client:
+            assert client.health() == {
+                "live": True,
+                "ready": True,
+                "models": {"ensemble": True, "cache_admin": False},
+            }
+    finally:
+        server.stop(grace=None)

@@ -9,7 +9,6 @@ else the repository's `.tiercache/`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -23,10 +22,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402 - after HF_HUB_OFFLINE
 
-from tiercache.adapter_types import NOT_IN_ENGINE_MARK, AdapterRef, AdapterWeights  # noqa: E402
+from tiercache.adapter_types import (  # noqa: E402
+    NOT_IN_ENGINE_MARK,
+    AdapterRef,
+    AdapterWeights,
+    adapter_digest,
+)
 from tiercache.engine import adapters as engine_adapters  # noqa: E402
 from tiercache.engine.adapters import AdapterOrder, EngineAdapters  # noqa: E402
-from tiercache.errors import InvalidRequest, NotFound  # noqa: E402
+from tiercache.errors import Forbidden, InvalidRequest, NotFound  # noqa: E402
 from tiercache.eviction import LruPolicy  # noqa: E402
 from tiercache.exact.request import GenerationRequest  # noqa: E402
 
@@ -43,7 +47,7 @@ MAX_TOKENS = 6
 def adapter_weights(style: str, task_id: int = 0, digest: str = "") -> AdapterWeights:
     config = (ADAPTERS / style / "adapter_config.json").read_text()
     weights = (ADAPTERS / style / "adapter_model.safetensors").read_bytes()
-    digest = digest or hashlib.sha256(config.encode() + weights).hexdigest()
+    digest = digest or adapter_digest(config.encode(), weights)
     task_id = task_id or STYLES.index(style) + 1
     return AdapterWeights(AdapterRef(style, task_id, digest), config, weights)
 
@@ -548,3 +552,22 @@ def test_an_order_evicts_then_loads_and_never_evicts_what_it_generates_with(
 def test_bad_orders_are_rejected(inputs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         AdapterOrder.parse(**inputs)
+
+
+def test_files_that_do_not_match_their_digest_are_never_loaded() -> None:
+    """The engine recomputes an adapter's digest: files cannot be loaded under the identity
+    (name, task id, digest) of another version."""
+    caps, french = adapter_weights("caps"), adapter_weights("french")
+    with pytest.raises(Forbidden, match="do not match its digest"):
+        AdapterOrder.parse(
+            op="load", lora=french.ref.to_json(), config_json=caps.config_json, weights=caps.weights
+        )
+    tampered = caps.weights[:-1] + bytes([caps.weights[-1] ^ 1])
+    with pytest.raises(Forbidden, match="do not match its digest"):
+        AdapterOrder.parse(
+            op="load", lora=caps.ref.to_json(), config_json=caps.config_json, weights=tampered
+        )
+    order = AdapterOrder.parse(
+        op="load", lora=caps.ref.to_json(), config_json=caps.config_json, weights=caps.weights
+    )
+    assert order.weights is not None and order.weights.matches()

@@ -196,3 +196,51 @@ def test_pool_stays_inside_a_tiny_budget(engine: Any) -> None:
     stats = engine.kv_stats()
     assert stats.evictions > 0 and stats.blocks <= 5
     assert stats.pinned_blocks == 0
+
+
+# ---- the context window ------------------------------------------------------------------------
+
+
+def test_context_window_comes_from_the_model_config() -> None:
+    from types import SimpleNamespace
+
+    from tiercache.engine.torch_engine import context_window
+
+    assert context_window(SimpleNamespace(max_position_embeddings=8192, n_positions=4)) == 8192
+    assert context_window(SimpleNamespace(n_positions=1024)) == 1024
+    assert context_window(SimpleNamespace(max_position_embeddings=None)) is None
+    assert context_window(SimpleNamespace()) is None
+
+
+def test_check_context_names_both_numbers() -> None:
+    from tiercache.engine.torch_engine import check_context
+    from tiercache.errors import InvalidRequest
+
+    check_context(100, 28, 128)  # exactly full
+    check_context(10**6, 10**6, None)  # no window known: not checked here
+    with pytest.raises(InvalidRequest) as info:
+        check_context(100, 29, 128)
+    assert info.value.message == (
+        "the prompt is 100 tokens and max_tokens is 29: 129 tokens do not fit the model's "
+        "context window of 128 tokens"
+    )
+
+
+def test_a_request_past_the_context_window_is_refused_before_any_work(engine: Any) -> None:
+    from tiercache.errors import InvalidRequest
+
+    window = engine.context_tokens
+    assert window == engine.model.config.max_position_embeddings
+    prompt_tokens = int(engine.prompt_ids("When do you open?").shape[1])
+    fits = GenerationRequest("When do you open?", max_tokens=window - prompt_tokens)
+    over = replace(fits, max_tokens=window - prompt_tokens + 1, lora_digest="f" * 64)
+    before = engine.kv_pool.stats()
+    with pytest.raises(InvalidRequest) as info:
+        next(engine.generate(over))  # an unloaded adapter: NotFound if it had got that far
+    assert f"the prompt is {prompt_tokens} tokens and max_tokens is {over.max_tokens}" in (
+        info.value.message
+    )
+    assert f"context window of {window} tokens" in info.value.message
+    assert engine.kv_pool.stats() == before  # no lookup, no prefill
+    first = next(engine.generate(replace(fits, max_tokens=1)))  # the same prompt still runs
+    assert first.finish_reason is not None

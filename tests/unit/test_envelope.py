@@ -1,5 +1,5 @@
 """The inter-stage envelope's codec (tiercache.stages.envelope): round trips, a versioned
-canonical encoding, and hostile input refused as InvalidRequest."""
+canonical encoding, and hostile input refused as InvalidRequest (its seal: test_seal.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from tiercache.errors import InvalidRequest
+from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import Digest, key_fields
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import ENVELOPE_VERSION, Envelope, ReceivedEnvelope
+from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import CacheStatus
 
 FULL = Envelope(
@@ -113,11 +114,13 @@ def test_hostile_input_is_an_invalid_request(data: bytes, fragment: str) -> None
         Envelope.decode(data)
 
 
-def test_a_received_envelope_is_decoded_once_and_only_when_asked() -> None:
-    received = ReceivedEnvelope(b"not json")  # a hit passed on never looks at it
-    with pytest.raises(InvalidRequest, match="not JSON"):
+def test_a_received_envelope_is_checked_and_decoded_once_and_only_when_asked() -> None:
+    sealer = Sealer(b"k" * 32)
+    received = ReceivedEnvelope(b"not sealed", sealer)  # a hit passed on never looks at it
+    with pytest.raises(Forbidden, match="not sealed"):
         received.get()
-    good = ReceivedEnvelope(FULL.encode())
+    good = ReceivedEnvelope(FULL.seal(sealer), sealer)
     assert good.get() is good.get() and good.get() == FULL
+    assert good.seal == FULL.seal(sealer)[:64].decode()
     with pytest.raises(InvalidRequest, match="ENVELOPE is required"):
-        ReceivedEnvelope(None).get()
+        ReceivedEnvelope(None, sealer).get()

@@ -16,7 +16,7 @@ from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator, sweep
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.tiered import TieredCache
-from tiercache.exact.watermarks import Invalidation, InvalidationTable, applies
+from tiercache.exact.watermarks import HostWatermarks, Invalidation, InvalidationTable, applies
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.store import SemanticStore
 from tiercache.vocabulary import InvalidationKind, Tier
@@ -92,13 +92,80 @@ def test_table_covers_like_applies_and_keeps_the_newest_watermark() -> None:
         )
 
 
-def test_table_is_bounded_and_forgets_the_oldest() -> None:
-    table = InvalidationTable(max_events=100)
-    for i in range(101):
+def test_a_watermark_younger_than_the_horizon_is_never_forgotten_whatever_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock(1_000.0)
+    table = InvalidationTable(max_events=10, horizon_s=1_000.0, clock=clock)  # skew_s 0.05
+    for i in range(1_000):  # all within the horizon: none may go
+        table.note(Invalidation(K, f"k{i}", 900.0 + i / 100))
+    assert len(table) == 1_000 and table.forgotten == 0
+    assert all(table.covers(f"k{i}", entry(created_s=899.0)) for i in range(1_000))
+    assert table.kept_past_max == 990  # every note that left it over max_events
+    warnings = [r for r in caplog.records if "more than max_events" in r.getMessage()]
+    assert len(warnings) == 1  # at most once a minute, on the table's clock
+    assert "ttl_s 1000 s" in warnings[0].getMessage()
+    clock.now += 61  # still within the horizon
+    table.note(Invalidation(T, "late", clock.now))
+    assert len([r for r in caplog.records if "more than max_events" in r.getMessage()]) == 2
+
+
+def test_past_max_events_only_what_the_horizon_and_skew_passed_is_forgotten() -> None:
+    clock = FakeClock(1_000.0)
+    table = InvalidationTable(max_events=2, horizon_s=100.0, clock=clock)
+    cutoff = 1_000.0 - 100.0 - 2 * table.skew_s  # 899.9: the skew counts for two clocks
+    table.note(Invalidation(K, "old", cutoff - 0.01))
+    table.note(Invalidation(K, "edge", cutoff + 0.01))
+    assert len(table) == 2  # not past max_events: nothing is forgotten, however old
+    table.note(Invalidation(T, "new", 999.0))
+    assert len(table) == 2 and table.forgotten == 1
+    assert not table.covers("old", entry(created_s=0.0))
+    assert table.covers("edge", entry(created_s=0.0))  # younger than horizon + allowance
+    clock.now += 1.0  # now "edge" is old enough too, and goes at the next note past the bound
+    table.note(Invalidation(T, "newer", 999.5))
+    assert not table.covers("edge", entry(created_s=0.0)) and len(table) == 2
+
+
+def test_a_superseded_note_does_not_forget_the_newer_watermark() -> None:
+    clock = FakeClock(1_000.0)
+    table = InvalidationTable(max_events=1, horizon_s=100.0, clock=clock)
+    table.note(Invalidation(T, "kb", 500.0))  # old ...
+    table.note(Invalidation(T, "kb", 950.0))  # ... raised again since
+    table.note(Invalidation(K, "k", 960.0))
+    assert table.covers("x", entry(created_s=950.0, tags=("kb",))) and len(table) == 2
+    for i in range(5_000):  # the same watermark raised over and over: the heap stays small
+        table.note(Invalidation(K, "k", 960.0 + i / 1_000))
+    assert len(table) == 2 and len(table._order) <= 2 * len(table) + 1_024
+
+
+def test_without_a_horizon_nothing_is_ever_forgotten() -> None:
+    clock = FakeClock(1e9)  # every watermark below is ancient
+    table = InvalidationTable(max_events=10, clock=clock)
+    for i in range(100):
         table.note(Invalidation(K, f"k{i}", float(i)))
-    assert len(table) == 91  # past the bound, the oldest tenth went
-    assert not table.covers("k0", entry(created_s=0.0))
-    assert table.covers("k100", entry(created_s=0.0))
+    assert len(table) == 100 and table.forgotten == 0 and table.kept_past_max == 90
+    assert table.covers("k0", entry(created_s=0.0))
+
+
+def test_what_the_horizon_forgets_is_never_served_again(tmp_path: Path) -> None:
+    """The point of the rule: a reader whose ttl_s is the horizon refuses by age every entry a
+    forgotten watermark covered, even with its clock `skew_s` behind the one that forgot."""
+    clock = FakeClock(1_000.0)
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    forgetting = TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=100.0)
+    table = forgetting.invalidations
+    table.max_events = 0  # forget at every note
+    assert table.horizon_s == 100.0  # the cache's own table takes its horizon
+    behind = FakeClock(1_000.0 - table.skew_s)
+    reader = TieredCache([(Tier.L2, l2)], clock=behind, default_ttl_s=100.0)
+    at_s = 1_000.0 - 100.0 - 2 * table.skew_s - 1e-6  # just past the cutoff
+    # the youngest entry it covers, written without a TTL of its own (as an llm with ttl_s 0)
+    l2.put("k", CacheEntry("stale", at_s + table.skew_s))
+    table.note(Invalidation(K, "k", at_s))
+    assert len(table) == 0 and table.forgotten == 1
+    assert forgetting.get("k") is None and reader.get("k") is None
+    assert not reader.exists("k")
+    forgetting.close()
 
 
 def test_invalidation_json_and_member_round_trip() -> None:
@@ -280,9 +347,7 @@ def test_many_hidden_rows_do_not_inflate_every_search(
     index.close()
 
 
-def test_host_watermarks_note_each_record_once_and_drop_the_oldest(tmp_path: Path) -> None:
-    from tiercache.exact.watermarks import HostWatermarks
-
+def test_host_watermarks_note_each_record_once(tmp_path: Path) -> None:
     marks = HostWatermarks(tmp_path / "inv", max_events=3)
     table = InvalidationTable()
     assert marks.catch_up(table) == 0
@@ -291,8 +356,34 @@ def test_host_watermarks_note_each_record_once_and_drop_the_oldest(tmp_path: Pat
     assert marks.catch_up(table) == 2 and marks.catch_up(table) == 0
     assert table.covers("k", entry(created_s=11.0))
     assert table.covers("x", entry(created_s=5.0, tags=("a",)))
-    for i in range(4):  # past max_events: the oldest records are dropped
-        marks.record(Invalidation(InvalidationKind.TAG, f"t{i}", 20.0 + i))
-    assert marks.catch_up(table) == 3  # what is kept of the four new ones
-    assert table.covers("x", entry(created_s=23.0, tags=("t3",)))
+    marks.close()
+
+
+def test_host_watermarks_keep_what_the_horizon_has_not_passed(tmp_path: Path) -> None:
+    clock = FakeClock(1_000.0)
+    marks = HostWatermarks(tmp_path / "inv", max_events=3, horizon_s=100.0, clock=clock)
+    for i in range(3):  # older than the horizon, but within max_events: kept
+        marks.record(Invalidation(T, f"old{i}", 100.0 + i))
+    for i in range(5):  # past max_events: the old ones go, oldest first, the young stay
+        marks.record(Invalidation(T, f"young{i}", 950.0 + i))
+    table = InvalidationTable()
+    assert marks.catch_up(table) == 5  # a process starting now reads the young five
+    assert marks.forgotten == 3 and marks.kept_past_max == 2
+    assert all(table.covers("x", entry(created_s=900.0, tags=(f"young{i}",))) for i in range(5))
+    assert not table.covers("x", entry(created_s=0.0, tags=("old0",)))
+    marks.close()
+
+
+def test_host_watermarks_without_a_horizon_keep_every_record(tmp_path: Path) -> None:
+    marks = HostWatermarks(tmp_path / "inv", max_events=3, clock=FakeClock(1e9))
+    for i in range(10):
+        marks.record(Invalidation(T, f"t{i}", float(i)))
+    table = InvalidationTable()
+    assert marks.catch_up(table) == 10 and marks.forgotten == 0 and marks.kept_past_max == 7
+    reopened = HostWatermarks(tmp_path / "inv2", max_events=3)
+    assert reopened.swept_until_s() is None
+    reopened.mark_swept(5.0)
+    reopened.mark_swept(4.0)  # never moves back
+    assert reopened.swept_until_s() == 5.0
+    reopened.close()
     marks.close()

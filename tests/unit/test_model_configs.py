@@ -25,6 +25,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tiercache.adapter_types import AdapterRef, TrtllmLora, TrtllmRequestLora, engine_task_id
 from tiercache.engine.trtllm_client import REQUESTED_OUTPUTS, TrtllmClient
 from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tenant_keys import add_key
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "tensorrt_llm"
@@ -253,7 +254,7 @@ def test_llm_requests_match_the_tensorrt_llm_inputs(request_: GenerationRequest)
     assert set(REQUESTED_OUTPUTS) <= set(by_name(config.output))
 
 
-def test_tensorrt_llm_config_enables_reuse_and_lora(build: ModuleType) -> None:
+def test_tensorrt_llm_config_can_reuse_and_has_lora(build: ModuleType) -> None:
     config = parse(DEPLOY / "tensorrt_llm" / "config.pbtxt")
     p = params(config)
     assert config.backend == "tensorrtllm" and config.model_transaction_policy.decoupled
@@ -349,6 +350,28 @@ def test_assemble_with_an_engine_uses_its_files_and_limits(
     assert params(configs["llm"])["trtllm_max_input_len"] == "1024"
     assert params(configs["llm"])["trtllm_max_seq_len"] == "2048"
     assert params(configs["tensorrt_llm"])["lora_cache_max_adapter_size"] == "16"
+
+
+def test_assembled_kv_reuse_is_off_unless_one_tenant_or_the_operator_says_so(
+    tmp_path: Path, assemble: ModuleType, gpu_repo: Path
+) -> None:
+    """TensorRT-LLM's Triton backend has no per-tenant cache salt: shared prefix blocks would
+    cross tenants, so the assembled repository reuses KV blocks only where that cannot happen."""
+    assert params(configs_of(gpu_repo)["tensorrt_llm"])["enable_kv_cache_reuse"] == "false"
+    assert assemble.kv_reuse_decision("auto", None)[0] is False
+    keys = tmp_path / "keys.json"
+    add_key(keys, "acme")
+    add_key(keys, "acme")  # two keys, one tenant
+    assert assemble.kv_reuse_decision("auto", keys)[0] is True
+    add_key(keys, "globex")
+    reuse, why = assemble.kv_reuse_decision("auto", keys)
+    assert reuse is False and "2 tenants" in why
+    assert assemble.kv_reuse_decision("on", keys)[0] is True
+    assert assemble.kv_reuse_decision("off", None)[0] is False
+    with pytest.raises(ValueError, match="--kv-reuse"):
+        assemble.kv_reuse_decision("maybe", None)
+    out = assemble.assemble(tmp_path / "shared", kv_reuse=True)
+    assert params(configs_of(out)["tensorrt_llm"])["enable_kv_cache_reuse"] == "true"
 
 
 def test_assemble_refuses_an_incomplete_engine_and_a_full_output(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -136,6 +138,58 @@ def test_opening_validates_the_header(tmp_path: Path) -> None:
         native.SharedTable(short, WIDTH, 10)
     with pytest.raises(ValueError, match="width"):
         native.SharedTable(tmp_path / "zero.tbl", 0, 10)
+
+
+# Layout version 1: the published count and the claimed end each on their own cache line.
+COUNT_OFFSET, CLAIMED_OFFSET = 128, 192
+
+
+def _write_u64(path: Path, offset: int, value: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(value.to_bytes(8, "little"))
+
+
+@pytest.mark.parametrize(("offset", "what"), [(COUNT_OFFSET, "11 rows"), (CLAIMED_OFFSET, "(99")])
+def test_opening_refuses_row_counts_past_the_capacity(
+    tmp_path: Path, offset: int, what: str
+) -> None:
+    """A damaged or forged count would make every view, and the next publish, run off the end
+    of the mapping: the header's counts are checked against the capacity at open."""
+    path = tmp_path / "t.tbl"
+    with native.SharedTable(path, WIDTH, 10) as table:
+        table.publish(np.ones((3, WIDTH), dtype=np.float32))
+    _write_u64(path, offset, 11 if offset == COUNT_OFFSET else 99)
+    with pytest.raises(native.TableFormatError, match="in a table of 10 rows; the file is damaged"):
+        native.SharedTable(path, WIDTH, 10)
+    with pytest.raises(native.TableFormatError, match=re.escape(what)):
+        native.SharedTable(path, WIDTH, 10)
+
+
+def test_a_count_damaged_after_the_open_is_refused_by_every_use(tmp_path: Path) -> None:
+    path = tmp_path / "t.tbl"
+    table = native.SharedTable(path, WIDTH, 10)
+    table.publish(np.ones((2, WIDTH), dtype=np.float32))
+    _write_u64(path, COUNT_OFFSET, 1 << 40)
+    with pytest.raises(native.TableFormatError, match="the file is damaged"):
+        table.count()  # first: a build without the check would read past the mapping below
+    with pytest.raises(native.TableFormatError):
+        table.snapshot()
+    with pytest.raises(native.TableFormatError):
+        table.ids()
+    with pytest.raises(native.TableFormatError, match="nothing was published"):
+        table.publish(np.ones((1, WIDTH), dtype=np.float32))
+    _write_u64(path, COUNT_OFFSET, 2)  # repaired: usable again
+    assert table.count() == 2 and table.snapshot().shape == (2, WIDTH)
+
+
+def test_table_files_are_private(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        native.SharedTable(tmp_path / "t.tbl", WIDTH, 10).close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "t.tbl").stat().st_mode) == 0o600
 
 
 def test_the_first_open_after_a_reboot_starts_empty(tmp_path: Path) -> None:

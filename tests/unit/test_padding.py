@@ -12,8 +12,10 @@ from tiercache.config import LlmConfig
 from tiercache.errors import ConfigError
 from tiercache.exact.keys import tenant_scope
 from tiercache.padding import (
+    MASKED_STATUS,
     Action,
     DueQueue,
+    MaskedResponder,
     PaddedResponder,
     PaddingPolicy,
     ResponseTimer,
@@ -208,3 +210,20 @@ def test_a_failing_send_does_not_stop_the_others() -> None:
     timer.schedule(6.0, lambda: ran.append("next"))
     timer.close()
     assert ran == ["next"]
+
+
+def test_a_masked_hit_and_a_masked_miss_send_the_same_shape() -> None:
+    """A padded tenant's hit (one final with the text, status and similarity) and its streamed
+    miss (chunks, then a final with prompt-token counts and a finish reason) reach the client
+    alike: one final response with the whole text and status "masked", nothing else."""
+    hit, miss = RecordingResponder(), RecordingResponder()
+    MaskedResponder(hit).send_final("Paris.", "semantic", 0.97)
+    masked_miss = MaskedResponder(miss)
+    masked_miss.send_chunk("Par")
+    masked_miss.send_chunk("is.")
+    masked_miss.send_final(None, "miss", None, (12, 3), finish_reason="stop")
+    assert hit.sent == miss.sent == [("final", "Paris.", MASKED_STATUS, None, None)]
+    exact, fresh = RecordingResponder(), RecordingResponder()
+    MaskedResponder(exact).send_final("Paris.", "exact")
+    MaskedResponder(fresh).send_final("Paris.", "miss", None, (0, 15), finish_reason="length")
+    assert exact.sent == fresh.sent

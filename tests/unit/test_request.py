@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 
 import numpy as np
 import pytest
@@ -279,3 +280,129 @@ def test_tenant_is_normalized_but_not_in_request() -> None:
     b = canonicalize(RawInputs("hi"))
     assert a.tenant == "acme"
     assert a.request == b.request
+
+
+# ---------------------------------------------------------------- sizes before decoding
+
+
+@pytest.fixture
+def normalized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every text `canonicalize` NFKC-normalizes, recorded."""
+    import tiercache.exact.request as request_module
+
+    seen: list[str] = []
+    real = unicodedata.normalize
+
+    class Spy:
+        @staticmethod
+        def normalize(form: str, text: str) -> str:
+            seen.append(text)
+            return real(form, text)
+
+    monkeypatch.setattr(request_module, "unicodedata", Spy)
+    return seen
+
+
+OVERSIZED = [
+    pytest.param(
+        {"text_input": "x" * (4 * 16 + 1)}, "text_input has 65 or more bytes", id="prompt"
+    ),
+    pytest.param(
+        {"text_input": b"\xff" * 65}, "text_input has 65 or more bytes", id="prompt-bytes"
+    ),
+    pytest.param({"stop_words": ["a"] * 5}, "at most 4 stop_words, got 5", id="stop-count-dupes"),
+    pytest.param({"stop_words": [""] * 5}, "at most 4 stop_words, got 5", id="stop-count-empty"),
+    pytest.param({"stop_words": ["é" * 17]}, "a stop word has 34 or more bytes", id="stop-bytes"),
+    pytest.param({"stop_words": [b"\xff" * 33]}, "a stop word has 33", id="stop-raw-bytes"),
+    pytest.param({"tenant": "é" * 129}, "tenant has 258 or more bytes", id="tenant-bytes"),
+    pytest.param({"tenant": b"\xff" * 300}, "tenant has 300", id="tenant-raw-bytes"),
+    pytest.param({"cache_control": "no-store " * 114}, "cache_control has 1026", id="cache-ctl"),
+    pytest.param({"lora_name": "a" * 257}, "lora_name has 257", id="lora-name"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), OVERSIZED)
+def test_sizes_are_checked_before_decoding_or_normalizing(
+    normalized: list[str], fields: dict[str, object], message: str
+) -> None:
+    raw = {"text_input": "hi", **fields}
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        canonicalize(RawInputs(**raw), SMALL)  # type: ignore[arg-type]
+    assert set(normalized) <= {"hi"}  # only the valid prompt, normalized before the rest
+
+
+def test_stop_words_are_bounded_in_bytes_per_word_and_so_in_total() -> None:
+    limits = Limits(max_stop_words=4, max_stop_word_chars=2)  # 8 bytes a word, 32 in all
+    canonicalize(RawInputs("hi", stop_words=["😀😀"] * 4), limits)  # 32 bytes
+    with pytest.raises(InvalidRequest, match="stop word has 9 or more bytes"):
+        canonicalize(RawInputs("hi", stop_words=["😀😀a"]), limits)
+
+
+def test_raw_bytes_inputs_are_decoded_after_the_size_check() -> None:
+    canonical = canonicalize(
+        RawInputs(
+            b"What is Triton?",
+            stop_words=[b"END", "\n"],
+            tenant=" ａｃｍｅ ".encode(),
+            cache_control=b"no-store",
+            lora_name=b" ",
+        )
+    )
+    assert canonical.request == canon("What is Triton?", stop_words=["END", "\n"])
+    assert canonical.tenant == "acme" and canonical.cache_control.no_store
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"text_input": b"ok \xff"}, "text_input is not valid UTF-8 (byte 3)"),
+        ({"stop_words": [b"\xc3"]}, "stop_words is not valid UTF-8"),
+        ({"tenant": b"\xc3("}, "tenant is not valid UTF-8"),
+        ({"tenant": "a\ud800"}, "tenant is not valid Unicode (a lone surrogate at character 1)"),
+        ({"text_input": "hi \udfff"}, "text_input is not valid Unicode"),
+    ],
+)
+def test_text_that_is_not_unicode_is_refused(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        canonicalize(RawInputs(**{"text_input": "hi", **fields}))  # type: ignore[arg-type]
+
+
+def test_default_limits_of_tenant_cache_control_and_adapter_name() -> None:
+    canonicalize(RawInputs("hi", tenant="t" * 256, cache_control="no-store " * 113))
+    for fields in ({"tenant": "t" * 257}, {"cache_control": "x" * 1025}, {"lora_name": "a" * 257}):
+        with pytest.raises(InvalidRequest, match="bytes, over the limit"):
+            canonicalize(RawInputs("hi", **fields))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- echoed values are cut
+
+
+@pytest.mark.parametrize(
+    "cache_control",
+    [
+        "tag=" + "x" * 900,  # an invalid tag (over 128 characters)
+        "max-age=" + "9" * 900 + "z",
+        "bogus=" + "x" * 900,
+    ],
+)
+def test_a_value_echoed_in_an_error_is_cut_to_64_characters(cache_control: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        CacheControl.parse(cache_control)
+    message = info.value.message
+    assert "\u2026'" in message and "x" * 65 not in message and "9" * 65 not in message
+    assert len(message) < 300
+
+
+def test_unknown_cache_control_words_are_listed_up_to_eight() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        CacheControl.parse(" ".join(f"w{i:03d}" for i in range(100)))
+    message = info.value.message
+    assert "'w007'" in message and "'w008'" not in message and "and 92 more" in message
+
+
+def test_huge_numbers_are_not_echoed_whole() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        canonicalize(RawInputs("hi", seed=10**4000))
+    assert "\u2026" in info.value.message and len(info.value.message) < 200
+    with pytest.raises(InvalidRequest, match="max_tokens must be in"):
+        canonicalize(RawInputs("hi", max_tokens=-(10**4000)))

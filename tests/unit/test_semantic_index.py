@@ -189,6 +189,20 @@ def test_stage_hits_a_stored_answer_and_embeds_each_text_once(tmp_path: Path) ->
     assert embed.calls == [["q1 reworded"]]
 
 
+def test_stage_keeps_vectors_per_tenant(tmp_path: Path) -> None:
+    """A vector embedded for one tenant never answers another's lookup: its fast path would
+    tell the second tenant that someone sent the same text before."""
+    embed = _Embed({"a shared question": unit(1, 0)})
+    stage = _stage(tmp_path, embed)
+    first, second = "a" * 64, "b" * 64
+    (one,) = stage.lookup(["a shared question"], ["scope-a"], [first])
+    (other,) = stage.lookup(["a shared question"], ["scope-b"], [second])
+    (again,) = stage.lookup(["a shared question"], ["scope-a"], [first])
+    assert (one.vector_cached, other.vector_cached, again.vector_cached) == (False, False, True)
+    assert embed.calls == [["a shared question"], ["a shared question"]]
+    assert vector_key("emb@1", "x", first) != vector_key("emb@1", "x", second)
+
+
 def test_stage_guard_rejection_and_stale_answers(tmp_path: Path) -> None:
     embed = _Embed({"q": unit(1, 0)})
     refusing = _stage(tmp_path / "a", embed, accept_all=False)

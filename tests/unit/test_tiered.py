@@ -243,3 +243,31 @@ def test_store_finds_a_tier_by_name_and_a_tier_named_twice_is_refused(
     assert cache.store(Tier.L3) is None
     with pytest.raises(ValueError, match="named twice"):
         TieredCache([(Tier.L1, l1), (Tier.L1, MemoryStore(1 << 20))])
+
+
+def test_a_table_forgetting_sooner_than_the_cache_serves_is_refused(
+    l2: LmdbStore, clock: FakeClock
+) -> None:
+    """The table may forget a watermark only once every entry it covers is too old to serve:
+    its horizon must not be shorter than the cache's ttl_s, nor set when answers never expire."""
+    from tiercache.exact.watermarks import InvalidationTable
+
+    for ttl_s in (0.0, 120.0):
+        with pytest.raises(ValueError, match="served again"):
+            TieredCache(
+                [(Tier.L2, l2)], default_ttl_s=ttl_s, invalidations=InvalidationTable(horizon_s=60)
+            )
+    TieredCache([(Tier.L2, l2)], default_ttl_s=60, invalidations=InvalidationTable(horizon_s=60))
+    TieredCache([(Tier.L2, l2)], default_ttl_s=30, invalidations=InvalidationTable(horizon_s=60))
+    own = TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=60).invalidations
+    assert own.horizon_s == 60 and TieredCache([(Tier.L2, l2)]).invalidations.horizon_s is None
+
+
+def test_exists_refuses_what_is_too_old_for_this_reader(l2: LmdbStore, clock: FakeClock) -> None:
+    """As get() does: an entry written without a TTL is not usable past the reader's ttl_s."""
+    TieredCache([(Tier.L2, l2)], clock=clock).put("k", "forever")
+    reader = TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=60)
+    assert reader.exists("k")
+    clock.now += 60
+    assert not reader.exists("k") and reader.get("k") is None
+    assert TieredCache([(Tier.L2, l2)], clock=clock).exists("k")

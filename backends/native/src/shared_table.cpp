@@ -160,7 +160,8 @@ class Fd {
 void create_table_file(const std::string& path, std::uint32_t width, std::uint64_t capacity) {
   std::random_device rd;
   std::string tmp = path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(rd());
-  Fd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  // 0600: a table holds prompt vectors of every tenant of the host.
+  Fd fd(::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (fd.get() < 0) throw std::runtime_error(errno_text("cannot create " + tmp, errno));
   struct Unlink {
     const std::string& p;
@@ -218,6 +219,19 @@ void check_header(const TableFixed& h, const std::string& path, std::uint32_t wi
          std::to_string(h.file_bytes));
 }
 
+// The shared counters must describe rows inside the table: a count past the capacity (a
+// damaged or forged file) would make every reader's view and the next publish run off the end
+// of the mapping.
+void check_counts(const TableHeader& h, const std::string& path, std::uint64_t capacity) {
+  std::uint64_t count = h.count.load(kReadOrder);
+  std::uint64_t claimed = h.claimed.load(std::memory_order_relaxed);
+  if (count > capacity || claimed > capacity)
+    throw TableFormatError(path + ": the header says " + std::to_string(count) +
+                           " rows are published (" + std::to_string(claimed) +
+                           " claimed) in a table of " + std::to_string(capacity) +
+                           " rows; the file is damaged");
+}
+
 }  // namespace
 
 SharedTable::SharedTable(const std::string& path, std::uint32_t width, std::uint64_t capacity)
@@ -265,6 +279,7 @@ SharedTable::SharedTable(const std::string& path, std::uint32_t width, std::uint
     h->generation.fetch_add(1, std::memory_order_acq_rel);
     set_boot_id(&h->fixed, boot_id);
   }
+  check_counts(*h, path, capacity);  // throws with the flock released by ~Fd
   flock(fd.get(), LOCK_UN);
 }
 
@@ -273,15 +288,28 @@ TableHeader* SharedTable::header() const {
   return reinterpret_cast<TableHeader*>(mapping_->base());
 }
 
+// Offsets come from this object's validated shape, not from the shared header, which another
+// process could overwrite after the open.
 const float* SharedTable::rows() const {
-  return reinterpret_cast<const float*>(mapping_->base() + header()->fixed.rows_offset);
+  header();  // refuses a closed table
+  return reinterpret_cast<const float*>(mapping_->base() +
+                                        layout_for(width_, capacity_).rows_offset);
 }
 
 const std::uint64_t* SharedTable::ids() const {
-  return reinterpret_cast<const std::uint64_t*>(mapping_->base() + header()->fixed.ids_offset);
+  header();
+  return reinterpret_cast<const std::uint64_t*>(mapping_->base() +
+                                                layout_for(width_, capacity_).ids_offset);
 }
 
-std::uint64_t SharedTable::count() const { return header()->count.load(kReadOrder); }
+std::uint64_t SharedTable::count() const {
+  std::uint64_t count = header()->count.load(kReadOrder);
+  if (count > capacity_)  // damaged since the open: never hand out a view past the mapping
+    throw TableFormatError(path_ + ": the header says " + std::to_string(count) +
+                           " rows are published in a table of " + std::to_string(capacity_) +
+                           " rows; the file is damaged");
+  return count;
+}
 
 std::uint64_t SharedTable::claimed() const {
   return header()->claimed.load(std::memory_order_relaxed);
@@ -350,6 +378,10 @@ PublishResult SharedTable::publish(const float* rows, const std::uint64_t* ids, 
   result.first = first;
   if (h->retired.load(std::memory_order_acquire) != 0)
     throw TableRetiredError(path_ + " was retired; reopen the path");
+  if (first > capacity_)
+    throw TableFormatError(path_ + ": the header says " + std::to_string(first) +
+                           " rows are published in a table of " + std::to_string(capacity_) +
+                           " rows; the file is damaged, nothing was published");
   if (n > capacity_ - first)
     throw TableFullError(path_ + ": " + std::to_string(first) + " of " +
                          std::to_string(capacity_) + " rows used, " + std::to_string(n) +
@@ -358,10 +390,11 @@ PublishResult SharedTable::publish(const float* rows, const std::uint64_t* ids, 
 
   h->claimed.store(first + n, std::memory_order_relaxed);
   char* base = mapping_->base();
-  char* destination = base + h->fixed.rows_offset + first * width_ * sizeof(float);
+  const Layout layout = layout_for(width_, capacity_);
+  char* destination = base + layout.rows_offset + first * width_ * sizeof(float);
   populate_for_write(destination, n * width_ * sizeof(float));
   std::memcpy(destination, rows, n * width_ * sizeof(float));
-  auto* id_slots = reinterpret_cast<std::uint64_t*>(base + h->fixed.ids_offset) + first;
+  auto* id_slots = reinterpret_cast<std::uint64_t*>(base + layout.ids_offset) + first;
   if (ids != nullptr) {
     std::memcpy(id_slots, ids, n * sizeof(std::uint64_t));
   } else {

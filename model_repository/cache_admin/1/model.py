@@ -1,12 +1,11 @@
-"""Triton model `cache_admin`: decode ADMIN, run it (tiercache.stages.cache_admin), encode
-ADMIN_RESULT."""
+"""Triton model `cache_admin`: decode ADMIN and ADMIN_TOKEN, run the call behind the admin token
+(tiercache.stages.cache_admin), encode ADMIN_RESULT."""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import CacheAdminConfig
-from tiercache.errors import InvalidRequest
 from tiercache.stages.cache_admin import open_cache_admin
 from tiercache.triton import io
 
@@ -20,10 +19,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                text = io.Inputs(request).string("ADMIN")
-                if not text:
-                    raise InvalidRequest("ADMIN is required")
-                result = self.stage.run(text)
+                inputs = io.Inputs(request)
+                result = self.stage.run(inputs.string("ADMIN"), inputs.string("ADMIN_TOKEN"))
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 responses.append(io.error_response(exc))
                 continue

@@ -1,5 +1,5 @@
-"""Triton model `embedding_cache`: decode the envelope, look requests up by meaning in one batch
-(tiercache.stages.embedding_cache), encode each request's answer for llm."""
+"""Triton model `embedding_cache`: open the sealed envelope, look requests up by meaning in one
+batch (tiercache.stages.embedding_cache), encode each request's answer, sealed, for llm."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.stages.embedding_cache import Answer, open_embedding_cache
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, seal_of
 from tiercache.triton import io
 
 NO_VECTOR = np.zeros((1, 0), dtype=np.float32)
@@ -21,12 +21,16 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
+        seals = [""] * len(requests)  # each request's envelope seal, which its answer's binds
         todo: list[tuple[int, Envelope]] = []  # looked up together, in one embedding call
         for i, request in enumerate(requests):
             try:
                 inputs = io.Inputs(request)
-                envelope = Envelope.decode(inputs.blob("ENVELOPE") or b"")
-                answer = self.stage.pass_through(envelope, inputs.string("CACHED_TEXT") or "")
+                data = inputs.blob("ENVELOPE")
+                cached_text = inputs.string("CACHED_TEXT") or ""
+                envelope = self.stage.open(data, cached_text)
+                seals[i] = seal_of(data)
+                answer = self.stage.pass_through(envelope, cached_text)
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 self.stage.count_error()
                 responses[i] = io.error_response(exc)
@@ -34,18 +38,18 @@ class TritonPythonModel:
             if answer is None:
                 todo.append((i, envelope))
             else:
-                responses[i] = encode(answer)
+                responses[i] = encode(answer, self.stage.seal(seals[i], answer))
         if todo:
             answers = self.stage.lookup([envelope for _, envelope in todo])
             for (i, _), answer in zip(todo, answers, strict=True):
-                responses[i] = encode(answer)
+                responses[i] = encode(answer, self.stage.seal(seals[i], answer))
         return responses
 
     def finalize(self) -> None:
         self.stage.close()
 
 
-def encode(answer: Answer) -> object:
+def encode(answer: Answer, seal: str) -> object:
     vector = answer.vector
     embedding = NO_VECTOR if vector is None else vector.reshape(1, -1).astype(np.float32)
     return pb_utils.InferenceResponse(
@@ -54,5 +58,6 @@ def encode(answer: Answer) -> object:
             io.bytes_tensor("ANSWER_STATUS", [answer.status]),
             io.scalar_tensor("SIMILARITY", answer.similarity, np.float32),
             pb_utils.Tensor("EMBEDDING", embedding),
+            io.bytes_tensor("ANSWER_SEAL", [seal]),
         ]
     )

@@ -1,5 +1,6 @@
-"""Triton model `llm` (decoupled): decode the envelope, embedding_cache's answer and lora_cache's
-adapter files, hand them to the stage (tiercache.stages.llm), and encode its responses."""
+"""Triton model `llm` (decoupled): check and decode the envelope, embedding_cache's answer and
+lora_cache's adapter files (each sealed), hand them to the stage (tiercache.stages.llm), and
+encode its responses."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA, EngineLora
 from tiercache.engine.trtllm_client import request_lora_from_arrays
-from tiercache.stages.envelope import ReceivedEnvelope
-from tiercache.stages.llm import TRT_LORA, LlmInput, is_hit, open_llm
+from tiercache.stages.llm import PEFT_LORA, TRT_LORA, LlmInput, LlmStage, is_hit, open_llm
+from tiercache.stages.seal import Part, float_bytes
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -59,15 +60,31 @@ class Responder:
         self.sender.send(io.error_response(exc), flags=FINAL)
 
 
-def decode(inputs: io.Inputs, trtllm: bool) -> LlmInput:
+def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
+    """One request's inputs, their seals checked (Forbidden when unsealed or altered)."""
     status = inputs.string("LOOKUP_STATUS") or ""
-    envelope = ReceivedEnvelope(inputs.blob("ENVELOPE"))
+    data = inputs.blob("ENVELOPE")
     cached_text = inputs.string("CACHED_TEXT") or ""
-    if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
-        return LlmInput(envelope, status, cached_text, inputs.number("SIMILARITY"), None, NO_LORA)
+    similarity = inputs.number("SIMILARITY")
     vector = inputs.vector("EMBEDDING")
+    answer = {
+        "ANSWER_TEXT": cached_text,
+        "ANSWER_STATUS": status,
+        "SIMILARITY": float_bytes(similarity),
+        "EMBEDDING": vector,
+    }
+    envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
+    if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
+        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA)
+    trtllm = stage.engine.trtllm is not None
+    tensors: dict[str, Part]
     if trtllm:
-        lora = EngineLora(trtllm=request_lora_from_arrays(*(inputs.vector(n) for n in TRT_LORA)))
+        tensors = {name: inputs.vector(name) for name in TRT_LORA}
+    else:
+        tensors = {name: inputs.blob(name) for name in PEFT_LORA}
+    stage.check_lora(envelope, inputs.string("LORA_SEAL"), tensors)
+    if trtllm:
+        lora = EngineLora(trtllm=request_lora_from_arrays(*(tensors[n] for n in TRT_LORA)))
     else:
         lora = EngineLora(
             config_json=inputs.string("LORA_CONFIG") or "",
@@ -78,7 +95,7 @@ def decode(inputs: io.Inputs, trtllm: bool) -> LlmInput:
         envelope=envelope,
         status=status,
         cached_text=cached_text,
-        similarity=inputs.number("SIMILARITY"),
+        similarity=similarity,
         vector=None if vector is None else vector.astype(np.float32),
         lora=lora,
     )
@@ -88,14 +105,13 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(LlmConfig, args)
         self.stage = open_llm(config, args["model_name"])
-        self.trtllm = self.stage.engine.trtllm is not None
 
     def execute(self, requests: list) -> None:
         for request in requests:
             arrival_s = time.monotonic()  # padding counts from here (ResponseTimer's clock)
             responder = Responder(request.get_response_sender())
             try:
-                item = decode(io.Inputs(request), self.trtllm)
+                item = decode(io.Inputs(request), self.stage)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 self.stage.count_error(responder, exc)
                 continue

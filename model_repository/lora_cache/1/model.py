@@ -1,5 +1,5 @@
-"""Triton model `lora_cache`: decode the envelope (or an ADMIN call), plan the adapter
-(tiercache.stages.lora_cache), encode what the engine must load and evict."""
+"""Triton model `lora_cache`: take the sealed envelope (or a sealed ADMIN call), plan the adapter
+(tiercache.stages.lora_cache), encode what the engine must load and evict, sealed for llm."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tiercache.config import LoraCacheConfig
 from tiercache.lora.residency import LoraPlan
 from tiercache.stages.envelope import ReceivedEnvelope
 from tiercache.stages.lora_cache import OUTPUTS, open_lora_cache_stage
+from tiercache.stages.seal import Part
 from tiercache.triton import io
 
 
@@ -33,11 +34,16 @@ class TritonPythonModel:
     def _serve(self, inputs: io.Inputs) -> Any:
         admin = inputs.string("ADMIN")
         if admin:
-            return self._respond(*self.stage.admin(admin))
-        envelope = ReceivedEnvelope(inputs.blob("ENVELOPE"))
-        return self._respond(self.stage.plan(envelope, inputs.string("LOOKUP_STATUS")))
+            plan, result = self.stage.admin(admin, inputs.string("ADMIN_SEAL"))
+            return self._respond(None, plan, result)
+        envelope = self.stage.received(inputs.blob("ENVELOPE"))
+        return self._respond(envelope, self.stage.plan(envelope, inputs.string("LOOKUP_STATUS")))
 
-    def _respond(self, plan: LoraPlan | None, admin_result: str = "") -> Any:
+    def _respond(
+        self, envelope: ReceivedEnvelope | None, plan: LoraPlan | None, admin_result: str = ""
+    ) -> Any:
+        """The response; a plan for an ensemble request carries LORA_SEAL over what llm reads
+        (an admin call's answer goes back to its internal caller over BLS, unsealed)."""
         values: tuple[str | bytes, ...]
         if plan is None:
             values = ("", "", b"", "", "", admin_result)
@@ -51,11 +57,17 @@ class TritonPythonModel:
                 plan.tier,
                 admin_result,
             )
-        tensors = [
-            io.bytes_tensor(name, [value]) for name, value in zip(OUTPUTS, values, strict=True)
-        ]
+        outputs: dict[str, Part] = dict(zip(OUTPUTS, values, strict=True))
         if plan is not None:
-            tensors += [pb_utils.Tensor(k, v) for k, v in self.stage.trtllm_tensors(plan).items()]
+            outputs.update(self.stage.trtllm_tensors(plan))
+        seal = "" if envelope is None else self.stage.seal(envelope, outputs)
+        tensors = [
+            io.bytes_tensor(name, [value])
+            if isinstance(value, str | bytes)
+            else pb_utils.Tensor(name, value)
+            for name, value in outputs.items()
+        ]
+        tensors.append(io.bytes_tensor("LORA_SEAL", [seal]))
         return pb_utils.InferenceResponse(tensors)
 
     def finalize(self) -> None:

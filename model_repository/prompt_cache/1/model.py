@@ -1,11 +1,12 @@
 """Triton model `prompt_cache`: decode the public inputs, look the request up
-(tiercache.stages.prompt_cache), encode the envelope and the cached answer."""
+(tiercache.stages.prompt_cache), encode the sealed envelope and the cached answer."""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import PromptCacheConfig
+from tiercache.exact.tenant_keys import AUTH_PARAMETER
 from tiercache.stages.prompt_cache import open_prompt_cache
 from tiercache.triton import io
 
@@ -19,13 +20,16 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                envelope, cached_text = self.stage.lookup(io.read_raw_inputs(request))
+                key = None
+                if self.stage.keys is not None:  # the forwarded authorization header
+                    key = io.request_parameter(request, AUTH_PARAMETER)
+                envelope, cached_text = self.stage.lookup(io.read_raw_inputs(request), key)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
-                self.stage.count_error()
+                self.stage.count_error(exc)
                 responses.append(io.error_response(exc))
                 continue
             outputs = [
-                io.bytes_tensor("ENVELOPE", [envelope.encode()]),
+                io.bytes_tensor("ENVELOPE", [envelope]),
                 io.bytes_tensor("CACHED_TEXT", [cached_text]),
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))

@@ -1,6 +1,6 @@
-"""Triton model `torch_llm` (decoupled): the PyTorch engine (tiercache.stages.torch_llm). execute()
-only enqueues; the stage's worker decodes each request's inputs, runs it and streams each chunk
-of an answer as a response through the sink below."""
+"""Triton model `torch_llm` (decoupled): the PyTorch engine (tiercache.stages.torch_llm).
+execute() only enqueues; the stage's worker checks each request's seal, decodes its inputs, runs
+it and streams each chunk of an answer as a response through the sink below."""
 
 from __future__ import annotations
 
@@ -10,26 +10,17 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import EngineConfig
 from tiercache.engine.adapters import AdapterOrder
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import Envelope
-from tiercache.stages.torch_llm import open_torch_llm
+from tiercache.stages.seal import ENGINE_INPUTS, Sealer
+from tiercache.stages.torch_llm import decode_call, open_torch_llm
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def decode(request: object) -> tuple[AdapterOrder, GenerationRequest | None]:
+def decode(request: object, sealer: Sealer) -> tuple[AdapterOrder, GenerationRequest | None]:
     inputs = io.Inputs(request)
-    data = inputs.blob("ENVELOPE")
-    gen_request = Envelope.decode(data).request if data else None
-    order = AdapterOrder.parse(
-        op=inputs.string("LORA_OP"),
-        lora=inputs.string("LORA"),
-        config_json=inputs.string("LORA_CONFIG"),
-        weights=inputs.blob("LORA_WEIGHTS"),
-        evict=inputs.string("LORA_EVICT"),
-        request=gen_request,
-    )
-    return order, gen_request
+    blobs = {name: inputs.blob(name) for name in (*ENGINE_INPUTS, "ENGINE_SEAL")}
+    return decode_call(sealer, blobs)
 
 
 class Sink:
@@ -71,7 +62,8 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            self.stage.submit(lambda r=request: decode(r), Sink(request.get_response_sender()))
+            sink = Sink(request.get_response_sender())
+            self.stage.submit(lambda r=request: decode(r, self.stage.sealer), sink)
         return None
 
     def finalize(self) -> None:

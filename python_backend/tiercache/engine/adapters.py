@@ -64,7 +64,7 @@ from safetensors.torch import load as load_safetensors
 
 from tiercache.adapter_types import AdapterRef, AdapterWeights, not_in_engine_message
 from tiercache.engine.adapter_call import adapter_ref
-from tiercache.errors import CapacityError, ConfigError, InvalidRequest, NotFound
+from tiercache.errors import CapacityError, ConfigError, Forbidden, InvalidRequest, NotFound
 from tiercache.eviction import EvictionPolicy, LruPolicy
 from tiercache.exact.request import GenerationRequest
 
@@ -133,6 +133,10 @@ class AdapterOrder:
                     "LORA_WEIGHTS need an adapter version: LORA, or REQUEST with a lora_digest"
                 )
             loaded = AdapterWeights(ref, config_json, weights)
+            if not loaded.matches():  # never load files under an identity they do not have
+                raise Forbidden(
+                    f"adapter {ref.short}: its files do not match its digest; not loaded"
+                )
         elif op == LOAD:
             raise InvalidRequest("LORA_OP load needs LORA_CONFIG and LORA_WEIGHTS")
         digests: tuple[str, ...] = ()

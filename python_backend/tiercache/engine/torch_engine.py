@@ -33,6 +33,7 @@ from tiercache.engine.kv_cache import (
     kv_salt,
 )
 from tiercache.engine.model_source import ModelSource
+from tiercache.errors import InvalidRequest
 from tiercache.exact.request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,29 @@ def pick_device(requested: str = "auto") -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def context_window(config: Any) -> int | None:
+    """The model's context window in tokens: `max_position_embeddings` (Llama, SmolLM2), else
+    `n_positions` (GPT-2 style); None when the config gives neither."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_context(prompt_tokens: int, max_tokens: int, window: int | None) -> None:
+    """InvalidRequest when the prompt and the answer it may grow to do not fit the model's
+    context window: past it the positions have no trained embedding, so the answer would be
+    garbage after a long, wasted generation. (The request's limits count characters; only
+    the engine knows tokens.)"""
+    if window is not None and prompt_tokens + max_tokens > window:
+        raise InvalidRequest(
+            f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: "
+            f"{prompt_tokens + max_tokens} tokens do not fit the model's context window of "
+            f"{window} tokens"
+        )
 
 
 def load_model(source: ModelSource, cache_dir: Path, device: str) -> tuple[Any, Any]:
@@ -104,6 +128,7 @@ class TorchEngine:
         self.identity = source.identity
         self.device = pick_device(device)
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
+        self.context_tokens = context_window(self.model.config)
         self.adapters = EngineAdapters(self.model, max_slots=lora_slots)
         eos = {self.tokenizer.eos_token_id}
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -144,11 +169,13 @@ class TorchEngine:
         """Stream the answer. The last event has `finish_reason`; its text ends the answer, and
         every event carries how many prompt tokens were reused from the KV pool and computed.
 
-        Raises NotFound ("... not found in cache") before any output when the request's adapter
-        is not loaded."""
-        self.adapters.activate(adapter_ref(request))
+        Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
+        `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not
+        found in cache") when the request's adapter is not loaded."""
         input_ids = self.prompt_ids(request.prompt)
         prompt_tokens = int(input_ids.shape[1])
+        check_context(prompt_tokens, request.max_tokens, self.context_tokens)
+        self.adapters.activate(adapter_ref(request))
         sampler = _Sampler(request, self.device)
         detok = _Detokenizer(self.tokenizer, request.stop_words)
         generated: list[int] = []

@@ -6,17 +6,33 @@ that gives the space back, and it is this module's job, on a `TieredCache`:
 
 - The process that receives the command (`Invalidator`) notes the watermark, drops its own L1/L2
   copies, deletes from L3 (a key directly; a tag, tenant or adapter by scanning this prefix's L3
-  entries), records the watermark in Redis (`<prefix>invalidated`, a sorted set by time, trimmed
-  to the newest `max_events`) and publishes it on the channel `<prefix>invalidations`.
+  entries), records the watermark in Redis (`<prefix>invalidated`, a sorted set by time) and
+  publishes it on the channel `<prefix>invalidations`. Past `max_events` members, it forgets
+  those older than the entry lifetime horizon (the deployment's `ttl_s`) and no others: a
+  replica that was down needs every watermark that covers what its L2, or an L3 left unswept,
+  may still hold (`tiercache.exact.watermarks`, "Forgetting").
 - Every replica process runs an `InvalidationListener` (a thread started with its cache and
   joined at close) subscribed to that channel: it notes the watermark, then sweeps its L1 and L2
   and tells its listeners (the semantic index) which digests it dropped.
 - A message sent while a listener was disconnected (Redis restarted, a network blip) is not lost:
   on every (re)connect the listener first subscribes, then reads the watermarks recorded since the
   last one it saw (all of them at start), so it never misses one that Redis still holds.
+- A replica that restarts sweeps its L2 once, in the background, for the watermarks recorded
+  since its host's last such sweep (`RestartSweeper`): reads were already safe (the table covers
+  them); this gives the space back and makes those copies gone for good.
 
 The issuer and the listener stay in one module: they are the two ends of one Redis protocol (the
 channel, the sorted set and the message format), which must change together.
+
+Both are signed, since whoever can write Redis must not be able to wipe entries (a watermark
+they invent) or resurrect them (an older `at_s` for a real one): HMAC-SHA256 under
+`derive_key(secret, "invalidations")` (the link's `Signer`), bound to the sorted set's or the
+channel's name. A member of `<prefix>invalidated` is `<tag hex>|<at_s>|<kind>:<value>`, its tag
+over `<at_s>|<kind>:<value>` (the score only orders the set; `at_s` is read from the signed
+member), so every invalidation is a member of its own, forgotten by the rule above. A
+message is `Signer.seal(channel, JSON)`. What does not verify is ignored and counted
+(`ListenerStats.forged`, and the link's `forged`); so are records and messages of releases
+before the signatures.
 
 L1 and L2 have no secondary index: a tag, tenant or adapter sweep decodes every entry of the tier
 (L2: one read transaction, see docs/replicas.md for the cost per 10,000 entries); a key needs one
@@ -26,7 +42,9 @@ listener thread.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -35,15 +53,50 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import InvalidRequest, Unavailable
-from tiercache.exact.stores import Store
+from tiercache.exact.keys import REDIS_INVALIDATIONS
+from tiercache.exact.stores import Store, open_private
 from tiercache.exact.tiered import TieredCache
-from tiercache.exact.watermarks import DEFAULT_MAX_EVENTS, DEFAULT_SKEW_S, Invalidation, applies
+from tiercache.exact.watermarks import (
+    DEFAULT_SKEW_S,
+    HostWatermarks,
+    Invalidation,
+    InvalidationTable,
+    OverflowCounter,
+    applies,
+    forget_before_s,
+)
 from tiercache.vocabulary import InvalidationKind, Tier
 
 if TYPE_CHECKING:  # the Redis client is imported only by processes with L3
-    from tiercache.exact.redis_tier import RedisLink
+    from tiercache.exact.redis_tier import RedisLink, Signer
 
 log = logging.getLogger(__name__)
+
+_TAG_HEX = 64  # the hex of an HMAC-SHA256
+
+
+def signed_member(signer: Signer, events: str, inv: Invalidation) -> str:
+    """`inv` as a member of the sorted set `events`: `<tag hex>|<at_s>|<kind>:<value>`."""
+    body = f"{inv.at_s!r}|{inv.member()}"
+    return f"{signer.tag(events, body.encode('utf-8')).hex()}|{body}"
+
+
+def verified_member(signer: Signer, events: str, member: str | bytes) -> Invalidation | None:
+    """The invalidation a member of `events` records, or None (counted by `signer`) when its
+    tag does not verify: `at_s` comes from the signed member, never from the score."""
+    raw = member.encode("utf-8") if isinstance(member, str) else bytes(member)
+    tag_hex, sep, body = raw.partition(b"|")
+    try:
+        tag = bytes.fromhex(tag_hex.decode("ascii")) if len(tag_hex) == _TAG_HEX else b""
+    except (UnicodeDecodeError, ValueError):
+        tag = b""
+    if not sep or not tag:
+        signer.refuse(events)
+        return None
+    if not signer.verify(tag, events, body):
+        return None
+    at_text, _, ident = body.decode("utf-8").partition("|")
+    return Invalidation.from_member(ident, float(at_text))
 
 
 def checked_digest(value: str, what: str) -> str:
@@ -83,6 +136,9 @@ class ListenerStats:
     caught_up: int  # watermarks read from Redis on (re)connect
     reconnects: int
     dropped: int  # entries this listener's sweeps deleted
+    # messages and records ignored because their signature did not verify (forged, another
+    # fleet's, an older release's)
+    forged: int = 0
     # By kind (`InvalidationKind.value`; a kind never counted may be absent):
     received_by_kind: dict[str, int] = field(default_factory=dict)  # messages, as `received`
     applied_by_kind: dict[str, int] = field(default_factory=dict)  # news: raised a watermark
@@ -94,8 +150,9 @@ class InvalidationListener:
     """A background thread that applies other replicas' invalidations to one `TieredCache`.
 
     Subscribes to `<prefix>invalidations` on its own connection; after any error it reconnects
-    every `retry_s` and catches up from `<prefix>invalidated`. `close()` stops and joins it
-    (at most `poll_s` plus one Redis timeout). `on_dropped` callbacks run on this thread.
+    every `retry_s` and catches up from `<prefix>invalidated`. Only what the fleet's secret
+    signed is applied (the module docstring). `close()` stops and joins it (at most `poll_s`
+    plus one Redis timeout). `on_dropped` callbacks run on this thread.
     """
 
     def __init__(
@@ -111,6 +168,7 @@ class InvalidationListener:
         self.table = cache.invalidations
         self.channel = link.key("invalidations")
         self.events = link.key("invalidated")
+        self._signer = link.signer(REDIS_INVALIDATIONS)
         self._poll_s = poll_s
         self._retry_s = retry_s
         self._ping_s = ping_s
@@ -124,6 +182,7 @@ class InvalidationListener:
         self._attempted = threading.Event()  # the first connection attempt ended, either way
         self._lock = threading.Lock()
         self._received = self._caught_up = self._reconnects = self._dropped = 0
+        self._forged = 0
         self._thread: threading.Thread | None = None
 
     def on_dropped(self, callback: DroppedFn) -> None:
@@ -179,8 +238,14 @@ class InvalidationListener:
                 continue
             if message is None or message.get("type") != "message":
                 continue
+            data = message["data"]
+            signed = self._signer.unseal(self.channel, data if isinstance(data, bytes) else b"")
+            if signed is None:  # forged (counted by the signer and here), never acted on
+                with self._lock:
+                    self._forged += 1
+                continue
             try:
-                inv = Invalidation.from_json(message["data"])
+                inv = Invalidation.from_json(signed)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignored a malformed invalidation message: %s", exc)
                 continue
@@ -210,11 +275,16 @@ class InvalidationListener:
         except BaseException:
             self._close_quietly(pubsub)
             raise
-        for member, score in rows:
+        for member, _score in rows:
             try:
-                inv = Invalidation.from_member(member, float(score))
-            except ValueError:
+                found = verified_member(self._signer, self.events, member)
+            except ValueError:  # signed, yet not a record: never written by this release
+                found = None
+            if found is None:
+                with self._lock:
+                    self._forged += 1
                 continue
+            inv = found
             # At start every recorded watermark is noted; reads check them, so no sweep is
             # needed. After an outage only the news is swept.
             news = self.table.note(inv, from_redis=True)
@@ -283,11 +353,148 @@ class InvalidationListener:
                 self._caught_up,
                 self._reconnects,
                 self._dropped,
+                forged=self._forged,
                 received_by_kind=dict(self._by_kind["received"]),
                 applied_by_kind=dict(self._by_kind["applied"]),
                 replayed_by_kind=dict(self._by_kind["replayed"]),
                 dropped_by_kind=dict(self._by_kind["dropped"]),
             )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass(frozen=True, slots=True)
+class RestartSweepReport:
+    """What one `RestartSweeper` pass did."""
+
+    watermarks: int  # watermarks with at_s after the host's last completed sweep
+    removed: int  # L2 entries deleted: covered by those (or by any watermark the table holds)
+    seconds: float
+    swept_until_s: float | None  # recorded as the host's last sweep (unchanged when none was new)
+
+
+class RestartSweeper:
+    """Sweeps this host's L2, once, for the watermarks issued since its last completed sweep:
+    those of a replica that was down (no listener ran to sweep them). Reads are safe before it
+    ends (the table covers every watermark it has noted); this gives the space back and makes
+    those copies gone for good, also once the watermarks are forgotten.
+
+    A thread (`start`; `close` stops and joins it, abandoning a sweep under way, which is then
+    not recorded) waits until `ready` says the table holds every recorded watermark (the
+    listener's first catch-up: `InvalidationListener.wait_connected`), notes the host's log, and
+    then, holding an `flock` on `<invalidations>.sweep-lock` (the processes of a host starting
+    together sweep one at a time, and the later ones find nothing new): takes the watermarks
+    newer than the host's last sweep (`HostWatermarks.swept_until_s`), and if there are any,
+    scans L2 once, deleting what the table covers (one decode per entry however many
+    watermarks: the cost of one tag sweep), and records the newest of them as the host's last
+    sweep (`mark_swept`). Progress is logged: watermarks, entries removed, seconds."""
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        marks: HostWatermarks,
+        ready: Callable[[float], bool] = lambda timeout_s: True,
+        poll_s: float = 0.2,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cache = cache
+        self.marks = marks
+        self._ready = ready
+        self._poll_s = poll_s
+        self._timer = timer
+        self._lock_path = marks.path.with_name(marks.path.name + ".sweep-lock")
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.report: RestartSweepReport | None = None  # the last pass's, once done
+
+    def start(self) -> RestartSweeper:
+        self._thread = threading.Thread(target=self._run, name="tiercache-restart-sweep")
+        self._thread.daemon = True  # never keeps a stub process alive; close() joins it
+        self._thread.start()
+        return self
+
+    def wait(self, timeout_s: float) -> RestartSweepReport | None:
+        """Wait (at most `timeout_s`) for the thread's pass; its report, None if not done."""
+        self._done.wait(timeout_s)
+        return self.report
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._ready(self._poll_s):
+                    self.sweep()
+                    return
+        except Exception:  # noqa: BLE001 - the reads stay safe; the next start sweeps again
+            log.exception("sweeping this host's L2 at start failed")
+        finally:
+            self._done.set()
+
+    def sweep(self) -> RestartSweepReport | None:
+        """One pass, on the calling thread; None when stopped before it ended or there is no
+        L2 (nothing is recorded then)."""
+        l2 = self.cache.store(Tier.L2)
+        if l2 is None:
+            return None
+        table = self.cache.invalidations
+        self.marks.catch_up(table)
+        fd = open_private(self._lock_path)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # another process of the host is sweeping
+                    if self._stop.wait(self._poll_s):
+                        return None
+            return self._sweep_locked(l2, table)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _sweep_locked(self, l2: Store, table: InvalidationTable) -> RestartSweepReport | None:
+        started = self._timer()
+        last_s = self.marks.swept_until_s()
+        news = table.since(last_s)
+        if not news:
+            log.debug("L2 already swept for every watermark this replica knows")
+            self.report = RestartSweepReport(0, 0, self._timer() - started, last_s)
+            return self.report
+        log.info(
+            "sweeping this host's L2 for %d invalidation watermarks issued since its last sweep",
+            len(news),
+        )
+        victims: list[str] = []
+        scanned = 0
+        entries = l2.scan()
+        try:
+            for key, entry in entries:
+                scanned += 1
+                if scanned % 1024 == 0 and self._stop.is_set():
+                    log.info("L2 sweep at start stopped after %d entries (closing)", scanned)
+                    return None
+                if table.covers(key, entry):
+                    victims.append(key)
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()  # ends the scan's read transaction
+        removed = l2.delete_many(victims) if victims else 0
+        until_s = news[-1].at_s
+        self.marks.mark_swept(until_s)
+        seconds = self._timer() - started
+        log.info(
+            "swept this host's L2 for %d watermarks: %d of %d entries removed in %.2f s",
+            len(news),
+            removed,
+            scanned,
+            seconds,
+        )
+        self.report = RestartSweepReport(len(news), removed, seconds, until_s)
+        return self.report
 
     def close(self) -> None:
         self._stop.set()
@@ -317,17 +524,25 @@ class Invalidator:
     Without Redis (`link` None) an invalidation is local to this process and its host's L2. With
     Redis, `at_s` is Redis's clock; if Redis cannot be reached the invalidation is still applied
     here and `Unavailable` is raised, so the caller knows the other replicas did not get it.
+    What it records and publishes is signed under the link's secret: the replicas apply it only
+    if that is the fleet's secret.
     """
 
     def __init__(
         self,
         cache: TieredCache,
         link: RedisLink | None = None,
-        max_events: int = DEFAULT_MAX_EVENTS,
+        max_events: int | None = None,
     ) -> None:
+        """The Redis log is trimmed by the rule of `cache.invalidations` (its `horizon_s`, the
+        deployment's `ttl_s`, and its skew allowance): past `max_events` (default: the table's)
+        members are forgotten only once older than the horizon; none without one."""
         self.cache = cache
         self.link = link
-        self.max_events = max_events
+        table = cache.invalidations
+        self.max_events = table.max_events if max_events is None else max_events
+        self.horizon_s = table.horizon_s
+        self._overflow = OverflowCounter("Redis's invalidation log")
         self._lock = threading.Lock()
         self._issued: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
@@ -394,14 +609,33 @@ class Invalidator:
         return None if found is None else float(found[0]) + float(found[1]) / 1e6
 
     def _record(self, client: Any, link: RedisLink, inv: Invalidation) -> None:
-        """Record the watermark (for replicas that connect later), then publish it."""
-        events = link.key("invalidated")
+        """Record the watermark (for replicas that connect later), publish it, then, past
+        `max_events`, forget the members older than the horizon (`forget_before_s` at `inv.at_s`:
+        scores and now both on Redis's clock). What is younger stays: a replica that was down
+        needs it for what its L2 or an unswept L3 still holds."""
+        events, channel = link.key("invalidated"), link.key("invalidations")
+        signer = link.signer(REDIS_INVALIDATIONS)
         pipe = client.pipeline(transaction=False)
-        pipe.zadd(events, {inv.member(): inv.at_s}, gt=True)
-        pipe.zremrangebyrank(events, 0, -(self.max_events + 1))
-        message = replace(inv, published_s=self.cache.now()).to_json()
-        pipe.publish(link.key("invalidations"), message)
-        pipe.execute()
+        pipe.zadd(events, {signed_member(signer, events, inv): inv.at_s})
+        pipe.zcard(events)
+        message = replace(inv, published_s=self.cache.now()).to_json().encode("utf-8")
+        pipe.publish(channel, signer.seal(channel, message))
+        held = int(pipe.execute()[1])
+        if held <= self.max_events:
+            return
+        cutoff = forget_before_s(inv.at_s, self.horizon_s, self.cache.invalidations.skew_s)
+        if cutoff is not None:
+            held -= int(client.zremrangebyscore(events, "-inf", f"({cutoff!r}"))
+        if held > self.max_events:
+            with self._lock:
+                self._overflow.kept(held, self.max_events, self.horizon_s, inv.at_s)
+
+    @property
+    def kept_past_max(self) -> int:
+        """Invalidations recorded while Redis's log held more than `max_events` members, none
+        of the oldest old enough to forget."""
+        with self._lock:
+            return self._overflow.count
 
     def key(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:
         return self.invalidate(InvalidationKind.KEY, digest, sweep_shared)
@@ -411,8 +645,8 @@ class Invalidator:
 
     def tenant(self, scope: str, sweep_shared: bool = True) -> InvalidationReport:
         """By tenant scope (`tiercache.exact.keys.tenant_scope(secret, tenant)`): every replica
-        shares the secret (`tiercache.exact.redis_tier.shared_secret`), so one scope names the
-        tenant there."""
+        has the fleet's secret (`tiercache.exact.redis_tier.check_fleet_secret` refuses a replica
+        with another), so one scope names the tenant there."""
         return self.invalidate(InvalidationKind.TENANT, scope, sweep_shared)
 
     def adapter(self, digest: str, sweep_shared: bool = True) -> InvalidationReport:

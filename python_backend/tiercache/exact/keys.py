@@ -41,6 +41,29 @@ def tenant_scope(secret: bytes, tenant: str) -> TenantScope:
     return TenantScope(mac.hexdigest())
 
 
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """A 32-byte key for one purpose ("stage seal", "redis values", ...) derived from the server
+    secret (HMAC-SHA256 under the secret of a labelled purpose): one secret on disk, a separate key
+    per use, so a MAC made for one purpose is never valid for another."""
+    if not purpose:
+        raise ValueError("a derived key needs a purpose")
+    return hmac.new(secret, b"tiercache-key\x00" + purpose.encode("utf-8"), hashlib.sha256).digest()
+
+
+# The purposes of the keys that sign what replicas keep in Redis (`derive_key`; the signer is
+# `tiercache.exact.redis_tier.Signer`): L3 values, invalidation records and messages, semantic rows.
+REDIS_VALUES = "redis values"
+REDIS_INVALIDATIONS = "invalidations"
+REDIS_SEMANTIC_ROWS = "semantic rows"
+
+
+def secret_fingerprint(secret: bytes) -> str:
+    """What a fleet may show of its secret (Redis keeps it, `check_fleet_secret`): the hex of
+    `derive_key(secret, "fingerprint")`. One-way, and a key of its own purpose, so knowing it
+    helps neither to find the secret nor to sign anything."""
+    return derive_key(secret, "fingerprint").hex()
+
+
 def key_fields(request: GenerationRequest) -> dict[str, object]:
     """The request's part of its key, its canonical form: everything that changes the generated
     text (not `stream`: it only changes chunking; not the adapter version or the tenant scope:

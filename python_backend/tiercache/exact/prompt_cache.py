@@ -23,6 +23,7 @@ from tiercache.exact.request import (
     RawInputs,
     canonicalize,
 )
+from tiercache.exact.tenant_keys import TenantGrant
 from tiercache.exact.tiered import TieredCache
 from tiercache.vocabulary import CacheStatus, Tier
 
@@ -75,13 +76,22 @@ class PromptCache:
         ref = self.resolve_adapter(request.lora_name)
         return dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
 
-    def lookup(self, raw: RawInputs, read: bool = True) -> LookupResult:
+    def lookup(
+        self, raw: RawInputs, read: bool = True, grant: TenantGrant | None = None
+    ) -> LookupResult:
         """Validate and canonicalize `raw` (InvalidRequest on bad input; NotFound for an unknown
         adapter), then look it up. `read` False computes everything but reads no tier: a
         cacheable request is then a MISS (cache_admin's warm, which stores an answer under the
-        digest whether or not one is there)."""
+        digest whether or not one is there). With a `grant` (the caller's API key,
+        tiercache.exact.tenant_keys) the tenant is the grant's, and a request naming another
+        tenant, or an adapter or cache_control word the grant does not allow, is Forbidden."""
         canonical = canonicalize(raw, self.limits)
-        tenant = tenant_scope(self._secret, canonical.tenant)
+        tenant_name = canonical.tenant
+        if grant is not None:
+            named = canonical.tenant if raw.tenant is not None else None
+            grant.check(named, canonical.request.lora_name, canonical.cache_control)
+            tenant_name = grant.tenant
+        tenant = tenant_scope(self._secret, tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         control = canonical.cache_control
         request = dataclasses.replace(

@@ -6,29 +6,72 @@ cheap: after a connection failure or a timeout, calls short-circuit (a clock rea
 microsecond of work) for `retry_s`, then one call probes Redis again; a success closes the
 breaker and L3 is used again. The socket timeout bounds what the first failing call costs.
 
+Redis is not trusted: whoever can read it must not learn the server secret, and whoever can
+write it must not make a replica serve, wipe or resurrect anything. So the secret never goes to
+Redis (each replica reads it from a file: `tiercache.stages.parts.load_secret`; Redis holds only
+its fingerprint, and a replica whose secret differs refuses to start), and everything a replica
+acts on is authenticated by a `Signer`: HMAC-SHA256 under a key derived from the secret for one
+purpose (`tiercache.exact.keys.derive_key`), over the Redis key (or channel) it lives under and
+the whole value. What does not verify is refused and counted (`RedisHealth.forged`, exported as
+`tiercache_redis_forged_total`): an L3 value is a miss (never served, never copied into L2), an
+invalidation or a semantic row is ignored. Values written by releases before the signatures (and
+their invalidation records and semantic rows) fail the check too: after an upgrade they are
+misses, never served, and expire or are overwritten.
+
 Layout under the deployment's prefix (`redis_prefix`, default `tiercache:`):
-  `<prefix>e:<digest>`   one entry, the checksummed codec bytes (`tiercache.exact.codec`), with a
-                         Redis TTL: the entry's remaining TTL, capped by `max_ttl_s`.
-  `<prefix>secret`       the server secret every replica adopts (tenant scopes must agree).
+  `<prefix>e:<digest>`   one entry: `TCA1` | HMAC-SHA256 (32 bytes, "redis values", over the key
+                         name and the rest) | the checksummed codec bytes (`tiercache.exact.codec`),
+                         with a Redis TTL: the entry's remaining TTL, capped by `max_ttl_s`.
+  `<prefix>secret_fingerprint`  hex of `derive_key(secret, "fingerprint")`: which secret the
+                         fleet uses, set by the first replica to start (`check_fleet_secret`).
+  `<prefix>secret`       only left by an older release (the secret in clear): deleted by the first
+                         replica whose secret it is; any other refuses to start.
   `<prefix>lease:<d>`    cross-replica generation leases (`tiercache.exact.leases`).
   `<prefix>invalidated`  and channel `<prefix>invalidations` (`tiercache.exact.invalidation`).
+
+Eviction: L3 entries carry a TTL (when `max_ttl_s` or their own `ttl_s` is set); the control keys
+(the fingerprint, the invalidation log, the semantic stream, the adapter hashes) never do, and
+leases carry their own short one. So under a `volatile-*` `maxmemory-policy` Redis evicts only
+entries (and, rarely, a lease: two replicas then generate one answer), never what correctness
+rests on. Under `allkeys-*` it may evict the invalidation log (a replica that was down would
+serve what it invalidated) or the fingerprint (a replica with another secret would start):
+`check_eviction_policy` refuses that at start.
+
+The Redis password: in `redis_url` (unsafe: the URL is a stage parameter, readable through
+Triton's model configuration), or, better, `$TIERCACHE_REDIS_PASSWORD` or a file named by
+`$TIERCACHE_REDIS_PASSWORD_FILE`. A link shows its URL only with the password masked
+(`redact_url`), in logs and errors alike.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
+import secrets
+import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tiercache.errors import Unavailable
+from tiercache.errors import ConfigError, Unavailable
 from tiercache.exact.codec import CacheEntry, CorruptEntry, decode_entry, encode_entry
+from tiercache.exact.keys import (
+    REDIS_INVALIDATIONS,
+    REDIS_SEMANTIC_ROWS,
+    REDIS_VALUES,
+    derive_key,
+    secret_fingerprint,
+)
 from tiercache.exact.stores import StoreStats, read_stored
 
 log = logging.getLogger(__name__)
@@ -36,6 +79,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_PREFIX = "tiercache:"
+PASSWORD_ENV = "TIERCACHE_REDIS_PASSWORD"
+PASSWORD_FILE_ENV = "TIERCACHE_REDIS_PASSWORD_FILE"
+ALLOW_ALLKEYS_ENV = "TIERCACHE_REDIS_ALLOW_ALLKEYS_EVICTION"  # "1": start under allkeys-* anyway
+# The purposes of the keys values in Redis are signed under (`derive_key`); each signer's
+# refusals are counted under its purpose (`RedisHealth.forged`).
+SIGNED = (REDIS_VALUES, REDIS_INVALIDATIONS, REDIS_SEMANTIC_ROWS)
+SEALED = b"TCA1"  # the magic of a signed L3 value
+TAG_BYTES = 32  # an HMAC-SHA256
+_LENGTH = struct.Struct(">Q")
+_FORGED_LOG_S = 60.0  # at most one warning per signer this often: a forger must not flood logs
 # Connection failures and timeouts open the breaker; any other Redis error (OOM with a
 # noeviction policy, a read-only replica, a wrong type) fails only that call.
 _OUTAGE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -91,20 +144,154 @@ class Breaker:
             return True
 
 
+def redact_url(url: str) -> str:
+    """`url` as it may be logged or put in an error: its password (in the user part or a
+    `password=` query parameter) replaced by `***` (`redis://user:***@host:6379/0`)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL we can take apart: show none of it
+        return "(a redis_url that does not parse)"
+    netloc = parts.netloc
+    if password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(name == "password" for name, _ in pairs):
+            masked = [(n, "***" if n == "password" else v) for n, v in pairs]
+            query = urlencode(masked, safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def url_has_password(url: str) -> bool:
+    """Whether `url` carries a password itself (user part or `password=` query parameter)."""
+    try:
+        parts = urlsplit(url)
+        in_user = parts.password is not None
+    except ValueError:
+        return False
+    return in_user or any(n == "password" for n, _ in parse_qsl(parts.query))
+
+
+def redis_password(environ: Mapping[str, str]) -> str | None:
+    """The Redis password from the environment: `$TIERCACHE_REDIS_PASSWORD`, or the contents of
+    the file `$TIERCACHE_REDIS_PASSWORD_FILE` names (one trailing newline dropped); None when
+    neither is set. ConfigError for both at once, or a file that cannot be read or is empty."""
+    value = environ.get(PASSWORD_ENV, "")
+    named = environ.get(PASSWORD_FILE_ENV, "")
+    if value and named:
+        raise ConfigError(f"set ${PASSWORD_ENV} or ${PASSWORD_FILE_ENV}, not both")
+    if named:
+        try:
+            value = Path(named).read_text(encoding="utf-8").removesuffix("\n").removesuffix("\r")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"${PASSWORD_FILE_ENV} names {named}, which cannot be read: {exc}"
+            ) from exc
+        if not value:
+            raise ConfigError(f"${PASSWORD_FILE_ENV} names {named}, which is empty")
+    return value or None
+
+
+class Signer:
+    """HMAC-SHA256 under the key derived from a secret for one purpose (`derive_key`), over the
+    name a value lives under in Redis (key or channel) and the value, as length-prefixed parts:
+    a value is valid only under its own name (a copy under another key is refused) and only for
+    its purpose. Thread-safe. Counts what it refuses (`refused`) and logs it, at most one line
+    per minute (a forger must not flood the log).
+
+    Costs one HMAC over the value: the keyed state is computed once and copied per call
+    (checking a 2 KB value took 7-9 us on the shared 2-core dev VM, half of decoding it, and
+    well under one Redis round trip; L1 and L2 hits are not signed and pay nothing).
+    """
+
+    __slots__ = ("purpose", "_mac", "_lock", "_refused", "_logged_at", "_clock")
+
+    def __init__(
+        self, secret: bytes, purpose: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.purpose = purpose
+        self._mac = hmac.new(derive_key(secret, purpose), digestmod=hashlib.sha256)
+        self._lock = threading.Lock()
+        self._refused = 0
+        self._logged_at = -1e18
+        self._clock = clock
+
+    def tag(self, name: str, *parts: bytes) -> bytes:
+        """The 32-byte tag of `parts` stored under `name`."""
+        mac = self._mac.copy()
+        for part in (name.encode("utf-8"), *parts):
+            mac.update(_LENGTH.pack(len(part)))
+            mac.update(part)
+        return mac.digest()
+
+    def verify(self, tag: bytes, name: str, *parts: bytes) -> bool:
+        """Whether `tag` is the tag of `parts` under `name` (constant time); a refusal counts."""
+        if hmac.compare_digest(tag, self.tag(name, *parts)):
+            return True
+        self.refuse(name)
+        return False
+
+    def seal(self, name: str, data: bytes) -> bytes:
+        """`data` as stored under `name`: `TCA1` | tag | data."""
+        return SEALED + self.tag(name, data) + data
+
+    def unseal(self, name: str, stored: bytes) -> bytes | None:
+        """The data of a value `seal` made for `name`; None (counted) for anything else."""
+        head = len(SEALED) + TAG_BYTES
+        if len(stored) < head or stored[: len(SEALED)] != SEALED:
+            self.refuse(name)
+            return None
+        data = stored[head:]
+        return data if self.verify(stored[len(SEALED) : head], name, data) else None
+
+    def refuse(self, name: str) -> None:
+        """Count one value under `name` that is not ours (and log, at most once a minute)."""
+        now = self._clock()
+        with self._lock:
+            self._refused += 1
+            count = self._refused
+            quiet = now - self._logged_at < _FORGED_LOG_S
+            if not quiet:
+                self._logged_at = now
+        if not quiet:
+            log.warning(
+                "refused %s in Redis that this fleet's secret did not sign (%s; %d so far): "
+                "written by someone without the secret, or by an older release",
+                self.purpose,
+                name,
+                count,
+            )
+
+    @property
+    def refused(self) -> int:
+        with self._lock:
+            return self._refused
+
+
 @dataclass(frozen=True, slots=True)
 class RedisHealth:
     available: bool  # the breaker is closed
     outages: int  # closed -> open transitions
     errors: int  # calls that failed (outage errors and other Redis errors)
     short_circuits: int  # calls refused while the breaker was open
+    # Values refused because their signature did not verify, by purpose (`SIGNED`).
+    forged: dict[str, int] = field(default_factory=dict)
 
 
 class RedisLink:
     """One Redis client (a thread-safe connection pool), its breaker and error counters, shared
-    by the L3 store, the leases and the invalidation listener of one process.
+    by the L3 store, the leases and the invalidation listener of one process, and the fleet's
+    secret, which its users sign and verify what they keep in Redis under (`signer`).
 
     `call(fn, default)` runs `fn(client)`; on any Redis error it returns `default`. Nothing is
     raised to a request; `call_or_raise` is for admin operations that must report failure.
+
+    `secret` None: a random one, this link's alone: what its users write only they can read back,
+    and nothing another process wrote verifies (a tool or test that shares nothing; a replica
+    always passes the fleet's). `url` is kept only with its password masked (`redact_url`).
     """
 
     def __init__(
@@ -114,12 +301,15 @@ class RedisLink:
         breaker: Breaker | None = None,
         url: str = "",
         timeout_s: float = 0.25,
+        secret: bytes | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.breaker = breaker or Breaker()
-        self.url = url
+        self.url = redact_url(url) if url else ""
         self.timeout_s = timeout_s
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+        self._signers: dict[str, Signer] = {}
         self._lock = threading.Lock()
         self._errors = 0
         self._short_circuits = 0
@@ -132,21 +322,47 @@ class RedisLink:
         prefix: str = DEFAULT_PREFIX,
         timeout_s: float = 0.25,
         retry_s: float = 1.0,
+        *,
+        secret: bytes | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> RedisLink:
         """A client with short socket timeouts and no retries of its own (the breaker decides
         when to try again). Connecting is lazy: a Redis that is down at start is an outage like
-        any other, not a failed start."""
+        any other, not a failed start. The password comes from `url` or from the environment
+        (`redis_password`; `environ` None: the process's), never from both (ConfigError)."""
+        password = redis_password(os.environ if environ is None else environ)
+        extra: dict[str, Any] = {}
+        if password is not None:
+            if url_has_password(url):
+                raise ConfigError(
+                    f"the Redis password is given twice, in redis_url ({redact_url(url)}) and "
+                    f"in ${PASSWORD_ENV} or ${PASSWORD_FILE_ENV}: drop it from redis_url (the "
+                    "URL is readable through Triton's model configuration)"
+                )
+            extra["password"] = password
         client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            **extra,
         )
-        return cls(client, prefix, Breaker(retry_s), url=url, timeout_s=timeout_s)
+        return cls(client, prefix, Breaker(retry_s), url=url, timeout_s=timeout_s, secret=secret)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
+
+    def signer(self, purpose: str) -> Signer:
+        """The signer for `purpose` (one of `SIGNED`) under this link's secret, one per link,
+        so its refusals add up in `health().forged`."""
+        if purpose not in SIGNED:
+            raise ValueError(f"unknown signing purpose {purpose!r}; one of {SIGNED}")
+        with self._lock:
+            found = self._signers.get(purpose)
+            if found is None:
+                found = self._signers[purpose] = Signer(self._secret, purpose)
+            return found
 
     def call(self, fn: Callable[[redis.Redis], T], default: T) -> T:
         if not self.breaker.allow():
@@ -200,9 +416,15 @@ class RedisLink:
 
     def health(self) -> RedisHealth:
         with self._lock:
-            return RedisHealth(
-                not self.breaker.is_open, self.breaker.outages, self._errors, self._short_circuits
-            )
+            signers = list(self._signers.values())
+            errors, short_circuits = self._errors, self._short_circuits
+        return RedisHealth(
+            not self.breaker.is_open,
+            self.breaker.outages,
+            errors,
+            short_circuits,
+            forged={s.purpose: s.refused for s in signers},
+        )
 
     def close(self) -> None:
         self.client.close()
@@ -211,10 +433,18 @@ class RedisLink:
 class RedisStore:
     """L3: exact-cache entries in Redis, shared by every replica (a `tiercache.exact.stores.Store`).
 
-    Values are the same checksummed codec bytes as L2, so a corrupt or foreign value is a counted
-    miss and is dropped. Expiry is Redis's: the entry's remaining TTL (an entry already expired
-    is not written), capped by `max_ttl_s` (0: no cap; then only Redis's `maxmemory` policy
-    bounds L3, so run it with `maxmemory` and `allkeys-lru`).
+    Values are the same checksummed codec bytes as L2, signed under the link's secret for
+    `REDIS_VALUES`, bound to their key name (`Signer.seal`; the header is inside what is signed).
+    A value whose signature does not verify (forged, another fleet's, an older release's) is a
+    miss counted in `forged` and is never served or copied to another tier; it is left in Redis:
+    the miss's answer overwrites it on write-back, deleting it would put a write on the read path
+    that could race that write-back, and whoever wrote it can write it again anyway. A signed
+    value that does not decode (damaged) is a counted `corrupt` miss and is dropped.
+
+    Expiry is Redis's: the entry's remaining TTL (an entry already expired is not written),
+    capped by `max_ttl_s` (0: no cap). Every entry written has a TTL whenever `max_ttl_s` > 0
+    or its own `ttl_s` > 0, which is what lets a `volatile-lru` Redis evict entries and never
+    the control keys (`check_eviction_policy`).
 
     `stats()` counts this prefix's entries with SCAN (O(entries) round trips in batches of 500),
     so its result is kept for `stats_max_age_s`; `max_bytes` is the configured budget (Redis's
@@ -235,6 +465,7 @@ class RedisStore:
         self._clock = clock
         self._stats_max_age_s = stats_max_age_s
         self._entry_prefix = link.key("e", "")
+        self._signer = link.signer(REDIS_VALUES)
         self._lock = threading.Lock()
         self._hits = self._misses = self._corrupt = 0
         self._counted: tuple[float, int, int] | None = None  # (at, entries, bytes)
@@ -242,17 +473,30 @@ class RedisStore:
     def _key(self, key: str) -> str:
         return self._entry_prefix + key
 
+    @property
+    def forged(self) -> int:
+        """Values refused because their signature did not verify (on this link, all stores)."""
+        return self._signer.refused
+
     def get(self, key: str) -> CacheEntry | None:
-        data: Any = self.link.call(lambda c: c.get(self._key(key)), None)
+        name = self._key(key)
+        stored: Any = self.link.call(lambda c: c.get(name), None)
+        if stored is None:
+            return read_stored(self, "L3", key, None)
+        data = self._signer.unseal(name, stored)
+        if data is None:
+            self._count(misses=1)
+            return None
         return read_stored(self, "L3", key, data)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)
         if ttl_s is not None and ttl_s <= 0:
             return  # already expired: never serve it, and do not overwrite a live one with it
-        data = encode_entry(entry)
+        name = self._key(key)
+        data = self._signer.seal(name, encode_entry(entry))
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.link.call(lambda c: c.set(self._key(key), data, px=px), None)
+        self.link.call(lambda c: c.set(name, data, px=px), None)
 
     def _redis_ttl_s(self, entry: CacheEntry) -> float | None:
         """Seconds Redis should keep `entry` (None: no expiry)."""
@@ -298,11 +542,15 @@ class RedisStore:
             values = self.link.call(lambda c, n=names: c.mget(n), None)  # type: ignore[misc]
             if values is None:
                 return
-            for name, data in zip(names, values, strict=True):
+            for raw, stored in zip(names, values, strict=True):
+                if stored is None:
+                    continue
+                name = raw.decode()
+                data = self._signer.unseal(name, stored)  # forged: skipped (and counted)
                 if data is None:
                     continue
                 try:
-                    yield name.decode()[start:], decode_entry(data)
+                    yield name[start:], decode_entry(data)
                 except CorruptEntry:
                     continue
 
@@ -355,19 +603,140 @@ class RedisStore:
         self.link.close()
 
 
-def shared_secret(link: RedisLink, local: bytes) -> bytes:
-    """The secret every replica uses for tenant scopes: the one in Redis, or `local` if Redis
-    has none yet (set atomically, first replica wins). Cross-replica hits need one secret,
-    because the tenant scope is part of every digest. `local` when Redis is unreachable."""
-    name = link.key("secret")
+def check_fleet_secret(link: RedisLink, secret: bytes, source: str) -> bool:
+    """Check that `secret` (read from `source`, named in errors) is the fleet's: Redis keeps only
+    its fingerprint (`<prefix>secret_fingerprint`, set by the first replica to start, SET NX),
+    never the secret. ConfigError, saying how to give this replica the fleet's secret, when the
+    fingerprint differs, or when an older release's clear `<prefix>secret` holds another secret
+    (never adopted: whoever can write Redis would choose every replica's secret). That legacy key
+    holding this secret is deleted (the fingerprint takes its place). True once checked; False
+    when Redis could not be asked (warned: the replica starts, and what another fleet's replicas
+    wrote would be refused as forged)."""
+    fingerprint = secret_fingerprint(secret).encode("ascii")
+    fingerprint_key = link.key("secret_fingerprint")
+    legacy_key = link.key("secret")
 
-    def adopt(c: redis.Redis) -> bytes:
-        c.set(name, local, nx=True)
-        stored: Any = c.get(name)
-        return bytes(stored) if stored else local
+    def check(c: redis.Redis) -> tuple[str, bytes | None]:
+        legacy: Any = c.get(legacy_key)
+        if legacy is not None:
+            if not hmac.compare_digest(bytes(legacy), secret):
+                return "legacy", None
+            c.set(fingerprint_key, fingerprint, nx=True)
+            c.delete(legacy_key)
+            log.warning(
+                "deleted %s from Redis %s: the server secret in clear text, as an older release "
+                "kept it; the fleet's fingerprint is in %s",
+                legacy_key,
+                link.url or "(injected client)",
+                fingerprint_key,
+            )
+        c.set(fingerprint_key, fingerprint, nx=True)
+        stored: Any = c.get(fingerprint_key)
+        return "fingerprint", None if stored is None else bytes(stored)
 
-    shared = link.call(adopt, local)
-    if len(shared) < len(local):
-        log.warning("the secret in Redis (%s) is too short; using this host's own", name)
-        return local
-    return shared
+    found = link.call(check, None)
+    where = link.url or "(injected client)"
+    if found is None:
+        log.warning(
+            "Redis %s did not answer: this replica's secret (%s) is not checked against the "
+            "fleet's fingerprint; with another secret, what it reads from Redis is refused as "
+            "forged and what it writes there is refused by the others",
+            where,
+            source,
+        )
+        return False
+    outcome, stored = found
+    copy_hint = (
+        "copy the secret file of a replica of the fleet (<state>/secret, 0600) over "
+        f"{source}, or point $TIERCACHE_SECRET_FILE at a file holding it"
+    )
+    if outcome == "legacy":
+        raise ConfigError(
+            f"Redis {where} holds {legacy_key}, the server secret in clear text as an older "
+            f"tiercache release shared it, and it is not this replica's secret ({source}). "
+            "This release never takes its secret from Redis (whoever can write Redis could "
+            "choose it, whoever can read Redis could read it): the fleet's secret is now "
+            f"distributed as a file. Give every replica the same secret ({copy_hint}), then "
+            f"delete {legacy_key} from Redis"
+        )
+    if stored is not None and not hmac.compare_digest(stored, fingerprint):
+        raise ConfigError(
+            f"this replica's server secret ({source}) is not the fleet's: Redis {where} holds "
+            f"the fingerprint of another secret in {fingerprint_key}. Replicas sharing a Redis "
+            f"must share one secret (tenant scopes, digests and the signatures of every value "
+            f"in Redis derive from it): {copy_hint}. To move the whole fleet to a new secret, "
+            f"stop every replica and delete {fingerprint_key}"
+        )
+    return True
+
+
+def check_eviction_policy(
+    link: RedisLink, entries_expire: bool, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Check, at start, that Redis cannot evict the control keys: read `maxmemory-policy` and
+    `maxmemory` (`CONFIG GET`). An `allkeys-*` policy with `maxmemory` set is a ConfigError
+    (Redis may evict the invalidation log, so that a replica that was down serves what was
+    invalidated, and the secret's fingerprint), unless `$TIERCACHE_REDIS_ALLOW_ALLKEYS_EVICTION`
+    is `1` in `environ` (None: the process's; warned). A `volatile-*` policy with `maxmemory`
+    while L3 entries carry no TTL (`entries_expire` False: `redis_max_ttl_s` and `ttl_s` both 0)
+    is warned about: Redis can evict nothing, and writes fail once it is full.
+
+    The policy read; None, with a warning saying what to check, when Redis did not answer or
+    refused `CONFIG` (a managed Redis, an ACL user without `config|get`)."""
+    env = os.environ if environ is None else environ
+    where = link.url or "(injected client)"
+
+    def read(c: redis.Redis) -> dict[str, str] | redis.exceptions.ResponseError:
+        try:
+            found: Any = c.config_get("maxmemory*")
+        except redis.exceptions.ResponseError as exc:  # NOPERM, or CONFIG renamed away
+            return exc
+        return {_text(k): _text(v) for k, v in dict(found).items()}
+
+    found = link.call(read, None)
+    if not isinstance(found, dict):
+        why = "did not answer" if found is None else f"refused CONFIG GET ({found})"
+        log.warning(
+            "Redis %s %s: its eviction policy is not checked. Check that maxmemory-policy is a "
+            "volatile-* one (volatile-lru) or noeviction, never allkeys-* with maxmemory set: "
+            "Redis could then evict the invalidation log and the secret's fingerprint",
+            where,
+            why,
+        )
+        return None
+    policy = found.get("maxmemory-policy", "")
+    try:
+        max_bytes = int(found.get("maxmemory", "0") or 0)
+    except ValueError:
+        max_bytes = 0
+    if policy.startswith("allkeys-") and max_bytes > 0:
+        explain = (
+            f"Redis {where} runs maxmemory-policy {policy} with maxmemory {max_bytes} bytes: "
+            "when full it may evict any key, the invalidation log (<prefix>invalidated: a "
+            "replica that was down would serve answers invalidated meanwhile) and the secret's "
+            "fingerprint (<prefix>secret_fingerprint: a replica with another secret would "
+            "start) included"
+        )
+        if env.get(ALLOW_ALLKEYS_ENV, "") == "1":
+            log.warning("%s; starting anyway, as $%s=1 asks", explain, ALLOW_ALLKEYS_ENV)
+            return policy
+        raise ConfigError(
+            f"{explain}. Set maxmemory-policy to a volatile-* one, e.g. `CONFIG SET "
+            "maxmemory-policy volatile-lru` and the same in redis.conf: L3 entries carry a TTL "
+            "(redis_max_ttl_s > 0 or ttl_s > 0), so Redis evicts them and never the control "
+            f"keys, which have none. To start anyway, set ${ALLOW_ALLKEYS_ENV}=1"
+        )
+    if policy.startswith("volatile-") and max_bytes > 0 and not entries_expire:
+        log.warning(
+            "Redis %s runs maxmemory-policy %s, but L3 entries carry no TTL (redis_max_ttl_s "
+            "and ttl_s are both 0): Redis can evict nothing, and writes fail once it holds "
+            "maxmemory (%d bytes). Set redis_max_ttl_s (or ttl_s) above 0",
+            where,
+            policy,
+            max_bytes,
+        )
+    return policy
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -26,18 +26,56 @@ DEFAULT_TOP_K = 0
 MAX_TEMPERATURE = 2.0
 
 
+UTF8_MAX_BYTES_PER_CHAR = 4
+ECHO_CHARS = 64  # an input echoed back in an error message is cut to this many characters
+ECHO_WORDS = 8  # unknown cache_control words listed in an error message
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Per-deployment bounds on one request (stage parameters)."""
+    """Per-deployment bounds on one request (stage parameters where one exists).
+
+    Sizes are checked twice: on the raw input, in bytes, before it is decoded or normalized
+    (NFKC can expand a character up to 18-fold, and decoding or normalizing an unbounded input
+    is work an attacker chooses), and on the normalized text, in characters. The byte bounds
+    that have no parameter of their own follow from the character bounds (UTF-8 takes at most
+    4 bytes a character) or are fixed: tenant names, `cache_control` and adapter names are short.
+    """
 
     max_prompt_chars: int = 16_384
     max_tokens: int = 1_024
     max_stop_words: int = 16
     max_stop_word_chars: int = 64
     max_tenant_chars: int = 256
+    max_tenant_bytes: int = 256
+    max_cache_control_bytes: int = 1_024
+    max_lora_name_bytes: int = 256
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Raw UTF-8 bytes of `text_input`: enough for `max_prompt_chars` characters of any
+        script before normalization."""
+        return UTF8_MAX_BYTES_PER_CHAR * self.max_prompt_chars
+
+    @property
+    def max_stop_word_bytes(self) -> int:
+        """Raw UTF-8 bytes of one stop word; with the count bound, all of them together take
+        at most `max_stop_words` times this (4 KiB by default)."""
+        return UTF8_MAX_BYTES_PER_CHAR * self.max_stop_word_chars
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def echo(value: str, limit: int = ECHO_CHARS) -> str:
+    """`value` quoted for an error message, cut to `limit` characters (an ellipsis marks the
+    cut): a client's input is never echoed back whole."""
+    return repr(value if len(value) <= limit else value[:limit] + "\u2026")
+
+
+def _echo_number(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "\u2026"
 
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]{1,128}$")
@@ -91,15 +129,18 @@ class CacheControl:
             elif name == "tag":
                 if not _TAG_PATTERN.match(value):
                     raise InvalidRequest(
-                        f"cache_control tag {value!r} is not 1-128 characters of letters, "
+                        f"cache_control tag {echo(value)} is not 1-128 characters of letters, "
                         "digits and _ . : / @ + = -"
                     )
                 tags.add(value)
             else:
                 unknown.add(raw)
         if unknown:
+            listed = ", ".join(echo(word) for word in sorted(unknown)[:ECHO_WORDS])
+            if len(unknown) > ECHO_WORDS:
+                listed += f" and {len(unknown) - ECHO_WORDS} more"
             raise InvalidRequest(
-                f"unknown cache_control word(s) {', '.join(map(repr, sorted(unknown)))}; "
+                f"unknown cache_control word(s) {listed}; "
                 f"known: {', '.join(cls.WORDS + cls.VALUED)}"
             )
         if len(set(max_ages)) > 1:
@@ -130,26 +171,28 @@ def _parse_max_age(value: str) -> float:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidRequest(
-            f"cache_control max-age must be a finite number of seconds >= 0, got {value!r}"
+            f"cache_control max-age must be a finite number of seconds >= 0, got {echo(value)}"
         )
     return seconds
 
 
 @dataclass(frozen=True, slots=True)
 class RawInputs:
-    """Inputs as decoded from the wire; None means the client omitted the input."""
+    """Inputs as the client sent them; None means the client omitted the input. Text inputs may
+    be the raw bytes (UTF-8) or already decoded: `canonicalize` bounds their size before it
+    decodes or normalizes them either way."""
 
-    text_input: str | None
+    text_input: str | bytes | None
     max_tokens: int | None = None
     stream: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop_words: Sequence[str] | None = None
-    tenant: str | None = None
-    cache_control: str | None = None
-    lora_name: str | None = None
+    stop_words: Sequence[str | bytes] | None = None
+    tenant: str | bytes | None = None
+    cache_control: str | bytes | None = None
+    lora_name: str | bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,16 +272,13 @@ class Canonical:
 
 
 def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
-    """Validate `raw` and build its canonical form; raises `InvalidRequest` naming the problem."""
+    """Validate `raw` and build its canonical form; raises `InvalidRequest` naming the problem.
+
+    Every text input's size is checked in bytes first, before it is decoded or normalized."""
     if raw.text_input is None:
         raise InvalidRequest("text_input is required")
-    # NFKC can expand a character up to 18x: bound the input before normalizing it.
-    if len(raw.text_input) > 4 * limits.max_prompt_chars:
-        raise InvalidRequest(
-            f"text_input has {len(raw.text_input)} characters, over the limit of "
-            f"{limits.max_prompt_chars}"
-        )
-    prompt = normalize_text(raw.text_input)
+    text = _bounded_text("text_input", raw.text_input, limits.max_prompt_bytes)
+    prompt = normalize_text(text)
     if not prompt:
         raise InvalidRequest("text_input is empty")
     if len(prompt) > limits.max_prompt_chars:
@@ -249,7 +289,9 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     default_max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
     max_tokens = default_max_tokens if raw.max_tokens is None else int(raw.max_tokens)
     if max_tokens < 1 or max_tokens > limits.max_tokens:
-        raise InvalidRequest(f"max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+        raise InvalidRequest(
+            f"max_tokens must be in [1, {limits.max_tokens}], got {_echo_number(max_tokens)}"
+        )
 
     temperature = DEFAULT_TEMPERATURE if raw.temperature is None else raw.temperature
     temperature = _check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)
@@ -257,17 +299,27 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     top_p = _check_float("top_p", top_p, 0.0, 1.0, low_open=True)
     top_k = DEFAULT_TOP_K if raw.top_k is None else int(raw.top_k)
     if top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {_echo_number(top_k)}")
     seed = raw.seed
     if seed is not None and not 0 <= seed < 2**64:
-        raise InvalidRequest(f"seed must fit in uint64, got {seed}")
+        raise InvalidRequest(f"seed must fit in uint64, got {_echo_number(seed)}")
 
     stop_words = _canonical_stop_words(raw.stop_words, limits)
 
-    tenant = "" if raw.tenant is None else unicodedata.normalize("NFKC", raw.tenant).strip()
+    tenant = ""
+    if raw.tenant is not None:
+        raw_tenant = _bounded_text("tenant", raw.tenant, limits.max_tenant_bytes)
+        tenant = unicodedata.normalize("NFKC", raw_tenant).strip()
     if len(tenant) > limits.max_tenant_chars:
         raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
-    lora_name = "" if raw.lora_name is None else raw.lora_name.strip()
+    lora_name = ""
+    if raw.lora_name is not None:
+        lora_name = _bounded_text("lora_name", raw.lora_name, limits.max_lora_name_bytes).strip()
+    cache_control = None
+    if raw.cache_control is not None:
+        cache_control = _bounded_text(
+            "cache_control", raw.cache_control, limits.max_cache_control_bytes
+        )
 
     if temperature == 0.0:
         top_p, top_k, seed = DEFAULT_TOP_P, DEFAULT_TOP_K, None
@@ -282,17 +334,56 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
         stream=bool(raw.stream) if raw.stream is not None else False,
         lora_name=lora_name,
     )
-    return Canonical(request, tenant, CacheControl.parse(raw.cache_control))
+    return Canonical(request, tenant, CacheControl.parse(cache_control))
 
 
-def _canonical_stop_words(words: Sequence[str] | None, limits: Limits) -> tuple[str, ...]:
+def _utf8_size(name: str, value: str | bytes, max_bytes: int) -> int:
+    """`value`'s size in UTF-8 bytes, or InvalidRequest when it is over `max_bytes` or is not
+    encodable text (a lone surrogate, which JSON allows). A str of more characters than
+    `max_bytes` is refused without encoding it."""
+    if isinstance(value, bytes):
+        size = len(value)
+    elif len(value) > max_bytes:
+        size = len(value)  # at least that many bytes
+    else:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"{name} is not valid Unicode (a lone surrogate at character {exc.start})"
+            ) from exc
+    if size > max_bytes:
+        raise InvalidRequest(f"{name} has {size} or more bytes, over the limit of {max_bytes}")
+    return size
+
+
+def _decode(name: str, value: str | bytes) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def _bounded_text(name: str, value: str | bytes, max_bytes: int) -> str:
+    """`value` as text, its size checked before it is decoded."""
+    _utf8_size(name, value, max_bytes)
+    return _decode(name, value)
+
+
+def _canonical_stop_words(words: Sequence[str | bytes] | None, limits: Limits) -> tuple[str, ...]:
     if not words:
         return ()
+    # Count and sizes are checked on what the client sent (duplicates and empty words
+    # included), before decoding and NFKC: together they bound the total bytes too.
+    if len(words) > limits.max_stop_words:
+        raise InvalidRequest(f"at most {limits.max_stop_words} stop_words, got {len(words)}")
+    for word in words:
+        _utf8_size("a stop word", word, limits.max_stop_word_bytes)
     # Stop words keep their whitespace ("\n" is a common one); only the Unicode form is normalized.
-    normalized = {unicodedata.normalize("NFKC", w) for w in words}
+    normalized = {unicodedata.normalize("NFKC", _decode("stop_words", w)) for w in words}
     normalized.discard("")
-    if len(normalized) > limits.max_stop_words:
-        raise InvalidRequest(f"at most {limits.max_stop_words} stop_words, got {len(normalized)}")
     for word in normalized:
         if len(word) > limits.max_stop_word_chars:
             raise InvalidRequest(

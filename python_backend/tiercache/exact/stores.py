@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -202,6 +203,79 @@ def map_resized_message(path: Path, max_bytes: int) -> str:
     )
 
 
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` and its missing parents with mode 0700 (pathlib's `parents=True` would
+    give the parents the umask's mode), and tighten `path` itself when it exists with access
+    for others: the state directory holds every tenant's prompts and answers.
+
+    An existing folder is changed only when this user owns it (logged); one owned by another
+    user is left as it is, with a warning, since changing it is not ours to do."""
+    missing: list[Path] = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:  # another process created it meanwhile
+            pass
+    tighten_mode(path, PRIVATE_DIR_MODE)
+
+
+def tighten_mode(path: Path, mode: int) -> bool:
+    """Take group and other access away from `path` (to `mode`) if it has any and this user
+    owns it; whether it changed. A file that is not there is left alone."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    current = stat.S_IMODE(st.st_mode)
+    if not current & 0o077:
+        return False
+    if st.st_uid != os.geteuid():
+        log.warning(
+            "%s is open to other users (mode %o) and owned by uid %d, not this process's: "
+            "left as it is",
+            path,
+            current,
+            st.st_uid,
+        )
+        return False
+    os.chmod(path, mode)
+    log.warning("%s was open to other users (mode %o); now %o", path, current, mode)
+    return True
+
+
+def open_private(path: Path, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    """`os.open` of a state file, created 0600 (an existing one is tightened the same way)."""
+    fd = os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        tighten_mode(path, PRIVATE_FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_readers(env: lmdb.Environment, what: str, path: Path) -> int:
+    """Free the reader slots of processes that died holding a read transaction
+    (`mdb_reader_check`); how many were freed. A dead reader's slot pins the pages it could
+    see, so writes stop reusing pages and the map fills; LMDB frees such slots only when the
+    environment is opened with no other process holding it, which a host whose other stages
+    keep running never sees. Cheap: one scan of the reader table."""
+    freed = int(env.reader_check())
+    if freed:
+        log.warning("%s %s: freed %d reader slots of dead processes", what, path, freed)
+    return freed
+
+
 def open_lmdb(
     path: Path,
     map_size: int,
@@ -219,11 +293,14 @@ def open_lmdb(
     damaged file at once agree: the first moves it aside and creates the new one, the others open
     that. Opening costs one key walk (leaf pages only; values are checked by their own checksums
     when read). Only damage moves a database; any other error (disk full, readers full) is raised,
-    because moving a healthy database that other processes use would split it in two."""
-    path.mkdir(parents=True, exist_ok=True)
+    because moving a healthy database that other processes use would split it in two.
+
+    The folder is made 0700 and the files 0600 (existing ones tightened, `make_private_dir`),
+    and reader slots left by dead processes are freed (`check_readers`)."""
+    make_private_dir(path)
     with _exclusive(path.with_name(path.name + ".open-lock")):
         try:
-            return _open_checked(path, map_size, max_readers)
+            env = _open_checked(path, map_size, max_readers)
         except (DamagedDatabase, *LMDB_DAMAGE) as exc:
             stamp = f"{int(clock())}-{os.getpid()}-{secrets.token_hex(3)}"
             aside = path.with_name(f"{path.name}.corrupt-{stamp}")
@@ -231,23 +308,32 @@ def open_lmdb(
                 "%s %s is damaged (%s); moved aside to %s, rebuilt empty", what, path, exc, aside
             )
             shutil.move(str(path), str(aside))
-            path.mkdir(parents=True)
-            return lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+            make_private_dir(path)
+            env = _open_private(path, map_size, max_readers)
+    check_readers(env, what, path)
+    return env
 
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+b") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+    fd = open_private(lock_path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_private(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
+    """`lmdb.open` creating data.mdb and lock.mdb 0600; existing ones are tightened first."""
+    for name in ("data.mdb", "lock.mdb"):
+        tighten_mode(path / name, PRIVATE_FILE_MODE)
+    return lmdb.open(str(path), map_size=map_size, max_readers=max_readers, mode=PRIVATE_FILE_MODE)
 
 
 def _open_checked(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
     data_file = path / "data.mdb"
-    env = lmdb.open(str(path), map_size=map_size, max_readers=max_readers)
+    env = _open_private(path, map_size, max_readers)
     try:
         page_size = int(env.stat()["psize"])
         needed = (int(env.info()["last_pgno"]) + 1) * page_size
@@ -328,6 +414,11 @@ class LmdbStore:
         self._hits = self._misses = self._evictions = self._corrupt = 0
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
         self._resized_logged_s = -60.0
+
+    def reader_check(self) -> int:
+        """Free reader slots of processes that died in a read (done at open too); how many.
+        For a stage to call after another process of the host was restarted."""
+        return check_readers(self._env, "L2 store", self.path)
 
     def get(self, key: str) -> CacheEntry | None:
         """A damaged page met while reading is a miss (counted as corrupt), never an error: the

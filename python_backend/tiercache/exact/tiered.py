@@ -74,6 +74,11 @@ class TieredCache:
 
     `background` holds what runs beside the tiers and is closed first (the invalidation
     listener, `tiercache.exact.invalidation.InvalidationListener`).
+
+    `default_ttl_s` is also the horizon of its `invalidations` (`InvalidationTable.horizon_s`):
+    no read serves an answer older than it, so a watermark older than that may be forgotten.
+    A table given with a horizon longer than `default_ttl_s` (or any horizon when it is 0) is a
+    ValueError; without one, the cache makes its own with that horizon on its clock.
     """
 
     def __init__(
@@ -97,7 +102,16 @@ class TieredCache:
         ]
         self._clock = clock
         self.default_ttl_s = default_ttl_s
-        self.invalidations = invalidations if invalidations is not None else InvalidationTable()
+        if invalidations is None:  # forgets by this cache's horizon, on its clock
+            invalidations = InvalidationTable(horizon_s=default_ttl_s or None, clock=clock)
+        horizon_s = invalidations.horizon_s
+        if horizon_s is not None and not 0 < default_ttl_s <= horizon_s:
+            raise ValueError(
+                f"an invalidation table that forgets watermarks after {horizon_s:g} s cannot "
+                f"guard a cache that serves answers up to {default_ttl_s:g} s old (0: any age): "
+                "an invalidated answer would be served again"
+            )
+        self.invalidations = invalidations
         self.background = list(background)
         self.host_marks = host_marks  # the host's invalidation log: noted before every read
         self._catch_up_logged_s = -60.0
@@ -139,16 +153,20 @@ class TieredCache:
         return None
 
     def exists(self, key: str) -> bool:
-        """Whether some tier holds a usable entry (not expired, not invalidated), without filling
-        tiers or dropping anything; a tier that fails to read raises. For decisions that must
-        not take an error for a miss (compaction deletes the rows of answers that are gone)."""
+        """Whether some tier holds a usable entry (not expired, not older than `default_ttl_s`,
+        not invalidated), without filling tiers or dropping anything; a tier that fails to read
+        raises. For decisions that must not take an error for a miss (compaction deletes the
+        rows of answers that are gone)."""
         self._catch_up()
         now = self._clock()
         for _, store in self._stores:
             entry = store.get(key)
-            if entry is not None and not entry.expired(now):
-                if not self.invalidations.covers(key, entry):
-                    return True
+            if entry is None or entry.expired(now):
+                continue
+            if self.default_ttl_s > 0 and now - entry.created_s >= self.default_ttl_s:
+                continue  # too old for this reader, as in get(); its watermark may be forgotten
+            if not self.invalidations.covers(key, entry):
+                return True
         return False
 
     def put(
@@ -166,7 +184,8 @@ class TieredCache:
     ) -> CacheEntry | None:
         """Store an answer in every tier; None, writing nothing, when an invalidation this
         process knows of already covers it (a generation that started before the watermark:
-        readers would refuse it, and once the watermark is forgotten it would be served).
+        readers that know it refuse the answer, and a process that has not noted it yet
+        would serve it).
         `created_s` (default: now) is when its generation started; `tags`, `tenant_scope`
         and `adapter` are what invalidations match on."""
         entry = CacheEntry(

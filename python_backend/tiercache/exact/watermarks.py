@@ -14,27 +14,97 @@ same rule as `InvalidationTable.covers`, for one watermark.
 Times: `at_s` is Redis's clock (`TIME`), `created_s` the generating replica's wall clock; entries
 created up to `skew_s` after the watermark are also dropped, to absorb clock skew between hosts.
 
+Forgetting: a watermark may be forgotten only once no tier can still hold an entry it covers
+that some reader would serve, or the answer it killed comes back (an L3 left unswept with
+`sweep_shared: false`, the L2 of a replica that was down). The bound is the entry lifetime
+horizon, the deployment's `ttl_s`: every reader refuses an answer older than that, whatever
+tier holds it. A watermark older than the horizon plus the skew allowance
+(`forget_before_s`) covers only answers nobody serves; with no horizon (`ttl_s` 0: answers
+never expire) none is ever forgotten. `max_events` is when forgetting is tried, not a cap: past
+it, whatever is too young to forget is kept (memory grows, counted and warned about), so a
+finite `ttl_s` is what bounds the table, the host's log and Redis's.
+
 This module is what `TieredCache` reads, so it imports no cache and no tier: what acts on a
 cache (the sweep, the Redis listener, the issuer) is `tiercache.exact.invalidation`.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+import math
+import struct
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tiercache.exact.codec import CacheEntry
-from tiercache.exact.stores import open_lmdb
+from tiercache.exact.stores import check_readers, open_lmdb
 from tiercache.vocabulary import InvalidationKind
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SKEW_S = 0.05
 DEFAULT_MAX_EVENTS = 100_000
+_WARN_EVERY_S = 60.0  # at most one "kept past max_events" warning per table or log this often
+
+
+def forget_before_s(now_s: float, horizon_s: float | None, skew_s: float) -> float | None:
+    """Watermarks with `at_s` before this can be forgotten at `now_s`; None: none can (no
+    horizon). The one rule for the table, the host's log and Redis's.
+
+    A watermark kills entries with `created_s <= at_s + skew_s`, and no reader serves an entry
+    older than `horizon_s` (`TieredCache.default_ttl_s`). Once `now_s - at_s > horizon_s +
+    2 * skew_s`, every entry it covers is older than the horizon by the reader's clock even if
+    that clock runs up to `skew_s` behind the one that forgets (`at_s` is Redis's, `now_s` the
+    caller's): the skew allowance counts once for the writer's clock, once for the reader's."""
+    if horizon_s is None:
+        return None
+    return now_s - horizon_s - 2 * skew_s
+
+
+def _horizon(horizon_s: float | None) -> float | None:
+    """`horizon_s` checked: None or 0 is no horizon; a positive finite number of seconds."""
+    if not horizon_s:
+        return None
+    if not math.isfinite(horizon_s) or horizon_s < 0:
+        raise ValueError(f"horizon_s must be a positive number of seconds or None, got {horizon_s}")
+    return horizon_s
+
+
+class OverflowCounter:
+    """Counts what is kept past `max_events` and warns about it at most once a minute."""
+
+    __slots__ = ("what", "count", "_warned_s")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self._warned_s = -math.inf
+
+    def kept(self, held: int, max_events: int, horizon_s: float | None, now_s: float) -> None:
+        self.count += 1
+        if now_s - self._warned_s < _WARN_EVERY_S:
+            return
+        self._warned_s = now_s
+        why = (
+            f"none of the oldest is past the entry lifetime horizon (ttl_s {horizon_s:g} s)"
+            if horizon_s is not None
+            else "ttl_s is 0: answers never expire, so no watermark may be forgotten"
+        )
+        log.warning(
+            "%s holds %d invalidation watermarks, more than max_events (%d), and keeps them: %s "
+            "(forgetting one could serve an unswept copy again). A finite ttl_s bounds it",
+            self.what,
+            held,
+            max_events,
+            why,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +118,10 @@ class Invalidation:
     published_s: float = 0.0
 
     def member(self) -> str:
-        """Its identity in the Redis sorted set: a later one for the same thing replaces it."""
+        """What it invalidates, `<kind>:<value>`: the end of its member in the Redis sorted set
+        (`tiercache.exact.invalidation.signed_member` puts the tag and `at_s` before it, so a
+        later invalidation of the same thing is a member of its own and replaces nothing; the
+        table keeps the newest `at_s` per `<kind>:<value>`)."""
         return f"{self.kind.value}:{self.value}"
 
     def to_json(self) -> str:
@@ -96,17 +169,34 @@ def applies(inv: Invalidation, key: str, entry: CacheEntry, skew_s: float = DEFA
 
 class InvalidationTable:
     """The watermarks this process has seen, checked on every read. Thread-safe: writers hold a
-    lock; readers do plain dict look-ups (atomic in CPython). Bounded: past `max_events` the
-    oldest tenth is forgotten (those invalidations have long been swept)."""
+    lock; readers do plain dict look-ups (atomic in CPython).
+
+    Forgets only what no reader could be served any more (the module docstring): past
+    `max_events`, the watermarks older than the horizon `horizon_s` (the cache's `ttl_s`; None:
+    none) plus the skew allowance, by the injected `clock` (the cache's wall clock). What is too
+    young stays, however many: `kept_past_max` counts the notes that left the table over
+    `max_events`, and a warning is logged at most once a minute. A heap ordered by `at_s` makes
+    forgetting cost O(log n) per watermark forgotten, never a sort of the table."""
 
     def __init__(
-        self, skew_s: float = DEFAULT_SKEW_S, max_events: int = DEFAULT_MAX_EVENTS
+        self,
+        skew_s: float = DEFAULT_SKEW_S,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        horizon_s: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.skew_s = skew_s
         self.max_events = max_events
+        self.horizon_s = _horizon(horizon_s)
         self.origin = uuid.uuid4().hex
+        self._clock = clock
         self._marks: dict[InvalidationKind, dict[str, float]] = {k: {} for k in InvalidationKind}
+        # (at_s, kind, value) of every note, oldest first; entries a later note superseded are
+        # skipped when popped, and the heap is rebuilt when they outnumber the live ones.
+        self._order: list[tuple[float, str, str]] = []
         self._count = 0
+        self._forgotten = 0
+        self._overflow = OverflowCounter("this process's invalidation table")
         self._lock = threading.Lock()
         self.newest_s = 0.0  # the newest watermark seen
 
@@ -123,17 +213,35 @@ class InvalidationTable:
             if old is None:
                 self._count += 1
             marks[inv.value] = inv.at_s
+            heapq.heappush(self._order, (inv.at_s, inv.kind.value, inv.value))
             if from_redis:
                 self.newest_s = max(self.newest_s, inv.at_s)
             if self._count > self.max_events:
-                self._forget_oldest()
+                self._forget_old()
+            if len(self._order) > 2 * self._count + 1024:  # mostly superseded notes: rebuild
+                self._rebuild_order()
             return True
 
-    def _forget_oldest(self) -> None:
-        every = sorted((at, k, v) for k, marks in self._marks.items() for v, at in marks.items())
-        for _, kind, value in every[: max(1, len(every) // 10)]:
-            del self._marks[kind][value]
-            self._count -= 1
+    def _rebuild_order(self) -> None:
+        marks = self._marks
+        self._order = [
+            (at, k.value, v) for k, by_value in marks.items() for v, at in by_value.items()
+        ]
+        heapq.heapify(self._order)
+
+    def _forget_old(self) -> None:
+        now_s = self._clock()
+        cutoff = forget_before_s(now_s, self.horizon_s, self.skew_s)
+        order = self._order
+        while cutoff is not None and order and order[0][0] < cutoff:
+            at_s, kind, value = heapq.heappop(order)
+            marks = self._marks[InvalidationKind(kind)]
+            if marks.get(value) == at_s:  # else a later note superseded this one
+                del marks[value]
+                self._count -= 1
+                self._forgotten += 1
+        if self._count > self.max_events:
+            self._overflow.kept(self._count, self.max_events, self.horizon_s, now_s)
 
     def covers(self, key: str, entry: CacheEntry) -> bool:
         """Whether a watermark this process has seen kills `entry`."""
@@ -159,6 +267,31 @@ class InvalidationTable:
                 return True
         return False
 
+    def since(self, after_s: float | None) -> list[Invalidation]:
+        """The watermarks with `at_s` after `after_s` (None: all), oldest first: what a sweep
+        since `after_s` has to apply. O(n): for the sweep at start, not the request path."""
+        with self._lock:
+            found = [
+                Invalidation(kind, value, at_s)
+                for kind, marks in self._marks.items()
+                for value, at_s in marks.items()
+                if after_s is None or at_s > after_s
+            ]
+        return sorted(found, key=lambda inv: inv.at_s)
+
+    @property
+    def forgotten(self) -> int:
+        """Watermarks forgotten because they were older than the horizon."""
+        with self._lock:
+            return self._forgotten
+
+    @property
+    def kept_past_max(self) -> int:
+        """Notes that left the table over `max_events`, nothing in it being old enough to
+        forget (each also considered for the once-a-minute warning)."""
+        with self._lock:
+            return self._overflow.count
+
     def __len__(self) -> int:
         return self._count
 
@@ -169,19 +302,40 @@ class HostWatermarks:
     processes: prompt_cache's L1 copies, an answer an llm process was generating while the sweep
     ran (it is written after the sweep, with a `created_s` before the watermark), the answers
     embedding_cache serves. Each read of a `TieredCache` first notes what was recorded since its
-    last read (one small read transaction when nothing is new). Records are numbered; the
-    oldest are dropped past `max_events`, as `InvalidationTable` forgets them."""
+    last read (one small read transaction when nothing is new).
+
+    Records are numbered, and forgotten oldest first by `InvalidationTable`'s rule: past
+    `max_events`, those older than `horizon_s` plus the skew allowance, by `clock`; a younger
+    one stops the trim (the ones after it are kept too), and what is kept past `max_events` is
+    counted (`kept_past_max`) and warned about at most once a minute.
+
+    It also keeps when this host's L2 was last swept against the watermarks
+    (`swept_until_s`/`mark_swept`; `tiercache.exact.invalidation.RestartSweeper`)."""
 
     _SEQ = b"seq"
+    _SWEPT = b"swept"  # the newest at_s the last completed L2 sweep at start applied
+    _FLOAT = struct.Struct(">d")
 
     def __init__(
-        self, path: Path, max_events: int = DEFAULT_MAX_EVENTS, map_bytes: int = 64 << 20
+        self,
+        path: Path,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        map_bytes: int = 64 << 20,
+        *,
+        horizon_s: float | None = None,
+        skew_s: float = DEFAULT_SKEW_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = path
         self.max_events = max_events
+        self.horizon_s = _horizon(horizon_s)
+        self.skew_s = skew_s
+        self._clock = clock
         self._env = open_lmdb(path, map_bytes, "invalidation log")
         self._seen = 0
         self._lock = threading.Lock()
+        self._forgotten = 0
+        self._overflow = OverflowCounter(f"the host's invalidation log {path}")
 
     @staticmethod
     def _key(seq: int) -> bytes:
@@ -194,8 +348,34 @@ class HostWatermarks:
             seq = 1 + (int.from_bytes(raw, "big") if raw else 0)
             txn.put(self._key(seq), inv.to_json().encode())
             txn.put(self._SEQ, seq.to_bytes(8, "big"))
-            if seq > self.max_events:
-                txn.delete(self._key(seq - self.max_events))
+            cursor = txn.cursor()
+            if not cursor.set_range(b"e"):
+                return
+            first = int.from_bytes(cursor.key()[1:], "big")
+            if seq - first + 1 > self.max_events:
+                self._trim(cursor, seq - first + 1)
+
+    def _trim(self, cursor: Any, held: int) -> None:
+        """Forget the oldest records that are past the horizon while more than `max_events`
+        are held; `cursor` is on the oldest."""
+        now_s = self._clock()
+        cutoff = forget_before_s(now_s, self.horizon_s, self.skew_s)
+        forgotten = 0
+        while cutoff is not None and held > self.max_events and cursor.key().startswith(b"e"):
+            try:
+                at_s = Invalidation.from_json(bytes(cursor.value())).at_s
+            except (ValueError, KeyError) as exc:
+                log.warning("dropping a malformed invalidation record: %s", exc)
+                at_s = -math.inf
+            if at_s >= cutoff:
+                break
+            cursor.delete()  # moves to the next record
+            held -= 1
+            forgotten += 1
+        with self._lock:
+            self._forgotten += forgotten
+            if held > self.max_events:
+                self._overflow.kept(held, self.max_events, self.horizon_s, now_s)
 
     def catch_up(self, table: InvalidationTable) -> int:
         """Note in `table` every record since the last call; how many there were."""
@@ -218,6 +398,37 @@ class HostWatermarks:
                             log.warning("skipping a malformed invalidation record: %s", exc)
                 self._seen = max(self._seen, newest)
                 return noted
+
+    def swept_until_s(self) -> float | None:
+        """The newest `at_s` the last completed sweep of this host's L2 applied (every watermark
+        up to it had been applied to L2 then); None before the first."""
+        with self._env.begin() as txn:
+            raw = txn.get(self._SWEPT)
+        return None if raw is None else float(self._FLOAT.unpack(bytes(raw))[0])
+
+    def mark_swept(self, until_s: float) -> None:
+        """Record a completed sweep of this host's L2 up to `until_s` (it never moves back)."""
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(self._SWEPT)
+            if raw is not None and self._FLOAT.unpack(bytes(raw))[0] >= until_s:
+                return
+            txn.put(self._SWEPT, self._FLOAT.pack(until_s))
+
+    @property
+    def forgotten(self) -> int:
+        """Records this process forgot because they were older than the horizon."""
+        with self._lock:
+            return self._forgotten
+
+    @property
+    def kept_past_max(self) -> int:
+        """Records this process appended that left the log over `max_events`."""
+        with self._lock:
+            return self._overflow.count
+
+    def reader_check(self) -> int:
+        """Free reader slots of dead processes (done at open too); how many."""
+        return check_readers(self._env, "invalidation log", self.path)
 
     def close(self) -> None:
         self._env.close()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -53,15 +52,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.adapter_types import AdapterRef, AdapterWeights
+from tiercache.adapter_types import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterRef,
+    AdapterWeights,
+    adapter_digest,
+)
 from tiercache.errors import ConfigError, InvalidRequest, NotFound, TierCacheError, Unavailable
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-DIGEST_DOMAIN = b"tiercache-lora-v1\x00"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 TASK_IDS_VERSION = 1
@@ -95,15 +97,6 @@ def check_ref(ref: AdapterRef) -> AdapterRef:
     if not DIGEST_PATTERN.fullmatch(ref.digest):
         raise InvalidRequest(f"adapter {ref.name!r}: digest must be 64 lowercase hex characters")
     return ref
-
-
-def adapter_digest(config: bytes, weights: bytes) -> str:
-    """The version digest of an adapter's two files (the encoding in the module docstring)."""
-    sha = hashlib.sha256(DIGEST_DOMAIN)
-    for name, data in zip(ADAPTER_FILES, (config, weights), strict=True):
-        sha.update(name.encode("ascii") + b"\x00" + len(data).to_bytes(8, "big"))
-        sha.update(data)
-    return sha.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,14 +456,16 @@ class TaskIds:
 
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[tuple[dict[str, int], int]]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The folder 0700 and the lock 0600, like the rest of the state directory (the ids
+        # file itself is written 0600 by mkstemp).
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = self.path.with_name(self.path.name + ".lock")
-        with open(lock_path, "a+b") as lock_file:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-            try:
-                yield self._read()
-            finally:
-                fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield self._read()
+        finally:
+            os.close(fd)  # releases the lock
 
     def _read(self) -> tuple[dict[str, int], int]:
         try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
-from tiercache.semantic.row_log import scope_tag
+from tiercache.semantic.row_log import check_vector, scope_tag
 from tiercache.semantic.scope_search import ScopeSearch
 from tiercache.semantic.store import SemanticStore
 
@@ -60,6 +60,7 @@ class IndexStats:
     graphs_saved: int  # graph files written by this process
     graph_files_rejected: int  # saved files not used: other rows, damaged, unreadable
     tables_reopened: int = 0  # scope tables found retired (compacted, grown) and reopened
+    scopes_refused: int = 0  # rows not indexed: their new scope would pass the host's limit
 
 
 class SemanticIndex:
@@ -329,7 +330,10 @@ class SemanticIndex:
         return [cache.get(seq) for seq in seqs]
 
     def add(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
-        return self.store.append(scope, digest, prompt, vector)
+        """Append a row; InvalidVector unless `vector` is a finite unit vector of this index's
+        `dimensions`, ScopeLimitReached when `scope` is new and the host holds its limit of
+        scopes (`SemanticStore`)."""
+        return self.store.append(scope, digest, prompt, check_vector(vector, self.dimensions))
 
     def forget(self, digests: list[str]) -> int:
         """Stop returning the rows of these answers' digests (their answers were invalidated);
@@ -370,6 +374,7 @@ class SemanticIndex:
                 self._saved,
                 self._rejected,
                 self._reopened,
+                self.store.scopes_refused,
             )
 
     def close(self) -> None:

@@ -23,6 +23,14 @@ Idempotence: a row whose digest the scope already has keeps its row (the log's d
 row read back from Redis and the host's own row for the same answer are one row; rows this host
 wrote are skipped by their origin (the log id) without touching LMDB.
 
+Authentication: whoever can write Redis must not be able to plant rows (a prompt pointing at
+another scope's answer, a vector that wins every search). Each stream entry carries `t`, an
+HMAC-SHA256 under `derive_key(secret, "semantic rows")` (the link's `Signer`) over the stream's
+key name and the entry's fields `m` and `v`; the follower skips an entry whose tag does not verify
+and counts it (`forged`; also in the link's `forged`). Rows published before the tags (older
+releases) are skipped the same way: their answers are still exact hits, and a replica indexes
+the row again when it generates the answer again.
+
 Invalidation: a semantic hit takes its text from the exact cache (`TieredCache.get`), which
 checks every watermark, so a replayed row can never serve an invalidated answer. The follower
 also drops such rows before they reach the log: it waits until the process's invalidation
@@ -55,7 +63,8 @@ import lmdb
 import numpy as np
 
 from tiercache.exact.codec import CacheEntry
-from tiercache.exact.redis_tier import RedisLink
+from tiercache.exact.keys import REDIS_SEMANTIC_ROWS
+from tiercache.exact.redis_tier import RedisLink, Signer
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import InvalidationTable
 from tiercache.semantic.store import SemanticStore
@@ -66,6 +75,22 @@ STREAM = "semantic"  # <prefix>semantic
 DEFAULT_MAX_ROWS = 1_000_000
 _MISSING = object()
 _LAST_ID_META = b"meta:redis-stream:"  # + the stream key: the last id this host has stored
+_SIGNED_FIELDS = ("m", "v")  # a row's fields, in the order its tag `t` covers them
+
+
+def sign_fields(signer: Signer, key: str, fields: dict[str, bytes]) -> dict[str, bytes]:
+    """`fields` of a row for the stream `key`, with `t`: the tag over `key`, `m` and `v`."""
+    return {**fields, "t": signer.tag(key, *(fields[name] for name in _SIGNED_FIELDS))}
+
+
+def fields_verify(signer: Signer, key: str, fields: dict[bytes, bytes]) -> bool:
+    """Whether a stream entry's `t` is the fleet's tag over its `m` and `v` under `key`; a
+    refusal is counted by `signer`."""
+    tag, parts = fields.get(b"t"), [fields.get(name.encode()) for name in _SIGNED_FIELDS]
+    if tag is None or any(part is None for part in parts):
+        signer.refuse(key)
+        return False
+    return signer.verify(tag, key, *(part for part in parts if part is not None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +203,8 @@ class SharedRow:
 
 class RowPublisher:
     """Appends rows to the deployment's stream (`<prefix>semantic`), trimmed to about
-    `max_rows`. Best effort: with Redis down the row stays on this host only."""
+    `max_rows`, signed under the link's secret (`sign_fields`). Best effort: with Redis down the
+    row stays on this host only."""
 
     def __init__(self, link: RedisLink, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         if max_rows < 1:
@@ -186,12 +212,13 @@ class RowPublisher:
         self.link = link
         self.key = link.key(STREAM)
         self.max_rows = max_rows
+        self._signer = link.signer(REDIS_SEMANTIC_ROWS)
         self._lock = threading.Lock()
         self.published = 0
         self.failed = 0
 
     def publish(self, row: SharedRow) -> bool:
-        fields = row.to_fields()
+        fields = sign_fields(self._signer, self.key, row.to_fields())
         added = self.link.call(
             lambda c: c.xadd(self.key, fields, maxlen=self.max_rows, approximate=True),  # type: ignore[arg-type]
             None,
@@ -216,6 +243,7 @@ class FollowerStats:
     foreign: int  # rows of another embedder or width (skipped)
     malformed: int  # entries that are not rows of ours (skipped)
     last_id: str  # the last stream id this host has stored
+    forged: int = 0  # entries whose tag did not verify: not signed with the fleet's secret
 
 
 class RowFollower:
@@ -224,7 +252,8 @@ class RowFollower:
     One per host: the thread takes an `flock` on `lock_path` (non-blocking; retried every
     `retry_s`, so another process takes over when the holder exits), and only the holder reads.
     `ready()` gates reading (the invalidation listener has read the recorded watermarks); the
-    rows then pass `invalidations` and are appended with `SemanticStore.log_rows`, which drops
+    rows whose tag verifies (`fields_verify`; the others are `forged`, skipped) then pass
+    `invalidations` and are appended with `SemanticStore.log_rows`, which drops
     duplicates by digest, and published to their scopes' tables. `close()` stops and joins it
     (at most one blocking read, `block_s`, plus one Redis timeout).
     """
@@ -251,6 +280,7 @@ class RowFollower:
         self.store = store
         self.invalidations = invalidations
         self.key = link.key(STREAM)
+        self._signer = link.signer(REDIS_SEMANTIC_ROWS)
         self._lock_path = lock_path
         self._ready = ready
         self._answer_exists = answer_exists
@@ -272,7 +302,7 @@ class RowFollower:
         self._lock_refused = threading.Event()  # another process of the host is the follower
         self._thread: threading.Thread | None = None
         self._counts = dict.fromkeys(
-            ("read", "added", "duplicate", "own", "dead", "foreign", "malformed"), 0
+            ("read", "added", "duplicate", "own", "dead", "foreign", "malformed", "forged"), 0
         )
         self._stats_lock = threading.Lock()
 
@@ -389,6 +419,9 @@ class RowFollower:
         rows: list[tuple[str, str, str, np.ndarray]] = []
         now = self._clock()
         for _, fields in entries:
+            if not fields_verify(self._signer, self.key, fields):
+                counts["forged"] += 1
+                continue
             try:
                 row = SharedRow.from_fields(fields)
             except ValueError as exc:
@@ -466,6 +499,7 @@ class RowFollower:
             c["foreign"],
             c["malformed"],
             self._last_id,
+            c["forged"],
         )
 
     def close(self) -> None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -26,9 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.exact.stores import data_bytes, open_lmdb
+from tiercache.exact.stores import check_readers, data_bytes, open_lmdb
+
+log = logging.getLogger(__name__)
 
 INITIAL_CAPACITY = 16  # rows; a scope's first table (its manifest written with its first row)
+# Scopes one host's log holds at most. Each scope is a table file that every process searching
+# it maps (one mmap each): about 65k would exhaust the default vm.max_map_count of 65,530.
+DEFAULT_MAX_SCOPES = 4096
+MAX_VECTOR_FLOATS = 1 << 16  # the widest row a shared table holds (tiercache_native)
+NORM_TOLERANCE = 1e-3  # |norm - 1| a written vector may have: the search is a dot product
+_REFUSED_LOG_INTERVAL_S = 60.0
 
 _ROW_PREFIX = b"r"
 _NEXT_KEY = b"meta:next"
@@ -54,6 +64,40 @@ class TableManifest:
     epoch: int
     width: int
     capacity: int
+
+
+class InvalidVector(ValueError):
+    """A vector refused by the index: not a unit row of finite float32 of the right width."""
+
+
+class ScopeLimitReached(ValueError):
+    """A row of a new scope refused because the log already holds `max_scopes` scopes."""
+
+
+def check_vector(vector: np.ndarray, dimensions: int | None = None) -> np.ndarray:
+    """`vector` as one contiguous float32 row, or InvalidVector: its width must be 1 to
+    `MAX_VECTOR_FLOATS` (and `dimensions`, when given), its values finite, and its norm 1
+    within `NORM_TOLERANCE`, since similarities are plain dot products (cosine on unit
+    vectors): a longer vector would outrank every true neighbour, a NaN would poison the scan."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow gives inf: refused below
+            row = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise InvalidVector(f"not a vector of numbers: {exc}") from exc
+    width = len(row)
+    if not 1 <= width <= MAX_VECTOR_FLOATS:
+        raise InvalidVector(f"a vector of {width} floats (1 to {MAX_VECTOR_FLOATS})")
+    if dimensions is not None and width != dimensions:
+        raise InvalidVector(f"a vector of {width} floats where the index has {dimensions}")
+    if not np.isfinite(row).all():
+        raise InvalidVector("a vector with NaN or infinite values")
+    norm = float(np.linalg.norm(row.astype(np.float64)))
+    if abs(norm - 1.0) > NORM_TOLERANCE:
+        raise InvalidVector(
+            f"a vector of norm {norm:.6g}, not 1 within {NORM_TOLERANCE:g} (the search "
+            "compares unit vectors)"
+        )
+    return row
 
 
 def _row_key(seq: int) -> bytes:
@@ -109,17 +153,32 @@ def _tag_bytes(scope: str) -> bytes:
 
 class RowLog:
     """The host's semantic rows in an append-only LMDB log at `path` (see the module docstring).
-    Every method is one LMDB transaction, safe from any thread and process."""
+    Every method is one LMDB transaction, safe from any thread and process.
+
+    Every vector written is checked (`check_vector`; `dimensions` when given), and the log
+    holds at most `max_scopes` scopes: a row that would start one more is refused
+    (`ScopeLimitReached`; `SemanticStore.append_or_compact` counts it in `scopes_refused`
+    instead), never an existing scope's row."""
 
     def __init__(
         self,
         path: Path,
         max_bytes: int = 2 << 30,
         clock: Callable[[], float] = time.time,
+        *,
+        dimensions: int | None = None,
+        max_scopes: int = DEFAULT_MAX_SCOPES,
     ) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        if max_scopes < 1:
+            raise ValueError(f"max_scopes must be at least 1, got {max_scopes}")
         self.path = path
+        self.dimensions = dimensions
+        self.max_scopes = max_scopes
+        self.scopes_refused = 0
+        self._refused_lock = threading.Lock()
+        self._refused_logged_s = -_REFUSED_LOG_INTERVAL_S
         # Damaged while stopped (truncated, overwritten): moved aside with its tables, rebuilt.
+        # Created 0700 with 0600 files; dead readers' slots freed (`open_lmdb`).
         self._env = open_lmdb(path, max_bytes, "semantic row log", clock)
         self._clock = clock
         with self._env.begin(write=True) as txn:
@@ -132,6 +191,50 @@ class RowLog:
     def data_bytes(self) -> int:
         """Bytes of the log's map in use by data pages (what compaction is measured against)."""
         return data_bytes(self._env)
+
+    def reader_check(self) -> int:
+        """Free reader slots of dead processes (done at open too); how many."""
+        return check_readers(self._env, "semantic row log", self.path)
+
+    def admits_scope(self, scope: str) -> bool:
+        """Whether a row of `scope` would be taken: the scope exists, or the log holds fewer
+        than `max_scopes` scopes. (Another process may take the last place meanwhile:
+        `log_rows` checks again.)"""
+        with self._env.begin() as txn:
+            if self._manifest(txn, _tag_bytes(scope)) is not None:
+                return True
+            return self._count_scopes(txn, self.max_scopes) < self.max_scopes
+
+    def note_scope_refused(self) -> None:
+        """Count a row not indexed because its new scope would pass `max_scopes`; logged at
+        most once a minute."""
+        with self._refused_lock:
+            self.scopes_refused += 1
+            now = time.monotonic()
+            if now - self._refused_logged_s < _REFUSED_LOG_INTERVAL_S:
+                return
+            self._refused_logged_s = now
+            refused = self.scopes_refused
+        log.warning(
+            "the semantic log %s holds its limit of %d scopes: rows of new scopes are not "
+            "indexed (%d so far)",
+            self.path,
+            self.max_scopes,
+            refused,
+        )
+
+    @staticmethod
+    def _count_scopes(txn: Any, stop_at: int) -> int:
+        """Scopes with a manifest, counted up to `stop_at`: a walk over at most that many
+        keys, done only when a row would start a new scope (no stored count to keep right)."""
+        count = 0
+        cursor = txn.cursor()
+        if cursor.set_range(_MANIFEST):
+            for key in cursor.iternext(values=False):
+                if not key.startswith(_MANIFEST) or count >= stop_at:
+                    break
+                count += 1
+        return count
 
     def scan(self) -> Iterator[tuple[int, IndexRow | None]]:
         """Every row in seq order, None for a damaged one, from one read transaction that stays
@@ -182,9 +285,16 @@ class RowLog:
     ) -> tuple[list[int], dict[str, tuple[list[int], list[np.ndarray]]]]:
         """The log half of `SemanticStore.append_many`: the seqs, and the new rows by scope tag,
         to publish. `meta` (keys under `meta:`) is written in the same transaction as the rows:
-        a reader of a shared stream records how far it has read together with what it read."""
+        a reader of a shared stream records how far it has read together with what it read.
+
+        All or nothing: InvalidVector for a vector `check_vector` refuses, ScopeLimitReached
+        for a row that would start a scope past `max_scopes` (both ValueError)."""
         seqs: list[int] = []
         fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
+        rows = [
+            (scope, digest, prompt, check_vector(vector, self.dimensions))
+            for scope, digest, prompt, vector in rows
+        ]
         with self._env.begin(write=True) as txn:
             for key, value in (meta or {}).items():
                 if not key.startswith(_META_PREFIX):
@@ -193,7 +303,6 @@ class RowLog:
             raw = txn.get(_NEXT_KEY)
             seq = int.from_bytes(raw, "big") if raw else 0
             for scope, digest, prompt, vector in rows:
-                vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
                 tag = _tag_bytes(scope)
                 digest_key = _DIGEST + tag + digest.encode("utf-8")
                 known = txn.get(digest_key)
@@ -202,6 +311,11 @@ class RowLog:
                     continue
                 manifest = self._manifest(txn, tag)
                 if manifest is None:
+                    if self._count_scopes(txn, self.max_scopes) >= self.max_scopes:
+                        raise ScopeLimitReached(
+                            f"the log holds its limit of {self.max_scopes} scopes; a row of a "
+                            "new scope is not indexed"
+                        )
                     manifest = TableManifest(scope, 0, len(vector), INITIAL_CAPACITY)
                     txn.put(_MANIFEST + tag, _encode_manifest(manifest))
                 elif manifest.width != len(vector):

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import tiercache_native as native
 
+from tiercache.exact.stores import make_private_dir, open_private
 from tiercache.semantic.row_log import INITIAL_CAPACITY, RowLog, TableManifest
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class ScopeTables:
     def __init__(self, row_log: RowLog, path: Path) -> None:
         self.row_log = row_log
         self.path = path
-        path.mkdir(parents=True, exist_ok=True)
+        make_private_dir(path)  # 0700: the tables hold every tenant's prompt vectors
 
     def table_path(self, tag: str, epoch: int) -> Path:
         """Named by the row log's id too: a table of another log (rebuilt after damage, or a
@@ -71,7 +72,7 @@ class ScopeTables:
     def locked(self, tag: str) -> Iterator[None]:
         """The scope's writer lock across processes (and threads: each call opens its own
         file description, which flock treats as a separate owner)."""
-        fd = os.open(self.path / f"{tag}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(self.path / f"{tag}.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

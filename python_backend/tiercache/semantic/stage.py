@@ -5,6 +5,7 @@ Transport-free: the Triton model.py injects the embedding call (BLS to the `embe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -14,6 +15,8 @@ import numpy as np
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.vectors import VectorCache, vector_key
+
+log = logging.getLogger(__name__)
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 NO_VECTOR = np.zeros(0, dtype=np.float32)
@@ -63,11 +66,16 @@ class EmbeddingCache:
         self.top_k = top_k
         self.min_similarity = min_similarity
         self._screen = screen
+        self.scope_mismatches = 0  # candidates refused: their answer is another tenant's
 
-    def vectors_for(self, prompts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
-        """Each prompt's vector and whether it came from the vector cache; the ones not cached
-        are embedded in one call and stored."""
-        keys = [vector_key(self.embedder_key, p) for p in prompts]
+    def vectors_for(
+        self, prompts: Sequence[str], tenant_scopes: Sequence[str] | None = None
+    ) -> list[tuple[np.ndarray, bool]]:
+        """Each prompt's vector and whether it came from the vector cache (kept per tenant
+        scope: another tenant's vector is never reused, whose fast lookup would tell that the
+        text was sent before); the ones not cached are embedded in one call and stored."""
+        tenants = [""] * len(prompts) if tenant_scopes is None else tenant_scopes
+        keys = [vector_key(self.embedder_key, p, t) for p, t in zip(prompts, tenants, strict=True)]
         found = [self.vectors.get(k) for k in keys]
         missing = [i for i, v in enumerate(found) if v is None]
         if missing:
@@ -77,8 +85,21 @@ class EmbeddingCache:
                 found[i] = vector
         return [(v, i not in missing) for i, v in enumerate(found) if v is not None]
 
-    def search(self, prompt: str, scope: str, vector: np.ndarray, cached: bool) -> SemanticLookup:
-        """The candidate of `scope` the guard likes best, if its answer still exists."""
+    def search(
+        self,
+        prompt: str,
+        scope: str,
+        vector: np.ndarray,
+        cached: bool,
+        tenant_scope: str | None = None,
+    ) -> SemanticLookup:
+        """The candidate of `scope` the guard likes best, if its answer still exists.
+
+        The index returns only rows of `scope` (it re-reads each row's scope from the log);
+        with `tenant_scope`, the answer a row points to must also belong to that tenant
+        (its cache entry's `tenant_scope`) before it is served: a row written with another
+        tenant's answer digest (a forged shared row, a damaged log) is refused, counted in
+        `scope_mismatches` and logged, and treated as a stale candidate."""
         neighbours = [
             n
             for n in self.index.search(scope, vector, self.top_k)
@@ -91,6 +112,8 @@ class EmbeddingCache:
                 return SemanticLookup(SemanticOutcome.REJECTED, vector, vector_cached=cached)
             neighbour = neighbours.pop(chosen)
             found = self.answers.get(neighbour.digest)
+            if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
+                found = None
             if found is not None:
                 return SemanticLookup(
                     SemanticOutcome.HIT, vector, found.entry.text, neighbour.similarity, cached
@@ -98,19 +121,41 @@ class EmbeddingCache:
             outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached)
 
-    def lookup(self, prompts: Sequence[str], scopes: Sequence[str]) -> list[SemanticLookup]:
+    def _same_tenant(self, answer_scope: str, tenant_scope: str | None) -> bool:
+        if tenant_scope is None or answer_scope == tenant_scope:
+            return True
+        self.scope_mismatches += 1
+        log.warning(
+            "a semantic candidate's answer belongs to another tenant scope (%s..., not %s...); "
+            "not served",
+            answer_scope[:8],
+            tenant_scope[:8],
+        )
+        return False
+
+    def lookup(
+        self,
+        prompts: Sequence[str],
+        scopes: Sequence[str],
+        tenant_scopes: Sequence[str] | None = None,
+    ) -> list[SemanticLookup]:
         """One result per prompt, in order; prompts the screen refuses are not embedded (their
-        result has an empty vector, so the llm stage does not index them either)."""
+        result has an empty vector, so the llm stage does not index them either). With
+        `tenant_scopes` (one per prompt), a hit's answer must belong to that tenant (`search`)."""
         refused = {i: why for i, p in enumerate(prompts) if (why := self._screen(p)) is not None}
         taken = [i for i in range(len(prompts)) if i not in refused]
-        vectors = dict(zip(taken, self.vectors_for([prompts[i] for i in taken]), strict=True))
+        tenants: Sequence[str | None] = (
+            [None] * len(prompts) if tenant_scopes is None else tenant_scopes
+        )
+        found = self.vectors_for([prompts[i] for i in taken], [tenants[i] or "" for i in taken])
+        vectors = dict(zip(taken, found, strict=True))
         results = []
-        for i, (prompt, scope) in enumerate(zip(prompts, scopes, strict=True)):
+        for i, (prompt, scope, tenant) in enumerate(zip(prompts, scopes, tenants, strict=True)):
             if i in refused:
                 results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
-            results.append(self.search(prompt, scope, vector, cached))
+            results.append(self.search(prompt, scope, vector, cached, tenant))
         return results
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tiercache.semantic.compaction import Compactor, Row
-from tiercache.semantic.row_log import RowLog
+from tiercache.semantic.row_log import DEFAULT_MAX_SCOPES, RowLog, ScopeLimitReached, check_vector
 from tiercache.semantic.shared_rows import ScopeTables
 
 
@@ -28,7 +28,12 @@ class SemanticStore(RowLog):
     A write appends to the log first, then publishes to the scope's table; a writer that dies
     between the two leaves a row the next publish to that scope (or the next process that
     opens the table) publishes. `tables_path` defaults to `<path>/tables`; it may be anywhere
-    on the host (e.g. under /dev/shm) as long as every process of the host passes the same."""
+    on the host (e.g. under /dev/shm) as long as every process of the host passes the same.
+
+    Vectors are checked before they are written (`check_vector`: width, finite values, unit
+    norm; InvalidVector otherwise), and the host holds at most `max_scopes` scopes (one table
+    file, so one mmap per process that searches it, each): a row of a new scope past that is
+    not indexed (`append_or_compact` returns None, counted in `scopes_refused`)."""
 
     def __init__(
         self,
@@ -36,8 +41,11 @@ class SemanticStore(RowLog):
         max_bytes: int = 2 << 30,
         clock: Callable[[], float] = time.time,
         tables_path: Path | None = None,
+        *,
+        dimensions: int | None = None,
+        max_scopes: int = DEFAULT_MAX_SCOPES,
     ) -> None:
-        super().__init__(path, max_bytes, clock)
+        super().__init__(path, max_bytes, clock, dimensions=dimensions, max_scopes=max_scopes)
         self.tables = ScopeTables(self, tables_path or path / "tables")
         self._compactor = Compactor(self, self.tables, self.append_many, max_bytes)
 
@@ -63,8 +71,19 @@ class SemanticStore(RowLog):
     ) -> int | None:
         """Append and return the row's seq; None when the log is full or being compacted, in
         which case the row waits for the background compaction this starts and is appended
-        after it (`Compactor.append_or_compact`). The caller never waits for a compaction."""
-        return self._compactor.append_or_compact((scope, digest, prompt, vector), answer_exists)
+        after it (`Compactor.append_or_compact`). The caller never waits for a compaction.
+        None too, and the row is dropped, when it would start a scope past `max_scopes` (the
+        answer is served and cached all the same; only reworded requests miss it).
+        InvalidVector for a vector `check_vector` refuses."""
+        row = check_vector(vector, self.dimensions)
+        if not self.admits_scope(scope):
+            self.note_scope_refused()
+            return None
+        try:
+            return self._compactor.append_or_compact((scope, digest, prompt, row), answer_exists)
+        except ScopeLimitReached:  # another process took the last place meanwhile
+            self.note_scope_refused()
+            return None
 
     def wait_compacted(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""

@@ -1,6 +1,8 @@
 """The embedding vector cache: the same text is never embedded twice, also across restarts.
 
-Keyed by (embedder id and revision, SHA-256 of the normalized text). L1 is an in-process LRU
+Keyed by (embedder id and revision, tenant scope, SHA-256 of the normalized text): one tenant's
+prompts never answer another's from this cache, so the time an embedding takes cannot tell a
+tenant whether anyone else sent the same text (issue 14). L1 is an in-process LRU
 bounded in bytes (cachetools); L2 is an LMDB environment on the host. Values on disk carry a
 checksum; a corrupt one is a miss and is dropped.
 """
@@ -17,16 +19,17 @@ import cachetools
 import lmdb
 import numpy as np
 
-from tiercache.exact.stores import open_lmdb
+from tiercache.exact.stores import check_readers, open_lmdb
 
 log = logging.getLogger(__name__)
 _CHECKSUM_BYTES = 16
 
 
-def vector_key(embedder_key: str, text: str) -> bytes:
-    """Key of a text's vector: embedder id@revision and the digest of the normalized text."""
+def vector_key(embedder_key: str, text: str, tenant_scope: str = "") -> bytes:
+    """Key of a text's vector: embedder id@revision, the tenant scope it was embedded for, and
+    the digest of the normalized text."""
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return f"{embedder_key}/{digest}".encode()
+    return f"{embedder_key}/{tenant_scope}/{digest}".encode()
 
 
 def encode_vector(vector: np.ndarray) -> bytes:
@@ -58,8 +61,9 @@ class VectorCache:
         self, path: Path, dimensions: int, l1_max_bytes: int = 16 << 20, l2_max_bytes: int = 1 << 30
     ) -> None:
         self.dimensions = dimensions
-        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
         # Damaged while stopped: moved aside and rebuilt empty (vectors are recomputable).
+        # Created 0700 with 0600 files (`open_lmdb`).
         self._env = open_lmdb(path, l2_max_bytes, "vector cache")
         self._l1: cachetools.LRUCache[bytes, np.ndarray] = cachetools.LRUCache(
             maxsize=l1_max_bytes, getsizeof=lambda v: v.nbytes + 100
@@ -102,6 +106,10 @@ class VectorCache:
                 txn.drop(self._env.open_db(), delete=False)
         with self._lock:
             self._l1[key] = vector
+
+    def reader_check(self) -> int:
+        """Free reader slots of dead processes (done at open too); how many."""
+        return check_readers(self._env, "vector cache", self.path)
 
     def stats(self) -> VectorCacheStats:
         with self._lock:

@@ -1,11 +1,15 @@
-"""What every stage's assembly shares: its metrics registry and the exporters of the exact
-cache's Redis link and invalidation listener."""
+"""What every stage's assembly shares: its metrics registry, the exporters of the exact
+cache's Redis link and invalidation listener, and the sealed internal calls (to the engine
+and to lora_cache's admin ops)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from tiercache.stages.parts import ExactTiers
+from tiercache.stages.seal import ADMIN_LABEL, ENGINE_INPUTS, ENGINE_LABEL, Sealer, seal_tensors
+from tiercache.triton import io
 from tiercache.triton import metrics as tm
 
 
@@ -25,3 +29,18 @@ def export_redis(metrics: tm.Metrics, tiers: ExactTiers) -> bool:
     if tiers.listener is not None:
         tm.InvalidationMetrics(metrics, tiers.listener)
     return True
+
+
+def engine_inputs(sealer: Sealer, values: dict[str, str | bytes]) -> list[Any]:
+    """An engine call's tensors (torch_llm's inputs have no batch dimension) and ENGINE_SEAL
+    over all of them; torch_llm refuses a call whose seal does not verify."""
+    tensors = [io.bytes_tensor(name, [value], batched=False) for name, value in values.items()]
+    seal = seal_tensors(sealer, ENGINE_LABEL, ENGINE_INPUTS, dict(values))
+    tensors.append(io.bytes_tensor("ENGINE_SEAL", [seal], batched=False))
+    return tensors
+
+
+def admin_inputs(sealer: Sealer, admin: str) -> list[Any]:
+    """A call of lora_cache's internal admin ops: ADMIN and its ADMIN_SEAL."""
+    seal = sealer.seal(ADMIN_LABEL, admin.encode("utf-8"))
+    return [io.bytes_tensor("ADMIN", [admin]), io.bytes_tensor("ADMIN_SEAL", [seal])]

@@ -20,7 +20,14 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.parts import ExactTiers, open_exact_cache
+from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
+from tiercache.stages.seal import (
+    ANSWER_LABEL,
+    ANSWER_TENSORS,
+    Sealer,
+    float_bytes,
+    seal_tensors,
+)
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -41,8 +48,9 @@ class EmbeddingCacheStage:
     """Batched semantic lookups with their metrics. Semantic caching is an optimisation: a
     failing lookup sends its requests on as misses (logged), never as errors."""
 
-    def __init__(self, stage: EmbeddingCache, metrics: tm.Metrics) -> None:
+    def __init__(self, stage: EmbeddingCache, metrics: tm.Metrics, sealer: Sealer) -> None:
         self.core = stage
+        self.sealer = sealer
         self.metrics = m = metrics
         self.outcomes = status_counters(
             m,
@@ -60,6 +68,14 @@ class EmbeddingCacheStage:
         rows = m.gauge("tiercache_embedding_cache_index_rows", "Rows in the semantic index")
         m.on_flush(lambda: rows.set(stage.index.size()))
 
+    def open(self, data: bytes | None, cached_text: str) -> Envelope:
+        """prompt_cache's envelope, its seal checked (bound to the exact hit's `cached_text`)."""
+        return Envelope.open(data, self.sealer, cached_text)
+
+    def seal(self, envelope_seal: str, answer: Answer) -> str:
+        """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
+        return answer_seal(self.sealer, envelope_seal, answer)
+
     def pass_through(self, envelope: Envelope, cached_text: str) -> Answer | None:
         """The answer for a request that is not looked up by meaning (an exact hit, or not
         semantic-eligible); None when it must be looked up (then `lookup` it with others)."""
@@ -73,7 +89,9 @@ class EmbeddingCacheStage:
         started = time.perf_counter()
         try:
             found = self.core.lookup(
-                [e.request.prompt for e in envelopes], [e.semantic_scope for e in envelopes]
+                [e.request.prompt for e in envelopes],
+                [e.semantic_scope for e in envelopes],
+                [e.request.tenant_scope for e in envelopes],  # a hit must stay in its tenant
             )
         except Exception:  # noqa: BLE001 - semantic caching is an optimisation: fall through
             io.log.exception("semantic lookup failed; the requests go on as misses")
@@ -98,6 +116,23 @@ class EmbeddingCacheStage:
     def close(self) -> None:
         self.metrics.close()
         self.core.close()
+
+
+def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
+    """The seal over what embedding_cache hands llm: the answer's text, status, similarity (as
+    FP32) and vector. llm checks it with `check_answer` over the tensors it received."""
+    return seal_tensors(
+        sealer,
+        ANSWER_LABEL,
+        ANSWER_TENSORS,
+        {
+            "ANSWER_TEXT": answer.text,
+            "ANSWER_STATUS": answer.status,
+            "SIMILARITY": float_bytes(answer.similarity),
+            "EMBEDDING": None if answer.vector is None else answer.vector.astype(np.float32),
+        },
+        bound=envelope_seal,
+    )
 
 
 class EmbedderBls:
@@ -129,7 +164,12 @@ def open_embedding_cache(
             config.vector_l2_max_bytes,
         ),
         SemanticIndex(
-            SemanticStore(config.semantic_path(), config.semantic_max_bytes),
+            SemanticStore(
+                config.semantic_path(),
+                config.semantic_max_bytes,
+                dimensions=identity.dimensions,
+                max_scopes=config.semantic_max_scopes,
+            ),
             identity.dimensions,
             config.flat_max_rows,
         ),
@@ -151,7 +191,7 @@ def open_embedding_cache(
 
         tiers.listener.on_dropped(forget)
     metrics = tm.Metrics(model_name, instance=instance_name)
-    stage = EmbeddingCacheStage(core, metrics)
+    stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     metrics.start()
     return stage

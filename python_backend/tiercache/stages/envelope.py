@@ -7,8 +7,11 @@ the whole canonical request plus the lookup's outcome (status, digest, whether t
 written back, the semantic scope and whether to look it up) and the cache directives that are
 not part of the key (tags, max-age).
 
-Decoding treats its input as hostile: any stage (and the engine) can be called directly, so a
-malformed, unknown-version or mistyped envelope is an InvalidRequest for that request alone.
+Decoding treats its input as hostile: any stage (and the engine) can be called directly. On the
+wire the envelope is its seal (tiercache.stages.seal, 64 hex characters, over the JSON and the
+exact hit's text) followed by the JSON; `open` checks the seal before it parses anything, so an
+unsealed or altered envelope is Forbidden, and a malformed, unknown-version or mistyped one is
+an InvalidRequest, for that request alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from tiercache.errors import InvalidRequest
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
+from tiercache.stages.seal import ENVELOPE_LABEL, SEAL_CHARS, Sealer, text_bytes
 from tiercache.vocabulary import CacheStatus
 
 ENVELOPE_VERSION = 1
@@ -38,8 +42,26 @@ class Envelope:
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts (None: any)
 
+    def seal(self, sealer: Sealer, cached_text: str = "") -> bytes:
+        """The wire form: the seal over the JSON and `cached_text` (prompt_cache's exact hit's
+        answer, "" otherwise), then the JSON."""
+        payload = self.encode()
+        return sealer.seal(ENVELOPE_LABEL, payload, text_bytes(cached_text)).encode() + payload
+
+    @classmethod
+    def open(cls, data: bytes | None, sealer: Sealer, cached_text: str = "") -> Envelope:
+        """The envelope in the wire form `data`, its seal checked against `cached_text` first:
+        Forbidden when unsealed or altered, InvalidRequest when malformed."""
+        if not data:
+            raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
+        payload = data[SEAL_CHARS:]
+        sealer.check(
+            seal_of(data), ENVELOPE_LABEL, payload, text_bytes(cached_text), what=ENVELOPE_TENSOR
+        )
+        return cls.decode(payload)
+
     def encode(self) -> bytes:
-        """Canonical JSON (sorted keys, UTF-8), versioned."""
+        """Canonical JSON (sorted keys, UTF-8), versioned; unsealed (see `seal`)."""
         r = self.request
         document = {
             "v": ENVELOPE_VERSION,
@@ -70,7 +92,8 @@ class Envelope:
 
     @classmethod
     def decode(cls, data: bytes | str) -> Envelope:
-        """The envelope in `data`; InvalidRequest naming the first problem."""
+        """The envelope in the JSON `data` (unsealed: `open` checks the seal, then calls this);
+        InvalidRequest naming the first problem."""
         if not data:
             raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
         try:
@@ -118,20 +141,39 @@ class Envelope:
         )
 
 
+def seal_of(data: bytes | None) -> str:
+    """The seal at the head of a wire envelope, unchecked ("" when there is none): later hops
+    bind their own seals to it."""
+    if not data or len(data) < SEAL_CHARS:
+        return ""
+    try:
+        return data[:SEAL_CHARS].decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+
+
 class ReceivedEnvelope:
-    """An envelope as a stage received it, decoded on first use: a stage that only passes a
-    hit on never pays for decoding it, and no stage decodes it twice."""
+    """An envelope as a stage received it, checked and decoded on first use: a stage that only
+    passes a hit on never pays for it, and no stage does it twice."""
 
-    __slots__ = ("data", "_envelope")
+    __slots__ = ("data", "_sealer", "_cached_text", "_envelope")
 
-    def __init__(self, data: bytes | None) -> None:
+    def __init__(self, data: bytes | None, sealer: Sealer, cached_text: str = "") -> None:
         self.data = data
+        self._sealer = sealer
+        self._cached_text = cached_text
         self._envelope: Envelope | None = None
 
+    @property
+    def seal(self) -> str:
+        """The envelope's seal, unchecked (see `seal_of`)."""
+        return seal_of(self.data)
+
     def get(self) -> Envelope:
-        """The envelope; InvalidRequest when it is missing or malformed."""
+        """The envelope; Forbidden when unsealed or altered, InvalidRequest when missing or
+        malformed."""
         if self._envelope is None:
-            self._envelope = Envelope.decode(self.data or b"")
+            self._envelope = Envelope.open(self.data, self._sealer, self._cached_text)
         return self._envelope
 
 

@@ -30,13 +30,30 @@ from tiercache.errors import Unavailable
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
-from tiercache.padding import PaddedResponder, ResponseTimer, uniform_source
+from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
-from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope
-from tiercache.stages.parts import ExactTiers, load_secret, open_exact_cache, padding_policy
+from tiercache.stages.common import admin_inputs, engine_inputs, export_redis, status_counters
+from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope, seal_of
+from tiercache.stages.parts import (
+    ExactTiers,
+    load_secret,
+    open_exact_cache,
+    open_sealer,
+    padding_policy,
+)
+from tiercache.stages.seal import (
+    ANSWER_LABEL,
+    ANSWER_TENSORS,
+    LORA_LABEL,
+    PEFT_LORA_INPUTS,
+    TRT_LORA_INPUTS,
+    Part,
+    Sealer,
+    check_tensors,
+    lora_inputs,
+)
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -52,8 +69,8 @@ ENGINE_OUTPUTS = [
 ]
 # lora_cache's TensorRT-LLM tensors (engine_kind tensorrt_llm): on the ensemble path and on the
 # `weights` admin call of the retry.
-TRT_LORA = ("LORA_TASK_ID", "LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
-PEFT_LORA = ("LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT")
+TRT_LORA = TRT_LORA_INPUTS
+PEFT_LORA = PEFT_LORA_INPUTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +103,11 @@ class EngineBls:
     """The engine model over BLS, as `GenerateFn`s: torch_llm (the envelope in, text chunks
     out) or TensorRT-LLM (token ids in and out, through `TrtllmClient`)."""
 
-    def __init__(self, config: LlmConfig, on_kv: Callable[[KvCacheReuse], None]) -> None:
+    def __init__(
+        self, config: LlmConfig, sealer: Sealer, on_kv: Callable[[KvCacheReuse], None]
+    ) -> None:
         self.model_name = config.engine_model
+        self.sealer = sealer
         self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
         self.lora_client = BlsClient(config.lora_model)
         self._on_kv = on_kv
@@ -112,14 +132,15 @@ class EngineBls:
     ) -> Iterator[StreamEvent]:
         """One engine call, as a stream of events. BLS requests cannot be cancelled in this
         Triton version, so an abandoned generation runs to max_tokens and is discarded."""
-        envelope = Envelope(request=request).encode()
-        inputs = [io.bytes_tensor(ENVELOPE_TENSOR, [envelope], batched=False)]
+        values: dict[str, str | bytes] = {
+            ENVELOPE_TENSOR: Envelope(request=request).seal(self.sealer)
+        }
         if lora.loads:
-            inputs.append(io.bytes_tensor("LORA_CONFIG", [lora.config_json], batched=False))
-            inputs.append(io.bytes_tensor("LORA_WEIGHTS", [lora.weights], batched=False))
+            values["LORA_CONFIG"] = lora.config_json
+            values["LORA_WEIGHTS"] = lora.weights
         if lora.evict:
-            evict = json.dumps(list(lora.evict))
-            inputs.append(io.bytes_tensor("LORA_EVICT", [evict], batched=False))
+            values["LORA_EVICT"] = json.dumps(list(lora.evict))
+        inputs = engine_inputs(self.sealer, values)
         with self._streams:  # held until the stream ends (engine_streams)
             for response in self.client.stream(inputs, ENGINE_OUTPUTS):
                 finish = io.output_string(response, "FINISH_REASON")
@@ -150,7 +171,7 @@ class EngineBls:
         """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""
         admin = json.dumps({"op": "weights", "lora": json.loads(ref.to_json())})
         wanted = list(TRT_LORA) if self.trtllm else list(PEFT_LORA)
-        response = self.lora_client.infer([io.bytes_tensor("ADMIN", [admin])], wanted)
+        response = self.lora_client.infer(admin_inputs(self.sealer, admin), wanted)
         if self.trtllm is None:
             return lora_from_response(response)
         trt = request_lora_from_arrays(*(_output_array(response, name) for name in TRT_LORA))
@@ -183,8 +204,10 @@ class LlmStage:
         tiers: ExactTiers,
         metrics: tm.Metrics,
         secret: bytes,
+        sealer: Sealer,
     ) -> None:
         self.config = config
+        self.sealer = sealer
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -215,7 +238,7 @@ class LlmStage:
             "Engine time per miss",
             buckets=tm.GENERATION_BUCKETS_S,
         )
-        self.engine = EngineBls(config, self._record_kv)
+        self.engine = EngineBls(config, sealer, self._record_kv)
         if self.engine.trtllm is not None:
             self.kv_reused_blocks = m.counter(
                 "tiercache_trtllm_kv_cache_reused_blocks_total",
@@ -225,7 +248,12 @@ class LlmStage:
                 "tiercache_trtllm_kv_cache_blocks_total",
                 "KV-cache blocks TensorRT-LLM's requests used in all, reused or new",
             )
-        self.semantic = SemanticStore(config.semantic_path(), config.semantic_max_bytes)
+        self.semantic = SemanticStore(
+            config.semantic_path(),
+            config.semantic_max_bytes,
+            dimensions=resolve_embedder(config.embedder)[1].dimensions if config.embedder else None,
+            max_scopes=config.semantic_max_scopes,
+        )
         # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
         self.padding = padding_policy(config, secret)
         self.padding_timer = ResponseTimer() if self.padding.enabled else None
@@ -248,6 +276,41 @@ class LlmStage:
             tm.LeaseMetrics(m, self.core.leases, self.core.stats)
 
     # -- requests ------------------------------------------------------------------------------
+
+    def received(
+        self, data: bytes | None, answer_seal: str | None, answer: dict[str, Part]
+    ) -> ReceivedEnvelope:
+        """The envelope, once embedding_cache's seal over its answer (the tensors
+        ANSWER_TENSORS, bound to the envelope's seal) verifies; Forbidden otherwise. The envelope
+        itself is checked when first read, against the exact hit's text on an exact hit (as
+        prompt_cache sealed it) and against none otherwise."""
+        envelope_seal = seal_of(data)
+        check_tensors(
+            self.sealer,
+            answer_seal,
+            ANSWER_LABEL,
+            ANSWER_TENSORS,
+            answer,
+            bound=envelope_seal,
+            what="embedding_cache's answer",
+        )
+        exact = answer["ANSWER_STATUS"] == CacheStatus.EXACT
+        return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]) if exact else "")
+
+    def check_lora(
+        self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]
+    ) -> None:
+        """Forbidden unless lora_cache's seal over the adapter tensors (bound to the envelope's)
+        verifies."""
+        check_tensors(
+            self.sealer,
+            lora_seal,
+            LORA_LABEL,
+            lora_inputs(self.engine.trtllm is not None),
+            tensors,
+            bound=envelope.seal,
+            what="lora_cache's adapter tensors",
+        )
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
         """Answer one request through `responder` (a hit at once, a miss from a worker)."""
@@ -294,12 +357,13 @@ class LlmStage:
     def _padded(
         self, responder: Responder, envelope: ReceivedEnvelope, arrival_s: float
     ) -> Responder:
-        """`responder`, held until the padding floor if this request's tenant is padded."""
+        """`responder`, held until the padding floor and masked (tiercache.padding) if this
+        request's tenant is padded."""
         timer = self.padding_timer
         if timer is None or not self.padding.pads(envelope.get().request.tenant_scope):
             return responder
         release_s = self.padding.release_at(arrival_s, self.padding_jitter)
-        return PaddedResponder(responder, release_s, timer)
+        return MaskedResponder(PaddedResponder(responder, release_s, timer))
 
     def _index_writer(
         self, envelope: Envelope, vector: np.ndarray | None
@@ -409,7 +473,7 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     tiers = open_exact_cache(config.cache())
     secret = load_secret(config.cache(), tiers.link) if config.hit_padding_ms > 0 else b""
     metrics = tm.Metrics(model_name)
-    stage = LlmStage(config, tiers, metrics, secret)
+    stage = LlmStage(config, tiers, metrics, secret, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     stage.sharing = share_rows(stage, config, tiers)
     metrics.start()

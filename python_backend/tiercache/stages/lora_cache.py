@@ -16,8 +16,10 @@ from tiercache.lora.residency import LoraPlan
 from tiercache.lora.stage import LoraCache
 from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
+from tiercache.stages.common import engine_inputs
 from tiercache.stages.envelope import ReceivedEnvelope
-from tiercache.stages.parts import open_fleet, open_lora_core
+from tiercache.stages.parts import open_fleet, open_lora_core, open_sealer
+from tiercache.stages.seal import ADMIN_LABEL, LORA_LABEL, Part, Sealer, lora_inputs, seal_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -37,12 +39,13 @@ class EngineBls:
     """`EngineAdmin` over BLS: torch_llm's LORA_OP "list" and "load" (its inputs have no batch
     dimension: max_batch_size 0)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, sealer: Sealer) -> None:
         self.model_name = model_name
+        self.sealer = sealer
         self.client = BlsClient(model_name, label=f"engine {model_name}")
 
     def list_adapters(self) -> Any:
-        text = self._call("listed", [io.bytes_tensor("LORA_OP", ["list"], batched=False)])
+        text = self._call("listed", engine_inputs(self.sealer, {"LORA_OP": "list"}))
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
@@ -51,15 +54,15 @@ class EngineBls:
     def load(self, plan: LoraPlan) -> tuple[float, tuple[str, ...]]:
         if plan.weights is None:
             raise ValueError("a load needs the plan's weights (plan with reload=True)")
-        inputs = [
-            io.bytes_tensor("LORA_OP", ["load"], batched=False),
-            io.bytes_tensor("LORA", [plan.ref.to_json()], batched=False),
-            io.bytes_tensor("LORA_CONFIG", [plan.weights.config_json], batched=False),
-            io.bytes_tensor("LORA_WEIGHTS", [plan.weights.weights], batched=False),
-        ]
+        values: dict[str, str | bytes] = {
+            "LORA_OP": "load",
+            "LORA": plan.ref.to_json(),
+            "LORA_CONFIG": plan.weights.config_json,
+            "LORA_WEIGHTS": plan.weights.weights,
+        }
         if plan.evict:
-            inputs.append(io.bytes_tensor("LORA_EVICT", [json.dumps(plan.evict)], batched=False))
-        text = self._call("loaded", inputs)
+            values["LORA_EVICT"] = json.dumps(plan.evict)
+        text = self._call("loaded", engine_inputs(self.sealer, values))
         try:
             answer = json.loads(text)
             return float(answer.get("load_ms", 0.0)), tuple(answer.get("evicted", ()))
@@ -111,11 +114,13 @@ class LoraCacheStage:
         core: LoraCache,
         metrics: tm.Metrics,
         plans: PlanCounter,
+        sealer: Sealer,
         trtllm: TrtllmLoraConverter | None = None,
         fleet: FleetSync | None = None,
     ) -> None:
         """`plans` must be the `on_plan` hook `core` was built with."""
         self.core = core
+        self.sealer = sealer
         self.trtllm = trtllm
         self.fleet = fleet
         self.metrics = m = metrics
@@ -153,9 +158,14 @@ class LoraCacheStage:
         tm.update_all(self.loads, stats.loads)
         tm.update_all(self.evictions, stats.evictions)
 
+    def received(self, data: bytes | None) -> ReceivedEnvelope:
+        """prompt_cache's envelope, checked when it is first read. Its seal is checked as that of
+        a request without an exact hit (no cached text): lora_cache plans misses only."""
+        return ReceivedEnvelope(data, self.sealer)
+
     def plan(self, envelope: ReceivedEnvelope, lookup_status: str | None) -> LoraPlan | None:
         """The plan for one ensemble request (None: no adapter involved); the envelope is
-        decoded only when an adapter may be involved."""
+        checked and decoded only when an adapter may be involved."""
         plan = self.core.plan_request(
             lambda: envelope.get().request if envelope.data else None, lookup_status
         )
@@ -165,15 +175,22 @@ class LoraCacheStage:
             self.fleet.fleet.count_use(plan.ref.name)
         return plan
 
-    def admin(self, text: str) -> tuple[LoraPlan | None, str]:
-        """One admin call: the plan it made (`weights`) and its JSON result, with the fleet's
-        view on `list` and `warm` when Redis is configured."""
+    def admin(self, text: str, seal: str | None) -> tuple[LoraPlan | None, str]:
+        """One admin call (internal: from llm and cache_admin, sealed): the plan it made
+        (`weights`) and its JSON result, with the fleet's view on `list` and `warm` when Redis
+        is configured. Forbidden when `seal` does not verify."""
+        self.sealer.check(seal, ADMIN_LABEL, text.encode("utf-8"), what="ADMIN")
         answer = self.core.admin(text)
         result = answer.result
         if self.fleet is not None and "adapters" in result:  # list and warm
             local = local_versions(self.core.registry)
             result = {**result, "fleet": self.fleet.fleet.report(local)}
         return answer.plan, json.dumps(result, sort_keys=True)
+
+    def seal(self, envelope: ReceivedEnvelope, values: dict[str, Part]) -> str:
+        """LORA_SEAL over the adapter tensors of a plan's response, bound to the envelope's."""
+        names = lora_inputs(self.trtllm is not None)
+        return seal_tensors(self.sealer, LORA_LABEL, names, values, bound=envelope.seal)
 
     def trtllm_tensors(self, plan: LoraPlan) -> dict[str, np.ndarray]:
         """engine_kind tensorrt_llm: TensorRT-LLM's request tensors for `plan` (the task id
@@ -199,9 +216,10 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     )
     metrics = tm.Metrics(model_name)
     plans = PlanCounter(metrics)
-    core = open_lora_core(config, EngineBls(config.engine_model), on_plan=plans)
+    sealer = open_sealer(config.state_path())
+    core = open_lora_core(config, EngineBls(config.engine_model, sealer), on_plan=plans)
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
-    stage = LoraCacheStage(core, metrics, plans, trtllm, open_fleet(config, core))
+    stage = LoraCacheStage(core, metrics, plans, sealer, trtllm, open_fleet(config, core))
     metrics.start()
     return stage

@@ -9,28 +9,35 @@ package."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.adapter_types import AdapterRef
-from tiercache.admin import Admin, WarmAdapters
+from tiercache.admin import Admin, LoraAdmin
 from tiercache.config import CacheAdminConfig, CacheConfig, LlmConfig, LoraCacheConfig, name_list
 from tiercache.errors import ConfigError, TierCacheError
-from tiercache.exact.invalidation import InvalidationListener
-from tiercache.exact.keys import EngineIdentity, load_or_create_secret, replace_secret, tenant_scope
+from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
+from tiercache.exact.keys import EngineIdentity, load_or_create_secret, tenant_scope
 from tiercache.exact.prompt_cache import PromptCache, ResolveAdapter
-from tiercache.exact.redis_tier import RedisLink, RedisStore, shared_secret
-from tiercache.exact.stores import LmdbStore, MemoryStore, Store
+from tiercache.exact.redis_tier import (
+    RedisLink,
+    RedisStore,
+    check_eviction_policy,
+    check_fleet_secret,
+)
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store, make_private_dir
 from tiercache.exact.tiered import TieredCache
-from tiercache.exact.watermarks import HostWatermarks
+from tiercache.exact.watermarks import DEFAULT_MAX_EVENTS, HostWatermarks, InvalidationTable
 from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions, replica_id
 from tiercache.lora.registry import AdapterRegistry
 from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import EngineAdmin, LoraCache, latest_digest
 from tiercache.padding import PaddingPolicy
+from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
@@ -39,29 +46,68 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ExactTiers:
     """An opened exact cache and what runs beside it. `cache.close()` closes all of it (the
-    listener is among its `background`, closed first)."""
+    listener and the sweeper are among its `background`, closed first)."""
 
     cache: TieredCache
     link: RedisLink | None = None  # with redis_url: the link of L3, leases and shared rows
     listener: InvalidationListener | None = None  # with redis_url
+    sweeper: RestartSweeper | None = None  # with redis_url: the L2 sweep at start
 
 
-def open_exact_cache(config: CacheConfig, clock: Callable[[], float] = time.time) -> ExactTiers:
+def open_exact_cache(
+    config: CacheConfig,
+    clock: Callable[[], float] = time.time,
+    *,
+    max_events: int = DEFAULT_MAX_EVENTS,
+    environ: Mapping[str, str] | None = None,
+) -> ExactTiers:
     """L1 in this process (if `l1_max_bytes` > 0), the host's shared L2 and, with `redis_url`,
-    L3 on Redis plus the invalidation listener (a thread, joined by the cache's `close()`)."""
+    L3 on Redis plus the invalidation listener (a thread, joined by the cache's `close()`).
+
+    `ttl_s` is the entry lifetime horizon: the invalidation table, the host's log and the Redis
+    log forget a watermark only once it is older than that (plus the skew allowance), past
+    `max_events` (tiercache.exact.watermarks); with `ttl_s` 0 they forget none.
+
+    With `redis_url` the link carries the host's secret (`host_secret`), which signs and checks
+    every L3 value, invalidation and shared row; it is checked against the fleet's fingerprint
+    first, so a replica with another secret fails here (ConfigError) before opening anything,
+    and so does a Redis that may evict the control keys (`check_eviction_policy`, which reads
+    its override from `environ`; None: the process's environment). Once the listener has
+    caught up, a `RestartSweeper` sweeps L2 in the background for the watermarks issued since
+    the host's last such sweep."""
+    link: RedisLink | None = None
+    if config.redis_url:
+        secret = host_secret(config.state_path())
+        link = RedisLink.from_url(
+            config.redis_url,
+            config.redis_prefix,
+            config.redis_timeout_s,
+            config.redis_retry_s,
+            secret=secret,
+        )
+        try:
+            check_fleet_secret(link, secret, secret_source(config.state_path()))
+            entries_expire = config.redis_max_ttl_s > 0 or config.ttl_s > 0
+            check_eviction_policy(link, entries_expire, environ)
+        except BaseException:
+            link.close()
+            raise
+    horizon_s = config.ttl_s or None  # 0: answers never expire, no watermark is forgotten
+    table = InvalidationTable(max_events=max_events, horizon_s=horizon_s, clock=clock)
     tiers: list[tuple[Tier, Store]] = []
     if config.l1_max_bytes > 0:
         tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes)))
     tiers.append((Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)))
-    marks = HostWatermarks(config.invalidations_path())
-    if not config.redis_url:
-        cache = TieredCache(tiers, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
-        return ExactTiers(cache)
-    link = RedisLink.from_url(
-        config.redis_url, config.redis_prefix, config.redis_timeout_s, config.redis_retry_s
+    marks = HostWatermarks(
+        config.invalidations_path(), max_events, horizon_s=horizon_s, clock=clock
     )
-    tiers.append((Tier.L3, RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)))
-    cache = TieredCache(tiers, clock=clock, default_ttl_s=config.ttl_s, host_marks=marks)
+    if link is not None:
+        tiers.append((Tier.L3, RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)))
+    cache = TieredCache(
+        tiers, clock=clock, default_ttl_s=config.ttl_s, invalidations=table, host_marks=marks
+    )
+    if link is None:
+        return ExactTiers(cache)
     listener = InvalidationListener(link, cache, retry_s=config.redis_retry_s).start()
     cache.background.append(listener)
     # Serve nothing before the recorded watermarks are noted: this replica's L2 may hold entries
@@ -72,20 +118,43 @@ def open_exact_cache(config: CacheConfig, clock: Callable[[], float] = time.time
             "can be served from its own tiers until Redis is back",
             link.url or "(injected client)",
         )
-    return ExactTiers(cache, link, listener)
+    # Then give back the space of what was invalidated while it was down, for good: once the
+    # listener has caught up (now, or when Redis is back), off the request path.
+    sweeper = RestartSweeper(cache, marks, ready=listener.wait_connected).start()
+    cache.background.append(sweeper)
+    return ExactTiers(cache, link, listener, sweeper)
 
 
 def load_secret(config: CacheConfig, link: RedisLink | None) -> bytes:
-    """The server secret: the host's (`<state>/secret`) or, with L3, the one every replica shares
-    (kept in Redis; the host's file is replaced by it, so a later start without Redis agrees)."""
-    path = config.secret_path()
-    local = load_or_create_secret(path)
-    if link is None:
-        return local
-    shared = shared_secret(link, local)
-    if shared != local:
-        replace_secret(path, shared)
-    return shared
+    """The server secret: this host's (`host_secret`: `$TIERCACHE_SECRET_FILE`, else
+    `<state>/secret`), never Redis's. With `link`, checked against the fingerprint of the
+    fleet's secret in Redis (`check_fleet_secret`): ConfigError when it is another secret."""
+    secret = host_secret(config.state_path())
+    if link is not None:
+        check_fleet_secret(link, secret, secret_source(config.state_path()))
+    return secret
+
+
+def secret_source(state_path: Path) -> str:
+    """Where `host_secret(state_path)` reads this host's secret, for messages."""
+    named = os.environ.get("TIERCACHE_SECRET_FILE")
+    return f"$TIERCACHE_SECRET_FILE={named}" if named else str(state_path / "secret")
+
+
+def host_secret(state_path: Path) -> bytes:
+    """This host's server secret: the file `$TIERCACHE_SECRET_FILE` names (the replicas of one
+    fleet are given one file), else `<state>/secret`, created (0600) on first use."""
+    named = os.environ.get("TIERCACHE_SECRET_FILE")
+    if named:
+        return load_or_create_secret(Path(named))
+    make_private_dir(state_path)  # 0700: it holds the secret and every tenant's answers
+    return load_or_create_secret(state_path / "secret")
+
+
+def open_sealer(state_path: Path) -> Sealer:
+    """The stages' sealer (tiercache.stages.seal) under this host's secret: every stage of one
+    server reads the same secret file, never Redis."""
+    return Sealer.from_secret(host_secret(state_path))
 
 
 def open_adapters(adapters_dir: Path, state_dir: Path, manifest: str) -> AdapterRegistry:
@@ -97,13 +166,13 @@ def open_admin(
     config: CacheAdminConfig,
     engine: EngineIdentity,
     resolve_adapter: ResolveAdapter | None = None,
-    warm_adapters: WarmAdapters | None = None,
+    lora_admin: LoraAdmin | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Admin:
     """The deployment's L2 (and L3 with its listener) without an L1, its secret, and a
     `PromptCache` over them for digests. `close()` the admin's `cache` when done."""
     tiers = open_exact_cache(config.cache(), clock=clock)
-    return admin_over(config, tiers, engine, resolve_adapter, warm_adapters)
+    return admin_over(config, tiers, engine, resolve_adapter, lora_admin)
 
 
 def admin_over(
@@ -111,11 +180,11 @@ def admin_over(
     tiers: ExactTiers,
     engine: EngineIdentity,
     resolve_adapter: ResolveAdapter | None = None,
-    warm_adapters: WarmAdapters | None = None,
+    lora_admin: LoraAdmin | None = None,
 ) -> Admin:
     secret = load_secret(config.cache(), tiers.link)
     prompts = PromptCache(tiers.cache, secret, engine, config.limits(), "", resolve_adapter)
-    return Admin(prompts, secret, warm_adapters, tiers.link)
+    return Admin(prompts, secret, lora_admin, tiers.link)
 
 
 def open_lora_core(

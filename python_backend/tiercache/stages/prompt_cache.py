@@ -7,12 +7,15 @@ import time
 
 from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
+from tiercache.errors import Forbidden
 from tiercache.exact.prompt_cache import LookupResult, PromptCache
 from tiercache.exact.request import RawInputs
+from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.parts import load_secret, open_adapters, open_exact_cache
+from tiercache.stages.parts import load_secret, open_adapters, open_exact_cache, open_sealer
+from tiercache.stages.seal import Sealer
 from tiercache.triton import metrics as tm
 from tiercache.vocabulary import CacheStatus, choices
 
@@ -20,15 +23,19 @@ from tiercache.vocabulary import CacheStatus, choices
 class PromptCacheStage:
     """Lookups, counted by status and by the tier that answered."""
 
-    def __init__(self, cache: PromptCache, metrics: tm.Metrics) -> None:
+    def __init__(
+        self, cache: PromptCache, metrics: tm.Metrics, sealer: Sealer, keys: KeyFile | None = None
+    ) -> None:
         self.cache = cache
+        self.sealer = sealer
+        self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
             "tiercache_prompt_cache_requests_total",
             "Requests by cache status",
             "status",
-            (*choices(CacheStatus), "error"),
+            (*choices(CacheStatus), "error", "forbidden"),
         )
         self.hits = {
             tier: m.counter(
@@ -41,21 +48,26 @@ class PromptCacheStage:
         )
         tm.StoreMetrics(m, cache.cache)
 
-    def lookup(self, raw: RawInputs) -> tuple[Envelope, str]:
-        """The envelope for the later stages and the cached answer ("" unless an exact hit);
-        InvalidRequest / NotFound for this request alone."""
+    def lookup(self, raw: RawInputs, authorization: object = None) -> tuple[bytes, str]:
+        """The sealed envelope for the later stages (bound to the answer) and the cached answer
+        ("" unless an exact hit); InvalidRequest / NotFound for this request alone, Forbidden
+        when a key file is configured and `authorization` (the forwarded header) carries no
+        key that allows the request."""
         started = time.perf_counter()
-        result = self.cache.lookup(raw)
+        grant = None
+        if self.keys is not None:
+            grant = self.keys.authorize(key_from_parameter(authorization))
+        result = self.cache.lookup(raw, grant=grant)
         self.requests[result.status.value].increment(1)
         if result.tier is not None:
             self.hits[result.tier].increment(1)
-        envelope = envelope_of(result)
+        sealed = envelope_of(result).seal(self.sealer, result.text)
         self.lookup_s.observe(time.perf_counter() - started)
-        return envelope, result.text
+        return sealed, result.text
 
-    def count_error(self) -> None:
-        """A request answered with an error (bad inputs, unknown adapter)."""
-        self.requests["error"].increment(1)
+    def count_error(self, exc: BaseException) -> None:
+        """A request answered with an error (bad inputs, unknown adapter; refused: forbidden)."""
+        self.requests["forbidden" if isinstance(exc, Forbidden) else "error"].increment(1)
 
     def close(self) -> None:
         self.metrics.close()
@@ -91,7 +103,9 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
         adapters.resolve,
     )
     metrics = tm.Metrics(model_name)
-    stage = PromptCacheStage(cache, metrics)
+    keys_path = config.api_keys_path()
+    keys = KeyFile(keys_path) if keys_path is not None else None
+    stage = PromptCacheStage(cache, metrics, open_sealer(config.state_path()), keys)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     metrics.start()
     return stage

@@ -16,10 +16,12 @@ from tiercache.engine.kv_cache import KvStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.torch_engine import TorchEngine
-from tiercache.errors import ConfigError, TierCacheError
+from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
 from tiercache.memory import MemoryTrimmer
-from tiercache.stages.parts import open_adapters
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import open_adapters, open_sealer
+from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 
@@ -55,8 +57,10 @@ class TorchLlmStage:
         refusal: RefusalPolicy,
         trimmer: MemoryTrimmer,
         metrics: tm.Metrics,
+        sealer: Sealer,
     ) -> None:
         self.engine = engine
+        self.sealer = sealer
         self.refusal = refusal
         self.trimmer = trimmer
         self.metrics = m = metrics
@@ -245,9 +249,46 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     )
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)
-    stage = TorchLlmStage(engine, refusal, MemoryTrimmer(config.memory_trim_interval_s), metrics)
+    trimmer = MemoryTrimmer(config.memory_trim_interval_s)
+    stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
     metrics.start()
     return stage
+
+
+def decode_call(
+    sealer: Sealer, blobs: dict[str, bytes | None]
+) -> tuple[AdapterOrder, GenerationRequest | None]:
+    """One engine call from its BYTES inputs (by name; None: omitted), its ENGINE_SEAL checked
+    over all of them before anything is parsed, then the envelope's own seal: the engine is
+    internal (llm and lora_cache call it). Forbidden when unsealed or altered."""
+    check_tensors(
+        sealer,
+        (blobs.get("ENGINE_SEAL") or b"").decode("ascii", "replace"),
+        ENGINE_LABEL,
+        ENGINE_INPUTS,
+        dict(blobs),
+        what="the engine call",
+    )
+    data = blobs.get("ENVELOPE")
+    request = Envelope.open(data, sealer).request if data else None
+    order = AdapterOrder.parse(
+        op=_text(blobs.get("LORA_OP")),
+        lora=_text(blobs.get("LORA")),
+        config_json=_text(blobs.get("LORA_CONFIG")),
+        weights=blobs.get("LORA_WEIGHTS"),
+        evict=_text(blobs.get("LORA_EVICT")),
+        request=request,
+    )
+    return order, request
+
+
+def _text(data: bytes | None) -> str | None:
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("an engine input is not UTF-8") from None
 
 
 def prefetch(engine: TorchEngine, config: EngineConfig) -> None:

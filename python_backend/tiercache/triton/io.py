@@ -23,6 +23,7 @@ from tiercache.config import parse_config
 from tiercache.errors import (
     CapacityError,
     ConfigError,
+    Forbidden,
     InvalidRequest,
     NotFound,
     TierCacheError,
@@ -53,6 +54,7 @@ def load_config(cls: type[T], args: dict[str, str]) -> tuple[T, dict[str, Any]]:
 # Each typed error and its Triton code. Two kinds share UNAVAILABLE and two INTERNAL: the
 # message's `kind` prefix tells them apart when decoding.
 _CODES: tuple[tuple[type[TierCacheError], str], ...] = (
+    (Forbidden, "INVALID_ARG"),
     (InvalidRequest, "INVALID_ARG"),
     (NotFound, "NOT_FOUND"),
     (Unavailable, "UNAVAILABLE"),
@@ -144,6 +146,21 @@ class Inputs:
             raise InvalidRequest(f"{name} must be BYTES, got {type(value).__name__}")
         return bytes(value)
 
+    def blobs(self, name: str) -> list[bytes] | None:
+        """Every BYTES value of a tensor as raw bytes, undecoded (the core bounds their size and
+        number before it decodes them)."""
+        array = self._array(name)
+        if array is None:
+            return None
+        values = []
+        for value in array.reshape(-1):
+            if isinstance(value, str):
+                value = value.encode("utf-8")
+            elif not isinstance(value, (bytes, np.bytes_)):
+                raise InvalidRequest(f"{name} must be BYTES, got {type(value).__name__}")
+            values.append(bytes(value))
+        return values
+
     def strings(self, name: str) -> list[str] | None:
         array = self._array(name)
         if array is None:
@@ -193,21 +210,35 @@ def _decode(name: str, value: Any) -> str:
 
 
 def read_raw_inputs(request: Any) -> RawInputs:
-    """The public ensemble inputs of one request (TensorRT-LLM's names plus ours)."""
+    """The public ensemble inputs of one request (TensorRT-LLM's names plus ours); text as the
+    raw bytes, which `canonicalize` bounds in size before it decodes and normalizes them."""
     inputs = Inputs(request)
     return RawInputs(
-        text_input=inputs.string("text_input"),
+        text_input=inputs.blob("text_input"),
         max_tokens=inputs.integer("max_tokens"),
         stream=inputs.boolean("stream"),
         temperature=inputs.number("temperature"),
         top_p=inputs.number("top_p"),
         top_k=inputs.integer("top_k"),
         seed=inputs.integer("seed"),
-        stop_words=inputs.strings("stop_words"),
-        tenant=inputs.string("tenant"),
-        cache_control=inputs.string("cache_control"),
-        lora_name=inputs.string("lora_name"),
+        stop_words=inputs.blobs("stop_words"),
+        tenant=inputs.blob("tenant"),
+        cache_control=inputs.blob("cache_control"),
+        lora_name=inputs.blob("lora_name"),
     )
+
+
+def request_parameter(request: Any, name: str) -> object | None:
+    """One of the request's parameters (the client's, and the headers Triton forwards into them
+    with --grpc-header-forward-pattern / --http-header-forward-pattern); None when absent."""
+    text = request.parameters()
+    if not text or text == "{}":
+        return None
+    try:
+        parameters = json.loads(text)
+    except ValueError:
+        return None
+    return parameters.get(name) if isinstance(parameters, dict) else None
 
 
 def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:

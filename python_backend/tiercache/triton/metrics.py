@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.exact.invalidation import InvalidatorStats, ListenerStats
 from tiercache.exact.leases import LeaseStats
-from tiercache.exact.redis_tier import RedisHealth
+from tiercache.exact.redis_tier import SIGNED, RedisHealth
 from tiercache.exact.stores import StoreStats
 from tiercache.exact.watermarks import Invalidation
 from tiercache.vocabulary import InvalidationKind, Tier, choices
@@ -263,7 +263,9 @@ def _by_kind(
 
 
 class RedisMetrics:
-    """The health of one process's Redis link (`tiercache.exact.redis_tier.RedisLink.health`)."""
+    """The health of one process's Redis link (`tiercache.exact.redis_tier.RedisLink.health`),
+    and what it refused from Redis as forged, by what it was (`what`: redis_values,
+    invalidations, semantic_rows: the signers' purposes)."""
 
     def __init__(self, metrics: Metrics, link: RedisHealthSource) -> None:
         self._link = link
@@ -284,6 +286,18 @@ class RedisMetrics:
                 "tiercache_redis_short_circuits_total", "Calls refused while the breaker was open"
             )
         )
+        self._forged = {
+            purpose: DeltaCounter(
+                metrics.counter(
+                    "tiercache_redis_forged_total",
+                    "Values read from Redis and refused because their signature did not verify "
+                    "(written without the fleet's secret, or by an older release): L3 values are "
+                    "misses, invalidations and semantic rows are ignored",
+                    what=purpose.replace(" ", "_"),
+                )
+            )
+            for purpose in SIGNED
+        }
         metrics.on_flush(self.update)
 
     def update(self) -> None:
@@ -292,6 +306,7 @@ class RedisMetrics:
         self._errors.update(health.errors)
         self._opens.update(health.outages)
         self._refused.update(health.short_circuits)
+        update_all(self._forged, health.forged)
 
 
 class InvalidationMetrics:

@@ -39,7 +39,7 @@ from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import LmdbStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import Invalidation
-from tiercache.stages.parts import open_exact_cache
+from tiercache.stages.parts import host_secret, open_exact_cache
 from tiercache.vocabulary import InvalidationKind, Tier
 from tiercache_dev.console import exit_on_sigterm
 from tiercache_dev.servers import RedisServer
@@ -110,7 +110,7 @@ def sweep_costs(tmp: Path, url: str, entries: int) -> dict[str, float]:
     l2_ms = (time.perf_counter() - started) * 1e3
     l2.close()
     prefix = f"sweep{uuid.uuid4().hex[:8]}:"
-    l3 = RedisStore(RedisLink.from_url(url, prefix))
+    l3 = RedisStore(RedisLink.from_url(url, prefix))  # a secret of its own: it reads its own
     for i in range(entries):
         l3.put(f"k{i}", _entry(i))
     started = time.perf_counter()
@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         assert replica.stdout is not None and replica.stdin is not None
         if replica.stdout.readline().strip() != "ready":
             raise SystemExit("the replica process did not start")
-        link = RedisLink.from_url(url, prefix, timeout_s=2.0)
+        # the admin signs with the replica's (the fleet's) secret, read from its state dir
+        secret = host_secret(tmp / "replica")
+        link = RedisLink.from_url(url, prefix, timeout_s=2.0, secret=secret)
         admin = Invalidator(TieredCache([(Tier.L3, RedisStore(link))]), link)
         tags = measure(admin, replica, InvalidationKind.TAG, [f"t{i}" for i in range(args.count)])
         keys = measure(

@@ -39,8 +39,10 @@ import numpy as np
 import redis
 
 from tiercache.config import CacheConfig
+from tiercache.exact.keys import replace_secret
+from tiercache.exact.redis_tier import REDIS_SEMANTIC_ROWS, Signer
 from tiercache.exact.tiered import TieredCache
-from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow
+from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow, sign_fields
 from tiercache.semantic.row_log import scope_tag
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.parts import open_exact_cache
@@ -51,6 +53,8 @@ from tiercache_dev.stats import summary
 DIMENSIONS = 384
 EMBEDDER = "bench-embedder@1"
 PIPELINE_ROWS = 1000
+FLEET_SECRET = bytes(range(32))  # every host of the benchmark's fleet, and the rows it writes
+SIGNER = Signer(FLEET_SECRET, REDIS_SEMANTIC_ROWS)
 
 
 def vectors(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -82,7 +86,8 @@ def fill_stream(url: str, prefix: str, rows: int, scopes: int, max_rows: int) ->
                 "",
                 "other-host",
             )
-            pipe.xadd(key, row.to_fields(), maxlen=max_rows, approximate=True)  # type: ignore[arg-type]
+            fields = sign_fields(SIGNER, key, row.to_fields())  # as the fleet's hosts sign rows
+            pipe.xadd(key, fields, maxlen=max_rows, approximate=True)  # type: ignore[arg-type]
         pipe.execute()
     after = int(client.info("memory")["used_memory"])
     client.close()
@@ -90,6 +95,9 @@ def fill_stream(url: str, prefix: str, rows: int, scopes: int, max_rows: int) ->
 
 
 def open_host(state: Path, url: str, prefix: str) -> tuple[TieredCache, SemanticStore, RowSharing]:
+    """One host of the fleet (its state dir given the fleet's secret, as an operator copies it)."""
+    if not (state / "secret").exists():
+        replace_secret(state / "secret", FLEET_SECRET)
     config = CacheConfig(state_dir=str(state), l1_max_bytes=0, redis_url=url, redis_prefix=prefix)
     tiers = open_exact_cache(config)
     cache, link, listener = tiers.cache, tiers.link, tiers.listener

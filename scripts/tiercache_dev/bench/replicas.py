@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import secrets
 import sys
 import tempfile
 import threading
@@ -34,11 +35,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tiercache.exact.keys import replace_secret
 from tiercache.server import copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_dev.console import exit_on_sigterm
 from tiercache_dev.paths import MODEL_REPOSITORY
-from tiercache_dev.servers import redis_running, running_all, triton
+from tiercache_dev.servers import admin_token, redis_running, running_all, triton
 from tiercache_dev.stats import summary
 
 REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
@@ -147,16 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"b{uuid.uuid4().hex[:10]}:"
         with redis_running(tmp) as redis_server:
             servers = []
+            fleet_secret = secrets.token_bytes(32)  # one fleet: each replica is given it
             for name in ("a", "b"):
                 state = tmp / f"replica-{name}"
                 state.mkdir()
+                replace_secret(state / "secret", fleet_secret)
                 repository = replica_repository(state, redis_server.url, prefix)
                 servers.append(triton(repository, state, log_path=state / "triton.log"))
             with running_all(servers, ready_timeout_s=600):
-                a_addr, b_addr = (f"127.0.0.1:{s.ports.grpc}" for s in servers)
+                a_addr, b_addr = (s.grpc_url for s in servers)
                 with (
-                    TierCacheClient(a_addr, timeout_s=300) as a,
-                    TierCacheClient(b_addr, timeout_s=300) as b,
+                    TierCacheClient(
+                        a_addr, timeout_s=300, admin_token=admin_token(servers[0])
+                    ) as a,
+                    TierCacheClient(
+                        b_addr, timeout_s=300, admin_token=admin_token(servers[1])
+                    ) as b,
                 ):
                     shared = sharing(a, b, args.prompts, args.max_tokens)
                     kinds: dict[str, dict] = {}

@@ -49,6 +49,8 @@ from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.request import GenerationRequest
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import open_sealer
+from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import CacheStatus
 from tiercache_dev.console import exit_on_sigterm, invocation
 from tiercache_dev.paths import MODEL_REPOSITORY
@@ -112,9 +114,10 @@ def typed_input(name: str, value: Any, datatype: str, dtype: Any) -> grpcclient.
 
 
 def stage_inputs(
-    prompt: str, max_tokens: int, lookup: bool, scope: str = SCOPE
+    sealer: Sealer, prompt: str, max_tokens: int, lookup: bool, scope: str = SCOPE
 ) -> list[grpcclient.InferInput]:
-    """What prompt_cache hands embedding_cache for an exact miss of `prompt`."""
+    """What prompt_cache hands embedding_cache for an exact miss of `prompt`, sealed under the
+    server's secret (read from its state folder) as prompt_cache seals it."""
     envelope = Envelope(
         request=GenerationRequest(prompt, max_tokens=max_tokens),
         status=CacheStatus.MISS,
@@ -122,7 +125,7 @@ def stage_inputs(
         semantic_lookup=lookup,
     )
     return [
-        bytes_input("ENVELOPE", [envelope.encode().decode()]),
+        bytes_input("ENVELOPE", [envelope.seal(sealer).decode()]),
         bytes_input("CACHED_TEXT", [""]),
     ]
 
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         with running(server, ready_timeout_s=600):
             print(f"  ready after {time.monotonic() - began:.0f} s", flush=True)
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
-            report = measure(client, args)
+            report = measure(client, args, open_sealer(state_dir))
             client.close()
     except BaseException:
         print(f"server log: {state_dir / 'triton.log'}", file=sys.stderr)
@@ -251,18 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(client: grpcclient.InferenceServerClient, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    client: grpcclient.InferenceServerClient, args: argparse.Namespace, sealer: Sealer
+) -> dict[str, Any]:
     statuses: dict[str, int] = {}
 
     def lookup(prompt: str, scope: str = SCOPE) -> None:
-        result = client.infer("embedding_cache", stage_inputs(prompt, args.max_tokens, True, scope))
+        result = client.infer(
+            "embedding_cache", stage_inputs(sealer, prompt, args.max_tokens, True, scope)
+        )
         status = result.as_numpy("ANSWER_STATUS").reshape(-1)[0].decode()
         statuses[status] = statuses.get(status, 0) + 1
         if result.as_numpy("EMBEDDING").shape[-1] != DIMENSIONS:
             raise RuntimeError("the lookup returned no vector: the prompt was not embedded")
 
     def pass_through(prompt: str) -> None:
-        client.infer("embedding_cache", stage_inputs(prompt, args.max_tokens, False))
+        client.infer("embedding_cache", stage_inputs(sealer, prompt, args.max_tokens, False))
 
     def embed(text: str) -> None:
         client.infer("embedder", [bytes_input("TEXT", [text])])

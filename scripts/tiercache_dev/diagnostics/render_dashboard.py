@@ -57,7 +57,7 @@ from tiercache_dev import paths
 from tiercache_dev.console import exit_on_sigterm
 from tiercache_dev.paths import DEFAULT_PAIRS as PAIRS
 from tiercache_dev.paths import MODEL_REPOSITORY, REPO_ROOT
-from tiercache_dev.servers import free_port, redis_running, running, triton
+from tiercache_dev.servers import admin_token, free_port, redis_running, running, triton
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "tiercache-dashboard.json"
 ADAPTERS = ("french", "caps", "brief")
@@ -284,7 +284,10 @@ def progress(total_s: int) -> Any:
         return Lines()
 
 
-def drive(grpc_url: str, args: argparse.Namespace, mix: Mix, tally: Tally) -> None:
+def drive(
+    grpc_url: str, args: argparse.Namespace, mix: Mix, tally: Tally, token: str | None = None
+) -> None:
+    """Generation workers, and an invalidator that uses the admin `token`."""
     stop_at = time.monotonic() + args.duration
 
     def worker() -> None:
@@ -302,7 +305,7 @@ def drive(grpc_url: str, args: argparse.Namespace, mix: Mix, tally: Tally) -> No
     def invalidator() -> None:
         kinds = ("tag", "tenant", "key")
         n = 0
-        with TierCacheClient(grpc_url, timeout_s=300) as client:
+        with TierCacheClient(grpc_url, timeout_s=300, admin_token=token) as client:
             while not finished.wait(args.invalidate_every_s):
                 what = kinds[n % len(kinds)]
                 n += 1
@@ -560,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             mix = Mix(load_pairs(PAIRS), random.Random(args.seed))
             tally = Tally()
             start = time.time()
-            drive(f"127.0.0.1:{server.ports.grpc}", args, mix, tally)
+            drive(server.grpc_url, args, mix, tally, admin_token(server))
             time.sleep(3 * SCRAPE_INTERVAL_S)  # the last flush and scrape
             end = time.time()
             when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

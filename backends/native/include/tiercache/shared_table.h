@@ -22,7 +22,8 @@
 
 namespace tiercache {
 
-// The file is not a table of the requested shape (magic, layout version, width, capacity, size).
+// The file is not a table of the requested shape (magic, layout version, width, capacity, size),
+// or its published or claimed row count is past its capacity (damaged).
 class TableFormatError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -76,7 +77,7 @@ class SharedTable {
   // Opens the table file at `path`, creating it when absent. Creation is atomic: the file is
   // built complete under a private name and linked into place, so no process ever opens a
   // half-initialized header. An existing file must hold a table of exactly this width and
-  // capacity (TableFormatError otherwise). The first open after a reboot empties the table and
+  // capacity, with its row counts inside it (TableFormatError otherwise). Created 0600. The first open after a reboot empties the table and
   // bumps its generation: page write-back after a crash is unordered, so rows are trusted only
   // within the boot that wrote them.
   SharedTable(const std::string& path, std::uint32_t width, std::uint64_t capacity);

@@ -20,7 +20,9 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import AdapterRegistry
+from tiercache.stages.common import engine_inputs
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import open_sealer
 from tiercache.triton.bls import StreamKeeper
 
 ENGINE = "torch_llm"
@@ -46,6 +48,7 @@ class TritonPythonModel:
         state_dir = default_state_dir()
         adapters = Path(os.environ.get(ADAPTERS_DIR_ENV) or state_dir / "adapters")
         self.registry = AdapterRegistry(adapters, state_dir)
+        self.sealer = open_sealer(state_dir)
         self.loaded: set[str] = set()  # adapter digests sent to the engine
         self.streams = StreamKeeper()  # as in llm: the stub never drops a stream without the GIL
 
@@ -70,19 +73,15 @@ class TritonPythonModel:
             raise ValueError("text_input is required")
         tenant = _string(request, "tenant") or ""
         lora_name = _string(request, "lora_name") or ""
-        inputs = []
+        values: dict[str, str | bytes] = {}
         task_id, digest = 0, ""
         if lora_name:
             ref = self.registry.resolve(lora_name)
             task_id, digest = ref.task_id, ref.digest
             if digest not in self.loaded:
                 files = self.registry.read(ref)
-                inputs += [
-                    pb_utils.Tensor(
-                        "LORA_CONFIG", np.array([files.config_json.encode()], np.object_)
-                    ),
-                    pb_utils.Tensor("LORA_WEIGHTS", np.array([files.weights], dtype=np.object_)),
-                ]
+                values["LORA_CONFIG"] = files.config_json
+                values["LORA_WEIGHTS"] = files.weights
         gen = GenerationRequest(
             prompt=prompt,
             max_tokens=_int(request, "max_tokens") or DEFAULT_MAX_TOKENS,
@@ -91,10 +90,11 @@ class TritonPythonModel:
             lora_digest=digest,
             tenant_scope=hashlib.sha256(tenant.encode()).hexdigest(),
         )
-        envelope = Envelope(request=gen).encode()
-        inputs.append(pb_utils.Tensor("ENVELOPE", np.array([envelope], np.object_)))
+        values["ENVELOPE"] = Envelope(request=gen).seal(self.sealer)
         infer = pb_utils.InferenceRequest(
-            model_name=ENGINE, inputs=inputs, requested_output_names=ENGINE_OUTPUTS
+            model_name=ENGINE,
+            inputs=engine_inputs(self.sealer, values),  # sealed, as llm seals its engine calls
+            requested_output_names=ENGINE_OUTPUTS,
         )
         chunks = []
         for response in self.streams.read(infer.exec(decoupled=True)):

@@ -1,0 +1,276 @@
+"""API keys -> tenants: who may read and write which tenant's cache.
+
+Without a key file the `tenant` input is trusted as sent: anyone who can reach the server can
+name any tenant (docs/security.md). With one, prompt_cache takes the tenant from the caller's
+key: the key reaches it as a request parameter (Triton forwards the gRPC/HTTP `authorization`
+header into the request's parameters when started with `--grpc-header-forward-pattern`, as
+`tiercache serve` does), a request without a known key is refused, and a `tenant` input that
+disagrees with the key's tenant is refused. Each key may also be limited to some adapters and
+some `cache_control` words.
+
+The file (JSON, 0600, written by `tiercache keys add`) stores keys hashed: SHA-256 of the key,
+which is 32 random bytes, so a plain hash is as hard to invert as the key is to guess (no
+password stretching needed). It is re-read when it changes (checked at most once a second), so
+keys are added and revoked without a restart.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiercache.errors import ConfigError, Forbidden
+from tiercache.exact.request import CacheControl
+
+log = logging.getLogger(__name__)
+
+KEYS_VERSION = 1
+KEY_PREFIX = "tc_"
+AUTH_PARAMETER = "authorization"  # the forwarded header's name (gRPC metadata is lowercase)
+CACHE_CONTROL_NAMES = (*CacheControl.WORDS, "max-age", "tag")
+RELOAD_CHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGrant:
+    """What one key allows: its tenant, and the adapters and cache_control words it may use
+    (None: any)."""
+
+    key_id: str
+    tenant: str
+    adapters: frozenset[str] | None = None
+    cache_control: frozenset[str] | None = None
+
+    def check(self, tenant_input: str | None, lora_name: str, control: CacheControl) -> None:
+        """Forbidden when the request names another tenant, an adapter or a cache_control
+        word this key does not allow. `tenant_input` is the normalized `tenant` input (None:
+        omitted)."""
+        if tenant_input is not None and tenant_input != self.tenant:
+            raise Forbidden("the tenant input does not match the API key's tenant")
+        if lora_name and self.adapters is not None and lora_name not in self.adapters:
+            raise Forbidden(f"this API key may not use adapter {lora_name!r}")
+        if self.cache_control is not None:
+            refused = sorted(set(used_words(control)) - self.cache_control)
+            if refused:
+                raise Forbidden(f"this API key may not use cache_control {', '.join(refused)}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.key_id,
+            "tenant": self.tenant,
+            "adapters": None if self.adapters is None else sorted(self.adapters),
+            "cache_control": None if self.cache_control is None else sorted(self.cache_control),
+        }
+
+
+def used_words(control: CacheControl) -> tuple[str, ...]:
+    """The cache_control word names a parsed request used (`max-age` and `tag` by name)."""
+    flags = {
+        "no-cache": control.no_cache,
+        "no-store": control.no_store,
+        "allow-sampled": control.allow_sampled,
+        "no-semantic": control.no_semantic,
+        "semantic-only": control.semantic_only,
+        "max-age": control.max_age_s is not None,
+        "tag": bool(control.tags),
+    }
+    return tuple(name for name, used in flags.items() if used)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def key_from_parameter(value: object) -> str | None:
+    """The key in a forwarded `authorization` value ("Bearer <key>" or the bare key)."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    scheme, _, rest = value.strip().partition(" ")
+    return rest.strip() if scheme.lower() == "bearer" and rest else value.strip()
+
+
+class KeyFile:
+    """The grants of one key file, reloaded when the file changes. Thread-safe."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._grants: dict[str, TenantGrant] = {}
+        self._signature: tuple[int, int, int] | None = None
+        self._reload()  # a missing or malformed file fails the stage's start (ConfigError)
+        self._checked_s = clock()
+
+    def authorize(self, key: str | None) -> TenantGrant:
+        """The grant of `key`; Forbidden when it is missing or unknown."""
+        if not key:
+            raise Forbidden(
+                "an API key is required (send it in the authorization header: Bearer <key>)"
+            )
+        self._maybe_reload()
+        grant = self._grants.get(hash_key(key))
+        if grant is None:
+            raise Forbidden("unknown API key")
+        return grant
+
+    def grants(self) -> list[TenantGrant]:
+        """The grants read last."""
+        with self._lock:
+            return list(self._grants.values())
+
+    def _maybe_reload(self) -> None:
+        now = self._clock()
+        with self._lock:
+            if now - self._checked_s < RELOAD_CHECK_S:
+                return
+            self._checked_s = now
+        try:
+            self._reload()
+        except ConfigError as exc:  # keep serving with the keys last read; say why
+            _log_reload_failure(self.path, exc)
+
+    def _reload(self) -> None:
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            raise ConfigError(f"API key file {self.path} cannot be read: {exc}") from exc
+        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        with self._lock:
+            if signature == self._signature:
+                return
+        grants = {entry_hash: grant for entry_hash, grant in _read(self.path)}
+        with self._lock:
+            self._grants, self._signature = grants, signature
+
+
+def _log_reload_failure(path: Path, exc: ConfigError) -> None:
+    log.error("API key file %s not reloaded (the keys read before stay): %s", path, exc.message)
+
+
+def _read(path: Path) -> Iterator[tuple[str, TenantGrant]]:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"API key file {path} is not readable JSON: {exc}") from exc
+    if not isinstance(document, dict) or document.get("version") != KEYS_VERSION:
+        raise ConfigError(f"API key file {path}: expected {{'version': {KEYS_VERSION}, 'keys'}}")
+    keys = document.get("keys")
+    if not isinstance(keys, list):
+        raise ConfigError(f"API key file {path}: 'keys' must be a list")
+    for i, entry in enumerate(keys):
+        yield _entry(path, i, entry)
+
+
+def _entry(path: Path, index: int, entry: object) -> tuple[str, TenantGrant]:
+    where = f"API key file {path}, key {index}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: must be an object")
+    digest, tenant, key_id = entry.get("sha256"), entry.get("tenant"), entry.get("id")
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise ConfigError(f"{where}: 'sha256' must be the key's hex SHA-256")
+    if not isinstance(tenant, str) or not isinstance(key_id, str):
+        raise ConfigError(f"{where}: 'id' and 'tenant' must be strings")
+    adapters = _names(where, entry.get("adapters"), None)
+    words = _names(where, entry.get("cache_control"), CACHE_CONTROL_NAMES)
+    return digest, TenantGrant(key_id, tenant, adapters, words)
+
+
+def _names(where: str, value: object, allowed: tuple[str, ...] | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: adapters and cache_control are lists of names (or null)")
+    unknown = [v for v in value if allowed is not None and v not in allowed]
+    if unknown:
+        raise ConfigError(f"{where}: unknown cache_control names {unknown}")
+    return frozenset(value)
+
+
+# -- the operator's side (tiercache keys ...) -------------------------------------------------
+
+
+def add_key(
+    path: Path,
+    tenant: str,
+    adapters: list[str] | None = None,
+    cache_control: list[str] | None = None,
+) -> tuple[str, TenantGrant]:
+    """A new random key for `tenant`, stored hashed in `path` (created 0600); the key itself is
+    returned once and kept nowhere."""
+    key = KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+    key_id = "k_" + secrets.token_hex(6)
+    grant = TenantGrant(
+        key_id,
+        tenant,
+        None if adapters is None else frozenset(adapters),
+        None if cache_control is None else frozenset(cache_control),
+    )
+    if grant.cache_control is not None:
+        _names("the new key", sorted(grant.cache_control), CACHE_CONTROL_NAMES)
+    with _locked(path):
+        entries = _entries(path)
+        entries.append({**grant.to_json(), "sha256": hash_key(key)})
+        _write(path, entries)
+    return key, grant
+
+
+def revoke_key(path: Path, key_id: str) -> bool:
+    """Remove the key `key_id`; False when there is none."""
+    with _locked(path):
+        entries = _entries(path)
+        kept = [e for e in entries if e.get("id") != key_id]
+        if len(kept) == len(entries):
+            return False
+        _write(path, kept)
+    return True
+
+
+def list_grants(path: Path) -> list[TenantGrant]:
+    return [grant for _, grant in _read(path)] if path.exists() else []
+
+
+def _entries(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    list(_read(path))  # refuse to extend a malformed file
+    entries: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))["keys"]
+    return entries
+
+
+def _write(path: Path, entries: list[dict[str, Any]]) -> None:
+    text = json.dumps({"version": KEYS_VERSION, "keys": entries}, indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One writer at a time (a lock file beside the key file)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

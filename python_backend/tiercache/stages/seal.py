@@ -1,0 +1,152 @@
+"""Seals: how an internal stage knows that what it was handed came from this server's pipeline.
+
+Every model of a Triton repository can be called directly, so the internal stages (and the
+engine) cannot trust their inputs as such. The edge authenticates once and seals; every hop that
+hands a later stage something it acts on seals that too, bound to the envelope's seal; every stage
+that acts on an input checks its seal first and refuses (Forbidden) what is unsealed or altered:
+
+  prompt_cache     seals ENVELOPE together with CACHED_TEXT            (label "envelope")
+  embedding_cache  seals its answer (text, status, similarity, vector)  ("answer")
+  lora_cache       seals the adapter files and evictions it sends       ("lora")
+  llm, lora_cache  seal every engine call (all of torch_llm's inputs)   ("engine")
+  llm, cache_admin seal lora_cache's admin calls (ADMIN)                ("lora admin")
+
+A seal is HMAC-SHA256 under `derive_key(secret, "stage seal")`, the server secret being the
+host's secret file that only the stages read; over a label and length-prefixed parts, so parts
+cannot be shifted from one field to the next and a seal made for one hop is never valid at
+another. What a seal cannot stop: a caller of prompt_cache gets its own request's sealed envelope
+and may replay it into the later stages, which then act exactly as they would for that request
+through the ensemble (docs/security.md says what that exposes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Iterable
+
+import numpy as np
+
+from tiercache.errors import Forbidden
+from tiercache.exact.keys import derive_key
+
+SEAL_CHARS = 64  # hex of an HMAC-SHA256
+# The hops' labels (the table above).
+ENVELOPE_LABEL = "envelope"
+ANSWER_LABEL = "answer"
+LORA_LABEL = "lora"
+ENGINE_LABEL = "engine"
+ADMIN_LABEL = "lora admin"
+
+
+class Sealer:
+    """Seals and checks under one key (the deployment's, derived from its secret)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 32:
+            raise ValueError("a seal key has at least 32 bytes")
+        self._key = key
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> Sealer:
+        return cls(derive_key(secret, "stage seal"))
+
+    def seal(self, label: str, *parts: bytes) -> str:
+        """The hex seal of `parts` for the hop `label`."""
+        mac = hmac.new(self._key, label.encode("ascii"), hashlib.sha256)
+        for part in parts:
+            mac.update(struct.pack(">Q", len(part)))
+            mac.update(part)
+        return mac.hexdigest()
+
+    def check(self, seal: str | None, label: str, *parts: bytes, what: str) -> None:
+        """Forbidden unless `seal` is the seal of `parts` for `label` (compared in constant
+        time). `what` names the input in the error."""
+        if not seal:
+            raise Forbidden(
+                f"{what} is not sealed: this stage is internal and takes requests from this "
+                "server's pipeline only (call the ensemble)"
+            )
+        expected = self.seal(label, *parts).encode("ascii")
+        if not hmac.compare_digest(seal.encode("utf-8", "replace"), expected):  # any text
+            raise Forbidden(
+                f"{what}'s seal does not verify: altered on the way, or not sealed by this "
+                "deployment (stages with different secrets?)"
+            )
+
+
+def text_bytes(text: str | None) -> bytes:
+    return (text or "").encode("utf-8")
+
+
+def float_bytes(value: float | None) -> bytes:
+    """A float as the FP32 tensor carries it (both ends of a hop see the same bits)."""
+    return b"" if value is None else struct.pack("<f", value)
+
+
+def array_bytes(array: np.ndarray | None) -> bytes:
+    """A numeric tensor's values (shape aside), little-endian; b"" when absent."""
+    if array is None:
+        return b""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+Part = str | bytes | np.ndarray | None
+
+# What each hop's seal covers, by tensor name (an omitted tensor seals as empty).
+ANSWER_TENSORS = ("ANSWER_TEXT", "ANSWER_STATUS", "SIMILARITY", "EMBEDDING")
+ENGINE_INPUTS = ("LORA_OP", "LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "ENVELOPE")
+# lora_cache -> llm: the PEFT files (engine_kind torch_llm) or TensorRT-LLM's tensors (the
+# TensorRT-LLM ensemble passes only those; deploy/tensorrt_llm).
+PEFT_LORA_INPUTS = ("LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT")
+TRT_LORA_INPUTS = ("LORA_TASK_ID", "LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
+
+
+def lora_inputs(trtllm: bool) -> tuple[str, ...]:
+    """The adapter tensors lora_cache seals and llm checks for an engine kind."""
+    return TRT_LORA_INPUTS if trtllm else PEFT_LORA_INPUTS
+
+
+def part_bytes(value: Part) -> bytes:
+    """A tensor's value as a seal part: str as UTF-8, bytes as they are, arrays by their
+    values; None as b"" (an omitted input reads as empty)."""
+    if value is None:
+        return b""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return array_bytes(value)
+
+
+def tensor_parts(names: Iterable[str], values: dict[str, Part], bound: str = "") -> list[bytes]:
+    """The tensors `names` (by name, absent ones empty) as seal parts, after `bound` (the
+    envelope's seal, where the hop has one)."""
+    parts = [bound.encode("ascii")]
+    for name in names:
+        parts += [name.encode("ascii"), part_bytes(values.get(name))]
+    return parts
+
+
+def seal_tensors(
+    sealer: Sealer, label: str, names: Iterable[str], values: dict[str, Part], bound: str = ""
+) -> str:
+    return sealer.seal(label, *tensor_parts(names, values, bound))
+
+
+def check_tensors(
+    sealer: Sealer,
+    seal: str | None,
+    label: str,
+    names: Iterable[str],
+    values: dict[str, Part],
+    *,
+    bound: str = "",
+    what: str,
+) -> None:
+    """Forbidden unless `seal` is `seal_tensors` of the same values."""
+    sealer.check(seal, label, *tensor_parts(names, values, bound), what=what)

@@ -1,0 +1,164 @@
+"""model_repository/embedding_cache/1/model.py against the pb_utils stand-in, with a fake embedder
+behind BLS. embedding_cache is internal: it takes prompt_cache's sealed envelope (bound to the
+exact hit's CACHED_TEXT) and seals its answer for llm (ANSWER_SEAL); an unsealed or altered
+envelope is refused alone, nothing embedded or sealed for it, and the rest of its batch served."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import seals
+
+from tiercache.exact.keys import Digest
+from tiercache.exact.request import GenerationRequest
+from tiercache.semantic.vectors import vector_key
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.seal import Sealer
+from tiercache.vocabulary import CacheStatus
+
+SCOPE, OTHER_SCOPE = "s" * 64, "t" * 64
+
+
+class FakeEmbedder:
+    """The embedder model: one [n, d] batch of unit vectors back for [n, 1] texts; records them."""
+
+    def __init__(self, pb_utils: ModuleType) -> None:
+        self.pb = pb_utils
+        self.dimensions = 0  # set once the stage says how many it keeps
+        self.calls: list[list[str]] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        texts = [t.decode() for t in request.inputs()[0].as_numpy().reshape(-1)]
+        self.calls.append(texts)
+        vectors = np.zeros((len(texts), self.dimensions), dtype=np.float32)
+        vectors[:, 0] = 1.0
+        return [self.pb.InferenceResponse([self.pb.Tensor("EMBEDDING", vectors)])]
+
+
+@pytest.fixture
+def embedder(pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeEmbedder:
+    fake = FakeEmbedder(pb_utils)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "embedder", fake)
+    return fake
+
+
+@pytest.fixture
+def model(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
+) -> Iterator[Any]:
+    instance = load_model("embedding_cache").TritonPythonModel()
+    config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    embedder.dimensions = instance.stage.core.vectors.dimensions
+    yield instance
+    instance.finalize()
+
+
+@pytest.fixture
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (the stage's state_dir is tmp_path)."""
+    return seals.sealer_for(tmp_path)
+
+
+def envelope(
+    sealer: Sealer, prompt: str, status: CacheStatus, cached_text: str = "", **fields: Any
+) -> bytes:
+    """prompt_cache's sealed envelope for `prompt` (`cached_text`: an exact hit's answer)."""
+    sent = Envelope(
+        request=GenerationRequest(prompt), status=status, digest=Digest("d" * 64), **fields
+    )
+    return seals.sealed(sealer, sent, cached_text)
+
+
+def semantic_miss(sealer: Sealer, prompt: str) -> bytes:
+    """An exact miss embedding_cache looks up by meaning, in SCOPE."""
+    return envelope(sealer, prompt, CacheStatus.MISS, semantic_scope=SCOPE, semantic_lookup=True)
+
+
+def request(pb_utils: ModuleType, data: bytes, cached_text: str = "") -> Any:
+    return pb_utils.InferenceRequest(
+        [
+            pb_utils.Tensor(name, np.array([[value]], dtype=np.object_))
+            for name, value in (("ENVELOPE", data), ("CACHED_TEXT", cached_text.encode()))
+        ]
+    )
+
+
+def answer(response: Any) -> dict[str, Any]:
+    """The response's outputs by name, as llm reads them."""
+    assert not response.has_error(), response.error().message()
+    outputs: dict[str, Any] = {}
+    for tensor in response.output_tensors():
+        array = tensor.as_numpy()
+        if tensor.name() == "EMBEDDING":
+            outputs["EMBEDDING"] = array
+        elif array.dtype == np.object_:
+            outputs[tensor.name()] = array.reshape(-1)[0].decode()
+        else:
+            outputs[tensor.name()] = float(array.reshape(-1)[0])
+    return outputs
+
+
+def assert_forbidden(pb_utils: ModuleType, response: Any, fragment: str) -> None:
+    assert response.has_error(), "served"
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert response.error().message().startswith("forbidden: ")
+    assert fragment in response.error().message()
+    assert response.output_tensors() == []  # no answer, no ANSWER_SEAL
+
+
+def test_only_sealed_envelopes_are_looked_up_and_answered_with_a_seal(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, embedder: FakeEmbedder
+) -> None:
+    """An envelope sent without its seal, one moved to another tenant's semantic scope, an
+    exact hit sent with another CACHED_TEXT (which embedding_cache would seal as the answer), a
+    miss turned into an exact hit, one sealed by another deployment: each refused alone, nothing
+    embedded or sealed for it; the good semantic miss and the good exact hit of the batch are
+    answered, each with an ANSWER_SEAL llm accepts."""
+    stranger = Sealer.from_secret(b"another deployment's secret....")
+    looked_up = semantic_miss(sealer, "How do I bake bread?")
+    hit = envelope(sealer, "What is Triton?", CacheStatus.EXACT, "the answer")
+    planted = envelope(sealer, "Who are you?", CacheStatus.MISS)
+    requests = [
+        request(pb_utils, semantic_miss(sealer, "A direct call?")[64:]),
+        request(
+            pb_utils, seals.altered(semantic_miss(sealer, "Whose scope?"), b"s" * 64, b"t" * 64)
+        ),
+        request(pb_utils, hit, "the attacker's answer"),
+        request(pb_utils, seals.altered(planted, b'"status":"miss"', b'"status":"exact"'), "x"),
+        request(pb_utils, semantic_miss(stranger, "Another deployment?")),
+        request(pb_utils, looked_up),
+        request(pb_utils, hit, "the answer"),
+    ]
+    *refused, miss, exact = model.execute(requests)
+    for response in refused:
+        assert_forbidden(pb_utils, response, "ENVELOPE's seal does not verify")
+    # the good ones, sealed for llm (bound to their envelopes)
+    out = answer(miss)
+    assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("", "miss")
+    assert out["EMBEDDING"].shape == (1, embedder.dimensions)
+    seals.check_answer(sealer, looked_up, out)
+    out = answer(exact)
+    assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("the answer", "exact")
+    seals.check_answer(sealer, hit, out)
+    # only the good semantic miss was embedded, and only its vector is kept
+    assert embedder.calls == [["How do I bake bread?"]]
+    core = model.stage.core
+    prompts = ["A direct call?", "Whose scope?", "Another deployment?", "How do I bake bread?"]
+    kept = [p for p in prompts if core.vectors.get(vector_key(core.embedder_key, p)) is not None]
+    assert kept == ["How do I bake bread?"]
+    model.stage.metrics.flush()
+    outcomes = {k: c.metric.value() for k, c in model.stage.outcomes.items() if c.metric.value()}
+    assert outcomes == {"error": len(refused), "miss": 1, "skipped": 1}

@@ -1,0 +1,289 @@
+"""model_repository/llm/1/model.py with its default engine (torch_llm over BLS) against the pb_utils
+stand-in. llm is internal: it acts only on what the ensemble's earlier stages sealed (the
+envelope, embedding_cache's answer, lora_cache's adapter files); an unsealed or altered request
+is refused alone, nothing generated or stored for it, and the rest of its batch is served. Its
+engine calls carry ENGINE_SEAL, which the fake torch_llm checks as torch_llm does."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import seals
+
+from tiercache.adapter_types import AdapterRef, adapter_digest
+from tiercache.exact.keys import Digest
+from tiercache.exact.request import GenerationRequest
+from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.seal import Sealer
+from tiercache.vocabulary import CacheStatus
+
+WAIT_S = 30
+ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
+TENANT, OTHER_TENANT = "a" * 64, "b" * 64
+
+
+def adapter(name: str, task_id: int) -> tuple[AdapterRef, dict[str, str | bytes]]:
+    """A packaged adapter's version and the tensors lora_cache sends llm for a load."""
+    config, weights = (ADAPTERS / name / CONFIG_FILE), (ADAPTERS / name / WEIGHTS_FILE)
+    ref = AdapterRef(name, task_id, adapter_digest(config.read_bytes(), weights.read_bytes()))
+    files: dict[str, str | bytes] = {
+        "LORA_CONFIG": config.read_text(),
+        "LORA_WEIGHTS": weights.read_bytes(),
+        "LORA_EVICT": "[]",
+    }
+    return ref, files
+
+
+class FakeTorchLlm:
+    """torch_llm behind BLS: checks each call as torch_llm does (ENGINE_SEAL, the envelope's seal,
+    the adapter files against their digest), records it, answers "Hello there"."""
+
+    def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
+        self.pb = pb_utils
+        self.sealer = sealer
+        self.calls: list[tuple[Any, GenerationRequest | None]] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        assert request.kwargs["model_name"] == "torch_llm"
+        self.calls.append(seals.engine_call(self.sealer, request))
+        pb = self.pb
+
+        def out(name: str, value: str | int) -> Any:
+            if isinstance(value, str):
+                return pb.Tensor(name, np.array([value.encode()], dtype=np.object_))
+            return pb.Tensor(name, np.array([value], dtype=np.int32))
+
+        final = [out("TEXT", " there"), out("FINISH_REASON", "stop"), out("GENERATED_TOKENS", 2)]
+        final += [out("PROMPT_TOKENS", 3), out("REUSED_TOKENS", 0), out("COMPUTED_TOKENS", 3)]
+        return [pb.InferenceResponse([out("TEXT", "Hello")]), pb.InferenceResponse(final)]
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.responses: list[Any] = []
+        self.done = threading.Event()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.responses.append(response)
+        if flags:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def sealer(tmp_path: Path) -> Sealer:
+    """The deployment's sealer (llm's state_dir is tmp_path)."""
+    return seals.sealer_for(tmp_path)
+
+
+@pytest.fixture
+def engine(pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch) -> FakeTorchLlm:
+    fake = FakeTorchLlm(pb_utils, sealer)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", fake)
+    return fake
+
+
+@pytest.fixture
+def model(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, engine: FakeTorchLlm
+) -> Iterator[Any]:
+    instance = load_model("llm").TritonPythonModel()
+    config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    yield instance
+    instance.finalize()
+
+
+def run(pb_utils: ModuleType, model: Any, batch: list[list[Any]]) -> list[list[Any]]:
+    """Requests (each its input tensors) through one execute(); each one's responses once its
+    final one arrived."""
+    senders, requests = [], []
+    for inputs in batch:
+        sender = Sender()
+        request = pb_utils.InferenceRequest(inputs)
+        request.get_response_sender = lambda s=sender: s
+        senders.append(sender)
+        requests.append(request)
+    model.execute(requests)
+    for sender in senders:
+        assert sender.done.wait(WAIT_S), "no final response"
+    return [sender.responses for sender in senders]
+
+
+def text_tensor(pb_utils: ModuleType, name: str, value: str | bytes) -> Any:
+    data = value.encode() if isinstance(value, str) else value
+    return pb_utils.Tensor(name, np.array([[data]], dtype=np.object_))
+
+
+def to_llm(
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    envelope: bytes,
+    text: str = "",
+    status: str = "miss",
+    similarity: float = 0.0,
+    lora: dict[str, str | bytes] | None = None,
+    answer_seal: str | None = None,
+    lora_seal: str | None = None,
+) -> list[Any]:
+    """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
+    its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` with their LORA_SEAL
+    (`answer_seal` / `lora_seal`: another seal, "" for none)."""
+    tensors = seals.llm_answer(sealer, envelope, text, status, similarity, seal=answer_seal)
+    if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
+        return tensors
+    lora = lora or {"LORA_CONFIG": "", "LORA_WEIGHTS": b"", "LORA_EVICT": ""}
+    tensors += [text_tensor(pb_utils, name, value) for name, value in lora.items()]
+    if lora_seal is None:
+        lora_seal = seals.lora_seal(sealer, envelope, lora)
+    if lora_seal:
+        tensors.append(text_tensor(pb_utils, "LORA_SEAL", lora_seal))
+    return tensors
+
+
+def with_input(inputs: list[Any], name: str, value: Any) -> list[Any]:
+    """`inputs` with `name`'s value replaced, every seal kept as it was."""
+    (old,) = [t for t in inputs if t.name() == name]
+    dtype = old.as_numpy().dtype
+    if dtype == np.object_ and isinstance(value, str):
+        value = value.encode()
+    new = type(old)(name, np.array([[value]], dtype=dtype))
+    return [new if t is old else t for t in inputs]
+
+
+def final(pb_utils: ModuleType, responses: list[Any]) -> tuple[str, str]:
+    """(the answer's text, its CACHE_STATUS); fails on an error response."""
+    (response,) = responses
+    assert not response.has_error(), response.error().message()
+    names = {t.name(): t.as_numpy().reshape(-1)[0] for t in response.output_tensors()}
+    return names["TEXT_OUTPUT"].decode(), names["CACHE_STATUS"].decode()
+
+
+def assert_forbidden(pb_utils: ModuleType, responses: list[Any], fragment: str) -> None:
+    (response,) = responses
+    assert response.has_error(), "served"
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert response.error().message().startswith("forbidden: ")
+    assert fragment in response.error().message()
+
+
+def counted(model: Any) -> dict[str, float]:
+    model.stage.metrics.flush()
+    return {k: c.metric.value() for k, c in model.stage.requests.items() if c.metric.value()}
+
+
+def envelope(
+    sealer: Sealer,
+    status: CacheStatus,
+    digest: str,
+    cached_text: str = "",
+    request: GenerationRequest | None = None,
+    **fields: Any,
+) -> bytes:
+    """prompt_cache's sealed envelope for a request of TENANT (`cached_text`: an exact hit's)."""
+    request = request or GenerationRequest("What is Triton?", tenant_scope=TENANT)
+    sent = Envelope(request=request, status=status, digest=Digest(digest), **fields)
+    return seals.sealed(sealer, sent, cached_text)
+
+
+def test_a_hit_is_served_only_with_embedding_cache_s_seal(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """A hit called directly (no ANSWER_SEAL), a hit whose text was forged, a miss turned into
+    an exact hit with planted text, a hit's sealed answer moved onto another tenant's envelope,
+    a semantic hit whose similarity was raised: each refused alone; the good hit is served."""
+    exact = CacheStatus.EXACT
+    hit = envelope(sealer, exact, "1" * 64, "the answer")
+    good = to_llm(pb_utils, sealer, hit, "the answer", exact)
+    other = envelope(
+        sealer,
+        exact,
+        "2" * 64,
+        "the answer",
+        GenerationRequest("What is Triton?", tenant_scope=OTHER_TENANT),
+    )
+    miss = envelope(sealer, CacheStatus.MISS, "3" * 64, write_back=True)
+    planted = with_input(to_llm(pb_utils, sealer, miss), "LOOKUP_STATUS", "exact")
+    semantic = envelope(sealer, CacheStatus.MISS, "4" * 64, semantic_scope="s" * 64)
+    near = to_llm(pb_utils, sealer, semantic, "close enough", "semantic", similarity=0.7)
+    batch = [
+        to_llm(pb_utils, sealer, hit, "the answer", exact, answer_seal=""),
+        with_input(good, "CACHED_TEXT", "the attacker's answer"),
+        with_input(planted, "CACHED_TEXT", "planted"),
+        with_input(good, "ENVELOPE", other),
+        with_input(near, "SIMILARITY", np.float32(0.99)),
+        good,
+    ]
+    *refused, served = run(pb_utils, model, batch)
+    assert_forbidden(pb_utils, refused[0], "embedding_cache's answer is not sealed")
+    for responses in refused[1:]:
+        assert_forbidden(pb_utils, responses, "embedding_cache's answer's seal does not verify")
+    assert final(pb_utils, served) == ("the answer", "exact")
+    assert engine.calls == []
+    assert counted(model) == {"exact": 1, "error": len(refused)}
+
+
+def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """A miss called directly, a no-store miss turned write_back, a miss moved to another
+    tenant's scope, a miss whose LORA_WEIGHTS were swapped, and one without LORA_SEAL: each
+    refused alone, nothing generated or stored for it; the good miss is generated (its engine
+    call sealed, its adapter files the version it names) and stored."""
+    french, files = adapter("french", 1)
+    _, caps_files = adapter("caps", 2)
+    on_french = GenerationRequest(
+        "Bonjour?",
+        lora_name="french",
+        lora_task_id=french.task_id,
+        lora_digest=french.digest,
+        tenant_scope=TENANT,
+    )
+    miss = CacheStatus.MISS
+
+    def sent(digest: str, write_back: bool = True) -> bytes:
+        return envelope(sealer, miss, digest, request=on_french, write_back=write_back)
+
+    digests = [c * 64 for c in "123456"]
+    d_direct, d_store, d_tenant, d_weights, d_lora, d_good = digests
+    direct = to_llm(pb_utils, sealer, sent(d_direct), lora=files, answer_seal="", lora_seal="")
+    no_store = sent(d_store, write_back=False)
+    flipped = seals.altered(no_store, b'"write_back":false', b'"write_back":true')
+    moved = seals.altered(sent(d_tenant), TENANT.encode(), OTHER_TENANT.encode())
+    swapped = to_llm(pb_utils, sealer, sent(d_weights), lora=files)
+    batch = [
+        direct,
+        to_llm(pb_utils, sealer, flipped, lora=files),
+        to_llm(pb_utils, sealer, moved, lora=files),
+        with_input(swapped, "LORA_WEIGHTS", caps_files["LORA_WEIGHTS"]),
+        to_llm(pb_utils, sealer, sent(d_lora), lora=files, lora_seal=""),
+        to_llm(pb_utils, sealer, sent(d_good), lora=files),
+    ]
+    *refused, served = run(pb_utils, model, batch)
+    fragments = [
+        "embedding_cache's answer is not sealed",
+        "ENVELOPE's seal does not verify",
+        "ENVELOPE's seal does not verify",
+        "lora_cache's adapter tensors's seal does not verify",
+        "lora_cache's adapter tensors is not sealed",
+    ]
+    for responses, fragment in zip(refused, fragments, strict=True):
+        assert_forbidden(pb_utils, responses, fragment)
+    assert final(pb_utils, served) == ("Hello there", "miss")
+    model.stage.core.drain()  # the good answer is stored
+    ((order, request),) = engine.calls  # the good miss's call alone reached the engine
+    assert request == on_french and order.weights.ref == french
+    cache = model.stage.core.cache
+    assert cache.get(d_good).entry.text == "Hello there"
+    assert [d for d in digests if cache.get(d) is not None] == [d_good]
+    assert counted(model) == {"miss": 1, "error": len(refused)}

@@ -1,0 +1,382 @@
+"""Bounded and checked state (issue 14, "Bounded inputs"): private state files, LMDB reader
+slots of dead processes, vectors written to the semantic index, the cap on semantic scopes, a
+semantic hit's tenant re-check, and a damaged shared table's header.
+
+The request's input bounds are in test_request.py, the table header's own checks in
+test_native_table.py and the CPU engine's context check in test_engine_kv_reuse.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tiercache.config import PARAMETERS
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import LmdbStore, MemoryStore, make_private_dir
+from tiercache.exact.tiered import TieredCache
+from tiercache.exact.watermarks import HostWatermarks
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.row_log import (
+    DEFAULT_MAX_SCOPES,
+    InvalidVector,
+    ScopeLimitReached,
+    check_vector,
+    scope_tag,
+)
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
+from tiercache.semantic.vectors import VectorCache
+from tiercache.vocabulary import Tier
+
+DIM = 8
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.zeros(DIM, dtype=np.float32)
+    v[: len(values)] = values
+    return v / np.linalg.norm(v)
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The usual umask, which alone leaves new folders 0755 and files 0644."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+# ---- state directory 0700, files 0600 ---------------------------------------------------------
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_lmdb_state_is_created_private(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = LmdbStore(state / "l2", 1 << 22)
+    store.close()
+    marks = HostWatermarks(state / "invalidations")
+    marks.close()
+    vectors = VectorCache(state / "vectors", DIM, 1 << 10, 1 << 22)
+    vectors.close()
+    assert mode_of(state) == 0o700  # created by the first store, parents included
+    for name in ("l2", "invalidations", "vectors"):
+        assert mode_of(state / name) == 0o700
+        assert mode_of(state / name / "data.mdb") == 0o600
+        assert mode_of(state / name / "lock.mdb") == 0o600
+        assert mode_of(state / f"{name}.open-lock") == 0o600
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_semantic_state_and_its_tables_are_created_private(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "d", "p", unit(1, 0))
+    tables = tmp_path / "sem" / "tables"
+    assert mode_of(tmp_path / "sem") == 0o700 and mode_of(tables) == 0o700
+    files = sorted(tables.iterdir())
+    assert {f.suffix for f in files} == {".tbl", ".lock"}
+    assert all(mode_of(f) == 0o600 for f in files), [(f.name, oct(mode_of(f))) for f in files]
+    store.close()
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_an_open_state_folder_of_ours_is_tightened_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    l2 = tmp_path / "l2"
+    LmdbStore(l2, 1 << 22).close()
+    l2.chmod(0o755)
+    (l2 / "data.mdb").chmod(0o644)
+    (tmp_path / "l2.open-lock").chmod(0o666)
+    with caplog.at_level(logging.WARNING):
+        LmdbStore(l2, 1 << 22).close()
+    assert mode_of(l2) == 0o700
+    assert mode_of(l2 / "data.mdb") == 0o600
+    assert mode_of(tmp_path / "l2.open-lock") == 0o600
+    assert "was open to other users (mode 755); now 700" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_folder_owned_by_another_user_is_left_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    os.chown(folder, 4242, -1)
+    with caplog.at_level(logging.WARNING):
+        make_private_dir(folder)
+    assert mode_of(folder) == 0o755
+    assert "owned by uid 4242" in caplog.text and "left as it is" in caplog.text
+
+
+# ---- LMDB reader slots of dead processes --------------------------------------------------------
+
+_DIE_READING = """
+import os, sys, lmdb
+env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_readers=512)
+txn = env.begin()
+txn.get(b"anything")
+os._exit(0)  # dies holding its reader slot
+"""
+
+_HOLD_OPEN = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_readers=512)
+print("open", flush=True)
+sys.stdin.read()  # until the test closes the pipe
+"""
+
+
+def _python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args], text=True, **kwargs
+    )
+
+
+def _die_reading(path: Path, map_size: int) -> None:
+    assert _python(_DIE_READING, str(path), str(map_size)).wait(60) == 0
+
+
+MAP_SIZE = 1 << 22
+
+OPENERS: dict[str, Callable[[Path], Any]] = {
+    "l2": lambda path: LmdbStore(path, MAP_SIZE),
+    "invalidations": lambda path: HostWatermarks(path, map_bytes=MAP_SIZE),
+    "vectors": lambda path: VectorCache(path, DIM, 1 << 10, MAP_SIZE),
+    "semantic": lambda path: SemanticStore(path, MAP_SIZE),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPENERS))
+def test_reader_check_frees_the_slot_of_a_dead_reader(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / kind
+    opened = OPENERS[kind](path)
+    _die_reading(path, MAP_SIZE)
+    assert opened.reader_check() == 1  # what a stage calls after a restart
+    assert opened.reader_check() == 0
+    opened.close()
+
+
+def test_opening_frees_the_slots_of_dead_readers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMDB clears its reader table only when no other process holds the environment; here
+    another process does, as the other stages of a host do when one restarts."""
+    path = tmp_path / "l2"
+    LmdbStore(path, MAP_SIZE).close()
+    holder = _python(
+        _HOLD_OPEN, str(path), str(MAP_SIZE), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        _die_reading(path, MAP_SIZE)
+        with caplog.at_level(logging.WARNING):
+            store = LmdbStore(path, MAP_SIZE)
+        assert "freed 1 reader slots of dead processes" in caplog.text
+        assert store.reader_check() == 0
+        store.close()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+
+
+# ---- vectors written to the semantic index ------------------------------------------------------
+
+BAD_VECTORS = [
+    pytest.param(np.zeros(0, dtype=np.float32), "a vector of 0 floats", id="empty"),
+    pytest.param(np.zeros(DIM, dtype=np.float32), "norm 0", id="zero"),
+    pytest.param(2 * unit(1, 0), "norm 2", id="norm-2"),
+    pytest.param(0.99 * unit(1, 0), "norm 0.99", id="norm-0.99"),
+    pytest.param(np.full(DIM, np.nan, dtype=np.float32), "NaN or infinite", id="nan"),
+    pytest.param(np.array([np.inf] + [0.0] * (DIM - 1)), "NaN or infinite", id="inf"),
+    pytest.param(np.array([1e39] + [0.0] * (DIM - 1)), "NaN or infinite", id="float32-overflow"),
+    pytest.param(np.ones(70_000, dtype=np.float32) / 70_000**0.5, "70000 floats", id="too-wide"),
+    pytest.param(np.array(["a"] * DIM), "not a vector of numbers", id="strings"),
+]
+
+
+@pytest.mark.parametrize(("vector", "message"), BAD_VECTORS)
+def test_invalid_vectors_are_refused_and_nothing_is_written(
+    tmp_path: Path, vector: np.ndarray, message: str
+) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    with pytest.raises(InvalidVector, match=message):
+        store.append("s", "d", "p", vector)
+    with pytest.raises(InvalidVector, match=message):
+        store.append_or_compact("s", "d", "p", vector, lambda digest: True)
+    with pytest.raises(InvalidVector, match=message):  # the whole batch: all or nothing
+        store.log_rows([("s", "ok", "p", unit(1, 0)), ("s", "d", "p", vector)])
+    assert store.head() == 0 and store.manifests() == []
+    store.close()
+
+
+def test_a_unit_vector_within_the_tolerance_is_taken(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    assert store.append("s", "d", "p", 1.0005 * unit(1, 1)) == 0
+    assert check_vector(unit(0, 1).reshape(1, DIM)).shape == (DIM,)
+    store.close()
+
+
+def test_vectors_of_another_width_than_the_index_are_refused(tmp_path: Path) -> None:
+    index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
+    other = np.zeros(DIM + 1, dtype=np.float32)
+    other[0] = 1.0
+    with pytest.raises(InvalidVector, match=f"9 floats where the index has {DIM}"):
+        index.add("s", "d", "p", other)
+    store = SemanticStore(tmp_path / "sem-dims", dimensions=DIM)
+    with pytest.raises(InvalidVector, match=f"where the index has {DIM}"):
+        store.append_or_compact("s", "d", "p", other, lambda digest: True)
+    store.close()
+    index.close()
+
+
+# ---- semantic scopes capped per host ------------------------------------------------------------
+
+
+def test_config_default_matches_the_logs_default() -> None:
+    assert PARAMETERS["semantic_max_scopes"].default == DEFAULT_MAX_SCOPES
+
+
+def test_a_new_scope_past_the_cap_is_not_indexed_and_never_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes=2)
+    keep = lambda digest: True  # noqa: E731
+    assert store.append_or_compact("a", "d1", "p", unit(1, 0), keep) == 0
+    assert store.append_or_compact("b", "d2", "p", unit(0, 1), keep) == 1
+    with caplog.at_level(logging.WARNING):
+        assert store.append_or_compact("c", "d3", "p", unit(1, 1), keep) is None
+        assert store.append_or_compact("d", "d4", "p", unit(1, 1), keep) is None
+    assert store.scopes_refused == 2
+    assert caplog.text.count("holds its limit of 2 scopes") == 1  # logged once a minute
+    assert store.manifest(scope_tag("c")) is None
+    assert not list((tmp_path / "sem" / "tables").glob(f"{scope_tag('c')}.*.tbl"))
+    # existing scopes still take rows
+    assert store.append_or_compact("a", "d5", "p", unit(1, 0.5), keep) == 2
+    with pytest.raises(ScopeLimitReached, match="limit of 2 scopes"):
+        store.append("c", "d3", "p", unit(1, 1))
+    assert store.head() == 3
+    index = SemanticIndex(store, DIM)
+    assert index.stats().scopes_refused == 2
+    index.close()
+
+
+_APPEND_SCOPE_B = """
+import sys
+from pathlib import Path
+import numpy as np
+from tiercache.semantic.store import SemanticStore
+store = SemanticStore(Path(sys.argv[1]), max_scopes=2)
+vector = np.zeros(int(sys.argv[2]), dtype=np.float32)
+vector[1] = 1.0
+store.append("b", "d2", "p", vector)
+store.close()
+"""
+
+
+def test_the_cap_counts_the_scopes_other_processes_started(tmp_path: Path) -> None:
+    path = tmp_path / "sem"
+    store = SemanticStore(path, max_scopes=2)
+    store.append("a", "d1", "p", unit(1, 0))
+    assert store.admits_scope("b")
+    assert _python(_APPEND_SCOPE_B, str(path), str(DIM)).wait(60) == 0
+    assert not store.admits_scope("c") and store.admits_scope("b")
+    assert store.append_or_compact("c", "d3", "p", unit(1, 1), lambda d: True) is None
+    store.close()
+
+
+def test_a_batch_from_another_replica_is_refused_whole_past_the_cap(tmp_path: Path) -> None:
+    """log_rows (the path of rows shared through Redis) refuses the batch; its caller retries
+    row by row and skips the refused ones (tiercache.semantic.redis_rows)."""
+    store = SemanticStore(tmp_path / "sem", max_scopes=1)
+    with pytest.raises(ScopeLimitReached):
+        store.log_rows([("a", "d1", "p", unit(1, 0)), ("b", "d2", "p", unit(0, 1))])
+    assert store.head() == 0
+    assert store.log_rows([("a", "d1", "p", unit(1, 0))])[0] == [0]
+    store.close()
+
+
+# ---- a semantic hit re-checks its answer's tenant -----------------------------------------------
+
+
+def _stage(tmp_path: Path, query: np.ndarray) -> EmbeddingCache:
+    return EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        TieredCache([(Tier.L1, MemoryStore(1 << 20))]),
+        lambda texts: np.stack([query for _ in texts]),
+        lambda q, candidates: 0 if candidates else None,
+        "emb@1",
+        min_similarity=0.5,
+    )
+
+
+def test_a_row_pointing_at_another_tenants_answer_is_not_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stage = _stage(tmp_path, unit(1, 0))
+    l1 = stage.answers.store(Tier.L1)
+    assert l1 is not None
+    l1.put("victim-digest", CacheEntry("victim's answer", 0.0, tenant_scope="victim"))
+    # a row in the attacker's scope naming the victim's answer (forged, or a damaged log)
+    stage.index.add("attacker-scope", "victim-digest", "q", unit(1, 0))
+    with caplog.at_level(logging.WARNING):
+        (refused,) = stage.lookup(["q"], ["attacker-scope"], ["attacker"])
+    assert refused.outcome is SemanticOutcome.STALE and refused.text == ""
+    assert stage.scope_mismatches == 1 and "another tenant scope" in caplog.text
+    (served,) = stage.lookup(["q"], ["attacker-scope"], ["victim"])
+    assert (served.outcome, served.text) == (SemanticOutcome.HIT, "victim's answer")
+    stage.close()
+
+
+# ---- a shared table with a damaged header -------------------------------------------------------
+
+COUNT_OFFSET = 128  # layout version 1: the published count's cache line (shared_table.cpp)
+
+
+def _search_a_damaged_table(path: str, found: Any) -> None:
+    """In a process of its own: a native build without the header check reads past the
+    mapping here (SIGBUS), which must fail the test, not end the test run."""
+    index = SemanticIndex(SemanticStore(Path(path)), DIM)
+    found.put([n.digest for n in index.search("s", unit(1, 2), k=5)])
+    index.close()
+
+
+def test_a_table_whose_count_is_past_its_capacity_is_rebuilt_from_the_log(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "sem"
+    store = SemanticStore(path)
+    for i in range(3):
+        store.append("s", f"d{i}", f"p{i}", unit(1, i))
+    store.close()
+    (table,) = (path / "tables").glob("*.tbl")
+    with open(table, "r+b") as f:
+        f.seek(COUNT_OFFSET)
+        f.write((10**9).to_bytes(8, "little"))
+    ctx = multiprocessing.get_context("spawn")
+    found = ctx.SimpleQueue()
+    searcher = ctx.Process(target=_search_a_damaged_table, args=(str(path), found))
+    searcher.start()
+    searcher.join(60)
+    assert searcher.exitcode == 0
+    digests = found.get()
+    assert digests[0] == "d2" and sorted(digests) == ["d0", "d1", "d2"]

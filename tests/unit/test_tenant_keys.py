@@ -1,0 +1,171 @@
+"""API keys -> tenants (tiercache.exact.tenant_keys): keys stored hashed, the tenant taken from
+the key, another tenant / adapter / cache_control word refused, the file reloaded when it
+changes."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from tiercache.adapter_types import AdapterRef
+from tiercache.errors import ConfigError, Forbidden
+from tiercache.exact.keys import EngineIdentity, tenant_scope
+from tiercache.exact.prompt_cache import PromptCache
+from tiercache.exact.request import RawInputs
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tenant_keys import (
+    KeyFile,
+    add_key,
+    key_from_parameter,
+    list_grants,
+    revoke_key,
+)
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import CacheStatus, Tier
+
+SECRET = b"s" * 32
+ENGINE = EngineIdentity("model", "rev")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def prompts() -> PromptCache:
+    adapters = {
+        "caps": AdapterRef("caps", 1, "c" * 64),
+        "french": AdapterRef("french", 2, "f" * 64),
+    }
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))])
+    return PromptCache(cache, SECRET, ENGINE, resolve_adapter=adapters.__getitem__)
+
+
+def test_keys_are_stored_hashed_in_a_private_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    key, grant = add_key(path, "acme")
+    assert key.startswith("tc_") and len(key) > 40
+    assert key not in path.read_text()  # only its SHA-256
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert KeyFile(path).authorize(key) == grant
+    assert [g.tenant for g in list_grants(path)] == ["acme"]
+
+
+def test_a_missing_or_unknown_key_is_forbidden(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    key, _ = add_key(path, "acme")
+    keys = KeyFile(path)
+    for bad in (None, "", key + "x", "tc_" + "A" * 43):
+        with pytest.raises(Forbidden):
+            keys.authorize(bad)
+
+
+def test_the_header_may_carry_a_bearer_key() -> None:
+    assert key_from_parameter("Bearer tc_abc") == "tc_abc"
+    assert key_from_parameter("tc_abc") == "tc_abc"
+    assert key_from_parameter("") is None and key_from_parameter(None) is None
+
+
+def test_the_tenant_comes_from_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    key, _ = add_key(path, "acme")
+    grant = KeyFile(path).authorize(key)
+    front = prompts()
+    omitted = front.lookup(RawInputs("What is Triton?"), grant=grant)
+    assert omitted.request.tenant_scope == tenant_scope(SECRET, "acme")
+    same = front.lookup(RawInputs("What is Triton?", tenant=" acme "), grant=grant)
+    assert same.digest == omitted.digest  # the same tenant named (normalized) is fine
+    with pytest.raises(Forbidden, match="does not match the API key's tenant"):
+        front.lookup(RawInputs("What is Triton?", tenant="globex"), grant=grant)
+    with pytest.raises(Forbidden):
+        front.lookup(RawInputs("What is Triton?", tenant=""), grant=grant)  # "" is a tenant too
+
+
+def test_a_key_limits_adapters_and_cache_control_words(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    key, _ = add_key(path, "acme", adapters=["caps"], cache_control=["no-store", "tag"])
+    grant = KeyFile(path).authorize(key)
+    front = prompts()
+    ok = front.lookup(
+        RawInputs("hi", lora_name="caps", cache_control="no-store tag=kb:v1"), grant=grant
+    )
+    assert ok.status is CacheStatus.MISS and ok.request.lora_name == "caps"
+    with pytest.raises(Forbidden, match="adapter 'french'"):
+        front.lookup(RawInputs("hi", lora_name="french"), grant=grant)
+    with pytest.raises(Forbidden, match="no-cache"):
+        front.lookup(RawInputs("hi", cache_control="no-cache"), grant=grant)
+    with pytest.raises(Forbidden, match="max-age"):
+        front.lookup(RawInputs("hi", cache_control="max-age=5"), grant=grant)
+    assert front.lookup(RawInputs("hi"), grant=grant).status is CacheStatus.MISS  # base model
+
+
+def test_the_file_is_reloaded_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    first, first_grant = add_key(path, "acme")
+    clock = Clock()
+    keys = KeyFile(path, clock=clock)
+    second, _ = add_key(path, "globex")
+    with pytest.raises(Forbidden):  # checked at most once a second
+        keys.authorize(second)
+    clock.now_s += 2
+    assert keys.authorize(second).tenant == "globex"
+    assert revoke_key(path, first_grant.key_id) and not revoke_key(path, first_grant.key_id)
+    clock.now_s += 2
+    with pytest.raises(Forbidden, match="unknown API key"):
+        keys.authorize(first)
+    path.write_text("{not json")  # a broken edit: the keys read before stay in force
+    clock.now_s += 2
+    assert keys.authorize(second).tenant == "globex"
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ("[]", "expected"),
+        (json.dumps({"version": 1, "keys": {}}), "must be a list"),
+        (json.dumps({"version": 1, "keys": [{"tenant": "a", "id": "k"}]}), "sha256"),
+        (
+            json.dumps(
+                {
+                    "version": 1,
+                    "keys": [
+                        {"id": "k", "tenant": "a", "sha256": "0" * 64, "cache_control": ["x"]}
+                    ],
+                }
+            ),
+            "unknown cache_control",
+        ),
+    ],
+)
+def test_a_malformed_key_file_fails_the_start(tmp_path: Path, document: str, fragment: str) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(document)
+    with pytest.raises(ConfigError, match=fragment):
+        KeyFile(path)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        KeyFile(tmp_path / "missing.json")
+
+
+def test_the_keys_command_adds_lists_and_revokes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercache.cli import main
+
+    path = tmp_path / "keys.json"
+    assert main(["keys", "--file", str(path), "add", "--tenant", " Acme ", "--adapters", ""]) == 0
+    key = capsys.readouterr().out.splitlines()[0]
+    grant = KeyFile(path).authorize(key)
+    assert (grant.tenant, grant.adapters, grant.cache_control) == ("Acme", frozenset(), None)
+    assert main(["keys", "--file", str(path), "list"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{grant.key_id}\tAcme\tadapters=none\tcache_control=any" in listed
+    assert key not in listed
+    assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 0
+    assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 1
+    assert list_grants(path) == []
