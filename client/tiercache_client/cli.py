@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .client import GenerationResult, TierCacheClient, read_admin_token
 from .errors import InvalidRequestError, NotFoundError, TierCacheClientError
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", dest="lora_name", metavar="NAME", help="LoRA adapter name")
     gen.add_argument("--no-stream", dest="stream", action="store_false", help="one response")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument(
+        "--api-key-file",
+        default=os.environ.get("TIERCACHE_API_KEY_FILE", ""),
+        metavar="FILE",
+        help="a file holding your API key (from `tiercache keys add`), for a server with an API "
+        "key file (default: $TIERCACHE_API_KEY_FILE; none: no key sent)",
+    )
 
     sub.add_parser("health", parents=[common], help="show server and model readiness")
 
@@ -330,9 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    api_key = None
+    if getattr(args, "api_key_file", ""):
+        try:
+            api_key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            print(f"error: cannot read the API key: {exc}", file=sys.stderr)
+            return 2
     try:
         with TierCacheClient(
-            args.url, model=args.model, timeout_s=args.timeout, admin_token=token
+            args.url, model=args.model, timeout_s=args.timeout, admin_token=token, api_key=api_key
         ) as client:
             if args.command == "generate":
                 return _generate(client, args)

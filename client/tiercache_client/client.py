@@ -183,7 +183,10 @@ class TierCacheClient:
     `timeout_s` bounds a whole `generate()` call and each health RPC; when it passes,
     `UnavailableError` is raised. `admin_token` (`read_admin_token`) goes with every
     `cache_admin` call (`stats`, `invalidate`, `flush`, `warm`, `admin`); without it the server
-    refuses them (`ForbiddenError`). Use as a context manager or call `close()`.
+    refuses them (`ForbiddenError`). `api_key` (`tiercache keys add`) goes with every generation
+    as the `authorization: Bearer <key>` header: a server with an API key file takes the tenant
+    from it and refuses requests without a known key (`ForbiddenError`). Use as a context
+    manager or call `close()`.
     """
 
     def __init__(
@@ -193,9 +196,11 @@ class TierCacheClient:
         timeout_s: float = 300.0,
         *,
         admin_token: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
@@ -272,7 +277,9 @@ class TierCacheClient:
             start = time.perf_counter()
             deadline = start + self.timeout_s
             try:
-                client.start_stream(on_response, stream_timeout=self.timeout_s)
+                client.start_stream(
+                    on_response, stream_timeout=self.timeout_s, headers=self._headers
+                )
                 client.async_stream_infer(
                     self.model,
                     inputs,

@@ -161,6 +161,14 @@ PARAMETERS: dict[str, _Spec] = {
         "indexed (counted and logged, never an error)",
         min=1,
     ),
+    "semantic_max_scopes_per_tenant": _Spec(
+        256,
+        "Most semantic scopes one tenant scope may start on the host (scopes differ by model, "
+        "adapter, sampling parameters and max_tokens: without it one tenant could take every "
+        "place of semantic_max_scopes); a row that would start one more is not indexed "
+        "(counted and logged, never an error)",
+        min=1,
+    ),
     "engine_model": _Spec("torch_llm", "The Triton model that generates (BLS target)"),
     "engine_kind": _Spec(
         EngineKind.TORCH_LLM.value,
@@ -328,6 +336,7 @@ class EmbeddingCacheConfig(_TiersConfig):
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")
+    semantic_max_scopes_per_tenant: int = shared("semantic_max_scopes_per_tenant")
     embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
     target_precision: float = param(
         0.0,
@@ -378,6 +387,7 @@ class LlmConfig(_TiersConfig):
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")
+    semantic_max_scopes_per_tenant: int = shared("semantic_max_scopes_per_tenant")
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
     lora_model: str = shared("lora_model")

@@ -16,6 +16,9 @@
   reader stream reads the count and checks every row below it. On one card the replicas share
   it: one by a device copy ("same-card"), one staged through pinned host memory ("staging");
   with two or more cards, peer copies where peer access is on, and the staging path forced.
+- kv reuse isolation: the GPU repository as deploy/tensorrt_llm/assemble_repository.py writes
+  it keeps TensorRT-LLM's prefix KV reuse off by default (its Triton backend takes no
+  per-tenant cache salt) and turns it on for one configured tenant only (issue 14).
 - teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
   go wrong across cards; on one card it is a smoke test), then a new set must work. With two
   cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
@@ -33,6 +36,7 @@ is reported with what to do, and the exit status is 1.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -413,6 +417,41 @@ def check_teardown(native: Any, testing: Any, torch: Any, devices: list[int]) ->
 # --- Main -----------------------------------------------------------------------------------------
 
 
+def check_kv_reuse_isolation() -> list[Row]:
+    """The GPU path's per-tenant KV isolation (issue 14): TensorRT-LLM's Triton backend takes no
+    per-tenant cache salt, so the assembled repository must reuse KV blocks only when one
+    tenant is configured or the operator says so. Checks the repository this machine would
+    serve (assemble_repository.py, no engine needed)."""
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location(
+        "tiercache_assemble", ROOT / "deploy" / "tensorrt_llm" / "assemble_repository.py"
+    )
+    assert spec is not None and spec.loader is not None
+    assemble = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = assemble
+    spec.loader.exec_module(assemble)
+    from tiercache.exact.tenant_keys import add_key
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        out = assemble.assemble(tmp / "default")
+        config = assemble.read_config(out / "tensorrt_llm" / "config.pbtxt")
+        reuse = config.parameters["enable_kv_cache_reuse"].string_value
+        verdict = "ok" if reuse == "false" else "FAIL: reuse on without a salt"
+        rows.append(("kv reuse", "assembled default", "-", "-", reuse, verdict))
+        keys = tmp / "keys.json"
+        add_key(keys, "acme")
+        single, _ = assemble.kv_reuse_decision("auto", keys)
+        add_key(keys, "globex")
+        several, why = assemble.kv_reuse_decision("auto", keys)
+        ok = single and not several
+        rows.append(("kv reuse", "auto: 1 tenant / 2 tenants", "-", "-",
+                     f"{single} / {several}", "ok" if ok else f"FAIL: {why}"))  # fmt: skip
+    return rows
+
+
 def main() -> int:
     native, why = import_native()
     if not machine_has_gpu():
@@ -453,6 +492,7 @@ def main() -> int:
             partial(check_broadcast, native, testing, devices, allow_peer),
         )
     rows += run_check("teardown", lambda: check_teardown(native, testing, torch, devices))
+    rows += run_check("kv reuse isolation", check_kv_reuse_isolation)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

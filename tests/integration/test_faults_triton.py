@@ -424,6 +424,8 @@ def test_redis_killed_under_perf_analyzer_load(faults: Faults) -> None:
         "--request-count", "400",
         "-f", str(work / "perf.csv"),
     ]  # fmt: skip
+    for name, value in faults.server.restricted_headers.items():  # it reads the model config
+        args += ["-H", f"{name}:{value}"]
     timeline: list[str] = []
 
     def outage() -> None:

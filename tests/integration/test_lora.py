@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -23,6 +22,7 @@ from tiercache.server import Ports, TritonServer, copy_repository
 from tiercache_client import NotFoundError, TierCacheClient, read_admin_token
 
 from .conftest import MODEL_REPOSITORY, REPO, settled_metric
+from .sealing import engine_call
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12
@@ -151,12 +151,10 @@ def test_a_changed_adapter_folder_is_a_new_version_with_no_stale_hits(
 
 
 def engine_op(server: TritonServer, op: str, evict: list[str] | None = None) -> str:
-    """One admin call to torch_llm itself (what lora_cache and llm do over BLS)."""
-    inputs = []
-    for name, value in (("LORA_OP", op), ("LORA_EVICT", json.dumps(evict or []))):
-        tensor = grpcclient.InferInput(name, [1], "BYTES")
-        tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
-        inputs.append(tensor)
+    """One admin call to torch_llm itself, sealed as lora_cache and llm seal theirs (the test
+    reads the server's secret from its state folder: an outside caller cannot, and is refused,
+    tests/security)."""
+    inputs = engine_call(server.state_dir, {"LORA_OP": op, "LORA_EVICT": json.dumps(evict or [])})
     import queue
 
     results: queue.Queue = queue.Queue()

@@ -1,8 +1,11 @@
 """The security suite (issue 14): attacks against a real tritonserver, each shown refused.
 
-`served` is `tiercache serve` itself, with its defaults, on free ports and a fresh state
-directory: what an operator runs, so what an attacker meets. The integration suite's helpers
-(tests/integration/conftest.py: `start_server`, the metric readers) are reused by import."""
+`served` is `tiercache serve` itself, with its exposure defaults (loopback, HTTP off, the
+restricted APIs closed, the admin token), on free ports and a fresh state directory, deployed as
+a company would expose it: an API key file (three tenants: two trusted, one padded), the
+deployment's Redis (a real redis-server) behind the four Redis stages, the committed adapters.
+What an operator runs, so what an attacker meets. The integration suite's helpers are reused by
+import."""
 
 from __future__ import annotations
 
@@ -12,13 +15,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from integration.conftest import MODEL_REPOSITORY
+from integration.conftest import MODEL_REPOSITORY, REPO
+from redis_server import RedisServer
 
-from tiercache.server import Ports
+from tiercache.exact.tenant_keys import add_key
+from tiercache.server import Ports, copy_repository
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +31,23 @@ TIERCACHE = Path(sys.executable).parent / "tiercache"
 READY_TIMEOUT_S = 600.0  # a first start converts the weights and loads the LLM
 
 
+TENANTS = ("acme", "globex", "public")  # public is padded (not in trusted_tenants)
+REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
+REDIS_PREFIX = "security:"
+PADDING_MS = 150
+
+
 @dataclass(frozen=True, slots=True)
 class Served:
-    """A running `tiercache serve`: its process, ports, state directory and output file."""
+    """A running `tiercache serve`: its process, ports, state directory and output file, the
+    API key of each tenant, and the deployment's Redis."""
 
     process: subprocess.Popen[bytes]
     ports: Ports
     state_dir: Path
     output_path: Path
+    keys: dict[str, str] = field(default_factory=dict)
+    redis_url: str = ""
 
     @property
     def grpc_url(self) -> str:
@@ -56,27 +70,43 @@ def _wait_ready(served: Served) -> None:
 
 
 @pytest.fixture(scope="session")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`tiercache serve` with its defaults (no --host, no --http, nothing opened), no
-    TIERCACHE_HOST or TIERCACHE_ADMIN_TOKEN_FILE in its environment."""
+def served(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Served]:
+    """`tiercache serve` with its exposure defaults (no --host, no --http, nothing opened), no
+    TIERCACHE_HOST or TIERCACHE_ADMIN_TOKEN_FILE in its environment; an API key file per
+    tenant (globex may use no adapter), Redis, padding for the untrusted tenant."""
     root = tmp_path_factory.mktemp("served")
     ports = Ports.free()
+    keys_file = root / "api_keys.json"
+    keys = {"acme": add_key(keys_file, "acme")[0]}
+    keys["globex"] = add_key(keys_file, "globex", adapters=[])[0]
+    keys["public"] = add_key(keys_file, "public")[0]
+    shared = {"redis_url": redis_server.url, "redis_prefix": REDIS_PREFIX}
+    parameters: dict[str, dict[str, str]] = {stage: dict(shared) for stage in REDIS_STAGES}
+    parameters["llm"].update({"hit_padding_ms": str(PADDING_MS), "trusted_tenants": "acme,globex"})
+    repository = copy_repository(MODEL_REPOSITORY, root / "model_repository", parameters)
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("TIERCACHE_HOST", "TIERCACHE_ADMIN_TOKEN_FILE")
+        if k
+        not in (
+            "TIERCACHE_HOST",
+            "TIERCACHE_ADMIN_TOKEN_FILE",
+            "TIERCACHE_API_KEYS_FILE",
+            "TIERCACHE_ADAPTERS_DIR",
+        )
     }
     output_path = root / "serve.out"
     with open(output_path, "wb") as output:
         process = subprocess.Popen(
-            [str(TIERCACHE), "serve", f"--model-repository={MODEL_REPOSITORY}",
+            [str(TIERCACHE), "serve", f"--model-repository={repository}",
              f"--state-dir={root / 'state'}", f"--http-port={ports.http}",
-             f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}", "--no-restart"],
+             f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}", "--no-restart",
+             f"--api-keys={keys_file}", f"--adapters-dir={REPO / 'adapters'}"],
             stdout=output,
             stderr=subprocess.STDOUT,
             env=env,
         )  # fmt: skip
-    server = Served(process, ports, root / "state", output_path)
+    server = Served(process, ports, root / "state", output_path, keys, redis_server.url)
     try:
         _wait_ready(server)
         yield server

@@ -97,7 +97,7 @@ def test_inference_health_and_metadata_still_work(
     raw: grpcclient.InferenceServerClient, served: Served
 ) -> None:
     prompt = f"Name one ocean ({uuid.uuid4().hex[:6]})."
-    with TierCacheClient(served.grpc_url, timeout_s=300) as client:
+    with TierCacheClient(served.grpc_url, timeout_s=300, api_key=served.keys["acme"]) as client:
         first = client.generate_text(prompt, max_tokens=MAX_TOKENS)
         again = client.generate_text(prompt, max_tokens=MAX_TOKENS)
         health = client.health()
@@ -134,7 +134,9 @@ def admin_ops(prompt: str) -> dict[str, Callable[[TierCacheClient], Any]]:
 def test_admin_ops_refused_without_the_admin_token(served: Served, token: str) -> None:
     given = {"none": None, "empty": "", "wrong": "ab" * 32}[token]
     prompt = f"What is the capital of Australia ({uuid.uuid4().hex[:6]})?"
-    with TierCacheClient(served.grpc_url, timeout_s=300, admin_token=given) as attacker:
+    with TierCacheClient(
+        served.grpc_url, timeout_s=300, admin_token=given, api_key=served.keys["acme"]
+    ) as attacker:
         for op in admin_ops(prompt).values():
             with pytest.raises(ForbiddenError):
                 op(attacker)

@@ -1,6 +1,6 @@
 """Bounded and checked state (issue 14, "Bounded inputs"): private state files, LMDB reader
-slots of dead processes, vectors written to the semantic index, the cap on semantic scopes, a
-semantic hit's tenant re-check, and a damaged shared table's header.
+slots of dead processes, vectors written to the semantic index, the caps on semantic scopes (per
+host and per tenant), a semantic hit's tenant re-check, and a damaged shared table's header.
 
 The request's input bounds are in test_request.py, the table header's own checks in
 test_native_table.py and the CPU engine's context check in test_engine_kv_reuse.py.
@@ -15,6 +15,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,16 @@ import pytest
 
 from tiercache.config import PARAMETERS
 from tiercache.exact.codec import CacheEntry
+from tiercache.exact.keys import REDIS_SEMANTIC_ROWS
+from tiercache.exact.redis_tier import RedisLink
 from tiercache.exact.stores import LmdbStore, MemoryStore, make_private_dir
 from tiercache.exact.tiered import TieredCache
-from tiercache.exact.watermarks import HostWatermarks
+from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
 from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.redis_rows import STREAM, RowFollower, SharedRow, sign_fields
 from tiercache.semantic.row_log import (
     DEFAULT_MAX_SCOPES,
+    DEFAULT_MAX_SCOPES_PER_TENANT,
     InvalidVector,
     ScopeLimitReached,
     check_vector,
@@ -311,6 +317,235 @@ def test_a_batch_from_another_replica_is_refused_whole_past_the_cap(tmp_path: Pa
         store.log_rows([("a", "d1", "p", unit(1, 0)), ("b", "d2", "p", unit(0, 1))])
     assert store.head() == 0
     assert store.log_rows([("a", "d1", "p", unit(1, 0))])[0] == [0]
+    store.close()
+
+
+# ---- semantic scopes capped per tenant ----------------------------------------------------------
+
+KEEP: Callable[[str], bool] = lambda digest: True  # noqa: E731 - every answer still cached
+
+
+def test_config_default_per_tenant_matches_the_logs_default() -> None:
+    assert PARAMETERS["semantic_max_scopes_per_tenant"].default == DEFAULT_MAX_SCOPES_PER_TENANT
+    assert DEFAULT_MAX_SCOPES_PER_TENANT < DEFAULT_MAX_SCOPES  # several tenants fit on a host
+
+
+def test_a_tenant_past_its_cap_is_refused_while_another_still_starts_scopes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One tenant sending many max_tokens values (one scope each) takes only its own places."""
+    store = SemanticStore(tmp_path / "sem", max_scopes=10, max_scopes_per_tenant=2)
+    assert store.append_or_compact("greedy-16", "d1", "p", unit(1, 0), KEEP, "greedy") == 0
+    assert store.append_or_compact("greedy-32", "d2", "p", unit(0, 1), KEEP, "greedy") == 1
+    with caplog.at_level(logging.WARNING):
+        for i, max_tokens in enumerate((64, 128, 256)):
+            scope = f"greedy-{max_tokens}"
+            assert store.append_or_compact(scope, f"x{i}", "p", unit(1, 1), KEEP, "greedy") is None
+    assert store.scopes_refused == 3
+    assert caplog.text.count("'greedy' holds its limit of 2 scopes") == 1  # once a minute
+    assert store.manifest(scope_tag("greedy-64")) is None
+    assert not list((tmp_path / "sem" / "tables").glob(f"{scope_tag('greedy-64')}.*.tbl"))
+    with pytest.raises(ScopeLimitReached, match="'greedy' holds its limit of 2 scopes on this"):
+        store.append("greedy-64", "x0", "p", unit(1, 1), tenant="greedy")
+    # another tenant still starts scopes
+    assert store.admits_scope("polite-16", "polite")
+    assert store.append_or_compact("polite-16", "d3", "p", unit(1, 0), KEEP, "polite") == 2
+    assert store.append_or_compact("polite-32", "d4", "p", unit(0, 1), KEEP, "polite") == 3
+    assert (store.scopes_started_by("greedy"), store.scopes_started_by("polite")) == (2, 2)
+    assert store.head() == 4
+    store.close()
+
+
+def test_an_existing_scope_of_a_capped_tenant_still_takes_rows(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
+    assert store.append_or_compact("a-16", "d1", "p", unit(1, 0), KEEP, "a") == 0
+    assert store.append_or_compact("a-32", "d2", "p", unit(0, 1), KEEP, "a") is None
+    assert store.append_or_compact("a-16", "d3", "p", unit(0, 1), KEEP, "a") == 1
+    assert store.append_many([("a-16", "d4", "p", unit(1, 1))], tenants={"a-16": "a"}) == [2]
+    assert store.log_rows([("a-16", "d5", "p", unit(1, 2))])[0] == [3]  # no tenant: it exists
+    assert store.live_count(scope_tag("a-16")) == 4
+    assert store.scopes_started_by("a") == 1 and store.scopes_refused == 1
+    store.close()
+
+
+def test_the_host_cap_still_applies_under_the_tenant_caps(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes=3, max_scopes_per_tenant=2)
+    for i, (scope, tenant) in enumerate((("a1", "a"), ("a2", "a"), ("b1", "b"))):
+        assert store.append(scope, f"d{i}", "p", unit(1, i), tenant=tenant) == i
+    assert store.scope_refusal("b2", "b") == "the log holds its limit of 3 scopes"
+    assert store.append_or_compact("b2", "d3", "p", unit(0, 1), KEEP, "b") is None
+    with pytest.raises(ScopeLimitReached, match="the log holds its limit of 3 scopes"):
+        store.log_rows([("c1", "d4", "p", unit(1, 0))], tenants={"c1": "c"})
+    assert store.scopes_refused == 1
+    assert (store.scopes_started_by("b"), store.scopes_started_by("c")) == (1, 0)
+    assert store.head() == 3
+    store.close()
+
+
+def test_rows_that_name_no_tenant_count_under_the_empty_tenant(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=2)
+    store.append("s1", "d1", "p", unit(1, 0))
+    store.append_many([("s2", "d2", "p", unit(0, 1))])
+    with pytest.raises(ScopeLimitReached, match="'' holds its limit of 2 scopes"):
+        store.log_rows([("s3", "d3", "p", unit(1, 1))])
+    assert store.scopes_started_by("") == 2
+    assert store.append("t1", "d3", "p", unit(1, 1), tenant="t") == 2
+    store.close()
+
+
+def test_a_batch_names_the_tenant_of_each_new_scope_and_is_refused_whole(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
+    rows = [("a1", "d1", "p", unit(1, 0)), ("b1", "d2", "p", unit(0, 1))]
+    assert store.log_rows(rows, tenants={"a1": "a", "b1": "b"})[0] == [0, 1]
+    with pytest.raises(ScopeLimitReached, match="'a' holds its limit of 1 scopes"):
+        store.log_rows(
+            [("c1", "d3", "p", unit(1, 1)), ("a2", "d4", "p", unit(1, 1))],
+            tenants={"c1": "c", "a2": "a"},
+        )
+    assert store.head() == 2 and store.scopes_started_by("c") == 0  # all or nothing
+    store.close()
+
+
+def test_tenant_counts_survive_reopening_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "sem"
+    store = SemanticStore(path, max_scopes_per_tenant=2)
+    for i, (scope, tenant) in enumerate((("a1", "a"), ("a2", "a"), ("b1", "b"))):
+        store.append(scope, f"d{i}", "p", unit(1, i), tenant=tenant)
+    store.close()
+    store = SemanticStore(path, max_scopes_per_tenant=2)
+    assert (store.scopes_started_by("a"), store.scopes_started_by("b")) == (2, 1)
+    assert store.append_or_compact("a3", "d3", "p", unit(0, 1), KEEP, "a") is None
+    assert store.append_or_compact("b2", "d4", "p", unit(0, 1), KEEP, "b") == 3
+    store.close()
+
+
+def test_a_scope_compaction_empties_gives_its_place_back_to_its_tenant(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
+    store.append("a1", "gone", "p", unit(1, 0), tenant="a")
+    assert not store.admits_scope("a2", "a")
+    assert store.compact(lambda digest: digest != "gone") == 1
+    assert store.manifest(scope_tag("a1")) is None and store.scopes_started_by("a") == 0
+    assert store.append("a2", "d2", "p", unit(0, 1), tenant="a") == 1
+    store.close()
+
+
+def _forget_tenant_counts(store: SemanticStore) -> None:
+    """Make `store` a log written before the per-tenant counts: no scope's tenant (`o` keys),
+    no tenant's count (`c` keys)."""
+    with store._env.begin(write=True) as txn:  # noqa: SLF001 - the keys an older release lacks
+        keys = [bytes(k) for k in txn.cursor().iternext(values=False)]
+        for key in keys:
+            if key[:1] in (b"o", b"c"):
+                txn.delete(key)
+
+
+def test_scopes_of_a_log_from_before_the_counts_belong_to_no_tenant(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem", max_scopes=3, max_scopes_per_tenant=1)
+    store.append("old-a", "old-a", "p", unit(1, 0), tenant="a")
+    store.append("old-b", "old-b", "p", unit(0, 1), tenant="b")
+    _forget_tenant_counts(store)
+    assert store.scopes_started_by("a") == 0
+    assert store.append("a1", "d1", "p", unit(1, 1), tenant="a") == 2  # old-a is no one's
+    assert store.scope_refusal("b1", "b") == "the log holds its limit of 3 scopes"  # the host's
+    # emptied by compaction, an old scope gives its tenant nothing back (it has none)
+    assert store.compact(lambda digest: digest != "old-a") == 1
+    assert store.scopes_started_by("a") == 1
+    assert store.append("b1", "d2", "p", unit(1, 2), tenant="b") == 3
+    store.close()
+
+
+def test_rows_waiting_for_a_compaction_keep_their_tenant(tmp_path: Path) -> None:
+    """Rows that arrive while a compaction runs wait and are appended after it in batches: the
+    tenant of each still counts, and one refused row costs no other row of its batch."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 * 1024, max_scopes_per_tenant=1)
+    gate = threading.Event()
+
+    def held_exists(digest: str) -> bool:
+        gate.wait(10)  # the compaction checks every row's answer: held here
+        return False
+
+    i = 0
+    while (
+        store.append_or_compact("fill", f"f{i}", "p" * 1000, unit(1, i), held_exists, "f")
+        is not None
+    ):
+        i += 1  # until a compaction starts
+    waiting = [("a1", "a"), ("a2", "a"), ("b1", "b")]  # each passes its check before the wait
+    for n, (scope, tenant) in enumerate(waiting):
+        assert store.append_or_compact(scope, f"w{n}", "p", unit(1, n), held_exists, tenant) is None
+    gate.set()
+    assert store.wait_compacted()
+    assert {r.digest for r in store.rows_since(0)} == {f"f{i}", "w0", "w2"}  # f{i} waited too
+    assert (store.scopes_started_by("a"), store.scopes_started_by("b")) == (1, 1)
+    assert store.scopes_refused == 1
+    store.close()
+
+
+class _FakeStream:
+    """The Redis calls RowFollower makes, over one stream of fixed entries (no server needed)."""
+
+    def __init__(self, key: str, entries: list[dict[str, bytes]]) -> None:
+        self.key = key
+        self.entries = [(f"{i + 1}-0", fields) for i, fields in enumerate(entries)]
+
+    def ping(self) -> bool:
+        return True
+
+    def exists(self, key: str) -> int:
+        return int(key == self.key)
+
+    def xinfo_stream(self, key: str) -> dict[str, bytes]:
+        return {"last-generated-id": self.entries[-1][0].encode()}
+
+    def xread(self, streams: dict[str, str], count: int, block: int) -> list[Any]:
+        after = tuple(int(part) for part in streams[self.key].split("-"))
+        new = [
+            (ident.encode(), {name.encode(): value for name, value in fields.items()})
+            for ident, fields in self.entries
+            if tuple(int(part) for part in ident.split("-")) > after
+        ][:count]
+        if not new:
+            threading.Event().wait(block / 1000)  # as XREAD BLOCK on an idle stream
+        return [[self.key.encode(), new]] if new else []
+
+
+def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
+    tmp_path: Path,
+) -> None:
+    """Rows shared by another replica start scopes under the tenant their answer carries: a
+    tenant past its cap is refused (counted, never an error) and another tenant's row of the
+    same batch is still indexed."""
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
+    secret = b"s" * 32
+    key = "t:" + STREAM
+
+    def shared(scope: str, digest: str, tenant: str, vector: np.ndarray) -> dict[str, bytes]:
+        entry = CacheEntry("", created_s=time.time() - 1, tenant_scope=tenant)
+        row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
+        signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+        return sign_fields(signer, key, row.to_fields())
+
+    stream = _FakeStream(
+        key,
+        [
+            shared("a1", "d1", "tenant-a", unit(1, 0)),
+            shared("a2", "d2", "tenant-a", unit(0, 1)),
+            shared("b1", "d3", "tenant-b", unit(1, 1)),
+        ],
+    )
+    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    follower = RowFollower(
+        link, store, InvalidationTable(), lock_path=tmp_path / "follower.lock", retry_s=0.05
+    ).start()
+    try:
+        assert follower.wait_caught_up(30)
+    finally:
+        follower.close()
+    stats = follower.stats()
+    assert (stats.read, stats.added, stats.forged, stats.last_id) == (3, 2, 0, "3-0")
+    assert {r.digest for r in store.rows_since(0)} == {"d1", "d3"}
+    assert (store.scopes_started_by("tenant-a"), store.scopes_started_by("tenant-b")) == (1, 1)
+    assert store.scopes_started_by("") == 0 and store.scopes_refused == 1
     store.close()
 
 

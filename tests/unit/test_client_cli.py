@@ -191,6 +191,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self) -> None:
         self.requests: list[dict[str, tuple[str, list[int]]]] = []
         self.admin_calls: list[dict[str, Any]] = []
+        self.stream_headers: list[dict[str, str]] = []
 
     def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -264,6 +265,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
     def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Iterator[Any]:
+        self.stream_headers.append(dict(context.invocation_metadata()))
         for req in request_iterator:
             self.requests.append({i.name: (i.datatype, list(i.shape)) for i in req.inputs})
             names = [i.name for i in req.inputs]
@@ -702,3 +704,19 @@ def test_health_when_the_repository_index_is_restricted() -> None:
             }
     finally:
         server.stop(grace=None)
+
+
+def test_an_api_key_goes_as_the_authorization_header(
+    fake_server: tuple[str, _FakeTriton], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, fake = fake_server
+    with TierCacheClient(url, timeout_s=5, api_key="tc_secret") as client:
+        client.generate_text("hello")
+    assert fake.stream_headers[-1]["authorization"] == "Bearer tc_secret"
+    with TierCacheClient(url, timeout_s=5) as client:
+        client.generate_text("hello")
+    assert "authorization" not in fake.stream_headers[-1]
+    key_file = tmp_path / "key"
+    key_file.write_text("tc_from_file\n")
+    assert main(["generate", "hello", "--url", url, "--api-key-file", str(key_file)]) == 0
+    assert fake.stream_headers[-1]["authorization"] == "Bearer tc_from_file"

@@ -14,7 +14,7 @@ from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA, EngineLora
 from tiercache.engine.trtllm_client import request_lora_from_arrays
 from tiercache.stages.llm import PEFT_LORA, TRT_LORA, LlmInput, LlmStage, is_hit, open_llm
-from tiercache.stages.seal import Part, float_bytes
+from tiercache.stages.seal import Part, answer_tensors
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -67,12 +67,7 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     cached_text = inputs.string("CACHED_TEXT") or ""
     similarity = inputs.number("SIMILARITY")
     vector = inputs.vector("EMBEDDING")
-    answer = {
-        "ANSWER_TEXT": cached_text,
-        "ANSWER_STATUS": status,
-        "SIMILARITY": float_bytes(similarity),
-        "EMBEDDING": vector,
-    }
+    answer = answer_tensors(cached_text, status, similarity, vector)
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
         return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import lmdb
 import numpy as np
 
-from tiercache.semantic.row_log import RowLog
+from tiercache.semantic.row_log import RowLog, ScopeLimitReached
 from tiercache.semantic.shared_rows import ScopeTables
 
 log = logging.getLogger(__name__)
@@ -31,15 +32,22 @@ _APPEND_BATCH = 16  # rows that waited for a compaction, appended per transactio
 Row = tuple[str, str, str, np.ndarray]
 """(scope, answer digest, normalized prompt, vector): a row to append, before it has a seq."""
 
-AppendMany = Callable[[list[Row]], list[int]]
-"""Append rows to the log and publish them to their tables (`SemanticStore.append_many`)."""
+
+class AppendMany(Protocol):
+    """Append rows to the log and publish them to their tables (`SemanticStore.append_many`;
+    `tenants`: the tenant scope of each new scope, by scope)."""
+
+    def __call__(
+        self, rows: list[Row], *, tenants: Mapping[str, str] | None = None
+    ) -> list[int]: ...
 
 
 class Compactor:
     """Compaction of one row log and its tables, on at most one background thread per process.
 
-    Rows that find the log full (or being compacted) wait in a bounded list and are appended,
-    through `append_many`, after the compaction."""
+    Rows that find the log full (or being compacted) wait in a bounded list, with their
+    tenant scope (so a row that starts a scope still counts toward its tenant's cap), and are
+    appended, through `append_many`, after the compaction."""
 
     def __init__(
         self, row_log: RowLog, tables: ScopeTables, append_many: AppendMany, max_bytes: int
@@ -51,11 +59,14 @@ class Compactor:
         # Rows that find the log full meanwhile wait for the compaction in `_pending`
         # (bounded) and are appended after it.
         self._lock = threading.Lock()
-        self._pending: list[Row] = []
+        self._pending: list[tuple[Row, str]] = []  # (row, tenant scope)
         self._thread: threading.Thread | None = None
 
-    def append_or_compact(self, row: Row, answer_exists: Callable[[str], bool]) -> int | None:
+    def append_or_compact(
+        self, row: Row, answer_exists: Callable[[str], bool], tenant: str = ""
+    ) -> int | None:
         """Append and return the row's seq; None when the log is full or being compacted.
+        `tenant` is the tenant scope the row starts its scope for, if the scope is new.
         Once the log's data pages pass `_COMPACT_AT_FRACTION` of its map (or it is full), a
         background compaction starts (one per process): rows whose answer is gone are
         dropped (else the oldest tenth) and the touched scopes' tables rewritten. Rows that
@@ -67,18 +78,18 @@ class Compactor:
         with self._lock:
             if self._thread is not None:
                 if len(self._pending) < _MAX_PENDING:
-                    self._pending.append(row)
+                    self._pending.append((row, tenant))
                 return None
         seq: int | None = None
         try:
-            seq = self._append_many([row])[0]
+            seq = self._append_many([row], tenants={row[0]: tenant})[0]
         except lmdb.MapFullError:
             pass
         if seq is not None and self._log.data_bytes() < self._compact_at_bytes:
             return seq
         with self._lock:
             if seq is None and len(self._pending) < _MAX_PENDING:
-                self._pending.append(row)
+                self._pending.append((row, tenant))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._compact_then_append,
@@ -115,17 +126,53 @@ class Compactor:
                     batch = self._pending[:_APPEND_BATCH]
                     del self._pending[: len(batch)]
                 try:
-                    self._append_many(batch)
+                    left = self._append_batch(batch)
                 except lmdb.MapFullError:
-                    with self._lock:
-                        self._pending[:0] = batch
-                    break  # full again: another round
+                    left = batch
                 except Exception:  # noqa: BLE001 - rows lost: fewer semantic hits, logged
                     log.exception("appending %d rows after compaction failed", len(batch))
+                    continue
+                if left:
+                    with self._lock:
+                        self._pending[:0] = left
+                    break  # full again: another round
         with self._lock:
             dropped, self._pending = len(self._pending), []
             self._thread = None
         log.warning("semantic log still full after compaction: %d rows not indexed", dropped)
+
+    def _append_batch(self, batch: list[tuple[Row, str]]) -> list[tuple[Row, str]]:
+        """Append rows that waited; the ones left when the log filled up again. A batch with a
+        row whose new scope a cap refuses (its tenant took its last place meanwhile) goes row
+        by row, the refused rows counted (`note_scope_refused`), so they cost no other row."""
+        try:
+            self._append_many([row for row, _ in batch], tenants={r[0]: t for r, t in batch})
+            return []
+        except ScopeLimitReached:
+            pass
+        for i, (row, tenant) in enumerate(batch):
+            try:
+                self._append_many([row], tenants={row[0]: tenant})
+            except ScopeLimitReached as exc:
+                self._log.note_scope_refused(exc.reason)
+            except lmdb.MapFullError:
+                return batch[i:]
+        return []
+
+    def _delete(self, rows: list[tuple[int, tuple[str, str] | None]]) -> tuple[int, set[str]]:
+        """`RowLog.delete_compacted`, in halves when the map lacks the free pages one
+        transaction of `rows` copies (its rows' digest keys are spread over the whole log, and
+        which pages are free depends on the log's layout): MapFullError only when a single
+        row cannot be deleted."""
+        try:
+            return self._log.delete_compacted(rows)
+        except lmdb.MapFullError:
+            if len(rows) == 1:
+                raise
+        half = len(rows) // 2
+        first, first_tags = self._delete(rows[:half])
+        second, second_tags = self._delete(rows[half:])
+        return first + second, first_tags | second_tags
 
     def wait(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""
@@ -155,7 +202,7 @@ class Compactor:
         touched: set[str] = set()
         deleted = 0
         for start in range(0, len(dead), _COMPACT_BATCH):
-            count, tags = self._log.delete_compacted(dead[start : start + _COMPACT_BATCH])
+            count, tags = self._delete(dead[start : start + _COMPACT_BATCH])
             deleted += count
             touched |= tags
         for tag in touched:

@@ -13,7 +13,9 @@ Redis carries a copy of each row between hosts:
   host): `XREAD COUNT batch BLOCK short` from the last stream id this host has stored, and the
   rows it lacks go through the normal write path (`SemanticStore.log_rows`, then the scope's
   table), with the new last id written in the same LMDB transaction as the rows. A restart
-  resumes there; a fresh host reads the stream from its start (the catch-up).
+  resumes there; a fresh host reads the stream from its start (the catch-up). A row that starts
+  a scope counts toward its answer's tenant scope (the row's `tenant`): the host's per-tenant
+  cap on scopes holds for shared rows too.
 
 Why a stream: it is an ordered log with ids to resume from, bounded by an approximate MAXLEN
 (the trim works on whole radix-tree nodes, so it is cheap), and a follower reads it in batches
@@ -67,6 +69,7 @@ from tiercache.exact.keys import REDIS_SEMANTIC_ROWS
 from tiercache.exact.redis_tier import RedisLink, Signer
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import InvalidationTable
+from tiercache.semantic.row_log import ScopeLimitReached
 from tiercache.semantic.store import SemanticStore
 
 log = logging.getLogger(__name__)
@@ -417,6 +420,7 @@ class RowFollower:
         counts = dict.fromkeys(self._counts, 0)
         counts["read"] = len(entries)
         rows: list[tuple[str, str, str, np.ndarray]] = []
+        tenants: dict[str, str] = {}  # scope -> the answer's tenant scope (the per-tenant cap)
         now = self._clock()
         for _, fields in entries:
             if not fields_verify(self._signer, self.key, fields):
@@ -440,8 +444,9 @@ class RowFollower:
                 counts["dead"] += 1
             else:
                 rows.append((row.scope, row.digest, row.prompt, row.vector))
+                tenants[row.scope] = row.tenant
         last_id = entries[-1][0]
-        added = self._append(rows, {self._meta_key: last_id.encode()})
+        added = self._append(rows, {self._meta_key: last_id.encode()}, tenants)
         counts["added"] = added
         counts["duplicate"] = len(rows) - added
         self._last_id = last_id
@@ -450,35 +455,45 @@ class RowFollower:
                 self._counts[name] += value
 
     def _append(
-        self, rows: list[tuple[str, str, str, np.ndarray]], meta: dict[bytes, bytes]
+        self,
+        rows: list[tuple[str, str, str, np.ndarray]],
+        meta: dict[bytes, bytes],
+        tenants: dict[str, str],
     ) -> int:
-        """Rows through the write path (log, then tables); how many were new. A batch the log
-        refuses (a width that differs from the scope's) is retried row by row, skipping those."""
+        """Rows through the write path (log, then tables); how many were new. `tenants` names
+        each row's tenant scope by scope (a new scope counts toward that tenant's cap). A batch
+        the log refuses (a width that differs from the scope's, a new scope past a cap) is
+        retried row by row, skipping those."""
         try:
-            fresh = self._log(rows, meta)
+            fresh = self._log(rows, meta, tenants)
         except ValueError:
             fresh = {}
             for i, row in enumerate(rows):
                 try:
-                    for tag, (seqs, vectors) in self._log([row], {}).items():
+                    for tag, (seqs, vectors) in self._log([row], {}, tenants).items():
                         entry = fresh.setdefault(tag, ([], []))
                         entry[0].extend(seqs)
                         entry[1].extend(vectors)
+                except ScopeLimitReached as exc:  # counted and logged once a minute, as locally
+                    self.store.note_scope_refused(exc.reason)
                 except ValueError as exc:
                     log.warning("skipped semantic row %d of a batch from Redis: %s", i, exc)
-            self._log([], meta)
+            self._log([], meta, {})
         for tag, (seqs, vectors) in fresh.items():
             self.store.tables.publish(tag, seqs, np.stack(vectors))
         return sum(len(seqs) for seqs, _ in fresh.values())
 
     def _log(
-        self, rows: list[tuple[str, str, str, np.ndarray]], meta: dict[bytes, bytes]
+        self,
+        rows: list[tuple[str, str, str, np.ndarray]],
+        meta: dict[bytes, bytes],
+        tenants: dict[str, str],
     ) -> dict[str, tuple[list[int], list[np.ndarray]]]:
         try:
-            return self.store.log_rows(rows, meta)[1]
+            return self.store.log_rows(rows, meta, tenants=tenants)[1]
         except lmdb.MapFullError:
             self.store.compact(self._answer_exists)
-            return self.store.log_rows(rows, meta)[1]
+            return self.store.log_rows(rows, meta, tenants=tenants)[1]
 
     def _describe(self) -> str:
         with self._stats_lock:

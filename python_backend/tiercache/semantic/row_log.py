@@ -7,6 +7,10 @@ also keeps the scope's live rows in seq order, one row per answer digest, the ro
 that were invalidated, and the manifest of the scope's current shared table (`TableManifest`).
 Writers serialize on LMDB's write lock across processes.
 
+Scopes are capped per host and per tenant (`RowLog`): each scope records the tenant scope that
+started it, and each tenant its count of scopes, both written in the transaction that writes the
+scope's first manifest, so the per-tenant check reads one key instead of walking the log.
+
 It is the lowest layer of the semantic index and imports none of the others: the shared tables
 that copy its vectors (`shared_rows`), compaction (`compaction`), the store that writes both
 (`store`) and the search (`index`) all read it.
@@ -21,7 +25,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,9 @@ INITIAL_CAPACITY = 16  # rows; a scope's first table (its manifest written with 
 # Scopes one host's log holds at most. Each scope is a table file that every process searching
 # it maps (one mmap each): about 65k would exhaust the default vm.max_map_count of 65,530.
 DEFAULT_MAX_SCOPES = 4096
+# Scopes one tenant scope may start on a host: scopes differ by model, adapter, sampling
+# parameters and max_tokens, so one tenant alone could otherwise take every place of the host.
+DEFAULT_MAX_SCOPES_PER_TENANT = 256
 MAX_VECTOR_FLOATS = 1 << 16  # the widest row a shared table holds (tiercache_native)
 NORM_TOLERANCE = 1e-3  # |norm - 1| a written vector may have: the search is a dot product
 _REFUSED_LOG_INTERVAL_S = 60.0
@@ -71,7 +78,12 @@ class InvalidVector(ValueError):
 
 
 class ScopeLimitReached(ValueError):
-    """A row of a new scope refused because the log already holds `max_scopes` scopes."""
+    """A row of a new scope refused because the log already holds `max_scopes` scopes, or its
+    tenant has started `max_scopes_per_tenant` of them (`reason` says which)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}; a row of a new scope is not indexed")
+        self.reason = reason
 
 
 def check_vector(vector: np.ndarray, dimensions: int | None = None) -> np.ndarray:
@@ -139,6 +151,8 @@ _MANIFEST = b"t"  # t<tag>: the scope's current table (TableManifest)
 _FORGOTTEN = b"f"  # f<tag><digest>: seqs (8 bytes each) of the digest's invalidated rows
 _LOG_ID_KEY = b"meta:log"
 _META_PREFIX = b"meta:"  # the log's own values (not rows); see log_rows(meta=...)
+_OWNER = b"o"  # o<tag>: the tag (`scope_tag`) of the tenant scope that started the scope
+_TENANT_SCOPES = b"c"  # c<tenant tag>: how many scopes the tenant started (`o` keys naming it)
 _MANIFEST_HEAD = struct.Struct("<QIQ")  # epoch, width, capacity; then the scope, UTF-8
 
 
@@ -151,14 +165,28 @@ def _tag_bytes(scope: str) -> bytes:
     return bytes.fromhex(scope_tag(scope))
 
 
+def _count(raw: bytes | None) -> int:
+    return int.from_bytes(raw, "big") if raw else 0
+
+
 class RowLog:
     """The host's semantic rows in an append-only LMDB log at `path` (see the module docstring).
     Every method is one LMDB transaction, safe from any thread and process.
 
     Every vector written is checked (`check_vector`; `dimensions` when given), and the log
-    holds at most `max_scopes` scopes: a row that would start one more is refused
-    (`ScopeLimitReached`; `SemanticStore.append_or_compact` counts it in `scopes_refused`
-    instead), never an existing scope's row."""
+    holds at most `max_scopes` scopes, of which one tenant scope may start at most
+    `max_scopes_per_tenant` (scopes differ by model, adapter, sampling parameters and
+    max_tokens, so one tenant could otherwise take every place and starve the others): a row
+    that would start one more is refused (`ScopeLimitReached`;
+    `SemanticStore.append_or_compact` counts it in `scopes_refused` instead), never an existing
+    scope's row, whoever's it is.
+
+    A row names the tenant scope that would start its scope (`log_rows(tenants=...)`; "" for
+    none: such rows count under the tenant ""). The log keeps each tenant's count in one key,
+    updated in the transaction that writes a scope's first manifest (and lowered when an empty
+    scope's manifest is dropped), so the check reads one key. Scopes of a log written before
+    the counts existed belong to no tenant: they count toward `max_scopes` only, and are not
+    migrated."""
 
     def __init__(
         self,
@@ -168,12 +196,18 @@ class RowLog:
         *,
         dimensions: int | None = None,
         max_scopes: int = DEFAULT_MAX_SCOPES,
+        max_scopes_per_tenant: int = DEFAULT_MAX_SCOPES_PER_TENANT,
     ) -> None:
         if max_scopes < 1:
             raise ValueError(f"max_scopes must be at least 1, got {max_scopes}")
+        if max_scopes_per_tenant < 1:
+            raise ValueError(
+                f"max_scopes_per_tenant must be at least 1, got {max_scopes_per_tenant}"
+            )
         self.path = path
         self.dimensions = dimensions
         self.max_scopes = max_scopes
+        self.max_scopes_per_tenant = max_scopes_per_tenant
         self.scopes_refused = 0
         self._refused_lock = threading.Lock()
         self._refused_logged_s = -_REFUSED_LOG_INTERVAL_S
@@ -196,18 +230,23 @@ class RowLog:
         """Free reader slots of dead processes (done at open too); how many."""
         return check_readers(self._env, "semantic row log", self.path)
 
-    def admits_scope(self, scope: str) -> bool:
-        """Whether a row of `scope` would be taken: the scope exists, or the log holds fewer
-        than `max_scopes` scopes. (Another process may take the last place meanwhile:
-        `log_rows` checks again.)"""
+    def admits_scope(self, scope: str, tenant: str = "") -> bool:
+        """Whether a row of `scope` would be taken (`scope_refusal` is None)."""
+        return self.scope_refusal(scope, tenant) is None
+
+    def scope_refusal(self, scope: str, tenant: str = "") -> str | None:
+        """None when a row of `scope` would be taken: the scope exists, or the log holds fewer
+        than `max_scopes` scopes and `tenant` (the tenant scope that would start it) has
+        started fewer than `max_scopes_per_tenant`; else why not. (Another process may take
+        the last place meanwhile: `log_rows` checks again.)"""
         with self._env.begin() as txn:
             if self._manifest(txn, _tag_bytes(scope)) is not None:
-                return True
-            return self._count_scopes(txn, self.max_scopes) < self.max_scopes
+                return None
+            return self._new_scope_refusal(txn, tenant)
 
-    def note_scope_refused(self) -> None:
-        """Count a row not indexed because its new scope would pass `max_scopes`; logged at
-        most once a minute."""
+    def note_scope_refused(self, reason: str) -> None:
+        """Count a row not indexed because its new scope would pass a cap (`reason`, from
+        `scope_refusal` or `ScopeLimitReached.reason`); logged at most once a minute."""
         with self._refused_lock:
             self.scopes_refused += 1
             now = time.monotonic()
@@ -216,12 +255,49 @@ class RowLog:
             self._refused_logged_s = now
             refused = self.scopes_refused
         log.warning(
-            "the semantic log %s holds its limit of %d scopes: rows of new scopes are not "
-            "indexed (%d so far)",
+            "semantic log %s: %s; rows of new scopes past it are not indexed (%d so far, "
+            "logged at most once a minute)",
             self.path,
-            self.max_scopes,
+            reason,
             refused,
         )
+
+    def scopes_started_by(self, tenant: str) -> int:
+        """How many scopes of the log `tenant` started (scopes from before the counts existed
+        belong to no tenant)."""
+        with self._env.begin() as txn:
+            return _count(txn.get(_TENANT_SCOPES + _tag_bytes(tenant)))
+
+    def _new_scope_refusal(self, txn: Any, tenant: str) -> str | None:
+        """Why a new scope started by `tenant` would pass a cap, or None."""
+        if _count(txn.get(_TENANT_SCOPES + _tag_bytes(tenant))) >= self.max_scopes_per_tenant:
+            return (
+                f"tenant scope {tenant[:8]!r} holds its limit of {self.max_scopes_per_tenant} "
+                "scopes on this host"
+            )
+        if self._count_scopes(txn, self.max_scopes) >= self.max_scopes:
+            return f"the log holds its limit of {self.max_scopes} scopes"
+        return None
+
+    @staticmethod
+    def _start_scope(txn: Any, tag: bytes, manifest: TableManifest, tenant: str) -> None:
+        """Write a new scope's manifest, its tenant and the tenant's count, in `txn`."""
+        tenant_tag = _tag_bytes(tenant)
+        count_key = _TENANT_SCOPES + tenant_tag
+        txn.put(_MANIFEST + tag, _encode_manifest(manifest))
+        txn.put(_OWNER + tag, tenant_tag)
+        txn.put(count_key, (_count(txn.get(count_key)) + 1).to_bytes(8, "big"))
+
+    @staticmethod
+    def _end_scope(txn: Any, tag: bytes) -> None:
+        """Give the place of a scope whose manifest was dropped back to its tenant, in `txn`
+        (a scope from before the counts has no tenant: nothing to give back)."""
+        tenant_tag = txn.get(_OWNER + tag)
+        if tenant_tag is None:
+            return
+        txn.delete(_OWNER + tag)
+        count_key = _TENANT_SCOPES + bytes(tenant_tag)
+        txn.put(count_key, max(0, _count(txn.get(count_key)) - 1).to_bytes(8, "big"))
 
     @staticmethod
     def _count_scopes(txn: Any, stop_at: int) -> int:
@@ -282,13 +358,18 @@ class RowLog:
         self,
         rows: list[tuple[str, str, str, np.ndarray]],
         meta: dict[bytes, bytes] | None = None,
+        *,
+        tenants: Mapping[str, str] | None = None,
     ) -> tuple[list[int], dict[str, tuple[list[int], list[np.ndarray]]]]:
         """The log half of `SemanticStore.append_many`: the seqs, and the new rows by scope tag,
         to publish. `meta` (keys under `meta:`) is written in the same transaction as the rows:
         a reader of a shared stream records how far it has read together with what it read.
+        `tenants` names, by scope, the tenant scope a row of a new scope starts it for (the
+        scope's tenant; a scope not named: ""); it matters only for scopes not yet in the log.
 
         All or nothing: InvalidVector for a vector `check_vector` refuses, ScopeLimitReached
-        for a row that would start a scope past `max_scopes` (both ValueError)."""
+        for a row that would start a scope past `max_scopes` or past its tenant's
+        `max_scopes_per_tenant` (both ValueError)."""
         seqs: list[int] = []
         fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
         rows = [
@@ -311,13 +392,12 @@ class RowLog:
                     continue
                 manifest = self._manifest(txn, tag)
                 if manifest is None:
-                    if self._count_scopes(txn, self.max_scopes) >= self.max_scopes:
-                        raise ScopeLimitReached(
-                            f"the log holds its limit of {self.max_scopes} scopes; a row of a "
-                            "new scope is not indexed"
-                        )
+                    tenant = (tenants or {}).get(scope, "")
+                    refusal = self._new_scope_refusal(txn, tenant)
+                    if refusal is not None:
+                        raise ScopeLimitReached(refusal)
                     manifest = TableManifest(scope, 0, len(vector), INITIAL_CAPACITY)
-                    txn.put(_MANIFEST + tag, _encode_manifest(manifest))
+                    self._start_scope(txn, tag, manifest, tenant)
                 elif manifest.width != len(vector):
                     raise ValueError(
                         f"a vector of {len(vector)} floats for a scope of {manifest.width}"
@@ -438,14 +518,18 @@ class RowLog:
         return TableManifest(bytes(raw[_MANIFEST_HEAD.size :]).decode(), epoch, width, capacity)
 
     def drop_manifest_if_empty(self, tag: str) -> bool:
-        """Forget an empty scope's table (its manifest), in the transaction that sees it empty:
-        a row appended after it starts the scope again with a new table."""
+        """Forget an empty scope's table (its manifest), in the transaction that sees it empty,
+        and give its place back to its tenant: a row appended after it starts the scope again
+        with a new table (and counts again)."""
         key = bytes.fromhex(tag)
         with self._env.begin(write=True) as txn:
             raw = txn.get(_LIVE + key)
             if raw and int.from_bytes(raw, "big"):
                 return False
-            return bool(txn.delete(_MANIFEST + key))
+            if not txn.delete(_MANIFEST + key):
+                return False
+            self._end_scope(txn, key)
+            return True
 
     def set_manifest(self, tag: str, manifest: TableManifest) -> None:
         with self._env.begin(write=True) as txn:

@@ -10,13 +10,19 @@ catching up on the log (`tiercache.semantic.index`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from tiercache.semantic.compaction import Compactor, Row
-from tiercache.semantic.row_log import DEFAULT_MAX_SCOPES, RowLog, ScopeLimitReached, check_vector
+from tiercache.semantic.row_log import (
+    DEFAULT_MAX_SCOPES,
+    DEFAULT_MAX_SCOPES_PER_TENANT,
+    RowLog,
+    ScopeLimitReached,
+    check_vector,
+)
 from tiercache.semantic.shared_rows import ScopeTables
 
 
@@ -32,8 +38,11 @@ class SemanticStore(RowLog):
 
     Vectors are checked before they are written (`check_vector`: width, finite values, unit
     norm; InvalidVector otherwise), and the host holds at most `max_scopes` scopes (one table
-    file, so one mmap per process that searches it, each): a row of a new scope past that is
-    not indexed (`append_or_compact` returns None, counted in `scopes_refused`)."""
+    file, so one mmap per process that searches it, each), of which each tenant scope starts at
+    most `max_scopes_per_tenant` (so one tenant cannot take every place): a row of a new scope
+    past either is not indexed (`append_or_compact` returns None, counted in
+    `scopes_refused`). A writer names the row's tenant scope (`tenant`, `tenants`); rows
+    without one count under the tenant ""."""
 
     def __init__(
         self,
@@ -44,19 +53,32 @@ class SemanticStore(RowLog):
         *,
         dimensions: int | None = None,
         max_scopes: int = DEFAULT_MAX_SCOPES,
+        max_scopes_per_tenant: int = DEFAULT_MAX_SCOPES_PER_TENANT,
     ) -> None:
-        super().__init__(path, max_bytes, clock, dimensions=dimensions, max_scopes=max_scopes)
+        super().__init__(
+            path,
+            max_bytes,
+            clock,
+            dimensions=dimensions,
+            max_scopes=max_scopes,
+            max_scopes_per_tenant=max_scopes_per_tenant,
+        )
         self.tables = ScopeTables(self, tables_path or path / "tables")
         self._compactor = Compactor(self, self.tables, self.append_many, max_bytes)
 
-    def append(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
-        return self.append_many([(scope, digest, prompt, vector)])[0]
+    def append(
+        self, scope: str, digest: str, prompt: str, vector: np.ndarray, tenant: str = ""
+    ) -> int:
+        return self.append_many([(scope, digest, prompt, vector)], tenants={scope: tenant})[0]
 
-    def append_many(self, rows: list[Row]) -> list[int]:
+    def append_many(
+        self, rows: list[Row], *, tenants: Mapping[str, str] | None = None
+    ) -> list[int]:
         """Append (scope, digest, prompt, vector) rows in one transaction (one fsync), then
         publish them to their scopes' tables. A digest the scope already has keeps its row
-        (the returned seq is that row's)."""
-        seqs, fresh = self.log_rows(rows)
+        (the returned seq is that row's). `tenants`: the tenant scope of each scope a row
+        starts, by scope (`RowLog.log_rows`); ScopeLimitReached past a cap, nothing written."""
+        seqs, fresh = self.log_rows(rows, tenants=tenants)
         for tag, (new_seqs, vectors) in fresh.items():
             self.tables.publish(tag, new_seqs, np.stack(vectors))
         return seqs
@@ -68,21 +90,27 @@ class SemanticStore(RowLog):
         prompt: str,
         vector: np.ndarray,
         answer_exists: Callable[[str], bool],
+        tenant: str = "",
     ) -> int | None:
         """Append and return the row's seq; None when the log is full or being compacted, in
         which case the row waits for the background compaction this starts and is appended
         after it (`Compactor.append_or_compact`). The caller never waits for a compaction.
-        None too, and the row is dropped, when it would start a scope past `max_scopes` (the
-        answer is served and cached all the same; only reworded requests miss it).
-        InvalidVector for a vector `check_vector` refuses."""
+        None too, and the row is dropped, when it would start a scope past `max_scopes`, or
+        past `max_scopes_per_tenant` for `tenant` (the request's tenant scope; counted in
+        `scopes_refused`, logged at most once a minute; the answer is served and cached all
+        the same, only reworded requests miss it). InvalidVector for a vector `check_vector`
+        refuses."""
         row = check_vector(vector, self.dimensions)
-        if not self.admits_scope(scope):
-            self.note_scope_refused()
+        refusal = self.scope_refusal(scope, tenant)
+        if refusal is not None:
+            self.note_scope_refused(refusal)
             return None
         try:
-            return self._compactor.append_or_compact((scope, digest, prompt, row), answer_exists)
-        except ScopeLimitReached:  # another process took the last place meanwhile
-            self.note_scope_refused()
+            return self._compactor.append_or_compact(
+                (scope, digest, prompt, row), answer_exists, tenant
+            )
+        except ScopeLimitReached as exc:  # another process took the last place meanwhile
+            self.note_scope_refused(exc.reason)
             return None
 
     def wait_compacted(self, timeout_s: float = 60.0) -> bool:

@@ -25,7 +25,7 @@ from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
     Sealer,
-    float_bytes,
+    answer_tensors,
     seal_tensors,
 )
 from tiercache.triton import io
@@ -119,20 +119,10 @@ class EmbeddingCacheStage:
 
 
 def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
-    """The seal over what embedding_cache hands llm: the answer's text, status, similarity (as
-    FP32) and vector. llm checks it with `check_answer` over the tensors it received."""
-    return seal_tensors(
-        sealer,
-        ANSWER_LABEL,
-        ANSWER_TENSORS,
-        {
-            "ANSWER_TEXT": answer.text,
-            "ANSWER_STATUS": answer.status,
-            "SIMILARITY": float_bytes(answer.similarity),
-            "EMBEDDING": None if answer.vector is None else answer.vector.astype(np.float32),
-        },
-        bound=envelope_seal,
-    )
+    """The seal over what embedding_cache hands llm (`answer_tensors`), bound to the envelope's
+    seal; llm checks it over the tensors it received (`LlmStage.received`)."""
+    values = answer_tensors(answer.text, answer.status, answer.similarity, answer.vector)
+    return seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, values, bound=envelope_seal)
 
 
 class EmbedderBls:
@@ -169,6 +159,7 @@ def open_embedding_cache(
                 config.semantic_max_bytes,
                 dimensions=identity.dimensions,
                 max_scopes=config.semantic_max_scopes,
+                max_scopes_per_tenant=config.semantic_max_scopes_per_tenant,
             ),
             identity.dimensions,
             config.flat_max_rows,

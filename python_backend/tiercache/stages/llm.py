@@ -253,6 +253,7 @@ class LlmStage:
             config.semantic_max_bytes,
             dimensions=resolve_embedder(config.embedder)[1].dimensions if config.embedder else None,
             max_scopes=config.semantic_max_scopes,
+            max_scopes_per_tenant=config.semantic_max_scopes_per_tenant,
         )
         # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
         self.padding = padding_policy(config, secret)
@@ -368,17 +369,19 @@ class LlmStage:
     def _index_writer(
         self, envelope: Envelope, vector: np.ndarray | None
     ) -> Callable[[], None] | None:
-        """What to run once the answer is stored: add the prompt's vector to its scope's rows."""
+        """What to run once the answer is stored: add the prompt's vector to its scope's rows.
+        A row that starts a scope counts toward the request's tenant scope (its cap on the
+        host's scopes, `semantic_max_scopes_per_tenant`)."""
         scope, digest = envelope.semantic_scope, envelope.digest
         if not scope or not digest or vector is None or vector.size == 0:
             return None
         row = vector.reshape(-1).astype(np.float32)
-        prompt = envelope.request.prompt
+        prompt, tenant = envelope.request.prompt, envelope.request.tenant_scope
         cache = self.core.cache
         sharing = self.sharing
 
         def write() -> None:
-            self.semantic.append_or_compact(scope, digest, prompt, row, cache.exists)
+            self.semantic.append_or_compact(scope, digest, prompt, row, cache.exists, tenant)
             if sharing is not None:  # then to the other replicas, through Redis
                 sharing.publish(scope, digest, prompt, row)
 

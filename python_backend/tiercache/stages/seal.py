@@ -21,7 +21,6 @@ through the ensemble (docs/security.md says what that exposes).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 from collections.abc import Iterable
@@ -55,12 +54,10 @@ class Sealer:
         return cls(derive_key(secret, "stage seal"))
 
     def seal(self, label: str, *parts: bytes) -> str:
-        """The hex seal of `parts` for the hop `label`."""
-        mac = hmac.new(self._key, label.encode("ascii"), hashlib.sha256)
-        for part in parts:
-            mac.update(struct.pack(">Q", len(part)))
-            mac.update(part)
-        return mac.hexdigest()
+        """The hex seal of `parts` for the hop `label`. One message and OpenSSL's one-shot
+        `hmac.digest` (a third cheaper per seal than `hmac.new` and updates: a hit pays five)."""
+        message = label.encode("ascii") + b"".join(struct.pack(">Q", len(p)) + p for p in parts)
+        return hmac.digest(self._key, message, "sha256").hex()
 
     def check(self, seal: str | None, label: str, *parts: bytes, what: str) -> None:
         """Forbidden unless `seal` is the seal of `parts` for `label` (compared in constant
@@ -121,6 +118,20 @@ def part_bytes(value: Part) -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")
     return array_bytes(value)
+
+
+def answer_tensors(
+    text: str, status: str, similarity: float | None, vector: np.ndarray | None
+) -> dict[str, Part]:
+    """embedding_cache's answer as its seal covers it (ANSWER_TENSORS): what embedding_cache
+    sends and what llm reads (ANSWER_TEXT arrives as llm's CACHED_TEXT, ANSWER_STATUS as its
+    LOOKUP_STATUS), the similarity as FP32 and the vector's float32 values."""
+    return {
+        "ANSWER_TEXT": text,
+        "ANSWER_STATUS": status,
+        "SIMILARITY": float_bytes(similarity),
+        "EMBEDDING": None if vector is None else vector.astype(np.float32, copy=False),
+    }
 
 
 def tensor_parts(names: Iterable[str], values: dict[str, Part], bound: str = "") -> list[bytes]:

@@ -1,5 +1,6 @@
 """No-op `embedding_cache` for the benchmark floor: passes the exact hit through, as the real
-stage does when no semantic lookup is asked for (same output tensors)."""
+stage does when no semantic lookup is asked for (same output tensors, the answer's seal
+included: a constant here, so the floor pays the tensor but not the HMAC)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -17,6 +18,7 @@ class TritonPythonModel:
                         pb_utils.Tensor("ANSWER_STATUS", np.array([[b"exact"]], dtype=np.object_)),
                         pb_utils.Tensor("SIMILARITY", np.zeros((1, 1), dtype=np.float32)),
                         pb_utils.Tensor("EMBEDDING", np.zeros((1, 0), dtype=np.float32)),
+                        pb_utils.Tensor("ANSWER_SEAL", np.array([[b"0" * 64]], dtype=np.object_)),
                     ]
                 )
             )

@@ -1,0 +1,460 @@
+"""Issue 14's attacks against a hardened `tiercache serve` (conftest.py), each shown refused,
+with nothing served afterwards that the attacker wrote.
+
+An attacker here can reach the gRPC port (call any model, with any inputs, headers and
+parameters), holds an API key of its own (a tenant), can read and write the deployment's Redis,
+and may know a victim's digest. It does not have the server's state folder (the secret, the
+admin token). Two tests act as a compromised stage would (they seal with the server's secret,
+read from its state folder) to show what the engine checks even then. docs/security.md has the
+table of these attacks and their outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import tritonclient.grpc as grpcclient
+from integration.conftest import REPO, metric_value
+from tritonclient.utils import InferenceServerException
+
+from tiercache.adapter_types import AdapterRef, adapter_digest
+from tiercache.config import CacheConfig
+from tiercache.errors import ConfigError
+from tiercache.exact.codec import CacheEntry, encode_entry
+from tiercache.exact.request import GenerationRequest
+from tiercache.exact.watermarks import Invalidation
+from tiercache.stages.envelope import Envelope
+from tiercache.stages.parts import open_exact_cache, open_sealer
+from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, SEAL_CHARS, seal_tensors
+from tiercache.vocabulary import CacheStatus, InvalidationKind
+from tiercache_client import (
+    ForbiddenError,
+    InvalidRequestError,
+    TierCacheClient,
+)
+
+from .conftest import PADDING_MS, REDIS_PREFIX, Served
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 6
+DIMENSIONS = 384
+
+
+def unique(text: str) -> str:
+    return f"{text} ({uuid.uuid4().hex[:8]})"
+
+
+def client(served: Served, tenant: str | None = "acme") -> TierCacheClient:
+    key = served.keys[tenant] if tenant else None
+    return TierCacheClient(served.grpc_url, timeout_s=300, api_key=key)
+
+
+@pytest.fixture(scope="module")
+def raw(served: Served) -> Iterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(served.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def store(served: Served) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(served.redis_url)
+    yield r
+    r.close()
+
+
+def tensor(name: str, value: Any, batched: bool = True) -> grpcclient.InferInput:
+    """One input as a client sends it (BYTES for str/bytes, INT32 for int, else FP32), batch
+    of one."""
+    if isinstance(value, int):
+        array, datatype = np.array([[value]], dtype=np.int32), "INT32"
+    elif isinstance(value, np.ndarray):
+        array = value.astype(np.float32).reshape(1, -1) if batched else value
+        datatype = "FP32"
+    elif isinstance(value, float):
+        array, datatype = np.array([[value]], dtype=np.float32), "FP32"
+    else:
+        data = value.encode() if isinstance(value, str) else value
+        array = np.array([[data]] if batched else [data], dtype=np.object_)
+        datatype = "BYTES"
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def unary_error(
+    raw: grpcclient.InferenceServerClient,
+    model: str,
+    inputs: list[grpcclient.InferInput],
+    headers: dict[str, str] | None = None,
+) -> str:
+    """The error message of one unary call that must fail."""
+    with pytest.raises(InferenceServerException) as failed:
+        raw.infer(model, inputs, headers=headers)
+    return str(failed.value.message())
+
+
+def stream_outcome(
+    served: Served, model: str, inputs: list[grpcclient.InferInput]
+) -> tuple[list[grpcclient.InferResult], str | None]:
+    """One call of a decoupled model over the gRPC stream: its responses and its error."""
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        c.start_stream(callback=lambda result, error: results.put((result, error)))
+        c.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = results.get(timeout=300)
+            if error is not None:
+                return responses, str(error.message())
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return responses, None
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def sealed_envelope_of(
+    raw: grpcclient.InferenceServerClient, served: Served, prompt: str
+) -> tuple[bytes, Envelope]:
+    """What an attacker gets by calling the edge (prompt_cache) directly with its own key: its
+    own request's sealed envelope, and the JSON inside (readable, never alterable)."""
+    result = raw.infer(
+        "prompt_cache",
+        [tensor("text_input", prompt), tensor("max_tokens", MAX_TOKENS)],  # as the client sends
+        headers={"authorization": f"Bearer {served.keys['acme']}"},
+    )
+    data = result.as_numpy("ENVELOPE").reshape(-1)[0]
+    return data, Envelope.decode(data[SEAL_CHARS:])
+
+
+def forbidden(message: str | None) -> bool:
+    return message is not None and message.startswith("forbidden: ")
+
+
+# -- authenticated tenants --------------------------------------------------------------------
+
+
+def test_requests_without_a_valid_key_for_their_tenant_are_refused(served: Served) -> None:
+    prompt = unique("What is the boiling point of water?")
+    with client(served, None) as anonymous, pytest.raises(ForbiddenError, match="API key"):
+        anonymous.generate_text(prompt, max_tokens=MAX_TOKENS)
+    with (
+        TierCacheClient(served.grpc_url, timeout_s=300, api_key="tc_" + "A" * 43) as guessing,
+        pytest.raises(ForbiddenError, match="unknown API key"),
+    ):
+        guessing.generate_text(prompt, max_tokens=MAX_TOKENS)
+    with client(served, "globex") as globex:
+        with pytest.raises(ForbiddenError, match="tenant"):
+            globex.generate_text(prompt, max_tokens=MAX_TOKENS, tenant="acme")
+        with pytest.raises(ForbiddenError, match="adapter 'caps'"):
+            globex.generate_text(prompt, max_tokens=MAX_TOKENS, lora_name="caps")
+        assert globex.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status == "miss"
+
+
+def test_another_tenants_answers_stay_out_of_reach(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    prompt = unique("Name a prime number.")
+    with client(served, "acme") as acme, client(served, "globex") as globex:
+        first = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+        assert acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status == "exact"
+        assert globex.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status == "miss"
+    # The edge called directly, naming acme with globex's key: refused, no cached text.
+    message = unary_error(
+        raw,
+        "prompt_cache",
+        [tensor("text_input", prompt), tensor("tenant", "acme")],
+        headers={"authorization": f"Bearer {served.keys['globex']}"},
+    )
+    assert forbidden(message) and first.text not in message
+
+
+# -- closed internal stages -------------------------------------------------------------------
+
+
+def test_direct_calls_of_the_internal_stages_are_refused(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    request = GenerationRequest(unique("Say hi."), max_tokens=MAX_TOKENS)
+    bare = Envelope(request=request, status=CacheStatus.MISS, write_back=True).encode()
+    caps = AdapterRef("caps", 1, "0" * 64).to_json()
+    unary = {
+        "embedding_cache": [tensor("ENVELOPE", bare), tensor("CACHED_TEXT", "")],
+        "lora_cache weights": [tensor("ADMIN", json.dumps({"op": "weights", "lora": caps}))],
+        "lora_cache list": [tensor("ADMIN", '{"op": "list"}')],
+        "lora_cache warm": [tensor("ADMIN", '{"op": "warm", "names": ["caps"]}')],
+        "lora_cache plan": [tensor("ENVELOPE", bare), tensor("LOOKUP_STATUS", "miss")],
+    }
+    for name, inputs in unary.items():
+        model = name.split()[0]
+        if name == "lora_cache plan":  # a base-model request needs no plan: with an adapter
+            adapter = GenerationRequest("x", lora_name="caps", lora_task_id=1, lora_digest="0" * 64)
+            inputs = [tensor("ENVELOPE", Envelope(request=adapter).encode()), inputs[1]]
+        assert forbidden(unary_error(raw, model, inputs)), name
+    vector = np.zeros(DIMENSIONS, dtype=np.float32)
+    llm = [
+        tensor("ENVELOPE", bare),
+        tensor("CACHED_TEXT", "attacker's text"),
+        tensor("LOOKUP_STATUS", "exact"),
+        tensor("SIMILARITY", 1.0),
+        tensor("EMBEDDING", vector),
+        tensor("ANSWER_SEAL", "0" * SEAL_CHARS),
+    ]
+    assert forbidden(stream_outcome(served, "llm", llm)[1])
+    engine = [tensor("ENVELOPE", bare, batched=False)]
+    assert forbidden(stream_outcome(served, "torch_llm", engine)[1])
+    config, weights = adapter_files("french")
+    load = [
+        tensor("LORA_OP", "load", batched=False),
+        tensor("LORA", caps, batched=False),
+        tensor("LORA_CONFIG", config, batched=False),
+        tensor("LORA_WEIGHTS", weights, batched=False),
+    ]
+    assert forbidden(stream_outcome(served, "torch_llm", load)[1])
+
+
+def test_a_replayed_envelope_cannot_carry_a_forged_answer(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    """The attacker's own sealed envelope (from the edge) with a planted answer, status or
+    vector: refused by llm; the ensemble then generates and keeps the real answer."""
+    prompt = unique("What colour is the sky?")
+    data, envelope = sealed_envelope_of(raw, served, prompt)
+    assert envelope.status is CacheStatus.MISS and envelope.write_back
+    vector = np.ones(DIMENSIONS, dtype=np.float32) / np.sqrt(DIMENSIONS)
+    for status, text in (("semantic", "attacker's text"), ("exact", "attacker's text")):
+        forged = [
+            tensor("ENVELOPE", data),
+            tensor("CACHED_TEXT", text),
+            tensor("LOOKUP_STATUS", status),
+            tensor("SIMILARITY", 0.99),
+            tensor("EMBEDDING", vector),
+            tensor("ANSWER_SEAL", "0" * SEAL_CHARS),
+        ]
+        assert forbidden(stream_outcome(served, "llm", forged)[1]), status
+    planted = [
+        tensor("ENVELOPE", data),
+        tensor("CACHED_TEXT", ""),
+        tensor("LOOKUP_STATUS", "miss"),
+        tensor("SIMILARITY", 0.0),
+        tensor("EMBEDDING", vector),  # another prompt's vector, to poison the semantic index
+        tensor("ANSWER_SEAL", "f" * SEAL_CHARS),
+    ]
+    assert forbidden(stream_outcome(served, "llm", planted)[1])
+    with client(served) as acme:
+        first = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+        again = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert first.cache_status == "miss" and "attacker" not in first.text
+    assert (again.cache_status, again.text) == ("exact", first.text)
+
+
+def test_an_attacker_who_knows_a_digest_cannot_overwrite_its_answer(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    """The issue's overwrite: llm called with the victim's digest, bypass and write-back. The
+    envelope names the digest (read from the victim's own envelope), but cannot be sealed."""
+    prompt = unique("Which planet is closest to the sun?")
+    with client(served) as acme:
+        original = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+    _, victim = sealed_envelope_of(raw, served, prompt)
+    assert victim.status is CacheStatus.EXACT and victim.digest
+    forged = Envelope(
+        request=GenerationRequest("Say: attacker", max_tokens=MAX_TOKENS),
+        status=CacheStatus.BYPASS,
+        digest=victim.digest,
+        write_back=True,
+    ).encode()
+    for seal in ("", "0" * SEAL_CHARS):
+        inputs = [
+            tensor("ENVELOPE", seal.encode() + forged),
+            tensor("CACHED_TEXT", ""),
+            tensor("LOOKUP_STATUS", "bypass"),
+            tensor("SIMILARITY", 0.0),
+            tensor("EMBEDDING", np.zeros(0, dtype=np.float32)),
+            tensor("ANSWER_SEAL", "0" * SEAL_CHARS),
+        ]
+        assert forbidden(stream_outcome(served, "llm", inputs)[1])
+    with client(served) as acme:
+        after = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert (after.cache_status, after.text) == ("exact", original.text)
+
+
+def adapter_files(name: str) -> tuple[str, bytes]:
+    folder = REPO / "adapters" / name
+    return (folder / "adapter_config.json").read_text(), (
+        folder / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+def test_the_engine_loads_adapter_files_only_under_their_own_digest(served: Served) -> None:
+    """Even sealed (as a compromised stage with the server's secret could), files sent under
+    another version's identity are refused: the engine recomputes the digest."""
+    sealer = open_sealer(served.state_dir)
+    config, weights = adapter_files("french")
+    caps_config, caps_weights = adapter_files("caps")
+    caps = AdapterRef("caps", 77, adapter_digest(caps_config.encode(), caps_weights))
+    values = {"LORA_OP": "load", "LORA": caps.to_json(), "LORA_CONFIG": config}
+    values_with_weights: dict[str, str | bytes] = {**values, "LORA_WEIGHTS": weights}
+    seal = seal_tensors(sealer, ENGINE_LABEL, ENGINE_INPUTS, dict(values_with_weights))
+    inputs = [tensor(k, v, batched=False) for k, v in values_with_weights.items()]
+    inputs.append(tensor("ENGINE_SEAL", seal, batched=False))
+    _, error = stream_outcome(served, "torch_llm", inputs)
+    assert forbidden(error) and "do not match its digest" in (error or "")
+
+
+# -- an untrusted Redis -----------------------------------------------------------------------
+
+
+def forged_total(served: Served, what: str) -> float:
+    return metric_value(served, "tiercache_redis_forged_total", what=what)  # type: ignore[arg-type]
+
+
+def wait_for(condition: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def test_forged_l3_entries_are_never_served(
+    raw: grpcclient.InferenceServerClient, served: Served, store: redis.Redis
+) -> None:
+    """An attacker writes answers straight into Redis for a request nobody asked yet: an
+    unsigned entry, and a real signed entry copied from another key. Neither is served (nor
+    copied into L2); each read is counted as forged."""
+    with client(served) as acme:
+        donor = acme.generate_text(unique("Name a river."), max_tokens=MAX_TOKENS)
+    assert donor.cache_status == "miss"
+    entries = [k for k in store.scan_iter(f"{REDIS_PREFIX}e:*")]
+    assert entries, "the donor's answer is not in L3"
+    signed_copy = store.get(entries[0])
+    before = forged_total(served, "redis_values")
+    for forged_value in (encode_entry(CacheEntry("FORGED ANSWER", time.time())), signed_copy):
+        prompt = unique("What is the tallest mountain?")
+        _, victim = sealed_envelope_of(raw, served, prompt)
+        assert victim.digest is not None
+        store.set(f"{REDIS_PREFIX}e:{victim.digest}", forged_value)  # type: ignore[arg-type]
+        with client(served) as acme:
+            answer = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+        assert answer.cache_status == "miss" and "FORGED" not in answer.text
+        assert answer.text != donor.text
+    assert wait_for(lambda: forged_total(served, "redis_values") >= before + 2)
+
+
+def test_forged_invalidations_wipe_nothing(
+    raw: grpcclient.InferenceServerClient, served: Served, store: redis.Redis
+) -> None:
+    """Unsigned invalidations published and recorded straight into Redis, aimed at a cached
+    answer (its key and its tenant, both read from the attacker's own envelope): ignored and
+    counted; the answer stays."""
+    prompt = unique("How many legs has a spider?")
+    with client(served) as acme:
+        first = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+    _, victim = sealed_envelope_of(raw, served, prompt)
+    assert victim.status is CacheStatus.EXACT and victim.digest
+    before = forged_total(served, "invalidations")
+    now = time.time() + 60
+    aimed = (
+        (InvalidationKind.KEY, str(victim.digest)),
+        (InvalidationKind.TENANT, victim.request.tenant_scope),
+    )
+    for kind, value in aimed:
+        store.publish(f"{REDIS_PREFIX}invalidations", Invalidation(kind, value, now).to_json())
+        store.zadd(f"{REDIS_PREFIX}invalidated", {f"{kind.value}:{value}": now})
+    assert wait_for(lambda: forged_total(served, "invalidations") >= before + 2)
+    with client(served) as acme:
+        again = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert (again.cache_status, again.text) == ("exact", first.text)
+
+
+def test_forged_semantic_rows_are_refused(served: Served, store: redis.Redis) -> None:
+    before = forged_total(served, "semantic_rows")
+    vector = (np.ones(DIMENSIONS, dtype=np.float32) / np.sqrt(DIMENSIONS)).tobytes()
+    fields = {"m": json.dumps({"scope": "s", "digest": "0" * 64, "prompt": "x"}), "v": vector}
+    store.xadd(f"{REDIS_PREFIX}semantic", fields)  # type: ignore[arg-type]
+    assert wait_for(lambda: forged_total(served, "semantic_rows") >= before + 1)
+
+
+def test_the_secret_is_not_in_redis_and_a_replica_with_another_refuses_to_start(
+    served: Served, store: redis.Redis, tmp_path: Path
+) -> None:
+    secret = (served.state_dir / "secret").read_bytes()
+    keys = list(store.scan_iter(f"{REDIS_PREFIX}*"))
+    assert f"{REDIS_PREFIX}secret_fingerprint".encode() in keys
+    assert f"{REDIS_PREFIX}secret".encode() not in keys
+    for key in keys:
+        if store.type(key) == b"string":
+            assert secret not in (store.get(key) or b""), key
+    config = CacheConfig(
+        state_dir=str(tmp_path / "other"), redis_url=served.redis_url, redis_prefix=REDIS_PREFIX
+    )
+    with pytest.raises(ConfigError, match="secret"):
+        open_exact_cache(config)  # what every Redis stage runs at its start
+
+
+# -- bounded inputs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tenant", "t" * 100_000),
+        ("cache_control", "no-store " * 10_000),
+        ("stop", ["stop"] * 10_000),
+        ("prompt", "x" * 4_000_000),
+    ],
+)
+def test_oversized_inputs_are_refused_alone(served: Served, field: str, value: Any) -> None:
+    with client(served) as acme:
+        kwargs: dict[str, Any] = {"max_tokens": MAX_TOKENS}
+        prompt = "hello"
+        if field == "prompt":
+            prompt = value
+        elif field == "stop":
+            kwargs["stop_words"] = value
+        else:
+            kwargs[field] = value
+        with pytest.raises((InvalidRequestError, ForbiddenError)) as refused:
+            acme.generate_text(prompt, **kwargs)
+        assert len(str(refused.value)) < 2_000  # the value is not echoed back whole
+        assert acme.generate_text(unique("Still there?"), max_tokens=2).cache_status == "miss"
+
+
+# -- no side channels for padded tenants ------------------------------------------------------
+
+
+def test_a_padded_tenant_cannot_tell_a_hit_from_a_miss(served: Served) -> None:
+    """The untrusted tenant's miss and hit of one prompt, and a prompt sharing its prefix, all
+    look the same: status "masked", no similarity, KV counts or finish reason, one chunk, and
+    never before the padding floor. A trusted tenant still sees the real statuses."""
+    prompt = unique("List three kinds of cloud, briefly.")
+    with client(served, "public") as public:
+        outcomes = [
+            public.generate_text(p, max_tokens=MAX_TOKENS)
+            for p in (prompt, prompt, prompt + " And one more.")
+        ]
+    shapes = {
+        (o.cache_status, o.similarity, o.kv_reused_tokens, o.kv_computed_tokens, o.finish_reason)
+        for o in outcomes
+    }
+    assert shapes == {("masked", None, None, None, None)}
+    assert {o.chunks for o in outcomes} == {1}
+    assert all(o.latency_s >= PADDING_MS / 1000 for o in outcomes)
+    assert outcomes[0].text == outcomes[1].text
+    with client(served, "acme") as acme:
+        seen = [acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status for _ in (1, 2)]
+    assert seen == ["miss", "exact"]  # acme is another tenant: its own miss, then its hit
