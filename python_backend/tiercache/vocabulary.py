@@ -18,6 +18,11 @@ class CacheStatus(str, Enum):
     SEMANTIC = "semantic"  # served from the answer of a reworded request in the same scope
 
 
+def is_hit(status: str) -> bool:
+    """Whether a lookup status means a cached answer is served (no engine call)."""
+    return status in (CacheStatus.EXACT, CacheStatus.SEMANTIC)
+
+
 class Tier(str, Enum):
     """The exact cache's tiers, nearest first."""
 

@@ -13,9 +13,10 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA, EngineLora
 from tiercache.engine.trtllm_client import request_lora_from_arrays
-from tiercache.stages.llm import PEFT_LORA, TRT_LORA, LlmInput, LlmStage, is_hit, open_llm
+from tiercache.stages.llm import PEFT_LORA, TRT_LORA, LlmInput, LlmStage, open_llm
 from tiercache.stages.seal import Part, answer_tensors
 from tiercache.triton import io
+from tiercache.vocabulary import is_hit
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

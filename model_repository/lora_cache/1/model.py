@@ -14,6 +14,7 @@ from tiercache.stages.envelope import ReceivedEnvelope
 from tiercache.stages.lora_cache import OUTPUTS, open_lora_cache_stage
 from tiercache.stages.seal import Part
 from tiercache.triton import io
+from tiercache.vocabulary import is_hit
 
 
 class TritonPythonModel:
@@ -37,13 +38,18 @@ class TritonPythonModel:
             plan, result = self.stage.admin(admin, inputs.string("ADMIN_SEAL"))
             return self._respond(None, plan, result)
         envelope = self.stage.received(inputs.blob("ENVELOPE"))
-        return self._respond(envelope, self.stage.plan(envelope, inputs.string("LOOKUP_STATUS")))
+        status = inputs.string("LOOKUP_STATUS")
+        plan = self.stage.plan(envelope, status)
+        # llm checks LORA_SEAL on misses only: a hit's response goes unsealed (a forged status
+        # here gains nothing: llm checks embedding_cache's seal over the status it acts on).
+        return self._respond(None if is_hit(status or "") else envelope, plan)
 
     def _respond(
         self, envelope: ReceivedEnvelope | None, plan: LoraPlan | None, admin_result: str = ""
     ) -> Any:
-        """The response; a plan for an ensemble request carries LORA_SEAL over what llm reads
-        (an admin call's answer goes back to its internal caller over BLS, unsealed)."""
+        """The response; with `envelope` (an ensemble request that is not a hit) LORA_SEAL over
+        what llm reads, else an empty LORA_SEAL (an admin call's answer goes back to its
+        internal caller over BLS)."""
         values: tuple[str | bytes, ...]
         if plan is None:
             values = ("", "", b"", "", "", admin_result)

@@ -57,7 +57,7 @@ from tiercache.stages.seal import (
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
-from tiercache.vocabulary import CacheStatus, EngineKind, choices
+from tiercache.vocabulary import CacheStatus, EngineKind, choices, is_hit
 
 ENGINE_OUTPUTS = [
     "TEXT",
@@ -83,11 +83,6 @@ class LlmInput:
     similarity: float | None  # a semantic hit's
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
     lora: EngineLora  # what lora_cache sent for the engine
-
-
-def is_hit(status: str) -> bool:
-    """Whether embedding_cache's status means llm serves a cached answer (no engine call)."""
-    return status in (CacheStatus.EXACT, CacheStatus.SEMANTIC)
 
 
 def lora_from_response(response: object) -> EngineLora:
