@@ -56,6 +56,9 @@ def test_defaults_are_loopback_grpc_only_with_the_rest_restricted() -> None:
     assert srv.restricted_headers == {GRPC_RESTRICTED_HEADER: srv.restricted_value}
     assert GRPC_RESTRICTED_HEADER == "triton-grpc-protocol-tiercache-restricted"
     assert srv.grpc_url == "127.0.0.1:2"
+    # Only the authorization header reaches prompt_cache (API keys), as a request parameter.
+    assert found["--grpc-header-forward-pattern"] == "^authorization$"
+    assert "--http-header-forward-pattern" not in found
 
 
 def test_restricted_value_is_random_per_server_and_not_in_repr() -> None:
@@ -76,6 +79,7 @@ def test_http_when_asked_is_restricted_too() -> None:
     assert found["--http-address"] == "0.0.0.0" == found["--grpc-address"]
     rule = f"model-config:tiercache-restricted={srv.restricted_value}"
     assert found["--http-restricted-api"] == rule == found["--grpc-restricted-protocol"]
+    assert found["--http-header-forward-pattern"] == "^authorization$"
     assert srv.grpc_url == "127.0.0.1:2"  # a bound-to-all server is dialled on loopback
 
 
