@@ -4,6 +4,7 @@ in-process. Metrics record what they are given so tests can read them back."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -151,3 +152,36 @@ class MetricFamily:
         metric = Metric(self, labels or {}, buckets)
         self.metrics.append(metric)
         return metric
+
+
+class ResponseSender:
+    """A decoupled request's response sender: records every response; `done` is set by the
+    final flag."""
+
+    def __init__(self) -> None:
+        self.responses: list[Any] = []
+        self.done = threading.Event()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.responses.append(response)
+        if flags:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def execute_decoupled(model: Any, batch: list[list[Tensor]], wait_s: float) -> list[list[Any]]:
+    """Requests (each its input tensors) through one execute() of a decoupled model; each
+    one's responses once its final one arrived."""
+    senders, requests = [], []
+    for inputs in batch:
+        sender = ResponseSender()
+        request = InferenceRequest(inputs)
+        request.get_response_sender = lambda s=sender: s  # type: ignore[attr-defined]
+        senders.append(sender)
+        requests.append(request)
+    model.execute(requests)
+    for sender in senders:
+        assert sender.done.wait(wait_s), "no final response"
+    return [sender.responses for sender in senders]

@@ -7,13 +7,13 @@ engine calls carry ENGINE_SEAL, which the fake torch_llm checks as torch_llm doe
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pb_utils_stub
 import pytest
 import seals
 
@@ -66,18 +66,7 @@ class FakeTorchLlm:
         return [pb.InferenceResponse([out("TEXT", "Hello")]), pb.InferenceResponse(final)]
 
 
-class Sender:
-    def __init__(self) -> None:
-        self.responses: list[Any] = []
-        self.done = threading.Event()
-
-    def send(self, response: Any = None, flags: int = 0) -> None:
-        self.responses.append(response)
-        if flags:
-            self.done.set()
-
-    def is_cancelled(self) -> bool:
-        return False
+Sender = pb_utils_stub.ResponseSender
 
 
 @pytest.fixture
@@ -105,19 +94,7 @@ def model(
 
 
 def run(pb_utils: ModuleType, model: Any, batch: list[list[Any]]) -> list[list[Any]]:
-    """Requests (each its input tensors) through one execute(); each one's responses once its
-    final one arrived."""
-    senders, requests = [], []
-    for inputs in batch:
-        sender = Sender()
-        request = pb_utils.InferenceRequest(inputs)
-        request.get_response_sender = lambda s=sender: s
-        senders.append(sender)
-        requests.append(request)
-    model.execute(requests)
-    for sender in senders:
-        assert sender.done.wait(WAIT_S), "no final response"
-    return [sender.responses for sender in senders]
+    return pb_utils_stub.execute_decoupled(model, batch, WAIT_S)
 
 
 def text_tensor(pb_utils: ModuleType, name: str, value: str | bytes) -> Any:

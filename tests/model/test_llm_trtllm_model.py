@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pb_utils_stub
 import pytest
 import seals
 
@@ -121,18 +121,7 @@ class FakeLoraCache:
         ]
 
 
-class Sender:
-    def __init__(self) -> None:
-        self.responses: list[Any] = []
-        self.done = threading.Event()
-
-    def send(self, response: Any = None, flags: int = 0) -> None:
-        self.responses.append(response)
-        if flags:
-            self.done.set()
-
-    def is_cancelled(self) -> bool:
-        return False
+Sender = pb_utils_stub.ResponseSender
 
 
 def params(tmp_path: Path, **extra: str) -> dict[str, dict[str, str]]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+import pb_utils_stub
 import pytest
 import seals
 
@@ -111,18 +111,7 @@ class FakeEngine:
         yield StreamEvent(" there", "stop", 2, *counts)
 
 
-class Sender:
-    def __init__(self) -> None:
-        self.responses: list[Any] = []
-        self.done = threading.Event()
-
-    def send(self, response: Any, flags: int = 0) -> None:
-        self.responses.append(response)
-        if flags:
-            self.done.set()
-
-    def is_cancelled(self) -> bool:
-        return False
+Sender = pb_utils_stub.ResponseSender
 
 
 @pytest.fixture
@@ -160,19 +149,7 @@ def tensors(pb_utils: ModuleType, **inputs: str | bytes) -> list[Any]:
 
 
 def call_batch(pb_utils: ModuleType, model: Any, batch: list[list[Any]]) -> list[list[Any]]:
-    """Requests (each its input tensors) through one execute(); each one's responses once the
-    final one arrived."""
-    senders, requests = [], []
-    for inputs in batch:
-        sender = Sender()
-        request = pb_utils.InferenceRequest(inputs)
-        request.get_response_sender = lambda s=sender: s
-        senders.append(sender)
-        requests.append(request)
-    model.execute(requests)
-    for sender in senders:
-        assert sender.done.wait(WAIT_S), "no final response"
-    return [sender.responses for sender in senders]
+    return pb_utils_stub.execute_decoupled(model, batch, WAIT_S)
 
 
 def call(pb_utils: ModuleType, model: Any, sealer: Sealer, **inputs: str | bytes) -> list[Any]:
