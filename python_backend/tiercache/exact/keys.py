@@ -37,8 +37,7 @@ class EngineIdentity:
 
 def tenant_scope(secret: bytes, tenant: str) -> TenantScope:
     """HMAC-SHA256 of the tenant under the server secret (the empty tenant is a scope too)."""
-    mac = hmac.new(secret, b"tenant\x00" + tenant.encode("utf-8"), hashlib.sha256)
-    return TenantScope(mac.hexdigest())
+    return TenantScope(hmac.digest(secret, b"tenant\x00" + tenant.encode("utf-8"), "sha256").hex())
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:

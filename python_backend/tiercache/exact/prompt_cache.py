@@ -12,6 +12,7 @@ from tiercache.errors import NotFound
 from tiercache.exact.keys import (
     Digest,
     EngineIdentity,
+    TenantScope,
     request_digest,
     semantic_scope,
     tenant_scope,
@@ -28,6 +29,8 @@ from tiercache.exact.tiered import TieredCache
 from tiercache.vocabulary import CacheStatus, Tier
 
 log = logging.getLogger(__name__)
+
+TENANT_SCOPE_MEMO = 4096  # tenant names whose scope is kept (cleared when full)
 
 ResolveAdapter = Callable[[str], AdapterRef]
 """lora_name -> the adapter's current version (NotFound for an unknown name)."""
@@ -65,6 +68,17 @@ class PromptCache:
         self.limits = limits
         self.embedder_key = embedder_key
         self.resolve_adapter = resolve_adapter
+        # tenant name -> scope: one HMAC per tenant instead of one per request (a deployment has
+        # few tenants; bounded, so a caller naming endless tenants costs memory only up to this).
+        self._scopes: dict[str, TenantScope] = {}
+
+    def _scope(self, tenant: str) -> TenantScope:
+        scope = self._scopes.get(tenant)
+        if scope is None:
+            if len(self._scopes) >= TENANT_SCOPE_MEMO:
+                self._scopes.clear()
+            scope = self._scopes[tenant] = tenant_scope(self._secret, tenant)
+        return scope
 
     def _with_adapter(self, request: GenerationRequest) -> GenerationRequest:
         """Pin the request to the adapter version its name resolves to now: the version's digest
@@ -91,7 +105,7 @@ class PromptCache:
             named = canonical.tenant if raw.tenant is not None else None
             grant.check(named, canonical.request.lora_name, canonical.cache_control)
             tenant_name = grant.tenant
-        tenant = tenant_scope(self._secret, tenant_name)
+        tenant = self._scope(tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         control = canonical.cache_control
         request = dataclasses.replace(
@@ -126,6 +140,10 @@ class PromptCache:
         adapter = request.lora_digest
         digest = request_digest(tenant, self.engine, request, adapter)
         write_back = not control.no_store
+        exact_lookup = not (control.no_cache or control.semantic_only)
+        found = self.cache.get(digest, control.max_age_s) if read and exact_lookup else None
+        if found is not None:  # an exact hit needs no semantic scope: not computed
+            return result(digest, CacheStatus.EXACT, False, text=found.entry.text, tier=found.tier)
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
@@ -136,7 +154,4 @@ class PromptCache:
             return result(digest, CacheStatus.BYPASS, write_back, scope)
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return result(digest, CacheStatus.BYPASS, write_back, scope, semantic)
-        found = self.cache.get(digest, control.max_age_s) if read else None
-        if found is None:
-            return result(digest, CacheStatus.MISS, write_back, scope, semantic)
-        return result(digest, CacheStatus.EXACT, False, text=found.entry.text, tier=found.tier)
+        return result(digest, CacheStatus.MISS, write_back, scope, semantic)

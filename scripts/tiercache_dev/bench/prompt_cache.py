@@ -3,10 +3,12 @@
 Usage::
 
     python -m tiercache_dev.bench.prompt_cache [--out-dir .perf] [--state-dir .tiercache]
-        [--measurement-ms 3000] [--concurrency 1:4:3] [--lookups 2000] [--rounds 1]
+        [--measurement-ms 3000] [--concurrency 1:4:3] [--lookups 2000] [--rounds 3]
+        [--background-load N [--background-duty F]]
 
 Measured one after another on this machine (never two servers at once), with perf_analyzer over
-gRPC at each concurrency level:
+gRPC at each concurrency level, in interleaved rounds (tiercache_dev.rounds: A B C, C B A, ...;
+each server started afresh in each round):
 
 1. tiercache: the real model_repository/ (ensemble -> prompt_cache -> llm). The prompt is sent
    once with the client first, so every perf_analyzer request is an exact hit (checked with the
@@ -23,9 +25,13 @@ gRPC at each concurrency level:
 Then it prints a table and writes a Markdown summary to OUT_DIR/bench_prompt_cache.md (raw
 perf_analyzer output, CSVs and server logs under OUT_DIR/bench/). Targets: tiercache hit p50 at
 most 1.25x the floor's, throughput at least 0.8x the floor's, the stage's miss p50 under 1 ms.
-Only ratios measured side by side in one run mean anything on a shared machine; `--rounds N`
-repeats the three configurations in turn and reports medians. The exit code is 0 whether or not
-the targets are met (PASS/MISS is printed), 1 if a measurement could not be made.
+Only ratios measured side by side in one run mean anything on a shared machine: each ratio is
+taken per round, between measurements minutes apart, and reported as the median of the rounds
+with its spread (the tables of latencies are medians of the rounds). `--background-load N`
+starts N CPU burners for the whole run (each busy `--background-duty` of the time), to check a
+result on a machine the run itself makes busy. A JSON summary is written beside the Markdown.
+The exit code is 0 whether or not the targets are met (PASS/MISS is printed), 1 if a
+measurement could not be made.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from tiercache_dev.perf.analyzer import (
     perf_analyzer_version,
     run_perf_analyzer,
 )
+from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
 from tiercache_dev.servers import TritonServer, running, triton
 from tiercache_dev.stats import mean, median, percentile
 
@@ -96,7 +103,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default=PROMPT, help="the one prompt every request sends")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
     p.add_argument("--lookups", type=int, default=2000, help="in-process misses to time")
-    p.add_argument("--rounds", type=int, default=1, help="repeat the three servers N times")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the configurations")
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N CPU-burning processes for the whole run",
+    )
+    p.add_argument(
+        "--background-duty", type=float, default=1.0, help="share of time each burner is busy"
+    )
     p.add_argument(
         "--only",
         action="append",
@@ -111,6 +128,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.rounds < 1 or args.lookups < 10:
         p.error("--rounds must be >= 1 and --lookups >= 10")
+    if args.background_load < 0 or not 0 < args.background_duty <= 1:
+        p.error("--background-load must be >= 0 and --background-duty in (0, 1]")
     args.only = set(args.only or [TIERCACHE, FLOOR, RESPONSE_CACHE, "stage"])
     return args
 
@@ -472,6 +491,22 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def per_round(measurements: list[Measurement], config: str, c: int, field: str) -> dict[int, float]:
+    """{round: the level's `field`} of one configuration at concurrency c."""
+    return {
+        m.round: float(getattr(m.levels[c], field))
+        for m in measurements
+        if m.config == config and c in m.levels
+    }
+
+
+def round_ratio(
+    measurements: list[Measurement], a: str, b: str, c: int, field: str
+) -> Spread | None:
+    """a/b per round (each round's two measurements minutes apart), over the rounds."""
+    return paired_ratio(per_round(measurements, a, c, field), per_round(measurements, b, c, field))
+
+
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
@@ -482,8 +517,10 @@ def build_report(
     stage: dict[str, float] | None,
     wall_s: float,
     perf_version: str,
-) -> tuple[str, str, bool]:
-    """(plain-text table for the terminal, Markdown, whether every wanted figure was measured)."""
+    load: str,
+) -> tuple[str, str, bool, dict]:
+    """(plain-text table for the terminal, Markdown, whether every wanted figure was measured,
+    the JSON summary)."""
     table = median_rows(measurements)
     complete = True
     order = [c for c in (TIERCACHE, FLOOR, RESPONSE_CACHE) if c in args.only]
@@ -501,7 +538,13 @@ def build_report(
         f"`--measurement-interval {args.measurement_ms}`, `-s {args.stability_percentage:g}`, "
         f"`-r {args.max_trials}`; one prompt ({len(args.prompt)} chars), "
         f"max_tokens {args.max_tokens}; "
-        + (f"medians of {args.rounds} rounds" if args.rounds > 1 else "one round"),
+        + (
+            f"{args.rounds} interleaved rounds (latencies: medians of the rounds; ratios: per "
+            "round, median and range)"
+            if args.rounds > 1
+            else "one round"
+        ),
+        f"- background load: {load}",
         "",
         "| configuration | concurrency | p50 ms | p99 ms | infer/s |",
         "|---|---:|---:|---:|---:|",
@@ -521,41 +564,59 @@ def build_report(
             md.append(f"| {LABELS[config]} | {c} | " + " | ".join(cells) + " |")
             text.append(f"{LABELS[config]:<24} {c:>4} {cells[0]:>8} {cells[1]:>8} {cells[2]:>9}")
 
-    def ratio(a: str, b: str, c: int, field: str) -> float | None:
-        ra, rb = table.get(a, {}).get(c), table.get(b, {}).get(c)
-        if ra is None or rb is None or not getattr(rb, field):
-            return None
-        return float(getattr(ra, field) / getattr(rb, field))
+    def ratio(a: str, b: str, c: int, field: str) -> Spread | None:
+        return round_ratio(measurements, a, b, c, field)
 
+    def shown_ratio(r: Spread | None) -> str:
+        return "n/a" if r is None else r.text()
+
+    summary: dict = {
+        "command": invocation("tiercache_dev.bench.prompt_cache"),
+        "rounds": args.rounds,
+        "background_load": load,
+        "levels": {
+            config: {
+                str(c): {"p50_ms": row.p50_ms, "p99_ms": row.p99_ms, "infer_per_s": row.throughput}
+                for c, row in sorted(levels.items())
+            }
+            for config, levels in table.items()
+        },
+        "ratios": {},
+        "targets": {"p50_ratio_max": P50_TARGET, "throughput_ratio_min": THROUGHPUT_TARGET},
+    }
     ratio_lines: list[tuple[str, str, str, str]] = []  # (what, concurrency, value, verdict)
     for c in args.levels:
         if TIERCACHE in table and FLOOR in table:
-            r = ratio(TIERCACHE, FLOOR, c, "p50_ms")
+            r = ratio(TIERCACHE, FLOOR, c, "p50_us")
+            summary["ratios"][f"tiercache/floor p50 c={c}"] = r and r.as_dict()
             ratio_lines.append(
                 (
                     f"tiercache p50 / floor p50 (target <= {P50_TARGET})",
                     str(c),
-                    fmt(r, ".2f"),
-                    verdict(None if r is None else r <= P50_TARGET),
+                    shown_ratio(r),
+                    verdict(None if r is None else r.median <= P50_TARGET),
                 )
             )
             r = ratio(TIERCACHE, FLOOR, c, "throughput")
+            summary["ratios"][f"tiercache/floor infer/s c={c}"] = r and r.as_dict()
             ratio_lines.append(
                 (
                     f"tiercache infer/s / floor infer/s (target >= {THROUGHPUT_TARGET})",
                     str(c),
-                    fmt(r, ".2f"),
-                    verdict(None if r is None else r >= THROUGHPUT_TARGET),
+                    shown_ratio(r),
+                    verdict(None if r is None else r.median >= THROUGHPUT_TARGET),
                 )
             )
         for config in (TIERCACHE, FLOOR):
             if config in table and RESPONSE_CACHE in table:
                 name = "tiercache" if config == TIERCACHE else "floor"
-                r = ratio(config, RESPONSE_CACHE, c, "p50_ms")
-                ratio_lines.append((f"{name} p50 / response-cache p50", str(c), fmt(r, ".2f"), ""))
+                r = ratio(config, RESPONSE_CACHE, c, "p50_us")
+                summary["ratios"][f"{name}/response-cache p50 c={c}"] = r and r.as_dict()
+                ratio_lines.append((f"{name} p50 / response-cache p50", str(c), shown_ratio(r), ""))
                 r = ratio(config, RESPONSE_CACHE, c, "throughput")
+                summary["ratios"][f"{name}/response-cache infer/s c={c}"] = r and r.as_dict()
                 ratio_lines.append(
-                    (f"{name} infer/s / response-cache infer/s", str(c), fmt(r, ".2f"), "")
+                    (f"{name} infer/s / response-cache infer/s", str(c), shown_ratio(r), "")
                 )
     if stage is not None:
         ok = stage["miss_p50_us"] < MISS_P50_TARGET_US
@@ -570,9 +631,10 @@ def build_report(
     if ratio_lines:
         md += ["", "| ratio | concurrency | value | target |", "|---|---:|---:|---|"]
         md += [f"| {w} | {c} | {v} | {t} |" for w, c, v, t in ratio_lines]
-        text += [""] + [f"{w:<58} c={c:<2} {v:>8}  {t}" for w, c, v, t in ratio_lines]
+        text += [""] + [f"{w:<58} c={c:<2} {v:>24}  {t}" for w, c, v, t in ratio_lines]
 
     if stage is not None:
+        summary["stage"] = stage
         md += [
             "",
             f"prompt_cache stage in process (`PromptCache.lookup`, L1 + LMDB L2 holding "
@@ -626,7 +688,7 @@ def build_report(
         f"- raw perf_analyzer output, CSVs and server logs: "
         f"`{display_path(args.out_dir / 'bench')}/`",
     ]
-    return "\n".join(text), "\n".join(md) + "\n", complete
+    return "\n".join(text), "\n".join(md) + "\n", complete, summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -658,26 +720,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         RESPONSE_CACHE: run_response_cache,
     }
     measurements: list[Measurement] = []
-    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
+    configs = [c for c in runners if c in args.only]
+    load = BackgroundLoad(args.background_load, args.background_duty)
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name, load:
         tmp = Path(tmp_name)
-        for round_no in range(1, args.rounds + 1):
-            for config, runner in runners.items():
-                if config not in args.only:
-                    continue
-                if args.rounds > 1:
-                    progress(f"round {round_no}/{args.rounds}: {LABELS[config]}")
-                try:
-                    measurements.append(runner(args, pa, round_no, tmp))
-                except Exception as exc:  # noqa: BLE001 - report it, go on with the others
-                    progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
-                    measurements.append(Measurement(config, round_no, {}, [], [f"failed: {exc}"]))
-                progress(f"  stopped {LABELS[config]}")
+        progress(f"background load: {load.describe()}")
+        for round_no, config in serpentine(configs, args.rounds):
+            if args.rounds > 1:
+                progress(f"round {round_no}/{args.rounds}: {LABELS[config]}")
+            try:
+                measurements.append(runners[config](args, pa, round_no, tmp))
+            except Exception as exc:  # noqa: BLE001 - report it, go on with the others
+                progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
+                measurements.append(Measurement(config, round_no, {}, [], [f"failed: {exc}"]))
+            progress(f"  stopped {LABELS[config]}")
 
-    text, md, complete = build_report(
-        args, measurements, stage, time.monotonic() - started, version
+    text, md, complete, summary = build_report(
+        args, measurements, stage, time.monotonic() - started, version, load.describe()
     )
     md_path = args.out_dir / "bench_prompt_cache.md"
     md_path.write_text(md)
+    (args.out_dir / "bench_prompt_cache.json").write_text(json.dumps(summary, indent=2) + "\n")
     print()
     print(text)
     print()
