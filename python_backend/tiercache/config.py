@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tiercache.engine.threads import (
+    AUTO,
+    EMBEDDER_AUTO_CPU_DIVISOR,
+    ENGINE_AUTO_CPU_DIVISOR,
+    TORCH_THREADS_PATTERN,
+)
 from tiercache.errors import ConfigError
 from tiercache.exact.request import DEFAULT_LIMITS, Limits
 from tiercache.vocabulary import EngineKind, choices
@@ -207,6 +213,20 @@ def shared(name: str) -> Any:
     )
 
 
+def torch_threads_param(auto_divisor: int) -> Any:
+    """The `torch_threads` field of a stage that runs torch; its `auto` is max(1, usable CPUs //
+    `auto_divisor`) (tiercache.engine.threads.set_torch_threads applies it)."""
+    per = "CPU" if auto_divisor == 1 else f"{auto_divisor} CPUs (at least 1)"
+    share = f"one per {per} in the process's affinity mask"
+    return param(
+        AUTO,
+        "torch's intra-op threads in this process, set before the weights load: a count >= 1, "
+        f"or auto: {share} (a CPU quota is not seen: set a count there). Why: docs/usage.md, "
+        "CPU threads",
+        pattern=TORCH_THREADS_PATTERN,
+    )
+
+
 # ---- groups of parameters several stages read (single inheritance: slotted dataclasses) ---------
 
 
@@ -372,6 +392,7 @@ class EmbedderConfig:
 
     embedder: str = shared("embedder")
     device: str = shared("device")
+    torch_threads: str = torch_threads_param(EMBEDDER_AUTO_CPU_DIVISOR)
     # The dev package's embedder_rss diagnostic: one trim after 3,000 batches gave 217 MiB back.
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
 
@@ -509,6 +530,7 @@ class EngineConfig(_StateConfig):
 
     model: str = shared("model")
     device: str = shared("device")
+    torch_threads: str = torch_threads_param(ENGINE_AUTO_CPU_DIVISOR)
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
     lora_slots: int = param(

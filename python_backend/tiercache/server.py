@@ -14,6 +14,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -385,13 +386,24 @@ def copy_repository(
     source: Path, dest: Path, parameters: Mapping[str, Mapping[str, str]] | None = None
 ) -> Path:
     """A copy of the model repository `source` at `dest`, with `parameters` ({model: {key:
-    value}}) appended to those models' config.pbtxt: for benchmarks and tests that serve a
-    variant of the committed repository."""
+    value}}) set in those models' config.pbtxt: for benchmarks and tests that serve a variant of
+    the committed repository. A key the committed config already sets (one `parameters { key:
+    ... }` line, as committed) is replaced there, so the config never names a key twice."""
     shutil.copytree(source, dest)
     for model, values in (parameters or {}).items():
         config = dest / model / "config.pbtxt"
         text = config.read_text()
         for key, value in values.items():
-            text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+            text = set_parameter(text, key, value)
         config.write_text(text)
     return dest
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """`config_text` (a config.pbtxt) with stage parameter `key` set to `value`: its one-line
+    `parameters { key: "<key>" ... }` replaced, else one such line appended."""
+    line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    committed = re.compile(rf'^parameters \{{ key: "{re.escape(key)}" .*$', re.MULTILINE)
+    if committed.search(config_text):
+        return committed.sub(lambda _: line, config_text, count=1)
+    return config_text + f"\n{line}\n"

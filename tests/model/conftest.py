@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,12 @@ def load_model(pb_utils: ModuleType) -> Callable[[str], ModuleType]:
         spec = importlib.util.spec_from_file_location(f"tiercache_model_{name}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        before = set(os.environ)
         spec.loader.exec_module(module)
+        # A model.py may set defaults in this process's environment as it is imported (the
+        # torch stages: OpenMP and tokenizers); they are dropped so no later test sees them.
+        for key in set(os.environ) - before:
+            del os.environ[key]
         return module
 
     return load

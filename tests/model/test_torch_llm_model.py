@@ -25,6 +25,7 @@ from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
+from tiercache.engine.threads import ENGINE_AUTO_CPU_DIVISOR
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -122,6 +123,8 @@ def model(
     torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")  # after the stand-in
     monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
     monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    # This process's torch thread count stays as it is (test_torch_threads_come_first).
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
     instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
@@ -132,6 +135,34 @@ def model(
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     yield instance
     instance.finalize()
+
+
+def test_torch_threads_come_first(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torch_threads` reaches set_torch_threads with the engine's auto divisor, before the
+    engine (its weights) is built."""
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    events: list[object] = []
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            events.append("engine")
+            super().__init__(*args, **kwargs)
+
+    def set_torch_threads(setting: str, auto_divisor: int) -> int:
+        events.append((setting, auto_divisor))
+        return 3
+
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", RecordingEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", set_torch_threads)
+    instance = module.TritonPythonModel()
+    params = {"state_dir": {"string_value": str(tmp_path)}, "torch_threads": {"string_value": "3"}}
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance.finalize()
+    assert events == [("3", ENGINE_AUTO_CPU_DIVISOR), "engine"]
 
 
 @pytest.fixture

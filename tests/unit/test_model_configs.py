@@ -119,6 +119,26 @@ def test_cpu_repository_lines_up(assemble: ModuleType) -> None:
     assemble.check_repository(ROOT / "model_repository")
 
 
+def test_committed_stage_parameters_are_ones_the_stages_accept() -> None:
+    from tiercache.config import STAGE_CONFIGS, parse_config
+
+    for name, config in configs_of(ROOT / "model_repository").items():
+        if name in STAGE_CONFIGS:
+            parse_config(STAGE_CONFIGS[name], params(config))
+
+
+def test_a_copied_repository_overrides_a_committed_parameter_once(tmp_path: Path) -> None:
+    """copy_repository (benchmarks, tests) replaces a parameter the committed config sets, so
+    the key appears once, and appends one it does not."""
+    from tiercache.server import copy_repository
+
+    values = {"torch_threads": "2", "kv_reuse": "false"}
+    out = copy_repository(ROOT / "model_repository", tmp_path / "r", {"torch_llm": values})
+    text = (out / "torch_llm" / "config.pbtxt").read_text()
+    assert text.count('key: "torch_threads"') == 1
+    assert params(configs_of(out)["torch_llm"]) == values
+
+
 # -- the GPU repository -----------------------------------------------------------------------
 
 

@@ -4,6 +4,15 @@ it and streams each chunk of an answer as a response through the sink below."""
 
 from __future__ import annotations
 
+import os
+
+# Defaults (the environment wins), set before any import loads torch: libgomp reads its
+# variables once, when torch loads it.
+# Spinning OpenMP workers of two torch processes would steal the cores from each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# HF tokenizers' rayon pool would add a thread per core; this process's calls are small.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 

@@ -1,1 +1,2 @@
-"""Engines behind the `llm` stage. `model_source` is torch-free; `torch_engine` imports torch."""
+"""Engines behind the `llm` stage. `model_source` and `threads` are torch-free at import;
+`torch_engine` imports torch."""

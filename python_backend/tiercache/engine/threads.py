@@ -1,0 +1,69 @@
+"""torch's intra-op thread count in a stage process that runs torch (issue 15).
+
+The engine (`torch_llm`) and the embedder each run torch in their own stage process. With torch's
+default, each takes one intra-op thread per core, and libgomp's workers spin for a while after
+every parallel region: on a small host the two processes take the cores from each other, and the
+engine, the critical path, slows down while the cache serves. So each torch stage sets its
+thread count from its `torch_threads` parameter (`set_torch_threads`, first thing in its open
+function, before the weights load). Its model.py also sets OMP_WAIT_POLICY=PASSIVE (workers
+sleep instead of spinning) and TOKENIZERS_PARALLELISM=false unless the environment sets them,
+first thing: libgomp reads its variables once, when torch loads it.
+
+Torch-free at import (torch is imported inside `set_torch_threads`), so tiercache.config can
+import it without loading torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from tiercache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+TORCH_THREADS_PATTERN = r"auto|[1-9][0-9]*"
+"""What a `torch_threads` parameter may be: `auto`, or a thread count >= 1."""
+
+# `auto` gives a stage max(1, usable CPUs // its divisor). The engine takes every CPU; the
+# embedder, which embeds one short prompt per miss in small batches, a quarter. The split is
+# to be chosen by measurement (issue 15).
+ENGINE_AUTO_CPU_DIVISOR = 1
+EMBEDDER_AUTO_CPU_DIVISOR = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (which a container's cpuset narrows;
+    a CPU quota such as `docker --cpus` does not), else os.cpu_count() where there is no mask."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def torch_thread_count(setting: str, cpus: int, auto_divisor: int) -> int:
+    """The intra-op thread count a `torch_threads` setting means on `cpus` usable CPUs: the
+    number itself, or for `auto` max(1, cpus // auto_divisor). ConfigError for anything else."""
+    if not re.fullmatch(TORCH_THREADS_PATTERN, setting):
+        raise ConfigError(f"torch_threads must be auto or an integer >= 1, got {setting!r}")
+    if setting == AUTO:
+        return max(1, cpus // auto_divisor)
+    return int(setting)
+
+
+def set_torch_threads(setting: str, auto_divisor: int, cpus: int | None = None) -> int:
+    """Set torch's intra-op threads in this process (torch.set_num_threads, which later threads
+    also take) from a `torch_threads` setting; `cpus` defaults to `usable_cpus()`. Logs one
+    line and returns the count."""
+    import torch  # only here: the module stays importable before torch loads
+
+    usable = usable_cpus() if cpus is None else cpus
+    threads = torch_thread_count(setting, usable, auto_divisor)
+    torch.set_num_threads(threads)
+    if setting == AUTO:
+        log.info("torch threads: %d (auto from %d CPUs)", threads, usable)
+    else:
+        log.info("torch threads: %d (torch_threads; %d CPUs usable)", threads, usable)
+    return threads
