@@ -1,10 +1,12 @@
-"""Soak and throughput comparison: perf_analyzer for minutes on a realistic mix (issue 7).
+"""Soak and throughput comparison: perf_analyzer for minutes on a realistic mix (issues 7, 15).
 
 Usage::
 
     python -m tiercache_dev.perf.soak [--duration 600] [--concurrency 8] [--out-dir .perf/soak]
         [--entries 8000] [--seed 0] [--max-tokens 8] [--redis] [--l1-max-bytes N]
-    python -m tiercache_dev.perf.soak --compare [--compare-duration 120] [--concurrency 8]
+        [--kv-pool-max-bytes N] [--background-load N [--background-duty F]]
+    python -m tiercache_dev.perf.soak --compare [--compare-duration 120] [--rounds 3]
+        [--concurrency 8] [--kv-pool-max-bytes N] [--background-load N [--background-duty F]]
 
 The mix (seeded, written as perf_analyzer `--input-data`): prompts from
 `../shared/eval/semantic_pairs_dev.jsonl` (beside the repository; `--pairs`), asked by four
@@ -18,7 +20,8 @@ not wrap around into pure repeats (the report says how many requests were sent).
 
 Soak (default): one tritonserver on a copy of model_repository/ (a fresh state dir under a
 temporary folder, the converted weights linked from `--state-dir/models`, the committed adapters,
-embedded tiers; `--redis` adds a redis-server and sets `redis_url` on the Redis-aware stages), then
+embedded tiers; `--redis` adds a redis-server and sets `redis_url` on the Redis-aware stages;
+`--l1-max-bytes` goes to the stages that have an L1, prompt_cache and embedding_cache), then
 perf_analyzer over gRPC `--streaming` (the ensemble is decoupled) at `--concurrency`, in
 `time_windows` mode: three windows of duration/3 and a stability threshold of 1000 %, so it stops
 after exactly three windows and reports the three merged. Every `--sample-s` a thread records the
@@ -28,21 +31,43 @@ zero), throughput, p50/p99 latency (the whole answer: see tiercache_dev.perf.run
 cache status and exact hits by tier (metrics deltas), RSS first / after warm-up / last / max per
 process, and each byte budget against the largest size seen.
 
-Compare (`--compare`): the same mix and concurrency against three servers, one after the other,
-each cold, `--compare-duration` each:
+Compare (`--compare`): the same mix and concurrency against three configurations, in `--rounds`
+interleaved rounds (tiercache_dev.rounds.serpentine: a b c, then c b a, ...), each configuration
+started cold in each round (its own copy of the repository and fresh state dir per round; the
+same input list every round), `--compare-duration` (default 120 s) per configuration per round:
   a. tiercache as served (model_repository/ unchanged);
   b. caching off: the same stack, every request carrying `cache_control` "no-cache no-store
      no-semantic" (no exact or semantic lookup, nothing stored or indexed; prompt_cache, the
      embedder and lora_cache still run) and torch_llm's `kv_reuse` false;
   c. Triton's response cache: `llm_plain` (scripts/bench_fixtures/response_cache/llm_plain), a
-     non-decoupled Python model that runs the same torch_llm over BLS and returns the whole text,
-     with `response_cache { enable: true }`, served with `--cache-config local,size=N` beside
-     torch_llm; unary gRPC with `--async` (Triton refuses the response cache on decoupled models).
-It reports throughput and p50 ratios tiercache/off and tiercache/response-cache.
+     non-decoupled Python model with two instances (the depth of llm's `engine_streams`) that
+     canonicalizes each request with the package's own code and runs the same torch_llm over
+     BLS, returning the whole text, with `response_cache { enable: true }`, served with
+     `--cache-config local,size=N` beside torch_llm; unary gRPC with `--async` (Triton refuses
+     the response cache on decoupled models).
+torch_llm's overrides (`--kv-pool-max-bytes`) apply to all three; `--redis` is refused with
+`--compare` (only tiercache would have the Redis). For every run the report gives requests,
+throughput, p50/p99, errors, cache statuses, the engine's generated tokens and engine tokens/s
+(the delta of `tiercache_engine_generated_tokens_total` over the run divided by perf_analyzer's
+wall time); then the medians per configuration; then the ratios tiercache/caching-off and
+tiercache/response-cache (throughput, p50; engine tokens/s against the response cache), each taken
+per round and shown as the median of the rounds with their range; then, per configuration (last
+round), the CPU each server process used during the run (psutil at the start and the end of the
+perf_analyzer run: user + system seconds, their share of the machine, threads, voluntary and
+involuntary context switches) and the busiest thread groups (by the name in
+/proc/<pid>/task/<tid>/comm); a process that started during the run counts from 0, one gone
+before the end counts up to its last periodic sample. The report ends with the line
+`ratio tiercache/response-cache throughput <median>`. `--background-load N` starts N CPU burners
+for the whole run (each busy `--background-duty` of the time), to check a result on a machine the
+run itself makes busy.
 
-Outputs under OUT_DIR: soak.md / compare.md (the report), soak_rss.csv, soak_tiers.csv,
-inputs*.json, perf_analyzer logs and server logs. Exit code 0 when every measurement was made
-(1 otherwise: a failed perf_analyzer run, errors, or a budget exceeded).
+Outputs under OUT_DIR: soak.md / compare.md (the report), compare.json (every run, the ratios,
+the command line, the rounds, the background load and the machine), soak_rss.csv, soak_tiers.csv
+(compare-<config>-r<round>_rss.csv and _tiers.csv with --compare), inputs-*.json, perf-*.csv,
+perf_analyzer logs and server logs under logs/ (with --compare the names carry the round:
+perf-tiercache-r2.csv, logs/server-tiercache-r2.log), and the counters as *.counters.json. Exit
+code 0 when every measurement was made (1 otherwise: a failed perf_analyzer run, errors, or a
+budget exceeded).
 """
 
 from __future__ import annotations
@@ -50,8 +75,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import csv
+import dataclasses
 import datetime as dt
 import json
+import os
 import platform
 import random
 import shutil
@@ -59,8 +86,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,7 +119,9 @@ from tiercache_dev.perf.analyzer import (
     run_perf_analyzer,
     write_inputs_json,
 )
+from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
 from tiercache_dev.servers import RedisServer, TritonServer, running, triton
+from tiercache_dev.stats import median
 
 FIXTURE = BENCH_FIXTURES / "response_cache" / "llm_plain"
 
@@ -121,7 +150,9 @@ TENANTS = {  # name -> (share of requests, system preamble)
 ADAPTER_SHARES = {"": 0.55, "brief": 0.15, "caps": 0.15, "french": 0.15}
 NO_CACHE = "no-cache no-store no-semantic"
 REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
-L1_STAGES = ("prompt_cache", "llm", "cache_admin")  # stages that open the exact tiers
+# The stage configs that have `l1_max_bytes` (tiercache.config: PromptCacheConfig,
+# EmbeddingCacheConfig); llm and cache_admin open no L1, and an unknown parameter fails a stage.
+L1_STAGES = ("prompt_cache", "embedding_cache")
 RESPONSE_CACHE_BYTES = 64 << 20  # tiercache's default L1 budget
 TIERCACHE, OFF, RESPONSE_CACHE = "tiercache", "caching-off", "response-cache"
 LABELS = {
@@ -129,6 +160,23 @@ LABELS = {
     OFF: "caching off (no-cache no-store no-semantic, kv_reuse false)",
     RESPONSE_CACHE: "Triton response cache (llm_plain over BLS to torch_llm)",
 }
+COMPARE_DEFAULT_ROUNDS = 3
+ISSUE_MIN_DURATION_S = 90  # issue 15: at least this long per configuration per round
+TOP_THREAD_GROUPS = 8  # thread groups listed per configuration in compare.md
+# Each ratio of the comparison: (name, numerator, denominator, run metric); computed per round.
+RATIOS = (
+    ("tiercache/caching-off throughput", TIERCACHE, OFF, "throughput"),
+    ("tiercache/caching-off p50", TIERCACHE, OFF, "p50_ms"),
+    ("tiercache/response-cache throughput", TIERCACHE, RESPONSE_CACHE, "throughput"),
+    ("tiercache/response-cache p50", TIERCACHE, RESPONSE_CACHE, "p50_ms"),
+    ("tiercache/response-cache engine tokens/s", TIERCACHE, RESPONSE_CACHE, "engine_tokens_per_s"),
+)
+FINAL_RATIO = "tiercache/response-cache throughput"  # the last line of compare.md
+ENGINE_TOKENS_DEFINITION = (
+    "engine tokens/s = the rise of `tiercache_engine_generated_tokens_total` (torch_llm's "
+    "generated tokens) from just before perf_analyzer started to after it ended (counters "
+    "settled), divided by perf_analyzer's wall time of that run"
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -162,7 +210,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "CPU run only just fills); a small one fills early, so RSS can be seen flat after it",
     )
     p.add_argument("--compare", action="store_true", help="the three-server comparison instead")
-    p.add_argument("--compare-duration", type=int, default=120, help="seconds per server")
+    p.add_argument(
+        "--compare-duration",
+        type=int,
+        default=120,
+        help=f"--compare: seconds per configuration per round (issue 15 asks >= "
+        f"{ISSUE_MIN_DURATION_S})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"--compare: interleaved rounds of the configurations (default "
+        f"{COMPARE_DEFAULT_ROUNDS})",
+    )
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N CPU-burning processes for the whole run",
+    )
+    p.add_argument(
+        "--background-duty", type=float, default=1.0, help="share of time each burner is busy"
+    )
     p.add_argument(
         "--only",
         action="append",
@@ -183,6 +254,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("durations must be >= 30 s and --concurrency >= 1")
     if not 0 <= args.repeat_share + args.reword_share < 1:
         p.error("--repeat-share + --reword-share must be in [0, 1)")
+    if args.redis and args.compare:
+        # Only tiercache would get the Redis: the comparison would not be like for like.
+        p.error("--redis cannot be combined with --compare (only tiercache would have a Redis)")
+    if args.rounds is not None and not args.compare:
+        p.error("--rounds applies to --compare only (the soak is one run)")
+    if args.rounds is None:
+        args.rounds = COMPARE_DEFAULT_ROUNDS if args.compare else 1
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.background_load < 0 or not 0 < args.background_duty <= 1:
+        p.error("--background-load must be >= 0 and --background-duty in (0, 1]")
     return args
 
 
@@ -305,6 +387,15 @@ def fresh_state(root: Path, weights_from: Path) -> Path:
     return state
 
 
+def engine_params(args: argparse.Namespace) -> dict[str, str]:
+    """torch_llm's parameter overrides from the command line; every configuration's torch_llm
+    gets them (the response-cache one too: the same engine behind all three)."""
+    params: dict[str, str] = {}
+    if args.kv_pool_max_bytes is not None:
+        params["kv_pool_max_bytes"] = str(args.kv_pool_max_bytes)
+    return params
+
+
 def tiercache_repository(root: Path, args: argparse.Namespace, config: str, redis_url: str) -> Path:
     params: dict[str, dict[str, str]] = {}
     if redis_url:
@@ -313,16 +404,24 @@ def tiercache_repository(root: Path, args: argparse.Namespace, config: str, redi
     if args.l1_max_bytes is not None:
         for stage in L1_STAGES:
             params.setdefault(stage, {})["l1_max_bytes"] = str(args.l1_max_bytes)
-    if args.kv_pool_max_bytes is not None:
-        params.setdefault("torch_llm", {})["kv_pool_max_bytes"] = str(args.kv_pool_max_bytes)
+    params["torch_llm"] = engine_params(args)
     if config == OFF:
-        params.setdefault("torch_llm", {})["kv_reuse"] = "false"
+        params["torch_llm"]["kv_reuse"] = "false"
     return copy_repository(MODEL_REPOSITORY, root / "model_repository", params)
 
 
-def response_cache_repository(root: Path) -> Path:
-    dest = root / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY / "torch_llm", dest / "torch_llm")
+def response_cache_repository(root: Path, args: argparse.Namespace) -> Path:
+    """torch_llm (with the same overrides as the other configurations, through the same
+    copy_repository) and llm_plain; the repository's other models are left out."""
+    dest = copy_repository(
+        MODEL_REPOSITORY, root / "model_repository", {"torch_llm": engine_params(args)}
+    )
+    for model in dest.iterdir():
+        if model.name != "torch_llm":
+            if model.is_dir():
+                shutil.rmtree(model)
+            else:
+                model.unlink()
     (dest / "llm_plain" / "1").mkdir(parents=True)
     shutil.copy2(FIXTURE / "config.pbtxt", dest / "llm_plain" / "config.pbtxt")
     shutil.copy2(FIXTURE / "model.py", dest / "llm_plain" / "1" / "model.py")
@@ -343,30 +442,178 @@ def process_name(proc: Any) -> str:
     return Path(cmd[0]).name if cmd else f"pid{proc.pid}"
 
 
-def rss_by_process(root_pid: int, labels: dict[int, str]) -> dict[str, int]:
-    """Label -> RSS bytes of tritonserver and every descendant; `labels` (pid -> label) keeps
-    labels stable across samples (`embedding_cache#1` for a model's second instance)."""
+def labelled_processes(root_pid: int, labels: dict[int, str]) -> list[tuple[str, Any]]:
+    """(label, psutil.Process) of tritonserver and every descendant; `labels` (pid -> label)
+    keeps labels stable across samples (`embedding_cache#1` for a model's second instance)."""
     import psutil
 
-    out: dict[str, int] = {}
     try:
         root = psutil.Process(root_pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return out
+        return []
+    out = []
     for proc in procs:
         if proc.pid not in labels:
             name = process_name(proc)
             n = sum(1 for v in labels.values() if v.split("#")[0] == name)
             labels[proc.pid] = name if n == 0 else f"{name}#{n}"
+        out.append((labels[proc.pid], proc))
+    return out
+
+
+def rss_by_process(root_pid: int, labels: dict[int, str]) -> dict[str, int]:
+    """Label -> RSS bytes of tritonserver and every descendant (see `labelled_processes`)."""
+    import psutil
+
+    out: dict[str, int] = {}
+    for label, proc in labelled_processes(root_pid, labels):
         try:  # a stub that died and was not reaped (a zombie) reads as 0
             zombie = proc.status() == psutil.STATUS_ZOMBIE
-            out[labels[proc.pid]] = 0 if zombie else proc.memory_info().rss
+            out[label] = 0 if zombie else proc.memory_info().rss
         except psutil.NoSuchProcess:
-            out[labels[proc.pid]] = 0
+            out[label] = 0
     for label in set(labels.values()) - set(out):  # gone (reaped)
         out[label] = 0
     return out
+
+
+# ---- CPU by process and thread -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """One process's CPU counters at one moment: user + system seconds (its own, not its
+    reaped children's), thread count, context switches so far, and each thread's
+    (name, user + system seconds) by thread id."""
+
+    cpu_s: float
+    threads: int
+    ctx_voluntary: int
+    ctx_involuntary: int
+    thread_cpu_s: Mapping[int, tuple[str, float]] = field(default_factory=dict)
+
+
+NO_CPU = CpuSample(0.0, 0, 0, 0)  # what a process that started during the run had at its start
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessCpu:
+    """One process over one perf_analyzer run."""
+
+    label: str
+    cpu_s: float
+    machine_share: float  # cpu_s / (wall_s * cpu_count): its share of the machine's capacity
+    threads: int  # at the end (or at its last sample)
+    ctx_voluntary: int
+    ctx_involuntary: int
+    thread_groups: tuple[tuple[str, float], ...]  # (thread name, CPU s), busiest first
+    note: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "process": self.label,
+            "cpu_s": self.cpu_s,
+            "machine_share": self.machine_share,
+            "threads": self.threads,
+            "ctx_switches_voluntary": self.ctx_voluntary,
+            "ctx_switches_involuntary": self.ctx_involuntary,
+            "thread_groups": [{"name": n, "cpu_s": c} for n, c in self.thread_groups],
+            "note": self.note,
+        }
+
+
+def thread_name(pid: int, tid: int) -> str | None:
+    """The kernel's name of a thread (/proc/<pid>/task/<tid>/comm); None once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def cpu_snapshot(processes: Sequence[tuple[str, Any]]) -> dict[str, CpuSample]:
+    """Label -> CpuSample of each live process (a zombie or a process gone meanwhile is left
+    out: the caller keeps its last sample)."""
+    import psutil
+
+    out: dict[str, CpuSample] = {}
+    for label, proc in processes:
+        try:
+            with proc.oneshot():
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                times = proc.cpu_times()
+                ctx = proc.num_ctx_switches()
+                count = proc.num_threads()
+                threads = proc.threads()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        per_thread: dict[int, tuple[str, float]] = {}
+        for t in threads:
+            name = thread_name(proc.pid, t.id)
+            if name is not None:
+                per_thread[t.id] = (name, t.user_time + t.system_time)
+        out[label] = CpuSample(
+            times.user + times.system, count, ctx.voluntary, ctx.involuntary, per_thread
+        )
+    return out
+
+
+def cpu_breakdown(
+    start: Mapping[str, CpuSample],
+    end: Mapping[str, CpuSample],
+    wall_s: float,
+    cpu_count: int,
+    gone_at: Mapping[str, float] | None = None,
+) -> list[ProcessCpu]:
+    """What each process used between `start` and `end` (label -> sample), busiest first.
+
+    A process missing from `start` started during the run and counts from 0; `gone_at` (label ->
+    seconds into the run) marks an `end` sample that is the process's last periodic one, taken
+    before it ended; a process only in `start` was never seen again and counts 0. Threads are
+    matched by id (a reused id under another name counts from 0) and grouped by name."""
+    if wall_s <= 0 or cpu_count < 1:
+        raise ValueError(f"need wall_s > 0 and cpu_count >= 1, got {wall_s}, {cpu_count}")
+    gone_at = gone_at or {}
+    out = []
+    for label in sorted(start.keys() | end.keys()):
+        notes = []
+        first, last = start.get(label), end.get(label)
+        if first is None:
+            first = NO_CPU
+            notes.append("started during the run: counted from 0")
+        if last is None:
+            last = first
+            notes.append("gone before any later sample: not counted")
+        elif label in gone_at:
+            notes.append(
+                f"gone before the end: counted to its last sample, {gone_at[label]:.0f} s into "
+                "the run"
+            )
+        groups: dict[str, float] = defaultdict(float)
+        for tid, (name, cpu_s) in last.thread_cpu_s.items():
+            before = first.thread_cpu_s.get(tid)
+            groups[name] += cpu_s - (before[1] if before is not None and before[0] == name else 0.0)
+        cpu_s = last.cpu_s - first.cpu_s
+        out.append(
+            ProcessCpu(
+                label=label,
+                cpu_s=cpu_s,
+                machine_share=cpu_s / (wall_s * cpu_count),
+                threads=last.threads,
+                ctx_voluntary=last.ctx_voluntary - first.ctx_voluntary,
+                ctx_involuntary=last.ctx_involuntary - first.ctx_involuntary,
+                thread_groups=tuple(sorted(groups.items(), key=lambda g: (-g[1], g[0]))),
+                note="; ".join(notes),
+            )
+        )
+    return sorted(out, key=lambda p: (-p.cpu_s, p.label))
+
+
+def top_thread_groups(cpu: Sequence[ProcessCpu], n: int) -> list[tuple[str, str, float]]:
+    """The `n` busiest (process, thread name, CPU s) over every process."""
+    rows = [(p.label, name, cpu_s) for p in cpu for name, cpu_s in p.thread_groups]
+    return sorted(rows, key=lambda r: (-r[2], r[0], r[1]))[:n]
 
 
 def tier_sizes(samples: list[Sample]) -> dict[str, tuple[float, float]]:
@@ -387,7 +634,9 @@ def tier_sizes(samples: list[Sample]) -> dict[str, tuple[float, float]]:
 
 
 class Sampler(threading.Thread):
-    """Every `period_s`: RSS per process and tier sizes into two CSV files."""
+    """Every `period_s`: RSS per process and tier sizes into two CSV files; between
+    `mark_cpu_start()` and `mark_cpu_end()` (the perf_analyzer run) also each process's CPU
+    counters, so a process gone before the end still has its last sample."""
 
     def __init__(
         self,
@@ -400,6 +649,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.server, self.period_s, self.duration_s = server, period_s, duration_s
         self.rss_path = out_dir / f"{prefix}_rss.csv"
+        self.desc = prefix
         self.tiers_path = out_dir / f"{prefix}_tiers.csv"
         self.died: dict[str, float] = {}  # process label -> seconds into the run it was gone
         self.rss: dict[str, list[tuple[float, int]]] = {}
@@ -408,10 +658,61 @@ class Sampler(threading.Thread):
         self.stop_event = threading.Event()
         self.started = time.monotonic()
         self.status: dict[str, float] = {}
+        self.lock = threading.Lock()  # `labels` and the CPU samples: this thread and the caller's
+        self.cpu_start: dict[str, CpuSample] | None = None
+        self.cpu_last: dict[str, tuple[float, CpuSample]] = {}  # label -> (t, latest sample)
+        self.cpu_end: dict[str, CpuSample] | None = None
+        self.cpu_gone_at: dict[str, float] = {}  # label -> t of its last sample, gone at the end
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+    def _observe_cpu(self, t: float) -> dict[str, CpuSample]:
+        """A CPU sample of every process, merged into `cpu_last` (a thread that has ended keeps
+        its last value there, so its CPU still counts); returns the live ones. Holds `lock`."""
+        now = cpu_snapshot(labelled_processes(self.server.process.pid, self.labels))
+        for label, sample in now.items():
+            previous = self.cpu_last.get(label)
+            if previous is not None:
+                threads = {**previous[1].thread_cpu_s, **sample.thread_cpu_s}
+                sample = dataclasses.replace(sample, thread_cpu_s=threads)
+            self.cpu_last[label] = (t, sample)
+        return now
+
+    def mark_cpu_start(self) -> None:
+        """The CPU counters at the start of the measured run."""
+        with self.lock:
+            t = self._now()
+            self.cpu_last = {}
+            self.cpu_start = self._observe_cpu(t)
+            self.cpu_end, self.cpu_gone_at = None, {}
+
+    def mark_cpu_end(self) -> None:
+        """The CPU counters at its end; a process no longer there keeps its last sample."""
+        with self.lock:
+            if self.cpu_start is None:
+                raise RuntimeError("mark_cpu_end before mark_cpu_start")
+            t = self._now()
+            live = self._observe_cpu(t)
+            self.cpu_end = {label: sample for label, (_, sample) in self.cpu_last.items()}
+            self.cpu_gone_at = {
+                label: seen for label, (seen, _) in self.cpu_last.items() if label not in live
+            }
+
+    def cpu(self, wall_s: float, cpu_count: int) -> list[ProcessCpu]:
+        """Each process's CPU between the two marks ([] without both, or without a wall time)."""
+        with self.lock:
+            if self.cpu_start is None or self.cpu_end is None or wall_s <= 0:
+                return []
+            return cpu_breakdown(self.cpu_start, self.cpu_end, wall_s, cpu_count, self.cpu_gone_at)
 
     def sample(self) -> None:
-        t = round(time.monotonic() - self.started, 1)
-        for label, rss in rss_by_process(self.server.process.pid, self.labels).items():
+        t = self._now()
+        with self.lock:
+            by_process = rss_by_process(self.server.process.pid, self.labels)
+            if self.cpu_start is not None and self.cpu_end is None:
+                self._observe_cpu(t)
+        for label, rss in by_process.items():
             self.rss.setdefault(label, []).append((t, rss))
             self.rss_writer.writerow([t, label, rss])
             if rss == 0 and label not in self.died:
@@ -433,7 +734,7 @@ class Sampler(threading.Thread):
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=int(self.duration_s), unit="s", desc="soak", file=sys.stdout)
+            bar = tqdm(total=int(self.duration_s), unit="s", desc=self.desc, file=sys.stdout)
         except ImportError:
             pass
         with open(self.rss_path, "w", newline="") as self.rss_file:
@@ -485,7 +786,7 @@ class StubWatch:
 
 def status_counters(samples: list[Sample]) -> dict[str, float]:
     """Flat counters: status:<cache status>, hit:<tier>, and error counts of every stage."""
-    out: dict[str, float] = Counter()
+    out: dict[str, float] = defaultdict(float)
     for name, labels, value in samples:
         if name == "tiercache_llm_requests_total":  # the final status (after semantic lookup)
             out[f"status:{labels.get('status')}"] += value
@@ -581,11 +882,45 @@ class Run:
     level: LevelStats | None
     returncode: int
     statuses: dict[str, int]
-    wall_s: float
+    wall_s: float  # perf_analyzer's wall time
     command: str
     notes: list[str] = field(default_factory=list)
     rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     tiers: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    round: int = 1
+    cpu: list[ProcessCpu] = field(default_factory=list)  # busiest first
+    cpu_count: int = 0  # the machine's CPUs, the denominator of each process's share
+
+    @property
+    def engine_tokens(self) -> int | None:
+        """Tokens the engine generated over the run (None when the counters were not read)."""
+        if "engine:generated_tokens" not in self.statuses:
+            return None
+        return self.statuses["engine:generated_tokens"]
+
+    @property
+    def engine_tokens_per_s(self) -> float | None:
+        """ENGINE_TOKENS_DEFINITION."""
+        tokens = self.engine_tokens
+        return None if tokens is None or self.wall_s <= 0 else tokens / self.wall_s
+
+    def metric(self, name: str) -> float | None:
+        """throughput (infer/s), p50_ms, p99_ms or engine_tokens_per_s; None when not measured."""
+        if name == "engine_tokens_per_s":
+            return self.engine_tokens_per_s
+        if self.level is None:
+            return None
+        values = {
+            "throughput": self.level.throughput,
+            "p50_ms": self.level.p50_us / 1000,
+            "p99_ms": self.level.p99_us / 1000,
+        }
+        return values[name]
+
+
+def run_tag(config: str, round_no: int, compare: bool) -> str:
+    """What a run's files are named by: `tiercache-r2` in a comparison, `tiercache` in a soak."""
+    return f"{config}-r{round_no}" if compare else config
 
 
 def measure(
@@ -596,8 +931,13 @@ def measure(
     mix: list[Ask],
     work: Path,
     sample: bool,
+    round_no: int = 1,
 ) -> Run:
-    root = work / config
+    """One cold server (its own repository copy and fresh state dir) and one perf_analyzer run.
+    `sample` True: the soak's names (soak_rss.csv, ...); False: a comparison run's, which carry
+    the round."""
+    tag = run_tag(config, round_no, not sample)
+    root = work / tag
     root.mkdir(parents=True)
     state = fresh_state(root, args.state_dir)
     # The port is chosen now (the repository names it); the server starts inside the try.
@@ -606,23 +946,24 @@ def measure(
     logs = args.out_dir / "logs"
     extra: list[str] = []
     if config == RESPONSE_CACHE:
-        repository = response_cache_repository(root)
+        repository = response_cache_repository(root, args)
         extra = ["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"]
         model, transport, control = "llm_plain", "--async", None
     else:
         repository = tiercache_repository(root, args, config, redis_url)
         model, transport = "ensemble", "--streaming"
         control = NO_CACHE if config == OFF else None
-    data = args.out_dir / f"inputs-{config}.json"
+    data = args.out_dir / f"inputs-{tag}.json"  # the same entries every round
     write_inputs_json(data, entries_for(mix, args.max_tokens, control))
     server = triton(
         repository,
         state,
-        log_path=logs / f"server-{config}.log",
+        log_path=logs / f"server-{tag}.log",
         extra_args=extra,
         adapters_dir=ADAPTERS,
     )
-    progress(f"{LABELS[config]}: starting tritonserver (grpc {server.ports.grpc})")
+    when = f", round {round_no}" if not sample else ""
+    progress(f"{LABELS[config]}{when}: starting tritonserver (grpc {server.ports.grpc})")
     started = time.monotonic()
     try:
         if redis_server is not None:
@@ -631,7 +972,7 @@ def measure(
         with running(server, ready_timeout_s=300):
             progress(f"  ready in {time.monotonic() - started:.1f} s")
             before = settled_counters(server.ports.metrics)
-            prefix = "soak" if sample else f"compare-{config}"
+            prefix = "soak" if sample else f"compare-{tag}"
             sampler = Sampler(server, args.out_dir, args.sample_s, duration_s, prefix)
             sampler.start()
             pa_args = perf_args(
@@ -641,16 +982,18 @@ def measure(
                 args.concurrency,
                 duration_s,
                 transport,
-                args.out_dir / f"perf-{config}.csv",
+                args.out_dir / f"perf-{tag}.csv",
             )
             progress(f"  perf_analyzer {shown(pa_args)}")
+            sampler.mark_cpu_start()
             run = run_perf_analyzer(
                 pa,
                 pa_args,
-                logs / f"perf-{config}.txt",
+                logs / f"perf-{tag}.txt",
                 timeout_s=duration_s * 2 + 300,
                 server=StubWatch(server, sampler),
             )
+            sampler.mark_cpu_end()  # before the counters settle: the run's CPU only
             after = settled_counters(server.ports.metrics)
             sampler.stop_event.set()
             sampler.join(timeout=30)
@@ -664,8 +1007,11 @@ def measure(
         counter_delta(before, after),
         run.wall_s,
         shown([str(pa), *pa_args]),
+        round=round_no,
+        cpu_count=os.cpu_count() or 1,
     )
     result.rss, result.tiers = sampler.rss, sampler.tiers
+    result.cpu = sampler.cpu(run.wall_s, result.cpu_count)
     for label, t in sampler.died.items():
         result.notes.append(
             f"the {label} process died {t:.0f} s into the run (see the server log); the "
@@ -760,7 +1106,7 @@ def header(args: argparse.Namespace, title: str, wall_s: float, pa_version: str)
 
 
 def soak_report(
-    args: argparse.Namespace, run: Run, mix: list[Ask], wall_s: float, pa: str
+    args: argparse.Namespace, run: Run, mix: list[Ask], wall_s: float, pa: str, load: str = ""
 ) -> tuple[str, bool]:
     md = header(args, f"Soak: {args.duration} s at concurrency {args.concurrency}", wall_s, pa)
     lv = run.level
@@ -775,6 +1121,7 @@ def soak_report(
         )
         + ("Redis L3" if args.redis else "no Redis")
         + "; committed adapters",
+        *([f"- background load: {load}"] if load else []),
         f"- input list: {mix_summary(mix)}",
         (
             f"- sent (perf_analyzer's measured requests): {sent}; the first {sent} entries hold "
@@ -818,8 +1165,8 @@ def soak_report(
         "| process | first | at 25 % | last | max | last - at 25 % |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label, points in sorted(run.rss.items()):
-        values = [r for _, r in points]
+    for label, rss_points in sorted(run.rss.items()):
+        values = [r for _, r in rss_points]
         quarter = values[len(values) // 4]
         md.append(
             f"| {label} | {mib(values[0])} | {mib(quarter)} | {mib(values[-1])} | "
@@ -828,15 +1175,15 @@ def soak_report(
     md += ["", "### Byte budgets", ""]
     md += ["| tier | budget | max seen | entries at the end | held |", "|---|---:|---:|---:|---|"]
     for tier, budget in budgets(args).items():
-        points = run.tiers.get(tier)
-        if not points:
+        tier_points = run.tiers.get(tier)
+        if not tier_points:
             md.append(f"| {tier} | {size(budget)} | n/a | n/a | n/a |")
             continue
-        top = max(b for _, b, _ in points)
+        top = max(b for _, b, _ in tier_points)
         held = top <= budget
         ok &= held
         md.append(
-            f"| {tier} | {size(budget)} | {size(top)} | {int(points[-1][2]) or '-'} | "
+            f"| {tier} | {size(budget)} | {size(top)} | {int(tier_points[-1][2]) or '-'} | "
             f"{'yes' if held else 'NO'} |"
         )
     others = [t for t in run.tiers if t not in budgets(args)]
@@ -856,46 +1203,261 @@ def soak_report(
     return "\n".join(md) + "\n", ok
 
 
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def compare_configs(args: argparse.Namespace) -> list[str]:
+    """The configurations to compare, in their fixed order (`--only` picks among them)."""
+    wanted = set(args.only or (TIERCACHE, OFF, RESPONSE_CACHE))
+    return [c for c in (TIERCACHE, OFF, RESPONSE_CACHE) if c in wanted]
+
+
+def run_ok(run: Run) -> bool:
+    return run.level is not None and run.returncode == 0 and error_count(run) == 0
+
+
+def per_round(runs: Sequence[Run], config: str, metric: str) -> dict[int, float]:
+    """{round: the run's `metric`} of one configuration, over the rounds that measured it."""
+    out = {}
+    for r in runs:
+        value = r.metric(metric) if r.config == config else None
+        if value is not None:
+            out[r.round] = value
+    return out
+
+
+def compare_ratios(runs: Sequence[Run]) -> dict[str, Spread | None]:
+    """Each of RATIOS, taken per round (the two runs of a round minutes apart) and spread over
+    the rounds; None where no round measured both."""
+    return {
+        name: paired_ratio(per_round(runs, a, metric), per_round(runs, b, metric))
+        for name, a, b, metric in RATIOS
+    }
+
+
+def final_line(ratios: Mapping[str, Spread | None]) -> str:
+    """The last line of compare.md: the median per-round tiercache/response-cache throughput."""
+    spread = ratios.get(FINAL_RATIO)
+    return f"ratio {FINAL_RATIO} {fmt(spread.median if spread else None, '.2f')}"
+
+
+def medians(runs: Sequence[Run], config: str) -> dict[str, float | None]:
+    """The median over the rounds of each metric of one configuration (None: never measured)."""
+    out: dict[str, float | None] = {}
+    for metric in ("throughput", "p50_ms", "p99_ms", "engine_tokens_per_s"):
+        values = per_round(runs, config, metric).values()
+        out[metric] = median(values) if values else None
+    return out
+
+
+def cpu_section(runs: Sequence[Run], configs: Sequence[str]) -> list[str]:
+    """Per configuration, its last round's CPU by process and its busiest thread groups."""
+    md = [
+        "",
+        "### CPU by process during the run (the last round of each configuration)",
+        "",
+        "tritonserver and its Python-backend stubs (psutil, at the start and the end of the "
+        "perf_analyzer run; perf_analyzer itself and other processes not counted): user + system "
+        "CPU seconds, their share of the machine's capacity (CPU s / (perf_analyzer's wall s x "
+        "CPUs)), threads at the end, voluntary / involuntary context switches during the run. "
+        "Thread groups: the threads of one process with the same name "
+        "(/proc/<pid>/task/<tid>/comm). Every round's figures are in compare.json.",
+    ]
+    for config in configs:
+        measured = [r for r in runs if r.config == config and r.cpu]
+        if not measured:
+            md += ["", f"{LABELS[config]}: no CPU figures (no completed run)"]
+            continue
+        run = max(measured, key=lambda r: r.round)
+        total = sum(p.cpu_s for p in run.cpu)
+        md += [
+            "",
+            f"{LABELS[config]}, round {run.round}: {run.wall_s:.0f} s, {run.cpu_count} CPUs",
+            "",
+            "| process | CPU s | share of machine | threads | ctx switches vol. | invol. |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        md += [
+            f"| {p.label} | {p.cpu_s:.1f} | {p.machine_share:.1%} | {p.threads} | "
+            f"{p.ctx_voluntary} | {p.ctx_involuntary} |"
+            for p in run.cpu
+        ]
+        md.append(
+            f"| all server processes | {total:.1f} | "
+            f"{total / (run.wall_s * run.cpu_count):.1%} | | | |"
+        )
+        notes = [f"- {p.label}: {p.note}" for p in run.cpu if p.note]
+        md += ["", *notes] if notes else []
+        md += ["", "| process | thread group | CPU s |", "|---|---|---:|"]
+        md += [
+            f"| {label} | {name} | {cpu_s:.1f} |"
+            for label, name, cpu_s in top_thread_groups(run.cpu, TOP_THREAD_GROUPS)
+        ]
+    return md
+
+
 def compare_report(
-    args: argparse.Namespace, runs: list[Run], mix: list[Ask], wall_s: float, pa: str
-) -> tuple[str, bool]:
+    args: argparse.Namespace,
+    runs: Sequence[Run],
+    mix: list[Ask],
+    wall_s: float,
+    pa: str,
+    load: str,
+) -> str:
+    """compare.md: runs per round, medians, per-round ratios, CPU; it ends with `final_line`."""
+    configs = compare_configs(args)
+    ratios = compare_ratios(runs)
     md = header(args, "Throughput: tiercache vs caching off vs Triton's response cache", wall_s, pa)
     md += [
-        f"- {args.compare_duration} s per server, one after the other, each cold (fresh state "
-        f"dir); same input list: {mix_summary(mix)}",
-        "",
-        "| configuration | requests | infer/s | p50 ms | p99 ms | errors | cache statuses |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        f"- {args.rounds} interleaved round{'s' if args.rounds > 1 else ''} in serpentine order "
+        "(a b c, then c b a, ...), each configuration started cold in each round (its own "
+        f"repository copy and fresh state dir); {args.compare_duration} s per configuration per "
+        f"round; the same input list every round: {mix_summary(mix)}",
+        "- torch_llm overrides, the same in every configuration: "
+        + (", ".join(f"{k} {v}" for k, v in engine_params(args).items()) or "none"),
+        f"- background load: {load}",
     ]
-    ok = True
-    by = {r.config: r for r in runs}
-    for r in runs:
-        lv = r.level
-        ok &= lv is not None and r.returncode == 0 and error_count(r) == 0
-        if lv is None:
-            md.append(
-                f"| {LABELS[r.config]} | n/a | n/a | n/a | n/a | {error_count(r)} | "
-                f"{'; '.join(r.notes)} |"
-            )
-            continue
+    if args.compare_duration < ISSUE_MIN_DURATION_S:
         md.append(
-            f"| {LABELS[r.config]} | {lv.request_count} | {lv.throughput:.2f} | "
-            f"{lv.p50_us / 1000:.1f} | {lv.p99_us / 1000:.1f} | {error_count(r)} | "
-            f"{status_line(r)} |"
+            f"- note: {args.compare_duration} s per configuration per round is below the "
+            f"{ISSUE_MIN_DURATION_S} s issue 15 asks for: a short check, not a measurement"
         )
-    md += ["", "| ratio | throughput | p50 latency |", "|---|---:|---:|"]
-    t = by.get(TIERCACHE)
-    for other in (OFF, RESPONSE_CACHE):
-        o = by.get(other)
-        if t is None or o is None or t.level is None or o.level is None:
-            md.append(f"| tiercache / {other} | n/a | n/a |")
-            continue
-        thr = t.level.throughput / o.level.throughput if o.level.throughput else float("nan")
-        p50 = t.level.p50_us / o.level.p50_us if o.level.p50_us else float("nan")
-        md.append(f"| tiercache / {other} | {thr:.2f} | {p50:.2f} |")
-    md += ["", *(f"- {LABELS[r.config]}: `{r.command}`" for r in runs)]
-    md += [f"- note ({r.config}): {n}" for r in runs for n in r.notes]
-    return "\n".join(md) + "\n", ok
+    md += [
+        "",
+        "### Runs",
+        "",
+        "| configuration | round | requests | infer/s | p50 ms | p99 ms | errors | statuses | "
+        "engine generated tokens | engine tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in sorted(runs, key=lambda r: (configs.index(r.config), r.round)):
+        lv = r.level
+        cells = (
+            [str(lv.request_count), f"{lv.throughput:.2f}"]
+            + [f"{lv.p50_us / 1000:.1f}", f"{lv.p99_us / 1000:.1f}"]
+            if lv is not None
+            else ["n/a"] * 4
+        )
+        statuses = status_line(r) if lv is not None else "; ".join(r.notes) or "n/a"
+        tokens = r.engine_tokens
+        md.append(
+            f"| {LABELS[r.config]} | {r.round} | " + " | ".join(cells) + f" | {error_count(r)} | "
+            f"{statuses} | {'n/a' if tokens is None else tokens} | "
+            f"{fmt(r.engine_tokens_per_s, '.1f')} |"
+        )
+    md += [
+        "",
+        "### Medians over the rounds",
+        "",
+        "| configuration | rounds measured | infer/s | p50 ms | p99 ms | engine tokens/s | "
+        "errors (all rounds) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config in configs:
+        m = medians(runs, config)
+        measured = len(per_round(runs, config, "throughput"))
+        errors = sum(error_count(r) for r in runs if r.config == config)
+        md.append(
+            f"| {LABELS[config]} | {measured} | {fmt(m['throughput'], '.2f')} | "
+            f"{fmt(m['p50_ms'], '.1f')} | {fmt(m['p99_ms'], '.1f')} | "
+            f"{fmt(m['engine_tokens_per_s'], '.1f')} | {errors} |"
+        )
+    md += [
+        "",
+        "### Ratios, per round",
+        "",
+        "Each ratio is taken within a round, between two runs minutes apart, and shown as the "
+        "median of the rounds with their range (a ratio of medians would mix the load of "
+        "different moments). Throughput and engine tokens/s: above 1 is tiercache ahead; p50: "
+        "below 1 is tiercache faster.",
+        "",
+        "| ratio | median (range) |",
+        "|---|---:|",
+    ]
+    md += [
+        f"| {name} | {'n/a' if spread is None else spread.text()} |"
+        for name, spread in ratios.items()
+    ]
+    md += ["", f"- {ENGINE_TOKENS_DEFINITION}."]
+    md += cpu_section(runs, configs)
+    md += ["", *(f"- {r.config} r{r.round}: `{r.command}`" for r in runs if r.command)]
+    md += [f"- note ({r.config} r{r.round}): {n}" for r in runs for n in r.notes]
+    machine = machine_summary()
+    md += [
+        f"- machine: {machine['nproc']} CPUs ({machine['cpu']}), load average at the end "
+        f"{machine['loadavg']}; background load: {load}",
+        "",
+        final_line(ratios),
+    ]
+    return "\n".join(md) + "\n"
+
+
+def run_summary(run: Run) -> dict[str, object]:
+    """One run for compare.json."""
+    lv = run.level
+    return {
+        "config": run.config,
+        "round": run.round,
+        "returncode": run.returncode,
+        "requests": lv.request_count if lv is not None else None,
+        "throughput_infer_per_s": run.metric("throughput"),
+        "p50_ms": run.metric("p50_ms"),
+        "p99_ms": run.metric("p99_ms"),
+        "errors": error_count(run),
+        "statuses": run.statuses,
+        "engine_generated_tokens": run.engine_tokens,
+        "engine_tokens_per_s": run.engine_tokens_per_s,
+        "wall_s": run.wall_s,
+        "cpu_count": run.cpu_count,
+        "cpu": [p.as_dict() for p in run.cpu],
+        "notes": run.notes,
+        "command": run.command,
+    }
+
+
+def compare_summary(
+    args: argparse.Namespace, runs: Sequence[Run], wall_s: float, pa: str, load: str
+) -> dict[str, object]:
+    """compare.json: every run, the per-round ratios, and how the comparison was made."""
+    configs = compare_configs(args)
+    return {
+        "command": invocation("tiercache_dev.perf.soak"),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": wall_s,
+        "rounds": args.rounds,
+        "order": [{"round": n, "config": c} for n, c in serpentine(configs, args.rounds)],
+        "duration_s": args.compare_duration,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "torch_llm_overrides": engine_params(args),
+        "background_load": load,
+        "machine": machine_summary(),
+        "perf_analyzer": pa,
+        "engine_tokens_per_s": ENGINE_TOKENS_DEFINITION,
+        "runs": [run_summary(r) for r in runs],
+        "ratios": {
+            name: None if spread is None else spread.as_dict()
+            for name, spread in compare_ratios(runs).items()
+        },
+        "ok": all(run_ok(r) for r in runs),
+    }
+
+
+def compare(args: argparse.Namespace, pa: Path, mix: list[Ask], work: Path) -> list[Run]:
+    """Every configuration in every round, in serpentine order; a failed run is recorded and
+    the others go on."""
+    runs = []
+    for round_no, config in serpentine(compare_configs(args), args.rounds):
+        progress(f"round {round_no}/{args.rounds}: {LABELS[config]}")
+        try:
+            runs.append(
+                measure(args, pa, config, args.compare_duration, mix, work, False, round_no)
+            )
+        except Exception as exc:  # noqa: BLE001 - report it, go on with the others
+            progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
+            runs.append(Run(config, None, 1, {}, 0.0, "", [f"failed: {exc}"], round=round_no))
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -914,25 +1476,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = perf_analyzer_version(pa)
     mix = build_mix(args)
     progress(f"mix: {mix_summary(mix)}")
-    with tempfile.TemporaryDirectory(prefix="tiercache-soak-") as tmp:
+    load = BackgroundLoad(args.background_load, args.background_duty)
+    with tempfile.TemporaryDirectory(prefix="tiercache-soak-") as tmp, load:
         work = Path(tmp)
+        progress(f"background load: {load.describe()}")
         if args.compare:
-            runs = []
-            for config in args.only or (TIERCACHE, OFF, RESPONSE_CACHE):
-                try:
-                    runs.append(measure(args, pa, config, args.compare_duration, mix, work, False))
-                except Exception as exc:  # noqa: BLE001 - report it, go on with the others
-                    progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
-                    runs.append(Run(config, None, 1, {}, 0.0, "", [f"failed: {exc}"]))
-            md, ok = compare_report(args, runs, mix, time.monotonic() - started, version)
-            path = args.out_dir / "compare.md"
+            runs = compare(args, pa, mix, work)
         else:
-            run = measure(args, pa, TIERCACHE, args.duration, mix, work, True)
-            runs = [run]
-            md, ok = soak_report(args, run, mix, time.monotonic() - started, version)
-            path = args.out_dir / "soak.md"
+            runs = [measure(args, pa, TIERCACHE, args.duration, mix, work, True)]
+    wall_s = time.monotonic() - started
+    if args.compare:
+        md = compare_report(args, runs, mix, wall_s, version, load.describe())
+        summary = compare_summary(args, runs, wall_s, version, load.describe())
+        ok = bool(summary["ok"])
+        path = args.out_dir / "compare.md"
+        path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+        counters = {run_tag(r.config, r.round, True): r.statuses for r in runs}
+    else:
+        md, ok = soak_report(args, runs[0], mix, wall_s, version, load.describe())
+        path = args.out_dir / "soak.md"
+        counters = {r.config: r.statuses for r in runs}
     path.write_text(md)
-    counters = {r.config: r.statuses for r in runs}
     path.with_suffix(".counters.json").write_text(json.dumps(counters, indent=1) + "\n")
     print()
     print(md)

@@ -1,16 +1,21 @@
 """`llm_plain`: a non-decoupled Python model in front of the real `torch_llm` engine, so that
 Triton's own response cache (which refuses decoupled models) can sit in front of the same engine
-as tiercache. A miss reaches execute(): the request becomes the engine's canonical request JSON
-(greedy, `max_tokens`, the adapter's name and digest, the tenant as the prefix-KV scope), goes to
-`torch_llm` over BLS, and the streamed chunks are joined into one `text_output`. An adapter's
-files travel with its first request (the engine holds up to `lora_slots` adapters, four by
-default, so the committed three stay loaded). A hit never reaches this code: Triton answers it.
+as tiercache. A miss reaches execute(): the inputs are read and canonicalized by the package's own
+code (`tiercache.triton.io.read_raw_inputs`, `tiercache.exact.request.canonicalize`), exactly as
+tiercache's prompt_cache does, so the engine gets the request tiercache's llm stage sends it: the
+same normalized prompt text (NFKC, whitespace runs collapsed to one space), the same max_tokens
+default and sampling fields, the adapter's name and digest, and the tenant's scope
+(`tiercache.exact.keys.tenant_scope` under this server's secret) as the prefix-KV scope. It goes to
+`torch_llm` over BLS, sealed as llm seals its engine calls, and the streamed chunks are joined
+into one `text_output`. An adapter's files travel with an instance's first request for it (the
+engine holds up to `lora_slots` adapters, four by default, so the committed three stay loaded; a
+second load of a held adapter is a no-op). A hit never reaches this code: Triton answers it.
 
 Benchmark fixture (tiercache_dev.perf.soak --compare); not served from this folder."""
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -18,29 +23,17 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import ADAPTERS_DIR_ENV, default_state_dir
-from tiercache.exact.request import GenerationRequest
+from tiercache.exact.keys import tenant_scope
+from tiercache.exact.request import GenerationRequest, canonicalize
 from tiercache.lora.registry import AdapterRegistry
 from tiercache.stages.common import engine_inputs
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.parts import open_sealer
+from tiercache.stages.parts import host_secret, open_sealer
+from tiercache.triton import io
 from tiercache.triton.bls import StreamKeeper
 
 ENGINE = "torch_llm"
-DEFAULT_MAX_TOKENS = 16
 ENGINE_OUTPUTS = ["TEXT", "FINISH_REASON"]
-
-
-def _string(request: object, name: str) -> str | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def _int(request: object, name: str) -> int | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else int(tensor.as_numpy().reshape(-1)[0])
 
 
 class TritonPythonModel:
@@ -49,7 +42,10 @@ class TritonPythonModel:
         adapters = Path(os.environ.get(ADAPTERS_DIR_ENV) or state_dir / "adapters")
         self.registry = AdapterRegistry(adapters, state_dir)
         self.sealer = open_sealer(state_dir)
-        self.loaded: set[str] = set()  # adapter digests sent to the engine
+        # The tenant scope prompt_cache computes (HMAC under the server secret), so the engine's
+        # prefix-KV blocks are keyed exactly as they are behind tiercache.
+        self.secret = host_secret(state_dir)
+        self.loaded: set[str] = set()  # adapter digests this instance sent to the engine
         self.streams = StreamKeeper()  # as in llm: the stub never drops a stream without the GIL
 
     def execute(self, requests: list) -> list:
@@ -60,36 +56,29 @@ class TritonPythonModel:
                 out = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
                 responses.append(pb_utils.InferenceResponse([out]))
             except Exception as exc:  # noqa: BLE001 - this request's error; the batch goes on
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"llm_plain: {exc}")  # no traceback
-                    )
-                )
+                responses.append(io.error_response(exc))  # one line; a traceback goes to the log
         return responses
 
-    def _answer(self, request: object) -> str:
-        prompt = _string(request, "text_input")
-        if not prompt:
-            raise ValueError("text_input is required")
-        tenant = _string(request, "tenant") or ""
-        lora_name = _string(request, "lora_name") or ""
-        values: dict[str, str | bytes] = {}
-        task_id, digest = 0, ""
-        if lora_name:
-            ref = self.registry.resolve(lora_name)
-            task_id, digest = ref.task_id, ref.digest
-            if digest not in self.loaded:
-                files = self.registry.read(ref)
-                values["LORA_CONFIG"] = files.config_json
-                values["LORA_WEIGHTS"] = files.weights
-        gen = GenerationRequest(
-            prompt=prompt,
-            max_tokens=_int(request, "max_tokens") or DEFAULT_MAX_TOKENS,
-            lora_name=lora_name,
-            lora_task_id=task_id,
-            lora_digest=digest,
-            tenant_scope=hashlib.sha256(tenant.encode()).hexdigest(),
+    def request_of(self, request: object) -> tuple[GenerationRequest, dict[str, str | bytes]]:
+        """The engine's request, as prompt_cache would build it, and the adapter files to send
+        with it (none once this instance has sent them)."""
+        # Fairness (issue 15): the package's canonicalization, not a copy of it, so the engine
+        # sees the same prompt text, max_tokens default and sampling fields as behind tiercache.
+        canonical = canonicalize(io.read_raw_inputs(request))
+        gen = dataclasses.replace(
+            canonical.request, tenant_scope=tenant_scope(self.secret, canonical.tenant)
         )
+        files: dict[str, str | bytes] = {}
+        if gen.lora_name:
+            ref = self.registry.resolve(gen.lora_name)
+            gen = dataclasses.replace(gen, lora_task_id=ref.task_id, lora_digest=ref.digest)
+            if ref.digest not in self.loaded:
+                adapter = self.registry.read(ref)
+                files = {"LORA_CONFIG": adapter.config_json, "LORA_WEIGHTS": adapter.weights}
+        return gen, files
+
+    def _answer(self, request: object) -> str:
+        gen, values = self.request_of(request)
         values["ENVELOPE"] = Envelope(request=gen).seal(self.sealer)
         infer = pb_utils.InferenceRequest(
             model_name=ENGINE,
@@ -99,11 +88,13 @@ class TritonPythonModel:
         chunks = []
         for response in self.streams.read(infer.exec(decoupled=True)):
             if response.has_error():
-                raise RuntimeError(f"engine {ENGINE}: {response.error().message()}")
-            tensor = pb_utils.get_output_tensor_by_name(response, "TEXT")
-            if tensor is not None:
-                value = tensor.as_numpy().reshape(-1)[0]
-                chunks.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
-        if digest:
-            self.loaded.add(digest)
+                raise io.from_triton_error(response.error().message())
+            text = io.output_string(response, "TEXT")
+            if text:
+                chunks.append(text)
+        if gen.lora_digest:
+            self.loaded.add(gen.lora_digest)
         return "".join(chunks)
+
+    def finalize(self) -> None:
+        self.streams.clear()
