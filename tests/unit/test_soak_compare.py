@@ -97,6 +97,8 @@ def test_rounds_default_to_three_with_compare_and_one_without(pairs: Path) -> No
         ("--background-load", "-1"),
         ("--background-duty", "0"),
         ("--background-duty", "1.5"),
+        ("--engine-threads", "0"),
+        ("--embedder-threads", "two"),
     ],
 )
 def test_bad_arguments_are_refused(pairs: Path, extra: tuple[str, ...]) -> None:
@@ -325,3 +327,12 @@ def test_cpu_snapshot_of_this_process() -> None:
     assert os.getpid() in snap.thread_cpu_s  # the main thread's id is the pid
     name, cpu_s = snap.thread_cpu_s[os.getpid()]
     assert name and cpu_s >= 0
+
+
+def test_thread_overrides_reach_every_engine_and_the_embedder(pairs: Path, tmp_path: Path) -> None:
+    args = args_for(pairs, "--compare", "--engine-threads", "1", "--embedder-threads", "2")
+    repo = tiercache_repository(tmp_path / "t", args, TIERCACHE, "")
+    assert params_of(repo / "torch_llm" / "config.pbtxt")["torch_threads"] == "1"
+    assert params_of(repo / "embedder" / "config.pbtxt")["torch_threads"] == "2"
+    plain = response_cache_repository(tmp_path / "rc", args)
+    assert params_of(plain / "torch_llm" / "config.pbtxt")["torch_threads"] == "1"

@@ -158,6 +158,10 @@ class TorchLlmStage:
                 self._serve(order, request, sink)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.finished["error"].increment(1)
+                if isinstance(exc, TierCacheError):  # a refused request: its message is enough
+                    io.log.warning("engine request refused: %s", exc)
+                else:
+                    io.log.error("engine request failed", exc_info=exc)
                 try:
                     sink.send_error(exc)
                 except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others

@@ -45,7 +45,8 @@ same input list every round), `--compare-duration` (default 120 s) per configura
      BLS, returning the whole text, with `response_cache { enable: true }`, served with
      `--cache-config local,size=N` beside torch_llm; unary gRPC with `--async` (Triton refuses
      the response cache on decoupled models).
-torch_llm's overrides (`--kv-pool-max-bytes`) apply to all three; `--redis` is refused with
+torch_llm's overrides (`--kv-pool-max-bytes`, `--engine-threads`) apply to all three
+(`--embedder-threads` to the embedder of the two that run it); `--redis` is refused with
 `--compare` (only tiercache would have the Redis). For every run the report gives requests,
 throughput, p50/p99, errors, cache statuses, the engine's generated tokens and engine tokens/s
 (the delta of `tiercache_engine_generated_tokens_total` over the run divided by perf_analyzer's
@@ -81,6 +82,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -93,6 +95,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig, EngineConfig
+from tiercache.engine.threads import TORCH_THREADS_PATTERN
 from tiercache.server import copy_repository
 from tiercache_dev.console import (
     display_path,
@@ -209,6 +212,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch_llm's prefix-KV pool budget (default: its own, 256 MiB, which a 10-minute "
         "CPU run only just fills); a small one fills early, so RSS can be seen flat after it",
     )
+    p.add_argument(
+        "--engine-threads",
+        default=None,
+        help="torch_llm's torch_threads (auto or a count) in every configuration (default: the "
+        "committed config's)",
+    )
+    p.add_argument(
+        "--embedder-threads",
+        default=None,
+        help="the embedder's torch_threads (auto or a count) where it runs (default: the "
+        "committed config's)",
+    )
     p.add_argument("--compare", action="store_true", help="the three-server comparison instead")
     p.add_argument(
         "--compare-duration",
@@ -265,6 +280,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if args.background_load < 0 or not 0 < args.background_duty <= 1:
         p.error("--background-load must be >= 0 and --background-duty in (0, 1]")
+    for flag, value in (("--engine-threads", args.engine_threads),
+                        ("--embedder-threads", args.embedder_threads)):  # fmt: skip
+        if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
+            p.error(f"{flag} must be auto or an integer >= 1, got {value!r}")
     return args
 
 
@@ -393,6 +412,8 @@ def engine_params(args: argparse.Namespace) -> dict[str, str]:
     params: dict[str, str] = {}
     if args.kv_pool_max_bytes is not None:
         params["kv_pool_max_bytes"] = str(args.kv_pool_max_bytes)
+    if args.engine_threads is not None:
+        params["torch_threads"] = args.engine_threads
     return params
 
 
@@ -405,6 +426,8 @@ def tiercache_repository(root: Path, args: argparse.Namespace, config: str, redi
         for stage in L1_STAGES:
             params.setdefault(stage, {})["l1_max_bytes"] = str(args.l1_max_bytes)
     params["torch_llm"] = engine_params(args)
+    if args.embedder_threads is not None:
+        params["embedder"] = {"torch_threads": args.embedder_threads}
     if config == OFF:
         params["torch_llm"]["kv_reuse"] = "false"
     return copy_repository(MODEL_REPOSITORY, root / "model_repository", params)
@@ -1315,7 +1338,8 @@ def compare_report(
         f"repository copy and fresh state dir); {args.compare_duration} s per configuration per "
         f"round; the same input list every round: {mix_summary(mix)}",
         "- torch_llm overrides, the same in every configuration: "
-        + (", ".join(f"{k} {v}" for k, v in engine_params(args).items()) or "none"),
+        + (", ".join(f"{k} {v}" for k, v in engine_params(args).items()) or "none")
+        + f"; embedder torch_threads: {args.embedder_threads or 'as committed'}",
         f"- background load: {load}",
     ]
     if args.compare_duration < ISSUE_MIN_DURATION_S:
