@@ -144,9 +144,39 @@ def test_metrics_families_and_labels(tb: ModuleType, pb_utils: ModuleType) -> No
     b = metrics.counter("c_total", "c", status="b").metric
     assert a.family is b.family and a.family.kind == pb_utils.MetricFamily.COUNTER
     assert (a.labels, b.labels) == ({"model": "m", "status": "a"}, {"model": "m", "status": "b"})
-    h = metrics.histogram("h_seconds", "h").metric
-    assert h.buckets == tb.LATENCY_BUCKETS_S
     assert metrics.gauge("g", "g").metric.family.kind == pb_utils.MetricFamily.GAUGE
+
+
+def test_histogram_is_aggregated_and_flushed_as_bucket_counters(
+    tb: ModuleType, pb_utils: ModuleType
+) -> None:
+    metrics = tb.Metrics("m")
+    h = metrics.histogram("h_seconds", "h", buckets=[0.001, 0.01, 0.1], status="a")
+    for value in (0.0005, 0.001, 0.005, 0.5, float("nan")):  # 0.001 is in le="0.001"
+        h.observe(value)
+    families = {f.name: f for f in {m.family for m in (h.metric, *h._bucket_metrics)}}
+    buckets = families["h_seconds_bucket"]
+    assert buckets.kind == pb_utils.MetricFamily.COUNTER
+    by_le = {m.labels["le"]: m for m in buckets.metrics}
+    assert list(by_le) == ["0.001", "0.01", "0.1", "+Inf"]
+    assert all(m.labels["model"] == "m" and m.labels["status"] == "a" for m in by_le.values())
+    assert h.metric.value() == 0  # nothing leaves the process before a flush
+    metrics.flush()
+    assert {le: m.value() for le, m in by_le.items()} == {
+        "0.001": 2, "0.01": 3, "0.1": 3, "+Inf": 4,
+    }  # fmt: skip
+    assert h.metric.value() == 4  # the NaN was dropped
+    sum_metric = next(m for m in metrics._families["h_seconds_sum"].metrics)
+    assert sum_metric.value() == pytest.approx(0.5065)
+    h.observe(0.05)
+    metrics.flush()
+    metrics.flush()  # nothing new: nothing sent twice
+    assert {le: m.value() for le, m in by_le.items()} == {
+        "0.001": 2, "0.01": 3, "0.1": 4, "+Inf": 5,
+    }  # fmt: skip
+    assert h.metric.value() == 5
+    with pytest.raises(ValueError, match="ascending"):
+        metrics.histogram("bad_seconds", "b", buckets=[0.1, 0.01])
 
 
 def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:

@@ -8,7 +8,9 @@ An exporter reads one on the flusher thread; a total becomes a counter through `
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -79,6 +81,54 @@ class _DeferredMetric:
             self._metric.observe(observation)
 
 
+class _LocalHistogram:
+    """A histogram kept in the stage process and exported as Prometheus histogram series
+    (`<name>_bucket{le=...}`, `<name>_sum`, `<name>_count`, each a counter family), so a flush
+    sends one increment per bucket that moved instead of one `observe` round trip per
+    observation: on the exact-hit path that round trip was one per request. PromQL reads the
+    series as it reads a native histogram's (`histogram_quantile(q, rate(<name>_bucket[5m]))`).
+    """
+
+    __slots__ = ("buckets", "_bucket_metrics", "_sum", "_count", "_lock", "_counts", "_total_s")
+
+    def __init__(self, buckets: list[float], bucket_metrics: list[Any], sum_: Any, count: Any):
+        self.buckets = list(buckets)  # upper bounds, ascending; +Inf is the last bucket metric
+        self._bucket_metrics = bucket_metrics  # one per bound, then +Inf
+        self._sum, self._count = sum_, count
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(buckets) + 1)  # observations per bucket (not cumulative)
+        self._total_s = 0.0
+
+    @property
+    def metric(self) -> Any:
+        """The `_count` counter (what a scrape reads after the next flush)."""
+        return self._count
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return  # a NaN or infinite duration is a bug upstream; never poison the sum
+        index = bisect.bisect_left(self.buckets, value)  # le: value <= bound
+        with self._lock:
+            self._counts[index] += 1
+            self._total_s += value
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, total_s = self._counts, self._total_s
+            self._counts, self._total_s = [0] * len(counts), 0.0
+        observed = sum(counts)
+        if not observed:
+            return
+        cumulative = 0
+        for metric, count in zip(self._bucket_metrics, counts, strict=True):
+            cumulative += count
+            if cumulative:
+                metric.increment(cumulative)
+        self._count.increment(observed)
+        if total_s > 0:
+            self._sum.increment(total_s)
+
+
 class Metrics:
     """Metric families created once per model (in initialize), one label set per model, and a
     flusher thread (started by `start`, joined by `close` in finalize) that applies the deferred
@@ -92,7 +142,7 @@ class Metrics:
         if instance is not None:
             self.labels["instance"] = instance
         self._families: dict[str, Any] = {}
-        self._metrics: list[_DeferredMetric] = []
+        self._metrics: list[_DeferredMetric | _LocalHistogram] = []
         self._hooks: list[Callable[[], None]] = []
         self._interval_s = flush_interval_s
         self._stop = threading.Event()
@@ -106,9 +156,23 @@ class Metrics:
 
     def histogram(
         self, name: str, description: str, buckets: list[float] = LATENCY_BUCKETS_S, **labels: str
-    ) -> _DeferredMetric:
-        family = self._family(name, description, pb_utils.MetricFamily.HISTOGRAM)
-        return self._track(family.Metric(labels={**self.labels, **labels}, buckets=buckets))
+    ) -> _LocalHistogram:
+        """A histogram aggregated here and flushed as `<name>_bucket`, `_sum` and `_count`
+        counters (`_LocalHistogram`); `buckets` ascending upper bounds, +Inf added."""
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"histogram {name}: buckets must be ascending and distinct")
+        counter = pb_utils.MetricFamily.COUNTER
+        series = {**self.labels, **labels}
+        bucket_family = self._family(f"{name}_bucket", f"{description} (cumulative)", counter)
+        bounds = [*(format(b, "g") for b in buckets), "+Inf"]
+        histogram = _LocalHistogram(
+            list(buckets),
+            [bucket_family.Metric(labels={**series, "le": le}) for le in bounds],
+            self._family(f"{name}_sum", f"{description} (sum)", counter).Metric(labels=series),
+            self._family(f"{name}_count", f"{description} (count)", counter).Metric(labels=series),
+        )
+        self._metrics.append(histogram)
+        return histogram
 
     def on_flush(self, hook: Callable[[], None]) -> None:
         """Run `hook` on the flusher thread before each flush (e.g. to refresh gauges)."""
