@@ -301,10 +301,12 @@ def test_cpu_breakdown_arithmetic() -> None:
     assert engine.machine_share == pytest.approx(0.6)  # 120 s of 200 CPU-seconds
     assert (engine.threads, engine.ctx_voluntary, engine.ctx_involuntary) == (8, 500, 400)
     assert engine.thread_groups == (("omp", 110.0), ("triton_python_b", 10.0))
+    assert engine.busiest_threads_s == pytest.approx((110.0, 10.0))
     assert engine.note == ""
     server = by["tritonserver"]
     assert server.cpu_s == pytest.approx(12.0)
     assert dict(server.thread_groups) == {"grpc": 7.0, "cq": 3.0, "tritonserver": 2.0}
+    assert server.busiest_threads_s == pytest.approx((7.0, 3.0, 2.0))  # tid 3 new: all of it
     assert by["embedder"].cpu_s == 6.0 and "started during the run" in by["embedder"].note
     assert by["llm"].cpu_s == 4.0 and "last sample, 60 s into the run" in by["llm"].note
     assert by["lost"].cpu_s == 0.0 and "gone" in by["lost"].note

@@ -517,6 +517,7 @@ class CpuSample:
     thread_cpu_s: Mapping[int, tuple[str, float]] = field(default_factory=dict)
 
 
+BUSIEST_THREADS = 4  # single threads reported per process
 NO_CPU = CpuSample(0.0, 0, 0, 0)  # what a process that started during the run had at its start
 
 
@@ -532,6 +533,9 @@ class ProcessCpu:
     ctx_involuntary: int
     thread_groups: tuple[tuple[str, float], ...]  # (thread name, CPU s), busiest first
     note: str = ""
+    # The busiest single threads, CPU s each (a stub's threads all carry its name, so the groups
+    # cannot tell torch's intra-op workers apart; their seconds side by side can).
+    busiest_threads_s: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -542,6 +546,7 @@ class ProcessCpu:
             "ctx_switches_voluntary": self.ctx_voluntary,
             "ctx_switches_involuntary": self.ctx_involuntary,
             "thread_groups": [{"name": n, "cpu_s": c} for n, c in self.thread_groups],
+            "busiest_threads_cpu_s": list(self.busiest_threads_s),
             "note": self.note,
         }
 
@@ -614,9 +619,12 @@ def cpu_breakdown(
                 "the run"
             )
         groups: dict[str, float] = defaultdict(float)
+        per_thread: list[float] = []
         for tid, (name, cpu_s) in last.thread_cpu_s.items():
             before = first.thread_cpu_s.get(tid)
-            groups[name] += cpu_s - (before[1] if before is not None and before[0] == name else 0.0)
+            used = cpu_s - (before[1] if before is not None and before[0] == name else 0.0)
+            groups[name] += used
+            per_thread.append(used)
         cpu_s = last.cpu_s - first.cpu_s
         out.append(
             ProcessCpu(
@@ -628,6 +636,7 @@ def cpu_breakdown(
                 ctx_involuntary=last.ctx_involuntary - first.ctx_involuntary,
                 thread_groups=tuple(sorted(groups.items(), key=lambda g: (-g[1], g[0]))),
                 note="; ".join(notes),
+                busiest_threads_s=tuple(sorted(per_thread, reverse=True)[:BUSIEST_THREADS]),
             )
         )
     return sorted(out, key=lambda p: (-p.cpu_s, p.label))
@@ -1298,17 +1307,20 @@ def cpu_section(runs: Sequence[Run], configs: Sequence[str]) -> list[str]:
             "",
             f"{LABELS[config]}, round {run.round}: {run.wall_s:.0f} s, {run.cpu_count} CPUs",
             "",
-            "| process | CPU s | share of machine | threads | ctx switches vol. | invol. |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| process | CPU s | share of machine | threads | ctx switches vol. | invol. | "
+            "busiest threads, CPU s |",
+            "|---|---:|---:|---:|---:|---:|---|",
         ]
         md += [
             f"| {p.label} | {p.cpu_s:.1f} | {p.machine_share:.1%} | {p.threads} | "
-            f"{p.ctx_voluntary} | {p.ctx_involuntary} |"
+            f"{p.ctx_voluntary} | {p.ctx_involuntary} | "
+            + ", ".join(f"{t:.1f}" for t in p.busiest_threads_s)
+            + " |"
             for p in run.cpu
         ]
         md.append(
             f"| all server processes | {total:.1f} | "
-            f"{total / (run.wall_s * run.cpu_count):.1%} | | | |"
+            f"{total / (run.wall_s * run.cpu_count):.1%} | | | | |"
         )
         notes = [f"- {p.label}: {p.note}" for p in run.cpu if p.note]
         md += ["", *notes] if notes else []
