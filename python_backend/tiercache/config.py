@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 
 from tiercache.engine.threads import (
     AUTO,
-    EMBEDDER_AUTO_CPU_DIVISOR,
-    ENGINE_AUTO_CPU_DIVISOR,
+    EMBEDDER_CPU_SHARE,
     TORCH_THREADS_PATTERN,
 )
 from tiercache.errors import ConfigError
@@ -213,11 +212,16 @@ def shared(name: str) -> Any:
     )
 
 
-def torch_threads_param(auto_divisor: int) -> Any:
-    """The `torch_threads` field of a stage that runs torch; its `auto` is max(1, usable CPUs //
-    `auto_divisor`) (tiercache.engine.threads.set_torch_threads applies it)."""
-    per = "CPU" if auto_divisor == 1 else f"{auto_divisor} CPUs (at least 1)"
-    share = f"one per {per} in the process's affinity mask"
+def torch_threads_param(embedder: bool) -> Any:
+    """The `torch_threads` field of a stage that runs torch (the embedder or the engine); its
+    `auto` is tiercache.engine.threads.auto_thread_count (set_torch_threads applies it)."""
+    per = f"{EMBEDDER_CPU_SHARE} CPUs (at least 1)"
+    share = (
+        f"one per {per} in the process's affinity mask"
+        if embedder
+        else f"the CPUs in the process's affinity mask less the embedder's auto share (one per "
+        f"{per}), at least 1"
+    )
     return param(
         AUTO,
         "torch's intra-op threads in this process, set before the weights load: a count >= 1, "
@@ -392,7 +396,7 @@ class EmbedderConfig:
 
     embedder: str = shared("embedder")
     device: str = shared("device")
-    torch_threads: str = torch_threads_param(EMBEDDER_AUTO_CPU_DIVISOR)
+    torch_threads: str = torch_threads_param(embedder=True)
     # The dev package's embedder_rss diagnostic: one trim after 3,000 batches gave 217 MiB back.
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
 
@@ -530,7 +534,7 @@ class EngineConfig(_StateConfig):
 
     model: str = shared("model")
     device: str = shared("device")
-    torch_threads: str = torch_threads_param(ENGINE_AUTO_CPU_DIVISOR)
+    torch_threads: str = torch_threads_param(embedder=False)
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
     lora_slots: int = param(

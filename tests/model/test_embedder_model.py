@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tiercache.engine.threads import EMBEDDER_AUTO_CPU_DIVISOR
+from tiercache.engine.threads import ThreadRole
 
 
 class FakeEmbedder:
@@ -49,7 +49,7 @@ def test_threads_first_then_one_response_per_request(
     instance.initialize(
         {"model_config": json.dumps({"parameters": params}), "model_name": "embedder"}
     )
-    assert events == [("auto", EMBEDDER_AUTO_CPU_DIVISOR), "embedder"]
+    assert events == [("auto", ThreadRole.EMBEDDER), "embedder"]
 
     def request(*texts: str) -> Any:
         array = np.array([[t.encode()] for t in texts], dtype=np.object_)

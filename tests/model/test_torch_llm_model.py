@@ -25,7 +25,7 @@ from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
-from tiercache.engine.threads import ENGINE_AUTO_CPU_DIVISOR
+from tiercache.engine.threads import ThreadRole
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -162,7 +162,7 @@ def test_torch_threads_come_first(
     params = {"state_dir": {"string_value": str(tmp_path)}, "torch_threads": {"string_value": "3"}}
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     instance.finalize()
-    assert events == [("3", ENGINE_AUTO_CPU_DIVISOR), "engine"]
+    assert events == [("3", ThreadRole.ENGINE), "engine"]
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ import pytest
 from tiercache.config import EmbedderConfig, EngineConfig, parse_config
 from tiercache.engine import threads
 from tiercache.engine.threads import (
-    EMBEDDER_AUTO_CPU_DIVISOR,
-    ENGINE_AUTO_CPU_DIVISOR,
+    ThreadRole,
     set_torch_threads,
     torch_thread_count,
     usable_cpus,
@@ -77,24 +76,24 @@ def test_the_committed_config_sets_auto(model: str) -> None:
 
 @pytest.mark.parametrize(
     ("cpus", "engine", "embedder"),
-    [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 1), (8, 8, 2), (16, 16, 4), (64, 64, 16)],
+    [(1, 1, 1), (2, 1, 1), (3, 2, 1), (4, 3, 1), (8, 7, 1), (16, 14, 2), (64, 56, 8)],
 )
-def test_auto_gives_the_engine_every_cpu_and_the_embedder_a_quarter(
+def test_auto_gives_the_embedder_an_eighth_and_the_engine_the_rest(
     cpus: int, engine: int, embedder: int
 ) -> None:
-    assert torch_thread_count("auto", cpus, ENGINE_AUTO_CPU_DIVISOR) == engine
-    assert torch_thread_count("auto", cpus, EMBEDDER_AUTO_CPU_DIVISOR) == embedder
+    assert torch_thread_count("auto", cpus, ThreadRole.ENGINE) == engine
+    assert torch_thread_count("auto", cpus, ThreadRole.EMBEDDER) == embedder
 
 
 @pytest.mark.parametrize("cpus", [1, 2, 64])
 def test_a_count_is_taken_as_it_is(cpus: int) -> None:
-    assert torch_thread_count("3", cpus, EMBEDDER_AUTO_CPU_DIVISOR) == 3
+    assert torch_thread_count("3", cpus, ThreadRole.EMBEDDER) == 3
 
 
 @pytest.mark.parametrize("setting", ["0", "x", ""])
 def test_a_bad_setting_is_a_config_error(setting: str) -> None:
     with pytest.raises(ConfigError, match="torch_threads must be auto or an integer >= 1"):
-        torch_thread_count(setting, 4, 1)
+        torch_thread_count(setting, 4, ThreadRole.ENGINE)
 
 
 def test_usable_cpus_are_the_affinity_mask_else_the_cpu_count(
@@ -118,12 +117,12 @@ def test_set_torch_threads_sets_torchs_count_and_logs_it(caplog: pytest.LogCaptu
 
     torch.set_num_threads(1)
     with caplog.at_level(logging.INFO, logger="tiercache"):
-        assert set_torch_threads("auto", EMBEDDER_AUTO_CPU_DIVISOR, cpus=8) == 2
+        assert set_torch_threads("auto", ThreadRole.EMBEDDER, cpus=16) == 2
     assert torch.get_num_threads() == 2
-    assert caplog.messages == ["torch threads: 2 (auto from 8 CPUs)"]
+    assert caplog.messages == ["torch threads: 2 (auto from 16 CPUs)"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tiercache"):
-        assert set_torch_threads("1", ENGINE_AUTO_CPU_DIVISOR, cpus=8) == 1
+        assert set_torch_threads("1", ThreadRole.ENGINE, cpus=8) == 1
     assert torch.get_num_threads() == 1
     assert caplog.messages == ["torch threads: 1 (torch_threads; 8 CPUs usable)"]
 
@@ -137,9 +136,9 @@ def test_set_torch_threads_counts_this_process_cpus_by_default(
     calls: list[int] = []
     monkeypatch.setattr(threads, "usable_cpus", lambda: 12)
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    assert set_torch_threads("auto", EMBEDDER_AUTO_CPU_DIVISOR) == 3
-    assert set_torch_threads("auto", ENGINE_AUTO_CPU_DIVISOR) == 12
-    assert calls == [3, 12]
+    assert set_torch_threads("auto", ThreadRole.EMBEDDER) == 1
+    assert set_torch_threads("auto", ThreadRole.ENGINE) == 11
+    assert calls == [1, 11]
 
 
 @pytest.mark.usefixtures("torch_threads_kept")
@@ -149,7 +148,7 @@ def test_a_bad_setting_sets_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     with pytest.raises(ConfigError):
-        set_torch_threads("none", ENGINE_AUTO_CPU_DIVISOR, cpus=2)
+        set_torch_threads("none", ThreadRole.ENGINE, cpus=2)
     assert calls == []
 
 

@@ -15,6 +15,7 @@ import it without loading torch.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
@@ -27,11 +28,27 @@ AUTO = "auto"
 TORCH_THREADS_PATTERN = r"auto|[1-9][0-9]*"
 """What a `torch_threads` parameter may be: `auto`, or a thread count >= 1."""
 
-# `auto` gives a stage max(1, usable CPUs // its divisor). The engine takes every CPU; the
-# embedder, which embeds one short prompt per miss in small batches, a quarter. The split is
-# to be chosen by measurement (issue 15).
-ENGINE_AUTO_CPU_DIVISOR = 1
-EMBEDDER_AUTO_CPU_DIVISOR = 4
+
+class ThreadRole(enum.Enum):
+    """Which torch stage a `torch_threads: auto` is resolved for (`auto_thread_count`)."""
+
+    ENGINE = "engine"
+    EMBEDDER = "embedder"
+
+
+EMBEDDER_CPU_SHARE = 8
+"""`auto` gives the embedder one thread per this many usable CPUs (at least 1) and the engine the
+rest (at least 1): 1 and 1 on 2 CPUs, 1 and 3 on 4, 2 and 14 on 16. Chosen by measurement on 2
+CPUs (docs/soak.md, "Issue 15"): the engine with one thread generated more tokens per second
+than with two passive ones, behind tiercache and behind Triton's response cache alike, and left
+a core for the stages and the embedder, which embeds one short prompt per miss. Larger
+machines follow the same rule without a measurement of their own."""
+
+
+def auto_thread_count(role: ThreadRole, cpus: int) -> int:
+    """The threads `auto` means for `role` on `cpus` usable CPUs (see EMBEDDER_CPU_SHARE)."""
+    embedder = max(1, cpus // EMBEDDER_CPU_SHARE)
+    return embedder if role is ThreadRole.EMBEDDER else max(1, cpus - embedder)
 
 
 def usable_cpus() -> int:
@@ -43,24 +60,25 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def torch_thread_count(setting: str, cpus: int, auto_divisor: int) -> int:
+def torch_thread_count(setting: str, cpus: int, role: ThreadRole) -> int:
     """The intra-op thread count a `torch_threads` setting means on `cpus` usable CPUs: the
-    number itself, or for `auto` max(1, cpus // auto_divisor). ConfigError for anything else."""
+    number itself, or for `auto` `auto_thread_count(role, cpus)`. ConfigError for anything
+    else."""
     if not re.fullmatch(TORCH_THREADS_PATTERN, setting):
         raise ConfigError(f"torch_threads must be auto or an integer >= 1, got {setting!r}")
     if setting == AUTO:
-        return max(1, cpus // auto_divisor)
+        return auto_thread_count(role, cpus)
     return int(setting)
 
 
-def set_torch_threads(setting: str, auto_divisor: int, cpus: int | None = None) -> int:
+def set_torch_threads(setting: str, role: ThreadRole, cpus: int | None = None) -> int:
     """Set torch's intra-op threads in this process (torch.set_num_threads, which later threads
     also take) from a `torch_threads` setting; `cpus` defaults to `usable_cpus()`. Logs one
     line and returns the count."""
     import torch  # only here: the module stays importable before torch loads
 
     usable = usable_cpus() if cpus is None else cpus
-    threads = torch_thread_count(setting, usable, auto_divisor)
+    threads = torch_thread_count(setting, usable, role)
     torch.set_num_threads(threads)
     if setting == AUTO:
         log.info("torch threads: %d (auto from %d CPUs)", threads, usable)

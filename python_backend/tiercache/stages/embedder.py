@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.config import EmbedderConfig
-from tiercache.engine.threads import EMBEDDER_AUTO_CPU_DIVISOR, set_torch_threads
+from tiercache.engine.threads import ThreadRole, set_torch_threads
 from tiercache.engine.torch_engine import pick_device
 from tiercache.memory import MemoryTrimmer
 from tiercache.semantic.embedder import Embedder
@@ -42,7 +42,7 @@ class EmbedderStage:
 def open_embedder(config: EmbedderConfig, model_name: str) -> EmbedderStage:
     """torch's threads set (`torch_threads`), then the embedder loaded and its metrics
     started."""
-    set_torch_threads(config.torch_threads, EMBEDDER_AUTO_CPU_DIVISOR)
+    set_torch_threads(config.torch_threads, ThreadRole.EMBEDDER)
     metrics = tm.Metrics(model_name)
     stage = EmbedderStage(
         Embedder(config.embedder, pick_device(config.device)),

@@ -15,7 +15,7 @@ from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder,
 from tiercache.engine.kv_cache import KvStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
-from tiercache.engine.threads import ENGINE_AUTO_CPU_DIVISOR, set_torch_threads
+from tiercache.engine.threads import ThreadRole, set_torch_threads
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
@@ -243,7 +243,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     """torch's threads set (`torch_threads`), then the engine (weights converted once under the
     state folder), its refusal policy, the `lora_prefetch` adapters loaded, its metrics
     (started) and its worker (started)."""
-    set_torch_threads(config.torch_threads, ENGINE_AUTO_CPU_DIVISOR)
+    set_torch_threads(config.torch_threads, ThreadRole.ENGINE)
     refusal = RefusalPolicy.parse(config.refuse_prompt_pattern, config.refusal_text)
     engine = TorchEngine(
         resolve_model(config.model),
