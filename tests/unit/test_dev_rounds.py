@@ -84,3 +84,39 @@ def test_background_load_of_zero_starts_nothing() -> None:
 def test_background_load_refuses_bad_settings(processes: int, duty: float) -> None:
     with pytest.raises(ValueError):
         BackgroundLoad(processes, duty)
+
+
+def test_bench_report_pairs_each_round_and_writes_the_summary() -> None:
+    from tiercache_dev.bench.prompt_cache import (
+        FLOOR,
+        TIERCACHE,
+        Measurement,
+        build_report,
+        parse_args,
+        round_ratio,
+    )
+    from tiercache_dev.perf.analyzer import LevelStats
+
+    def level(p50_ms: float, rate: float) -> LevelStats:
+        return LevelStats(
+            concurrency=1, throughput=rate, p50_us=p50_ms * 1000, p99_us=p50_ms * 2000
+        )
+
+    # Round 2 ran on a machine twice as slow for both: the per-round ratio stays 1.2.
+    measurements = [
+        Measurement(TIERCACHE, 1, {1: level(1.2, 800)}, [], []),
+        Measurement(FLOOR, 1, {1: level(1.0, 1000)}, [], []),
+        Measurement(FLOOR, 2, {1: level(2.0, 500)}, [], []),
+        Measurement(TIERCACHE, 2, {1: level(2.4, 400)}, [], []),
+    ]
+    spread = round_ratio(measurements, TIERCACHE, FLOOR, 1, "p50_us")
+    assert spread is not None and spread.values == pytest.approx((1.2, 1.2))
+    args = parse_args(["--concurrency", "1", "--rounds", "2", "--only", TIERCACHE, "--only", FLOOR])
+    text, md, complete, summary = build_report(args, measurements, None, 10.0, "pa", "none")
+    assert complete
+    assert (
+        "| tiercache p50 / floor p50 (target <= 1.25) | 1 | 1.20 (1.20-1.20, 2 rounds) | PASS |"
+        in md
+    )
+    assert summary["ratios"]["tiercache/floor infer/s c=1"]["rounds"] == pytest.approx([0.8, 0.8])
+    assert summary["background_load"] == "none"

@@ -6,9 +6,10 @@ Usage::
         [--measurement-ms 3000] [--concurrency 1:4:3] [--lookups 2000] [--rounds 3]
         [--background-load N [--background-duty F]]
 
-Measured one after another on this machine (never two servers at once), with perf_analyzer over
-gRPC at each concurrency level, in interleaved rounds (tiercache_dev.rounds: A B C, C B A, ...;
-each server started afresh in each round):
+Every configuration's server is started once and stays up for the whole run (an idle server
+costs next to nothing); perf_analyzer over gRPC measures one configuration at a time, at each
+concurrency level, in interleaved rounds (tiercache_dev.rounds: A B C, C B A, ...), so the two
+measurements a ratio pairs are taken about a minute apart, with no server start between them:
 
 1. tiercache: the real model_repository/ (ensemble -> prompt_cache -> llm). The prompt is sent
    once with the client first, so every perf_analyzer request is an exact hit (checked with the
@@ -70,7 +71,7 @@ from tiercache_dev.perf.analyzer import (
     run_perf_analyzer,
 )
 from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
-from tiercache_dev.servers import TritonServer, running, triton
+from tiercache_dev.servers import TritonServer, running_all, triton
 from tiercache_dev.stats import mean, median, percentile
 
 PROMPT = "What is Triton Inference Server?"
@@ -405,60 +406,95 @@ def serve(
     return server
 
 
-def run_tiercache(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
+@dataclass(slots=True)
+class Configuration:
+    """One configuration's server, kept up for the whole run, and how to measure it."""
+
+    name: str
+    server: TritonServer
+    model: str
+    input_data: Path
+    transport: list[str]
+
+
+def configurations(args: argparse.Namespace, tmp: Path) -> list[Configuration]:
+    """The wanted configurations' servers (not started) and their inputs."""
+    hit = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
+    out = []
+    if TIERCACHE in args.only:
+        out.append(
+            Configuration(
+                TIERCACHE,
+                serve(args, TIERCACHE, MODEL_REPOSITORY),
+                "ensemble",
+                hit,
+                ["--streaming"],
+            )
+        )
+    if FLOOR in args.only:
+        repository = build_floor_repository(tmp / "floor-repository")
+        out.append(
+            Configuration(FLOOR, serve(args, FLOOR, repository), "ensemble", hit, ["--streaming"])
+        )
+    if RESPONSE_CACHE in args.only:
+        repository = build_response_cache_repository(tmp / "response-cache-repository")
+        extra = ["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"]
+        out.append(
+            Configuration(
+                RESPONSE_CACHE,
+                serve(args, RESPONSE_CACHE, repository, extra),
+                "echo",
+                write_input_data(tmp / "echo.json", args.prompt, None),
+                ["--async"],
+            )
+        )
+    return out
+
+
+def cache_the_prompt(args: argparse.Namespace, server: TritonServer) -> None:
+    """Send the prompt twice with the client; the second must be an exact hit."""
     from tiercache_client import TierCacheClient
 
-    data = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
-    started = time.monotonic()
-    with running(serve(args, TIERCACHE, MODEL_REPOSITORY), READY_S) as server:
-        progress(f"  ready in {time.monotonic() - started:.1f} s; caching the prompt")
-        url = f"127.0.0.1:{server.ports.grpc}"
-        with TierCacheClient(url, timeout_s=600) as client:
-            first = client.generate_text(args.prompt, max_tokens=args.max_tokens)
-            second = client.generate_text(args.prompt, max_tokens=args.max_tokens)
-        progress(
-            f"  first request: {first.cache_status} in {first.latency_s * 1000:.1f} ms, "
-            f"second: {second.cache_status} in {second.latency_s * 1000:.1f} ms"
+    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
+        first = client.generate_text(args.prompt, max_tokens=args.max_tokens)
+        second = client.generate_text(args.prompt, max_tokens=args.max_tokens)
+    progress(
+        f"  tiercache: first request {first.cache_status} in {first.latency_s * 1000:.1f} ms, "
+        f"second {second.cache_status} in {second.latency_s * 1000:.1f} ms"
+    )
+    if second.cache_status != "exact":
+        raise RuntimeError(
+            f"the repeated prompt was not an exact hit ({second.cache_status!r}); "
+            f"see {display_path(server.log_path or Path('server log'))}"
         )
-        if second.cache_status != "exact":
-            raise RuntimeError(
-                f"the repeated prompt was not an exact hit ({second.cache_status!r}); "
-                f"see {display_path(server.log_path or Path('server log'))}"
-            )
-        before = status_counts(server.ports.metrics)
-        result = measure(args, pa, TIERCACHE, round_no, "ensemble", server, data, ["--streaming"])
-        after = status_counts(server.ports.metrics)
-    statuses = counter_delta(before, after)
-    not_hits = {k: v for k, v in statuses.items() if k != "exact" and v}
-    result.notes.append(f"server cache status during perf_analyzer: {status_text(statuses)}")
-    if not_hits:
-        progress(f"  WARNING: not every request was an exact hit: {not_hits}")
-    return result
 
 
-def run_floor(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
-    repository = build_floor_repository(tmp / f"floor-repository-{round_no}")
-    data = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
-    started = time.monotonic()
-    with running(serve(args, FLOOR, repository), READY_S) as server:
-        progress(f"  ready in {time.monotonic() - started:.1f} s")
-        return measure(args, pa, FLOOR, round_no, "ensemble", server, data, ["--streaming"])
-
-
-def run_response_cache(args: argparse.Namespace, pa: Path, round_no: int, tmp: Path) -> Measurement:
-    repository = build_response_cache_repository(tmp / f"response-cache-repository-{round_no}")
-    data = write_input_data(tmp / "echo.json", args.prompt, None)
-    started = time.monotonic()
-    extra = ["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"]
-    with running(serve(args, RESPONSE_CACHE, repository, extra), READY_S) as server:
-        progress(f"  ready in {time.monotonic() - started:.1f} s")
-        result = measure(args, pa, RESPONSE_CACHE, round_no, "echo", server, data, ["--async"])
-    for c, level in sorted(result.levels.items()):
-        hits, misses = level.server.get("cache_hit_count"), level.server.get("cache_miss_count")
-        if hits is not None:
-            result.notes.append(
-                f"concurrency {c}: response cache hits {hits:.0f}, misses {misses or 0:.0f}"
-            )
+def measure_round(
+    args: argparse.Namespace, pa: Path, config: Configuration, round_no: int
+) -> Measurement:
+    """One round of one configuration on its running server, with the checks it needs."""
+    if config.server.process.poll() is not None:
+        raise RuntimeError(
+            f"its tritonserver exited (see {display_path(config.server.log_path or Path('log'))})"
+        )
+    before = status_counts(config.server.ports.metrics) if config.name == TIERCACHE else None
+    result = measure(
+        args, pa, config.name, round_no, config.model, config.server, config.input_data,
+        config.transport,
+    )  # fmt: skip
+    if before is not None:
+        statuses = counter_delta(before, status_counts(config.server.ports.metrics))
+        not_hits = {k: v for k, v in statuses.items() if k != "exact" and v}
+        result.notes.append(f"server cache status during perf_analyzer: {status_text(statuses)}")
+        if not_hits:
+            progress(f"  WARNING: not every request was an exact hit: {not_hits}")
+    if config.name == RESPONSE_CACHE:
+        for c, level in sorted(result.levels.items()):
+            hits, misses = level.server.get("cache_hit_count"), level.server.get("cache_miss_count")
+            if hits is not None:
+                result.notes.append(
+                    f"concurrency {c}: response cache hits {hits:.0f}, misses {misses or 0:.0f}"
+                )
     return result
 
 
@@ -714,26 +750,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"hit p50 {stage['hit_p50_us']:.1f} us"
         )
 
-    runners: dict[str, Callable[[argparse.Namespace, Path, int, Path], Measurement]] = {
-        TIERCACHE: run_tiercache,
-        FLOOR: run_floor,
-        RESPONSE_CACHE: run_response_cache,
-    }
     measurements: list[Measurement] = []
-    configs = [c for c in runners if c in args.only]
     load = BackgroundLoad(args.background_load, args.background_duty)
-    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name, load:
-        tmp = Path(tmp_name)
-        progress(f"background load: {load.describe()}")
-        for round_no, config in serpentine(configs, args.rounds):
-            if args.rounds > 1:
-                progress(f"round {round_no}/{args.rounds}: {LABELS[config]}")
-            try:
-                measurements.append(runners[config](args, pa, round_no, tmp))
-            except Exception as exc:  # noqa: BLE001 - report it, go on with the others
-                progress(f"  {LABELS[config]} failed: {type(exc).__name__}: {exc}")
-                measurements.append(Measurement(config, round_no, {}, [], [f"failed: {exc}"]))
-            progress(f"  stopped {LABELS[config]}")
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
+        configs = configurations(args, Path(tmp_name))
+        if configs:
+            progress("starting every configuration's tritonserver (up for the whole run)")
+            started_s = time.monotonic()
+            with running_all([c.server for c in configs], READY_S), load:
+                progress(f"  ready in {time.monotonic() - started_s:.1f} s")
+                for c in configs:
+                    if c.name == TIERCACHE:
+                        cache_the_prompt(args, c.server)
+                progress(f"background load: {load.describe()}")
+                for round_no, config in serpentine(configs, args.rounds):
+                    progress(f"round {round_no}/{args.rounds}: {LABELS[config.name]}")
+                    try:
+                        measurements.append(measure_round(args, pa, config, round_no))
+                    except Exception as exc:  # noqa: BLE001 - report it, go on with the others
+                        progress(f"  {LABELS[config.name]} failed: {type(exc).__name__}: {exc}")
+                        measurements.append(
+                            Measurement(config.name, round_no, {}, [], [f"failed: {exc}"])
+                        )
 
     text, md, complete, summary = build_report(
         args, measurements, stage, time.monotonic() - started, version, load.describe()
