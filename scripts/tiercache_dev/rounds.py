@@ -14,6 +14,7 @@ of every 100 ms), so a result can be checked on a busy machine the run itself ma
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,7 +23,14 @@ from typing import TypeVar
 
 from tiercache_dev.stats import median
 
-__all__ = ["BackgroundLoad", "Spread", "paired_ratio", "serpentine"]
+__all__ = [
+    "BackgroundLoad",
+    "Spread",
+    "add_background_load_arguments",
+    "check_background_load_arguments",
+    "paired_ratio",
+    "serpentine",
+]
 
 T = TypeVar("T")
 
@@ -132,3 +140,23 @@ class BackgroundLoad:
                 worker.kill()
                 worker.join(timeout=5)
         self._workers.clear()
+
+
+def add_background_load_arguments(p: argparse.ArgumentParser) -> None:
+    """`--background-load N` and `--background-duty F`, for a script that runs a BackgroundLoad."""
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N CPU-burning processes for the whole run",
+    )
+    p.add_argument(
+        "--background-duty", type=float, default=1.0, help="share of time each burner is busy"
+    )
+
+
+def check_background_load_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (p.error) what BackgroundLoad would refuse."""
+    if args.background_load < 0 or not 0 < args.background_duty <= 1:
+        p.error("--background-load must be >= 0 and --background-duty in (0, 1]")

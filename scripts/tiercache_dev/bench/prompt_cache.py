@@ -70,7 +70,14 @@ from tiercache_dev.perf.analyzer import (
     perf_analyzer_version,
     run_perf_analyzer,
 )
-from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
+from tiercache_dev.rounds import (
+    BackgroundLoad,
+    Spread,
+    add_background_load_arguments,
+    check_background_load_arguments,
+    paired_ratio,
+    serpentine,
+)
 from tiercache_dev.servers import TritonServer, running_all, triton
 from tiercache_dev.stats import mean, median, percentile
 
@@ -105,16 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
     p.add_argument("--lookups", type=int, default=2000, help="in-process misses to time")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the configurations")
-    p.add_argument(
-        "--background-load",
-        type=int,
-        default=0,
-        metavar="N",
-        help="start N CPU-burning processes for the whole run",
-    )
-    p.add_argument(
-        "--background-duty", type=float, default=1.0, help="share of time each burner is busy"
-    )
+    add_background_load_arguments(p)
     p.add_argument(
         "--only",
         action="append",
@@ -129,8 +127,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.rounds < 1 or args.lookups < 10:
         p.error("--rounds must be >= 1 and --lookups >= 10")
-    if args.background_load < 0 or not 0 < args.background_duty <= 1:
-        p.error("--background-load must be >= 0 and --background-duty in (0, 1]")
+    check_background_load_arguments(p, args)
     args.only = set(args.only or [TIERCACHE, FLOOR, RESPONSE_CACHE, "stage"])
     return args
 

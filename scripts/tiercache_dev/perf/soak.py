@@ -122,7 +122,14 @@ from tiercache_dev.perf.analyzer import (
     run_perf_analyzer,
     write_inputs_json,
 )
-from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
+from tiercache_dev.rounds import (
+    BackgroundLoad,
+    Spread,
+    add_background_load_arguments,
+    check_background_load_arguments,
+    paired_ratio,
+    serpentine,
+)
 from tiercache_dev.servers import RedisServer, TritonServer, running, triton
 from tiercache_dev.stats import median
 
@@ -239,16 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"--compare: interleaved rounds of the configurations (default "
         f"{COMPARE_DEFAULT_ROUNDS})",
     )
-    p.add_argument(
-        "--background-load",
-        type=int,
-        default=0,
-        metavar="N",
-        help="start N CPU-burning processes for the whole run",
-    )
-    p.add_argument(
-        "--background-duty", type=float, default=1.0, help="share of time each burner is busy"
-    )
+    add_background_load_arguments(p)
     p.add_argument(
         "--only",
         action="append",
@@ -278,8 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.rounds = COMPARE_DEFAULT_ROUNDS if args.compare else 1
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    if args.background_load < 0 or not 0 < args.background_duty <= 1:
-        p.error("--background-load must be >= 0 and --background-duty in (0, 1]")
+    check_background_load_arguments(p, args)
     for flag, value in (("--engine-threads", args.engine_threads),
                         ("--embedder-threads", args.embedder_threads)):  # fmt: skip
         if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
