@@ -10,7 +10,8 @@ tokenizer in `tensorrt_llm/tokenizer/`) and rewrites the configs the engine chan
   `--kv-reuse` decides (`kv_reuse_decision`): TensorRT-LLM's Triton backend takes no per-tenant
   cache salt, so reused prefix blocks would cross tenants (a prefix oracle, the vLLM
   CVE-2025-46570 class); reuse is on only for one tenant, or when the operator says so.
-- `lora_cache`: `engine_kind` and `engine_model` tensorrt_llm, `trtllm_dtype` the engine's dtype,
+- `lora_cache`: `engine_kind` and `engine_model` tensorrt_llm, `trtllm_dtype` the engine's dtype
+  (its LORA_TRT_* outputs stay bytes: the arrays travel encrypted, tiercache.stages.transport),
   no `prefetch` (TensorRT-LLM has no load-only call; adapters load with their first request).
 - `llm`: `engine_kind` and `engine_model` tensorrt_llm, `tokenizer_dir`, `trtllm_max_input_len`
   and `trtllm_max_seq_len` from the build; three optional inputs for lora_cache's TensorRT-LLM
@@ -185,7 +186,6 @@ def rewrite_lora_cache(config: Any, engine: EngineFacts) -> None:
     missing = sorted(set(TRT_LORA) - set(outputs))
     if missing:
         raise ValueError(f"lora_cache's config lacks the TensorRT-LLM outputs {missing}")
-    outputs["LORA_TRT_WEIGHTS"].data_type = DTYPE_TYPES[engine.dtype]
 
 
 def rewrite_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
@@ -200,8 +200,9 @@ def rewrite_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
         },
     )
     add_input(config, "LORA_TASK_ID", mc.TYPE_UINT64, [1])
-    add_input(config, "LORA_TRT_WEIGHTS", DTYPE_TYPES[engine.dtype], [-1, -1])
-    add_input(config, "LORA_TRT_CONFIG", mc.TYPE_INT32, [-1, 3])
+    # lora_cache's arrays arrive encrypted (tiercache.stages.transport); llm opens them
+    add_input(config, "LORA_TRT_WEIGHTS", mc.TYPE_STRING, [1])
+    add_input(config, "LORA_TRT_CONFIG", mc.TYPE_STRING, [1])
 
 
 def rewrite_ensemble(config: Any) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope, seal_of
-from tiercache.stages.parts import open_sealer
+from tiercache.stages.parts import open_adapter_cipher, open_sealer
 from tiercache.stages.seal import (
     ADMIN_LABEL,
     ANSWER_LABEL,
@@ -36,12 +36,18 @@ from tiercache.stages.seal import (
     seal_tensors,
     text_bytes,
 )
+from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
 
 
 def sealer_for(state_dir: Path | str) -> Sealer:
     """The sealer of every stage started with `state_dir`."""
     return open_sealer(Path(state_dir))
+
+
+def cipher_for(state_dir: Path | str) -> AdapterCipher:
+    """What closes and opens the adapter files of every stage started with `state_dir`."""
+    return open_adapter_cipher(Path(state_dir))
 
 
 # ---- prompt_cache's envelope --------------------------------------------------------------------
@@ -156,6 +162,49 @@ def lora_seal(
     """LORA_SEAL as lora_cache makes it over its adapter tensors `values` (by name; absent ones
     empty) for the envelope `envelope`."""
     return seal_tensors(sealer, LORA_LABEL, lora_inputs(trtllm), values, bound=seal_of(envelope))
+
+
+# The adapter files lora_cache encrypts (tiercache.stages.transport): bytes, and numpy arrays.
+CLOSED_FILES = ("LORA_CONFIG", "LORA_WEIGHTS")
+CLOSED_ARRAYS = ("LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
+
+
+def closed_lora(
+    cipher: AdapterCipher, bound: bytes | str, files: dict[str, Part]
+) -> dict[str, Part]:
+    """lora_cache's adapter tensors as it sends them: `files` (by name, in clear) with the
+    adapter files closed for the answer `bound` (an envelope, whose seal it is, or an admin
+    call's seal)."""
+    seal = seal_of(bound) if isinstance(bound, bytes) else bound
+    closed = dict(files)
+    for name in CLOSED_FILES:
+        if name in closed:
+            value = closed[name]
+            data = value.encode() if isinstance(value, str) else value
+            assert data is None or isinstance(data, bytes), name
+            closed[name] = cipher.close(name, data or b"", seal)
+    for name in CLOSED_ARRAYS:
+        if name in closed:
+            array = closed[name]
+            assert array is None or isinstance(array, np.ndarray), name
+            closed[name] = cipher.close_array(name, array, seal)
+    return closed
+
+
+def opened_lora(
+    cipher: AdapterCipher, bound: bytes | str, outputs: dict[str, Any]
+) -> dict[str, Any]:
+    """lora_cache's `outputs` (by name, as it sent them) with the adapter files opened (as llm
+    opens them; Forbidden when one does not open for `bound`)."""
+    seal = seal_of(bound) if isinstance(bound, bytes) else bound
+    opened = dict(outputs)
+    for name in CLOSED_FILES:
+        if name in opened:
+            opened[name] = cipher.open(name, opened[name], seal)
+    for name in CLOSED_ARRAYS:
+        if name in opened:
+            opened[name] = cipher.open_array(name, opened[name], seal)
+    return opened
 
 
 def check_lora(

@@ -23,6 +23,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
+from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
 
 WAIT_S = 30
@@ -76,6 +77,12 @@ def sealer(tmp_path: Path) -> Sealer:
 
 
 @pytest.fixture
+def cipher(tmp_path: Path) -> AdapterCipher:
+    """The deployment's adapter cipher (lora_cache's and llm's)."""
+    return seals.cipher_for(tmp_path)
+
+
+@pytest.fixture
 def engine(pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch) -> FakeTorchLlm:
     fake = FakeTorchLlm(pb_utils, sealer)
     monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", fake)
@@ -112,14 +119,18 @@ def to_llm(
     lora: dict[str, str | bytes] | None = None,
     answer_seal: str | None = None,
     lora_seal: str | None = None,
+    cipher: AdapterCipher | None = None,
 ) -> list[Any]:
     """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
-    its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` with their LORA_SEAL
-    (`answer_seal` / `lora_seal`: another seal, "" for none)."""
+    its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` (in clear; closed with
+    `cipher` as lora_cache closes them) with their LORA_SEAL (`answer_seal` / `lora_seal`:
+    another seal, "" for none)."""
     tensors = seals.llm_answer(sealer, envelope, text, status, similarity, seal=answer_seal)
     if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
         return tensors
     lora = lora or {"LORA_CONFIG": "", "LORA_WEIGHTS": b"", "LORA_EVICT": ""}
+    if cipher is not None:
+        lora = seals.closed_lora(cipher, envelope, lora)  # type: ignore[assignment]
     tensors += [text_tensor(pb_utils, name, value) for name, value in lora.items()]
     if lora_seal is None:
         lora_seal = seals.lora_seal(sealer, envelope, lora)
@@ -211,12 +222,13 @@ def test_a_hit_is_served_only_with_embedding_cache_s_seal(
 
 
 def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
-    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+    pb_utils: ModuleType, model: Any, sealer: Sealer, cipher: AdapterCipher, engine: FakeTorchLlm
 ) -> None:
     """A miss called directly, a no-store miss turned write_back, a miss moved to another
-    tenant's scope, a miss whose LORA_WEIGHTS were swapped, and one without LORA_SEAL: each
+    tenant's scope, a miss whose LORA_WEIGHTS were swapped, one without LORA_SEAL, one whose
+    adapter files came in clear, and one whose files were closed for another request: each
     refused alone, nothing generated or stored for it; the good miss is generated (its engine
-    call sealed, its adapter files the version it names) and stored."""
+    call sealed, its adapter files the version it names, opened) and stored."""
     french, files = adapter("french", 1)
     _, caps_files = adapter("caps", 2)
     on_french = GenerationRequest(
@@ -231,20 +243,33 @@ def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     def sent(digest: str, write_back: bool = True) -> bytes:
         return envelope(sealer, miss, digest, request=on_french, write_back=write_back)
 
-    digests = [c * 64 for c in "123456"]
-    d_direct, d_store, d_tenant, d_weights, d_lora, d_good = digests
-    direct = to_llm(pb_utils, sealer, sent(d_direct), lora=files, answer_seal="", lora_seal="")
+    def sealed_as_sent(data: bytes, lora: dict[str, Any]) -> list[Any]:
+        """`lora` as it is, with a LORA_SEAL over it that verifies (a stage's bug, or a key
+        leak of the seal alone): only the files' own encryption stands in the way."""
+        return to_llm(
+            pb_utils, sealer, data, lora=lora, lora_seal=seals.lora_seal(sealer, data, lora)
+        )
+
+    digests = [c * 64 for c in "12345678"]
+    d_direct, d_store, d_tenant, d_weights, d_lora, d_clear, d_moved, d_good = digests
+    closed = {"cipher": cipher}
+    direct = to_llm(
+        pb_utils, sealer, sent(d_direct), lora=files, answer_seal="", lora_seal="", **closed
+    )
     no_store = sent(d_store, write_back=False)
     flipped = seals.altered(no_store, b'"write_back":false', b'"write_back":true')
     moved = seals.altered(sent(d_tenant), TENANT.encode(), OTHER_TENANT.encode())
-    swapped = to_llm(pb_utils, sealer, sent(d_weights), lora=files)
+    swapped = to_llm(pb_utils, sealer, sent(d_weights), lora=files, **closed)
+    other_request = seals.closed_lora(cipher, sent(d_good), files)
     batch = [
         direct,
-        to_llm(pb_utils, sealer, flipped, lora=files),
-        to_llm(pb_utils, sealer, moved, lora=files),
+        to_llm(pb_utils, sealer, flipped, lora=files, **closed),
+        to_llm(pb_utils, sealer, moved, lora=files, **closed),
         with_input(swapped, "LORA_WEIGHTS", caps_files["LORA_WEIGHTS"]),
-        to_llm(pb_utils, sealer, sent(d_lora), lora=files, lora_seal=""),
-        to_llm(pb_utils, sealer, sent(d_good), lora=files),
+        to_llm(pb_utils, sealer, sent(d_lora), lora=files, lora_seal="", **closed),
+        sealed_as_sent(sent(d_clear), files),
+        sealed_as_sent(sent(d_moved), other_request),
+        to_llm(pb_utils, sealer, sent(d_good), lora=files, **closed),
     ]
     *refused, served = run(pb_utils, model, batch)
     fragments = [
@@ -253,6 +278,8 @@ def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
         "ENVELOPE's seal does not verify",
         "lora_cache's adapter tensors's seal does not verify",
         "lora_cache's adapter tensors is not sealed",
+        "LORA_CONFIG is not an adapter box of this deployment",
+        "LORA_CONFIG does not open",
     ]
     for responses, fragment in zip(refused, fragments, strict=True):
         assert_forbidden(pb_utils, responses, fragment)

@@ -25,6 +25,7 @@ from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
+from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
 
 WAIT_S = 30
@@ -96,29 +97,48 @@ class FakeTensorrtLlm:
         return responses
 
 
+TRT_WEIGHTS = np.ones((1, 2, 8), dtype=np.float16)
+TRT_CONFIG = np.array([[[1, 0, 2], [3, 0, 2]]], dtype=np.int32)
+
+
+def as_tensors(values: dict[str, Any]) -> list[Any]:
+    """lora_cache's TensorRT-LLM tensors as it sends them (`seals.closed_lora`'s values): the
+    task id an array, the closed arrays bytes."""
+    from tiercache.triton import io
+
+    tensors = []
+    for name, value in values.items():
+        if isinstance(value, bytes):
+            tensors.append(io.bytes_tensor(name, [value]))
+        else:
+            tensors.append(pb_utils_stub.Tensor(name, value))
+    return tensors
+
+
 class FakeLoraCache:
     """lora_cache's `weights` admin op with engine_kind tensorrt_llm; like lora_cache, it takes
-    sealed admin calls only."""
+    sealed admin calls only, and closes the arrays it sends for the call."""
 
-    def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
+    def __init__(self, pb_utils: ModuleType, sealer: Sealer, cipher: AdapterCipher) -> None:
         self.pb = pb_utils
         self.sealer = sealer
+        self.cipher = cipher
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, request: Any) -> list[Any]:
-        pb = self.pb
-        admin = json.loads(seals.admin_call(self.sealer, request))
+        text = seals.admin_call(self.sealer, request)
+        admin = json.loads(text)
         self.calls.append(admin)
         assert admin["op"] == "weights" and admin["lora"]["name"] == "french"
-        return [
-            pb.InferenceResponse(
-                [
-                    pb.Tensor("LORA_TASK_ID", np.array([[TASK_ID]], dtype=np.uint64)),
-                    pb.Tensor("LORA_TRT_WEIGHTS", np.ones((1, 2, 8), dtype=np.float16)),
-                    pb.Tensor("LORA_TRT_CONFIG", np.array([[[1, 0, 2], [3, 0, 2]]], np.int32)),
-                ]
-            )
-        ]
+        task = np.array([[TASK_ID]], dtype=np.uint64)
+        bound = seals.admin_seal(self.sealer, text)
+        arrays = {
+            "LORA_TASK_ID": task,
+            "LORA_TRT_WEIGHTS": TRT_WEIGHTS,
+            "LORA_TRT_CONFIG": TRT_CONFIG,
+        }
+        tensors = as_tensors(seals.closed_lora(self.cipher, bound, arrays))
+        return [self.pb.InferenceResponse(tensors)]
 
 
 Sender = pb_utils_stub.ResponseSender
@@ -157,10 +177,16 @@ def sealer(tmp_path: Path) -> Sealer:
 
 
 @pytest.fixture
+def cipher(tmp_path: Path) -> AdapterCipher:
+    """The deployment's adapter cipher (lora_cache's and llm's)."""
+    return seals.cipher_for(tmp_path)
+
+
+@pytest.fixture
 def lora_cache(
-    pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+    pb_utils: ModuleType, sealer: Sealer, cipher: AdapterCipher, monkeypatch: pytest.MonkeyPatch
 ) -> FakeLoraCache:
-    fake = FakeLoraCache(pb_utils, sealer)
+    fake = FakeLoraCache(pb_utils, sealer, cipher)
     monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", fake)
     return fake
 
@@ -182,12 +208,15 @@ def call(
     **extra: np.ndarray,
 ) -> list[Any]:
     """One miss through execute(), as the ensemble hands it on: the envelope, embedding_cache's
-    answer and lora_cache's TensorRT-LLM tensors `extra`, each sealed; every response once the
-    final one arrived."""
+    answer and lora_cache's TensorRT-LLM tensors `extra` (the arrays closed for the envelope
+    under the model's own deployment secret), each sealed; every response once the final one
+    arrived."""
     envelope = seals.sealed(sealer, Envelope(request=request, status=CacheStatus.BYPASS))
     tensors = seals.llm_answer(sealer, envelope, "", "bypass")
-    tensors += [pb_utils.Tensor(name, value) for name, value in extra.items()]
-    lora_seal = seals.lora_seal(sealer, envelope, extra, trtllm=True)
+    cipher = seals.cipher_for(model.stage.config.state_path())
+    sent = seals.closed_lora(cipher, envelope, dict(extra))
+    tensors += as_tensors(sent)
+    lora_seal = seals.lora_seal(sealer, envelope, sent, trtllm=True)
     tensors.append(pb_utils.Tensor("LORA_SEAL", np.array([[lora_seal.encode()]], np.object_)))
     sender = Sender()
     infer = pb_utils.InferenceRequest(tensors)
@@ -265,12 +294,16 @@ def test_weights_from_lora_cache_go_to_the_engine(
         sealer,
         on_french(),
         LORA_TASK_ID=np.array([[TASK_ID]], dtype=np.uint64),
-        LORA_TRT_WEIGHTS=np.ones((1, 2, 8), dtype=np.float16),
-        LORA_TRT_CONFIG=np.array([[[1, 0, 2], [3, 0, 2]]], dtype=np.int32),
+        LORA_TRT_WEIGHTS=TRT_WEIGHTS,
+        LORA_TRT_CONFIG=TRT_CONFIG,
     )
     assert answer(pb_utils, responses)[0] == "Bonjour"
-    sent = engine.calls[0]
-    assert sent["lora_weights"].shape == (1, 2, 8) and sent["lora_config"].shape == (1, 2, 3)
+    sent = engine.calls[0]  # opened: the engine gets the arrays lora_cache made
+    assert (
+        np.array_equal(sent["lora_weights"], TRT_WEIGHTS)
+        and sent["lora_weights"].dtype == np.float16
+    )
+    assert np.array_equal(sent["lora_config"], TRT_CONFIG)
     assert lora_cache.calls == []
 
 

@@ -18,10 +18,11 @@ import pytest
 import seals
 
 from tiercache.adapter_types import AdapterRef
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE, AdapterRegistry
 from tiercache.stages.seal import ENGINE_LABEL, Sealer
+from tiercache.stages.transport import AdapterCipher
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 NAMES = ("french", "caps", "brief")
@@ -80,6 +81,12 @@ def adapters(tmp_path: Path) -> Path:
 def sealer(tmp_path: Path) -> Sealer:
     """The deployment's sealer (the stage's state_dir is tmp_path / "state")."""
     return seals.sealer_for(tmp_path / "state")
+
+
+@pytest.fixture
+def cipher(tmp_path: Path) -> AdapterCipher:
+    """The deployment's adapter cipher (lora_cache closes the files it sends with it)."""
+    return seals.cipher_for(tmp_path / "state")
 
 
 @pytest.fixture
@@ -171,14 +178,31 @@ def admin(pb_utils: ModuleType, sealer: Sealer, **op: Any) -> Any:
 
 
 def outputs(pb_utils: ModuleType, response: Any) -> dict[str, Any]:
+    """The response's outputs by name: text, and the adapter files as sent (bytes: encrypted,
+    b"" when not sent; `opened` opens them)."""
     assert not response.has_error(), response.error().message()
     out = {}
     for name in ("LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT"):
         array = pb_utils.get_output_tensor_by_name(response, name).as_numpy()
         assert array.shape == (1, 1)
         value = array[0, 0]
-        out[name] = value if name == "LORA_WEIGHTS" else value.decode()
+        out[name] = value if name in seals.CLOSED_FILES else value.decode()
     return out
+
+
+def opened(
+    pb_utils: ModuleType, cipher: AdapterCipher, request: Any, response: Any
+) -> tuple[str, bytes]:
+    """The adapter files (config text, weights) lora_cache sent in `response` to `request`,
+    opened as llm opens them: closed for the request's envelope, or its ADMIN_SEAL."""
+    names = ("ENVELOPE", "ADMIN_SEAL")
+    sent = {n: pb_utils.get_input_tensor_by_name(request, n) for n in names}
+    envelope, admin_seal = (
+        None if t is None else t.as_numpy().reshape(-1)[0] for t in sent.values()
+    )
+    bound = envelope if envelope is not None else admin_seal.decode()
+    files = seals.opened_lora(cipher, bound, outputs(pb_utils, response))
+    return files["LORA_CONFIG"].decode(), files["LORA_WEIGHTS"]
 
 
 def files(adapters: Path, name: str) -> tuple[str, bytes]:
@@ -218,28 +242,39 @@ def test_hits_and_base_model_requests_pass_with_empty_outputs(
         miss(pb_utils, sealer, None, status="bypass"),
         make_request(pb_utils),  # nothing at all
     ]
-    empty = dict.fromkeys(("LORA", "LORA_CONFIG", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT"), "")
+    empty = dict.fromkeys(("LORA", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT"), "")
     for response in model.execute(requests):
-        assert outputs(pb_utils, response) == {**empty, "LORA_WEIGHTS": b""}
+        assert outputs(pb_utils, response) == {**empty, "LORA_CONFIG": b"", "LORA_WEIGHTS": b""}
     assert flushed(model).requests["none"].metric.value() == len(requests)
 
 
 def test_first_request_loads_from_disk_then_the_engine_holds_it(
-    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
+    model: Any,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    registry: AdapterRegistry,
+    adapters: Path,
 ) -> None:
     french = registry.resolve("french")
     request = miss(pb_utils, sealer, french)
     (first,) = model.execute([request])
     out = outputs(pb_utils, first)
     assert AdapterRef.from_json(out["LORA"]) == french
-    assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"]) == files(adapters, "french")
+    # the files go out encrypted for llm: nothing of them in clear
+    config, weights = files(adapters, "french")
+    assert out["LORA_CONFIG"].startswith(b"tcbox1") and out["LORA_WEIGHTS"].startswith(b"tcbox1")
+    assert (
+        config.encode()[:64] not in out["LORA_CONFIG"] and weights[:64] not in out["LORA_WEIGHTS"]
+    )
+    assert opened(pb_utils, cipher, request, first) == (config, weights)
     # sealed for llm over the files, bound to this request's envelope
     envelope = pb_utils.get_input_tensor_by_name(request, "ENVELOPE").as_numpy()[0, 0]
     check_lora_seal(pb_utils, sealer, envelope, first)
     assert (out["LORA_EVICT"], out["LORA_TIER"], out["ADMIN_RESULT"]) == ("[]", "disk", "")
     (second,) = model.execute([miss(pb_utils, sealer, french, status="bypass")])
     out = outputs(pb_utils, second)
-    assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"], out["LORA_TIER"]) == ("", b"", "engine")
+    assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"], out["LORA_TIER"]) == (b"", b"", "engine")
     assert AdapterRef.from_json(out["LORA"]) == french
     m = flushed(model)
     assert m.requests["disk"].metric.value() == 1
@@ -275,7 +310,12 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
 
 
 def test_a_changed_folder_is_a_new_version_and_in_flight_requests_keep_the_old_one(
-    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
+    model: Any,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    registry: AdapterRegistry,
+    adapters: Path,
 ) -> None:
     old = registry.resolve("caps")
     model.execute([miss(pb_utils, sealer, old)])
@@ -290,10 +330,11 @@ def test_a_changed_folder_is_a_new_version_and_in_flight_requests_keep_the_old_o
     assert AdapterRef.from_json(outputs(pb_utils, late)["LORA"]) == old
     assert outputs(pb_utils, late)["LORA_TIER"] == "engine"
     # new requests load the new version, and the engine drops the old one
-    (fresh,) = model.execute([miss(pb_utils, sealer, new)])
+    request = miss(pb_utils, sealer, new)
+    (fresh,) = model.execute([request])
     out = outputs(pb_utils, fresh)
     assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("disk", [old.digest])
-    assert out["LORA_WEIGHTS"] == (adapters / "brief" / WEIGHTS_FILE).read_bytes()
+    assert opened(pb_utils, cipher, request, fresh) == files(adapters, "brief")
     # the old version is still in host memory for stragglers, without evicting the new one
     (straggler,) = model.execute([miss(pb_utils, sealer, old)])
     out = outputs(pb_utils, straggler)
@@ -447,14 +488,24 @@ def test_warm_reports_an_engine_failure_per_name(
 
 
 def test_weights_op_sends_them_again_after_the_engine_lost_them(
-    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry, adapters: Path
+    model: Any,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    registry: AdapterRegistry,
+    adapters: Path,
 ) -> None:
+    """The files go out encrypted for the admin call that asked (bound to its ADMIN_SEAL)."""
     caps = registry.resolve("caps")
     model.execute([miss(pb_utils, sealer, caps)])  # the mirror now says the engine holds it
     for lora in (json.loads(caps.to_json()), caps.to_json()):  # an object, or its JSON text
-        (response,) = model.execute([admin(pb_utils, sealer, op="weights", lora=lora)])
+        request = admin(pb_utils, sealer, op="weights", lora=lora)
+        (response,) = model.execute([request])
         out = outputs(pb_utils, response)
-        assert (out["LORA_CONFIG"], out["LORA_WEIGHTS"]) == files(adapters, "caps")
+        assert opened(pb_utils, cipher, request, response) == files(adapters, "caps")
+        other_call = seals.admin_seal(sealer, json.dumps({"op": "list"}))
+        with pytest.raises(Forbidden, match="LORA_CONFIG does not open"):
+            seals.opened_lora(cipher, other_call, out)
         assert (out["LORA_TIER"], out["LORA_EVICT"]) == ("host", "[]")
         assert AdapterRef.from_json(out["LORA"]) == caps
         result = json.loads(out["ADMIN_RESULT"])
@@ -497,10 +548,15 @@ def test_bad_configuration_fails_initialize(
 
 
 def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
-    start: Start, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
+    start: Start,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    registry: AdapterRegistry,
 ) -> None:
     """engine_kind tensorrt_llm: TensorRT-LLM's request tensors beside the PEFT files; the
-    version's lora_task_id on every miss, lora_weights / lora_config only on a load."""
+    version's lora_task_id on every miss, lora_weights / lora_config (encrypted like the PEFT
+    files) only on a load."""
     from tiercache.adapter_types import engine_task_id
 
     model = start(engine_slots="2", engine_kind="tensorrt_llm")
@@ -513,11 +569,18 @@ def test_tensorrt_llm_kind_sends_task_id_always_and_weights_only_when_missing(
     for response in (first, second):
         task = pb_utils.get_output_tensor_by_name(response, "LORA_TASK_ID").as_numpy()
         assert task.dtype == np.uint64 and task.tolist() == [[engine_task_id(french)]]
-    weights = pb_utils.get_output_tensor_by_name(first, "LORA_TRT_WEIGHTS").as_numpy()
-    config = pb_utils.get_output_tensor_by_name(first, "LORA_TRT_CONFIG").as_numpy()
+
+    def sent(response: Any, name: str) -> Any:
+        return pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0, 0]
+
+    bound = pb_utils.get_input_tensor_by_name(requests[0], "ENVELOPE").as_numpy()[0, 0]
+    opened_arrays = seals.opened_lora(
+        cipher, bound, {n: sent(first, n) for n in ("LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")}
+    )
+    weights, config = opened_arrays["LORA_TRT_WEIGHTS"], opened_arrays["LORA_TRT_CONFIG"]
     assert weights.dtype == np.float16 and weights.shape[:2] == (1, 60)  # q and v, 30 layers
     assert config.dtype == np.int32 and config.shape == (1, 60, 3)
-    assert pb_utils.get_output_tensor_by_name(second, "LORA_TRT_WEIGHTS") is None
+    assert (sent(second, "LORA_TRT_WEIGHTS"), sent(second, "LORA_TRT_CONFIG")) == (b"", b"")
     (base,) = model.execute([miss(pb_utils, sealer, None)])
     assert pb_utils.get_output_tensor_by_name(base, "LORA_TASK_ID") is None
 

@@ -298,6 +298,39 @@ def adapter_files(name: str) -> tuple[str, bytes]:
     ).read_bytes()
 
 
+def test_a_replayed_envelope_gets_only_ciphertext_of_an_adapter(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    """Adapter export by replay: the attacker's own sealed envelope for an adapter its key may
+    use, replayed into lora_cache, gets a plan whose files are AES-GCM boxes under the server's
+    secret, with nothing of the files in clear; the ensemble then serves with that adapter."""
+    prompt = unique("Name a primary colour.")
+    result = raw.infer(
+        "prompt_cache",
+        [
+            tensor("text_input", prompt),
+            tensor("max_tokens", MAX_TOKENS),
+            tensor("lora_name", "brief"),
+        ],
+        headers={"authorization": f"Bearer {served.keys['acme']}"},
+    )
+    data = result.as_numpy("ENVELOPE").reshape(-1)[0]
+    assert Envelope.decode(data[SEAL_CHARS:]).request.lora_digest  # resolved: a real plan
+    plan = raw.infer("lora_cache", [tensor("ENVELOPE", data), tensor("LOOKUP_STATUS", "miss")])
+    assert plan.as_numpy("LORA_TIER").reshape(-1)[0].decode() != "engine"  # files are sent
+    config, weights = adapter_files("brief")
+    sent_config = plan.as_numpy("LORA_CONFIG").reshape(-1)[0]
+    sent_weights = plan.as_numpy("LORA_WEIGHTS").reshape(-1)[0]
+    assert sent_config.startswith(b"tcbox1") and sent_weights.startswith(b"tcbox1")
+    assert len(sent_weights) == len(weights) + 34  # magic, nonce and tag: nothing else
+    for clear, sent in ((config.encode(), sent_config), (weights, sent_weights)):
+        assert not any(clear[i : i + 32] in sent for i in range(0, len(clear) - 32, 4096))
+    assert b"target_modules" not in sent_config and b"lora_A" not in sent_weights
+    with client(served) as acme:
+        served_text = acme.generate_text(prompt, max_tokens=MAX_TOKENS, lora_name="brief")
+    assert served_text.cache_status == "miss" and served_text.text
+
+
 def test_the_engine_loads_adapter_files_only_under_their_own_digest(served: Served) -> None:
     """Even sealed (as a compromised stage with the server's secret could), files sent under
     another version's identity are refused: the engine recomputes the digest."""

@@ -203,21 +203,26 @@ def test_gpu_ensemble_lines_up(gpu_repo: Path, assemble: ModuleType) -> None:
         assert name not in steps["llm"].input_map
 
 
-def test_lora_tensors_keep_their_type_from_lora_cache_through_llm_to_the_engine(
+def test_lora_tensors_keep_their_type_from_lora_cache_to_llm_and_the_task_id_to_the_engine(
     gpu_repo: Path,
 ) -> None:
     configs = configs_of(gpu_repo)
     produced = by_name(configs["lora_cache"].output)
     consumed = by_name(configs["llm"].input)
     engine = by_name(configs["tensorrt_llm"].input)
-    for ours, theirs in [
-        ("LORA_TASK_ID", "lora_task_id"),
-        ("LORA_TRT_WEIGHTS", "lora_weights"),
-        ("LORA_TRT_CONFIG", "lora_config"),
-    ]:
+    for ours in ("LORA_TASK_ID", "LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG"):
         assert consumed[ours].optional  # absent for base-model requests and hits
-        assert produced[ours].data_type == consumed[ours].data_type == engine[theirs].data_type
-        assert list(produced[ours].dims) == list(consumed[ours].dims) == list(engine[theirs].dims)
+        assert produced[ours].data_type == consumed[ours].data_type
+        assert list(produced[ours].dims) == list(consumed[ours].dims)
+    task_id = engine["lora_task_id"]
+    assert produced["LORA_TASK_ID"].data_type == task_id.data_type
+    assert list(produced["LORA_TASK_ID"].dims) == list(task_id.dims)
+    # the arrays travel encrypted (bytes); llm opens them into the engine's types
+    for ours in ("LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG"):
+        assert produced[ours].data_type == mc.TYPE_STRING
+        assert list(produced[ours].dims) == [1]
+    assert engine["lora_weights"].data_type == mc.TYPE_FP16
+    assert engine["lora_config"].data_type == mc.TYPE_INT32
 
 
 class CountingTokenizer:

@@ -1,20 +1,18 @@
 """Triton model `llm` (decoupled): check and decode the envelope, embedding_cache's answer and
-lora_cache's adapter files (each sealed), hand them to the stage (tiercache.stages.llm), and
-encode its responses."""
+lora_cache's adapter files (each sealed; the files encrypted), hand them to the stage
+(tiercache.stages.llm), and encode its responses."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
-from tiercache.engine.adapter_call import NO_LORA, EngineLora
-from tiercache.engine.trtllm_client import request_lora_from_arrays
-from tiercache.stages.llm import PEFT_LORA, TRT_LORA, LlmInput, LlmStage, open_llm
-from tiercache.stages.seal import Part, answer_tensors
+from tiercache.engine.adapter_call import NO_LORA
+from tiercache.stages.llm import LlmInput, LlmStage, open_llm
+from tiercache.stages.seal import Part, answer_tensors, lora_inputs
 from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
@@ -72,21 +70,11 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
         return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA)
-    trtllm = stage.engine.trtllm is not None
-    tensors: dict[str, Part]
-    if trtllm:
-        tensors = {name: inputs.vector(name) for name in TRT_LORA}
-    else:
-        tensors = {name: inputs.blob(name) for name in PEFT_LORA}
-    stage.check_lora(envelope, inputs.string("LORA_SEAL"), tensors)
-    if trtllm:
-        lora = EngineLora(trtllm=request_lora_from_arrays(*(tensors[n] for n in TRT_LORA)))
-    else:
-        lora = EngineLora(
-            config_json=inputs.string("LORA_CONFIG") or "",
-            weights=inputs.blob("LORA_WEIGHTS") or b"",
-            evict=tuple(json.loads(inputs.string("LORA_EVICT") or "[]")),
-        )
+    tensors: dict[str, Part] = {
+        name: inputs.vector(name) if name == "LORA_TASK_ID" else inputs.blob(name)
+        for name in lora_inputs(stage.engine.trtllm is not None)
+    }
+    lora = stage.received_lora(envelope, inputs.string("LORA_SEAL"), tensors)
     return LlmInput(
         envelope=envelope,
         status=status,

@@ -40,7 +40,13 @@ def engine_inputs(sealer: Sealer, values: dict[str, str | bytes]) -> list[Any]:
     return tensors
 
 
+def admin_seal(sealer: Sealer, admin: str) -> str:
+    """The ADMIN_SEAL of a call of lora_cache's admin ops (its answer's adapter files are
+    closed for it, tiercache.stages.transport)."""
+    return sealer.seal(ADMIN_LABEL, admin.encode("utf-8"))
+
+
 def admin_inputs(sealer: Sealer, admin: str) -> list[Any]:
     """A call of lora_cache's internal admin ops: ADMIN and its ADMIN_SEAL."""
-    seal = sealer.seal(ADMIN_LABEL, admin.encode("utf-8"))
+    seal = admin_seal(sealer, admin)
     return [io.bytes_tensor("ADMIN", [admin]), io.bytes_tensor("ADMIN_SEAL", [seal])]

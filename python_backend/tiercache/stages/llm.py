@@ -26,7 +26,7 @@ from tiercache.engine.trtllm_client import (
     load_tokenizer,
     request_lora_from_arrays,
 )
-from tiercache.errors import Unavailable
+from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
@@ -34,11 +34,18 @@ from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, u
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
-from tiercache.stages.common import admin_inputs, engine_inputs, export_redis, status_counters
+from tiercache.stages.common import (
+    admin_inputs,
+    admin_seal,
+    engine_inputs,
+    export_redis,
+    status_counters,
+)
 from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope, seal_of
 from tiercache.stages.parts import (
     ExactTiers,
     load_secret,
+    open_adapter_cipher,
     open_exact_cache,
     open_sealer,
     padding_policy,
@@ -47,13 +54,13 @@ from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
     LORA_LABEL,
-    PEFT_LORA_INPUTS,
     TRT_LORA_INPUTS,
     Part,
     Sealer,
     check_tensors,
     lora_inputs,
 )
+from tiercache.stages.transport import AdapterCipher
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -67,10 +74,6 @@ ENGINE_OUTPUTS = [
     "REUSED_TOKENS",
     "COMPUTED_TOKENS",
 ]
-# lora_cache's TensorRT-LLM tensors (engine_kind tensorrt_llm): on the ensemble path and on the
-# `weights` admin call of the retry.
-TRT_LORA = TRT_LORA_INPUTS
-PEFT_LORA = PEFT_LORA_INPUTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +88,37 @@ class LlmInput:
     lora: EngineLora  # what lora_cache sent for the engine
 
 
-def lora_from_response(response: object) -> EngineLora:
-    """The PEFT files lora_cache sent in a response (its `weights` admin op)."""
+def open_lora(
+    cipher: AdapterCipher, trtllm: bool, tensors: dict[str, Part], bound: str
+) -> EngineLora:
+    """What lora_cache sent for the engine (its tensors `lora_inputs(trtllm)` as received: the
+    adapter files closed for the answer `bound`, tiercache.stages.transport), opened. Forbidden
+    when a file does not open."""
+    if trtllm:
+        task_id = tensors.get("LORA_TASK_ID")
+        trt = request_lora_from_arrays(
+            task_id if isinstance(task_id, np.ndarray) else None,
+            *(cipher.open_array(n, _blob(tensors.get(n)), bound) for n in TRT_LORA_INPUTS[1:]),
+        )
+        return EngineLora(trtllm=trt)
+    config = cipher.open("LORA_CONFIG", _blob(tensors.get("LORA_CONFIG")), bound)
+    try:
+        config_json = config.decode("utf-8")
+        evict = json.loads(_blob(tensors.get("LORA_EVICT")) or b"[]")
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise InvalidRequest(f"lora_cache's adapter tensors do not decode: {exc}") from exc
     return EngineLora(
-        config_json=io.output_string(response, "LORA_CONFIG") or "",
-        weights=io.output_blob(response, "LORA_WEIGHTS") or b"",
-        evict=tuple(json.loads(io.output_string(response, "LORA_EVICT") or "[]")),
+        config_json=config_json,
+        weights=cipher.open("LORA_WEIGHTS", _blob(tensors.get("LORA_WEIGHTS")), bound),
+        evict=tuple(str(digest) for digest in evict),
     )
+
+
+def _blob(value: Part) -> bytes:
+    """A bytes tensor's value as received (str as UTF-8; none and arrays as b"")."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return value if isinstance(value, bytes) else b""
 
 
 class EngineBls:
@@ -99,10 +126,15 @@ class EngineBls:
     out) or TensorRT-LLM (token ids in and out, through `TrtllmClient`)."""
 
     def __init__(
-        self, config: LlmConfig, sealer: Sealer, on_kv: Callable[[KvCacheReuse], None]
+        self,
+        config: LlmConfig,
+        sealer: Sealer,
+        cipher: AdapterCipher,
+        on_kv: Callable[[KvCacheReuse], None],
     ) -> None:
         self.model_name = config.engine_model
         self.sealer = sealer
+        self.cipher = cipher
         self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
         self.lora_client = BlsClient(config.lora_model)
         self._on_kv = on_kv
@@ -165,17 +197,26 @@ class EngineBls:
     def fetch_weights(self, ref: AdapterRef) -> EngineLora:
         """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""
         admin = json.dumps({"op": "weights", "lora": json.loads(ref.to_json())})
-        wanted = list(TRT_LORA) if self.trtllm else list(PEFT_LORA)
-        response = self.lora_client.infer(admin_inputs(self.sealer, admin), wanted)
-        if self.trtllm is None:
-            return lora_from_response(response)
-        trt = request_lora_from_arrays(*(_output_array(response, name) for name in TRT_LORA))
+        trtllm = self.trtllm is not None
+        wanted = lora_inputs(trtllm)
+        response = self.lora_client.infer(admin_inputs(self.sealer, admin), list(wanted))
+        tensors: dict[str, Part] = {
+            name: _output_array(response, name)
+            if name == "LORA_TASK_ID"
+            else io.output_blob(response, name)
+            for name in wanted
+        }
+        # lora_cache closed the files for this call: bound to its seal (admin_seal)
+        lora = open_lora(self.cipher, trtllm, tensors, admin_seal(self.sealer, admin))
+        if not trtllm:
+            return lora
+        trt = lora.trtllm
         if trt is None or trt.lora is None:
             raise Unavailable(
                 f"{self.lora_client.model_name} sent no TensorRT-LLM weights for {ref.short} "
                 "(is its engine_kind tensorrt_llm?)"
             )
-        return EngineLora(trtllm=trt)
+        return lora
 
     def call_with(self, lora: EngineLora) -> GenerateFn:
         """This request's engine call: with what lora_cache sent, retried once on a lost adapter."""
@@ -200,6 +241,7 @@ class LlmStage:
         metrics: tm.Metrics,
         secret: bytes,
         sealer: Sealer,
+        cipher: AdapterCipher,
     ) -> None:
         self.config = config
         self.sealer = sealer
@@ -233,7 +275,7 @@ class LlmStage:
             "Engine time per miss",
             buckets=tm.GENERATION_BUCKETS_S,
         )
-        self.engine = EngineBls(config, sealer, self._record_kv)
+        self.engine = EngineBls(config, sealer, cipher, self._record_kv)
         if self.engine.trtllm is not None:
             self.kv_reused_blocks = m.counter(
                 "tiercache_trtllm_kv_cache_reused_blocks_total",
@@ -293,20 +335,23 @@ class LlmStage:
         exact = answer["ANSWER_STATUS"] == CacheStatus.EXACT
         return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]) if exact else "")
 
-    def check_lora(
+    def received_lora(
         self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]
-    ) -> None:
-        """Forbidden unless lora_cache's seal over the adapter tensors (bound to the envelope's)
-        verifies."""
+    ) -> EngineLora:
+        """What lora_cache sent for the engine (`tensors`, by name as received): Forbidden
+        unless lora_cache's seal over them (bound to the envelope's) verifies and its adapter
+        files open (tiercache.stages.transport)."""
+        trtllm = self.engine.trtllm is not None
         check_tensors(
             self.sealer,
             lora_seal,
             LORA_LABEL,
-            lora_inputs(self.engine.trtllm is not None),
+            lora_inputs(trtllm),
             tensors,
             bound=envelope.seal,
             what="lora_cache's adapter tensors",
         )
+        return open_lora(self.engine.cipher, trtllm, tensors, envelope.seal)
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
         """Answer one request through `responder` (a hit at once, a miss from a worker)."""
@@ -471,7 +516,8 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     tiers = open_exact_cache(config.cache())
     secret = load_secret(config.cache(), tiers.link) if config.hit_padding_ms > 0 else b""
     metrics = tm.Metrics(model_name)
-    stage = LlmStage(config, tiers, metrics, secret, open_sealer(config.state_path()))
+    state = config.state_path()
+    stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), open_adapter_cipher(state))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     stage.sharing = share_rows(stage, config, tiers)
     metrics.start()

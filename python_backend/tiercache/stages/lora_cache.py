@@ -18,8 +18,9 @@ from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
 from tiercache.stages.common import engine_inputs
 from tiercache.stages.envelope import ReceivedEnvelope
-from tiercache.stages.parts import open_fleet, open_lora_core, open_sealer
+from tiercache.stages.parts import open_adapter_cipher, open_fleet, open_lora_core, open_sealer
 from tiercache.stages.seal import ADMIN_LABEL, LORA_LABEL, Part, Sealer, lora_inputs, seal_tensors
+from tiercache.stages.transport import AdapterCipher
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -27,6 +28,8 @@ from tiercache.vocabulary import EngineKind
 
 # The outputs of every lora_cache response, in order; TensorRT-LLM's tensors come on top.
 OUTPUTS = ("LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "LORA_TIER", "ADMIN_RESULT")
+# TensorRT-LLM's adapter arrays, encrypted for llm like the PEFT files (tiercache.stages.transport).
+CLOSED_ARRAYS = ("LORA_TRT_WEIGHTS", "LORA_TRT_CONFIG")
 TRTLLM_OUTPUTS = {
     "lora_task_id": "LORA_TASK_ID",
     "lora_weights": "LORA_TRT_WEIGHTS",
@@ -115,12 +118,14 @@ class LoraCacheStage:
         metrics: tm.Metrics,
         plans: PlanCounter,
         sealer: Sealer,
+        cipher: AdapterCipher,
         trtllm: TrtllmLoraConverter | None = None,
         fleet: FleetSync | None = None,
     ) -> None:
         """`plans` must be the `on_plan` hook `core` was built with."""
         self.core = core
         self.sealer = sealer
+        self.cipher = cipher
         self.trtllm = trtllm
         self.fleet = fleet
         self.metrics = m = metrics
@@ -187,18 +192,38 @@ class LoraCacheStage:
             result = {**result, "fleet": self.fleet.fleet.report(local)}
         return answer.plan, json.dumps(result, sort_keys=True)
 
+    def outputs(self, plan: LoraPlan | None, bound: str, admin_result: str = "") -> dict[str, Part]:
+        """A response's tensors by name (OUTPUTS, then TensorRT-LLM's for a plan when the
+        engine is TensorRT-LLM), the adapter files closed for the answer `bound` (the envelope's
+        seal, or the admin call's): only a stage with the secret opens them."""
+        if plan is None:
+            return dict(zip(OUTPUTS, ("", b"", b"", "", "", admin_result), strict=True))
+        weights, close = plan.weights, self.cipher.close
+        values: dict[str, Part] = {
+            "LORA": plan.ref.to_json(),
+            "LORA_CONFIG": close(
+                "LORA_CONFIG", weights.config_json.encode("utf-8") if weights else b"", bound
+            ),
+            "LORA_WEIGHTS": close("LORA_WEIGHTS", weights.weights if weights else b"", bound),
+            "LORA_EVICT": json.dumps(list(plan.evict)),
+            "LORA_TIER": plan.tier,
+            "ADMIN_RESULT": admin_result,
+        }
+        if self.trtllm is not None:
+            trt = self.trtllm.request_lora(plan.ref, plan.weights).tensors()
+            for key, name in TRTLLM_OUTPUTS.items():
+                array = trt.get(key)  # the weights and their config only when the engine lacks them
+                if name in CLOSED_ARRAYS:
+                    values[name] = self.cipher.close_array(name, array, bound)
+                elif array is not None:
+                    values[name] = np.ascontiguousarray(array)
+        return values
+
     def seal(self, envelope: ReceivedEnvelope, values: dict[str, Part]) -> str:
-        """LORA_SEAL over the adapter tensors of a plan's response, bound to the envelope's."""
+        """LORA_SEAL over the adapter tensors of a plan's response (as sent: the files closed),
+        bound to the envelope's."""
         names = lora_inputs(self.trtllm is not None)
         return seal_tensors(self.sealer, LORA_LABEL, names, values, bound=envelope.seal)
-
-    def trtllm_tensors(self, plan: LoraPlan) -> dict[str, np.ndarray]:
-        """engine_kind tensorrt_llm: TensorRT-LLM's request tensors for `plan` (the task id
-        always; the weights only when the engine lacks this version), by output name."""
-        if self.trtllm is None:
-            return {}
-        trt = self.trtllm.request_lora(plan.ref, plan.weights).tensors()
-        return {TRTLLM_OUTPUTS[k]: np.ascontiguousarray(v) for k, v in trt.items()}
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -218,8 +243,9 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     plans = PlanCounter(metrics)
     sealer = open_sealer(config.state_path())
     core = open_lora_core(config, EngineBls(config.engine_model, sealer), on_plan=plans)
+    cipher = open_adapter_cipher(config.state_path())
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
-    stage = LoraCacheStage(core, metrics, plans, sealer, trtllm, open_fleet(config, core))
+    stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, open_fleet(config, core))
     metrics.start()
     return stage

@@ -38,6 +38,7 @@ from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import EngineAdmin, LoraCache, latest_digest
 from tiercache.padding import PaddingPolicy
 from tiercache.stages.seal import Sealer
+from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,12 @@ def open_sealer(state_path: Path) -> Sealer:
     """The stages' sealer (tiercache.stages.seal) under this host's secret: every stage of one
     server reads the same secret file, never Redis."""
     return Sealer.from_secret(host_secret(state_path))
+
+
+def open_adapter_cipher(state_path: Path) -> AdapterCipher:
+    """What closes and opens the adapter files lora_cache sends llm (tiercache.stages.transport),
+    under this host's secret like the seals."""
+    return AdapterCipher.from_secret(host_secret(state_path))
 
 
 def open_adapters(adapters_dir: Path, state_dir: Path, manifest: str) -> AdapterRegistry:

@@ -16,7 +16,8 @@ host's secret file that only the stages read; over a label and length-prefixed p
 cannot be shifted from one field to the next and a seal made for one hop is never valid at
 another. What a seal cannot stop: a caller of prompt_cache gets its own request's sealed envelope
 and may replay it into the later stages, which then act exactly as they would for that request
-through the ensemble (docs/security.md says what that exposes).
+through the ensemble (docs/security.md says what that exposes); this is why lora_cache encrypts
+the adapter files it sends (tiercache.stages.transport).
 """
 
 from __future__ import annotations
