@@ -159,6 +159,29 @@ def test_stored_entry_is_an_exact_hit(model: Any, pb_utils: ModuleType, sealer: 
     assert flushed(model).hits[Tier.L1].metric.value() == 1
 
 
+def test_a_repeated_hit_is_sealed_with_its_current_answer(
+    model: Any, pb_utils: ModuleType, sealer: Sealer
+) -> None:
+    """The sealed envelope of an exact hit is memoized (tiercache.exact.memo): a repeated hit
+    gets the same bytes; once the entry's answer changed, the envelope is sealed with the new
+    answer and does not open with the old one."""
+    (miss,) = model.execute([make_request(pb_utils)])
+    digest = envelope(pb_utils, miss, sealer).digest
+    model.stage.cache.cache.put(digest, "answer")
+
+    def sent(response: Any) -> bytes:
+        return bytes(pb_utils.get_output_tensor_by_name(response, "ENVELOPE").as_numpy()[0, 0])
+
+    first, again = model.execute([make_request(pb_utils), make_request(pb_utils)])
+    assert sent(first) == sent(again) and output(pb_utils, again, "CACHED_TEXT") == "answer"
+    model.stage.cache.cache.put(digest, "a newer answer")
+    (changed,) = model.execute([make_request(pb_utils)])
+    assert output(pb_utils, changed, "CACHED_TEXT") == "a newer answer"
+    assert envelope(pb_utils, changed, sealer).status == "exact"
+    with pytest.raises(Forbidden, match="does not verify"):
+        seals.opened(sealer, sent(changed), "answer")
+
+
 def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
     digest = envelope(pb_utils, miss, sealer).digest

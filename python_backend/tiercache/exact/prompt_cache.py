@@ -17,8 +17,10 @@ from tiercache.exact.keys import (
     semantic_scope,
     tenant_scope,
 )
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.request import (
     DEFAULT_LIMITS,
+    Canonical,
     GenerationRequest,
     Limits,
     RawInputs,
@@ -70,25 +72,56 @@ class PromptCache:
         self.resolve_adapter = resolve_adapter
         # tenant name -> scope: one HMAC per tenant instead of one per request (a deployment has
         # few tenants; bounded, so a caller naming endless tenants costs memory only up to this).
-        self._scopes: dict[str, TenantScope] = {}
+        self._scopes: Memo[TenantScope] = Memo(TENANT_SCOPE_MEMO)
+        # A repeated request (an exact hit's usual case) skips canonicalizing and digesting:
+        # raw inputs -> canonical form; (raw inputs, scope, adapter version) -> request, digest.
+        self._canonical: Memo[Canonical] = Memo()
+        self._requests: Memo[tuple[GenerationRequest, Digest | None]] = Memo()
 
     def _scope(self, tenant: str) -> TenantScope:
         scope = self._scopes.get(tenant)
         if scope is None:
-            if len(self._scopes) >= TENANT_SCOPE_MEMO:
-                self._scopes.clear()
-            scope = self._scopes[tenant] = tenant_scope(self._secret, tenant)
+            scope = self._scopes.put(tenant, tenant_scope(self._secret, tenant))
         return scope
 
-    def _with_adapter(self, request: GenerationRequest) -> GenerationRequest:
-        """Pin the request to the adapter version its name resolves to now: the version's digest
+    def _adapter(self, name: str) -> AdapterRef | None:
+        """The version the adapter `name` resolves to now (None for the base model): its digest
         goes into every key, so a changed adapter folder never hits the old version's entries."""
-        if not request.lora_name:
-            return request
+        if not name:
+            return None
         if self.resolve_adapter is None:
-            raise NotFound(f"unknown adapter {request.lora_name!r}: no adapters are configured")
-        ref = self.resolve_adapter(request.lora_name)
-        return dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
+            raise NotFound(f"unknown adapter {name!r}: no adapters are configured")
+        return self.resolve_adapter(name)
+
+    def _canonicalize(self, raw: RawInputs) -> tuple[Canonical, tuple[object, ...] | None]:
+        """`canonicalize(raw)`, memoized (InvalidRequest is never), and the memo's key for
+        `raw` (None when its prompt is too long to memoize)."""
+        key = _raw_key(raw)
+        if key is None:
+            return canonicalize(raw, self.limits), None
+        canonical = self._canonical.get(key)
+        if canonical is None:
+            canonical = self._canonical.put(key, canonicalize(raw, self.limits))
+        return canonical, key
+
+    def _request(
+        self, canonical: Canonical, raw_key: tuple[object, ...] | None, tenant: TenantScope
+    ) -> tuple[GenerationRequest, Digest | None]:
+        """The request pinned to its tenant scope and adapter version, and its digest (None when
+        it is not cacheable); memoized by the raw inputs they follow from."""
+        ref = self._adapter(canonical.request.lora_name)
+        key = None if raw_key is None else (raw_key, tenant, ref)
+        made = None if key is None else self._requests.get(key)
+        if made is not None:
+            return made
+        request = dataclasses.replace(canonical.request, tenant_scope=tenant)
+        if ref is not None:
+            request = dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
+        digest = None
+        if canonical.cacheable:
+            digest = request_digest(tenant, self.engine, request, request.lora_digest)
+        made = (request, digest)
+        return made if key is None else self._requests.put(key, made)
 
     def lookup(
         self, raw: RawInputs, read: bool = True, grant: TenantGrant | None = None
@@ -99,7 +132,7 @@ class PromptCache:
         digest whether or not one is there). With a `grant` (the caller's API key,
         tiercache.exact.tenant_keys) the tenant is the grant's, and a request naming another
         tenant, or an adapter or cache_control word the grant does not allow, is Forbidden."""
-        canonical = canonicalize(raw, self.limits)
+        canonical, raw_key = self._canonicalize(raw)
         tenant_name = canonical.tenant
         if grant is not None:
             named = canonical.tenant if raw.tenant is not None else None
@@ -108,10 +141,7 @@ class PromptCache:
         tenant = self._scope(tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         control = canonical.cache_control
-        request = dataclasses.replace(
-            self._with_adapter(canonical.request),
-            tenant_scope=tenant,
-        )
+        request, digest = self._request(canonical, raw_key, tenant)
 
         def result(
             digest: Digest | None,
@@ -135,10 +165,9 @@ class PromptCache:
                 control.max_age_s,
             )
 
-        if not canonical.cacheable:
+        if digest is None:
             return result(None, CacheStatus.BYPASS, False)
         adapter = request.lora_digest
-        digest = request_digest(tenant, self.engine, request, adapter)
         write_back = not control.no_store
         exact_lookup = not (control.no_cache or control.semantic_only)
         found = self.cache.get(digest, control.max_age_s) if read and exact_lookup else None
@@ -155,3 +184,30 @@ class PromptCache:
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return result(digest, CacheStatus.BYPASS, write_back, scope, semantic)
         return result(digest, CacheStatus.MISS, write_back, scope, semantic)
+
+
+def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:
+    """`raw` as a memo key (its fields, stop words as a tuple); None when the prompt is longer
+    than MEMO_MAX_CHARS (not worth the memory) or a field cannot be hashed."""
+    text = raw.text_input
+    if text is None or len(text) > MEMO_MAX_CHARS:
+        return None
+    stops = None if raw.stop_words is None else tuple(raw.stop_words)
+    key = (
+        text,
+        raw.max_tokens,
+        raw.stream,
+        raw.temperature,
+        raw.top_p,
+        raw.top_k,
+        raw.seed,
+        stops,
+        raw.tenant,
+        raw.cache_control,
+        raw.lora_name,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

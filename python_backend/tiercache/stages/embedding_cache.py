@@ -19,7 +19,7 @@ from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, check_sealed
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
 from tiercache.stages.seal import (
     ANSWER_LABEL,
@@ -75,6 +75,18 @@ class EmbeddingCacheStage:
     def seal(self, envelope_seal: str, answer: Answer) -> str:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
         return answer_seal(self.sealer, envelope_seal, answer)
+
+    def exact_hit(self, data: bytes | None, cached_text: str) -> Answer | None:
+        """An exact hit's pass-through answer, its envelope's seal checked but the envelope not
+        decoded; None without `cached_text` (then `open` the envelope). prompt_cache seals an
+        envelope together with a non-empty answer only on an exact hit, whose envelope asks
+        no semantic lookup, so a seal that verifies over `cached_text` says all this stage
+        needs to know (Forbidden when it does not)."""
+        if not cached_text:
+            return None
+        check_sealed(data, self.sealer, cached_text)
+        self.outcomes["skipped"].increment(1)
+        return Answer(cached_text, CacheStatus.EXACT.value)
 
     def pass_through(self, envelope: Envelope, cached_text: str) -> Answer | None:
         """The answer for a request that is not looked up by meaning (an exact hit, or not

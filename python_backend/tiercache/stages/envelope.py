@@ -52,13 +52,7 @@ class Envelope:
     def open(cls, data: bytes | None, sealer: Sealer, cached_text: str = "") -> Envelope:
         """The envelope in the wire form `data`, its seal checked against `cached_text` first:
         Forbidden when unsealed or altered, InvalidRequest when malformed."""
-        if not data:
-            raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
-        payload = data[SEAL_CHARS:]
-        sealer.check(
-            seal_of(data), ENVELOPE_LABEL, payload, text_bytes(cached_text), what=ENVELOPE_TENSOR
-        )
-        return cls.decode(payload)
+        return cls.decode(check_sealed(data, sealer, cached_text))
 
     def encode(self) -> bytes:
         """Canonical JSON (sorted keys, UTF-8), versioned; unsealed (see `seal`)."""
@@ -139,6 +133,18 @@ class Envelope:
             cache_tags=_read(top, "cache_tags", tuple, ENVELOPE_TENSOR),
             max_age_s=_read(top, "max_age_s", float, ENVELOPE_TENSOR, optional=True),
         )
+
+
+def check_sealed(data: bytes | None, sealer: Sealer, cached_text: str = "") -> bytes:
+    """The envelope's JSON in the wire form `data`, undecoded, once its seal verifies against
+    `cached_text`: Forbidden when unsealed or altered, InvalidRequest when missing."""
+    if not data:
+        raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
+    payload = data[SEAL_CHARS:]
+    sealer.check(
+        seal_of(data), ENVELOPE_LABEL, payload, text_bytes(cached_text), what=ENVELOPE_TENSOR
+    )
+    return payload
 
 
 def seal_of(data: bytes | None) -> str:

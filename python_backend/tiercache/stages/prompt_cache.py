@@ -8,6 +8,7 @@ import time
 from tiercache.config import PromptCacheConfig
 from tiercache.engine.model_source import resolve_model
 from tiercache.errors import Forbidden
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.prompt_cache import LookupResult, PromptCache
 from tiercache.exact.request import RawInputs
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
@@ -29,6 +30,9 @@ class PromptCacheStage:
         self.cache = cache
         self.sealer = sealer
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
+        # (envelope, answer) -> the sealed envelope of an exact hit: a repeated hit skips the
+        # envelope's JSON and its HMAC (tiercache.exact.memo)
+        self._sealed: Memo[bytes] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -61,9 +65,20 @@ class PromptCacheStage:
         self.requests[result.status.value].increment(1)
         if result.tier is not None:
             self.hits[result.tier].increment(1)
-        sealed = envelope_of(result).seal(self.sealer, result.text)
+        sealed = self._seal(envelope_of(result), result.text)
         self.lookup_s.observe(time.perf_counter() - started)
         return sealed, result.text
+
+    def _seal(self, envelope: Envelope, text: str) -> bytes:
+        """The envelope's wire form, sealed with the exact hit's `text`; memoized for exact hits
+        (a miss's envelope is sealed once and its answer generated anyway)."""
+        if envelope.status is not CacheStatus.EXACT or len(text) > MEMO_MAX_CHARS:
+            return envelope.seal(self.sealer, text)
+        key = (envelope, text)
+        sealed = self._sealed.get(key)
+        if sealed is None:
+            sealed = self._sealed.put(key, envelope.seal(self.sealer, text))
+        return sealed
 
     def count_error(self, exc: BaseException) -> None:
         """A request answered with an error (bad inputs, unknown adapter; refused: forbidden)."""

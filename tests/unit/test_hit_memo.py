@@ -1,0 +1,105 @@
+"""The exact-hit path's memos (tiercache.exact.memo): a repeated request skips canonicalizing,
+digesting and sealing, and gets exactly what a cache without memos computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiercache.adapter_types import AdapterRef
+from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact.keys import EngineIdentity
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
+from tiercache.exact.prompt_cache import PromptCache
+from tiercache.exact.request import RawInputs
+from tiercache.exact.stores import MemoryStore
+from tiercache.exact.tenant_keys import KeyFile, add_key
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import CacheStatus, Tier
+
+SECRET = b"s" * 32
+ENGINE = EngineIdentity("model", "rev")
+
+REQUESTS = [
+    RawInputs("What is Triton?"),
+    RawInputs("What is Triton?", max_tokens=8, stream=True),
+    RawInputs("  What   is Triton?  ", tenant="acme"),
+    RawInputs(b"What is Triton?", stop_words=[b"\n", "."], cache_control="tag=docs"),
+    RawInputs("Sample me", temperature=0.7, seed=3),
+    RawInputs("Sample me", temperature=0.7),  # no seed: not cacheable (bypass)
+    RawInputs("Bonjour", lora_name="french"),
+    RawInputs("What is Triton?", cache_control="no-store, max-age=60"),
+]
+
+
+def prompts(adapters: dict[str, AdapterRef] | None = None) -> PromptCache:
+    versions = adapters if adapters is not None else {"french": AdapterRef("french", 2, "f" * 64)}
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))])
+    return PromptCache(cache, SECRET, ENGINE, resolve_adapter=lambda name: versions[name])
+
+
+def test_a_memo_forgets_everything_when_a_new_key_finds_it_full() -> None:
+    memo: Memo[int] = Memo(2)
+    memo.put("a", 1)
+    memo.put("b", 2)
+    assert memo.put("b", 3) == 3 and len(memo) == 2  # an old key is replaced, nothing cleared
+    memo.put("c", 4)
+    assert (memo.get("a"), memo.get("b"), memo.get("c"), len(memo)) == (None, None, 4, 1)
+    with pytest.raises(ValueError, match="at least one"):
+        Memo(0)
+
+
+def test_repeated_lookups_equal_a_fresh_cache_s() -> None:
+    memoized = prompts()
+    for raw in REQUESTS:
+        first = memoized.lookup(raw)
+        again = memoized.lookup(raw)
+        assert first == again
+        assert again == prompts().lookup(raw), raw
+    stored = memoized.lookup(REQUESTS[0])
+    assert stored.digest is not None
+    memoized.cache.put(stored.digest, "Triton serves models.")
+    hit = memoized.lookup(REQUESTS[0])
+    assert (hit.status, hit.text) == (CacheStatus.EXACT, "Triton serves models.")
+
+
+def test_a_new_adapter_version_is_a_new_key_at_once() -> None:
+    versions = {"french": AdapterRef("french", 2, "f" * 64)}
+    cache = prompts(versions)
+    raw = RawInputs("Bonjour", lora_name="french")
+    old = cache.lookup(raw)
+    versions["french"] = AdapterRef("french", 2, "e" * 64)  # the folder changed
+    new = cache.lookup(raw)
+    assert new.request.lora_digest == "e" * 64 and new.digest != old.digest
+    assert new == prompts(versions).lookup(raw)
+
+
+def test_the_same_inputs_under_two_keys_stay_two_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    acme_key, _ = add_key(path, "acme")
+    globex_key, _ = add_key(path, "globex", adapters=[])
+    keys = KeyFile(path)
+    cache = prompts()
+    raw = RawInputs("What is Triton?")
+    as_acme = cache.lookup(raw, grant=keys.authorize(acme_key))
+    as_globex = cache.lookup(raw, grant=keys.authorize(globex_key))
+    assert as_acme.request.tenant_scope != as_globex.request.tenant_scope
+    assert as_acme.digest != as_globex.digest
+    assert cache.lookup(raw, grant=keys.authorize(acme_key)) == as_acme
+    # a grant's limits are checked on every request, memoized or not
+    with pytest.raises(Forbidden):
+        cache.lookup(RawInputs("Bonjour", lora_name="french"), grant=keys.authorize(globex_key))
+
+
+def test_bad_and_long_requests_are_not_memoized() -> None:
+    cache = prompts()
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            cache.lookup(RawInputs("What is Triton?", max_tokens=0))
+    assert len(cache._canonical) == 0 and len(cache._requests) == 0
+    long = RawInputs("word " * (MEMO_MAX_CHARS // 5 + 1))
+    assert cache.lookup(long) == prompts().lookup(long)
+    assert len(cache._canonical) == 0 and len(cache._requests) == 0
+    cache.lookup(REQUESTS[0])
+    assert len(cache._canonical) == 1 and len(cache._requests) == 1
