@@ -46,6 +46,20 @@ def serpentine(configs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
             yield round_no, config
 
 
+def level_pairs(
+    configs: Sequence[T], rounds: int, levels: Sequence[int]
+) -> Iterator[tuple[int, int, T]]:
+    """(round, level, config) in the order to run them: in each round, for each level, every
+    configuration back to back, the order reversed from one level (or round) to the next, so
+    each ratio pairs measurements taken seconds apart."""
+    pairs = [(round_no, level) for round_no in range(1, rounds + 1) for level in levels]
+    if not pairs:
+        raise ValueError("level_pairs needs at least one round and one level")
+    for k, config in serpentine(configs, len(pairs)):
+        round_no, level = pairs[k - 1]
+        yield round_no, level, config
+
+
 @dataclass(frozen=True, slots=True)
 class Spread:
     """A ratio over rounds: the median of the per-round values and their range."""

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from tiercache_dev.rounds import BackgroundLoad, Spread, paired_ratio, serpentine
+from tiercache_dev.rounds import BackgroundLoad, Spread, level_pairs, paired_ratio, serpentine
 
 
 def test_serpentine_alternates_direction() -> None:
@@ -31,6 +31,22 @@ def test_serpentine_cancels_a_linear_drift() -> None:
 def test_serpentine_refuses_zero_rounds() -> None:
     with pytest.raises(ValueError, match="rounds"):
         list(serpentine(["a"], 0))
+
+
+def test_level_pairs_run_the_configurations_back_to_back_at_each_level() -> None:
+    order = list(level_pairs(["a", "b"], 2, [1, 4]))
+    assert order == [
+        (1, 1, "a"),
+        (1, 1, "b"),
+        (1, 4, "b"),
+        (1, 4, "a"),
+        (2, 1, "a"),
+        (2, 1, "b"),
+        (2, 4, "b"),
+        (2, 4, "a"),
+    ]
+    with pytest.raises(ValueError, match="at least one"):
+        list(level_pairs(["a"], 1, []))
 
 
 def test_paired_ratio_is_per_round() -> None:

@@ -7,9 +7,10 @@ Usage::
         [--background-load N [--background-duty F]]
 
 Every configuration's server is started once and stays up for the whole run (an idle server
-costs next to nothing); perf_analyzer over gRPC measures one configuration at a time, at each
-concurrency level, in interleaved rounds (tiercache_dev.rounds: A B C, C B A, ...), so the two
-measurements a ratio pairs are taken about a minute apart, with no server start between them:
+costs next to nothing); perf_analyzer over gRPC measures one configuration at a time and one
+concurrency level at a time, interleaved: in each round, for each level, every configuration in
+turn (A B C, then C B A for the next level or round), so the two measurements a ratio pairs
+are taken seconds apart, back to back, with no server start between them:
 
 1. tiercache: the real model_repository/ (ensemble -> prompt_cache -> llm). The prompt is sent
    once with the client first, so every perf_analyzer request is an exact hit (checked with the
@@ -27,12 +28,12 @@ Then it prints a table and writes a Markdown summary to OUT_DIR/bench_prompt_cac
 perf_analyzer output, CSVs and server logs under OUT_DIR/bench/). Targets: tiercache hit p50 at
 most 1.25x the floor's, throughput at least 0.8x the floor's, the stage's miss p50 under 1 ms.
 Only ratios measured side by side in one run mean anything on a shared machine: each ratio is
-taken per round, between measurements minutes apart, and reported as the median of the rounds
-with its spread (the tables of latencies are medians of the rounds). `--background-load N`
-starts N CPU burners for the whole run (each busy `--background-duty` of the time), to check a
-result on a machine the run itself makes busy. A JSON summary is written beside the Markdown.
-The exit code is 0 whether or not the targets are met (PASS/MISS is printed), 1 if a
-measurement could not be made.
+taken per round, between back-to-back measurements at one level, and reported as the median of
+the rounds with its spread (the tables of latencies are medians of the rounds).
+`--background-load N` starts N CPU burners for the whole run (each busy `--background-duty` of
+the time), to check a result on a machine the run itself makes busy. A JSON summary is written
+beside the Markdown. The exit code is 0 whether or not the targets are met (PASS/MISS is
+printed), 1 if a measurement could not be made.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ from tiercache_dev.rounds import (
     Spread,
     add_background_load_arguments,
     check_background_load_arguments,
+    level_pairs,
     paired_ratio,
-    serpentine,
 )
 from tiercache_dev.servers import TritonServer, running_all, triton
 from tiercache_dev.stats import mean, median, percentile
@@ -201,15 +202,19 @@ def bench_stage(n: int, max_tokens: int) -> dict[str, float]:
 
 
 def bench_seals(n: int, max_tokens: int) -> dict[str, float]:
-    """The seals' own work on one exact hit, in microseconds (medians of n): prompt_cache seals
-    the envelope with the hit's text; embedding_cache opens it and seals its answer; llm checks
-    the answer's seal (lora_cache seals nothing on a hit). `codec_us` is the envelope's encode
-    and decode alone, which the stages paid before the seals."""
+    """The seals' own work on one exact hit, in microseconds (medians of n). `seals_us`, a
+    request's first hit: prompt_cache seals the envelope with the hit's text; embedding_cache
+    opens it and seals its answer; llm checks the answer's seal (lora_cache seals nothing on a
+    hit). `repeat_us`, a repeated hit as the stages do it now: prompt_cache finds the sealed
+    envelope in its memo (tiercache.exact.memo), embedding_cache checks the seal without
+    decoding the envelope (an exact hit), seals its answer, llm checks it. `codec_us` is the
+    envelope's encode and decode alone, which the stages paid before the seals."""
     import numpy as np
 
     from tiercache.exact.keys import Digest
+    from tiercache.exact.memo import Memo
     from tiercache.exact.request import GenerationRequest
-    from tiercache.stages.envelope import Envelope, seal_of
+    from tiercache.stages.envelope import Envelope, check_sealed, seal_of
     from tiercache.stages.seal import (
         ANSWER_LABEL,
         ANSWER_TENSORS,
@@ -241,6 +246,19 @@ def bench_seals(n: int, max_tokens: int) -> dict[str, float]:
         values = answer_tensors(text, "exact", 0.0, no_vector)  # llm, as it reads the tensors
         check_tensors(sealer, seal, ANSWER_LABEL, ANSWER_TENSORS, values, bound=bound, what="a")
 
+    memo: Memo[bytes] = Memo()
+    memo.put((envelope, text), envelope.seal(sealer, text))
+
+    def repeat_hit() -> None:
+        data = memo.get((envelope, text))  # prompt_cache
+        assert data is not None
+        check_sealed(data, sealer, text)  # embedding_cache: an exact hit, not decoded
+        bound = seal_of(data)
+        sent = answer_tensors(text, CacheStatus.EXACT.value, 0.0, None)
+        seal = seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, sent, bound=bound)
+        values = answer_tensors(text, "exact", 0.0, no_vector)  # llm
+        check_tensors(sealer, seal, ANSWER_LABEL, ANSWER_TENSORS, values, bound=bound, what="a")
+
     def codec() -> None:
         Envelope.decode(envelope.encode())
 
@@ -255,7 +273,11 @@ def bench_seals(n: int, max_tokens: int) -> dict[str, float]:
             times.append((time.perf_counter_ns() - start) / 1000)
         return percentile(times, 50)
 
-    return {"seals_us": median_us(one_hit), "codec_us": median_us(codec)}
+    return {
+        "seals_us": median_us(one_hit),
+        "repeat_us": median_us(repeat_hit),
+        "codec_us": median_us(codec),
+    }
 
 
 # ---- temporary model repositories ---------------------------------------------------------------
@@ -321,11 +343,12 @@ def measure(
     server: TritonServer,
     input_data: Path,
     transport: list[str],
+    level: int,
 ) -> Measurement:
-    """perf_analyzer over the concurrency range; a level that does not settle within
-    --max-trials windows is measured again on its own with twice the stability percentage."""
+    """perf_analyzer at one concurrency `level`; when it does not settle within --max-trials
+    windows it is measured again with twice the stability percentage."""
     bench_dir = args.out_dir / "bench"
-    stem = f"{config}-r{round_no}"
+    stem = f"{config}-r{round_no}-c{level}"
     base = [
         "-m",
         model,
@@ -344,7 +367,7 @@ def measure(
     pa_args = [
         *base,
         "--concurrency-range",
-        args.concurrency,
+        str(level),
         "--stability-percentage",
         f"{args.stability_percentage:g}",
         "-f",
@@ -356,7 +379,7 @@ def measure(
     if run.returncode != 0:
         result.notes.append(f"perf_analyzer exit {run.returncode}: {failure_reason(run)}")
         progress(f"  {result.notes[-1]}")
-    for c in args.levels:
+    for c in (level,):
         if c in result.levels or server.process.poll() is not None:
             continue
         loose = f"{args.stability_percentage * 2:g}"
@@ -367,11 +390,11 @@ def measure(
             "--stability-percentage",
             loose,
             "-f",
-            str(bench_dir / f"{stem}-c{c}.csv"),
+            str(bench_dir / f"{stem}-again.csv"),
         ]
         progress(f"  concurrency {c} again, -s {loose}: perf_analyzer {shown(retry)}")
         again = run_perf_analyzer(
-            perf_analyzer, retry, bench_dir / f"{stem}-c{c}.txt", server=server
+            perf_analyzer, retry, bench_dir / f"{stem}-again.txt", server=server
         )
         result.commands.append(shown(retry))
         if c in again.levels:
@@ -467,9 +490,10 @@ def cache_the_prompt(args: argparse.Namespace, server: TritonServer) -> None:
 
 
 def measure_round(
-    args: argparse.Namespace, pa: Path, config: Configuration, round_no: int
+    args: argparse.Namespace, pa: Path, config: Configuration, round_no: int, level: int
 ) -> Measurement:
-    """One round of one configuration on its running server, with the checks it needs."""
+    """One configuration at one concurrency level in one round, on its running server, with
+    the checks it needs."""
     if config.server.process.poll() is not None:
         raise RuntimeError(
             f"its tritonserver exited (see {display_path(config.server.log_path or Path('log'))})"
@@ -477,7 +501,7 @@ def measure_round(
     before = status_counts(config.server.ports.metrics) if config.name == TIERCACHE else None
     result = measure(
         args, pa, config.name, round_no, config.model, config.server, config.input_data,
-        config.transport,
+        config.transport, level,
     )  # fmt: skip
     if before is not None:
         statuses = counter_delta(before, status_counts(config.server.ports.metrics))
@@ -536,7 +560,8 @@ def per_round(measurements: list[Measurement], config: str, c: int, field: str) 
 def round_ratio(
     measurements: list[Measurement], a: str, b: str, c: int, field: str
 ) -> Spread | None:
-    """a/b per round (each round's two measurements minutes apart), over the rounds."""
+    """a/b per round (each round's two measurements at a level taken back to back), over the
+    rounds."""
     return paired_ratio(per_round(measurements, a, c, field), per_round(measurements, b, c, field))
 
 
@@ -572,8 +597,8 @@ def build_report(
         f"`-r {args.max_trials}`; one prompt ({len(args.prompt)} chars), "
         f"max_tokens {args.max_tokens}; "
         + (
-            f"{args.rounds} interleaved rounds (latencies: medians of the rounds; ratios: per "
-            "round, median and range)"
+            f"{args.rounds} interleaved rounds, the configurations back to back at each level "
+            "(latencies: medians of the rounds; ratios: per round, median and range)"
             if args.rounds > 1
             else "one round"
         ),
@@ -675,7 +700,8 @@ def build_report(
             f"{stage['miss_p50_us']:.1f} us, p99 {stage['miss_p99_us']:.1f} us, mean "
             f"{stage['miss_mean_us']:.1f} us; L1 hit p50 {stage['hit_p50_us']:.1f} us, "
             f"p99 {stage['hit_p99_us']:.1f} us. The seals' work on one exact hit, every "
-            f"stage, in process: {stage['seals_us']:.1f} us (median; the envelope's encode and "
+            f"stage, in process: {stage['seals_us']:.1f} us on a request's first hit, "
+            f"{stage['repeat_us']:.1f} us on a repeated one (medians; the envelope's encode and "
             f"decode alone: {stage['codec_us']:.1f} us).",
         ]
         text += ["", md[-1]]
@@ -760,15 +786,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if c.name == TIERCACHE:
                         cache_the_prompt(args, c.server)
                 progress(f"background load: {load.describe()}")
-                for round_no, config in serpentine(configs, args.rounds):
-                    progress(f"round {round_no}/{args.rounds}: {LABELS[config.name]}")
+                by_round: dict[tuple[str, int], Measurement] = {}
+                for round_no, level, config in level_pairs(configs, args.rounds, args.levels):
+                    label = LABELS[config.name]
+                    progress(f"round {round_no}/{args.rounds}, concurrency {level}: {label}")
                     try:
-                        measurements.append(measure_round(args, pa, config, round_no))
+                        got = measure_round(args, pa, config, round_no, level)
                     except Exception as exc:  # noqa: BLE001 - report it, go on with the others
-                        progress(f"  {LABELS[config.name]} failed: {type(exc).__name__}: {exc}")
-                        measurements.append(
-                            Measurement(config.name, round_no, {}, [], [f"failed: {exc}"])
-                        )
+                        progress(f"  {label} failed: {type(exc).__name__}: {exc}")
+                        got = Measurement(config.name, round_no, {}, [], [f"failed: {exc}"])
+                    kept = by_round.setdefault((config.name, round_no), got)
+                    if kept is not got:  # the round's other levels, in one measurement
+                        kept.levels.update(got.levels)
+                        kept.commands += got.commands
+                        kept.notes += got.notes
+                measurements = list(by_round.values())
 
     text, md, complete, summary = build_report(
         args, measurements, stage, time.monotonic() - started, version, load.describe()
