@@ -257,6 +257,59 @@ def _add_invalidate(sub: argparse._SubParsersAction) -> None:
     inv.add_argument("--timeout-s", type=float, default=2.0)
 
 
+def _add_gateway(sub: argparse._SubParsersAction) -> None:
+    gw = sub.add_parser(
+        "gateway", help="an OpenAI-compatible HTTP endpoint over a running tiercache (issue 16)"
+    )
+    gw.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC host:port")
+    gw.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to listen on (default loopback; 0.0.0.0 exposes it: give the server an "
+        "API key file first, docs/security.md)",
+    )
+    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--model-name", default="tiercache", help="the base model's `model` id")
+    gw.add_argument(
+        "--adapters-dir",
+        default=None,
+        help="the server's adapters folder: each adapter becomes a `model` id (default: "
+        "$TIERCACHE_ADAPTERS_DIR, else none)",
+    )
+    gw.add_argument("--timeout-s", type=float, default=300.0, help="a whole generation")
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvicorn  # the gateway's server: imported only for this command
+
+    from tiercache.gateway.app import GatewaySettings, create_app
+
+    adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
+    names: frozenset[str] = frozenset()
+    if adapters_dir:
+        folder = Path(adapters_dir)
+        if not folder.is_dir():
+            print(f"error: --adapters-dir {adapters_dir} is not a folder", file=sys.stderr)
+            return 2
+        names = frozenset(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())
+    if args.model_name in names:
+        print(f"error: --model-name {args.model_name!r} is also an adapter's name", file=sys.stderr)
+        return 2
+    settings = GatewaySettings(
+        triton_url=args.triton_url,
+        base_model=args.model_name,
+        adapters=names,
+        timeout_s=args.timeout_s,
+    )
+    print(
+        f"tiercache gateway: http://{args.host}:{args.port}/v1 -> {args.triton_url} "
+        f"(models: {', '.join([args.model_name, *sorted(names)])})",
+        flush=True,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="API keys -> tenants (docs/security.md)")
     keys.add_argument(
@@ -403,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_invalidate(sub)
     _add_keys(sub)
+    _add_gateway(sub)
     sub.add_parser(
         "eval-semantic",
         help="evaluate the semantic cache's guard on a pairs file (see --help)",
@@ -424,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         return _invalidate(args)
     if args.command == "keys":
         return _keys(args)
+    if args.command == "gateway":
+        return _gateway(args)
     if args.tritonserver_args and args.tritonserver_args[0] == "--":
         args.tritonserver_args = args.tritonserver_args[1:]
     if args.command == "serve":

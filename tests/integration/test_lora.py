@@ -197,3 +197,27 @@ def test_adapters_lists_tiers_and_warm_loads_into_the_engine(
     assert "brief" in engine and len(engine) <= SLOTS
     with pytest.raises(NotFoundError):
         lora_client.adapters(warm=["nope"])
+
+
+def test_an_adapter_is_a_model_through_the_gateway(lora_server: TritonServer) -> None:
+    """`tiercache gateway` (issue 16): each adapter is a `model` id; the same prompt on the base
+    model and on an adapter are two keys, each cached."""
+    import openai
+
+    from .test_gateway import BASE, running_gateway
+
+    prompt = fresh()
+    with running_gateway(lora_server, frozenset(ADAPTERS)) as url:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        try:
+            assert [m.id for m in oai.models.list()] == [BASE, "brief", "caps", "french"]
+            statuses = []
+            for model in (BASE, "caps", "caps"):
+                raw = oai.completions.with_raw_response.create(
+                    model=model, prompt=prompt, max_tokens=8
+                )
+                assert raw.parse().model == model and raw.parse().choices[0].text
+                statuses.append(raw.headers["x-tiercache-cache-status"])
+        finally:
+            oai.close()
+    assert statuses == ["miss", "miss", "exact"]

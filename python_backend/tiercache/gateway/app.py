@@ -1,0 +1,278 @@
+"""`tiercache gateway`: an OpenAI-compatible HTTP endpoint over the tiercache ensemble.
+
+FastAPI on uvicorn (a well-kept asynchronous framework with request validation and streaming
+responses) and tritonclient's asyncio gRPC client: one event loop carries every request, and a
+streamed answer goes from the ensemble's gRPC stream to the caller's Server-Sent Events as each
+chunk arrives. The caller's `Authorization: Bearer <key>` header is forwarded to Triton, where
+prompt_cache maps the key to its tenant (the operator's key file, docs/security.md); a missing
+or unknown key is then a 401 here.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. What is
+not here yet (issue 16): conversations with a system prompt or earlier turns (refused with a 400
+naming the limit), `usage`, the gateway's own metrics, the exact-hit edge layer, and
+`tiercache serve --gateway-port`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import tritonclient.grpc.aio as grpc_aio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tiercache.errors import InvalidRequest
+from tiercache.gateway import openai_api as api
+from tiercache_client.client import build_inputs
+from tiercache_client.errors import (
+    ForbiddenError,
+    InvalidRequestError,
+    NotFoundError,
+    TierCacheClientError,
+    UnavailableError,
+    classify,
+)
+
+log = logging.getLogger("tiercache.gateway")
+
+ENSEMBLE = "ensemble"
+CACHE_STATUS_HEADER = "x-tiercache-cache-status"
+SIMILARITY_HEADER = "x-tiercache-similarity"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """Where the ensemble is, and what the gateway calls the models it serves."""
+
+    triton_url: str = "127.0.0.1:8001"  # gRPC host:port
+    base_model: str = "tiercache"  # the `model` id of the base model
+    adapters: frozenset[str] = frozenset()  # adapter names, each a `model` id
+    timeout_s: float = 300.0  # a whole generation
+    ensemble: str = ENSEMBLE
+
+
+class Gateway:
+    """The ensemble over one asyncio gRPC channel."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = grpc_aio.InferenceServerClient(settings.triton_url)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(
+                await self.client.is_server_ready()
+                and await self.client.is_model_ready(self.settings.ensemble)
+            )
+        except Exception:  # noqa: BLE001 - not ready, whatever the transport said
+            return False
+
+    async def generate(
+        self, gen: api.Generation, authorization: str | None
+    ) -> AsyncIterator[str | api.Outcome]:
+        """The answer's text chunks as they arrive, then one Outcome; a TierCacheClientError
+        for what the ensemble or the transport refused. Closing the iterator early cancels the
+        gRPC call (the generation goes on for the requests that share it)."""
+        inputs = build_inputs(
+            gen.prompt,
+            max_tokens=gen.max_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            seed=gen.seed,
+            stop_words=list(gen.stop_words) or None,
+            cache_control=gen.cache_control,
+            lora_name=gen.lora_name,
+            stream=gen.stream,
+        )
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.settings.ensemble, "inputs": inputs, "request_id": gen.id}
+
+        headers = {"authorization": authorization} if authorization else None
+        responses = self.client.stream_infer(
+            requests(), stream_timeout=self.settings.timeout_s, headers=headers
+        )
+        outcome = api.Outcome()
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise classify(str(error.message()), error.status())
+                if result is None:
+                    continue
+                for text in _texts(result, "text_output"):
+                    if text:
+                        outcome.text += text
+                        yield text
+                status = _texts(result, "cache_status")
+                if status:  # llm's final response carries the status: the answer is complete
+                    outcome.cache_status = status[0]
+                    similarity = result.as_numpy("cache_similarity")
+                    if similarity is not None and similarity.size:
+                        outcome.similarity = float(similarity.reshape(-1)[0])
+                    finish = _texts(result, "finish_reason")
+                    outcome.finish_reason = finish[0] if finish and finish[0] else None
+                    yield outcome
+                    return
+        finally:
+            responses.cancel()
+        raise UnavailableError("the ensemble's stream ended without a final response")
+
+
+def _texts(result: Any, name: str) -> list[str]:
+    array = result.as_numpy(name)
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """OpenAI's error JSON with the status code OpenAI uses for that kind of error; a server
+    error carries no traceback."""
+    if isinstance(exc, api.UnknownModel):
+        status, kind, code = 404, "invalid_request_error", "model_not_found"
+        message = str(exc.message)
+    elif isinstance(exc, InvalidRequest):
+        status, kind, code, message = 400, "invalid_request_error", None, str(exc.message)
+    elif isinstance(exc, ForbiddenError):
+        status, kind, code = 401, "authentication_error", "invalid_api_key"
+        message = exc.message
+    elif isinstance(exc, NotFoundError):
+        status, kind, code, message = 404, "invalid_request_error", "not_found", exc.message
+    elif isinstance(exc, InvalidRequestError):
+        status, kind, code, message = 400, "invalid_request_error", None, exc.message
+    elif isinstance(exc, UnavailableError):
+        status, kind, code, message = 503, "server_error", "unavailable", exc.message
+    elif isinstance(exc, TierCacheClientError) and exc.kind == "capacity":
+        status, kind, code, message = 429, "rate_limit_error", "capacity", exc.message
+    else:
+        log.exception("request failed", exc_info=exc)
+        status, kind, code, message = 500, "server_error", None, "internal error"
+    return JSONResponse(api.error_body(message, kind, code), status_code=status)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway's ASGI app; its Triton channel opens with the app and closes with it."""
+    gateway: Gateway | None = None
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal gateway
+        gateway = Gateway(settings)
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="tiercache gateway", lifespan=lifespan)  # type: ignore[arg-type]
+
+    def the_gateway() -> Gateway:
+        assert gateway is not None, "the app's lifespan has not started"
+        return gateway
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if await the_gateway().ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        ids = [settings.base_model, *sorted(settings.adapters)]
+        data = [{"id": i, "object": "model", "created": 0, "owned_by": "tiercache"} for i in ids]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def serve(request: Request, chat: bool) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(InvalidRequest("the request body is not JSON"))
+        try:
+            gen = api.parse_request(
+                body,
+                chat=chat,
+                base_model=settings.base_model,
+                adapters=settings.adapters,
+                cache_header=request.headers.get("cache-control"),
+            )
+        except Exception as exc:  # noqa: BLE001 - this request's error response
+            return error_response(exc)
+        authorization = request.headers.get("authorization")
+        stream = the_gateway().generate(gen, authorization)
+        if gen.stream:
+            return await streamed(request, gen, stream)
+        try:
+            outcome = api.Outcome()
+            async for item in stream:
+                if isinstance(item, api.Outcome):
+                    outcome = item
+        except Exception as exc:  # noqa: BLE001 - this request's error response
+            return error_response(exc)
+        return JSONResponse(api.completion(gen, outcome), headers=cache_headers(outcome))
+
+    async def streamed(
+        request: Request, gen: api.Generation, stream: AsyncIterator[str | api.Outcome]
+    ) -> Any:
+        """Server-Sent Events; the first item is awaited before the response starts, so an
+        error the ensemble answers at once (a bad key, a bad word) is a plain error response
+        with its status code, not an event."""
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return error_response(UnavailableError("the ensemble sent nothing"))
+        except Exception as exc:  # noqa: BLE001 - this request's error response
+            return error_response(exc)
+        headers = {"cache-control": "no-cache"}
+        if isinstance(first, api.Outcome):
+            headers.update(cache_headers(first))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield _sse(api.first_chunk(gen))
+                item: str | api.Outcome | None = first
+                while item is not None:
+                    if isinstance(item, api.Outcome):
+                        yield _sse(api.chunk(gen, "", final=item))
+                        break
+                    yield _sse(api.chunk(gen, item))
+                    if await request.is_disconnected():
+                        return  # closes `stream`, which cancels the gRPC call
+                    item = await anext(stream, None)
+                yield _sse("[DONE]")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the status is sent: an error event
+                body = json.loads(bytes(error_response(exc).body))
+                yield _sse(body)
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await serve(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await serve(request, chat=False)
+
+    return app
+
+
+def cache_headers(outcome: api.Outcome) -> dict[str, str]:
+    headers = {CACHE_STATUS_HEADER: outcome.cache_status}
+    if outcome.similarity is not None:
+        headers[SIMILARITY_HEADER] = f"{outcome.similarity:.6f}"
+    return headers

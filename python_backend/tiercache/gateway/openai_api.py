@@ -1,0 +1,265 @@
+"""The OpenAI API's request and response shapes, as the gateway takes and answers them.
+
+Requests are checked here, before anything reaches Triton: unknown fields are ignored (as
+OpenAI's own server does for fields it does not know), a field of the wrong type or range is a
+400 naming it, `n` other than 1 is refused. Responses follow OpenAI's objects (`chat.completion`,
+`chat.completion.chunk`, `text_completion`) plus one documented extra field, `tiercache`, with
+the cache status and similarity.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache.errors import InvalidRequest
+
+MAX_STOP_WORDS = 4  # OpenAI's own limit on `stop`
+CACHE_CONTROL_HEADER_WORDS = ("no-cache", "no-store")
+MAX_AGE_RE = re.compile(r"^max-age=(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One request as the ensemble takes it (tiercache_client.build_inputs's arguments)."""
+
+    prompt: str
+    model: str  # as the caller named it: the base model's id or an adapter's name
+    lora_name: str | None
+    stream: bool
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_words: tuple[str, ...] = ()
+    cache_control: str | None = None
+    user: str | None = None
+    chat: bool = True
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'{name}' must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{name}' must be in [{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"'{name}' must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{name}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise InvalidRequest("'stop' must be a string or a list of strings")
+    if len(words) > MAX_STOP_WORDS:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_WORDS} strings, got {len(words)}")
+    return tuple(w for w in words if w)
+
+
+def cache_control_words(header: str | None, extra: object) -> str | None:
+    """The ensemble's `cache_control`: the HTTP `Cache-Control` request header's `no-cache`,
+    `no-store` and `max-age=N` (other HTTP directives ignored, as a cache may), then tiercache's
+    own words from the body's `tiercache.cache_control` (a string, passed on as it is: the
+    ensemble checks it)."""
+    words: list[str] = []
+    for raw in (header or "").split(","):
+        word = raw.strip().lower()
+        if word in CACHE_CONTROL_HEADER_WORDS or MAX_AGE_RE.match(word):
+            words.append(word)
+    if extra is not None:
+        if not isinstance(extra, str):
+            raise InvalidRequest("'tiercache.cache_control' must be a string")
+        if extra.strip():
+            words.append(extra.strip())
+    return ", ".join(words) or None
+
+
+def _prompt_of_messages(messages: object) -> str:
+    """The user turn of a one-turn conversation. Conversations with a system prompt or earlier
+    turns need the chat template applied to all of them once, which the ensemble cannot take
+    yet: they are refused with a clear message rather than flattened into one user turn."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"'messages[{i}]' must be an object with a 'role'")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise InvalidRequest(
+                f"'messages[{i}].content' must be a string (content parts are not supported)"
+            )
+    if len(messages) != 1 or messages[0]["role"] != "user":
+        raise InvalidRequest(
+            "this gateway takes one user message per request for now: system prompts and "
+            "earlier turns are not supported yet (send them in one user message, or use "
+            "/v1/completions)"
+        )
+    return str(messages[0]["content"])
+
+
+def parse_request(
+    body: object, *, chat: bool, base_model: str, adapters: frozenset[str], cache_header: str | None
+) -> Generation:
+    """`body` (the request's JSON) as one generation; InvalidRequest naming the first problem,
+    NotFound-like InvalidRequest for a model that is neither the base nor an adapter."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required (GET /v1/models lists them)")
+    if model != base_model and model not in adapters:
+        raise UnknownModel(model)
+    n = body.get("n", 1)
+    if n != 1:
+        raise InvalidRequest("'n' must be 1: one completion per request")
+    if chat:
+        prompt = _prompt_of_messages(body.get("messages"))
+        max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
+        if max_tokens is None:
+            max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidRequest("'prompt' must be a string (lists of prompts are not supported)")
+        prompt = text
+        max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("'user' must be a string")
+    extra = body.get("tiercache")
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise InvalidRequest("'tiercache' must be an object")
+    return Generation(
+        prompt=prompt,
+        model=model,
+        lora_name=None if model == base_model else model,
+        stream=stream,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0),
+        seed=_integer(body, "seed", 0, 2**63 - 1),
+        stop_words=_stop(body),
+        cache_control=cache_control_words(cache_header, extra.get("cache_control")),
+        user=user,
+        chat=chat,
+    )
+
+
+class UnknownModel(InvalidRequest):
+    """A `model` that is neither the base model nor an adapter (a 404, as OpenAI answers)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the model {model[:80]!r} does not exist (GET /v1/models lists them)")
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the ensemble answered: the text, the cache status, a semantic hit's similarity and
+    how the engine finished (None on a hit)."""
+
+    text: str = ""
+    cache_status: str = ""
+    similarity: float | None = None
+    finish_reason: str | None = None
+
+
+def finish_reason(outcome: Outcome) -> str:
+    """OpenAI's finish_reason: the engine's ("stop", "length", "content_filter"); a cached
+    answer was complete when it was stored, so "stop"."""
+    return outcome.finish_reason or "stop"
+
+
+def tiercache_field(outcome: Outcome) -> dict[str, Any]:
+    """The documented extra field of every response and final chunk."""
+    extra: dict[str, Any] = {"cache_status": outcome.cache_status}
+    if outcome.similarity is not None:
+        extra["similarity"] = round(outcome.similarity, 6)
+    return extra
+
+
+def completion(gen: Generation, outcome: Outcome) -> dict[str, Any]:
+    """The non-streamed response object."""
+    if gen.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": outcome.text},
+            "finish_reason": finish_reason(outcome),
+            "logprobs": None,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": outcome.text,
+            "finish_reason": finish_reason(outcome),
+            "logprobs": None,
+        }
+        kind = "text_completion"
+    return {
+        "id": ("chatcmpl-" if gen.chat else "cmpl-") + gen.id,
+        "object": kind,
+        "created": gen.created,
+        "model": gen.model,
+        "choices": [choice],
+        "tiercache": tiercache_field(outcome),
+    }
+
+
+def chunk(gen: Generation, text: str, final: Outcome | None = None) -> dict[str, Any]:
+    """One streamed chunk: `text` as a delta; with `final`, the finish reason and the extra
+    field."""
+    finish = None if final is None else finish_reason(final)
+    if gen.chat:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        kind = "text_completion"
+    out: dict[str, Any] = {
+        "id": ("chatcmpl-" if gen.chat else "cmpl-") + gen.id,
+        "object": kind,
+        "created": gen.created,
+        "model": gen.model,
+        "choices": [choice],
+    }
+    if final is not None:
+        out["tiercache"] = tiercache_field(final)
+    return out
+
+
+def first_chunk(gen: Generation) -> dict[str, Any]:
+    """A chat stream's first chunk: the assistant role, as OpenAI sends it."""
+    out = chunk(gen, "")
+    if gen.chat:
+        out["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    return out
+
+
+def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

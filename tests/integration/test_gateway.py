@@ -1,0 +1,191 @@
+"""`tiercache gateway` (issue 16) against the session's real tritonserver, driven by the official
+`openai` package and by raw HTTP: chat and completions, streamed and not, an adapter as the
+model, a cached repeat showing its status, `Cache-Control: no-cache`, bad requests, SSE framing,
+and 16 concurrent identical requests making one generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from tiercache.gateway.app import CACHE_STATUS_HEADER, GatewaySettings, create_app
+from tiercache.server import TritonServer, free_port
+
+from .conftest import settled_metric
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 6
+BASE = "tiercache"
+
+
+def unique(text: str) -> str:
+    return f"{text} ({uuid.uuid4().hex[:8]})"
+
+
+@contextlib.contextmanager
+def running_gateway(server: TritonServer, adapters: frozenset[str]) -> Iterator[str]:
+    """The gateway in this process (uvicorn on a thread) in front of `server`, its base URL."""
+    port = free_port()
+    settings = GatewaySettings(
+        triton_url=f"127.0.0.1:{server.ports.grpc}", base_model=BASE, adapters=adapters
+    )
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not running.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        running.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gateway(server: TritonServer) -> Iterator[str]:
+    """The gateway in front of the session's server (which serves no adapters: the adapter as
+    `model` is tested in test_lora.py, whose server has them)."""
+    with running_gateway(server, frozenset()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: str) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()
+
+
+def test_health_and_models(gateway: str) -> None:
+    assert httpx.get(f"{gateway}/health").json() == {"status": "ok"}
+    ids = [m["id"] for m in httpx.get(f"{gateway}/v1/models").json()["data"]]
+    assert ids == [BASE]
+
+
+def test_a_chat_completion_then_its_cached_repeat(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": unique("What is Triton?")}]
+    raw = oai.chat.completions.with_raw_response.create(
+        model=BASE,
+        messages=messages,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    )
+    first = raw.parse()
+    assert raw.headers[CACHE_STATUS_HEADER] == "miss"
+    assert first.object == "chat.completion" and first.model == BASE
+    assert first.choices[0].message.role == "assistant" and first.choices[0].message.content
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.model_extra and first.model_extra["tiercache"]["cache_status"] == "miss"
+    again = oai.chat.completions.with_raw_response.create(
+        model=BASE,
+        messages=messages,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    )
+    assert again.headers[CACHE_STATUS_HEADER] == "exact"
+    assert again.parse().choices[0].message.content == first.choices[0].message.content
+
+
+def test_a_streamed_chat_gives_the_same_text_in_chunks(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": unique("Name a colour.")}]
+    chunks = list(
+        oai.chat.completions.create(
+            model=BASE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra and chunks[-1].model_extra["tiercache"]["cache_status"] == "miss"
+    whole = oai.chat.completions.create(
+        model=BASE,
+        messages=messages,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    )
+    assert whole.choices[0].message.content == text and text
+
+
+def test_completions_and_no_cache(oai: openai.OpenAI) -> None:
+    prompt = unique("Say hello.")
+    plain = oai.completions.create(model=BASE, prompt=prompt, max_tokens=MAX_TOKENS)
+    assert plain.object == "text_completion" and plain.choices[0].text
+    fresh = oai.completions.with_raw_response.create(
+        model=BASE,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        extra_headers={"Cache-Control": "no-cache"},
+    )
+    assert fresh.headers[CACHE_STATUS_HEADER] == "bypass"
+
+
+def test_bad_requests_get_openai_errors(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.completions.create(model="no-such-model", prompt="x", max_tokens=MAX_TOKENS)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        oai.completions.create(model=BASE, prompt="x", max_tokens=MAX_TOKENS, n=2)
+    with pytest.raises(openai.BadRequestError, match="one user message per request"):
+        oai.chat.completions.create(
+            model=BASE,
+            messages=[  # type: ignore[list-item]
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+        )
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the ensemble's own check
+        oai.completions.create(model=BASE, prompt="x", max_tokens=10**6)
+
+
+def test_sse_framing_and_headers(gateway: str) -> None:
+    body = {
+        "model": BASE,
+        "messages": [{"role": "user", "content": unique("Count to three.")}],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[-1]["choices"][0]["finish_reason"] and "tiercache" in events[-1]
+    bad = httpx.post(f"{gateway}/v1/chat/completions", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_16_identical_requests_make_one_generation(gateway: str, server: TritonServer) -> None:
+    prompt = unique("What is a cache?")
+    before = settled_metric(server, "tiercache_llm_generations_total")
+
+    async def all_at_once() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        try:
+            answers = await asyncio.gather(
+                *(
+                    client.completions.create(model=BASE, prompt=prompt, max_tokens=MAX_TOKENS)
+                    for _ in range(16)
+                )
+            )
+        finally:
+            await client.close()
+        return [a.choices[0].text for a in answers]
+
+    texts = asyncio.run(all_at_once())
+    assert len(set(texts)) == 1 and texts[0]
+    assert settled_metric(server, "tiercache_llm_generations_total") - before == 1

@@ -1,0 +1,99 @@
+"""tiercache.gateway.openai_api: OpenAI request bodies checked before anything reaches Triton,
+and the response objects the gateway builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tiercache.errors import InvalidRequest
+from tiercache.gateway import openai_api as api
+
+BASE = "tiercache"
+ADAPTERS = frozenset({"caps"})
+
+
+def parse(body: Any, chat: bool = True, header: str | None = None) -> api.Generation:
+    return api.parse_request(
+        body, chat=chat, base_model=BASE, adapters=ADAPTERS, cache_header=header
+    )
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def test_a_chat_request_becomes_one_generation() -> None:
+    gen = parse(chat(max_completion_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop="\n"))
+    assert (gen.prompt, gen.model, gen.lora_name, gen.stream) == ("Hi", BASE, None, False)
+    assert (gen.max_tokens, gen.temperature, gen.top_p, gen.seed) == (5, 0.5, 0.9, 3)
+    assert gen.stop_words == ("\n",) and gen.chat
+    assert parse(chat(max_tokens=7)).max_tokens == 7
+    on_caps = parse({"model": "caps", "prompt": "Hi", "stream": True}, chat=False)
+    assert (on_caps.lora_name, on_caps.stream, on_caps.chat) == ("caps", True, False)
+    assert parse(chat(unknown_field=1, user="u-1")).user == "u-1"  # unknown fields ignored
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ([], "JSON object"),
+        ({"messages": []}, "'model' is required"),
+        (chat(n=2), "'n' must be 1"),
+        (chat(messages=[]), "non-empty list"),
+        (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "must be a string"),
+        (
+            chat(messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]),
+            "one user message per request",
+        ),
+        (chat(temperature="hot"), "'temperature' must be a number"),
+        (chat(temperature=3), "'temperature' must be in"),
+        (chat(max_tokens=0), "'max_tokens' must be in"),
+        (chat(max_tokens=True), "'max_tokens' must be an integer"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "at most 4"),
+        (chat(stop=[1]), "'stop' must be"),
+        (chat(stream="yes"), "'stream' must be a boolean"),
+        (chat(tiercache=[]), "'tiercache' must be an object"),
+        (chat(tiercache={"cache_control": 1}), "must be a string"),
+    ],
+)
+def test_bad_requests_name_the_field(body: Any, fragment: str) -> None:
+    with pytest.raises(InvalidRequest, match=fragment):
+        parse(body)
+
+
+def test_an_unknown_model_is_its_own_error() -> None:
+    with pytest.raises(api.UnknownModel, match="does not exist"):
+        parse(chat(model="gpt-4"))
+    with pytest.raises(InvalidRequest, match="lists of prompts"):
+        parse({"model": BASE, "prompt": ["a", "b"]}, chat=False)
+
+
+def test_cache_control_comes_from_the_header_and_the_body() -> None:
+    assert api.cache_control_words(None, None) is None
+    assert api.cache_control_words("No-Cache, private, max-age=60", None) == "no-cache, max-age=60"
+    assert api.cache_control_words("max-age=abc", "tag=docs") == "tag=docs"
+    gen = parse(chat(tiercache={"cache_control": "no-semantic"}), header="no-store")
+    assert gen.cache_control == "no-store, no-semantic"
+
+
+def test_responses_follow_openai_s_objects() -> None:
+    gen = parse(chat())
+    hit = api.Outcome("Hello", "semantic", 0.93, None)
+    body = api.completion(gen, hit)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert body["choices"][0]["finish_reason"] == "stop"  # a cached answer was complete
+    assert body["tiercache"] == {"cache_status": "semantic", "similarity": 0.93}
+    first = api.first_chunk(gen)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = api.chunk(gen, "", final=api.Outcome("Hi", "miss", None, "length"))
+    assert last["choices"][0]["finish_reason"] == "length" and last["tiercache"] == {
+        "cache_status": "miss"
+    }
+    text = api.completion(parse({"model": BASE, "prompt": "x"}, chat=False), hit)
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "Hello"
+    assert (
+        api.error_body("bad", "invalid_request_error")["error"]["type"] == "invalid_request_error"
+    )
