@@ -96,19 +96,48 @@ def _serve(args: argparse.Namespace) -> int:
             "network, unencrypted (docs/security.md)",
             file=sys.stderr,
         )
+    gateway_host = exposure.host if args.api_keys else LOOPBACK
+    if args.gateway:
+        if not is_loopback(exposure.host) and not args.api_keys:
+            print(
+                "tiercache: the OpenAI endpoint stays on loopback: without an API key file "
+                "every caller would be the default tenant (docs/gateway.md)",
+                file=sys.stderr,
+            )
+        busy = _port_in_use(gateway_host, args.gateway_port)
+        if busy:
+            print(
+                f"tiercache: the OpenAI endpoint's port {args.gateway_port} is in use ({busy}); "
+                "pick another with --gateway-port, or --no-gateway",
+                file=sys.stderr,
+            )
+            return 1
     server.start()
+    gateway: subprocess.Popen | None = None
     # tritonserver runs in its own session, so a terminal's Ctrl-C reaches only us; we forward it
     # as Triton's clean shutdown. SIGTERM is treated the same way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.wait_ready(args.ready_timeout)
+        if args.gateway:
+            gateway = _start_gateway(args, server.grpc_url, gateway_host)
         grpc = server.grpc_url
         metrics = f"{connect_host(exposure.metrics_host or exposure.host)}:{args.metrics_port}"
         http = (
             f"HTTP {connect_host(exposure.host)}:{args.http_port}" if exposure.http else "no HTTP"
         )
+        openai = (
+            f"OpenAI endpoint http://{connect_host(gateway_host)}:{args.gateway_port}/v1\n"
+            f"  try: curl -s http://{connect_host(gateway_host)}:{args.gateway_port}"
+            "/v1/chat/completions -H 'content-type: application/json' -d "
+            '\'{"model": "tiercache", "messages": [{"role": "user", "content": '
+            '"What is the capital of France?"}]}\'\n'
+            if gateway is not None
+            else ""
+        )
         print(
             f"tiercache: ready. gRPC {grpc}, {http}, metrics http://{metrics}/metrics\n"
+            f"{openai}"
             f'  try: tiercache-client generate "What is the capital of France?" --url {grpc}\n'
             "  Ctrl-C stops the server.",
             flush=True,
@@ -123,6 +152,69 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("tiercache: stopping tritonserver", file=sys.stderr)
         return server.stop() or 0
+    finally:
+        if gateway is not None:
+            _stop_gateway(gateway)
+
+
+def _port_in_use(host: str, port: int) -> str:
+    """Why `port` cannot be listened on at `host` ("" when it can)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return ""
+
+
+GATEWAY_READY_S = 60.0
+
+
+def _start_gateway(args: argparse.Namespace, grpc_url: str, host: str) -> subprocess.Popen:
+    """`tiercache gateway` in front of the started server, in a process of its own (stopped
+    with the server); ServerError when it does not listen within GATEWAY_READY_S."""
+    import urllib.request
+
+    command = [
+        sys.executable,
+        "-m",
+        "tiercache.cli",
+        "gateway",
+        "--triton-url",
+        grpc_url,
+        "--host",
+        host,
+        "--port",
+        str(args.gateway_port),
+    ]
+    if args.adapters_dir:
+        command += ["--adapters-dir", str(Path(args.adapters_dir).resolve())]
+    process = subprocess.Popen(command, start_new_session=True)
+    url = f"http://{connect_host(host)}:{args.gateway_port}/health"
+    deadline = time.monotonic() + GATEWAY_READY_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(f"the OpenAI endpoint exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return process
+        except OSError:  # not listening yet, or 503 while the ensemble loads
+            time.sleep(0.2)
+    _stop_gateway(process)
+    raise ServerError(f"the OpenAI endpoint did not answer {url} within {GATEWAY_READY_S:g} s")
+
+
+def _stop_gateway(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
@@ -431,6 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8080,
+        help="the OpenAI-compatible endpoint's port (`tiercache gateway`, docs/gateway.md)",
+    )
+    serve.add_argument(
+        "--no-gateway",
+        dest="gateway",
+        action="store_false",
+        help="do not start the OpenAI-compatible endpoint",
+    )
     serve.add_argument("--exit-timeout-secs", type=int, default=10)
     serve.add_argument("--ready-timeout", type=float, default=600.0)
     serve.add_argument(

@@ -74,6 +74,7 @@ def serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, Ports]]:
                 f"--grpc-port={ports.grpc}",
                 f"--metrics-port={ports.metrics}",
                 "--watch-interval-s=0.5",
+                "--no-gateway",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ from integration.conftest import MODEL_REPOSITORY, REPO
 from redis_server import RedisServer
 
 from tiercache.exact.tenant_keys import add_key
-from tiercache.server import Ports, copy_repository
+from tiercache.server import Ports, copy_repository, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +48,7 @@ class Served:
     output_path: Path
     keys: dict[str, str] = field(default_factory=dict)
     redis_url: str = ""
+    gateway_port: int = 0  # serve's OpenAI endpoint (docs/gateway.md)
 
     @property
     def grpc_url(self) -> str:
@@ -76,6 +77,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
     tenant (globex may use no adapter), Redis, padding for the untrusted tenant."""
     root = tmp_path_factory.mktemp("served")
     ports = Ports.free()
+    gateway_port = free_port()
     keys_file = root / "api_keys.json"
     keys = {"acme": add_key(keys_file, "acme")[0]}
     keys["globex"] = add_key(keys_file, "globex", adapters=[])[0]
@@ -101,12 +103,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
             [str(TIERCACHE), "serve", f"--model-repository={repository}",
              f"--state-dir={root / 'state'}", f"--http-port={ports.http}",
              f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}", "--no-restart",
-             f"--api-keys={keys_file}", f"--adapters-dir={REPO / 'adapters'}"],
+             f"--api-keys={keys_file}", f"--adapters-dir={REPO / 'adapters'}",
+             f"--gateway-port={gateway_port}"],
             stdout=output,
             stderr=subprocess.STDOUT,
             env=env,
         )  # fmt: skip
-    server = Served(process, ports, root / "state", output_path, keys, redis_server.url)
+    server = Served(
+        process, ports, root / "state", output_path, keys, redis_server.url, gateway_port
+    )
     try:
         _wait_ready(server)
         yield server

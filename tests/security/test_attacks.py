@@ -163,6 +163,34 @@ def test_requests_without_a_valid_key_for_their_tenant_are_refused(served: Serve
         assert globex.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status == "miss"
 
 
+def test_the_openai_endpoint_takes_the_tenant_from_the_key(served: Served) -> None:
+    """`tiercache serve`'s OpenAI endpoint (docs/gateway.md) with the API key file: no key and an
+    unknown key are 401 with OpenAI's error JSON; acme's key is served, and a second call of
+    acme's is an exact hit while globex's same request is not (another tenant's scope)."""
+    import httpx2 as httpx
+    import openai
+
+    url = f"http://127.0.0.1:{served.gateway_port}/v1"
+    prompt = unique("What is a gateway?")
+    body = {"model": "tiercache", "prompt": prompt, "max_tokens": MAX_TOKENS}
+    anonymous = httpx.post(f"{url}/completions", json=body, timeout=300)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["type"] == "authentication_error"
+    oai = openai.OpenAI(base_url=url, api_key="tc_" + "A" * 43, max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+        oai.completions.create(model="tiercache", prompt=prompt, max_tokens=MAX_TOKENS)
+    oai.close()
+    statuses = []
+    for tenant in ("acme", "acme", "globex"):
+        oai = openai.OpenAI(base_url=url, api_key=served.keys[tenant], max_retries=0)
+        raw = oai.completions.with_raw_response.create(
+            model="tiercache", prompt=prompt, max_tokens=MAX_TOKENS
+        )
+        statuses.append(raw.headers["x-tiercache-cache-status"])
+        oai.close()
+    assert statuses == ["miss", "exact", "miss"]
+
+
 def test_another_tenants_answers_stay_out_of_reach(
     raw: grpcclient.InferenceServerClient, served: Served
 ) -> None:
