@@ -189,3 +189,25 @@ def test_16_identical_requests_make_one_generation(gateway: str, server: TritonS
     texts = asyncio.run(all_at_once())
     assert len(set(texts)) == 1 and texts[0]
     assert settled_metric(server, "tiercache_llm_generations_total") - before == 1
+
+
+def test_the_gateway_counts_what_it_served(gateway: str) -> None:
+    """Its own Prometheus metrics on GET /metrics (after this module's requests above)."""
+    text = httpx.get(f"{gateway}/metrics").text
+
+    def value(name: str, **labels: str) -> float:
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    chat = "/v1/chat/completions"
+    assert value("tiercache_gateway_requests_total", route=chat, code="200") >= 4
+    assert value("tiercache_gateway_requests_total", route=chat, code="400") >= 2
+    assert value("tiercache_gateway_requests_total", route="/v1/completions", code="404") >= 1
+    assert value("tiercache_gateway_answers_total", cache_status="exact") >= 1
+    assert value("tiercache_gateway_answers_total", cache_status="bypass") >= 1
+    assert value("tiercache_gateway_stream_chunks_total") >= 1
+    assert value("tiercache_gateway_request_seconds_count", route=chat) >= 6

@@ -7,10 +7,10 @@ chunk arrives. The caller's `Authorization: Bearer <key>` header is forwarded to
 prompt_cache maps the key to its tenant (the operator's key file, docs/security.md); a missing
 or unknown key is then a 401 here.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. What is
-not here yet (issue 16): conversations with a system prompt or earlier turns (refused with a 400
-naming the limit), `usage`, the gateway's own metrics, the exact-hit edge layer, and
-`tiercache serve --gateway-port`.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET
+/metrics (the gateway's own Prometheus metrics). What is not here yet (issue 16): conversations
+with a system prompt or earlier turns (refused with a 400 naming the limit), `usage`, and the
+exact-hit edge layer.
 """
 
 from __future__ import annotations
@@ -18,13 +18,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import tritonclient.grpc.aio as grpc_aio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 
 from tiercache.errors import InvalidRequest
 from tiercache.gateway import openai_api as api
@@ -41,6 +49,7 @@ from tiercache_client.errors import (
 log = logging.getLogger("tiercache.gateway")
 
 ENSEMBLE = "ensemble"
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
 CACHE_STATUS_HEADER = "x-tiercache-cache-status"
 SIMILARITY_HEADER = "x-tiercache-similarity"
 
@@ -133,6 +142,42 @@ def _texts(result: Any, name: str) -> list[str]:
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
 
 
+class GatewayMetrics:
+    """The gateway's own Prometheus metrics, on its `GET /metrics` (Triton's stay on Triton's
+    metrics port): requests by route and status code, their latency to the response's start
+    (the whole answer when not streamed), answers by cache status, streamed chunks."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tiercache_gateway_requests",
+            "HTTP requests by route and status code",
+            ["route", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tiercache_gateway_request_seconds",
+            "Time to the response's start (the whole answer when not streamed)",
+            ["route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.answers = Counter(
+            "tiercache_gateway_answers",
+            "Answers by the ensemble's cache status",
+            ["cache_status"],
+            registry=self.registry,
+        )
+        self.chunks = Counter(
+            "tiercache_gateway_stream_chunks",
+            "Text chunks sent as Server-Sent Events",
+            registry=self.registry,
+        )
+
+    def exposition(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     """OpenAI's error JSON with the status code OpenAI uses for that kind of error; a server
     error carries no traceback."""
@@ -176,6 +221,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await gateway.close()
 
     app = FastAPI(title="tiercache gateway", lifespan=lifespan)  # type: ignore[arg-type]
+    metrics = GatewayMetrics()
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Any:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.url.path if request.url.path in ROUTES else "other"
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        metrics.latency.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return metrics.exposition()
 
     def the_gateway() -> Gateway:
         assert gateway is not None, "the app's lifespan has not started"
@@ -219,6 +279,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     outcome = item
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
+        metrics.answers.labels(outcome.cache_status or "unknown").inc()
         return JSONResponse(api.completion(gen, outcome), headers=cache_headers(outcome))
 
     async def streamed(
@@ -243,8 +304,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 item: str | api.Outcome | None = first
                 while item is not None:
                     if isinstance(item, api.Outcome):
+                        metrics.answers.labels(item.cache_status or "unknown").inc()
                         yield _sse(api.chunk(gen, "", final=item))
                         break
+                    metrics.chunks.inc()
                     yield _sse(api.chunk(gen, item))
                     if await request.is_disconnected():
                         return  # closes `stream`, which cancels the gRPC call
