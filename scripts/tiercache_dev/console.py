@@ -45,6 +45,20 @@ def invocation(module: str, argv: Sequence[str] | None = None) -> str:
     return shown([sys.executable, "-m", module, *args])
 
 
+def write_report(out_dir: Path, stem: str, markdown: str, summary: object) -> Path:
+    """A benchmark's report: OUT_DIR/<stem>.md and its machine-readable summary <stem>.json;
+    the Markdown is printed too. Returns the Markdown's path."""
+    import json
+
+    path = out_dir / f"{stem}.md"
+    path.write_text(markdown)
+    path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    print()
+    print(markdown)
+    progress(f"wrote {display_path(path)}")
+    return path
+
+
 def machine_summary() -> dict[str, str]:
     """CPU count, CPU model and load average, for a report header."""
     cpu = "unknown"

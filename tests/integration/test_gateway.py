@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,9 +15,8 @@ from collections.abc import Iterator
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
 
-from tiercache.gateway.app import CACHE_STATUS_HEADER, GatewaySettings, create_app
+from tiercache.gateway.app import CACHE_STATUS_HEADER, GatewaySettings, running_in_thread
 from tiercache.server import TritonServer, free_port
 
 from .conftest import settled_metric
@@ -35,23 +33,11 @@ def unique(text: str) -> str:
 @contextlib.contextmanager
 def running_gateway(server: TritonServer, adapters: frozenset[str]) -> Iterator[str]:
     """The gateway in this process (uvicorn on a thread) in front of `server`, its base URL."""
-    port = free_port()
     settings = GatewaySettings(
         triton_url=f"127.0.0.1:{server.ports.grpc}", base_model=BASE, adapters=adapters
     )
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not running.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        running.should_exit = True
-        thread.join(timeout=30)
+    with running_in_thread(settings, free_port()) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,12 @@ exact-hit edge layer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,3 +341,29 @@ def cache_headers(outcome: api.Outcome) -> dict[str, str]:
     if outcome.similarity is not None:
         headers[SIMILARITY_HEADER] = f"{outcome.similarity:.6f}"
     return headers
+
+
+@contextlib.contextmanager
+def running_in_thread(
+    settings: GatewaySettings, port: int, host: str = "127.0.0.1", start_timeout_s: float = 60.0
+) -> Iterator[str]:
+    """The gateway served by uvicorn on a thread of this process (tests, benchmarks, embedding
+    it in another program), its base URL; stopped on exit. RuntimeError when it does not start
+    within `start_timeout_s`."""
+    import uvicorn  # the server, imported only where one is run
+
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="tiercache-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the gateway did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

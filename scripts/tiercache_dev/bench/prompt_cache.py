@@ -59,6 +59,7 @@ from tiercache_dev.console import (
     machine_summary,
     progress,
     shown,
+    write_report,
 )
 from tiercache_dev.metrics import counter_delta, status_counts, status_text
 from tiercache_dev.paths import BENCH_FIXTURES as FIXTURES
@@ -805,14 +806,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     text, md, complete, summary = build_report(
         args, measurements, stage, time.monotonic() - started, version, load.describe()
     )
-    md_path = args.out_dir / "bench_prompt_cache.md"
-    md_path.write_text(md)
-    (args.out_dir / "bench_prompt_cache.json").write_text(json.dumps(summary, indent=2) + "\n")
     print()
     print(text)
-    print()
-    print(md)
-    progress(f"wrote {display_path(md_path)}")
+    write_report(args.out_dir, "bench_prompt_cache", md, summary)
     return 0 if complete else 1
 
 
