@@ -17,7 +17,7 @@ import time
 import unicodedata
 from pathlib import Path
 
-from tiercache.config import ADAPTERS_DIR_ENV, API_KEYS_FILE_ENV, default_state_dir
+from tiercache.config import ADAPTERS_DIR_ENV, API_KEYS_FILE_ENV, adapters_path, default_state_dir
 from tiercache.server import (
     HOST_ENV,
     LOOPBACK,
@@ -163,6 +163,8 @@ def _port_in_use(host: str, port: int) -> str:
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as uvicorn binds: connections it closed (TIME_WAIT) do not make the port busy
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -190,21 +192,27 @@ def _start_gateway(args: argparse.Namespace, grpc_url: str, host: str) -> subpro
         "--port",
         str(args.gateway_port),
     ]
-    if args.adapters_dir:
-        command += ["--adapters-dir", str(Path(args.adapters_dir).resolve())]
+    # the folder the stages serve (the parameter, else $TIERCACHE_ADAPTERS_DIR, else the state's)
+    adapters = adapters_path(args.adapters_dir, Path(args.state_dir).resolve())
+    if adapters.is_dir():
+        command += ["--adapters-dir", str(adapters.resolve())]
     process = subprocess.Popen(command, start_new_session=True)
     url = f"http://{connect_host(host)}:{args.gateway_port}/health"
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
     deadline = time.monotonic() + GATEWAY_READY_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerError(f"the OpenAI endpoint exited with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return process
-        except OSError:  # not listening yet, or 503 while the ensemble loads
-            time.sleep(0.2)
-    _stop_gateway(process)
-    raise ServerError(f"the OpenAI endpoint did not answer {url} within {GATEWAY_READY_S:g} s")
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ServerError(f"the OpenAI endpoint exited with code {process.returncode}")
+            try:
+                with direct.open(url, timeout=2):
+                    return process
+            except OSError:  # not listening yet, or 503 while the ensemble loads
+                time.sleep(0.2)
+        raise ServerError(f"the OpenAI endpoint did not answer {url} within {GATEWAY_READY_S:g} s")
+    except BaseException:  # Ctrl-C or SIGTERM while waiting too: no orphan left on the port
+        _stop_gateway(process)
+        raise
 
 
 def _stop_gateway(process: subprocess.Popen) -> None:

@@ -166,7 +166,8 @@ def test_requests_without_a_valid_key_for_their_tenant_are_refused(served: Serve
 def test_the_openai_endpoint_takes_the_tenant_from_the_key(served: Served) -> None:
     """`tiercache serve`'s OpenAI endpoint (docs/gateway.md) with the API key file: no key and an
     unknown key are 401 with OpenAI's error JSON; acme's key is served, and a second call of
-    acme's is an exact hit while globex's same request is not (another tenant's scope)."""
+    acme's is an exact hit while globex's same request is not (another tenant's scope); globex
+    asking an adapter its key may not use is a 403."""
     import httpx2 as httpx
     import openai
 
@@ -189,6 +190,11 @@ def test_the_openai_endpoint_takes_the_tenant_from_the_key(served: Served) -> No
         statuses.append(raw.headers["x-tiercache-cache-status"])
         oai.close()
     assert statuses == ["miss", "exact", "miss"]
+    # a valid key asking for what it may not use is a 403, not a 401
+    oai = openai.OpenAI(base_url=url, api_key=served.keys["globex"], max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="may not use adapter 'caps'"):
+        oai.completions.create(model="caps", prompt=prompt, max_tokens=MAX_TOKENS)
+    oai.close()
 
 
 def test_another_tenants_answers_stay_out_of_reach(

@@ -97,3 +97,46 @@ def test_responses_follow_openai_s_objects() -> None:
     assert (
         api.error_body("bad", "invalid_request_error")["error"]["type"] == "invalid_request_error"
     )
+
+
+def test_text_that_cannot_travel_as_utf8_is_a_bad_request() -> None:
+    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+        parse(chat(messages=[{"role": "user", "content": "a\ud800b"}]))
+    with pytest.raises(InvalidRequest, match="stop"):
+        parse(chat(stop=["\udfff"]))
+
+
+def test_refusals_map_to_openai_status_codes() -> None:
+    from tiercache.gateway.app import error_response
+    from tiercache_client.errors import ForbiddenError, UnavailableError
+
+    def status(exc: BaseException) -> int:
+        return error_response(exc).status_code
+
+    assert status(ForbiddenError("unknown API key")) == 401
+    assert status(ForbiddenError("an API key is required (send it ...)")) == 401
+    assert status(ForbiddenError("this API key may not use adapter 'caps'")) == 403
+    assert status(ForbiddenError("the tenant input does not match the API key's tenant")) == 403
+    assert status(UnavailableError("connection refused")) == 503
+    assert status(api.UnknownModel("gpt-4")) == 404
+    assert status(RuntimeError("a bug")) == 500
+
+
+def test_a_gateway_without_triton_answers_503_and_bounds_bodies() -> None:
+    """No Triton behind it (a closed port): a request is a 503, not a 500; an oversized body is
+    a 413 and a JSON number past Python's int limit a 400, before anything else."""
+    import httpx2
+
+    from tiercache.gateway.app import MAX_BODY_BYTES, GatewaySettings, running_in_thread
+    from tiercache.server import free_port
+
+    settings = GatewaySettings(triton_url=f"127.0.0.1:{free_port()}", timeout_s=10)
+    with running_in_thread(settings, free_port()) as url:
+        body = {"model": BASE, "prompt": "Hi", "max_tokens": 4}
+        down = httpx2.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert down.status_code == 503 and down.json()["error"]["type"] == "server_error"
+        assert httpx2.get(f"{url}/health", timeout=60).status_code == 503
+        big = httpx2.post(f"{url}/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1), timeout=60)
+        assert big.status_code == 413
+        huge = httpx2.post(f"{url}/v1/completions", content=b'{"n": ' + b"9" * 5000 + b"}")
+        assert huge.status_code == 400

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import tritonclient.grpc.aio as grpc_aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -113,7 +114,7 @@ class Gateway:
         )
         outcome = api.Outcome()
         try:
-            async for result, error in responses:
+            async for result, error in _transport_errors_classified(responses):
                 if error is not None:
                     raise classify(str(error.message()), error.status())
                 if result is None:
@@ -135,6 +136,23 @@ class Gateway:
         finally:
             responses.cancel()
         raise UnavailableError("the ensemble's stream ended without a final response")
+
+
+async def _transport_errors_classified(responses: Any) -> AsyncIterator[Any]:
+    """`responses` as they come; a gRPC failure of the stream itself (Triton down, the deadline
+    passed), which tritonclient's asyncio client raises instead of yielding, as the client's
+    typed error (UnavailableError for both: a 503)."""
+    iterator = responses.__aiter__()
+    while True:
+        try:
+            item = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except grpc.RpcError as exc:
+            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            raise classify(str(details or exc), None if code is None else str(code)) from None
+        yield item
 
 
 def _texts(result: Any, name: str) -> list[str]:
@@ -180,6 +198,12 @@ class GatewayMetrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _no_valid_key(message: str) -> bool:
+    """Whether a refusal is for the key itself (missing or unknown: 401), not for what a valid
+    key asked (another tenant, an adapter or cache_control word it may not use: 403)."""
+    return "API key is required" in message or "unknown API key" in message
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     """OpenAI's error JSON with the status code OpenAI uses for that kind of error; a server
     error carries no traceback."""
@@ -188,9 +212,11 @@ def error_response(exc: BaseException) -> JSONResponse:
         message = str(exc.message)
     elif isinstance(exc, InvalidRequest):
         status, kind, code, message = 400, "invalid_request_error", None, str(exc.message)
-    elif isinstance(exc, ForbiddenError):
+    elif isinstance(exc, ForbiddenError) and _no_valid_key(exc.message):
         status, kind, code = 401, "authentication_error", "invalid_api_key"
         message = exc.message
+    elif isinstance(exc, ForbiddenError):  # a valid key asking what it may not use
+        status, kind, code, message = 403, "permission_error", "forbidden", exc.message
     elif isinstance(exc, NotFoundError):
         status, kind, code, message = 404, "invalid_request_error", "not_found", exc.message
     elif isinstance(exc, InvalidRequestError):
@@ -257,8 +283,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     async def serve(request: Request, chat: bool) -> Any:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(await bounded_body(request))
+        except BodyTooLarge as exc:
+            return JSONResponse(
+                api.error_body(str(exc), "invalid_request_error", "request_too_large"),
+                status_code=413,
+            )
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past int limits
             return error_response(InvalidRequest("the request body is not JSON"))
         try:
             gen = api.parse_request(
@@ -334,6 +365,28 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await serve(request, chat=False)
 
     return app
+
+
+MAX_BODY_BYTES = 4 << 20  # a request body; the ensemble's own limits are far below this
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def bounded_body(request: Request) -> bytes:
+    """The request body, read up to MAX_BODY_BYTES (BodyTooLarge past it, before reading more
+    when Content-Length says so)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def cache_headers(outcome: api.Outcome) -> dict[str, str]:

@@ -94,6 +94,15 @@ def cache_control_words(header: str | None, extra: object) -> str | None:
     return ", ".join(words) or None
 
 
+def _utf8(name: str, text: str) -> str:
+    """`text` if it can travel as UTF-8 (JSON allows lone surrogates, which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"'{name}' is not valid Unicode (a lone surrogate?)") from exc
+    return text
+
+
 def _prompt_of_messages(messages: object) -> str:
     """The user turn of a one-turn conversation. Conversations with a system prompt or earlier
     turns need the chat template applied to all of them once, which the ensemble cannot take
@@ -153,8 +162,11 @@ def parse_request(
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise InvalidRequest("'tiercache' must be an object")
+    for i, word in enumerate(stop_words := _stop(body)):
+        _utf8(f"stop[{i}]", word)
+    cache_control = cache_control_words(cache_header, extra.get("cache_control"))
     return Generation(
-        prompt=prompt,
+        prompt=_utf8("messages" if chat else "prompt", prompt),
         model=model,
         lora_name=None if model == base_model else model,
         stream=stream,
@@ -162,8 +174,8 @@ def parse_request(
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
         seed=_integer(body, "seed", 0, 2**63 - 1),
-        stop_words=_stop(body),
-        cache_control=cache_control_words(cache_header, extra.get("cache_control")),
+        stop_words=stop_words,
+        cache_control=None if cache_control is None else _utf8("cache_control", cache_control),
         user=user,
         chat=chat,
     )

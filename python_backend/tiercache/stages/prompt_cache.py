@@ -72,7 +72,8 @@ class PromptCacheStage:
     def _seal(self, envelope: Envelope, text: str) -> bytes:
         """The envelope's wire form, sealed with the exact hit's `text`; memoized for exact hits
         (a miss's envelope is sealed once and its answer generated anyway)."""
-        if envelope.status is not CacheStatus.EXACT or len(text) > MEMO_MAX_CHARS:
+        too_long = len(text) > MEMO_MAX_CHARS or len(envelope.request.prompt) > MEMO_MAX_CHARS
+        if envelope.status is not CacheStatus.EXACT or too_long:
             return envelope.seal(self.sealer, text)
         key = (envelope, text)
         sealed = self._sealed.get(key)
