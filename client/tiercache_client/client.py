@@ -116,11 +116,16 @@ def build_inputs(
     cache_control: str | None = None,
     lora_name: str | None = None,
     stream: bool = True,
+    history: Sequence[dict[str, str]] | None = None,
+    raw_prompt: bool | None = None,
 ) -> list[grpcclient.InferInput]:
     """Build the `ensemble` input tensors, each with a leading batch dim of 1.
 
     Only the options given (not None) are sent, plus `text_input` and `stream`; an empty
-    `stop_words` is not sent. Raises TypeError for wrong Python types and InvalidRequestError for
+    `stop_words` or `history` is not sent. `history` is the conversation before `prompt` (the
+    last user turn), as {"role": "system" | "user" | "assistant", "content": str} dicts; the
+    engine applies the chat template once to all of it. `raw_prompt` True sends `prompt` as the
+    model's input, untemplated. Raises TypeError for wrong Python types and InvalidRequestError for
     integers that do not fit their tensor type (INT32, UINT64); value ranges are the server's job.
     """
     inputs = [_bytes_input("text_input", [_check_str("prompt", prompt)])]
@@ -147,6 +152,15 @@ def build_inputs(
     for name, text in texts:
         if text is not None:
             inputs.append(_bytes_input(name, [_check_str(name, text)]))
+    if history:
+        if isinstance(history, str | bytes):
+            raise TypeError("history must be a sequence of {role, content} dicts, not a string")
+        document = json.dumps(list(history), ensure_ascii=False, separators=(",", ":"))
+        inputs.append(_bytes_input("history", [document]))
+    if raw_prompt is not None:
+        if not isinstance(raw_prompt, bool):
+            raise TypeError(f"raw_prompt must be a bool, got {type(raw_prompt).__name__}")
+        inputs.append(_scalar_input("raw_prompt", raw_prompt, "BOOL", np.bool_))
     return inputs
 
 
@@ -241,9 +255,11 @@ class TierCacheClient:
         cache_control: str | None = None,
         lora_name: str | None = None,
         stream: bool = True,
+        history: Sequence[dict[str, str]] | None = None,
+        raw_prompt: bool | None = None,
     ) -> Iterator[str | GenerationResult]:
         """Run one generation, yielding each non-empty text chunk (str) as it arrives, then one
-        `GenerationResult` last.
+        `GenerationResult` last. The options are `build_inputs`'s.
 
         Raises a `TierCacheClientError` subclass for server or transport errors (mapped by
         `errors.classify`), `UnavailableError` when `timeout_s` passes. Closing the generator
@@ -261,6 +277,8 @@ class TierCacheClient:
             cache_control=cache_control,
             lora_name=lora_name,
             stream=stream,
+            history=history,
+            raw_prompt=raw_prompt,
         )
         responses: queue.Queue[
             tuple[grpcclient.InferResult | None, InferenceServerException | None]

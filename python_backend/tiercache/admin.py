@@ -70,11 +70,11 @@ ADMIN_OPS: dict[str, frozenset[str]] = {
 _KINDS = ("key", "tag", "tenant", "adapter")
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")  # an adapter content digest (hex SHA-256)
 # A warmed prompt's keys: the ensemble's inputs (as prompt_cache reads them) plus the answer.
-_STR_FIELDS = ("text_input", "tenant", "cache_control", "lora_name")
+_STR_FIELDS = ("text_input", "tenant", "cache_control", "lora_name", "history")
 _INT_FIELDS = ("max_tokens", "top_k", "seed")
 _NUMBER_FIELDS = ("temperature", "top_p")
 _PROMPT_FIELDS = frozenset(
-    {*_STR_FIELDS, *_INT_FIELDS, *_NUMBER_FIELDS, "stop_words", "stream", "answer"}
+    {*_STR_FIELDS, *_INT_FIELDS, *_NUMBER_FIELDS, "stop_words", "stream", "raw_prompt", "answer"}
 )
 L1_NOTE = (
     "L1 lives in each prompt_cache process and is not reachable from cache_admin: see "
@@ -195,8 +195,9 @@ def raw_inputs(item: dict[str, Any]) -> RawInputs:
         not isinstance(words, list) or not all(isinstance(w, str) for w in words)
     ):
         raise InvalidRequest("stop_words must be a list of strings")
-    if "stream" in item and not isinstance(item["stream"], bool):
-        raise InvalidRequest("stream must be a boolean")
+    for name in ("stream", "raw_prompt"):
+        if name in item and not isinstance(item[name], bool):
+            raise InvalidRequest(f"{name} must be a boolean")
     temperature, top_p = item.get("temperature"), item.get("top_p")
     return RawInputs(
         text_input=item.get("text_input"),
@@ -210,6 +211,8 @@ def raw_inputs(item: dict[str, Any]) -> RawInputs:
         tenant=item.get("tenant"),
         cache_control=item.get("cache_control"),
         lora_name=item.get("lora_name"),
+        history=item.get("history"),
+        raw_prompt=item.get("raw_prompt"),
     )
 
 

@@ -120,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.wait_ready(args.ready_timeout)
         if args.gateway:
-            gateway = _start_gateway(args, server.grpc_url, gateway_host)
+            gateway = _start_gateway(args, server, gateway_host)
         grpc = server.grpc_url
         metrics = f"{connect_host(exposure.metrics_host or exposure.host)}:{args.metrics_port}"
         http = (
@@ -175,9 +175,11 @@ def _port_in_use(host: str, port: int) -> str:
 GATEWAY_READY_S = 60.0
 
 
-def _start_gateway(args: argparse.Namespace, grpc_url: str, host: str) -> subprocess.Popen:
+def _start_gateway(args: argparse.Namespace, server: TritonServer, host: str) -> subprocess.Popen:
     """`tiercache gateway` in front of the started server, in a process of its own (stopped
-    with the server); ServerError when it does not listen within GATEWAY_READY_S."""
+    with the server), its edge layer on the server's repository and state, in the stages'
+    environment (key file, adapters folder); ServerError when it does not listen within
+    GATEWAY_READY_S."""
     import urllib.request
 
     command = [
@@ -186,17 +188,22 @@ def _start_gateway(args: argparse.Namespace, grpc_url: str, host: str) -> subpro
         "tiercache.cli",
         "gateway",
         "--triton-url",
-        grpc_url,
+        server.grpc_url,
         "--host",
         host,
         "--port",
         str(args.gateway_port),
+        "--model-repository",
+        str(server.model_repository),
+        "--state-dir",
+        str(server.state_dir),
     ]
     # the folder the stages serve (the parameter, else $TIERCACHE_ADAPTERS_DIR, else the state's)
     adapters = adapters_path(args.adapters_dir, Path(args.state_dir).resolve())
     if adapters.is_dir():
         command += ["--adapters-dir", str(adapters.resolve())]
-    process = subprocess.Popen(command, start_new_session=True)
+    env = {**os.environ, **server.env_overrides}
+    process = subprocess.Popen(command, start_new_session=True, env=env)
     url = f"http://{connect_host(host)}:{args.gateway_port}/health"
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
     deadline = time.monotonic() + GATEWAY_READY_S
@@ -377,6 +384,19 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         "$TIERCACHE_ADAPTERS_DIR, else none)",
     )
     gw.add_argument("--timeout-s", type=float, default=300.0, help="a whole generation")
+    gw.add_argument(
+        "--model-repository",
+        default=None,
+        help="the model repository Triton serves, on this host: the edge layer then answers "
+        "exact hits from the host's tiers without crossing Triton (default: none, every request "
+        "goes to Triton; docs/gateway.md)",
+    )
+    gw.add_argument(
+        "--state-dir",
+        default=None,
+        help="with --model-repository: the stages' state folder when their parameters name "
+        "none (default: $TIERCACHE_STATE_DIR, else ~/.cache/tiercache, as the stages resolve it)",
+    )
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -395,15 +415,25 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.model_name in names:
         print(f"error: --model-name {args.model_name!r} is also an adapter's name", file=sys.stderr)
         return 2
+    repository = Path(args.model_repository).resolve() if args.model_repository else None
+    if repository is not None and not (repository / "prompt_cache" / "config.pbtxt").is_file():
+        print(
+            f"error: --model-repository {args.model_repository} has no prompt_cache stage",
+            file=sys.stderr,
+        )
+        return 2
     settings = GatewaySettings(
         triton_url=args.triton_url,
         base_model=args.model_name,
         adapters=names,
         timeout_s=args.timeout_s,
+        model_repository=repository,
+        state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
     )
+    edge = f"edge layer on {repository}" if repository else "no edge layer"
     print(
         f"tiercache gateway: http://{args.host}:{args.port}/v1 -> {args.triton_url} "
-        f"(models: {', '.join([args.model_name, *sorted(names)])})",
+        f"(models: {', '.join([args.model_name, *sorted(names)])}; {edge})",
         flush=True,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")

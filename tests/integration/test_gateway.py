@@ -18,6 +18,7 @@ import pytest
 
 from tiercache.gateway.app import CACHE_STATUS_HEADER, GatewaySettings, running_in_thread
 from tiercache.server import TritonServer, free_port
+from tiercache_client import TierCacheClient, read_admin_token
 
 from .conftest import settled_metric
 
@@ -31,10 +32,17 @@ def unique(text: str) -> str:
 
 
 @contextlib.contextmanager
-def running_gateway(server: TritonServer, adapters: frozenset[str]) -> Iterator[str]:
-    """The gateway in this process (uvicorn on a thread) in front of `server`, its base URL."""
+def running_gateway(
+    server: TritonServer, adapters: frozenset[str], edge: bool = False
+) -> Iterator[str]:
+    """The gateway in this process (uvicorn on a thread) in front of `server`, its base URL;
+    with `edge`, its edge layer on the server's repository and state."""
     settings = GatewaySettings(
-        triton_url=f"127.0.0.1:{server.ports.grpc}", base_model=BASE, adapters=adapters
+        triton_url=f"127.0.0.1:{server.ports.grpc}",
+        base_model=BASE,
+        adapters=adapters,
+        model_repository=server.model_repository if edge else None,
+        state_dir=server.state_dir if edge else None,
     )
     with running_in_thread(settings, free_port()) as url:
         yield url
@@ -105,6 +113,32 @@ def test_a_streamed_chat_gives_the_same_text_in_chunks(oai: openai.OpenAI) -> No
     assert whole.choices[0].message.content == text and text
 
 
+def test_a_conversation_is_keyed_by_all_its_turns(oai: openai.OpenAI) -> None:
+    """The exact key covers the earlier turns: the same last question after another
+    conversation, or alone, is not that conversation's hit (and not a semantic one either: the
+    earlier turns are in the semantic scope)."""
+    question = unique("And in one word?")
+
+    def ask(*earlier: dict[str, str]) -> tuple[str, str]:
+        raw = oai.chat.completions.with_raw_response.create(
+            model=BASE,
+            messages=[*earlier, {"role": "user", "content": question}],  # type: ignore[list-item]
+            max_tokens=MAX_TOKENS,
+        )
+        return raw.headers[CACHE_STATUS_HEADER], raw.parse().choices[0].message.content or ""
+
+    system = {"role": "system", "content": "You answer briefly."}
+    trip = [system, {"role": "user", "content": "Plan a trip to Rome."}]
+    trip.append({"role": "assistant", "content": "Fly there, walk a lot."})
+    poem = [system, {"role": "user", "content": "Write a poem."}]
+    poem.append({"role": "assistant", "content": "Roses are red."})
+    status, text = ask(*trip)
+    assert status == "miss" and text
+    assert ask(*trip) == ("exact", text)
+    assert ask(*poem)[0] == "miss"
+    assert ask()[0] == "miss"
+
+
 def test_completions_and_no_cache(oai: openai.OpenAI) -> None:
     prompt = unique("Say hello.")
     plain = oai.completions.create(model=BASE, prompt=prompt, max_tokens=MAX_TOKENS)
@@ -123,12 +157,12 @@ def test_bad_requests_get_openai_errors(oai: openai.OpenAI) -> None:
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=MAX_TOKENS)
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
         oai.completions.create(model=BASE, prompt="x", max_tokens=MAX_TOKENS, n=2)
-    with pytest.raises(openai.BadRequestError, match="one user message per request"):
+    with pytest.raises(openai.BadRequestError, match="last message must be the user's"):
         oai.chat.completions.create(
             model=BASE,
             messages=[  # type: ignore[list-item]
-                {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
             ],
         )
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the ensemble's own check
@@ -235,3 +269,95 @@ def test_the_gateway_counts_what_it_served(gateway: str, oai: openai.OpenAI) -> 
     assert delta["ok"] == 3 and delta["bad"] == 1 and delta["timed"] == 4
     assert delta["exact"] == 2  # the repeat, and the stream of the same request
     assert delta["chunks"] >= 1
+
+
+# -- the edge layer ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def edge(server: TritonServer) -> Iterator[str]:
+    """A second gateway in front of the session's server, its edge layer on."""
+    with running_gateway(server, frozenset(), edge=True) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def admin(server: TritonServer) -> Iterator[TierCacheClient]:
+    token = read_admin_token(server.admin_token_file)
+    with TierCacheClient(server.grpc_url, timeout_s=300, admin_token=token) as c:
+        yield c
+
+
+def edge_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tiercache_gateway_edge_hits_total{")
+    )
+
+
+def test_the_edge_answers_exact_hits_as_the_ensemble_would_and_honours_invalidation(
+    edge: str, server: TritonServer, client: TierCacheClient, admin: TierCacheClient
+) -> None:
+    """A warmed answer is the ensemble's exact hit and the edge's (counted at the edge, not in
+    prompt_cache), whole and streamed; `no-cache` and another conversation pass the edge by;
+    once invalidated (by the tag it was stored with) the edge serves it no more, and the
+    ensemble generates, as it would without the edge."""
+    tag = f"edge-{uuid.uuid4().hex[:8]}"
+    prompt = unique("What colour is a lemon?")
+    warmed = "Yellow (warmed at the edge test)."
+    item = {"text_input": prompt, "answer": warmed, "max_tokens": MAX_TOKENS}
+    report = admin.warm(prompts=[{**item, "cache_control": f"tag={tag}"}])
+    assert (report["stored"], report["failed"]) == (1, 0)
+    direct = client.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert (direct.cache_status, direct.text) == ("exact", warmed)
+
+    oai = openai.OpenAI(base_url=f"{edge}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+
+    def ask(**extra: object) -> tuple[str, str]:
+        raw = oai.chat.completions.with_raw_response.create(
+            model=BASE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            **extra,  # type: ignore[arg-type]
+        )
+        return raw.headers[CACHE_STATUS_HEADER], raw.parse().choices[0].message.content or ""
+
+    hits = edge_hits(edge)
+    ensemble_lookups = settled_metric(server, "tiercache_prompt_cache_requests_total")
+    assert ask() == ("exact", warmed)
+    chunks = list(
+        oai.chat.completions.create(
+            model=BASE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == warmed
+    assert chunks[-1].model_extra and chunks[-1].model_extra["tiercache"]["cache_status"] == "exact"
+    assert edge_hits(edge) == hits + 2
+    assert settled_metric(server, "tiercache_prompt_cache_requests_total") == ensemble_lookups
+
+    # (no-store: a no-cache answer is stored otherwise, replacing the tagged one)
+    assert ask(extra_headers={"Cache-Control": "no-cache, no-store"})[0] == "bypass"
+    other = [{"role": "system", "content": "Answer in French."}, *messages]
+    raw = oai.chat.completions.with_raw_response.create(
+        model=BASE,
+        messages=other,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+    )
+    assert raw.headers[CACHE_STATUS_HEADER] == "miss"
+    assert edge_hits(edge) == hits + 2
+
+    admin.invalidate(tag=tag)
+    status, text = ask()
+    assert status == "miss" and text != warmed
+    assert edge_hits(edge) == hits + 2
+    again = client.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert (again.cache_status, again.text) == ("exact", text)  # the ensemble stored it
+    assert ask() == ("exact", text)  # and the edge serves the same
+    assert edge_hits(edge) == hits + 3
+    oai.close()

@@ -136,7 +136,7 @@ def bench() -> Iterator[Bench]:
         for style in STYLES[1:]:
             reference.load_adapter(str(ADAPTERS / style), adapter_name=style)
         reference.eval()
-        input_ids = engine.prompt_ids(PROMPT)
+        input_ids = engine.prompt_ids(GenerationRequest(PROMPT))
         bench = Bench(engine, reference, input_ids, torch.empty(0), "", 0)
         bench.base_logits = bench.logits()
         bench.base_text = bench.text()

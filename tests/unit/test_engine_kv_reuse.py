@@ -80,8 +80,8 @@ def generate(engine: Any, request: GenerationRequest, reuse: bool = True) -> Str
 
 
 def common_prefix(engine: Any, turn: str, other: str) -> int:
-    a = engine.prompt_ids(f"{SYSTEM} {turn}")[0].tolist()
-    b = engine.prompt_ids(f"{SYSTEM} {other}")[0].tolist()
+    a = engine.prompt_ids(GenerationRequest(f"{SYSTEM} {turn}"))[0].tolist()
+    b = engine.prompt_ids(GenerationRequest(f"{SYSTEM} {other}"))[0].tolist()
     pairs = zip(a, b, strict=False)
     return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
 
@@ -129,9 +129,9 @@ def test_blocks_join_the_pool_before_decoding_and_stay_pinned_while_used(engine:
 def test_a_fully_cached_prompt_on_a_block_boundary(engine: Any) -> None:
     """A prompt of whole blocks, asked twice: all but its last token come from the pool."""
     turn = "Is it open today?"
-    while int(engine.prompt_ids(f"{SYSTEM} {turn}").shape[1]) % BLOCK:
+    while int(engine.prompt_ids(GenerationRequest(f"{SYSTEM} {turn}")).shape[1]) % BLOCK:
         turn += " ok"
-    prompt_tokens = int(engine.prompt_ids(f"{SYSTEM} {turn}").shape[1])
+    prompt_tokens = int(engine.prompt_ids(GenerationRequest(f"{SYSTEM} {turn}")).shape[1])
     expected = generate(engine, request(turn), reuse=False)
     first = generate(engine, request(turn))
     again = generate(engine, request(turn))
@@ -231,7 +231,7 @@ def test_a_request_past_the_context_window_is_refused_before_any_work(engine: An
 
     window = engine.context_tokens
     assert window == engine.model.config.max_position_embeddings
-    prompt_tokens = int(engine.prompt_ids("When do you open?").shape[1])
+    prompt_tokens = int(engine.prompt_ids(GenerationRequest("When do you open?")).shape[1])
     fits = GenerationRequest("When do you open?", max_tokens=window - prompt_tokens)
     over = replace(fits, max_tokens=window - prompt_tokens + 1, lora_digest="f" * 64)
     before = engine.kv_pool.stats()
@@ -244,3 +244,38 @@ def test_a_request_past_the_context_window_is_refused_before_any_work(engine: An
     assert engine.kv_pool.stats() == before  # no lookup, no prefill
     first = next(engine.generate(replace(fits, max_tokens=1)))  # the same prompt still runs
     assert first.finish_reason is not None
+
+
+def test_a_conversations_next_turn_reuses_the_blocks_of_the_turns_before(engine: Any) -> None:
+    """Multi-turn chat: the engine templates [*history, user prompt] once, so the second
+    turn's prompt starts with the first one's rendering (up to its generation prompt) and
+    reuses those blocks; a raw prompt is tokenized as it is, untemplated."""
+    first = GenerationRequest(
+        TURNS[0], max_tokens=MAX_TOKENS, tenant_scope=SCOPE_A, history=(("system", SYSTEM),)
+    )
+    answer = generate(engine, first)
+    second = replace(
+        first,
+        prompt=TURNS[1],
+        history=(("system", SYSTEM), ("user", TURNS[0]), ("assistant", answer.text)),
+    )
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in second.history]
+        + [{"role": "user", "content": TURNS[1]}],
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
+    assert engine.prompt_ids(second)[0].tolist() == list(rendered)
+    followed = generate(engine, second)
+    before = engine.prompt_ids(first)[0].tolist()
+    assert rendered[: len(before)] == before  # the whole first prompt is the second's prefix
+    shared = len(before)
+    assert followed.reused_tokens == shared // BLOCK * BLOCK > 0
+    assert followed.text == generate(engine, second, reuse=False).text
+
+    raw_text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": TURNS[2]}], add_generation_prompt=True, tokenize=False
+    )
+    raw = GenerationRequest(raw_text, max_tokens=MAX_TOKENS, raw_prompt=True)
+    templated = GenerationRequest(TURNS[2], max_tokens=MAX_TOKENS)
+    assert engine.prompt_ids(raw)[0].tolist() == engine.prompt_ids(templated)[0].tolist()

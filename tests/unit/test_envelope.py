@@ -28,6 +28,7 @@ FULL = Envelope(
         lora_task_id=3,
         lora_digest="d" * 64,
         tenant_scope="f" * 64,
+        history=(("system", "Be brief."), ("user", "Hi"), ("assistant", "")),
     ),
     status=CacheStatus.MISS,
     digest=Digest("a" * 64),
@@ -46,6 +47,7 @@ FULL = Envelope(
         FULL,
         Envelope(request=GenerationRequest(prompt="hi"), max_age_s=0.0),
         Envelope(request=GenerationRequest(prompt="hi"), status=CacheStatus.EXACT),
+        Envelope(request=GenerationRequest(prompt="<|im_start|>user\nhi\n", raw_prompt=True)),
     ],
 )
 def test_round_trip(envelope: Envelope) -> None:
@@ -104,6 +106,11 @@ _DELETE = object()
         (_mutated(("request", "stream"), 1), "stream has the wrong type"),
         (_mutated(("request", "stop_words"), ["a", 1]), "list of strings"),
         (_mutated(("request", "temperature"), float("nan")), "must be finite"),
+        (_mutated(("request", "history"), [["robot", "x"]]), "role, content\\] pairs"),
+        (_mutated(("request", "history"), [[["user"], "x"]]), "role, content\\] pairs"),
+        (_mutated(("request", "history"), [["user", "x", "y"]]), "role, content\\] pairs"),
+        (_mutated(("request", "history"), "user: x"), "history has the wrong type"),
+        (_mutated(("request", "raw_prompt"), 1), "raw_prompt has the wrong type"),
         (_mutated(("status",), "hit"), "status 'hit' is unknown"),
         (_mutated(("digest",), 7), "digest has the wrong type"),
         (_mutated(("cache_tags",), "kb"), "cache_tags has the wrong type"),

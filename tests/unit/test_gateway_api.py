@@ -12,6 +12,7 @@ from tiercache.gateway import openai_api as api
 
 BASE = "tiercache"
 ADAPTERS = frozenset({"caps"})
+USER = {"role": "user", "content": "Hi"}
 
 
 def parse(body: Any, chat: bool = True, header: str | None = None) -> api.Generation:
@@ -44,8 +45,19 @@ def test_a_chat_request_becomes_one_generation() -> None:
         (chat(messages=[]), "non-empty list"),
         (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "must be a string"),
         (
-            chat(messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]),
-            "one user message per request",
+            chat(
+                messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+            ),
+            "last message must be the user's",
+        ),
+        (chat(messages=[{"role": "tool", "content": "x"}]), "'tool' is not supported"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "only text parts",
+        ),
+        (
+            chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{}]}, USER]),
+            "tools are not supported",
         ),
         (chat(temperature="hot"), "'temperature' must be a number"),
         (chat(temperature=3), "'temperature' must be in"),
@@ -61,6 +73,26 @@ def test_a_chat_request_becomes_one_generation() -> None:
 def test_bad_requests_name_the_field(body: Any, fragment: str) -> None:
     with pytest.raises(InvalidRequest, match=fragment):
         parse(body)
+
+
+def test_a_conversation_becomes_history_and_its_last_user_turn() -> None:
+    gen = parse(
+        chat(
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": "Hello!", "name": "bot"},
+                {"role": "user", "content": [{"type": "text", "text": t} for t in "ab"]},
+            ]
+        )
+    )
+    assert gen.history == (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+    )
+    assert gen.prompt == "a\nb"
+    assert parse(chat()).history == ()
 
 
 def test_an_unknown_model_is_its_own_error() -> None:

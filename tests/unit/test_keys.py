@@ -19,6 +19,7 @@ from tiercache.exact.keys import (
     key_fields,
     load_or_create_secret,
     request_digest,
+    semantic_scope,
     tenant_scope,
 )
 from tiercache.exact.request import GenerationRequest
@@ -48,7 +49,8 @@ print(request_digest(tenant_scope(b"s" * 32, "acme"), EngineIdentity("org/model"
 
 def digest(**changes: object) -> str:
     engine_fields = {k: v for k, v in changes.items() if k in ("model_id", "revision")}
-    request_fields = {k: v for k, v in changes.items() if k in (*key_fields(REQUEST), "stream")}
+    names = {f.name for f in dataclasses.fields(GenerationRequest)}
+    request_fields = {k: v for k, v in changes.items() if k in names}
     engine = dataclasses.replace(ENGINE, **engine_fields)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, **request_fields)  # type: ignore[arg-type]
     adapter = str(changes.get("adapter_digest", ""))
@@ -104,6 +106,8 @@ def test_digest_differs_per_tenant() -> None:
         {"stop_words": ("END",)},
         {"stop_words": ("\n", "END", "x")},
         {"lora_name": ""},
+        {"history": (("user", "Hi"), ("assistant", "Hello"))},
+        {"raw_prompt": True},
     ],
     ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items()),
 )
@@ -113,6 +117,23 @@ def test_digest_changes_with_every_key_field(change: dict[str, object]) -> None:
 
 def test_digest_ignores_stream() -> None:
     assert digest(stream=True) == digest(stream=False)
+
+
+def test_a_one_turn_request_keeps_the_digest_it_had_before_conversations() -> None:
+    """History and raw_prompt enter the key only when set: every stored one-turn answer keeps
+    its key (the pinned digest is the one releases before conversations computed)."""
+    assert "history" not in key_fields(REQUEST) and "raw_prompt" not in key_fields(REQUEST)
+    assert digest() == "90cb99dbac7eeefbc93cbd9b5d15dbefc8071c4cbf76917459de05a875becd22"
+
+
+def test_the_semantic_scope_covers_the_earlier_turns_but_not_the_last() -> None:
+    scope = tenant_scope(SECRET, "acme")
+    after_a = dataclasses.replace(REQUEST, history=(("user", "Plan a trip"),))
+    after_b = dataclasses.replace(REQUEST, history=(("user", "Write a poem"),))
+    reworded = dataclasses.replace(after_a, prompt="something else entirely")
+    scopes = [semantic_scope(scope, ENGINE, r, "embedder") for r in (after_a, after_b, reworded)]
+    assert scopes[0] != scopes[1] and scopes[0] == scopes[2]
+    assert semantic_scope(scope, ENGINE, REQUEST, "embedder") not in scopes
 
 
 # ---------------------------------------------------------------- server secret

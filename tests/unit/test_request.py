@@ -69,6 +69,14 @@ SAME = [
     pytest.param({"top_p": 0.5, "top_k": 5, "seed": 9}, {}, id="greedy-drops-all"),
     pytest.param({"lora_name": "  "}, {}, id="blank-lora"),
     pytest.param({"stream": True}, {"stream": False}, id="stream-not-in-key"),
+    pytest.param({"history": "[]"}, {}, id="empty-history"),
+    pytest.param({"history": "  "}, {}, id="blank-history"),
+    pytest.param({"raw_prompt": False}, {}, id="explicit-templated"),
+    pytest.param(
+        {"history": '[{"role": "user", "content": "  Hi\\n there "}]'},
+        {"history": '[{"content": "Hi there", "role": "user"}]'},
+        id="history-normalized-like-a-prompt",
+    ),
 ]
 
 
@@ -94,6 +102,18 @@ DIFFERENT = [
     pytest.param({"lora_name": "x"}, {}, id="lora-name"),
     pytest.param({"text": "What is Triton"}, {}, id="prompt"),
     pytest.param({"text": "what is triton?"}, {}, id="prompt-case"),
+    pytest.param({"history": '[{"role": "user", "content": "Hi"}]'}, {}, id="history"),
+    pytest.param(
+        {"history": '[{"role": "user", "content": "Hi"}]'},
+        {"history": '[{"role": "system", "content": "Hi"}]'},
+        id="history-role",
+    ),
+    pytest.param({"raw_prompt": True}, {}, id="raw-prompt"),
+    pytest.param(
+        {"text": "a\nb", "raw_prompt": True},
+        {"text": "a b", "raw_prompt": True},
+        id="raw-prompt-keeps-spacing",
+    ),
 ]
 
 
@@ -101,6 +121,56 @@ DIFFERENT = [
 def test_canonicalizes_different(a: dict[str, object], b: dict[str, object]) -> None:
     ra, rb = _canon_params(a), _canon_params(b)
     assert key_fields(ra) != key_fields(rb)
+
+
+def test_a_conversation_is_canonical_turns() -> None:
+    history = '[{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": ""}]'
+    r = canon("Hi", history=history)
+    assert r.history == (("system", "Be brief."), ("assistant", "")) and not r.raw_prompt
+    assert key_fields(r)["history"] == [["system", "Be brief."], ["assistant", ""]]
+    raw = canon("<|im_start|>user\n Hi\n", raw_prompt=True)
+    assert raw.prompt == "<|im_start|>user\n Hi\n" and key_fields(raw)["raw_prompt"] is True
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"history": "not json"}, "history is not JSON"),
+        ({"history": '{"role": "user"}'}, "JSON list"),
+        ({"history": '["user: hi"]'}, 'exactly "role" and "content"'),
+        ({"history": '[{"role": "user", "content": "x", "name": "a"}]'}, "exactly"),
+        ({"history": '[{"role": "tool", "content": "x"}]'}, "history\\[0\\].role must be one of"),
+        ({"history": '[{"role": ["user"], "content": "x"}]'}, "role must be one of"),
+        ({"history": '[{"role": "user", "content": 5}]'}, "content must be a string"),
+        ({"history": '[{"role": "user", "content": "\\ud800"}]'}, "lone surrogate"),
+        ({"history": "[]", "raw_prompt": True, "text": "x"}, ""),
+        (
+            {"history": '[{"role": "user", "content": "x"}]', "raw_prompt": True},
+            "cannot be combined with raw_prompt",
+        ),
+        ({"text": " \n ", "raw_prompt": True}, "text_input is empty"),
+    ],
+)
+def test_a_bad_conversation_is_refused_by_name(fields: dict[str, object], fragment: str) -> None:
+    if not fragment:  # an empty history with a raw prompt is no conversation: accepted
+        assert canon(**fields).raw_prompt  # type: ignore[arg-type]
+        return
+    with pytest.raises(InvalidRequest, match=fragment):
+        _canon_params(fields)
+
+
+def test_history_is_bounded_in_turns_and_characters() -> None:
+    limits = Limits(max_history_turns=2, max_history_chars=10)
+    turn = '{"role": "user", "content": "abcd"}'
+    ok = canonicalize(RawInputs("x", history=f"[{turn}, {turn}]"), limits).request
+    assert len(ok.history) == 2
+    with pytest.raises(InvalidRequest, match="3 turns, over the limit of 2"):
+        canonicalize(RawInputs("x", history=f"[{turn}, {turn}, {turn}]"), limits)
+    long = '{"role": "user", "content": "abcdefghijk"}'
+    with pytest.raises(InvalidRequest, match="11 characters, over the limit of 10"):
+        canonicalize(RawInputs("x", history=f"[{long}]"), limits)
+    with pytest.raises(InvalidRequest, match="history has .* bytes, over the limit"):
+        canonicalize(RawInputs("x", history="[" + " " * limits.max_history_bytes + "]"), limits)
 
 
 def test_greedy_canonical_values() -> None:

@@ -338,7 +338,7 @@ def test_prompt_ids_match_the_cpu_engines_on_the_real_tokenizer() -> None:
         )["input_ids"][0]
         .tolist()
     )
-    assert c.prompt_ids(prompt) == cpu
+    assert c.prompt_ids(GenerationRequest(prompt)) == cpu
     assert c.end_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     answer = tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
     request = GenerationRequest(prompt, max_tokens=50)

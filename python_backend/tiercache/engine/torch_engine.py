@@ -33,6 +33,7 @@ from tiercache.engine.kv_cache import (
     kv_salt,
 )
 from tiercache.engine.model_source import ModelSource
+from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.exact.request import GenerationRequest
 
@@ -154,14 +155,10 @@ class TorchEngine:
     def kv_stats(self) -> KvStats:
         return self.kv_pool.stats()
 
-    def prompt_ids(self, prompt: str) -> torch.Tensor:
-        encoded = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
-        return encoded["input_ids"].to(self.device)
+    def prompt_ids(self, request: GenerationRequest) -> torch.Tensor:
+        """The model's input ids for `request` (`prompt_token_ids`), as a [1, n] tensor."""
+        ids = prompt_token_ids(self.tokenizer, request)
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
 
     def generate(
         self, request: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False
@@ -172,7 +169,7 @@ class TorchEngine:
         Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
         `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not
         found in cache") when the request's adapter is not loaded."""
-        input_ids = self.prompt_ids(request.prompt)
+        input_ids = self.prompt_ids(request)
         prompt_tokens = int(input_ids.shape[1])
         check_context(prompt_tokens, request.max_tokens, self.context_tokens)
         self.adapters.activate(adapter_ref(request))

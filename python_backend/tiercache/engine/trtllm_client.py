@@ -9,7 +9,7 @@ first used), so both engines cut text and stop words the same way.
 The request (names and shapes as in the backend's `tensorrt_llm` config.pbtxt, each with the
 leading batch dimension of 1 that a `max_batch_size > 0` model takes):
 
-- `input_ids` int32 [1, n]: the chat-templated prompt, tokenized as TorchEngine.prompt_ids does;
+- `input_ids` int32 [1, n]: the prompt as `tiercache.engine.prompt.prompt_token_ids` renders it;
   `input_lengths` int32 [1, 1]; `request_output_len` int32 [1, 1] = max_tokens.
 - `end_id`, `pad_id` int32 [1, 1]: `<|im_end|>` when the tokenizer has it, else its eos token;
   other eos ids go into `stop_words_list` as one-token words.
@@ -51,6 +51,7 @@ import numpy as np
 from tiercache.adapter_types import TrtllmLora, TrtllmRequestLora, engine_task_id
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.events import StreamEvent
+from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import ConfigError, InvalidRequest, Unavailable
 from tiercache.exact.request import GenerationRequest
 
@@ -206,17 +207,10 @@ class TrtllmClient:
 
     # -- the request -------------------------------------------------------------------------
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt as the CPU engine feeds it: the chat template with one user turn and the
-        generation prompt (TorchEngine.prompt_ids)."""
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt as the CPU engine feeds it (`tiercache.engine.prompt.prompt_token_ids`)."""
         with self._encode_lock:
-            encoded = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
-            )
-        ids = encoded["input_ids"]
-        if ids and isinstance(ids[0], list):  # a batch of one
-            ids = ids[0]
-        return [int(t) for t in ids]
+            return prompt_token_ids(self.tokenizer, request)
 
     def request(
         self, request: GenerationRequest, lora: TrtllmRequestLora | None = None
@@ -224,7 +218,7 @@ class TrtllmClient:
         """The tensors for `request`; `lora` is what lora_cache sent (None: nothing, the id
         alone is then derived from the request). InvalidRequest for a prompt the engine was
         not built for; Unavailable when lora_cache's id is not the request's version."""
-        ids = self.prompt_ids(request.prompt)
+        ids = self.prompt_ids(request)
         self._check_fits(len(ids), request.max_tokens)
         tensors: dict[str, np.ndarray] = {
             "input_ids": np.array([ids], dtype=np.int32),

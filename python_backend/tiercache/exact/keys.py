@@ -66,8 +66,9 @@ def secret_fingerprint(secret: bytes) -> str:
 def key_fields(request: GenerationRequest) -> dict[str, object]:
     """The request's part of its key, its canonical form: everything that changes the generated
     text (not `stream`: it only changes chunking; not the adapter version or the tenant scope:
-    they enter the key document beside it)."""
-    return {
+    they enter the key document beside it). The conversation's earlier turns and the raw-prompt
+    flag enter only when set, so a one-turn templated request keeps the digest it always had."""
+    fields: dict[str, object] = {
         "prompt": request.prompt,
         "max_tokens": request.max_tokens,
         "temperature": request.temperature,
@@ -77,6 +78,11 @@ def key_fields(request: GenerationRequest) -> dict[str, object]:
         "stop_words": list(request.stop_words),
         "lora_name": request.lora_name,
     }
+    if request.history:
+        fields["history"] = [list(turn) for turn in request.history]
+    if request.raw_prompt:
+        fields["raw_prompt"] = True
+    return fields
 
 
 def _document(scope: TenantScope, engine: EngineIdentity, adapter_digest: str) -> dict:

@@ -187,10 +187,12 @@ class PromptCache:
 
 
 def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:
-    """`raw` as a memo key (its fields, stop words as a tuple); None when the prompt is longer
-    than MEMO_MAX_CHARS (not worth the memory) or a field cannot be hashed."""
+    """`raw` as a memo key (its fields, stop words as a tuple); None when the prompt or the
+    history is longer than MEMO_MAX_CHARS (not worth the memory) or a field cannot be hashed."""
     text = raw.text_input
     if text is None or len(text) > MEMO_MAX_CHARS:
+        return None
+    if raw.history is not None and len(raw.history) > MEMO_MAX_CHARS:
         return None
     stops = None if raw.stop_words is None else tuple(raw.stop_words)
     key = (
@@ -205,6 +207,8 @@ def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:
         raw.tenant,
         raw.cache_control,
         raw.lora_name,
+        raw.history,
+        raw.raw_prompt,
     )
     try:
         hash(key)

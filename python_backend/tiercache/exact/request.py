@@ -9,6 +9,7 @@ parameters that cannot change a greedy result are all normalized away.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import unicodedata
@@ -50,6 +51,8 @@ class Limits:
     max_tenant_bytes: int = 256
     max_cache_control_bytes: int = 1_024
     max_lora_name_bytes: int = 256
+    max_history_turns: int = 64
+    max_history_chars: int = 65_536
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -62,6 +65,12 @@ class Limits:
         """Raw UTF-8 bytes of one stop word; with the count bound, all of them together take
         at most `max_stop_words` times this (4 KiB by default)."""
         return UTF8_MAX_BYTES_PER_CHAR * self.max_stop_word_chars
+
+    @property
+    def max_history_bytes(self) -> int:
+        """Raw bytes of `history`'s JSON: its characters in any script plus, per turn, room for
+        the JSON around them (keys, quotes, escapes)."""
+        return UTF8_MAX_BYTES_PER_CHAR * self.max_history_chars + 64 * self.max_history_turns
 
 
 DEFAULT_LIMITS = Limits()
@@ -193,6 +202,13 @@ class RawInputs:
     tenant: str | bytes | None = None
     cache_control: str | bytes | None = None
     lora_name: str | bytes | None = None
+    history: str | bytes | None = None  # JSON: the earlier turns, [{"role", "content"}, ...]
+    raw_prompt: bool | None = None
+
+
+HISTORY_ROLES = frozenset({"system", "user", "assistant"})
+Turn = tuple[str, str]
+"""One earlier turn of a conversation: (role, content), role one of HISTORY_ROLES."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +238,13 @@ class GenerationRequest:
     # engine's prefix KV blocks are keyed by, so KV is never shared across tenants. The scope
     # enters the cache key document itself.
     tenant_scope: str = ""
+    # The conversation before `prompt` (the last user turn): the engine applies the chat
+    # template once to [*history, user prompt]. Part of the key, and so of the semantic scope:
+    # a reworded last turn hits only after the same earlier turns.
+    history: tuple[Turn, ...] = ()
+    # `prompt` is the model's input as it is (already rendered, or a plain completion): the
+    # engine tokenizes it without the chat template. Never with `history`.
+    raw_prompt: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -239,8 +262,9 @@ def normalize_text(text: str) -> str:
 
 
 def canonical_float(value: float) -> float:
-    """The shortest decimal that round-trips through float32, so FP32 0.7 and Python 0.7 agree."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))
+    """The shortest decimal that round-trips through float32, so FP32 0.7 and Python 0.7 agree;
+    -0.0 is 0.0 (they compare and hash equal, so one must not key differently from the other)."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="0")) + 0.0
 
 
 def _check_float(name: str, value: float, low: float, high: float, low_open: bool = False) -> float:
@@ -278,8 +302,11 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     if raw.text_input is None:
         raise InvalidRequest("text_input is required")
     text = _bounded_text("text_input", raw.text_input, limits.max_prompt_bytes)
-    prompt = normalize_text(text)
-    if not prompt:
+    raw_prompt = bool(raw.raw_prompt)
+    # A raw prompt is the model's input: its spacing is part of it (a rendered template's
+    # newlines), so only its Unicode form is normalized.
+    prompt = unicodedata.normalize("NFKC", text) if raw_prompt else normalize_text(text)
+    if not prompt.strip():
         raise InvalidRequest("text_input is empty")
     if len(prompt) > limits.max_prompt_chars:
         raise InvalidRequest(
@@ -305,6 +332,11 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
         raise InvalidRequest(f"seed must fit in uint64, got {_echo_number(seed)}")
 
     stop_words = _canonical_stop_words(raw.stop_words, limits)
+    history = _canonical_history(raw.history, limits)
+    if history and raw_prompt:
+        raise InvalidRequest(
+            "history cannot be combined with raw_prompt (a raw prompt is the whole model input)"
+        )
 
     tenant = ""
     if raw.tenant is not None:
@@ -333,6 +365,8 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
         stop_words=stop_words,
         stream=bool(raw.stream) if raw.stream is not None else False,
         lora_name=lora_name,
+        history=history,
+        raw_prompt=raw_prompt,
     )
     return Canonical(request, tenant, CacheControl.parse(cache_control))
 
@@ -390,3 +424,49 @@ def _canonical_stop_words(words: Sequence[str | bytes] | None, limits: Limits) -
                 f"a stop word is longer than {limits.max_stop_word_chars} characters"
             )
     return tuple(sorted(normalized))
+
+
+def _canonical_history(text: str | bytes | None, limits: Limits) -> tuple[Turn, ...]:
+    """`history`'s JSON as canonical turns: each content normalized as a prompt is (an empty
+    one is kept: an assistant turn may be empty), bounded in bytes before it is parsed and in
+    turns and characters after."""
+    if text is None:
+        return ()
+    decoded = _bounded_text("history", text, limits.max_history_bytes)
+    if not decoded.strip():
+        return ()
+    try:
+        turns = json.loads(decoded)
+    except ValueError as exc:
+        raise InvalidRequest(f"history is not JSON: {exc}") from None
+    if not isinstance(turns, list):
+        raise InvalidRequest('history must be a JSON list of {"role", "content"} objects')
+    if len(turns) > limits.max_history_turns:
+        raise InvalidRequest(
+            f"history has {len(turns)} turns, over the limit of {limits.max_history_turns}"
+        )
+    canonical: list[Turn] = []
+    chars = 0
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
+            raise InvalidRequest(
+                f'history[{i}] must be an object with exactly "role" and "content"'
+            )
+        role, content = turn["role"], turn["content"]
+        if not isinstance(role, str) or role not in HISTORY_ROLES:
+            raise InvalidRequest(
+                f"history[{i}].role must be one of {', '.join(sorted(HISTORY_ROLES))}, "
+                f"got {echo(str(role))}"
+            )
+        if not isinstance(content, str):
+            raise InvalidRequest(f"history[{i}].content must be a string")
+        # JSON's \u escapes can spell a lone surrogate, which no later step could encode.
+        _utf8_size(f"history[{i}].content", content, limits.max_history_bytes)
+        content = normalize_text(content)
+        chars += len(content)
+        canonical.append((role, content))
+    if chars > limits.max_history_chars:
+        raise InvalidRequest(
+            f"history has {chars} characters, over the limit of {limits.max_history_chars}"
+        )
+    return tuple(canonical)

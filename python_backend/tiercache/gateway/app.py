@@ -8,9 +8,9 @@ prompt_cache maps the key to its tenant (the operator's key file, docs/security.
 or unknown key is then a 401 here.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET
-/metrics (the gateway's own Prometheus metrics). What is not here yet (issue 16): conversations
-with a system prompt or earlier turns (refused with a 400 naming the limit), `usage`, and the
-exact-hit edge layer.
+/metrics (the gateway's own Prometheus metrics). With the model repository Triton serves (on
+the same host), the edge layer answers exact hits from the host's tiers without crossing
+Triton (tiercache.gateway.edge). What is not here yet (issue 16): `usage`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,7 +39,9 @@ from prometheus_client import (
 )
 
 from tiercache.errors import InvalidRequest
+from tiercache.exact.request import RawInputs
 from tiercache.gateway import openai_api as api
+from tiercache.gateway.edge import EdgeCache, open_edge
 from tiercache_client.client import build_inputs
 from tiercache_client.errors import (
     ForbiddenError,
@@ -66,6 +69,40 @@ class GatewaySettings:
     adapters: frozenset[str] = frozenset()  # adapter names, each a `model` id
     timeout_s: float = 300.0  # a whole generation
     ensemble: str = ENSEMBLE
+    # The repository Triton serves, on this host: the edge layer answers exact hits from the
+    # host's tiers (None: every request goes to the ensemble).
+    model_repository: Path | None = None
+    state_dir: Path | None = None  # the stages' state folder when their parameters name none
+
+
+def ensemble_fields(gen: api.Generation) -> dict[str, Any]:
+    """The ensemble inputs of `gen` (tiercache_client.build_inputs's arguments): one mapping
+    for the gRPC request and the edge layer's lookup, so both see the same request."""
+    return {
+        "max_tokens": gen.max_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "seed": gen.seed,
+        "stop_words": list(gen.stop_words) or None,
+        "cache_control": gen.cache_control,
+        "lora_name": gen.lora_name,
+        "stream": gen.stream,
+        "history": list(gen.history) or None,
+        # A completion's prompt is the model's input as it is (OpenAI's /v1/completions); a
+        # chat is templated once, by the engine.
+        "raw_prompt": None if gen.chat else True,
+    }
+
+
+def raw_inputs(gen: api.Generation) -> RawInputs:
+    """`gen` as prompt_cache reads it from the ensemble's inputs (`ensemble_fields`)."""
+    fields = ensemble_fields(gen)
+    history = fields.pop("history")
+    return RawInputs(
+        text_input=gen.prompt,
+        history=None if history is None else json.dumps(history, ensure_ascii=False),
+        **fields,
+    )
 
 
 class Gateway:
@@ -93,17 +130,7 @@ class Gateway:
         """The answer's text chunks as they arrive, then one Outcome; a TierCacheClientError
         for what the ensemble or the transport refused. Closing the iterator early cancels the
         gRPC call (the generation goes on for the requests that share it)."""
-        inputs = build_inputs(
-            gen.prompt,
-            max_tokens=gen.max_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            seed=gen.seed,
-            stop_words=list(gen.stop_words) or None,
-            cache_control=gen.cache_control,
-            lora_name=gen.lora_name,
-            stream=gen.stream,
-        )
+        inputs = build_inputs(gen.prompt, **ensemble_fields(gen))
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.settings.ensemble, "inputs": inputs, "request_id": gen.id}
@@ -193,6 +220,12 @@ class GatewayMetrics:
             "Text chunks sent as Server-Sent Events",
             registry=self.registry,
         )
+        self.edge_hits = Counter(
+            "tiercache_gateway_edge_hits",
+            "Exact hits the edge layer answered without Triton, by the tier that held them",
+            ["tier"],
+            registry=self.registry,
+        )
 
     def exposition(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -239,27 +272,41 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 def create_app(settings: GatewaySettings) -> FastAPI:
     """The gateway's ASGI app; its Triton channel opens with the app and closes with it."""
     gateway: Gateway | None = None
+    edge: EdgeCache | None = None
 
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal gateway
+        nonlocal gateway, edge
+        if settings.model_repository is not None:  # hashes the weights once: off the loop
+            edge = await asyncio.to_thread(
+                open_edge, settings.model_repository, settings.state_dir
+            )
         gateway = Gateway(settings)
         try:
             yield
         finally:
             await gateway.close()
+            if edge is not None:
+                edge.close()
 
-    app = FastAPI(title="tiercache gateway", lifespan=lifespan)  # type: ignore[arg-type]
+    app = FastAPI(title="tiercache gateway", lifespan=lifespan)
     metrics = GatewayMetrics()
     app.state.metrics = metrics
+    app.add_middleware(CountRequests, metrics=metrics)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next: Any) -> Any:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.url.path if request.url.path in ROUTES else "other"
-        metrics.requests.labels(route, str(response.status_code)).inc()
-        metrics.latency.labels(route).observe(time.perf_counter() - started)
-        return response
+    async def edge_hit(gen: api.Generation, authorization: str | None) -> api.Outcome | None:
+        """The edge layer's exact hit for `gen`, as the ensemble would have answered it."""
+        if edge is None:
+            return None
+        raw = raw_inputs(gen)
+        if edge.blocking:  # Redis round trips: off the event loop
+            hit = await asyncio.to_thread(edge.answer, raw, authorization)
+        else:  # the host's memory-mapped L2 and this process's L1: microseconds
+            hit = edge.answer(raw, authorization)
+        if hit is None:
+            return None
+        metrics.edge_hits.labels(hit.tier).inc()
+        return api.Outcome(text=hit.text, cache_status="exact")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -302,6 +349,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         authorization = request.headers.get("authorization")
+        hit = await edge_hit(gen, authorization)
+        if hit is not None:
+            if gen.stream:
+                return await streamed(request, gen, _replayed(hit))
+            metrics.answers.labels(hit.cache_status).inc()
+            return JSONResponse(api.completion(gen, hit), headers=cache_headers(hit))
         stream = the_gateway().generate(gen, authorization)
         if gen.stream:
             return await streamed(request, gen, stream)
@@ -365,6 +418,38 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await serve(request, chat=False)
 
     return app
+
+
+async def _replayed(outcome: api.Outcome) -> AsyncIterator[str | api.Outcome]:
+    """An edge hit as `Gateway.generate` yields the ensemble's: its text, then the outcome."""
+    if outcome.text:
+        yield outcome.text
+    yield outcome
+
+
+class CountRequests:
+    """Pure ASGI middleware (no per-request task, unlike Starlette's BaseHTTPMiddleware):
+    requests by route and status code, and the time to the response's start."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+                self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 MAX_BODY_BYTES = 4 << 20  # a request body; the ensemble's own limits are far below this

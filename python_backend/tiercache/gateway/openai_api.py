@@ -37,7 +37,8 @@ class Generation:
     stop_words: tuple[str, ...] = ()
     cache_control: str | None = None
     user: str | None = None
-    chat: bool = True
+    chat: bool = True  # /v1/chat/completions; else /v1/completions, whose prompt is sent raw
+    history: tuple[dict[str, str], ...] = ()  # a chat's turns before its last user message
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -103,27 +104,56 @@ def _utf8(name: str, text: str) -> str:
     return text
 
 
-def _prompt_of_messages(messages: object) -> str:
-    """The user turn of a one-turn conversation. Conversations with a system prompt or earlier
-    turns need the chat template applied to all of them once, which the ensemble cannot take
-    yet: they are refused with a clear message rather than flattened into one user turn."""
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _content(message: dict[str, Any], i: int) -> str:
+    """A message's text: a string, or a list of text parts (joined by newlines, as OpenAI-
+    compatible servers do). Images, audio and tool calls are refused by name."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return _utf8(f"messages[{i}].content", content)
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequest(
+                    f"'messages[{i}].content[{j}]' is a {str(kind)[:40]!r} part: only text parts "
+                    "are supported"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"'messages[{i}].content[{j}].text' must be a string")
+            texts.append(_utf8(f"messages[{i}].content[{j}].text", text))
+        return "\n".join(texts)
+    if content is None and message.get("tool_calls"):
+        raise InvalidRequest(f"'messages[{i}]' carries tool calls: tools are not supported")
+    raise InvalidRequest(f"'messages[{i}].content' must be a string or a list of text parts")
+
+
+def conversation(messages: object) -> tuple[tuple[dict[str, str], ...], str]:
+    """`messages` as the ensemble takes a conversation: the earlier turns (`history`, roles
+    system, user and assistant; `developer` is a system turn, as OpenAI treats it for models
+    without one) and the last user turn (`text_input`). The engine applies the chat template
+    to all of it once. The last message must be the user's: a conversation that ends in an
+    assistant turn asks for a continuation, which the chat template does not render."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects")
+    turns: list[dict[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"'messages[{i}]' must be an object with a 'role'")
-        content = message.get("content")
-        if not isinstance(content, str):
+        role = CHAT_ROLES.get(message["role"])
+        if role is None:
             raise InvalidRequest(
-                f"'messages[{i}].content' must be a string (content parts are not supported)"
+                f"'messages[{i}].role' {message['role'][:40]!r} is not supported (system, "
+                "developer, user, assistant; tools are not)"
             )
-    if len(messages) != 1 or messages[0]["role"] != "user":
-        raise InvalidRequest(
-            "this gateway takes one user message per request for now: system prompts and "
-            "earlier turns are not supported yet (send them in one user message, or use "
-            "/v1/completions)"
-        )
-    return str(messages[0]["content"])
+        turns.append({"role": role, "content": _content(message, i)})
+    if turns[-1]["role"] != "user":
+        raise InvalidRequest("the last message must be the user's")
+    return tuple(turns[:-1]), turns[-1]["content"]
 
 
 def parse_request(
@@ -141,8 +171,9 @@ def parse_request(
     n = body.get("n", 1)
     if n != 1:
         raise InvalidRequest("'n' must be 1: one completion per request")
+    history: tuple[dict[str, str], ...] = ()
     if chat:
-        prompt = _prompt_of_messages(body.get("messages"))
+        history, prompt = conversation(body.get("messages"))
         max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
@@ -167,6 +198,7 @@ def parse_request(
     cache_control = cache_control_words(cache_header, extra.get("cache_control"))
     return Generation(
         prompt=_utf8("messages" if chat else "prompt", prompt),
+        history=history,
         model=model,
         lora_name=None if model == base_model else model,
         stream=stream,

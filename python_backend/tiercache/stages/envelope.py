@@ -23,7 +23,7 @@ from typing import Any
 
 from tiercache.errors import InvalidRequest
 from tiercache.exact.keys import Digest
-from tiercache.exact.request import GenerationRequest
+from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
 from tiercache.stages.seal import ENVELOPE_LABEL, SEAL_CHARS, Sealer, text_bytes
 from tiercache.vocabulary import CacheStatus
 
@@ -72,6 +72,8 @@ class Envelope:
                 "lora_task_id": r.lora_task_id,
                 "lora_digest": r.lora_digest,
                 "tenant_scope": r.tenant_scope,
+                "history": [list(turn) for turn in r.history],
+                "raw_prompt": r.raw_prompt,
             },
             "status": self.status.value,
             "digest": self.digest,
@@ -116,6 +118,8 @@ class Envelope:
             lora_task_id=_read(fields, "lora_task_id", int, where),
             lora_digest=_read(fields, "lora_digest", str, where),
             tenant_scope=_read(fields, "tenant_scope", str, where),
+            history=_history(fields, where),
+            raw_prompt=_read(fields, "raw_prompt", bool, where),
         )
         status = _read(top, "status", str, ENVELOPE_TENSOR)
         try:
@@ -187,6 +191,23 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidRequest(f"{where} must be a JSON object")
     return value
+
+
+def _history(fields: dict[str, Any], where: str) -> tuple[Turn, ...]:
+    """The request's earlier turns: a list of [role, content] pairs of known roles."""
+    value = _read(fields, "history", list, where)
+    turns: list[Turn] = []
+    for turn in value:
+        if (
+            type(turn) is not list
+            or len(turn) != 2
+            or type(turn[0]) is not str
+            or turn[0] not in HISTORY_ROLES
+            or type(turn[1]) is not str
+        ):
+            raise InvalidRequest(f"{where}.history must be a list of [role, content] pairs")
+        turns.append((turn[0], turn[1]))
+    return tuple(turns)
 
 
 def _read(

@@ -18,7 +18,15 @@ from pathlib import Path
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.admin import Admin, LoraAdmin
-from tiercache.config import CacheAdminConfig, CacheConfig, LlmConfig, LoraCacheConfig, name_list
+from tiercache.config import (
+    CacheAdminConfig,
+    CacheConfig,
+    LlmConfig,
+    LoraCacheConfig,
+    PromptCacheConfig,
+    name_list,
+)
+from tiercache.engine.model_source import resolve_model
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
 from tiercache.exact.keys import EngineIdentity, load_or_create_secret, tenant_scope
@@ -124,6 +132,28 @@ def open_exact_cache(
     sweeper = RestartSweeper(cache, marks, ready=listener.wait_connected).start()
     cache.background.append(sweeper)
     return ExactTiers(cache, link, listener, sweeper)
+
+
+def open_lookup(
+    config: PromptCacheConfig, embedder_key: str
+) -> tuple[PromptCache, ExactTiers, bytes]:
+    """prompt_cache's lookup over the tiers its config names (its own L1, the host's L2, L3 with
+    `redis_url`), under the deployment's secret, engine identity, limits and adapter registry:
+    what the stage serves from, and what the gateway's edge layer builds from the same
+    parameters so that it computes the same digests (tiercache.gateway.edge). `embedder_key`
+    "" computes no semantic scopes. Also returns the tiers and the secret it keys by."""
+    tiers = open_exact_cache(config.cache())
+    adapters = open_adapters(config.adapters_path(), config.state_path(), config.adapters_manifest)
+    secret = load_secret(config.cache(), tiers.link)
+    lookup = PromptCache(
+        tiers.cache,
+        secret,
+        resolve_model(config.model).identity,
+        config.limits(),
+        embedder_key,
+        adapters.resolve,
+    )
+    return lookup, tiers, secret
 
 
 def load_secret(config: CacheConfig, link: RedisLink | None) -> bytes:

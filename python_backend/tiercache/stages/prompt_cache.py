@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 from tiercache.config import PromptCacheConfig
-from tiercache.engine.model_source import resolve_model
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.prompt_cache import LookupResult, PromptCache
@@ -15,7 +14,7 @@ from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.parts import load_secret, open_adapters, open_exact_cache, open_sealer
+from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import Sealer
 from tiercache.triton import metrics as tm
 from tiercache.vocabulary import CacheStatus, choices
@@ -108,16 +107,8 @@ def envelope_of(result: LookupResult) -> Envelope:
 def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCacheStage:
     """The stage with its L1, the host's L2, L3 with `redis_url`, the deployment's secret,
     the adapter registry and its metrics (started)."""
-    tiers = open_exact_cache(config.cache())
-    adapters = open_adapters(config.adapters_path(), config.state_path(), config.adapters_manifest)
-    cache = PromptCache(
-        tiers.cache,
-        load_secret(config.cache(), tiers.link),
-        resolve_model(config.model).identity,
-        config.limits(),
-        resolve_embedder(config.embedder)[1].key if config.embedder else "",
-        adapters.resolve,
-    )
+    embedder_key = resolve_embedder(config.embedder)[1].key if config.embedder else ""
+    cache, tiers, _ = open_lookup(config, embedder_key)
     metrics = tm.Metrics(model_name)
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None

@@ -225,6 +225,8 @@ def read_raw_inputs(request: Any) -> RawInputs:
         tenant=inputs.blob("tenant"),
         cache_control=inputs.blob("cache_control"),
         lora_name=inputs.blob("lora_name"),
+        history=inputs.blob("history"),
+        raw_prompt=inputs.boolean("raw_prompt"),
     )
 
 

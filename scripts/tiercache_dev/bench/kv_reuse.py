@@ -77,8 +77,10 @@ def prompt(system: str, turn: str) -> str:
 
 def shared_tokens(engine: Any, system: str) -> int:
     """Prompt tokens requests A and B have in common (chat template header + system text)."""
-    a = engine.prompt_ids(prompt(system, TURN_A))[0].tolist()
-    b = engine.prompt_ids(prompt(system, TURN_B))[0].tolist()
+    from tiercache.exact.request import GenerationRequest
+
+    a = engine.prompt_ids(GenerationRequest(prompt(system, TURN_A)))[0].tolist()
+    b = engine.prompt_ids(GenerationRequest(prompt(system, TURN_B)))[0].tolist()
     pairs = zip(a, b, strict=False)
     return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
 
@@ -109,7 +111,7 @@ class Sample:
 def run_request(engine: Any, text: str, max_tokens: int) -> Sample:
     from tiercache.exact.request import GenerationRequest
 
-    request = GenerationRequest(text, max_tokens=max_tokens, kv_scope="bench")
+    request = GenerationRequest(text, max_tokens=max_tokens, tenant_scope="bench")
     started = time.perf_counter()
     events = engine.generate(request)
     first = next(events)

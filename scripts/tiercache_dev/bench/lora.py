@@ -141,6 +141,7 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
 
     from tiercache.engine.model_source import resolve_model
     from tiercache.engine.torch_engine import TorchEngine
+    from tiercache.exact.request import GenerationRequest
 
     torch.set_num_threads(args.threads)
     engine = TorchEngine(resolve_model(), args.state_dir / "models", "cpu", lora_slots=4)
@@ -186,7 +187,7 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
     walks = [timed_ms(lambda i=i: walk(i % 2)) for i in range(2 * args.swaps)]
     adapters.activate(None)  # the walks bypassed `adapters`; this sets every layer again
 
-    input_ids = engine.prompt_ids(PROMPT)
+    input_ids = engine.prompt_ids(GenerationRequest(PROMPT))
     base_steps, lora_steps = [], []
     for _ in range(3):
         adapters.activate(None)

@@ -1,0 +1,117 @@
+"""The edge layer: exact hits answered in the gateway from the host's tiers, never crossing Triton.
+
+The gateway builds prompt_cache's own lookup (`tiercache.stages.parts.open_lookup`) from the
+prompt_cache stage's parameters in the model repository Triton serves, with the same state
+folder and environment. So it computes the same canonical digest under the same secret, maps an
+API key to the same tenant grant, resolves an adapter to the same version, applies the same
+limits, TTLs, invalidation watermarks (read from the host's log or Redis on every lookup, as
+every stage does) and cache_control words, and reads the same L2 (and Redis, with `redis_url`)
+behind an L1 of its own.
+
+It answers a request only when that lookup says EXACT and the llm stage would not pad the
+tenant's responses (padding hides a hit's timing, which an answer from here would reveal; the
+llm stage's `hit_padding_ms` and `trusted_tenants` decide, read from its parameters). Everything
+else goes to the ensemble, unchanged: misses, semantic lookups, bypasses, and any request the
+lookup refuses (bad input, a refused key, an unknown adapter), whose error the ensemble gives in
+its own words. The edge serves nothing the ensemble would not: what it reads is what
+prompt_cache would read for the same request at the same moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from tiercache.config import LlmConfig, PromptCacheConfig, parse_config
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.exact.prompt_cache import PromptCache
+from tiercache.exact.request import RawInputs
+from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
+from tiercache.padding import PaddingPolicy
+from tiercache.stages.parts import ExactTiers, open_lookup, padding_policy
+from tiercache.vocabulary import CacheStatus
+
+log = logging.getLogger(__name__)
+
+PROMPT_CACHE = "prompt_cache"
+LLM = "llm"
+
+
+def stage_parameters(repository: Path, model: str) -> dict[str, str]:
+    """The `parameters` of `<repository>/<model>/config.pbtxt` as the stage reads them (key ->
+    string_value); ConfigError when the file is missing or is not a model config."""
+    path = repository / model / "config.pbtxt"
+    try:
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    except (OSError, text_format.ParseError) as exc:
+        raise ConfigError(f"cannot read the {model} stage's config {path}: {exc}") from exc
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeHit:
+    """An exact hit served at the edge: the answer and the tier that held it."""
+
+    text: str
+    tier: str
+
+
+class EdgeCache:
+    """prompt_cache's lookup in the gateway's process; `answer` is None for all but a hit the
+    ensemble would serve as one, to a tenant it would not pad."""
+
+    def __init__(
+        self,
+        lookup: PromptCache,
+        padding: PaddingPolicy,
+        keys: KeyFile | None = None,
+        tiers: ExactTiers | None = None,
+    ) -> None:
+        self.lookup = lookup
+        self.padding = padding
+        self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
+        self._tiers = tiers
+        # Redis reads are network round trips (up to redis_timeout_s): the gateway then runs
+        # lookups on a worker thread instead of its event loop.
+        self.blocking = tiers is not None and tiers.link is not None
+
+    def answer(self, raw: RawInputs, authorization: str | None) -> EdgeHit | None:
+        try:
+            grant = None
+            if self.keys is not None:
+                grant = self.keys.authorize(key_from_parameter(authorization))
+            result = self.lookup.lookup(raw, grant=grant)
+        except TierCacheError:
+            return None  # refused: the ensemble refuses it too, in its own words
+        if result.status is not CacheStatus.EXACT or result.tier is None:
+            return None
+        if self.padding.pads(result.request.tenant_scope):
+            return None
+        return EdgeHit(result.text, result.tier.value)
+
+    def close(self) -> None:
+        self.lookup.cache.close()
+
+
+def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
+    """The edge layer for the deployment served from `repository`: prompt_cache's lookup and
+    the llm stage's padding policy, from their parameters there. `state_dir` stands in for a
+    `state_dir` parameter the stage leaves empty (what `tiercache serve` gives Triton in its
+    environment); None: the environment's, as the stages resolve it."""
+    config = parse_config(PromptCacheConfig, stage_parameters(repository, PROMPT_CACHE))
+    llm = parse_config(LlmConfig, stage_parameters(repository, LLM))
+    if state_dir is not None:
+        if not config.state_dir:
+            config = dataclasses.replace(config, state_dir=str(state_dir))
+        if not llm.state_dir:
+            llm = dataclasses.replace(llm, state_dir=str(state_dir))
+    # exact hits only: no semantic scopes
+    lookup, tiers, secret = open_lookup(config, embedder_key="")
+    keys_path = config.api_keys_path()
+    keys = KeyFile(keys_path) if keys_path is not None else None
+    return EdgeCache(lookup, padding_policy(llm, secret), keys, tiers)
