@@ -402,7 +402,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
 def _gateway(args: argparse.Namespace) -> int:
     import uvicorn  # the gateway's server: imported only for this command
 
-    from tiercache.gateway.app import GatewaySettings, create_app
+    from tiercache.gateway.app import GatewaySettings, server_config
 
     adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
     names: frozenset[str] = frozenset()
@@ -436,7 +436,7 @@ def _gateway(args: argparse.Namespace) -> int:
         f"(models: {', '.join([args.model_name, *sorted(names)])}; {edge})",
         flush=True,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(server_config(settings, args.host, args.port)).run()
     return 0
 
 

@@ -6,20 +6,22 @@ Usage::
     python -m tiercache_dev.bench.gateway [--rounds 3] [--concurrency 1:8:7]
         [--measurement-ms 3000] [--out-dir .perf] [--state-dir .tiercache]
 
-One tiercache server (model_repository/) with `tiercache gateway` in front of it (uvicorn on a
-thread of this process), and one server with Triton's response cache on an echo model
-(scripts/bench_fixtures/response_cache/), both up for the whole run. The prompt is cached first,
-so every request is an exact hit. perf_analyzer measures all three, one concurrency level at a
-time, back to back (tiercache_dev.rounds.level_pairs):
+One tiercache server (model_repository/) with two `tiercache gateway`s in front of it (uvicorn
+on threads of this process; one with its edge layer, one without), and one server with
+Triton's response cache on an echo model (scripts/bench_fixtures/response_cache/), all up for
+the whole run. The prompt is cached first, so every request is an exact hit. perf_analyzer
+measures all four, one concurrency level at a time, back to back
+(tiercache_dev.rounds.level_pairs):
 
-- gateway: `--service-kind openai --endpoint v1/chat/completions --async` (perf_analyzer's
-  OpenAI client, the standard OpenAI-endpoint load tool here), one chat request;
+- gateway, edge: `--service-kind openai --endpoint v1/chat/completions --async`
+  (perf_analyzer's OpenAI client, the standard OpenAI-endpoint load tool here), one chat
+  request; the edge layer answers it from the host's tiers, the plain gateway through Triton;
 - ensemble: gRPC `--streaming`, the same request as the ensemble's inputs;
 - response cache: gRPC `--async`, unary.
 
 Writes OUT_DIR/bench_gateway.md and .json; raw output under OUT_DIR/bench_gateway/. Targets
 (issue 16): a gateway hit's p50 below the ensemble hit's, and within 2x of the response
-cache's.
+cache's (the edge layer is what is meant to meet them).
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ from tiercache_dev.rounds import Spread, level_pairs, paired_ratio
 from tiercache_dev.servers import TritonServer, running_all, triton
 from tiercache_dev.stats import median
 
-GATEWAY, ENSEMBLE, RESPONSE_CACHE = "gateway", "ensemble", "response-cache"
+GATEWAY, EDGE, ENSEMBLE, RESPONSE_CACHE = "gateway", "edge", "ensemble", "response-cache"
 LABELS = {
     GATEWAY: "gateway hit (OpenAI chat)",
+    EDGE: "gateway edge hit (OpenAI chat)",
     ENSEMBLE: "ensemble hit (gRPC stream)",
     RESPONSE_CACHE: "Triton response cache",
 }
@@ -78,6 +81,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--perf-analyzer", type=Path, default=None, help="skip the install; use this")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=list(LABELS),
+        help="measure only these configurations (repeatable; default: all four)",
+    )
     args = p.parse_args(argv)
     try:
         args.levels = concurrency_levels(args.concurrency)
@@ -98,13 +107,19 @@ class Target:
 
 
 @contextlib.contextmanager
-def gateway_on(server: TritonServer) -> Iterator[int]:
-    """`tiercache gateway` in front of `server`, on a thread of this process; its port."""
+def gateway_on(server: TritonServer, state_dir: Path | None = None) -> Iterator[int]:
+    """`tiercache gateway` in front of `server`, on a thread of this process; its port. With
+    `state_dir`, its edge layer on the server's repository and that state."""
     from tiercache.gateway.app import GatewaySettings, running_in_thread
     from tiercache.server import free_port
 
     port = free_port()
-    settings = GatewaySettings(triton_url=f"127.0.0.1:{server.ports.grpc}", base_model=MODEL_ID)
+    settings = GatewaySettings(
+        triton_url=f"127.0.0.1:{server.ports.grpc}",
+        base_model=MODEL_ID,
+        model_repository=None if state_dir is None else MODEL_REPOSITORY,
+        state_dir=state_dir,
+    )
     with running_in_thread(settings, port):
         yield port
 
@@ -183,7 +198,7 @@ def report(
         "",
         f"- command: `{invocation('tiercache_dev.bench.gateway')}`",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; {version}",
-        f"- {args.rounds} rounds, the three back to back at each level; windows of "
+        f"- {args.rounds} rounds, the four back to back at each level; windows of "
         f"{args.measurement_ms} ms, `-s {args.stability_percentage:g}`; one prompt "
         f"({len(args.prompt)} chars), max_tokens {args.max_tokens}",
         "",
@@ -191,7 +206,7 @@ def report(
         "|---|---:|---:|---:|---:|",
     ]
     summary: dict = {"levels": {}, "ratios": {}}
-    for name in (GATEWAY, ENSEMBLE, RESPONSE_CACHE):
+    for name in (GATEWAY, EDGE, ENSEMBLE, RESPONSE_CACHE):
         for level in args.levels:
             p50, p99 = median_of(name, level, "p50_us"), median_of(name, level, "p99_us")
             rate = median_of(name, level, "throughput")
@@ -207,8 +222,9 @@ def report(
         "|---|---:|---:|---|",
     ]
     for a, b, target in (
-        (GATEWAY, ENSEMBLE, "< 1 (below the ensemble hit)"),
-        (GATEWAY, RESPONSE_CACHE, "<= 2"),
+        (GATEWAY, ENSEMBLE, "(no edge layer)"),
+        (EDGE, ENSEMBLE, "< 1 (below the ensemble hit)"),
+        (EDGE, RESPONSE_CACHE, "<= 2"),
     ):
         for level in args.levels:
             s = spread(a, b, level, "p50_us")
@@ -240,18 +256,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_args=["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"],
         )  # fmt: skip
         progress("starting tiercache and the response cache's tritonserver")
-        with running_all([tiercache, cache], READY_S), gateway_on(tiercache) as port:
+        with (
+            running_all([tiercache, cache], READY_S),
+            gateway_on(tiercache) as port,
+            gateway_on(tiercache, args.state_dir) as edge_port,
+        ):
             progress(f"  tiercache gateway on 127.0.0.1:{port}: {cache_the_prompt(args, port)}")
+            progress(f"  with the edge layer on 127.0.0.1:{edge_port}: "
+                     f"{cache_the_prompt(args, edge_port)}")  # fmt: skip
             payload = tmp / "chat.json"
             payload.write_text(json.dumps({"data": [{"payload": [chat_body(args)]}]}))
             targets = [
                 Target(
-                    GATEWAY,
+                    name,
                     ["-m", MODEL_ID, "--service-kind", "openai", "--endpoint",
-                     "v1/chat/completions", "-i", "http", "-u", f"127.0.0.1:{port}", "--async",
+                     "v1/chat/completions", "-i", "http", "-u", f"127.0.0.1:{p}", "--async",
                      "--input-data", str(payload)],
                     tiercache,
-                ),
+                )
+                for name, p in ((GATEWAY, port), (EDGE, edge_port))
+            ] + [
                 Target(
                     ENSEMBLE,
                     ["-m", "ensemble", "-i", "grpc", "-u", f"127.0.0.1:{tiercache.ports.grpc}",
@@ -266,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cache,
                 ),
             ]  # fmt: skip
+            if args.only:
+                targets = [t for t in targets if t.name in args.only]
             for round_no, level, target in level_pairs(targets, args.rounds, args.levels):
                 progress(f"round {round_no}/{args.rounds}, c={level}: {LABELS[target.name]}")
                 stats = measure(args, pa, target, round_no, level)
