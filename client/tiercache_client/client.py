@@ -52,7 +52,10 @@ class GenerationResult:
     `kv_reused_tokens` and `kv_computed_tokens` are its prompt tokens served from the engine's
     prefix KV cache and computed (None when the server did not report them: cache hits), and
     `finish_reason` how the engine ended it: "stop", "length" or "content_filter" (an engine
-    refusal, never cached); None for cache hits.
+    refusal, never cached); None for cache hits. `prompt_tokens` and `completion_tokens` are
+    the answer's token counts: a generation's own, or for a hit those of the generation that
+    produced the stored answer (0 when unknown, as for a warmed answer); None when the server
+    did not report them (a padded tenant's responses carry none).
     """
 
     text: str
@@ -64,6 +67,11 @@ class GenerationResult:
     kv_reused_tokens: int | None = None
     kv_computed_tokens: int | None = None
     finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+TOKEN_OUTPUTS = ("kv_reused_tokens", "kv_computed_tokens", "prompt_tokens", "completion_tokens")
 
 
 def _error(exc: InferenceServerException) -> TierCacheClientError:
@@ -344,7 +352,7 @@ class TierCacheClient:
                 finish = _texts(result, "finish_reason")
                 if finish and finish[0]:
                     finish_reason = finish[0]
-                for name in ("kv_reused_tokens", "kv_computed_tokens"):
+                for name in TOKEN_OUTPUTS:
                     value = result.as_numpy(name)
                     if value is not None and value.size:
                         usage[name] = int(value.reshape(-1)[0])
@@ -361,6 +369,8 @@ class TierCacheClient:
                 kv_reused_tokens=usage.get("kv_reused_tokens"),
                 kv_computed_tokens=usage.get("kv_computed_tokens"),
                 finish_reason=finish_reason,
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
             )
         finally:
             client.stop_stream(cancel_requests=not completed)

@@ -65,11 +65,14 @@ class Responder(Protocol):
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         """The last response: `text` (None in stream mode, where chunks carried it), status, the
         similarity of a semantic hit, and for a generated answer the (reused, computed) prompt
         tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them) and
-        its finish reason (`content_filter`: a refusal, not cached)."""
+        its finish reason (`content_filter`: a refusal, not cached). `tokens` is the answer's
+        (prompt, completion) token counts: a generation's own, or for a hit those of the
+        generation that produced the stored answer ((0, 0) when unknown, as for a warmed one)."""
         ...
 
     def send_cancelled(self) -> None:
@@ -146,10 +149,18 @@ class Generations:
 
     @staticmethod
     def serve_hit(
-        text: str, status: str, responder: Responder, similarity: float | None = None
+        text: str,
+        status: str,
+        responder: Responder,
+        similarity: float | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
-        """A cache hit: the whole answer in one final response, so the first chunk is at once."""
-        responder.send_final(text, status, similarity)
+        """A cache hit: the whole answer in one final response, so the first chunk is at once;
+        `tokens` are the stored answer's (prompt, completion) token counts."""
+        if tokens is None:
+            responder.send_final(text, status, similarity)
+        else:
+            responder.send_final(text, status, similarity, tokens=tokens)
 
     def submit_miss(
         self,
@@ -229,11 +240,13 @@ class Generations:
                 responder.send_cancelled()
             else:
                 text = None if request.stream else "".join(parts)
+                usage = flight.prompt_usage
                 responder.send_final(
                     text,
                     status,
-                    prompt_usage=flight.prompt_usage,
+                    prompt_usage=usage,
                     finish_reason=flight.finish_reason,
+                    tokens=None if usage is None else (sum(usage), flight.generated_tokens),
                 )
         except TierCacheError as exc:
             responder.send_error(exc)
@@ -283,8 +296,15 @@ class Generations:
             elif record.finish_reason not in CLEAN_FINISHES:
                 error = Unavailable(f"engine finished with {record.finish_reason!r}")
             elif write_back and digest is not None:
+                prompt_tokens = sum(flight.prompt_usage or (0, 0))
                 stored = self._store(
-                    digest, flight.text(), record, request, started_s, directives.tags
+                    digest,
+                    flight.text(),
+                    record,
+                    request,
+                    started_s,
+                    directives.tags,
+                    prompt_tokens,
                 )
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
@@ -394,6 +414,7 @@ class Generations:
             if event.finish_reason is not None:
                 finish, tokens = event.finish_reason, event.generated_tokens
                 flight.finish_reason = finish
+                flight.generated_tokens = tokens
                 flight.prompt_usage = (event.reused_tokens, event.computed_tokens)
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
@@ -407,6 +428,7 @@ class Generations:
         request: GenerationRequest,
         started_s: float,
         tags: tuple[str, ...] = (),
+        prompt_tokens: int = 0,
     ) -> bool:
         try:
             stored = self.cache.put(
@@ -418,6 +440,7 @@ class Generations:
                 tenant_scope=request.tenant_scope,
                 adapter=request.lora_digest,
                 created_s=started_s,  # an invalidation issued while it generated covers it
+                prompt_tokens=prompt_tokens,
             )
         except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
             log.exception("write-back of %s failed", digest)

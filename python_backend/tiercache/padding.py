@@ -218,14 +218,20 @@ class PaddedResponder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         inner = self.inner
-        if finish_reason is None:
+        if finish_reason is None and tokens is None:
             self._send(lambda: inner.send_final(text, status, similarity, prompt_usage))
         else:
             self._send(
                 lambda: inner.send_final(
-                    text, status, similarity, prompt_usage, finish_reason=finish_reason
+                    text,
+                    status,
+                    similarity,
+                    prompt_usage,
+                    finish_reason=finish_reason,
+                    tokens=tokens,
                 )
             )
 
@@ -242,8 +248,9 @@ MASKED_STATUS = "masked"
 class MaskedResponder:
     """Wraps a padded tenant's responder so that a hit's response and a miss's look alike: the
     answer in one final response (a streamed miss's chunks are joined), `cache_status`
-    "masked", and no similarity, prompt-token counts (an exact prefix oracle otherwise) or finish
-    reason. Errors and cancellations pass as they are (they do not depend on the cache)."""
+    "masked", and no similarity, prompt-token counts (an exact prefix oracle otherwise), token
+    usage (a semantic hit's would be another prompt's) or finish reason. Errors and
+    cancellations pass as they are (they do not depend on the cache)."""
 
     def __init__(self, inner: Responder) -> None:
         self.inner = inner
@@ -262,6 +269,7 @@ class MaskedResponder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         whole = "".join(self._chunks) + (text or "")
         self.inner.send_final(whole, MASKED_STATUS)

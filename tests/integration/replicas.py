@@ -150,6 +150,7 @@ class Recorder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         self.outcome = ("final", text, status)
         self.done.set()

@@ -89,6 +89,20 @@ def test_a_chat_completion_then_its_cached_repeat(oai: openai.OpenAI) -> None:
     )
     assert again.headers[CACHE_STATUS_HEADER] == "exact"
     assert again.parse().choices[0].message.content == first.choices[0].message.content
+    # usage: the generation's counts, and the hit reports the same (its stored generation's)
+    usage = first.usage
+    assert usage is not None and usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details is not None
+    assert 0 <= (usage.prompt_tokens_details.cached_tokens or 0) <= usage.prompt_tokens
+    hit_usage = again.parse().usage
+    assert hit_usage is not None
+    assert (hit_usage.prompt_tokens, hit_usage.completion_tokens) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+    assert hit_usage.prompt_tokens_details and hit_usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_streamed_chat_gives_the_same_text_in_chunks(oai: openai.OpenAI) -> None:
@@ -105,6 +119,19 @@ def test_a_streamed_chat_gives_the_same_text_in_chunks(oai: openai.OpenAI) -> No
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].model_extra and chunks[-1].model_extra["tiercache"]["cache_status"] == "miss"
+    # stream_options.include_usage: one more chunk, no choices, the usage
+    with_usage = list(
+        oai.chat.completions.create(
+            model=BASE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].choices == [] and with_usage[-1].usage is not None
+    assert with_usage[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in with_usage[:-1])
     whole = oai.chat.completions.create(
         model=BASE,
         messages=messages,

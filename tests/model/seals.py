@@ -53,12 +53,18 @@ def cipher_for(state_dir: Path | str) -> AdapterCipher:
 # ---- prompt_cache's envelope --------------------------------------------------------------------
 
 
-def sealed(sealer: Sealer, envelope: Envelope | GenerationRequest, cached_text: str = "") -> bytes:
+def sealed(
+    sealer: Sealer,
+    envelope: Envelope | GenerationRequest,
+    cached_text: str = "",
+    tokens: tuple[int, int] = (0, 0),
+) -> bytes:
     """The envelope's wire form as prompt_cache hands it on (a bare request: as llm hands the
-    engine its request, a bypass envelope); `cached_text` is the exact hit's answer."""
+    engine its request, a bypass envelope); `cached_text` is the exact hit's answer, `tokens`
+    its stored token counts."""
     if isinstance(envelope, GenerationRequest):
         envelope = Envelope(request=envelope)
-    return envelope.seal(sealer, cached_text)
+    return envelope.seal(sealer, cached_text, tokens)
 
 
 def sealed_miss(sealer: Sealer, request: GenerationRequest, **fields: Any) -> bytes:
@@ -95,12 +101,13 @@ def answer_seal(
     status: str,
     similarity: float = 0.0,
     vector: np.ndarray | None = None,
+    tokens: tuple[int, int] = (0, 0),
 ) -> str:
     """ANSWER_SEAL as embedding_cache makes it for this answer to the envelope `envelope`."""
     from tiercache.stages.embedding_cache import Answer
     from tiercache.stages.embedding_cache import answer_seal as seal
 
-    return seal(sealer, seal_of(envelope), Answer(text, status, similarity, vector))
+    return seal(sealer, seal_of(envelope), Answer(text, status, similarity, vector, tokens))
 
 
 def check_answer(sealer: Sealer, envelope: bytes, outputs: dict[str, Any]) -> None:
@@ -116,6 +123,7 @@ def check_answer(sealer: Sealer, envelope: bytes, outputs: dict[str, Any]) -> No
             "ANSWER_STATUS": outputs["ANSWER_STATUS"],
             "SIMILARITY": float_bytes(outputs["SIMILARITY"]),
             "EMBEDDING": outputs.get("EMBEDDING"),
+            "ANSWER_TOKENS": outputs.get("ANSWER_TOKENS"),
         },
         bound=seal_of(envelope),
         what="embedding_cache's answer",
@@ -130,6 +138,7 @@ def llm_answer(
     similarity: float = 0.0,
     vector: np.ndarray | None = None,
     seal: str | None = None,
+    tokens: tuple[int, int] = (0, 0),
 ) -> list[Any]:
     """embedding_cache's answer as the ensemble hands it to llm (ANSWER_TEXT as CACHED_TEXT,
     ANSWER_STATUS as LOOKUP_STATUS) with its ANSWER_SEAL (`seal`: another one, e.g. a stale one
@@ -139,7 +148,7 @@ def llm_answer(
     from tiercache.triton import io
 
     if seal is None:
-        seal = answer_seal(sealer, envelope, text, status, similarity, vector)
+        seal = answer_seal(sealer, envelope, text, status, similarity, vector, tokens)
     embedding = np.zeros((1, 0), np.float32) if vector is None else vector.reshape(1, -1)
     tensors = [
         io.bytes_tensor("ENVELOPE", [envelope]),
@@ -147,6 +156,7 @@ def llm_answer(
         io.bytes_tensor("LOOKUP_STATUS", [status]),
         io.scalar_tensor("SIMILARITY", similarity, np.float32),
         pb_utils.Tensor("EMBEDDING", embedding.astype(np.float32)),
+        pb_utils.Tensor("ANSWER_TOKENS", np.array([tokens], dtype=np.int32)),
     ]
     if seal:
         tensors.append(io.bytes_tensor("ANSWER_SEAL", [seal]))

@@ -102,8 +102,8 @@ def answer(response: Any) -> dict[str, Any]:
     outputs: dict[str, Any] = {}
     for tensor in response.output_tensors():
         array = tensor.as_numpy()
-        if tensor.name() == "EMBEDDING":
-            outputs["EMBEDDING"] = array
+        if tensor.name() in ("EMBEDDING", "ANSWER_TOKENS"):
+            outputs[tensor.name()] = array
         elif array.dtype == np.object_:
             outputs[tensor.name()] = array.reshape(-1)[0].decode()
         else:
@@ -162,3 +162,27 @@ def test_only_sealed_envelopes_are_looked_up_and_answered_with_a_seal(
     model.stage.metrics.flush()
     outcomes = {k: c.metric.value() for k, c in model.stage.outcomes.items() if c.metric.value()}
     assert outcomes == {"error": len(refused), "miss": 1, "skipped": 1}
+
+
+def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """CACHED_TOKENS are bound into the envelope's seal: passed on as ANSWER_TOKENS (under
+    embedding_cache's own seal) when they are the ones prompt_cache sealed, refused otherwise."""
+    sent = Envelope(
+        request=GenerationRequest("What is Triton?"),
+        status=CacheStatus.EXACT,
+        digest=Digest("d" * 64),
+    )
+    data = seals.sealed(sealer, sent, "the answer", (31, 12))
+
+    def with_tokens(tokens: list[int]) -> Any:
+        hit = request(pb_utils, data, "the answer")
+        tensors = [*hit.inputs(), pb_utils.Tensor("CACHED_TOKENS", np.array([tokens], np.int32))]
+        return pb_utils.InferenceRequest(tensors)
+
+    good, forged = model.execute([with_tokens([31, 12]), with_tokens([1, 1])])
+    out = answer(good)
+    assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12]
+    seals.check_answer(sealer, data, out)
+    assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")

@@ -120,12 +120,15 @@ def to_llm(
     answer_seal: str | None = None,
     lora_seal: str | None = None,
     cipher: AdapterCipher | None = None,
+    tokens: tuple[int, int] = (0, 0),
 ) -> list[Any]:
     """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
     its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` (in clear; closed with
     `cipher` as lora_cache closes them) with their LORA_SEAL (`answer_seal` / `lora_seal`:
     another seal, "" for none)."""
-    tensors = seals.llm_answer(sealer, envelope, text, status, similarity, seal=answer_seal)
+    tensors = seals.llm_answer(
+        sealer, envelope, text, status, similarity, seal=answer_seal, tokens=tokens
+    )
     if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
         return tensors
     lora = lora or {"LORA_CONFIG": "", "LORA_WEIGHTS": b"", "LORA_EVICT": ""}
@@ -176,12 +179,14 @@ def envelope(
     digest: str,
     cached_text: str = "",
     request: GenerationRequest | None = None,
+    tokens: tuple[int, int] = (0, 0),
     **fields: Any,
 ) -> bytes:
-    """prompt_cache's sealed envelope for a request of TENANT (`cached_text`: an exact hit's)."""
+    """prompt_cache's sealed envelope for a request of TENANT (`cached_text`: an exact hit's,
+    `tokens` its stored token counts)."""
     request = request or GenerationRequest("What is Triton?", tenant_scope=TENANT)
     sent = Envelope(request=request, status=status, digest=Digest(digest), **fields)
-    return seals.sealed(sealer, sent, cached_text)
+    return seals.sealed(sealer, sent, cached_text, tokens)
 
 
 def test_a_hit_is_served_only_with_embedding_cache_s_seal(
@@ -291,3 +296,37 @@ def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     assert cache.get(d_good).entry.text == "Hello there"
     assert [d for d in digests if cache.get(d) is not None] == [d_good]
     assert counted(model) == {"miss": 1, "error": len(refused)}
+
+
+def counts(responses: list[Any]) -> tuple[int, int] | None:
+    """The final response's (PROMPT_TOKENS, COMPLETION_TOKENS); None when it has none."""
+    (response,) = responses
+    assert not response.has_error(), response.error().message()
+    names = {t.name(): int(t.as_numpy().reshape(-1)[0]) for t in response.output_tensors()
+             if t.name() in ("PROMPT_TOKENS", "COMPLETION_TOKENS")}  # fmt: skip
+    return None if not names else (names["PROMPT_TOKENS"], names["COMPLETION_TOKENS"])
+
+
+def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """A miss reports the engine's counts (prompt 3, completion 2) and stores them with its
+    answer; an exact hit reports the counts prompt_cache sealed into its envelope, a semantic
+    hit those embedding_cache sealed; counts altered on the way are refused."""
+    miss = envelope(sealer, CacheStatus.MISS, "a" * 64, write_back=True)
+    (generated,) = run(pb_utils, model, [to_llm(pb_utils, sealer, miss)])
+    assert counts(generated) == (3, 2)
+    model.stage.core.drain()
+    stored = model.stage.core.cache.get("a" * 64).entry
+    assert (stored.prompt_tokens, stored.generated_tokens) == (3, 2)
+
+    exact = CacheStatus.EXACT
+    hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12))
+    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(31, 12))
+    semantic = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
+    near = to_llm(pb_utils, sealer, semantic, "close", "semantic", 0.9, tokens=(40, 7))
+    forged = [t for t in good if t.name() != "ANSWER_TOKENS"]
+    forged.append(pb_utils.Tensor("ANSWER_TOKENS", np.array([[1, 1]], dtype=np.int32)))
+    served, near_served, refused = run(pb_utils, model, [good, near, forged])
+    assert counts(served) == (31, 12) and counts(near_served) == (40, 7)
+    assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")

@@ -67,6 +67,8 @@ def test_a_chat_request_becomes_one_generation() -> None:
         (chat(stop=[1]), "'stop' must be"),
         (chat(stream="yes"), "'stream' must be a boolean"),
         (chat(tiercache=[]), "'tiercache' must be an object"),
+        (chat(stream_options=True), "'stream_options' must be an object"),
+        (chat(stream_options={"include_usage": 1}), "include_usage' must be a boolean"),
         (chat(tiercache={"cache_control": 1}), "must be a string"),
     ],
 )
@@ -93,6 +95,34 @@ def test_a_conversation_becomes_history_and_its_last_user_turn() -> None:
     )
     assert gen.prompt == "a\nb"
     assert parse(chat()).history == ()
+
+
+def test_null_is_the_default_of_optional_fields() -> None:
+    gen = parse(chat(n=None, stream=None, max_tokens=None, temperature=None, stop=None))
+    assert (gen.stream, gen.max_tokens, gen.temperature, gen.stop_words) == (False, None, None, ())
+
+
+def test_finish_reasons_are_openai_s() -> None:
+    for engine, shown in (("length", "length"), ("content_filter", "content_filter")):
+        assert api.finish_reason(api.Outcome(finish_reason=engine)) == shown
+    for other in (None, "cancelled", "error"):
+        assert api.finish_reason(api.Outcome(finish_reason=other)) == "stop"
+
+
+def test_usage_is_openai_s_object_and_absent_without_counts() -> None:
+    outcome = api.Outcome(text="x", prompt_tokens=30, completion_tokens=5, cached_tokens=16)
+    assert api.usage(outcome) == {
+        "prompt_tokens": 30,
+        "completion_tokens": 5,
+        "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert api.usage(api.Outcome(text="x")) is None  # a padded tenant's answer
+    gen = parse(chat(stream=True, stream_options={"include_usage": True}))
+    last = api.usage_chunk(gen, outcome)
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 35
+    assert api.chunk(gen, "a")["usage"] is None
+    assert "usage" not in api.chunk(parse(chat(stream=True)), "a")
 
 
 def test_an_unknown_model_is_its_own_error() -> None:

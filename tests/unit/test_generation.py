@@ -55,6 +55,7 @@ class Recorder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         self.prompt_usage = prompt_usage
         self.finish_reason = finish_reason

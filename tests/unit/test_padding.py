@@ -67,6 +67,7 @@ class RecordingResponder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         self.sent.append(("final", text, status, similarity, prompt_usage))
         if finish_reason is not None:

@@ -69,6 +69,19 @@ def test_the_envelope_seal_binds_the_exact_hits_text() -> None:
         ReceivedEnvelope(data, SEALER).get()
 
 
+def test_the_envelope_seal_binds_the_exact_hits_token_counts() -> None:
+    hit = Envelope(request=MISS.request, status=CacheStatus.EXACT, digest=MISS.digest)
+    data = hit.seal(SEALER, "the cached answer", (31, 12))
+    assert Envelope.open(data, SEALER, "the cached answer", (31, 12)) == hit
+    assert ReceivedEnvelope(data, SEALER, "the cached answer", (31, 12)).get() == hit
+    for forged in ((31, 13), (0, 0), (12, 31)):
+        with pytest.raises(Forbidden):
+            Envelope.open(data, SEALER, "the cached answer", forged)
+    # unknown counts seal as before counts existed: the text alone
+    plain = hit.seal(SEALER, "the cached answer")
+    assert plain == hit.seal(SEALER, "the cached answer", (0, 0))
+
+
 def test_a_seal_is_bound_to_its_hop_its_fields_and_the_envelope() -> None:
     vector = np.arange(4, dtype=np.float32)
     values = {

@@ -97,6 +97,13 @@ def test_scan_and_delete_many(store: Store) -> None:
     assert sorted(k for k, _ in store.scan()) == ["k0", "k2", "k4", "k5", "k6"]
 
 
+def test_an_entry_written_before_prompt_tokens_existed_reads_as_unknown() -> None:
+    payload = json.dumps({"text": "x", "finish_reason": "stop", "generated_tokens": 3}).encode()
+    old = decode_entry(_with_payload(payload))
+    assert (old.prompt_tokens, old.generated_tokens) == (0, 3)
+    assert b"prompt_tokens" not in encode_entry(entry("x"))  # written only when known
+
+
 def test_entry_metadata_round_trip(store: Store) -> None:
     e = entry("x", tags=("kb:v7", "b"), tenant_scope="s" * 64, adapter="a" * 64)
     store.put("k", e)
@@ -279,6 +286,7 @@ def _with_payload(payload: bytes) -> bytes:
             finish_reason="length",
             generated_tokens=12,
         ),
+        entry("with usage", generated_tokens=12, prompt_tokens=31),
     ],
 )
 def test_codec_round_trip(e: CacheEntry) -> None:

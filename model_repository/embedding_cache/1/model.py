@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.stages.embedding_cache import Answer, open_embedding_cache
 from tiercache.stages.envelope import Envelope, seal_of
+from tiercache.stages.seal import tokens_array, tokens_of
 from tiercache.triton import io
 
 NO_VECTOR = np.zeros((1, 0), dtype=np.float32)
@@ -28,10 +29,12 @@ class TritonPythonModel:
                 inputs = io.Inputs(request)
                 data = inputs.blob("ENVELOPE")
                 cached_text = inputs.string("CACHED_TEXT") or ""
+                tokens = tokens_of(inputs.vector("CACHED_TOKENS"))
                 seals[i] = seal_of(data)
-                answer = self.stage.exact_hit(data, cached_text)  # no decoding on an exact hit
+                # no decoding on an exact hit
+                answer = self.stage.exact_hit(data, cached_text, tokens)
                 if answer is None:
-                    envelope = self.stage.open(data, cached_text)
+                    envelope = self.stage.open(data, cached_text, tokens)
                     answer = self.stage.pass_through(envelope, cached_text)
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 self.stage.count_error()
@@ -61,5 +64,6 @@ def encode(answer: Answer, seal: str) -> object:
             io.scalar_tensor("SIMILARITY", answer.similarity, np.float32),
             pb_utils.Tensor("EMBEDDING", embedding),
             io.bytes_tensor("ANSWER_SEAL", [seal]),
+            pb_utils.Tensor("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 2)),
         ]
     )

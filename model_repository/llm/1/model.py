@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
 from tiercache.stages.llm import LlmInput, LlmStage, open_llm
-from tiercache.stages.seal import Part, answer_tensors, lora_inputs
+from tiercache.stages.seal import Part, answer_tensors, lora_inputs, tokens_of
 from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
@@ -38,8 +38,12 @@ class Responder:
         similarity: float | None = None,
         prompt_usage: tuple[int, int] | None = None,
         finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
     ) -> None:
         outputs = [io.bytes_tensor("CACHE_STATUS", [status])]
+        if tokens is not None:
+            outputs.append(io.scalar_tensor("PROMPT_TOKENS", tokens[0], np.int32))
+            outputs.append(io.scalar_tensor("COMPLETION_TOKENS", tokens[1], np.int32))
         if finish_reason is not None:
             outputs.append(io.bytes_tensor("FINISH_REASON", [finish_reason]))
         if similarity is not None:
@@ -66,10 +70,12 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     cached_text = inputs.string("CACHED_TEXT") or ""
     similarity = inputs.number("SIMILARITY")
     vector = inputs.vector("EMBEDDING")
-    answer = answer_tensors(cached_text, status, similarity, vector)
+    tokens = inputs.vector("ANSWER_TOKENS")
+    answer = answer_tensors(cached_text, status, similarity, vector, tokens)
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
-        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA)
+        counts = tokens_of(tokens)
+        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA, counts)
     tensors: dict[str, Part] = {
         name: inputs.vector(name) if name == "LORA_TASK_ID" else inputs.blob(name)
         for name in lora_inputs(stage.engine.trtllm is not None)

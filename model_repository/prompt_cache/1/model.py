@@ -8,6 +8,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import PromptCacheConfig
 from tiercache.exact.tenant_keys import AUTH_PARAMETER
 from tiercache.stages.prompt_cache import open_prompt_cache
+from tiercache.stages.seal import tokens_array
 from tiercache.triton import io
 
 
@@ -23,7 +24,7 @@ class TritonPythonModel:
                 key = None
                 if self.stage.keys is not None:  # the forwarded authorization header
                     key = io.request_parameter(request, AUTH_PARAMETER)
-                envelope, cached_text = self.stage.lookup(io.read_raw_inputs(request), key)
+                envelope, cached_text, tokens = self.stage.lookup(io.read_raw_inputs(request), key)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 self.stage.count_error(exc)
                 responses.append(io.error_response(exc))
@@ -31,6 +32,7 @@ class TritonPythonModel:
             outputs = [
                 io.bytes_tensor("ENVELOPE", [envelope]),
                 io.bytes_tensor("CACHED_TEXT", [cached_text]),
+                pb_utils.Tensor("CACHED_TOKENS", tokens_array(tokens).reshape(1, 2)),
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses

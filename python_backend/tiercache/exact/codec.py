@@ -4,9 +4,9 @@ Layout (little endian): magic `TCE1` | created_s f64 | ttl_s f64 | payload lengt
 SHA-256 of the payload (32 bytes) | payload (UTF-8 JSON). Any mismatch (magic, length, checksum,
 JSON) raises `CorruptEntry`; stores turn that into a miss and drop the entry.
 
-The payload's optional fields (`tags`, `scope`, `adapter`: what invalidation matches on) are
-written only when set and read as empty when absent, so entries written before they existed
-still decode.
+The payload's optional fields (`tags`, `scope`, `adapter`: what invalidation matches on;
+`prompt_tokens`) are written only when set and read as empty when absent, so entries written
+before they existed still decode.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class CacheEntry:
     finish_reason: str = "stop"
     generated_tokens: int = 0
     tags: tuple[str, ...] = ()
+    # The generation's prompt tokens (0: unknown, as for a warmed answer); with
+    # `generated_tokens`, what a hit reports as its usage.
+    prompt_tokens: int = 0
     tenant_scope: str = ""  # stored under the payload name "scope"
     adapter: str = ""
 
@@ -70,6 +73,8 @@ def encode_entry(entry: CacheEntry) -> bytes:
         fields["scope"] = entry.tenant_scope
     if entry.adapter:
         fields["adapter"] = entry.adapter
+    if entry.prompt_tokens:
+        fields["prompt_tokens"] = entry.prompt_tokens
     payload = json.dumps(
         fields,
         separators=(",", ":"),
@@ -106,6 +111,7 @@ def decode_entry(data: bytes) -> CacheEntry:
             tags=tuple(str(t) for t in tags),
             tenant_scope=str(fields.get("scope", "")),
             adapter=str(fields.get("adapter", "")),
+            prompt_tokens=int(fields.get("prompt_tokens", 0)),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc

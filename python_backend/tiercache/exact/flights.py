@@ -30,6 +30,8 @@ class Flight:
     prompt_usage: tuple[int, int] | None = None
     # How the generation ended (the engine's finish reason), once it did.
     finish_reason: str | None = None
+    # Tokens the generation produced, once it ended.
+    generated_tokens: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:

@@ -50,6 +50,8 @@ class LookupResult:
     semantic_lookup: bool = False  # whether embedding_cache should look this request up
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts
+    # On EXACT: the stored answer's (prompt, completion) token counts ((0, 0) when unknown).
+    tokens: tuple[int, int] = (0, 0)
 
 
 class PromptCache:
@@ -151,6 +153,7 @@ class PromptCache:
             semantic_lookup: bool = False,
             text: str = "",
             tier: Tier | None = None,
+            tokens: tuple[int, int] = (0, 0),
         ) -> LookupResult:
             return LookupResult(
                 request,
@@ -163,6 +166,7 @@ class PromptCache:
                 semantic_lookup,
                 control.tags,
                 control.max_age_s,
+                tokens,
             )
 
         if digest is None:
@@ -172,7 +176,15 @@ class PromptCache:
         exact_lookup = not (control.no_cache or control.semantic_only)
         found = self.cache.get(digest, control.max_age_s) if read and exact_lookup else None
         if found is not None:  # an exact hit needs no semantic scope: not computed
-            return result(digest, CacheStatus.EXACT, False, text=found.entry.text, tier=found.tier)
+            entry = found.entry
+            return result(
+                digest,
+                CacheStatus.EXACT,
+                False,
+                text=entry.text,
+                tier=found.tier,
+                tokens=(entry.prompt_tokens, entry.generated_tokens),
+            )
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)

@@ -181,6 +181,7 @@ class TieredCache:
         tenant_scope: str = "",
         adapter: str = "",
         created_s: float | None = None,
+        prompt_tokens: int = 0,
     ) -> CacheEntry | None:
         """Store an answer in every tier; None, writing nothing, when an invalidation this
         process knows of already covers it (a generation that started before the watermark:
@@ -197,6 +198,7 @@ class TieredCache:
             tags=tags,
             tenant_scope=tenant_scope,
             adapter=adapter,
+            prompt_tokens=prompt_tokens,
         )
         self._catch_up()
         if self.invalidations.covers(key, entry):

@@ -5,9 +5,9 @@ responses and a lifespan, without FastAPI's per-request dependency and validatio
 the gateway does not use since it checks OpenAI bodies itself, and which showed as a large share
 of a cached answer's time in a profile) and tritonclient's asyncio gRPC client: one event loop
 carries every request, and a streamed answer goes from the ensemble's gRPC stream to the
-caller's Server-Sent Events as each chunk arrives. The caller's `Authorization: Bearer <key>` header is forwarded to Triton, where
-prompt_cache maps the key to its tenant (the operator's key file, docs/security.md); a missing
-or unknown key is then a 401 here.
+caller's Server-Sent Events as each chunk arrives. The caller's `Authorization: Bearer <key>`
+header is forwarded to Triton, where prompt_cache maps the key to its tenant (the operator's key
+file, docs/security.md); a missing or unknown key is then a 401 here.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET
 /metrics (the gateway's own Prometheus metrics). With the model repository Triton serves (on
@@ -175,6 +175,9 @@ class Gateway:
                         outcome.similarity = float(similarity.reshape(-1)[0])
                     finish = _texts(result, "finish_reason")
                     outcome.finish_reason = finish[0] if finish and finish[0] else None
+                    outcome.prompt_tokens = _count(result, "prompt_tokens")
+                    outcome.completion_tokens = _count(result, "completion_tokens")
+                    outcome.cached_tokens = _count(result, "kv_reused_tokens") or 0
                     yield outcome
                     return
         finally:
@@ -197,6 +200,11 @@ async def _transport_errors_classified(responses: Any) -> AsyncIterator[Any]:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             raise classify(str(details or exc), None if code is None else str(code)) from None
         yield item
+
+
+def _count(result: Any, name: str) -> int | None:
+    array = result.as_numpy(name)
+    return None if array is None or not array.size else int(array.reshape(-1)[0])
 
 
 def _texts(result: Any, name: str) -> list[str]:
@@ -318,7 +326,13 @@ def create_app(settings: GatewaySettings) -> Starlette:
         if hit is None:
             return None
         metrics.edge_hits.labels(hit.tier).inc()
-        return api.Outcome(text=hit.text, cache_status="exact")
+        prompt, completion = hit.tokens
+        return api.Outcome(
+            text=hit.text,
+            cache_status="exact",
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
 
     async def prometheus(request: Request) -> Response:
         return metrics.exposition()
@@ -401,6 +415,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
                     if isinstance(item, api.Outcome):
                         metrics.answers.labels(item.cache_status or "unknown").inc()
                         yield _sse(api.chunk(gen, "", final=item))
+                        if gen.include_usage:
+                            yield _sse(api.usage_chunk(gen, item))
                         break
                     metrics.chunks.inc()
                     yield _sse(api.chunk(gen, item))

@@ -55,10 +55,12 @@ def stage_parameters(repository: Path, model: str) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class EdgeHit:
-    """An exact hit served at the edge: the answer and the tier that held it."""
+    """An exact hit served at the edge: the answer, the tier that held it, and its stored
+    (prompt, completion) token counts."""
 
     text: str
     tier: str
+    tokens: tuple[int, int] = (0, 0)
 
 
 class EdgeCache:
@@ -92,7 +94,7 @@ class EdgeCache:
             return None
         if self.padding.pads(result.request.tenant_scope):
             return None
-        return EdgeHit(result.text, result.tier.value)
+        return EdgeHit(result.text, result.tier.value, result.tokens)
 
     def close(self) -> None:
         self.lookup.cache.close()

@@ -38,6 +38,7 @@ class Generation:
     cache_control: str | None = None
     user: str | None = None
     chat: bool = True  # /v1/chat/completions; else /v1/completions, whose prompt is sent raw
+    include_usage: bool = False  # a stream's `stream_options.include_usage`: a usage chunk
     history: tuple[dict[str, str], ...] = ()  # a chat's turns before its last user message
     created: int = field(default_factory=lambda: int(time.time()))
     # random, not a counter (which would tell callers how busy the gateway is); token_hex is a
@@ -170,8 +171,8 @@ def parse_request(
         raise InvalidRequest("'model' is required (GET /v1/models lists them)")
     if model != base_model and model not in adapters:
         raise UnknownModel(model)
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")  # null is the default, as for every optional field
+    if n is not None and n != 1:
         raise InvalidRequest("'n' must be 1: one completion per request")
     history: tuple[dict[str, str], ...] = ()
     if chat:
@@ -185,9 +186,18 @@ def parse_request(
             raise InvalidRequest("'prompt' must be a string (lists of prompts are not supported)")
         prompt = text
         max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequest("'stream_options' must be an object")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise InvalidRequest("'stream_options.include_usage' must be a boolean")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string")
@@ -212,6 +222,7 @@ def parse_request(
         cache_control=None if cache_control is None else _utf8("cache_control", cache_control),
         user=user,
         chat=chat,
+        include_usage=include_usage,
     )
 
 
@@ -231,12 +242,22 @@ class Outcome:
     cache_status: str = ""
     similarity: float | None = None
     finish_reason: str | None = None
+    # The answer's token counts (a generation's own; a hit's stored generation's), and the
+    # prompt tokens this request served from the engine's prefix KV cache (a generation only).
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int = 0
+
+
+OPENAI_FINISH_REASONS = frozenset({"stop", "length", "content_filter"})
 
 
 def finish_reason(outcome: Outcome) -> str:
     """OpenAI's finish_reason: the engine's ("stop", "length", "content_filter"); a cached
-    answer was complete when it was stored, so "stop"."""
-    return outcome.finish_reason or "stop"
+    answer was complete when it was stored, so "stop", and so is any other reason (OpenAI's
+    clients know only theirs)."""
+    reason = outcome.finish_reason
+    return reason if reason in OPENAI_FINISH_REASONS else "stop"
 
 
 def tiercache_field(outcome: Outcome) -> dict[str, Any]:
@@ -245,6 +266,28 @@ def tiercache_field(outcome: Outcome) -> dict[str, Any]:
     if outcome.similarity is not None:
         extra["similarity"] = round(outcome.similarity, 6)
     return extra
+
+
+def usage(outcome: Outcome) -> dict[str, Any] | None:
+    """OpenAI's usage object; None when the ensemble reported no token counts (a padded
+    tenant's answers carry none)."""
+    if outcome.prompt_tokens is None or outcome.completion_tokens is None:
+        return None
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def usage_chunk(gen: Generation, outcome: Outcome) -> dict[str, Any]:
+    """A stream's last chunk when `stream_options.include_usage` asked for it: no choices, the
+    usage (null when unknown), as OpenAI sends it."""
+    out = chunk(gen, "")
+    out["choices"] = []
+    out["usage"] = usage(outcome)
+    return out
 
 
 def completion(gen: Generation, outcome: Outcome) -> dict[str, Any]:
@@ -271,6 +314,7 @@ def completion(gen: Generation, outcome: Outcome) -> dict[str, Any]:
         "created": gen.created,
         "model": gen.model,
         "choices": [choice],
+        "usage": usage(outcome),
         "tiercache": tiercache_field(outcome),
     }
 
@@ -293,6 +337,8 @@ def chunk(gen: Generation, text: str, final: Outcome | None = None) -> dict[str,
         "model": gen.model,
         "choices": [choice],
     }
+    if gen.include_usage:
+        out["usage"] = None  # OpenAI's: every chunk but the usage chunk carries a null usage
     if final is not None:
         out["tiercache"] = tiercache_field(final)
     return out

@@ -40,6 +40,9 @@ class SemanticLookup:
     text: str = ""
     similarity: float = 0.0
     vector_cached: bool = False
+    # A hit's stored answer's (prompt, completion) token counts: those of the generation that
+    # produced it, for the reworded prompt it answered ((0, 0) when unknown).
+    tokens: tuple[int, int] = (0, 0)
 
 
 class EmbeddingCache:
@@ -115,8 +118,14 @@ class EmbeddingCache:
             if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
                 found = None
             if found is not None:
+                entry = found.entry
                 return SemanticLookup(
-                    SemanticOutcome.HIT, vector, found.entry.text, neighbour.similarity, cached
+                    SemanticOutcome.HIT,
+                    vector,
+                    entry.text,
+                    neighbour.similarity,
+                    cached,
+                    (entry.prompt_tokens, entry.generated_tokens),
                 )
             outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached)

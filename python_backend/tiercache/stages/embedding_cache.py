@@ -24,9 +24,12 @@ from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
 from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
+    NO_TOKENS,
     Sealer,
+    Tokens,
     answer_tensors,
     seal_tensors,
+    tokens_array,
 )
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
@@ -42,6 +45,7 @@ class Answer:
     status: str  # semantic on a hit, else the exact lookup's status (exact, miss, bypass)
     similarity: float = 0.0
     vector: np.ndarray | None = None  # the prompt's vector (llm indexes it with a new answer)
+    tokens: Tokens = NO_TOKENS  # a hit's stored (prompt, completion) token counts
 
 
 class EmbeddingCacheStage:
@@ -68,15 +72,18 @@ class EmbeddingCacheStage:
         rows = m.gauge("tiercache_embedding_cache_index_rows", "Rows in the semantic index")
         m.on_flush(lambda: rows.set(stage.index.size()))
 
-    def open(self, data: bytes | None, cached_text: str) -> Envelope:
-        """prompt_cache's envelope, its seal checked (bound to the exact hit's `cached_text`)."""
-        return Envelope.open(data, self.sealer, cached_text)
+    def open(self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS) -> Envelope:
+        """prompt_cache's envelope, its seal checked (bound to the exact hit's `cached_text` and
+        `tokens`)."""
+        return Envelope.open(data, self.sealer, cached_text, tokens)
 
     def seal(self, envelope_seal: str, answer: Answer) -> str:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
         return answer_seal(self.sealer, envelope_seal, answer)
 
-    def exact_hit(self, data: bytes | None, cached_text: str) -> Answer | None:
+    def exact_hit(
+        self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS
+    ) -> Answer | None:
         """An exact hit's pass-through answer, its envelope's seal checked but the envelope not
         decoded; None without `cached_text` (then `open` the envelope). prompt_cache seals an
         envelope together with a non-empty answer only on an exact hit, whose envelope asks
@@ -84,9 +91,9 @@ class EmbeddingCacheStage:
         needs to know (Forbidden when it does not)."""
         if not cached_text:
             return None
-        check_sealed(data, self.sealer, cached_text)
+        check_sealed(data, self.sealer, cached_text, tokens)
         self.outcomes["skipped"].increment(1)
-        return Answer(cached_text, CacheStatus.EXACT.value)
+        return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
 
     def pass_through(self, envelope: Envelope, cached_text: str) -> Answer | None:
         """The answer for a request that is not looked up by meaning (an exact hit, or not
@@ -114,7 +121,9 @@ class EmbeddingCacheStage:
         for envelope, result in zip(envelopes, found, strict=True):
             if result.outcome is SemanticOutcome.HIT:
                 status = CacheStatus.SEMANTIC.value
-                answers.append(Answer(result.text, status, result.similarity, result.vector))
+                answers.append(
+                    Answer(result.text, status, result.similarity, result.vector, result.tokens)
+                )
             else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
                 answers.append(Answer("", envelope.status.value, 0.0, result.vector))
             self.outcomes[result.outcome.value].increment(1)
@@ -133,7 +142,9 @@ class EmbeddingCacheStage:
 def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
     """The seal over what embedding_cache hands llm (`answer_tensors`), bound to the envelope's
     seal; llm checks it over the tensors it received (`LlmStage.received`)."""
-    values = answer_tensors(answer.text, answer.status, answer.similarity, answer.vector)
+    values = answer_tensors(
+        answer.text, answer.status, answer.similarity, answer.vector, tokens_array(answer.tokens)
+    )
     return seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, values, bound=envelope_seal)
 
 

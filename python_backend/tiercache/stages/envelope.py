@@ -24,7 +24,7 @@ from typing import Any
 from tiercache.errors import InvalidRequest
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
-from tiercache.stages.seal import ENVELOPE_LABEL, SEAL_CHARS, Sealer, text_bytes
+from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
 from tiercache.vocabulary import CacheStatus
 
 ENVELOPE_VERSION = 1
@@ -42,17 +42,20 @@ class Envelope:
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts (None: any)
 
-    def seal(self, sealer: Sealer, cached_text: str = "") -> bytes:
+    def seal(self, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS) -> bytes:
         """The wire form: the seal over the JSON and `cached_text` (prompt_cache's exact hit's
-        answer, "" otherwise), then the JSON."""
+        answer, "" otherwise) with its stored token counts, then the JSON."""
         payload = self.encode()
-        return sealer.seal(ENVELOPE_LABEL, payload, text_bytes(cached_text)).encode() + payload
+        parts = hit_parts(cached_text, tokens)
+        return sealer.seal(ENVELOPE_LABEL, payload, *parts).encode() + payload
 
     @classmethod
-    def open(cls, data: bytes | None, sealer: Sealer, cached_text: str = "") -> Envelope:
-        """The envelope in the wire form `data`, its seal checked against `cached_text` first:
-        Forbidden when unsealed or altered, InvalidRequest when malformed."""
-        return cls.decode(check_sealed(data, sealer, cached_text))
+    def open(
+        cls, data: bytes | None, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS
+    ) -> Envelope:
+        """The envelope in the wire form `data`, its seal checked against `cached_text` and
+        `tokens` first: Forbidden when unsealed or altered, InvalidRequest when malformed."""
+        return cls.decode(check_sealed(data, sealer, cached_text, tokens))
 
     def encode(self) -> bytes:
         """Canonical JSON (sorted keys, UTF-8), versioned; unsealed (see `seal`)."""
@@ -139,15 +142,17 @@ class Envelope:
         )
 
 
-def check_sealed(data: bytes | None, sealer: Sealer, cached_text: str = "") -> bytes:
+def check_sealed(
+    data: bytes | None, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS
+) -> bytes:
     """The envelope's JSON in the wire form `data`, undecoded, once its seal verifies against
-    `cached_text`: Forbidden when unsealed or altered, InvalidRequest when missing."""
+    `cached_text` and `tokens`: Forbidden when unsealed or altered, InvalidRequest when
+    missing."""
     if not data:
         raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
     payload = data[SEAL_CHARS:]
-    sealer.check(
-        seal_of(data), ENVELOPE_LABEL, payload, text_bytes(cached_text), what=ENVELOPE_TENSOR
-    )
+    parts = hit_parts(cached_text, tokens)
+    sealer.check(seal_of(data), ENVELOPE_LABEL, payload, *parts, what=ENVELOPE_TENSOR)
     return payload
 
 
@@ -166,12 +171,15 @@ class ReceivedEnvelope:
     """An envelope as a stage received it, checked and decoded on first use: a stage that only
     passes a hit on never pays for it, and no stage does it twice."""
 
-    __slots__ = ("data", "_sealer", "_cached_text", "_envelope")
+    __slots__ = ("data", "_sealer", "_cached_text", "_tokens", "_envelope")
 
-    def __init__(self, data: bytes | None, sealer: Sealer, cached_text: str = "") -> None:
+    def __init__(
+        self, data: bytes | None, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS
+    ) -> None:
         self.data = data
         self._sealer = sealer
         self._cached_text = cached_text
+        self._tokens = tokens
         self._envelope: Envelope | None = None
 
     @property
@@ -183,7 +191,7 @@ class ReceivedEnvelope:
         """The envelope; Forbidden when unsealed or altered, InvalidRequest when missing or
         malformed."""
         if self._envelope is None:
-            self._envelope = Envelope.open(self.data, self._sealer, self._cached_text)
+            self._envelope = Envelope.open(self.data, self._sealer, self._cached_text, self._tokens)
         return self._envelope
 
 

@@ -54,11 +54,14 @@ from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
     LORA_LABEL,
+    NO_TOKENS,
     TRT_LORA_INPUTS,
     Part,
     Sealer,
+    Tokens,
     check_tensors,
     lora_inputs,
+    tokens_of,
 )
 from tiercache.stages.transport import AdapterCipher
 from tiercache.triton import io
@@ -86,6 +89,7 @@ class LlmInput:
     similarity: float | None  # a semantic hit's
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
     lora: EngineLora  # what lora_cache sent for the engine
+    tokens: Tokens = NO_TOKENS  # a hit's stored (prompt, completion) token counts
 
 
 def open_lora(
@@ -332,8 +336,11 @@ class LlmStage:
             bound=envelope_seal,
             what="embedding_cache's answer",
         )
-        exact = answer["ANSWER_STATUS"] == CacheStatus.EXACT
-        return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]) if exact else "")
+        if answer["ANSWER_STATUS"] != CacheStatus.EXACT:
+            return ReceivedEnvelope(data, self.sealer)
+        tokens = answer.get("ANSWER_TOKENS")
+        counts = tokens_of(tokens if isinstance(tokens, np.ndarray) else None)
+        return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]), counts)
 
     def received_lora(
         self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]
@@ -370,7 +377,7 @@ class LlmStage:
         status = item.status
         if is_hit(status):
             similarity = item.similarity if status == CacheStatus.SEMANTIC else None
-            self.core.serve_hit(item.cached_text, status, responder, similarity)
+            self.core.serve_hit(item.cached_text, status, responder, similarity, item.tokens)
             self.requests[status].increment(1)
             return
         if status not in (CacheStatus.MISS, CacheStatus.BYPASS):

@@ -51,9 +51,12 @@ class PromptCacheStage:
         )
         tm.StoreMetrics(m, cache.cache)
 
-    def lookup(self, raw: RawInputs, authorization: object = None) -> tuple[bytes, str]:
-        """The sealed envelope for the later stages (bound to the answer) and the cached answer
-        ("" unless an exact hit); InvalidRequest / NotFound for this request alone, Forbidden
+    def lookup(
+        self, raw: RawInputs, authorization: object = None
+    ) -> tuple[bytes, str, tuple[int, int]]:
+        """The sealed envelope for the later stages (bound to the answer), the cached answer
+        ("" unless an exact hit) and its stored (prompt, completion) token counts ((0, 0)
+        unless known); InvalidRequest / NotFound for this request alone, Forbidden
         when a key file is configured and `authorization` (the forwarded header) carries no
         key that allows the request."""
         started = time.perf_counter()
@@ -64,20 +67,20 @@ class PromptCacheStage:
         self.requests[result.status.value].increment(1)
         if result.tier is not None:
             self.hits[result.tier].increment(1)
-        sealed = self._seal(envelope_of(result), result.text)
+        sealed = self._seal(envelope_of(result), result.text, result.tokens)
         self.lookup_s.observe(time.perf_counter() - started)
-        return sealed, result.text
+        return sealed, result.text, result.tokens
 
-    def _seal(self, envelope: Envelope, text: str) -> bytes:
-        """The envelope's wire form, sealed with the exact hit's `text`; memoized for exact hits
-        (a miss's envelope is sealed once and its answer generated anyway)."""
+    def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int]) -> bytes:
+        """The envelope's wire form, sealed with the exact hit's `text` and `tokens`; memoized
+        for exact hits (a miss's envelope is sealed once and its answer generated anyway)."""
         too_long = len(text) > MEMO_MAX_CHARS or len(envelope.request.prompt) > MEMO_MAX_CHARS
         if envelope.status is not CacheStatus.EXACT or too_long:
-            return envelope.seal(self.sealer, text)
-        key = (envelope, text)
+            return envelope.seal(self.sealer, text, tokens)
+        key = (envelope, text, tokens)
         sealed = self._sealed.get(key)
         if sealed is None:
-            sealed = self._sealed.put(key, envelope.seal(self.sealer, text))
+            sealed = self._sealed.put(key, envelope.seal(self.sealer, text, tokens))
         return sealed
 
     def count_error(self, exc: BaseException) -> None:

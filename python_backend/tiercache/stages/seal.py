@@ -80,6 +80,33 @@ def text_bytes(text: str | None) -> bytes:
     return (text or "").encode("utf-8")
 
 
+Tokens = tuple[int, int]
+"""A stored answer's (prompt, completion) token counts (tiercache.exact.codec.CacheEntry)."""
+NO_TOKENS: Tokens = (0, 0)  # unknown (a warmed answer), or no hit
+
+
+def hit_parts(text: str | None, tokens: Tokens = NO_TOKENS) -> tuple[bytes, ...]:
+    """An exact hit's answer as the envelope's seal binds it: its text and, when known, the
+    stored answer's token counts (nothing more when unknown, so such seals are as before)."""
+    if tokens == NO_TOKENS:
+        return (text_bytes(text),)
+    return (text_bytes(text), struct.pack("<qq", *tokens))
+
+
+def tokens_array(tokens: Tokens) -> np.ndarray:
+    """Token counts as the INT32 [2] tensors CACHED_TOKENS and ANSWER_TOKENS carry them."""
+    return np.array(tokens, dtype=np.int32)
+
+
+def tokens_of(array: np.ndarray | None) -> Tokens:
+    """The token counts in a CACHED_TOKENS / ANSWER_TOKENS tensor; NO_TOKENS when it is absent
+    or not two values (counts are reported, never acted on)."""
+    if array is None or array.size != 2:
+        return NO_TOKENS
+    flat = array.reshape(-1)
+    return (max(int(flat[0]), 0), max(int(flat[1]), 0))
+
+
 def float_bytes(value: float | None) -> bytes:
     """A float as the FP32 tensor carries it (both ends of a hop see the same bits)."""
     return b"" if value is None else struct.pack("<f", value)
@@ -96,7 +123,7 @@ def array_bytes(array: np.ndarray | None) -> bytes:
 Part = str | bytes | np.ndarray | None
 
 # What each hop's seal covers, by tensor name (an omitted tensor seals as empty).
-ANSWER_TENSORS = ("ANSWER_TEXT", "ANSWER_STATUS", "SIMILARITY", "EMBEDDING")
+ANSWER_TENSORS = ("ANSWER_TEXT", "ANSWER_STATUS", "SIMILARITY", "EMBEDDING", "ANSWER_TOKENS")
 ENGINE_INPUTS = ("LORA_OP", "LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "ENVELOPE")
 # lora_cache -> llm: the PEFT files (engine_kind torch_llm) or TensorRT-LLM's tensors (the
 # TensorRT-LLM ensemble passes only those; deploy/tensorrt_llm).
@@ -122,16 +149,22 @@ def part_bytes(value: Part) -> bytes:
 
 
 def answer_tensors(
-    text: str, status: str, similarity: float | None, vector: np.ndarray | None
+    text: str,
+    status: str,
+    similarity: float | None,
+    vector: np.ndarray | None,
+    tokens: np.ndarray | None = None,
 ) -> dict[str, Part]:
     """embedding_cache's answer as its seal covers it (ANSWER_TENSORS): what embedding_cache
     sends and what llm reads (ANSWER_TEXT arrives as llm's CACHED_TEXT, ANSWER_STATUS as its
-    LOOKUP_STATUS), the similarity as FP32 and the vector's float32 values."""
+    LOOKUP_STATUS), the similarity as FP32, the vector's float32 values and a hit's token
+    counts as INT32 (`tokens_array`)."""
     return {
         "ANSWER_TEXT": text,
         "ANSWER_STATUS": status,
         "SIMILARITY": float_bytes(similarity),
         "EMBEDDING": None if vector is None else vector.astype(np.float32, copy=False),
+        "ANSWER_TOKENS": None if tokens is None else tokens.astype(np.int32, copy=False),
     }
 
 

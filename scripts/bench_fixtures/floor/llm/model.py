@@ -1,6 +1,8 @@
 """No-op `llm` (decoupled) for the benchmark floor: one final response per request carrying
-TEXT_OUTPUT = CACHED_TEXT and CACHE_STATUS = LOOKUP_STATUS, as the real stage does on a hit."""
+TEXT_OUTPUT = CACHED_TEXT, CACHE_STATUS = LOOKUP_STATUS and the token counts, as the real stage
+does on a hit."""
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -15,6 +17,8 @@ class TritonPythonModel:
                 output_tensors=[
                     pb_utils.Tensor("TEXT_OUTPUT", text.reshape(1, -1)),
                     pb_utils.Tensor("CACHE_STATUS", status.reshape(1, 1)),
+                    pb_utils.Tensor("PROMPT_TOKENS", np.zeros((1, 1), dtype=np.int32)),
+                    pb_utils.Tensor("COMPLETION_TOKENS", np.zeros((1, 1), dtype=np.int32)),
                 ]
             )
             request.get_response_sender().send(response, flags=FINAL)
