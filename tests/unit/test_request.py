@@ -149,6 +149,8 @@ def test_a_conversation_is_canonical_turns() -> None:
             "cannot be combined with raw_prompt",
         ),
         ({"text": " \n ", "raw_prompt": True}, "text_input is empty"),
+        ({"history": "[" * 50_000 + "]" * 50_000}, "nested too deeply"),
+        ({"top_p": 1e-300, "temperature": 0.5}, "top_p must be in \\(0, 1\\], got 0"),
     ],
 )
 def test_a_bad_conversation_is_refused_by_name(fields: dict[str, object], fragment: str) -> None:

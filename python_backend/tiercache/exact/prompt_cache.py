@@ -80,6 +80,10 @@ class PromptCache:
         self._canonical: Memo[Canonical] = Memo()
         self._requests: Memo[tuple[GenerationRequest, Digest | None]] = Memo()
 
+    def scope(self, tenant: str) -> TenantScope:
+        """The scope of the tenant named `tenant` (memoized)."""
+        return self._scope(tenant)
+
     def _scope(self, tenant: str) -> TenantScope:
         scope = self._scopes.get(tenant)
         if scope is None:

@@ -268,12 +268,15 @@ def canonical_float(value: float) -> float:
 
 
 def _check_float(name: str, value: float, low: float, high: float, low_open: bool = False) -> float:
+    """`value` in canonical form, its range checked on that form (the FP32 value every caller's
+    tensor carries: 1e-300 is 0.0 there, so it is out of (0, 1] for any caller)."""
     if not math.isfinite(value):
         raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
-    if value > high or value < low or (low_open and value == low):
+    value = canonical_float(value)
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise InvalidRequest(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
-    return canonical_float(value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +442,8 @@ def _canonical_history(text: str | bytes | None, limits: Limits) -> tuple[Turn, 
         turns = json.loads(decoded)
     except ValueError as exc:
         raise InvalidRequest(f"history is not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("history is nested too deeply") from None
     if not isinstance(turns, list):
         raise InvalidRequest('history must be a JSON list of {"role", "content"} objects')
     if len(turns) > limits.max_history_turns:

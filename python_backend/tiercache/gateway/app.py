@@ -12,7 +12,7 @@ file, docs/security.md); a missing or unknown key is then a 401 here.
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET
 /metrics (the gateway's own Prometheus metrics). With the model repository Triton serves (on
 the same host), the edge layer answers exact hits from the host's tiers without crossing
-Triton (tiercache.gateway.edge). What is not here yet (issue 16): `usage`.
+Triton (tiercache.gateway.edge).
 """
 
 from __future__ import annotations
@@ -319,10 +319,14 @@ def create_app(settings: GatewaySettings) -> Starlette:
         if edge is None:
             return None
         raw = raw_inputs(gen)
-        if edge.blocking:  # Redis round trips: off the event loop
-            hit = await asyncio.to_thread(edge.answer, raw, authorization)
-        else:  # the host's memory-mapped L2 and this process's L1: microseconds
-            hit = edge.answer(raw, authorization)
+        try:
+            if edge.blocking:  # Redis round trips: off the event loop
+                hit = await asyncio.to_thread(edge.answer, raw, authorization)
+            else:  # the host's memory-mapped L2 and this process's L1: microseconds
+                hit = edge.answer(raw, authorization)
+        except Exception:  # noqa: BLE001 - the edge is a shortcut: the ensemble answers instead
+            log.exception("the edge layer's lookup failed; asking the ensemble")
+            return None
         if hit is None:
             return None
         metrics.edge_hits.labels(hit.tier).inc()

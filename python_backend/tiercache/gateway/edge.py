@@ -8,19 +8,22 @@ limits, TTLs, invalidation watermarks (read from the host's log or Redis on ever
 every stage does) and cache_control words, and reads the same L2 (and Redis, with `redis_url`)
 behind an L1 of its own.
 
-It answers a request only when that lookup says EXACT and the llm stage would not pad the
-tenant's responses (padding hides a hit's timing, which an answer from here would reveal; the
-llm stage's `hit_padding_ms` and `trusted_tenants` decide, read from its parameters). Everything
-else goes to the ensemble, unchanged: misses, semantic lookups, bypasses, and any request the
-lookup refuses (bad input, a refused key, an unknown adapter), whose error the ensemble gives in
-its own words. The edge serves nothing the ensemble would not: what it reads is what
-prompt_cache would read for the same request at the same moment.
+It answers a request only when that lookup says EXACT, the llm stage would not pad the tenant's
+responses (padding hides a hit's timing, which an answer from here would reveal; the llm stage's
+`hit_padding_ms` and `trusted_tenants` decide, read from its parameters; a padded tenant's
+request is not even looked up here), and the running stages published the same terms as the
+edge computed (tiercache.stages.contract: the API key file, the secret's fingerprint, the
+engine, the limits, the padding policy), so a gateway started in another environment, or left
+running across a restart that changed them, serves nothing. Everything else goes to the
+ensemble, unchanged: misses, semantic lookups, bypasses, and any request the lookup refuses (bad
+input, a refused key, an unknown adapter), whose error the ensemble gives in its own words.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +34,19 @@ from tiercache.config import LlmConfig, PromptCacheConfig, parse_config
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.request import RawInputs
-from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
+from tiercache.exact.tenant_keys import KeyFile, TenantGrant, key_from_parameter
 from tiercache.padding import PaddingPolicy
+from tiercache.stages.contract import (
+    LLM,
+    PROMPT_CACHE,
+    ContractCheck,
+    llm_terms,
+    prompt_cache_terms,
+)
 from tiercache.stages.parts import ExactTiers, open_lookup, padding_policy
 from tiercache.vocabulary import CacheStatus
 
 log = logging.getLogger(__name__)
-
-PROMPT_CACHE = "prompt_cache"
-LLM = "llm"
 
 
 def stage_parameters(repository: Path, model: str) -> dict[str, str]:
@@ -71,11 +78,13 @@ class EdgeCache:
         self,
         lookup: PromptCache,
         padding: PaddingPolicy,
+        contract: ContractCheck,
         keys: KeyFile | None = None,
         tiers: ExactTiers | None = None,
     ) -> None:
         self.lookup = lookup
         self.padding = padding
+        self.contract = contract
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
         self._tiers = tiers
         # Redis reads are network round trips (up to redis_timeout_s): the gateway then runs
@@ -83,10 +92,14 @@ class EdgeCache:
         self.blocking = tiers is not None and tiers.link is not None
 
     def answer(self, raw: RawInputs, authorization: str | None) -> EdgeHit | None:
+        if not self.contract.holds():
+            return None
         try:
             grant = None
             if self.keys is not None:
                 grant = self.keys.authorize(key_from_parameter(authorization))
+            if self.padding.enabled and self._padded(raw, grant):
+                return None  # not looked up: the lookup's own timing would tell hit from miss
             result = self.lookup.lookup(raw, grant=grant)
         except TierCacheError:
             return None  # refused: the ensemble refuses it too, in its own words
@@ -95,6 +108,17 @@ class EdgeCache:
         if self.padding.pads(result.request.tenant_scope):
             return None
         return EdgeHit(result.text, result.tier.value, result.tokens)
+
+    def _padded(self, raw: RawInputs, grant: TenantGrant | None) -> bool:
+        """Whether llm pads the request's tenant: the grant's, else the `tenant` input as
+        prompt_cache normalizes it (NFKC, stripped)."""
+        if grant is not None:
+            name = grant.tenant
+        else:
+            tenant = raw.tenant
+            text = tenant.decode("utf-8", "replace") if isinstance(tenant, bytes) else tenant
+            name = unicodedata.normalize("NFKC", text or "").strip()
+        return self.padding.pads(self.lookup.scope(name))
 
     def close(self) -> None:
         self.lookup.cache.close()
@@ -116,4 +140,14 @@ def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
     lookup, tiers, secret = open_lookup(config, embedder_key="")
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None
-    return EdgeCache(lookup, padding_policy(llm, secret), keys, tiers)
+    padding = padding_policy(llm, secret)
+    contract = ContractCheck(
+        {
+            PROMPT_CACHE: (
+                config.state_path(),
+                prompt_cache_terms(keys_path, secret, lookup.engine, lookup.limits),
+            ),
+            LLM: (llm.state_path(), llm_terms(padding)),
+        }
+    )
+    return EdgeCache(lookup, padding, contract, keys, tiers)

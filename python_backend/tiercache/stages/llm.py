@@ -41,6 +41,7 @@ from tiercache.stages.common import (
     export_redis,
     status_counters,
 )
+from tiercache.stages.contract import LLM, llm_terms, write_terms
 from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope, seal_of
 from tiercache.stages.parts import (
     ExactTiers,
@@ -527,5 +528,6 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), open_adapter_cipher(state))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     stage.sharing = share_rows(stage, config, tiers)
+    write_terms(state, LLM, llm_terms(stage.padding))  # what the gateway's edge must match
     metrics.start()
     return stage

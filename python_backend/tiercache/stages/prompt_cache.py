@@ -13,6 +13,7 @@ from tiercache.exact.request import RawInputs
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
+from tiercache.stages.contract import PROMPT_CACHE, prompt_cache_terms, write_terms
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import Sealer
@@ -74,7 +75,9 @@ class PromptCacheStage:
     def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int]) -> bytes:
         """The envelope's wire form, sealed with the exact hit's `text` and `tokens`; memoized
         for exact hits (a miss's envelope is sealed once and its answer generated anyway)."""
-        too_long = len(text) > MEMO_MAX_CHARS or len(envelope.request.prompt) > MEMO_MAX_CHARS
+        request = envelope.request
+        history_chars = sum(len(content) for _, content in request.history)
+        too_long = max(len(text), len(request.prompt), history_chars) > MEMO_MAX_CHARS
         if envelope.status is not CacheStatus.EXACT or too_long:
             return envelope.seal(self.sealer, text, tokens)
         key = (envelope, text, tokens)
@@ -111,11 +114,13 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     """The stage with its L1, the host's L2, L3 with `redis_url`, the deployment's secret,
     the adapter registry and its metrics (started)."""
     embedder_key = resolve_embedder(config.embedder)[1].key if config.embedder else ""
-    cache, tiers, _ = open_lookup(config, embedder_key)
+    cache, tiers, secret = open_lookup(config, embedder_key)
     metrics = tm.Metrics(model_name)
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None
     stage = PromptCacheStage(cache, metrics, open_sealer(config.state_path()), keys)
+    terms = prompt_cache_terms(keys_path, secret, cache.engine, cache.limits)
+    write_terms(config.state_path(), PROMPT_CACHE, terms)  # what the gateway's edge must match
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     metrics.start()
     return stage

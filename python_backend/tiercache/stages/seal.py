@@ -5,14 +5,16 @@ engine) cannot trust their inputs as such. The edge authenticates once and seals
 hands a later stage something it acts on seals that too, bound to the envelope's seal; every stage
 that acts on an input checks its seal first and refuses (Forbidden) what is unsealed or altered:
 
-  prompt_cache     seals ENVELOPE together with CACHED_TEXT            (label "envelope")
-  embedding_cache  seals its answer (text, status, similarity, vector)  ("answer")
+  prompt_cache     seals ENVELOPE with CACHED_TEXT and CACHED_TOKENS   (label "envelope")
+  embedding_cache  seals its answer (text, status, similarity, vector,
+                   token counts)                                        ("answer")
   lora_cache       seals the adapter files and evictions it sends       ("lora")
   llm, lora_cache  seal every engine call (all of torch_llm's inputs)   ("engine")
   llm, cache_admin seal lora_cache's admin calls (ADMIN)                ("lora admin")
 
 A seal is HMAC-SHA256 under `derive_key(secret, "stage seal")`, the server secret being the
-host's secret file that only the stages read; over a label and length-prefixed parts, so parts
+host's secret file that only the stages (and the gateway's edge layer, which computes
+prompt_cache's digests, tiercache.gateway.edge) read; over a label and length-prefixed parts, so parts
 cannot be shifted from one field to the next and a seal made for one hop is never valid at
 another. What a seal cannot stop: a caller of prompt_cache gets its own request's sealed envelope
 and may replay it into the later stages, which then act exactly as they would for that request

@@ -1,0 +1,165 @@
+"""What the gateway's edge layer must agree on with the running stages before it serves a hit.
+
+The edge layer (tiercache.gateway.edge) answers exact hits with prompt_cache's own lookup, built
+from the stages' parameters in its own process. Built with another environment (no API key
+file, another state folder's secret, another model file) or left running across a restart that
+changed them, it would compute other tenants or other digests than the ensemble, and serve what
+the ensemble refuses. So prompt_cache and llm each write, when they start, the settings that
+decide whether and to whom an exact hit may be served (`<state>/edge/<stage>.json`):
+prompt_cache its API key file, its secret's fingerprint, its engine identity and its limits;
+llm its padding policy. The edge computes the same documents from its own configuration and
+serves nothing while one differs or is missing: it fails closed, and every request then goes
+to the ensemble.
+
+The documents hold no secret: the secret appears as its one-way fingerprint
+(`tiercache.exact.keys.secret_fingerprint`), trusted tenants as a digest of their scopes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tiercache.exact.keys import EngineIdentity, secret_fingerprint
+from tiercache.exact.request import Limits
+from tiercache.padding import PaddingPolicy
+
+log = logging.getLogger(__name__)
+
+CONTRACT_DIR = "edge"
+PROMPT_CACHE = "prompt_cache"
+LLM = "llm"
+CHECK_INTERVAL_S = 1.0  # how often the edge re-reads the stages' documents (a stat each)
+
+
+def contract_path(state_dir: Path, stage: str) -> Path:
+    return state_dir / CONTRACT_DIR / f"{stage}.json"
+
+
+def prompt_cache_terms(
+    keys_file: Path | None, secret: bytes, engine: EngineIdentity, limits: Limits
+) -> dict[str, Any]:
+    """What prompt_cache decides a hit by: who the caller is (the key file, or none: the tenant
+    input is trusted), the digest's key and engine, the limits a request must pass."""
+    return {
+        "api_keys_file": None if keys_file is None else str(keys_file.resolve()),
+        "secret": secret_fingerprint(secret),
+        "model": engine.model_id,
+        "revision": engine.revision,
+        "limits": {
+            "max_prompt_chars": limits.max_prompt_chars,
+            "max_tokens": limits.max_tokens,
+            "max_stop_words": limits.max_stop_words,
+        },
+    }
+
+
+def llm_terms(padding: PaddingPolicy) -> dict[str, Any]:
+    """What llm decides a hit's timing by: whether it pads, and whom it does not."""
+    if not padding.enabled:
+        return {"padding": None}
+    trusted = hashlib.sha256("\n".join(sorted(padding.trusted)).encode()).hexdigest()
+    return {
+        "padding": {
+            "floor_s": padding.floor_s,
+            "jitter_s": padding.jitter_s,
+            "trusted": trusted,
+        }
+    }
+
+
+def write_terms(state_dir: Path, stage: str, terms: Mapping[str, Any]) -> None:
+    """Publish `stage`'s terms for the edge (atomically: a reader sees the old file or the
+    new one). A failure is logged, not raised: the edge then stays closed, the stage serves."""
+    path = contract_path(state_dir, stage)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(terms, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        log.exception("could not publish %s's terms for the gateway's edge layer", stage)
+
+
+class ContractCheck:
+    """Whether the running stages' published terms are `expected` (stage -> the stage's state
+    folder and the terms the gateway computed), re-read when a file changes, at most every
+    `interval_s`. Thread-safe."""
+
+    def __init__(
+        self,
+        expected: Mapping[str, tuple[Path, Mapping[str, Any]]],
+        interval_s: float = CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._paths = {stage: contract_path(state, stage) for stage, (state, _) in expected.items()}
+        # as JSON would give them back (tuples as lists, keys as strings)
+        self._expected = {stage: json.loads(json.dumps(t)) for stage, (_, t) in expected.items()}
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._checked_s = -float("inf")
+        self._seen: dict[str, int | None] = {}
+        self._holds = False
+        self._reason = "not checked yet"
+
+    @property
+    def reason(self) -> str:
+        """Why the contract does not hold ("" when it does)."""
+        return self._reason
+
+    def holds(self) -> bool:
+        now = self._clock()
+        if now - self._checked_s < self._interval_s:
+            return self._holds
+        with self._lock:
+            if now - self._checked_s < self._interval_s:
+                return self._holds
+            self._checked_s = now
+            seen = {stage: _mtime_ns(path) for stage, path in self._paths.items()}
+            if seen != self._seen:
+                self._seen = seen
+                was = self._holds
+                self._holds, self._reason = self._compare()
+                if was != self._holds:
+                    if self._holds:
+                        log.info("the edge layer serves: the stages' terms match")
+                    else:
+                        log.warning("the edge layer is closed: %s", self._reason)
+            return self._holds
+
+    def _compare(self) -> tuple[bool, str]:
+        for stage, path in self._paths.items():
+            try:
+                published = json.loads(path.read_text())
+            except FileNotFoundError:
+                return False, f"{stage} has published no terms ({path}): is it running?"
+            except (OSError, ValueError) as exc:
+                return False, f"{stage}'s terms ({path}) cannot be read: {exc}"
+            if published != self._expected[stage]:
+                differ = sorted(
+                    k
+                    for k in set(published) | set(self._expected[stage])
+                    if published.get(k) != self._expected[stage].get(k)
+                )
+                return False, (
+                    f"{stage} runs with other {', '.join(differ)} than the gateway's "
+                    "configuration (start the gateway in the stages' environment, and restart "
+                    "it with them)"
+                )
+        return True, ""
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
