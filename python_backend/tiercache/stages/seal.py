@@ -14,8 +14,8 @@ that acts on an input checks its seal first and refuses (Forbidden) what is unse
 
 A seal is HMAC-SHA256 under `derive_key(secret, "stage seal")`, the server secret being the
 host's secret file that only the stages (and the gateway's edge layer, which computes
-prompt_cache's digests, tiercache.gateway.edge) read; over a label and length-prefixed parts, so parts
-cannot be shifted from one field to the next and a seal made for one hop is never valid at
+prompt_cache's digests, tiercache.gateway.edge) read; over a label and length-prefixed parts, so
+parts cannot be shifted from one field to the next and a seal made for one hop is never valid at
 another. What a seal cannot stop: a caller of prompt_cache gets its own request's sealed envelope
 and may replay it into the later stages, which then act exactly as they would for that request
 through the ensemble (docs/security.md says what that exposes); this is why lora_cache encrypts
