@@ -213,10 +213,12 @@ def test_an_adapter_is_a_model_through_the_gateway(lora_server: TritonServer) ->
             assert [m.id for m in oai.models.list()] == [BASE, "brief", "caps", "french"]
             statuses = []
             for model in (BASE, "caps", "caps"):
-                raw = oai.completions.with_raw_response.create(
-                    model=model, prompt=prompt, max_tokens=8
+                raw = oai.chat.completions.with_raw_response.create(
+                    model=model,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=8,
                 )
-                assert raw.parse().model == model and raw.parse().choices[0].text
+                assert raw.parse().model == model and raw.parse().choices[0].message.content
                 statuses.append(raw.headers["x-tiercache-cache-status"])
         finally:
             oai.close()

@@ -59,7 +59,7 @@ from tiercache_dev.stats import median
 
 GATEWAY, EDGE, ENSEMBLE, RESPONSE_CACHE = "gateway", "edge", "ensemble", "response-cache"
 LABELS = {
-    GATEWAY: "gateway hit (OpenAI chat)",
+    GATEWAY: "gateway hit through Triton (OpenAI chat)",
     EDGE: "gateway edge hit (OpenAI chat)",
     ENSEMBLE: "ensemble hit (gRPC stream)",
     RESPONSE_CACHE: "Triton response cache",
