@@ -52,10 +52,11 @@ class GenerationResult:
     `kv_reused_tokens` and `kv_computed_tokens` are its prompt tokens served from the engine's
     prefix KV cache and computed (None when the server did not report them: cache hits), and
     `finish_reason` how the engine ended it: "stop", "length" or "content_filter" (an engine
-    refusal, never cached); None for cache hits. `prompt_tokens` and `completion_tokens` are
-    the answer's token counts: a generation's own, or for a hit those of the generation that
-    produced the stored answer (0 when unknown, as for a warmed answer); None when the server
-    did not report them (a padded tenant's responses carry none).
+    refusal, never cached); for a cache hit, how its generation ended ("stop" or "length").
+    `prompt_tokens` and `completion_tokens` are the answer's token counts: a generation's own,
+    or for a hit those of the generation that produced the stored answer (0 when unknown, as
+    for a warmed answer); None when the server did not report them (a padded tenant's
+    responses carry none).
     """
 
     text: str

@@ -70,7 +70,8 @@ class Responder(Protocol):
         """The last response: `text` (None in stream mode, where chunks carried it), status, the
         similarity of a semantic hit, and for a generated answer the (reused, computed) prompt
         tokens the engine reported (prefix KV reuse; every subscriber of a flight gets them) and
-        its finish reason (`content_filter`: a refusal, not cached). `tokens` is the answer's
+        its finish reason (`content_filter`: a refusal, not cached; a hit's is its stored
+        generation's, `stop` or `length`). `tokens` is the answer's
         (prompt, completion) token counts: a generation's own, or for a hit those of the
         generation that produced the stored answer ((0, 0) when unknown, as for a warmed one)."""
         ...
@@ -153,14 +154,22 @@ class Generations:
         status: str,
         responder: Responder,
         similarity: float | None = None,
-        tokens: tuple[int, int] | None = None,
+        tokens: tuple[int, int, int] | None = None,
     ) -> None:
         """A cache hit: the whole answer in one final response, so the first chunk is at once;
-        `tokens` are the stored answer's (prompt, completion) token counts."""
+        `tokens` is the stored answer's accounting (prompt and completion tokens, 1 if its
+        generation stopped at max_tokens: the hit's finish reason is then `length`)."""
         if tokens is None:
             responder.send_final(text, status, similarity)
         else:
-            responder.send_final(text, status, similarity, tokens=tokens)
+            prompt, completion, truncated = tokens
+            responder.send_final(
+                text,
+                status,
+                similarity,
+                finish_reason="length" if truncated else "stop",
+                tokens=(prompt, completion),
+            )
 
     def submit_miss(
         self,

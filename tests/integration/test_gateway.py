@@ -89,6 +89,7 @@ def test_a_chat_completion_then_its_cached_repeat(oai: openai.OpenAI) -> None:
     )
     assert again.headers[CACHE_STATUS_HEADER] == "exact"
     assert again.parse().choices[0].message.content == first.choices[0].message.content
+    assert again.parse().choices[0].finish_reason == first.choices[0].finish_reason
     # usage: the generation's counts, and the hit reports the same (its stored generation's)
     usage = first.usage
     assert usage is not None and usage.prompt_tokens > 0

@@ -57,7 +57,7 @@ def sealed(
     sealer: Sealer,
     envelope: Envelope | GenerationRequest,
     cached_text: str = "",
-    tokens: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int, int] = (0, 0, 0),
 ) -> bytes:
     """The envelope's wire form as prompt_cache hands it on (a bare request: as llm hands the
     engine its request, a bypass envelope); `cached_text` is the exact hit's answer, `tokens`
@@ -101,7 +101,7 @@ def answer_seal(
     status: str,
     similarity: float = 0.0,
     vector: np.ndarray | None = None,
-    tokens: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int, int] = (0, 0, 0),
 ) -> str:
     """ANSWER_SEAL as embedding_cache makes it for this answer to the envelope `envelope`."""
     from tiercache.stages.embedding_cache import Answer
@@ -138,7 +138,7 @@ def llm_answer(
     similarity: float = 0.0,
     vector: np.ndarray | None = None,
     seal: str | None = None,
-    tokens: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int, int] = (0, 0, 0),
 ) -> list[Any]:
     """embedding_cache's answer as the ensemble hands it to llm (ANSWER_TEXT as CACHED_TEXT,
     ANSWER_STATUS as LOOKUP_STATUS) with its ANSWER_SEAL (`seal`: another one, e.g. a stale one

@@ -174,15 +174,15 @@ def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
         status=CacheStatus.EXACT,
         digest=Digest("d" * 64),
     )
-    data = seals.sealed(sealer, sent, "the answer", (31, 12))
+    data = seals.sealed(sealer, sent, "the answer", (31, 12, 1))
 
     def with_tokens(tokens: list[int]) -> Any:
         hit = request(pb_utils, data, "the answer")
         tensors = [*hit.inputs(), pb_utils.Tensor("CACHED_TOKENS", np.array([tokens], np.int32))]
         return pb_utils.InferenceRequest(tensors)
 
-    good, forged = model.execute([with_tokens([31, 12]), with_tokens([1, 1])])
+    good, forged = model.execute([with_tokens([31, 12, 1]), with_tokens([31, 12, 0])])
     out = answer(good)
-    assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12]
+    assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12, 1]
     seals.check_answer(sealer, data, out)
     assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")

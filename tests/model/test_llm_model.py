@@ -120,7 +120,7 @@ def to_llm(
     answer_seal: str | None = None,
     lora_seal: str | None = None,
     cipher: AdapterCipher | None = None,
-    tokens: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int, int] = (0, 0, 0),
 ) -> list[Any]:
     """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
     its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` (in clear; closed with
@@ -179,7 +179,7 @@ def envelope(
     digest: str,
     cached_text: str = "",
     request: GenerationRequest | None = None,
-    tokens: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int, int] = (0, 0, 0),
     **fields: Any,
 ) -> bytes:
     """prompt_cache's sealed envelope for a request of TENANT (`cached_text`: an exact hit's,
@@ -298,6 +298,12 @@ def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     assert counted(model) == {"miss": 1, "error": len(refused)}
 
 
+def finish(responses: list[Any]) -> str:
+    (response,) = responses
+    tensor = pb_utils_stub.get_output_tensor_by_name(response, "FINISH_REASON")
+    return str(tensor.as_numpy().reshape(-1)[0].decode())
+
+
 def counts(responses: list[Any]) -> tuple[int, int] | None:
     """The final response's (PROMPT_TOKENS, COMPLETION_TOKENS); None when it has none."""
     (response,) = responses
@@ -311,8 +317,9 @@ def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
     """A miss reports the engine's counts (prompt 3, completion 2) and stores them with its
-    answer; an exact hit reports the counts prompt_cache sealed into its envelope, a semantic
-    hit those embedding_cache sealed; counts altered on the way are refused."""
+    answer; an exact hit reports the counts (and the finish reason: `length` when its
+    generation stopped at max_tokens) prompt_cache sealed into its envelope, a semantic hit
+    those embedding_cache sealed; counts altered on the way are refused."""
     miss = envelope(sealer, CacheStatus.MISS, "a" * 64, write_back=True)
     (generated,) = run(pb_utils, model, [to_llm(pb_utils, sealer, miss)])
     assert counts(generated) == (3, 2)
@@ -321,12 +328,13 @@ def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
     assert (stored.prompt_tokens, stored.generated_tokens) == (3, 2)
 
     exact = CacheStatus.EXACT
-    hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12))
-    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(31, 12))
+    hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12, 1))
+    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(31, 12, 1))
     semantic = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
-    near = to_llm(pb_utils, sealer, semantic, "close", "semantic", 0.9, tokens=(40, 7))
+    near = to_llm(pb_utils, sealer, semantic, "close", "semantic", 0.9, tokens=(40, 7, 0))
     forged = [t for t in good if t.name() != "ANSWER_TOKENS"]
-    forged.append(pb_utils.Tensor("ANSWER_TOKENS", np.array([[1, 1]], dtype=np.int32)))
+    forged.append(pb_utils.Tensor("ANSWER_TOKENS", np.array([[31, 12, 0]], dtype=np.int32)))
     served, near_served, refused = run(pb_utils, model, [good, near, forged])
     assert counts(served) == (31, 12) and counts(near_served) == (40, 7)
+    assert finish(served) == "length" and finish(near_served) == "stop"  # as they were stored
     assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")

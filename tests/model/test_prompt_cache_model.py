@@ -163,16 +163,20 @@ def test_an_exact_hit_sends_its_stored_token_counts_under_the_seal(
     model: Any, pb_utils: ModuleType, sealer: Sealer
 ) -> None:
     (miss,) = model.execute([make_request(pb_utils)])
-    assert pb_utils.get_output_tensor_by_name(miss, "CACHED_TOKENS").as_numpy().tolist() == [[0, 0]]
+    assert pb_utils.get_output_tensor_by_name(miss, "CACHED_TOKENS").as_numpy().tolist() == [
+        [0, 0, 0]
+    ]
     digest = envelope(pb_utils, miss, sealer).digest
-    model.stage.cache.cache.put(digest, "answer", generated_tokens=12, prompt_tokens=31)
+    model.stage.cache.cache.put(
+        digest, "answer", generated_tokens=12, prompt_tokens=31, finish_reason="length"
+    )
     (hit,) = model.execute([make_request(pb_utils)])
     tokens = pb_utils.get_output_tensor_by_name(hit, "CACHED_TOKENS").as_numpy()
-    assert tokens.tolist() == [[31, 12]]
+    assert tokens.tolist() == [[31, 12, 1]]
     data = pb_utils.get_output_tensor_by_name(hit, "ENVELOPE").as_numpy()[0, 0]
-    assert Envelope.open(data, sealer, "answer", (31, 12)).status == "exact"
+    assert Envelope.open(data, sealer, "answer", (31, 12, 1)).status == "exact"
     with pytest.raises(Forbidden, match="does not verify"):
-        Envelope.open(data, sealer, "answer", (31, 13))
+        Envelope.open(data, sealer, "answer", (31, 12, 0))
 
 
 def test_a_repeated_hit_is_sealed_with_its_current_answer(

@@ -113,7 +113,7 @@ def test_an_exact_hit_is_served_with_its_stored_token_counts(tmp_path: Path) -> 
     assert hit is not None and (hit.text, hit.tier, hit.tokens) == (
         "An inference server.",
         "l1",
-        (9, 4),
+        (9, 4, 0),
     )
     assert (
         cache.answer(RawInputs("What is Triton?", max_tokens=8, cache_control="no-cache"), None)

@@ -71,15 +71,15 @@ def test_the_envelope_seal_binds_the_exact_hits_text() -> None:
 
 def test_the_envelope_seal_binds_the_exact_hits_token_counts() -> None:
     hit = Envelope(request=MISS.request, status=CacheStatus.EXACT, digest=MISS.digest)
-    data = hit.seal(SEALER, "the cached answer", (31, 12))
-    assert Envelope.open(data, SEALER, "the cached answer", (31, 12)) == hit
-    assert ReceivedEnvelope(data, SEALER, "the cached answer", (31, 12)).get() == hit
-    for forged in ((31, 13), (0, 0), (12, 31)):
+    data = hit.seal(SEALER, "the cached answer", (31, 12, 1))
+    assert Envelope.open(data, SEALER, "the cached answer", (31, 12, 1)) == hit
+    assert ReceivedEnvelope(data, SEALER, "the cached answer", (31, 12, 1)).get() == hit
+    for forged in ((31, 13, 1), (0, 0, 0), (12, 31, 1), (31, 12, 0)):
         with pytest.raises(Forbidden):
             Envelope.open(data, SEALER, "the cached answer", forged)
     # unknown counts seal as before counts existed: the text alone
     plain = hit.seal(SEALER, "the cached answer")
-    assert plain == hit.seal(SEALER, "the cached answer", (0, 0))
+    assert plain == hit.seal(SEALER, "the cached answer", (0, 0, 0))
 
 
 def test_a_seal_is_bound_to_its_hop_its_fields_and_the_envelope() -> None:

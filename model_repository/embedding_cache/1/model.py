@@ -64,6 +64,6 @@ def encode(answer: Answer, seal: str) -> object:
             io.scalar_tensor("SIMILARITY", answer.similarity, np.float32),
             pb_utils.Tensor("EMBEDDING", embedding),
             io.bytes_tensor("ANSWER_SEAL", [seal]),
-            pb_utils.Tensor("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 2)),
+            pb_utils.Tensor("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 3)),
         ]
     )

@@ -32,7 +32,7 @@ class TritonPythonModel:
             outputs = [
                 io.bytes_tensor("ENVELOPE", [envelope]),
                 io.bytes_tensor("CACHED_TEXT", [cached_text]),
-                pb_utils.Tensor("CACHED_TOKENS", tokens_array(tokens).reshape(1, 2)),
+                pb_utils.Tensor("CACHED_TOKENS", tokens_array(tokens).reshape(1, 3)),
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses

@@ -61,6 +61,12 @@ class CacheEntry:
         return len(self.text.encode("utf-8")) + meta + ENTRY_OVERHEAD_BYTES
 
 
+def token_accounting(entry: CacheEntry) -> tuple[int, int, int]:
+    """What a hit reports of the generation that produced `entry`: its prompt and completion
+    tokens, and 1 when it stopped at max_tokens (finish reason `length`), else 0."""
+    return (entry.prompt_tokens, entry.generated_tokens, int(entry.finish_reason == "length"))
+
+
 def encode_entry(entry: CacheEntry) -> bytes:
     fields: dict[str, object] = {
         "text": entry.text,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.errors import NotFound
+from tiercache.exact.codec import token_accounting
 from tiercache.exact.keys import (
     Digest,
     EngineIdentity,
@@ -50,8 +51,9 @@ class LookupResult:
     semantic_lookup: bool = False  # whether embedding_cache should look this request up
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts
-    # On EXACT: the stored answer's (prompt, completion) token counts ((0, 0) when unknown).
-    tokens: tuple[int, int] = (0, 0)
+    # On EXACT: the stored answer's token accounting (tiercache.stages.seal.Tokens: prompt and
+    # completion tokens, 1 if it stopped at max_tokens; (0, 0, 0) when unknown).
+    tokens: tuple[int, int, int] = (0, 0, 0)
 
 
 class PromptCache:
@@ -157,7 +159,7 @@ class PromptCache:
             semantic_lookup: bool = False,
             text: str = "",
             tier: Tier | None = None,
-            tokens: tuple[int, int] = (0, 0),
+            tokens: tuple[int, int, int] = (0, 0, 0),
         ) -> LookupResult:
             return LookupResult(
                 request,
@@ -187,7 +189,7 @@ class PromptCache:
                 False,
                 text=entry.text,
                 tier=found.tier,
-                tokens=(entry.prompt_tokens, entry.generated_tokens),
+                tokens=token_accounting(entry),
             )
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:

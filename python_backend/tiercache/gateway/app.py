@@ -330,12 +330,13 @@ def create_app(settings: GatewaySettings) -> Starlette:
         if hit is None:
             return None
         metrics.edge_hits.labels(hit.tier).inc()
-        prompt, completion = hit.tokens
+        prompt, completion, truncated = hit.tokens
         return api.Outcome(
             text=hit.text,
             cache_status="exact",
             prompt_tokens=prompt,
             completion_tokens=completion,
+            finish_reason="length" if truncated else "stop",
         )
 
     async def prometheus(request: Request) -> Response:

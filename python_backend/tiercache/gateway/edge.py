@@ -63,11 +63,11 @@ def stage_parameters(repository: Path, model: str) -> dict[str, str]:
 @dataclass(frozen=True, slots=True)
 class EdgeHit:
     """An exact hit served at the edge: the answer, the tier that held it, and its stored
-    (prompt, completion) token counts."""
+    token accounting (prompt tokens, completion tokens, 1 if it stopped at max_tokens)."""
 
     text: str
     tier: str
-    tokens: tuple[int, int] = (0, 0)
+    tokens: tuple[int, int, int] = (0, 0, 0)
 
 
 class EdgeCache:

@@ -12,6 +12,7 @@ from enum import Enum
 
 import numpy as np
 
+from tiercache.exact.codec import token_accounting
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.vectors import VectorCache, vector_key
@@ -40,9 +41,9 @@ class SemanticLookup:
     text: str = ""
     similarity: float = 0.0
     vector_cached: bool = False
-    # A hit's stored answer's (prompt, completion) token counts: those of the generation that
-    # produced it, for the reworded prompt it answered ((0, 0) when unknown).
-    tokens: tuple[int, int] = (0, 0)
+    # A hit's stored answer's token accounting (tiercache.exact.codec.token_accounting): that of
+    # the generation that produced it, for the reworded prompt it answered.
+    tokens: tuple[int, int, int] = (0, 0, 0)
 
 
 class EmbeddingCache:
@@ -125,7 +126,7 @@ class EmbeddingCache:
                     entry.text,
                     neighbour.similarity,
                     cached,
-                    (entry.prompt_tokens, entry.generated_tokens),
+                    token_accounting(entry),
                 )
             outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached)

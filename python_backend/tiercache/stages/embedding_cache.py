@@ -45,7 +45,7 @@ class Answer:
     status: str  # semantic on a hit, else the exact lookup's status (exact, miss, bypass)
     similarity: float = 0.0
     vector: np.ndarray | None = None  # the prompt's vector (llm indexes it with a new answer)
-    tokens: Tokens = NO_TOKENS  # a hit's stored (prompt, completion) token counts
+    tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
 
 
 class EmbeddingCacheStage:

@@ -90,7 +90,7 @@ class LlmInput:
     similarity: float | None  # a semantic hit's
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
     lora: EngineLora  # what lora_cache sent for the engine
-    tokens: Tokens = NO_TOKENS  # a hit's stored (prompt, completion) token counts
+    tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
 
 
 def open_lora(

@@ -54,10 +54,10 @@ class PromptCacheStage:
 
     def lookup(
         self, raw: RawInputs, authorization: object = None
-    ) -> tuple[bytes, str, tuple[int, int]]:
+    ) -> tuple[bytes, str, tuple[int, int, int]]:
         """The sealed envelope for the later stages (bound to the answer), the cached answer
-        ("" unless an exact hit) and its stored (prompt, completion) token counts ((0, 0)
-        unless known); InvalidRequest / NotFound for this request alone, Forbidden
+        ("" unless an exact hit) and its stored token accounting (tiercache.stages.seal.Tokens;
+        zeros unless known); InvalidRequest / NotFound for this request alone, Forbidden
         when a key file is configured and `authorization` (the forwarded header) carries no
         key that allows the request."""
         started = time.perf_counter()
@@ -72,7 +72,7 @@ class PromptCacheStage:
         self.lookup_s.observe(time.perf_counter() - started)
         return sealed, result.text, result.tokens
 
-    def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int]) -> bytes:
+    def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int, int]) -> bytes:
         """The envelope's wire form, sealed with the exact hit's `text` and `tokens`; memoized
         for exact hits (a miss's envelope is sealed once and its answer generated anyway)."""
         request = envelope.request

@@ -82,9 +82,11 @@ def text_bytes(text: str | None) -> bytes:
     return (text or "").encode("utf-8")
 
 
-Tokens = tuple[int, int]
-"""A stored answer's (prompt, completion) token counts (tiercache.exact.codec.CacheEntry)."""
-NO_TOKENS: Tokens = (0, 0)  # unknown (a warmed answer), or no hit
+Tokens = tuple[int, int, int]
+"""A stored answer's token accounting (tiercache.exact.codec.CacheEntry): its generation's
+prompt and completion token counts, and 1 when that generation stopped at `max_tokens` (its
+finish reason `length`), else 0."""
+NO_TOKENS: Tokens = (0, 0, 0)  # unknown (a warmed answer), or no hit
 
 
 def hit_parts(text: str | None, tokens: Tokens = NO_TOKENS) -> tuple[bytes, ...]:
@@ -92,21 +94,21 @@ def hit_parts(text: str | None, tokens: Tokens = NO_TOKENS) -> tuple[bytes, ...]
     stored answer's token counts (nothing more when unknown, so such seals are as before)."""
     if tokens == NO_TOKENS:
         return (text_bytes(text),)
-    return (text_bytes(text), struct.pack("<qq", *tokens))
+    return (text_bytes(text), struct.pack("<qqq", *tokens))
 
 
 def tokens_array(tokens: Tokens) -> np.ndarray:
-    """Token counts as the INT32 [2] tensors CACHED_TOKENS and ANSWER_TOKENS carry them."""
+    """Token accounting as the INT32 [3] tensors CACHED_TOKENS and ANSWER_TOKENS carry it."""
     return np.array(tokens, dtype=np.int32)
 
 
 def tokens_of(array: np.ndarray | None) -> Tokens:
-    """The token counts in a CACHED_TOKENS / ANSWER_TOKENS tensor; NO_TOKENS when it is absent
-    or not two values (counts are reported, never acted on)."""
-    if array is None or array.size != 2:
+    """The token accounting in a CACHED_TOKENS / ANSWER_TOKENS tensor; NO_TOKENS when it is
+    absent or not three values (it is reported, never acted on)."""
+    if array is None or array.size != 3:
         return NO_TOKENS
     flat = array.reshape(-1)
-    return (max(int(flat[0]), 0), max(int(flat[1]), 0))
+    return (max(int(flat[0]), 0), max(int(flat[1]), 0), int(int(flat[2]) == 1))
 
 
 def float_bytes(value: float | None) -> bytes:

@@ -19,7 +19,7 @@ class TritonPythonModel:
                     output_tensors=[
                         _bytes("ENVELOPE", b"{}"),
                         pb_utils.Tensor("CACHED_TEXT", text.reshape(1, 1)),
-                        pb_utils.Tensor("CACHED_TOKENS", np.zeros((1, 2), dtype=np.int32)),
+                        pb_utils.Tensor("CACHED_TOKENS", np.zeros((1, 3), dtype=np.int32)),
                     ]
                 )
             )
