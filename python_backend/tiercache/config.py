@@ -550,6 +550,12 @@ class EngineConfig(_StateConfig):
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
+    speculate: bool = param(
+        True,
+        "Speculative decoding of greedy requests: tokens drafted from the prompt and from the "
+        "cached answers llm sends are verified in one forward pass (the output is plain "
+        "decoding's; a request opts out with the cache_control word no-speculate)",
+    )
     refuse_prompt_pattern: str = param(
         "",
         "A prompt this regex matches (re.search over the canonical prompt) is answered with "

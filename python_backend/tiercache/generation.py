@@ -89,6 +89,7 @@ class _Directives:
 
     tags: tuple[str, ...] = ()
     max_age_s: float | None = None
+    draft_digest: str = ""  # where this prompt's greedy answers are kept as drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +184,18 @@ class Generations:
         *,
         tags: tuple[str, ...] = (),
         max_age_s: float | None = None,
+        draft_digest: str = "",
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
         request accepts instead of a generation (its cache_control directives).
+        `draft_digest` (a greedy request's, tiercache.exact.keys.draft_digest): the answer kept
+        there goes to the engine as a draft for speculative decoding, and this answer is kept
+        there once stored.
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
-        directives = _Directives(tags, max_age_s)
+        directives = _Directives(tags, max_age_s, draft_digest)
         self._pool.submit(
             self._serve_miss,
             request,
@@ -294,7 +299,8 @@ class Generations:
                         flight.append(text)
                         return
             started_s = self.cache.now()
-            record = self._run_engine(flight, request, generate or self._generate)
+            drafted = self._with_drafts(request, directives.draft_digest)
+            record = self._run_engine(flight, drafted, generate or self._generate)
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":
                 error = abandoned_error()
@@ -315,6 +321,8 @@ class Generations:
                     directives.tags,
                     prompt_tokens,
                 )
+                if stored and directives.draft_digest:
+                    self._keep_draft(directives.draft_digest, flight.text(), request, started_s)
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
             if self._on_generation is not None:
@@ -334,6 +342,36 @@ class Generations:
                 flight.finish(error)
             else:
                 self.flights.complete(flight, error)
+
+    def _with_drafts(self, request: GenerationRequest, draft_digest: str) -> GenerationRequest:
+        """`request` with the answer kept under `draft_digest` as its draft (unchanged when
+        there is none, or it cannot be read: drafts only speed decoding up)."""
+        if not draft_digest or not request.speculate:
+            return request
+        try:
+            found = self.cache.get(draft_digest)
+        except Exception:  # noqa: BLE001 - a draft is an optimisation
+            log.exception("reading the drafts of %s failed", draft_digest)
+            return request
+        if found is None or not found.entry.text:
+            return request
+        return dataclasses.replace(request, drafts=(found.entry.text,))
+
+    def _keep_draft(
+        self, draft_digest: str, text: str, request: GenerationRequest, started_s: float
+    ) -> None:
+        """Keep a stored greedy answer as the draft of its prompt's other requests, with the
+        answer's own metadata (so a tenant or adapter invalidation drops it as well)."""
+        try:
+            self.cache.put(
+                draft_digest,
+                text,
+                tenant_scope=request.tenant_scope,
+                adapter=request.lora_digest,
+                created_s=started_s,
+            )
+        except Exception:  # noqa: BLE001 - a draft is an optimisation
+            log.exception("keeping %s as a draft failed", draft_digest)
 
     def _take_turn(
         self, flight: Flight, digest: Digest, max_age_s: float | None

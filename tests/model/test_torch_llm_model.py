@@ -89,7 +89,9 @@ class FakeEngine:
         kv_reuse: bool,
         tokens_per_block: int,
         kv_pool_max_bytes: int,
+        speculate: bool,
     ) -> None:
+        self.speculate = speculate  # the stage passes its parameter on
         self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
         self.kv_pool: KvBlockPool[str] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
 

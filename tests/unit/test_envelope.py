@@ -29,6 +29,8 @@ FULL = Envelope(
         lora_digest="d" * 64,
         tenant_scope="f" * 64,
         history=(("system", "Be brief."), ("user", "Hi"), ("assistant", "")),
+        speculate=False,
+        drafts=("a cached answer",),
     ),
     status=CacheStatus.MISS,
     digest=Digest("a" * 64),
@@ -37,6 +39,7 @@ FULL = Envelope(
     semantic_lookup=True,
     cache_tags=("a", "kb:v1"),
     max_age_s=2.5,
+    draft_digest="f" * 64,
 )
 
 

@@ -527,3 +527,36 @@ def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
     assert calls[0][0] == "error" and "L2 read failed" in str(calls[0][1])
     assert leases.released == [Lease(f"lease:{DIGEST}", "token")]
     stage.close()
+
+
+def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCache) -> None:
+    """The answer kept under the draft digest reaches the engine as its draft; the new answer,
+    once stored, is kept there for the next request of the prompt (with the answer's tenant
+    and adapter, so their invalidations drop it too); `no-speculate` reads no draft."""
+    seen: list[tuple[str, ...]] = []
+
+    class Drafted(FakeEngine):
+        def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+            seen.append(request.drafts)
+            return super().__call__(request)
+
+    drafts = Digest("f" * 64)
+    request = GenerationRequest(prompt="hi", tenant_scope="s" * 64, lora_digest="a" * 64)
+    cache.put(drafts, "Hello there, a longer answer")
+    stage = make_stage(cache, Drafted())
+    first = Recorder()
+    stage.submit_miss(request, DIGEST, "miss", True, first, draft_digest=drafts)
+    assert first.wait() == [("final", "Hello", "miss")]  # stored (and kept) before it is sent
+    assert seen == [("Hello there, a longer answer",)]
+    kept = cache.get(drafts)
+    assert kept is not None and kept.entry.text == "Hello"
+    assert (kept.entry.tenant_scope, kept.entry.adapter) == ("s" * 64, "a" * 64)
+    quiet = Recorder()
+    other = Digest("e" * 64)
+    stage.submit_miss(
+        GenerationRequest(prompt="hi", speculate=False), other, "miss", True, quiet,
+        draft_digest=drafts,
+    )  # fmt: skip
+    quiet.wait()
+    assert seen[-1] == ()
+    stage.close()

@@ -16,6 +16,7 @@ import pytest
 from tiercache.exact.keys import (
     SECRET_BYTES,
     EngineIdentity,
+    draft_digest,
     key_fields,
     load_or_create_secret,
     request_digest,
@@ -181,3 +182,24 @@ def test_concurrent_creation_yields_one_secret(tmp_path: Path) -> None:
     assert len(set(secrets_seen)) == 1
     assert secrets_seen[0] == path.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]
+
+
+def test_the_draft_digest_ignores_what_only_changes_the_answers_length() -> None:
+    scope = tenant_scope(SECRET, "acme")
+
+    def of(**changes: object) -> str:
+        request = dataclasses.replace(REQUEST, **changes)  # type: ignore[arg-type]
+        return draft_digest(scope, ENGINE, request, str(changes.get("adapter", "")))
+
+    same = {of(), of(max_tokens=99), of(stop_words=("x",)), of(temperature=0.0, seed=None)}
+    assert len(same) == 1
+    others = {
+        of(prompt="another"),
+        of(history=(("user", "Hi"),)),
+        of(raw_prompt=True),
+        of(lora_name="b"),
+        draft_digest(tenant_scope(SECRET, "other"), ENGINE, REQUEST),
+        draft_digest(scope, EngineIdentity("org/model", "rev-2"), REQUEST),
+    }
+    assert len(others) == 6 and not others & same
+    assert of() != request_digest(scope, ENGINE, REQUEST)  # never an answer's key

@@ -123,6 +123,12 @@ def test_canonicalizes_different(a: dict[str, object], b: dict[str, object]) -> 
     assert key_fields(ra) != key_fields(rb)
 
 
+def test_no_speculate_turns_speculation_off_for_the_request_not_its_key() -> None:
+    off = canon("Hi", cache_control="no-speculate")
+    assert canon("Hi").speculate and not off.speculate
+    assert key_fields(off) == key_fields(canon("Hi"))
+
+
 def test_a_conversation_is_canonical_turns() -> None:
     history = '[{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": ""}]'
     r = canon("Hi", history=history)

@@ -20,3 +20,7 @@ class StreamEvent:
     # prompt_tokens); 0 and 0 from engines that do not report them.
     reused_tokens: int = 0
     computed_tokens: int = 0
+    # Speculative decoding so far: draft tokens verified, and of those, kept (each kept one is
+    # a forward pass saved, less the verification's extra cost); 0 and 0 when not speculated.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
+from tiercache.engine.drafts import Drafter
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import (
     BlockHash,
@@ -124,7 +125,11 @@ class TorchEngine:
         kv_reuse: bool = True,
         tokens_per_block: int = 32,
         kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
+        speculate: bool = True,
     ) -> None:
+        """`speculate`: verify drafted tokens in one forward pass (greedy requests only)."""
+        self.speculate = speculate
+        self.last_drafter: Drafter | None = None  # the last request's drafter (its counts)
         self.source = source
         self.identity = source.identity
         self.device = pick_device(device)
@@ -161,10 +166,19 @@ class TorchEngine:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
     def generate(
-        self, request: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False
+        self,
+        request: GenerationRequest,
+        is_cancelled: Callable[[], bool] = lambda: False,
     ) -> Iterator[StreamEvent]:
         """Stream the answer. The last event has `finish_reason`; its text ends the answer, and
         every event carries how many prompt tokens were reused from the KV pool and computed.
+
+        With `speculate` on and a greedy request, each step drafts tokens from
+        `request.drafts` (texts it may well repeat: cached answers in its scope, which llm
+        sets) and from its own prompt
+        (tiercache.engine.drafts), and verifies them in one forward pass: the model's own
+        choice at every drafted position decides, so the output is the one plain decoding
+        gives; a step yields the picked token plus every draft token the model agreed with.
 
         Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
         `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not
@@ -175,49 +189,112 @@ class TorchEngine:
         self.adapters.activate(adapter_ref(request))
         sampler = _Sampler(request, self.device)
         detok = _Detokenizer(self.tokenizer, request.stop_words)
+        prompt_list = input_ids[0].tolist()
+        drafter = None
+        if self.speculate and request.speculate and request.greedy:
+            answers = [
+                self.tokenizer.encode(d, add_special_tokens=False) for d in request.drafts if d
+            ]
+            drafter = Drafter(answers, prompt_list)
+        self.last_drafter = drafter
         generated: list[int] = []
         hashes: list[BlockHash] = []
         lease: KvLease[torch.Tensor] | None = None
         if self.kv_reuse:
             salt = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
-            hashes = block_hashes(input_ids[0].tolist(), self.kv_pool.tokens_per_block, salt)
+            hashes = block_hashes(prompt_list, self.kv_pool.tokens_per_block, salt)
             lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
         reused = 0 if lease is None else lease.reused_tokens
         computed = prompt_tokens - reused
 
         def event(text: str, finish_reason: str | None) -> StreamEvent:
-            return StreamEvent(text, finish_reason, len(generated), prompt_tokens, reused, computed)
+            drafted = accepted = 0
+            if drafter is not None:
+                drafted, accepted = drafter.proposed, drafter.accepted_total
+            return StreamEvent(
+                text,
+                finish_reason,
+                len(generated),
+                prompt_tokens,
+                reused,
+                computed,
+                drafted,
+                accepted,
+            )
+
+        pending = ""  # text of the tokens taken this step, sent with the step's event
+
+        def take(token: int) -> StreamEvent | None:
+            """Add `token` to the answer: the event that ends it (eos, a stop word, max_tokens),
+            else None and its new text waits in `pending`."""
+            nonlocal pending
+            if token in self.eos_token_ids:
+                return event(pending + detok.flush(), "stop")
+            generated.append(token)
+            text, stopped = detok.push(generated)
+            if stopped:
+                return event(pending + text, "stop")
+            if len(generated) >= request.max_tokens:
+                return event(pending + text + detok.flush(), "length")
+            pending += text
+            return None
 
         try:
             with torch.inference_mode():
                 out = self._prefill(input_ids, lease)
                 if lease is not None:
                     self._store_blocks(lease, hashes, out.past_key_values)
+                logits, cache = out.logits[:, -1, :], out.past_key_values
                 while True:
                     if is_cancelled():
                         yield event("", "cancelled")
                         return
-                    token = sampler.pick(out.logits[:, -1, :])
-                    if token in self.eos_token_ids:
-                        yield event(detok.flush(), "stop")
+                    token = sampler.pick(logits)
+                    pending = ""
+                    last = take(token)
+                    if last is not None:
+                        yield last
                         return
-                    generated.append(token)
-                    text, stopped = detok.push(generated)
-                    if stopped:
-                        yield event(text, "stop")
-                        return
-                    if len(generated) >= request.max_tokens:
-                        yield event(text + detok.flush(), "length")
-                        return
-                    if text:
-                        yield event(text, None)
-                    step = torch.tensor([[token]], device=self.device)
-                    out = self.model(
-                        input_ids=step, past_key_values=out.past_key_values, use_cache=True
-                    )
+                    draft: list[int] = []
+                    if drafter is not None:
+                        room = request.max_tokens - len(generated)
+                        draft = drafter.propose(prompt_list + generated, generated, room)
+                    if not draft:
+                        if pending:
+                            yield event(pending, None)
+                        step = torch.tensor([[token]], device=self.device)
+                        out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+                        logits, cache = out.logits[:, -1, :], out.past_key_values
+                        continue
+                    kept, logits, cache = self._verify(token, draft, cache)
+                    if drafter is not None:
+                        drafter.accepted(len(draft), len(kept))
+                    for accepted_token in kept:
+                        last = take(accepted_token)
+                        if last is not None:
+                            yield last
+                            return
+                    if pending:
+                        yield event(pending, None)
         finally:
             if lease is not None:
                 self.kv_pool.release(lease)
+
+    def _verify(self, token: int, draft: list[int], cache: Any) -> tuple[list[int], Any, Any]:
+        """Run `token` and the `draft` after it in one forward pass; keep the longest prefix of
+        the draft the model picks itself (greedy), and the KV of `token` and that prefix only.
+        Returns the kept draft tokens, the logits after the last kept token, and the cache."""
+        step = torch.tensor([[token, *draft]], device=self.device)
+        out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+        picks = out.logits[0].argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(draft) and picks[kept] == draft[kept]:
+            kept += 1
+        cache = out.past_key_values
+        rejected = len(draft) - kept
+        if rejected:
+            cache.crop(-rejected)  # this transformers takes the number of tokens to drop
+        return draft[:kept], out.logits[:, kept, :], cache
 
     def _prefill(self, input_ids: torch.Tensor, lease: KvLease[torch.Tensor] | None) -> Any:
         """Run the prompt after the lease's reused tokens, on a cache built from its blocks.

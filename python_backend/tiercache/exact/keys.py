@@ -113,6 +113,26 @@ def request_digest(
     )
 
 
+def draft_digest(
+    scope: TenantScope,
+    engine: EngineIdentity,
+    request: GenerationRequest,
+    adapter_digest: str = "",
+) -> Digest:
+    """Where greedy answers to `request`'s prompt are kept as drafts for speculative decoding,
+    whatever their max_tokens or stop words: the exact key's document without those and without
+    the sampling parameters (a draft only needs to be likely; the engine verifies every token).
+    In the tenant's scope and the adapter's, like every key, so a draft never carries another
+    tenant's text."""
+    fields = {
+        "prompt": request.prompt,
+        "lora_name": request.lora_name,
+        "history": [list(turn) for turn in request.history],
+        "raw_prompt": request.raw_prompt,
+    }
+    return Digest(_sha256_of({**_document(scope, engine, adapter_digest), "draft": fields}))
+
+
 def semantic_scope(
     scope: TenantScope,
     engine: EngineIdentity,

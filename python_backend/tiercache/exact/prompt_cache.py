@@ -14,6 +14,7 @@ from tiercache.exact.keys import (
     Digest,
     EngineIdentity,
     TenantScope,
+    draft_digest,
     request_digest,
     semantic_scope,
     tenant_scope,
@@ -54,6 +55,8 @@ class LookupResult:
     # On EXACT: the stored answer's token accounting (tiercache.stages.seal.Tokens: prompt and
     # completion tokens, 1 if it stopped at max_tokens; (0, 0, 0) when unknown).
     tokens: tuple[int, int, int] = (0, 0, 0)
+    # On a greedy miss: where drafts for its speculative decoding are kept (keys.draft_digest).
+    draft_digest: str = ""
 
 
 class PromptCache:
@@ -160,6 +163,7 @@ class PromptCache:
             text: str = "",
             tier: Tier | None = None,
             tokens: tuple[int, int, int] = (0, 0, 0),
+            draft: str = "",
         ) -> LookupResult:
             return LookupResult(
                 request,
@@ -173,6 +177,7 @@ class PromptCache:
                 control.tags,
                 control.max_age_s,
                 tokens,
+                draft,
             )
 
         if digest is None:
@@ -197,11 +202,14 @@ class PromptCache:
         # A semantic hit's age is not checked, so a request with max-age is not looked up by
         # meaning; embedding_cache then embeds nothing, so its answer is not indexed either.
         semantic = bool(scope) and control.max_age_s is None
+        # Greedy answers to this prompt under other max_tokens or stop words: drafts for its
+        # speculative decoding (a miss only: a hit is not decoded).
+        draft = draft_digest(tenant, self.engine, request, adapter) if request.greedy else ""
         if control.no_cache:
-            return result(digest, CacheStatus.BYPASS, write_back, scope)
+            return result(digest, CacheStatus.BYPASS, write_back, scope, draft=draft)
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
-            return result(digest, CacheStatus.BYPASS, write_back, scope, semantic)
-        return result(digest, CacheStatus.MISS, write_back, scope, semantic)
+            return result(digest, CacheStatus.BYPASS, write_back, scope, semantic, draft=draft)
+        return result(digest, CacheStatus.MISS, write_back, scope, semantic, draft=draft)
 
 
 def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:

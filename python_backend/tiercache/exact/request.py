@@ -9,6 +9,7 @@ parameters that cannot change a greedy result are all normalized away.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -101,6 +102,8 @@ class CacheControl:
     - `allow-sampled`: cache a sampled request that has no seed (off by default: its answers vary).
     - `no-semantic`: exact lookup only; the answer is not added to the semantic index either.
     - `semantic-only`: skip the exact lookup and look up by meaning only.
+    - `no-speculate`: decode a miss one token per step (no speculative decoding; the answer is
+      the same either way, only its speed differs).
     - `max-age=<seconds>`: serve a cached answer only if it is at most that old (a finite
       number >= 0); an older one is a miss for this request and stays for others. The semantic
       lookup is skipped (it cannot tell an answer's age), so `semantic-only` is refused with it.
@@ -116,8 +119,16 @@ class CacheControl:
     semantic_only: bool = False
     max_age_s: float | None = None
     tags: tuple[str, ...] = ()
+    no_speculate: bool = False
 
-    WORDS = ("no-cache", "no-store", "allow-sampled", "no-semantic", "semantic-only")
+    WORDS = (
+        "no-cache",
+        "no-store",
+        "allow-sampled",
+        "no-semantic",
+        "semantic-only",
+        "no-speculate",
+    )
     VALUED = ("max-age=<seconds>", "tag=<name>")
 
     @classmethod
@@ -170,6 +181,7 @@ class CacheControl:
             semantic_only="semantic-only" in words,
             max_age_s=max_age_s,
             tags=tuple(sorted(tags)),
+            no_speculate="no-speculate" in words,
         )
 
 
@@ -245,6 +257,12 @@ class GenerationRequest:
     # `prompt` is the model's input as it is (already rendered, or a plain completion): the
     # engine tokenizes it without the chat template. Never with `history`.
     raw_prompt: bool = False
+    # Whether the engine may decode it speculatively (cache_control `no-speculate` turns it
+    # off), and the texts it may draft from (cached answers in the request's own scope, set by
+    # llm from the cache for the engine call); not in the key: the answer is the same either
+    # way.
+    speculate: bool = True
+    drafts: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -371,7 +389,10 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
         history=history,
         raw_prompt=raw_prompt,
     )
-    return Canonical(request, tenant, CacheControl.parse(cache_control))
+    control = CacheControl.parse(cache_control)
+    if control.no_speculate:
+        request = dataclasses.replace(request, speculate=False)
+    return Canonical(request, tenant, control)
 
 
 def _utf8_size(name: str, value: str | bytes, max_bytes: int) -> int:

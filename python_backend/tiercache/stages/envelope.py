@@ -41,6 +41,9 @@ class Envelope:
     semantic_lookup: bool = False  # whether embedding_cache looks the request up
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts (None: any)
+    # Where answers to the same prompt under any max_tokens or stop words are kept as drafts
+    # for speculative decoding ("" when the request is not greedy; tiercache.exact.keys).
+    draft_digest: str = ""
 
     def seal(self, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS) -> bytes:
         """The wire form: the seal over the JSON and `cached_text` (prompt_cache's exact hit's
@@ -77,6 +80,8 @@ class Envelope:
                 "tenant_scope": r.tenant_scope,
                 "history": [list(turn) for turn in r.history],
                 "raw_prompt": r.raw_prompt,
+                "speculate": r.speculate,
+                "drafts": list(r.drafts),
             },
             "status": self.status.value,
             "digest": self.digest,
@@ -85,6 +90,7 @@ class Envelope:
             "semantic_lookup": self.semantic_lookup,
             "cache_tags": list(self.cache_tags),
             "max_age_s": self.max_age_s,
+            "draft_digest": self.draft_digest,
         }
         text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return text.encode("utf-8")
@@ -123,6 +129,8 @@ class Envelope:
             tenant_scope=_read(fields, "tenant_scope", str, where),
             history=_history(fields, where),
             raw_prompt=_read(fields, "raw_prompt", bool, where),
+            speculate=_read(fields, "speculate", bool, where),
+            drafts=_read(fields, "drafts", tuple, where),
         )
         status = _read(top, "status", str, ENVELOPE_TENSOR)
         try:
@@ -139,6 +147,7 @@ class Envelope:
             semantic_lookup=_read(top, "semantic_lookup", bool, ENVELOPE_TENSOR),
             cache_tags=_read(top, "cache_tags", tuple, ENVELOPE_TENSOR),
             max_age_s=_read(top, "max_age_s", float, ENVELOPE_TENSOR, optional=True),
+            draft_digest=_read(top, "draft_digest", str, ENVELOPE_TENSOR),
         )
 
 

@@ -394,6 +394,7 @@ class LlmStage:
             self.engine.call_with(item.lora),
             tags=envelope.cache_tags,
             max_age_s=envelope.max_age_s,
+            draft_digest=envelope.draft_digest,
         )
         self.requests[status].increment(1)
 

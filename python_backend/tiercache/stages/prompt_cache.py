@@ -107,6 +107,7 @@ def envelope_of(result: LookupResult) -> Envelope:
         semantic_lookup=result.semantic_lookup,
         cache_tags=result.cache_tags,
         max_age_s=result.max_age_s,
+        draft_digest=result.draft_digest,
     )
 
 

@@ -103,6 +103,14 @@ class TorchLlmStage:
         self.kv_computed = m.counter(
             "tiercache_engine_kv_computed_tokens_total", "Prompt tokens the engine computed"
         )
+        self.drafted = m.counter(
+            "tiercache_engine_draft_tokens_total",
+            "Draft tokens verified by speculative decoding",
+        )
+        self.accepted = m.counter(
+            "tiercache_engine_draft_accepted_tokens_total",
+            "Draft tokens the model agreed with (each a decoding step saved)",
+        )
         self.kv_pool_bytes = m.gauge(
             "tiercache_engine_kv_pool_bytes", "Bytes of KV blocks held in the prefix pool"
         )
@@ -206,6 +214,8 @@ class TorchLlmStage:
             self.prompt_tokens.increment(event.prompt_tokens)
             self.kv_reused.increment(event.reused_tokens)
             self.kv_computed.increment(event.computed_tokens)
+            self.drafted.increment(event.drafted_tokens)
+            self.accepted.increment(event.accepted_tokens)
             self.finished[event.finish_reason].increment(1)
 
     def _trim_memory(self) -> None:
@@ -253,6 +263,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         kv_reuse=config.kv_reuse,
         tokens_per_block=config.tokens_per_block,
         kv_pool_max_bytes=config.kv_pool_max_bytes,
+        speculate=config.speculate,
     )
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)

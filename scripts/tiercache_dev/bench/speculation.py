@@ -1,0 +1,267 @@
+"""`make bench-spec`: speculative decoding from cached answers against plain decoding, side by
+side in one run, on the real CPU engine (issue 17).
+
+Usage::
+
+    python -m tiercache_dev.bench.speculation [--requests 6] [--threads 2] [--max-tokens 96]
+        [--pairs ../shared/eval/semantic_pairs_dev.jsonl] [--out-dir .perf]
+
+For each workload, every request runs twice back to back, plain (speculation off) and
+speculative, greedy, on one engine (KV prefix reuse off, so neither run reuses the other's
+prompt): tokens/s, request latency, the speedup, the mean accepted draft length, and whether
+the output was identical. Workloads:
+
+- `again`: a prompt answered with `--max-tokens`, then asked again with twice as many; the
+  cached answer is the draft (the new answer's beginning, or all of it when the first one
+  ended before its limit);
+- `reworded`: the `b` side of positive rewording pairs (semantic_pairs_dev.jsonl, label 1)
+  after its `a` side was answered; `a`'s answer is the draft (the guard did not serve it);
+- `edit`: a conversation's next turn that quotes the previous answer and asks for it edited;
+  the prompt itself (prompt lookup) and the previous answer are the drafts;
+- `new`: new prompts with nothing useful cached; only the prompt is a draft source.
+
+Goals (issue 17): >= 3.5x on `again`, >= 1.5x on `reworded` where the neighbour's answer is
+close, no more than 5 % slower on `new`; identical output everywhere. Ends with one line per
+workload: `spec <workload> speedup <x> identical <yes|no>`. Writes OUT_DIR/bench_spec.md and
+.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache_dev.console import invocation, progress, write_report
+from tiercache_dev.paths import DEFAULT_STATE_DIR, PERF_DIR
+from tiercache_dev.stats import median
+
+NEW_PROMPTS = (
+    "Name three rivers in Africa and one fact about each.",
+    "How does a refrigerator keep food cold?",
+    "Give two tips for learning a new language.",
+    "What is the difference between weather and climate?",
+    "Describe how bees make honey.",
+    "Why do we have leap years?",
+    "What are the main parts of a plant cell?",
+    "How do vaccines train the immune system?",
+)
+AGAIN_PROMPTS = (
+    "Explain what a hash table is and why lookups are fast.",
+    "Write a short poem about the sea at night.",
+    "List three uses of Python in science.",
+    "Explain how a bicycle stays upright.",
+    "What causes the seasons on Earth?",
+    "Describe the water cycle in simple terms.",
+    "How does a compiler differ from an interpreter?",
+    "What is photosynthesis?",
+)
+EDIT_ASKS = (
+    "Repeat your answer, but replace every full stop with an exclamation mark.",
+    "Repeat your answer word for word, then add one more sentence.",
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=6, help="requests per workload")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--pairs",
+        type=Path,
+        default=Path("../shared/eval/semantic_pairs_dev.jsonl"),
+        help="rewording pairs (label 1 rows are used); missing: `reworded` is skipped",
+    )
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="tiercache state")
+    p.add_argument("--out-dir", type=Path, default=PERF_DIR, help="output folder")
+    p.add_argument("--only", action="append", help="run only these workloads (repeatable)")
+    args = p.parse_args(argv)
+    if args.requests < 1:
+        p.error("--requests must be >= 1")
+    return args
+
+
+@dataclass(slots=True)
+class Run:
+    text: str
+    tokens: int
+    seconds: float
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    plain: list[Run] = field(default_factory=list)
+    spec: list[Run] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return all(p.text == s.text for p, s in zip(self.plain, self.spec, strict=True))
+
+    def speedup(self) -> float:
+        return sum(p.seconds for p in self.plain) / sum(s.seconds for s in self.spec)
+
+    def summary(self) -> dict[str, Any]:
+        def rate(runs: list[Run]) -> float:
+            return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+
+        steps = sum(s.steps for s in self.spec)
+        return {
+            "requests": len(self.plain),
+            "plain_tokens_per_s": rate(self.plain),
+            "spec_tokens_per_s": rate(self.spec),
+            "plain_latency_s_p50": median([r.seconds for r in self.plain]),
+            "spec_latency_s_p50": median([r.seconds for r in self.spec]),
+            "speedup": self.speedup(),
+            "mean_accepted_draft": (sum(s.accepted for s in self.spec) / steps) if steps else 0.0,
+            "acceptance": (
+                sum(s.accepted for s in self.spec) / max(1, sum(s.proposed for s in self.spec))
+            ),
+            "identical": self.identical,
+        }
+
+
+def rewording_pairs(path: Path, count: int) -> list[tuple[str, str]]:
+    if not path.is_file():
+        return []
+    pairs = []
+    with path.open() as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row.get("label") == 1 and len(row["a"]) > 20:
+                pairs.append((row["a"], row["b"]))
+    # every k-th row: spread over the sources, deterministic
+    step = max(1, len(pairs) // count)
+    return pairs[::step][:count]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import TorchEngine
+    from tiercache.exact.request import GenerationRequest
+
+    torch.set_num_threads(args.threads)
+    progress(f"loading the engine ({args.threads} threads)")
+    engine = TorchEngine(resolve_model(), args.state_dir / "models", "cpu", 2, kv_reuse=False)
+
+    def generate(request: GenerationRequest, drafts: Sequence[str], speculate: bool) -> Run:
+        engine.speculate = speculate
+        started = time.perf_counter()
+        events = list(engine.generate(dataclasses.replace(request, drafts=tuple(drafts))))
+        seconds = time.perf_counter() - started
+        drafter = engine.last_drafter
+        run = Run("".join(e.text for e in events), events[-1].generated_tokens, seconds)
+        if speculate and drafter is not None:
+            run.proposed, run.accepted, run.steps = (
+                drafter.proposed,
+                drafter.accepted_total,
+                drafter.steps,
+            )
+        return run
+
+    def measure(name: str, cases: list[tuple[GenerationRequest, list[str]]]) -> Workload:
+        work = Workload(name)
+        for i, (request, drafts) in enumerate(cases, 1):
+            work.plain.append(generate(request, drafts, speculate=False))
+            work.spec.append(generate(request, drafts, speculate=True))
+            p, s = work.plain[-1], work.spec[-1]
+            progress(
+                f"  {name} {i}/{len(cases)}: {p.tokens} tokens, plain {p.seconds:.2f} s, "
+                f"speculative {s.seconds:.2f} s, accepted {s.accepted}/{s.proposed}, "
+                f"{'identical' if p.text == s.text else 'DIFFERENT'}"
+            )
+        return work
+
+    n, long = args.requests, args.max_tokens
+
+    def answer(prompt: str, max_tokens: int, history: tuple = ()) -> str:
+        request = GenerationRequest(prompt, max_tokens=max_tokens, history=history)
+        return generate(request, (), speculate=False).text
+
+    builders: dict[str, Callable[[], list[tuple[GenerationRequest, list[str]]]]] = {
+        "again": lambda: [
+            (GenerationRequest(p, max_tokens=2 * long), [answer(p, long)])
+            for p in AGAIN_PROMPTS[:n]
+        ],
+        "reworded": lambda: [
+            (GenerationRequest(b, max_tokens=long), [answer(a, long)])
+            for a, b in rewording_pairs(args.pairs, n)
+        ],
+        "edit": lambda: [
+            edit_case(p, answer(p, long), EDIT_ASKS[i % len(EDIT_ASKS)], long)
+            for i, p in enumerate(NEW_PROMPTS[:n])
+        ],
+        "new": lambda: [(GenerationRequest(p, max_tokens=long), []) for p in NEW_PROMPTS[:n]],
+    }
+    results: dict[str, Workload] = {}
+    for name, build in builders.items():
+        if args.only and name not in args.only:
+            continue
+        progress(f"{name}: answering what the cache would hold")
+        cases = build()
+        if not cases:
+            progress(f"{name}: no cases (missing {args.pairs}?), skipped")
+            continue
+        results[name] = measure(name, cases)
+    md, summary = report(args, results)
+    write_report(args.out_dir, "bench_spec", md, summary)
+    for name, work in results.items():
+        print(
+            f"spec {name} speedup {work.speedup():.2f} "
+            f"identical {'yes' if work.identical else 'no'}"
+        )
+    return 0 if results and all(w.identical for w in results.values()) else 1
+
+
+def edit_case(prompt: str, previous: str, ask: str, max_tokens: int) -> tuple[Any, list[str]]:
+    """The next turn after `prompt` was answered `previous`: asks for that answer edited."""
+    from tiercache.exact.request import GenerationRequest
+
+    history = (("user", prompt), ("assistant", previous))
+    return GenerationRequest(ask, max_tokens=max_tokens, history=history), [previous]
+
+
+def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str, dict]:
+    lines = [
+        "## Speculative decoding from the cache (in process)",
+        "",
+        f"- command: `{invocation('tiercache_dev.bench.speculation')}`",
+        f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; {args.threads} "
+        f"torch threads, greedy, max_tokens {args.max_tokens}, {args.requests} requests per "
+        "workload, plain and speculative back to back per request",
+        "",
+        "| workload | plain tok/s | spec tok/s | plain p50 s | spec p50 s | speedup | "
+        "accepted / step | acceptance | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    summary = {}
+    for name, work in results.items():
+        s = work.summary()
+        summary[name] = s
+        lines.append(
+            f"| {name} | {s['plain_tokens_per_s']:.1f} | {s['spec_tokens_per_s']:.1f} | "
+            f"{s['plain_latency_s_p50']:.2f} | {s['spec_latency_s_p50']:.2f} | "
+            f"{s['speedup']:.2f} | {s['mean_accepted_draft']:.1f} | {s['acceptance']:.2f} | "
+            f"{'yes' if s['identical'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n", summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Speculative decoding in the CPU engine (tiercache.engine.torch_engine, tiercache.engine.drafts)
+on the real model: whatever the drafts, a greedy answer is token for token the one plain decoding
+gives (finish reason and counts included), across KV block boundaries and with stop words; a
+draft the model agrees with saves forward passes; sampled requests are not speculated."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tiercache.engine.kv_cache import KvBlockPool  # noqa: E402
+from tiercache.exact.request import GenerationRequest  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 16
+PROMPT = "Explain what a hash table is and why lookups are fast."
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import TorchEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    state = Path(os.environ.get("TIERCACHE_STATE_DIR") or REPO / ".tiercache")
+    try:
+        yield TorchEngine(resolve_model(), state / "models", "cpu", 2, tokens_per_block=BLOCK)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh(engine: Any) -> Iterator[None]:
+    engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+    yield
+    engine.speculate = True
+
+
+class Counted:
+    """Counts the model's forward passes."""
+
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        forward = engine.model.forward
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "forward", counted)
+
+
+def run(engine: Any, request: GenerationRequest, drafts: tuple[str, ...], speculate: bool) -> Any:
+    engine.speculate = speculate
+    events = list(engine.generate(replace(request, drafts=drafts)))
+    final = events[-1]
+    return "".join(e.text for e in events), final.finish_reason, final.generated_tokens
+
+
+def test_a_draft_the_model_agrees_with_saves_passes_and_changes_nothing(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    counted = Counted(engine, monkeypatch)
+    plain = run(engine, request, (), speculate=False)
+    plain_passes, counted.calls = counted.calls, 0
+    longer = replace(request, max_tokens=2 * MAX_TOKENS)
+    ahead = run(engine, longer, (), speculate=False)[0]  # the same answer, further
+    counted.calls = 0
+    spec = run(engine, request, (ahead,), speculate=True)
+    assert spec == plain
+    assert counted.calls <= plain_passes // 3  # prefill + a few verifications of long drafts
+    drafter = engine.last_drafter  # every draft token accepted: each step adds one of its own
+    assert drafter.accepted_total == drafter.proposed >= MAX_TOKENS - 1 - 2 * drafter.steps
+
+
+@pytest.mark.parametrize(
+    "drafts",
+    [
+        (),  # prompt lookup only
+        ("Completely unrelated text about gardening and tomatoes, nothing like the answer.",),
+        ("A hash table stores keys. " * 20,),  # plausible but wrong
+    ],
+)
+def test_any_draft_gives_plain_decodings_answer(engine: Any, drafts: tuple[str, ...]) -> None:
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    assert run(engine, request, drafts, speculate=True) == run(
+        engine, request, drafts, speculate=False
+    )
+
+
+def test_stop_words_and_the_token_limit_cut_a_draft_where_plain_decoding_stops(
+    engine: Any,
+) -> None:
+    full = run(engine, GenerationRequest(PROMPT, max_tokens=MAX_TOKENS), (), speculate=False)[0]
+    words = full.split()
+    stop = words[len(words) // 2]
+    for request in (
+        GenerationRequest(PROMPT, max_tokens=MAX_TOKENS, stop_words=(stop,)),
+        GenerationRequest(PROMPT, max_tokens=7),
+    ):
+        spec = run(engine, request, (full,), speculate=True)
+        assert spec == run(engine, request, (full,), speculate=False)
+    assert run(engine, GenerationRequest(PROMPT, max_tokens=7), (full,), True)[1:] == ("length", 7)
+
+
+def test_with_prefix_kv_reuse_across_block_boundaries(engine: Any) -> None:
+    """A second request reuses the first one's prompt blocks; its speculative answer is plain
+    decoding's, and so is one whose drafts span several blocks of decoded tokens."""
+    first = GenerationRequest(PROMPT, max_tokens=3 * BLOCK, tenant_scope="a" * 64)
+    answer = run(engine, first, (), speculate=False)[0]
+    engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+    warm = run(engine, first, (answer,), speculate=True)  # stores the prompt's blocks
+    again = run(engine, first, (answer,), speculate=True)  # reuses them
+    assert warm == again == run(engine, first, (answer,), speculate=False)
+
+
+def test_sampled_requests_are_not_speculated(engine: Any) -> None:
+    request = GenerationRequest(PROMPT, max_tokens=8, temperature=0.7, seed=3)
+    assert run(engine, request, (PROMPT,), speculate=True) == run(
+        engine, request, (PROMPT,), speculate=False
+    )
+    assert engine.last_drafter is None
+
+
+def test_with_an_adapter_active(engine: Any) -> None:
+    """The verification pass runs through the request's adapter, as every plain step does."""
+    from tiercache.adapter_types import AdapterRef, AdapterWeights, adapter_digest
+
+    folder = REPO / "adapters" / "caps"
+    config = (folder / "adapter_config.json").read_text()
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    ref = AdapterRef("caps", 1, adapter_digest(config.encode(), weights))
+    engine.adapters.load(AdapterWeights(ref, config, weights))
+    try:
+        request = GenerationRequest(
+            PROMPT,
+            max_tokens=MAX_TOKENS,
+            lora_name=ref.name,
+            lora_task_id=ref.task_id,
+            lora_digest=ref.digest,
+        )
+        plain = run(engine, request, (), speculate=False)
+        longer = replace(request, max_tokens=2 * MAX_TOKENS)
+        ahead = run(engine, longer, (), speculate=False)[0]
+        base = run(engine, GenerationRequest(PROMPT, max_tokens=MAX_TOKENS), (), False)[0]
+        assert plain[0] != base  # the adapter is in effect
+        assert run(engine, request, (ahead,), speculate=True) == plain
+        assert engine.last_drafter.accepted_total > 0
+        assert run(engine, request, (base,), speculate=True) == plain  # the base answer: refused
+    finally:
+        engine.adapters.activate(None)
