@@ -32,7 +32,7 @@ def test_miss_generates_then_repeat_is_exact_hit(client: TierCacheClient) -> Non
     second = client.generate_text(prompt, max_tokens=MAX_TOKENS)
     assert second.cache_status == "exact"
     assert second.text == first.text
-    assert second.finish_reason is None  # a hit carries no engine finish reason
+    assert second.finish_reason == first.finish_reason  # a hit carries its generation's
 
 
 def test_spacing_unicode_and_parameter_variants_hit(client: TierCacheClient) -> None:

@@ -470,11 +470,13 @@ def test_redis_killed_under_perf_analyzer_load(faults: Faults) -> None:
         prompt = f"Name a river ({tenant}, {time.monotonic():.3f})."
     # ... and are served from L3: the entry leaves this host's L2, and the next request for it
     # is an exact hit counted on tier l3 (prompt_cache's L1 never held it: llm writes L2 and L3).
+    # The new keys are the answer's and its prompt's draft copy (docs/speculation.md).
     new_keys = l2_keys(faults.state) - before
-    assert len(new_keys) == 1, new_keys
+    assert 1 <= len(new_keys) <= 2, new_keys
     store = LmdbStore(faults.state / "l2", L2_MAX_BYTES)
     try:
-        assert store.delete(new_keys.pop())
+        for key in new_keys:
+            assert store.delete(key)
     finally:
         store.close()
     l3_hits = metric_value(faults.server, "tiercache_prompt_cache_hits_total", tier="l3")
