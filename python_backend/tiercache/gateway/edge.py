@@ -86,7 +86,6 @@ class EdgeCache:
         self.padding = padding
         self.contract = contract
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
-        self._tiers = tiers
         # Redis reads are network round trips (up to redis_timeout_s): the gateway then runs
         # lookups on a worker thread instead of its event loop.
         self.blocking = tiers is not None and tiers.link is not None
