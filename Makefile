@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: bench-spec setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
+.PHONY: bench-spec bench-spec-server setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
 
 setup: $(STAMP) $(NATIVE_STAMP)
 	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
@@ -67,6 +67,9 @@ bench-semantic: setup
 
 bench-spec: setup
 	$(PY) -m tiercache_dev.bench.speculation
+
+bench-spec-server: setup
+	$(PY) -m tiercache_dev.bench.speculation_server
 
 bench-lora: setup
 	$(PY) -m tiercache_dev.bench.lora engine

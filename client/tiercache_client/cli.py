@@ -178,6 +178,7 @@ def _generate(client: TierCacheClient, args: argparse.Namespace) -> int:
                     "first_chunk_ms": _ms(item.first_chunk_s),
                     "kv_reused_tokens": item.kv_reused_tokens,
                     "kv_computed_tokens": item.kv_computed_tokens,
+                    "speculated_tokens": item.speculated_tokens,
                 }
                 print(json.dumps(record, ensure_ascii=False))
             else:

@@ -50,7 +50,9 @@ class GenerationResult:
     sending the request to the final response, `first_chunk_s` to the first non-empty text chunk
     (None when no text arrived); `chunks` counts non-empty text chunks. For a generated answer,
     `kv_reused_tokens` and `kv_computed_tokens` are its prompt tokens served from the engine's
-    prefix KV cache and computed (None when the server did not report them: cache hits), and
+    prefix KV cache and computed (None when the server did not report them: cache hits),
+    `speculated_tokens` its answer tokens taken from drafts the engine verified (speculative
+    decoding; 0 when not speculated, None on a hit), and
     `finish_reason` how the engine ended it: "stop", "length" or "content_filter" (an engine
     refusal, never cached); for a cache hit, how its generation ended ("stop" or "length").
     `prompt_tokens` and `completion_tokens` are the answer's token counts: a generation's own,
@@ -70,9 +72,16 @@ class GenerationResult:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    speculated_tokens: int | None = None
 
 
-TOKEN_OUTPUTS = ("kv_reused_tokens", "kv_computed_tokens", "prompt_tokens", "completion_tokens")
+TOKEN_OUTPUTS = (
+    "kv_reused_tokens",
+    "kv_computed_tokens",
+    "prompt_tokens",
+    "completion_tokens",
+    "speculated_tokens",
+)
 
 
 def _error(exc: InferenceServerException) -> TierCacheClientError:
@@ -372,6 +381,7 @@ class TierCacheClient:
                 finish_reason=finish_reason,
                 prompt_tokens=usage.get("prompt_tokens"),
                 completion_tokens=usage.get("completion_tokens"),
+                speculated_tokens=usage.get("speculated_tokens"),
             )
         finally:
             client.stop_stream(cancel_requests=not completed)

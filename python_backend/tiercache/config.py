@@ -373,6 +373,17 @@ class EmbeddingCacheConfig(_TiersConfig):
     min_similarity: float = param(
         0.6, "Cosine similarity below which a neighbour is not considered", min=-1, max=1
     )
+    draft_neighbours: int = param(
+        2,
+        "On a lookup that does not hit: how many of the nearest neighbours' answers (those the "
+        "guard refused included) llm hands the engine as drafts for speculative decoding "
+        "(0: none)",
+        min=0,
+        max=4,
+    )
+    draft_min_similarity: float = param(
+        0.5, "Cosine similarity below which a neighbour's answer is not a draft", min=-1, max=1
+    )
     flat_max_rows: int = param(
         10_000, "Rows per scope searched exactly; above it an HNSW graph (hnswlib)", min=1
     )
@@ -552,9 +563,16 @@ class EngineConfig(_StateConfig):
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
     speculate: bool = param(
         True,
-        "Speculative decoding of greedy requests: tokens drafted from the prompt and from the "
-        "cached answers llm sends are verified in one forward pass (the output is plain "
-        "decoding's; a request opts out with the cache_control word no-speculate)",
+        "Speculative decoding of greedy requests: tokens drafted from the prompt, the cached "
+        "answers llm sends and the engine's recent answers in the request's scope are verified "
+        "in one forward pass (the output is plain decoding's; a request opts out with the "
+        "cache_control word no-speculate)",
+    )
+    draft_index_tokens: int = param(
+        16_384,
+        "Tokens of recent answers the engine keeps, per tenant scope and adapter, as drafts for "
+        "speculative decoding (over all scopes; about 0.5 KB of memory each; 0: none)",
+        min=0,
     )
     refuse_prompt_pattern: str = param(
         "",

@@ -23,11 +23,12 @@ from typing import Protocol
 
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
-from tiercache.exact.flights import Flight, FlightTable, abandoned_error
+from tiercache.exact.flights import EngineUsage, Flight, FlightTable, abandoned_error
 from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import DraftSource
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class Responder(Protocol):
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
@@ -90,6 +91,7 @@ class _Directives:
     tags: tuple[str, ...] = ()
     max_age_s: float | None = None
     draft_digest: str = ""  # where this prompt's greedy answers are kept as drafts
+    neighbours: tuple[str, ...] = ()  # its semantic neighbours' answer digests (more drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,17 +187,19 @@ class Generations:
         tags: tuple[str, ...] = (),
         max_age_s: float | None = None,
         draft_digest: str = "",
+        neighbours: tuple[str, ...] = (),
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
         request accepts instead of a generation (its cache_control directives).
         `draft_digest` (a greedy request's, tiercache.exact.keys.draft_digest): the answer kept
         there goes to the engine as a draft for speculative decoding, and this answer is kept
-        there once stored.
+        there once stored. The answers under `neighbours` (its nearest semantic neighbours') go
+        to the engine as drafts too.
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
-        directives = _Directives(tags, max_age_s, draft_digest)
+        directives = _Directives(tags, max_age_s, draft_digest, neighbours)
         self._pool.submit(
             self._serve_miss,
             request,
@@ -254,13 +258,15 @@ class Generations:
                 responder.send_cancelled()
             else:
                 text = None if request.stream else "".join(parts)
-                usage = flight.prompt_usage
+                usage = flight.usage
                 responder.send_final(
                     text,
                     status,
-                    prompt_usage=usage,
+                    usage=usage,
                     finish_reason=flight.finish_reason,
-                    tokens=None if usage is None else (sum(usage), flight.generated_tokens),
+                    tokens=None
+                    if usage is None
+                    else (usage.prompt_tokens, flight.generated_tokens),
                 )
         except TierCacheError as exc:
             responder.send_error(exc)
@@ -299,7 +305,7 @@ class Generations:
                         flight.append(text)
                         return
             started_s = self.cache.now()
-            drafted = self._with_drafts(request, directives.draft_digest)
+            drafted = self._with_drafts(request, directives)
             record = self._run_engine(flight, drafted, generate or self._generate)
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":
@@ -311,7 +317,7 @@ class Generations:
             elif record.finish_reason not in CLEAN_FINISHES:
                 error = Unavailable(f"engine finished with {record.finish_reason!r}")
             elif write_back and digest is not None:
-                prompt_tokens = sum(flight.prompt_usage or (0, 0))
+                prompt_tokens = 0 if flight.usage is None else flight.usage.prompt_tokens
                 stored = self._store(
                     digest,
                     flight.text(),
@@ -343,19 +349,34 @@ class Generations:
             else:
                 self.flights.complete(flight, error)
 
-    def _with_drafts(self, request: GenerationRequest, draft_digest: str) -> GenerationRequest:
-        """`request` with the answer kept under `draft_digest` as its draft (unchanged when
-        there is none, or it cannot be read: drafts only speed decoding up)."""
-        if not draft_digest or not request.speculate:
+    def _with_drafts(
+        self, request: GenerationRequest, directives: _Directives
+    ) -> GenerationRequest:
+        """`request` with its drafts: the answer kept under its draft digest, then its semantic
+        neighbours' answers, each only if it belongs to the request's tenant scope and adapter
+        (a forged or damaged index row never carries another scope's text into the engine)
+        and is not a copy of an earlier one. Unchanged when none can be read: drafts only
+        speed decoding up."""
+        if not request.speculate or not request.greedy:
             return request
-        try:
-            found = self.cache.get(draft_digest)
-        except Exception:  # noqa: BLE001 - a draft is an optimisation
-            log.exception("reading the drafts of %s failed", draft_digest)
-            return request
-        if found is None or not found.entry.text:
-            return request
-        return dataclasses.replace(request, drafts=(found.entry.text,))
+        wanted = [(DraftSource.ANSWER.value, d) for d in (directives.draft_digest,) if d]
+        wanted += [(DraftSource.NEIGHBOUR.value, d) for d in directives.neighbours]
+        drafts: list[tuple[str, str]] = []
+        for source, digest in wanted:
+            try:
+                found = self.cache.get(Digest(digest))
+            except Exception:  # noqa: BLE001 - a draft is an optimisation
+                log.exception("reading the draft %s failed", digest)
+                continue
+            if found is None or not found.entry.text:
+                continue
+            entry = found.entry
+            if entry.tenant_scope != request.tenant_scope or entry.adapter != request.lora_digest:
+                log.warning("draft %s... is another scope's answer: not used", digest[:8])
+                continue
+            if all(entry.text != text for _, text in drafts):
+                drafts.append((source, entry.text))
+        return dataclasses.replace(request, drafts=tuple(drafts)) if drafts else request
 
     def _keep_draft(
         self, draft_digest: str, text: str, request: GenerationRequest, started_s: float
@@ -462,7 +483,9 @@ class Generations:
                 finish, tokens = event.finish_reason, event.generated_tokens
                 flight.finish_reason = finish
                 flight.generated_tokens = tokens
-                flight.prompt_usage = (event.reused_tokens, event.computed_tokens)
+                flight.usage = EngineUsage(
+                    event.reused_tokens, event.computed_tokens, event.accepted_tokens
+                )
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
         return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tiercache.exact.flights import EngineUsage
 from tiercache.generation import Responder
 
 log = logging.getLogger(__name__)
@@ -216,20 +217,20 @@ class PaddedResponder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
         inner = self.inner
         if finish_reason is None and tokens is None:
-            self._send(lambda: inner.send_final(text, status, similarity, prompt_usage))
+            self._send(lambda: inner.send_final(text, status, similarity, usage))
         else:
             self._send(
                 lambda: inner.send_final(
                     text,
                     status,
                     similarity,
-                    prompt_usage,
+                    usage,
                     finish_reason=finish_reason,
                     tokens=tokens,
                 )
@@ -267,7 +268,7 @@ class MaskedResponder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:

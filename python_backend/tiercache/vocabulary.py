@@ -1,4 +1,5 @@
-"""The words every layer shares: cache statuses, tier names, invalidation kinds, engine kinds.
+"""The words every layer shares: cache statuses, tier names, invalidation kinds, engine kinds,
+draft sources.
 
 One definition each, so a stage, a metric label and a test never spell them differently. Each is
 a `str` Enum: its members compare equal to their wire spelling (`CacheStatus.EXACT == "exact"`).
@@ -45,6 +46,20 @@ class EngineKind(str, Enum):
 
     TORCH_LLM = "torch_llm"  # canonical request in, text out (tiercache.engine.torch_engine)
     TENSORRT_LLM = "tensorrt_llm"  # Triton's TensorRT-LLM backend, token ids in and out
+
+
+class DraftSource(str, Enum):
+    """Where a speculative draft came from (tiercache.engine.drafts), all in the request's scope."""
+
+    ANSWER = "answer"  # the same prompt's cached answer under other max_tokens or stop words
+    NEIGHBOUR = "neighbour"  # a semantic neighbour's cached answer (refused by the guard too)
+    INDEX = "index"  # the engine's recent answers in the scope
+    CONTEXT = "context"  # the prompt and the tokens generated so far
+
+
+# The sources llm hands the engine, as texts inside the sealed envelope (the others are the
+# engine's own).
+REQUEST_DRAFT_SOURCES = (DraftSource.ANSWER.value, DraftSource.NEIGHBOUR.value)
 
 
 def choices(kind: type[Enum]) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tiercache.config import CacheConfig
 from tiercache.engine.events import StreamEvent
+from tiercache.exact.flights import EngineUsage
 from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
 from tiercache.exact.keys import replace_secret
 from tiercache.exact.redis_tier import RedisLink, RedisStore
@@ -148,7 +149,7 @@ class Recorder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:

@@ -1,6 +1,7 @@
 """Speculative decoding through a real tritonserver (issue 17): a greedy miss drafts from the
-answer cached for the same prompt under another max_tokens, and its answer is the one plain
-decoding (cache_control `no-speculate`) gives."""
+answer cached for the same prompt under another max_tokens, and from the answer of a neighbour
+the guard refused to serve; its answer is the one plain decoding (cache_control
+`no-speculate`) gives, and the ensemble reports its speculated tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .conftest import settled_metric
 
 pytestmark = pytest.mark.integration
 ACCEPTED = "tiercache_engine_draft_accepted_tokens_total"
+DRAFTED = "tiercache_engine_draft_tokens_total"
 
 
 def test_a_longer_ask_of_a_cached_prompt_is_drafted_from_its_answer(
@@ -23,13 +25,35 @@ def test_a_longer_ask_of_a_cached_prompt_is_drafted_from_its_answer(
     prompt = f"Explain what a hash table is. ({uuid.uuid4().hex[:8]})"
     short = client.generate_text(prompt, max_tokens=12)
     assert short.cache_status == "miss" and short.text
-    accepted = settled_metric(server, ACCEPTED)
+    accepted = settled_metric(server, ACCEPTED, source="answer")
     longer = client.generate_text(prompt, max_tokens=24)
     assert longer.cache_status == "miss"
-    assert settled_metric(server, ACCEPTED) > accepted  # the short answer was its draft
+    # the short answer was its draft
+    assert settled_metric(server, ACCEPTED, source="answer") > accepted
+    assert (longer.speculated_tokens or 0) > 0
     plain = client.generate_text(
         prompt, max_tokens=24, cache_control="no-cache, no-store, no-speculate"
     )
-    assert plain.cache_status == "bypass"
+    assert plain.cache_status == "bypass" and plain.speculated_tokens == 0
     assert (plain.text, plain.finish_reason) == (longer.text, longer.finish_reason)
     assert longer.text.startswith(short.text.rstrip())
+
+
+def test_a_miss_the_guard_refused_is_drafted_from_its_neighbours_answer(
+    server: TritonServer, client: TierCacheClient
+) -> None:
+    """embedding_cache names the neighbour the guard refused (another country's capital), llm
+    reads its answer and the engine verifies drafts from it (source `neighbour`); the answer
+    is plain decoding's."""
+    tenant = f"spec-{uuid.uuid4().hex[:8]}"  # a scope of its own: its only neighbour is France
+    first = client.generate_text("What is the capital of France?", max_tokens=16, tenant=tenant)
+    assert first.cache_status == "miss"
+    drafted = settled_metric(server, DRAFTED, source="neighbour")
+    question = "What is the capital of Germany?"
+    second = client.generate_text(question, max_tokens=16, tenant=tenant)
+    assert second.cache_status == "miss"  # refused: France's answer does not answer it
+    assert settled_metric(server, DRAFTED, source="neighbour") > drafted
+    plain = client.generate_text(
+        question, max_tokens=16, tenant=tenant, cache_control="no-cache, no-store, no-speculate"
+    )
+    assert (plain.text, plain.finish_reason) == (second.text, second.finish_reason)

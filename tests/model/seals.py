@@ -102,12 +102,14 @@ def answer_seal(
     similarity: float = 0.0,
     vector: np.ndarray | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
+    neighbours: tuple[str, ...] = (),
 ) -> str:
     """ANSWER_SEAL as embedding_cache makes it for this answer to the envelope `envelope`."""
     from tiercache.stages.embedding_cache import Answer
     from tiercache.stages.embedding_cache import answer_seal as seal
 
-    return seal(sealer, seal_of(envelope), Answer(text, status, similarity, vector, tokens))
+    answer = Answer(text, status, similarity, vector, tokens, neighbours)
+    return seal(sealer, seal_of(envelope), answer)
 
 
 def check_answer(sealer: Sealer, envelope: bytes, outputs: dict[str, Any]) -> None:
@@ -124,6 +126,7 @@ def check_answer(sealer: Sealer, envelope: bytes, outputs: dict[str, Any]) -> No
             "SIMILARITY": float_bytes(outputs["SIMILARITY"]),
             "EMBEDDING": outputs.get("EMBEDDING"),
             "ANSWER_TOKENS": outputs.get("ANSWER_TOKENS"),
+            "NEIGHBOURS": outputs.get("NEIGHBOURS"),
         },
         bound=seal_of(envelope),
         what="embedding_cache's answer",
@@ -139,6 +142,7 @@ def llm_answer(
     vector: np.ndarray | None = None,
     seal: str | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
+    neighbours: tuple[str, ...] = (),
 ) -> list[Any]:
     """embedding_cache's answer as the ensemble hands it to llm (ANSWER_TEXT as CACHED_TEXT,
     ANSWER_STATUS as LOOKUP_STATUS) with its ANSWER_SEAL (`seal`: another one, e.g. a stale one
@@ -148,7 +152,7 @@ def llm_answer(
     from tiercache.triton import io
 
     if seal is None:
-        seal = answer_seal(sealer, envelope, text, status, similarity, vector, tokens)
+        seal = answer_seal(sealer, envelope, text, status, similarity, vector, tokens, neighbours)
     embedding = np.zeros((1, 0), np.float32) if vector is None else vector.reshape(1, -1)
     tensors = [
         io.bytes_tensor("ENVELOPE", [envelope]),
@@ -157,6 +161,7 @@ def llm_answer(
         io.scalar_tensor("SIMILARITY", similarity, np.float32),
         pb_utils.Tensor("EMBEDDING", embedding.astype(np.float32)),
         pb_utils.Tensor("ANSWER_TOKENS", np.array([tokens], dtype=np.int32)),
+        io.bytes_tensor("NEIGHBOURS", [",".join(neighbours)]),
     ]
     if seal:
         tensors.append(io.bytes_tensor("ANSWER_SEAL", [seal]))

@@ -64,6 +64,7 @@ class FakeTorchLlm:
 
         final = [out("TEXT", " there"), out("FINISH_REASON", "stop"), out("GENERATED_TOKENS", 2)]
         final += [out("PROMPT_TOKENS", 3), out("REUSED_TOKENS", 0), out("COMPUTED_TOKENS", 3)]
+        final.append(out("SPECULATED_TOKENS", 1))
         return [pb.InferenceResponse([out("TEXT", "Hello")]), pb.InferenceResponse(final)]
 
 
@@ -121,13 +122,21 @@ def to_llm(
     lora_seal: str | None = None,
     cipher: AdapterCipher | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
+    neighbours: tuple[str, ...] = (),
 ) -> list[Any]:
     """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
     its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` (in clear; closed with
     `cipher` as lora_cache closes them) with their LORA_SEAL (`answer_seal` / `lora_seal`:
     another seal, "" for none)."""
     tensors = seals.llm_answer(
-        sealer, envelope, text, status, similarity, seal=answer_seal, tokens=tokens
+        sealer,
+        envelope,
+        text,
+        status,
+        similarity,
+        seal=answer_seal,
+        tokens=tokens,
+        neighbours=neighbours,
     )
     if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
         return tensors
@@ -338,3 +347,28 @@ def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
     assert counts(served) == (31, 12) and counts(near_served) == (40, 7)
     assert finish(served) == "length" and finish(near_served) == "stop"  # as they were stored
     assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
+
+
+def test_a_miss_drafts_from_the_neighbours_embedding_cache_sealed(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """The answers under the NEIGHBOURS embedding_cache sealed reach the engine as drafts
+    (source `neighbour`; another tenant's answer among them is not passed on), and the final
+    response reports the engine's SPECULATED_TOKENS; a NEIGHBOURS list altered on the way (one
+    more digest: another tenant's answer) is refused."""
+    cache = model.stage.core.cache
+    cache.put(Digest("1" * 64), "a neighbour's answer", tenant_scope=TENANT)
+    cache.put(Digest("2" * 64), "another tenant's answer", tenant_scope=OTHER_TENANT)
+    miss = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
+    sealed = to_llm(pb_utils, sealer, miss, neighbours=("2" * 64, "1" * 64))
+    (answered,) = run(pb_utils, model, [sealed])
+    ((_, request),) = engine.calls
+    assert request is not None and request.drafts == (("neighbour", "a neighbour's answer"),)
+    (final,) = answered
+    speculated = pb_utils_stub.get_output_tensor_by_name(final, "SPECULATED_TOKENS")
+    assert int(speculated.as_numpy().reshape(-1)[0]) == 1
+    forged = [t for t in sealed if t.name() != "NEIGHBOURS"]
+    forged.append(text_tensor(pb_utils, "NEIGHBOURS", "2" * 64))
+    (refused,) = run(pb_utils, model, [forged])
+    assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
+    assert len(engine.calls) == 1

@@ -90,8 +90,10 @@ class FakeEngine:
         tokens_per_block: int,
         kv_pool_max_bytes: int,
         speculate: bool,
+        draft_index_tokens: int,
     ) -> None:
-        self.speculate = speculate  # the stage passes its parameter on
+        self.speculate = speculate  # the stage passes its parameters on
+        self.draft_index_tokens = draft_index_tokens
         self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
         self.kv_pool: KvBlockPool[str] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
 
@@ -111,7 +113,10 @@ class FakeEngine:
         self.kv_pool.release(lease)
         counts = (len(tokens), lease.reused_tokens, lease.computed_tokens)
         yield StreamEvent("Hello", None, 1, *counts)
-        yield StreamEvent(" there", "stop", 2, *counts)
+        # Speculation: each draft it was handed "verified" once, 4 tokens proposed, 3 kept.
+        steps = tuple((source, 4, 3) for source, _ in request.drafts)
+        accepted = sum(step[2] for step in steps)
+        yield StreamEvent(" there", "stop", 2, *counts, 4 * len(steps), accepted, steps)
 
 
 Sender = pb_utils_stub.ResponseSender
@@ -345,6 +350,28 @@ def test_final_response_and_metrics_report_kv_reuse(
         int_output(pb_utils, listed, "REUSED_TOKENS"),
         int_output(pb_utils, listed, "COMPUTED_TOKENS"),
     ) == (0, 0)
+
+
+def test_final_response_and_metrics_report_speculation_by_draft_source(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """SPECULATED_TOKENS on the final response is the draft tokens kept; the draft counters
+    and the accepted-per-step histogram are labelled by source; no drafts: 0."""
+    drafts = (("answer", "a cached answer"), ("neighbour", "a neighbour's"))
+    envelope = envelope_text(sealer, GenerationRequest("Hi", drafts=drafts))
+    final = call(pb_utils, model, sealer, ENVELOPE=envelope)[-1]
+    assert int_output(pb_utils, final, "SPECULATED_TOKENS") == 6
+    plain = call(pb_utils, model, sealer, ENVELOPE=envelope_text(sealer, GenerationRequest("Hi")))
+    assert int_output(pb_utils, plain[-1], "SPECULATED_TOKENS") == 0
+    model.stage.metrics.flush()
+    stage = model.stage
+    assert (stage.drafted["answer"].metric.value(), stage.accepted["answer"].metric.value()) == (
+        4,
+        3,
+    )
+    assert stage.accepted["neighbour"].metric.value() == 3
+    assert stage.drafted["context"].metric.value() == 0
+    assert stage.accepted_per_step["answer"].metric.value() == 1  # one step observed
 
 
 # ---- the engine is internal: unsealed and altered calls are refused ----------------------------

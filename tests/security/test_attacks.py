@@ -506,8 +506,9 @@ def test_oversized_inputs_are_refused_alone(served: Served, field: str, value: A
 
 def test_a_padded_tenant_cannot_tell_a_hit_from_a_miss(served: Served) -> None:
     """The untrusted tenant's miss and hit of one prompt, and a prompt sharing its prefix, all
-    look the same: status "masked", no similarity, KV counts or finish reason, one chunk, and
-    never before the padding floor. A trusted tenant still sees the real statuses."""
+    look the same: status "masked", no similarity, KV or speculated token counts or finish
+    reason, one chunk, and never before the padding floor. A trusted tenant still sees the real
+    statuses."""
     prompt = unique("List three kinds of cloud, briefly.")
     with client(served, "public") as public:
         outcomes = [
@@ -515,10 +516,17 @@ def test_a_padded_tenant_cannot_tell_a_hit_from_a_miss(served: Served) -> None:
             for p in (prompt, prompt, prompt + " And one more.")
         ]
     shapes = {
-        (o.cache_status, o.similarity, o.kv_reused_tokens, o.kv_computed_tokens, o.finish_reason)
+        (
+            o.cache_status,
+            o.similarity,
+            o.kv_reused_tokens,
+            o.kv_computed_tokens,
+            o.speculated_tokens,  # drafts from its cached answers would tell as well
+            o.finish_reason,
+        )
         for o in outcomes
     }
-    assert shapes == {("masked", None, None, None, None)}
+    assert shapes == {("masked", None, None, None, None, None)}
     assert {o.chunks for o in outcomes} == {1}
     assert all(o.latency_s >= PADDING_MS / 1000 for o in outcomes)
     assert outcomes[0].text == outcomes[1].text

@@ -465,8 +465,14 @@ def test_cli_generate_json(
         "first_chunk_ms",
         "kv_reused_tokens",
         "kv_computed_tokens",
+        "speculated_tokens",
     }
-    assert (record["kv_reused_tokens"], record["kv_computed_tokens"]) == (None, None)  # a hit
+    # a hit: no engine counts
+    assert (
+        record["kv_reused_tokens"],
+        record["kv_computed_tokens"],
+        record["speculated_tokens"],
+    ) == (None, None, None)
 
 
 @pytest.mark.parametrize(

@@ -1,59 +1,147 @@
 """Draft tokens for speculative decoding (tiercache.engine.drafts): aligned cached answers, n-gram
-matches in answers and the prompt, the longest continuation wins, the length adapts."""
+matches in answers, the scope's answer index and the context (prompt and generated tokens), the
+longest continuation wins, the length adapts, rejected n-gram drafts back off."""
 
 from __future__ import annotations
 
 import pytest
 
-from tiercache.engine.drafts import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS, Drafter
+from tiercache.engine.drafts import (
+    MAX_BACKOFF_STEPS,
+    MAX_DRAFT_TOKENS,
+    MIN_DRAFT_TOKENS,
+    AnswerIndex,
+    Drafter,
+)
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+SCOPE, OTHER = b"scope-a", b"scope-b"
 
 
 def test_an_aligned_answer_proposes_its_next_tokens_while_the_generation_follows_it() -> None:
-    drafter = Drafter([[10, 11, 12, 13, 14, 15]], PROMPT, length=4)
-    assert drafter.propose([*PROMPT, 10], [10], limit=10) == [11, 12, 13, 14]
-    assert drafter.propose([*PROMPT, 10, 11, 12], [10, 11, 12], limit=2) == [13, 14]
+    drafter = Drafter([("answer", [10, 11, 12, 13, 14, 15])], PROMPT, length=4)
+    assert drafter.propose([10], limit=10) == [11, 12, 13, 14]
+    assert drafter.source == "answer"
+    assert drafter.propose([10, 11, 12], limit=2) == [13, 14]
     # the generation left the answer: no aligned draft, and no n-gram of it matches
-    assert drafter.propose([*PROMPT, 10, 99], [10, 99], limit=10) == []
+    assert drafter.propose([10, 11, 12, 99], limit=10) == []
+    assert drafter.source is None
 
 
-def test_an_ngram_of_the_context_proposes_what_followed_it_last() -> None:
-    drafter = Drafter([[50, 60, 70, 80, 60, 70, 90, 91]], aligned_answers=False, length=8)
-    # "60 70" last occurs before 90: the latest occurrence's continuation
-    assert drafter.propose([5, 60, 70], [60, 70], limit=8) == [90, 91]
+def test_an_ngram_of_an_answer_proposes_what_followed_its_latest_occurrence() -> None:
+    answer = [50, 60, 70, 80, 60, 70, 90, 91]
+    drafter = Drafter([("neighbour", answer)], [5], length=8)
+    # "60 70" last occurs before 90 (not aligned: the generation did not start with 50)
+    assert drafter.propose([60, 70], limit=8) == [90, 91]
+    assert drafter.source == "neighbour"
     # the longest matching suffix wins over a shorter one: "50 60 70" -> 80 ...
-    assert drafter.propose([50, 60, 70], [50, 60, 70], limit=3) == [80, 60, 70]
-    assert drafter.propose([5, 6, 7], [7], limit=8) == []  # nothing matches
+    other = Drafter([("neighbour", answer)], [5, 50], length=8)
+    assert other.propose([60, 70], limit=3) == [80, 60, 70]
 
 
-def test_the_prompt_is_matched_by_ngram_only() -> None:
+def test_the_context_is_matched_by_ngram_and_a_repeating_run_continues() -> None:
     drafter = Drafter([], PROMPT, length=8)
-    assert drafter.propose([*PROMPT, 3, 4], [3, 4], limit=3) == [5, 6, 7]
-    assert drafter.propose([*PROMPT, 1], [1], limit=3) == []  # one token is under min_ngram
+    assert drafter.propose([3, 4], limit=3) == [5, 6, 7]  # the prompt's n-gram
+    assert drafter.source == "context"
+    looping = Drafter([], [100], length=8)
+    # "7 8 9 7 8": "7 8" occurred 3 tokens back, so the run of period 3 goes on
+    assert looping.propose([7, 8, 9, 7, 8], limit=8) == [9, 7, 8, 9, 7, 8, 9, 7]
+    assert Drafter([], PROMPT).propose([1], limit=3) == []  # one token is under the n-gram
 
 
 def test_the_longest_continuation_of_all_sources_is_proposed() -> None:
     short = [3, 4, 5]  # an answer whose n-gram "3 4" continues with one token
-    drafter = Drafter([short], PROMPT, aligned_answers=False, length=8)
-    assert drafter.propose([9, 3, 4], [3, 4], limit=8) == [5, 6, 7, 8]  # the prompt's is longer
+    drafter = Drafter([("neighbour", short)], PROMPT, length=8)
+    # the prompt's is longer (and runs on periodically: 5 6 7 8 9 3 4 again)
+    assert drafter.propose([9, 3, 4], limit=8) == [5, 6, 7, 8, 9, 3, 4, 5]
+    assert drafter.source == "context"
 
 
-def test_the_draft_length_adapts_to_acceptance() -> None:
-    drafter = Drafter([[1]], length=8)
+def test_the_scope_index_drafts_from_earlier_answers_of_its_scope_only() -> None:
+    index = AnswerIndex(max_tokens=100)
+    index.add(SCOPE, [40, 41, 42, 43, 44])
+    assert index.view(OTHER) is None
+    drafter = Drafter([], [1], index=index.view(SCOPE), length=8)
+    assert drafter.propose([40, 41, 42], limit=8) == [43, 44]
+    assert drafter.source == "index"
+    assert Drafter([], [1], index=index.view(OTHER)).propose([40, 41, 42], limit=8) == []
+    # two tokens in common with another prompt's answer are chance: three are needed
+    assert Drafter([], [1], index=index.view(SCOPE)).propose([41, 42], limit=8) == []
+
+
+def test_the_answer_index_keeps_to_its_budget_dropping_the_least_recent_first() -> None:
+    index = AnswerIndex(max_tokens=20)
+    index.add(SCOPE, list(range(100, 108)))  # 8 tokens
+    index.add(OTHER, list(range(200, 208)))  # 16
+    index.add(SCOPE, list(range(100, 108)))  # the same answer again: not kept twice
+    assert index.tokens == 16
+    index.add(OTHER, list(range(300, 308)))  # 24 > 20: down to 15, SCOPE (least recent) first
+    assert index.tokens <= 15 and index.view(SCOPE) is None
+    view = index.view(OTHER)
+    assert view is not None and Drafter([], [1], index=view).propose([300, 301, 302], 4) == [
+        303,
+        304,
+        305,
+        306,
+    ]
+    index.add(SCOPE, list(range(500, 530)))  # over the whole budget: not kept
+    assert index.view(SCOPE) is None
+    assert AnswerIndex(max_tokens=0).view(SCOPE) is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        AnswerIndex(max_tokens=-1)
+
+
+def test_the_draft_length_adapts_to_acceptance_per_source() -> None:
+    drafter = Drafter([("answer", [1])], length=8)
+    drafter.source = "answer"
     drafter.accepted(8, 8)
-    assert drafter.length == 16
+    assert drafter.by_source["answer"].length == 16
     for _ in range(5):
-        drafter.accepted(drafter.length, drafter.length)
-    assert drafter.length == MAX_DRAFT_TOKENS
-    drafter.accepted(32, 3)
-    assert drafter.length == 4
+        drafter.accepted(drafter.by_source["answer"].length, drafter.by_source["answer"].length)
+    assert drafter.by_source["answer"].length == MAX_DRAFT_TOKENS
+    drafter.accepted(32, 5)
+    assert drafter.by_source["answer"].length == 6
+    drafter.accepted(6, 1)
+    assert drafter.by_source["answer"].length == MIN_DRAFT_TOKENS
+    drafter.source = "context"
+    drafter.accepted(8, 0)
+    assert drafter.by_source["context"].length == MIN_DRAFT_TOKENS
+    assert drafter.by_source["answer"].length == MIN_DRAFT_TOKENS  # each its own
+    assert (drafter.proposed, drafter.accepted_total) == (
+        8 + 16 + 32 * 4 + 32 + 6 + 8,
+        8 + 16 + 32 * 4 + 5 + 1,
+    )
+    assert drafter.by_source["context"].drafts == 1
+    assert drafter.steps[-2:] == [("answer", 6, 1), ("context", 8, 0)]
+
+
+def test_a_source_rejected_whole_sits_out_while_the_others_go_on() -> None:
+    answer = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    drafter = Drafter([("answer", answer)], [3, 4, 5, 3, 4], length=4)
+    assert drafter.propose([3, 4], limit=4) == [3, 4, 3, 4]  # the context's latest "3 4"
+    assert drafter.source == "context"
     drafter.accepted(4, 0)
-    assert drafter.length == MIN_DRAFT_TOKENS
-    assert (drafter.steps, drafter.accepted_total) == (8, 8 + 16 + 32 * 4 + 3 + 0)
+    assert drafter.propose([3, 4], limit=4) == []  # the context sits out one step
+    assert drafter.propose([3, 4], limit=4) == [3, 4, 3, 4]
+    drafter.accepted(4, 0)
+    assert [drafter.propose([3, 4], limit=4) for _ in range(2)] == [[], []]  # then two
+    assert drafter.propose([3, 4], limit=4) != []
+    drafter.accepted(4, 1)  # one kept: the pause is over, the next rejection starts at 1
+    drafter.accepted(4, 0)
+    assert drafter.propose([3, 4], limit=4) == []
+    # the cached answer is not paused by the context's rejections
+    aligned = Drafter([("answer", answer)], [3, 4, 5, 3, 4], length=4)
+    aligned.source = "context"
+    aligned.accepted(4, 0)
+    assert aligned.propose([10], limit=4) == [11, 12, 13, 14]
+    assert aligned.source == "answer"
+    many = Drafter([], [3, 4, 5, 3, 4])
+    for _ in range(10):
+        many.source = "context"
+        many.accepted(4, 0)
+    assert many.by_source["context"].backoff == MAX_BACKOFF_STEPS + 1
 
 
-def test_no_sources_no_drafts_and_bad_ngram_bounds_refused() -> None:
-    assert Drafter().empty and Drafter().propose([1, 2], [2], 8) == []
-    with pytest.raises(ValueError, match="min_ngram"):
-        Drafter(min_ngram=3, max_ngram=2)
+def test_no_sources_no_drafts() -> None:
+    assert Drafter().propose([2], 8) == []
+    assert Drafter([("answer", [])]).propose([2], 8) == []

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiercache.engine.drafts import AnswerIndex  # noqa: E402
 from tiercache.engine.kv_cache import KvBlockPool  # noqa: E402
 from tiercache.exact.request import GenerationRequest  # noqa: E402
 
@@ -43,6 +44,7 @@ def engine() -> Iterator[Any]:
 @pytest.fixture(autouse=True)
 def fresh(engine: Any) -> Iterator[None]:
     engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+    engine.answers = AnswerIndex()  # each test starts without earlier tests' answers
     yield
     engine.speculate = True
 
@@ -62,8 +64,11 @@ class Counted:
 
 
 def run(engine: Any, request: GenerationRequest, drafts: tuple[str, ...], speculate: bool) -> Any:
+    """The answer, finish reason and token count, with `drafts` as the cached answers llm
+    would send (source `answer`)."""
     engine.speculate = speculate
-    events = list(engine.generate(replace(request, drafts=drafts)))
+    pairs = tuple(("answer", text) for text in drafts)
+    events = list(engine.generate(replace(request, drafts=pairs)))
     final = events[-1]
     return "".join(e.text for e in events), final.finish_reason, final.generated_tokens
 
@@ -82,7 +87,8 @@ def test_a_draft_the_model_agrees_with_saves_passes_and_changes_nothing(
     assert spec == plain
     assert counted.calls <= plain_passes // 3  # prefill + a few verifications of long drafts
     drafter = engine.last_drafter  # every draft token accepted: each step adds one of its own
-    assert drafter.accepted_total == drafter.proposed >= MAX_TOKENS - 1 - 2 * drafter.steps
+    steps = len(drafter.steps)
+    assert drafter.accepted_total == drafter.proposed >= MAX_TOKENS - 1 - 2 * steps
 
 
 @pytest.mark.parametrize(
@@ -124,6 +130,27 @@ def test_with_prefix_kv_reuse_across_block_boundaries(engine: Any) -> None:
     warm = run(engine, first, (answer,), speculate=True)  # stores the prompt's blocks
     again = run(engine, first, (answer,), speculate=True)  # reuses them
     assert warm == again == run(engine, first, (answer,), speculate=False)
+
+
+def test_the_engines_recent_answers_draft_later_requests_of_their_scope_only(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculated greedy answer joins the answer index of its scope (model, tenant, adapter):
+    the same question asked again with a larger max_tokens, with no drafts sent, is drafted
+    from it in its own tenant scope, and not in another tenant's; both answers are plain
+    decoding's."""
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS, tenant_scope="a" * 64)
+    run(engine, request, (), speculate=True)
+    longer = replace(request, max_tokens=MAX_TOKENS + 8)
+    plain = run(engine, longer, (), speculate=False)
+    assert run(engine, longer, (), speculate=True) == plain
+    same_scope = engine.last_drafter.by_source.get("index")
+    assert same_scope is not None and same_scope.accepted >= MAX_TOKENS // 2
+    other = replace(longer, tenant_scope="b" * 64)
+    assert run(engine, other, (), speculate=True) == plain
+    assert "index" not in engine.last_drafter.by_source
+    events = list(engine.generate(replace(longer, tenant_scope="c" * 64)))
+    assert events[-1].accepted_tokens == sum(a for _, _, a in events[-1].draft_steps)
 
 
 def test_sampled_requests_are_not_speculated(engine: Any) -> None:

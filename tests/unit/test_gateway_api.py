@@ -110,12 +110,15 @@ def test_finish_reasons_are_openai_s() -> None:
 
 
 def test_usage_is_openai_s_object_and_absent_without_counts() -> None:
-    outcome = api.Outcome(text="x", prompt_tokens=30, completion_tokens=5, cached_tokens=16)
+    outcome = api.Outcome(
+        text="x", prompt_tokens=30, completion_tokens=5, cached_tokens=16, speculated_tokens=3
+    )
     assert api.usage(outcome) == {
         "prompt_tokens": 30,
         "completion_tokens": 5,
         "total_tokens": 35,
         "prompt_tokens_details": {"cached_tokens": 16},
+        "completion_tokens_details": {"accepted_prediction_tokens": 3},
     }
     assert api.usage(api.Outcome(text="x")) is None  # a padded tenant's answer
     gen = parse(chat(stream=True, stream_options={"include_usage": True}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import pytest
 
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.flights import EngineUsage
 from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseState
 from tiercache.exact.request import GenerationRequest
@@ -53,11 +55,11 @@ class Recorder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
-        self.prompt_usage = prompt_usage
+        self.usage = usage
         self.finish_reason = finish_reason
         if similarity is None:
             self._record("final", text, status, last=True)
@@ -155,7 +157,7 @@ def test_identical_misses_coalesce_into_one_generation(cache: TieredCache) -> No
     engine.gate.set()
     for r in responders:
         assert r.wait() == [("final", "Hello", "miss")]
-        assert r.prompt_usage == (32, 8)  # every subscriber: the one generation's prefix reuse
+        assert r.usage == EngineUsage(32, 8)  # every subscriber: the one generation's prefix reuse
     stats = stage.stats()
     assert engine.calls == 1
     assert (stats.generations, stats.coalesced, stats.write_backs, stats.in_flight) == (1, 15, 1, 0)
@@ -533,7 +535,7 @@ def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCac
     """The answer kept under the draft digest reaches the engine as its draft; the new answer,
     once stored, is kept there for the next request of the prompt (with the answer's tenant
     and adapter, so their invalidations drop it too); `no-speculate` reads no draft."""
-    seen: list[tuple[str, ...]] = []
+    seen: list[tuple[tuple[str, str], ...]] = []
 
     class Drafted(FakeEngine):
         def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
@@ -541,16 +543,17 @@ def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCac
             return super().__call__(request)
 
     drafts = Digest("f" * 64)
-    request = GenerationRequest(prompt="hi", tenant_scope="s" * 64, lora_digest="a" * 64)
-    cache.put(drafts, "Hello there, a longer answer")
+    tenant, adapter = "s" * 64, "a" * 64
+    request = GenerationRequest(prompt="hi", tenant_scope=tenant, lora_digest=adapter)
+    cache.put(drafts, "Hello there, a longer answer", tenant_scope=tenant, adapter=adapter)
     stage = make_stage(cache, Drafted())
     first = Recorder()
     stage.submit_miss(request, DIGEST, "miss", True, first, draft_digest=drafts)
     assert first.wait() == [("final", "Hello", "miss")]  # stored (and kept) before it is sent
-    assert seen == [("Hello there, a longer answer",)]
+    assert seen == [(("answer", "Hello there, a longer answer"),)]
     kept = cache.get(drafts)
     assert kept is not None and kept.entry.text == "Hello"
-    assert (kept.entry.tenant_scope, kept.entry.adapter) == ("s" * 64, "a" * 64)
+    assert (kept.entry.tenant_scope, kept.entry.adapter) == (tenant, adapter)
     quiet = Recorder()
     other = Digest("e" * 64)
     stage.submit_miss(
@@ -559,4 +562,44 @@ def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCac
     )  # fmt: skip
     quiet.wait()
     assert seen[-1] == ()
+    stage.close()
+
+
+def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
+    cache: TieredCache,
+) -> None:
+    """The answers under the neighbours embedding_cache named go to the engine after the
+    prompt's own, each only if it belongs to the request's tenant scope and adapter (a forged
+    or damaged index row never carries another tenant's or adapter's text into the engine),
+    once per text; a missing one is skipped."""
+    seen: list[tuple[tuple[str, str], ...]] = []
+
+    class Drafted(FakeEngine):
+        def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+            seen.append(request.drafts)
+            return super().__call__(request)
+
+    tenant, adapter = "s" * 64, "a" * 64
+    own, near, same_text, foreign, other_adapter, gone = (Digest(c * 64) for c in "123456")
+    cache.put(own, "the prompt's answer", tenant_scope=tenant, adapter=adapter)
+    cache.put(near, "a neighbour's answer", tenant_scope=tenant, adapter=adapter)
+    cache.put(same_text, "a neighbour's answer", tenant_scope=tenant, adapter=adapter)
+    cache.put(foreign, "another tenant's answer", tenant_scope="t" * 64, adapter=adapter)
+    cache.put(other_adapter, "another adapter's answer", tenant_scope=tenant, adapter="b" * 64)
+    stage = make_stage(cache, Drafted())
+    request = GenerationRequest(prompt="hi", tenant_scope=tenant, lora_digest=adapter)
+    done = Recorder()
+    stage.submit_miss(
+        request, DIGEST, "miss", False, done, draft_digest=own,
+        neighbours=(foreign, gone, near, other_adapter, same_text),
+    )  # fmt: skip
+    done.wait()
+    assert seen == [(("answer", "the prompt's answer"), ("neighbour", "a neighbour's answer"))]
+    sampled = Recorder()
+    stage.submit_miss(
+        dataclasses.replace(request, temperature=0.7, seed=1), Digest("9" * 64), "miss",
+        False, sampled, neighbours=(near,),
+    )  # fmt: skip
+    sampled.wait()
+    assert seen[-1] == ()  # sampled requests are not speculated: nothing read
     stage.close()

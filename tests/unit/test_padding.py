@@ -10,6 +10,7 @@ import pytest
 
 from tiercache.config import LlmConfig
 from tiercache.errors import ConfigError
+from tiercache.exact.flights import EngineUsage
 from tiercache.exact.keys import tenant_scope
 from tiercache.padding import (
     MASKED_STATUS,
@@ -65,11 +66,11 @@ class RecordingResponder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
-        self.sent.append(("final", text, status, similarity, prompt_usage))
+        self.sent.append(("final", text, status, similarity, usage))
         if finish_reason is not None:
             self.sent.append(("finish", finish_reason))
 
@@ -131,12 +132,12 @@ def test_held_stream_chunks_leave_in_order_then_later_ones_pass_through() -> Non
     scheduler.run_due(100.5)
     clock.now_s = 100.6
     responder.send_chunk("c")
-    responder.send_final(None, "miss", prompt_usage=(32, 5))
+    responder.send_final(None, "miss", usage=EngineUsage(32, 5))
     assert inner.sent == [
         ("chunk", "a"),
         ("chunk", "b"),
         ("chunk", "c"),
-        ("final", None, "miss", None, (32, 5)),
+        ("final", None, "miss", None, EngineUsage(32, 5)),
     ]
 
 

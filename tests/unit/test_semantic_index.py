@@ -213,6 +213,41 @@ def test_stage_guard_rejection_and_stale_answers(tmp_path: Path) -> None:
     assert stale.lookup(["q"], ["scope"])[0].outcome is SemanticOutcome.STALE
 
 
+def test_a_lookup_that_does_not_hit_names_its_nearest_neighbours_as_drafts(
+    tmp_path: Path,
+) -> None:
+    """Refused, stale or under the similarity floor: the nearest rows at or above the draft
+    floor are named (nearest first, at most draft_neighbours); a hit names none; 0 names none."""
+    embed = _Embed({"q": unit(1, 0)})
+    stage = _stage(tmp_path / "a", embed, accept_all=False)
+    stage.draft_neighbours, stage.draft_min_similarity = 2, 0.3
+    stage.index.add("scope", "near", "p1", unit(1, 0.1))
+    stage.index.add("scope", "nearer", "p2", unit(1, 0.01))
+    stage.index.add("scope", "farther", "p3", unit(1, 0.6))  # cosine ~0.86: third, left out
+    stage.index.add("scope", "far", "p4", unit(0, 1))  # cosine 0: under the draft floor
+    (refused,) = stage.lookup(["q"], ["scope"])
+    assert refused.outcome is SemanticOutcome.REJECTED
+    assert refused.drafts == ("nearer", "near")
+    stale = _stage(tmp_path / "b", embed)
+    stale.draft_neighbours, stale.draft_min_similarity = 4, 0.3
+    stale.index.add("scope", "gone", "p", unit(1, 0))
+    assert stale.lookup(["q"], ["scope"])[0].drafts == ("gone",)  # llm finds nothing: skipped
+    below = _stage(tmp_path / "c", embed)  # min_similarity 0.5: no candidate, one draft
+    below.draft_neighbours, below.draft_min_similarity = 2, 0.3
+    below.index.add("scope", "loose", "p", unit(1, 2))  # cosine 0.45
+    (miss,) = below.lookup(["q"], ["scope"])
+    assert miss.outcome is SemanticOutcome.MISS and miss.drafts == ("loose",)
+    hit = _stage(tmp_path / "d", embed)
+    hit.draft_neighbours = 2
+    hit.answers.store(Tier.L1).put("d", CacheEntry("a", 0.0))  # type: ignore[union-attr]
+    hit.index.add("scope", "d", "p", unit(1, 0))
+    (served,) = hit.lookup(["q"], ["scope"])
+    assert served.outcome is SemanticOutcome.HIT and served.drafts == ()
+    off = _stage(tmp_path / "e", embed, accept_all=False)  # draft_neighbours 0 by default
+    off.index.add("scope", "d", "p", unit(1, 0))
+    assert off.lookup(["q"], ["scope"])[0].drafts == ()
+
+
 def test_stage_ignores_candidates_under_the_similarity_floor(tmp_path: Path) -> None:
     embed = _Embed({"q": unit(1, 0)})
     stage = _stage(tmp_path, embed)

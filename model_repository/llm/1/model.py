@@ -11,8 +11,9 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
+from tiercache.exact.flights import EngineUsage
 from tiercache.stages.llm import LlmInput, LlmStage, open_llm
-from tiercache.stages.seal import Part, answer_tensors, lora_inputs, tokens_of
+from tiercache.stages.seal import Part, answer_tensors, lora_inputs, neighbours_of, tokens_of
 from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
@@ -36,7 +37,7 @@ class Responder:
         text: str | None,
         status: str,
         similarity: float | None = None,
-        prompt_usage: tuple[int, int] | None = None,
+        usage: EngineUsage | None = None,
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
@@ -48,10 +49,10 @@ class Responder:
             outputs.append(io.bytes_tensor("FINISH_REASON", [finish_reason]))
         if similarity is not None:
             outputs.append(io.scalar_tensor("CACHE_SIMILARITY", similarity, np.float32))
-        if prompt_usage is not None:
-            reused, computed = prompt_usage
-            outputs.append(io.scalar_tensor("KV_REUSED_TOKENS", reused, np.int32))
-            outputs.append(io.scalar_tensor("KV_COMPUTED_TOKENS", computed, np.int32))
+        if usage is not None:
+            outputs.append(io.scalar_tensor("KV_REUSED_TOKENS", usage.reused_tokens, np.int32))
+            outputs.append(io.scalar_tensor("KV_COMPUTED_TOKENS", usage.computed_tokens, np.int32))
+            outputs.append(io.scalar_tensor("SPECULATED_TOKENS", usage.speculated_tokens, np.int32))
         if text is not None:
             outputs.insert(0, io.bytes_tensor("TEXT_OUTPUT", [text]))
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
@@ -71,7 +72,8 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     similarity = inputs.number("SIMILARITY")
     vector = inputs.vector("EMBEDDING")
     tokens = inputs.vector("ANSWER_TOKENS")
-    answer = answer_tensors(cached_text, status, similarity, vector, tokens)
+    neighbours = inputs.string("NEIGHBOURS")
+    answer = answer_tensors(cached_text, status, similarity, vector, tokens, neighbours)
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
         counts = tokens_of(tokens)
@@ -88,6 +90,7 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
         similarity=similarity,
         vector=None if vector is None else vector.astype(np.float32),
         lora=lora,
+        neighbours=neighbours_of(neighbours),
     )
 
 

@@ -46,7 +46,14 @@ class Sink:
         self.sender.send(pb_utils.InferenceResponse([chunk]))
 
     def send_final(
-        self, text: str, finish_reason: str, generated: int, prompt: int, reused: int, computed: int
+        self,
+        text: str,
+        finish_reason: str,
+        generated: int,
+        prompt: int,
+        reused: int,
+        computed: int,
+        speculated: int = 0,
     ) -> None:
         response = pb_utils.InferenceResponse(
             [
@@ -56,6 +63,7 @@ class Sink:
                 io.scalar_tensor("PROMPT_TOKENS", prompt, np.int32, False),
                 io.scalar_tensor("REUSED_TOKENS", reused, np.int32, False),
                 io.scalar_tensor("COMPUTED_TOKENS", computed, np.int32, False),
+                io.scalar_tensor("SPECULATED_TOKENS", speculated, np.int32, False),
             ]
         )
         self.sender.send(response, flags=FINAL)

@@ -24,3 +24,6 @@ class StreamEvent:
     # a forward pass saved, less the verification's extra cost); 0 and 0 when not speculated.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # On the last event of a speculated generation: (draft source, proposed, accepted) per
+    # verification step (tiercache.engine.drafts), for the engine's metrics.
+    draft_steps: tuple[tuple[str, int, int], ...] = ()

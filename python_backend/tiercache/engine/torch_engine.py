@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
-from tiercache.engine.drafts import Drafter
+from tiercache.engine.drafts import DEFAULT_INDEX_TOKENS, AnswerIndex, Drafter
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import (
     BlockHash,
@@ -126,9 +126,13 @@ class TorchEngine:
         tokens_per_block: int = 32,
         kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
         speculate: bool = True,
+        draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
     ) -> None:
-        """`speculate`: verify drafted tokens in one forward pass (greedy requests only)."""
+        """`speculate`: verify drafted tokens in one forward pass (greedy requests only), drafted
+        also from the engine's recent answers in the request's scope (`answers`, up to
+        `draft_index_tokens` tokens over all scopes; 0: none)."""
         self.speculate = speculate
+        self.answers = AnswerIndex(draft_index_tokens)
         self.last_drafter: Drafter | None = None  # the last request's drafter (its counts)
         self.source = source
         self.identity = source.identity
@@ -190,27 +194,31 @@ class TorchEngine:
         sampler = _Sampler(request, self.device)
         detok = _Detokenizer(self.tokenizer, request.stop_words)
         prompt_list = input_ids[0].tolist()
+        scope = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
         drafter = None
         if self.speculate and request.speculate and request.greedy:
             answers = [
-                self.tokenizer.encode(d, add_special_tokens=False) for d in request.drafts if d
+                (source, self.tokenizer.encode(text, add_special_tokens=False))
+                for source, text in request.drafts
             ]
-            drafter = Drafter(answers, prompt_list)
+            drafter = Drafter(answers, prompt_list, index=self.answers.view(scope))
         self.last_drafter = drafter
         generated: list[int] = []
         hashes: list[BlockHash] = []
         lease: KvLease[torch.Tensor] | None = None
         if self.kv_reuse:
-            salt = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
-            hashes = block_hashes(prompt_list, self.kv_pool.tokens_per_block, salt)
+            hashes = block_hashes(prompt_list, self.kv_pool.tokens_per_block, scope)
             lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
         reused = 0 if lease is None else lease.reused_tokens
         computed = prompt_tokens - reused
 
         def event(text: str, finish_reason: str | None) -> StreamEvent:
-            drafted = accepted = 0
-            if drafter is not None:
-                drafted, accepted = drafter.proposed, drafter.accepted_total
+            if finish_reason is None or drafter is None:
+                return StreamEvent(
+                    text, finish_reason, len(generated), prompt_tokens, reused, computed
+                )
+            if finish_reason in ("stop", "length") and self.speculate:
+                self.answers.add(scope, generated)  # a draft source for the scope's next ones
             return StreamEvent(
                 text,
                 finish_reason,
@@ -218,8 +226,9 @@ class TorchEngine:
                 prompt_tokens,
                 reused,
                 computed,
-                drafted,
-                accepted,
+                drafter.proposed,
+                drafter.accepted_total,
+                tuple(drafter.steps),
             )
 
         pending = ""  # text of the tokens taken this step, sent with the step's event
@@ -258,7 +267,7 @@ class TorchEngine:
                     draft: list[int] = []
                     if drafter is not None:
                         room = request.max_tokens - len(generated)
-                        draft = drafter.propose(prompt_list + generated, generated, room)
+                        draft = drafter.propose(generated, room)
                     if not draft:
                         if pending:
                             yield event(pending, None)

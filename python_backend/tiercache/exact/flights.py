@@ -16,6 +16,21 @@ from dataclasses import dataclass, field
 from tiercache.errors import TierCacheError, Unavailable
 
 
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    """What a flight's generation cost the engine, as llm reports it: prompt tokens served from
+    the prefix KV pool and computed, and answer tokens taken from verified drafts (speculative
+    decoding; each one a forward pass saved, less the verification's extra cost)."""
+
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    speculated_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.reused_tokens + self.computed_tokens
+
+
 @dataclass(slots=True)
 class Flight:
     """Chunks of one generation, readable by many subscribers while it is being written."""
@@ -27,7 +42,7 @@ class Flight:
     subscribers: int = 0
     followers: int = 0
     # (reused, computed) prompt tokens of the generation, once the engine reported them.
-    prompt_usage: tuple[int, int] | None = None
+    usage: EngineUsage | None = None
     # How the generation ended (the engine's finish reason), once it did.
     finish_reason: str | None = None
     # Tokens the generation produced, once it ended.

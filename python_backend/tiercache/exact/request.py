@@ -258,11 +258,11 @@ class GenerationRequest:
     # engine tokenizes it without the chat template. Never with `history`.
     raw_prompt: bool = False
     # Whether the engine may decode it speculatively (cache_control `no-speculate` turns it
-    # off), and the texts it may draft from (cached answers in the request's own scope, set by
-    # llm from the cache for the engine call); not in the key: the answer is the same either
-    # way.
+    # off), and the texts it may draft from, as (source, text) pairs (cached answers in the
+    # request's own scope, sources REQUEST_DRAFT_SOURCES, set by llm from the cache for the
+    # engine call); not in the key: the answer is the same either way.
     speculate: bool = True
-    drafts: tuple[str, ...] = ()
+    drafts: tuple[tuple[str, str], ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -178,6 +178,7 @@ class Gateway:
                     outcome.prompt_tokens = _count(result, "prompt_tokens")
                     outcome.completion_tokens = _count(result, "completion_tokens")
                     outcome.cached_tokens = _count(result, "kv_reused_tokens") or 0
+                    outcome.speculated_tokens = _count(result, "speculated_tokens") or 0
                     yield outcome
                     return
         finally:

@@ -243,10 +243,12 @@ class Outcome:
     similarity: float | None = None
     finish_reason: str | None = None
     # The answer's token counts (a generation's own; a hit's stored generation's), and the
-    # prompt tokens this request served from the engine's prefix KV cache (a generation only).
+    # prompt tokens this request served from the engine's prefix KV cache, and its answer tokens
+    # taken from verified drafts (speculative decoding; a generation only).
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int = 0
+    speculated_tokens: int = 0
 
 
 OPENAI_FINISH_REASONS = frozenset({"stop", "length", "content_filter"})
@@ -278,6 +280,9 @@ def usage(outcome: Outcome) -> dict[str, Any] | None:
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        # OpenAI's field for answer tokens confirmed from a prediction: here, from the drafts
+        # speculative decoding verified (docs/speculation.md).
+        "completion_tokens_details": {"accepted_prediction_tokens": outcome.speculated_tokens},
     }
 
 

@@ -44,6 +44,9 @@ class SemanticLookup:
     # A hit's stored answer's token accounting (tiercache.exact.codec.token_accounting): that of
     # the generation that produced it, for the reworded prompt it answered.
     tokens: tuple[int, int, int] = (0, 0, 0)
+    # Not a hit: the answer digests of the nearest neighbours at or above the draft floor
+    # (refused ones included), nearest first; llm drafts a speculative decoding from them.
+    drafts: tuple[str, ...] = ()
 
 
 class EmbeddingCache:
@@ -58,9 +61,13 @@ class EmbeddingCache:
         top_k: int = 5,
         min_similarity: float = 0.6,
         screen: Callable[[str], str | None] = lambda text: None,
+        draft_neighbours: int = 0,
+        draft_min_similarity: float = 0.5,
     ) -> None:
         """`screen` says why a prompt is kept out of the semantic cache ("too_long",
-        "unsupported"; `tiercache.semantic.embedder.Screen.check`), or None to take it."""
+        "unsupported"; `tiercache.semantic.embedder.Screen.check`), or None to take it.
+        A lookup that does not hit names up to `draft_neighbours` neighbours at or above
+        `draft_min_similarity` as drafts (`SemanticLookup.drafts`)."""
         self.vectors = vectors
         self.index = index
         self.answers = answers
@@ -70,6 +77,8 @@ class EmbeddingCache:
         self.top_k = top_k
         self.min_similarity = min_similarity
         self._screen = screen
+        self.draft_neighbours = draft_neighbours
+        self.draft_min_similarity = draft_min_similarity
         self.scope_mismatches = 0  # candidates refused: their answer is another tenant's
 
     def vectors_for(
@@ -104,16 +113,18 @@ class EmbeddingCache:
         (its cache entry's `tenant_scope`) before it is served: a row written with another
         tenant's answer digest (a forged shared row, a damaged log) is refused, counted in
         `scope_mismatches` and logged, and treated as a stale candidate."""
-        neighbours = [
-            n
-            for n in self.index.search(scope, vector, self.top_k)
-            if n.similarity >= self.min_similarity
+        found_rows = self.index.search(scope, vector, self.top_k)
+        drafts = tuple(n.digest for n in found_rows if n.similarity >= self.draft_min_similarity)[
+            : self.draft_neighbours
         ]
+        neighbours = [n for n in found_rows if n.similarity >= self.min_similarity]
         outcome = SemanticOutcome.MISS
         while neighbours:
             chosen = self._choose(prompt, [(n.prompt, n.similarity) for n in neighbours])
             if chosen is None:
-                return SemanticLookup(SemanticOutcome.REJECTED, vector, vector_cached=cached)
+                return SemanticLookup(
+                    SemanticOutcome.REJECTED, vector, vector_cached=cached, drafts=drafts
+                )
             neighbour = neighbours.pop(chosen)
             found = self.answers.get(neighbour.digest)
             if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
@@ -129,7 +140,7 @@ class EmbeddingCache:
                     token_accounting(entry),
                 )
             outcome = SemanticOutcome.STALE
-        return SemanticLookup(outcome, vector, vector_cached=cached)
+        return SemanticLookup(outcome, vector, vector_cached=cached, drafts=drafts)
 
     def _same_tenant(self, answer_scope: str, tenant_scope: str | None) -> bool:
         if tenant_scope is None or answer_scope == tenant_scope:

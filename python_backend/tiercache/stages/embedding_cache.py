@@ -28,6 +28,7 @@ from tiercache.stages.seal import (
     Sealer,
     Tokens,
     answer_tensors,
+    neighbours_text,
     seal_tensors,
     tokens_array,
 )
@@ -46,6 +47,8 @@ class Answer:
     similarity: float = 0.0
     vector: np.ndarray | None = None  # the prompt's vector (llm indexes it with a new answer)
     tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
+    # A miss's nearest neighbours' answer digests (refused ones too): llm drafts from them.
+    neighbours: tuple[str, ...] = ()
 
 
 class EmbeddingCacheStage:
@@ -125,7 +128,9 @@ class EmbeddingCacheStage:
                     Answer(result.text, status, result.similarity, result.vector, result.tokens)
                 )
             else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
-                answers.append(Answer("", envelope.status.value, 0.0, result.vector))
+                answers.append(
+                    Answer("", envelope.status.value, 0.0, result.vector, neighbours=result.drafts)
+                )
             self.outcomes[result.outcome.value].increment(1)
             self.vector_hits.increment(int(result.vector_cached))
             self.lookup_s.observe(elapsed / len(envelopes))
@@ -143,7 +148,12 @@ def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
     """The seal over what embedding_cache hands llm (`answer_tensors`), bound to the envelope's
     seal; llm checks it over the tensors it received (`LlmStage.received`)."""
     values = answer_tensors(
-        answer.text, answer.status, answer.similarity, answer.vector, tokens_array(answer.tokens)
+        answer.text,
+        answer.status,
+        answer.similarity,
+        answer.vector,
+        tokens_array(answer.tokens),
+        neighbours_text(answer.neighbours),
     )
     return seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, values, bound=envelope_seal)
 
@@ -194,6 +204,8 @@ def open_embedding_cache(
         top_k=config.top_k,
         min_similarity=config.min_similarity,
         screen=Screen(config.embedder).check,
+        draft_neighbours=config.draft_neighbours,
+        draft_min_similarity=config.draft_min_similarity,
     )
     # Open the host's scope tables now (large scopes load or build their HNSW graph here), so
     # the first request does not pay for it; later rows are in the shared tables.

@@ -25,7 +25,7 @@ from tiercache.errors import InvalidRequest
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
 from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
-from tiercache.vocabulary import CacheStatus
+from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
 ENVELOPE_VERSION = 1
 ENVELOPE_TENSOR = "ENVELOPE"
@@ -81,7 +81,7 @@ class Envelope:
                 "history": [list(turn) for turn in r.history],
                 "raw_prompt": r.raw_prompt,
                 "speculate": r.speculate,
-                "drafts": list(r.drafts),
+                "drafts": [list(draft) for draft in r.drafts],
             },
             "status": self.status.value,
             "digest": self.digest,
@@ -130,7 +130,7 @@ class Envelope:
             history=_history(fields, where),
             raw_prompt=_read(fields, "raw_prompt", bool, where),
             speculate=_read(fields, "speculate", bool, where),
-            drafts=_read(fields, "drafts", tuple, where),
+            drafts=_drafts(fields, where),
         )
         status = _read(top, "status", str, ENVELOPE_TENSOR)
         try:
@@ -225,6 +225,22 @@ def _history(fields: dict[str, Any], where: str) -> tuple[Turn, ...]:
             raise InvalidRequest(f"{where}.history must be a list of [role, content] pairs")
         turns.append((turn[0], turn[1]))
     return tuple(turns)
+
+
+def _drafts(fields: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """The engine call's drafts: a list of [source, text] pairs of the sources llm hands on."""
+    value = _read(fields, "drafts", list, where)
+    drafts: list[tuple[str, str]] = []
+    for draft in value:
+        if (
+            type(draft) is not list
+            or len(draft) != 2
+            or draft[0] not in REQUEST_DRAFT_SOURCES
+            or type(draft[1]) is not str
+        ):
+            raise InvalidRequest(f"{where}.drafts must be a list of [source, text] pairs")
+        drafts.append((draft[0], draft[1]))
+    return tuple(drafts)
 
 
 def _read(

@@ -77,6 +77,7 @@ ENGINE_OUTPUTS = [
     "PROMPT_TOKENS",
     "REUSED_TOKENS",
     "COMPUTED_TOKENS",
+    "SPECULATED_TOKENS",
 ]
 
 
@@ -91,6 +92,7 @@ class LlmInput:
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
     lora: EngineLora  # what lora_cache sent for the engine
     tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
+    neighbours: tuple[str, ...] = ()  # a miss's semantic neighbours' answer digests (drafts)
 
 
 def open_lora(
@@ -183,6 +185,7 @@ class EngineBls:
                     prompt_tokens=io.output_int(response, "PROMPT_TOKENS") or 0,
                     reused_tokens=io.output_int(response, "REUSED_TOKENS") or 0,
                     computed_tokens=io.output_int(response, "COMPUTED_TOKENS") or 0,
+                    accepted_tokens=io.output_int(response, "SPECULATED_TOKENS") or 0,
                 )
 
     def _generate_trtllm(
@@ -395,6 +398,7 @@ class LlmStage:
             tags=envelope.cache_tags,
             max_age_s=envelope.max_age_s,
             draft_digest=envelope.draft_digest,
+            neighbours=item.neighbours,
         )
         self.requests[status].increment(1)
 

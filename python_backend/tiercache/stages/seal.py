@@ -25,12 +25,13 @@ the adapter files it sends (tiercache.stages.transport).
 from __future__ import annotations
 
 import hmac
+import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tiercache.errors import Forbidden
+from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import derive_key
 
 SEAL_CHARS = 64  # hex of an HMAC-SHA256
@@ -127,7 +128,14 @@ def array_bytes(array: np.ndarray | None) -> bytes:
 Part = str | bytes | np.ndarray | None
 
 # What each hop's seal covers, by tensor name (an omitted tensor seals as empty).
-ANSWER_TENSORS = ("ANSWER_TEXT", "ANSWER_STATUS", "SIMILARITY", "EMBEDDING", "ANSWER_TOKENS")
+ANSWER_TENSORS = (
+    "ANSWER_TEXT",
+    "ANSWER_STATUS",
+    "SIMILARITY",
+    "EMBEDDING",
+    "ANSWER_TOKENS",
+    "NEIGHBOURS",
+)
 ENGINE_INPUTS = ("LORA_OP", "LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "ENVELOPE")
 # lora_cache -> llm: the PEFT files (engine_kind torch_llm) or TensorRT-LLM's tensors (the
 # TensorRT-LLM ensemble passes only those; deploy/tensorrt_llm).
@@ -158,18 +166,41 @@ def answer_tensors(
     similarity: float | None,
     vector: np.ndarray | None,
     tokens: np.ndarray | None = None,
+    neighbours: str | None = None,
 ) -> dict[str, Part]:
     """embedding_cache's answer as its seal covers it (ANSWER_TENSORS): what embedding_cache
     sends and what llm reads (ANSWER_TEXT arrives as llm's CACHED_TEXT, ANSWER_STATUS as its
-    LOOKUP_STATUS), the similarity as FP32, the vector's float32 values and a hit's token
-    counts as INT32 (`tokens_array`)."""
+    LOOKUP_STATUS), the similarity as FP32, the vector's float32 values, a hit's token
+    counts as INT32 (`tokens_array`) and a miss's draft neighbours (`neighbours_text`)."""
     return {
         "ANSWER_TEXT": text,
         "ANSWER_STATUS": status,
         "SIMILARITY": float_bytes(similarity),
         "EMBEDDING": None if vector is None else vector.astype(np.float32, copy=False),
         "ANSWER_TOKENS": None if tokens is None else tokens.astype(np.int32, copy=False),
+        "NEIGHBOURS": neighbours,
     }
+
+
+# A miss's semantic neighbours whose answers llm reads as drafts (issue 17): at most this many.
+MAX_NEIGHBOURS = 4
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def neighbours_text(digests: Sequence[str]) -> str:
+    """The NEIGHBOURS tensor's text: the answer digests, comma-separated."""
+    return ",".join(digests)
+
+
+def neighbours_of(text: str | None) -> tuple[str, ...]:
+    """The answer digests in a NEIGHBOURS tensor (sealed by embedding_cache); InvalidRequest
+    when it is not up to MAX_NEIGHBOURS digests."""
+    if not text:
+        return ()
+    digests = tuple(text.split(","))
+    if len(digests) > MAX_NEIGHBOURS or not all(_DIGEST.fullmatch(d) for d in digests):
+        raise InvalidRequest(f"NEIGHBOURS must be up to {MAX_NEIGHBOURS} answer digests")
+    return digests
 
 
 def tensor_parts(names: Iterable[str], values: dict[str, Part], bound: str = "") -> list[bytes]:

@@ -20,16 +20,20 @@ from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
 from tiercache.memory import MemoryTrimmer
+from tiercache.stages.common import status_counters
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_adapters, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
+from tiercache.vocabulary import DraftSource, choices
 
 # What the final response of each admin op says in FINISH_REASON.
 OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
 FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error")
 _STOP = object()
+# Upper bounds of the accepted-draft-tokens-per-step histogram (MAX_DRAFT_TOKENS at most).
+ACCEPTED_PER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 
 
 class EngineSink(Protocol):
@@ -40,7 +44,14 @@ class EngineSink(Protocol):
     def send_chunk(self, text: str) -> None: ...
 
     def send_final(
-        self, text: str, finish_reason: str, generated: int, prompt: int, reused: int, computed: int
+        self,
+        text: str,
+        finish_reason: str,
+        generated: int,
+        prompt: int,
+        reused: int,
+        computed: int,
+        speculated: int = 0,
     ) -> None: ...
 
     def send_error(self, exc: BaseException) -> None: ...
@@ -103,14 +114,30 @@ class TorchLlmStage:
         self.kv_computed = m.counter(
             "tiercache_engine_kv_computed_tokens_total", "Prompt tokens the engine computed"
         )
-        self.drafted = m.counter(
+        sources = choices(DraftSource)
+        self.drafted = status_counters(
+            m,
             "tiercache_engine_draft_tokens_total",
-            "Draft tokens verified by speculative decoding",
+            "Draft tokens verified by speculative decoding, by draft source",
+            "source",
+            sources,
         )
-        self.accepted = m.counter(
+        self.accepted = status_counters(
+            m,
             "tiercache_engine_draft_accepted_tokens_total",
-            "Draft tokens the model agreed with (each a decoding step saved)",
+            "Draft tokens the model agreed with (each a decoding step saved), by draft source",
+            "source",
+            sources,
         )
+        self.accepted_per_step = {
+            source: m.histogram(
+                "tiercache_engine_draft_accepted_per_step",
+                "Draft tokens accepted per verification step, by draft source",
+                list(ACCEPTED_PER_STEP_BUCKETS),
+                source=source,
+            )
+            for source in sources
+        }
         self.kv_pool_bytes = m.gauge(
             "tiercache_engine_kv_pool_bytes", "Bytes of KV blocks held in the prefix pool"
         )
@@ -209,13 +236,16 @@ class TorchLlmStage:
                 event.prompt_tokens,
                 event.reused_tokens,
                 event.computed_tokens,
+                event.accepted_tokens,
             )
             self.tokens.increment(event.generated_tokens)
             self.prompt_tokens.increment(event.prompt_tokens)
             self.kv_reused.increment(event.reused_tokens)
             self.kv_computed.increment(event.computed_tokens)
-            self.drafted.increment(event.drafted_tokens)
-            self.accepted.increment(event.accepted_tokens)
+            for source, proposed, accepted in event.draft_steps:
+                self.drafted[source].increment(proposed)
+                self.accepted[source].increment(accepted)
+                self.accepted_per_step[source].observe(accepted)
             self.finished[event.finish_reason].increment(1)
 
     def _trim_memory(self) -> None:
@@ -264,6 +294,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         tokens_per_block=config.tokens_per_block,
         kv_pool_max_bytes=config.kv_pool_max_bytes,
         speculate=config.speculate,
+        draft_index_tokens=config.draft_index_tokens,
     )
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)

@@ -12,13 +12,18 @@ prompt): tokens/s, request latency, the speedup, the mean accepted draft length,
 the output was identical. Workloads:
 
 - `again`: a prompt answered with `--max-tokens`, then asked again with twice as many; the
-  cached answer is the draft (the new answer's beginning, or all of it when the first one
-  ended before its limit);
+  cached answer is the draft (source `answer`: the new answer's beginning, or all of it when
+  the first one ended before its limit);
 - `reworded`: the `b` side of positive rewording pairs (semantic_pairs_dev.jsonl, label 1)
-  after its `a` side was answered; `a`'s answer is the draft (the guard did not serve it);
-- `edit`: a conversation's next turn that quotes the previous answer and asks for it edited;
-  the prompt itself (prompt lookup) and the previous answer are the drafts;
-- `new`: new prompts with nothing useful cached; only the prompt is a draft source.
+  after its `a` side was answered; `a`'s answer is the draft (source `neighbour`, as llm sends
+  it when embedding_cache names the neighbour the guard refused);
+- `edit`: a conversation's next turn that asks for the previous answer edited; the previous
+  answer is in the prompt (the history), so prompt lookup drafts from it (source `context`);
+- `new`: new prompts with nothing useful cached.
+
+In every workload the engine's own sources are on as in a deployment: its index of recent
+answers in the scope (emptied at the start of each workload) and the context (the prompt and
+the tokens generated so far).
 
 Goals (issue 17): >= 3.5x on `again`, >= 1.5x on `reworded` where the neighbour's answer is
 close, no more than 5 % slower on `new`; identical output everywhere. Ends with one line per
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import difflib
 import json
 import sys
 import time
@@ -63,6 +69,8 @@ AGAIN_PROMPTS = (
     "How does a compiler differ from an interpreter?",
     "What is photosynthesis?",
 )
+SOURCES = ("answer", "neighbour", "index", "context")
+CLOSE = 0.5  # a cached answer this close to the plain answer (difflib ratio, words) is "close"
 EDIT_ASKS = (
     "Repeat your answer, but replace every full stop with an exclamation mark.",
     "Repeat your answer word for word, then add one more sentence.",
@@ -99,6 +107,8 @@ class Run:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    # per draft source: [verification steps, proposed, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -106,6 +116,9 @@ class Workload:
     name: str
     plain: list[Run] = field(default_factory=list)
     spec: list[Run] = field(default_factory=list)
+    # per request: how close the cached answer it was handed is to its plain answer (difflib's
+    # ratio over words; 0 without one)
+    closeness: list[float] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -114,11 +127,26 @@ class Workload:
     def speedup(self) -> float:
         return sum(p.seconds for p in self.plain) / sum(s.seconds for s in self.spec)
 
+    def close_speedup(self) -> tuple[int, float | None]:
+        """Over the requests whose cached answer is close (CLOSE or more): how many, and the
+        speedup (None when there are none)."""
+        close = [i for i, c in enumerate(self.closeness) if c >= CLOSE]
+        if not close:
+            return 0, None
+        plain = sum(self.plain[i].seconds for i in close)
+        return len(close), plain / sum(self.spec[i].seconds for i in close)
+
     def summary(self) -> dict[str, Any]:
         def rate(runs: list[Run]) -> float:
             return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
 
         steps = sum(s.steps for s in self.spec)
+        by_source: dict[str, list[int]] = {}
+        for run in self.spec:
+            for source, counts in run.by_source.items():
+                total = by_source.setdefault(source, [0, 0, 0])
+                for i, value in enumerate(counts):
+                    total[i] += value
         return {
             "requests": len(self.plain),
             "plain_tokens_per_s": rate(self.plain),
@@ -131,6 +159,13 @@ class Workload:
                 sum(s.accepted for s in self.spec) / max(1, sum(s.proposed for s in self.spec))
             ),
             "identical": self.identical,
+            "closeness": self.closeness,
+            "close_requests": self.close_speedup()[0],
+            "close_speedup": self.close_speedup()[1],
+            "by_source": {
+                source: {"steps": c[0], "proposed": c[1], "accepted": c[2]}
+                for source, c in sorted(by_source.items())
+            },
         }
 
 
@@ -152,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from tiercache.engine.drafts import AnswerIndex
     from tiercache.engine.model_source import resolve_model
     from tiercache.engine.torch_engine import TorchEngine
     from tiercache.exact.request import GenerationRequest
@@ -160,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"loading the engine ({args.threads} threads)")
     engine = TorchEngine(resolve_model(), args.state_dir / "models", "cpu", 2, kv_reuse=False)
 
-    def generate(request: GenerationRequest, drafts: Sequence[str], speculate: bool) -> Run:
+    def generate(
+        request: GenerationRequest, drafts: Sequence[tuple[str, str]], speculate: bool
+    ) -> Run:
         engine.speculate = speculate
         started = time.perf_counter()
         events = list(engine.generate(dataclasses.replace(request, drafts=tuple(drafts))))
@@ -171,19 +209,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.proposed, run.accepted, run.steps = (
                 drafter.proposed,
                 drafter.accepted_total,
-                drafter.steps,
+                len(drafter.steps),
             )
+            run.by_source = {
+                source: [stats.drafts, stats.proposed, stats.accepted]
+                for source, stats in drafter.by_source.items()
+            }
         return run
 
-    def measure(name: str, cases: list[tuple[GenerationRequest, list[str]]]) -> Workload:
+    def measure(
+        name: str, cases: list[tuple[GenerationRequest, list[tuple[str, str]]]]
+    ) -> Workload:
         work = Workload(name)
+        engine.answers = AnswerIndex(engine.answers.max_tokens)  # workloads do not share it
         for i, (request, drafts) in enumerate(cases, 1):
             work.plain.append(generate(request, drafts, speculate=False))
             work.spec.append(generate(request, drafts, speculate=True))
             p, s = work.plain[-1], work.spec[-1]
+            work.closeness.append(max((closeness(text, p.text) for _, text in drafts), default=0))
             progress(
                 f"  {name} {i}/{len(cases)}: {p.tokens} tokens, plain {p.seconds:.2f} s, "
                 f"speculative {s.seconds:.2f} s, accepted {s.accepted}/{s.proposed}, "
+                f"closeness {work.closeness[-1]:.2f}, "
                 f"{'identical' if p.text == s.text else 'DIFFERENT'}"
             )
         return work
@@ -194,13 +241,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = GenerationRequest(prompt, max_tokens=max_tokens, history=history)
         return generate(request, (), speculate=False).text
 
-    builders: dict[str, Callable[[], list[tuple[GenerationRequest, list[str]]]]] = {
+    builders: dict[str, Callable[[], list[tuple[GenerationRequest, list[tuple[str, str]]]]]] = {
         "again": lambda: [
-            (GenerationRequest(p, max_tokens=2 * long), [answer(p, long)])
+            (GenerationRequest(p, max_tokens=2 * long), [("answer", answer(p, long))])
+            for p in AGAIN_PROMPTS[:n]
+        ],
+        "again-near": lambda: [
+            (GenerationRequest(p, max_tokens=long * 5 // 4), [("answer", answer(p, long))])
             for p in AGAIN_PROMPTS[:n]
         ],
         "reworded": lambda: [
-            (GenerationRequest(b, max_tokens=long), [answer(a, long)])
+            (GenerationRequest(b, max_tokens=long), [("neighbour", answer(a, long))])
             for a, b in rewording_pairs(args.pairs, n)
         ],
         "edit": lambda: [
@@ -229,12 +280,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if results and all(w.identical for w in results.values()) else 1
 
 
-def edit_case(prompt: str, previous: str, ask: str, max_tokens: int) -> tuple[Any, list[str]]:
+def close_cell(s: dict[str, Any]) -> str:
+    if s["close_speedup"] is None:
+        return "0"
+    return f"{s['close_requests']}, {s['close_speedup']:.2f}"
+
+
+def closeness(draft: str, answer: str) -> float:
+    """How much of `answer` the `draft` says (difflib's ratio over their words)."""
+    return difflib.SequenceMatcher(None, draft.split(), answer.split(), autojunk=False).ratio()
+
+
+def edit_case(
+    prompt: str, previous: str, ask: str, max_tokens: int
+) -> tuple[Any, list[tuple[str, str]]]:
     """The next turn after `prompt` was answered `previous`: asks for that answer edited."""
     from tiercache.exact.request import GenerationRequest
 
     history = (("user", prompt), ("assistant", previous))
-    return GenerationRequest(ask, max_tokens=max_tokens, history=history), [previous]
+    # The previous answer is in the prompt (its history): prompt lookup drafts from it.
+    return GenerationRequest(ask, max_tokens=max_tokens, history=history), []
 
 
 def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str, dict]:
@@ -247,8 +312,9 @@ def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str,
         "workload, plain and speculative back to back per request",
         "",
         "| workload | plain tok/s | spec tok/s | plain p50 s | spec p50 s | speedup | "
-        "accepted / step | acceptance | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"accepted / step | acceptance | close cached answer (>= {CLOSE}): n, speedup | "
+        "identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     summary = {}
     for name, work in results.items():
@@ -258,8 +324,21 @@ def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str,
             f"| {name} | {s['plain_tokens_per_s']:.1f} | {s['spec_tokens_per_s']:.1f} | "
             f"{s['plain_latency_s_p50']:.2f} | {s['spec_latency_s_p50']:.2f} | "
             f"{s['speedup']:.2f} | {s['mean_accepted_draft']:.1f} | {s['acceptance']:.2f} | "
-            f"{'yes' if s['identical'] else 'no'} |"
+            f"{close_cell(s)} | {'yes' if s['identical'] else 'no'} |"
         )
+    lines += [
+        "",
+        "Draft sources (speculative runs): verification steps, tokens proposed / accepted.",
+        "",
+        "| workload | " + " | ".join(SOURCES) + " |",
+        "|---|" + "---:|" * len(SOURCES),
+    ]
+    for name, s in summary.items():
+        cells = []
+        for source in SOURCES:
+            c = s["by_source"].get(source)
+            cells.append(f"{c['steps']}: {c['accepted']}/{c['proposed']}" if c else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", summary
 
 
