@@ -13,9 +13,10 @@ tokenizer in `tensorrt_llm/tokenizer/`) and rewrites the configs the engine chan
 - `lora_cache`: `engine_kind` and `engine_model` tensorrt_llm, `trtllm_dtype` the engine's dtype
   (its LORA_TRT_* outputs stay bytes: the arrays travel encrypted, tiercache.stages.transport),
   no `prefetch` (TensorRT-LLM has no load-only call; adapters load with their first request).
-- `llm`: `engine_kind` and `engine_model` tensorrt_llm, `tokenizer_dir`, `trtllm_max_input_len`
-  and `trtllm_max_seq_len` from the build; three optional inputs for lora_cache's TensorRT-LLM
-  tensors (LORA_TASK_ID, LORA_TRT_WEIGHTS, LORA_TRT_CONFIG).
+- `llm`: `engine_kind` and `engine_model` tensorrt_llm, `tokenizer_dir`, `trtllm_max_input_len`,
+  `trtllm_max_seq_len` and `trtllm_max_draft_len` (speculative decoding with external draft
+  tokens when the engine was built for it) from the build; three optional inputs for
+  lora_cache's TensorRT-LLM tensors (LORA_TASK_ID, LORA_TRT_WEIGHTS, LORA_TRT_CONFIG).
 - `ensemble`: the lora_cache -> llm step maps those three tensors instead of the PEFT files
   (LORA_CONFIG, LORA_WEIGHTS, LORA_EVICT), which only torch_llm reads.
 
@@ -134,6 +135,7 @@ class EngineFacts:
     max_input_len: int
     max_seq_len: int
     max_lora_rank: int
+    max_draft_len: int = 0
 
 
 KV_REUSE_MODES = ("auto", "on", "off")
@@ -197,6 +199,7 @@ def rewrite_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
             "tokenizer_dir": str(repository / ENGINE / "tokenizer"),
             "trtllm_max_input_len": str(engine.max_input_len),
             "trtllm_max_seq_len": str(engine.max_seq_len),
+            "trtllm_max_draft_len": str(engine.max_draft_len),
         },
     )
     add_input(config, "LORA_TASK_ID", mc.TYPE_UINT64, [1])
@@ -226,7 +229,11 @@ def engine_facts(engine_dir: Path | None, build: ModuleType) -> EngineFacts:
     if options.dtype not in DTYPE_TYPES:
         raise ValueError(f"an engine in {options.dtype} cannot take lora_cache's LoRA tensors")
     return EngineFacts(
-        options.dtype, options.max_input_len, options.max_seq_len, options.max_lora_rank
+        options.dtype,
+        options.max_input_len,
+        options.max_seq_len,
+        options.max_lora_rank,
+        options.max_draft_len,
     )
 
 

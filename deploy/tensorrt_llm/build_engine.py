@@ -44,6 +44,8 @@ from typing import Any
 DTYPES = ("float16",)
 """float16 only: lora_cache's LoRA weights reach the engine as numpy float16 (see
 assemble_repository.DTYPE_TYPES)."""
+# The longest draft llm sends per step (tiercache.engine.drafts.MAX_DRAFT_TOKENS).
+MAX_DRAFT_LEN = 32
 LORA_MODULES = (
     "attn_q",
     "attn_k",
@@ -88,6 +90,9 @@ class BuildOptions:
     tokens_per_block: int = 32
     max_lora_rank: int = 32
     lora_target_modules: tuple[str, ...] = LORA_MODULES
+    # > 0: built for external draft tokens (speculative decoding from the cache, issue 17),
+    # up to this many per step; llm's trtllm_max_draft_len follows it (assemble_repository.py)
+    max_draft_len: int = 0
 
     def check(self) -> None:
         """ValueError naming what cannot work."""
@@ -106,6 +111,8 @@ class BuildOptions:
             raise ValueError(f"lora_target_modules must be a subset of {LORA_MODULES}")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be >= 1")
+        if not 0 <= self.max_draft_len <= MAX_DRAFT_LEN:
+            raise ValueError(f"max_draft_len must be 0 to {MAX_DRAFT_LEN}")
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -141,7 +148,16 @@ def build_argv(
 ) -> list[str]:
     """The trtllm-build command. Paged KV cache + paged context FMHA is what lets the executor
     reuse a cached prefix (`enable_kv_cache_reuse` in the model config); the LoRA plugin in the
-    model dtype takes per-request adapters (lora_task_id / lora_weights / lora_config)."""
+    model dtype takes per-request adapters (lora_task_id / lora_weights / lora_config). With
+    max_draft_len, the engine verifies external draft tokens (draft_input_ids)."""
+    speculative = []
+    if options.max_draft_len:
+        speculative = [
+            "--speculative_decoding_mode",
+            "draft_tokens_external",
+            "--max_draft_len",
+            str(options.max_draft_len),
+        ]
     return [
         trtllm_build,
         "--checkpoint_dir",
@@ -178,6 +194,7 @@ def build_argv(
         *options.lora_target_modules,
         "--max_lora_rank",
         str(options.max_lora_rank),
+        *speculative,
     ]
 
 
@@ -268,6 +285,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "max_num_tokens",
         "tokens_per_block",
         "max_lora_rank",
+        "max_draft_len",
     ):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(defaults, name))
@@ -289,6 +307,7 @@ def options_from(args: argparse.Namespace) -> BuildOptions:
         tokens_per_block=args.tokens_per_block,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=tuple(args.lora_target_modules),
+        max_draft_len=args.max_draft_len,
     )
     options.check()
     return options

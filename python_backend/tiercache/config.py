@@ -466,6 +466,15 @@ class LlmConfig(_TiersConfig):
     trtllm_max_seq_len: int = param(
         0, "engine_kind tensorrt_llm: the engine's --max_seq_len (0: not checked here)", min=0
     )
+    trtllm_max_draft_len: int = param(
+        0,
+        "engine_kind tensorrt_llm: speculative decoding of greedy requests with external draft "
+        "tokens (drafts from the cached answers and the context), at most this many per step; "
+        "the engine must be built with --speculative_decoding_mode draft_tokens_external and "
+        "--max_draft_len of at least this (deploy/tensorrt_llm); 0: off",
+        min=0,
+        max=32,
+    )
     hit_padding_ms: float = param(
         0.0,
         "No response to an untrusted tenant leaves llm before this many ms since llm "

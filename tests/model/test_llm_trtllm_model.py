@@ -22,6 +22,7 @@ import seals
 
 from tiercache.adapter_types import AdapterRef, engine_task_id
 from tiercache.errors import ConfigError
+from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -205,13 +206,15 @@ def call(
     model: Any,
     sealer: Sealer,
     request: GenerationRequest,
+    draft_digest: str = "",
     **extra: np.ndarray,
 ) -> list[Any]:
     """One miss through execute(), as the ensemble hands it on: the envelope, embedding_cache's
     answer and lora_cache's TensorRT-LLM tensors `extra` (the arrays closed for the envelope
     under the model's own deployment secret), each sealed; every response once the final one
     arrived."""
-    envelope = seals.sealed(sealer, Envelope(request=request, status=CacheStatus.BYPASS))
+    sent_envelope = Envelope(request=request, status=CacheStatus.BYPASS, draft_digest=draft_digest)
+    envelope = seals.sealed(sealer, sent_envelope)
     tensors = seals.llm_answer(sealer, envelope, "", "bypass")
     cipher = seals.cipher_for(model.stage.config.state_path())
     sent = seals.closed_lora(cipher, envelope, dict(extra))
@@ -419,3 +422,73 @@ def test_bad_engine_settings_fail_the_load(
     config = {"parameters": params(tmp_path, **extra)}
     with pytest.raises(ConfigError, match=message):
         instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+
+
+class DraftTarget:
+    """The backend built for external draft tokens, greedy over `answer`: one response per
+    request, the answer's next tokens after the ones resent, verified against draft_input_ids
+    (the accepted prefix and the token after it), at most request_output_len; the end id left
+    out."""
+
+    def __init__(self, pb_utils: ModuleType, answer: str) -> None:
+        self.pb = pb_utils
+        self.answer = ByteTokenizer().encode(answer)
+        self.calls: list[dict[str, np.ndarray]] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        self.calls.append(inputs)
+        prompt = [1, *ByteTokenizer().encode("Hi"), 2]
+        ids = inputs["input_ids"].reshape(-1).tolist()
+        done = ids[len(prompt) :]
+        assert ids[: len(prompt)] == prompt and done == self.answer[: len(done)]
+        wanted = int(inputs["request_output_len"].reshape(-1)[0])
+        draft = inputs.get("draft_input_ids")
+        draft_ids = [] if draft is None else draft.reshape(-1).tolist()
+        rest = self.answer[len(done) :]
+        out: list[int] = []
+        for i, token in enumerate(rest[:wanted]):
+            out.append(token)
+            if i < len(draft_ids) and draft_ids[i] != token:
+                break
+        pb = self.pb
+        return [
+            pb.InferenceResponse(
+                [
+                    pb.Tensor("output_ids", np.array([[out]], dtype=np.int32)),
+                    pb.Tensor("sequence_length", np.array([[len(out)]], dtype=np.int32)),
+                ]
+            )
+        ]
+
+
+def test_speculative_steps_draft_from_the_kept_answer_and_give_the_plain_answer(
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    llm_module: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With trtllm_max_draft_len, a greedy miss is decoded in non-streaming steps whose
+    draft_input_ids come from the answer kept under its draft digest (at most 8 per step);
+    the text is the engine's own answer, and SPECULATED_TOKENS says how much was drafted."""
+    text = "Bonjour, le monde. Bonjour encore, le monde."
+    target = DraftTarget(pb_utils, text)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "tensorrt_llm", target)
+    instance = llm_module.TritonPythonModel()
+    config = json.dumps({"parameters": params(tmp_path, trtllm_max_draft_len="8")})
+    instance.initialize({"model_config": config, "model_name": "llm"})
+    try:
+        kept = "d" * 64
+        instance.stage.core.cache.put(Digest(kept), text)  # the prompt's earlier answer
+        request = GenerationRequest("Hi", max_tokens=len(text) + 10)
+        responses = call(pb_utils, instance, sealer, request, draft_digest=kept)
+        assert answer(pb_utils, responses) == (text, "bypass")
+        assert all(not bool(c["streaming"].reshape(-1)[0]) for c in target.calls)
+        drafts = [c["draft_input_ids"].size for c in target.calls if "draft_input_ids" in c]
+        assert drafts and max(drafts) <= 8
+        assert len(target.calls) <= len(text) // 8 + 2  # not one call per token
+        final = {t.name(): t.as_numpy() for t in responses[-1].output_tensors()}
+        assert int(final["SPECULATED_TOKENS"].reshape(-1)[0]) >= len(text) - len(target.calls)
+    finally:
+        instance.finalize()

@@ -241,6 +241,9 @@ class CountingTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return [10 + ord(c) % 50 for c in text]
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if i >= 10)
+
 
 def engine_shape_fits(array: np.ndarray, tensor: Any, max_batch_size: int) -> bool:
     """A request tensor against a config tensor: batch dimension, then dims (-1 matches any)."""
@@ -277,6 +280,29 @@ def test_llm_requests_match_the_tensorrt_llm_inputs(request_: GenerationRequest)
     required = {n for n, t in inputs.items() if not t.optional}
     assert required <= set(tensors)
     assert set(REQUESTED_OUTPUTS) <= set(by_name(config.output))
+
+
+def test_speculative_steps_match_the_tensorrt_llm_inputs() -> None:
+    """Every tensor of a speculative step (draft_input_ids, streaming off, the resent ids) is an
+    input of tensorrt_llm, of its type and shape."""
+    config = parse(DEPLOY / "tensorrt_llm" / "config.pbtxt")
+    inputs = by_name(config.input)
+    client = TrtllmClient(CountingTokenizer(), max_draft_len=8)
+    request = GenerationRequest("Hi", max_tokens=8, drafts=(("answer", "Hello there"),))
+    sent: list[dict[str, np.ndarray]] = []
+
+    def engine(tensors: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        sent.append(tensors)
+        draft = tensors["draft_input_ids"].reshape(-1).tolist()
+        ids = np.array([[draft + [2]]], dtype=np.int32)  # the whole draft, then the end id
+        return [{"output_ids": ids, "sequence_length": np.array([[ids.shape[-1]]], np.int32)}]
+
+    list(client.speculative_events(request, client.request(request), engine))
+    assert sent and "draft_input_ids" in sent[0]
+    for name, array in sent[0].items():
+        assert name in inputs, f"{name} is not an input of tensorrt_llm"
+        assert NUMPY_TYPES[array.dtype] == inputs[name].data_type, name
+        assert engine_shape_fits(array, inputs[name], config.max_batch_size), (name, array.shape)
 
 
 def test_tensorrt_llm_config_can_reuse_and_has_lora(build: ModuleType) -> None:
@@ -375,6 +401,10 @@ def test_assemble_with_an_engine_uses_its_files_and_limits(
     assert params(configs["llm"])["trtllm_max_input_len"] == "1024"
     assert params(configs["llm"])["trtllm_max_seq_len"] == "2048"
     assert params(configs["tensorrt_llm"])["lora_cache_max_adapter_size"] == "16"
+    assert params(configs["llm"])["trtllm_max_draft_len"] == "0"  # not built for drafts
+    drafting = fake_engine(tmp_path / "drafting", max_draft_len=8)
+    out = assemble.assemble(tmp_path / "repo-drafting", drafting)
+    assert params(configs_of(out)["llm"])["trtllm_max_draft_len"] == "8"
 
 
 def test_assembled_kv_reuse_is_off_unless_one_tenant_or_the_operator_says_so(
@@ -462,6 +492,10 @@ def test_build_command_has_what_kv_reuse_and_lora_need(build: ModuleType) -> Non
     assert len([a for a in argv if a.startswith("--")]) == len(
         {a for a in argv if a.startswith("--")}
     ), "a flag given twice"
+    assert "--speculative_decoding_mode" not in argv
+    drafting = build.build_argv(Path("/c"), Path("/e"), build.BuildOptions(max_draft_len=8))
+    assert flag_values(drafting, "--speculative_decoding_mode") == ["draft_tokens_external"]
+    assert flag_values(drafting, "--max_draft_len") == ["8"]
 
 
 def test_lora_modules_are_the_ones_the_adapter_converter_maps(build: ModuleType) -> None:
@@ -491,6 +525,8 @@ def test_build_options_are_checked(build: ModuleType) -> None:
         {"max_num_tokens": 1024},
         {"dtype": "bfloat16"},
         {"lora_target_modules": ("attn_qkv",)},
+        {"max_draft_len": 33},
+        {"max_draft_len": -1},
     ):
         with pytest.raises(ValueError):
             build.BuildOptions(**bad).check()

@@ -344,3 +344,120 @@ def test_prompt_ids_match_the_cpu_engines_on_the_real_tokenizer() -> None:
     request = GenerationRequest(prompt, max_tokens=50)
     events = run(c, request, [response(answer[:3]), response(answer[3:] + [c.end_id])])
     assert "".join(e.text for e in events) == "The capital of France is Paris."
+
+
+# -- speculative decoding with external draft tokens ------------------------------------------
+
+
+class FakeTarget:
+    """TensorRT-LLM's `tensorrt_llm` model built for draft_tokens_external, greedy, over a fixed
+    answer: a request of the prompt plus the tokens accepted so far gets the answer's next
+    tokens, verified against `draft_input_ids` (the accepted prefix and the token after it),
+    at most `request_output_len`; the end id ends it (left out of the output, as the engine
+    may). Checks what a step must send."""
+
+    def __init__(self, prompt: list[int], answer: list[int], end: int = 2) -> None:
+        self.prompt, self.answer, self.end = prompt, answer, end
+        self.calls: list[dict[str, np.ndarray]] = []
+
+    def __call__(self, tensors: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        self.calls.append(tensors)
+        ids = tensors["input_ids"].reshape(-1).tolist()
+        assert ids[: len(self.prompt)] == self.prompt
+        assert tensors["input_lengths"].reshape(-1)[0] == len(ids)
+        assert not bool(tensors["streaming"].reshape(-1)[0])
+        done = ids[len(self.prompt) :]
+        assert done == self.answer[: len(done)]  # only accepted tokens are ever resent
+        wanted = int(tensors["request_output_len"].reshape(-1)[0])
+        draft = tensors.get("draft_input_ids")
+        draft_ids = [] if draft is None else draft.reshape(-1).tolist()
+        assert not draft_ids or wanted == len(draft_ids) + 1
+        rest = [*self.answer[len(done) :], self.end]
+        out: list[int] = []
+        for i in range(wanted):
+            token = rest[i]
+            if token == self.end:
+                break
+            out.append(token)
+            if i < len(draft_ids) and draft_ids[i] != token:
+                break  # the first mismatch: the target's own token, then the step ends
+        yield response(out)
+
+
+ANSWER_TEXT = "The capital of France is Paris. Paris is large."
+
+
+def spec_client(max_draft_len: int = 8) -> tuple[TrtllmClient, FakeTokenizer]:
+    return client(max_draft_len=max_draft_len)
+
+
+def spec_run(c: TrtllmClient, request: GenerationRequest, target: FakeTarget) -> list[StreamEvent]:
+    return list(c.speculative_events(request, c.request(request), target))
+
+
+def test_speculative_steps_give_plain_decodings_answer_in_fewer_engine_calls() -> None:
+    """A cached answer that is the target's own is accepted in whole drafts (each step: the
+    draft plus one token); a wrong draft is cut at its first mismatch; either way the text,
+    the finish and the counts are plain decoding's."""
+    c, tok = spec_client()
+    answer = tok.ids(ANSWER_TEXT)
+    for drafts, most_calls in (
+        ((("answer", ANSWER_TEXT),), len(answer) // 8 + 2),
+        ((("neighbour", "The capital of Spain is Madrid. Madrid is old."),), len(answer)),
+        ((), len(answer)),
+    ):
+        request = GenerationRequest("Q", max_tokens=100, drafts=drafts)
+        target = FakeTarget(c.request(request).tensors["input_ids"].reshape(-1).tolist(), answer)
+        events = spec_run(c, request, target)
+        assert "".join(e.text for e in events) == ANSWER_TEXT
+        assert events[-1].finish_reason == "stop"
+        assert events[-1].generated_tokens == len(answer)
+        assert len(target.calls) <= most_calls
+    good = GenerationRequest("Q", max_tokens=100, drafts=(("answer", ANSWER_TEXT),))
+    target = FakeTarget(c.request(good).tensors["input_ids"].reshape(-1).tolist(), answer)
+    final = spec_run(c, good, target)[-1]
+    assert final.accepted_tokens == final.drafted_tokens > 0
+    assert {source for source, _, _ in final.draft_steps} == {"answer"}
+    assert all(
+        len(call["draft_input_ids"].reshape(-1)) <= 8 for call in target.calls[:-1]
+    )  # max_draft_len
+
+
+def test_speculative_steps_stop_at_max_tokens_and_stop_words_like_plain_decoding() -> None:
+    c, tok = spec_client()
+    answer = tok.ids(ANSWER_TEXT)
+    drafts = (("answer", ANSWER_TEXT),)
+    prompt = c.request(GenerationRequest("Q")).tensors["input_ids"].reshape(-1).tolist()
+    short = spec_run(
+        c, GenerationRequest("Q", max_tokens=10, drafts=drafts), FakeTarget(prompt, answer)
+    )
+    assert "".join(e.text for e in short) == ANSWER_TEXT[:10]
+    assert (short[-1].finish_reason, short[-1].generated_tokens) == ("length", 10)
+    stopped = spec_run(
+        c,
+        GenerationRequest("Q", max_tokens=100, stop_words=("Paris",), drafts=drafts),
+        FakeTarget(prompt, answer),
+    )
+    assert "".join(e.text for e in stopped) == "The capital of France is "
+    assert stopped[-1].finish_reason == "stop"
+
+
+def test_only_greedy_requests_with_speculate_are_speculated_and_weights_go_once() -> None:
+    c, tok = spec_client()
+    assert c.speculates(GenerationRequest("Q"))
+    assert not c.speculates(GenerationRequest("Q", speculate=False))
+    assert not c.speculates(GenerationRequest("Q", temperature=0.7, seed=1))
+    assert not client()[0].speculates(GenerationRequest("Q"))  # max_draft_len 0: off
+    with pytest.raises(Exception, match="trtllm_max_draft_len"):
+        client(max_draft_len=99)
+    lora = TrtllmRequestLora(
+        engine_task_id(REF),
+        TrtllmLora(np.zeros((1, 2), np.float16), np.zeros((1, 3), np.int32)),
+    )
+    request = GenerationRequest("Q", max_tokens=100, drafts=(("answer", ANSWER_TEXT),), **ON_FRENCH)
+    answer = tok.ids(ANSWER_TEXT)
+    target = FakeTarget(c.request(request, lora).tensors["input_ids"].reshape(-1).tolist(), answer)
+    events = list(c.speculative_events(request, c.request(request, lora), target))
+    assert "".join(e.text for e in events) == ANSWER_TEXT
+    assert "lora_weights" in target.calls[0] and "lora_task_id" in target.calls[0]
+    assert all("lora_weights" not in call and "lora_task_id" in call for call in target.calls[1:])

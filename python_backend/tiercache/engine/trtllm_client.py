@@ -35,6 +35,17 @@ token ends the answer ("stop"; whether the engine includes it or not), as does a
 id or a token-level stop word, which is "stop" too. Prompts the engine was not built for
 (`max_input_len`, `max_seq_len`) are refused before sending, so an answer the engine would have
 cut short is never stored as complete.
+
+Speculative decoding (`max_draft_len` > 0, greedy requests with `speculate`): the engine is built
+for external draft tokens (`trtllm-build --speculative_decoding_mode draft_tokens_external
+--max_draft_len N`) and `speculative_events` drives it in steps, as TensorRT-LLM's own
+draft-target BLS does: each step is one non-streaming request of the prompt plus the tokens
+accepted so far (prefix KV reuse makes the resent part cheap), `draft_input_ids` the next draft
+(tiercache.engine.drafts.Drafter over the request's cached answers and its context) and
+`request_output_len` the draft's length plus one; the engine verifies the draft against its own
+greedy choices and returns the accepted prefix and the token after it. Without a draft a step
+asks for `PLAIN_CHUNK` tokens. The answer is the one plain decoding gives; only the number of
+engine calls changes.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import numpy as np
 
 from tiercache.adapter_types import TrtllmLora, TrtllmRequestLora, engine_task_id
 from tiercache.engine.adapter_call import adapter_ref
+from tiercache.engine.drafts import MAX_DRAFT_TOKENS, Drafter
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import ConfigError, InvalidRequest, Unavailable
@@ -65,6 +77,12 @@ REQUESTED_OUTPUTS = (
     "kv_cache_alloc_total_blocks",
 )
 """What llm asks the `tensorrt_llm` model for (the backend requires the first two)."""
+# A speculative step without a draft asks for this many tokens (no draft: plain decoding, in
+# chunks, until a source has a draft again).
+PLAIN_CHUNK = 16
+# The adapter's weights: sent with a request's first engine call; the engine keeps them by
+# lora_task_id for the next ones.
+LORA_WEIGHT_INPUTS = ("lora_weights", "lora_config")
 
 
 class Detokenizer(Protocol):
@@ -188,9 +206,13 @@ class TrtllmClient:
         limits: EngineLimits = EngineLimits(),
         seed_source: Callable[[], int] = random_seed,
         detokenizer: DetokenizerFactory = torch_engine_detokenizer,
+        max_draft_len: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        if not 0 <= max_draft_len <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"trtllm_max_draft_len must be 0 to {MAX_DRAFT_TOKENS}")
+        self.max_draft_len = max_draft_len
         self._seed_source = seed_source
         self._detokenizer = detokenizer
         self._encode_lock = threading.Lock()
@@ -317,6 +339,96 @@ class TrtllmClient:
                 if text:
                     yield StreamEvent(text, None, len(generated), prompt)
         yield StreamEvent(detok.flush(), "stop", len(generated), prompt)
+
+    # -- speculative decoding ------------------------------------------------------------------
+
+    def speculates(self, request: GenerationRequest) -> bool:
+        """Whether `request` is decoded in speculative steps (`speculative_events`)."""
+        return self.max_draft_len > 0 and request.speculate and request.greedy
+
+    def speculative_events(
+        self,
+        request: GenerationRequest,
+        call: TrtllmCall,
+        run: Callable[[dict[str, np.ndarray]], Iterable[Mapping[str, np.ndarray]]],
+        on_kv_cache: Callable[[KvCacheReuse], None] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """The answer to `request` (its tensors `call`) in speculative steps, each one engine
+        request sent through `run` (its responses as {output name: array}), as StreamEvents in
+        the CPU engine's contract; the last one carries the drafted and accepted counts."""
+        prompt = [int(t) for t in call.tensors["input_ids"].reshape(-1)]
+        with self._encode_lock:
+            answers = [
+                (source, self.tokenizer.encode(text, add_special_tokens=False))
+                for source, text in request.drafts
+            ]
+        drafter = Drafter(answers, prompt)
+        detok = self._detokenizer(self.tokenizer, request.stop_words)
+        generated: list[int] = []
+
+        def event(text: str, finish: str | None) -> StreamEvent:
+            if finish is None:
+                return StreamEvent(text, None, len(generated), len(prompt))
+            steps = tuple(drafter.steps)
+            return StreamEvent(
+                text,
+                finish,
+                len(generated),
+                len(prompt),
+                drafted_tokens=drafter.proposed,
+                accepted_tokens=drafter.accepted_total,
+                draft_steps=steps,
+            )
+
+        while True:
+            room = request.max_tokens - len(generated)
+            draft = drafter.propose(generated, min(self.max_draft_len, room - 1))
+            wanted = len(draft) + 1 if draft else min(PLAIN_CHUNK, room)
+            tensors = dict(call.tensors)
+            ids = prompt + generated
+            tensors["input_ids"] = np.array([ids], dtype=np.int32)
+            tensors["input_lengths"] = _one(len(ids), np.int32)
+            tensors["request_output_len"] = _one(wanted, np.int32)
+            tensors["streaming"] = _one(False, np.bool_)
+            if draft:
+                tensors["draft_input_ids"] = np.array([draft], dtype=np.int32)
+            if generated or draft:  # the adapter's weights go with the first step only
+                call = TrtllmCall(
+                    {k: v for k, v in call.tensors.items() if k not in LORA_WEIGHT_INPUTS},
+                    call.prompt_tokens,
+                )
+            got: list[int] = []
+            for output in run(tensors):
+                reuse = kv_cache_reuse(output)
+                if reuse is not None and on_kv_cache is not None:
+                    on_kv_cache(reuse)
+                got += new_tokens(output)
+            expected = wanted  # what a step that did not reach the end returns
+            if draft:
+                kept = 0
+                while kept < min(len(draft), len(got)) and got[kept] == draft[kept]:
+                    kept += 1
+                drafter.accepted(len(draft), kept)
+                expected = kept + 1  # the accepted prefix, then the target's own token
+            pending = ""
+            for token in got[:wanted]:
+                if token in self.eos_ids:
+                    yield event(pending + detok.flush(), "stop")
+                    return
+                generated.append(token)
+                text, stopped = detok.push(generated)
+                if stopped:
+                    yield event(pending + text, "stop")
+                    return
+                if len(generated) >= request.max_tokens:
+                    yield event(pending + text + detok.flush(), "length")
+                    return
+                pending += text
+            if len(got) < expected:  # the engine stopped early: at its end id, or a stop word
+                yield event(pending + detok.flush(), "stop")
+                return
+            if pending:
+                yield event(pending, None)
 
 
 def new_tokens(output: Mapping[str, np.ndarray]) -> list[int]:

@@ -150,6 +150,7 @@ class EngineBls:
             self.trtllm = TrtllmClient(
                 load_tokenizer(config.tokenizer_dir),
                 limits=EngineLimits(config.trtllm_max_input_len, config.trtllm_max_seq_len),
+                max_draft_len=config.trtllm_max_draft_len,
             )
         # Engine calls open at once (torch_llm: more wait here, not in the engine's queue).
         self._streams = threading.BoundedSemaphore(config.engine_streams or config.max_concurrency)
@@ -194,6 +195,9 @@ class EngineBls:
         """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
         stop word) cancels the rest of the engine's stream."""
         call = trtllm.request(request, lora.trtllm)
+        if trtllm.speculates(request):
+            yield from trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv)
+            return
         tensors = [pb_utils.Tensor(name, array) for name, array in call.tensors.items()]
         responses = self.client.stream(tensors, list(REQUESTED_OUTPUTS), cancel_on_close=True)
         outputs = ({t.name(): t.as_numpy() for t in r.output_tensors()} for r in responses)
@@ -201,6 +205,16 @@ class EngineBls:
             yield from trtllm.events(request, call, outputs, self._on_kv)
         finally:
             responses.close()  # cancels the rest and hands the stream to the keeper
+
+    def _trtllm_step(self, arrays: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """One speculative step's engine request (not streamed: one response with its tokens)."""
+        tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+        responses = self.client.stream(tensors, list(REQUESTED_OUTPUTS), cancel_on_close=True)
+        try:
+            for response in responses:
+                yield {t.name(): t.as_numpy() for t in response.output_tensors()}
+        finally:
+            responses.close()
 
     def fetch_weights(self, ref: AdapterRef) -> EngineLora:
         """Ask lora_cache again for an adapter the engine says it lost (see engine_call)."""

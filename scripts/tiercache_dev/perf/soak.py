@@ -4,7 +4,7 @@ Usage::
 
     python -m tiercache_dev.perf.soak [--duration 600] [--concurrency 8] [--out-dir .perf/soak]
         [--entries 8000] [--seed 0] [--max-tokens 8] [--redis] [--l1-max-bytes N]
-        [--kv-pool-max-bytes N] [--background-load N [--background-duty F]]
+        [--kv-pool-max-bytes N] [--no-speculate] [--background-load N [--background-duty F]]
     python -m tiercache_dev.perf.soak --compare [--compare-duration 120] [--rounds 3]
         [--concurrency 8] [--kv-pool-max-bytes N] [--background-load N [--background-duty F]]
 
@@ -45,8 +45,8 @@ same input list every round), `--compare-duration` (default 120 s) per configura
      BLS, returning the whole text, with `response_cache { enable: true }`, served with
      `--cache-config local,size=N` beside torch_llm; unary gRPC with `--async` (Triton refuses
      the response cache on decoupled models).
-torch_llm's overrides (`--kv-pool-max-bytes`, `--engine-threads`) apply to all three
-(`--embedder-threads` to the embedder of the two that run it); `--redis` is refused with
+torch_llm's overrides (`--kv-pool-max-bytes`, `--engine-threads`, `--no-speculate`) apply to all
+three (`--embedder-threads` to the embedder of the two that run it); `--redis` is refused with
 `--compare` (only tiercache would have the Redis). For every run the report gives requests,
 throughput, p50/p99, errors, cache statuses, the engine's generated tokens and engine tokens/s
 (the delta of `tiercache_engine_generated_tokens_total` over the run divided by perf_analyzer's
@@ -224,6 +224,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch_llm's torch_threads (auto or a count) in every configuration (default: the "
         "committed config's)",
+    )
+    p.add_argument(
+        "--no-speculate",
+        action="store_true",
+        help="torch_llm's speculate false in every configuration (speculative decoding off)",
     )
     p.add_argument(
         "--embedder-threads",
@@ -411,6 +416,8 @@ def engine_params(args: argparse.Namespace) -> dict[str, str]:
         params["kv_pool_max_bytes"] = str(args.kv_pool_max_bytes)
     if args.engine_threads is not None:
         params["torch_threads"] = args.engine_threads
+    if args.no_speculate:
+        params["speculate"] = "false"
     return params
 
 
@@ -833,6 +840,12 @@ def status_counters(samples: list[Sample]) -> dict[str, float]:
             out["coalesced"] += value
         elif name == "tiercache_engine_generated_tokens_total":
             out["engine:generated_tokens"] += value
+        elif name == "tiercache_llm_generation_seconds_sum":
+            out["engine:generation_seconds"] += value
+        elif name == "tiercache_engine_draft_tokens_total":
+            out["engine:draft_tokens"] += value
+        elif name == "tiercache_engine_draft_accepted_tokens_total":
+            out["engine:speculated_tokens"] += value
         elif name == "tiercache_engine_finished_total" and labels.get("reason") != "error":
             out["engine:generations"] += value
         elif name == "tiercache_engine_kv_reused_tokens_total":
@@ -1079,6 +1092,13 @@ def status_line(run: Run) -> str:
             f"; engine: {s['engine:generations']} generations, "
             f"{s.get('engine:generated_tokens', 0)} tokens"
         )
+        if s.get("engine:generation_seconds"):
+            text += f", {s['engine:generation_seconds']:.1f} s of generation (llm's)"
+        if s.get("engine:draft_tokens"):
+            text += (
+                f", {s.get('engine:speculated_tokens', 0):.0f} of them from drafts "
+                f"({s['engine:draft_tokens']:.0f} draft tokens verified)"
+            )
     return text
 
 
