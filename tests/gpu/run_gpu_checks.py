@@ -19,6 +19,9 @@
 - kv reuse isolation: the GPU repository as deploy/tensorrt_llm/assemble_repository.py writes
   it keeps TensorRT-LLM's prefix KV reuse off by default (its Triton backend takes no
   per-tenant cache salt) and turns it on for one configured tenant only (issue 14).
+- speculation config: an engine built with --max-draft-len gets trtllm-build's external draft
+  tokens mode, and the repository assembled around it sets llm's trtllm_max_draft_len and lets
+  tensorrt_llm take draft_input_ids (issue 17; the configs only: no engine is built or run).
 - teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
   go wrong across cards; on one card it is a smoke test), then a new set must work. With two
   cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
@@ -452,6 +455,56 @@ def check_kv_reuse_isolation() -> list[Row]:
     return rows
 
 
+def load_deploy_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        f"tiercache_{name}", ROOT / "deploy" / "tensorrt_llm" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_speculation_config() -> list[Row]:
+    """Speculative decoding from the cache on the GPU path (issue 17): an engine built with
+    --max-draft-len is built for external draft tokens, and the repository assembled around it
+    turns llm's speculative steps on with that draft length and lets tensorrt_llm take
+    draft_input_ids. Checks the commands and configs this machine would use (no engine run:
+    building and serving a TensorRT-LLM engine is not part of this script)."""
+    import tempfile
+
+    build = load_deploy_script("build_engine")
+    assemble = load_deploy_script("assemble_repository")
+    rows: list[Row] = []
+    argv = build.build_argv(Path("c"), Path("e"), build.BuildOptions(max_draft_len=8))
+    mode = (
+        argv[argv.index("--speculative_decoding_mode") + 1]
+        if "--speculative_decoding_mode" in argv
+        else "-"
+    )
+    ok = mode == "draft_tokens_external" and argv[argv.index("--max_draft_len") + 1] == "8"
+    rows.append(("speculation", "build flags", "-", "-", mode, "ok" if ok else "FAIL"))
+    with tempfile.TemporaryDirectory() as tmp_name:
+        engine = Path(tmp_name) / "engine-out"
+        (engine / "engine").mkdir(parents=True)
+        (engine / "engine" / "config.json").write_text("{}")
+        (engine / "engine" / "rank0.engine").write_bytes(b"\0" * 16)
+        (engine / "tokenizer").mkdir()
+        (engine / "tokenizer" / "tokenizer.json").write_text("{}")
+        (engine / build.BUILD_FILE).write_text(build.BuildOptions(max_draft_len=8).to_json())
+        (engine / build.COMPLETE_FILE).write_text("")
+        out = assemble.assemble(Path(tmp_name) / "repo", engine)
+        llm = assemble.read_config(out / "llm" / "config.pbtxt")
+        draft_len = llm.parameters["trtllm_max_draft_len"].string_value
+        trt = assemble.read_config(out / "tensorrt_llm" / "config.pbtxt")
+        takes = any(i.name == "draft_input_ids" for i in trt.input)
+        ok = draft_len == "8" and takes
+        rows.append(("speculation", "assembled: llm draft len / input", "-", "-",
+                     f"{draft_len} / {takes}", "ok" if ok else "FAIL"))  # fmt: skip
+    return rows
+
+
 def main() -> int:
     native, why = import_native()
     if not machine_has_gpu():
@@ -493,6 +546,7 @@ def main() -> int:
         )
     rows += run_check("teardown", lambda: check_teardown(native, testing, torch, devices))
     rows += run_check("kv reuse isolation", check_kv_reuse_isolation)
+    rows += run_check("speculation config", check_speculation_config)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
