@@ -15,7 +15,8 @@ tokenizer in `tensorrt_llm/tokenizer/`) and rewrites the configs the engine chan
   no `prefetch` (TensorRT-LLM has no load-only call; adapters load with their first request).
 - `llm`: `engine_kind` and `engine_model` tensorrt_llm, `tokenizer_dir`, `trtllm_max_input_len`,
   `trtllm_max_seq_len` and `trtllm_max_draft_len` (speculative decoding with external draft
-  tokens when the engine was built for it) from the build; three optional inputs for
+  tokens when the engine was built for it and KV reuse is on: each step resends the prompt)
+  from the build; three optional inputs for
   lora_cache's TensorRT-LLM tensors (LORA_TASK_ID, LORA_TRT_WEIGHTS, LORA_TRT_CONFIG).
 - `ensemble`: the lora_cache -> llm step maps those three tensors instead of the PEFT files
   (LORA_CONFIG, LORA_WEIGHTS, LORA_EVICT), which only torch_llm reads.
@@ -190,7 +191,10 @@ def rewrite_lora_cache(config: Any, engine: EngineFacts) -> None:
         raise ValueError(f"lora_cache's config lacks the TensorRT-LLM outputs {missing}")
 
 
-def rewrite_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
+def rewrite_llm(config: Any, repository: Path, engine: EngineFacts, kv_reuse: bool = False) -> None:
+    """llm's engine parameters. Speculative steps resend the prompt every step, so they are on
+    (the engine's max_draft_len) only with prefix KV reuse; without it each step would compute
+    the prompt again."""
     set_parameters(
         config,
         {
@@ -199,7 +203,7 @@ def rewrite_llm(config: Any, repository: Path, engine: EngineFacts) -> None:
             "tokenizer_dir": str(repository / ENGINE / "tokenizer"),
             "trtllm_max_input_len": str(engine.max_input_len),
             "trtllm_max_seq_len": str(engine.max_seq_len),
-            "trtllm_max_draft_len": str(engine.max_draft_len),
+            "trtllm_max_draft_len": str(engine.max_draft_len if kv_reuse else 0),
         },
     )
     add_input(config, "LORA_TASK_ID", mc.TYPE_UINT64, [1])
@@ -279,7 +283,7 @@ def assemble(
     write_config(target / "config.pbtxt", trt, "deploy/tensorrt_llm/tensorrt_llm/config.pbtxt")
     for name, rewrite in (
         ("lora_cache", lambda c: rewrite_lora_cache(c, facts)),
-        ("llm", lambda c: rewrite_llm(c, output, facts)),
+        ("llm", lambda c: rewrite_llm(c, output, facts, kv_reuse)),
         ("ensemble", rewrite_ensemble),
     ):
         config = read_config(output / name / "config.pbtxt")

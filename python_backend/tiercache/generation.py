@@ -305,7 +305,9 @@ class Generations:
                         flight.append(text)
                         return
             started_s = self.cache.now()
-            drafted = self._with_drafts(request, directives)
+            # drafts only from the cache, read here; an answer not stored is not kept as one
+            own = dataclasses.replace(request, drafts=(), index_answer=write_back)
+            drafted = self._with_drafts(own, directives)
             record = self._run_engine(flight, drafted, generate or self._generate)
             stored = False
             if flight.abandoned or record.finish_reason == "cancelled":

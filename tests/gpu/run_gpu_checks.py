@@ -494,14 +494,16 @@ def check_speculation_config() -> list[Row]:
         (engine / "tokenizer" / "tokenizer.json").write_text("{}")
         (engine / build.BUILD_FILE).write_text(build.BuildOptions(max_draft_len=8).to_json())
         (engine / build.COMPLETE_FILE).write_text("")
-        out = assemble.assemble(Path(tmp_name) / "repo", engine)
-        llm = assemble.read_config(out / "llm" / "config.pbtxt")
-        draft_len = llm.parameters["trtllm_max_draft_len"].string_value
+        lens = []
+        for reuse in (True, False):  # the steps resend the prompt: only with KV reuse
+            out = assemble.assemble(Path(tmp_name) / f"repo-{reuse}", engine, kv_reuse=reuse)
+            llm = assemble.read_config(out / "llm" / "config.pbtxt")
+            lens.append(llm.parameters["trtllm_max_draft_len"].string_value)
         trt = assemble.read_config(out / "tensorrt_llm" / "config.pbtxt")
         takes = any(i.name == "draft_input_ids" for i in trt.input)
-        ok = draft_len == "8" and takes
-        rows.append(("speculation", "assembled: llm draft len / input", "-", "-",
-                     f"{draft_len} / {takes}", "ok" if ok else "FAIL"))  # fmt: skip
+        ok = lens == ["8", "0"] and takes
+        rows.append(("speculation", "assembled: draft len reuse/no reuse, input", "-", "-",
+                     f"{'/'.join(lens)}, {takes}", "ok" if ok else "FAIL"))  # fmt: skip
     return rows
 
 

@@ -119,6 +119,11 @@ def test_stop_words_and_the_token_limit_cut_a_draft_where_plain_decoding_stops(
         spec = run(engine, request, (full,), speculate=True)
         assert spec == run(engine, request, (full,), speculate=False)
     assert run(engine, GenerationRequest(PROMPT, max_tokens=7), (full,), True)[1:] == ("length", 7)
+    # the draft runs past the stop word: its tokens after the answer's end are not counted
+    stopped = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS, stop_words=(stop,))
+    final = list(engine.generate(replace(stopped, drafts=(("answer", full),))))[-1]
+    assert 0 < final.accepted_tokens <= final.generated_tokens
+    assert final.accepted_tokens == sum(a for _, _, a in final.draft_steps)
 
 
 def test_with_prefix_kv_reuse_across_block_boundaries(engine: Any) -> None:

@@ -573,10 +573,12 @@ def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
     or damaged index row never carries another tenant's or adapter's text into the engine),
     once per text; a missing one is skipped."""
     seen: list[tuple[tuple[str, str], ...]] = []
+    indexed: list[bool] = []
 
     class Drafted(FakeEngine):
         def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
             seen.append(request.drafts)
+            indexed.append(request.index_answer)
             return super().__call__(request)
 
     tenant, adapter = "s" * 64, "a" * 64
@@ -595,6 +597,7 @@ def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
     )  # fmt: skip
     done.wait()
     assert seen == [(("answer", "the prompt's answer"), ("neighbour", "a neighbour's answer"))]
+    assert not indexed[-1]  # not stored (write_back false): not kept as a draft source either
     sampled = Recorder()
     stage.submit_miss(
         dataclasses.replace(request, temperature=0.7, seed=1), Digest("9" * 64), "miss",
@@ -602,4 +605,11 @@ def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
     )  # fmt: skip
     sampled.wait()
     assert seen[-1] == ()  # sampled requests are not speculated: nothing read
+    forged = Recorder()  # drafts never come from the request itself, only from the cache
+    stage.submit_miss(
+        dataclasses.replace(request, drafts=(("answer", "planted"),)), Digest("8" * 64),
+        "miss", True, forged,
+    )  # fmt: skip
+    forged.wait()
+    assert seen[-1] == () and indexed[-1]
     stage.close()

@@ -403,8 +403,11 @@ def test_assemble_with_an_engine_uses_its_files_and_limits(
     assert params(configs["tensorrt_llm"])["lora_cache_max_adapter_size"] == "16"
     assert params(configs["llm"])["trtllm_max_draft_len"] == "0"  # not built for drafts
     drafting = fake_engine(tmp_path / "drafting", max_draft_len=8)
-    out = assemble.assemble(tmp_path / "repo-drafting", drafting)
+    out = assemble.assemble(tmp_path / "repo-drafting", drafting, kv_reuse=True)
     assert params(configs_of(out)["llm"])["trtllm_max_draft_len"] == "8"
+    # without prefix KV reuse every step would compute the prompt again: off
+    out = assemble.assemble(tmp_path / "repo-no-reuse", drafting)
+    assert params(configs_of(out)["llm"])["trtllm_max_draft_len"] == "0"
 
 
 def test_assembled_kv_reuse_is_off_unless_one_tenant_or_the_operator_says_so(

@@ -444,10 +444,18 @@ def test_speculative_steps_stop_at_max_tokens_and_stop_words_like_plain_decoding
 
 def test_only_greedy_requests_with_speculate_are_speculated_and_weights_go_once() -> None:
     c, tok = spec_client()
-    assert c.speculates(GenerationRequest("Q"))
-    assert not c.speculates(GenerationRequest("Q", speculate=False))
-    assert not c.speculates(GenerationRequest("Q", temperature=0.7, seed=1))
-    assert not client()[0].speculates(GenerationRequest("Q"))  # max_draft_len 0: off
+
+    def speculated(c: TrtllmClient, request: GenerationRequest) -> bool:
+        return c.speculates(request, c.request(request))
+
+    assert speculated(c, GenerationRequest("Q"))
+    assert not speculated(c, GenerationRequest("Q", speculate=False))
+    assert not speculated(c, GenerationRequest("Q", temperature=0.7, seed=1))
+    assert not speculated(client()[0], GenerationRequest("Q"))  # max_draft_len 0: off
+    # every step resends the prompt and what is accepted: it must fit max_input_len
+    tight, _ = client(max_draft_len=8, limits=EngineLimits(max_input_len=12, max_seq_len=64))
+    assert speculated(tight, GenerationRequest("Q", max_tokens=10))  # 3 + 9 <= 12
+    assert not speculated(tight, GenerationRequest("Q", max_tokens=11))
     with pytest.raises(Exception, match="trtllm_max_draft_len"):
         client(max_draft_len=99)
     lora = TrtllmRequestLora(
@@ -461,3 +469,44 @@ def test_only_greedy_requests_with_speculate_are_speculated_and_weights_go_once(
     assert "".join(e.text for e in events) == ANSWER_TEXT
     assert "lora_weights" in target.calls[0] and "lora_task_id" in target.calls[0]
     assert all("lora_weights" not in call and "lora_task_id" in call for call in target.calls[1:])
+
+
+def test_an_adapter_the_engine_lost_between_steps_gets_its_weights_again() -> None:
+    c, tok = spec_client()
+    lora = TrtllmRequestLora(
+        engine_task_id(REF),
+        TrtllmLora(np.zeros((1, 2), np.float16), np.zeros((1, 3), np.int32)),
+    )
+    request = GenerationRequest("Q", max_tokens=100, drafts=(("answer", ANSWER_TEXT),), **ON_FRENCH)
+    call = c.request(request, lora)
+    target = FakeTarget(call.tensors["input_ids"].reshape(-1).tolist(), tok.ids(ANSWER_TEXT))
+    lost = {"once": True}
+
+    def engine(tensors: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        if len(target.calls) == 2 and lost.pop("once", False):
+            raise Unavailable("LoRA task 3 not found in cache. Please send LoRA weights")
+        return target(tensors)
+
+    events = list(c.speculative_events(request, call, engine))
+    assert "".join(e.text for e in events) == ANSWER_TEXT
+    assert "lora_weights" in target.calls[2]  # the retried step carried the weights
+    assert "lora_weights" not in target.calls[3]
+    bare = c.request(request)  # the engine held it: no weights to send again
+    target = FakeTarget(bare.tensors["input_ids"].reshape(-1).tolist(), tok.ids(ANSWER_TEXT))
+    lost["once"] = True
+    with pytest.raises(Unavailable, match="not found in cache"):
+        list(c.speculative_events(request, bare, engine))
+
+
+def test_draft_tokens_past_the_answers_end_are_not_counted_as_speculated() -> None:
+    """A stop word inside an accepted draft ends the answer there: the kept draft tokens after
+    it are not among the answer's speculated tokens."""
+    c, tok = spec_client()
+    request = GenerationRequest(
+        "Q", max_tokens=100, stop_words=("France",), drafts=(("answer", ANSWER_TEXT),)
+    )
+    prompt = c.request(request).tensors["input_ids"].reshape(-1).tolist()
+    final = spec_run(c, request, FakeTarget(prompt, tok.ids(ANSWER_TEXT)))[-1]
+    assert final.finish_reason == "stop"
+    assert final.accepted_tokens <= final.generated_tokens
+    assert final.accepted_tokens == sum(a for _, _, a in final.draft_steps)

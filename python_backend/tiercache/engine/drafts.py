@@ -193,6 +193,17 @@ class Drafter:
         else:
             state.rejections = 0
 
+    def unused(self, count: int) -> None:
+        """Of the last draft's accepted tokens, `count` were not taken into the answer (it
+        ended first: an end token, a stop word, max_tokens): they are not counted as kept (the
+        length and back-off stay as the model's agreement set them)."""
+        if count <= 0 or not self.steps:
+            return
+        source, proposed, accepted = self.steps[-1]
+        count = min(count, accepted)
+        self.steps[-1] = (source, proposed, accepted - count)
+        self.by_source[source].accepted -= count
+
 
 def _ngram(
     ends: dict[int, dict[tuple[int, ...], int]],

@@ -8,6 +8,7 @@ reuses the longest chain of cached full blocks and computes only the tokens afte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -217,7 +218,7 @@ class TorchEngine:
                 return StreamEvent(
                     text, finish_reason, len(generated), prompt_tokens, reused, computed
                 )
-            if finish_reason in ("stop", "length") and self.speculate:
+            if finish_reason in ("stop", "length") and request.index_answer:
                 self.answers.add(scope, generated)  # a draft source for the scope's next ones
             return StreamEvent(
                 text,
@@ -278,9 +279,17 @@ class TorchEngine:
                     kept, logits, cache = self._verify(token, draft, cache)
                     if drafter is not None:
                         drafter.accepted(len(draft), len(kept))
+                    before = len(generated)
                     for accepted_token in kept:
                         last = take(accepted_token)
                         if last is not None:
+                            if drafter is not None:  # kept tokens past the answer's end
+                                drafter.unused(len(kept) - (len(generated) - before))
+                                last = dataclasses.replace(
+                                    last,
+                                    accepted_tokens=drafter.accepted_total,
+                                    draft_steps=tuple(drafter.steps),
+                                )
                             yield last
                             return
                     if pending:

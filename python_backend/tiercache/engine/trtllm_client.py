@@ -60,11 +60,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from tiercache.adapter_types import TrtllmLora, TrtllmRequestLora, engine_task_id
-from tiercache.engine.adapter_call import adapter_ref
+from tiercache.engine.adapter_call import adapter_ref, is_not_in_engine
 from tiercache.engine.drafts import MAX_DRAFT_TOKENS, Drafter
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.prompt import prompt_token_ids
-from tiercache.errors import ConfigError, InvalidRequest, Unavailable
+from tiercache.errors import ConfigError, InvalidRequest, TierCacheError, Unavailable
 from tiercache.exact.request import GenerationRequest
 
 IM_END = "<|im_end|>"
@@ -342,9 +342,14 @@ class TrtllmClient:
 
     # -- speculative decoding ------------------------------------------------------------------
 
-    def speculates(self, request: GenerationRequest) -> bool:
-        """Whether `request` is decoded in speculative steps (`speculative_events`)."""
-        return self.max_draft_len > 0 and request.speculate and request.greedy
+    def speculates(self, request: GenerationRequest, call: TrtllmCall) -> bool:
+        """Whether `request` (its tensors `call`) is decoded in speculative steps
+        (`speculative_events`): greedy, not opted out, and every step's input (the prompt plus
+        up to max_tokens - 1 accepted tokens) within the engine's max_input_len."""
+        if not (self.max_draft_len > 0 and request.speculate and request.greedy):
+            return False
+        longest = call.prompt_tokens + request.max_tokens - 1
+        return not self.limits.max_input_len or longest <= self.limits.max_input_len
 
     def speculative_events(
         self,
@@ -355,7 +360,10 @@ class TrtllmClient:
     ) -> Iterator[StreamEvent]:
         """The answer to `request` (its tensors `call`) in speculative steps, each one engine
         request sent through `run` (its responses as {output name: array}), as StreamEvents in
-        the CPU engine's contract; the last one carries the drafted and accepted counts."""
+        the CPU engine's contract; the last one carries the drafted and accepted counts. The
+        adapter's weights (if `call` has them) go with the first step, and again with a later
+        step the engine answers that it lost the adapter; the KV reuse reported is the first
+        step's (later steps reuse the request's own blocks)."""
         prompt = [int(t) for t in call.tensors["input_ids"].reshape(-1)]
         with self._encode_lock:
             answers = [
@@ -365,11 +373,13 @@ class TrtllmClient:
         drafter = Drafter(answers, prompt)
         detok = self._detokenizer(self.tokenizer, request.stop_words)
         generated: list[int] = []
+        with_weights = call.tensors
+        without = {k: v for k, v in with_weights.items() if k not in LORA_WEIGHT_INPUTS}
+        has_weights = len(without) < len(with_weights)
 
         def event(text: str, finish: str | None) -> StreamEvent:
             if finish is None:
                 return StreamEvent(text, None, len(generated), len(prompt))
-            steps = tuple(drafter.steps)
             return StreamEvent(
                 text,
                 finish,
@@ -377,55 +387,71 @@ class TrtllmClient:
                 len(prompt),
                 drafted_tokens=drafter.proposed,
                 accepted_tokens=drafter.accepted_total,
-                draft_steps=steps,
+                draft_steps=tuple(drafter.steps),
             )
 
+        def step(base: dict[str, np.ndarray], first: bool, extra: dict) -> list[int]:
+            got: list[int] = []
+            for output in run({**base, **extra}):
+                reuse = kv_cache_reuse(output)
+                if first and reuse is not None and on_kv_cache is not None:
+                    on_kv_cache(reuse)
+                got += new_tokens(output)
+            return got
+
+        first = True
         while True:
             room = request.max_tokens - len(generated)
             draft = drafter.propose(generated, min(self.max_draft_len, room - 1))
             wanted = len(draft) + 1 if draft else min(PLAIN_CHUNK, room)
-            tensors = dict(call.tensors)
             ids = prompt + generated
-            tensors["input_ids"] = np.array([ids], dtype=np.int32)
-            tensors["input_lengths"] = _one(len(ids), np.int32)
-            tensors["request_output_len"] = _one(wanted, np.int32)
-            tensors["streaming"] = _one(False, np.bool_)
+            extra = {
+                "input_ids": np.array([ids], dtype=np.int32),
+                "input_lengths": _one(len(ids), np.int32),
+                "request_output_len": _one(wanted, np.int32),
+                "streaming": _one(False, np.bool_),
+            }
             if draft:
-                tensors["draft_input_ids"] = np.array([draft], dtype=np.int32)
-            if generated or draft:  # the adapter's weights go with the first step only
-                call = TrtllmCall(
-                    {k: v for k, v in call.tensors.items() if k not in LORA_WEIGHT_INPUTS},
-                    call.prompt_tokens,
-                )
-            got: list[int] = []
-            for output in run(tensors):
-                reuse = kv_cache_reuse(output)
-                if reuse is not None and on_kv_cache is not None:
-                    on_kv_cache(reuse)
-                got += new_tokens(output)
+                extra["draft_input_ids"] = np.array([draft], dtype=np.int32)
+            try:
+                got = step(with_weights if first else without, first, extra)
+            except TierCacheError as exc:
+                if first or not has_weights or not is_not_in_engine(exc):
+                    raise
+                got = step(with_weights, False, extra)  # the engine dropped the adapter
+            first = False
             expected = wanted  # what a step that did not reach the end returns
+            kept = 0
             if draft:
-                kept = 0
                 while kept < min(len(draft), len(got)) and got[kept] == draft[kept]:
                     kept += 1
                 drafter.accepted(len(draft), kept)
                 expected = kept + 1  # the accepted prefix, then the target's own token
+            before = len(generated)
+
+            def final(
+                text: str, finish: str, kept: int = kept, before: int = before
+            ) -> StreamEvent:
+                # draft tokens the model agreed with past the answer's end are not in it
+                drafter.unused(max(0, kept - (len(generated) - before)))
+                return event(text, finish)
+
             pending = ""
             for token in got[:wanted]:
                 if token in self.eos_ids:
-                    yield event(pending + detok.flush(), "stop")
+                    yield final(pending + detok.flush(), "stop")
                     return
                 generated.append(token)
                 text, stopped = detok.push(generated)
                 if stopped:
-                    yield event(pending + text, "stop")
+                    yield final(pending + text, "stop")
                     return
                 if len(generated) >= request.max_tokens:
-                    yield event(pending + text + detok.flush(), "length")
+                    yield final(pending + text + detok.flush(), "length")
                     return
                 pending += text
             if len(got) < expected:  # the engine stopped early: at its end id, or a stop word
-                yield event(pending + detok.flush(), "stop")
+                yield final(pending + detok.flush(), "stop")
                 return
             if pending:
                 yield event(pending, None)

@@ -263,6 +263,9 @@ class GenerationRequest:
     # engine call); not in the key: the answer is the same either way.
     speculate: bool = True
     drafts: tuple[tuple[str, str], ...] = ()
+    # Whether the engine may keep the answer among its scope's draft sources (its answer
+    # index); llm sets it false for a request whose answer is not stored (`no-store`).
+    index_answer: bool = True
 
     @property
     def greedy(self) -> bool:

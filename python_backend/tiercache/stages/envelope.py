@@ -27,7 +27,7 @@ from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
 from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
 from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
 ENVELOPE_TENSOR = "ENVELOPE"
 
 
@@ -82,6 +82,7 @@ class Envelope:
                 "raw_prompt": r.raw_prompt,
                 "speculate": r.speculate,
                 "drafts": [list(draft) for draft in r.drafts],
+                "index_answer": r.index_answer,
             },
             "status": self.status.value,
             "digest": self.digest,
@@ -131,6 +132,7 @@ class Envelope:
             raw_prompt=_read(fields, "raw_prompt", bool, where),
             speculate=_read(fields, "speculate", bool, where),
             drafts=_drafts(fields, where),
+            index_answer=_read(fields, "index_answer", bool, where),
         )
         status = _read(top, "status", str, ENVELOPE_TENSOR)
         try:

@@ -195,7 +195,7 @@ class EngineBls:
         """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
         stop word) cancels the rest of the engine's stream."""
         call = trtllm.request(request, lora.trtllm)
-        if trtllm.speculates(request):
+        if trtllm.speculates(request, call):
             yield from trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv)
             return
         tensors = [pb_utils.Tensor(name, array) for name, array in call.tensors.items()]
