@@ -489,6 +489,9 @@ def test_speculative_steps_draft_from_the_kept_answer_and_give_the_plain_answer(
         assert drafts and max(drafts) <= 8
         assert len(target.calls) <= len(text) // 8 + 2  # not one call per token
         final = {t.name(): t.as_numpy() for t in responses[-1].output_tensors()}
-        assert int(final["SPECULATED_TOKENS"].reshape(-1)[0]) >= len(text) - len(target.calls)
+        speculated = int(final["SPECULATED_TOKENS"].reshape(-1)[0])
+        assert speculated >= len(text) - len(target.calls)
+        instance.stage.metrics.flush()  # the same draft metrics as torch_llm's, from llm
+        assert instance.stage.drafts.accepted["answer"].metric.value() == speculated
     finally:
         instance.finalize()

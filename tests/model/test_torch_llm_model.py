@@ -364,14 +364,14 @@ def test_final_response_and_metrics_report_speculation_by_draft_source(
     plain = call(pb_utils, model, sealer, ENVELOPE=envelope_text(sealer, GenerationRequest("Hi")))
     assert int_output(pb_utils, plain[-1], "SPECULATED_TOKENS") == 0
     model.stage.metrics.flush()
-    stage = model.stage
-    assert (stage.drafted["answer"].metric.value(), stage.accepted["answer"].metric.value()) == (
+    drafts = model.stage.drafts
+    assert (drafts.drafted["answer"].metric.value(), drafts.accepted["answer"].metric.value()) == (
         4,
         3,
     )
-    assert stage.accepted["neighbour"].metric.value() == 3
-    assert stage.drafted["context"].metric.value() == 0
-    assert stage.accepted_per_step["answer"].metric.value() == 1  # one step observed
+    assert drafts.accepted["neighbour"].metric.value() == 3
+    assert drafts.drafted["context"].metric.value() == 0
+    assert drafts.per_step["answer"].metric.value() == 1  # one step observed
 
 
 # ---- the engine is internal: unsealed and altered calls are refused ----------------------------

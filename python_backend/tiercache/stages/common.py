@@ -1,6 +1,6 @@
 """What every stage's assembly shares: its metrics registry, the exporters of the exact
-cache's Redis link and invalidation listener, and the sealed internal calls (to the engine
-and to lora_cache's admin ops)."""
+cache's Redis link and invalidation listener, the engines' draft metrics, and the sealed
+internal calls (to the engine and to lora_cache's admin ops)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tiercache.stages.parts import ExactTiers
 from tiercache.stages.seal import ADMIN_LABEL, ENGINE_INPUTS, ENGINE_LABEL, Sealer, seal_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
+from tiercache.vocabulary import DraftSource, choices
 
 
 def status_counters(
@@ -50,3 +51,46 @@ def admin_inputs(sealer: Sealer, admin: str) -> list[Any]:
     """A call of lora_cache's internal admin ops: ADMIN and its ADMIN_SEAL."""
     seal = admin_seal(sealer, admin)
     return [io.bytes_tensor("ADMIN", [admin]), io.bytes_tensor("ADMIN_SEAL", [seal])]
+
+
+# Upper bounds of the accepted-draft-tokens-per-step histogram (MAX_DRAFT_TOKENS at most).
+ACCEPTED_PER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
+
+
+class DraftMetrics:
+    """Speculative decoding's metrics, by draft source (vocabulary.DraftSource): draft tokens
+    verified, those kept, and the kept ones per verification step (the seeds' spec-hit-depth).
+    torch_llm records its generations', llm those of TensorRT-LLM's speculative steps."""
+
+    def __init__(self, metrics: tm.Metrics) -> None:
+        sources = choices(DraftSource)
+        self.drafted = status_counters(
+            metrics,
+            "tiercache_engine_draft_tokens_total",
+            "Draft tokens verified by speculative decoding, by draft source",
+            "source",
+            sources,
+        )
+        self.accepted = status_counters(
+            metrics,
+            "tiercache_engine_draft_accepted_tokens_total",
+            "Draft tokens the model agreed with (each a decoding step saved), by draft source",
+            "source",
+            sources,
+        )
+        self.per_step = {
+            source: metrics.histogram(
+                "tiercache_engine_draft_accepted_per_step",
+                "Draft tokens accepted per verification step, by draft source",
+                list(ACCEPTED_PER_STEP_BUCKETS),
+                source=source,
+            )
+            for source in sources
+        }
+
+    def record(self, steps: Iterable[tuple[str, int, int]]) -> None:
+        """One generation's (source, proposed, accepted) per verification step."""
+        for source, proposed, accepted in steps:
+            self.drafted[source].increment(proposed)
+            self.accepted[source].increment(accepted)
+            self.per_step[source].observe(accepted)

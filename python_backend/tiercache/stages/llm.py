@@ -35,6 +35,7 @@ from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.common import (
+    DraftMetrics,
     admin_inputs,
     admin_seal,
     engine_inputs,
@@ -145,6 +146,8 @@ class EngineBls:
         self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
         self.lora_client = BlsClient(config.lora_model)
         self._on_kv = on_kv
+        # (source, proposed, accepted) per speculative step of a finished TensorRT-LLM answer
+        self.on_drafts: Callable[[tuple[tuple[str, int, int], ...]], None] | None = None
         self.trtllm: TrtllmClient | None = None
         if config.engine_kind == EngineKind.TENSORRT_LLM:
             self.trtllm = TrtllmClient(
@@ -196,7 +199,10 @@ class EngineBls:
         stop word) cancels the rest of the engine's stream."""
         call = trtllm.request(request, lora.trtllm)
         if trtllm.speculates(request, call):
-            yield from trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv)
+            for event in trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv):
+                if event.finish_reason is not None and self.on_drafts is not None:
+                    self.on_drafts(event.draft_steps)
+                yield event
             return
         tensors = [pb_utils.Tensor(name, array) for name, array in call.tensors.items()]
         responses = self.client.stream(tensors, list(REQUESTED_OUTPUTS), cancel_on_close=True)
@@ -299,6 +305,8 @@ class LlmStage:
         )
         self.engine = EngineBls(config, sealer, cipher, self._record_kv)
         if self.engine.trtllm is not None:
+            self.drafts = DraftMetrics(m)  # TensorRT-LLM's speculative steps (torch_llm: its own)
+            self.engine.on_drafts = self.drafts.record
             self.kv_reused_blocks = m.counter(
                 "tiercache_trtllm_kv_cache_reused_blocks_total",
                 "KV-cache blocks TensorRT-LLM reused from earlier requests (prefix reuse)",

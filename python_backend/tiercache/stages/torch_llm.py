@@ -20,20 +20,17 @@ from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
 from tiercache.memory import MemoryTrimmer
-from tiercache.stages.common import status_counters
+from tiercache.stages.common import DraftMetrics
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_adapters, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
-from tiercache.vocabulary import DraftSource, choices
 
 # What the final response of each admin op says in FINISH_REASON.
 OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
 FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error")
 _STOP = object()
-# Upper bounds of the accepted-draft-tokens-per-step histogram (MAX_DRAFT_TOKENS at most).
-ACCEPTED_PER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 
 
 class EngineSink(Protocol):
@@ -114,30 +111,7 @@ class TorchLlmStage:
         self.kv_computed = m.counter(
             "tiercache_engine_kv_computed_tokens_total", "Prompt tokens the engine computed"
         )
-        sources = choices(DraftSource)
-        self.drafted = status_counters(
-            m,
-            "tiercache_engine_draft_tokens_total",
-            "Draft tokens verified by speculative decoding, by draft source",
-            "source",
-            sources,
-        )
-        self.accepted = status_counters(
-            m,
-            "tiercache_engine_draft_accepted_tokens_total",
-            "Draft tokens the model agreed with (each a decoding step saved), by draft source",
-            "source",
-            sources,
-        )
-        self.accepted_per_step = {
-            source: m.histogram(
-                "tiercache_engine_draft_accepted_per_step",
-                "Draft tokens accepted per verification step, by draft source",
-                list(ACCEPTED_PER_STEP_BUCKETS),
-                source=source,
-            )
-            for source in sources
-        }
+        self.drafts = DraftMetrics(m)
         self.kv_pool_bytes = m.gauge(
             "tiercache_engine_kv_pool_bytes", "Bytes of KV blocks held in the prefix pool"
         )
@@ -242,10 +216,7 @@ class TorchLlmStage:
             self.prompt_tokens.increment(event.prompt_tokens)
             self.kv_reused.increment(event.reused_tokens)
             self.kv_computed.increment(event.computed_tokens)
-            for source, proposed, accepted in event.draft_steps:
-                self.drafted[source].increment(proposed)
-                self.accepted[source].increment(accepted)
-                self.accepted_per_step[source].observe(accepted)
+            self.drafts.record(event.draft_steps)
             self.finished[event.finish_reason].increment(1)
 
     def _trim_memory(self) -> None:
