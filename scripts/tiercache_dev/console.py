@@ -46,10 +46,11 @@ def invocation(module: str, argv: Sequence[str] | None = None) -> str:
 
 
 def write_report(out_dir: Path, stem: str, markdown: str, summary: object) -> Path:
-    """A benchmark's report: OUT_DIR/<stem>.md and its machine-readable summary <stem>.json;
-    the Markdown is printed too. Returns the Markdown's path."""
+    """A benchmark's report: OUT_DIR/<stem>.md and its machine-readable summary <stem>.json
+    (OUT_DIR made when missing); the Markdown is printed too. Returns the Markdown's path."""
     import json
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.md"
     path.write_text(markdown)
     path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
