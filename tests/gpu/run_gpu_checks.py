@@ -420,6 +420,17 @@ def check_teardown(native: Any, testing: Any, torch: Any, devices: list[int]) ->
 # --- Main -----------------------------------------------------------------------------------------
 
 
+def load_deploy_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        f"tiercache_{name}", ROOT / "deploy" / "tensorrt_llm" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def check_kv_reuse_isolation() -> list[Row]:
     """The GPU path's per-tenant KV isolation (issue 14): TensorRT-LLM's Triton backend takes no
     per-tenant cache salt, so the assembled repository must reuse KV blocks only when one
@@ -427,13 +438,7 @@ def check_kv_reuse_isolation() -> list[Row]:
     serve (assemble_repository.py, no engine needed)."""
     import tempfile
 
-    spec = importlib.util.spec_from_file_location(
-        "tiercache_assemble", ROOT / "deploy" / "tensorrt_llm" / "assemble_repository.py"
-    )
-    assert spec is not None and spec.loader is not None
-    assemble = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = assemble
-    spec.loader.exec_module(assemble)
+    assemble = load_deploy_script("assemble_repository")
     from tiercache.exact.tenant_keys import add_key
 
     rows: list[Row] = []
@@ -453,17 +458,6 @@ def check_kv_reuse_isolation() -> list[Row]:
         rows.append(("kv reuse", "auto: 1 tenant / 2 tenants", "-", "-",
                      f"{single} / {several}", "ok" if ok else f"FAIL: {why}"))  # fmt: skip
     return rows
-
-
-def load_deploy_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        f"tiercache_{name}", ROOT / "deploy" / "tensorrt_llm" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_speculation_config() -> list[Row]:

@@ -69,7 +69,6 @@ AGAIN_PROMPTS = (
     "How does a compiler differ from an interpreter?",
     "What is photosynthesis?",
 )
-SOURCES = ("answer", "neighbour", "index", "context")
 CLOSE = 0.5  # a cached answer this close to the plain answer (difflib ratio, words) is "close"
 EDIT_ASKS = (
     "Repeat your answer, but replace every full stop with an exclamation mark.",
@@ -326,16 +325,19 @@ def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str,
             f"{s['speedup']:.2f} | {s['mean_accepted_draft']:.1f} | {s['acceptance']:.2f} | "
             f"{close_cell(s)} | {'yes' if s['identical'] else 'no'} |"
         )
+    from tiercache.vocabulary import DraftSource, choices
+
+    sources = choices(DraftSource)
     lines += [
         "",
         "Draft sources (speculative runs): verification steps, tokens proposed / accepted.",
         "",
-        "| workload | " + " | ".join(SOURCES) + " |",
-        "|---|" + "---:|" * len(SOURCES),
+        "| workload | " + " | ".join(sources) + " |",
+        "|---|" + "---:|" * len(sources),
     ]
     for name, s in summary.items():
         cells = []
-        for source in SOURCES:
+        for source in sources:
             c = s["by_source"].get(source)
             cells.append(f"{c['steps']}: {c['accepted']}/{c['proposed']}" if c else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
