@@ -179,15 +179,14 @@ def test_dead_redis_is_a_miss_costing_microseconds_and_l3_resumes(
         assert cache.get(f"missing{i}") is None
     l3 = cache.store(Tier.L3)
     assert l3 is not None
-    started = time.perf_counter()
     for i in range(10_000):
         assert l3.get(f"missing{i}") is None
-    per_call_us = (time.perf_counter() - started) / 10_000 * 1e6
     health = link.health()
     assert (health.available, health.outages) == (False, 1)
-    assert health.short_circuits > 10_000  # almost every call never touched the network
-    # A socket timeout per call would be 250,000 us; the breaker makes it a clock read.
-    assert per_call_us < 100, f"{per_call_us:.1f} us per L3 read with Redis dead"
+    # Every one of these reads was answered by the breaker without touching the network (a socket
+    # timeout each would be 0.25 s); what a read costs then is timed by
+    # `python -m tiercache_dev.bench.redis_tier`, not here.
+    assert health.short_circuits > 10_000
 
     server.start()  # the same port, empty (no persistence), as after a crash
     client = raw_client(server)

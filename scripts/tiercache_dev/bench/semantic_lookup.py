@@ -30,6 +30,7 @@ import numpy as np
 
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
+from tiercache.semantic import features as feats
 from tiercache.semantic.embedder import Embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import IndexStats, SemanticIndex
@@ -51,6 +52,25 @@ QUERIES = [
     "What is the best way to learn Python?",
     "Why is the sky blue?",
 ]
+
+
+def guard_feature_costs(pairs: list[tuple[str, str]], rounds: int = 200) -> tuple[float, float]:
+    """Microseconds to profile one text (not memoized) and to compute one pair's features from
+    memoized profiles, as for a query against a cached prompt."""
+    texts = sorted({t for pair in pairs for t in pair})
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for text in texts:
+            feats.profile.__wrapped__(text)
+    profile_us = (time.perf_counter() - started) / (rounds * len(texts)) * 1e6
+    for q, c in pairs:
+        feats.features(q, c, 0.9)  # memoize the profiles
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for q, c in pairs:
+            feats.features(q, c, 0.9)
+    pair_us = (time.perf_counter() - started) / (rounds * len(pairs)) * 1e6
+    return profile_us, pair_us
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         stage.lookup([q], ["scope"])
         uncached_ms.append((time.perf_counter() - t) * 1e3)
     hits = sum(stage.lookup([q], ["scope"])[0].outcome.value == "semantic" for q in reworded)
+    profile_us, pair_us = guard_feature_costs(list(zip(reworded, QUERIES, strict=True)))
 
     extra = rng.standard_normal((1_000, dims)).astype(np.float32)
     extra /= np.linalg.norm(extra, axis=1, keepdims=True)
@@ -163,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"| {label} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} |")
     print(f"\nsemantic hits among the {len(reworded)} reworded queries: {hits}")
+    print(
+        f"\nguard features: {profile_us:.1f} us to profile a text (once per text, memoized), "
+        f"{pair_us:.1f} us per pair of memoized profiles ({pair_us / profile_us:.2f}x a profile)"
+    )
     print("\n| rows in scope | flat scan p50 ms |\n|---:|---:|")
     for n, ms in flat_rows:
         print(f"| {n:,} | {ms:.3f} |")
