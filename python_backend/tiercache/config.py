@@ -572,10 +572,11 @@ class EngineConfig(_StateConfig):
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
     speculate: bool = param(
         True,
-        "Speculative decoding of greedy requests: tokens drafted from the prompt, the cached "
-        "answers llm sends and the engine's recent answers in the request's scope are verified "
-        "in one forward pass (the output is plain decoding's; a request opts out with the "
-        "cache_control word no-speculate)",
+        "Speculative decoding: tokens drafted from the prompt, the cached answers llm sends "
+        "and the engine's recent greedy answers in the request's scope are verified in one "
+        "forward pass, a sampled request's with its own seeded draw at each position (the "
+        "output is plain decoding's; a request opts out with the cache_control word "
+        "no-speculate)",
     )
     draft_index_tokens: int = param(
         16_384,

@@ -192,9 +192,9 @@ class Generations:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
         request accepts instead of a generation (its cache_control directives).
-        `draft_digest` (a greedy request's, tiercache.exact.keys.draft_digest): the answer kept
-        there goes to the engine as a draft for speculative decoding, and this answer is kept
-        there once stored. The answers under `neighbours` (its nearest semantic neighbours') go
+        `draft_digest` (tiercache.exact.keys.draft_digest): the answer kept there goes to the
+        engine as a draft for speculative decoding, and a greedy request's answer is kept there
+        once stored. The answers under `neighbours` (its nearest semantic neighbours') go
         to the engine as drafts too.
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
@@ -329,7 +329,7 @@ class Generations:
                     directives.tags,
                     prompt_tokens,
                 )
-                if stored and directives.draft_digest:
+                if stored and directives.draft_digest and request.greedy:
                     self._keep_draft(directives.draft_digest, flight.text(), request, started_s)
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
@@ -359,7 +359,7 @@ class Generations:
         (a forged or damaged index row never carries another scope's text into the engine)
         and is not a copy of an earlier one. Unchanged when none can be read: drafts only
         speed decoding up."""
-        if not request.speculate or not request.greedy:
+        if not request.speculate:
             return request
         wanted = [(DraftSource.ANSWER.value, d) for d in (directives.draft_digest,) if d]
         wanted += [(DraftSource.NEIGHBOUR.value, d) for d in directives.neighbours]

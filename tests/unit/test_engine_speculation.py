@@ -1,7 +1,8 @@
 """Speculative decoding in the CPU engine (tiercache.engine.torch_engine, tiercache.engine.drafts)
 on the real model: whatever the drafts, a greedy answer is token for token the one plain decoding
 gives (finish reason and counts included), across KV block boundaries and with stop words; a
-draft the model agrees with saves forward passes; sampled requests are not speculated."""
+draft the model agrees with saves forward passes; a sampled answer is plain decoding's for its
+seed."""
 
 from __future__ import annotations
 
@@ -158,12 +159,42 @@ def test_the_engines_recent_answers_draft_later_requests_of_their_scope_only(
     assert events[-1].accepted_tokens == sum(a for _, _, a in events[-1].draft_steps)
 
 
-def test_sampled_requests_are_not_speculated(engine: Any) -> None:
-    request = GenerationRequest(PROMPT, max_tokens=8, temperature=0.7, seed=3)
-    assert run(engine, request, (PROMPT,), speculate=True) == run(
-        engine, request, (PROMPT,), speculate=False
-    )
-    assert engine.last_drafter is None
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "seeds"),
+    [(1.0, 0, 1.0, (3, 11, 2**63 + 5)), (0.4, 40, 0.9, (7, 8))],
+)
+def test_a_sampled_answer_is_plain_decodings_for_its_seed(
+    engine: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seeds: tuple[int, ...],
+) -> None:
+    """A sampled request is verified with its own seeded draw at each answer position: drafted
+    from the greedy answer, its answer is token for token the one plain decoding gives for
+    that seed, where the sample leaves the draft and a refused position is picked again
+    included; where it follows the draft (a low temperature), passes are saved. Its answer
+    does not join the scope's answer index (greedy answers only)."""
+    greedy = run(engine, GenerationRequest(PROMPT, max_tokens=2 * MAX_TOKENS), (), False)[0]
+    engine.answers = AnswerIndex()
+    counted = Counted(engine, monkeypatch)
+    saved = 0
+    for seed in seeds:
+        request = GenerationRequest(
+            PROMPT, max_tokens=MAX_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed,
+        )  # fmt: skip
+        counted.calls = 0
+        plain = run(engine, request, (), speculate=False)
+        plain_passes, counted.calls = counted.calls, 0
+        assert run(engine, request, (greedy,), speculate=True) == plain
+        drafter = engine.last_drafter
+        assert drafter is not None and drafter.proposed > 0
+        saved += plain_passes - counted.calls
+    if temperature < 1.0:
+        assert saved > 0
+    assert engine.answers.scopes() == 0
 
 
 def test_with_an_adapter_active(engine: Any) -> None:

@@ -534,7 +534,8 @@ def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
 def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCache) -> None:
     """The answer kept under the draft digest reaches the engine as its draft; the new answer,
     once stored, is kept there for the next request of the prompt (with the answer's tenant
-    and adapter, so their invalidations drop it too); `no-speculate` reads no draft."""
+    and adapter, so their invalidations drop it too); `no-speculate` reads no draft; a sampled
+    request reads the draft but its sample is not kept there."""
     seen: list[tuple[tuple[str, str], ...]] = []
 
     class Drafted(FakeEngine):
@@ -554,6 +555,16 @@ def test_a_greedy_miss_drafts_from_and_keeps_its_prompts_answer(cache: TieredCac
     kept = cache.get(drafts)
     assert kept is not None and kept.entry.text == "Hello"
     assert (kept.entry.tenant_scope, kept.entry.adapter) == (tenant, adapter)
+    sampled = Recorder()  # drafts from the kept greedy answer; its own sample is not kept
+    stage.submit_miss(
+        dataclasses.replace(request, temperature=0.9, seed=5), Digest("c" * 64), "miss", True,
+        sampled, draft_digest=drafts,
+    )  # fmt: skip
+    assert sampled.wait() == [("final", "Hello", "miss")]
+    assert seen[-1] == (("answer", "Hello"),)
+    assert cache.get(Digest("c" * 64)) is not None  # stored under its own digest
+    still = cache.get(drafts)
+    assert still is not None and still.entry.created_s == kept.entry.created_s
     quiet = Recorder()
     other = Digest("e" * 64)
     stage.submit_miss(
@@ -604,7 +615,7 @@ def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
         False, sampled, neighbours=(near,),
     )  # fmt: skip
     sampled.wait()
-    assert seen[-1] == ()  # sampled requests are not speculated: nothing read
+    assert seen[-1] == (("neighbour", "a neighbour's answer"),)  # a sampled miss drafts too
     forged = Recorder()  # drafts never come from the request itself, only from the cache
     stage.submit_miss(
         dataclasses.replace(request, drafts=(("answer", "planted"),)), Digest("8" * 64),

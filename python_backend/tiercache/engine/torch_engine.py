@@ -129,9 +129,9 @@ class TorchEngine:
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
     ) -> None:
-        """`speculate`: verify drafted tokens in one forward pass (greedy requests only), drafted
-        also from the engine's recent answers in the request's scope (`answers`, up to
-        `draft_index_tokens` tokens over all scopes; 0: none)."""
+        """`speculate`: verify drafted tokens in one forward pass (a sampled request's with its
+        seeded draws), drafted also from the engine's recent greedy answers in the request's
+        scope (`answers`, up to `draft_index_tokens` tokens over all scopes; 0: none)."""
         self.speculate = speculate
         self.answers = AnswerIndex(draft_index_tokens)
         self.last_drafter: Drafter | None = None  # the last request's drafter (its counts)
@@ -178,12 +178,13 @@ class TorchEngine:
         """Stream the answer. The last event has `finish_reason`; its text ends the answer, and
         every event carries how many prompt tokens were reused from the KV pool and computed.
 
-        With `speculate` on and a greedy request, each step drafts tokens from
-        `request.drafts` (texts it may well repeat: cached answers in its scope, which llm
-        sets) and from its own prompt
-        (tiercache.engine.drafts), and verifies them in one forward pass: the model's own
-        choice at every drafted position decides, so the output is the one plain decoding
-        gives; a step yields the picked token plus every draft token the model agreed with.
+        With `speculate` on, each step drafts tokens from `request.drafts` (texts it may well
+        repeat: cached answers in its scope, which llm sets), from its own prompt and from the
+        scope's recent greedy answers (tiercache.engine.drafts), and verifies them in one
+        forward pass: the model's own choice at every drafted position decides (greedy, or the
+        sampler's draw for that answer position: the one plain decoding takes there), so the
+        output is the one plain decoding gives; a step yields the picked token plus every draft
+        token the model agreed with.
 
         Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
         `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not
@@ -197,7 +198,7 @@ class TorchEngine:
         prompt_list = input_ids[0].tolist()
         scope = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
         drafter = None
-        if self.speculate and request.speculate and request.greedy:
+        if self.speculate and request.speculate:
             answers = [
                 (source, self.tokenizer.encode(text, add_special_tokens=False))
                 for source, text in request.drafts
@@ -218,7 +219,7 @@ class TorchEngine:
                 return StreamEvent(
                     text, finish_reason, len(generated), prompt_tokens, reused, computed
                 )
-            if finish_reason in ("stop", "length") and request.index_answer:
+            if finish_reason in ("stop", "length") and request.index_answer and request.greedy:
                 self.answers.add(scope, generated)  # a draft source for the scope's next ones
             return StreamEvent(
                 text,
@@ -259,7 +260,7 @@ class TorchEngine:
                     if is_cancelled():
                         yield event("", "cancelled")
                         return
-                    token = sampler.pick(logits)
+                    token = sampler.pick(logits, len(generated))
                     pending = ""
                     last = take(token)
                     if last is not None:
@@ -276,7 +277,7 @@ class TorchEngine:
                         out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
                         logits, cache = out.logits[:, -1, :], out.past_key_values
                         continue
-                    kept, logits, cache = self._verify(token, draft, cache)
+                    kept, logits, cache = self._verify(token, draft, cache, sampler, len(generated))
                     if drafter is not None:
                         drafter.accepted(len(draft), len(kept))
                     before = len(generated)
@@ -298,16 +299,25 @@ class TorchEngine:
             if lease is not None:
                 self.kv_pool.release(lease)
 
-    def _verify(self, token: int, draft: list[int], cache: Any) -> tuple[list[int], Any, Any]:
+    def _verify(
+        self, token: int, draft: list[int], cache: Any, sampler: _Sampler, position: int
+    ) -> tuple[list[int], Any, Any]:
         """Run `token` and the `draft` after it in one forward pass; keep the longest prefix of
-        the draft the model picks itself (greedy), and the KV of `token` and that prefix only.
+        the draft the model picks itself (greedy, or `sampler`'s seeded draw for each answer
+        position from `position` on), and the KV of `token` and that prefix only.
         Returns the kept draft tokens, the logits after the last kept token, and the cache."""
         step = torch.tensor([[token, *draft]], device=self.device)
         out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
-        picks = out.logits[0].argmax(dim=-1).tolist()
         kept = 0
-        while kept < len(draft) and picks[kept] == draft[kept]:
-            kept += 1
+        if sampler.rng is None:
+            picks = out.logits[0].argmax(dim=-1).tolist()
+            while kept < len(draft) and picks[kept] == draft[kept]:
+                kept += 1
+        else:
+            while kept < len(draft) and (
+                sampler.pick(out.logits[:, kept, :], position + kept) == draft[kept]
+            ):
+                kept += 1
         cache = out.past_key_values
         rejected = len(draft) - kept
         if rejected:
@@ -372,17 +382,29 @@ class _Sampler:
 
     Draws come from NumPy's PCG64 seeded with the full 64-bit seed: torch's CPU generator keeps
     only part of a uint64 seed (0 and 2**63 gave the same stream), and distinct seeds in distinct
-    cache entries should mean distinct samples.
+    cache entries should mean distinct samples. The answer's token at `position` always takes
+    the stream's draw number `position`, however often that position is picked: a speculative
+    verification picks drafted positions ahead and picks the first refused one again after it,
+    and both must give the token plain decoding gives there.
     """
 
     def __init__(self, request: GenerationRequest, device: str) -> None:
         self.request = request
         self.rng: np.random.Generator | None = None
+        self._draws: list[float] = []  # the stream's draws so far, by answer position
         if not request.greedy:
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
             self.rng = np.random.Generator(np.random.PCG64(seed))
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def _draw(self, position: int) -> float:
+        assert self.rng is not None
+        while len(self._draws) <= position:
+            self._draws.append(float(self.rng.random()))
+        return self._draws[position]
+
+    def pick(self, logits: torch.Tensor, position: int) -> int:
+        """The token at answer position `position` (0: the first generated) for `logits`
+        (shape [1, vocab])."""
         if self.rng is None:
             return int(torch.argmax(logits, dim=-1)[0])
         scores = logits[0].float() / self.request.temperature
@@ -398,7 +420,7 @@ class _Sampler:
                 torch.zeros_like(drop).scatter(0, order, drop), float("-inf")
             )
         cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1).cpu().numpy()
-        index = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        index = int(np.searchsorted(cdf, self._draw(position) * cdf[-1], side="right"))
         return min(index, len(cdf) - 1)
 
 

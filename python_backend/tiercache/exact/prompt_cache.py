@@ -55,7 +55,7 @@ class LookupResult:
     # On EXACT: the stored answer's token accounting (tiercache.stages.seal.Tokens: prompt and
     # completion tokens, 1 if it stopped at max_tokens; (0, 0, 0) when unknown).
     tokens: tuple[int, int, int] = (0, 0, 0)
-    # On a greedy miss: where drafts for its speculative decoding are kept (keys.draft_digest).
+    # On a miss: where drafts for its speculative decoding are kept (keys.draft_digest).
     draft_digest: str = ""
 
 
@@ -203,8 +203,9 @@ class PromptCache:
         # meaning; embedding_cache then embeds nothing, so its answer is not indexed either.
         semantic = bool(scope) and control.max_age_s is None
         # Greedy answers to this prompt under other max_tokens or stop words: drafts for its
-        # speculative decoding (a miss only: a hit is not decoded).
-        draft = draft_digest(tenant, self.engine, request, adapter) if request.greedy else ""
+        # speculative decoding, sampled or greedy (a miss only: a hit is not decoded); llm keeps
+        # only a greedy answer there.
+        draft = draft_digest(tenant, self.engine, request, adapter)
         if control.no_cache:
             return result(digest, CacheStatus.BYPASS, write_back, scope, draft=draft)
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits

@@ -42,7 +42,7 @@ class Envelope:
     cache_tags: tuple[str, ...] = ()  # cache_control tags the stored answer carries
     max_age_s: float | None = None  # the oldest cached answer this request accepts (None: any)
     # Where answers to the same prompt under any max_tokens or stop words are kept as drafts
-    # for speculative decoding ("" when the request is not greedy; tiercache.exact.keys).
+    # for speculative decoding (tiercache.exact.keys; only greedy answers are kept there).
     draft_digest: str = ""
 
     def seal(self, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS) -> bytes:

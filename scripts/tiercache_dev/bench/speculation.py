@@ -7,7 +7,7 @@ Usage::
         [--pairs ../shared/eval/semantic_pairs_dev.jsonl] [--out-dir .perf]
 
 For each workload, every request runs twice back to back, plain (speculation off) and
-speculative, greedy, on one engine (KV prefix reuse off, so neither run reuses the other's
+speculative, on one engine (KV prefix reuse off, so neither run reuses the other's
 prompt): tokens/s, request latency, the speedup, the mean accepted draft length, and whether
 the output was identical. Workloads:
 
@@ -19,7 +19,11 @@ the output was identical. Workloads:
   it when embedding_cache names the neighbour the guard refused);
 - `edit`: a conversation's next turn that asks for the previous answer edited; the previous
   answer is in the prompt (the history), so prompt lookup drafts from it (source `context`);
-- `new`: new prompts with nothing useful cached.
+- `new`: new prompts with nothing useful cached;
+- `sampled` / `sampled-hot`: seeded sampled requests (temperature 0.3 / 1.0, `--max-tokens`) of
+  prompts whose greedy answer is cached; it is the draft (source `answer`), verified with the
+  request's own seeded draw at each position, so the output must be plain decoding's for the
+  seed.
 
 In every workload the engine's own sources are on as in a deployment: its index of recent
 answers in the scope (emptied at the start of each workload) and the context (the prompt and
@@ -49,6 +53,7 @@ from tiercache_dev.console import invocation, progress, write_report
 from tiercache_dev.paths import DEFAULT_STATE_DIR, PERF_DIR
 from tiercache_dev.stats import median
 
+SAMPLED_TEMPERATURE = 0.3
 NEW_PROMPTS = (
     "Name three rivers in Africa and one fact about each.",
     "How does a refrigerator keep food cold?",
@@ -258,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, p in enumerate(NEW_PROMPTS[:n])
         ],
         "new": lambda: [(GenerationRequest(p, max_tokens=long), []) for p in NEW_PROMPTS[:n]],
+        "sampled": lambda: sampled_cases(AGAIN_PROMPTS[:n], SAMPLED_TEMPERATURE, long, answer),
+        "sampled-hot": lambda: sampled_cases(AGAIN_PROMPTS[:n], 1.0, long, answer),
     }
     results: dict[str, Workload] = {}
     for name, build in builders.items():
@@ -277,6 +284,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"identical {'yes' if work.identical else 'no'}"
         )
     return 0 if results and all(w.identical for w in results.values()) else 1
+
+
+def sampled_cases(
+    prompts: Sequence[str], temperature: float, max_tokens: int, answer: Callable[..., str]
+) -> list[tuple[Any, list[tuple[str, str]]]]:
+    """Seeded sampled requests of prompts whose greedy answer is cached (the draft digest's
+    answer, source `answer`): one seed per prompt."""
+    from tiercache.exact.request import GenerationRequest
+
+    return [
+        (
+            GenerationRequest(p, max_tokens=max_tokens, temperature=temperature, seed=i + 1),
+            [("answer", answer(p, max_tokens))],
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def close_cell(s: dict[str, Any]) -> str:
@@ -307,7 +330,8 @@ def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str,
         "",
         f"- command: `{invocation('tiercache_dev.bench.speculation')}`",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; {args.threads} "
-        f"torch threads, greedy, max_tokens {args.max_tokens}, {args.requests} requests per "
+        f"torch threads, greedy (`sampled*`: seeded sampling), max_tokens {args.max_tokens}, "
+        f"{args.requests} requests per "
         "workload, plain and speculative back to back per request",
         "",
         "| workload | plain tok/s | spec tok/s | plain p50 s | spec p50 s | speedup | "
