@@ -1,7 +1,8 @@
 """Speculative decoding through a real tritonserver (issue 17): a greedy miss drafts from the
 answer cached for the same prompt under another max_tokens, and from the answer of a neighbour
 the guard refused to serve; its answer is the one plain decoding (cache_control
-`no-speculate`) gives, and the ensemble reports its speculated tokens."""
+`no-speculate`) gives, and the ensemble reports its speculated tokens; a seeded sampled miss
+drafts from the greedy answer and keeps its seed's answer."""
 
 from __future__ import annotations
 
@@ -57,3 +58,25 @@ def test_a_miss_the_guard_refused_is_drafted_from_its_neighbours_answer(
         question, max_tokens=16, tenant=tenant, cache_control="no-cache, no-store, no-speculate"
     )
     assert (plain.text, plain.finish_reason) == (second.text, second.finish_reason)
+
+
+def test_a_seeded_sampled_ask_of_a_cached_prompt_is_drafted_and_keeps_its_seeds_answer(
+    server: TritonServer, client: TierCacheClient
+) -> None:
+    """A sampled request reads the greedy answer kept for its prompt as its draft; the engine
+    verifies it with the request's own seeded draws, so the answer is the one plain decoding
+    gives for that seed."""
+    prompt = f"Explain what a linked list is. ({uuid.uuid4().hex[:8]})"
+    greedy = client.generate_text(prompt, max_tokens=24)
+    assert greedy.cache_status == "miss" and greedy.text
+    accepted = settled_metric(server, ACCEPTED, source="answer")
+    sampled = client.generate_text(prompt, max_tokens=24, temperature=0.2, seed=7)
+    assert sampled.cache_status == "miss"
+    assert (sampled.speculated_tokens or 0) > 0
+    assert settled_metric(server, ACCEPTED, source="answer") > accepted
+    plain = client.generate_text(
+        prompt, max_tokens=24, temperature=0.2, seed=7,
+        cache_control="no-cache, no-store, no-speculate",
+    )  # fmt: skip
+    assert plain.cache_status == "bypass" and plain.speculated_tokens == 0
+    assert (plain.text, plain.finish_reason) == (sampled.text, sampled.finish_reason)

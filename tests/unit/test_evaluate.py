@@ -173,6 +173,13 @@ def test_sweep_with_a_source_without_positives(tmp_path: Path, capsys: Any) -> N
         ('{"a": "x", "b": "y", "label": true}\n', ":1: 'label' must be 0 or 1"),
         ('{"a": "x", "b": "y", "label": 1, "source": 3}\n', ":1: 'source'"),
         ("\n\n", "holds no pairs"),
+        ('{"a": "x", "b": "y", "label": 1, "cluster_a": 1}\n', ":1: 'cluster_a' and 'cluster_b'"),
+        ('{"a": "x", "b": "y", "label": 1, "cluster_a": "1", "cluster_b": 2}\n', "integer"),
+        (
+            '{"a": "x", "b": "y", "label": 1, "cluster_a": 1, "cluster_b": 1}\n'
+            '{"a": "p", "b": "q", "label": 0}\n',
+            ":2: clusters on some lines only",
+        ),
     ],
 )
 def test_malformed_pairs_file_names_the_line(tmp_path: Path, content: str, message: str) -> None:
@@ -203,3 +210,84 @@ def test_byte_order_mark_and_crlf_lines_are_read(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbf" + rows.encode("utf-8"))
     pairs = ev.load_pairs(path)
     assert [(p.a, p.b, p.label) for p in pairs] == [("x y", "y x", 1), ("p", "q", 0)]
+
+
+def clustered(rows: list[dict[str, Any]], clusters: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    return [{**r, "cluster_a": a, "cluster_b": b} for r, (a, b) in zip(rows, clusters, strict=True)]
+
+
+def test_hits_are_judged_by_duplicate_clusters_when_the_file_has_them(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """The password query is served RESET_PIN, another pair's `a`: a false hit by GPTCache's
+    rule, a correct one when RESET_PIN is in the query's duplicate cluster, false again when
+    it is not; recall counts correct hits on label-1 pairs only."""
+    guard = write_guard(tmp_path / "guard.json")
+
+    def counts(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+        out = tmp_path / "out.json"
+        argv = ["--pairs", str(pairs), "--guard", str(guard), "--json", str(out), "--k", "3"]
+        assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
+        result = json.loads(out.read_text(encoding="utf-8"))
+        return result["guard"]["counts"]["s2"], result["judged_by"]
+
+    plain, rule = counts(PAIRS)
+    assert rule == "own-a" and (plain["correct"], plain["false"]) == (1, 1)
+    assert "judged by the pair's own a" in capsys.readouterr().out
+    # clusters: CAPITAL 1, TOP5 2 / its query 3, RESET + RESET_PIN + the password query 4
+    same = clustered(PAIRS, [(1, 1), (2, 3), (4, 4), (5, 6), (4, 4)])
+    judged, rule = counts(same)
+    assert rule == "clusters"
+    assert (judged["correct"], judged["false"], judged["correct_neighbour"]) == (2, 0, 1)
+    assert judged["recall"] == pytest.approx(2 / 3, abs=1e-4) and judged["precision"] == 1.0
+    assert "judged by duplicate clusters" in capsys.readouterr().out
+    apart = clustered(PAIRS, [(1, 1), (2, 3), (4, 4), (5, 6), (7, 7)])  # RESET_PIN elsewhere
+    judged, _ = counts(apart)
+    assert (judged["correct"], judged["false"], judged["neighbour"]) == (1, 1, 1)
+
+
+def test_a_label_0_query_served_a_text_of_its_own_cluster_is_correct_but_not_recall(
+    tmp_path: Path,
+) -> None:
+    rows = clustered(
+        [
+            {"a": RESET, "b": "How can I change my password?", "label": 0, "source": "s"},
+            {"a": RESET_PIN, "b": BREAD, "label": 0, "source": "s"},
+        ],
+        [(1, 9), (9, 8)],  # the query's cluster (9) is RESET_PIN's
+    )
+    corpus = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows)))
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
+    counts = ev.tally(corpus, candidates, ev.choose_by_cosine(candidates.cosine, 0.9))["s"]
+    assert (counts.correct, counts.correct_positive, counts.false) == (1, 0, 0)
+    assert counts.positives == 0 and counts.precision == 1.0
+
+
+def test_hits_file_has_one_line_per_pair_in_input_order(tmp_path: Path) -> None:
+    hits = tmp_path / "out" / "hits.jsonl"
+    code, result = run(tmp_path, "--k", "3", "--hits", str(hits))
+    assert code == 0
+    lines = [json.loads(line) for line in hits.read_text(encoding="utf-8").splitlines()]
+    assert lines == [
+        {"served": CAPITAL},
+        {"served": None},  # the number change, vetoed
+        {"served": RESET_PIN},  # the wrong neighbour, as served
+        {"served": None},
+        {"served": RESET_PIN},  # normalized as inserted
+    ]
+    guard = result["guard"]["counts"]["overall"]
+    assert guard["correct"] + guard["false"] == sum(line["served"] is not None for line in lines)
+
+
+def test_a_text_given_two_clusters_is_reported(tmp_path: Path, capsys: Any) -> None:
+    rows = clustered(PAIRS, [(1, 1), (2, 3), (4, 4), (5, 6), (4, 4)])
+    rows.append({**rows[0], "cluster_a": 99})  # CAPITAL again, another cluster
+    pairs = write_pairs(tmp_path / "pairs.jsonl", rows)
+    guard = write_guard(tmp_path / "guard.json")
+    out = tmp_path / "out.json"
+    argv = ["--pairs", str(pairs), "--guard", str(guard), "--json", str(out)]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["cluster_conflicts"] == 1
+    assert "1 pairs give their `a` another cluster" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """`tiercache eval-semantic`: how often a semantic cache serves a wrong answer, guard vs cosine.
 
 The protocol is GPTCache's benchmark, on any JSON-lines file of paraphrase pairs
-(`{"a": str, "b": str, "label": 0|1, "source": str}`; `source` optional):
+(`{"a": str, "b": str, "label": 0|1, "source": str, "cluster_a": int, "cluster_b": int}`;
+`source` optional, the clusters on every line or on none):
 
 1. Insert side `a` of every pair, normalized as the cache keys prompts
    (`tiercache.exact.request.normalize_text`); identical normalized texts are inserted once.
@@ -9,10 +10,19 @@ The protocol is GPTCache's benchmark, on any JSON-lines file of paraphrase pairs
    decision rule picks one candidate or none:
    - guard: the accepted candidate with the highest guard score (`tiercache.semantic.guard`);
    - cosine baseline: the nearest candidate when its cosine >= the threshold (GPTCache, RedisVL).
-3. A hit is CORRECT iff the pair's label is 1 and the returned text equals the pair's own
-   normalized `a`; every other hit is FALSE (a label-0 pair, or a wrong neighbour); no hit is a
-   MISS. precision = correct / (correct + false); recall = correct / label-1 pairs. Per `source`
-   and overall.
+3. Judging a hit (the rule is printed and written to the JSON):
+   - `clusters` (when the file carries `cluster_a`/`cluster_b`, as the project's dev file does;
+     ../shared/eval/README.md): serving the pair's own `a` is CORRECT iff the label is 1;
+     serving another pair's `a` is CORRECT iff that text's cluster is the query's
+     (`cluster_b`). An inserted text's cluster is the `cluster_a` of the first pair that
+     inserted it (pairs disagreeing on it are counted and reported);
+   - `own-a` (GPTCache's protocol, files without clusters): CORRECT iff the label is 1 and the
+     returned text is the pair's own normalized `a`.
+   Every other hit is FALSE; no hit is a MISS. precision = correct / (correct + false); recall =
+   correct hits on label-1 pairs / label-1 pairs. Per `source` and overall.
+4. `--hits FILE.jsonl`: what the guard at its operating point served, one line per pair in
+   input order: `{"served": <the inserted text, normalized as inserted>}` or `{"served": null}`,
+   so anyone can judge the decisions by their own rules.
 
 Lookup latency is search + decision per query, measured one query at a time; embedding is
 excluded and reported separately (per text, batched). The core functions take an injected
@@ -47,6 +57,12 @@ OVERALL = "overall"
 SWEEP_TARGETS = (0.95, 0.955, 0.96, 0.965, 0.97, 0.975, 0.98, 0.985, 0.99)
 SWEEP_COSINES = (0.70, 0.75, 0.80, 0.85, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98)
 
+JUDGED_BY = {
+    "clusters": "judged by duplicate clusters (cluster_a / cluster_b): another pair's text is a "
+    "correct hit when it is in the query's cluster",
+    "own-a": "judged by the pair's own a (GPTCache's protocol; the file has no clusters)",
+}
+
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 Progress = Callable[[str], None]
 
@@ -63,6 +79,17 @@ class Pair:
     b: str
     label: int
     source: str
+    cluster_a: int | None = None
+    cluster_b: int | None = None
+
+
+def _cluster(row: dict[str, Any], key: str, where: str) -> int | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PairsFileError(f"{where}: {key!r} must be an integer, got {value!r}")
+    return value
 
 
 def load_pairs(path: Path | str) -> list[Pair]:
@@ -96,7 +123,15 @@ def load_pairs(path: Path | str) -> list[Pair]:
         source = row.get("source", "-")
         if not isinstance(source, str) or not source or source == OVERALL:
             raise PairsFileError(f"{where}:{number}: 'source' must be a non-empty string")
-        pairs.append(Pair(texts[0], texts[1], int(label), source))
+        at = f"{where}:{number}"
+        clusters = (_cluster(row, "cluster_a", at), _cluster(row, "cluster_b", at))
+        if (clusters[0] is None) != (clusters[1] is None):
+            raise PairsFileError(f"{at}: 'cluster_a' and 'cluster_b' come together or not at all")
+        if pairs and (pairs[0].cluster_a is None) != (clusters[0] is None):
+            raise PairsFileError(
+                f"{at}: clusters on some lines only (every line needs them, or none)"
+            )
+        pairs.append(Pair(texts[0], texts[1], int(label), source, *clusters))
     if not pairs:
         raise PairsFileError(f"{where}: holds no pairs")
     return pairs
@@ -112,17 +147,45 @@ class Corpus:
     query_match: np.ndarray  # (n_pairs,) index of the inserted text identical to `b`, or -1
     labels: np.ndarray  # (n_pairs,) 0 or 1
     source_array: np.ndarray  # (n_pairs,) object: each pair's source
+    # With clusters: each inserted text's cluster and each query's; None: judged by own `a`
+    inserted_cluster: np.ndarray | None = None
+    query_cluster: np.ndarray | None = None
+    cluster_conflicts: int = 0  # pairs whose cluster_a differs from their text's first one
 
     def sources(self) -> list[str]:
         """Distinct sources in first-seen order."""
         return list(dict.fromkeys(p.source for p in self.pairs))
 
+    @property
+    def rule(self) -> str:
+        """How a hit is judged: "clusters" or "own-a" (the module's docstring)."""
+        return "own-a" if self.inserted_cluster is None else "clusters"
+
+    def correct(self, served: np.ndarray) -> np.ndarray:
+        """Whether serving inserted text `served` (shape (n_pairs,) or (n_pairs, k), indices
+        into `inserted`) to each pair's query is a correct hit, by `rule`."""
+        extra = (slice(None),) + (None,) * (served.ndim - 1)
+        own = served == self.own[extra]
+        own_correct = own & (self.labels[extra] == 1)
+        if self.inserted_cluster is None or self.query_cluster is None:
+            return own_correct
+        same = self.inserted_cluster[served] == self.query_cluster[extra]
+        return own_correct | (~own & same)
+
 
 def build_corpus(pairs: Sequence[Pair]) -> Corpus:
     index: dict[str, int] = {}
     own = np.empty(len(pairs), dtype=np.int64)
+    first_cluster: list[int] = []
+    conflicts = 0
     for i, pair in enumerate(pairs):
         own[i] = index.setdefault(pair.a, len(index))
+        if pair.cluster_a is not None:
+            if own[i] == len(first_cluster):
+                first_cluster.append(pair.cluster_a)
+            elif first_cluster[own[i]] != pair.cluster_a:
+                conflicts += 1
+    clustered = bool(pairs) and pairs[0].cluster_a is not None
     return Corpus(
         pairs=tuple(pairs),
         inserted=tuple(index),
@@ -130,6 +193,11 @@ def build_corpus(pairs: Sequence[Pair]) -> Corpus:
         query_match=np.array([index.get(p.b, -1) for p in pairs], dtype=np.int64),
         labels=np.array([p.label for p in pairs], dtype=np.int64),
         source_array=np.array([p.source for p in pairs], dtype=object),
+        inserted_cluster=np.array(first_cluster, dtype=np.int64) if clustered else None,
+        query_cluster=(
+            np.array([p.cluster_b for p in pairs], dtype=np.int64) if clustered else None
+        ),
+        cluster_conflicts=conflicts,
     )
 
 
@@ -221,8 +289,8 @@ def candidate_features(corpus: Corpus, candidates: Candidates) -> np.ndarray:
 
 
 def correct_candidates(corpus: Corpus, candidates: Candidates) -> np.ndarray:
-    """(n_pairs, k) bool: serving this candidate would be a correct hit."""
-    return (candidates.index == corpus.own[:, None]) & (corpus.labels[:, None] == 1)
+    """(n_pairs, k) bool: serving this candidate would be a correct hit (`Corpus.correct`)."""
+    return corpus.correct(candidates.index)
 
 
 def choose_by_score(
@@ -247,7 +315,10 @@ class Tally:
     `false` counts every false hit; `neighbour` is the part of it that served another pair's `a`
     (the rest served the pair's own `a` on a label-0 pair), and `same_text` the part of
     `neighbour` whose served text is identical to the query (another pair holds the same
-    question; in tiercache the exact-match tier answers such a prompt first).
+    question; in tiercache the exact-match tier answers such a prompt first). `correct` counts
+    every correct hit, `correct_positive` those on label-1 pairs (recall's numerator; judged by
+    clusters a label-0 pair's query can be served another text of its own cluster), and
+    `correct_neighbour` the correct hits that served another pair's `a` (clusters only).
     """
 
     correct: int
@@ -257,6 +328,8 @@ class Tally:
     pairs: int
     neighbour: int = 0
     same_text: int = 0
+    correct_positive: int = 0
+    correct_neighbour: int = 0
 
     @property
     def precision(self) -> float:
@@ -265,7 +338,7 @@ class Tally:
 
     @property
     def recall(self) -> float:
-        return self.correct / self.positives if self.positives else math.nan
+        return self.correct_positive / self.positives if self.positives else math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -281,9 +354,10 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
     hit = chosen >= 0
     served = np.where(hit, candidates.index[rows, np.maximum(chosen, 0)], -1)
     labels = corpus.labels
-    correct = hit & (served == corpus.own) & (labels == 1)
-    neighbour = hit & (served != corpus.own)
+    correct = hit & corpus.correct(np.maximum(served, 0))
+    neighbour = hit & ~correct & (served != corpus.own)
     same_text = neighbour & (served == corpus.query_match)
+    correct_neighbour = correct & (served != corpus.own)
     sources = corpus.source_array
     result: dict[str, Tally] = {}
     for source in [*corpus.sources(), OVERALL]:
@@ -296,8 +370,26 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
             pairs=int(mask.sum()),
             neighbour=int((neighbour & mask).sum()),
             same_text=int((same_text & mask).sum()),
+            correct_positive=int((correct & (labels == 1) & mask).sum()),
+            correct_neighbour=int((correct_neighbour & mask).sum()),
         )
     return result
+
+
+def served_texts(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> list[str | None]:
+    """Per pair, in input order: the inserted text `chosen` serves, or None for a miss."""
+    return [
+        None if position < 0 else corpus.inserted[candidates.index[i, position]]
+        for i, position in enumerate(chosen.tolist())
+    ]
+
+
+def write_hits(path: Path, served: Sequence[str | None]) -> None:
+    """`--hits`: one JSON line per pair, `{"served": text}` or `{"served": null}`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for text in served:
+            handle.write(json.dumps({"served": text}, ensure_ascii=False) + "\n")
 
 
 def best_cosine_thresholds(
@@ -408,6 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=Path, help="write a precision-recall plot (PNG)")
     parser.add_argument("--k", type=int, default=DEFAULT_K, help="candidates per query (5)")
     parser.add_argument("--json", type=Path, dest="json_out", help="write the results as JSON")
+    parser.add_argument(
+        "--hits",
+        type=Path,
+        help='write what the guard served, one JSON line per pair: {"served": text or null}',
+    )
     parser.add_argument(
         "--baseline-threshold",
         type=float,
@@ -596,9 +693,8 @@ def run_eval(
     scores = guard.score_matrix(matrix)
     threshold = guard.threshold
     floor = guard.config.cosine_floor
-    guard_counts = tally(
-        corpus, candidates, choose_by_score(scores, candidates.cosine, threshold, floor)
-    )
+    guard_chosen = choose_by_score(scores, candidates.cosine, threshold, floor)
+    guard_counts = tally(corpus, candidates, guard_chosen)
     base_counts = tally(
         corpus, candidates, choose_by_cosine(candidates.cosine, args.baseline_threshold)
     )
@@ -624,9 +720,15 @@ def run_eval(
     )
     print(
         f"embedding: {embedded.texts} texts in {embedded.seconds:.1f} s "
-        f"({embedded.ms_per_text:.2f} ms per text, batched; model load {load_s:.1f} s)\n",
+        f"({embedded.ms_per_text:.2f} ms per text, batched; model load {load_s:.1f} s)",
         file=out,
     )
+    print(f"{JUDGED_BY[corpus.rule]}\n", file=out)
+    if corpus.cluster_conflicts:
+        progress(
+            f"warning: {corpus.cluster_conflicts} pairs give their `a` another cluster than "
+            "an earlier pair with the same normalized text (the first one is used)"
+        )
     format_table(
         f"hit guard: target precision {guard.target_precision:g} -> score threshold "
         f"{threshold:.3f} (held-out at training on {calibrated}: precision "
@@ -665,6 +767,8 @@ def run_eval(
         "pairs": len(pairs),
         "inserted": len(corpus.inserted),
         "k": args.k,
+        "judged_by": corpus.rule,
+        "cluster_conflicts": corpus.cluster_conflicts,
         "embedding": {
             "texts": embedded.texts,
             "seconds": round(embedded.seconds, 3),
@@ -702,6 +806,9 @@ def run_eval(
             args.plot, corpus, candidates, scores, guard, threshold, args.baseline_threshold
         )
         print(f"\nplot: {args.plot}", file=out)
+    if args.hits is not None:
+        write_hits(args.hits, served_texts(corpus, candidates, guard_chosen))
+        print(f"hits: {args.hits} (one line per pair, the guard's decisions)", file=out)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache_dev.console import (
@@ -61,7 +61,13 @@ from tiercache_dev.console import (
     shown,
     write_report,
 )
-from tiercache_dev.metrics import counter_delta, status_counts, status_text
+from tiercache_dev.metrics import (
+    counter_delta,
+    counts_by_label,
+    scrape_metrics,
+    status_counts,
+    status_text,
+)
 from tiercache_dev.paths import BENCH_FIXTURES as FIXTURES
 from tiercache_dev.paths import DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
 from tiercache_dev.perf.analyzer import (
@@ -72,6 +78,7 @@ from tiercache_dev.perf.analyzer import (
     perf_analyzer_version,
     run_perf_analyzer,
 )
+from tiercache_dev.perf.soak import cpu_snapshot, labelled_processes
 from tiercache_dev.rounds import (
     BackgroundLoad,
     Spread,
@@ -333,6 +340,43 @@ class Measurement:
     levels: dict[int, LevelStats]
     commands: list[str]
     notes: list[str]
+    # per level: the server's CPU (tritonserver and every stub, user + system) per request it
+    # completed, over the whole perf_analyzer run at that level (ms), and by process
+    cpu_ms: dict[int, float] = field(default_factory=dict)
+    cpu_ms_by_process: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+class ServerCpu:
+    """CPU seconds of a server's process tree and its completed requests of one model, read
+    before and after a measurement: CPU per request does not depend on how busy the rest of
+    the machine is the way latency does (the other work only slows it, it does not add to it),
+    so its ratio between two configurations is the steadier one on a shared machine."""
+
+    def __init__(self, server: TritonServer, model: str) -> None:
+        self.server, self.model = server, model
+        self.labels: dict[int, str] = {}
+        self.before = self._read()
+
+    def _read(self) -> tuple[dict[str, float], float]:
+        processes = labelled_processes(self.server.process.pid, self.labels)
+        cpu = {label: sample.cpu_s for label, sample in cpu_snapshot(processes).items()}
+        done = counts_by_label(
+            scrape_metrics(self.server.ports.metrics), "nv_inference_request_success", "model"
+        )
+        return cpu, done.get(self.model, 0.0)
+
+    def per_request_ms(self) -> tuple[float, dict[str, float]] | None:
+        """(total CPU ms per completed request, the same by process) since construction; None
+        when no request completed."""
+        (cpu0, done0), (cpu1, done1) = self.before, self._read()
+        requests = done1 - done0
+        if requests <= 0:
+            return None
+        by_process = {
+            label: (cpu1[label] - cpu0.get(label, 0.0)) * 1e3 / requests
+            for label in cpu1
+        }
+        return sum(by_process.values()), by_process
 
 
 def measure(
@@ -500,10 +544,15 @@ def measure_round(
             f"its tritonserver exited (see {display_path(config.server.log_path or Path('log'))})"
         )
     before = status_counts(config.server.ports.metrics) if config.name == TIERCACHE else None
+    cpu = ServerCpu(config.server, config.model)
     result = measure(
         args, pa, config.name, round_no, config.model, config.server, config.input_data,
         config.transport, level,
     )  # fmt: skip
+    per_request = cpu.per_request_ms()
+    if per_request is not None and level in result.levels:
+        result.cpu_ms[level], result.cpu_ms_by_process[level] = per_request
+        progress(f"  server CPU per request: {per_request[0]:.3f} ms")
     if before is not None:
         statuses = counter_delta(before, status_counts(config.server.ports.metrics))
         not_hits = {k: v for k, v in statuses.items() if k != "exact" and v}
@@ -558,12 +607,58 @@ def per_round(measurements: list[Measurement], config: str, c: int, field: str) 
     }
 
 
+def cpu_per_round(measurements: list[Measurement], config: str, c: int) -> dict[int, float]:
+    """{round: server CPU ms per request} of one configuration at concurrency c."""
+    return {m.round: m.cpu_ms[c] for m in measurements if m.config == config and c in m.cpu_ms}
+
+
 def round_ratio(
     measurements: list[Measurement], a: str, b: str, c: int, field: str
 ) -> Spread | None:
     """a/b per round (each round's two measurements at a level taken back to back), over the
-    rounds."""
+    rounds; `field` "cpu_ms": the server CPU per request."""
+    if field == "cpu_ms":
+        return paired_ratio(cpu_per_round(measurements, a, c), cpu_per_round(measurements, b, c))
     return paired_ratio(per_round(measurements, a, c, field), per_round(measurements, b, c, field))
+
+
+def cpu_by_config(
+    measurements: list[Measurement], order: Sequence[str], levels: Sequence[int]
+) -> dict[str, dict[int, float]]:
+    """Configuration -> concurrency -> the median over the rounds of server CPU ms per
+    request."""
+    out: dict[str, dict[int, float]] = {}
+    for config in order:
+        for c in levels:
+            values = list(cpu_per_round(measurements, config, c).values())
+            if values:
+                out.setdefault(config, {})[c] = median(values)
+    return out
+
+
+def cpu_table(
+    measurements: list[Measurement], order: Sequence[str], levels: Sequence[int]
+) -> list[str]:
+    """Markdown lines: server CPU per request by configuration and level (medians of the
+    rounds), and by process in the last round of each."""
+    by_config = cpu_by_config(measurements, order, levels)
+    if not by_config:
+        return []
+    lines = [
+        "",
+        "Server CPU per completed request (tritonserver and its stubs, user + system, over each "
+        "perf_analyzer run; median of the rounds, ms):",
+        "",
+        "| configuration | concurrency | CPU ms / request | by process (last round) |",
+        "|---|---:|---:|---|",
+    ]
+    for config, per_level in by_config.items():
+        last = max((m for m in measurements if m.config == config), key=lambda m: m.round)
+        for c, ms in per_level.items():
+            parts = sorted(last.cpu_ms_by_process.get(c, {}).items(), key=lambda kv: -kv[1])
+            shown_parts = ", ".join(f"{label} {value:.3f}" for label, value in parts if value)
+            lines.append(f"| {LABELS[config]} | {c} | {ms:.3f} | {shown_parts} |")
+    return lines
 
 
 def verdict(ok: bool | None) -> str:
@@ -666,6 +761,11 @@ def build_report(
                     verdict(None if r is None else r.median >= THROUGHPUT_TARGET),
                 )
             )
+            r = ratio(TIERCACHE, FLOOR, c, "cpu_ms")
+            summary["ratios"][f"tiercache/floor server CPU per request c={c}"] = r and r.as_dict()
+            ratio_lines.append(
+                ("tiercache / floor server CPU per request", str(c), shown_ratio(r), "")
+            )
         for config in (TIERCACHE, FLOOR):
             if config in table and RESPONSE_CACHE in table:
                 name = "tiercache" if config == TIERCACHE else "floor"
@@ -706,6 +806,15 @@ def build_report(
             f"decode alone: {stage['codec_us']:.1f} us).",
         ]
         text += ["", md[-1]]
+
+    cpu_rows = cpu_table(measurements, order, args.levels)
+    if cpu_rows:
+        summary["server_cpu_ms_per_request"] = {
+            config: {str(c): ms for c, ms in levels.items()}
+            for config, levels in cpu_by_config(measurements, order, args.levels).items()
+        }
+        md += cpu_rows
+        text += cpu_rows
 
     # perf_analyzer's per-composing-model breakdown (server side, microseconds).
     breakdown = [
@@ -799,6 +908,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     kept = by_round.setdefault((config.name, round_no), got)
                     if kept is not got:  # the round's other levels, in one measurement
                         kept.levels.update(got.levels)
+                        kept.cpu_ms.update(got.cpu_ms)
+                        kept.cpu_ms_by_process.update(got.cpu_ms_by_process)
                         kept.commands += got.commands
                         kept.notes += got.notes
                 measurements = list(by_round.values())
