@@ -291,3 +291,25 @@ def test_a_text_given_two_clusters_is_reported(tmp_path: Path, capsys: Any) -> N
     assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
     assert json.loads(out.read_text(encoding="utf-8"))["cluster_conflicts"] == 1
     assert "1 pairs give their `a` another cluster" in capsys.readouterr().err
+
+
+def test_the_evaluation_decides_as_serving_does(tmp_path: Path) -> None:
+    """The vectorized decision the command counts is the serving guard's `choose` on the same
+    candidates, query by query (the packaged guard and one of these tests' own)."""
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", PAIRS))
+    corpus = ev.build_corpus(pairs)
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 3)
+    matrix = ev.candidate_features(corpus, candidates)
+    for guard in (ev.load_guard(), ev.load_guard(write_guard(tmp_path / "g.json"))):
+        chosen = ev.choose_by_score(
+            guard.score_matrix(matrix), candidates.cosine, guard.threshold,
+            guard.config.cosine_floor,
+        )  # fmt: skip
+        for i, pair in enumerate(corpus.pairs):
+            offered = [
+                (corpus.inserted[j], float(c))
+                for j, c in zip(candidates.index[i], candidates.cosine[i], strict=True)
+            ]
+            served = guard.choose(pair.b, offered)
+            assert (-1 if served is None else served) == chosen[i], pair
