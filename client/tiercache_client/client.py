@@ -45,7 +45,8 @@ _UINT64_MAX = 2**64 - 1
 class GenerationResult:
     """Outcome of one generation.
 
-    `cache_status` is "exact", "semantic", "miss" or "bypass" (empty if the server sent none);
+    `cache_status` is "exact", "semantic", "verified" (a semantic hit the engine verified as its
+    own answer, `verify-semantic`), "miss" or "bypass" (empty if the server sent none);
     `similarity` is set only for semantic hits when the server reports it; `latency_s` runs from
     sending the request to the final response, `first_chunk_s` to the first non-empty text chunk
     (None when no text arrived); `chunks` counts non-empty text chunks. For a generated answer,

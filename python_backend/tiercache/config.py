@@ -427,6 +427,13 @@ class LlmConfig(_TiersConfig):
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
     lora_model: str = shared("lora_model")
+    verify_semantic: bool = param(
+        False,
+        "Serve a semantic hit only once the engine verified it, in one forward pass over prompt "
+        "plus answer, as exactly its own output (status verified); otherwise decode on from the "
+        "agreed prefix (a miss). Off: a semantic hit is served as the guard accepted it; a "
+        "request asks for it with the cache_control word verify-semantic",
+    )
     max_concurrency: int = param(
         64, "Worker threads: generations plus misses waiting for an identical one", min=1
     )

@@ -28,7 +28,7 @@ from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tiered import TieredCache
-from tiercache.vocabulary import DraftSource
+from tiercache.vocabulary import CacheStatus, DraftSource
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class _Directives:
     max_age_s: float | None = None
     draft_digest: str = ""  # where this prompt's greedy answers are kept as drafts
     neighbours: tuple[str, ...] = ()  # its semantic neighbours' answer digests (more drafts)
+    # a semantic hit's answer the engine verifies first (`verify-semantic`); "" for none
+    verify: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,8 @@ class Generations:
         max_age_s: float | None = None,
         draft_digest: str = "",
         neighbours: tuple[str, ...] = (),
+        verify: str = "",
+        on_verified: Callable[[bool], None] | None = None,
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
@@ -195,11 +199,14 @@ class Generations:
         `draft_digest` (tiercache.exact.keys.draft_digest): the answer kept there goes to the
         engine as a draft for speculative decoding, and a greedy request's answer is kept there
         once stored. The answers under `neighbours` (its nearest semantic neighbours') go
-        to the engine as drafts too.
+        to the engine as drafts too. `verify` (a semantic hit's answer, `verify-semantic`) goes
+        first, verified whole in the prompt's prefill pass: when the answer served is exactly
+        it, the response's status is `verified` instead of `status`; `on_verified` gets
+        whether it was (once the answer is complete).
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
-        directives = _Directives(tags, max_age_s, draft_digest, neighbours)
+        directives = _Directives(tags, max_age_s, draft_digest, neighbours, verify)
         self._pool.submit(
             self._serve_miss,
             request,
@@ -210,6 +217,7 @@ class Generations:
             after_store,
             generate,
             directives,
+            on_verified,
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -224,6 +232,7 @@ class Generations:
         after_store: Callable[[], None] | None,
         generate: GenerateFn | None = None,
         directives: _Directives | None = None,
+        on_verified: Callable[[bool], None] | None = None,
     ) -> None:
         directives = directives or _Directives()
         if digest is None:
@@ -259,6 +268,14 @@ class Generations:
             else:
                 text = None if request.stream else "".join(parts)
                 usage = flight.usage
+                if directives.verify:
+                    verified = (
+                        flight.finish_reason in ("stop", "length")
+                        and "".join(parts) == directives.verify
+                    )
+                    status = CacheStatus.VERIFIED.value if verified else status
+                    if on_verified is not None:
+                        on_verified(verified)
                 responder.send_final(
                     text,
                     status,
@@ -361,9 +378,11 @@ class Generations:
         speed decoding up."""
         if not request.speculate:
             return request
+        drafts: list[tuple[str, str]] = []
+        if directives.verify:  # embedding_cache's hit in the request's scope, under its seal
+            drafts.append((DraftSource.VERIFY.value, directives.verify))
         wanted = [(DraftSource.ANSWER.value, d) for d in (directives.draft_digest,) if d]
         wanted += [(DraftSource.NEIGHBOUR.value, d) for d in directives.neighbours]
-        drafts: list[tuple[str, str]] = []
         for source, digest in wanted:
             try:
                 found = self.cache.get(Digest(digest))

@@ -17,6 +17,9 @@ class CacheStatus(str, Enum):
     MISS = "miss"  # looked up, not found: generated (and stored if allowed)
     BYPASS = "bypass"  # not looked up: `no-cache`, or a sampled request without a seed
     SEMANTIC = "semantic"  # served from the answer of a reworded request in the same scope
+    # a semantic hit's answer the engine verified as its own output (`verify-semantic`): the
+    # answer a fresh generation gives, found in one forward pass over prompt plus answer
+    VERIFIED = "verified"
 
 
 def is_hit(status: str) -> bool:
@@ -55,11 +58,17 @@ class DraftSource(str, Enum):
     NEIGHBOUR = "neighbour"  # a semantic neighbour's cached answer (refused by the guard too)
     INDEX = "index"  # the engine's recent answers in the scope
     CONTEXT = "context"  # the prompt and the tokens generated so far
+    # a semantic hit's answer the engine verifies whole, in the prompt's prefill pass
+    VERIFY = "verify"
 
 
 # The sources llm hands the engine, as texts inside the sealed envelope (the others are the
 # engine's own).
-REQUEST_DRAFT_SOURCES = (DraftSource.ANSWER.value, DraftSource.NEIGHBOUR.value)
+REQUEST_DRAFT_SOURCES = (
+    DraftSource.ANSWER.value,
+    DraftSource.NEIGHBOUR.value,
+    DraftSource.VERIFY.value,
+)
 
 
 def choices(kind: type[Enum]) -> tuple[str, ...]:

@@ -134,3 +134,35 @@ def test_long_prompts_that_differ_past_the_embedders_window_never_share_an_answe
         shared + "How do I change the name on my flight ticket?", max_tokens=4, tenant=t
     )
     assert (first.cache_status, second.cache_status) == ("miss", "miss")
+
+
+@pytest.mark.parametrize(
+    "reworded", ["what is the capital of France?", "Tell me the capital city of France."]
+)
+def test_a_hit_the_engine_verifies_is_served_only_as_its_own_answer(
+    server: TritonServer, client: TierCacheClient, reworded: str
+) -> None:
+    """With `verify-semantic` a semantic hit's answer is served as `verified` only when it is
+    exactly what the engine generates for the reworded prompt (compared with a generation that
+    skips the cache), else the engine's own answer is served as a miss: precision 1.0 against
+    the engine's output by construction. Either way one verification is counted."""
+    t = tenant()
+    first = client.generate_text("What is the capital of France?", max_tokens=16, tenant=t)
+    assert first.cache_status == "miss"
+    outcomes = {
+        o: settled_metric(server, "tiercache_llm_semantic_verifications_total", outcome=o)
+        for o in ("verified", "refuted")
+    }
+    checked = client.generate_text(
+        reworded, max_tokens=16, tenant=t, cache_control="verify-semantic, no-store"
+    )
+    own = client.generate_text(
+        reworded, max_tokens=16, tenant=t, cache_control="no-cache, no-store"
+    )
+    assert own.cache_status == "bypass" and checked.text == own.text
+    expected = "verified" if own.text == first.text else "miss"
+    assert checked.cache_status == expected
+    outcome = "verified" if expected == "verified" else "refuted"
+    assert settled_metric(
+        server, "tiercache_llm_semantic_verifications_total", outcome=outcome
+    ) == outcomes[outcome] + 1

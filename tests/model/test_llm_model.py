@@ -372,3 +372,35 @@ def test_a_miss_drafts_from_the_neighbours_embedding_cache_sealed(
     (refused,) = run(pb_utils, model, [forged])
     assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
     assert len(engine.calls) == 1
+
+
+def test_a_semantic_hit_with_verify_semantic_is_served_only_as_the_engines_own_answer(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """With cache_control `verify-semantic` (in prompt_cache's sealed envelope) a semantic
+    hit goes to the engine as a `verify` draft: served as `verified` when the engine's answer
+    is exactly the cached one, else the engine's answer is a miss (and stored); without the
+    word the hit is served at once, no engine call."""
+    asks = envelope(
+        sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64, verify_semantic=True
+    )
+    (same,) = run(pb_utils, model, [to_llm(pb_utils, sealer, asks, "Hello there", "semantic")])
+    assert final(pb_utils, same) == ("Hello there", "verified")
+    ((_, request),) = engine.calls
+    assert request is not None and request.drafts[0] == ("verify", "Hello there")
+    other = envelope(
+        sealer, CacheStatus.MISS, "d" * 64, semantic_scope="s" * 64, verify_semantic=True,
+        write_back=True,
+    )  # fmt: skip
+    (wrong,) = run(pb_utils, model, [to_llm(pb_utils, sealer, other, "Goodbye", "semantic")])
+    assert final(pb_utils, wrong) == ("Hello there", "miss")
+    stored = model.stage.core.cache.get(Digest("d" * 64))
+    assert stored is not None and stored.entry.text == "Hello there"
+    plain = envelope(sealer, CacheStatus.MISS, "e" * 64, semantic_scope="s" * 64)
+    (served,) = run(pb_utils, model, [to_llm(pb_utils, sealer, plain, "Goodbye", "semantic")])
+    assert final(pb_utils, served) == ("Goodbye", "semantic")
+    assert len(engine.calls) == 2
+    assert counted(model) == {"verified": 1, "miss": 1, "semantic": 1}
+    model.stage.metrics.flush()
+    outcomes = {k: c.metric.value() for k, c in model.stage.verifications.items()}
+    assert outcomes == {"verified": 1, "refuted": 1}

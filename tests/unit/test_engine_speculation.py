@@ -224,3 +224,61 @@ def test_with_an_adapter_active(engine: Any) -> None:
         assert run(engine, request, (base,), speculate=True) == plain  # the base answer: refused
     finally:
         engine.adapters.activate(None)
+
+
+def verified(engine: Any, request: GenerationRequest, answer: str) -> Any:
+    """`request` with `answer` to verify in the prefill pass (source `verify`, as llm sends a
+    semantic hit's answer)."""
+    engine.speculate = True
+    events = list(engine.generate(replace(request, drafts=(("verify", answer),))))
+    final = events[-1]
+    return "".join(e.text for e in events), final.finish_reason, final.generated_tokens
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"),
+    [(PROMPT, MAX_TOKENS), ("Say hello.", 60)],  # cut at the limit; ended by itself
+)
+def test_the_models_own_answer_is_verified_in_the_prefill_pass_alone(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, prompt: str, max_tokens: int
+) -> None:
+    """A semantic hit's answer that is exactly what the model generates is checked in one
+    forward pass over prompt plus answer: no decoding step follows, every token counts as
+    speculated, and the answer is plain decoding's."""
+    request = GenerationRequest(prompt, max_tokens=max_tokens)
+    plain = run(engine, request, (), speculate=False)
+    counted = Counted(engine, monkeypatch)
+    assert verified(engine, request, plain[0]) == plain
+    assert counted.calls == 1
+    drafter = engine.last_drafter
+    assert drafter.by_source["verify"].accepted == plain[2] == drafter.accepted_total
+    assert plain[1] == ("length" if prompt == PROMPT else "stop")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "A completely different answer about gardening and tomatoes.",
+        "A hash table stores keys. " * 10,  # plausible, then wrong
+    ],
+)
+def test_a_wrong_or_partly_right_answer_to_verify_gives_plain_decodings(
+    engine: Any, answer: str
+) -> None:
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    plain = run(engine, request, (), speculate=False)
+    assert verified(engine, request, answer) == plain
+    prefix = plain[0][: len(plain[0]) // 2] + " and then something else entirely."
+    assert verified(engine, request, prefix) == plain
+    assert engine.last_drafter.by_source["verify"].accepted > 0  # its right half was kept
+
+
+def test_verifying_with_prompt_blocks_reused_and_a_sampled_request(engine: Any) -> None:
+    """The prefill pass that verifies runs on the prompt's reused KV blocks too; a sampled
+    request's answer is verified with its seeded draws (plain decoding's for the seed)."""
+    request = GenerationRequest(PROMPT, max_tokens=3 * BLOCK, tenant_scope="a" * 64)
+    plain = run(engine, request, (), speculate=False)  # stores the prompt's blocks
+    assert verified(engine, request, plain[0]) == plain  # reuses them
+    assert engine.last_drafter.accepted_total == plain[2]
+    sampled = replace(request, temperature=0.8, seed=4)
+    assert verified(engine, sampled, plain[0]) == run(engine, sampled, (), speculate=False)

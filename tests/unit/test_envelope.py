@@ -30,7 +30,11 @@ FULL = Envelope(
         tenant_scope="f" * 64,
         history=(("system", "Be brief."), ("user", "Hi"), ("assistant", "")),
         speculate=False,
-        drafts=(("answer", "a cached answer"), ("neighbour", "a neighbour's answer")),
+        drafts=(
+            ("answer", "a cached answer"),
+            ("neighbour", "a neighbour's answer"),
+            ("verify", "a semantic hit's answer"),
+        ),
         index_answer=False,
     ),
     status=CacheStatus.MISS,
@@ -41,6 +45,7 @@ FULL = Envelope(
     cache_tags=("a", "kb:v1"),
     max_age_s=2.5,
     draft_digest="f" * 64,
+    verify_semantic=True,
 )
 
 

@@ -624,3 +624,46 @@ def test_a_miss_drafts_from_its_neighbours_answers_in_its_own_scope_only(
     forged.wait()
     assert seen[-1] == () and indexed[-1]
     stage.close()
+
+
+def test_a_semantic_hit_to_verify_is_the_engines_first_draft_and_verified_when_it_is_its_answer(
+    cache: TieredCache,
+) -> None:
+    """`verify`: the semantic hit's answer reaches the engine as its first draft (source
+    `verify`, before the prompt's kept answer); the response is `verified` when the engine's
+    answer is exactly it, else a miss, stored either way like any miss; `on_verified` says
+    which. A request that opted out of speculation gets no draft but is judged the same way."""
+    seen: list[tuple[tuple[str, str], ...]] = []
+
+    class Drafted(FakeEngine):
+        def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+            seen.append(request.drafts)
+            return super().__call__(request)
+
+    tenant = "s" * 64
+    kept = Digest("f" * 64)
+    cache.put(kept, "Hello there", tenant_scope=tenant)
+    stage = make_stage(cache, Drafted())
+    request = GenerationRequest(prompt="hi", tenant_scope=tenant)
+    outcomes: list[bool] = []
+    for digest, candidate, status, draft in (
+        (Digest("1" * 64), "Hello", "verified", "Hello there"),
+        (Digest("2" * 64), "Hello, and more", "miss", "Hello"),  # the first one's, kept
+    ):
+        r = Recorder()
+        stage.submit_miss(
+            request, digest, "miss", True, r, draft_digest=kept, verify=candidate,
+            on_verified=outcomes.append,
+        )  # fmt: skip
+        assert r.wait() == [("final", "Hello", status)]
+        assert seen[-1] == (("verify", candidate), ("answer", draft))
+        assert stored_text(cache, digest) == "Hello"
+    assert outcomes == [True, False]
+    quiet = Recorder()
+    stage.submit_miss(
+        dataclasses.replace(request, speculate=False), Digest("3" * 64), "miss", True, quiet,
+        verify="Hello", on_verified=outcomes.append,
+    )  # fmt: skip
+    assert quiet.wait() == [("final", "Hello", "verified")]
+    assert seen[-1] == () and outcomes[-1] is True
+    stage.close()

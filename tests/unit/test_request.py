@@ -129,6 +129,14 @@ def test_no_speculate_turns_speculation_off_for_the_request_not_its_key() -> Non
     assert key_fields(off) == key_fields(canon("Hi"))
 
 
+def test_verify_semantic_is_a_directive_not_part_of_the_key() -> None:
+    from tiercache.exact.request import CacheControl
+
+    assert CacheControl.parse("no-store, verify-semantic").verify_semantic
+    assert not CacheControl.parse("no-store").verify_semantic
+    assert key_fields(canon("Hi", cache_control="verify-semantic")) == key_fields(canon("Hi"))
+
+
 def test_a_conversation_is_canonical_turns() -> None:
     history = '[{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": ""}]'
     r = canon("Hi", history=history)

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from tiercache.engine.model_source import ModelSource
 from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.exact.request import GenerationRequest
+from tiercache.vocabulary import DraftSource
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,10 @@ class TorchEngine:
                 for source, text in request.drafts
             ]
             drafter = Drafter(answers, prompt_list, index=self.answers.view(scope))
+            verify = [t for source, t in answers if source == DraftSource.VERIFY.value][:1]
+            verify_ids = verify[0][: request.max_tokens] if verify else []
+        else:
+            verify_ids = []
         self.last_drafter = drafter
         generated: list[int] = []
         hashes: list[BlockHash] = []
@@ -250,12 +255,44 @@ class TorchEngine:
             pending += text
             return None
 
+        def take_kept(kept: list[int]) -> StreamEvent | None:
+            """Take a verified draft's kept tokens: the event that ends the answer among them
+            (its draft tokens past the end not counted), else None."""
+            before = len(generated)
+            for accepted_token in kept:
+                last = take(accepted_token)
+                if last is not None:
+                    if drafter is not None:  # kept tokens past the answer's end
+                        drafter.unused(len(kept) - (len(generated) - before))
+                        last = dataclasses.replace(
+                            last,
+                            accepted_tokens=drafter.accepted_total,
+                            draft_steps=tuple(drafter.steps),
+                        )
+                    return last
+            return None
+
         try:
             with torch.inference_mode():
-                out = self._prefill(input_ids, lease)
+                out = self._prefill(input_ids, lease, verify_ids)
                 if lease is not None:
                     self._store_blocks(lease, hashes, out.past_key_values)
-                logits, cache = out.logits[:, -1, :], out.past_key_values
+                if verify_ids and drafter is not None:
+                    # A semantic hit's answer, verified whole in the prefill pass: the model's
+                    # own pick at each of its positions decides, as for any draft.
+                    kept, logits, cache = self._keep_agreed(
+                        out, verify_ids, out.past_key_values, sampler, 0
+                    )
+                    drafter.source = DraftSource.VERIFY.value
+                    drafter.accepted(len(verify_ids), len(kept))
+                    last = take_kept(kept)
+                    if last is not None:
+                        yield last
+                        return
+                    if pending:
+                        yield event(pending, None)
+                else:
+                    logits, cache = out.logits[:, -1, :], out.past_key_values
                 while True:
                     if is_cancelled():
                         yield event("", "cancelled")
@@ -280,19 +317,10 @@ class TorchEngine:
                     kept, logits, cache = self._verify(token, draft, cache, sampler, len(generated))
                     if drafter is not None:
                         drafter.accepted(len(draft), len(kept))
-                    before = len(generated)
-                    for accepted_token in kept:
-                        last = take(accepted_token)
-                        if last is not None:
-                            if drafter is not None:  # kept tokens past the answer's end
-                                drafter.unused(len(kept) - (len(generated) - before))
-                                last = dataclasses.replace(
-                                    last,
-                                    accepted_tokens=drafter.accepted_total,
-                                    draft_steps=tuple(drafter.steps),
-                                )
-                            yield last
-                            return
+                    last = take_kept(kept)
+                    if last is not None:
+                        yield last
+                        return
                     if pending:
                         yield event(pending, None)
         finally:
@@ -308,6 +336,14 @@ class TorchEngine:
         Returns the kept draft tokens, the logits after the last kept token, and the cache."""
         step = torch.tensor([[token, *draft]], device=self.device)
         out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+        return self._keep_agreed(out, draft, out.past_key_values, sampler, position)
+
+    def _keep_agreed(
+        self, out: Any, draft: list[int], cache: Any, sampler: _Sampler, position: int
+    ) -> tuple[list[int], Any, Any]:
+        """Of a forward pass whose last len(draft) + 1 logits predict `draft` and the token
+        after it: the draft's longest prefix the model picks itself (from answer position
+        `position` on), the logits after it, and `cache` with the rejected tokens cropped."""
         kept = 0
         if sampler.rng is None:
             picks = out.logits[0].argmax(dim=-1).tolist()
@@ -318,18 +354,27 @@ class TorchEngine:
                 sampler.pick(out.logits[:, kept, :], position + kept) == draft[kept]
             ):
                 kept += 1
-        cache = out.past_key_values
         rejected = len(draft) - kept
         if rejected:
             cache.crop(-rejected)  # this transformers takes the number of tokens to drop
         return draft[:kept], out.logits[:, kept, :], cache
 
-    def _prefill(self, input_ids: torch.Tensor, lease: KvLease[torch.Tensor] | None) -> Any:
-        """Run the prompt after the lease's reused tokens, on a cache built from its blocks.
-        Only the last position's logits are computed (`logits_to_keep=1`): the LM head over a
-        49k vocabulary is about a fifth of SmolLM2's prefill, and only the next token is needed."""
+    def _prefill(
+        self,
+        input_ids: torch.Tensor,
+        lease: KvLease[torch.Tensor] | None,
+        verify: Sequence[int] = (),
+    ) -> Any:
+        """Run the prompt after the lease's reused tokens, on a cache built from its blocks,
+        followed by `verify` (an answer to check in the same pass). Only the logits that pick
+        the answer's tokens are computed (`logits_to_keep`: the last prompt position's, and
+        `verify`'s): the LM head over a 49k vocabulary is about a fifth of SmolLM2's prefill."""
+        keep = len(verify) + 1
+        if verify:
+            tail = torch.tensor([list(verify)], dtype=input_ids.dtype, device=input_ids.device)
+            input_ids = torch.cat([input_ids, tail], dim=1)
         if lease is None or lease.reused_tokens == 0:
-            return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+            return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep)
         start = lease.reused_tokens
         # One block is [layers, 2 (keys, values), kv_heads, tokens_per_block, head_dim].
         kv = torch.cat(lease.payloads(), dim=3)[:, :, :, :start]
@@ -343,7 +388,7 @@ class TorchEngine:
             past_key_values=cache,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
 
     def _store_blocks(

@@ -57,6 +57,8 @@ class LookupResult:
     tokens: tuple[int, int, int] = (0, 0, 0)
     # On a miss: where drafts for its speculative decoding are kept (keys.draft_digest).
     draft_digest: str = ""
+    # cache_control `verify-semantic`: a semantic hit is served only once the engine verified it
+    verify_semantic: bool = False
 
 
 class PromptCache:
@@ -178,6 +180,7 @@ class PromptCache:
                 control.max_age_s,
                 tokens,
                 draft,
+                control.verify_semantic,
             )
 
         if digest is None:

@@ -104,6 +104,9 @@ class CacheControl:
     - `semantic-only`: skip the exact lookup and look up by meaning only.
     - `no-speculate`: decode a miss one token per step (no speculative decoding; the answer is
       the same either way, only its speed differs).
+    - `verify-semantic`: a semantic hit's answer is served only once the engine has checked,
+      in one forward pass over prompt plus answer, that it is exactly its own output (status
+      `verified`); where it is not, decoding continues from the agreed prefix (a miss).
     - `max-age=<seconds>`: serve a cached answer only if it is at most that old (a finite
       number >= 0); an older one is a miss for this request and stays for others. The semantic
       lookup is skipped (it cannot tell an answer's age), so `semantic-only` is refused with it.
@@ -120,6 +123,7 @@ class CacheControl:
     max_age_s: float | None = None
     tags: tuple[str, ...] = ()
     no_speculate: bool = False
+    verify_semantic: bool = False
 
     WORDS = (
         "no-cache",
@@ -128,6 +132,7 @@ class CacheControl:
         "no-semantic",
         "semantic-only",
         "no-speculate",
+        "verify-semantic",
     )
     VALUED = ("max-age=<seconds>", "tag=<name>")
 
@@ -182,6 +187,7 @@ class CacheControl:
             max_age_s=max_age_s,
             tags=tuple(sorted(tags)),
             no_speculate="no-speculate" in words,
+            verify_semantic="verify-semantic" in words,
         )
 
 

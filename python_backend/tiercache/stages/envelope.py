@@ -27,7 +27,7 @@ from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
 from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
 from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
-ENVELOPE_VERSION = 2
+ENVELOPE_VERSION = 3
 ENVELOPE_TENSOR = "ENVELOPE"
 
 
@@ -44,6 +44,8 @@ class Envelope:
     # Where answers to the same prompt under any max_tokens or stop words are kept as drafts
     # for speculative decoding (tiercache.exact.keys; only greedy answers are kept there).
     draft_digest: str = ""
+    # cache_control `verify-semantic`: llm has the engine verify a semantic hit before serving it
+    verify_semantic: bool = False
 
     def seal(self, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS) -> bytes:
         """The wire form: the seal over the JSON and `cached_text` (prompt_cache's exact hit's
@@ -92,6 +94,7 @@ class Envelope:
             "cache_tags": list(self.cache_tags),
             "max_age_s": self.max_age_s,
             "draft_digest": self.draft_digest,
+            "verify_semantic": self.verify_semantic,
         }
         text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return text.encode("utf-8")
@@ -150,6 +153,7 @@ class Envelope:
             cache_tags=_read(top, "cache_tags", tuple, ENVELOPE_TENSOR),
             max_age_s=_read(top, "max_age_s", float, ENVELOPE_TENSOR, optional=True),
             draft_digest=_read(top, "draft_digest", str, ENVELOPE_TENSOR),
+            verify_semantic=_read(top, "verify_semantic", bool, ENVELOPE_TENSOR),
         )
 
 

@@ -282,6 +282,14 @@ class LlmStage:
             (*choices(CacheStatus), "error"),
         )
         self.generations = m.counter("tiercache_llm_generations_total", "Engine generations")
+        self.verifications = status_counters(
+            m,
+            "tiercache_llm_semantic_verifications_total",
+            "Semantic hits the engine verified (verify_semantic): served as its own output, or "
+            "refuted and decoded on",
+            "outcome",
+            ("verified", "refuted"),
+        )
         self.coalesced = m.counter(
             "tiercache_llm_coalesced_total", "Misses served by joining an identical in-flight one"
         )
@@ -401,6 +409,9 @@ class LlmStage:
 
     def _serve(self, item: LlmInput, responder: Responder) -> None:
         status = item.status
+        if status == CacheStatus.SEMANTIC and self._verifies(item):
+            self._verify_hit(item, responder)
+            return
         if is_hit(status):
             similarity = item.similarity if status == CacheStatus.SEMANTIC else None
             self.core.serve_hit(item.cached_text, status, responder, similarity, item.tokens)
@@ -423,6 +434,36 @@ class LlmStage:
             neighbours=item.neighbours,
         )
         self.requests[status].increment(1)
+
+    def _verifies(self, item: LlmInput) -> bool:
+        """Whether a semantic hit goes to the engine for verification first (the deployment's
+        `verify_semantic`, or the request's cache_control word)."""
+        return self.config.verify_semantic or item.envelope.get().verify_semantic
+
+    def _verify_hit(self, item: LlmInput, responder: Responder) -> None:
+        """A semantic hit the engine verifies: its answer is the first draft, checked whole in
+        the prefill pass; served as `verified` when the engine's answer is exactly it, else the
+        engine's answer is a miss (generated on from the agreed prefix, stored as any miss)."""
+        envelope = item.envelope.get()
+
+        def verified(ok: bool) -> None:
+            self.verifications["verified" if ok else "refuted"].increment(1)
+            self.requests[(CacheStatus.VERIFIED if ok else CacheStatus.MISS).value].increment(1)
+
+        self.core.submit_miss(
+            envelope.request,
+            envelope.digest,
+            CacheStatus.MISS.value,
+            envelope.write_back,
+            responder,
+            None,  # a hit carries no vector: the prompt is not indexed again
+            self.engine.call_with(item.lora),
+            tags=envelope.cache_tags,
+            max_age_s=envelope.max_age_s,
+            draft_digest=envelope.draft_digest,
+            verify=item.cached_text,
+            on_verified=verified,
+        )
 
     def count_error(self, responder: Responder, exc: BaseException) -> None:
         """A request whose inputs did not decode: its error response (never padded: without an

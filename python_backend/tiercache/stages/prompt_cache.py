@@ -108,6 +108,7 @@ def envelope_of(result: LookupResult) -> Envelope:
         cache_tags=result.cache_tags,
         max_age_s=result.max_age_s,
         draft_digest=result.draft_digest,
+        verify_semantic=result.verify_semantic,
     )
 
 
