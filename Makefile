@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: bench-spec bench-spec-server setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
+.PHONY: bench-spec bench-spec-server bench-verify setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
 
 setup: $(STAMP) $(NATIVE_STAMP)
 	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
@@ -70,6 +70,9 @@ bench-spec: setup
 
 bench-spec-server: setup
 	$(PY) -m tiercache_dev.bench.speculation_server
+
+bench-verify: setup
+	$(PY) -m tiercache_dev.bench.verified_hits
 
 bench-lora: setup
 	$(PY) -m tiercache_dev.bench.lora engine
