@@ -104,13 +104,26 @@ def logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
 def picks(request: GenerationRequest, count: int = 32, vocab: int = 64) -> list[int]:
     sampler = _Sampler(request, "cpu")
     fixed = logits(vocab=vocab)
-    return [sampler.pick(fixed) for _ in range(count)]
+    return [sampler.pick(fixed, position) for position in range(count)]
 
 
 def test_greedy_is_argmax() -> None:
     for seed in range(5):
         row = logits(seed)
-        assert _Sampler(GenerationRequest("p"), "cpu").pick(row) == int(row.argmax())
+        assert _Sampler(GenerationRequest("p"), "cpu").pick(row, 0) == int(row.argmax())
+
+
+def test_a_position_takes_its_own_draw_whatever_the_order() -> None:
+    """Position n always takes draw n of the seed's stream: picked ahead, picked twice or in
+    another order, each position's token is the one sequential picking gives (what lets a
+    verification pass pick drafted positions of a sampled request)."""
+    request = GenerationRequest("p", temperature=1.0, seed=99)
+    sequential = picks(request)
+    sampler = _Sampler(request, "cpu")
+    fixed = logits()
+    ahead = [sampler.pick(fixed, position) for position in (5, 3, 3, 0, 31, 5)]
+    assert ahead == [sequential[p] for p in (5, 3, 3, 0, 31, 5)]
+    assert [sampler.pick(fixed, p) for p in range(32)] == sequential
 
 
 def test_greedy_has_no_random_source() -> None:
