@@ -22,6 +22,10 @@
 - speculation config: an engine built with --max-draft-len gets trtllm-build's external draft
   tokens mode, and the repository assembled around it sets llm's trtllm_max_draft_len and lets
   tensorrt_llm take draft_input_ids (issue 17; the configs only: no engine is built or run).
+- speculation cuda: the project's engine (TorchEngine) speculating on the card, random weights
+  of SmolLM2's architecture (tests/gpu/speculation_cuda.py; `--prepare` it here and carry
+  build/gpu-spec): every speculative answer plain decoding's, greedy and seeded sampled, with
+  the times of both (TensorRT-LLM itself is not on the device machines: see that script).
 - teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
   go wrong across cards; on one card it is a smoke test), then a new set must work. With two
   cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
@@ -501,6 +505,25 @@ def check_speculation_config() -> list[Row]:
     return rows
 
 
+def check_speculation_cuda() -> list[Row]:
+    """The engine's speculative decoding on this card (tests/gpu/speculation_cuda.py, its own
+    process: random weights of SmolLM2-135M's architecture, files from build/gpu-spec/): every
+    speculative answer plain decoding's, greedy and seeded sampled. Its table is printed as it
+    runs; the row here says whether the answers were identical."""
+    script = Path(__file__).with_name("speculation_cuda.py")
+    if not (ROOT / "build" / "gpu-spec" / "config.json").exists():
+        hint = "FAIL: run speculation_cuda.py --prepare where the model is, and carry it"
+        return [("speculation cuda", "engine on this card", "-", "-", "no build/gpu-spec", hint)]
+    done = subprocess.run(
+        [sys.executable, str(script), "--max-tokens", "96"], capture_output=True, text=True
+    )
+    print(done.stdout, end="")
+    last = (done.stdout.strip().splitlines() or [done.stderr.strip()[-200:]])[-1]
+    ok = done.returncode == 0 and "identical yes" in last
+    verdict = "ok" if ok else f"FAIL: exit {done.returncode}: {done.stderr.strip()[-300:]}"
+    return [("speculation cuda", "engine on this card", "-", "-", last[-60:], verdict)]
+
+
 def main() -> int:
     native, why = import_native()
     if not machine_has_gpu():
@@ -543,6 +566,7 @@ def main() -> int:
     rows += run_check("teardown", lambda: check_teardown(native, testing, torch, devices))
     rows += run_check("kv reuse isolation", check_kv_reuse_isolation)
     rows += run_check("speculation config", check_speculation_config)
+    rows += run_check("speculation cuda", check_speculation_cuda)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

