@@ -1,0 +1,68 @@
+"""tiercache_dev.train.qqp_pairs: GPTCache's QQP file read and split by row index (issue 18:
+train only on index mod 20 in 1..9; 0 is the dev file; 10..19 are held out)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tiercache_dev.train import qqp_pairs as qqp
+
+
+def archive(rows: list[dict[str, object]]) -> bytes:
+    data = json.dumps(rows).encode()
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        info = tarfile.TarInfo("examples/benchmark/similiar_qqp_full.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+ROWS = [{"text_a": f"q{i}", "text_b": f"r{i}", "label": i % 2} for i in range(45)]
+
+
+def test_rows_split_by_index_mod_20() -> None:
+    rows = qqp.read_rows(archive(ROWS))
+    assert [r.index for r in qqp.rows_of(rows, "dev")] == [0, 20, 40]
+    train = [r.index for r in qqp.rows_of(rows, "train")]
+    held = [r.index for r in qqp.rows_of(rows, "held-out")]
+    assert train == [*range(1, 10), *range(21, 30), *range(41, 45)]
+    assert held == [*range(10, 20), *range(30, 40)]
+    assert not set(train) & set(held) and len(train) + len(held) + 3 == 45
+    first = next(qqp.rows_of(rows, "train"))
+    assert (first.a, first.b, first.label) == ("q1", "r1", 1)
+
+
+def test_plain_json_is_read_too_and_bad_files_are_refused() -> None:
+    assert len(qqp.read_rows(json.dumps(ROWS).encode())) == 45
+    with pytest.raises(qqp.QqpFileError, match="row 1"):
+        qqp.read_rows(json.dumps([ROWS[0], {"text_a": "x", "label": 1}]).encode())
+    with pytest.raises(qqp.QqpFileError, match="not JSON"):
+        qqp.read_rows(b"not json")
+    with pytest.raises(ValueError, match="split must be"):
+        list(qqp.rows_of([], "test"))
+
+
+def test_the_command_writes_the_split_as_pairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "qqp.json.gz"
+    source.write_bytes(archive(ROWS))
+    out = tmp_path / "out" / "train.jsonl"
+    assert qqp.main(["--source", str(source), "--split", "train", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 22 and lines[0] == {
+        "a": "q1",
+        "b": "r1",
+        "label": 1,
+        "source": "qqp",
+        "index": 1,
+    }
+    assert "not the pinned file" in capsys.readouterr().out
+    missing = tmp_path / "none.gz"
+    assert qqp.main(["--source", str(missing), "--split", "dev", "--out", str(out)]) == 2
