@@ -66,3 +66,18 @@ def test_the_command_writes_the_split_as_pairs(
     assert "not the pinned file" in capsys.readouterr().out
     missing = tmp_path / "none.gz"
     assert qqp.main(["--source", str(missing), "--split", "dev", "--out", str(out)]) == 2
+
+
+def test_the_verifier_trains_only_on_rows_of_the_train_split(tmp_path: Path) -> None:
+    from tiercache_dev.train.verifier import read_pairs
+
+    rows = [{"a": "q", "b": "r", "label": 1, "source": "qqp", "index": i} for i in (1, 9, 21)]
+    good = tmp_path / "train.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_pairs(good, train_only=True) == [("q", "r", 1)] * 3
+    for index in (0, 10, 39, None):  # dev, held out, held out, no index
+        bad = tmp_path / f"bad{index}.jsonl"
+        bad.write_text(json.dumps({**rows[0], "index": index}) + "\n")
+        with pytest.raises(SystemExit, match="not a row of QQP's train split"):
+            read_pairs(bad, train_only=True)
+    assert len(read_pairs(good, limit=2)) == 2

