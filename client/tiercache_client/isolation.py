@@ -32,7 +32,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 HIT_STATUSES = frozenset({"exact", "semantic"})
-GENERATED_STATUSES = frozenset({"miss", "bypass"})
+# answers the engine generated (`verified`: a semantic hit's answer the engine re-generated)
+GENERATED_STATUSES = frozenset({"miss", "bypass", "verified"})
 KINDS = ("exact", "semantic", "kv")
 
 Tokenize = Callable[[str], Sequence[Hashable]]

@@ -191,7 +191,7 @@ class Generations:
         draft_digest: str = "",
         neighbours: tuple[str, ...] = (),
         verify: str = "",
-        on_verified: Callable[[bool], None] | None = None,
+        on_verified: Callable[[bool | None], None] | None = None,
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
@@ -200,9 +200,10 @@ class Generations:
         engine as a draft for speculative decoding, and a greedy request's answer is kept there
         once stored. The answers under `neighbours` (its nearest semantic neighbours') go
         to the engine as drafts too. `verify` (a semantic hit's answer, `verify-semantic`) goes
-        first, verified whole in the prompt's prefill pass: when the answer served is exactly
-        it, the response's status is `verified` instead of `status`; `on_verified` gets
-        whether it was (once the answer is complete).
+        first, verified whole in the prompt's prefill pass: when the answer the engine
+        generated is exactly it, the response's status is `verified` instead of `status`;
+        `on_verified` gets, once per request, True (verified), False (refuted) or None
+        (unchecked: the answer came from elsewhere, or the request failed or was cancelled).
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
@@ -232,7 +233,7 @@ class Generations:
         after_store: Callable[[], None] | None,
         generate: GenerateFn | None = None,
         directives: _Directives | None = None,
-        on_verified: Callable[[bool], None] | None = None,
+        on_verified: Callable[[bool | None], None] | None = None,
     ) -> None:
         directives = directives or _Directives()
         if digest is None:
@@ -257,6 +258,7 @@ class Generations:
                 generate,
                 directives,
             )
+        verified: bool | None = None  # the verify outcome; None: the engine's run did not say
         try:
             parts: list[str] = []
             for chunk in flight.read(responder.is_cancelled):
@@ -268,14 +270,11 @@ class Generations:
             else:
                 text = None if request.stream else "".join(parts)
                 usage = flight.usage
-                if directives.verify:
-                    verified = (
-                        flight.finish_reason in ("stop", "length")
-                        and "".join(parts) == directives.verify
-                    )
+                # only an answer the engine generated to its end says whether the candidate
+                # was its own (an answer stored meanwhile or another replica's has no finish)
+                if directives.verify and flight.finish_reason in ("stop", "length"):
+                    verified = "".join(parts) == directives.verify
                     status = CacheStatus.VERIFIED.value if verified else status
-                    if on_verified is not None:
-                        on_verified(verified)
                 responder.send_final(
                     text,
                     status,
@@ -292,6 +291,8 @@ class Generations:
             responder.send_error(exc)
         finally:
             self.flights.leave(flight)
+            if directives.verify and on_verified is not None:
+                on_verified(verified)  # once per request, whatever became of it
 
     def _produce(
         self,

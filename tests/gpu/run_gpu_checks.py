@@ -514,9 +514,16 @@ def check_speculation_cuda() -> list[Row]:
     if not (ROOT / "build" / "gpu-spec" / "config.json").exists():
         hint = "FAIL: run speculation_cuda.py --prepare where the model is, and carry it"
         return [("speculation cuda", "engine on this card", "-", "-", "no build/gpu-spec", hint)]
-    done = subprocess.run(
-        [sys.executable, str(script), "--max-tokens", "96"], capture_output=True, text=True
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), "--max-tokens", "96"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired as exc:
+        print(exc.stdout or "", end="")
+        return [("speculation cuda", "engine on this card", "-", "-", "-", "FAIL: over 600 s")]
     print(done.stdout, end="")
     last = (done.stdout.strip().splitlines() or [done.stderr.strip()[-200:]])[-1]
     ok = done.returncode == 0 and "identical yes" in last

@@ -14,9 +14,10 @@ project's own engine, `tiercache.engine.torch_engine.TorchEngine`, on the GPU.
 tokenizer from the converted model under the state dir (`make setup` and one engine start make
 it) into `--files` (build/gpu-spec/, ignored by git; name it in the device call's `carry`).
 
-The check builds SmolLM2-135M's architecture from that config with random weights (seed 0; the
-real weights cannot be carried), in the folder layout `load_model` reads, and for each of a few
-prompts, greedy, `--max-tokens` tokens:
+The check builds SmolLM2-135M's architecture from that config with random weights (seed 0,
+initial scale 0.2 so that no two logits nearly tie; the real weights cannot be carried), in
+the folder layout `load_model` reads, and for each of a few prompts, greedy, `--max-tokens`
+tokens:
 - plain decoding (speculation off), timed;
 - speculative, drafted from that same answer (source `answer`: every draft token is accepted),
   timed: the speedup on this device of verifying drafts instead of one token per pass;
@@ -95,8 +96,13 @@ def random_engine(files: Path, cache_dir: Path, device: str) -> Any:
     for name in CARRIED:
         if (files / name).exists():
             shutil.copy2(files / name, folder / name)
+    config = AutoConfig.from_pretrained(folder)
+    # Ten times the usual initial scale: random logits at 0.02 sit so close together (median
+    # top-2 gap 0.06, smallest 0.0006 over 64 positions) that a batched and a single-token pass
+    # could pick differently by rounding alone; at 0.2 the gaps are ten times wider.
+    config.initializer_range = 0.2
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     (folder / "COMPLETE").write_text(identity.revision)
     source = ModelSource(spec, folder / spec.gguf_file, identity)  # the GGUF is never read

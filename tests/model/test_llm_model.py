@@ -403,4 +403,4 @@ def test_a_semantic_hit_with_verify_semantic_is_served_only_as_the_engines_own_a
     assert counted(model) == {"verified": 1, "miss": 1, "semantic": 1}
     model.stage.metrics.flush()
     outcomes = {k: c.metric.value() for k, c in model.stage.verifications.items()}
-    assert outcomes == {"verified": 1, "refuted": 1}
+    assert outcomes == {"verified": 1, "refuted": 1, "unchecked": 0}

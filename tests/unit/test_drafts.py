@@ -145,3 +145,14 @@ def test_a_source_rejected_whole_sits_out_while_the_others_go_on() -> None:
 def test_no_sources_no_drafts() -> None:
     assert Drafter().propose([2], 8) == []
     assert Drafter([("answer", [])]).propose([2], 8) == []
+
+
+def test_a_long_partly_kept_draft_leaves_its_source_within_the_cap() -> None:
+    """A verify draft (a whole answer) partly accepted must not leave its source drafting
+    hundreds of tokens per step afterwards."""
+    from tiercache.engine.drafts import MAX_DRAFT_TOKENS, Drafter
+
+    drafter = Drafter([("verify", list(range(300)))], [1, 2, 3])
+    drafter.source = "verify"
+    drafter.accepted(300, 120)
+    assert drafter.by_source["verify"].length == MAX_DRAFT_TOKENS

@@ -666,4 +666,13 @@ def test_a_semantic_hit_to_verify_is_the_engines_first_draft_and_verified_when_i
     )  # fmt: skip
     assert quiet.wait() == [("final", "Hello", "verified")]
     assert seen[-1] == () and outcomes[-1] is True
+    # an answer stored since the lookup is served without the engine: unchecked, as a miss
+    cache.put(Digest("4" * 64), "Hello", tenant_scope=tenant)
+    stored = Recorder()
+    stage.submit_miss(
+        request, Digest("4" * 64), "miss", True, stored, verify="Hello",
+        on_verified=outcomes.append,
+    )  # fmt: skip
+    assert stored.wait() == [("final", "Hello", "miss")]
+    assert len(seen) == 3 and outcomes[-1] is None
     stage.close()

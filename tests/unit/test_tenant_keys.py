@@ -169,3 +169,14 @@ def test_the_keys_command_adds_lists_and_revokes(
     assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 0
     assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 1
     assert list_grants(path) == []
+
+
+def test_every_cache_control_word_is_one_a_key_can_allow_or_refuse() -> None:
+    """A word missing from `used_words` would pass every key's cache_control limit unseen."""
+    from tiercache.exact.request import CacheControl
+    from tiercache.exact.tenant_keys import used_words
+
+    for word in CacheControl.WORDS:
+        assert used_words(CacheControl.parse(word)) == (word,), word
+    valued = used_words(CacheControl.parse("max-age=5 tag=kb:v1"))
+    assert valued == ("max-age", "tag")

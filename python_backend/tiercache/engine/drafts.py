@@ -184,8 +184,8 @@ class Drafter:
         self.steps.append((source, proposed, accepted))
         if accepted == proposed:
             state.length = min(state.length * 2, MAX_DRAFT_TOKENS)
-        else:
-            state.length = max(accepted + 1, MIN_DRAFT_TOKENS)
+        else:  # (a verify draft is longer than any other: never past the cap after it)
+            state.length = min(max(accepted + 1, MIN_DRAFT_TOKENS), MAX_DRAFT_TOKENS)
         if accepted == 0:
             state.rejections += 1
             # the steps counted from the next proposal on (propose counts one down first)

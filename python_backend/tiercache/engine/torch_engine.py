@@ -283,6 +283,7 @@ class TorchEngine:
                     kept, logits, cache = self._keep_agreed(
                         out, verify_ids, out.past_key_values, sampler, 0
                     )
+                    del out  # its logits (a row per answer token) are not needed any more
                     drafter.source = DraftSource.VERIFY.value
                     drafter.accepted(len(verify_ids), len(kept))
                     last = take_kept(kept)
@@ -357,7 +358,9 @@ class TorchEngine:
         rejected = len(draft) - kept
         if rejected:
             cache.crop(-rejected)  # this transformers takes the number of tokens to drop
-        return draft[:kept], out.logits[:, kept, :], cache
+        # a copy of the one row: the pass's logits (a verify draft's: one row per answer
+        # token, 0.2 MB each) are not kept alive through the rest of the answer
+        return draft[:kept], out.logits[:, kept, :].clone(), cache
 
     def _prefill(
         self,

@@ -84,6 +84,8 @@ def used_words(control: CacheControl) -> tuple[str, ...]:
         "allow-sampled": control.allow_sampled,
         "no-semantic": control.no_semantic,
         "semantic-only": control.semantic_only,
+        "no-speculate": control.no_speculate,
+        "verify-semantic": control.verify_semantic,
         "max-age": control.max_age_s is not None,
         "tag": bool(control.tags),
     }

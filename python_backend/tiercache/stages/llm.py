@@ -86,7 +86,9 @@ ENGINE_OUTPUTS = [
 class LlmInput:
     """One request to llm, as model.py decoded it."""
 
-    envelope: ReceivedEnvelope  # decoded when needed: a hit without padding never decodes it
+    # decoded when needed: an exact hit without padding never decodes it (a semantic hit does,
+    # to read its verify-semantic word, unless the deployment's verify_semantic says it all)
+    envelope: ReceivedEnvelope
     status: str  # embedding_cache's: exact, semantic, miss or bypass
     cached_text: str  # the answer to serve on a hit
     similarity: float | None  # a semantic hit's
@@ -285,10 +287,11 @@ class LlmStage:
         self.verifications = status_counters(
             m,
             "tiercache_llm_semantic_verifications_total",
-            "Semantic hits the engine verified (verify_semantic): served as its own output, or "
-            "refuted and decoded on",
+            "Semantic hits sent to the engine to verify (verify_semantic): served as its own "
+            "output, refuted and decoded on, or unchecked (answered otherwise: an answer stored "
+            "meanwhile, another replica's, an error or a cancellation)",
             "outcome",
-            ("verified", "refuted"),
+            ("verified", "refuted", "unchecked"),
         )
         self.coalesced = m.counter(
             "tiercache_llm_coalesced_total", "Misses served by joining an identical in-flight one"
@@ -446,14 +449,15 @@ class LlmStage:
         engine's answer is a miss (generated on from the agreed prefix, stored as any miss)."""
         envelope = item.envelope.get()
 
-        def verified(ok: bool) -> None:
-            self.verifications["verified" if ok else "refuted"].increment(1)
-            self.requests[(CacheStatus.VERIFIED if ok else CacheStatus.MISS).value].increment(1)
+        def verified(ok: bool | None) -> None:
+            outcome = "unchecked" if ok is None else "verified" if ok else "refuted"
+            self.verifications[outcome].increment(1)
+            self.requests[CacheStatus.VERIFIED.value if ok else envelope.status.value].increment(1)
 
         self.core.submit_miss(
             envelope.request,
             envelope.digest,
-            CacheStatus.MISS.value,
+            envelope.status.value,  # miss, or bypass (semantic-only): as its lookup said
             envelope.write_back,
             responder,
             None,  # a hit carries no vector: the prompt is not indexed again

@@ -38,6 +38,7 @@ negation inserted or a named entity swapped for another pair's, as sources
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import random
@@ -210,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embeddings-cache", type=Path, help="reuse/keep embeddings (.npz)")
     parser.add_argument("--dry-run", action="store_true", help="do not write the model")
     parser.add_argument("--perturbed-out", type=Path, help="also write the synthetic check set")
+    parser.add_argument(
+        "--judge",
+        choices=("own-a", "clusters"),
+        default="own-a",
+        help="which hits are labelled correct: the pair's own a only (how the packaged model "
+        "was trained), or any text of the query's duplicate cluster (the file's "
+        "cluster_a/cluster_b; tiercache.semantic.evaluate)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
@@ -218,8 +227,13 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = ev.load_pairs(args.pairs)
     corpus = ev.build_corpus(pairs)
+    if args.judge == "own-a":
+        corpus = dataclasses.replace(corpus, inserted_cluster=None, query_cluster=None)
+    elif corpus.rule != "clusters":
+        parser.error(f"--judge clusters: {args.pairs} carries no cluster_a/cluster_b")
     sources = corpus.sources()
-    say(f"{len(pairs)} pairs from {display(args.pairs)}, {len(corpus.inserted)} inserted texts")
+    say(f"{len(pairs)} pairs from {display(args.pairs)}, {len(corpus.inserted)} inserted texts, "
+        f"hits judged by {corpus.rule}")
     if args.perturbed_out is not None:
         rows_out = perturbations(pairs, SEED)
         args.perturbed_out.write_text(
