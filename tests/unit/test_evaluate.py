@@ -313,3 +313,26 @@ def test_the_evaluation_decides_as_serving_does(tmp_path: Path) -> None:
             ]
             served = guard.choose(pair.b, offered)
             assert (-1 if served is None else served) == chosen[i], pair
+
+
+def test_the_verifier_decides_among_what_the_guards_vetoes_let_through(tmp_path: Path) -> None:
+    """The verifier scores only candidates past the floor and the vetoes, and serves the best
+    at or above its threshold: here a verifier that likes exactly the PIN candidate."""
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", PAIRS))
+    corpus = ev.build_corpus(pairs)
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 3)
+    guard = ev.load_guard(write_guard(tmp_path / "g.json"))
+    scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
+    asked: list[tuple[str, str]] = []
+
+    def score_pairs(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+        asked.extend(zip(queries, texts, strict=True))
+        return np.array([0.99 if t == RESET_PIN else 0.2 for t in texts])
+
+    v = ev.verifier_scores(corpus, candidates, scores, score_pairs)
+    assert len(asked) == int((scores > 0).sum()) and (v[scores <= 0] == 0).all()
+    assert ("Top 10 movies of 2020", TOP5) not in asked  # vetoed: never scored
+    served = ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.9))
+    assert served == [None, None, RESET_PIN, None, RESET_PIN]
+    assert ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.1))[0] == CAPITAL

@@ -376,6 +376,42 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
     return result
 
 
+VERIFIER_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995)
+DEFAULT_VERIFIER_THRESHOLD = 0.9
+
+
+def verifier_scores(
+    corpus: Corpus,
+    candidates: Candidates,
+    guard_scores: np.ndarray,
+    score_pairs: Callable[[Sequence[str], Sequence[str]], np.ndarray],
+    progress: Progress | None = None,
+    batch: int = 256,
+) -> np.ndarray:
+    """(n_pairs, k) the verifier's P(same question) of every candidate the guard's floor and
+    vetoes let through (score > 0), 0 for the others: the verifier runs after the vetoes, as
+    serving would run it."""
+    out = np.zeros(candidates.index.shape, dtype=np.float64)
+    todo = [(i, j) for i, j in zip(*np.nonzero(guard_scores > 0.0), strict=True)]
+    for begin in range(0, len(todo), batch):
+        part = todo[begin : begin + batch]
+        queries = [corpus.pairs[i].b for i, _ in part]
+        texts = [corpus.inserted[candidates.index[i, j]] for i, j in part]
+        for (i, j), value in zip(part, score_pairs(queries, texts), strict=True):
+            out[i, j] = value
+        if progress is not None:
+            progress(f"verifier: {min(len(todo), begin + batch)}/{len(todo)} candidates")
+    return out
+
+
+def choose_by_verifier(scores: np.ndarray, threshold: float) -> np.ndarray:
+    """(n_pairs,) position of the candidate the verifier scores highest at or above
+    `threshold` (> 0), -1 for a miss."""
+    accepted = (scores > 0.0) & (scores >= threshold)
+    best = np.argmax(np.where(accepted, scores, -np.inf), axis=1)
+    return np.where(accepted.any(axis=1), best, -1)
+
+
 def served_texts(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> list[str | None]:
     """Per pair, in input order: the inserted text `chosen` serves, or None for a miss."""
     return [
@@ -503,7 +539,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hits",
         type=Path,
-        help='write what the guard served, one JSON line per pair: {"served": text or null}',
+        help='write what the guard served (the verifier, with --verifier), one JSON line per '
+        'pair: {"served": text or null}',
+    )
+    parser.add_argument(
+        "--verifier",
+        type=Path,
+        help="a pair verifier folder (tiercache_dev.train.verifier): it decides among the "
+        "candidates the guard's floor and vetoes let through",
+    )
+    parser.add_argument(
+        "--verifier-threshold",
+        type=float,
+        default=DEFAULT_VERIFIER_THRESHOLD,
+        help="the verifier's operating point (P(same question) at least this)",
     )
     parser.add_argument(
         "--baseline-threshold",
@@ -806,9 +855,54 @@ def run_eval(
             args.plot, corpus, candidates, scores, guard, threshold, args.baseline_threshold
         )
         print(f"\nplot: {args.plot}", file=out)
+    served_by = "the guard's"
+    hits_chosen = guard_chosen
+    if args.verifier is not None:
+        from tiercache.semantic.verifier import PairVerifier
+
+        progress(f"loading the verifier from {args.verifier}")
+        verifier = PairVerifier(args.verifier)
+        vscores = verifier_scores(corpus, candidates, scores, verifier.scores, progress)
+        hits_chosen = choose_by_verifier(vscores, args.verifier_threshold)
+        served_by = "the verifier's"
+        counts = tally(corpus, candidates, hits_chosen)
+        format_table(
+            f"pair verifier after the guard's floor and vetoes: P >= {args.verifier_threshold:g}",
+            counts,
+            out,
+        )
+        rows = []
+        for t in VERIFIER_SWEEP:
+            swept = tally(corpus, candidates, choose_by_verifier(vscores, t))
+            rows.append({"threshold": t, **{src: c.as_dict() for src, c in swept.items()}})
+        _print_sweep("pair verifier", "threshold", rows, corpus.sources(), out)
+        timed = [i for i in range(min(len(pairs), 200)) if (scores[i] > 0.0).any()]
+        samples = []
+        for i in timed:
+            row = zip(candidates.index[i], scores[i], strict=True)
+            texts = [corpus.inserted[j] for j, s in row if s > 0]
+            t0 = time.perf_counter()
+            verifier.scores([corpus.pairs[i].b] * len(texts), texts)
+            samples.append(time.perf_counter() - t0)
+        latency = _latency(samples) if samples else None
+        if latency is not None:
+            print(
+                f"  verifier per lookup ({len(samples)} lookups, the candidates past the vetoes "
+                f"in one batch): p50 {latency.p50_us / 1000:.1f} ms, "
+                f"p99 {latency.p99_us / 1000:.1f} ms\n",
+                file=out,
+            )
+        result["verifier"] = {
+            "folder": str(args.verifier),
+            "threshold": args.verifier_threshold,
+            "counts": {src: c.as_dict() for src, c in counts.items()},
+            "sweep": rows,
+            "latency_us": None if latency is None else asdict(latency),
+            "info": verifier.info,
+        }
     if args.hits is not None:
-        write_hits(args.hits, served_texts(corpus, candidates, guard_chosen))
-        print(f"hits: {args.hits} (one line per pair, the guard's decisions)", file=out)
+        write_hits(args.hits, served_texts(corpus, candidates, hits_chosen))
+        print(f"hits: {args.hits} (one line per pair, {served_by} decisions)", file=out)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,55 @@
+"""tiercache.semantic.verifier: a pair verifier folder loads over the packaged MiniLM weights
+and scores pairs; one trained on other weights, or not a verifier, is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("peft")
+
+from tiercache.errors import ConfigError  # noqa: E402
+from tiercache.semantic.embedder import resolve_embedder  # noqa: E402
+from tiercache.semantic.verifier import FORMAT, INFO_FILE, PairVerifier  # noqa: E402
+
+
+def untrained(folder: Path, revision: str) -> Path:
+    """A verifier folder as the trainer writes it, with an untrained adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertForSequenceClassification
+
+    base, _ = resolve_embedder()
+    model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+    config = LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"])
+    get_peft_model(model, config).save_pretrained(str(folder))
+    info = {"format": FORMAT, "base": {"revision": revision}, "hyper": {"max_length": 64}}
+    (folder / INFO_FILE).write_text(json.dumps(info))
+    return folder
+
+
+def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) -> None:
+    _, identity = resolve_embedder()
+    verifier = PairVerifier(untrained(tmp_path / "v", identity.revision), threads=1)
+    queries = ["How do I reset my password?", "What is the capital of France?"]
+    texts = ["How can I change my password?", "Top 10 movies of 2020"]
+    first = verifier.scores(queries, texts)
+    assert first.shape == (2,) and ((first >= 0) & (first <= 1)).all()
+    assert np.array_equal(first, verifier.scores(queries, texts))
+    assert verifier.scores([], []).shape == (0,)
+    with pytest.raises(ValueError, match="differ in length"):
+        verifier.scores(queries, texts[:1])
+
+
+def test_a_verifier_of_other_weights_or_no_verifier_is_refused(tmp_path: Path) -> None:
+    folder = untrained(tmp_path / "v", "0" * 64)
+    with pytest.raises(ConfigError, match="trained on embedder weights 0000"):
+        PairVerifier(folder)
+    (folder / INFO_FILE).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ConfigError, match="format is not"):
+        PairVerifier(folder)
+    (folder / INFO_FILE).unlink()
+    with pytest.raises(ConfigError, match=INFO_FILE):
+        PairVerifier(folder)
