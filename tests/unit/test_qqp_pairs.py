@@ -81,3 +81,30 @@ def test_the_verifier_trains_only_on_rows_of_the_train_split(tmp_path: Path) -> 
         with pytest.raises(SystemExit, match="not a row of QQP's train split"):
             read_pairs(bad, train_only=True)
     assert len(read_pairs(good, limit=2)) == 2
+
+
+def test_clusters_follow_chains_of_duplicates_over_the_whole_file(tmp_path: Path) -> None:
+    rows = [
+        {"text_a": "dev row", "text_b": "index 0", "label": 0},
+        {"text_a": "A?", "text_b": "B?", "label": 1},
+        {"text_a": "B? ", "text_b": "C?", "label": 1},  # whitespace folded: B? again
+        {"text_a": "C?", "text_b": "D?", "label": 0},
+        {"text_a": "E?", "text_b": "A?", "label": 0},
+    ] + [{"text_a": f"x{i}", "text_b": f"y{i}", "label": 0} for i in range(6)]
+    source = tmp_path / "q.gz"
+    source.write_bytes(archive(rows))
+    out = tmp_path / "held.jsonl"
+    code = qqp.main(["--source", str(source), "--split", "train", "--out", str(out), "--clusters"])
+    assert code == 0
+    got = {
+        (r["a"], r["b"]): (r["cluster_a"], r["cluster_b"])
+        for r in map(json.loads, out.read_text().splitlines())
+    }
+    assert got[("A?", "B?")][0] == got[("A?", "B?")][1] == got[("B? ", "C?")][1]
+    c, d = got[("C?", "D?")]
+    assert c == got[("A?", "B?")][0] and d != c  # label 0 does not join
+    e, a = got[("E?", "A?")]
+    assert a == c and e != a
+    sampled = tmp_path / "s.jsonl"
+    qqp.main(["--source", str(source), "--split", "train", "--out", str(sampled), "--sample", "3"])
+    assert len(sampled.read_text().splitlines()) == 3
