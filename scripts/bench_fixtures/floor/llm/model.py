@@ -1,6 +1,6 @@
 """No-op `llm` (decoupled) for the benchmark floor: one final response per request carrying
-TEXT_OUTPUT = CACHED_TEXT, CACHE_STATUS = LOOKUP_STATUS and the token counts, as the real stage
-does on a hit."""
+TEXT_OUTPUT = CACHED_TEXT, CACHE_STATUS = LOOKUP_STATUS, the token counts and FINISH_REASON, the
+outputs the real stage sends on a hit."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -19,6 +19,7 @@ class TritonPythonModel:
                     pb_utils.Tensor("CACHE_STATUS", status.reshape(1, 1)),
                     pb_utils.Tensor("PROMPT_TOKENS", np.zeros((1, 1), dtype=np.int32)),
                     pb_utils.Tensor("COMPLETION_TOKENS", np.zeros((1, 1), dtype=np.int32)),
+                    pb_utils.Tensor("FINISH_REASON", np.array([[b"stop"]], dtype=np.object_)),
                 ]
             )
             request.get_response_sender().send(response, flags=FINAL)
