@@ -268,12 +268,13 @@ class Generations:
             if responder.is_cancelled():
                 responder.send_cancelled()
             else:
-                text = None if request.stream else "".join(parts)
+                answer = "".join(parts)
+                text = None if request.stream else answer
                 usage = flight.usage
                 # only an answer the engine generated to its end says whether the candidate
                 # was its own (an answer stored meanwhile or another replica's has no finish)
                 if directives.verify and flight.finish_reason in ("stop", "length"):
-                    verified = "".join(parts) == directives.verify
+                    verified = answer == directives.verify
                     status = CacheStatus.VERIFIED.value if verified else status
                 responder.send_final(
                     text,

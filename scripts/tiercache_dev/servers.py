@@ -121,6 +121,15 @@ def running_all(
             server.stop()
 
 
+def fresh_state(root: Path, weights_from: Path, name: str = "state") -> Path:
+    """An empty state dir `root/name` for a benchmark's server, its `models` linked to
+    `weights_from/models` (the converted weights: no conversion at its start)."""
+    state = root / name
+    state.mkdir(parents=True)
+    (state / "models").symlink_to((weights_from / "models").resolve(), target_is_directory=True)
+    return state
+
+
 @contextlib.contextmanager
 def running(
     server: TritonServer, ready_timeout_s: float = READY_TIMEOUT_S

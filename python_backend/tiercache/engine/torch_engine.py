@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +272,17 @@ class TorchEngine:
                     return last
             return None
 
+        def emit_kept(kept: list[int]) -> Generator[StreamEvent, None, bool]:
+            """Yield what taking a verified draft's kept tokens produced: the answer's last
+            event (then True: the answer is done), or the step's pending text (False)."""
+            last = take_kept(kept)
+            if last is not None:
+                yield last
+                return True
+            if pending:
+                yield event(pending, None)
+            return False
+
         try:
             with torch.inference_mode():
                 out = self._prefill(input_ids, lease, verify_ids)
@@ -286,12 +297,8 @@ class TorchEngine:
                     del out  # its logits (a row per answer token) are not needed any more
                     drafter.source = DraftSource.VERIFY.value
                     drafter.accepted(len(verify_ids), len(kept))
-                    last = take_kept(kept)
-                    if last is not None:
-                        yield last
+                    if (yield from emit_kept(kept)):
                         return
-                    if pending:
-                        yield event(pending, None)
                 else:
                     logits, cache = out.logits[:, -1, :], out.past_key_values
                 while True:
@@ -318,12 +325,8 @@ class TorchEngine:
                     kept, logits, cache = self._verify(token, draft, cache, sampler, len(generated))
                     if drafter is not None:
                         drafter.accepted(len(draft), len(kept))
-                    last = take_kept(kept)
-                    if last is not None:
-                        yield last
+                    if (yield from emit_kept(kept)):
                         return
-                    if pending:
-                        yield event(pending, None)
         finally:
             if lease is not None:
                 self.kv_pool.release(lease)

@@ -41,7 +41,7 @@ from tiercache_client import TierCacheClient
 from tiercache_dev.bench.speculation import AGAIN_PROMPTS, NEW_PROMPTS
 from tiercache_dev.console import invocation, machine_summary, progress, write_report
 from tiercache_dev.paths import DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
-from tiercache_dev.servers import running, triton
+from tiercache_dev.servers import fresh_state, running, triton
 from tiercache_dev.stats import median
 
 PLAIN = "no-cache, no-store, no-speculate"
@@ -99,10 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Workload] = {}
     with tempfile.TemporaryDirectory(prefix="tiercache-spec-") as tmp:
         work = Path(tmp)
-        state = work / "state"
-        state.mkdir()
-        models = (args.state_dir / "models").resolve()
-        (state / "models").symlink_to(models, target_is_directory=True)
+        state = fresh_state(work, args.state_dir)
         repository = copy_repository(
             MODEL_REPOSITORY, work / "repository", {"torch_llm": {"kv_reuse": "false"}}
         )

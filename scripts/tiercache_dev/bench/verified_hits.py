@@ -44,7 +44,7 @@ from tiercache_client import TierCacheClient
 from tiercache_dev.bench.speculation import rewording_pairs
 from tiercache_dev.console import invocation, machine_summary, progress, write_report
 from tiercache_dev.paths import DEFAULT_PAIRS, DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
-from tiercache_dev.servers import running, triton
+from tiercache_dev.servers import fresh_state, running, triton
 from tiercache_dev.stats import median
 
 PLAIN = "no-store"
@@ -121,9 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     asked: dict[str, list[Asked]] = {name: [] for name in sets}
     with tempfile.TemporaryDirectory(prefix="tiercache-verify-") as tmp:
         work = Path(tmp)
-        state = work / "state"
-        state.mkdir()
-        (state / "models").symlink_to((args.state_dir / "models").resolve(), True)
+        state = fresh_state(work, args.state_dir)
         repository = copy_repository(MODEL_REPOSITORY, work / "repository", {})
         server = triton(repository, state, log_path=raw / "server.log", exit_timeout_s=2)
         progress(f"starting tritonserver (grpc {server.ports.grpc})")

@@ -56,7 +56,7 @@ from tiercache_dev.console import (
 from tiercache_dev.metrics import scrape_metrics
 from tiercache_dev.paths import DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
 from tiercache_dev.perf.analyzer import install_perf_analyzer, run_perf_analyzer
-from tiercache_dev.servers import running, triton
+from tiercache_dev.servers import fresh_state, running, triton
 from tiercache_dev.stats import mean, percentile
 
 TENANT = "perf-kv-prefix"
@@ -166,9 +166,7 @@ def settled_kv_counters(port: int) -> dict[str, float]:
 def run_mode(
     mode: str, args: argparse.Namespace, pa: Path, data: Path, system: str, work: Path
 ) -> dict[str, Any]:
-    state = work / f"state-{mode}"
-    state.mkdir()
-    (state / "models").symlink_to((args.state_dir / "models").resolve(), target_is_directory=True)
+    state = fresh_state(work, args.state_dir, f"state-{mode}")
     reuse = "true" if mode == "on" else "false"
     repository = copy_repository(
         MODEL_REPOSITORY, work / f"repository-{mode}", {"torch_llm": {"kv_reuse": reuse}}

@@ -130,7 +130,7 @@ from tiercache_dev.rounds import (
     paired_ratio,
     serpentine,
 )
-from tiercache_dev.servers import RedisServer, TritonServer, running, triton
+from tiercache_dev.servers import RedisServer, TritonServer, fresh_state, running, triton
 from tiercache_dev.stats import median
 
 FIXTURE = BENCH_FIXTURES / "response_cache" / "llm_plain"
@@ -399,13 +399,6 @@ def mix_summary(mix: list[Ask], upto: int | None = None) -> str:
 
 
 # ---- servers ------------------------------------------------------------------------------------
-
-
-def fresh_state(root: Path, weights_from: Path) -> Path:
-    state = root / "state"
-    state.mkdir(parents=True)
-    (state / "models").symlink_to((weights_from / "models").resolve(), target_is_directory=True)
-    return state
 
 
 def engine_params(args: argparse.Namespace) -> dict[str, str]:
