@@ -373,6 +373,23 @@ class EmbeddingCacheConfig(_TiersConfig):
     min_similarity: float = param(
         0.6, "Cosine similarity below which a neighbour is not considered", min=-1, max=1
     )
+    verifier: str = param(
+        "off",
+        "The semantic pair verifier that reads the query and each candidate the guard's floor "
+        "and vetoes let through, together, and decides the hit (docs/semantic_guard.md): "
+        "bundled (the adapter shipped in the package), a folder written by "
+        "tiercache_dev.train.verifier, or off (the guard's score decides)",
+    )
+    verifier_threshold: float = param(
+        0.0,
+        "The verifier's operating point: the probability of 'same question' a candidate needs "
+        "(0: the verifier's default, chosen on the dev pairs)",
+        min=0,
+        max=1,
+    )
+    verifier_threads: int = param(
+        1, "torch's intra-op threads for the verifier in this process", min=1, max=64
+    )
     draft_neighbours: int = param(
         2,
         "On a lookup that does not hit: how many of the nearest neighbours' answers (those the "

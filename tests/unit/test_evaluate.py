@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.errors import ConfigError
 from tiercache.semantic import evaluate as ev
 from tiercache.semantic import features as feats
 
@@ -336,3 +337,65 @@ def test_the_verifier_decides_among_what_the_guards_vetoes_let_through(tmp_path:
     served = ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.9))
     assert served == [None, None, RESET_PIN, None, RESET_PIN]
     assert ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.1))[0] == CAPITAL
+
+
+def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Path) -> None:
+    """`tiercache.semantic.verifier.VerifiedChoice` (what embedding_cache runs) serves, query by
+    query, what `choose_by_verifier` counts; a vetoed candidate never reaches the model, and
+    asking again without the chosen one (its answer gone) does not score anything again."""
+    from tiercache.semantic.verifier import VerifiedChoice
+
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", PAIRS))
+    corpus = ev.build_corpus(pairs)
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 3)
+    guard = ev.load_guard(write_guard(tmp_path / "g.json"))
+    scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
+
+    def score_pairs(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+        return np.array([0.99 if t == RESET_PIN else 0.6 if t == CAPITAL else 0.2 for t in texts])
+
+    for threshold in (0.1, 0.5, 0.9):
+        counted = ev.choose_by_verifier(
+            ev.verifier_scores(corpus, candidates, scores, score_pairs), threshold
+        )
+        asked: list[str] = []
+
+        def scoring(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+            asked.extend(texts)
+            return score_pairs(queries, texts)
+
+        choice = VerifiedChoice(guard, scoring, threshold)
+        for i, pair in enumerate(corpus.pairs):
+            offered = [
+                (corpus.inserted[j], float(c))
+                for j, c in zip(candidates.index[i], candidates.cosine[i], strict=True)
+            ]
+            served = choice(pair.b, offered)
+            assert (-1 if served is None else served) == counted[i], (threshold, pair)
+            if served is not None:
+                before = len(asked)
+                choice(pair.b, offered[:served] + offered[served + 1 :])
+                assert len(asked) == before  # the retry reuses the query's scores
+        assert TOP5 not in asked  # vetoed for "Top 10 movies of 2020"
+        assert len(asked) == int((scores > 0).sum()) == choice.pairs_scored
+    with pytest.raises(ConfigError, match="threshold"):
+        VerifiedChoice(guard, score_pairs, 0.0)
+
+
+def test_mined_training_pairs_are_what_serving_hands_the_verifier(tmp_path: Path) -> None:
+    """tiercache_dev.train.hard_pairs: every candidate past the floor and the vetoes, labelled
+    as the evaluation judges it; the pair itself follows when it was not among them."""
+    from tiercache_dev.train.hard_pairs import mine
+
+    clusters = [(1, 1), (2, 3), (4, 4), (5, 6), (7, 7)]
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", clustered(PAIRS, clusters)))
+    guard = ev.load_guard(write_guard(tmp_path / "g.json"))
+    lines = list(mine(pairs, [1, 2, 3, 4, 5], fake_embed, guard, block=10, k=3))
+    got = {(line["a"], line["b"]): (line["label"], line["rank"]) for line in lines}
+    assert got[("Which city is France's capital?", CAPITAL)] == (1, 0)
+    assert got[("Top 10 movies of 2020", TOP5)] == (0, -1)  # vetoed: only the pair itself
+    assert got[("How can I change my password?", RESET_PIN)] == (0, 0)  # another cluster
+    assert got[("How can I change my password?", RESET)] == (1, -1)  # under the floor
+    assert got[(RESET_PIN, RESET_PIN)] == (1, 0)
+    assert {line["index"] for line in lines} == {1, 2, 3, 4, 5}

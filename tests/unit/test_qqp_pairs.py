@@ -108,3 +108,47 @@ def test_clusters_follow_chains_of_duplicates_over_the_whole_file(tmp_path: Path
     sampled = tmp_path / "s.jsonl"
     qqp.main(["--source", str(source), "--split", "train", "--out", str(sampled), "--sample", "3"])
     assert len(sampled.read_text().splitlines()) == 3
+
+
+def test_train_clusters_are_linked_by_train_rows_alone(tmp_path: Path) -> None:
+    rows = [{"text_a": f"x{i}", "text_b": f"y{i}", "label": 0} for i in range(20)]
+    rows[1] = {"text_a": "A?", "text_b": "B?", "label": 0}  # train
+    rows[12] = {"text_a": "A?", "text_b": "B?", "label": 1}  # held out: links A? and B?
+    source = tmp_path / "q.gz"
+    source.write_bytes(archive(rows))
+
+    def clusters_of(split: str) -> tuple[int, int]:
+        out = tmp_path / f"{split}.jsonl"
+        args = ["--source", str(source), "--split", split, "--out", str(out), "--clusters"]
+        assert qqp.main(args) == 0
+        found = [json.loads(line) for line in out.read_text().splitlines()]
+        row = next(r for r in found if r["a"] == "A?")
+        return row["cluster_a"], row["cluster_b"]
+
+    a, b = clusters_of("train")
+    assert a != b  # the held-out label does not reach a training target
+    a, b = clusters_of("held-out")
+    assert a == b
+
+
+def test_the_verifier_point_keeps_every_sources_precision() -> None:
+    from tiercache_dev.train.verifier_point import choose
+
+    def row(t: float, overall: tuple[float, float], mock: float | None) -> dict[str, object]:
+        return {
+            "threshold": t,
+            "by_source": {
+                "overall": {"precision": overall[0], "recall": overall[1]},
+                "mock": {"precision": mock, "recall": 0.0},
+            },
+        }
+
+    rows = [
+        row(0.5, (0.90, 0.60), 0.99),  # overall precision too low
+        row(0.7, (0.95, 0.50), 0.96),  # mock under its own 0.97
+        row(0.8, (0.96, 0.45), 0.98),  # the one
+        row(0.9, (0.99, 0.30), None),  # qualifies (mock has no hit), less recall
+    ]
+    assert choose(rows, 0.95, {"mock": 0.97})["threshold"] == 0.8  # type: ignore[index]
+    assert choose(rows, 0.95, {})["threshold"] == 0.7  # type: ignore[index]
+    assert choose(rows, 0.999, {}) is None

@@ -23,7 +23,8 @@ from tiercache.errors import ConfigError
 
 INFO_FILE = "verifier.json"
 FORMAT = "tiercache-semantic-verifier/1"
-MAX_LENGTH = 96  # tokens per (query, candidate) pair, as trained
+MAX_LENGTH = 96  # tokens per (query, candidate) pair when verifier.json does not say
+BUNDLED = Path(__file__).with_name("verifier_model")  # the adapter shipped in the package
 
 
 class PairVerifier:
@@ -58,6 +59,10 @@ class PairVerifier:
         model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
         self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
         self.max_length = int(self.info.get("hyper", {}).get("max_length", MAX_LENGTH))
+        # The operating point chosen on the dev pairs (`tiercache_dev.train.verifier --point`)
+        point = self.info.get("operating_point", {}).get("threshold")
+        valid = isinstance(point, (int, float)) and 0.0 < point <= 1.0
+        self.default_threshold: float | None = float(point) if valid else None
 
     def scores(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
         """P(same question) for each (query, candidate) pair, float64 in [0, 1]."""
@@ -76,3 +81,70 @@ class PairVerifier:
         with self._torch.inference_mode():
             logits = self._model(**batch).logits.squeeze(-1)
         return self._torch.sigmoid(logits).double().numpy().reshape(-1)
+
+
+class VerifiedChoice:
+    """A `tiercache.semantic.stage.ChooseFn`: the guard's cosine floor and vetoes, then the
+    verifier over the candidates they leave, in one batch; the candidate it scores highest at or
+    above `threshold` (ties: the nearer one), or None. What `tiercache eval-semantic --verifier`
+    evaluates (`choose_by_verifier`).
+
+    When the chosen candidate's answer is gone the stage asks again with it removed; the scores
+    of the last query are kept, so a retry does not run the model again."""
+
+    def __init__(
+        self,
+        guard: Any,  # tiercache.semantic.guard.SemanticGuard (kept import-free here)
+        score_pairs: Any,  # (queries, candidates) -> P(same question), e.g. PairVerifier.scores
+        threshold: float,
+    ) -> None:
+        if not 0.0 < threshold <= 1.0:
+            raise ConfigError(f"verifier threshold must be in (0, 1], got {threshold}")
+        self.guard = guard
+        self._score_pairs = score_pairs
+        self.threshold = threshold
+        self._last_query: str | None = None
+        self._last_scores: dict[str, float] = {}
+        self.pairs_scored = 0  # pairs the model read (for metrics and tests)
+
+    def __call__(self, query: str, candidates: Sequence[tuple[str, float]]) -> int | None:
+        passing = [
+            i
+            for i, (text, cosine) in enumerate(candidates)
+            if self.guard.score(query, text, cosine) > 0.0
+        ]
+        if not passing:
+            return None
+        if query != self._last_query:
+            self._last_query, self._last_scores = query, {}
+        todo = list(
+            dict.fromkeys(
+                candidates[i][0] for i in passing if candidates[i][0] not in self._last_scores
+            )
+        )
+        if todo:
+            found = self._score_pairs([query] * len(todo), todo)
+            self.pairs_scored += len(todo)
+            self._last_scores.update(zip(todo, (float(s) for s in found), strict=True))
+        best: int | None = None
+        best_score = -1.0
+        for i in passing:
+            score = self._last_scores[candidates[i][0]]
+            if score >= self.threshold and score > best_score:
+                best, best_score = i, score
+        return best
+
+
+def open_verified_choice(
+    guard: Any, where: str, threshold: float = 0.0, threads: int | None = None
+) -> VerifiedChoice:
+    """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is "bundled" or a
+    folder; `threshold` 0 takes the verifier's own default (its `verifier.json`)."""
+    verifier = PairVerifier(BUNDLED if where == "bundled" else Path(where), threads=threads)
+    chosen = threshold or verifier.default_threshold
+    if chosen is None:
+        raise ConfigError(
+            f"semantic verifier {where}: {INFO_FILE} names no operating_point; set "
+            "verifier_threshold"
+        )
+    return VerifiedChoice(guard, verifier.scores, chosen)

@@ -15,7 +15,7 @@ from tiercache.config import EmbeddingCacheConfig
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
-from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.stage import ChooseFn, EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
@@ -179,6 +179,13 @@ def open_embedding_cache(
     _, identity = resolve_embedder(config.embedder)
     guard = load_guard(target_precision=config.target_precision or None)
     tiers: ExactTiers = open_exact_cache(config.cache())
+    choose: ChooseFn = guard.choose
+    if config.verifier != "off":
+        from tiercache.semantic.verifier import open_verified_choice
+
+        choose = open_verified_choice(
+            guard, config.verifier, config.verifier_threshold, config.verifier_threads
+        )
     core = EmbeddingCache(
         VectorCache(
             config.vectors_path(),
@@ -199,7 +206,7 @@ def open_embedding_cache(
         ),
         tiers.cache,
         EmbedderBls(config.embedder_model),
-        guard.choose,
+        choose,
         identity.key,
         top_k=config.top_k,
         min_similarity=config.min_similarity,

@@ -20,7 +20,8 @@ the file), one JSON line per row of the split; `--sample N` keeps a seeded sampl
 (in file order). `--clusters` adds `cluster_a` / `cluster_b`, the duplicate clusters the dev
 file's README defines: texts (NFKC, whitespace folded) linked by a chain of label-1 rows of the
 whole file share a cluster, so `tiercache eval-semantic` judges hits on the held-out rows the
-way it judges the dev file. Terms: Quora's first dataset release (non-commercial
+way it judges the dev file; for `--split train` only train rows link texts, so no label outside
+the train split reaches a training target. Terms: Quora's first dataset release (non-commercial
 use), as the dev file's README states.
 """
 
@@ -166,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample is not None and args.sample < len(chosen):
         keep = set(random.Random(args.seed).sample(range(len(chosen)), args.sample))
         chosen = [row for i, row in enumerate(chosen) if i in keep]
-    cluster_of = clusters(rows) if args.clusters else {}
+    # The train split's clusters come from train rows alone: labels of rows outside it must not
+    # reach a training target (issue 18); the other splits use the whole file, as the dev file.
+    linked = list(rows_of(rows, "train")) if args.split == "train" else rows
+    cluster_of = clusters(linked) if args.clusters else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with args.out.open("w", encoding="utf-8") as handle:

@@ -4,18 +4,23 @@ candidate together, initialised from the embedder's own MiniLM weights (the
 
 Usage::
 
-    .venv/bin/python -m tiercache_dev.train.qqp_pairs --source FILE --split train \\
-        --out .perf/qqp_train.jsonl
-    .venv/bin/python -m tiercache_dev.train.verifier --train .perf/qqp_train.jsonl \\
-        [--dev ../shared/eval/semantic_pairs_dev.jsonl] [--out .perf/verifier] \\
-        [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 2e-4] [--threads 2]
+    .venv/bin/python -m tiercache_dev.train.qqp_pairs --source FILE --split train --clusters \
+        --out .perf/qqp_train_c.jsonl
+    .venv/bin/python -m tiercache_dev.train.hard_pairs --pairs .perf/qqp_train_c.jsonl \
+        --out .perf/verifier_pairs.jsonl
+    .venv/bin/python -m tiercache_dev.train.verifier --train .perf/verifier_pairs.jsonl \
+        [--dev ../shared/eval/semantic_pairs_dev.jsonl] [--out .perf/verifier] [--one-order] \
+        [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 3e-4] [--threads 2]
 
-Trains on the `train` split of QQP only (index mod 20 in 1..9; tiercache_dev.train.qqp_pairs),
-both orders of every pair, binary cross-entropy on the label. The model is
-`BertForSequenceClassification` over the MiniLM weights ([CLS] query [SEP] candidate [SEP], one
-logit), LoRA (peft) on the attention's query and value projections, the pooler and the
-classifier trained whole. Then scores the dev pairs (`--dev`, label 1 / 0 as given; tuning data,
-never trained on) and prints precision and recall of "same question" at a few score thresholds.
+Trains on the `train` split of QQP only (index mod 20 in 1..9; every row is checked): the
+candidates serving hands the verifier (`tiercache_dev.train.hard_pairs`: the index's top-k past
+the guard's floor and vetoes, labelled by duplicate clusters) or plain pairs, both orders of
+every pair unless `--one-order`, binary cross-entropy on the label, AdamW with a linear warm-up
+and decay. The model is `BertForSequenceClassification` over the MiniLM weights ([CLS] query
+[SEP] candidate [SEP], one logit), LoRA (peft) on every linear layer of the encoder, the pooler
+and the classifier trained whole. Then scores the dev pairs (`--dev`, label 1 / 0 as given;
+tuning data, never trained on) and prints precision and recall of "same question" at a few
+score thresholds; `tiercache eval-semantic --verifier` judges it the way serving uses it.
 
 Writes `--out`: the adapter (peft's `adapter_config.json`, `adapter_model.safetensors`) and
 `verifier.json` (the base weights' digest, data, split, rows, hyper-parameters, the dev figures).
@@ -38,6 +43,9 @@ from tiercache_dev.paths import DEFAULT_PAIRS, PERF_DIR
 from tiercache_dev.train.qqp_pairs import split_of
 
 THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+# LoRA on every linear layer of the encoder (attention and feed-forward); the pooler and the
+# classifier are trained whole.
+LORA_TARGETS = r".*encoder\.layer\.\d+\..*(query|key|value|dense)$"
 
 
 def read_pairs(
@@ -64,7 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--train", type=Path, required=True, help="qqp_pairs --split train output")
+    p.add_argument(
+        "--train",
+        type=Path,
+        required=True,
+        help="pairs of QQP's train split: hard_pairs output (or qqp_pairs --split train)",
+    )
     p.add_argument("--dev", type=Path, default=DEFAULT_PAIRS, help="pairs scored after training")
     p.add_argument("--out", type=Path, default=PERF_DIR / "verifier")
     p.add_argument("--max-pairs", type=int, default=None, help="train on a sample of this many")
@@ -72,8 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--max-length", type=int, default=96, help="tokens per pair")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak; linear warm-up and decay")
+    p.add_argument("--max-length", type=int, default=64, help="tokens per pair")
+    p.add_argument(
+        "--one-order",
+        action="store_true",
+        help="train on (query, candidate) only, not on both orders of every pair",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -92,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     folder, identity = resolve_embedder()
     train = read_pairs(args.train, args.max_pairs, args.seed, train_only=True)
-    examples = train + [(b, a, label) for a, b, label in train]
+    examples = train if args.one_order else train + [(b, a, label) for a, b, label in train]
     random.Random(args.seed).shuffle(examples)
     dev = read_pairs(args.dev, args.max_dev, args.seed)
     progress(f"{len(train)} training pairs ({len(examples)} both ways), {len(dev)} dev pairs")
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         r=args.rank,
         lora_alpha=2 * args.rank,
         lora_dropout=0.1,
-        target_modules=["query", "value"],
+        target_modules=LORA_TARGETS,
         modules_to_save=["classifier", "pooler"],
     )
     model = get_peft_model(base, config)
@@ -113,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01
     )
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    total_steps = args.epochs * ((len(examples) + args.batch - 1) // args.batch)
+    warmup = max(1, total_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(
+            (step + 1) / warmup, max(0.0, (total_steps - step) / (total_steps - warmup))
+        ),
+    )
 
     def batch_inputs(rows: list[tuple[str, str, int]]) -> Any:
         return tokenizer(
@@ -138,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            schedule.step()
             losses.append(float(loss.detach()))
             if step % 20 == 0:
                 recent = losses[-50:]
@@ -176,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             "train": args.train.name,
             "split": "QQP (GPTCache similiar_qqp_full.json) rows with index mod 20 in 1..9",
             "pairs": len(train),
-            "both_orders": True,
+            "both_orders": not args.one_order,
         },
         "hyper": {
             "epochs": args.epochs,
             "batch": args.batch,
             "rank": args.rank,
+            "lora_targets": LORA_TARGETS,
             "lr": args.lr,
             "max_length": args.max_length,
             "seed": args.seed,
