@@ -361,7 +361,9 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
         )
         asked: list[str] = []
 
-        def scoring(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+        def scoring(
+            queries: Sequence[str], texts: Sequence[str], asked: list[str] = asked
+        ) -> np.ndarray:
             asked.extend(texts)
             return score_pairs(queries, texts)
 
