@@ -186,3 +186,54 @@ def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
     assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12, 1]
     seals.check_answer(sealer, data, out)
     assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")
+
+
+def test_the_verifier_parameters_choose_the_stages_decision(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
+) -> None:
+    """`verifier` names a trained folder (or bundled): the stage decides with it at
+    `verifier_threshold` (0: the folder's own operating point); a folder that is not a verifier
+    fails the model's load with the reason."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertForSequenceClassification
+
+    from tiercache.errors import ConfigError
+    from tiercache.semantic.embedder import resolve_embedder
+    from tiercache.semantic.verifier import FORMAT, INFO_FILE, VerifiedChoice
+
+    base, identity = resolve_embedder()
+    folder = tmp_path / "verifier"
+    bert = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+    lora = LoraConfig(r=2, target_modules=["query"], modules_to_save=["classifier"])
+    get_peft_model(bert, lora).save_pretrained(str(folder))
+    info = {"format": FORMAT, "base": {"revision": identity.revision}, "hyper": {"max_length": 32},
+            "operating_point": {"threshold": 0.75}}  # fmt: skip
+    (folder / INFO_FILE).write_text(json.dumps(info))
+
+    def start(**parameters: str) -> Any:
+        values = {"state_dir": str(tmp_path / "state"), **parameters}
+        config = {"parameters": {k: {"string_value": v} for k, v in values.items()}}
+        instance = load_model("embedding_cache").TritonPythonModel()
+        instance.initialize(
+            {
+                "model_config": json.dumps(config),
+                "model_name": "embedding_cache",
+                "model_instance_name": "embedding_cache_0",
+            }
+        )
+        return instance
+
+    for threshold, expected in (("0", 0.75), ("0.9", 0.9)):
+        instance = start(verifier=str(folder), verifier_threshold=threshold)
+        choose = instance.stage.core._choose
+        assert isinstance(choose, VerifiedChoice) and choose.threshold == expected
+        instance.finalize()
+    instance = start()  # the default decides with the guard alone
+    assert not isinstance(instance.stage.core._choose, VerifiedChoice)
+    instance.finalize()
+    (folder / INFO_FILE).write_text(json.dumps({**info, "operating_point": {}}))
+    with pytest.raises(ConfigError, match="no operating_point"):
+        start(verifier=str(folder))
+    with pytest.raises(ConfigError, match="verifier.json"):
+        start(verifier=str(tmp_path / "nowhere"))

@@ -1,0 +1,172 @@
+"""The semantic pair verifier through a real tritonserver (issue 18): what it costs per lookup
+and what it changes in the hits, against the guard alone, on the same pairs.
+
+Usage::
+
+    python -m tiercache_dev.bench.verifier_serving [--pairs ../shared/eval/semantic_pairs_dev.jsonl]
+        [--count 30] [--verifier bundled] [--max-tokens 8] [--state-dir .tiercache]
+        [--out-dir .perf]
+
+Two tritonservers one after the other on copies of model_repository/ (temporary state dirs, the
+converted weights linked from `--state-dir/models`): `embedding_cache`'s `verifier` off (the
+guard decides), then `--verifier`. The same pairs on both: `--count` rewordings (label 1) and
+`--count` different questions (label 0) of the pairs file, every pair in a tenant of its own, so
+the only candidate is the pair's own `a`. Phase 1 asks every `a` (a miss: stored, indexed);
+phase 2 asks every `b` with `no-store` (a semantic hit, or a miss that generates). The stage's
+own lookup histogram (`tiercache_embedding_cache_lookup_seconds`, embedding included) is read
+around phase 2: its mean per lookup is the lookup cost with and without the verifier; the
+client's time of a semantic hit is what a caller sees. Hits are counted by label (label-0 hits
+are wrong answers). Writes OUT_DIR/bench_verifier_serving.md and .json; the server logs under
+OUT_DIR/bench_verifier_serving/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiercache.server import copy_repository
+from tiercache_client import TierCacheClient
+from tiercache_dev.console import invocation, machine_summary, progress, write_report
+from tiercache_dev.metrics import scrape_metrics
+from tiercache_dev.paths import DEFAULT_PAIRS, DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
+from tiercache_dev.servers import fresh_state, running, triton
+from tiercache_dev.stats import median
+
+LOOKUP = "tiercache_embedding_cache_lookup_seconds"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--pairs", type=Path, default=DEFAULT_PAIRS, help="pairs file (JSONL)")
+    p.add_argument("--count", type=int, default=30, help="pairs of each label")
+    p.add_argument("--verifier", default="bundled", help="embedding_cache's verifier parameter")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--out-dir", type=Path, default=PERF_DIR)
+    return p.parse_args(argv)
+
+
+def spread_pairs(path: Path, count: int, label: int) -> list[tuple[str, str]]:
+    """`count` pairs of `label`, every k-th one of the file (spread over its sources)."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    chosen = [(r["a"], r["b"]) for r in rows if r["label"] == label]
+    step = max(1, len(chosen) // max(1, count))
+    return chosen[::step][:count]
+
+
+def lookup_histogram(port: int) -> tuple[float, float]:
+    """(count, sum in seconds) of the stage's lookup histogram, over every instance."""
+    count = total = 0.0
+    for name, _, value in scrape_metrics(port):
+        if name == f"{LOOKUP}_count":
+            count += value
+        elif name == f"{LOOKUP}_sum":
+            total += value
+    return count, total
+
+
+def settled_histogram(port: int, expected_at_least: float) -> tuple[float, float]:
+    """The histogram once the stages' periodic flush has caught up (they flush every 0.25 s)."""
+    deadline = time.monotonic() + 10.0
+    found = lookup_histogram(port)
+    while found[0] < expected_at_least and time.monotonic() < deadline:
+        time.sleep(0.3)
+        found = lookup_histogram(port)
+    time.sleep(0.6)
+    return lookup_histogram(port)
+
+
+def run_one(
+    args: argparse.Namespace, verifier: str, pairs: list[tuple[str, str, int]], raw: Path
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tiercache-verifier-") as tmp:
+        work = Path(tmp)
+        state = fresh_state(work, args.state_dir)
+        repository = copy_repository(
+            MODEL_REPOSITORY, work / "repository", {"embedding_cache": {"verifier": verifier}}
+        )
+        server = triton(repository, state, log_path=raw / f"server-{Path(verifier).name}.log")
+        progress(f"verifier {verifier}: starting tritonserver (grpc {server.ports.grpc})")
+        with running(server, ready_timeout_s=300):
+            tenants = [f"bench-{uuid.uuid4().hex[:12]}" for _ in pairs]
+            with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
+                for i, ((a, _, _), tenant) in enumerate(zip(pairs, tenants, strict=True)):
+                    client.generate_text(a, max_tokens=args.max_tokens, tenant=tenant)
+                    if (i + 1) % 10 == 0:
+                        progress(f"  stored {i + 1}/{len(pairs)}")
+                before = settled_histogram(server.ports.metrics, 0)
+                asked = []
+                for i, ((_, b, label), tenant) in enumerate(zip(pairs, tenants, strict=True)):
+                    started = time.perf_counter()
+                    got = client.generate_text(
+                        b, max_tokens=args.max_tokens, tenant=tenant, cache_control="no-store"
+                    )
+                    asked.append((label, got.cache_status, time.perf_counter() - started))
+                    if (i + 1) % 10 == 0:
+                        progress(f"  asked {i + 1}/{len(pairs)}")
+                after = settled_histogram(server.ports.metrics, before[0] + len(pairs))
+    lookups = after[0] - before[0]
+    hits = [(label, s) for label, status, s in asked if status == "semantic"]
+    return {
+        "verifier": verifier,
+        "lookups": lookups,
+        "lookup_mean_ms": 1000.0 * (after[1] - before[1]) / lookups if lookups else None,
+        "hits_label_1": sum(1 for label, _ in hits if label == 1),
+        "hits_label_0": sum(1 for label, _ in hits if label == 0),
+        "pairs_label_1": sum(1 for _, _, label in pairs if label == 1),
+        "pairs_label_0": sum(1 for _, _, label in pairs if label == 0),
+        "hit_p50_ms": 1000.0 * median(s for _, s in hits) if hits else None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    pairs = [(a, b, 1) for a, b in spread_pairs(args.pairs, args.count, 1)]
+    pairs += [(a, b, 0) for a, b in spread_pairs(args.pairs, args.count, 0)]
+    raw = args.out_dir / "bench_verifier_serving"
+    raw.mkdir(parents=True, exist_ok=True)
+    results = [run_one(args, way, pairs, raw) for way in ("off", args.verifier)]
+    machine = machine_summary()
+    md = [
+        "## The semantic pair verifier through tritonserver",
+        "",
+        f"- command: `{invocation('tiercache_dev.bench.verifier_serving')}`",
+        f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; {machine['nproc']} "
+        f"CPUs ({machine['cpu']}), load {machine['loadavg']}",
+        f"- {args.pairs.name}: {args.count} label-1 and {args.count} label-0 pairs, each in a "
+        "tenant of its own; `a` stored, then `b` asked with `no-store`",
+        "",
+        "| verifier | lookup mean (stage histogram) | semantic hit p50 (client) | hits on label 1 "
+        "| hits on label 0 (wrong) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        mean = "-" if r["lookup_mean_ms"] is None else f"{r['lookup_mean_ms']:.1f} ms"
+        p50 = "-" if r["hit_p50_ms"] is None else f"{r['hit_p50_ms']:.1f} ms"
+        md.append(
+            f"| {r['verifier']} | {mean} | {p50} | {r['hits_label_1']}/{r['pairs_label_1']} "
+            f"| {r['hits_label_0']}/{r['pairs_label_0']} |"
+        )
+    off, on = results
+    if off["lookup_mean_ms"] and on["lookup_mean_ms"]:
+        md += [
+            "",
+            f"- lookup mean, verifier / off: {on['lookup_mean_ms'] / off['lookup_mean_ms']:.2f}x",
+        ]
+    write_report(args.out_dir, "bench_verifier_serving", "\n".join(md) + "\n", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
