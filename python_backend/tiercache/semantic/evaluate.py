@@ -377,7 +377,6 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
 
 
 VERIFIER_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995)
-DEFAULT_VERIFIER_THRESHOLD = 0.9
 
 
 def verifier_scores(
@@ -539,20 +538,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hits",
         type=Path,
-        help='write what the guard served (the verifier, with --verifier), one JSON line per '
+        help="write what the guard served (the verifier, with --verifier), one JSON line per "
         'pair: {"served": text or null}',
     )
     parser.add_argument(
         "--verifier",
         type=Path,
-        help="a pair verifier folder (tiercache_dev.train.verifier): it decides among the "
-        "candidates the guard's floor and vetoes let through",
+        help="the pair verifier, as embedding_cache's `verifier` parameter names it: bundled, or "
+        "a folder (tiercache_dev.train.verifier); it decides among the candidates the guard's "
+        "floor and vetoes let through",
     )
     parser.add_argument(
         "--verifier-threshold",
         type=float,
-        default=DEFAULT_VERIFIER_THRESHOLD,
-        help="the verifier's operating point (P(same question) at least this)",
+        help="the verifier's operating point, P(same question) at least this (default: the "
+        "one its verifier.json records, as serving uses)",
     )
     parser.add_argument(
         "--baseline-threshold",
@@ -649,8 +649,10 @@ def plot_curves(
     guard: SemanticGuard,
     threshold: float,
     baseline_threshold: float,
+    verifier: tuple[np.ndarray, float] | None = None,
 ) -> None:
-    """Precision against recall for the guard (score thresholds) and plain cosine, per source."""
+    """Precision against recall for the guard (score thresholds) and plain cosine, per source;
+    with `verifier` (its scores from `verifier_scores`, its threshold) the verifier's too."""
     try:
         import matplotlib
 
@@ -674,11 +676,18 @@ def plot_curves(
         corpus, candidates, choose_by_score(scores, candidates.cosine, threshold, floor)
     )
     at_base = tally(corpus, candidates, choose_by_cosine(candidates.cosine, baseline_threshold))
+    lines = [(guard_curves, "hit guard", "-"), (cosine_curves, "plain cosine", "--")]
+    at_verifier = None
+    if verifier is not None:
+        vscores, vthreshold = verifier
+        grid = np.unique(np.concatenate([np.linspace(0.01, 0.99, 99), [0.995, 0.999, vthreshold]]))
+        lines.append(
+            ([tally(corpus, candidates, choose_by_verifier(vscores, t)) for t in grid],
+             "pair verifier", "-.")
+        )  # fmt: skip
+        at_verifier = tally(corpus, candidates, choose_by_verifier(vscores, vthreshold))
     for ax, source in zip(axes[0], sources, strict=True):
-        for curves, label, style in (
-            (guard_curves, "hit guard", "-"),
-            (cosine_curves, "plain cosine", "--"),
-        ):
+        for curves, label, style in lines:
             pts = [(c[source].recall, c[source].precision) for c in curves]
             pts = [(r, p) for r, p in pts if not (math.isnan(p) or math.isnan(r))]
             if pts:
@@ -686,6 +695,9 @@ def plot_curves(
         g, b = at_guard[source], at_base[source]
         ax.plot([g.recall], [g.precision], "o", label=f"guard @ {threshold:.3f}")
         ax.plot([b.recall], [b.precision], "s", label=f"cosine @ {baseline_threshold:.2f}")
+        if at_verifier is not None and verifier is not None:
+            v = at_verifier[source]
+            ax.plot([v.recall], [v.precision], "D", label=f"verifier @ {verifier[1]:.3f}")
         ax.set_title(f"{source} ({at_base[source].positives} positives)")
         ax.set_xlabel("recall")
         ax.set_ylabel("precision")
@@ -850,24 +862,28 @@ def run_eval(
         _print_sweep("hit guard", "target_precision", guard_rows, corpus.sources(), out)
         _print_sweep("plain cosine", "threshold", cosine_rows, corpus.sources(), out)
         result["sweep"] = {"guard": guard_rows, "cosine": cosine_rows}
-    if args.plot is not None:
-        plot_curves(
-            args.plot, corpus, candidates, scores, guard, threshold, args.baseline_threshold
-        )
-        print(f"\nplot: {args.plot}", file=out)
     served_by = "the guard's"
     hits_chosen = guard_chosen
+    vscores: np.ndarray | None = None
+    verifier_threshold = args.verifier_threshold
     if args.verifier is not None:
-        from tiercache.semantic.verifier import PairVerifier
+        from tiercache.semantic.verifier import BUNDLED, PairVerifier
 
-        progress(f"loading the verifier from {args.verifier}")
-        verifier = PairVerifier(args.verifier)
+        folder = BUNDLED if str(args.verifier) == "bundled" else args.verifier
+        progress(f"loading the verifier from {folder}")
+        verifier = PairVerifier(folder)
+        if verifier_threshold is None:
+            verifier_threshold = verifier.default_threshold
+        if verifier_threshold is None:
+            raise InvalidRequest(
+                f"the verifier {folder} records no operating point: pass --verifier-threshold"
+            )
         vscores = verifier_scores(corpus, candidates, scores, verifier.scores, progress)
-        hits_chosen = choose_by_verifier(vscores, args.verifier_threshold)
+        hits_chosen = choose_by_verifier(vscores, verifier_threshold)
         served_by = "the verifier's"
         counts = tally(corpus, candidates, hits_chosen)
         format_table(
-            f"pair verifier after the guard's floor and vetoes: P >= {args.verifier_threshold:g}",
+            f"pair verifier after the guard's floor and vetoes: P >= {verifier_threshold:g}",
             counts,
             out,
         )
@@ -894,12 +910,18 @@ def run_eval(
             )
         result["verifier"] = {
             "folder": str(args.verifier),
-            "threshold": args.verifier_threshold,
+            "threshold": verifier_threshold,
             "counts": {src: c.as_dict() for src, c in counts.items()},
             "sweep": rows,
             "latency_us": None if latency is None else asdict(latency),
             "info": verifier.info,
         }
+    if args.plot is not None:
+        plot_curves(
+            args.plot, corpus, candidates, scores, guard, threshold, args.baseline_threshold,
+            None if vscores is None else (vscores, verifier_threshold),
+        )  # fmt: skip
+        print(f"\nplot: {args.plot}", file=out)
     if args.hits is not None:
         write_hits(args.hits, served_texts(corpus, candidates, hits_chosen))
         print(f"hits: {args.hits} (one line per pair, {served_by} decisions)", file=out)
