@@ -191,7 +191,7 @@ def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
 def test_the_verifier_parameters_choose_the_stages_decision(
     load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
 ) -> None:
-    """`verifier` names a trained folder (or bundled): the stage decides with it at
+    """`verifier` names a trained folder: the stage decides with it at
     `verifier_threshold` (0: the folder's own operating point); a folder that is not a verifier
     fails the model's load with the reason."""
     pytest.importorskip("peft")

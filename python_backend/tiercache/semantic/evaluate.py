@@ -544,9 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--verifier",
         type=Path,
-        help="the pair verifier, as embedding_cache's `verifier` parameter names it: bundled, or "
-        "a folder (tiercache_dev.train.verifier); it decides among the candidates the guard's "
-        "floor and vetoes let through",
+        help="a pair verifier folder (tiercache_dev.train.verifier), as embedding_cache's "
+        "`verifier` parameter names it: it decides among the candidates the guard's floor and "
+        "vetoes let through",
     )
     parser.add_argument(
         "--verifier-threshold",
@@ -867,9 +867,9 @@ def run_eval(
     vscores: np.ndarray | None = None
     verifier_threshold = args.verifier_threshold
     if args.verifier is not None:
-        from tiercache.semantic.verifier import BUNDLED, PairVerifier
+        from tiercache.semantic.verifier import PairVerifier
 
-        folder = BUNDLED if str(args.verifier) == "bundled" else args.verifier
+        folder = args.verifier
         progress(f"loading the verifier from {folder}")
         verifier = PairVerifier(folder)
         if verifier_threshold is None:

@@ -24,7 +24,6 @@ from tiercache.errors import ConfigError
 INFO_FILE = "verifier.json"
 FORMAT = "tiercache-semantic-verifier/1"
 MAX_LENGTH = 96  # tokens per (query, candidate) pair when verifier.json does not say
-BUNDLED = Path(__file__).with_name("verifier_model")  # the adapter shipped in the package
 
 
 class PairVerifier:
@@ -138,9 +137,9 @@ class VerifiedChoice:
 def open_verified_choice(
     guard: Any, where: str, threshold: float = 0.0, threads: int | None = None
 ) -> VerifiedChoice:
-    """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is "bundled" or a
-    folder; `threshold` 0 takes the verifier's own default (its `verifier.json`)."""
-    verifier = PairVerifier(BUNDLED if where == "bundled" else Path(where), threads=threads)
+    """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is a verifier folder;
+    `threshold` 0 takes the verifier's own default (its `verifier.json`)."""
+    verifier = PairVerifier(Path(where), threads=threads)
     chosen = threshold or verifier.default_threshold
     if chosen is None:
         raise ConfigError(

@@ -4,7 +4,7 @@ and what it changes in the hits, against the guard alone, on the same pairs.
 Usage::
 
     python -m tiercache_dev.bench.verifier_serving [--pairs ../shared/eval/semantic_pairs_dev.jsonl]
-        [--count 30] [--verifier bundled] [--max-tokens 8] [--state-dir .tiercache]
+        --verifier FOLDER [--threshold P] [--count 30] [--max-tokens 8] [--state-dir .tiercache]
         [--out-dir .perf]
 
 Two tritonservers one after the other on copies of model_repository/ (temporary state dirs, the
@@ -50,7 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pairs", type=Path, default=DEFAULT_PAIRS, help="pairs file (JSONL)")
     p.add_argument("--count", type=int, default=30, help="pairs of each label")
-    p.add_argument("--verifier", default="bundled", help="embedding_cache's verifier parameter")
+    p.add_argument("--verifier", required=True, help="a verifier folder (train.verifier)")
+    p.add_argument("--threshold", default="0", help="verifier_threshold (0: the folder's own)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--out-dir", type=Path, default=PERF_DIR)
@@ -94,7 +95,9 @@ def run_one(
         work = Path(tmp)
         state = fresh_state(work, args.state_dir)
         repository = copy_repository(
-            MODEL_REPOSITORY, work / "repository", {"embedding_cache": {"verifier": verifier}}
+            MODEL_REPOSITORY,
+            work / "repository",
+            {"embedding_cache": {"verifier": verifier, "verifier_threshold": args.threshold}},
         )
         server = triton(repository, state, log_path=raw / f"server-{Path(verifier).name}.log")
         progress(f"verifier {verifier}: starting tritonserver (grpc {server.ports.grpc})")
@@ -119,7 +122,10 @@ def run_one(
     lookups = after[0] - before[0]
     hits = [(label, s) for label, status, s in asked if status == "semantic"]
     return {
-        "verifier": verifier,
+        "verifier": "off"
+        if verifier == "off"
+        else f"{Path(verifier).name} at "
+        + (args.threshold if float(args.threshold) else "its operating point"),
         "lookups": lookups,
         "lookup_mean_ms": 1000.0 * (after[1] - before[1]) / lookups if lookups else None,
         "hits_label_1": sum(1 for label, _ in hits if label == 1),
@@ -136,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs += [(a, b, 0) for a, b in spread_pairs(args.pairs, args.count, 0)]
     raw = args.out_dir / "bench_verifier_serving"
     raw.mkdir(parents=True, exist_ok=True)
-    results = [run_one(args, way, pairs, raw) for way in ("off", args.verifier)]
+    folder = str(Path(args.verifier).resolve())  # the server runs in a temporary folder
+    results = [run_one(args, way, pairs, raw) for way in ("off", folder)]
     machine = machine_summary()
     md = [
         "## The semantic pair verifier through tritonserver",
