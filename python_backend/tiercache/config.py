@@ -377,8 +377,9 @@ class EmbeddingCacheConfig(_TiersConfig):
         "off",
         "The semantic pair verifier that reads the query and each candidate the guard's floor "
         "and vetoes let through, together, and decides the hit (docs/semantic_guard.md): a "
-        "folder written by tiercache_dev.train.verifier, or off (the guard's score decides; "
-        "no trained verifier beats it yet, so none ships)",
+        "folder written by tiercache_dev.train.verifier (an absolute path: a relative one is "
+        "read from tritonserver's working directory), or off (the guard's score decides; no "
+        "trained verifier beats it yet, so none ships)",
     )
     verifier_threshold: float = param(
         0.0,

@@ -377,8 +377,16 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
             assert (-1 if served is None else served) == counted[i], (threshold, pair)
             if served is not None:
                 before = len(asked)
-                choice(pair.b, offered[:served] + offered[served + 1 :])
+                rest = offered[:served] + offered[served + 1 :]
+                again = choice(pair.b, rest)
                 assert len(asked) == before  # the retry reuses the query's scores
+                expected, best = None, -1.0  # the next best of what is left, as a reference
+                for k, (text, cosine) in enumerate(rest):
+                    if guard.score(pair.b, text, cosine) > 0:
+                        value = float(score_pairs([pair.b], [text])[0])
+                        if value >= threshold and value > best:
+                            expected, best = k, value
+                assert again == expected
         assert TOP5 not in asked  # vetoed for "Top 10 movies of 2020"
         assert len(asked) == int((scores > 0).sum()) == choice.pairs_scored
     with pytest.raises(ConfigError, match="threshold"):
@@ -401,3 +409,45 @@ def test_mined_training_pairs_are_what_serving_hands_the_verifier(tmp_path: Path
     assert got[("How can I change my password?", RESET)] == (1, -1)  # under the floor
     assert got[(RESET_PIN, RESET_PIN)] == (1, 0)
     assert {line["index"] for line in lines} == {1, 2, 3, 4, 5}
+
+
+def test_eval_semantic_decides_at_the_verifiers_recorded_point_as_serving_does(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """No --verifier-threshold (or 0): the folder's operating point, as embedding_cache's
+    verifier_threshold 0; a folder without one asks for the flag (exit 2); out of (0, 1]
+    is refused; --verifier-threshold alone is refused."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertForSequenceClassification
+
+    from tiercache.semantic.embedder import resolve_embedder
+    from tiercache.semantic.verifier import FORMAT, INFO_FILE
+
+    base, identity = resolve_embedder()
+    folder = tmp_path / "verifier"
+    bert = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+    lora = LoraConfig(r=2, target_modules=["query"], modules_to_save=["classifier"])
+    get_peft_model(bert, lora).save_pretrained(str(folder))
+    info = {"format": FORMAT, "base": {"revision": identity.revision}, "hyper": {"max_length": 32},
+            "operating_point": {"threshold": 0.25}}  # fmt: skip
+    (folder / INFO_FILE).write_text(json.dumps(info))
+    pairs = write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    guard = write_guard(tmp_path / "guard.json")
+    out = tmp_path / "out.json"
+    base_argv = ["--pairs", str(pairs), "--guard", str(guard), "--json", str(out)]
+    for extra, expected in (([], 0.25), (["--verifier-threshold", "0"], 0.25),
+                            (["--verifier-threshold", "0.6"], 0.6)):  # fmt: skip
+        argv = [*base_argv, "--verifier", str(folder), *extra]
+        assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
+        assert json.loads(out.read_text())["verifier"]["threshold"] == expected
+    argv = [*base_argv, "--verifier", str(folder), "--verifier-threshold", "1.5"]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
+    assert "must be in (0, 1]" in capsys.readouterr().err
+    (folder / INFO_FILE).write_text(json.dumps({**info, "operating_point": None}))
+    argv = [*base_argv, "--verifier", str(folder)]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
+    assert "names no operating_point" in capsys.readouterr().err
+    argv = [*base_argv, "--verifier-threshold", "0.5"]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
+    assert "needs --verifier" in capsys.readouterr().err

@@ -67,3 +67,22 @@ def test_a_written_verifier_names_no_path_of_the_machine_and_still_loads(tmp_pat
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == identity.embedder_id
     assert PairVerifier(folder, threads=1).scores(["a?"], ["b?"]).shape == (1,)
+
+
+def test_a_malformed_verifier_json_or_adapter_is_a_config_error(tmp_path: Path) -> None:
+    _, identity = resolve_embedder()
+    folder = untrained(tmp_path / "v", identity.revision)
+    good = json.loads((folder / INFO_FILE).read_text())
+    for info, message in (
+        ({**good, "base": None}, "trained on embedder weights None"),
+        ({**good, "hyper": {"max_length": None}}, "max_length None"),
+        ([good], "format is not"),
+    ):
+        (folder / INFO_FILE).write_text(json.dumps(info))
+        with pytest.raises(ConfigError, match=message):
+            PairVerifier(folder)
+    (folder / INFO_FILE).write_text(json.dumps({**good, "operating_point": None}))
+    assert PairVerifier(folder).default_threshold is None  # loads; a threshold must be given
+    (folder / "adapter_model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ConfigError, match="cannot load"):
+        PairVerifier(folder)

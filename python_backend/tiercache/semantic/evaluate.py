@@ -551,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--verifier-threshold",
         type=float,
-        help="the verifier's operating point, P(same question) at least this (default: the "
-        "one its verifier.json records, as serving uses)",
+        help="the verifier's operating point, P(same question) at least this, in (0, 1] (0 or "
+        "none: the one its verifier.json records, as serving)",
     )
     parser.add_argument(
         "--baseline-threshold",
@@ -723,6 +723,8 @@ def run_eval(
     err = sys.stderr if err is None else err
     if args.k < 1:
         raise InvalidRequest(f"--k must be >= 1, got {args.k}")
+    if args.verifier_threshold is not None and args.verifier is None:
+        raise InvalidRequest("--verifier-threshold needs --verifier")
     guard = load_guard(args.guard, args.target_precision)
     pairs = load_pairs(args.pairs)
     corpus = build_corpus(pairs)
@@ -867,17 +869,17 @@ def run_eval(
     vscores: np.ndarray | None = None
     verifier_threshold = args.verifier_threshold
     if args.verifier is not None:
-        from tiercache.semantic.verifier import PairVerifier
+        from tiercache.semantic.verifier import PairVerifier, resolve_threshold
 
         folder = args.verifier
         progress(f"loading the verifier from {folder}")
         verifier = PairVerifier(folder)
-        if verifier_threshold is None:
-            verifier_threshold = verifier.default_threshold
-        if verifier_threshold is None:
-            raise InvalidRequest(
-                f"the verifier {folder} records no operating point: pass --verifier-threshold"
+        try:  # as serving: 0 or none given is the folder's recorded operating point
+            verifier_threshold = resolve_threshold(
+                verifier_threshold, verifier.default_threshold, folder
             )
+        except ConfigError as exc:
+            raise InvalidRequest(f"{exc.client_message()} (--verifier-threshold)") from None
         vscores = verifier_scores(corpus, candidates, scores, verifier.scores, progress)
         hits_chosen = choose_by_verifier(vscores, verifier_threshold)
         served_by = "the verifier's"

@@ -30,38 +30,47 @@ class PairVerifier:
     """Scores (query, candidate) pairs in batches; thread-compatible (one call at a time)."""
 
     def __init__(self, folder: Path | str, threads: int | None = None) -> None:
-        import torch
-        from peft import PeftModel
-        from transformers import AutoTokenizer, BertForSequenceClassification
-
         from tiercache.semantic.embedder import resolve_embedder
 
         where = Path(folder)
         info_path = where / INFO_FILE
         try:
-            self.info: dict[str, Any] = json.loads(info_path.read_text(encoding="utf-8"))
+            info = json.loads(info_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"semantic verifier {where}: {INFO_FILE}: {exc}") from None
-        if self.info.get("format") != FORMAT:
+        if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise ConfigError(f"semantic verifier {where}: format is not {FORMAT}")
+        self.info: dict[str, Any] = info
         base, identity = resolve_embedder()
-        trained_on = self.info.get("base", {}).get("revision")
+        trained_on = _section(info, "base").get("revision")
         if trained_on != identity.revision:
             raise ConfigError(
                 f"semantic verifier {where} was trained on embedder weights {str(trained_on)[:16]}"
                 f", these are {identity.revision[:16]}: train it again"
             )
-        if threads is not None:
-            torch.set_num_threads(threads)
-        self._torch = torch
-        self._tokenizer = AutoTokenizer.from_pretrained(str(base))
-        model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
-        self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
-        self.max_length = int(self.info.get("hyper", {}).get("max_length", MAX_LENGTH))
-        # The operating point chosen on the dev pairs (`tiercache_dev.train.verifier --point`)
-        point = self.info.get("operating_point", {}).get("threshold")
-        valid = isinstance(point, (int, float)) and 0.0 < point <= 1.0
-        self.default_threshold: float | None = float(point) if valid else None
+        max_length = _section(info, "hyper").get("max_length", MAX_LENGTH)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 8:
+            raise ConfigError(f"semantic verifier {where}: hyper.max_length {max_length!r}")
+        self.max_length = max_length
+        # The operating point chosen on the dev pairs (tiercache_dev.train.verifier_point --write)
+        point = _section(info, "operating_point").get("threshold")
+        self.default_threshold: float | None = None
+        if isinstance(point, (int, float)) and not isinstance(point, bool) and 0 < point <= 1:
+            self.default_threshold = float(point)
+        try:
+            import torch
+            from peft import PeftModel
+            from transformers import AutoTokenizer, BertForSequenceClassification
+
+            if threads is not None:
+                torch.set_num_threads(threads)
+            self._torch = torch
+            self._tokenizer = AutoTokenizer.from_pretrained(str(base))
+            model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+            self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
+        # any failure to load is the folder's: safetensors, peft and torch raise their own types
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"semantic verifier {where}: cannot load: {exc}") from None
 
     def scores(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
         """P(same question) for each (query, candidate) pair, float64 in [0, 1]."""
@@ -104,7 +113,7 @@ class VerifiedChoice:
         self.threshold = threshold
         self._last_query: str | None = None
         self._last_scores: dict[str, float] = {}
-        self.pairs_scored = 0  # pairs the model read (for metrics and tests)
+        self.pairs_scored = 0  # pairs the model read
 
     def __call__(self, query: str, candidates: Sequence[tuple[str, float]]) -> int | None:
         passing = [
@@ -134,16 +143,32 @@ class VerifiedChoice:
         return best
 
 
+def _section(info: dict[str, Any], key: str) -> dict[str, Any]:
+    value = info.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def resolve_threshold(threshold: float | None, default: float | None, where: object) -> float:
+    """The threshold a verifier decides at: `threshold` when it is > 0, else (None or 0) the
+    folder's recorded operating point `default`; ConfigError when neither is in (0, 1]."""
+    if threshold is not None and threshold > 0:
+        if threshold > 1:
+            raise ConfigError(f"verifier threshold must be in (0, 1], got {threshold}")
+        return float(threshold)
+    if threshold is not None and threshold < 0:
+        raise ConfigError(f"verifier threshold must be in (0, 1], got {threshold}")
+    if default is None:
+        raise ConfigError(
+            f"semantic verifier {where}: {INFO_FILE} names no operating_point; give a threshold"
+        )
+    return default
+
+
 def open_verified_choice(
     guard: Any, where: str, threshold: float = 0.0, threads: int | None = None
 ) -> VerifiedChoice:
     """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is a verifier folder;
     `threshold` 0 takes the verifier's own default (its `verifier.json`)."""
     verifier = PairVerifier(Path(where), threads=threads)
-    chosen = threshold or verifier.default_threshold
-    if chosen is None:
-        raise ConfigError(
-            f"semantic verifier {where}: {INFO_FILE} names no operating_point; set "
-            "verifier_threshold"
-        )
+    chosen = resolve_threshold(threshold, verifier.default_threshold, where)
     return VerifiedChoice(guard, verifier.scores, chosen)

@@ -178,14 +178,14 @@ def open_embedding_cache(
     hit is served only while its answer is), the guard and its metrics (started)."""
     _, identity = resolve_embedder(config.embedder)
     guard = load_guard(target_precision=config.target_precision or None)
-    tiers: ExactTiers = open_exact_cache(config.cache())
     choose: ChooseFn = guard.choose
-    if config.verifier != "off":
+    if config.verifier != "off":  # loaded before anything is opened: a bad folder leaks nothing
         from tiercache.semantic.verifier import open_verified_choice
 
         choose = open_verified_choice(
             guard, config.verifier, config.verifier_threshold, config.verifier_threads
         )
+    tiers: ExactTiers = open_exact_cache(config.cache())
     core = EmbeddingCache(
         VectorCache(
             config.vectors_path(),

@@ -108,7 +108,7 @@ def run_one(
                     client.generate_text(a, max_tokens=args.max_tokens, tenant=tenant)
                     if (i + 1) % 10 == 0:
                         progress(f"  stored {i + 1}/{len(pairs)}")
-                before = settled_histogram(server.ports.metrics, 0)
+                before = settled_histogram(server.ports.metrics, len(pairs))
                 asked = []
                 for i, ((_, b, label), tenant) in enumerate(zip(pairs, tenants, strict=True)):
                     started = time.perf_counter()

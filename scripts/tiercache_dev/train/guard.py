@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     elif corpus.rule != "clusters":
         parser.error(f"--judge clusters: {args.pairs} carries no cluster_a/cluster_b")
     sources = corpus.sources()
-    say(f"{len(pairs)} pairs from {display(args.pairs)}, {len(corpus.inserted)} inserted texts, "
-        f"hits judged by {corpus.rule}")
+    say(
+        f"{len(pairs)} pairs from {display(args.pairs)}, {len(corpus.inserted)} inserted texts, "
+        f"hits judged by {corpus.rule}"
+    )
     if args.perturbed_out is not None:
         rows_out = perturbations(pairs, SEED)
         args.perturbed_out.write_text(

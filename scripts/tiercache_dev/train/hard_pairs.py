@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = load_pairs(args.pairs)
     indices = train_indices(args.pairs)
+    if len(indices) != len(pairs):  # the two readings of the file must agree line for line
+        raise SystemExit(f"{args.pairs}: {len(pairs)} pairs but {len(indices)} indices")
     if pairs[0].cluster_a is None:
         raise SystemExit(f"{args.pairs}: no clusters (qqp_pairs --clusters)")
     rows = mine(pairs, indices, Embedder().embed, load_guard(), args.block, args.k)

@@ -134,14 +134,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiercache.semantic.embedder import resolve_embedder
 
+    init_info = None
+    if args.init is not None:  # checked now, not after half an hour of training
+        try:
+            init_info = json.loads((args.init / "verifier.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--init {args.init}: verifier.json: {exc}") from None
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     folder, identity = resolve_embedder()
+    if init_info is not None and init_info.get("base", {}).get("revision") != identity.revision:
+        raise SystemExit(f"--init {args.init} was trained on other embedder weights")
     train = read_pairs(args.train, args.max_pairs, args.seed, train_only=True)
     examples = train if args.one_order else train + [(b, a, label) for a, b, label in train]
     random.Random(args.seed).shuffle(examples)
     dev = read_pairs(args.dev, args.max_dev, args.seed)
-    progress(f"{len(train)} training pairs ({len(examples)} both ways), {len(dev)} dev pairs")
+    orders = "one order" if args.one_order else "both orders"
+    progress(f"{len(train)} training pairs ({len(examples)} examples, {orders}), {len(dev)} dev")
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     base = BertForSequenceClassification.from_pretrained(str(folder), num_labels=1)
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: min(
-            (step + 1) / warmup, max(0.0, (total_steps - step) / (total_steps - warmup))
+            (step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup))
         ),
     )
 
@@ -247,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_length": args.max_length,
             "seed": args.seed,
         },
-        "init": None
-        if args.init is None
-        else json.loads((args.init / "verifier.json").read_text()),
+        "init": init_info,
         "train_s": round(train_s, 1),
         "final_loss_mean_50": sum(losses[-50:]) / max(1, len(losses[-50:])),
         "dev_pairs": {"file": args.dev.name, "pairs": len(dev), "by_threshold": figures},
