@@ -509,7 +509,8 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `tiercache` command line (serve, invalidate, eval-semantic)."""
+    """The `tiercache` command line (serve, invalidate, keys, gateway, eval-semantic,
+    simulate-kv)."""
     parser = argparse.ArgumentParser(prog="tiercache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the model repository with tritonserver")
@@ -604,6 +605,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate the semantic cache's guard on a pairs file (see --help)",
         add_help=False,
     )
+    sim = sub.add_parser(
+        "simulate-kv",
+        help="replay a KV-block trace (Mooncake's format) against eviction policies",
+    )
+    sim.add_argument("--trace", type=Path, required=True, help="JSON lines with hash_ids")
+    sim.add_argument(
+        "--capacity-blocks", type=int, nargs="+", required=True, help="pool sizes, in blocks"
+    )
+    sim.add_argument(
+        "--policy",
+        action="append",
+        help="another policy to replay (lru, belady and default always are)",
+    )
     return parser
 
 
@@ -622,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
         return _keys(args)
     if args.command == "gateway":
         return _gateway(args)
+    if args.command == "simulate-kv":
+        from tiercache.kv_simulation import main_simulate_kv
+
+        return main_simulate_kv(args)
     if args.tritonserver_args and args.tritonserver_args[0] == "--":
         args.tritonserver_args = args.tritonserver_args[1:]
     if args.command == "serve":
