@@ -105,6 +105,10 @@ def stop_stray_stubs(repository: Path) -> None:
                 os.kill(int(entry), signal.SIGKILL)
 
 
+def server_died(server: TritonServer) -> bool:
+    return server.process is not None and server.process.poll() is not None
+
+
 def connect(server: TritonServer) -> TierCacheClient:
     return TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=300)
 
@@ -284,17 +288,26 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
 
-    # Not restarted: requests fail at once, for as long as we keep asking (here 10 s).
+    # Not restarted: requests fail at once, for as long as we keep asking (here 10 s). Or, when
+    # the stub died holding the Python backend's IPC mutex, tritonserver itself aborts
+    # (boost::interprocess::lock_exception; seen once, in one CI run of many): Triton's
+    # outcome, not ours. Either way every request fails, and the guarantee below is the project's.
     probe_errors: list[tuple[float, str]] = []
-    while time.monotonic() - killed < 10.0:
+    while time.monotonic() - killed < 10.0 and not server_died(server):
         asked = time.monotonic()
         with pytest.raises(TierCacheClientError) as failed:
             ask(server, "Say OK.", max_tokens=1, cache_control="no-cache, no-store")
         probe_errors.append((time.monotonic() - asked, str(failed.value)))
         time.sleep(0.5)
-    assert all("is not healthy" in e for _, e in probe_errors), probe_errors
-    with pytest.raises(TierCacheClientError, match="is not healthy"):
-        ask(server, prompt, tenant="ref-kill", max_tokens=max_tokens)  # a cached answer too
+    if server_died(server):
+        assert server.log_path is not None
+        log = server.log_path.read_text(errors="replace")
+        assert "lock_exception" in log, f"tritonserver exited with {server.process.returncode}"
+        print(f"\ntritonserver aborted after the stub kill ({len(probe_errors)} probes before)")
+    else:
+        assert all("is not healthy" in e for _, e in probe_errors), probe_errors
+        with pytest.raises(TierCacheClientError, match="is not healthy"):
+            ask(server, prompt, tenant="ref-kill", max_tokens=max_tokens)  # a cached answer too
     thread.join(VICTIM_DEADLINE_S + 60)
     assert not thread.is_alive(), "the in-flight request outlived its client deadline"
     ended_s, result = outcome[0]
@@ -307,11 +320,13 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     log_name = "triton-faults-llm-kill.log"
     faults.server = server = start_server(faults.state, log_name, faults.repository)
     restart_s = time.monotonic() - restarted
+    slowest = max((s for s, _ in probe_errors), default=0.0)
+    first = probe_errors[0][1] if probe_errors else "(the server had exited)"
     print(
         f"\nllm stub {pid} killed after {len(chunks)} chunks; {len(probe_errors)} probes in 10 s "
-        f"all failed in at most {max(s for s, _ in probe_errors) * 1e3:.0f} ms with "
-        f"{probe_errors[0][1]!r}; the in-flight request ended {ended_s - killed:.1f} s after "
-        f"the kill with {result!r}; server restart on the same state {restart_s:.1f} s"
+        f"all failed in at most {slowest * 1e3:.0f} ms with {first!r}; the in-flight request "
+        f"ended {ended_s - killed:.1f} s after the kill with {result!r}; server restart on the "
+        f"same state {restart_s:.1f} s"
     )
 
     # Nothing half-written: the same prompt is the whole greedy answer, generated again.
