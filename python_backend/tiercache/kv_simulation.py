@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,20 +72,31 @@ class Replay:
         return self.hits / self.blocks if self.blocks else 0.0
 
 
+def _check_capacity(capacity: int) -> None:
+    if capacity < 1:
+        raise InvalidRequest(f"capacity must be >= 1 block, got {capacity}")
+
+
+def reused(blocks: Sequence[int], resident: Container[int]) -> int:
+    """How many of a request's leading blocks are resident (reuse stops at the first miss)."""
+    count = 0
+    for block in blocks:
+        if block not in resident:
+            break
+        count += 1
+    return count
+
+
 def replay_policy(
     trace: Trace, capacity: int, policy: EvictionPolicy[int], name: str = "policy"
 ) -> Replay:
     """The trace through a pool of `capacity` blocks evicting in `policy`'s order."""
-    if capacity < 1:
-        raise InvalidRequest(f"capacity must be >= 1 block, got {capacity}")
+    _check_capacity(capacity)
     resident: set[int] = set()
     hits = asked = 0
     for blocks in trace:
         asked += len(blocks)
-        for block in blocks:
-            if block not in resident:
-                break
-            hits += 1
+        hits += reused(blocks, resident)
         in_use = set(blocks)
         for block in blocks:
             if block in resident:
@@ -107,8 +118,7 @@ def replay_belady(trace: Trace, capacity: int) -> Replay:
     """The trace through a pool that evicts the block used again farthest in the future, and
     does not keep a new block that is needed later than every evictable one (optional
     admission: the optimum of a pool that may bypass, as Belady's MIN with bypass)."""
-    if capacity < 1:
-        raise InvalidRequest(f"capacity must be >= 1 block, got {capacity}")
+    _check_capacity(capacity)
     never = len(trace)
     # next_use[i][j]: the next request after i that asks for trace[i][j]'s block
     next_use: list[list[int]] = [[] for _ in trace]
@@ -122,10 +132,7 @@ def replay_belady(trace: Trace, capacity: int) -> Replay:
     hits = asked = 0
     for i, blocks in enumerate(trace):
         asked += len(blocks)
-        for block in blocks:
-            if block not in resident:
-                break
-            hits += 1
+        hits += reused(blocks, resident)
         in_use = set(blocks)
         for block, upcoming in zip(blocks, next_use[i], strict=True):
             if block not in resident and len(resident) >= capacity:

@@ -195,21 +195,12 @@ def test_the_verifier_parameters_choose_the_stages_decision(
     `verifier_threshold` (0: the folder's own operating point); a folder that is not a verifier
     fails the model's load with the reason."""
     pytest.importorskip("peft")
-    from peft import LoraConfig, get_peft_model
-    from transformers import BertForSequenceClassification
+    from verifier_folders import untrained_verifier
 
     from tiercache.errors import ConfigError
-    from tiercache.semantic.embedder import resolve_embedder
-    from tiercache.semantic.verifier import FORMAT, INFO_FILE, VerifiedChoice
+    from tiercache.semantic.verifier import INFO_FILE, VerifiedChoice
 
-    base, identity = resolve_embedder()
-    folder = tmp_path / "verifier"
-    bert = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
-    lora = LoraConfig(r=2, target_modules=["query"], modules_to_save=["classifier"])
-    get_peft_model(bert, lora).save_pretrained(str(folder))
-    info = {"format": FORMAT, "base": {"revision": identity.revision}, "hyper": {"max_length": 32},
-            "operating_point": {"threshold": 0.75}}  # fmt: skip
-    (folder / INFO_FILE).write_text(json.dumps(info))
+    folder, info = untrained_verifier(tmp_path / "verifier", operating_point=0.75)
 
     def start(**parameters: str) -> Any:
         values = {"state_dir": str(tmp_path / "state"), **parameters}

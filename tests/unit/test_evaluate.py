@@ -418,20 +418,11 @@ def test_eval_semantic_decides_at_the_verifiers_recorded_point_as_serving_does(
     verifier_threshold 0; a folder without one asks for the flag (exit 2); out of (0, 1]
     is refused; --verifier-threshold alone is refused."""
     pytest.importorskip("peft")
-    from peft import LoraConfig, get_peft_model
-    from transformers import BertForSequenceClassification
+    from verifier_folders import untrained_verifier
 
-    from tiercache.semantic.embedder import resolve_embedder
-    from tiercache.semantic.verifier import FORMAT, INFO_FILE
+    from tiercache.semantic.verifier import INFO_FILE
 
-    base, identity = resolve_embedder()
-    folder = tmp_path / "verifier"
-    bert = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
-    lora = LoraConfig(r=2, target_modules=["query"], modules_to_save=["classifier"])
-    get_peft_model(bert, lora).save_pretrained(str(folder))
-    info = {"format": FORMAT, "base": {"revision": identity.revision}, "hyper": {"max_length": 32},
-            "operating_point": {"threshold": 0.25}}  # fmt: skip
-    (folder / INFO_FILE).write_text(json.dumps(info))
+    folder, info = untrained_verifier(tmp_path / "verifier", operating_point=0.25)
     pairs = write_pairs(tmp_path / "pairs.jsonl", PAIRS)
     guard = write_guard(tmp_path / "guard.json")
     out = tmp_path / "out.json"

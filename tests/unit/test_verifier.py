@@ -11,23 +11,15 @@ import pytest
 
 pytest.importorskip("peft")
 
+from verifier_folders import untrained_verifier  # noqa: E402
+
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.semantic.embedder import resolve_embedder  # noqa: E402
-from tiercache.semantic.verifier import FORMAT, INFO_FILE, PairVerifier  # noqa: E402
+from tiercache.semantic.verifier import INFO_FILE, PairVerifier  # noqa: E402
 
 
 def untrained(folder: Path, revision: str) -> Path:
-    """A verifier folder as the trainer writes it, with an untrained adapter."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import BertForSequenceClassification
-
-    base, _ = resolve_embedder()
-    model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
-    config = LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"])
-    get_peft_model(model, config).save_pretrained(str(folder))
-    info = {"format": FORMAT, "base": {"revision": revision}, "hyper": {"max_length": 64}}
-    (folder / INFO_FILE).write_text(json.dumps(info))
-    return folder
+    return untrained_verifier(folder, revision)[0]
 
 
 def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) -> None:
