@@ -595,6 +595,13 @@ class EngineConfig(_StateConfig):
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
+    kv_eviction: str = param(
+        "gdsf",
+        "Which KV blocks the pool gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU "
+        "sketch: blocks asked for again outlive new ones while the pool is small; "
+        "docs/kv_reuse.md) or lru",
+        choices=("gdsf", "lru"),
+    )
     speculate: bool = param(
         True,
         "Speculative decoding: tokens drafted from the prompt, the cached answers llm sends "

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiercache.engine.kv_cache import default_kv_policy
 from tiercache.errors import InvalidRequest
-from tiercache.eviction import EvictionPolicy, LruPolicy
+from tiercache.eviction import NAMED_POLICIES, EvictionPolicy
 
 Trace = list[list[int]]
 
@@ -90,7 +91,10 @@ def reused(blocks: Sequence[int], resident: Container[int]) -> int:
 def replay_policy(
     trace: Trace, capacity: int, policy: EvictionPolicy[int], name: str = "policy"
 ) -> Replay:
-    """The trace through a pool of `capacity` blocks evicting in `policy`'s order."""
+    """The trace through a pool of `capacity` blocks evicting in `policy`'s order, telling the
+    policy of each request's blocks as `tiercache.engine.kv_cache.KvBlockPool` does: once per
+    block, when the request ends, leaf first (an admission for a block it added, an access for
+    one it reused); a block in use is never offered for eviction."""
     _check_capacity(capacity)
     resident: set[int] = set()
     hits = asked = 0
@@ -98,9 +102,10 @@ def replay_policy(
         asked += len(blocks)
         hits += reused(blocks, resident)
         in_use = set(blocks)
+        told: list[tuple[int, bool]] = []  # (block, added by this request)
         for block in blocks:
             if block in resident:
-                policy.access(block)
+                told.append((block, False))
                 continue
             if len(resident) >= capacity:
                 victims = policy.nominate(1, skip=in_use.__contains__)
@@ -110,7 +115,12 @@ def replay_policy(
                     resident.discard(victim)
                     policy.remove(victim)
             resident.add(block)
-            policy.admit(block, 1)
+            told.append((block, True))
+        for block, added in reversed(told):
+            if added:
+                policy.admit(block, 1)
+            else:
+                policy.access(block)
     return Replay(name, capacity, hits, asked)
 
 
@@ -158,9 +168,13 @@ def replay_belady(trace: Trace, capacity: int) -> Replay:
     return Replay("belady", capacity, hits, asked)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy[int]]] = {
-    "lru": LruPolicy,
-    "default": LruPolicy,  # the KV block pool's default (tiercache.engine.kv_cache)
+PolicyFactory = Callable[[int], EvictionPolicy[int]]
+"""capacity in blocks -> a fresh policy (a policy may size itself by it, or ignore it)."""
+
+POLICIES: dict[str, PolicyFactory] = {
+    **NAMED_POLICIES,  # told the capacity
+    # the KV block pool's default, built as the pool builds it (not told the capacity)
+    "default": lambda capacity: default_kv_policy(),
 }
 
 
@@ -172,7 +186,7 @@ def simulate(trace: Trace, capacities: Sequence[int], names: Sequence[str]) -> l
             if name == "belady":
                 results.append(replay_belady(trace, capacity))
             elif name in POLICIES:
-                results.append(replay_policy(trace, capacity, POLICIES[name](), name))
+                results.append(replay_policy(trace, capacity, POLICIES[name](capacity), name))
             else:
                 known = ", ".join([*POLICIES, "belady"])
                 raise InvalidRequest(f"unknown policy {name!r}; known: {known}")

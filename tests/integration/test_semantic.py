@@ -163,6 +163,7 @@ def test_a_hit_the_engine_verifies_is_served_only_as_its_own_answer(
     expected = "verified" if own.text == first.text else "miss"
     assert checked.cache_status == expected
     outcome = "verified" if expected == "verified" else "refuted"
-    assert settled_metric(
-        server, "tiercache_llm_semantic_verifications_total", outcome=outcome
-    ) == outcomes[outcome] + 1
+    assert (
+        settled_metric(server, "tiercache_llm_semantic_verifications_total", outcome=outcome)
+        == outcomes[outcome] + 1
+    )

@@ -26,6 +26,7 @@ from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
 from tiercache.engine.threads import ThreadRole
+from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -89,13 +90,17 @@ class FakeEngine:
         kv_reuse: bool,
         tokens_per_block: int,
         kv_pool_max_bytes: int,
+        kv_eviction: str,
         speculate: bool,
         draft_index_tokens: int,
     ) -> None:
         self.speculate = speculate  # the stage passes its parameters on
+        self.kv_eviction = kv_eviction
         self.draft_index_tokens = draft_index_tokens
         self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
-        self.kv_pool: KvBlockPool[str] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
+        self.kv_pool: KvBlockPool[str] = KvBlockPool(
+            kv_pool_max_bytes, tokens_per_block, named_policy(kv_eviction)
+        )
 
     def kv_stats(self) -> KvStats:
         return self.kv_pool.stats()

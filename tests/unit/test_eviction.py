@@ -16,7 +16,13 @@ import pytest
 
 from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.engine.kv_cache import BlockHash, KvBlockPool, block_hashes, kv_salt
-from tiercache.eviction import EvictionPolicy, LruPolicy, OldestFirstPolicy, SkipKey
+from tiercache.eviction import (
+    EvictionPolicy,
+    GreedyDualFrequencyPolicy,
+    LruPolicy,
+    OldestFirstPolicy,
+    SkipKey,
+)
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.lora.residency import Residency
@@ -26,6 +32,7 @@ K = TypeVar("K", bound=Hashable)
 POLICIES: dict[str, Callable[[], EvictionPolicy[str]]] = {
     "lru": LruPolicy,
     "oldest-first": OldestFirstPolicy,
+    "greedy-dual-frequency": GreedyDualFrequencyPolicy,
 }
 
 
@@ -100,7 +107,16 @@ def test_readmission_keeps_one_key_with_its_new_size(policy: EvictionPolicy[str]
     policy.admit("b", 1, created_s=2.0)
     policy.admit("a", 10, created_s=3.0)
     assert sorted(policy.nominate(10)) == ["a", "b"]
-    assert policy.nominate(0, 11) == ["b", "a"]  # "a" counts its new size, ranks as readmitted
+    assert sorted(policy.nominate(0, 11)) == ["a", "b"]  # "a" counts its new size: 10, not 1
+    assert "a" in policy.nominate(0, 10)
+
+
+def test_a_readmitted_key_ranks_as_new_in_recency_orders() -> None:
+    for policy in (LruPolicy[str](), OldestFirstPolicy[str]()):
+        policy.admit("a", 1, created_s=1.0)
+        policy.admit("b", 1, created_s=2.0)
+        policy.admit("a", 10, created_s=3.0)
+        assert policy.nominate(0, 11) == ["b", "a"]
 
 
 def test_clear_forgets_every_key(policy: EvictionPolicy[str]) -> None:
@@ -129,6 +145,81 @@ def test_oldest_first_ranks_by_created_s_not_by_use() -> None:
     oldest.access("a")
     assert oldest.nominate(5) == ["a", "a2", "b", "c", "d"]  # ties in admission order
     assert oldest.nominate(2) == ["a", "a2"]
+
+
+def evict_one(policy: GreedyDualFrequencyPolicy[str], held: set[str]) -> str:
+    """What a store does when full: evict the policy's first nominee and report it."""
+    (victim,) = policy.nominate()
+    held.discard(victim)
+    policy.remove(victim)
+    return victim
+
+
+def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
+    held = set("abcd")
+    fill(gd, dict.fromkeys("abcd", 1))
+    for _ in range(3):
+        gd.access("a")
+    evicted = []
+    for index in range(8):  # a scan of one-off keys, each into a full store
+        evicted.append(evict_one(gd, held))
+        key = f"scan{index}"
+        gd.admit(key, 1)
+        held.add(key)
+    assert "a" in held  # LRU would have evicted it at the fourth admission
+    assert evicted[:3] == ["b", "c", "d"]  # equal values: the least recently used first
+    assert gd.inflation > 0.0  # each eviction raised the level new keys start from
+
+
+def test_greedy_dual_ages_a_key_no_longer_asked_for() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
+    held = set("abcd")
+    fill(gd, dict.fromkeys("abcd", 1))
+    for _ in range(3):
+        gd.access("a")
+    for index in range(40):  # new keys, each asked for twice: the level rises past "a"'s value
+        evict_one(gd, held)
+        key = f"new{index}"
+        gd.admit(key, 1)
+        gd.access(key)
+        held.add(key)
+        if "a" not in held:
+            break
+    assert "a" not in held
+
+
+def test_greedy_dual_weighs_cost_per_unit_of_size() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=8)
+    gd.admit("slow", 1, cost_s=20.0)
+    gd.admit("fast", 1, cost_s=0.3)
+    gd.admit("big-slow", 100, cost_s=20.0)  # 0.2 s per unit: below "fast"'s 0.3
+    assert gd.nominate(3) == ["big-slow", "fast", "slow"]
+
+
+def test_greedy_dual_a_removal_is_an_eviction_only_when_nominated() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
+    fill(gd, dict.fromkeys("ab", 1))
+    gd.remove("b")  # deleted, not evicted: the level stays
+    assert gd.inflation == 0.0
+    assert gd.nominate() == ["a"]
+    gd.remove("a")
+    assert gd.inflation == 1.0  # "a"'s value: level 0 plus one request
+
+
+def test_greedy_dual_without_a_capacity_grows_its_sketch_and_keeps_counting() -> None:
+    gd: GreedyDualFrequencyPolicy[int] = GreedyDualFrequencyPolicy()
+    for key in range(3000):  # past the starting size of 1,024 keys, twice over
+        gd.admit(key, 1)
+    gd.access(7)
+    assert len(gd) == 3000
+    assert gd.frequency(7) >= 2 and gd.frequency(2999) >= 1
+    assert 7 not in gd.nominate(3000 - 1)[:2000]  # asked for twice: among the last to go
+
+
+def test_greedy_dual_rejects_a_negative_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        GreedyDualFrequencyPolicy(capacity=-1)
 
 
 # ---------------------------------------------------------------- every store asks its policy
@@ -209,9 +300,13 @@ def test_the_kv_pool_offers_only_unpinned_leaves_and_evicts_its_nominees() -> No
     lease = pool.acquire(chain, 8)
     for key in chain:
         assert pool.insert(lease, key, 10, lambda: "payload")
+    assert policy.calls == []  # pinned: nothing to rank until the request ends
     pool.release(lease)
-    assert policy.told("admit") == chain
-    assert set(policy.told("access")) == set(chain)  # pinned and unpinned: both are uses
+    assert policy.told("admit") == chain[::-1]  # once per block, leaf first
+    assert policy.told("access") == []
+    reuse = pool.acquire(chain, 8)
+    pool.release(reuse)
+    assert policy.told("access") == chain[::-1]  # a reuse is one access per block
     other = block_hashes(list(range(50, 58)), 4, salt)
     lease = pool.acquire(other, 8)
     assert pool.insert(lease, other[0], 10, lambda: "p")

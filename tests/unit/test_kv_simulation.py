@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 from tiercache.cli import main
-from tiercache.eviction import LruPolicy
-from tiercache.kv_simulation import TraceError, read_trace, replay_belady, replay_policy
+from tiercache.eviction import GreedyDualFrequencyPolicy, LruPolicy
+from tiercache.kv_simulation import (
+    POLICIES,
+    TraceError,
+    read_trace,
+    replay_belady,
+    replay_policy,
+)
 
 
 def test_reuse_stops_at_the_first_missing_block() -> None:
@@ -64,3 +70,33 @@ def test_the_command_prints_one_line_per_policy_and_capacity(
     bad = ["simulate-kv", "--trace", str(path), "--capacity-blocks", "2", "--policy", "mru"]
     assert main(bad) == 2
     assert "unknown policy 'mru'" in capsys.readouterr().err
+
+
+def popular_beside_a_scan(rounds: int) -> list[list[int]]:
+    """A popular two-block prefix asked for every fourth request, one-off two-block prompts
+    between: LRU in a pool of 4 blocks loses the prefix to each scan of three."""
+    trace: list[list[int]] = []
+    fresh = 100
+    for _ in range(rounds):
+        trace.append([1, 2])
+        for _ in range(3):
+            trace.append([fresh, fresh + 1])
+            fresh += 2
+    return trace
+
+
+def test_the_default_policy_keeps_a_popular_prefix_through_one_off_prompts() -> None:
+    trace = popular_beside_a_scan(20)
+    lru = replay_policy(trace, 4, LruPolicy())
+    default = replay_policy(trace, 4, POLICIES["default"](4))
+    gdsf = replay_policy(trace, 4, GreedyDualFrequencyPolicy(4))
+    assert lru.hits == 0
+    assert default.hits == gdsf.hits
+    # the first repeats miss (its count is still below the pool's turnover), then all hit
+    assert 2 * 19 > default.hits >= 2 * 15
+    late = (
+        replay_policy(trace, 4, POLICIES["default"](4)).hits
+        - replay_policy(trace[: 10 * 4], 4, POLICIES["default"](4)).hits
+    )
+    assert late == 2 * 10  # every one of the last ten repeats
+    assert default.hits <= replay_belady(trace, 4).hits

@@ -8,8 +8,9 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
   LoRA and cache-salt extra keys).
 - Blocks form a trie: a block exists only below its parent. Eviction takes *leaves* only (a
   parent is never dropped before its children, which would strand them), and never a block
-  pinned by a request (`KvLease`), in the order of an eviction policy
-  (`tiercache.eviction.LruPolicy` by default: least recently used first).
+  pinned by a request (`KvLease`), in the order of an eviction policy (`default_kv_policy`:
+  GreedyDual-Size-Frequency over a TinyLFU sketch, which keeps blocks asked for again over new
+  ones while the pool is small and follows recency when it is large; docs/kv_reuse.md).
 - The pool is bounded in bytes; a block that does not fit after evicting every unpinned block is
   not cached, and the request goes on without it (never over the budget, never a failure).
 """
@@ -21,10 +22,10 @@ import json
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NewType, TypeVar
+from typing import Any, Generic, NewType, TypeVar
 
 from tiercache.errors import ConfigError
-from tiercache.eviction import EvictionPolicy, LruPolicy
+from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy
 
 BlockHash = NewType("BlockHash", bytes)
 """SHA-256 digest (32 bytes) of a block's parent key, salt and token ids."""
@@ -138,10 +139,19 @@ class KvLease(Generic[P]):
     """The blocks one request holds pinned, root first: those it reused (`hit_blocks`), then
     those it added. Give it back with `KvBlockPool.release` when the request ends."""
 
-    __slots__ = ("blocks", "hit_blocks", "prompt_tokens", "reused_tokens", "broken", "released")
+    __slots__ = (
+        "admitted",
+        "blocks",
+        "broken",
+        "hit_blocks",
+        "prompt_tokens",
+        "released",
+        "reused_tokens",
+    )
 
     def __init__(self, blocks: list[_Block[P]], prompt_tokens: int, reused_tokens: int) -> None:
         self.blocks = blocks
+        self.admitted: set[BlockHash] = set()  # the blocks this lease added
         self.hit_blocks = len(blocks)
         self.prompt_tokens = prompt_tokens
         self.reused_tokens = reused_tokens
@@ -157,14 +167,23 @@ class KvLease(Generic[P]):
         return [block.payload for block in self.blocks[: self.hit_blocks]]
 
 
+def default_kv_policy() -> GreedyDualFrequencyPolicy[Any]:
+    """The pool's policy unless told otherwise: `GreedyDualFrequencyPolicy`, sizing its sketch as
+    the pool fills (the pool is bounded in bytes and does not know its block count up front).
+    `tiercache simulate-kv` replays it under the name `default`."""
+    return GreedyDualFrequencyPolicy()
+
+
 class KvBlockPool(Generic[P]):
     """Prefix blocks bounded by `max_bytes`, evicted from the leaves, pinned while used.
 
     Not thread-safe: one engine thread calls it (the engine runs one request at a time).
-    `policy` (default LRU) sees every block: admitted when inserted (size: its bytes), accessed
-    each time a lease pins or unpins it, removed when evicted. It nominates one victim at a time
-    and never a block the pool keeps (pinned, or with children), since evicting a leaf can make
-    its parent the next victim.
+    `policy` (default: `default_kv_policy()`) hears of each block once per request that uses it,
+    when the request's lease is released: admitted (size: its bytes) if the request added it,
+    accessed if it reused it; removed when evicted. Once, so that a frequency-aware policy counts
+    requests (counted on pin and on unpin, a block reached the sketch's ceiling two or three
+    times as fast). It nominates one victim at a time and never a block the pool keeps (pinned,
+    or with children), since evicting a leaf can make its parent the next victim.
     """
 
     def __init__(
@@ -179,7 +198,9 @@ class KvBlockPool(Generic[P]):
             raise ConfigError(f"kv_pool_max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.tokens_per_block = tokens_per_block
-        self._policy: EvictionPolicy[BlockHash] = policy if policy is not None else LruPolicy()
+        self._policy: EvictionPolicy[BlockHash] = (
+            policy if policy is not None else default_kv_policy()
+        )
         self._blocks: dict[BlockHash, _Block[P]] = {}
         self._bytes = 0
         self._pinned_bytes = 0
@@ -247,7 +268,7 @@ class KvBlockPool(Generic[P]):
         block = _Block(key, parent, make_payload(), nbytes)
         self._blocks[key] = block
         self._bytes += nbytes
-        self._policy.admit(key, nbytes)
+        lease.admitted.add(key)  # told to the policy at release: pinned until then anyway
         if parent is not None:
             parent.children += 1
         self._pin(block)
@@ -256,7 +277,9 @@ class KvBlockPool(Generic[P]):
         return True
 
     def release(self, lease: KvLease[P]) -> None:
-        """Unpin the lease's blocks (marking them used now); a second release does nothing.
+        """Unpin the lease's blocks and tell the policy of each: an admission for a block this
+        lease added (a pinned block cannot be evicted, so the policy needs to know of it only
+        now), an access for one it reused; a second release does nothing.
 
         Leaf first, so that every unpinned block was used after its descendants: the least
         recently used unpinned block is then a leaf, and the LRU policy finds its victim without
@@ -267,6 +290,10 @@ class KvBlockPool(Generic[P]):
         lease.released = True
         for block in reversed(lease.blocks):
             self._unpin(block)
+            if block.key in lease.admitted:
+                self._policy.admit(block.key, block.nbytes)
+            else:
+                self._policy.access(block.key)
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -275,6 +302,11 @@ class KvBlockPool(Generic[P]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
+
+    def pinned(self, key: BlockHash) -> bool:
+        """Whether the block under `key` is held by a request now (False if not cached)."""
+        block = self._blocks.get(key)
+        return block is not None and block.refs > 0
 
     def stats(self) -> KvStats:
         return KvStats(
@@ -301,13 +333,11 @@ class KvBlockPool(Generic[P]):
             self._pinned_blocks += 1
             self._pinned_bytes += block.nbytes
         block.refs += 1
-        self._policy.access(block.key)
 
     def _unpin(self, block: _Block[P]) -> None:
         if block.refs <= 0:
             raise RuntimeError("KV block unpinned more often than pinned")
         block.refs -= 1
-        self._policy.access(block.key)
         if block.refs == 0:
             self._pinned_blocks -= 1
             self._pinned_bytes -= block.nbytes

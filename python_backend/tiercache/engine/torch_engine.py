@@ -37,6 +37,7 @@ from tiercache.engine.kv_cache import (
 from tiercache.engine.model_source import ModelSource
 from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
+from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
 from tiercache.vocabulary import DraftSource
 
@@ -114,8 +115,9 @@ class TorchEngine:
 
     With `kv_reuse`, `kv_pool` keeps the KV of prompts' full blocks of `tokens_per_block` tokens,
     at most `kv_pool_max_bytes`, keyed by the model revision, the request's `tenant_scope` (tenant)
-    and `lora_digest` (adapter). Setting `kv_reuse` to False later stops lookups and inserts
-    (benchmarks compare both in one process); the pool keeps what it holds."""
+    and `lora_digest` (adapter), giving up blocks in the order of the policy `kv_eviction` names
+    (`tiercache.eviction.NAMED_POLICIES`). Setting `kv_reuse` to False later stops lookups and
+    inserts (benchmarks compare both in one process); the pool keeps what it holds."""
 
     def __init__(
         self,
@@ -127,6 +129,7 @@ class TorchEngine:
         kv_reuse: bool = True,
         tokens_per_block: int = 32,
         kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
+        kv_eviction: str = "gdsf",
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
     ) -> None:
@@ -147,7 +150,9 @@ class TorchEngine:
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             eos.add(im_end)
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
-        self.kv_pool: KvBlockPool[torch.Tensor] = KvBlockPool(kv_pool_max_bytes, tokens_per_block)
+        self.kv_pool: KvBlockPool[torch.Tensor] = KvBlockPool(
+            kv_pool_max_bytes, tokens_per_block, named_policy(kv_eviction)
+        )
         self.kv_reuse = kv_reuse and _full_attention_only(self.model)
         if kv_reuse and not self.kv_reuse:
             log.warning("KV prefix reuse is off: the model has layers other than full attention")

@@ -264,6 +264,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         kv_reuse=config.kv_reuse,
         tokens_per_block=config.tokens_per_block,
         kv_pool_max_bytes=config.kv_pool_max_bytes,
+        kv_eviction=config.kv_eviction,
         speculate=config.speculate,
         draft_index_tokens=config.draft_index_tokens,
     )

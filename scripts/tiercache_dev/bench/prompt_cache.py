@@ -373,8 +373,7 @@ class ServerCpu:
         if requests <= 0:
             return None
         by_process = {
-            label: (cpu1[label] - cpu0.get(label, 0.0)) * 1e3 / requests
-            for label in cpu1
+            label: (cpu1[label] - cpu0.get(label, 0.0)) * 1e3 / requests for label in cpu1
         }
         return sum(by_process.values()), by_process
 
