@@ -616,8 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--policy",
         action="append",
-        help="another policy to replay: gdsf (lru, belady and default, the pool's own, always "
-        "are)",
+        help="another policy to replay: gdsf (lru, belady and default, the pool's own, always are)",
     )
     return parser
 

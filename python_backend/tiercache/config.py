@@ -106,6 +106,12 @@ PARAMETERS: dict[str, _Spec] = {
         "empty: $TIERCACHE_STATE_DIR, else ~/.cache/tiercache",
     ),
     "l1_max_bytes": _Spec(64 << 20, "Byte budget of this process's L1 (exact answers)", min=0),
+    "l1_eviction": _Spec(
+        "gdsf",
+        "Which answers L1 gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU sketch: "
+        "answers asked for again and small ones outlive one-offs; docs/kv_reuse.md) or lru",
+        choices=("gdsf", "lru"),
+    ),
     "l2_max_bytes": _Spec(
         1 << 30,
         "Byte budget of the host's L2 (LMDB map size; every process of the host shares it)",
@@ -266,6 +272,7 @@ class _TiersConfig(_RedisConfig):
         return CacheConfig(
             state_dir=self.state_dir,
             l1_max_bytes=getattr(self, "l1_max_bytes", 0),
+            l1_eviction=getattr(self, "l1_eviction", "gdsf"),
             l2_max_bytes=self.l2_max_bytes,
             ttl_s=self.ttl_s,
             redis_url=self.redis_url,
@@ -282,6 +289,7 @@ class CacheConfig(_TiersConfig):
     each stage that opens them derives one from its own config (`cache()`)."""
 
     l1_max_bytes: int = param(64 << 20, "Byte budget of this process's L1 (0: no L1)", min=0)
+    l1_eviction: str = shared("l1_eviction")
 
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
@@ -327,6 +335,7 @@ class PromptCacheConfig(_LookupConfig):
     """`prompt_cache`: canonical request -> scoped digest -> L1 -> L2 -> L3."""
 
     l1_max_bytes: int = shared("l1_max_bytes")
+    l1_eviction: str = shared("l1_eviction")
     embedder: str = param(
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
@@ -357,6 +366,7 @@ class EmbeddingCacheConfig(_TiersConfig):
     """`embedding_cache`: embed, search the caller's semantic scope, guard, serve or pass on."""
 
     l1_max_bytes: int = shared("l1_max_bytes")
+    l1_eviction: str = shared("l1_eviction")
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")

@@ -350,3 +350,18 @@ def test_gate_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None
 def test_gate_refuses_a_short_token() -> None:
     with pytest.raises(ValueError):
         AdminGate("ab" * 8)
+
+
+def test_l1_evicts_by_the_policy_l1_eviction_names(tmp_path: Path) -> None:
+    from tiercache.eviction import GreedyDualFrequencyPolicy, LruPolicy
+
+    config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20).cache()
+    for name, kind in (("gdsf", GreedyDualFrequencyPolicy), ("lru", LruPolicy)):
+        chosen = dataclasses.replace(config, l1_max_bytes=1 << 20, l1_eviction=name)
+        cache = open_exact_cache(chosen).cache
+        try:
+            l1 = cache.tiers[0].store
+            assert isinstance(l1._policy, kind)  # noqa: SLF001 - which policy the stage built
+        finally:
+            cache.close()
+    assert dataclasses.replace(config, l1_max_bytes=1).l1_eviction == "gdsf"  # the default

@@ -28,6 +28,7 @@ from tiercache.config import (
 )
 from tiercache.engine.model_source import resolve_model
 from tiercache.errors import ConfigError, TierCacheError
+from tiercache.eviction import named_policy
 from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
 from tiercache.exact.keys import EngineIdentity, load_or_create_secret, tenant_scope
 from tiercache.exact.prompt_cache import PromptCache, ResolveAdapter
@@ -105,7 +106,7 @@ def open_exact_cache(
     table = InvalidationTable(max_events=max_events, horizon_s=horizon_s, clock=clock)
     tiers: list[tuple[Tier, Store]] = []
     if config.l1_max_bytes > 0:
-        tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes)))
+        tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes, named_policy(config.l1_eviction))))
     tiers.append((Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)))
     marks = HostWatermarks(
         config.invalidations_path(), max_events, horizon_s=horizon_s, clock=clock
