@@ -329,7 +329,7 @@ def test_final_response_and_metrics_report_kv_reuse(
     pb_utils: ModuleType, model: Any, sealer: Sealer
 ) -> None:
     """REUSED_TOKENS + COMPUTED_TOKENS = PROMPT_TOKENS on the final response; the pool's
-    lookups, evictions and bytes reach the metrics."""
+    lookups, evictions (and the reuses they gave up), skew and bytes reach the metrics."""
 
     def counts(prompt: str) -> tuple[int, int, int]:
         envelope = envelope_text(sealer, GenerationRequest(prompt))
@@ -349,6 +349,9 @@ def test_final_response_and_metrics_report_kv_reuse(
     assert model.stage.kv_reused.metric.value() == 8
     assert model.stage.kv_computed.metric.value() == 21
     assert model.stage.kv_evictions.metric.value() == 1
+    assert model.stage.kv_evicted_reuses.metric.value() == 1  # efgh had been reused once
+    assert model.stage.kv_rejected.metric.value() == 0
+    assert model.stage.kv_hit_skew.metric.value() == 1.0  # abcd holds the one reuse left
     assert model.stage.kv_pool_bytes.metric.value() == 30
     (listed,) = call(pb_utils, model, sealer, LORA_OP="list")  # admin ops report zeros
     assert (

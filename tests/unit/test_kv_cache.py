@@ -279,3 +279,26 @@ def test_bad_settings_are_config_errors() -> None:
         KvBlockPool(100, 0)
     with pytest.raises(ConfigError):
         KvBlockPool(-1, 4)
+
+
+def test_stats_count_the_reuses_evicted_blocks_had() -> None:
+    pool = KvBlockPool[str](20, B, policy=LruPolicy())  # two blocks of 10 bytes
+    run(pool, list(range(9)))  # two blocks
+    run(pool, list(range(9)))  # reuses both
+    run(pool, list(range(9)))  # and again
+    assert pool.stats().evicted_reuses == 0
+    run(pool, list(range(100, 109)))  # evicts both, each reused twice
+    stats = pool.stats()
+    assert (stats.evictions, stats.evicted_reuses) == (2, 4)
+
+
+def test_hit_skew_is_the_hottest_one_percents_share_of_reuses() -> None:
+    pool = make_pool(10_000)
+    assert pool.hit_skew() == 0.0  # nothing reused yet
+    for start in range(0, 400, 4):  # 100 one-block prompts, each reused once
+        run(pool, list(range(start, start + 5)))
+        run(pool, list(range(start, start + 5)))
+    assert pool.hit_skew() == pytest.approx(1 / 100)  # spread evenly: the top block's one reuse
+    for _ in range(99):
+        run(pool, [0, 1, 2, 3, 4])  # one block takes 99 more
+    assert pool.hit_skew() == pytest.approx(100 / 199)

@@ -18,7 +18,9 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
+import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +101,7 @@ class KvStats:
     inserted_blocks: int
     rejected_blocks: int  # not cached: no room even after evicting every unpinned block
     evictions: int
+    evicted_reuses: int  # reuses the evicted blocks had had while held: the value given up
     blocks: int
     pinned_blocks: int
     bytes: int
@@ -120,7 +123,7 @@ class KvStats:
 class _Block(Generic[P]):
     """A trie node: one block's payload; `children` and `refs` decide whether it may go."""
 
-    __slots__ = ("key", "parent", "payload", "nbytes", "children", "refs")
+    __slots__ = ("key", "parent", "payload", "nbytes", "children", "refs", "reuses")
 
     def __init__(self, key: BlockHash, parent: _Block[P] | None, payload: P, nbytes: int) -> None:
         self.key = key
@@ -129,6 +132,7 @@ class _Block(Generic[P]):
         self.nbytes = nbytes
         self.children = 0
         self.refs = 0
+        self.reuses = 0  # requests that found it here after the one that added it
 
     @property
     def evictable(self) -> bool:
@@ -214,6 +218,7 @@ class KvBlockPool(Generic[P]):
         self._inserted = 0
         self._rejected = 0
         self._evictions = 0
+        self._evicted_reuses = 0
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -235,6 +240,7 @@ class KvBlockPool(Generic[P]):
             found.append(block)
         for block in found:
             self._pin(block)
+            block.reuses += 1
         reused = min(len(found) * self.tokens_per_block, max(prompt_tokens - 1, 0))
         self._lookups += 1
         self._hit_lookups += reused > 0
@@ -259,6 +265,7 @@ class KvBlockPool(Generic[P]):
             if existing.parent is not parent:
                 raise ValueError("block key already cached under another parent")
             self._pin(existing)
+            existing.reuses += 1
             lease.blocks.append(existing)
             return True
         if lease.broken or not self._make_room(nbytes):
@@ -319,12 +326,24 @@ class KvBlockPool(Generic[P]):
             inserted_blocks=self._inserted,
             rejected_blocks=self._rejected,
             evictions=self._evictions,
+            evicted_reuses=self._evicted_reuses,
             blocks=len(self._blocks),
             pinned_blocks=self._pinned_blocks,
             bytes=self._bytes,
             max_bytes=self.max_bytes,
             tokens_per_block=self.tokens_per_block,
         )
+
+    def hit_skew(self, hottest: float = 0.01) -> float:
+        """The share of the held blocks' reuses taken by the `hottest` fraction of them (at least
+        one block): the seeds' cache-skew-ratio. 1.0 when one block in a hundred takes every
+        reuse, about `hottest` when reuses spread evenly; 0.0 before any reuse. O(n log k)."""
+        reuses = [block.reuses for block in self._blocks.values()]
+        total = sum(reuses)
+        if total == 0:
+            return 0.0
+        top = max(1, math.ceil(len(reuses) * hottest))
+        return sum(heapq.nlargest(top, reuses)) / total
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -368,6 +387,7 @@ class KvBlockPool(Generic[P]):
         del self._blocks[block.key]
         self._bytes -= block.nbytes
         self._evictions += 1
+        self._evicted_reuses += block.reuses
         self._policy.remove(block.key)
         parent = block.parent
         if parent is not None:

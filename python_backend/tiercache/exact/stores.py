@@ -74,8 +74,8 @@ class Store(Protocol):
 class MemoryStore:
     """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
-    `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Entries larger than the whole
-    budget are not stored (and an older value under their key is dropped)."""
+    `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Entries larger
+    than the whole budget are not stored (and an older value under their key is dropped)."""
 
     def __init__(self, max_bytes: int, policy: EvictionPolicy[str] | None = None) -> None:
         if max_bytes <= 0:

@@ -120,6 +120,23 @@ class TorchLlmStage:
                 "tiercache_engine_kv_evictions_total", "KV blocks evicted from the prefix pool"
             )
         )
+        self.kv_evicted_reuses = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_kv_evicted_reuses_total",
+                "Reuses the evicted KV blocks had had while held (the value eviction gave up; "
+                "over evictions: the mean)",
+            )
+        )
+        self.kv_rejected = tm.DeltaCounter(
+            m.counter(
+                "tiercache_engine_kv_rejected_blocks_total",
+                "KV blocks not kept: no room even after evicting every unpinned block",
+            )
+        )
+        self.kv_hit_skew = m.gauge(
+            "tiercache_engine_kv_hit_skew_ratio",
+            "Share of the held KV blocks' reuses taken by their hottest 1 % (cache-skew-ratio)",
+        )
         self.kv_lookups = tm.delta_counters(
             m,
             "tiercache_engine_kv_lookups_total",
@@ -148,6 +165,8 @@ class TorchLlmStage:
         self.adapter_loads.seen = adapters.loads
         self.adapter_evictions.seen = adapters.evictions
         self.kv_evictions.seen = kv.evictions
+        self.kv_evicted_reuses.seen = kv.evicted_reuses
+        self.kv_rejected.seen = kv.rejected_blocks
         self.kv_lookups["hit"].seen = kv.hit_lookups
         self.kv_lookups["miss"].seen = kv.lookups - kv.hit_lookups
         self.kv_pool_bytes.set(kv.bytes)
@@ -242,6 +261,9 @@ class TorchLlmStage:
         self.kv_lookups["hit"].update(after.hit_lookups)
         self.kv_lookups["miss"].update(after.lookups - after.hit_lookups)
         self.kv_evictions.update(after.evictions)
+        self.kv_evicted_reuses.update(after.evicted_reuses)
+        self.kv_rejected.update(after.rejected_blocks)
+        self.kv_hit_skew.set(self.engine.kv_pool.hit_skew())
         self.kv_pool_bytes.set(after.bytes)
 
     def close(self) -> None:
