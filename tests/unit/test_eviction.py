@@ -204,7 +204,29 @@ def test_greedy_dual_a_removal_is_an_eviction_only_when_nominated() -> None:
     assert gd.inflation == 0.0
     assert gd.nominate() == ["a"]
     gd.remove("a")
-    assert gd.inflation == 1.0  # "a"'s value: level 0 plus one request
+    # "a"'s value: level 0 plus one request, at a never-seen key's weight (no hits yet: halved)
+    assert gd.inflation == 1.0 * GreedyDualFrequencyPolicy.MIN_DISCOUNT
+
+
+def test_greedy_dual_learns_how_much_never_seen_keys_are_worth() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=64)
+    for round_ in range(20):  # keys seen before are hit while held; never-seen ones are not
+        for key in ("p", "q"):
+            gd.admit(key, 1)
+            gd.access(key)
+            gd.remove(key)
+        gd.admit(f"one-off{round_}", 1)
+        gd.remove(f"one-off{round_}")
+    assert gd.first_sight_discount() == GreedyDualFrequencyPolicy.MIN_DISCOUNT
+    for round_ in range(200):  # now never-seen keys are hit as often as the others
+        for key in (f"new{round_}", "p"):
+            gd.admit(key, 1)
+            gd.access(key)
+            gd.remove(key)
+    assert gd.first_sight_discount() > 0.9  # the twenty unhit one-offs still count a little
+    gd.admit("fresh", 1)
+    gd.admit("p", 1)
+    assert gd.nominate(2) == ["fresh", "p"]  # "p" was asked for far more often
 
 
 def test_greedy_dual_without_a_capacity_grows_its_sketch_and_keeps_counting() -> None:
