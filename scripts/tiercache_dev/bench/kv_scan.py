@@ -16,10 +16,9 @@ new question) followed by `--scans` one-off prompts of about 8 blocks each (neve
 the popular set and one request in flight fit the pool together.
 The popular set's block hit ratio is its requests' `kv_reused_tokens` over their prompt tokens,
 after the first `--warm-rounds` (each popular prompt asked four times by then); one-off prompts
-cannot be reused. Why a warm-up: GreedyDual keeps a block while its request count exceeds the
-number of times the part of the pool the scans use turned over since its last use (here about
-eight between two visits of one popular prompt), so the popular prompts are kept only after
-several visits; the report also gives the ratio for every eight rounds.
+cannot be reused. Why a warm-up: a frequency-aware policy needs a few visits to tell the popular
+prompts from the scans (the report also gives the ratio for every eight rounds, warm-up
+included).
 
 Under LRU each scan pushes the popular prompts out of a pool that could hold them; a policy that
 knows they are asked for again keeps them. Ends with one line per policy:

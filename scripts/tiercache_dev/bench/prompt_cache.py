@@ -4,7 +4,7 @@ Usage::
 
     python -m tiercache_dev.bench.prompt_cache [--out-dir .perf] [--state-dir .tiercache]
         [--measurement-ms 3000] [--concurrency 1:4:3] [--lookups 2000] [--rounds 3]
-        [--background-load N [--background-duty F]]
+        [--background-load N [--background-duty F]] [--l1-eviction gdsf|lru]
 
 Every configuration's server is started once and stays up for the whole run (an idle server
 costs next to nothing); perf_analyzer over gRPC measures one configuration at a time and one
@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiercache.server import copy_repository
 from tiercache_dev.console import (
     display_path,
     exit_on_sigterm,
@@ -129,6 +130,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run only these parts (repeatable; default all)",
     )
     p.add_argument("--perf-analyzer", type=Path, default=None, help="skip the install; use this")
+    p.add_argument(
+        "--l1-eviction",
+        choices=["gdsf", "lru"],
+        default=None,
+        help="serve tiercache with this l1_eviction in prompt_cache and embedding_cache (default: "
+        "the committed repository as it is)",
+    )
     args = p.parse_args(argv)
     try:
         args.levels = concurrency_levels(args.concurrency)
@@ -486,10 +494,18 @@ def configurations(args: argparse.Namespace, tmp: Path) -> list[Configuration]:
     hit = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
     out = []
     if TIERCACHE in args.only:
+        repository = MODEL_REPOSITORY
+        if args.l1_eviction is not None:
+            chosen = {"l1_eviction": args.l1_eviction}
+            repository = copy_repository(
+                MODEL_REPOSITORY,
+                tmp / "tiercache-repository",
+                {"prompt_cache": chosen, "embedding_cache": chosen},
+            )
         out.append(
             Configuration(
                 TIERCACHE,
-                serve(args, TIERCACHE, MODEL_REPOSITORY),
+                serve(args, TIERCACHE, repository),
                 "ensemble",
                 hit,
                 ["--streaming"],
