@@ -46,7 +46,8 @@ class EvictionPolicy(Protocol[K]):
         ...
 
     def access(self, key: K) -> None:
-        """`key` was read or used. On every hit, so O(1) and cheap. An unknown key is ignored."""
+        """`key` was read or used. On every hit, so cheap (O(1), or O(log n) for a value order).
+        An unknown key is not admitted by it (a frequency-aware policy still counts the request)."""
         ...
 
     def remove(self, key: K) -> None:
@@ -168,7 +169,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     are used a third time), yet a pool large enough to hold a block until its next use should
     keep recency's order; the inflation level `L` (set to each victim's value as it goes) ages
     every entry at the rate the pool turns over, so frequency weighs most when the pool is small.
-    On that trace it gives 1.35x LRU's block hit ratio at 4,000 blocks (1.52x with the admission
+    On that trace it gives 1.35x LRU's block hit ratio at 4,000 blocks (1.53x with the admission
     prior below) and never less than LRU from 500 to 30,000 (`tiercache simulate-kv`,
     docs/kv_reuse.md). Cost and size come with admission
     (`cost_s`, `size`): an answer that took 20 s to make outranks a 0.3 s one of the same size and
@@ -182,12 +183,12 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     discounts them and keeps what is asked for again; a large one, where they often do, barely
     does. It is TinyLFU's doorkeeper turned into a prior rather than a gate (a gate refused
     one-offs that were worth keeping at 10,000 to 30,000 blocks). On the conversation trace it
-    raised 4,000 blocks from 1.35x to 1.52x LRU and 10,000 fell from 1.10x to 1.06x
+    raised 4,000 blocks from 1.35x to 1.53x LRU and 10,000 fell from 1.10x to 1.06x
     (docs/kv_reuse.md).
 
     `capacity`: the number of keys the store holds when full, sizing the sketch; 0 (unknown)
     starts small and builds a sketch four times larger each time the live keys outgrow it
-    (forgetting old counts but not the live keys: each is counted once in the new one).
+    (the live keys keep their counts in the new one; keys no longer held are forgotten).
     Heap with lazy deletion: admit/access push an entry (O(log n)), stale entries are skipped and
     the heap is rebuilt when they outnumber the live ones; `nominate` pops and pushes back.
     """
@@ -219,8 +220,9 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         # key -> (value, sequence, size, weight): weight is cost per unit of size
         self._entries: dict[K, tuple[float, int, int, float]] = {}
         self._heap: list[tuple[float, int, K]] = []
-        # the last nomination's values: a removal of one of them is an eviction
-        self._offered: dict[K, float] = {}
+        # the last nomination's keys -> their sequence then: a removal of one of them, unchanged
+        # since, is an eviction (a listing caller that deletes a listed key counts as evicting it)
+        self._offered: dict[K, int] = {}
         # admission classes, 0: never seen before, 1: seen; hits while held and admissions
         self._hits = [1.0, 1.0]
         self._admissions = [1.0, 1.0]
@@ -240,6 +242,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
 
     def _rank(self, key: K, frequency: int, size: int, weight: float) -> None:
         value = self._inflation + frequency * weight
+        self._offered.pop(key, None)  # re-ranked since it was nominated: no longer that victim
         self._sequence += 1
         self._entries[key] = (value, self._sequence, size, weight)
         heap = self._heap
@@ -251,9 +254,11 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     def _grow(self) -> None:
         if self._capacity or len(self._entries) <= self._sketch.capacity:
             return
-        self._sketch = FrequencySketch(self._sketch.capacity * 4)
-        for key in self._entries:
-            self._sketch.add(key)
+        old = self._sketch
+        self._sketch = FrequencySketch(old.capacity * 4)
+        for key in self._entries:  # the live keys keep their counts; the others are forgotten
+            for _ in range(old.estimate(key)):
+                self._sketch.add(key)
 
     def first_sight_discount(self) -> float:
         """What a never-seen key's weight is multiplied by now (see the class docstring)."""
@@ -289,8 +294,8 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         entry = self._entries.pop(key, None)
         self._unproven.pop(key, None)
         offered = self._offered.pop(key, None)
-        if entry is not None and offered is not None and offered == entry[0]:
-            self._inflation = max(self._inflation, offered)  # evicted: the level rises to it
+        if entry is not None and offered == entry[1]:
+            self._inflation = max(self._inflation, entry[0])  # evicted: the level rises to it
 
     def nominate(self, count: int = 1, size: int = 0, skip: SkipKey[K] | None = None) -> list[K]:
         self._offered = {}
@@ -302,7 +307,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         total = 0
         while heap and (len(chosen) < count or total < size):
             item = heapq.heappop(heap)
-            value, sequence, key = item
+            _value, sequence, key = item
             entry = entries.get(key)
             if entry is None or entry[1] != sequence:
                 continue  # stale
@@ -311,7 +316,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
                 continue
             chosen.append(key)
             total += entry[2]
-            self._offered[key] = value
+            self._offered[key] = sequence
         for item in popped:
             heapq.heappush(heap, item)
         return chosen

@@ -2,17 +2,18 @@
 
 A count-min sketch (four rows of 8-bit counters saturating at 15) behind a Bloom doorkeeper, with
 aging: the first request for a key only sets its doorkeeper bits, later ones count in the rows, and
-every `period` additions all counters halve and the doorkeeper empties, so the estimate follows a
-workload that shifts (Einziger, Friedman and Manes, "TinyLFU: A Highly Efficient Cache Admission
-Policy", ACM TOS 2017; Caffeine's `FrequencySketch` is the well-known implementation).
+once `horizon` x `capacity` additions have been made all counters halve, the doorkeeper empties
+and the count of additions halves too (so later agings come every half period), so the estimate
+follows a workload that shifts (Einziger, Friedman and Manes, "TinyLFU: A Highly Efficient Cache
+Admission Policy", ACM TOS 2017; Caffeine's `FrequencySketch` is the well-known implementation).
 
 Sized for a horizon rather than for the cache: a prefix cache's blocks come back hundreds of
 requests later (Mooncake's conversation trace: median 500 requests between a block's first and
 second use), far beyond what the cache holds, so the sketch must remember keys it no longer holds.
 `capacity` is the number of keys the cache holds; the sketch keeps `horizon` times that many
 additions before aging, and has `width` times that many counters per row (docs/kv_reuse.md gives
-the measurements that chose 100 and 25). Memory: about 4 x 25 + 32 bytes per key of capacity,
-rounded up to powers of two.
+the measurements that chose 100 and 25). Memory: about 4 x 25 + 100 bytes per key of capacity
+(counters, and a doorkeeper of 8 bits per addition of a period), rounded up to powers of two.
 
 Written here rather than taken from a library: no maintained Python package offers an aging
 count-min sketch with a doorkeeper, and the hit path needs it cheap (`add` is a few integer
@@ -82,7 +83,9 @@ class FrequencySketch:
         size = _power_of_two(capacity * width)
         self._mask = size - 1
         self._rows = [bytearray(size) for _ in range(_ROWS)]
-        door_bits = _power_of_two(capacity * 256)
+        # ~8 bits per addition of a period: about 3 % false positives with three hashes even if
+        # every addition of the period is a new key (256 bits per key of capacity were 8.5 %)
+        door_bits = _power_of_two(self._period * 8)
         self._door = bytearray(door_bits >> 3)
         self._door_mask = door_bits - 1
         self.additions = 0  # since the last aging
@@ -97,7 +100,10 @@ class FrequencySketch:
 
     def add(self, key: Hashable) -> int:
         """One more request for `key`; returns its estimate after it (`estimate`'s value), so a
-        policy ranking on every request hashes once. Unrolled: this runs on every cache hit."""
+        policy ranking on every request hashes once. Unrolled: this runs on every cache hit.
+        Ages first when the period is full, so the request just counted is never halved away."""
+        if self.additions >= self._period:
+            self.age()
         first, step = self._indexes(key)
         door, door_mask = self._door, self._door_mask
         bit0 = first & door_mask
@@ -130,9 +136,6 @@ class FrequencySketch:
             door[bit1 >> 3] |= 1 << (bit1 & 7)
             door[bit2 >> 3] |= 1 << (bit2 & 7)
         self.additions += 1
-        if self.additions >= self._period:
-            self.age()
-            return self.estimate(key)
         return least + 1
 
     def estimate(self, key: Hashable) -> int:

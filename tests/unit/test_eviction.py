@@ -229,10 +229,23 @@ def test_greedy_dual_learns_how_much_never_seen_keys_are_worth() -> None:
     assert gd.nominate(2) == ["fresh", "p"]  # "p" was asked for far more often
 
 
+def test_greedy_dual_a_nominee_used_again_is_not_evicted_when_removed() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
+    fill(gd, dict.fromkeys("ab", 1))
+    assert gd.nominate() == ["a"]
+    gd.access("a")  # used again after it was offered: its removal now is a deletion
+    gd.remove("a")
+    assert gd.inflation == 0.0
+
+
 def test_greedy_dual_without_a_capacity_grows_its_sketch_and_keeps_counting() -> None:
     gd: GreedyDualFrequencyPolicy[int] = GreedyDualFrequencyPolicy()
+    for _ in range(5):
+        gd.admit(7, 1)  # counted five times before the sketch grows
     for key in range(3000):  # past the starting size of 1,024 keys, twice over
         gd.admit(key, 1)
+    assert gd._sketch.capacity == 4096  # grew twice  # noqa: SLF001
+    assert gd.frequency(7) >= 6  # its counts came along
     gd.access(7)
     assert len(gd) == 3000
     assert gd.frequency(7) >= 2 and gd.frequency(2999) >= 1

@@ -40,7 +40,9 @@ def test_aging_halves_every_count_and_empties_the_doorkeeper() -> None:
     assert (sketch.estimate("hot"), sketch.estimate("once")) == (9, 1)
     for _ in range(10):
         sketch.add("filler")
-    assert sketch.additions == 10  # aged at 20: halved
+    assert (sketch.additions, sketch.estimate("hot")) == (20, 9)  # full, not aged yet
+    sketch.add("filler")  # the 21st ages first, then counts
+    assert sketch.additions == 10 + 1
     assert sketch.estimate("hot") == 4  # counters 8 -> 4, the doorkeeper's bit gone
     assert sketch.estimate("once") == 0
 
@@ -53,3 +55,11 @@ def test_digest_keys_hash_the_same_in_every_process() -> None:
 def test_sizes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         FrequencySketch(0)
+
+
+def test_add_returns_the_estimate_after_it_also_across_an_aging() -> None:
+    sketch = FrequencySketch(1, horizon=10)  # ages every 10 additions, then every 5
+    for step in range(60):
+        key = f"k{step % 3}"
+        returned = sketch.add(key)
+        assert returned == sketch.estimate(key) >= 1  # never halved away right after counting

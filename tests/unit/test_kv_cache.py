@@ -20,7 +20,7 @@ from tiercache.engine.kv_cache import (
     kv_salt,
 )
 from tiercache.errors import ConfigError
-from tiercache.eviction import LruPolicy, SkipKey
+from tiercache.eviction import LruPolicy, SkipKey, take_victims
 
 B = 4  # tokens per block
 SALT = kv_salt("rev1", "tenant-a", "")
@@ -122,13 +122,13 @@ def test_acquire_rejects_more_blocks_than_the_prompt_holds() -> None:
 
 
 def test_eviction_takes_lru_leaves_only() -> None:
-    pool = make_pool(max_bytes=40)  # four blocks of 10 bytes
+    pool = KvBlockPool[str](40, B, policy=LruPolicy())  # four blocks of 10 bytes
     a = list(range(100, 112))  # a chain of 3 blocks
     run(pool, a)
     run(pool, list(range(200, 204)))  # one block, used after the chain
     chain = block_hashes(a, B, SALT)
-    # The chain's root is the least recently used block, but it has a child: the chain's leaf
-    # goes first, then its parent, never the root before its children.
+    # Released leaf first, the chain's leaf is its least recently used block: it goes first,
+    # then its parent, never the root before its children.
     run(pool, list(range(300, 304)))
     assert chain[2] not in pool and chain[1] in pool and chain[0] in pool
     run(pool, list(range(400, 404)))
@@ -138,8 +138,27 @@ def test_eviction_takes_lru_leaves_only() -> None:
     assert pool.stats().evictions == 3
 
 
+class MostRecentFirst(LruPolicy[BlockHash]):
+    """Nominates the most recently told block first: a chain's root, told last at release."""
+
+    def nominate(
+        self, count: int = 1, size: int = 0, skip: SkipKey[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        ranked = [(key, 1) for key in reversed(self._order)]
+        return take_victims(ranked, count, size, skip)
+
+
+def test_the_pool_never_evicts_a_parent_whatever_its_policy_ranks_first() -> None:
+    pool = KvBlockPool[str](30, B, policy=MostRecentFirst())  # three blocks of 10 bytes
+    a = list(range(100, 112))
+    run(pool, a)  # the root is ranked first, then its child: both are parents
+    chain = block_hashes(a, B, SALT)
+    run(pool, list(range(300, 304)))
+    assert chain[2] not in pool and chain[1] in pool and chain[0] in pool
+
+
 def test_recent_use_protects_a_block() -> None:
-    pool = make_pool(max_bytes=20)
+    pool = KvBlockPool[str](20, B, policy=LruPolicy())
     old, newer = list(range(4)), list(range(10, 14))
     run(pool, old)
     run(pool, newer)
