@@ -155,12 +155,18 @@ def evict_one(policy: GreedyDualFrequencyPolicy[str], held: set[str]) -> str:
     return victim
 
 
-def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() -> None:
+def full_with_a_hot_key() -> tuple[GreedyDualFrequencyPolicy[str], set[str]]:
+    """A policy for a store of 4 keys holding a, b, c, d, where "a" was asked for 3 more times."""
     gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
     held = set("abcd")
     fill(gd, dict.fromkeys("abcd", 1))
     for _ in range(3):
         gd.access("a")
+    return gd, held
+
+
+def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() -> None:
+    gd, held = full_with_a_hot_key()
     evicted = []
     for index in range(8):  # a scan of one-off keys, each into a full store
         evicted.append(evict_one(gd, held))
@@ -173,11 +179,7 @@ def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() ->
 
 
 def test_greedy_dual_ages_a_key_no_longer_asked_for() -> None:
-    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
-    held = set("abcd")
-    fill(gd, dict.fromkeys("abcd", 1))
-    for _ in range(3):
-        gd.access("a")
+    gd, held = full_with_a_hot_key()
     for index in range(40):  # new keys, each asked for twice: the level rises past "a"'s value
         evict_one(gd, held)
         key = f"new{index}"
