@@ -76,13 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", dest="lora_name", metavar="NAME", help="LoRA adapter name")
     gen.add_argument("--no-stream", dest="stream", action="store_false", help="one response")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
-    gen.add_argument(
-        "--api-key-file",
-        default=os.environ.get("TIERCACHE_API_KEY_FILE", ""),
-        metavar="FILE",
-        help="a file holding your API key (from `tiercache keys add`), for a server with an API "
-        "key file (default: $TIERCACHE_API_KEY_FILE; none: no key sent)",
+    _api_key_option(gen)
+
+    feedback = sub.add_parser(
+        "feedback",
+        parents=[common],
+        help="say whether an answer was good or bad, by its answer id (bad: it is invalidated "
+        "and generated again when next asked)",
     )
+    feedback.add_argument("answer_id", help="the answer id `generate` printed")
+    feedback.add_argument("verdict", choices=("good", "bad"))
+    feedback.add_argument("--tenant", help="the tenant the answer was served to")
+    feedback.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    _api_key_option(feedback)
 
     sub.add_parser("health", parents=[common], help="show server and model readiness")
 
@@ -136,6 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _api_key_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key-file",
+        default=os.environ.get("TIERCACHE_API_KEY_FILE", ""),
+        metavar="FILE",
+        help="a file holding your API key (from `tiercache keys add`), for a server with an API "
+        "key file (default: $TIERCACHE_API_KEY_FILE; none: no key sent)",
+    )
+
+
+def _feedback(client: TierCacheClient, args: argparse.Namespace) -> int:
+    report = client.feedback(args.answer_id, args.verdict, tenant=args.tenant)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"{report.get('verdict')} ({report.get('served')}): {report.get('reaches', '?')}")
+    return 0
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
@@ -150,6 +175,8 @@ def summary_line(result: GenerationResult) -> str:
         parts.append(f"prefix KV reused {result.kv_reused_tokens} tokens")
     if result.first_chunk_s is not None:
         parts.append(f"first chunk {result.first_chunk_s * 1000.0:.2f} ms")
+    if result.answer_id:
+        parts.append(f"answer {result.answer_id}")
     return "[" + " | ".join(parts) + "]"
 
 
@@ -179,6 +206,7 @@ def _generate(client: TierCacheClient, args: argparse.Namespace) -> int:
                     "kv_reused_tokens": item.kv_reused_tokens,
                     "kv_computed_tokens": item.kv_computed_tokens,
                     "speculated_tokens": item.speculated_tokens,
+                    "answer_id": item.answer_id,
                 }
                 print(json.dumps(record, ensure_ascii=False))
             else:
@@ -354,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _generate(client, args)
             if args.command == "adapters":
                 return _adapters(client, args)
+            if args.command == "feedback":
+                return _feedback(client, args)
             admin = {"stats": _stats, "invalidate": _invalidate, "flush": _flush, "warm": _warm}
             if args.command in admin:
                 return admin[args.command](client, args)

@@ -34,6 +34,8 @@ from .errors import (
 )
 
 CACHE_ADMIN_MODEL = "cache_admin"
+FEEDBACK_MODEL = "feedback"
+FEEDBACK_OUTPUT = "FEEDBACK_RESULT"
 ADMIN_TOKEN_MIN_BYTES = 32
 # Triton's answer to a call of a restricted API (--grpc-restricted-protocol) without its header.
 _RESTRICTED = "This protocol is restricted"
@@ -59,7 +61,9 @@ class GenerationResult:
     `prompt_tokens` and `completion_tokens` are the answer's token counts: a generation's own,
     or for a hit those of the generation that produced the stored answer (0 when unknown, as
     for a warmed answer); None when the server did not report them (a padded tenant's
-    responses carry none).
+    responses carry none). `answer_id` names the answer for `TierCacheClient.feedback` (opaque;
+    valid only for the tenant it was served to); None for a request the cache never stores
+    (sampled without a seed).
     """
 
     text: str
@@ -74,6 +78,7 @@ class GenerationResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     speculated_tokens: int | None = None
+    answer_id: str | None = None
 
 
 TOKEN_OUTPUTS = (
@@ -94,6 +99,19 @@ def _bytes_input(name: str, values: Sequence[str]) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(data.shape), "BYTES")
     tensor.set_data_from_numpy(data)
     return tensor
+
+
+def feedback_inputs(
+    answer_id: str, verdict: str, tenant: str | None = None
+) -> list[grpcclient.InferInput]:
+    """The feedback model's inputs (its answer is the JSON of FEEDBACK_OUTPUT)."""
+    inputs = [
+        _bytes_input("ANSWER_ID", [_check_str("answer_id", answer_id)]),
+        _bytes_input("VERDICT", [_check_str("verdict", verdict)]),
+    ]
+    if tenant is not None:
+        inputs.append(_bytes_input("tenant", [_check_str("tenant", tenant)]))
+    return inputs
 
 
 def _scalar_input(name: str, value: Any, datatype: str, dtype: type) -> grpcclient.InferInput:
@@ -336,6 +354,7 @@ class TierCacheClient:
             first_chunk_s: float | None = None
             usage: dict[str, int] = {}
             finish_reason: str | None = None
+            answer_id: str | None = None
             while True:
                 remaining = deadline - time.perf_counter()
                 try:
@@ -363,6 +382,9 @@ class TierCacheClient:
                 finish = _texts(result, "finish_reason")
                 if finish and finish[0]:
                     finish_reason = finish[0]
+                ids = _texts(result, "answer_id")
+                if ids and ids[0]:
+                    answer_id = ids[0]
                 for name in TOKEN_OUTPUTS:
                     value = result.as_numpy(name)
                     if value is not None and value.size:
@@ -383,6 +405,7 @@ class TierCacheClient:
                 prompt_tokens=usage.get("prompt_tokens"),
                 completion_tokens=usage.get("completion_tokens"),
                 speculated_tokens=usage.get("speculated_tokens"),
+                answer_id=answer_id,
             )
         finally:
             client.stop_stream(cancel_requests=not completed)
@@ -490,6 +513,20 @@ class TierCacheClient:
             op["adapters"] = [_check_str("adapter name", n) for n in adapters]
         return self.admin(op)
 
+    def feedback(
+        self, answer_id: str, verdict: str, *, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Say whether a served answer was good or bad (`verdict` "good" or "bad"), by the
+        `answer_id` of its `GenerationResult`, as the tenant it was served to (`tenant`, or the
+        client's API key's). Bad: the answer's cache entry is invalidated (on every replica
+        with Redis) and generated again when next asked; good: counted. The server's JSON
+        answer: verdict, served (own|semantic), invalidated, published, reaches.
+        `ForbiddenError` for an id served to another tenant (or by another deployment),
+        `InvalidRequestError` for something that is not an answer id or verdict,
+        `UnavailableError` when the server's Redis is down (applied on its host only: retry)."""
+        inputs = feedback_inputs(answer_id, verdict, tenant)
+        return self._json_call(FEEDBACK_MODEL, inputs, FEEDBACK_OUTPUT)
+
     def _admin_call(
         self, model: str, admin: dict[str, Any], token: str | None = None
     ) -> dict[str, Any]:
@@ -497,23 +534,30 @@ class TierCacheClient:
         inputs = [_bytes_input("ADMIN", [json.dumps(admin)])]
         if token is not None:
             inputs.append(_bytes_input("ADMIN_TOKEN", [token]))
+        return self._json_call(model, inputs, "ADMIN_RESULT")
+
+    def _json_call(
+        self, model: str, inputs: list[grpcclient.InferInput], output: str
+    ) -> dict[str, Any]:
+        """One call of `model` whose answer is a JSON object in `output`."""
         client = self._acquire()
         reusable = False
         try:
             result = client.infer(
                 model,
                 inputs,
-                outputs=[grpcclient.InferRequestedOutput("ADMIN_RESULT")],
+                outputs=[grpcclient.InferRequestedOutput(output)],
                 client_timeout=self.timeout_s,
+                headers=self._headers,
             )
             reusable = True
         except InferenceServerException as exc:
             raise _error(exc) from None
         finally:
             self._release(client, reusable)
-        texts = _texts(result, "ADMIN_RESULT")
+        texts = _texts(result, output)
         if not texts:
-            raise UnavailableError(f"{model} answered without ADMIN_RESULT")
+            raise UnavailableError(f"{model} answered without {output}")
         parsed: dict[str, Any] = json.loads(texts[0])
         return parsed
 

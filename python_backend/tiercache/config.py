@@ -53,6 +53,13 @@ def adapters_path(adapters_dir: str, state_dir: Path) -> Path:
     return Path(env) if env else state_dir / "adapters"
 
 
+def api_keys_path(api_keys_file: str) -> Path | None:
+    """The API key file: the stage parameter, else $TIERCACHE_API_KEYS_FILE, else None (the
+    `tenant` input is trusted as sent)."""
+    named = api_keys_file or os.environ.get(API_KEYS_FILE_ENV, "")
+    return Path(named) if named else None
+
+
 def name_list(text: str) -> tuple[str, ...]:
     """A comma-separated parameter as a tuple of non-empty, stripped names."""
     return tuple(n.strip() for n in text.split(",") if n.strip())
@@ -186,6 +193,12 @@ PARAMETERS: dict[str, _Spec] = {
         "torch_llm: canonical request in, text out; tensorrt_llm: "
         "Triton's TensorRT-LLM backend model, token ids in and out",
         choices=choices(EngineKind),
+    ),
+    "api_keys_file": _Spec(
+        "",
+        "JSON file of hashed API keys -> tenants (tiercache.tenant_keys; `tiercache keys add` "
+        "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
+        "trusted as sent",
     ),
     "lora_model": _Spec(
         "lora_cache", "The lora_cache model (BLS target for adapter weights and warm-ups)"
@@ -340,16 +353,10 @@ class PromptCacheConfig(_LookupConfig):
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
     )
-    api_keys_file: str = param(
-        "",
-        "JSON file of hashed API keys -> tenants (tiercache.tenant_keys; `tiercache keys add` "
-        "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
-        "trusted as sent",
-    )
+    api_keys_file: str = shared("api_keys_file")
 
     def api_keys_path(self) -> Path | None:
-        named = self.api_keys_file or os.environ.get(API_KEYS_FILE_ENV, "")
-        return Path(named) if named else None
+        return api_keys_path(self.api_keys_file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +366,18 @@ class CacheAdminConfig(_LookupConfig):
     adapter warm-ups to."""
 
     lora_model: str = shared("lora_model")
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackConfig(_TiersConfig):
+    """`feedback`: a caller's good/bad on an answer it was served (tiercache.feedback); the same
+    tiers, Redis and secret as prompt_cache (a bad answer is invalidated on every replica) and
+    the same API keys (feedback comes from the tenant the answer was served to)."""
+
+    api_keys_file: str = shared("api_keys_file")
+
+    def api_keys_path(self) -> Path | None:
+        return api_keys_path(self.api_keys_file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,6 +673,7 @@ STAGE_CONFIGS: dict[str, type] = {
     "torch_llm": EngineConfig,
     "embedder": EmbedderConfig,
     "cache_admin": CacheAdminConfig,
+    "feedback": FeedbackConfig,
 }
 """Each Triton model of model_repository/ -> the config its stage parses."""
 

@@ -81,6 +81,10 @@ class Responder(Protocol):
         """Only the final flag: the client went away."""
         ...
 
+    def identify(self, answer_id: str) -> None:
+        """The answer's id (tiercache.exact.answer_ids), sent with the final response."""
+        ...
+
     def send_error(self, exc: BaseException) -> None: ...
 
 

@@ -382,6 +382,12 @@ class StageWatch:
         return gone
 
 
+REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin", "feedback")
+"""The stages a replica deployment gives the fleet's `redis_url` and `redis_prefix` (L3,
+invalidations, leases, shared rows; lora_cache may join them for the fleet's adapter metadata,
+docs/replicas.md)."""
+
+
 def copy_repository(
     source: Path, dest: Path, parameters: Mapping[str, Mapping[str, str]] | None = None
 ) -> Path:

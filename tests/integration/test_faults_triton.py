@@ -27,7 +27,7 @@ import redis
 from redis_server import RedisServer
 
 from tiercache.exact.stores import LmdbStore
-from tiercache.server import TritonServer, copy_repository
+from tiercache.server import REDIS_STAGES, TritonServer, copy_repository
 from tiercache_client import GenerationResult, TierCacheClient, TierCacheClientError
 from tiercache_dev.perf.analyzer import install_perf_analyzer, run_perf_analyzer
 
@@ -43,7 +43,6 @@ from .conftest import (
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 REFUSE_PATTERN = "(?i)forbidden topic"
 REFUSAL_TEXT = "That topic is not served here."
 RECOVERY_TIMEOUT_S = 120.0

@@ -16,7 +16,12 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tiercache.gateway.app import CACHE_STATUS_HEADER, GatewaySettings, running_in_thread
+from tiercache.gateway.app import (
+    ANSWER_ID_HEADER,
+    CACHE_STATUS_HEADER,
+    GatewaySettings,
+    running_in_thread,
+)
 from tiercache.server import TritonServer, free_port
 from tiercache_client import TierCacheClient, read_admin_token
 
@@ -389,3 +394,36 @@ def test_the_edge_answers_exact_hits_as_the_ensemble_would_and_honours_invalidat
     assert ask() == ("exact", text)  # and the edge serves the same
     assert edge_hits(edge) == hits + 3
     oai.close()
+
+
+def test_feedback_through_the_gateway_on_an_edge_hit_and_an_ensemble_answer(edge: str) -> None:
+    """Issue 19: the answer id reaches an HTTP caller in the `x-tiercache-answer-id` header and
+    the `tiercache` field, from the ensemble and from the edge alike; `POST /v1/feedback` with
+    `bad` stops the answer (the edge's copy too); a body that is not feedback is a 400."""
+    prompt = unique("Name a fruit.")
+    body = {"model": BASE, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+
+    def ask() -> httpx.Response:
+        response = httpx.post(f"{edge}/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response
+
+    first = ask()
+    answer_id = first.headers[ANSWER_ID_HEADER]
+    assert first.json()["tiercache"]["answer_id"] == answer_id
+    hits = edge_hits(edge)
+    at_edge = ask()
+    assert at_edge.headers[CACHE_STATUS_HEADER] == "exact" and edge_hits(edge) == hits + 1
+    edge_id = at_edge.headers[ANSWER_ID_HEADER]
+    assert edge_id != answer_id
+
+    verdict = httpx.post(f"{edge}/v1/feedback", json={"answer_id": edge_id, "verdict": "bad"})
+    assert verdict.status_code == 200, verdict.text
+    assert verdict.json()["invalidated"] is True
+    assert ask().headers[CACHE_STATUS_HEADER] == "miss"
+
+    for bad_body in ({"answer_id": edge_id}, {"answer_id": edge_id, "verdict": "meh"}, [1]):
+        refused = httpx.post(f"{edge}/v1/feedback", json=bad_body)
+        assert refused.status_code == 400, refused.text
+    forged = httpx.post(f"{edge}/v1/feedback", json={"answer_id": "a1.xyz", "verdict": "bad"})
+    assert forged.status_code == 400 and "not an answer id" in forged.text

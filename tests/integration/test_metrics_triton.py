@@ -19,14 +19,13 @@ import pytest
 from dashboard_queries import load_dashboard, metric_names, missing_from_scrape, targets
 from redis_server import RedisServer
 
-from tiercache.server import TritonServer, copy_repository
+from tiercache.server import REDIS_STAGES, TritonServer, copy_repository
 from tiercache_client import TierCacheClient, read_admin_token
 
 from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, settled_metric, start_server
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 PROPAGATION_TIMEOUT_S = 10.0
 OUTAGE_TIMEOUT_S = 120.0  # each poke is a generation on a shared CPU
 

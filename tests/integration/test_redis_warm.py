@@ -34,7 +34,7 @@ from tiercache.semantic.row_log import scope_tag
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import REDIS_STAGES, Ports, TritonServer, copy_repository
 from tiercache.vocabulary import Tier
 from tiercache_client import TierCacheClient, read_admin_token
 
@@ -462,7 +462,7 @@ def test_fleet_sync_warms_the_fleets_top_adapters_retrying_until_the_engine_take
 
 # -- through two real tritonservers ----------------------------------------------------------------
 
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin", "lora_cache")
+FLEET_STAGES = (*REDIS_STAGES, "lora_cache")
 MAX_TOKENS = 8
 
 
@@ -475,7 +475,7 @@ def start_replica(
     state = root / f"state-{name}"
     give_secret(state)
     shared = {"redis_url": redis_url, "redis_prefix": prefix}
-    stages: dict[str, dict[str, str]] = {stage: dict(shared) for stage in REDIS_STAGES}
+    stages: dict[str, dict[str, str]] = {stage: dict(shared) for stage in FLEET_STAGES}
     stages["lora_cache"].update({"fleet_sync_s": "1", **lora})
     server = TritonServer(
         model_repository=copy_repository(MODEL_REPOSITORY, root / f"repo-{name}", stages),

@@ -22,14 +22,13 @@ import pytest
 from redis_server import RedisServer
 
 from tiercache.exact.keys import replace_secret
-from tiercache.server import Ports, TritonServer, copy_repository
+from tiercache.server import REDIS_STAGES, Ports, TritonServer, copy_repository
 from tiercache_client import GenerationResult, TierCacheClient, read_admin_token
 
 from .conftest import METRICS_FLUSH_S, MODEL_REPOSITORY, metric_value
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 PROPAGATION_TIMEOUT_S = 10.0
 
 
@@ -132,6 +131,26 @@ def test_invalidation_sent_to_one_replica_reaches_the_other(
     # The other tenant's entry is untouched on B.
     still = b.generate_text(prompt, tenant=other_tenant, max_tokens=MAX_TOKENS)
     assert (still.cache_status, still.text) == ("exact", kept.text)
+
+
+def test_bad_feedback_sent_to_one_replica_stops_the_answer_on_both(
+    clients: tuple[TierCacheClient, TierCacheClient],
+) -> None:
+    """Issue 19: an answer served by B, judged bad through A's feedback model, is served by
+    neither replica again (B's L1 and L2 copies dropped through the invalidation channel)."""
+    a, b = clients
+    tenant = f"fb-{uuid.uuid4().hex[:8]}"
+    prompt = f"Name one mountain ({uuid.uuid4().hex[:6]})."
+    assert a.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS).cache_status == "miss"
+    for _ in range(2):  # B serves it from L3, then from its own L1
+        served = b.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS)
+        assert served.cache_status == "exact" and served.answer_id is not None
+    report = a.feedback(served.answer_id, "bad", tenant=tenant)
+    assert (report["invalidated"], report["published"]) == (True, True)
+    poll(
+        lambda: b.generate_text(prompt, tenant=tenant, max_tokens=MAX_TOKENS),
+        lambda r: r.cache_status != "exact",
+    )
 
 
 def test_identical_misses_on_both_replicas_generate_once(

@@ -186,6 +186,16 @@ def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
     assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12, 1]
     seals.check_answer(sealer, data, out)
     assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")
+    # An empty stored answer (the engine stopped at once) is an exact hit decoded on the way:
+    # its token counts go on too, so llm can check the envelope's seal over them.
+    empty = seals.sealed(sealer, sent, "", (31, 0, 0))
+    hit = request(pb_utils, empty, "")
+    tensors = [*hit.inputs(), pb_utils.Tensor("CACHED_TOKENS", np.array([[31, 0, 0]], np.int32))]
+    (passed,) = model.execute([pb_utils.InferenceRequest(tensors)])
+    out = answer(passed)
+    assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("", "exact")
+    assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 0, 0]
+    seals.check_answer(sealer, empty, out)
 
 
 def test_the_verifier_parameters_choose_the_stages_decision(

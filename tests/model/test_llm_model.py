@@ -18,6 +18,8 @@ import pytest
 import seals
 
 from tiercache.adapter_types import AdapterRef, adapter_digest
+from tiercache.errors import Forbidden
+from tiercache.exact.answer_ids import AnswerRef, ServedAs
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
@@ -404,3 +406,50 @@ def test_a_semantic_hit_with_verify_semantic_is_served_only_as_the_engines_own_a
     model.stage.metrics.flush()
     outcomes = {k: c.metric.value() for k, c in model.stage.verifications.items()}
     assert outcomes == {"verified": 1, "refuted": 1, "unchecked": 0}
+
+
+def answer_ref(model: Any, responses: list[Any], tenant: str = TENANT) -> AnswerRef | None:
+    """What the final response's ANSWER_ID names, opened as the feedback model opens it (None
+    when the response carries no id)."""
+    (response,) = responses
+    assert not response.has_error(), response.error().message()
+    tensor = pb_utils_stub.get_output_tensor_by_name(response, "ANSWER_ID")
+    if tensor is None:
+        return None
+    answer_id = tensor.as_numpy().reshape(-1)[0].decode()
+    ref: AnswerRef = model.stage.answer_ids.open(answer_id, tenant)
+    return ref
+
+
+def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """An exact hit's and a miss's ANSWER_ID name the request's own digest; a semantic hit's
+    names the neighbour whose answer it serves (from embedding_cache's sealed NEIGHBOURS) and
+    its similarity; each opens only for the tenant it was served to; a request without a digest
+    gets none; a repeated exact hit gets a fresh id for the same entry."""
+    exact = envelope(sealer, CacheStatus.EXACT, "1" * 64, "the answer")
+    hit = to_llm(pb_utils, sealer, exact, "the answer", CacheStatus.EXACT)
+    asks = envelope(sealer, CacheStatus.MISS, "2" * 64, semantic_scope="s" * 64)
+    near = to_llm(
+        pb_utils, sealer, asks, "close enough", "semantic", 0.8125, neighbours=("5" * 64,)
+    )
+    miss = envelope(sealer, CacheStatus.MISS, "3" * 64, write_back=True)
+    unkeyed = Envelope(
+        request=GenerationRequest("Hi", tenant_scope=TENANT), status=CacheStatus.MISS
+    )
+    no_digest = seals.sealed(sealer, unkeyed, "", (0, 0, 0))
+    batch = [hit, hit, near, to_llm(pb_utils, sealer, miss), to_llm(pb_utils, sealer, no_digest)]
+    first, again, semantic, generated, anonymous = run(pb_utils, model, batch)
+    assert answer_ref(model, first) is not None
+    ids = [pb_utils_stub.get_output_tensor_by_name(r[0], "ANSWER_ID") for r in (first, again)]
+    assert ids[0].as_numpy()[0] != ids[1].as_numpy()[0]
+    for responses, digest in ((first, "1" * 64), (again, "1" * 64), (generated, "3" * 64)):
+        ref = answer_ref(model, responses)
+        assert ref is not None and (ref.digest, ref.served) == (digest, ServedAs.OWN)
+    ref = answer_ref(model, semantic)
+    assert ref is not None and (ref.digest, ref.served) == ("5" * 64, ServedAs.SEMANTIC)
+    assert ref.similarity == pytest.approx(0.8125)
+    assert answer_ref(model, anonymous) is None
+    with pytest.raises(Forbidden):
+        answer_ref(model, first, OTHER_TENANT)

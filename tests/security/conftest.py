@@ -23,7 +23,7 @@ from integration.conftest import MODEL_REPOSITORY, REPO
 from redis_server import RedisServer
 
 from tiercache.exact.tenant_keys import add_key
-from tiercache.server import Ports, copy_repository, free_port
+from tiercache.server import REDIS_STAGES, Ports, copy_repository, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,6 @@ READY_TIMEOUT_S = 600.0  # a first start converts the weights and loads the LLM
 
 
 TENANTS = ("acme", "globex", "public")  # public is padded (not in trusted_tenants)
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 REDIS_PREFIX = "security:"
 PADDING_MS = 150
 

@@ -215,6 +215,30 @@ def test_another_tenants_answers_stay_out_of_reach(
     assert forbidden(message) and first.text not in message
 
 
+def test_feedback_is_taken_only_from_the_tenant_that_was_served(served: Served) -> None:
+    """Issue 19: an attacker with a key of its own cannot make a victim's answer be dropped:
+    the victim's answer id sent with the attacker's key (naming the victim or not), without a
+    key, or altered, is refused and nothing is invalidated; the victim's own bad verdict is
+    taken."""
+    prompt = unique("Name a noble gas.")
+    with client(served, "acme") as acme, client(served, "globex") as globex:
+        answer = acme.generate_text(prompt, max_tokens=MAX_TOKENS)
+        assert answer.answer_id is not None
+        with client(served, None) as anonymous:
+            with pytest.raises(ForbiddenError):
+                anonymous.feedback(answer.answer_id, "bad", tenant="acme")
+        with pytest.raises(ForbiddenError):
+            globex.feedback(answer.answer_id, "bad")
+        with pytest.raises(ForbiddenError):  # naming the victim: refused by the key check
+            globex.feedback(answer.answer_id, "bad", tenant="acme")
+        altered = answer.answer_id[:-2] + ("AA" if answer.answer_id[-2:] != "AA" else "BB")
+        with pytest.raises((ForbiddenError, InvalidRequestError)):
+            acme.feedback(altered, "bad")
+        assert acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status == "exact"
+        assert acme.feedback(answer.answer_id, "bad")["invalidated"] is True
+        assert acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status != "exact"
+
+
 # -- closed internal stages -------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from tiercache_client.cli import build_parser, default_admin_token_file, main, s
 
 TOKEN_BYTES = bytes(range(32))  # what the fake server's admin token file holds
 TOKEN = TOKEN_BYTES.hex()
+ANSWER_ID = "a1." + "Q" * 96  # the fake server's answer id (the client treats it as opaque)
 
 
 def _free_port() -> int:
@@ -192,6 +193,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests: list[dict[str, tuple[str, list[int]]]] = []
         self.admin_calls: list[dict[str, Any]] = []
         self.stream_headers: list[dict[str, str]] = []
+        self.feedback_calls: list[tuple[dict[str, str], dict[str, str]]] = []
 
     def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -206,10 +208,12 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     def ModelInfer(self, request: Any, context: Any) -> Any:
-        """cache_admin's ADMIN call (the only model the client calls unary): a fixed answer
-        per op; lora_cache's adapter report for `adapters` (cache_admin forwards it there)."""
-        assert request.model_name == "cache_admin"
+        """cache_admin's ADMIN call: a fixed answer per op; lora_cache's adapter report for
+        `adapters` (cache_admin forwards it there). feedback's call: its inputs echoed."""
         names = [i.name for i in request.inputs]
+        if request.model_name == "feedback":
+            return self._feedback(request, names, context)
+        assert request.model_name == "cache_admin"
         (admin,) = deserialize_bytes_tensor(request.raw_input_contents[names.index("ADMIN")])
         op = json.loads(admin)
         # As cache_admin: no or a wrong token is refused before anything else.
@@ -222,6 +226,19 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         if op["op"] == "adapters":
             return self._adapters(request, op.get("warm") or [], context)
         return self._cache_admin(request, op, context)
+
+    def _feedback(self, request: Any, names: list[str], context: Any) -> Any:
+        values = {
+            name: deserialize_bytes_tensor(request.raw_input_contents[i])[0].decode()
+            for i, name in enumerate(names)
+        }
+        self.feedback_calls.append((values, dict(context.invocation_metadata())))
+        if values["ANSWER_ID"] != ANSWER_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "forbidden: not this tenant's")
+        answer = {"verdict": values["VERDICT"], "served": "semantic", "reaches": "every replica"}
+        resp = service_pb2.ModelInferResponse(model_name="feedback", id=request.id)
+        _bytes_output(resp, "FEEDBACK_RESULT", [json.dumps(answer)])
+        return resp
 
     def _adapters(self, request: Any, warm: list[str], context: Any) -> Any:
         if "nope" in warm:
@@ -284,6 +301,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield service_pb2.ModelStreamInferResponse(infer_response=resp)
             final = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
             _bytes_output(final, "cache_status", ["semantic"])
+            _bytes_output(final, "answer_id", [ANSWER_ID])
             sim = final.outputs.add()
             sim.name, sim.datatype = "cache_similarity", "FP32"
             sim.shape.extend([1, 1])
@@ -466,7 +484,9 @@ def test_cli_generate_json(
         "kv_reused_tokens",
         "kv_computed_tokens",
         "speculated_tokens",
+        "answer_id",
     }
+    assert record["answer_id"] == ANSWER_ID
     # a hit: no engine counts
     assert (
         record["kv_reused_tokens"],
@@ -726,3 +746,22 @@ def test_an_api_key_goes_as_the_authorization_header(
     key_file.write_text("tc_from_file\n")
     assert main(["generate", "hello", "--url", url, "--api-key-file", str(key_file)]) == 0
     assert fake.stream_headers[-1]["authorization"] == "Bearer tc_from_file"
+
+
+def test_cli_feedback_sends_the_id_verdict_tenant_and_api_key(
+    fake_server: tuple[str, _FakeTriton], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, servicer = fake_server
+    key_file = tmp_path / "key"
+    key_file.write_text("tc_secret\n")
+    argv = ["feedback", ANSWER_ID, "bad", "--tenant", "acme", "--url", url]
+    assert main([*argv, "--api-key-file", str(key_file)]) == 0
+    assert capsys.readouterr().out == "bad (semantic): every replica\n"
+    values, headers = servicer.feedback_calls[-1]
+    assert values == {"ANSWER_ID": ANSWER_ID, "VERDICT": "bad", "tenant": "acme"}
+    assert headers["authorization"] == "Bearer tc_secret"
+    # the server's refusal is the CLI's exit code 2 with its message
+    assert main(["feedback", "a1.other", "good", "--url", url]) == 2
+    assert "forbidden" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a verdict argparse does not know
+        main(["feedback", ANSWER_ID, "meh", "--url", url])

@@ -149,6 +149,7 @@ def test_gpu_repository_models(gpu_repo: Path) -> None:
         "embedder",
         "embedding_cache",
         "ensemble",
+        "feedback",
         "llm",
         "lora_cache",
         "prompt_cache",

@@ -35,7 +35,7 @@ class TritonPythonModel:
                 answer = self.stage.exact_hit(data, cached_text, tokens)
                 if answer is None:
                     envelope = self.stage.open(data, cached_text, tokens)
-                    answer = self.stage.pass_through(envelope, cached_text)
+                    answer = self.stage.pass_through(envelope, cached_text, tokens)
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 self.stage.count_error()
                 responses[i] = io.error_response(exc)

@@ -25,6 +25,10 @@ class Responder:
 
     def __init__(self, sender: object) -> None:
         self.sender = sender
+        self.answer_id: str | None = None
+
+    def identify(self, answer_id: str) -> None:
+        self.answer_id = answer_id
 
     def is_cancelled(self) -> bool:
         return bool(self.sender.is_cancelled())
@@ -42,6 +46,8 @@ class Responder:
         tokens: tuple[int, int] | None = None,
     ) -> None:
         outputs = [io.bytes_tensor("CACHE_STATUS", [status])]
+        if self.answer_id is not None:
+            outputs.append(io.bytes_tensor("ANSWER_ID", [self.answer_id]))
         if tokens is not None:
             outputs.append(io.scalar_tensor("PROMPT_TOKENS", tokens[0], np.int32))
             outputs.append(io.scalar_tensor("COMPLETION_TOKENS", tokens[1], np.int32))
@@ -77,7 +83,8 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
         counts = tokens_of(tokens)
-        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA, counts)
+        served = neighbours_of(neighbours)  # a semantic hit's: the entry it serves
+        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA, counts, served)
     tensors: dict[str, Part] = {
         name: inputs.vector(name) if name == "LORA_TASK_ID" else inputs.blob(name)
         for name in lora_inputs(stage.engine.trtllm is not None)

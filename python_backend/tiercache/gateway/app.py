@@ -43,12 +43,18 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from tritonclient.utils import InferenceServerException
 
 from tiercache.errors import InvalidRequest
 from tiercache.exact.request import RawInputs
 from tiercache.gateway import openai_api as api
 from tiercache.gateway.edge import EdgeCache, open_edge
-from tiercache_client.client import build_inputs
+from tiercache_client.client import (
+    FEEDBACK_MODEL,
+    FEEDBACK_OUTPUT,
+    build_inputs,
+    feedback_inputs,
+)
 from tiercache_client.errors import (
     ForbiddenError,
     InvalidRequestError,
@@ -72,9 +78,12 @@ class JSONResponse(Response):
 
 
 ENSEMBLE = "ensemble"
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/feedback", "/v1/models", "/health", "/metrics"}
+)
 CACHE_STATUS_HEADER = "x-tiercache-cache-status"
 SIMILARITY_HEADER = "x-tiercache-similarity"
+ANSWER_ID_HEADER = "x-tiercache-answer-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,11 +188,36 @@ class Gateway:
                     outcome.completion_tokens = _count(result, "completion_tokens")
                     outcome.cached_tokens = _count(result, "kv_reused_tokens") or 0
                     outcome.speculated_tokens = _count(result, "speculated_tokens") or 0
+                    ids = _texts(result, "answer_id")
+                    outcome.answer_id = ids[0] if ids and ids[0] else None
                     yield outcome
                     return
         finally:
             responses.cancel()
         raise UnavailableError("the ensemble's stream ended without a final response")
+
+    async def feedback(
+        self, answer_id: str, verdict: str, authorization: str | None
+    ) -> dict[str, Any]:
+        """The feedback model's JSON answer for one verdict, as the caller's key's tenant (its
+        typed errors as the client's)."""
+        inputs = feedback_inputs(answer_id, verdict)
+        headers = {"authorization": authorization} if authorization else None
+        try:
+            result = await self.client.infer(
+                FEEDBACK_MODEL,
+                inputs,
+                outputs=[grpc_aio.InferRequestedOutput(FEEDBACK_OUTPUT)],
+                client_timeout=self.settings.timeout_s,
+                headers=headers,
+            )
+        except InferenceServerException as exc:
+            raise classify(str(exc.message()), exc.status()) from None
+        texts = _texts(result, FEEDBACK_OUTPUT)
+        if not texts:
+            raise UnavailableError("the feedback model answered without FEEDBACK_RESULT")
+        answer: dict[str, Any] = json.loads(texts[0])
+        return answer
 
 
 async def _transport_errors_classified(responses: Any) -> AsyncIterator[Any]:
@@ -338,6 +372,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
             prompt_tokens=prompt,
             completion_tokens=completion,
             finish_reason="length" if truncated else "stop",
+            answer_id=hit.answer_id,
         )
 
     async def prometheus(request: Request) -> Response:
@@ -440,6 +475,31 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
+    async def feedback(request: Request) -> Any:
+        """POST /v1/feedback {"answer_id", "verdict": "good" | "bad"}: the feedback model's
+        answer, as the caller's API key's tenant (docs/gateway.md)."""
+        try:
+            body = json.loads(await bounded_body(request))
+        except BodyTooLarge as exc:
+            return error_response(InvalidRequest(str(exc)))
+        except (ValueError, RecursionError):
+            return error_response(InvalidRequest("the request body is not JSON"))
+        if not isinstance(body, dict) or set(body) - {"answer_id", "verdict"}:
+            return error_response(
+                InvalidRequest('the body must be {"answer_id": "...", "verdict": "good"|"bad"}')
+            )
+        answer_id, verdict = body.get("answer_id"), body.get("verdict")
+        if not isinstance(answer_id, str) or not answer_id:
+            return error_response(InvalidRequest("'answer_id' must be a non-empty string"))
+        if verdict not in ("good", "bad"):
+            return error_response(InvalidRequest('\'verdict\' must be "good" or "bad"'))
+        authorization = request.headers.get("authorization")
+        try:
+            answer = await the_gateway().feedback(answer_id, verdict, authorization)
+        except Exception as exc:  # noqa: BLE001 - this request's error response
+            return error_response(exc)
+        return JSONResponse(answer)
+
     async def chat_completions(request: Request) -> Any:
         return await serve(request, chat=True)
 
@@ -450,6 +510,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/feedback", feedback, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
@@ -517,6 +578,8 @@ def cache_headers(outcome: api.Outcome) -> dict[str, str]:
     headers = {CACHE_STATUS_HEADER: outcome.cache_status}
     if outcome.similarity is not None:
         headers[SIMILARITY_HEADER] = f"{outcome.similarity:.6f}"
+    if outcome.answer_id is not None:
+        headers[ANSWER_ID_HEADER] = outcome.answer_id
     return headers
 
 

@@ -32,6 +32,7 @@ from tritonclient.grpc import model_config_pb2
 
 from tiercache.config import LlmConfig, PromptCacheConfig, parse_config
 from tiercache.errors import ConfigError, TierCacheError
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.request import RawInputs
 from tiercache.exact.tenant_keys import KeyFile, TenantGrant, key_from_parameter
@@ -68,6 +69,7 @@ class EdgeHit:
     text: str
     tier: str
     tokens: tuple[int, int, int] = (0, 0, 0)
+    answer_id: str | None = None  # as llm names an exact hit (tiercache.exact.answer_ids)
 
 
 class EdgeCache:
@@ -81,8 +83,11 @@ class EdgeCache:
         contract: ContractCheck,
         keys: KeyFile | None = None,
         tiers: ExactTiers | None = None,
+        ids: AnswerIds | None = None,
     ) -> None:
+        """`ids`: the deployment's answer ids (None: hits served here carry no answer id)."""
         self.lookup = lookup
+        self.ids = ids
         self.padding = padding
         self.contract = contract
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
@@ -104,9 +109,13 @@ class EdgeCache:
             return None  # refused: the ensemble refuses it too, in its own words
         if result.status is not CacheStatus.EXACT or result.tier is None:
             return None
-        if self.padding.pads(result.request.tenant_scope):
+        scope = result.request.tenant_scope
+        if self.padding.pads(scope):
             return None
-        return EdgeHit(result.text, result.tier.value, result.tokens)
+        answer_id = None
+        if self.ids is not None and result.digest is not None:
+            answer_id = self.ids.issue(AnswerRef(result.digest, ServedAs.OWN), scope)
+        return EdgeHit(result.text, result.tier.value, result.tokens, answer_id)
 
     def _padded(self, raw: RawInputs, grant: TenantGrant | None) -> bool:
         """Whether llm pads the request's tenant: the grant's, else the `tenant` input as
@@ -149,4 +158,4 @@ def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
             LLM: (llm.state_path(), llm_terms(padding)),
         }
     )
-    return EdgeCache(lookup, padding, contract, keys, tiers)
+    return EdgeCache(lookup, padding, contract, keys, tiers, AnswerIds(secret))

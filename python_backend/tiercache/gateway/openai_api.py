@@ -249,6 +249,7 @@ class Outcome:
     completion_tokens: int | None = None
     cached_tokens: int = 0
     speculated_tokens: int = 0
+    answer_id: str | None = None  # for POST /v1/feedback (tiercache.exact.answer_ids)
 
 
 OPENAI_FINISH_REASONS = frozenset({"stop", "length", "content_filter"})
@@ -267,6 +268,8 @@ def tiercache_field(outcome: Outcome) -> dict[str, Any]:
     extra: dict[str, Any] = {"cache_status": outcome.cache_status}
     if outcome.similarity is not None:
         extra["similarity"] = round(outcome.similarity, 6)
+    if outcome.answer_id is not None:
+        extra["answer_id"] = outcome.answer_id
     return extra
 
 

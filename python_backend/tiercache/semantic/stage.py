@@ -47,6 +47,7 @@ class SemanticLookup:
     # Not a hit: the answer digests of the nearest neighbours at or above the draft floor
     # (refused ones included), nearest first; llm drafts a speculative decoding from them.
     drafts: tuple[str, ...] = ()
+    digest: str = ""  # a hit's answer digest (the neighbour's entry it served)
 
 
 class EmbeddingCache:
@@ -138,6 +139,7 @@ class EmbeddingCache:
                     neighbour.similarity,
                     cached,
                     token_accounting(entry),
+                    digest=neighbour.digest,
                 )
             outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached, drafts=drafts)

@@ -24,7 +24,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,7 @@ def prompt_cache_terms(
     """What prompt_cache decides a hit by: who the caller is (the key file, or none: the tenant
     input is trusted), the digest's key and engine, the limits a request must pass."""
     return {
-        "api_keys_file": None if keys_file is None else str(keys_file.resolve()),
-        "secret": secret_fingerprint(secret),
+        **caller_terms(keys_file, secret),
         "model": engine.model_id,
         "revision": engine.revision,
         "limits": {
@@ -60,6 +59,19 @@ def prompt_cache_terms(
             "max_stop_words": limits.max_stop_words,
         },
     }
+
+
+def caller_terms(keys_file: Path | None, secret: bytes) -> dict[str, Any]:
+    """Who a caller is and whose scopes it gets: the API key file (None: the tenant input is
+    trusted) and the secret's fingerprint. The feedback model must agree on these with
+    prompt_cache before it takes a verdict (CALLER_TERMS)."""
+    return {
+        "api_keys_file": None if keys_file is None else str(keys_file.resolve()),
+        "secret": secret_fingerprint(secret),
+    }
+
+
+CALLER_TERMS = ("api_keys_file", "secret")
 
 
 def llm_terms(padding: PaddingPolicy) -> dict[str, Any]:
@@ -99,7 +111,10 @@ class ContractCheck:
         expected: Mapping[str, tuple[Path, Mapping[str, Any]]],
         interval_s: float = CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        compared: Collection[str] | None = None,
     ) -> None:
+        """`compared`: the terms compared (None: all of each document)."""
+        self._compared = None if compared is None else frozenset(compared)
         self._paths = {stage: contract_path(state, stage) for stage, (state, _) in expected.items()}
         # as JSON would give them back (tuples as lists, keys as strings)
         self._expected = {stage: json.loads(json.dumps(t)) for stage, (_, t) in expected.items()}
@@ -144,6 +159,8 @@ class ContractCheck:
                 return False, f"{stage} has published no terms ({path}): is it running?"
             except (OSError, ValueError) as exc:
                 return False, f"{stage}'s terms ({path}) cannot be read: {exc}"
+            if self._compared is not None and isinstance(published, dict):
+                published = {k: v for k, v in published.items() if k in self._compared}
             if published != self._expected[stage]:
                 differ = sorted(
                     k
@@ -151,9 +168,9 @@ class ContractCheck:
                     if published.get(k) != self._expected[stage].get(k)
                 )
                 return False, (
-                    f"{stage} runs with other {', '.join(differ)} than the gateway's "
-                    "configuration (start the gateway in the stages' environment, and restart "
-                    "it with them)"
+                    f"{stage} runs with other {', '.join(differ)} than this process's "
+                    "configuration (start it in the stages' environment, and restart it with "
+                    "them)"
                 )
         return True, ""
 

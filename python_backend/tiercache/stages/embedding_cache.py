@@ -47,7 +47,8 @@ class Answer:
     similarity: float = 0.0
     vector: np.ndarray | None = None  # the prompt's vector (llm indexes it with a new answer)
     tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
-    # A miss's nearest neighbours' answer digests (refused ones too): llm drafts from them.
+    # A miss's nearest neighbours' answer digests (refused ones too): llm drafts from them. A
+    # semantic hit's: the one whose answer it serves (llm names it in the answer id).
     neighbours: tuple[str, ...] = ()
 
 
@@ -98,13 +99,17 @@ class EmbeddingCacheStage:
         self.outcomes["skipped"].increment(1)
         return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
 
-    def pass_through(self, envelope: Envelope, cached_text: str) -> Answer | None:
+    def pass_through(
+        self, envelope: Envelope, cached_text: str, tokens: Tokens = NO_TOKENS
+    ) -> Answer | None:
         """The answer for a request that is not looked up by meaning (an exact hit, or not
-        semantic-eligible); None when it must be looked up (then `lookup` it with others)."""
+        semantic-eligible); None when it must be looked up (then `lookup` it with others).
+        `tokens` go on with it: an exact hit whose stored answer is empty comes this way, and
+        llm checks the envelope's seal over the hit's text and tokens."""
         if envelope.semantic_lookup:
             return None
         self.outcomes["skipped"].increment(1)
-        return Answer(cached_text, envelope.status.value)
+        return Answer(cached_text, envelope.status.value, tokens=tokens)
 
     def lookup(self, envelopes: Sequence[Envelope]) -> list[Answer]:
         """One batched lookup of requests `pass_through` did not answer."""
@@ -125,7 +130,14 @@ class EmbeddingCacheStage:
             if result.outcome is SemanticOutcome.HIT:
                 status = CacheStatus.SEMANTIC.value
                 answers.append(
-                    Answer(result.text, status, result.similarity, result.vector, result.tokens)
+                    Answer(
+                        result.text,
+                        status,
+                        result.similarity,
+                        result.vector,
+                        result.tokens,
+                        neighbours=(result.digest,) if result.digest else (),
+                    )
                 )
             else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
                 answers.append(

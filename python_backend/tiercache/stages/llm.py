@@ -27,7 +27,9 @@ from tiercache.engine.trtllm_client import (
     request_lora_from_arrays,
 )
 from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.leases import LeaseCoordinator
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
@@ -95,7 +97,8 @@ class LlmInput:
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
     lora: EngineLora  # what lora_cache sent for the engine
     tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
-    neighbours: tuple[str, ...] = ()  # a miss's semantic neighbours' answer digests (drafts)
+    # a miss's semantic neighbours' answer digests (drafts); a semantic hit's: the one it serves
+    neighbours: tuple[str, ...] = ()
 
 
 def open_lora(
@@ -275,6 +278,10 @@ class LlmStage:
     ) -> None:
         self.config = config
         self.sealer = sealer
+        self.answer_ids = AnswerIds(secret)
+        # (envelope, exact hit's text, tokens) -> (digest, tenant scope): a repeated exact hit
+        # names its answer without decoding its envelope again (tiercache.exact.memo)
+        self._id_terms: Memo[tuple[str, str]] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -398,8 +405,12 @@ class LlmStage:
         return open_lora(self.engine.cipher, trtllm, tensors, envelope.seal)
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
-        """Answer one request through `responder` (a hit at once, a miss from a worker)."""
+        """Answer one request through `responder` (a hit at once, a miss from a worker); its
+        final response names the answer (`answer_id`) when the request has a digest."""
         try:
+            answer_id = self.answer_id(item)
+            if answer_id is not None:
+                responder.identify(answer_id)
             responder = self._padded(responder, item.envelope, arrival_s)
         except Exception as exc:  # noqa: BLE001 - no envelope: its error, at once (see count_error)
             self.count_error(responder, exc)
@@ -409,6 +420,36 @@ class LlmStage:
         except Exception as exc:  # noqa: BLE001 - this request's error, padded like the rest
             self.requests["error"].increment(1)
             responder.send_error(exc)
+
+    def answer_id(self, item: LlmInput) -> str | None:
+        """The id of the answer `item` will be served (tiercache.exact.answer_ids): a semantic
+        hit's names the neighbour's entry it serves (unless the engine verifies it: then the
+        answer is the request's own generation); anything else the request's own digest. None
+        for a request without a digest (sampled without a seed: never stored)."""
+        if item.status == CacheStatus.SEMANTIC and not self._verifies(item):
+            if not item.neighbours:
+                return None
+            envelope = item.envelope.get()
+            ref = AnswerRef(item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0)
+            return self.answer_ids.issue(ref, envelope.request.tenant_scope)
+        digest, scope = self._own_terms(item)
+        if not digest:
+            return None
+        return self.answer_ids.issue(AnswerRef(digest, ServedAs.OWN), scope)
+
+    def _own_terms(self, item: LlmInput) -> tuple[str, str]:
+        """The request's digest and tenant scope, memoized for exact hits (whose sealed
+        envelopes repeat: prompt_cache memoizes them too)."""
+        received = item.envelope
+        if item.status != CacheStatus.EXACT or len(item.cached_text) > MEMO_MAX_CHARS:
+            envelope = received.get()
+            return envelope.digest or "", envelope.request.tenant_scope
+        key = (received.data, item.cached_text, item.tokens)
+        terms = self._id_terms.get(key)
+        if terms is None:
+            envelope = received.get()
+            terms = self._id_terms.put(key, (envelope.digest or "", envelope.request.tenant_scope))
+        return terms
 
     def _serve(self, item: LlmInput, responder: Responder) -> None:
         status = item.status
@@ -594,7 +635,7 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     """The stage over the host's L2 (no L1: lookups happen in prompt_cache) and L3 with
     `redis_url`, the semantic row log, the engine over BLS, and its metrics (started)."""
     tiers = open_exact_cache(config.cache())
-    secret = load_secret(config.cache(), tiers.link) if config.hit_padding_ms > 0 else b""
+    secret = load_secret(config.cache(), tiers.link)  # answer ids, padding
     metrics = tm.Metrics(model_name)
     state = config.state_path()
     stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), open_adapter_cipher(state))

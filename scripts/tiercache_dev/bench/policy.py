@@ -11,6 +11,10 @@ full store). Both policies are timed in interleaved rounds, the same keys in the
 the figures are the median over rounds of the mean per call, in microseconds, with the ratio
 GDSF/LRU. The point: the sketch update on a hit must stay small beside the hit path's own cost
 (docs/kv_reuse.md gives the figures next to `make bench`'s hit/floor gap).
+
+It also times the other per-response cost issue 19 put on the hit path: issuing an answer id
+(tiercache.exact.answer_ids: one AES-GCM seal), and opening one (the feedback model's), in the
+same rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy, LruPolicy
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache_dev.console import invocation
 
 Factory = Callable[[int], EvictionPolicy[bytes]]
@@ -54,6 +59,21 @@ def time_round(
     return {"access": access_us, "admit with eviction": miss_us}
 
 
+def time_answer_ids(calls: int) -> dict[str, float]:
+    """Microseconds per answer id issued (every response) and opened (every verdict)."""
+    ids = AnswerIds(bytes(range(32)))
+    scope = "a" * 64
+    refs = [AnswerRef(d.hex(), ServedAs.OWN) for d in digests(min(calls, 4096))]
+    started = time.perf_counter()
+    issued = [ids.issue(refs[i % len(refs)], scope) for i in range(calls)]
+    issue_us = (time.perf_counter() - started) * 1e6 / calls
+    started = time.perf_counter()
+    for answer_id in issued:
+        ids.open(answer_id, scope)
+    open_us = (time.perf_counter() - started) * 1e6 / calls
+    return {"issue": issue_us, "open": open_us}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=4000, help="keys held (the store's capacity)")
@@ -67,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     reads = [held[(i * step) % len(held)] for i in range(args.calls)]
     new = digests(args.calls, start=args.keys)
     results: dict[str, dict[str, list[float]]] = {name: {} for name in FACTORIES}
+    id_costs: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, factory in FACTORIES.items():
             for operation, us in time_round(factory, held, reads, new).items():
                 results[name].setdefault(operation, []).append(us)
+        for operation, us in time_answer_ids(args.calls // 4).items():
+            id_costs.setdefault(operation, []).append(us)
     print(f"`{invocation('tiercache_dev.bench.policy', argv)}`")
     print(
         f"{args.keys} keys held, {args.calls} calls per operation, median of {args.rounds} rounds\n"
@@ -81,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         lru = statistics.median(results["lru"][operation])
         gdsf = statistics.median(results["gdsf"][operation])
         print(f"| {operation} | {lru:.2f} | {gdsf:.2f} | {gdsf / lru:.2f}x |")
+    print("\n| answer id | us/call |\n|---|---:|")
+    for operation, values in id_costs.items():
+        print(f"| {operation} | {statistics.median(values):.2f} |")
     return 0
 
 

@@ -19,6 +19,8 @@ Stops all three by pid at the end.
     `exact` was sent, minus when the invalidate was sent. Its resolution is one request round
     trip on B (the request before it was sent at most that much earlier and was still `exact`),
     reported as B's exact-hit round trip.
+(c) Feedback (issue 19), the same rounds with `bad` feedback sent to A's feedback model on the
+    answer id of B's last `exact` response instead of an invalidate (kind `feedback`).
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.exact.keys import replace_secret
-from tiercache.server import copy_repository
+from tiercache.server import REDIS_STAGES, copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_dev.console import exit_on_sigterm
 from tiercache_dev.paths import MODEL_REPOSITORY
 from tiercache_dev.servers import admin_token, redis_running, running_all, triton
 from tiercache_dev.stats import summary
 
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 POLL_TIMEOUT_S = 10.0
 
 
@@ -96,11 +97,14 @@ def invalidation_round(
     if report.get("stored") != 1:
         raise SystemExit(f"warm failed: {report}")
     digest = report["prompts"][0]["digest"]
-    selector = {"key": digest, "tag": tag, "tenant": tenant}[kind]
+    selector = {"key": digest, "tag": tag, "tenant": tenant, "feedback": ""}[kind]
+    answer_id = ""
 
     def ask() -> tuple[float, str, float]:
+        nonlocal answer_id
         sent = time.perf_counter()
         r = b.generate_text(prompt, tenant=tenant, max_tokens=max_tokens)
+        answer_id = r.answer_id or answer_id
         return sent, r.cache_status, r.latency_s
 
     deadline = time.monotonic() + POLL_TIMEOUT_S
@@ -113,10 +117,14 @@ def invalidation_round(
             raise SystemExit(f"B never served the warmed entry ({status})")
 
     admin: dict[str, Any] = {}
+    served_id = answer_id  # B's exact answer: what the caller judges
 
     def invalidate() -> None:
         start = time.perf_counter()
-        admin["report"] = a.invalidate(**{kind: selector})
+        if kind == "feedback":
+            admin["report"] = a.feedback(served_id, "bad", tenant=tenant)
+        else:
+            admin["report"] = a.invalidate(**{kind: selector})
         admin["duration_s"] = time.perf_counter() - start
 
     thread = threading.Thread(target=invalidate)
@@ -138,9 +146,11 @@ def invalidation_round(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=50, help="per kind (key, tag, tenant)")
+    parser.add_argument(
+        "--rounds", type=int, default=50, help="per kind (key, tag, tenant, feedback)"
+    )
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--kinds", default="key,tag,tenant")
+    parser.add_argument("--kinds", default="key,tag,tenant,feedback")
     args = parser.parse_args(argv)
     exit_on_sigterm()  # SIGTERM unwinds, so the servers are stopped
 
@@ -199,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for kind, k in kinds.items():
         lat, res, adm = k["latency"], k["resolution_b_exact_rtt"], k["admin_call"]
+        what = "feedback bad" if kind == "feedback" else f"invalidate --{kind}"
         print(
-            f"| invalidate --{kind} on A -> B not exact ({lat['n']:.0f} rounds) | p50 "
+            f"| {what} on A -> B not exact ({lat['n']:.0f} rounds) | p50 "
             f"{lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, max {lat['max_ms']:.1f} ms "
             f"(resolution: B hit p50 {res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms; admin "
             f"call p50 {adm['p50_ms']:.1f} ms) |"

@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tiercache.server import copy_repository
+from tiercache.server import REDIS_STAGES, copy_repository
 from tiercache_client import TierCacheClient, TierCacheClientError
 from tiercache_dev import paths
 from tiercache_dev.console import exit_on_sigterm
@@ -62,7 +62,6 @@ from tiercache_dev.servers import admin_token, free_port, redis_running, running
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "tiercache-dashboard.json"
 ADAPTERS = ("french", "caps", "brief")
 TENANTS = ("acme", "globex")
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 # Two engine slots for three adapters, so the mix shows loads, swaps and evictions (as
 # tests/integration/test_lora.py does).
 ADAPTER_SLOTS = {"lora_cache": {"engine_slots": "2"}, "torch_llm": {"lora_slots": "2"}}

@@ -96,7 +96,7 @@ from typing import Any
 
 from tiercache.config import CacheConfig, EngineConfig
 from tiercache.engine.threads import TORCH_THREADS_PATTERN
-from tiercache.server import copy_repository
+from tiercache.server import REDIS_STAGES, copy_repository
 from tiercache_dev.console import (
     display_path,
     exit_on_sigterm,
@@ -159,7 +159,6 @@ TENANTS = {  # name -> (share of requests, system preamble)
 }
 ADAPTER_SHARES = {"": 0.55, "brief": 0.15, "caps": 0.15, "french": 0.15}
 NO_CACHE = "no-cache no-store no-semantic"
-REDIS_STAGES = ("prompt_cache", "embedding_cache", "llm", "cache_admin")
 # The stage configs that have `l1_max_bytes` (tiercache.config: PromptCacheConfig,
 # EmbeddingCacheConfig); llm and cache_admin open no L1, and an unknown parameter fails a stage.
 L1_STAGES = ("prompt_cache", "embedding_cache")

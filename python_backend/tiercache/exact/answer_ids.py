@@ -1,0 +1,118 @@
+"""Answer ids: what a response names its answer by, so that the caller can give feedback on it.
+
+Every response whose request has a digest carries an `answer_id`: which cache entry the answer
+is (the request's own digest for an exact hit, a generation or a verified semantic hit; the
+neighbour's for a semantic hit), how it was served and, for a semantic hit, the similarity it
+was served at. The `feedback` model takes the id back (tiercache.feedback).
+
+The id is sealed, not merely signed: AES-256-GCM under `derive_key(secret, "answer ids")`, a
+random 96-bit nonce per id, the tenant scope it was served to as associated data.
+
+- A caller cannot forge one (the tag), so it can only give feedback on answers it was served.
+- An id opens only under the tenant scope it was issued to: feedback must come from the same
+  tenant (authenticated by its API key when a key file is configured), so an id that leaks to
+  another tenant is useless there.
+- It tells nothing: two responses with the same answer get unrelated ids, and a hit's id and a
+  miss's have the same length, so a padded tenant (tiercache.padding) learns from it neither
+  whether it was served from the cache nor which other request shared its answer.
+
+`cryptography`'s AESGCM (OpenSSL), as for adapter transport (tiercache.stages.transport).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import struct
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact.keys import derive_key
+
+ANSWER_IDS_PURPOSE = "answer ids"
+PREFIX = "a1."  # the format's version: an id of another format is refused, not misread
+NONCE_BYTES = 12
+_BODY = struct.Struct(">B32sfd")  # served as, digest, similarity, issued at (unix seconds)
+_AAD = b"tiercache answer id\x00"
+_SEALED_BYTES = NONCE_BYTES + _BODY.size + 16  # nonce, ciphertext, GCM tag
+ID_CHARS = len(PREFIX) + len(base64.urlsafe_b64encode(bytes(_SEALED_BYTES)).rstrip(b"="))
+"""Every id's length (characters): the same for every answer."""
+
+
+class ServedAs(int, Enum):
+    OWN = 0  # the request's own entry: an exact hit, a generation, a verified semantic hit
+    SEMANTIC = 1  # a neighbour's entry, served as a semantic hit
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerRef:
+    """What an answer id names."""
+
+    digest: str  # the cache entry's digest (hex SHA-256)
+    served: ServedAs
+    similarity: float = 0.0  # a semantic hit's (the neighbour's cosine); 0.0 otherwise
+    issued_s: float = 0.0  # when the answer was served (unix seconds)
+
+
+class AnswerIds:
+    """Issues and opens answer ids under one deployment's secret. Thread-safe."""
+
+    __slots__ = ("_aead",)
+
+    def __init__(self, secret: bytes) -> None:
+        self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
+
+    def issue(self, ref: AnswerRef, tenant_scope: str) -> str:
+        """The id of the answer `ref` names, served to `tenant_scope` (issued now unless `ref`
+        says when)."""
+        try:
+            digest = bytes.fromhex(ref.digest)
+        except ValueError as exc:
+            raise ValueError(f"an answer's digest is hex, got {ref.digest!r}") from exc
+        if len(digest) != 32:
+            raise ValueError(f"an answer's digest is 32 bytes, got {len(digest)}")
+        issued_s = ref.issued_s or time.time()
+        body = _BODY.pack(ref.served.value, digest, ref.similarity, issued_s)
+        nonce = os.urandom(NONCE_BYTES)
+        sealed = nonce + self._aead.encrypt(nonce, body, _AAD + tenant_scope.encode("utf-8"))
+        return PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
+
+    def open(self, answer_id: str, tenant_scope: str) -> AnswerRef:
+        """What `answer_id` names. InvalidRequest when it is not an answer id at all;
+        Forbidden when it was not issued by this deployment or not to `tenant_scope` (the
+        two cannot be told apart, by design)."""
+        text = answer_id.strip()
+        if not text.startswith(PREFIX) or len(text) != ID_CHARS:
+            raise InvalidRequest(
+                f"answer_id is not an answer id (ids start {PREFIX!r} and have {ID_CHARS} "
+                "characters: copy the answer_id of the response)"
+            )
+        encoded = text[len(PREFIX) :]
+        try:
+            sealed = base64.b64decode(
+                encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True
+            )
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequest("answer_id is not an answer id (not base64url)") from exc
+        if len(sealed) != _SEALED_BYTES:
+            raise InvalidRequest("answer_id is not an answer id (wrong length)")
+        nonce, box = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
+        try:
+            body = self._aead.decrypt(nonce, box, _AAD + tenant_scope.encode("utf-8"))
+        except InvalidTag as exc:
+            raise Forbidden(
+                "answer_id was not issued to this tenant by this deployment (another tenant's, "
+                "altered, or from before a secret rotation)"
+            ) from exc
+        served, digest, similarity, issued_s = _BODY.unpack(body)
+        try:
+            served_as = ServedAs(served)
+        except ValueError as exc:  # sealed by us, so only a newer release's kind
+            raise InvalidRequest(f"answer_id: unknown kind {served}") from exc
+        return AnswerRef(digest.hex(), served_as, float(similarity), float(issued_s))

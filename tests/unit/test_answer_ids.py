@@ -1,0 +1,72 @@
+"""tiercache.exact.answer_ids: an answer id names its entry for its tenant only, tells nothing,
+and cannot be forged or altered."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+import pytest
+
+from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact.answer_ids import ID_CHARS, PREFIX, AnswerIds, AnswerRef, ServedAs
+
+SECRET = bytes(range(32))
+DIGEST = hashlib.sha256(b"an answer").hexdigest()
+OTHER_DIGEST = hashlib.sha256(b"another answer").hexdigest()
+
+
+def test_an_id_opens_to_what_it_names_for_its_tenant() -> None:
+    ids = AnswerIds(SECRET)
+    ref = AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5)
+    opened = ids.open(ids.issue(ref, "scope-a"), "scope-a")
+    assert opened == ref
+    own = ids.open(ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.OWN), "scope-a"), "scope-a")
+    assert (own.digest, own.served, own.similarity) == (OTHER_DIGEST, ServedAs.OWN, 0.0)
+    assert own.issued_s > 1_700_000_000  # stamped at issue when the ref does not say
+
+
+def test_an_id_opens_for_no_other_tenant_and_no_other_secret() -> None:
+    ids = AnswerIds(SECRET)
+    answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
+    with pytest.raises(Forbidden):
+        ids.open(answer_id, "scope-b")
+    with pytest.raises(Forbidden):
+        AnswerIds(bytes(32)).open(answer_id, "scope-a")
+
+
+def test_every_id_has_one_length_and_repeats_tell_nothing() -> None:
+    ids = AnswerIds(SECRET)
+    hit = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9), "scope-a")
+    again = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9), "scope-a")
+    own = ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.OWN), "scope-a")
+    assert len(hit) == len(again) == len(own) == ID_CHARS
+    assert hit != again  # one answer served twice: unrelated ids
+    assert DIGEST not in hit and DIGEST[:16] not in hit
+
+
+def test_an_altered_id_is_refused_at_every_byte() -> None:
+    ids = AnswerIds(SECRET)
+    answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
+    raw = bytearray(base64.urlsafe_b64decode(answer_id[len(PREFIX) :] + "=="))
+    for i in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[i] ^= 0x01
+        text = PREFIX + base64.urlsafe_b64encode(bytes(flipped)).rstrip(b"=").decode()
+        with pytest.raises(Forbidden):
+            ids.open(text, "scope-a")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "a1.", "not an id", DIGEST, "a2." + "A" * (ID_CHARS - 3), "a1." + "*" * (ID_CHARS - 3)],
+)
+def test_what_is_not_an_id_is_an_invalid_request(text: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        AnswerIds(SECRET).open(text, "scope-a")
+    assert not isinstance(caught.value, Forbidden)
+
+
+def test_a_digest_that_is_not_32_hex_bytes_is_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        AnswerIds(SECRET).issue(AnswerRef("abc", ServedAs.OWN), "scope-a")

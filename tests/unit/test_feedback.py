@@ -1,0 +1,121 @@
+"""tiercache.feedback: bad feedback invalidates the answer's entry once, good is counted, and
+an id is taken only from the tenant it was served to (real L1 and L2, no Redis)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.feedback import Feedback, Verdict, parse_verdict
+from tiercache.vocabulary import Tier
+
+SECRET = bytes(range(32))
+SCOPE = "scope-a"
+DIGEST = hashlib.sha256(b"an answer").hexdigest()
+KEPT = hashlib.sha256(b"a neighbour's answer").hexdigest()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Feedback, TieredCache, Clock, AnswerIds]]:
+    clock = Clock()
+    cache = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20))],
+        clock=clock,
+    )
+    ids = AnswerIds(SECRET)
+    yield Feedback(ids, Invalidator(cache)), cache, clock, ids
+    cache.close()
+
+
+def served(ids: AnswerIds, clock: Clock, digest: str = DIGEST, scope: str = SCOPE) -> str:
+    return ids.issue(AnswerRef(digest, ServedAs.OWN, issued_s=clock.now), scope)
+
+
+def test_bad_invalidates_the_entry_and_nothing_else(
+    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+) -> None:
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "a wrong answer", tenant_scope=SCOPE)
+    cache.put(KEPT, "a right answer", tenant_scope=SCOPE)
+    clock.now += 1.0
+    report = feedback.give(served(ids, clock), Verdict.BAD, SCOPE)
+    assert (report.invalidated, report.published, report.served) == (True, False, ServedAs.OWN)
+    assert cache.get(DIGEST) is None
+    kept = cache.get(KEPT)
+    assert kept is not None and kept.entry.text == "a right answer"
+    assert feedback.stats().invalidations == 1
+
+
+def test_a_replayed_bad_invalidates_nothing_more_but_a_later_answer_is_invalidated_again(
+    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+) -> None:
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "first answer", tenant_scope=SCOPE)
+    clock.now += 1.0
+    first_id = served(ids, clock)
+    clock.now += 1.0
+    assert feedback.give(first_id, Verdict.BAD, SCOPE).invalidated
+    clock.now += 1.0
+    cache.put(DIGEST, "generated again", tenant_scope=SCOPE)  # the next request's
+    replay = feedback.give(first_id, Verdict.BAD, SCOPE)
+    assert not replay.invalidated
+    found = cache.get(DIGEST)
+    assert found is not None and found.entry.text == "generated again"
+    clock.now += 1.0
+    assert feedback.give(served(ids, clock), Verdict.BAD, SCOPE).invalidated
+    assert cache.get(DIGEST) is None
+    stats = feedback.stats()
+    assert (stats.invalidations, stats.already_covered) == (2, 1)
+    assert stats.taken[("bad", "own")] == 3
+
+
+def test_good_is_counted_and_keeps_the_entry(
+    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+) -> None:
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "a good answer", tenant_scope=SCOPE)
+    semantic = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.91, clock.now), SCOPE)
+    report = feedback.give(semantic, Verdict.GOOD, SCOPE)
+    assert (report.invalidated, report.served) == (False, ServedAs.SEMANTIC)
+    assert cache.get(DIGEST) is not None
+    assert feedback.stats().taken[("good", "semantic")] == 1
+
+
+def test_another_tenants_feedback_is_refused_and_changes_nothing(
+    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+) -> None:
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "an answer", tenant_scope=SCOPE)
+    with pytest.raises(Forbidden):
+        feedback.give(served(ids, clock), Verdict.BAD, "scope-b")
+    with pytest.raises(InvalidRequest):
+        feedback.give("a1.garbage", Verdict.BAD, SCOPE)
+    assert cache.get(DIGEST) is not None
+    assert sum(feedback.stats().taken.values()) == 0
+
+
+@pytest.mark.parametrize(("text", "verdict"), [("bad", Verdict.BAD), (" Good ", Verdict.GOOD)])
+def test_verdicts_parse(text: str, verdict: Verdict) -> None:
+    assert parse_verdict(text) is verdict
+
+
+@pytest.mark.parametrize("text", ["", None, "meh", "0"])
+def test_an_unknown_verdict_is_an_invalid_request(text: str | None) -> None:
+    with pytest.raises(InvalidRequest, match="verdict must be one of"):
+        parse_verdict(text)
