@@ -23,6 +23,7 @@ from typing import Protocol
 
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.flights import EngineUsage, Flight, FlightTable, abandoned_error
 from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
@@ -109,6 +110,7 @@ class GenerationRecord:
     generated_tokens: int
     finish_reason: str
     stored: bool
+    mean_logprob: float | None = None  # the engine's (tiercache.exact.confidence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +139,12 @@ class Generations:
         on_follow: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         leases: LeaseCoordinator | None = None,
+        confidence: ConfidencePolicy | None = None,
     ) -> None:
-        """`leases` coalesces misses across replicas (None: this process only)."""
+        """`leases` coalesces misses across replicas (None: this process only); `confidence`
+        decides how long an unsure answer is kept (tiercache.exact.confidence; None: like any)."""
         self.cache = cache
+        self.confidence = confidence or ConfidencePolicy()
         self._leases = leases
         self._generate = generate
         self._on_generation = on_generation
@@ -501,6 +506,7 @@ class Generations:
         ttft: float | None = None
         finish: str | None = None
         tokens = 0
+        mean_logprob: float | None = None
         for event in generate(request):
             if event.text:
                 if ttft is None:
@@ -508,6 +514,7 @@ class Generations:
                 flight.append(event.text)
             if event.finish_reason is not None:
                 finish, tokens = event.finish_reason, event.generated_tokens
+                mean_logprob = event.mean_logprob
                 flight.finish_reason = finish
                 flight.generated_tokens = tokens
                 flight.usage = EngineUsage(
@@ -515,7 +522,7 @@ class Generations:
                 )
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
-        return GenerationRecord(ttft, self._clock() - started, tokens, finish, False)
+        return GenerationRecord(ttft, self._clock() - started, tokens, finish, False, mean_logprob)
 
     def _store(
         self,
@@ -531,6 +538,7 @@ class Generations:
             stored = self.cache.put(
                 digest,
                 text,
+                ttl_s=self.confidence.ttl_s(record.mean_logprob, self.cache.default_ttl_s),
                 finish_reason=record.finish_reason,
                 generated_tokens=record.generated_tokens,
                 tags=tags,
@@ -538,6 +546,7 @@ class Generations:
                 adapter=request.lora_digest,
                 created_s=started_s,  # an invalidation issued while it generated covers it
                 prompt_tokens=prompt_tokens,
+                mean_logprob=record.mean_logprob,
             )
         except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
             log.exception("write-back of %s failed", digest)

@@ -67,6 +67,7 @@ class FakeTorchLlm:
         final = [out("TEXT", " there"), out("FINISH_REASON", "stop"), out("GENERATED_TOKENS", 2)]
         final += [out("PROMPT_TOKENS", 3), out("REUSED_TOKENS", 0), out("COMPUTED_TOKENS", 3)]
         final.append(out("SPECULATED_TOKENS", 1))
+        final.append(pb.Tensor("MEAN_LOGPROB", np.array([-0.25], dtype=np.float32)))
         return [pb.InferenceResponse([out("TEXT", "Hello")]), pb.InferenceResponse(final)]
 
 
@@ -327,16 +328,18 @@ def counts(responses: list[Any]) -> tuple[int, int] | None:
 def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
-    """A miss reports the engine's counts (prompt 3, completion 2) and stores them with its
-    answer; an exact hit reports the counts (and the finish reason: `length` when its
-    generation stopped at max_tokens) prompt_cache sealed into its envelope, a semantic hit
-    those embedding_cache sealed; counts altered on the way are refused."""
+    """A miss reports the engine's counts (prompt 3, completion 2) and stores them (and its
+    mean log-probability) with its answer; an exact hit reports the counts (and the finish
+    reason: `length` when its generation stopped at max_tokens) prompt_cache sealed into its
+    envelope, a semantic hit those embedding_cache sealed; counts altered on the way are
+    refused."""
     miss = envelope(sealer, CacheStatus.MISS, "a" * 64, write_back=True)
     (generated,) = run(pb_utils, model, [to_llm(pb_utils, sealer, miss)])
     assert counts(generated) == (3, 2)
     model.stage.core.drain()
     stored = model.stage.core.cache.get("a" * 64).entry
     assert (stored.prompt_tokens, stored.generated_tokens) == (3, 2)
+    assert stored.mean_logprob == -0.25  # the engine's MEAN_LOGPROB, stored with the answer
 
     exact = CacheStatus.EXACT
     hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12, 1))

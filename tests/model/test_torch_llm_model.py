@@ -121,7 +121,9 @@ class FakeEngine:
         # Speculation: each draft it was handed "verified" once, 4 tokens proposed, 3 kept.
         steps = tuple((source, 4, 3) for source, _ in request.drafts)
         accepted = sum(step[2] for step in steps)
-        yield StreamEvent(" there", "stop", 2, *counts, 4 * len(steps), accepted, steps)
+        yield StreamEvent(
+            " there", "stop", 2, *counts, 4 * len(steps), accepted, steps, mean_logprob=-0.5
+        )
 
 
 Sender = pb_utils_stub.ResponseSender
@@ -369,6 +371,8 @@ def test_final_response_and_metrics_report_speculation_by_draft_source(
     envelope = envelope_text(sealer, GenerationRequest("Hi", drafts=drafts))
     final = call(pb_utils, model, sealer, ENVELOPE=envelope)[-1]
     assert int_output(pb_utils, final, "SPECULATED_TOKENS") == 6
+    logprob = pb_utils.get_output_tensor_by_name(final, "MEAN_LOGPROB").as_numpy()[0]
+    assert logprob == -0.5  # the answer's confidence goes to llm with it
     plain = call(pb_utils, model, sealer, ENVELOPE=envelope_text(sealer, GenerationRequest("Hi")))
     assert int_output(pb_utils, plain[-1], "SPECULATED_TOKENS") == 0
     model.stage.metrics.flush()

@@ -3,9 +3,9 @@
 `served` is `tiercache serve` itself, with its exposure defaults (loopback, HTTP off, the
 restricted APIs closed, the admin token), on free ports and a fresh state directory, deployed as
 a company would expose it: an API key file (three tenants: two trusted, one padded), the
-deployment's Redis (a real redis-server) behind the four Redis stages, the committed adapters.
-What an operator runs, so what an attacker meets. The integration suite's helpers are reused by
-import."""
+deployment's Redis (a real redis-server) behind the Redis stages (tiercache.server.REDIS_STAGES),
+the committed adapters. What an operator runs, so what an attacker meets. The integration
+suite's helpers are reused by import."""
 
 from __future__ import annotations
 

@@ -282,3 +282,41 @@ def test_verifying_with_prompt_blocks_reused_and_a_sampled_request(engine: Any) 
     assert engine.last_drafter.accepted_total == plain[2]
     sampled = replace(request, temperature=0.8, seed=4)
     assert verified(engine, sampled, plain[0]) == run(engine, sampled, (), speculate=False)
+
+
+def test_an_answers_mean_logprob_is_its_own_and_speculation_does_not_change_it(
+    engine: Any,
+) -> None:
+    """The final event's mean_logprob (issue 19's confidence) is the mean of the picked tokens'
+    log-probabilities, its end included: transformers' own greedy generation of the same prompt
+    gives the same tokens and, from its raw logits, the same mean; a speculated answer (drafted
+    by that very answer) reports the same within float noise."""
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    engine.speculate = False
+    plain = list(engine.generate(request))[-1]
+    engine.speculate = True
+    text = "".join(e.text for e in engine.generate(request))
+    drafted = list(engine.generate(replace(request, drafts=(("answer", text),))))[-1]
+    assert plain.mean_logprob is not None and drafted.mean_logprob is not None
+    assert plain.mean_logprob < 0
+    assert drafted.mean_logprob == pytest.approx(plain.mean_logprob, abs=1e-3)
+
+    input_ids = engine.prompt_ids(request)
+    with torch.inference_mode():
+        out = engine.model.generate(
+            input_ids,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=engine.tokenizer.eos_token_id,
+        )
+    picked = out.sequences[0, input_ids.shape[1] :].tolist()
+    logprobs = [
+        float(torch.log_softmax(row[0].float(), dim=-1)[token])
+        for row, token in zip(out.logits, picked, strict=True)
+    ]
+    ends = [i for i, t in enumerate(picked) if t in engine.eos_token_ids]
+    taken = logprobs[: ends[0] + 1] if ends else logprobs
+    assert len(taken) == plain.generated_tokens + (1 if ends else 0)
+    assert plain.mean_logprob == pytest.approx(sum(taken) / len(taken), abs=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 
 from tiercache.engine.events import StreamEvent
 from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.flights import EngineUsage
 from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseState
@@ -86,6 +88,7 @@ class FakeEngine:
     finish: str | None = "stop"
     raises: BaseException | None = None
     gate: threading.Event | None = None
+    mean_logprob: float | None = None
     calls: int = 0
     started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -108,6 +111,7 @@ class FakeEngine:
                 prompt_tokens=40,
                 reused_tokens=32,
                 computed_tokens=8,
+                mean_logprob=self.mean_logprob,
             )
 
     def wait_started(self, count: int = 1) -> None:
@@ -676,3 +680,26 @@ def test_a_semantic_hit_to_verify_is_the_engines_first_draft_and_verified_when_i
     assert stored.wait() == [("final", "Hello", "miss")]
     assert len(seen) == 3 and outcomes[-1] is None
     stage.close()
+
+
+@pytest.mark.parametrize(
+    ("mean_logprob", "ttl_s"),
+    [(math.log(0.9), 3600.0), (math.log(0.2), 60.0), (None, 3600.0)],
+)
+def test_an_answers_confidence_is_stored_and_an_unsure_one_is_kept_shorter(
+    mean_logprob: float | None, ttl_s: float
+) -> None:
+    """The engine's mean log-probability goes into the stored entry; under the confidence
+    floor (0.5 here) the answer is stored with unsure_ttl_s, above it or unknown with the
+    cache's own TTL."""
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))], default_ttl_s=3600.0)
+    engine = FakeEngine(mean_logprob=mean_logprob)
+    stage = make_stage(cache, engine, confidence=ConfidencePolicy(0.5, 60.0))
+    responder = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, responder)
+    assert responder.wait()[-1][:2] == ("final", "Hello")
+    found = cache.get(DIGEST)
+    stage.close()  # closes the cache too
+    assert found is not None
+    assert found.entry.mean_logprob == mean_logprob
+    assert found.entry.ttl_s == ttl_s

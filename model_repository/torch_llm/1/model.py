@@ -54,7 +54,9 @@ class Sink:
         reused: int,
         computed: int,
         speculated: int = 0,
+        mean_logprob: float | None = None,
     ) -> None:
+        logprob = float("nan") if mean_logprob is None else mean_logprob
         response = pb_utils.InferenceResponse(
             [
                 io.bytes_tensor("TEXT", [text], batched=False),
@@ -64,6 +66,7 @@ class Sink:
                 io.scalar_tensor("REUSED_TOKENS", reused, np.int32, False),
                 io.scalar_tensor("COMPUTED_TOKENS", computed, np.int32, False),
                 io.scalar_tensor("SPECULATED_TOKENS", speculated, np.int32, False),
+                io.scalar_tensor("MEAN_LOGPROB", logprob, np.float32, False),
             ]
         )
         self.sender.send(response, flags=FINAL)

@@ -27,3 +27,7 @@ class StreamEvent:
     # On the last event of a speculated generation: (draft source, proposed, accepted) per
     # verification step (tiercache.engine.drafts), for the engine's metrics.
     draft_steps: tuple[tuple[str, int, int], ...] = ()
+    # On the last event: the answer's mean token log-probability under the model (each picked
+    # token's, its end included, at temperature 1); None when the engine does not report it (a
+    # refusal, TensorRT-LLM). exp() of it is the answer's confidence (tiercache.confidence).
+    mean_logprob: float | None = None

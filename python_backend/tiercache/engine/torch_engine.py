@@ -224,10 +224,21 @@ class TorchEngine:
         reused = 0 if lease is None else lease.reused_tokens
         computed = prompt_tokens - reused
 
+        logprobs: list[float] = []  # each picked token's, in answer order (its end included)
+
         def event(text: str, finish_reason: str | None) -> StreamEvent:
+            mean = None
+            if finish_reason is not None and logprobs:
+                mean = sum(logprobs) / len(logprobs)
             if finish_reason is None or drafter is None:
                 return StreamEvent(
-                    text, finish_reason, len(generated), prompt_tokens, reused, computed
+                    text,
+                    finish_reason,
+                    len(generated),
+                    prompt_tokens,
+                    reused,
+                    computed,
+                    mean_logprob=mean,
                 )
             if finish_reason in ("stop", "length") and request.index_answer and request.greedy:
                 self.answers.add(scope, generated)  # a draft source for the scope's next ones
@@ -241,14 +252,16 @@ class TorchEngine:
                 drafter.proposed,
                 drafter.accepted_total,
                 tuple(drafter.steps),
+                mean,
             )
 
         pending = ""  # text of the tokens taken this step, sent with the step's event
 
-        def take(token: int) -> StreamEvent | None:
-            """Add `token` to the answer: the event that ends it (eos, a stop word, max_tokens),
-            else None and its new text waits in `pending`."""
+        def take(token: int, logprob: float) -> StreamEvent | None:
+            """Add `token` (picked with `logprob`) to the answer: the event that ends it (eos, a
+            stop word, max_tokens), else None and its new text waits in `pending`."""
             nonlocal pending
+            logprobs.append(logprob)
             if token in self.eos_token_ids:
                 return event(pending + detok.flush(), "stop")
             generated.append(token)
@@ -260,12 +273,12 @@ class TorchEngine:
             pending += text
             return None
 
-        def take_kept(kept: list[int]) -> StreamEvent | None:
+        def take_kept(kept: list[int], kept_logprobs: list[float]) -> StreamEvent | None:
             """Take a verified draft's kept tokens: the event that ends the answer among them
             (its draft tokens past the end not counted), else None."""
             before = len(generated)
-            for accepted_token in kept:
-                last = take(accepted_token)
+            for accepted_token, logprob in zip(kept, kept_logprobs, strict=True):
+                last = take(accepted_token, logprob)
                 if last is not None:
                     if drafter is not None:  # kept tokens past the answer's end
                         drafter.unused(len(kept) - (len(generated) - before))
@@ -277,10 +290,12 @@ class TorchEngine:
                     return last
             return None
 
-        def emit_kept(kept: list[int]) -> Generator[StreamEvent, None, bool]:
+        def emit_kept(
+            kept: list[int], kept_logprobs: list[float]
+        ) -> Generator[StreamEvent, None, bool]:
             """Yield what taking a verified draft's kept tokens produced: the answer's last
             event (then True: the answer is done), or the step's pending text (False)."""
-            last = take_kept(kept)
+            last = take_kept(kept, kept_logprobs)
             if last is not None:
                 yield last
                 return True
@@ -296,13 +311,13 @@ class TorchEngine:
                 if verify_ids and drafter is not None:
                     # A semantic hit's answer, verified whole in the prefill pass: the model's
                     # own pick at each of its positions decides, as for any draft.
-                    kept, logits, cache = self._keep_agreed(
+                    kept, kept_lp, logits, cache = self._keep_agreed(
                         out, verify_ids, out.past_key_values, sampler, 0
                     )
                     del out  # its logits (a row per answer token) are not needed any more
                     drafter.source = DraftSource.VERIFY.value
                     drafter.accepted(len(verify_ids), len(kept))
-                    if (yield from emit_kept(kept)):
+                    if (yield from emit_kept(kept, kept_lp)):
                         return
                 else:
                     logits, cache = out.logits[:, -1, :], out.past_key_values
@@ -312,7 +327,7 @@ class TorchEngine:
                         return
                     token = sampler.pick(logits, len(generated))
                     pending = ""
-                    last = take(token)
+                    last = take(token, _logprob_of(logits[0], token))
                     if last is not None:
                         yield last
                         return
@@ -327,10 +342,12 @@ class TorchEngine:
                         out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
                         logits, cache = out.logits[:, -1, :], out.past_key_values
                         continue
-                    kept, logits, cache = self._verify(token, draft, cache, sampler, len(generated))
+                    kept, kept_lp, logits, cache = self._verify(
+                        token, draft, cache, sampler, len(generated)
+                    )
                     if drafter is not None:
                         drafter.accepted(len(draft), len(kept))
-                    if (yield from emit_kept(kept)):
+                    if (yield from emit_kept(kept, kept_lp)):
                         return
         finally:
             if lease is not None:
@@ -338,18 +355,19 @@ class TorchEngine:
 
     def _verify(
         self, token: int, draft: list[int], cache: Any, sampler: _Sampler, position: int
-    ) -> tuple[list[int], Any, Any]:
+    ) -> tuple[list[int], list[float], Any, Any]:
         """Run `token` and the `draft` after it in one forward pass; keep the longest prefix of
         the draft the model picks itself (greedy, or `sampler`'s seeded draw for each answer
         position from `position` on), and the KV of `token` and that prefix only.
-        Returns the kept draft tokens, the logits after the last kept token, and the cache."""
+        Returns the kept draft tokens, their log-probabilities, the logits after the last kept
+        token, and the cache."""
         step = torch.tensor([[token, *draft]], device=self.device)
         out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
         return self._keep_agreed(out, draft, out.past_key_values, sampler, position)
 
     def _keep_agreed(
         self, out: Any, draft: list[int], cache: Any, sampler: _Sampler, position: int
-    ) -> tuple[list[int], Any, Any]:
+    ) -> tuple[list[int], list[float], Any, Any]:
         """Of a forward pass whose last len(draft) + 1 logits predict `draft` and the token
         after it: the draft's longest prefix the model picks itself (from answer position
         `position` on), the logits after it, and `cache` with the rejected tokens cropped."""
@@ -366,9 +384,14 @@ class TorchEngine:
         rejected = len(draft) - kept
         if rejected:
             cache.crop(-rejected)  # this transformers takes the number of tokens to drop
+        kept_logprobs = []
+        if kept:
+            rows = torch.log_softmax(out.logits[0, :kept].float(), dim=-1)
+            picked = torch.tensor(draft[:kept], device=rows.device).unsqueeze(1)
+            kept_logprobs = rows.gather(1, picked).squeeze(1).tolist()
         # a copy of the one row: the pass's logits (a verify draft's: one row per answer
         # token, 0.2 MB each) are not kept alive through the rest of the answer
-        return draft[:kept], out.logits[:, kept, :].clone(), cache
+        return draft[:kept], kept_logprobs, out.logits[:, kept, :].clone(), cache
 
     def _prefill(
         self,
@@ -431,6 +454,11 @@ def _full_attention_only(model: Any) -> bool:
     or other layer kinds would need their own handling."""
     cache = DynamicCache(config=model.config)
     return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _logprob_of(row: torch.Tensor, token: int) -> float:
+    """The log-probability of `token` under the logits `row` (temperature 1)."""
+    return float(torch.log_softmax(row.float(), dim=-1)[token])
 
 
 class _Sampler:

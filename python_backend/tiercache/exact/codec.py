@@ -50,6 +50,9 @@ class CacheEntry:
     prompt_tokens: int = 0
     tenant_scope: str = ""  # stored under the payload name "scope"
     adapter: str = ""
+    # The engine's mean token log-probability of the answer (tiercache.exact.confidence); None
+    # when unknown (a warmed answer, an engine that does not report it).
+    mean_logprob: float | None = None
 
     def expired(self, now_s: float) -> bool:
         return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
@@ -73,6 +76,8 @@ def encode_entry(entry: CacheEntry) -> bytes:
         "finish_reason": entry.finish_reason,
         "generated_tokens": entry.generated_tokens,
     }
+    if entry.mean_logprob is not None:
+        fields["mean_logprob"] = entry.mean_logprob
     if entry.tags:
         fields["tags"] = list(entry.tags)
     if entry.tenant_scope:
@@ -118,9 +123,19 @@ def decode_entry(data: bytes) -> CacheEntry:
             tenant_scope=str(fields.get("scope", "")),
             adapter=str(fields.get("adapter", "")),
             prompt_tokens=int(fields.get("prompt_tokens", 0)),
+            mean_logprob=_optional_float(fields.get("mean_logprob")),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc
+
+
+def _optional_float(value: object) -> float | None:
+    """A stored number (TypeError for anything else, a corrupt entry), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
 
 
 def peek_created_s(data: bytes) -> float:

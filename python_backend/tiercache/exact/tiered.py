@@ -182,6 +182,7 @@ class TieredCache:
         adapter: str = "",
         created_s: float | None = None,
         prompt_tokens: int = 0,
+        mean_logprob: float | None = None,
     ) -> CacheEntry | None:
         """Store an answer in every tier; None, writing nothing, when an invalidation this
         process knows of already covers it (a generation that started before the watermark:
@@ -199,6 +200,7 @@ class TieredCache:
             tenant_scope=tenant_scope,
             adapter=adapter,
             prompt_tokens=prompt_tokens,
+            mean_logprob=mean_logprob,
         )
         self._catch_up()
         if self.invalidations.covers(key, entry):

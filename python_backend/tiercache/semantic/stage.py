@@ -13,6 +13,7 @@ from enum import Enum
 import numpy as np
 
 from tiercache.exact.codec import token_accounting
+from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.vectors import VectorCache, vector_key
@@ -30,6 +31,7 @@ class SemanticOutcome(str, Enum):
     MISS = "miss"  # no candidate passed (or the scope is empty)
     REJECTED = "rejected"  # candidates above the similarity floor, all refused by the guard
     STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
+    UNSURE = "unsure"  # a candidate passed but its answer's confidence is under the floor
     TOO_LONG = "too_long"  # over the embedder's window: neither looked up nor indexed
     UNSUPPORTED = "unsupported"  # [UNK] tokens or a non-Latin script: the same
 
@@ -64,11 +66,14 @@ class EmbeddingCache:
         screen: Callable[[str], str | None] = lambda text: None,
         draft_neighbours: int = 0,
         draft_min_similarity: float = 0.5,
+        confidence: ConfidencePolicy | None = None,
     ) -> None:
         """`screen` says why a prompt is kept out of the semantic cache ("too_long",
         "unsupported"; `tiercache.semantic.embedder.Screen.check`), or None to take it.
         A lookup that does not hit names up to `draft_neighbours` neighbours at or above
-        `draft_min_similarity` as drafts (`SemanticLookup.drafts`)."""
+        `draft_min_similarity` as drafts (`SemanticLookup.drafts`). An answer `confidence`
+        calls unsure is never served to a rewording (tiercache.exact.confidence)."""
+        self.confidence = confidence or ConfidencePolicy()
         self.vectors = vectors
         self.index = index
         self.answers = answers
@@ -130,6 +135,9 @@ class EmbeddingCache:
             found = self.answers.get(neighbour.digest)
             if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
                 found = None
+            if found is not None and self.confidence.unsure(found.entry.mean_logprob):
+                outcome = SemanticOutcome.UNSURE  # the engine was unsure of it: not reworded
+                continue
             if found is not None:
                 entry = found.entry
                 return SemanticLookup(
@@ -141,7 +149,8 @@ class EmbeddingCache:
                     token_accounting(entry),
                     digest=neighbour.digest,
                 )
-            outcome = SemanticOutcome.STALE
+            if outcome is not SemanticOutcome.UNSURE:
+                outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached, drafts=drafts)
 
     def _same_tenant(self, answer_scope: str, tenant_scope: str | None) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbeddingCacheConfig
+from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
@@ -225,6 +226,7 @@ def open_embedding_cache(
         screen=Screen(config.embedder).check,
         draft_neighbours=config.draft_neighbours,
         draft_min_similarity=config.draft_min_similarity,
+        confidence=ConfidencePolicy(config.confidence_floor),
     )
     # Open the host's scope tables now (large scopes load or build their HNSW graph here), so
     # the first request does not pay for it; later rows are in the shared tables.

@@ -28,6 +28,7 @@ from tiercache.engine.trtllm_client import (
 )
 from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.request import GenerationRequest
@@ -81,6 +82,7 @@ ENGINE_OUTPUTS = [
     "REUSED_TOKENS",
     "COMPUTED_TOKENS",
     "SPECULATED_TOKENS",
+    "MEAN_LOGPROB",
 ]
 
 
@@ -195,6 +197,7 @@ class EngineBls:
                     reused_tokens=io.output_int(response, "REUSED_TOKENS") or 0,
                     computed_tokens=io.output_int(response, "COMPUTED_TOKENS") or 0,
                     accepted_tokens=io.output_int(response, "SPECULATED_TOKENS") or 0,
+                    mean_logprob=io.output_float(response, "MEAN_LOGPROB"),
                 )
 
     def _generate_trtllm(
@@ -356,6 +359,7 @@ class LlmStage:
                 if link is not None
                 else None
             ),
+            confidence=ConfidencePolicy(config.confidence_floor, config.unsure_ttl_s),
         )
         self.sharing: RowSharing | None = None
         if self.core.leases is not None:

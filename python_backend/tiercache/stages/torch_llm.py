@@ -49,6 +49,7 @@ class EngineSink(Protocol):
         reused: int,
         computed: int,
         speculated: int = 0,
+        mean_logprob: float | None = None,
     ) -> None: ...
 
     def send_error(self, exc: BaseException) -> None: ...
@@ -230,6 +231,7 @@ class TorchLlmStage:
                 event.reused_tokens,
                 event.computed_tokens,
                 event.accepted_tokens,
+                event.mean_logprob,
             )
             self.tokens.increment(event.generated_tokens)
             self.prompt_tokens.increment(event.prompt_tokens)

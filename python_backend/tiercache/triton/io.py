@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -272,3 +273,13 @@ def output_blob(response: Any, name: str) -> bytes | None:
 def output_int(response: Any, name: str) -> int | None:
     tensor = pb_utils.get_output_tensor_by_name(response, name)
     return None if tensor is None else int(tensor.as_numpy().reshape(-1)[0])
+
+
+def output_float(response: Any, name: str) -> float | None:
+    """One numeric output as a float; None when absent or NaN (a value the sender did not
+    have)."""
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        return None
+    value = float(tensor.as_numpy().reshape(-1)[0])
+    return None if math.isnan(value) else value
