@@ -204,7 +204,9 @@ PARAMETERS: dict[str, _Spec] = {
         0.0,
         "Answers whose confidence (geometric-mean token probability, tiercache.exact.confidence) "
         "is under this are unsure: never served as semantic hits, and kept at most "
-        "unsure_ttl_s (0: no floor; answers of unknown confidence count as sure)",
+        "unsure_ttl_s (0: no floor, the default for the shipped model, see docs/feedback.md; "
+        "0.5 there keeps the answers that agree best with a rewording's own; answers of "
+        "unknown confidence count as sure)",
         min=0,
         max=1,
     ),
@@ -478,7 +480,7 @@ class LlmConfig(_TiersConfig):
 
     confidence_floor: float = shared("confidence_floor")
     unsure_ttl_s: float = param(
-        0.0,
+        86400.0,
         "How long an unsure answer (confidence under confidence_floor) is kept at most, in "
         "seconds (0: as long as any other)",
         min=0,

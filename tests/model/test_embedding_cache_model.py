@@ -6,6 +6,7 @@ envelope is refused alone, nothing embedded or sealed for it, and the rest of it
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -238,3 +239,49 @@ def test_the_verifier_parameters_choose_the_stages_decision(
         start(verifier=str(folder))
     with pytest.raises(ConfigError, match="verifier.json"):
         start(verifier=str(tmp_path / "nowhere"))
+
+
+def test_with_a_confidence_floor_an_unsure_answer_is_not_served_to_a_rewording(
+    load_model: Callable[[str], ModuleType],
+    pb_utils: ModuleType,
+    tmp_path: Path,
+    embedder: FakeEmbedder,
+    sealer: Sealer,
+) -> None:
+    """`confidence_floor` (issue 19): the neighbour whose stored answer the engine was unsure
+    of (confidence 0.3 < 0.5) is not served (outcome unsure, the request goes on as a miss);
+    one it was sure of (0.9) is."""
+    instance = load_model("embedding_cache").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "confidence_floor": "0.5"}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    try:
+        core = instance.stage.core
+        embedder.dimensions = core.vectors.dimensions
+        row = np.zeros(core.vectors.dimensions, dtype=np.float32)
+        row[0] = 1.0  # the fake embedder's vector for every text: similarity 1
+        prompt = "How do I reset my password?"
+        for scope, digest, confidence in ((SCOPE, "1" * 64, 0.3), (OTHER_SCOPE, "2" * 64, 0.9)):
+            core.answers.put(digest, f"answer {confidence}", mean_logprob=math.log(confidence))
+            core.index.add(scope, digest, prompt, row)
+        asks = [
+            envelope(sealer, prompt, CacheStatus.MISS, semantic_scope=scope, semantic_lookup=True)
+            for scope in (SCOPE, OTHER_SCOPE)
+        ]
+        unsure, sure = instance.execute([request(pb_utils, data) for data in asks])
+        assert (answer(unsure)["ANSWER_STATUS"], answer(unsure)["ANSWER_TEXT"]) == ("miss", "")
+        assert (answer(sure)["ANSWER_STATUS"], answer(sure)["ANSWER_TEXT"]) == (
+            "semantic",
+            "answer 0.9",
+        )
+        instance.stage.metrics.flush()
+        outcomes = instance.stage.outcomes
+        assert outcomes["unsure"].metric.value() == outcomes["semantic"].metric.value() == 1
+    finally:
+        instance.finalize()
