@@ -6,29 +6,29 @@ A caller sends back the `answer_id` of a response (tiercache.exact.answer_ids) w
   `Invalidator`): with Redis on every replica (L1, L2, L3, and the semantic rows that point to
   it), within the invalidation latency docs/replicas.md measures; without Redis on this host
   (its L2, and its processes' L1 through the host's invalidation log). The entry is generated
-  again by the next request that asks for it. A `bad` on an answer that an invalidation of its
-  entry has already covered (one issued after the answer was served) invalidates nothing more:
-  replaying one id cannot grow the fleet's invalidation log.
+  again by the next request that asks for it. A `bad` on an answer that a watermark issued after
+  it was served already covers (a key invalidation of its entry, bad feedback included, or one
+  of its tenant; read from the fleet's invalidation table, which every replica shares through
+  Redis and replays after a restart) invalidates nothing more: replaying one id cannot grow the
+  fleet's invalidation log.
 - `good`: counted. (Raising the entry's value in the tiers' eviction policies is not built yet:
-  docs/kv_reuse.md, "Feedback".)
+  docs/feedback.md, "Not built yet".)
 
 The id opens only under the tenant scope it was issued to, so feedback is taken only from the
 tenant that was served the answer (the caller of the stage resolves the tenant as prompt_cache
-does, from the API key when a key file is configured).
+does, from the API key when a key file is configured); an id whose entry is still cached must
+also name an entry of that tenant (a second check, should a forged id ever open).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
-from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
+from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator
-
-REMEMBERED = 65_536  # entries whose last invalidation by feedback is remembered (LRU)
 
 
 class Verdict(str, Enum):
@@ -54,7 +54,12 @@ class FeedbackReport:
     invalidated: bool  # bad: an invalidation was issued now (False: one already covered it)
     published: bool  # that invalidation was recorded in Redis and sent to every replica
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self, masked: bool = False) -> dict[str, object]:
+        """The caller's answer; `masked` (a deployment that pads some tenant's responses): the
+        verdict only, since how the answer was served and whether someone else flagged it
+        first are what padding hides (docs/security.md)."""
+        if masked:
+            return {"verdict": self.verdict.value, "accepted": True}
         reaches = (
             "every replica (L1, L2, L3, semantic rows)"
             if self.published
@@ -66,6 +71,7 @@ class FeedbackReport:
         )
         return {
             "verdict": self.verdict.value,
+            "accepted": True,
             "served": self.served.name.lower(),
             "invalidated": self.invalidated,
             "published": self.published,
@@ -73,28 +79,12 @@ class FeedbackReport:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class FeedbackStats:
-    """Totals since start: verdicts taken by kind of service, invalidations they issued."""
-
-    taken: dict[tuple[str, str], int]  # (verdict, served) -> count
-    invalidations: int
-    already_covered: int  # bad verdicts an earlier invalidation already covered
-
-
 class Feedback:
-    """Opens answer ids and acts on verdicts. Thread-safe."""
+    """Opens answer ids and acts on verdicts. Thread-safe (its parts are)."""
 
     def __init__(self, ids: AnswerIds, invalidator: Invalidator) -> None:
         self.ids = ids
         self.invalidator = invalidator
-        self._lock = threading.Lock()
-        self._invalidated_at: OrderedDict[str, float] = OrderedDict()
-        self._taken: dict[tuple[str, str], int] = {
-            (v.value, s.name.lower()): 0 for v in Verdict for s in ServedAs
-        }
-        self._invalidations = 0
-        self._already = 0
 
     def give(self, answer_id: str, verdict: Verdict, tenant_scope: str) -> FeedbackReport:
         """Act on `verdict` for the answer `answer_id` names, given by `tenant_scope`.
@@ -102,35 +92,17 @@ class Feedback:
         to this tenant by this deployment; Unavailable when Redis cannot be reached (a bad
         answer is then invalidated on this host only: send the feedback again)."""
         ref = self.ids.open(answer_id, tenant_scope)
-        with self._lock:
-            self._taken[(verdict.value, ref.served.name.lower())] += 1
+        cache = self.invalidator.cache
+        found = cache.get(ref.digest)  # also notes the watermarks issued meanwhile
+        if found is not None and found.entry.tenant_scope not in ("", tenant_scope):
+            raise Forbidden("answer_id names an answer of another tenant")
         if verdict is Verdict.GOOD:
             return FeedbackReport(verdict, ref.served, ref.digest, False, False)
-        with self._lock:
-            last_s = self._invalidated_at.get(ref.digest)
-            if last_s is not None and last_s >= ref.issued_s:
-                self._invalidated_at.move_to_end(ref.digest)
-                self._already += 1
-                return FeedbackReport(verdict, ref.served, ref.digest, False, False)
-        try:
-            report = self.invalidator.key(ref.digest)
-        except Unavailable:
-            self._remember(ref.digest, None)  # applied here; a retry must publish it
-            raise
-        self._remember(ref.digest, report.invalidation.at_s)
+        # Covered only by a watermark clearly after the answer was served (the skew allowance
+        # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
+        table = cache.invalidations
+        served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
+        if table.covers(ref.digest, served):
+            return FeedbackReport(verdict, ref.served, ref.digest, False, False)
+        report = self.invalidator.key(ref.digest)
         return FeedbackReport(verdict, ref.served, ref.digest, True, report.published)
-
-    def _remember(self, digest: str, at_s: float | None) -> None:
-        with self._lock:
-            self._invalidations += at_s is not None
-            if at_s is None:
-                self._invalidated_at.pop(digest, None)
-                return
-            self._invalidated_at[digest] = at_s
-            self._invalidated_at.move_to_end(digest)
-            while len(self._invalidated_at) > REMEMBERED:
-                self._invalidated_at.popitem(last=False)
-
-    def stats(self) -> FeedbackStats:
-        with self._lock:
-            return FeedbackStats(dict(self._taken), self._invalidations, self._already)

@@ -17,7 +17,13 @@ import numpy as np
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.keys import tenant_scope
 from tiercache.exact.tenant_keys import add_key
-from tiercache.stages.contract import CHECK_INTERVAL_S, PROMPT_CACHE, caller_terms, write_terms
+from tiercache.stages.contract import (
+    CHECK_INTERVAL_S,
+    LLM,
+    PROMPT_CACHE,
+    caller_terms,
+    write_terms,
+)
 
 DIGEST = hashlib.sha256(b"an answer").hexdigest()
 
@@ -59,6 +65,7 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
     try:
         secret = (tmp_path / "secret").read_bytes()
         write_terms(tmp_path, PROMPT_CACHE, {**caller_terms(None, secret), "model": "m"})
+        write_terms(tmp_path, LLM, {"padding": None})  # llm pads nobody: full answers
         scope = tenant_scope(secret, "acme")
         cache = instance.stage.core.invalidator.cache
         cache.put(DIGEST, "a wrong answer", tenant_scope=scope)
@@ -78,6 +85,7 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
         assert all(isinstance(o, str) and "invalid" in o for o in outcomes[2:5]), outcomes
         assert outcomes[5] == {
             "verdict": "good",
+            "accepted": True,
             "served": "own",
             "invalidated": False,
             "published": False,
@@ -89,6 +97,7 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
         )
         assert result(bad) == {
             "verdict": "bad",
+            "accepted": True,
             "served": "own",
             "invalidated": True,
             "published": False,
@@ -98,8 +107,15 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
         stage = instance.stage
         stage.metrics.flush()
         refused = {k: c.metric.value() for k, c in stage.refused.items()}
-        assert refused == {"forbidden": 2, "invalid": 3, "unavailable": 0}
+        assert refused == {"forbidden": 2, "invalid": 3, "closed": 0, "unavailable": 0}
         assert stage.invalidations.metric.value() == 1
+        # Once llm pads some tenant, answers say nothing of how the answer was served.
+        write_terms(tmp_path, LLM, {"padding": {"floor_s": 0.05, "jitter_s": 0, "trusted": ""}})
+        time.sleep(CHECK_INTERVAL_S)
+        (masked,) = instance.execute(
+            [call(pb_utils, ANSWER_ID=answer_id, VERDICT="good", tenant="acme")]
+        )
+        assert result(masked) == {"verdict": "good", "accepted": True}
     finally:
         instance.finalize()
 
@@ -110,6 +126,7 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
     keys = tmp_path / "keys.json"
     acme_key, _ = add_key(keys, "acme")
     globex_key, _ = add_key(keys, "globex")
+    cheap_key, _ = add_key(keys, "acme", cache_control=["no-store"])
     instance = start(load_model, tmp_path, keys)
     try:
         secret = (tmp_path / "secret").read_bytes()
@@ -128,9 +145,11 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
         time.sleep(CHECK_INTERVAL_S)  # the terms are re-read at most this often
         assert "feedback is closed" in str(good(f"Bearer {acme_key}"))
         write_terms(tmp_path, PROMPT_CACHE, caller_terms(keys, secret))
+        write_terms(tmp_path, LLM, {"padding": None})
         time.sleep(CHECK_INTERVAL_S)
         assert good(f"Bearer {acme_key}") == {
             "verdict": "good",
+            "accepted": True,
             "served": "semantic",
             "invalidated": False,
             "published": False,
@@ -139,5 +158,13 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
         assert str(good(None, tenant="acme")).startswith("forbidden: ")  # no key
         assert str(good(f"Bearer {globex_key}")).startswith("forbidden: ")  # its own tenant
         assert str(good(f"Bearer {globex_key}", tenant="acme")).startswith("forbidden: ")
+        # a key limited to cheap cache_control words may not force a regeneration by `bad`
+        (bad,) = instance.execute(
+            [call(pb_utils, f"Bearer {cheap_key}", ANSWER_ID=answer_id, VERDICT="bad")]
+        )
+        assert "may not use cache_control no-cache" in str(result(bad))
+        stage = instance.stage
+        stage.metrics.flush()
+        assert stage.refused["closed"].metric.value() == 2
     finally:
         instance.finalize()

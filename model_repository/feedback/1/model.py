@@ -26,7 +26,7 @@ class TritonPythonModel:
                 key = None
                 if self.stage.keys is not None:  # the forwarded authorization header
                     key = io.request_parameter(request, AUTH_PARAMETER)
-                report = self.stage.give(
+                answer = self.stage.give(
                     inputs.string("ANSWER_ID"),
                     inputs.string("VERDICT"),
                     inputs.string("tenant"),
@@ -35,7 +35,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 responses.append(io.error_response(exc))
                 continue
-            result = json.dumps(report.to_json(), sort_keys=True)
+            result = json.dumps(answer, sort_keys=True)
             responses.append(
                 pb_utils.InferenceResponse([io.bytes_tensor("FEEDBACK_RESULT", [result])])
             )

@@ -12,15 +12,21 @@ from __future__ import annotations
 import unicodedata
 
 from tiercache.config import FeedbackConfig
-from tiercache.errors import Forbidden, InvalidRequest, TierCacheError, Unavailable
+from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.keys import tenant_scope
 from tiercache.exact.request import DEFAULT_LIMITS
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
-from tiercache.feedback import Feedback, FeedbackReport, Verdict, parse_verdict
+from tiercache.feedback import Feedback, Verdict, parse_verdict
 from tiercache.stages.common import export_redis
-from tiercache.stages.contract import CALLER_TERMS, PROMPT_CACHE, ContractCheck, caller_terms
+from tiercache.stages.contract import (
+    CALLER_TERMS,
+    LLM,
+    PROMPT_CACHE,
+    ContractCheck,
+    caller_terms,
+)
 from tiercache.stages.parts import load_secret, open_exact_cache
 from tiercache.triton import metrics as tm
 
@@ -35,10 +41,14 @@ class FeedbackStage:
         metrics: tm.Metrics,
         keys: KeyFile | None = None,
         agrees: ContractCheck | None = None,
+        unpadded: ContractCheck | None = None,
     ) -> None:
         """`agrees`: whether prompt_cache's published caller terms are this stage's (None: not
-        checked, for tests of the stage alone)."""
+        checked, for tests of the stage alone); `unpadded`: whether llm publishes that it pads
+        no tenant (else, or unknown, answers are masked: `FeedbackReport.to_json`; None: not
+        masked)."""
         self.agrees = agrees
+        self.unpadded = unpadded
         self.core = feedback
         self._secret = secret
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
@@ -61,27 +71,38 @@ class FeedbackStage:
         self.refused = {
             reason: m.counter(
                 "tiercache_feedback_refused_total",
-                "Feedback refused: forbidden (no or another API key, an id of another tenant or "
-                "deployment), invalid (not an answer id, an unknown verdict), unavailable (Redis "
-                "down: applied on this host only)",
+                "Feedback refused: forbidden (no or another API key, a key without no-cache, an "
+                "id of another tenant or deployment), invalid (not an answer id, an unknown "
+                "verdict), closed (prompt_cache runs with another API key file or secret), "
+                "unavailable (Redis down: a bad answer was invalidated on this host only)",
                 reason=reason,
             )
-            for reason in ("forbidden", "invalid", "unavailable")
+            for reason in ("forbidden", "invalid", "closed", "unavailable")
         }
 
-    def tenant_scope(self, tenant: str | None, authorization: object = None) -> str:
-        """The caller's tenant scope (see the module's docstring)."""
+    def tenant_scope(
+        self, tenant: str | None, authorization: object = None, bad: bool = False
+    ) -> str:
+        """The caller's tenant scope (see the module's docstring). A `bad` verdict makes the
+        entry be generated again, as `cache_control: no-cache` would: a key that may not use
+        that word may not give it (Forbidden)."""
         name = ""
         if tenant is not None:
+            limits = DEFAULT_LIMITS
+            if len(tenant) > limits.max_tenant_bytes:  # bounded before normalizing
+                raise InvalidRequest(f"tenant is longer than {limits.max_tenant_bytes} bytes")
             name = unicodedata.normalize("NFKC", tenant).strip()
-            if len(name) > DEFAULT_LIMITS.max_tenant_chars:
-                raise InvalidRequest(
-                    f"tenant is longer than {DEFAULT_LIMITS.max_tenant_chars} characters"
-                )
+            if len(name) > limits.max_tenant_chars:
+                raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
         if self.keys is not None:
             grant = self.keys.authorize(key_from_parameter(authorization))
             if tenant is not None and name != grant.tenant:
                 raise Forbidden("the tenant input does not match the API key's tenant")
+            if bad and grant.cache_control is not None and "no-cache" not in grant.cache_control:
+                raise Forbidden(
+                    "this API key may not use cache_control no-cache, which a bad verdict "
+                    "amounts to (the answer is generated again)"
+                )
             name = grant.tenant
         return tenant_scope(self._secret, name)
 
@@ -91,34 +112,31 @@ class FeedbackStage:
         verdict: str | None,
         tenant: str | None = None,
         authorization: object = None,
-    ) -> FeedbackReport:
-        """One verdict; the typed errors of `Feedback.give` (and Forbidden for the API key)."""
+    ) -> dict[str, object]:
+        """One verdict's JSON answer (masked while some tenant is padded); the typed errors of
+        `Feedback.give` (and Forbidden for the API key, Unavailable while closed)."""
+        if self.agrees is not None and not self.agrees.holds():
+            self.refused["closed"].increment(1)
+            raise Unavailable(f"feedback is closed: {self.agrees.reason}")
         try:
-            if self.agrees is not None and not self.agrees.holds():
-                raise Unavailable(f"feedback is closed: {self.agrees.reason}")
-            scope = self.tenant_scope(tenant, authorization)
+            judged = parse_verdict(verdict)
+            scope = self.tenant_scope(tenant, authorization, bad=judged is Verdict.BAD)
             if not answer_id:
                 raise InvalidRequest("answer_id is required (the answer_id of a response)")
             if len(answer_id) > MAX_ANSWER_ID_CHARS:
                 raise InvalidRequest("answer_id is not an answer id (too long)")
-            report = self.core.give(answer_id, parse_verdict(verdict), scope)
-        except TierCacheError as exc:
-            self.count_refusal(exc)
+            report = self.core.give(answer_id, judged, scope)
+        except Unavailable:
+            self.refused["unavailable"].increment(1)
+            raise
+        except InvalidRequest as exc:  # Forbidden is one
+            self.refused["forbidden" if isinstance(exc, Forbidden) else "invalid"].increment(1)
             raise
         self.taken[(report.verdict, report.served)].increment(1)
         if report.invalidated:
             self.invalidations.increment(1)
-        return report
-
-    def count_refusal(self, exc: BaseException) -> None:
-        reason = (
-            "forbidden"
-            if isinstance(exc, Forbidden)
-            else "invalid"
-            if isinstance(exc, InvalidRequest)
-            else "unavailable"
-        )
-        self.refused[reason].increment(1)
+        masked = self.unpadded is not None and not self.unpadded.holds()
+        return report.to_json(masked)
 
     def close(self) -> None:
         self.metrics.close()
@@ -140,7 +158,9 @@ def open_feedback(config: FeedbackConfig, model_name: str) -> FeedbackStage:
     # another secret) would trust tenant inputs prompt_cache refuses.
     terms = caller_terms(keys_path, secret)
     agrees = ContractCheck({PROMPT_CACHE: (config.state_path(), terms)}, compared=CALLER_TERMS)
-    stage = FeedbackStage(feedback, secret, metrics, keys, agrees)
+    # Masked answers unless llm on this host says it pads nobody (llm_terms with no padding).
+    unpadded = ContractCheck({LLM: (config.state_path(), {"padding": None})}, compared=("padding",))
+    stage = FeedbackStage(feedback, secret, metrics, keys, agrees, unpadded)
     export_redis(metrics, tiers)
     metrics.start()
     return stage

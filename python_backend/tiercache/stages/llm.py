@@ -435,17 +435,27 @@ class LlmStage:
                 return None
             envelope = item.envelope.get()
             ref = AnswerRef(item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0)
-            return self.answer_ids.issue(ref, envelope.request.tenant_scope)
+            return self._issue(ref, envelope.request.tenant_scope)
         digest, scope = self._own_terms(item)
         if not digest:
             return None
-        return self.answer_ids.issue(AnswerRef(digest, ServedAs.OWN), scope)
+        return self._issue(AnswerRef(digest, ServedAs.OWN), scope)
+
+    def _issue(self, ref: AnswerRef, scope: str) -> str | None:
+        """The id, or None (logged) for a digest that is not one: the answer is served without
+        an id rather than not at all."""
+        try:
+            return self.answer_ids.issue(ref, scope)
+        except ValueError:
+            io.log.exception("no answer id for %r", ref.digest[:80])
+            return None
 
     def _own_terms(self, item: LlmInput) -> tuple[str, str]:
         """The request's digest and tenant scope, memoized for exact hits (whose sealed
         envelopes repeat: prompt_cache memoizes them too)."""
         received = item.envelope
-        if item.status != CacheStatus.EXACT or len(item.cached_text) > MEMO_MAX_CHARS:
+        too_long = max(len(item.cached_text), len(received.data or b"") // 4) > MEMO_MAX_CHARS
+        if item.status != CacheStatus.EXACT or too_long:
             envelope = received.get()
             return envelope.digest or "", envelope.request.tenant_scope
         key = (received.data, item.cached_text, item.tokens)
