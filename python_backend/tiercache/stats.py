@@ -1,5 +1,6 @@
 """The one percentile definition every figure of this project uses (the eval command here, and
-the dev package's benchmarks through `tiercache_dev.stats`).
+the dev package's benchmarks through `tiercache_dev.stats`), and the share of hits the hottest
+entries take (`top_share`, the caches' skew metrics).
 
 Linear interpolation between the closest ranks, numpy's default (`np.percentile(...,
 method="linear")`, Hyndman and Fan's type 7): for n sorted values x[0] <= ... <= x[n-1] and q in
@@ -10,8 +11,9 @@ maximum and p50 the median.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -26,3 +28,15 @@ def percentile(values: Iterable[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
+
+
+def top_share(counts: Sequence[int], fraction: float = 0.01) -> float:
+    """The share of the total of `counts` taken by their largest `fraction` (at least one):
+    the seeds' cache-skew-ratio when the counts are hits per held entry. 1.0 when one entry in
+    a hundred takes every hit, about `fraction` when hits spread evenly; 0.0 when the total is
+    0. O(n log k)."""
+    total = sum(counts)
+    if total == 0:
+        return 0.0
+    top = max(1, math.ceil(len(counts) * fraction))
+    return sum(heapq.nlargest(top, counts)) / total

@@ -100,6 +100,22 @@ def test_every_dashboard_metric_is_scraped(traffic: str) -> None:
     assert missing_from_scrape(names, traffic) == []
 
 
+def test_l1_reports_the_value_of_its_entries(traffic: str) -> None:
+    """Issue 19: prompt_cache's L1 (the only tier that counts hits per entry) exports what its
+    evictions gave up, what it refused and removed, and its hit skew; the tenant invalidation
+    removed the copy the exact hit had put in L1."""
+    for name in (
+        "tiercache_cache_evicted_hits_total",
+        "tiercache_cache_rejected_total",
+        "tiercache_cache_removed_total",
+    ):
+        assert samples(traffic, name, model="prompt_cache", tier="l1"), name
+        assert not samples(traffic, name, tier="l2"), name
+    assert total(traffic, "tiercache_cache_removed_total", model="prompt_cache", tier="l1") >= 1
+    (skew,) = samples(traffic, "tiercache_cache_hit_skew_ratio", model="prompt_cache", tier="l1")
+    assert 0.0 <= skew[1] <= 1.0
+
+
 def test_redis_is_up_in_every_stage_that_uses_it(traffic: str) -> None:
     up = samples(traffic, "tiercache_redis_up")
     assert {labels["model"] for labels, _ in up} == set(REDIS_STAGES)
@@ -107,7 +123,8 @@ def test_redis_is_up_in_every_stage_that_uses_it(traffic: str) -> None:
     assert total(traffic, "tiercache_redis_errors_total") == 0
     assert total(traffic, "tiercache_redis_breaker_opens_total") == 0
     listeners = samples(traffic, "tiercache_invalidation_listener_connected")
-    assert len(listeners) == 5 and all(value == 1.0 for _, value in listeners)  # 2 embedding_cache
+    # one per process with Redis: prompt_cache, llm, cache_admin, feedback, 2 embedding_cache
+    assert len(listeners) == 6 and all(value == 1.0 for _, value in listeners)
 
 
 def test_the_invalidation_is_counted_where_it_was_issued_and_applied(traffic: str) -> None:

@@ -356,3 +356,43 @@ def test_l2_grown_by_a_stage_with_a_larger_map_is_a_miss_not_an_error(tmp_path: 
         small.put("new", entry("y"))
     small.close()
     assert LmdbStore(tmp_path / "l2", 16 << 20).get("mine") == entry("kept")
+
+
+def test_l1_reports_the_value_its_evictions_gave_up_and_how_skewed_its_hits_are() -> None:
+    """Issue 19's metrics for L1: hits the evicted entries had had, entries refused (larger than
+    the budget), entries deleted other than by eviction, and the share of hits the hottest 1 %
+    of the held entries take."""
+    size = entry("x" * 10).size_bytes
+    store = MemoryStore(200 * size)  # LRU: the least recently used is evicted first
+    for i in range(200):
+        store.put(f"k{i:03d}", entry("x" * 10))
+    for _ in range(97):
+        store.get("k150")
+    store.get("k151")
+    store.get("k152")
+    first = store.stats()
+    assert first.hit_skew == pytest.approx(98 / 99)  # the hottest 2 of 200 took 98 of 99 hits
+    assert (first.evictions, first.evicted_hits, first.rejected, first.removed) == (0, 0, 0, 0)
+    store.get("k000")
+    store.get("k000")
+    store.get("k001")  # now k000 and k001 are the most recent: k002, k003, k004 go first
+    for i in range(3):
+        store.put(f"new{i}", entry("x" * 10))
+    store.put("k000", entry("x" * 10))  # rewritten: its hits stay with it
+    assert [store.get(f"k00{i}") is None for i in range(5)] == [False, False, True, True, True]
+    for key in ("k150", "k006"):
+        assert store.delete(key)
+    store.put("huge", entry("x" * (300 * size)))
+    stats = store.stats()
+    assert (stats.evictions, stats.evicted_hits) == (3, 0)  # k002, k003, k004 had no hits
+    assert (stats.rejected, stats.removed) == (1, 2)
+    # a policy that evicts hit entries: their hits count as given up
+    small = MemoryStore(2 * size)
+    small.put("a", entry("x" * 10))
+    small.put("b", entry("x" * 10))
+    small.get("a")
+    small.get("b")
+    small.get("b")
+    small.put("c", entry("x" * 10))  # evicts a (1 hit)
+    small.put("d", entry("x" * 10))  # evicts b (2 hits)
+    assert small.stats().evicted_hits == 3

@@ -18,9 +18,7 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
-import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any, Generic, NewType, TypeVar
 
 from tiercache.errors import ConfigError
 from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy
+from tiercache.stats import top_share
 
 BlockHash = NewType("BlockHash", bytes)
 """SHA-256 digest (32 bytes) of a block's parent key, salt and token ids."""
@@ -338,12 +337,7 @@ class KvBlockPool(Generic[P]):
         """The share of the held blocks' reuses taken by the `hottest` fraction of them (at least
         one block): the seeds' cache-skew-ratio. 1.0 when one block in a hundred takes every
         reuse, about `hottest` when reuses spread evenly; 0.0 before any reuse. O(n log k)."""
-        reuses = [block.reuses for block in self._blocks.values()]
-        total = sum(reuses)
-        if total == 0:
-            return 0.0
-        top = max(1, math.ceil(len(reuses) * hottest))
-        return sum(heapq.nlargest(top, reuses)) / total
+        return top_share([block.reuses for block in self._blocks.values()], hottest)
 
     # ---- internals --------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ L2: oldest first) and asks it for victims as its byte budget fills; the store ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -31,6 +33,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.stats import top_share
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,15 @@ class StoreStats:
     misses: int
     evictions: int
     corrupt: int
+    # What a tier that counts hits per entry (L1) says of their value; the others leave them
+    # at their defaults. `evicted_hits`: hits the evicted entries had had while held (the value
+    # eviction gave up); `rejected`: entries not stored (larger than the whole budget);
+    # `removed`: entries deleted other than by eviction (invalidations, expiry); `hit_skew`:
+    # share of the held entries' hits taken by the hottest 1 % of them (None: not counted).
+    evicted_hits: int = 0
+    rejected: int = 0
+    removed: int = 0
+    hit_skew: float | None = None
 
 
 class Store(Protocol):
@@ -71,6 +83,9 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log n/100))
+
+
 class MemoryStore:
     """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
@@ -90,6 +105,11 @@ class MemoryStore:
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._entry_hits: dict[str, int] = {}  # hits per held entry since it was stored
+        self._evicted_hits = 0
+        self._rejected = 0
+        self._removed = 0
+        self._skew = (0.0, -math.inf)  # the last hit skew and when it was computed (monotonic)
 
     def get(self, key: str) -> CacheEntry | None:
         with self._lock:
@@ -99,13 +119,15 @@ class MemoryStore:
             else:
                 self._hits += 1
                 self._access(key)
+                self._entry_hits[key] = self._entry_hits.get(key, 0) + 1
             return entry
 
     def put(self, key: str, entry: CacheEntry) -> None:
         size = entry.size_bytes
         with self._lock:
             if size > self._max_bytes:
-                self._discard(key)  # never keep serving an older value under this key
+                self._rejected += 1
+                self._removed += self._discard(key)  # never serve an older value under this key
                 return
             replaced = self._sizes.get(key, 0)
             over = self._bytes - replaced + size - self._max_bytes
@@ -123,10 +145,12 @@ class MemoryStore:
         freed = 0
         for victim in self._policy.nominate(0, nbytes, replacing.__eq__):
             size = self._sizes.get(victim, 0)
+            hits = self._entry_hits.get(victim, 0)
             if not self._discard(victim):
                 raise RuntimeError(f"L1's policy nominated {victim!r}, which L1 does not hold")
             freed += size
             self._evictions += 1
+            self._evicted_hits += hits
         if freed < nbytes:
             raise RuntimeError(f"L1's policy nominated {freed} of the {nbytes} bytes needed")
 
@@ -136,11 +160,14 @@ class MemoryStore:
             return False
         self._bytes -= self._sizes.pop(key)
         self._policy.remove(key)
+        self._entry_hits.pop(key, None)
         return True
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._discard(key)
+            removed = self._discard(key)
+            self._removed += removed
+            return removed
 
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(self.delete(key) for key in keys)
@@ -154,20 +181,34 @@ class MemoryStore:
         with self._lock:
             self._entries.clear()
             self._sizes.clear()
+            self._entry_hits.clear()
             self._bytes = 0
             self._policy.clear()
 
     def stats(self) -> StoreStats:
+        skew, computed_s = self._skew
+        fresh = time.monotonic() - computed_s < SKEW_INTERVAL_S
         with self._lock:
-            return StoreStats(
-                entries=len(self._entries),
+            held = len(self._entries)
+            # copied here, the skew computed off the lock (and at most every SKEW_INTERVAL_S)
+            per_entry = [] if fresh else list(self._entry_hits.values())
+            stats = StoreStats(
+                entries=held,
                 bytes=self._bytes,
                 max_bytes=self._max_bytes,
                 hits=self._hits,
                 misses=self._misses,
                 evictions=self._evictions,
                 corrupt=0,
+                evicted_hits=self._evicted_hits,
+                rejected=self._rejected,
+                removed=self._removed,
             )
+        if not fresh:
+            # entries never hit count as zeros: the hottest 1 % of all held entries
+            skew = top_share(per_entry + [0] * (held - len(per_entry)))
+            self._skew = (skew, time.monotonic())
+        return dataclasses.replace(stats, hit_skew=skew)
 
     def close(self) -> None:
         self.clear()

@@ -288,17 +288,52 @@ class LeaseSource(Protocol):
 
 
 class StoreMetrics:
-    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache."""
+    """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache; for a
+    tier that counts hits per entry (L1), what eviction gave up and how skewed its hits are."""
 
     def __init__(self, metrics: Metrics, cache: TieredStores) -> None:
         self._cache = cache
         self._gauges: dict[Tier, tuple[_DeferredMetric, _DeferredMetric, DeltaCounter]] = {}
-        for tier, _ in cache.stores():
+        self._value: dict[Tier, tuple[DeltaCounter, DeltaCounter, DeltaCounter, _DeferredMetric]]
+        self._value = {}
+        for tier, store in cache.stores():
             self._gauges[tier] = (
                 metrics.gauge("tiercache_cache_entries", "Entries per tier", tier=tier.value),
                 metrics.gauge("tiercache_cache_bytes", "Bytes per tier", tier=tier.value),
                 DeltaCounter(
                     metrics.counter("tiercache_cache_evictions_total", "Evictions", tier=tier.value)
+                ),
+            )
+            if store.stats().hit_skew is None:
+                continue
+            self._value[tier] = (
+                DeltaCounter(
+                    metrics.counter(
+                        "tiercache_cache_evicted_hits_total",
+                        "Hits the evicted entries had had while held (the value eviction gave "
+                        "up; over evictions, the mean)",
+                        tier=tier.value,
+                    )
+                ),
+                DeltaCounter(
+                    metrics.counter(
+                        "tiercache_cache_rejected_total",
+                        "Entries not stored: larger than the tier's whole budget",
+                        tier=tier.value,
+                    )
+                ),
+                DeltaCounter(
+                    metrics.counter(
+                        "tiercache_cache_removed_total",
+                        "Entries deleted other than by eviction (invalidations, expiry)",
+                        tier=tier.value,
+                    )
+                ),
+                metrics.gauge(
+                    "tiercache_cache_hit_skew_ratio",
+                    "Share of the held entries' hits taken by the hottest 1 % of them (the "
+                    "seeds' cache-skew-ratio; about 0.01 when hits are even)",
+                    tier=tier.value,
                 ),
             )
         metrics.on_flush(self.update)
@@ -310,6 +345,13 @@ class StoreMetrics:
             entries.set(stats.entries)
             nbytes.set(stats.bytes)
             evictions.update(stats.evictions)
+            value = self._value.get(tier)
+            if value is not None:
+                evicted_hits, rejected, removed, skew = value
+                evicted_hits.update(stats.evicted_hits)
+                rejected.update(stats.rejected)
+                removed.update(stats.removed)
+                skew.set(stats.hit_skew or 0.0)
 
 
 INVALIDATION_KINDS = choices(InvalidationKind)
