@@ -6,11 +6,13 @@ A caller sends back the `answer_id` of a response (tiercache.exact.answer_ids) w
   `Invalidator`): with Redis on every replica (L1, L2, L3, and the semantic rows that point to
   it), within the invalidation latency docs/replicas.md measures; without Redis on this host
   (its L2, and its processes' L1 through the host's invalidation log). The entry is generated
-  again by the next request that asks for it. A `bad` on an answer that a watermark issued after
-  it was served already covers (a key invalidation of its entry, bad feedback included, or one
-  of its tenant; read from the fleet's invalidation table, which every replica shares through
-  Redis and replays after a restart) invalidates nothing more: replaying one id cannot grow the
-  fleet's invalidation log.
+  again by the next request that asks for it. When the answer was a semantic hit, its entry's
+  similarity floor is raised above the similarity it was served at
+  (tiercache.semantic.penalties), so once regenerated it is not served to that rewording
+  again. A `bad` on an answer that a watermark issued after it was served already covers (a
+  key invalidation of its entry, bad feedback included, or one of its tenant; read from the
+  fleet's invalidation table, which every replica shares through Redis and replays after a
+  restart) invalidates nothing more: replaying one id cannot grow the fleet's invalidation log.
 - `good`: counted. (Raising the entry's value in the tiers' eviction policies is not built yet:
   docs/feedback.md, "Not built yet".)
 
@@ -22,6 +24,7 @@ also name an entry of that tenant (a second check, should a forged id ever open)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import Enum
 
@@ -29,6 +32,9 @@ from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator
+from tiercache.semantic.penalties import raise_floor
+
+log = logging.getLogger(__name__)
 
 
 class Verdict(str, Enum):
@@ -104,5 +110,10 @@ class Feedback:
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         if table.covers(ref.digest, served):
             return FeedbackReport(verdict, ref.served, ref.digest, False, False)
-        report = self.invalidator.key(ref.digest)
+        report = self.invalidator.key(ref.digest)  # first: it stops the answer being served
+        if ref.served is ServedAs.SEMANTIC:
+            try:  # the floor outlives the answer (another key): its regeneration needs it
+                raise_floor(cache, ref.digest, ref.similarity, tenant_scope)
+            except Exception:  # noqa: BLE001 - the invalidation stands; the floor is extra
+                log.exception("raising the similarity floor of %s... failed", ref.digest[:12])
         return FeedbackReport(verdict, ref.served, ref.digest, True, report.published)

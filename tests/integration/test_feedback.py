@@ -55,8 +55,10 @@ def test_bad_feedback_stops_an_exact_hit_and_good_keeps_it(
 
 
 def test_bad_feedback_on_a_semantic_hit_stops_the_neighbours_answer(
-    client: TierCacheClient,
+    server: TritonServer, client: TierCacheClient
 ) -> None:
+    """The served neighbour is invalidated, and once regenerated it is not served to the
+    rewording judged wrong (its similarity floor), counted as embedding_cache's `penalised`."""
     t = tenant()
     stored = client.generate_text("What is the capital of France?", max_tokens=MAX_TOKENS, tenant=t)
     reworded = "What's the capital of France?"
@@ -65,10 +67,18 @@ def test_bad_feedback_on_a_semantic_hit_stops_the_neighbours_answer(
     assert near.answer_id is not None
     report = client.feedback(near.answer_id, "bad", tenant=t)
     assert (report["served"], report["invalidated"]) == ("semantic", True)
-    # The neighbour's answer is gone: neither the reworded prompt nor its own prompt get it.
-    assert client.generate_text(reworded, max_tokens=MAX_TOKENS, tenant=t).cache_status == "miss"
+    before = settled_metric(server, "tiercache_embedding_cache_lookups_total", outcome="penalised")
+    # The neighbour's answer is gone: its own prompt generates it again ...
     own = client.generate_text("What is the capital of France?", max_tokens=MAX_TOKENS, tenant=t)
-    assert own.cache_status != "exact"
+    assert own.cache_status == "miss"
+    # ... and the rewording judged wrong is not served it (its similarity floor), though the
+    # regenerated answer is there (no-store: the rewording's own answer is not indexed).
+    again = client.generate_text(
+        reworded, max_tokens=MAX_TOKENS, tenant=t, cache_control="no-store"
+    )
+    assert again.cache_status == "miss"
+    after = settled_metric(server, "tiercache_embedding_cache_lookups_total", outcome="penalised")
+    assert after - before == 1
 
 
 def test_feedback_is_taken_only_from_the_tenant_served_and_only_on_answer_ids(

@@ -16,6 +16,7 @@ from tiercache.exact.codec import token_accounting
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.penalties import read_floor
 from tiercache.semantic.vectors import VectorCache, vector_key
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class SemanticOutcome(str, Enum):
     REJECTED = "rejected"  # candidates above the similarity floor, all refused by the guard
     STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
     UNSURE = "unsure"  # a candidate passed but its answer's confidence is under the floor
+    PENALISED = "penalised"  # a candidate passed but under its answer's floor (bad feedback)
     TOO_LONG = "too_long"  # over the embedder's window: neither looked up nor indexed
     UNSUPPORTED = "unsupported"  # [UNK] tokens or a non-Latin script: the same
 
@@ -139,6 +141,11 @@ class EmbeddingCache:
                 outcome = SemanticOutcome.UNSURE  # the engine was unsure of it: not reworded
                 continue
             if found is not None:
+                floor = read_floor(self.answers, neighbour.digest, tenant_scope)
+                if floor is not None and neighbour.similarity < floor:
+                    outcome = SemanticOutcome.PENALISED  # judged wrong this close before
+                    continue
+            if found is not None:
                 entry = found.entry
                 return SemanticLookup(
                     SemanticOutcome.HIT,
@@ -149,7 +156,7 @@ class EmbeddingCache:
                     token_accounting(entry),
                     digest=neighbour.digest,
                 )
-            if outcome is not SemanticOutcome.UNSURE:
+            if outcome not in (SemanticOutcome.UNSURE, SemanticOutcome.PENALISED):
                 outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached, drafts=drafts)
 

@@ -1,0 +1,92 @@
+"""tiercache.semantic.penalties: bad feedback on a semantic hit raises the served answer's
+similarity floor; a rewording under it is not served that answer again, even once it is
+regenerated; the floor is per tenant, never lowered, read from the shared tiers only."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.feedback import Feedback, Verdict
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.penalties import MARGIN, floor_key, raise_floor, read_floor
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
+from tiercache.semantic.vectors import VectorCache
+from tiercache.vocabulary import Tier
+
+DIM = 8
+DIGEST = hashlib.sha256(b"the neighbour's answer").hexdigest()
+
+
+def unit(*values: float) -> np.ndarray:
+    vector = np.zeros(DIM, dtype=np.float32)
+    vector[: len(values)] = values
+    return vector / np.linalg.norm(vector)
+
+
+def tiers(tmp_path: Path) -> TieredCache:
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    return TieredCache([(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)])
+
+
+def test_the_floor_rises_never_falls_and_belongs_to_its_tenant(tmp_path: Path) -> None:
+    cache = tiers(tmp_path)
+    assert read_floor(cache, DIGEST) is None
+    assert raise_floor(cache, DIGEST, 0.9, "scope-a") == round(0.9 + MARGIN, 6)
+    assert raise_floor(cache, DIGEST, 0.8, "scope-a") == round(0.9 + MARGIN, 6)  # not lowered
+    assert raise_floor(cache, DIGEST, 0.95, "scope-a") == round(0.95 + MARGIN, 6)
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
+    assert read_floor(cache, DIGEST, "scope-b") is None
+    assert floor_key(DIGEST) != DIGEST and len(floor_key(DIGEST)) == 64
+    # a copy in a process's L1 does not hide a floor raised since in L2 (by another process)
+    l1, l2 = cache.store(Tier.L1), cache.store(Tier.L2)
+    assert l1 is not None and l2 is not None
+    stale = l2.get(floor_key(DIGEST))
+    assert stale is not None
+    l1.put(floor_key(DIGEST), stale)
+    raise_floor(TieredCache([(Tier.L2, l2)]), DIGEST, 0.97, "scope-a")
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.97 + MARGIN, 6)
+    cache.close()
+
+
+def test_bad_feedback_on_a_semantic_hit_keeps_the_regenerated_answer_from_that_rewording(
+    tmp_path: Path,
+) -> None:
+    answers = tiers(tmp_path)
+    query = unit(1, 0.3)
+    stage = EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        answers,
+        lambda texts: np.stack([query for _ in texts]),
+        lambda q, candidates: 0 if candidates else None,
+        "emb@1",
+        min_similarity=0.5,
+    )
+    answers.put(DIGEST, "a wrong answer for it", tenant_scope="scope-a")
+    stage.index.add("scope", DIGEST, "p", unit(1, 0))
+    (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert hit.outcome is SemanticOutcome.HIT and hit.digest == DIGEST
+    ids = AnswerIds(bytes(32))
+    answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, hit.similarity), "scope-a")
+    report = Feedback(ids, Invalidator(answers)).give(answer_id, Verdict.BAD, "scope-a")
+    assert report.invalidated
+    (gone,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert gone.outcome is SemanticOutcome.STALE  # the answer itself was invalidated
+    # Its own prompt generates it again (later than the invalidation's skew allowance) ...
+    answers.put(DIGEST, "the same answer", tenant_scope="scope-a", created_s=answers.now() + 1)
+    (refused,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert refused.outcome is SemanticOutcome.PENALISED  # ... and the rewording still misses
+    # a closer rewording clears the floor
+    closer = unit(1, 0.05)
+    stage._embed = lambda texts: np.stack([closer for _ in texts])  # type: ignore[method-assign]
+    (near,) = stage.lookup(["closer"], ["scope"], ["scope-a"])
+    assert near.outcome is SemanticOutcome.HIT
+    answers.close()
