@@ -56,7 +56,6 @@ def parse_verdict(text: str | None) -> Verdict:
 class FeedbackReport:
     verdict: Verdict
     served: ServedAs
-    digest: str
     invalidated: bool  # bad: an invalidation was issued now (False: one already covered it)
     published: bool  # that invalidation was recorded in Redis and sent to every replica
 
@@ -103,17 +102,17 @@ class Feedback:
         if found is not None and found.entry.tenant_scope not in ("", tenant_scope):
             raise Forbidden("answer_id names an answer of another tenant")
         if verdict is Verdict.GOOD:
-            return FeedbackReport(verdict, ref.served, ref.digest, False, False)
+            return FeedbackReport(verdict, ref.served, False, False)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
         table = cache.invalidations
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         if table.covers(ref.digest, served):
-            return FeedbackReport(verdict, ref.served, ref.digest, False, False)
+            return FeedbackReport(verdict, ref.served, False, False)
         report = self.invalidator.key(ref.digest)  # first: it stops the answer being served
         if ref.served is ServedAs.SEMANTIC:
             try:  # the floor outlives the answer (another key): its regeneration needs it
                 raise_floor(cache, ref.digest, ref.similarity, tenant_scope)
             except Exception:  # noqa: BLE001 - the invalidation stands; the floor is extra
                 log.exception("raising the similarity floor of %s... failed", ref.digest[:12])
-        return FeedbackReport(verdict, ref.served, ref.digest, True, report.published)
+        return FeedbackReport(verdict, ref.served, True, report.published)

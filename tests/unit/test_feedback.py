@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_invalidation import FakeClock
 
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
@@ -23,17 +24,9 @@ DIGEST = hashlib.sha256(b"an answer").hexdigest()
 KEPT = hashlib.sha256(b"a neighbour's answer").hexdigest()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def setup(tmp_path: Path) -> Iterator[tuple[Feedback, TieredCache, Clock, AnswerIds]]:
-    clock = Clock()
+def setup(tmp_path: Path) -> Iterator[tuple[Feedback, TieredCache, FakeClock, AnswerIds]]:
+    clock = FakeClock()
     cache = TieredCache(
         [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20))],
         clock=clock,
@@ -43,12 +36,12 @@ def setup(tmp_path: Path) -> Iterator[tuple[Feedback, TieredCache, Clock, Answer
     cache.close()
 
 
-def served(ids: AnswerIds, clock: Clock, digest: str = DIGEST, scope: str = SCOPE) -> str:
+def served(ids: AnswerIds, clock: FakeClock, digest: str = DIGEST, scope: str = SCOPE) -> str:
     return ids.issue(AnswerRef(digest, ServedAs.OWN, issued_s=clock.now), scope)
 
 
 def test_bad_invalidates_the_entry_and_nothing_else(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     feedback, cache, clock, ids = setup
     cache.put(DIGEST, "a wrong answer", tenant_scope=SCOPE)
@@ -62,7 +55,7 @@ def test_bad_invalidates_the_entry_and_nothing_else(
 
 
 def test_a_replayed_bad_invalidates_nothing_more_but_a_later_answer_is_invalidated_again(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     feedback, cache, clock, ids = setup
     cache.put(DIGEST, "first answer", tenant_scope=SCOPE)
@@ -89,7 +82,7 @@ def test_a_replayed_bad_invalidates_nothing_more_but_a_later_answer_is_invalidat
 
 
 def test_a_watermark_within_the_skew_of_the_answer_does_not_count_as_covering_it(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     """`issued_s` is the serving host's clock: an invalidation that is not clearly later than
     the answer (within the skew allowance) may have come before it, so bad invalidates again."""
@@ -102,7 +95,7 @@ def test_a_watermark_within_the_skew_of_the_answer_does_not_count_as_covering_it
 
 
 def test_an_id_that_names_another_tenants_entry_is_refused(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     """Defence in depth: were an id ever forged, the entry's own tenant is checked too."""
     feedback, cache, clock, ids = setup
@@ -113,7 +106,7 @@ def test_an_id_that_names_another_tenants_entry_is_refused(
 
 
 def test_good_is_counted_and_keeps_the_entry(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     feedback, cache, clock, ids = setup
     cache.put(DIGEST, "a good answer", tenant_scope=SCOPE)
@@ -125,7 +118,7 @@ def test_good_is_counted_and_keeps_the_entry(
 
 
 def test_another_tenants_feedback_is_refused_and_changes_nothing(
-    setup: tuple[Feedback, TieredCache, Clock, AnswerIds],
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     feedback, cache, clock, ids = setup
     cache.put(DIGEST, "an answer", tenant_scope=SCOPE)

@@ -227,32 +227,21 @@ class TorchEngine:
         logprobs: list[float] = []  # each picked token's, in answer order (its end included)
 
         def event(text: str, finish_reason: str | None) -> StreamEvent:
-            mean = None
-            if finish_reason is not None and logprobs:
-                mean = sum(logprobs) / len(logprobs)
-            if finish_reason is None or drafter is None:
-                return StreamEvent(
-                    text,
-                    finish_reason,
-                    len(generated),
-                    prompt_tokens,
-                    reused,
-                    computed,
-                    mean_logprob=mean,
-                )
+            final = finish_reason is not None
+            mean = sum(logprobs) / len(logprobs) if final and logprobs else None
+            step = StreamEvent(
+                text, finish_reason, len(generated), prompt_tokens, reused, computed,
+                mean_logprob=mean,
+            )  # fmt: skip
+            if not final or drafter is None:
+                return step
             if finish_reason in ("stop", "length") and request.index_answer and request.greedy:
                 self.answers.add(scope, generated)  # a draft source for the scope's next ones
-            return StreamEvent(
-                text,
-                finish_reason,
-                len(generated),
-                prompt_tokens,
-                reused,
-                computed,
-                drafter.proposed,
-                drafter.accepted_total,
-                tuple(drafter.steps),
-                mean,
+            return dataclasses.replace(
+                step,
+                drafted_tokens=drafter.proposed,
+                accepted_tokens=drafter.accepted_total,
+                draft_steps=tuple(drafter.steps),
             )
 
         pending = ""  # text of the tokens taken this step, sent with the step's event

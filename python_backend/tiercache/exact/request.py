@@ -368,12 +368,7 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
             "history cannot be combined with raw_prompt (a raw prompt is the whole model input)"
         )
 
-    tenant = ""
-    if raw.tenant is not None:
-        raw_tenant = _bounded_text("tenant", raw.tenant, limits.max_tenant_bytes)
-        tenant = unicodedata.normalize("NFKC", raw_tenant).strip()
-    if len(tenant) > limits.max_tenant_chars:
-        raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
+    tenant = canonical_tenant(raw.tenant, limits)
     lora_name = ""
     if raw.lora_name is not None:
         lora_name = _bounded_text("lora_name", raw.lora_name, limits.max_lora_name_bytes).strip()
@@ -431,6 +426,19 @@ def _decode(name: str, value: str | bytes) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def canonical_tenant(value: str | bytes | None, limits: Limits = DEFAULT_LIMITS) -> str:
+    """The `tenant` input as every stage names the tenant by: its size checked before it is
+    decoded, NFKC, stripped ("" when omitted); InvalidRequest past the limits."""
+    tenant = ""
+    if value is not None:
+        tenant = unicodedata.normalize(
+            "NFKC", _bounded_text("tenant", value, limits.max_tenant_bytes)
+        ).strip()
+    if len(tenant) > limits.max_tenant_chars:
+        raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
+    return tenant
 
 
 def _bounded_text(name: str, value: str | bytes, max_bytes: int) -> str:

@@ -393,15 +393,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse({"object": "list", "data": data})
 
     async def serve(request: Request, chat: bool) -> Any:
-        try:
-            body = json.loads(await bounded_body(request))
-        except BodyTooLarge as exc:
-            return JSONResponse(
-                api.error_body(str(exc), "invalid_request_error", "request_too_large"),
-                status_code=413,
-            )
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past int limits
-            return error_response(InvalidRequest("the request body is not JSON"))
+        body, refused = await json_body(request)
+        if refused is not None:
+            return refused
         try:
             gen = api.parse_request(
                 body,
@@ -478,12 +472,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
     async def feedback(request: Request) -> Any:
         """POST /v1/feedback {"answer_id", "verdict": "good" | "bad"}: the feedback model's
         answer, as the caller's API key's tenant (docs/gateway.md)."""
-        try:
-            body = json.loads(await bounded_body(request))
-        except BodyTooLarge as exc:
-            return error_response(InvalidRequest(str(exc)))
-        except (ValueError, RecursionError):
-            return error_response(InvalidRequest("the request body is not JSON"))
+        body, refused = await json_body(request)
+        if refused is not None:
+            return refused
         if not isinstance(body, dict) or set(body) - {"answer_id", "verdict"}:
             return error_response(
                 InvalidRequest('the body must be {"answer_id": "...", "verdict": "good"|"bad"}')
@@ -557,6 +548,20 @@ MAX_BODY_BYTES = 4 << 20  # a request body; the ensemble's own limits are far be
 
 class BodyTooLarge(Exception):
     pass
+
+
+async def json_body(request: Request) -> tuple[Any, JSONResponse | None]:
+    """The request body as JSON, or the error response that refuses it: 413 past
+    MAX_BODY_BYTES, 400 for a body that is not JSON."""
+    try:
+        return json.loads(await bounded_body(request)), None
+    except BodyTooLarge as exc:
+        return None, JSONResponse(
+            api.error_body(str(exc), "invalid_request_error", "request_too_large"),
+            status_code=413,
+        )
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past int limits
+        return None, error_response(InvalidRequest("the request body is not JSON"))
 
 
 async def bounded_body(request: Request) -> bytes:

@@ -137,16 +137,15 @@ class EmbeddingCache:
             found = self.answers.get(neighbour.digest)
             if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
                 found = None
-            if found is not None and self.confidence.unsure(found.entry.mean_logprob):
-                outcome = SemanticOutcome.UNSURE  # the engine was unsure of it: not reworded
-                continue
             if found is not None:
+                entry = found.entry
+                if self.confidence.unsure(entry.mean_logprob):
+                    outcome = SemanticOutcome.UNSURE  # the engine was unsure of it: not reworded
+                    continue
                 floor = read_floor(self.answers, neighbour.digest, tenant_scope)
                 if floor is not None and neighbour.similarity < floor:
                     outcome = SemanticOutcome.PENALISED  # judged wrong this close before
                     continue
-            if found is not None:
-                entry = found.entry
                 return SemanticLookup(
                     SemanticOutcome.HIT,
                     vector,

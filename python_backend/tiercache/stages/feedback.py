@@ -9,14 +9,12 @@ a feedback model configured without prompt_cache's key file refuses rather than 
 
 from __future__ import annotations
 
-import unicodedata
-
 from tiercache.config import FeedbackConfig
 from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.keys import tenant_scope
-from tiercache.exact.request import DEFAULT_LIMITS
+from tiercache.exact.request import canonical_tenant
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.feedback import Feedback, Verdict, parse_verdict
 from tiercache.stages.common import export_redis
@@ -86,14 +84,7 @@ class FeedbackStage:
         """The caller's tenant scope (see the module's docstring). A `bad` verdict makes the
         entry be generated again, as `cache_control: no-cache` would: a key that may not use
         that word may not give it (Forbidden)."""
-        name = ""
-        if tenant is not None:
-            limits = DEFAULT_LIMITS
-            if len(tenant) > limits.max_tenant_bytes:  # bounded before normalizing
-                raise InvalidRequest(f"tenant is longer than {limits.max_tenant_bytes} bytes")
-            name = unicodedata.normalize("NFKC", tenant).strip()
-            if len(name) > limits.max_tenant_chars:
-                raise InvalidRequest(f"tenant is longer than {limits.max_tenant_chars} characters")
+        name = canonical_tenant(tenant)
         if self.keys is not None:
             grant = self.keys.authorize(key_from_parameter(authorization))
             if tenant is not None and name != grant.tenant:
