@@ -14,7 +14,10 @@ evicting it frees: bytes, or 1 per slot), `created_s` (when its value was made, 
 clock; 0.0 when unknown: for age-ordered policies) and `cost_s` (the seconds the store spent
 making or fetching it; 0.0 when unknown: for value-aware policies). Plain arguments rather than a
 value object: L1 admits on every write, and building a frozen dataclass there would cost more
-than the admission itself.
+than the admission itself. `group` is the store's class of the entry (0 when it has one kind):
+L1 groups answers by how they were made (greedy or sampled, `tiercache.exact.stores.answer_group`);
+a value-aware policy learns how often each group is hit after admission and weighs new entries
+by it, the others ignore it.
 
 A policy belongs to one store (it is stateful) and is not thread-safe: the store calls it under
 its own lock, or from its single thread. Stores take their policy as a constructor argument, so
@@ -41,7 +44,9 @@ class EvictionPolicy(Protocol[K]):
     """Ranks a store's keys for eviction. Told every admission, read and removal; changes
     nothing by itself."""
 
-    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
         """`key` was stored, or its value replaced (the arguments describe the new value)."""
         ...
 
@@ -103,7 +108,9 @@ class LruPolicy(Generic[K]):
     def __len__(self) -> int:
         return len(self._order)
 
-    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
         self._order[key] = size
         self._order.move_to_end(key)
 
@@ -140,7 +147,9 @@ class OldestFirstPolicy(Generic[K]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
         self._entries.pop(key, None)  # a replaced value ranks among ties as a new admission
         self._entries[key] = (created_s, size)
 
@@ -173,7 +182,10 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     prior below) and never less than LRU from 500 to 30,000 (`tiercache simulate-kv`,
     docs/kv_reuse.md). Cost and size come with admission
     (`cost_s`, `size`): an answer that took 20 s to make outranks a 0.3 s one of the same size and
-    frequency; unknown cost counts as 1.
+    frequency. An unknown cost (0.0) counts as the mean of the known ones admitted lately (the
+    last `ADMISSION_WINDOW` or so), or 1 when none is known: a warmed answer with no recorded
+    cost ranks as an average one, and a store that never knows costs (the KV pool) ranks by
+    frequency and size alone.
 
     Admission: a key the sketch has never seen (a one-off, most of the time) starts with its
     weight discounted by how much less often such keys are hit while held than keys seen
@@ -186,6 +198,13 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     raised 4,000 blocks from 1.35x to 1.53x LRU and 10,000 fell from 1.10x to 1.06x
     (docs/kv_reuse.md).
 
+    Groups: the same learning per `group` the store gives at admission (L1: greedy or sampled
+    answers). A group whose entries are hit less often per admission than the best group's
+    starts with its weight times the ratio of the two rates (at least `MIN_DISCOUNT`, kept while
+    held), once both have `GROUP_EVIDENCE` admissions; until then, and for a store with one
+    group, it is 1. So answers of sampled requests, which come back only with the same seed,
+    decay faster when, and as much as, the traffic shows they are asked for less.
+
     `capacity`: the number of keys the store holds when full, sizing the sketch; 0 (unknown)
     starts small and builds a sketch four times larger each time the live keys outgrow it
     (the live keys keep their counts in the new one; keys no longer held are forgotten).
@@ -196,7 +215,9 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     __slots__ = (
         "_admissions",
         "_capacity",
+        "_cost",
         "_entries",
+        "_groups",
         "_heap",
         "_hits",
         "_inflation",
@@ -209,6 +230,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     _START_CAPACITY = 1024
     ADMISSION_WINDOW = 10_000  # admissions per class before both counts halve
     MIN_DISCOUNT = 0.5
+    GROUP_EVIDENCE = 100  # admissions a group needs before its rate discounts or is compared
 
     def __init__(self, capacity: int = 0) -> None:
         if capacity < 0:
@@ -226,7 +248,11 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         # admission classes, 0: never seen before, 1: seen; hits while held and admissions
         self._hits = [1.0, 1.0]
         self._admissions = [1.0, 1.0]
-        self._unproven: dict[K, int] = {}  # held keys not hit yet -> their admission class
+        # per group: [hits while held, admissions] (windowed as the classes are)
+        self._groups: dict[int, list[float]] = {}
+        self._cost = [0.0, 0.0]  # known costs per admission: [sum, count], windowed
+        # held keys not hit yet -> (their admission class, their group)
+        self._unproven: dict[K, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -266,18 +292,56 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         seen = self._hits[1] / self._admissions[1]
         return max(self.MIN_DISCOUNT, min(1.0, first / seen))
 
-    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+    def group_discount(self, group: int) -> float:
+        """What a new key's weight in `group` is multiplied by now (see the class docstring)."""
+        counts = self._groups.get(group)
+        if counts is None or counts[1] < self.GROUP_EVIDENCE or len(self._groups) < 2:
+            return 1.0
+        best = max(
+            hits / admissions
+            for hits, admissions in self._groups.values()
+            if admissions >= self.GROUP_EVIDENCE
+        )
+        rate = counts[0] / counts[1]
+        return max(self.MIN_DISCOUNT, min(1.0, rate / best)) if best > 0 else 1.0
+
+    def mean_cost(self) -> float:
+        """What an unknown cost counts as now: the mean known cost, 1.0 when none is known."""
+        total, count = self._cost
+        return total / count if count else 1.0
+
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
         seen = int(self._sketch.estimate(key) > 0)
-        self._unproven[key] = seen
+        self._unproven[key] = (seen, group)
         admissions = self._admissions
         admissions[seen] += 1.0
         if admissions[seen] > self.ADMISSION_WINDOW:
             admissions[seen] *= 0.5
             self._hits[seen] *= 0.5
+        counts = self._groups.get(group)
+        if counts is None:
+            counts = self._groups[group] = [0.0, 0.0]
+        counts[1] += 1.0
+        if counts[1] > self.ADMISSION_WINDOW:
+            counts[0] *= 0.5
+            counts[1] *= 0.5
+        if cost_s > 0.0:
+            known = self._cost
+            known[0] += cost_s
+            known[1] += 1.0
+            if known[1] > self.ADMISSION_WINDOW:
+                known[0] *= 0.5
+                known[1] *= 0.5
+        else:
+            cost_s = self.mean_cost()
         frequency = self._sketch.add(key)
-        weight = (cost_s if cost_s > 0.0 else 1.0) / max(size, 1)
+        weight = cost_s / max(size, 1)
         if not seen:
             weight *= self.first_sight_discount()
+        if len(self._groups) > 1:
+            weight *= self.group_discount(group)
         self._rank(key, frequency, size, weight)
         self._grow()
 
@@ -285,7 +349,8 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         frequency = self._sketch.add(key)  # counted kept or not: a miss's request is a request
         proven = self._unproven.pop(key, None)
         if proven is not None:
-            self._hits[proven] += 1.0
+            self._hits[proven[0]] += 1.0
+            self._groups[proven[1]][0] += 1.0
         entry = self._entries.get(key)
         if entry is not None:
             self._rank(key, frequency, entry[2], entry[3])
@@ -328,6 +393,8 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._unproven.clear()
         self._hits = [1.0, 1.0]
         self._admissions = [1.0, 1.0]
+        self._groups.clear()
+        self._cost = [0.0, 0.0]
         self._sketch.clear()
         self._inflation = 0.0
 

@@ -547,6 +547,8 @@ class Generations:
                 created_s=started_s,  # an invalidation issued while it generated covers it
                 prompt_tokens=prompt_tokens,
                 mean_logprob=record.mean_logprob,
+                generation_s=record.duration_s,
+                temperature=request.temperature,
             )
         except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer
             log.exception("write-back of %s failed", digest)

@@ -238,10 +238,16 @@ class RecordingLru(LruPolicy[tuple[int, str]]):
         self.calls: list[tuple[str, str]] = []
 
     def admit(
-        self, key: tuple[int, str], size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0
+        self,
+        key: tuple[int, str],
+        size: int = 1,
+        *,
+        created_s: float = 0.0,
+        cost_s: float = 0.0,
+        group: int = 0,
     ) -> None:
         self.calls.append(("admit", key[1]))
-        super().admit(key, size, created_s=created_s, cost_s=cost_s)
+        super().admit(key, size, created_s=created_s, cost_s=cost_s, group=group)
 
     def access(self, key: tuple[int, str]) -> None:
         self.calls.append(("access", key[1]))

@@ -199,6 +199,48 @@ def test_greedy_dual_weighs_cost_per_unit_of_size() -> None:
     assert gd.nominate(3) == ["big-slow", "fast", "slow"]
 
 
+def test_greedy_dual_counts_an_unknown_cost_as_the_mean_known_one() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=8)
+    assert gd.mean_cost() == 1.0  # nothing known: every cost counts as 1
+    gd.admit("cheap", 1, cost_s=2.0)
+    gd.admit("dear", 1, cost_s=4.0)
+    gd.admit("unknown", 1)  # counts as 3.0
+    assert gd.mean_cost() == 3.0
+    assert gd.nominate(3) == ["cheap", "unknown", "dear"]
+
+
+def test_greedy_dual_learns_which_group_is_worth_less() -> None:
+    """Sampled answers (group 1) that are never asked for again start below greedy ones (group
+    0) that are, by the ratio of the two groups' hits per admission, at least MIN_DISCOUNT; and
+    not before both groups have GROUP_EVIDENCE admissions."""
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=1024)
+    evidence = GreedyDualFrequencyPolicy.GROUP_EVIDENCE
+    for index in range(evidence):
+        gd.admit(f"greedy{index}", 1, group=0)
+        gd.access(f"greedy{index}")
+        if index == evidence // 2:
+            assert gd.group_discount(1) == 1.0  # no evidence for group 1 yet
+        gd.admit(f"sampled{index}", 1, group=1)
+    assert gd.group_discount(0) == 1.0  # the best group is never discounted
+    assert gd.group_discount(1) == GreedyDualFrequencyPolicy.MIN_DISCOUNT
+    gd.admit("new-sampled", 1, group=1)
+    gd.admit("new-greedy", 1, group=0)
+    ranked = gd.nominate(len(gd))
+    assert ranked.index("new-sampled") < ranked.index("new-greedy")
+    # the traffic changes: sampled answers come back; the discount follows (3 of 4 hit: 0.75)
+    for index in range(3 * evidence):
+        gd.admit(f"again{index}", 1, group=1)
+        gd.access(f"again{index}")
+    assert gd.group_discount(1) == pytest.approx(0.75, abs=0.01)
+
+
+def test_greedy_dual_with_one_group_never_discounts_by_group() -> None:
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=1024)
+    for index in range(2 * GreedyDualFrequencyPolicy.GROUP_EVIDENCE):
+        gd.admit(f"k{index}", 1, group=3)
+    assert gd.group_discount(3) == 1.0
+
+
 def test_greedy_dual_a_removal_is_an_eviction_only_when_nominated() -> None:
     gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(capacity=4)
     fill(gd, dict.fromkeys("ab", 1))
@@ -270,9 +312,11 @@ class Recording(LruPolicy[K]):
         self.calls: list[tuple[str, object]] = []
         self.nominated: list[list[K]] = []
 
-    def admit(self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0) -> None:
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
         self.calls.append(("admit", key))
-        super().admit(key, size, created_s=created_s, cost_s=cost_s)
+        super().admit(key, size, created_s=created_s, cost_s=cost_s, group=group)
 
     def access(self, key: K) -> None:
         self.calls.append(("access", key))

@@ -703,3 +703,20 @@ def test_an_answers_confidence_is_stored_and_an_unsure_one_is_kept_shorter(
     assert found is not None
     assert found.entry.mean_logprob == mean_logprob
     assert found.entry.ttl_s == ttl_s
+
+
+def test_an_answer_is_stored_with_what_generating_it_cost_and_its_temperature() -> None:
+    """The engine call's seconds (the record's duration) and the request's temperature go into
+    the entry: L1's eviction weighs them (tiercache.exact.stores.answer_group)."""
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))], default_ttl_s=3600.0)
+    records: list[GenerationRecord] = []
+    stage = make_stage(cache, FakeEngine(), on_generation=records.append)
+    sampled = GenerationRequest(prompt="hi", temperature=0.7, seed=3)
+    responder = Recorder()
+    stage.submit_miss(sampled, DIGEST, "miss", True, responder)
+    assert responder.wait()[-1][:2] == ("final", "Hello")
+    found = cache.get(DIGEST)
+    stage.close()
+    assert found is not None and len(records) == 1
+    assert found.entry.generation_s == records[0].duration_s > 0.0
+    assert found.entry.temperature == pytest.approx(0.7)

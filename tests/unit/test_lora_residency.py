@@ -286,7 +286,13 @@ def test_a_custom_policy_chooses_the_victims(make: MakeResidency, disk: FakeDisk
             self.sizes: dict[str, int] = {}
 
         def admit(
-            self, key: str, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0
+            self,
+            key: str,
+            size: int = 1,
+            *,
+            created_s: float = 0.0,
+            cost_s: float = 0.0,
+            group: int = 0,
         ) -> None:
             self.sizes[key] = size
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from tiercache.eviction import named_policy
 from tiercache.exact.codec import (
     ENTRY_OVERHEAD_BYTES,
     MAGIC,
@@ -26,7 +27,7 @@ from tiercache.exact.codec import (
     peek_created_s,
 )
 from tiercache.exact.redis_tier import RedisLink, RedisStore
-from tiercache.exact.stores import LmdbStore, MemoryStore, Store
+from tiercache.exact.stores import GREEDY, SAMPLED, LmdbStore, MemoryStore, Store, answer_group
 
 
 def entry(text: str = "answer", created_s: float = 1.0, **kwargs: object) -> CacheEntry:
@@ -102,6 +103,38 @@ def test_an_entry_written_before_prompt_tokens_existed_reads_as_unknown() -> Non
     old = decode_entry(_with_payload(payload))
     assert (old.prompt_tokens, old.generated_tokens) == (0, 3)
     assert b"prompt_tokens" not in encode_entry(entry("x"))  # written only when known
+
+
+def test_an_entry_written_before_its_cost_was_recorded_reads_as_unknown_and_greedy() -> None:
+    payload = json.dumps({"text": "x", "finish_reason": "stop", "generated_tokens": 3}).encode()
+    old = decode_entry(_with_payload(payload))
+    assert (old.generation_s, old.temperature) == (0.0, 0.0)
+    assert answer_group(old) == GREEDY
+    assert b"generation_s" not in encode_entry(entry("x"))  # written only when known
+    assert answer_group(entry("x", temperature=0.7)) == SAMPLED
+
+
+@pytest.mark.parametrize("field", ["generation_s", "temperature"])
+@pytest.mark.parametrize("value", [-1.0, "2", None, True])
+def test_a_stored_cost_or_temperature_that_is_not_a_number_at_least_0_is_corrupt(
+    field: str, value: object
+) -> None:
+    fields = {"text": "x", "finish_reason": "stop", "generated_tokens": 3, field: value}
+    with pytest.raises(CorruptEntry):
+        decode_entry(_with_payload(json.dumps(fields).encode()))
+
+
+def test_l1_keeps_the_answer_that_took_longer_to_generate() -> None:
+    """L1's default policy weighs generation seconds: of two answers of one size, asked for as
+    often, the one that took 20 s outlives the one that took 0.3 s, whichever came first."""
+    for slow_first in (True, False):
+        store = MemoryStore(2 * entry("x").size_bytes, named_policy("gdsf"))
+        order = [("slow", 20.0), ("fast", 0.3)]
+        for key, seconds in order if slow_first else order[::-1]:
+            store.put(key, entry("x", generation_s=seconds))
+        store.put("new", entry("x", generation_s=20.0))
+        assert store.get("fast") is None
+        assert store.get("slow") is not None
 
 
 def test_entry_metadata_round_trip(store: Store) -> None:
@@ -287,6 +320,7 @@ def _with_payload(payload: bytes) -> bytes:
             generated_tokens=12,
         ),
         entry("with usage", generated_tokens=12, prompt_tokens=31),
+        entry("sampled", generation_s=2.5, temperature=0.7, mean_logprob=-0.25),
     ],
 )
 def test_codec_round_trip(e: CacheEntry) -> None:

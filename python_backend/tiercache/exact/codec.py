@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class CacheEntry:
     # The engine's mean token log-probability of the answer (tiercache.exact.confidence); None
     # when unknown (a warmed answer, an engine that does not report it).
     mean_logprob: float | None = None
+    # What making it cost and how: the engine call's wall seconds (0.0: unknown, as for a warmed
+    # answer) and the request's sampling temperature (0.0: greedy). L1's eviction value
+    # (`tiercache.exact.stores.answer_group`, `tiercache.eviction`).
+    generation_s: float = 0.0
+    temperature: float = 0.0
 
     def expired(self, now_s: float) -> bool:
         return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
@@ -86,6 +92,10 @@ def encode_entry(entry: CacheEntry) -> bytes:
         fields["adapter"] = entry.adapter
     if entry.prompt_tokens:
         fields["prompt_tokens"] = entry.prompt_tokens
+    if entry.generation_s > 0.0:
+        fields["generation_s"] = entry.generation_s
+    if entry.temperature > 0.0:
+        fields["temperature"] = entry.temperature
     payload = json.dumps(
         fields,
         separators=(",", ":"),
@@ -124,9 +134,19 @@ def decode_entry(data: bytes) -> CacheEntry:
             adapter=str(fields.get("adapter", "")),
             prompt_tokens=int(fields.get("prompt_tokens", 0)),
             mean_logprob=_optional_float(fields.get("mean_logprob")),
+            generation_s=_nonnegative(fields.get("generation_s", 0.0)),
+            temperature=_nonnegative(fields.get("temperature", 0.0)),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc
+
+
+def _nonnegative(value: object) -> float:
+    """A stored finite number >= 0 (ValueError or TypeError otherwise: a corrupt entry)."""
+    number = _optional_float(value)
+    if number is None or not math.isfinite(number) or number < 0.0:
+        raise ValueError(f"{value!r} is not a finite number >= 0")
+    return number
 
 
 def _optional_float(value: object) -> float | None:

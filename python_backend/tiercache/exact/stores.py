@@ -83,14 +83,25 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+GREEDY, SAMPLED = 0, 1
+
+
+def answer_group(entry: CacheEntry) -> int:
+    """The eviction group of an answer (`tiercache.eviction`'s `group`): SAMPLED for a seeded
+    sampled request's (temperature > 0: asked again only with the same seed), GREEDY otherwise."""
+    return SAMPLED if entry.temperature > 0.0 else GREEDY
+
+
 SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log n/100))
 
 
 class MemoryStore:
     """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
-    `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Entries larger
-    than the whole budget are not stored (and an older value under their key is dropped)."""
+    `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Each entry is
+    admitted with its size, its generation seconds as its cost and its `answer_group`. Entries
+    larger than the whole budget are not stored (and an older value under their key is
+    dropped)."""
 
     def __init__(self, max_bytes: int, policy: EvictionPolicy[str] | None = None) -> None:
         if max_bytes <= 0:
@@ -136,7 +147,13 @@ class MemoryStore:
             self._entries[key] = entry
             self._sizes[key] = size
             self._bytes += size - replaced
-            self._policy.admit(key, size, created_s=entry.created_s)
+            self._policy.admit(
+                key,
+                size,
+                created_s=entry.created_s,
+                cost_s=entry.generation_s,
+                group=answer_group(entry),
+            )
 
     def _evict(self, nbytes: int, replacing: str) -> None:
         """Free at least `nbytes` (lock held), never the entry `replacing` (its bytes are

@@ -183,6 +183,8 @@ class TieredCache:
         created_s: float | None = None,
         prompt_tokens: int = 0,
         mean_logprob: float | None = None,
+        generation_s: float = 0.0,
+        temperature: float = 0.0,
     ) -> CacheEntry | None:
         """Store an answer in every tier; None, writing nothing, when an invalidation this
         process knows of already covers it (a generation that started before the watermark:
@@ -201,6 +203,8 @@ class TieredCache:
             adapter=adapter,
             prompt_tokens=prompt_tokens,
             mean_logprob=mean_logprob,
+            generation_s=generation_s,
+            temperature=temperature,
         )
         self._catch_up()
         if self.invalidations.covers(key, entry):

@@ -1,43 +1,216 @@
-"""Eviction policies for the answer tiers on the soak's realistic mix, against Belady (issue 19).
+"""Eviction policies for the answer tiers on the soak's realistic mix, against the offline optimum
+(issue 19): hit ratio and recomputation saved, side by side.
 
 Usage::
 
     python -m tiercache_dev.bench.answer_policy [--entries 8000] [--seeds 0,1,2]
         [--capacities 50,100,200,400,800,1600] [--pairs FILE]
+        [--lengths TRACE.jsonl --prefill-weight 0.05]
 
 Builds the request stream `tiercache_dev.perf.soak` sends (its `build_mix`: four tenants, the
 committed adapters, new questions, Zipf-popular exact repeats and rewordings) for each seed and
-replays its exact keys (tenant, adapter, question) through a store holding `--capacities`
-answers (one answer per slot: the mix's answers are all 8 tokens) with each of
-`tiercache.eviction.NAMED_POLICIES` and Belady's optimum (`tiercache.kv_simulation`, a
-request being one key). A repeat of a held key is a hit; a rewording is a miss here (the exact
-tier never serves it; the embedding tier's rows are a separate store). Every miss is a
-generation, so the hit ratio is also the share of generations saved. Prints one table per seed
-(hit ratio, and each policy's ratio to LRU) and lines `policy <name> capacity <N> hit_ratio <x>`
-for the first seed. Seed 0 is the soak's own; the others are mixes no policy was tuned on.
+replays its exact keys (tenant, adapter, question) through L1 itself (`MemoryStore`, every
+answer the same size, `--capacities` of them held) with each of
+`tiercache.eviction.NAMED_POLICIES`, `gdsf` also told no cost (`gdsf-blind`: what weighing
+generation seconds adds), and against two offline limits: Belady's optimum (fewest misses) and
+the optimum for recomputation saved (the most generation cost hit, the same store with the
+future known; a minimum-cost flow, Carlisle and Lloyd's for weighted intervals). A repeat of a
+held key is a hit; a rewording is a miss here (the exact tier never serves it).
+
+What an answer costs: without `--lengths`, the same for every answer (the soak's answers are
+all 8 tokens), so recomputation saved equals the hit ratio. With `--lengths`, a trace in
+Mooncake's format (`input_length`, `output_length` per request: real prompt and answer lengths,
+e.g. its FAST'25 conversation trace) gives each distinct question the lengths of one of its
+requests (shuffled by the seed), and an answer costs `output_length + prefill_weight x
+input_length` generated-token equivalents, stored as the entry's generation seconds (a prompt
+token costs `--prefill-weight` of a generated one: the engine's ratio, which varies by engine and
+batch; pass yours). Prints one table per seed (hit ratio and share of the cost saved; each
+policy's ratio to LRU) and lines `policy <name> capacity <N> hit_ratio <x> saved <y>` for the
+first seed. Seed 0 is the soak's own; the others are mixes no policy was tuned on.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
+import json
+import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.eviction import NAMED_POLICIES
-from tiercache.kv_simulation import replay_belady, replay_policy
+from tiercache.eviction import NAMED_POLICIES, EvictionPolicy, GreedyDualFrequencyPolicy
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import MemoryStore
 from tiercache_dev.console import invocation
 from tiercache_dev.paths import DEFAULT_PAIRS
 from tiercache_dev.perf import soak
 
+COST_SCALE = 1000  # the flow's costs are integers: answer costs in thousandths
 
-def key_trace(entries: int, seed: int, pairs: Path) -> list[list[int]]:
-    """The mix's requests as one-key requests, each key an int per (tenant, adapter, question)."""
+
+def key_trace(entries: int, seed: int, pairs: Path) -> list[int]:
+    """The mix's requests as keys, one int per (tenant, adapter, question) in first-asked order."""
     args = soak.parse_args(["--entries", str(entries), "--seed", str(seed), "--pairs", str(pairs)])
     ids: dict[tuple[str, str, str], int] = {}
     return [
-        [ids.setdefault((a.tenant, a.adapter, a.question), len(ids))] for a in soak.build_mix(args)
+        ids.setdefault((a.tenant, a.adapter, a.question), len(ids)) for a in soak.build_mix(args)
     ]
+
+
+def read_lengths(path: Path) -> list[tuple[int, int]]:
+    """(input_length, output_length) of every request of a Mooncake-format trace."""
+    lengths = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                lengths.append((int(row["input_length"]), int(row["output_length"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SystemExit(f"{path}:{number}: not a Mooncake request ({exc})") from None
+    if not lengths:
+        raise SystemExit(f"{path}: holds no requests")
+    return lengths
+
+
+def answer_costs(
+    keys: int, lengths: list[tuple[int, int]] | None, prefill_weight: float, seed: int
+) -> list[float]:
+    """Each key's cost in generated-token equivalents (1.0 each without lengths)."""
+    if lengths is None:
+        return [1.0] * keys
+    rng = random.Random(seed)
+    drawn = [lengths[rng.randrange(len(lengths))] for _ in range(keys)]
+    return [max(out + prefill_weight * prompt, 1e-3) for prompt, out in drawn]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    hits: int
+    saved: float  # cost of the requests served from the store
+
+    def ratios(self, requests: int, total_cost: float) -> tuple[float, float]:
+        return self.hits / requests, self.saved / total_cost
+
+
+def replay_store(
+    trace: Sequence[int], capacity: int, policy: EvictionPolicy[str], costs: Sequence[float]
+) -> Outcome:
+    """The trace through an L1 of `capacity` equal-size answers: a miss stores the answer with
+    its cost as its generation seconds."""
+    size = CacheEntry("", 0.0).size_bytes
+    store = MemoryStore(capacity * size, policy)
+    hits, saved = 0, 0.0
+    for key in trace:
+        name = str(key)
+        if store.get(name) is not None:
+            hits += 1
+            saved += costs[key]
+        else:
+            store.put(name, CacheEntry("", 0.0, generation_s=costs[key]))
+    return Outcome(hits, saved)
+
+
+def next_uses(trace: Sequence[int]) -> list[int]:
+    """next_uses[i]: the index of the next request for trace[i]'s key (len(trace): none)."""
+    never = len(trace)
+    upcoming: list[int] = [never] * len(trace)
+    last: dict[int, int] = {}
+    for index in range(len(trace) - 1, -1, -1):
+        upcoming[index] = last.get(trace[index], never)
+        last[trace[index]] = index
+    return upcoming
+
+
+def replay_cost_optimum(trace: Sequence[int], capacity: int, costs: Sequence[float]) -> Outcome:
+    """The most cost a store of `capacity` answers can save with the future known (it may also
+    not keep an answer): keeping a key from request i to its next request j saves that request's
+    cost and takes one slot after requests i to j-1, so the optimum is the heaviest set of such
+    intervals with at most `capacity` overlapping anywhere: a minimum-cost flow of `capacity`
+    units along the requests, each interval an arc of capacity 1 and cost minus its saving."""
+    import networkx as nx  # a dependency of torch; only this benchmark uses it
+
+    upcoming = next_uses(trace)
+    never = len(trace)
+    graph = nx.DiGraph()
+    graph.add_node(0, demand=-capacity)
+    graph.add_node(never, demand=capacity)
+    for index in range(never):
+        graph.add_edge(index, index + 1, capacity=capacity, weight=0)
+    intervals: dict[tuple[int, int], int] = {}
+    for index, following in enumerate(upcoming):
+        if following < never:
+            intervals[(index, following)] = index
+            # a parallel arc needs a node of its own (DiGraph: one arc per pair)
+            middle = ("keep", index)
+            weight = -round(costs[trace[following]] * COST_SCALE)
+            graph.add_edge(index, middle, capacity=1, weight=weight)
+            graph.add_edge(middle, following, capacity=1, weight=0)
+    flow = nx.network_simplex(graph)[1]
+    hits, saved = 0, 0.0
+    for (index, following), _ in intervals.items():
+        if flow[index].get(("keep", index), 0):
+            hits += 1
+            saved += costs[trace[following]]
+    return Outcome(hits, saved)
+
+
+def replay_fewest_misses(trace: Sequence[int], capacity: int, costs: Sequence[float]) -> Outcome:
+    """Belady's optimum: keep the keys asked for soonest, and do not keep a new key needed later
+    than every held one (the same rule as `tiercache.kv_simulation.replay_belady`, for one-key
+    requests, also adding up the cost its hits save)."""
+    upcoming = next_uses(trace)
+    held: dict[int, int] = {}  # key -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
+    hits, saved = 0, 0.0
+    for index, key in enumerate(trace):
+        following = upcoming[index]
+        if key in held:
+            hits += 1
+            saved += costs[key]
+        elif len(held) >= capacity:
+            while heap and held.get(heap[0][1]) != -heap[0][0]:
+                heapq.heappop(heap)  # stale
+            if not heap or -heap[0][0] <= following:
+                continue  # every held key is needed sooner than this one: not kept
+            del held[heapq.heappop(heap)[1]]
+        held[key] = following
+        heapq.heappush(heap, (-following, key))
+    return Outcome(hits, saved)
+
+
+def policies() -> dict[str, Callable[[int], EvictionPolicy[str]]]:
+    made: dict[str, Callable[[int], EvictionPolicy[str]]] = dict(NAMED_POLICIES)
+    made["gdsf-blind"] = lambda capacity: CostBlind(GreedyDualFrequencyPolicy(capacity))
+    return made
+
+
+class CostBlind:
+    """A policy told every admission without its cost: what weighing cost adds, measured."""
+
+    def __init__(self, inner: EvictionPolicy[str]) -> None:
+        self._inner = inner
+        self.access = inner.access
+        self.remove = inner.remove
+        self.nominate = inner.nominate
+        self.clear = inner.clear
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def admit(
+        self,
+        key: str,
+        size: int = 1,
+        *,
+        created_s: float = 0.0,
+        cost_s: float = 0.0,
+        group: int = 0,
+    ) -> None:
+        self._inner.admit(key, size, created_s=created_s, group=group)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,38 +219,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated mix seeds")
     parser.add_argument("--capacities", default="50,100,200,400,800,1600", help="answers held")
     parser.add_argument("--pairs", type=Path, default=DEFAULT_PAIRS, help="the soak's prompt pairs")
+    parser.add_argument(
+        "--lengths", type=Path, help="a Mooncake-format trace to draw answer lengths from"
+    )
+    parser.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=0.05,
+        help="what a prompt token costs, in generated tokens (with --lengths)",
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     capacities = [int(c) for c in args.capacities.split(",")]
-    names = list(NAMED_POLICIES)
+    lengths = read_lengths(args.lengths) if args.lengths else None
+    made = policies()
+    names = [*made, "belady", "optimum"]
     print(f"`{invocation('tiercache_dev.bench.answer_policy', argv)}`\n")
     lines: list[str] = []
     for seed in seeds:
         trace = key_trace(args.entries, seed, args.pairs)
-        distinct = len({request[0] for request in trace})
-        print(f"mix seed {seed}: {len(trace)} requests, {distinct} distinct exact keys\n")
-        print(
-            "| capacity | "
-            + " | ".join([*names, "belady"])
-            + " | "
-            + " | ".join(f"{n}/lru" for n in names if n != "lru")
-            + " |"
-        )
-        print("|---:|" + "---:|" * (len(names) + 1 + len(names) - 1))
+        costs = answer_costs(max(trace) + 1, lengths, args.prefill_weight, seed)
+        total = sum(costs[key] for key in trace)
+        print(f"mix seed {seed}: {len(trace)} requests, {len(costs)} distinct exact keys\n")
+        print("| capacity | " + " | ".join(f"{n} hits / saved" for n in names) + " | saved / lru |")
+        print("|---:|" + "---:|" * len(names) + "---|")
         for capacity in capacities:
-            ratios = {
-                name: replay_policy(trace, capacity, NAMED_POLICIES[name](capacity)).hit_ratio
-                for name in names
+            outcomes = {
+                name: replay_store(trace, capacity, factory(capacity), costs)
+                for name, factory in made.items()
             }
-            ratios["belady"] = replay_belady(trace, capacity).hit_ratio
-            over = [f"{ratios[n] / ratios['lru']:.2f}x" for n in names if n != "lru"]
-            cells = [f"{ratios[n]:.3f}" for n in [*names, "belady"]]
-            print(f"| {capacity} | " + " | ".join(cells) + " | " + " | ".join(over) + " |")
+            outcomes["belady"] = replay_fewest_misses(trace, capacity, costs)
+            outcomes["optimum"] = replay_cost_optimum(trace, capacity, costs)
+            ratios = {name: o.ratios(len(trace), total) for name, o in outcomes.items()}
+            cells = [f"{hit:.3f} / {saved:.3f}" for hit, saved in ratios.values()]
+            lru_saved = ratios["lru"][1]
+            over = ", ".join(
+                f"{n} {ratios[n][1] / lru_saved:.2f}x" for n in names if n != "lru" and lru_saved
+            )
+            print(f"| {capacity} | " + " | ".join(cells) + f" | {over} |")
             if seed == seeds[0]:
                 lines += [
-                    f"policy {name} capacity {capacity} hit_ratio {ratio:.4f}"
-                    for name, ratio in ratios.items()
+                    f"policy {name} capacity {capacity} hit_ratio {hit:.4f} saved {saved:.4f}"
+                    for name, (hit, saved) in ratios.items()
                 ]
+            sys.stdout.flush()
         print()
     print("\n".join(lines))
     return 0
