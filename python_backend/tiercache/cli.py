@@ -618,6 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="another policy to replay: gdsf (lru, belady and default, the pool's own, always are)",
     )
+    sim.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help="tokens per block, for the prefill saved (Mooncake's traces: 512)",
+    )
     return parser
 
 

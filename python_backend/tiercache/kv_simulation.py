@@ -195,10 +195,13 @@ def simulate(trace: Trace, capacities: Sequence[int], names: Sequence[str]) -> l
 
 def main_simulate_kv(args: Any) -> int:
     """`tiercache simulate-kv` on parsed arguments: prints a table per capacity, then one
-    `policy <name> capacity <N> hit_ratio <x>` line per run; 0, or 2 on bad input."""
+    `policy <name> capacity <N> hit_ratio <x> prefill_tokens_saved <n>` line per run (the
+    recomputation a hit saves: the reused blocks' prompt tokens); 0, or 2 on bad input."""
     import sys
 
     try:
+        if args.block_tokens < 1:
+            raise InvalidRequest(f"--block-tokens must be >= 1, got {args.block_tokens}")
         trace = read_trace(args.trace)
         names = list(dict.fromkeys(["lru", "belady", "default", *(args.policy or [])]))
         results = simulate(trace, args.capacity_blocks, names)
@@ -214,5 +217,8 @@ def main_simulate_kv(args: Any) -> int:
         cells = " | ".join(f"{by[(n, capacity)].hit_ratio:.3f}" for n in names)
         print(f"| {capacity} | {cells} |")
     for r in results:
-        print(f"policy {r.policy} capacity {r.capacity} hit_ratio {r.hit_ratio:.4f}")
+        print(
+            f"policy {r.policy} capacity {r.capacity} hit_ratio {r.hit_ratio:.4f} "
+            f"prefill_tokens_saved {r.hits * args.block_tokens}"
+        )
     return 0

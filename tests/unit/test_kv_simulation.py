@@ -58,14 +58,24 @@ def test_the_command_prints_one_line_per_policy_and_capacity(
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["simulate-kv", "--trace", str(path), "--capacity-blocks", "2", "3"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("policy ")]
-    assert lines == [
-        "policy lru capacity 2 hit_ratio 0.0000",
-        "policy belady capacity 2 hit_ratio 0.3333",
-        "policy default capacity 2 hit_ratio 0.0000",
-        "policy lru capacity 3 hit_ratio 0.5000",
-        "policy belady capacity 3 hit_ratio 0.5000",
-        "policy default capacity 3 hit_ratio 0.5000",
+    assert lines == [  # 6 blocks asked; a block is 512 tokens unless told
+        "policy lru capacity 2 hit_ratio 0.0000 prefill_tokens_saved 0",
+        "policy belady capacity 2 hit_ratio 0.3333 prefill_tokens_saved 1024",
+        "policy default capacity 2 hit_ratio 0.0000 prefill_tokens_saved 0",
+        "policy lru capacity 3 hit_ratio 0.5000 prefill_tokens_saved 1536",
+        "policy belady capacity 3 hit_ratio 0.5000 prefill_tokens_saved 1536",
+        "policy default capacity 3 hit_ratio 0.5000 prefill_tokens_saved 1536",
     ]
+    tokens = ["--capacity-blocks", "3", "--block-tokens", "16"]
+    assert main(["simulate-kv", "--trace", str(path), *tokens]) == 0
+    assert (
+        "policy lru capacity 3 hit_ratio 0.5000 prefill_tokens_saved 48" in capsys.readouterr().out
+    )
+    assert (
+        main(["simulate-kv", "--trace", str(path), "--capacity-blocks", "3", "--block-tokens", "0"])
+        == 2
+    )
+    assert "--block-tokens must be >= 1" in capsys.readouterr().err
     assert main(["simulate-kv", "--trace", str(path), "--capacity-blocks", "0"]) == 2
     bad = ["simulate-kv", "--trace", str(path), "--capacity-blocks", "2", "--policy", "mru"]
     assert main(bad) == 2
