@@ -519,9 +519,10 @@ class TierCacheClient:
         """Say whether a served answer was good or bad (`verdict` "good" or "bad"), by the
         `answer_id` of its `GenerationResult`, as the tenant it was served to (`tenant`, or the
         client's API key's). Bad: the answer's cache entry is invalidated (on every replica
-        with Redis) and generated again when next asked; good: counted. The server's JSON
-        answer: verdict, accepted and, unless the deployment pads some tenant's responses,
-        served (own|semantic), invalidated, published, reaches.
+        with Redis) and generated again when next asked; good: counted, and the cached answer
+        ranks higher in the caches that admit it next. The server's JSON answer: verdict,
+        accepted and, unless the deployment pads some tenant's responses, served
+        (own|semantic), invalidated, published, endorsed, reaches.
         `ForbiddenError` for an id served to another tenant (or by another deployment),
         `InvalidRequestError` for something that is not an answer id or verdict,
         `UnavailableError` when the server's Redis is down (applied on its host only: retry)."""

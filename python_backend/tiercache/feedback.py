@@ -13,8 +13,11 @@ A caller sends back the `answer_id` of a response (tiercache.exact.answer_ids) w
   key invalidation of its entry, bad feedback included, or one of its tenant; read from the
   fleet's invalidation table, which every replica shares through Redis and replays after a
   restart) invalidates nothing more: replaying one id cannot grow the fleet's invalidation log.
-- `good`: counted. (Raising the entry's value in the tiers' eviction policies is not built yet:
-  docs/feedback.md, "Not built yet".)
+- `good`: counted, and while the answer is cached its entry's count of endorsements rises (at
+  most `MAX_ENDORSEMENTS`), written back to the shared tiers (L2, L3): every process that admits
+  the entry into its L1 from then on (on every replica, through L3) ranks it as asked for that
+  many more times. A copy already in some process's L1 keeps its rank until it is admitted
+  again (nothing tells an L1 of a verdict; docs/feedback.md).
 
 The id opens only under the tenant scope it was issued to, so feedback is taken only from the
 tenant that was served the answer (the caller of the stage resolves the tenant as prompt_cache
@@ -24,15 +27,18 @@ also name an entry of that tenant (a second check, should a forged id ever open)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from enum import Enum
 
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
-from tiercache.exact.codec import CacheEntry
+from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.penalties import raise_floor
+from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,7 @@ class FeedbackReport:
     served: ServedAs
     invalidated: bool  # bad: an invalidation was issued now (False: one already covered it)
     published: bool  # that invalidation was recorded in Redis and sent to every replica
+    endorsed: bool = False  # good: the entry's endorsements rose in the shared tiers
 
     def to_json(self, masked: bool = False) -> dict[str, object]:
         """The caller's answer; `masked` (a deployment that pads some tenant's responses): the
@@ -72,6 +79,8 @@ class FeedbackReport:
             if self.invalidated
             else "nothing more: an invalidation issued after this answer was served covers it"
             if self.verdict is Verdict.BAD
+            else "counted; the cached answer ranks higher where it is cached next"
+            if self.endorsed
             else "counted"
         )
         return {
@@ -80,6 +89,7 @@ class FeedbackReport:
             "served": self.served.name.lower(),
             "invalidated": self.invalidated,
             "published": self.published,
+            "endorsed": self.endorsed,
             "reaches": reaches,
         }
 
@@ -102,7 +112,13 @@ class Feedback:
         if found is not None and found.entry.tenant_scope not in ("", tenant_scope):
             raise Forbidden("answer_id names an answer of another tenant")
         if verdict is Verdict.GOOD:
-            return FeedbackReport(verdict, ref.served, False, False)
+            endorsed = False
+            if found is not None:
+                try:
+                    endorsed = endorse(cache, ref.digest)
+                except Exception:  # noqa: BLE001 - the verdict is counted; the rank is extra
+                    log.exception("endorsing %s... failed", ref.digest[:12])
+            return FeedbackReport(verdict, ref.served, False, False, endorsed)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
         table = cache.invalidations
@@ -116,3 +132,22 @@ class Feedback:
             except Exception:  # noqa: BLE001 - the invalidation stands; the floor is extra
                 log.exception("raising the similarity floor of %s... failed", ref.digest[:12])
         return FeedbackReport(verdict, ref.served, True, report.published)
+
+
+def endorse(cache: TieredCache, digest: str) -> bool:
+    """Count one more `good` verdict on `digest`'s entry, read from the shared tiers (L2, then
+    L3: never a process's L1, whose copy may predate other verdicts) and written back to every
+    tier; False when no shared tier holds it (expired, invalidated, evicted) or its count is
+    already at MAX_ENDORSEMENTS. Two verdicts at once may count as one: a rank, not a tally
+    (tiercache_feedback_total counts every verdict)."""
+    for tier, store in cache.stores():
+        if tier is Tier.L1:
+            continue
+        entry = store.get(digest)
+        if entry is None:
+            continue
+        if entry.expired(cache.now()) or entry.endorsements >= MAX_ENDORSEMENTS:
+            return False
+        raised = dataclasses.replace(entry, endorsements=entry.endorsements + 1)
+        return cache.put_entry(digest, raised) is not None
+    return False

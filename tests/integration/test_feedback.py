@@ -32,8 +32,11 @@ def test_bad_feedback_stops_an_exact_hit_and_good_keeps_it(
     assert (first.cache_status, hit.cache_status) == ("miss", "exact")
     assert first.answer_id and hit.answer_id and first.answer_id != hit.answer_id
 
+    endorsed = settled_metric(server, "tiercache_feedback_endorsements_total")
     good = client.feedback(hit.answer_id, "good", tenant=t)
     assert (good["verdict"], good["served"], good["invalidated"]) == ("good", "own", False)
+    assert good["endorsed"] is True  # the entry's count rose in the shared tier (L2 here)
+    assert settled_metric(server, "tiercache_feedback_endorsements_total") == endorsed + 1
     assert client.generate_text(prompt, max_tokens=MAX_TOKENS, tenant=t).cache_status == "exact"
 
     bad = client.feedback(hit.answer_id, "bad", tenant=t)

@@ -89,9 +89,12 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
             "served": "own",
             "invalidated": False,
             "published": False,
-            "reaches": "counted",
+            "endorsed": True,
+            "reaches": "counted; the cached answer ranks higher where it is cached next",
         }
-        assert cache.get(DIGEST) is not None  # nothing above dropped it
+        found = cache.get(DIGEST)
+        assert found is not None  # nothing above dropped it
+        assert found.entry.endorsements == 1
         (bad,) = instance.execute(
             [call(pb_utils, ANSWER_ID=answer_id, VERDICT="BAD", tenant="acme")]
         )
@@ -101,6 +104,7 @@ def test_bad_feedback_drops_the_entry_for_its_own_tenant_only(
             "served": "own",
             "invalidated": True,
             "published": False,
+            "endorsed": False,
             "reaches": "this host only (no Redis)",
         }
         assert cache.get(DIGEST) is None
@@ -153,6 +157,7 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
             "served": "semantic",
             "invalidated": False,
             "published": False,
+            "endorsed": False,
             "reaches": "counted",
         }
         assert str(good(None, tenant="acme")).startswith("forbidden: ")  # no key

@@ -1,4 +1,4 @@
-"""tiercache.feedback: bad feedback invalidates the answer's entry once, good is counted, and
+"""tiercache.feedback: bad feedback invalidates the answer's entry once, good raises its rank, and
 an id is taken only from the tenant it was served to (real L1 and L2, no Redis)."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 from test_invalidation import FakeClock
 
 from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.eviction import named_policy
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
@@ -105,16 +107,64 @@ def test_an_id_that_names_another_tenants_entry_is_refused(
     assert cache.get(DIGEST) is not None
 
 
-def test_good_is_counted_and_keeps_the_entry(
+def test_good_keeps_the_entry_and_raises_its_endorsements_in_the_shared_tier_up_to_the_most(
     setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     feedback, cache, clock, ids = setup
-    cache.put(DIGEST, "a good answer", tenant_scope=SCOPE)
+    cache.put(DIGEST, "a good answer", tenant_scope=SCOPE, generation_s=4.0)
     semantic = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.91, clock.now), SCOPE)
     report = feedback.give(semantic, Verdict.GOOD, SCOPE)
-    assert (report.invalidated, report.served) == (False, ServedAs.SEMANTIC)
-    assert cache.get(DIGEST) is not None
+    assert (report.invalidated, report.served, report.endorsed) == (False, ServedAs.SEMANTIC, True)
     assert report.to_json(masked=True) == {"verdict": "good", "accepted": True}
+    l2 = cache.store(Tier.L2)
+    assert l2 is not None
+    stored = l2.get(DIGEST)
+    assert stored is not None
+    assert (stored.text, stored.endorsements, stored.generation_s) == ("a good answer", 1, 4.0)
+    for count in range(2, MAX_ENDORSEMENTS + 1):
+        assert feedback.give(served(ids, clock), Verdict.GOOD, SCOPE).endorsed
+        stored = l2.get(DIGEST)
+        assert stored is not None and stored.endorsements == count
+    at_most = feedback.give(served(ids, clock), Verdict.GOOD, SCOPE)
+    assert not at_most.endorsed and at_most.to_json()["reaches"] == "counted"
+    stored = l2.get(DIGEST)
+    assert stored is not None and stored.endorsements == MAX_ENDORSEMENTS
+
+
+def test_good_on_an_answer_no_longer_cached_endorses_nothing(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "an answer", tenant_scope=SCOPE)
+    answered = served(ids, clock)
+    clock.now += 1.0
+    Invalidator(cache).key(DIGEST)
+    report = feedback.give(answered, Verdict.GOOD, SCOPE)
+    assert not report.endorsed and cache.get(DIGEST) is None
+
+
+def test_an_endorsed_answer_outranks_an_equal_one_in_the_next_l1_that_admits_it(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    """Another process's L1, filled from L2 after the verdict: the endorsed answer counts as
+    asked for once more, so the unendorsed one of the same size and cost goes first."""
+    feedback, cache, clock, ids = setup
+    for digest in (DIGEST, KEPT):
+        cache.put(digest, "same size", tenant_scope=SCOPE, generation_s=1.0)
+    assert feedback.give(served(ids, clock, KEPT), Verdict.GOOD, SCOPE).endorsed
+    l2 = cache.store(Tier.L2)
+    assert l2 is not None
+    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes
+    other = TieredCache(
+        [(Tier.L1, MemoryStore(2 * size + 8, named_policy("gdsf"))), (Tier.L2, l2)], clock=clock
+    )
+    for digest in (KEPT, DIGEST):  # the endorsed one admitted first: recency alone drops it
+        assert other.get(digest) is not None
+    l1 = other.store(Tier.L1)
+    assert l1 is not None
+    l1.put("newcomer", CacheEntry("same size", clock.now, tenant_scope=SCOPE, generation_s=1.0))
+    assert l1.get(KEPT) is not None
+    assert l1.get(DIGEST) is None
 
 
 def test_another_tenants_feedback_is_refused_and_changes_nothing(

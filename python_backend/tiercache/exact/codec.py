@@ -24,6 +24,10 @@ _HEADER = struct.Struct("<4sddI32s")
 # the 64-character key (113) and the headers of the text and scope strings (49 each), on
 # CPython 3.11. At 256 an L1 held about 1.5 times its budget in short answers.
 ENTRY_OVERHEAD_BYTES = 448
+# The most `good` verdicts an entry keeps count of: each weighs as one more request for it in
+# L1's order, so one tenant's callers repeating `good` can lift an answer by a few requests'
+# worth, not pin it (L1 is shared by every tenant of the process).
+MAX_ENDORSEMENTS = 3
 
 
 class CorruptEntry(ValueError):
@@ -59,6 +63,9 @@ class CacheEntry:
     # (`tiercache.exact.stores.answer_group`, `tiercache.eviction`).
     generation_s: float = 0.0
     temperature: float = 0.0
+    # How many `good` verdicts callers gave it (tiercache.feedback; at most MAX_ENDORSEMENTS
+    # kept): L1 admits it as asked for that many more times (tiercache.exact.stores).
+    endorsements: int = 0
 
     def expired(self, now_s: float) -> bool:
         return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
@@ -96,6 +103,8 @@ def encode_entry(entry: CacheEntry) -> bytes:
         fields["generation_s"] = entry.generation_s
     if entry.temperature > 0.0:
         fields["temperature"] = entry.temperature
+    if entry.endorsements > 0:
+        fields["endorsements"] = entry.endorsements
     payload = json.dumps(
         fields,
         separators=(",", ":"),
@@ -136,9 +145,19 @@ def decode_entry(data: bytes) -> CacheEntry:
             mean_logprob=_optional_float(fields.get("mean_logprob")),
             generation_s=_nonnegative(fields.get("generation_s", 0.0)),
             temperature=_nonnegative(fields.get("temperature", 0.0)),
+            endorsements=_count(fields.get("endorsements", 0)),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc
+
+
+def _count(value: object) -> int:
+    """A stored count, 0..MAX_ENDORSEMENTS (ValueError or TypeError otherwise: corrupt)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    if not 0 <= value <= MAX_ENDORSEMENTS:
+        raise ValueError(f"{value!r} is not a count in 0..{MAX_ENDORSEMENTS}")
+    return value
 
 
 def _nonnegative(value: object) -> float:

@@ -99,7 +99,8 @@ class MemoryStore:
     """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
     `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Each entry is
-    admitted with its size, its generation seconds as its cost and its `answer_group`. Entries
+    admitted with its size, its generation seconds as its cost and its `answer_group`, then
+    counted as asked for once more per `good` verdict it holds (`CacheEntry.endorsements`). Entries
     larger than the whole budget are not stored (and an older value under their key is
     dropped)."""
 
@@ -154,6 +155,8 @@ class MemoryStore:
                 cost_s=entry.generation_s,
                 group=answer_group(entry),
             )
+            for _ in range(entry.endorsements):  # a `good` verdict counts as a request
+                self._access(key)
 
     def _evict(self, nbytes: int, replacing: str) -> None:
         """Free at least `nbytes` (lock held), never the entry `replacing` (its bytes are

@@ -192,20 +192,27 @@ class TieredCache:
         would serve it).
         `created_s` (default: now) is when its generation started; `tags`, `tenant_scope`
         and `adapter` are what invalidations match on."""
-        entry = CacheEntry(
-            text=text,
-            created_s=self._clock() if created_s is None else created_s,
-            ttl_s=self.default_ttl_s if ttl_s is None else ttl_s,
-            finish_reason=finish_reason,
-            generated_tokens=generated_tokens,
-            tags=tags,
-            tenant_scope=tenant_scope,
-            adapter=adapter,
-            prompt_tokens=prompt_tokens,
-            mean_logprob=mean_logprob,
-            generation_s=generation_s,
-            temperature=temperature,
+        return self.put_entry(
+            key,
+            CacheEntry(
+                text=text,
+                created_s=self._clock() if created_s is None else created_s,
+                ttl_s=self.default_ttl_s if ttl_s is None else ttl_s,
+                finish_reason=finish_reason,
+                generated_tokens=generated_tokens,
+                tags=tags,
+                tenant_scope=tenant_scope,
+                adapter=adapter,
+                prompt_tokens=prompt_tokens,
+                mean_logprob=mean_logprob,
+                generation_s=generation_s,
+                temperature=temperature,
+            ),
         )
+
+    def put_entry(self, key: str, entry: CacheEntry) -> CacheEntry | None:
+        """`put` of a whole entry (a stored one, changed: feedback's endorsement); the same
+        rules: None, writing nothing, when an invalidation this process knows of covers it."""
         self._catch_up()
         if self.invalidations.covers(key, entry):
             log.info(

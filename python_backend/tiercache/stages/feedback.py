@@ -66,6 +66,11 @@ class FeedbackStage:
             "tiercache_feedback_invalidations_total",
             "Entries invalidated by bad feedback (an answer already covered is not counted)",
         )
+        self.endorsements = m.counter(
+            "tiercache_feedback_endorsements_total",
+            "Good verdicts that raised a cached answer's endorsements in the shared tiers (an "
+            "answer no longer cached, or already at the most kept, is not counted)",
+        )
         self.refused = {
             reason: m.counter(
                 "tiercache_feedback_refused_total",
@@ -126,6 +131,8 @@ class FeedbackStage:
         self.taken[(report.verdict, report.served)].increment(1)
         if report.invalidated:
             self.invalidations.increment(1)
+        if report.endorsed:
+            self.endorsements.increment(1)
         masked = self.unpadded is not None and not self.unpadded.holds()
         return report.to_json(masked)
 
