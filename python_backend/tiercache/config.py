@@ -119,6 +119,13 @@ PARAMETERS: dict[str, _Spec] = {
         "answers asked for again and small ones outlive one-offs; docs/kv_reuse.md) or lru",
         choices=("gdsf", "lru"),
     ),
+    "l2_eviction": _Spec(
+        "gdsf",
+        "Which answers the host's L2 gives up first: gdsf (GreedyDual-Size-Frequency over every "
+        "process's writes and hits, kept in the state_dir beside L2; docs/kv_reuse.md) or "
+        "oldest (first written, first gone); set the same on every stage of the host",
+        choices=("gdsf", "oldest"),
+    ),
     "l2_max_bytes": _Spec(
         1 << 30,
         "Byte budget of the host's L2 (LMDB map size; every process of the host shares it)",
@@ -287,6 +294,7 @@ class _TiersConfig(_RedisConfig):
     """What opening the exact cache's tiers reads, but L1 (which not every stage opens)."""
 
     l2_max_bytes: int = shared("l2_max_bytes")
+    l2_eviction: str = shared("l2_eviction")
     ttl_s: float = shared("ttl_s")
     redis_max_ttl_s: float = shared("redis_max_ttl_s")
 
@@ -297,6 +305,7 @@ class _TiersConfig(_RedisConfig):
             l1_max_bytes=getattr(self, "l1_max_bytes", 0),
             l1_eviction=getattr(self, "l1_eviction", "gdsf"),
             l2_max_bytes=self.l2_max_bytes,
+            l2_eviction=self.l2_eviction,
             ttl_s=self.ttl_s,
             redis_url=self.redis_url,
             redis_prefix=self.redis_prefix,
@@ -316,6 +325,9 @@ class CacheConfig(_TiersConfig):
 
     def l2_path(self) -> Path:
         return self.state_path() / "l2"
+
+    def l2_values_path(self) -> Path:
+        return self.state_path() / "l2-values"
 
     def invalidations_path(self) -> Path:
         return self.state_path() / "invalidations"

@@ -18,7 +18,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -344,6 +344,7 @@ def open_lmdb(
     what: str,
     clock: Callable[[], float] = time.time,
     max_readers: int = 512,
+    durable: bool = True,
 ) -> lmdb.Environment:
     """Open the LMDB environment in `path`, checked; a damaged one is moved aside to
     `<name>.corrupt-<time>-<pid>-<random>` (kept for inspection) and rebuilt empty, with a
@@ -358,11 +359,12 @@ def open_lmdb(
     because moving a healthy database that other processes use would split it in two.
 
     The folder is made 0700 and the files 0600 (existing ones tightened, `make_private_dir`),
-    and reader slots left by dead processes are freed (`check_readers`)."""
+    and reader slots left by dead processes are freed (`check_readers`). `durable` False: commits
+    are not flushed to disk (for advice that a crash may lose, and whose damage rebuilds it)."""
     make_private_dir(path)
     with _exclusive(path.with_name(path.name + ".open-lock")):
         try:
-            env = _open_checked(path, map_size, max_readers)
+            env = _open_checked(path, map_size, max_readers, durable)
         except (DamagedDatabase, *LMDB_DAMAGE) as exc:
             stamp = f"{int(clock())}-{os.getpid()}-{secrets.token_hex(3)}"
             aside = path.with_name(f"{path.name}.corrupt-{stamp}")
@@ -371,7 +373,7 @@ def open_lmdb(
             )
             shutil.move(str(path), str(aside))
             make_private_dir(path)
-            env = _open_private(path, map_size, max_readers)
+            env = _open_private(path, map_size, max_readers, durable)
     check_readers(env, what, path)
     return env
 
@@ -386,16 +388,27 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _open_private(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
+def _open_private(
+    path: Path, map_size: int, max_readers: int, durable: bool = True
+) -> lmdb.Environment:
     """`lmdb.open` creating data.mdb and lock.mdb 0600; existing ones are tightened first."""
     for name in ("data.mdb", "lock.mdb"):
         tighten_mode(path / name, PRIVATE_FILE_MODE)
-    return lmdb.open(str(path), map_size=map_size, max_readers=max_readers, mode=PRIVATE_FILE_MODE)
+    return lmdb.open(
+        str(path),
+        map_size=map_size,
+        max_readers=max_readers,
+        mode=PRIVATE_FILE_MODE,
+        sync=durable,
+        metasync=durable,
+    )
 
 
-def _open_checked(path: Path, map_size: int, max_readers: int) -> lmdb.Environment:
+def _open_checked(
+    path: Path, map_size: int, max_readers: int, durable: bool = True
+) -> lmdb.Environment:
     data_file = path / "data.mdb"
-    env = _open_private(path, map_size, max_readers)
+    env = _open_private(path, map_size, max_readers, durable)
     try:
         page_size = int(env.stat()["psize"])
         needed = (int(env.info()["last_pgno"]) + 1) * page_size
@@ -438,6 +451,24 @@ def read_stored(
     return entry
 
 
+class EntryValues(Protocol):
+    """What L2's entries are worth, kept where every process of the host sees it
+    (`tiercache.exact.l2_values.L2Values`): told of each write, hit and eviction, asked for
+    victims. Never raises: advice that fails leaves L2 evicting oldest first."""
+
+    def admitted(self, key: str, size: int, cost_s: float, endorsements: int = 0) -> None: ...
+
+    def hit(self, key: str) -> None: ...
+
+    def nominate(
+        self, entries: Sequence[tuple[bytes, float]], count: int
+    ) -> list[bytes] | None: ...
+
+    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class LmdbStore:
     """L2: an LMDB environment on local disk, shared by every process on the host.
 
@@ -451,7 +482,10 @@ class LmdbStore:
     times) sees the whole database at each eviction and nothing in between: other processes
     write L2 too, so no process could keep a lasting view of it. Each eviction clears it, admits
     every entry in key order (size: the stored bytes; `created_s` from the value), asks it for
-    victims and clears it again.
+    victims and clears it again. With `values` (what the stages open: `l2_eviction` gdsf), the
+    victims are the lowest-valued entries instead (GreedyDual-Size-Frequency over every
+    process's writes and hits, kept beside L2: `tiercache.exact.l2_values`); the policy then
+    ranks only when the values cannot be read.
     A database that is damaged when it opens (truncated or corrupt file; `open_lmdb`) is moved
     aside and rebuilt empty; a damaged page met later makes that read a miss.
     """
@@ -464,9 +498,11 @@ class LmdbStore:
         evict_fraction: float = 0.1,
         headroom_fraction: float = 0.25,
         clock: Callable[[], float] = time.time,
+        values: EntryValues | None = None,
     ) -> None:
         self.path = path
         self._max_bytes = max_bytes
+        self._values = values
         self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
         self._evict_fraction = evict_fraction
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
@@ -499,7 +535,10 @@ class LmdbStore:
                 log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
             self._count(misses=1)
             return None
-        return read_stored(self, "L2", key, data)
+        entry = read_stored(self, "L2", key, data)
+        if entry is not None and self._values is not None:
+            self._values.hit(key)
+        return entry
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
@@ -513,6 +552,8 @@ class LmdbStore:
                 with self._evict_lock:  # the policy is one per store: one eviction at a time
                     self._evict(fraction=max(0.5, self._evict_fraction))
                 self._write(key.encode(), data)
+        if self._values is not None:
+            self._values.admitted(key, len(data), entry.generation_s, entry.endorsements)
 
     def _live_bytes(self) -> int:
         return data_bytes(self._env)
@@ -534,8 +575,9 @@ class LmdbStore:
         every entry too corrupt to rank. Called under `_evict_lock`, which guards the policy."""
         policy = self._policy
         policy.clear()
-        entries = 0
         broken: list[bytes] = []
+        ages: list[tuple[bytes, float]] = []
+        sizes: list[int] = []
         try:
             with self._env.begin() as txn:
                 for key, value in txn.cursor():
@@ -544,16 +586,24 @@ class LmdbStore:
                     except CorruptEntry:
                         broken.append(key)
                         continue
-                    policy.admit(key.decode(), len(value), created_s=created_s)
-                    entries += 1
+                    ages.append((bytes(key), created_s))
+                    sizes.append(len(value))
             share = self._evict_fraction if fraction is None else fraction
-            count = max(1, int(entries * share))
-            victims = [k.encode() for k in policy.nominate(count)] + broken
+            count = max(1, int(len(ages) * share))
+            chosen = None if self._values is None else self._values.nominate(ages, count)
+            if chosen is None:
+                for (key, created_s), size in zip(ages, sizes, strict=True):
+                    policy.admit(key.decode(), size, created_s=created_s)
+                chosen = [k.encode() for k in policy.nominate(count)]
+            victims = chosen + broken
         finally:
             policy.clear()
         with self._env.begin(write=True) as txn:
             deleted = sum(bool(txn.delete(key)) for key in victims)  # another writer may have won
         self._count(evictions=deleted)
+        if self._values is not None:
+            gone = set(victims)
+            self._values.evicted(victims, {key for key, _ in ages if key not in gone})
 
     def delete(self, key: str) -> bool:
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
@@ -600,4 +650,6 @@ class LmdbStore:
             self._corrupt += corrupt
 
     def close(self) -> None:
+        if self._values is not None:
+            self._values.close()
         self._env.close()

@@ -31,6 +31,7 @@ from tiercache.errors import ConfigError, TierCacheError
 from tiercache.eviction import named_policy
 from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
 from tiercache.exact.keys import EngineIdentity, load_or_create_secret, tenant_scope
+from tiercache.exact.l2_values import L2Values, l2_values_map_bytes
 from tiercache.exact.prompt_cache import PromptCache, ResolveAdapter
 from tiercache.exact.redis_tier import (
     RedisLink,
@@ -107,7 +108,12 @@ def open_exact_cache(
     tiers: list[tuple[Tier, Store]] = []
     if config.l1_max_bytes > 0:
         tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes, named_policy(config.l1_eviction))))
-    tiers.append((Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock)))
+    values = None
+    if config.l2_eviction == "gdsf":
+        values = L2Values(config.l2_values_path(), l2_values_map_bytes(config.l2_max_bytes), clock)
+    tiers.append(
+        (Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values))
+    )
     marks = HostWatermarks(
         config.invalidations_path(), max_events, horizon_s=horizon_s, clock=clock
     )

@@ -5,17 +5,19 @@ Usage::
 
     python -m tiercache_dev.bench.answer_policy [--entries 8000] [--seeds 0,1,2]
         [--capacities 50,100,200,400,800,1600] [--pairs FILE]
-        [--lengths TRACE.jsonl --prefill-weight 0.05]
+        [--lengths TRACE.jsonl --prefill-weight 0.05] [--l2]
 
 Builds the request stream `tiercache_dev.perf.soak` sends (its `build_mix`: four tenants, the
 committed adapters, new questions, Zipf-popular exact repeats and rewordings) for each seed and
 replays its exact keys (tenant, adapter, question) through L1 itself (`MemoryStore`, every
 answer the same size, `--capacities` of them held) with each of
 `tiercache.eviction.NAMED_POLICIES`, `gdsf` also told no cost (`gdsf-blind`: what weighing
-generation seconds adds), and against two offline limits: Belady's optimum (fewest misses) and
-the optimum for recomputation saved (the most generation cost hit, the same store with the
-future known; a minimum-cost flow, Carlisle and Lloyd's for weighted intervals). A repeat of a
-held key is a hit; a rewording is a miss here (the exact tier never serves it).
+generation seconds adds), oldest first one at a time (`oldest`), with `--l2` L2's own way (a
+tenth of the store at once, ranked by `tiercache.exact.l2_values.L2Values` in a scratch folder,
+`l2-gdsf`, or oldest first, `l2-oldest`), and against two offline limits: Belady's optimum
+(fewest misses) and the optimum for recomputation saved (the most generation cost hit, the same
+store with the future known; a minimum-cost flow, Carlisle and Lloyd's for weighted intervals).
+A repeat of a held key is a hit; a rewording is a miss here (the exact tier never serves it).
 
 What an answer costs: without `--lengths`, the same for every answer (the soak's answers are
 all 8 tokens), so recomputation saved equals the hit ratio. With `--lengths`, a trace in
@@ -36,12 +38,19 @@ import heapq
 import json
 import random
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.eviction import NAMED_POLICIES, EvictionPolicy, GreedyDualFrequencyPolicy
+from tiercache.eviction import (
+    NAMED_POLICIES,
+    EvictionPolicy,
+    GreedyDualFrequencyPolicy,
+    OldestFirstPolicy,
+)
 from tiercache.exact.codec import CacheEntry
+from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
 from tiercache.exact.stores import MemoryStore
 from tiercache_dev.console import invocation
 from tiercache_dev.paths import DEFAULT_PAIRS
@@ -104,13 +113,51 @@ def replay_store(
     size = CacheEntry("", 0.0).size_bytes
     store = MemoryStore(capacity * size, policy)
     hits, saved = 0, 0.0
-    for key in trace:
+    for index, key in enumerate(trace):
         name = str(key)
         if store.get(name) is not None:
             hits += 1
             saved += costs[key]
         else:
-            store.put(name, CacheEntry("", 0.0, generation_s=costs[key]))
+            store.put(name, CacheEntry("", float(index), generation_s=costs[key]))
+    return Outcome(hits, saved)
+
+
+def replay_l2(
+    trace: Sequence[int], capacity: int, costs: Sequence[float], folder: Path | None
+) -> Outcome:
+    """The trace through a store evicting as L2 does: a tenth of its `capacity` equal-size
+    answers at once when full, ranked by the real `L2Values` (in `folder`), or oldest first
+    (`folder` None)."""
+    size = CacheEntry("", 0.0).size_bytes
+    values = None if folder is None else L2Values(folder, MIN_MAP_BYTES)
+    held: dict[int, float] = {}  # key -> created (request index)
+    hits, saved = 0, 0.0
+    try:
+        for index, key in enumerate(trace):
+            name = str(key)
+            if key in held:
+                hits += 1
+                saved += costs[key]
+                if values is not None:
+                    values.hit(name)
+                continue
+            if len(held) >= capacity:
+                ages = sorted((str(k).encode(), created) for k, created in held.items())
+                count = max(1, capacity // 10)
+                chosen = None if values is None else values.nominate(ages, count)
+                if chosen is None:
+                    chosen = [k for k, _ in sorted(ages, key=lambda item: item[1])[:count]]
+                for victim in chosen:
+                    del held[int(victim)]
+                if values is not None:
+                    values.evicted(chosen, {str(k).encode() for k in held})
+            held[key] = float(index)
+            if values is not None:
+                values.admitted(name, size, costs[key])
+    finally:
+        if values is not None:
+            values.close()
     return Outcome(hits, saved)
 
 
@@ -185,6 +232,7 @@ def replay_fewest_misses(trace: Sequence[int], capacity: int, costs: Sequence[fl
 def policies() -> dict[str, Callable[[int], EvictionPolicy[str]]]:
     made: dict[str, Callable[[int], EvictionPolicy[str]]] = dict(NAMED_POLICIES)
     made["gdsf-blind"] = lambda capacity: CostBlind(GreedyDualFrequencyPolicy(capacity))
+    made["oldest"] = lambda capacity: OldestFirstPolicy()  # L2's, one eviction at a time
     return made
 
 
@@ -228,12 +276,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.05,
         help="what a prompt token costs, in generated tokens (with --lengths)",
     )
+    parser.add_argument(
+        "--l2",
+        action="store_true",
+        help="also replay L2's batch eviction: its values (l2-gdsf) and oldest first",
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     capacities = [int(c) for c in args.capacities.split(",")]
     lengths = read_lengths(args.lengths) if args.lengths else None
     made = policies()
-    names = [*made, "belady", "optimum"]
+    names = [*made, *(["l2-gdsf", "l2-oldest"] if args.l2 else []), "belady", "optimum"]
     print(f"`{invocation('tiercache_dev.bench.answer_policy', argv)}`\n")
     lines: list[str] = []
     for seed in seeds:
@@ -248,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name: replay_store(trace, capacity, factory(capacity), costs)
                 for name, factory in made.items()
             }
+            if args.l2:
+                with tempfile.TemporaryDirectory() as folder:
+                    outcomes["l2-gdsf"] = replay_l2(trace, capacity, costs, Path(folder) / "v")
+                outcomes["l2-oldest"] = replay_l2(trace, capacity, costs, None)
             outcomes["belady"] = replay_fewest_misses(trace, capacity, costs)
             outcomes["optimum"] = replay_cost_optimum(trace, capacity, costs)
             ratios = {name: o.ratios(len(trace), total) for name, o in outcomes.items()}

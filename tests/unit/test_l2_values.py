@@ -1,0 +1,181 @@
+"""tiercache.exact.l2_values: L2's GreedyDual-Size-Frequency values, shared through a file by
+the host's processes (two L2Values on one path stand for two processes), and L2 evicting by
+them (real LMDB)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.l2_values import FLUSH_INTERVAL_S, MIN_MAP_BYTES, L2Values
+from tiercache.exact.stores import LmdbStore
+
+
+class Ticks:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def values(path: Path, ticks: Ticks | None = None) -> L2Values:
+    return L2Values(path / "l2-values", MIN_MAP_BYTES, monotonic=ticks or Ticks())
+
+
+def test_an_admission_counts_a_request_at_its_cost_per_byte_and_hits_add_when_flushed(
+    tmp_path: Path,
+) -> None:
+    ticks = Ticks()
+    v = values(tmp_path, ticks)
+    v.admitted("a", 100, 5.0)
+    assert v.value("a") == (pytest.approx(0.05), 1)
+    v.hit("a")
+    v.hit("a")
+    assert v.value("a") == (pytest.approx(0.05), 1)  # counted here, not written yet
+    ticks.now += FLUSH_INTERVAL_S
+    v.hit("a")  # due: this hit writes all three
+    assert v.value("a") == (pytest.approx(0.2), 4)
+    v.admitted("a", 100, 5.0, endorsements=2)  # written again: the count goes on
+    assert v.value("a") == (pytest.approx(0.35), 7)
+    v.close()
+
+
+def test_an_unknown_cost_counts_as_the_mean_known_one(tmp_path: Path) -> None:
+    v = values(tmp_path)
+    v.admitted("first", 10, 0.0)  # nothing known yet: 1 second
+    assert v.value("first") == (pytest.approx(0.1), 1)
+    v.admitted("b", 10, 2.0)
+    v.admitted("c", 10, 4.0)
+    v.admitted("unknown", 10, 0.0)
+    assert v.value("unknown") == (pytest.approx(0.3), 1)
+    v.close()
+
+
+def test_two_processes_share_the_values(tmp_path: Path) -> None:
+    """Another process (a real one: LMDB opens an environment once per process) reads
+    `popular` and writes its hit; this one then evicts the entry nobody read."""
+    writer = values(tmp_path)
+    writer.admitted("popular", 10, 1.0)
+    writer.admitted("one-off", 10, 1.0)
+    reader = (
+        "import sys; from pathlib import Path; from tiercache.exact.l2_values import L2Values\n"
+        "v = L2Values(Path(sys.argv[1]), int(sys.argv[2])); v.hit('popular'); v.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run(
+        [sys.executable, "-c", reader, str(tmp_path / "l2-values"), str(MIN_MAP_BYTES)],
+        check=True,
+        env=env,
+        timeout=60,
+    )
+    assert writer.value("popular") == (pytest.approx(0.2), 2)
+    assert writer.nominate([(b"popular", 1.0), (b"one-off", 2.0)], 1) == [b"one-off"]
+    writer.close()
+
+
+def test_eviction_takes_the_lowest_value_first_and_unrecorded_entries_before_all(
+    tmp_path: Path,
+) -> None:
+    v = values(tmp_path)
+    v.admitted("cheap", 10, 1.0)
+    v.admitted("dear", 10, 30.0)
+    entries = [(b"dear", 1.0), (b"cheap", 2.0), (b"old-unknown", 0.5), (b"new-unknown", 3.0)]
+    assert v.nominate(entries, 4) == [b"old-unknown", b"new-unknown", b"cheap", b"dear"]
+    v.close()
+
+
+def test_an_eviction_raises_the_level_and_forgets_what_left(tmp_path: Path) -> None:
+    v = values(tmp_path)
+    v.admitted("a", 10, 1.0)  # 0.1
+    v.admitted("b", 10, 2.0)  # 0.2
+    v.admitted("deleted", 10, 9.0)  # invalidated meanwhile: not in L2 any more
+    v.admitted("c", 10, 3.0)
+    v.evicted([b"a", b"b"], live={b"c"})
+    assert v.inflation() == pytest.approx(0.2)
+    assert v.value("a") is None and v.value("b") is None and v.value("deleted") is None
+    v.admitted("d", 10, 1.0)  # the level now: 0.2 + 0.1
+    assert v.value("d") == (pytest.approx(0.3), 1)
+    v.close()
+
+
+def test_a_damaged_record_counts_as_none(tmp_path: Path) -> None:
+    v = values(tmp_path)
+    v.admitted("a", 10, 1.0)
+    v.close()
+    env = lmdb.open(str(tmp_path / "l2-values"), map_size=MIN_MAP_BYTES)
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"short")
+    env.close()
+    v = values(tmp_path)
+    assert v.value("a") is None
+    assert v.nominate([(b"a", 1.0), (b"b", 0.0)], 1) == [b"b"]  # both unknown: oldest first
+    v.admitted("a", 10, 1.0)  # written over
+    assert v.value("a") == (pytest.approx(0.1), 1)
+    v.close()
+
+
+def test_values_that_fail_leave_l2_evicting_oldest_first_and_writes_working(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    v = values(tmp_path)
+    v._env.close()  # every read and write of the values now raises
+    assert v.nominate([(b"a", 1.0)], 1) is None
+    v.admitted("a", 10, 1.0)  # logged, not raised
+    v.hit("a")
+    v.flush()
+    v.evicted([b"a"], set())
+    assert "L2 evicts oldest first" in caplog.text
+
+
+def hot_reads(store: LmdbStore, ticks: Ticks, keys: list[str], hot: list[str]) -> list[bool]:
+    """Write `keys` in order, each read back `hot` keys after every write (once written);
+    whether each read hit."""
+    hits = []
+    for i, key in enumerate(keys):
+        store.put(key, CacheEntry("x" * 1_000, float(i), generation_s=1.0))
+        ticks.now += FLUSH_INTERVAL_S  # every hit below is written at once
+        hits += [store.get(h) is not None for h in hot if keys.index(h) <= i]
+    return hits
+
+
+def test_l2_with_values_keeps_what_is_asked_for_where_oldest_first_drops_it(
+    tmp_path: Path,
+) -> None:
+    """A tiny L2: the first entries are read after every write; oldest first evicts them in
+    its first eviction, the values keep them through every one."""
+    keys = [f"k{i:05d}" for i in range(600)]
+    hot = keys[:3]
+    plain = LmdbStore(tmp_path / "plain", 256 * 1024)
+    plain_hits = hot_reads(plain, Ticks(), keys, hot)
+    assert plain.stats().evictions > 0
+    assert not any(plain_hits[-len(hot) :])  # gone, though read all along
+    plain.close()
+
+    ticks = Ticks()
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, monotonic=ticks)
+    store = LmdbStore(tmp_path / "l2", 256 * 1024, values=v)
+    assert all(hot_reads(store, ticks, keys, hot))
+    stats = store.stats()
+    assert stats.evictions > 0 and stats.entries < len(keys)
+    assert v.inflation() > 0.0
+    store.close()
+
+
+def test_l2_evicts_a_cheap_answer_before_a_dear_one(tmp_path: Path) -> None:
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES)
+    store = LmdbStore(tmp_path / "l2", 256 * 1024, values=v)
+    store.put("dear", CacheEntry("x" * 1_000, 0.0, generation_s=30.0))
+    for i in range(600):
+        store.put(f"cheap{i:04d}", CacheEntry("x" * 1_000, float(i + 1), generation_s=0.5))
+    assert store.stats().evictions > 0
+    assert store.get("dear") is not None  # the oldest, and kept: thirty times the cost
+    store.close()
