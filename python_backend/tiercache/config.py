@@ -607,6 +607,14 @@ class LoraCacheConfig(_RedisConfig):
     )
     host_max_adapters: int = param(32, "Adapters whose weights lora_cache keeps in memory", min=0)
     host_max_bytes: int = param(256 << 20, "Byte bound of the adapters kept in memory", min=0)
+    adapter_eviction: str = param(
+        "lru",
+        "Which adapters the engine and host tiers give up first: lru, or gdsf "
+        "(GreedyDual-Size-Frequency: the more requested outlive the rest; ahead of LRU when "
+        "requests pick adapters independently, behind it with chat sessions' locality; "
+        "docs/lora.md)",
+        choices=("lru", "gdsf"),
+    )
     pin: str = param("", "Comma-separated adapter names never evicted from the engine")
     prefetch: str = param("", "Comma-separated adapter names loaded into the engine at start")
     prefetch_fleet_top: int = param(

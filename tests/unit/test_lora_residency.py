@@ -11,7 +11,7 @@ import pytest
 
 from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.errors import CapacityError, ConfigError, Unavailable
-from tiercache.eviction import SkipKey, take_victims
+from tiercache.eviction import SkipKey, named_policy, take_victims
 from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER
 
@@ -311,12 +311,30 @@ def test_a_custom_policy_chooses_the_victims(make: MakeResidency, disk: FakeDisk
         def clear(self) -> None:
             self.sizes.clear()
 
-    residency = make(engine_slots=2, engine_policy=BiggestFirst())
+    # a byte bound: the policy is told each adapter's bytes (by count alone, one slot each)
+    residency = make(engine_slots=2, engine_max_bytes=10_000, engine_policy=BiggestFirst())
     big, small = disk.add("big", 1, 500), disk.add("small", 2, 100)
-    residency.plan(big, disk.read)
     residency.plan(small, disk.read)
     residency.plan(big, disk.read)
+    residency.plan(small, disk.read)
     assert residency.plan(disk.add("c", 3), disk.read).evict == (big.digest,)
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", False), ("gdsf", True)])
+def test_gdsf_keeps_the_adapter_asked_for_most_where_lru_keeps_the_latest(
+    make: MakeResidency, disk: FakeDisk, policy: str, kept: bool
+) -> None:
+    """lora_cache's `adapter_eviction`: two slots; `popular` (a large adapter) is asked for
+    often, then two small one-offs in a row. LRU drops `popular` for the second one-off; GDSF
+    drops the first (slots bound this tier, so the popular one's size does not count against
+    it)."""
+    residency = make(engine_slots=2, host_max_bytes=1 << 20, engine_policy=named_policy(policy, 2))
+    popular = disk.add("popular", 1, 100_000)
+    for _ in range(4):
+        residency.plan(popular, disk.read)
+    residency.plan(disk.add("first", 2, 100), disk.read)
+    residency.plan(disk.add("second", 3, 100), disk.read)
+    assert (popular.digest in residency.engine_digests()) is kept
 
 
 def test_an_engine_that_obeys_the_plans_always_holds_what_it_needs(

@@ -152,7 +152,10 @@ class _Tier(Generic[V]):
         self.remove(resident.ref.digest)
         self.items[resident.ref.digest] = resident
         self.nbytes += resident.nbytes
-        self._policy.admit(resident.ref.digest, resident.nbytes, cost_s=cost_s)
+        # a tier bounded by count alone: every adapter takes one slot (a value-aware policy
+        # would otherwise evict the largest first where bytes are not what runs out)
+        size = resident.nbytes if self.max_bytes else 1
+        self._policy.admit(resident.ref.digest, size, cost_s=cost_s)
 
     def remove(self, digest: str) -> _Resident[V] | None:
         resident = self.items.pop(digest, None)

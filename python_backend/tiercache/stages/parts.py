@@ -260,6 +260,8 @@ def open_lora_core(
         pinned,
         latest=latest_digest(registry),
         clock=clock,
+        engine_policy=named_policy(config.adapter_eviction, config.engine_slots),
+        host_policy=named_policy(config.adapter_eviction, config.host_max_adapters),
     )
     for name in prefetch:
         residency.mark_resident(registry.read(refs[name]))
