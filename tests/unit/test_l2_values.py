@@ -99,11 +99,13 @@ def test_an_eviction_raises_the_level_and_forgets_what_left(tmp_path: Path) -> N
     v.admitted("b", 10, 2.0)  # 0.2
     v.admitted("deleted", 10, 9.0)  # invalidated meanwhile: not in L2 any more
     v.admitted("c", 10, 3.0)
-    v.evicted([b"a", b"b"], live={b"c"})
-    assert v.inflation() == pytest.approx(0.2)
+    v.hit("b")
+    v.flush()  # b was asked for once more: the eviction gives that up
+    assert v.evicted([b"a", b"b"], live={b"c"}) == 1
+    assert v.inflation() == pytest.approx(0.4)  # b's value with its hit: 0.0 + 2 x 0.2
     assert v.value("a") is None and v.value("b") is None and v.value("deleted") is None
-    v.admitted("d", 10, 1.0)  # the level now: 0.2 + 0.1
-    assert v.value("d") == (pytest.approx(0.3), 1)
+    v.admitted("d", 10, 1.0)  # the level now: 0.4 + 0.1
+    assert v.value("d") == (pytest.approx(0.5), 1)
     v.close()
 
 
@@ -179,3 +181,43 @@ def test_l2_evicts_a_cheap_answer_before_a_dear_one(tmp_path: Path) -> None:
     assert store.stats().evictions > 0
     assert store.get("dear") is not None  # the oldest, and kept: thirty times the cost
     store.close()
+
+
+def test_the_skew_is_the_hottest_hundredths_share_of_repeat_requests(tmp_path: Path) -> None:
+    v = values(tmp_path)
+    assert v.skew() == 0.0  # before any eviction
+    keys = [f"k{i:03d}" for i in range(200)]
+    for key in keys:
+        v.admitted(key, 10, 1.0)
+    for _ in range(6):
+        v.hit("k000")
+        v.hit("k001")
+    for key in keys[2:6]:
+        v.hit(key)
+    v.flush()
+    live = {k.encode() for k in keys[:-1]}
+    v.evicted([keys[-1].encode()], live | {b"no-record"})  # one L2 entry without a value
+    # 200 held: the hottest 1 % is two entries, 12 of the 16 repeat requests
+    assert v.skew() == pytest.approx(12 / 16)
+    v.close()
+
+
+def test_l2_reports_what_its_evictions_gave_up_its_deletions_and_skew(tmp_path: Path) -> None:
+    ticks = Ticks()
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, monotonic=ticks)
+    store = LmdbStore(tmp_path / "l2", 256 * 1024, values=v)
+    assert store.stats().hit_skew == 0.0  # with values: reported (0 before an eviction)
+    keys = [f"k{i:05d}" for i in range(600)]
+    hot_reads(store, ticks, keys, keys[:3])
+    store.put("doomed", CacheEntry("x", 1e9))
+    assert store.delete("doomed")
+    stats = store.stats()
+    assert stats.evictions > 0 and stats.removed == 1
+    # the three read entries take every repeat request, evenly; the hottest 1 % of the
+    # entries left after the last eviction is one of them
+    assert stats.hit_skew is not None
+    assert stats.hit_skew == pytest.approx(1 / 3, abs=0.01)
+    store.close()
+    plain = LmdbStore(tmp_path / "plain", 1 << 20)
+    assert plain.stats().hit_skew is None  # no values: no requests per entry counted
+    plain.close()

@@ -38,12 +38,14 @@ from pathlib import Path
 import lmdb
 
 from tiercache.exact.stores import open_lmdb
+from tiercache.stats import top_share
 
 log = logging.getLogger(__name__)
 
 _RECORD = struct.Struct("<ddI")  # H, weight, count
 _META_KEY = b"\x00meta"  # never an answer key (hex digests)
-_META = struct.Struct("<ddd")  # L, known cost sum, known cost count
+# L, known cost sum, known cost count, hit skew (the hottest 1 %'s share, as of the last eviction)
+_META = struct.Struct("<dddd")
 COST_WINDOW = 10_000.0  # known costs before both sums halve (as the L1 policy's window)
 FLUSH_INTERVAL_S = 2.0
 MIN_MAP_BYTES = 16 << 20
@@ -90,7 +92,7 @@ class L2Values:
     @staticmethod
     def _meta(txn: lmdb.Transaction) -> list[float]:
         raw = txn.get(_META_KEY)
-        return list(_META.unpack(raw)) if raw is not None and len(raw) == _META.size else [0.0] * 3
+        return list(_META.unpack(raw)) if raw is not None and len(raw) == _META.size else [0.0] * 4
 
     @staticmethod
     def _record(raw: bytes | None) -> tuple[float, float, int] | None:
@@ -103,14 +105,14 @@ class L2Values:
         unknown)."""
         try:
             with self._env.begin(write=True) as txn:
-                inflation, known_sum, known_count = self._meta(txn)
+                inflation, known_sum, known_count, skew = self._meta(txn)
                 if cost_s > 0.0:
                     known_sum, known_count = known_sum + cost_s, known_count + 1.0
                     if known_count > COST_WINDOW:
                         known_sum, known_count = known_sum / 2, known_count / 2
                 else:
                     cost_s = known_sum / known_count if known_count else 1.0
-                txn.put(_META_KEY, _META.pack(inflation, known_sum, known_count))
+                txn.put(_META_KEY, _META.pack(inflation, known_sum, known_count, skew))
                 raw_key = key.encode()
                 record = self._record(txn.get(raw_key))
                 count = (record[2] if record is not None else 0) + 1 + endorsements
@@ -166,9 +168,12 @@ class L2Values:
         ranked.sort()
         return [raw_key for _, _, raw_key in ranked[:count]]
 
-    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> None:
+    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> int:
         """`victims` left L2: `L` rises to the highest value among them, and their records
-        go, with those of every key no longer in L2 (`live`: the keys it still holds)."""
+        go, with those of every key no longer in L2 (`live`: the keys it still holds). Returns
+        the requests the victims had had after their first (the value eviction gave up), and
+        records the hit skew of what stays (`skew`)."""
+        given_up = 0
         try:
             with self._env.begin(write=True) as txn:
                 meta = self._meta(txn)
@@ -176,13 +181,36 @@ class L2Values:
                     record = self._record(txn.get(raw_key))
                     if record is not None:
                         meta[0] = max(meta[0], record[0])
-                txn.put(_META_KEY, _META.pack(*meta))
-                gone = [k for k in txn.cursor().iternext(values=False) if k != _META_KEY]
-                for raw_key in gone:
+                        given_up += max(record[2] - 1, 0)
+                repeats: list[int] = []
+                stale: list[bytes] = []
+                for raw_key, raw in txn.cursor():
+                    if raw_key == _META_KEY:
+                        continue
                     if raw_key not in live:
-                        txn.delete(raw_key)
+                        stale.append(raw_key)
+                        continue
+                    record = self._record(raw)
+                    repeats.append(max(record[2] - 1, 0) if record is not None else 0)
+                for raw_key in stale:  # not while the cursor walks
+                    txn.delete(raw_key)
+                # entries without a record count as never asked for again
+                repeats += [0] * max(len(live) - len(repeats), 0)
+                meta[3] = top_share(repeats)
+                txn.put(_META_KEY, _META.pack(*meta))
         except Exception:  # noqa: BLE001 - advice only
             self._failed("recording an eviction")
+        return given_up
+
+    def skew(self) -> float:
+        """Share of L2's requests after the first taken by its hottest 1 % of entries, as of
+        the last eviction (0.0 before one, or when the values cannot be read)."""
+        try:
+            with self._env.begin() as txn:
+                return self._meta(txn)[3]
+        except Exception:  # noqa: BLE001 - advice only
+            self._failed("reading the skew")
+            return 0.0
 
     def value(self, key: str) -> tuple[float, int] | None:
         """(value, request count) of `key`; None without a record. For tests and inspection."""

@@ -47,7 +47,7 @@ class StoreStats:
     misses: int
     evictions: int
     corrupt: int
-    # What a tier that counts hits per entry (L1) says of their value; the others leave them
+    # What a tier that counts hits per entry (L1; L2 with values) says of their value; the others leave them
     # at their defaults. `evicted_hits`: hits the evicted entries had had while held (the value
     # eviction gave up); `rejected`: entries not stored (larger than the whole budget);
     # `removed`: entries deleted other than by eviction (invalidations, expiry); `hit_skew`:
@@ -464,7 +464,9 @@ class EntryValues(Protocol):
         self, entries: Sequence[tuple[bytes, float]], count: int
     ) -> list[bytes] | None: ...
 
-    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> None: ...
+    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> int: ...
+
+    def skew(self) -> float: ...
 
     def close(self) -> None: ...
 
@@ -510,6 +512,7 @@ class LmdbStore:
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._corrupt = 0
+        self._evicted_hits = self._removed = 0  # this process's evictions' and deletions'
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
         self._resized_logged_s = -60.0
 
@@ -603,16 +606,24 @@ class LmdbStore:
         self._count(evictions=deleted)
         if self._values is not None:
             gone = set(victims)
-            self._values.evicted(victims, {key for key, _ in ages if key not in gone})
+            given_up = self._values.evicted(victims, {key for key, _ in ages if key not in gone})
+            with self._lock:
+                self._evicted_hits += given_up
 
     def delete(self, key: str) -> bool:
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
-            return bool(txn.delete(key.encode()))
+            removed = bool(txn.delete(key.encode()))
+        with self._lock:
+            self._removed += removed
+        return removed
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """One write transaction (one commit) for all of them."""
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
-            return sum(bool(txn.delete(key.encode())) for key in keys)
+            removed = sum(bool(txn.delete(key.encode())) for key in keys)
+        with self._lock:
+            self._removed += removed
+        return removed
 
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         """One read transaction over the whole map; decoding every entry costs about as much
@@ -631,6 +642,9 @@ class LmdbStore:
     def stats(self) -> StoreStats:
         entries = int(self._env.stat()["entries"])
         live_bytes = self._live_bytes()
+        # with values, what eviction gave up and how skewed the host's requests are (None
+        # without: L2 then counts no requests per entry)
+        skew = None if self._values is None else self._values.skew()
         with self._lock:
             return StoreStats(
                 entries=entries,
@@ -640,6 +654,9 @@ class LmdbStore:
                 misses=self._misses,
                 evictions=self._evictions,
                 corrupt=self._corrupt,
+                evicted_hits=self._evicted_hits,
+                removed=self._removed,
+                hit_skew=skew,
             )
 
     def _count(self, hits: int = 0, misses: int = 0, evictions: int = 0, corrupt: int = 0) -> None:

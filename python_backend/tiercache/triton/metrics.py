@@ -289,7 +289,8 @@ class LeaseSource(Protocol):
 
 class StoreMetrics:
     """Gauges of entries and bytes, and a counter of evictions, for each tier of a cache; for a
-    tier that counts hits per entry (L1), what eviction gave up and how skewed its hits are."""
+    tier that counts hits per entry (L1; L2 with values), what eviction gave up and how skewed
+    its hits are."""
 
     def __init__(self, metrics: Metrics, cache: TieredStores) -> None:
         self._cache = cache
