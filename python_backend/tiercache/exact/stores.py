@@ -49,9 +49,10 @@ class StoreStats:
     corrupt: int
     # What a tier that counts hits per entry (L1; L2 with values) says of their value; the
     # others leave them at their defaults. `evicted_hits`: hits the evicted entries had had
-    # while held (the value eviction gave up); `rejected`: entries not stored (larger than the whole budget);
-    # `removed`: entries deleted other than by eviction (invalidations, expiry); `hit_skew`:
-    # share of the held entries' hits taken by the hottest 1 % of them (None: not counted).
+    # while held (the value eviction gave up); `rejected`: entries not stored (larger than the
+    # whole budget); `removed`: entries deleted other than by eviction (invalidations,
+    # expiry); `hit_skew`: share of the held entries' hits taken by the hottest 1 % of them
+    # (None: not counted).
     evicted_hits: int = 0
     rejected: int = 0
     removed: int = 0
