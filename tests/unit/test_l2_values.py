@@ -15,6 +15,8 @@ import pytest
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.l2_values import FLUSH_INTERVAL_S, MIN_MAP_BYTES, L2Values
 from tiercache.exact.stores import LmdbStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.vocabulary import Tier
 
 
 class Ticks:
@@ -220,4 +222,19 @@ def test_l2_reports_what_its_evictions_gave_up_its_deletions_and_skew(tmp_path: 
     store.close()
     plain = LmdbStore(tmp_path / "plain", 1 << 20)
     assert plain.stats().hit_skew is None  # no values: no requests per entry counted
+    plain.close()
+
+
+def test_the_cache_tells_an_answers_value_from_its_l2(tmp_path: Path) -> None:
+    """TieredCache.answer_value: what the semantic rows' compaction ranks by."""
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES)
+    valued = TieredCache([(Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20, values=v))])
+    valued.put("dear", "x", generation_s=30.0)
+    valued.put("cheap", "x", generation_s=0.5)
+    assert valued.answer_value("dear") > valued.answer_value("cheap") > 0.0
+    assert valued.answer_value("never-stored") == 0.0
+    valued.close()
+    plain = TieredCache([(Tier.L2, LmdbStore(tmp_path / "plain", 1 << 20))])
+    plain.put("dear", "x", generation_s=30.0)
+    assert plain.answer_value("dear") == 0.0  # no values: every answer alike
     plain.close()

@@ -372,6 +372,24 @@ def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:
     assert [r.digest for r in store.rows_since(0)] == ["d2", "d7"]
 
 
+def test_when_every_answer_lives_compaction_gives_up_the_rows_worth_least(tmp_path: Path) -> None:
+    """The exact cache's value of each row's answer (its L2 value: TieredCache.answer_value)
+    ranks what goes; equal values, and no ranking at all, go oldest first."""
+    store = SemanticStore(tmp_path / "sem")
+    for i in range(10):
+        store.append("s", f"d{i}", "p", unit(1, i))
+    worth = {"d0": 9.0, "d1": 8.0, "d4": 0.5, "d6": 0.5, "d9": 0.1}  # the others: 1.0
+
+    def value(digest: str) -> float:
+        return worth.get(digest, 1.0)
+
+    assert store.compact(lambda digest: True, 0.3, value) == 3
+    assert [r.digest for r in store.rows_since(0)] == ["d0", "d1", "d2", "d3", "d5", "d7", "d8"]
+    assert store.compact(lambda digest: True, 0.3) == 2  # no ranking: the oldest
+    assert [r.digest for r in store.rows_since(0)] == ["d2", "d3", "d5", "d7", "d8"]
+    store.close()
+
+
 # ---- saved HNSW graphs ----------------------------------------------------------------------
 # LMDB opens an environment once per process, so the "processes" below share one SemanticStore;
 # each SemanticIndex has its own graph, as each stage process does.

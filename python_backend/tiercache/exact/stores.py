@@ -469,6 +469,8 @@ class EntryValues(Protocol):
 
     def skew(self) -> float: ...
 
+    def value(self, key: str) -> tuple[float, int] | None: ...
+
     def close(self) -> None: ...
 
 
@@ -610,6 +612,18 @@ class LmdbStore:
             given_up = self._values.evicted(victims, {key for key, _ in ages if key not in gone})
             with self._lock:
                 self._evicted_hits += given_up
+
+    def value(self, key: str) -> float | None:
+        """What `key`'s entry is worth by the shared values (None without values, or for an
+        entry they hold nothing for)."""
+        if self._values is None:
+            return None
+        try:
+            found = self._values.value(key)
+        except Exception:  # noqa: BLE001 - advice only
+            log.exception("reading the L2 value of %s failed", key)
+            return None
+        return None if found is None else found[0]
 
     def delete(self, key: str) -> bool:
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.exact.codec import CacheEntry
-from tiercache.exact.stores import Store
+from tiercache.exact.stores import LmdbStore, Store
 from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
 from tiercache.vocabulary import Tier
 
@@ -168,6 +168,14 @@ class TieredCache:
             if not self.invalidations.covers(key, entry):
                 return True
         return False
+
+    def answer_value(self, key: str) -> float:
+        """What `key`'s answer is worth to this host's L2 (its GreedyDual-Size-Frequency value,
+        `tiercache.exact.l2_values`); 0.0 when unknown (no L2 values, or none for the key): for
+        ranking what depends on answers, as the semantic rows do when they must give some up."""
+        l2 = self.store(Tier.L2)
+        value = l2.value(key) if isinstance(l2, LmdbStore) else None
+        return 0.0 if value is None else value
 
     def put(
         self,

@@ -1,7 +1,8 @@
 """Compaction of the host's semantic row log: keeps the log inside its LMDB map.
 
 The log only grows (`RowLog`); compaction deletes rows whose answer is gone from the exact
-cache (else the oldest tenth), then rewrites the touched scopes' shared tables without them
+cache (else the tenth whose answers are worth least to the exact cache, oldest first among
+equals), then rewrites the touched scopes' shared tables without them
 (`ScopeTables.sync_scope`). It runs on one background thread per process, started by the write
 that finds the log past `_COMPACT_AT_FRACTION` of its map, so the write-back of a miss never
 waits for it: compacting a large log takes seconds.
@@ -10,6 +11,7 @@ waits for it: compacting a large log takes seconds.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -63,13 +65,18 @@ class Compactor:
         self._thread: threading.Thread | None = None
 
     def append_or_compact(
-        self, row: Row, answer_exists: Callable[[str], bool], tenant: str = ""
+        self,
+        row: Row,
+        answer_exists: Callable[[str], bool],
+        tenant: str = "",
+        answer_value: Callable[[str], float] | None = None,
     ) -> int | None:
         """Append and return the row's seq; None when the log is full or being compacted.
         `tenant` is the tenant scope the row starts its scope for, if the scope is new.
         Once the log's data pages pass `_COMPACT_AT_FRACTION` of its map (or it is full), a
         background compaction starts (one per process): rows whose answer is gone are
-        dropped (else the oldest tenth) and the touched scopes' tables rewritten. Rows that
+        dropped (else the tenth worth least by `answer_value`, or the oldest) and the touched
+        scopes' tables rewritten. Rows that
         arrive while it runs wait (LMDB copies every page it changes, so compaction needs
         free pages even to delete) and are appended after it (at most `_MAX_PENDING`; more
         are dropped: a row missing costs a later semantic hit, never a wrong one). The
@@ -93,21 +100,25 @@ class Compactor:
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._compact_then_append,
-                    args=(answer_exists,),
+                    args=(answer_exists, answer_value),
                     name="semantic-compaction",
                     daemon=True,
                 )
                 self._thread.start()
         return seq
 
-    def _compact_then_append(self, answer_exists: Callable[[str], bool]) -> None:
+    def _compact_then_append(
+        self,
+        answer_exists: Callable[[str], bool],
+        answer_value: Callable[[str], float] | None = None,
+    ) -> None:
         """Compact, then append the rows that waited, `_APPEND_BATCH` at a time, until none
         is left; if the log fills again first, compact again, at most `_COMPACTION_ROUNDS`
         times, then drop what still waits (logged)."""
         for _ in range(_COMPACTION_ROUNDS):
             started = time.perf_counter()
             try:
-                deleted = self.compact(answer_exists)
+                deleted = self.compact(answer_exists, answer_value=answer_value)
                 log.info(
                     "semantic log compacted: %d rows deleted in %.1f s",
                     deleted,
@@ -183,8 +194,15 @@ class Compactor:
             return not thread.is_alive()
         return True
 
-    def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
-        """Delete rows whose answer no longer exists; if none, the oldest `fallback_fraction`.
+    def compact(
+        self,
+        answer_exists: Callable[[str], bool],
+        fallback_fraction: float = 0.1,
+        answer_value: Callable[[str], float] | None = None,
+    ) -> int:
+        """Delete rows whose answer no longer exists; if none, the `fallback_fraction` whose
+        answers are worth least (`answer_value`: the exact cache's value of an answer digest;
+        ties, and without it every row, oldest first).
         Then each touched scope's table is rewritten without them (the old one retired).
         Keeps only each row's scope and digest in memory (not its vector), and deletes in
         transactions of `_COMPACT_BATCH` rows: LMDB copies the pages it changes, so one
@@ -197,7 +215,10 @@ class Compactor:
             if row is None or not answer_exists(row.digest):
                 dead.append((seq, brief))
         if not dead:
-            dead = rows[: max(1, int(len(rows) * fallback_fraction))]  # rows are in seq order
+            count = max(1, int(len(rows) * fallback_fraction))
+            if answer_value is not None:  # a stable sort: rows are in seq order, oldest first
+                rows.sort(key=lambda item: answer_value(item[1][1]) if item[1] else -math.inf)
+            dead = rows[:count]
         del rows
         touched: set[str] = set()
         deleted = 0

@@ -91,6 +91,7 @@ class SemanticStore(RowLog):
         vector: np.ndarray,
         answer_exists: Callable[[str], bool],
         tenant: str = "",
+        answer_value: Callable[[str], float] | None = None,
     ) -> int | None:
         """Append and return the row's seq; None when the log is full or being compacted, in
         which case the row waits for the background compaction this starts and is appended
@@ -99,7 +100,8 @@ class SemanticStore(RowLog):
         past `max_scopes_per_tenant` for `tenant` (the request's tenant scope; counted in
         `scopes_refused`, logged at most once a minute; the answer is served and cached all
         the same, only reworded requests miss it). InvalidVector for a vector `check_vector`
-        refuses."""
+        refuses. `answer_value` ranks the rows a compaction gives up when every answer still
+        exists (`Compactor.compact`)."""
         row = check_vector(vector, self.dimensions)
         refusal = self.scope_refusal(scope, tenant)
         if refusal is not None:
@@ -107,7 +109,7 @@ class SemanticStore(RowLog):
             return None
         try:
             return self._compactor.append_or_compact(
-                (scope, digest, prompt, row), answer_exists, tenant
+                (scope, digest, prompt, row), answer_exists, tenant, answer_value
             )
         except ScopeLimitReached as exc:  # another process took the last place meanwhile
             self.note_scope_refused(exc.reason)
@@ -117,9 +119,14 @@ class SemanticStore(RowLog):
         """Wait for a running background compaction (and its appends); False on timeout."""
         return self._compactor.wait(timeout_s)
 
-    def compact(self, answer_exists: Callable[[str], bool], fallback_fraction: float = 0.1) -> int:
+    def compact(
+        self,
+        answer_exists: Callable[[str], bool],
+        fallback_fraction: float = 0.1,
+        answer_value: Callable[[str], float] | None = None,
+    ) -> int:
         """Compact now, on this thread (`Compactor.compact`); the number of rows deleted."""
-        return self._compactor.compact(answer_exists, fallback_fraction)
+        return self._compactor.compact(answer_exists, fallback_fraction, answer_value)
 
     def close(self) -> None:
         self.wait_compacted()

@@ -556,7 +556,9 @@ class LlmStage:
         sharing = self.sharing
 
         def write() -> None:
-            self.semantic.append_or_compact(scope, digest, prompt, row, cache.exists, tenant)
+            self.semantic.append_or_compact(
+                scope, digest, prompt, row, cache.exists, tenant, cache.answer_value
+            )
             if sharing is not None:  # then to the other replicas, through Redis
                 sharing.publish(scope, digest, prompt, row)
 
