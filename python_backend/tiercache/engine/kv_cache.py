@@ -231,6 +231,8 @@ class KvBlockPool(Generic[P]):
                 f"{len(hashes)} blocks of {self.tokens_per_block} tokens are more than the "
                 f"{prompt_tokens} prompt tokens"
             )
+        if self._bytes > self.max_bytes:
+            self._shrink()  # a smaller budget (`resize`) is applied here, on the engine thread
         found: list[_Block[P]] = []
         for key in hashes:
             block = self._blocks.get(key)
@@ -358,6 +360,24 @@ class KvBlockPool(Generic[P]):
     def _kept(self, key: BlockHash) -> bool:
         """Whether the block under `key` cannot go now: pinned, or a parent."""
         return not self._blocks[key].evictable
+
+    def resize(self, max_bytes: int) -> int:
+        """A new byte budget (tiercache.budgets); returns it. The pool belongs to the engine
+        thread, so a smaller one is applied, evicting unpinned blocks down to it, when the next
+        request starts (`acquire`), not from the caller's thread."""
+        if max_bytes < 0:
+            raise ConfigError(f"kv_pool_max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes  # one assignment: the engine thread reads it whole
+        return max_bytes
+
+    def _shrink(self) -> None:
+        """Evict unpinned blocks, the policy's order, until the pool is within its budget or
+        only pinned blocks (and their parents) are left."""
+        while self._bytes > self.max_bytes:
+            victims = self._policy.nominate(1, skip=self._kept)
+            if not victims:
+                return
+            self._evict(self._blocks[victims[0]])
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict the policy's victims among unpinned leaves until `nbytes` more fit; False,

@@ -159,6 +159,17 @@ class MemoryStore:
             for _ in range(entry.endorsements):  # a `good` verdict counts as a request
                 self._access(key)
 
+    def resize(self, max_bytes: int) -> int:
+        """A new byte budget (tiercache.budgets): entries are evicted at once, in the policy's
+        order, down to it; returns it."""
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        with self._lock:
+            self._max_bytes = max_bytes
+            if self._bytes > max_bytes:
+                self._evict(self._bytes - max_bytes, replacing="")
+        return max_bytes
+
     def _evict(self, nbytes: int, replacing: str) -> None:
         """Free at least `nbytes` (lock held), never the entry `replacing` (its bytes are
         already counted as freed). Nothing in L1 is pinned and `put` never asks for more than

@@ -1,0 +1,173 @@
+"""Cache budgets that follow the machine (issue 20): the decision core.
+
+Each cache that holds memory (an L1, the KV block pool, the adapter slots, ...) registers a
+`Budget`: its operator's floor and ceiling (the fixed parameter it had is the ceiling), how to
+resize it, and what one more byte of it is worth now (`value_per_byte`: hits its evictions gave
+up per byte evicted, lately; the caches measure it). `BudgetController.tick` reads what the
+machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
+
+- short of headroom: budgets shrink, the least valuable per byte first, each down to its floor
+  at most, until the shortfall is covered (a cache that shrinks evicts at once, so the memory is
+  given back before the next reading);
+- with more than `headroom_bytes x (1 + hysteresis)` free: budgets grow back toward their
+  ceilings, the most valuable per byte first, by at most `grow_fraction` of the surplus per tick
+  (growing is cheap to undo, but never all at once: other processes read the same machine);
+- otherwise nothing moves.
+
+A cache never goes under its floor: if the floors alone leave less than the headroom, the
+controller says so (`Decision.reason` "floors") and holds them; it cannot stop another process
+from taking memory, only give back what the caches hold. Not thread-safe: one controller per
+process, ticked from one thread (`BudgetThread`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiercache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Budget:
+    """One cache's budget. `resize(bytes)` applies a new one (evicting down to it) and returns
+    the budget it took (a cache may round it); `value_per_byte()` is what one more byte is
+    worth now (any non-negative unit, the same for every budget of a controller)."""
+
+    name: str
+    floor_bytes: int
+    ceiling_bytes: int
+    current_bytes: int
+    resize: Callable[[int], int]
+    value_per_byte: Callable[[], float]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.floor_bytes <= self.ceiling_bytes:
+            raise ConfigError(
+                f"budget {self.name}: floor {self.floor_bytes} must be within 0..ceiling "
+                f"{self.ceiling_bytes}"
+            )
+        self.current_bytes = min(max(self.current_bytes, self.floor_bytes), self.ceiling_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    name: str
+    old_bytes: int
+    new_bytes: int
+    reason: str  # "shrink", "grow" or "floors" (short of headroom with every budget at its floor)
+
+
+class BudgetController:
+    """See the module docstring. `available` returns the bytes the machine has left now (for
+    host memory: `HostMemoryProbe().read().available_bytes`)."""
+
+    def __init__(
+        self,
+        budgets: Sequence[Budget],
+        available: Callable[[], int],
+        headroom_bytes: int,
+        hysteresis: float = 0.25,
+        grow_fraction: float = 0.5,
+    ) -> None:
+        if headroom_bytes < 0:
+            raise ConfigError(f"headroom must be >= 0 bytes, got {headroom_bytes}")
+        if not 0.0 < grow_fraction <= 1.0:
+            raise ConfigError(f"grow_fraction must be in (0, 1], got {grow_fraction}")
+        names = [b.name for b in budgets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"budget names must be distinct, got {names}")
+        self.budgets = list(budgets)
+        self._available = available
+        self.headroom_bytes = headroom_bytes
+        self.hysteresis = hysteresis
+        self.grow_fraction = grow_fraction
+        self.last_available = 0
+
+    def tick(self) -> list[Decision]:
+        """Read, decide, apply; the budgets that changed (and a "floors" note when the
+        headroom cannot be kept)."""
+        available = self.last_available = int(self._available())
+        shortfall = self.headroom_bytes - available
+        if shortfall > 0:
+            return self._shrink(shortfall)
+        surplus = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
+        if surplus > 0:
+            return self._grow(int(surplus * self.grow_fraction))
+        return []
+
+    def _shrink(self, shortfall: int) -> list[Decision]:
+        decisions = []
+        for budget in sorted(self.budgets, key=lambda b: b.value_per_byte()):
+            if shortfall <= 0:
+                break
+            take = min(budget.current_bytes - budget.floor_bytes, shortfall)
+            if take <= 0:
+                continue
+            decisions.append(self._apply(budget, budget.current_bytes - take, "shrink"))
+            shortfall -= take
+        if shortfall > 0:
+            decisions.append(Decision("*", shortfall, 0, "floors"))
+            log.warning(
+                "memory headroom short by %d bytes with every cache budget at its floor",
+                shortfall,
+            )
+        return decisions
+
+    def _grow(self, room: int) -> list[Decision]:
+        decisions = []
+        for budget in sorted(self.budgets, key=lambda b: -b.value_per_byte()):
+            if room <= 0:
+                break
+            give = min(budget.ceiling_bytes - budget.current_bytes, room)
+            if give <= 0:
+                continue
+            decisions.append(self._apply(budget, budget.current_bytes + give, "grow"))
+            room -= give
+        return decisions
+
+    @staticmethod
+    def _apply(budget: Budget, target: int, reason: str) -> Decision:
+        old = budget.current_bytes
+        taken = budget.resize(target)
+        budget.current_bytes = min(max(taken, budget.floor_bytes), budget.ceiling_bytes)
+        return Decision(budget.name, old, budget.current_bytes, reason)
+
+
+class BudgetThread:
+    """Ticks a controller every `interval_s` on a daemon thread until `close`; a tick that
+    raises is logged and the next one runs. `on_tick` sees each tick's decisions (metrics)."""
+
+    def __init__(
+        self,
+        controller: BudgetController,
+        interval_s: float = 1.0,
+        on_tick: Callable[[list[Decision]], None] | None = None,
+    ) -> None:
+        self.controller = controller
+        self.interval_s = interval_s
+        self._on_tick = on_tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="budgets", daemon=True)
+
+    def start(self) -> BudgetThread:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                decisions = self.controller.tick()
+                if self._on_tick is not None:
+                    self._on_tick(decisions)
+            except Exception:  # noqa: BLE001 - the caches keep their budgets; next tick retries
+                log.exception("a budget tick failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)

@@ -1,0 +1,228 @@
+"""What the machine has left: host memory (the process's cgroup limit where there is one, else
+the system's), GPU memory per device and per process through NVML, and free disk (issue 20).
+
+Readings only; `tiercache.budgets` decides what the caches may hold from them. Every probe
+reads the files or library a container actually exposes:
+
+- Host memory. The limit is the memory cgroup's (v2 `memory.max`, v1 `memory.limit_in_bytes`,
+  of this process's own group from `/proc/self/cgroup`; the mount's root when the group is not
+  visible, as inside a cgroup namespace), bounded by the system's `MemTotal`; the use is the
+  group's usage less its inactive page cache (`inactive_file`: the kernel reclaims it before it
+  kills anything), or `MemTotal - MemAvailable` without a limit. What is available is the limit
+  less the use, and never more than the system's `MemAvailable` (a group limit larger than the
+  machine, or a machine full of other groups, leaves less than the limit says).
+- GPU memory: NVML (`pynvml`, from the nvidia-ml-py package): each device's total, free and
+  used bytes and what this process holds on it. No driver, no device or no package: no GPUs
+  (logged once), never an error: the CPU engine runs on host memory alone.
+- Disk: `shutil.disk_usage` of the state directory (L2, the semantic rows, converted weights).
+
+The paths and the NVML module are injectable, so tests read a made-up `/proc` and `/sys` and an
+NVML stand-in with NVML's own call surface (tests/unit/test_machine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class HostReading:
+    limit_bytes: int  # what this process's group may hold (the machine's when unlimited)
+    used_bytes: int  # what counts against it, reclaimable page cache left out
+    available_bytes: int  # what may still be taken without crossing the limit
+    source: str  # "cgroup v2 <dir>", "cgroup v1 <dir>" or "meminfo"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int
+    process_bytes: int  # what this process holds on it (0 when NVML does not say)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskReading:
+    path: str
+    total_bytes: int
+    free_bytes: int
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    """One `key value` line of a cgroup's memory.stat (0 when absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _meminfo(proc: Path) -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    found: dict[str, int] = {}
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                found[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+class HostMemoryProbe:
+    """This process's host memory: see the module docstring."""
+
+    def __init__(self, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")):
+        self.proc = proc
+        self.cgroup_root = cgroup_root
+
+    def _group(self) -> tuple[str, Path] | None:
+        """("v2" | "v1", the memory group's directory) of this process, if one is mounted."""
+        try:
+            lines = (self.proc / "self" / "cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        v1_path = v2_path = None
+        for line in lines:
+            _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+            if controllers == "" and path:
+                v2_path = path
+            elif "memory" in controllers.split(","):
+                v1_path = path
+        if v1_path is not None and (self.cgroup_root / "memory").is_dir():
+            return "v1", self._existing(
+                self.cgroup_root / "memory", v1_path, "memory.limit_in_bytes"
+            )
+        if v2_path is not None and (self.cgroup_root / "cgroup.controllers").exists():
+            return "v2", self._existing(self.cgroup_root, v2_path, "memory.max")
+        return None
+
+    @staticmethod
+    def _existing(mount: Path, path: str, probe_file: str) -> Path:
+        """The group's directory under `mount`, or the mount itself (a cgroup namespace shows
+        this process's group as the root)."""
+        own = mount / path.lstrip("/")
+        return own if (own / probe_file).exists() else mount
+
+    def read(self) -> HostReading:
+        info = _meminfo(self.proc)
+        total = info.get("MemTotal", 0)
+        system_available = info.get("MemAvailable", info.get("MemFree", 0))
+        group = self._group()
+        if group is not None:
+            version, folder = group
+            if version == "v2":
+                limit = _read_int(folder / "memory.max")
+                usage = _read_int(folder / "memory.current")
+                inactive = _stat_value(folder / "memory.stat", "inactive_file")
+            else:
+                limit = _read_int(folder / "memory.limit_in_bytes")
+                usage = _read_int(folder / "memory.usage_in_bytes")
+                inactive = _stat_value(folder / "memory.stat", "total_inactive_file")
+            if limit is not None and usage is not None and limit < UNLIMITED:
+                limit = min(limit, total) if total else limit
+                used = max(usage - inactive, 0)
+                available = min(max(limit - used, 0), system_available or limit)
+                return HostReading(limit, used, available, f"cgroup {version} {folder}")
+        return HostReading(total, max(total - system_available, 0), system_available, "meminfo")
+
+
+class GpuMemoryProbe:
+    """Each GPU's memory through NVML (`nvml`: a module with pynvml's call surface; None:
+    import pynvml). No NVML: `read()` is empty."""
+
+    def __init__(self, nvml: Any | None = None, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self._nvml = nvml if nvml is not None else self._import()
+        self.why_none = ""  # why there are no GPUs (no package, no driver, no device)
+        if self._nvml is None:
+            self.why_none = "pynvml is not installed"
+            return
+        try:
+            self._nvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - NVMLError_* (no driver, no library)
+            self.why_none = f"NVML did not start: {exc}"
+            self._nvml = None
+            log.info("no GPU memory to read: %s", self.why_none)
+
+    @staticmethod
+    def _import() -> Any | None:
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        return pynvml
+
+    def read(self) -> list[GpuReading]:
+        nvml = self._nvml
+        if nvml is None:
+            return []
+        readings = []
+        for index in range(int(nvml.nvmlDeviceGetCount())):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            name = nvml.nvmlDeviceGetName(handle)
+            held = 0
+            try:
+                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if int(process.pid) == self.pid and process.usedGpuMemory is not None:
+                        held += int(process.usedGpuMemory)
+            except Exception:  # noqa: BLE001 - not permitted in some containers: unknown
+                held = 0
+            readings.append(
+                GpuReading(
+                    index,
+                    name.decode() if isinstance(name, bytes) else str(name),
+                    int(memory.total),
+                    int(memory.free),
+                    int(memory.used),
+                    held,
+                )
+            )
+        return readings
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+            self._nvml = None
+
+
+def read_disk(path: Path) -> DiskReading:
+    """Free space of the filesystem holding `path` (its nearest existing parent)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    return DiskReading(str(path), int(usage.total), int(usage.free))

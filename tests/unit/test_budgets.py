@@ -1,0 +1,195 @@
+"""tiercache.budgets: budgets shrink (least valuable first, to their floors) when the machine is
+short of headroom and grow back (most valuable first, to their ceilings) when it has room; the
+caches that resize (L1, the KV pool) give the bytes back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision
+from tiercache.engine.kv_cache import KvBlockPool
+from tiercache.errors import ConfigError
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import MemoryStore
+
+MIB = 1 << 20
+
+
+class Cache:
+    """A cache that takes any budget it is given and reports a fixed value per byte."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.sizes: list[int] = []
+
+    def resize(self, size: int) -> int:
+        self.sizes.append(size)
+        return size
+
+
+def budget(name: str, cache: Cache, floor: int, ceiling: int, current: int) -> Budget:
+    return Budget(name, floor, ceiling, current, cache.resize, lambda: cache.value)
+
+
+class Machine:
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+    def __call__(self) -> int:
+        return self.available
+
+
+def test_short_of_headroom_the_least_valuable_bytes_go_first_down_to_floors() -> None:
+    kv, l1 = Cache(value=3.0), Cache(value=1.0)
+    machine = Machine(available=100 * MIB)
+    controller = BudgetController(
+        [
+            budget("kv", kv, 50 * MIB, 500 * MIB, 400 * MIB),
+            budget("l1", l1, 10 * MIB, 64 * MIB, 64 * MIB),
+        ],
+        machine,
+        headroom_bytes=200 * MIB,
+    )
+    # 100 MiB short: L1 (less valuable per byte) gives its 54 MiB above its floor, then the KV
+    # pool the other 46
+    assert controller.tick() == [
+        Decision("l1", 64 * MIB, 10 * MIB, "shrink"),
+        Decision("kv", 400 * MIB, 354 * MIB, "shrink"),
+    ]
+    assert (l1.sizes, kv.sizes) == ([10 * MIB], [354 * MIB])
+
+
+def test_floors_hold_and_the_shortfall_is_reported() -> None:
+    only = Cache(value=1.0)
+    controller = BudgetController(
+        [budget("only", only, 10 * MIB, 64 * MIB, 20 * MIB)], Machine(0), headroom_bytes=50 * MIB
+    )
+    assert controller.tick() == [
+        Decision("only", 20 * MIB, 10 * MIB, "shrink"),
+        Decision("*", 40 * MIB, 0, "floors"),
+    ]
+    assert controller.tick() == [Decision("*", 50 * MIB, 0, "floors")]  # nothing left to give
+
+
+def test_room_grows_the_most_valuable_first_by_a_fraction_of_the_surplus_up_to_ceilings() -> None:
+    kv, l1 = Cache(value=3.0), Cache(value=1.0)
+    machine = Machine(available=1000 * MIB)
+    controller = BudgetController(
+        [
+            budget("kv", kv, 50 * MIB, 500 * MIB, 400 * MIB),
+            budget("l1", l1, 10 * MIB, 64 * MIB, 10 * MIB),
+        ],
+        machine,
+        headroom_bytes=200 * MIB,
+        hysteresis=0.25,
+        grow_fraction=0.5,
+    )
+    # surplus over 250 MiB: 750; half of it, 375, goes: the KV pool to its ceiling (100), then
+    # L1 to its ceiling (54); the rest is left free
+    assert controller.tick() == [
+        Decision("kv", 400 * MIB, 500 * MIB, "grow"),
+        Decision("l1", 10 * MIB, 64 * MIB, "grow"),
+    ]
+    assert controller.tick() == []  # at the ceilings
+
+
+def test_within_the_hysteresis_band_nothing_moves() -> None:
+    cache = Cache(value=1.0)
+    machine = Machine(available=220 * MIB)
+    controller = BudgetController(
+        [budget("c", cache, 0, 64 * MIB, 32 * MIB)], machine, headroom_bytes=200 * MIB
+    )
+    assert controller.tick() == []
+    assert cache.sizes == []
+
+
+def test_a_squeeze_then_its_end_shrinks_then_grows_back() -> None:
+    cache = Cache(value=1.0)
+    machine = Machine(available=1000 * MIB)
+    controller = BudgetController(
+        [budget("c", cache, 8 * MIB, 256 * MIB, 256 * MIB)],
+        machine,
+        headroom_bytes=100 * MIB,
+        grow_fraction=1.0,
+    )
+    machine.available = 40 * MIB  # another process took memory
+    assert controller.tick() == [Decision("c", 256 * MIB, 196 * MIB, "shrink")]
+    machine.available = 100 * MIB  # what the shrink gave back: at the headroom, inside the band
+    assert controller.tick() == []
+    machine.available = 1000 * MIB  # the other process is gone
+    assert controller.tick() == [Decision("c", 196 * MIB, 256 * MIB, "grow")]
+
+
+@pytest.mark.parametrize(
+    ("floor", "ceiling"), [(-1, 10), (11, 10)], ids=["negative-floor", "floor-over-ceiling"]
+)
+def test_a_budget_out_of_order_is_a_config_error(floor: int, ceiling: int) -> None:
+    with pytest.raises(ConfigError, match="floor"):
+        budget("c", Cache(1.0), floor, ceiling, 5)
+
+
+def test_controller_settings_are_checked() -> None:
+    one = budget("c", Cache(1.0), 0, 10, 5)
+    with pytest.raises(ConfigError, match="headroom"):
+        BudgetController([one], Machine(0), headroom_bytes=-1)
+    with pytest.raises(ConfigError, match="grow_fraction"):
+        BudgetController([one], Machine(0), headroom_bytes=0, grow_fraction=0.0)
+    with pytest.raises(ConfigError, match="distinct"):
+        BudgetController([one, budget("c", Cache(1.0), 0, 10, 5)], Machine(0), 0)
+
+
+def test_the_thread_ticks_and_survives_a_failing_reading() -> None:
+    readings = iter([ValueError("probe broke"), 0, 0, 0, 0, 0])
+    ticked = threading.Event()
+    seen: list[list[Decision]] = []
+
+    def available() -> int:
+        item = next(readings, 0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def on_tick(decisions: list[Decision]) -> None:
+        seen.append(decisions)
+        ticked.set()
+
+    cache = Cache(value=1.0)
+    controller = BudgetController([budget("c", cache, 0, 64 * MIB, 64 * MIB)], available, MIB)
+    thread = BudgetThread(controller, interval_s=0.01, on_tick=on_tick).start()
+    assert ticked.wait(10.0)
+    thread.close()
+    assert seen[0] == [Decision("c", 64 * MIB, 63 * MIB, "shrink")]  # after the failed tick
+
+
+def test_l1_resized_down_evicts_at_once_in_its_policys_order() -> None:
+    size = CacheEntry("x" * 100, 0.0).size_bytes
+    store = MemoryStore(10 * size)
+    for i in range(10):
+        store.put(f"k{i}", CacheEntry("x" * 100, 0.0))
+    assert store.get("k0") is not None  # most recently used now
+    assert store.resize(3 * size) == 3 * size
+    stats = store.stats()
+    assert (stats.entries, stats.bytes, stats.max_bytes) == (3, 3 * size, 3 * size)
+    assert store.get("k0") is not None and store.get("k1") is None
+    store.resize(10 * size)  # grown: room again, nothing comes back by itself
+    store.put("new", CacheEntry("x" * 100, 0.0))
+    assert store.stats().entries == 4
+    with pytest.raises(ValueError):
+        store.resize(0)
+
+
+def test_the_kv_pool_applies_a_smaller_budget_on_its_next_request() -> None:
+    pool: KvBlockPool[str] = KvBlockPool(max_bytes=10 * 100, tokens_per_block=1)
+    lease = pool.acquire([], prompt_tokens=5)
+    for key in (b"a", b"b", b"c", b"d"):
+        assert pool.insert(lease, key, 100, lambda: "payload")
+    pool.release(lease)
+    assert pool.stats().bytes == 400
+    assert pool.resize(200) == 200
+    assert pool.stats().bytes == 400  # the engine thread applies it: at the next request
+    pool.release(pool.acquire([], prompt_tokens=2))
+    assert pool.stats().bytes == 200  # the two blocks past the budget, leaves first
+    with pytest.raises(ConfigError):
+        pool.resize(-1)

@@ -1,0 +1,183 @@
+"""tiercache.machine: host memory from a made-up /proc and /sys (cgroup v2, v1, none), GPU
+memory through a stand-in with NVML's call surface, and free disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tiercache.machine import GpuMemoryProbe, HostMemoryProbe, read_disk
+
+GIB = 1 << 30
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def proc_tree(tmp_path: Path, cgroup: str, total_gib: int = 16, available_gib: int = 12) -> Path:
+    proc = tmp_path / "proc"
+    write(proc / "self" / "cgroup", cgroup)
+    write(
+        proc / "meminfo",
+        f"MemTotal: {total_gib * GIB // 1024} kB\nMemFree: 1 kB\n"
+        f"MemAvailable: {available_gib * GIB // 1024} kB\n",
+    )
+    return proc
+
+
+def test_cgroup_v2_limit_less_reclaimable_cache(tmp_path: Path) -> None:
+    proc = proc_tree(tmp_path, "0::/tenant/serve\n")
+    sys = tmp_path / "sys"
+    write(sys / "cgroup.controllers", "memory\n")
+    group = sys / "tenant" / "serve"
+    write(group / "memory.max", f"{4 * GIB}\n")
+    write(group / "memory.current", f"{3 * GIB}\n")
+    write(group / "memory.stat", f"anon 1\ninactive_file {GIB}\n")
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.used_bytes, reading.available_bytes) == (
+        4 * GIB,
+        2 * GIB,
+        2 * GIB,
+    )
+    assert reading.source == f"cgroup v2 {group}"
+
+
+def test_cgroup_v1_limit_and_a_namespace_that_shows_the_group_as_the_root(tmp_path: Path) -> None:
+    proc = proc_tree(tmp_path, "4:memory:/not/visible/here\n0::/\n")
+    sys = tmp_path / "sys"
+    mount = sys / "memory"
+    write(mount / "memory.limit_in_bytes", f"{8 * GIB}\n")
+    write(mount / "memory.usage_in_bytes", f"{5 * GIB}\n")
+    write(mount / "memory.stat", f"cache 9\ntotal_inactive_file {GIB}\n")
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.used_bytes, reading.available_bytes) == (
+        8 * GIB,
+        4 * GIB,
+        4 * GIB,
+    )
+    assert reading.source == f"cgroup v1 {mount}"
+
+
+def test_the_machine_bounds_what_a_generous_group_says(tmp_path: Path) -> None:
+    """A limit above the machine, or a machine full of other groups: the system's MemAvailable
+    is the most that is available."""
+    proc = proc_tree(tmp_path, "0::/big\n", total_gib=16, available_gib=3)
+    sys = tmp_path / "sys"
+    write(sys / "cgroup.controllers", "memory\n")
+    write(sys / "big" / "memory.max", f"{64 * GIB}\n")
+    write(sys / "big" / "memory.current", f"{GIB}\n")
+    reading = HostMemoryProbe(proc, sys).read()
+    assert reading.limit_bytes == 16 * GIB
+    assert reading.available_bytes == 3 * GIB
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files"),
+    [
+        (
+            "0::/\n",
+            {"cgroup.controllers": "memory\n", "memory.max": "max\n", "memory.current": "5"},
+        ),
+        ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n"}),
+        ("", {}),
+    ],
+    ids=["v2-max", "v1-unlimited", "no-cgroup"],
+)
+def test_without_a_limit_the_system_meminfo_decides(
+    tmp_path: Path, cgroup: str, files: dict[str, str]
+) -> None:
+    proc = proc_tree(tmp_path, cgroup, total_gib=16, available_gib=12)
+    sys = tmp_path / "sys"
+    for name, text in files.items():
+        write(sys / name, text)
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.used_bytes, reading.available_bytes) == (
+        16 * GIB,
+        4 * GIB,
+        12 * GIB,
+    )
+    assert reading.source == "meminfo"
+
+
+def test_this_machine_reads_something_sensible() -> None:
+    reading = HostMemoryProbe().read()
+    assert 0 < reading.available_bytes <= reading.limit_bytes
+    assert reading.used_bytes >= 0
+
+
+class FakeNvml:
+    """pynvml's surface, as far as the probe uses it: two devices, this process on one."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, pid: int, fail_init: bool = False) -> None:
+        self.pid, self.fail_init, self.shut = pid, fail_init, False
+
+    def nvmlInit(self) -> None:  # noqa: N802 - NVML's names
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.shut = True
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> Any:  # noqa: N802
+        return b"NVIDIA H200" if handle == 0 else "NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
+        return SimpleNamespace(total=141 * GIB, free=(100 - handle) * GIB, used=(41 + handle) * GIB)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
+        if handle == 1:
+            raise self.NVMLError("Insufficient Permissions")
+        return [
+            SimpleNamespace(pid=self.pid, usedGpuMemory=3 * GIB),
+            SimpleNamespace(pid=self.pid + 1, usedGpuMemory=30 * GIB),
+            SimpleNamespace(pid=self.pid, usedGpuMemory=None),  # NVML's "not available"
+        ]
+
+
+def test_gpu_memory_per_device_and_this_process() -> None:
+    nvml = FakeNvml(pid=4242)
+    probe = GpuMemoryProbe(nvml, pid=4242)
+    first, second = probe.read()
+    assert (first.index, first.name, first.total_bytes, first.free_bytes) == (
+        0,
+        "NVIDIA H200",
+        141 * GIB,
+        100 * GIB,
+    )
+    assert first.process_bytes == 3 * GIB  # its own processes' only
+    assert (second.free_bytes, second.used_bytes, second.process_bytes) == (99 * GIB, 42 * GIB, 0)
+    probe.close()
+    assert nvml.shut and probe.read() == []
+
+
+def test_no_driver_means_no_gpus_not_an_error() -> None:
+    probe = GpuMemoryProbe(FakeNvml(pid=1, fail_init=True))
+    assert probe.read() == []
+    assert "Driver Not Loaded" in probe.why_none
+
+
+def test_this_machine_without_a_gpu_reads_none() -> None:
+    """No NVIDIA driver here: pynvml (a dependency) cannot start, and the probe says why."""
+    probe = GpuMemoryProbe()
+    if probe.read():  # a GPU machine: the GPU script prints what NVML reports
+        pytest.skip("this machine has a GPU")
+    assert probe.why_none
+
+
+def test_disk_of_a_path_not_created_yet(tmp_path: Path) -> None:
+    reading = read_disk(tmp_path / "state" / "l2")
+    assert 0 < reading.free_bytes <= reading.total_bytes
