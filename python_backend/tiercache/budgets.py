@@ -138,6 +138,27 @@ class BudgetController:
         return Decision(budget.name, old, budget.current_bytes, reason)
 
 
+class RecentValue:
+    """A cache's `value_per_byte` from its cumulative counters `read()` -> (value given up by
+    evictions, bytes evicted): the ratio over what was evicted since the last call, averaged
+    half and half with the previous estimate (0.0 before any eviction; unchanged while nothing
+    is evicted)."""
+
+    def __init__(self, read: Callable[[], tuple[float, float]]) -> None:
+        self._read = read
+        self._last = read()
+        self.estimate = 0.0
+
+    def __call__(self) -> float:
+        now = self._read()
+        value, nbytes = now[0] - self._last[0], now[1] - self._last[1]
+        self._last = now
+        if nbytes > 0:
+            fresh = max(value, 0.0) / nbytes
+            self.estimate = fresh if self.estimate == 0.0 else (self.estimate + fresh) / 2
+        return self.estimate
+
+
 class BudgetThread:
     """Ticks a controller every `interval_s` on a daemon thread until `close`; a tick that
     raises is logged and the next one runs. `on_tick` sees each tick's decisions (metrics)."""

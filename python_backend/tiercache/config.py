@@ -207,6 +207,13 @@ PARAMETERS: dict[str, _Spec] = {
         "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
         "trusted as sent",
     ),
+    "memory_headroom_bytes": _Spec(
+        0,
+        "Host memory this stage's caches keep free (tiercache.budgets): under it their budgets "
+        "shrink, least valuable first, down to their floors; with a quarter more free they grow "
+        "back to their fixed sizes (0: off, the budgets stay fixed; docs/budgets.md)",
+        min=0,
+    ),
     "confidence_floor": _Spec(
         0.0,
         "Answers whose confidence (geometric-mean token probability, tiercache.exact.confidence) "
@@ -371,6 +378,13 @@ class PromptCacheConfig(_LookupConfig):
 
     l1_max_bytes: int = shared("l1_max_bytes")
     l1_eviction: str = shared("l1_eviction")
+    memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    l1_min_bytes: int = param(
+        1 << 20, "Floor of L1's budget when memory is short (memory_headroom_bytes)", min=1
+    )
+    budget_interval_s: float = param(
+        1.0, "How often the memory budgets are looked at (memory_headroom_bytes)", min=0.05
+    )
     embedder: str = param(
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -388,3 +389,45 @@ def test_with_a_key_file_the_tenant_comes_from_the_callers_key(
 
 def load_secret_of(state_dir: Path) -> bytes:
     return (state_dir / "secret").read_bytes()
+
+
+def test_with_a_memory_headroom_l1_follows_the_host(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, pb_utils: ModuleType
+) -> None:
+    """memory_headroom_bytes larger than this machine: the host (read for real) is always short
+    of it, so L1's budget goes to its floor within a tick and the metrics say so."""
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "memory_headroom_bytes": {"string_value": str(1 << 60)},
+        "l1_min_bytes": {"string_value": str(2 << 20)},
+        "budget_interval_s": {"string_value": "0.05"},
+    }
+    config = {"parameters": parameters}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})
+    try:
+        l1 = instance.stage.cache.cache.store(Tier.L1)
+        deadline = time.monotonic() + 10.0
+        while l1.stats().max_bytes != 2 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert l1.stats().max_bytes == 2 << 20
+        time.sleep(0.2)  # another tick: short with L1 at its floor
+        instance.stage.metrics.flush()
+        families = instance.stage.metrics._families
+        (budget,) = families["tiercache_budget_bytes"].metrics
+        assert (budget.labels["cache"], budget.value()) == ("l1", 2 << 20)
+        shrinks = {
+            m.labels["reason"]: m.value()
+            for m in families["tiercache_budget_changes_total"].metrics
+        }
+        assert shrinks == {"shrink": 1, "grow": 0}
+        assert families["tiercache_budget_short_total"].metrics[0].value() >= 1
+        (available,) = families["tiercache_memory_available_bytes"].metrics
+        assert 0 < available.value() < 1 << 60
+    finally:
+        instance.finalize()
+    assert not instance.stage.budgets._thread.is_alive()  # closed with the model
+
+
+def test_without_a_headroom_no_budget_thread_runs(model: Any) -> None:
+    assert model.stage.budgets is None

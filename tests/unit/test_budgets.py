@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision
+from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, RecentValue
 from tiercache.engine.kv_cache import KvBlockPool
 from tiercache.errors import ConfigError
 from tiercache.exact.codec import CacheEntry
@@ -193,3 +193,14 @@ def test_the_kv_pool_applies_a_smaller_budget_on_its_next_request() -> None:
     assert pool.stats().bytes == 200  # the two blocks past the budget, leaves first
     with pytest.raises(ConfigError):
         pool.resize(-1)
+
+
+def test_recent_value_is_what_evictions_gave_up_per_byte_lately() -> None:
+    counters = [(0.0, 0.0)]
+    value = RecentValue(lambda: counters[-1])
+    assert value() == 0.0  # nothing evicted yet
+    counters.append((10.0, 1000.0))  # 10 hits given up for 1,000 bytes
+    assert value() == pytest.approx(0.01)
+    assert value() == pytest.approx(0.01)  # nothing evicted since: unchanged
+    counters.append((10.0, 2000.0))  # 1,000 more bytes that nobody had asked for
+    assert value() == pytest.approx(0.005)  # half the old estimate, half the new (0)

@@ -57,6 +57,7 @@ class StoreStats:
     rejected: int = 0
     removed: int = 0
     hit_skew: float | None = None
+    evicted_bytes: int = 0  # L1: what its evictions freed (with evicted_hits: value per byte)
 
 
 class Store(Protocol):
@@ -120,6 +121,7 @@ class MemoryStore:
         self._evictions = 0
         self._entry_hits: dict[str, int] = {}  # hits per held entry since it was stored
         self._evicted_hits = 0
+        self._evicted_bytes = 0
         self._rejected = 0
         self._removed = 0
         self._skew = (0.0, -math.inf)  # the last hit skew and when it was computed (monotonic)
@@ -183,6 +185,7 @@ class MemoryStore:
             freed += size
             self._evictions += 1
             self._evicted_hits += hits
+            self._evicted_bytes += size
         if freed < nbytes:
             raise RuntimeError(f"L1's policy nominated {freed} of the {nbytes} bytes needed")
 
@@ -235,6 +238,7 @@ class MemoryStore:
                 evicted_hits=self._evicted_hits,
                 rejected=self._rejected,
                 removed=self._removed,
+                evicted_bytes=self._evicted_bytes,
             )
         if not fresh:
             # entries never hit count as zeros: the hottest 1 % of all held entries

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import time
 
+from tiercache.budgets import Budget, BudgetThread, RecentValue
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.prompt_cache import LookupResult, PromptCache
 from tiercache.exact.request import RawInputs
+from tiercache.exact.stores import MemoryStore
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.contract import PROMPT_CACHE, prompt_cache_terms, write_terms
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.memory_budgets import start_budgets
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import Sealer
 from tiercache.triton import metrics as tm
-from tiercache.vocabulary import CacheStatus, choices
+from tiercache.vocabulary import CacheStatus, Tier, choices
 
 
 class PromptCacheStage:
@@ -51,6 +54,7 @@ class PromptCacheStage:
             "tiercache_prompt_cache_lookup_seconds", "Stage time per request"
         )
         tm.StoreMetrics(m, cache.cache)
+        self.budgets: BudgetThread | None = None  # L1 following the host's memory, if asked
 
     def lookup(
         self, raw: RawInputs, authorization: object = None
@@ -91,6 +95,8 @@ class PromptCacheStage:
         self.requests["forbidden" if isinstance(exc, Forbidden) else "error"].increment(1)
 
     def close(self) -> None:
+        if self.budgets is not None:
+            self.budgets.close()
         self.metrics.close()
         self.cache.cache.close()
 
@@ -124,5 +130,31 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     terms = prompt_cache_terms(keys_path, secret, cache.engine, cache.limits)
     write_terms(config.state_path(), PROMPT_CACHE, terms)  # what the gateway's edge must match
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    l1 = cache.cache.store(Tier.L1)
+    if isinstance(l1, MemoryStore):
+        stage.budgets = start_budgets(
+            config.memory_headroom_bytes,
+            config.budget_interval_s,
+            [l1_budget(l1, config.l1_min_bytes, config.l1_max_bytes)],
+            metrics,
+        )
     metrics.start()
     return stage
+
+
+def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """L1's budget: between its floor and its fixed size, valued by the hits its evictions
+    gave up per byte evicted."""
+
+    def given_up() -> tuple[float, float]:
+        stats = store.stats()
+        return float(stats.evicted_hits), float(stats.evicted_bytes)
+
+    return Budget(
+        "l1",
+        min(floor_bytes, ceiling_bytes),
+        ceiling_bytes,
+        ceiling_bytes,
+        store.resize,
+        RecentValue(given_up),
+    )
