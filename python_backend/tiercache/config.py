@@ -676,6 +676,15 @@ class EngineConfig(_StateConfig):
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
+    memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    kv_pool_min_bytes: int = param(
+        16 << 20,
+        "Floor of the KV pool's budget when memory is short (memory_headroom_bytes)",
+        min=0,
+    )
+    budget_interval_s: float = param(
+        1.0, "How often the memory budgets are looked at (memory_headroom_bytes)", min=0.05
+    )
     kv_eviction: str = param(
         "gdsf",
         "Which KV blocks the pool gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU "

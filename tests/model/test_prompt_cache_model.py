@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType

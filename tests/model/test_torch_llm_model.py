@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -478,3 +479,37 @@ def test_unsealed_forged_or_mismatched_loads_are_forbidden_alone(
     assert [a["digest"] for a in model.stage.engine.adapters.resident()] == [ref2.digest]
     stats = model.stage.engine.adapters.stats()
     assert (stats.loads, stats.load_failures) == (1, 0)
+
+
+def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """memory_headroom_bytes larger than this machine (read for real): the KV pool's budget
+    goes to kv_pool_min_bytes, and the engine thread's next request evicts down to it."""
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
+    instance = module.TritonPythonModel()
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "tokens_per_block": {"string_value": "4"},
+        "kv_pool_max_bytes": {"string_value": "1000"},
+        "kv_pool_min_bytes": {"string_value": "20"},
+        "memory_headroom_bytes": {"string_value": str(1 << 60)},
+        "budget_interval_s": {"string_value": "0.05"},
+    }
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    try:
+        pool = instance.stage.engine.kv_pool
+        deadline = time.monotonic() + 10.0
+        while pool.max_bytes != 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.max_bytes == 20
+        instance.stage.metrics.flush()
+        families = instance.stage.metrics._families
+        (budget,) = families["tiercache_budget_bytes"].metrics
+        assert (budget.labels["cache"], budget.value()) == ("kv_pool", 20)
+    finally:
+        instance.finalize()

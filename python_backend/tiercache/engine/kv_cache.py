@@ -106,6 +106,7 @@ class KvStats:
     bytes: int
     max_bytes: int
     tokens_per_block: int
+    evicted_bytes: int = 0  # what evictions freed (with evicted_reuses: value per byte)
 
     @property
     def block_hit_rate(self) -> float:
@@ -218,6 +219,7 @@ class KvBlockPool(Generic[P]):
         self._rejected = 0
         self._evictions = 0
         self._evicted_reuses = 0
+        self._evicted_bytes = 0
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -333,6 +335,7 @@ class KvBlockPool(Generic[P]):
             bytes=self._bytes,
             max_bytes=self.max_bytes,
             tokens_per_block=self.tokens_per_block,
+            evicted_bytes=self._evicted_bytes,
         )
 
     def hit_skew(self, hottest: float = 0.01) -> float:
@@ -402,6 +405,7 @@ class KvBlockPool(Generic[P]):
         self._bytes -= block.nbytes
         self._evictions += 1
         self._evicted_reuses += block.reuses
+        self._evicted_bytes += block.nbytes
         self._policy.remove(block.key)
         parent = block.parent
         if parent is not None:

@@ -8,11 +8,12 @@ import json
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from tiercache.budgets import Budget, BudgetThread, RecentValue
 from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
-from tiercache.engine.kv_cache import KvStats
+from tiercache.engine.kv_cache import KvBlockPool, KvStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.threads import ThreadRole, set_torch_threads
@@ -22,6 +23,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.memory import MemoryTrimmer
 from tiercache.stages.common import DraftMetrics
 from tiercache.stages.envelope import Envelope
+from tiercache.stages.memory_budgets import start_budgets
 from tiercache.stages.parts import open_adapters, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
@@ -73,6 +75,7 @@ class TorchLlmStage:
         self.sealer = sealer
         self.refusal = refusal
         self.trimmer = trimmer
+        self.budgets: BudgetThread | None = None  # the KV pool following the host's memory
         self.metrics = m = metrics
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -269,6 +272,8 @@ class TorchLlmStage:
         self.kv_pool_bytes.set(after.bytes)
 
     def close(self) -> None:
+        if self.budgets is not None:
+            self.budgets.close()
         self._queue.put(_STOP)
         self._worker.join(timeout=30)
         self.metrics.close()
@@ -296,8 +301,33 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
+    stage.budgets = start_budgets(
+        config.memory_headroom_bytes,
+        config.budget_interval_s,
+        [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)],
+        metrics,
+    )
     metrics.start()
     return stage
+
+
+def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The KV pool's budget: between its floor and its fixed size, valued by the reuses its
+    evictions gave up per byte evicted (a smaller one is applied by the engine thread, at the
+    next request: `KvBlockPool.resize`)."""
+
+    def given_up() -> tuple[float, float]:
+        stats = pool.stats()
+        return float(stats.evicted_reuses), float(stats.evicted_bytes)
+
+    return Budget(
+        "kv_pool",
+        min(floor_bytes, ceiling_bytes),
+        ceiling_bytes,
+        ceiling_bytes,
+        pool.resize,
+        RecentValue(given_up),
+    )
 
 
 def decode_call(
