@@ -36,6 +36,8 @@ from tiercache.frequency_sketch import FrequencySketch
 
 K = TypeVar("K", bound=Hashable)
 
+MAX_COST_S = 86_400.0  # a cost above a day counts as a day (a broken or hostile figure)
+
 SkipKey = Callable[[K], bool]
 """key -> True when the store cannot evict it now (pinned, in use, being loaded)."""
 
@@ -328,6 +330,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             counts[0] *= 0.5
             counts[1] *= 0.5
         if cost_s > 0.0:
+            cost_s = min(cost_s, MAX_COST_S)
             known = self._cost
             known[0] += cost_s
             known[1] += 1.0

@@ -108,20 +108,21 @@ class Feedback:
         answer is then invalidated on this host only: send the feedback again)."""
         ref = self.ids.open(answer_id, tenant_scope)
         cache = self.invalidator.cache
-        found = cache.get(ref.digest)  # also notes the watermarks issued meanwhile
-        if found is not None and found.entry.tenant_scope not in ("", tenant_scope):
+        found = cache.peek(ref.digest)  # not a request; also notes the watermarks issued since
+        if found is not None and found.tenant_scope not in ("", tenant_scope):
             raise Forbidden("answer_id names an answer of another tenant")
+        table = cache.invalidations
         if verdict is Verdict.GOOD:
             endorsed = False
-            if found is not None:
+            # the answer that was served, not one generated again since (after a bad verdict)
+            if found is not None and found.created_s <= ref.issued_s + 2 * table.skew_s:
                 try:
-                    endorsed = endorse(cache, ref.digest)
+                    endorsed = endorse(cache, ref.digest, found.created_s)
                 except Exception:  # noqa: BLE001 - the verdict is counted; the rank is extra
                     log.exception("endorsing %s... failed", ref.digest[:12])
             return FeedbackReport(verdict, ref.served, False, False, endorsed)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
-        table = cache.invalidations
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         if table.covers(ref.digest, served):
             return FeedbackReport(verdict, ref.served, False, False)
@@ -134,20 +135,31 @@ class Feedback:
         return FeedbackReport(verdict, ref.served, True, report.published)
 
 
-def endorse(cache: TieredCache, digest: str) -> bool:
-    """Count one more `good` verdict on `digest`'s entry, read from the shared tiers (L2, then
-    L3: never a process's L1, whose copy may predate other verdicts) and written back to every
-    tier; False when no shared tier holds it (expired, invalidated, evicted) or its count is
-    already at MAX_ENDORSEMENTS. Two verdicts at once may count as one: a rank, not a tally
-    (tiercache_feedback_total counts every verdict)."""
+def endorse(cache: TieredCache, digest: str, created_s: float) -> bool:
+    """Count one more `good` verdict on `digest`'s entry made at `created_s` (the one that was
+    served): the highest count any shared tier holds for it (L2 and L3: never a process's L1,
+    whose copy may predate other verdicts; another replica may have counted one in L3 that this
+    host's L2 has not seen), plus one, written back to every tier. False when no shared tier
+    holds that entry (expired, invalidated, evicted, generated again) or its count is already
+    at MAX_ENDORSEMENTS. Two verdicts at the same instant may count as one: a rank, not a
+    tally (tiercache_feedback_total counts every verdict)."""
+    now = cache.now()
+    held = []
     for tier, store in cache.stores():
         if tier is Tier.L1:
             continue
-        entry = store.get(digest)
-        if entry is None:
+        try:
+            peek = getattr(store, "peek", None)
+            entry = peek(digest) if peek is not None else store.get(digest)
+        except Exception:  # noqa: BLE001 - a broken tier: the others decide
+            log.exception("reading %s... from %s failed", digest[:12], tier.value)
             continue
-        if entry.expired(cache.now()) or entry.endorsements >= MAX_ENDORSEMENTS:
-            return False
-        raised = dataclasses.replace(entry, endorsements=entry.endorsements + 1)
-        return cache.put_entry(digest, raised) is not None
-    return False
+        if entry is not None and entry.created_s == created_s and not entry.expired(now):
+            held.append(entry)
+    if not held:
+        return False
+    entry = max(held, key=lambda e: e.endorsements)
+    if entry.endorsements >= MAX_ENDORSEMENTS:
+        return False
+    raised = dataclasses.replace(entry, endorsements=entry.endorsements + 1)
+    return cache.put_entry(digest, raised) is not None

@@ -3,6 +3,7 @@ an id is taken only from the tenant it was served to (real L1 and L2, no Redis).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,3 +189,40 @@ def test_verdicts_parse(text: str, verdict: Verdict) -> None:
 def test_an_unknown_verdict_is_an_invalid_request(text: str | None) -> None:
     with pytest.raises(InvalidRequest, match="verdict must be one of"):
         parse_verdict(text)
+
+
+def test_an_old_good_does_not_endorse_the_answer_generated_since(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    """A `good` on an id issued before the entry was generated again (after a bad verdict)
+    is about the old answer: the new one is not endorsed."""
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "first", tenant_scope=SCOPE)
+    first_id = served(ids, clock)
+    clock.now += 1.0
+    assert feedback.give(served(ids, clock), Verdict.BAD, SCOPE).invalidated
+    clock.now += 1.0
+    cache.put(DIGEST, "generated again", tenant_scope=SCOPE)
+    assert not feedback.give(first_id, Verdict.GOOD, SCOPE).endorsed
+    l2 = cache.store(Tier.L2)
+    assert l2 is not None
+    stored = l2.get(DIGEST)
+    assert stored is not None and stored.endorsements == 0
+    assert feedback.give(served(ids, clock), Verdict.GOOD, SCOPE).endorsed  # its own id does
+
+
+def test_the_highest_count_of_the_shared_tiers_goes_on(tmp_path: Path) -> None:
+    """Another replica counted two verdicts in L3 that this host's L2 copy has not seen: the
+    next one makes three in both, not one."""
+    clock = FakeClock()
+    l2, l3 = LmdbStore(tmp_path / "l2", 1 << 20), LmdbStore(tmp_path / "l3", 1 << 20)
+    cache = TieredCache([(Tier.L2, l2), (Tier.L3, l3)], clock=clock)
+    answer = CacheEntry("an answer", clock.now, tenant_scope=SCOPE)
+    l2.put(DIGEST, answer)
+    l3.put(DIGEST, dataclasses.replace(answer, endorsements=2))
+    ids = AnswerIds(SECRET)
+    assert Feedback(ids, Invalidator(cache)).give(served(ids, clock), Verdict.GOOD, SCOPE).endorsed
+    for store in (l2, l3):
+        stored = store.get(DIGEST)
+        assert stored is not None and stored.endorsements == 3
+    cache.close()

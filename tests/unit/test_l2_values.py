@@ -4,7 +4,9 @@ them (real LMDB)."""
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tiercache.exact.codec import CacheEntry
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
+from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.l2_values import FLUSH_INTERVAL_S, MIN_MAP_BYTES, L2Values
 from tiercache.exact.stores import LmdbStore
 from tiercache.exact.tiered import TieredCache
+from tiercache.feedback import Feedback, Verdict
 from tiercache.vocabulary import Tier
 
 
@@ -38,7 +43,7 @@ def test_an_admission_counts_a_request_at_its_cost_per_byte_and_hits_add_when_fl
 ) -> None:
     ticks = Ticks()
     v = values(tmp_path, ticks)
-    v.admitted("a", 100, 5.0)
+    v.admitted("a", 100, 5.0, created_s=1.0)
     assert v.value("a") == (pytest.approx(0.05), 1)
     v.hit("a")
     v.hit("a")
@@ -46,8 +51,16 @@ def test_an_admission_counts_a_request_at_its_cost_per_byte_and_hits_add_when_fl
     ticks.now += FLUSH_INTERVAL_S
     v.hit("a")  # due: this hit writes all three
     assert v.value("a") == (pytest.approx(0.2), 4)
-    v.admitted("a", 100, 5.0, endorsements=2)  # written again: the count goes on
+    # the same answer written again with two verdicts (an endorsement): the verdicts only
+    v.admitted("a", 100, 5.0, endorsements=2, created_s=1.0)
+    assert v.value("a") == (pytest.approx(0.3), 6)
+    v.admitted("a", 100, 5.0, endorsements=2, created_s=1.0)  # a refill: nothing new
+    assert v.value("a") == (pytest.approx(0.3), 6)
+    v.admitted("a", 100, 5.0, endorsements=3, created_s=1.0)  # one more verdict
     assert v.value("a") == (pytest.approx(0.35), 7)
+    # a new answer under the key (generated again): one more request, the count goes on
+    v.admitted("a", 100, 5.0, created_s=2.0)
+    assert v.value("a") == (pytest.approx(0.4), 8)
     v.close()
 
 
@@ -84,14 +97,19 @@ def test_two_processes_share_the_values(tmp_path: Path) -> None:
     writer.close()
 
 
-def test_eviction_takes_the_lowest_value_first_and_unrecorded_entries_before_all(
+def test_eviction_takes_the_lowest_value_first_and_an_unrecorded_entry_ranks_as_fresh(
     tmp_path: Path,
 ) -> None:
+    """An entry without a record (its admission failed, or a stage set to oldest wrote it)
+    ranks as a fresh admission of the median weight, not first: a failure must not make the
+    newest entries the first to go."""
     v = values(tmp_path)
-    v.admitted("cheap", 10, 1.0)
-    v.admitted("dear", 10, 30.0)
-    entries = [(b"dear", 1.0), (b"cheap", 2.0), (b"old-unknown", 0.5), (b"new-unknown", 3.0)]
-    assert v.nominate(entries, 4) == [b"old-unknown", b"new-unknown", b"cheap", b"dear"]
+    v.admitted("cheap", 10, 1.0)  # 0.1
+    v.admitted("middle", 10, 2.0)  # 0.2
+    v.admitted("dear", 10, 30.0)  # 3.0
+    entries = [(b"dear", 1.0), (b"cheap", 2.0), (b"middle", 3.0), (b"unknown", 0.5)]
+    # unknown: L 0 + the median weight 0.2, ties with "middle" and older
+    assert v.nominate(entries, 4) == [b"cheap", b"unknown", b"middle", b"dear"]
     v.close()
 
 
@@ -99,16 +117,48 @@ def test_an_eviction_raises_the_level_and_forgets_what_left(tmp_path: Path) -> N
     v = values(tmp_path)
     v.admitted("a", 10, 1.0)  # 0.1
     v.admitted("b", 10, 2.0)  # 0.2
-    v.admitted("deleted", 10, 9.0)  # invalidated meanwhile: not in L2 any more
     v.admitted("c", 10, 3.0)
     v.hit("b")
     v.flush()  # b was asked for once more: the eviction gives that up
-    assert v.evicted([b"a", b"b"], live={b"c"}) == 1
+    assert v.evicted([b"a", b"b"]) == 1
     assert v.inflation() == pytest.approx(0.4)  # b's value with its hit: 0.0 + 2 x 0.2
-    assert v.value("a") is None and v.value("b") is None and v.value("deleted") is None
+    assert v.value("a") is None and v.value("b") is None
+    assert v.value("c") == (pytest.approx(0.3), 1)  # written meanwhile or not: kept
     v.admitted("d", 10, 1.0)  # the level now: 0.4 + 0.1
     assert v.value("d") == (pytest.approx(0.5), 1)
+    v.forget([b"c"])  # deleted from L2 (an invalidation): its record goes, L stays
+    assert v.value("c") is None and v.inflation() == pytest.approx(0.4)
+    v.forget_all()
+    assert v.value("d") is None and v.inflation() == pytest.approx(0.4)
     v.close()
+
+
+def test_the_file_starts_empty_after_a_reboot_or_when_its_meta_is_damaged(tmp_path: Path) -> None:
+    """Not flushed at each commit: after the machine restarts its pages may be half written,
+    so a file written under another boot is rebuilt empty; so is one whose level is not a
+    number (it would stick: max(nan, x) is nan)."""
+    first = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, boot=b"A" * 16)
+    first.admitted("a", 10, 1.0)
+    first.evicted([b"a"])
+    assert first.inflation() > 0.0
+    first.admitted("b", 10, 1.0)
+    first.close()
+    same = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, boot=b"A" * 16)
+    assert same.value("b") is not None  # the same boot: kept
+    same.close()
+    rebooted = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, boot=b"B" * 16)
+    assert rebooted.value("b") is None and rebooted.inflation() == 0.0
+    rebooted.close()
+    env = lmdb.open(str(tmp_path / "l2-values"), map_size=MIN_MAP_BYTES)
+    with env.begin(write=True) as txn:
+        raw = bytearray(txn.get(b"\x00meta"))
+        raw[20:28] = struct.pack("<d", math.nan)  # L
+        txn.put(b"\x00meta", bytes(raw))
+        txn.put(b"x", struct.pack("<ddIId", 1.0, 1.0, 1, 0, 0.0))
+    env.close()
+    damaged = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, boot=b"B" * 16)
+    assert damaged.inflation() == 0.0 and damaged.value("x") is None
+    damaged.close()
 
 
 def test_a_damaged_record_counts_as_none(tmp_path: Path) -> None:
@@ -127,17 +177,18 @@ def test_a_damaged_record_counts_as_none(tmp_path: Path) -> None:
     v.close()
 
 
-def test_values_that_fail_leave_l2_evicting_oldest_first_and_writes_working(
+def test_values_that_fail_are_logged_and_never_fail_l2(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     v = values(tmp_path)
     v._env.close()  # every read and write of the values now raises
-    assert v.nominate([(b"a", 1.0)], 1) is None
+    assert v.nominate([(b"a", 1.0)], 1) is None  # L2 then evicts oldest first
     v.admitted("a", 10, 1.0)  # logged, not raised
     v.hit("a")
     v.flush()
-    v.evicted([b"a"], set())
-    assert "L2 evicts oldest first" in caplog.text
+    v.evicted([b"a"])
+    v.forget([b"a"])
+    assert "L2 values" in caplog.text
 
 
 def hot_reads(store: LmdbStore, ticks: Ticks, keys: list[str], hot: list[str]) -> list[bool]:
@@ -188,7 +239,7 @@ def test_l2_evicts_a_cheap_answer_before_a_dear_one(tmp_path: Path) -> None:
 def test_the_skew_is_the_hottest_hundredths_share_of_repeat_requests(tmp_path: Path) -> None:
     v = values(tmp_path)
     assert v.skew() == 0.0  # before any eviction
-    keys = [f"k{i:03d}" for i in range(200)]
+    keys = [f"k{i:03d}" for i in range(201)]
     for key in keys:
         v.admitted(key, 10, 1.0)
     for _ in range(6):
@@ -197,8 +248,7 @@ def test_the_skew_is_the_hottest_hundredths_share_of_repeat_requests(tmp_path: P
     for key in keys[2:6]:
         v.hit(key)
     v.flush()
-    live = {k.encode() for k in keys[:-1]}
-    v.evicted([keys[-1].encode()], live | {b"no-record"})  # one L2 entry without a value
+    v.evicted([keys[-1].encode()])
     # 200 held: the hottest 1 % is two entries, 12 of the 16 repeat requests
     assert v.skew() == pytest.approx(12 / 16)
     v.close()
@@ -238,3 +288,24 @@ def test_the_cache_tells_an_answers_value_from_its_l2(tmp_path: Path) -> None:
     plain.put("dear", "x", generation_s=30.0)
     assert plain.answer_value("dear") == 0.0  # no values: every answer alike
     plain.close()
+
+
+def test_each_good_verdict_is_worth_one_request_in_l2_and_reading_the_answer_none(
+    tmp_path: Path,
+) -> None:
+    """Feedback reads the answer without counting a hit, and its rewrite adds the one verdict
+    it carries: three verdicts on an answer written once make four requests, and a fourth (over
+    MAX_ENDORSEMENTS) or a replay adds nothing."""
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES)
+    cache = TieredCache([(Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20, values=v))])
+    cache.put("d" * 64, "an answer", tenant_scope="s", generation_s=2.0)
+    ids = AnswerIds(bytes(range(32)))
+    feedback = Feedback(ids, Invalidator(cache))
+    answer_id = ids.issue(AnswerRef("d" * 64, ServedAs.OWN, issued_s=cache.now()), "s")
+    for _ in range(MAX_ENDORSEMENTS):
+        assert feedback.give(answer_id, Verdict.GOOD, "s").endorsed
+    assert not feedback.give(answer_id, Verdict.GOOD, "s").endorsed
+    v.flush()
+    found = v.value("d" * 64)
+    assert found is not None and found[1] == 1 + MAX_ENDORSEMENTS
+    cache.close()

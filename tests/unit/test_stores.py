@@ -115,7 +115,7 @@ def test_an_entry_written_before_its_cost_was_recorded_reads_as_unknown_and_gree
 
 
 @pytest.mark.parametrize("field", ["generation_s", "temperature"])
-@pytest.mark.parametrize("value", [-1.0, "2", None, True])
+@pytest.mark.parametrize("value", [-1.0, "2", None, True, 1e308, float("inf")])
 def test_a_stored_cost_or_temperature_that_is_not_a_number_at_least_0_is_corrupt(
     field: str, value: object
 ) -> None:
@@ -430,3 +430,17 @@ def test_l1_reports_the_value_its_evictions_gave_up_and_how_skewed_its_hits_are(
     small.put("c", entry("x" * 10))  # evicts a (1 hit)
     small.put("d", entry("x" * 10))  # evicts b (2 hits)
     assert small.stats().evicted_hits == 3
+
+
+def test_l2_full_of_digest_keyed_answers_evicts_instead_of_failing(tmp_path: Path) -> None:
+    """Digests spread over every leaf page: deleting a tenth of them in one transaction would
+    copy nearly all pages, more than the free quarter of the map (MDB_MAP_FULL on every write
+    once L2 was full). Evictions delete in small chunks instead."""
+    store = LmdbStore(tmp_path / "l2", 4 << 20)
+    for i in range(6_000):
+        store.put(hashlib.sha256(str(i).encode()).hexdigest(), entry("x" * 400, float(i)))
+    stats = store.stats()
+    assert stats.evictions > 0 and 0 < stats.entries < 6_000
+    newest = hashlib.sha256(b"5999").hexdigest()
+    assert store.get(newest) is not None
+    store.close()

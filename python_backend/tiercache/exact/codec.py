@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 from dataclasses import dataclass
 
@@ -28,6 +27,11 @@ ENTRY_OVERHEAD_BYTES = 448
 # L1's order, so one tenant's callers repeating `good` can lift an answer by a few requests'
 # worth, not pin it (L1 is shared by every tenant of the process).
 MAX_ENDORSEMENTS = 3
+# Bounds of what a stored entry may say it cost and was sampled at: a day of generation (a
+# larger figure would dominate every eviction value it is averaged into), and a temperature
+# well past any a request may ask for (tiercache.exact.request.MAX_TEMPERATURE).
+MAX_GENERATION_S = 86_400.0
+MAX_STORED_TEMPERATURE = 100.0
 
 
 class CorruptEntry(ValueError):
@@ -143,8 +147,8 @@ def decode_entry(data: bytes) -> CacheEntry:
             adapter=str(fields.get("adapter", "")),
             prompt_tokens=int(fields.get("prompt_tokens", 0)),
             mean_logprob=_optional_float(fields.get("mean_logprob")),
-            generation_s=_nonnegative(fields.get("generation_s", 0.0)),
-            temperature=_nonnegative(fields.get("temperature", 0.0)),
+            generation_s=_nonnegative(fields.get("generation_s", 0.0), MAX_GENERATION_S),
+            temperature=_nonnegative(fields.get("temperature", 0.0), MAX_STORED_TEMPERATURE),
             endorsements=_count(fields.get("endorsements", 0)),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -160,11 +164,12 @@ def _count(value: object) -> int:
     return value
 
 
-def _nonnegative(value: object) -> float:
-    """A stored finite number >= 0 (ValueError or TypeError otherwise: a corrupt entry)."""
+def _nonnegative(value: object, high: float) -> float:
+    """A stored number in 0..`high` (ValueError or TypeError otherwise: a corrupt entry; an
+    entry may come from Redis, where anyone who can write it can write anything)."""
     number = _optional_float(value)
-    if number is None or not math.isfinite(number) or number < 0.0:
-        raise ValueError(f"{value!r} is not a finite number >= 0")
+    if number is None or not 0.0 <= number <= high:
+        raise ValueError(f"{value!r} is not a number in 0..{high}")
     return number
 
 

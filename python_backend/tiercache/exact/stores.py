@@ -137,6 +137,11 @@ class MemoryStore:
                 self._entry_hits[key] = self._entry_hits.get(key, 0) + 1
             return entry
 
+    def peek(self, key: str) -> CacheEntry | None:
+        """`get` that counts nothing and leaves the policy's order as it is."""
+        with self._lock:
+            return self._entries.get(key)
+
     def put(self, key: str, entry: CacheEntry) -> None:
         size = entry.size_bytes
         with self._lock:
@@ -470,9 +475,17 @@ def read_stored(
 class EntryValues(Protocol):
     """What L2's entries are worth, kept where every process of the host sees it
     (`tiercache.exact.l2_values.L2Values`): told of each write, hit and eviction, asked for
-    victims. Never raises: advice that fails leaves L2 evicting oldest first."""
+    victims, told of deletions. Never raises (but `value`): advice that fails never fails L2.
+    """
 
-    def admitted(self, key: str, size: int, cost_s: float, endorsements: int = 0) -> None: ...
+    def admitted(
+        self,
+        key: str,
+        size: int,
+        cost_s: float,
+        endorsements: int = 0,
+        created_s: float = 0.0,
+    ) -> None: ...
 
     def hit(self, key: str) -> None: ...
 
@@ -480,13 +493,22 @@ class EntryValues(Protocol):
         self, entries: Sequence[tuple[bytes, float]], count: int
     ) -> list[bytes] | None: ...
 
-    def evicted(self, victims: Iterable[bytes], live: set[bytes]) -> int: ...
+    def evicted(self, victims: Iterable[bytes]) -> int: ...
+
+    def forget(self, keys: Iterable[bytes]) -> None: ...
+
+    def forget_all(self) -> None: ...
 
     def skew(self) -> float: ...
 
     def value(self, key: str) -> tuple[float, int] | None: ...
 
+    def reader_check(self) -> int: ...
+
     def close(self) -> None: ...
+
+
+DELETE_CHUNK = 64  # L2 entries deleted per write transaction when evicting
 
 
 class LmdbStore:
@@ -537,7 +559,10 @@ class LmdbStore:
     def reader_check(self) -> int:
         """Free reader slots of processes that died in a read (done at open too); how many.
         For a stage to call after another process of the host was restarted."""
-        return check_readers(self._env, "L2 store", self.path)
+        freed = check_readers(self._env, "L2 store", self.path)
+        if self._values is not None:
+            freed += self._values.reader_check()
+        return freed
 
     def get(self, key: str) -> CacheEntry | None:
         """A damaged page met while reading is a miss (counted as corrupt), never an error: the
@@ -574,7 +599,9 @@ class LmdbStore:
                     self._evict(fraction=max(0.5, self._evict_fraction))
                 self._write(key.encode(), data)
         if self._values is not None:
-            self._values.admitted(key, len(data), entry.generation_s, entry.endorsements)
+            self._values.admitted(
+                key, len(data), entry.generation_s, entry.endorsements, entry.created_s
+            )
 
     def _live_bytes(self) -> int:
         return data_bytes(self._env)
@@ -619,14 +646,35 @@ class LmdbStore:
             victims = chosen + broken
         finally:
             policy.clear()
-        with self._env.begin(write=True) as txn:
-            deleted = sum(bool(txn.delete(key)) for key in victims)  # another writer may have won
-        self._count(evictions=deleted)
+        deleted = self._delete_chunked(victims)
+        self._count(evictions=len(deleted))
         if self._values is not None:
-            gone = set(victims)
-            given_up = self._values.evicted(victims, {key for key, _ in ages if key not in gone})
+            given_up = self._values.evicted(deleted)
             with self._lock:
                 self._evicted_hits += given_up
+
+    def _delete_chunked(self, keys: list[bytes]) -> list[bytes]:
+        """Delete `keys` in key order, `DELETE_CHUNK` per transaction (a chunk that does not
+        fit is split down to single keys); the keys that were there. One transaction over a
+        tenth of the keys would copy nearly every leaf page (digests are spread over all of
+        them), more than the free quarter of the map, and fail; committed chunks free pages
+        for the next ones."""
+        deleted: list[bytes] = []
+        pending = [sorted(keys)[i : i + DELETE_CHUNK] for i in range(0, len(keys), DELETE_CHUNK)]
+        while pending:
+            chunk = pending.pop(0)
+            try:
+                with self._env.begin(write=True) as txn:
+                    gone = [key for key in chunk if txn.delete(key)]  # another writer may have won
+            except lmdb.MapFullError:
+                if len(chunk) == 1:
+                    log.warning("L2 %s is too full to delete even one entry", self.path)
+                    break
+                half = len(chunk) // 2
+                pending[:0] = [chunk[:half], chunk[half:]]
+                continue
+            deleted += gone
+        return deleted
 
     def value(self, key: str) -> float | None:
         """What `key`'s entry is worth by the shared values (None without values, or for an
@@ -640,20 +688,33 @@ class LmdbStore:
             return None
         return None if found is None else found[0]
 
+    def peek(self, key: str) -> CacheEntry | None:
+        """`get` that counts nothing (no hit, no request in the values) and drops nothing: for
+        reads that are not requests (feedback checking an answer)."""
+        try:
+            with self._env.begin(buffers=False) as txn:
+                data = txn.get(key.encode())
+        except (*LMDB_DAMAGE, lmdb.MapResizedError):
+            return None
+        if data is None:
+            return None
+        try:
+            return decode_entry(data)
+        except CorruptEntry:
+            return None
+
     def delete(self, key: str) -> bool:
-        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
-            removed = bool(txn.delete(key.encode()))
-        with self._lock:
-            self._removed += removed
-        return removed
+        return self.delete_many([key]) == 1
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """One write transaction (one commit) for all of them."""
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
-            removed = sum(bool(txn.delete(key.encode())) for key in keys)
+            gone = [raw for raw in (key.encode() for key in keys) if txn.delete(raw)]
         with self._lock:
-            self._removed += removed
-        return removed
+            self._removed += len(gone)
+        if self._values is not None and gone:
+            self._values.forget(gone)
+        return len(gone)
 
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         """One read transaction over the whole map; decoding every entry costs about as much
@@ -668,6 +729,8 @@ class LmdbStore:
     def clear(self) -> None:
         with self._env.begin(write=True) as txn:
             txn.drop(self._env.open_db(), delete=False)
+        if self._values is not None:
+            self._values.forget_all()
 
     def stats(self) -> StoreStats:
         entries = int(self._env.stat()["entries"])

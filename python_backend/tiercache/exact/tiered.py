@@ -152,6 +152,27 @@ class TieredCache:
             return Lookup(entry, tier)
         return None
 
+    def peek(self, key: str) -> CacheEntry | None:
+        """The usable entry `get` would serve, read without counting a hit or a request (in
+        L1's order or L2's values) and without filling or dropping anything: for reads that are
+        not requests (feedback checking the answer it is about). A tier that fails to read is
+        a miss there."""
+        self._catch_up()
+        now = self._clock()
+        for tier, store in self._stores:
+            try:
+                peek = getattr(store, "peek", None)
+                entry = peek(key) if peek is not None else store.get(key)
+            except Exception:  # noqa: BLE001 - a broken tier is a miss there
+                log.exception("reading %s from %s failed; a miss there", key, tier.value)
+                continue
+            if entry is None or entry.expired(now) or self.invalidations.covers(key, entry):
+                continue
+            if self.default_ttl_s > 0 and now - entry.created_s >= self.default_ttl_s:
+                continue
+            return entry
+        return None
+
     def exists(self, key: str) -> bool:
         """Whether some tier holds a usable entry (not expired, not older than `default_ttl_s`,
         not invalidated), without filling tiers or dropping anything; a tier that fails to read

@@ -65,6 +65,20 @@ class ExactTiers:
     sweeper: RestartSweeper | None = None  # with redis_url: the L2 sweep at start
 
 
+def open_l2_values(config: CacheConfig, clock: Callable[[], float]) -> L2Values | None:
+    """L2's shared values (`l2_eviction` gdsf), or None: set to `oldest`, or when they cannot
+    be opened (advice: logged, and L2 evicts oldest first rather than the stage failing)."""
+    if config.l2_eviction != "gdsf":
+        return None
+    try:
+        return L2Values(config.l2_values_path(), l2_values_map_bytes(config.l2_max_bytes), clock)
+    except Exception:  # noqa: BLE001 - advice only
+        log.exception(
+            "L2 values at %s did not open; L2 evicts oldest first", config.l2_values_path()
+        )
+        return None
+
+
 def open_exact_cache(
     config: CacheConfig,
     clock: Callable[[], float] = time.time,
@@ -108,12 +122,14 @@ def open_exact_cache(
     tiers: list[tuple[Tier, Store]] = []
     if config.l1_max_bytes > 0:
         tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes, named_policy(config.l1_eviction))))
-    values = None
-    if config.l2_eviction == "gdsf":
-        values = L2Values(config.l2_values_path(), l2_values_map_bytes(config.l2_max_bytes), clock)
-    tiers.append(
-        (Tier.L2, LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values))
-    )
+    values = open_l2_values(config, clock)
+    try:
+        l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values)
+    except BaseException:
+        if values is not None:
+            values.close()
+        raise
+    tiers.append((Tier.L2, l2))
     marks = HostWatermarks(
         config.invalidations_path(), max_events, horizon_s=horizon_s, clock=clock
     )

@@ -1,0 +1,388 @@
+"""A memory squeeze through a real tritonserver inside a memory cgroup (issue 20): the caches'
+budgets shrink while another process takes memory, the server keeps serving and nothing is
+killed, and the budgets grow back when the memory returns.
+
+Usage (root, on a machine whose memory cgroup controller this user may create groups in)::
+
+    python -m tiercache_dev.perf.squeeze [--extra-gib 2.5] [--headroom-mib 1024]
+        [--before-s 45] [--hold-s 45] [--after-s 45] [--out-dir .perf/squeeze]
+
+1. Creates a memory cgroup (v1 `memory/tiercache-squeeze-<pid>` or v2 `tiercache-squeeze-<pid>`)
+   and moves this process in: the server, its stubs and the squeezer are all in it.
+2. Starts tritonserver on `make serve`'s repository with `memory_headroom_bytes`
+   (`--headroom-mib`) on prompt_cache and torch_llm and `budget_interval_s` 0.5, then sets the
+   group's limit to what the group uses once the server is ready plus `--extra-gib`.
+3. A client sends requests without pause (new prompts of about 400 tokens, 4 tokens each: they
+   fill the KV pool), recording each one's latency and whether it succeeded.
+4. After `--before-s`, the squeezer (a child process in the group) takes memory in 64 MiB steps
+   until the group has less than half the headroom left, holds it for `--hold-s`, then exits.
+5. After `--after-s` more, everything stops; every server process must still be alive and the
+   group must have killed nothing (its OOM counter).
+
+Every 0.5 s it samples the budgets (the metrics port), what the group has available, the RSS of
+each server process and the squeezer's size. Writes `squeeze.json` (the timeline),
+`squeeze.png` (budgets, available memory, RSS and latency over time, the squeeze shaded) and
+`squeeze.md` (the summary) to `--out-dir`; exit code 1 when a process died, the group killed
+one, or a request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiercache.machine import HostMemoryProbe
+from tiercache.server import copy_repository
+from tiercache_client import TierCacheClient
+from tiercache_dev.console import invocation, progress
+from tiercache_dev.metrics import scrape_metrics
+from tiercache_dev.paths import ADAPTERS, DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
+from tiercache_dev.perf.soak import labelled_processes
+from tiercache_dev.servers import fresh_state, running, triton
+
+MIB = 1 << 20
+GIB = 1 << 30
+STEP_BYTES = 64 * MIB
+SAMPLE_S = 0.5
+
+SQUEEZER = """
+import sys, time
+from tiercache.machine import HostMemoryProbe
+floor, hold_s, step = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+probe, held = HostMemoryProbe(), []
+while probe.read().available_bytes - step > floor:
+    held.append(bytearray(b"\\x01") * step)  # written: the pages are really taken
+    print(len(held) * step, flush=True)
+    time.sleep(0.2)
+print("holding", flush=True)
+time.sleep(hold_s)
+"""
+
+
+class Group:
+    """A memory cgroup this process lives in (v1 or v2), removed at `close`."""
+
+    def __init__(self, name: str) -> None:
+        root = Path("/sys/fs/cgroup")
+        if (root / "memory").is_dir():
+            self.version, self.path = "v1", root / "memory" / name
+        elif (root / "cgroup.controllers").exists():
+            self.version, self.path = "v2", root / name
+        else:
+            raise SystemExit("no memory cgroup controller is mounted at /sys/fs/cgroup")
+        try:
+            self.path.mkdir()
+        except OSError as exc:
+            raise SystemExit(f"cannot create the memory cgroup {self.path}: {exc}") from None
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        if self.version == "v1":
+            (self.path / "memory.swappiness").write_text("0")
+
+    def set_limit(self, nbytes: int) -> None:
+        name = "memory.limit_in_bytes" if self.version == "v1" else "memory.max"
+        (self.path / name).write_text(str(nbytes))
+
+    def usage(self) -> int:
+        name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        return int((self.path / name).read_text())
+
+    def oom_kills(self) -> int:
+        """Processes the group's OOM killer killed (v1: memory.oom_control's oom_kill)."""
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        for line in (self.path / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def close(self) -> None:
+        parent = self.path.parent
+        (parent / "cgroup.procs").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.2)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--extra-gib", type=float, default=2.5, help="the limit over the server")
+    parser.add_argument("--headroom-mib", type=int, default=1024, help="memory_headroom_bytes")
+    parser.add_argument("--before-s", type=float, default=45.0)
+    parser.add_argument("--hold-s", type=float, default=45.0)
+    parser.add_argument("--after-s", type=float, default=45.0)
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "squeeze")
+    return parser.parse_args(argv)
+
+
+def prompt(number: int) -> str:
+    """A new prompt of about 400 tokens (no two alike: each fills KV blocks of its own)."""
+    words = " ".join(f"item{number}-{i}" for i in range(130))
+    return f"Request {number}. Remember this list: {words}. Which item came first?"
+
+
+class Client(threading.Thread):
+    def __init__(self, grpc_port: int, started: float) -> None:
+        super().__init__(daemon=True)
+        self.port, self.started = grpc_port, started
+        self.done = threading.Event()
+        self.results: list[tuple[float, float, bool]] = []  # (time, latency, ok)
+
+    def run(self) -> None:
+        with TierCacheClient(f"127.0.0.1:{self.port}", timeout_s=120) as client:
+            number = 0
+            while not self.done.is_set():
+                number += 1
+                begun = time.monotonic()
+                try:
+                    client.generate_text(prompt(number), max_tokens=4)
+                    ok = True
+                except Exception:  # noqa: BLE001 - counted: the run fails on any
+                    ok = False
+                self.results.append((begun - self.started, time.monotonic() - begun, ok))
+
+
+def budgets(port: int) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for name, labels, value in scrape_metrics(port, wait_s=2.0):
+        if name == "tiercache_budget_bytes":
+            found[labels.get("cache", "?")] = value
+    return found
+
+
+def plot(
+    timeline: list[dict[str, Any]],
+    latencies: list[tuple[float, float, bool]],
+    window: tuple[float, float],
+    path: Path,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [row["t"] for row in timeline]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    for cache in sorted({c for row in timeline for c in row["budgets"]}):
+        axes[0].plot(
+            t, [row["budgets"].get(cache, float("nan")) / MIB for row in timeline], label=cache
+        )
+    axes[0].set_ylabel("budget (MiB)")
+    axes[1].plot(t, [row["available"] / MIB for row in timeline], label="group available")
+    axes[1].plot(t, [row["squeezer"] / MIB for row in timeline], label="squeezer holds")
+    axes[1].set_ylabel("MiB")
+    for name in sorted({n for row in timeline for n in row["rss"]}):
+        axes[2].plot(t, [row["rss"].get(name, float("nan")) / MIB for row in timeline], label=name)
+    axes[2].set_ylabel("RSS (MiB)")
+    axes[3].plot([x[0] for x in latencies], [x[1] for x in latencies], ".", markersize=3)
+    axes[3].set_ylabel("request latency (s)")
+    axes[3].set_xlabel("seconds")
+    for ax in axes:
+        ax.axvspan(*window, color="0.9")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle("memory squeeze inside a cgroup (shaded: the squeezer holds memory)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    group = Group(f"tiercache-squeeze-{os.getpid()}")
+    headroom = args.headroom_mib * MIB
+    try:
+        with tempfile.TemporaryDirectory(prefix="tiercache-squeeze-") as tmp:
+            work = Path(tmp)
+            params = {"memory_headroom_bytes": str(headroom), "budget_interval_s": "0.5"}
+            repository = copy_repository(
+                MODEL_REPOSITORY,
+                work / "repository",
+                {"prompt_cache": dict(params), "torch_llm": dict(params)},
+            )
+            state = fresh_state(work, args.state_dir)
+            server = triton(
+                repository, state, log_path=args.out_dir / "server.log", adapters_dir=ADAPTERS
+            )
+            progress(f"starting tritonserver in {group.path}")
+            with running(server, ready_timeout_s=400):
+                baseline = group.usage()
+                limit = baseline + int(args.extra_gib * GIB)
+                group.set_limit(limit)
+                progress(
+                    f"  ready; the group uses {baseline / MIB:.0f} MiB, limit now "
+                    f"{limit / MIB:.0f} MiB, headroom {args.headroom_mib} MiB"
+                )
+                return run(args, server, group, headroom, limit, baseline)
+    finally:
+        group.close()
+
+
+def run(
+    args: argparse.Namespace, server: Any, group: Group, headroom: int, limit: int, baseline: int
+) -> int:
+    started = time.monotonic()
+    client = Client(server.ports.grpc, started)
+    client.start()
+    probe, labels = HostMemoryProbe(), {}
+    timeline: list[dict[str, Any]] = []
+    squeezer: subprocess.Popen[str] | None = None
+    held = [0]
+    window = [0.0, 0.0]
+    total_s = args.before_s + args.hold_s + args.after_s
+    pids = {p.pid for _, p in labelled_processes(server.process.pid, labels)}
+
+    def read_squeezer() -> None:
+        assert squeezer is not None and squeezer.stdout is not None
+        for line in squeezer.stdout:
+            line = line.strip()
+            if line.isdigit():
+                held[0] = int(line)
+            elif line == "holding":
+                window[0] = time.monotonic() - started
+                progress(f"  squeezer holds {held[0] / MIB:.0f} MiB")
+
+    while (now := time.monotonic() - started) < total_s + args.hold_s:
+        if squeezer is None and now >= args.before_s:
+            progress("  squeezing")
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+            squeezer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    SQUEEZER,
+                    str(headroom // 2),
+                    str(args.hold_s),
+                    str(STEP_BYTES),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            threading.Thread(target=read_squeezer, daemon=True).start()
+        if squeezer is not None and squeezer.poll() is not None and window[1] == 0.0:
+            window[1] = now
+            held[0] = 0
+            progress("  squeezer gone: memory returned")
+        if window[1] and now >= window[1] + args.after_s:
+            break
+        processes = labelled_processes(server.process.pid, labels)
+        rss = {}
+        for name, proc in processes:
+            try:
+                rss[name] = proc.memory_info().rss
+            except Exception:  # noqa: BLE001 - a process gone between listing and reading
+                continue
+        timeline.append(
+            {
+                "t": round(now, 2),
+                "budgets": budgets(server.ports.metrics),
+                "available": probe.read().available_bytes,
+                "usage": group.usage(),
+                "rss": rss,
+                "squeezer": held[0],
+            }
+        )
+        time.sleep(SAMPLE_S)
+    client.done.set()
+    client.join(timeout=150)
+    alive = {p.pid for _, p in labelled_processes(server.process.pid, labels)}
+    lost = sorted(pids - alive)
+    kills = group.oom_kills()
+    failed = sum(1 for _, _, ok in client.results if not ok)
+    return report(
+        args,
+        timeline,
+        client.results,
+        tuple(window),
+        lost,
+        kills,
+        failed,
+        headroom,
+        limit,
+        baseline,
+    )
+
+
+def report(
+    args: argparse.Namespace,
+    timeline: list[dict[str, Any]],
+    results: list[tuple[float, float, bool]],
+    window: tuple[float, float],
+    lost: list[int],
+    kills: int,
+    failed: int,
+    headroom: int,
+    limit: int,
+    baseline: int,
+) -> int:
+    out = args.out_dir
+    (out / "squeeze.json").write_text(
+        json.dumps(
+            {
+                "timeline": timeline,
+                "requests": results,
+                "window": window,
+                "limit": limit,
+                "baseline": baseline,
+                "headroom": headroom,
+                "lost_pids": lost,
+                "oom_kills": kills,
+            },
+            indent=1,
+        )
+    )
+    plot(timeline, results, window, out / "squeeze.png")
+
+    def phase(lo: float, hi: float) -> list[dict[str, Any]]:
+        return [row for row in timeline if lo <= row["t"] < hi]
+
+    def lat(lo: float, hi: float) -> str:
+        values = [x[1] for x in results if lo <= x[0] < hi and x[2]]
+        return f"{statistics.median(values):.2f} s ({len(values)})" if values else "-"
+
+    caches = sorted({c for row in timeline for c in row["budgets"]})
+    phases = {"before": (0.0, window[0]), "squeezed": window, "after": (window[1], float("inf"))}
+    lines = [
+        f"`{invocation('tiercache_dev.perf.squeeze', None)}`",
+        "",
+        f"group limit {limit / MIB:.0f} MiB (the server used {baseline / MIB:.0f} MiB when "
+        f"ready), headroom {headroom / MIB:.0f} MiB; {len(results)} requests, {failed} failed; "
+        f"server processes lost: {len(lost)}; the group's OOM kills: {kills}",
+        "",
+        "| phase | "
+        + " | ".join(f"{c} budget MiB (min-max)" for c in caches)
+        + " | available MiB (min) | median latency (requests) |",
+        "|---|" + "---:|" * (len(caches) + 2),
+    ]
+    for name, (lo, hi) in phases.items():
+        rows = phase(lo, hi)
+        if not rows:
+            continue
+        cells = []
+        for cache in caches:
+            values = [r["budgets"][cache] / MIB for r in rows if cache in r["budgets"]]
+            cells.append(f"{min(values):.0f}-{max(values):.0f}" if values else "-")
+        available = min(r["available"] for r in rows) / MIB
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {available:.0f} | {lat(lo, hi)} |")
+    (out / "squeeze.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if lost or kills or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
