@@ -151,10 +151,10 @@ def replay_l2(
                 for victim in chosen:
                     del held[int(victim)]
                 if values is not None:
-                    values.evicted(chosen, {str(k).encode() for k in held})
+                    values.evicted(chosen)
             held[key] = float(index)
             if values is not None:
-                values.admitted(name, size, costs[key])
+                values.admitted(name, size, costs[key], created_s=float(index))
     finally:
         if values is not None:
             values.close()

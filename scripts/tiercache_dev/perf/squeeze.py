@@ -242,7 +242,8 @@ def run(
     timeline: list[dict[str, Any]] = []
     squeezer: subprocess.Popen[str] | None = None
     held = [0]
-    window = [0.0, 0.0]
+    window = [0.0, 0.0]  # the squeezer holds its memory from, until
+    squeezing = [0.0]  # when it started taking memory
     total_s = args.before_s + args.hold_s + args.after_s
     pids = {p.pid for _, p in labelled_processes(server.process.pid, labels)}
 
@@ -259,6 +260,7 @@ def run(
     while (now := time.monotonic() - started) < total_s + args.hold_s:
         if squeezer is None and now >= args.before_s:
             progress("  squeezing")
+            squeezing[0] = now
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
             squeezer = subprocess.Popen(
                 [
@@ -308,7 +310,7 @@ def run(
         args,
         timeline,
         client.results,
-        tuple(window),
+        (squeezing[0], window[0], window[1]),
         lost,
         kills,
         failed,
@@ -322,7 +324,7 @@ def report(
     args: argparse.Namespace,
     timeline: list[dict[str, Any]],
     results: list[tuple[float, float, bool]],
-    window: tuple[float, float],
+    times: tuple[float, float, float],
     lost: list[int],
     kills: int,
     failed: int,
@@ -331,11 +333,13 @@ def report(
     baseline: int,
 ) -> int:
     out = args.out_dir
+    squeezing, window = times[0], (times[1], times[2])
     (out / "squeeze.json").write_text(
         json.dumps(
             {
                 "timeline": timeline,
                 "requests": results,
+                "squeezing": squeezing,
                 "window": window,
                 "limit": limit,
                 "baseline": baseline,
@@ -356,7 +360,14 @@ def report(
         return f"{statistics.median(values):.2f} s ({len(values)})" if values else "-"
 
     caches = sorted({c for row in timeline for c in row["budgets"]})
-    phases = {"before": (0.0, window[0]), "squeezed": window, "after": (window[1], float("inf"))}
+    # before: once every budget is reported (the first scrapes may precede the first flush)
+    ready = next((r["t"] for r in timeline if all(r["budgets"].get(c) for c in caches)), 0.0)
+    phases = {
+        "before": (ready, squeezing),
+        "squeezing": (squeezing, window[0]),
+        "held": window,
+        "after": (window[1], float("inf")),
+    }
     lines = [
         f"`{invocation('tiercache_dev.perf.squeeze', None)}`",
         "",
