@@ -531,6 +531,56 @@ def check_speculation_cuda() -> list[Row]:
     return [("speculation cuda", "engine on this card", "-", "-", last[-60:], verdict)]
 
 
+def check_nvml_budgets(torch: Any) -> list[Row]:
+    """GPU memory as the budget controller reads it (issue 20: tiercache.machine through
+    pynvml): each card's total, free and this process's bytes, printed; then 1 GiB taken on
+    card 0 must show in this process's bytes and in the card's free bytes, and a controller
+    keeping a headroom just under what was free must shrink its budget."""
+    from tiercache.budgets import Budget, BudgetController
+    from tiercache.machine import GpuMemoryProbe
+
+    probe = GpuMemoryProbe()
+    readings = probe.read()
+    if not readings:
+        return [("nvml", "cards NVML reports", "-", "-", "none", f"FAIL: {probe.why_none}")]
+    rows: list[Row] = []
+    for r in readings:
+        print(f"NVML card {r.index} {r.name}: total {r.total_bytes >> 20} MiB, free "
+              f"{r.free_bytes >> 20} MiB, used {r.used_bytes >> 20} MiB, this process "
+              f"{r.process_bytes >> 20} MiB")  # fmt: skip
+        sane = 0 < r.free_bytes <= r.total_bytes
+        rows.append(("nvml", f"card {r.index} read", "-", "-", f"{r.free_bytes >> 20} MiB free",
+                     "ok" if sane else "FAIL: free out of range"))  # fmt: skip
+    if torch is None:
+        return [*rows, ("nvml", "1 GiB taken on card 0", "-", "-", "-", "FAIL: no torch")]
+    before = probe.read()[0]
+    sizes: list[int] = []
+    controller = BudgetController(
+        [Budget("kv_pool", 0, 1 << 30, 1 << 30, lambda n: sizes.append(n) or n, lambda: 1.0)],
+        lambda: probe.read()[0].free_bytes,
+        headroom_bytes=max(before.free_bytes - (512 << 20), 0),
+    )
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    block.fill_(1)
+    torch.cuda.synchronize()
+    after = probe.read()[0]
+    decisions = controller.tick()
+    del block
+    torch.cuda.empty_cache()
+    grew = after.process_bytes - before.process_bytes
+    fell = before.free_bytes - after.free_bytes
+    seen = grew >= (1 << 30) or after.process_bytes == 0  # 0: NVML may not list processes here
+    rows.append(("nvml", "1 GiB taken: process +, free -", "-", "-",
+                 f"+{grew >> 20} / -{fell >> 20} MiB",
+                 "ok" if seen and fell >= (1 << 30) else "FAIL: NVML did not see it"))  # fmt: skip
+    shrunk = bool(decisions) and decisions[0].reason == "shrink"
+    budget = f"{(sizes or [0])[-1] >> 20} MiB"
+    rows.append(("nvml", "a budget shrinks under the headroom", "-", "-", budget,
+                 "ok" if shrunk else "FAIL: no shrink"))  # fmt: skip
+    probe.close()
+    return rows
+
+
 def main() -> int:
     native, why = import_native()
     if not machine_has_gpu():
@@ -574,6 +624,7 @@ def main() -> int:
     rows += run_check("kv reuse isolation", check_kv_reuse_isolation)
     rows += run_check("speculation config", check_speculation_config)
     rows += run_check("speculation cuda", check_speculation_cuda)
+    rows += run_check("nvml", lambda: check_nvml_budgets(torch))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
