@@ -7,8 +7,11 @@ up per byte evicted, lately; the caches measure it). `BudgetController.tick` rea
 machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
 
 - short of headroom: budgets shrink, the least valuable per byte first, each down to its floor
-  at most, until the shortfall is covered (a cache that shrinks evicts at once, so the memory is
-  given back before the next reading);
+  at most, until the shortfall is covered. What a cache still holds over its budget (`held`: the
+  KV pool evicts at its next request, not at once) counts as already given back, and after a
+  shrink the next `settle_ticks` ticks shrink nothing more: freed memory reaches the reading
+  late (the allocator keeps some), and taking the same shortfall again each tick would drive
+  every budget to its floor;
 - with more than `headroom_bytes x (1 + hysteresis)` free: budgets grow back toward their
   ceilings, the most valuable per byte first, by at most `grow_fraction` of the surplus per tick
   (growing is cheap to undo, but never all at once: other processes read the same machine);
@@ -16,8 +19,10 @@ machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
 
 A cache never goes under its floor: if the floors alone leave less than the headroom, the
 controller says so (`Decision.reason` "floors") and holds them; it cannot stop another process
-from taking memory, only give back what the caches hold. Not thread-safe: one controller per
-process, ticked from one thread (`BudgetThread`).
+from taking memory, only give back what the caches hold. One controller per process, over that
+process's caches: two stage processes on a host (prompt_cache and torch_llm) read the same
+memory and each sheds the whole shortfall, so together they give back more than needed (a
+host-wide split is not built). Not thread-safe: ticked from one thread (`BudgetThread`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Budget:
     current_bytes: int
     resize: Callable[[int], int]
     value_per_byte: Callable[[], float]
+    # what the cache holds now (None: it evicts at once when resized, nothing to wait for)
+    held: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor_bytes <= self.ceiling_bytes:
@@ -73,6 +80,7 @@ class BudgetController:
         headroom_bytes: int,
         hysteresis: float = 0.25,
         grow_fraction: float = 0.5,
+        settle_ticks: int = 2,
     ) -> None:
         if headroom_bytes < 0:
             raise ConfigError(f"headroom must be >= 0 bytes, got {headroom_bytes}")
@@ -86,6 +94,8 @@ class BudgetController:
         self.headroom_bytes = headroom_bytes
         self.hysteresis = hysteresis
         self.grow_fraction = grow_fraction
+        self.settle_ticks = settle_ticks
+        self._settling = 0  # ticks left before another shrink
         self.last_available = 0
 
     def tick(self) -> list[Decision]:
@@ -93,7 +103,17 @@ class BudgetController:
         headroom cannot be kept)."""
         available = self.last_available = int(self._available())
         shortfall = self.headroom_bytes - available
+        if self._settling > 0:
+            self._settling -= 1
+            if shortfall > 0:
+                return []  # the last shrink may not show yet
         if shortfall > 0:
+            # bytes a cache still holds over its budget are on their way back
+            shortfall -= sum(
+                max(b.held() - b.current_bytes, 0) for b in self.budgets if b.held is not None
+            )
+            if shortfall <= 0:
+                return []
             return self._shrink(shortfall)
         surplus = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if surplus > 0:
@@ -110,6 +130,7 @@ class BudgetController:
                 continue
             decisions.append(self._apply(budget, budget.current_bytes - take, "shrink"))
             shortfall -= take
+            self._settling = self.settle_ticks
         if shortfall > 0:
             decisions.append(Decision("*", shortfall, 0, "floors"))
             log.warning(

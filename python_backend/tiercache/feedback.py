@@ -112,10 +112,13 @@ class Feedback:
         if found is not None and found.tenant_scope not in ("", tenant_scope):
             raise Forbidden("answer_id names an answer of another tenant")
         table = cache.invalidations
+        # An answer invalidated after this id was issued (clearly after: the id is stamped by
+        # the serving host's clock) and generated again is not the one this verdict is about.
+        served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
+        replaced = table.covers(ref.digest, served)
         if verdict is Verdict.GOOD:
             endorsed = False
-            # the answer that was served, not one generated again since (after a bad verdict)
-            if found is not None and found.created_s <= ref.issued_s + 2 * table.skew_s:
+            if found is not None and not replaced:
                 try:
                     endorsed = endorse(cache, ref.digest, found.created_s)
                 except Exception:  # noqa: BLE001 - the verdict is counted; the rank is extra
@@ -123,8 +126,7 @@ class Feedback:
             return FeedbackReport(verdict, ref.served, False, False, endorsed)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
-        served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
-        if table.covers(ref.digest, served):
+        if replaced:
             return FeedbackReport(verdict, ref.served, False, False)
         report = self.invalidator.key(ref.digest)  # first: it stops the answer being served
         if ref.served is ServedAs.SEMANTIC:

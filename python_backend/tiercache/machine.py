@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,20 @@ class HostMemoryProbe:
         own = mount / path.lstrip("/")
         return own if (own / probe_file).exists() else mount
 
+    def _v2_limit(self, folder: Path) -> int | None:
+        """The smallest `memory.max` of the group and its ancestors up to the mount (a parent's
+        limit binds too: a systemd slice, a pod)."""
+        limits = []
+        here = folder
+        while True:
+            value = _read_int(here / "memory.max")
+            if value is not None:
+                limits.append(value)
+            if here == self.cgroup_root or self.cgroup_root not in here.parents:
+                break
+            here = here.parent
+        return min(limits) if limits else None
+
     def read(self) -> HostReading:
         info = _meminfo(self.proc)
         total = info.get("MemTotal", 0)
@@ -141,11 +156,15 @@ class HostMemoryProbe:
         if group is not None:
             version, folder = group
             if version == "v2":
-                limit = _read_int(folder / "memory.max")
+                limit = self._v2_limit(folder)
                 usage = _read_int(folder / "memory.current")
                 inactive = _stat_value(folder / "memory.stat", "inactive_file")
             else:
                 limit = _read_int(folder / "memory.limit_in_bytes")
+                # a parent's limit binds too (a slice, a pod): the kernel's own minimum
+                inherited = _stat_value(folder / "memory.stat", "hierarchical_memory_limit")
+                if limit is not None and inherited:
+                    limit = min(limit, inherited)
                 usage = _read_int(folder / "memory.usage_in_bytes")
                 inactive = _stat_value(folder / "memory.stat", "total_inactive_file")
             if limit is not None and usage is not None and limit < UNLIMITED:
@@ -162,6 +181,7 @@ class GpuMemoryProbe:
 
     def __init__(self, nvml: Any | None = None, pid: int | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
+        self._logged_s = -60.0
         self._nvml = nvml if nvml is not None else self._import()
         self.why_none = ""  # why there are no GPUs (no package, no driver, no device)
         if self._nvml is None:
@@ -183,6 +203,18 @@ class GpuMemoryProbe:
         return pynvml
 
     def read(self) -> list[GpuReading]:
+        """Each card's reading; [] without NVML, or when NVML fails (a lost card, MIG; logged
+        at most once a minute)."""
+        try:
+            return self._read()
+        except Exception as exc:  # noqa: BLE001 - NVMLError_*: a reading, never a crash
+            now = time.monotonic()
+            if now - self._logged_s >= 60.0:
+                self._logged_s = now
+                log.warning("reading GPU memory through NVML failed: %s", exc)
+            return []
+
+    def _read(self) -> list[GpuReading]:
         nvml = self._nvml
         if nvml is None:
             return []

@@ -70,7 +70,30 @@ def test_floors_hold_and_the_shortfall_is_reported() -> None:
         Decision("only", 20 * MIB, 10 * MIB, "shrink"),
         Decision("*", 40 * MIB, 0, "floors"),
     ]
+    assert controller.tick() == []  # settling: the shrink may not show in the reading yet
+    assert controller.tick() == []
     assert controller.tick() == [Decision("*", 50 * MIB, 0, "floors")]  # nothing left to give
+
+
+def test_bytes_a_cache_still_holds_over_its_budget_count_as_given_back() -> None:
+    """The KV pool evicts at its next request: until then the reading does not show the
+    shrink, and the controller must not take the same shortfall again from the others."""
+    kv, l1 = Cache(value=1.0), Cache(value=2.0)
+    held = {"kv": 400 * MIB}
+    controller = BudgetController(
+        [
+            Budget("kv", 0, 400 * MIB, 400 * MIB, kv.resize, lambda: 1.0, lambda: held["kv"]),
+            budget("l1", l1, 0, 64 * MIB, 64 * MIB),
+        ],
+        Machine(available=0),
+        headroom_bytes=100 * MIB,
+        settle_ticks=0,
+    )
+    assert controller.tick() == [Decision("kv", 400 * MIB, 300 * MIB, "shrink")]
+    # nothing freed yet (no request since), the reading is the same: nothing more is taken
+    assert controller.tick() == []
+    held["kv"] = 300 * MIB  # the pool evicted; the memory is still short (held by others)
+    assert controller.tick() == [Decision("kv", 300 * MIB, 200 * MIB, "shrink")]
 
 
 def test_room_grows_the_most_valuable_first_by_a_fraction_of_the_surplus_up_to_ceilings() -> None:

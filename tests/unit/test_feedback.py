@@ -226,3 +226,16 @@ def test_the_highest_count_of_the_shared_tiers_goes_on(tmp_path: Path) -> None:
         stored = store.get(DIGEST)
         assert stored is not None and stored.endorsements == 3
     cache.close()
+
+
+def test_good_endorses_a_miss_whose_id_was_issued_before_its_generation_started(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    """A miss's id is issued as llm takes the request; the entry's created_s is when the
+    engine started, after a queue or a lease wait: no invalidation between them, so the verdict
+    is about this answer."""
+    feedback, cache, clock, ids = setup
+    answer_id = served(ids, clock)
+    clock.now += 5.0  # waited in the engine's queue
+    cache.put(DIGEST, "the answer", tenant_scope=SCOPE)
+    assert feedback.give(answer_id, Verdict.GOOD, SCOPE).endorsed

@@ -309,3 +309,41 @@ def test_each_good_verdict_is_worth_one_request_in_l2_and_reading_the_answer_non
     found = v.value("d" * 64)
     assert found is not None and found[1] == 1 + MAX_ENDORSEMENTS
     cache.close()
+
+
+def test_a_sweep_drops_records_of_entries_gone_but_not_of_entries_written_since(
+    tmp_path: Path,
+) -> None:
+    now = [100.0]
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, clock=lambda: now[0])
+    v.admitted("kept", 10, 1.0)
+    v.admitted("orphan", 10, 1.0)  # deleted from L2 by a process that did not tell the values
+    snapshot_s = now[0] = 101.0
+    now[0] = 102.0
+    v.admitted("new", 10, 1.0)  # written after the snapshot: absent from it, not an orphan
+    assert v.sweep({b"kept"}, snapshot_s) == 1
+    assert v.value("orphan") is None
+    assert v.value("kept") is not None and v.value("new") is not None
+    v.close()
+
+
+def test_an_unrecorded_entry_from_before_the_last_eviction_ages(tmp_path: Path) -> None:
+    """Ranked fresh at every eviction, an entry without a record would never go; made before
+    the last eviction, it ranks at the level L, below what is asked for."""
+    now = [10.0]
+    v = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, clock=lambda: now[0])
+    v.admitted("gone", 10, 5.0)  # 0.5
+    v.admitted("asked", 10, 1.0)
+    v.hit("asked")
+    v.flush()  # 0.2
+    v.evicted([b"gone"])  # L = 0.5, the last eviction at 10.0
+    v.admitted("fresh", 10, 1.0)  # 0.5 + 0.1
+    entries = [
+        (b"asked", 1.0),
+        (b"fresh", 11.0),
+        (b"old-unrecorded", 5.0),
+        (b"new-unrecorded", 11.0),
+    ]
+    # asked 0.2 (stale), old unrecorded at L 0.5, fresh 0.6, new unrecorded 0.5 + median 0.1
+    assert v.nominate(entries, 4) == [b"asked", b"old-unrecorded", b"fresh", b"new-unrecorded"]
+    v.close()

@@ -181,3 +181,35 @@ def test_this_machine_without_a_gpu_reads_none() -> None:
 def test_disk_of_a_path_not_created_yet(tmp_path: Path) -> None:
     reading = read_disk(tmp_path / "state" / "l2")
     assert 0 < reading.free_bytes <= reading.total_bytes
+
+
+def test_a_parents_limit_binds_v2(tmp_path: Path) -> None:
+    """A systemd slice or a pod limits the parent; the process's own group says "max"."""
+    proc = proc_tree(tmp_path, "0::/pod/container\n")
+    sys = tmp_path / "sys"
+    write(sys / "cgroup.controllers", "memory\n")
+    write(sys / "pod" / "memory.max", f"{3 * GIB}\n")
+    write(sys / "pod" / "container" / "memory.max", "max\n")
+    write(sys / "pod" / "container" / "memory.current", f"{GIB}\n")
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.available_bytes) == (3 * GIB, 2 * GIB)
+
+
+def test_a_parents_limit_binds_v1(tmp_path: Path) -> None:
+    proc = proc_tree(tmp_path, "4:memory:/container\n")
+    group = tmp_path / "sys" / "memory" / "container"
+    write(group / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(group / "memory.usage_in_bytes", f"{GIB}\n")
+    write(group / "memory.stat", f"hierarchical_memory_limit {4 * GIB}\ntotal_inactive_file 0\n")
+    reading = HostMemoryProbe(proc, tmp_path / "sys").read()
+    assert (reading.limit_bytes, reading.available_bytes) == (4 * GIB, 3 * GIB)
+
+
+def test_a_failing_nvml_reading_is_no_gpus_not_a_crash() -> None:
+    nvml = FakeNvml(pid=1)
+
+    def lost(handle: int) -> Any:
+        raise FakeNvml.NVMLError("GPU is lost")
+
+    nvml.nvmlDeviceGetMemoryInfo = lost  # type: ignore[method-assign]
+    assert GpuMemoryProbe(nvml, pid=1).read() == []

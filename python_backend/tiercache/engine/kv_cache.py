@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NewType, TypeVar
@@ -220,6 +221,8 @@ class KvBlockPool(Generic[P]):
         self._evictions = 0
         self._evicted_reuses = 0
         self._evicted_bytes = 0
+        self._target: int | None = None  # a budget `resize` recorded for the next request
+        self._target_lock = threading.Lock()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -233,8 +236,12 @@ class KvBlockPool(Generic[P]):
                 f"{len(hashes)} blocks of {self.tokens_per_block} tokens are more than the "
                 f"{prompt_tokens} prompt tokens"
             )
+        with self._target_lock:
+            target, self._target = self._target, None
+        if target is not None:  # a new budget (`resize`) takes effect here, on the engine thread
+            self.max_bytes = target
         if self._bytes > self.max_bytes:
-            self._shrink()  # a smaller budget (`resize`) is applied here, on the engine thread
+            self._shrink()
         found: list[_Block[P]] = []
         for key in hashes:
             block = self._blocks.get(key)
@@ -365,13 +372,21 @@ class KvBlockPool(Generic[P]):
         return not self._blocks[key].evictable
 
     def resize(self, max_bytes: int) -> int:
-        """A new byte budget (tiercache.budgets); returns it. The pool belongs to the engine
-        thread, so a smaller one is applied, evicting unpinned blocks down to it, when the next
-        request starts (`acquire`), not from the caller's thread."""
+        """A new byte budget (tiercache.budgets, from its own thread); returns it. The pool
+        belongs to the engine thread, so the budget is only recorded here and takes effect,
+        evicting unpinned blocks down to it, when the next request starts (`acquire`): a
+        budget changing under a request's insertion would strand it."""
         if max_bytes < 0:
             raise ConfigError(f"kv_pool_max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes  # one assignment: the engine thread reads it whole
+        with self._target_lock:
+            self._target = max_bytes
         return max_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget in force at the next request (a pending `resize`, else `max_bytes`)."""
+        with self._target_lock:
+            return self.max_bytes if self._target is None else self._target
 
     def _shrink(self) -> None:
         """Evict unpinned blocks, the policy's order, until the pool is within its budget or

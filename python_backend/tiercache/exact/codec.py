@@ -103,8 +103,8 @@ def encode_entry(entry: CacheEntry) -> bytes:
         fields["adapter"] = entry.adapter
     if entry.prompt_tokens:
         fields["prompt_tokens"] = entry.prompt_tokens
-    if entry.generation_s > 0.0:
-        fields["generation_s"] = entry.generation_s
+    if entry.generation_s > 0.0:  # capped as read back: a longer one is stored as a day
+        fields["generation_s"] = min(entry.generation_s, MAX_GENERATION_S)
     if entry.temperature > 0.0:
         fields["temperature"] = entry.temperature
     if entry.endorsements > 0:

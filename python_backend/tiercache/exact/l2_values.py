@@ -50,11 +50,13 @@ from tiercache.stats import top_share
 
 log = logging.getLogger(__name__)
 
-_RECORD = struct.Struct("<ddIId")  # H, weight, count, endorsements, the entry's created_s
+# H, weight, count, endorsements, the entry's created_s, when the record was written
+_RECORD = struct.Struct("<ddIIdd")
 _META_KEY = b"\x00meta"  # never an answer key (hex digests)
-# version, the boot id it was written under, L, known cost sum and count, hit skew
-_META = struct.Struct("<4s16sdddd")
-_VERSION = b"L2V1"
+# version, the boot id it was written under, L, known cost sum and count, hit skew, when the
+# last eviction was
+_META = struct.Struct("<4s16sddddd")
+_VERSION = b"L2V2"
 COST_WINDOW = 10_000.0  # known costs before both sums halve (as the L1 policy's window)
 MAX_COST_S = 86_400.0  # a cost above a day is counted as a day (a hostile or broken writer)
 FLUSH_INTERVAL_S = 2.0
@@ -94,6 +96,7 @@ class L2Values:
         # not durable: a crash may lose the last values, never an answer (see the docstring)
         self._env = open_lmdb(path, map_size, "L2 values", clock, durable=False)
         self._monotonic = monotonic
+        self.now = clock
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # hits not written yet
         self._flushed_s = monotonic()
@@ -115,7 +118,7 @@ class L2Values:
             if txn.stat(self._env.open_db())["entries"]:
                 log.info("L2 values %s: written under another boot or format; rebuilt", self.path)
                 txn.drop(self._env.open_db(), delete=False)
-            txn.put(_META_KEY, self._pack_meta([0.0, 0.0, 0.0, 0.0]))
+            txn.put(_META_KEY, self._pack_meta([0.0] * 5))
 
     def _failed(self, what: str) -> None:
         now = self._monotonic()
@@ -132,20 +135,24 @@ class L2Values:
         return boot, list(numbers)
 
     def _meta(self, txn: lmdb.Transaction) -> list[float]:
-        """[L, known cost sum, known cost count, skew]; zeros when missing or damaged."""
+        """[L, known cost sum, known cost count, skew, last eviction]; zeros when missing or
+        damaged."""
         found = self._meta_of(txn.get(_META_KEY))
-        return found[1] if found is not None else [0.0, 0.0, 0.0, 0.0]
+        return found[1] if found is not None else [0.0] * 5
 
     def _pack_meta(self, numbers: list[float]) -> bytes:
         return _META.pack(_VERSION, self._boot, *numbers)
 
     @staticmethod
-    def _record(raw: bytes | memoryview | None) -> tuple[float, float, int, int, float] | None:
-        """(H, weight, count, endorsements, created_s); None when absent or damaged."""
+    def _record(
+        raw: bytes | memoryview | None,
+    ) -> tuple[float, float, int, int, float, float] | None:
+        """(H, weight, count, endorsements, created_s, written_s); None when absent or
+        damaged."""
         if raw is None or len(raw) != _RECORD.size:
             return None
         record = _RECORD.unpack(raw)
-        if not all(math.isfinite(x) for x in (record[0], record[1], record[4])):
+        if not all(math.isfinite(x) for x in (record[0], record[1], record[4], record[5])):
             return None
         return record
 
@@ -165,24 +172,27 @@ class L2Values:
                 self._write_pending(txn)
                 meta = self._meta(txn)
                 inflation = meta[0]
-                if cost_s > 0.0:
-                    cost_s = min(cost_s, MAX_COST_S)
-                    meta[1], meta[2] = meta[1] + cost_s, meta[2] + 1.0
-                    if meta[2] > COST_WINDOW:
-                        meta[1], meta[2] = meta[1] / 2, meta[2] / 2
-                else:
-                    cost_s = meta[1] / meta[2] if meta[2] else 1.0
-                txn.put(_META_KEY, self._pack_meta(meta))
                 raw_key = key.encode()
                 record = self._record(txn.get(raw_key))
-                weight = cost_s / max(size, 1)
-                if record is not None and record[4] == created_s:  # the same answer again
+                now = self.now()
+                if record is not None and record[4] == created_s:
+                    # the same answer again (an endorsement, a refill): its new verdicts only
                     count = record[2] + max(endorsements - record[3], 0)
+                    endorsements = max(endorsements, record[3])
                     weight = record[1]
                 else:  # a new answer: one more request, and its verdicts
+                    if cost_s > 0.0:
+                        cost_s = min(cost_s, MAX_COST_S)
+                        meta[1], meta[2] = meta[1] + cost_s, meta[2] + 1.0
+                        if meta[2] > COST_WINDOW:
+                            meta[1], meta[2] = meta[1] / 2, meta[2] / 2
+                        txn.put(_META_KEY, self._pack_meta(meta))
+                    else:
+                        cost_s = meta[1] / meta[2] if meta[2] else 1.0
                     count = (record[2] if record is not None else 0) + 1 + endorsements
+                    weight = cost_s / max(size, 1)
                 value = inflation + count * weight
-                txn.put(raw_key, _RECORD.pack(value, weight, count, endorsements, created_s))
+                txn.put(raw_key, _RECORD.pack(value, weight, count, endorsements, created_s, now))
         except Exception:  # noqa: BLE001 - advice only: the entry is stored
             self._failed("recording an admission")
 
@@ -211,12 +221,10 @@ class L2Values:
             record = self._record(txn.get(raw_key))
             if record is None:
                 continue  # not admitted through the values (or gone since)
-            _, weight, count, endorsements, created_s = record
+            _, weight, count, endorsements, created_s, written_s = record
             count += hits
-            txn.put(
-                raw_key,
-                _RECORD.pack(inflation + count * weight, weight, count, endorsements, created_s),
-            )
+            value = inflation + count * weight
+            txn.put(raw_key, _RECORD.pack(value, weight, count, endorsements, created_s, written_s))
 
     def flush(self) -> None:
         """Write the hits counted in this process since the last flush."""
@@ -231,13 +239,15 @@ class L2Values:
 
     def nominate(self, entries: Sequence[tuple[bytes, float]], count: int) -> list[bytes] | None:
         """The `count` of `entries` ((key, created_s) pairs: L2's keys) to evict first: lowest
-        value first; an entry without a record ranks as a fresh admission of the median weight;
-        oldest first among equals. None when the values cannot be read (the caller evicts
-        oldest first)."""
+        value first. An entry without a record ranks as a fresh admission of the median weight
+        if it was made since the last eviction, else at the current level `L` (it ages as if
+        never asked for again); oldest first among equals. None when the values cannot be read
+        (the caller evicts oldest first)."""
         self.flush()
         try:
             with self._env.begin() as txn:
-                inflation = self._meta(txn)[0]
+                meta = self._meta(txn)
+                inflation, last_eviction_s = meta[0], meta[4]
                 found = [
                     (self._record(txn.get(raw_key)), created_s, raw_key)
                     for raw_key, created_s in entries
@@ -247,9 +257,14 @@ class L2Values:
             return None
         weights = sorted(record[1] for record, _, _ in found if record is not None)
         fresh = inflation + (weights[len(weights) // 2] if weights else 0.0)
+
+        def value(record: tuple[float, ...] | None, created_s: float) -> float:
+            if record is not None:
+                return record[0]
+            return fresh if created_s >= last_eviction_s else inflation
+
         ranked = sorted(
-            (record[0] if record is not None else fresh, created_s, raw_key)
-            for record, created_s, raw_key in found
+            (value(record, created_s), created_s, raw_key) for record, created_s, raw_key in found
         )
         return [raw_key for _, _, raw_key in ranked[:count]]
 
@@ -267,6 +282,7 @@ class L2Values:
                         meta[0] = max(meta[0], record[0])
                         given_up += max(record[2] - 1, 0)
                         txn.delete(raw_key)
+                meta[4] = self.now()
                 txn.put(_META_KEY, self._pack_meta(meta))
             with self._env.begin() as txn:  # a snapshot: writers go on meanwhile
                 repeats = [
@@ -282,6 +298,33 @@ class L2Values:
         except Exception:  # noqa: BLE001 - advice only
             self._failed("recording an eviction")
         return given_up
+
+    def sweep(self, live: set[bytes], since_s: float) -> int:
+        """Drop the records of keys L2 no longer holds: not in `live` (L2's keys in a snapshot
+        taken at `since_s`, on this clock) and written before it (a record written since is of
+        a key written since, which the snapshot cannot show). They are left by a process set
+        to `oldest`, a crash between L2's delete and the values', or a failed update. Returns
+        how many went."""
+        try:
+            with self._env.begin() as txn:
+                stale = [
+                    raw_key
+                    for raw_key, raw in txn.cursor()
+                    if raw_key != _META_KEY
+                    and raw_key not in live
+                    and ((record := self._record(raw)) is None or record[5] < since_s)
+                ]
+            gone = 0
+            for start in range(0, len(stale), 256):
+                with self._env.begin(write=True) as txn:
+                    for raw_key in stale[start : start + 256]:
+                        record = self._record(txn.get(raw_key))
+                        if record is None or record[5] < since_s:  # not rewritten meanwhile
+                            gone += bool(txn.delete(raw_key))
+            return gone
+        except Exception:  # noqa: BLE001 - advice only
+            self._failed("sweeping records of entries gone")
+            return 0
 
     def forget(self, keys: Iterable[bytes]) -> None:
         """`keys` were deleted from L2 (not evicted): their records go, `L` stays."""

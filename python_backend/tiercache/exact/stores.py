@@ -95,6 +95,7 @@ def answer_group(entry: CacheEntry) -> int:
 
 
 SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log n/100))
+RESIZE_SLICE_BYTES = 1 << 20  # L1 evicts at most this much per hold of its lock when resized
 
 
 class MemoryStore:
@@ -173,9 +174,12 @@ class MemoryStore:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         with self._lock:
             self._max_bytes = max_bytes
-            if self._bytes > max_bytes:
-                self._evict(self._bytes - max_bytes, replacing="")
-        return max_bytes
+        while True:  # in slices, the lock released between them: lookups go on meanwhile
+            with self._lock:
+                over = self._bytes - self._max_bytes
+                if over <= 0:
+                    return max_bytes
+                self._evict(min(over, RESIZE_SLICE_BYTES), replacing="")
 
     def _evict(self, nbytes: int, replacing: str) -> None:
         """Free at least `nbytes` (lock held), never the entry `replacing` (its bytes are
@@ -499,6 +503,10 @@ class EntryValues(Protocol):
 
     def forget_all(self) -> None: ...
 
+    def sweep(self, live: set[bytes], since_s: float) -> int: ...
+
+    def now(self) -> float: ...
+
     def skew(self) -> float: ...
 
     def value(self, key: str) -> tuple[float, int] | None: ...
@@ -623,6 +631,7 @@ class LmdbStore:
         every entry too corrupt to rank. Called under `_evict_lock`, which guards the policy."""
         policy = self._policy
         policy.clear()
+        since_s = self._values.now() if self._values is not None else 0.0  # before the scan
         broken: list[bytes] = []
         ages: list[tuple[bytes, float]] = []
         sizes: list[int] = []
@@ -650,6 +659,8 @@ class LmdbStore:
         self._count(evictions=len(deleted))
         if self._values is not None:
             given_up = self._values.evicted(deleted)
+            gone = set(deleted)
+            self._values.sweep({key for key, _ in ages if key not in gone}, since_s)
             with self._lock:
                 self._evicted_hits += given_up
 

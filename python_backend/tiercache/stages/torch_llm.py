@@ -5,6 +5,7 @@ evictions, a load, then the op); `submit` only enqueues."""
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from tiercache.stages.parts import open_adapters, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
+
+log = logging.getLogger(__name__)
 
 # What the final response of each admin op says in FINISH_REASON.
 OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
@@ -301,12 +304,19 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
-    stage.budgets = start_budgets(
-        config.memory_headroom_bytes,
-        config.budget_interval_s,
-        [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)],
-        metrics,
-    )
+    if config.memory_headroom_bytes and config.device.startswith("cuda"):
+        log.warning(
+            "memory_headroom_bytes: the KV pool is on %s, not host memory; its budget stays "
+            "fixed (GPU budgets are not built yet)",
+            config.device,
+        )
+    else:
+        stage.budgets = start_budgets(
+            config.memory_headroom_bytes,
+            config.budget_interval_s,
+            [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)],
+            metrics,
+        )
     metrics.start()
     return stage
 
@@ -327,6 +337,7 @@ def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int)
         ceiling_bytes,
         pool.resize,
         RecentValue(given_up),
+        held=lambda: pool.stats().bytes,  # evicted at the next request, not at once
     )
 
 

@@ -81,12 +81,17 @@ class Group:
         else:
             raise SystemExit("no memory cgroup controller is mounted at /sys/fs/cgroup")
         try:
+            if self.version == "v2":  # the memory controller for children of the root
+                (root / "cgroup.subtree_control").write_text("+memory")
             self.path.mkdir()
         except OSError as exc:
             raise SystemExit(f"cannot create the memory cgroup {self.path}: {exc}") from None
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        # no swapping: memory pressure must show as pressure (or an OOM kill), not as swap
         if self.version == "v1":
             (self.path / "memory.swappiness").write_text("0")
+        else:
+            (self.path / "memory.swap.max").write_text("0")
 
     def set_limit(self, nbytes: int) -> None:
         name = "memory.limit_in_bytes" if self.version == "v1" else "memory.max"
@@ -97,24 +102,27 @@ class Group:
         return int((self.path / name).read_text())
 
     def oom_kills(self) -> int:
-        """Processes the group's OOM killer killed (v1: memory.oom_control's oom_kill)."""
+        """Processes the group's OOM killer killed (v1: memory.oom_control's oom_kill, since
+        Linux 4.13; v2: memory.events). SystemExit where the kernel does not count them: a
+        run that cannot tell would report none."""
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
         for line in (self.path / name).read_text().splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)
-        return 0
+        raise SystemExit(f"{self.path}: this kernel does not count OOM kills; cannot check")
 
     def close(self) -> None:
         parent = self.path.parent
         (parent / "cgroup.procs").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
                 self.path.rmdir()
                 return
             except OSError:
                 time.sleep(0.2)
+        progress(f"WARNING: could not remove the cgroup {self.path} (processes left in it?)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -154,6 +162,16 @@ class Client(threading.Thread):
                 except Exception:  # noqa: BLE001 - counted: the run fails on any
                     ok = False
                 self.results.append((begun - self.started, time.monotonic() - begun, ok))
+
+
+def gone(process: Any) -> bool:
+    """Dead: exited, or a zombie not reaped yet (a stub that died)."""
+    import psutil
+
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True
 
 
 def budgets(port: int) -> dict[str, float]:
@@ -257,60 +275,68 @@ def run(
                 window[0] = time.monotonic() - started
                 progress(f"  squeezer holds {held[0] / MIB:.0f} MiB")
 
-    while (now := time.monotonic() - started) < total_s + args.hold_s:
-        if squeezer is None and now >= args.before_s:
-            progress("  squeezing")
-            squeezing[0] = now
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-            squeezer = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    SQUEEZER,
-                    str(headroom // 2),
-                    str(args.hold_s),
-                    str(STEP_BYTES),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
+    try:
+        while (now := time.monotonic() - started) < total_s + args.hold_s:
+            if squeezer is None and now >= args.before_s:
+                progress("  squeezing")
+                squeezing[0] = now
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+                squeezer = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        SQUEEZER,
+                        str(headroom // 2),
+                        str(args.hold_s),
+                        str(STEP_BYTES),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                threading.Thread(target=read_squeezer, daemon=True).start()
+            if squeezer is not None and squeezer.poll() is not None and window[1] == 0.0:
+                window[1] = now
+                held[0] = 0
+                progress("  squeezer gone: memory returned")
+            if window[1] and now >= window[1] + args.after_s:
+                break
+            processes = labelled_processes(server.process.pid, labels)
+            rss = {}
+            for name, proc in processes:
+                try:
+                    rss[name] = proc.memory_info().rss
+                except Exception:  # noqa: BLE001 - a process gone between listing and reading
+                    continue
+            timeline.append(
+                {
+                    "t": round(now, 2),
+                    "budgets": budgets(server.ports.metrics),
+                    "available": probe.read().available_bytes,
+                    "usage": group.usage(),
+                    "rss": rss,
+                    "squeezer": held[0],
+                }
             )
-            threading.Thread(target=read_squeezer, daemon=True).start()
-        if squeezer is not None and squeezer.poll() is not None and window[1] == 0.0:
-            window[1] = now
-            held[0] = 0
-            progress("  squeezer gone: memory returned")
-        if window[1] and now >= window[1] + args.after_s:
-            break
-        processes = labelled_processes(server.process.pid, labels)
-        rss = {}
-        for name, proc in processes:
-            try:
-                rss[name] = proc.memory_info().rss
-            except Exception:  # noqa: BLE001 - a process gone between listing and reading
-                continue
-        timeline.append(
-            {
-                "t": round(now, 2),
-                "budgets": budgets(server.ports.metrics),
-                "available": probe.read().available_bytes,
-                "usage": group.usage(),
-                "rss": rss,
-                "squeezer": held[0],
-            }
-        )
-        time.sleep(SAMPLE_S)
+            time.sleep(SAMPLE_S)
+    finally:  # never leave the squeezer holding memory (an error, Ctrl-C)
+        if squeezer is not None and squeezer.poll() is None:
+            squeezer.kill()
+            squeezer.wait(timeout=30)
     client.done.set()
     client.join(timeout=150)
-    alive = {p.pid for _, p in labelled_processes(server.process.pid, labels)}
+    alive = {p.pid for _, p in labelled_processes(server.process.pid, labels) if not gone(p)}
     lost = sorted(pids - alive)
     kills = group.oom_kills()
     failed = sum(1 for _, _, ok in client.results if not ok)
+    end = time.monotonic() - started
+    held_from = window[0] or squeezing[0]  # the squeezer never said it held: from its start
+    held_until = window[1] or end  # it never left: until the end
     return report(
         args,
         timeline,
         client.results,
-        (squeezing[0], window[0], window[1]),
+        (squeezing[0], held_from, held_until),
         lost,
         kills,
         failed,
