@@ -20,17 +20,21 @@ machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
 A cache never goes under its floor: if the floors alone leave less than the headroom, the
 controller says so (`Decision.reason` "floors") and holds them; it cannot stop another process
 from taking memory, only give back what the caches hold. One controller per process, over that
-process's caches: two stage processes on a host (prompt_cache and torch_llm) read the same
-memory and each sheds the whole shortfall, so together they give back more than needed (a
-host-wide split is not built). Not thread-safe: ticked from one thread (`BudgetThread`).
+process's caches; the stage processes of a host read the same memory, so each takes only its
+share of a shortfall or a surplus (`share`: its budgets' bytes over all of the host's, which
+each controller publishes in a folder of the state directory, `HostShares`); without one, every
+process would shed the whole shortfall. Not thread-safe: ticked from one thread
+(`BudgetThread`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tiercache.errors import ConfigError
 
@@ -81,7 +85,10 @@ class BudgetController:
         hysteresis: float = 0.25,
         grow_fraction: float = 0.5,
         settle_ticks: int = 2,
+        share: Callable[[int], float] | None = None,
     ) -> None:
+        """`share(own_bytes)`: this controller's part of the host's shortfall or surplus, given
+        its budgets' total now (None: all of it)."""
         if headroom_bytes < 0:
             raise ConfigError(f"headroom must be >= 0 bytes, got {headroom_bytes}")
         if not 0.0 < grow_fraction <= 1.0:
@@ -95,6 +102,7 @@ class BudgetController:
         self.hysteresis = hysteresis
         self.grow_fraction = grow_fraction
         self.settle_ticks = settle_ticks
+        self._share = share
         self._settling = 0  # ticks left before another shrink
         self.last_available = 0
 
@@ -102,6 +110,9 @@ class BudgetController:
         """Read, decide, apply; the budgets that changed (and a "floors" note when the
         headroom cannot be kept)."""
         available = self.last_available = int(self._available())
+        part = 1.0
+        if self._share is not None:
+            part = min(max(self._share(sum(b.current_bytes for b in self.budgets)), 0.0), 1.0)
         shortfall = self.headroom_bytes - available
         if self._settling > 0:
             self._settling -= 1
@@ -114,10 +125,10 @@ class BudgetController:
             )
             if shortfall <= 0:
                 return []
-            return self._shrink(shortfall)
+            return self._shrink(max(int(shortfall * part), 1))
         surplus = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if surplus > 0:
-            return self._grow(int(surplus * self.grow_fraction))
+            return self._grow(int(surplus * self.grow_fraction * part))
         return []
 
     def _shrink(self, shortfall: int) -> list[Decision]:
@@ -180,6 +191,57 @@ class RecentValue:
         return self.estimate
 
 
+class HostShares:
+    """Each stage process's budget total, published as `<folder>/<name>.<pid>` (written
+    atomically each tick), so a controller takes its share of the host's shortfall: its own
+    total over the live processes' (files of processes that are gone are ignored). A folder
+    that cannot be read or written leaves the share at 1 (logged once)."""
+
+    def __init__(self, folder: Path, name: str, pid: int | None = None) -> None:
+        self.folder = folder
+        self.pid = os.getpid() if pid is None else pid
+        self.path = folder / f"{name}.{self.pid}"
+        self._warned = False
+
+    def __call__(self, own_bytes: int) -> float:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_name(self.path.name + ".tmp")
+            temporary.write_text(str(own_bytes))
+            os.replace(temporary, self.path)
+            total = 0
+            for entry in self.folder.iterdir():
+                pid = entry.name.rsplit(".", 1)[-1]
+                if not pid.isdigit() or not _alive(int(pid)):
+                    continue
+                try:
+                    total += max(int(entry.read_text().strip() or 0), 0)
+                except (OSError, ValueError):
+                    continue
+        except OSError:
+            if not self._warned:
+                self._warned = True
+                log.warning("budget shares in %s unavailable; this process takes all", self.folder)
+            return 1.0
+        return own_bytes / total if total > 0 else 1.0
+
+    def close(self) -> None:
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class BudgetThread:
     """Ticks a controller every `interval_s` on a daemon thread until `close`; a tick that
     raises is logged and the next one runs. `on_tick` sees each tick's decisions (metrics)."""
@@ -189,8 +251,10 @@ class BudgetThread:
         controller: BudgetController,
         interval_s: float = 1.0,
         on_tick: Callable[[list[Decision]], None] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.controller = controller
+        self._on_close = on_close
         self.interval_s = interval_s
         self._on_tick = on_tick
         self._stop = threading.Event()
@@ -213,3 +277,5 @@ class BudgetThread:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+        if self._on_close is not None:
+            self._on_close()

@@ -4,17 +4,27 @@ caches that resize (L1, the KV pool) give the bytes back."""
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import pytest
 
-from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, RecentValue
+from tiercache.budgets import (
+    Budget,
+    BudgetController,
+    BudgetThread,
+    Decision,
+    HostShares,
+    RecentValue,
+)
 from tiercache.engine.kv_cache import KvBlockPool
 from tiercache.errors import ConfigError
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import MemoryStore
 
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 class Cache:
@@ -227,3 +237,46 @@ def test_recent_value_is_what_evictions_gave_up_per_byte_lately() -> None:
     assert value() == pytest.approx(0.01)  # nothing evicted since: unchanged
     counters.append((10.0, 2000.0))  # 1,000 more bytes that nobody had asked for
     assert value() == pytest.approx(0.005)  # half the old estimate, half the new (0)
+
+
+def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) -> None:
+    """Two stage processes read the same memory: each sheds its share (its budgets' bytes over
+    both), not the whole shortfall; a file left by a process that is gone does not count."""
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    (folder / "gone.999999999").write_text(str(10 * GIB))  # no such process
+    machine = Machine(available=0)
+    caches = {"a": Cache(1.0), "b": Cache(1.0)}
+    controllers = [
+        BudgetController(
+            [budget("a", caches["a"], 0, 300 * MIB, 300 * MIB)],
+            machine,
+            headroom_bytes=200 * MIB,
+            share=HostShares(folder, "prompt_cache", pid=os.getpid()),
+        ),
+        BudgetController(
+            [budget("b", caches["b"], 0, 100 * MIB, 100 * MIB)],
+            machine,
+            headroom_bytes=200 * MIB,
+            share=HostShares(folder, "torch_llm", pid=os.getppid()),
+        ),
+    ]
+    for controller in controllers:  # each publishes its total first
+        controller._share(sum(b.current_bytes for b in controller.budgets))  # type: ignore[misc]
+    decisions = [c.tick() for c in controllers]
+    # 200 MiB short: a holds 3/4 of the host's budgets and sheds 150, b 1/4 and sheds 50
+    assert decisions == [
+        [Decision("a", 300 * MIB, 150 * MIB, "shrink")],
+        [Decision("b", 100 * MIB, 50 * MIB, "shrink")],
+    ]
+    HostShares(folder, "prompt_cache", pid=os.getpid()).close()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "gone.999999999",
+        f"torch_llm.{os.getppid()}",
+    ]
+
+
+def test_unreadable_shares_leave_a_process_all_of_it(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert HostShares(blocked / "budgets", "x")(100) == 1.0

@@ -8,8 +8,9 @@ and every change; without one (0, the default) it does nothing and the budgets s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision
+from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, HostShares
 from tiercache.machine import HostMemoryProbe
 from tiercache.triton import metrics as tm
 
@@ -21,10 +22,14 @@ def start_budgets(
     interval_s: float,
     budgets: Sequence[Budget],
     metrics: tm.Metrics,
+    state_dir: Path,
+    name: str,
     available: Callable[[], int] | None = None,
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` is
-    0. `available` (default: this process's host memory, `HostMemoryProbe`) is for tests."""
+    0. Its share of the host's shortfall is published under `state_dir`/budgets as `name`
+    (`HostShares`). `available` (default: this process's host memory, `HostMemoryProbe`) is
+    for tests."""
     if headroom_bytes <= 0 or not budgets:
         return None
     if available is None:
@@ -33,7 +38,8 @@ def start_budgets(
         def available() -> int:
             return probe.read().available_bytes
 
-    controller = BudgetController(budgets, available, headroom_bytes)
+    shares = HostShares(state_dir / "budgets", name)
+    controller = BudgetController(budgets, available, headroom_bytes, share=shares)
     sizes = {
         b.name: metrics.gauge(
             "tiercache_budget_bytes", "A cache's byte budget now (docs/budgets.md)", cache=b.name
@@ -71,4 +77,4 @@ def start_budgets(
 
     for budget in budgets:
         sizes[budget.name].set(budget.current_bytes)
-    return BudgetThread(controller, interval_s, on_tick).start()
+    return BudgetThread(controller, interval_s, on_tick, on_close=shares.close).start()

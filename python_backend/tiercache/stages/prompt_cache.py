@@ -137,6 +137,8 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
             config.budget_interval_s,
             [l1_budget(l1, config.l1_min_bytes, config.l1_max_bytes)],
             metrics,
+            config.state_path(),
+            model_name,
         )
     metrics.start()
     return stage

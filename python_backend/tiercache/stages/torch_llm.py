@@ -316,6 +316,8 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
             config.budget_interval_s,
             [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)],
             metrics,
+            config.state_path(),
+            model_name,
         )
     metrics.start()
     return stage
