@@ -242,6 +242,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def cache_budget(
+    name: str,
+    floor_bytes: int,
+    ceiling_bytes: int,
+    resize: Callable[[int], int],
+    given_up: Callable[[], tuple[float, float]],
+    held: Callable[[], int] | None = None,
+) -> Budget:
+    """A cache's budget starting at its fixed size (`ceiling_bytes`, the floor capped to it),
+    valued by what its evictions gave up per byte evicted lately (`given_up`: its cumulative
+    (value, bytes) counters, `RecentValue`)."""
+    floor = min(floor_bytes, ceiling_bytes)
+    return Budget(
+        name, floor, ceiling_bytes, ceiling_bytes, resize, RecentValue(given_up), held=held
+    )
+
+
 class BudgetThread:
     """Ticks a controller every `interval_s` on a daemon thread until `close`; a tick that
     raises is logged and the next one runs. `on_tick` sees each tick's decisions (metrics)."""

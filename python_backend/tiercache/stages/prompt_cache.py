@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tiercache.budgets import Budget, BudgetThread, RecentValue
+from tiercache.budgets import Budget, BudgetThread, cache_budget
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
@@ -152,11 +152,4 @@ def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budge
         stats = store.stats()
         return float(stats.evicted_hits), float(stats.evicted_bytes)
 
-    return Budget(
-        "l1",
-        min(floor_bytes, ceiling_bytes),
-        ceiling_bytes,
-        ceiling_bytes,
-        store.resize,
-        RecentValue(given_up),
-    )
+    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, given_up)

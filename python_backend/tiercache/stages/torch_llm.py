@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tiercache.budgets import Budget, BudgetThread, RecentValue
+from tiercache.budgets import Budget, BudgetThread, cache_budget
 from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
 from tiercache.engine.kv_cache import KvBlockPool, KvStats
@@ -332,14 +332,9 @@ def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int)
         stats = pool.stats()
         return float(stats.evicted_reuses), float(stats.evicted_bytes)
 
-    return Budget(
-        "kv_pool",
-        min(floor_bytes, ceiling_bytes),
-        ceiling_bytes,
-        ceiling_bytes,
-        pool.resize,
-        RecentValue(given_up),
-        held=lambda: pool.stats().bytes,  # evicted at the next request, not at once
+    # held: the pool evicts at its next request, not at once
+    return cache_budget(
+        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, given_up, lambda: pool.stats().bytes
     )
 
 
