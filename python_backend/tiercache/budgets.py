@@ -2,9 +2,11 @@
 
 Each cache that holds memory (an L1, the KV block pool, the adapter slots, ...) registers a
 `Budget`: its operator's floor and ceiling (the fixed parameter it had is the ceiling), how to
-resize it, and what one more byte of it is worth now (`value_per_byte`: hits its evictions gave
-up per byte evicted, lately; the caches measure it). `BudgetController.tick` reads what the
-machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
+resize it, and what one more byte of it is worth now (`value_per_byte`: the engine seconds per
+second that one more byte would save, measured by the cache's shadow queue of keys it evicted
+lately, `tiercache.shadow`; one unit for every cache, so bytes can move between them).
+`BudgetController.tick` reads what the machine has left (`tiercache.machine`) and keeps
+`headroom_bytes` free:
 
 - short of headroom: budgets shrink, the least valuable per byte first, each down to its floor
   at most, until the shortfall is covered. What a cache still holds over its budget (`held`: the
@@ -12,26 +14,38 @@ machine has left (`tiercache.machine`) and keeps `headroom_bytes` free:
   shrink the next `settle_ticks` ticks shrink nothing more: freed memory reaches the reading
   late (the allocator keeps some), and taking the same shortfall again each tick would drive
   every budget to its floor;
-- with more than `headroom_bytes x (1 + hysteresis)` free: budgets grow back toward their
-  ceilings, the most valuable per byte first, by at most `grow_fraction` of the surplus per tick
-  (growing is cheap to undo, but never all at once: other processes read the same machine);
+- without a total (`total_bytes` 0), with more than `headroom_bytes x (1 + hysteresis)` free:
+  budgets grow back toward their ceilings, the most valuable per byte first, by at most
+  `grow_fraction` of the surplus per tick (never all at once: other processes read the same
+  machine);
+- with a total (what all of the host's cache budgets may hold together, in every stage
+  process): over it, budgets shrink as for a shortfall; under it, bytes *move*: when the host's
+  most valuable budget below its ceiling is worth `move_ratio` times this process's least
+  valuable one, a step (`step_fraction` of the total) of the least valuable is given up, and the
+  room under the total goes to the host's most valuable budget (at once when it is this
+  process's, at its own process's next tick otherwise); with a headroom, only while memory is
+  above it. So the same bytes follow the workload: to the KV pool when many tenants' prompts
+  need it, to the answers when repeats do;
 - otherwise nothing moves.
 
 A cache never goes under its floor: if the floors alone leave less than the headroom, the
 controller says so (`Decision.reason` "floors") and holds them; it cannot stop another process
 from taking memory, only give back what the caches hold. One controller per process, over that
 process's caches; the stage processes of a host read the same memory, so each takes only its
-share of a shortfall or a surplus (`share`: its budgets' bytes over all of the host's, which
-each controller publishes in a folder of the state directory, `HostShares`); without one, every
-process would shed the whole shortfall. Not thread-safe: ticked from one thread
-(`BudgetThread`).
+share of a shortfall or a surplus (its budgets' bytes over all of the host's), and sees the
+others' budgets and values, through a folder of the state directory where each publishes its
+own (`HostLedger`); without it, every process would shed the whole shortfall. Not thread-safe:
+ticked from one thread (`BudgetThread`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +84,9 @@ class Decision:
     name: str
     old_bytes: int
     new_bytes: int
-    reason: str  # "shrink", "grow" or "floors" (short of headroom with every budget at its floor)
+    # "shrink" (short of memory, or over the total), "grow", "move" (given to a more valuable
+    # budget) or "floors" (short of headroom with every budget at its floor)
+    reason: str
 
 
 class BudgetController:
@@ -85,14 +101,22 @@ class BudgetController:
         hysteresis: float = 0.25,
         grow_fraction: float = 0.5,
         settle_ticks: int = 2,
-        share: Callable[[int], float] | None = None,
+        ledger: HostLedger | None = None,
+        total_bytes: int = 0,
+        move_ratio: float = 1.5,
+        step_fraction: float = 1 / 16,
     ) -> None:
-        """`share(own_bytes)`: this controller's part of the host's shortfall or surplus, given
-        its budgets' total now (None: all of it)."""
+        """`ledger`: the host's other stage processes' budgets (None: this process is alone).
+        `total_bytes` (0: none): what all of the host's budgets may hold together; bytes then
+        move between them (`move_ratio`, `step_fraction`: see the module docstring)."""
         if headroom_bytes < 0:
             raise ConfigError(f"headroom must be >= 0 bytes, got {headroom_bytes}")
+        if total_bytes < 0:
+            raise ConfigError(f"the total of the cache budgets must be >= 0, got {total_bytes}")
         if not 0.0 < grow_fraction <= 1.0:
             raise ConfigError(f"grow_fraction must be in (0, 1], got {grow_fraction}")
+        if move_ratio < 1.0:
+            raise ConfigError(f"move_ratio must be >= 1, got {move_ratio}")
         names = [b.name for b in budgets]
         if len(set(names)) != len(names):
             raise ConfigError(f"budget names must be distinct, got {names}")
@@ -102,19 +126,42 @@ class BudgetController:
         self.hysteresis = hysteresis
         self.grow_fraction = grow_fraction
         self.settle_ticks = settle_ticks
-        self._share = share
+        self.ledger = ledger
+        self.total_bytes = total_bytes
+        self.move_ratio = move_ratio
+        self.step_bytes = max(int(total_bytes * step_fraction), 1)
         self._settling = 0  # ticks left before another shrink
         self.last_available = 0
+        self.values: dict[str, float] = {b.name: 0.0 for b in self.budgets}  # as last read
 
     def tick(self) -> list[Decision]:
         """Read, decide, apply; the budgets that changed (and a "floors" note when the
-        headroom cannot be kept)."""
+        headroom cannot be kept). What changed is published at once (the others' room)."""
         available = self.last_available = int(self._available())
-        part = 1.0
-        if self._share is not None:
-            part = min(max(self._share(sum(b.current_bytes for b in self.budgets)), 0.0), 1.0)
+        self.values = {b.name: max(float(b.value_per_byte()), 0.0) for b in self.budgets}
+        host = self.ledger.publish(self._own()) if self.ledger is not None else self._own()
+        decisions = self._decide(available, host)
+        if self.ledger is not None and any(d.reason in ("move", "grow") for d in decisions):
+            # at once: the room a move leaves is another process's to take. Not after a
+            # shrink for memory: the reading the others share it by has not changed yet
+            self.ledger.publish(self._own())
+        return decisions
+
+    def _own(self) -> list[LedgerEntry]:
+        return [
+            LedgerEntry(OWN, b.name, b.current_bytes, self.values[b.name], b.floor_bytes,
+                        b.ceiling_bytes)
+            for b in self.budgets
+        ]  # fmt: skip
+
+    def _decide(self, available: int, host: list[LedgerEntry]) -> list[Decision]:
+        own = [e for e in host if e.owner == OWN]
+        host_bytes = sum(e.bytes for e in host)
+        own_bytes = sum(e.bytes for e in own)
+        part = own_bytes / host_bytes if host_bytes > 0 else 1.0
         shortfall = self.headroom_bytes - available
-        if self._settling > 0:
+        settling = self._settling > 0
+        if settling:
             self._settling -= 1
             if shortfall > 0:
                 return []  # the last shrink may not show yet
@@ -125,21 +172,60 @@ class BudgetController:
             )
             if shortfall <= 0:
                 return []
-            return self._shrink(max(int(shortfall * part), 1))
-        surplus = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
-        if surplus > 0:
-            return self._grow(int(surplus * self.grow_fraction * part))
-        return []
+            return self._shrink(max(int(shortfall * part), 1), "shrink")
+        room = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
+        if self.total_bytes <= 0:
+            return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
+        excess = host_bytes - self.total_bytes
+        if excess > 0:
+            return [] if settling else self._shrink(max(int(excess * part), 1), "shrink")
+        moved = [] if settling else self._move(host)
+        if moved:
+            return moved
+        # room under the total (and in memory, with a headroom) goes to the host's most
+        # valuable budget that can grow, if it is ours
+        if self.headroom_bytes > 0:
+            room = min(-excess, room)
+        else:
+            room = -excess
+        best = _most_valuable(host)
+        if room <= 0 or best is None or best.owner != OWN:
+            return []
+        budget = next(b for b in self.budgets if b.name == best.name)
+        give = min(budget.ceiling_bytes - budget.current_bytes, room)
+        return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
 
-    def _shrink(self, shortfall: int) -> list[Decision]:
+    def _move(self, host: Sequence[LedgerEntry]) -> list[Decision]:
+        """Give a step of this process's least valuable budget to the host's most valuable one
+        (when worth `move_ratio` times as much); ours: it grows at once, another process's:
+        it grows at that process's next tick, from the room under the total."""
+        givers = [b for b in self.budgets if b.current_bytes > b.floor_bytes]
+        if not givers:
+            return []
+        low = min(givers, key=lambda b: (self.values[b.name], b.name))
+        best = _most_valuable([e for e in host if not (e.owner == OWN and e.name == low.name)])
+        low_value = self.values[low.name]
+        if best is None or best.value <= 0.0 or best.value < self.move_ratio * low_value:
+            return []
+        take = min(self.step_bytes, low.current_bytes - low.floor_bytes, best.ceiling - best.bytes)
+        if take <= 0:
+            return []
+        decisions = [self._apply(low, low.current_bytes - take, "move")]
+        self._settling = self.settle_ticks
+        if best.owner == OWN:
+            gainer = next(b for b in self.budgets if b.name == best.name)
+            decisions.append(self._apply(gainer, gainer.current_bytes + take, "grow"))
+        return decisions
+
+    def _shrink(self, shortfall: int, reason: str) -> list[Decision]:
         decisions = []
-        for budget in sorted(self.budgets, key=lambda b: b.value_per_byte()):
+        for budget in sorted(self.budgets, key=lambda b: self.values[b.name]):
             if shortfall <= 0:
                 break
             take = min(budget.current_bytes - budget.floor_bytes, shortfall)
             if take <= 0:
                 continue
-            decisions.append(self._apply(budget, budget.current_bytes - take, "shrink"))
+            decisions.append(self._apply(budget, budget.current_bytes - take, reason))
             shortfall -= take
             self._settling = self.settle_ticks
         if shortfall > 0:
@@ -152,7 +238,7 @@ class BudgetController:
 
     def _grow(self, room: int) -> list[Decision]:
         decisions = []
-        for budget in sorted(self.budgets, key=lambda b: -b.value_per_byte()):
+        for budget in sorted(self.budgets, key=lambda b: -self.values[b.name]):
             if room <= 0:
                 break
             give = min(budget.ceiling_bytes - budget.current_bytes, room)
@@ -170,32 +256,63 @@ class BudgetController:
         return Decision(budget.name, old, budget.current_bytes, reason)
 
 
-class RecentValue:
-    """A cache's `value_per_byte` from its cumulative counters `read()` -> (value given up by
-    evictions, bytes evicted): the ratio over what was evicted since the last call, averaged
-    half and half with the previous estimate (0.0 before any eviction; unchanged while nothing
-    is evicted)."""
+OWN = ""
+"""`LedgerEntry.owner` of this process's own budgets."""
 
-    def __init__(self, read: Callable[[], tuple[float, float]]) -> None:
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One budget of the host as its process last published it."""
+
+    owner: str  # the publishing process's file name; OWN for this process's
+    name: str
+    bytes: int
+    value: float  # value per byte (tiercache.shadow: engine seconds one more byte saves / s)
+    floor: int
+    ceiling: int
+
+
+def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:
+    """The entry below its ceiling worth the most per byte (ties: the smallest, then by name)."""
+    growable = [e for e in entries if e.bytes < e.ceiling]
+    if not growable:
+        return None
+    return max(growable, key=lambda e: (e.value, -e.bytes, e.owner, e.name))
+
+
+class ShadowValue:
+    """A cache's `value_per_byte` from `read()` -> (seconds its shadow queue's hits would have
+    saved, cumulative; the bytes the shadow spans now): the seconds saved per second per byte of
+    shadow since the last call (tiercache.shadow: what one more byte is worth), averaged half
+    and half with the previous estimate, so a cache whose shadow stops being hit decays to 0."""
+
+    def __init__(
+        self, read: Callable[[], tuple[float, float]], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._read = read
-        self._last = read()
+        self._clock = clock
+        self._last = (read()[0], clock())
         self.estimate = 0.0
 
     def __call__(self) -> float:
-        now = self._read()
-        value, nbytes = now[0] - self._last[0], now[1] - self._last[1]
-        self._last = now
-        if nbytes > 0:
-            fresh = max(value, 0.0) / nbytes
-            self.estimate = fresh if self.estimate == 0.0 else (self.estimate + fresh) / 2
+        gained, span = self._read()
+        now = self._clock()
+        elapsed = now - self._last[1]
+        if elapsed <= 0:
+            return self.estimate
+        fresh = max(gained - self._last[0], 0.0) / elapsed / span if span > 0 else 0.0
+        self._last = (gained, now)
+        self.estimate = (self.estimate + fresh) / 2
         return self.estimate
 
 
-class HostShares:
-    """Each stage process's budget total, published as `<folder>/<name>.<pid>` (written
-    atomically each tick), so a controller takes its share of the host's shortfall: its own
-    total over the live processes' (files of processes that are gone are ignored). A folder
-    that cannot be read or written leaves the share at 1 (logged once)."""
+class HostLedger:
+    """Each stage process's budgets (bytes, value per byte, floor, ceiling), published as JSON
+    in `<folder>/<name>.<pid>` (written atomically each tick), so that a controller takes its
+    share of the host's shortfall (its bytes over the live processes') and bytes move between
+    the processes' caches under a total (files of processes that are gone, or unreadable, are
+    ignored: a hostile or torn file costs its process its say, nothing else). A folder that
+    cannot be read or written leaves this process alone (logged once)."""
 
     def __init__(self, folder: Path, name: str, pid: int | None = None) -> None:
         self.folder = folder
@@ -203,33 +320,48 @@ class HostShares:
         self.path = folder / f"{name}.{self.pid}"
         self._warned = False
 
-    def __call__(self, own_bytes: int) -> float:
+    def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry]:
+        """Write `own`; every live process's entries (`own` as given, owner OWN)."""
+        document = [[e.name, e.bytes, e.value, e.floor, e.ceiling] for e in own]
+        entries = list(own)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             temporary = self.path.with_name(self.path.name + ".tmp")
-            temporary.write_text(str(own_bytes))
+            temporary.write_text(json.dumps(document))
             os.replace(temporary, self.path)
-            total = 0
-            for entry in self.folder.iterdir():
-                pid = entry.name.rsplit(".", 1)[-1]
-                if not pid.isdigit() or not _alive(int(pid)):
+            for path in self.folder.iterdir():
+                pid = path.name.rsplit(".", 1)[-1]
+                if path == self.path or not pid.isdigit() or not _alive(int(pid)):
                     continue
-                try:
-                    total += max(int(entry.read_text().strip() or 0), 0)
-                except (OSError, ValueError):
-                    continue
+                entries.extend(_read_entries(path))
         except OSError:
             if not self._warned:
                 self._warned = True
-                log.warning("budget shares in %s unavailable; this process takes all", self.folder)
-            return 1.0
-        return own_bytes / total if total > 0 else 1.0
+                log.warning("budget ledger in %s unavailable; this process alone", self.folder)
+            return list(own)
+        return entries
 
     def close(self) -> None:
         try:
             self.path.unlink()
         except OSError:
             pass
+
+
+def _read_entries(path: Path) -> list[LedgerEntry]:
+    try:
+        document = json.loads(path.read_text())
+        entries = [
+            LedgerEntry(path.name, str(name), int(nbytes), float(value), int(floor), int(ceiling))
+            for name, nbytes, value, floor, ceiling in document
+        ]
+    except (OSError, ValueError, TypeError):
+        return []
+    ok = all(
+        0 <= e.floor <= e.ceiling and 0 <= e.bytes and math.isfinite(e.value) and e.value >= 0
+        for e in entries
+    )
+    return entries if ok else []
 
 
 def _alive(pid: int) -> bool:
@@ -247,16 +379,14 @@ def cache_budget(
     floor_bytes: int,
     ceiling_bytes: int,
     resize: Callable[[int], int],
-    given_up: Callable[[], tuple[float, float]],
+    gained: Callable[[], tuple[float, float]],
     held: Callable[[], int] | None = None,
 ) -> Budget:
     """A cache's budget starting at its fixed size (`ceiling_bytes`, the floor capped to it),
-    valued by what its evictions gave up per byte evicted lately (`given_up`: its cumulative
-    (value, bytes) counters, `RecentValue`)."""
+    valued by what one more byte of it would save (`gained`: its shadow queue's cumulative
+    seconds saved and its span in bytes, `ShadowValue`)."""
     floor = min(floor_bytes, ceiling_bytes)
-    return Budget(
-        name, floor, ceiling_bytes, ceiling_bytes, resize, RecentValue(given_up), held=held
-    )
+    return Budget(name, floor, ceiling_bytes, ceiling_bytes, resize, ShadowValue(gained), held=held)
 
 
 class BudgetThread:

@@ -214,6 +214,14 @@ PARAMETERS: dict[str, _Spec] = {
         "back to their fixed sizes (0: off, the budgets stay fixed; docs/budgets.md)",
         min=0,
     ),
+    "cache_memory_bytes": _Spec(
+        0,
+        "What the host's cache budgets may hold together (L1 and the KV pool, in every stage "
+        "process; set the same in each): bytes move to the cache where one more byte saves "
+        "the most engine time, measured (tiercache.budgets; each stage's fixed sizes are then "
+        "ceilings; 0: off, each budget stays its fixed size; docs/budgets.md)",
+        min=0,
+    ),
     "confidence_floor": _Spec(
         0.0,
         "Answers whose confidence (geometric-mean token probability, tiercache.exact.confidence) "
@@ -379,11 +387,14 @@ class PromptCacheConfig(_LookupConfig):
     l1_max_bytes: int = shared("l1_max_bytes")
     l1_eviction: str = shared("l1_eviction")
     memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    cache_memory_bytes: int = shared("cache_memory_bytes")
     l1_min_bytes: int = param(
-        1 << 20, "Floor of L1's budget when memory is short (memory_headroom_bytes)", min=1
+        1 << 20, "Floor of L1's budget (memory_headroom_bytes, cache_memory_bytes)", min=1
     )
     budget_interval_s: float = param(
-        1.0, "How often the memory budgets are looked at (memory_headroom_bytes)", min=0.05
+        1.0,
+        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
+        min=0.05,
     )
     embedder: str = param(
         "all-minilm-l6-v2",
@@ -677,13 +688,16 @@ class EngineConfig(_StateConfig):
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)
     memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    cache_memory_bytes: int = shared("cache_memory_bytes")
     kv_pool_min_bytes: int = param(
         16 << 20,
-        "Floor of the KV pool's budget when memory is short (memory_headroom_bytes)",
+        "Floor of the KV pool's budget (memory_headroom_bytes, cache_memory_bytes)",
         min=0,
     )
     budget_interval_s: float = param(
-        1.0, "How often the memory budgets are looked at (memory_headroom_bytes)", min=0.05
+        1.0,
+        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
+        min=0.05,
     )
     kv_eviction: str = param(
         "gdsf",

@@ -420,13 +420,47 @@ def test_with_a_memory_headroom_l1_follows_the_host(
             m.labels["reason"]: m.value()
             for m in families["tiercache_budget_changes_total"].metrics
         }
-        assert shrinks == {"shrink": 1, "grow": 0}
+        assert shrinks == {"shrink": 1, "grow": 0, "move": 0}
+        (value,) = families["tiercache_budget_value_per_mib"].metrics
+        assert value.value() == 0.0  # nothing evicted, nothing missed since: no gradient
         assert families["tiercache_budget_short_total"].metrics[0].value() >= 1
         (available,) = families["tiercache_memory_available_bytes"].metrics
         assert 0 < available.value() < 1 << 60
     finally:
         instance.finalize()
     assert not instance.stage.budgets._thread.is_alive()  # closed with the model
+
+
+def test_with_a_total_l1_takes_its_part_of_it_and_publishes_its_budget(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, pb_utils: ModuleType
+) -> None:
+    """cache_memory_bytes under L1's fixed size, no headroom: L1 shrinks to the total within a
+    tick (alone on the host) and its budget is in the host's ledger for the other stages."""
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "cache_memory_bytes": {"string_value": str(8 << 20)},
+        "budget_interval_s": {"string_value": "0.05"},
+    }
+    instance.initialize(
+        {"model_config": json.dumps({"parameters": parameters}), "model_name": "prompt_cache"}
+    )
+    try:
+        l1 = instance.stage.cache.cache.store(Tier.L1)
+        deadline = time.monotonic() + 10.0
+        while l1.stats().max_bytes != 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert l1.stats().max_bytes == 8 << 20
+        (published,) = (tmp_path / "budgets").glob("prompt_cache.*")
+        while time.monotonic() < deadline:  # published at the start of the next tick
+            row = json.loads(published.read_text())[0]
+            if row[1] == 8 << 20:
+                break
+            time.sleep(0.05)
+        assert row == ["l1", 8 << 20, 0.0, 1 << 20, 64 << 20]  # name, bytes, value, floor, ceiling
+    finally:
+        instance.finalize()
+    assert not list((tmp_path / "budgets").glob("prompt_cache.*"))  # gone with the model
 
 
 def test_without_a_headroom_no_budget_thread_runs(model: Any) -> None:

@@ -4,6 +4,7 @@ caches that resize (L1, the KV pool) give the bytes back."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -15,8 +16,10 @@ from tiercache.budgets import (
     BudgetController,
     BudgetThread,
     Decision,
-    HostShares,
-    RecentValue,
+    OWN,
+    HostLedger,
+    LedgerEntry,
+    ShadowValue,
 )
 from tiercache.engine.kv_cache import KvBlockPool
 from tiercache.errors import ConfigError
@@ -228,15 +231,23 @@ def test_the_kv_pool_applies_a_smaller_budget_on_its_next_request() -> None:
         pool.resize(-1)
 
 
-def test_recent_value_is_what_evictions_gave_up_per_byte_lately() -> None:
+def test_shadow_value_is_seconds_saved_per_second_per_byte_of_shadow() -> None:
     counters = [(0.0, 0.0)]
-    value = RecentValue(lambda: counters[-1])
-    assert value() == 0.0  # nothing evicted yet
-    counters.append((10.0, 1000.0))  # 10 hits given up for 1,000 bytes
-    assert value() == pytest.approx(0.01)
-    assert value() == pytest.approx(0.01)  # nothing evicted since: unchanged
-    counters.append((10.0, 2000.0))  # 1,000 more bytes that nobody had asked for
-    assert value() == pytest.approx(0.005)  # half the old estimate, half the new (0)
+    clock = [0.0]
+    value = ShadowValue(lambda: counters[-1], clock=lambda: clock[0])
+    clock[0] = 1.0
+    assert value() == 0.0  # no shadow yet
+    counters.append((2.0, 1000.0))  # 2 s saved in 1 s over a shadow of 1,000 bytes
+    clock[0] = 2.0
+    assert value() == pytest.approx(0.001)  # half of 0.002 (the first estimate was 0)
+    clock[0] = 4.0  # 2 s more with no shadow hit: decays
+    assert value() == pytest.approx(0.0005)
+    clock[0] = 4.0  # no time passed: unchanged, not divided by zero
+    assert value() == pytest.approx(0.0005)
+
+
+def ledger_budget(name: str, cache: Cache, ceiling: int, current: int) -> Budget:
+    return Budget(name, 0, ceiling, current, cache.resize, lambda: cache.value)
 
 
 def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) -> None:
@@ -244,7 +255,7 @@ def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) 
     both), not the whole shortfall; a file left by a process that is gone does not count."""
     folder = tmp_path / "budgets"
     folder.mkdir()
-    (folder / "gone.999999999").write_text(str(10 * GIB))  # no such process
+    (folder / "gone.999999999").write_text(json.dumps([["kv", 10 * GIB, 0.0, 0, 10 * GIB]]))
     machine = Machine(available=0)
     caches = {"a": Cache(1.0), "b": Cache(1.0)}
     controllers = [
@@ -252,31 +263,108 @@ def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) 
             [budget("a", caches["a"], 0, 300 * MIB, 300 * MIB)],
             machine,
             headroom_bytes=200 * MIB,
-            share=HostShares(folder, "prompt_cache", pid=os.getpid()),
+            ledger=HostLedger(folder, "prompt_cache", pid=os.getpid()),
         ),
         BudgetController(
             [budget("b", caches["b"], 0, 100 * MIB, 100 * MIB)],
             machine,
             headroom_bytes=200 * MIB,
-            share=HostShares(folder, "torch_llm", pid=os.getppid()),
+            ledger=HostLedger(folder, "torch_llm", pid=os.getppid()),
         ),
     ]
-    for controller in controllers:  # each publishes its total first
-        controller._share(sum(b.current_bytes for b in controller.budgets))  # type: ignore[misc]
+    for controller in controllers:  # each publishes its budgets first
+        assert controller.ledger is not None
+        controller.ledger.publish(
+            [LedgerEntry(OWN, b.name, b.current_bytes, 0.0, 0, b.ceiling_bytes)
+             for b in controller.budgets]
+        )  # fmt: skip
     decisions = [c.tick() for c in controllers]
     # 200 MiB short: a holds 3/4 of the host's budgets and sheds 150, b 1/4 and sheds 50
     assert decisions == [
         [Decision("a", 300 * MIB, 150 * MIB, "shrink")],
         [Decision("b", 100 * MIB, 50 * MIB, "shrink")],
     ]
-    HostShares(folder, "prompt_cache", pid=os.getpid()).close()
+    HostLedger(folder, "prompt_cache", pid=os.getpid()).close()
     assert sorted(p.name for p in folder.iterdir()) == [
         "gone.999999999",
         f"torch_llm.{os.getppid()}",
     ]
 
 
-def test_unreadable_shares_leave_a_process_all_of_it(tmp_path: Path) -> None:
+def test_under_a_total_bytes_move_across_processes_to_the_more_valuable_cache(
+    tmp_path: Path,
+) -> None:
+    """The answers' L1 (one process) and the KV pool (another) share a total: when the pool's
+    next byte saves twice what L1's does, L1 gives a step and the pool's process takes the room
+    at its next tick; never more than the total, and nothing moves between near equals."""
+    folder = tmp_path / "budgets"
+    machine = Machine(available=100 * GIB)
+    l1, kv = Cache(1.0), Cache(2.0)
+    total = 160 * MIB
+    answers = BudgetController(
+        [ledger_budget("l1", l1, total, 80 * MIB)],
+        machine,
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "prompt_cache", pid=os.getpid()),
+        total_bytes=total,
+        settle_ticks=1,
+    )
+    engine = BudgetController(
+        [ledger_budget("kv_pool", kv, total, 80 * MIB)],
+        machine,
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "torch_llm", pid=os.getppid()),
+        total_bytes=total,
+        settle_ticks=1,
+    )
+    for controller in (answers, engine):  # both published (a stage publishes as it starts)
+        assert controller.ledger is not None
+        controller.ledger.publish(
+            [LedgerEntry(OWN, b.name, b.current_bytes, 0.0, 0, b.ceiling_bytes)
+             for b in controller.budgets]
+        )  # fmt: skip
+    assert engine.tick() == []  # the pool is worth more, but the host is at its total
+    assert answers.tick() == [Decision("l1", 80 * MIB, 70 * MIB, "move")]  # a 1/16 step
+    assert engine.tick() == [Decision("kv_pool", 80 * MIB, 90 * MIB, "grow")]
+    assert answers.tick() == []  # settling: the pool's growth and values show first
+    assert answers.tick() == [Decision("l1", 70 * MIB, 60 * MIB, "move")]
+    assert answers.tick() == []  # the room is the pool's to take, not l1's
+    assert engine.tick() == [Decision("kv_pool", 90 * MIB, 100 * MIB, "grow")]
+    kv.value = 1.2  # the pool's next byte is worth about what l1's is: nothing moves
+    for _ in range(3):
+        assert engine.tick() == [] and answers.tick() == []
+    assert sum(b.current_bytes for c in (answers, engine) for b in c.budgets) == total
+
+
+def test_over_the_total_budgets_shrink_to_it_least_valuable_first() -> None:
+    l1, kv = Cache(1.0), Cache(2.0)
+    controller = BudgetController(
+        [
+            ledger_budget("l1", l1, 128 * MIB, 128 * MIB),
+            ledger_budget("kv", kv, 128 * MIB, 128 * MIB),
+        ],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        total_bytes=160 * MIB,
+    )
+    assert controller.tick() == [Decision("l1", 128 * MIB, 32 * MIB, "shrink")]
+
+
+def test_the_ledger_ignores_torn_or_hostile_files(tmp_path: Path) -> None:
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    alive = os.getppid()
+    (folder / f"torn.{alive}").write_text('[["kv", 10')
+    (folder / f"negative.{alive}").write_text(json.dumps([["kv", -5, 1.0, 0, 10]]))
+    (folder / f"nan.{alive}").write_text('[["kv", 5, NaN, 0, 10]]')
+    (folder / f"good.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))
+    own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
+    host = HostLedger(folder, "prompt_cache").publish(own)
+    assert host == own + [LedgerEntry(f"good.{alive}", "kv", 5, 1.0, 0, 10)]
+
+
+def test_an_unusable_ledger_folder_leaves_a_process_alone(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    assert HostShares(blocked / "budgets", "x")(100) == 1.0
+    own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
+    assert HostLedger(blocked / "budgets", "x").publish(own) == own

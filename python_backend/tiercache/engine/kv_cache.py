@@ -21,12 +21,14 @@ import hashlib
 import json
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NewType, TypeVar
 
 from tiercache.errors import ConfigError
 from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy
+from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
 
 BlockHash = NewType("BlockHash", bytes)
@@ -108,6 +110,12 @@ class KvStats:
     max_bytes: int
     tokens_per_block: int
     evicted_bytes: int = 0  # what evictions freed (with evicted_reuses: value per byte)
+    # prefill seconds the misses on recently evicted blocks would have saved (cumulative), and
+    # the bytes those blocks span (tiercache.shadow: with both, what one more byte saves)
+    shadow_gained_s: float = 0.0
+    shadow_bytes: int = 0
+    block_cost_s: float = 0.0  # prefill seconds one block takes lately (`observe_prefill`)
+    evict_s: float = 0.0  # time requests spent evicting to make room (cumulative): a stall
 
     @property
     def block_hit_rate(self) -> float:
@@ -222,6 +230,9 @@ class KvBlockPool(Generic[P]):
         self._evicted_reuses = 0
         self._evicted_bytes = 0
         self._target: int | None = None  # a budget `resize` recorded for the next request
+        self._shadow: ShadowQueue[BlockHash] = ShadowQueue(shadow_bytes(max_bytes))
+        self.block_cost_s = 0.0
+        self._evict_s = 0.0
         self._target_lock = threading.Lock()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -240,6 +251,7 @@ class KvBlockPool(Generic[P]):
             target, self._target = self._target, None
         if target is not None:  # a new budget (`resize`) takes effect here, on the engine thread
             self.max_bytes = target
+            self._shadow.resize(shadow_bytes(target))
         if self._bytes > self.max_bytes:
             self._shrink()
         found: list[_Block[P]] = []
@@ -251,6 +263,9 @@ class KvBlockPool(Generic[P]):
         for block in found:
             self._pin(block)
             block.reuses += 1
+        for key in hashes[len(found) :]:  # the chain goes on among blocks evicted lately
+            if not self._shadow.credit(key):
+                break
         reused = min(len(found) * self.tokens_per_block, max(prompt_tokens - 1, 0))
         self._lookups += 1
         self._hit_lookups += reused > 0
@@ -284,6 +299,7 @@ class KvBlockPool(Generic[P]):
             return False
         block = _Block(key, parent, make_payload(), nbytes)
         self._blocks[key] = block
+        self._shadow.discard(key)
         self._bytes += nbytes
         lease.admitted.add(key)  # told to the policy at release: pinned until then anyway
         if parent is not None:
@@ -343,6 +359,10 @@ class KvBlockPool(Generic[P]):
             max_bytes=self.max_bytes,
             tokens_per_block=self.tokens_per_block,
             evicted_bytes=self._evicted_bytes,
+            shadow_gained_s=self._shadow.gained_s,
+            shadow_bytes=self._shadow.bytes,
+            block_cost_s=self.block_cost_s,
+            evict_s=self._evict_s,
         )
 
     def hit_skew(self, hottest: float = 0.01) -> float:
@@ -382,6 +402,17 @@ class KvBlockPool(Generic[P]):
             self._target = max_bytes
         return max_bytes
 
+    def observe_prefill(self, seconds: float, computed_tokens: int) -> None:
+        """The engine computed `computed_tokens` prompt tokens in `seconds`: what one block
+        costs to compute (`block_cost_s`, what a reuse saves) follows it, a moving average."""
+        if computed_tokens <= 0 or seconds <= 0:
+            return
+        fresh = seconds / computed_tokens * self.tokens_per_block
+        if self.block_cost_s == 0.0:
+            self.block_cost_s = fresh
+        else:
+            self.block_cost_s = 0.8 * self.block_cost_s + 0.2 * fresh
+
     @property
     def budget_bytes(self) -> int:
         """The budget in force at the next request (a pending `resize`, else `max_bytes`)."""
@@ -391,11 +422,15 @@ class KvBlockPool(Generic[P]):
     def _shrink(self) -> None:
         """Evict unpinned blocks, the policy's order, until the pool is within its budget or
         only pinned blocks (and their parents) are left."""
-        while self._bytes > self.max_bytes:
-            victims = self._policy.nominate(1, skip=self._kept)
-            if not victims:
-                return
-            self._evict(self._blocks[victims[0]])
+        began = time.perf_counter()
+        try:
+            while self._bytes > self.max_bytes:
+                victims = self._policy.nominate(1, skip=self._kept)
+                if not victims:
+                    return
+                self._evict(self._blocks[victims[0]])
+        finally:
+            self._evict_s += time.perf_counter() - began
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict the policy's victims among unpinned leaves until `nbytes` more fit; False,
@@ -405,14 +440,20 @@ class KvBlockPool(Generic[P]):
         remain is broken (RuntimeError)."""
         if self._pinned_bytes + nbytes > self.max_bytes:
             return False
-        while self._bytes + nbytes > self.max_bytes:
-            victims = self._policy.nominate(1, skip=self._kept)
-            if not victims:
-                raise RuntimeError("the KV pool's policy nominated no unpinned leaf")
-            block = self._blocks[victims[0]]
-            if not block.evictable:
-                raise RuntimeError("the KV pool's policy nominated a block it was told to skip")
-            self._evict(block)
+        if self._bytes + nbytes <= self.max_bytes:
+            return True
+        began = time.perf_counter()
+        try:
+            while self._bytes + nbytes > self.max_bytes:
+                victims = self._policy.nominate(1, skip=self._kept)
+                if not victims:
+                    raise RuntimeError("the KV pool's policy nominated no unpinned leaf")
+                block = self._blocks[victims[0]]
+                if not block.evictable:
+                    raise RuntimeError("the KV pool's policy nominated a block it was told to skip")
+                self._evict(block)
+        finally:
+            self._evict_s += time.perf_counter() - began
         return True
 
     def _evict(self, block: _Block[P]) -> None:
@@ -421,6 +462,7 @@ class KvBlockPool(Generic[P]):
         self._evictions += 1
         self._evicted_reuses += block.reuses
         self._evicted_bytes += block.nbytes
+        self._shadow.add(block.key, block.nbytes, self.block_cost_s)
         self._policy.remove(block.key)
         parent = block.parent
         if parent is not None:

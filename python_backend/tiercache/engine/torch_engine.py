@@ -142,6 +142,8 @@ class TorchEngine:
         self.source = source
         self.identity = source.identity
         self.device = pick_device(device)
+        # CPU work is done when the call returns; timing a GPU's would need a synchronize
+        self._timed_prefill = str(self.device).startswith("cpu")
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
         self.context_tokens = context_window(self.model.config)
         self.adapters = EngineAdapters(self.model, max_slots=lora_slots)
@@ -294,7 +296,12 @@ class TorchEngine:
 
         try:
             with torch.inference_mode():
+                began = time.perf_counter()
                 out = self._prefill(input_ids, lease, verify_ids)
+                if self._timed_prefill:  # what a reused block saves (the KV pool's budget)
+                    self.kv_pool.observe_prefill(
+                        time.perf_counter() - began, computed + len(verify_ids)
+                    )
                 if lease is not None:
                     self._store_blocks(lease, hashes, out.past_key_values)
                 if verify_ids and drafter is not None:

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import lmdb
 
-from tiercache.eviction import EvictionPolicy, LruPolicy, OldestFirstPolicy
+from tiercache.eviction import MAX_COST_S, EvictionPolicy, LruPolicy, OldestFirstPolicy
 from tiercache.exact.codec import (
     CacheEntry,
     CorruptEntry,
@@ -33,6 +33,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class StoreStats:
     removed: int = 0
     hit_skew: float | None = None
     evicted_bytes: int = 0  # L1: what its evictions freed (with evicted_hits: value per byte)
+    # L1: engine seconds the misses on recently evicted keys would have saved (cumulative), and
+    # the bytes those keys span (tiercache.shadow: with both, what one more byte saves)
+    shadow_gained_s: float = 0.0
+    shadow_bytes: int = 0
 
 
 class Store(Protocol):
@@ -126,6 +131,8 @@ class MemoryStore:
         self._rejected = 0
         self._removed = 0
         self._skew = (0.0, -math.inf)  # the last hit skew and when it was computed (monotonic)
+        self._shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(max_bytes))
+        self._costs = (0.0, 0)  # known generation seconds admitted: sum, count
 
     def get(self, key: str) -> CacheEntry | None:
         with self._lock:
@@ -137,6 +144,14 @@ class MemoryStore:
                 self._access(key)
                 self._entry_hits[key] = self._entry_hits.get(key, 0) + 1
             return entry
+
+    def credit_miss(self, key: str, saves_s: float | None = None) -> None:
+        """A miss on `key` was served without L1 (a lower tier, after `saves_s` seconds; or
+        None: the engine, its recorded generation seconds): if L1 evicted `key` lately, that is
+        a hit one more byte of L1 would have had (tiercache.shadow)."""
+        with self._lock:
+            if key not in self._entries:
+                self._shadow.credit(key, saves_s)
 
     def peek(self, key: str) -> CacheEntry | None:
         """`get` that counts nothing and leaves the policy's order as it is."""
@@ -157,6 +172,10 @@ class MemoryStore:
             self._entries[key] = entry
             self._sizes[key] = size
             self._bytes += size - replaced
+            self._shadow.discard(key)
+            if entry.generation_s is not None and entry.generation_s > 0:
+                total, count = self._costs
+                self._costs = (total + min(entry.generation_s, MAX_COST_S), count + 1)
             self._policy.admit(
                 key,
                 size,
@@ -174,6 +193,7 @@ class MemoryStore:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         with self._lock:
             self._max_bytes = max_bytes
+            self._shadow.resize(shadow_bytes(max_bytes))
         while True:  # in slices, the lock released between them: lookups go on meanwhile
             with self._lock:
                 over = self._bytes - self._max_bytes
@@ -189,6 +209,9 @@ class MemoryStore:
         for victim in self._policy.nominate(0, nbytes, replacing.__eq__):
             size = self._sizes.get(victim, 0)
             hits = self._entry_hits.get(victim, 0)
+            entry = self._entries.get(victim)
+            if entry is not None:
+                self._shadow.add(victim, size, self._cost(entry))
             if not self._discard(victim):
                 raise RuntimeError(f"L1's policy nominated {victim!r}, which L1 does not hold")
             freed += size
@@ -197,6 +220,13 @@ class MemoryStore:
             self._evicted_bytes += size
         if freed < nbytes:
             raise RuntimeError(f"L1's policy nominated {freed} of the {nbytes} bytes needed")
+
+    def _cost(self, entry: CacheEntry) -> float:
+        """What a hit on `entry` saves: its generation seconds, else the mean of the known."""
+        if entry.generation_s is not None and entry.generation_s > 0:
+            return min(entry.generation_s, MAX_COST_S)
+        total, count = self._costs
+        return total / count if count else 0.0
 
     def _discard(self, key: str) -> bool:
         entry = self._entries.pop(key, None)
@@ -209,6 +239,7 @@ class MemoryStore:
 
     def delete(self, key: str) -> bool:
         with self._lock:
+            self._shadow.discard(key)  # deleted, not evicted: a later miss is no lost hit
             removed = self._discard(key)
             self._removed += removed
             return removed
@@ -248,6 +279,8 @@ class MemoryStore:
                 rejected=self._rejected,
                 removed=self._removed,
                 evicted_bytes=self._evicted_bytes,
+                shadow_gained_s=self._shadow.gained_s,
+                shadow_bytes=self._shadow.bytes,
             )
         if not fresh:
             # entries never hit count as zeros: the hottest 1 % of all held entries

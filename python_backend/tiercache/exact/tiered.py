@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Protocol
 
 from tiercache.exact.codec import CacheEntry
-from tiercache.exact.stores import LmdbStore, Store
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
 from tiercache.vocabulary import Tier
 
@@ -128,7 +128,11 @@ class TieredCache:
         self._catch_up()
         now = self._clock()
         tiers = self._stores
+        l1 = tiers[0][1] if tiers and isinstance(tiers[0][1], MemoryStore) else None
+        l1_missed = 0.0  # when L1 missed: what the lower tiers then cost is what L1 would save
         for i, (tier, store) in enumerate(tiers):
+            if i == 1 and l1 is not None:
+                l1_missed = time.perf_counter()
             try:
                 entry = store.get(key)
             except Exception:  # noqa: BLE001 - a broken tier costs a miss, not the request
@@ -144,12 +148,16 @@ class TieredCache:
                 continue  # too old for this reader; the writer's TTL may keep it for others
             if max_age_s is not None and age_s > max_age_s:
                 continue
+            if i > 0 and l1 is not None:
+                l1.credit_miss(key, time.perf_counter() - l1_missed)
             for upper_tier, upper in tiers[:i]:
                 try:
                     upper.put(key, entry)
                 except Exception:  # noqa: BLE001 - a failed fill (a full disk) must not fail a hit
                     log.exception("filling %s with %s failed", upper_tier.value, key)
             return Lookup(entry, tier)
+        if l1 is not None:
+            l1.credit_miss(key)  # to the engine: its generation seconds, if L1 evicted it lately
         return None
 
     def peek(self, key: str) -> CacheEntry | None:

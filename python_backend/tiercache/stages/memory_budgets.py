@@ -1,8 +1,9 @@
 """A stage's cache budgets following the host's memory (tiercache.budgets), with their metrics.
 
 `start_budgets` is what a stage that owns cache memory calls after opening its caches: with a
-headroom it starts a controller thread over them and exports each budget, the memory available
-and every change; without one (0, the default) it does nothing and the budgets stay fixed.
+headroom or a total it starts a controller thread over them and exports each budget, what one
+more byte of it is worth, the memory available and every change; with neither (0, the
+defaults) it does nothing and the budgets stay fixed.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, HostShares
+from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, HostLedger
 from tiercache.machine import HostMemoryProbe
 from tiercache.triton import metrics as tm
 
-REASONS = ("shrink", "grow")
+REASONS = ("shrink", "grow", "move")
 
 
 def start_budgets(
@@ -25,12 +26,13 @@ def start_budgets(
     state_dir: Path,
     name: str,
     available: Callable[[], int] | None = None,
+    total_bytes: int = 0,
 ) -> BudgetThread | None:
-    """The started controller thread (the caller closes it), or None when `headroom_bytes` is
-    0. Its share of the host's shortfall is published under `state_dir`/budgets as `name`
-    (`HostShares`). `available` (default: this process's host memory, `HostMemoryProbe`) is
+    """The started controller thread (the caller closes it), or None when `headroom_bytes` and
+    `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
+    (`HostLedger`). `available` (default: this process's host memory, `HostMemoryProbe`) is
     for tests."""
-    if headroom_bytes <= 0 or not budgets:
+    if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
         probe = HostMemoryProbe()
@@ -38,11 +40,22 @@ def start_budgets(
         def available() -> int:
             return probe.read().available_bytes
 
-    shares = HostShares(state_dir / "budgets", name)
-    controller = BudgetController(budgets, available, headroom_bytes, share=shares)
+    ledger = HostLedger(state_dir / "budgets", name)
+    controller = BudgetController(
+        budgets, available, headroom_bytes, ledger=ledger, total_bytes=total_bytes
+    )
     sizes = {
         b.name: metrics.gauge(
             "tiercache_budget_bytes", "A cache's byte budget now (docs/budgets.md)", cache=b.name
+        )
+        for b in budgets
+    }
+    values = {
+        b.name: metrics.gauge(
+            "tiercache_budget_value_per_mib",
+            "Engine seconds per second one more MiB of a cache would save, as its shadow queue "
+            "measured lately (docs/budgets.md)",
+            cache=b.name,
         )
         for b in budgets
     }
@@ -53,7 +66,8 @@ def start_budgets(
     changes = {
         (b.name, reason): metrics.counter(
             "tiercache_budget_changes_total",
-            "Budget changes by cache and direction (shrink: memory short of the headroom)",
+            "Budget changes by cache and direction (shrink: memory short of the headroom or "
+            "over the total; move: given to a more valuable cache)",
             cache=b.name,
             reason=reason,
         )
@@ -74,7 +88,8 @@ def start_budgets(
                 changes[(decision.name, decision.reason)].increment(1)
         for budget in budgets:
             sizes[budget.name].set(budget.current_bytes)
+            values[budget.name].set(controller.values[budget.name] * (1 << 20))
 
     for budget in budgets:
         sizes[budget.name].set(budget.current_bytes)
-    return BudgetThread(controller, interval_s, on_tick, on_close=shares.close).start()
+    return BudgetThread(controller, interval_s, on_tick, on_close=ledger.close).start()

@@ -139,17 +139,18 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
             metrics,
             config.state_path(),
             model_name,
+            total_bytes=config.cache_memory_bytes,
         )
     metrics.start()
     return stage
 
 
 def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """L1's budget: between its floor and its fixed size, valued by the hits its evictions
-    gave up per byte evicted."""
+    """L1's budget: between its floor and its fixed size, valued by what one more byte would
+    save (misses on answers it evicted lately: the lower tier's read, or the generation)."""
 
-    def given_up() -> tuple[float, float]:
+    def gained() -> tuple[float, float]:
         stats = store.stats()
-        return float(stats.evicted_hits), float(stats.evicted_bytes)
+        return stats.shadow_gained_s, float(stats.shadow_bytes)
 
-    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, given_up)
+    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, gained)

@@ -31,6 +31,7 @@ from tiercache.triton import io
 from tiercache.triton import metrics as tm
 
 log = logging.getLogger(__name__)
+STALL_CAUSES = ("adapter_load", "adapter_switch", "kv_evict")
 
 # What the final response of each admin op says in FINISH_REASON.
 OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
@@ -109,6 +110,17 @@ class TorchLlmStage:
             "tiercache_engine_adapter_swap_seconds",
             "Time to switch the active adapter (when a request needs another one)",
         )
+        self.stall_s = m.histogram(
+            "tiercache_gen_stall_seconds",
+            "Time a request waited for memory before its engine work: an adapter load or "
+            "switch, and evicting KV blocks to make room for it (the seeds' gen-stall-duration)",
+        )
+        self.stall_causes = {
+            cause: m.counter(
+                "tiercache_gen_stall_seconds_total", "gen-stall-duration by cause", cause=cause
+            )
+            for cause in STALL_CAUSES
+        }
         self.adapters_resident = m.gauge(
             "tiercache_engine_adapters_resident", "LoRA adapters loaded in the engine"
         )
@@ -188,6 +200,7 @@ class TorchLlmStage:
             self.queue_depth.set(self._queue.qsize())
             decode, sink = job
             before = self.engine.adapters.stats()
+            kv_before = self.engine.kv_stats()
             try:
                 order, request = decode()
                 self._serve(order, request, sink)
@@ -202,8 +215,10 @@ class TorchLlmStage:
                 except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
                     io.log.exception("could not send an error response")
             finally:
-                self._record_adapters(before, self.engine.adapters.stats())
-                self._record_kv(self.engine.kv_stats())
+                adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
+                self._record_adapters(before, adapters)
+                self._record_kv(kv)
+                self._record_stall(before, adapters, kv_before, kv)
                 self._trim_memory()
 
     def _serve(
@@ -264,6 +279,21 @@ class TorchLlmStage:
         self.adapter_evictions.update(after.evictions)
         self.adapters_resident.set(after.resident)
 
+    def _record_stall(
+        self, before: AdapterStats, after: AdapterStats, kv_before: KvStats, kv_after: KvStats
+    ) -> None:
+        """This request's gen-stall-duration: its adapter load and switch (each at most once
+        a request: the last timing is its) and its KV evictions."""
+        causes = {
+            "adapter_load": after.last_load_s if after.loads > before.loads else 0.0,
+            "adapter_switch": after.last_switch_s if after.switches > before.switches else 0.0,
+            "kv_evict": max(kv_after.evict_s - kv_before.evict_s, 0.0),
+        }
+        for cause, seconds in causes.items():
+            if seconds > 0:
+                self.stall_causes[cause].increment(seconds)
+        self.stall_s.observe(sum(causes.values()))
+
     def _record_kv(self, after: KvStats) -> None:
         """Prefix-pool metrics from its stats, on the worker thread (the only one using it)."""
         self.kv_lookups["hit"].update(after.hit_lookups)
@@ -304,10 +334,11 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
-    if config.memory_headroom_bytes and config.device.startswith("cuda"):
+    budgeted = config.memory_headroom_bytes or config.cache_memory_bytes
+    if budgeted and config.device.startswith("cuda"):
         log.warning(
-            "memory_headroom_bytes: the KV pool is on %s, not host memory; its budget stays "
-            "fixed (GPU budgets are not built yet)",
+            "memory_headroom_bytes, cache_memory_bytes: the KV pool is on %s, not host memory; "
+            "its budget stays fixed (GPU budgets are not built yet)",
             config.device,
         )
     else:
@@ -318,23 +349,24 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
             metrics,
             config.state_path(),
             model_name,
+            total_bytes=config.cache_memory_bytes,
         )
     metrics.start()
     return stage
 
 
 def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """The KV pool's budget: between its floor and its fixed size, valued by the reuses its
-    evictions gave up per byte evicted (a smaller one is applied by the engine thread, at the
-    next request: `KvBlockPool.resize`)."""
+    """The KV pool's budget: between its floor and its fixed size, valued by what one more
+    byte would save (prefill of blocks it evicted lately, asked for again; a smaller budget is
+    applied by the engine thread, at the next request: `KvBlockPool.resize`)."""
 
-    def given_up() -> tuple[float, float]:
+    def gained() -> tuple[float, float]:
         stats = pool.stats()
-        return float(stats.evicted_reuses), float(stats.evicted_bytes)
+        return stats.shadow_gained_s, float(stats.shadow_bytes)
 
     # held: the pool evicts at its next request, not at once
     return cache_budget(
-        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, given_up, lambda: pool.stats().bytes
+        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, gained, lambda: pool.stats().bytes
     )
 
 
