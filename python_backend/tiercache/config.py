@@ -222,6 +222,14 @@ PARAMETERS: dict[str, _Spec] = {
         "ceilings; 0: off, each budget stays its fixed size; docs/budgets.md)",
         min=0,
     ),
+    "l1_min_bytes": _Spec(
+        1 << 20, "Floor of L1's budget (memory_headroom_bytes, cache_memory_bytes)", min=1
+    ),
+    "budget_interval_s": _Spec(
+        1.0,
+        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
+        min=0.05,
+    ),
     "confidence_floor": _Spec(
         0.0,
         "Answers whose confidence (geometric-mean token probability, tiercache.exact.confidence) "
@@ -388,14 +396,8 @@ class PromptCacheConfig(_LookupConfig):
     l1_eviction: str = shared("l1_eviction")
     memory_headroom_bytes: int = shared("memory_headroom_bytes")
     cache_memory_bytes: int = shared("cache_memory_bytes")
-    l1_min_bytes: int = param(
-        1 << 20, "Floor of L1's budget (memory_headroom_bytes, cache_memory_bytes)", min=1
-    )
-    budget_interval_s: float = param(
-        1.0,
-        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
-        min=0.05,
-    )
+    l1_min_bytes: int = shared("l1_min_bytes")
+    budget_interval_s: float = shared("budget_interval_s")
     embedder: str = param(
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
@@ -433,6 +435,10 @@ class EmbeddingCacheConfig(_TiersConfig):
 
     l1_max_bytes: int = shared("l1_max_bytes")
     l1_eviction: str = shared("l1_eviction")
+    memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    cache_memory_bytes: int = shared("cache_memory_bytes")
+    l1_min_bytes: int = shared("l1_min_bytes")
+    budget_interval_s: float = shared("budget_interval_s")
     embedder: str = shared("embedder")
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")
@@ -694,11 +700,7 @@ class EngineConfig(_StateConfig):
         "Floor of the KV pool's budget (memory_headroom_bytes, cache_memory_bytes)",
         min=0,
     )
-    budget_interval_s: float = param(
-        1.0,
-        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
-        min=0.05,
-    )
+    budget_interval_s: float = shared("budget_interval_s")
     kv_eviction: str = param(
         "gdsf",
         "Which KV blocks the pool gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +22,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.semantic.vectors import vector_key
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
-from tiercache.vocabulary import CacheStatus
+from tiercache.vocabulary import CacheStatus, Tier
 
 SCOPE, OTHER_SCOPE = "s" * 64, "t" * 64
 
@@ -285,3 +286,36 @@ def test_with_a_confidence_floor_an_unsure_answer_is_not_served_to_a_rewording(
         assert outcomes["unsure"].metric.value() == outcomes["semantic"].metric.value() == 1
     finally:
         instance.finalize()
+
+
+def test_with_a_total_its_answers_l1_follows_the_budgets(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
+) -> None:
+    """cache_memory_bytes under L1's fixed size: embedding_cache's answers' L1 shrinks to it
+    within a tick and is published in the host's ledger, as prompt_cache's is."""
+    instance = load_model("embedding_cache").TritonPythonModel()
+    parameters = {
+        "state_dir": str(tmp_path),
+        "cache_memory_bytes": str(8 << 20),
+        "budget_interval_s": "0.05",
+    }
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    try:
+        l1 = instance.stage.core.answers.store(Tier.L1)
+        deadline = time.monotonic() + 10.0
+        while l1.stats().max_bytes != 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert l1.stats().max_bytes == 8 << 20
+        assert [p.name.split(".")[0] for p in (tmp_path / "budgets").iterdir()] == [
+            "embedding_cache"
+        ]
+    finally:
+        instance.finalize()
+    assert instance.stage.budgets is not None and not instance.stage.budgets._thread.is_alive()

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tiercache.budgets import (
+    OWN,
     Budget,
     BudgetController,
     BudgetThread,
     Decision,
-    OWN,
     HostLedger,
     LedgerEntry,
     ShadowValue,

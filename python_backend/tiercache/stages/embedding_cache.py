@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tiercache.budgets import BudgetThread
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
+from tiercache.exact.stores import MemoryStore
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
@@ -21,6 +23,7 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope, check_sealed
+from tiercache.stages.memory_budgets import l1_budget, start_budgets
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
 from tiercache.stages.seal import (
     ANSWER_LABEL,
@@ -36,7 +39,7 @@ from tiercache.stages.seal import (
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
-from tiercache.vocabulary import CacheStatus
+from tiercache.vocabulary import CacheStatus, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ class EmbeddingCacheStage:
 
     def __init__(self, stage: EmbeddingCache, metrics: tm.Metrics, sealer: Sealer) -> None:
         self.core = stage
+        self.budgets: BudgetThread | None = None  # L1 following the machine, if asked
         self.sealer = sealer
         self.metrics = m = metrics
         self.outcomes = status_counters(
@@ -153,6 +157,8 @@ class EmbeddingCacheStage:
         self.outcomes["error"].increment(1)
 
     def close(self) -> None:
+        if self.budgets is not None:
+            self.budgets.close()
         self.metrics.close()
         self.core.close()
 
@@ -240,5 +246,16 @@ def open_embedding_cache(
     metrics = tm.Metrics(model_name, instance=instance_name)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    l1 = tiers.cache.store(Tier.L1)
+    if isinstance(l1, MemoryStore):  # its answers' L1 follows the machine, as prompt_cache's
+        stage.budgets = start_budgets(
+            config.memory_headroom_bytes,
+            config.budget_interval_s,
+            [l1_budget(l1, config.l1_min_bytes, config.l1_max_bytes)],
+            metrics,
+            config.state_path(),
+            f"{model_name}.{instance_name}",
+            total_bytes=config.cache_memory_bytes,
+        )
     metrics.start()
     return stage

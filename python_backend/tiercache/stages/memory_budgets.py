@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiercache.budgets import Budget, BudgetController, BudgetThread, Decision, HostLedger
+from tiercache.budgets import (
+    Budget,
+    BudgetController,
+    BudgetThread,
+    Decision,
+    HostLedger,
+    cache_budget,
+)
+from tiercache.exact.stores import MemoryStore
 from tiercache.machine import HostMemoryProbe
 from tiercache.triton import metrics as tm
 
@@ -93,3 +101,14 @@ def start_budgets(
     for budget in budgets:
         sizes[budget.name].set(budget.current_bytes)
     return BudgetThread(controller, interval_s, on_tick, on_close=ledger.close).start()
+
+
+def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """L1's budget: between its floor and its fixed size, valued by what one more byte would
+    save (misses on answers it evicted lately: the lower tier's read, or the generation)."""
+
+    def gained() -> tuple[float, float]:
+        stats = store.stats()
+        return stats.shadow_gained_s, float(stats.shadow_bytes)
+
+    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, gained)

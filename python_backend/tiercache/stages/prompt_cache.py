@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tiercache.budgets import Budget, BudgetThread, cache_budget
+from tiercache.budgets import BudgetThread
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
@@ -17,7 +17,7 @@ from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.contract import PROMPT_CACHE, prompt_cache_terms, write_terms
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.memory_budgets import start_budgets
+from tiercache.stages.memory_budgets import l1_budget, start_budgets
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import Sealer
 from tiercache.triton import metrics as tm
@@ -143,14 +143,3 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
         )
     metrics.start()
     return stage
-
-
-def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """L1's budget: between its floor and its fixed size, valued by what one more byte would
-    save (misses on answers it evicted lately: the lower tier's read, or the generation)."""
-
-    def gained() -> tuple[float, float]:
-        stats = store.stats()
-        return stats.shadow_gained_s, float(stats.shadow_bytes)
-
-    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, gained)

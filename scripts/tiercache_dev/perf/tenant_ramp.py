@@ -305,8 +305,10 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> No
         for start, tenants in zip(starts, args.tenant_counts, strict=False):
             axes[0].axvline(start, color="0.8", linewidth=0.8)
             axes[0].text(start, 0, f" {tenants}", fontsize=7, va="bottom")
-    for share in args.kv_shares:
-        axes[0].axhline(args.total_mib * share, linestyle=":", linewidth=0.8,
+    colours = ("tab:green", "tab:red", "tab:purple", "tab:brown")
+    for i, share in enumerate(args.kv_shares):
+        axes[0].axhline(args.total_mib * share, linestyle=":", linewidth=1.0,
+                        color=colours[i % len(colours)],
                         label=f"fixed-{share:g}: kv_pool budget")  # fmt: skip
     axes[0].set_ylabel("MiB")
     axes[0].set_xlabel("seconds into the controller's run (vertical lines: phases, tenants)")
