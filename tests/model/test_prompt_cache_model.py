@@ -423,6 +423,8 @@ def test_with_a_memory_headroom_l1_follows_the_host(
         assert shrinks == {"shrink": 1, "grow": 0, "move": 0}
         (value,) = families["tiercache_budget_value_per_mib"].metrics
         assert value.value() == 0.0  # nothing evicted, nothing missed since: no gradient
+        assert families["tiercache_memory_headroom_bytes"].metrics[0].value() == 1 << 60
+        assert families["tiercache_cache_memory_bytes"].metrics[0].value() == 0
         assert families["tiercache_budget_short_total"].metrics[0].value() >= 1
         (available,) = families["tiercache_memory_available_bytes"].metrics
         assert 0 < available.value() < 1 << 60

@@ -67,6 +67,14 @@ def start_budgets(
         )
         for b in budgets
     }
+    metrics.gauge(
+        "tiercache_memory_headroom_bytes",
+        "Host memory the budgets keep free (memory_headroom_bytes; 0: none)",
+    ).set(headroom_bytes)
+    metrics.gauge(
+        "tiercache_cache_memory_bytes",
+        "What the host's cache budgets may hold together (cache_memory_bytes; 0: no total)",
+    ).set(total_bytes)
     free = metrics.gauge(
         "tiercache_memory_available_bytes",
         "Host memory this process may still take, as the budget controller last read it",
