@@ -64,6 +64,8 @@ def test_shared_prefix_is_reused_within_a_tenant_only(
     assert lookups("miss") == misses_before + 2
     pool_bytes = settled_metric(server, "tiercache_engine_kv_pool_bytes")
     assert 0 < pool_bytes <= 256 << 20
+    # every engine call's gen-stall-duration is observed (no adapter, a pool with room: ~0)
+    assert settled_metric(server, "tiercache_gen_stall_seconds_count") >= 3
 
 
 def engine_final(server: TritonServer, request: GenerationRequest) -> dict[str, object]:
