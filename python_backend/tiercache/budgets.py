@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,20 +131,23 @@ class BudgetController:
         self.total_bytes = total_bytes
         self.move_ratio = move_ratio
         self.step_bytes = max(int(total_bytes * step_fraction), 1)
-        self._settling = 0  # ticks left before another shrink
+        self._settling = 0  # ticks left before another shrink for memory
+        self._cooling = 0  # ticks left before another move or shrink under the total
+        self._publish_after = False
+        self._shrunk_short = 0
         self.last_available = 0
         self.values: dict[str, float] = {b.name: 0.0 for b in self.budgets}  # as last read
 
     def tick(self) -> list[Decision]:
         """Read, decide, apply; the budgets that changed (and a "floors" note when the
-        headroom cannot be kept). What changed is published at once (the others' room)."""
+        headroom cannot be kept). Changes under the total are published at once (the others'
+        room); a shrink for memory is not: the reading the others share it by has not
+        changed yet."""
         available = self.last_available = int(self._available())
         self.values = {b.name: max(float(b.value_per_byte()), 0.0) for b in self.budgets}
         host = self.ledger.publish(self._own()) if self.ledger is not None else self._own()
         decisions = self._decide(available, host)
-        if self.ledger is not None and any(d.reason in ("move", "grow") for d in decisions):
-            # at once: the room a move leaves is another process's to take. Not after a
-            # shrink for memory: the reading the others share it by has not changed yet
+        if self.ledger is not None and self._publish_after and decisions:
             self.ledger.publish(self._own())
         return decisions
 
@@ -154,45 +158,69 @@ class BudgetController:
             for b in self.budgets
         ]  # fmt: skip
 
-    def _decide(self, available: int, host: list[LedgerEntry]) -> list[Decision]:
-        own = [e for e in host if e.owner == OWN]
-        host_bytes = sum(e.bytes for e in host)
-        own_bytes = sum(e.bytes for e in own)
+    def _decide(self, available: int, host: list[LedgerEntry] | None) -> list[Decision]:
+        """`host` None: the ledger could not be read (this process holds under a total)."""
+        self._publish_after = False  # set for changes under the total
+        entries = host if host is not None else self._own()
+        own_bytes = sum(b.current_bytes for b in self.budgets)
+        host_bytes = sum(e.bytes for e in entries)
         part = own_bytes / host_bytes if host_bytes > 0 else 1.0
         shortfall = self.headroom_bytes - available
         settling = self._settling > 0
         if settling:
             self._settling -= 1
-            if shortfall > 0:
-                return []  # the last shrink may not show yet
+        cooling = self._cooling > 0
+        if cooling:
+            self._cooling -= 1
         if shortfall > 0:
+            if settling:
+                return []  # the last shrink may not show yet
             # bytes a cache still holds over its budget are on their way back
             shortfall -= sum(
                 max(b.held() - b.current_bytes, 0) for b in self.budgets if b.held is not None
             )
             if shortfall <= 0:
                 return []
-            return self._shrink(max(int(shortfall * part), 1), "shrink")
+            decisions = self._shrink(max(int(shortfall * part), 1), "shrink")
+            if any(d.reason == "shrink" for d in decisions):
+                self._settling = self.settle_ticks
+            if self._shrunk_short > 0:
+                decisions.append(Decision("*", self._shrunk_short, 0, "floors"))
+                log.warning(
+                    "memory headroom short by %d bytes with every cache budget at its floor",
+                    self._shrunk_short,
+                )
+            return decisions
         room = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if self.total_bytes <= 0:
             return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
+        if host is None:
+            return []  # without the others' budgets, growing could pass the total: hold
         excess = host_bytes - self.total_bytes
-        if excess > 0:
-            return [] if settling else self._shrink(max(int(excess * part), 1), "shrink")
-        moved = [] if settling else self._move(host)
-        if moved:
-            return moved
+        if excess > 0:  # floors above the total hold (said by the budgets' own metrics)
+            if cooling:
+                return []
+            self._publish_after = True
+            decisions = self._shrink(max(int(excess * part), 1), "shrink")
+            if decisions:
+                self._cooling = self.settle_ticks
+            return decisions
+        # room under the total nobody took yet: its owner grows next; no new move meanwhile
+        unclaimed = -excess
+        self._publish_after = True
+        if unclaimed < self.step_bytes and not cooling:
+            moved = self._move(entries)
+            if moved:
+                self._cooling = self.settle_ticks
+                return moved
         # room under the total (and in memory, with a headroom) goes to the host's most
-        # valuable budget that can grow, if it is ours
-        if self.headroom_bytes > 0:
-            room = min(-excess, room)
-        else:
-            room = -excess
-        best = _most_valuable(host)
-        if room <= 0 or best is None or best.owner != OWN:
+        # valuable budget that can grow, if it is ours, a step at a time
+        grow_room = min(unclaimed, room) if self.headroom_bytes > 0 else unclaimed
+        best = _most_valuable(entries)
+        if grow_room <= 0 or best is None or best.owner != OWN:
             return []
         budget = next(b for b in self.budgets if b.name == best.name)
-        give = min(budget.ceiling_bytes - budget.current_bytes, room)
+        give = min(budget.ceiling_bytes - budget.current_bytes, grow_room, self.step_bytes)
         return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
 
     def _move(self, host: Sequence[LedgerEntry]) -> list[Decision]:
@@ -211,13 +239,14 @@ class BudgetController:
         if take <= 0:
             return []
         decisions = [self._apply(low, low.current_bytes - take, "move")]
-        self._settling = self.settle_ticks
         if best.owner == OWN:
             gainer = next(b for b in self.budgets if b.name == best.name)
             decisions.append(self._apply(gainer, gainer.current_bytes + take, "grow"))
         return decisions
 
     def _shrink(self, shortfall: int, reason: str) -> list[Decision]:
+        """Shrink the least valuable first, to floors at most; what could not be taken is
+        left in `_shrunk_short`."""
         decisions = []
         for budget in sorted(self.budgets, key=lambda b: self.values[b.name]):
             if shortfall <= 0:
@@ -227,13 +256,7 @@ class BudgetController:
                 continue
             decisions.append(self._apply(budget, budget.current_bytes - take, reason))
             shortfall -= take
-            self._settling = self.settle_ticks
-        if shortfall > 0:
-            decisions.append(Decision("*", shortfall, 0, "floors"))
-            log.warning(
-                "memory headroom short by %d bytes with every cache budget at its floor",
-                shortfall,
-            )
+        self._shrunk_short = max(shortfall, 0)
         return decisions
 
     def _grow(self, room: int) -> list[Decision]:
@@ -291,7 +314,8 @@ class ShadowValue:
     ) -> None:
         self._read = read
         self._clock = clock
-        self._last = (read()[0], clock())
+        first = read()
+        self._last = (first[0], clock(), first[1])
         self.estimate = 0.0
 
     def __call__(self) -> float:
@@ -300,8 +324,10 @@ class ShadowValue:
         elapsed = now - self._last[1]
         if elapsed <= 0:
             return self.estimate
-        fresh = max(gained - self._last[0], 0.0) / elapsed / span if span > 0 else 0.0
-        self._last = (gained, now)
+        # the span the hits came from: the shadow's hits take their keys out of it
+        before = max(span, self._last[2])
+        fresh = max(gained - self._last[0], 0.0) / elapsed / before if before > 0 else 0.0
+        self._last = (gained, now, span)
         self.estimate = (self.estimate + fresh) / 2
         return self.estimate
 
@@ -310,18 +336,28 @@ class HostLedger:
     """Each stage process's budgets (bytes, value per byte, floor, ceiling), published as JSON
     in `<folder>/<name>.<pid>` (written atomically each tick), so that a controller takes its
     share of the host's shortfall (its bytes over the live processes') and bytes move between
-    the processes' caches under a total (files of processes that are gone, or unreadable, are
-    ignored: a hostile or torn file costs its process its say, nothing else). A folder that
-    cannot be read or written leaves this process alone (logged once)."""
+    the processes' caches under a total.
 
-    def __init__(self, folder: Path, name: str, pid: int | None = None) -> None:
+    The folder is the state directory's: what is in it is read as hostile. A file counts only
+    if it is a regular file (not a link, a FIFO or a device) of at most `MAX_LEDGER_BYTES`,
+    written within `stale_s` (a process that stopped publishing, or a file left from before a
+    restart whose pid was reused, is ignored), named for a live process other than pid 0 or 1,
+    and holds at most `MAX_LEDGER_ENTRIES` well-formed entries (a budget within its floor and
+    ceiling, a finite value >= 0); anything else costs that file its say, nothing more. A
+    folder that cannot be read or written: `publish` returns None (logged once)."""
+
+    def __init__(
+        self, folder: Path, name: str, pid: int | None = None, stale_s: float = 30.0
+    ) -> None:
         self.folder = folder
         self.pid = os.getpid() if pid is None else pid
         self.path = folder / f"{name}.{self.pid}"
+        self.stale_s = stale_s
         self._warned = False
 
-    def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry]:
-        """Write `own`; every live process's entries (`own` as given, owner OWN)."""
+    def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry] | None:
+        """Write `own`; every live process's entries (`own` as given, owner OWN), or None when
+        the folder cannot be used."""
         document = [[e.name, e.bytes, e.value, e.floor, e.ceiling] for e in own]
         entries = list(own)
         try:
@@ -329,16 +365,18 @@ class HostLedger:
             temporary = self.path.with_name(self.path.name + ".tmp")
             temporary.write_text(json.dumps(document))
             os.replace(temporary, self.path)
-            for path in self.folder.iterdir():
-                pid = path.name.rsplit(".", 1)[-1]
-                if path == self.path or not pid.isdigit() or not _alive(int(pid)):
-                    continue
-                entries.extend(_read_entries(path))
+            names = [p for p in self.folder.iterdir() if p != self.path]
         except OSError:
             if not self._warned:
                 self._warned = True
                 log.warning("budget ledger in %s unavailable; this process alone", self.folder)
-            return list(own)
+            return None
+        now = time.time()
+        for path in names:
+            pid = path.name.rsplit(".", 1)[-1]
+            if not pid.isdigit() or int(pid) <= 1 or not _alive(int(pid)):
+                continue
+            entries.extend(_read_entries(path, now - self.stale_s))
         return entries
 
     def close(self) -> None:
@@ -348,17 +386,35 @@ class HostLedger:
             pass
 
 
-def _read_entries(path: Path) -> list[LedgerEntry]:
+MAX_LEDGER_BYTES = 64 << 10
+MAX_LEDGER_ENTRIES = 16
+
+
+def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
+    """One process's entries, or none when its file is not what a stage writes (see
+    `HostLedger`)."""
     try:
-        document = json.loads(path.read_text())
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_LEDGER_BYTES:
+            return []
+        if info.st_mtime < fresh_after:
+            return []
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read(MAX_LEDGER_BYTES + 1)
+        if len(raw) > MAX_LEDGER_BYTES:
+            return []
+        document = json.loads(raw)
+        if not isinstance(document, list) or len(document) > MAX_LEDGER_ENTRIES:
+            return []
         entries = [
             LedgerEntry(path.name, str(name), int(nbytes), float(value), int(floor), int(ceiling))
             for name, nbytes, value, floor, ceiling in document
         ]
-    except (OSError, ValueError, TypeError):
+    except Exception:  # noqa: BLE001 - a torn or hostile file: no say, never a failed tick
         return []
     ok = all(
-        0 <= e.floor <= e.ceiling and 0 <= e.bytes and math.isfinite(e.value) and e.value >= 0
+        0 <= e.floor <= e.bytes <= e.ceiling and math.isfinite(e.value) and e.value >= 0
         for e in entries
     )
     return entries if ok else []
@@ -371,6 +427,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except (OverflowError, OSError):
+        return False
     return True
 
 

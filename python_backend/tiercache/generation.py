@@ -396,7 +396,7 @@ class Generations:
         wanted += [(DraftSource.NEIGHBOUR.value, d) for d in directives.neighbours]
         for source, digest in wanted:
             try:
-                found = self.cache.get(Digest(digest))
+                found = self.cache.get(Digest(digest), request=False)
             except Exception:  # noqa: BLE001 - a draft is an optimisation
                 log.exception("reading the draft %s failed", digest)
                 continue

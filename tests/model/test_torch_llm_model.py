@@ -96,6 +96,7 @@ class FakeEngine:
         draft_index_tokens: int,
     ) -> None:
         self.speculate = speculate  # the stage passes its parameters on
+        self.device = "cpu" if device == "auto" else device  # as resolved (no GPU here)
         self.kv_eviction = kv_eviction
         self.draft_index_tokens = draft_index_tokens
         self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
@@ -511,5 +512,35 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
         families = instance.stage.metrics._families
         (budget,) = families["tiercache_budget_bytes"].metrics
         assert (budget.labels["cache"], budget.value()) == ("kv_pool", 20)
+    finally:
+        instance.finalize()
+
+
+def test_a_kv_pool_on_a_gpu_keeps_its_fixed_budget(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine resolved `device` to a GPU (as "auto" does on a GPU host): its pool frees no
+    host memory and its prefill is not timed, so no budget follows the host for it."""
+
+    class GpuEngine(FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.device = "cuda:0"
+
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", GpuEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
+    instance = module.TritonPythonModel()
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "cache_memory_bytes": {"string_value": str(1 << 30)},
+        "memory_headroom_bytes": {"string_value": str(1 << 60)},
+    }
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    try:
+        assert instance.stage.budgets is None
+        assert instance.stage.engine.kv_pool.budget_bytes == 256 << 20  # its fixed size
     finally:
         instance.finalize()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tiercache.budgets import (
+    MAX_LEDGER_BYTES,
     OWN,
     Budget,
     BudgetController,
@@ -244,6 +246,9 @@ def test_shadow_value_is_seconds_saved_per_second_per_byte_of_shadow() -> None:
     assert value() == pytest.approx(0.0005)
     clock[0] = 4.0  # no time passed: unchanged, not divided by zero
     assert value() == pytest.approx(0.0005)
+    counters.append((4.0, 0.0))  # a hit worth 2 s that emptied the shadow: still counted
+    clock[0] = 5.0
+    assert value() == pytest.approx((0.0005 + 2.0 / 1000) / 2)
 
 
 def ledger_budget(name: str, cache: Cache, ceiling: int, current: int) -> Budget:
@@ -350,21 +355,71 @@ def test_over_the_total_budgets_shrink_to_it_least_valuable_first() -> None:
     assert controller.tick() == [Decision("l1", 128 * MIB, 32 * MIB, "shrink")]
 
 
-def test_the_ledger_ignores_torn_or_hostile_files(tmp_path: Path) -> None:
+def test_the_ledger_ignores_torn_stale_or_hostile_files(tmp_path: Path) -> None:
+    """The state directory is read as hostile: a bad file costs its writer its say, never a
+    failed tick, a blocked read or an unbounded one."""
     folder = tmp_path / "budgets"
     folder.mkdir()
     alive = os.getppid()
     (folder / f"torn.{alive}").write_text('[["kv", 10')
     (folder / f"negative.{alive}").write_text(json.dumps([["kv", -5, 1.0, 0, 10]]))
     (folder / f"nan.{alive}").write_text('[["kv", 5, NaN, 0, 10]]')
+    (folder / f"infinite.{alive}").write_text('[["kv", 1e400, 1.0, 0, 10]]')
+    (folder / f"over-ceiling.{alive}").write_text(json.dumps([["kv", 11, 1.0, 0, 10]]))
+    (folder / f"deep.{alive}").write_text("[" * 100_000)
+    (folder / f"many.{alive}").write_text(json.dumps([["kv", 1, 1.0, 0, 10]] * 17))
+    (folder / f"huge.{alive}").write_text(" " * (MAX_LEDGER_BYTES + 1) + "[]")
+    os.mkfifo(folder / f"fifo.{alive}")  # a read would block forever
+    (folder / f"zeros.{alive}").symlink_to("/dev/zero")  # a read would never end
+    (folder / "init.1").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))  # pid 1 always "lives"
+    stale = folder / f"stale.{alive}"
+    stale.write_text(json.dumps([["kv", 5, 9.0, 0, 10]]))
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # left from before a restart
     (folder / f"good.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))
     own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
-    host = HostLedger(folder, "prompt_cache").publish(own)
+    host = HostLedger(folder, "prompt_cache", stale_s=60).publish(own)
     assert host == own + [LedgerEntry(f"good.{alive}", "kv", 5, 1.0, 0, 10)]
 
 
-def test_an_unusable_ledger_folder_leaves_a_process_alone(tmp_path: Path) -> None:
+def test_an_unusable_ledger_folder_leaves_a_process_alone_and_holding_under_a_total(
+    tmp_path: Path,
+) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
-    assert HostLedger(blocked / "budgets", "x").publish(own) == own
+    assert HostLedger(blocked / "budgets", "x").publish(own) is None
+    cache = Cache(1.0)
+    machine = Machine(available=100 * GIB)
+    controller = BudgetController(
+        [ledger_budget("l1", cache, 64 * MIB, 32 * MIB)],
+        machine,
+        headroom_bytes=MIB,
+        ledger=HostLedger(blocked / "budgets", "x"),
+        total_bytes=64 * MIB,
+    )
+    assert controller.tick() == []  # room under its own view of the total: held, not taken
+    machine.available = 0  # memory is still protected
+    assert controller.tick() == [Decision("l1", 32 * MIB, 31 * MIB, "shrink")]
+
+
+def test_no_move_while_room_under_the_total_waits_for_its_taker(tmp_path: Path) -> None:
+    """A step given up is the most valuable budget's to take: until it is taken (another
+    process's next tick), no second step is given, so a budget nobody grows (a process that
+    stopped) cannot drain the others."""
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    alive = os.getppid()
+    # another process's budget worth much more, below its ceiling, 16 MiB under the total
+    (folder / f"other.{alive}").write_text(json.dumps([["kv", 48 * MIB, 9.0, 0, 96 * MIB]]))
+    l1 = Cache(1.0)
+    controller = BudgetController(
+        [ledger_budget("l1", l1, 96 * MIB, 32 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "prompt_cache"),
+        total_bytes=96 * MIB,
+        settle_ticks=0,
+    )
+    for _ in range(5):
+        assert controller.tick() == []
+    assert l1.sizes == []

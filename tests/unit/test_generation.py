@@ -518,11 +518,11 @@ def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
     class FailsAfterWaiting(TieredCache):
         reads = 0
 
-        def get(self, key: str, max_age_s: float | None = None):  # type: ignore[override]
+        def get(self, key: str, max_age_s: float | None = None, request: bool = True):  # type: ignore[override]
             self.reads += 1
             if self.reads >= 3:  # the recheck, the wait loop, then the read after the takeover
                 raise OSError("L2 read failed")
-            return super().get(key, max_age_s)
+            return super().get(key, max_age_s, request)
 
     leases = HandOverLeases()
     failing = FailsAfterWaiting([(Tier.L2, MemoryStore(1 << 20))])

@@ -98,3 +98,38 @@ def test_the_kv_pool_credits_the_evicted_rest_of_a_prompts_chain_with_prefill() 
     assert lease.reused_tokens == 2
     assert pool.stats().shadow_gained_s == pytest.approx(0.2)
     pool.release(lease)
+
+
+def test_a_blocks_prefill_cost_leaves_out_the_fixed_part_of_a_forward_pass() -> None:
+    """0.1 s a forward pass plus 1 ms a token: a reused 32-token block saves 32 ms, not the
+    ratio of a short prefill's seconds to its tokens (a 20-token one: 6 ms a token)."""
+    pool: KvBlockPool[str] = KvBlockPool(max_bytes=1000, tokens_per_block=32)
+    pool.observe_prefill(seconds=0.1 + 0.001 * 20, computed_tokens=20)
+    assert pool.block_cost_s == pytest.approx(0.12 / 20 * 32)  # one point: the ratio
+    for tokens in (256, 20, 300, 24, 512, 18, 200):
+        pool.observe_prefill(seconds=0.1 + 0.001 * tokens, computed_tokens=tokens)
+    assert pool.block_cost_s == pytest.approx(0.032, rel=1e-6)
+
+
+def test_no_credit_when_a_lower_tier_held_the_answer_unusable_or_the_read_is_no_request(
+    tmp_path: Path,
+) -> None:
+    """An expired copy below: a larger L1 would have missed too (and the shadow forgets the
+    key). A draft's or a row's lookup is not a request: nothing credited."""
+    size = entry("x" * 100).size_bytes
+    l1 = MemoryStore(4 * size)
+    l2 = LmdbStore(tmp_path / "l2", max_bytes=1 << 24)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)])
+    for key in ("a", "b", "c", "d", "e"):  # "a" evicted into the shadow (one entry's span)
+        l1.put(key, entry("x" * 100, generation_s=5.0))
+    l2.put("a", CacheEntry("x" * 100, 0.0, ttl_s=1.0, generation_s=5.0))  # long expired
+    assert cache.get("a") is None
+    assert l1.stats().shadow_gained_s == 0.0
+    l1.credit_miss("a")  # forgotten: nothing left to credit
+    assert l1.stats().shadow_gained_s == 0.0
+    l1.put("f", entry("x" * 100, generation_s=5.0))  # "b" evicted into the shadow
+    assert cache.get("b", request=False) is None  # not a request's read: nothing credited
+    assert l1.stats().shadow_gained_s == 0.0
+    assert cache.get("b") is None  # a request's: its generation seconds
+    assert l1.stats().shadow_gained_s == pytest.approx(5.0)
+    l2.close()

@@ -232,6 +232,7 @@ class KvBlockPool(Generic[P]):
         self._target: int | None = None  # a budget `resize` recorded for the next request
         self._shadow: ShadowQueue[BlockHash] = ShadowQueue(shadow_bytes(max_bytes))
         self.block_cost_s = 0.0
+        self._fit = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed n, sum x, sum y, sum xx, sum xy
         self._evict_s = 0.0
         self._target_lock = threading.Lock()
 
@@ -403,15 +404,26 @@ class KvBlockPool(Generic[P]):
         return max_bytes
 
     def observe_prefill(self, seconds: float, computed_tokens: int) -> None:
-        """The engine computed `computed_tokens` prompt tokens in `seconds`: what one block
-        costs to compute (`block_cost_s`, what a reuse saves) follows it, a moving average."""
+        """The engine computed `computed_tokens` prompt tokens in `seconds`. What one more
+        block costs to compute (`block_cost_s`, what reusing it saves) is the slope of a line
+        fitted to these (seconds = fixed + per-token x tokens, recent ones weighing most): a
+        prefill has a fixed part (a forward pass, attention over the reused prefix) that a
+        reused block does not save; while the tokens seen vary too little for a slope, the
+        ratio of the two, an upper bound."""
         if computed_tokens <= 0 or seconds <= 0:
             return
-        fresh = seconds / computed_tokens * self.tokens_per_block
-        if self.block_cost_s == 0.0:
-            self.block_cost_s = fresh
-        else:
-            self.block_cost_s = 0.8 * self.block_cost_s + 0.2 * fresh
+        decay = 0.95
+        n, sx, sy, sxx, sxy = (decay * v for v in self._fit)
+        x = float(computed_tokens)
+        self._fit = (n + 1, sx + x, sy + seconds, sxx + x * x, sxy + x * seconds)
+        n, sx, sy, sxx, sxy = self._fit
+        spread = sxx - sx * sx / n
+        if spread > 1.0 * n * self.tokens_per_block**2:  # tokens vary by about a block or more
+            slope = (sxy - sx * sy / n) / spread
+            if slope > 0:
+                self.block_cost_s = slope * self.tokens_per_block
+                return
+        self.block_cost_s = sy / sx * self.tokens_per_block
 
     @property
     def budget_bytes(self) -> int:

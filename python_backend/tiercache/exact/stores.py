@@ -153,6 +153,12 @@ class MemoryStore:
             if key not in self._entries:
                 self._shadow.credit(key, saves_s)
 
+    def forget_evicted(self, key: str) -> None:
+        """`key`'s answer is no longer servable (invalidated, expired): a later miss on it is
+        no hit L1 lost."""
+        with self._lock:
+            self._shadow.discard(key)
+
     def peek(self, key: str) -> CacheEntry | None:
         """`get` that counts nothing and leaves the policy's order as it is."""
         with self._lock:

@@ -120,16 +120,21 @@ class TieredCache:
         """The wall clock entries are stamped with (`created_s`)."""
         return self._clock()
 
-    def get(self, key: str, max_age_s: float | None = None) -> Lookup | None:
+    def get(self, key: str, max_age_s: float | None = None, request: bool = True) -> Lookup | None:
         """The freshest usable entry, from the highest tier that has one; None on a miss. A tier
         that fails to read is a miss in that tier (logged), never an error: the request goes on
         to a lower tier or to the engine. `default_ttl_s` caps the age of what this cache
-        serves, whatever TTL the writer gave the entry (prompt_cache reads what llm wrote)."""
+        serves, whatever TTL the writer gave the entry (prompt_cache reads what llm wrote).
+        A miss in L1 on an answer it evicted lately is a hit one more byte of L1 would have had
+        (`MemoryStore.credit_miss`), unless a lower tier held it unusable (expired, invalidated,
+        too old: L1 would have missed too) or the read is not a request's (`request` False:
+        a draft's or a row's lookup)."""
         self._catch_up()
         now = self._clock()
         tiers = self._stores
-        l1 = tiers[0][1] if tiers and isinstance(tiers[0][1], MemoryStore) else None
+        l1 = tiers[0][1] if request and tiers and isinstance(tiers[0][1], MemoryStore) else None
         l1_missed = 0.0  # when L1 missed: what the lower tiers then cost is what L1 would save
+        unusable = False  # a lower tier held it, but not fit to serve
         for i, (tier, store) in enumerate(tiers):
             if i == 1 and l1 is not None:
                 l1_missed = time.perf_counter()
@@ -142,11 +147,14 @@ class TieredCache:
                 continue
             if entry.expired(now) or self.invalidations.covers(key, entry):
                 self._drop(tier, store, key)
+                unusable = True
                 continue
             age_s = now - entry.created_s
             if self.default_ttl_s > 0 and age_s >= self.default_ttl_s:
+                unusable = True
                 continue  # too old for this reader; the writer's TTL may keep it for others
             if max_age_s is not None and age_s > max_age_s:
+                unusable = True
                 continue
             if i > 0 and l1 is not None:
                 l1.credit_miss(key, time.perf_counter() - l1_missed)
@@ -156,8 +164,10 @@ class TieredCache:
                 except Exception:  # noqa: BLE001 - a failed fill (a full disk) must not fail a hit
                     log.exception("filling %s with %s failed", upper_tier.value, key)
             return Lookup(entry, tier)
-        if l1 is not None:
+        if l1 is not None and not unusable:
             l1.credit_miss(key)  # to the engine: its generation seconds, if L1 evicted it lately
+        elif l1 is not None:
+            l1.forget_evicted(key)
         return None
 
     def peek(self, key: str) -> CacheEntry | None:

@@ -583,7 +583,7 @@ class RowSharing:
             cache.invalidations,
             lock_path=follower_lock_path(store.path),
             ready=(lambda: listener.stats().connected) if listener is not None else lambda: True,
-            answer_exists=lambda digest: cache.get(digest) is not None,
+            answer_exists=lambda digest: cache.get(digest, request=False) is not None,
             embedder=embedder,
             dimensions=dimensions,
             batch_rows=batch_rows,
@@ -597,7 +597,7 @@ class RowSharing:
     def publish(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> bool:
         """Share a row just indexed here; False when its answer is gone already (invalidated
         meanwhile) or Redis is unavailable."""
-        found = self.cache.get(digest)
+        found = self.cache.get(digest, request=False)
         if found is None:
             return False
         row = SharedRow.of_entry(

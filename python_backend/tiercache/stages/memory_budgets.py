@@ -48,7 +48,8 @@ def start_budgets(
         def available() -> int:
             return probe.read().available_bytes
 
-    ledger = HostLedger(state_dir / "budgets", name)
+    # a process that has not published for ten looks (at least 10 s) is gone or stuck
+    ledger = HostLedger(state_dir / "budgets", name, stale_s=max(10 * interval_s, 10.0))
     controller = BudgetController(
         budgets, available, headroom_bytes, ledger=ledger, total_bytes=total_bytes
     )

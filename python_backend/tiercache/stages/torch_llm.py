@@ -117,7 +117,9 @@ class TorchLlmStage:
         )
         self.stall_causes = {
             cause: m.counter(
-                "tiercache_gen_stall_seconds_total", "gen-stall-duration by cause", cause=cause
+                "tiercache_gen_stall_cause_seconds_total",
+                "gen-stall-duration by cause",
+                cause=cause,
             )
             for cause in STALL_CAUSES
         }
@@ -335,11 +337,11 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
     budgeted = config.memory_headroom_bytes or config.cache_memory_bytes
-    if budgeted and config.device.startswith("cuda"):
+    if budgeted and not str(engine.device).startswith("cpu"):  # "auto" may have picked a GPU
         log.warning(
             "memory_headroom_bytes, cache_memory_bytes: the KV pool is on %s, not host memory; "
             "its budget stays fixed (GPU budgets are not built yet)",
-            config.device,
+            engine.device,
         )
     else:
         stage.budgets = start_budgets(

@@ -8,7 +8,8 @@ Usage::
         [--tenants 1,2,4,6,8,12] [--requests-per-phase 40] [--ttft-objective-ms 300]
         [--out-dir .perf/tenant_ramp]
 
-One server after the other (never two at once), each cold, on free ports with a temporary state
+One server after the other (never two at once; the controller's last, or first with
+`--controller-first`), each cold, on free ports with a temporary state
 directory (the converted weights linked from `--state-dir/models`), `make serve`'s repository
 with these torch_llm and prompt_cache parameters:
 
@@ -105,6 +106,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--ttft-objective-ms", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=20)
+    p.add_argument(
+        "--controller-first",
+        action="store_true",
+        help="run the controller's server first (the machine's drift lands on the others)",
+    )
     args = p.parse_args(argv)
     args.tenant_counts = [int(x) for x in args.tenants.split(",")]
     args.kv_shares = [float(x) for x in args.fixed_kv_shares.split(",") if x]
@@ -366,7 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ramp = requests(args)
     runs = []
     with tempfile.TemporaryDirectory(prefix="tiercache-ramp-") as tmp:
-        for name, params in configurations(args):
+        order = configurations(args)
+        if args.controller_first:
+            order = order[-1:] + order[:-1]
+        for name, params in order:
             runs.append(run_one(name, params, ramp, args, Path(tmp)))
     (args.out_dir / "tenant_ramp.json").write_text(json.dumps(runs, indent=1))
     plot(runs, args, args.out_dir / "tenant_ramp.png")
