@@ -47,6 +47,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,10 +107,13 @@ class BudgetController:
         total_bytes: int = 0,
         move_ratio: float = 1.5,
         step_fraction: float = 1 / 16,
+        objective: Callable[[], int] | None = None,
     ) -> None:
         """`ledger`: the host's other stage processes' budgets (None: this process is alone).
         `total_bytes` (0: none): what all of the host's budgets may hold together; bytes then
-        move between them (`move_ratio`, `step_fraction`: see the module docstring)."""
+        move between them (`move_ratio`, `step_fraction`: see the module docstring).
+        `objective`: this process's latency objective now (SLACK, MET or LATE;
+        `LatencyObjective.state`), published for the host's controllers (None: none)."""
         if headroom_bytes < 0:
             raise ConfigError(f"headroom must be >= 0 bytes, got {headroom_bytes}")
         if total_bytes < 0:
@@ -135,6 +139,8 @@ class BudgetController:
         self._cooling = 0  # ticks left before another move or shrink under the total
         self._publish_after = False
         self._shrunk_short = 0
+        self._objective = objective
+        self.objective_state = SLACK
         self.last_available = 0
         self.values: dict[str, float] = {b.name: 0.0 for b in self.budgets}  # as last read
 
@@ -145,6 +151,8 @@ class BudgetController:
         changed yet."""
         available = self.last_available = int(self._available())
         self.values = {b.name: max(float(b.value_per_byte()), 0.0) for b in self.budgets}
+        if self._objective is not None:
+            self.objective_state = self._objective()
         host = self.ledger.publish(self._own()) if self.ledger is not None else self._own()
         decisions = self._decide(available, host)
         if self.ledger is not None and self._publish_after and decisions:
@@ -154,7 +162,7 @@ class BudgetController:
     def _own(self) -> list[LedgerEntry]:
         return [
             LedgerEntry(OWN, b.name, b.current_bytes, self.values[b.name], b.floor_bytes,
-                        b.ceiling_bytes)
+                        b.ceiling_bytes, self.objective_state)
             for b in self.budgets
         ]  # fmt: skip
 
@@ -196,7 +204,12 @@ class BudgetController:
             return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
+        late = max((e.objective for e in entries), default=SLACK)
+        if late == LATE:
+            return self._beyond_total(entries, room)
         excess = host_bytes - self.total_bytes
+        if excess > 0 and late == MET:
+            return []  # bytes taken past the total for a missed objective: kept while met
         if excess > 0:  # floors above the total hold (said by the budgets' own metrics)
             if cooling:
                 return []
@@ -221,6 +234,25 @@ class BudgetController:
             return []
         budget = next(b for b in self.budgets if b.name == best.name)
         give = min(budget.ceiling_bytes - budget.current_bytes, grow_room, self.step_bytes)
+        return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
+
+    def _beyond_total(self, host: Sequence[LedgerEntry], room: int) -> list[Decision]:
+        """A process of the host misses its latency objective: the host's most valuable budget
+        (worth anything: its shadow shows more bytes would have saved time) grows a step past
+        the total, if it is ours, while memory stays above the headroom."""
+        best = _most_valuable(host)
+        if best is None or best.owner != OWN or best.value <= 0.0:
+            return []
+        if self.headroom_bytes > 0 and room <= 0:
+            return []
+        give = best.ceiling - best.bytes
+        give = (
+            min(give, self.step_bytes, room)
+            if self.headroom_bytes > 0
+            else min(give, self.step_bytes)
+        )
+        budget = next(b for b in self.budgets if b.name == best.name)
+        self._publish_after = True
         return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
 
     def _move(self, host: Sequence[LedgerEntry]) -> list[Decision]:
@@ -282,6 +314,42 @@ class BudgetController:
 OWN = ""
 """`LedgerEntry.owner` of this process's own budgets."""
 
+SLACK, MET, LATE = 0, 1, 2
+"""A latency objective's state (`LatencyObjective`): met with room (or none), met, missed."""
+
+
+class LatencyObjective:
+    """A time-to-first-token objective over a process's recent requests: LATE when the
+    `quantile` of the last `window` requests is over `objective_s`, SLACK when it is under
+    `slack` x the objective (or too few requests were seen: nothing to act on), else MET.
+    `observe` is called from the engine thread, `state` from the budget thread."""
+
+    def __init__(
+        self,
+        objective_s: float,
+        window: int = 64,
+        quantile: float = 0.9,
+        slack: float = 0.8,
+        min_requests: int = 16,
+    ) -> None:
+        if objective_s <= 0:
+            raise ConfigError(f"a latency objective must be > 0 s, got {objective_s}")
+        self.objective_s = objective_s
+        self.quantile, self.slack, self.min_requests = quantile, slack, min_requests
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def state(self) -> int:
+        recent = sorted(self._recent)
+        if len(recent) < self.min_requests:
+            return SLACK
+        at = recent[min(int(self.quantile * len(recent)), len(recent) - 1)]
+        if at > self.objective_s:
+            return LATE
+        return SLACK if at < self.slack * self.objective_s else MET
+
 
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
@@ -293,6 +361,9 @@ class LedgerEntry:
     value: float  # value per byte (tiercache.shadow: engine seconds one more byte saves / s)
     floor: int
     ceiling: int
+    # the publishing process's latency objective: SLACK (none, or met with room), MET (met,
+    # close to it: hold) or LATE (missed): see `LatencyObjective`
+    objective: int = 0
 
 
 def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:
@@ -358,7 +429,7 @@ class HostLedger:
     def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry] | None:
         """Write `own`; every live process's entries (`own` as given, owner OWN), or None when
         the folder cannot be used."""
-        document = [[e.name, e.bytes, e.value, e.floor, e.ceiling] for e in own]
+        document = [[e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective] for e in own]
         entries = list(own)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -408,9 +479,12 @@ def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
         if not isinstance(document, list) or len(document) > MAX_LEDGER_ENTRIES:
             return []
         entries = [
-            LedgerEntry(path.name, str(name), int(nbytes), float(value), int(floor), int(ceiling))
-            for name, nbytes, value, floor, ceiling in document
-        ]
+            LedgerEntry(
+                path.name, str(name), int(nbytes), float(value), int(floor), int(ceiling),
+                min(max(int(objective), SLACK), LATE),
+            )
+            for name, nbytes, value, floor, ceiling, objective in document
+        ]  # fmt: skip
     except Exception:  # noqa: BLE001 - a torn or hostile file: no say, never a failed tick
         return []
     ok = all(

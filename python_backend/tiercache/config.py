@@ -701,6 +701,15 @@ class EngineConfig(_StateConfig):
         min=0,
     )
     budget_interval_s: float = shared("budget_interval_s")
+    ttft_objective_s: float = param(
+        0.0,
+        "Time-to-first-token objective of this engine's requests (queue wait and prefill; the "
+        "90th percentile of the last 64): while it is missed, the host's most valuable cache "
+        "budget whose shadow shows more bytes would help may grow past cache_memory_bytes, a "
+        "step a look, memory headroom allowing; met by 20 %, it gives them back (0: none; "
+        "docs/budgets.md)",
+        min=0,
+    )
     kv_eviction: str = param(
         "gdsf",
         "Which KV blocks the pool gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU "

@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 
 from tiercache.budgets import (
+    LATE,
     MAX_LEDGER_BYTES,
+    MET,
     OWN,
+    SLACK,
     Budget,
     BudgetController,
     BudgetThread,
     Decision,
     HostLedger,
+    LatencyObjective,
     LedgerEntry,
     ShadowValue,
 )
@@ -260,7 +264,7 @@ def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) 
     both), not the whole shortfall; a file left by a process that is gone does not count."""
     folder = tmp_path / "budgets"
     folder.mkdir()
-    (folder / "gone.999999999").write_text(json.dumps([["kv", 10 * GIB, 0.0, 0, 10 * GIB]]))
+    (folder / "gone.999999999").write_text(json.dumps([["kv", 10 * GIB, 0.0, 0, 10 * GIB, 0]]))
     machine = Machine(available=0)
     caches = {"a": Cache(1.0), "b": Cache(1.0)}
     controllers = [
@@ -362,20 +366,20 @@ def test_the_ledger_ignores_torn_stale_or_hostile_files(tmp_path: Path) -> None:
     folder.mkdir()
     alive = os.getppid()
     (folder / f"torn.{alive}").write_text('[["kv", 10')
-    (folder / f"negative.{alive}").write_text(json.dumps([["kv", -5, 1.0, 0, 10]]))
-    (folder / f"nan.{alive}").write_text('[["kv", 5, NaN, 0, 10]]')
-    (folder / f"infinite.{alive}").write_text('[["kv", 1e400, 1.0, 0, 10]]')
-    (folder / f"over-ceiling.{alive}").write_text(json.dumps([["kv", 11, 1.0, 0, 10]]))
+    (folder / f"negative.{alive}").write_text(json.dumps([["kv", -5, 1.0, 0, 10, 0]]))
+    (folder / f"nan.{alive}").write_text('[["kv", 5, NaN, 0, 10, 0]]')
+    (folder / f"infinite.{alive}").write_text('[["kv", 1e400, 1.0, 0, 10, 0]]')
+    (folder / f"over-ceiling.{alive}").write_text(json.dumps([["kv", 11, 1.0, 0, 10, 0]]))
     (folder / f"deep.{alive}").write_text("[" * 100_000)
-    (folder / f"many.{alive}").write_text(json.dumps([["kv", 1, 1.0, 0, 10]] * 17))
+    (folder / f"many.{alive}").write_text(json.dumps([["kv", 1, 1.0, 0, 10, 0]] * 17))
     (folder / f"huge.{alive}").write_text(" " * (MAX_LEDGER_BYTES + 1) + "[]")
     os.mkfifo(folder / f"fifo.{alive}")  # a read would block forever
     (folder / f"zeros.{alive}").symlink_to("/dev/zero")  # a read would never end
-    (folder / "init.1").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))  # pid 1 always "lives"
+    (folder / "init.1").write_text(json.dumps([["kv", 5, 1.0, 0, 10, 0]]))  # pid 1 always "lives"
     stale = folder / f"stale.{alive}"
-    stale.write_text(json.dumps([["kv", 5, 9.0, 0, 10]]))
+    stale.write_text(json.dumps([["kv", 5, 9.0, 0, 10, 0]]))
     os.utime(stale, (time.time() - 3600, time.time() - 3600))  # left from before a restart
-    (folder / f"good.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))
+    (folder / f"good.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10, 0]]))
     own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
     host = HostLedger(folder, "prompt_cache", stale_s=60).publish(own)
     assert host == own + [LedgerEntry(f"good.{alive}", "kv", 5, 1.0, 0, 10)]
@@ -410,7 +414,7 @@ def test_no_move_while_room_under_the_total_waits_for_its_taker(tmp_path: Path) 
     folder.mkdir()
     alive = os.getppid()
     # another process's budget worth much more, below its ceiling, 16 MiB under the total
-    (folder / f"other.{alive}").write_text(json.dumps([["kv", 48 * MIB, 9.0, 0, 96 * MIB]]))
+    (folder / f"other.{alive}").write_text(json.dumps([["kv", 48 * MIB, 9.0, 0, 96 * MIB, 0]]))
     l1 = Cache(1.0)
     controller = BudgetController(
         [ledger_budget("l1", l1, 96 * MIB, 32 * MIB)],
@@ -423,3 +427,51 @@ def test_no_move_while_room_under_the_total_waits_for_its_taker(tmp_path: Path) 
     for _ in range(5):
         assert controller.tick() == []
     assert l1.sizes == []
+
+
+def test_a_latency_objective_is_late_met_or_slack_by_its_recent_quantile() -> None:
+    objective = LatencyObjective(0.3, window=20, quantile=0.9, slack=0.8, min_requests=10)
+    assert objective.state() == SLACK  # too few requests to act on
+    for _ in range(20):
+        objective.observe(0.1)
+    assert objective.state() == SLACK  # p90 0.1 s: well within 0.3
+    for _ in range(3):
+        objective.observe(0.5)
+    assert objective.state() == LATE  # 3 of the last 20 over: the p90 is 0.5 s
+    for _ in range(20):
+        objective.observe(0.27)
+    assert objective.state() == MET  # within, but not by 20 %
+    with pytest.raises(ConfigError):
+        LatencyObjective(0.0)
+
+
+def test_a_missed_objective_grows_a_valuable_budget_past_the_total_and_slack_gives_it_back(
+    tmp_path: Path,
+) -> None:
+    """The engine's process misses its TTFT objective (LATE): the host's most valuable budget
+    that more bytes would help (its shadow is hit) grows a step past the total; when met, the
+    bytes are kept; with room to spare again (SLACK), the host shrinks back to the total."""
+    folder = tmp_path / "budgets"
+    kv = Cache(2.0)
+    state = [LATE]
+    total = 64 * MIB
+    controller = BudgetController(
+        [ledger_budget("kv_pool", kv, 128 * MIB, 64 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "torch_llm"),
+        total_bytes=total,
+        settle_ticks=0,
+        objective=lambda: state[0],
+    )
+    assert controller.tick() == [Decision("kv_pool", 64 * MIB, 68 * MIB, "grow")]  # a step
+    assert controller.tick() == [Decision("kv_pool", 68 * MIB, 72 * MIB, "grow")]
+    kv.value = 0.0  # more bytes stopped helping: late or not, nothing more is taken
+    assert controller.tick() == []
+    kv.value = 2.0
+    state[0] = MET
+    assert controller.tick() == []  # met: what was taken for it is kept
+    state[0] = SLACK
+    assert controller.tick() == [Decision("kv_pool", 72 * MIB, 64 * MIB, "shrink")]
+    published = json.loads(next(folder.iterdir()).read_text())
+    assert published == [["kv_pool", 64 * MIB, 2.0, 0, 128 * MIB, SLACK]]

@@ -35,11 +35,13 @@ def start_budgets(
     name: str,
     available: Callable[[], int] | None = None,
     total_bytes: int = 0,
+    objective: Callable[[], int] | None = None,
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` and
     `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
     (`HostLedger`). `available` (default: this process's host memory, `HostMemoryProbe`) is
-    for tests."""
+    for tests. `objective`: this process's latency objective's state (`LatencyObjective.state`),
+    which lets the host's budgets pass the total while it is missed."""
     if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
@@ -51,7 +53,21 @@ def start_budgets(
     # a process that has not published for ten looks (at least 10 s) is gone or stuck
     ledger = HostLedger(state_dir / "budgets", name, stale_s=max(10 * interval_s, 10.0))
     controller = BudgetController(
-        budgets, available, headroom_bytes, ledger=ledger, total_bytes=total_bytes
+        budgets,
+        available,
+        headroom_bytes,
+        ledger=ledger,
+        total_bytes=total_bytes,
+        objective=objective,
+    )
+    late = (
+        metrics.gauge(
+            "tiercache_ttft_objective_state",
+            "The engine's time-to-first-token objective over its recent requests: 0 met with "
+            "room, 1 met, 2 missed (then the budgets may pass cache_memory_bytes)",
+        )
+        if objective is not None
+        else None
     )
     sizes = {
         b.name: metrics.gauge(
@@ -98,6 +114,8 @@ def start_budgets(
 
     def on_tick(decisions: list[Decision]) -> None:
         free.set(controller.last_available)
+        if late is not None:
+            late.set(controller.objective_state)
         for decision in decisions:
             if decision.reason == "floors":
                 short.increment(1)

@@ -8,10 +8,11 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tiercache.budgets import Budget, BudgetThread, cache_budget
+from tiercache.budgets import Budget, BudgetThread, LatencyObjective, cache_budget
 from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
 from tiercache.engine.kv_cache import KvBlockPool, KvStats
@@ -80,6 +81,7 @@ class TorchLlmStage:
         self.refusal = refusal
         self.trimmer = trimmer
         self.budgets: BudgetThread | None = None  # the KV pool following the host's memory
+        self.objective: LatencyObjective | None = None  # ttft_objective_s, if set
         self.metrics = m = metrics
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -194,18 +196,18 @@ class TorchLlmStage:
 
     def submit(self, decode: Decode, sink: EngineSink) -> None:
         """Queue one request for the worker."""
-        self._queue.put((decode, sink))
+        self._queue.put((decode, sink, time.monotonic()))
         self.queue_depth.set(self._queue.qsize())
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not _STOP:
             self.queue_depth.set(self._queue.qsize())
-            decode, sink = job
+            decode, sink, submitted = job
             before = self.engine.adapters.stats()
             kv_before = self.engine.kv_stats()
             try:
                 order, request = decode()
-                self._serve(order, request, sink)
+                self._serve(order, request, sink, submitted)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.finished["error"].increment(1)
                 if isinstance(exc, TierCacheError):  # a refused request: its message is enough
@@ -224,11 +226,15 @@ class TorchLlmStage:
                 self._trim_memory()
 
     def _serve(
-        self, order: AdapterOrder, request: GenerationRequest | None, sink: EngineSink
+        self,
+        order: AdapterOrder,
+        request: GenerationRequest | None,
+        sink: EngineSink,
+        submitted: float,
     ) -> None:
         done = self.engine.adapters.prepare(order)
         if order.op == GENERATE and request is not None:
-            self._generate(request, sink)
+            self._generate(request, sink, submitted)
             return
         if order.op == LOAD:
             answer = json.dumps({"load_ms": done.load_s * 1e3, "evicted": list(done.evicted)})
@@ -238,11 +244,15 @@ class TorchLlmStage:
             answer = json.dumps({"evicted": list(done.evicted)})
         sink.send_final(answer, OP_FINISH[order.op], 0, 0, 0, 0)
 
-    def _generate(self, request: GenerationRequest, sink: EngineSink) -> None:
+    def _generate(self, request: GenerationRequest, sink: EngineSink, submitted: float) -> None:
         events = self.refusal.generate(
             request, lambda: self.engine.generate(request, sink.is_cancelled)
         )
+        first = True
         for event in events:
+            if first and self.objective is not None:  # queue wait and prefill: the engine's TTFT
+                self.objective.observe(time.monotonic() - submitted)
+            first = False
             if event.finish_reason is None:
                 sink.send_chunk(event.text)
                 continue
@@ -344,6 +354,8 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
             engine.device,
         )
     else:
+        if config.ttft_objective_s > 0:
+            stage.objective = LatencyObjective(config.ttft_objective_s)
         stage.budgets = start_budgets(
             config.memory_headroom_bytes,
             config.budget_interval_s,
@@ -352,6 +364,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
             config.state_path(),
             model_name,
             total_bytes=config.cache_memory_bytes,
+            objective=stage.objective.state if stage.objective is not None else None,
         )
     metrics.start()
     return stage

@@ -16,7 +16,10 @@ with these torch_llm and prompt_cache parameters:
 - `fixed-<s>` for each share s of `--fixed-kv-shares`: `kv_pool_max_bytes` s x total,
   `l1_max_bytes` the rest (0.8 is the shipped defaults' proportion, 256 MiB to 64 MiB);
 - `controller`: both ceilings the whole total, `cache_memory_bytes` the total (the first
-  tick shares it by the budgets, half and half), `budget_interval_s` 0.5.
+  tick shares it by the budgets, half and half), `budget_interval_s` 0.5;
+- `controller-ttft` (with `--ttft-controller`): the same, with torch_llm's `ttft_objective_s`
+  the objective and its KV pool's ceiling twice the total (what it may take past the total
+  while the objective is missed).
 
 The same requests go to each, one at a time (`--seed`): phase k has `--tenants`[k] tenants and
 `--requests-per-phase` requests, each from a tenant drawn at random, its system prompt (about
@@ -107,6 +110,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-objective-ms", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=20)
     p.add_argument(
+        "--ttft-controller",
+        action="store_true",
+        help="also run `controller-ttft`: the controller with torch_llm's ttft_objective_s (the "
+        "objective), the KV pool's ceiling twice the total",
+    )
+    p.add_argument(
         "--controller-first",
         action="store_true",
         help="run the controller's server first (the machine's drift lands on the others)",
@@ -165,6 +174,17 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[s
             },
         )
     )
+    if args.ttft_controller:
+        objective = {"ttft_objective_s": str(args.ttft_objective_ms / 1000)}
+        out.append(
+            (
+                "controller-ttft",
+                {
+                    "torch_llm": {"kv_pool_max_bytes": str(2 * total), **moving, **objective},
+                    "prompt_cache": {"l1_max_bytes": str(total), **moving},
+                },
+            )
+        )
     return out
 
 
@@ -297,15 +317,17 @@ def plot(runs: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> No
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 8), sharex=False)
     for run in runs:
-        if run["name"] != "controller":
+        if not run["name"].startswith("controller"):
             continue
         t = [row["t"] for row in run["samples"]]
         for cache in sorted({c for row in run["samples"] for c in row["budgets"]}):
             axes[0].plot(
                 t,
                 [row["budgets"].get(cache, float("nan")) / MIB for row in run["samples"]],
-                label=f"controller: {cache} budget",
+                label=f"{run['name']}: {cache} budget",
             )
+        if run["name"] != "controller":
+            continue  # the phases are drawn once, as the controller's run met them
         starts = [r["t"] for i, r in enumerate(run["requests"])
                   if i == 0 or r["phase"] != run["requests"][i - 1]["phase"]]  # fmt: skip
         for start, tenants in zip(starts, args.tenant_counts, strict=False):
@@ -374,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiercache-ramp-") as tmp:
         order = configurations(args)
         if args.controller_first:
-            order = order[-1:] + order[:-1]
+            first = [c for c in order if c[0].startswith("controller")]
+            order = first + [c for c in order if not c[0].startswith("controller")]
         for name, params in order:
             runs.append(run_one(name, params, ramp, args, Path(tmp)))
     (args.out_dir / "tenant_ramp.json").write_text(json.dumps(runs, indent=1))
