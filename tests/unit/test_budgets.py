@@ -473,5 +473,31 @@ def test_a_missed_objective_grows_a_valuable_budget_past_the_total_and_slack_giv
     assert controller.tick() == []  # met: what was taken for it is kept
     state[0] = SLACK
     assert controller.tick() == [Decision("kv_pool", 72 * MIB, 64 * MIB, "shrink")]
+    assert controller.tick() == []  # at the total; published as each look starts
     published = json.loads(next(folder.iterdir()).read_text())
     assert published == [["kv_pool", 64 * MIB, 2.0, 0, 128 * MIB, SLACK]]
+
+
+def test_over_the_total_processes_come_to_it_in_proportion(tmp_path: Path) -> None:
+    """Both stages start at their ceilings (the whole total each): each cuts its share of the
+    excess from the same view, so they meet at half and half, whichever ticks first."""
+    folder = tmp_path / "budgets"
+    total = 96 * MIB
+    controllers = [
+        BudgetController(
+            [ledger_budget(name, Cache(0.0), total, total)],
+            Machine(100 * GIB),
+            headroom_bytes=0,
+            ledger=HostLedger(folder, stage, pid=pid),
+            total_bytes=total,
+        )
+        for name, stage, pid in (("kv", "torch_llm", os.getppid()), ("l1", "pc", os.getpid()))
+    ]
+    for controller in controllers:
+        assert controller.ledger is not None
+        controller.ledger.publish(controller._own())
+    decisions = [c.tick() for c in controllers]
+    assert decisions == [
+        [Decision("kv", total, total // 2, "shrink")],
+        [Decision("l1", total, total // 2, "shrink")],
+    ]
