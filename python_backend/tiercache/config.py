@@ -638,6 +638,14 @@ class LoraCacheConfig(_RedisConfig):
     )
     host_max_adapters: int = param(32, "Adapters whose weights lora_cache keeps in memory", min=0)
     host_max_bytes: int = param(256 << 20, "Byte bound of the adapters kept in memory", min=0)
+    host_min_bytes: int = param(
+        16 << 20,
+        "Floor of the host tier's budget (memory_headroom_bytes, cache_memory_bytes)",
+        min=1,
+    )
+    memory_headroom_bytes: int = shared("memory_headroom_bytes")
+    cache_memory_bytes: int = shared("cache_memory_bytes")
+    budget_interval_s: float = shared("budget_interval_s")
     adapter_eviction: str = param(
         "lru",
         "Which adapters the engine and host tiers give up first: lru, or gdsf "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -678,3 +679,23 @@ def test_unsealed_or_altered_admin_calls_are_refused(
     loads = [c for c in engine.calls if c["LORA_OP"] == b"load"]
     assert [AdapterRef.from_json(c["LORA"].decode()) for c in loads] == [brief]
     assert flushed(model).requests["error"].metric.value() == len(refused)
+
+
+def test_with_a_total_the_host_tier_follows_the_budgets(start: Start, tmp_path: Path) -> None:
+    """cache_memory_bytes under the host tier's fixed size: its budget comes down to the total
+    within a tick, published in the host's ledger beside the other stages' budgets."""
+    instance = start(
+        engine_slots="2",
+        cache_memory_bytes=str(32 << 20),
+        host_min_bytes=str(1 << 20),
+        budget_interval_s="0.05",
+    )
+    residency = instance.stage.core.residency
+    deadline = time.monotonic() + 10.0
+    while residency._host.max_bytes != 32 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert residency._host.max_bytes == 32 << 20
+    (published,) = (tmp_path / "state" / "budgets").glob("lora_cache.*")
+    assert instance.stage.budgets is not None
+    instance.finalize()
+    assert not published.exists() and not instance.stage.budgets._thread.is_alive()

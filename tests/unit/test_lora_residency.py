@@ -381,3 +381,30 @@ def test_disk_reads_do_not_block_engine_hits(make: MakeResidency, disk: FakeDisk
         release.set()
         worker.join(timeout=10)
     assert set(engine_names(residency)) == {"a", "b"}
+
+
+def test_the_host_tier_resizes_to_a_budget_and_its_shadow_prices_a_byte_by_disk_reads(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """A version the host tier dropped lately and asked for again is a disk read (0.5 s here)
+    one more byte would have saved; tiercache.budgets resizes the tier: versions go at once,
+    in its policy's order."""
+    residency = make(engine_slots=1, host_max_adapters=8, host_max_bytes=400)  # shadow: 100
+    a, b, c, d, e = (disk.add(name, i + 1) for i, name in enumerate("abcde"))  # 100 bytes each
+    for ref in (a, b, c, d, e):  # e's arrival drops a (least recently used) into the shadow
+        residency.plan(ref, disk.read)
+    assert host_names(residency) == ["e", "d", "c", "b"]
+    assert residency.stats().host_shadow_bytes == 100
+    residency.plan(a, disk.read)  # read again: what one more adapter's bytes would have saved
+    stats = residency.stats()
+    assert stats.host_shadow_gained_s == pytest.approx(0.5)
+    assert host_names(residency) == ["a", "e", "d", "c"]  # b dropped into the shadow now
+    residency.plan(b, disk.read)
+    assert residency.stats().host_shadow_gained_s == pytest.approx(1.0)
+    assert residency.resize_host(200) == 200
+    assert host_names(residency) == ["b", "a"]  # d and c (least recently used) dropped at once
+    stats = residency.stats()
+    # a 50-byte shadow holds no 100-byte version
+    assert (stats.resident_bytes[HOST_TIER], stats.host_shadow_bytes) == (200, 0)
+    with pytest.raises(ConfigError):
+        residency.resize_host(0)

@@ -34,6 +34,7 @@ from tiercache.adapter_types import AdapterRef, AdapterWeights
 from tiercache.errors import CapacityError, ConfigError
 from tiercache.eviction import EvictionPolicy, LruPolicy
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER
+from tiercache.shadow import ShadowQueue, shadow_bytes
 
 V = TypeVar("V")
 
@@ -82,6 +83,10 @@ class ResidencyStats:
     resident_bytes: Mapping[str, int]
     disk_reads: int
     disk_read_s: float
+    # disk reads of versions the host tier evicted lately: their seconds, cumulative, and the
+    # bytes those versions span (tiercache.shadow: what one more byte of the host tier saves)
+    host_shadow_gained_s: float = 0.0
+    host_shadow_bytes: int = 0
 
 
 # -- store ------------------------------------------------------------------------------------
@@ -157,6 +162,10 @@ class _Tier(Generic[V]):
         size = resident.nbytes if self.max_bytes else 1
         self._policy.admit(resident.ref.digest, size, cost_s=cost_s)
 
+    def nominate_bytes(self, nbytes: int) -> list[str]:
+        """The policy's victims for `nbytes` (nothing protected), to shrink to a budget."""
+        return self._policy.nominate(0, nbytes, lambda digest: False)
+
     def remove(self, digest: str) -> _Resident[V] | None:
         resident = self.items.pop(digest, None)
         if resident is not None:
@@ -229,6 +238,7 @@ class Residency:
         self._evictions = dict.fromkeys((ENGINE_TIER, HOST_TIER), 0)
         self._disk_reads = 0
         self._disk_read_s = 0.0
+        self._host_shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(host_max_bytes))
 
     # -- the request path ----------------------------------------------------------------------
 
@@ -257,6 +267,7 @@ class Residency:
             self._hits[DISK_TIER] += 1
             self._disk_reads += 1
             self._disk_read_s += read_s
+            self._host_shadow.credit(ref.digest, read_s)  # a larger host tier: no read
             if self._host.get(ref.digest) is None:
                 self._keep(weights, read_s)
             if self._engine.get(ref.digest) is not None and not reload:
@@ -303,7 +314,25 @@ class Residency:
                 resident_bytes={t.name: t.nbytes for t in (self._engine, self._host)},
                 disk_reads=self._disk_reads,
                 disk_read_s=self._disk_read_s,
+                host_shadow_gained_s=self._host_shadow.gained_s,
+                host_shadow_bytes=self._host_shadow.bytes,
             )
+
+    def resize_host(self, max_bytes: int) -> int:
+        """A new byte bound for the host tier (tiercache.budgets): versions are dropped at once,
+        in its policy's order, down to it; returns it. The engine's mirror is untouched (a
+        version dropped here is read from disk again when the engine needs it back)."""
+        if max_bytes < 1:
+            raise ConfigError(f"the host tier's budget must be >= 1 byte, got {max_bytes}")
+        with self._lock:
+            host = self._host
+            host.max_bytes = max_bytes
+            self._host_shadow.resize(shadow_bytes(max_bytes))
+            over = host.nbytes - max_bytes
+            if over > 0:
+                victims = [host.items[d] for d in host.nominate_bytes(over)]
+                self._drop_from_host(victims)
+            return max_bytes
 
     def engine_digests(self) -> frozenset[str]:
         with self._lock:
@@ -383,13 +412,19 @@ class Residency:
         victims = host.victims(weights.nbytes, lambda resident: False)
         if victims is None:  # cannot happen without protected residents; keep it loud
             raise RuntimeError(f"host tier cannot make room for {weights.ref.short}")
-        for victim in victims:
-            host.remove(victim.ref.digest)
-        self._evictions[HOST_TIER] += len(victims)
+        self._drop_from_host(victims)
         self._uses += 1
         resident = _Resident(weights.ref, weights.nbytes, self._uses, self._clock(), weights)
         host.add(resident, cost_s=read_s)
         self._loads[HOST_TIER] += 1
+
+    def _drop_from_host(self, victims: Sequence[_Resident[AdapterWeights]]) -> None:
+        """Evict from the host tier; each into its shadow, worth a mean disk read."""
+        mean_read_s = self._disk_read_s / self._disk_reads if self._disk_reads else 0.0
+        for victim in victims:
+            self._host.remove(victim.ref.digest)
+            self._host_shadow.add(victim.ref.digest, victim.nbytes, mean_read_s)
+        self._evictions[HOST_TIER] += len(victims)
 
     def _view(self, tier: _Tier[V]) -> tuple[ResidentAdapter, ...]:
         ordered = sorted(tier.items.values(), key=lambda r: r.last_use, reverse=True)

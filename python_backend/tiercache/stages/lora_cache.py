@@ -9,15 +9,17 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.budgets import Budget, BudgetThread, cache_budget
 from tiercache.config import LoraCacheConfig
 from tiercache.errors import Unavailable
 from tiercache.lora.fleet import FleetSync, local_versions
-from tiercache.lora.residency import LoraPlan
+from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import LoraCache
 from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
 from tiercache.stages.common import engine_inputs
 from tiercache.stages.envelope import ReceivedEnvelope
+from tiercache.stages.memory_budgets import start_budgets
 from tiercache.stages.parts import open_adapter_cipher, open_fleet, open_lora_core, open_sealer
 from tiercache.stages.seal import ADMIN_LABEL, LORA_LABEL, Part, Sealer, lora_inputs, seal_tensors
 from tiercache.stages.transport import AdapterCipher
@@ -123,6 +125,7 @@ class LoraCacheStage:
         fleet: FleetSync | None = None,
     ) -> None:
         """`plans` must be the `on_plan` hook `core` was built with."""
+        self.budgets: BudgetThread | None = None  # the host tier following the machine
         self.core = core
         self.sealer = sealer
         self.cipher = cipher
@@ -226,6 +229,8 @@ class LoraCacheStage:
         return seal_tensors(self.sealer, LORA_LABEL, names, values, bound=envelope.seal)
 
     def close(self) -> None:
+        if self.budgets is not None:
+            self.budgets.close()
         if self.fleet is not None:
             self.fleet.close()
         self.metrics.close()
@@ -247,5 +252,26 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
     stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, open_fleet(config, core))
+    if config.host_max_bytes > 0:  # 0 keeps nothing: no budget to follow
+        stage.budgets = start_budgets(
+            config.memory_headroom_bytes,
+            config.budget_interval_s,
+            [adapter_host_budget(core.residency, config.host_min_bytes, config.host_max_bytes)],
+            metrics,
+            config.state_path(),
+            model_name,
+            total_bytes=config.cache_memory_bytes,
+        )
     metrics.start()
     return stage
+
+
+def adapter_host_budget(residency: Residency, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The host tier's budget: between its floor and its fixed size, valued by what one more
+    byte would save (disk reads of adapter versions it dropped lately, asked for again)."""
+
+    def gained() -> tuple[float, float]:
+        stats = residency.stats()
+        return stats.host_shadow_gained_s, float(stats.host_shadow_bytes)
+
+    return cache_budget("adapters_host", floor_bytes, ceiling_bytes, residency.resize_host, gained)
