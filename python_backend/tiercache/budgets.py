@@ -141,6 +141,8 @@ class BudgetController:
         self._shrunk_short = 0
         self._objective = objective
         self.objective_state = SLACK
+        # bytes each budget holds past the total, taken for this process's missed objective
+        self._over: dict[str, int] = {b.name: 0 for b in self.budgets}
         self.last_available = 0
         self.values: dict[str, float] = {b.name: 0.0 for b in self.budgets}  # as last read
 
@@ -162,7 +164,7 @@ class BudgetController:
     def _own(self) -> list[LedgerEntry]:
         return [
             LedgerEntry(OWN, b.name, b.current_bytes, self.values[b.name], b.floor_bytes,
-                        b.ceiling_bytes, self.objective_state)
+                        b.ceiling_bytes, self.objective_state, self._over[b.name])
             for b in self.budgets
         ]  # fmt: skip
 
@@ -204,12 +206,15 @@ class BudgetController:
             return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
-        late = max((e.objective for e in entries), default=SLACK)
-        if late == LATE:
-            return self._beyond_total(entries, room)
-        excess = host_bytes - self.total_bytes
-        if excess > 0 and late == MET:
-            return []  # bytes taken past the total for a missed objective: kept while met
+        if self.objective_state == LATE:
+            grown = self._beyond_total(room)
+            if grown:
+                return grown
+        elif self.objective_state == SLACK and any(self._over.values()) and not cooling:
+            return self._give_back()
+        # bytes past the total taken for an objective (any process's) are not the others' to
+        # cut; the rest of an excess is
+        excess = host_bytes - self.total_bytes - sum(e.over for e in entries)
         if excess > 0:  # floors above the total hold (said by the budgets' own metrics)
             if cooling:
                 return []
@@ -238,24 +243,40 @@ class BudgetController:
         give = min(budget.ceiling_bytes - budget.current_bytes, grow_room, self.step_bytes)
         return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
 
-    def _beyond_total(self, host: Sequence[LedgerEntry], room: int) -> list[Decision]:
-        """A process of the host misses its latency objective: the host's most valuable budget
-        (worth anything: its shadow shows more bytes would have saved time) grows a step past
-        the total, if it is ours, while memory stays above the headroom."""
-        best = _most_valuable(host)
-        if best is None or best.owner != OWN or best.value <= 0.0:
+    def _beyond_total(self, room: int) -> list[Decision]:
+        """This process misses its latency objective: its most valuable budget that more bytes
+        would help now (its shadow was hit lately: value > 0) grows a step past the total, up
+        to its ceiling, while memory stays above the headroom. Only its own: the objective is
+        this process's, and a file in the ledger claiming one cannot make others grow."""
+        growable = [b for b in self.budgets if b.current_bytes < b.ceiling_bytes]
+        if not growable or (self.headroom_bytes > 0 and room <= 0):
             return []
-        if self.headroom_bytes > 0 and room <= 0:
+        best = max(growable, key=lambda b: (self.values[b.name], b.name))
+        if self.values[best.name] <= 0.0:
             return []
-        give = best.ceiling - best.bytes
-        give = (
-            min(give, self.step_bytes, room)
-            if self.headroom_bytes > 0
-            else min(give, self.step_bytes)
-        )
-        budget = next(b for b in self.budgets if b.name == best.name)
+        give = min(best.ceiling_bytes - best.current_bytes, self.step_bytes)
+        if self.headroom_bytes > 0:
+            give = min(give, room)
+        if give <= 0:
+            return []
+        decision = self._apply(best, best.current_bytes + give, "grow")
+        self._over[best.name] += decision.new_bytes - decision.old_bytes
         self._publish_after = True
-        return [self._apply(budget, budget.current_bytes + give, "grow")] if give > 0 else []
+        return [decision]
+
+    def _give_back(self) -> list[Decision]:
+        """The objective is met with room to spare: a step of what was taken past the total
+        goes back, then `GIVE_BACK_TICKS` looks pass (the objective's window must refresh
+        before the next: giving it all at once made it LATE again)."""
+        name = max(self._over, key=lambda n: self._over[n])
+        budget = next(b for b in self.budgets if b.name == name)
+        take = min(self._over[name], self.step_bytes, budget.current_bytes - budget.floor_bytes)
+        if take <= 0:  # at its floor: nothing past the total is left to give
+            self._over[name] = 0
+            return []
+        self._cooling = GIVE_BACK_TICKS
+        self._publish_after = True
+        return [self._apply(budget, budget.current_bytes - take, "shrink")]
 
     def _move(self, host: Sequence[LedgerEntry]) -> list[Decision]:
         """Give a step of this process's least valuable budget to the host's most valuable one
@@ -305,11 +326,13 @@ class BudgetController:
             room -= give
         return decisions
 
-    @staticmethod
-    def _apply(budget: Budget, target: int, reason: str) -> Decision:
+    def _apply(self, budget: Budget, target: int, reason: str) -> Decision:
         old = budget.current_bytes
         taken = budget.resize(target)
         budget.current_bytes = min(max(taken, budget.floor_bytes), budget.ceiling_bytes)
+        if budget.current_bytes < old:  # what a budget gives up comes out of its excess first
+            over = self._over.get(budget.name, 0)
+            self._over[budget.name] = max(over - (old - budget.current_bytes), 0)
         return Decision(budget.name, old, budget.current_bytes, reason)
 
 
@@ -319,12 +342,16 @@ OWN = ""
 SLACK, MET, LATE = 0, 1, 2
 """A latency objective's state (`LatencyObjective`): met with room (or none), met, missed."""
 
+GIVE_BACK_TICKS = 8
+"""Looks between two steps given back past the total (`BudgetController._give_back`)."""
+
 
 class LatencyObjective:
     """A time-to-first-token objective over a process's recent requests: LATE when the
-    `quantile` of the last `window` requests is over `objective_s`, SLACK when it is under
-    `slack` x the objective (or too few requests were seen: nothing to act on), else MET.
-    `observe` is called from the engine thread, `state` from the budget thread."""
+    `quantile` of the last `window` requests of the last `max_age_s` is over `objective_s`,
+    SLACK when it is under `slack` x the objective (or fewer than `min_requests` are that
+    recent: nothing to act on, and a burst long past is not kept LATE), else MET. `observe`
+    is called from the engine thread, `state` from the budget thread."""
 
     def __init__(
         self,
@@ -333,18 +360,26 @@ class LatencyObjective:
         quantile: float = 0.9,
         slack: float = 0.8,
         min_requests: int = 16,
+        max_age_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if objective_s <= 0:
             raise ConfigError(f"a latency objective must be > 0 s, got {objective_s}")
         self.objective_s = objective_s
         self.quantile, self.slack, self.min_requests = quantile, slack, min_requests
-        self._recent: deque[float] = deque(maxlen=window)
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._recent: deque[tuple[float, float]] = deque(maxlen=window)  # (when, seconds)
+        self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
-        self._recent.append(seconds)
+        with self._lock:
+            self._recent.append((self._clock(), seconds))
 
     def state(self) -> int:
-        recent = sorted(self._recent)
+        since = self._clock() - self.max_age_s
+        with self._lock:
+            recent = sorted(seconds for when, seconds in self._recent if when >= since)
         if len(recent) < self.min_requests:
             return SLACK
         at = recent[min(int(self.quantile * len(recent)), len(recent) - 1)]
@@ -366,6 +401,7 @@ class LedgerEntry:
     # the publishing process's latency objective: SLACK (none, or met with room), MET (met,
     # close to it: hold) or LATE (missed): see `LatencyObjective`
     objective: int = 0
+    over: int = 0  # bytes of it past the total, taken for that process's missed objective
 
 
 def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:
@@ -376,11 +412,16 @@ def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:
     return max(growable, key=lambda e: (e.value, -e.bytes, e.owner, e.name))
 
 
+QUIET_LOOKS = 10
+"""A shadow not hit for this many looks is worth nothing more per byte (`ShadowValue`)."""
+
+
 class ShadowValue:
     """A cache's `value_per_byte` from `read()` -> (seconds its shadow queue's hits would have
     saved, cumulative; the bytes the shadow spans now): the seconds saved per second per byte of
     shadow since the last call (tiercache.shadow: what one more byte is worth), averaged half
-    and half with the previous estimate, so a cache whose shadow stops being hit decays to 0."""
+    and half with the previous estimate; 0 once the shadow has not been hit for `QUIET_LOOKS`
+    looks."""
 
     def __init__(
         self, read: Callable[[], tuple[float, float]], clock: Callable[[], float] = time.monotonic
@@ -390,6 +431,7 @@ class ShadowValue:
         first = read()
         self._last = (first[0], clock(), first[1])
         self.estimate = 0.0
+        self._quiet = 0  # looks since the shadow was last hit
 
     def __call__(self) -> float:
         gained, span = self._read()
@@ -401,7 +443,9 @@ class ShadowValue:
         before = max(span, self._last[2])
         fresh = max(gained - self._last[0], 0.0) / elapsed / before if before > 0 else 0.0
         self._last = (gained, now, span)
-        self.estimate = (self.estimate + fresh) / 2
+        self._quiet = 0 if fresh > 0 else self._quiet + 1
+        # halving alone would leave one old hit worth something for ~1,000 looks
+        self.estimate = 0.0 if self._quiet >= QUIET_LOOKS else (self.estimate + fresh) / 2
         return self.estimate
 
 
@@ -431,7 +475,9 @@ class HostLedger:
     def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry] | None:
         """Write `own`; every live process's entries (`own` as given, owner OWN), or None when
         the folder cannot be used."""
-        document = [[e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective] for e in own]
+        document = [
+            [e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective, e.over] for e in own
+        ]
         entries = list(own)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -480,20 +526,36 @@ def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
         document = json.loads(raw)
         if not isinstance(document, list) or len(document) > MAX_LEDGER_ENTRIES:
             return []
-        entries = [
-            LedgerEntry(
-                path.name, str(name), int(nbytes), float(value), int(floor), int(ceiling),
-                min(max(int(objective), SLACK), LATE),
-            )
-            for name, nbytes, value, floor, ceiling, objective in document
-        ]  # fmt: skip
+        entries = [_entry(path.name, row) for row in document]
     except Exception:  # noqa: BLE001 - a torn or hostile file: no say, never a failed tick
         return []
     ok = all(
-        0 <= e.floor <= e.bytes <= e.ceiling and math.isfinite(e.value) and e.value >= 0
+        0 <= e.floor <= e.bytes <= e.ceiling
+        and 0 <= e.over <= e.bytes
+        and math.isfinite(e.value)
+        and e.value >= 0
         for e in entries
     )
     return entries if ok else []
+
+
+def _entry(owner: str, row: list[object]) -> LedgerEntry:
+    """One published row: name, bytes, value, floor, ceiling, then (newer writers) objective
+    and over; a writer of an older version has its say without them. ValueError otherwise."""
+    if not isinstance(row, list) or not 5 <= len(row) <= 7:
+        raise ValueError("a ledger row has 5 to 7 fields")
+    name, nbytes, value, floor, ceiling, *rest = row
+    objective, over = (list(rest) + [SLACK, 0])[:2]
+    return LedgerEntry(
+        owner,
+        str(name),
+        int(nbytes),  # type: ignore[call-overload]
+        float(value),  # type: ignore[arg-type]
+        int(floor),  # type: ignore[call-overload]
+        int(ceiling),  # type: ignore[call-overload]
+        min(max(int(objective), SLACK), LATE),  # type: ignore[call-overload]
+        int(over),  # type: ignore[call-overload]
+    )
 
 
 def _alive(pid: int) -> bool:

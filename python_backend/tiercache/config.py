@@ -216,10 +216,11 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "cache_memory_bytes": _Spec(
         0,
-        "What the host's cache budgets may hold together (L1 and the KV pool, in every stage "
-        "process; set the same in each): bytes move to the cache where one more byte saves "
-        "the most engine time, measured (tiercache.budgets; each stage's fixed sizes are then "
-        "ceilings; 0: off, each budget stays its fixed size; docs/budgets.md)",
+        "What the host's cache budgets may hold together (the answers' L1s, the adapters kept "
+        "in host memory and the KV pool, in every stage process; set the same in each): bytes "
+        "move to the cache where one more byte saves the most engine time, measured "
+        "(tiercache.budgets; each stage's fixed sizes are then ceilings; 0: off, each budget "
+        "stays its fixed size; docs/budgets.md)",
         min=0,
     ),
     "l1_min_bytes": _Spec(
@@ -711,10 +712,11 @@ class EngineConfig(_StateConfig):
     budget_interval_s: float = shared("budget_interval_s")
     ttft_objective_s: float = param(
         0.0,
-        "Time-to-first-token objective of this engine's requests (queue wait and prefill; the "
-        "90th percentile of the last 64): while it is missed, the host's most valuable cache "
-        "budget whose shadow shows more bytes would help may grow past cache_memory_bytes, a "
-        "step a look, memory headroom allowing; met by 20 %, it gives them back (0: none; "
+        "Time-to-first-token objective of this engine's requests (from leaving the queue to the "
+        "first token; the 90th percentile of its last 64 in the last minute): while it is "
+        "missed, the KV pool, if its shadow shows more bytes would help, grows past "
+        "cache_memory_bytes a step a look, up to kv_pool_max_bytes, memory headroom allowing; "
+        "met with 20 % to spare, it gives them back a step every 8 looks (0: none; "
         "docs/budgets.md)",
         min=0,
     )

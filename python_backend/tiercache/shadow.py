@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 SHADOW_FRACTION = 0.25
-"""A cache's shadow spans this fraction of its budget (at least one entry's bytes)."""
+"""A cache's shadow spans this fraction of its budget (at least its latest eviction)."""
 
 
 class ShadowQueue(Generic[K]):
@@ -35,9 +35,11 @@ class ShadowQueue(Generic[K]):
         self.hits = 0  # misses found here (cumulative)
 
     def add(self, key: K, size: int, saves_s: float) -> None:
-        """`key` was just evicted (a newer eviction of the same key replaces the older)."""
+        """`key` was just evicted (a newer eviction of the same key replaces the older). The
+        latest is kept even when larger than `max_bytes` (alone then): a cache of a few large
+        entries, an adapter tier, would otherwise never see a shadow hit."""
         self.discard(key)
-        if size > self.max_bytes:
+        if self.max_bytes <= 0:
             return
         self._keys[key] = (size, max(saves_s, 0.0))
         self._bytes += size
@@ -72,7 +74,11 @@ class ShadowQueue(Generic[K]):
         return self._bytes
 
     def _trim(self) -> None:
-        while self._bytes > self.max_bytes and self._keys:
+        while (
+            self._keys
+            and self._bytes > self.max_bytes
+            and (len(self._keys) > 1 or self.max_bytes <= 0)
+        ):
             _, (size, _) = self._keys.popitem(last=False)
             self._bytes -= size
 

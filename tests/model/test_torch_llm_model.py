@@ -553,8 +553,9 @@ def test_with_a_ttft_objective_each_generation_is_timed_and_its_state_published(
     pb_utils: ModuleType,
     sealer: Sealer,
 ) -> None:
-    """ttft_objective_s: each generation's time to its first event (queue wait included) is
-    observed; the budgets see the objective's state and export it (0: met with room)."""
+    """ttft_objective_s: each generation's time from leaving the queue to its first event is
+    observed; 16 of them over a microsecond objective make it LATE, which the budgets see and
+    export (2)."""
     module = load_model("torch_llm")
     torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
     monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
@@ -566,21 +567,25 @@ def test_with_a_ttft_objective_each_generation_is_timed_and_its_state_published(
         "tokens_per_block": {"string_value": "4"},
         "kv_pool_max_bytes": {"string_value": "1000"},
         "cache_memory_bytes": {"string_value": "1000"},
-        "ttft_objective_s": {"string_value": "30"},
+        "ttft_objective_s": {"string_value": "0.000001"},
         "budget_interval_s": {"string_value": "0.05"},
     }
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     try:
-        for prompt in ("one prompt", "another prompt"):
-            envelope = envelope_text(sealer, GenerationRequest(prompt))
+        for i in range(16):
+            envelope = envelope_text(sealer, GenerationRequest(f"prompt number {i}"))
             final = call(pb_utils, instance, sealer, ENVELOPE=envelope)[-1]
             assert text(pb_utils, final, "FINISH_REASON") == "stop"
         objective = instance.stage.objective
-        assert objective is not None and len(objective._recent) == 2
-        assert all(0.0 <= s < 30.0 for s in objective._recent)
-        time.sleep(0.2)  # a tick
-        instance.stage.metrics.flush()
-        (state,) = instance.stage.metrics._families["tiercache_ttft_objective_state"].metrics
-        assert state.value() == 0  # SLACK: too few requests to act on, and far within
+        assert objective is not None and len(objective._recent) == 16
+        assert all(0.0 < seconds < 10.0 for _, seconds in objective._recent)
+        deadline = time.monotonic() + 10.0
+        state = -1.0
+        while state != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # a tick, then the deferred metrics
+            instance.stage.metrics.flush()
+            (gauge,) = instance.stage.metrics._families["tiercache_ttft_objective_state"].metrics
+            state = gauge.value()
+        assert state == 2  # LATE
     finally:
         instance.finalize()

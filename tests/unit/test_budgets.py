@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from tiercache.budgets import (
+    GIVE_BACK_TICKS,
     LATE,
     MAX_LEDGER_BYTES,
     MET,
     OWN,
+    QUIET_LOOKS,
     SLACK,
     Budget,
     BudgetController,
@@ -253,6 +255,10 @@ def test_shadow_value_is_seconds_saved_per_second_per_byte_of_shadow() -> None:
     counters.append((4.0, 0.0))  # a hit worth 2 s that emptied the shadow: still counted
     clock[0] = 5.0
     assert value() == pytest.approx((0.0005 + 2.0 / 1000) / 2)
+    for look in range(QUIET_LOOKS):  # no hit since: halved each look, then worth nothing
+        clock[0] += 1.0
+        estimate = value()
+        assert estimate > 0.0 if look < QUIET_LOOKS - 1 else estimate == 0.0
 
 
 def ledger_budget(name: str, cache: Cache, ceiling: int, current: int) -> Budget:
@@ -430,7 +436,11 @@ def test_no_move_while_room_under_the_total_waits_for_its_taker(tmp_path: Path) 
 
 
 def test_a_latency_objective_is_late_met_or_slack_by_its_recent_quantile() -> None:
-    objective = LatencyObjective(0.3, window=20, quantile=0.9, slack=0.8, min_requests=10)
+    clock = [0.0]
+    objective = LatencyObjective(
+        0.3, window=20, quantile=0.9, slack=0.8, min_requests=10, max_age_s=60,
+        clock=lambda: clock[0],
+    )  # fmt: skip
     assert objective.state() == SLACK  # too few requests to act on
     for _ in range(20):
         objective.observe(0.1)
@@ -438,6 +448,8 @@ def test_a_latency_objective_is_late_met_or_slack_by_its_recent_quantile() -> No
     for _ in range(3):
         objective.observe(0.5)
     assert objective.state() == LATE  # 3 of the last 20 over: the p90 is 0.5 s
+    clock[0] = 61.0  # no request for a minute: a burst long past keeps nothing LATE
+    assert objective.state() == SLACK
     for _ in range(20):
         objective.observe(0.27)
     assert objective.state() == MET  # within, but not by 20 %
@@ -445,37 +457,98 @@ def test_a_latency_objective_is_late_met_or_slack_by_its_recent_quantile() -> No
         LatencyObjective(0.0)
 
 
-def test_a_missed_objective_grows_a_valuable_budget_past_the_total_and_slack_gives_it_back(
+def test_a_missed_objective_grows_its_own_valuable_budget_past_the_total_then_gives_it_back(
     tmp_path: Path,
 ) -> None:
-    """The engine's process misses its TTFT objective (LATE): the host's most valuable budget
-    that more bytes would help (its shadow is hit) grows a step past the total; when met, the
-    bytes are kept; with room to spare again (SLACK), the host shrinks back to the total."""
+    """The engine's process misses its TTFT objective (LATE): its budget that more bytes would
+    help (its shadow is hit) grows a step a look past the total; the answers' process does not
+    cut its own budget for those bytes (published as `over`); met, they are kept; with room to
+    spare (SLACK), they go back a step at a time, GIVE_BACK_TICKS looks apart."""
     folder = tmp_path / "budgets"
-    kv = Cache(2.0)
+    kv, l1 = Cache(2.0), Cache(1.0)
     state = [LATE]
     total = 64 * MIB
+    engine = BudgetController(
+        [ledger_budget("kv_pool", kv, 128 * MIB, 48 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "torch_llm", pid=os.getpid()),
+        total_bytes=total,
+        settle_ticks=0,
+        objective=lambda: state[0],
+        move_ratio=100.0,
+    )
+    answers = BudgetController(
+        [ledger_budget("l1", l1, 64 * MIB, 16 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "prompt_cache", pid=os.getppid()),
+        total_bytes=total,
+        settle_ticks=0,
+        move_ratio=100.0,  # no moves here: the objective alone
+    )
+    for controller in (engine, answers):  # the host at its total: 48 + 16 MiB
+        assert controller.ledger is not None
+        controller.ledger.publish(controller._own())
+    assert answers.tick() == []
+    assert engine.tick() == [Decision("kv_pool", 48 * MIB, 52 * MIB, "grow")]  # a step: 4 MiB
+    assert engine.tick() == [Decision("kv_pool", 52 * MIB, 56 * MIB, "grow")]
+    assert answers.tick() == []  # the host is 8 MiB over the total, all of it taken for the
+    assert l1.sizes == []  # engine's objective: not l1's to cut
+    state[0] = MET
+    assert engine.tick() == []  # met: what was taken for it is kept
+    state[0] = SLACK
+    assert engine.tick() == [Decision("kv_pool", 56 * MIB, 52 * MIB, "shrink")]
+    for _ in range(GIVE_BACK_TICKS):
+        assert engine.tick() == []  # the objective's window refreshes first
+    assert engine.tick() == [Decision("kv_pool", 52 * MIB, 48 * MIB, "shrink")]
+    assert engine.tick() == []  # nothing past the total left
+    published = json.loads((folder / f"torch_llm.{os.getpid()}").read_text())
+    assert published == [["kv_pool", 48 * MIB, 2.0, 0, 128 * MIB, SLACK, 0]]
+    assert l1.sizes == []  # l1 was never cut or grown for any of it
+
+
+def test_late_or_not_nothing_grows_past_the_total_that_more_bytes_would_not_help() -> None:
+    kv = Cache(0.0)  # its shadow is not hit: more bytes would save nothing
     controller = BudgetController(
         [ledger_budget("kv_pool", kv, 128 * MIB, 64 * MIB)],
         Machine(100 * GIB),
         headroom_bytes=0,
-        ledger=HostLedger(folder, "torch_llm"),
-        total_bytes=total,
-        settle_ticks=0,
-        objective=lambda: state[0],
+        total_bytes=64 * MIB,
+        objective=lambda: LATE,
     )
-    assert controller.tick() == [Decision("kv_pool", 64 * MIB, 68 * MIB, "grow")]  # a step
-    assert controller.tick() == [Decision("kv_pool", 68 * MIB, 72 * MIB, "grow")]
-    kv.value = 0.0  # more bytes stopped helping: late or not, nothing more is taken
-    assert controller.tick() == []
-    kv.value = 2.0
-    state[0] = MET
-    assert controller.tick() == []  # met: what was taken for it is kept
-    state[0] = SLACK
-    assert controller.tick() == [Decision("kv_pool", 72 * MIB, 64 * MIB, "shrink")]
-    assert controller.tick() == []  # at the total; published as each look starts
-    published = json.loads(next(folder.iterdir()).read_text())
-    assert published == [["kv_pool", 64 * MIB, 2.0, 0, 128 * MIB, SLACK]]
+    for _ in range(3):
+        assert controller.tick() == []
+    kv.value = 1.0
+    assert controller.tick() == [Decision("kv_pool", 64 * MIB, 68 * MIB, "grow")]
+
+
+def test_a_file_claiming_a_missed_objective_makes_no_other_process_grow(tmp_path: Path) -> None:
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    alive = os.getppid()
+    (folder / f"hostile.{alive}").write_text(json.dumps([["kv", 0, 0.0, 0, 10, LATE, 0]]))
+    l1 = Cache(5.0)
+    controller = BudgetController(
+        [ledger_budget("l1", l1, 96 * MIB, 64 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "prompt_cache"),
+        total_bytes=64 * MIB,
+    )
+    for _ in range(3):
+        assert controller.tick() == []
+    assert l1.sizes == []
+
+
+def test_an_older_writers_five_field_rows_still_count(tmp_path: Path) -> None:
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    alive = os.getppid()
+    (folder / f"old.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10]]))
+    own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
+    host = HostLedger(folder, "prompt_cache").publish(own)
+    assert host == own + [LedgerEntry(f"old.{alive}", "kv", 5, 1.0, 0, 10, SLACK, 0)]
 
 
 def test_over_the_total_processes_come_to_it_in_proportion(tmp_path: Path) -> None:

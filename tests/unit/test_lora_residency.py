@@ -383,6 +383,19 @@ def test_disk_reads_do_not_block_engine_hits(make: MakeResidency, disk: FakeDisk
     assert set(engine_names(residency)) == {"a", "b"}
 
 
+def test_evictions_for_the_count_bound_are_no_lost_bytes(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Four adapters at most, bytes to spare: what the count bound drops would not have stayed
+    with more bytes, so the byte budget's shadow does not count it."""
+    residency = make(engine_slots=1, host_max_adapters=2, host_max_bytes=10_000)
+    a, b, c = (disk.add(name, i + 1) for i, name in enumerate("abc"))
+    for ref in (a, b, c, a):  # c's arrival drops a for the count; a is read again
+        residency.plan(ref, disk.read)
+    stats = residency.stats()
+    assert (stats.disk_reads, stats.host_shadow_bytes, stats.host_shadow_gained_s) == (4, 0, 0.0)
+
+
 def test_the_host_tier_resizes_to_a_budget_and_its_shadow_prices_a_byte_by_disk_reads(
     make: MakeResidency, disk: FakeDisk
 ) -> None:
@@ -402,9 +415,11 @@ def test_the_host_tier_resizes_to_a_budget_and_its_shadow_prices_a_byte_by_disk_
     residency.plan(b, disk.read)
     assert residency.stats().host_shadow_gained_s == pytest.approx(1.0)
     assert residency.resize_host(200) == 200
-    assert host_names(residency) == ["b", "a"]  # d and c (least recently used) dropped at once
+    assert host_names(residency) == ["b", "a"]  # d, then e (least recently used) dropped at once
     stats = residency.stats()
-    # a 50-byte shadow holds no 100-byte version
-    assert (stats.resident_bytes[HOST_TIER], stats.host_shadow_bytes) == (200, 0)
+    # a 50-byte shadow still keeps the latest version dropped (one of 100 bytes)
+    assert (stats.resident_bytes[HOST_TIER], stats.host_shadow_bytes) == (200, 100)
+    residency.plan(e, disk.read)  # the latest dropped, in the shadow: a read it would save
+    assert residency.stats().host_shadow_gained_s == pytest.approx(1.5)
     with pytest.raises(ConfigError):
         residency.resize_host(0)

@@ -26,9 +26,10 @@ def test_the_queue_keeps_the_latest_evictions_within_its_bytes() -> None:
     assert shadow.credit("c", saves_s=0.5) and shadow.gained_s == 2.5
     shadow.discard("d")  # cached again, or deleted: no lost hit
     assert not shadow.credit("d") and shadow.hits == 2
-    shadow.add("huge", 301, 9.0)  # larger than the whole span: not kept
-    assert "huge" not in shadow
-    shadow.add("e", 100, 1.0)
+    shadow.add("huge", 301, 9.0)  # larger than the whole span: kept alone (the latest)
+    assert "huge" in shadow and "c" not in shadow and shadow.bytes == 301
+    shadow.add("e", 100, 1.0)  # the older, larger one goes
+    assert "huge" not in shadow and shadow.bytes == 100
     shadow.resize(0)
     assert shadow.bytes == 0 and "e" not in shadow
 

@@ -408,22 +408,32 @@ class Residency:
         all (else they pass through)."""
         host = self._host
         if not host.can_hold(weights.nbytes):
+            # passed through: with more bytes it would have stayed (the shadow keeps its latest
+            # eviction whatever its size), unless the tier keeps nothing at all
+            if host.max_bytes and host.max_count:
+                self._host_shadow.add(weights.ref.digest, weights.nbytes, read_s)
             return
+        # the byte bound, not the count, is what makes room: only then would bytes have helped
+        by_bytes = bool(host.max_bytes) and host.nbytes + weights.nbytes > host.max_bytes
         victims = host.victims(weights.nbytes, lambda resident: False)
         if victims is None:  # cannot happen without protected residents; keep it loud
             raise RuntimeError(f"host tier cannot make room for {weights.ref.short}")
-        self._drop_from_host(victims)
+        self._drop_from_host(victims, shadow=by_bytes)
         self._uses += 1
         resident = _Resident(weights.ref, weights.nbytes, self._uses, self._clock(), weights)
         host.add(resident, cost_s=read_s)
         self._loads[HOST_TIER] += 1
 
-    def _drop_from_host(self, victims: Sequence[_Resident[AdapterWeights]]) -> None:
-        """Evict from the host tier; each into its shadow, worth a mean disk read."""
+    def _drop_from_host(
+        self, victims: Sequence[_Resident[AdapterWeights]], shadow: bool = True
+    ) -> None:
+        """Evict from the host tier; each into its shadow (worth a mean disk read) when bytes
+        were what ran out."""
         mean_read_s = self._disk_read_s / self._disk_reads if self._disk_reads else 0.0
         for victim in victims:
             self._host.remove(victim.ref.digest)
-            self._host_shadow.add(victim.ref.digest, victim.nbytes, mean_read_s)
+            if shadow:
+                self._host_shadow.add(victim.ref.digest, victim.nbytes, mean_read_s)
         self._evictions[HOST_TIER] += len(victims)
 
     def _view(self, tier: _Tier[V]) -> tuple[ResidentAdapter, ...]:

@@ -196,18 +196,21 @@ class TorchLlmStage:
 
     def submit(self, decode: Decode, sink: EngineSink) -> None:
         """Queue one request for the worker."""
-        self._queue.put((decode, sink, time.monotonic()))
+        self._queue.put((decode, sink))
         self.queue_depth.set(self._queue.qsize())
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not _STOP:
             self.queue_depth.set(self._queue.qsize())
-            decode, sink, submitted = job
+            decode, sink = job
+            # the objective's clock starts here, not at submit: the queue holds earlier
+            # requests' whole generations, which no cache memory shortens
+            started = time.monotonic()
             before = self.engine.adapters.stats()
             kv_before = self.engine.kv_stats()
             try:
                 order, request = decode()
-                self._serve(order, request, sink, submitted)
+                self._serve(order, request, sink, started)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.finished["error"].increment(1)
                 if isinstance(exc, TierCacheError):  # a refused request: its message is enough
@@ -230,11 +233,11 @@ class TorchLlmStage:
         order: AdapterOrder,
         request: GenerationRequest | None,
         sink: EngineSink,
-        submitted: float,
+        started: float,
     ) -> None:
         done = self.engine.adapters.prepare(order)
         if order.op == GENERATE and request is not None:
-            self._generate(request, sink, submitted)
+            self._generate(request, sink, started)
             return
         if order.op == LOAD:
             answer = json.dumps({"load_ms": done.load_s * 1e3, "evicted": list(done.evicted)})
@@ -244,14 +247,16 @@ class TorchLlmStage:
             answer = json.dumps({"evicted": list(done.evicted)})
         sink.send_final(answer, OP_FINISH[order.op], 0, 0, 0, 0)
 
-    def _generate(self, request: GenerationRequest, sink: EngineSink, submitted: float) -> None:
+    def _generate(self, request: GenerationRequest, sink: EngineSink, started: float) -> None:
         events = self.refusal.generate(
             request, lambda: self.engine.generate(request, sink.is_cancelled)
         )
         first = True
         for event in events:
-            if first and self.objective is not None:  # queue wait and prefill: the engine's TTFT
-                self.objective.observe(time.monotonic() - submitted)
+            # to the first event: the adapter switch, the KV lookup and the prefill; a refusal
+            # (no prompt run through the model) is no TTFT of the engine's
+            if first and self.objective is not None and event.prompt_tokens > 0:
+                self.objective.observe(time.monotonic() - started)
             first = False
             if event.finish_reason is None:
                 sink.send_chunk(event.text)

@@ -18,8 +18,8 @@ with these torch_llm and prompt_cache parameters:
 - `controller`: both ceilings the whole total, `cache_memory_bytes` the total (the first
   tick shares it by the budgets, half and half), `budget_interval_s` 0.5;
 - `controller-ttft` (with `--ttft-controller`): the same, with torch_llm's `ttft_objective_s`
-  the objective and its KV pool's ceiling twice the total (what it may take past the total
-  while the objective is missed).
+  the objective and both ceilings twice the total (the KV pool may take up to another total
+  past it while the objective is missed).
 
 The same requests go to each, one at a time (`--seed`): phase k has `--tenants`[k] tenants and
 `--requests-per-phase` requests, each from a tenant drawn at random, its system prompt (about
@@ -181,7 +181,8 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[s
                 "controller-ttft",
                 {
                     "torch_llm": {"kv_pool_max_bytes": str(2 * total), **moving, **objective},
-                    "prompt_cache": {"l1_max_bytes": str(total), **moving},
+                    # the same ceilings: the first look cuts both to half the total, as above
+                    "prompt_cache": {"l1_max_bytes": str(2 * total), **moving},
                 },
             )
         )
