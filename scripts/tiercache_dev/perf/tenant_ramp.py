@@ -116,6 +116,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "objective), the KV pool's ceiling twice the total",
     )
     p.add_argument(
+        "--tail-s",
+        type=float,
+        default=0.0,
+        help="after the requests, keep sampling controller-ttft's budgets this long (no "
+        "traffic: what it took past the total goes back)",
+    )
+    p.add_argument(
         "--controller-first",
         action="store_true",
         help="run the controller's server first (the machine's drift lands on the others)",
@@ -249,6 +256,9 @@ def run_one(
                 results.append(ask(client, request, args, started))
             time.sleep(1.0)  # the stages' deferred metric updates
             phase_kv.append(kv_tokens(server.ports.metrics))
+            if name == "controller-ttft" and args.tail_s > 0:
+                progress(f"  no traffic for {args.tail_s:.0f} s")
+                time.sleep(args.tail_s)
         sampler.done.set()
         sampler.join(timeout=10)
     failed = sum(1 for r in results if not r["ok"])
