@@ -574,3 +574,30 @@ def test_over_the_total_processes_come_to_it_in_proportion(tmp_path: Path) -> No
         [Decision("kv", total, total // 2, "shrink")],
         [Decision("l1", total, total // 2, "shrink")],
     ]
+
+
+def test_stages_meet_the_total_at_fair_shares_whichever_started_first(tmp_path: Path) -> None:
+    """prompt_cache starts first and, alone, cuts itself to the whole total; the engine comes
+    later at its ceiling: they meet at half and half (equal ceilings), not 2 : 1."""
+    folder = tmp_path / "budgets"
+    total = 48 * MIB
+    answers = BudgetController(
+        [ledger_budget("l1", Cache(0.0), 2 * total, 2 * total)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "prompt_cache", pid=os.getpid()),
+        total_bytes=total,
+        settle_ticks=0,
+    )
+    assert answers.tick() == [Decision("l1", 2 * total, total, "shrink")]  # alone
+    engine = BudgetController(
+        [ledger_budget("kv", Cache(0.0), 2 * total, 2 * total)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "torch_llm", pid=os.getppid()),
+        total_bytes=total,
+        settle_ticks=0,
+    )
+    assert answers.tick() == []  # publishes its 48 MiB
+    assert engine.tick() == [Decision("kv", 2 * total, total // 2, "shrink")]
+    assert answers.tick() == [Decision("l1", total, total // 2, "shrink")]
