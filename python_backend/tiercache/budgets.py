@@ -137,6 +137,7 @@ class BudgetController:
         self.step_bytes = max(int(total_bytes * step_fraction), 1)
         self._settling = 0  # ticks left before another shrink for memory
         self._cooling = 0  # ticks left before another move or shrink under the total
+        self._giving = 0  # ticks left before another step given back past the total
         self._publish_after = False
         self._shrunk_short = 0
         self._objective = objective
@@ -191,7 +192,7 @@ class BudgetController:
             )
             if shortfall <= 0:
                 return []
-            decisions = self._shrink(max(int(shortfall * part), 1), "shrink")
+            decisions = self._shrink(max(int(shortfall * part), 1), "shrink", take_over=True)
             if any(d.reason == "shrink" for d in decisions):
                 self._settling = self.settle_ticks
             if self._shrunk_short > 0:
@@ -206,25 +207,29 @@ class BudgetController:
             return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
+        giving = self._giving > 0
+        if giving:
+            self._giving -= 1
+        # bytes past the total taken for an objective (any process's) are not the others' to
+        # cut; the rest of an excess is
+        excess = host_bytes - self.total_bytes - sum(e.over for e in entries)
+        if excess > 0 and not cooling:  # floors above the total hold (said by the metrics)
+            # not republished: every process cuts its part from the same view (republished,
+            # the first to cut shrank the base of the next ones' parts: 39 / 57 MiB, measured)
+            cut = _cut_bytes(entries, self.total_bytes, excess)
+            decisions = self._shrink(cut, "shrink") if cut > 0 else []
+            if decisions:
+                self._cooling = self.settle_ticks
+                return decisions
         if self.objective_state == LATE:
             grown = self._beyond_total(room)
             if grown:
                 return grown
-        elif self.objective_state == SLACK and any(self._over.values()) and not cooling:
-            return self._give_back()
-        # bytes past the total taken for an objective (any process's) are not the others' to
-        # cut; the rest of an excess is
-        excess = host_bytes - self.total_bytes - sum(e.over for e in entries)
-        if excess > 0:  # floors above the total hold (said by the budgets' own metrics)
-            if cooling:
-                return []
-            # not republished: every process cuts its share from the same view (republished,
-            # the first to cut shrank the base of the next ones' shares: 39 / 57 MiB, measured)
-            decisions = self._shrink(max(int(excess * _cut_share(entries, self.total_bytes)), 1),
-                                     "shrink")  # fmt: skip
-            if decisions:
-                self._cooling = self.settle_ticks
-            return decisions
+        elif self.objective_state == SLACK and any(v > 0 for v in self._over.values()):
+            if not giving:
+                return self._give_back()
+        if excess > 0:
+            return []
         # room under the total nobody took yet: its owner grows next; no new move meanwhile
         unclaimed = -excess
         self._publish_after = True
@@ -260,7 +265,8 @@ class BudgetController:
         if give <= 0:
             return []
         decision = self._apply(best, best.current_bytes + give, "grow")
-        self._over[best.name] += decision.new_bytes - decision.old_bytes
+        grown = max(decision.new_bytes - decision.old_bytes, 0)
+        self._over[best.name] = min(self._over[best.name] + grown, best.current_bytes)
         self._publish_after = True
         return [decision]
 
@@ -268,15 +274,15 @@ class BudgetController:
         """The objective is met with room to spare: a step of what was taken past the total
         goes back, then `GIVE_BACK_TICKS` looks pass (the objective's window must refresh
         before the next: giving it all at once made it LATE again)."""
-        name = max(self._over, key=lambda n: self._over[n])
+        name = max(self._over, key=lambda n: self._over[n])  # over > 0: the caller checked
         budget = next(b for b in self.budgets if b.name == name)
         take = min(self._over[name], self.step_bytes, budget.current_bytes - budget.floor_bytes)
         if take <= 0:  # at its floor: nothing past the total is left to give
             self._over[name] = 0
             return []
-        self._cooling = GIVE_BACK_TICKS
+        self._giving = GIVE_BACK_TICKS
         self._publish_after = True
-        return [self._apply(budget, budget.current_bytes - take, "shrink")]
+        return [self._apply(budget, budget.current_bytes - take, "shrink", take_over=True)]
 
     def _move(self, host: Sequence[LedgerEntry]) -> list[Decision]:
         """Give a step of this process's least valuable budget to the host's most valuable one
@@ -299,7 +305,7 @@ class BudgetController:
             decisions.append(self._apply(gainer, gainer.current_bytes + take, "grow"))
         return decisions
 
-    def _shrink(self, shortfall: int, reason: str) -> list[Decision]:
+    def _shrink(self, shortfall: int, reason: str, take_over: bool = False) -> list[Decision]:
         """Shrink the least valuable first, to floors at most; what could not be taken is
         left in `_shrunk_short`."""
         decisions = []
@@ -309,7 +315,7 @@ class BudgetController:
             take = min(budget.current_bytes - budget.floor_bytes, shortfall)
             if take <= 0:
                 continue
-            decisions.append(self._apply(budget, budget.current_bytes - take, reason))
+            decisions.append(self._apply(budget, budget.current_bytes - take, reason, take_over))
             shortfall -= take
         self._shrunk_short = max(shortfall, 0)
         return decisions
@@ -326,13 +332,16 @@ class BudgetController:
             room -= give
         return decisions
 
-    def _apply(self, budget: Budget, target: int, reason: str) -> Decision:
+    def _apply(self, budget: Budget, target: int, reason: str, take_over: bool = False) -> Decision:
+        """Resize; with `take_over` (bytes past the total given back, or memory short) what
+        the budget gives up comes out of its `over` first. Never more over than it holds."""
         old = budget.current_bytes
         taken = budget.resize(target)
         budget.current_bytes = min(max(taken, budget.floor_bytes), budget.ceiling_bytes)
-        if budget.current_bytes < old:  # what a budget gives up comes out of its excess first
-            over = self._over.get(budget.name, 0)
-            self._over[budget.name] = max(over - (old - budget.current_bytes), 0)
+        over = self._over.get(budget.name, 0)
+        if take_over and budget.current_bytes < old:
+            over -= old - budget.current_bytes
+        self._over[budget.name] = min(max(over, 0), budget.current_bytes)
         return Decision(budget.name, old, budget.current_bytes, reason)
 
 
@@ -404,25 +413,33 @@ class LedgerEntry:
     over: int = 0  # bytes of it past the total, taken for that process's missed objective
 
 
-def _cut_share(entries: Sequence[LedgerEntry], total: int) -> float:
-    """This process's part of an excess over the total: what it holds over its fair share
-    (the total split by the processes' ceilings) over what all hold over theirs; by bytes
-    when none is over its fair share. So the stages meet the total at their fair shares
-    whichever started first (the first to start, alone, cuts itself to the whole total; cut
-    by bytes, it then kept more than the later ones: 32 / 16 MiB, measured)."""
-    owners: dict[str, list[int]] = {}
+def _cut_bytes(entries: Sequence[LedgerEntry], total: int, excess: int) -> int:
+    """This process's part of an excess over the total, in bytes: first what each process holds
+    over its fair share (the total split by the processes' ceilings), as far as its floors let
+    it cut, each its part of that; what those cannot cover, by what each can still cut. So the
+    stages meet the total at their fair shares whichever started first (the first to start,
+    alone, cuts itself to the whole total; cut by bytes, it then kept more than the later
+    ones: 32 / 16 MiB, measured), and a process held at its floors leaves its part to the
+    others instead of the host staying over the total."""
+    owners: dict[str, list[float]] = {}  # owner -> held (bytes less over), floors, ceilings
     for e in entries:
-        held = owners.setdefault(e.owner, [0, 0])
-        held[0] += e.bytes - e.over
-        held[1] += e.ceiling
-    ceilings = sum(c for _, c in owners.values())
-    if ceilings <= 0:
-        return 1.0
-    over = {o: max(b - total * c / ceilings, 0.0) for o, (b, c) in owners.items()}
-    if sum(over.values()) > 0:
-        return over.get(OWN, 0.0) / sum(over.values())
-    held_total = sum(b for b, _ in owners.values())
-    return owners.get(OWN, [0, 0])[0] / held_total if held_total > 0 else 1.0
+        row = owners.setdefault(e.owner, [0.0, 0.0, 0.0])
+        row[0] += e.bytes - e.over
+        row[1] += e.floor
+        row[2] += e.ceiling
+    ceilings = sum(row[2] for row in owners.values())
+    cuttable = {o: max(held - floors, 0.0) for o, (held, floors, _) in owners.items()}
+    overage = {
+        o: min(max(held - total * ceiling / ceilings, 0.0), cuttable[o]) if ceilings else 0.0
+        for o, (held, _, ceiling) in owners.items()
+    }
+    first = min(float(excess), sum(overage.values()))
+    own = first * overage.get(OWN, 0.0) / sum(overage.values()) if first > 0 else 0.0
+    rest = excess - first
+    left = {o: cuttable[o] - overage[o] for o in owners}
+    if rest > 0 and sum(left.values()) > 0:
+        own += min(rest, sum(left.values())) * left.get(OWN, 0.0) / sum(left.values())
+    return int(round(own))
 
 
 def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:

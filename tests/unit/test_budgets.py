@@ -601,3 +601,69 @@ def test_stages_meet_the_total_at_fair_shares_whichever_started_first(tmp_path: 
     assert answers.tick() == []  # publishes its 48 MiB
     assert engine.tick() == [Decision("kv", 2 * total, total // 2, "shrink")]
     assert answers.tick() == [Decision("l1", total, total // 2, "shrink")]
+
+
+def test_bytes_kept_for_a_met_objective_survive_a_cut_of_other_excess(tmp_path: Path) -> None:
+    """The engine holds 8 MiB past the total for its objective (MET: kept) and the host is
+    4 MiB over besides: it cuts its part of those 4, not the 8 (a cut once took both)."""
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    state = [LATE]
+    kv = Cache(2.0)
+    engine = BudgetController(
+        [ledger_budget("kv_pool", kv, 128 * MIB, 48 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "torch_llm"),
+        total_bytes=48 * MIB,
+        settle_ticks=0,
+        objective=lambda: state[0],
+        step_fraction=1 / 6,
+    )
+    assert engine.tick() == [Decision("kv_pool", 48 * MIB, 56 * MIB, "grow")]  # 8 MiB over
+    state[0] = MET
+    alive = os.getppid()  # another process comes, 4 MiB over its fair share of the total
+    (folder / f"other.{alive}").write_text(json.dumps([["l1", 4 * MIB, 0.0, 0, 128 * MIB]]))
+    decisions = engine.tick()
+    assert len(decisions) == 1 and decisions[0].reason == "shrink"
+    assert decisions[0].new_bytes >= 52 * MIB  # never into the 8 MiB kept for the objective
+    for _ in range(4):
+        engine.tick()
+    assert kv.sizes[-1] >= 52 * MIB
+
+
+def test_a_cache_that_rounds_its_budget_down_never_makes_over_negative() -> None:
+    rounded = Budget("kv_pool", 0, 128 * MIB, 64 * MIB, lambda size: 8 * MIB, lambda: 1.0)
+    controller = BudgetController(
+        [rounded], Machine(100 * GIB), headroom_bytes=0, total_bytes=64 * MIB,
+        objective=lambda: LATE,
+    )  # fmt: skip
+    controller.tick()
+    assert all(0 <= over for over in controller._over.values())
+
+
+def test_a_process_held_at_its_floors_leaves_its_part_of_the_excess_to_the_others(
+    tmp_path: Path,
+) -> None:
+    """A: 64 MiB, floor 48 (can give 16); B: 64 MiB, no floor; total 64. Fair shares 32 each:
+    A can only give 16 of its 32; B gives its 32 and the 16 A cannot: the host meets it."""
+    folder = tmp_path / "budgets"
+    a = BudgetController(
+        [Budget("a", 48 * MIB, 64 * MIB, 64 * MIB, Cache(0.0).resize, lambda: 0.0)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "a", pid=os.getpid()),
+        total_bytes=64 * MIB,
+    )
+    b = BudgetController(
+        [ledger_budget("b", Cache(0.0), 64 * MIB, 64 * MIB)],
+        Machine(100 * GIB),
+        headroom_bytes=0,
+        ledger=HostLedger(folder, "b", pid=os.getppid()),
+        total_bytes=64 * MIB,
+    )
+    for controller in (a, b):
+        assert controller.ledger is not None
+        controller.ledger.publish(controller._own())
+    assert a.tick() == [Decision("a", 64 * MIB, 48 * MIB, "shrink")]
+    assert b.tick() == [Decision("b", 64 * MIB, 16 * MIB, "shrink")]

@@ -423,3 +423,20 @@ def test_the_host_tier_resizes_to_a_budget_and_its_shadow_prices_a_byte_by_disk_
     assert residency.stats().host_shadow_gained_s == pytest.approx(1.5)
     with pytest.raises(ConfigError):
         residency.resize_host(0)
+
+
+def test_an_adapter_no_budget_could_hold_is_no_lost_byte(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    residency = make(engine_slots=1, host_max_adapters=8, host_max_bytes=1_000)
+    big = disk.add("big", 1, nbytes=2_000)  # larger than the tier's largest budget
+    residency.plan(big, disk.read)
+    residency.forget(big)
+    residency.plan(big, disk.read)
+    assert residency.stats().host_shadow_gained_s == 0.0
+    residency.resize_host(500)  # a smaller budget: one of 800 bytes would fit at the ceiling
+    mid = disk.add("mid", 2, nbytes=800)
+    residency.plan(mid, disk.read)
+    residency.forget(mid)
+    residency.plan(mid, disk.read)  # read again: more bytes (up to 800) would have kept it
+    assert residency.stats().host_shadow_gained_s == pytest.approx(0.5)

@@ -239,6 +239,8 @@ class Residency:
         self._disk_reads = 0
         self._disk_read_s = 0.0
         self._host_shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(host_max_bytes))
+        # the host tier's largest budget: an adapter larger passes through at any budget
+        self._host_ceiling = host_max_bytes
 
     # -- the request path ----------------------------------------------------------------------
 
@@ -410,7 +412,7 @@ class Residency:
         if not host.can_hold(weights.nbytes):
             # passed through: with more bytes it would have stayed (the shadow keeps its latest
             # eviction whatever its size), unless the tier keeps nothing at all
-            if host.max_bytes and host.max_count:
+            if host.max_count and 0 < weights.nbytes <= self._host_ceiling:
                 self._host_shadow.add(weights.ref.digest, weights.nbytes, read_s)
             return
         # the byte bound, not the count, is what makes room: only then would bytes have helped
