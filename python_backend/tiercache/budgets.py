@@ -26,6 +26,10 @@ lately, `tiercache.shadow`; one unit for every cache, so bytes can move between 
   process's, at its own process's next tick otherwise); with a headroom, only while memory is
   above it. So the same bytes follow the workload: to the KV pool when many tenants' prompts
   need it, to the answers when repeats do;
+- with a total and a latency objective (`LatencyObjective`): while this process misses it,
+  its own most valuable budget may grow past the total (published as `over`, which the others
+  do not cut), and gives it back a step every `GIVE_BACK_TICKS` looks once the objective has
+  room to spare;
 - otherwise nothing moves.
 
 A cache never goes under its floor: if the floors alone leave less than the headroom, the
@@ -273,7 +277,7 @@ class BudgetController:
     def _give_back(self) -> list[Decision]:
         """The objective is met with room to spare: a step of what was taken past the total
         goes back, then `GIVE_BACK_TICKS` looks pass (the objective's window must refresh
-        before the next: giving it all at once made it LATE again)."""
+        before the next, or a step that makes it missed again would not show in time)."""
         name = max(self._over, key=lambda n: self._over[n])  # over > 0: the caller checked
         budget = next(b for b in self.budgets if b.name == name)
         take = min(self._over[name], self.step_bytes, budget.current_bytes - budget.floor_bytes)

@@ -38,6 +38,39 @@ K = TypeVar("K", bound=Hashable)
 
 MAX_COST_S = 86_400.0  # a cost above a day counts as a day (a broken or hostile figure)
 
+
+class KnownCosts:
+    """The mean of the known costs seen lately (both halve every `window` of them), for what an
+    unknown cost (0.0) counts as; a known cost is capped at `MAX_COST_S`. Not thread-safe."""
+
+    __slots__ = ("_count", "_sum", "_window")
+
+    def __init__(self, window: float) -> None:
+        self._window = window
+        self._sum = self._count = 0.0
+
+    def resolve(self, cost_s: float, default: float) -> float:
+        """`cost_s` capped, or the mean known (`default` when none is known) if it is unknown."""
+        if cost_s > 0.0:
+            return min(cost_s, MAX_COST_S)
+        return self._sum / self._count if self._count else default
+
+    def add(self, cost_s: float) -> float:
+        """Count `cost_s` if known; what it counts as (`resolve`, default 1.0)."""
+        if cost_s > 0.0:
+            cost_s = min(cost_s, MAX_COST_S)
+            self._sum += cost_s
+            self._count += 1.0
+            if self._count > self._window:
+                self._sum *= 0.5
+                self._count *= 0.5
+            return cost_s
+        return self.resolve(cost_s, 1.0)
+
+    def clear(self) -> None:
+        self._sum = self._count = 0.0
+
+
 SkipKey = Callable[[K], bool]
 """key -> True when the store cannot evict it now (pinned, in use, being loaded)."""
 
@@ -252,7 +285,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._admissions = [1.0, 1.0]
         # per group: [hits while held, admissions] (windowed as the classes are)
         self._groups: dict[int, list[float]] = {}
-        self._cost = [0.0, 0.0]  # known costs per admission: [sum, count], windowed
+        self._cost = KnownCosts(self.ADMISSION_WINDOW)  # known costs per admission, windowed
         # held keys not hit yet -> (their admission class, their group)
         self._unproven: dict[K, tuple[int, int]] = {}
 
@@ -309,8 +342,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
 
     def mean_cost(self) -> float:
         """What an unknown cost counts as now: the mean known cost, 1.0 when none is known."""
-        total, count = self._cost
-        return total / count if count else 1.0
+        return self._cost.resolve(0.0, 1.0)
 
     def admit(
         self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
@@ -329,16 +361,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         if counts[1] > self.ADMISSION_WINDOW:
             counts[0] *= 0.5
             counts[1] *= 0.5
-        if cost_s > 0.0:
-            cost_s = min(cost_s, MAX_COST_S)
-            known = self._cost
-            known[0] += cost_s
-            known[1] += 1.0
-            if known[1] > self.ADMISSION_WINDOW:
-                known[0] *= 0.5
-                known[1] *= 0.5
-        else:
-            cost_s = self.mean_cost()
+        cost_s = self._cost.add(cost_s)
         frequency = self._sketch.add(key)
         weight = cost_s / max(size, 1)
         if not seen:
@@ -397,7 +420,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._hits = [1.0, 1.0]
         self._admissions = [1.0, 1.0]
         self._groups.clear()
-        self._cost = [0.0, 0.0]
+        self._cost.clear()
         self._sketch.clear()
         self._inflation = 0.0
 

@@ -482,17 +482,29 @@ def test_unsealed_forged_or_mismatched_loads_are_forbidden_alone(
     assert (stats.loads, stats.load_failures) == (1, 0)
 
 
+def start_stage(
+    load_model: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    params: dict[str, dict[str, str]],
+    engine: type = FakeEngine,
+) -> Any:
+    """torch_llm's model over `engine` (a stand-in for TorchEngine), initialized with `params`
+    (the caller finalizes it)."""
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", engine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
+    instance = module.TritonPythonModel()
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    return instance
+
+
 def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
     load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """memory_headroom_bytes larger than this machine (read for real): the KV pool's budget
     goes to kv_pool_min_bytes, and the engine thread's next request evicts down to it."""
-    module = load_model("torch_llm")
-    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
-    monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
-    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
-    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
-    instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
         "tokens_per_block": {"string_value": "4"},
@@ -501,7 +513,7 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
         "memory_headroom_bytes": {"string_value": str(1 << 60)},
         "budget_interval_s": {"string_value": "0.05"},
     }
-    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance = start_stage(load_model, monkeypatch, params, FakeEngine)
     try:
         pool = instance.stage.engine.kv_pool
         deadline = time.monotonic() + 10.0
@@ -527,18 +539,12 @@ def test_a_kv_pool_on_a_gpu_keeps_its_fixed_budget(
             super().__init__(*args, **kwargs)
             self.device = "cuda:0"
 
-    module = load_model("torch_llm")
-    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
-    monkeypatch.setattr(torch_llm_stage, "TorchEngine", GpuEngine)
-    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
-    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
-    instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
         "cache_memory_bytes": {"string_value": str(1 << 30)},
         "memory_headroom_bytes": {"string_value": str(1 << 60)},
     }
-    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance = start_stage(load_model, monkeypatch, params, GpuEngine)
     try:
         assert instance.stage.budgets is None
         assert instance.stage.engine.kv_pool.budget_bytes == 256 << 20  # its fixed size
@@ -556,12 +562,6 @@ def test_with_a_ttft_objective_each_generation_is_timed_and_its_state_published(
     """ttft_objective_s: each generation's time from leaving the queue to its first event is
     observed; 16 of them over a microsecond objective make it LATE, which the budgets see and
     export (2)."""
-    module = load_model("torch_llm")
-    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
-    monkeypatch.setattr(torch_llm_stage, "TorchEngine", FakeEngine)
-    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
-    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, divisor: 1)
-    instance = module.TritonPythonModel()
     params = {
         "state_dir": {"string_value": str(tmp_path)},
         "tokens_per_block": {"string_value": "4"},
@@ -570,7 +570,7 @@ def test_with_a_ttft_objective_each_generation_is_timed_and_its_state_published(
         "ttft_objective_s": {"string_value": "0.000001"},
         "budget_interval_s": {"string_value": "0.05"},
     }
-    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance = start_stage(load_model, monkeypatch, params, FakeEngine)
     try:
         for i in range(16):
             envelope = envelope_text(sealer, GenerationRequest(f"prompt number {i}"))

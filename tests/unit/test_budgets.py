@@ -261,6 +261,13 @@ def test_shadow_value_is_seconds_saved_per_second_per_byte_of_shadow() -> None:
         assert estimate > 0.0 if look < QUIET_LOOKS - 1 else estimate == 0.0
 
 
+def publish_all(*controllers: BudgetController) -> None:
+    """Each controller publishes its budgets, as a stage does at its first look."""
+    for controller in controllers:
+        assert controller.ledger is not None
+        controller.ledger.publish(controller._own())
+
+
 def ledger_budget(name: str, cache: Cache, ceiling: int, current: int) -> Budget:
     return Budget(name, 0, ceiling, current, cache.resize, lambda: cache.value)
 
@@ -287,12 +294,7 @@ def test_processes_of_a_host_share_a_shortfall_by_their_budgets(tmp_path: Path) 
             ledger=HostLedger(folder, "torch_llm", pid=os.getppid()),
         ),
     ]
-    for controller in controllers:  # each publishes its budgets first
-        assert controller.ledger is not None
-        controller.ledger.publish(
-            [LedgerEntry(OWN, b.name, b.current_bytes, 0.0, 0, b.ceiling_bytes)
-             for b in controller.budgets]
-        )  # fmt: skip
+    publish_all(*controllers)  # each publishes its budgets first
     decisions = [c.tick() for c in controllers]
     # 200 MiB short: a holds 3/4 of the host's budgets and sheds 150, b 1/4 and sheds 50
     assert decisions == [
@@ -332,12 +334,7 @@ def test_under_a_total_bytes_move_across_processes_to_the_more_valuable_cache(
         total_bytes=total,
         settle_ticks=1,
     )
-    for controller in (answers, engine):  # both published (a stage publishes as it starts)
-        assert controller.ledger is not None
-        controller.ledger.publish(
-            [LedgerEntry(OWN, b.name, b.current_bytes, 0.0, 0, b.ceiling_bytes)
-             for b in controller.budgets]
-        )  # fmt: skip
+    publish_all(answers, engine)  # both published (a stage publishes as it starts)
     assert engine.tick() == []  # the pool is worth more, but the host is at its total
     assert answers.tick() == [Decision("l1", 80 * MIB, 70 * MIB, "move")]  # a 1/16 step
     assert engine.tick() == [Decision("kv_pool", 80 * MIB, 90 * MIB, "grow")]
@@ -487,9 +484,7 @@ def test_a_missed_objective_grows_its_own_valuable_budget_past_the_total_then_gi
         settle_ticks=0,
         move_ratio=100.0,  # no moves here: the objective alone
     )
-    for controller in (engine, answers):  # the host at its total: 48 + 16 MiB
-        assert controller.ledger is not None
-        controller.ledger.publish(controller._own())
+    publish_all(engine, answers)  # the host at its total: 48 + 16 MiB
     assert answers.tick() == []
     assert engine.tick() == [Decision("kv_pool", 48 * MIB, 52 * MIB, "grow")]  # a step: 4 MiB
     assert engine.tick() == [Decision("kv_pool", 52 * MIB, 56 * MIB, "grow")]
@@ -566,9 +561,7 @@ def test_over_the_total_processes_come_to_it_in_proportion(tmp_path: Path) -> No
         )
         for name, stage, pid in (("kv", "torch_llm", os.getppid()), ("l1", "pc", os.getpid()))
     ]
-    for controller in controllers:
-        assert controller.ledger is not None
-        controller.ledger.publish(controller._own())
+    publish_all(*controllers)
     decisions = [c.tick() for c in controllers]
     assert decisions == [
         [Decision("kv", total, total // 2, "shrink")],
@@ -662,8 +655,6 @@ def test_a_process_held_at_its_floors_leaves_its_part_of_the_excess_to_the_other
         ledger=HostLedger(folder, "b", pid=os.getppid()),
         total_bytes=64 * MIB,
     )
-    for controller in (a, b):
-        assert controller.ledger is not None
-        controller.ledger.publish(controller._own())
+    publish_all(a, b)
     assert a.tick() == [Decision("a", 64 * MIB, 48 * MIB, "shrink")]
     assert b.tick() == [Decision("b", 64 * MIB, 16 * MIB, "shrink")]

@@ -403,6 +403,11 @@ class KvBlockPool(Generic[P]):
             self._target = max_bytes
         return max_bytes
 
+    def shadow_reading(self) -> tuple[float, float]:
+        """(prefill seconds its shadow's hits saved, cumulative; the bytes it spans): a
+        budget's `ShadowValue` reads it (plain numbers, read from the budget thread)."""
+        return self._shadow.gained_s, float(self._shadow.bytes)
+
     def observe_prefill(self, seconds: float, computed_tokens: int) -> None:
         """The engine computed `computed_tokens` prompt tokens in `seconds`. What one more
         block costs to compute (`block_cost_s`, what reusing it saves) is the slope of a line

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import lmdb
 
-from tiercache.eviction import MAX_COST_S, EvictionPolicy, LruPolicy, OldestFirstPolicy
+from tiercache.eviction import EvictionPolicy, KnownCosts, LruPolicy, OldestFirstPolicy
 from tiercache.exact.codec import (
     CacheEntry,
     CorruptEntry,
@@ -132,7 +132,7 @@ class MemoryStore:
         self._removed = 0
         self._skew = (0.0, -math.inf)  # the last hit skew and when it was computed (monotonic)
         self._shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(max_bytes))
-        self._costs = (0.0, 0)  # known generation seconds admitted: sum, count
+        self._costs = KnownCosts(10_000)  # known generation seconds admitted, windowed
 
     def get(self, key: str) -> CacheEntry | None:
         with self._lock:
@@ -152,6 +152,12 @@ class MemoryStore:
         with self._lock:
             if key not in self._entries:
                 self._shadow.credit(key, saves_s)
+
+    def shadow_reading(self) -> tuple[float, float]:
+        """(seconds its shadow's hits saved, cumulative; the bytes it spans): a budget's
+        `ShadowValue` reads it."""
+        with self._lock:
+            return self._shadow.gained_s, float(self._shadow.bytes)
 
     def forget_evicted(self, key: str) -> None:
         """`key`'s answer is no longer servable (invalidated, expired): a later miss on it is
@@ -179,9 +185,7 @@ class MemoryStore:
             self._sizes[key] = size
             self._bytes += size - replaced
             self._shadow.discard(key)
-            if entry.generation_s is not None and entry.generation_s > 0:
-                total, count = self._costs
-                self._costs = (total + min(entry.generation_s, MAX_COST_S), count + 1)
+            self._costs.add(entry.generation_s or 0.0)
             self._policy.admit(
                 key,
                 size,
@@ -217,7 +221,8 @@ class MemoryStore:
             hits = self._entry_hits.get(victim, 0)
             entry = self._entries.get(victim)
             if entry is not None:
-                self._shadow.add(victim, size, self._cost(entry))
+                # what a hit on it saves: its generation seconds, else the mean of the known
+                self._shadow.add(victim, size, self._costs.resolve(entry.generation_s or 0.0, 0.0))
             if not self._discard(victim):
                 raise RuntimeError(f"L1's policy nominated {victim!r}, which L1 does not hold")
             freed += size
@@ -226,13 +231,6 @@ class MemoryStore:
             self._evicted_bytes += size
         if freed < nbytes:
             raise RuntimeError(f"L1's policy nominated {freed} of the {nbytes} bytes needed")
-
-    def _cost(self, entry: CacheEntry) -> float:
-        """What a hit on `entry` saves: its generation seconds, else the mean of the known."""
-        if entry.generation_s is not None and entry.generation_s > 0:
-            return min(entry.generation_s, MAX_COST_S)
-        total, count = self._costs
-        return total / count if count else 0.0
 
     def _discard(self, key: str) -> bool:
         entry = self._entries.pop(key, None)

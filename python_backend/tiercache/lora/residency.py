@@ -320,6 +320,12 @@ class Residency:
                 host_shadow_bytes=self._host_shadow.bytes,
             )
 
+    def host_shadow_reading(self) -> tuple[float, float]:
+        """(disk-read seconds the host tier's shadow hits saved, cumulative; the bytes it
+        spans): its budget's `ShadowValue` reads it."""
+        with self._lock:
+            return self._host_shadow.gained_s, float(self._host_shadow.bytes)
+
     def resize_host(self, max_bytes: int) -> int:
         """A new byte bound for the host tier (tiercache.budgets): versions are dropped at once,
         in its policy's order, down to it; returns it. The engine's mirror is untouched (a

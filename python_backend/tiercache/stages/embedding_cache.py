@@ -14,7 +14,6 @@ import triton_python_backend_utils as pb_utils
 from tiercache.budgets import BudgetThread
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
-from tiercache.exact.stores import MemoryStore
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
@@ -23,7 +22,7 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope, check_sealed
-from tiercache.stages.memory_budgets import l1_budget, start_budgets
+from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
 from tiercache.stages.seal import (
     ANSWER_LABEL,
@@ -246,16 +245,9 @@ def open_embedding_cache(
     metrics = tm.Metrics(model_name, instance=instance_name)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
-    l1 = tiers.cache.store(Tier.L1)
-    if isinstance(l1, MemoryStore):  # its answers' L1 follows the machine, as prompt_cache's
-        stage.budgets = start_budgets(
-            config.memory_headroom_bytes,
-            config.budget_interval_s,
-            [l1_budget(l1, config.l1_min_bytes, config.l1_max_bytes)],
-            metrics,
-            config.state_path(),
-            f"{model_name}.{instance_name}",
-            total_bytes=config.cache_memory_bytes,
-        )
+    # its answers' L1 follows the machine, as prompt_cache's does
+    stage.budgets = follow_l1(
+        config, tiers.cache.store(Tier.L1), metrics, f"{model_name}.{instance_name}"
+    )
     metrics.start()
     return stage

@@ -269,9 +269,7 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
 def adapter_host_budget(residency: Residency, floor_bytes: int, ceiling_bytes: int) -> Budget:
     """The host tier's budget: between its floor and its fixed size, valued by what one more
     byte would save (disk reads of adapter versions it dropped lately, asked for again)."""
-
-    def gained() -> tuple[float, float]:
-        stats = residency.stats()
-        return stats.host_shadow_gained_s, float(stats.host_shadow_bytes)
-
-    return cache_budget("adapters_host", floor_bytes, ceiling_bytes, residency.resize_host, gained)
+    return cache_budget(
+        "adapters_host", floor_bytes, ceiling_bytes, residency.resize_host,
+        residency.host_shadow_reading,
+    )  # fmt: skip

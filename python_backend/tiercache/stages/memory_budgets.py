@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from tiercache.budgets import (
     Budget,
@@ -130,12 +131,40 @@ def start_budgets(
     return BudgetThread(controller, interval_s, on_tick, on_close=ledger.close).start()
 
 
-def l1_budget(store: MemoryStore, floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """L1's budget: between its floor and its fixed size, valued by what one more byte would
-    save (misses on answers it evicted lately: the lower tier's read, or the generation)."""
+class L1BudgetConfig(Protocol):
+    """What a stage with an answers' L1 configures for its budget (prompt_cache's and
+    embedding_cache's configs)."""
 
-    def gained() -> tuple[float, float]:
-        stats = store.stats()
-        return stats.shadow_gained_s, float(stats.shadow_bytes)
+    @property
+    def memory_headroom_bytes(self) -> int: ...
+    @property
+    def cache_memory_bytes(self) -> int: ...
+    @property
+    def budget_interval_s(self) -> float: ...
+    @property
+    def l1_min_bytes(self) -> int: ...
+    @property
+    def l1_max_bytes(self) -> int: ...
+    def state_path(self) -> Path: ...
 
-    return cache_budget("l1", floor_bytes, ceiling_bytes, store.resize, gained)
+
+def follow_l1(
+    config: L1BudgetConfig, l1: object, metrics: tm.Metrics, name: str
+) -> BudgetThread | None:
+    """`start_budgets` over a stage's answers' L1 (when it is a `MemoryStore`), between
+    `l1_min_bytes` and its fixed size, valued by what one more byte would save (misses on
+    answers it evicted lately: the lower tier's read, or the generation)."""
+    if not isinstance(l1, MemoryStore):
+        return None
+    budget = cache_budget(
+        "l1", config.l1_min_bytes, config.l1_max_bytes, l1.resize, l1.shadow_reading
+    )
+    return start_budgets(
+        config.memory_headroom_bytes,
+        config.budget_interval_s,
+        [budget],
+        metrics,
+        config.state_path(),
+        name,
+        total_bytes=config.cache_memory_bytes,
+    )

@@ -11,13 +11,12 @@ from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.prompt_cache import LookupResult, PromptCache
 from tiercache.exact.request import RawInputs
-from tiercache.exact.stores import MemoryStore
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.contract import PROMPT_CACHE, prompt_cache_terms, write_terms
 from tiercache.stages.envelope import Envelope
-from tiercache.stages.memory_budgets import l1_budget, start_budgets
+from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import Sealer
 from tiercache.triton import metrics as tm
@@ -130,16 +129,6 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     terms = prompt_cache_terms(keys_path, secret, cache.engine, cache.limits)
     write_terms(config.state_path(), PROMPT_CACHE, terms)  # what the gateway's edge must match
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
-    l1 = cache.cache.store(Tier.L1)
-    if isinstance(l1, MemoryStore):
-        stage.budgets = start_budgets(
-            config.memory_headroom_bytes,
-            config.budget_interval_s,
-            [l1_budget(l1, config.l1_min_bytes, config.l1_max_bytes)],
-            metrics,
-            config.state_path(),
-            model_name,
-            total_bytes=config.cache_memory_bytes,
-        )
+    stage.budgets = follow_l1(config, cache.cache.store(Tier.L1), metrics, model_name)
     metrics.start()
     return stage

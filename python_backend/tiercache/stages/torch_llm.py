@@ -185,6 +185,7 @@ class TorchLlmStage:
     def _seed_counters(self) -> None:
         """Totals from before the first request (prefetched adapters) are not counted again."""
         adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
+        self._evict_seen_s = kv.evict_s
         self.adapter_loads.seen = adapters.loads
         self.adapter_evictions.seen = adapters.evictions
         self.kv_evictions.seen = kv.evictions
@@ -207,7 +208,6 @@ class TorchLlmStage:
             # requests' whole generations, which no cache memory shortens
             started = time.monotonic()
             before = self.engine.adapters.stats()
-            kv_before = self.engine.kv_stats()
             try:
                 order, request = decode()
                 self._serve(order, request, sink, started)
@@ -225,7 +225,7 @@ class TorchLlmStage:
                 adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
                 self._record_adapters(before, adapters)
                 self._record_kv(kv)
-                self._record_stall(before, adapters, kv_before, kv)
+                self._record_stall(before, adapters, kv)
                 self._trim_memory()
 
     def _serve(
@@ -296,16 +296,16 @@ class TorchLlmStage:
         self.adapter_evictions.update(after.evictions)
         self.adapters_resident.set(after.resident)
 
-    def _record_stall(
-        self, before: AdapterStats, after: AdapterStats, kv_before: KvStats, kv_after: KvStats
-    ) -> None:
+    def _record_stall(self, before: AdapterStats, after: AdapterStats, kv: KvStats) -> None:
         """This request's gen-stall-duration: its adapter load and switch (each at most once
-        a request: the last timing is its) and its KV evictions."""
+        a request: the last timing is its) and its KV evictions (the pool's eviction time
+        since the last request: only this worker thread evicts)."""
         causes = {
             "adapter_load": after.last_load_s if after.loads > before.loads else 0.0,
             "adapter_switch": after.last_switch_s if after.switches > before.switches else 0.0,
-            "kv_evict": max(kv_after.evict_s - kv_before.evict_s, 0.0),
+            "kv_evict": max(kv.evict_s - self._evict_seen_s, 0.0),
         }
+        self._evict_seen_s = kv.evict_s
         for cause, seconds in causes.items():
             if seconds > 0:
                 self.stall_causes[cause].increment(seconds)
@@ -378,16 +378,12 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
 def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
     """The KV pool's budget: between its floor and its fixed size, valued by what one more
     byte would save (prefill of blocks it evicted lately, asked for again; a smaller budget is
-    applied by the engine thread, at the next request: `KvBlockPool.resize`)."""
-
-    def gained() -> tuple[float, float]:
-        stats = pool.stats()
-        return stats.shadow_gained_s, float(stats.shadow_bytes)
-
-    # held: the pool evicts at its next request, not at once
+    applied by the engine thread, at the next request, so what it still holds counts as
+    `held`: `KvBlockPool.resize`)."""
     return cache_budget(
-        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, gained, lambda: pool.stats().bytes
-    )
+        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, pool.shadow_reading,
+        lambda: pool.stats().bytes,
+    )  # fmt: skip
 
 
 def decode_call(
