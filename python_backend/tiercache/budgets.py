@@ -360,11 +360,12 @@ GIVE_BACK_TICKS = 8
 
 
 class LatencyObjective:
-    """A time-to-first-token objective over a process's recent requests: LATE when the
+    """A latency objective (the engine's time to first token, prompt_cache's exact hits'
+    lookup time) over a process's recent requests: LATE when the
     `quantile` of the last `window` requests of the last `max_age_s` is over `objective_s`,
     SLACK when it is under `slack` x the objective (or fewer than `min_requests` are that
     recent: nothing to act on, and a burst long past is not kept LATE), else MET. `observe`
-    is called from the engine thread, `state` from the budget thread."""
+    is called from the serving thread, `state` from the budget thread."""
 
     def __init__(
         self,

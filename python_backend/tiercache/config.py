@@ -399,6 +399,16 @@ class PromptCacheConfig(_LookupConfig):
     cache_memory_bytes: int = shared("cache_memory_bytes")
     l1_min_bytes: int = shared("l1_min_bytes")
     budget_interval_s: float = shared("budget_interval_s")
+    hit_objective_s: float = param(
+        0.0,
+        "Latency objective of exact hits (the stage's lookup time of a hit; the 90th "
+        "percentile of its last 64 in the last minute): while it is missed (hits coming from "
+        "L2 or Redis instead of L1), L1 grows past cache_memory_bytes a step a look, if its "
+        "shadow shows more bytes would help, up to l1_max_bytes, memory headroom allowing; met "
+        "with 20 % to spare, it gives them back a step every 8 looks. Acts only with "
+        "memory_headroom_bytes or cache_memory_bytes (0: none; docs/budgets.md)",
+        min=0,
+    )
     embedder: str = param(
         "all-minilm-l6-v2",
         "The embedding cache's embedder; empty: no semantic scopes (embedding_cache not deployed)",
@@ -491,6 +501,11 @@ class EmbeddingCacheConfig(_TiersConfig):
     )
     vector_l1_max_bytes: int = param(
         16 << 20, "Byte budget of this process's cache of prompt vectors", min=0
+    )
+    vector_l1_min_bytes: int = param(
+        1 << 20,
+        "Floor of the prompt vectors' budget (memory_headroom_bytes, cache_memory_bytes)",
+        min=1,
     )
     vector_l2_max_bytes: int = param(
         1 << 30, "Byte budget of the host's cache of prompt vectors (LMDB map size)", min=1 << 20

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import seals
 
+from tiercache.budgets import LATE, SLACK
 from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import key_fields, tenant_scope
@@ -464,6 +465,52 @@ def test_with_a_total_l1_takes_its_part_of_it_and_publishes_its_budget(
     finally:
         instance.finalize()
     assert not list((tmp_path / "budgets").glob("prompt_cache.*"))  # gone with the model
+
+
+def test_a_missed_hit_objective_is_published_and_counts_only_exact_hits(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, pb_utils: ModuleType, sealer: Sealer
+) -> None:
+    """hit_objective_s under any lookup's time: misses leave it unjudged (SLACK), exact hits
+    make it missed (LATE) once enough are recent; the state is exported and published in the
+    host's ledger (where it lets L1 grow past the total, tiercache.budgets)."""
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "cache_memory_bytes": {"string_value": str(8 << 20)},
+        "budget_interval_s": {"string_value": "0.05"},
+        "hit_objective_s": {"string_value": "1e-9"},
+    }
+    instance.initialize(
+        {"model_config": json.dumps({"parameters": parameters}), "model_name": "prompt_cache"}
+    )
+    try:
+        objective = instance.stage.hit_objective
+        prompts = [f"question {i}".encode() for i in range(20)]
+        misses = instance.execute([make_request(pb_utils, p) for p in prompts])
+        assert objective is not None and objective.state() == SLACK  # misses are not judged
+        l1 = instance.stage.cache.cache.store(Tier.L1)
+        for response in misses:
+            l1.put(
+                envelope(pb_utils, response, sealer).digest,
+                CacheEntry("an answer", created_s=time.time()),
+            )
+        hits = instance.execute([make_request(pb_utils, p) for p in prompts])
+        assert [output(pb_utils, r, "CACHED_TEXT") for r in hits] == ["an answer"] * 20
+        assert objective.state() == LATE
+        deadline, row = time.monotonic() + 10.0, []
+        while time.monotonic() < deadline:  # published at each tick
+            for published in (tmp_path / "budgets").glob("prompt_cache.*"):
+                if published.suffix != ".tmp":  # written aside, then renamed
+                    row = json.loads(published.read_text())[0]
+            if row and row[5] == LATE:
+                break
+            time.sleep(0.05)
+        assert row[0] == "l1" and row[5] == LATE
+        instance.stage.metrics.flush()
+        (state,) = instance.stage.metrics._families["tiercache_hit_objective_state"].metrics
+        assert state.value() == LATE
+    finally:
+        instance.finalize()
 
 
 def test_without_a_headroom_no_budget_thread_runs(model: Any) -> None:

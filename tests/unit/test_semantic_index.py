@@ -25,7 +25,7 @@ from tiercache.semantic.row_log import INITIAL_CAPACITY, scope_tag
 from tiercache.semantic.scope_search import ScopeSearch
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
-from tiercache.semantic.vectors import VectorCache, vector_key
+from tiercache.semantic.vectors import ENTRY_OVERHEAD_BYTES, VectorCache, vector_key
 from tiercache.vocabulary import Tier
 
 DIM = 8
@@ -127,6 +127,40 @@ def test_vector_cache_l1_l2_and_corruption(tmp_path: Path) -> None:
     assert damaged.get(key) is None
     assert damaged.stats().corrupt == 1
     assert vector_key("emb@1", "hello") != vector_key("emb@2", "hello")
+
+
+def test_vector_cache_l1_is_an_lru_in_bytes_that_resizes_and_values_its_next_byte(
+    tmp_path: Path,
+) -> None:
+    """L1 keeps the most recently used vectors within its budget; a resize evicts at once; a
+    miss on a vector it evicted lately is credited with what serving it cost (an L2 read, or
+    the embedding when L2 lost it too): what one more byte of L1 would have saved."""
+    size = DIM * 4 + ENTRY_OVERHEAD_BYTES
+    cache = VectorCache(tmp_path / "vec", DIM, l1_max_bytes=3 * size)
+    keys = [vector_key("emb@1", f"text {i}") for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        cache.put(key, unit(1, i), cost_s=0.5)
+    assert cache.l1_bytes == 3 * size
+    assert cache.get(keys[0]) is not None  # keys[0] now most recent; keys[1] least
+    cache.put(keys[3], unit(2, 0), cost_s=0.5)
+    assert cache.l1_bytes == 3 * size and cache.stats().l1_entries == 3
+    assert cache.shadow_reading() == (0.0, float(size))  # keys[1] evicted, in the shadow
+    hits = cache.stats().l2_hits
+    assert np.array_equal(cache.get(keys[1]), unit(1, 1))  # from L2: a shadow hit
+    assert cache.stats().l2_hits == hits + 1
+    gained, spanned = cache.shadow_reading()
+    assert 0.0 < gained < 0.5  # an L2 read's time, not the embedding's
+    assert cache.resize(size) == size
+    assert cache.l1_bytes == size and cache.stats().l1_entries == 1
+    assert cache.get(keys[1]) is not None  # the most recent survived the shrink
+    # an evicted vector that L2 lost too is embedded again: credited with the embedding
+    victim = keys[3]
+    assert victim in cache._shadow  # evicted by the shrink
+    cache.put(victim, unit(2, 0), cost_s=0.25)
+    assert cache.shadow_reading()[0] == pytest.approx(gained + 0.25)
+    with pytest.raises(ValueError):
+        cache.resize(0)
+    cache.close()
 
 
 def test_semantic_scope_separates_tenant_model_adapter_sampling_and_embedder() -> None:

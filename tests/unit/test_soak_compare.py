@@ -31,6 +31,7 @@ from tiercache_dev.perf.soak import (
     cpu_breakdown,
     cpu_snapshot,
     final_line,
+    generation_bounds,
     parse_args,
     response_cache_repository,
     tiercache_repository,
@@ -225,7 +226,7 @@ def test_summary_shape(pairs: Path) -> None:
         {"llm": CpuSample(1.0, 4, 10, 1)}, {"llm": CpuSample(11.0, 5, 30, 6)}, 100.0, 2
     )
     runs[0].cpu_count = 2
-    summary = compare_summary(args, runs, 900.0, "perf_analyzer 2.60", "none")
+    summary = compare_summary(args, runs, MIX, 900.0, "perf_analyzer 2.60", "none")
     again = json.loads(json.dumps(summary))  # JSON through and through
     assert again["rounds"] == 3 and again["background_load"] == "none"
     assert again["order"][:4] == [
@@ -265,9 +266,35 @@ def test_summary_shape(pairs: Path) -> None:
 def test_summary_is_not_ok_with_a_failed_run(pairs: Path) -> None:
     runs = three_rounds()
     runs[4] = Run(OFF, None, 1, {}, 0.0, "", ["failed: boom"], round=2)
-    summary = compare_summary(args_for(pairs, "--compare"), runs, 1.0, "pa", "none")
+    summary = compare_summary(args_for(pairs, "--compare"), runs, MIX, 1.0, "pa", "none")
     assert summary["ok"] is False
     assert summary["ratios"]["tiercache/caching-off throughput"]["rounds"] == [1.5, 1.65]  # type: ignore[index]
+
+
+def test_generation_bounds_per_round(pairs: Path) -> None:
+    """The bound: the response cache's generations per request over the new questions' share
+    of the first N entries sent (N = tiercache's requests); rounds without both are left out."""
+    mix = [Ask("new", "acme", "", f"q{i}") for i in range(4)] + [
+        Ask("repeat", "acme", "", "q0") for _ in range(6)
+    ]
+    mine = run(TIERCACHE, 1, 1.0, 100, wall_s=10.0)  # 10 requests: 4 new among them
+    theirs = run(RESPONSE_CACHE, 1, 1.0, 100, wall_s=8.0)  # 8 requests
+    mine.statuses["engine:generations"] = 5
+    theirs.statuses["engine:generations"] = 6
+    lone = run(TIERCACHE, 2, 1.0, 100)  # round 2: no response cache run
+    lone.statuses["engine:generations"] = 1
+    bounds = generation_bounds([mine, theirs, lone], mix)
+    assert list(bounds) == [1]
+    b = bounds[1]
+    assert b["tiercache_generations_per_request"] == pytest.approx(0.5)
+    assert b["response_cache_generations_per_request"] == pytest.approx(0.75)
+    assert b["new_question_share"] == pytest.approx(0.4)
+    assert b["bound_at_equal_generation_cost"] == pytest.approx(0.75 / 0.4)
+    assert b["ratio_at_equal_generation_cost"] == pytest.approx(1.5)
+    md = compare_report(args_for(pairs, "--compare"), [mine, theirs, lone], mix, 10.0, "pa", "none")
+    assert "| 1 | 0.500 | 0.750 | 0.400 | 1.50 | 1.88 |" in md
+    summary = compare_summary(args_for(pairs, "--compare"), [mine, theirs], mix, 1.0, "pa", "none")
+    assert json.loads(json.dumps(summary))["generation_bounds"]["1"]["new_question_share"] == 0.4
 
 
 # -- CPU by process -----------------------------------------------------------------------------

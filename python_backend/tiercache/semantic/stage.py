@@ -6,6 +6,7 @@ Transport-free: the Triton model.py injects the embedding call (BLS to the `embe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -100,9 +101,11 @@ class EmbeddingCache:
         found = [self.vectors.get(k) for k in keys]
         missing = [i for i, v in enumerate(found) if v is None]
         if missing:
+            started = time.perf_counter()
             fresh = self._embed([prompts[i] for i in missing])
+            each_s = (time.perf_counter() - started) / len(missing)
             for i, vector in zip(missing, fresh, strict=True):
-                self.vectors.put(keys[i], vector)
+                self.vectors.put(keys[i], vector, each_s)
                 found[i] = vector
         return [(v, i not in missing) for i, v in enumerate(found) if v is not None]
 

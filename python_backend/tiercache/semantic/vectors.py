@@ -3,8 +3,10 @@
 Keyed by (embedder id and revision, tenant scope, SHA-256 of the normalized text): one tenant's
 prompts never answer another's from this cache, so the time an embedding takes cannot tell a
 tenant whether anyone else sent the same text (issue 14). L1 is an in-process LRU
-bounded in bytes (cachetools); L2 is an LMDB environment on the host. Values on disk carry a
-checksum; a corrupt one is a miss and is dropped.
+bounded in bytes that a budget controller may resize (tiercache.budgets; its shadow queue says
+what one more byte would save: an L2 read, or an embedding when L2 lost the vector too); L2 is
+an LMDB environment on the host. Values on disk carry a checksum; a corrupt one is a miss and
+is dropped. The L1 is written here, not cachetools': its LRU cannot be resized in place.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import cachetools
 import lmdb
 import numpy as np
 
 from tiercache.exact.stores import check_readers, open_lmdb
+from tiercache.shadow import ShadowQueue, shadow_bytes
 
 log = logging.getLogger(__name__)
 _CHECKSUM_BYTES = 16
+ENTRY_OVERHEAD_BYTES = 100  # what L1 counts per vector beyond its floats (key, bookkeeping)
 
 
 def vector_key(embedder_key: str, text: str, tenant_scope: str = "") -> bytes:
@@ -65,21 +70,29 @@ class VectorCache:
         # Damaged while stopped: moved aside and rebuilt empty (vectors are recomputable).
         # Created 0700 with 0600 files (`open_lmdb`).
         self._env = open_lmdb(path, l2_max_bytes, "vector cache")
-        self._l1: cachetools.LRUCache[bytes, np.ndarray] = cachetools.LRUCache(
-            maxsize=l1_max_bytes, getsizeof=lambda v: v.nbytes + 100
-        )
+        self._l1: OrderedDict[bytes, np.ndarray] = OrderedDict()  # least recently used first
+        self._l1_bytes = 0
+        self._l1_max_bytes = max(l1_max_bytes, 0)
+        self._shadow: ShadowQueue[bytes] = ShadowQueue(shadow_bytes(self._l1_max_bytes))
         self._lock = threading.Lock()
         self._l1_hits = self._l2_hits = self._misses = self._corrupt = 0
+
+    @staticmethod
+    def _size(vector: np.ndarray) -> int:
+        return vector.nbytes + ENTRY_OVERHEAD_BYTES
 
     def get(self, key: bytes) -> np.ndarray | None:
         with self._lock:
             vector = self._l1.get(key)
             if vector is not None:
+                self._l1.move_to_end(key)
                 self._l1_hits += 1
                 return vector
+        started = time.perf_counter()
         with self._env.begin() as txn:
             blob = txn.get(key)
         vector = None if blob is None else decode_vector(blob, self.dimensions)
+        read_s = time.perf_counter() - started
         with self._lock:
             if vector is None:
                 self._misses += 1
@@ -87,14 +100,17 @@ class VectorCache:
                     self._corrupt += 1
             else:
                 self._l2_hits += 1
-                self._l1[key] = vector
+                self._shadow.credit(key, read_s)  # one more byte of L1: this read saved
+                self._admit(key, vector)
         if blob is not None and vector is None:
             log.warning("vector %s is corrupt; dropped", key.decode())
             with self._env.begin(write=True) as txn:
                 txn.delete(key)
         return vector
 
-    def put(self, key: bytes, vector: np.ndarray) -> None:
+    def put(self, key: bytes, vector: np.ndarray, cost_s: float = 0.0) -> None:
+        """Store a vector just embedded; `cost_s` is what embedding it took (its share of the
+        embedder's call), what L1 would have saved had it kept an evicted copy."""
         vector = np.ascontiguousarray(vector, dtype=np.float32)
         try:
             with self._env.begin(write=True) as txn:
@@ -105,7 +121,53 @@ class VectorCache:
             with self._env.begin(write=True) as txn:
                 txn.drop(self._env.open_db(), delete=False)
         with self._lock:
-            self._l1[key] = vector
+            self._shadow.credit(key, cost_s)
+            self._admit(key, vector)
+
+    def _admit(self, key: bytes, vector: np.ndarray) -> None:
+        """Into L1 as the most recently used (lock held); least recently used out past the
+        budget. A vector larger than the whole budget is not kept (as cachetools' LRU did)."""
+        size = self._size(vector)
+        old = self._l1.pop(key, None)
+        if old is not None:
+            self._l1_bytes -= self._size(old)
+        if size > self._l1_max_bytes:
+            return
+        self._l1[key] = vector
+        self._l1_bytes += size
+        self._shadow.discard(key)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Evict least recently used vectors down to the budget (lock held), each into the
+        shadow queue: a miss on it soon is a hit one more byte would have had."""
+        while self._l1_bytes > self._l1_max_bytes and self._l1:
+            key, vector = self._l1.popitem(last=False)
+            size = self._size(vector)
+            self._l1_bytes -= size
+            self._shadow.add(key, size, 0.0)
+
+    def resize(self, max_bytes: int) -> int:
+        """A new L1 byte budget (tiercache.budgets): least recently used vectors go at once;
+        returns it."""
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        with self._lock:
+            self._l1_max_bytes = max_bytes
+            self._shadow.resize(shadow_bytes(max_bytes))
+            self._trim()
+        return max_bytes
+
+    def shadow_reading(self) -> tuple[float, float]:
+        """(seconds its shadow's hits saved, cumulative; the bytes it spans): a budget's
+        `ShadowValue` reads it."""
+        with self._lock:
+            return self._shadow.gained_s, float(self._shadow.bytes)
+
+    @property
+    def l1_bytes(self) -> int:
+        with self._lock:
+            return self._l1_bytes
 
     def reader_check(self) -> int:
         """Free reader slots of dead processes (done at open too); how many."""

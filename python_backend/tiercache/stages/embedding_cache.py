@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tiercache.budgets import BudgetThread
+from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.semantic.embedder import Screen, resolve_embedder
@@ -204,13 +204,14 @@ def open_embedding_cache(
             guard, config.verifier, config.verifier_threshold, config.verifier_threads
         )
     tiers: ExactTiers = open_exact_cache(config.cache())
+    vectors = VectorCache(
+        config.vectors_path(),
+        identity.dimensions,
+        config.vector_l1_max_bytes,
+        config.vector_l2_max_bytes,
+    )
     core = EmbeddingCache(
-        VectorCache(
-            config.vectors_path(),
-            identity.dimensions,
-            config.vector_l1_max_bytes,
-            config.vector_l2_max_bytes,
-        ),
+        vectors,
         SemanticIndex(
             SemanticStore(
                 config.semantic_path(),
@@ -245,9 +246,20 @@ def open_embedding_cache(
     metrics = tm.Metrics(model_name, instance=instance_name)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
-    # its answers' L1 follows the machine, as prompt_cache's does
+    # its answers' L1 follows the machine, as prompt_cache's does, and so do its vectors' L1
+    others = []
+    if config.vector_l1_max_bytes > 0:
+        others.append(
+            cache_budget(
+                "vectors",
+                config.vector_l1_min_bytes,
+                config.vector_l1_max_bytes,
+                vectors.resize,
+                vectors.shadow_reading,
+            )
+        )
     stage.budgets = follow_l1(
-        config, tiers.cache.store(Tier.L1), metrics, f"{model_name}.{instance_name}"
+        config, tiers.cache.store(Tier.L1), metrics, f"{model_name}.{instance_name}", others
     )
     metrics.start()
     return stage

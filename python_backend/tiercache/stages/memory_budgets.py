@@ -25,6 +25,10 @@ from tiercache.machine import HostMemoryProbe
 from tiercache.triton import metrics as tm
 
 REASONS = ("shrink", "grow", "move")
+OBJECTIVES = {
+    "ttft": "The engine's time-to-first-token objective",
+    "hit": "The exact hits' latency objective (prompt_cache's lookup time of a hit)",
+}
 
 
 def start_budgets(
@@ -37,12 +41,14 @@ def start_budgets(
     available: Callable[[], int] | None = None,
     total_bytes: int = 0,
     objective: Callable[[], int] | None = None,
+    objective_name: str = "ttft",
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` and
     `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
     (`HostLedger`). `available` (default: this process's host memory, `HostMemoryProbe`) is
     for tests. `objective`: this process's latency objective's state (`LatencyObjective.state`),
-    which lets the host's budgets pass the total while it is missed."""
+    which lets the host's budgets pass the total while it is missed; `objective_name` names
+    its gauge (`tiercache_<name>_objective_state`: ttft for the engine's, hit for exact hits')."""
     if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
@@ -63,9 +69,9 @@ def start_budgets(
     )
     late = (
         metrics.gauge(
-            "tiercache_ttft_objective_state",
-            "The engine's time-to-first-token objective over its recent requests: 0 met with "
-            "room, 1 met, 2 missed (then the budgets may pass cache_memory_bytes)",
+            f"tiercache_{objective_name}_objective_state",
+            f"{OBJECTIVES.get(objective_name, objective_name)} over its recent requests: 0 met "
+            "with room, 1 met, 2 missed (then the budgets may pass cache_memory_bytes)",
         )
         if objective is not None
         else None
@@ -149,22 +155,34 @@ class L1BudgetConfig(Protocol):
 
 
 def follow_l1(
-    config: L1BudgetConfig, l1: object, metrics: tm.Metrics, name: str
+    config: L1BudgetConfig,
+    l1: object,
+    metrics: tm.Metrics,
+    name: str,
+    others: Sequence[Budget] = (),
+    objective: Callable[[], int] | None = None,
 ) -> BudgetThread | None:
     """`start_budgets` over a stage's answers' L1 (when it is a `MemoryStore`), between
     `l1_min_bytes` and its fixed size, valued by what one more byte would save (misses on
-    answers it evicted lately: the lower tier's read, or the generation)."""
-    if not isinstance(l1, MemoryStore):
-        return None
-    budget = cache_budget(
-        "l1", config.l1_min_bytes, config.l1_max_bytes, l1.resize, l1.shadow_reading
-    )
+    answers it evicted lately: the lower tier's read, or the generation), and the stage's
+    `others` (embedding_cache: its vectors' L1). `objective`: the exact hits' latency
+    objective's state (prompt_cache's `hit_objective_s`)."""
+    budgets = list(others)
+    if isinstance(l1, MemoryStore):
+        budgets.insert(
+            0,
+            cache_budget(
+                "l1", config.l1_min_bytes, config.l1_max_bytes, l1.resize, l1.shadow_reading
+            ),
+        )
     return start_budgets(
         config.memory_headroom_bytes,
         config.budget_interval_s,
-        [budget],
+        budgets,
         metrics,
         config.state_path(),
         name,
         total_bytes=config.cache_memory_bytes,
+        objective=objective,
+        objective_name="hit",
     )

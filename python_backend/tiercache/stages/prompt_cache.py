@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tiercache.budgets import BudgetThread
+from tiercache.budgets import BudgetThread, LatencyObjective
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
@@ -54,6 +54,7 @@ class PromptCacheStage:
         )
         tm.StoreMetrics(m, cache.cache)
         self.budgets: BudgetThread | None = None  # L1 following the host's memory, if asked
+        self.hit_objective: LatencyObjective | None = None  # hit_objective_s, if set
 
     def lookup(
         self, raw: RawInputs, authorization: object = None
@@ -72,7 +73,10 @@ class PromptCacheStage:
         if result.tier is not None:
             self.hits[result.tier].increment(1)
         sealed = self._seal(envelope_of(result), result.text, result.tokens)
-        self.lookup_s.observe(time.perf_counter() - started)
+        took_s = time.perf_counter() - started
+        self.lookup_s.observe(took_s)
+        if self.hit_objective is not None and result.status is CacheStatus.EXACT:
+            self.hit_objective.observe(took_s)
         return sealed, result.text, result.tokens
 
     def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int, int]) -> bytes:
@@ -129,6 +133,14 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     terms = prompt_cache_terms(keys_path, secret, cache.engine, cache.limits)
     write_terms(config.state_path(), PROMPT_CACHE, terms)  # what the gateway's edge must match
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
-    stage.budgets = follow_l1(config, cache.cache.store(Tier.L1), metrics, model_name)
+    if config.hit_objective_s > 0:
+        stage.hit_objective = LatencyObjective(config.hit_objective_s)
+    stage.budgets = follow_l1(
+        config,
+        cache.cache.store(Tier.L1),
+        metrics,
+        model_name,
+        objective=stage.hit_objective.state if stage.hit_objective is not None else None,
+    )
     metrics.start()
     return stage

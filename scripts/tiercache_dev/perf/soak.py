@@ -1292,6 +1292,75 @@ def medians(runs: Sequence[Run], config: str) -> dict[str, float | None]:
     return out
 
 
+def generation_share(run: Run) -> float | None:
+    """Engine generations per completed request (None when either was not read)."""
+    generations = run.statuses.get("engine:generations")
+    if run.level is None or not run.level.request_count or generations is None:
+        return None
+    return generations / run.level.request_count
+
+
+def new_share(run: Run, mix: Sequence[Ask]) -> float | None:
+    """The share of new questions (never asked before in the list) among the first N entries
+    of the input list, N = the run's completed requests: the least share of its requests any
+    cache must generate (perf_analyzer sends the entries in order)."""
+    if run.level is None or not run.level.request_count:
+        return None
+    part = mix[: run.level.request_count]
+    return sum(1 for ask in part if ask.kind == "new") / len(part)
+
+
+def generation_bounds(runs: Sequence[Run], mix: Sequence[Ask]) -> dict[int, dict[str, float]]:
+    """Per round: tiercache's and the response cache's generations per request, the new
+    questions' share of tiercache's requests, and the throughput ratio over the response cache
+    that a cache generating only the new questions would reach at the same cost per generation
+    (the response cache's share / the new share)."""
+    out: dict[int, dict[str, float]] = {}
+    for round_no in sorted({r.round for r in runs}):
+        mine = next((r for r in runs if r.config == TIERCACHE and r.round == round_no), None)
+        theirs = next((r for r in runs if r.config == RESPONSE_CACHE and r.round == round_no), None)
+        if mine is None or theirs is None:
+            continue
+        ours, rc, new = generation_share(mine), generation_share(theirs), new_share(mine, mix)
+        if ours is None or rc is None or not new:
+            continue
+        out[round_no] = {
+            "tiercache_generations_per_request": ours,
+            "response_cache_generations_per_request": rc,
+            "new_question_share": new,
+            "bound_at_equal_generation_cost": rc / new,
+            "ratio_at_equal_generation_cost": rc / ours,
+        }
+    return out
+
+
+def bounds_section(bounds: Mapping[int, Mapping[str, float]]) -> list[str]:
+    """What bounds tiercache/response-cache throughput on this mix, per round."""
+    if not bounds:
+        return []
+    md = [
+        "",
+        "### What bounds the ratio",
+        "",
+        "With one engine at the same cost per generation, throughput goes as the inverse of the "
+        "share of requests that need a generation. A cache that generated only the new "
+        "questions (every repeat and every rewording a hit) would reach the response cache's "
+        "generations per request / the new questions' share of the requests sent.",
+        "",
+        "| round | tiercache generations / request | response cache generations / request | "
+        "new questions / request | ratio at equal cost per generation | bound |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for round_no, b in bounds.items():
+        md.append(
+            f"| {round_no} | {b['tiercache_generations_per_request']:.3f} | "
+            f"{b['response_cache_generations_per_request']:.3f} | "
+            f"{b['new_question_share']:.3f} | {b['ratio_at_equal_generation_cost']:.2f} | "
+            f"{b['bound_at_equal_generation_cost']:.2f} |"
+        )
+    return md
+
+
 def cpu_section(runs: Sequence[Run], configs: Sequence[str]) -> list[str]:
     """Per configuration, its last round's CPU by process and its busiest thread groups."""
     md = [
@@ -1425,6 +1494,7 @@ def compare_report(
         for name, spread in ratios.items()
     ]
     md += ["", f"- {ENGINE_TOKENS_DEFINITION}."]
+    md += bounds_section(generation_bounds(runs, mix))
     md += cpu_section(runs, configs)
     md += ["", *(f"- {r.config} r{r.round}: `{r.command}`" for r in runs if r.command)]
     md += [f"- note ({r.config} r{r.round}): {n}" for r in runs for n in r.notes]
@@ -1462,7 +1532,12 @@ def run_summary(run: Run) -> dict[str, object]:
 
 
 def compare_summary(
-    args: argparse.Namespace, runs: Sequence[Run], wall_s: float, pa: str, load: str
+    args: argparse.Namespace,
+    runs: Sequence[Run],
+    mix: Sequence[Ask],
+    wall_s: float,
+    pa: str,
+    load: str,
 ) -> dict[str, object]:
     """compare.json: every run, the per-round ratios, and how the comparison was made."""
     configs = compare_configs(args)
@@ -1484,6 +1559,9 @@ def compare_summary(
         "ratios": {
             name: None if spread is None else spread.as_dict()
             for name, spread in compare_ratios(runs).items()
+        },
+        "generation_bounds": {
+            str(round_no): b for round_no, b in generation_bounds(runs, mix).items()
         },
         "ok": all(run_ok(r) for r in runs),
     }
@@ -1532,7 +1610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall_s = time.monotonic() - started
     if args.compare:
         md = compare_report(args, runs, mix, wall_s, version, load.describe())
-        summary = compare_summary(args, runs, wall_s, version, load.describe())
+        summary = compare_summary(args, runs, mix, wall_s, version, load.describe())
         ok = bool(summary["ok"])
         path = args.out_dir / "compare.md"
         path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
