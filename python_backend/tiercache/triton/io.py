@@ -244,7 +244,33 @@ def request_parameter(request: Any, name: str) -> object | None:
     return parameters.get(name) if isinstance(parameters, dict) else None
 
 
+_SHORT_BYTES = 64  # one-value arrays of values up to this long are built once (`_one_value`)
+_ONE_VALUE: dict[tuple[str | bytes, bool], np.ndarray] = {}
+_ONE_VALUE_MAX = 1024  # cleared when full: statuses, finish reasons, "" recur; ids do not
+
+
+def _one_value(value: str | bytes, batched: bool) -> np.ndarray:
+    """The BYTES array of one value, shape [1, 1] (batched) or [1]. A short value's array is
+    built once and shared by every response that sends it (the hit path sends the same
+    statuses and empty strings on every request): nothing writes an output array after it is
+    built, and pb_utils.Tensor serializes it into its own buffer."""
+    short = len(value) <= _SHORT_BYTES
+    if short:
+        array = _ONE_VALUE.get((value, batched))
+        if array is not None:
+            return array
+    array = np.empty((1, 1) if batched else (1,), dtype=np.object_)
+    array.flat[0] = value.encode("utf-8") if isinstance(value, str) else value
+    if short:
+        if len(_ONE_VALUE) >= _ONE_VALUE_MAX:
+            _ONE_VALUE.clear()
+        _ONE_VALUE[(value, batched)] = array
+    return array
+
+
 def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:
+    if len(values) == 1:
+        return pb_utils.Tensor(name, _one_value(values[0], batched))
     encoded = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
     array = np.array(encoded, dtype=np.object_)
     return pb_utils.Tensor(name, array.reshape(1, -1) if batched else array)
