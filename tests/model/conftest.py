@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-import pb_utils_stub
 import pytest
+
+from tiercache_dev import pb_utils_stub
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 

@@ -13,7 +13,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import pb_utils_stub
 import pytest
 import seals
 
@@ -27,6 +26,7 @@ from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
+from tiercache_dev import pb_utils_stub
 
 WAIT_S = 30
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"

@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import pb_utils_stub
 import pytest
 import seals
 
@@ -28,6 +27,7 @@ from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
+from tiercache_dev import pb_utils_stub
 
 WAIT_S = 30
 REF = AdapterRef("french", 3, "ab" * 32)

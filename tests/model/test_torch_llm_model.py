@@ -17,7 +17,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import pb_utils_stub
 import pytest
 import seals
 
@@ -31,6 +30,7 @@ from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
+from tiercache_dev import pb_utils_stub
 
 # peft still asks transformers for the deprecated name.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")

@@ -1,0 +1,265 @@
+"""An exact hit's own Python, per stage, in process: what the stages add to the floor.
+
+Usage::
+
+    python -m tiercache_dev.bench.hit_path [--requests 5000] [--rounds 5] [--profile N]
+
+`make bench` compares a hit through tritonserver with a floor of no-op stages; on a shared
+machine that ratio moves by more than the few percent a change to the hit path makes (the same
+configuration's CPU per request moved 1.5x between two runs of it, docs/benchmarks.md). This
+runs the ensemble's steps (model_repository/ensemble/config.pbtxt, in its order and with its
+tensor mapping) in one process against the pb_utils stand-in (tiercache_dev.pb_utils_stub):
+each stage's real model.py, initialized with its defaults over a scratch state directory of
+its own (one secret for all, as replicas share one), one exact hit at a time, each step's
+outputs becoming the next steps' inputs as the ensemble maps them. What it times is the
+stages' own work per hit (decoding, lookups, seals, answer ids, metrics, building outputs),
+not Triton's IPC nor pb_utils.Tensor's serialization, which the floor pays too. The floor's
+no-op steps (scripts/bench_fixtures/floor) run the same way, in the same rounds, interleaved.
+Reported per step: median over rounds of the mean microseconds per hit (and the range), the
+floor's, and what the stage adds; and their sums. `--profile N` also prints cProfile's top N
+functions by own time over one more round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import json
+import os
+import pstats
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from tiercache.exact.codec import CacheEntry
+from tiercache.stages.envelope import Envelope
+from tiercache_dev import pb_utils_stub as pb
+from tiercache_dev.console import invocation
+from tiercache_dev.paths import BENCH_FIXTURES as FIXTURES
+from tiercache_dev.paths import MODEL_REPOSITORY
+
+PROMPT = "What is Triton Inference Server?"
+ANSWER = "An inference server."
+SECRET_FILE_ENV = "TIERCACHE_SECRET_FILE"  # tiercache.stages.parts.host_secret reads it
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    model: str
+    inputs: dict[str, str]  # the model's input name -> the ensemble tensor it reads
+    outputs: dict[str, str]  # the model's output name -> the ensemble tensor it writes
+
+
+def ensemble_steps(config_text: str) -> list[Step]:
+    """The ensemble's steps in order, with their input and output maps."""
+    steps = []
+    for block in re.split(r"\n\s*\{\s*\n\s*model_name:", config_text)[1:]:
+        model = re.match(r'\s*"([^"]+)"', block)
+        if model is None:
+            continue
+        pairs = r'{}_map\s*\{{\s*key:\s*"([^"]+)"\s*value:\s*"([^"]+)"\s*\}}'
+        steps.append(
+            Step(
+                model.group(1),
+                dict(re.findall(pairs.format("input"), block)),
+                dict(re.findall(pairs.format("output"), block)),
+            )
+        )
+    return steps
+
+
+def load(name: str, state_dir: Path, floor: bool = False) -> Any:
+    """model_repository/<name>/1/model.py (`floor`: the benchmark floor's no-op one), imported
+    by path and initialized with its defaults over `state_dir`, as the Python backend would
+    (against the stand-in)."""
+    path = (
+        FIXTURES / "floor" / name / "model.py"
+        if floor
+        else MODEL_REPOSITORY / name / "1" / "model.py"
+    )
+    kind = "floor" if floor else "stage"
+    spec = importlib.util.spec_from_file_location(f"tiercache_bench_{kind}_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    if floor:  # the no-op steps have no initialize
+        return model
+    config = {"parameters": {"state_dir": {"string_value": str(state_dir)}}}
+    model.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": name,
+            "model_instance_name": f"{name}_0",
+        }
+    )
+    return model
+
+
+class Ensemble:
+    """The steps' models, run one request at a time as the ensemble runs them."""
+
+    def __init__(self, steps: Sequence[Step], state_dir: Path, floor: bool = False) -> None:
+        self.steps = list(steps)
+        # one state directory each (one process cannot open an LMDB environment twice), one
+        # secret for all (as a fleet's replicas share one: TIERCACHE_SECRET_FILE), so the
+        # stages' seals verify across them as in one server
+        os.environ[SECRET_FILE_ENV] = str(state_dir / "secret")
+        self.models = {
+            step.model: load(step.model, state_dir / step.model, floor) for step in self.steps
+        }
+        self.seconds = {step.model: 0.0 for step in self.steps}
+
+    def run(self, public: dict[str, np.ndarray], timed: bool = True) -> dict[str, np.ndarray]:
+        """One request through every step; the tensors the last step sent."""
+        tensors = dict(public)
+        last: dict[str, np.ndarray] = {}
+        for step in self.steps:
+            inputs = [
+                pb.Tensor(name, tensors[source])
+                for name, source in step.inputs.items()
+                if source in tensors
+            ]
+            model = self.models[step.model]
+            started = time.perf_counter()
+            responses = self._execute(model, inputs)
+            if timed:
+                self.seconds[step.model] += time.perf_counter() - started
+            (response,) = responses
+            if response.has_error():
+                raise RuntimeError(f"{step.model}: {response.error().message()}")
+            last = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            for name, value in last.items():
+                tensors[step.outputs.get(name, name)] = value
+        return last
+
+    @staticmethod
+    def _execute(model: Any, inputs: list[Any]) -> list[Any]:
+        request = pb.InferenceRequest(inputs)
+        sender = pb.ResponseSender()
+        request.get_response_sender = lambda: sender  # type: ignore[attr-defined]
+        returned = model.execute([request])
+        if returned is not None:  # not decoupled
+            return list(returned)
+        if not sender.done.wait(30.0):
+            raise RuntimeError("a decoupled step sent no final response")
+        return [sender.responses[-1]]
+
+    def close(self) -> None:
+        for model in self.models.values():
+            if hasattr(model, "finalize"):
+                model.finalize()
+
+
+def public_inputs(prompt: str) -> dict[str, np.ndarray]:
+    return {
+        "text_input": np.array([[prompt.encode()]], dtype=np.object_),
+        "max_tokens": np.array([[16]], dtype=np.int32),
+    }
+
+
+def cache_the_answer(ensemble: Ensemble, public: dict[str, np.ndarray]) -> None:
+    """The prompt's answer put in prompt_cache's tiers under the digest its lookup gives, so
+    every later request is an exact hit."""
+    model = ensemble.models["prompt_cache"]
+    (response,) = model.execute([pb.InferenceRequest([pb.Tensor(k, v) for k, v in public.items()])])
+    envelope = next(t for t in response.output_tensors() if t.name() == "ENVELOPE")
+    digest = Envelope.open(bytes(envelope.as_numpy().reshape(-1)[0]), model.stage.sealer).digest
+    assert digest is not None
+    for _, store in model.stage.cache.cache.stores():
+        store.put(digest, CacheEntry(ANSWER, created_s=time.time()))
+
+
+def shown(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=5000, help="exact hits per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
+    args = parser.parse_args(argv)
+    saved = sys.modules.get("triton_python_backend_utils"), os.environ.get(SECRET_FILE_ENV)
+    sys.modules["triton_python_backend_utils"] = pb  # the model.py files import it by name
+    try:
+        return run(args, argv)
+    finally:  # as it was (this runs inside the tests' process too)
+        if saved[0] is None:
+            sys.modules.pop("triton_python_backend_utils", None)
+        else:
+            sys.modules["triton_python_backend_utils"] = saved[0]
+        if saved[1] is None:
+            os.environ.pop(SECRET_FILE_ENV, None)
+        else:
+            os.environ[SECRET_FILE_ENV] = saved[1]
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    steps = ensemble_steps((MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text())
+    with tempfile.TemporaryDirectory(prefix="tiercache-hit-path-") as tmp:
+        ensemble = Ensemble(steps, Path(tmp) / "tiercache")
+        floor = Ensemble(steps, Path(tmp) / "floor", floor=True)
+        try:
+            public = public_inputs(PROMPT)
+            cache_the_answer(ensemble, public)
+            final = ensemble.run(public, timed=False)
+            status = final["CACHE_STATUS"].reshape(-1)[0]
+            if status != b"exact":
+                raise SystemExit(f"error: the request is not an exact hit ({status!r})")
+            runs = {"tiercache": ensemble, "floor": floor}
+            per_round: dict[str, dict[str, list[float]]] = {
+                name: {step.model: [] for step in steps} for name in runs
+            }
+            for _ in range(args.rounds):  # interleaved: tiercache, then the floor, each round
+                for name, which in runs.items():
+                    which.seconds = dict.fromkeys(which.seconds, 0.0)
+                    for _ in range(args.requests):
+                        which.run(public)
+                    for model, seconds in which.seconds.items():
+                        per_round[name][model].append(seconds * 1e6 / args.requests)
+            print(f"`{invocation('tiercache_dev.bench.hit_path', argv)}`")
+            print(f"{args.requests} exact hits per round, median of {args.rounds} rounds\n")
+            print("| step | tiercache us per hit (range) | floor us per hit (range) | added |")
+            print("|---|---:|---:|---:|")
+            for model in per_round["tiercache"]:
+                ours, theirs = per_round["tiercache"][model], per_round["floor"][model]
+                print(
+                    f"| {model} | {shown(ours)} | {shown(theirs)} | "
+                    f"{statistics.median(ours) - statistics.median(theirs):.1f} |"
+                )
+            totals = {
+                name: [sum(v[i] for v in per_round[name].values()) for i in range(args.rounds)]
+                for name in runs
+            }
+            added = statistics.median(totals["tiercache"]) - statistics.median(totals["floor"])
+            print(
+                f"| all steps | {shown(totals['tiercache'])} | {shown(totals['floor'])} | "
+                f"{added:.1f} |"
+            )
+            if args.profile:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.requests):
+                    ensemble.run(public)
+                profiler.disable()
+                print()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        finally:
+            ensemble.close()
+            floor.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

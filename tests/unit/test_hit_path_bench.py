@@ -1,0 +1,39 @@
+"""tiercache_dev.bench.hit_path: the ensemble's steps as its config maps them, and one short run
+of the real stages (and the floor's) in process, every request an exact hit."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tiercache_dev.bench.hit_path import ensemble_steps, main
+from tiercache_dev.paths import MODEL_REPOSITORY
+
+
+def test_the_steps_follow_the_ensemble_config() -> None:
+    steps = ensemble_steps((MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text())
+    assert [s.model for s in steps] == ["prompt_cache", "embedding_cache", "lora_cache", "llm"]
+    prompt_cache, embedding_cache, lora_cache, llm = steps
+    assert prompt_cache.inputs["text_input"] == "text_input"
+    assert prompt_cache.outputs["ENVELOPE"] == embedding_cache.inputs["ENVELOPE"]
+    assert lora_cache.inputs["LOOKUP_STATUS"] == embedding_cache.outputs["ANSWER_STATUS"]
+    assert llm.outputs["TEXT_OUTPUT"] == "text_output"
+
+
+def test_a_short_run_times_every_step_of_an_exact_hit(capsys: pytest.CaptureFixture[str]) -> None:
+    before = sys.modules.get("triton_python_backend_utils"), os.environ.get("TIERCACHE_SECRET_FILE")
+    assert main(["--requests", "20", "--rounds", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    names = [row.split(" | ")[0][2:] for row in rows[1:]]
+    assert names == ["prompt_cache", "embedding_cache", "lora_cache", "llm", "all steps"]
+    for row in rows[1:]:
+        ours, floor, added = row.split(" | ")[1:4]
+        assert float(ours.split()[0]) > 0 and float(floor.split()[0]) > 0
+        assert float(added.rstrip(" |")) == pytest.approx(
+            float(ours.split()[0]) - float(floor.split()[0]), abs=0.11
+        )
+    # the stand-in and the shared secret file were this run's only
+    after = sys.modules.get("triton_python_backend_utils"), os.environ.get("TIERCACHE_SECRET_FILE")
+    assert after == before
