@@ -200,6 +200,40 @@ def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
     seals.check_answer(sealer, empty, out)
 
 
+def test_a_repeated_exact_hit_is_answered_from_its_memo_and_a_forgery_still_is_not(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """An exact hit's checks and seal are memoized by its whole input (envelope, text, token
+    counts): the repeat gets the same sealed answer, and the same envelope with another answer
+    or other token counts, after the good one was memoized, is refused as before."""
+    data = envelope(sealer, "What is Triton?", CacheStatus.EXACT, "the answer")
+
+    def hit(text: str, tokens: list[int] | None = None) -> Any:
+        sent = request(pb_utils, data, text)
+        if tokens is None:
+            return sent
+        counts = pb_utils.Tensor("CACHED_TOKENS", np.array([tokens], np.int32))
+        return pb_utils.InferenceRequest([*sent.inputs(), counts])
+
+    (first,) = model.execute([hit("the answer")])
+    again, other_text, other_tokens, third = model.execute(
+        [hit("the answer"), hit("another answer"), hit("the answer", [5, 5, 1]), hit("the answer")]
+    )
+
+    def sent(response: Any) -> tuple[str, str, str, list[int]]:
+        out = answer(response)
+        tokens = out["ANSWER_TOKENS"].reshape(-1).tolist()
+        return out["ANSWER_TEXT"], out["ANSWER_STATUS"], out["ANSWER_SEAL"], tokens
+
+    assert sent(again) == sent(first) == sent(third)
+    seals.check_answer(sealer, data, answer(again))
+    assert_forbidden(pb_utils, other_text, "ENVELOPE's seal does not verify")
+    assert_forbidden(pb_utils, other_tokens, "ENVELOPE's seal does not verify")
+    model.stage.metrics.flush()
+    assert model.stage.outcomes["skipped"].metric.value() == 3
+    assert model.stage.outcomes["error"].metric.value() == 2
+
+
 def test_the_verifier_parameters_choose_the_stages_decision(
     load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
 ) -> None:

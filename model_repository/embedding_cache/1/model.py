@@ -30,12 +30,14 @@ class TritonPythonModel:
                 data = inputs.blob("ENVELOPE")
                 cached_text = inputs.string("CACHED_TEXT") or ""
                 tokens = tokens_of(inputs.vector("CACHED_TOKENS"))
+                # no decoding on an exact hit, and its seals memoized
+                hit = self.stage.sealed_exact_hit(data, cached_text, tokens)
+                if hit is not None:
+                    responses[i] = encode(*hit)
+                    continue
                 seals[i] = seal_of(data)
-                # no decoding on an exact hit
-                answer = self.stage.exact_hit(data, cached_text, tokens)
-                if answer is None:
-                    envelope = self.stage.open(data, cached_text, tokens)
-                    answer = self.stage.pass_through(envelope, cached_text, tokens)
+                envelope = self.stage.open(data, cached_text, tokens)
+                answer = self.stage.pass_through(envelope, cached_text, tokens)
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 self.stage.count_error()
                 responses[i] = io.error_response(exc)

@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
@@ -21,7 +22,7 @@ from tiercache.semantic.stage import ChooseFn, EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.envelope import Envelope, check_sealed
+from tiercache.stages.envelope import Envelope, check_sealed, seal_of
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
 from tiercache.stages.seal import (
@@ -63,6 +64,10 @@ class EmbeddingCacheStage:
         self.core = stage
         self.budgets: BudgetThread | None = None  # L1 following the machine, if asked
         self.sealer = sealer
+        # (envelope, text, tokens) of an exact hit whose envelope seal verified -> its answer's
+        # seal for llm: a repeated hit skips both HMACs (tiercache.exact.memo; the key is the
+        # check's and the seal's whole input)
+        self._hits: Memo[str] = Memo()
         self.metrics = m = metrics
         self.outcomes = status_counters(
             m,
@@ -102,6 +107,28 @@ class EmbeddingCacheStage:
         check_sealed(data, self.sealer, cached_text, tokens)
         self.outcomes["skipped"].increment(1)
         return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
+
+    def sealed_exact_hit(
+        self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS
+    ) -> tuple[Answer, str] | None:
+        """`exact_hit` and the seal llm checks over its answer (`seal`, bound to the envelope's
+        seal `seal_of(data)`), memoized: an exact hit repeats the same envelope and answer, and
+        what verified once verifies again (Forbidden as `exact_hit` otherwise)."""
+        if not cached_text:
+            return None
+        memoized = data is not None and max(len(cached_text), len(data) // 4) <= MEMO_MAX_CHARS
+        key = (data, cached_text, tokens)
+        if memoized:
+            sealed = self._hits.get(key)
+            if sealed is not None:
+                self.outcomes["skipped"].increment(1)
+                return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens), sealed
+        answer = self.exact_hit(data, cached_text, tokens)
+        assert answer is not None  # cached_text is not empty
+        sealed = self.seal(seal_of(data), answer)
+        if memoized:
+            self._hits.put(key, sealed)
+        return answer, sealed
 
     def pass_through(
         self, envelope: Envelope, cached_text: str, tokens: Tokens = NO_TOKENS
