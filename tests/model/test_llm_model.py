@@ -238,6 +238,39 @@ def test_a_hit_is_served_only_with_embedding_cache_s_seal(
     assert counted(model) == {"exact": 1, "error": len(refused)}
 
 
+def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refused(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """An exact hit's answer check is memoized by all its seal covers: the good hit served
+    again, then the same envelope and ANSWER_SEAL with another text, other token counts,
+    another similarity, neighbours or a vector added: each refused as before."""
+    exact = CacheStatus.EXACT
+    hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 0))
+    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(7, 3, 0))
+    assert final(pb_utils, run(pb_utils, model, [good])[0]) == ("the answer", "exact")
+    vector = type(good[0])("EMBEDDING", np.ones((1, 4), dtype=np.float32))
+    batch = [
+        good,
+        with_input(good, "CACHED_TEXT", "the attacker's answer"),
+        [
+            type(t)("ANSWER_TOKENS", np.array([[7, 3, 1]], dtype=np.int32))
+            if t.name() == "ANSWER_TOKENS"
+            else t
+            for t in good
+        ],
+        with_input(good, "SIMILARITY", np.float32(0.5)),
+        with_input(good, "NEIGHBOURS", "a" * 64),
+        [vector if t.name() == "EMBEDDING" else t for t in good],
+        good,
+    ]
+    again, *refused, third = run(pb_utils, model, batch)
+    assert final(pb_utils, again) == final(pb_utils, third) == ("the answer", "exact")
+    for responses in refused:
+        assert_forbidden(pb_utils, responses, "embedding_cache's answer's seal does not verify")
+    assert engine.calls == []
+    assert counted(model) == {"exact": 3, "error": len(refused)}
+
+
 def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     pb_utils: ModuleType, model: Any, sealer: Sealer, cipher: AdapterCipher, engine: FakeTorchLlm
 ) -> None:

@@ -66,6 +66,7 @@ from tiercache.stages.seal import (
     Tokens,
     check_tensors,
     lora_inputs,
+    part_bytes,
     tokens_of,
 )
 from tiercache.stages.transport import AdapterCipher
@@ -266,6 +267,35 @@ def _output_array(response: object, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
+def _verified_key(
+    data: bytes | None, answer_seal: str | None, answer: dict[str, Part]
+) -> tuple[object, ...] | None:
+    """The memo key of an exact hit's answer check: everything its seal covers (the envelope,
+    whose seal it is bound to, the seal, and the ANSWER_TENSORS as seal parts); None for
+    anything else (misses and semantic hits carry vectors and neighbours: checked every time)
+    and for long texts (`MEMO_MAX_CHARS`)."""
+    text = answer.get("ANSWER_TEXT")
+    vector = answer.get("EMBEDDING")
+    if (
+        data is None
+        or not answer_seal
+        or answer.get("ANSWER_STATUS") != CacheStatus.EXACT
+        or not isinstance(text, str)
+        or answer.get("NEIGHBOURS")
+        or (isinstance(vector, np.ndarray) and vector.size)
+        or max(len(text), len(data) // 4) > MEMO_MAX_CHARS
+    ):
+        return None
+    # ANSWER_STATUS is "exact", EMBEDDING and NEIGHBOURS seal as empty: the rest is the key
+    return (
+        data,
+        answer_seal,
+        text,
+        part_bytes(answer.get("SIMILARITY")),
+        part_bytes(answer.get("ANSWER_TOKENS")),
+    )
+
+
 class LlmStage:
     """Hits served, misses submitted to `Generations`, every response padded for untrusted
     tenants, and generated answers indexed (semantic rows, shared through Redis with L3)."""
@@ -285,6 +315,9 @@ class LlmStage:
         # (envelope, exact hit's text, tokens) -> (digest, tenant scope): a repeated exact hit
         # names its answer without decoding its envelope again (tiercache.exact.memo)
         self._id_terms: Memo[tuple[str, str]] = Memo()
+        # an exact hit's (envelope, answer seal, answer) whose seal verified: a repeated hit
+        # skips the HMAC (the key is all the seal covers; `_verified_key`)
+        self._verified: Memo[bool] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -375,15 +408,19 @@ class LlmStage:
         itself is checked when first read, against the exact hit's text on an exact hit (as
         prompt_cache sealed it) and against none otherwise."""
         envelope_seal = seal_of(data)
-        check_tensors(
-            self.sealer,
-            answer_seal,
-            ANSWER_LABEL,
-            ANSWER_TENSORS,
-            answer,
-            bound=envelope_seal,
-            what="embedding_cache's answer",
-        )
+        key = _verified_key(data, answer_seal, answer)
+        if key is None or self._verified.get(key) is None:
+            check_tensors(
+                self.sealer,
+                answer_seal,
+                ANSWER_LABEL,
+                ANSWER_TENSORS,
+                answer,
+                bound=envelope_seal,
+                what="embedding_cache's answer",
+            )
+            if key is not None:
+                self._verified.put(key, True)
         if answer["ANSWER_STATUS"] != CacheStatus.EXACT:
             return ReceivedEnvelope(data, self.sealer)
         tokens = answer.get("ANSWER_TOKENS")
