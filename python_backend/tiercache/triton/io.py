@@ -14,7 +14,7 @@ import faulthandler
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -110,6 +110,10 @@ class Inputs:
 
     def __init__(self, request: Any) -> None:
         self._tensors = {tensor.name(): tensor for tensor in request.inputs()}
+
+    def names(self) -> list[str]:
+        """The names of the inputs the request carries."""
+        return list(self._tensors)
 
     def _array(self, name: str) -> np.ndarray | None:
         tensor = self._tensors.get(name)
@@ -210,25 +214,35 @@ def _decode(name: str, value: Any) -> str:
         raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
 
 
+# The public ensemble inputs (TensorRT-LLM's names plus ours) and how each is read.
+RAW_INPUT_READERS: dict[str, Callable[[Inputs, str], object]] = {
+    "text_input": Inputs.blob,
+    "max_tokens": Inputs.integer,
+    "stream": Inputs.boolean,
+    "temperature": Inputs.number,
+    "top_p": Inputs.number,
+    "top_k": Inputs.integer,
+    "seed": Inputs.integer,
+    "stop_words": Inputs.blobs,
+    "tenant": Inputs.blob,
+    "cache_control": Inputs.blob,
+    "lora_name": Inputs.blob,
+    "history": Inputs.blob,
+    "raw_prompt": Inputs.boolean,
+}
+
+
 def read_raw_inputs(request: Any) -> RawInputs:
-    """The public ensemble inputs of one request (TensorRT-LLM's names plus ours); text as the
-    raw bytes, which `canonicalize` bounds in size before it decodes and normalizes them."""
+    """The public ensemble inputs of one request; text as the raw bytes, which `canonicalize`
+    bounds in size before it decodes and normalizes them. Only the inputs the request carries
+    are read (a request usually sends two or three of the thirteen); the rest stay None."""
     inputs = Inputs(request)
-    return RawInputs(
-        text_input=inputs.blob("text_input"),
-        max_tokens=inputs.integer("max_tokens"),
-        stream=inputs.boolean("stream"),
-        temperature=inputs.number("temperature"),
-        top_p=inputs.number("top_p"),
-        top_k=inputs.integer("top_k"),
-        seed=inputs.integer("seed"),
-        stop_words=inputs.blobs("stop_words"),
-        tenant=inputs.blob("tenant"),
-        cache_control=inputs.blob("cache_control"),
-        lora_name=inputs.blob("lora_name"),
-        history=inputs.blob("history"),
-        raw_prompt=inputs.boolean("raw_prompt"),
-    )
+    values = {
+        name: read(inputs, name)
+        for name in inputs.names()
+        if (read := RAW_INPUT_READERS.get(name)) is not None
+    }
+    return RawInputs(text_input=values.pop("text_input", None), **values)  # type: ignore[arg-type]
 
 
 def request_parameter(request: Any, name: str) -> object | None:
