@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
-MEMO_ENTRIES = 1024  # per memo; prompts and answers up to MEMO_MAX_CHARS: a few MiB at most
+MEMO_ENTRIES = 1024  # per memo; texts up to MEMO_MAX_CHARS (envelopes 4x): at most ~32 MiB each
 MEMO_MAX_CHARS = 4096
 
 

@@ -126,7 +126,7 @@ class VectorCache:
 
     def _admit(self, key: bytes, vector: np.ndarray) -> None:
         """Into L1 as the most recently used (lock held); least recently used out past the
-        budget. A vector larger than the whole budget is not kept (as cachetools' LRU did)."""
+        budget. A vector larger than the whole budget is not kept (cachetools' LRU raised)."""
         size = self._size(vector)
         old = self._l1.pop(key, None)
         if old is not None:

@@ -258,7 +258,8 @@ def request_parameter(request: Any, name: str) -> object | None:
     return parameters.get(name) if isinstance(parameters, dict) else None
 
 
-_SHORT_BYTES = 64  # one-value arrays of values up to this long are built once (`_one_value`)
+_SHORT_BYTES = 32  # one-value arrays of values up to this long are built once (`_one_value`;
+# 64-character seals and the answer ids, which never repeat, stay out)
 _ONE_VALUE: dict[tuple[str | bytes, bool], np.ndarray] = {}
 _ONE_VALUE_MAX = 1024  # cleared when full: statuses, finish reasons, "" recur; ids do not
 
