@@ -18,6 +18,12 @@ MEMO_ENTRIES = 1024  # per memo; texts up to MEMO_MAX_CHARS (envelopes 4x): at m
 MEMO_MAX_CHARS = 4096
 
 
+def worth_keeping(text: str, envelope: bytes | None = None) -> bool:
+    """Whether an exact hit's memo entry keyed by its answer `text` and sealed `envelope` is
+    small enough to keep (`MEMO_MAX_CHARS`; an envelope counts a quarter per byte)."""
+    return max(len(text), len(envelope or b"") // 4) <= MEMO_MAX_CHARS
+
+
 class Memo(Generic[V]):
     """Values by key, at most `max_entries` of them (all forgotten when a new key finds it
     full)."""

@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
-from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
+from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
@@ -94,40 +94,29 @@ class EmbeddingCacheStage:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
         return answer_seal(self.sealer, envelope_seal, answer)
 
-    def exact_hit(
-        self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS
-    ) -> Answer | None:
-        """An exact hit's pass-through answer, its envelope's seal checked but the envelope not
-        decoded; None without `cached_text` (then `open` the envelope). prompt_cache seals an
-        envelope together with a non-empty answer only on an exact hit, whose envelope asks
-        no semantic lookup, so a seal that verifies over `cached_text` says all this stage
-        needs to know (Forbidden when it does not)."""
-        if not cached_text:
-            return None
-        check_sealed(data, self.sealer, cached_text, tokens)
-        self.outcomes["skipped"].increment(1)
-        return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
-
     def sealed_exact_hit(
         self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS
     ) -> tuple[Answer, str] | None:
-        """`exact_hit` and the seal llm checks over its answer (`seal`, bound to the envelope's
-        seal `seal_of(data)`), memoized: an exact hit repeats the same envelope and answer, and
-        what verified once verifies again (Forbidden as `exact_hit` otherwise)."""
+        """An exact hit's pass-through answer and the seal llm checks over it (bound to the
+        envelope's seal), its envelope's seal checked but the envelope not decoded; None
+        without `cached_text` (then `open` the envelope). prompt_cache seals an envelope
+        together with a non-empty answer only on an exact hit, whose envelope asks no semantic
+        lookup, so a seal that verifies over `cached_text` says all this stage needs to know
+        (Forbidden when it does not). Memoized by the check's and the seal's whole input
+        (envelope, text, token counts): what verified once verifies again."""
         if not cached_text:
             return None
-        memoized = data is not None and max(len(cached_text), len(data) // 4) <= MEMO_MAX_CHARS
+        memoized = data is not None and worth_keeping(cached_text, data)
         key = (data, cached_text, tokens)
-        if memoized:
-            sealed = self._hits.get(key)
-            if sealed is not None:
-                self.outcomes["skipped"].increment(1)
-                return Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens), sealed
-        answer = self.exact_hit(data, cached_text, tokens)
-        assert answer is not None  # cached_text is not empty
-        sealed = self.seal(seal_of(data), answer)
-        if memoized:
-            self._hits.put(key, sealed)
+        sealed = self._hits.get(key) if memoized else None
+        if sealed is None:
+            check_sealed(data, self.sealer, cached_text, tokens)
+        answer = Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
+        if sealed is None:
+            sealed = self.seal(seal_of(data), answer)
+            if memoized:
+                self._hits.put(key, sealed)
+        self.outcomes["skipped"].increment(1)
         return answer, sealed
 
     def pass_through(

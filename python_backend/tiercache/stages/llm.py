@@ -30,7 +30,7 @@ from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
-from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
+from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
@@ -273,7 +273,7 @@ def _verified_key(
     """The memo key of an exact hit's answer check: everything its seal covers (the envelope,
     whose seal it is bound to, the seal, and the ANSWER_TENSORS as seal parts); None for
     anything else (misses and semantic hits carry vectors and neighbours: checked every time)
-    and for long texts (`MEMO_MAX_CHARS`)."""
+    and for long texts (`worth_keeping`)."""
     text = answer.get("ANSWER_TEXT")
     vector = answer.get("EMBEDDING")
     if (
@@ -283,7 +283,7 @@ def _verified_key(
         or not isinstance(text, str)
         or answer.get("NEIGHBOURS")
         or (isinstance(vector, np.ndarray) and vector.size)
-        or max(len(text), len(data) // 4) > MEMO_MAX_CHARS
+        or not worth_keeping(text, data)
     ):
         return None
     # ANSWER_STATUS is "exact", EMBEDDING and NEIGHBOURS seal as empty: the rest is the key
@@ -491,7 +491,7 @@ class LlmStage:
         """The request's digest and tenant scope, memoized for exact hits (whose sealed
         envelopes repeat: prompt_cache memoizes them too)."""
         received = item.envelope
-        too_long = max(len(item.cached_text), len(received.data or b"") // 4) > MEMO_MAX_CHARS
+        too_long = not worth_keeping(item.cached_text, received.data)
         if item.status != CacheStatus.EXACT or too_long:
             envelope = received.get()
             return envelope.digest or "", envelope.request.tenant_scope
