@@ -485,6 +485,24 @@ class EmbeddingCacheConfig(_TiersConfig):
         1, "torch's intra-op threads for the verifier in this process", min=1, max=64
     )
     confidence_floor: float = shared("confidence_floor")
+    semantic_max_error: float = param(
+        0.0,
+        "The share of served semantic hits a deployment accepts as wrong: each candidate the "
+        "guard (or verifier) chose is served, verified by the engine first, or missed, by what "
+        "its entry's verifications and feedback taught so far (tiercache.semantic.entry_trust; "
+        "docs/semantic_guard.md). 0: off, the guard's choice is served",
+        min=0,
+        max=1,
+        min_open=False,
+    )
+    semantic_explore_band: float = param(
+        0.25,
+        "With semantic_max_error: how far under 1 - semantic_max_error an entry's predicted "
+        "chance of being right may be and its hit still go to the engine to verify (greedy "
+        "requests only; the answer is then the engine's own) rather than miss",
+        min=0,
+        max=1,
+    )
     draft_neighbours: int = param(
         2,
         "On a lookup that does not hit: how many of the nearest neighbours' answers (those the "

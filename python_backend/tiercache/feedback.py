@@ -19,6 +19,10 @@ A caller sends back the `answer_id` of a response (tiercache.exact.answer_ids) w
   many more times. A copy already in some process's L1 keeps its rank until it is admitted
   again (nothing tells an L1 of a verdict; docs/feedback.md).
 
+On a semantic hit that a trust gate decided (its id carries the gate's score), either verdict is
+also an outcome of the entry served (tiercache.semantic.entry_trust: good right, bad wrong),
+counted once per answer id (the id's issue time stamps it), what the gate decides by next.
+
 The id opens only under the tenant scope it was issued to, so feedback is taken only from the
 tenant that was served the answer (the caller of the stage resolves the tenant as prompt_cache
 does, from the API key when a key file is configured); an id whose entry is still cached must
@@ -37,6 +41,7 @@ from tiercache.exact.answer_ids import AnswerIds, ServedAs
 from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.tiered import TieredCache
+from tiercache.semantic.entry_trust import record_outcome
 from tiercache.semantic.penalties import raise_floor
 from tiercache.vocabulary import Tier
 
@@ -116,6 +121,12 @@ class Feedback:
         # the serving host's clock) and generated again is not the one this verdict is about.
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         replaced = table.covers(ref.digest, served)
+        if ref.served is ServedAs.SEMANTIC and ref.score > 0.0:
+            try:  # what the trust gate learns from: the verdict on the hit it let through
+                right = verdict is Verdict.GOOD
+                record_outcome(cache, ref.digest, ref.score, right, tenant_scope, ref.issued_s)
+            except Exception:  # noqa: BLE001 - the verdict is acted on; the outcome is extra
+                log.exception("recording a verdict against %s... failed", ref.digest[:12])
         if verdict is Verdict.GOOD:
             endorsed = False
             if found is not None and not replaced:

@@ -35,6 +35,7 @@ from tiercache.stages.seal import (
     lora_inputs,
     seal_tensors,
     text_bytes,
+    trust_array,
 )
 from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
@@ -103,12 +104,13 @@ def answer_seal(
     vector: np.ndarray | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
     neighbours: tuple[str, ...] = (),
+    trust: tuple[float, bool] = (0.0, False),
 ) -> str:
     """ANSWER_SEAL as embedding_cache makes it for this answer to the envelope `envelope`."""
     from tiercache.stages.embedding_cache import Answer
     from tiercache.stages.embedding_cache import answer_seal as seal
 
-    answer = Answer(text, status, similarity, vector, tokens, neighbours)
+    answer = Answer(text, status, similarity, vector, tokens, neighbours, *trust)
     return seal(sealer, seal_of(envelope), answer)
 
 
@@ -127,6 +129,7 @@ def check_answer(sealer: Sealer, envelope: bytes, outputs: dict[str, Any]) -> No
             "EMBEDDING": outputs.get("EMBEDDING"),
             "ANSWER_TOKENS": outputs.get("ANSWER_TOKENS"),
             "NEIGHBOURS": outputs.get("NEIGHBOURS"),
+            "HIT_TRUST": outputs.get("HIT_TRUST"),
         },
         bound=seal_of(envelope),
         what="embedding_cache's answer",
@@ -143,6 +146,7 @@ def llm_answer(
     seal: str | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
     neighbours: tuple[str, ...] = (),
+    trust: tuple[float, bool] = (0.0, False),
 ) -> list[Any]:
     """embedding_cache's answer as the ensemble hands it to llm (ANSWER_TEXT as CACHED_TEXT,
     ANSWER_STATUS as LOOKUP_STATUS) with its ANSWER_SEAL (`seal`: another one, e.g. a stale one
@@ -152,7 +156,9 @@ def llm_answer(
     from tiercache.triton import io
 
     if seal is None:
-        seal = answer_seal(sealer, envelope, text, status, similarity, vector, tokens, neighbours)
+        seal = answer_seal(
+            sealer, envelope, text, status, similarity, vector, tokens, neighbours, trust
+        )
     embedding = np.zeros((1, 0), np.float32) if vector is None else vector.reshape(1, -1)
     tensors = [
         io.bytes_tensor("ENVELOPE", [envelope]),
@@ -162,6 +168,7 @@ def llm_answer(
         pb_utils.Tensor("EMBEDDING", embedding.astype(np.float32)),
         pb_utils.Tensor("ANSWER_TOKENS", np.array([tokens], dtype=np.int32)),
         io.bytes_tensor("NEIGHBOURS", [",".join(neighbours)]),
+        pb_utils.Tensor("HIT_TRUST", trust_array(*trust).reshape(1, -1)),
     ]
     if seal:
         tensors.append(io.bytes_tensor("ANSWER_SEAL", [seal]))

@@ -19,6 +19,7 @@ import seals
 
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
+from tiercache.semantic.entry_trust import record_outcome
 from tiercache.semantic.vectors import vector_key
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -104,7 +105,7 @@ def answer(response: Any) -> dict[str, Any]:
     outputs: dict[str, Any] = {}
     for tensor in response.output_tensors():
         array = tensor.as_numpy()
-        if tensor.name() in ("EMBEDDING", "ANSWER_TOKENS"):
+        if tensor.name() in ("EMBEDDING", "ANSWER_TOKENS", "HIT_TRUST"):
             outputs[tensor.name()] = array
         elif array.dtype == np.object_:
             outputs[tensor.name()] = array.reshape(-1)[0].decode()
@@ -362,3 +363,77 @@ def test_with_a_total_its_answers_l1_follows_the_budgets(
     finally:
         instance.finalize()
     assert instance.stage.budgets is not None and not instance.stage.budgets._thread.is_alive()
+
+
+def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_seal(
+    load_model: Callable[[str], ModuleType],
+    pb_utils: ModuleType,
+    tmp_path: Path,
+    embedder: FakeEmbedder,
+    sealer: Sealer,
+) -> None:
+    """`semantic_max_error` (issue 18 item 4): a fresh entry the guard is sure of is served
+    (HIT_TRUST [score, 0]); one the engine refuted is sent to verify (HIT_TRUST [score, 1]) for
+    a greedy request and missed (outcome untrusted) for a sampled one; HIT_TRUST is under the
+    answer's seal, as llm checks it."""
+    instance = load_model("embedding_cache").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "semantic_max_error": "0.05"}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    try:
+        core = instance.stage.core
+        embedder.dimensions = core.vectors.dimensions
+        row = np.zeros(core.vectors.dimensions, dtype=np.float32)
+        row[0] = 1.0  # the fake embedder's vector for every text: similarity 1
+        prompt = "How do I reset my password?"
+        for scope, digest in ((SCOPE, "1" * 64), (OTHER_SCOPE, "2" * 64)):
+            core.answers.put(digest, f"answer {digest[0]}")
+            core.index.add(scope, digest, prompt, row)
+        score = core.trust.score(prompt, prompt, 1.0)
+        assert score > 0.99  # the same text: the guard is sure
+        record_outcome(core.answers, "1" * 64, score, False, "")  # the engine refuted it
+        greedy = GenerationRequest(prompt)
+        sampled = GenerationRequest(prompt, temperature=0.7)
+        asks = [
+            (greedy, SCOPE),
+            (sampled, SCOPE),
+            (greedy, OTHER_SCOPE),
+        ]
+        sent = [
+            seals.sealed(
+                sealer,
+                Envelope(
+                    request=req,
+                    status=CacheStatus.MISS,
+                    digest=Digest("d" * 64),
+                    semantic_scope=scope,
+                    semantic_lookup=True,
+                ),  # fmt: skip
+                "",
+            )
+            for req, scope in asks
+        ]
+        verify, missed, served = instance.execute([request(pb_utils, data) for data in sent])
+        for response, data in ((verify, sent[0]), (missed, sent[1]), (served, sent[2])):
+            seals.check_answer(sealer, data, answer(response))
+        got = answer(verify)
+        assert (got["ANSWER_STATUS"], got["ANSWER_TEXT"]) == ("semantic", "answer 1")
+        assert got["HIT_TRUST"].reshape(-1).tolist() == [pytest.approx(score), 1.0]
+        got = answer(missed)
+        assert (got["ANSWER_STATUS"], got["ANSWER_TEXT"]) == ("miss", "")
+        assert got["HIT_TRUST"].size == 0
+        got = answer(served)
+        assert (got["ANSWER_STATUS"], got["ANSWER_TEXT"]) == ("semantic", "answer 2")
+        assert got["HIT_TRUST"].reshape(-1).tolist() == [pytest.approx(score), 0.0]
+        instance.stage.metrics.flush()
+        outcomes, decisions = instance.stage.outcomes, instance.stage.trust_decisions
+        assert outcomes["untrusted"].metric.value() == 1
+        assert decisions["verify"].metric.value() == decisions["serve"].metric.value() == 1
+    finally:
+        instance.finalize()

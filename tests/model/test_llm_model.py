@@ -7,6 +7,7 @@ engine calls carry ENGINE_SEAL, which the fake torch_llm checks as torch_llm doe
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,7 @@ from tiercache.exact.answer_ids import AnswerRef, ServedAs
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
+from tiercache.semantic.entry_trust import read_trust
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
@@ -126,6 +128,7 @@ def to_llm(
     cipher: AdapterCipher | None = None,
     tokens: tuple[int, int, int] = (0, 0, 0),
     neighbours: tuple[str, ...] = (),
+    trust: tuple[float, bool] = (0.0, False),
 ) -> list[Any]:
     """llm's inputs as the ensemble hands them on: the envelope, embedding_cache's answer with
     its ANSWER_SEAL and, past a hit, lora_cache's adapter tensors `lora` (in clear; closed with
@@ -140,6 +143,7 @@ def to_llm(
         seal=answer_seal,
         tokens=tokens,
         neighbours=neighbours,
+        trust=trust,
     )
     if status in (CacheStatus.EXACT, CacheStatus.SEMANTIC):
         return tensors
@@ -442,6 +446,61 @@ def test_a_semantic_hit_with_verify_semantic_is_served_only_as_the_engines_own_a
     model.stage.metrics.flush()
     outcomes = {k: c.metric.value() for k, c in model.stage.verifications.items()}
     assert outcomes == {"verified": 1, "refuted": 1, "unchecked": 0}
+
+
+def test_a_hit_the_trust_gate_sends_to_verify_is_checked_and_its_outcome_recorded(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """embedding_cache's trust gate (HIT_TRUST, under its seal) sends a semantic hit to the
+    engine to verify without the request's word; the outcome is recorded against the entry
+    whose answer was checked, at the gate's score (tiercache.semantic.entry_trust), where the
+    gate reads it next. A hit the gate serves goes out at once, its id carrying the score; a
+    HIT_TRUST altered in transit is refused."""
+    cache = model.stage.core.cache
+    right, wrong, served = "5" * 64, "6" * 64, "7" * 64
+    asks = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
+    same = to_llm(
+        pb_utils, sealer, asks, "Hello there", "semantic", 0.9, neighbours=(right,),
+        trust=(0.75, True),
+    )  # fmt: skip
+    (verified,) = run(pb_utils, model, [same])
+    assert final(pb_utils, verified) == ("Hello there", "verified")
+    ((_, request),) = engine.calls
+    assert request is not None and request.drafts[0] == ("verify", "Hello there")
+    other = envelope(sealer, CacheStatus.MISS, "d" * 64, semantic_scope="s" * 64)
+    differs = to_llm(
+        pb_utils, sealer, other, "Goodbye", "semantic", 0.9, neighbours=(wrong,),
+        trust=(0.625, True),
+    )  # fmt: skip
+    (refuted,) = run(pb_utils, model, [differs])
+    assert final(pb_utils, refuted) == ("Hello there", "miss")
+
+    def recorded(digest: str) -> list[tuple[float, bool, float]]:
+        """The entry's outcomes once there (recorded just after the final response)."""
+        deadline = time.monotonic() + WAIT_S
+        while not (found := read_trust(cache, digest, TENANT).observations):
+            assert time.monotonic() < deadline, f"no outcome recorded for {digest[:8]}"
+            time.sleep(0.01)
+        return found
+
+    assert recorded(right) == [(0.75, True, 0.0)]
+    assert recorded(wrong) == [(0.625, False, 0.0)]
+    assert read_trust(cache, right, OTHER_TENANT).observations == []  # the tenant's record
+    third = envelope(sealer, CacheStatus.MISS, "e" * 64, semantic_scope="s" * 64)
+    trusted = to_llm(
+        pb_utils, sealer, third, "Goodbye", "semantic", 0.9, neighbours=(served,),
+        trust=(0.875, False),
+    )  # fmt: skip
+    (at_once,) = run(pb_utils, model, [trusted])
+    assert final(pb_utils, at_once) == ("Goodbye", "semantic")
+    ref = answer_ref(model, at_once)
+    assert ref is not None and (ref.digest, ref.score) == (served, 0.875)
+    assert len(engine.calls) == 2 and read_trust(cache, served, TENANT).observations == []
+    forged = [t for t in same if t.name() != "HIT_TRUST"]
+    forged.append(pb_utils.Tensor("HIT_TRUST", np.array([[0.75, 0.0]], dtype=np.float32)))
+    (refused,) = run(pb_utils, model, [forged])
+    assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
+    assert len(engine.calls) == 2
 
 
 def answer_ref(model: Any, responses: list[Any], tenant: str = TENANT) -> AnswerRef | None:

@@ -18,7 +18,7 @@ OTHER_DIGEST = hashlib.sha256(b"another answer").hexdigest()
 
 def test_an_id_opens_to_what_it_names_for_its_tenant() -> None:
     ids = AnswerIds(SECRET)
-    ref = AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5)
+    ref = AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5, score=0.9375)
     opened = ids.open(ids.issue(ref, "scope-a"), "scope-a")
     assert opened == ref
     own = ids.open(ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.OWN), "scope-a"), "scope-a")
@@ -59,7 +59,7 @@ def test_an_altered_id_is_refused_at_every_byte() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "a1.", "not an id", DIGEST, "a2." + "A" * (ID_CHARS - 3), "a1." + "*" * (ID_CHARS - 3)],
+    ["", "a1.", "not an id", DIGEST, "a9." + "A" * (ID_CHARS - 3), "a2." + "*" * (ID_CHARS - 3)],
 )
 def test_what_is_not_an_id_is_an_invalid_request(text: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
@@ -70,3 +70,25 @@ def test_what_is_not_an_id_is_an_invalid_request(text: str) -> None:
 def test_a_digest_that_is_not_32_hex_bytes_is_a_programming_error() -> None:
     with pytest.raises(ValueError):
         AnswerIds(SECRET).issue(AnswerRef("abc", ServedAs.OWN), "scope-a")
+
+
+def test_an_id_of_the_format_before_the_score_still_opens() -> None:
+    """Ids handed out before the trust score joined the format (prefix a1., no score) open as
+    they did, their score 0.0 (nothing for the trust gate to learn at)."""
+    import os
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from tiercache.exact.keys import derive_key
+
+    body = struct.pack(">B32sfd", 1, bytes.fromhex(DIGEST), 0.875, 1_700_000_000.5)
+    nonce = os.urandom(12)
+    aead = AESGCM(derive_key(SECRET, "answer ids"))
+    sealed = nonce + aead.encrypt(nonce, body, b"tiercache answer id\x00scope-a")
+    old = "a1." + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode()
+    assert len(old) != ID_CHARS
+    opened = AnswerIds(SECRET).open(old, "scope-a")
+    assert opened == AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5, 0.0)
+    with pytest.raises(Forbidden):
+        AnswerIds(SECRET).open(old, "scope-b")

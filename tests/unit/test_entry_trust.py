@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tiercache.semantic.entry_trust import Decision, EntryTrust, TrustPolicy, replay
+from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.tiered import TieredCache
+from tiercache.feedback import Feedback, Verdict
+from tiercache.semantic.entry_trust import (
+    Decision,
+    EntryTrust,
+    TrustGate,
+    TrustPolicy,
+    decode_trust,
+    encode_trust,
+    read_trust,
+    record_outcome,
+    replay,
+    trust_key,
+)
+from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
+from tiercache.semantic.store import SemanticStore
+from tiercache.semantic.vectors import VectorCache
+from tiercache.vocabulary import Tier
+
+DIGEST = hashlib.sha256(b"the neighbour's answer").hexdigest()
+DIM = 8
 
 
 def test_without_outcomes_the_calibrated_score_decides() -> None:
@@ -39,7 +66,7 @@ def test_only_the_most_recent_outcomes_are_kept_and_scores_must_be_probabilities
     trust = EntryTrust()
     for i in range(100):
         trust.observe(0.9, right=i >= 36)  # the first 36 refuted, then right
-    assert len(trust.observations) == 64 and all(right for _, right in trust.observations)
+    assert len(trust.observations) == 64 and all(right for _, right, _ in trust.observations)
     for bad in (1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="probability"):
             trust.observe(bad, right=True)
@@ -65,3 +92,114 @@ def test_the_stated_error_rate_holds_where_a_fixed_threshold_breaks_it() -> None
     assert fixed_error > 0.10
     assert served > 1000 and counts["served_wrong"] / served <= 0.05
     assert counts["refuted"] > 0  # it learned by exploring, and no refuted answer was served
+
+
+def tiers(tmp_path: Path) -> TieredCache:
+    return TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20))]
+    )
+
+
+def test_an_entrys_outcomes_are_kept_beside_it_per_tenant_and_an_id_counts_once(
+    tmp_path: Path,
+) -> None:
+    cache = tiers(tmp_path)
+    assert read_trust(cache, DIGEST, "scope-a").observations == []
+    assert record_outcome(cache, DIGEST, 0.9, False, "scope-a")
+    assert record_outcome(cache, DIGEST, 0.8, True, "scope-a", stamp=1234.5)
+    assert not record_outcome(cache, DIGEST, 0.8, True, "scope-a", stamp=1234.5)  # replayed
+    assert read_trust(cache, DIGEST, "scope-a").observations == [
+        (0.9, False, 0.0),
+        (0.8, True, 1234.5),
+    ]
+    assert read_trust(cache, DIGEST, "scope-b").observations == []  # another tenant's record
+    assert trust_key(DIGEST) not in (DIGEST,) and len(trust_key(DIGEST)) == 64
+    # a copy in a process's L1 does not hide outcomes recorded since in L2 (another process)
+    l1, l2 = cache.store(Tier.L1), cache.store(Tier.L2)
+    assert l1 is not None and l2 is not None
+    stale = l2.get(trust_key(DIGEST))
+    assert stale is not None
+    l1.put(trust_key(DIGEST), stale)
+    record_outcome(TieredCache([(Tier.L2, l2)]), DIGEST, 0.7, False, "scope-a")
+    assert len(read_trust(cache, DIGEST, "scope-a").observations) == 3
+    cache.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "semantic-trust:not json",
+        "semantic-trust:{}",
+        "semantic-trust:[[0.5, 2, 0]]",
+        "semantic-trust:[[1.5, 1, 0]]",
+        'semantic-trust:[["0.5", 1, 0]]',
+        "semantic-trust:[[NaN, 1, 0]]",
+        "semantic-trust:" + str([[0.5, 1, 0]] * 65),
+        "semantic-floor:0.9",
+    ],
+)
+def test_a_record_that_does_not_parse_is_the_prior_alone(tmp_path: Path, text: str) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        decode_trust(text)
+    cache = tiers(tmp_path)
+    cache.put(trust_key(DIGEST), text, tenant_scope="scope-a")
+    assert read_trust(cache, DIGEST, "scope-a").observations == []
+    assert record_outcome(cache, DIGEST, 0.9, True, "scope-a")  # and is replaced by a good one
+    assert decode_trust(encode_trust(read_trust(cache, DIGEST, "scope-a"))).observations == [
+        (0.9, True, 0.0)
+    ]
+    cache.close()
+
+
+def unit(*values: float) -> np.ndarray:
+    vector = np.zeros(DIM, dtype=np.float32)
+    vector[: len(values)] = values
+    return vector / np.linalg.norm(vector)
+
+
+def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_record(
+    tmp_path: Path,
+) -> None:
+    """A fresh entry at a high score is served; once refuted it is sent to the engine to verify
+    (greedy requests) or missed (`untrusted`: others); bad feedback on a hit the gate served
+    counts against the entry too, good feedback for it, each answer id once."""
+    answers = tiers(tmp_path)
+    scores = {"score": 0.995}
+    gate = TrustGate(answers, TrustPolicy(0.05, 0.25), lambda q, c, cos: scores["score"])
+    stage = EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        answers,
+        lambda texts: np.stack([unit(1, 0.2) for _ in texts]),
+        lambda q, candidates: 0 if candidates else None,
+        "emb@1",
+        min_similarity=0.5,
+        trust=gate,
+    )
+    answers.put(DIGEST, "the neighbour's answer", tenant_scope="scope-a")
+    stage.index.add("scope", DIGEST, "p", unit(1, 0))
+    (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], [True])
+    assert hit.outcome is SemanticOutcome.HIT and (hit.score, hit.verify) == (0.995, False)
+    record_outcome(answers, DIGEST, 0.995, False, "scope-a")  # the engine refuted it once
+    verify, sampled = stage.lookup(["reworded", "sampled"], ["scope"] * 2, ["scope-a"] * 2,
+                                   [True, False])  # fmt: skip
+    assert verify.outcome is SemanticOutcome.HIT and verify.verify and verify.score == 0.995
+    assert sampled.outcome is SemanticOutcome.UNTRUSTED and not sampled.text
+    (elsewhere,) = stage.lookup(["reworded"], ["scope"], ["scope-b"], [False])
+    assert elsewhere.outcome is SemanticOutcome.STALE  # another tenant's answer: never served
+    # feedback on a hit the gate decided: its id carries the score
+    ids = AnswerIds(bytes(32))
+    feedback = Feedback(ids, Invalidator(answers))
+    good = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1000.0, 0.99), "scope-a")
+    for _ in range(3):
+        feedback.give(good, Verdict.GOOD, "scope-a")  # replayed: counted once
+    bad = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1001.0, 0.98), "scope-a")
+    feedback.give(bad, Verdict.BAD, "scope-a")
+    ungated = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1002.0), "scope-a")
+    feedback.give(ungated, Verdict.GOOD, "scope-a")  # no score: nothing to learn at
+    assert read_trust(answers, DIGEST, "scope-a").observations == [
+        (0.995, False, 0.0),
+        (pytest.approx(0.99), True, 1000.0),
+        (pytest.approx(0.98), False, 1001.0),
+    ]
+    stage.close()

@@ -336,3 +336,22 @@ def test_a_cached_prompt_is_profiled_once() -> None:
         for q, c in texts
     ]
     assert fresh == first
+
+
+def test_the_calibrated_score_is_the_tables_precision_per_band_never_falling(
+    guard: SemanticGuard,
+) -> None:
+    """`calibrated` (the trust gate's score) reads P(right) per score band from the operating
+    table's cumulative rows, pooled so that it never falls as the score rises; a refused
+    candidate is 0."""
+    thresholds, curve = guard.config.local_precision()
+    assert len(thresholds) == len(curve) == len(guard.config.operating_table)
+    assert np.all(np.diff(curve) >= 0) and 0.0 <= curve[0] and curve[-1] <= 1.0
+    # pooled bands still hold the table's hits: the top row's precision is its band's or more
+    top = guard.config.operating_table[-1]
+    assert curve[-1] >= top.precision - 0.02
+    text = "How do I reset my password?"
+    raw = guard.score(text, text, 1.0)
+    assert raw >= thresholds[-1]  # the same text: in the top band (its raw score only 0.86)
+    assert guard.calibrated(text, text, 1.0) == pytest.approx(curve[-1]) and curve[-1] > raw
+    assert guard.calibrated("a", "b", guard.config.cosine_floor - 0.01) == 0.0

@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.stages.embedding_cache import Answer, open_embedding_cache
 from tiercache.stages.envelope import Envelope, seal_of
-from tiercache.stages.seal import neighbours_text, tokens_array, tokens_of
+from tiercache.stages.seal import neighbours_text, tokens_array, tokens_of, trust_array
 from tiercache.triton import io
 
 NO_VECTOR = np.zeros((1, 0), dtype=np.float32)
@@ -68,5 +68,6 @@ def encode(answer: Answer, seal: str) -> object:
             io.bytes_tensor("ANSWER_SEAL", [seal]),
             pb_utils.Tensor("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 3)),
             io.bytes_tensor("NEIGHBOURS", [neighbours_text(answer.neighbours)]),
+            pb_utils.Tensor("HIT_TRUST", trust_array(answer.score, answer.verify).reshape(1, -1)),
         ]
     )

@@ -13,7 +13,14 @@ from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
 from tiercache.exact.flights import EngineUsage
 from tiercache.stages.llm import LlmInput, LlmStage, open_llm
-from tiercache.stages.seal import Part, answer_tensors, lora_inputs, neighbours_of, tokens_of
+from tiercache.stages.seal import (
+    Part,
+    answer_tensors,
+    lora_inputs,
+    neighbours_of,
+    tokens_of,
+    trust_of,
+)
 from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
@@ -79,12 +86,16 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     vector = inputs.vector("EMBEDDING")
     tokens = inputs.vector("ANSWER_TOKENS")
     neighbours = inputs.string("NEIGHBOURS")
-    answer = answer_tensors(cached_text, status, similarity, vector, tokens, neighbours)
+    trust = inputs.vector("HIT_TRUST")
+    answer = answer_tensors(cached_text, status, similarity, vector, tokens, neighbours, trust)
     envelope = stage.received(data, inputs.string("ANSWER_SEAL"), answer)
     if is_hit(status):  # a hit needs neither the prompt's vector nor the adapter's files
         counts = tokens_of(tokens)
         served = neighbours_of(neighbours)  # a semantic hit's: the entry it serves
-        return LlmInput(envelope, status, cached_text, similarity, None, NO_LORA, counts, served)
+        score, verify = trust_of(trust)  # and its trust decision, if a gate made one
+        return LlmInput(
+            envelope, status, cached_text, similarity, None, NO_LORA, counts, served, score, verify
+        )
     tensors: dict[str, Part] = {
         name: inputs.vector(name) if name == "LORA_TASK_ID" else inputs.blob(name)
         for name in lora_inputs(stage.engine.trtllm is not None)

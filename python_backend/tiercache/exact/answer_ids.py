@@ -3,7 +3,8 @@
 Every response whose request has a digest carries an `answer_id`: which cache entry the answer
 is (the request's own digest for an exact hit, a generation or a verified semantic hit; the
 neighbour's for a semantic hit), how it was served and, for a semantic hit, the similarity it
-was served at. The `feedback` model takes the id back (tiercache.feedback).
+was served at and the trust gate's score (tiercache.semantic.entry_trust; 0.0 without one).
+The `feedback` model takes the id back (tiercache.feedback).
 
 The id is sealed, not merely signed: AES-256-GCM under `derive_key(secret, "answer ids")`, a
 random 96-bit nonce per id, the tenant scope it was served to as associated data.
@@ -36,13 +37,23 @@ from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import derive_key
 
 ANSWER_IDS_PURPOSE = "answer ids"
-PREFIX = "a1."  # the format's version: an id of another format is refused, not misread
+PREFIX = "a2."  # the format's version: an id of another format is refused, not misread
 NONCE_BYTES = 12
-_BODY = struct.Struct(">B32sfd")  # served as, digest, similarity, issued at (unix seconds)
+# served as, digest, similarity, trust score, issued at (unix seconds)
+_BODY = struct.Struct(">B32sffd")
 _AAD = b"tiercache answer id\x00"
-_SEALED_BYTES = NONCE_BYTES + _BODY.size + 16  # nonce, ciphertext, GCM tag
-ID_CHARS = len(PREFIX) + len(base64.urlsafe_b64encode(bytes(_SEALED_BYTES)).rstrip(b"="))
+
+
+def _id_chars(prefix: str, body: struct.Struct) -> int:
+    sealed = NONCE_BYTES + body.size + 16  # nonce, ciphertext, GCM tag
+    return len(prefix) + len(base64.urlsafe_b64encode(bytes(sealed)).rstrip(b"="))
+
+
+ID_CHARS = _id_chars(PREFIX, _BODY)
 """Every id's length (characters): the same for every answer."""
+# The format before the trust score, still opened (its score reads 0.0): ids already handed out
+_V1_PREFIX, _V1_BODY = "a1.", struct.Struct(">B32sfd")
+_V1_CHARS = _id_chars(_V1_PREFIX, _V1_BODY)
 
 
 class ServedAs(int, Enum):
@@ -58,6 +69,7 @@ class AnswerRef:
     served: ServedAs
     similarity: float = 0.0  # a semantic hit's (the neighbour's cosine); 0.0 otherwise
     issued_s: float = 0.0  # when the answer was served (unix seconds)
+    score: float = 0.0  # a semantic hit's calibrated score, when a trust gate decided it
 
 
 class AnswerIds:
@@ -78,7 +90,7 @@ class AnswerIds:
         if len(digest) != 32:
             raise ValueError(f"an answer's digest is 32 bytes, got {len(digest)}")
         issued_s = ref.issued_s or time.time()
-        body = _BODY.pack(ref.served.value, digest, ref.similarity, issued_s)
+        body = _BODY.pack(ref.served.value, digest, ref.similarity, ref.score, issued_s)
         nonce = os.urandom(NONCE_BYTES)
         sealed = nonce + self._aead.encrypt(nonce, body, _AAD + tenant_scope.encode("utf-8"))
         return PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
@@ -88,7 +100,11 @@ class AnswerIds:
         Forbidden when it was not issued by this deployment or not to `tenant_scope` (the
         two cannot be told apart, by design)."""
         text = answer_id.strip()
-        if not text.startswith(PREFIX) or len(text) != ID_CHARS:
+        if text.startswith(PREFIX) and len(text) == ID_CHARS:
+            body_format = _BODY
+        elif text.startswith(_V1_PREFIX) and len(text) == _V1_CHARS:
+            body_format = _V1_BODY
+        else:
             raise InvalidRequest(
                 f"answer_id is not an answer id (ids start {PREFIX!r} and have {ID_CHARS} "
                 "characters: copy the answer_id of the response)"
@@ -100,7 +116,7 @@ class AnswerIds:
             )
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest("answer_id is not an answer id (not base64url)") from exc
-        if len(sealed) != _SEALED_BYTES:
+        if len(sealed) != NONCE_BYTES + body_format.size + 16:
             raise InvalidRequest("answer_id is not an answer id (wrong length)")
         nonce, box = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
         try:
@@ -110,9 +126,13 @@ class AnswerIds:
                 "answer_id was not issued to this tenant by this deployment (another tenant's, "
                 "altered, or from before a secret rotation)"
             ) from exc
-        served, digest, similarity, issued_s = _BODY.unpack(body)
+        if body_format is _V1_BODY:
+            served, digest, similarity, issued_s = _V1_BODY.unpack(body)
+            score = 0.0
+        else:
+            served, digest, similarity, score, issued_s = _BODY.unpack(body)
         try:
             served_as = ServedAs(served)
         except ValueError as exc:  # sealed by us, so only a newer release's kind
             raise InvalidRequest(f"answer_id: unknown kind {served}") from exc
-        return AnswerRef(digest.hex(), served_as, float(similarity), float(issued_s))
+        return AnswerRef(digest.hex(), served_as, float(similarity), float(issued_s), float(score))

@@ -135,6 +135,32 @@ class GuardConfig:
                 return point
         return self.operating_table[-1]
 
+    def local_precision(self) -> tuple[np.ndarray, np.ndarray]:
+        """(thresholds, P(right)) per score band of the operating table: the rows give the
+        precision and recall of every hit at or above each threshold, so the band between two
+        thresholds holds (recall difference) right hits among (recall / precision difference)
+        hits; pooled into a non-decreasing curve (pool-adjacent-violators, each band weighted
+        by its hits), since a higher score is never meant to be less often right."""
+        thresholds = np.array([p.threshold for p in self.operating_table])
+        right = np.array([p.recall for p in self.operating_table] + [0.0])
+        hits = right[:-1] / np.maximum([p.precision for p in self.operating_table], 1e-12)
+        hits = np.append(hits, 0.0)
+        band_right = np.maximum(right[:-1] - right[1:], 0.0)
+        band_hits = np.maximum(hits[:-1] - hits[1:], band_right)
+        blocks: list[list[float]] = []  # [right, hits, bands] pooled
+        for r, h in zip(band_right, band_hits, strict=True):
+            blocks.append([r, h, 1])
+            while len(blocks) > 1 and _rate(blocks[-2]) > _rate(blocks[-1]):
+                last = blocks.pop()
+                blocks[-1] = [a + b for a, b in zip(blocks[-1], last, strict=True)]
+        curve = np.concatenate([np.full(int(b[2]), _rate(b)) for b in blocks])
+        return thresholds, np.clip(curve, 0.0, 1.0)
+
+
+def _rate(block: list[float]) -> float:
+    right, hits, _ = block
+    return right / hits if hits > 0 else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class SemanticGuard:
@@ -147,6 +173,7 @@ class SemanticGuard:
     config: GuardConfig
     target_precision: float | None = None
     threshold: float = field(init=False)
+    _calibration: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.config.feature_names != feats.FEATURE_NAMES:
@@ -159,6 +186,7 @@ class SemanticGuard:
             target = self.config.default_target_precision
         object.__setattr__(self, "target_precision", target)
         object.__setattr__(self, "threshold", self.config.threshold_for(target))
+        object.__setattr__(self, "_calibration", self.config.local_precision())
 
     def threshold_for(self, target_precision: float) -> float:
         """See `GuardConfig.threshold_for`."""
@@ -195,6 +223,19 @@ class SemanticGuard:
         if cosine < self.config.cosine_floor:
             return 0.0
         return self.score_vector(feats.features(query, candidate, cosine))
+
+    def calibrated(self, query: str, candidate: str, cosine: float) -> float:
+        """P(serving `candidate` for `query` is right) as the guard's calibration measured it
+        for hits at this score (`GuardConfig.local_precision`; 0.0 when the floor or a veto
+        refuses it): the trust gate's score (tiercache.semantic.entry_trust). The guard's own
+        score is a ranking (the same text scores 0.86), not this probability."""
+        return float(self.calibrate(np.array([self.score(query, candidate, cosine)]))[0])
+
+    def calibrate(self, scores: np.ndarray) -> np.ndarray:
+        """`calibrated` for guard scores already computed (0.0 stays 0.0)."""
+        thresholds, curve = self._calibration
+        band = np.maximum(np.searchsorted(thresholds, scores, side="right") - 1, 0)
+        return np.where(scores > 0.0, curve[band], 0.0)
 
     def accept(
         self, query: str, candidate: str, cosine: float, threshold: float | None = None

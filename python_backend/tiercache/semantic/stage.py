@@ -16,6 +16,7 @@ import numpy as np
 from tiercache.exact.codec import token_accounting
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
+from tiercache.semantic.entry_trust import Decision, TrustGate
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.penalties import read_floor
 from tiercache.semantic.vectors import VectorCache, vector_key
@@ -35,8 +36,13 @@ class SemanticOutcome(str, Enum):
     STALE = "stale"  # a candidate passed but its answer is gone (evicted or expired)
     UNSURE = "unsure"  # a candidate passed but its answer's confidence is under the floor
     PENALISED = "penalised"  # a candidate passed but under its answer's floor (bad feedback)
+    UNTRUSTED = "untrusted"  # a candidate passed but its entry's record misses max_error
     TOO_LONG = "too_long"  # over the embedder's window: neither looked up nor indexed
     UNSUPPORTED = "unsupported"  # [UNK] tokens or a non-Latin script: the same
+
+
+# a candidate's answer exists but may not be served: this outcome wins over a later stale one
+_REFUSED = (SemanticOutcome.UNSURE, SemanticOutcome.PENALISED, SemanticOutcome.UNTRUSTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,11 @@ class SemanticLookup:
     # (refused ones included), nearest first; llm drafts a speculative decoding from them.
     drafts: tuple[str, ...] = ()
     digest: str = ""  # a hit's answer digest (the neighbour's entry it served)
+    # With a trust gate: a hit's calibrated score, and whether the engine must verify it first
+    # (the entry is close to the deployment's max_error but not there: tiercache.semantic.
+    # entry_trust); llm records the verification's outcome against the entry at this score.
+    score: float = 0.0
+    verify: bool = False
 
 
 class EmbeddingCache:
@@ -70,13 +81,17 @@ class EmbeddingCache:
         draft_neighbours: int = 0,
         draft_min_similarity: float = 0.5,
         confidence: ConfidencePolicy | None = None,
+        trust: TrustGate | None = None,
     ) -> None:
         """`screen` says why a prompt is kept out of the semantic cache ("too_long",
         "unsupported"; `tiercache.semantic.embedder.Screen.check`), or None to take it.
         A lookup that does not hit names up to `draft_neighbours` neighbours at or above
         `draft_min_similarity` as drafts (`SemanticLookup.drafts`). An answer `confidence`
-        calls unsure is never served to a rewording (tiercache.exact.confidence)."""
+        calls unsure is never served to a rewording (tiercache.exact.confidence). With
+        `trust`, a chosen candidate is served, verified or missed by its entry's record
+        (tiercache.semantic.entry_trust)."""
         self.confidence = confidence or ConfidencePolicy()
+        self.trust = trust
         self.vectors = vectors
         self.index = index
         self.answers = answers
@@ -116,6 +131,7 @@ class EmbeddingCache:
         vector: np.ndarray,
         cached: bool,
         tenant_scope: str | None = None,
+        can_verify: bool = False,
     ) -> SemanticLookup:
         """The candidate of `scope` the guard likes best, if its answer still exists.
 
@@ -123,7 +139,8 @@ class EmbeddingCache:
         with `tenant_scope`, the answer a row points to must also belong to that tenant
         (its cache entry's `tenant_scope`) before it is served: a row written with another
         tenant's answer digest (a forged shared row, a damaged log) is refused, counted in
-        `scope_mismatches` and logged, and treated as a stale candidate."""
+        `scope_mismatches` and logged, and treated as a stale candidate. `can_verify`: the
+        request may be verified by the engine (greedy), so a trust gate may ask for it."""
         found_rows = self.index.search(scope, vector, self.top_k)
         drafts = tuple(n.digest for n in found_rows if n.similarity >= self.draft_min_similarity)[
             : self.draft_neighbours
@@ -149,6 +166,14 @@ class EmbeddingCache:
                 if floor is not None and neighbour.similarity < floor:
                     outcome = SemanticOutcome.PENALISED  # judged wrong this close before
                     continue
+                score, verify = 0.0, False
+                if self.trust is not None:
+                    score = self.trust.score(prompt, neighbour.prompt, neighbour.similarity)
+                    decision = self.trust.decide(neighbour.digest, score, tenant_scope, can_verify)
+                    if decision is Decision.MISS:
+                        outcome = SemanticOutcome.UNTRUSTED
+                        continue
+                    verify = decision is Decision.VERIFY
                 return SemanticLookup(
                     SemanticOutcome.HIT,
                     vector,
@@ -157,8 +182,10 @@ class EmbeddingCache:
                     cached,
                     token_accounting(entry),
                     digest=neighbour.digest,
+                    score=score,
+                    verify=verify,
                 )
-            if outcome not in (SemanticOutcome.UNSURE, SemanticOutcome.PENALISED):
+            if outcome not in _REFUSED:
                 outcome = SemanticOutcome.STALE
         return SemanticLookup(outcome, vector, vector_cached=cached, drafts=drafts)
 
@@ -179,10 +206,12 @@ class EmbeddingCache:
         prompts: Sequence[str],
         scopes: Sequence[str],
         tenant_scopes: Sequence[str] | None = None,
+        can_verify: Sequence[bool] | None = None,
     ) -> list[SemanticLookup]:
         """One result per prompt, in order; prompts the screen refuses are not embedded (their
         result has an empty vector, so the llm stage does not index them either). With
-        `tenant_scopes` (one per prompt), a hit's answer must belong to that tenant (`search`)."""
+        `tenant_scopes` (one per prompt), a hit's answer must belong to that tenant (`search`);
+        `can_verify` (one per prompt, default none) says which the engine may verify."""
         refused = {i: why for i, p in enumerate(prompts) if (why := self._screen(p)) is not None}
         taken = [i for i in range(len(prompts)) if i not in refused]
         tenants: Sequence[str | None] = (
@@ -190,13 +219,14 @@ class EmbeddingCache:
         )
         found = self.vectors_for([prompts[i] for i in taken], [tenants[i] or "" for i in taken])
         vectors = dict(zip(taken, found, strict=True))
+        verifiable = [False] * len(prompts) if can_verify is None else can_verify
         results = []
         for i, (prompt, scope, tenant) in enumerate(zip(prompts, scopes, tenants, strict=True)):
             if i in refused:
                 results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
-            results.append(self.search(prompt, scope, vector, cached, tenant))
+            results.append(self.search(prompt, scope, vector, cached, tenant, verifiable[i]))
         return results
 
     def close(self) -> None:

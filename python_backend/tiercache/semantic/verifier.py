@@ -142,6 +142,16 @@ class VerifiedChoice:
                 best, best_score = i, score
         return best
 
+    def score(self, query: str, candidate: str, cosine: float) -> float:
+        """The verifier's P(same question) for a candidate (the trust gate's score: a
+        `tiercache.semantic.entry_trust.ScoreFn`): the last query's kept score, else scored
+        now; 0.0 when the guard's floor or vetoes refuse it."""
+        if self.guard.score(query, candidate, cosine) <= 0.0:
+            return 0.0
+        if query == self._last_query and candidate in self._last_scores:
+            return self._last_scores[candidate]
+        return float(self._score_pairs([query], [candidate])[0])
+
 
 def _section(info: dict[str, Any], key: str) -> dict[str, Any]:
     value = info.get(key)

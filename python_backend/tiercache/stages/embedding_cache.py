@@ -16,6 +16,7 @@ from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.semantic.embedder import Screen, resolve_embedder
+from tiercache.semantic.entry_trust import ScoreFn, TrustGate, TrustPolicy
 from tiercache.semantic.guard import load_guard
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.stage import ChooseFn, EmbeddingCache, SemanticOutcome
@@ -35,6 +36,7 @@ from tiercache.stages.seal import (
     neighbours_text,
     seal_tensors,
     tokens_array,
+    trust_array,
 )
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
@@ -54,6 +56,10 @@ class Answer:
     # A miss's nearest neighbours' answer digests (refused ones too): llm drafts from them. A
     # semantic hit's: the one whose answer it serves (llm names it in the answer id).
     neighbours: tuple[str, ...] = ()
+    # A semantic hit's trust decision (semantic_max_error): its calibrated score, and whether
+    # the engine must verify it before it is served (tiercache.stages.seal.trust_array)
+    score: float = 0.0
+    verify: bool = False
 
 
 class EmbeddingCacheStage:
@@ -75,6 +81,14 @@ class EmbeddingCacheStage:
             "Semantic lookups by outcome",
             "outcome",
             [*(x.value for x in SemanticOutcome), "skipped", "error"],
+        )
+        self.trust_decisions = status_counters(
+            m,
+            "tiercache_embedding_cache_trust_decisions_total",
+            "Semantic hits the trust gate (semantic_max_error) served, or sent to the engine to "
+            "verify first; the ones it missed are lookups with outcome untrusted",
+            "decision",
+            ["serve", "verify"],
         )
         self.vector_hits = m.counter(
             "tiercache_embedding_cache_vector_hits_total", "Prompt vectors found in the cache"
@@ -139,6 +153,7 @@ class EmbeddingCacheStage:
                 [e.request.prompt for e in envelopes],
                 [e.semantic_scope for e in envelopes],
                 [e.request.tenant_scope for e in envelopes],  # a hit must stay in its tenant
+                [e.request.greedy for e in envelopes],  # the engine can verify these
             )
         except Exception:  # noqa: BLE001 - semantic caching is an optimisation: fall through
             io.log.exception("semantic lookup failed; the requests go on as misses")
@@ -157,8 +172,12 @@ class EmbeddingCacheStage:
                         result.vector,
                         result.tokens,
                         neighbours=(result.digest,) if result.digest else (),
+                        score=result.score,
+                        verify=result.verify,
                     )
                 )
+                if self.core.trust is not None:
+                    self.trust_decisions["verify" if result.verify else "serve"].increment(1)
             else:  # the exact lookup's status (miss, or bypass for semantic-only) goes on
                 answers.append(
                     Answer("", envelope.status.value, 0.0, result.vector, neighbours=result.drafts)
@@ -188,6 +207,7 @@ def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
         answer.vector,
         tokens_array(answer.tokens),
         neighbours_text(answer.neighbours),
+        trust_array(answer.score, answer.verify),
     )
     return seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, values, bound=envelope_seal)
 
@@ -213,13 +233,19 @@ def open_embedding_cache(
     _, identity = resolve_embedder(config.embedder)
     guard = load_guard(target_precision=config.target_precision or None)
     choose: ChooseFn = guard.choose
+    score: ScoreFn = guard.calibrated
     if config.verifier != "off":  # loaded before anything is opened: a bad folder leaks nothing
         from tiercache.semantic.verifier import open_verified_choice
 
-        choose = open_verified_choice(
+        verified = open_verified_choice(
             guard, config.verifier, config.verifier_threshold, config.verifier_threads
         )
+        choose, score = verified, verified.score
     tiers: ExactTiers = open_exact_cache(config.cache())
+    trust = None
+    if config.semantic_max_error > 0:
+        policy = TrustPolicy(config.semantic_max_error, config.semantic_explore_band)
+        trust = TrustGate(tiers.cache, policy, score)
     vectors = VectorCache(
         config.vectors_path(),
         identity.dimensions,
@@ -249,6 +275,7 @@ def open_embedding_cache(
         draft_neighbours=config.draft_neighbours,
         draft_min_similarity=config.draft_min_similarity,
         confidence=ConfidencePolicy(config.confidence_floor),
+        trust=trust,
     )
     # Open the host's scope tables now (large scopes load or build their HNSW graph here), so
     # the first request does not pay for it; later rows are in the shared tables.

@@ -35,6 +35,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
+from tiercache.semantic.entry_trust import record_outcome
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.common import (
@@ -102,6 +103,10 @@ class LlmInput:
     tokens: Tokens = NO_TOKENS  # a hit's stored token accounting (tiercache.stages.seal)
     # a miss's semantic neighbours' answer digests (drafts); a semantic hit's: the one it serves
     neighbours: tuple[str, ...] = ()
+    # a semantic hit's trust decision (embedding_cache's semantic_max_error): its calibrated
+    # score (0.0: no gate decided) and whether the engine must verify it first
+    hit_score: float = 0.0
+    must_verify: bool = False
 
 
 def open_lora(
@@ -471,7 +476,9 @@ class LlmStage:
             if not item.neighbours:
                 return None
             envelope = item.envelope.get()
-            ref = AnswerRef(item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0)
+            ref = AnswerRef(
+                item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0, score=item.hit_score
+            )
             return self._issue(ref, envelope.request.tenant_scope)
         digest, scope = self._own_terms(item)
         if not digest:
@@ -531,9 +538,11 @@ class LlmStage:
         self.requests[status].increment(1)
 
     def _verifies(self, item: LlmInput) -> bool:
-        """Whether a semantic hit goes to the engine for verification first (the deployment's
-        `verify_semantic`, or the request's cache_control word)."""
-        return self.config.verify_semantic or item.envelope.get().verify_semantic
+        """Whether a semantic hit goes to the engine for verification first (embedding_cache's
+        trust gate, the deployment's `verify_semantic`, or the request's cache_control word)."""
+        return (
+            item.must_verify or self.config.verify_semantic or item.envelope.get().verify_semantic
+        )
 
     def _verify_hit(self, item: LlmInput, responder: Responder) -> None:
         """A semantic hit the engine verifies: its answer is the first draft, checked whole in
@@ -545,6 +554,8 @@ class LlmStage:
             outcome = "unchecked" if ok is None else "verified" if ok else "refuted"
             self.verifications[outcome].increment(1)
             self.requests[CacheStatus.VERIFIED.value if ok else envelope.status.value].increment(1)
+            if ok is not None and item.hit_score > 0.0 and item.neighbours:
+                self._learn(item.neighbours[0], item.hit_score, ok, envelope.request.tenant_scope)
 
         self.core.submit_miss(
             envelope.request,
@@ -560,6 +571,14 @@ class LlmStage:
             verify=item.cached_text,
             on_verified=verified,
         )
+
+    def _learn(self, digest: str, score: float, right: bool, tenant_scope: str) -> None:
+        """Record a verification's outcome against the entry whose answer was checked
+        (tiercache.semantic.entry_trust): what embedding_cache's trust gate decides by next."""
+        try:
+            record_outcome(self.core.cache, digest, score, right, tenant_scope)
+        except Exception:  # noqa: BLE001 - the answer is served; the outcome is extra
+            io.log.exception("recording a verification against %s... failed", digest[:12])
 
     def count_error(self, responder: Responder, exc: BaseException) -> None:
         """A request whose inputs did not decode: its error response (never padded: without an

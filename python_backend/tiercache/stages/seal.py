@@ -135,6 +135,7 @@ ANSWER_TENSORS = (
     "EMBEDDING",
     "ANSWER_TOKENS",
     "NEIGHBOURS",
+    "HIT_TRUST",
 )
 ENGINE_INPUTS = ("LORA_OP", "LORA", "LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "ENVELOPE")
 # lora_cache -> llm: the PEFT files (engine_kind torch_llm) or TensorRT-LLM's tensors (the
@@ -167,11 +168,13 @@ def answer_tensors(
     vector: np.ndarray | None,
     tokens: np.ndarray | None = None,
     neighbours: str | None = None,
+    trust: np.ndarray | None = None,
 ) -> dict[str, Part]:
     """embedding_cache's answer as its seal covers it (ANSWER_TENSORS): what embedding_cache
     sends and what llm reads (ANSWER_TEXT arrives as llm's CACHED_TEXT, ANSWER_STATUS as its
     LOOKUP_STATUS), the similarity as FP32, the vector's float32 values, a hit's token
-    counts as INT32 (`tokens_array`) and a miss's draft neighbours (`neighbours_text`)."""
+    counts as INT32 (`tokens_array`), a miss's draft neighbours (`neighbours_text`) and a
+    semantic hit's trust decision (`trust_array`)."""
     return {
         "ANSWER_TEXT": text,
         "ANSWER_STATUS": status,
@@ -179,7 +182,31 @@ def answer_tensors(
         "EMBEDDING": None if vector is None else vector.astype(np.float32, copy=False),
         "ANSWER_TOKENS": None if tokens is None else tokens.astype(np.int32, copy=False),
         "NEIGHBOURS": neighbours,
+        "HIT_TRUST": None if trust is None else trust.astype(np.float32, copy=False),
     }
+
+
+_NO_TRUST = np.zeros(0, dtype=np.float32)
+
+
+def trust_array(score: float, verify: bool) -> np.ndarray:
+    """The HIT_TRUST tensor's values: a semantic hit's calibrated score and 1.0 when the engine
+    must verify it first (tiercache.semantic.entry_trust); empty when no trust gate decided
+    (so a deployment whose ensemble does not pass the tensor seals the same bytes)."""
+    if score == 0.0 and not verify:
+        return _NO_TRUST
+    return np.array([score, 1.0 if verify else 0.0], dtype=np.float32)
+
+
+def trust_of(values: np.ndarray | None) -> tuple[float, bool]:
+    """(score, verify) from a HIT_TRUST tensor (sealed by embedding_cache); InvalidRequest when
+    it is not empty or a score in [0, 1] and a 0/1 flag."""
+    if values is None or values.size == 0:
+        return 0.0, False
+    flat = values.reshape(-1)
+    if flat.size != 2 or not 0.0 <= float(flat[0]) <= 1.0 or float(flat[1]) not in (0.0, 1.0):
+        raise InvalidRequest("HIT_TRUST must be empty or [score in 0..1, 0|1]")
+    return float(flat[0]), bool(flat[1])
 
 
 # A miss's semantic neighbours whose answers llm reads as drafts (issue 17): at most this many.

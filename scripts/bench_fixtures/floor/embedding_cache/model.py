@@ -21,6 +21,7 @@ class TritonPythonModel:
                         pb_utils.Tensor("ANSWER_SEAL", np.array([[b"0" * 64]], dtype=np.object_)),
                         pb_utils.Tensor("ANSWER_TOKENS", np.zeros((1, 3), dtype=np.int32)),
                         pb_utils.Tensor("NEIGHBOURS", np.array([[b""]], dtype=np.object_)),
+                        pb_utils.Tensor("HIT_TRUST", np.zeros((1, 0), dtype=np.float32)),
                     ]
                 )
             )
