@@ -503,6 +503,14 @@ class EmbeddingCacheConfig(_TiersConfig):
         min=0,
         max=1,
     )
+    semantic_audit_rate: float = param(
+        0.05,
+        "With semantic_max_error: the share of the semantic hits the gate would serve that go "
+        "to the engine to verify anyway (greedy requests), so that what it learned keeps being "
+        "checked (a served hit teaches nothing)",
+        min=0,
+        max=1,
+    )
     draft_neighbours: int = param(
         2,
         "On a lookup that does not hit: how many of the nearest neighbours' answers (those the "

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.server import TritonServer
+from tiercache.server import TritonServer, copy_repository
 from tiercache_client import TierCacheClient
 
-from .conftest import settled_metric, start_server
+from .conftest import MODEL_REPOSITORY, settled_metric, start_server
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
@@ -167,3 +167,50 @@ def test_a_hit_the_engine_verifies_is_served_only_as_its_own_answer(
         settled_metric(server, "tiercache_llm_semantic_verifications_total", outcome=outcome)
         == outcomes[outcome] + 1
     )
+
+
+def test_with_a_max_error_a_new_tenants_hits_go_to_the_engine_and_it_learns(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`semantic_max_error` through the ensemble (issue 18 item 4): a tenant with no outcomes
+    yet does not get its semantic hits served at the guard's word; a greedy rewording goes to
+    the engine to verify (HIT_TRUST under embedding_cache's seal), served only as the engine's
+    own answer (`verified` when it is the cached one, else a miss); the outcome is recorded;
+    a seeded sampled rewording, which the engine cannot verify, misses (outcome untrusted)."""
+    state = tmp_path_factory.mktemp("trust-gate")
+    gate = {"semantic_max_error": "0.05", "semantic_audit_rate": "0"}
+    repository = copy_repository(
+        MODEL_REPOSITORY, state / "model_repository", {"embedding_cache": gate}
+    )
+    server = start_server(state, "triton-trust-gate.log", repository)
+    try:
+        with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=300) as c:
+            t = tenant()
+            first = c.generate_text("What is the capital of France?", max_tokens=16, tenant=t)
+            assert first.cache_status == "miss"
+            reworded = "what is the capital of France?"
+            checked = c.generate_text(reworded, max_tokens=16, tenant=t, cache_control="no-store")
+            own = c.generate_text(
+                reworded, max_tokens=16, tenant=t, cache_control="no-cache, no-store"
+            )
+            assert checked.text == own.text
+            assert checked.cache_status == ("verified" if own.text == first.text else "miss")
+            sampled = {"max_tokens": 8, "tenant": t, "temperature": 0.7, "seed": 3}
+            stored = c.generate_text("Name the largest ocean on Earth.", **sampled)
+            assert stored.cache_status == "miss"
+            untrusted = c.generate_text("Which is the largest ocean on Earth?", **sampled)
+            assert untrusted.cache_status == "miss"
+
+        def metric(name: str, **labels: str) -> float:
+            return settled_metric(server, name, **labels)
+
+        assert metric("tiercache_embedding_cache_trust_decisions_total", decision="verify") == 1
+        assert metric("tiercache_embedding_cache_trust_decisions_total", decision="serve") == 0
+        verifications = [
+            metric("tiercache_llm_semantic_verifications_total", outcome=o)
+            for o in ("verified", "refuted")
+        ]
+        assert sum(verifications) == 1
+        assert metric("tiercache_embedding_cache_lookups_total", outcome="untrusted") == 1
+    finally:
+        server.stop()

@@ -372,12 +372,16 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
     embedder: FakeEmbedder,
     sealer: Sealer,
 ) -> None:
-    """`semantic_max_error` (issue 18 item 4): a fresh entry the guard is sure of is served
-    (HIT_TRUST [score, 0]); one the engine refuted is sent to verify (HIT_TRUST [score, 1]) for
-    a greedy request and missed (outcome untrusted) for a sampled one; HIT_TRUST is under the
-    answer's seal, as llm checks it."""
+    """`semantic_max_error` (issue 18 item 4): once the tenant's outcomes show its scores hold,
+    an entry the guard is sure of is served (HIT_TRUST [score, 0]); one the engine refuted is
+    sent to verify (HIT_TRUST [score, 1]) for a greedy request and missed (outcome untrusted)
+    for a sampled one; HIT_TRUST is under the answer's seal, as llm checks it."""
     instance = load_model("embedding_cache").TritonPythonModel()
-    parameters = {"state_dir": str(tmp_path), "semantic_max_error": "0.05"}
+    parameters = {
+        "state_dir": str(tmp_path),
+        "semantic_max_error": "0.05",
+        "semantic_audit_rate": "0",
+    }
     config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
     instance.initialize(
         {
@@ -397,6 +401,8 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
             core.index.add(scope, digest, prompt, row)
         score = core.trust.score(prompt, prompt, 1.0)
         assert score > 0.99  # the same text: the guard is sure
+        for i in range(40):  # the tenant's other hits at this score were verified right
+            record_outcome(core.answers, f"{i:064x}", score, True, "")
         record_outcome(core.answers, "1" * 64, score, False, "")  # the engine refuted it
         greedy = GenerationRequest(prompt)
         sampled = GenerationRequest(prompt, temperature=0.7)

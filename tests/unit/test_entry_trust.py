@@ -15,12 +15,14 @@ from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.feedback import Feedback, Verdict
 from tiercache.semantic.entry_trust import (
+    Calibration,
     Decision,
     EntryTrust,
     TrustGate,
     TrustPolicy,
     decode_trust,
     encode_trust,
+    read_tenant_trust,
     read_trust,
     record_outcome,
     replay,
@@ -160,12 +162,14 @@ def unit(*values: float) -> np.ndarray:
 def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_record(
     tmp_path: Path,
 ) -> None:
-    """A fresh entry at a high score is served; once refuted it is sent to the engine to verify
-    (greedy requests) or missed (`untrusted`: others); bad feedback on a hit the gate served
-    counts against the entry too, good feedback for it, each answer id once."""
+    """A new tenant's hits are verified (greedy requests) or missed (`untrusted`: others) until
+    its outcomes show that its scores hold; then a high score is served, until its own entry is
+    refuted; bad feedback on a hit the gate served counts against the entry too, good feedback
+    for it, each answer id once."""
     answers = tiers(tmp_path)
     scores = {"score": 0.995}
-    gate = TrustGate(answers, TrustPolicy(0.05, 0.25), lambda q, c, cos: scores["score"])
+    policy = TrustPolicy(0.05, 0.25, audit_rate=0.0)
+    gate = TrustGate(answers, policy, lambda q, c, cos: scores["score"])
     stage = EmbeddingCache(
         VectorCache(tmp_path / "vec", DIM),
         SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
@@ -178,13 +182,21 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
     )
     answers.put(DIGEST, "the neighbour's answer", tenant_scope="scope-a")
     stage.index.add("scope", DIGEST, "p", unit(1, 0))
-    (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], [True])
-    assert hit.outcome is SemanticOutcome.HIT and (hit.score, hit.verify) == (0.995, False)
-    record_outcome(answers, DIGEST, 0.995, False, "scope-a")  # the engine refuted it once
+    # a tenant with no outcomes yet: its scores are not taken at their word
     verify, sampled = stage.lookup(["reworded", "sampled"], ["scope"] * 2, ["scope-a"] * 2,
                                    [True, False])  # fmt: skip
     assert verify.outcome is SemanticOutcome.HIT and verify.verify and verify.score == 0.995
     assert sampled.outcome is SemanticOutcome.UNTRUSTED and not sampled.text
+    for i in range(40):  # its other entries' hits at such scores were verified right
+        other = hashlib.sha256(f"entry {i}".encode()).hexdigest()
+        record_outcome(answers, other, 0.99, True, "scope-a")
+    (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], [False])
+    assert hit.outcome is SemanticOutcome.HIT and (hit.score, hit.verify) == (0.995, False)
+    record_outcome(answers, DIGEST, 0.995, False, "scope-a")  # this entry refuted, once
+    verify, sampled = stage.lookup(["reworded", "sampled"], ["scope"] * 2, ["scope-a"] * 2,
+                                   [True, False])  # fmt: skip
+    assert verify.outcome is SemanticOutcome.HIT and verify.verify
+    assert sampled.outcome is SemanticOutcome.UNTRUSTED
     (elsewhere,) = stage.lookup(["reworded"], ["scope"], ["scope-b"], [False])
     assert elsewhere.outcome is SemanticOutcome.STALE  # another tenant's answer: never served
     # feedback on a hit the gate decided: its id carries the score
@@ -203,3 +215,30 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
         (pytest.approx(0.98), False, 1001.0),
     ]
     stage.close()
+
+
+def test_a_tenants_outcomes_calibrate_its_new_entries_and_audits_keep_checking(
+    tmp_path: Path,
+) -> None:
+    """A tenant's calibration: with no outcomes its scores are not taken at their word; where
+    its hits at 0.99 were right three times in four, a new entry at 0.99 is predicted right
+    about that often; where they all held, served, and then a share of those is audited (only
+    when the request can be verified). Each tenant's record is its own."""
+    fresh = EntryTrust()
+    assert fresh.p_right(0.99, Calibration()) < fresh.p_right(0.99) < 0.99
+    often_wrong = Calibration([(0.99, i % 4 != 0, 0.0) for i in range(200)])
+    assert fresh.p_right(0.99, often_wrong) == pytest.approx(0.75, abs=0.05)
+    holds = Calibration([(0.99, True, 0.0)] * 200)
+    assert fresh.p_right(0.99, holds) > 0.97
+    policy = TrustPolicy(0.05)
+    assert policy.decide(fresh, 0.99, True, holds) is Decision.SERVE  # draw 1.0: no audit
+    assert policy.decide(fresh, 0.99, True, holds, draw=0.01) is Decision.VERIFY
+    assert policy.decide(fresh, 0.99, False, holds, draw=0.01) is Decision.SERVE
+    assert policy.decide(fresh, 0.99, True, often_wrong) is Decision.VERIFY  # within the band
+    assert policy.decide(fresh, 0.99, False, often_wrong) is Decision.MISS
+    cache = tiers(tmp_path)
+    for _ in range(3):
+        record_outcome(cache, DIGEST, 0.9, False, "scope-a")
+    assert len(read_tenant_trust(cache, "scope-a").observations) == 3
+    assert read_tenant_trust(cache, "scope-b").observations == []
+    cache.close()

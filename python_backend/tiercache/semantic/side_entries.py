@@ -17,10 +17,11 @@ from tiercache.exact.tiered import TieredCache
 from tiercache.vocabulary import Tier
 
 
-def side_key(purpose: bytes, digest: str) -> str:
-    """The cache key of `digest`'s record for `purpose` (hex SHA-256, like an answer's digest,
-    and never one: its input is labelled by the purpose)."""
-    return hashlib.sha256(purpose + b"\x00" + digest.encode("ascii")).hexdigest()
+def side_key(purpose: bytes, name: str) -> str:
+    """The cache key of the record for `purpose` of `name` (an answer's digest, a tenant scope):
+    hex SHA-256, like an answer's digest, and never one: its input is labelled by the
+    purpose."""
+    return hashlib.sha256(purpose + b"\x00" + name.encode("utf-8")).hexdigest()
 
 
 def read_side(cache: TieredCache, key: str, tenant_scope: str | None = None) -> str | None:

@@ -244,7 +244,9 @@ def open_embedding_cache(
     tiers: ExactTiers = open_exact_cache(config.cache())
     trust = None
     if config.semantic_max_error > 0:
-        policy = TrustPolicy(config.semantic_max_error, config.semantic_explore_band)
+        policy = TrustPolicy(
+            config.semantic_max_error, config.semantic_explore_band, config.semantic_audit_rate
+        )
         trust = TrustGate(tiers.cache, policy, score)
     vectors = VectorCache(
         config.vectors_path(),

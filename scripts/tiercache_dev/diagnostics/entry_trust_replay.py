@@ -8,6 +8,7 @@ Usage::
         [--seed 7]
     python -m tiercache_dev.diagnostics.entry_trust_replay --pairs PAIRS.jsonl
         [--max-error 0.05 0.1] [--orders 3] [--json OUT.json]
+    python -m tiercache_dev.diagnostics.entry_trust_replay --timing [--decisions 500]
 
 Synthetic (no `--pairs`): 40 entries, 30 good (serving them is right 99 % of the time) and 10
 bad (right 40 %), offered at scores drawn uniformly in [0.9, 1.0] whatever the kind: scores that
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.semantic.entry_trust import Decision, EntryTrust, TrustPolicy, replay
+from tiercache.semantic.entry_trust import Decision, LocalTrust, TrustPolicy, replay
 
 
 def synthetic(args: argparse.Namespace) -> int:
@@ -102,24 +103,21 @@ def run_gate(
     order: Sequence[int],
     policy: TrustPolicy | None,
     can_verify: bool,
+    tenant_learning: bool = True,
 ) -> dict[str, int]:
     """Serve the queries in `order`: the guard alone (`policy` None: its best candidate) or the
     gate over its candidates, learning from every verification."""
-    trusts: dict[int, EntryTrust] = {}
+    state = None if policy is None else LocalTrust(policy, tenant_learning)
     counts = {"served_right": 0, "served_wrong": 0, "verified": 0, "refuted": 0, "missed": 0}
     for i in order:
         outcome = "missed"
         for entry, score, right in streams[i]:
-            if policy is None:
-                outcome = "served_right" if right else "served_wrong"
-                break
-            trust = trusts.setdefault(entry, EntryTrust())
-            decision = policy.decide(trust, score, can_verify)
+            decision = Decision.SERVE if state is None else state.decide(entry, score, can_verify)
             if decision is Decision.SERVE:
                 outcome = "served_right" if right else "served_wrong"
                 break
-            if decision is Decision.VERIFY:
-                trust.observe(score, right)
+            if decision is Decision.VERIFY and state is not None:
+                state.observe(entry, score, right)
                 outcome = "verified" if right else "refuted"
                 break
         counts[outcome] += 1
@@ -134,16 +132,19 @@ def on_pairs(args: argparse.Namespace) -> int:
         shuffled = list(range(len(streams)))
         rng.shuffle(shuffled)
         orders.append(shuffled)
-    rules: list[tuple[str, TrustPolicy | None, bool]] = [
-        ("guard alone (default point)", None, False)
+    rules: list[tuple[str, TrustPolicy | None, bool, bool]] = [
+        ("guard alone (default point)", None, False, False)
     ]
     for max_error in args.max_error:
         policy = TrustPolicy(max_error=max_error)
-        rules.append((f"trust gate, max_error {max_error}, with verification", policy, True))
-        rules.append((f"trust gate, max_error {max_error}, without verification", policy, False))
+        rules += [
+            (f"max_error {max_error}, verification, entry + tenant", policy, True, True),
+            (f"max_error {max_error}, verification, entry only", policy, True, False),
+            (f"max_error {max_error}, no verification", policy, False, True),
+        ]
     results: dict[str, list[dict[str, int]]] = {}
-    for label, policy, can_verify in rules:
-        results[label] = [run_gate(streams, order, policy, can_verify) for order in orders]
+    for label, policy, can_verify, tenant in rules:
+        results[label] = [run_gate(streams, o, policy, can_verify, tenant) for o in orders]
     offered = sum(1 for s in streams if s)
     print(f"pairs: {args.pairs.name} ({info['pairs']} queries, {offered} with a candidate the "
           f"guard accepts; judged by {info['judged_by']}; {len(orders)} orders)\n")  # fmt: skip
@@ -163,6 +164,55 @@ def on_pairs(args: argparse.Namespace) -> int:
     return 0
 
 
+def timing(args: argparse.Namespace) -> int:
+    """What one gate decision costs in serving: `TrustGate.decide` over a real L1 + L2 (LMDB),
+    the tenant's record full (TENANT_OBSERVATIONS) and the entry's (MAX_OBSERVATIONS); the
+    tenant's calibration memoized as serving keeps it, and once recomputed per decision (a
+    decision right after an outcome was recorded)."""
+    import hashlib
+    import statistics
+    import tempfile
+    import time
+
+    from tiercache.exact.stores import LmdbStore, MemoryStore
+    from tiercache.exact.tiered import TieredCache
+    from tiercache.semantic.entry_trust import (
+        MAX_OBSERVATIONS,
+        TENANT_OBSERVATIONS,
+        TrustGate,
+        record_outcome,
+    )
+    from tiercache.vocabulary import Tier
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as folder:
+        cache = TieredCache(
+            [(Tier.L1, MemoryStore(1 << 24)), (Tier.L2, LmdbStore(Path(folder), 1 << 26))]
+        )
+        digest = hashlib.sha256(b"an entry").hexdigest()
+        for i in range(TENANT_OBSERVATIONS):
+            other = digest if i < MAX_OBSERVATIONS else hashlib.sha256(b"%d" % i).hexdigest()
+            record_outcome(cache, other, rng.uniform(0.8, 1.0), rng.random() < 0.9, "tenant")
+        gate = TrustGate(cache, TrustPolicy(0.05), lambda q, c, cos: 0.97)
+        rows = []
+        for label, memo in (("calibration memoized", True), ("calibration recomputed", False)):
+            samples = []
+            for _ in range(args.decisions):
+                if not memo:
+                    gate._calibrations.clear()
+                start = time.perf_counter()
+                gate.decide(digest, 0.97, "tenant", True)
+                samples.append(time.perf_counter() - start)
+            samples.sort()
+            p99 = samples[int(0.99 * (len(samples) - 1))]
+            rows.append((label, statistics.median(samples) * 1e6, p99 * 1e6))
+        cache.close()
+    print("| gate decision | p50 us | p99 us |\n|---|---:|---:|")
+    for label, p50, p99 in rows:
+        print(f"| {label} | {p50:.0f} | {p99:.0f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=Path, help="a pairs file (eval-semantic's format)")
@@ -171,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--orders", type=int, default=3, help="with --pairs: stream orders (3)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="with --pairs: write the counts here")
+    parser.add_argument(
+        "--timing", action="store_true", help="time the gate's decision in serving instead"
+    )
+    parser.add_argument("--decisions", type=int, default=500, help="with --timing (500)")
     args = parser.parse_args(argv)
+    if args.timing:
+        return timing(args)
     return on_pairs(args) if args.pairs is not None else synthetic(args)
 
 
