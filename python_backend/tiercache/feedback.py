@@ -16,8 +16,8 @@ A caller sends back the `answer_id` of a response (tiercache.exact.answer_ids) w
 - `good`: counted, and while the answer is cached its entry's count of endorsements rises (at
   most `MAX_ENDORSEMENTS`), written back to the shared tiers (L2, L3): every process that admits
   the entry into its L1 from then on (on every replica, through L3) ranks it as asked for that
-  many more times. A copy already in some process's L1 keeps its rank until it is admitted
-  again (nothing tells an L1 of a verdict; docs/feedback.md).
+  many more times, and a copy already in a process's L1 takes the new verdicts up on a hit
+  (compared with the shared tiers at most every 30 s per key: `TieredCache`; docs/feedback.md).
 
 On a semantic hit that a trust gate decided (its id carries the gate's score), either verdict is
 also an outcome of the entry served (tiercache.semantic.entry_trust: good right, bad wrong),

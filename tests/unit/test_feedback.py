@@ -168,6 +168,49 @@ def test_an_endorsed_answer_outranks_an_equal_one_in_the_next_l1_that_admits_it(
     assert l1.get(DIGEST) is None
 
 
+def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_hit(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    """Another process's L1 holding both answers before the verdict: a hit after
+    `endorsement_check_s` compares its copy with L2's (the first hit only starts the clock) and
+    counts the new verdict, so the endorsed answer outlives the other; the verdict is counted
+    once however many hits follow; nothing is read from L2 between checks."""
+    feedback, cache, clock, ids = setup
+    for digest in (DIGEST, KEPT):
+        cache.put(digest, "same size", tenant_scope=SCOPE, generation_s=1.0)
+    l2 = cache.store(Tier.L2)
+    assert l2 is not None
+    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes
+    ticks = [0.0]
+    other = TieredCache(
+        [(Tier.L1, MemoryStore(2 * size + 8, named_policy("gdsf"))), (Tier.L2, l2)],
+        clock=clock,
+        endorsement_check_s=5.0,
+        monotonic=lambda: ticks[0],
+    )
+    for digest in (KEPT, DIGEST):  # both held; the one to be endorsed admitted first
+        assert other.get(digest) is not None
+    for digest in (KEPT, DIGEST):
+        assert other.get(digest) is not None  # first L1 hits: the clocks start
+    assert feedback.give(served(ids, clock, KEPT), Verdict.GOOD, SCOPE).endorsed
+    ticks[0] = 1.0
+    assert other.get(KEPT) is not None and other.endorsements_caught == 0  # not yet
+    ticks[0] = 6.0
+    for _ in range(3):
+        hit = other.get(KEPT)
+        assert hit is not None and hit.tier is Tier.L1
+    assert other.endorsements_caught == 1
+    l1 = other.store(Tier.L1)
+    assert isinstance(l1, MemoryStore)
+    held = l1.peek(KEPT)
+    assert held is not None and held.endorsements == 1
+    for _ in range(4):  # as many hits for the other: only the verdict sets them apart
+        assert other.get(DIGEST) is not None
+    l1.put("newcomer", CacheEntry("same size", clock.now, tenant_scope=SCOPE, generation_s=1.0))
+    assert l1.peek(KEPT) is not None
+    assert l1.peek(DIGEST) is None
+
+
 def test_another_tenants_feedback_is_refused_and_changes_nothing(
     setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:

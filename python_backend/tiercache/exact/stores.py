@@ -108,7 +108,8 @@ class MemoryStore:
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
     `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Each entry is
     admitted with its size, its generation seconds as its cost and its `answer_group`, then
-    counted as asked for once more per `good` verdict it holds (`CacheEntry.endorsements`). Entries
+    counted as asked for once more per `good` verdict it holds (`CacheEntry.endorsements`; one
+    given to a copy already held, `endorse`, counts the same way). Entries
     larger than the whole budget are not stored (and an older value under their key is
     dropped)."""
 
@@ -195,6 +196,19 @@ class MemoryStore:
             )
             for _ in range(entry.endorsements):  # a `good` verdict counts as a request
                 self._access(key)
+
+    def endorse(self, key: str, created_s: float, endorsements: int) -> bool:
+        """The held copy of `key`'s answer made at `created_s` now has `endorsements` `good`
+        verdicts (learnt from a shared tier): each new one counts as a request, as at admission.
+        False, changing nothing, when that copy is not held or already has as many."""
+        with self._lock:
+            held = self._entries.get(key)
+            if held is None or held.created_s != created_s or endorsements <= held.endorsements:
+                return False
+            self._entries[key] = dataclasses.replace(held, endorsements=endorsements)
+            for _ in range(endorsements - held.endorsements):
+                self._access(key)
+            return True
 
     def resize(self, max_bytes: int) -> int:
         """A new byte budget (tiercache.budgets): entries are evicted at once, in the policy's

@@ -62,6 +62,10 @@ class TierSlot:
         return cls(tier, store, USUAL_REACH[tier])
 
 
+ENDORSEMENT_CHECK_S = 30.0  # an L1 copy's verdicts compared with the shared tiers' (per key)
+MAX_CHECKED_KEYS = 100_000  # the keys whose last comparison is remembered
+
+
 class Closeable(Protocol):
     def close(self) -> None: ...
 
@@ -90,6 +94,8 @@ class TieredCache:
         invalidations: InvalidationTable | None = None,
         background: Sequence[Closeable] = (),
         host_marks: HostWatermarks | None = None,
+        endorsement_check_s: float = ENDORSEMENT_CHECK_S,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tiers = tuple(t if isinstance(t, TierSlot) else TierSlot.of(*t) for t in tiers)
         names = [t.tier for t in self.tiers]
@@ -115,6 +121,13 @@ class TieredCache:
         self.background = list(background)
         self.host_marks = host_marks  # the host's invalidation log: noted before every read
         self._catch_up_logged_s = -60.0
+        # An L1 copy's `good` verdicts, compared with the shared tiers' at most this often per
+        # key (a hit's read of L2/L3, not every hit's): when feedback endorsed the answer since
+        # L1 took its copy (in another process, on another replica), L1 counts the new verdicts.
+        self.endorsement_check_s = endorsement_check_s
+        self._monotonic = monotonic
+        self._checked: dict[str, float] = {}  # key -> when its L1 copy was last compared
+        self.endorsements_caught = 0  # verdicts L1 copies took up this way
 
     def now(self) -> float:
         """The wall clock entries are stamped with (`created_s`)."""
@@ -156,6 +169,8 @@ class TieredCache:
             if max_age_s is not None and age_s > max_age_s:
                 unusable = True
                 continue
+            if i == 0 and l1 is not None:
+                self._check_endorsements(key, entry, l1)
             if i > 0 and l1 is not None:
                 l1.credit_miss(key, time.perf_counter() - l1_missed)
             for upper_tier, upper in tiers[:i]:
@@ -169,6 +184,40 @@ class TieredCache:
         elif l1 is not None:
             l1.forget_evicted(key)
         return None
+
+    def _check_endorsements(self, key: str, held: CacheEntry, l1: MemoryStore) -> None:
+        """On an L1 hit, at most once per `endorsement_check_s` per key (the first hit only
+        starts the clock: L1 took its copy from those tiers just now): the shared tiers' copy of
+        the same answer (same `created_s`), read without counting a request; when it holds more
+        `good` verdicts, L1 counts the new ones (`MemoryStore.endorse`). A failing tier is
+        skipped: this is a rank, never the answer."""
+        if self.endorsement_check_s <= 0:
+            return
+        now = self._monotonic()
+        last = self._checked.get(key)
+        if last is not None and now - last < self.endorsement_check_s:
+            return
+        if len(self._checked) >= MAX_CHECKED_KEYS:  # bounded: hot keys come back at once
+            self._checked.clear()
+        self._checked[key] = now
+        if last is None:
+            return
+        best = held
+        for tier, store in self._stores[1:]:
+            try:
+                peek = getattr(store, "peek", None)
+                entry = peek(key) if peek is not None else store.get(key)
+            except Exception:  # noqa: BLE001 - a broken tier: the copy keeps its rank
+                log.debug("comparing %s's verdicts with %s failed", key, tier.value)
+                continue
+            if (
+                entry is not None
+                and entry.created_s == held.created_s
+                and entry.endorsements > best.endorsements
+            ):
+                best = entry
+        if best is not held and l1.endorse(key, best.created_s, best.endorsements):
+            self.endorsements_caught += best.endorsements - held.endorsements
 
     def peek(self, key: str) -> CacheEntry | None:
         """The usable entry `get` would serve, read without counting a hit or a request (in
