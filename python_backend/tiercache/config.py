@@ -492,8 +492,7 @@ class EmbeddingCacheConfig(_TiersConfig):
         "its entry's verifications and feedback taught so far (tiercache.semantic.entry_trust; "
         "docs/semantic_guard.md). 0: off, the guard's choice is served",
         min=0,
-        max=1,
-        min_open=False,
+        max=0.5,
     )
     semantic_explore_band: float = param(
         0.25,

@@ -201,6 +201,35 @@ def test_dead_redis_is_a_miss_costing_microseconds_and_l3_resumes(
     cache.close()
 
 
+def test_with_redis_down_a_merged_record_is_not_written_over_l3(
+    redis_factory: Callable[[], RedisServer], redis_prefix: str, tmp_path: Path
+) -> None:
+    """A side record written back whole (a semantic entry's outcomes) is read merged from L2
+    and L3: with Redis down `get_or_raise` says so (where `get` says miss), and the outcome is
+    not recorded, rather than L2's copy written over what L3 holds from other replicas."""
+    from tiercache.errors import Unavailable
+    from tiercache.semantic.entry_trust import read_trust, record_outcome, trust_key
+
+    server = redis_factory()
+    link = RedisLink.from_url(server.url, redis_prefix, timeout_s=0.25, retry_s=0.3)
+    l3 = RedisStore(link)
+    cache = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, LmdbStore(tmp_path / "l2", 1 << 22)),
+         (Tier.L3, l3)]
+    )  # fmt: skip
+    digest = "d" * 64
+    for stamp in (1.0, 2.0):
+        assert record_outcome(cache, digest, 0.9, True, "scope-a", stamp)
+    assert l3.get_or_raise(trust_key(digest)) is not None
+    server.kill()
+    with pytest.raises(Unavailable):
+        l3.get_or_raise(trust_key(digest))
+    assert l3.get(trust_key(digest)) is None  # a plain read cannot tell
+    assert not record_outcome(cache, digest, 0.2, False, "scope-a", 3.0)
+    assert [s for _, _, s in read_trust(cache, digest, "scope-a").observations] == [1.0, 2.0]
+    cache.close()
+
+
 def test_killed_during_traffic_zero_failed_requests_then_resumes(
     redis_factory: Callable[[], RedisServer], redis_prefix: str, tmp_path: Path
 ) -> None:

@@ -402,8 +402,8 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
         score = core.trust.score(prompt, prompt, 1.0)
         assert score > 0.99  # the same text: the guard is sure
         for i in range(40):  # the tenant's other hits at this score were verified right
-            record_outcome(core.answers, f"{i:064x}", score, True, "")
-        record_outcome(core.answers, "1" * 64, score, False, "")  # the engine refuted it
+            record_outcome(core.answers, f"{i:064x}", score, True, "", float(i + 1))
+        record_outcome(core.answers, "1" * 64, score, False, "", 99.0)  # the engine refuted it
         greedy = GenerationRequest(prompt)
         sampled = GenerationRequest(prompt, temperature=0.7)
         asks = [

@@ -23,7 +23,7 @@ from tiercache.exact.answer_ids import AnswerRef, ServedAs
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
-from tiercache.semantic.entry_trust import read_trust
+from tiercache.semantic.entry_trust import read_trust, verification_stamp
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
@@ -483,8 +483,8 @@ def test_a_hit_the_trust_gate_sends_to_verify_is_checked_and_its_outcome_recorde
             time.sleep(0.01)
         return found
 
-    assert recorded(right) == [(0.75, True, 0.0)]
-    assert recorded(wrong) == [(0.625, False, 0.0)]
+    assert recorded(right) == [(0.75, True, verification_stamp("c" * 64, right, "Hello there"))]
+    assert recorded(wrong) == [(0.625, False, verification_stamp("d" * 64, wrong, "Goodbye"))]
     assert read_trust(cache, right, OTHER_TENANT).observations == []  # the tenant's record
     third = envelope(sealer, CacheStatus.MISS, "e" * 64, semantic_scope="s" * 64)
     trusted = to_llm(
@@ -501,6 +501,32 @@ def test_a_hit_the_trust_gate_sends_to_verify_is_checked_and_its_outcome_recorde
     (refused,) = run(pb_utils, model, [forged])
     assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
     assert len(engine.calls) == 2
+
+
+def test_a_failure_to_record_an_outcome_never_fails_the_request(
+    pb_utils: ModuleType,
+    model: Any,
+    sealer: Sealer,
+    engine: FakeTorchLlm,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Recording a verification's outcome is extra: when it raises, the verified answer is
+    still served and counted."""
+    import tiercache.stages.llm as llm_stage
+
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise OSError("the shared tier's disk is full")
+
+    monkeypatch.setattr(llm_stage, "record_outcome", broken)
+    asks = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
+    same = to_llm(
+        pb_utils, sealer, asks, "Hello there", "semantic", 0.9, neighbours=("5" * 64,),
+        trust=(0.75, True),
+    )  # fmt: skip
+    (verified,) = run(pb_utils, model, [same])
+    assert final(pb_utils, verified) == ("Hello there", "verified")
+    model.stage.metrics.flush()
+    assert model.stage.verifications["verified"].metric.value() == 1
 
 
 def answer_ref(model: Any, responses: list[Any], tenant: str = TENANT) -> AnswerRef | None:

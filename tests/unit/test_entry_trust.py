@@ -27,6 +27,7 @@ from tiercache.semantic.entry_trust import (
     record_outcome,
     replay,
     trust_key,
+    verification_stamp,
 )
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
@@ -107,13 +108,18 @@ def test_an_entrys_outcomes_are_kept_beside_it_per_tenant_and_an_id_counts_once(
 ) -> None:
     cache = tiers(tmp_path)
     assert read_trust(cache, DIGEST, "scope-a").observations == []
-    assert record_outcome(cache, DIGEST, 0.9, False, "scope-a")
-    assert record_outcome(cache, DIGEST, 0.8, True, "scope-a", stamp=1234.5)
-    assert not record_outcome(cache, DIGEST, 0.8, True, "scope-a", stamp=1234.5)  # replayed
+    check = verification_stamp("r" * 64, DIGEST, "the answer")
+    assert check == verification_stamp("r" * 64, DIGEST, "the answer") and check % 1 == 0
+    assert check != verification_stamp("r" * 64, DIGEST, "another answer")
+    assert record_outcome(cache, DIGEST, 0.9, False, "scope-a", check)
+    assert not record_outcome(cache, DIGEST, 0.9, False, "scope-a", check)  # the same check
+    assert record_outcome(cache, DIGEST, 0.8, True, "scope-a", 1234.5)
+    assert not record_outcome(cache, DIGEST, 0.8, True, "scope-a", 1234.5)  # a replayed id
     assert read_trust(cache, DIGEST, "scope-a").observations == [
-        (0.9, False, 0.0),
+        (0.9, False, check),
         (0.8, True, 1234.5),
     ]
+    assert len(read_tenant_trust(cache, "scope-a").observations) == 2
     assert read_trust(cache, DIGEST, "scope-b").observations == []  # another tenant's record
     assert trust_key(DIGEST) not in (DIGEST,) and len(trust_key(DIGEST)) == 64
     # a copy in a process's L1 does not hide outcomes recorded since in L2 (another process)
@@ -122,7 +128,7 @@ def test_an_entrys_outcomes_are_kept_beside_it_per_tenant_and_an_id_counts_once(
     stale = l2.get(trust_key(DIGEST))
     assert stale is not None
     l1.put(trust_key(DIGEST), stale)
-    record_outcome(TieredCache([(Tier.L2, l2)]), DIGEST, 0.7, False, "scope-a")
+    record_outcome(TieredCache([(Tier.L2, l2)]), DIGEST, 0.7, False, "scope-a", 99.0)
     assert len(read_trust(cache, DIGEST, "scope-a").observations) == 3
     cache.close()
 
@@ -137,6 +143,8 @@ def test_an_entrys_outcomes_are_kept_beside_it_per_tenant_and_an_id_counts_once(
         'semantic-trust:[["0.5", 1, 0]]',
         "semantic-trust:[[NaN, 1, 0]]",
         "semantic-trust:" + str([[0.5, 1, 0]] * 65),
+        "semantic-trust:[[0.5, 1, " + "9" * 400 + "]]",
+        "semantic-trust:" + "[" * 100_000,
         "semantic-floor:0.9",
     ],
 )
@@ -146,9 +154,9 @@ def test_a_record_that_does_not_parse_is_the_prior_alone(tmp_path: Path, text: s
     cache = tiers(tmp_path)
     cache.put(trust_key(DIGEST), text, tenant_scope="scope-a")
     assert read_trust(cache, DIGEST, "scope-a").observations == []
-    assert record_outcome(cache, DIGEST, 0.9, True, "scope-a")  # and is replaced by a good one
+    assert record_outcome(cache, DIGEST, 0.9, True, "scope-a", 7.0)  # replaced by a good one
     assert decode_trust(encode_trust(read_trust(cache, DIGEST, "scope-a"))).observations == [
-        (0.9, True, 0.0)
+        (0.9, True, 7.0)
     ]
     cache.close()
 
@@ -189,10 +197,11 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
     assert sampled.outcome is SemanticOutcome.UNTRUSTED and not sampled.text
     for i in range(40):  # its other entries' hits at such scores were verified right
         other = hashlib.sha256(f"entry {i}".encode()).hexdigest()
-        record_outcome(answers, other, 0.99, True, "scope-a")
+        record_outcome(answers, other, 0.99, True, "scope-a", float(i + 1))
     (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], [False])
     assert hit.outcome is SemanticOutcome.HIT and (hit.score, hit.verify) == (0.995, False)
-    record_outcome(answers, DIGEST, 0.995, False, "scope-a")  # this entry refuted, once
+    for stamp in (100.0, 101.0):  # this entry refuted twice (one refutation leaves 0.9503)
+        record_outcome(answers, DIGEST, 0.995, False, "scope-a", stamp)
     verify, sampled = stage.lookup(["reworded", "sampled"], ["scope"] * 2, ["scope-a"] * 2,
                                    [True, False])  # fmt: skip
     assert verify.outcome is SemanticOutcome.HIT and verify.verify
@@ -210,7 +219,8 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
     ungated = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1002.0), "scope-a")
     feedback.give(ungated, Verdict.GOOD, "scope-a")  # no score: nothing to learn at
     assert read_trust(answers, DIGEST, "scope-a").observations == [
-        (0.995, False, 0.0),
+        (0.995, False, 100.0),
+        (0.995, False, 101.0),
         (pytest.approx(0.99), True, 1000.0),
         (pytest.approx(0.98), False, 1001.0),
     ]
@@ -238,7 +248,85 @@ def test_a_tenants_outcomes_calibrate_its_new_entries_and_audits_keep_checking(
     assert policy.decide(fresh, 0.99, False, often_wrong) is Decision.MISS
     cache = tiers(tmp_path)
     for _ in range(3):
-        record_outcome(cache, DIGEST, 0.9, False, "scope-a")
+        record_outcome(cache, DIGEST, 0.9, False, "scope-a", float(_ + 1))
     assert len(read_tenant_trust(cache, "scope-a").observations) == 3
     assert read_tenant_trust(cache, "scope-b").observations == []
     cache.close()
+
+
+def replica(tmp_path: Path, name: str, shared: MemoryStore) -> TieredCache:
+    """A host: its own L1 and L2, and the fleet's L3 (`shared`, standing in for Redis)."""
+    return TieredCache(
+        [
+            (Tier.L1, MemoryStore(1 << 20)),
+            (Tier.L2, LmdbStore(tmp_path / f"l2-{name}", 1 << 20)),
+            (Tier.L3, shared),
+        ]
+    )
+
+
+def test_replicas_merge_their_outcomes_and_count_each_stamp_once(tmp_path: Path) -> None:
+    """Each host's L2 holds what it wrote; L3 what any host wrote last: a record is read merged
+    from both, so neither host's outcomes are lost, and a stamp counted on one host is not
+    counted again on the other."""
+    shared = MemoryStore(1 << 20)
+    a, b = replica(tmp_path, "a", shared), replica(tmp_path, "b", shared)
+    assert record_outcome(a, DIGEST, 0.9, True, "scope-a", 1.0)
+    assert record_outcome(b, DIGEST, 0.8, False, "scope-a", 2.0)
+    assert record_outcome(a, DIGEST, 0.7, True, "scope-a", 3.0)
+    for host in (a, b):
+        held = read_trust(host, DIGEST, "scope-a").observations
+        assert sorted(stamp for _, _, stamp in held) == [1.0, 2.0, 3.0]
+        assert len(read_tenant_trust(host, "scope-a").observations) == 3
+    assert not record_outcome(b, DIGEST, 0.9, True, "scope-a", 1.0)  # counted on host a
+    a.close()
+    b.close()
+
+
+class Unreachable(MemoryStore):
+    """An L3 that cannot be asked (Redis down): `get` says nothing, `get_or_raise` raises."""
+
+    def get(self, key: str) -> None:  # type: ignore[override]
+        return None
+
+    def get_or_raise(self, key: str) -> None:
+        raise RuntimeError("Redis is unavailable")
+
+
+def test_an_unreadable_shared_tier_loses_the_outcome_never_the_record(tmp_path: Path) -> None:
+    shared = MemoryStore(1 << 20)
+    host = replica(tmp_path, "a", shared)
+    for stamp in (1.0, 2.0, 3.0):
+        assert record_outcome(host, DIGEST, 0.9, True, "scope-a", stamp)
+    down = Unreachable(1 << 20)
+    l2 = host.store(Tier.L2)
+    assert l2 is not None
+    other = TieredCache([(Tier.L2, l2), (Tier.L3, down)])
+    assert not record_outcome(other, DIGEST, 0.5, False, "scope-a", 4.0)
+    assert len(read_trust(host, DIGEST, "scope-a").observations) == 3  # nothing overwritten
+    assert len(read_tenant_trust(host, "scope-a").observations) == 3
+    host.close()
+
+
+def test_an_entrys_own_outcomes_are_not_counted_twice_through_its_tenant() -> None:
+    """The tenant's calibration learnt from the entry's outcomes too; the entry's prediction
+    takes them out of it before counting them itself: the same as a calibration that never
+    had them."""
+    others = [(0.9, True, float(i + 1)) for i in range(10)]
+    own = [(0.9, True, 100.0), (0.9, True, 101.0), (0.9, False, 102.0)]
+    entry = EntryTrust(list(own))
+    with_own, without = Calibration(others + own), Calibration(others)
+    assert entry.p_right(0.9, with_own) == pytest.approx(entry.p_right(0.9, without), abs=1e-9)
+    assert EntryTrust().p_right(0.9, with_own) != pytest.approx(
+        EntryTrust().p_right(0.9, without), abs=1e-6
+    )
+
+
+def test_the_prediction_stays_ordered_at_the_scores_ends() -> None:
+    """A calibration whose log-odds run past the grid holds them at its ends: predictions stay
+    finite and never fall as the score rises, up to a score of 1."""
+    steep = Calibration([(0.99, True, float(i + 1)) for i in range(50)])
+    scores = [1e-6, 0.01, 0.5, 0.9, 0.99, 0.999999, 1.0]
+    predicted = [EntryTrust().p_right(s, steep) for s in scores]
+    assert all(np.isfinite(predicted))
+    assert all(b >= a - 1e-9 for a, b in zip(predicted, predicted[1:], strict=False))

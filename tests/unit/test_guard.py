@@ -355,3 +355,31 @@ def test_the_calibrated_score_is_the_tables_precision_per_band_never_falling(
     assert raw >= thresholds[-1]  # the same text: in the top band (its raw score only 0.86)
     assert guard.calibrated(text, text, 1.0) == pytest.approx(curve[-1]) and curve[-1] > raw
     assert guard.calibrated("a", "b", guard.config.cosine_floor - 0.01) == 0.0
+
+
+def test_the_calibration_of_a_small_table_by_hand(guard: SemanticGuard) -> None:
+    """Three rows (threshold, precision, recall): the bands between them hold recall
+    differences in right hits among recall / precision differences in hits; a band less often
+    right than the one below it is pooled with it; a score on a threshold is in the band it
+    opens, one under the first threshold in the first band, a refused one (0.0) is 0."""
+    import dataclasses
+
+    from tiercache.semantic.guard import OperatingPoint
+
+    def table(*rows: tuple[float, float, float]) -> SemanticGuard:
+        points = tuple(OperatingPoint(*row) for row in rows)
+        config = dataclasses.replace(
+            guard.config, operating_table=points, default_target_precision=0.85
+        )
+        return SemanticGuard(config)
+
+    plain = table((0.2, 0.8, 0.9), (0.5, 0.9, 0.6), (0.8, 1.0, 0.2))
+    _, curve = plain.config.local_precision()
+    # bands: 0.3 / (1.125 - 0.6667), 0.4 / (0.6667 - 0.2), 0.2 / 0.2
+    assert curve == pytest.approx([0.3 / (1.125 - 0.6 / 0.9), 0.4 / (0.6 / 0.9 - 0.2), 1.0])
+    got = plain.calibrate(np.array([0.0, 0.1, 0.4999, 0.5, 0.79, 0.8, 1.0]))
+    assert got == pytest.approx([0.0, curve[0], curve[0], curve[1], curve[1], 1.0, 1.0])
+    pooled = table((0.2, 0.8, 0.9), (0.5, 0.95, 0.6), (0.8, 0.9, 0.2))
+    _, curve = pooled.config.local_precision()
+    # the top band (0.9) is less often right than the middle one (0.977): pooled, 0.6 / 0.6316
+    assert curve == pytest.approx([0.3 / (1.125 - 0.6 / 0.95), 0.95, 0.95])

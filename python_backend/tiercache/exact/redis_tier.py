@@ -489,6 +489,19 @@ class RedisStore:
             return None
         return read_stored(self, "L3", key, data)
 
+    def get_or_raise(self, key: str) -> CacheEntry | None:
+        """`get` for a read whose caller writes back what it read (a merge): Unavailable when
+        Redis could not be asked, where `get` says None (a miss)."""
+        name = self._key(key)
+        stored: Any = self.link.call_or_raise(lambda c: c.get(name))
+        if stored is None:
+            return read_stored(self, "L3", key, None)
+        data = self._signer.unseal(name, stored)
+        if data is None:
+            self._count(misses=1)
+            return None
+        return read_stored(self, "L3", key, data)
+
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)
         if ttl_s is not None and ttl_s <= 0:

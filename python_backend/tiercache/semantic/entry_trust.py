@@ -1,44 +1,51 @@
 """Per-entry acceptance learned online (issue 18, item 4; vCache's idea, our own model).
 
 A semantic decision scores a candidate entry with a calibrated probability `s` that serving it is
-right (the guard's score, or a verifier's). Entries differ: a short generic prompt attracts
-wrong neighbours at scores where a specific one never does. Each entry's outcomes (a hit on it
-that the engine verified or refuted, `bad` feedback) move its own correction `b`:
+right (`SemanticGuard.calibrated`, or a verifier's score). Two things make `s` wrong: a guard
+calibrated on other data than a tenant's traffic (every entry off the same way), and entries
+that differ (a short generic prompt attracts wrong neighbours at scores where a specific one
+never does). So the log-odds that serving an entry at score `s` is right is
 
-    P(right | s, entry) = sigmoid(logit(s) + b_entry),   b_entry ~ Normal(0, PRIOR_SD) a priori
+    t = slope * logit(s) + offset + b_entry
 
-The posterior over `b` is kept on a fixed grid (exact, no fitting loop; a few hundred floats of
-work per decision). Scores that are off for a whole deployment (a guard calibrated on other
-data than its traffic) are corrected through the tenant: the tenant's offset is learned the same
-way from every outcome of its entries, and an entry's prior is that posterior spread by
-ENTRY_SD (`entry_prior`), so an entry seen for the first time is judged by what its tenant's
-other entries taught, uncertainty included, where an entry-only model would take the score at
-its word. Per tenant, so that one tenant's verdicts never move what another is served. A small
-share of the hits the gate would serve is verified anyway (`audit_rate`): a served hit teaches
-nothing, and without audits a correction that became too kind would never be seen again.
+with (slope, offset) the tenant's calibration (a priori Normal(1, SLOPE_SD) and Normal(0,
+PRIOR_SD)), its posterior on a grid from the outcomes of all the tenant's entries (`Calibration`,
+the last TENANT_OBSERVATIONS), and b_entry the entry's own deviation (a priori Normal(0,
+ENTRY_SD)) from its outcomes (the last MAX_OBSERVATIONS). An entry's prediction integrates the
+tenant's posterior at its score, spread by ENTRY_SD, taken without the entry's own outcomes
+(`Calibration.excluding`), and then counts those: an approximation of the joint posterior (the
+entry's outcomes at other scores are moved by the tenant's mean slope), on grids, no fitting
+loop. Per tenant, so one tenant's verdicts never move what another is served.
 
-A deployment states its maximum error rate `max_error`; an entry is served when its posterior
-predictive P(right) is at least 1 - max_error, verified by the engine (exploration: the answer is
-then exactly the engine's own, so exploring never serves a wrong answer) when it is close but not
-there and the request can be verified, and missed otherwise. Verified and refuted outcomes of those
-explorations are what tighten or loosen the entry, and so does feedback on a semantic hit (`good`:
-right, `bad`: wrong).
+A deployment states its maximum error rate `max_error`; an entry is served when its predictive
+P(right) is at least 1 - max_error, sent to the engine to verify (the answer is then exactly the
+engine's own, so exploring never serves a wrong answer) when it is within `explore_band` of it
+and the request can be verified, and missed otherwise. A share of the hits it would serve is
+verified anyway (`audit_rate`): a served hit teaches nothing, and without audits a calibration
+that became too kind would never be corrected. Outcomes: the engine's verifications (right when
+its answer is exactly the cached one) and feedback on a gated semantic hit (`good` right, `bad`
+wrong).
 
 Where it runs: `embedding_cache` decides with a `TrustGate` when a deployment sets
-`semantic_max_error`; `llm` records every verification of a semantic hit it ran (whoever asked
-for it), and `feedback` records verdicts on semantic hits, each answer id once. An entry's
-outcomes are a side entry beside its answer (tiercache.semantic.side_entries: shared tiers,
-every replica through L3, the answer's tenant and TTL), and so is the tenant's record (under a
-key derived from the tenant scope); each is read and written whole: two outcomes recorded at the
-same instant by two processes may keep only one (a lost observation, never a wrong one).
+`semantic_max_error`; `llm` records each verification of a gated hit, `feedback` each verdict on
+one. Every outcome carries a stamp (a `verification_stamp` of what was checked, or the answer
+id's issue time), so one check or one id counts once, on every replica. An entry's outcomes and
+its tenant's are side entries in the exact cache's shared tiers (tiercache.semantic.side_entries:
+the answer's tenant and TTL; L2 and L3), read merged from both tiers and written back whole; an
+outcome is dropped, never the record, when a shared tier cannot be read; two processes or
+replicas recording at the same moment may keep one of their outcomes (a lost observation, never
+a wrong one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import random
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,7 +53,7 @@ from enum import Enum
 import numpy as np
 
 from tiercache.exact.tiered import TieredCache
-from tiercache.semantic.side_entries import read_side, side_key
+from tiercache.semantic.side_entries import read_sides, side_key
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ ENTRY_SD = 1.0  # how far one entry strays from its tenant's calibration, a prio
 MAX_OBSERVATIONS = 64  # per entry, the most recent kept
 TENANT_OBSERVATIONS = 256  # per tenant (its calibration, which every entry starts from)
 AUDIT_RATE = 0.05  # of the hits a gate would serve, the share verified anyway (greedy ones)
+MEMO_TENANTS = 1024  # tenants whose calibration a gate keeps computed
 # t: a candidate's log-odds of being right; the grid its posterior is kept on
 T_GRID = np.linspace(-10.0, 14.0, 481)
 _T_STEP = float(T_GRID[1] - T_GRID[0])
@@ -87,6 +95,15 @@ def _held(observations: Sequence[tuple[float, bool, float]]) -> tuple[np.ndarray
     return np.log(p / (1.0 - p)), np.where(table[:, 1] > 0, 1.0, -1.0)
 
 
+def _log_likelihood(observations: Sequence[tuple[float, bool, float]]) -> np.ndarray:
+    """The log-likelihood of `observations` over the calibration grid (SLOPES x OFFSETS)."""
+    if not observations:
+        return np.zeros((len(SLOPES), len(OFFSETS)))
+    logits, signs = _held(observations)
+    z = SLOPES[:, None, None] * logits + OFFSETS[None, :, None]
+    return _log_sigmoid(signs * z).sum(axis=2)
+
+
 def _log_sigmoid(z: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -z)
 
@@ -111,11 +128,21 @@ class EntryTrust:
         del self.observations[: -self.limit]
         return True
 
+    def merge(self, other: EntryTrust) -> None:
+        """Add `other`'s outcomes this record does not hold (by stamp; unstamped ones all):
+        what two tiers hold, one written by another replica."""
+        held = {stamp for _, _, stamp in self.observations if stamp}
+        for score, right, stamp in other.observations:
+            if not stamp or stamp not in held:
+                self.observations.append((score, right, stamp))
+                held.add(stamp)
+        del self.observations[: -self.limit]
+
     def p_right(self, score: float, calibration: Calibration | None = None) -> float:
         """Posterior predictive P(serving this entry at `score` is right): from its tenant's
         `calibration` (None: the score taken at its word, give or take PRIOR_SD), corrected
         by this entry's own outcomes."""
-        cal = calibration or UNCALIBRATED
+        cal = (calibration or UNCALIBRATED).excluding(self.observations)
         at = _logit(score)
         log_post = cal.log_prior_at(at)
         if self.observations:
@@ -134,20 +161,41 @@ class Calibration:
     corrected here, so an entry seen for the first time is judged by what the tenant's other
     entries taught, uncertainty included."""
 
-    def __init__(self, observations: Sequence[tuple[float, bool, float]] = ()) -> None:
-        log_post = _LOG_CALIBRATION_PRIOR.copy()
-        if observations:
-            logits, signs = _held(observations)
-            z = SLOPES[:, None, None] * logits + OFFSETS[None, :, None]
-            log_post += _log_sigmoid(signs * z).sum(axis=2)
+    def __init__(
+        self,
+        observations: Sequence[tuple[float, bool, float]] = (),
+        log_post: np.ndarray | None = None,
+    ) -> None:
+        if log_post is None:
+            log_post = _LOG_CALIBRATION_PRIOR + _log_likelihood(observations)
+        self._log_post = log_post
+        self._stamps = frozenset(stamp for _, _, stamp in observations if stamp)
+        self._without: dict[frozenset[float], Calibration] = {}  # `excluding`'s, by stamps
         post = np.exp(log_post - log_post.max())
         self.weights = post / post.sum()
         self.slope = float((self.weights.sum(axis=1) * SLOPES).sum())
 
+    def excluding(self, observations: Sequence[tuple[float, bool, float]]) -> Calibration:
+        """This calibration without the outcomes among `observations` it was learnt from (by
+        stamp): an entry's prior must not count the entry's own outcomes, which its own
+        posterior counts again."""
+        own = [o for o in observations if o[2] and o[2] in self._stamps]
+        if not own:
+            return self
+        key = frozenset(o[2] for o in own)
+        found = self._without.get(key)
+        if found is None:  # kept: an entry's next decisions reuse it until an outcome changes it
+            if len(self._without) >= 256:
+                self._without.clear()
+            found = Calibration(log_post=self._log_post - _log_likelihood(own))
+            self._without[key] = found
+        return found
+
     def log_prior_at(self, at: float) -> np.ndarray:
         """The log prior over T_GRID of a candidate at score logit `at`, for an entry of this
-        tenant: the tenant's t at that score, spread by ENTRY_SD (the entry's own part)."""
-        t = SLOPES[:, None] * at + OFFSETS[None, :]
+        tenant: the tenant's t at that score (held to the grid's ends), spread by ENTRY_SD (the
+        entry's own part)."""
+        t = np.clip(SLOPES[:, None] * at + OFFSETS[None, :], T_GRID[0], T_GRID[-1])
         mass, _ = np.histogram(t.ravel(), bins=_T_EDGES, weights=self.weights.ravel())
         spread = np.convolve(mass, _KERNEL, mode="same")
         return np.log(np.maximum(spread / spread.sum(), 1e-300))
@@ -158,6 +206,9 @@ class _Uncalibrated(Calibration):
 
     def __init__(self) -> None:
         self.slope = 1.0
+
+    def excluding(self, observations: Sequence[tuple[float, bool, float]]) -> Calibration:
+        return self
 
     def log_prior_at(self, at: float) -> np.ndarray:
         return -0.5 * ((T_GRID - at) / PRIOR_SD) ** 2
@@ -215,6 +266,7 @@ class LocalTrust:
         self.tenant = EntryTrust(limit=TENANT_OBSERVATIONS) if tenant_learning else None
         self.calibration = Calibration() if tenant_learning else UNCALIBRATED
         self._random = random.Random(seed)
+        self._stamp = 0.0  # each outcome its own stamp, as serving's are
 
     def decide(self, entry: object, score: float, can_verify: bool) -> Decision:
         trust = self.entries.get(entry) or EntryTrust()
@@ -222,9 +274,10 @@ class LocalTrust:
         return self.policy.decide(trust, score, can_verify, self.calibration, draw)
 
     def observe(self, entry: object, score: float, right: bool) -> None:
-        self.entries.setdefault(entry, EntryTrust()).observe(score, right)
+        self._stamp += 1.0
+        self.entries.setdefault(entry, EntryTrust()).observe(score, right, self._stamp)
         if self.tenant is not None:
-            self.tenant.observe(score, right)
+            self.tenant.observe(score, right, self._stamp)
             self.calibration = Calibration(self.tenant.observations)
 
 
@@ -276,16 +329,22 @@ def encode_trust(trust: EntryTrust) -> str:
     return _PREFIX + json.dumps(rows, separators=(",", ":"))
 
 
+MAX_RECORD_CHARS = 64 << 10  # far above a full record's text: a longer one is refused unread
+
+
 def decode_trust(text: str, limit: int = MAX_OBSERVATIONS) -> EntryTrust:
     """The outcomes `encode_trust` wrote (at most `limit`); ValueError for anything else."""
-    if not text.startswith(_PREFIX):
+    if not text.startswith(_PREFIX) or len(text) > MAX_RECORD_CHARS:
         raise ValueError("not a trust record")
-    rows = json.loads(text[len(_PREFIX) :])
+    try:
+        rows = json.loads(text[len(_PREFIX) :])
+    except RecursionError as exc:
+        raise ValueError("a trust record nests too deep") from exc
     if not isinstance(rows, list) or len(rows) > limit:
         raise ValueError(f"a trust record is a list of at most {limit} outcomes")
     try:
         table = np.array(rows, dtype=np.float64).reshape(len(rows), 3)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError("a trust outcome is [score, 0|1, stamp]") from exc
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) for r in rows for x in r):
         raise ValueError("a trust outcome holds numbers only")
@@ -299,29 +358,49 @@ def decode_trust(text: str, limit: int = MAX_OBSERVATIONS) -> EntryTrust:
 
 
 def read_trust(cache: TieredCache, digest: str, tenant_scope: str | None = None) -> EntryTrust:
-    """`digest`'s outcomes from the shared tiers (`read_side`: another tenant's record is not
-    read); none held, or one that does not parse (logged), is the prior alone."""
-    return _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
+    """`digest`'s outcomes as the shared tiers hold them, merged (`read_sides`: another
+    tenant's record is not read); none held, or one that does not parse (logged), adds
+    nothing."""
+    return _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)[0]
 
 
 def read_tenant_trust(cache: TieredCache, tenant_scope: str) -> EntryTrust:
-    """The outcomes of all of `tenant_scope`'s entries (the tenant's correction, `shift_of`)."""
-    return _read(cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS)
+    """The outcomes of all of `tenant_scope`'s entries (its `Calibration`)."""
+    return _read(cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS)[0]
 
 
-def _read(cache: TieredCache, key: str, tenant_scope: str | None, limit: int) -> EntryTrust:
-    return _decode_or_prior(read_side(cache, key, tenant_scope) or "", key, limit)
+def _read(
+    cache: TieredCache, key: str, tenant_scope: str | None, limit: int
+) -> tuple[EntryTrust, bool]:
+    """The record under `key` merged from every shared tier, and whether every tier could be
+    read (`read_sides`)."""
+    texts, complete = read_sides(cache, key, tenant_scope)
+    trust = EntryTrust(limit=limit)
+    for text in texts:
+        trust.merge(_decode_or_prior(text, key, limit))
+    return trust, complete
 
 
 def _decode_or_prior(text: str, key: str, limit: int) -> EntryTrust:
-    """The record `text` holds; none ("") or one that does not parse (logged): no outcomes."""
-    if not text:
-        return EntryTrust(limit=limit)
+    """The record `text` holds; one that does not parse (logged): no outcomes."""
     try:
         return decode_trust(text, limit)
-    except (ValueError, TypeError):  # json errors are ValueErrors
+    except (ValueError, TypeError):  # json's errors are ValueErrors
         log.warning("ignoring a malformed trust record %s...", key[:12])
         return EntryTrust(limit=limit)
+
+
+def verification_stamp(request_digest: str, entry_digest: str, answer: str) -> float:
+    """The stamp of an engine's verification of `entry_digest`'s `answer` for the request
+    `request_digest`: the same for every request that shares the check (a coalesced flight's
+    followers, a replayed sealed answer, the same request on another replica), since its
+    outcome is the same, so it is counted once; a whole number below 2**48, never an answer
+    id's issue time."""
+    material = "\x00".join((request_digest, entry_digest, answer)).encode("utf-8")
+    return float(int.from_bytes(hashlib.sha256(material).digest()[:6], "big") | 1)
+
+
+_RECORDING = threading.Lock()  # one outcome at a time per process: no lost update between threads
 
 
 def record_outcome(
@@ -330,18 +409,32 @@ def record_outcome(
     score: float,
     right: bool,
     tenant_scope: str,
-    stamp: float = 0.0,
+    stamp: float,
 ) -> bool:
-    """Add one outcome to `digest`'s record and to its tenant's, in every tier; False when
-    `stamp` was counted already."""
-    trust = read_trust(cache, digest, tenant_scope)
-    if not trust.observe(score, right, stamp):
-        return False
-    cache.put(trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope)
-    tenant = read_tenant_trust(cache, tenant_scope)
-    if tenant.observe(score, right, stamp):
-        cache.put(tenant_trust_key(tenant_scope), encode_trust(tenant), tenant_scope=tenant_scope)
-    return True
+    """Add one outcome (`stamp`: an answer id's issue time, or a `verification_stamp`) to
+    `digest`'s record and to its tenant's, merged from the shared tiers and written to every
+    tier. False, writing nothing, when `stamp` was counted already, or when a shared tier could
+    not be read (writing the rest back would overwrite what it holds: the outcome is lost
+    instead, never the record). Two processes or replicas recording at the same moment may
+    keep one of their outcomes (a lost observation, never a wrong one)."""
+    with _RECORDING:
+        trust, complete = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
+        tenant, tenant_complete = _read(
+            cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS
+        )
+        if not (complete and tenant_complete):
+            log.warning(
+                "an outcome for %s... not recorded: a shared tier is unreadable", digest[:12]
+            )
+            return False
+        if not trust.observe(score, right, stamp):
+            return False
+        cache.put(trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope)
+        if tenant.observe(score, right, stamp):
+            cache.put(
+                tenant_trust_key(tenant_scope), encode_trust(tenant), tenant_scope=tenant_scope
+            )
+        return True
 
 
 # (query, candidate text, cosine) -> the calibrated P(serving it is right) that chose it
@@ -357,8 +450,8 @@ class TrustGate:
         self.cache = cache
         self.policy = policy
         self.score = score
-        # each tenant's calibration, by its record's text (decoded and computed once per change)
-        self._calibrations: dict[str, Calibration] = {}
+        # each tenant's calibration with its record's text, the most recently used last
+        self._calibrations: OrderedDict[str, tuple[str, Calibration]] = OrderedDict()
 
     def decide(
         self, digest: str, score: float, tenant_scope: str | None, can_verify: bool
@@ -369,12 +462,21 @@ class TrustGate:
         return self.policy.decide(trust, score, can_verify, calibration, random.random())
 
     def calibration(self, tenant_scope: str) -> Calibration:
-        """`tenant_scope`'s calibration from its record as the shared tiers hold it now."""
-        text = read_side(self.cache, tenant_trust_key(tenant_scope), tenant_scope) or ""
-        found = self._calibrations.get(text)
-        if found is None:
-            trust = _decode_or_prior(text, tenant_trust_key(tenant_scope), TENANT_OBSERVATIONS)
-            if len(self._calibrations) >= 256:  # tenants' records as they change: bounded
-                self._calibrations.clear()
-            found = self._calibrations[text] = Calibration(trust.observations)
+        """`tenant_scope`'s calibration from its record as the shared tiers hold it now
+        (recomputed only when the record changed)."""
+        key = tenant_trust_key(tenant_scope)
+        texts, _ = read_sides(self.cache, key, tenant_scope)
+        text = "\x00".join(texts)
+        memo = self._calibrations.get(tenant_scope)
+        if memo is not None and memo[0] == text:
+            self._calibrations.move_to_end(tenant_scope)
+            return memo[1]
+        trust = EntryTrust(limit=TENANT_OBSERVATIONS)
+        for one in texts:
+            trust.merge(_decode_or_prior(one, key, TENANT_OBSERVATIONS))
+        found = Calibration(trust.observations)
+        self._calibrations[tenant_scope] = (text, found)
+        self._calibrations.move_to_end(tenant_scope)
+        while len(self._calibrations) > MEMO_TENANTS:
+            self._calibrations.popitem(last=False)
         return found

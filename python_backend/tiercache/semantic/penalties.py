@@ -19,7 +19,7 @@ import logging
 import math
 
 from tiercache.exact.tiered import TieredCache
-from tiercache.semantic.side_entries import read_side, side_key
+from tiercache.semantic.side_entries import read_sides, side_key
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +34,23 @@ def floor_key(digest: str) -> str:
 
 
 def read_floor(cache: TieredCache, digest: str, tenant_scope: str | None = None) -> float | None:
-    """The similarity a rewording needs to be served `digest`'s answer, None when none was
-    set (or it is another tenant's, or expired: `read_side`); one that does not parse is
-    ignored (logged)."""
-    text = read_side(cache, floor_key(digest), tenant_scope)
-    if text is None:
-        return None
-    try:
-        if not text.startswith(_PREFIX):
-            raise ValueError(text[:40])
-        value = float(text[len(_PREFIX) :])
-        if math.isnan(value):
-            raise ValueError("nan")
-    except ValueError:
-        log.warning("ignoring a malformed similarity floor for %s...", digest[:12])
-        return None
-    return value
+    """The similarity a rewording needs to be served `digest`'s answer: the highest floor the
+    shared tiers hold (`read_sides`: another tenant's, an expired or invalidated one left out);
+    None when none was set. One that does not parse is ignored (logged)."""
+    texts, _ = read_sides(cache, floor_key(digest), tenant_scope)
+    floors = []
+    for text in texts:
+        try:
+            if not text.startswith(_PREFIX):
+                raise ValueError(text[:40])
+            value = float(text[len(_PREFIX) :])
+            if math.isnan(value):
+                raise ValueError("nan")
+        except ValueError:
+            log.warning("ignoring a malformed similarity floor for %s...", digest[:12])
+            continue
+        floors.append(value)
+    return max(floors, default=None)
 
 
 def raise_floor(cache: TieredCache, digest: str, served_at: float, tenant_scope: str) -> float:

@@ -5,8 +5,10 @@ signed there like every L3 value, survive a restart in L2, belong to the answer'
 tenant invalidation drops them with its answers), age out with the cache's TTL, and outlive the
 answer itself (another key).
 
-Read from the shared tiers only (L2, then L3), never from a process's L1, whose copy would not
-see a record changed since by another process or replica.
+Read from every shared tier (L2 and L3), never from a process's L1, whose copy would not see a
+record changed since by another process or replica; a reader combines what the tiers hold (the
+highest floor; the union of outcomes), since a host's L2 does not see what another replica
+wrote to L3.
 """
 
 from __future__ import annotations
@@ -24,18 +26,29 @@ def side_key(purpose: bytes, name: str) -> str:
     return hashlib.sha256(purpose + b"\x00" + name.encode("utf-8")).hexdigest()
 
 
-def read_side(cache: TieredCache, key: str, tenant_scope: str | None = None) -> str | None:
-    """The text stored under `key` in the shared tiers; None when none is, when it expired, or
-    when it belongs to another tenant scope than `tenant_scope` (when given)."""
-    entry = None
+def read_sides(
+    cache: TieredCache, key: str, tenant_scope: str | None = None
+) -> tuple[list[str], bool]:
+    """The texts stored under `key` in each shared tier that holds a usable one (L2, then L3),
+    and whether every shared tier could be read (False: one failed or could not be asked, so
+    a writer merging what it read would overwrite what that tier holds). An expired record, one
+    an invalidation this process knows of covers (a tenant's: the records go with its answers),
+    and one of another tenant scope than `tenant_scope` (when given) are left out."""
+    texts: list[str] = []
+    complete = True
+    now = cache.now()
     for tier, store in cache.stores():
         if tier is Tier.L1:
             continue
-        entry = store.get(key)
-        if entry is not None:
-            break
-    if entry is None or entry.expired(cache.now()):
-        return None
-    if tenant_scope is not None and entry.tenant_scope not in ("", tenant_scope):
-        return None
-    return entry.text
+        try:
+            strict = getattr(store, "get_or_raise", None)
+            entry = strict(key) if strict is not None else store.get(key)
+        except Exception:  # noqa: BLE001 - a tier that cannot be read: the caller decides
+            complete = False
+            continue
+        if entry is None or entry.expired(now) or cache.invalidations.covers(key, entry):
+            continue
+        if tenant_scope is not None and entry.tenant_scope not in ("", tenant_scope):
+            continue
+        texts.append(entry.text)
+    return texts, complete

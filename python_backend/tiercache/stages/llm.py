@@ -35,7 +35,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
-from tiercache.semantic.entry_trust import record_outcome
+from tiercache.semantic.entry_trust import record_outcome, verification_stamp
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.common import (
@@ -555,7 +555,7 @@ class LlmStage:
             self.verifications[outcome].increment(1)
             self.requests[CacheStatus.VERIFIED.value if ok else envelope.status.value].increment(1)
             if ok is not None and item.hit_score > 0.0 and item.neighbours:
-                self._learn(item.neighbours[0], item.hit_score, ok, envelope.request.tenant_scope)
+                self._learn(item, envelope, ok)
 
         self.core.submit_miss(
             envelope.request,
@@ -572,11 +572,16 @@ class LlmStage:
             on_verified=verified,
         )
 
-    def _learn(self, digest: str, score: float, right: bool, tenant_scope: str) -> None:
+    def _learn(self, item: LlmInput, envelope: Envelope, right: bool) -> None:
         """Record a verification's outcome against the entry whose answer was checked
-        (tiercache.semantic.entry_trust): what embedding_cache's trust gate decides by next."""
+        (tiercache.semantic.entry_trust), what embedding_cache's trust gate decides by next;
+        stamped by what was checked, so the requests sharing one check (a coalesced flight, a
+        replay) count it once."""
+        digest = item.neighbours[0]
+        stamp = verification_stamp(envelope.digest or "", digest, item.cached_text)
         try:
-            record_outcome(self.core.cache, digest, score, right, tenant_scope)
+            cache, tenant = self.core.cache, envelope.request.tenant_scope
+            record_outcome(cache, digest, item.hit_score, right, tenant, stamp)
         except Exception:  # noqa: BLE001 - the answer is served; the outcome is extra
             io.log.exception("recording a verification against %s... failed", digest[:12])
 

@@ -192,7 +192,8 @@ def timing(args: argparse.Namespace) -> int:
         digest = hashlib.sha256(b"an entry").hexdigest()
         for i in range(TENANT_OBSERVATIONS):
             other = digest if i < MAX_OBSERVATIONS else hashlib.sha256(b"%d" % i).hexdigest()
-            record_outcome(cache, other, rng.uniform(0.8, 1.0), rng.random() < 0.9, "tenant")
+            score, right = rng.uniform(0.8, 1.0), rng.random() < 0.9
+            record_outcome(cache, other, score, right, "tenant", float(i + 1))
         gate = TrustGate(cache, TrustPolicy(0.05), lambda q, c, cos: 0.97)
         rows = []
         for label, memo in (("calibration memoized", True), ("calibration recomputed", False)):
