@@ -509,9 +509,10 @@ def test_a_failure_to_record_an_outcome_never_fails_the_request(
     sealer: Sealer,
     engine: FakeTorchLlm,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Recording a verification's outcome is extra: when it raises, the verified answer is
-    still served and counted."""
+    still served and counted, and the failure is logged."""
     import tiercache.stages.llm as llm_stage
 
     def broken(*args: Any, **kwargs: Any) -> bool:
@@ -527,6 +528,10 @@ def test_a_failure_to_record_an_outcome_never_fails_the_request(
     assert final(pb_utils, verified) == ("Hello there", "verified")
     model.stage.metrics.flush()
     assert model.stage.verifications["verified"].metric.value() == 1
+    deadline = time.monotonic() + WAIT_S  # recorded (and failed) just after the response
+    while "recording a verification against" not in caplog.text:
+        assert time.monotonic() < deadline, "the failure to record was not logged"
+        time.sleep(0.01)
 
 
 def answer_ref(model: Any, responses: list[Any], tenant: str = TENANT) -> AnswerRef | None:

@@ -279,6 +279,13 @@ def test_replicas_merge_their_outcomes_and_count_each_stamp_once(tmp_path: Path)
         assert sorted(stamp for _, _, stamp in held) == [1.0, 2.0, 3.0]
         assert len(read_tenant_trust(host, "scope-a").observations) == 3
     assert not record_outcome(b, DIGEST, 0.9, True, "scope-a", 1.0)  # counted on host a
+    with pytest.raises(ValueError, match="stamp"):
+        record_outcome(a, DIGEST, 0.9, True, "scope-a", 0.0)
+    # unstamped outcomes (an in-memory record's) are never merged in again: no doubling
+    held = EntryTrust([(0.5, False, 0.0), (0.6, True, 5.0)])
+    for _ in range(3):
+        held.merge(EntryTrust([(0.5, False, 0.0), (0.6, True, 5.0), (0.7, True, 6.0)]))
+    assert held.observations == [(0.5, False, 0.0), (0.6, True, 5.0), (0.7, True, 6.0)]
     a.close()
     b.close()
 

@@ -172,9 +172,9 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
     setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     """Another process's L1 holding both answers before the verdict: a hit after
-    `endorsement_check_s` compares its copy with L2's (the first hit only starts the clock) and
-    counts the new verdict, so the endorsed answer outlives the other; the verdict is counted
-    once however many hits follow; nothing is read from L2 between checks."""
+    `endorsement_check_s` queues a comparison of its copy with L2's (the first hit only starts
+    the clock), made on a background thread, which counts the new verdict, so the endorsed
+    answer outlives the other; the verdict is counted once however many hits follow."""
     feedback, cache, clock, ids = setup
     for digest in (DIGEST, KEPT):
         cache.put(digest, "same size", tenant_scope=SCOPE, generation_s=1.0)
@@ -194,12 +194,13 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
         assert other.get(digest) is not None  # first L1 hits: the clocks start
     assert feedback.give(served(ids, clock, KEPT), Verdict.GOOD, SCOPE).endorsed
     ticks[0] = 1.0
-    assert other.get(KEPT) is not None and other.endorsements_caught == 0  # not yet
+    assert other.get(KEPT) is not None
+    assert other.wait_endorsements() and other.endorsements_caught == 0  # not yet
     ticks[0] = 6.0
     for _ in range(3):
         hit = other.get(KEPT)
         assert hit is not None and hit.tier is Tier.L1
-    assert other.endorsements_caught == 1
+    assert other.wait_endorsements() and other.endorsements_caught == 1  # off the hit's thread
     l1 = other.store(Tier.L1)
     assert isinstance(l1, MemoryStore)
     held = l1.peek(KEPT)

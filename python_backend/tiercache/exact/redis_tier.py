@@ -489,6 +489,24 @@ class RedisStore:
             return None
         return read_stored(self, "L3", key, data)
 
+    def peek(self, key: str) -> CacheEntry | None:
+        """The stored entry, read as no request does: nothing counted, a corrupt or forged
+        value left alone (a request's `get` drops it), and None at once while the breaker is
+        open (never its probe): for background comparisons (an L1 copy's verdicts)."""
+        if self.link.breaker.is_open:
+            return None
+        name = self._key(key)
+        stored: Any = self.link.call(lambda c: c.get(name), None)
+        if stored is None:
+            return None
+        data = self._signer.unseal(name, stored)
+        if data is None:
+            return None
+        try:
+            return decode_entry(data)
+        except CorruptEntry:
+            return None
+
     def get_or_raise(self, key: str) -> CacheEntry | None:
         """`get` for a read whose caller writes back what it read (a merge): Unavailable when
         Redis could not be asked, where `get` says None (a miss)."""

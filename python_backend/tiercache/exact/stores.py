@@ -197,18 +197,19 @@ class MemoryStore:
             for _ in range(entry.endorsements):  # a `good` verdict counts as a request
                 self._access(key)
 
-    def endorse(self, key: str, created_s: float, endorsements: int) -> bool:
+    def endorse(self, key: str, created_s: float, endorsements: int) -> int:
         """The held copy of `key`'s answer made at `created_s` now has `endorsements` `good`
         verdicts (learnt from a shared tier): each new one counts as a request, as at admission.
-        False, changing nothing, when that copy is not held or already has as many."""
+        How many were new: 0, changing nothing, when that copy is not held or already has as
+        many."""
         with self._lock:
             held = self._entries.get(key)
             if held is None or held.created_s != created_s or endorsements <= held.endorsements:
-                return False
+                return 0
             self._entries[key] = dataclasses.replace(held, endorsements=endorsements)
             for _ in range(endorsements - held.endorsements):
                 self._access(key)
-            return True
+            return endorsements - held.endorsements
 
     def resize(self, max_bytes: int) -> int:
         """A new byte budget (tiercache.budgets): entries are evicted at once, in the policy's

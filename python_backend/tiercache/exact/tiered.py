@@ -14,7 +14,10 @@ old for that one request; they stay for others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +67,7 @@ class TierSlot:
 
 ENDORSEMENT_CHECK_S = 30.0  # an L1 copy's verdicts compared with the shared tiers' (per key)
 MAX_CHECKED_KEYS = 100_000  # the keys whose last comparison is remembered
+ENDORSEMENT_QUEUE = 1024  # comparisons waiting for the background thread, at most
 
 
 class Closeable(Protocol):
@@ -127,7 +131,10 @@ class TieredCache:
         self.endorsement_check_s = endorsement_check_s
         self._monotonic = monotonic
         self._checked: dict[str, float] = {}  # key -> when its L1 copy was last compared
-        self.endorsements_caught = 0  # verdicts L1 copies took up this way
+        self._due: queue.Queue[tuple[str, float, int, MemoryStore] | None] | None = None
+        self._checker: threading.Thread | None = None  # started by the first comparison
+        self._checker_lock = threading.Lock()
+        self.endorsements_caught = 0  # verdicts L1 copies took up this way (its thread only)
 
     def now(self) -> float:
         """The wall clock entries are stamped with (`created_s`)."""
@@ -187,22 +194,68 @@ class TieredCache:
 
     def _check_endorsements(self, key: str, held: CacheEntry, l1: MemoryStore) -> None:
         """On an L1 hit, at most once per `endorsement_check_s` per key (the first hit only
-        starts the clock: L1 took its copy from those tiers just now): the shared tiers' copy of
-        the same answer (same `created_s`), read without counting a request; when it holds more
-        `good` verdicts, L1 counts the new ones (`MemoryStore.endorse`). A failing tier is
-        skipped: this is a rank, never the answer."""
+        starts the clock: L1 took its copy from those tiers just now): queue a comparison of
+        the copy's `good` verdicts with the shared tiers' copy of the same answer, made off the
+        request's thread (`_compare_endorsements`); a full queue drops it (a later hit asks
+        again). The hit itself pays a clock read and a dict lookup."""
         if self.endorsement_check_s <= 0:
             return
         now = self._monotonic()
         last = self._checked.get(key)
         if last is not None and now - last < self.endorsement_check_s:
             return
-        if len(self._checked) >= MAX_CHECKED_KEYS:  # bounded: hot keys come back at once
-            self._checked.clear()
+        if len(self._checked) >= MAX_CHECKED_KEYS:
+            self._prune_checked(now)
         self._checked[key] = now
         if last is None:
             return
-        best = held
+        try:
+            self._endorsement_queue().put_nowait((key, held.created_s, held.endorsements, l1))
+        except queue.Full:
+            pass
+
+    def _prune_checked(self, now: float) -> None:
+        """Forget the keys not compared within `endorsement_check_s` (their next hit starts the
+        clock again); all of them if that is not enough."""
+        cutoff = now - self.endorsement_check_s
+        for key in [k for k, at in self._checked.items() if at < cutoff]:
+            self._checked.pop(key, None)
+        if len(self._checked) >= MAX_CHECKED_KEYS:
+            self._checked.clear()
+
+    def _endorsement_queue(self) -> queue.Queue[tuple[str, float, int, MemoryStore] | None]:
+        due = self._due
+        if due is None:
+            with self._checker_lock:
+                if self._due is None:
+                    self._due = queue.Queue(maxsize=ENDORSEMENT_QUEUE)
+                    self._checker = threading.Thread(
+                        target=self._compare_endorsements, name="l1-endorsements", daemon=True
+                    )
+                    self._checker.start()
+                due = self._due
+        return due
+
+    def _compare_endorsements(self) -> None:
+        """The comparisons `_check_endorsements` queued: each shared tier's copy read as no
+        request reads it (`peek`: nothing counted; L3's answers None at once while Redis is
+        known down); when one holds more verdicts for the same answer (same `created_s`), L1
+        counts the new ones (`MemoryStore.endorse`). A failing tier is skipped: a rank, never
+        the answer."""
+        due = self._due
+        assert due is not None
+        while True:
+            item = due.get()
+            if item is None:
+                due.task_done()
+                return
+            try:
+                self._compare_one(*item)
+            finally:
+                due.task_done()
+
+    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore) -> None:
+        best = count
         for tier, store in self._stores[1:]:
             try:
                 peek = getattr(store, "peek", None)
@@ -210,14 +263,20 @@ class TieredCache:
             except Exception:  # noqa: BLE001 - a broken tier: the copy keeps its rank
                 log.debug("comparing %s's verdicts with %s failed", key, tier.value)
                 continue
-            if (
-                entry is not None
-                and entry.created_s == held.created_s
-                and entry.endorsements > best.endorsements
-            ):
-                best = entry
-        if best is not held and l1.endorse(key, best.created_s, best.endorsements):
-            self.endorsements_caught += best.endorsements - held.endorsements
+            if entry is not None and entry.created_s == created_s:
+                best = max(best, entry.endorsements)
+        if best > count:
+            self.endorsements_caught += l1.endorse(key, created_s, best)
+
+    def wait_endorsements(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the queued comparisons are done (tests); False on timeout."""
+        due = self._due
+        deadline = time.monotonic() + timeout_s
+        while due is not None and due.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def peek(self, key: str) -> CacheEntry | None:
         """The usable entry `get` would serve, read without counting a hit or a request (in
@@ -327,6 +386,11 @@ class TieredCache:
             raise failure
         return entry
 
+    def note_invalidations(self) -> None:
+        """Note the host's invalidations recorded since the last read (as every read does
+        first): for readers of the stores that go around `get` (side records)."""
+        self._catch_up()
+
     def _catch_up(self) -> None:
         if self.host_marks is None:
             return
@@ -364,6 +428,10 @@ class TieredCache:
         return [(t.tier, t.store) for t in self.tiers if t.reach is not Reach.FLEET]
 
     def close(self) -> None:
+        if self._due is not None and self._checker is not None:
+            with contextlib.suppress(queue.Full):
+                self._due.put(None, timeout=1.0)
+            self._checker.join(timeout=5.0)
         for item in self.background:
             item.close()
         for _, store in self._stores:

@@ -129,11 +129,13 @@ class EntryTrust:
         return True
 
     def merge(self, other: EntryTrust) -> None:
-        """Add `other`'s outcomes this record does not hold (by stamp; unstamped ones all):
-        what two tiers hold, one written by another replica."""
+        """Add `other`'s stamped outcomes this record does not hold: what two tiers hold, one
+        written by another replica (appended after this record's own, so which of them count
+        as the most recent is approximate). Unstamped ones are not merged: they cannot be told
+        apart from this record's own."""
         held = {stamp for _, _, stamp in self.observations if stamp}
         for score, right, stamp in other.observations:
-            if not stamp or stamp not in held:
+            if stamp and stamp not in held:
                 self.observations.append((score, right, stamp))
                 held.add(stamp)
         del self.observations[: -self.limit]
@@ -394,13 +396,14 @@ def verification_stamp(request_digest: str, entry_digest: str, answer: str) -> f
     """The stamp of an engine's verification of `entry_digest`'s `answer` for the request
     `request_digest`: the same for every request that shares the check (a coalesced flight's
     followers, a replayed sealed answer, the same request on another replica), since its
-    outcome is the same, so it is counted once; a whole number below 2**48, never an answer
-    id's issue time."""
+    outcome is the same, so it is counted once: a whole number in [2**48, 2**49), never an
+    answer id's issue time (unix seconds, far below 2**48)."""
     material = "\x00".join((request_digest, entry_digest, answer)).encode("utf-8")
-    return float(int.from_bytes(hashlib.sha256(material).digest()[:6], "big") | 1)
+    return float(int.from_bytes(hashlib.sha256(material).digest()[:6], "big") | 1 << 48)
 
 
-_RECORDING = threading.Lock()  # one outcome at a time per process: no lost update between threads
+# one outcome at a time per tenant in a process (its record is read, changed and written back)
+_RECORDING = tuple(threading.Lock() for _ in range(16))
 
 
 def record_outcome(
@@ -417,7 +420,11 @@ def record_outcome(
     not be read (writing the rest back would overwrite what it holds: the outcome is lost
     instead, never the record). Two processes or replicas recording at the same moment may
     keep one of their outcomes (a lost observation, never a wrong one)."""
-    with _RECORDING:
+    if not stamp:
+        raise ValueError("an outcome needs a stamp (a verification's, or an answer id's)")
+    lock = _RECORDING[int(hashlib.sha256(tenant_scope.encode("utf-8")).digest()[0]) % 16]
+    with lock:
+        created_s = cache.now()  # before the read: an invalidation since covers what it read
         trust, complete = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
         tenant, tenant_complete = _read(
             cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS
@@ -429,11 +436,12 @@ def record_outcome(
             return False
         if not trust.observe(score, right, stamp):
             return False
-        cache.put(trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope)
+        cache.put(
+            trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope, created_s=created_s
+        )
         if tenant.observe(score, right, stamp):
-            cache.put(
-                tenant_trust_key(tenant_scope), encode_trust(tenant), tenant_scope=tenant_scope
-            )
+            key = tenant_trust_key(tenant_scope)
+            cache.put(key, encode_trust(tenant), tenant_scope=tenant_scope, created_s=created_s)
         return True
 
 
@@ -452,6 +460,7 @@ class TrustGate:
         self.score = score
         # each tenant's calibration with its record's text, the most recently used last
         self._calibrations: OrderedDict[str, tuple[str, Calibration]] = OrderedDict()
+        self._memo_lock = threading.Lock()
 
     def decide(
         self, digest: str, score: float, tenant_scope: str | None, can_verify: bool
@@ -467,16 +476,18 @@ class TrustGate:
         key = tenant_trust_key(tenant_scope)
         texts, _ = read_sides(self.cache, key, tenant_scope)
         text = "\x00".join(texts)
-        memo = self._calibrations.get(tenant_scope)
-        if memo is not None and memo[0] == text:
-            self._calibrations.move_to_end(tenant_scope)
-            return memo[1]
+        with self._memo_lock:
+            memo = self._calibrations.get(tenant_scope)
+            if memo is not None and memo[0] == text:
+                self._calibrations.move_to_end(tenant_scope)
+                return memo[1]
         trust = EntryTrust(limit=TENANT_OBSERVATIONS)
         for one in texts:
             trust.merge(_decode_or_prior(one, key, TENANT_OBSERVATIONS))
         found = Calibration(trust.observations)
-        self._calibrations[tenant_scope] = (text, found)
-        self._calibrations.move_to_end(tenant_scope)
-        while len(self._calibrations) > MEMO_TENANTS:
-            self._calibrations.popitem(last=False)
+        with self._memo_lock:
+            self._calibrations[tenant_scope] = (text, found)
+            self._calibrations.move_to_end(tenant_scope)
+            while len(self._calibrations) > MEMO_TENANTS:
+                self._calibrations.popitem(last=False)
         return found

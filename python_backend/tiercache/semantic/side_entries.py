@@ -36,6 +36,7 @@ def read_sides(
     and one of another tenant scope than `tenant_scope` (when given) are left out."""
     texts: list[str] = []
     complete = True
+    cache.note_invalidations()
     now = cache.now()
     for tier, store in cache.stores():
         if tier is Tier.L1:
