@@ -72,7 +72,7 @@ from tiercache.exact.keys import (
     derive_key,
     secret_fingerprint,
 )
-from tiercache.exact.stores import StoreStats, read_stored
+from tiercache.exact.stores import StoreStats, peeked, read_stored
 
 log = logging.getLogger(__name__)
 
@@ -480,7 +480,11 @@ class RedisStore:
 
     def get(self, key: str) -> CacheEntry | None:
         name = self._key(key)
-        stored: Any = self.link.call(lambda c: c.get(name), None)
+        return self._read(key, name, self.link.call(lambda c: c.get(name), None))
+
+    def _read(self, key: str, name: str, stored: Any) -> CacheEntry | None:
+        """A request's read of what Redis returned for `key` (counted; a corrupt one dropped;
+        a forged one a counted miss)."""
         if stored is None:
             return read_stored(self, "L3", key, None)
         data = self._signer.unseal(name, stored)
@@ -497,28 +501,13 @@ class RedisStore:
             return None
         name = self._key(key)
         stored: Any = self.link.call(lambda c: c.get(name), None)
-        if stored is None:
-            return None
-        data = self._signer.unseal(name, stored)
-        if data is None:
-            return None
-        try:
-            return decode_entry(data)
-        except CorruptEntry:
-            return None
+        return None if stored is None else peeked(self._signer.unseal(name, stored))
 
     def get_or_raise(self, key: str) -> CacheEntry | None:
         """`get` for a read whose caller writes back what it read (a merge): Unavailable when
         Redis could not be asked, where `get` says None (a miss)."""
         name = self._key(key)
-        stored: Any = self.link.call_or_raise(lambda c: c.get(name))
-        if stored is None:
-            return read_stored(self, "L3", key, None)
-        data = self._signer.unseal(name, stored)
-        if data is None:
-            self._count(misses=1)
-            return None
-        return read_stored(self, "L3", key, data)
+        return self._read(key, name, self.link.call_or_raise(lambda c: c.get(name)))
 
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)

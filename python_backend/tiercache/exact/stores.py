@@ -509,6 +509,17 @@ class _CountingStore(Protocol):
     def delete(self, key: str) -> bool: ...
 
 
+def peeked(data: bytes | None) -> CacheEntry | None:
+    """A stored value as a read that is not a request sees it: None when absent or corrupt
+    (nothing counted, nothing dropped)."""
+    if data is None:
+        return None
+    try:
+        return decode_entry(data)
+    except CorruptEntry:
+        return None
+
+
 def read_stored(
     store: _CountingStore, tier: str, key: str, data: bytes | None
 ) -> CacheEntry | None:
@@ -759,12 +770,7 @@ class LmdbStore:
                 data = txn.get(key.encode())
         except (*LMDB_DAMAGE, lmdb.MapResizedError):
             return None
-        if data is None:
-            return None
-        try:
-            return decode_entry(data)
-        except CorruptEntry:
-            return None
+        return peeked(data)
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key]) == 1
