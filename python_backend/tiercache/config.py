@@ -535,6 +535,18 @@ class EmbeddingCacheConfig(_TiersConfig):
     vector_l2_max_bytes: int = param(
         1 << 30, "Byte budget of the host's cache of prompt vectors (LMDB map size)", min=1 << 20
     )
+    semantic_graph_max_bytes: int = param(
+        0,
+        "Byte budget of this process's HNSW graphs of large scopes (those past flat_max_rows): "
+        "0 holds every graph; above 0 the graphs of the scopes searched longest ago are dropped "
+        "to fit (searched flat meanwhile, loaded again when the budget allows), and the "
+        "budget follows the machine (memory_headroom_bytes, cache_memory_bytes) down to "
+        "semantic_graph_min_bytes",
+        min=0,
+    )
+    semantic_graph_min_bytes: int = param(
+        0, "Floor of the graphs' budget when it follows the machine", min=0
+    )
 
     def semantic_path(self) -> Path:
         return self.state_path() / "semantic"

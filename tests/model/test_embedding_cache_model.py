@@ -365,6 +365,40 @@ def test_with_a_total_its_answers_l1_follows_the_budgets(
     assert instance.stage.budgets is not None and not instance.stage.budgets._thread.is_alive()
 
 
+def test_a_graphs_budget_bounds_the_scopes_graphs_and_follows_the_machine(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
+) -> None:
+    """`semantic_graph_max_bytes` bounds this process's HNSW graphs from the start and joins
+    the stage's budgets (published in the host's ledger beside L1 and the vectors)."""
+    instance = load_model("embedding_cache").TritonPythonModel()
+    parameters = {
+        "state_dir": str(tmp_path),
+        "semantic_graph_max_bytes": str(4 << 20),
+        "cache_memory_bytes": str(8 << 20),
+        "budget_interval_s": "0.05",
+    }
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    try:
+        index = instance.stage.core.index
+        assert index._graph_budget is not None and index._graph_budget <= 4 << 20
+        deadline = time.monotonic() + 10.0
+        published: list[Path] = []
+        while not published and time.monotonic() < deadline:
+            time.sleep(0.05)
+            published = list((tmp_path / "budgets").iterdir())
+        rows = json.loads(published[0].read_text())
+        assert {row[0] for row in rows} == {"l1", "vectors", "semantic_graphs"}
+    finally:
+        instance.finalize()
+
+
 def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_seal(
     load_model: Callable[[str], ModuleType],
     pb_utils: ModuleType,

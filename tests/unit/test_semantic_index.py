@@ -864,3 +864,39 @@ def test_a_reader_publishing_a_writers_rows_first_is_not_taken_for_another_log(
     assert "another row log" not in caplog.text
     assert reader.size("s") == 2
     reader.close()
+
+
+def test_the_graphs_follow_a_byte_budget_and_value_their_next_byte(tmp_path: Path) -> None:
+    """`resize_graphs` (issue 20): the graph of the scope searched longest ago is dropped
+    first (saved first: coming back is a load), its scope is scanned flat with the same
+    answers, each such search credits the graphs' shadow with the time the graph saved, and a
+    larger budget lets the graph come back (loaded from its file, not built)."""
+    store = SemanticStore(tmp_path / "sem")
+    rows = {name: _random_rows(300, seed) for seed, name in enumerate(("old", "new"))}
+    store.append_many(
+        [(name, f"{name}{i}", f"p{i}", v) for name, vs in rows.items() for i, v in enumerate(vs)]
+    )
+    index = SemanticIndex(store, DIM, flat_max_rows=50)
+    index.refresh()
+    assert index.wait_graphs()
+    for name in ("old", "new"):  # searched in this order: "old" longest ago
+        for v in rows[name][:20]:
+            assert index.search(name, v, k=1)[0].digest.startswith(name)
+    both = index.graph_bytes()
+    assert both > 0
+    assert index.resize_graphs(both - 1) == both - 1
+    assert index.graphs_dropped == 1 and index.graph_bytes() == both // 2
+    assert index.graphs_shadow_reading() == (0.0, pytest.approx(both // 2))
+    for i, v in enumerate(rows["old"][:20]):  # flat now: the same rows, and a shadow credit
+        (hit,) = index.search("old", v, k=1)
+        assert hit.digest == f"old{i}" and hit.similarity == pytest.approx(1.0, abs=1e-5)
+    gained, spanned = index.graphs_shadow_reading()
+    assert spanned == pytest.approx(both // 2) and gained >= 0.0
+    assert index._graph_shadow.hits == 20  # every flat search of it counted
+    assert index.stats().graphs_saved == 2  # each was saved once, when built
+    index.resize_graphs(both)
+    index.search("old", rows["old"][0], k=1)  # the graph comes back, in the background
+    assert index.wait_graphs()
+    assert index.graph_bytes() == both
+    assert index.stats().graphs_built == 2 and index.stats().graphs_loaded == 1
+    index.close()

@@ -21,8 +21,9 @@ import numpy as np
 
 from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
 from tiercache.semantic.row_log import check_vector, scope_tag
-from tiercache.semantic.scope_search import ScopeSearch
+from tiercache.semantic.scope_search import ScopeSearch, graph_element_bytes
 from tiercache.semantic.store import SemanticStore
+from tiercache.shadow import ShadowQueue, shadow_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,13 @@ class SemanticIndex:
         self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
         self._builders: dict[str, threading.Thread] = {}  # scopes whose graph is being built
         self._build_failed: dict[str, float] = {}  # scope -> when its last build failed
+        # The graphs' byte budget (`resize_graphs`; None: unbounded) and what one more byte of
+        # it would save: a scope whose graph it dropped is searched flat, and each such search
+        # credits its shadow with the time over the graph's (tiercache.shadow)
+        self._graph_budget: int | None = None
+        self._graph_shadow: ShadowQueue[str] = ShadowQueue(0)
+        self._dropped: dict[str, tuple[int, float]] = {}  # scope -> (graph bytes, its search s)
+        self.graphs_dropped = 0
 
     def refresh(self) -> int:
         """Open every scope's table of the host (a start: large scopes get their graph here,
@@ -141,13 +149,58 @@ class SemanticIndex:
 
     def _grow_graph(self, scope: ScopeSearch, background: bool = False) -> None:
         if scope.hnsw is None:
-            if scope.count > self.flat_max_rows:
+            if scope.count > self.flat_max_rows and self._graph_fits(scope.count):
                 if background:
                     self._attach_later(scope.name)
                 else:
                     self._attach_graph(scope)
         elif scope.count - scope.graph_rows >= _GRAPH_TAIL_ROWS:
             scope.hnsw_add(scope.table.snapshot())
+
+    def _graph_fits(self, rows: int) -> bool:
+        """Whether a graph of `rows` rows (allocated for twice as many) fits the graphs' budget
+        beside those held. Call with the lock held."""
+        if self._graph_budget is None:
+            return True
+        held = sum(s.graph_bytes() for s in self._scopes.values())
+        return held + 2 * rows * graph_element_bytes(self.dimensions) <= self._graph_budget
+
+    def resize_graphs(self, max_bytes: int) -> int:
+        """A new byte budget for this process's graphs (tiercache.budgets): the graphs of the
+        scopes searched longest ago are dropped at once (saved first when they hold rows their
+        file does not, so coming back is a load, not a build) until the rest fit; a scope
+        without its graph is scanned flat, and gets it back when the budget allows. Returns
+        `max_bytes`."""
+        if max_bytes < 0:
+            raise ValueError(f"the graphs' budget must be >= 0, got {max_bytes}")
+        with self._lock:
+            self._graph_budget = max_bytes
+            self._graph_shadow.max_bytes = shadow_bytes(max_bytes)
+            held = [s for s in self._scopes.values() if s.hnsw is not None]
+            total = sum(s.graph_bytes() for s in held)
+            for scope in sorted(held, key=lambda s: s.last_search_s):
+                if total <= max_bytes:
+                    break
+                size = scope.graph_bytes()
+                if scope.graph_rows > scope.saved_rows and not scope.table.retired():
+                    self._save_graph(scope)
+                scope.hnsw, scope.graph_rows, scope.graph_prefix = None, 0, ""
+                self._dropped[scope.name] = (size, scope.graph_search_s)
+                self._graph_shadow.add(scope.name, size, 0.0)
+                self.graphs_dropped += 1
+                total -= size
+            return max_bytes
+
+    def graphs_shadow_reading(self) -> tuple[float, float]:
+        """(search seconds the graphs' shadow says more bytes would have saved, cumulative; the
+        bytes it spans): the graphs' budget's `ShadowValue` reads it."""
+        with self._lock:
+            return self._graph_shadow.gained_s, float(self._graph_shadow.bytes)
+
+    def graph_bytes(self) -> int:
+        """What this process's graphs hold (`ScopeSearch.graph_bytes`)."""
+        with self._lock:
+            return sum(s.graph_bytes() for s in self._scopes.values())
 
     def _attach_later(self, name: str) -> None:
         """Start building (or loading) `name`'s graph on a thread of its own, unless one is
@@ -181,7 +234,10 @@ class SemanticIndex:
                         and not scope.table.retired()
                         and scope.count >= shadow.graph_rows
                         and scope.prefix_digest(shadow.graph_rows) == shadow.graph_prefix
+                        and self._graph_fits(shadow.graph_rows)
                     ):
+                        self._dropped.pop(name, None)
+                        self._graph_shadow.discard(name)
                         scope.hnsw, scope.graph_rows = shadow.hnsw, shadow.graph_rows
                         scope.graph_prefix, scope.saved_rows = (
                             shadow.graph_prefix,
@@ -304,7 +360,9 @@ class SemanticIndex:
             # Hidden rows are skipped by fetching a few more, bounded: a tag or tenant that hid
             # thousands of rows must not make every search fetch thousands (recall may drop
             # where hidden rows crowd the top; a hidden row is never returned).
+            started = time.perf_counter()
             nearest = rows.search(snapshot, query, k + min(len(rows.dead), _DEAD_OVERFETCH))
+            self._timed(rows, time.perf_counter() - started)
             ids = rows.table.ids(len(snapshot))
             if rows.dead:
                 nearest = [(sim, i) for sim, i in nearest if int(ids[i]) not in rows.dead][:k]
@@ -314,6 +372,22 @@ class SemanticIndex:
             for (similarity, _), row in zip(nearest, found, strict=True)
             if row is not None and row.scope == scope
         ]
+
+    def _timed(self, scope: ScopeSearch, seconds: float) -> None:
+        """Note a search's time (lock held): with a graph, its moving average; a flat search
+        of a scope whose graph the budget dropped credits the graphs' shadow with the time the
+        graph would have saved (and stays in it: every such search is one)."""
+        scope.last_search_s = time.monotonic()
+        if scope.hnsw is not None:
+            scope.graph_search_s = (
+                seconds if not scope.graph_search_s else 0.9 * scope.graph_search_s + 0.1 * seconds
+            )
+            return
+        dropped = self._dropped.get(scope.name)
+        if dropped is not None and scope.count > self.flat_max_rows:
+            size, with_graph_s = dropped
+            self._graph_shadow.credit(scope.name, max(seconds - with_graph_s, 0.0))
+            self._graph_shadow.add(scope.name, size, 0.0)
 
     def _metadata(self, seqs: list[int]) -> list[_RowMeta | None]:
         """The rows' scope, digest and prompt: from this process's cache, else the log (a row

@@ -23,6 +23,11 @@ from tiercache.semantic.graph_files import (
 )
 
 
+def graph_element_bytes(dimensions: int) -> int:
+    """One graph element's storage (`ScopeSearch.graph_bytes`)."""
+    return dimensions * 4 + 2 * HNSW_M * 4 + 4 + 8
+
+
 @dataclass(slots=True)
 class ScopeSearch:
     """One scope as this process reads it: the host's shared table of its vectors (zero copy),
@@ -40,6 +45,17 @@ class ScopeSearch:
     # Log seqs of rows whose answer was invalidated (tiercache.exact.invalidation): they stay in the
     # table and graph, and a search never returns them (SemanticIndex.forget).
     dead: set[int] = field(default_factory=set)
+    last_search_s: float = 0.0  # monotonic time of its last search (the graph budget's order)
+    graph_search_s: float = 0.0  # recent seconds per search with its graph (moving average)
+
+    def graph_bytes(self) -> int:
+        """What its graph holds in this process's memory: hnswlib allocates the storage of
+        every element up to its capacity at once (the vector, the level-0 links, label and
+        count; upper levels are a few percent more); 0 without a graph."""
+        index: Any = self.hnsw
+        if index is None:
+            return 0
+        return int(index.get_max_elements()) * graph_element_bytes(self.dimensions)
 
     @property
     def count(self) -> int:

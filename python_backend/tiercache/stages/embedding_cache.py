@@ -303,6 +303,17 @@ def open_embedding_cache(
                 vectors.shadow_reading,
             )
         )
+    if config.semantic_graph_max_bytes > 0:  # the graphs of large scopes, bounded
+        core.index.resize_graphs(config.semantic_graph_max_bytes)
+        others.append(
+            cache_budget(
+                "semantic_graphs",
+                config.semantic_graph_min_bytes,
+                config.semantic_graph_max_bytes,
+                core.index.resize_graphs,
+                core.index.graphs_shadow_reading,
+            )
+        )
     stage.budgets = follow_l1(
         config, tiers.cache.store(Tier.L1), metrics, f"{model_name}.{instance_name}", others
     )
