@@ -69,6 +69,20 @@ def model(
     instance.finalize()
 
 
+def started(load_model: Callable[[str], ModuleType], parameters: dict[str, str]) -> Any:
+    """The stage's model.py, initialized with these parameters (string values)."""
+    instance = load_model("embedding_cache").TritonPythonModel()
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "embedding_cache",
+            "model_instance_name": "embedding_cache_0",
+        }
+    )
+    return instance
+
+
 @pytest.fixture
 def sealer(tmp_path: Path) -> Sealer:
     """The deployment's sealer (the stage's state_dir is tmp_path)."""
@@ -287,16 +301,8 @@ def test_with_a_confidence_floor_an_unsure_answer_is_not_served_to_a_rewording(
     """`confidence_floor` (issue 19): the neighbour whose stored answer the engine was unsure
     of (confidence 0.3 < 0.5) is not served (outcome unsure, the request goes on as a miss);
     one it was sure of (0.9) is."""
-    instance = load_model("embedding_cache").TritonPythonModel()
     parameters = {"state_dir": str(tmp_path), "confidence_floor": "0.5"}
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "embedding_cache",
-            "model_instance_name": "embedding_cache_0",
-        }
-    )
+    instance = started(load_model, parameters)
     try:
         core = instance.stage.core
         embedder.dimensions = core.vectors.dimensions
@@ -329,20 +335,12 @@ def test_with_a_total_its_answers_l1_follows_the_budgets(
     """cache_memory_bytes under L1's fixed size: embedding_cache's answers' L1 and its
     vectors' L1 shrink to it together within a tick, the least valuable first to its floor,
     and are published in the host's ledger, as prompt_cache's is."""
-    instance = load_model("embedding_cache").TritonPythonModel()
     parameters = {
         "state_dir": str(tmp_path),
         "cache_memory_bytes": str(8 << 20),
         "budget_interval_s": "0.05",
     }
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "embedding_cache",
-            "model_instance_name": "embedding_cache_0",
-        }
-    )
+    instance = started(load_model, parameters)
     try:
         l1 = instance.stage.core.answers.store(Tier.L1)
         vectors = instance.stage.core.vectors
@@ -370,21 +368,13 @@ def test_a_graphs_budget_bounds_the_scopes_graphs_and_follows_the_machine(
 ) -> None:
     """`semantic_graph_max_bytes` bounds this process's HNSW graphs from the start and joins
     the stage's budgets (published in the host's ledger beside L1 and the vectors)."""
-    instance = load_model("embedding_cache").TritonPythonModel()
     parameters = {
         "state_dir": str(tmp_path),
         "semantic_graph_max_bytes": str(4 << 20),
         "cache_memory_bytes": str(8 << 20),
         "budget_interval_s": "0.05",
     }
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "embedding_cache",
-            "model_instance_name": "embedding_cache_0",
-        }
-    )
+    instance = started(load_model, parameters)
     try:
         index = instance.stage.core.index
         assert index._graph_budget is not None and index._graph_budget <= 4 << 20
@@ -410,20 +400,12 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
     an entry the guard is sure of is served (HIT_TRUST [score, 0]); one the engine refuted is
     sent to verify (HIT_TRUST [score, 1]) for a greedy request and missed (outcome untrusted)
     for a sampled one; HIT_TRUST is under the answer's seal, as llm checks it."""
-    instance = load_model("embedding_cache").TritonPythonModel()
     parameters = {
         "state_dir": str(tmp_path),
         "semantic_max_error": "0.05",
         "semantic_audit_rate": "0",
     }
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "embedding_cache",
-            "model_instance_name": "embedding_cache_0",
-        }
-    )
+    instance = started(load_model, parameters)
     try:
         core = instance.stage.core
         embedder.dimensions = core.vectors.dimensions
