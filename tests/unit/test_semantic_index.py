@@ -20,7 +20,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.graph_files import file_digest
-from tiercache.semantic.index import SemanticIndex
+from tiercache.semantic.index import SemanticIndex, estimated_graph_bytes
 from tiercache.semantic.row_log import INITIAL_CAPACITY, scope_tag
 from tiercache.semantic.scope_search import ScopeSearch
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
@@ -866,37 +866,53 @@ def test_a_reader_publishing_a_writers_rows_first_is_not_taken_for_another_log(
     reader.close()
 
 
-def test_the_graphs_follow_a_byte_budget_and_value_their_next_byte(tmp_path: Path) -> None:
+def test_the_graphs_follow_a_byte_budget_and_are_valued_by_the_searches_they_save(
+    tmp_path: Path,
+) -> None:
     """`resize_graphs` (issue 20): the graph of the scope searched longest ago is dropped
-    first (saved first: coming back is a load), its scope is scanned flat with the same
-    answers, each such search credits the graphs' shadow with the time the graph saved, and a
-    larger budget lets the graph come back (loaded from its file, not built)."""
+    first, its scope is scanned flat with the same answers and is counted as wanting a graph
+    in the value's span; a graph that grows past the budget is dropped at the next search; a
+    scope that crosses the flat limit while the budget is full gets no graph; a larger budget
+    lets a dropped graph come back, loaded from its file, not built again."""
     store = SemanticStore(tmp_path / "sem")
-    rows = {name: _random_rows(300, seed) for seed, name in enumerate(("old", "new"))}
+    rows = {name: _random_rows(300, seed) for seed, name in enumerate(("old", "new", "late"))}
     store.append_many(
-        [(name, f"{name}{i}", f"p{i}", v) for name, vs in rows.items() for i, v in enumerate(vs)]
-    )
+        [(name, f"{name}{i}", f"p{i}", v) for name in ("old", "new") for i, v in
+         enumerate(rows[name])]
+    )  # fmt: skip
     index = SemanticIndex(store, DIM, flat_max_rows=50)
     index.refresh()
-    assert index.wait_graphs()
     for name in ("old", "new"):  # searched in this order: "old" longest ago
         for v in rows[name][:20]:
             assert index.search(name, v, k=1)[0].digest.startswith(name)
     both = index.graph_bytes()
-    assert both > 0
+    one = both // 2
     assert index.resize_graphs(both - 1) == both - 1
-    assert index.graphs_dropped == 1 and index.graph_bytes() == both // 2
-    assert index.graphs_shadow_reading() == (0.0, pytest.approx(both // 2))
-    for i, v in enumerate(rows["old"][:20]):  # flat now: the same rows, and a shadow credit
+    assert index.graphs_dropped == 1 and index.graph_bytes() == one
+    for i, v in enumerate(rows["old"][:20]):  # flat now: the same rows
         (hit,) = index.search("old", v, k=1)
         assert hit.digest == f"old{i}" and hit.similarity == pytest.approx(1.0, abs=1e-5)
-    gained, spanned = index.graphs_shadow_reading()
-    assert spanned == pytest.approx(both // 2) and gained >= 0.0
-    assert index._graph_shadow.hits == 20  # every flat search of it counted
-    assert index.stats().graphs_saved == 2  # each was saved once, when built
-    index.resize_graphs(both)
-    index.search("old", rows["old"][0], k=1)  # the graph comes back, in the background
+    gained, spanned = index.graphs_value_reading()
+    assert spanned == one + estimated_graph_bytes(300, DIM) and gained >= 0.0
+    # a scope crossing the flat limit while the budget is full: searched flat, wanting a graph
+    store.append_many([("late", f"late{i}", f"p{i}", v) for i, v in enumerate(rows["late"])])
+    assert index.search("late", rows["late"][0], k=1)[0].digest == "late0"
+    assert index.wait_graphs() and index.graph_bytes() == one
+    _, spanned = index.graphs_value_reading()
+    assert spanned == one + 2 * estimated_graph_bytes(300, DIM)
+    # the held graph grows (rows past its end) beyond the budget: dropped at its next search
+    index.resize_graphs(one)
+    more = _random_rows(600, 9)
+    store.append_many([("new", f"more{i}", f"p{i}", v) for i, v in enumerate(more)])
+    assert index.search("new", more[0], k=1)[0].digest == "more0"
+    assert index.graph_bytes() <= one and index.graphs_dropped == 2
+    # room again: the next searches attach graphs (loaded from their files where they match)
+    index.resize_graphs(1 << 30)
+    for name in ("old", "new", "late"):
+        index.search(name, rows[name][0], k=1)
     assert index.wait_graphs()
-    assert index.graph_bytes() == both
-    assert index.stats().graphs_built == 2 and index.stats().graphs_loaded == 1
+    for name in ("old", "new", "late"):
+        index.search(name, rows[name][0], k=1)
+    assert index.graphs_value_reading()[1] == index.graph_bytes()  # nothing wanting
+    assert index.stats().graphs_loaded >= 1
     index.close()

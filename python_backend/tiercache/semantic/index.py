@@ -16,14 +16,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
 from tiercache.semantic.row_log import check_vector, scope_tag
-from tiercache.semantic.scope_search import ScopeSearch, graph_element_bytes
+from tiercache.semantic.scope_search import ScopeSearch, graph_bytes_for
 from tiercache.semantic.store import SemanticStore
-from tiercache.shadow import ShadowQueue, shadow_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,19 @@ class IndexStats:
     scopes_refused: int = 0  # rows not indexed: their new scope would pass the host's limit
 
 
+_TIMED_FLAT_ROWS = 256  # flat scans at least this large measure the flat rate
+
+
+def _moving(average: float, sample: float) -> float:
+    return sample if not average else 0.9 * average + 0.1 * sample
+
+
+def estimated_graph_bytes(rows: int, dimensions: int) -> int:
+    """What a graph of `rows` rows holds (`ScopeSearch.graph_bytes`, at the capacity a build
+    or load gives it: twice the rows)."""
+    return graph_bytes_for(rows, 2 * rows, dimensions)
+
+
 class SemanticIndex:
     """Search of the host's semantic rows: each scope's vectors come from its shared table
     (`SemanticStore.tables`), a zero-copy snapshot per search; the digest and prompt of the
@@ -93,12 +106,15 @@ class SemanticIndex:
         self._built = self._loaded = self._saved = self._rejected = self._reopened = 0
         self._builders: dict[str, threading.Thread] = {}  # scopes whose graph is being built
         self._build_failed: dict[str, float] = {}  # scope -> when its last build failed
-        # The graphs' byte budget (`resize_graphs`; None: unbounded) and what one more byte of
-        # it would save: a scope whose graph it dropped is searched flat, and each such search
-        # credits its shadow with the time over the graph's (tiercache.shadow)
+        # The graphs' byte budget (`resize_graphs`; None: unbounded) and what its bytes save
+        # (`graphs_value_reading`): search seconds a graph saved or would have saved, and the
+        # bytes of the graphs held and of those it lacks (dropped, or refused for the budget)
         self._graph_budget: int | None = None
-        self._graph_shadow: ShadowQueue[str] = ShadowQueue(0)
-        self._dropped: dict[str, tuple[int, float]] = {}  # scope -> (graph bytes, its search s)
+        self._wanting: dict[str, int] = {}  # scope -> bytes of the graph it lacks for the budget
+        self._graph_gained_s = 0.0
+        self._unsaved: list[tuple[str, Any, int, str]] = []  # dropped under the lock, to save
+        self._flat_s_per_row = 0.0  # a flat scan's seconds per row (moving average)
+        self._graph_search_s = 0.0  # a graph search's seconds (moving average, every scope)
         self.graphs_dropped = 0
 
     def refresh(self) -> int:
@@ -126,6 +142,7 @@ class SemanticIndex:
         table = self.store.tables.open_current(scope_tag(name), self.dimensions)
         if table is None:
             gone = self._scopes.pop(name, None)
+            self._wanting.pop(name, None)
             if gone is not None:  # dropped (no rows left): unmap its deleted file now
                 gone.table.close()
             return None
@@ -149,53 +166,80 @@ class SemanticIndex:
 
     def _grow_graph(self, scope: ScopeSearch, background: bool = False) -> None:
         if scope.hnsw is None:
-            if scope.count > self.flat_max_rows and self._graph_fits(scope.count):
-                if background:
-                    self._attach_later(scope.name)
-                else:
-                    self._attach_graph(scope)
+            if scope.count <= self.flat_max_rows:
+                self._wanting.pop(scope.name, None)
+            elif not self._graph_fits(scope.count):  # searched flat; valued as wanting one
+                self._wanting[scope.name] = estimated_graph_bytes(scope.count, self.dimensions)
+            elif background:
+                self._attach_later(scope.name)
+            else:
+                self._attach_graph(scope)
         elif scope.count - scope.graph_rows >= _GRAPH_TAIL_ROWS:
             scope.hnsw_add(scope.table.snapshot())
+            if self._graph_budget is not None:  # a grown graph may no longer fit
+                self._unsaved += self._fit_graphs(self._graph_budget)  # saved after the lock
 
     def _graph_fits(self, rows: int) -> bool:
-        """Whether a graph of `rows` rows (allocated for twice as many) fits the graphs' budget
-        beside those held. Call with the lock held."""
+        """Whether a graph of `rows` rows fits the graphs' budget beside those held. Call with
+        the lock held."""
         if self._graph_budget is None:
             return True
         held = sum(s.graph_bytes() for s in self._scopes.values())
-        return held + 2 * rows * graph_element_bytes(self.dimensions) <= self._graph_budget
+        return held + estimated_graph_bytes(rows, self.dimensions) <= self._graph_budget
 
     def resize_graphs(self, max_bytes: int) -> int:
         """A new byte budget for this process's graphs (tiercache.budgets): the graphs of the
-        scopes searched longest ago are dropped at once (saved first when they hold rows their
-        file does not, so coming back is a load, not a build) until the rest fit; a scope
-        without its graph is scanned flat, and gets it back when the budget allows. Returns
-        `max_bytes`."""
+        scopes searched longest ago are dropped at once until the rest fit (each saved first,
+        outside the lock, when it holds rows its file does not: coming back is a load, not a
+        build); a scope without its graph is scanned flat, and gets it back when the budget
+        allows. Returns `max_bytes`."""
         if max_bytes < 0:
             raise ValueError(f"the graphs' budget must be >= 0, got {max_bytes}")
         with self._lock:
             self._graph_budget = max_bytes
-            self._graph_shadow.max_bytes = shadow_bytes(max_bytes)
-            held = [s for s in self._scopes.values() if s.hnsw is not None]
-            total = sum(s.graph_bytes() for s in held)
-            for scope in sorted(held, key=lambda s: s.last_search_s):
-                if total <= max_bytes:
-                    break
-                size = scope.graph_bytes()
-                if scope.graph_rows > scope.saved_rows and not scope.table.retired():
-                    self._save_graph(scope)
-                scope.hnsw, scope.graph_rows, scope.graph_prefix = None, 0, ""
-                self._dropped[scope.name] = (size, scope.graph_search_s)
-                self._graph_shadow.add(scope.name, size, 0.0)
-                self.graphs_dropped += 1
-                total -= size
-            return max_bytes
+            detached = self._fit_graphs(max_bytes)
+        self._save_detached(detached)
+        return max_bytes
 
-    def graphs_shadow_reading(self) -> tuple[float, float]:
-        """(search seconds the graphs' shadow says more bytes would have saved, cumulative; the
-        bytes it spans): the graphs' budget's `ShadowValue` reads it."""
+    def _fit_graphs(self, max_bytes: int) -> list[tuple[str, Any, int, str]]:
+        """Drop graphs, the scope searched longest ago first, until the rest fit `max_bytes`
+        (lock held); the dropped graphs that hold rows their file does not, to save."""
+        held = [s for s in self._scopes.values() if s.hnsw is not None]
+        total = sum(s.graph_bytes() for s in held)
+        detached = []
+        for scope in sorted(held, key=lambda s: s.last_search_s):
+            if total <= max_bytes:
+                break
+            size = scope.graph_bytes()
+            if scope.graph_rows > scope.saved_rows and not scope.table.retired():
+                detached.append((scope.name, scope.hnsw, scope.graph_rows, scope.graph_prefix))
+            scope.hnsw, scope.graph_rows, scope.graph_prefix = None, 0, ""
+            self._wanting[scope.name] = estimated_graph_bytes(scope.count, self.dimensions)
+            self.graphs_dropped += 1
+            total -= size
+        return detached
+
+    def _save_detached(self, detached: list[tuple[str, Any, int, str]]) -> None:
+        """Save graphs no scope holds any more (nothing else touches them): outside the lock,
+        so searches do not wait for the file and its checksum. Best effort."""
+        if self.graphs is None:
+            return
+        for name, index, rows, prefix in detached:
+            try:
+                saved = self.graphs.save(name, rows, prefix, index)
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not save a dropped graph (%d rows): %s", rows, exc)
+                continue
+            with self._lock:
+                self._saved += saved is not None
+
+    def graphs_value_reading(self) -> tuple[float, float]:
+        """(search seconds the graphs saved, and those the graphs a scope lacks for the budget
+        would have saved, cumulative; the bytes of both): the graphs' budget's `ShadowValue`
+        reads it. Valued on average, not at the margin: a graph is dropped or loaded whole."""
         with self._lock:
-            return self._graph_shadow.gained_s, float(self._graph_shadow.bytes)
+            held = sum(s.graph_bytes() for s in self._scopes.values())
+            return self._graph_gained_s, float(held + sum(self._wanting.values()))
 
     def graph_bytes(self) -> int:
         """What this process's graphs hold (`ScopeSearch.graph_bytes`)."""
@@ -236,8 +280,7 @@ class SemanticIndex:
                         and scope.prefix_digest(shadow.graph_rows) == shadow.graph_prefix
                         and self._graph_fits(shadow.graph_rows)
                     ):
-                        self._dropped.pop(name, None)
-                        self._graph_shadow.discard(name)
+                        self._wanting.pop(name, None)
                         scope.hnsw, scope.graph_rows = shadow.hnsw, shadow.graph_rows
                         scope.graph_prefix, scope.saved_rows = (
                             shadow.graph_prefix,
@@ -362,10 +405,12 @@ class SemanticIndex:
             # where hidden rows crowd the top; a hidden row is never returned).
             started = time.perf_counter()
             nearest = rows.search(snapshot, query, k + min(len(rows.dead), _DEAD_OVERFETCH))
-            self._timed(rows, time.perf_counter() - started)
+            self._timed(rows, len(snapshot), time.perf_counter() - started)
             ids = rows.table.ids(len(snapshot))
             if rows.dead:
                 nearest = [(sim, i) for sim, i in nearest if int(ids[i]) not in rows.dead][:k]
+            unsaved, self._unsaved = self._unsaved, []
+        self._save_detached(unsaved)
         found = self._metadata([int(ids[i]) for _, i in nearest])
         return [
             Neighbour(similarity, row.digest, row.prompt)
@@ -373,21 +418,21 @@ class SemanticIndex:
             if row is not None and row.scope == scope
         ]
 
-    def _timed(self, scope: ScopeSearch, seconds: float) -> None:
-        """Note a search's time (lock held): with a graph, its moving average; a flat search
-        of a scope whose graph the budget dropped credits the graphs' shadow with the time the
-        graph would have saved (and stays in it: every such search is one)."""
+    def _timed(self, scope: ScopeSearch, rows: int, seconds: float) -> None:
+        """Note a search's time (lock held) for the graphs' value: a search with a graph saved
+        what a flat scan of its rows takes (at the flat scans' measured rate) less its time; a
+        flat search of a scope lacking its graph for the budget would have saved its time less
+        a graph search's."""
         scope.last_search_s = time.monotonic()
         if scope.hnsw is not None:
-            scope.graph_search_s = (
-                seconds if not scope.graph_search_s else 0.9 * scope.graph_search_s + 0.1 * seconds
-            )
+            self._graph_search_s = _moving(self._graph_search_s, seconds)
+            if self._graph_budget is not None:
+                self._graph_gained_s += max(rows * self._flat_s_per_row - seconds, 0.0)
             return
-        dropped = self._dropped.get(scope.name)
-        if dropped is not None and scope.count > self.flat_max_rows:
-            size, with_graph_s = dropped
-            self._graph_shadow.credit(scope.name, max(seconds - with_graph_s, 0.0))
-            self._graph_shadow.add(scope.name, size, 0.0)
+        if rows >= _TIMED_FLAT_ROWS:
+            self._flat_s_per_row = _moving(self._flat_s_per_row, seconds / rows)
+        if scope.name in self._wanting:
+            self._graph_gained_s += max(seconds - self._graph_search_s, 0.0)
 
     def _metadata(self, seqs: list[int]) -> list[_RowMeta | None]:
         """The rows' scope, digest and prompt: from this process's cache, else the log (a row

@@ -22,10 +22,17 @@ from tiercache.semantic.graph_files import (
     HNSW_M,
 )
 
+GRAPH_FIXED_BYTES = 5 << 19  # a graph's own fixed cost (hnswlib 0.8: its label locks, ~2.5 MiB)
+GRAPH_SLOT_BYTES = 48  # per element of capacity, used or not (hnswlib's per-slot arrays)
 
-def graph_element_bytes(dimensions: int) -> int:
-    """One graph element's storage (`ScopeSearch.graph_bytes`)."""
-    return dimensions * 4 + 2 * HNSW_M * 4 + 4 + 8
+
+def graph_bytes_for(rows: int, capacity: int, dimensions: int) -> int:
+    """What an hnswlib graph of `rows` elements with room for `capacity` holds in memory: each
+    element stored (its vector, level-0 links, label, count; upper levels and allocator
+    overhead about 15 % more), a few bytes per slot of capacity, and a fixed part. hnswlib
+    allocates the whole capacity, but pages of it no element touched are not resident."""
+    element = int((dimensions * 4 + 2 * HNSW_M * 4 + 4 + 8) * 1.15)
+    return rows * element + capacity * GRAPH_SLOT_BYTES + GRAPH_FIXED_BYTES
 
 
 @dataclass(slots=True)
@@ -49,13 +56,12 @@ class ScopeSearch:
     graph_search_s: float = 0.0  # recent seconds per search with its graph (moving average)
 
     def graph_bytes(self) -> int:
-        """What its graph holds in this process's memory: hnswlib allocates the storage of
-        every element up to its capacity at once (the vector, the level-0 links, label and
-        count; upper levels are a few percent more); 0 without a graph."""
+        """What its graph holds in this process's memory (`graph_bytes_for`); 0 without one."""
         index: Any = self.hnsw
         if index is None:
             return 0
-        return int(index.get_max_elements()) * graph_element_bytes(self.dimensions)
+        count, capacity = int(index.get_current_count()), int(index.get_max_elements())
+        return graph_bytes_for(count, capacity, self.dimensions)
 
     @property
     def count(self) -> int:

@@ -279,6 +279,8 @@ def open_embedding_cache(
         confidence=ConfidencePolicy(config.confidence_floor),
         trust=trust,
     )
+    if config.semantic_graph_max_bytes > 0:  # bounded before any graph is loaded or built
+        core.index.resize_graphs(config.semantic_graph_max_bytes)
     # Open the host's scope tables now (large scopes load or build their HNSW graph here), so
     # the first request does not pay for it; later rows are in the shared tables.
     core.index.refresh()
@@ -304,14 +306,14 @@ def open_embedding_cache(
             )
         )
     if config.semantic_graph_max_bytes > 0:  # the graphs of large scopes, bounded
-        core.index.resize_graphs(config.semantic_graph_max_bytes)
         others.append(
             cache_budget(
                 "semantic_graphs",
                 config.semantic_graph_min_bytes,
                 config.semantic_graph_max_bytes,
                 core.index.resize_graphs,
-                core.index.graphs_shadow_reading,
+                core.index.graphs_value_reading,
+                held=core.index.graph_bytes,
             )
         )
     stage.budgets = follow_l1(
