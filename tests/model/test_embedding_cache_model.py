@@ -379,10 +379,11 @@ def test_a_graphs_budget_bounds_the_scopes_graphs_and_follows_the_machine(
         index = instance.stage.core.index
         assert index._graph_budget is not None and index._graph_budget <= 4 << 20
         deadline = time.monotonic() + 10.0
-        published: list[Path] = []
+        folder, published = tmp_path / "budgets", []
         while not published and time.monotonic() < deadline:
-            time.sleep(0.05)
-            published = list((tmp_path / "budgets").iterdir())
+            time.sleep(0.05)  # the first tick creates the folder and publishes
+            published = list(folder.iterdir()) if folder.is_dir() else []
+        assert published, "no budgets published within 10 s"
         rows = json.loads(published[0].read_text())
         assert {row[0] for row in rows} == {"l1", "vectors", "semantic_graphs"}
     finally:
