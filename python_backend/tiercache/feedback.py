@@ -43,7 +43,6 @@ from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.entry_trust import record_outcome
 from tiercache.semantic.penalties import raise_floor
-from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
 
@@ -157,18 +156,11 @@ def endorse(cache: TieredCache, digest: str, created_s: float) -> bool:
     at MAX_ENDORSEMENTS. Two verdicts at the same instant may count as one: a rank, not a
     tally (tiercache_feedback_total counts every verdict)."""
     now = cache.now()
-    held = []
-    for tier, store in cache.stores():
-        if tier is Tier.L1:
-            continue
-        try:
-            peek = getattr(store, "peek", None)
-            entry = peek(digest) if peek is not None else store.get(digest)
-        except Exception:  # noqa: BLE001 - a broken tier: the others decide
-            log.exception("reading %s... from %s failed", digest[:12], tier.value)
-            continue
-        if entry is not None and entry.created_s == created_s and not entry.expired(now):
-            held.append(entry)
+    held = [
+        entry
+        for entry in cache.shared_copies(digest)
+        if entry.created_s == created_s and not entry.expired(now)
+    ]
     if not held:
         return False
     entry = max(held, key=lambda e: e.endorsements)

@@ -256,17 +256,29 @@ class TieredCache:
 
     def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore) -> None:
         best = count
-        for tier, store in self._stores[1:]:
-            try:
-                peek = getattr(store, "peek", None)
-                entry = peek(key) if peek is not None else store.get(key)
-            except Exception:  # noqa: BLE001 - a broken tier: the copy keeps its rank
-                log.debug("comparing %s's verdicts with %s failed", key, tier.value)
-                continue
-            if entry is not None and entry.created_s == created_s:
+        for entry in self.shared_copies(key):
+            if entry.created_s == created_s:
                 best = max(best, entry.endorsements)
         if best > count:
             self.endorsements_caught += l1.endorse(key, created_s, best)
+
+    def shared_copies(self, key: str) -> list[CacheEntry]:
+        """`key`'s entry as each shared tier (not L1) holds it, read as no request reads it
+        (`peek` where a store has one: nothing counted, nothing dropped); a tier that fails to
+        read is skipped (logged). Expiry and invalidations are the caller's to judge."""
+        copies = []
+        for tier, store in self._stores:
+            if tier is Tier.L1:
+                continue
+            try:
+                peek = getattr(store, "peek", None)
+                entry = peek(key) if peek is not None else store.get(key)
+            except Exception:  # noqa: BLE001 - a broken tier: the others decide
+                log.exception("reading %s from %s failed", key[:12], tier.value)
+                continue
+            if entry is not None:
+                copies.append(entry)
+        return copies
 
     def wait_endorsements(self, timeout_s: float = 10.0) -> bool:
         """Wait until the queued comparisons are done (tests); False on timeout."""
