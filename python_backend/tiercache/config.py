@@ -751,6 +751,18 @@ class EngineConfig(_StateConfig):
         "",
         "Comma-separated adapter names loaded at start (the same list as lora_cache's prefetch)",
     )
+    lora_max_bytes: int = param(
+        0,
+        "Byte bound of the adapters' slots in the engine (0: lora_slots alone); with "
+        "memory_headroom_bytes or cache_memory_bytes, the ceiling of a budget that follows the "
+        "machine (CPU engines; docs/budgets.md)",
+        min=0,
+    )
+    lora_min_bytes: int = param(
+        4 << 20,
+        "Floor of the adapter slots' budget (memory_headroom_bytes, cache_memory_bytes)",
+        min=1,
+    )
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)

@@ -91,6 +91,7 @@ class FakeEngine:
         kv_reuse: bool,
         tokens_per_block: int,
         kv_pool_max_bytes: int,
+        lora_max_bytes: int,
         kv_eviction: str,
         speculate: bool,
         draft_index_tokens: int,
@@ -99,7 +100,7 @@ class FakeEngine:
         self.device = "cpu" if device == "auto" else device  # as resolved (no GPU here)
         self.kv_eviction = kv_eviction
         self.draft_index_tokens = draft_index_tokens
-        self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots)
+        self.adapters = EngineAdapters(tiny_model(), max_slots=lora_slots, max_bytes=lora_max_bytes)
         self.kv_pool: KvBlockPool[str] = KvBlockPool(
             kv_pool_max_bytes, tokens_per_block, named_policy(kv_eviction)
         )
@@ -524,6 +525,63 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
         families = instance.stage.metrics._families
         (budget,) = families["tiercache_budget_bytes"].metrics
         assert (budget.labels["cache"], budget.value()) == ("kv_pool", 20)
+    finally:
+        instance.finalize()
+
+
+def test_with_a_memory_headroom_the_adapter_slots_follow_the_host(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sealer: Sealer,
+    pb_utils: ModuleType,
+) -> None:
+    """lora_max_bytes gives the adapter slots a budget of their own: with a headroom larger than
+    this machine it goes to lora_min_bytes (1: one adapter), and the next request drops the
+    others (never the one it runs with); a request for a dropped one gets the engine's "not
+    held" error, which llm answers by sending the weights again."""
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "lora_max_bytes": {"string_value": str(1 << 20)},
+        "lora_min_bytes": {"string_value": "1"},
+        "memory_headroom_bytes": {"string_value": str(1 << 60)},
+        "budget_interval_s": {"string_value": "0.05"},
+    }
+    instance = start_stage(load_model, monkeypatch, params, FakeEngine)
+    try:
+        versions = [tiny_version(n, i + 1, seed=i + 1) for i, n in enumerate(("one", "two"))]
+        for ref, config_json, weights in versions:
+            (loaded,) = call(
+                pb_utils,
+                instance,
+                sealer,
+                LORA_OP="load",
+                LORA=ref.to_json(),
+                LORA_CONFIG=config_json,
+                LORA_WEIGHTS=weights,
+            )
+            assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
+        adapters = instance.stage.engine.adapters
+        assert adapters.stats().resident == 2
+        families = instance.stage.metrics._families
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            instance.stage.metrics.flush()
+            sizes = {
+                m.labels["cache"]: m.value() for m in families["tiercache_budget_bytes"].metrics
+            }
+            if sizes.get("adapter_slots") == 1:
+                break
+            time.sleep(0.05)
+        assert sizes == {"kv_pool": 16 << 20, "adapter_slots": 1}
+        one, two = (ref for ref, *_ in versions)
+        final = call(pb_utils, instance, sealer, ENVELOPE=request_json(sealer, two))[-1]
+        assert text(pb_utils, final, "FINISH_REASON") == "stop"
+        stats = adapters.stats()
+        assert (stats.resident, stats.budget_evictions, stats.injected_slots) == (1, 1, 1)
+        assert [a["digest"] for a in adapters.resident()] == [two.digest]
+        (missing,) = call(pb_utils, instance, sealer, ENVELOPE=request_json(sealer, one))
+        assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
     finally:
         instance.finalize()
 

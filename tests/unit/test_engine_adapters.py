@@ -29,8 +29,14 @@ from tiercache.adapter_types import (  # noqa: E402
     adapter_digest,
 )
 from tiercache.engine import adapters as engine_adapters  # noqa: E402
-from tiercache.engine.adapters import AdapterOrder, EngineAdapters  # noqa: E402
-from tiercache.errors import Forbidden, InvalidRequest, NotFound  # noqa: E402
+from tiercache.engine.adapters import (  # noqa: E402
+    GENERATE,
+    LIST,
+    LOAD,
+    AdapterOrder,
+    EngineAdapters,
+)
+from tiercache.errors import ConfigError, Forbidden, InvalidRequest, NotFound  # noqa: E402
 from tiercache.eviction import LruPolicy  # noqa: E402
 from tiercache.exact.request import GenerationRequest  # noqa: E402
 
@@ -151,6 +157,8 @@ def adapters(bench: Bench) -> Iterator[EngineAdapters]:
     """The engine's adapters, emptied (and the slot bound restored) after each test."""
     yield bench.adapters
     bench.adapters.max_slots = 4
+    bench.adapters.prepare(AdapterOrder(LIST))  # a budget a test left pending is applied
+    bench.adapters.max_bytes = 0  # back to the slot bound alone
     for entry in bench.adapters.resident():
         bench.adapters.evict(entry["digest"])
     bench.adapters.activate(None)
@@ -398,6 +406,64 @@ def test_loads_into_a_full_set_recycle_and_never_inject_more_than_max_slots(
     torch.testing.assert_close(
         bench.logits(), bench.reference_logits(STYLES[-1]), rtol=0, atol=1e-6
     )
+
+
+def test_a_byte_budget_takes_free_slots_first_then_victims_at_the_next_request(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    french, caps, brief = (adapter_weights(s) for s in STYLES)
+    for weights in (french, caps, brief):
+        adapters.load(weights)
+    adapters.evict(brief.ref.digest)  # a free slot
+    slot = adapters.stats().slot_bytes // 3
+    assert slot > 0 and adapters.stats().slot_bytes == 3 * slot
+    assert adapters.shadow_reading() == (0.0, 0.0)
+    assert adapters.resize(2 * slot) == 2 * slot
+    assert adapters.slot_bytes() == 3 * slot  # recorded: the engine thread applies it
+    adapters.prepare(AdapterOrder(LIST))
+    stats = adapters.stats()
+    assert (stats.slot_bytes, stats.max_bytes, stats.budget_evictions) == (2 * slot, 2 * slot, 0)
+    assert {e["digest"] for e in adapters.resident()} == {french.ref.digest, caps.ref.digest}
+    assert len(slot_names(bench.engine.model)) == 2  # the free slot went, nothing served lost
+
+    adapters.activate(caps.ref)  # french is now the least recently used, but it is needed
+    adapters.resize(slot)
+    adapters.prepare(AdapterOrder(GENERATE, needs=french.ref))
+    stats = adapters.stats()
+    assert (stats.slot_bytes, stats.budget_evictions, stats.injected_slots) == (slot, 1, 1)
+    assert [e["digest"] for e in adapters.resident()] == [french.ref.digest]
+    assert slot_names(bench.engine.model) == {"slot0"}
+    adapters.activate(french.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("french"), rtol=0, atol=1e-6)
+
+    # caps asked for again: the shadow credits what its last load cost; french makes room
+    adapters.prepare(AdapterOrder(LOAD, caps.ref, caps))
+    gained_s, span = adapters.shadow_reading()
+    assert gained_s > 0  # the seconds caps's last load took
+    assert span == slot  # french, dropped for bytes, now waits in the shadow
+    assert [e["digest"] for e in adapters.resident()] == [caps.ref.digest]
+    assert adapters.stats().budget_evictions == 2
+    adapters.activate(caps.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("caps"), rtol=0, atol=1e-6)
+
+
+def test_a_byte_budget_never_refuses_the_one_adapter_a_request_needs(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    french, caps = adapter_weights("french"), adapter_weights("caps")
+    adapters.resize(1)  # smaller than any adapter
+    adapters.prepare(AdapterOrder(LOAD, french.ref, french))
+    assert adapters.holds(french.ref) and adapters.stats().slot_bytes > 1
+    adapters.prepare(AdapterOrder(GENERATE, caps.ref, caps, needs=caps.ref))
+    assert [e["digest"] for e in adapters.resident()] == [caps.ref.digest]  # alone, over it
+    adapters.activate(caps.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("caps"), rtol=0, atol=1e-6)
+    # the budget grows back: loads stop dropping one another
+    adapters.resize(1 << 30)
+    adapters.prepare(AdapterOrder(LOAD, french.ref, french))
+    assert {e["digest"] for e in adapters.resident()} == {french.ref.digest, caps.ref.digest}
+    with pytest.raises(ConfigError, match=">= 1 byte"):
+        adapters.resize(0)
 
 
 def test_an_adapter_of_another_shape_replaces_a_free_slot_by_injection(

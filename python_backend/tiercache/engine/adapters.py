@@ -37,6 +37,17 @@ this module does not know, an alpha_pattern), or that holds a LoRA variant with 
 Switching calls `set_adapter` on the LoRA layers directly (a cached list): walking every module,
 as `model.set_adapter` does, costs about twice as much (python -m tiercache_dev.bench.lora engine).
 
+Bytes, as the KV pool's (issue 20): with `max_bytes` (torch_llm's `lora_max_bytes`; 0: slots
+only) the injected slots' parameters, held or free, stay within a byte budget that
+`tiercache.budgets` may move between its floor and that ceiling (`resize`, from the budget
+thread: recorded, and applied by the engine thread at its next request, `prepare`). Room is made
+by deleting free slots first (nothing served is lost), then dropping the policy's victims and
+deleting their slots; the adapter a request runs with is never dropped, and one adapter is always
+loaded even when it alone is over the budget (a request is never refused for room). What the
+engine dropped for bytes is remembered in a shadow queue (`tiercache.shadow`): loading it again
+credits the load's seconds, what one more byte of slots would have saved. lora_cache learns of
+the drop as of any: the engine says it does not hold the version, and llm sends its weights.
+
 The base model is "no active adapter": each LoRA layer then computes exactly its base layer's
 output, so base-model answers are unchanged by what is loaded or left in free slots.
 
@@ -50,6 +61,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -67,6 +79,7 @@ from tiercache.engine.adapter_call import adapter_ref
 from tiercache.errors import CapacityError, ConfigError, Forbidden, InvalidRequest, NotFound
 from tiercache.eviction import EvictionPolicy, LruPolicy
 from tiercache.exact.request import GenerationRequest
+from tiercache.shadow import ShadowQueue, shadow_bytes
 
 # Config keys whose features need more than LoRA layers switched by name (extra trainable modules,
 # extra forward arguments or a changed model structure); this engine refuses them.
@@ -175,6 +188,9 @@ class AdapterStats:
     last_load_s: float
     last_switch_s: float
     active: AdapterRef | None
+    slot_bytes: int = 0  # parameters of every injected slot, held or free
+    max_bytes: int = 0  # the byte budget in force (0: slots only)
+    budget_evictions: int = 0  # of `evictions`, dropped for the byte budget
 
 
 @dataclass(slots=True)
@@ -185,6 +201,7 @@ class _Slot:
     signature: str | None  # what a recycled load must match; None: never recycled
     params: dict[str, torch.nn.Parameter]  # state-dict key (as in the file) -> parameter
     layers: tuple[BaseTunerLayer, ...]  # the LoRA layers holding this slot
+    nbytes: int = 0  # its parameters' bytes, held or free
     holder: _Resident | None = None
 
 
@@ -194,6 +211,7 @@ class _Resident:
     slot: _Slot
     nbytes: int
     uses: int = 0
+    load_s: float = 0.0  # what loading it took: what keeping it saves
 
 
 def _copy_weights(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
@@ -206,6 +224,10 @@ def _copy_weights(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
 def _scaling(lora_alpha: float, rank: int, use_rslora: bool) -> float:
     """peft's LoRA scaling (LoraLayer.update_layer), recomputed when a slot is recycled."""
     return lora_alpha / math.sqrt(rank) if use_rslora else lora_alpha / rank
+
+
+def _key(ref: AdapterRef) -> AdapterKey:
+    return (ref.task_id, ref.digest)
 
 
 def _jsonable(value: object) -> object:
@@ -230,11 +252,21 @@ class EngineAdapters:
         max_slots: int = 4,
         clock: Callable[[], float] = time.perf_counter,
         policy: EvictionPolicy[AdapterKey] | None = None,
+        max_bytes: int = 0,
     ) -> None:
+        """`max_bytes`: the slots' byte budget (0: `max_slots` alone bounds them)."""
         if max_slots < 0:
             raise ConfigError(f"lora_slots must be >= 0, got {max_slots}")
+        if max_bytes < 0:
+            raise ConfigError(f"lora_max_bytes must be >= 0, got {max_bytes}")
         self.model = model
         self.max_slots = max_slots
+        self.max_bytes = max_bytes
+        self._budget_lock = threading.Lock()  # the target and the shadow: read by the budget
+        self._target: int | None = None  # a `resize` recorded for the next request
+        self._shadow: ShadowQueue[AdapterKey] = ShadowQueue(shadow_bytes(max_bytes))
+        self._slot_bytes = 0
+        self._budget_evictions = 0
         self._clock = clock
         self._module_names = tuple(name for name, _ in model.named_modules() if name)
         self._held: dict[AdapterKey, _Resident] = {}
@@ -293,7 +325,21 @@ class EngineAdapters:
             last_load_s=self._last_load_s,
             last_switch_s=self._last_switch_s,
             active=None if active is None else active.ref,
+            slot_bytes=self._slot_bytes,
+            max_bytes=self.max_bytes,
+            budget_evictions=self._budget_evictions,
         )
+
+    def slot_bytes(self) -> int:
+        """What the slots hold now, held or free (a budget's `held`: a smaller budget is
+        applied at the next request)."""
+        return self._slot_bytes
+
+    def shadow_reading(self) -> tuple[float, float]:
+        """(load seconds the shadow's hits saved, cumulative; the bytes it spans): the
+        budget's `ShadowValue` reads it from the budget thread."""
+        with self._budget_lock:
+            return self._shadow.gained_s, float(self._shadow.bytes)
 
     # ---- changes --------------------------------------------------------------------------
 
@@ -313,6 +359,8 @@ class EngineAdapters:
             return 0.0
         if self.max_slots == 0:
             raise CapacityError("this engine holds no adapters (lora_slots is 0)")
+        with self._budget_lock:  # dropped for bytes lately: a larger budget would have kept it
+            self._shadow.credit(key)  # what its last load took
         started = self._clock()
         try:
             config = self._parse_config(weights)
@@ -331,6 +379,9 @@ class EngineAdapters:
             (s for s in self._slots.values() if s.holder is None and s.signature == signature),
             None,
         )
+        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        if slot is None and self.max_bytes:  # a new slot: room for about its weights' bytes
+            self._make_room(nbytes, keep=key)
         try:
             if slot is not None:
                 self._recycle(slot, config, state_dict)
@@ -340,13 +391,13 @@ class EngineAdapters:
         except BaseException:
             self._load_failures += 1
             raise
-        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        slot.holder = self._held[key] = _Resident(weights.ref, slot, nbytes)
+        load_s = self._clock() - started
+        slot.holder = self._held[key] = _Resident(weights.ref, slot, nbytes, load_s=load_s)
         self._bytes += nbytes
         self._loads += 1
-        self._last_load_s = self._clock() - started
-        self._policy.admit(key, 1, cost_s=self._last_load_s)
-        return self._last_load_s
+        self._last_load_s = load_s
+        self._policy.admit(key, 1, cost_s=load_s)
+        return load_s
 
     def activate(self, ref: AdapterRef | None) -> float:
         """Make `ref` the adapter the next forwards use (None: the base model, exactly).
@@ -388,9 +439,21 @@ class EngineAdapters:
             self._delete_slot(slot)
         return len(free)
 
+    def resize(self, max_bytes: int) -> int:
+        """A new byte budget for the slots (tiercache.budgets, from its own thread); returns
+        it. Recorded here, applied by the engine thread when the next request starts
+        (`prepare`): slots are the model's parameters, which a forward may be reading."""
+        if max_bytes < 1:
+            raise ConfigError(f"the adapter slots' budget must be >= 1 byte, got {max_bytes}")
+        with self._budget_lock:
+            self._target = max_bytes
+        return max_bytes
+
     def prepare(self, order: AdapterOrder) -> OrderResult:
-        """Evict, then load, as `order` asks; the op itself is the caller's."""
+        """Evict, then load, as `order` asks; the op itself is the caller's. A new byte budget
+        (`resize`) takes effect first."""
         before = {digest for _, digest in self._held}
+        self._follow_budget(None if order.needs is None else _key(order.needs))
         keep = None if order.needs is None else order.needs.digest
         for digest in order.evict:
             if digest != keep:
@@ -400,6 +463,35 @@ class EngineAdapters:
         return OrderResult(load_s, tuple(sorted(before - after)))
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _follow_budget(self, keep: AdapterKey | None) -> None:
+        """Apply a recorded `resize`, then shrink to the budget (never dropping `keep`)."""
+        with self._budget_lock:
+            target, self._target = self._target, None
+            if target is not None:
+                self.max_bytes = target
+                self._shadow.resize(shadow_bytes(target))
+        if self.max_bytes:
+            self._make_room(0, keep)
+
+    def _make_room(self, nbytes: int, keep: AdapterKey | None) -> None:
+        """Until the slots and `nbytes` more fit the budget: delete a free slot, else drop the
+        policy's victim (never `keep`) and delete its slot, remembering it in the shadow. Stops
+        when nothing is left to give: one adapter may stay over the budget alone."""
+        while self._slot_bytes + nbytes > self.max_bytes:
+            free = next((s for s in self._slots.values() if s.holder is None), None)
+            if free is not None:
+                self._delete_slot(free)
+                continue
+            victims = self._policy.nominate(1, 0, lambda k: k == keep)
+            if not victims or victims[0] not in self._held:
+                return
+            resident = self._held[victims[0]]
+            self._drop(victims[0])
+            self._delete_slot(resident.slot)
+            self._budget_evictions += 1
+            with self._budget_lock:
+                self._shadow.add(victims[0], resident.slot.nbytes, resident.load_s)
 
     def _drop(self, key: AdapterKey) -> None:
         resident = self._held.pop(key)
@@ -546,6 +638,7 @@ class EngineAdapters:
             self._refresh_layers()
             self._apply(self._active)  # injecting activates the new adapter; restore
         self._slots[name] = slot
+        self._slot_bytes += slot.nbytes
         return slot
 
     def _new_slot(
@@ -587,13 +680,15 @@ class EngineAdapters:
                 for k, t in state_dict.items()
             )
         )
-        return _Slot(name, signature if recyclable else None, params, tuple(layers))
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        return _Slot(name, signature if recyclable else None, params, tuple(layers), nbytes)
 
     def _delete_slot(self, slot: _Slot) -> None:
         if slot.holder is not None:
             raise RuntimeError(f"{slot.name} is held by {slot.holder.ref.short}: not deleted")
         self._remove_from_model(slot.name)
         del self._slots[slot.name]
+        self._slot_bytes -= slot.nbytes
 
     def _inject(
         self,

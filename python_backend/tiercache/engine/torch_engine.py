@@ -129,6 +129,7 @@ class TorchEngine:
         kv_reuse: bool = True,
         tokens_per_block: int = 32,
         kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
+        lora_max_bytes: int = 0,
         kv_eviction: str = "gdsf",
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
@@ -146,7 +147,7 @@ class TorchEngine:
         self._timed_prefill = str(self.device).startswith("cpu")
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
         self.context_tokens = context_window(self.model.config)
-        self.adapters = EngineAdapters(self.model, max_slots=lora_slots)
+        self.adapters = EngineAdapters(self.model, max_slots=lora_slots, max_bytes=lora_max_bytes)
         eos = {self.tokenizer.eos_token_id}
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:

@@ -14,7 +14,15 @@ from typing import Any, Protocol
 
 from tiercache.budgets import Budget, BudgetThread, LatencyObjective, cache_budget
 from tiercache.config import EngineConfig, name_list
-from tiercache.engine.adapters import EVICT, GENERATE, LIST, LOAD, AdapterOrder, AdapterStats
+from tiercache.engine.adapters import (
+    EVICT,
+    GENERATE,
+    LIST,
+    LOAD,
+    AdapterOrder,
+    AdapterStats,
+    EngineAdapters,
+)
 from tiercache.engine.kv_cache import KvBlockPool, KvStats
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
@@ -343,6 +351,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         kv_reuse=config.kv_reuse,
         tokens_per_block=config.tokens_per_block,
         kv_pool_max_bytes=config.kv_pool_max_bytes,
+        lora_max_bytes=config.lora_max_bytes,
         kv_eviction=config.kv_eviction,
         speculate=config.speculate,
         draft_index_tokens=config.draft_index_tokens,
@@ -354,8 +363,8 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     budgeted = config.memory_headroom_bytes or config.cache_memory_bytes
     if budgeted and not str(engine.device).startswith("cpu"):  # "auto" may have picked a GPU
         log.warning(
-            "memory_headroom_bytes, cache_memory_bytes: the KV pool is on %s, not host memory; "
-            "its budget stays fixed (GPU budgets are not built yet)",
+            "memory_headroom_bytes, cache_memory_bytes: the KV pool and the adapter slots are "
+            "on %s, not host memory; their budgets stay fixed (GPU budgets are not built yet)",
             engine.device,
         )
     else:
@@ -364,7 +373,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         stage.budgets = start_budgets(
             config.memory_headroom_bytes,
             config.budget_interval_s,
-            [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)],
+            engine_budgets(engine, config),
             metrics,
             config.state_path(),
             model_name,
@@ -373,6 +382,27 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         )
     metrics.start()
     return stage
+
+
+def engine_budgets(engine: TorchEngine, config: EngineConfig) -> list[Budget]:
+    """The KV pool's budget, and the adapter slots' when they have a byte bound."""
+    budgets = [kv_pool_budget(engine.kv_pool, config.kv_pool_min_bytes, config.kv_pool_max_bytes)]
+    if config.lora_max_bytes > 0 and config.lora_slots > 0:
+        budgets.append(
+            adapter_slots_budget(engine.adapters, config.lora_min_bytes, config.lora_max_bytes)
+        )
+    return budgets
+
+
+def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The adapter slots' budget: between its floor and `lora_max_bytes`, valued by what one
+    more byte would save (loads of adapters the engine dropped for bytes lately, asked for
+    again); applied by the engine thread at the next request, so the slots it still holds
+    count as `held`."""
+    return cache_budget(
+        "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
+        adapters.slot_bytes,
+    )  # fmt: skip
 
 
 def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
