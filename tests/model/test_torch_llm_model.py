@@ -561,8 +561,7 @@ def test_with_a_memory_headroom_the_adapter_slots_follow_the_host(
                 LORA_WEIGHTS=weights,
             )
             assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
-        adapters = instance.stage.engine.adapters
-        assert adapters.stats().resident == 2
+        adapters = instance.stage.engine.adapters  # both held unless the budget came first
         families = instance.stage.metrics._families
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
@@ -580,6 +579,9 @@ def test_with_a_memory_headroom_the_adapter_slots_follow_the_host(
         stats = adapters.stats()
         assert (stats.resident, stats.budget_evictions, stats.injected_slots) == (1, 1, 1)
         assert [a["digest"] for a in adapters.resident()] == [two.digest]
+        instance.stage.metrics.flush()
+        (held,) = families["tiercache_engine_adapter_slot_bytes"].metrics
+        assert held.value() == stats.slot_bytes > 1  # the one it runs with, alone over it
         (missing,) = call(pb_utils, instance, sealer, ENVELOPE=request_json(sealer, one))
         assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
     finally:

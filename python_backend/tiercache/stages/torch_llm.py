@@ -136,6 +136,10 @@ class TorchLlmStage:
         self.adapters_resident = m.gauge(
             "tiercache_engine_adapters_resident", "LoRA adapters loaded in the engine"
         )
+        self.adapter_slot_bytes = m.gauge(
+            "tiercache_engine_adapter_slot_bytes",
+            "Bytes of the adapter slots injected in the model, held or free (lora_max_bytes)",
+        )
         self.kv_reused = m.counter(
             "tiercache_engine_kv_reused_tokens_total", "Prompt tokens served from the KV pool"
         )
@@ -303,6 +307,7 @@ class TorchLlmStage:
         self.adapter_loads.update(after.loads)
         self.adapter_evictions.update(after.evictions)
         self.adapters_resident.set(after.resident)
+        self.adapter_slot_bytes.set(after.slot_bytes)
 
     def _record_stall(self, before: AdapterStats, after: AdapterStats, kv: KvStats) -> None:
         """This request's gen-stall-duration: its adapter load and switch (each at most once

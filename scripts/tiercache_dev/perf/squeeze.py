@@ -5,7 +5,7 @@ killed, and the budgets grow back when the memory returns.
 Usage (root, on a machine whose memory cgroup controller this user may create groups in)::
 
     python -m tiercache_dev.perf.squeeze [--extra-gib 2.5] [--headroom-mib 1024]
-        [--before-s 45] [--hold-s 45] [--after-s 45] [--out-dir .perf/squeeze]
+        [--before-s 45] [--hold-s 45] [--after-s 45] [--adapters] [--out-dir .perf/squeeze]
 
 1. Creates a memory cgroup (v1 `memory/tiercache-squeeze-<pid>` or v2 `tiercache-squeeze-<pid>`)
    and moves this process in: the server, its stubs and the squeezer are all in it.
@@ -16,6 +16,10 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
    fill the KV pool), recording each one's latency and whether it succeeded.
 4. After `--before-s`, the squeezer (a child process in the group) takes memory in 64 MiB steps
    until the group has less than half the headroom left, holds it for `--hold-s`, then exits.
+   With `--adapters`, the requests name the committed adapters and the base model in turn,
+   and torch_llm's adapter slots get a byte budget (`lora_max_bytes` 8 MiB, `lora_min_bytes`
+   2 MiB: about four slots and one): a dropped adapter is sent again by llm (the engine's "not
+   held" answer), so requests go on while the slots shrink.
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
@@ -132,6 +136,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--before-s", type=float, default=45.0)
     parser.add_argument("--hold-s", type=float, default=45.0)
     parser.add_argument("--after-s", type=float, default=45.0)
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="requests name the committed adapters in turn; torch_llm's slots get a budget",
+    )
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "squeeze")
     return parser.parse_args(argv)
@@ -143,10 +152,15 @@ def prompt(number: int) -> str:
     return f"Request {number}. Remember this list: {words}. Which item came first?"
 
 
+ADAPTER_TURNS = (None, "french", "caps", "brief")
+ADAPTER_SLOTS = {"lora_max_bytes": str(8 * MIB), "lora_min_bytes": str(2 * MIB)}
+
+
 class Client(threading.Thread):
-    def __init__(self, grpc_port: int, started: float) -> None:
+    def __init__(self, grpc_port: int, started: float, adapters: bool = False) -> None:
         super().__init__(daemon=True)
         self.port, self.started = grpc_port, started
+        self.turns = ADAPTER_TURNS if adapters else (None,)
         self.done = threading.Event()
         self.results: list[tuple[float, float, bool]] = []  # (time, latency, ok)
 
@@ -157,7 +171,8 @@ class Client(threading.Thread):
                 number += 1
                 begun = time.monotonic()
                 try:
-                    client.generate_text(prompt(number), max_tokens=4)
+                    lora = self.turns[number % len(self.turns)]
+                    client.generate_text(prompt(number), max_tokens=4, lora_name=lora)
                     ok = True
                 except Exception:  # noqa: BLE001 - counted: the run fails on any
                     ok = False
@@ -174,12 +189,19 @@ def gone(process: Any) -> bool:
         return True
 
 
-def budgets(port: int) -> dict[str, float]:
+SLOT_BYTES = "tiercache_engine_adapter_slot_bytes"
+
+
+def budgets(port: int) -> tuple[dict[str, float], float | None]:
+    """Each cache's budget, and the engine's adapter slot bytes (None: not reported)."""
     found: dict[str, float] = {}
+    slots = None
     for name, labels, value in scrape_metrics(port, wait_s=2.0):
         if name == "tiercache_budget_bytes":
             found[labels.get("cache", "?")] = value
-    return found
+        elif name == SLOT_BYTES:
+            slots = value
+    return found, slots
 
 
 def plot(
@@ -199,6 +221,15 @@ def plot(
         axes[0].plot(
             t, [row["budgets"].get(cache, float("nan")) / MIB for row in timeline], label=cache
         )
+    held = [row.get("adapter_slots_held") for row in timeline]
+    if any(v is not None for v in held):  # MiB beside hundreds: a log scale shows both
+        axes[0].plot(
+            t,
+            [float("nan") if v is None else v / MIB for v in held],
+            "--",
+            label="adapter slots held",
+        )
+        axes[0].set_yscale("log")
     axes[0].set_ylabel("budget (MiB)")
     axes[1].plot(t, [row["available"] / MIB for row in timeline], label="group available")
     axes[1].plot(t, [row["squeezer"] / MIB for row in timeline], label="squeezer holds")
@@ -227,10 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="tiercache-squeeze-") as tmp:
             work = Path(tmp)
             params = {"memory_headroom_bytes": str(headroom), "budget_interval_s": "0.5"}
+            engine = {**params, **(ADAPTER_SLOTS if args.adapters else {})}
             repository = copy_repository(
                 MODEL_REPOSITORY,
                 work / "repository",
-                {"prompt_cache": dict(params), "torch_llm": dict(params)},
+                {"prompt_cache": dict(params), "torch_llm": engine},
             )
             state = fresh_state(work, args.state_dir)
             server = triton(
@@ -254,7 +286,7 @@ def run(
     args: argparse.Namespace, server: Any, group: Group, headroom: int, limit: int, baseline: int
 ) -> int:
     started = time.monotonic()
-    client = Client(server.ports.grpc, started)
+    client = Client(server.ports.grpc, started, args.adapters)
     client.start()
     probe, labels = HostMemoryProbe(), {}
     timeline: list[dict[str, Any]] = []
@@ -308,10 +340,12 @@ def run(
                     rss[name] = proc.memory_info().rss
                 except Exception:  # noqa: BLE001 - a process gone between listing and reading
                     continue
+            sizes, slot_bytes = budgets(server.ports.metrics)
             timeline.append(
                 {
                     "t": round(now, 2),
-                    "budgets": budgets(server.ports.metrics),
+                    "budgets": sizes,
+                    "adapter_slots_held": slot_bytes,
                     "available": probe.read().available_bytes,
                     "usage": group.usage(),
                     "rss": rss,
@@ -344,6 +378,14 @@ def run(
         limit,
         baseline,
     )
+
+
+def span(values: list[float]) -> str:
+    """min-max of MiB values: whole MiB, or tenths under 10."""
+    if not values:
+        return "-"
+    digits = 1 if max(values) < 10 else 0
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
 
 def report(
@@ -394,6 +436,7 @@ def report(
         "held": window,
         "after": (window[1], float("inf")),
     }
+    slots = any(r.get("adapter_slots_held") is not None for r in timeline)
     lines = [
         f"`{invocation('tiercache_dev.perf.squeeze', None)}`",
         "",
@@ -403,8 +446,9 @@ def report(
         "",
         "| phase | "
         + " | ".join(f"{c} budget MiB (min-max)" for c in caches)
+        + (" | adapter slots held MiB (min-max)" if slots else "")
         + " | available MiB (min) | median latency (requests) |",
-        "|---|" + "---:|" * (len(caches) + 2),
+        "|---|" + "---:|" * (len(caches) + 2 + slots),
     ]
     for name, (lo, hi) in phases.items():
         rows = phase(lo, hi)
@@ -413,7 +457,10 @@ def report(
         cells = []
         for cache in caches:
             values = [r["budgets"][cache] / MIB for r in rows if cache in r["budgets"]]
-            cells.append(f"{min(values):.0f}-{max(values):.0f}" if values else "-")
+            cells.append(span(values))
+        if slots:
+            held = [r["adapter_slots_held"] / MIB for r in rows if r.get("adapter_slots_held")]
+            cells.append(span(held))
         available = min(r["available"] for r in rows) / MIB
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {available:.0f} | {lat(lo, hi)} |")
     (out / "squeeze.md").write_text("\n".join(lines) + "\n")
