@@ -207,6 +207,13 @@ PARAMETERS: dict[str, _Spec] = {
         "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
         "trusted as sent",
     ),
+    "disk_headroom_bytes": _Spec(
+        512 << 20,
+        "Free disk kept on the state directory's filesystem: under it L2 (answers, prompt "
+        "vectors) stops growing its file and turns over inside it; under half of it L2 takes "
+        "no new entries (the other tiers still do); 0: off (docs/budgets.md)",
+        min=0,
+    ),
     "memory_headroom_bytes": _Spec(
         0,
         "Host memory this stage's caches keep free (tiercache.budgets): under it their budgets "
@@ -319,6 +326,7 @@ class _TiersConfig(_RedisConfig):
 
     l2_max_bytes: int = shared("l2_max_bytes")
     l2_eviction: str = shared("l2_eviction")
+    disk_headroom_bytes: int = shared("disk_headroom_bytes")
     ttl_s: float = shared("ttl_s")
     redis_max_ttl_s: float = shared("redis_max_ttl_s")
 
@@ -330,6 +338,7 @@ class _TiersConfig(_RedisConfig):
             l1_eviction=getattr(self, "l1_eviction", "gdsf"),
             l2_max_bytes=self.l2_max_bytes,
             l2_eviction=self.l2_eviction,
+            disk_headroom_bytes=self.disk_headroom_bytes,
             ttl_s=self.ttl_s,
             redis_url=self.redis_url,
             redis_prefix=self.redis_prefix,

@@ -14,7 +14,8 @@ reads the files or library a container actually exposes:
 - GPU memory: NVML (`pynvml`, from the nvidia-ml-py package): each device's total, free and
   used bytes and what this process holds on it. No driver, no device or no package: no GPUs
   (logged once), never an error: the CPU engine runs on host memory alone.
-- Disk: `shutil.disk_usage` of the state directory (L2, the semantic rows, converted weights).
+- Disk: `shutil.disk_usage` of the state directory (L2, the semantic rows, converted weights);
+  `DiskRoom` turns it into what L2 may do (grow, turn over inside its file, or write nothing).
 
 The paths and the NVML module are injectable, so tests read a made-up `/proc` and `/sys` and an
 NVML stand-in with NVML's own call surface (tests/unit/test_machine.py).
@@ -25,7 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,3 +261,69 @@ def read_disk(path: Path) -> DiskReading:
         probe = probe.parent
     usage = shutil.disk_usage(probe)
     return DiskReading(str(path), int(usage.total), int(usage.free))
+
+
+ROOM, SHORT, CRITICAL = "room", "short", "critical"
+
+
+class DiskRoom:
+    """Whether the filesystem holding `path` keeps `headroom_bytes` free (`disk_headroom_bytes`):
+    ROOM; SHORT under the headroom (L2 stops growing its file: it turns over inside the pages it
+    has); CRITICAL under half of it (L2 writes nothing). An LMDB file never shrinks, so holding
+    its size is all a cache can give back to the disk. Read at most every `interval_s` (a
+    syscall; L2 asks on every write); a reading that fails keeps the last state. `headroom_bytes`
+    0: always ROOM. Thread-safe."""
+
+    def __init__(
+        self,
+        path: Path,
+        headroom_bytes: int,
+        interval_s: float = 1.0,
+        read: Callable[[Path], DiskReading] = read_disk,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.headroom_bytes = max(headroom_bytes, 0)
+        self.interval_s = interval_s
+        self._read = read
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next_s = float("-inf")
+        self._state = ROOM
+        self.free_bytes: int | None = None  # as last read
+
+    def state(self) -> str:
+        if self.headroom_bytes <= 0:
+            return ROOM
+        now = self._clock()
+        with self._lock:
+            if now < self._next_s:
+                return self._state
+            self._next_s = now + self.interval_s
+        try:
+            free = self._read(self.path).free_bytes
+        except OSError as exc:
+            log.warning(
+                "cannot read the free disk of %s (%s); L2 keeps its last state", self.path, exc
+            )
+            return self._state
+        state = (
+            ROOM
+            if free >= self.headroom_bytes
+            else (SHORT if free >= self.headroom_bytes // 2 else CRITICAL)
+        )
+        with self._lock:
+            old, self._state, self.free_bytes = self._state, state, free
+        if state != old:
+            log.warning(
+                "the disk of %s has %d MiB free (disk_headroom_bytes %d MiB): L2 %s",
+                self.path,
+                free >> 20,
+                self.headroom_bytes >> 20,
+                {
+                    ROOM: "grows again",
+                    SHORT: "stops growing its file (it turns over inside it)",
+                    CRITICAL: "takes no new entries",
+                }[state],
+            )
+        return state

@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from tiercache.machine import GpuMemoryProbe, HostMemoryProbe, read_disk
+from tiercache.machine import (
+    CRITICAL,
+    ROOM,
+    SHORT,
+    DiskReading,
+    DiskRoom,
+    GpuMemoryProbe,
+    HostMemoryProbe,
+    read_disk,
+)
 
 GIB = 1 << 30
 
@@ -181,6 +190,41 @@ def test_this_machine_without_a_gpu_reads_none() -> None:
 def test_disk_of_a_path_not_created_yet(tmp_path: Path) -> None:
     reading = read_disk(tmp_path / "state" / "l2")
     assert 0 < reading.free_bytes <= reading.total_bytes
+
+
+def test_disk_room_reads_this_machines_disk(tmp_path: Path) -> None:
+    free = read_disk(tmp_path).free_bytes
+    assert DiskRoom(tmp_path, 0).state() == ROOM  # off
+    assert DiskRoom(tmp_path, 1).state() == ROOM
+    assert DiskRoom(tmp_path, 1 << 62).state() == CRITICAL
+    room = DiskRoom(tmp_path, 3 * free // 2)  # short while 0.75x to 1.5x of it stays free
+    assert room.state() == SHORT and room.free_bytes is not None
+
+
+def test_disk_room_reads_at_most_every_interval_and_keeps_its_state_when_a_read_fails(
+    tmp_path: Path,
+) -> None:
+    now, reads, free = [0.0], [0], [100]
+
+    def read(path: Path) -> DiskReading:
+        reads[0] += 1
+        if free[0] < 0:
+            raise OSError("gone")
+        return DiskReading(str(path), 1000, free[0])
+
+    room = DiskRoom(tmp_path, 80, interval_s=1.0, read=read, clock=lambda: now[0])
+    assert room.state() == ROOM and reads[0] == 1
+    free[0] = 50
+    now[0] = 0.5
+    assert room.state() == ROOM and reads[0] == 1  # not read again yet
+    now[0] = 1.0
+    assert room.state() == SHORT and reads[0] == 2
+    free[0], now[0] = 39, 2.0
+    assert room.state() == CRITICAL
+    free[0], now[0] = -1, 3.0
+    assert room.state() == CRITICAL and reads[0] == 4  # a failed reading keeps the last state
+    free[0], now[0] = 80, 4.0
+    assert room.state() == ROOM
 
 
 def test_a_parents_limit_binds_v2(tmp_path: Path) -> None:

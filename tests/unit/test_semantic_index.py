@@ -19,6 +19,7 @@ from tiercache.exact.keys import EngineIdentity, semantic_scope, tenant_scope
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import MemoryStore
 from tiercache.exact.tiered import TieredCache
+from tiercache.machine import DiskReading, DiskRoom
 from tiercache.semantic.graph_files import file_digest
 from tiercache.semantic.index import SemanticIndex, estimated_graph_bytes
 from tiercache.semantic.row_log import INITIAL_CAPACITY, scope_tag
@@ -127,6 +128,23 @@ def test_vector_cache_l1_l2_and_corruption(tmp_path: Path) -> None:
     assert damaged.get(key) is None
     assert damaged.stats().corrupt == 1
     assert vector_key("emb@1", "hello") != vector_key("emb@2", "hello")
+
+
+def test_vector_cache_short_of_disk_keeps_vectors_in_l1_only(tmp_path: Path) -> None:
+    free = [10]
+    disk = DiskRoom(
+        tmp_path, 100, interval_s=0.0, read=lambda p: DiskReading(str(p), 1000, free[0])
+    )
+    cache = VectorCache(tmp_path / "vec", DIM, disk=disk)
+    short, kept = vector_key("emb@1", "short"), vector_key("emb@1", "kept")
+    cache.put(short, unit(1, 2))
+    assert np.array_equal(cache.get(short), unit(1, 2)) and cache.l2_skipped == 1  # from L1
+    free[0] = 100
+    cache.put(kept, unit(2, 1))
+    cache.close()
+    reopened = VectorCache(tmp_path / "vec", DIM)
+    assert reopened.get(short) is None and reopened.get(kept) is not None
+    reopened.close()
 
 
 def test_vector_cache_l1_is_an_lru_in_bytes_that_resizes_and_values_its_next_byte(

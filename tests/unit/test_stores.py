@@ -28,6 +28,7 @@ from tiercache.exact.codec import (
 )
 from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import GREEDY, SAMPLED, LmdbStore, MemoryStore, Store, answer_group
+from tiercache.machine import DiskReading, DiskRoom
 
 
 def entry(text: str = "answer", created_s: float = 1.0, **kwargs: object) -> CacheEntry:
@@ -279,6 +280,44 @@ def test_lmdb_tiny_map_evicts_oldest_first_and_never_raises(
     present = [k for k in keys if store.get(k) is not None]
     # Oldest first: what survives is exactly the newest entries.
     assert present == keys[len(keys) - len(present) :]
+    store.close()
+
+
+@pytest.mark.parametrize("text_bytes", [100, 3_000])
+def test_lmdb_short_of_disk_turns_over_inside_its_file_and_critical_writes_nothing(
+    tmp_path: Path, text_bytes: int
+) -> None:
+    """disk_headroom_bytes: with the disk short, writing ten times what the file holds grows it
+    by at most a page or two (the live pages stay under three quarters of it, the newest
+    entries kept); critically short, nothing is written (counted), what is there stays
+    readable; with room again, L2 grows."""
+    free = [1 << 40]
+    disk = DiskRoom(
+        tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
+    )
+    store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk)
+    data = tmp_path / "l2" / "data.mdb"
+    count = 300_000 // text_bytes
+    for i in range(count):
+        store.put(f"a{i:06d}", entry("x" * text_bytes, created_s=float(i)))
+    grown = data.stat().st_size
+    assert store.stats().evictions == 0
+    free[0] = (1 << 30) - 1  # short
+    keys = [f"b{i:06d}" for i in range(10 * count)]
+    for i, key in enumerate(keys):
+        store.put(key, entry("x" * text_bytes, created_s=float(10**6 + i)))
+        assert store.get(key) is not None
+    assert data.stat().st_size <= grown + 2 * 4096
+    assert store.stats().evictions > count  # it turned over: the first entries are gone
+    assert store.get("a000000") is None and store.get(keys[-1]) is not None
+    free[0] = (1 << 29) - 1  # critical
+    store.put("c", entry("kept elsewhere"))
+    assert store.get("c") is None and store.stats().rejected == 1
+    assert store.get(keys[-1]) is not None  # nothing lost
+    free[0] = 1 << 40  # room again
+    for i in range(count):
+        store.put(f"d{i:06d}", entry("y" * text_bytes, created_s=float(10**7 + i)))
+    assert data.stat().st_size > grown
     store.close()
 
 

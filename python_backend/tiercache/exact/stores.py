@@ -33,6 +33,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.machine import CRITICAL, ROOM, SHORT, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
 
@@ -51,9 +52,9 @@ class StoreStats:
     # What a tier that counts hits per entry (L1; L2 with values) says of their value; the
     # others leave them at their defaults. `evicted_hits`: hits the evicted entries had had
     # while held (the value eviction gave up); `rejected`: entries not stored (larger than the
-    # whole budget); `removed`: entries deleted other than by eviction (invalidations,
-    # expiry); `hit_skew`: share of the held entries' hits taken by the hottest 1 % of them
-    # (None: not counted).
+    # whole budget; L2: its disk critically short, `DiskRoom`); `removed`: entries deleted
+    # other than by eviction (invalidations, expiry); `hit_skew`: share of the held entries'
+    # hits taken by the hottest 1 % of them (None: not counted).
     evicted_hits: int = 0
     rejected: int = 0
     removed: int = 0
@@ -612,10 +613,17 @@ class LmdbStore:
         headroom_fraction: float = 0.25,
         clock: Callable[[], float] = time.time,
         values: EntryValues | None = None,
+        disk: DiskRoom | None = None,
     ) -> None:
+        """`disk`: the state directory's free disk (None: not watched). While it is short,
+        writes keep the live pages under (1 - headroom_fraction) of the file's size, so the
+        file stops growing; while it is critical, nothing is written (counted as `rejected`)."""
         self.path = path
         self._max_bytes = max_bytes
         self._values = values
+        self._disk = disk
+        self._headroom_fraction = headroom_fraction
+        self._rejected = 0
         self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
         self._evict_fraction = evict_fraction
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
@@ -659,9 +667,17 @@ class LmdbStore:
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
+        disk = ROOM if self._disk is None else self._disk.state()
+        if disk == CRITICAL:  # the other tiers keep it; the disk is left to what must write
+            with self._lock:
+                self._rejected += 1
+            return
         with self._resized_is_an_error():
             with self._evict_lock:  # one evicting thread per process; the others re-check after
-                if self._live_bytes() + len(data) > self._high_water_bytes:
+                limit = self._high_water_bytes
+                if disk == SHORT:
+                    limit = min(limit, int(self._file_bytes() * (1.0 - self._headroom_fraction)))
+                if self._live_bytes() + len(data) > limit:
                     self._evict()
             try:
                 self._write(key.encode(), data)
@@ -676,6 +692,13 @@ class LmdbStore:
 
     def _live_bytes(self) -> int:
         return data_bytes(self._env)
+
+    def _file_bytes(self) -> int:
+        """What the map's file takes now (it grows as pages are first used, never shrinks)."""
+        try:
+            return (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
 
     def _write(self, key: bytes, data: bytes) -> None:
         with self._env.begin(write=True) as txn:
@@ -817,6 +840,7 @@ class LmdbStore:
                 evictions=self._evictions,
                 corrupt=self._corrupt,
                 evicted_hits=self._evicted_hits,
+                rejected=self._rejected,
                 removed=self._removed,
                 hit_skew=skew,
             )

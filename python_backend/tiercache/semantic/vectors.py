@@ -23,6 +23,7 @@ import lmdb
 import numpy as np
 
 from tiercache.exact.stores import check_readers, open_lmdb
+from tiercache.machine import ROOM, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,19 @@ class VectorCacheStats:
 
 class VectorCache:
     def __init__(
-        self, path: Path, dimensions: int, l1_max_bytes: int = 16 << 20, l2_max_bytes: int = 1 << 30
+        self,
+        path: Path,
+        dimensions: int,
+        l1_max_bytes: int = 16 << 20,
+        l2_max_bytes: int = 1 << 30,
+        disk: DiskRoom | None = None,
     ) -> None:
+        """`disk`: the state directory's free disk (None: not watched); while it is short of
+        its headroom, vectors are kept in L1 only (they are recomputable)."""
         self.dimensions = dimensions
         self.path = path
+        self._disk = disk
+        self.l2_skipped = 0  # vectors not written to L2 for want of disk
         # Damaged while stopped: moved aside and rebuilt empty (vectors are recomputable).
         # Created 0700 with 0600 files (`open_lmdb`).
         self._env = open_lmdb(path, l2_max_bytes, "vector cache")
@@ -112,14 +122,18 @@ class VectorCache:
         """Store a vector just embedded; `cost_s` is what embedding it took (its share of the
         embedder's call), what L1 would have saved had it kept an evicted copy."""
         vector = np.ascontiguousarray(vector, dtype=np.float32)
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(key, encode_vector(vector))
-        except lmdb.MapFullError:
-            # Vectors are re-computable: when the budget is full, start over rather than fail.
-            log.warning("vector cache L2 is full; cleared")
-            with self._env.begin(write=True) as txn:
-                txn.drop(self._env.open_db(), delete=False)
+        if self._disk is not None and self._disk.state() != ROOM:
+            with self._lock:
+                self.l2_skipped += 1
+        else:
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(key, encode_vector(vector))
+            except lmdb.MapFullError:
+                # Vectors are re-computable: when the budget is full, start over, never fail.
+                log.warning("vector cache L2 is full; cleared")
+                with self._env.begin(write=True) as txn:
+                    txn.drop(self._env.open_db(), delete=False)
         with self._lock:
             self._shadow.credit(key, cost_s)
             self._admit(key, vector)

@@ -15,6 +15,7 @@ from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.memo import Memo, worth_keeping
+from tiercache.machine import DiskRoom
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.entry_trust import ScoreFn, TrustGate, TrustPolicy
 from tiercache.semantic.guard import load_guard
@@ -253,6 +254,7 @@ def open_embedding_cache(
         identity.dimensions,
         config.vector_l1_max_bytes,
         config.vector_l2_max_bytes,
+        disk=DiskRoom(config.state_path(), config.disk_headroom_bytes),
     )
     core = EmbeddingCache(
         vectors,

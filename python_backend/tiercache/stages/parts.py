@@ -46,6 +46,7 @@ from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions, replic
 from tiercache.lora.registry import AdapterRegistry
 from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import EngineAdmin, LoraCache, latest_digest
+from tiercache.machine import DiskRoom
 from tiercache.padding import PaddingPolicy
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
@@ -124,7 +125,8 @@ def open_exact_cache(
         tiers.append((Tier.L1, MemoryStore(config.l1_max_bytes, named_policy(config.l1_eviction))))
     values = open_l2_values(config, clock)
     try:
-        l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values)
+        disk = DiskRoom(config.state_path(), config.disk_headroom_bytes)
+        l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values, disk=disk)
     except BaseException:
         if values is not None:
             values.close()

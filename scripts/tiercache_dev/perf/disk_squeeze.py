@@ -1,0 +1,155 @@
+"""A disk squeeze on a real small filesystem (issue 20): L2 with `disk_headroom_bytes` against L2
+without it, side by side, while another writer takes the disk.
+
+Usage (root: it mounts a tmpfs)::
+
+    python -m tiercache_dev.perf.disk_squeeze [--size-mib 96] [--headroom-mib 24]
+        [--out-dir .perf/disk_squeeze]
+
+For each of the two settings (`disk_headroom_bytes` `--headroom-mib`, then 0), on a fresh tmpfs
+of `--size-mib`: L2 (`LmdbStore`, the stages' own, with its `DiskRoom`) is written with a
+quarter of the filesystem's size in 4 KB answers; then a filler file takes the disk
+until 3/4 of the headroom is left (short), and L2 is written with four times the filesystem's
+size in answers; then until 1/4 of it is left (critical), and written again; then the filler is
+deleted and L2 written once more. Each phase records the writes that failed (the error a full
+disk gives), the writes L2 declined (`rejected`), its file's size, the least free disk seen and
+whether the newest answer written reads back. Writes `disk_squeeze.md` and `disk_squeeze.json`
+to `--out-dir`; exit code 1 when a write to the guarded L2 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiercache.exact.codec import CacheEntry
+from tiercache.exact.stores import LmdbStore
+from tiercache.machine import DiskRoom, read_disk
+from tiercache_dev.console import invocation, progress
+from tiercache_dev.paths import PERF_DIR
+
+MIB = 1 << 20
+ANSWER = "x" * 4000
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=96, help="the tmpfs's size")
+    parser.add_argument("--headroom-mib", type=int, default=24, help="disk_headroom_bytes")
+    parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "disk_squeeze")
+    return parser.parse_args(argv)
+
+
+def fill(path: Path, mount: Path, leave: int) -> None:
+    """Grow the filler file at `path` until `mount` has about `leave` bytes free."""
+    with path.open("ab") as out:
+        while (free := read_disk(mount).free_bytes) > leave:
+            out.write(b"\1" * min(MIB, free - leave))
+            out.flush()
+            os.fsync(out.fileno())
+
+
+class Writer:
+    """Writes answers into one L2, counting what failed and what it declined."""
+
+    def __init__(self, store: LmdbStore, data: Path, mount: Path) -> None:
+        self.store, self.data, self.mount = store, data, mount
+        self.number = 0
+
+    def phase(self, name: str, nbytes: int) -> dict[str, Any]:
+        failed = 0
+        rejected = self.store.stats().rejected
+        least_free = read_disk(self.mount).free_bytes
+        last = ""
+        for _ in range(max(nbytes // len(ANSWER), 1)):
+            self.number += 1
+            key = f"k{self.number:08d}"
+            try:
+                self.store.put(key, CacheEntry(text=ANSWER, created_s=float(self.number)))
+                last = key
+            except Exception:  # noqa: BLE001 - counted: what a full disk does to a write
+                failed += 1
+            least_free = min(least_free, read_disk(self.mount).free_bytes)
+        stats = self.store.stats()
+        return {
+            "phase": name,
+            "writes": max(nbytes // len(ANSWER), 1),
+            "failed": failed,
+            "declined": stats.rejected - rejected,
+            "file_mib": round(self.data.stat().st_size / MIB, 2),
+            "entries": stats.entries,
+            "least_free_mib": round(least_free / MIB, 2),
+            "newest_reads": bool(last) and self.store.get(last) is not None,
+        }
+
+
+def run_one(mount: Path, headroom: int, size: int) -> list[dict[str, Any]]:
+    state = mount / "state"
+    filler = mount / "filler"
+    store = LmdbStore(
+        state / "l2", 1 << 30, disk=DiskRoom(state, headroom, interval_s=0.0)
+    )  # a map larger than the disk: the file, not the map, is what fills it
+    writer = Writer(store, state / "l2" / "data.mdb", mount)
+    rows = [writer.phase("room", size // 4)]
+    fill(filler, mount, 3 * max(headroom, size // 4) // 4)
+    rows.append(writer.phase("short", 4 * size))
+    fill(filler, mount, max(headroom, size // 4) // 4)
+    rows.append(writer.phase("critical", size))
+    filler.unlink()
+    rows.append(writer.phase("room again", size // 4))
+    for row in rows:
+        row["headroom_mib"] = headroom // MIB
+    store.close()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("mounting a tmpfs needs root")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    size, headroom = args.size_mib * MIB, args.headroom_mib * MIB
+    rows: list[dict[str, Any]] = []
+    for setting in (headroom, 0):
+        mount = Path(tempfile.mkdtemp(prefix="tiercache-disk-"))
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True
+        )
+        try:
+            progress(f"disk_headroom_bytes {setting // MIB} MiB on a {args.size_mib} MiB tmpfs")
+            started = time.monotonic()
+            rows += run_one(mount, setting, size)
+            progress(f"  done in {time.monotonic() - started:.1f} s")
+        finally:
+            subprocess.run(["umount", str(mount)], check=False)
+            shutil.rmtree(mount, ignore_errors=True)
+    (args.out_dir / "disk_squeeze.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        f"`{invocation('tiercache_dev.perf.disk_squeeze', None)}`",
+        "",
+        "| disk_headroom_bytes | phase | writes | failed | declined | L2 file MiB | entries "
+        "| least free MiB | newest answer reads back |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['headroom_mib']} MiB | {row['phase']} | {row['writes']} | {row['failed']} "
+            f"| {row['declined']} | {row['file_mib']} | {row['entries']} "
+            f"| {row['least_free_mib']} | {'yes' if row['newest_reads'] else 'no'} |"
+        )
+    (args.out_dir / "disk_squeeze.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    guarded = [r for r in rows if r["headroom_mib"] > 0]
+    return 1 if any(r["failed"] for r in guarded) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
