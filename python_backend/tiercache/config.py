@@ -760,6 +760,14 @@ class EngineConfig(_StateConfig):
         "",
         "Comma-separated adapter names loaded at start (the same list as lora_cache's prefetch)",
     )
+    gpu_memory_headroom_bytes: int = param(
+        0,
+        "With the engine on a GPU: memory kept free on its card, read through NVML; under it "
+        "the KV pool and the adapter slots shrink toward their floors, with a quarter more free "
+        "they grow back to their fixed sizes (0: off, fixed; CPU engines: ignored; "
+        "docs/budgets.md)",
+        min=0,
+    )
     lora_max_bytes: int = param(
         0,
         "Byte bound of the adapters' slots in the engine (0: lora_slots alone); with "

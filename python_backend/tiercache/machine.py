@@ -54,6 +54,7 @@ class GpuReading:
     free_bytes: int
     used_bytes: int
     process_bytes: int  # what this process holds on it (0 when NVML does not say)
+    uuid: str = ""  # NVML's "GPU-..." identifier ("" when NVML does not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +234,11 @@ class GpuMemoryProbe:
                         held += int(process.usedGpuMemory)
             except Exception:  # noqa: BLE001 - not permitted in some containers: unknown
                 held = 0
+            try:
+                uuid = nvml.nvmlDeviceGetUUID(handle)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            except Exception:  # noqa: BLE001 - an older NVML, or not permitted: unknown
+                uuid = ""
             readings.append(
                 GpuReading(
                     index,
@@ -241,6 +247,7 @@ class GpuMemoryProbe:
                     int(memory.free),
                     int(memory.used),
                     held,
+                    uuid,
                 )
             )
         return readings
@@ -252,6 +259,35 @@ class GpuMemoryProbe:
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
             self._nvml = None
+
+
+def nvml_card(
+    device_index: int,
+    readings: list[GpuReading],
+    torch_uuid: str | None = None,
+    visible: str | None = None,
+) -> GpuReading | None:
+    """NVML's reading of the card a process calls `cuda:<device_index>`: by the UUID torch
+    gives for it (`torch_uuid`), else through `CUDA_VISIBLE_DEVICES` (`visible`: indices or
+    UUIDs; None: unset, every card visible in NVML's order); None when it cannot be told (a
+    MIG instance, a list NVML does not know), so that no budget follows the wrong card."""
+
+    def bare(uuid: str) -> str:
+        return uuid.strip().lower().removeprefix("gpu-")
+
+    if torch_uuid:
+        found = [r for r in readings if r.uuid and bare(r.uuid) == bare(torch_uuid)]
+        return found[0] if len(found) == 1 else None
+    if visible is None:
+        return next((r for r in readings if r.index == device_index), None)
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    if not 0 <= device_index < len(names):
+        return None
+    name = names[device_index]
+    if name.isdigit():
+        return next((r for r in readings if r.index == int(name)), None)
+    found = [r for r in readings if r.uuid and bare(r.uuid).startswith(bare(name))]
+    return found[0] if len(found) == 1 else None
 
 
 def read_disk(path: Path) -> DiskReading:

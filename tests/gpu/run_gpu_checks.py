@@ -553,6 +553,19 @@ def check_nvml_budgets(torch: Any) -> list[Row]:
                      "ok" if sane else "FAIL: free out of range"))  # fmt: skip
     if torch is None:
         return [*rows, ("nvml", "1 GiB taken on card 0", "-", "-", "-", "FAIL: no torch")]
+    # torch_llm's gpu_memory_headroom_bytes reads the card its engine runs on: cuda:0 must be
+    # found among NVML's cards (by the UUID torch gives, else CUDA_VISIBLE_DEVICES)
+    from tiercache.machine import nvml_card
+
+    try:
+        uuid: str | None = str(torch.cuda.get_device_properties(0).uuid)
+    except (AttributeError, RuntimeError):
+        uuid = None
+    card = nvml_card(0, readings, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    print(f"torch cuda:0 uuid {uuid}: NVML card {None if card is None else card.index}")
+    rows.append(("nvml", "torch's cuda:0 found in NVML", "-", "-",
+                 "none" if card is None else f"card {card.index}",
+                 "ok" if card is not None else "FAIL: no NVML card matches"))  # fmt: skip
     before = probe.read()[0]
     sizes: list[int] = []
     controller = BudgetController(

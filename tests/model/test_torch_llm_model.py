@@ -108,6 +108,16 @@ class FakeEngine:
     def kv_stats(self) -> KvStats:
         return self.kv_pool.stats()
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def card(self) -> tuple[int, str | None]:
+        return 0, None  # as torch says where it cannot give a UUID
+
+    def release_cached_memory(self) -> None:
+        self.released = getattr(self, "released", 0) + 1
+
     def generate(
         self, request: GenerationRequest, is_cancelled: Callable[[], bool]
     ) -> Iterator[StreamEvent]:
@@ -608,6 +618,112 @@ def test_a_kv_pool_on_a_gpu_keeps_its_fixed_budget(
     try:
         assert instance.stage.budgets is None
         assert instance.stage.engine.kv_pool.budget_bytes == 256 << 20  # its fixed size
+    finally:
+        instance.finalize()
+
+
+class CardNvml:
+    """pynvml's call surface, as the probe uses it: one card whose free memory a test sets."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def nvmlInit(self) -> None:  # noqa: N802 - NVML's names
+        pass
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:  # noqa: N802
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:  # noqa: N802
+        return "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        total = 141 << 30
+        return SimpleNamespace(total=total, free=self.free, used=total - self.free)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
+        raise self.NVMLError("Insufficient Permissions")
+
+
+def test_on_a_gpu_the_kv_pool_follows_the_cards_free_memory_through_nvml(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sealer: Sealer,
+    pb_utils: ModuleType,
+) -> None:
+    """gpu_memory_headroom_bytes: the card's free memory as NVML reads it (a stand-in with
+    NVML's calls) drives the KV pool's budget: down to its floor while short of the headroom,
+    back to its fixed size when the memory returns; after the evictions a request makes, the
+    engine hands torch's cached blocks back to the card (where NVML sees them)."""
+    from tiercache.machine import GpuMemoryProbe
+
+    class GpuEngine(FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.device = "cuda:0"
+
+    nvml = CardNvml(free=100 << 30)
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    monkeypatch.setattr(torch_llm_stage, "GpuMemoryProbe", lambda: GpuMemoryProbe(nvml))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "tokens_per_block": {"string_value": "4"},
+        "kv_pool_max_bytes": {"string_value": "1000"},
+        "kv_pool_min_bytes": {"string_value": "20"},
+        "gpu_memory_headroom_bytes": {"string_value": str(40 << 30)},
+        "memory_headroom_bytes": {"string_value": str(1 << 60)},  # host memory: not the GPU's
+        "budget_interval_s": {"string_value": "0.05"},
+    }
+    instance = start_stage(load_model, monkeypatch, params, GpuEngine)
+    try:
+        engine = instance.stage.engine
+        pool = engine.kv_pool
+        families = instance.stage.metrics._families
+
+        def ask(prompt: str) -> int:
+            """One generation; how often the engine released cached memory so far."""
+            envelope = envelope_text(sealer, GenerationRequest(prompt))
+            final = call(pb_utils, instance, sealer, ENVELOPE=envelope)[-1]
+            assert text(pb_utils, final, "FINISH_REASON") == "stop"
+            return int(getattr(engine, "released", 0))
+
+        def wait_for(size: int) -> None:
+            deadline = time.monotonic() + 10.0
+            while pool.budget_bytes != size and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.budget_bytes == size
+
+        assert ask("a prompt long enough to fill more than twenty bytes of KV") == 0
+        assert pool.stats().bytes > 20 and pool.stats().evictions == 0
+        nvml.free = 10 << 30  # another process took the card: 10 GiB free, 40 asked for
+        wait_for(20)  # the floor, applied at the next request
+        instance.stage.metrics.flush()
+        (available,) = families["tiercache_memory_available_bytes"].metrics
+        assert (available.labels["memory"], available.value()) == ("gpu", 10 << 30)
+        (headroom,) = families["tiercache_memory_headroom_bytes"].metrics
+        assert headroom.value() == 40 << 30
+        assert (tmp_path / "budgets-gpu-8932f937-d72c-4106-c12f-20bd9faed9f6").is_dir()
+        # "hi" fills no block: the first evicts down to the budget and releases, the next not
+        assert [ask("hi"), ask("hi")] == [1, 1]
+        assert pool.stats().bytes <= 20 and pool.stats().evictions > 0
+        nvml.free = 100 << 30  # the memory came back
+        wait_for(1000)
     finally:
         instance.finalize()
 

@@ -16,7 +16,9 @@ from tiercache.machine import (
     DiskReading,
     DiskRoom,
     GpuMemoryProbe,
+    GpuReading,
     HostMemoryProbe,
+    nvml_card,
     read_disk,
 )
 
@@ -147,6 +149,11 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
         return SimpleNamespace(total=141 * GIB, free=(100 - handle) * GIB, used=(41 + handle) * GIB)
 
+    def nvmlDeviceGetUUID(self, handle: int) -> Any:  # noqa: N802
+        if handle == 1:
+            raise self.NVMLError("Not Supported")
+        return b"GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
         if handle == 1:
             raise self.NVMLError("Insufficient Permissions")
@@ -168,9 +175,27 @@ def test_gpu_memory_per_device_and_this_process() -> None:
         100 * GIB,
     )
     assert first.process_bytes == 3 * GIB  # its own processes' only
+    assert (first.uuid, second.uuid) == ("GPU-8932f937-d72c-4106-c12f-20bd9faed9f6", "")
     assert (second.free_bytes, second.used_bytes, second.process_bytes) == (99 * GIB, 42 * GIB, 0)
     probe.close()
     assert nvml.shut and probe.read() == []
+
+
+def test_the_engines_card_is_found_by_uuid_or_visible_devices_never_guessed() -> None:
+    cards = [
+        GpuReading(i, "NVIDIA H200", 141 * GIB, (100 - i) * GIB, 0, 0, f"GPU-{i}a{i}b-0000")
+        for i in range(4)
+    ]
+    assert nvml_card(0, cards).index == 0  # type: ignore[union-attr]  # all visible, in order
+    assert nvml_card(1, cards, torch_uuid="2a2b-0000").index == 2  # type: ignore[union-attr]
+    assert nvml_card(0, cards, torch_uuid="GPU-2A2B-0000").index == 2  # type: ignore[union-attr]
+    assert nvml_card(1, cards, visible="3,1").index == 1  # type: ignore[union-attr]
+    assert nvml_card(0, cards, visible="GPU-3a3b").index == 3  # type: ignore[union-attr]
+    assert nvml_card(0, cards, torch_uuid="ffff") is None  # a card NVML does not list
+    assert nvml_card(2, cards, visible="0,1") is None  # not among the visible ones
+    assert nvml_card(0, cards, visible="MIG-GPU-0a0b-0000/1/0") is None  # a MIG instance
+    assert nvml_card(0, cards, visible="GPU-") is None  # a prefix of every card: ambiguous
+    assert nvml_card(7, cards) is None
 
 
 def test_no_driver_means_no_gpus_not_an_error() -> None:

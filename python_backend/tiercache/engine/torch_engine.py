@@ -171,6 +171,29 @@ class TorchEngine:
         element = torch.finfo(self.model.dtype).bits // 8
         return int(2 * config.num_hidden_layers * kv_heads * head_dim * element)
 
+    @property
+    def on_gpu(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+    def card(self) -> tuple[int, str | None]:
+        """The engine's card as this process numbers it (`cuda:<n>`; "cuda" is the current
+        device) and the UUID the CUDA driver gives it (None where torch cannot say): what
+        `tiercache.machine.nvml_card` matches NVML's readings with."""
+        index = torch.device(self.device).index
+        if index is None:
+            index = torch.cuda.current_device()
+        try:
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+        except (AttributeError, RuntimeError, AssertionError):
+            uuid = None
+        return index, uuid
+
+    def release_cached_memory(self) -> None:
+        """Hand the memory torch's CUDA allocator keeps cached back to the card (after a
+        budget's evictions: NVML, which the budgets read, counts cached blocks as used)."""
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
     def kv_stats(self) -> KvStats:
         return self.kv_pool.stats()
 

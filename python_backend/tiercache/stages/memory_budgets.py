@@ -42,13 +42,17 @@ def start_budgets(
     total_bytes: int = 0,
     objective: Callable[[], int] | None = None,
     objective_name: str = "ttft",
+    memory: str = "host",
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` and
     `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
     (`HostLedger`). `available` (default: this process's host memory, `HostMemoryProbe`) is
     for tests. `objective`: this process's latency objective's state (`LatencyObjective.state`),
     which lets the host's budgets pass the total while it is missed; `objective_name` names
-    its gauge (`tiercache_<name>_objective_state`: ttft for the engine's, hit for exact hits')."""
+    its gauge (`tiercache_<name>_objective_state`: ttft for the engine's, hit for exact hits').
+    `memory`: what `available` reads ("host", or "gpu-<uuid>" for a card's memory: its ledger
+    is `state_dir`/budgets-gpu-<uuid>, shared with the processes on the same card only); the
+    label of the headroom and available gauges."""
     if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
@@ -58,7 +62,8 @@ def start_budgets(
             return probe.read().available_bytes
 
     # a process that has not published for ten looks (at least 10 s) is gone or stuck
-    ledger = HostLedger(state_dir / "budgets", name, stale_s=max(10 * interval_s, 10.0))
+    folder = "budgets" if memory == "host" else f"budgets-{memory}"
+    ledger = HostLedger(state_dir / folder, name, stale_s=max(10 * interval_s, 10.0))
     controller = BudgetController(
         budgets,
         available,
@@ -91,9 +96,12 @@ def start_budgets(
         )
         for b in budgets
     }
+    kind = "host" if memory == "host" else "gpu"
     metrics.gauge(
         "tiercache_memory_headroom_bytes",
-        "Host memory the budgets keep free (memory_headroom_bytes; 0: none)",
+        "Memory the budgets keep free (memory: host, memory_headroom_bytes; gpu, torch_llm's "
+        "gpu_memory_headroom_bytes; 0: none)",
+        memory=kind,
     ).set(headroom_bytes)
     metrics.gauge(
         "tiercache_cache_memory_bytes",
@@ -101,7 +109,9 @@ def start_budgets(
     ).set(total_bytes)
     free = metrics.gauge(
         "tiercache_memory_available_bytes",
-        "Host memory this process may still take, as the budget controller last read it",
+        "Memory this process may still take (memory: host, or gpu: its engine's card through "
+        "NVML), as the budget controller last read it",
+        memory=kind,
     )
     changes = {
         (b.name, reason): metrics.counter(

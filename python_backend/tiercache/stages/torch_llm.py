@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from tiercache.engine.threads import ThreadRole, set_torch_threads
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
+from tiercache.machine import GpuMemoryProbe, nvml_card
 from tiercache.memory import MemoryTrimmer
 from tiercache.stages.common import DraftMetrics
 from tiercache.stages.envelope import Envelope
@@ -89,6 +91,7 @@ class TorchLlmStage:
         self.refusal = refusal
         self.trimmer = trimmer
         self.budgets: BudgetThread | None = None  # the KV pool following the host's memory
+        self._evictions_seen = (0, 0)  # KV blocks and adapter slots, when memory was released
         self.objective: LatencyObjective | None = None  # ttft_objective_s, if set
         self.metrics = m = metrics
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
@@ -239,6 +242,7 @@ class TorchLlmStage:
                 self._record_kv(kv)
                 self._record_stall(before, adapters, kv)
                 self._trim_memory()
+                self._release_gpu_memory(adapters, kv)
 
     def _serve(
         self,
@@ -289,6 +293,16 @@ class TorchLlmStage:
             self.kv_computed.increment(event.computed_tokens)
             self.drafts.record(event.draft_steps)
             self.finished[event.finish_reason].increment(1)
+
+    def _release_gpu_memory(self, adapters: AdapterStats, kv: KvStats) -> None:
+        """On a GPU, after evictions the budgets asked for (KV blocks, adapter slots): the
+        card gets the freed memory back, where NVML (what the budgets read) sees it."""
+        if not self.engine.on_gpu:
+            return
+        seen = (kv.evictions, adapters.budget_evictions)
+        if seen != self._evictions_seen:
+            self._evictions_seen = seen
+            self.engine.release_cached_memory()
 
     def _trim_memory(self) -> None:
         """Freed activations back to the system, at most every memory_trim_interval_s."""
@@ -365,13 +379,15 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
-    budgeted = config.memory_headroom_bytes or config.cache_memory_bytes
-    if budgeted and not str(engine.device).startswith("cpu"):  # "auto" may have picked a GPU
-        log.warning(
-            "memory_headroom_bytes, cache_memory_bytes: the KV pool and the adapter slots are "
-            "on %s, not host memory; their budgets stay fixed (GPU budgets are not built yet)",
-            engine.device,
-        )
+    if engine.on_gpu:  # "auto" may have picked a GPU
+        if config.memory_headroom_bytes or config.cache_memory_bytes:
+            log.warning(
+                "memory_headroom_bytes, cache_memory_bytes: the KV pool and the adapter slots "
+                "are on %s, not host memory; gpu_memory_headroom_bytes is what they follow",
+                engine.device,
+            )
+        if config.gpu_memory_headroom_bytes > 0:
+            stage.budgets = follow_gpu(engine, config, metrics, model_name)
     else:
         if config.ttft_objective_s > 0:
             stage.objective = LatencyObjective(config.ttft_objective_s)
@@ -387,6 +403,48 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         )
     metrics.start()
     return stage
+
+
+def follow_gpu(
+    engine: TorchEngine,
+    config: EngineConfig,
+    metrics: tm.Metrics,
+    model_name: str,
+    probe: GpuMemoryProbe | None = None,
+) -> BudgetThread | None:
+    """The engine's budgets following its card's free memory through NVML
+    (`gpu_memory_headroom_bytes`), shared with the other processes on that card through a
+    ledger of its own; None, with a warning, where NVML cannot tell which card it is."""
+    probe = probe if probe is not None else GpuMemoryProbe()
+    index, uuid = engine.card()
+    card = nvml_card(index, probe.read(), uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if card is None:
+        log.warning(
+            "gpu_memory_headroom_bytes: NVML cannot tell the free memory of %s (%s); its "
+            "budgets stay fixed",
+            engine.device,
+            probe.why_none or "no NVML card matches it",
+        )
+        probe.close()
+        return None
+
+    def available() -> int:
+        for reading in probe.read():
+            if reading.index == card.index:
+                return reading.free_bytes
+        raise RuntimeError(f"NVML no longer reads card {card.index}")  # the tick holds
+
+    label = card.uuid.lower().removeprefix("gpu-") if card.uuid else str(card.index)
+    return start_budgets(
+        config.gpu_memory_headroom_bytes,
+        config.budget_interval_s,
+        engine_budgets(engine, config),
+        metrics,
+        config.state_path(),
+        model_name,
+        available=available,
+        memory=f"gpu-{label}",
+    )
 
 
 def engine_budgets(engine: TorchEngine, config: EngineConfig) -> list[Budget]:
