@@ -65,6 +65,10 @@ class ShadowQueue(Generic[K]):
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
+    def keys(self) -> list[K]:
+        """The keys it holds, the oldest eviction first."""
+        return list(self._keys)
+
     def resize(self, max_bytes: int) -> None:
         self.max_bytes = max(max_bytes, 0)
         self._trim()

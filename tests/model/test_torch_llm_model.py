@@ -549,7 +549,7 @@ def test_with_a_memory_headroom_the_adapter_slots_follow_the_host(
     """lora_max_bytes gives the adapter slots a budget of their own: with a headroom larger than
     this machine it goes to lora_min_bytes (1: one adapter), and the next request drops the
     others (never the one it runs with); a request for a dropped one gets the engine's "not
-    held" error, which llm answers by sending the weights again."""
+    held" error (llm's answer to it, sending the weights again, is generate_with_adapter's)."""
     params = {
         "state_dir": {"string_value": str(tmp_path)},
         "lora_max_bytes": {"string_value": str(1 << 20)},

@@ -131,14 +131,14 @@ def test_vector_cache_l1_l2_and_corruption(tmp_path: Path) -> None:
 
 
 def test_vector_cache_short_of_disk_keeps_vectors_in_l1_only(tmp_path: Path) -> None:
-    free = [10]
+    free = [60]  # short: under the headroom (100), over half of it
     disk = DiskRoom(
         tmp_path, 100, interval_s=0.0, read=lambda p: DiskReading(str(p), 1000, free[0])
     )
     cache = VectorCache(tmp_path / "vec", DIM, disk=disk)
     short, kept = vector_key("emb@1", "short"), vector_key("emb@1", "kept")
     cache.put(short, unit(1, 2))
-    assert np.array_equal(cache.get(short), unit(1, 2)) and cache.l2_skipped == 1  # from L1
+    assert np.array_equal(cache.get(short), unit(1, 2)) and cache.stats().l2_skipped == 1
     free[0] = 100
     cache.put(kept, unit(2, 1))
     cache.close()

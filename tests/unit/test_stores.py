@@ -287,37 +287,48 @@ def test_lmdb_tiny_map_evicts_oldest_first_and_never_raises(
 def test_lmdb_short_of_disk_turns_over_inside_its_file_and_critical_writes_nothing(
     tmp_path: Path, text_bytes: int
 ) -> None:
-    """disk_headroom_bytes: with the disk short, writing ten times what the file holds grows it
-    by at most a page or two (the live pages stay under three quarters of it, the newest
-    entries kept); critically short, nothing is written (counted), what is there stays
-    readable; with room again, L2 grows."""
+    """disk_headroom_bytes, with L2's own key shape (SHA-256 hex: writes and evictions spread
+    over every leaf): once short, the file grows once, by what its first eviction copies, and
+    then holds however much is written (twice ten times what it held); critically short,
+    nothing is written (counted) and an older copy of the key is deleted, what else is there
+    stays readable; with room again, L2 grows."""
+
+    def key(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
     free = [1 << 40]
     disk = DiskRoom(
         tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
     )
     store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk)
     data = tmp_path / "l2" / "data.mdb"
-    count = 300_000 // text_bytes
+    count = 100_000 // text_bytes
     for i in range(count):
-        store.put(f"a{i:06d}", entry("x" * text_bytes, created_s=float(i)))
+        store.put(key(f"a{i}"), entry("x" * text_bytes, created_s=float(i)))
     grown = data.stat().st_size
     assert store.stats().evictions == 0
     free[0] = (1 << 30) - 1  # short
-    keys = [f"b{i:06d}" for i in range(10 * count)]
-    for i, key in enumerate(keys):
-        store.put(key, entry("x" * text_bytes, created_s=float(10**6 + i)))
-        assert store.get(key) is not None
-    assert data.stat().st_size <= grown + 2 * 4096
-    assert store.stats().evictions > count  # it turned over: the first entries are gone
-    assert store.get("a000000") is None and store.get(keys[-1]) is not None
+    sizes = []
+    for round_ in range(2):
+        keys = [key(f"b{round_}-{i}") for i in range(10 * count)]
+        for i, k in enumerate(keys):
+            store.put(k, entry("x" * text_bytes, created_s=float(10**6 + round_ * 10**5 + i)))
+        assert store.get(keys[-1]) is not None
+        sizes.append(data.stat().st_size)
+    assert sizes[0] <= 2 * grown  # the first eviction's copies: at most the tree, once
+    assert sizes[1] == sizes[0]  # then it holds
+    assert store.stats().evictions > count and store.get(key("a0")) is None  # turned over
+    newest = keys[-1]
     free[0] = (1 << 29) - 1  # critical
     store.put("c", entry("kept elsewhere"))
     assert store.get("c") is None and store.stats().rejected == 1
-    assert store.get(keys[-1]) is not None  # nothing lost
+    store.put(newest, entry("a newer answer L2 cannot take"))
+    assert store.get(newest) is None and store.stats().rejected == 2  # the older copy: gone
+    assert store.get(keys[-2]) is not None  # the rest: kept
     free[0] = 1 << 40  # room again
-    for i in range(count):
-        store.put(f"d{i:06d}", entry("y" * text_bytes, created_s=float(10**7 + i)))
-    assert data.stat().st_size > grown
+    for i in range(2 * count):
+        store.put(key(f"d{i}"), entry("y" * text_bytes, created_s=float(10**7 + i)))
+    assert data.stat().st_size > sizes[1]
     store.close()
 
 

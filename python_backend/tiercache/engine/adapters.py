@@ -331,9 +331,22 @@ class EngineAdapters:
         )
 
     def slot_bytes(self) -> int:
-        """What the slots hold now, held or free (a budget's `held`: a smaller budget is
-        applied at the next request)."""
+        """What the slots hold now, held or free."""
         return self._slot_bytes
+
+    def held_bytes(self) -> int:
+        """The budget's `held`: the budget in force plus what the next request will free of
+        what the slots hold over it. One adapter may stay over the budget alone (the one a
+        request runs with), so the largest held slot is never counted as coming back. Read
+        from the budget thread: the slots are copied in one step (the engine thread changes
+        them)."""
+        with self._budget_lock:
+            budget = self.max_bytes if self._target is None else self._target
+        if not budget:
+            return self._slot_bytes
+        slots = tuple(self._slots.values())
+        stays = max((slot.nbytes for slot in slots if slot.holder is not None), default=0)
+        return budget + max(self._slot_bytes - max(budget, stays), 0)
 
     def shadow_reading(self) -> tuple[float, float]:
         """(load seconds the shadow's hits saved, cumulative; the bytes it spans): the
@@ -360,7 +373,7 @@ class EngineAdapters:
         if self.max_slots == 0:
             raise CapacityError("this engine holds no adapters (lora_slots is 0)")
         with self._budget_lock:  # dropped for bytes lately: a larger budget would have kept it
-            self._shadow.credit(key)  # what its last load took
+            shadowed = self._shadow.credit(key, 0.0)  # what it saves: this load, once measured
         started = self._clock()
         try:
             config = self._parse_config(weights)
@@ -397,6 +410,9 @@ class EngineAdapters:
         self._loads += 1
         self._last_load_s = load_s
         self._policy.admit(key, 1, cost_s=load_s)
+        if shadowed:
+            with self._budget_lock:
+                self._shadow.gained_s += load_s
         return load_s
 
     def activate(self, ref: AdapterRef | None) -> float:
@@ -429,6 +445,9 @@ class EngineAdapters:
         keys = [key for key in self._held if key[1] == digest]
         for key in keys:
             self._drop(key)
+        with self._budget_lock:  # asked for, not a lost hit: a larger budget would not keep it
+            for key in [k for k in self._shadow.keys() if k[1] == digest]:
+                self._shadow.discard(key)
         return bool(keys)
 
     def remove_free_slots(self) -> int:
@@ -453,7 +472,9 @@ class EngineAdapters:
         """Evict, then load, as `order` asks; the op itself is the caller's. A new byte budget
         (`resize`) takes effect first."""
         before = {digest for _, digest in self._held}
-        self._follow_budget(None if order.needs is None else _key(order.needs))
+        # the adapter this order generates with, or loads (a load of one held is a no-op)
+        kept = order.needs or (order.weights.ref if order.weights is not None else None)
+        self._follow_budget(None if kept is None else _key(kept))
         keep = None if order.needs is None else order.needs.digest
         for digest in order.evict:
             if digest != keep:

@@ -33,7 +33,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
-from tiercache.machine import CRITICAL, ROOM, SHORT, DiskRoom
+from tiercache.machine import CRITICAL, ROOM, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
 
@@ -616,14 +616,16 @@ class LmdbStore:
         disk: DiskRoom | None = None,
     ) -> None:
         """`disk`: the state directory's free disk (None: not watched). While it is short,
-        writes keep the live pages under (1 - headroom_fraction) of the file's size, so the
-        file stops growing; while it is critical, nothing is written (counted as `rejected`)."""
+        writes keep the live pages under (1 - headroom_fraction) of the size the file had when
+        the shortage began, so the file stops growing; while it is critical, nothing is
+        written (counted as `rejected`; an older copy of the key is deleted, not served)."""
         self.path = path
         self._max_bytes = max_bytes
         self._values = values
         self._disk = disk
         self._headroom_fraction = headroom_fraction
         self._rejected = 0
+        self._short_file_bytes: int | None = None  # the file's size when the disk ran short
         self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
         self._evict_fraction = evict_fraction
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
@@ -671,12 +673,22 @@ class LmdbStore:
         if disk == CRITICAL:  # the other tiers keep it; the disk is left to what must write
             with self._lock:
                 self._rejected += 1
+            try:  # an older copy of the key would be served in its place
+                self.delete_many([key])
+            except (lmdb.Error, OSError) as exc:
+                log.warning("L2 could not drop the older copy of %s (%s)", key, exc)
             return
         with self._resized_is_an_error():
             with self._evict_lock:  # one evicting thread per process; the others re-check after
                 limit = self._high_water_bytes
-                if disk == SHORT:
-                    limit = min(limit, int(self._file_bytes() * (1.0 - self._headroom_fraction)))
+                if disk == ROOM:
+                    self._short_file_bytes = None
+                else:
+                    if self._short_file_bytes is None:  # pinned: a limit that followed the
+                        self._short_file_bytes = self._file_bytes()  # file would let it grow
+                    if self._short_file_bytes:
+                        kept = int(self._short_file_bytes * (1.0 - self._headroom_fraction))
+                        limit = min(limit, kept)
                 if self._live_bytes() + len(data) > limit:
                     self._evict()
             try:
@@ -694,7 +706,8 @@ class LmdbStore:
         return data_bytes(self._env)
 
     def _file_bytes(self) -> int:
-        """What the map's file takes now (it grows as pages are first used, never shrinks)."""
+        """What the map's file takes now (it grows as pages are first used, never shrinks); 0
+        when it cannot be read (then no limit follows from it)."""
         try:
             return (self.path / "data.mdb").stat().st_size
         except OSError:

@@ -60,6 +60,7 @@ class VectorCacheStats:
     misses: int
     corrupt: int
     l1_entries: int
+    l2_skipped: int = 0  # vectors kept in L1 only: the disk short of its headroom
 
 
 class VectorCache:
@@ -190,7 +191,12 @@ class VectorCache:
     def stats(self) -> VectorCacheStats:
         with self._lock:
             return VectorCacheStats(
-                self._l1_hits, self._l2_hits, self._misses, self._corrupt, len(self._l1)
+                self._l1_hits,
+                self._l2_hits,
+                self._misses,
+                self._corrupt,
+                len(self._l1),
+                self.l2_skipped,
             )
 
     def close(self) -> None:

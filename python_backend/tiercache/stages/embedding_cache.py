@@ -295,6 +295,14 @@ def open_embedding_cache(
     metrics = tm.Metrics(model_name, instance=instance_name)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
+    skipped = tm.DeltaCounter(
+        metrics.counter(
+            "tiercache_vector_l2_skipped_total",
+            "Prompt vectors kept in L1 only: the state directory's disk short of "
+            "disk_headroom_bytes",
+        )
+    )
+    metrics.on_flush(lambda: skipped.update(vectors.stats().l2_skipped))
     # its answers' L1 follows the machine, as prompt_cache's does, and so do its vectors' L1
     others = []
     if config.vector_l1_max_bytes > 0:

@@ -460,11 +460,11 @@ def engine_budgets(engine: TorchEngine, config: EngineConfig) -> list[Budget]:
 def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_bytes: int) -> Budget:
     """The adapter slots' budget: between its floor and `lora_max_bytes`, valued by what one
     more byte would save (loads of adapters the engine dropped for bytes lately, asked for
-    again); applied by the engine thread at the next request, so the slots it still holds
-    count as `held`."""
+    again); applied by the engine thread at the next request, so what the slots will free then
+    counts as `held` (never the one adapter that may stay over the budget alone)."""
     return cache_budget(
         "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
-        adapters.slot_bytes,
+        adapters.held_bytes,
     )  # fmt: skip
 
 

@@ -4,11 +4,12 @@ without it, side by side, while another writer takes the disk.
 Usage (root: it mounts a tmpfs)::
 
     python -m tiercache_dev.perf.disk_squeeze [--size-mib 96] [--headroom-mib 24]
-        [--out-dir .perf/disk_squeeze]
+        [--answer-chars 300] [--out-dir .perf/disk_squeeze]
 
 For each of the two settings (`disk_headroom_bytes` `--headroom-mib`, then 0), on a fresh tmpfs
-of `--size-mib`: L2 (`LmdbStore`, the stages' own, with its `DiskRoom`) is written with a
-quarter of the filesystem's size in 4 KB answers; then a filler file takes the disk
+of `--size-mib`: L2 (`LmdbStore`, the stages' own, with its `DiskRoom`, under keys shaped as
+its own: SHA-256 hex) is written with a quarter of the filesystem's size in answers of
+`--answer-chars`; then a filler file takes the disk
 until 3/4 of the headroom is left (short), and L2 is written with four times the filesystem's
 size in answers; then until 1/4 of it is left (critical), and written again; then the filler is
 deleted and L2 written once more. Each phase records the writes that failed (the error a full
@@ -20,6 +21,7 @@ to `--out-dir`; exit code 1 when a write to the guarded L2 failed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -37,13 +39,13 @@ from tiercache_dev.console import invocation, progress
 from tiercache_dev.paths import PERF_DIR
 
 MIB = 1 << 20
-ANSWER = "x" * 4000
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=96, help="the tmpfs's size")
     parser.add_argument("--headroom-mib", type=int, default=24, help="disk_headroom_bytes")
+    parser.add_argument("--answer-chars", type=int, default=300, help="each answer's length")
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "disk_squeeze")
     return parser.parse_args(argv)
 
@@ -60,8 +62,8 @@ def fill(path: Path, mount: Path, leave: int) -> None:
 class Writer:
     """Writes answers into one L2, counting what failed and what it declined."""
 
-    def __init__(self, store: LmdbStore, data: Path, mount: Path) -> None:
-        self.store, self.data, self.mount = store, data, mount
+    def __init__(self, store: LmdbStore, data: Path, mount: Path, answer: str) -> None:
+        self.store, self.data, self.mount, self.answer = store, data, mount, answer
         self.number = 0
 
     def phase(self, name: str, nbytes: int) -> dict[str, Any]:
@@ -69,11 +71,11 @@ class Writer:
         rejected = self.store.stats().rejected
         least_free = read_disk(self.mount).free_bytes
         last = ""
-        for _ in range(max(nbytes // len(ANSWER), 1)):
+        for _ in range(max(nbytes // len(self.answer), 1)):
             self.number += 1
-            key = f"k{self.number:08d}"
+            key = hashlib.sha256(f"k{self.number}".encode()).hexdigest()  # as L2's keys are
             try:
-                self.store.put(key, CacheEntry(text=ANSWER, created_s=float(self.number)))
+                self.store.put(key, CacheEntry(text=self.answer, created_s=float(self.number)))
                 last = key
             except Exception:  # noqa: BLE001 - counted: what a full disk does to a write
                 failed += 1
@@ -81,7 +83,7 @@ class Writer:
         stats = self.store.stats()
         return {
             "phase": name,
-            "writes": max(nbytes // len(ANSWER), 1),
+            "writes": max(nbytes // len(self.answer), 1),
             "failed": failed,
             "declined": stats.rejected - rejected,
             "file_mib": round(self.data.stat().st_size / MIB, 2),
@@ -91,13 +93,13 @@ class Writer:
         }
 
 
-def run_one(mount: Path, headroom: int, size: int) -> list[dict[str, Any]]:
+def run_one(mount: Path, headroom: int, size: int, answer: str) -> list[dict[str, Any]]:
     state = mount / "state"
     filler = mount / "filler"
     store = LmdbStore(
         state / "l2", 1 << 30, disk=DiskRoom(state, headroom, interval_s=0.0)
     )  # a map larger than the disk: the file, not the map, is what fills it
-    writer = Writer(store, state / "l2" / "data.mdb", mount)
+    writer = Writer(store, state / "l2" / "data.mdb", mount, answer)
     rows = [writer.phase("room", size // 4)]
     fill(filler, mount, 3 * max(headroom, size // 4) // 4)
     rows.append(writer.phase("short", 4 * size))
@@ -126,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             progress(f"disk_headroom_bytes {setting // MIB} MiB on a {args.size_mib} MiB tmpfs")
             started = time.monotonic()
-            rows += run_one(mount, setting, size)
+            rows += run_one(mount, setting, size, "x" * args.answer_chars)
             progress(f"  done in {time.monotonic() - started:.1f} s")
         finally:
             subprocess.run(["umount", str(mount)], check=False)
