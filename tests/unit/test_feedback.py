@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis_server import RedisServer
 from test_invalidation import FakeClock
 
 from tiercache.errors import Forbidden, InvalidRequest
@@ -16,6 +17,8 @@ from tiercache.eviction import named_policy
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
+from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.feedback import Feedback, Verdict, parse_verdict
@@ -210,6 +213,63 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
     l1.put("newcomer", CacheEntry("same size", clock.now, tenant_scope=SCOPE, generation_s=1.0))
     assert l1.peek(KEPT) is not None
     assert l1.peek(DIGEST) is None
+
+
+def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Two hosts share Redis (L3), each with its own L1 and L2 (with its values). A `good`
+    verdict given on host A (its feedback writes A's tiers and L3) reaches host B's L2 copy at
+    B's next L1 hit past the check interval: written back with the verdict in one transaction
+    and counted in B's L2 values, so B's L2 eviction ranks it as endorsed; once, however many
+    hits follow."""
+    clock = FakeClock()
+
+    def host(name: str, ticks: list[float]) -> TieredCache:
+        link = RedisLink.from_url(redis_server.url, redis_prefix, secret=b"f" * 32)  # one fleet
+        values = L2Values(tmp_path / name / "l2-values", MIN_MAP_BYTES)
+        l2 = LmdbStore(tmp_path / name / "l2", 1 << 20, values=values)
+        return TieredCache(
+            [
+                (Tier.L1, MemoryStore(1 << 20)),
+                (Tier.L2, l2),
+                (Tier.L3, RedisStore(link, clock=clock, stats_max_age_s=0)),
+            ],
+            clock=clock,
+            endorsement_check_s=5.0,
+            monotonic=lambda: ticks[0],
+        )
+
+    ticks_a, ticks_b = [0.0], [0.0]
+    a, b = host("a", ticks_a), host("b", ticks_b)
+    a.put(DIGEST, "an answer", tenant_scope=SCOPE, generation_s=1.0)
+    assert b.get(DIGEST) is not None  # B's L1 and L2 take their copies from L3
+    assert b.get(DIGEST) is not None  # a first L1 hit: the clock starts
+    b_l2 = b.store(Tier.L2)
+    assert isinstance(b_l2, LmdbStore)
+    value_before = b_l2.value(DIGEST)
+    assert value_before is not None
+    ids = AnswerIds(SECRET)
+    report = Feedback(ids, Invalidator(a)).give(served(ids, clock), Verdict.GOOD, SCOPE)
+    assert report.endorsed
+    held = b_l2.peek(DIGEST)
+    assert held is not None and held.endorsements == 0  # B's L2 is behind
+    ticks_b[0] = 6.0
+    for _ in range(3):
+        assert b.get(DIGEST) is not None
+    assert b.wait_endorsements()
+    held = b_l2.peek(DIGEST)
+    assert held is not None and held.endorsements == 1 and held.text == "an answer"
+    assert b.l2_endorsements_caught == 1 and b.endorsements_caught == 1
+    value_after = b_l2.value(DIGEST)
+    assert value_after is not None and value_after > value_before
+    ticks_b[0] = 12.0
+    assert b.get(DIGEST) is not None and b.wait_endorsements()
+    assert b.l2_endorsements_caught == 1  # counted once
+    # another answer under the key (regenerated) is never overwritten by the older copy's count
+    assert b_l2.endorse(DIGEST, held.created_s - 1.0, 5) == 0
+    a.close()
+    b.close()
 
 
 def test_another_tenants_feedback_is_refused_and_changes_nothing(

@@ -786,6 +786,32 @@ class LmdbStore:
             deleted += gone
         return deleted
 
+    def endorse(self, key: str, created_s: float, endorsements: int) -> int:
+        """The held copy of `key`'s answer made at `created_s` now has `endorsements` `good`
+        verdicts (another host's, read from L3): written back with them in one transaction
+        that re-reads the copy first (another process may have replaced it), and counted in the
+        values as requests; how many were new (0: not held, another answer, no more verdicts,
+        or the disk short of its headroom)."""
+        if self._disk is not None and self._disk.state() != ROOM:
+            return 0
+        raw_key = key.encode()
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
+            data = txn.get(raw_key)
+            if data is None:
+                return 0
+            try:
+                held = decode_entry(bytes(data))
+            except CorruptEntry:
+                return 0
+            if held.created_s != created_s or endorsements <= held.endorsements:
+                return 0
+            updated = dataclasses.replace(held, endorsements=endorsements)
+            stored = encode_entry(updated)
+            txn.put(raw_key, stored)
+        if self._values is not None:
+            self._values.admitted(key, len(stored), held.generation_s, endorsements, created_s)
+        return endorsements - held.endorsements
+
     def value(self, key: str) -> float | None:
         """What `key`'s entry is worth by the shared values (None without values, or for an
         entry they hold nothing for)."""
