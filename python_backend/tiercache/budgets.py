@@ -651,13 +651,19 @@ class BudgetThread:
         return self
 
     def _run(self) -> None:
+        logged_s, failed = float("-inf"), 0
         while not self._stop.wait(self.interval_s):
             try:
                 decisions = self.controller.tick()
                 if self._on_tick is not None:
                     self._on_tick(decisions)
             except Exception:  # noqa: BLE001 - the caches keep their budgets; next tick retries
-                log.exception("a budget tick failed")
+                failed += 1
+                now = time.monotonic()
+                if now - logged_s >= 60.0:  # a reading that keeps failing: once a minute
+                    logged_s = now
+                    log.exception("a budget tick failed (%d since the last report)", failed)
+                    failed = 0
 
     def close(self) -> None:
         self._stop.set()

@@ -266,11 +266,14 @@ def nvml_card(
     readings: list[GpuReading],
     torch_uuid: str | None = None,
     visible: str | None = None,
+    pci_order: bool = False,
 ) -> GpuReading | None:
     """NVML's reading of the card a process calls `cuda:<device_index>`: by the UUID torch
-    gives for it (`torch_uuid`), else through `CUDA_VISIBLE_DEVICES` (`visible`: indices or
-    UUIDs; None: unset, every card visible in NVML's order); None when it cannot be told (a
-    MIG instance, a list NVML does not know), so that no budget follows the wrong card."""
+    gives for it (`torch_uuid`); else, through `CUDA_VISIBLE_DEVICES` (`visible`: indices or
+    UUIDs; None: unset, every card visible), a UUID it names, or an index when CUDA numbers
+    the cards as NVML does (`pci_order`: CUDA_DEVICE_ORDER=PCI_BUS_ID; CUDA's default order
+    puts the fastest first) or there is one card; None when it cannot be told (a MIG instance,
+    a list NVML does not know), so that no budget follows the wrong card."""
 
     def bare(uuid: str) -> str:
         return uuid.strip().lower().removeprefix("gpu-")
@@ -278,13 +281,20 @@ def nvml_card(
     if torch_uuid:
         found = [r for r in readings if r.uuid and bare(r.uuid) == bare(torch_uuid)]
         return found[0] if len(found) == 1 else None
+    ordered = pci_order or len(readings) == 1
     if visible is None:
+        if len(readings) == 1:  # the one card NVML sees is cuda:0
+            return readings[0] if device_index == 0 else None
+        if not ordered:
+            return None
         return next((r for r in readings if r.index == device_index), None)
     names = [v.strip() for v in visible.split(",") if v.strip()]
     if not 0 <= device_index < len(names):
         return None
     name = names[device_index]
     if name.isdigit():
+        if not ordered:
+            return None
         return next((r for r in readings if r.index == int(name)), None)
     found = [r for r in readings if r.uuid and bare(r.uuid).startswith(bare(name))]
     return found[0] if len(found) == 1 else None

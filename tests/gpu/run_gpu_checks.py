@@ -561,22 +561,33 @@ def check_nvml_budgets(torch: Any) -> list[Row]:
         uuid: str | None = str(torch.cuda.get_device_properties(0).uuid)
     except (AttributeError, RuntimeError):
         uuid = None
-    card = nvml_card(0, readings, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    card = nvml_card(
+        0,
+        readings,
+        uuid,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        pci_order=os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID",
+    )
     print(f"torch cuda:0 uuid {uuid}: NVML card {None if card is None else card.index}")
     rows.append(("nvml", "torch's cuda:0 found in NVML", "-", "-",
                  "none" if card is None else f"card {card.index}",
                  "ok" if card is not None else "FAIL: no NVML card matches"))  # fmt: skip
-    before = probe.read()[0]
+    index = 0 if card is None else card.index  # NVML's number for torch's cuda:0
+
+    def of_card() -> Any:
+        return next(r for r in probe.read() if r.index == index)
+
+    before = of_card()
     sizes: list[int] = []
     controller = BudgetController(
         [Budget("kv_pool", 0, 1 << 30, 1 << 30, lambda n: sizes.append(n) or n, lambda: 1.0)],
-        lambda: probe.read()[0].free_bytes,
+        lambda: of_card().free_bytes,
         headroom_bytes=max(before.free_bytes - (512 << 20), 0),
     )
     block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
     block.fill_(1)
     torch.cuda.synchronize()
-    after = probe.read()[0]
+    after = of_card()
     decisions = controller.tick()
     del block
     torch.cuda.empty_cache()

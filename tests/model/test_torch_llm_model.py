@@ -113,7 +113,7 @@ class FakeEngine:
         return self.device.startswith("cuda")
 
     def card(self) -> tuple[int, str | None]:
-        return 0, None  # as torch says where it cannot give a UUID
+        return 0, "8932f937-d72c-4106-c12f-20bd9faed9f6"  # as torch 2.13 writes it
 
     def release_cached_memory(self) -> None:
         self.released = getattr(self, "released", 0) + 1
@@ -722,6 +722,9 @@ def test_on_a_gpu_the_kv_pool_follows_the_cards_free_memory_through_nvml(
         # "hi" fills no block: the first evicts down to the budget and releases, the next not
         assert [ask("hi"), ask("hi")] == [1, 1]
         assert pool.stats().bytes <= 20 and pool.stats().evictions > 0
+        evictions = pool.stats().evictions
+        assert ask("another prompt, long enough to make the full pool evict") == 1
+        assert pool.stats().evictions > evictions  # ordinary evictions: nothing released
         nvml.free = 100 << 30  # the memory came back
         wait_for(1000)
     finally:

@@ -186,16 +186,20 @@ def test_the_engines_card_is_found_by_uuid_or_visible_devices_never_guessed() ->
         GpuReading(i, "NVIDIA H200", 141 * GIB, (100 - i) * GIB, 0, 0, f"GPU-{i}a{i}b-0000")
         for i in range(4)
     ]
-    assert nvml_card(0, cards).index == 0  # type: ignore[union-attr]  # all visible, in order
+    # by index only where CUDA numbers cards as NVML does (PCI order) or there is one card
+    assert nvml_card(0, cards) is None  # CUDA's default order: fastest first
+    assert nvml_card(0, cards, pci_order=True).index == 0  # type: ignore[union-attr]
+    assert nvml_card(0, cards[2:3]).index == 2  # type: ignore[union-attr]  # the only card
     assert nvml_card(1, cards, torch_uuid="2a2b-0000").index == 2  # type: ignore[union-attr]
     assert nvml_card(0, cards, torch_uuid="GPU-2A2B-0000").index == 2  # type: ignore[union-attr]
-    assert nvml_card(1, cards, visible="3,1").index == 1  # type: ignore[union-attr]
+    assert nvml_card(1, cards, visible="3,1") is None
+    assert nvml_card(1, cards, visible="3,1", pci_order=True).index == 1  # type: ignore[union-attr]
     assert nvml_card(0, cards, visible="GPU-3a3b").index == 3  # type: ignore[union-attr]
     assert nvml_card(0, cards, torch_uuid="ffff") is None  # a card NVML does not list
     assert nvml_card(2, cards, visible="0,1") is None  # not among the visible ones
     assert nvml_card(0, cards, visible="MIG-GPU-0a0b-0000/1/0") is None  # a MIG instance
     assert nvml_card(0, cards, visible="GPU-") is None  # a prefix of every card: ambiguous
-    assert nvml_card(7, cards) is None
+    assert nvml_card(7, cards, pci_order=True) is None
 
 
 def test_no_driver_means_no_gpus_not_an_error() -> None:

@@ -676,7 +676,10 @@ class LmdbStore:
             try:  # an older copy of the key would be served in its place
                 self.delete_many([key])
             except (lmdb.Error, OSError) as exc:
-                log.warning("L2 could not drop the older copy of %s (%s)", key, exc)
+                now = time.monotonic()
+                if now - self._resized_logged_s >= 60.0:  # once a minute, not on every put
+                    self._resized_logged_s = now
+                    log.warning("L2 could not drop the older copy of %s (%s)", key, exc)
             return
         with self._resized_is_an_error():
             with self._evict_lock:  # one evicting thread per process; the others re-check after
@@ -684,8 +687,8 @@ class LmdbStore:
                 if disk == ROOM:
                     self._short_file_bytes = None
                 else:
-                    if self._short_file_bytes is None:  # pinned: a limit that followed the
-                        self._short_file_bytes = self._file_bytes()  # file would let it grow
+                    if not self._short_file_bytes:  # pinned (a limit that followed the file
+                        self._short_file_bytes = self._file_bytes() or None  # would let it grow)
                     if self._short_file_bytes:
                         kept = int(self._short_file_bytes * (1.0 - self._headroom_fraction))
                         limit = min(limit, kept)

@@ -43,6 +43,7 @@ def start_budgets(
     objective: Callable[[], int] | None = None,
     objective_name: str = "ttft",
     memory: str = "host",
+    on_close: Callable[[], None] | None = None,
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` and
     `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
@@ -52,7 +53,8 @@ def start_budgets(
     its gauge (`tiercache_<name>_objective_state`: ttft for the engine's, hit for exact hits').
     `memory`: what `available` reads ("host", or "gpu-<uuid>" for a card's memory: its ledger
     is `state_dir`/budgets-gpu-<uuid>, shared with the processes on the same card only); the
-    label of the headroom and available gauges."""
+    label of the headroom and available gauges. `on_close`: run when the thread closes (after
+    the ledger's file is removed), e.g. to release the probe."""
     if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
@@ -144,7 +146,13 @@ def start_budgets(
 
     for budget in budgets:
         sizes[budget.name].set(budget.current_bytes)
-    return BudgetThread(controller, interval_s, on_tick, on_close=ledger.close).start()
+
+    def close() -> None:
+        ledger.close()
+        if on_close is not None:
+            on_close()
+
+    return BudgetThread(controller, interval_s, on_tick, on_close=close).start()
 
 
 class L1BudgetConfig(Protocol):

@@ -31,7 +31,7 @@ from tiercache.engine.threads import ThreadRole, set_torch_threads
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
-from tiercache.machine import GpuMemoryProbe, nvml_card
+from tiercache.machine import GpuMemoryProbe, GpuReading, nvml_card
 from tiercache.memory import MemoryTrimmer
 from tiercache.stages.common import DraftMetrics
 from tiercache.stages.envelope import Envelope
@@ -91,7 +91,9 @@ class TorchLlmStage:
         self.refusal = refusal
         self.trimmer = trimmer
         self.budgets: BudgetThread | None = None  # the KV pool following the host's memory
-        self._evictions_seen = (0, 0)  # KV blocks and adapter slots, when memory was released
+        # the KV pool's budget and the slots dropped for theirs, as the last request left them
+        self._kv_budget_seen = engine.kv_pool.max_bytes
+        self._slot_drops_seen = 0
         self.objective: LatencyObjective | None = None  # ttft_objective_s, if set
         self.metrics = m = metrics
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
@@ -295,14 +297,21 @@ class TorchLlmStage:
             self.finished[event.finish_reason].increment(1)
 
     def _release_gpu_memory(self, adapters: AdapterStats, kv: KvStats) -> None:
-        """On a GPU, after evictions the budgets asked for (KV blocks, adapter slots): the
-        card gets the freed memory back, where NVML (what the budgets read) sees it."""
-        if not self.engine.on_gpu:
+        """On a GPU whose budgets follow the card, after a request that applied a smaller
+        budget (the KV pool's, evicting down to it) or dropped adapter slots for one: the
+        card gets the freed memory back, where NVML (what the budgets read) sees it. Not after
+        the pool's ordinary evictions (a full pool making room): torch would allocate again
+        at once."""
+        if self.budgets is None or not self.engine.on_gpu:
             return
-        seen = (kv.evictions, adapters.budget_evictions)
-        if seen != self._evictions_seen:
-            self._evictions_seen = seen
-            self.engine.release_cached_memory()
+        shrunk = kv.max_bytes < self._kv_budget_seen
+        dropped = adapters.budget_evictions > self._slot_drops_seen
+        self._kv_budget_seen, self._slot_drops_seen = kv.max_bytes, adapters.budget_evictions
+        if shrunk or dropped:
+            try:
+                self.engine.release_cached_memory()
+            except Exception:  # noqa: BLE001 - the worker must go on serving
+                io.log.exception("handing cached GPU memory back failed")
 
     def _trim_memory(self) -> None:
         """Freed activations back to the system, at most every memory_trim_interval_s."""
@@ -417,24 +426,40 @@ def follow_gpu(
     ledger of its own; None, with a warning, where NVML cannot tell which card it is."""
     probe = probe if probe is not None else GpuMemoryProbe()
     index, uuid = engine.card()
-    card = nvml_card(index, probe.read(), uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    readings: list[GpuReading] = []
+    for _attempt in range(3):  # a reading that fails once (NVML busy) is not "no card"
+        readings = probe.read()
+        if readings or probe.why_none:
+            break
+        time.sleep(0.5)
+    card = nvml_card(
+        index,
+        readings,
+        uuid,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        pci_order=os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID",
+    )
     if card is None:
+        why = probe.why_none or (
+            "NVML read no card" if not readings else "no NVML card is known to be it"
+        )
         log.warning(
             "gpu_memory_headroom_bytes: NVML cannot tell the free memory of %s (%s); its "
             "budgets stay fixed",
             engine.device,
-            probe.why_none or "no NVML card matches it",
+            why,
         )
         probe.close()
         return None
+    found = card
 
     def available() -> int:
         for reading in probe.read():
-            if reading.index == card.index:
+            if reading.index == found.index:
                 return reading.free_bytes
-        raise RuntimeError(f"NVML no longer reads card {card.index}")  # the tick holds
+        raise RuntimeError(f"NVML did not read card {found.index} this time")  # the tick holds
 
-    label = card.uuid.lower().removeprefix("gpu-") if card.uuid else str(card.index)
+    label = card.uuid.lower().removeprefix("gpu-") if card.uuid else f"index-{card.index}"
     return start_budgets(
         config.gpu_memory_headroom_bytes,
         config.budget_interval_s,
@@ -444,6 +469,7 @@ def follow_gpu(
         model_name,
         available=available,
         memory=f"gpu-{label}",
+        on_close=probe.close,
     )
 
 
