@@ -65,6 +65,26 @@ def test_refutations_tighten_and_verifications_loosen_one_entry_only() -> None:
     assert policy.decide(other, 0.8, can_verify=False) is Decision.MISS
 
 
+def test_a_credible_bound_asks_more_of_an_entry_the_less_is_known_of_it() -> None:
+    """bound_quantile: P(right) at a lower quantile of the posterior: under the predictive
+    mean, by less the more outcomes the entry has; a fresh entry the mean serves waits for
+    outcomes under the bound."""
+    fresh, known = EntryTrust(), EntryTrust()
+    for _ in range(40):
+        known.observe(0.98, right=True)
+    for trust in (fresh, known):
+        assert trust.p_right(0.98, lower=0.2) < trust.p_right(0.98)
+    fresh_gap = fresh.p_right(0.98) - fresh.p_right(0.98, lower=0.2)
+    known_gap = known.p_right(0.98) - known.p_right(0.98, lower=0.2)
+    assert known_gap < fresh_gap
+    bound = TrustPolicy(max_error=0.05, bound_quantile=0.2)
+    assert TrustPolicy(max_error=0.05).decide(fresh, 0.98, can_verify=False) is Decision.SERVE
+    assert bound.decide(fresh, 0.98, can_verify=True) is Decision.VERIFY
+    assert bound.decide(known, 0.98, can_verify=False) is Decision.SERVE
+    with pytest.raises(ValueError, match="bound_quantile"):
+        TrustPolicy(bound_quantile=1.0)
+
+
 def test_only_the_most_recent_outcomes_are_kept_and_scores_must_be_probabilities() -> None:
     trust = EntryTrust()
     for i in range(100):

@@ -140,10 +140,14 @@ class EntryTrust:
                 held.add(stamp)
         del self.observations[: -self.limit]
 
-    def p_right(self, score: float, calibration: Calibration | None = None) -> float:
+    def p_right(
+        self, score: float, calibration: Calibration | None = None, lower: float = 0.0
+    ) -> float:
         """Posterior predictive P(serving this entry at `score` is right): from its tenant's
         `calibration` (None: the score taken at its word, give or take PRIOR_SD), corrected
-        by this entry's own outcomes."""
+        by this entry's own outcomes. `lower` in (0, 1): instead, the P(right) the entry
+        reaches with posterior probability 1 - `lower` (its `lower` quantile: a credible
+        bound)."""
         cal = (calibration or UNCALIBRATED).excluding(self.observations)
         at = _logit(score)
         log_post = cal.log_prior_at(at)
@@ -153,6 +157,10 @@ class EntryTrust:
             log_post = log_post + _log_sigmoid(signs[:, None] * z).sum(axis=0)
         log_post = log_post - log_post.max()
         post = np.exp(log_post)
+        if lower > 0.0:
+            cdf = np.cumsum(post) / post.sum()
+            at_quantile = T_GRID[min(int(np.searchsorted(cdf, lower)), len(T_GRID) - 1)]
+            return float(math.exp(float(_log_sigmoid(np.array(at_quantile)))))
         return float(np.dot(post, np.exp(_log_sigmoid(T_GRID))) / post.sum())
 
 
@@ -230,6 +238,9 @@ class TrustPolicy:
     max_error: float = 0.05
     explore_band: float = 0.25
     audit_rate: float = AUDIT_RATE
+    # 0: serve on the predictive P(right); in (0, 1): on its `bound_quantile` quantile (a
+    # credible bound: served only where the posterior is that sure of 1 - max_error)
+    bound_quantile: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.max_error < 1.0:
@@ -238,6 +249,8 @@ class TrustPolicy:
             raise ValueError(f"explore_band must be in [0, 1], got {self.explore_band}")
         if not 0.0 <= self.audit_rate <= 1.0:
             raise ValueError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
+        if not 0.0 <= self.bound_quantile < 1.0:
+            raise ValueError(f"bound_quantile must be in [0, 1), got {self.bound_quantile}")
 
     def decide(
         self,
@@ -249,7 +262,7 @@ class TrustPolicy:
     ) -> Decision:
         """`calibration`: the entry's tenant's; `draw` in [0, 1) picks the audits (a uniform
         random number; the default 1.0 audits nothing)."""
-        p = trust.p_right(score, calibration)
+        p = trust.p_right(score, calibration, self.bound_quantile)
         if p >= 1.0 - self.max_error:
             audit = can_verify and draw < self.audit_rate
             return Decision.VERIFY if audit else Decision.SERVE

@@ -54,7 +54,7 @@ def synthetic(args: argparse.Namespace) -> int:
     print(f"| fixed threshold 0.96 | {len(fixed)} | {wrong / len(fixed):.3f} | - | "
           f"{len(events) - len(fixed)} |")  # fmt: skip
     for max_error in args.max_error:
-        policy = TrustPolicy(max_error=max_error)
+        policy = TrustPolicy(max_error=max_error, bound_quantile=args.bound_quantile)
         for label, can_verify in (("with verification", True), ("without verification", False)):
             c = replay(policy, events, can_verify)
             served = c["served_right"] + c["served_wrong"]
@@ -136,7 +136,7 @@ def on_pairs(args: argparse.Namespace) -> int:
         ("guard alone (default point)", None, False, False)
     ]
     for max_error in args.max_error:
-        policy = TrustPolicy(max_error=max_error)
+        policy = TrustPolicy(max_error=max_error, bound_quantile=args.bound_quantile)
         rules += [
             (f"max_error {max_error}, verification, entry + tenant", policy, True, True),
             (f"max_error {max_error}, verification, entry only", policy, True, False),
@@ -221,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-error", type=float, nargs="+", default=[0.05])
     parser.add_argument("--orders", type=int, default=3, help="with --pairs: stream orders (3)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--bound-quantile",
+        type=float,
+        default=0.0,
+        help="serve on this quantile of P(right), a credible bound (0: the predictive mean)",
+    )
     parser.add_argument("--json", type=Path, help="with --pairs: write the counts here")
     parser.add_argument(
         "--timing", action="store_true", help="time the gate's decision in serving instead"
