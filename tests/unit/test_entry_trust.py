@@ -81,8 +81,14 @@ def test_a_credible_bound_asks_more_of_an_entry_the_less_is_known_of_it() -> Non
     assert TrustPolicy(max_error=0.05).decide(fresh, 0.98, can_verify=False) is Decision.SERVE
     assert bound.decide(fresh, 0.98, can_verify=True) is Decision.VERIFY
     assert bound.decide(known, 0.98, can_verify=False) is Decision.SERVE
-    with pytest.raises(ValueError, match="bound_quantile"):
-        TrustPolicy(bound_quantile=1.0)
+    for quantile in (0.5, 0.9, -0.1, float("nan")):  # 0.5 and up: no lower bound
+        with pytest.raises(ValueError, match="bound_quantile"):
+            TrustPolicy(bound_quantile=quantile)
+        with pytest.raises(ValueError, match="quantile"):
+            fresh.p_right(0.98, lower=quantile)
+    # what is verified is still chosen by the predictive P(right): a fresh entry the bound
+    # does not serve at 0.8 (mean 0.70, inside the band) is verified, not missed
+    assert bound.decide(fresh, 0.8, can_verify=True) is Decision.VERIFY
 
 
 def test_only_the_most_recent_outcomes_are_kept_and_scores_must_be_probabilities() -> None:

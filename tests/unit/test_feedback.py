@@ -267,7 +267,11 @@ def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
     assert b.get(DIGEST) is not None and b.wait_endorsements()
     assert b.l2_endorsements_caught == 1  # counted once
     # another answer under the key (regenerated) is never overwritten by the older copy's count
-    assert b_l2.endorse(DIGEST, held.created_s - 1.0, 5) == 0
+    assert b_l2.endorse(DIGEST, held.created_s - 1.0, 2) == 0
+    # a count past what an entry may carry is capped (the entry stays readable)
+    assert b_l2.endorse(DIGEST, held.created_s, 9) == MAX_ENDORSEMENTS - 1
+    capped = b_l2.peek(DIGEST)
+    assert capped is not None and capped.endorsements == MAX_ENDORSEMENTS
     a.close()
     b.close()
 

@@ -27,6 +27,7 @@ import lmdb
 
 from tiercache.eviction import EvictionPolicy, KnownCosts, LruPolicy, OldestFirstPolicy
 from tiercache.exact.codec import (
+    MAX_ENDORSEMENTS,
     CacheEntry,
     CorruptEntry,
     decode_entry,
@@ -797,6 +798,7 @@ class LmdbStore:
         or the disk short of its headroom)."""
         if self._disk is not None and self._disk.state() != ROOM:
             return 0
+        endorsements = min(endorsements, MAX_ENDORSEMENTS)  # what an entry may carry
         raw_key = key.encode()
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
             data = txn.get(raw_key)

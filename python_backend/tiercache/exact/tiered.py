@@ -136,6 +136,7 @@ class TieredCache:
         self._checker_lock = threading.Lock()
         self.endorsements_caught = 0  # verdicts L1 copies took up this way (its thread only)
         self.l2_endorsements_caught = 0  # and this host's L2 copies, from L3 (idem)
+        self._compare_logged_s = float("-inf")  # a failing comparison: logged once a minute
 
     def now(self) -> float:
         """The wall clock entries are stamped with (`created_s`)."""
@@ -252,6 +253,13 @@ class TieredCache:
                 return
             try:
                 self._compare_one(*item)
+            except Exception:  # noqa: BLE001 - one comparison lost, never the thread
+                now = time.monotonic()
+                if now - self._compare_logged_s >= 60.0:
+                    self._compare_logged_s = now
+                    log.exception(
+                        "comparing %s's verdicts with the shared tiers failed", item[0][:12]
+                    )
             finally:
                 due.task_done()
 
@@ -268,10 +276,7 @@ class TieredCache:
                 continue
             if self.invalidations.covers(key, entry):
                 continue
-            try:
-                self.l2_endorsements_caught += endorse(key, created_s, best)
-            except Exception:  # noqa: BLE001 - a rank, never the answer
-                log.exception("endorsing %s in L2 failed", key[:12])
+            self.l2_endorsements_caught += endorse(key, created_s, best)  # errors: logged above
 
     def shared_copies(self, key: str) -> list[CacheEntry]:
         """`key`'s entry as each shared tier (not L1) holds it, read as no request reads it

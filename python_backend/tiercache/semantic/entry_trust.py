@@ -145,9 +145,11 @@ class EntryTrust:
     ) -> float:
         """Posterior predictive P(serving this entry at `score` is right): from its tenant's
         `calibration` (None: the score taken at its word, give or take PRIOR_SD), corrected
-        by this entry's own outcomes. `lower` in (0, 1): instead, the P(right) the entry
+        by this entry's own outcomes. `lower` in (0, 0.5): instead, the P(right) the entry
         reaches with posterior probability 1 - `lower` (its `lower` quantile: a credible
-        bound)."""
+        bound; ValueError outside [0, 0.5))."""
+        if not 0.0 <= lower < 0.5:  # NaN fails too
+            raise ValueError(f"lower must be a quantile in [0, 0.5), got {lower}")
         cal = (calibration or UNCALIBRATED).excluding(self.observations)
         at = _logit(score)
         log_post = cal.log_prior_at(at)
@@ -238,8 +240,9 @@ class TrustPolicy:
     max_error: float = 0.05
     explore_band: float = 0.25
     audit_rate: float = AUDIT_RATE
-    # 0: serve on the predictive P(right); in (0, 1): on its `bound_quantile` quantile (a
-    # credible bound: served only where the posterior is that sure of 1 - max_error)
+    # 0: serve on the predictive P(right); in (0, 0.5): on its `bound_quantile` quantile (a
+    # credible bound: served only where the posterior is that sure of 1 - max_error); what
+    # is verified is still chosen by the predictive P(right)
     bound_quantile: float = 0.0
 
     def __post_init__(self) -> None:
@@ -249,8 +252,8 @@ class TrustPolicy:
             raise ValueError(f"explore_band must be in [0, 1], got {self.explore_band}")
         if not 0.0 <= self.audit_rate <= 1.0:
             raise ValueError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
-        if not 0.0 <= self.bound_quantile < 1.0:
-            raise ValueError(f"bound_quantile must be in [0, 1), got {self.bound_quantile}")
+        if not 0.0 <= self.bound_quantile < 0.5:
+            raise ValueError(f"bound_quantile must be in [0, 0.5), got {self.bound_quantile}")
 
     def decide(
         self,
@@ -262,8 +265,11 @@ class TrustPolicy:
     ) -> Decision:
         """`calibration`: the entry's tenant's; `draw` in [0, 1) picks the audits (a uniform
         random number; the default 1.0 audits nothing)."""
-        p = trust.p_right(score, calibration, self.bound_quantile)
-        if p >= 1.0 - self.max_error:
+        p = trust.p_right(score, calibration)
+        sure = (
+            p if not self.bound_quantile else trust.p_right(score, calibration, self.bound_quantile)
+        )
+        if sure >= 1.0 - self.max_error:
             audit = can_verify and draw < self.audit_rate
             return Decision.VERIFY if audit else Decision.SERVE
         if can_verify and p >= 1.0 - self.max_error - self.explore_band:
