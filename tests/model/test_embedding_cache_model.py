@@ -390,6 +390,55 @@ def test_a_graphs_budget_bounds_the_scopes_graphs_and_follows_the_machine(
         instance.finalize()
 
 
+@pytest.mark.parametrize(("quantile", "verified"), [("0", 0.0), ("0.1", 1.0)])
+def test_a_serve_quantile_sends_a_hit_the_mean_would_serve_to_the_engine(
+    load_model: Callable[[str], ModuleType],
+    pb_utils: ModuleType,
+    tmp_path: Path,
+    embedder: FakeEmbedder,
+    sealer: Sealer,
+    quantile: str,
+    verified: float,
+) -> None:
+    """`semantic_serve_quantile`: a fresh entry the guard is sure of, in a tenant with no
+    outcomes yet, is served on the predictive P(right) (0) and sent to the engine to verify
+    under a credible bound (0.1: the posterior 90 % sure), at max_error 0.1 (P(right) 0.94
+    on the mean, 0.81 at the 0.1 quantile, for the guard's score of the same text)."""
+    parameters = {
+        "state_dir": str(tmp_path),
+        "semantic_max_error": "0.1",
+        "semantic_audit_rate": "0",
+        "semantic_serve_quantile": quantile,
+    }
+    instance = started(load_model, parameters)
+    try:
+        core = instance.stage.core
+        assert core.trust.policy.bound_quantile == float(quantile)
+        embedder.dimensions = core.vectors.dimensions
+        row = np.zeros(core.vectors.dimensions, dtype=np.float32)
+        row[0] = 1.0
+        prompt = "How do I reset my password?"
+        core.answers.put("2" * 64, "answer 2")
+        core.index.add(OTHER_SCOPE, "2" * 64, prompt, row)
+        data = seals.sealed(
+            sealer,
+            Envelope(
+                request=GenerationRequest(prompt),
+                status=CacheStatus.MISS,
+                digest=Digest("d" * 64),
+                semantic_scope=OTHER_SCOPE,
+                semantic_lookup=True,
+            ),
+            "",
+        )
+        (response,) = instance.execute([request(pb_utils, data)])
+        got = answer(response)
+        assert (got["ANSWER_STATUS"], got["ANSWER_TEXT"]) == ("semantic", "answer 2")
+        assert got["HIT_TRUST"].reshape(-1).tolist()[1] == verified
+    finally:
+        instance.finalize()
+
+
 def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_seal(
     load_model: Callable[[str], ModuleType],
     pb_utils: ModuleType,
@@ -458,5 +507,6 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
         outcomes, decisions = instance.stage.outcomes, instance.stage.trust_decisions
         assert outcomes["untrusted"].metric.value() == 1
         assert decisions["verify"].metric.value() == decisions["serve"].metric.value() == 1
+        assert core.trust.policy.bound_quantile == 0.0  # the predictive P(right), by default
     finally:
         instance.finalize()

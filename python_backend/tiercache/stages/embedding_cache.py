@@ -246,7 +246,10 @@ def open_embedding_cache(
     trust = None
     if config.semantic_max_error > 0:
         policy = TrustPolicy(
-            config.semantic_max_error, config.semantic_explore_band, config.semantic_audit_rate
+            config.semantic_max_error,
+            config.semantic_explore_band,
+            config.semantic_audit_rate,
+            config.semantic_serve_quantile,
         )
         trust = TrustGate(tiers.cache, policy, score)
     vectors = VectorCache(
