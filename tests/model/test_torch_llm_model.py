@@ -239,8 +239,11 @@ def request_json(sealer: Sealer, ref: AdapterRef | None = None) -> bytes:
     return envelope_text(sealer, on_adapter(ref))
 
 
-def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Sealer) -> None:
-    ref, config_json, weights = tiny_version("one", 1, seed=1)
+def load(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, version: tuple[AdapterRef, str, bytes]
+) -> Any:
+    """LORA_OP load of one `tiny_version`; its one response, checked to say "loaded"."""
+    ref, config_json, weights = version
     (loaded,) = call(
         pb_utils,
         model,
@@ -251,6 +254,13 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Seal
         LORA_WEIGHTS=weights,
     )
     assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
+    return loaded
+
+
+def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Sealer) -> None:
+    version = tiny_version("one", 1, seed=1)
+    ref = version[0]
+    loaded = load(pb_utils, model, sealer, version)
     assert json.loads(text(pb_utils, loaded))["load_ms"] > 0
     (listed,) = call(pb_utils, model, sealer, LORA_OP="list")
     assert text(pb_utils, listed, "FINISH_REASON") == "listed"
@@ -560,17 +570,8 @@ def test_with_a_memory_headroom_the_adapter_slots_follow_the_host(
     instance = start_stage(load_model, monkeypatch, params, FakeEngine)
     try:
         versions = [tiny_version(n, i + 1, seed=i + 1) for i, n in enumerate(("one", "two"))]
-        for ref, config_json, weights in versions:
-            (loaded,) = call(
-                pb_utils,
-                instance,
-                sealer,
-                LORA_OP="load",
-                LORA=ref.to_json(),
-                LORA_CONFIG=config_json,
-                LORA_WEIGHTS=weights,
-            )
-            assert text(pb_utils, loaded, "FINISH_REASON") == "loaded"
+        for version in versions:
+            load(pb_utils, instance, sealer, version)
         adapters = instance.stage.engine.adapters  # both held unless the budget came first
         families = instance.stage.metrics._families
         deadline = time.monotonic() + 10.0
