@@ -209,9 +209,10 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "disk_headroom_bytes": _Spec(
         512 << 20,
-        "Free disk kept on the state directory's filesystem: under it L2 (answers, prompt "
-        "vectors) stops growing its file and turns over inside it; under half of it L2 takes "
-        "no new entries (the other tiers still do); 0: off (docs/budgets.md)",
+        "Free disk kept on the state directory's filesystem: under it L2 stops growing its "
+        "file and turns over inside it, and the prompt vectors' L2 takes none; under half of "
+        "it L2 keeps to half its file and llm logs no new semantic row; 0: off "
+        "(docs/budgets.md)",
         min=0,
     ),
     "memory_headroom_bytes": _Spec(

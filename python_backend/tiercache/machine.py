@@ -15,7 +15,8 @@ reads the files or library a container actually exposes:
   used bytes and what this process holds on it. No driver, no device or no package: no GPUs
   (logged once), never an error: the CPU engine runs on host memory alone.
 - Disk: `shutil.disk_usage` of the state directory (L2, the semantic rows, converted weights);
-  `DiskRoom` turns it into what L2 may do (grow, turn over inside its file, or write nothing).
+  `DiskRoom` turns it into what L2 and the semantic rows may do (grow; turn over inside L2's
+  file; inside half of it, with no new semantic rows).
 
 The paths and the NVML module are injectable, so tests read a made-up `/proc` and `/sys` and an
 NVML stand-in with NVML's own call surface (tests/unit/test_machine.py).
@@ -315,10 +316,11 @@ ROOM, SHORT, CRITICAL = "room", "short", "critical"
 class DiskRoom:
     """Whether the filesystem holding `path` keeps `headroom_bytes` free (`disk_headroom_bytes`):
     ROOM; SHORT under the headroom (L2 stops growing its file: it turns over inside the pages it
-    has); CRITICAL under half of it (L2 writes nothing). An LMDB file never shrinks, so holding
-    its size is all a cache can give back to the disk. Read at most every `interval_s` (a
-    syscall; L2 asks on every write); a reading that fails keeps the last state. `headroom_bytes`
-    0: always ROOM. Thread-safe."""
+    has; the prompt vectors' L2 writes nothing); CRITICAL under half of it (L2 keeps half its
+    file free, so its writes need no new disk; no new semantic rows are logged). An LMDB file
+    never shrinks, so holding its size is all a cache can give back to the disk. Read at most
+    every `interval_s` (a syscall; L2 asks on every write); a reading that fails keeps the last
+    state. `headroom_bytes` 0: always ROOM. Thread-safe."""
 
     def __init__(
         self,
@@ -369,7 +371,7 @@ class DiskRoom:
                 {
                     ROOM: "grows again",
                     SHORT: "stops growing its file (it turns over inside it)",
-                    CRITICAL: "takes no new entries",
+                    CRITICAL: "turns over inside half its file and llm logs no new semantic row",
                 }[state],
             )
         return state

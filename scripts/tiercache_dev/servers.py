@@ -123,10 +123,12 @@ def running_all(
 
 def fresh_state(root: Path, weights_from: Path, name: str = "state") -> Path:
     """An empty state dir `root/name` for a benchmark's server, its `models` linked to
-    `weights_from/models` (the converted weights: no conversion at its start)."""
+    `weights_from/models` (the converted weights: no conversion at its start but the first)."""
     state = root / name
     state.mkdir(parents=True)
-    (state / "models").symlink_to((weights_from / "models").resolve(), target_is_directory=True)
+    weights = weights_from / "models"
+    weights.mkdir(parents=True, exist_ok=True)  # a first run converts them there, for the next
+    (state / "models").symlink_to(weights.resolve(), target_is_directory=True)
     return state
 
 

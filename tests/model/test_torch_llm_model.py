@@ -24,7 +24,7 @@ from tiercache.adapter_types import AdapterRef, adapter_digest
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
-from tiercache.engine.kv_cache import KvBlockPool, KvStats, block_hashes, kv_salt
+from tiercache.engine.kv_cache import BlockHash, KvBlockPool, KvStats, block_hashes, kv_salt
 from tiercache.engine.threads import ThreadRole
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
@@ -525,7 +525,8 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
     load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """memory_headroom_bytes larger than this machine (read for real): the KV pool's budget
-    goes to kv_pool_min_bytes, and the engine thread's next request evicts down to it."""
+    goes to kv_pool_min_bytes, and the engine thread's next request evicts down to it; what
+    the pool holds is exported beside its budget."""
     params = {
         "state_dir": {"string_value": str(tmp_path)},
         "tokens_per_block": {"string_value": "4"},
@@ -537,14 +538,20 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
     instance = start_stage(load_model, monkeypatch, params, FakeEngine)
     try:
         pool = instance.stage.engine.kv_pool
+        lease = pool.acquire([], 1)  # a block the pool holds until its next request
+        assert pool.insert(lease, BlockHash(b"k" * 32), 300, lambda: "block")
+        families = instance.stage.metrics._families
         deadline = time.monotonic() + 10.0
-        while pool.budget_bytes != 20 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # the gauges follow the resize within the tick
+            instance.stage.metrics.flush()
+            (budget,) = families["tiercache_budget_bytes"].metrics
+            (held,) = families["tiercache_budget_held_bytes"].metrics
+            if pool.budget_bytes == 20 and budget.value() == 20 and held.value() == 300:
+                break
             time.sleep(0.05)
         assert pool.budget_bytes == 20  # in force from the next request (engine thread)
-        instance.stage.metrics.flush()
-        families = instance.stage.metrics._families
-        (budget,) = families["tiercache_budget_bytes"].metrics
         assert (budget.labels["cache"], budget.value()) == ("kv_pool", 20)
+        assert (held.labels["cache"], held.value()) == ("kv_pool", 300)  # held until then
     finally:
         instance.finalize()
 

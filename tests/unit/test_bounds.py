@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
+import lmdb
 import numpy as np
 import pytest
 
@@ -31,6 +33,7 @@ from tiercache.exact.redis_tier import RedisLink
 from tiercache.exact.stores import LmdbStore, MemoryStore, make_private_dir
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
+from tiercache.machine import DiskReading, DiskRoom
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.redis_rows import STREAM, RowFollower, SharedRow, sign_fields
 from tiercache.semantic.row_log import (
@@ -283,6 +286,48 @@ def test_a_new_scope_past_the_cap_is_not_indexed_and_never_an_error(
     index = SemanticIndex(store, DIM)
     assert index.stats().scopes_refused == 2
     index.close()
+
+
+def test_no_new_semantic_row_while_the_disk_is_critical_or_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """disk_headroom_bytes: under half of it, and when the disk is full (the log's
+    transaction fails with ENOSPC; EIO, or a scope's table that cannot be sized, while the
+    disk is short), a new row is dropped, counted and logged once a minute, never an error;
+    other errors are raised; with room, rows are logged again."""
+    free = [1 << 40]
+    disk = DiskRoom(
+        tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
+    )
+    store = SemanticStore(tmp_path / "sem", disk=disk)
+    keep = lambda digest: True  # noqa: E731
+    assert store.append_or_compact("a", "d1", "p", unit(1, 0), keep) == 0
+    free[0] = (1 << 29) - 1  # critical
+    with caplog.at_level(logging.WARNING):
+        assert store.append_or_compact("a", "d2", "p", unit(0, 1), keep) is None
+        free[0] = 1 << 40
+        full = lmdb.DiskError("mdb_txn_commit: No space left on device")
+        monkeypatch.setattr(store, "log_rows", Mock(side_effect=full))
+        assert store.append_or_compact("a", "d3", "p", unit(1, 1), keep) is None
+        # a short write (EIO) or a table that cannot be sized: the disk's, only while short
+        monkeypatch.setattr(store, "log_rows", Mock(side_effect=lmdb.Error("Input/output error")))
+        with pytest.raises(lmdb.Error):
+            store.append_or_compact("a", "d4", "p", unit(1, 1), keep)
+        free[0] = (1 << 30) - 1  # short
+        assert store.append_or_compact("a", "d4", "p", unit(1, 1), keep) is None
+        sizing = RuntimeError("cannot size /x/tables/t.tbl: No space left on device")
+        monkeypatch.setattr(store.tables, "publish", Mock(side_effect=sizing))
+        monkeypatch.setattr(store, "log_rows", Mock(return_value=([5], {"t": ([5], [unit(1)])})))
+        assert store.append_or_compact("a", "d5", "p", unit(1, 1), keep) is None
+        monkeypatch.setattr(store.tables, "publish", Mock(side_effect=RuntimeError("a bug")))
+        with pytest.raises(RuntimeError, match="a bug"):
+            store.append_or_compact("a", "d6", "p", unit(1, 1), keep)
+    assert store.disk_skipped == 4 and store.head() == 1
+    assert caplog.text.count("new rows are not logged") == 1  # once a minute
+    monkeypatch.undo()
+    free[0] = 1 << 40
+    assert store.append_or_compact("a", "d7", "p", unit(1, 1), keep) == 1
+    store.close()
 
 
 _APPEND_SCOPE_B = """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -284,14 +285,15 @@ def test_lmdb_tiny_map_evicts_oldest_first_and_never_raises(
 
 
 @pytest.mark.parametrize("text_bytes", [100, 3_000])
-def test_lmdb_short_of_disk_turns_over_inside_its_file_and_critical_writes_nothing(
+def test_lmdb_short_of_disk_turns_over_inside_its_file_and_critical_inside_half_of_it(
     tmp_path: Path, text_bytes: int
 ) -> None:
     """disk_headroom_bytes, with L2's own key shape (SHA-256 hex: writes and evictions spread
     over every leaf): once short, the file grows once, by what its first eviction copies, and
-    then holds however much is written (twice ten times what it held); critically short,
-    nothing is written (counted) and an older copy of the key is deleted, what else is there
-    stays readable; with room again, L2 grows."""
+    then holds however much is written (twice ten times what it held); critically short, L2
+    still takes every answer (on a host without Redis it is how llm's answers reach the
+    lookups) but keeps its live pages under half the size the file had when the shortage
+    began, and the file still holds; with room again, L2 grows."""
 
     def key(text: str) -> str:
         return hashlib.sha256(text.encode()).hexdigest()
@@ -318,17 +320,61 @@ def test_lmdb_short_of_disk_turns_over_inside_its_file_and_critical_writes_nothi
     assert sizes[0] <= 2 * grown  # the first eviction's copies: at most the tree, once
     assert sizes[1] == sizes[0]  # then it holds
     assert store.stats().evictions > count and store.get(key("a0")) is None  # turned over
-    newest = keys[-1]
+    short_bytes = store.stats().bytes
+    assert short_bytes > grown // 2 + 4 * 4096
     free[0] = (1 << 29) - 1  # critical
-    store.put("c", entry("kept elsewhere"))
-    assert store.get("c") is None and store.stats().rejected == 1
-    store.put(newest, entry("a newer answer L2 cannot take"))
-    assert store.get(newest) is None and store.stats().rejected == 2  # the older copy: gone
-    assert store.get(keys[-2]) is not None  # the rest: kept
+    keys = [key(f"c{i}") for i in range(10 * count)]
+    for i, k in enumerate(keys):
+        store.put(k, entry("z" * text_bytes, created_s=float(2 * 10**6 + i)))
+        assert store.get(k) is not None  # every answer taken
+    assert store.stats().rejected == 0
+    assert store.stats().bytes <= grown // 2 + 4 * 4096  # inside half the pinned file
+    assert data.stat().st_size == sizes[1]  # and the file holds
     free[0] = 1 << 40  # room again
     for i in range(2 * count):
         store.put(key(f"d{i}"), entry("y" * text_bytes, created_s=float(10**7 + i)))
     assert data.stat().st_size > sizes[1]
+    store.close()
+
+
+def test_lmdb_write_that_meets_a_full_disk_evicts_and_tries_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk short and full, and a write fails for want of disk (pages freed inside the file
+    that an older reader still sees): L2 evicts half and writes again; if that fails too, the
+    answer is not stored (counted as rejected, logged once a minute), an older copy of the key
+    is deleted, and the request is not failed. With room, a full disk is an error as before."""
+    free = [1 << 20]  # short of the 1 GiB headroom
+    disk = DiskRoom(
+        tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
+    )
+    store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk)
+    for i in range(20):
+        store.put(f"k{i:02d}", entry(f"answer {i}", created_s=float(i)))
+    real_write = store._write
+    failures = [1]
+
+    def write(key: bytes, data: bytes) -> None:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        real_write(key, data)
+
+    monkeypatch.setattr(store, "_write", write)
+    store.put("new", entry("taken on the second try"))
+    assert store.get("new") == entry("taken on the second try")
+    assert store.stats().evictions >= 10 and store.stats().rejected == 0
+    failures[0] = 4
+    with caplog.at_level(logging.WARNING):
+        store.put("k19", entry("a newer answer"))
+        store.put("other", entry("not stored either"))
+    assert store.get("k19") is None and store.get("other") is None  # the older copy: gone
+    assert store.stats().rejected == 2
+    assert caplog.text.count("even after evicting") == 1
+    free[0] = 1 << 40  # room: the error is the caller's, as it always was
+    failures[0] = 1
+    with pytest.raises(lmdb.DiskError):
+        store.put("later", entry("x"))
     store.close()
 
 

@@ -52,10 +52,10 @@ class StoreStats:
     corrupt: int
     # What a tier that counts hits per entry (L1; L2 with values) says of their value; the
     # others leave them at their defaults. `evicted_hits`: hits the evicted entries had had
-    # while held (the value eviction gave up); `rejected`: entries not stored (larger than the
-    # whole budget; L2: its disk critically short, `DiskRoom`); `removed`: entries deleted
-    # other than by eviction (invalidations, expiry); `hit_skew`: share of the held entries'
-    # hits taken by the hottest 1 % of them (None: not counted).
+    # while held (the value eviction gave up); `rejected`: entries not stored (L1: larger than
+    # its whole budget; L2: a write that met a full disk even after evicting); `removed`:
+    # entries deleted other than by eviction (invalidations, expiry); `hit_skew`: share of the
+    # held entries' hits taken by the hottest 1 % of them (None: not counted).
     evicted_hits: int = 0
     rejected: int = 0
     removed: int = 0
@@ -618,15 +618,18 @@ class LmdbStore:
     ) -> None:
         """`disk`: the state directory's free disk (None: not watched). While it is short,
         writes keep the live pages under (1 - headroom_fraction) of the size the file had when
-        the shortage began, so the file stops growing; while it is critical, nothing is
-        written (counted as `rejected`; an older copy of the key is deleted, not served)."""
+        the shortage began, so the file stops growing; while it is critical, under
+        (1 - 2 x headroom_fraction) of it, so a write finds free pages inside the file even
+        when the disk has none left. L2 keeps taking answers either way: on a host without
+        Redis it is how the answers `llm` writes reach prompt_cache and embedding_cache."""
         self.path = path
         self._max_bytes = max_bytes
         self._values = values
         self._disk = disk
         self._headroom_fraction = headroom_fraction
-        self._rejected = 0
-        self._short_file_bytes: int | None = None  # the file's size when the disk ran short
+        self._short_file_bytes = 0  # the file's size when the disk ran short (0: it has room)
+        self._rejected = 0  # writes that met a full disk even after evicting
+        self._disk_logged_s = -60.0
         self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
         self._evict_fraction = evict_fraction
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
@@ -637,6 +640,11 @@ class LmdbStore:
         self._evicted_hits = self._removed = 0  # this process's evictions' and deletions'
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
         self._resized_logged_s = -60.0
+
+    @property
+    def disk(self) -> DiskRoom | None:
+        """The state directory's free disk as this store watches it (None: not watched)."""
+        return self._disk
 
     def reader_check(self) -> int:
         """Free reader slots of processes that died in a read (done at open too); how many.
@@ -671,27 +679,17 @@ class LmdbStore:
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
         disk = ROOM if self._disk is None else self._disk.state()
-        if disk == CRITICAL:  # the other tiers keep it; the disk is left to what must write
-            with self._lock:
-                self._rejected += 1
-            try:  # an older copy of the key would be served in its place
-                self.delete_many([key])
-            except (lmdb.Error, OSError) as exc:
-                now = time.monotonic()
-                if now - self._resized_logged_s >= 60.0:  # once a minute, not on every put
-                    self._resized_logged_s = now
-                    log.warning("L2 could not drop the older copy of %s (%s)", key, exc)
-            return
         with self._resized_is_an_error():
             with self._evict_lock:  # one evicting thread per process; the others re-check after
                 limit = self._high_water_bytes
                 if disk == ROOM:
-                    self._short_file_bytes = None
+                    self._short_file_bytes = 0
                 else:
                     if not self._short_file_bytes:  # pinned (a limit that followed the file
-                        self._short_file_bytes = self._file_bytes() or None  # would let it grow)
+                        self._short_file_bytes = self._file_bytes()  # would let it grow)
                     if self._short_file_bytes:
-                        kept = int(self._short_file_bytes * (1.0 - self._headroom_fraction))
+                        share = self._headroom_fraction * (2.0 if disk == CRITICAL else 1.0)
+                        kept = int(self._short_file_bytes * max(1.0 - share, 0.0))
                         limit = min(limit, kept)
                 if self._live_bytes() + len(data) > limit:
                     self._evict()
@@ -701,10 +699,38 @@ class LmdbStore:
                 with self._evict_lock:  # the policy is one per store: one eviction at a time
                     self._evict(fraction=max(0.5, self._evict_fraction))
                 self._write(key.encode(), data)
+            except lmdb.DiskError as exc:
+                if disk == ROOM or not self._write_after_freeing(key, data, exc):
+                    raise
         if self._values is not None:
             self._values.admitted(
                 key, len(data), entry.generation_s, entry.endorsements, entry.created_s
             )
+
+    def _write_after_freeing(self, key: str, data: bytes, exc: lmdb.DiskError) -> bool:
+        """The disk short and full (its pages freed inside the file are not all reusable: an
+        older reader still sees them): evict half and write again; if the disk still has no
+        room, the entry is not stored (counted as `rejected`, logged once a minute) and an
+        older copy of the key deleted, not served in its place. False when the older copy
+        could not be deleted either (the caller raises)."""
+        with self._evict_lock:
+            self._evict(fraction=max(0.5, self._evict_fraction))
+        try:
+            self._write(key.encode(), data)
+            return True
+        except lmdb.DiskError:
+            pass
+        with self._lock:
+            self._rejected += 1
+        now = time.monotonic()
+        if now - self._disk_logged_s >= 60.0:  # once a minute, not on every put
+            self._disk_logged_s = now
+            log.warning("L2 %s: %s even after evicting; the answer is not stored", self.path, exc)
+        try:
+            self.delete_many([key])
+        except lmdb.Error:
+            return False
+        return True
 
     def _live_bytes(self) -> int:
         return data_bytes(self._env)

@@ -334,6 +334,7 @@ class RowFollower:
     def _run(self) -> None:
         check_reset = True
         next_probe = 0.0
+        disk_logged_s = -60.0
         while not self._stop.is_set():
             if self._lock_fd is None and not self._take_lock():
                 self._stop.wait(self._retry_s)
@@ -360,6 +361,17 @@ class RowFollower:
             if entries:
                 try:
                     self._apply(entries)
+                except lmdb.DiskError as exc:  # the disk is full: they wait, nothing is lost
+                    now = time.monotonic()
+                    if now - disk_logged_s >= 60.0:  # once a minute, not every retry
+                        disk_logged_s = now
+                        log.warning(
+                            "semantic rows from Redis wait for disk (%s); retried every %.1f s",
+                            exc,
+                            self._retry_s,
+                        )
+                    self._stop.wait(self._retry_s)
+                    continue
                 except Exception:  # noqa: BLE001 - the thread must go on; the id is not advanced
                     log.exception("applying %d semantic rows from Redis failed", len(entries))
                     self._stop.wait(self._retry_s)

@@ -9,12 +9,16 @@ catching up on the log (`tiercache.semantic.index`).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
+from tiercache.machine import CRITICAL, ROOM, DiskRoom
 from tiercache.semantic.compaction import Compactor, Row
 from tiercache.semantic.row_log import (
     DEFAULT_MAX_SCOPES,
@@ -24,6 +28,9 @@ from tiercache.semantic.row_log import (
     check_vector,
 )
 from tiercache.semantic.shared_rows import ScopeTables
+
+log = logging.getLogger(__name__)
+_DISK_LOG_INTERVAL_S = 60.0
 
 
 class SemanticStore(RowLog):
@@ -42,7 +49,13 @@ class SemanticStore(RowLog):
     most `max_scopes_per_tenant` (so one tenant cannot take every place): a row of a new scope
     past either is not indexed (`append_or_compact` returns None, counted in
     `scopes_refused`). A writer names the row's tenant scope (`tenant`, `tenants`); rows
-    without one count under the tenant ""."""
+    without one count under the tenant "".
+
+    With `disk` (the state directory's `DiskRoom`), `append_or_compact` logs no new row while
+    the disk is critically short (under half of `disk_headroom_bytes`), nor when a write meets
+    a full disk (ENOSPC; EIO or EDQUOT, or a scope's table that cannot be sized, while the disk
+    is short): the row is dropped (the answer is served and cached all the same; only reworded
+    requests miss it), counted in `disk_skipped`, logged at most once a minute."""
 
     def __init__(
         self,
@@ -54,6 +67,7 @@ class SemanticStore(RowLog):
         dimensions: int | None = None,
         max_scopes: int = DEFAULT_MAX_SCOPES,
         max_scopes_per_tenant: int = DEFAULT_MAX_SCOPES_PER_TENANT,
+        disk: DiskRoom | None = None,
     ) -> None:
         super().__init__(
             path,
@@ -65,6 +79,10 @@ class SemanticStore(RowLog):
         )
         self.tables = ScopeTables(self, tables_path or path / "tables")
         self._compactor = Compactor(self, self.tables, self.append_many, max_bytes)
+        self._disk = disk
+        self.disk_skipped = 0
+        self._disk_lock = threading.Lock()
+        self._disk_logged_s = -_DISK_LOG_INTERVAL_S
 
     def append(
         self, scope: str, digest: str, prompt: str, vector: np.ndarray, tenant: str = ""
@@ -103,6 +121,9 @@ class SemanticStore(RowLog):
         refuses. `answer_value` ranks the rows a compaction gives up when every answer still
         exists (`Compactor.compact`)."""
         row = check_vector(vector, self.dimensions)
+        if self._disk is not None and self._disk.state() == CRITICAL:
+            self._note_disk_skipped("the disk is under half of disk_headroom_bytes")
+            return None
         refusal = self.scope_refusal(scope, tenant)
         if refusal is not None:
             self.note_scope_refused(refusal)
@@ -114,6 +135,38 @@ class SemanticStore(RowLog):
         except ScopeLimitReached as exc:  # another process took the last place meanwhile
             self.note_scope_refused(exc.reason)
             return None
+        except lmdb.DiskError as exc:  # the disk is full: the transaction wrote nothing
+            self._note_disk_skipped(str(exc))
+            return None
+        except (lmdb.Error, RuntimeError) as exc:
+            # A disk that fills during a commit fails it with EIO (a short write) or EDQUOT, and
+            # a scope's table that cannot be sized fails its publish (the row is logged: the
+            # next publish to the scope takes it). Disk trouble only when the disk says so.
+            if not self._disk_short(exc):
+                raise
+            self._note_disk_skipped(str(exc))
+            return None
+
+    def _disk_short(self, exc: Exception) -> bool:
+        if isinstance(exc, RuntimeError) and not str(exc).startswith("cannot size"):
+            return False
+        return self._disk is not None and self._disk.state() != ROOM
+
+    def _note_disk_skipped(self, reason: str) -> None:
+        with self._disk_lock:
+            self.disk_skipped += 1
+            now = time.monotonic()
+            if now - self._disk_logged_s < _DISK_LOG_INTERVAL_S:
+                return
+            self._disk_logged_s = now
+            skipped = self.disk_skipped
+        log.warning(
+            "semantic log %s: %s; new rows are not logged (%d so far, logged at most once a "
+            "minute)",
+            self.path,
+            reason,
+            skipped,
+        )
 
     def wait_compacted(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""

@@ -32,6 +32,7 @@ from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
+from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
@@ -74,7 +75,7 @@ from tiercache.stages.transport import AdapterCipher
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
-from tiercache.vocabulary import CacheStatus, EngineKind, choices, is_hit
+from tiercache.vocabulary import CacheStatus, EngineKind, Tier, choices, is_hit
 
 ENGINE_OUTPUTS = [
     "TEXT",
@@ -374,13 +375,23 @@ class LlmStage:
                 "tiercache_trtllm_kv_cache_blocks_total",
                 "KV-cache blocks TensorRT-LLM's requests used in all, reused or new",
             )
+        l2 = tiers.cache.store(Tier.L2)  # its watch on the disk, shared: one warning a change
         self.semantic = SemanticStore(
             config.semantic_path(),
             config.semantic_max_bytes,
             dimensions=resolve_embedder(config.embedder)[1].dimensions if config.embedder else None,
             max_scopes=config.semantic_max_scopes,
             max_scopes_per_tenant=config.semantic_max_scopes_per_tenant,
+            disk=l2.disk if isinstance(l2, LmdbStore) else None,
         )
+        rows_skipped = tm.DeltaCounter(
+            m.counter(
+                "tiercache_semantic_rows_skipped_total",
+                "Semantic rows not logged: the state directory's disk under half of "
+                "disk_headroom_bytes, or full (the answers are stored all the same)",
+            )
+        )
+        m.on_flush(lambda: rows_skipped.update(self.semantic.disk_skipped))
         # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
         self.padding = padding_policy(config, secret)
         self.padding_timer = ResponseTimer() if self.padding.enabled else None

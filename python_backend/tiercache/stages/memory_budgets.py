@@ -98,6 +98,20 @@ def start_budgets(
         )
         for b in budgets
     }
+    held = {
+        b.name: (
+            b.held,
+            metrics.gauge(
+                "tiercache_budget_held_bytes",
+                "What a cache that frees its bytes later still counts against its budget: the "
+                "KV pool's and the semantic graphs' bytes held now; the engine's adapter slots': "
+                "the budget in force plus what its next request frees (docs/budgets.md)",
+                cache=b.name,
+            ),
+        )
+        for b in budgets
+        if b.held is not None
+    }
     kind = "host" if memory == "host" else "gpu"
     metrics.gauge(
         "tiercache_memory_headroom_bytes",
@@ -143,6 +157,8 @@ def start_budgets(
         for budget in budgets:
             sizes[budget.name].set(budget.current_bytes)
             values[budget.name].set(controller.values[budget.name] * (1 << 20))
+        for read, gauge in held.values():
+            gauge.set(read())
 
     for budget in budgets:
         sizes[budget.name].set(budget.current_bytes)

@@ -319,8 +319,7 @@ class StoreMetrics:
                 DeltaCounter(
                     metrics.counter(
                         "tiercache_cache_rejected_total",
-                        "Entries not stored: larger than the tier's whole budget, or (L2) "
-                        "the disk under half of disk_headroom_bytes",
+                        "Entries not stored: larger than the tier's whole budget",
                         tier=tier.value,
                     )
                 ),

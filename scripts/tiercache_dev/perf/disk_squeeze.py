@@ -9,18 +9,20 @@ Usage (root: it mounts a tmpfs)::
 For each of the two settings (`disk_headroom_bytes` `--headroom-mib`, then 0), on a fresh tmpfs
 of `--size-mib`: L2 (`LmdbStore`, the stages' own, with its `DiskRoom`, under keys shaped as
 its own: SHA-256 hex) is written with a quarter of the filesystem's size in answers of
-`--answer-chars`; then a filler file takes the disk
-until 3/4 of the headroom is left (short), and L2 is written with four times the filesystem's
-size in answers; then until 1/4 of it is left (critical), and written again; then the filler is
+`--answer-chars`; then a filler file takes the disk until 3/4 of the headroom is left (short:
+L2 turns over inside its file), and L2 is written with four times the filesystem's size in
+answers; then until 1/4 of it is left (critical: inside half its file), and written again;
+then the filler takes every free byte (full), and L2 is written again; then the filler is
 deleted and L2 written once more. Each phase records the writes that failed (the error a full
-disk gives), the writes L2 declined (`rejected`), its file's size, the least free disk seen and
-whether the newest answer written reads back. Writes `disk_squeeze.md` and `disk_squeeze.json`
-to `--out-dir`; exit code 1 when a write to the guarded L2 failed.
+disk gives), its file's size, the least free disk seen and whether the newest answer written
+reads back. Writes `disk_squeeze.md` and `disk_squeeze.json` to `--out-dir`; exit code 1 when
+a write to the guarded L2 failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -51,16 +53,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def fill(path: Path, mount: Path, leave: int) -> None:
-    """Grow the filler file at `path` until `mount` has about `leave` bytes free."""
-    with path.open("ab") as out:
+    """Grow the filler file at `path` until `mount` has about `leave` bytes free (or none:
+    another writer may take the last bytes first)."""
+    with path.open("ab", buffering=0) as out:  # unbuffered: a full disk fails the write itself
         while (free := read_disk(mount).free_bytes) > leave:
-            out.write(b"\1" * min(MIB, free - leave))
-            out.flush()
-            os.fsync(out.fileno())
+            try:
+                out.write(b"\1" * min(MIB, free - leave))
+                os.fsync(out.fileno())
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                return
 
 
 class Writer:
-    """Writes answers into one L2, counting what failed and what it declined."""
+    """Writes answers into one L2, counting the writes that failed."""
 
     def __init__(self, store: LmdbStore, data: Path, mount: Path, answer: str) -> None:
         self.store, self.data, self.mount, self.answer = store, data, mount, answer
@@ -68,7 +75,6 @@ class Writer:
 
     def phase(self, name: str, nbytes: int) -> dict[str, Any]:
         failed = 0
-        rejected = self.store.stats().rejected
         least_free = read_disk(self.mount).free_bytes
         last = ""
         for _ in range(max(nbytes // len(self.answer), 1)):
@@ -85,7 +91,6 @@ class Writer:
             "phase": name,
             "writes": max(nbytes // len(self.answer), 1),
             "failed": failed,
-            "declined": stats.rejected - rejected,
             "file_mib": round(self.data.stat().st_size / MIB, 2),
             "entries": stats.entries,
             "least_free_mib": round(least_free / MIB, 2),
@@ -105,6 +110,8 @@ def run_one(mount: Path, headroom: int, size: int, answer: str) -> list[dict[str
     rows.append(writer.phase("short", 4 * size))
     fill(filler, mount, max(headroom, size // 4) // 4)
     rows.append(writer.phase("critical", size))
+    fill(filler, mount, 0)
+    rows.append(writer.phase("full", size))
     filler.unlink()
     rows.append(writer.phase("room again", size // 4))
     for row in rows:
@@ -137,14 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [
         f"`{invocation('tiercache_dev.perf.disk_squeeze', None)}`",
         "",
-        "| disk_headroom_bytes | phase | writes | failed | declined | L2 file MiB | entries "
+        "| disk_headroom_bytes | phase | writes | failed | L2 file MiB | entries "
         "| least free MiB | newest answer reads back |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['headroom_mib']} MiB | {row['phase']} | {row['writes']} | {row['failed']} "
-            f"| {row['declined']} | {row['file_mib']} | {row['entries']} "
+            f"| {row['file_mib']} | {row['entries']} "
             f"| {row['least_free_mib']} | {'yes' if row['newest_reads'] else 'no'} |"
         )
     (args.out_dir / "disk_squeeze.md").write_text("\n".join(lines) + "\n")

@@ -5,7 +5,8 @@ killed, and the budgets grow back when the memory returns.
 Usage (root, on a machine whose memory cgroup controller this user may create groups in)::
 
     python -m tiercache_dev.perf.squeeze [--extra-gib 2.5] [--headroom-mib 1024]
-        [--before-s 45] [--hold-s 45] [--after-s 45] [--adapters] [--out-dir .perf/squeeze]
+        [--before-s 45] [--hold-s 45] [--after-s 45] [--adapters | --graphs]
+        [--out-dir .perf/squeeze]
 
 1. Creates a memory cgroup (v1 `memory/tiercache-squeeze-<pid>` or v2 `tiercache-squeeze-<pid>`)
    and moves this process in: the server, its stubs and the squeezer are all in it.
@@ -19,12 +20,18 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
    With `--adapters`, the requests name the committed adapters and the base model in turn,
    and torch_llm's adapter slots get a byte budget (`lora_max_bytes` 8 MiB, `lora_min_bytes`
    2 MiB: about four slots and one): a dropped adapter is sent again by llm (the engine's "not
-   held" answer), so requests go on while the slots shrink.
+   held" answer), so requests go on while the slots shrink. With `--graphs`, the requests are
+   short new prompts (4 tokens each) from four tenants in turn, and embedding_cache searches
+   any scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
+   `semantic_graph_max_bytes` 64 MiB, `semantic_graph_min_bytes` 0, and the same headroom):
+   each tenant's scope gets its graph as its rows come, the squeeze drops them (searched flat
+   meanwhile) and they come back after.
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
-Every 0.5 s it samples the budgets (the metrics port), what the group has available, the RSS of
-each server process and the squeezer's size. Writes `squeeze.json` (the timeline),
+Every 0.5 s it samples the budgets and what the caches that free their bytes later hold (the
+metrics port), what the group has available, the RSS of each server process and the
+squeezer's size. Writes `squeeze.json` (the timeline),
 `squeeze.png` (budgets, available memory, RSS and latency over time, the squeeze shaded) and
 `squeeze.md` (the summary) to `--out-dir`; exit code 1 when a process died, the group killed
 one, or a request failed.
@@ -136,10 +143,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--before-s", type=float, default=45.0)
     parser.add_argument("--hold-s", type=float, default=45.0)
     parser.add_argument("--after-s", type=float, default=45.0)
-    parser.add_argument(
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
         "--adapters",
         action="store_true",
         help="requests name the committed adapters in turn; torch_llm's slots get a budget",
+    )
+    modes.add_argument(
+        "--graphs",
+        action="store_true",
+        help="short prompts from four tenants; their scopes' graphs get a budget",
     )
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "squeeze")
@@ -152,14 +165,27 @@ def prompt(number: int) -> str:
     return f"Request {number}. Remember this list: {words}. Which item came first?"
 
 
+def short_prompt(number: int) -> str:
+    """A short new prompt (`--graphs`): a row of its tenant's scope at little engine cost."""
+    return f"Question {number}: name a colour and a number under {number % 89 + 5}."
+
+
 ADAPTER_TURNS = (None, "french", "caps", "brief")
 ADAPTER_SLOTS = {"lora_max_bytes": str(8 * MIB), "lora_min_bytes": str(2 * MIB)}
+TENANTS = ("tenant-a", "tenant-b", "tenant-c", "tenant-d")
+GRAPHS = {
+    "flat_max_rows": "8",
+    "semantic_graph_max_bytes": str(64 * MIB),
+    "semantic_graph_min_bytes": "0",
+}
 
 
 class Client(threading.Thread):
-    def __init__(self, grpc_port: int, started: float, adapters: bool = False) -> None:
+    def __init__(
+        self, grpc_port: int, started: float, adapters: bool = False, graphs: bool = False
+    ) -> None:
         super().__init__(daemon=True)
-        self.port, self.started = grpc_port, started
+        self.port, self.started, self.graphs = grpc_port, started, graphs
         self.turns = ADAPTER_TURNS if adapters else (None,)
         self.done = threading.Event()
         self.results: list[tuple[float, float, bool]] = []  # (time, latency, ok)
@@ -172,7 +198,11 @@ class Client(threading.Thread):
                 begun = time.monotonic()
                 try:
                     lora = self.turns[number % len(self.turns)]
-                    client.generate_text(prompt(number), max_tokens=4, lora_name=lora)
+                    if self.graphs:
+                        tenant = TENANTS[number % len(TENANTS)]
+                        client.generate_text(short_prompt(number), max_tokens=4, tenant=tenant)
+                    else:
+                        client.generate_text(prompt(number), max_tokens=4, lora_name=lora)
                     ok = True
                 except Exception:  # noqa: BLE001 - counted: the run fails on any
                     ok = False
@@ -192,16 +222,34 @@ def gone(process: Any) -> bool:
 SLOT_BYTES = "tiercache_engine_adapter_slot_bytes"
 
 
-def budgets(port: int) -> tuple[dict[str, float], float | None]:
-    """Each cache's budget, and the engine's adapter slot bytes (None: not reported)."""
-    found: dict[str, float] = {}
+def budgets(port: int) -> tuple[dict[str, float], float | None, dict[str, float]]:
+    """Each cache's budget, the engine's adapter slot bytes (None: not reported), and what
+    the caches that free their bytes later hold (`tiercache_budget_held_bytes`; the adapter
+    slots' is the slot bytes instead). Summed over a model's instances (embedding_cache runs
+    two, each with its own budgets); a cache two models report (l1) is named with its model."""
+    found: dict[tuple[str, str], float] = {}
+    held: dict[tuple[str, str], float] = {}
     slots = None
     for name, labels, value in scrape_metrics(port, wait_s=2.0):
+        key = (labels.get("model", "?"), labels.get("cache", "?"))
         if name == "tiercache_budget_bytes":
-            found[labels.get("cache", "?")] = value
+            found[key] = found.get(key, 0.0) + value
         elif name == SLOT_BYTES:
             slots = value
-    return found, slots
+        elif name == "tiercache_budget_held_bytes" and key[1] != "adapter_slots":
+            held[key] = held.get(key, 0.0) + value
+    return named(found), slots, named(held)
+
+
+def named(values: dict[tuple[str, str], float]) -> dict[str, float]:
+    """{(model, cache): v} as {cache: v}, or {"cache (model)": v} where models share a name."""
+    owners: dict[str, int] = {}
+    for _, cache in values:
+        owners[cache] = owners.get(cache, 0) + 1
+    return {
+        (cache if owners[cache] == 1 else f"{cache} ({model})"): value
+        for (model, cache), value in values.items()
+    }
 
 
 def plot(
@@ -222,7 +270,7 @@ def plot(
             t, [row["budgets"].get(cache, float("nan")) / MIB for row in timeline], label=cache
         )
     held = [row.get("adapter_slots_held") for row in timeline]
-    if any(v is not None for v in held):  # MiB beside hundreds: a log scale shows both
+    if any(held):  # MiB beside hundreds: a log scale shows both (torch_llm exports 0 without)
         axes[0].plot(
             t,
             [float("nan") if v is None else v / MIB for v in held],
@@ -230,6 +278,14 @@ def plot(
             label="adapter slots held",
         )
         axes[0].set_yscale("log")
+    for cache in sorted({c for row in timeline for c in row.get("held", {})}):
+        axes[0].plot(
+            t,
+            [row.get("held", {}).get(cache, float("nan")) / MIB for row in timeline],
+            ":",
+            label=f"{cache} held",
+        )
+        axes[0].set_yscale("log")  # a few MiB of graphs beside the pool's hundreds
     axes[0].set_ylabel("budget (MiB)")
     axes[1].plot(t, [row["available"] / MIB for row in timeline], label="group available")
     axes[1].plot(t, [row["squeezer"] / MIB for row in timeline], label="squeezer holds")
@@ -259,11 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             work = Path(tmp)
             params = {"memory_headroom_bytes": str(headroom), "budget_interval_s": "0.5"}
             engine = {**params, **(ADAPTER_SLOTS if args.adapters else {})}
-            repository = copy_repository(
-                MODEL_REPOSITORY,
-                work / "repository",
-                {"prompt_cache": dict(params), "torch_llm": engine},
-            )
+            stages = {"prompt_cache": dict(params), "torch_llm": engine}
+            if args.graphs:
+                stages["embedding_cache"] = {**params, **GRAPHS}
+            repository = copy_repository(MODEL_REPOSITORY, work / "repository", stages)
             state = fresh_state(work, args.state_dir)
             server = triton(
                 repository, state, log_path=args.out_dir / "server.log", adapters_dir=ADAPTERS
@@ -286,7 +341,7 @@ def run(
     args: argparse.Namespace, server: Any, group: Group, headroom: int, limit: int, baseline: int
 ) -> int:
     started = time.monotonic()
-    client = Client(server.ports.grpc, started, args.adapters)
+    client = Client(server.ports.grpc, started, args.adapters, args.graphs)
     client.start()
     probe, labels = HostMemoryProbe(), {}
     timeline: list[dict[str, Any]] = []
@@ -340,12 +395,13 @@ def run(
                     rss[name] = proc.memory_info().rss
                 except Exception:  # noqa: BLE001 - a process gone between listing and reading
                     continue
-            sizes, slot_bytes = budgets(server.ports.metrics)
+            sizes, slot_bytes, held_bytes = budgets(server.ports.metrics)
             timeline.append(
                 {
                     "t": round(now, 2),
                     "budgets": sizes,
                     "adapter_slots_held": slot_bytes,
+                    "held": held_bytes,
                     "available": probe.read().available_bytes,
                     "usage": group.usage(),
                     "rss": rss,
@@ -436,7 +492,8 @@ def report(
         "held": window,
         "after": (window[1], float("inf")),
     }
-    slots = any(r.get("adapter_slots_held") is not None for r in timeline)
+    slots = any(r.get("adapter_slots_held") for r in timeline)
+    holders = sorted({c for r in timeline for c in r.get("held", {})})
     lines = [
         f"`{invocation('tiercache_dev.perf.squeeze', None)}`",
         "",
@@ -447,8 +504,9 @@ def report(
         "| phase | "
         + " | ".join(f"{c} budget MiB (min-max)" for c in caches)
         + (" | adapter slots held MiB (min-max)" if slots else "")
+        + "".join(f" | {c} held MiB (min-max)" for c in holders)
         + " | available MiB (min) | median latency (requests) |",
-        "|---|" + "---:|" * (len(caches) + 2 + slots),
+        "|---|" + "---:|" * (len(caches) + 2 + slots + len(holders)),
     ]
     for name, (lo, hi) in phases.items():
         rows = phase(lo, hi)
@@ -461,6 +519,8 @@ def report(
         if slots:
             held = [r["adapter_slots_held"] / MIB for r in rows if r.get("adapter_slots_held")]
             cells.append(span(held))
+        for cache in holders:
+            cells.append(span([r["held"][cache] / MIB for r in rows if cache in r.get("held", {})]))
         available = min(r["available"] for r in rows) / MIB
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {available:.0f} | {lat(lo, hi)} |")
     (out / "squeeze.md").write_text("\n".join(lines) + "\n")
