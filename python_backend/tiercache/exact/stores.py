@@ -646,6 +646,13 @@ class LmdbStore:
         """The state directory's free disk as this store watches it (None: not watched)."""
         return self._disk
 
+    @property
+    def rejected(self) -> int:
+        """This process's writes that met a full disk even after evicting (`stats().rejected`,
+        without reading the database)."""
+        with self._lock:
+            return self._rejected
+
     def reader_check(self) -> int:
         """Free reader slots of processes that died in a read (done at open too); how many.
         For a stage to call after another process of the host was restarted."""

@@ -392,6 +392,16 @@ class LlmStage:
             )
         )
         m.on_flush(lambda: rows_skipped.update(self.semantic.disk_skipped))
+        if isinstance(l2, LmdbStore):  # llm writes the answers: its L2 writes that found no disk
+            l2_store = l2
+            l2_rejected = tm.DeltaCounter(
+                m.counter(
+                    "tiercache_cache_rejected_total",
+                    tm.REJECTED_HELP,  # one help text for the family, as prompt_cache's
+                    tier=Tier.L2.value,
+                )
+            )
+            m.on_flush(lambda: l2_rejected.update(l2_store.rejected))
         # Response-time padding for untrusted tenants (tiercache.padding); off at floor 0.
         self.padding = padding_policy(config, secret)
         self.padding_timer = ResponseTimer() if self.padding.enabled else None

@@ -221,6 +221,12 @@ class Metrics:
         return self._families[name]
 
 
+REJECTED_HELP = (
+    "Entries not stored: larger than the tier's whole budget, or (L2) a write that met a full "
+    "disk even after evicting"
+)
+
+
 class DeltaCounter:
     """A counter fed from a monotonically increasing total in a stats snapshot: each `update`
     increments it by what the total grew since the last one. Not thread-safe: one updater."""
@@ -319,7 +325,7 @@ class StoreMetrics:
                 DeltaCounter(
                     metrics.counter(
                         "tiercache_cache_rejected_total",
-                        "Entries not stored: larger than the tier's whole budget",
+                        REJECTED_HELP,
                         tier=tier.value,
                     )
                 ),

@@ -5,8 +5,8 @@ killed, and the budgets grow back when the memory returns.
 Usage (root, on a machine whose memory cgroup controller this user may create groups in)::
 
     python -m tiercache_dev.perf.squeeze [--extra-gib 2.5] [--headroom-mib 1024]
-        [--before-s 45] [--hold-s 45] [--after-s 45] [--adapters | --graphs]
-        [--out-dir .perf/squeeze]
+        [--before-s 45] [--hold-s 45] [--after-s 45] [--adapters | --graphs | --hits]
+        [--hit-objective-ms 0.1] [--out-dir .perf/squeeze]
 
 1. Creates a memory cgroup (v1 `memory/tiercache-squeeze-<pid>` or v2 `tiercache-squeeze-<pid>`)
    and moves this process in: the server, its stubs and the squeezer are all in it.
@@ -25,7 +25,13 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
    any scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
    `semantic_graph_max_bytes` 64 MiB, `semantic_graph_min_bytes` 0, and the same headroom):
    each tenant's scope gets its graph as its rows come, the squeeze drops them (searched flat
-   meanwhile) and they come back after.
+   meanwhile) and they come back after. With `--hits`, 3,000 answers of about 1,500
+   characters are warmed in first (cache_admin's `warm`: into L2, about 5 MiB, more than
+   L1's floor and less than its 64 MiB), the requests ask for them in turn (exact hits: from
+   L2 the first time, then from prompt_cache's L1 while it holds them), and prompt_cache has
+   a hit latency objective (`hit_objective_s`, `--hit-objective-ms`): the squeeze takes L1
+   to its floor, the hits come from L2 and miss the objective, and the headroom still wins
+   (L1 does not grow back until the memory returns).
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
@@ -56,10 +62,10 @@ from tiercache.machine import HostMemoryProbe
 from tiercache.server import copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_dev.console import invocation, progress
-from tiercache_dev.metrics import scrape_metrics
+from tiercache_dev.metrics import Sample, scrape_metrics
 from tiercache_dev.paths import ADAPTERS, DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
 from tiercache_dev.perf.soak import labelled_processes
-from tiercache_dev.servers import fresh_state, running, triton
+from tiercache_dev.servers import admin_token, fresh_state, running, triton
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -154,6 +160,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="short prompts from four tenants; their scopes' graphs get a budget",
     )
+    modes.add_argument(
+        "--hits",
+        action="store_true",
+        help="exact hits of warmed answers; prompt_cache gets a hit latency objective",
+    )
+    parser.add_argument(
+        "--hit-objective-ms", type=float, default=0.1, help="hit_objective_s, with --hits"
+    )
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "squeeze")
     return parser.parse_args(argv)
@@ -180,13 +194,33 @@ GRAPHS = {
 }
 
 
+HIT_PROMPTS = 3_000
+
+
+def hit_prompt(number: int) -> str:
+    return f"Warmed question {number % HIT_PROMPTS}: what does the cache answer?"
+
+
+def warm_hits(grpc_port: int, token: str) -> None:
+    """Store an answer of about 1,500 characters for each of the `--hits` prompts (through
+    cache_admin: L2, no engine)."""
+    filler = " ".join(f"word{i}" for i in range(220))
+    with TierCacheClient(f"127.0.0.1:{grpc_port}", timeout_s=120, admin_token=token) as client:
+        for start in range(0, HIT_PROMPTS, 250):
+            items = [
+                {"text_input": hit_prompt(n), "max_tokens": 4, "answer": f"Answer {n}. {filler}"}
+                for n in range(start, min(start + 250, HIT_PROMPTS))
+            ]
+            answer = client.warm(prompts=items)
+            if answer.get("failed"):
+                raise SystemExit(f"warming failed: {answer}")
+
+
 class Client(threading.Thread):
-    def __init__(
-        self, grpc_port: int, started: float, adapters: bool = False, graphs: bool = False
-    ) -> None:
+    def __init__(self, grpc_port: int, started: float, mode: str = "misses") -> None:
         super().__init__(daemon=True)
-        self.port, self.started, self.graphs = grpc_port, started, graphs
-        self.turns = ADAPTER_TURNS if adapters else (None,)
+        self.port, self.started, self.mode = grpc_port, started, mode
+        self.turns = ADAPTER_TURNS if mode == "adapters" else (None,)
         self.done = threading.Event()
         self.results: list[tuple[float, float, bool]] = []  # (time, latency, ok)
 
@@ -198,9 +232,13 @@ class Client(threading.Thread):
                 begun = time.monotonic()
                 try:
                     lora = self.turns[number % len(self.turns)]
-                    if self.graphs:
+                    if self.mode == "graphs":
                         tenant = TENANTS[number % len(TENANTS)]
                         client.generate_text(short_prompt(number), max_tokens=4, tenant=tenant)
+                    elif self.mode == "hits":
+                        result = client.generate_text(hit_prompt(number), max_tokens=4)
+                        if result.cache_status != "exact":
+                            raise RuntimeError(f"not an exact hit: {result.cache_status}")
                     else:
                         client.generate_text(prompt(number), max_tokens=4, lora_name=lora)
                     ok = True
@@ -222,15 +260,37 @@ def gone(process: Any) -> bool:
 SLOT_BYTES = "tiercache_engine_adapter_slot_bytes"
 
 
-def budgets(port: int) -> tuple[dict[str, float], float | None, dict[str, float]]:
+OBJECTIVES = ("tiercache_hit_objective_state", "tiercache_ttft_objective_state")
+STATE_NAMES = {0: "met with room", 1: "met", 2: "missed"}
+LOOKUP_BUCKETS = "tiercache_prompt_cache_lookup_seconds_bucket"
+
+
+def lookup_p90(first: dict[str, float], last: dict[str, float]) -> str:
+    """The 90th percentile of prompt_cache's lookups between two readings of its histogram,
+    as the bucket it falls in ("<= 0.25 ms"); "-" without lookups."""
+    bounds = sorted((float(le), le) for le in last if le != "+Inf")
+    total = last.get("+Inf", 0.0) - first.get("+Inf", 0.0)
+    if total <= 0:
+        return "-"
+    for bound, le in bounds:
+        if last[le] - first.get(le, 0.0) >= 0.9 * total:
+            return f"<= {bound * 1000:g} ms"
+    return f"> {bounds[-1][0] * 1000:g} ms" if bounds else "-"
+
+
+def budgets(
+    samples: list[Sample],
+) -> tuple[dict[str, float], float | None, dict[str, float], dict[str, int]]:
     """Each cache's budget, the engine's adapter slot bytes (None: not reported), and what
     the caches that free their bytes later hold (`tiercache_budget_held_bytes`; the adapter
     slots' is the slot bytes instead). Summed over a model's instances (embedding_cache runs
-    two, each with its own budgets); a cache two models report (l1) is named with its model."""
+    two, each with its own budgets); a cache two models report (l1) is named with its model.
+    And the latency objectives' states (0 met with room, 1 met, 2 missed), by objective."""
     found: dict[tuple[str, str], float] = {}
     held: dict[tuple[str, str], float] = {}
+    states: dict[str, int] = {}
     slots = None
-    for name, labels, value in scrape_metrics(port, wait_s=2.0):
+    for name, labels, value in samples:
         key = (labels.get("model", "?"), labels.get("cache", "?"))
         if name == "tiercache_budget_bytes":
             found[key] = found.get(key, 0.0) + value
@@ -238,7 +298,10 @@ def budgets(port: int) -> tuple[dict[str, float], float | None, dict[str, float]
             slots = value
         elif name == "tiercache_budget_held_bytes" and key[1] != "adapter_slots":
             held[key] = held.get(key, 0.0) + value
-    return named(found), slots, named(held)
+        elif name in OBJECTIVES:
+            objective = name.removeprefix("tiercache_").removesuffix("_objective_state")
+            states[objective] = max(states.get(objective, 0), int(value))
+    return named(found), slots, named(held), states
 
 
 def named(values: dict[tuple[str, str], float]) -> dict[str, float]:
@@ -295,6 +358,18 @@ def plot(
     axes[2].set_ylabel("RSS (MiB)")
     axes[3].plot([x[0] for x in latencies], [x[1] for x in latencies], ".", markersize=3)
     axes[3].set_ylabel("request latency (s)")
+    for objective in sorted({o for row in timeline for o in row.get("objectives", {})}):
+        states = axes[3].twinx()
+        states.step(
+            t,
+            [row.get("objectives", {}).get(objective, float("nan")) for row in timeline],
+            "r-",
+            where="post",
+            label=f"{objective} objective (0 met with room, 1 met, 2 missed)",
+        )
+        states.set_ylim(-0.2, 2.2)
+        states.set_yticks([0, 1, 2])
+        states.legend(fontsize=7, loc="upper left")
     axes[3].set_xlabel("seconds")
     for ax in axes:
         ax.axvspan(*window, color="0.9")
@@ -318,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             stages = {"prompt_cache": dict(params), "torch_llm": engine}
             if args.graphs:
                 stages["embedding_cache"] = {**params, **GRAPHS}
+            if args.hits:
+                objective = str(args.hit_objective_ms / 1000)
+                stages["prompt_cache"]["hit_objective_s"] = objective
             repository = copy_repository(MODEL_REPOSITORY, work / "repository", stages)
             state = fresh_state(work, args.state_dir)
             server = triton(
@@ -325,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             progress(f"starting tritonserver in {group.path}")
             with running(server, ready_timeout_s=400):
+                if args.hits:
+                    progress(f"  warming {HIT_PROMPTS:,} answers")
+                    warm_hits(server.ports.grpc, admin_token(server))
                 baseline = group.usage()
                 limit = baseline + int(args.extra_gib * GIB)
                 group.set_limit(limit)
@@ -341,7 +422,8 @@ def run(
     args: argparse.Namespace, server: Any, group: Group, headroom: int, limit: int, baseline: int
 ) -> int:
     started = time.monotonic()
-    client = Client(server.ports.grpc, started, args.adapters, args.graphs)
+    mode = next((m for m in ("adapters", "graphs", "hits") if getattr(args, m)), "misses")
+    client = Client(server.ports.grpc, started, mode)
     client.start()
     probe, labels = HostMemoryProbe(), {}
     timeline: list[dict[str, Any]] = []
@@ -395,13 +477,20 @@ def run(
                     rss[name] = proc.memory_info().rss
                 except Exception:  # noqa: BLE001 - a process gone between listing and reading
                     continue
-            sizes, slot_bytes, held_bytes = budgets(server.ports.metrics)
+            samples = scrape_metrics(server.ports.metrics, wait_s=2.0)
+            sizes, slot_bytes, held_bytes, states = budgets(samples)
             timeline.append(
                 {
                     "t": round(now, 2),
                     "budgets": sizes,
                     "adapter_slots_held": slot_bytes,
                     "held": held_bytes,
+                    "objectives": states,
+                    "lookups": {  # prompt_cache's lookup time histogram (cumulative, by le)
+                        labels["le"]: value
+                        for name, labels, value in samples
+                        if name == LOOKUP_BUCKETS and "le" in labels
+                    },
                     "available": probe.read().available_bytes,
                     "usage": group.usage(),
                     "rss": rss,
@@ -494,6 +583,7 @@ def report(
     }
     slots = any(r.get("adapter_slots_held") for r in timeline)
     holders = sorted({c for r in timeline for c in r.get("held", {})})
+    objectives = sorted({o for r in timeline for o in r.get("objectives", {})})
     lines = [
         f"`{invocation('tiercache_dev.perf.squeeze', None)}`",
         "",
@@ -505,8 +595,12 @@ def report(
         + " | ".join(f"{c} budget MiB (min-max)" for c in caches)
         + (" | adapter slots held MiB (min-max)" if slots else "")
         + "".join(f" | {c} held MiB (min-max)" for c in holders)
+        + "".join(f" | {o} objective (states seen)" for o in objectives)
+        + (" | prompt_cache lookup p90" if "hit" in objectives else "")
         + " | available MiB (min) | median latency (requests) |",
-        "|---|" + "---:|" * (len(caches) + 2 + slots + len(holders)),
+        "|---|"
+        + "---:|" * (len(caches) + 2 + slots + len(holders) + len(objectives))
+        + ("---:|" if "hit" in objectives else ""),
     ]
     for name, (lo, hi) in phases.items():
         rows = phase(lo, hi)
@@ -521,6 +615,13 @@ def report(
             cells.append(span(held))
         for cache in holders:
             cells.append(span([r["held"][cache] / MIB for r in rows if cache in r.get("held", {})]))
+        for objective in objectives:
+            seen = sorted(
+                {r["objectives"][objective] for r in rows if objective in r["objectives"]}
+            )
+            cells.append(", ".join(STATE_NAMES[v] for v in seen) or "-")
+        if "hit" in objectives:
+            cells.append(lookup_p90(rows[0].get("lookups", {}), rows[-1].get("lookups", {})))
         available = min(r["available"] for r in rows) / MIB
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {available:.0f} | {lat(lo, hi)} |")
     (out / "squeeze.md").write_text("\n".join(lines) + "\n")
