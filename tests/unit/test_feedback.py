@@ -215,23 +215,25 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
     assert l1.peek(DIGEST) is None
 
 
+@pytest.mark.parametrize("b_has_l1", [True, False], ids=["l1-hits", "no-l1"])
 def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
-    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str, b_has_l1: bool
 ) -> None:
-    """Two hosts share Redis (L3), each with its own L1 and L2 (with its values). A `good`
-    verdict given on host A (its feedback writes A's tiers and L3) reaches host B's L2 copy at
-    B's next L1 hit past the check interval: written back with the verdict in one transaction
-    and counted in B's L2 values, so B's L2 eviction ranks it as endorsed; once, however many
+    """Two hosts share Redis (L3), each with its own L2 (with its values) and, unless a stage
+    of host B keeps none, its own L1. A `good` verdict given on host A (its feedback writes A's
+    tiers and L3) reaches host B's L2 copy at B's next hit past the check interval (an L1 hit,
+    or an L2 hit where there is no L1): written back with the verdict in one transaction and
+    counted in B's L2 values, so B's L2 eviction ranks it as endorsed; once, however many
     hits follow."""
     clock = FakeClock()
 
-    def host(name: str, ticks: list[float]) -> TieredCache:
+    def host(name: str, ticks: list[float], l1: bool = True) -> TieredCache:
         link = RedisLink.from_url(redis_server.url, redis_prefix, secret=b"f" * 32)  # one fleet
         values = L2Values(tmp_path / name / "l2-values", MIN_MAP_BYTES)
         l2 = LmdbStore(tmp_path / name / "l2", 1 << 20, values=values)
         return TieredCache(
             [
-                (Tier.L1, MemoryStore(1 << 20)),
+                *([(Tier.L1, MemoryStore(1 << 20))] if l1 else []),
                 (Tier.L2, l2),
                 (Tier.L3, RedisStore(link, clock=clock, stats_max_age_s=0)),
             ],
@@ -241,10 +243,10 @@ def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
         )
 
     ticks_a, ticks_b = [0.0], [0.0]
-    a, b = host("a", ticks_a), host("b", ticks_b)
+    a, b = host("a", ticks_a), host("b", ticks_b, l1=b_has_l1)
     a.put(DIGEST, "an answer", tenant_scope=SCOPE, generation_s=1.0)
-    assert b.get(DIGEST) is not None  # B's L1 and L2 take their copies from L3
-    assert b.get(DIGEST) is not None  # a first L1 hit: the clock starts
+    assert b.get(DIGEST) is not None  # B's L2 (and L1) take their copies from L3
+    assert b.get(DIGEST) is not None  # a first hit from B's own tiers: the clock starts
     b_l2 = b.store(Tier.L2)
     assert isinstance(b_l2, LmdbStore)
     value_before = b_l2.value(DIGEST)
@@ -260,7 +262,7 @@ def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
     assert b.wait_endorsements()
     held = b_l2.peek(DIGEST)
     assert held is not None and held.endorsements == 1 and held.text == "an answer"
-    assert b.l2_endorsements_caught == 1 and b.endorsements_caught == 1
+    assert b.l2_endorsements_caught == 1 and b.endorsements_caught == int(b_has_l1)
     value_after = b_l2.value(DIGEST)
     assert value_after is not None and value_after > value_before
     ticks_b[0] = 12.0

@@ -131,7 +131,10 @@ class TieredCache:
         self.endorsement_check_s = endorsement_check_s
         self._monotonic = monotonic
         self._checked: dict[str, float] = {}  # key -> when its L1 copy was last compared
-        self._due: queue.Queue[tuple[str, float, int, MemoryStore] | None] | None = None
+        # An L2 hit compares too where Redis may hold newer verdicts (no L1 here, or L1 no
+        # longer holds the key: this host's L2 copy is otherwise compared only on L1 hits).
+        self._l2_behind_l3 = any(t is Tier.L3 for t, _ in self._stores)
+        self._due: queue.Queue[tuple[str, float, int, MemoryStore | None] | None] | None = None
         self._checker: threading.Thread | None = None  # started by the first comparison
         self._checker_lock = threading.Lock()
         self.endorsements_caught = 0  # verdicts L1 copies took up this way (its thread only)
@@ -180,6 +183,8 @@ class TieredCache:
                 continue
             if i == 0 and l1 is not None:
                 self._check_endorsements(key, entry, l1)
+            elif tier is Tier.L2 and self._l2_behind_l3:
+                self._check_endorsements(key, entry, l1)
             if i > 0 and l1 is not None:
                 l1.credit_miss(key, time.perf_counter() - l1_missed)
             for upper_tier, upper in tiers[:i]:
@@ -194,12 +199,13 @@ class TieredCache:
             l1.forget_evicted(key)
         return None
 
-    def _check_endorsements(self, key: str, held: CacheEntry, l1: MemoryStore) -> None:
-        """On an L1 hit, at most once per `endorsement_check_s` per key (the first hit only
-        starts the clock: L1 took its copy from those tiers just now): queue a comparison of
-        the copy's `good` verdicts with the shared tiers' copy of the same answer, made off the
-        request's thread (`_compare_endorsements`); a full queue drops it (a later hit asks
-        again). The hit itself pays a clock read and a dict lookup."""
+    def _check_endorsements(self, key: str, held: CacheEntry, l1: MemoryStore | None) -> None:
+        """On an L1 hit, or an L2 hit with Redis behind it, at most once per
+        `endorsement_check_s` per key (the first hit only starts the clock: the copy was taken
+        from those tiers just now): queue a comparison of the copy's `good` verdicts with the
+        shared tiers' copy of the same answer, made off the request's thread
+        (`_compare_endorsements`); a full queue drops it (a later hit asks again). The hit
+        itself pays a clock read and a dict lookup."""
         if self.endorsement_check_s <= 0:
             return
         now = self._monotonic()
@@ -225,7 +231,9 @@ class TieredCache:
         if len(self._checked) >= MAX_CHECKED_KEYS:
             self._checked.clear()
 
-    def _endorsement_queue(self) -> queue.Queue[tuple[str, float, int, MemoryStore] | None]:
+    def _endorsement_queue(
+        self,
+    ) -> queue.Queue[tuple[str, float, int, MemoryStore | None] | None]:
         due = self._due
         if due is None:
             with self._checker_lock:
@@ -263,10 +271,10 @@ class TieredCache:
             finally:
                 due.task_done()
 
-    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore) -> None:
+    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore | None) -> None:
         copies = [c for c in self._shared_copies(key) if c[2].created_s == created_s]
         best = max([count, *(entry.endorsements for _, _, entry in copies)])
-        if best > count:
+        if best > count and l1 is not None:  # L1's copy, if it holds one (0 otherwise)
             self.endorsements_caught += l1.endorse(key, created_s, best)
         # this host's L2 behind the fleet (the verdict was given on another host, L3 has it):
         # its copy takes the verdicts too, so L2's eviction ranks the answer as endorsed
