@@ -594,6 +594,44 @@ def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
     store.close()
 
 
+def test_the_redis_follower_waits_while_the_disk_is_critical_and_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other replicas' rows are not logged while the state directory's disk is under half of
+    disk_headroom_bytes (as the host's own rows): they wait in Redis, the stream id is not
+    advanced, one warning, no traceback; with room again they are all logged."""
+    free = [(1 << 29) - 1]  # critical
+    disk = DiskRoom(
+        tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
+    )
+    store = SemanticStore(tmp_path / "sem", disk=disk)
+    secret = b"s" * 32
+    key = "t:" + STREAM
+    signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+
+    def shared(scope: str, digest: str, vector: np.ndarray) -> dict[str, bytes]:
+        entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
+        row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
+        return sign_fields(signer, key, row.to_fields())
+
+    stream = _FakeStream(key, [shared("a", "d1", unit(1, 0)), shared("a", "d2", unit(0, 1))])
+    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        follower = RowFollower(
+            link, store, InvalidationTable(), lock_path=tmp_path / "follower.lock", retry_s=0.05
+        ).start()
+        try:
+            time.sleep(0.5)  # ten retries
+            assert follower.stats().last_id in ("", "0-0", None) and store.head() == 0
+            free[0] = 1 << 40
+            assert follower.wait_caught_up(30)
+        finally:
+            follower.close()
+    assert {r.digest for r in store.rows_since(0)} == {"d1", "d2"}
+    assert caplog.text.count("wait for disk") == 1 and "Traceback" not in caplog.text
+    store.close()
+
+
 # ---- a semantic hit re-checks its answer's tenant -----------------------------------------------
 
 

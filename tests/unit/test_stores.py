@@ -27,6 +27,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
 from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import GREEDY, SAMPLED, LmdbStore, MemoryStore, Store, answer_group
 from tiercache.machine import DiskReading, DiskRoom
@@ -341,16 +342,21 @@ def test_lmdb_write_that_meets_a_full_disk_evicts_and_tries_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The disk short and full, and a write fails for want of disk (pages freed inside the file
-    that an older reader still sees): L2 evicts half and writes again; if that fails too, the
-    answer is not stored (counted as rejected, logged once a minute), an older copy of the key
-    is deleted, and the request is not failed. With room, a full disk is an error as before."""
-    free = [1 << 20]  # short of the 1 GiB headroom
+    that an older reader still sees): L2 evicts a tenth and writes again; if that fails too,
+    the answer is not stored (counted as rejected, logged once a minute, not valued), an older
+    copy of the key is deleted (a newer one is kept), the request is not failed, and for a
+    while no write evicts again for want of disk. With room, a full disk is an error."""
+    free = [1 << 40]
     disk = DiskRoom(
         tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
     )
-    store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk)
+    values = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES)
+    store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk, values=values)
     for i in range(20):
         store.put(f"k{i:02d}", entry(f"answer {i}", created_s=float(i)))
+    free[0] = (1 << 30) - 1  # short of the 1 GiB headroom
+    store.put("k20", entry("answer 20", created_s=20.0))
+    before = store.stats().evictions
     real_write = store._write
     failures = [1]
 
@@ -361,21 +367,26 @@ def test_lmdb_write_that_meets_a_full_disk_evicts_and_tries_again(
         real_write(key, data)
 
     monkeypatch.setattr(store, "_write", write)
-    store.put("new", entry("taken on the second try"))
-    assert store.get("new") == entry("taken on the second try")
-    assert store.stats().evictions >= 10 and store.stats().rejected == 0
-    failures[0] = 4
+    store.put("new", entry("taken on the second try", created_s=50.0))
+    assert store.get("new") == entry("taken on the second try", created_s=50.0)
+    evicted = store.stats().evictions
+    assert 1 <= evicted - before <= 3 and store.stats().rejected == 0  # a tenth, not half
+    failures[0] = 2
     with caplog.at_level(logging.WARNING):
-        store.put("k19", entry("a newer answer"))
-        store.put("other", entry("not stored either"))
-    assert store.get("k19") is None and store.get("other") is None  # the older copy: gone
-    assert store.stats().rejected == 2
+        store.put("k19", entry("a newer answer", created_s=100.0))
+        assert store.get("k19") is None  # the older copy: deleted, not served in its place
+        assert values.value("k19") is None  # and not valued as stored
+        failures[0] = 1
+        store.put("k18", entry("an older answer", created_s=5.0))  # paused: no eviction now
+    assert store.peek("k18") == entry("answer 18", created_s=18.0)  # the newer copy: kept
+    assert store.stats().rejected == 2 and store.stats().evictions == evicted + 2
     assert caplog.text.count("even after evicting") == 1
     free[0] = 1 << 40  # room: the error is the caller's, as it always was
     failures[0] = 1
     with pytest.raises(lmdb.DiskError):
         store.put("later", entry("x"))
     store.close()
+    values.close()
 
 
 def test_lmdb_garbage_database_is_moved_aside(tmp_path: Path) -> None:

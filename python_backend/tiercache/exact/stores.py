@@ -582,6 +582,15 @@ class EntryValues(Protocol):
 
 
 DELETE_CHUNK = 64  # L2 entries deleted per write transaction when evicting
+DISK_RETRY_PAUSE_S = 2.0  # after a write the full disk failed twice: no eviction for it until
+
+
+def _created_s(data: bytes) -> float:
+    """A held value's creation time; a damaged one counts as the oldest (it may go)."""
+    try:
+        return peek_created_s(data)
+    except CorruptEntry:
+        return float("-inf")
 
 
 class LmdbStore:
@@ -630,6 +639,7 @@ class LmdbStore:
         self._short_file_bytes = 0  # the file's size when the disk ran short (0: it has room)
         self._rejected = 0  # writes that met a full disk even after evicting
         self._disk_logged_s = -60.0
+        self._disk_pause_until_s = 0.0  # no eviction for want of disk before then
         self._policy: EvictionPolicy[str] = policy if policy is not None else OldestFirstPolicy()
         self._evict_fraction = evict_fraction
         self._high_water_bytes = int(max_bytes * (1.0 - headroom_fraction))
@@ -706,38 +716,56 @@ class LmdbStore:
                 with self._evict_lock:  # the policy is one per store: one eviction at a time
                     self._evict(fraction=max(0.5, self._evict_fraction))
                 self._write(key.encode(), data)
-            except lmdb.DiskError as exc:
-                if disk == ROOM or not self._write_after_freeing(key, data, exc):
+            except lmdb.Error as exc:  # ENOSPC; a short write (EIO) or EDQUOT, while short
+                if disk == ROOM or isinstance(exc, lmdb.MapFullError):
                     raise
+                if not self._write_after_freeing(key, entry, data, exc):
+                    return  # not stored (counted): nothing to value
         if self._values is not None:
             self._values.admitted(
                 key, len(data), entry.generation_s, entry.endorsements, entry.created_s
             )
 
-    def _write_after_freeing(self, key: str, data: bytes, exc: lmdb.DiskError) -> bool:
-        """The disk short and full (its pages freed inside the file are not all reusable: an
-        older reader still sees them): evict half and write again; if the disk still has no
-        room, the entry is not stored (counted as `rejected`, logged once a minute) and an
-        older copy of the key deleted, not served in its place. False when the older copy
-        could not be deleted either (the caller raises)."""
-        with self._evict_lock:
-            self._evict(fraction=max(0.5, self._evict_fraction))
+    def _write_after_freeing(
+        self, key: str, entry: CacheEntry, data: bytes, exc: lmdb.Error
+    ) -> bool:
+        """The disk short and the write failed for want of it (pages freed inside the file are
+        not all reusable while an older reader still sees them): evict `evict_fraction` and
+        write again; True when that stored it. Else (and, for `DISK_RETRY_PAUSE_S` after such
+        a failure, without evicting again: a disk with no room left must not empty L2 one
+        write at a time) the answer is not stored: an older copy of the key is deleted in the
+        same breath (never a newer one another writer stored meanwhile), counted as
+        `rejected`, logged once a minute; False. When even that delete fails, `exc` is raised
+        (the caller counts a failed write)."""
+        now = time.monotonic()
+        if now >= self._disk_pause_until_s:
+            try:
+                with self._evict_lock:
+                    self._evict()
+                self._write(key.encode(), data)
+                return True
+            except lmdb.Error:
+                self._disk_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
+        raw = key.encode()
         try:
-            self._write(key.encode(), data)
-            return True
-        except lmdb.DiskError:
-            pass
+            with self._env.begin(write=True) as txn:
+                held = txn.get(raw)
+                older = held is not None and _created_s(held) < entry.created_s
+                if older:
+                    txn.delete(raw)
+        except lmdb.Error:
+            raise exc from None
+        if older:
+            with self._lock:
+                self._removed += 1
+            if self._values is not None:
+                self._values.forget([raw])
         with self._lock:
             self._rejected += 1
-        now = time.monotonic()
         if now - self._disk_logged_s >= 60.0:  # once a minute, not on every put
             self._disk_logged_s = now
             log.warning("L2 %s: %s even after evicting; the answer is not stored", self.path, exc)
-        try:
-            self.delete_many([key])
-        except lmdb.Error:
-            return False
-        return True
+        return False
 
     def _live_bytes(self) -> int:
         return data_bytes(self._env)
@@ -813,7 +841,7 @@ class LmdbStore:
             try:
                 with self._env.begin(write=True) as txn:
                     gone = [key for key in chunk if txn.delete(key)]  # another writer may have won
-            except lmdb.MapFullError:
+            except (lmdb.MapFullError, lmdb.DiskError):  # a delete copies pages too
                 if len(chunk) == 1:
                     log.warning("L2 %s is too full to delete even one entry", self.path)
                     break

@@ -249,6 +249,10 @@ class FollowerStats:
     forged: int = 0  # entries whose tag did not verify: not signed with the fleet's secret
 
 
+class DiskShort(Exception):
+    """The state directory's disk is too short to log rows from other replicas now."""
+
+
 class RowFollower:
     """A thread that keeps this host's semantic log in step with the deployment's stream.
 
@@ -360,9 +364,15 @@ class RowFollower:
             entries = _entries(got, self.key)
             if entries:
                 try:
+                    if self.store.disk_critical():  # as the host's own rows: none while short
+                        raise DiskShort("the disk is under half of disk_headroom_bytes")
                     self._apply(entries)
-                except lmdb.DiskError as exc:  # the disk is full: they wait, nothing is lost
-                    now = time.monotonic()
+                except (DiskShort, lmdb.Error, RuntimeError) as exc:
+                    if not isinstance(exc, DiskShort) and not self.store.disk_error(exc):
+                        log.exception("applying %d semantic rows from Redis failed", len(entries))
+                        self._stop.wait(self._retry_s)
+                        continue
+                    now = time.monotonic()  # they wait in Redis: the id is not advanced
                     if now - disk_logged_s >= 60.0:  # once a minute, not every retry
                         disk_logged_s = now
                         log.warning(

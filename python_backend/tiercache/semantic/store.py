@@ -121,7 +121,7 @@ class SemanticStore(RowLog):
         refuses. `answer_value` ranks the rows a compaction gives up when every answer still
         exists (`Compactor.compact`)."""
         row = check_vector(vector, self.dimensions)
-        if self._disk is not None and self._disk.state() == CRITICAL:
+        if self.disk_critical():
             self._note_disk_skipped("the disk is under half of disk_headroom_bytes")
             return None
         refusal = self.scope_refusal(scope, tenant)
@@ -135,19 +135,22 @@ class SemanticStore(RowLog):
         except ScopeLimitReached as exc:  # another process took the last place meanwhile
             self.note_scope_refused(exc.reason)
             return None
-        except lmdb.DiskError as exc:  # the disk is full: the transaction wrote nothing
-            self._note_disk_skipped(str(exc))
-            return None
         except (lmdb.Error, RuntimeError) as exc:
-            # A disk that fills during a commit fails it with EIO (a short write) or EDQUOT, and
-            # a scope's table that cannot be sized fails its publish (the row is logged: the
-            # next publish to the scope takes it). Disk trouble only when the disk says so.
-            if not self._disk_short(exc):
+            if not self.disk_error(exc):
                 raise
             self._note_disk_skipped(str(exc))
             return None
 
-    def _disk_short(self, exc: Exception) -> bool:
+    def disk_critical(self) -> bool:
+        """The state directory's disk under half of `disk_headroom_bytes` (no `disk`: never)."""
+        return self._disk is not None and self._disk.state() == CRITICAL
+
+    def disk_error(self, exc: Exception) -> bool:
+        """Whether a failed write is the disk's: ENOSPC (the transaction wrote nothing); EIO
+        (a short write) or EDQUOT, or a scope's table that cannot be sized (the row is logged:
+        the next publish to the scope takes it), while the disk is short of the headroom."""
+        if isinstance(exc, lmdb.DiskError):
+            return True
         if isinstance(exc, RuntimeError) and not str(exc).startswith("cannot size"):
             return False
         return self._disk is not None and self._disk.state() != ROOM

@@ -14,9 +14,10 @@ L2 turns over inside its file), and L2 is written with four times the filesystem
 answers; then until 1/4 of it is left (critical: inside half its file), and written again;
 then the filler takes every free byte (full), and L2 is written again; then the filler is
 deleted and L2 written once more. Each phase records the writes that failed (the error a full
-disk gives), its file's size, the least free disk seen and whether the newest answer written
-reads back. Writes `disk_squeeze.md` and `disk_squeeze.json` to `--out-dir`; exit code 1 when
-a write to the guarded L2 failed.
+disk gives), those L2 did not store for want of disk (`rejected`: no error), its file's size,
+the least free disk seen and whether the newest answer written reads back. Writes
+`disk_squeeze.md` and `disk_squeeze.json` to `--out-dir`; exit code 1 when a write to the
+guarded L2 failed or was not stored.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def fill(path: Path, mount: Path, leave: int) -> None:
 
 
 class Writer:
-    """Writes answers into one L2, counting the writes that failed."""
+    """Writes answers into one L2, counting the writes that failed and those it did not store
+    for want of disk (`rejected`: no error, the answer not kept)."""
 
     def __init__(self, store: LmdbStore, data: Path, mount: Path, answer: str) -> None:
         self.store, self.data, self.mount, self.answer = store, data, mount, answer
@@ -75,6 +77,7 @@ class Writer:
 
     def phase(self, name: str, nbytes: int) -> dict[str, Any]:
         failed = 0
+        rejected = self.store.rejected
         least_free = read_disk(self.mount).free_bytes
         last = ""
         for _ in range(max(nbytes // len(self.answer), 1)):
@@ -91,6 +94,7 @@ class Writer:
             "phase": name,
             "writes": max(nbytes // len(self.answer), 1),
             "failed": failed,
+            "rejected": self.store.rejected - rejected,
             "file_mib": round(self.data.stat().st_size / MIB, 2),
             "entries": stats.entries,
             "least_free_mib": round(least_free / MIB, 2),
@@ -144,20 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [
         f"`{invocation('tiercache_dev.perf.disk_squeeze', None)}`",
         "",
-        "| disk_headroom_bytes | phase | writes | failed | L2 file MiB | entries "
+        "| disk_headroom_bytes | phase | writes | failed | rejected | L2 file MiB | entries "
         "| least free MiB | newest answer reads back |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['headroom_mib']} MiB | {row['phase']} | {row['writes']} | {row['failed']} "
-            f"| {row['file_mib']} | {row['entries']} "
+            f"| {row['rejected']} | {row['file_mib']} | {row['entries']} "
             f"| {row['least_free_mib']} | {'yes' if row['newest_reads'] else 'no'} |"
         )
     (args.out_dir / "disk_squeeze.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     guarded = [r for r in rows if r["headroom_mib"] > 0]
-    return 1 if any(r["failed"] for r in guarded) else 0
+    return 1 if any(r["failed"] or r["rejected"] for r in guarded) else 0
 
 
 if __name__ == "__main__":

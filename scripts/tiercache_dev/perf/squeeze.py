@@ -21,17 +21,18 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
    and torch_llm's adapter slots get a byte budget (`lora_max_bytes` 8 MiB, `lora_min_bytes`
    2 MiB: about four slots and one): a dropped adapter is sent again by llm (the engine's "not
    held" answer), so requests go on while the slots shrink. With `--graphs`, the requests are
-   short new prompts (4 tokens each) from four tenants in turn, and embedding_cache searches
-   any scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
+   short new prompts (4 tokens answered each) from four tenants in turn, and embedding_cache
+   searches any scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
    `semantic_graph_max_bytes` 64 MiB, `semantic_graph_min_bytes` 0, and the same headroom):
    each tenant's scope gets its graph as its rows come, the squeeze drops them (searched flat
-   meanwhile) and they come back after. With `--hits`, 3,000 answers of about 1,500
+   meanwhile) and they come back after. With `--hits`, 3,000 answers of about 1,660
    characters are warmed in first (cache_admin's `warm`: into L2, about 5 MiB, more than
-   L1's floor and less than its 64 MiB), the requests ask for them in turn (exact hits: from
-   L2 the first time, then from prompt_cache's L1 while it holds them), and prompt_cache has
-   a hit latency objective (`hit_objective_s`, `--hit-objective-ms`): the squeeze takes L1
-   to its floor, the hits come from L2 and miss the objective, and the headroom still wins
-   (L1 does not grow back until the memory returns).
+   L1's floor and less than its 64 MiB) and each asked for once before the clock starts (so
+   L1 holds them), the requests ask for them in turn (exact hits: from prompt_cache's L1
+   while it holds them, else from L2), and prompt_cache has a hit latency objective
+   (`hit_objective_s`, `--hit-objective-ms`); the report adds the objective's states, the
+   lookups' p90 and the share of hits L1 answered per phase. The squeeze takes L1 to its
+   floor whatever the objective says (the headroom wins).
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
@@ -202,8 +203,9 @@ def hit_prompt(number: int) -> str:
 
 
 def warm_hits(grpc_port: int, token: str) -> None:
-    """Store an answer of about 1,500 characters for each of the `--hits` prompts (through
-    cache_admin: L2, no engine)."""
+    """Store an answer of about 1,660 characters for each of the `--hits` prompts (through
+    cache_admin: L2, no engine), then ask for each once, so prompt_cache's L1 holds them
+    before the run's clock starts."""
     filler = " ".join(f"word{i}" for i in range(220))
     with TierCacheClient(f"127.0.0.1:{grpc_port}", timeout_s=120, admin_token=token) as client:
         for start in range(0, HIT_PROMPTS, 250):
@@ -214,6 +216,9 @@ def warm_hits(grpc_port: int, token: str) -> None:
             answer = client.warm(prompts=items)
             if answer.get("failed"):
                 raise SystemExit(f"warming failed: {answer}")
+        for number in range(HIT_PROMPTS):
+            if client.generate_text(hit_prompt(number), max_tokens=4).cache_status != "exact":
+                raise SystemExit(f"warmed prompt {number} is not an exact hit")
 
 
 class Client(threading.Thread):
@@ -263,6 +268,13 @@ SLOT_BYTES = "tiercache_engine_adapter_slot_bytes"
 OBJECTIVES = ("tiercache_hit_objective_state", "tiercache_ttft_objective_state")
 STATE_NAMES = {0: "met with room", 1: "met", 2: "missed"}
 LOOKUP_BUCKETS = "tiercache_prompt_cache_lookup_seconds_bucket"
+
+
+def l1_share(first: dict[str, float], last: dict[str, float]) -> str:
+    """The share of prompt_cache's exact hits L1 answered between two readings."""
+    hits = {tier: last.get(tier, 0.0) - first.get(tier, 0.0) for tier in last}
+    total = sum(hits.values())
+    return f"{hits.get('l1', 0.0) / total:.0%}" if total > 0 else "-"
 
 
 def lookup_p90(first: dict[str, float], last: dict[str, float]) -> str:
@@ -340,7 +352,7 @@ def plot(
             "--",
             label="adapter slots held",
         )
-        axes[0].set_yscale("log")
+        axes[0].set_yscale("symlog", linthresh=1.0)
     for cache in sorted({c for row in timeline for c in row.get("held", {})}):
         axes[0].plot(
             t,
@@ -348,7 +360,7 @@ def plot(
             ":",
             label=f"{cache} held",
         )
-        axes[0].set_yscale("log")  # a few MiB of graphs beside the pool's hundreds
+        axes[0].set_yscale("symlog", linthresh=1.0)  # MiB beside hundreds; 0 stays visible
     axes[0].set_ylabel("budget (MiB)")
     axes[1].plot(t, [row["available"] / MIB for row in timeline], label="group available")
     axes[1].plot(t, [row["squeezer"] / MIB for row in timeline], label="squeezer holds")
@@ -358,15 +370,18 @@ def plot(
     axes[2].set_ylabel("RSS (MiB)")
     axes[3].plot([x[0] for x in latencies], [x[1] for x in latencies], ".", markersize=3)
     axes[3].set_ylabel("request latency (s)")
-    for objective in sorted({o for row in timeline for o in row.get("objectives", {})}):
+    objectives = sorted({o for row in timeline for o in row.get("objectives", {})})
+    if objectives:  # one axis for the objectives' states, a colour each
         states = axes[3].twinx()
-        states.step(
-            t,
-            [row.get("objectives", {}).get(objective, float("nan")) for row in timeline],
-            "r-",
-            where="post",
-            label=f"{objective} objective (0 met with room, 1 met, 2 missed)",
-        )
+        for objective, colour in zip(objectives, ("tab:red", "tab:purple"), strict=False):
+            states.step(
+                t,
+                [row.get("objectives", {}).get(objective, float("nan")) for row in timeline],
+                "-",
+                color=colour,
+                where="post",
+                label=f"{objective} objective (0 met with room, 1 met, 2 missed)",
+            )
         states.set_ylim(-0.2, 2.2)
         states.set_yticks([0, 1, 2])
         states.legend(fontsize=7, loc="upper left")
@@ -486,6 +501,11 @@ def run(
                     "adapter_slots_held": slot_bytes,
                     "held": held_bytes,
                     "objectives": states,
+                    "tiers": {  # prompt_cache's exact hits by the tier that answered
+                        labels["tier"]: value
+                        for name, labels, value in samples
+                        if name == "tiercache_prompt_cache_hits_total" and "tier" in labels
+                    },
                     "lookups": {  # prompt_cache's lookup time histogram (cumulative, by le)
                         labels["le"]: value
                         for name, labels, value in samples
@@ -596,11 +616,11 @@ def report(
         + (" | adapter slots held MiB (min-max)" if slots else "")
         + "".join(f" | {c} held MiB (min-max)" for c in holders)
         + "".join(f" | {o} objective (states seen)" for o in objectives)
-        + (" | prompt_cache lookup p90" if "hit" in objectives else "")
+        + (" | prompt_cache lookup p90 | hits from L1" if "hit" in objectives else "")
         + " | available MiB (min) | median latency (requests) |",
         "|---|"
         + "---:|" * (len(caches) + 2 + slots + len(holders) + len(objectives))
-        + ("---:|" if "hit" in objectives else ""),
+        + ("---:|---:|" if "hit" in objectives else ""),
     ]
     for name, (lo, hi) in phases.items():
         rows = phase(lo, hi)
@@ -616,12 +636,11 @@ def report(
         for cache in holders:
             cells.append(span([r["held"][cache] / MIB for r in rows if cache in r.get("held", {})]))
         for objective in objectives:
-            seen = sorted(
-                {r["objectives"][objective] for r in rows if objective in r["objectives"]}
-            )
+            seen = sorted({r.get("objectives", {}).get(objective, -1) for r in rows} - {-1})
             cells.append(", ".join(STATE_NAMES[v] for v in seen) or "-")
         if "hit" in objectives:
             cells.append(lookup_p90(rows[0].get("lookups", {}), rows[-1].get("lookups", {})))
+            cells.append(l1_share(rows[0].get("tiers", {}), rows[-1].get("tiers", {})))
         available = min(r["available"] for r in rows) / MIB
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {available:.0f} | {lat(lo, hi)} |")
     (out / "squeeze.md").write_text("\n".join(lines) + "\n")
