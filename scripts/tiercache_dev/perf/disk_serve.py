@@ -42,9 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -58,7 +55,7 @@ from tiercache_client import TierCacheClient
 from tiercache_dev.console import invocation, progress
 from tiercache_dev.metrics import Sample, scrape_metrics
 from tiercache_dev.paths import DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
-from tiercache_dev.perf.disk_squeeze import fill
+from tiercache_dev.perf.disk_squeeze import fill, tmpfs
 from tiercache_dev.perf.soak import labelled_processes
 from tiercache_dev.perf.squeeze import gone
 from tiercache_dev.servers import fresh_state, running, triton
@@ -231,33 +228,25 @@ def recheck(port: int, first_phase: dict[int, str], per_phase: int) -> dict[str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        raise SystemExit("mounting a tmpfs needs root")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    mount = Path(tempfile.mkdtemp(prefix="tiercache-disk-serve-"))
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={args.size_mib * MIB}", "tmpfs", str(mount)],
-        check=True,
-    )
-    try:
-        with tempfile.TemporaryDirectory(prefix="tiercache-disk-serve-") as tmp:
-            params = {"disk_headroom_bytes": str(args.headroom_mib * MIB)}
-            repository = copy_repository(
-                MODEL_REPOSITORY, Path(tmp) / "repository", {s: dict(params) for s in STAGES}
-            )
-            state = fresh_state(mount, args.state_dir)
-            server = triton(repository, state, log_path=args.out_dir / "server.log")
-            progress(f"starting tritonserver, its state on a {args.size_mib} MiB tmpfs")
-            with running(server, ready_timeout_s=400):
-                client, rows, lost = serve_phases(args, server, mount, state)
-            (mount / "filler").unlink(missing_ok=True)
-            progress("restarting on the same state directory")
-            again = triton(repository, state, log_path=args.out_dir / "server-restart.log")
-            with running(again, ready_timeout_s=400):
-                served = recheck(again.ports.grpc, client.first_phase, args.recheck)
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
-        shutil.rmtree(mount, ignore_errors=True)
+    with (
+        tmpfs(args.size_mib * MIB, "tiercache-disk-serve-") as mount,
+        tempfile.TemporaryDirectory(prefix="tiercache-disk-serve-") as tmp,
+    ):
+        params = {"disk_headroom_bytes": str(args.headroom_mib * MIB)}
+        repository = copy_repository(
+            MODEL_REPOSITORY, Path(tmp) / "repository", {s: dict(params) for s in STAGES}
+        )
+        state = fresh_state(mount, args.state_dir)
+        server = triton(repository, state, log_path=args.out_dir / "server.log")
+        progress(f"starting tritonserver, its state on a {args.size_mib} MiB tmpfs")
+        with running(server, ready_timeout_s=400):
+            client, rows, lost = serve_phases(args, server, mount, state)
+        (mount / "filler").unlink(missing_ok=True)
+        progress("restarting on the same state directory")
+        again = triton(repository, state, log_path=args.out_dir / "server-restart.log")
+        with running(again, ready_timeout_s=400):
+            served = recheck(again.ports.grpc, client.first_phase, args.recheck)
     return report(args, client, rows, lost, served)
 
 

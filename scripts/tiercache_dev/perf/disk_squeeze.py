@@ -23,6 +23,7 @@ guarded L2 failed or was not stored.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
@@ -31,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--answer-chars", type=int, default=300, help="each answer's length")
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "disk_squeeze")
     return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def tmpfs(size_bytes: int, prefix: str) -> Iterator[Path]:
+    """A fresh tmpfs of `size_bytes` mounted on a new folder (root only), unmounted and removed
+    after."""
+    if os.geteuid() != 0:
+        raise SystemExit("mounting a tmpfs needs root")
+    mount = Path(tempfile.mkdtemp(prefix=prefix))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mount)], check=True
+    )
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+        shutil.rmtree(mount, ignore_errors=True)
 
 
 def fill(path: Path, mount: Path, leave: int) -> None:
@@ -126,24 +144,15 @@ def run_one(mount: Path, headroom: int, size: int, answer: str) -> list[dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        raise SystemExit("mounting a tmpfs needs root")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     size, headroom = args.size_mib * MIB, args.headroom_mib * MIB
     rows: list[dict[str, Any]] = []
     for setting in (headroom, 0):
-        mount = Path(tempfile.mkdtemp(prefix="tiercache-disk-"))
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True
-        )
-        try:
+        with tmpfs(size, "tiercache-disk-") as mount:
             progress(f"disk_headroom_bytes {setting // MIB} MiB on a {args.size_mib} MiB tmpfs")
             started = time.monotonic()
             rows += run_one(mount, setting, size, "x" * args.answer_chars)
             progress(f"  done in {time.monotonic() - started:.1f} s")
-        finally:
-            subprocess.run(["umount", str(mount)], check=False)
-            shutil.rmtree(mount, ignore_errors=True)
     (args.out_dir / "disk_squeeze.json").write_text(json.dumps(rows, indent=1))
     lines = [
         f"`{invocation('tiercache_dev.perf.disk_squeeze', None)}`",
