@@ -9,6 +9,7 @@ import hashlib
 import pytest
 
 from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact import answer_ids
 from tiercache.exact.answer_ids import ID_CHARS, PREFIX, AnswerIds, AnswerRef, ServedAs
 
 SECRET = bytes(range(32))
@@ -92,3 +93,27 @@ def test_an_id_of_the_format_before_the_score_still_opens() -> None:
     assert opened == AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5, 0.0)
     with pytest.raises(Forbidden):
         AnswerIds(SECRET).open(old, "scope-b")
+
+
+def test_nonces_are_drawn_in_batches_never_repeat_and_a_fork_draws_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    drawn: list[int] = []
+    real = answer_ids.os.urandom
+
+    def urandom(n: int) -> bytes:
+        drawn.append(n)
+        return real(n)
+
+    monkeypatch.setattr(answer_ids.os, "urandom", urandom)
+    ids = AnswerIds(SECRET)
+    per_batch = answer_ids.NONCE_BATCH // answer_ids.NONCE_BYTES
+    issued = [ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a") for _ in range(per_batch + 1)]
+    raw = [base64.urlsafe_b64decode(i[len(PREFIX) :] + "==") for i in issued]
+    nonces = {r[: answer_ids.NONCE_BYTES] for r in raw}
+    assert len(nonces) == per_batch + 1  # every id its own nonce
+    assert drawn == [answer_ids.NONCE_BATCH] * 2  # one draw per batch, not one per id
+    monkeypatch.setattr(answer_ids.os, "getpid", lambda: -2)  # as in a forked child
+    child = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
+    assert len(drawn) == 3  # the child does not reuse the parent's batch
+    assert ids.open(child, "scope-a").digest == DIGEST

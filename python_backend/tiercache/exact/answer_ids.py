@@ -26,6 +26,7 @@ import base64
 import binascii
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -39,6 +40,7 @@ from tiercache.exact.keys import derive_key
 ANSWER_IDS_PURPOSE = "answer ids"
 PREFIX = "a2."  # the format's version: an id of another format is refused, not misread
 NONCE_BYTES = 12
+NONCE_BATCH = NONCE_BYTES * 256
 # served as, digest, similarity, trust score, issued at (unix seconds)
 _BODY = struct.Struct(">B32sffd")
 _AAD = b"tiercache answer id\x00"
@@ -72,13 +74,35 @@ class AnswerRef:
     score: float = 0.0  # a semantic hit's calibrated score, when a trust gate decided it
 
 
+class _Nonces:
+    """Random 96-bit nonces drawn from the OS's CSPRNG NONCE_BATCH at a time: one `getrandom`
+    call per batch instead of one per response (a system call on every exact hit cost more than
+    the id's encryption). Each nonce is handed out once; a process forked from this one (which
+    would share the batch) draws a fresh batch. Thread-safe."""
+
+    __slots__ = ("_lock", "_batch", "_next", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batch, self._next, self._pid = b"", 0, -1
+
+    def take(self) -> bytes:
+        with self._lock:
+            if self._next >= len(self._batch) or self._pid != os.getpid():
+                self._batch, self._next, self._pid = os.urandom(NONCE_BATCH), 0, os.getpid()
+            start = self._next
+            self._next = start + NONCE_BYTES
+            return self._batch[start : start + NONCE_BYTES]
+
+
 class AnswerIds:
     """Issues and opens answer ids under one deployment's secret. Thread-safe."""
 
-    __slots__ = ("_aead",)
+    __slots__ = ("_aead", "_nonces")
 
     def __init__(self, secret: bytes) -> None:
         self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
+        self._nonces = _Nonces()
 
     def issue(self, ref: AnswerRef, tenant_scope: str) -> str:
         """The id of the answer `ref` names, served to `tenant_scope` (issued now unless `ref`
@@ -91,7 +115,7 @@ class AnswerIds:
             raise ValueError(f"an answer's digest is 32 bytes, got {len(digest)}")
         issued_s = ref.issued_s or time.time()
         body = _BODY.pack(ref.served.value, digest, ref.similarity, ref.score, issued_s)
-        nonce = os.urandom(NONCE_BYTES)
+        nonce = self._nonces.take()
         sealed = nonce + self._aead.encrypt(nonce, body, _AAD + tenant_scope.encode("utf-8"))
         return PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
 
