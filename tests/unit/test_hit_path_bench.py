@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
-from tiercache_dev.bench.hit_path import ensemble_steps, main
+from tiercache_dev.bench.hit_path import (
+    PROMPT,
+    Ensemble,
+    cache_the_answer,
+    ensemble_steps,
+    main,
+    public_inputs,
+    stand_in,
+)
 from tiercache_dev.paths import MODEL_REPOSITORY
 
 
@@ -37,3 +46,24 @@ def test_a_short_run_times_every_step_of_an_exact_hit(capsys: pytest.CaptureFixt
     # the stand-in and the shared secret file were this run's only
     after = sys.modules.get("triton_python_backend_utils"), os.environ.get("TIERCACHE_SECRET_FILE")
     assert after == before
+
+
+def test_the_floor_sends_what_the_real_stages_send_on_an_exact_hit(tmp_path: Path) -> None:
+    """The floor is the same ensemble with no-op steps: each of its steps must send the tensors
+    the real step sends on an exact hit (the floor's llm once lacked ANSWER_ID, which made it
+    cheaper than the contract it stands for)."""
+    steps = ensemble_steps((MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text())
+    with stand_in():
+        real = Ensemble(steps, tmp_path / "tiercache")
+        floor = Ensemble(steps, tmp_path / "floor", floor=True)
+        try:
+            public = public_inputs(PROMPT)
+            cache_the_answer(real, public)
+            assert real.run(public, timed=False)["CACHE_STATUS"].reshape(-1)[0] == b"exact"
+            floor.run(public, timed=False)
+        finally:
+            real.close()
+            floor.close()
+    assert set(real.sent) == {step.model for step in steps}
+    for step in steps:
+        assert sorted(floor.sent[step.model]) == sorted(real.sent[step.model]), step.model

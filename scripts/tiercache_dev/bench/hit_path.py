@@ -23,6 +23,7 @@ functions by own time over one more round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib.util
 import json
@@ -33,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -119,6 +120,7 @@ class Ensemble:
             step.model: load(step.model, state_dir / step.model, floor) for step in self.steps
         }
         self.seconds = {step.model: 0.0 for step in self.steps}
+        self.sent: dict[str, list[str]] = {}  # each step's output names in the last request
 
     def run(self, public: dict[str, np.ndarray], timed: bool = True) -> dict[str, np.ndarray]:
         """One request through every step; the tensors the last step sent."""
@@ -139,6 +141,7 @@ class Ensemble:
             if response.has_error():
                 raise RuntimeError(f"{step.model}: {response.error().message()}")
             last = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            self.sent[step.model] = list(last)
             for name, value in last.items():
                 tensors[step.outputs.get(name, name)] = value
         return last
@@ -190,11 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     args = parser.parse_args(argv)
-    saved = sys.modules.get("triton_python_backend_utils"), os.environ.get(SECRET_FILE_ENV)
-    sys.modules["triton_python_backend_utils"] = pb  # the model.py files import it by name
-    try:
+    with stand_in():
         return run(args, argv)
-    finally:  # as it was (this runs inside the tests' process too)
+
+
+@contextlib.contextmanager
+def stand_in() -> Iterator[None]:
+    """The pb_utils stand-in as `triton_python_backend_utils` (the model.py files import it by
+    name), and the secret file's variable, put back as they were after (this runs inside the
+    tests' process too)."""
+    saved = sys.modules.get("triton_python_backend_utils"), os.environ.get(SECRET_FILE_ENV)
+    sys.modules["triton_python_backend_utils"] = pb
+    try:
+        yield
+    finally:
         if saved[0] is None:
             sys.modules.pop("triton_python_backend_utils", None)
         else:
