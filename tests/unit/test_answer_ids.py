@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 
 import pytest
 
@@ -95,9 +96,11 @@ def test_an_id_of_the_format_before_the_score_still_opens() -> None:
         AnswerIds(SECRET).open(old, "scope-b")
 
 
-def test_nonces_are_drawn_in_batches_never_repeat_and_a_fork_draws_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _nonce(answer_id: str) -> bytes:
+    return base64.urlsafe_b64decode(answer_id[len(PREFIX) :] + "==")[: answer_ids.NONCE_BYTES]
+
+
+def test_nonces_are_drawn_in_batches_and_never_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
     drawn: list[int] = []
     real = answer_ids.os.urandom
 
@@ -109,11 +112,34 @@ def test_nonces_are_drawn_in_batches_never_repeat_and_a_fork_draws_its_own(
     ids = AnswerIds(SECRET)
     per_batch = answer_ids.NONCE_BATCH // answer_ids.NONCE_BYTES
     issued = [ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a") for _ in range(per_batch + 1)]
-    raw = [base64.urlsafe_b64decode(i[len(PREFIX) :] + "==") for i in issued]
-    nonces = {r[: answer_ids.NONCE_BYTES] for r in raw}
-    assert len(nonces) == per_batch + 1  # every id its own nonce
+    assert len({_nonce(i) for i in issued}) == per_batch + 1  # every id its own nonce
     assert drawn == [answer_ids.NONCE_BATCH] * 2  # one draw per batch, not one per id
-    monkeypatch.setattr(answer_ids.os, "getpid", lambda: -2)  # as in a forked child
-    child = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
-    assert len(drawn) == 3  # the child does not reuse the parent's batch
-    assert ids.open(child, "scope-a").digest == DIGEST
+
+
+def test_a_forked_child_never_hands_out_its_parents_next_nonces() -> None:
+    """A child forked mid-batch would otherwise continue from the parent's offset and issue
+    the very nonces the parent issues next (AES-GCM nonce reuse under one key)."""
+    ids = AnswerIds(SECRET)
+    ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")  # a batch drawn, mid-way
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next three nonces to the parent, then out at once
+        try:
+            os.close(read_end)
+            sent = b"".join(
+                _nonce(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")) for _ in range(3)
+            )
+            os.write(write_end, sent)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        child = pipe.read()
+    os.waitpid(pid, 0)
+    parent = b"".join(
+        _nonce(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")) for _ in range(3)
+    )
+    size = answer_ids.NONCE_BYTES
+    assert len(child) == 3 * size
+    child_nonces = {child[i : i + size] for i in range(0, len(child), size)}
+    assert not child_nonces & {parent[i : i + size] for i in range(0, len(parent), size)}

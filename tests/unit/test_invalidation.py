@@ -5,8 +5,6 @@ tests/integration/test_invalidation_redis.py
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tiercache.exact import watermarks
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator, sweep
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
@@ -389,58 +386,4 @@ def test_host_watermarks_without_a_horizon_keep_every_record(tmp_path: Path) -> 
     reopened.mark_swept(4.0)  # never moves back
     assert reopened.swept_until_s() == 5.0
     reopened.close()
-    marks.close()
-
-
-def _record_in_another_process(path: Path, key: str) -> None:
-    """A record written by another process of the host (one process cannot open an LMDB
-    environment twice)."""
-    code = (
-        "import sys; from pathlib import Path; "
-        "from tiercache.exact.watermarks import HostWatermarks, Invalidation; "
-        "from tiercache.vocabulary import InvalidationKind; "
-        "m = HostWatermarks(Path(sys.argv[1])); "
-        "m.record(Invalidation(InvalidationKind.KEY, sys.argv[2], 11.0)); m.close()"
-    )
-    subprocess.run([sys.executable, "-c", code, str(path), key], check=True, timeout=60)
-
-
-def test_host_watermarks_read_the_log_only_when_the_hint_moved_or_the_check_is_due(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reader whose hint has not moved skips the log's read transaction; it still notes a
-    record another process committed before it asked (the hint moved), and reads the log
-    anyway once FULL_CHECK_S has passed."""
-    now = [100.0]
-    monkeypatch.setattr(watermarks.time, "monotonic", lambda: now[0])
-    reader = HostWatermarks(tmp_path / "inv")
-    reads: list[int] = []
-    read_log = reader._read_log
-
-    def counted(table: InvalidationTable) -> int:
-        reads.append(1)
-        return read_log(table)
-
-    monkeypatch.setattr(reader, "_read_log", counted)
-    table = InvalidationTable()
-    assert reader.catch_up(table) == 0 and len(reads) == 1  # the first call reads the log
-    assert reader.catch_up(table) == 0 and len(reads) == 1  # nothing new: no read
-    _record_in_another_process(tmp_path / "inv", "k")
-    assert reader.catch_up(table) == 1 and len(reads) == 2  # the hint moved
-    assert table.covers("k", entry(created_s=11.0))
-    assert reader.catch_up(table) == 0 and len(reads) == 2
-    reader.record(Invalidation(InvalidationKind.KEY, "own", 12.0))  # its own record, too
-    assert reader.catch_up(table) == 1 and len(reads) == 3
-    now[0] += watermarks.FULL_CHECK_S
-    assert reader.catch_up(table) == 0 and len(reads) == 4  # due: read whatever the hint says
-    reader.close()
-
-
-def test_host_watermarks_without_a_usable_hint_read_the_log_every_time(tmp_path: Path) -> None:
-    (tmp_path / "inv.seq").mkdir()  # the hint's file cannot be opened: every read goes to the log
-    marks = HostWatermarks(tmp_path / "inv")
-    table = InvalidationTable()
-    assert marks.catch_up(table) == 0
-    _record_in_another_process(tmp_path / "inv", "k")
-    assert marks.catch_up(table) == 1 and table.covers("k", entry(created_s=11.0))
     marks.close()

@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 
@@ -76,13 +77,18 @@ class AnswerRef:
 
 class _Nonces:
     """Random 96-bit nonces drawn from the OS's CSPRNG NONCE_BATCH at a time: one `getrandom`
-    call per batch instead of one per response (a system call on every exact hit cost more than
-    the id's encryption). Each nonce is handed out once; a process forked from this one (which
-    would share the batch) draws a fresh batch. Thread-safe."""
+    call per batch instead of one per response (on the exact-hit path that system call cost
+    more than the id's encryption). Each nonce is handed out once: a forked child starts a batch
+    of its own (`_after_fork_in_child` resets every live instance, with a new lock in case
+    another thread held the old one at the fork; the pid check is a second guard). Thread-safe."""
 
-    __slots__ = ("_lock", "_batch", "_next", "_pid")
+    __slots__ = ("__weakref__", "_lock", "_batch", "_next", "_pid")
 
     def __init__(self) -> None:
+        self._reset()
+        _LIVE_NONCES.add(self)
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._batch, self._next, self._pid = b"", 0, -1
 
@@ -93,6 +99,17 @@ class _Nonces:
             start = self._next
             self._next = start + NONCE_BYTES
             return self._batch[start : start + NONCE_BYTES]
+
+
+_LIVE_NONCES: weakref.WeakSet[_Nonces] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for nonces in list(_LIVE_NONCES):
+        nonces._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class AnswerIds:

@@ -30,13 +30,10 @@ cache (the sweep, the Redis listener, the issuer) is `tiercache.exact.invalidati
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import json
 import logging
 import math
-import mmap
-import os
 import struct
 import threading
 import time
@@ -54,7 +51,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SKEW_S = 0.05
 DEFAULT_MAX_EVENTS = 100_000
-FULL_CHECK_S = 0.25  # a reader reads the log itself at least this often, whatever the hint says
 _WARN_EVERY_S = 60.0  # at most one "kept past max_events" warning per table or log this often
 
 
@@ -300,61 +296,13 @@ class InvalidationTable:
         return self._count
 
 
-class SeqHint:
-    """The sequence number of the newest record in the host's invalidation log, in an 8-byte
-    file mapping every process of the host shares (`<log>.seq`, 0600), so that a read that finds
-    nothing new costs a memory load instead of an LMDB read transaction (which also hands the
-    GIL to any waiting thread). A writer publishes a record's number after committing it. Each
-    number is published once, so the hint never returns to a value a reader saw while a newer
-    record waits (a late writer may move it back to an older number: readers then read the log,
-    which is only extra work). Anything wrong with the file (it cannot be opened or mapped)
-    disables the hint: `read` answers None and every read goes to the log, as before."""
-
-    __slots__ = ("_map",)
-
-    def __init__(self, path: Path) -> None:
-        self._map: mmap.mmap | None = None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            log.warning("no invalidation sequence hint at %s (%s): reads go to the log", path, exc)
-            return
-        try:
-            if os.fstat(fd).st_size < 8:
-                os.ftruncate(fd, 8)  # zeros: "nothing published"; a hint of 0 is read as such
-            self._map = mmap.mmap(fd, 8)
-        except (OSError, ValueError) as exc:
-            log.warning("no invalidation sequence hint at %s (%s): reads go to the log", path, exc)
-        finally:
-            os.close(fd)
-
-    def read(self) -> int | None:
-        hint = self._map
-        try:
-            return None if hint is None else int.from_bytes(hint[:8], "little")
-        except ValueError:  # closed meanwhile
-            return None
-
-    def publish(self, seq: int) -> None:
-        hint = self._map
-        if hint is not None:
-            with contextlib.suppress(ValueError):  # closed meanwhile
-                hint[:8] = seq.to_bytes(8, "little")
-
-    def close(self) -> None:
-        hint, self._map = self._map, None
-        if hint is not None:
-            hint.close()
-
-
 class HostWatermarks:
     """The watermarks issued on this host, in an LMDB file every process of the host reads
     (`<state>/invalidations`). Without Redis this is how an invalidation reaches the other
     processes: prompt_cache's L1 copies, an answer an llm process was generating while the sweep
     ran (it is written after the sweep, with a `created_s` before the watermark), the answers
     embedding_cache serves. Each read of a `TieredCache` first notes what was recorded since its
-    last read: an 8-byte read of the log's sequence hint (`SeqHint`) when nothing is new, and
-    one read transaction at least every FULL_CHECK_S and whenever the hint moved.
+    last read (one small read transaction when nothing is new).
 
     Records are numbered, and forgotten oldest first by `InvalidationTable`'s rule: past
     `max_events`, those older than `horizon_s` plus the skew allowance, by `clock`; a younger
@@ -388,9 +336,6 @@ class HostWatermarks:
         self._lock = threading.Lock()
         self._forgotten = 0
         self._overflow = OverflowCounter(f"the host's invalidation log {path}")
-        self._hint = SeqHint(path.with_name(path.name + ".seq"))
-        self._hint_seen: int | None = None  # the hint read before the last full read
-        self._checked_s = -math.inf  # monotonic time of the last full read
 
     @staticmethod
     def _key(seq: int) -> bytes:
@@ -404,11 +349,11 @@ class HostWatermarks:
             txn.put(self._key(seq), inv.to_json().encode())
             txn.put(self._SEQ, seq.to_bytes(8, "big"))
             cursor = txn.cursor()
-            if cursor.set_range(b"e"):
-                first = int.from_bytes(cursor.key()[1:], "big")
-                if seq - first + 1 > self.max_events:
-                    self._trim(cursor, seq - first + 1)
-        self._hint.publish(seq)  # after the commit: a reader that sees it reads the record
+            if not cursor.set_range(b"e"):
+                return
+            first = int.from_bytes(cursor.key()[1:], "big")
+            if seq - first + 1 > self.max_events:
+                self._trim(cursor, seq - first + 1)
 
     def _trim(self, cursor: Any, held: int) -> None:
         """Forget the oldest records that are past the horizon while more than `max_events`
@@ -433,19 +378,7 @@ class HostWatermarks:
                 self._overflow.kept(held, self.max_events, self.horizon_s, now_s)
 
     def catch_up(self, table: InvalidationTable) -> int:
-        """Note in `table` every record since the last call; how many there were. Reads the
-        log only when its sequence hint moved since the last full read, or FULL_CHECK_S after
-        it: a record is committed before its writer publishes the hint, so once `record`
-        returned, every later call reads it."""
-        hint = self._hint.read()
-        now_s = time.monotonic()
-        if hint is not None and hint == self._hint_seen and now_s - self._checked_s < FULL_CHECK_S:
-            return 0
-        noted = self._read_log(table)
-        self._hint_seen, self._checked_s = hint, now_s  # read before the log was
-        return noted
-
-    def _read_log(self, table: InvalidationTable) -> int:
+        """Note in `table` every record since the last call; how many there were."""
         with self._env.begin(buffers=False) as txn:
             raw = txn.get(self._SEQ)
             newest = int.from_bytes(raw, "big") if raw else 0
@@ -498,5 +431,4 @@ class HostWatermarks:
         return check_readers(self._env, "invalidation log", self.path)
 
     def close(self) -> None:
-        self._hint.close()
         self._env.close()
