@@ -6,6 +6,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import select
+import signal
+import threading
+import traceback
+from collections.abc import Callable
 
 import pytest
 
@@ -100,20 +105,45 @@ def _nonce(answer_id: str) -> bytes:
     return base64.urlsafe_b64decode(answer_id[len(PREFIX) :] + "==")[: answer_ids.NONCE_BYTES]
 
 
-def test_nonces_are_drawn_in_batches_and_never_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nonces_are_drawn_in_batches_and_never_repeat() -> None:
     drawn: list[int] = []
-    real = answer_ids.os.urandom
 
-    def urandom(n: int) -> bytes:
+    def random_bytes(n: int) -> bytes:
         drawn.append(n)
-        return real(n)
+        return os.urandom(n)
 
-    monkeypatch.setattr(answer_ids.os, "urandom", urandom)
-    ids = AnswerIds(SECRET)
-    per_batch = answer_ids.NONCE_BATCH // answer_ids.NONCE_BYTES
+    ids = AnswerIds(SECRET, random_bytes)
+    per_batch = answer_ids.NONCES_PER_BATCH
     issued = [ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a") for _ in range(per_batch + 1)]
     assert len({_nonce(i) for i in issued}) == per_batch + 1  # every id its own nonce
-    assert drawn == [answer_ids.NONCE_BATCH] * 2  # one draw per batch, not one per id
+    batch_bytes = answer_ids.NONCE_BYTES * per_batch
+    assert drawn == [batch_bytes, batch_bytes]  # one draw per batch, not one per id
+
+
+def _in_a_child(work: Callable[[], bytes], timeout_s: float = 20.0) -> bytes:
+    """`work()` run in a process forked from this one; what it returned. The child is killed by
+    an alarm if it hangs (a lock held across the fork would deadlock it), and any failure in it
+    fails the test."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(int(timeout_s))
+            os.close(read_end)
+            os.write(write_end, work())
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported to the parent by the exit code
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        ready, _, _ = select.select([pipe], [], [], timeout_s + 5)
+        data = pipe.read() if ready else b""
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child failed or hung"
+    return data
 
 
 def test_a_forked_child_never_hands_out_its_parents_next_nonces() -> None:
@@ -121,25 +151,39 @@ def test_a_forked_child_never_hands_out_its_parents_next_nonces() -> None:
     the very nonces the parent issues next (AES-GCM nonce reuse under one key)."""
     ids = AnswerIds(SECRET)
     ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")  # a batch drawn, mid-way
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its next three nonces to the parent, then out at once
-        try:
-            os.close(read_end)
-            sent = b"".join(
-                _nonce(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")) for _ in range(3)
-            )
-            os.write(write_end, sent)
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        child = pipe.read()
-    os.waitpid(pid, 0)
-    parent = b"".join(
-        _nonce(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")) for _ in range(3)
-    )
+
+    def next_three() -> bytes:
+        return b"".join(
+            _nonce(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")) for _ in range(3)
+        )
+
+    def in_child() -> bytes:
+        assert ids._nonces._batch == b""  # the fork hook emptied the child's batch
+        return next_three()
+
+    child = _in_a_child(in_child)
+    parent = next_three()
     size = answer_ids.NONCE_BYTES
-    assert len(child) == 3 * size
+    assert len(child) == len(parent) == 3 * size
     child_nonces = {child[i : i + size] for i in range(0, len(child), size)}
     assert not child_nonces & {parent[i : i + size] for i in range(0, len(parent), size)}
+
+
+def test_a_child_forked_while_another_thread_held_the_lock_still_issues() -> None:
+    ids = AnswerIds(SECRET)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ids._nonces._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        child = _in_a_child(lambda: ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a").encode())
+    finally:
+        release.set()
+        holder.join(10)
+    assert ids.open(child.decode(), "scope-a").digest == DIGEST

@@ -3,12 +3,14 @@ of the real stages (and the floor's) in process, every request an exact hit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from tiercache.exact.answer_ids import ID_CHARS
 from tiercache_dev.bench.hit_path import (
     PROMPT,
     Ensemble,
@@ -50,20 +52,22 @@ def test_a_short_run_times_every_step_of_an_exact_hit(capsys: pytest.CaptureFixt
 
 def test_the_floor_sends_what_the_real_stages_send_on_an_exact_hit(tmp_path: Path) -> None:
     """The floor is the same ensemble with no-op steps: each of its steps must send the tensors
-    the real step sends on an exact hit (the floor's llm once lacked ANSWER_ID, which made it
-    cheaper than the contract it stands for)."""
+    (names, dtypes, shapes) the real step sends on an exact hit (the floor's llm once lacked
+    ANSWER_ID, which made it cheaper than the contract it stands for), its answer id as long as
+    a real one."""
     steps = ensemble_steps((MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text())
-    with stand_in():
+    with stand_in(), contextlib.ExitStack() as stack:
         real = Ensemble(steps, tmp_path / "tiercache")
+        stack.callback(real.close)
         floor = Ensemble(steps, tmp_path / "floor", floor=True)
-        try:
-            public = public_inputs(PROMPT)
-            cache_the_answer(real, public)
-            assert real.run(public, timed=False)["CACHE_STATUS"].reshape(-1)[0] == b"exact"
-            floor.run(public, timed=False)
-        finally:
-            real.close()
-            floor.close()
+        stack.callback(floor.close)
+        public = public_inputs(PROMPT)
+        cache_the_answer(real, public)
+        real_last = real.run(public, timed=False)
+        floor_last = floor.run(public, timed=False)
+    assert real_last["CACHE_STATUS"].reshape(-1)[0] == b"exact"
     assert set(real.sent) == {step.model for step in steps}
     for step in steps:
-        assert sorted(floor.sent[step.model]) == sorted(real.sent[step.model]), step.model
+        assert floor.sent[step.model] == real.sent[step.model], step.model
+    for last in (real_last, floor_last):
+        assert len(last["ANSWER_ID"].reshape(-1)[0]) == ID_CHARS

@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -41,7 +42,7 @@ from tiercache.exact.keys import derive_key
 ANSWER_IDS_PURPOSE = "answer ids"
 PREFIX = "a2."  # the format's version: an id of another format is refused, not misread
 NONCE_BYTES = 12
-NONCE_BATCH = NONCE_BYTES * 256
+NONCES_PER_BATCH = 256
 # served as, digest, similarity, trust score, issued at (unix seconds)
 _BODY = struct.Struct(">B32sffd")
 _AAD = b"tiercache answer id\x00"
@@ -76,26 +77,28 @@ class AnswerRef:
 
 
 class _Nonces:
-    """Random 96-bit nonces drawn from the OS's CSPRNG NONCE_BATCH at a time: one `getrandom`
-    call per batch instead of one per response (on the exact-hit path that system call cost
-    more than the id's encryption). Each nonce is handed out once: a forked child starts a batch
-    of its own (`_after_fork_in_child` resets every live instance, with a new lock in case
-    another thread held the old one at the fork; the pid check is a second guard). Thread-safe."""
+    """Random 96-bit nonces drawn from the OS's CSPRNG (`random_bytes`, os.urandom) NONCES_PER_BATCH
+    at a time: one `getrandom` system call per batch instead of one per response, and no other
+    system call per nonce. Each nonce is handed out once: a child forked by Python (os.fork, and
+    multiprocessing's fork) starts a batch of its own, because `_after_fork_in_child` resets
+    every live instance there, with a new lock in case another thread held the old one at the
+    fork. A process forked without Python's fork hooks must not issue ids. Thread-safe."""
 
-    __slots__ = ("__weakref__", "_lock", "_batch", "_next", "_pid")
+    __slots__ = ("__weakref__", "_random_bytes", "_lock", "_batch", "_next")
 
-    def __init__(self) -> None:
+    def __init__(self, random_bytes: Callable[[int], bytes] = os.urandom) -> None:
+        self._random_bytes = random_bytes
         self._reset()
         _LIVE_NONCES.add(self)
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._batch, self._next, self._pid = b"", 0, -1
+        self._batch, self._next = b"", 0
 
     def take(self) -> bytes:
         with self._lock:
-            if self._next >= len(self._batch) or self._pid != os.getpid():
-                self._batch, self._next, self._pid = os.urandom(NONCE_BATCH), 0, os.getpid()
+            if self._next >= len(self._batch):
+                self._batch, self._next = self._random_bytes(NONCE_BYTES * NONCES_PER_BATCH), 0
             start = self._next
             self._next = start + NONCE_BYTES
             return self._batch[start : start + NONCE_BYTES]
@@ -117,9 +120,10 @@ class AnswerIds:
 
     __slots__ = ("_aead", "_nonces")
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, random_bytes: Callable[[int], bytes] = os.urandom) -> None:
+        """`random_bytes(n)`: n bytes from a CSPRNG, for the ids' nonces."""
         self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
-        self._nonces = _Nonces()
+        self._nonces = _Nonces(random_bytes)
 
     def issue(self, ref: AnswerRef, tenant_scope: str) -> str:
         """The id of the answer `ref` names, served to `tenant_scope` (issued now unless `ref`

@@ -120,7 +120,8 @@ class Ensemble:
             step.model: load(step.model, state_dir / step.model, floor) for step in self.steps
         }
         self.seconds = {step.model: 0.0 for step in self.steps}
-        self.sent: dict[str, list[str]] = {}  # each step's output names in the last request
+        # each step's outputs in the last request: name -> (dtype, shape)
+        self.sent: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
 
     def run(self, public: dict[str, np.ndarray], timed: bool = True) -> dict[str, np.ndarray]:
         """One request through every step; the tensors the last step sent."""
@@ -141,7 +142,7 @@ class Ensemble:
             if response.has_error():
                 raise RuntimeError(f"{step.model}: {response.error().message()}")
             last = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            self.sent[step.model] = list(last)
+            self.sent[step.model] = {k: (str(v.dtype), v.shape) for k, v in last.items()}
             for name, value in last.items():
                 tensors[step.outputs.get(name, name)] = value
         return last

@@ -4,29 +4,32 @@ Usage::
 
     python -m tiercache_dev.diagnostics.stub_costs [--out-dir .perf/stub_costs]
 
-Starts a tritonserver with one fixture model (scripts/bench_fixtures/stub_costs) whose
-`initialize` times, in its own stub, the operations a stage makes on every exact hit (building an
-output tensor of each kind, a response, reading a BYTES input), then prints one row per
-operation: microseconds of the stub thread's CPU per call, median of 5 rounds of 2,000 calls.
+Starts a tritonserver on a temporary copy of one fixture model (scripts/bench_fixtures/
+stub_costs) whose `initialize` times, in its own stub, the `pb_utils` calls a stage makes to
+answer a hit (building output tensors of each kind and a response), then prints one row per
+call: microseconds of the stub thread's CPU per call, the median of the rounds the model states.
 Hot loops: on the hit path the same calls run with cold caches between other processes, and
 cost more; what this shows is their relative cost (a BYTES tensor against a numeric one), which
 the in-process stand-in (tiercache_dev.pb_utils_stub) cannot: there a tensor costs nothing.
+Exit code 1 when the model did not load (the rows it logged before are still printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from tiercache_dev.console import display_path, progress
+from tiercache_dev.console import display_path, exit_on_sigterm, progress
 from tiercache_dev.paths import BENCH_FIXTURES, PERF_DIR
-from tiercache_dev.servers import running, triton
+from tiercache_dev.servers import ServerError, running, triton
 
 FIXTURE = BENCH_FIXTURES / "stub_costs"
 LINE = re.compile(r"STUB_COST (.+)\t([0-9.]+)")
+RUNS = re.compile(r"STUB_COST_RUNS ([0-9]+) ([0-9]+)")
 
 
 def parse(log: str) -> list[tuple[str, float]]:
@@ -34,25 +37,45 @@ def parse(log: str) -> list[tuple[str, float]]:
     return [(m.group(1), float(m.group(2))) for m in LINE.finditer(log)]
 
 
+def table(log: str) -> str:
+    """The Markdown table of what the model logged (empty when it logged no row)."""
+    rows = parse(log)
+    if not rows:
+        return ""
+    runs = RUNS.search(log)
+    how = f"median of {runs.group(1)} x {int(runs.group(2)):,} calls" if runs else "median"
+    lines = [f"| `pb_utils` call in a real stub | us per call (thread CPU, {how}) |", "|---|---:|"]
+    lines += [f"| {label} | {micros:.2f} |" for label, micros in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", type=Path, default=PERF_DIR / "stub_costs")
     args = p.parse_args(argv)
+    exit_on_sigterm()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_path = args.out_dir / "server.log"
-    with tempfile.TemporaryDirectory(prefix="tiercache-stub-costs-") as state:
-        server = triton(FIXTURE, Path(state), log_path=log_path)
+    failure = None
+    with tempfile.TemporaryDirectory(prefix="tiercache-stub-costs-") as tmp:
+        repository = Path(tmp) / "repository"
+        shutil.copytree(FIXTURE, repository)
+        server = triton(repository, Path(tmp) / "state", log_path=log_path)
         progress(f"starting tritonserver (log {display_path(log_path)})")
-        with running(server, ready_timeout_s=300):
-            pass  # initialize has run (and logged) once the model is ready
-    rows = parse(log_path.read_text(errors="replace"))
-    if not rows:
-        print(f"error: no STUB_COST lines in {display_path(log_path)}", file=sys.stderr)
+        try:
+            with running(server, ready_timeout_s=300):
+                pass  # initialize has run (and logged) once the model is ready
+        except ServerError as exc:
+            failure = exc
+    text = table(log_path.read_text(errors="replace"))
+    if text:
+        print(text)
+    if failure is not None or not text:
+        print(
+            f"error: {failure or 'no STUB_COST lines'}; see {display_path(log_path)}",
+            file=sys.stderr,
+        )
         return 1
-    print("| operation in a real stub | us per call (thread CPU, median of 5 x 2,000) |")
-    print("|---|---:|")
-    for label, micros in rows:
-        print(f"| {label} | {micros:.2f} |")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Times the pb_utils operations a stage's hit path makes, inside a real stub, and logs one
-`STUB_COST <operation>\t<microseconds>` line per operation (the thread's CPU time per call,
-median of ROUNDS rounds of CALLS calls). Read by tiercache_dev.diagnostics.stub_costs."""
+"""Times the pb_utils operations a stage's hit path makes, inside a real stub, and logs
+`STUB_COST_RUNS <rounds> <calls>` then one `STUB_COST <operation>\t<microseconds>` line per
+operation (the thread's CPU time per call, median of ROUNDS rounds of CALLS calls). Read by
+tiercache_dev.diagnostics.stub_costs."""
 
 import statistics
 import sys
@@ -32,6 +33,7 @@ def timed(label, call):
 
 class TritonPythonModel:
     def initialize(self, args):
+        print(f"STUB_COST_RUNS {ROUNDS} {CALLS}", file=sys.stderr, flush=True)
         envelope = one_value(b"x" * 669)  # an envelope's size on an exact hit
         status = one_value(b"exact")
         empty = one_value(b"")
@@ -47,10 +49,10 @@ class TritonPythonModel:
         timed("Tensor, INT32, three values", lambda: pb_utils.Tensor("A", tokens))
         eight = [pb_utils.Tensor(f"A{i}", status) for i in range(8)]
         timed("InferenceResponse, 8 tensors", lambda: pb_utils.InferenceResponse(eight))
-        bytes_tensor = pb_utils.Tensor("A", envelope)
-        timed("as_numpy, BYTES (after the first)", bytes_tensor.as_numpy)
+        built = pb_utils.Tensor("A", envelope)
+        timed("as_numpy of a BYTES tensor built here (not a request's input)", built.as_numpy)
         timed(
-            "serialize_byte_tensor, one 669-byte value",
+            "serialize_byte_tensor, one 669-byte value (inside every BYTES Tensor above)",
             lambda: pb_utils.serialize_byte_tensor(envelope),
         )
 
