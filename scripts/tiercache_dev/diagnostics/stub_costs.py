@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from tiercache.server import copy_repository
 from tiercache_dev.console import display_path, exit_on_sigterm, progress
 from tiercache_dev.paths import BENCH_FIXTURES, PERF_DIR
 from tiercache_dev.servers import ServerError, running, triton
@@ -58,15 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.out_dir / "server.log"
     failure = None
     with tempfile.TemporaryDirectory(prefix="tiercache-stub-costs-") as tmp:
-        repository = Path(tmp) / "repository"
-        shutil.copytree(FIXTURE, repository)
+        repository = copy_repository(FIXTURE, Path(tmp) / "repository")
         server = triton(repository, Path(tmp) / "state", log_path=log_path)
         progress(f"starting tritonserver (log {display_path(log_path)})")
         try:
             with running(server, ready_timeout_s=300):
-                pass  # initialize has run (and logged) once the model is ready
+                progress("ready: the model's initialize has timed every call")
         except ServerError as exc:
-            failure = exc
+            failure = exc  # the rows logged before it failed are still printed
     text = table(log_path.read_text(errors="replace"))
     if text:
         print(text)
