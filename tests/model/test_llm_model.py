@@ -245,13 +245,17 @@ def test_a_hit_is_served_only_with_embedding_cache_s_seal(
 def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refused(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
-    """An exact hit's answer check is memoized by all its seal covers: the good hit served
-    again, then the same envelope and ANSWER_SEAL with another text, other token counts,
-    another similarity, neighbours or a vector added: each refused as before."""
+    """An exact hit is decoded once for all inputs equal to its own byte for byte
+    (`LlmStage.known_hit`): the good hit served again without decoding or checking it again,
+    then the same envelope and ANSWER_SEAL with another text, other token counts, another
+    similarity, neighbours or a vector added: each decoded and refused as before."""
     exact = CacheStatus.EXACT
     hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 0))
     good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(7, 3, 0))
     assert final(pb_utils, run(pb_utils, model, [good])[0]) == ("the answer", "exact")
+    checked = []
+    received = model.stage.received
+    model.stage.received = lambda *args: checked.append(args) or received(*args)
     vector = type(good[0])("EMBEDDING", np.ones((1, 4), dtype=np.float32))
     batch = [
         good,
@@ -271,6 +275,7 @@ def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refuse
     assert final(pb_utils, again) == final(pb_utils, third) == ("the answer", "exact")
     for responses in refused:
         assert_forbidden(pb_utils, responses, "embedding_cache's answer's seal does not verify")
+    assert len(checked) == len(refused)  # the good hit's repeats: taken as decoded before
     assert engine.calls == []
     assert counted(model) == {"exact": 3, "error": len(refused)}
 

@@ -121,6 +121,38 @@ def test_missing_input_reads_as_none(tb: ModuleType, pb_utils: ModuleType) -> No
         assert getattr(tb.Inputs(request), reader)("absent") is None
 
 
+def test_raw_key_is_equal_only_for_inputs_equal_byte_for_byte(
+    tb: ModuleType, pb_utils: ModuleType
+) -> None:
+    """`Inputs.raw_key`: the same tensors give the same key; another value, dtype, shape, an
+    omitted input or inputs not named each give another; too many bytes, or a BYTES tensor
+    holding anything but bytes or text, give none."""
+    text = np.array([[b"an answer"]], dtype=np.object_)
+    score = np.array([[0.5]], dtype=np.float32)
+
+    def key(max_bytes: int = 100, **inputs: np.ndarray) -> object:
+        return tb.Inputs(request_with(pb_utils, **inputs)).raw_key(("t", "s"), max_bytes)
+
+    base = key(t=text, s=score)
+    assert base is not None and hash(base) == hash(key(t=text.copy(), s=score.copy()))
+    assert base == key(t=text.copy(), s=score.copy(), other=score)  # only the names asked
+    variants = [
+        key(t=np.array([[b"another"]], dtype=np.object_), s=score),
+        key(t=np.array([["an answer"]], dtype=np.object_), s=score),  # text, not bytes
+        key(t=text.reshape(1), s=score),
+        key(t=text, s=score.astype(np.float64)),
+        key(t=text, s=np.array([[0.25]], dtype=np.float32)),
+        key(t=text),
+        key(t=np.array([[b"an", b"answer"]], dtype=np.object_), s=score),
+    ]
+    assert all(v is not None and v != base for v in variants)
+    assert len(set(variants)) == len(variants)
+    assert key(max_bytes=12, t=text, s=score) is None  # 9 + 4 bytes
+    assert key(max_bytes=13, t=text, s=score) is not None
+    assert key(t=np.array([[1]], dtype=np.object_), s=score) is None
+    assert key(t=np.array([[b"a", 2]], dtype=np.object_), s=score) is None
+
+
 def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:
     response = pb_utils.InferenceResponse(
         [tb.bytes_tensor("S", ["☃"]), tb.scalar_tensor("N", 5, np.int32, batched=False)]
@@ -145,6 +177,22 @@ def test_metrics_families_and_labels(tb: ModuleType, pb_utils: ModuleType) -> No
     assert a.family is b.family and a.family.kind == pb_utils.MetricFamily.COUNTER
     assert (a.labels, b.labels) == ({"model": "m", "status": "a"}, {"model": "m", "status": "b"})
     assert metrics.gauge("g", "g").metric.family.kind == pb_utils.MetricFamily.GAUGE
+
+
+def test_a_gauge_is_sent_only_when_its_value_changed(tb: ModuleType) -> None:
+    """Flush hooks set gauges on every flush; each send is a round trip to the server, so a
+    flush sends a gauge only when its value differs from the one last sent."""
+    metrics = tb.Metrics("m")
+    gauge = metrics.gauge("tiercache_test_gauge", "a gauge")
+    sent: list[float] = []
+    real = gauge.metric.set
+    gauge.metric.set = lambda value: sent.append(value) or real(value)
+    for value in (3.0, 3.0, 4.0, 4.0, 3.0):
+        gauge.set(value)
+        metrics.flush()
+    metrics.flush()
+    assert sent == [3.0, 4.0, 3.0]
+    assert gauge.metric.value() == 3.0
 
 
 def test_histogram_is_aggregated_and_flushed_as_bucket_counters(

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
 from tiercache.exact.flights import EngineUsage
-from tiercache.stages.llm import LlmInput, LlmStage, open_llm
+from tiercache.stages.llm import HIT_INPUTS, HIT_KEY_MAX_BYTES, LlmInput, LlmStage, open_llm
 from tiercache.stages.seal import (
     Part,
     answer_tensors,
@@ -78,7 +78,12 @@ class Responder:
 
 
 def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
-    """One request's inputs, their seals checked (Forbidden when unsealed or altered)."""
+    """One request's inputs, their seals checked (Forbidden when unsealed or altered); an
+    exact hit decoded before from the same inputs is taken as it was (`LlmStage.known_hit`)."""
+    key = inputs.raw_key(HIT_INPUTS, HIT_KEY_MAX_BYTES)
+    known = stage.known_hit(key)
+    if known is not None:
+        return known
     status = inputs.string("LOOKUP_STATUS") or ""
     data = inputs.blob("ENVELOPE")
     cached_text = inputs.string("CACHED_TEXT") or ""
@@ -93,9 +98,11 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
         counts = tokens_of(tokens)
         served = neighbours_of(neighbours)  # a semantic hit's: the entry it serves
         score, verify = trust_of(trust)  # and its trust decision, if a gate made one
-        return LlmInput(
+        item = LlmInput(
             envelope, status, cached_text, similarity, None, NO_LORA, counts, served, score, verify
         )
+        stage.remember_hit(key, item)
+        return item
     tensors: dict[str, Part] = {
         name: inputs.vector(name) if name == "LORA_TASK_ID" else inputs.blob(name)
         for name in lora_inputs(stage.engine.trtllm is not None)

@@ -30,7 +30,7 @@ from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
-from tiercache.exact.memo import Memo, worth_keeping
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
@@ -68,7 +68,6 @@ from tiercache.stages.seal import (
     Tokens,
     check_tensors,
     lora_inputs,
-    part_bytes,
     tokens_of,
 )
 from tiercache.stages.transport import AdapterCipher
@@ -273,33 +272,21 @@ def _output_array(response: object, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _verified_key(
-    data: bytes | None, answer_seal: str | None, answer: dict[str, Part]
-) -> tuple[object, ...] | None:
-    """The memo key of an exact hit's answer check: everything its seal covers (the envelope,
-    whose seal it is bound to, the seal, and the ANSWER_TENSORS as seal parts); None for
-    anything else (misses and semantic hits carry vectors and neighbours: checked every time)
-    and for long texts (`worth_keeping`)."""
-    text = answer.get("ANSWER_TEXT")
-    vector = answer.get("EMBEDDING")
-    if (
-        data is None
-        or not answer_seal
-        or answer.get("ANSWER_STATUS") != CacheStatus.EXACT
-        or not isinstance(text, str)
-        or answer.get("NEIGHBOURS")
-        or (isinstance(vector, np.ndarray) and vector.size)
-        or not worth_keeping(text, data)
-    ):
-        return None
-    # ANSWER_STATUS is "exact", EMBEDDING and NEIGHBOURS seal as empty: the rest is the key
-    return (
-        data,
-        answer_seal,
-        text,
-        part_bytes(answer.get("SIMILARITY")),
-        part_bytes(answer.get("ANSWER_TOKENS")),
-    )
+# What llm reads of a hit (model.py's `decode`): an exact hit whose inputs are these tensors
+# byte for byte decodes to what it did before (`LlmStage.known_hit`).
+HIT_INPUTS = (
+    "LOOKUP_STATUS",
+    "ENVELOPE",
+    "CACHED_TEXT",
+    "SIMILARITY",
+    "EMBEDDING",
+    "ANSWER_TOKENS",
+    "NEIGHBOURS",
+    "HIT_TRUST",
+    "ANSWER_SEAL",
+)
+# a key holds at most this many bytes of values (an answer and its envelope, as `worth_keeping`)
+HIT_KEY_MAX_BYTES = 5 * MEMO_MAX_CHARS + 1024
 
 
 class LlmStage:
@@ -321,9 +308,9 @@ class LlmStage:
         # (envelope, exact hit's text, tokens) -> (digest, tenant scope): a repeated exact hit
         # names its answer without decoding its envelope again (tiercache.exact.memo)
         self._id_terms: Memo[tuple[str, str]] = Memo()
-        # an exact hit's (envelope, answer seal, answer) whose seal verified: a repeated hit
-        # skips the HMAC (the key is all the seal covers; `_verified_key`)
-        self._verified: Memo[bool] = Memo()
+        # exact hits decoded, by their inputs as received (`known_hit`): a repeated hit skips
+        # decoding its inputs and the HMAC over them
+        self._hits: Memo[LlmInput] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -433,25 +420,38 @@ class LlmStage:
         ANSWER_TENSORS, bound to the envelope's seal) verifies; Forbidden otherwise. The envelope
         itself is checked when first read, against the exact hit's text on an exact hit (as
         prompt_cache sealed it) and against none otherwise."""
-        envelope_seal = seal_of(data)
-        key = _verified_key(data, answer_seal, answer)
-        if key is None or self._verified.get(key) is None:
-            check_tensors(
-                self.sealer,
-                answer_seal,
-                ANSWER_LABEL,
-                ANSWER_TENSORS,
-                answer,
-                bound=envelope_seal,
-                what="embedding_cache's answer",
-            )
-            if key is not None:
-                self._verified.put(key, True)
+        check_tensors(
+            self.sealer,
+            answer_seal,
+            ANSWER_LABEL,
+            ANSWER_TENSORS,
+            answer,
+            bound=seal_of(data),
+            what="embedding_cache's answer",
+        )
         if answer["ANSWER_STATUS"] != CacheStatus.EXACT:
             return ReceivedEnvelope(data, self.sealer)
         tokens = answer.get("ANSWER_TOKENS")
         counts = tokens_of(tokens if isinstance(tokens, np.ndarray) else None)
         return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]), counts)
+
+    def known_hit(self, key: tuple[object, ...] | None) -> LlmInput | None:
+        """The exact hit decoded earlier from inputs equal to `key` byte for byte
+        (`io.Inputs.raw_key` over HIT_INPUTS): decoding is a function of those inputs alone,
+        so it is what decoding them again would give, their seal checked then."""
+        return None if key is None else self._hits.get(key)
+
+    def remember_hit(self, key: tuple[object, ...] | None, item: LlmInput) -> None:
+        """Keep a decoded exact hit for `known_hit` (one without neighbours or a vector, whose
+        answer and envelope are small enough: `worth_keeping`)."""
+        if (
+            key is not None
+            and item.status == CacheStatus.EXACT
+            and not item.neighbours
+            and item.vector is None
+            and worth_keeping(item.cached_text, item.envelope.data)
+        ):
+            self._hits.put(key, item)
 
     def received_lora(
         self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]

@@ -43,13 +43,14 @@ class _DeferredMetric:
     on the hit path cost more than the whole cache lookup, so requests only touch local numbers.
     """
 
-    __slots__ = ("_metric", "_lock", "_delta", "_value", "_observations")
+    __slots__ = ("_metric", "_lock", "_delta", "_value", "_sent", "_observations")
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric
         self._lock = threading.Lock()
         self._delta = 0.0
         self._value: float | None = None
+        self._sent: float | None = None  # the gauge value last sent (a flush sends changes)
         self._observations: list[float] = []
 
     @property
@@ -75,8 +76,9 @@ class _DeferredMetric:
             self._delta, self._value, self._observations = 0.0, None, []
         if delta:
             self._metric.increment(delta)
-        if value is not None:
+        if value is not None and value != self._sent:  # flush hooks set gauges every time
             self._metric.set(value)
+            self._sent = value
         for observation in observations:
             self._metric.observe(observation)
 
