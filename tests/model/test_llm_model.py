@@ -280,6 +280,25 @@ def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refuse
     assert counted(model) == {"exact": 3, "error": len(refused)}
 
 
+def test_a_forged_envelope_behind_a_replayed_answer_seal_is_refused_every_time(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """embedding_cache's answer seal binds the envelope's seal, not its body: an envelope whose
+    body was altered after its seal passes that check, fails its own, and is never taken as a
+    decoded hit (`LlmStage.remember_hit` opens the envelope first), so each replay is refused."""
+    exact = CacheStatus.EXACT
+    hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 0))
+    forged = hit[:-1] + (b"}" if hit[-1:] != b"}" else b" ")
+    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(7, 3, 0))
+    bad = with_input(good, "ENVELOPE", forged)
+    first, second, served = run(pb_utils, model, [bad, bad, good])
+    for responses in (first, second):
+        assert_forbidden(pb_utils, responses, "ENVELOPE's seal does not verify")
+    assert final(pb_utils, served) == ("the answer", "exact")
+    assert len(model.stage._hits) == 1  # the good hit only
+    assert engine.calls == []
+
+
 def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     pb_utils: ModuleType, model: Any, sealer: Sealer, cipher: AdapterCipher, engine: FakeTorchLlm
 ) -> None:

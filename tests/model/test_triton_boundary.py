@@ -126,7 +126,7 @@ def test_raw_key_is_equal_only_for_inputs_equal_byte_for_byte(
 ) -> None:
     """`Inputs.raw_key`: the same tensors give the same key; another value, dtype, shape, an
     omitted input or inputs not named each give another; too many bytes, or a BYTES tensor
-    holding anything but bytes or text, give none."""
+    holding more than one value or anything but bytes or text, give none."""
     text = np.array([[b"an answer"]], dtype=np.object_)
     score = np.array([[0.5]], dtype=np.float32)
 
@@ -143,14 +143,14 @@ def test_raw_key_is_equal_only_for_inputs_equal_byte_for_byte(
         key(t=text, s=score.astype(np.float64)),
         key(t=text, s=np.array([[0.25]], dtype=np.float32)),
         key(t=text),
-        key(t=np.array([[b"an", b"answer"]], dtype=np.object_), s=score),
     ]
     assert all(v is not None and v != base for v in variants)
     assert len(set(variants)) == len(variants)
     assert key(max_bytes=12, t=text, s=score) is None  # 9 + 4 bytes
     assert key(max_bytes=13, t=text, s=score) is not None
     assert key(t=np.array([[1]], dtype=np.object_), s=score) is None
-    assert key(t=np.array([[b"a", 2]], dtype=np.object_), s=score) is None
+    assert key(t=np.array([[b"an", b"answer"]], dtype=np.object_), s=score) is None
+    assert key(t=text, s=np.zeros((1, 64), dtype=np.float32)) is None  # 9 + 256 bytes
 
 
 def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:

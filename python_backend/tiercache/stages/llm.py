@@ -26,11 +26,11 @@ from tiercache.engine.trtllm_client import (
     load_tokenizer,
     request_lora_from_arrays,
 )
-from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.errors import InvalidRequest, TierCacheError, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
-from tiercache.exact.memo import MEMO_MAX_CHARS, Memo, worth_keeping
+from tiercache.exact.memo import MEMO_ENTRIES, MEMO_MAX_CHARS, Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
@@ -285,8 +285,11 @@ HIT_INPUTS = (
     "HIT_TRUST",
     "ANSWER_SEAL",
 )
-# a key holds at most this many bytes of values (an answer and its envelope, as `worth_keeping`)
+# a key holds at most this many bytes of values (an answer and its envelope, as `worth_keeping`
+# allows for ASCII text); an entry also holds the answer's text and the decoded envelope, up to
+# about 60 KiB in all, hence half a memo's usual entries (about 30 MiB at most)
 HIT_KEY_MAX_BYTES = 5 * MEMO_MAX_CHARS + 1024
+HIT_MEMO_ENTRIES = MEMO_ENTRIES // 2
 
 
 class LlmStage:
@@ -310,7 +313,7 @@ class LlmStage:
         self._id_terms: Memo[tuple[str, str]] = Memo()
         # exact hits decoded, by their inputs as received (`known_hit`): a repeated hit skips
         # decoding its inputs and the HMAC over them
-        self._hits: Memo[LlmInput] = Memo()
+        self._hits: Memo[LlmInput] = Memo(HIT_MEMO_ENTRIES)
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -442,16 +445,22 @@ class LlmStage:
         return None if key is None else self._hits.get(key)
 
     def remember_hit(self, key: tuple[object, ...] | None, item: LlmInput) -> None:
-        """Keep a decoded exact hit for `known_hit` (one without neighbours or a vector, whose
-        answer and envelope are small enough: `worth_keeping`)."""
+        """Keep a decoded exact hit for `known_hit`: one without neighbours, whose answer and
+        envelope are small enough (`worth_keeping`) and whose envelope opens (its seal is
+        checked when first read: a forged envelope behind a replayed answer seal is refused on
+        every request, never kept)."""
         if (
-            key is not None
-            and item.status == CacheStatus.EXACT
-            and not item.neighbours
-            and item.vector is None
-            and worth_keeping(item.cached_text, item.envelope.data)
+            key is None
+            or item.status != CacheStatus.EXACT
+            or item.neighbours
+            or not worth_keeping(item.cached_text, item.envelope.data)
         ):
-            self._hits.put(key, item)
+            return
+        try:
+            item.envelope.get()  # decoded once here; the request reads it next (its answer id)
+        except TierCacheError:
+            return  # the request's own error follows when it reads the envelope
+        self._hits.put(key, item)
 
     def received_lora(
         self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]

@@ -127,9 +127,9 @@ class Inputs:
     def raw_key(self, names: Sequence[str], max_bytes: int) -> tuple[object, ...] | None:
         """The inputs `names` exactly as received (each one's dtype, shape and values; None
         for an omitted one), as a hashable key: two requests with equal keys carry the same
-        tensors byte for byte. None when their values hold more than `max_bytes`, or a BYTES
-        tensor holds anything but bytes or text (a key is for memoizing small repeated
-        requests)."""
+        tensors byte for byte. None when their values hold more than `max_bytes` (checked
+        before anything is copied), or a BYTES tensor holds more than one value or anything but
+        bytes or text (a key is for memoizing small repeated requests)."""
         parts: list[object] = []
         size = 0
         tensors = self._tensors
@@ -141,21 +141,19 @@ class Inputs:
             array = tensor.as_numpy()
             if array.dtype.kind != "O":
                 size += array.nbytes
+                if size > max_bytes:
+                    return None
                 parts.append((array.dtype.str, array.shape, array.tobytes()))
-            elif array.size == 1:  # the common case: one value
-                value = array.item()
-                if not isinstance(value, (bytes, str)):
-                    return None
-                size += len(value)
-                parts.append((array.shape, value))
-            else:
-                values = tuple(array.ravel().tolist())
-                if not all(isinstance(v, (bytes, str)) for v in values):
-                    return None
-                size += sum(map(len, values))
-                parts.append((array.shape, values))
+                continue
+            if array.size != 1:
+                return None
+            value = array.item()
+            if not isinstance(value, (bytes, str)):
+                return None
+            size += len(value)
             if size > max_bytes:
                 return None
+            parts.append((array.shape, value))
         return tuple(parts)
 
     def batch_strings(self, name: str) -> list[str] | None:
