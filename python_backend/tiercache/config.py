@@ -813,11 +813,12 @@ class EngineConfig(_StateConfig):
         min=0,
     )
     kv_eviction: str = param(
-        "gdsf",
-        "Which KV blocks the pool gives up first: gdsf (GreedyDual-Size-Frequency over a TinyLFU "
-        "sketch: blocks asked for again outlive new ones while the pool is small; "
-        "docs/kv_reuse.md) or lru",
-        choices=("gdsf", "lru"),
+        "shadow",
+        "Which KV blocks the pool gives up first: shadow (gdsf's order or lru's, whichever a "
+        "sampled shadow of each would have hit more lately), gdsf (GreedyDual-Size-Frequency "
+        "over a TinyLFU sketch: blocks asked for again outlive new ones) or lru "
+        "(docs/kv_reuse.md)",
+        choices=("shadow", "gdsf", "lru"),
     )
     speculate: bool = param(
         True,

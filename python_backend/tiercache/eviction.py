@@ -425,9 +425,169 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._inflation = 0.0
 
 
+def _sampled(key: Hashable, one_in: int) -> bool:
+    """Whether `key` is in the 1-in-`one_in` sample (a power of two) the shadows replay: the
+    top bits of its hash mixed by Fibonacci hashing, so that sequential keys spread."""
+    mixed = (hash(key) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return mixed >> 56 < 256 // one_in
+
+
+class _Shadow(Generic[K]):
+    """A miniature cache replaying the sampled keys' requests under one policy: what it holds
+    and whether each request would have hit."""
+
+    __slots__ = ("policy", "sizes", "total")
+
+    def __init__(self, policy: EvictionPolicy[K]) -> None:
+        self.policy = policy
+        self.sizes: dict[K, int] = {}
+        self.total = 0
+
+    def request(self, key: K, size: int, cost_s: float, group: int, budget: int) -> bool:
+        """One request for `key`: a hit, or a miss that admits it and evicts down to `budget`
+        (0: unbounded)."""
+        if key in self.sizes:
+            self.policy.access(key)
+            return True
+        self.policy.admit(key, size, cost_s=cost_s, group=group)
+        self.sizes[key] = size
+        self.total += size
+        while budget and self.total > budget:
+            victims = self.policy.nominate(1, skip=lambda other: other == key)
+            if not victims:
+                break
+            for victim in victims:
+                self.total -= self.sizes.pop(victim)
+                self.policy.remove(victim)
+        return False
+
+    def clear(self) -> None:
+        self.policy.clear()
+        self.sizes.clear()
+        self.total = 0
+
+
+class ShadowChoicePolicy(Generic[K]):
+    """Recency's order or GDSF's (`GreedyDualFrequencyPolicy`), whichever a miniature of each
+    would have hit more often lately.
+
+    GDSF wins where the pool turns over faster than keys come back (it keeps what is asked for
+    again); where most of the live working set fits, counting uses can keep the keys of work
+    that has ended (a session's early KV blocks, used on every turn) over those still in use,
+    and recency wins (a generated trace, docs/kv_reuse.md). Both orders are kept for every key;
+    two shadow caches, LRU and GDSF, replay the requests of a 1-in-`SAMPLE` sample of keys at
+    1/`SAMPLE` of the store's size (miniature simulation: Waldspurger et al., USENIX ATC 2017),
+    their hits counted with a weight that halves every `HORIZON` shadow capacities of sampled
+    requests; the store evicts in the order of the shadow ahead by more than `MARGIN`. The
+    store's size is read at each nomination (the store is full then), so the shadows follow a
+    store whose budget moves. Every admission and access is a request, as the KV block pool
+    tells its policy (once per request that uses a block).
+    """
+
+    __slots__ = (
+        "_capacity",
+        "_decay",
+        "_gdsf",
+        "_lru",
+        "_one_in",
+        "_score",
+        "_shadows",
+        "_sizes",
+        "_total",
+        "_use",
+    )
+
+    SAMPLE = 8  # at most 1 key in SAMPLE (a power of two) ...
+    SHADOW_KEYS = 128  # ... and fewer where the shadows would hold fewer keys than this
+    HORIZON = 4.0
+    MARGIN = 0.02
+    _GDSF, _LRU = 0, 1
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._capacity = capacity
+        self._gdsf: GreedyDualFrequencyPolicy[K] = GreedyDualFrequencyPolicy(capacity)
+        self._lru: LruPolicy[K] = LruPolicy()
+        self._one_in = self.SAMPLE
+        self._shadows = self._new_shadows()
+        self._score = [0.0, 0.0]  # decayed shadow hits: GDSF's, LRU's
+        self._decay = 1.0  # set at the first nomination, from the store's size
+        self._use = self._LRU
+        self._sizes: dict[K, int] = {}
+        self._total = 0
+
+    def _new_shadows(self) -> tuple[_Shadow[K], _Shadow[K]]:
+        gdsf: GreedyDualFrequencyPolicy[K] = GreedyDualFrequencyPolicy(
+            self._capacity // self._one_in
+        )
+        return _Shadow(gdsf), _Shadow(LruPolicy())
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def order(self) -> str:
+        """The order the store evicts in now: `gdsf` or `lru`."""
+        return "gdsf" if self._use == self._GDSF else "lru"
+
+    def admit(
+        self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
+    ) -> None:
+        self._gdsf.admit(key, size, created_s=created_s, cost_s=cost_s, group=group)
+        self._lru.admit(key, size)
+        self._total += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        if _sampled(key, self._one_in):
+            self._request(key, size, cost_s, group)
+
+    def access(self, key: K) -> None:
+        self._gdsf.access(key)
+        self._lru.access(key)
+        if _sampled(key, self._one_in):
+            self._request(key, self._sizes.get(key, 1), 0.0, 0)
+
+    def _request(self, key: K, size: int, cost_s: float, group: int) -> None:
+        budget = self._total // self._one_in if self._decay < 1.0 else 0
+        score, decay = self._score, self._decay
+        for i, shadow in enumerate(self._shadows):
+            score[i] = score[i] * decay + shadow.request(key, size, cost_s, group, budget)
+        gdsf, lru = score
+        self._use = self._GDSF if gdsf > lru * (1.0 + self.MARGIN) else self._LRU
+
+    def remove(self, key: K) -> None:
+        self._gdsf.remove(key)
+        self._lru.remove(key)
+        self._total -= self._sizes.pop(key, 0)
+
+    def nominate(self, count: int = 1, size: int = 0, skip: SkipKey[K] | None = None) -> list[K]:
+        if self._sizes:  # the store is full: the shadows are sized after it
+            if self._decay == 1.0:  # the first time: how many keys to sample
+                one_in = self.SAMPLE
+                while one_in > 1 and len(self._sizes) / one_in < self.SHADOW_KEYS:
+                    one_in //= 2
+                if one_in != self._one_in:  # a new sample: the shadows start over
+                    self._one_in = one_in
+                    self._shadows = self._new_shadows()
+            shadow_keys = max(1.0, len(self._sizes) / self._one_in)
+            self._decay = 0.5 ** (1.0 / (self.HORIZON * shadow_keys))
+        chosen = self._gdsf if self._use == self._GDSF else self._lru
+        return chosen.nominate(count, size, skip)
+
+    def clear(self) -> None:
+        self._gdsf.clear()
+        self._lru.clear()
+        self._score = [0.0, 0.0]
+        self._decay = 1.0
+        self._use = self._LRU
+        self._one_in = self.SAMPLE
+        self._shadows = self._new_shadows()
+        self._sizes.clear()
+        self._total = 0
+
+
 NAMED_POLICIES: dict[str, Callable[[int], EvictionPolicy[Any]]] = {
     "gdsf": GreedyDualFrequencyPolicy,
     "lru": lambda capacity: LruPolicy(),
+    "shadow": ShadowChoicePolicy,
 }
 """The policies an operator can name (the engine's `kv_eviction`, `tiercache simulate-kv`):
 name -> factory taking the store's capacity in keys (0: unknown; a policy may ignore it)."""

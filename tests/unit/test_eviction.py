@@ -8,6 +8,7 @@ As cachetools' CacheTestMixin: a new policy joins POLICIES and must pass the who
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TypeVar
@@ -21,10 +22,12 @@ from tiercache.eviction import (
     GreedyDualFrequencyPolicy,
     LruPolicy,
     OldestFirstPolicy,
+    ShadowChoicePolicy,
     SkipKey,
 )
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.kv_simulation import replay_policy
 from tiercache.lora.residency import Residency
 
 K = TypeVar("K", bound=Hashable)
@@ -33,6 +36,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy[str]]] = {
     "lru": LruPolicy,
     "oldest-first": OldestFirstPolicy,
     "greedy-dual-frequency": GreedyDualFrequencyPolicy,
+    "shadow-choice": ShadowChoicePolicy,
 }
 
 
@@ -294,6 +298,41 @@ def test_greedy_dual_without_a_capacity_grows_its_sketch_and_keeps_counting() ->
     assert len(gd) == 3000
     assert gd.frequency(7) >= 2 and gd.frequency(2999) >= 1
     assert 7 not in gd.nominate(3000 - 1)[:2000]  # asked for twice: among the last to go
+
+
+def _single_block_hits(policy: EvictionPolicy[int], keys: list[int], capacity: int) -> int:
+    """Hits of one-key requests through a store of `capacity` keys evicting in `policy`'s
+    order (tiercache.kv_simulation's replay, each request one block)."""
+    return replay_policy([[key] for key in keys], capacity, policy).hits
+
+
+def test_shadow_choice_evicts_in_frequencys_order_where_its_shadow_hits_more() -> None:
+    """A hot set asked half the time through a stream of one-off keys: GDSF's shadow hits more,
+    so the store evicts in GDSF's order and hits as GDSF does, far above LRU."""
+    rng = random.Random(5)
+    stream = [rng.randrange(300) if rng.random() < 0.5 else 10_000 + i for i in range(40_000)]
+    shadow: ShadowChoicePolicy[int] = ShadowChoicePolicy()
+    hits = _single_block_hits(shadow, stream, 400)
+    assert shadow.order == "gdsf"
+    assert hits > 1.5 * _single_block_hits(LruPolicy(), stream, 400)
+    assert hits > 0.97 * _single_block_hits(GreedyDualFrequencyPolicy(), stream, 400)
+
+
+def test_shadow_choice_evicts_in_recencys_order_where_its_shadow_hits_more() -> None:
+    """Keys asked for many times and then never again, followed by a window of new keys each
+    asked a few times: counting uses keeps the dead keys (GDSF hits less than LRU), LRU's
+    shadow hits more, so the store evicts in recency's order and hits as LRU does."""
+    rng = random.Random(6)
+    dead = [rng.randrange(400) for _ in range(12_000)]
+    window = [100_000 + max(0, t // 4 - rng.randrange(300)) for t in range(60_000)]
+    stream = dead + window
+    shadow: ShadowChoicePolicy[int] = ShadowChoicePolicy()
+    hits = _single_block_hits(shadow, stream, 400)
+    assert shadow.order == "lru"
+    lru = _single_block_hits(LruPolicy(), stream, 400)
+    assert hits >= lru > 1.05 * _single_block_hits(GreedyDualFrequencyPolicy(), stream, 400)
+    shadow.clear()
+    assert shadow.order == "lru" and len(shadow) == 0 and shadow.nominate(1) == []
 
 
 def test_greedy_dual_rejects_a_negative_capacity() -> None:

@@ -101,7 +101,9 @@ def test_the_default_policy_keeps_a_popular_prefix_through_one_off_prompts() -> 
     default = replay_policy(trace, 4, POLICIES["default"](4))
     gdsf = replay_policy(trace, 4, GreedyDualFrequencyPolicy(4))
     assert lru.hits == 0
-    assert default.hits == gdsf.hits
+    # the default starts in LRU's order and takes GDSF's once GDSF's shadow hits more: a few
+    # repeats later than GDSF alone
+    assert gdsf.hits - 2 * 3 <= default.hits <= gdsf.hits
     # the first repeats miss (its count is still below the pool's turnover), then all hit
     assert 2 * 19 > default.hits >= 2 * 15
     late = (

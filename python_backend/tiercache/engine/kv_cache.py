@@ -10,7 +10,7 @@ library (torch-free: the engine stores its own tensors as opaque payloads).
   parent is never dropped before its children, which would strand them), and never a block
   pinned by a request (`KvLease`), in the order of an eviction policy (`default_kv_policy`:
   GreedyDual-Size-Frequency over a TinyLFU sketch, which keeps blocks asked for again over new
-  ones while the pool is small and follows recency when it is large; docs/kv_reuse.md).
+  ones, or recency, whichever a sampled shadow of each hits more; docs/kv_reuse.md).
 - The pool is bounded in bytes; a block that does not fit after evicting every unpinned block is
   not cached, and the request goes on without it (never over the budget, never a failure).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, NewType, TypeVar
 
 from tiercache.errors import ConfigError
-from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy
+from tiercache.eviction import EvictionPolicy, ShadowChoicePolicy
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
 
@@ -180,11 +180,12 @@ class KvLease(Generic[P]):
         return [block.payload for block in self.blocks[: self.hit_blocks]]
 
 
-def default_kv_policy() -> GreedyDualFrequencyPolicy[Any]:
-    """The pool's policy unless told otherwise: `GreedyDualFrequencyPolicy`, sizing its sketch as
-    the pool fills (the pool is bounded in bytes and does not know its block count up front).
-    `tiercache simulate-kv` replays it under the name `default`."""
-    return GreedyDualFrequencyPolicy()
+def default_kv_policy() -> ShadowChoicePolicy[Any]:
+    """The pool's policy unless told otherwise: `ShadowChoicePolicy` (GDSF's order or LRU's,
+    whichever its sampled shadows hit more), sizing its sketch and its shadows as the pool fills
+    (the pool is bounded in bytes and does not know its block count up front). `tiercache
+    simulate-kv` replays it under the name `default`."""
+    return ShadowChoicePolicy()
 
 
 class KvBlockPool(Generic[P]):

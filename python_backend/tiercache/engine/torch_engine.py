@@ -130,7 +130,7 @@ class TorchEngine:
         tokens_per_block: int = 32,
         kv_pool_max_bytes: int = DEFAULT_KV_POOL_MAX_BYTES,
         lora_max_bytes: int = 0,
-        kv_eviction: str = "gdsf",
+        kv_eviction: str = "shadow",
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
     ) -> None:

@@ -1,4 +1,5 @@
-"""What the eviction policies cost per call: LRU against GreedyDual-Size-Frequency (its sketch).
+"""What the eviction policies cost per call: LRU against GreedyDual-Size-Frequency (its sketch)
+and the shadow choice between the two (both orders and two sampled shadows).
 
 Usage::
 
@@ -7,9 +8,9 @@ Usage::
 A policy holding `--keys` SHA-256 keys (as the KV pool's blocks and the exact cache's digests
 are), then `--calls` of each operation a store makes: `access` of a held key (every hit),
 `admit` of a new key with the `nominate` + `remove` that makes room for it (every miss into a
-full store). Both policies are timed in interleaved rounds, the same keys in the same order;
-the figures are the median over rounds of the mean per call, in microseconds, with the ratio
-GDSF/LRU. The point: the sketch update on a hit must stay small beside the hit path's own cost
+full store). The policies are timed in interleaved rounds, the same keys in the same order;
+the figures are the median over rounds of the mean per call, in microseconds, with the ratios
+to LRU. The point: the sketch update on a hit must stay small beside the hit path's own cost
 (docs/kv_reuse.md gives the figures next to `make bench`'s hit/floor gap).
 
 It also times the other per-response cost issue 19 put on the hit path: issuing an answer id
@@ -29,7 +30,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tiercache.eviction import EvictionPolicy, GreedyDualFrequencyPolicy, LruPolicy
+from tiercache.eviction import (
+    EvictionPolicy,
+    GreedyDualFrequencyPolicy,
+    LruPolicy,
+    ShadowChoicePolicy,
+)
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
@@ -40,6 +46,7 @@ Factory = Callable[[int], EvictionPolicy[bytes]]
 FACTORIES: dict[str, Factory] = {
     "lru": lambda keys: LruPolicy(),
     "gdsf": GreedyDualFrequencyPolicy,
+    "shadow": lambda keys: ShadowChoicePolicy(),  # as the KV pool builds it: no capacity told
 }
 
 
@@ -132,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.keys} keys held, {args.calls} calls per operation, median of {args.rounds} rounds\n"
     )
-    print("| operation | LRU us/call | GDSF us/call | GDSF/LRU |")
-    print("|---|---:|---:|---:|")
+    print("| operation | LRU us/call | GDSF us/call | shadow us/call | GDSF/LRU | shadow/LRU |")
+    print("|---|---:|---:|---:|---:|---:|")
     for operation in results["lru"]:
         lru = statistics.median(results["lru"][operation])
         gdsf = statistics.median(results["gdsf"][operation])
-        print(f"| {operation} | {lru:.2f} | {gdsf:.2f} | {gdsf / lru:.2f}x |")
+        shadow = statistics.median(results["shadow"][operation])
+        print(
+            f"| {operation} | {lru:.2f} | {gdsf:.2f} | {shadow:.2f} | {gdsf / lru:.2f}x | "
+            f"{shadow / lru:.2f}x |"
+        )
     print("\n| answer id | us/call |\n|---|---:|")
     for operation, values in id_costs.items():
         print(f"| {operation} | {statistics.median(values):.2f} |")
