@@ -616,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--policy",
         action="append",
-        help="another policy to replay: gdsf (lru, belady and default, the pool's own, always are)",
+        help="another policy to replay, told the capacity: gdsf or shadow (lru, belady and "
+        "default, the pool's own, always are)",
     )
     sim.add_argument(
         "--block-tokens",
