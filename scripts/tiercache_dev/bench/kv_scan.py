@@ -4,7 +4,7 @@ eviction policies side by side (issue 19).
 Usage::
 
     python -m tiercache_dev.bench.kv_scan [--rounds 48] [--warm-rounds 16] [--pool-blocks 32]
-        [--scans 2] [--policies lru,gdsf] [--state-dir .tiercache] [--out-dir .perf]
+        [--scans 2] [--policies lru,gdsf,shadow] [--state-dir .tiercache] [--out-dir .perf]
 
 One tritonserver per policy (torch_llm `kv_eviction`), started together on copies of
 model_repository/ with the same small KV pool (`--pool-blocks` blocks of 32 tokens of
@@ -81,7 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pool-blocks", type=int, default=32, help="KV pool budget in 32-token blocks")
     p.add_argument("--scans", type=int, default=2, help="one-off prompts after each popular one")
-    p.add_argument("--policies", default="lru,gdsf", help="comma-separated kv_eviction values")
+    p.add_argument(
+        "--policies", default="lru,gdsf,shadow", help="comma-separated kv_eviction values"
+    )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="tiercache state")
     p.add_argument("--out-dir", type=Path, default=PERF_DIR, help="output folder")
     args = p.parse_args(argv)
