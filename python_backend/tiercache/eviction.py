@@ -321,6 +321,20 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             for _ in range(old.estimate(key)):
                 self._sketch.add(key)
 
+    def age(self) -> None:
+        """Raise the inflation level to the lowest value held, as evicting that key would: for a
+        store that evicted in another order (`ShadowChoicePolicy`), so that this order still ages
+        as the store turns over."""
+        heap, entries = self._heap, self._entries
+        while heap:
+            value, sequence, key = heap[0]
+            entry = entries.get(key)
+            if entry is None or entry[1] != sequence:
+                heapq.heappop(heap)  # stale
+                continue
+            self._inflation = max(self._inflation, value)
+            return
+
     def first_sight_discount(self) -> float:
         """What a never-seen key's weight is multiplied by now (see the class docstring)."""
         first = self._hits[0] / self._admissions[0]
@@ -443,23 +457,31 @@ class _Shadow(Generic[K]):
         self.sizes: dict[K, int] = {}
         self.total = 0
 
-    def request(self, key: K, size: int, cost_s: float, group: int, budget: int) -> bool:
-        """One request for `key`: a hit, or a miss that admits it and evicts down to `budget`
-        (0: unbounded)."""
-        if key in self.sizes:
+    def request(self, key: K, size: int, cost_s: float, group: int, budget: int | None) -> bool:
+        """One request for `key` (of `size` now): a hit, or a miss that admits it; then evicts
+        down to `budget` (None: unbounded, before the store has filled)."""
+        held = self.sizes.get(key)
+        if held is not None:
             self.policy.access(key)
-            return True
-        self.policy.admit(key, size, cost_s=cost_s, group=group)
-        self.sizes[key] = size
-        self.total += size
-        while budget and self.total > budget:
+            if held != size:
+                self.policy.admit(key, size, cost_s=cost_s, group=group)
+                self.sizes[key] = size
+                self.total += size - held
+        else:
+            self.policy.admit(key, size, cost_s=cost_s, group=group)
+            self.sizes[key] = size
+            self.total += size
+        while budget is not None and self.total > budget:
             victims = self.policy.nominate(1, skip=lambda other: other == key)
             if not victims:
                 break
             for victim in victims:
-                self.total -= self.sizes.pop(victim)
-                self.policy.remove(victim)
-        return False
+                self.drop(victim)
+        return held is not None
+
+    def drop(self, key: K) -> None:
+        self.total -= self.sizes.pop(key)
+        self.policy.remove(key)
 
     def clear(self) -> None:
         self.policy.clear()
@@ -475,13 +497,19 @@ class ShadowChoicePolicy(Generic[K]):
     again); where most of the live working set fits, counting uses can keep the keys of work
     that has ended (a session's early KV blocks, used on every turn) over those still in use,
     and recency wins (a generated trace, docs/kv_reuse.md). Both orders are kept for every key;
-    two shadow caches, LRU and GDSF, replay the requests of a 1-in-`SAMPLE` sample of keys at
-    1/`SAMPLE` of the store's size (miniature simulation: Waldspurger et al., USENIX ATC 2017),
-    their hits counted with a weight that halves every `HORIZON` shadow capacities of sampled
-    requests; the store evicts in the order of the shadow ahead by more than `MARGIN`. The
-    store's size is read at each nomination (the store is full then), so the shadows follow a
-    store whose budget moves. Every admission and access is a request, as the KV block pool
-    tells its policy (once per request that uses a block).
+    two shadow caches, LRU and GDSF, replay the requests of a 1-in-`SAMPLE` sample of the keys
+    the store holds, at that fraction of the store's size (miniature simulation: Waldspurger et
+    al., USENIX ATC 2017; a store too small for shadows of `SHADOW_KEYS` keys samples more, down
+    to every key), their hits counted with a weight that halves every `HORIZON` shadow
+    capacities of sampled requests. The store evicts in GDSF's order from when GDSF's shadow
+    leads LRU's by more than `MARGIN` until it no longer leads, in LRU's otherwise. While LRU's
+    order evicts, GDSF's inflation level still rises to its own lowest value at each eviction,
+    so its order ages as the store turns over. The shadows are sized after the store (the bytes
+    its policy holds) at each request; the sample is chosen at each nomination, thinned in place
+    as the store grows (the samples nest) and started over if it shrinks below half its floor.
+    Every admission and access of a held key is a request, as the KV block pool tells its
+    policy (once per request that uses a block); the answer tiers, which tell theirs a miss
+    twice, keep GDSF.
     """
 
     __slots__ = (
@@ -492,13 +520,14 @@ class ShadowChoicePolicy(Generic[K]):
         "_one_in",
         "_score",
         "_shadows",
+        "_sized",
         "_sizes",
         "_total",
         "_use",
     )
 
     SAMPLE = 8  # at most 1 key in SAMPLE (a power of two) ...
-    SHADOW_KEYS = 128  # ... and fewer where the shadows would hold fewer keys than this
+    SHADOW_KEYS = 128  # ... and more where the shadows would hold fewer keys than this
     HORIZON = 4.0
     MARGIN = 0.02
     _GDSF, _LRU = 0, 1
@@ -510,7 +539,8 @@ class ShadowChoicePolicy(Generic[K]):
         self._one_in = self.SAMPLE
         self._shadows = self._new_shadows()
         self._score = [0.0, 0.0]  # decayed shadow hits: GDSF's, LRU's
-        self._decay = 1.0  # set at the first nomination, from the store's size
+        self._sized = False  # the store has filled once (its first nomination)
+        self._decay = 1.0  # from the store's size, at each nomination
         self._use = self._LRU
         self._sizes: dict[K, int] = {}
         self._total = 0
@@ -529,6 +559,11 @@ class ShadowChoicePolicy(Generic[K]):
         """The order the store evicts in now: `gdsf` or `lru`."""
         return "gdsf" if self._use == self._GDSF else "lru"
 
+    @property
+    def sample(self) -> int:
+        """The shadows replay 1 key in this many."""
+        return self._one_in
+
     def admit(
         self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
     ) -> None:
@@ -542,40 +577,75 @@ class ShadowChoicePolicy(Generic[K]):
     def access(self, key: K) -> None:
         self._gdsf.access(key)
         self._lru.access(key)
-        if _sampled(key, self._one_in):
-            self._request(key, self._sizes.get(key, 1), 0.0, 0)
+        size = self._sizes.get(key)
+        if size is not None and _sampled(key, self._one_in):
+            self._request(key, size, 0.0, 0)
 
     def _request(self, key: K, size: int, cost_s: float, group: int) -> None:
-        budget = self._total // self._one_in if self._decay < 1.0 else 0
+        budget = max(1, self._total // self._one_in) if self._sized else None
         score, decay = self._score, self._decay
         for i, shadow in enumerate(self._shadows):
             score[i] = score[i] * decay + shadow.request(key, size, cost_s, group, budget)
         gdsf, lru = score
-        self._use = self._GDSF if gdsf > lru * (1.0 + self.MARGIN) else self._LRU
+        if self._use == self._LRU:
+            if gdsf > lru * (1.0 + self.MARGIN):
+                self._use = self._GDSF
+        elif gdsf <= lru:
+            self._use = self._LRU
 
     def remove(self, key: K) -> None:
         self._gdsf.remove(key)
         self._lru.remove(key)
-        self._total -= self._sizes.pop(key, 0)
+        held = self._sizes.pop(key, None)
+        if held is None:
+            return
+        self._total -= held
+        if self._use == self._LRU:
+            self._gdsf.age()
 
     def nominate(self, count: int = 1, size: int = 0, skip: SkipKey[K] | None = None) -> list[K]:
         if self._sizes:  # the store is full: the shadows are sized after it
-            if self._decay == 1.0:  # the first time: how many keys to sample
-                one_in = self.SAMPLE
-                while one_in > 1 and len(self._sizes) / one_in < self.SHADOW_KEYS:
-                    one_in //= 2
-                if one_in != self._one_in:  # a new sample: the shadows start over
-                    self._one_in = one_in
-                    self._shadows = self._new_shadows()
+            self._resample(len(self._sizes))
+            self._sized = True
             shadow_keys = max(1.0, len(self._sizes) / self._one_in)
             self._decay = 0.5 ** (1.0 / (self.HORIZON * shadow_keys))
         chosen = self._gdsf if self._use == self._GDSF else self._lru
         return chosen.nominate(count, size, skip)
 
+    def _resample(self, keys: int) -> None:
+        """The sample for a store of `keys`: at the first nomination the lowest rate that keeps
+        the shadows at their floor (started over if it changed); later thinned in place while the
+        shadows would keep at least twice their floor at half the rate, and started over at a
+        higher rate when they hold under half their floor."""
+        one_in = self._one_in
+        if not self._sized:
+            while one_in > 1 and keys / one_in < self.SHADOW_KEYS:
+                one_in //= 2
+            if one_in != self._one_in:
+                self._one_in = one_in
+                self._shadows = self._new_shadows()
+                self._score = [0.0, 0.0]
+            return
+        while one_in < self.SAMPLE and keys / (2 * one_in) >= 2 * self.SHADOW_KEYS:
+            one_in *= 2
+        if one_in > self._one_in:
+            self._one_in = one_in
+            for shadow in self._shadows:
+                for key in [k for k in shadow.sizes if not _sampled(k, one_in)]:
+                    shadow.drop(key)
+            return
+        if self._one_in > 1 and keys / self._one_in < self.SHADOW_KEYS / 2:
+            while one_in > 1 and keys / one_in < self.SHADOW_KEYS:
+                one_in //= 2
+            self._one_in = one_in
+            self._shadows = self._new_shadows()
+            self._score = [0.0, 0.0]
+
     def clear(self) -> None:
         self._gdsf.clear()
         self._lru.clear()
         self._score = [0.0, 0.0]
+        self._sized = False
         self._decay = 1.0
         self._use = self._LRU
         self._one_in = self.SAMPLE

@@ -335,6 +335,50 @@ def test_shadow_choice_evicts_in_recencys_order_where_its_shadow_hits_more() -> 
     assert shadow.order == "lru" and len(shadow) == 0 and shadow.nominate(1) == []
 
 
+def test_shadow_choice_follows_a_store_that_grows_and_shrinks() -> None:
+    """The sample is chosen at each nomination from the keys held: every key while the store is
+    small, thinned in place to 1 in 8 as it grows, more again when it shrinks; the shadows stay
+    within their share of the store; a key the store does not hold is no request; and GDSF's
+    order ages while LRU's evicts."""
+    policy: ShadowChoicePolicy[int] = ShadowChoicePolicy()
+    held: list[int] = []
+
+    def fill_to(count: int, start: int) -> int:
+        key = start
+        while len(held) < count:
+            policy.admit(key, 1)
+            held.append(key)
+            key += 1
+        return key
+
+    def evict(count: int) -> None:
+        for victim in policy.nominate(count):
+            held.remove(victim)
+            policy.remove(victim)
+
+    key = fill_to(200, 0)
+    evict(1)
+    assert policy.sample == 1 and policy.order == "lru"
+    for _ in range(3):  # turnover in LRU's order: GDSF's level rises as if it evicted
+        key = fill_to(len(held) + 50, key)
+        evict(50)
+    assert policy._gdsf.inflation > 0
+    key = fill_to(2100, key)
+    evict(1)
+    assert policy.sample == 8
+    for shadow in policy._shadows:
+        assert len(shadow.sizes) <= 2100 // 8 + 1
+    policy.access(10**9)  # not held: not a request
+    assert all(10**9 not in shadow.sizes for shadow in policy._shadows)
+    evict(len(held) - 20)
+    key = fill_to(21, key)
+    evict(1)
+    assert policy.sample == 1
+    key = fill_to(100, key)
+    for shadow in policy._shadows:
+        assert 0 < shadow.total <= len(held)  # sized after what the store holds
+
+
 def test_greedy_dual_rejects_a_negative_capacity() -> None:
     with pytest.raises(ValueError, match="capacity"):
         GreedyDualFrequencyPolicy(capacity=-1)
