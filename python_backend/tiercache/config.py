@@ -822,11 +822,18 @@ class EngineConfig(_StateConfig):
     )
     speculate: bool = param(
         True,
-        "Speculative decoding: tokens drafted from the prompt, the cached answers llm sends "
-        "and the engine's recent greedy answers in the request's scope are verified in one "
-        "forward pass, a sampled request's with its own seeded draw at each position (the "
-        "output is plain decoding's; a request opts out with the cache_control word "
-        "no-speculate)",
+        "Speculative decoding of greedy requests: tokens drafted from the prompt, the cached "
+        "answers llm sends and the engine's recent greedy answers in the request's scope are "
+        "verified in one forward pass (the output is plain decoding's; a request opts out with "
+        "the cache_control word no-speculate)",
+    )
+    speculate_sampled: bool = param(
+        False,
+        "Speculate sampled requests too, each drafted position picked with the request's own "
+        "seeded draw. Off by default: a verification pass's logits differ from a single-token "
+        "pass's in their last bits, and a draw that close to a boundary picks the neighbouring "
+        "token, so a seeded answer could depend on what was drafted (seen on an H200: "
+        "docs/speculation.md)",
     )
     draft_index_tokens: int = param(
         16_384,

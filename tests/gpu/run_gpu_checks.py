@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python_backend"))  # tiercache, as the checks import it
 BUILD = ROOT / "build" / "gpu-checks"
 REBUILT = "TIERCACHE_GPU_CHECKS_BUILT"  # set for the second run, on the module just built
 WIDTH = 64
@@ -104,12 +105,16 @@ def build_native() -> bool:
             f" (`{sys.executable} -m pip install nanobind`)"
         )
         return False
-    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    # PYTHON_INCLUDE_DIR: headers of this Python's minor version from elsewhere, for an image
+    # without them that cannot install a package
+    elsewhere = os.environ.get("PYTHON_INCLUDE_DIR")
+    headers = Path(elsewhere or sysconfig.get_paths()["include"]) / "Python.h"
     if not headers.exists():
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         print(
             f"cannot build tiercache_native: the Python headers are missing ({headers});"
-            f" install python{version}-dev (Debian, Ubuntu) or python3-devel (RHEL)"
+            f" install python{version}-dev (Debian, Ubuntu) or python3-devel (RHEL), or name"
+            " a folder holding them in PYTHON_INCLUDE_DIR"
         )
         return False
     configure = [
@@ -121,6 +126,7 @@ def build_native() -> bool:
         f"-DPython_EXECUTABLE={sys.executable}",
         "-DCMAKE_CUDA_ARCHITECTURES=native",
         "-DTIERCACHE_BUILD_TESTS=OFF",
+        *([f"-DPython_INCLUDE_DIR={elsewhere}"] if elsewhere else []),
     ]
     if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
         configure += ["-G", "Ninja"]
@@ -605,6 +611,124 @@ def check_nvml_budgets(torch: Any) -> list[Row]:
     return rows
 
 
+def squeeze_kv_pool(
+    engine: Any,
+    free_bytes: Callable[[], int],
+    take: Callable[[int], None],
+    give_back: Callable[[], None],
+    memory_label: str = "MiB free",
+) -> list[Row]:
+    """The engine's KV pool under a budget controller reading `free_bytes` (on a card: NVML's
+    free memory), as torch_llm's gpu_memory_headroom_bytes runs it (the controller and the
+    pool's budget, without the Triton stage around them). The pool is filled to its size; the
+    headroom is set to 3/4 of what is free, so that taking 35 % of it (`take`) leaves it short
+    and giving it back (`give_back`) clears the controller's 25 % hysteresis. The budget must
+    fall to its floor, the next request evict down to it, the engine hand the freed memory
+    back (its cached blocks, where the card's reading sees them), and the budget return to the
+    pool's size once the memory is back."""
+    from tiercache.budgets import BudgetController, cache_budget
+    from tiercache.exact.request import GenerationRequest
+
+    pool = engine.kv_pool
+    ceiling, floor = pool.max_bytes, pool.max_bytes // 8
+    block = engine.kv_bytes_per_token * pool.tokens_per_block
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    for i in range(64):  # distinct long prompts until the pool is full
+        prompt = " ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(400))
+        list(engine.generate(GenerationRequest(f"{i}: {prompt}", max_tokens=2)))
+        if pool.stats().bytes + 2 * block > ceiling:
+            break
+    filled = pool.stats().bytes
+    budget = cache_budget("kv_pool", floor, ceiling, pool.resize, pool.shadow_reading,
+                          lambda: pool.stats().bytes)  # fmt: skip
+    free = free_bytes()
+    controller = BudgetController([budget], free_bytes, headroom_bytes=free * 3 // 4)
+    rows: list[Row] = [("kv pool", "filled before the squeeze", "-", "-",
+                        f"{filled >> 20} of {ceiling >> 20} MiB",
+                        "ok" if filled > ceiling // 2 else "FAIL: pool not filled")]  # fmt: skip
+
+    def ticks_until(done: Callable[[], bool], most: int = 12) -> int:
+        for n in range(1, most + 1):
+            controller.tick()
+            if done():
+                return n
+        return -1
+
+    take(free * 35 // 100)
+    try:
+        n = ticks_until(lambda: pool.budget_bytes == floor)
+        rows.append(("kv pool", "squeezed: budget to its floor", "-", "-",
+                     f"{pool.budget_bytes >> 20} MiB after {n} ticks",
+                     "ok" if n > 0 else "FAIL: budget not at its floor"))  # fmt: skip
+        list(engine.generate(GenerationRequest("a short request after the squeeze", max_tokens=2)))
+        held = pool.stats().bytes
+        before_release = free_bytes()
+        engine.release_cached_memory()
+        returned = free_bytes() - before_release
+        evicted = filled - held
+        rows.append(("kv pool", "next request evicts; memory handed back", "-", "-",
+                     f"{held >> 20} MiB held, +{returned >> 20} {memory_label}",
+                     "ok" if held <= floor and returned >= evicted // 4
+                     else f"FAIL: {evicted >> 20} MiB evicted"))  # fmt: skip
+    finally:
+        give_back()
+    n = ticks_until(lambda: pool.budget_bytes == ceiling)
+    rows.append(("kv pool", "memory back: budget to its size", "-", "-",
+                 f"{pool.budget_bytes >> 20} MiB after {n} ticks",
+                 "ok" if n > 0 else "FAIL: budget did not grow back"))  # fmt: skip
+    return rows
+
+
+def check_kv_pool_on_card(torch: Any) -> list[Row]:
+    """Issue 20 on the card: the project's engine (random weights of SmolLM2's architecture,
+    files from build/gpu-spec/) with a 96 MiB KV pool on cuda:0, its budget following NVML's
+    free memory of that card while this process takes and returns 35 % of it
+    (`squeeze_kv_pool`)."""
+    import tempfile
+
+    from tiercache.machine import GpuMemoryProbe, nvml_card
+
+    if torch is None:
+        return [("kv pool", "on the card", "-", "-", "-", "FAIL: no torch")]
+    files = ROOT / "build" / "gpu-spec"
+    if not (files / "config.json").exists():
+        hint = "FAIL: run speculation_cuda.py --prepare where the model is, and carry it"
+        return [("kv pool", "on the card", "-", "-", "no build/gpu-spec", hint)]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from speculation_cuda import random_engine
+
+    probe = GpuMemoryProbe()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tiercache-gpu-kv-") as tmp:
+            engine = random_engine(files, Path(tmp), "cuda:0", kv_reuse=True,
+                                   kv_pool_max_bytes=96 << 20)  # fmt: skip
+            index, uuid = engine.card()
+            card = nvml_card(index, probe.read(), uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if card is None:
+                return [("kv pool", "on the card", "-", "-", "-",
+                         f"FAIL: no NVML card for cuda:{index} ({probe.why_none})")]  # fmt: skip
+            found = card.index
+
+            def free_bytes() -> int:
+                return next(r.free_bytes for r in probe.read() if r.index == found)
+
+            taken: list[Any] = []
+
+            def take(n: int) -> None:
+                block = torch.empty(n, dtype=torch.uint8, device=engine.device)
+                block.fill_(1)
+                torch.cuda.synchronize()
+                taken.append(block)
+
+            def give_back() -> None:
+                taken.clear()
+                torch.cuda.empty_cache()
+
+            return squeeze_kv_pool(engine, free_bytes, take, give_back)
+    finally:
+        probe.close()
+
+
 def main() -> int:
     native, why = import_native()
     if not machine_has_gpu():
@@ -649,6 +773,7 @@ def main() -> int:
     rows += run_check("speculation config", check_speculation_config)
     rows += run_check("speculation cuda", check_speculation_cuda)
     rows += run_check("nvml", lambda: check_nvml_budgets(torch))
+    rows += run_check("kv pool", lambda: check_kv_pool_on_card(torch))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

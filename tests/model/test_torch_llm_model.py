@@ -95,8 +95,10 @@ class FakeEngine:
         kv_eviction: str,
         speculate: bool,
         draft_index_tokens: int,
+        speculate_sampled: bool,
     ) -> None:
         self.speculate = speculate  # the stage passes its parameters on
+        self.speculate_sampled = speculate_sampled
         self.device = "cpu" if device == "auto" else device  # as resolved (no GPU here)
         self.kv_eviction = kv_eviction
         self.draft_index_tokens = draft_index_tokens
@@ -519,6 +521,26 @@ def start_stage(
     instance = module.TritonPythonModel()
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     return instance
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, False), ("true", True)])
+def test_sampled_requests_speculate_only_where_the_deployment_opts_in(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    given: str | None,
+    expected: bool,
+) -> None:
+    """speculate_sampled (default false) reaches the engine as given; speculate stays on."""
+    params = {"state_dir": {"string_value": str(tmp_path)}}
+    if given is not None:
+        params["speculate_sampled"] = {"string_value": given}
+    instance = start_stage(load_model, monkeypatch, params, FakeEngine)
+    try:
+        engine = instance.stage.engine
+        assert (engine.speculate, engine.speculate_sampled) == (True, expected)
+    finally:
+        instance.finalize()
 
 
 def test_with_a_memory_headroom_the_kv_pool_follows_the_host(

@@ -48,6 +48,7 @@ def fresh(engine: Any) -> Iterator[None]:
     engine.answers = AnswerIndex()  # each test starts without earlier tests' answers
     yield
     engine.speculate = True
+    engine.speculate_sampled = False
 
 
 class Counted:
@@ -175,7 +176,9 @@ def test_a_sampled_answer_is_plain_decodings_for_its_seed(
     from the greedy answer, its answer is token for token the one plain decoding gives for
     that seed, where the sample leaves the draft and a refused position is picked again
     included; where it follows the draft (a low temperature), passes are saved. Its answer
-    does not join the scope's answer index (greedy answers only)."""
+    does not join the scope's answer index (greedy answers only). Sampled requests speculate
+    only where the deployment opts in (speculate_sampled)."""
+    engine.speculate_sampled = True
     greedy = run(engine, GenerationRequest(PROMPT, max_tokens=2 * MAX_TOKENS), (), False)[0]
     engine.answers = AnswerIndex()
     counted = Counted(engine, monkeypatch)
@@ -281,7 +284,29 @@ def test_verifying_with_prompt_blocks_reused_and_a_sampled_request(engine: Any) 
     assert verified(engine, request, plain[0]) == plain  # reuses them
     assert engine.last_drafter.accepted_total == plain[2]
     sampled = replace(request, temperature=0.8, seed=4)
+    engine.speculate_sampled = True
     assert verified(engine, sampled, plain[0]) == run(engine, sampled, (), speculate=False)
+
+
+def test_by_default_a_sampled_request_is_decoded_plainly_whatever_it_was_sent(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without speculate_sampled a sampled request is not speculated: no drafter, one forward
+    pass per token, the drafts it came with unread; its answer is plain decoding's for its
+    seed whatever was drafted (a verification pass's rounding could move a draw: seen on an
+    H200, docs/speculation.md). A greedy request on the same engine still speculates."""
+    greedy = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    answer = run(engine, greedy, (), speculate=False)
+    sampled = replace(greedy, temperature=0.8, seed=4)
+    plain = run(engine, sampled, (), speculate=False)
+    counted = Counted(engine, monkeypatch)
+    assert run(engine, sampled, (answer[0],), speculate=True) == plain
+    assert engine.last_drafter is None
+    assert counted.calls == plain[2]  # the prefill's pass picks the first token
+    counted.calls = 0
+    assert run(engine, greedy, (answer[0],), speculate=True) == answer
+    assert engine.last_drafter is not None and engine.last_drafter.accepted_total > 0
+    assert counted.calls < answer[2]
 
 
 def test_an_answers_mean_logprob_is_its_own_and_speculation_does_not_change_it(

@@ -133,11 +133,18 @@ class TorchEngine:
         kv_eviction: str = "shadow",
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
+        speculate_sampled: bool = False,
     ) -> None:
-        """`speculate`: verify drafted tokens in one forward pass (a sampled request's with its
-        seeded draws), drafted also from the engine's recent greedy answers in the request's
-        scope (`answers`, up to `draft_index_tokens` tokens over all scopes; 0: none)."""
+        """`speculate`: verify drafted tokens in one forward pass, drafted also from the
+        engine's recent greedy answers in the request's scope (`answers`, up to
+        `draft_index_tokens` tokens over all scopes; 0: none). Greedy requests only unless
+        `speculate_sampled`: a sampled request's verification picks each position with its own
+        seeded draw, but from logits computed several positions at a time, whose last bits
+        differ from a single-token pass's; a draw that falls that close to a boundary between
+        two tokens picks the other one (seen on an H200: docs/speculation.md), so a seeded
+        answer would depend on what was drafted."""
         self.speculate = speculate
+        self.speculate_sampled = speculate_sampled
         self.answers = AnswerIndex(draft_index_tokens)
         self.last_drafter: Drafter | None = None  # the last request's drafter (its counts)
         self.source = source
@@ -230,7 +237,7 @@ class TorchEngine:
         prompt_list = input_ids[0].tolist()
         scope = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
         drafter = None
-        if self.speculate and request.speculate:
+        if self.speculate and request.speculate and (request.greedy or self.speculate_sampled):
             answers = [
                 (source, self.tokenizer.encode(text, add_special_tokens=False))
                 for source, text in request.drafts

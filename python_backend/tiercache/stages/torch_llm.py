@@ -382,6 +382,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         lora_max_bytes=config.lora_max_bytes,
         kv_eviction=config.kv_eviction,
         speculate=config.speculate,
+        speculate_sampled=config.speculate_sampled,
         draft_index_tokens=config.draft_index_tokens,
     )
     prefetch(engine, config)

@@ -23,7 +23,9 @@ the output was identical. Workloads:
 - `sampled` / `sampled-hot`: seeded sampled requests (temperature 0.3 / 1.0, `--max-tokens`) of
   prompts whose greedy answer is cached; it is the draft (source `answer`), verified with the
   request's own seeded draw at each position, so the output must be plain decoding's for the
-  seed.
+  seed. The engine speculates sampled requests only where the deployment opts in
+  (`speculate_sampled`, off by default: docs/speculation.md "Sampled requests"); these two
+  workloads measure that opt-in.
 
 In every workload the engine's own sources are on as in a deployment: its index of recent
 answers in the scope (emptied at the start of each workload) and the context (the prompt and
@@ -198,7 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     progress(f"loading the engine ({args.threads} threads)")
-    engine = TorchEngine(resolve_model(), args.state_dir / "models", "cpu", 2, kv_reuse=False)
+    engine = TorchEngine(
+        resolve_model(), args.state_dir / "models", "cpu", 2, kv_reuse=False,
+        speculate_sampled=True,  # the sampled workloads measure the opt-in; greedy ones ignore it
+    )  # fmt: skip
 
     def generate(
         request: GenerationRequest, drafts: Sequence[tuple[str, str]], speculate: bool
