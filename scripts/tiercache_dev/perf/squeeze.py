@@ -16,23 +16,29 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
 3. A client sends requests without pause (new prompts of about 400 tokens, 4 tokens each: they
    fill the KV pool), recording each one's latency and whether it succeeded.
 4. After `--before-s`, the squeezer (a child process in the group) takes memory in 64 MiB steps
-   until the group has less than half the headroom left, holds it for `--hold-s`, then exits.
-   With `--adapters`, the requests name the committed adapters and the base model in turn,
-   and torch_llm's adapter slots get a byte budget (`lora_max_bytes` 8 MiB, `lora_min_bytes`
-   2 MiB: about four slots and one): a dropped adapter is sent again by llm (the engine's "not
-   held" answer), so requests go on while the slots shrink. With `--graphs`, the requests are
-   short new prompts (4 tokens answered each) from four tenants in turn, and embedding_cache
-   searches any scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
-   `semantic_graph_max_bytes` 64 MiB, `semantic_graph_min_bytes` 0, and the same headroom):
-   each tenant's scope gets its graph as its rows come, the squeeze drops them (searched flat
-   meanwhile) and they come back after. With `--hits`, 3,000 answers of about 1,660
-   characters are warmed in first (cache_admin's `warm`: into L2, about 5 MiB, more than
-   L1's floor and less than its 64 MiB) and each asked for once before the clock starts (so
-   L1 holds them), the requests ask for them in turn (exact hits: from prompt_cache's L1
-   while it holds them, else from L2), and prompt_cache has a hit latency objective
-   (`hit_objective_s`, `--hit-objective-ms`); the report adds the objective's states, the
-   lookups' p90 and the share of hits L1 answered per phase. The squeeze takes L1 to its
-   floor whatever the objective says (the headroom wins).
+   until the group has less than half the headroom left, holds it for `--hold-s`, then exits. With
+   `--adapters`, the requests name the committed adapters and the base model in turn, and
+   torch_llm's adapter slots get a byte budget (`lora_max_bytes` 8 MiB, `lora_min_bytes` 2 MiB:
+   about four slots and one): a dropped adapter is sent again by llm (the engine's "not held"
+   answer), so requests go on while the slots shrink. With `--graphs`, the requests are short new
+   prompts (4 tokens answered each) from four tenants in turn, and embedding_cache searches any
+   scope past 8 rows with an HNSW graph under a budget (`flat_max_rows` 8,
+   `semantic_graph_max_bytes` 64 MiB, `semantic_graph_min_bytes` 0, and the same headroom): each
+   tenant's scope gets its graph as its rows come, the squeeze drops them (searched flat meanwhile)
+   and they come back after. `--graph-rows N` (with `--graphs`) makes them a deployment's size:
+   once each tenant's scope has its first row, N random unit rows of the embedder's width are
+   appended to it through the host's row log (this process, as another replica's llm would),
+   `flat_max_rows` stays at its default (10,000), the graphs' ceiling is what four graphs of that
+   size are charged (`estimated_graph_bytes`) with a quarter more, and the clock starts once every
+   scope's graph is held (requests of each tenant until it is; each embedding_cache instance builds
+   the graphs of the scopes it searches), so the squeeze drops graphs of that size. With `--hits`,
+   3,000 answers of about 1,660 characters are warmed in first (cache_admin's `warm`: into L2,
+   about 5 MiB, more than L1's floor and less than its 64 MiB) and each asked for once before the
+   clock starts (so L1 holds them), the requests ask for them in turn (exact hits: from
+   prompt_cache's L1 while it holds them, else from L2), and prompt_cache has a hit latency
+   objective (`hit_objective_s`, `--hit-objective-ms`); the report adds the objective's states, the
+   lookups' p90 and the share of hits L1 answered per phase. The squeeze takes L1 to its floor
+   whatever the objective says (the headroom wins).
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
@@ -169,9 +175,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--hit-objective-ms", type=float, default=0.1, help="hit_objective_s, with --hits"
     )
+    parser.add_argument(
+        "--graph-rows",
+        type=int,
+        default=0,
+        help="with --graphs: rows appended to each tenant's scope before the clock starts",
+    )
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--out-dir", type=Path, default=PERF_DIR / "squeeze")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.graph_rows and not args.graphs:
+        parser.error("--graph-rows goes with --graphs")
+    if args.graph_rows < 0:
+        parser.error("--graph-rows must be >= 0")
+    return args
 
 
 def prompt(number: int) -> str:
@@ -193,6 +210,79 @@ GRAPHS = {
     "semantic_graph_max_bytes": str(64 * MIB),
     "semantic_graph_min_bytes": "0",
 }
+
+
+GRAPH_SCOPES = len(TENANTS)
+
+
+def graph_params(rows: int) -> dict[str, str]:
+    """embedding_cache's parameters for `--graphs`: toy graphs from the ninth row, or, with
+    `--graph-rows`, graphs of that size under a ceiling that holds the four of them."""
+    if not rows:
+        return GRAPHS
+    from tiercache.semantic.index import estimated_graph_bytes
+
+    ceiling = GRAPH_SCOPES * estimated_graph_bytes(rows + 1_000, EMBEDDING_DIMENSIONS) * 5 // 4
+    return {"semantic_graph_max_bytes": str(ceiling), "semantic_graph_min_bytes": "0"}
+
+
+EMBEDDING_DIMENSIONS = 384  # the shipped embedder's width
+
+
+def seed_graph_rows(server: Any, state: Path, rows: int) -> None:
+    """`--graph-rows`: each tenant's scope gets its first row through the server, then `rows`
+    random unit rows appended through the host's row log; then requests of each tenant until
+    the four scopes' graphs are held, over embedding_cache's two instances (at most 10
+    minutes)."""
+    import numpy as np
+
+    from tiercache.semantic.index import estimated_graph_bytes
+    from tiercache.semantic.store import SemanticStore
+
+    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120) as client:
+
+        def each_tenant(round_: int) -> None:
+            for i, tenant in enumerate(TENANTS):
+                number = 1_000_000 + round_ * len(TENANTS) + i
+                client.generate_text(short_prompt(number), max_tokens=4, tenant=tenant)
+
+        each_tenant(0)
+        store = SemanticStore(state / "semantic", 8 << 30, dimensions=EMBEDDING_DIMENSIONS)
+        try:
+            deadline = time.monotonic() + 60
+            while len(scopes := [m.scope for _, m in store.manifests()]) < GRAPH_SCOPES:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"only {len(scopes)} tenant scopes appeared in 60 s")
+                time.sleep(0.5)
+                each_tenant(1)
+            rng = np.random.default_rng(0)
+            for s_, scope in enumerate(scopes):
+                for start in range(0, rows, 5_000):
+                    count = min(5_000, rows - start)
+                    vectors = rng.standard_normal((count, EMBEDDING_DIMENSIONS)).astype("float32")
+                    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+                    store.append_many([
+                        (scope, f"bulk-{s_}-{start + i}", f"bulk row {start + i}", v)
+                        for i, v in enumerate(vectors)
+                    ])  # fmt: skip
+                progress(f"  {rows:,} rows appended to scope {s_ + 1} of {len(scopes)}")
+        finally:
+            store.close()
+        # each instance builds the graphs of the scopes it searches (Triton picks each request's
+        # instance): every scope's graph held once, over the two instances
+        wanted = GRAPH_SCOPES * estimated_graph_bytes(rows, EMBEDDING_DIMENSIONS)
+        deadline, round_ = time.monotonic() + 600, 2
+        while True:
+            each_tenant(round_)
+            round_ += 1
+            held = budgets(scrape_metrics(server.ports.metrics, wait_s=2.0))[2]
+            graphs = held.get("semantic_graphs", 0.0)
+            if graphs >= 0.9 * wanted:
+                progress(f"  graphs held: {graphs / MIB:.0f} MiB over both instances")
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"graphs held {graphs / MIB:.0f} of {wanted / MIB:.0f} MiB")
+            time.sleep(2.0)
 
 
 HIT_PROMPTS = 3_000
@@ -407,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = {**params, **(ADAPTER_SLOTS if args.adapters else {})}
             stages = {"prompt_cache": dict(params), "torch_llm": engine}
             if args.graphs:
-                stages["embedding_cache"] = {**params, **GRAPHS}
+                stages["embedding_cache"] = {**params, **graph_params(args.graph_rows)}
             if args.hits:
                 objective = str(args.hit_objective_ms / 1000)
                 stages["prompt_cache"]["hit_objective_s"] = objective
@@ -421,6 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.hits:
                     progress(f"  warming {HIT_PROMPTS:,} answers")
                     warm_hits(server.ports.grpc, admin_token(server))
+                if args.graph_rows:
+                    progress(f"  {args.graph_rows:,} rows into each of {GRAPH_SCOPES} scopes")
+                    seed_graph_rows(server, state, args.graph_rows)
                 baseline = group.usage()
                 limit = baseline + int(args.extra_gib * GIB)
                 group.set_limit(limit)
