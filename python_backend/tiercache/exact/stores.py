@@ -800,12 +800,15 @@ class LmdbStore:
         ages: list[tuple[bytes, float]] = []
         sizes: list[int] = []
         try:
-            with self._env.begin() as txn:
+            # buffers: each value read in place (its header, its length), not copied whole:
+            # the scan covers every entry, and copying them all made one eviction of a 2 GiB
+            # file of 16 KB answers take 250 ms (perf.disk_squeeze); keys are copied
+            with self._env.begin(buffers=True) as txn:
                 for key, value in txn.cursor():
                     try:
                         created_s = peek_created_s(value)
                     except CorruptEntry:
-                        broken.append(key)
+                        broken.append(bytes(key))
                         continue
                     ages.append((bytes(key), created_s))
                     sizes.append(len(value))

@@ -15,7 +15,8 @@ answers; then until 1/4 of it is left (critical: inside half its file), and writ
 then the filler takes every free byte (full), and L2 is written again; then the filler is
 deleted and L2 written once more. Each phase records the writes that failed (the error a full
 disk gives), those L2 did not store for want of disk (`rejected`: no error), its file's size,
-the least free disk seen and whether the newest answer written reads back. Writes
+the least free disk seen, whether the newest answer written reads back, and the writes' time
+(median, 99th percentile, slowest: what evicting for room costs the write that waits). Writes
 `disk_squeeze.md` and `disk_squeeze.json` to `--out-dir`; exit code 1 when a write to the
 guarded L2 failed or was not stored.
 """
@@ -29,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -98,14 +100,17 @@ class Writer:
         rejected = self.store.rejected
         least_free = read_disk(self.mount).free_bytes
         last = ""
+        times: list[float] = []
         for _ in range(max(nbytes // len(self.answer), 1)):
             self.number += 1
             key = hashlib.sha256(f"k{self.number}".encode()).hexdigest()  # as L2's keys are
+            begun = time.perf_counter()
             try:
                 self.store.put(key, CacheEntry(text=self.answer, created_s=float(self.number)))
                 last = key
             except Exception:  # noqa: BLE001 - counted: what a full disk does to a write
                 failed += 1
+            times.append(time.perf_counter() - begun)
             least_free = min(least_free, read_disk(self.mount).free_bytes)
         stats = self.store.stats()
         return {
@@ -117,6 +122,12 @@ class Writer:
             "entries": stats.entries,
             "least_free_mib": round(least_free / MIB, 2),
             "newest_reads": bool(last) and self.store.get(last) is not None,
+            # a write's time (ms): what evicting for room costs the writes that wait for it
+            "put_p50_ms": round(1000 * statistics.median(times), 3),
+            "put_p99_ms": round(1000 * statistics.quantiles(times, n=100)[98], 3)
+            if len(times) >= 100
+            else None,
+            "put_max_ms": round(1000 * max(times), 1),
         }
 
 
@@ -124,7 +135,7 @@ def run_one(mount: Path, headroom: int, size: int, answer: str) -> list[dict[str
     state = mount / "state"
     filler = mount / "filler"
     store = LmdbStore(
-        state / "l2", 1 << 30, disk=DiskRoom(state, headroom, interval_s=0.0)
+        state / "l2", max(1 << 30, 2 * size), disk=DiskRoom(state, headroom, interval_s=0.0)
     )  # a map larger than the disk: the file, not the map, is what fills it
     writer = Writer(store, state / "l2" / "data.mdb", mount, answer)
     rows = [writer.phase("room", size // 4)]
@@ -158,14 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`{invocation('tiercache_dev.perf.disk_squeeze', None)}`",
         "",
         "| disk_headroom_bytes | phase | writes | failed | rejected | L2 file MiB | entries "
-        "| least free MiB | newest answer reads back |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| least free MiB | newest answer reads back | write p50 / p99 / max ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['headroom_mib']} MiB | {row['phase']} | {row['writes']} | {row['failed']} "
             f"| {row['rejected']} | {row['file_mib']} | {row['entries']} "
-            f"| {row['least_free_mib']} | {'yes' if row['newest_reads'] else 'no'} |"
+            f"| {row['least_free_mib']} | {'yes' if row['newest_reads'] else 'no'} "
+            f"| {row['put_p50_ms']} / {row['put_p99_ms']} / {row['put_max_ms']} |"
         )
     (args.out_dir / "disk_squeeze.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
