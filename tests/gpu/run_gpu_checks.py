@@ -24,8 +24,14 @@
   tensorrt_llm take draft_input_ids (issue 17; the configs only: no engine is built or run).
 - speculation cuda: the project's engine (TorchEngine) speculating on the card, random weights
   of SmolLM2's architecture (tests/gpu/speculation_cuda.py; `--prepare` it here and carry
-  build/gpu-spec): every speculative answer plain decoding's, greedy and seeded sampled, with
-  the times of both (TensorRT-LLM itself is not on the device machines: see that script).
+  build/gpu-spec): every greedy answer and every seeded sampled one (not speculated by
+  default) plain decoding's, with the times of both; a sampled request with speculate_sampled
+  on is reported, not counted (TensorRT-LLM itself is not on the device machines: see that
+  script).
+- nvml (issue 20): what NVML reports of each card; 1 GiB taken on card 0 must show; a budget
+  controller under a headroom must shrink. kv pool: the engine's KV pool on the card with its
+  budget following NVML's free memory while 35 % of it is taken and given back
+  (`squeeze_kv_pool`).
 - teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
   go wrong across cards; on one card it is a smoke test), then a new set must work. With two
   cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
@@ -514,8 +520,8 @@ def check_speculation_config() -> list[Row]:
 def check_speculation_cuda() -> list[Row]:
     """The engine's speculative decoding on this card (tests/gpu/speculation_cuda.py, its own
     process: random weights of SmolLM2-135M's architecture, files from build/gpu-spec/): every
-    speculative answer plain decoding's, greedy and seeded sampled. Its table is printed as it
-    runs; the row here says whether the answers were identical."""
+    counted answer plain decoding's (greedy speculated; seeded sampled, not speculated by
+    default). Its table is printed as it runs; the row here says whether they were identical."""
     script = Path(__file__).with_name("speculation_cuda.py")
     if not (ROOT / "build" / "gpu-spec" / "config.json").exists():
         hint = "FAIL: run speculation_cuda.py --prepare where the model is, and carry it"

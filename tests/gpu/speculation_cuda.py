@@ -35,8 +35,9 @@ Every counted speculative answer must equal plain decoding's, token for token (r
 matter for that: the output is the model's own choice either way); the speedups say what a
 verification pass costs on the device against single-token passes, for this architecture, not
 what real answers would accept. Times are CUDA-synchronized
-wall times of whole requests, the medians of `--repeats` back-to-back pairs. Exit status 0 when
-every answer is identical.
+wall times of whole requests, the medians of `--repeats` back-to-back pairs; the engine's index
+of recent answers is emptied before each case. Exit status 0 when every counted answer is
+identical.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main() -> int:
         return prepare(args.files, args.state_dir)
     import torch
 
+    from tiercache.engine.drafts import AnswerIndex
     from tiercache.exact.request import GenerationRequest
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -202,6 +204,9 @@ def main() -> int:
                  False),
             )  # fmt: skip
             for label, asked, drafts, expected, opted, counted in cases:
+                # the engine's index of recent answers emptied: the case before would draft
+                # this prompt's own answer from it (the first runs on the H200 did not)
+                engine.answers = AnswerIndex(engine.answers.max_tokens)
                 plain_s, spec_s, same, answers = [], [], True, set()
                 for _ in range(args.repeats):
                     text, _, seconds = timed(engine, asked, drafts, False)

@@ -2,7 +2,8 @@
 answer cached for the same prompt under another max_tokens, and from the answer of a neighbour
 the guard refused to serve; its answer is the one plain decoding (cache_control
 `no-speculate`) gives, and the ensemble reports its speculated tokens; a seeded sampled miss
-drafts from the greedy answer and keeps its seed's answer."""
+is decoded plainly (torch_llm's speculate_sampled is off by default) and keeps its seed's
+answer."""
 
 from __future__ import annotations
 

@@ -177,7 +177,10 @@ def test_a_sampled_answer_is_plain_decodings_for_its_seed(
     that seed, where the sample leaves the draft and a refused position is picked again
     included; where it follows the draft (a low temperature), passes are saved. Its answer
     does not join the scope's answer index (greedy answers only). Sampled requests speculate
-    only where the deployment opts in (speculate_sampled)."""
+    only where the deployment opts in (speculate_sampled): the equality holds for these seeds
+    and this prompt; in general a draw within a verification pass's rounding of a boundary
+    picks the neighbouring token (2 of 40 answers, docs/speculation.md), which the default
+    avoids."""
     engine.speculate_sampled = True
     greedy = run(engine, GenerationRequest(PROMPT, max_tokens=2 * MAX_TOKENS), (), False)[0]
     engine.answers = AnswerIndex()
@@ -278,7 +281,8 @@ def test_a_wrong_or_partly_right_answer_to_verify_gives_plain_decodings(
 
 def test_verifying_with_prompt_blocks_reused_and_a_sampled_request(engine: Any) -> None:
     """The prefill pass that verifies runs on the prompt's reused KV blocks too; a sampled
-    request's answer is verified with its seeded draws (plain decoding's for the seed)."""
+    request's answer (speculate_sampled on) is verified with its seeded draws (plain
+    decoding's for this seed: see the test above for why that is not a general guarantee)."""
     request = GenerationRequest(PROMPT, max_tokens=3 * BLOCK, tenant_scope="a" * 64)
     plain = run(engine, request, (), speculate=False)  # stores the prompt's blocks
     assert verified(engine, request, plain[0]) == plain  # reuses them
@@ -298,11 +302,12 @@ def test_by_default_a_sampled_request_is_decoded_plainly_whatever_it_was_sent(
     greedy = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
     answer = run(engine, greedy, (), speculate=False)
     sampled = replace(greedy, temperature=0.8, seed=4)
-    plain = run(engine, sampled, (), speculate=False)
     counted = Counted(engine, monkeypatch)
+    plain = run(engine, sampled, (), speculate=False)
+    plain_passes, counted.calls = counted.calls, 0
     assert run(engine, sampled, (answer[0],), speculate=True) == plain
     assert engine.last_drafter is None
-    assert counted.calls == plain[2]  # the prefill's pass picks the first token
+    assert counted.calls == plain_passes  # one pass per token, as plain decoding
     counted.calls = 0
     assert run(engine, greedy, (answer[0],), speculate=True) == answer
     assert engine.last_drafter is not None and engine.last_drafter.accepted_total > 0

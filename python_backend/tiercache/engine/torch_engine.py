@@ -217,13 +217,14 @@ class TorchEngine:
         """Stream the answer. The last event has `finish_reason`; its text ends the answer, and
         every event carries how many prompt tokens were reused from the KV pool and computed.
 
-        With `speculate` on, each step drafts tokens from `request.drafts` (texts it may well
-        repeat: cached answers in its scope, which llm sets), from its own prompt and from the
-        scope's recent greedy answers (tiercache.engine.drafts), and verifies them in one
-        forward pass: the model's own choice at every drafted position decides (greedy, or the
-        sampler's draw for that answer position: the one plain decoding takes there), so the
-        output is the one plain decoding gives; a step yields the picked token plus every draft
-        token the model agreed with.
+        With `speculate` on (and, for a sampled request, `speculate_sampled`), each step drafts
+        tokens from `request.drafts` (texts it may well repeat: cached answers in its scope,
+        which llm sets), from its own prompt and from the scope's recent greedy answers
+        (tiercache.engine.drafts), and verifies them in one forward pass: the model's own choice
+        at every drafted position decides (greedy, or the sampler's draw for that answer
+        position: the one plain decoding takes there), so the output is the one plain decoding
+        gives, up to the pass's rounding (see `__init__`); a step yields the picked token plus
+        every draft token the model agreed with.
 
         Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
         `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not

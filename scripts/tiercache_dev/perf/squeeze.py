@@ -29,16 +29,17 @@ Usage (root, on a machine whose memory cgroup controller this user may create gr
    once each tenant's scope has its first row, N random unit rows of the embedder's width are
    appended to it through the host's row log (this process, as another replica's llm would),
    `flat_max_rows` stays at its default (10,000), the graphs' ceiling is what four graphs of that
-   size are charged (`estimated_graph_bytes`) with a quarter more, and the clock starts once every
-   scope's graph is held (requests of each tenant until it is; each embedding_cache instance builds
-   the graphs of the scopes it searches), so the squeeze drops graphs of that size. With `--hits`,
-   3,000 answers of about 1,660 characters are warmed in first (cache_admin's `warm`: into L2,
-   about 5 MiB, more than L1's floor and less than its 64 MiB) and each asked for once before the
-   clock starts (so L1 holds them), the requests ask for them in turn (exact hits: from
-   prompt_cache's L1 while it holds them, else from L2), and prompt_cache has a hit latency
-   objective (`hit_objective_s`, `--hit-objective-ms`); the report adds the objective's states, the
-   lookups' p90 and the share of hits L1 answered per phase. The squeeze takes L1 to its floor
-   whatever the objective says (the headroom wins).
+   size are charged (`estimated_graph_bytes`) with a quarter more, and the clock starts once the
+   graphs held over the two embedding_cache instances add up to four scopes' worth (requests of
+   each tenant until they do; each instance builds the graphs of the scopes it searches, so that
+   need not be one of each scope), so the squeeze drops graphs of that size. With `--hits`, 3,000
+   answers of about 1,660 characters are warmed in first (cache_admin's `warm`: into L2, about 5
+   MiB, more than L1's floor and less than its 64 MiB) and each asked for once before the clock
+   starts (so L1 holds them), the requests ask for them in turn (exact hits: from prompt_cache's L1
+   while it holds them, else from L2), and prompt_cache has a hit latency objective
+   (`hit_objective_s`, `--hit-objective-ms`); the report adds the objective's states, the lookups'
+   p90 and the share of hits L1 answered per phase. The squeeze takes L1 to its floor whatever the
+   objective says (the headroom wins).
 5. After `--after-s` more, everything stops; every server process must still be alive and the
    group must have killed nothing (its OOM counter).
 
@@ -232,8 +233,8 @@ EMBEDDING_DIMENSIONS = 384  # the shipped embedder's width
 def seed_graph_rows(server: Any, state: Path, rows: int) -> None:
     """`--graph-rows`: each tenant's scope gets its first row through the server, then `rows`
     random unit rows appended through the host's row log; then requests of each tenant until
-    the four scopes' graphs are held, over embedding_cache's two instances (at most 10
-    minutes)."""
+    the graphs held over embedding_cache's two instances add up to four scopes' worth (at most
+    10 minutes)."""
     import numpy as np
 
     from tiercache.semantic.index import estimated_graph_bytes
