@@ -182,8 +182,9 @@ def _optional_float(value: object) -> float | None:
     return float(value)
 
 
-def peek_created_s(data: bytes) -> float:
-    """Creation time from the header alone (for eviction scans); raises `CorruptEntry`."""
+def peek_created_s(data: bytes | memoryview) -> float:
+    """Creation time from the header alone (for eviction scans: a value read in place, not
+    copied); raises `CorruptEntry`."""
     if len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
         raise CorruptEntry("bad header")
     return float(_HEADER.unpack_from(data)[1])

@@ -804,13 +804,13 @@ class LmdbStore:
             # the scan covers every entry, and copying them all made one eviction of a 2 GiB
             # file of 16 KB answers take 250 ms (perf.disk_squeeze); keys are copied
             with self._env.begin(buffers=True) as txn:
-                for key, value in txn.cursor():
+                for raw, value in txn.cursor():
                     try:
                         created_s = peek_created_s(value)
                     except CorruptEntry:
-                        broken.append(bytes(key))
+                        broken.append(bytes(raw))
                         continue
-                    ages.append((bytes(key), created_s))
+                    ages.append((bytes(raw), created_s))
                     sizes.append(len(value))
             share = self._evict_fraction if fraction is None else fraction
             count = max(1, int(len(ages) * share))
