@@ -186,7 +186,10 @@ def test_a_fresh_host_catches_up_then_follows_and_a_restart_resumes(
     wait_until(lambda: a.sharing.follower.stats().own == 151)
     assert a.sharing.follower.stats().added == 0
 
-    # B restarts: it resumes after the last id it stored and reads nothing again.
+    # B restarts: it resumes after the last id it stored and reads nothing again. (The row is
+    # visible once its batch's transaction commits; the follower's counts and last id are set
+    # just after: wait for them before reading the id.)
+    wait_until(lambda: b.sharing.follower.stats().added == 151)
     last_id = b.sharing.follower.stats().last_id
     b.close()
     b2 = open_host("b", redis_server.url, redis_prefix)
