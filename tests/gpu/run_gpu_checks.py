@@ -632,7 +632,8 @@ def squeeze_kv_pool(
     fall to its floor, the next request evict down to it, the engine hand the freed memory
     back (its cached blocks, where the card's reading sees them), and the budget return to the
     pool's size once the memory is back."""
-    from tiercache.budgets import BudgetController, cache_budget
+    from tiercache.budgets import BudgetController
+    from tiercache.engine.kv_cache import kv_pool_budget
     from tiercache.exact.request import GenerationRequest
 
     pool = engine.kv_pool
@@ -645,8 +646,7 @@ def squeeze_kv_pool(
         if pool.stats().bytes + 2 * block > ceiling:
             break
     filled = pool.stats().bytes
-    budget = cache_budget("kv_pool", floor, ceiling, pool.resize, pool.shadow_reading,
-                          lambda: pool.stats().bytes)  # fmt: skip
+    budget = kv_pool_budget(pool, floor, ceiling)  # as torch_llm builds it
     free = free_bytes()
     controller = BudgetController([budget], free_bytes, headroom_bytes=free * 3 // 4)
     rows: list[Row] = [("kv pool", "filled before the squeeze", "-", "-",

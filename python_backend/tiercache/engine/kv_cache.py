@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NewType, TypeVar
 
+from tiercache.budgets import Budget, cache_budget
 from tiercache.errors import ConfigError
 from tiercache.eviction import EvictionPolicy, ShadowChoicePolicy
 from tiercache.shadow import ShadowQueue, shadow_bytes
@@ -485,3 +486,14 @@ class KvBlockPool(Generic[P]):
         parent = block.parent
         if parent is not None:
             parent.children -= 1
+
+
+def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The KV pool's budget: between its floor and its fixed size, valued by what one more
+    byte would save (prefill of blocks it evicted lately, asked for again; a smaller budget is
+    applied by the engine thread, at the next request, so what it still holds counts as
+    `held`: `KvBlockPool.resize`)."""
+    return cache_budget(
+        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, pool.shadow_reading,
+        lambda: pool.stats().bytes,
+    )  # fmt: skip

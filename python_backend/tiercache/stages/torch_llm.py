@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from tiercache.budgets import Budget, BudgetThread, LatencyObjective, cache_budget
 from tiercache.config import EngineConfig, name_list
@@ -24,7 +24,7 @@ from tiercache.engine.adapters import (
     AdapterStats,
     EngineAdapters,
 )
-from tiercache.engine.kv_cache import KvBlockPool, KvStats
+from tiercache.engine.kv_cache import KvStats, kv_pool_budget
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.threads import ThreadRole, set_torch_threads
@@ -492,17 +492,6 @@ def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_byt
     return cache_budget(
         "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
         adapters.held_bytes,
-    )  # fmt: skip
-
-
-def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """The KV pool's budget: between its floor and its fixed size, valued by what one more
-    byte would save (prefill of blocks it evicted lately, asked for again; a smaller budget is
-    applied by the engine thread, at the next request, so what it still holds counts as
-    `held`: `KvBlockPool.resize`)."""
-    return cache_budget(
-        "kv_pool", floor_bytes, ceiling_bytes, pool.resize, pool.shadow_reading,
-        lambda: pool.stats().bytes,
     )  # fmt: skip
 
 

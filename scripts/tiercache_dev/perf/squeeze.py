@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.machine import HostMemoryProbe
+from tiercache.semantic.embedder import DEFAULT_EMBEDDER, KNOWN_EMBEDDERS
 from tiercache.server import copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_dev.console import invocation, progress
@@ -214,6 +215,7 @@ GRAPHS = {
 
 
 GRAPH_SCOPES = len(TENANTS)
+EMBEDDING_DIMENSIONS = KNOWN_EMBEDDERS[DEFAULT_EMBEDDER].dimensions  # the shipped embedder's
 
 
 def graph_params(rows: int) -> dict[str, str]:
@@ -225,9 +227,6 @@ def graph_params(rows: int) -> dict[str, str]:
 
     ceiling = GRAPH_SCOPES * estimated_graph_bytes(rows + 1_000, EMBEDDING_DIMENSIONS) * 5 // 4
     return {"semantic_graph_max_bytes": str(ceiling), "semantic_graph_min_bytes": "0"}
-
-
-EMBEDDING_DIMENSIONS = 384  # the shipped embedder's width
 
 
 def seed_graph_rows(server: Any, state: Path, rows: int) -> None:
