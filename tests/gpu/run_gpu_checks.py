@@ -623,6 +623,7 @@ def squeeze_kv_pool(
     take: Callable[[int], None],
     give_back: Callable[[], None],
     memory_label: str = "MiB free",
+    tag: str = "",
 ) -> list[Row]:
     """The engine's KV pool under a budget controller reading `free_bytes` (on a card: NVML's
     free memory), as torch_llm's gpu_memory_headroom_bytes runs it (the controller and the
@@ -631,18 +632,20 @@ def squeeze_kv_pool(
     and giving it back (`give_back`) clears the controller's 25 % hysteresis. The budget must
     fall to its floor, the next request evict down to it, the engine hand the freed memory
     back (its cached blocks, where the card's reading sees them), and the budget return to the
-    pool's size once the memory is back."""
+    pool's size once the memory is back. `tag` starts the filling prompts (a second run's
+    prompts must be new to the pool)."""
     from tiercache.budgets import BudgetController
     from tiercache.engine.kv_cache import kv_pool_budget
     from tiercache.exact.request import GenerationRequest
 
     pool = engine.kv_pool
-    ceiling, floor = pool.max_bytes, pool.max_bytes // 8
+    ceiling = pool.budget_bytes  # in force at the next request (a run before may leave it pending)
+    floor = ceiling // 8
     block = engine.kv_bytes_per_token * pool.tokens_per_block
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
     for i in range(64):  # distinct long prompts until the pool is full
         prompt = " ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(400))
-        list(engine.generate(GenerationRequest(f"{i}: {prompt}", max_tokens=2)))
+        list(engine.generate(GenerationRequest(f"{tag}{i}: {prompt}", max_tokens=2)))
         if pool.stats().bytes + 2 * block > ceiling:
             break
     filled = pool.stats().bytes
@@ -685,54 +688,220 @@ def squeeze_kv_pool(
     return rows
 
 
-def check_kv_pool_on_card(torch: Any) -> list[Row]:
-    """Issue 20 on the card: the project's engine (random weights of SmolLM2's architecture,
-    files from build/gpu-spec/) with a 96 MiB KV pool on cuda:0, its budget following NVML's
-    free memory of that card while this process takes and returns 35 % of it
-    (`squeeze_kv_pool`)."""
+# Another process holding memory on a card: what the budgets must answer in a shared machine.
+HOLDER = """
+import sys, torch
+block = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device=sys.argv[2])
+block.fill_(1)
+torch.cuda.synchronize()
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+class OtherProcess:
+    """`take(n)` starts another Python process that holds n bytes on `device` until
+    `give_back()` ends it (its CUDA context comes on top: also taken from the card)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.process: subprocess.Popen[str] | None = None
+
+    def take(self, n: int) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(n), self.device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().strip()
+        if line != "holding":
+            self.give_back()
+            raise RuntimeError(f"the other process did not take {n >> 20} MiB: {line!r}")
+
+    def give_back(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class ThisProcess:
+    """`take(n)` holds n bytes on `device` in this process; `give_back()` frees them."""
+
+    def __init__(self, torch: Any, device: str) -> None:
+        self.torch, self.device = torch, device
+        self.taken: list[Any] = []
+
+    def take(self, n: int) -> None:
+        block = self.torch.empty(n, dtype=self.torch.uint8, device=self.device)
+        block.fill_(1)
+        self.torch.cuda.synchronize()
+        self.taken.append(block)
+
+    def give_back(self) -> None:
+        self.taken.clear()
+        self.torch.cuda.empty_cache()
+
+
+def engine_on_card(
+    torch: Any, what: str, run: Callable[[Any, Callable[[], int]], list[Row]], **options: Any
+) -> list[Row]:
+    """`run(engine, free_bytes)` with the project's engine on cuda:0 (random weights of
+    SmolLM2's architecture, files from build/gpu-spec/; TorchEngine's keywords `options`) and
+    NVML's free memory of the card it runs on."""
     import tempfile
 
     from tiercache.machine import GpuMemoryProbe, nvml_card
 
     if torch is None:
-        return [("kv pool", "on the card", "-", "-", "-", "FAIL: no torch")]
+        return [(what, "on the card", "-", "-", "-", "FAIL: no torch")]
     files = ROOT / "build" / "gpu-spec"
     if not (files / "config.json").exists():
         hint = "FAIL: run speculation_cuda.py --prepare where the model is, and carry it"
-        return [("kv pool", "on the card", "-", "-", "no build/gpu-spec", hint)]
+        return [(what, "on the card", "-", "-", "no build/gpu-spec", hint)]
     sys.path.insert(0, str(Path(__file__).parent))
     from speculation_cuda import random_engine
 
     probe = GpuMemoryProbe()
     try:
-        with tempfile.TemporaryDirectory(prefix="tiercache-gpu-kv-") as tmp:
-            engine = random_engine(files, Path(tmp), "cuda:0", kv_reuse=True,
-                                   kv_pool_max_bytes=96 << 20)  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="tiercache-gpu-engine-") as tmp:
+            engine = random_engine(files, Path(tmp), "cuda:0", **options)
             index, uuid = engine.card()
             card = nvml_card(index, probe.read(), uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
             if card is None:
-                return [("kv pool", "on the card", "-", "-", "-",
+                return [(what, "on the card", "-", "-", "-",
                          f"FAIL: no NVML card for cuda:{index} ({probe.why_none})")]  # fmt: skip
             found = card.index
 
             def free_bytes() -> int:
                 return next(r.free_bytes for r in probe.read() if r.index == found)
 
-            taken: list[Any] = []
-
-            def take(n: int) -> None:
-                block = torch.empty(n, dtype=torch.uint8, device=engine.device)
-                block.fill_(1)
-                torch.cuda.synchronize()
-                taken.append(block)
-
-            def give_back() -> None:
-                taken.clear()
-                torch.cuda.empty_cache()
-
-            return squeeze_kv_pool(engine, free_bytes, take, give_back)
+            return run(engine, free_bytes)
     finally:
         probe.close()
+
+
+def check_kv_pool_on_card(torch: Any) -> list[Row]:
+    """Issue 20 on the card: the engine's 96 MiB KV pool on cuda:0, its budget following NVML's
+    free memory of that card while this process, then another process, takes and returns 35 %
+    of it (`squeeze_kv_pool`, once for each)."""
+
+    def run(engine: Any, free_bytes: Callable[[], int]) -> list[Row]:
+        rows: list[Row] = []
+        for holder, who in ((ThisProcess(torch, engine.device), "this process"),
+                            (OtherProcess(engine.device), "another process")):  # fmt: skip
+            found = squeeze_kv_pool(engine, free_bytes, holder.take, holder.give_back, tag=who)
+            rows += [(r[0], f"{r[1]} ({who})", *r[2:]) for r in found]
+        return rows
+
+    return engine_on_card(torch, "kv pool", run, kv_reuse=True, kv_pool_max_bytes=96 << 20)
+
+
+def squeeze_adapter_slots(
+    engine: Any,
+    free_bytes: Callable[[], int],
+    take: Callable[[int], None],
+    give_back: Callable[[], None],
+    allocated: Callable[[], int],
+) -> list[Row]:
+    """The engine's adapter slots holding the three bundled adapters, under the stage's own
+    budget (`adapter_slots_budget`, floor one adapter's bytes) and a controller reading
+    `free_bytes` while `take` holds 35 % of it (headroom 3/4 of it, as `squeeze_kv_pool`). The
+    budget must fall to its floor; the next request (an order for one adapter, as torch_llm's
+    call runs it) drop the other two, its answer unchanged, their bytes leaving `allocated`
+    (on a card: torch's allocator); and with the memory back (`give_back`) the budget must
+    return to its size and another adapter load without dropping the first."""
+    from tiercache.adapter_types import AdapterRef, AdapterWeights, adapter_digest
+    from tiercache.budgets import BudgetController
+    from tiercache.engine.adapters import GENERATE, LOAD, AdapterOrder, adapter_slots_budget
+    from tiercache.exact.request import GenerationRequest
+
+    def bundled(name: str, task_id: int) -> AdapterWeights:
+        config = (ROOT / "adapters" / name / "adapter_config.json").read_text()
+        weights = (ROOT / "adapters" / name / "adapter_model.safetensors").read_bytes()
+        ref = AdapterRef(name, task_id, adapter_digest(config.encode(), weights))
+        return AdapterWeights(ref, config, weights)
+
+    slots = engine.adapters
+    loaded = [bundled(name, n) for n, name in enumerate(("french", "caps", "brief"), 1)]
+    for weights in loaded:
+        slots.prepare(AdapterOrder(LOAD, weights.ref, weights))
+    caps = loaded[1].ref
+    ask = GenerationRequest("Say something about the sea.", max_tokens=8, lora_name=caps.name,
+                            lora_task_id=caps.task_id, lora_digest=caps.digest)  # fmt: skip
+
+    def answer() -> str:
+        slots.prepare(AdapterOrder(GENERATE, needs=caps))  # torch_llm's order for one call
+        return "".join(e.text for e in engine.generate(ask))
+
+    before_text = answer()
+    ceiling = slots.stats().slot_bytes
+    slot = ceiling // 3
+    slots.resize(ceiling)  # lora_max_bytes: what the three hold (the stage's ceiling)
+    budget = adapter_slots_budget(slots, slot, ceiling)
+    controller = BudgetController([budget], free_bytes, headroom_bytes=free_bytes() * 3 // 4)
+    held = slots.stats().resident
+    rows: list[Row] = [("adapter slots", "three adapters held", "-", "-",
+                        f"{ceiling >> 10} KiB in {held} slots",
+                        "ok" if held == 3 else "FAIL: not held")]  # fmt: skip
+
+    def ticks_until(done: Callable[[], bool], most: int = 12) -> int:
+        for n in range(1, most + 1):
+            controller.tick()
+            if done():
+                return n
+        return -1
+
+    take(free_bytes() * 35 // 100)
+    try:
+        n = ticks_until(lambda: budget.current_bytes == slot)
+        rows.append(("adapter slots", "squeezed: budget to its floor", "-", "-",
+                     f"{budget.current_bytes >> 10} KiB after {n} ticks",
+                     "ok" if n > 0 else "FAIL: budget not at its floor"))  # fmt: skip
+        before_bytes = allocated()
+        after_text = answer()
+        engine.release_cached_memory()
+        freed = before_bytes - allocated()
+        kept = [e["digest"] for e in slots.resident()] == [caps.digest]
+        same = after_text == before_text
+        rows.append(("adapter slots", "next request drops the other two", "-", "-",
+                     f"{slots.stats().resident} held, {freed >> 10} KiB freed, answer "
+                     f"{'same' if same else 'CHANGED'}",
+                     "ok" if kept and same and freed >= 2 * slot * 9 // 10
+                     else f"FAIL: {[e['name'] for e in slots.resident()]}"))  # fmt: skip
+    finally:
+        give_back()
+    n = ticks_until(lambda: budget.current_bytes == ceiling)
+    slots.prepare(AdapterOrder(LOAD, loaded[0].ref, loaded[0]))
+    both = slots.stats().resident == 2
+    rows.append(("adapter slots", "memory back: budget to its size", "-", "-",
+                 f"{budget.current_bytes >> 10} KiB after {n} ticks; "
+                 f"{slots.stats().resident} held after a load",
+                 "ok" if n > 0 and both else "FAIL: budget did not grow back"))  # fmt: skip
+    return rows
+
+
+def check_adapter_slots_on_card(torch: Any) -> list[Row]:
+    """Issue 20 on the card: `squeeze_adapter_slots` with the engine on cuda:0, NVML's free
+    memory of that card, another process taking it, and torch's allocated bytes."""
+
+    def run(engine: Any, free_bytes: Callable[[], int]) -> list[Row]:
+        other = OtherProcess(engine.device)
+
+        def allocated() -> int:
+            return int(torch.cuda.memory_allocated(engine.device))
+
+        return squeeze_adapter_slots(engine, free_bytes, other.take, other.give_back, allocated)
+
+    return engine_on_card(torch, "adapter slots", run, lora_slots=3, lora_max_bytes=1 << 30)
 
 
 def main() -> int:
@@ -780,6 +949,7 @@ def main() -> int:
     rows += run_check("speculation cuda", check_speculation_cuda)
     rows += run_check("nvml", lambda: check_nvml_budgets(torch))
     rows += run_check("kv pool", lambda: check_kv_pool_on_card(torch))
+    rows += run_check("adapter slots", lambda: check_adapter_slots_on_card(torch))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

@@ -113,7 +113,8 @@ def random_engine(files: Path, cache_dir: Path, device: str, **engine_options: A
     model.save_pretrained(folder)
     (folder / "COMPLETE").write_text(identity.revision)
     source = ModelSource(spec, folder / spec.gguf_file, identity)  # the GGUF is never read
-    return TorchEngine(source, cache_dir, device, 1, **{"kv_reuse": False, **engine_options})
+    options = {"lora_slots": 1, "kv_reuse": False, **engine_options}
+    return TorchEngine(source, cache_dir, device, **options)
 
 
 def pass_rounding(engine: Any, context: int = 64, new: int = 16) -> tuple[float, float]:
@@ -144,8 +145,15 @@ def timed(
 ) -> tuple[str, int, float]:
     import torch
 
+    from tiercache.engine.drafts import AnswerIndex
+
     engine.speculate = speculate
     engine.speculate_sampled = sampled
+    # the engine's index of recent answers emptied: every run before (a plain one too) would
+    # have left this prompt's own answer in it, to be drafted from whatever the case's drafts
+    # (the first runs on the H200, and the second's unrelated row, did not empty it at all or
+    # only once a case)
+    engine.answers = AnswerIndex(engine.answers.max_tokens)
     if engine.device.startswith("cuda"):
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -169,7 +177,6 @@ def main() -> int:
         return prepare(args.files, args.state_dir)
     import torch
 
-    from tiercache.engine.drafts import AnswerIndex
     from tiercache.exact.request import GenerationRequest
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -204,9 +211,6 @@ def main() -> int:
                  False),
             )  # fmt: skip
             for label, asked, drafts, expected, opted, counted in cases:
-                # the engine's index of recent answers emptied: the case before would draft
-                # this prompt's own answer from it (the first runs on the H200 did not)
-                engine.answers = AnswerIndex(engine.answers.max_tokens)
                 plain_s, spec_s, same, answers = [], [], True, set()
                 for _ in range(args.repeats):
                     text, _, seconds = timed(engine, asked, drafts, False)

@@ -75,6 +75,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from tiercache.adapter_types import AdapterRef, AdapterWeights, not_in_engine_message
+from tiercache.budgets import Budget, cache_budget
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.errors import CapacityError, ConfigError, Forbidden, InvalidRequest, NotFound
 from tiercache.eviction import EvictionPolicy, LruPolicy
@@ -762,3 +763,14 @@ class EngineAdapters:
         names = [] if target is None else [target.slot.name]
         for _, layer in self._layers:
             layer.set_adapter(names, inference_mode=True)
+
+
+def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The adapter slots' budget: between its floor and `lora_max_bytes`, valued by what one
+    more byte would save (loads of adapters the engine dropped for bytes lately, asked for
+    again); applied by the engine thread at the next request, so what the slots will free then
+    counts as `held` (never the one adapter that may stay over the budget alone)."""
+    return cache_budget(
+        "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
+        adapters.held_bytes,
+    )  # fmt: skip

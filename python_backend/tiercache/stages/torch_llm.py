@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from tiercache.budgets import Budget, BudgetThread, LatencyObjective, cache_budget
+from tiercache.budgets import Budget, BudgetThread, LatencyObjective
 from tiercache.config import EngineConfig, name_list
 from tiercache.engine.adapters import (
     EVICT,
@@ -22,7 +22,7 @@ from tiercache.engine.adapters import (
     LOAD,
     AdapterOrder,
     AdapterStats,
-    EngineAdapters,
+    adapter_slots_budget,
 )
 from tiercache.engine.kv_cache import KvStats, kv_pool_budget
 from tiercache.engine.model_source import resolve_model
@@ -482,17 +482,6 @@ def engine_budgets(engine: TorchEngine, config: EngineConfig) -> list[Budget]:
             adapter_slots_budget(engine.adapters, config.lora_min_bytes, config.lora_max_bytes)
         )
     return budgets
-
-
-def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_bytes: int) -> Budget:
-    """The adapter slots' budget: between its floor and `lora_max_bytes`, valued by what one
-    more byte would save (loads of adapters the engine dropped for bytes lately, asked for
-    again); applied by the engine thread at the next request, so what the slots will free then
-    counts as `held` (never the one adapter that may stay over the budget alone)."""
-    return cache_budget(
-        "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
-        adapters.held_bytes,
-    )  # fmt: skip
 
 
 def decode_call(
