@@ -149,10 +149,9 @@ def timed(
 
     engine.speculate = speculate
     engine.speculate_sampled = sampled
-    # the engine's index of recent answers emptied: every run before (a plain one too) would
-    # have left this prompt's own answer in it, to be drafted from whatever the case's drafts
-    # (the first runs on the H200, and the second's unrelated row, did not empty it at all or
-    # only once a case)
+    # the engine's index of recent answers emptied: a speculative run before this one (an
+    # earlier repeat) left this prompt's own answer in it, to be drafted from whatever the
+    # case's drafts (the H200's first runs did not empty it, a later fix only once a case)
     engine.answers = AnswerIndex(engine.answers.max_tokens)
     if engine.device.startswith("cuda"):
         torch.cuda.synchronize()
