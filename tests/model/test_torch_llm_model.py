@@ -743,8 +743,14 @@ def test_on_a_gpu_the_kv_pool_follows_the_cards_free_memory_through_nvml(
         assert pool.stats().bytes > 20 and pool.stats().evictions == 0
         nvml.free = 10 << 30  # another process took the card: 10 GiB free, 40 asked for
         wait_for(20)  # the floor, applied at the next request
-        instance.stage.metrics.flush()
-        (available,) = families["tiercache_memory_available_bytes"].metrics
+        # the tick resizes first and sets the gauges after (its on_tick): wait for that too
+        deadline = time.monotonic() + 10.0
+        while True:
+            instance.stage.metrics.flush()
+            (available,) = families["tiercache_memory_available_bytes"].metrics
+            if available.value() == 10 << 30 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert (available.labels["memory"], available.value()) == ("gpu", 10 << 30)
         (headroom,) = families["tiercache_memory_headroom_bytes"].metrics
         assert headroom.value() == 40 << 30

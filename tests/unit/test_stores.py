@@ -551,3 +551,48 @@ def test_l2_full_of_digest_keyed_answers_evicts_instead_of_failing(tmp_path: Pat
     newest = hashlib.sha256(b"5999").hexdigest()
     assert store.get(newest) is not None
     store.close()
+
+
+def test_l2_evicting_early_runs_on_its_own_thread_and_the_writes_never_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """evict_early (what the stages open): the write that enters the early band wakes the
+    store's evictor thread and goes on; every eviction runs there while the writes are slower
+    than it, none in a write; what survives is the newest (oldest first, as inline); closing
+    joins the thread. Without it, the write that reaches the mark evicts itself."""
+    import threading
+    import time
+
+    ran_in: list[str] = []
+    evict = LmdbStore._evict
+
+    def recorded(self: LmdbStore, fraction: float | None = None) -> None:
+        ran_in.append(threading.current_thread().name)
+        evict(self, fraction)
+
+    monkeypatch.setattr(LmdbStore, "_evict", recorded)
+    early = LmdbStore(tmp_path / "early", 4 << 20, evict_early=True)
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(6_000)]
+    for i, key in enumerate(keys):
+        early.put(key, entry("x" * 400, float(i)))
+        if early.stats().bytes > (4 << 20) * 0.75 * 0.96:  # in the band: let it catch up
+            deadline = time.monotonic() + 10.0
+            while early.stats().bytes > (4 << 20) * 0.75 * 0.96 and time.monotonic() < deadline:
+                time.sleep(0.005)
+    stats = early.stats()
+    assert stats.evictions > 0 and 0 < stats.entries < len(keys)
+    present = [k for k in keys if early.get(k) is not None]
+    assert present == keys[len(keys) - len(present) :]  # oldest first
+    evictor = early._evictor
+    early.close()  # joins an eviction still under way
+    assert evictor is not None and not evictor.is_alive()
+    assert ran_in and set(ran_in) == {"l2-evict"}  # never in a write
+    assert early.early_evictions == len(ran_in)
+
+    ran_in.clear()
+    inline = LmdbStore(tmp_path / "inline", 4 << 20)
+    for i, key in enumerate(keys):
+        inline.put(key, entry("x" * 400, float(i)))
+    assert ran_in and set(ran_in) == {threading.current_thread().name}
+    assert inline.early_evictions == 0 and inline._evictor is None
+    inline.close()

@@ -624,13 +624,22 @@ class LmdbStore:
         clock: Callable[[], float] = time.time,
         values: EntryValues | None = None,
         disk: DiskRoom | None = None,
+        evict_early: bool = False,
     ) -> None:
         """`disk`: the state directory's free disk (None: not watched). While it is short,
         writes keep the live pages under (1 - headroom_fraction) of the size the file had when
         the shortage began, so the file stops growing; while it is critical, under
         (1 - 2 x headroom_fraction) of it, so a write finds free pages inside the file even
         when the disk has none left. L2 keeps taking answers either way: on a host without
-        Redis it is how the answers `llm` writes reach prompt_cache and embedding_cache."""
+        Redis it is how the answers `llm` writes reach prompt_cache and embedding_cache.
+
+        `evict_early` (what the stages open): a write that brings the live pages within half
+        an eviction's share (`evict_fraction` / 2) of the mark starts the eviction on this
+        store's own thread and goes on, so the write that would reach the mark finds room
+        instead of waiting for a scan of every entry (the miss whose answer it is waits for
+        its write). A write that reaches the mark all the same (writes faster than an eviction)
+        evicts itself, as without it. Off: every eviction runs in the write that reaches the
+        mark (deterministic: tests and tools)."""
         self.path = path
         self._max_bytes = max_bytes
         self._values = values
@@ -650,6 +659,11 @@ class LmdbStore:
         self._evicted_hits = self._removed = 0  # this process's evictions' and deletions'
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
         self._resized_logged_s = -60.0
+        self._evict_early = evict_early
+        self._early = threading.Event()  # set: the evictor thread looks at the mark again
+        self._evictor: threading.Thread | None = None  # started at the first early eviction
+        self._closing = False
+        self._early_evictions = 0  # evictions this store's own thread ran ahead of the writes
 
     @property
     def disk(self) -> DiskRoom | None:
@@ -697,19 +711,14 @@ class LmdbStore:
         data = encode_entry(entry)
         disk = ROOM if self._disk is None else self._disk.state()
         with self._resized_is_an_error():
-            with self._evict_lock:  # one evicting thread per process; the others re-check after
-                limit = self._high_water_bytes
-                if disk == ROOM:
-                    self._short_file_bytes = 0
-                else:
-                    if not self._short_file_bytes:  # pinned (a limit that followed the file
-                        self._short_file_bytes = self._file_bytes()  # would let it grow)
-                    if self._short_file_bytes:
-                        share = self._headroom_fraction * (2.0 if disk == CRITICAL else 1.0)
-                        kept = int(self._short_file_bytes * max(1.0 - share, 0.0))
-                        limit = min(limit, kept)
-                if self._live_bytes() + len(data) > limit:
-                    self._evict()
+            live = self._live_bytes() + len(data)
+            limit = self._limit(disk)
+            if live > limit:
+                with self._evict_lock:  # one evicting thread per process; the others re-check
+                    if self._live_bytes() + len(data) > self._limit(disk):  # after it
+                        self._evict()
+            elif self._evict_early and live > limit - self._early_band(limit):
+                self._evict_soon()
             try:
                 self._write(key.encode(), data)
             except lmdb.MapFullError:
@@ -725,6 +734,64 @@ class LmdbStore:
             self._values.admitted(
                 key, len(data), entry.generation_s, entry.endorsements, entry.created_s
             )
+
+    def _limit(self, disk: str) -> int:
+        """The live bytes writes keep under: the high-water mark, and while the disk is short
+        (`disk`: DiskRoom's state), a share of the file's size when the shortage began (pinned:
+        a limit that followed the file would let it grow)."""
+        with self._lock:
+            if disk == ROOM:
+                self._short_file_bytes = 0
+                return self._high_water_bytes
+            if not self._short_file_bytes:
+                self._short_file_bytes = self._file_bytes()
+            if not self._short_file_bytes:
+                return self._high_water_bytes
+            share = self._headroom_fraction * (2.0 if disk == CRITICAL else 1.0)
+            kept = int(self._short_file_bytes * max(1.0 - share, 0.0))
+            return min(self._high_water_bytes, kept)
+
+    def _early_band(self, limit: int) -> int:
+        """How far under `limit` an early eviction starts: half of what one eviction frees."""
+        return int(limit * self._evict_fraction / 2)
+
+    def _evict_soon(self) -> None:
+        """Wake this store's evictor thread (started at the first call)."""
+        with self._lock:
+            if self._closing:
+                return
+            if self._evictor is None:
+                self._evictor = threading.Thread(
+                    target=self._evict_ahead, name="l2-evict", daemon=True
+                )
+                self._evictor.start()
+        self._early.set()
+
+    def _evict_ahead(self) -> None:
+        """The evictor thread: at each wake-up, evict if the live pages are still within the
+        early band (another thread or process may have evicted meanwhile). A failure is logged
+        and left to the write that reaches the mark."""
+        while True:
+            self._early.wait()
+            self._early.clear()
+            if self._closing:
+                return
+            try:
+                disk = ROOM if self._disk is None else self._disk.state()
+                with self._resized_is_an_error(), self._evict_lock:
+                    limit = self._limit(disk)
+                    if self._live_bytes() > limit - self._early_band(limit):
+                        self._evict()
+                        with self._lock:
+                            self._early_evictions += 1
+            except Exception:  # noqa: BLE001 - the write that reaches the mark evicts instead
+                log.exception("L2 %s: evicting ahead of the writes failed", self.path)
+
+    @property
+    def early_evictions(self) -> int:
+        """Evictions this store's own thread ran ahead of the writes (`evict_early`)."""
+        with self._lock:
+            return self._early_evictions
 
     def _write_after_freeing(
         self, key: str, entry: CacheEntry, data: bytes, exc: lmdb.Error
@@ -961,6 +1028,12 @@ class LmdbStore:
             self._corrupt += corrupt
 
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            evictor = self._evictor
+        if evictor is not None:  # an eviction under way finishes first: its transactions
+            self._early.set()  # must end before the environment closes
+            evictor.join()
         if self._values is not None:
             self._values.close()
         self._env.close()

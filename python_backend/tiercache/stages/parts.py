@@ -126,7 +126,10 @@ def open_exact_cache(
     values = open_l2_values(config, clock)
     try:
         disk = DiskRoom(config.state_path(), config.disk_headroom_bytes)
-        l2 = LmdbStore(config.l2_path(), config.l2_max_bytes, clock=clock, values=values, disk=disk)
+        l2 = LmdbStore(
+            config.l2_path(), config.l2_max_bytes, clock=clock, values=values, disk=disk,
+            evict_early=True,  # a miss's write-back never waits for a scan of L2
+        )  # fmt: skip
     except BaseException:
         if values is not None:
             values.close()
