@@ -51,6 +51,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -715,7 +716,8 @@ class OtherProcess:
             text=True,
         )
         assert self.process.stdout is not None
-        line = self.process.stdout.readline().strip()
+        ready, _, _ = select.select([self.process.stdout], [], [], 120.0)  # a hung CUDA start
+        line = self.process.stdout.readline().strip() if ready else "(no answer in 120 s)"
         if line != "holding":
             self.give_back()
             raise RuntimeError(f"the other process did not take {n >> 20} MiB: {line!r}")

@@ -596,3 +596,46 @@ def test_l2_evicting_early_runs_on_its_own_thread_and_the_writes_never_scan(
     assert ran_in and set(ran_in) == {threading.current_thread().name}
     assert inline.early_evictions == 0 and inline._evictor is None
     inline.close()
+
+
+def test_l2_eviction_keeps_a_victim_written_again_since_its_scan(tmp_path: Path) -> None:
+    """An eviction deletes by name what its scan chose; a key written again meanwhile (a fresh
+    answer: the writes go on while L2 evicts on its own thread) stays."""
+    store = LmdbStore(tmp_path / "l2", 1 << 20)
+    store.put("fresh", entry("new answer", created_s=5.0))
+    store.put("stale", entry("old answer", created_s=2.0))
+    scanned = {b"fresh": 1.0, b"stale": 2.0}  # what the scan saw: fresh was older then
+    assert store._delete_chunked([b"fresh", b"stale"], scanned) == [b"stale"]
+    assert store.get("fresh") == entry("new answer", created_s=5.0)
+    assert store.get("stale") is None
+    store.close()
+
+
+def test_l2_evicting_early_pauses_after_an_eviction_that_freed_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every write in the early band wakes the evictor; when its eviction frees nothing, it
+    does not scan again at each of them (a pause of DISK_RETRY_PAUSE_S)."""
+    import time
+
+    store = LmdbStore(tmp_path / "l2", 4 << 20, evict_early=True)
+    limit = (4 << 20) * 0.75
+    i = 0
+    while store.stats().bytes < limit * 0.9:
+        i += 1
+        store.put(f"k{i:06d}", entry("x" * 400, float(i)))
+    calls: list[float] = []
+    monkeypatch.setattr(LmdbStore, "_evict", lambda self, fraction=None: calls.append(0.0))
+    while store.stats().bytes < limit * 0.97:  # into the band, under the mark
+        i += 1
+        store.put(f"k{i:06d}", entry("x" * 400, float(i)))
+        time.sleep(0.002)  # the evictor wakes between writes
+    deadline = time.monotonic() + 5.0
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(50):  # more writes in the band within the pause
+        i += 1
+        store.put(f"k{i:06d}", entry("x" * 40, float(i)))
+        time.sleep(0.002)
+    store.close()
+    assert len(calls) == 1

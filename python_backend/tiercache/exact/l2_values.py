@@ -257,18 +257,20 @@ class L2Values:
         except Exception:  # noqa: BLE001 - advice only
             self._failed("reading values")
             return None
-        weights = sorted(record[1] for record, _, _ in found if record is not None)
-        fresh = inflation + (weights[len(weights) // 2] if weights else 0.0)
+        # the weights' upper median, and the ranking below, in numpy: a sort of Python objects
+        # holds the interpreter lock for its whole length, stalling the host's writes when this
+        # runs on L2's evictor thread (tens of ms at tens of thousands of entries)
+        weights = np.fromiter((r[1] for r, _, _ in found if r is not None), dtype=np.float64)
+        middle = len(weights) // 2
+        fresh = inflation + (float(np.partition(weights, middle)[middle]) if len(weights) else 0.0)
 
         def value(record: tuple[float, ...] | None, created_s: float) -> float:
             if record is not None:
                 return record[0]
             return fresh if created_s >= last_eviction_s else inflation
 
-        # ranked in numpy (lowest value, then oldest, then L2's key order, as the cursor gave
-        # them): a sort of Python tuples holds the interpreter lock for its whole length (about
-        # 50 ms at 44,000 entries), stalling the host's writes when this runs on L2's evictor
-        # thread; numpy's numeric sort does not
+        # lowest value, then oldest, then L2's key order (as the cursor gave them: lexsort is
+        # stable)
         n = len(found)
         values = np.fromiter((value(r, c) for r, c, _ in found), dtype=np.float64, count=n)
         created = np.fromiter((c for _, c, _ in found), dtype=np.float64, count=n)
@@ -282,19 +284,27 @@ class L2Values:
         given_up = 0
         try:
             victims = list(victims)
+            with self._env.begin() as txn:  # L's new level first: every chunk raises it whole
+                top = max(
+                    (r[0] for raw_key in victims if (r := self._record(txn.get(raw_key)))),
+                    default=-math.inf,
+                )
             # in chunks: one write transaction over a tenth of L2's records would hold this
             # file's write lock, and with it every write-back's `admitted`, for its whole length
             for start in range(0, max(len(victims), 1), EVICTED_CHUNK):
+                chunk_given_up = 0
                 with self._env.begin(write=True) as txn:
                     meta = self._meta(txn)
+                    meta[0] = max(meta[0], top)
                     for raw_key in victims[start : start + EVICTED_CHUNK]:
                         record = self._record(txn.get(raw_key))
                         if record is not None:
                             meta[0] = max(meta[0], record[0])
-                            given_up += max(record[2] - 1, 0)
+                            chunk_given_up += max(record[2] - 1, 0)
                             txn.delete(raw_key)
                     meta[4] = self.now()
                     txn.put(_META_KEY, self._pack_meta(meta))
+                given_up += chunk_given_up  # committed
             with self._env.begin() as txn:  # a snapshot: writers go on meanwhile
                 repeats = [
                     max(record[2] - 1, 0)

@@ -585,7 +585,7 @@ DELETE_CHUNK = 64  # L2 entries deleted per write transaction when evicting
 DISK_RETRY_PAUSE_S = 2.0  # after a write the full disk failed twice: no eviction for it until
 
 
-def _created_s(data: bytes) -> float:
+def _created_s(data: bytes | memoryview) -> float:
     """A held value's creation time; a damaged one counts as the oldest (it may go)."""
     try:
         return peek_created_s(data)
@@ -664,6 +664,8 @@ class LmdbStore:
         self._evictor: threading.Thread | None = None  # started at the first early eviction
         self._closing = False
         self._early_evictions = 0  # evictions this store's own thread ran ahead of the writes
+        self._early_pause_until_s = 0.0  # after one that failed or freed nothing: none before
+        self._early_logged_s = -60.0
 
     @property
     def disk(self) -> DiskRoom | None:
@@ -769,23 +771,35 @@ class LmdbStore:
 
     def _evict_ahead(self) -> None:
         """The evictor thread: at each wake-up, evict if the live pages are still within the
-        early band (another thread or process may have evicted meanwhile). A failure is logged
-        and left to the write that reaches the mark."""
+        early band (another thread or process may have evicted meanwhile). An eviction that
+        failed or freed nothing pauses it for `DISK_RETRY_PAUSE_S` (each write in the band
+        would start another scan of every entry); a failure is logged once a minute, and left
+        to the write that reaches the mark."""
         while True:
             self._early.wait()
             self._early.clear()
             if self._closing:
                 return
+            if time.monotonic() < self._early_pause_until_s:
+                continue
             try:
                 disk = ROOM if self._disk is None else self._disk.state()
                 with self._resized_is_an_error(), self._evict_lock:
                     limit = self._limit(disk)
-                    if self._live_bytes() > limit - self._early_band(limit):
-                        self._evict()
-                        with self._lock:
-                            self._early_evictions += 1
+                    before = self._live_bytes()
+                    if before <= limit - self._early_band(limit):
+                        continue
+                    self._evict()
+                    with self._lock:
+                        self._early_evictions += 1
+                    if self._live_bytes() >= before:  # nothing freed: do not scan again at once
+                        self._early_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
             except Exception:  # noqa: BLE001 - the write that reaches the mark evicts instead
-                log.exception("L2 %s: evicting ahead of the writes failed", self.path)
+                self._early_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
+                now = time.monotonic()
+                if now - self._early_logged_s >= 60.0:  # once a minute
+                    self._early_logged_s = now
+                    log.exception("L2 %s: evicting ahead of the writes failed", self.path)
 
     @property
     def early_evictions(self) -> int:
@@ -879,6 +893,8 @@ class LmdbStore:
                         continue
                     ages.append((bytes(raw), created_s))
                     sizes.append(len(value))
+            if self._closing:  # closing while the scan ran: nothing deleted
+                return
             share = self._evict_fraction if fraction is None else fraction
             count = max(1, int(len(ages) * share))
             chosen = None if self._values is None else self._values.nominate(ages, count)
@@ -889,7 +905,8 @@ class LmdbStore:
             victims = chosen + broken
         finally:
             policy.clear()
-        deleted = self._delete_chunked(victims)
+        scanned = dict(ages)
+        deleted = self._delete_chunked(victims, scanned)
         self._count(evictions=len(deleted))
         if self._values is not None:
             given_up = self._values.evicted(deleted)
@@ -898,19 +915,24 @@ class LmdbStore:
             with self._lock:
                 self._evicted_hits += given_up
 
-    def _delete_chunked(self, keys: list[bytes]) -> list[bytes]:
+    def _delete_chunked(
+        self, keys: list[bytes], scanned: dict[bytes, float] | None = None
+    ) -> list[bytes]:
         """Delete `keys` in key order, `DELETE_CHUNK` per transaction (a chunk that does not
         fit is split down to single keys); the keys that were there. One transaction over a
         tenth of the keys would copy nearly every leaf page (digests are spread over all of
         them), more than the free quarter of the map, and fail; committed chunks free pages
-        for the next ones."""
+        for the next ones. A key whose entry is newer than `scanned` saw it (written again
+        since the scan: a fresh answer) stays. Stops between chunks when the store closes."""
         deleted: list[bytes] = []
+        scanned = scanned or {}
         pending = [sorted(keys)[i : i + DELETE_CHUNK] for i in range(0, len(keys), DELETE_CHUNK)]
-        while pending:
+        while pending and not self._closing:
             chunk = pending.pop(0)
             try:
-                with self._env.begin(write=True) as txn:
-                    gone = [key for key in chunk if txn.delete(key)]  # another writer may have won
+                # buffers: each victim's header read in place (valid until the delete)
+                with self._env.begin(write=True, buffers=True) as txn:
+                    gone = [key for key in chunk if self._still_old(txn, key, scanned)]
             except (lmdb.MapFullError, lmdb.DiskError):  # a delete copies pages too
                 if len(chunk) == 1:
                     log.warning("L2 %s is too full to delete even one entry", self.path)
@@ -920,6 +942,20 @@ class LmdbStore:
                 continue
             deleted += gone
         return deleted
+
+    @staticmethod
+    def _still_old(txn: lmdb.Transaction, key: bytes, scanned: dict[bytes, float]) -> bool:
+        """Delete `key` in `txn` unless it was written again since the scan (its entry newer
+        than `scanned` says; a key the scan found damaged goes whatever it holds); whether it
+        went (another writer may have deleted it first)."""
+        seen = scanned.get(key)
+        if seen is not None:
+            held = txn.get(key)
+            if held is None:
+                return False
+            if _created_s(held) > seen:
+                return False
+        return bool(txn.delete(key))
 
     def endorse(self, key: str, created_s: float, endorsements: int) -> int:
         """The held copy of `key`'s answer made at `created_s` now has `endorsements` `good`
