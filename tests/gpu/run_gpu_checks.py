@@ -30,8 +30,11 @@
   script).
 - nvml (issue 20): what NVML reports of each card; 1 GiB taken on card 0 must show; a budget
   controller under a headroom must shrink. kv pool: the engine's KV pool on the card with its
-  budget following NVML's free memory while 35 % of it is taken and given back
-  (`squeeze_kv_pool`).
+  budget following NVML's free memory while 35 % of it is taken and given back, by this
+  process and then by another one (`squeeze_kv_pool`, `OtherProcess`). adapter slots: the
+  engine's slots holding the three bundled adapters under the stage's budget while another
+  process takes 35 % of the card: down to one adapter, its answer unchanged, and back
+  (`squeeze_adapter_slots`).
 - teardown: ReplicaSets dropped right after a large broadcast, copies in flight (this can only
   go wrong across cards; on one card it is a smoke test), then a new set must work. With two
   cards and PyTorch, dropping objects on card 1 must leave the current device at 0.
