@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -20,7 +21,7 @@ from tiercache.errors import (
     Unavailable,
 )
 from tiercache.exact.codec import CacheEntry
-from tiercache.exact.stores import MemoryStore
+from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.vocabulary import Tier
 
@@ -239,6 +240,30 @@ def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:
     values = (entries.metric.value(), nbytes.metric.value(), evictions.counter.metric.value())
     assert values == (3, store.stats().bytes, 2)
     assert nbytes.metric.value() == store.stats().max_bytes
+
+
+def test_store_metrics_count_l2s_evictions_ahead_of_the_writes(
+    tb: ModuleType, tmp_path: Path
+) -> None:
+    """L2 with evict_early: its evictions on its own thread are counted, once each."""
+    import time
+
+    store = LmdbStore(tmp_path / "l2", 4 << 20, evict_early=True)
+    metrics = tb.Metrics("m")
+    store_metrics = tb.StoreMetrics(metrics, TieredCache([(Tier.L2, store)]))
+    (early,) = store_metrics._early.values()
+    i = 0
+    deadline = time.monotonic() + 30.0
+    while store.stats().early_evictions < 2 and time.monotonic() < deadline:
+        i += 1
+        store.put(f"k{i:06d}", CacheEntry("x" * 400, float(i)))
+        if store.stats().bytes > (4 << 20) * 0.75 * 0.96:  # in the band: let it run
+            time.sleep(0.01)
+    metrics.flush()
+    metrics.flush()  # not counted twice
+    seen = store.stats().early_evictions
+    store.close()
+    assert seen >= 2 and early.counter.metric.value() == seen
 
 
 class _Stream:

@@ -65,6 +65,9 @@ class StoreStats:
     # the bytes those keys span (tiercache.shadow: with both, what one more byte saves)
     shadow_gained_s: float = 0.0
     shadow_bytes: int = 0
+    # L2 with `evict_early`: evictions its own thread ran ahead of the writes (the others ran
+    # in the write that reached the mark)
+    early_evictions: int = 0
 
 
 class Store(Protocol):
@@ -1054,6 +1057,7 @@ class LmdbStore:
                 rejected=self._rejected,
                 removed=self._removed,
                 hit_skew=skew,
+                early_evictions=self._early_evictions,
             )
 
     def _count(self, hits: int = 0, misses: int = 0, evictions: int = 0, corrupt: int = 0) -> None:

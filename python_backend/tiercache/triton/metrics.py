@@ -305,7 +305,17 @@ class StoreMetrics:
         self._gauges: dict[Tier, tuple[_DeferredMetric, _DeferredMetric, DeltaCounter]] = {}
         self._value: dict[Tier, tuple[DeltaCounter, DeltaCounter, DeltaCounter, _DeferredMetric]]
         self._value = {}
+        self._early: dict[Tier, DeltaCounter] = {}
         for tier, store in cache.stores():
+            if tier is Tier.L2:
+                self._early[tier] = DeltaCounter(
+                    metrics.counter(
+                        "tiercache_cache_early_evictions_total",
+                        "L2 evictions run on its own thread ahead of the writes (the others in "
+                        "the write that reached the mark, which waited for them)",
+                        tier=tier.value,
+                    )
+                )
             self._gauges[tier] = (
                 metrics.gauge("tiercache_cache_entries", "Entries per tier", tier=tier.value),
                 metrics.gauge("tiercache_cache_bytes", "Bytes per tier", tier=tier.value),
@@ -354,6 +364,9 @@ class StoreMetrics:
             entries.set(stats.entries)
             nbytes.set(stats.bytes)
             evictions.update(stats.evictions)
+            early = self._early.get(tier)
+            if early is not None:
+                early.update(stats.early_evictions)
             value = self._value.get(tier)
             if value is not None:
                 evicted_hits, rejected, removed, skew = value
