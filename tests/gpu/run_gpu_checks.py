@@ -621,6 +621,15 @@ def check_nvml_budgets(torch: Any) -> list[Row]:
     return rows
 
 
+def ticks_until(controller: Any, done: Callable[[], bool], most: int = 12) -> int:
+    """Tick `controller` until `done()`; how many ticks it took (-1: not within `most`)."""
+    for n in range(1, most + 1):
+        controller.tick()
+        if done():
+            return n
+    return -1
+
+
 def squeeze_kv_pool(
     engine: Any,
     free_bytes: Callable[[], int],
@@ -660,16 +669,9 @@ def squeeze_kv_pool(
                         f"{filled >> 20} of {ceiling >> 20} MiB",
                         "ok" if filled > ceiling // 2 else "FAIL: pool not filled")]  # fmt: skip
 
-    def ticks_until(done: Callable[[], bool], most: int = 12) -> int:
-        for n in range(1, most + 1):
-            controller.tick()
-            if done():
-                return n
-        return -1
-
     take(free * 35 // 100)
     try:
-        n = ticks_until(lambda: pool.budget_bytes == floor)
+        n = ticks_until(controller, lambda: pool.budget_bytes == floor)
         rows.append(("kv pool", "squeezed: budget to its floor", "-", "-",
                      f"{pool.budget_bytes >> 20} MiB after {n} ticks",
                      "ok" if n > 0 else "FAIL: budget not at its floor"))  # fmt: skip
@@ -685,7 +687,7 @@ def squeeze_kv_pool(
                      else f"FAIL: {evicted >> 20} MiB evicted"))  # fmt: skip
     finally:
         give_back()
-    n = ticks_until(lambda: pool.budget_bytes == ceiling)
+    n = ticks_until(controller, lambda: pool.budget_bytes == ceiling)
     rows.append(("kv pool", "memory back: budget to its size", "-", "-",
                  f"{pool.budget_bytes >> 20} MiB after {n} ticks",
                  "ok" if n > 0 else "FAIL: budget did not grow back"))  # fmt: skip
@@ -858,16 +860,9 @@ def squeeze_adapter_slots(
                         f"{ceiling >> 10} KiB in {held} slots",
                         "ok" if held == 3 else "FAIL: not held")]  # fmt: skip
 
-    def ticks_until(done: Callable[[], bool], most: int = 12) -> int:
-        for n in range(1, most + 1):
-            controller.tick()
-            if done():
-                return n
-        return -1
-
     take(free_bytes() * 35 // 100)
     try:
-        n = ticks_until(lambda: budget.current_bytes == slot)
+        n = ticks_until(controller, lambda: budget.current_bytes == slot)
         rows.append(("adapter slots", "squeezed: budget to its floor", "-", "-",
                      f"{budget.current_bytes >> 10} KiB after {n} ticks",
                      "ok" if n > 0 else "FAIL: budget not at its floor"))  # fmt: skip
@@ -884,7 +879,7 @@ def squeeze_adapter_slots(
                      else f"FAIL: {[e['name'] for e in slots.resident()]}"))  # fmt: skip
     finally:
         give_back()
-    n = ticks_until(lambda: budget.current_bytes == ceiling)
+    n = ticks_until(controller, lambda: budget.current_bytes == ceiling)
     slots.prepare(AdapterOrder(LOAD, loaded[0].ref, loaded[0]))
     both = slots.stats().resident == 2
     rows.append(("adapter slots", "memory back: budget to its size", "-", "-",
