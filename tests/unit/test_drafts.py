@@ -12,6 +12,7 @@ from tiercache.engine.drafts import (
     MIN_DRAFT_TOKENS,
     AnswerIndex,
     Drafter,
+    prefill_draft,
 )
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -156,3 +157,15 @@ def test_a_long_partly_kept_draft_leaves_its_source_within_the_cap() -> None:
     drafter.source = "verify"
     drafter.accepted(300, 120)
     assert drafter.by_source["verify"].length == MAX_DRAFT_TOKENS
+
+
+def test_the_prefill_pass_verifies_a_hits_answer_else_a_greedy_requests_own_answer() -> None:
+    """A semantic hit's answer to verify goes into the prefill pass first; without one, a
+    greedy request's own prompt's cached answer does (the model repeats it); a sampled
+    request's does not, nor a neighbour's, the index's or an empty answer."""
+    verify, answer, neighbour = ("verify", [1, 2]), ("answer", [3, 4, 5]), ("neighbour", [6])
+    assert prefill_draft([answer, verify], greedy=True) == ("verify", [1, 2])
+    assert prefill_draft([neighbour, answer], greedy=True) == ("answer", [3, 4, 5])
+    assert prefill_draft([neighbour, answer], greedy=False) == ("", [])
+    assert prefill_draft([answer, verify], greedy=False) == ("verify", [1, 2])
+    assert prefill_draft([("answer", []), neighbour], greedy=True) == ("", [])

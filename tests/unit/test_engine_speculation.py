@@ -261,6 +261,29 @@ def test_the_models_own_answer_is_verified_in_the_prefill_pass_alone(
     assert plain[1] == ("length" if prompt == PROMPT else "stop")
 
 
+def test_a_greedy_requests_cached_answer_is_verified_in_the_prefill_pass(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same prompt's answer cached under a smaller max_tokens (source `answer`) is checked
+    whole in the prefill pass, then decoding goes on past it: the answer is plain decoding's,
+    and the cached part costs one pass instead of drafts of at most MAX_DRAFT_TOKENS."""
+    from tiercache.engine.drafts import MAX_DRAFT_TOKENS
+
+    short = run(engine, GenerationRequest(PROMPT, max_tokens=MAX_DRAFT_TOKENS + 8), (), False)
+    assert short[1] == "length"  # cut: the longer request goes on past it
+    longer = GenerationRequest(PROMPT, max_tokens=MAX_DRAFT_TOKENS + 24)
+    plain = run(engine, longer, (), speculate=False)
+    counted = Counted(engine, monkeypatch)
+    assert run(engine, longer, (short[0],), speculate=True) == plain
+    first = engine.last_drafter.steps[0]
+    assert first == ("answer", short[2], short[2])  # the whole cached answer, in one step
+    assert counted.calls <= 1 + (plain[2] - short[2])  # the prefill, then at most a pass a token
+    sampled = replace(longer, temperature=0.8, seed=4)  # not for a sampled request
+    engine.speculate_sampled = True
+    run(engine, sampled, (short[0],), speculate=True)
+    assert all(proposed <= MAX_DRAFT_TOKENS for _, proposed, _ in engine.last_drafter.steps)
+
+
 @pytest.mark.parametrize(
     "answer",
     [

@@ -62,6 +62,24 @@ class _Answer:
         _ngram_ends(self.tokens, 0, len(self.tokens), self.ends)  # each with a token after it
 
 
+def prefill_draft(
+    answers: Iterable[tuple[str, Sequence[int]]], greedy: bool
+) -> tuple[str, list[int]]:
+    """The draft to verify whole in the prompt's prefill pass, as (source, token ids): one
+    forward pass over the prompt and the draft instead of drafts of at most MAX_DRAFT_TOKENS
+    after it. A semantic hit's answer to verify (`verify`), else, for a greedy request, the same
+    prompt's answer cached under other `max_tokens` or stop words (`answer`: llm keeps only
+    greedy answers there, so the model repeats it token for token as far as it goes); ("", [])
+    when there is neither. A sampled request's draws would leave a greedy answer early, and a
+    draft rejected early in the prefill pass costs the pass its length."""
+    sources = [DraftSource.VERIFY.value] + ([DraftSource.ANSWER.value] if greedy else [])
+    for wanted in sources:
+        for source, tokens in answers:
+            if source == wanted and tokens:
+                return source, list(tokens)
+    return "", []
+
+
 @dataclass(slots=True)
 class SourceStats:
     """One draft source's counts in a request, and its own adaptive draft length and pause."""

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
-from tiercache.engine.drafts import DEFAULT_INDEX_TOKENS, AnswerIndex, Drafter
+from tiercache.engine.drafts import DEFAULT_INDEX_TOKENS, AnswerIndex, Drafter, prefill_draft
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import (
     BlockHash,
@@ -39,7 +39,6 @@ from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
-from tiercache.vocabulary import DraftSource
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +243,10 @@ class TorchEngine:
                 for source, text in request.drafts
             ]
             drafter = Drafter(answers, prompt_list, index=self.answers.view(scope))
-            verify = [t for source, t in answers if source == DraftSource.VERIFY.value][:1]
-            verify_ids = verify[0][: request.max_tokens] if verify else []
+            prefill_source, verify_ids = prefill_draft(answers, request.greedy)
+            verify_ids = verify_ids[: request.max_tokens]
         else:
-            verify_ids = []
+            prefill_source, verify_ids = "", []
         self.last_drafter = drafter
         generated: list[int] = []
         hashes: list[BlockHash] = []
@@ -337,13 +336,13 @@ class TorchEngine:
                 if lease is not None:
                     self._store_blocks(lease, hashes, out.past_key_values)
                 if verify_ids and drafter is not None:
-                    # A semantic hit's answer, verified whole in the prefill pass: the model's
-                    # own pick at each of its positions decides, as for any draft.
+                    # A whole answer verified in the prefill pass (`prefill_draft`): the
+                    # model's own pick at each of its positions decides, as for any draft.
                     kept, kept_lp, logits, cache = self._keep_agreed(
                         out, verify_ids, out.past_key_values, sampler, 0
                     )
                     del out  # its logits (a row per answer token) are not needed any more
-                    drafter.source = DraftSource.VERIFY.value
+                    drafter.source = prefill_source
                     drafter.accepted(len(verify_ids), len(kept))
                     if (yield from emit_kept(kept, kept_lp)):
                         return
