@@ -37,7 +37,8 @@ the tokens generated so far).
 Goals (issue 17): >= 3.5x on `again`, >= 1.5x on `reworded` where the neighbour's answer is
 close, no more than 5 % slower on `new`; identical output everywhere. Ends with one line per
 workload: `spec <workload> speedup <x> identical <yes|no>`. Writes OUT_DIR/bench_spec.md and
-.json.
+.json. Exits 1 when a greedy workload's output differs (the `sampled*` workloads' identity is
+reported: a seeded draw within a verification pass's rounding of a boundary can differ).
 """
 
 from __future__ import annotations
@@ -317,7 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"spec {name} speedup {work.speedup():.2f} "
             f"identical {'yes' if work.identical else 'no'}"
         )
-    return 0 if results and all(w.identical for w in results.values()) else 1
+    # Greedy output is plain decoding's by construction; a seeded sample's is, except where a
+    # draw falls within a verification pass's rounding (the opt-in's caveat, docs/speculation.md
+    # "Sampled requests"): reported, not a failure of the run.
+    greedy = [w for name, w in results.items() if not name.startswith("sampled")]
+    return 0 if results and all(w.identical for w in greedy) else 1
 
 
 def sampled_cases(
