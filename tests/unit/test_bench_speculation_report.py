@@ -1,0 +1,21 @@
+"""`make bench-spec`'s arithmetic (tiercache_dev.bench.speculation): the speedup and the bound a
+cached answer alone sets (its covered part free, the rest decoded plainly)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache_dev.bench.speculation import Run, Workload
+
+
+def test_the_bound_frees_the_covered_tokens_and_keeps_the_rest_plain() -> None:
+    work = Workload("again")
+    work.plain = [Run("a", 100, 10.0), Run("b", 50, 5.0)]
+    work.spec = [Run("a", 100, 4.0), Run("b", 50, 1.0)]
+    work.covered = [50, 50]  # half of the first answer; all of the second
+    # the rest: 10 s * 50/100 + 5 s * 1/50 (one pass at least)
+    assert work.covered_bound() == pytest.approx(15.0 / (5.0 + 0.1))
+    assert work.speedup() == pytest.approx(15.0 / 5.0)
+    work.covered = [0, 0]
+    assert work.covered_bound() == pytest.approx(1.0)
+    assert work.summary()["covered_bound"] == pytest.approx(1.0)
