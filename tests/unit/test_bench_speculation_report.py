@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache_dev.bench.speculation import Run, Workload
+from tiercache_dev.bench.speculation import Run, Workload, covered, exit_code
 
 
 def test_the_bound_frees_the_covered_tokens_and_keeps_the_rest_plain() -> None:
@@ -19,3 +19,22 @@ def test_the_bound_frees_the_covered_tokens_and_keeps_the_rest_plain() -> None:
     work.covered = [0, 0]
     assert work.covered_bound() == pytest.approx(1.0)
     assert work.summary()["covered_bound"] == pytest.approx(1.0)
+
+
+def test_covered_counts_the_leading_ids_a_draft_shares_with_the_answer() -> None:
+    assert covered([1, 2, 3, 9], [1, 2, 3, 4, 5]) == 3
+    assert covered([1, 2], [1, 2, 3]) == 2  # a draft shorter than the answer
+    assert covered([7], [1, 2]) == 0
+    assert covered([], [1]) == 0
+
+
+def test_the_exit_code_counts_greedy_workloads_only() -> None:
+    def workload(name: str, same: bool) -> Workload:
+        work = Workload(name)
+        work.plain, work.spec = [Run("a", 1, 1.0)], [Run("a" if same else "b", 1, 1.0)]
+        return work
+
+    assert exit_code({}) == 1  # nothing ran
+    assert exit_code({"new": workload("new", True)}) == 0
+    assert exit_code({"new": workload("new", False)}) == 1
+    assert exit_code({"new": workload("new", True), "sampled-hot": workload("s", False)}) == 0

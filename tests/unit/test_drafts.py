@@ -9,9 +9,11 @@ import pytest
 from tiercache.engine.drafts import (
     MAX_BACKOFF_STEPS,
     MAX_DRAFT_TOKENS,
+    MAX_PREFILL_DRAFT_TOKENS,
     MIN_DRAFT_TOKENS,
     AnswerIndex,
     Drafter,
+    cut_at_stop,
     prefill_draft,
 )
 
@@ -169,3 +171,13 @@ def test_the_prefill_pass_verifies_a_hits_answer_else_a_greedy_requests_own_answ
     assert prefill_draft([neighbour, answer], greedy=False) == ("", [])
     assert prefill_draft([answer, verify], greedy=False) == ("verify", [1, 2])
     assert prefill_draft([("answer", []), neighbour], greedy=True) == ("", [])
+    long = list(range(MAX_PREFILL_DRAFT_TOKENS + 10))  # the pass takes the first ones only
+    assert prefill_draft([("answer", long)], greedy=True) == ("answer", long[:-10])
+
+
+def test_a_draft_ends_with_the_first_stop_word_it_holds() -> None:
+    text = "Paris is the capital. It is in France. END more text"
+    assert cut_at_stop(text, ("END", "France")) == "Paris is the capital. It is in France"
+    assert cut_at_stop(text, ("nowhere",)) == text
+    assert cut_at_stop(text, ()) == text
+    assert cut_at_stop(text, ("",)) == text

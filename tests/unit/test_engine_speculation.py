@@ -65,11 +65,18 @@ class Counted:
         monkeypatch.setattr(engine.model, "forward", counted)
 
 
-def run(engine: Any, request: GenerationRequest, drafts: tuple[str, ...], speculate: bool) -> Any:
+def run(
+    engine: Any,
+    request: GenerationRequest,
+    drafts: tuple[str, ...],
+    speculate: bool,
+    source: str = "answer",
+) -> Any:
     """The answer, finish reason and token count, with `drafts` as the cached answers llm
-    would send (source `answer`)."""
+    would send (source `answer`: the same prompt's, verified in the prefill pass for a greedy
+    request; `neighbour`: drafted in aligned steps)."""
     engine.speculate = speculate
-    pairs = tuple(("answer", text) for text in drafts)
+    pairs = tuple((source, text) for text in drafts)
     events = list(engine.generate(replace(request, drafts=pairs)))
     final = events[-1]
     return "".join(e.text for e in events), final.finish_reason, final.generated_tokens
@@ -85,9 +92,13 @@ def test_a_draft_the_model_agrees_with_saves_passes_and_changes_nothing(
     longer = replace(request, max_tokens=2 * MAX_TOKENS)
     ahead = run(engine, longer, (), speculate=False)[0]  # the same answer, further
     counted.calls = 0
-    spec = run(engine, request, (ahead,), speculate=True)
+    spec = run(engine, request, (ahead,), speculate=True)  # `answer`: in the prefill pass
     assert spec == plain
-    assert counted.calls <= plain_passes // 3  # prefill + a few verifications of long drafts
+    assert counted.calls == 1
+    counted.calls = 0
+    spec = run(engine, request, (ahead,), speculate=True, source="neighbour")  # aligned steps
+    assert spec == plain
+    assert 1 < counted.calls <= plain_passes // 3  # prefill + a few verifications of long drafts
     drafter = engine.last_drafter  # every draft token accepted: each step adds one of its own
     steps = len(drafter.steps)
     assert drafter.accepted_total == drafter.proposed >= MAX_TOKENS - 1 - 2 * steps
@@ -130,13 +141,15 @@ def test_stop_words_and_the_token_limit_cut_a_draft_where_plain_decoding_stops(
 
 def test_with_prefix_kv_reuse_across_block_boundaries(engine: Any) -> None:
     """A second request reuses the first one's prompt blocks; its speculative answer is plain
-    decoding's, and so is one whose drafts span several blocks of decoded tokens."""
+    decoding's, with the answer verified in the prefill pass and with aligned drafts that span
+    several blocks of decoded tokens."""
     first = GenerationRequest(PROMPT, max_tokens=3 * BLOCK, tenant_scope="a" * 64)
     answer = run(engine, first, (), speculate=False)[0]
-    engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
-    warm = run(engine, first, (answer,), speculate=True)  # stores the prompt's blocks
-    again = run(engine, first, (answer,), speculate=True)  # reuses them
-    assert warm == again == run(engine, first, (answer,), speculate=False)
+    for source in ("answer", "neighbour"):
+        engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+        warm = run(engine, first, (answer,), True, source)  # stores the prompt's blocks
+        again = run(engine, first, (answer,), True, source)  # reuses them
+        assert warm == again == run(engine, first, (answer,), speculate=False)
 
 
 def test_the_engines_recent_answers_draft_later_requests_of_their_scope_only(
@@ -281,7 +294,9 @@ def test_a_greedy_requests_cached_answer_is_verified_in_the_prefill_pass(
     sampled = replace(longer, temperature=0.8, seed=4)  # not for a sampled request
     engine.speculate_sampled = True
     run(engine, sampled, (short[0],), speculate=True)
-    assert all(proposed <= MAX_DRAFT_TOKENS for _, proposed, _ in engine.last_drafter.steps)
+    steps = engine.last_drafter.steps
+    assert steps and steps[0][0] == "answer"  # drafted from the answer, in steps
+    assert all(proposed <= MAX_DRAFT_TOKENS for _, proposed, _ in steps)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,10 @@ MIN_INDEX_NGRAM = 3
 MAX_BACKOFF_STEPS = 16
 # The engine's answer index over all scopes, in tokens (about 0.5 KB of memory each).
 DEFAULT_INDEX_TOKENS = 16_384
+# The most tokens of a cached answer verified in the prefill pass: the pass keeps a row of
+# logits per token (0.2 MB each with SmolLM2's vocabulary), and a draft the model leaves early
+# costs the pass its length; past these, aligned drafts go on in steps.
+MAX_PREFILL_DRAFT_TOKENS = 256
 
 
 def _ngram_ends(tokens: Sequence[int], start: int, stop: int, ends: dict) -> None:
@@ -65,19 +69,27 @@ class _Answer:
 def prefill_draft(
     answers: Iterable[tuple[str, Sequence[int]]], greedy: bool
 ) -> tuple[str, list[int]]:
-    """The draft to verify whole in the prompt's prefill pass, as (source, token ids): one
-    forward pass over the prompt and the draft instead of drafts of at most MAX_DRAFT_TOKENS
-    after it. A semantic hit's answer to verify (`verify`), else, for a greedy request, the same
-    prompt's answer cached under other `max_tokens` or stop words (`answer`: llm keeps only
-    greedy answers there, so the model repeats it token for token as far as it goes); ("", [])
-    when there is neither. A sampled request's draws would leave a greedy answer early, and a
-    draft rejected early in the prefill pass costs the pass its length."""
+    """The draft to verify in the prompt's prefill pass, as (source, token ids): one forward
+    pass over the prompt and the draft instead of drafts of at most MAX_DRAFT_TOKENS after it.
+    A semantic hit's answer to verify (`verify`), else, for a greedy request, the same prompt's
+    answer cached under other `max_tokens` or stop words (`answer`: llm keeps only greedy answers
+    there, so the model generates it again as far as its text tokenizes back to the ids it was
+    generated as); ("", []) when there is neither. Its first MAX_PREFILL_DRAFT_TOKENS only (the
+    Drafter's aligned drafts go on past them). A sampled request's draws would leave a greedy
+    answer early, and a draft rejected early in the prefill pass costs the pass its length."""
     sources = [DraftSource.VERIFY.value] + ([DraftSource.ANSWER.value] if greedy else [])
     for wanted in sources:
         for source, tokens in answers:
             if source == wanted and tokens:
-                return source, list(tokens)
+                return source, list(tokens[:MAX_PREFILL_DRAFT_TOKENS])
     return "", []
+
+
+def cut_at_stop(text: str, stop_words: Sequence[str]) -> str:
+    """A cached answer as a draft for a request with `stop_words`: up to the end of the first
+    stop word in it (the answer ends there; tokens past it would be verified for nothing)."""
+    ends = [i + len(w) for w in stop_words if w and (i := text.find(w)) >= 0]
+    return text[: min(ends)] if ends else text
 
 
 @dataclass(slots=True)

@@ -24,7 +24,13 @@ from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
-from tiercache.engine.drafts import DEFAULT_INDEX_TOKENS, AnswerIndex, Drafter, prefill_draft
+from tiercache.engine.drafts import (
+    DEFAULT_INDEX_TOKENS,
+    AnswerIndex,
+    Drafter,
+    cut_at_stop,
+    prefill_draft,
+)
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import (
     BlockHash,
@@ -239,7 +245,12 @@ class TorchEngine:
         drafter = None
         if self.speculate and request.speculate and (request.greedy or self.speculate_sampled):
             answers = [
-                (source, self.tokenizer.encode(text, add_special_tokens=False))
+                (
+                    source,
+                    self.tokenizer.encode(
+                        cut_at_stop(text, request.stop_words), add_special_tokens=False
+                    ),
+                )
                 for source, text in request.drafts
             ]
             drafter = Drafter(answers, prompt_list, index=self.answers.view(scope))
@@ -264,7 +275,7 @@ class TorchEngine:
             mean = sum(logprobs) / len(logprobs) if final and logprobs else None
             step = StreamEvent(
                 text, finish_reason, len(generated), prompt_tokens, reused, computed,
-                mean_logprob=mean,
+                mean_logprob=mean, token_ids=tuple(generated) if final else (),
             )  # fmt: skip
             if not final or drafter is None:
                 return step

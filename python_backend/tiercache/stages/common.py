@@ -53,8 +53,9 @@ def admin_inputs(sealer: Sealer, admin: str) -> list[Any]:
     return [io.bytes_tensor("ADMIN", [admin]), io.bytes_tensor("ADMIN_SEAL", [seal])]
 
 
-# Upper bounds of the accepted-draft-tokens-per-step histogram (MAX_DRAFT_TOKENS at most).
-ACCEPTED_PER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
+# Upper bounds of the accepted-draft-tokens-per-step histogram: a step drafts MAX_DRAFT_TOKENS
+# at most, the prefill pass that verifies a cached answer MAX_PREFILL_DRAFT_TOKENS (256).
+ACCEPTED_PER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class DraftMetrics:
