@@ -21,11 +21,15 @@ def test_the_bound_frees_the_covered_tokens_and_keeps_the_rest_plain() -> None:
     assert work.summary()["covered_bound"] == pytest.approx(1.0)
 
 
-def test_covered_counts_the_leading_ids_a_draft_shares_with_the_answer() -> None:
-    assert covered([1, 2, 3, 9], [1, 2, 3, 4, 5]) == 3
-    assert covered([1, 2], [1, 2, 3]) == 2  # a draft shorter than the answer
-    assert covered([7], [1, 2]) == 0
-    assert covered([], [1]) == 0
+def test_covered_counts_the_leading_tokens_whose_text_the_draft_holds() -> None:
+    def decode(ids: list[int]) -> str:  # one character a token, 0 a paragraph break
+        return "".join("\n\n" if t == 0 else chr(t) for t in ids)
+
+    answer = [ord("a"), 0, ord("b"), ord("c")]
+    assert covered("a\n\nbx", answer, decode) == 3  # however the draft would tokenize
+    assert covered("a\n\nbc and more", answer, decode) == 4
+    assert covered("x", answer, decode) == 0
+    assert covered("", answer, decode) == 0
 
 
 def test_the_exit_code_counts_greedy_workloads_only() -> None:

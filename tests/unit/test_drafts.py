@@ -12,6 +12,7 @@ from tiercache.engine.drafts import (
     MAX_PREFILL_DRAFT_TOKENS,
     MIN_DRAFT_TOKENS,
     AnswerIndex,
+    Codec,
     Drafter,
     cut_at_stop,
     prefill_draft,
@@ -181,3 +182,35 @@ def test_a_draft_ends_with_the_first_stop_word_it_holds() -> None:
     assert cut_at_stop(text, ("nowhere",)) == text
     assert cut_at_stop(text, ()) == text
     assert cut_at_stop(text, ("",)) == text
+
+
+# A tokenizer of one token per character, but for the model's own token for a paragraph break
+# ("\n\n", PARAGRAPH), which encoding a text never gives (as SmolLM2's tokenizer does).
+PARAGRAPH = 1000
+CHARS = Codec(
+    decode=lambda ids: "".join("\n\n" if t == PARAGRAPH else chr(t) for t in ids),
+    encode=lambda text: [ord(c) for c in text],
+)
+
+
+def test_a_draft_follows_its_answers_text_where_the_tokens_part() -> None:
+    text = "ab\n\ncdefgh"
+    drafter = Drafter([("answer", CHARS.encode(text))], PROMPT, texts=[text], codec=CHARS, length=4)
+    # the model wrote the paragraph break as one token: the token-aligned draft is left, the
+    # text still agrees, and the rest of it, tokenized, is the draft
+    assert drafter.propose([ord("a"), ord("b"), PARAGRAPH], limit=10) == [ord(c) for c in "cdef"]
+    assert drafter.source == "answer"
+    # once the text leaves the answer's there is no text-aligned draft any more
+    assert drafter.propose([ord("a"), ord("x"), PARAGRAPH, ord("z")], limit=10) == []
+    assert drafter.propose([ord("a"), ord("b"), PARAGRAPH], limit=10) == []
+    # without the codec (or the text) only token-aligned drafts
+    plain = Drafter([("answer", CHARS.encode(text))], PROMPT, texts=[text], length=4)
+    assert plain.propose([ord("a"), ord("b"), PARAGRAPH], limit=10) == []
+
+
+def test_a_text_aligned_draft_ends_with_the_answer() -> None:
+    text = "ab\n\ncd"
+    drafter = Drafter([("neighbour", CHARS.encode(text))], PROMPT, texts=[text], codec=CHARS)
+    assert drafter.propose([ord("a"), ord("b"), PARAGRAPH], limit=10) == [ord("c"), ord("d")]
+    done = [ord("a"), ord("b"), PARAGRAPH, ord("c"), ord("d")]
+    assert drafter.propose(done, limit=10) == []  # the whole text written: nothing more of it

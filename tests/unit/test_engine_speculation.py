@@ -299,6 +299,25 @@ def test_a_greedy_requests_cached_answer_is_verified_in_the_prefill_pass(
     assert all(proposed <= MAX_DRAFT_TOKENS for _, proposed, _ in steps)
 
 
+def test_an_answer_whose_text_tokenizes_otherwise_is_drafted_by_its_text(
+    engine: Any,
+) -> None:
+    """SmolLM2 writes a paragraph break as one token that encoding its text splits in two, so
+    a cached answer with one leaves the token-aligned draft there; the drafts then follow the
+    answer's text (the rest of it tokenized again), and nearly all of it is still drafted."""
+    request = GenerationRequest("List three uses of Python in science.", max_tokens=MAX_TOKENS)
+    plain = run(engine, request, (), speculate=False)
+    assert "\n\n" in plain[0]  # the case this test is about
+    assert run(engine, request, (plain[0],), speculate=True) == plain
+    drafter = engine.last_drafter
+    first = drafter.steps[0]
+    assert first[0] == "answer" and first[2] < first[1]  # the prefill pass kept a part
+    # every step but the first keeps its whole draft but at a paragraph break: one token each
+    answer = drafter.by_source["answer"]
+    assert answer.accepted >= plain[2] - 2 * len(drafter.steps)
+    assert len(drafter.steps) <= 6
+
+
 @pytest.mark.parametrize(
     "answer",
     [

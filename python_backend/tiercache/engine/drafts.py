@@ -13,9 +13,14 @@ The sources (tiercache.vocabulary.DraftSource):
 - `index`: the engine's recent answers in the request's scope (`AnswerIndex`);
 - `context`: the prompt and the tokens generated so far (prompt lookup; a loop in the output).
 
-Two ways a sequence proposes a continuation of the tokens generated so far:
-- aligned (answer, neighbour): while the generated tokens are the cached answer's prefix, its
-  next tokens are the draft;
+Three ways a sequence proposes a continuation of the tokens generated so far:
+- aligned (answer, neighbour, verify): while the generated tokens are the cached answer's
+  prefix, its next tokens are the draft;
+- text-aligned (the same, given the answer's text and the tokenizer, `Codec`): while the
+  generated text is a prefix of the answer's text, the rest of that text, tokenized, is the
+  draft. A text does not always tokenize back to the ids it was generated as (SmolLM2 generates
+  a paragraph break as one token, "\n\n", and its tokenizer encodes it as two), so the model
+  leaves the token-aligned draft there while still writing the same text;
 - n-gram (every source): the longest suffix of the context (`min_ngram` to `max_ngram` tokens)
   that occurs in a sequence proposes what followed its latest occurrence there.
 """
@@ -23,7 +28,7 @@ Two ways a sequence proposes a continuation of the tokens generated so far:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.vocabulary import DraftSource
@@ -54,12 +59,22 @@ def _ngram_ends(tokens: Sequence[int], start: int, stop: int, ends: dict) -> Non
             table[tuple(tokens[end - n : end])] = end
 
 
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """The engine's tokenizer, for text-aligned drafts: `decode` token ids to text, `encode` a
+    text to token ids (no special tokens)."""
+
+    decode: Callable[[Sequence[int]], str]
+    encode: Callable[[str], list[int]]
+
+
 @dataclass(slots=True)
 class _Answer:
     """A cached answer as a draft source: aligned with the generation's start, and indexed."""
 
     source: str
     tokens: list[int]
+    text: str = ""  # its text, for text-aligned drafts ("" without)
     ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -122,8 +137,20 @@ class Drafter:
         *,
         index: ScopeIndex | None = None,
         length: int = DEFAULT_DRAFT_TOKENS,
+        texts: Sequence[str] = (),
+        codec: Codec | None = None,
     ) -> None:
-        self._answers = [_Answer(source, list(tokens)) for source, tokens in answers if tokens]
+        """`texts`: the answers' texts, in their order (with `codec`: text-aligned drafts)."""
+        listed = list(answers)
+        named = list(texts) if codec is not None else []
+        named += [""] * (len(listed) - len(named))
+        self._answers = [
+            _Answer(source, list(tokens), text)
+            for (source, tokens), text in zip(listed, named, strict=False)
+            if tokens
+        ]
+        self._codec = codec
+        self._text: tuple[int, str] | None = None  # (generated tokens, their decoded text)
         self._index = index
         self._context: list[int] = list(prompt)  # the prompt, then the generated tokens
         self._prompt_len = len(self._context)
@@ -169,6 +196,8 @@ class Drafter:
             if g < len(answer.tokens) and answer.tokens[:g] == list(generated):
                 draft = answer.tokens[g : g + want]
             else:
+                draft = self._text_aligned(answer, generated)[:want]
+            if not draft:
                 draft = _ngram(answer.ends, answer.tokens, self._context, want, MIN_NGRAM)
             if len(draft) > len(best):
                 best, self.source = draft, answer.source
@@ -183,6 +212,22 @@ class Drafter:
             if len(draft) > len(best):
                 best, self.source = draft, DraftSource.CONTEXT.value
         return best
+
+    def _text_aligned(self, answer: _Answer, generated: Sequence[int]) -> list[int]:
+        """The rest of `answer`'s text after the generated text, tokenized, while the generated
+        text is a proper prefix of it; [] otherwise (then for good: the text only grows)."""
+        if self._codec is None or not answer.text:
+            return []
+        g = len(generated)
+        if self._text is None or self._text[0] != g:
+            self._text = (g, self._codec.decode(generated))
+        done = self._text[1]
+        if len(done) >= len(answer.text) or not answer.text.startswith(done):
+            # a decoded text can end inside a character (U+FFFD) and match again later
+            if not done.endswith("\ufffd"):
+                answer.text = ""
+            return []
+        return self._codec.encode(answer.text[len(done) :])
 
     def _from_context(self, want: int) -> list[int]:
         """Prompt lookup over the context itself: what followed the latest earlier occurrence

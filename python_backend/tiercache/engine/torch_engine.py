@@ -27,6 +27,7 @@ from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.drafts import (
     DEFAULT_INDEX_TOKENS,
     AnswerIndex,
+    Codec,
     Drafter,
     cut_at_stop,
     prefill_draft,
@@ -244,16 +245,18 @@ class TorchEngine:
         scope = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
         drafter = None
         if self.speculate and request.speculate and (request.greedy or self.speculate_sampled):
+            texts = [cut_at_stop(text, request.stop_words) for _, text in request.drafts]
             answers = [
-                (
-                    source,
-                    self.tokenizer.encode(
-                        cut_at_stop(text, request.stop_words), add_special_tokens=False
-                    ),
-                )
-                for source, text in request.drafts
+                (source, self.encode_text(text))
+                for (source, _), text in zip(request.drafts, texts, strict=True)
             ]
-            drafter = Drafter(answers, prompt_list, index=self.answers.view(scope))
+            drafter = Drafter(
+                answers,
+                prompt_list,
+                index=self.answers.view(scope),
+                texts=texts,
+                codec=Codec(self.decode_ids, self.encode_text),
+            )
             prefill_source, verify_ids = prefill_draft(answers, request.greedy)
             verify_ids = verify_ids[: request.max_tokens]
         else:
@@ -390,6 +393,14 @@ class TorchEngine:
         finally:
             if lease is not None:
                 self.kv_pool.release(lease)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A text's token ids, as a draft's are made (no special tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_ids(self, token_ids: Sequence[int]) -> str:
+        """Token ids' text, as an answer's is decoded (_Detokenizer)."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def _verify(
         self, token: int, draft: list[int], cache: Any, sampler: _Sampler, position: int

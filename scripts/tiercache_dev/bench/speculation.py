@@ -257,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             work.spec.append(generate(request, drafts, speculate=True))
             p, s = work.plain[-1], work.spec[-1]
             work.closeness.append(max((closeness(text, p.text) for _, text in drafts), default=0))
-            kept = [covered(draft_ids(text, request), p.token_ids) for _, text in drafts]
+            cuts = [cut_at_stop(text, request.stop_words) for _, text in drafts]
+            kept = [covered(text, p.token_ids, engine.decode_ids) for text in cuts]
             work.covered.append(max(kept, default=0))
             progress(
                 f"  {name} {i}/{len(cases)}: {p.tokens} tokens, plain {p.seconds:.2f} s, "
@@ -266,11 +267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{'identical' if p.text == s.text else 'DIFFERENT'}"
             )
         return work
-
-    def draft_ids(text: str, request: GenerationRequest) -> list[int]:
-        """A draft's token ids as the engine makes them (torch_engine.generate)."""
-        cut = cut_at_stop(text, request.stop_words)
-        return engine.tokenizer.encode(cut, add_special_tokens=False)
 
     n, long = args.requests, args.max_tokens
 
@@ -329,12 +325,15 @@ def exit_code(results: dict[str, Workload]) -> int:
     return 0 if results and all(w.identical for w in greedy) else 1
 
 
-def covered(draft: Sequence[int], answer: Sequence[int]) -> int:
-    """How many leading token ids of `answer` (as the engine generated them) `draft` starts
-    with: what verifying the draft can keep. A cached answer's text does not always tokenize
-    back to the ids it was generated as, so this can be less than its length."""
+def covered(draft: str, answer: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+    """How many leading tokens of `answer` (its ids as the engine generated them) write text
+    that `draft` starts with: what the draft's aligned and text-aligned drafts can give
+    (tiercache.engine.drafts)."""
     n = 0
-    while n < min(len(draft), len(answer)) and draft[n] == answer[n]:
+    while n < len(answer):
+        text = decode(answer[: n + 1])
+        if not draft.startswith(text.removesuffix("\ufffd")):  # a character still unfinished
+            break
         n += 1
     return n
 
