@@ -835,6 +835,15 @@ class EngineConfig(_StateConfig):
         "token, so a seeded answer could depend on what was drafted (seen on an H200: "
         "docs/speculation.md)",
     )
+    pass_threads: int = param(
+        0,
+        "torch's intra-op threads for a forward pass over several tokens (the prefill, a "
+        "verification of draft tokens); one-token steps keep torch_threads. 0: torch_threads "
+        "for every pass. On 2 CPUs a one-token step is no faster on 2 threads, a pass over "
+        "many tokens is (docs/speculation.md)",
+        min=0,
+        max=256,
+    )
     draft_index_tokens: int = param(
         16_384,
         "Tokens of recent answers the engine keeps, per tenant scope and adapter, as drafts for "

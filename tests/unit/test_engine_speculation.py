@@ -318,6 +318,35 @@ def test_an_answer_whose_text_tokenizes_otherwise_is_drafted_by_its_text(
     assert len(drafter.steps) <= 6
 
 
+def test_passes_over_several_tokens_run_on_pass_threads(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With pass_threads set, the prefill and every verification pass run on that many torch
+    threads and one-token steps on the engine's own; the count is back after the answer, which
+    is plain decoding's."""
+    request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
+    plain = run(engine, request, (), speculate=False)
+    own = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []  # (tokens in the pass, torch threads during it)
+    forward = engine.model.forward
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append((int(kwargs["input_ids"].shape[1]), torch.get_num_threads()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", recorded)
+    engine.pass_threads = own + 1
+    try:
+        half = plain[0][: len(plain[0]) // 2]
+        assert run(engine, request, (half,), True, "neighbour") == plain
+    finally:
+        engine.pass_threads = 0
+    assert torch.get_num_threads() == own
+    assert {threads for tokens, threads in seen if tokens > 1} == {own + 1}
+    assert {threads for tokens, threads in seen if tokens == 1} <= {own}
+    assert any(tokens > 1 for tokens, _ in seen[1:])  # a verification pass, not only the prefill
+
+
 @pytest.mark.parametrize(
     "answer",
     [

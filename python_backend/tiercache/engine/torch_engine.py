@@ -8,6 +8,7 @@ reuses the longest chain of cached full blocks and computes only the tokens afte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -140,6 +141,7 @@ class TorchEngine:
         speculate: bool = True,
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
         speculate_sampled: bool = False,
+        pass_threads: int = 0,
     ) -> None:
         """`speculate`: verify drafted tokens in one forward pass, drafted also from the
         engine's recent greedy answers in the request's scope (`answers`, up to
@@ -151,6 +153,8 @@ class TorchEngine:
         answer would depend on what was drafted."""
         self.speculate = speculate
         self.speculate_sampled = speculate_sampled
+        # torch threads for passes over several tokens (prefill, verification); 0: unchanged
+        self.pass_threads = pass_threads
         self.answers = AnswerIndex(draft_index_tokens)
         self.last_drafter: Drafter | None = None  # the last request's drafter (its counts)
         self.source = source
@@ -342,7 +346,8 @@ class TorchEngine:
         try:
             with torch.inference_mode():
                 began = time.perf_counter()
-                out = self._prefill(input_ids, lease, verify_ids)
+                with self._many_tokens():
+                    out = self._prefill(input_ids, lease, verify_ids)
                 if self._timed_prefill:  # what a reused block saves (the KV pool's budget)
                     self.kv_pool.observe_prefill(
                         time.perf_counter() - began, computed + len(verify_ids)
@@ -411,8 +416,26 @@ class TorchEngine:
         Returns the kept draft tokens, their log-probabilities, the logits after the last kept
         token, and the cache."""
         step = torch.tensor([[token, *draft]], device=self.device)
-        out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+        with self._many_tokens():
+            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
         return self._keep_agreed(out, draft, out.past_key_values, sampler, position)
+
+    @contextlib.contextmanager
+    def _many_tokens(self) -> Iterator[None]:
+        """A forward pass over several tokens on `pass_threads` threads (then torch's count as
+        it was): on a small CPU a one-token step gains nothing from a second thread, a pass over
+        many tokens does. The engine's one worker runs every pass, so the process-wide count is
+        not changed under another pass."""
+        wanted = self.pass_threads
+        before = torch.get_num_threads()
+        if wanted <= 0 or wanted == before or self.on_gpu:
+            yield
+            return
+        torch.set_num_threads(wanted)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _keep_agreed(
         self, out: Any, draft: list[int], cache: Any, sampler: _Sampler, position: int

@@ -384,6 +384,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         speculate=config.speculate,
         speculate_sampled=config.speculate_sampled,
         draft_index_tokens=config.draft_index_tokens,
+        pass_threads=config.pass_threads,
     )
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)

@@ -93,6 +93,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--requests", type=int, default=6, help="requests per workload")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument(
+        "--pass-threads",
+        type=int,
+        default=0,
+        help="torch threads for passes over several tokens (torch_llm's pass_threads; 0: "
+        "--threads for every pass)",
+    )
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument(
         "--pairs",
@@ -223,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = TorchEngine(
         resolve_model(), args.state_dir / "models", "cpu", 2, kv_reuse=False,
         speculate_sampled=True,  # the sampled workloads measure the opt-in; greedy ones ignore it
+        pass_threads=args.pass_threads,
     )  # fmt: skip
 
     def generate(
@@ -382,9 +390,10 @@ def report(args: argparse.Namespace, results: dict[str, Workload]) -> tuple[str,
         "",
         f"- command: `{invocation('tiercache_dev.bench.speculation')}`",
         f"- date: {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; {args.threads} "
-        f"torch threads, greedy (`sampled*`: seeded sampling), max_tokens {args.max_tokens}, "
-        f"{args.requests} requests per "
-        "workload, plain and speculative back to back per request",
+        f"torch threads ({args.pass_threads or args.threads} for passes over several "
+        f"tokens), greedy (`sampled*`: seeded sampling), max_tokens {args.max_tokens}, "
+        f"{args.requests} requests per workload, plain and speculative back to back per "
+        "request",
         "",
         "| workload | plain tok/s | spec tok/s | plain p50 s | spec p50 s | speedup | "
         "bound: cached part free | "
