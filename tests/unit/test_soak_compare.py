@@ -100,6 +100,7 @@ def test_rounds_default_to_three_with_compare_and_one_without(pairs: Path) -> No
         ("--background-duty", "1.5"),
         ("--engine-threads", "0"),
         ("--embedder-threads", "two"),
+        ("--pass-threads", "-1"),
     ],
 )
 def test_bad_arguments_are_refused(pairs: Path, extra: tuple[str, ...]) -> None:
@@ -139,11 +140,16 @@ def test_tiercache_repository_overrides(pairs: Path, tmp_path: Path) -> None:
 def test_response_cache_repository_has_the_same_engine_overrides(
     pairs: Path, tmp_path: Path
 ) -> None:
-    args = args_for(pairs, "--compare", "--kv-pool-max-bytes", "1048576")
+    args = args_for(pairs, "--compare", "--kv-pool-max-bytes", "1048576", "--pass-threads", "2")
     repo = response_cache_repository(tmp_path, args)
     assert sorted(p.name for p in repo.iterdir()) == ["llm_plain", "torch_llm"]
     engine = params_of(repo / "torch_llm" / "config.pbtxt")
     assert engine["kv_pool_max_bytes"] == "1048576"
+    assert engine["pass_threads"] == "2"
+    ours = params_of(
+        tiercache_repository(tmp_path / "ours", args, OFF, "") / "torch_llm" / "config.pbtxt"
+    )
+    assert ours["pass_threads"] == "2"  # the same engine setting behind every configuration
     assert "kv_reuse" not in engine  # prefix KV reuse on, as tiercache serves it
     plain = (repo / "llm_plain" / "config.pbtxt").read_text()
     count = re.search(r"instance_group \[ \{ count: (\d+)", plain)

@@ -230,6 +230,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch_llm's speculate false in every configuration (speculative decoding off)",
     )
     p.add_argument(
+        "--pass-threads",
+        type=int,
+        default=None,
+        help="torch_llm's pass_threads in every configuration (torch threads for passes over "
+        "several tokens; 0: off)",
+    )
+    p.add_argument(
         "--embedder-threads",
         default=None,
         help="the embedder's torch_threads (auto or a count) where it runs (default: the "
@@ -281,6 +288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     check_background_load_arguments(p, args)
+    if args.pass_threads is not None and args.pass_threads < 0:
+        p.error("--pass-threads must be >= 0")
     for flag, value in (("--engine-threads", args.engine_threads),
                         ("--embedder-threads", args.embedder_threads)):  # fmt: skip
         if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
@@ -410,6 +419,8 @@ def engine_params(args: argparse.Namespace) -> dict[str, str]:
         params["torch_threads"] = args.engine_threads
     if args.no_speculate:
         params["speculate"] = "false"
+    if args.pass_threads is not None:
+        params["pass_threads"] = str(args.pass_threads)
     return params
 
 
