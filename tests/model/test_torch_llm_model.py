@@ -96,9 +96,11 @@ class FakeEngine:
         speculate: bool,
         draft_index_tokens: int,
         speculate_sampled: bool,
+        pass_threads: int,
     ) -> None:
         self.speculate = speculate  # the stage passes its parameters on
         self.speculate_sampled = speculate_sampled
+        self.pass_threads = pass_threads
         self.device = "cpu" if device == "auto" else device  # as resolved (no GPU here)
         self.kv_eviction = kv_eviction
         self.draft_index_tokens = draft_index_tokens
