@@ -259,7 +259,7 @@ class TorchEngine:
                 prompt_list,
                 index=self.answers.view(scope),
                 texts=texts,
-                codec=Codec(self.decode_ids, self.encode_text),
+                codec=Codec(detok.text_of, self.encode_text),
             )
             prefill_source, verify_ids = prefill_draft(answers, request.greedy)
             verify_ids = verify_ids[: request.max_tokens]
@@ -593,10 +593,20 @@ class _Detokenizer:
         self.stop_words = stop_words
         self.emitted = 0
         self.text = ""
+        self._pushed = 0  # tokens `text` is the decoding of
+
+    def text_of(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`: the last push's, decoded once, when they are what it
+        decoded (the drafter asks for the tokens generated so far, right after they were
+        pushed); decoded here otherwise."""
+        if len(token_ids) == self._pushed:
+            return self.text
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """New safe text, and whether a stop word ended the answer (text cut before it)."""
         self.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        self._pushed = len(token_ids)
         cut = min((i for w in self.stop_words if (i := self.text.find(w)) >= 0), default=-1)
         if cut >= 0:
             new = self.text[self.emitted : cut] if cut > self.emitted else ""
