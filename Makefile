@@ -14,6 +14,8 @@ NATIVE_SOURCES := CMakeLists.txt backends/pyproject.toml \
 PERF_DIR := .perf
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+APT_LOCK_S ?= 300
+APT_GET = DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_S)
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -23,12 +25,14 @@ export TRANSFORMERS_OFFLINE := 1
 setup: $(STAMP) $(NATIVE_STAMP)
 	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
 	@# when missing. Needs root; without it setup goes on and says so (Redis stays optional).
+	@# apt-get waits up to APT_LOCK_S for another apt-get (a second setup running at once)
+	@# instead of failing on dpkg's lock.
 	@command -v redis-server >/dev/null || \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1 || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } || \
-	  echo "tiercache: could not install redis-server (apt-get failed: not root, or no package" \
-	    "index). Redis is off unless redis_url is set; the Redis tests fail naming this, and" \
-	    "TIERCACHE_SKIP_REDIS=1 skips them." >&2
+	  $(APT_GET) install -y -qq redis-server >/dev/null 2>&1 || \
+	  { $(APT_GET) update -qq && $(APT_GET) install -y -qq redis-server; } || \
+	  echo "tiercache: could not install redis-server (apt-get failed: not root, no package" \
+	    "index, or dpkg locked for over $(APT_LOCK_S) s). Redis is off unless redis_url is set;" \
+	    "the Redis tests fail naming this, and TIERCACHE_SKIP_REDIS=1 skips them." >&2
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
