@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from tiercache.engine.threads import (
     AUTO,
     EMBEDDER_CPU_SHARE,
+    PASS_THREADS_PATTERN,
     TORCH_THREADS_PATTERN,
 )
 from tiercache.errors import ConfigError
@@ -835,14 +836,13 @@ class EngineConfig(_StateConfig):
         "token, so a seeded answer could depend on what was drafted (seen on an H200: "
         "docs/speculation.md)",
     )
-    pass_threads: int = param(
-        0,
+    pass_threads: str = param(
+        "0",
         "torch's intra-op threads for a forward pass over several tokens (the prefill, a "
         "verification of draft tokens); one-token steps keep torch_threads. 0: torch_threads "
-        "for every pass. On 2 CPUs a one-token step is no faster on 2 threads, a pass over "
-        "many tokens is (docs/speculation.md)",
-        min=0,
-        max=256,
+        "for every pass; auto: every CPU in the process's affinity mask. On 2 CPUs a one-token "
+        "step is no faster on 2 threads, a pass over many tokens is (docs/speculation.md)",
+        pattern=PASS_THREADS_PATTERN,
     )
     draft_index_tokens: int = param(
         16_384,

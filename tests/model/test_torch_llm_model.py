@@ -196,6 +196,38 @@ def test_torch_threads_come_first(
     assert events == [("3", ThreadRole.ENGINE), "engine"]
 
 
+@pytest.mark.parametrize(("setting", "expected"), [("auto", 5), ("0", 0), ("2", 2)])
+def test_pass_threads_reach_the_engine_as_a_count(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    expected: int,
+) -> None:
+    """`pass_threads` reaches the engine as a thread count: auto is every usable CPU."""
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    built: list[FakeEngine] = []
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", RecordingEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, role: 1)
+    monkeypatch.setattr(torch_llm_stage, "usable_cpus", lambda: 5)
+    instance = module.TritonPythonModel()
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "pass_threads": {"string_value": setting},
+    }
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance.finalize()
+    assert [engine.pass_threads for engine in built] == [expected]
+
+
 @pytest.fixture
 def sealer(tmp_path: Path) -> Sealer:
     """The deployment's sealer (the model's state_dir is tmp_path)."""

@@ -101,6 +101,7 @@ def test_rounds_default_to_three_with_compare_and_one_without(pairs: Path) -> No
         ("--engine-threads", "0"),
         ("--embedder-threads", "two"),
         ("--pass-threads", "-1"),
+        ("--pass-threads", "Auto"),
     ],
 )
 def test_bad_arguments_are_refused(pairs: Path, extra: tuple[str, ...]) -> None:

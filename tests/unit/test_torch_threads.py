@@ -16,6 +16,7 @@ from tiercache.config import EmbedderConfig, EngineConfig, parse_config
 from tiercache.engine import threads
 from tiercache.engine.threads import (
     ThreadRole,
+    pass_thread_count,
     set_torch_threads,
     torch_thread_count,
     usable_cpus,
@@ -94,6 +95,33 @@ def test_a_count_is_taken_as_it_is(cpus: int) -> None:
 def test_a_bad_setting_is_a_config_error(setting: str) -> None:
     with pytest.raises(ConfigError, match="torch_threads must be auto or an integer >= 1"):
         torch_thread_count(setting, 4, ThreadRole.ENGINE)
+
+
+# ---- pass_threads (torch_llm: threads for passes over several tokens) -------------------------
+
+
+def test_pass_threads_parameter_takes_auto_zero_or_a_count() -> None:
+    assert parse_config(EngineConfig, {"pass_threads": "auto"}).pass_threads == "auto"
+    assert parse_config(EngineConfig, {"pass_threads": "0"}).pass_threads == "0"
+    assert parse_config(EngineConfig, {"pass_threads": "12"}).pass_threads == "12"
+
+
+@pytest.mark.parametrize("text", ["-1", "two", "1.5", "", "Auto", "03", "1000"])
+def test_a_bad_pass_threads_is_refused_naming_the_parameter(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"parameter 'pass_threads' must match auto\|"):
+        parse_config(EngineConfig, {"pass_threads": text})
+
+
+@pytest.mark.parametrize(("setting", "cpus", "count"), [("auto", 2, 2), ("auto", 16, 16),
+    ("auto", 0, 1), ("0", 2, 0), ("3", 2, 3)])  # fmt: skip
+def test_pass_threads_auto_is_every_usable_cpu(setting: str, cpus: int, count: int) -> None:
+    assert pass_thread_count(setting, cpus) == count
+
+
+@pytest.mark.parametrize("setting", ["-1", "x", ""])
+def test_a_bad_pass_threads_setting_is_a_config_error(setting: str) -> None:
+    with pytest.raises(ConfigError, match="pass_threads must be auto or an integer >= 0"):
+        pass_thread_count(setting, 4)
 
 
 def test_usable_cpus_are_the_affinity_mask_else_the_cpu_count(

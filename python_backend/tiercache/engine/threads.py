@@ -71,6 +71,21 @@ def torch_thread_count(setting: str, cpus: int, role: ThreadRole) -> int:
     return int(setting)
 
 
+PASS_THREADS_PATTERN = r"auto|[0-9]|[1-9][0-9]{1,2}"
+"""What a `pass_threads` parameter may be: `auto`, 0 (off), or a thread count up to 999."""
+
+
+def pass_thread_count(setting: str, cpus: int) -> int:
+    """The torch threads a `pass_threads` setting means for passes over several tokens on `cpus`
+    usable CPUs: 0 (off: torch_threads for every pass), the count itself, or for `auto` every
+    usable CPU (a one-token step is bound by memory and keeps torch_threads; a pass over many
+    tokens is bound by arithmetic and gains from every core, docs/speculation.md). ConfigError
+    for anything else."""
+    if not re.fullmatch(PASS_THREADS_PATTERN, setting):
+        raise ConfigError(f"pass_threads must be auto or an integer >= 0, got {setting!r}")
+    return max(1, cpus) if setting == AUTO else int(setting)
+
+
 def set_torch_threads(setting: str, role: ThreadRole, cpus: int | None = None) -> int:
     """Set torch's intra-op threads in this process (torch.set_num_threads, which later threads
     also take) from a `torch_threads` setting; `cpus` defaults to `usable_cpus()`. Logs one

@@ -27,7 +27,7 @@ from tiercache.engine.adapters import (
 from tiercache.engine.kv_cache import KvStats, kv_pool_budget
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
-from tiercache.engine.threads import ThreadRole, set_torch_threads
+from tiercache.engine.threads import ThreadRole, pass_thread_count, set_torch_threads, usable_cpus
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
@@ -369,7 +369,10 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     """torch's threads set (`torch_threads`), then the engine (weights converted once under the
     state folder), its refusal policy, the `lora_prefetch` adapters loaded, its metrics
     (started) and its worker (started)."""
-    set_torch_threads(config.torch_threads, ThreadRole.ENGINE)
+    threads = set_torch_threads(config.torch_threads, ThreadRole.ENGINE)
+    pass_threads = pass_thread_count(config.pass_threads, usable_cpus())
+    if pass_threads and pass_threads != threads:
+        log.info("torch threads for passes over several tokens: %d (pass_threads)", pass_threads)
     refusal = RefusalPolicy.parse(config.refuse_prompt_pattern, config.refusal_text)
     engine = TorchEngine(
         resolve_model(config.model),
@@ -384,7 +387,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         speculate=config.speculate,
         speculate_sampled=config.speculate_sampled,
         draft_index_tokens=config.draft_index_tokens,
-        pass_threads=config.pass_threads,
+        pass_threads=pass_threads,
     )
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)

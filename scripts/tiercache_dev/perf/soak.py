@@ -95,7 +95,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig, EngineConfig
-from tiercache.engine.threads import TORCH_THREADS_PATTERN
+from tiercache.engine.threads import PASS_THREADS_PATTERN, TORCH_THREADS_PATTERN
 from tiercache.server import REDIS_STAGES, copy_repository
 from tiercache_dev.console import (
     display_path,
@@ -231,10 +231,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pass-threads",
-        type=int,
         default=None,
         help="torch_llm's pass_threads in every configuration (torch threads for passes over "
-        "several tokens; 0: off)",
+        "several tokens: a count, 0: off, or auto: every CPU)",
     )
     p.add_argument(
         "--embedder-threads",
@@ -288,8 +287,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     check_background_load_arguments(p, args)
-    if args.pass_threads is not None and args.pass_threads < 0:
-        p.error("--pass-threads must be >= 0")
+    if args.pass_threads is not None and not re.fullmatch(PASS_THREADS_PATTERN, args.pass_threads):
+        p.error(f"--pass-threads must be auto or an integer >= 0, got {args.pass_threads!r}")
     for flag, value in (("--engine-threads", args.engine_threads),
                         ("--embedder-threads", args.embedder_threads)):  # fmt: skip
         if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
@@ -420,7 +419,7 @@ def engine_params(args: argparse.Namespace) -> dict[str, str]:
     if args.no_speculate:
         params["speculate"] = "false"
     if args.pass_threads is not None:
-        params["pass_threads"] = str(args.pass_threads)
+        params["pass_threads"] = args.pass_threads
     return params
 
 
