@@ -315,6 +315,9 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Seal
     assert "not found in cache" in missing.error().message()
 
     model.stage.metrics.flush()
+    # the adapter protocol's expected turn (the caller retries with the weights), not an error
+    assert model.stage.finished["adapter_missing"].metric.value() == 1
+    assert model.stage.finished["error"].metric.value() == 0
     assert model.stage.adapter_loads.metric.value() == 1
     assert model.stage.adapter_evictions.metric.value() == 1
     assert model.stage.adapter_load_s.metric.value() == 1

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from tiercache.budgets import Budget, BudgetThread, LatencyObjective
 from tiercache.config import EngineConfig, name_list
+from tiercache.engine.adapter_call import is_not_in_engine
 from tiercache.engine.adapters import (
     EVICT,
     GENERATE,
@@ -46,7 +47,10 @@ STALL_CAUSES = ("adapter_load", "adapter_switch", "kv_evict")
 
 # What the final response of each admin op says in FINISH_REASON.
 OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
-FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error")
+# adapter_missing: refused before any output because the engine does not hold the request's
+# adapter; the caller sends the weights and asks again (tiercache.engine.adapter_call), so it is
+# the adapter protocol's expected turn, not an error.
+FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error", "adapter_missing")
 _STOP = object()
 
 
@@ -229,7 +233,8 @@ class TorchLlmStage:
                 order, request = decode()
                 self._serve(order, request, sink, started)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
-                self.finished["error"].increment(1)
+                reason = "adapter_missing" if is_not_in_engine(exc) else "error"
+                self.finished[reason].increment(1)
                 if isinstance(exc, TierCacheError):  # a refused request: its message is enough
                     io.log.warning("engine request refused: %s", exc)
                 else:
