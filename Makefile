@@ -26,10 +26,15 @@ setup: $(STAMP) $(NATIVE_STAMP)
 	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
 	@# when missing. Needs root; without it setup goes on and says so (Redis stays optional).
 	@# apt-get waits up to APT_LOCK_S for another apt-get (a second setup running at once)
-	@# instead of failing on dpkg's lock.
+	@# instead of failing on dpkg's lock; `update`, whose lists lock that option does not
+	@# cover, is tried again every 10 s for as long.
 	@command -v redis-server >/dev/null || \
-	  $(APT_GET) install -y -qq redis-server >/dev/null 2>&1 || \
-	  { $(APT_GET) update -qq && $(APT_GET) install -y -qq redis-server; } || \
+	  { [ "$$(id -u)" = 0 ] && \
+	    { echo "tiercache: installing redis-server (apt-get; waits up to $(APT_LOCK_S) s for" \
+	        "another apt-get to finish)"; \
+	      $(APT_GET) install -y -qq redis-server >/dev/null 2>&1 || \
+	      { for i in $$(seq 0 10 $(APT_LOCK_S)); do $(APT_GET) update -qq && break; sleep 10; done; \
+	        $(APT_GET) install -y -qq redis-server; }; }; } || \
 	  echo "tiercache: could not install redis-server (apt-get failed: not root, no package" \
 	    "index, or dpkg locked for over $(APT_LOCK_S) s). Redis is off unless redis_url is set;" \
 	    "the Redis tests fail naming this, and TIERCACHE_SKIP_REDIS=1 skips them." >&2

@@ -840,7 +840,8 @@ class EngineConfig(_StateConfig):
         "0",
         "torch's intra-op threads for a forward pass over several tokens (the prefill, a "
         "verification of draft tokens); one-token steps keep torch_threads. 0: torch_threads "
-        "for every pass; auto: every CPU in the process's affinity mask. On 2 CPUs a one-token "
+        "for every pass; a count up to 256; auto: every CPU in the process's affinity mask (a CPU "
+        "quota is not seen: set a count there). On 2 CPUs a one-token "
         "step is no faster on 2 threads, a pass over many tokens is (docs/speculation.md)",
         pattern=PASS_THREADS_PATTERN,
     )

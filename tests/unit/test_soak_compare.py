@@ -34,6 +34,8 @@ from tiercache_dev.perf.soak import (
     generation_bounds,
     parse_args,
     response_cache_repository,
+    status_counters,
+    status_line,
     tiercache_repository,
     top_thread_groups,
 )
@@ -372,3 +374,22 @@ def test_thread_overrides_reach_every_engine_and_the_embedder(pairs: Path, tmp_p
     assert params_of(repo / "embedder" / "config.pbtxt")["torch_threads"] == "2"
     plain = response_cache_repository(tmp_path / "rc", args)
     assert params_of(plain / "torch_llm" / "config.pbtxt")["torch_threads"] == "1"
+
+
+def test_an_adapter_refusal_is_neither_a_generation_nor_an_error() -> None:
+    """torch_llm's adapter_missing (refused before any output; llm asks again with the weights)
+    is counted apart: the retry that follows is the generation, and nothing failed."""
+    finished = "tiercache_engine_finished_total"
+    counters = status_counters(
+        [
+            (finished, {"reason": "stop"}, 4.0),
+            (finished, {"reason": "length"}, 2.0),
+            (finished, {"reason": "adapter_missing"}, 1.0),
+            (finished, {"reason": "error"}, 3.0),
+        ]
+    )
+    assert counters["engine:generations"] == 6
+    assert counters["engine:adapter_missing"] == 1
+    assert counters["error:engine"] == 3
+    run = Run(TIERCACHE, None, 0, counters, 90.0, "perf_analyzer ...")
+    assert "1 engine refusals for an adapter it did not hold" in status_line(run)

@@ -106,21 +106,21 @@ def test_pass_threads_parameter_takes_auto_zero_or_a_count() -> None:
     assert parse_config(EngineConfig, {"pass_threads": "12"}).pass_threads == "12"
 
 
-@pytest.mark.parametrize("text", ["-1", "two", "1.5", "", "Auto", "03", "1000"])
+@pytest.mark.parametrize("text", ["-1", "two", "1.5", "", "Auto", "03", "257", "1000"])
 def test_a_bad_pass_threads_is_refused_naming_the_parameter(text: str) -> None:
     with pytest.raises(ConfigError, match=r"parameter 'pass_threads' must match auto\|"):
         parse_config(EngineConfig, {"pass_threads": text})
 
 
 @pytest.mark.parametrize(("setting", "cpus", "count"), [("auto", 2, 2), ("auto", 16, 16),
-    ("auto", 0, 1), ("0", 2, 0), ("3", 2, 3)])  # fmt: skip
+    ("auto", 0, 1), ("0", 2, 0), ("3", 2, 3), ("256", 2, 256)])  # fmt: skip
 def test_pass_threads_auto_is_every_usable_cpu(setting: str, cpus: int, count: int) -> None:
     assert pass_thread_count(setting, cpus) == count
 
 
-@pytest.mark.parametrize("setting", ["-1", "x", ""])
+@pytest.mark.parametrize("setting", ["-1", "x", "", "257"])
 def test_a_bad_pass_threads_setting_is_a_config_error(setting: str) -> None:
-    with pytest.raises(ConfigError, match="pass_threads must be auto or an integer >= 0"):
+    with pytest.raises(ConfigError, match="pass_threads must be auto or an integer 0-256"):
         pass_thread_count(setting, 4)
 
 

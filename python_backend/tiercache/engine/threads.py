@@ -71,8 +71,8 @@ def torch_thread_count(setting: str, cpus: int, role: ThreadRole) -> int:
     return int(setting)
 
 
-PASS_THREADS_PATTERN = r"auto|[0-9]|[1-9][0-9]{1,2}"
-"""What a `pass_threads` parameter may be: `auto`, 0 (off), or a thread count up to 999."""
+PASS_THREADS_PATTERN = r"auto|[0-9]|[1-9][0-9]|1[0-9][0-9]|2[0-4][0-9]|25[0-6]"
+"""What a `pass_threads` parameter may be: `auto`, 0 (off), or a thread count up to 256."""
 
 
 def pass_thread_count(setting: str, cpus: int) -> int:
@@ -82,7 +82,7 @@ def pass_thread_count(setting: str, cpus: int) -> int:
     tokens is bound by arithmetic and gains from every core, docs/speculation.md). ConfigError
     for anything else."""
     if not re.fullmatch(PASS_THREADS_PATTERN, setting):
-        raise ConfigError(f"pass_threads must be auto or an integer >= 0, got {setting!r}")
+        raise ConfigError(f"pass_threads must be auto or an integer 0-256, got {setting!r}")
     return max(1, cpus) if setting == AUTO else int(setting)
 
 

@@ -235,7 +235,9 @@ class TorchLlmStage:
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 reason = "adapter_missing" if is_not_in_engine(exc) else "error"
                 self.finished[reason].increment(1)
-                if isinstance(exc, TierCacheError):  # a refused request: its message is enough
+                if reason == "adapter_missing":  # the protocol's turn: the caller sends weights
+                    io.log.info("engine request refused: %s", exc)
+                elif isinstance(exc, TierCacheError):  # a refused request: its message is enough
                     io.log.warning("engine request refused: %s", exc)
                 else:
                     io.log.error("engine request failed", exc_info=exc)
@@ -376,8 +378,6 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     (started) and its worker (started)."""
     threads = set_torch_threads(config.torch_threads, ThreadRole.ENGINE)
     pass_threads = pass_thread_count(config.pass_threads, usable_cpus())
-    if pass_threads and pass_threads != threads:
-        log.info("torch threads for passes over several tokens: %d (pass_threads)", pass_threads)
     refusal = RefusalPolicy.parse(config.refuse_prompt_pattern, config.refusal_text)
     engine = TorchEngine(
         resolve_model(config.model),
@@ -394,6 +394,8 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         draft_index_tokens=config.draft_index_tokens,
         pass_threads=pass_threads,
     )
+    if pass_threads and pass_threads != threads and not engine.on_gpu:
+        log.info("torch threads for passes over several tokens: %d (pass_threads)", pass_threads)
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)

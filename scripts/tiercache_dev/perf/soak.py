@@ -288,7 +288,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     check_background_load_arguments(p, args)
     if args.pass_threads is not None and not re.fullmatch(PASS_THREADS_PATTERN, args.pass_threads):
-        p.error(f"--pass-threads must be auto or an integer >= 0, got {args.pass_threads!r}")
+        p.error(f"--pass-threads must be auto or an integer 0-256, got {args.pass_threads!r}")
     for flag, value in (("--engine-threads", args.engine_threads),
                         ("--embedder-threads", args.embedder_threads)):  # fmt: skip
         if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
@@ -848,8 +848,12 @@ def status_counters(samples: list[Sample]) -> dict[str, float]:
             out["engine:draft_tokens"] += value
         elif name == "tiercache_engine_draft_accepted_tokens_total":
             out["engine:speculated_tokens"] += value
-        elif name == "tiercache_engine_finished_total" and labels.get("reason") != "error":
-            out["engine:generations"] += value
+        elif name == "tiercache_engine_finished_total":
+            reason = labels.get("reason")
+            if reason == "adapter_missing":  # refused, then asked again with the weights
+                out["engine:adapter_missing"] += value
+            elif reason != "error":
+                out["engine:generations"] += value
         elif name == "tiercache_engine_kv_reused_tokens_total":
             out["kv:reused_tokens"] += value
         elif name == "tiercache_engine_kv_computed_tokens_total":
@@ -1101,6 +1105,11 @@ def status_line(run: Run) -> str:
                 f", {s.get('engine:speculated_tokens', 0):.0f} of them from drafts "
                 f"({s['engine:draft_tokens']:.0f} draft tokens verified)"
             )
+    if s.get("engine:adapter_missing"):
+        text += (
+            f"; {s['engine:adapter_missing']:.0f} engine refusals for an adapter it did not hold "
+            "(llm asked again with the weights)"
+        )
     return text
 
 
