@@ -200,6 +200,23 @@ def test_cli_reports_bad_input_with_exit_code_2(tmp_path: Path, capsys: Any) -> 
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_no_latency_queries_is_refused_before_any_work(
+    tmp_path: Path, capsys: Any, count: str
+) -> None:
+    """A count that would time nothing is refused up front (it used to fail with a traceback
+    after embedding every text)."""
+    path = write_pairs(tmp_path / "p.jsonl", [{"a": "x", "b": "y", "label": 1}])
+
+    def never() -> Any:
+        raise AssertionError("the embedder was loaded")
+
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main_eval_semantic(["--pairs", str(path), "--latency-queries", count], never)
+    assert exit_info.value.code == 2
+    assert f"--latency-queries must be >= 1, got {count}" in capsys.readouterr().err
+
+
 def test_source_is_optional(tmp_path: Path) -> None:
     path = write_pairs(tmp_path / "p.jsonl", [{"a": "x", "b": "y", "label": 0}])
     assert ev.load_pairs(path)[0].source == "-"

@@ -938,7 +938,10 @@ def main_eval_semantic(
     argv: list[str] | None = None, embed_factory: Callable[[], EmbedFn] | None = None
 ) -> int:
     """`tiercache eval-semantic ...`; 0 on success, 2 on bad input or configuration."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.latency_queries < 1:  # before the embedding work, which takes a minute
+        parser.error(f"--latency-queries must be >= 1, got {args.latency_queries}")
     try:
         run_eval(args, embed_factory)
     except TierCacheError as exc:
