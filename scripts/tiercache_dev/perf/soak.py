@@ -95,7 +95,8 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig, EngineConfig
-from tiercache.engine.threads import PASS_THREADS_PATTERN, TORCH_THREADS_PATTERN
+from tiercache.engine.threads import TORCH_THREADS_PATTERN, pass_thread_count
+from tiercache.errors import ConfigError
 from tiercache.server import REDIS_STAGES, copy_repository
 from tiercache_dev.console import (
     display_path,
@@ -287,8 +288,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     check_background_load_arguments(p, args)
-    if args.pass_threads is not None and not re.fullmatch(PASS_THREADS_PATTERN, args.pass_threads):
-        p.error(f"--pass-threads must be auto or an integer 0-256, got {args.pass_threads!r}")
+    if args.pass_threads is not None:
+        try:
+            pass_thread_count(args.pass_threads, 1)
+        except ConfigError as exc:
+            p.error(f"--pass-threads: {exc}")
     for flag, value in (("--engine-threads", args.engine_threads),
                         ("--embedder-threads", args.embedder_threads)):  # fmt: skip
         if value is not None and not re.fullmatch(TORCH_THREADS_PATTERN, value):
@@ -832,8 +836,6 @@ def status_counters(samples: list[Sample]) -> dict[str, float]:
             out[f"lookup:{labels.get('status')}"] += value
         elif name == "tiercache_prompt_cache_hits_total":
             out[f"hit:{labels.get('tier')}"] += value
-        elif name == "tiercache_engine_finished_total" and labels.get("reason") == "error":
-            out["error:engine"] += value
         elif name == "tiercache_embedding_cache_lookups_total" and labels.get("outcome"):
             out[f"semantic:{labels['outcome']}"] += value
         elif name == "tiercache_llm_generations_total":
@@ -850,9 +852,11 @@ def status_counters(samples: list[Sample]) -> dict[str, float]:
             out["engine:speculated_tokens"] += value
         elif name == "tiercache_engine_finished_total":
             reason = labels.get("reason")
-            if reason == "adapter_missing":  # refused, then asked again with the weights
+            if reason == "error":
+                out["error:engine"] += value
+            elif reason == "adapter_missing":  # refused, then asked again with the weights
                 out["engine:adapter_missing"] += value
-            elif reason != "error":
+            else:
                 out["engine:generations"] += value
         elif name == "tiercache_engine_kv_reused_tokens_total":
             out["kv:reused_tokens"] += value
