@@ -438,39 +438,42 @@ def test_an_answers_mean_logprob_is_its_own_and_speculation_does_not_change_it(
     assert plain.mean_logprob == pytest.approx(sum(taken) / len(taken), abs=1e-4)
 
 
-@pytest.mark.parametrize("source", ["answer", "neighbour"])
-def test_the_draft_replay_takes_the_engines_own_steps(engine: Any, source: str) -> None:
+def test_the_draft_replay_takes_the_engines_own_steps(engine: Any) -> None:
     """tiercache_dev.bench.draft_replay models only the seconds: its drafter, fed the recorded
     plain answer, proposes and keeps what the engine's did, step for step (an answer cached
     under a smaller max_tokens, asked with more; and an unrelated prompt's answer as a
-    neighbour), with an earlier answer of the scope in the engine's index."""
+    neighbour), with the prompt's shorter answer in the scope's index."""
     from tiercache.engine.drafts import AnswerIndex
     from tiercache_dev.bench.draft_replay import SCOPE, Case, CostModel, replay
 
-    short = run(engine, GenerationRequest(PROMPT, max_tokens=16), (), speculate=False)[0]
+    shorter = GenerationRequest(PROMPT, max_tokens=16)
+    short = run(engine, shorter, (), speculate=False)[0]
     other = GenerationRequest("Write a short poem about the sea at night.", max_tokens=MAX_TOKENS)
-    engine.speculate = True
-    earlier = list(engine.generate(other))[-1]  # speculative: indexed in the scope
     drafts = {"answer": short, "neighbour": run(engine, other, (), speculate=False)[0]}
     request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
-    engine.speculate = False
-    plain = list(engine.generate(request))[-1]
-    engine.speculate = True
-    pairs = ((source, drafts[source]),)
-    spec = list(engine.generate(replace(request, drafts=pairs)))[-1]
+    plain = list(engine.generate(request))[-1]  # speculate False since `run`
     case = Case(
         "hash table",
         engine.prompt_ids(request)[0].tolist(),
-        list(pairs),
+        [],
         MAX_TOKENS,
         list(plain.token_ids),
         plain.finish_reason == "stop",
     )
-    index = AnswerIndex()
-    index.add(SCOPE, earlier.token_ids)
     cost = CostModel({1: 0.05, 33: 0.15}, {32: 0.1, 400: 0.5})
-    replayed = replay(case, cost, engine.encode_text, engine.decode_ids, index.view(SCOPE))
-    assert spec.token_ids == plain.token_ids
-    assert replayed.steps == list(spec.draft_steps) and replayed.steps
-    assert replayed.plain_passes == plain.generated_tokens + (plain.finish_reason == "stop")
-    assert 0 < replayed.ceiling_s <= replayed.spec_s
+    sources: set[str] = set()
+    for source, text in drafts.items():
+        engine.answers = AnswerIndex()
+        engine.speculate = True
+        earlier = list(engine.generate(shorter))[-1]  # speculative: indexed in the scope
+        spec = list(engine.generate(replace(request, drafts=((source, text),))))[-1]
+        case.drafts = [(source, text)]
+        index = AnswerIndex()
+        index.add(SCOPE, earlier.token_ids)
+        replayed = replay(case, cost, engine.encode_text, engine.decode_ids, index.view(SCOPE))
+        assert spec.token_ids == plain.token_ids
+        assert replayed.steps == list(spec.draft_steps), source
+        assert replayed.plain_passes == plain.generated_tokens + (plain.finish_reason == "stop")
+        assert 0 < replayed.ceiling_s <= replayed.spec_s
+        sources |= {s for s, _, _ in replayed.steps}
+    assert {"answer", "neighbour", "index"} <= sources  # each source drafted somewhere
