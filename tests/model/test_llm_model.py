@@ -7,6 +7,7 @@ engine calls carry ENGINE_SEAL, which the fake torch_llm checks as torch_llm doe
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 import seals
 
-from tiercache.adapter_types import AdapterRef, adapter_digest
+from tiercache.adapter_types import AdapterRef, adapter_digest, not_in_engine_message
+from tiercache.engine.adapter_call import adapter_ref
 from tiercache.errors import Forbidden
 from tiercache.exact.answer_ids import AnswerRef, ServedAs
 from tiercache.exact.keys import Digest
@@ -369,6 +371,100 @@ def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(
     assert cache.get(d_good).entry.text == "Hello there"
     assert [d for d in digests if cache.get(d) is not None] == [d_good]
     assert counted(model) == {"miss": 1, "error": len(refused)}
+
+
+class AdapterEngine(FakeTorchLlm):
+    """torch_llm holding adapters: a call with an adapter's files loads it, a call without them
+    for one it does not hold is refused as torch_llm refuses it. The first call that carries
+    files is taken only after another call came (or WAIT_S): the request that carried them
+    reaching the engine after one lora_cache planned after it, without files."""
+
+    def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
+        super().__init__(pb_utils, sealer)
+        self.held: set[AdapterRef] = set()
+        self.refused: list[AdapterRef] = []
+        self._lock = threading.Lock()
+        self._holding_back = False
+        self._other_came = threading.Event()
+
+    def __call__(self, request: Any) -> list[Any]:
+        order, call = seals.engine_call(self.sealer, request)
+        with self._lock:
+            first = order.weights is not None and not self._holding_back
+            self._holding_back = self._holding_back or first
+        if first:
+            self._other_came.wait(WAIT_S)
+        else:
+            self._other_came.set()
+        ref = adapter_ref(call) if call is not None else None
+        with self._lock:
+            if order.weights is not None:
+                self.held.add(order.weights.ref)
+            elif ref is not None and ref not in self.held:
+                self.refused.append(ref)
+                error = self.pb.TritonError(not_in_engine_message(ref))
+                return [self.pb.InferenceResponse([], error=error)]
+        return super().__call__(request)
+
+
+def test_an_adapter_s_files_go_with_a_later_request_that_reaches_the_engine_first(
+    pb_utils: ModuleType,
+    model: Any,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lora_cache sends an adapter's files with the first request it plans for it and none
+    with the next; when the next one's engine call comes first, it carries the files the first
+    one brought (docs/lora.md "Where the weights can fall behind"): the engine refuses
+    nothing, no files are fetched again, and llm keeps no files once the engine took them."""
+    engine = AdapterEngine(pb_utils, sealer)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", engine)
+    french, files = adapter("french", 1)
+
+    def sent(prompt: str, digest: str) -> bytes:
+        request = GenerationRequest(
+            prompt,
+            lora_name="french",
+            lora_task_id=french.task_id,
+            lora_digest=french.digest,
+            tenant_scope=TENANT,
+        )
+        return envelope(sealer, CacheStatus.MISS, digest, request=request, write_back=True)
+
+    first = to_llm(pb_utils, sealer, sent("Bonjour?", "1" * 64), lora=files, cipher=cipher)
+    after = to_llm(pb_utils, sealer, sent("Salut?", "2" * 64))  # planned as loaded: no files
+    served = run(pb_utils, model, [first, after])
+    assert [final(pb_utils, r) for r in served] == [("Hello there", "miss")] * 2
+    assert engine.refused == []
+    assert [order.weights.ref for order, _ in engine.calls] == [french, french]
+    assert model.stage.engine.unconfirmed() == 0
+
+
+def test_llm_keeps_few_adapters_files_for_the_engine(model: Any) -> None:
+    """What `expect` keeps is bounded: the newest MAX_UNCONFIRMED_ADAPTERS adapters, within
+    MAX_UNCONFIRMED_BYTES, none larger than that alone, and nothing for the base model."""
+    from tiercache.engine.adapter_call import EngineLora
+    from tiercache.stages import llm
+
+    engine = model.stage.engine
+
+    def on(task_id: int) -> GenerationRequest:
+        return GenerationRequest("q", lora_name="a", lora_task_id=task_id, lora_digest="d" * 64)
+
+    files = EngineLora("{}", b"w" * 10)
+    engine.expect(GenerationRequest("q"), files)
+    assert engine.unconfirmed() == 0
+    for task_id in range(1, llm.MAX_UNCONFIRMED_ADAPTERS + 3):
+        engine.expect(on(task_id), files)
+    assert engine.unconfirmed() == llm.MAX_UNCONFIRMED_ADAPTERS
+    huge = EngineLora("{}", b"w" * llm.MAX_UNCONFIRMED_BYTES)
+    engine.expect(on(99), huge)
+    assert engine.unconfirmed() == llm.MAX_UNCONFIRMED_ADAPTERS
+    half = EngineLora("{}", b"w" * (llm.MAX_UNCONFIRMED_BYTES // 2))
+    engine.expect(on(100), half)
+    engine.expect(on(101), half)  # two halves and their configs pass the bound: the newest stays
+    assert engine.unconfirmed() == 1
 
 
 def finish(responses: list[Any]) -> str:

@@ -5,8 +5,11 @@ padding for untrusted tenants, cross-replica leases and shared semantic rows are
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +19,12 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.config import LlmConfig
-from tiercache.engine.adapter_call import NO_LORA, EngineLora, generate_with_adapter
+from tiercache.engine.adapter_call import (
+    NO_LORA,
+    EngineLora,
+    adapter_ref,
+    generate_with_adapter,
+)
 from tiercache.engine.events import StreamEvent
 from tiercache.engine.trtllm_client import (
     REQUESTED_OUTPUTS,
@@ -142,6 +150,12 @@ def _blob(value: Part) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
+# Adapter files llm keeps until the engine was seen to take them (`EngineBls.expect`): a few
+# new adapters at once, within a byte bound; one dropped only costs the engine's refusal.
+MAX_UNCONFIRMED_ADAPTERS = 8
+MAX_UNCONFIRMED_BYTES = 256 << 20
+
+
 class EngineBls:
     """The engine model over BLS, as `GenerateFn`s: torch_llm (the envelope in, text chunks
     out) or TensorRT-LLM (token ids in and out, through `TrtllmClient`)."""
@@ -170,6 +184,10 @@ class EngineBls:
             )
         # Engine calls open at once (torch_llm: more wait here, not in the engine's queue).
         self._streams = threading.BoundedSemaphore(config.engine_streams or config.max_concurrency)
+        # torch_llm adapters' files lora_cache sent, by (task id, digest), until a call that
+        # carried them was answered (`expect`)
+        self._unconfirmed: OrderedDict[tuple[int, str], EngineLora] = OrderedDict()
+        self._unconfirmed_lock = threading.Lock()
 
     def generate(
         self, request: GenerationRequest, lora: EngineLora = NO_LORA
@@ -178,11 +196,64 @@ class EngineBls:
             return self._generate_trtllm(self.trtllm, request, lora)
         return self._generate_torch(request, lora)
 
+    def expect(self, request: GenerationRequest, lora: EngineLora) -> None:
+        """Keep the adapter files lora_cache sent with `request` (torch_llm) until a call that
+        carried them was answered: lora_cache counts an adapter loaded once it has planned
+        the request that carries its files, and sends the requests after it without; one of
+        those may reach the engine first (a coalesced follower's own call never runs, and
+        another flight may take an engine stream first), and any call for the adapter
+        without files takes them from here meanwhile (docs/lora.md). The eviction list
+        stays with its own request: the engine makes room by itself (`lora_slots`)."""
+        ref = adapter_ref(request)
+        if ref is None or not lora.weights or self.trtllm is not None:
+            return
+        if len(lora.weights) + len(lora.config_json) > MAX_UNCONFIRMED_BYTES:
+            return
+        key = (ref.task_id, ref.digest)
+        with self._unconfirmed_lock:
+            self._unconfirmed[key] = EngineLora(lora.config_json, lora.weights)
+            self._unconfirmed.move_to_end(key)
+            kept = self._unconfirmed.values()
+            while len(self._unconfirmed) > MAX_UNCONFIRMED_ADAPTERS or (
+                sum(len(f.weights) + len(f.config_json) for f in kept) > MAX_UNCONFIRMED_BYTES
+            ):
+                self._unconfirmed.popitem(last=False)
+
+    def unconfirmed(self) -> int:
+        """Adapters whose files llm still keeps for the engine (`expect`)."""
+        with self._unconfirmed_lock:
+            return len(self._unconfirmed)
+
+    def _with_expected(
+        self, request: GenerationRequest, lora: EngineLora
+    ) -> tuple[EngineLora, tuple[int, str] | None]:
+        """`lora` with the files `expect` keeps for the request's adapter when it carries none;
+        and the key to confirm once a call carrying files was answered (None: nothing to)."""
+        ref = adapter_ref(request)
+        if ref is None or self.trtllm is not None:
+            return lora, None
+        key = (ref.task_id, ref.digest)
+        if not lora.loads:
+            with self._unconfirmed_lock:
+                kept = self._unconfirmed.get(key)
+            if kept is None:
+                return lora, None
+            lora = dataclasses.replace(lora, config_json=kept.config_json, weights=kept.weights)
+        return lora, key
+
+    def _confirmed(self, key: tuple[int, str] | None) -> None:
+        if key is not None:
+            with self._unconfirmed_lock:
+                self._unconfirmed.pop(key, None)
+
     def _generate_torch(
         self, request: GenerationRequest, lora: EngineLora
     ) -> Iterator[StreamEvent]:
         """One engine call, as a stream of events. BLS requests cannot be cancelled in this
-        Triton version, so an abandoned generation runs to max_tokens and is discarded."""
+        Triton version, so an abandoned generation runs to max_tokens and is discarded.
+        A call for an adapter whose files were sent with another request the engine has not
+        answered yet carries them too (`expect`)."""
+        lora, carried = self._with_expected(request, lora)
         values: dict[str, str | bytes] = {
             ENVELOPE_TENSOR: Envelope(request=request).seal(self.sealer)
         }
@@ -193,7 +264,14 @@ class EngineBls:
             values["LORA_EVICT"] = json.dumps(list(lora.evict))
         inputs = engine_inputs(self.sealer, values)
         with self._streams:  # held until the stream ends (engine_streams)
-            for response in self.client.stream(inputs, ENGINE_OUTPUTS):
+            try:
+                responses = iter(self.client.stream(inputs, ENGINE_OUTPUTS))
+                first = next(responses, None)
+            finally:  # answered (the engine holds the adapter) or refused (not sent again)
+                self._confirmed(carried)
+            if first is None:
+                return
+            for response in itertools.chain([first], responses):
                 finish = io.output_string(response, "FINISH_REASON")
                 yield StreamEvent(
                     text=io.output_string(response, "TEXT") or "",
@@ -478,7 +556,10 @@ class LlmStage:
             bound=envelope.seal,
             what="lora_cache's adapter tensors",
         )
-        return open_lora(self.engine.cipher, trtllm, tensors, envelope.seal)
+        lora = open_lora(self.engine.cipher, trtllm, tensors, envelope.seal)
+        if lora.loads:
+            self.engine.expect(envelope.get().request, lora)
+        return lora
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
         """Answer one request through `responder` (a hit at once, a miss from a worker); its
