@@ -35,6 +35,11 @@ def test_the_cost_model_interpolates_and_grows_past_its_largest_size() -> None:
     assert COST.step_s(66) == pytest.approx(8.0)  # in proportion past 33
     assert COST.prefill_s(5) == 3.0  # never under the smallest measured
     assert CostModel.from_json(COST.to_json()) == COST
+    rows = CostModel(COST.step, {11: 2.0}, {11: 4.0})  # every row's logits: 2 s more
+    assert rows.prefill_s(11) == 2.0
+    assert rows.prefill_s(11, 6) == pytest.approx(3.0)  # half the other rows
+    assert rows.prefill_s(11, 11) == pytest.approx(4.0)
+    assert CostModel.from_json(rows.to_json()) == rows
 
 
 def test_a_cached_answer_is_free_up_to_where_the_model_leaves_it() -> None:

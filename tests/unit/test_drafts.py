@@ -33,14 +33,16 @@ def test_an_aligned_answer_proposes_its_next_tokens_while_the_generation_follows
 
 
 def test_an_ngram_of_an_answer_proposes_what_followed_its_latest_occurrence() -> None:
-    answer = [50, 60, 70, 80, 60, 70, 90, 91]
+    answer = [40, 50, 60, 70, 80, 50, 60, 70, 90, 91]
     drafter = Drafter([("neighbour", answer)], [5], length=8)
-    # "60 70" last occurs before 90 (not aligned: the generation did not start with 50)
-    assert drafter.propose([60, 70], limit=8) == [90, 91]
+    # "50 60 70" last occurs before 90 (not aligned: the generation did not start with 40)
+    assert drafter.propose([50, 60, 70], limit=8) == [90, 91]
     assert drafter.source == "neighbour"
-    # the longest matching suffix wins over a shorter one: "50 60 70" -> 80 ...
-    other = Drafter([("neighbour", answer)], [5, 50], length=8)
-    assert other.propose([60, 70], limit=3) == [80, 60, 70]
+    # the longest matching suffix wins over a shorter one: "40 50 60 70" -> 80 ...
+    other = Drafter([("neighbour", answer)], [5, 40], length=8)
+    assert other.propose([50, 60, 70], limit=3) == [80, 50, 60]
+    # two tokens are under an answer's n-gram (MIN_ANSWER_NGRAM): "60 70" drafts nothing
+    assert Drafter([("neighbour", answer)], [5], length=8).propose([60, 70], limit=8) == []
 
 
 def test_the_context_is_matched_by_ngram_and_a_repeating_run_continues() -> None:
@@ -54,7 +56,7 @@ def test_the_context_is_matched_by_ngram_and_a_repeating_run_continues() -> None
 
 
 def test_the_longest_continuation_of_all_sources_is_proposed() -> None:
-    short = [3, 4, 5]  # an answer whose n-gram "3 4" continues with one token
+    short = [0, 9, 3, 4, 5]  # an answer whose n-gram "9 3 4" continues with one token
     drafter = Drafter([("neighbour", short)], PROMPT, length=8)
     # the prompt's is longer (and runs on periodically: 5 6 7 8 9 3 4 again)
     assert drafter.propose([9, 3, 4], limit=8) == [5, 6, 7, 8, 9, 3, 4, 5]

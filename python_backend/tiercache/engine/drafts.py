@@ -37,6 +37,10 @@ DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 32
 MIN_DRAFT_TOKENS = 4
 MIN_NGRAM, MAX_NGRAM = 2, 4
+# A cached answer's n-grams draft once the generation has left its alignment: from 3 tokens
+# (2-token matches there were mostly rejected: +2 to +3 % on `again`, held-out prompts
+# included, in tiercache_dev.bench.draft_replay, docs/speculation.md "Replayed").
+MIN_ANSWER_NGRAM = 3
 # Other prompts' answers share short n-grams by chance: the index matches 3 tokens or more.
 MIN_INDEX_NGRAM = 3
 # After a draft the model rejected whole, n-gram drafting pauses for 1, 2, 4 ... steps (up to
@@ -198,7 +202,7 @@ class Drafter:
             else:
                 draft = self._text_aligned(answer, generated)[:want]
             if not draft:
-                draft = _ngram(answer.ends, answer.tokens, self._context, want, MIN_NGRAM)
+                draft = _ngram(answer.ends, answer.tokens, self._context, want, MIN_ANSWER_NGRAM)
             if len(draft) > len(best):
                 best, self.source = draft, answer.source
         index = self._state(DraftSource.INDEX.value) if self._index is not None else None

@@ -251,20 +251,21 @@ class EngineBls:
     ) -> Iterator[StreamEvent]:
         """One engine call, as a stream of events. BLS requests cannot be cancelled in this
         Triton version, so an abandoned generation runs to max_tokens and is discarded.
-        A call for an adapter whose files were sent with another request the engine has not
-        answered yet carries them too (`expect`)."""
-        lora, carried = self._with_expected(request, lora)
-        values: dict[str, str | bytes] = {
-            ENVELOPE_TENSOR: Envelope(request=request).seal(self.sealer)
-        }
-        if lora.loads:
-            values["LORA_CONFIG"] = lora.config_json
-            values["LORA_WEIGHTS"] = lora.weights
-        if lora.evict:
-            values["LORA_EVICT"] = json.dumps(list(lora.evict))
-        inputs = engine_inputs(self.sealer, values)
+        A call for an adapter that goes out without its files while another request's files
+        for it wait for the engine's answer carries them too (`expect`)."""
+        envelope = Envelope(request=request).seal(self.sealer)
         with self._streams:  # held until the stream ends (engine_streams)
+            # the adapter's files decided when the call goes out: the engine takes calls in
+            # order, and files another request brought may have come while this one waited
+            lora, carried = self._with_expected(request, lora)
+            values: dict[str, str | bytes] = {ENVELOPE_TENSOR: envelope}
+            if lora.loads:
+                values["LORA_CONFIG"] = lora.config_json
+                values["LORA_WEIGHTS"] = lora.weights
+            if lora.evict:
+                values["LORA_EVICT"] = json.dumps(list(lora.evict))
             try:
+                inputs = engine_inputs(self.sealer, values)
                 responses = iter(self.client.stream(inputs, ENGINE_OUTPUTS))
                 first = next(responses, None)
             finally:  # answered (the engine holds the adapter) or refused (not sent again)

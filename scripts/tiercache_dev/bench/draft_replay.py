@@ -5,16 +5,18 @@ drafter (tiercache.engine.drafts) does to the speedup, in seconds rather than th
 Usage::
 
     python -m tiercache_dev.bench.draft_replay record [--dev-prompts 24] [--pairs 24]
-        [--recording .perf/draft_replay_recording.json]
+        [--recording .perf/draft_replay_recording.json] [--costs-only]
     python -m tiercache_dev.bench.draft_replay replay [--recording ...] [--out-dir .perf]
 
 `record` runs the real CPU engine plainly (greedy, speculation and KV reuse off), once per
 prompt, keeps each answer's token ids, and measures what one forward pass costs on this machine:
-a step over k new tokens after a context (k = 1 to 33) and a prefill over n tokens (the cost
-model; medians of interleaved repeats). Prompts: `make bench-spec`'s own (its `again` and `new`
-lists; the `tune` split) and questions of the dev pairs file, every other one held out
-(`held-out`: a drafter change is tuned on `tune` and must hold there too); rewording pairs
-(label 1) likewise, `a` answered for the neighbour draft and `b` for the answer to replay.
+a step over k new tokens after a context (k = 1 to 33) and a prefill over n tokens, keeping one
+position's logits and every position's (the cost model; medians of interleaved repeats;
+`--costs-only` measures it again into an existing recording). Prompts: `make bench-spec`'s
+own (its `again` and `new` lists; the `tune` split) and questions of the dev pairs file, every
+other one held out (`held-out`: a drafter change is tuned on `tune` and must hold there too);
+rewording pairs (label 1) likewise, `a` answered for the neighbour draft and `b` for the
+answer to replay.
 
 `replay` runs the drafter as torch_llm's engine does (tiercache.engine.torch_engine.generate:
 the greedy prefill draft verified in the prompt's pass, then a proposal after every picked
@@ -25,8 +27,8 @@ tests/unit/test_engine_speculation.py); only the seconds are modelled. Workloads
 `make bench-spec`: `again` (an answer of --max-tokens cached, asked with twice as many),
 `again-near` (asked with 1.25 times), `reworded` (the neighbour's answer), `new` (nothing
 cached). Each row also gives `ceiling`: the same passes with perfect drafts (the true
-continuation, MAX_DRAFT_TOKENS a pass): what no drafter can beat on this cost model. Ends with
-one line per workload and split: `replay <workload> <split> speedup <x> ceiling <x>`.
+continuation, MAX_DRAFT_TOKENS a pass): about what no drafter can beat on this cost model.
+Ends with one line per workload and split: `replay <workload> <split> speedup <x> ceiling <x>`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per pass size")
     p.add_argument("--threads", type=int, default=2, help="torch threads (record)")
     p.add_argument(
+        "--costs-only",
+        action="store_true",
+        help="record: measure the cost model again into an existing recording, its answers kept",
+    )
+    p.add_argument(
         "--pairs-file",
         type=Path,
         default=Path("../shared/eval/semantic_pairs_dev.jsonl"),
@@ -89,7 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _interpolate(points: dict[int, float], k: int) -> float:
-    """Piecewise linear through (tokens, seconds), flat past the ends."""
+    """Piecewise linear through (tokens, seconds); the smallest size's cost below it, in
+    proportion to the tokens past the largest."""
     xs = sorted(points)
     if k <= xs[0]:
         return points[xs[0]]
@@ -103,30 +111,38 @@ def _interpolate(points: dict[int, float], k: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds per forward pass: `step[k]` for k new tokens after a context, `prefill[n]` for a
-    prompt (and a verified draft) of n tokens."""
+    """Seconds per forward pass: `step[k]` for k new tokens after a context; `prefill[n]` for a
+    prompt of n tokens keeping the last position's logits (a plain prefill), `prefill_rows[n]`
+    keeping every position's (empty: as `prefill`). A prefill that verifies a draft keeps a row
+    per draft token and one more: charged in between, in proportion to its rows."""
 
     step: dict[int, float]
     prefill: dict[int, float]
+    prefill_rows: dict[int, float] = field(default_factory=dict)
 
     def step_s(self, tokens: int) -> float:
         return _interpolate(self.step, tokens)
 
-    def prefill_s(self, tokens: int) -> float:
-        return _interpolate(self.prefill, tokens)
+    def prefill_s(self, tokens: int, rows: int = 1) -> float:
+        one = _interpolate(self.prefill, tokens)
+        if not self.prefill_rows or tokens <= 1:
+            return one
+        every = _interpolate(self.prefill_rows, tokens)
+        return one + (every - one) * (min(rows, tokens) - 1) / (tokens - 1)
 
     def to_json(self) -> dict[str, dict[str, float]]:
         return {
             "step": {str(k): v for k, v in self.step.items()},
             "prefill": {str(k): v for k, v in self.prefill.items()},
+            "prefill_rows": {str(k): v for k, v in self.prefill_rows.items()},
         }
 
     @classmethod
     def from_json(cls, data: dict[str, dict[str, float]]) -> CostModel:
-        return cls(
-            {int(k): float(v) for k, v in data["step"].items()},
-            {int(k): float(v) for k, v in data["prefill"].items()},
-        )
+        def table(name: str) -> dict[int, float]:
+            return {int(k): float(v) for k, v in data.get(name, {}).items()}
+
+        return cls(table("step"), table("prefill"), table("prefill_rows"))
 
 
 # --- the replay ---------------------------------------------------------------------------------
@@ -204,7 +220,7 @@ def replay(
             kept += 1
         return kept
 
-    spec_s = cost.prefill_s(len(case.prompt_ids) + len(verify))
+    spec_s = cost.prefill_s(len(case.prompt_ids) + len(verify), len(verify) + 1)
     passes = 1
     done = False
     if verify:
@@ -239,13 +255,15 @@ def replay(
 
 def ceiling(case: Case, verify: Sequence[int], truth: Sequence[int], cost: CostModel) -> float:
     """The same request with perfect drafts: the prefill pass verifies `verify` as the engine
-    does, then every pass picks a token and drafts the next MAX_DRAFT_TOKENS right."""
+    does, then every pass picks a token and drafts the next MAX_DRAFT_TOKENS right. Not a
+    strict bound: the measured cost curve is not monotonic, so another split of the passes
+    could save a fraction of a step per request."""
     from tiercache.engine.drafts import MAX_DRAFT_TOKENS
 
     kept = 0
     while kept < len(verify) and kept < len(truth) and verify[kept] == truth[kept]:
         kept += 1
-    seconds = cost.prefill_s(len(case.prompt_ids) + len(verify))
+    seconds = cost.prefill_s(len(case.prompt_ids) + len(verify), len(verify) + 1)
     left = len(truth) - kept - 1  # picks still to make after the prefill's
     while left > 0:
         draft = min(MAX_DRAFT_TOKENS, left - 1)
@@ -273,14 +291,15 @@ def dev_questions(path: Path, count: int) -> list[str]:
 
 def measure_costs(model: Any, repeats: int) -> CostModel:
     """Median seconds of steps over k new tokens after STEP_CONTEXT tokens, and of prefills over
-    n tokens (the logits kept as a prefill with a verified draft keeps them), each size timed
-    once per round, the rounds interleaving the sizes."""
+    n tokens keeping one position's logits and every position's, each size timed once per
+    round, the rounds interleaving the sizes."""
     import copy
 
     import torch
 
     step: dict[int, list[float]] = {k: [] for k in STEP_TOKENS}
     prefill: dict[int, list[float]] = {n: [] for n in PREFILL_TOKENS}
+    rows: dict[int, list[float]] = {n: [] for n in PREFILL_TOKENS}
     generator = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> Any:
@@ -297,12 +316,14 @@ def measure_costs(model: Any, repeats: int) -> CostModel:
                 model(input_ids=ids(k), past_key_values=cache, use_cache=True)
                 step[k].append(time.perf_counter() - began)
             for n in PREFILL_TOKENS:
-                began = time.perf_counter()
-                model(input_ids=ids(n), use_cache=True, logits_to_keep=n // 2)
-                prefill[n].append(time.perf_counter() - began)
+                for keep, times in ((1, prefill), (n, rows)):
+                    began = time.perf_counter()
+                    model(input_ids=ids(n), use_cache=True, logits_to_keep=keep)
+                    times[n].append(time.perf_counter() - began)
     return CostModel(
         {k: statistics.median(v) for k, v in step.items()},
         {n: statistics.median(v) for n, v in prefill.items()},
+        {n: statistics.median(v) for n, v in rows.items()},
     )
 
 
@@ -314,6 +335,9 @@ def record(args: argparse.Namespace) -> int:
     from tiercache.exact.request import GenerationRequest
     from tiercache_dev.bench.speculation import AGAIN_PROMPTS, NEW_PROMPTS, rewording_pairs
 
+    if args.costs_only and not args.recording.is_file():
+        print(f"no recording at {args.recording} to measure the costs into", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     progress(f"loading the engine ({args.threads} threads)")
     engine = TorchEngine(
@@ -321,6 +345,17 @@ def record(args: argparse.Namespace) -> int:
     )
     progress("measuring the cost of forward passes")
     costs = measure_costs(engine.model, args.repeats)
+    if args.costs_only:
+        data = json.loads(args.recording.read_text())
+        if data["revision"] != engine.identity.revision:
+            print("the recording is of another model revision", file=sys.stderr)
+            return 2
+        data["costs"] = costs.to_json()
+        data["costs_measured"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        data["threads"] = args.threads
+        args.recording.write_text(json.dumps(data) + "\n")
+        progress(f"wrote the cost model into {args.recording}")
+        return 0
     long = 2 * args.max_tokens
     questions = dev_questions(args.pairs_file, args.dev_prompts)
     prompts = [("again", "tune", p, long) for p in AGAIN_PROMPTS]
@@ -448,7 +483,8 @@ def report(data: dict[str, Any], results: dict[str, dict[str, Any]]) -> str:
         f"- command: `{invocation('tiercache_dev.bench.draft_replay')}`",
         f"- recording: {data['recorded']}, `{data['command']}`, {data['threads']} torch "
         f"threads, {data['machine'].get('nproc')} CPUs, cached answers of "
-        f"{data['max_tokens']} tokens",
+        f"{data['max_tokens']} tokens; cost model measured "
+        f"{data.get('costs_measured', data['recorded'])}",
         "- cost model (a step over k tokens, in single-token steps): "
         + ", ".join(f"{k}: {cost.step_s(k) / one:.2f}" for k in sorted(cost.step))
         + f" (one step {1000 * one:.1f} ms)",
