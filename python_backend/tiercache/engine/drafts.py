@@ -38,7 +38,7 @@ MAX_DRAFT_TOKENS = 32
 MIN_DRAFT_TOKENS = 4
 MIN_NGRAM, MAX_NGRAM = 2, 4
 # A cached answer's n-grams draft once the generation has left its alignment: from 3 tokens
-# (2-token matches there were mostly rejected: +2 to +3 % on `again`, held-out prompts
+# (2-token matches there were mostly rejected: 0 to +3.5 % on `again`, held-out prompts
 # included, in tiercache_dev.bench.draft_replay, docs/speculation.md "Replayed").
 MIN_ANSWER_NGRAM = 3
 # Other prompts' answers share short n-grams by chance: the index matches 3 tokens or more.

@@ -83,10 +83,16 @@ def check_context(prompt_tokens: int, max_tokens: int, window: int | None) -> No
         )
 
 
+def converted_dir(source: ModelSource, cache_dir: Path) -> Path:
+    """Where `load_model` keeps the model's de-quantised weights and its tokenizer; complete
+    once it holds a COMPLETE file."""
+    return cache_dir / f"{source.spec.package}-{source.identity.revision[:16]}"
+
+
 def load_model(source: ModelSource, cache_dir: Path, device: str) -> tuple[Any, Any]:
     """Load weights, de-quantising the GGUF only once: the float32 result is saved as safetensors
     under `cache_dir/<revision>` (18 s -> well under 1 s on the next start)."""
-    converted = cache_dir / f"{source.spec.package}-{source.identity.revision[:16]}"
+    converted = converted_dir(source, cache_dir)
     if not (converted / "COMPLETE").exists():
         started = time.perf_counter()
         gguf_dir, gguf_file = str(source.gguf_path.parent), source.gguf_path.name

@@ -179,6 +179,14 @@ def truncated(answer: Sequence[int], ended: bool, max_tokens: int) -> tuple[list
     return list(answer), ended
 
 
+def common_prefix(draft: Sequence[int], answer: Sequence[int]) -> int:
+    """How many leading tokens of `draft` greedy verification keeps against `answer`."""
+    kept = 0
+    while kept < len(draft) and kept < len(answer) and draft[kept] == answer[kept]:
+        kept += 1
+    return kept
+
+
 def replay(
     case: Case,
     cost: CostModel,
@@ -214,11 +222,7 @@ def replay(
         return None
 
     def agreed(draft: Sequence[int]) -> int:
-        rest = truth[len(generated) :]
-        kept = 0
-        while kept < len(draft) and kept < len(rest) and draft[kept] == rest[kept]:
-            kept += 1
-        return kept
+        return common_prefix(draft, truth[len(generated) :])
 
     spec_s = cost.prefill_s(len(case.prompt_ids) + len(verify), len(verify) + 1)
     passes = 1
@@ -260,9 +264,7 @@ def ceiling(case: Case, verify: Sequence[int], truth: Sequence[int], cost: CostM
     could save a fraction of a step per request."""
     from tiercache.engine.drafts import MAX_DRAFT_TOKENS
 
-    kept = 0
-    while kept < len(verify) and kept < len(truth) and verify[kept] == truth[kept]:
-        kept += 1
+    kept = common_prefix(verify, truth)
     seconds = cost.prefill_s(len(case.prompt_ids) + len(verify), len(verify) + 1)
     left = len(truth) - kept - 1  # picks still to make after the prefill's
     while left > 0:
@@ -513,10 +515,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import converted_dir
 
     source = resolve_model()
-    converted = args.state_dir / "models" / f"{source.spec.package}-{source.identity.revision[:16]}"
-    if source.identity.revision != data["revision"] or not converted.is_dir():
+    converted = converted_dir(source, args.state_dir / "models")
+    if source.identity.revision != data["revision"] or not (converted / "COMPLETE").exists():
         print(
             f"the recording is of revision {data['revision'][:16]}; this engine's model is "
             f"{source.identity.revision[:16]} (or not converted yet: start the engine once)",
