@@ -19,8 +19,10 @@ from tiercache.engine.threads import ThreadRole
 class FakeEmbedder:
     """Embedder's surface: a text's vector is [its length, 1, 0, ...]."""
 
-    def __init__(self, name: str, device: str, events: list[object]) -> None:
-        events.append("embedder")
+    def __init__(
+        self, name: str, device: str, *, packed_linears: bool, events: list[object]
+    ) -> None:
+        events.append(("embedder", packed_linears))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         vectors = np.zeros((len(texts), 4), dtype=np.float32)
@@ -42,14 +44,18 @@ def test_threads_first_then_one_response_per_request(
         events.append((setting, auto_divisor))
         return 1
 
-    monkeypatch.setattr(stage, "Embedder", lambda *a: FakeEmbedder(*a, events=events))
+    monkeypatch.setattr(stage, "Embedder", lambda *a, **k: FakeEmbedder(*a, **k, events=events))
     monkeypatch.setattr(stage, "set_torch_threads", set_torch_threads)
     instance = module.TritonPythonModel()
-    params = {"torch_threads": {"string_value": "auto"}, "device": {"string_value": "cpu"}}
+    params = {
+        "torch_threads": {"string_value": "auto"},
+        "device": {"string_value": "cpu"},
+        "packed_linears": {"string_value": "false"},
+    }
     instance.initialize(
         {"model_config": json.dumps({"parameters": params}), "model_name": "embedder"}
     )
-    assert events == [("auto", ThreadRole.EMBEDDER), "embedder"]
+    assert events == [("auto", ThreadRole.EMBEDDER), ("embedder", False)]
 
     def request(*texts: str) -> Any:
         array = np.array([[t.encode()] for t in texts], dtype=np.object_)

@@ -97,8 +97,10 @@ class FakeEngine:
         draft_index_tokens: int,
         speculate_sampled: bool,
         pass_threads: int,
+        packed_linears: bool,
     ) -> None:
         self.speculate = speculate  # the stage passes its parameters on
+        self.packed_linears = packed_linears
         self.speculate_sampled = speculate_sampled
         self.pass_threads = pass_threads
         self.device = "cpu" if device == "auto" else device  # as resolved (no GPU here)
@@ -226,6 +228,31 @@ def test_pass_threads_reach_the_engine_as_a_count(
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     instance.finalize()
     assert [engine.pass_threads for engine in built] == [expected]
+    assert [engine.packed_linears for engine in built] == [True]  # the default
+
+
+def test_packed_linears_can_be_turned_off(
+    load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = load_model("torch_llm")
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    built: list[FakeEngine] = []
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(torch_llm_stage, "TorchEngine", RecordingEngine)
+    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
+    instance = module.TritonPythonModel()
+    params = {
+        "state_dir": {"string_value": str(tmp_path)},
+        "packed_linears": {"string_value": "false"},
+    }
+    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
+    instance.finalize()
+    assert [engine.packed_linears for engine in built] == [False]
 
 
 @pytest.fixture

@@ -131,6 +131,7 @@ def bench() -> Iterator[Bench]:
 
     from tiercache.engine.model_source import resolve_model
     from tiercache.engine.torch_engine import TorchEngine, load_model
+    from tiercache.packed_linear import pack_linears
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -138,6 +139,9 @@ def bench() -> Iterator[Bench]:
     try:
         engine = TorchEngine(resolve_model(), state / "models", "cpu", lora_slots=4)
         _, base = load_model(resolve_model(), state / "models", "cpu")
+        # the engine's kernels for the reference too: the engine packs its linears for oneDNN,
+        # whose sums differ from MKL's in their last bits (tests/unit/test_packed_linear.py)
+        assert pack_linears(base).layers == engine.packed_layers > 0
         reference = PeftModel.from_pretrained(base, str(ADAPTERS / STYLES[0]), STYLES[0])
         for style in STYLES[1:]:
             reference.load_adapter(str(ADAPTERS / style), adapter_name=style)

@@ -47,6 +47,7 @@ from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
+from tiercache.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class TorchEngine:
         draft_index_tokens: int = DEFAULT_INDEX_TOKENS,
         speculate_sampled: bool = False,
         pass_threads: int = 0,
+        packed_linears: bool = True,
     ) -> None:
         """`speculate`: verify drafted tokens in one forward pass, drafted also from the
         engine's recent greedy answers in the request's scope (`answers`, up to
@@ -156,7 +158,11 @@ class TorchEngine:
         seeded draw, but from logits computed several positions at a time, whose last bits
         differ from a single-token pass's; a draw that falls that close to a boundary between
         two tokens picks the other one (seen on an H200: docs/speculation.md), so a seeded
-        answer would depend on what was drafted."""
+        answer would depend on what was drafted.
+
+        `packed_linears`: on the CPU, run the model's float32 linear layers through oneDNN's
+        prepacked linear instead of MKL's sgemm (`tiercache.packed_linear`; 1.5x faster
+        steps measured here); `packed_layers` says how many were packed."""
         self.speculate = speculate
         self.speculate_sampled = speculate_sampled
         # torch threads for passes over several tokens (prefill, verification); 0: unchanged
@@ -169,6 +175,12 @@ class TorchEngine:
         # CPU work is done when the call returns; timing a GPU's would need a synchronize
         self._timed_prefill = str(self.device).startswith("cpu")
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
+        self.packed_layers = 0
+        if packed_linears and not self.on_gpu:
+            packed = pack_linears(self.model)
+            self.packed_layers = packed.layers
+            if packed.skipped:
+                log.warning("linear layers not packed for oneDNN: %s", packed.skipped)
         self.context_tokens = context_window(self.model.config)
         self.adapters = EngineAdapters(self.model, max_slots=lora_slots, max_bytes=lora_max_bytes)
         eos = {self.tokenizer.eos_token_id}

@@ -45,7 +45,11 @@ def open_embedder(config: EmbedderConfig, model_name: str) -> EmbedderStage:
     set_torch_threads(config.torch_threads, ThreadRole.EMBEDDER)
     metrics = tm.Metrics(model_name)
     stage = EmbedderStage(
-        Embedder(config.embedder, pick_device(config.device)),
+        Embedder(
+            config.embedder,
+            pick_device(config.device),
+            packed_linears=config.packed_linears,
+        ),
         MemoryTrimmer(config.memory_trim_interval_s),
         metrics,
     )

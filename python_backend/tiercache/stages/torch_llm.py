@@ -393,6 +393,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
         speculate_sampled=config.speculate_sampled,
         draft_index_tokens=config.draft_index_tokens,
         pass_threads=pass_threads,
+        packed_linears=config.packed_linears,
     )
     if pass_threads and pass_threads != threads and not engine.on_gpu:
         log.info("torch threads for passes over several tokens: %d (pass_threads)", pass_threads)

@@ -1,0 +1,159 @@
+"""The CPU engine's linear layers in oneDNN's prepacked layout (tiercache.packed_linear):
+the same function as `nn.Linear` to float32 rounding, still an `nn.Linear` peft can wrap, and left
+alone wherever the op cannot stand in for it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tiercache import packed_linear  # noqa: E402
+from tiercache.packed_linear import PackedLinear, pack_linears  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(48, 32, bias=False)
+        self.v_proj = torch.nn.Linear(48, 32)
+        self.norm = torch.nn.LayerNorm(32)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(100, 48)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(48, 100, bias=False)
+        self.head.weight = self.embed.weight  # tied, as SmolLM2's
+
+    def forward(self, ids: Any) -> Any:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + torch.nn.functional.pad(block.norm(block.q_proj(x) + block.v_proj(x)), (0, 16))
+        return self.head(x)
+
+
+def test_a_packed_linear_computes_what_the_linear_does() -> None:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 40)
+    packed = PackedLinear(linear)
+    for shape in ((1, 64), (5, 64), (2, 7, 64)):
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), rtol=0, atol=1e-5)
+    # a non-contiguous input (an attention output is one, transposed) as well
+    x = torch.randn(1, 64, 6).transpose(1, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), rtol=0, atol=1e-5)
+    assert isinstance(packed, torch.nn.Linear)
+    assert torch.equal(packed.weight, linear.weight.detach())  # rebuilt from the packed copy
+    assert packed.bias is linear.bias
+    assert "packed" in repr(packed)
+    with pytest.raises(AttributeError, match="cannot be replaced"):
+        packed.weight = torch.nn.Parameter(torch.zeros(40, 64))
+
+
+def test_pack_linears_packs_every_linear_and_the_model_computes_the_same() -> None:
+    stock, model = Tiny().eval(), Tiny().eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    assert pack_linears(model) == packed_linear.PackReport(5)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    # the tied embedding keeps its plain weight; the head's packed copy holds the same values
+    assert torch.equal(model.embed.weight, stock.embed.weight)
+    assert torch.equal(model.head.weight, stock.embed.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=1e-4)
+    # packing again finds nothing left to pack
+    assert pack_linears(model) == packed_linear.PackReport(0, "no linear layer")
+
+
+def test_peft_injects_lora_around_packed_layers() -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    stock, model = Tiny().eval(), Tiny().eval()
+    pack_linears(model)
+    torch.manual_seed(2)
+    inject_adapter_in_model(config, stock)
+    torch.manual_seed(2)
+    inject_adapter_in_model(config, model)
+    lora_names = [n for n, _ in stock.named_parameters() if "lora_" in n]
+    assert lora_names and lora_names == [n for n, _ in model.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for name in lora_names:  # the same adapter weights in both
+            model.get_parameter(name).copy_(stock.get_parameter(name))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        adapted = model(ids)
+        torch.testing.assert_close(adapted, stock(ids), rtol=0, atol=1e-4)
+    assert isinstance(model.blocks[0].q_proj.base_layer, PackedLinear)
+    # packing after injection leaves the wrapped layers alone, the rest packed already
+    assert pack_linears(model).layers == 0
+
+
+def test_nothing_is_packed_where_the_op_cannot_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    half = Tiny().to(torch.bfloat16)
+    report = pack_linears(half)
+    assert report.layers == 0 and "torch.bfloat16" in report.skipped
+    assert all(type(m) is not PackedLinear for m in half.modules())
+
+    class NoOp:
+        pass
+
+    monkeypatch.setattr(packed_linear, "_OPS", NoOp())
+    model = Tiny()
+    assert pack_linears(model) == packed_linear.PackReport(0, "torch has no oneDNN linear")
+    assert type(model.head) is torch.nn.Linear
+
+
+def test_a_disagreeing_op_packs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Off:
+        _reorder_linear_weight = staticmethod(lambda w: w.clone())
+
+        @staticmethod
+        def _linear_pointwise(x: Any, w: Any, b: Any, *_: Any) -> Any:
+            return torch.nn.functional.linear(x, w, b) + 0.01
+
+    monkeypatch.setattr(packed_linear, "_OPS", Off())
+    model = Tiny()
+    report = pack_linears(model)
+    assert report.layers == 0 and "differs from F.linear by 0.01" in report.skipped
+    assert type(model.blocks[0].q_proj) is torch.nn.Linear
+
+
+def test_the_engine_packs_the_model_and_its_logits_stay_the_stock_models() -> None:
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import load_model
+
+    state = Path(os.environ.get("TIERCACHE_STATE_DIR") or REPO / ".tiercache")
+    _, stock = load_model(resolve_model(), state / "models", "cpu")
+    _, model = load_model(resolve_model(), state / "models", "cpu")
+    report = pack_linears(model)
+    config = model.config
+    # every projection of every layer (q, k, v, o, gate, up, down) and the LM head
+    assert report.layers == 7 * config.num_hidden_layers + 1
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    ids = torch.tensor([list(range(400, 460))])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=2e-3)
+
+
+def test_the_embedder_packs_its_model_and_its_vectors_stay_the_same() -> None:
+    from tiercache.semantic.embedder import Embedder
+
+    stock, packed = Embedder(packed_linears=False), Embedder()
+    assert stock.packed_layers == 0 and packed.packed_layers > 0
+    texts = ["How do I reset my password?", "What is the capital of France?"]
+    difference = abs(packed.embed(texts) - stock.embed(texts)).max()
+    assert difference < 1e-5
