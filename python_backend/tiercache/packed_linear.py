@@ -1,33 +1,31 @@
 """A CPU model's linear layers in oneDNN's prepacked layout (`pack_linears`).
 
 torch runs a float32 `nn.Linear` on the CPU through MKL's sgemm, which on the AMD EPYC these
-machines have is 2-7x slower than oneDNN's linear over a weight reordered once into oneDNN's
-blocked layout: SmolLM2's LM head (49152 x 576) over 1 / 2 / 3 / 16 rows takes 9.6 / 22.4 / 33.4
-/ 19.0 ms through `F.linear` and 4.5 / 4.8 / 4.3 / 5.6 ms prepacked (2 threads). With every linear
-of the model packed, a one-token step goes from 59 to 38 ms and a pass over 16 tokens from 91 to
-53 ms (docs/engine.md, `python -m tiercache_dev.bench.packed_linear`).
+machines have is 2-9x slower than oneDNN's linear over a weight reordered once into oneDNN's
+blocked layout: SmolLM2's LM head (49152 x 576) over 1 / 2 / 3 / 16 rows takes 9.6 / 21.9 / 31.8
+/ 17.5 ms through `F.linear` and 4.3 / 4.9 / 3.4 / 5.5 ms prepacked (2 threads). With every
+linear of the model packed, a one-token step goes from 53.4 to 36.9 ms and a pass over 16
+tokens from 85.0 to 50.8 ms (docs/engine.md, `python -m tiercache_dev.bench.packed_linear`).
 
 The op is `torch.ops.mkldnn._linear_pointwise` with a weight from
 `torch.ops.mkldnn._reorder_linear_weight`, what torch's own compiler emits for a frozen CPU
-linear; nothing public exposes it. `pack_linears` checks the op exists and agrees with `F.linear`
-on the model's first layer before packing anything, and leaves the model as it was otherwise.
+linear; nothing public exposes it. `pack_linears` checks that both exist and agree with
+`F.linear` on the model's first layer before packing anything, and leaves the model as it was
+otherwise.
 
 Our own module (one class): no library swaps a module's kernel and stays a `torch.nn.Linear`
-for peft, which injects LoRA only around `nn.Linear` layers and reads their `weight` for its
-device and dtype.
+for peft, which injects LoRA only around `nn.Linear` layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 _OPS = torch.ops.mkldnn
 AGREEMENT = 1e-3
@@ -38,9 +36,13 @@ sums in another order differ in their last bits, about 1e-5 on these layers)."""
 class PackedLinear(torch.nn.Linear):
     """A `torch.nn.Linear` whose weight lives only in oneDNN's blocked layout.
 
-    `weight` is rebuilt in the plain layout on each read (a copy; assigning it is refused): what
-    peft reads when it injects an adapter, and what a DoRA adapter reads every pass (correct,
-    but that pass pays for the copy). The bias stays a plain parameter."""
+    `weight` is a plain-layout copy made on each read: what peft reads when it injects an
+    adapter (twice a targeted layer, for its device and dtype: an injection of a rank-8 q/v
+    adapter 65 -> 89 ms, `tiercache_dev.bench.lora engine`), and what a DoRA adapter reads
+    every pass (correct; that pass pays for the copies). Assigning `weight` is refused, but a
+    write into the copy (`weight.data += ...`, as peft's `merge` does) is lost without an
+    error: merge an adapter before packing, never after. The engine never merges. The bias
+    stays a plain parameter."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         torch.nn.Module.__init__(self)  # not Linear's: it would allocate a weight
@@ -67,7 +69,7 @@ class PackedLinear(torch.nn.Linear):
         return f"{super().extra_repr()}, packed"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PackReport:
     """What `pack_linears` did: `layers` packed, or why none was (`skipped`)."""
 
@@ -77,36 +79,46 @@ class PackReport:
 
 def pack_linears(model: torch.nn.Module) -> PackReport:
     """Replace every float32 CPU `nn.Linear` in `model` (the LM head included, its weight still
-    tied to the embedding's, which keeps the plain copy) with a `PackedLinear`, in place.
+    tied to the embedding's, which keeps the plain copy) with a `PackedLinear`, in place; then
+    copy the parameters and buffers left into the process's own memory, so that a weights file
+    mapped at load (safetensors) is unmapped with the plain weights, not kept whole by the
+    embedding.
 
-    Packs nothing and says why when the model is not on the CPU in float32, torch lacks oneDNN
-    or the op, or the op does not agree with `F.linear` on the first layer. Call it before any
-    adapter is injected: a layer peft already wraps is left as it is."""
-    linears = list(_plain_linears(model))
-    if not linears:
-        return PackReport(0, "no linear layer")
-    first = linears[0][2]
-    if first.weight.device.type != "cpu" or first.weight.dtype != torch.float32:
-        return PackReport(0, f"weights are {first.weight.dtype} on {first.weight.device.type}")
-    if not torch.backends.mkldnn.is_available() or not hasattr(_OPS, "_linear_pointwise"):
+    Packs nothing and says why when the model has no float32 CPU linear layer, torch lacks
+    oneDNN or the ops, or they do not agree with `F.linear` on the first layer. Call it before
+    any adapter is injected: a layer peft already wraps is left as it is, and so are layers of
+    another dtype or device."""
+    candidates = _plain_linears(model)
+    first = next(candidates, None)
+    if first is None:
+        return PackReport(0, "no float32 linear layer on the CPU")
+    if not torch.backends.mkldnn.is_available() or not all(
+        hasattr(_OPS, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
+    ):
         return PackReport(0, "torch has no oneDNN linear")
-    problem = _disagreement(first)
+    problem = _disagreement(first[2])
     if problem:
         return PackReport(0, problem)
+    layers = 0
     with torch.no_grad():
-        for parent, name, child in linears:
-            setattr(parent, name, PackedLinear(child))
-    return PackReport(len(linears))
+        for parent, name, child in itertools.chain((first,), candidates):
+            setattr(parent, name, PackedLinear(child))  # the plain layer dropped as it goes
+            layers += 1
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.data = tensor.data.clone()
+    return PackReport(layers)
 
 
 def _plain_linears(
     parent: torch.nn.Module,
 ) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """(parent, name, layer) of every plain `nn.Linear` under `parent`, not descending into
-    peft's layers (their base layer and their lora_A / lora_B stay as peft made them)."""
-    for name, child in parent.named_children():
+    """(parent, name, layer) of every plain float32 CPU `nn.Linear` under `parent`, not
+    descending into peft's layers (their base layer and their lora_A / lora_B stay as peft made
+    them)."""
+    for name, child in list(parent.named_children()):
         if type(child) is torch.nn.Linear:
-            yield parent, name, child
+            if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                yield parent, name, child
         elif not hasattr(child, "base_layer"):
             yield from _plain_linears(child)
 
@@ -119,7 +131,7 @@ def _disagreement(linear: torch.nn.Linear) -> str:
         with torch.no_grad():
             packed = PackedLinear(linear)
             difference = float((packed(x) - F.linear(x, linear.weight, linear.bias)).abs().max())
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:  # an op torch has but runs otherwise
         return f"torch's oneDNN linear failed: {err}"
     if not difference <= AGREEMENT:
         return f"torch's oneDNN linear differs from F.linear by {difference:.3g}"

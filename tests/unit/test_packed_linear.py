@@ -73,39 +73,49 @@ def test_pack_linears_packs_every_linear_and_the_model_computes_the_same() -> No
     with torch.no_grad():
         torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=1e-4)
     # packing again finds nothing left to pack
-    assert pack_linears(model) == packed_linear.PackReport(0, "no linear layer")
+    assert pack_linears(model) == packed_linear.PackReport(0, "no float32 linear layer on the CPU")
 
 
-def test_peft_injects_lora_around_packed_layers() -> None:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+@pytest.mark.parametrize(
+    ("targets", "dora"),
+    [(["q_proj", "v_proj"], False), (["head"], False), (["q_proj", "head"], True)],
+    ids=["q-v", "tied-head", "dora"],
+)
+def test_peft_injects_lora_around_packed_layers(targets: list[str], dora: bool) -> None:
+    """As the engine loads an adapter (peft's functional API, low_cpu_mem_usage, then the
+    state dict): the packed model computes what the stock one does with the same adapter."""
+    from peft import (
+        LoraConfig,
+        get_peft_model_state_dict,
+        inject_adapter_in_model,
+        set_peft_model_state_dict,
     )
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=dora)
     stock, model = Tiny().eval(), Tiny().eval()
     pack_linears(model)
-    torch.manual_seed(2)
     inject_adapter_in_model(config, stock)
+    inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
     torch.manual_seed(2)
-    inject_adapter_in_model(config, model)
-    lora_names = [n for n, _ in stock.named_parameters() if "lora_" in n]
-    assert lora_names and lora_names == [n for n, _ in model.named_parameters() if "lora_" in n]
-    with torch.no_grad():
-        for name in lora_names:  # the same adapter weights in both
-            model.get_parameter(name).copy_(stock.get_parameter(name))
+    weights = {k: torch.randn_like(v) for k, v in get_peft_model_state_dict(stock).items()}
+    set_peft_model_state_dict(stock, weights)
+    loaded = set_peft_model_state_dict(model, weights, low_cpu_mem_usage=True)
+    assert not loaded.unexpected_keys
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         adapted = model(ids)
         torch.testing.assert_close(adapted, stock(ids), rtol=0, atol=1e-4)
-    assert isinstance(model.blocks[0].q_proj.base_layer, PackedLinear)
-    # packing after injection leaves the wrapped layers alone, the rest packed already
+        assert not torch.allclose(adapted, Tiny().eval()(ids), atol=1e-2)  # the adapter acts
+    wrapped = model.blocks[0].q_proj if "q_proj" in targets else model.head
+    assert isinstance(wrapped.base_layer, PackedLinear)
+    # packing again finds nothing: peft's layers (lora_A, lora_B: plain Linears) are left alone
     assert pack_linears(model).layers == 0
 
 
 def test_nothing_is_packed_where_the_op_cannot_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     half = Tiny().to(torch.bfloat16)
     report = pack_linears(half)
-    assert report.layers == 0 and "torch.bfloat16" in report.skipped
+    assert report == packed_linear.PackReport(0, "no float32 linear layer on the CPU")
     assert all(type(m) is not PackedLinear for m in half.modules())
 
     class NoOp:
@@ -134,19 +144,21 @@ def test_a_disagreeing_op_packs_nothing(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_the_engine_packs_the_model_and_its_logits_stay_the_stock_models() -> None:
     from tiercache.engine.model_source import resolve_model
-    from tiercache.engine.torch_engine import load_model
+    from tiercache.engine.torch_engine import TorchEngine
 
     state = Path(os.environ.get("TIERCACHE_STATE_DIR") or REPO / ".tiercache")
-    _, stock = load_model(resolve_model(), state / "models", "cpu")
-    _, model = load_model(resolve_model(), state / "models", "cpu")
-    report = pack_linears(model)
-    config = model.config
+    stock = TorchEngine(resolve_model(), state / "models", "cpu", 1, packed_linears=False)
+    packed = TorchEngine(resolve_model(), state / "models", "cpu", 1)
+    config = packed.model.config
     # every projection of every layer (q, k, v, o, gate, up, down) and the LM head
-    assert report.layers == 7 * config.num_hidden_layers + 1
-    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    assert packed.packed_layers == 7 * config.num_hidden_layers + 1
+    assert isinstance(packed.model.get_output_embeddings(), PackedLinear)
+    assert stock.packed_layers == 0
+    assert not any(isinstance(m, PackedLinear) for m in stock.model.modules())
     ids = torch.tensor([list(range(400, 460))])
     with torch.inference_mode():
-        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=2e-3)
+        logits = packed.model(ids).logits
+        torch.testing.assert_close(logits, stock.model(ids).logits, rtol=0, atol=2e-3)
 
 
 def test_the_embedder_packs_its_model_and_its_vectors_stay_the_same() -> None:

@@ -24,7 +24,8 @@ def untrained(folder: Path, revision: str) -> Path:
 
 def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) -> None:
     _, identity = resolve_embedder()
-    verifier = PairVerifier(untrained(tmp_path / "v", identity.revision), threads=1)
+    folder = untrained(tmp_path / "v", identity.revision)
+    verifier = PairVerifier(folder, threads=1)
     queries = ["How do I reset my password?", "What is the capital of France?"]
     texts = ["How can I change my password?", "Top 10 movies of 2020"]
     first = verifier.scores(queries, texts)
@@ -33,6 +34,25 @@ def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) ->
     assert verifier.scores([], []).shape == (0,)
     with pytest.raises(ValueError, match="differ in length"):
         verifier.scores(queries, texts[:1])
+    # its linear layers run packed for oneDNN (6 per layer, the pooler and the classifier),
+    # and it scores what the plain model scores, to float32 rounding
+    assert verifier.packed_layers == 6 * 6 + 2
+    assert np.allclose(first, plain_scores(folder, queries, texts), rtol=0, atol=1e-5)
+
+
+def plain_scores(folder: Path, queries: list[str], texts: list[str]) -> np.ndarray:
+    """The verifier's scores from its model built without packing."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    base, _ = resolve_embedder()
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+    model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload().eval()
+    batch = tokenizer(queries, texts, padding=True, truncation=True, return_tensors="pt")
+    with torch.inference_mode():
+        return torch.sigmoid(model(**batch).logits.squeeze(-1)).double().numpy()
 
 
 def test_a_verifier_of_other_weights_or_no_verifier_is_refused(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ stays in the model. A load then takes, in this order:
   r, rank_pattern, targets, use_rslora, fan_in_fan_out, bias, lora_bias, use_dora, ...; and the
   state dict's keys, shapes and dtypes) gets the new weights copied into its parameters in place,
   through a file-key -> Parameter map built once per slot, and its scaling set from lora_alpha.
-  No module walk: ~1.3 ms instead of ~65 ms for an injection, loading the committed rank-8
-  adapters from host bytes (`python -m tiercache_dev.bench.lora engine`: the recycled and
-  injected rows);
+  No module walk: ~1.3 ms instead of ~65 ms for an injection (~89 ms with the model's linear
+  layers packed, docs/engine.md), loading the committed rank-8 adapters from host bytes
+  (`python -m tiercache_dev.bench.lora engine`: the recycled and injected rows);
 - inject: with fewer than `max_slots` slots, a new one, as peft's functional API does it
   (`inject_adapter_in_model` with `low_cpu_mem_usage`, then `set_peft_model_state_dict`; config from
   the adapter_config.json text, weights from the safetensors bytes, nothing read from disk or the

@@ -47,7 +47,6 @@ from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
-from tiercache.memory import malloc_trim
 from tiercache.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
@@ -91,14 +90,9 @@ def converted_dir(source: ModelSource, cache_dir: Path) -> Path:
     return cache_dir / f"{source.spec.package}-{source.identity.revision[:16]}"
 
 
-def load_model(
-    source: ModelSource, cache_dir: Path, device: str, *, mmap: bool = True
-) -> tuple[Any, Any]:
+def load_model(source: ModelSource, cache_dir: Path, device: str) -> tuple[Any, Any]:
     """Load weights, de-quantising the GGUF only once: the float32 result is saved as safetensors
-    under `cache_dir/<revision>` (18 s -> well under 1 s on the next start). With `mmap` the
-    weights are the file's pages (shared by the host's processes); without, read into memory:
-    for a model whose layers are packed next, so that no mapping of the whole file outlives its
-    plain weights."""
+    under `cache_dir/<revision>` (18 s -> well under 1 s on the next start)."""
     converted = converted_dir(source, cache_dir)
     if not (converted / "COMPLETE").exists():
         started = time.perf_counter()
@@ -121,9 +115,7 @@ def load_model(
             shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
         log.info("de-quantised %s in %.1f s", source.gguf_path.name, time.perf_counter() - started)
     tokenizer = AutoTokenizer.from_pretrained(converted)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        converted, dtype=torch.float32, disable_mmap=not mmap
-    )
+    loaded: Any = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
     loaded = loaded.to(device)
     loaded.eval()
     return tokenizer, loaded
@@ -182,15 +174,15 @@ class TorchEngine:
         self.device = pick_device(device)
         # CPU work is done when the call returns; timing a GPU's would need a synchronize
         self._timed_prefill = str(self.device).startswith("cpu")
-        packing = packed_linears and not self.on_gpu
-        self.tokenizer, self.model = load_model(source, cache_dir, self.device, mmap=not packing)
+        self.tokenizer, self.model = load_model(source, cache_dir, self.device)
         self.packed_layers = 0
-        if packing:
+        if packed_linears and not self.on_gpu:
             packed = pack_linears(self.model)
             self.packed_layers = packed.layers
             if packed.skipped:
                 log.warning("linear layers not packed for oneDNN: %s", packed.skipped)
-            malloc_trim()  # the plain weights' pages back to the system
+            else:
+                log.info("%d linear layers packed for oneDNN (packed_linears)", packed.layers)
         self.context_tokens = context_window(self.model.config)
         self.adapters = EngineAdapters(self.model, max_slots=lora_slots, max_bytes=lora_max_bytes)
         eos = {self.tokenizer.eos_token_id}

@@ -62,12 +62,17 @@ class PairVerifier:
             from peft import PeftModel
             from transformers import AutoTokenizer, BertForSequenceClassification
 
+            from tiercache.packed_linear import pack_linears
+
             if threads is not None:
                 torch.set_num_threads(threads)
             self._torch = torch
             self._tokenizer = AutoTokenizer.from_pretrained(str(base))
             model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
             self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
+            # oneDNN's prepacked linear on the CPU (docs/engine.md): the adapter is merged
+            # into the plain layers first, so nothing of peft's is left around them
+            self.packed_layers = pack_linears(self._model).layers
         # any failure to load is the folder's: safetensors, peft and torch raise their own types
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"semantic verifier {where}: cannot load: {exc}") from None

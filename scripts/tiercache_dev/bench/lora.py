@@ -103,6 +103,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     engine.add_argument("--adapters", default="french,caps", help="two committed adapters: A,B")
     engine.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    engine.add_argument(
+        "--no-packed-linears",
+        action="store_true",
+        help="the engine's linear layers through torch's own kernels (docs/engine.md)",
+    )
     engine.set_defaults(run=run_engine)
     return p.parse_args(argv)
 
@@ -144,7 +149,13 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
     from tiercache.exact.request import GenerationRequest
 
     torch.set_num_threads(args.threads)
-    engine = TorchEngine(resolve_model(), args.state_dir / "models", "cpu", lora_slots=4)
+    engine = TorchEngine(
+        resolve_model(),
+        args.state_dir / "models",
+        "cpu",
+        lora_slots=4,
+        packed_linears=not args.no_packed_linears,
+    )
     adapters = engine.adapters
     name_a, name_b = args.adapters.split(",")
     a, b = read_adapter(name_a, 1), read_adapter(name_b, 2)
@@ -195,7 +206,11 @@ def run_engine(args: argparse.Namespace) -> list[Row]:
         adapters.activate(a.ref)
         lora_steps += decode_steps(engine, input_ids, args.steps)
 
-    print(f"{len(layers)} LoRA layers, torch threads {args.threads}", file=sys.stderr)
+    print(
+        f"{len(layers)} LoRA layers, torch threads {args.threads}, "
+        f"{engine.packed_layers} linear layers packed",
+        file=sys.stderr,
+    )
     return [
         Row("cold load, recycled slot", tuple(loads["cold recycled"]), COLD_LOAD_TARGET_MS),
         Row("cold load, injected", tuple(loads["cold injected"]), COLD_LOAD_TARGET_MS),

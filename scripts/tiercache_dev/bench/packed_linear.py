@@ -11,6 +11,9 @@ stock, ...), the LM head alone over 1-16 rows, a prefill of 200 tokens, a one-to
 stock / packed per row. Then decodes every `make bench-spec` prompt greedily with both (plain
 decoding, `--answers` tokens) and says how many answers are token for token the same: the
 packed sums run in another order, so a token whose top two logits are that close can differ.
+Then the memory of a `TorchEngine`, stock and packed, each in a process of its own (RSS after
+loading and after one generation, and the peak), and the embedder: one text and a batch of 16
+encoded by a stock and a packed instance in alternation (1 thread, as the embedder stage runs).
 Ends with `packed step speedup <x> pass16 speedup <x> identical <n>/<m>`.
 """
 
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--answers", type=int, default=64, help="tokens of each greedy answer compared (0: none)"
     )
+    parser.add_argument("--memory-child", choices=("stock", "packed"), help=argparse.SUPPRESS)
     parser.add_argument(
         "--state-dir",
         type=Path,
@@ -90,8 +97,93 @@ def greedy(model: Any, prompt_ids: list[int], tokens: int) -> list[int]:
     return answer
 
 
+def memory_child(args: argparse.Namespace) -> int:
+    """In a process of its own: a TorchEngine stock or packed, its RSS in MiB after loading and
+    after one generation, and the process's peak, as one JSON line."""
+    import resource
+
+    import torch
+
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import TorchEngine
+    from tiercache.exact.request import GenerationRequest
+
+    def rss() -> float:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    torch.set_num_threads(args.threads)
+    before = rss()
+    engine = TorchEngine(
+        resolve_model(),
+        args.state_dir / "models",
+        "cpu",
+        1,
+        kv_reuse=False,
+        speculate=False,
+        packed_linears=args.memory_child == "packed",
+    )
+    loaded = rss() - before
+    request = GenerationRequest("Explain what a hash table is.", max_tokens=32)
+    for _ in engine.generate(request, lambda: False):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"loaded": loaded, "generated": rss() - before, "peak": peak - before}))
+    return 0
+
+
+def memory_rows(args: argparse.Namespace) -> list[str]:
+    rows = []
+    for kind in ("stock", "packed"):
+        progress(f"engine memory, {kind}, in a process of its own")
+        command = [sys.executable, "-m", "tiercache_dev.bench.packed_linear"]
+        command += ["--memory-child", kind, "--threads", str(args.threads)]
+        command += ["--state-dir", str(args.state_dir)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(
+            f"| {kind} | {got['loaded']:.0f} | {got['generated']:.0f} | {got['peak']:.0f} |"
+        )
+    return rows
+
+
+def embedder_rows(rounds: int) -> list[str]:
+    import torch
+
+    from tiercache.semantic.embedder import Embedder
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    progress("the embedder, stock and packed")
+    embedders = {"stock": Embedder(packed_linears=False), "packed": Embedder()}
+    inputs = {
+        "one text": ["What is the capital of France and why is it famous?"],
+        "16 texts": [f"How do I reset my password on account number {i}?" for i in range(16)],
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, embedder in embedders.items():
+            for label, texts in inputs.items():
+                embedder.embed(texts)
+                for _ in range(10):
+                    times.setdefault((label, name), []).append(
+                        timed(lambda e=embedder, t=texts: e.embed(t))
+                    )
+    torch.set_num_threads(threads)
+    texts = inputs["16 texts"]
+    apart = float(abs(embedders["stock"].embed(texts) - embedders["packed"].embed(texts)).max())
+    rows = []
+    for label in inputs:
+        a, b = (statistics.median(times[(label, n)]) * 1e3 for n in embedders)
+        rows.append(f"| {label} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+    rows.append(f"vectors of the 16 texts: largest difference {apart:.2g}")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.memory_child:
+        return memory_child(args)
     import torch
 
     from tiercache.engine.model_source import resolve_model
@@ -150,6 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {label} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
     if total:
         print(f"greedy answers of {args.answers} tokens identical: {same}/{total}")
+    del models, stock, packed, context
+    memory, embedder = memory_rows(args), embedder_rows(args.rounds)
+    print("\n# a TorchEngine's RSS, MiB above the process's before loading, each in a process")
+    print("# of its own (peak: the process's highest)")
+    print("| engine | after loading | after one generation | peak |")
+    print("|---|---:|---:|---:|")
+    print("\n".join(memory))
+    print("\n# the embedder, 1 thread, ms (median of 10 encodes per round, rounds alternating)")
+    print("| input | stock (MKL) | packed (oneDNN) | ratio |")
+    print("|---|---:|---:|---:|")
+    print("\n".join(embedder))
     print(
         f"packed step speedup {ratios['one-token step']:.2f} "
         f"pass16 speedup {ratios['pass over 16 tokens']:.2f} identical {same}/{total}"
