@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 _OPS = torch.ops.mkldnn
 AGREEMENT = 1e-3
@@ -107,6 +110,17 @@ def pack_linears(model: torch.nn.Module) -> PackReport:
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.data = tensor.data.clone()
     return PackReport(layers)
+
+
+def pack_and_log(model: torch.nn.Module, what: str) -> int:
+    """`pack_linears(model)`, logged as `what`'s (info when packed, a warning saying why when
+    not); the layers packed."""
+    packed = pack_linears(model)
+    if packed.skipped:
+        log.warning("%s: linear layers not packed for oneDNN: %s", what, packed.skipped)
+    else:
+        log.info("%s: %d linear layers packed for oneDNN", what, packed.layers)
+    return packed.layers
 
 
 def _plain_linears(

@@ -207,6 +207,22 @@ def test_pass_threads_reach_the_engine_as_a_count(
     expected: int,
 ) -> None:
     """`pass_threads` reaches the engine as a thread count: auto is every usable CPU."""
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
+    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, role: 1)
+    monkeypatch.setattr(torch_llm_stage, "usable_cpus", lambda: 5)
+    params = {"pass_threads": {"string_value": setting}}
+    built = engines_built(load_model, tmp_path, monkeypatch, params)
+    assert [engine.pass_threads for engine in built] == [expected]
+    assert [engine.packed_linears for engine in built] == [True]  # the default
+
+
+def engines_built(
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    params: dict[str, dict[str, str]],
+) -> list[FakeEngine]:
+    """The engines torch_llm's model.py builds from `params` (over a scratch state_dir)."""
     module = load_model("torch_llm")
     torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
     built: list[FakeEngine] = []
@@ -218,40 +234,18 @@ def test_pass_threads_reach_the_engine_as_a_count(
 
     monkeypatch.setattr(torch_llm_stage, "TorchEngine", RecordingEngine)
     monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
-    monkeypatch.setattr(torch_llm_stage, "set_torch_threads", lambda setting, role: 1)
-    monkeypatch.setattr(torch_llm_stage, "usable_cpus", lambda: 5)
     instance = module.TritonPythonModel()
-    params = {
-        "state_dir": {"string_value": str(tmp_path)},
-        "pass_threads": {"string_value": setting},
-    }
+    params = {"state_dir": {"string_value": str(tmp_path)}, **params}
     instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
     instance.finalize()
-    assert [engine.pass_threads for engine in built] == [expected]
-    assert [engine.packed_linears for engine in built] == [True]  # the default
+    return built
 
 
 def test_packed_linears_can_be_turned_off(
     load_model: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = load_model("torch_llm")
-    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")
-    built: list[FakeEngine] = []
-
-    class RecordingEngine(FakeEngine):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr(torch_llm_stage, "TorchEngine", RecordingEngine)
-    monkeypatch.setattr(torch_llm_stage, "resolve_model", lambda name: None)
-    instance = module.TritonPythonModel()
-    params = {
-        "state_dir": {"string_value": str(tmp_path)},
-        "packed_linears": {"string_value": "false"},
-    }
-    instance.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "e"})
-    instance.finalize()
+    params = {"packed_linears": {"string_value": "false"}}
+    built = engines_built(load_model, tmp_path, monkeypatch, params)
     assert [engine.packed_linears for engine in built] == [False]
 
 

@@ -47,7 +47,7 @@ from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
-from tiercache.packed_linear import pack_linears
+from tiercache.packed_linear import pack_and_log
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +178,7 @@ class TorchEngine:
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
         self.packed_layers = 0
         if packed_linears and not self.on_gpu:
-            packed = pack_linears(self.model)
-            self.packed_layers = packed.layers
-            if packed.skipped:
-                log.warning("linear layers not packed for oneDNN: %s", packed.skipped)
-            else:
-                log.info("%d linear layers packed for oneDNN (packed_linears)", packed.layers)
+            self.packed_layers = pack_and_log(self.model, "engine")
         self.context_tokens = context_window(self.model.config)
         self.adapters = EngineAdapters(self.model, max_slots=lora_slots, max_bytes=lora_max_bytes)
         eos = {self.tokenizer.eos_token_id}
