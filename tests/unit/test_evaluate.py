@@ -343,13 +343,19 @@ def test_the_verifier_decides_among_what_the_guards_vetoes_let_through(tmp_path:
     guard = ev.load_guard(write_guard(tmp_path / "g.json"))
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
     asked: list[tuple[str, str]] = []
+    guard_given: list[float] = []
 
-    def score_pairs(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+    def score_pairs(
+        queries: Sequence[str], texts: Sequence[str], guard: Sequence[float]
+    ) -> np.ndarray:
         asked.extend(zip(queries, texts, strict=True))
+        guard_given.extend(guard)
         return np.array([0.99 if t == RESET_PIN else 0.2 for t in texts])
 
     v = ev.verifier_scores(corpus, candidates, scores, score_pairs)
     assert len(asked) == int((scores > 0).sum()) and (v[scores <= 0] == 0).all()
+    # each candidate comes with its own guard score (a verifier on top of the guard reads it)
+    assert sorted(guard_given) == sorted(scores[scores > 0].tolist())
     assert ("Top 10 movies of 2020", TOP5) not in asked  # vetoed: never scored
     served = ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.9))
     assert served == [None, None, RESET_PIN, None, RESET_PIN]
@@ -368,8 +374,20 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
     candidates = ev.search_topk(embedded.inserted, embedded.queries, 3)
     guard = ev.load_guard(write_guard(tmp_path / "g.json"))
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
+    cosine_of = {
+        (pair.b, corpus.inserted[j]): float(c)
+        for pair, row, cosines in zip(
+            corpus.pairs, candidates.index, candidates.cosine, strict=True
+        )
+        for j, c in zip(row, cosines, strict=True)
+    }
 
-    def score_pairs(queries: Sequence[str], texts: Sequence[str]) -> np.ndarray:
+    def guard_score(query: str, text: str) -> float:
+        return guard.score(query, text, cosine_of[(query, text)])
+
+    def score_pairs(
+        queries: Sequence[str], texts: Sequence[str], guard: Sequence[float] = ()
+    ) -> np.ndarray:
         return np.array([0.99 if t == RESET_PIN else 0.6 if t == CAPITAL else 0.2 for t in texts])
 
     for threshold in (0.1, 0.5, 0.9):
@@ -379,9 +397,16 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
         asked: list[str] = []
 
         def scoring(
-            queries: Sequence[str], texts: Sequence[str], asked: list[str] = asked
+            queries: Sequence[str],
+            texts: Sequence[str],
+            guard: Sequence[float],
+            asked: list[str] = asked,
         ) -> np.ndarray:
             asked.extend(texts)
+            # the guard's own score of each pair, as the evaluation hands it over
+            assert list(guard) == [guard_score(queries[0], text) for text in texts], (
+                "VerifiedChoice passes each candidate's guard score"
+            )
             return score_pairs(queries, texts)
 
         choice = VerifiedChoice(guard, scoring, threshold)

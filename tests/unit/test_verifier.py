@@ -98,3 +98,60 @@ def test_a_malformed_verifier_json_or_adapter_is_a_config_error(tmp_path: Path) 
     (folder / "adapter_model.safetensors").write_bytes(b"not weights")
     with pytest.raises(ConfigError, match="cannot load"):
         PairVerifier(folder)
+
+
+def hard_pairs_file(path: Path, rows: int = 8) -> Path:
+    """A few lines as tiercache_dev.train.hard_pairs writes them (train-split QQP indices)."""
+    lines = []
+    for n in range(rows):
+        lines.append(
+            {
+                "a": f"How do I learn topic {n}?",
+                "b": f"How can I learn topic {n}?" if n % 2 else f"Why learn topic {n + 1}?",
+                "label": n % 2,
+                "index": 20 * n + 1 + n % 9,
+                "rank": 0,
+                "cosine": 0.9,
+                "guard": 0.3 + 0.05 * n,
+            }
+        )
+    lines.append({"a": "What is x?", "b": "What's x?", "label": 1, "index": 2, "rank": -1})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_verifier_trained_on_top_of_the_guard_adds_the_guards_log_odds(tmp_path: Path) -> None:
+    """`tiercache_dev.train.verifier --guard-input --layers 2` writes a verifier that keeps two
+    of MiniLM's layers and whose logit is the model's plus its trained weight times the guard
+    score's log-odds; it refuses to score without the guard's scores."""
+    from tiercache_dev.train import verifier as train
+
+    folder = tmp_path / "v"
+    argv = ["--train", str(hard_pairs_file(tmp_path / "pairs.jsonl")), "--out", str(folder)]
+    argv += ["--guard-input", "--layers", "2", "--batch", "4", "--threads", "1"]
+    assert train.main(argv) == 0
+    info = json.loads((folder / INFO_FILE).read_text())
+    assert info["hyper"]["layers"] == 2 and info["data"]["pairs"] == 8  # the rank -1 row left out
+    verifier = PairVerifier(folder, threads=1)
+    assert verifier.layers == 2 and verifier.packed_layers == 2 * 6 + 2
+    weight = verifier.guard_weight
+    assert weight == info["guard_input"]["weight"] and 0.5 < weight < 1.5  # two steps from 1
+    query, text = ["How do I learn topic 3?"] * 2, ["How can I learn topic 3?"] * 2
+    low, high = verifier.scores(query, text, [0.2, 0.9])
+
+    def logit(p: float) -> float:
+        return float(np.log(p / (1 - p)))
+
+    assert logit(high) - logit(low) == pytest.approx(weight * (logit(0.9) - logit(0.2)), rel=1e-6)
+    with pytest.raises(ValueError, match="guard"):
+        verifier.scores(query, text)
+    with pytest.raises(SystemExit, match="--guard-input must match"):
+        train.main([*argv[:4], "--init", str(folder), "--layers", "2"])
+    for bad, message in (
+        ({"guard_input": {"weight": "1"}}, "guard_input.weight"),
+        ({"guard_input": {"weight": float("nan")}}, "guard_input.weight"),
+        ({"hyper": {**info["hyper"], "layers": 7}}, "hyper.layers 7"),
+    ):
+        (folder / INFO_FILE).write_text(json.dumps({**info, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            PairVerifier(folder)

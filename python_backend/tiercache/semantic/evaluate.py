@@ -383,20 +383,22 @@ def verifier_scores(
     corpus: Corpus,
     candidates: Candidates,
     guard_scores: np.ndarray,
-    score_pairs: Callable[[Sequence[str], Sequence[str]], np.ndarray],
+    score_pairs: Callable[[Sequence[str], Sequence[str], Sequence[float]], np.ndarray],
     progress: Progress | None = None,
     batch: int = 256,
 ) -> np.ndarray:
     """(n_pairs, k) the verifier's P(same question) of every candidate the guard's floor and
     vetoes let through (score > 0), 0 for the others: the verifier runs after the vetoes, as
-    serving would run it."""
+    serving would run it. `score_pairs` gets the queries, the candidates and their guard
+    scores (`tiercache.semantic.verifier.PairVerifier.scores`)."""
     out = np.zeros(candidates.index.shape, dtype=np.float64)
     todo = [(i, j) for i, j in zip(*np.nonzero(guard_scores > 0.0), strict=True)]
     for begin in range(0, len(todo), batch):
         part = todo[begin : begin + batch]
         queries = [corpus.pairs[i].b for i, _ in part]
         texts = [corpus.inserted[candidates.index[i, j]] for i, j in part]
-        for (i, j), value in zip(part, score_pairs(queries, texts), strict=True):
+        guard = [float(guard_scores[i, j]) for i, j in part]
+        for (i, j), value in zip(part, score_pairs(queries, texts, guard), strict=True):
             out[i, j] = value
         if progress is not None:
             progress(f"verifier: {min(len(todo), begin + batch)}/{len(todo)} candidates")
@@ -897,10 +899,10 @@ def run_eval(
         timed = [i for i in range(min(len(pairs), 200)) if (scores[i] > 0.0).any()]
         samples = []
         for i in timed:
-            row = zip(candidates.index[i], scores[i], strict=True)
-            texts = [corpus.inserted[j] for j, s in row if s > 0]
+            row = [(j, s) for j, s in zip(candidates.index[i], scores[i], strict=True) if s > 0]
+            texts = [corpus.inserted[j] for j, _ in row]
             t0 = time.perf_counter()
-            verifier.scores([corpus.pairs[i].b] * len(texts), texts)
+            verifier.scores([corpus.pairs[i].b] * len(texts), texts, [s for _, s in row])
             samples.append(time.perf_counter() - t0)
         latency = _latency(samples) if samples else None
         if latency is not None:

@@ -7,6 +7,12 @@ adapter trained by `tiercache_dev.train.verifier` (peft's `adapter_config.json` 
 `adapter_model.safetensors`, plus its `verifier.json`: the base weights' digest it was trained
 on, the data and split, the figures). Loading refuses an adapter trained on other base weights.
 
+Two variants a `verifier.json` can name: `hyper.layers`, a cross-encoder over the first N of
+MiniLM's six layers (cheaper per lookup), and `guard_input` (`{"weight": w}`), a verifier
+trained on top of the guard: its logit is the model's plus `w` times the guard score's log-odds,
+so the model learns what the guard gets wrong rather than the whole decision again; it needs
+each candidate's guard score.
+
 Torch, transformers and peft are imported only when a verifier is loaded.
 """
 
@@ -24,6 +30,14 @@ from tiercache.errors import ConfigError
 INFO_FILE = "verifier.json"
 FORMAT = "tiercache-semantic-verifier/1"
 MAX_LENGTH = 96  # tokens per (query, candidate) pair when verifier.json does not say
+FULL_LAYERS = 6  # MiniLM-L6's encoder layers
+GUARD_CLIP = 1e-6  # guard scores are clipped to [GUARD_CLIP, 1 - GUARD_CLIP] before the log-odds
+
+
+def guard_logits(guard: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The log-odds of guard scores (probabilities), clipped away from 0 and 1."""
+    p = np.clip(np.asarray(guard, dtype=np.float64), GUARD_CLIP, 1.0 - GUARD_CLIP)
+    return np.log(p / (1.0 - p))
 
 
 class PairVerifier:
@@ -52,6 +66,18 @@ class PairVerifier:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 8:
             raise ConfigError(f"semantic verifier {where}: hyper.max_length {max_length!r}")
         self.max_length = max_length
+        layers = _section(info, "hyper").get("layers", FULL_LAYERS)
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= 6:
+            raise ConfigError(f"semantic verifier {where}: hyper.layers {layers!r}")
+        self.layers = layers
+        self.guard_weight: float | None = None
+        if "guard_input" in info:
+            weight = _section(info, "guard_input").get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ConfigError(f"semantic verifier {where}: guard_input.weight {weight!r}")
+            if not np.isfinite(weight):
+                raise ConfigError(f"semantic verifier {where}: guard_input.weight {weight!r}")
+            self.guard_weight = float(weight)
         # The operating point chosen on the dev pairs (tiercache_dev.train.verifier_point --write)
         point = _section(info, "operating_point").get("threshold")
         self.default_threshold: float | None = None
@@ -69,6 +95,7 @@ class PairVerifier:
             self._torch = torch
             self._tokenizer = AutoTokenizer.from_pretrained(str(base))
             model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
+            keep_layers(model, layers)
             self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
             # oneDNN's prepacked linear on the CPU (docs/engine.md): the adapter is merged
             # into the plain layers first, so nothing of peft's is left around them
@@ -77,10 +104,22 @@ class PairVerifier:
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"semantic verifier {where}: cannot load: {exc}") from None
 
-    def scores(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
-        """P(same question) for each (query, candidate) pair, float64 in [0, 1]."""
+    def scores(
+        self,
+        queries: Sequence[str],
+        candidates: Sequence[str],
+        guard: Sequence[float] | np.ndarray | None = None,
+    ) -> np.ndarray:
+        """P(same question) for each (query, candidate) pair, float64 in [0, 1]. `guard`: each
+        pair's guard score, which a verifier trained on top of the guard (`guard_weight`) needs
+        and any other ignores."""
         if len(queries) != len(candidates):
             raise ValueError("queries and candidates differ in length")
+        if self.guard_weight is not None:
+            if guard is None:
+                raise ValueError("this verifier reads the guard's scores: pass `guard`")
+            if len(guard) != len(queries):
+                raise ValueError("guard scores and pairs differ in length")
         if not queries:
             return np.zeros(0)
         batch = self._tokenizer(
@@ -92,8 +131,17 @@ class PairVerifier:
             return_tensors="pt",
         )
         with self._torch.inference_mode():
-            logits = self._model(**batch).logits.squeeze(-1)
-        return self._torch.sigmoid(logits).double().numpy().reshape(-1)
+            logits = self._model(**batch).logits.squeeze(-1).double().numpy().reshape(-1)
+        if self.guard_weight is not None and guard is not None:
+            logits = logits + self.guard_weight * guard_logits(guard)
+        return 1.0 / (1.0 + np.exp(-logits))
+
+
+def keep_layers(model: Any, layers: int) -> None:
+    """Cut a `BertForSequenceClassification` to its first `layers` encoder layers."""
+    if layers < len(model.bert.encoder.layer):
+        model.bert.encoder.layer = model.bert.encoder.layer[:layers]
+        model.config.num_hidden_layers = layers
 
 
 class VerifiedChoice:
@@ -108,7 +156,8 @@ class VerifiedChoice:
     def __init__(
         self,
         guard: Any,  # tiercache.semantic.guard.SemanticGuard (kept import-free here)
-        score_pairs: Any,  # (queries, candidates) -> P(same question), e.g. PairVerifier.scores
+        # (queries, candidates, guard scores) -> P(same question), e.g. PairVerifier.scores
+        score_pairs: Any,
         threshold: float,
     ) -> None:
         if not 0.0 < threshold <= 1.0:
@@ -121,22 +170,18 @@ class VerifiedChoice:
         self.pairs_scored = 0  # pairs the model read
 
     def __call__(self, query: str, candidates: Sequence[tuple[str, float]]) -> int | None:
-        passing = [
-            i
-            for i, (text, cosine) in enumerate(candidates)
-            if self.guard.score(query, text, cosine) > 0.0
-        ]
+        guard = [self.guard.score(query, text, cosine) for text, cosine in candidates]
+        passing = [i for i, score in enumerate(guard) if score > 0.0]
         if not passing:
             return None
         if query != self._last_query:
             self._last_query, self._last_scores = query, {}
-        todo = list(
-            dict.fromkeys(
-                candidates[i][0] for i in passing if candidates[i][0] not in self._last_scores
-            )
-        )
-        if todo:
-            found = self._score_pairs([query] * len(todo), todo)
+        todo_guard = {
+            candidates[i][0]: guard[i] for i in passing if candidates[i][0] not in self._last_scores
+        }
+        if todo_guard:
+            todo = list(todo_guard)
+            found = self._score_pairs([query] * len(todo), todo, list(todo_guard.values()))
             self.pairs_scored += len(todo)
             self._last_scores.update(zip(todo, (float(s) for s in found), strict=True))
         best: int | None = None
@@ -151,11 +196,12 @@ class VerifiedChoice:
         """The verifier's P(same question) for a candidate (the trust gate's score: a
         `tiercache.semantic.entry_trust.ScoreFn`): the last query's kept score, else scored
         now; 0.0 when the guard's floor or vetoes refuse it."""
-        if self.guard.score(query, candidate, cosine) <= 0.0:
+        guard = self.guard.score(query, candidate, cosine)
+        if guard <= 0.0:
             return 0.0
         if query == self._last_query and candidate in self._last_scores:
             return self._last_scores[candidate]
-        return float(self._score_pairs([query], [candidate])[0])
+        return float(self._score_pairs([query], [candidate], [guard])[0])
 
 
 def _section(info: dict[str, Any], key: str) -> dict[str, Any]:

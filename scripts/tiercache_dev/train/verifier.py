@@ -10,7 +10,8 @@ Usage::
         --out .perf/verifier_pairs.jsonl
     .venv/bin/python -m tiercache_dev.train.verifier --train .perf/verifier_pairs.jsonl \
         [--dev ../shared/eval/semantic_pairs_dev.jsonl] [--out .perf/verifier] [--one-order] \
-        [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 3e-4] [--threads 2]
+        [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 3e-4] [--threads 2] \
+        [--guard-input] [--layers 6]
 
 Trains on the `train` split of QQP only (index mod 20 in 1..9; every row is checked): the
 candidates serving hands the verifier (`tiercache_dev.train.hard_pairs`: the index's top-k past
@@ -21,6 +22,12 @@ and decay. The model is `BertForSequenceClassification` over the MiniLM weights 
 and the classifier trained whole. Then scores the dev pairs (`--dev`, label 1 / 0 as given;
 tuning data, never trained on) and prints precision and recall of "same question" at a few
 score thresholds; `tiercache eval-semantic --verifier` judges it the way serving uses it.
+
+`--guard-input` trains on top of the guard: the logit is the model's plus a trained weight times
+the guard score's log-odds (hard_pairs writes each candidate's `guard`; the pairs without one,
+which serving never hands the verifier, are left out), so the cross-encoder learns where the
+guard is wrong. The dev pairs carry no guard score, so it prints no dev figures: judge it with
+`tiercache eval-semantic --verifier`. `--layers N` keeps the first N of MiniLM's six layers.
 
 Writes `--out`: the adapter (peft's `adapter_config.json`, `adapter_model.safetensors`) and
 `verifier.json` (the base weights' digest, data, split, rows, hyper-parameters, the dev figures).
@@ -48,11 +55,15 @@ THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 LORA_TARGETS = r".*encoder\.layer\.\d+\..*(query|key|value|dense)$"
 
 
+Example = tuple[str, str, int, float | None]  # a, b, label, the guard's score (if written)
+
+
 def read_pairs(
     path: Path, limit: int | None = None, seed: int = 0, train_only: bool = False
-) -> list[tuple[str, str, int]]:
-    """(a, b, label) of a pairs file, a seeded sample of `limit` of them; `train_only`: every
-    row must carry a QQP index of the train split (SystemExit naming the first that does not)."""
+) -> list[Example]:
+    """(a, b, label, guard) of a pairs file, a seeded sample of `limit` of them; `guard` is the
+    row's guard score or None; `train_only`: every row must carry a QQP index of the train split
+    (SystemExit naming the first that does not)."""
     rows = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
@@ -62,7 +73,9 @@ def read_pairs(
             index = row.get("index")
             if train_only and (not isinstance(index, int) or split_of(index) != "train"):
                 raise SystemExit(f"{path}:{number}: not a row of QQP's train split: {index!r}")
-            rows.append((str(row["a"]), str(row["b"]), int(row["label"])))
+            guard = row.get("guard")
+            guard = float(guard) if isinstance(guard, (int, float)) else None
+            rows.append((str(row["a"]), str(row["b"]), int(row["label"]), guard))
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     return rows
@@ -120,6 +133,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--init", type=Path, help="start from this verifier's adapter (another epoch, say)"
     )
+    p.add_argument(
+        "--guard-input",
+        action="store_true",
+        help="train on top of the guard: its score's log-odds is an input (pairs without one "
+        "are left out)",
+    )
+    p.add_argument("--layers", type=int, default=6, help="keep MiniLM's first N layers (1-6)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -127,12 +147,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not 1 <= args.layers <= 6:
+        raise SystemExit(f"--layers {args.layers}: 1 to 6")
     import torch
     from peft import LoraConfig, get_peft_model
     from tqdm import tqdm
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from tiercache.semantic.embedder import resolve_embedder
+    from tiercache.semantic.verifier import guard_logits, keep_layers
 
     init_info = None
     if args.init is not None:  # checked now, not after half an hour of training
@@ -145,15 +168,28 @@ def main(argv: list[str] | None = None) -> int:
     folder, identity = resolve_embedder()
     if init_info is not None and init_info.get("base", {}).get("revision") != identity.revision:
         raise SystemExit(f"--init {args.init} was trained on other embedder weights")
+    if init_info is not None:  # another epoch goes on with the same model
+        init_hyper = init_info.get("hyper", {})
+        if init_hyper.get("layers", 6) != args.layers:
+            raise SystemExit(f"--init {args.init} has {init_hyper.get('layers', 6)} layers")
+        if ("guard_input" in init_info) != args.guard_input:
+            raise SystemExit(f"--init {args.init}: --guard-input must match how it was trained")
     train = read_pairs(args.train, args.max_pairs, args.seed, train_only=True)
-    examples = train if args.one_order else train + [(b, a, label) for a, b, label in train]
+    if args.guard_input:
+        without = sum(1 for row in train if row[3] is None)
+        train = [row for row in train if row[3] is not None]
+        progress(f"--guard-input: {without} pairs without a guard score left out")
+        if not train:
+            raise SystemExit(f"{args.train}: no pair carries a guard score (hard_pairs writes it)")
+    examples = train if args.one_order else train + [(b, a, y, g) for a, b, y, g in train]
     random.Random(args.seed).shuffle(examples)
-    dev = read_pairs(args.dev, args.max_dev, args.seed)
+    dev = [] if args.guard_input else read_pairs(args.dev, args.max_dev, args.seed)
     orders = "one order" if args.one_order else "both orders"
     progress(f"{len(train)} training pairs ({len(examples)} examples, {orders}), {len(dev)} dev")
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     base = BertForSequenceClassification.from_pretrained(str(folder), num_labels=1)
+    keep_layers(base, args.layers)
     config = LoraConfig(
         r=args.rank,
         lora_alpha=2 * args.rank,
@@ -167,11 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         model = PeftModel.from_pretrained(base, str(args.init), is_trainable=True)
     else:
         model = get_peft_model(base, config)
+    # the guard's weight (--guard-input): starts at 1, where the guard alone decides
+    start_weight = 1.0
+    if init_info is not None and "guard_input" in init_info:
+        start_weight = float(init_info["guard_input"]["weight"])
+    guard_weight = torch.nn.Parameter(torch.tensor(start_weight))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     progress(f"trainable parameters: {trainable:,}")
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01
-    )
+    groups: list[dict[str, Any]] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if args.guard_input:
+        groups.append({"params": [guard_weight], "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.01)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     total_steps = args.epochs * ((len(examples) + args.batch - 1) // args.batch)
     warmup = max(1, total_steps // 20)
@@ -182,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
 
-    def batch_inputs(rows: list[tuple[str, str, int]]) -> Any:
+    def batch_inputs(rows: list[Example]) -> Any:
         return tokenizer(
-            [a for a, _, _ in rows],
-            [b for _, b, _ in rows],
+            [row[0] for row in rows],
+            [row[1] for row in rows],
             truncation=True,
             max_length=args.max_length,
             padding=True,
@@ -200,8 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr)
         for step in bar:
             rows = examples[step * args.batch : (step + 1) * args.batch]
-            labels = torch.tensor([float(label) for _, _, label in rows])
+            labels = torch.tensor([float(row[2]) for row in rows])
             logits = model(**batch_inputs(rows)).logits.squeeze(-1)
+            if args.guard_input:
+                guard = torch.tensor(
+                    guard_logits([row[3] or 0.0 for row in rows]), dtype=torch.float32
+                )
+                logits = logits + guard_weight * guard
             loss = loss_fn(logits, labels)
             optimizer.zero_grad()
             loss.backward()
@@ -210,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(float(loss.detach()))
             if step % 20 == 0:
                 recent = losses[-50:]
-                bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
+                shown = {"loss": f"{sum(recent) / len(recent):.3f}"}
+                if args.guard_input:
+                    shown["guard_weight"] = f"{float(guard_weight.detach()):.3f}"
+                bar.set_postfix(shown)
     train_s = time.monotonic() - started
 
     model.eval()
@@ -220,9 +270,14 @@ def main(argv: list[str] | None = None) -> int:
             rows = dev[begin : begin + 64]
             scores += torch.sigmoid(model(**batch_inputs(rows)).logits.squeeze(-1)).tolist()
     figures = []
-    positives = sum(label for _, _, label in dev)
+    positives = sum(row[2] for row in dev)
+    if args.guard_input:
+        print("--guard-input: no dev figures here (the dev pairs carry no guard score); judge it")
+        print("with `tiercache eval-semantic --verifier`")
     for t in THRESHOLDS:
-        said = [(s >= t, label) for s, (_, _, label) in zip(scores, dev, strict=True)]
+        if not dev:
+            break
+        said = [(s >= t, row[2]) for s, row in zip(scores, dev, strict=True)]
         hits = sum(1 for yes, _ in said if yes)
         right = sum(1 for yes, label in said if yes and label)
         figures.append(
@@ -254,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             "lora_targets": LORA_TARGETS,
             "lr": args.lr,
             "max_length": args.max_length,
+            "layers": args.layers,
             "seed": args.seed,
         },
         "init": init_info,
@@ -263,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": invocation("tiercache_dev.train.verifier", argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+    if args.guard_input:
+        info["guard_input"] = {"weight": round(float(guard_weight.detach()), 6)}
     (args.out / "verifier.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
     portable(args.out, identity.embedder_id)
     progress(f"trained in {train_s:.0f} s; wrote {args.out}")
