@@ -480,10 +480,11 @@ class EmbeddingCacheConfig(_TiersConfig):
     verifier: str = param(
         "off",
         "The semantic pair verifier that reads the query and each candidate the guard's floor "
-        "and vetoes let through, together, and decides the hit (docs/semantic_guard.md): a "
-        "folder written by tiercache_dev.train.verifier (an absolute path: a relative one is "
-        "read from tritonserver's working directory), or off (the guard's score decides; no "
-        "trained verifier beats it yet, so none ships)",
+        "and vetoes let through, together with the guard's score, and decides the hit "
+        "(docs/semantic_guard.md): builtin (the one this package ships, trained on Quora "
+        "Question Pairs, whose terms allow non-commercial use only), a folder written by "
+        "tiercache_dev.train.verifier (an absolute path: a relative one is read from "
+        "tritonserver's working directory), or off (the guard's score decides)",
     )
     verifier_threshold: float = param(
         0.0,

@@ -259,7 +259,7 @@ def test_the_verifier_parameters_choose_the_stages_decision(
     from verifier_folders import untrained_verifier
 
     from tiercache.errors import ConfigError
-    from tiercache.semantic.verifier import INFO_FILE, VerifiedChoice
+    from tiercache.semantic.verifier import BUILTIN_FOLDER, INFO_FILE, VerifiedChoice
 
     folder, info = untrained_verifier(tmp_path / "verifier", operating_point=0.75)
 
@@ -283,6 +283,12 @@ def test_the_verifier_parameters_choose_the_stages_decision(
         instance.finalize()
     instance = start()  # the default decides with the guard alone
     assert not isinstance(instance.stage.core._choose, VerifiedChoice)
+    instance.finalize()
+    instance = start(verifier="builtin")  # the shipped one, at the point chosen on dev
+    choose = instance.stage.core._choose
+    builtin = json.loads((BUILTIN_FOLDER / INFO_FILE).read_text())
+    assert isinstance(choose, VerifiedChoice)
+    assert choose.threshold == builtin["operating_point"]["threshold"]
     instance.finalize()
     (folder / INFO_FILE).write_text(json.dumps({**info, "operating_point": {}}))
     with pytest.raises(ConfigError, match="no operating_point"):

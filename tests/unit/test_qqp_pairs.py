@@ -152,3 +152,8 @@ def test_the_verifier_point_keeps_every_sources_precision() -> None:
     assert choose(rows, 0.95, {"mock": 0.97})["threshold"] == 0.8  # type: ignore[index]
     assert choose(rows, 0.95, {})["threshold"] == 0.7  # type: ignore[index]
     assert choose(rows, 0.999, {}) is None
+    # --overall-only: the target holds overall; a source only where it is named
+    rows.insert(0, row(0.4, (0.95, 0.70), 0.90))
+    assert choose(rows, 0.95, {}, each_source=False)["threshold"] == 0.4  # type: ignore[index]
+    assert choose(rows, 0.95, {"mock": 0.97}, each_source=False)["threshold"] == 0.8  # type: ignore[index]
+    assert choose(rows, 0.95, {}, each_source=True)["threshold"] == 0.7  # type: ignore[index]

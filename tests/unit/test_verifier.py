@@ -155,3 +155,42 @@ def test_a_verifier_trained_on_top_of_the_guard_adds_the_guards_log_odds(tmp_pat
         (folder / INFO_FILE).write_text(json.dumps({**info, **bad}))
         with pytest.raises(ConfigError, match=message):
             PairVerifier(folder)
+
+
+def test_the_shipped_verifier_loads_by_name_and_tells_rewordings_from_other_questions() -> None:
+    """`builtin` is the verifier the package ships (trained on top of the guard, its operating
+    point chosen on the dev pairs): it loads over the packaged embedder, states its data and
+    terms, and, the guard's score held equal, scores a rewording above a changed question."""
+    from tiercache.semantic.verifier import BUILTIN, BUILTIN_FOLDER
+
+    verifier = PairVerifier(BUILTIN, threads=1)
+    assert verifier.guard_weight is not None and verifier.layers == 6
+    point = verifier.info["operating_point"]
+    assert verifier.default_threshold == point["threshold"]
+    assert point["chosen_on"] == "semantic_pairs_dev.jsonl"
+    assert "index mod 20 in 1..9" in verifier.info["data"]["split"]
+    card = (BUILTIN_FOLDER / "README.md").read_text()
+    assert "non-commercial" in card and "Apache-2.0" in card
+    config = json.loads((BUILTIN_FOLDER / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == resolve_embedder()[1].embedder_id  # portable
+    rewordings = [
+        ("how do i improve my english speaking skills?", "how can i improve my spoken english?"),
+        ("how can i lose weight fast?", "what is the fastest way to lose weight?"),
+        ("how can i make money online?", "how do i make money online?"),
+    ]
+    changed = [
+        (
+            "how do i convert ethanoic acid to ethanol?",
+            "how do i convert ethanol to ethanoic acid?",
+        ),
+        (
+            "what are the advantages of a democratic government?",
+            "what are the disadvantages of a democratic government?",
+        ),
+        ("which is the best laptop under 500 dollars?", "which laptop should i buy?"),
+    ]
+    pairs = rewordings + changed
+    # every pair at the same guard score: what tells them apart is the cross-encoder's reading
+    found = verifier.scores([a for a, _ in pairs], [b for _, b in pairs], [0.7] * len(pairs))
+    same, other = found[: len(rewordings)], found[len(rewordings) :]
+    assert same.min() > 0.7 > other.max()  # raised above the guard's say, and lowered below

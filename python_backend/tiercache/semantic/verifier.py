@@ -28,6 +28,10 @@ import numpy as np
 from tiercache.errors import ConfigError
 
 INFO_FILE = "verifier.json"
+# the verifier this package ships (trained on QQP's train split on top of the packaged guard:
+# docs/semantic_guard.md), named `builtin` where a folder is asked for
+BUILTIN = "builtin"
+BUILTIN_FOLDER = Path(__file__).with_name("verifier_qqp")
 FORMAT = "tiercache-semantic-verifier/1"
 MAX_LENGTH = 96  # tokens per (query, candidate) pair when verifier.json does not say
 FULL_LAYERS = 6  # MiniLM-L6's encoder layers
@@ -43,10 +47,12 @@ def guard_logits(guard: Sequence[float] | np.ndarray) -> np.ndarray:
 class PairVerifier:
     """Scores (query, candidate) pairs in batches; thread-compatible (one call at a time)."""
 
-    def __init__(self, folder: Path | str, threads: int | None = None) -> None:
+    def __init__(
+        self, folder: Path | str, threads: int | None = None, packed_linears: bool = True
+    ) -> None:
         from tiercache.semantic.embedder import resolve_embedder
 
-        where = Path(folder)
+        where = verifier_folder(folder)
         info_path = where / INFO_FILE
         try:
             info = json.loads(info_path.read_text(encoding="utf-8"))
@@ -99,7 +105,7 @@ class PairVerifier:
             self._model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
             # oneDNN's prepacked linear on the CPU (docs/engine.md): the adapter is merged
             # into the plain layers first, so nothing of peft's is left around them
-            self.packed_layers = pack_linears(self._model).layers
+            self.packed_layers = pack_linears(self._model).layers if packed_linears else 0
         # any failure to load is the folder's: safetensors, peft and torch raise their own types
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"semantic verifier {where}: cannot load: {exc}") from None
@@ -204,6 +210,12 @@ class VerifiedChoice:
         return float(self._score_pairs([query], [candidate], [guard])[0])
 
 
+def verifier_folder(where: str | Path) -> Path:
+    """The folder a verifier name stands for: `builtin` is the one this package ships, any
+    other name a folder written by `tiercache_dev.train.verifier`."""
+    return BUILTIN_FOLDER if str(where) == BUILTIN else Path(where)
+
+
 def _section(info: dict[str, Any], key: str) -> dict[str, Any]:
     value = info.get(key)
     return value if isinstance(value, dict) else {}
@@ -228,8 +240,9 @@ def resolve_threshold(threshold: float | None, default: float | None, where: obj
 def open_verified_choice(
     guard: Any, where: str, threshold: float = 0.0, threads: int | None = None
 ) -> VerifiedChoice:
-    """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is a verifier folder;
-    `threshold` 0 takes the verifier's own default (its `verifier.json`)."""
-    verifier = PairVerifier(Path(where), threads=threads)
+    """The `VerifiedChoice` of the `embedding_cache` parameters: `where` is a verifier folder
+    or `builtin` (`verifier_folder`); `threshold` 0 takes the verifier's own default (its
+    `verifier.json`)."""
+    verifier = PairVerifier(where, threads=threads)
     chosen = resolve_threshold(threshold, verifier.default_threshold, where)
     return VerifiedChoice(guard, verifier.scores, chosen)

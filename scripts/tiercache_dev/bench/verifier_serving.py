@@ -4,8 +4,8 @@ and what it changes in the hits, against the guard alone, on the same pairs.
 Usage::
 
     python -m tiercache_dev.bench.verifier_serving [--pairs ../shared/eval/semantic_pairs_dev.jsonl]
-        --verifier FOLDER [--threshold P] [--count 30] [--max-tokens 8] [--state-dir .tiercache]
-        [--out-dir .perf]
+        --verifier FOLDER|builtin [--threshold P] [--count 30] [--max-tokens 8]
+        [--state-dir .tiercache] [--out-dir .perf]
 
 Two tritonservers one after the other on copies of model_repository/ (temporary state dirs, the
 converted weights linked from `--state-dir/models`): `embedding_cache`'s `verifier` off (the
@@ -50,7 +50,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pairs", type=Path, default=DEFAULT_PAIRS, help="pairs file (JSONL)")
     p.add_argument("--count", type=int, default=30, help="pairs of each label")
-    p.add_argument("--verifier", required=True, help="a verifier folder (train.verifier)")
+    p.add_argument(
+        "--verifier", required=True, help="a verifier folder (train.verifier), or builtin"
+    )
     p.add_argument("--threshold", default="0", help="verifier_threshold (0: the folder's own)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
@@ -142,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs += [(a, b, 0) for a, b in spread_pairs(args.pairs, args.count, 0)]
     raw = args.out_dir / "bench_verifier_serving"
     raw.mkdir(parents=True, exist_ok=True)
-    folder = str(Path(args.verifier).resolve())  # the server runs in a temporary folder
+    # the server runs in a temporary folder: a folder is passed absolute, `builtin` as it is
+    folder = args.verifier if args.verifier == "builtin" else str(Path(args.verifier).resolve())
     results = [run_one(args, way, pairs, raw) for way in ("off", folder)]
     machine = machine_summary()
     md = [

@@ -315,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         "init": init_info,
         "train_s": round(train_s, 1),
         "final_loss_mean_50": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "dev_pairs": {"file": args.dev.name, "pairs": len(dev), "by_threshold": figures},
+        # none with --guard-input: the dev pairs carry no guard score (eval-semantic judges it)
+        "dev_pairs": None
+        if args.guard_input
+        else {"file": args.dev.name, "pairs": len(dev), "by_threshold": figures},
         "command": invocation("tiercache_dev.train.verifier", argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }

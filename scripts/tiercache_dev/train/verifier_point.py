@@ -10,7 +10,8 @@ Runs what `tiercache eval-semantic --verifier` runs (the packaged guard's floor 
 verifier on the candidates left, judged by duplicate clusters) once, sweeps the threshold from
 0.50 to 0.999, and prints every point. The chosen one has the most overall recall among those
 whose overall precision, and each source's, is at least `--target` (`--source-target S=P`
-raises it for one source, e.g. gptcache-mock=0.97). `--write` records it as `operating_point`
+sets it for one source, e.g. gptcache-mock=0.97; `--overall-only`: `--target` holds overall,
+and a source only where `--source-target` names it). `--write` records it as `operating_point`
 (threshold, the pairs file, its figures) in `verifier.json`. Only the dev file is for this:
 never choose a point on held-out pairs.
 """
@@ -37,11 +38,15 @@ GRID = tuple(
 
 
 def choose(
-    rows: list[dict[str, Any]], target: float, source_targets: dict[str, float]
+    rows: list[dict[str, Any]],
+    target: float,
+    source_targets: dict[str, float],
+    each_source: bool = True,
 ) -> dict[str, Any] | None:
     """The row (threshold plus per-source figures, OVERALL included) with the most overall
-    recall whose precision meets `target` overall and for every source (`source_targets`
-    raising it per source); ties go to the lower threshold. None when no row qualifies."""
+    recall whose precision meets `target` overall and, with `each_source`, for every source
+    (`source_targets` setting it per source; without `each_source` only the sources it names
+    are held to one); ties go to the lower threshold. None when no row qualifies."""
     from tiercache.semantic.evaluate import OVERALL
 
     best = None
@@ -49,10 +54,15 @@ def choose(
         figures = row["by_source"]
         if figures[OVERALL]["precision"] is None:
             continue  # no hit at all
+
         # a source without hits has no false hit: it does not disqualify the row
+        def needed(source: str) -> float:
+            if source == OVERALL or each_source:
+                return source_targets.get(source, target)
+            return source_targets.get(source, 0.0)
+
         if any(
-            c["precision"] is not None and c["precision"] < source_targets.get(s, target)
-            for s, c in figures.items()
+            c["precision"] is not None and c["precision"] < needed(s) for s, c in figures.items()
         ):
             continue
         if best is None or figures[OVERALL]["recall"] > best["by_source"][OVERALL]["recall"]:
@@ -62,7 +72,9 @@ def choose(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--verifier", type=Path, required=True, help="a trained verifier folder")
+    parser.add_argument(
+        "--verifier", type=Path, required=True, help="a trained verifier folder, or builtin"
+    )
     parser.add_argument("--pairs", type=Path, default=DEFAULT_PAIRS, help="the dev pairs")
     parser.add_argument("--target", type=float, default=0.95, help="precision to keep")
     parser.add_argument(
@@ -71,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="SOURCE=P",
         help="a higher precision for one source",
+    )
+    parser.add_argument(
+        "--overall-only",
+        action="store_true",
+        help="--target holds overall; a source is held only to its --source-target",
     )
     parser.add_argument("--write", action="store_true", help="record the point in verifier.json")
     args = parser.parse_args(argv)
@@ -81,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiercache.semantic import evaluate as ev
     from tiercache.semantic.embedder import Embedder
-    from tiercache.semantic.verifier import INFO_FILE, PairVerifier
+    from tiercache.semantic.verifier import INFO_FILE, PairVerifier, verifier_folder
 
     pairs = ev.load_pairs(args.pairs)
     corpus = ev.build_corpus(pairs)
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             p = "  -  " if c["precision"] is None else f"{c['precision']:.3f}"
             cells.append(f"{p:>14} / {c['recall']:.3f}")
         print(f"{row['threshold']:>9.3f}  " + "  ".join(cells))
-    chosen = choose(rows, args.target, source_targets)
+    chosen = choose(rows, args.target, source_targets, each_source=not args.overall_only)
     if chosen is None:
         print(f"no threshold keeps precision {args.target} (and {source_targets})")
         return 1
@@ -116,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{overall['precision']:.3f}, recall {overall['recall']:.3f}"
     )
     if args.write:
-        path = args.verifier / INFO_FILE
+        path = verifier_folder(args.verifier) / INFO_FILE
         info = json.loads(path.read_text(encoding="utf-8"))
         info["operating_point"] = {
             "threshold": chosen["threshold"],
             "chosen_on": args.pairs.name,
             "target_precision": args.target,
             "source_targets": source_targets,
+            "each_source": not args.overall_only,
             "by_source": chosen["by_source"],
         }
         path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
