@@ -18,6 +18,7 @@ import pytest
 from tiercache.errors import ConfigError
 from tiercache.semantic import evaluate as ev
 from tiercache.semantic import features as feats
+from tiercache.semantic.verifier import guard_logits
 
 # Inserted side: four directions. A query's vector is cos * e_i + sqrt(1 - cos^2) * e_noise.
 CAPITAL = "What is the capital of France?"
@@ -343,19 +344,24 @@ def test_the_verifier_decides_among_what_the_guards_vetoes_let_through(tmp_path:
     guard = ev.load_guard(write_guard(tmp_path / "g.json"))
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
     asked: list[tuple[str, str]] = []
-    guard_given: list[float] = []
+    guard_given: dict[tuple[str, str], float] = {}
 
     def score_pairs(
         queries: Sequence[str], texts: Sequence[str], guard: Sequence[float]
     ) -> np.ndarray:
         asked.extend(zip(queries, texts, strict=True))
-        guard_given.extend(guard)
+        guard_given.update(zip(zip(queries, texts, strict=True), guard, strict=True))
         return np.array([0.99 if t == RESET_PIN else 0.2 for t in texts])
 
     v = ev.verifier_scores(corpus, candidates, scores, score_pairs)
     assert len(asked) == int((scores > 0).sum()) and (v[scores <= 0] == 0).all()
-    # each candidate comes with its own guard score (a verifier on top of the guard reads it)
-    assert sorted(guard_given) == sorted(scores[scores > 0].tolist())
+    # each pair comes with its own guard score (a verifier on top of the guard reads it)
+    assert guard_given == {
+        (pair.b, corpus.inserted[j]): float(g)
+        for pair, row, gs in zip(corpus.pairs, candidates.index, scores, strict=True)
+        for j, g in zip(row, gs, strict=True)
+        if g > 0
+    }
     assert ("Top 10 movies of 2020", TOP5) not in asked  # vetoed: never scored
     served = ev.served_texts(corpus, candidates, ev.choose_by_verifier(v, 0.9))
     assert served == [None, None, RESET_PIN, None, RESET_PIN]
@@ -374,21 +380,18 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
     candidates = ev.search_topk(embedded.inserted, embedded.queries, 3)
     guard = ev.load_guard(write_guard(tmp_path / "g.json"))
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
-    cosine_of = {
-        (pair.b, corpus.inserted[j]): float(c)
-        for pair, row, cosines in zip(
-            corpus.pairs, candidates.index, candidates.cosine, strict=True
-        )
-        for j, c in zip(row, cosines, strict=True)
+    eval_guard = {
+        (pair.b, corpus.inserted[j]): float(g)
+        for pair, row, gs in zip(corpus.pairs, candidates.index, scores, strict=True)
+        for j, g in zip(row, gs, strict=True)
     }
 
-    def guard_score(query: str, text: str) -> float:
-        return guard.score(query, text, cosine_of[(query, text)])
-
     def score_pairs(
-        queries: Sequence[str], texts: Sequence[str], guard: Sequence[float] = ()
+        queries: Sequence[str], texts: Sequence[str], guard: Sequence[float]
     ) -> np.ndarray:
-        return np.array([0.99 if t == RESET_PIN else 0.6 if t == CAPITAL else 0.2 for t in texts])
+        # a verifier on top of the guard: the text's own say plus the guard's log-odds
+        own = np.array([3.0 if t == RESET_PIN else 0.5 if t == CAPITAL else -1.0 for t in texts])
+        return 1.0 / (1.0 + np.exp(-(own + guard_logits(guard))))
 
     for threshold in (0.1, 0.5, 0.9):
         counted = ev.choose_by_verifier(
@@ -403,11 +406,11 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
             asked: list[str] = asked,
         ) -> np.ndarray:
             asked.extend(texts)
-            # the guard's own score of each pair, as the evaluation hands it over
-            assert list(guard) == [guard_score(queries[0], text) for text in texts], (
-                "VerifiedChoice passes each candidate's guard score"
-            )
-            return score_pairs(queries, texts)
+            # each pair's guard score, as the evaluation hands it over (to float rounding:
+            # the evaluation scores a matrix, serving one vector at a time)
+            handed = [eval_guard[(queries[0], text)] for text in texts]
+            assert np.allclose(guard, handed, rtol=0, atol=1e-12)
+            return score_pairs(queries, texts, guard)
 
         choice = VerifiedChoice(guard, scoring, threshold)
         for i, pair in enumerate(corpus.pairs):
@@ -424,8 +427,9 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
                 assert len(asked) == before  # the retry reuses the query's scores
                 expected, best = None, -1.0  # the next best of what is left, as a reference
                 for k, (text, cosine) in enumerate(rest):
-                    if guard.score(pair.b, text, cosine) > 0:
-                        value = float(score_pairs([pair.b], [text])[0])
+                    g = guard.score(pair.b, text, cosine)
+                    if g > 0:
+                        value = float(score_pairs([pair.b], [text], [g])[0])
                         if value >= threshold and value > best:
                             expected, best = k, value
                 assert again == expected

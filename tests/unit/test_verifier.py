@@ -3,6 +3,7 @@ and scores pairs; one trained on other weights, or not a verifier, is refused.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from verifier_folders import untrained_verifier  # noqa: E402
 
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.semantic.embedder import resolve_embedder  # noqa: E402
-from tiercache.semantic.verifier import INFO_FILE, PairVerifier  # noqa: E402
+from tiercache.semantic.guard import load_guard  # noqa: E402
+from tiercache.semantic.verifier import INFO_FILE, PairVerifier, open_verified_choice  # noqa: E402
 
 
 def untrained(folder: Path, revision: str) -> Path:
@@ -136,6 +138,14 @@ def test_a_verifier_trained_on_top_of_the_guard_adds_the_guards_log_odds(tmp_pat
     assert verifier.layers == 2 and verifier.packed_layers == 2 * 6 + 2
     weight = verifier.guard_weight
     assert weight == info["guard_input"]["weight"] and 0.5 < weight < 1.5  # two steps from 1
+    guard = load_guard()  # hard_pairs scores with the packaged guard: the verifier names it
+    assert verifier.guard_digest == guard.scoring_digest()
+    assert open_verified_choice(guard, str(folder), 0.8, threads=1).threshold == 0.8
+    other = dataclasses.replace(
+        guard, config=dataclasses.replace(guard.config, intercept=guard.config.intercept + 1)
+    )
+    with pytest.raises(ConfigError, match="trained on the scores of guard"):
+        open_verified_choice(other, str(folder), 0.8, threads=1)
     query, text = ["How do I learn topic 3?"] * 2, ["How can I learn topic 3?"] * 2
     low, high = verifier.scores(query, text, [0.2, 0.9])
 
@@ -148,8 +158,10 @@ def test_a_verifier_trained_on_top_of_the_guard_adds_the_guards_log_odds(tmp_pat
     with pytest.raises(SystemExit, match="--guard-input must match"):
         train.main([*argv[:4], "--init", str(folder), "--layers", "2"])
     for bad, message in (
-        ({"guard_input": {"weight": "1"}}, "guard_input.weight"),
-        ({"guard_input": {"weight": float("nan")}}, "guard_input.weight"),
+        ({"guard_input": {**info["guard_input"], "weight": "1"}}, "guard_input.weight"),
+        ({"guard_input": {**info["guard_input"], "weight": float("nan")}}, "guard_input.weight"),
+        ({"guard_input": {**info["guard_input"], "weight": 10**400}}, "guard_input.weight"),
+        ({"guard_input": {"weight": 1.0}}, "guard_input.guard None"),
         ({"hyper": {**info["hyper"], "layers": 7}}, "hyper.layers 7"),
     ):
         (folder / INFO_FILE).write_text(json.dumps({**info, **bad}))
@@ -165,6 +177,7 @@ def test_the_shipped_verifier_loads_by_name_and_tells_rewordings_from_other_ques
 
     verifier = PairVerifier(BUILTIN, threads=1)
     assert verifier.guard_weight is not None and verifier.layers == 6
+    assert verifier.guard_digest == load_guard().scoring_digest()  # the packaged guard's
     point = verifier.info["operating_point"]
     assert verifier.default_threshold == point["threshold"]
     assert point["chosen_on"] == "semantic_pairs_dev.jsonl"

@@ -871,11 +871,15 @@ def run_eval(
     vscores: np.ndarray | None = None
     verifier_threshold = args.verifier_threshold
     if args.verifier is not None:
-        from tiercache.semantic.verifier import PairVerifier, resolve_threshold
+        from tiercache.semantic.verifier import PairVerifier, check_guard, resolve_threshold
 
         folder = args.verifier
         progress(f"loading the verifier from {folder}")
         verifier = PairVerifier(folder)
+        try:  # only with the guard whose scores it was trained on, as serving
+            check_guard(verifier, guard, folder)
+        except ConfigError as exc:
+            raise InvalidRequest(f"{exc.client_message()} (--guard)") from None
         try:  # as serving: 0 or none given is the folder's recorded operating point
             verifier_threshold = resolve_threshold(
                 verifier_threshold, verifier.default_threshold, folder

@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -187,6 +188,13 @@ class SemanticGuard:
         object.__setattr__(self, "target_precision", target)
         object.__setattr__(self, "threshold", self.config.threshold_for(target))
         object.__setattr__(self, "_calibration", self.config.local_precision())
+
+    def scoring_digest(self) -> str:
+        """SHA-256 of what the score is computed from (features, coefficients, intercept,
+        floor, vetoes): a verifier trained on this guard's scores names it."""
+        c = self.config
+        what = [c.feature_names, c.coefficients, c.intercept, c.cosine_floor, c.vetoes]
+        return hashlib.sha256(json.dumps(what).encode("utf-8")).hexdigest()
 
     def threshold_for(self, target_precision: float) -> float:
         """See `GuardConfig.threshold_for`."""

@@ -19,6 +19,7 @@ Torch, transformers and peft are imported only when a verifier is loaded.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,13 +78,22 @@ class PairVerifier:
             raise ConfigError(f"semantic verifier {where}: hyper.layers {layers!r}")
         self.layers = layers
         self.guard_weight: float | None = None
+        self.guard_digest: str | None = None  # the guard whose scores it was trained on
         if "guard_input" in info:
-            weight = _section(info, "guard_input").get("weight")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            section = _section(info, "guard_input")
+            weight = section.get("weight")
+            try:
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                    raise ValueError
+                self.guard_weight = float(weight)
+            except (ValueError, OverflowError):
+                raise ConfigError(f"semantic verifier {where}: guard_input.weight") from None
+            if not math.isfinite(self.guard_weight):
                 raise ConfigError(f"semantic verifier {where}: guard_input.weight {weight!r}")
-            if not np.isfinite(weight):
-                raise ConfigError(f"semantic verifier {where}: guard_input.weight {weight!r}")
-            self.guard_weight = float(weight)
+            digest = section.get("guard")
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise ConfigError(f"semantic verifier {where}: guard_input.guard {digest!r}")
+            self.guard_digest = digest
         # The operating point chosen on the dev pairs (tiercache_dev.train.verifier_point --write)
         point = _section(info, "operating_point").get("threshold")
         self.default_threshold: float | None = None
@@ -172,7 +182,7 @@ class VerifiedChoice:
         self._score_pairs = score_pairs
         self.threshold = threshold
         self._last_query: str | None = None
-        self._last_scores: dict[str, float] = {}
+        self._last_scores: dict[tuple[str, float], float] = {}
         self.pairs_scored = 0  # pairs the model read
 
     def __call__(self, query: str, candidates: Sequence[tuple[str, float]]) -> int | None:
@@ -182,18 +192,23 @@ class VerifiedChoice:
             return None
         if query != self._last_query:
             self._last_query, self._last_scores = query, {}
-        todo_guard = {
-            candidates[i][0]: guard[i] for i in passing if candidates[i][0] not in self._last_scores
-        }
-        if todo_guard:
-            todo = list(todo_guard)
-            found = self._score_pairs([query] * len(todo), todo, list(todo_guard.values()))
+        # a score is the model's reading of (query, text) with the text's guard score
+        todo = list(
+            dict.fromkeys(
+                (candidates[i][0], guard[i])
+                for i in passing
+                if (candidates[i][0], guard[i]) not in self._last_scores
+            )
+        )
+        if todo:
+            texts = [text for text, _ in todo]
+            found = self._score_pairs([query] * len(todo), texts, [g for _, g in todo])
             self.pairs_scored += len(todo)
             self._last_scores.update(zip(todo, (float(s) for s in found), strict=True))
         best: int | None = None
         best_score = -1.0
         for i in passing:
-            score = self._last_scores[candidates[i][0]]
+            score = self._last_scores[(candidates[i][0], guard[i])]
             if score >= self.threshold and score > best_score:
                 best, best_score = i, score
         return best
@@ -205,9 +220,20 @@ class VerifiedChoice:
         guard = self.guard.score(query, candidate, cosine)
         if guard <= 0.0:
             return 0.0
-        if query == self._last_query and candidate in self._last_scores:
-            return self._last_scores[candidate]
+        if query == self._last_query and (candidate, guard) in self._last_scores:
+            return self._last_scores[(candidate, guard)]
         return float(self._score_pairs([query], [candidate], [guard])[0])
+
+
+def check_guard(verifier: PairVerifier, guard: Any, where: object) -> None:
+    """ConfigError unless a verifier trained on a guard's scores runs with that guard (the
+    same `SemanticGuard.scoring_digest`)."""
+    if verifier.guard_digest is not None and verifier.guard_digest != guard.scoring_digest():
+        raise ConfigError(
+            f"semantic verifier {where} was trained on the scores of guard "
+            f"{verifier.guard_digest[:16]}, this guard is {guard.scoring_digest()[:16]}: "
+            "train it again"
+        )
 
 
 def verifier_folder(where: str | Path) -> Path:
@@ -244,5 +270,6 @@ def open_verified_choice(
     or `builtin` (`verifier_folder`); `threshold` 0 takes the verifier's own default (its
     `verifier.json`)."""
     verifier = PairVerifier(where, threads=threads)
+    check_guard(verifier, guard, where)
     chosen = resolve_threshold(threshold, verifier.default_threshold, where)
     return VerifiedChoice(guard, verifier.scores, chosen)

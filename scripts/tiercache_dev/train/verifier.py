@@ -322,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": invocation("tiercache_dev.train.verifier", argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-    if args.guard_input:
-        info["guard_input"] = {"weight": round(float(guard_weight.detach()), 6)}
+    if args.guard_input:  # hard_pairs scores with the packaged guard
+        from tiercache.semantic.guard import load_guard
+
+        info["guard_input"] = {
+            "weight": round(float(guard_weight.detach()), 6),
+            "guard": load_guard().scoring_digest(),
+        }
     (args.out / "verifier.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
     portable(args.out, identity.embedder_id)
     progress(f"trained in {train_s:.0f} s; wrote {args.out}")

@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiercache.semantic import evaluate as ev
     from tiercache.semantic.embedder import Embedder
-    from tiercache.semantic.verifier import INFO_FILE, PairVerifier, verifier_folder
+    from tiercache.semantic.verifier import (
+        INFO_FILE,
+        PairVerifier,
+        check_guard,
+        verifier_folder,
+    )
 
     pairs = ev.load_pairs(args.pairs)
     corpus = ev.build_corpus(pairs)
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     candidates = ev.search_topk(embedded.inserted, embedded.queries, ev.DEFAULT_K)
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
     verifier = PairVerifier(args.verifier)
+    check_guard(verifier, guard, args.verifier)
     vscores = ev.verifier_scores(corpus, candidates, scores, verifier.scores, progress)
     rows = []
     for t in GRID:
