@@ -74,7 +74,10 @@ def test_the_verifier_trains_only_on_rows_of_the_train_split(tmp_path: Path) -> 
     rows = [{"a": "q", "b": "r", "label": 1, "source": "qqp", "index": i} for i in (1, 9, 21)]
     good = tmp_path / "train.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert read_pairs(good, train_only=True) == [("q", "r", 1)] * 3
+    # (a, b, label, the guard's score: None where hard_pairs wrote none)
+    assert read_pairs(good, train_only=True) == [("q", "r", 1, None)] * 3
+    good.write_text("".join(json.dumps({**r, "guard": 0.25}) + "\n" for r in rows))
+    assert read_pairs(good, train_only=True) == [("q", "r", 1, 0.25)] * 3
     for index in (0, 10, 39, None):  # dev, held out, held out, no index
         bad = tmp_path / f"bad{index}.jsonl"
         bad.write_text(json.dumps({**rows[0], "index": index}) + "\n")
