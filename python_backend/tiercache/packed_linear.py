@@ -7,6 +7,9 @@ blocked layout: SmolLM2's LM head (49152 x 576) over 1 / 2 / 3 / 16 rows takes 9
 linear of the model packed, a one-token step goes from 53.4 to 36.9 ms and a pass over 16
 tokens from 85.0 to 50.8 ms (docs/engine.md, `python -m tiercache_dev.bench.packed_linear`).
 
+The semantic pair verifier packs its bfloat16 layers the same way (`pack_linears(model,
+torch.bfloat16)`; about 7 % of a lookup: docs/semantic_guard.md).
+
 The op is `torch.ops.mkldnn._linear_pointwise` with a weight from
 `torch.ops.mkldnn._reorder_linear_weight`, what torch's own compiler emits for a frozen CPU
 linear; nothing public exposes it. `pack_linears` checks that both exist and agree with
@@ -32,8 +35,12 @@ log = logging.getLogger(__name__)
 
 _OPS = torch.ops.mkldnn
 AGREEMENT = 1e-3
-"""Largest absolute difference from `F.linear` the self-check accepts on one layer (float32
-sums in another order differ in their last bits, about 1e-5 on these layers)."""
+"""Largest absolute difference from `F.linear` the self-check accepts on one float32 layer
+(float32 sums in another order differ in their last bits, about 1e-5 on these layers)."""
+AGREEMENT_BF16 = 2e-2
+"""The same for a bfloat16 layer, relative to the output's largest value (bfloat16 keeps 8
+bits of mantissa: one rounding step is 0.4 % of a value)."""
+PACKABLE = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(torch.nn.Linear):
@@ -80,21 +87,24 @@ class PackReport:
     skipped: str = ""
 
 
-def pack_linears(model: torch.nn.Module) -> PackReport:
-    """Replace every float32 CPU `nn.Linear` in `model` (the LM head included, its weight still
-    tied to the embedding's, which keeps the plain copy) with a `PackedLinear`, in place; then
+def pack_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> PackReport:
+    """Replace every CPU `nn.Linear` of `dtype` (float32, or bfloat16 on a CPU with native
+    bfloat16) in `model` (the LM head included, its weight still tied to the embedding's, which
+    keeps the plain copy) with a `PackedLinear`, in place; then
     copy the parameters and buffers left into the process's own memory, so that a weights file
     mapped at load (safetensors) is unmapped with the plain weights, not kept whole by the
     embedding.
 
-    Packs nothing and says why when the model has no float32 CPU linear layer, torch lacks
+    Packs nothing and says why when the model has no such CPU linear layer, torch lacks
     oneDNN or the ops, or they do not agree with `F.linear` on the first layer. Call it before
     any adapter is injected: a layer peft already wraps is left as it is, and so are layers of
     another dtype or device."""
-    candidates = _plain_linears(model)
+    if dtype not in PACKABLE:
+        raise ValueError(f"pack_linears packs float32 or bfloat16 layers, not {dtype}")
+    candidates = _plain_linears(model, dtype)
     first = next(candidates, None)
     if first is None:
-        return PackReport(0, "no float32 linear layer on the CPU")
+        return PackReport(0, f"no {str(dtype).removeprefix('torch.')} linear layer on the CPU")
     if not torch.backends.mkldnn.is_available() or not all(
         hasattr(_OPS, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
     ):
@@ -124,29 +134,33 @@ def pack_and_log(model: torch.nn.Module, what: str) -> int:
 
 
 def _plain_linears(
-    parent: torch.nn.Module,
+    parent: torch.nn.Module, dtype: torch.dtype
 ) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """(parent, name, layer) of every plain float32 CPU `nn.Linear` under `parent`, not
+    """(parent, name, layer) of every plain CPU `nn.Linear` of `dtype` under `parent`, not
     descending into peft's layers (their base layer and their lora_A / lora_B stay as peft made
     them)."""
     for name, child in list(parent.named_children()):
         if type(child) is torch.nn.Linear:
-            if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if child.weight.dtype == dtype and child.weight.device.type == "cpu":
                 yield parent, name, child
         elif not hasattr(child, "base_layer"):
-            yield from _plain_linears(child)
+            yield from _plain_linears(child, dtype)
 
 
 def _disagreement(linear: torch.nn.Linear) -> str:
     """Why the packed op cannot stand in for `linear`, or "" when it agrees with `F.linear`."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, linear.in_features, generator=generator)
+    x = torch.randn(3, linear.in_features, generator=generator).to(linear.weight.dtype)
     try:
         with torch.no_grad():
             packed = PackedLinear(linear)
-            difference = float((packed(x) - F.linear(x, linear.weight, linear.bias)).abs().max())
+            expected = F.linear(x, linear.weight, linear.bias).float()
+            difference = float((packed(x).float() - expected).abs().max())
     except (RuntimeError, TypeError) as err:  # an op torch has but runs otherwise
         return f"torch's oneDNN linear failed: {err}"
-    if not difference <= AGREEMENT:
+    limit = AGREEMENT
+    if linear.weight.dtype == torch.bfloat16:
+        limit = AGREEMENT_BF16 * max(1.0, float(expected.abs().max()))
+    if not difference <= limit:
         return f"torch's oneDNN linear differs from F.linear by {difference:.3g}"
     return ""

@@ -253,8 +253,8 @@ def test_the_verifier_parameters_choose_the_stages_decision(
     load_model: Callable[[str], ModuleType], tmp_path: Path, embedder: FakeEmbedder
 ) -> None:
     """`verifier` names a trained folder: the stage decides with it at
-    `verifier_threshold` (0: the folder's own operating point); a folder that is not a verifier
-    fails the model's load with the reason."""
+    `verifier_threshold` (0: the folder's own operating point) and in `verifier_dtype`; a
+    folder that is not a verifier fails the model's load with the reason."""
     pytest.importorskip("peft")
     from verifier_folders import untrained_verifier
 
@@ -290,6 +290,12 @@ def test_the_verifier_parameters_choose_the_stages_decision(
     assert isinstance(choose, VerifiedChoice)
     assert choose.threshold == builtin["operating_point"]["threshold"]
     instance.finalize()
+    # verifier_dtype: the number format the verifier runs in; another name fails the load
+    instance = start(verifier="builtin", verifier_dtype="int8")
+    assert instance.stage.core._choose._score_pairs.__self__.dtype == "int8"
+    instance.finalize()
+    with pytest.raises(ConfigError, match="verifier_dtype"):
+        start(verifier="builtin", verifier_dtype="float16")
     (folder / INFO_FILE).write_text(json.dumps({**info, "operating_point": {}}))
     with pytest.raises(ConfigError, match="no operating_point"):
         start(verifier=str(folder))

@@ -112,6 +112,27 @@ def test_peft_injects_lora_around_packed_layers(targets: list[str], dora: bool) 
     assert pack_linears(model).layers == 0
 
 
+def test_bfloat16_layers_are_packed_when_asked_for_and_compute_the_same() -> None:
+    """The pair verifier runs in bfloat16: its layers pack with `dtype=torch.bfloat16`, the model
+    then computes what it did to bfloat16's rounding; float32 layers are left alone."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no native bfloat16 for oneDNN")
+    stock, model = Tiny().eval().to(torch.bfloat16), Tiny().eval().to(torch.bfloat16)
+    model.blocks[1].v_proj.float()  # one layer of another dtype: not packed
+    stock.blocks[1].v_proj.float()
+    assert pack_linears(model, torch.bfloat16) == packed_linear.PackReport(4)
+    assert type(model.blocks[1].v_proj) is torch.nn.Linear
+    assert isinstance(model.blocks[0].v_proj, PackedLinear)
+    x = torch.randn(3, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = model.blocks[0].q_proj(x), stock.blocks[0].q_proj(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+    assert pack_linears(Tiny(), torch.bfloat16).skipped == "no bfloat16 linear layer on the CPU"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        pack_linears(Tiny(), torch.float16)
+
+
 def test_nothing_is_packed_where_the_op_cannot_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     half = Tiny().to(torch.bfloat16)
     report = pack_linears(half)

@@ -27,7 +27,8 @@ def untrained(folder: Path, revision: str) -> Path:
 def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) -> None:
     _, identity = resolve_embedder()
     folder = untrained(tmp_path / "v", identity.revision)
-    verifier = PairVerifier(folder, threads=1)
+    verifier = PairVerifier(folder, threads=1, dtype="float32")
+    assert verifier.dtype == "float32"
     queries = ["How do I reset my password?", "What is the capital of France?"]
     texts = ["How can I change my password?", "Top 10 movies of 2020"]
     first = verifier.scores(queries, texts)
@@ -40,6 +41,55 @@ def test_scores_are_probabilities_one_per_pair_and_repeatable(tmp_path: Path) ->
     # and it scores what the plain model scores, to float32 rounding
     assert verifier.packed_layers == 6 * 6 + 2
     assert np.allclose(first, plain_scores(folder, queries, texts), rtol=0, atol=1e-5)
+
+
+def test_the_number_formats_score_as_float32_does(tmp_path: Path) -> None:
+    """bfloat16 (packed for oneDNN) and int8 (torch's dynamic quantization) score the shipped
+    verifier's pairs within a few hundredths of float32 and decide them alike at its point;
+    `auto` is bfloat16 exactly where torch has native bfloat16 on this CPU; another name is a
+    ConfigError before anything loads."""
+    import torch
+
+    from tiercache.semantic.verifier import BUILTIN, resolve_dtype
+
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_dtype("auto") == ("bfloat16" if native else "float32")
+    assert resolve_dtype("int8") == "int8"
+    with pytest.raises(ConfigError, match="one of auto, float32, bfloat16, int8"):
+        PairVerifier(BUILTIN, dtype="float16")
+    queries = [
+        "how do i improve my english speaking skills?",
+        "how can i lose weight fast?",
+        "what are the advantages of a democratic government?",
+        "which is the best laptop under 500 dollars?",
+    ]
+    texts = [
+        "how can i improve my spoken english?",
+        "what is the fastest way to lose weight?",
+        "what are the disadvantages of a democratic government?",
+        "which laptop should i buy?",
+    ]
+    guard = [0.7, 0.6, 0.8, 0.5]
+    exact = PairVerifier(BUILTIN, threads=1, dtype="float32")
+    reference = exact.scores(queries, texts, guard)
+    point = exact.default_threshold
+    assert point is not None
+    for dtype in ("bfloat16", "int8"):
+        verifier = PairVerifier(BUILTIN, threads=1, dtype=dtype)
+        assert verifier.dtype == dtype
+        found = verifier.scores(queries, texts, guard)
+        assert found.dtype == np.float64 and ((found >= 0) & (found <= 1)).all()
+        assert np.abs(found - reference).max() < 0.05, (dtype, found, reference)
+        assert ((found >= point) == (reference >= point)).all()
+        assert not np.array_equal(found, reference)  # it did run in another format
+        if dtype == "bfloat16":
+            assert verifier._model.dtype == torch.bfloat16
+            assert verifier.packed_layers == 3 * 6 + 2  # three layers, the pooler, classifier
+        else:
+            assert verifier.packed_layers == 0  # quantized layers are not oneDNN's linear
+    # open_verified_choice passes the format on
+    choice = open_verified_choice(load_guard(), BUILTIN, 0.0, threads=1, dtype="int8")
+    assert choice.threshold == point
 
 
 def plain_scores(folder: Path, queries: list[str], texts: list[str]) -> np.ndarray:

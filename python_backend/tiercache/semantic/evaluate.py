@@ -557,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
         "none: the one its verifier.json records, as serving)",
     )
     parser.add_argument(
+        "--verifier-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        help="the verifier's number format, as embedding_cache's `verifier_dtype` (auto: "
+        "bfloat16 where the CPU has it, else float32)",
+    )
+    parser.add_argument(
         "--baseline-threshold",
         type=float,
         default=BASELINE_THRESHOLD,
@@ -875,7 +882,8 @@ def run_eval(
 
         folder = args.verifier
         progress(f"loading the verifier from {folder}")
-        verifier = PairVerifier(folder)
+        verifier = PairVerifier(folder, dtype=args.verifier_dtype)
+        progress(f"the verifier runs in {verifier.dtype}")
         try:  # only with the guard whose scores it was trained on, as serving
             check_guard(verifier, guard, folder)
         except ConfigError as exc:
@@ -918,6 +926,7 @@ def run_eval(
             )
         result["verifier"] = {
             "folder": str(args.verifier),
+            "dtype": verifier.dtype,
             "threshold": verifier_threshold,
             "counts": {src: c.as_dict() for src, c in counts.items()},
             "sweep": rows,

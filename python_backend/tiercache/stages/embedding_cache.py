@@ -239,7 +239,11 @@ def open_embedding_cache(
         from tiercache.semantic.verifier import open_verified_choice
 
         verified = open_verified_choice(
-            guard, config.verifier, config.verifier_threshold, config.verifier_threads
+            guard,
+            config.verifier,
+            config.verifier_threshold,
+            config.verifier_threads,
+            config.verifier_dtype,
         )
         choose, score = verified, verified.score
     tiers: ExactTiers = open_exact_cache(config.cache())

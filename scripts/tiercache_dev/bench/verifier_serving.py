@@ -4,14 +4,15 @@ and what it changes in the hits, against the guard alone, on the same pairs.
 Usage::
 
     python -m tiercache_dev.bench.verifier_serving [--pairs ../shared/eval/semantic_pairs_dev.jsonl]
-        --verifier FOLDER|builtin [--threshold P] [--count 30] [--max-tokens 8]
-        [--state-dir .tiercache] [--out-dir .perf]
+        --verifier FOLDER|builtin [--threshold P] [--dtype auto ...] [--count 30]
+        [--max-tokens 8] [--state-dir .tiercache] [--out-dir .perf]
 
-Two tritonservers one after the other on copies of model_repository/ (temporary state dirs, the
+Tritonservers one after the other on copies of model_repository/ (temporary state dirs, the
 converted weights linked from `--state-dir/models`): `embedding_cache`'s `verifier` off (the
-guard decides), then `--verifier`. The same pairs on both: `--count` rewordings (label 1) and
-`--count` different questions (label 0) of the pairs file, every pair in a tenant of its own, so
-the only candidate is the pair's own `a`. Phase 1 asks every `a` (a miss: stored, indexed);
+guard decides), then `--verifier`, once per `--dtype` given (its `verifier_dtype`). The same
+pairs on each: `--count` rewordings (label 1) and `--count` different questions (label 0) of
+the pairs file, every pair in a tenant of its own, so the only candidate is the pair's own
+`a`. Phase 1 asks every `a` (a miss: stored, indexed);
 phase 2 asks every `b` with `no-store` (a semantic hit, or a miss that generates). The stage's
 own lookup histogram (`tiercache_embedding_cache_lookup_seconds`, embedding included) is read
 around phase 2: its mean per lookup is the lookup cost with and without the verifier; the
@@ -54,6 +55,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--verifier", required=True, help="a verifier folder (train.verifier), or builtin"
     )
     p.add_argument("--threshold", default="0", help="verifier_threshold (0: the folder's own)")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        help="verifier_dtype, one server each (repeatable; default auto)",
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--out-dir", type=Path, default=PERF_DIR)
@@ -91,7 +98,11 @@ def settled_histogram(port: int, expected_at_least: float) -> tuple[float, float
 
 
 def run_one(
-    args: argparse.Namespace, verifier: str, pairs: list[tuple[str, str, int]], raw: Path
+    args: argparse.Namespace,
+    verifier: str,
+    dtype: str,
+    pairs: list[tuple[str, str, int]],
+    raw: Path,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tiercache-verifier-") as tmp:
         work = Path(tmp)
@@ -99,10 +110,17 @@ def run_one(
         repository = copy_repository(
             MODEL_REPOSITORY,
             work / "repository",
-            {"embedding_cache": {"verifier": verifier, "verifier_threshold": args.threshold}},
+            {
+                "embedding_cache": {
+                    "verifier": verifier,
+                    "verifier_threshold": args.threshold,
+                    "verifier_dtype": dtype,
+                }
+            },
         )
-        server = triton(repository, state, log_path=raw / f"server-{Path(verifier).name}.log")
-        progress(f"verifier {verifier}: starting tritonserver (grpc {server.ports.grpc})")
+        log_name = f"server-{Path(verifier).name}-{dtype}.log"
+        server = triton(repository, state, log_path=raw / log_name)
+        progress(f"verifier {verifier} ({dtype}): starting tritonserver (grpc {server.ports.grpc})")
         with running(server, ready_timeout_s=300):
             tenants = [f"bench-{uuid.uuid4().hex[:12]}" for _ in pairs]
             with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
@@ -126,7 +144,7 @@ def run_one(
     return {
         "verifier": "off"
         if verifier == "off"
-        else f"{Path(verifier).name} at "
+        else f"{Path(verifier).name} ({dtype}) at "
         + (args.threshold if float(args.threshold) else "its operating point"),
         "lookups": lookups,
         "lookup_mean_ms": 1000.0 * (after[1] - before[1]) / lookups if lookups else None,
@@ -146,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     # the server runs in a temporary folder: a folder is passed absolute, `builtin` as it is
     folder = args.verifier if args.verifier == "builtin" else str(Path(args.verifier).resolve())
-    results = [run_one(args, way, pairs, raw) for way in ("off", folder)]
+    results = [run_one(args, "off", "auto", pairs, raw)]
+    results += [run_one(args, folder, dtype, pairs, raw) for dtype in args.dtype or ["auto"]]
     machine = machine_summary()
     md = [
         "## The semantic pair verifier through tritonserver",
@@ -168,12 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {r['verifier']} | {mean} | {p50} | {r['hits_label_1']}/{r['pairs_label_1']} "
             f"| {r['hits_label_0']}/{r['pairs_label_0']} |"
         )
-    off, on = results
-    if off["lookup_mean_ms"] and on["lookup_mean_ms"]:
-        md += [
-            "",
-            f"- lookup mean, verifier / off: {on['lookup_mean_ms'] / off['lookup_mean_ms']:.2f}x",
-        ]
+    off = results[0]
+    md.append("")
+    for on in results[1:]:
+        if off["lookup_mean_ms"] and on["lookup_mean_ms"]:
+            ratio = on["lookup_mean_ms"] / off["lookup_mean_ms"]
+            md.append(f"- lookup mean, {on['verifier']} / off: {ratio:.2f}x")
     write_report(args.out_dir, "bench_verifier_serving", "\n".join(md) + "\n", results)
     return 0
 

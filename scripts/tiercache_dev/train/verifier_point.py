@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--target holds overall; a source is held only to its --source-target",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        help="the number format the verifier runs in (float32: as trained)",
+    )
     parser.add_argument("--write", action="store_true", help="record the point in verifier.json")
     args = parser.parse_args(argv)
     source_targets = {}
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     embedded = ev.embed_corpus(corpus, Embedder().embed, progress)
     candidates = ev.search_topk(embedded.inserted, embedded.queries, ev.DEFAULT_K)
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
-    verifier = PairVerifier(args.verifier)
+    verifier = PairVerifier(args.verifier, dtype=args.dtype)
     check_guard(verifier, guard, args.verifier)
     vscores = ev.verifier_scores(corpus, candidates, scores, verifier.scores, progress)
     rows = []
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_precision": args.target,
             "source_targets": source_targets,
             "each_source": not args.overall_only,
+            "dtype": verifier.dtype,
             "by_source": chosen["by_source"],
         }
         path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
