@@ -498,10 +498,10 @@ class EmbeddingCacheConfig(_TiersConfig):
     )
     verifier_dtype: str = param(
         "auto",
-        "The verifier's number format: float32 (as trained), bfloat16 (1.5x faster on CPUs with "
-        "native bfloat16, decides as float32 does on the dev pairs), int8 (torch's dynamic "
-        "quantization, 2x faster, up to 0.007 less precise) or auto (bfloat16 where the CPU has "
-        "it, else float32); docs/semantic_guard.md",
+        "The verifier's number format: float32 (as trained), bfloat16 (about 1.6x faster on CPUs "
+        "with native bfloat16, avx512_bf16 or AMX; decides as float32 does on the dev pairs), "
+        "int8 (torch's dynamic quantization, about 2.2x faster, up to 0.007 less precise) or "
+        "auto (bfloat16 where the CPU has it natively, else float32); docs/semantic_guard.md",
         choices=("auto", "float32", "bfloat16", "int8"),
     )
     confidence_floor: float = shared("confidence_floor")

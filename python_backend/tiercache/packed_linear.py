@@ -7,8 +7,8 @@ blocked layout: SmolLM2's LM head (49152 x 576) over 1 / 2 / 3 / 16 rows takes 9
 linear of the model packed, a one-token step goes from 53.4 to 36.9 ms and a pass over 16
 tokens from 85.0 to 50.8 ms (docs/engine.md, `python -m tiercache_dev.bench.packed_linear`).
 
-The semantic pair verifier packs its bfloat16 layers the same way (`pack_linears(model,
-torch.bfloat16)`; about 7 % of a lookup: docs/semantic_guard.md).
+The semantic pair verifier packs its layers the same way, float32 or, in bfloat16,
+`pack_linears(model, torch.bfloat16)`.
 
 The op is `torch.ops.mkldnn._linear_pointwise` with a weight from
 `torch.ops.mkldnn._reorder_linear_weight`, what torch's own compiler emits for a frozen CPU
@@ -88,12 +88,12 @@ class PackReport:
 
 
 def pack_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> PackReport:
-    """Replace every CPU `nn.Linear` of `dtype` (float32, or bfloat16 on a CPU with native
-    bfloat16) in `model` (the LM head included, its weight still tied to the embedding's, which
-    keeps the plain copy) with a `PackedLinear`, in place; then
-    copy the parameters and buffers left into the process's own memory, so that a weights file
-    mapped at load (safetensors) is unmapped with the plain weights, not kept whole by the
-    embedding.
+    """Replace every CPU `nn.Linear` of `dtype` (float32 or bfloat16; bfloat16 pays only on a
+    CPU with native bfloat16, oneDNN emulates it elsewhere) in `model` (the LM head included,
+    its weight still tied to the embedding's, which keeps the plain copy) with a
+    `PackedLinear`, in place; then copy the parameters and buffers left into the process's own
+    memory, so that a weights file mapped at load (safetensors) is unmapped with the plain
+    weights, not kept whole by the embedding.
 
     Packs nothing and says why when the model has no such CPU linear layer, torch lacks
     oneDNN or the ops, or they do not agree with `F.linear` on the first layer. Call it before
@@ -122,10 +122,10 @@ def pack_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> 
     return PackReport(layers)
 
 
-def pack_and_log(model: torch.nn.Module, what: str) -> int:
-    """`pack_linears(model)`, logged as `what`'s (info when packed, a warning saying why when
-    not); the layers packed."""
-    packed = pack_linears(model)
+def pack_and_log(model: torch.nn.Module, what: str, dtype: torch.dtype = torch.float32) -> int:
+    """`pack_linears(model, dtype)`, logged as `what`'s (info when packed, a warning saying why
+    when not); the layers packed."""
+    packed = pack_linears(model, dtype)
     if packed.skipped:
         log.warning("%s: linear layers not packed for oneDNN: %s", what, packed.skipped)
     else:

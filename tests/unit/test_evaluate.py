@@ -487,4 +487,7 @@ def test_eval_semantic_decides_at_the_verifiers_recorded_point_as_serving_does(
     assert "names no operating_point" in capsys.readouterr().err
     argv = [*base_argv, "--verifier-threshold", "0.5"]
     assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
-    assert "needs --verifier" in capsys.readouterr().err
+    assert "--verifier-threshold needs --verifier" in capsys.readouterr().err
+    argv = [*base_argv, "--verifier-dtype", "int8"]
+    assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
+    assert "--verifier-dtype needs --verifier" in capsys.readouterr().err

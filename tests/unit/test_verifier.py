@@ -50,9 +50,9 @@ def test_the_number_formats_score_as_float32_does(tmp_path: Path) -> None:
     ConfigError before anything loads."""
     import torch
 
-    from tiercache.semantic.verifier import BUILTIN, resolve_dtype
+    from tiercache.semantic.verifier import BUILTIN, native_bfloat16, resolve_dtype
 
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = native_bfloat16()
     assert resolve_dtype("auto") == ("bfloat16" if native else "float32")
     assert resolve_dtype("int8") == "int8"
     with pytest.raises(ConfigError, match="one of auto, float32, bfloat16, int8"):
@@ -90,7 +90,41 @@ def test_the_number_formats_score_as_float32_does(tmp_path: Path) -> None:
             assert verifier.packed_layers == 0  # quantized layers are not oneDNN's linear
     # open_verified_choice passes the format on
     choice = open_verified_choice(load_guard(), BUILTIN, 0.0, threads=1, dtype="int8")
-    assert choice.threshold == point
+    assert choice.threshold == point and choice._score_pairs.__self__.dtype == "int8"
+
+
+def test_auto_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` reads the CPU's own flags: an AVX-512 CPU without avx512_bf16 or AMX (where
+    oneDNN would emulate bfloat16, slower than float32) runs float32."""
+    import torch
+
+    from tiercache.semantic import verifier as module
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    for flags, expected in (
+        ({"avx512_f": True, "avx512_bw": True, "avx512_bf16": False}, "float32"),
+        ({"avx512_f": True, "avx512_bf16": True}, "bfloat16"),
+        ({"amx_bf16": True, "avx512_bf16": False}, "bfloat16"),
+        ({}, "float32"),
+    ):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda flags=flags: flags)
+        assert module.resolve_dtype("auto") == expected, flags
+        assert module.resolve_dtype("float32") == "float32"
+
+    def unreadable() -> dict[str, bool]:
+        raise RuntimeError("no cpuinfo")
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", unreadable)
+    assert module.resolve_dtype("auto") == "float32"
+
+
+def test_the_config_offers_the_verifiers_formats() -> None:
+    from tiercache.config import EmbeddingCacheConfig
+    from tiercache.semantic.verifier import DTYPES
+
+    field = {f.name: f for f in dataclasses.fields(EmbeddingCacheConfig)}["verifier_dtype"]
+    assert field.metadata["choices"] == DTYPES and field.default == "auto"
 
 
 def plain_scores(folder: Path, queries: list[str], texts: list[str]) -> np.ndarray:

@@ -48,6 +48,7 @@ from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
 from tiercache.exact.request import normalize_text
 from tiercache.semantic import features as feats
 from tiercache.semantic.guard import SemanticGuard, load_guard
+from tiercache.semantic.verifier import DTYPES
 from tiercache.stats import percentile
 
 DEFAULT_K = 5
@@ -558,10 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--verifier-dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "int8"),
-        help="the verifier's number format, as embedding_cache's `verifier_dtype` (auto: "
-        "bfloat16 where the CPU has it, else float32)",
+        choices=DTYPES,
+        help="the verifier's number format, as embedding_cache's `verifier_dtype` (default "
+        "auto: bfloat16 where the CPU has it natively, else float32)",
     )
     parser.add_argument(
         "--baseline-threshold",
@@ -734,6 +734,8 @@ def run_eval(
         raise InvalidRequest(f"--k must be >= 1, got {args.k}")
     if args.verifier_threshold is not None and args.verifier is None:
         raise InvalidRequest("--verifier-threshold needs --verifier")
+    if args.verifier_dtype is not None and args.verifier is None:
+        raise InvalidRequest("--verifier-dtype needs --verifier")
     guard = load_guard(args.guard, args.target_precision)
     pairs = load_pairs(args.pairs)
     corpus = build_corpus(pairs)
@@ -882,7 +884,7 @@ def run_eval(
 
         folder = args.verifier
         progress(f"loading the verifier from {folder}")
-        verifier = PairVerifier(folder, dtype=args.verifier_dtype)
+        verifier = PairVerifier(folder, dtype=args.verifier_dtype or "auto")
         progress(f"the verifier runs in {verifier.dtype}")
         try:  # only with the guard whose scores it was trained on, as serving
             check_guard(verifier, guard, folder)
@@ -899,7 +901,8 @@ def run_eval(
         served_by = "the verifier's"
         counts = tally(corpus, candidates, hits_chosen)
         format_table(
-            f"pair verifier after the guard's floor and vetoes: P >= {verifier_threshold:g}",
+            f"pair verifier ({verifier.dtype}) after the guard's floor and vetoes: "
+            f"P >= {verifier_threshold:g}",
             counts,
             out,
         )

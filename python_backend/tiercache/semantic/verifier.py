@@ -14,11 +14,11 @@ so the model learns what the guard gets wrong rather than the whole decision aga
 each candidate's guard score.
 
 It runs in one of three number formats (`dtype`): float32 as trained; bfloat16, its weights and
-activations rounded to 8 bits of mantissa, on CPUs with native bfloat16 (avx512_bf16 or AMX) 1.5x
-faster and deciding as float32 does on the dev pairs (within 0.001 precision and recall); or
-int8, torch's dynamic quantization of the linear layers, 2x faster and within about 0.007 of
-float32's precision (docs/semantic_guard.md). `auto`, the default, is bfloat16 where the CPU
-has it and float32 elsewhere.
+activations rounded to 8 bits of mantissa, on CPUs with native bfloat16 (avx512_bf16 or AMX)
+about 1.6x faster and deciding as float32 does on the dev pairs (within 0.003 in precision and
+recall); or int8, torch's dynamic quantization of the linear layers, about 2.2x faster and
+within 0.007 of float32's precision (docs/semantic_guard.md). `auto`, the default, is bfloat16
+where the CPU has it natively and float32 elsewhere.
 
 Torch, transformers and peft are imported only when a verifier is loaded.
 """
@@ -26,6 +26,7 @@ Torch, transformers and peft are imported only when a verifier is loaded.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from tiercache.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 INFO_FILE = "verifier.json"
 # the verifier this package ships (trained on QQP's train split on top of the packaged guard:
@@ -53,18 +56,33 @@ def guard_logits(guard: Sequence[float] | np.ndarray) -> np.ndarray:
     return np.log(p / (1.0 - p))
 
 
-def resolve_dtype(dtype: str) -> str:
-    """The number format `dtype` (one of `DTYPES`) stands for on this machine: `auto` is
-    bfloat16 where torch's oneDNN has native bfloat16 on this CPU, else float32."""
+def check_dtype(dtype: str) -> None:
+    """ConfigError unless `dtype` is one of `DTYPES`."""
     if dtype not in DTYPES:
         raise ConfigError(f"verifier dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    if dtype != "auto":
-        return dtype
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 itself (x86's avx512_bf16 or AMX's amx_bf16) and
+    torch has oneDNN. Not torch's `_is_mkldnn_bf16_supported`: that is true on any AVX-512 CPU,
+    where oneDNN emulates bfloat16, slower than float32."""
     import torch
 
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    native = torch.backends.mkldnn.is_available() and supported is not None and supported()
-    return "bfloat16" if native else "float32"
+    try:
+        found = dict(torch.cpu.get_capabilities())
+    except (AttributeError, RuntimeError):  # a torch without it, or a CPU it cannot read
+        return False
+    native = bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    return native and torch.backends.mkldnn.is_available()
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The number format `dtype` (one of `DTYPES`) stands for on this machine: `auto` is
+    bfloat16 where the CPU has native bfloat16 (`native_bfloat16`), else float32."""
+    check_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if native_bfloat16() else "float32"
 
 
 class PairVerifier:
@@ -81,7 +99,8 @@ class PairVerifier:
     ) -> None:
         from tiercache.semantic.embedder import resolve_embedder
 
-        self.dtype = resolve_dtype(dtype)
+        check_dtype(dtype)
+        self.dtype = dtype  # `auto` resolved when torch is loaded, below
         where = verifier_folder(folder)
         info_path = where / INFO_FILE
         try:
@@ -133,8 +152,15 @@ class PairVerifier:
             from peft import PeftModel
             from transformers import AutoTokenizer, BertForSequenceClassification
 
-            from tiercache.packed_linear import pack_linears
+            from tiercache.packed_linear import pack_and_log
 
+            self.dtype = resolve_dtype(dtype)
+            if self.dtype == "bfloat16" and not native_bfloat16():
+                log.warning(
+                    "semantic verifier %s: bfloat16 on a CPU without native bfloat16 "
+                    "(avx512_bf16, AMX) is emulated, slower than float32",
+                    where,
+                )
             if threads is not None:
                 torch.set_num_threads(threads)
             self._torch = torch
@@ -144,14 +170,15 @@ class PairVerifier:
             model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
             self.packed_layers = 0
             if self.dtype == "int8":
-                model = _quantized(torch, model)
+                model = _quantized(model)
             else:
                 if self.dtype == "bfloat16":
                     model = model.to(torch.bfloat16)
                 # oneDNN's prepacked linear on the CPU (docs/engine.md): the adapter is merged
                 # into the plain layers first, so nothing of peft's is left around them
                 if packed_linears:
-                    self.packed_layers = pack_linears(model, model.dtype).layers
+                    what = f"semantic verifier {where} ({self.dtype})"
+                    self.packed_layers = pack_and_log(model, what, model.dtype)
             self._model = model
         # any failure to load is the folder's: safetensors, peft and torch raise their own types
         except Exception as exc:  # noqa: BLE001
@@ -190,10 +217,12 @@ class PairVerifier:
         return 1.0 / (1.0 + np.exp(-logits))
 
 
-def _quantized(torch: Any, model: Any) -> Any:
+def _quantized(model: Any) -> Any:
     """`model` with its linear layers in torch's dynamic int8 quantization (weights int8 per
     tensor, activations quantized per batch), the rest float32."""
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():  # torch points eager quantization's users to torchao
         warnings.simplefilter("ignore")

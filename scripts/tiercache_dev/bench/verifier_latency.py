@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tiercache.semantic.verifier import PairVerifier
 
 CANDIDATES = 5
-DTYPES = ("float32", "bfloat16", "int8")
+FORMATS_TIMED = ("float32", "bfloat16", "int8")  # every format `auto` can stand for
 WARM_UP = 3  # lookups per format not timed
 
 
@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| threads | format | source | p50 ms | p99 ms |\n|---:|---|---|---:|---:|")
     verifiers: dict[str, PairVerifier] = {}
     for threads in (1, 2):
-        verifiers = {d: PairVerifier(args.verifier, threads=threads, dtype=d) for d in DTYPES}
+        verifiers = {
+            d: PairVerifier(args.verifier, threads=threads, dtype=d) for d in FORMATS_TIMED
+        }
         for source, data in by_source.items():
             if len(data) < need:
                 continue
-            times: dict[str, list[float]] = {d: [] for d in DTYPES}
+            times: dict[str, list[float]] = {d: [] for d in FORMATS_TIMED}
             for i in range(args.lookups + WARM_UP):
                 texts = [data[i + j]["a"] for j in range(CANDIDATES)]
                 for dtype, verifier in verifiers.items():
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     verifier.scores([data[i]["b"]] * CANDIDATES, texts, [0.5] * CANDIDATES)
                     if i >= WARM_UP:
                         times[dtype].append(time.perf_counter() - started)
-            for dtype in DTYPES:
+            for dtype in FORMATS_TIMED:
                 p50, p99 = (1000 * float(np.percentile(times[dtype], q)) for q in (50, 99))
                 print(f"| {threads} | {dtype} | {source} | {p50:.1f} | {p99:.1f} |")
     if args.quality:

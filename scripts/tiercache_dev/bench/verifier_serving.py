@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiercache.semantic.verifier import DTYPES
 from tiercache.server import copy_repository
 from tiercache_client import TierCacheClient
 from tiercache_dev.console import invocation, machine_summary, progress, write_report
@@ -58,7 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtype",
         action="append",
-        choices=("auto", "float32", "bfloat16", "int8"),
+        choices=DTYPES,
         help="verifier_dtype, one server each (repeatable; default auto)",
     )
     p.add_argument("--max-tokens", type=int, default=8)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.semantic.verifier import DTYPES
 from tiercache_dev.console import progress
 from tiercache_dev.paths import DEFAULT_PAIRS
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=("auto", "float32", "bfloat16", "int8"),
+        choices=DTYPES,
         help="the number format the verifier runs in (float32: as trained)",
     )
     parser.add_argument("--write", action="store_true", help="record the point in verifier.json")
