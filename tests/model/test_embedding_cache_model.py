@@ -281,6 +281,18 @@ def test_the_verifier_parameters_choose_the_stages_decision(
         choose = instance.stage.core._choose
         assert isinstance(choose, VerifiedChoice) and choose.threshold == expected
         instance.finalize()
+    # the pairs it reads are counted and each call timed in the stage's metrics
+    instance = start(verifier=str(folder))
+    choose = instance.stage.core._choose
+    choose("how do i reset my password?", [("how can i change my password?", 0.9)])
+    assert choose.pairs_scored == 1
+    metrics = instance.stage.metrics
+    metrics.flush()
+    family = metrics._families["tiercache_embedding_cache_verifier_pairs_total"]
+    assert sum(m.value() for m in family.metrics) == 1
+    timed = metrics._families["tiercache_embedding_cache_verifier_seconds_count"]
+    assert sum(m.value() for m in timed.metrics) == 1
+    instance.finalize()
     instance = start()  # the default decides with the guard alone
     assert not isinstance(instance.stage.core._choose, VerifiedChoice)
     instance.finalize()

@@ -413,6 +413,8 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
             return score_pairs(queries, texts, guard)
 
         choice = VerifiedChoice(guard, scoring, threshold)
+        calls: list[tuple[int, float]] = []
+        choice.on_scored = lambda count, seconds, calls=calls: calls.append((count, seconds))
         for i, pair in enumerate(corpus.pairs):
             offered = [
                 (corpus.inserted[j], float(c))
@@ -435,6 +437,9 @@ def test_the_serving_verifier_choice_decides_as_the_evaluation_does(tmp_path: Pa
                 assert again == expected
         assert TOP5 not in asked  # vetoed for "Top 10 movies of 2020"
         assert len(asked) == int((scores > 0).sum()) == choice.pairs_scored
+        # every model call was told to the stage's metrics: its pairs and its time
+        assert sum(count for count, _ in calls) == choice.pairs_scored
+        assert calls and all(count > 0 and seconds >= 0 for count, seconds in calls)
     with pytest.raises(ConfigError, match="threshold"):
         VerifiedChoice(guard, score_pairs, 0.0)
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +261,8 @@ class VerifiedChoice:
         self._last_query: str | None = None
         self._last_scores: dict[tuple[str, float], float] = {}
         self.pairs_scored = 0  # pairs the model read
+        # told (pairs, seconds) of every model call: the stage's metrics
+        self.on_scored: Callable[[int, float], None] | None = None
 
     def __call__(self, query: str, candidates: Sequence[tuple[str, float]]) -> int | None:
         guard = [self.guard.score(query, text, cosine) for text, cosine in candidates]
@@ -278,8 +281,7 @@ class VerifiedChoice:
         )
         if todo:
             texts = [text for text, _ in todo]
-            found = self._score_pairs([query] * len(todo), texts, [g for _, g in todo])
-            self.pairs_scored += len(todo)
+            found = self._scored([query] * len(todo), texts, [g for _, g in todo])
             self._last_scores.update(zip(todo, (float(s) for s in found), strict=True))
         best: int | None = None
         best_score = -1.0
@@ -298,7 +300,16 @@ class VerifiedChoice:
             return 0.0
         if query == self._last_query and (candidate, guard) in self._last_scores:
             return self._last_scores[(candidate, guard)]
-        return float(self._score_pairs([query], [candidate], [guard])[0])
+        return float(self._scored([query], [candidate], [guard])[0])
+
+    def _scored(self, queries: list[str], texts: list[str], guard: list[float]) -> Any:
+        """The model's scores of these pairs, counted and timed (`on_scored`)."""
+        started = time.perf_counter()
+        found = self._score_pairs(queries, texts, guard)
+        self.pairs_scored += len(texts)
+        if self.on_scored is not None:
+            self.on_scored(len(texts), time.perf_counter() - started)
+        return found
 
 
 def check_guard(verifier: PairVerifier, guard: Any, where: object) -> None:
@@ -352,4 +363,12 @@ def open_verified_choice(
     verifier = PairVerifier(where, threads=threads, dtype=dtype)
     check_guard(verifier, guard, where)
     chosen = resolve_threshold(threshold, verifier.default_threshold, where)
+    log.info(
+        "semantic verifier %s: %d layers in %s, %s threads, deciding at P >= %g",
+        where,
+        verifier.layers,
+        verifier.dtype,
+        "torch's default" if threads is None else threads,
+        chosen,
+    )
     return VerifiedChoice(guard, verifier.scores, chosen)

@@ -23,6 +23,7 @@ from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.stage import ChooseFn, EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
+from tiercache.semantic.verifier import VerifiedChoice, open_verified_choice
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.envelope import Envelope, check_sealed, seal_of
 from tiercache.stages.memory_budgets import follow_l1
@@ -191,6 +192,23 @@ class EmbeddingCacheStage:
     def count_error(self) -> None:
         self.outcomes["error"].increment(1)
 
+    def watch_verifier(self, verified: VerifiedChoice) -> None:
+        """Count the pairs the pair verifier reads and time each of its calls."""
+        pairs = self.metrics.counter(
+            "tiercache_embedding_cache_verifier_pairs_total",
+            "(query, candidate) pairs the semantic pair verifier read",
+        )
+        seconds = self.metrics.histogram(
+            "tiercache_embedding_cache_verifier_seconds",
+            "The semantic pair verifier's time per call (a lookup's candidates in one batch)",
+        )
+
+        def scored(count: int, elapsed: float) -> None:
+            pairs.increment(count)
+            seconds.observe(elapsed)
+
+        verified.on_scored = scored
+
     def close(self) -> None:
         if self.budgets is not None:
             self.budgets.close()
@@ -235,9 +253,8 @@ def open_embedding_cache(
     guard = load_guard(target_precision=config.target_precision or None)
     choose: ChooseFn = guard.choose
     score: ScoreFn = guard.calibrated
+    verified: VerifiedChoice | None = None
     if config.verifier != "off":  # loaded before anything is opened: a bad folder leaks nothing
-        from tiercache.semantic.verifier import open_verified_choice
-
         verified = open_verified_choice(
             guard,
             config.verifier,
@@ -301,6 +318,8 @@ def open_embedding_cache(
         tiers.listener.on_dropped(forget)
     metrics = tm.Metrics(model_name, instance=instance_name)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
+    if verified is not None:
+        stage.watch_verifier(verified)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     skipped = tm.DeltaCounter(
         metrics.counter(
