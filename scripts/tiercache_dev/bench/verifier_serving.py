@@ -119,9 +119,9 @@ def run_one(
                 }
             },
         )
-        log_name = f"server-{Path(verifier).name}-{dtype}.log"
-        server = triton(repository, state, log_path=raw / log_name)
-        progress(f"verifier {verifier} ({dtype}): starting tritonserver (grpc {server.ports.grpc})")
+        what = "off" if verifier == "off" else f"{Path(verifier).name}-{dtype}"
+        server = triton(repository, state, log_path=raw / f"server-{what}.log")
+        progress(f"verifier {what}: starting tritonserver (grpc {server.ports.grpc})")
         with running(server, ready_timeout_s=300):
             tenants = [f"bench-{uuid.uuid4().hex[:12]}" for _ in pairs]
             with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
