@@ -156,7 +156,7 @@ class PairVerifier:
             from tiercache.packed_linear import pack_and_log
 
             self.dtype = resolve_dtype(dtype)
-            if self.dtype == "bfloat16" and not native_bfloat16():
+            if dtype == "bfloat16" and not native_bfloat16():  # asked for; `auto` never is
                 log.warning(
                     "semantic verifier %s: bfloat16 on a CPU without native bfloat16 "
                     "(avx512_bf16, AMX) is emulated, slower than float32",
