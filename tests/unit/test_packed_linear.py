@@ -116,7 +116,7 @@ def test_bfloat16_layers_are_packed_when_asked_for_and_compute_the_same() -> Non
     """The pair verifier runs in bfloat16: its layers pack with `dtype=torch.bfloat16`, the model
     then computes what it did to bfloat16's rounding; float32 layers are left alone."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("this CPU has no native bfloat16 for oneDNN")
+        pytest.skip("torch's oneDNN has no bfloat16 on this CPU")
     stock, model = Tiny().eval().to(torch.bfloat16), Tiny().eval().to(torch.bfloat16)
     model.blocks[1].v_proj.float()  # one layer of another dtype: not packed
     stock.blocks[1].v_proj.float()
