@@ -29,6 +29,7 @@ from tiercache.engine.threads import (
 )
 from tiercache.errors import ConfigError
 from tiercache.exact.request import DEFAULT_LIMITS, Limits
+from tiercache.semantic.verifier import DTYPES as VERIFIER_DTYPES
 from tiercache.vocabulary import EngineKind, choices
 
 T = TypeVar("T")
@@ -502,7 +503,7 @@ class EmbeddingCacheConfig(_TiersConfig):
         "with native bfloat16, avx512_bf16 or AMX; decides as float32 does on the dev pairs), "
         "int8 (torch's dynamic quantization, about 2.2x faster, up to 0.007 less precise) or "
         "auto (bfloat16 where the CPU has it natively, else float32); docs/semantic_guard.md",
-        choices=("auto", "float32", "bfloat16", "int8"),
+        choices=VERIFIER_DTYPES,
     )
     confidence_floor: float = shared("confidence_floor")
     semantic_max_error: float = param(
