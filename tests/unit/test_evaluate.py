@@ -496,3 +496,75 @@ def test_eval_semantic_decides_at_the_verifiers_recorded_point_as_serving_does(
     argv = [*base_argv, "--verifier-dtype", "int8"]
     assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
     assert "--verifier-dtype needs --verifier" in capsys.readouterr().err
+
+
+def synthetic_decisions(
+    hits: int, right: int, positives: int, pairs: int, source: str = "s"
+) -> tuple[ev.Corpus, ev.Candidates, np.ndarray]:
+    """A corpus of `pairs` pairs (the first `positives` label 1) where the first `hits` pairs
+    are served their own `a`, `right` of them label-1 pairs: precision right / hits."""
+    assert right <= min(hits, positives) and hits - right <= pairs - positives
+    rows = []
+    for i in range(pairs):
+        rows.append({"a": f"text {i}", "b": f"query {i}", "label": int(i < positives)})
+    served = list(range(right)) + list(range(positives, positives + hits - right))
+    corpus = ev.build_corpus([ev.Pair(r["a"], r["b"], r["label"], source) for r in rows])
+    index = np.arange(pairs, dtype=np.int64)[:, None]
+    candidates = ev.Candidates(index=index, cosine=np.ones((pairs, 1), dtype=np.float32))
+    chosen = np.full(pairs, -1)
+    chosen[served] = 0
+    return corpus, candidates, chosen
+
+
+def test_bootstrap_intervals_hold_the_measured_figures_and_narrow_with_more_pairs() -> None:
+    small = synthetic_decisions(hits=100, right=90, positives=200, pairs=400)
+    large = synthetic_decisions(hits=1000, right=900, positives=2000, pairs=4000)
+    widths = []
+    for corpus, candidates, chosen in (small, large):
+        counts = ev.tally(corpus, candidates, chosen)["s"]
+        assert counts.precision == pytest.approx(0.9)
+        found = ev.bootstrap_intervals(corpus, candidates, chosen, rounds=400)
+        for source in ("s", ev.OVERALL):
+            i = found[source]
+            assert i.precision_low < 0.9 < i.precision_high
+            assert i.recall_low < counts.recall < i.recall_high
+        widths.append(found["s"].precision_high - found["s"].precision_low)
+    # precision of 100 hits is known to about +-6 points, of 1,000 to about +-2
+    assert 0.08 < widths[0] < 0.16 and 0.025 < widths[1] < 0.05
+    again = ev.bootstrap_intervals(*small, rounds=400)
+    assert again == ev.bootstrap_intervals(*small, rounds=400)  # seeded: a run repeats
+    with pytest.raises(ValueError):
+        ev.bootstrap_intervals(*small, rounds=0)
+
+
+def test_bootstrap_resamples_within_each_source() -> None:
+    # every pair is served: each one of source "a" rightly, each one of "b" wrongly. Resampled
+    # within the sources, every resample has 20 hits of each, so the overall precision keeps
+    # the file's mix (exactly 0.5), where resampling the pooled pairs would move it
+    one, _, chosen_one = synthetic_decisions(hits=20, right=20, positives=20, pairs=20, source="a")
+    two, _, chosen_two = synthetic_decisions(hits=20, right=0, positives=0, pairs=20, source="b")
+    both = ev.build_corpus(
+        [*one.pairs, *[ev.Pair(p.a + " b", p.b + " b", p.label, "b") for p in two.pairs]]
+    )
+    index = np.arange(40, dtype=np.int64)[:, None]
+    candidates = ev.Candidates(index=index, cosine=np.ones((40, 1), dtype=np.float32))
+    chosen = np.concatenate([chosen_one, chosen_two])
+    found = ev.bootstrap_intervals(both, candidates, chosen, rounds=200)
+    assert (found["a"].precision_low, found["a"].precision_high) == (1.0, 1.0)
+    assert (found["b"].precision_low, found["b"].precision_high) == (0.0, 0.0)
+    assert (found[ev.OVERALL].precision_low, found[ev.OVERALL].precision_high) == (0.5, 0.5)
+
+
+def test_eval_semantic_prints_and_writes_the_intervals(tmp_path: Path, capsys: Any) -> None:
+    code, result = run(tmp_path, "--k", "3", "--bootstrap", "200")
+    assert code == 0
+    assert result["bootstrap"] == 200
+    overall = result["guard"]["intervals"]["overall"]
+    measured = result["guard"]["counts"]["overall"]["precision"]
+    assert overall["precision_low"] <= measured <= overall["precision_high"]
+    assert "95 % intervals (bootstrap over the pairs, 200 resamples)" in capsys.readouterr().out
+    code, result = run(tmp_path, "--k", "3", "--bootstrap", "0")
+    assert code == 0 and result["guard"]["intervals"] is None
+    assert "95 % intervals" not in capsys.readouterr().out
+    code, _ = run(tmp_path, "--bootstrap", "-1")
+    assert code == 2

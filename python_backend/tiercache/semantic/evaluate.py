@@ -377,6 +377,84 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
     return result
 
 
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A bootstrap interval of one source's precision and recall (`bootstrap_intervals`)."""
+
+    precision_low: float
+    precision_high: float
+    recall_low: float
+    recall_high: float
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {k: _finite(v) for k, v in asdict(self).items()}
+
+
+def bootstrap_intervals(
+    corpus: Corpus,
+    candidates: Candidates,
+    chosen: np.ndarray,
+    rounds: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Interval]:
+    """Percentile bootstrap intervals of precision and recall per source and `OVERALL` for
+    `chosen` (as `tally` counts it): the pairs are resampled with replacement within each
+    source, so every resample keeps the file's mix of sources; seeded, so a run repeats. A
+    file of some hundred hits measures precision to about a point either way; this says how
+    far."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    rows = np.arange(len(corpus.pairs))
+    hit = chosen >= 0
+    served = np.where(hit, candidates.index[rows, np.maximum(chosen, 0)], -1)
+    correct = hit & corpus.correct(np.maximum(served, 0))
+    positive = corpus.labels == 1
+    columns = np.stack([hit, correct, correct & positive, positive]).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    sums: dict[str, np.ndarray] = {}
+    for source in corpus.sources():
+        members = np.nonzero(corpus.source_array == source)[0]
+        size = len(members)
+        parts = []
+        for begin in range(0, rounds, 100):  # 100 resamples at a time: memory stays small
+            count = min(100, rounds - begin)
+            draws = rng.integers(0, size, size=(count, size))
+            flat = (draws + size * np.arange(count)[:, None]).ravel()
+            weights = np.bincount(flat, minlength=count * size).reshape(count, size)
+            parts.append(weights @ columns[:, members].T)
+        sums[source] = np.concatenate(parts)  # (rounds, 4): hits, correct, correct+, positives
+    sums[OVERALL] = sum(sums.values(), np.zeros((rounds, 4)))
+    tail = 100.0 * (1.0 - level) / 2.0
+    result = {}
+    for source, table in sums.items():
+        with np.errstate(invalid="ignore", divide="ignore"):
+            precision = table[:, 1] / table[:, 0]
+            recall = table[:, 2] / table[:, 3]
+
+        def bounds(values: np.ndarray) -> tuple[float, float]:
+            values = values[np.isfinite(values)]
+            if not len(values):
+                return math.nan, math.nan
+            low, high = np.percentile(values, [tail, 100.0 - tail])
+            return float(low), float(high)
+
+        result[source] = Interval(*bounds(precision), *bounds(recall))
+    return result
+
+
+def format_intervals(intervals: dict[str, Interval], rounds: int, out: TextIO) -> None:
+    """One line per source: the 95 % bootstrap interval of precision and recall."""
+    print(f"  95 % intervals (bootstrap over the pairs, {rounds} resamples):", file=out)
+    for source, i in intervals.items():
+        print(
+            f"  {source[:20]:<20} precision {_fmt(i.precision_low).strip()} to "
+            f"{_fmt(i.precision_high).strip()}, recall {_fmt(i.recall_low).strip()} to "
+            f"{_fmt(i.recall_high).strip()}",
+            file=out,
+        )
+
+
 VERIFIER_SWEEP = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995)
 
 
@@ -564,6 +642,13 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: bfloat16 where the CPU has it natively, else float32)",
     )
     parser.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="resamples for the 95 %% intervals of the guard's (and the verifier's) precision "
+        "and recall (0: none)",
+    )
+    parser.add_argument(
         "--baseline-threshold",
         type=float,
         default=BASELINE_THRESHOLD,
@@ -736,6 +821,8 @@ def run_eval(
         raise InvalidRequest("--verifier-threshold needs --verifier")
     if args.verifier_dtype is not None and args.verifier is None:
         raise InvalidRequest("--verifier-dtype needs --verifier")
+    if args.bootstrap < 0:
+        raise InvalidRequest(f"--bootstrap must be >= 0, got {args.bootstrap}")
     guard = load_guard(args.guard, args.target_precision)
     pairs = load_pairs(args.pairs)
     corpus = build_corpus(pairs)
@@ -810,6 +897,10 @@ def run_eval(
         guard_counts,
         out,
     )
+    guard_intervals = None
+    if args.bootstrap:
+        guard_intervals = bootstrap_intervals(corpus, candidates, guard_chosen, args.bootstrap)
+        format_intervals(guard_intervals, args.bootstrap, out)
     print(
         f"  lookup latency (search + guard): p50 {guard_latency.p50_us:.0f} us, "
         f"p99 {guard_latency.p99_us:.0f} us\n",
@@ -856,7 +947,11 @@ def run_eval(
             "held_out_at_training": asdict(point),
             "latency_us": asdict(guard_latency),
             "counts": {s: t.as_dict() for s, t in guard_counts.items()},
+            "intervals": None
+            if guard_intervals is None
+            else {s: i.as_dict() for s, i in guard_intervals.items()},
         },
+        "bootstrap": args.bootstrap,
         "cosine_baseline": {
             "threshold": args.baseline_threshold,
             "latency_us": asdict(base_latency),
@@ -906,6 +1001,12 @@ def run_eval(
             counts,
             out,
         )
+        verifier_intervals = None
+        if args.bootstrap:
+            verifier_intervals = bootstrap_intervals(
+                corpus, candidates, hits_chosen, args.bootstrap
+            )
+            format_intervals(verifier_intervals, args.bootstrap, out)
         rows = []
         for t in VERIFIER_SWEEP:
             swept = tally(corpus, candidates, choose_by_verifier(vscores, t))
@@ -932,6 +1033,9 @@ def run_eval(
             "dtype": verifier.dtype,
             "threshold": verifier_threshold,
             "counts": {src: c.as_dict() for src, c in counts.items()},
+            "intervals": None
+            if verifier_intervals is None
+            else {src: i.as_dict() for src, i in verifier_intervals.items()},
             "sweep": rows,
             "latency_us": None if latency is None else asdict(latency),
             "info": verifier.info,

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     verifier = PairVerifier(args.verifier, dtype=args.dtype)
     check_guard(verifier, guard, args.verifier)
     vscores = ev.verifier_scores(corpus, candidates, scores, verifier.scores, progress)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for t in GRID:
         counts = ev.tally(corpus, candidates, ev.choose_by_verifier(vscores, t))
         rows.append({"threshold": t, "by_source": {s: c.as_dict() for s, c in counts.items()}})
@@ -141,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no threshold keeps precision {args.target} (and {source_targets})")
         return 1
     overall = chosen["by_source"][ev.OVERALL]
+    intervals = ev.bootstrap_intervals(
+        corpus, candidates, ev.choose_by_verifier(vscores, chosen["threshold"])
+    )
+    spread = intervals[ev.OVERALL]
     print(
         f"chosen: threshold {chosen['threshold']:.3f}: overall precision "
-        f"{overall['precision']:.3f}, recall {overall['recall']:.3f}"
+        f"{overall['precision']:.3f} (95 % bootstrap interval {spread.precision_low:.3f} to "
+        f"{spread.precision_high:.3f}), recall {overall['recall']:.3f} "
+        f"({spread.recall_low:.3f} to {spread.recall_high:.3f})"
     )
     if args.write:
         path = verifier_folder(args.verifier) / INFO_FILE
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "each_source": not args.overall_only,
             "dtype": verifier.dtype,
             "by_source": chosen["by_source"],
+            "intervals": {source: i.as_dict() for source, i in intervals.items()},
         }
         path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
         print(f"wrote the operating point into {path}")
