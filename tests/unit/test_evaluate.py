@@ -482,7 +482,10 @@ def test_eval_semantic_decides_at_the_verifiers_recorded_point_as_serving_does(
                             (["--verifier-threshold", "0.6"], 0.6)):  # fmt: skip
         argv = [*base_argv, "--verifier", str(folder), *extra]
         assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 0
-        assert json.loads(out.read_text())["verifier"]["threshold"] == expected
+        written = json.loads(out.read_text())["verifier"]
+        assert written["threshold"] == expected
+        intervals, counts = written["intervals"]["overall"], written["counts"]["overall"]
+        assert intervals["hits"] == counts["correct"] + counts["false"]
     argv = [*base_argv, "--verifier", str(folder), "--verifier-threshold", "1.5"]
     assert ev.main_eval_semantic(argv, embed_factory=lambda: fake_embed) == 2
     assert "must be in (0, 1]" in capsys.readouterr().err
@@ -533,8 +536,48 @@ def test_bootstrap_intervals_hold_the_measured_figures_and_narrow_with_more_pair
     assert 0.08 < widths[0] < 0.16 and 0.025 < widths[1] < 0.05
     again = ev.bootstrap_intervals(*small, rounds=400)
     assert again == ev.bootstrap_intervals(*small, rounds=400)  # seeded: a run repeats
+    assert again != ev.bootstrap_intervals(*small, rounds=400, seed=1)  # and the seed is used
+    assert again["s"].hits == 100
     with pytest.raises(ValueError):
         ev.bootstrap_intervals(*small, rounds=0)
+
+
+def test_where_every_hit_is_right_precision_gets_wilsons_interval_not_zero_width() -> None:
+    corpus, candidates, chosen = synthetic_decisions(hits=30, right=30, positives=60, pairs=90)
+    found = ev.bootstrap_intervals(corpus, candidates, chosen, rounds=200)["s"]
+    # 30 of 30: every resample says 1.0; Wilson's 95 % bound is about 0.886
+    assert found.precision_high == 1.0
+    assert found.precision_low == pytest.approx(0.886, abs=0.002)
+    assert ev.wilson(30, 30)[0] == pytest.approx(found.precision_low)
+    low, high = ev.wilson(90, 100)  # the usual case, checked against the closed form
+    assert (round(low, 3), round(high, 3)) == (0.826, 0.945)
+    assert all(np.isnan(ev.wilson(0, 0)))
+
+
+def test_recall_counts_label_1_pairs_only_and_a_source_without_positives_has_none(
+    tmp_path: Path,
+) -> None:
+    """Judged by clusters, a label-0 query served a text of its own cluster is a correct hit
+    (precision) but not in recall; a source without label-1 pairs has no recall interval."""
+    rows = clustered(
+        [
+            {"a": RESET, "b": "How can I change my password?", "label": 0, "source": "s"},
+            {"a": RESET_PIN, "b": BREAD, "label": 0, "source": "s"},
+            {"a": CAPITAL, "b": "Which city is France's capital?", "label": 1, "source": "t"},
+        ],
+        [(1, 9), (9, 8), (3, 3)],  # the first query's cluster (9) is RESET_PIN's
+    )
+    corpus = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows)))
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
+    chosen = ev.choose_by_cosine(candidates.cosine, 0.9)
+    found = ev.bootstrap_intervals(corpus, candidates, chosen, rounds=200)
+    assert found["s"].hits == 1 and found["s"].precision_high == 1.0
+    assert np.isnan(found["s"].recall_low) and np.isnan(found["s"].recall_high)
+    assert found["s"].as_dict()["recall_low"] is None
+    # overall: the one label-1 pair (source t) is served its own a: recall 1 in every resample,
+    # although two hits are correct (a numerator of correct hits would make it 2)
+    assert (found[ev.OVERALL].recall_low, found[ev.OVERALL].recall_high) == (1.0, 1.0)
 
 
 def test_bootstrap_resamples_within_each_source() -> None:
@@ -550,8 +593,9 @@ def test_bootstrap_resamples_within_each_source() -> None:
     candidates = ev.Candidates(index=index, cosine=np.ones((40, 1), dtype=np.float32))
     chosen = np.concatenate([chosen_one, chosen_two])
     found = ev.bootstrap_intervals(both, candidates, chosen, rounds=200)
-    assert (found["a"].precision_low, found["a"].precision_high) == (1.0, 1.0)
-    assert (found["b"].precision_low, found["b"].precision_high) == (0.0, 0.0)
+    # each source alone cannot vary (all right, all wrong): Wilson's intervals
+    assert (found["a"].precision_low, found["a"].precision_high) == ev.wilson(20, 20)
+    assert (found["b"].precision_low, found["b"].precision_high) == ev.wilson(0, 20)
     assert (found[ev.OVERALL].precision_low, found[ev.OVERALL].precision_high) == (0.5, 0.5)
 
 
@@ -562,9 +606,13 @@ def test_eval_semantic_prints_and_writes_the_intervals(tmp_path: Path, capsys: A
     overall = result["guard"]["intervals"]["overall"]
     measured = result["guard"]["counts"]["overall"]["precision"]
     assert overall["precision_low"] <= measured <= overall["precision_high"]
-    assert "95 % intervals (bootstrap over the pairs, 200 resamples)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "95 % intervals (bootstrap over the pairs, 200 resamples)" in printed
+    assert f"({result['guard']['intervals']['overall']['hits']} hits)" in printed
     code, result = run(tmp_path, "--k", "3", "--bootstrap", "0")
     assert code == 0 and result["guard"]["intervals"] is None
     assert "95 % intervals" not in capsys.readouterr().out
-    code, _ = run(tmp_path, "--bootstrap", "-1")
-    assert code == 2
+    for bad in ("-1", "10"):
+        code, _ = run(tmp_path, "--bootstrap", bad)
+        assert code == 2
+        assert "--bootstrap must be 0 or at least 100" in capsys.readouterr().err

@@ -1,26 +1,55 @@
-"""The serving benchmark's choice of neighbours (bench.verifier_serving --neighbours)."""
+"""The serving benchmark's choice of pairs and neighbours (bench.verifier_serving)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Sequence
 
-from tiercache_dev.bench.verifier_serving import nearest_texts
+import numpy as np
+import pytest
+
+from tiercache_dev.bench.verifier_serving import nearest_texts, parse_args, spread_pairs
+
+# unit vectors by hand: cosine to the query "q" falls with the index
+VECTORS = {
+    "q": [1.0, 0.0, 0.0],
+    "own a": [0.99, 0.141, 0.0],
+    "same  cluster": [0.98, 0.199, 0.0],
+    "near one": [0.97, 0.243, 0.0],
+    "near   one ": [0.96, 0.0, 0.28],  # the same text once normalized: a single neighbour
+    "near two": [0.9, 0.436, 0.0],
+    "far": [0.0, 0.0, 1.0],
+}
 
 
-def test_nearest_texts_are_the_closest_other_texts(tmp_path: Path) -> None:
-    rows = [
-        {"a": "How do I bake bread at home?", "b": "How can I bake bread myself?", "label": 1},
-        {"a": "What is the best way to make bread?", "b": "x", "label": 1},
-        {"a": "How tall is Mount Everest?", "b": "y", "label": 0},
-        {"a": "Which recipe makes good sourdough bread?", "b": "z", "label": 0},
-    ]
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    pairs = [(rows[0]["a"], rows[0]["b"], 1)]
-    (near,) = nearest_texts(path, pairs, 2)
-    assert rows[0]["a"] not in near  # the pair's own text is stored anyway, not as a neighbour
-    assert len(near) == 2
-    assert "How tall is Mount Everest?" not in near  # the two bread questions are nearer
-    assert set(near) == {rows[1]["a"], rows[3]["a"]}
-    assert nearest_texts(path, pairs, 0) == [[]]
+def fake_embed(texts: Sequence[str]) -> np.ndarray:
+    vectors = np.array([VECTORS[t] for t in texts], dtype=np.float64)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+ROWS = [
+    {"a": "own a", "b": "q", "label": 1, "cluster_a": 1, "cluster_b": 1},
+    {"a": "same  cluster", "b": "x", "label": 1, "cluster_a": 1, "cluster_b": 1},
+    {"a": "near one", "b": "x", "label": 0, "cluster_a": 2, "cluster_b": 3},
+    {"a": "near   one ", "b": "x", "label": 0, "cluster_a": 2, "cluster_b": 4},
+    {"a": "near two", "b": "x", "label": 0, "cluster_a": 5, "cluster_b": 6},
+    {"a": "far", "b": "x", "label": 0, "cluster_a": 7, "cluster_b": 8},
+    {"a": "q", "b": "x", "label": 0, "cluster_a": 9, "cluster_b": 10},  # the query's own text
+]
+
+
+def test_neighbours_are_the_nearest_texts_that_would_be_wrong_answers() -> None:
+    (near,) = nearest_texts(ROWS, [ROWS[0]], 2, fake_embed)
+    # not the pair's own a, not the query's text, not a text of its cluster, one spelling once
+    assert near == ["near one", "near two"]
+    (three,) = nearest_texts(ROWS, [ROWS[0]], 3, fake_embed)
+    assert three == ["near one", "near two", "far"]
+    assert nearest_texts(ROWS, [ROWS[0]], 0, fake_embed) == [[]]
+
+
+def test_pairs_are_spread_over_the_file_and_bad_arguments_are_refused() -> None:
+    rows = [{"a": str(i), "b": str(i), "label": i % 2} for i in range(20)]
+    chosen = spread_pairs(rows, 3, 1)
+    assert [r["a"] for r in chosen] == ["1", "7", "13"]  # every third of the ten label-1 rows
+    for bad in (["--threads", "0"], ["--neighbours", "-1"], ["--count", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--verifier", "builtin", *bad])

@@ -12,15 +12,18 @@ converted weights linked from `--state-dir/models`): `embedding_cache`'s `verifi
 guard decides), then `--verifier`, once per `--dtype` given (its `verifier_dtype`). The same
 pairs on each: `--count` rewordings (label 1) and `--count` different questions (label 0) of
 the pairs file, every pair in a tenant of its own, so the only candidate is the pair's own
-`a`; `--neighbours N` stores beside it the N texts of the file's `a` side nearest to its `b`
-(by the embedder, other pairs' texts), so that a lookup has up to N + 1 candidates, as in a
-scope that holds many questions. Phase 1 asks every stored text (a miss: stored, indexed);
+`a`; `--neighbours N` stores after it the N texts of the file's `a` side nearest to its `b`
+(by the embedder; other pairs' texts, none of the pair's own duplicate clusters), so that a
+lookup has up to N + 1 candidates, as in a scope that holds many questions. Phase 1 asks every
+stored text, `a` first (a miss: stored, indexed; a neighbour answered from the cache instead is
+counted);
 phase 2 asks every `b` with `no-store` (a semantic hit, or a miss that generates). The stage's
 own lookup histogram (`tiercache_embedding_cache_lookup_seconds`, embedding included) is read
 around phase 2: its mean per lookup is the lookup cost with and without the verifier; the
 client's time of a semantic hit is what a caller sees (p50 and p99), and the pairs the verifier
 read per lookup (`tiercache_embedding_cache_verifier_pairs_total`) how many candidates it
-judged. Hits are counted by label (label-0 hits are wrong answers). Writes
+judged. A hit is right when it serves `a`'s answer to a label-1 pair; serving it to a label-0
+pair, or serving a neighbour's answer, is wrong. Writes
 OUT_DIR/bench_verifier_serving.md and .json; the server logs under OUT_DIR/bench_verifier_serving/.
 """
 
@@ -33,10 +36,13 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tiercache.exact.request import normalize_text
 from tiercache.semantic.verifier import DTYPES
 from tiercache.server import copy_repository
 from tiercache_client import TierCacheClient
@@ -44,7 +50,7 @@ from tiercache_dev.console import invocation, machine_summary, progress, write_r
 from tiercache_dev.metrics import scrape_metrics
 from tiercache_dev.paths import DEFAULT_PAIRS, DEFAULT_STATE_DIR, MODEL_REPOSITORY, PERF_DIR
 from tiercache_dev.servers import fresh_state, running, triton
-from tiercache_dev.stats import median
+from tiercache_dev.stats import summary
 
 LOOKUP = "tiercache_embedding_cache_lookup_seconds"
 VERIFIED_PAIRS = "tiercache_embedding_cache_verifier_pairs_total"
@@ -67,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=DTYPES,
         help="verifier_dtype, one server each (repeatable; default auto)",
     )
-    p.add_argument("--threads", type=int, default=1, help="verifier_threads")
+    p.add_argument("--threads", type=int, default=1, help="verifier_threads (>= 1)")
     p.add_argument(
         "--neighbours",
         type=int,
@@ -77,34 +83,57 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--out-dir", type=Path, default=PERF_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.neighbours < 0:
+        p.error(f"--neighbours must be >= 0, got {args.neighbours}")
+    if args.count < 1:
+        p.error(f"--count must be >= 1, got {args.count}")
+    return args
 
 
-def spread_pairs(path: Path, count: int, label: int) -> list[tuple[str, str]]:
-    """`count` pairs of `label`, every k-th one of the file (spread over its sources)."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-    chosen = [(r["a"], r["b"]) for r in rows if r["label"] == label]
+Row = dict[str, Any]
+
+
+def read_rows(path: Path) -> list[Row]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def spread_pairs(rows: list[Row], count: int, label: int) -> list[Row]:
+    """`count` rows of `label`, every k-th one of the file (spread over its sources)."""
+    chosen = [r for r in rows if r["label"] == label]
     step = max(1, len(chosen) // max(1, count))
     return chosen[::step][:count]
 
 
-def nearest_texts(path: Path, pairs: list[tuple[str, str, int]], count: int) -> list[list[str]]:
-    """For each pair, the `count` texts of the file's `a` side nearest to its `b` by the
-    embedder's cosine, the pair's own `a` and `b` left out."""
+def nearest_texts(
+    rows: list[Row], pairs: list[Row], count: int, embed: Callable[[Sequence[str]], Any]
+) -> list[list[str]]:
+    """For each pair, the `count` texts of the rows' `a` side nearest to its `b` by `embed`'s
+    cosine (unit vectors), leaving out texts that normalize to its own `a` or `b` and texts of
+    either one's duplicate cluster (`cluster_a` / `cluster_b`, where the file has them), so
+    that serving one of them is a wrong answer."""
     if count <= 0:
         return [[] for _ in pairs]
-    from tiercache.semantic.embedder import Embedder
-
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    clusters = {normalize_text(r["a"]): r.get("cluster_a") for r in rows}
     pool = sorted({str(r["a"]) for r in rows})
-    embed = Embedder().embed
-    progress(f"embedding the {len(pool)} texts of {path.name}'s a side to find neighbours")
-    vectors = embed(pool)
-    queries = embed([b for _, b, _ in pairs])
+    progress(f"embedding {len(pool)} texts of the pairs' a side to find neighbours")
+    vectors = np.asarray(embed(pool))
+    queries = np.asarray(embed([pair["b"] for pair in pairs]))
     nearest = []
-    for (a, b, _), query in zip(pairs, queries, strict=True):
-        order = (vectors @ query).argsort()[::-1]
-        chosen = [pool[i] for i in order if pool[i] not in (a, b)][:count]
+    for pair, query in zip(pairs, queries, strict=True):
+        taken = {normalize_text(pair["a"]), normalize_text(pair["b"])}
+        related = {pair.get("cluster_a"), pair.get("cluster_b")} - {None}
+        chosen: list[str] = []
+        for i in (vectors @ query).argsort()[::-1]:
+            text = normalize_text(pool[i])
+            if text in taken or clusters.get(text) in related:
+                continue
+            taken.add(text)  # one text once, however the file spells it
+            chosen.append(pool[i])
+            if len(chosen) == count:
+                break
         nearest.append(chosen)
     return nearest
 
@@ -140,7 +169,7 @@ def run_one(
     args: argparse.Namespace,
     verifier: str,
     dtype: str,
-    pairs: list[tuple[str, str, int]],
+    pairs: list[Row],
     neighbours: list[list[str]],
     raw: Path,
 ) -> dict[str, Any]:
@@ -165,29 +194,37 @@ def run_one(
         with running(server, ready_timeout_s=300):
             tenants = [f"bench-{uuid.uuid4().hex[:12]}" for _ in pairs]
             with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
-                stored = 0
-                for i, ((a, _, _), near, tenant) in enumerate(
+                stored = answered_from_cache = 0
+                answers_of_a = []
+                for i, (pair, near, tenant) in enumerate(
                     zip(pairs, neighbours, tenants, strict=True)
                 ):
-                    for text in [*near, a]:
-                        client.generate_text(text, max_tokens=args.max_tokens, tenant=tenant)
+                    for text in [pair["a"], *near]:  # a first: the tenant is empty, a miss
+                        got = client.generate_text(text, max_tokens=args.max_tokens, tenant=tenant)
                         stored += 1
+                        answered_from_cache += got.cache_status != "miss"
+                        if text == pair["a"]:
+                            answers_of_a.append(got.text)
                     if (i + 1) % 10 == 0:
                         progress(f"  stored the texts of {i + 1}/{len(pairs)} pairs")
                 before = settled_histogram(server.ports.metrics, stored)
                 asked = []
-                for i, ((_, b, label), tenant) in enumerate(zip(pairs, tenants, strict=True)):
+                for i, (pair, tenant) in enumerate(zip(pairs, tenants, strict=True)):
                     started = time.perf_counter()
                     got = client.generate_text(
-                        b, max_tokens=args.max_tokens, tenant=tenant, cache_control="no-store"
+                        pair["b"],
+                        max_tokens=args.max_tokens,
+                        tenant=tenant,
+                        cache_control="no-store",
                     )
-                    asked.append((label, got.cache_status, time.perf_counter() - started))
+                    elapsed = time.perf_counter() - started
+                    served_a = got.text == answers_of_a[i]
+                    asked.append((pair["label"], got.cache_status, served_a, elapsed))
                     if (i + 1) % 10 == 0:
                         progress(f"  asked {i + 1}/{len(pairs)}")
                 after = settled_histogram(server.ports.metrics, before[0] + len(pairs))
     lookups = after[0] - before[0]
-    hits = [(label, s) for label, status, s in asked if status == "semantic"]
-    hit_s = sorted(s for _, s in hits)
+    hits = [(label, served_a, s) for label, status, served_a, s in asked if status == "semantic"]
     return {
         "verifier": "off"
         if verifier == "off"
@@ -195,12 +232,15 @@ def run_one(
         + (args.threshold if float(args.threshold) else "its operating point"),
         "lookups": lookups,
         "lookup_mean_ms": 1000.0 * (after[1] - before[1]) / lookups if lookups else None,
-        "hits_label_1": sum(1 for label, _ in hits if label == 1),
-        "hits_label_0": sum(1 for label, _ in hits if label == 0),
-        "pairs_label_1": sum(1 for _, _, label in pairs if label == 1),
-        "pairs_label_0": sum(1 for _, _, label in pairs if label == 0),
-        "hit_p50_ms": 1000.0 * median(hit_s) if hits else None,
-        "hit_p99_ms": 1000.0 * hit_s[min(len(hit_s) - 1, int(0.99 * len(hit_s)))] if hits else None,
+        "hits_label_1": sum(1 for label, served_a, _ in hits if label == 1 and served_a),
+        "hits_label_0": sum(1 for label, served_a, _ in hits if label == 0 and served_a),
+        "hits_neighbour": sum(1 for _, served_a, _ in hits if not served_a),
+        "pairs_label_1": sum(1 for pair in pairs if pair["label"] == 1),
+        "pairs_label_0": sum(1 for pair in pairs if pair["label"] == 0),
+        "hit_ms": summary((1000.0 * s for _, _, s in hits), digits=1),
+        "neighbours": args.neighbours,
+        "texts_stored": stored,
+        "answered_from_cache_when_stored": answered_from_cache,
         "verified_pairs_per_lookup": (after[2] - before[2]) / lookups if lookups else None,
         "verifier_calls": after[3] - before[3],
         "verifier_call_mean_ms": 1000.0 * (after[4] - before[4]) / (after[3] - before[3])
@@ -212,13 +252,17 @@ def run_one(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    pairs = [(a, b, 1) for a, b in spread_pairs(args.pairs, args.count, 1)]
-    pairs += [(a, b, 0) for a, b in spread_pairs(args.pairs, args.count, 0)]
+    rows = read_rows(args.pairs)
+    pairs = spread_pairs(rows, args.count, 1) + spread_pairs(rows, args.count, 0)
     raw = args.out_dir / "bench_verifier_serving"
     raw.mkdir(parents=True, exist_ok=True)
     # the server runs in a temporary folder: a folder is passed absolute, `builtin` as it is
     folder = args.verifier if args.verifier == "builtin" else str(Path(args.verifier).resolve())
-    neighbours = nearest_texts(args.pairs, pairs, args.neighbours)
+    neighbours: list[list[str]] = [[] for _ in pairs]
+    if args.neighbours:
+        from tiercache.semantic.embedder import Embedder
+
+        neighbours = nearest_texts(rows, pairs, args.neighbours, Embedder().embed)
     results = [run_one(args, "off", "auto", pairs, neighbours, raw)]
     results += [
         run_one(args, folder, dtype, pairs, neighbours, raw) for dtype in args.dtype or ["auto"]
@@ -235,9 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"then `b` asked with `no-store`; verifier_threads {args.threads}",
         "",
         "| verifier | lookup mean (stage histogram) | pairs verified per lookup "
-        "| verifier call mean (calls) | semantic hit p50 / p99 (client) | hits on label 1 "
-        "| hits on label 0 (wrong) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| verifier call mean (calls) | semantic hits: n, p50 / max (client) "
+        "| a served on label 1 | a served on label 0 (wrong) | a neighbour served (wrong) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(value: float | None) -> str:
@@ -245,12 +289,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for r in results:
         per = r["verified_pairs_per_lookup"]
+        calls = (
+            "-"
+            if not r["verifier_calls"]
+            else (f"{ms(r['verifier_call_mean_ms'])} ms ({r['verifier_calls']:.0f})")
+        )
+        hit = r["hit_ms"]
+        hit_cell = "0" if not hit["n"] else f"{hit['n']}, {hit['p50_ms']} / {hit['max_ms']} ms"
         md.append(
             f"| {r['verifier']} | {ms(r['lookup_mean_ms'])} ms | "
-            f"{'-' if per is None else f'{per:.2f}'} | "
-            f"{ms(r['verifier_call_mean_ms'])} ms ({r['verifier_calls']:.0f}) | "
-            f"{ms(r['hit_p50_ms'])} / {ms(r['hit_p99_ms'])} ms | "
-            f"{r['hits_label_1']}/{r['pairs_label_1']} | {r['hits_label_0']}/{r['pairs_label_0']} |"
+            f"{'-' if per is None else f'{per:.2f}'} | {calls} | {hit_cell} | "
+            f"{r['hits_label_1']}/{r['pairs_label_1']} | {r['hits_label_0']}/{r['pairs_label_0']} "
+            f"| {r['hits_neighbour']} |"
+        )
+    stored_hits = sum(r["answered_from_cache_when_stored"] for r in results)
+    if stored_hits:
+        md.append("")
+        md.append(
+            f"- {stored_hits} stored texts were answered from the cache instead (not stored), "
+            "over all servers"
         )
     off = results[0]
     md.append("")
