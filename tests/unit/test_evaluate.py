@@ -542,13 +542,17 @@ def test_bootstrap_intervals_hold_the_measured_figures_and_narrow_with_more_pair
         ev.bootstrap_intervals(*small, rounds=0)
 
 
-def test_where_every_hit_is_right_precision_gets_wilsons_interval_not_zero_width() -> None:
-    corpus, candidates, chosen = synthetic_decisions(hits=30, right=30, positives=60, pairs=90)
-    found = ev.bootstrap_intervals(corpus, candidates, chosen, rounds=200)["s"]
+def test_precision_is_never_narrower_than_wilsons_interval_near_1() -> None:
+    every = synthetic_decisions(hits=30, right=30, positives=60, pairs=90)
+    found = ev.bootstrap_intervals(*every, rounds=1000)["s"]
     # 30 of 30: every resample says 1.0; Wilson's 95 % bound is about 0.886
     assert found.precision_high == 1.0
     assert found.precision_low == pytest.approx(0.886, abs=0.002)
     assert ev.wilson(30, 30)[0] == pytest.approx(found.precision_low)
+    # one wrong hit more cannot raise the lower bound (the bootstrap alone gives about 0.9)
+    one_wrong = synthetic_decisions(hits=30, right=29, positives=60, pairs=90)
+    lower = ev.bootstrap_intervals(*one_wrong, rounds=1000)["s"]
+    assert lower.precision_low <= ev.wilson(29, 30)[0] < found.precision_low
     low, high = ev.wilson(90, 100)  # the usual case, checked against the closed form
     assert (round(low, 3), round(high, 3)) == (0.826, 0.945)
     assert all(np.isnan(ev.wilson(0, 0)))
@@ -596,7 +600,14 @@ def test_bootstrap_resamples_within_each_source() -> None:
     # each source alone cannot vary (all right, all wrong): Wilson's intervals
     assert (found["a"].precision_low, found["a"].precision_high) == ev.wilson(20, 20)
     assert (found["b"].precision_low, found["b"].precision_high) == ev.wilson(0, 20)
-    assert (found[ev.OVERALL].precision_low, found[ev.OVERALL].precision_high) == (0.5, 0.5)
+    # nor can the overall precision: within each source, every resample holds 20 hits of each
+    # (pooled resampling would move it); the bootstrap's zero width is widened to Wilson's
+    sums = ev.resampled_sums(both, np.stack([chosen >= 0, both.labels == 1]), 200, seed=0)
+    assert set(sums["a"][:, 0]) == {20.0} and set(sums[ev.OVERALL][:, 0]) == {40.0}
+    assert set(sums[ev.OVERALL][:, 1]) == {20.0}  # the label-1 pairs, all of source a
+    overall = found[ev.OVERALL]
+    assert (overall.precision_low, overall.precision_high) == pytest.approx(ev.wilson(20, 40))
+    assert overall.precision_low + overall.precision_high == pytest.approx(1.0)
 
 
 def test_eval_semantic_prints_and_writes_the_intervals(tmp_path: Path, capsys: Any) -> None:

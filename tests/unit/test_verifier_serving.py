@@ -7,7 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from tiercache_dev.bench.verifier_serving import nearest_texts, parse_args, spread_pairs
+from tiercache_dev.bench.verifier_serving import (
+    count_hits,
+    nearest_texts,
+    parse_args,
+    spread_pairs,
+)
 
 # unit vectors by hand: cosine to the query "q" falls with the index
 VECTORS = {
@@ -53,3 +58,27 @@ def test_pairs_are_spread_over_the_file_and_bad_arguments_are_refused() -> None:
     for bad in (["--threads", "0"], ["--neighbours", "-1"], ["--count", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--verifier", "builtin", *bad])
+
+
+def test_hits_are_judged_by_the_answer_they_serve() -> None:
+    pairs = [{"label": 1}, {"label": 0}, {"label": 1}, {"label": 1}, {"label": 0}]
+    asked = [
+        ("semantic", "answer of a", 0.02),  # a's answer on a label-1 pair: right
+        ("semantic", "answer of a", 0.02),  # on a label-0 pair: wrong
+        ("semantic", "a neighbour's", 0.02),  # another stored answer: wrong
+        ("semantic", "shared", 0.02),  # a's answer, but a neighbour stored the same text
+        ("miss", "generated", 0.5),  # not a hit
+    ]
+    stored = [
+        ("answer of a", ["x"]),
+        ("answer of a", []),
+        ("answer of a", ["a neighbour's"]),
+        ("shared", ["y", "shared"]),
+        ("answer of a", []),
+    ]
+    assert count_hits(pairs, asked, stored) == {
+        "hits_label_1": 1,
+        "hits_label_0": 1,
+        "hits_neighbour": 1,
+        "hits_undetermined": 1,
+    }

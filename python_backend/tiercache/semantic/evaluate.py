@@ -424,24 +424,12 @@ def _percentiles(values: np.ndarray) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def bootstrap_intervals(
-    corpus: Corpus, candidates: Candidates, chosen: np.ndarray, rounds: int = 1000, seed: int = 0
-) -> dict[str, Interval]:
-    """95 % percentile-bootstrap intervals of precision and recall per source and `OVERALL`
-    for `chosen` (counted as `tally` counts): the pairs are resampled with replacement within
-    each source, so every resample keeps the file's mix of sources; seeded, so a run repeats.
-    Where every hit of a source is right (or every one wrong) the resamples cannot vary, and
-    its precision's interval is the Wilson score interval instead. Pairs are resampled as if
-    independent, although pairs that share a duplicate cluster are judged together, so the
-    intervals are a little narrow. A few hundred hits measure a precision near 0.94 to about
-    +-2.5 points; the dev file's thousand-odd to about +-1.5."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    decided = judged(corpus, candidates, chosen)
-    positive = corpus.labels == 1
-    columns = np.stack(
-        [decided["hit"], decided["correct"], decided["correct"] & positive, positive]
-    ).astype(np.float64)
+def resampled_sums(
+    corpus: Corpus, columns: np.ndarray, rounds: int, seed: int
+) -> dict[str, np.ndarray]:
+    """Per source and `OVERALL`, (rounds, len(columns)) sums of the per-pair `columns` over
+    resamples of the pairs drawn with replacement within each source (so every resample holds
+    each source's number of pairs)."""
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     for source in corpus.sources():
@@ -454,8 +442,31 @@ def bootstrap_intervals(
             flat = (draws + size * np.arange(count)[:, None]).ravel()
             weights = np.bincount(flat, minlength=count * size).reshape(count, size)
             parts.append(weights @ columns[:, members].T)
-        sums[source] = np.concatenate(parts)  # (rounds, 4): hits, correct, correct+, positives
-    sums[OVERALL] = sum(sums.values(), np.zeros((rounds, 4)))
+        sums[source] = np.concatenate(parts)
+    sums[OVERALL] = sum(sums.values(), np.zeros((rounds, len(columns))))
+    return sums
+
+
+def bootstrap_intervals(
+    corpus: Corpus, candidates: Candidates, chosen: np.ndarray, rounds: int = 1000, seed: int = 0
+) -> dict[str, Interval]:
+    """95 % percentile-bootstrap intervals of precision and recall per source and `OVERALL`
+    for `chosen` (counted as `tally` counts): the pairs are resampled with replacement within
+    each source, so every resample keeps the file's mix of sources; seeded, so a run repeats.
+    Precision's interval is the wider of the bootstrap's and the Wilson score interval of the
+    same counts: near 0 and 1 (every hit right, or all but one) the resamples hardly vary and
+    the bootstrap alone would be too narrow, even of zero width. Pairs are resampled as if
+    independent, although pairs that share a duplicate cluster are judged together, so the
+    intervals are a little narrow. A few hundred hits measure a precision near 0.94 to about
+    +-2.5 points; the dev file's thousand-odd to about +-1.5."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    decided = judged(corpus, candidates, chosen)
+    positive = corpus.labels == 1
+    columns = np.stack(
+        [decided["hit"], decided["correct"], decided["correct"] & positive, positive]
+    ).astype(np.float64)
+    sums = resampled_sums(corpus, columns, rounds, seed)
     measured = tally(corpus, candidates, chosen)
     result = {}
     for source, table in sums.items():
@@ -464,10 +475,10 @@ def bootstrap_intervals(
             recall = table[:, 2] / table[:, 3]
         counts = measured[source]
         hits = counts.correct + counts.false
-        if hits and counts.false in (0, hits):  # nothing to resample: Wilson's bounds
-            low, high = wilson(counts.correct, hits)
-        else:
-            low, high = _percentiles(precision)
+        low, high = _percentiles(precision)
+        if hits:  # never narrower than Wilson's (the bootstrap's alone is, near 0 and 1)
+            wide_low, wide_high = wilson(counts.correct, hits)
+            low, high = min(low, wide_low), max(high, wide_high)
         result[source] = Interval(low, high, *_percentiles(recall), hits=hits)
     return result
 

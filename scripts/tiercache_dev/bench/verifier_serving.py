@@ -20,10 +20,11 @@ counted);
 phase 2 asks every `b` with `no-store` (a semantic hit, or a miss that generates). The stage's
 own lookup histogram (`tiercache_embedding_cache_lookup_seconds`, embedding included) is read
 around phase 2: its mean per lookup is the lookup cost with and without the verifier; the
-client's time of a semantic hit is what a caller sees (p50 and p99), and the pairs the verifier
+client's time of a semantic hit is what a caller sees (p50 and max), and the pairs the verifier
 read per lookup (`tiercache_embedding_cache_verifier_pairs_total`) how many candidates it
-judged. A hit is right when it serves `a`'s answer to a label-1 pair; serving it to a label-0
-pair, or serving a neighbour's answer, is wrong. Writes
+judged. A hit is judged by the answer it serves: `a`'s on a label-1 pair is right, on a label-0
+pair wrong, another answer (a neighbour's) wrong; where a neighbour's stored answer is the same
+text as `a`'s, the hit cannot be told apart and is counted undetermined. Writes
 OUT_DIR/bench_verifier_serving.md and .json; the server logs under OUT_DIR/bench_verifier_serving/.
 """
 
@@ -154,6 +155,31 @@ def lookup_histogram(port: int) -> Histograms:
     return count, total, verified, calls, seconds
 
 
+Stored = tuple[str | None, list[str]]  # a pair's tenant: a's answer (if stored), the others'
+
+
+def count_hits(
+    pairs: list[Row], asked: list[tuple[str, str, float]], stored: list[Stored]
+) -> dict[str, int]:
+    """Phase 2's semantic hits judged by the answer served: `asked` holds each pair's (cache
+    status, answer text, seconds), `stored` what its tenant stored. `a`'s answer on a label-1
+    pair is right, on a label-0 pair wrong; any other answer (a neighbour's) wrong; an answer
+    that `a` and a neighbour share cannot be told apart: undetermined."""
+    counts = dict.fromkeys(
+        ("hits_label_1", "hits_label_0", "hits_neighbour", "hits_undetermined"), 0
+    )
+    for pair, (status, text, _), (answer_of_a, others) in zip(pairs, asked, stored, strict=True):
+        if status != "semantic":
+            continue
+        if text == answer_of_a and text in others:
+            counts["hits_undetermined"] += 1
+        elif text == answer_of_a:
+            counts["hits_label_1" if pair["label"] == 1 else "hits_label_0"] += 1
+        else:
+            counts["hits_neighbour"] += 1
+    return counts
+
+
 def settled_histogram(port: int, expected_at_least: float) -> Histograms:
     """The histogram once the stages' periodic flush has caught up (they flush every 0.25 s)."""
     deadline = time.monotonic() + 10.0
@@ -194,20 +220,25 @@ def run_one(
         with running(server, ready_timeout_s=300):
             tenants = [f"bench-{uuid.uuid4().hex[:12]}" for _ in pairs]
             with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
-                stored = answered_from_cache = 0
-                answers_of_a = []
+                asked_to_store = answered_from_cache = 0
+                stored_answers: list[Stored] = []
                 for i, (pair, near, tenant) in enumerate(
                     zip(pairs, neighbours, tenants, strict=True)
                 ):
+                    answer_of_a, others = None, []
                     for text in [pair["a"], *near]:  # a first: the tenant is empty, a miss
                         got = client.generate_text(text, max_tokens=args.max_tokens, tenant=tenant)
-                        stored += 1
-                        answered_from_cache += got.cache_status != "miss"
-                        if text == pair["a"]:
-                            answers_of_a.append(got.text)
+                        asked_to_store += 1
+                        if got.cache_status != "miss":  # answered from what the tenant holds
+                            answered_from_cache += 1
+                        elif text == pair["a"]:
+                            answer_of_a = got.text
+                        else:
+                            others.append(got.text)
+                    stored_answers.append((answer_of_a, others))
                     if (i + 1) % 10 == 0:
                         progress(f"  stored the texts of {i + 1}/{len(pairs)} pairs")
-                before = settled_histogram(server.ports.metrics, stored)
+                before = settled_histogram(server.ports.metrics, asked_to_store)
                 asked = []
                 for i, (pair, tenant) in enumerate(zip(pairs, tenants, strict=True)):
                     started = time.perf_counter()
@@ -218,13 +249,12 @@ def run_one(
                         cache_control="no-store",
                     )
                     elapsed = time.perf_counter() - started
-                    served_a = got.text == answers_of_a[i]
-                    asked.append((pair["label"], got.cache_status, served_a, elapsed))
+                    asked.append((got.cache_status, got.text, elapsed))
                     if (i + 1) % 10 == 0:
                         progress(f"  asked {i + 1}/{len(pairs)}")
                 after = settled_histogram(server.ports.metrics, before[0] + len(pairs))
     lookups = after[0] - before[0]
-    hits = [(label, served_a, s) for label, status, served_a, s in asked if status == "semantic"]
+    counted = count_hits(pairs, asked, stored_answers)
     return {
         "verifier": "off"
         if verifier == "off"
@@ -232,14 +262,12 @@ def run_one(
         + (args.threshold if float(args.threshold) else "its operating point"),
         "lookups": lookups,
         "lookup_mean_ms": 1000.0 * (after[1] - before[1]) / lookups if lookups else None,
-        "hits_label_1": sum(1 for label, served_a, _ in hits if label == 1 and served_a),
-        "hits_label_0": sum(1 for label, served_a, _ in hits if label == 0 and served_a),
-        "hits_neighbour": sum(1 for _, served_a, _ in hits if not served_a),
+        **counted,
         "pairs_label_1": sum(1 for pair in pairs if pair["label"] == 1),
         "pairs_label_0": sum(1 for pair in pairs if pair["label"] == 0),
-        "hit_ms": summary((1000.0 * s for _, _, s in hits), digits=1),
+        "hit_ms": summary((1000.0 * s for status, _, s in asked if status == "semantic"), digits=1),
         "neighbours": args.neighbours,
-        "texts_stored": stored,
+        "texts_asked_to_store": asked_to_store,
         "answered_from_cache_when_stored": answered_from_cache,
         "verified_pairs_per_lookup": (after[2] - before[2]) / lookups if lookups else None,
         "verifier_calls": after[3] - before[3],
@@ -280,8 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         "| verifier | lookup mean (stage histogram) | pairs verified per lookup "
         "| verifier call mean (calls) | semantic hits: n, p50 / max (client) "
-        "| a served on label 1 | a served on label 0 (wrong) | a neighbour served (wrong) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| a served on label 1 | a served on label 0 (wrong) | a neighbour served (wrong) "
+        "| undetermined |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(value: float | None) -> str:
@@ -300,14 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {r['verifier']} | {ms(r['lookup_mean_ms'])} ms | "
             f"{'-' if per is None else f'{per:.2f}'} | {calls} | {hit_cell} | "
             f"{r['hits_label_1']}/{r['pairs_label_1']} | {r['hits_label_0']}/{r['pairs_label_0']} "
-            f"| {r['hits_neighbour']} |"
+            f"| {r['hits_neighbour']} | {r['hits_undetermined']} |"
         )
     stored_hits = sum(r["answered_from_cache_when_stored"] for r in results)
     if stored_hits:
         md.append("")
         md.append(
-            f"- {stored_hits} stored texts were answered from the cache instead (not stored), "
-            "over all servers"
+            f"- {stored_hits} of the texts asked to be stored were answered from the cache instead "
+            "(not stored), over all servers"
         )
     off = results[0]
     md.append("")

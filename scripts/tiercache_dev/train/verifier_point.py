@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     spread = intervals[ev.OVERALL]
     print(
         f"chosen: threshold {chosen['threshold']:.3f}: overall precision "
-        f"{overall['precision']:.3f} (95 % bootstrap interval {spread.precision_low:.3f} to "
+        f"{overall['precision']:.3f} (95 % interval {spread.precision_low:.3f} to "
         f"{spread.precision_high:.3f}), recall {overall['recall']:.3f} "
         f"({spread.recall_low:.3f} to {spread.recall_high:.3f})"
     )
