@@ -386,7 +386,7 @@ def tally(corpus: Corpus, candidates: Candidates, chosen: np.ndarray) -> dict[st
     return result
 
 
-BOOTSTRAP_Z = 1.959964  # the normal quantile of a two-sided 95 % interval
+Z_95 = 1.959964  # the normal quantile of a two-sided 95 % interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,10 +408,10 @@ def wilson(successes: int, trials: int) -> tuple[float, float]:
     """The Wilson score interval (95 %) of a proportion; NaN for no trials."""
     if trials == 0:
         return math.nan, math.nan
-    z2 = BOOTSTRAP_Z * BOOTSTRAP_Z
+    z2 = Z_95 * Z_95
     share = successes / trials
     centre = (share + z2 / (2 * trials)) / (1 + z2 / trials)
-    half = BOOTSTRAP_Z * math.sqrt(share * (1 - share) / trials + z2 / (4 * trials * trials))
+    half = Z_95 * math.sqrt(share * (1 - share) / trials + z2 / (4 * trials * trials))
     half /= 1 + z2 / trials
     return max(0.0, centre - half), min(1.0, centre + half)
 
@@ -467,17 +467,16 @@ def bootstrap_intervals(
         [decided["hit"], decided["correct"], decided["correct"] & positive, positive]
     ).astype(np.float64)
     sums = resampled_sums(corpus, columns, rounds, seed)
-    measured = tally(corpus, candidates, chosen)
     result = {}
     for source, table in sums.items():
         with np.errstate(invalid="ignore", divide="ignore"):
             precision = table[:, 1] / table[:, 0]
             recall = table[:, 2] / table[:, 3]
-        counts = measured[source]
-        hits = counts.correct + counts.false
+        mask = corpus.source_array == source if source != OVERALL else slice(None)
+        hits, correct = (int(columns[c, mask].sum()) for c in (0, 1))  # as measured
         low, high = _percentiles(precision)
         if hits:  # never narrower than Wilson's (the bootstrap's alone is, near 0 and 1)
-            wide_low, wide_high = wilson(counts.correct, hits)
+            wide_low, wide_high = wilson(correct, hits)
             low, high = min(low, wide_low), max(high, wide_high)
         result[source] = Interval(low, high, *_percentiles(recall), hits=hits)
     return result

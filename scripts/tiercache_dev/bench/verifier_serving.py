@@ -318,11 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for r in results:
         per = r["verified_pairs_per_lookup"]
-        calls = (
-            "-"
-            if not r["verifier_calls"]
-            else (f"{ms(r['verifier_call_mean_ms'])} ms ({r['verifier_calls']:.0f})")
-        )
+        calls = "-"
+        if r["verifier_calls"]:
+            calls = f"{ms(r['verifier_call_mean_ms'])} ms ({r['verifier_calls']:.0f})"
         hit = r["hit_ms"]
         hit_cell = "0" if not hit["n"] else f"{hit['n']}, {hit['p50_ms']} / {hit['max_ms']} ms"
         md.append(
