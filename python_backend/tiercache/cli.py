@@ -372,10 +372,23 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     gw.add_argument(
         "--host",
         default="127.0.0.1",
-        help="interface to listen on (default loopback; 0.0.0.0 exposes it: give the server an "
-        "API key file first, docs/security.md)",
+        help="interface to listen on (default loopback; another only with an API key file: "
+        "$TIERCACHE_API_KEYS_FILE set, as `tiercache serve --api-keys` sets it, or "
+        "--server-has-api-keys; docs/security.md)",
+    )
+    gw.add_argument(
+        "--server-has-api-keys",
+        action="store_true",
+        help="the Triton behind this gateway has an API key file (on its host): allow a "
+        "non-loopback --host without $TIERCACHE_API_KEYS_FILE here",
     )
     gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections (or running requests) past which a request is a 503 (default 512)",
+    )
     gw.add_argument("--model-name", default="tiercache", help="the base model's `model` id")
     gw.add_argument(
         "--adapters-dir",
@@ -404,6 +417,19 @@ def _gateway(args: argparse.Namespace) -> int:
 
     from tiercache.gateway.app import GatewaySettings, server_config
 
+    keys_file = os.environ.get(API_KEYS_FILE_ENV, "")
+    if not is_loopback(args.host) and not (keys_file or args.server_has_api_keys):
+        print(
+            f"error: --host {args.host} is not loopback and no API key file is configured: every "
+            "caller would be the default tenant (docs/security.md); give the server one "
+            f"(`tiercache serve --api-keys FILE`, ${API_KEYS_FILE_ENV} here), or pass "
+            "--server-has-api-keys when the Triton behind this gateway has one",
+            file=sys.stderr,
+        )
+        return 2
+    if args.max_connections < 1:
+        print("error: --max-connections must be at least 1", file=sys.stderr)
+        return 2
     adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
     names: frozenset[str] = frozenset()
     if adapters_dir:
@@ -427,6 +453,7 @@ def _gateway(args: argparse.Namespace) -> int:
         base_model=args.model_name,
         adapters=names,
         timeout_s=args.timeout_s,
+        max_connections=args.max_connections,
         model_repository=repository,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
     )

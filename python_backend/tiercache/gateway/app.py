@@ -46,7 +46,7 @@ from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
 from tiercache.errors import InvalidRequest
-from tiercache.exact.request import RawInputs
+from tiercache.exact.request import DEFAULT_LIMITS, RawInputs
 from tiercache.gateway import openai_api as api
 from tiercache.gateway.edge import EdgeCache, open_edge
 from tiercache_client.client import (
@@ -99,6 +99,13 @@ class GatewaySettings:
     # host's tiers (None: every request goes to the ensemble).
     model_repository: Path | None = None
     state_dir: Path | None = None  # the stages' state folder when their parameters name none
+    # uvicorn's limit_concurrency: past this many open connections (or running requests) a new
+    # request is a 503; well under a process's usual 1024 open files, so the gateway refuses
+    # before accept() fails for want of file descriptors
+    max_connections: int = 512
+    # a request's whole body must arrive within this (408 past it): a body announced and never
+    # sent would otherwise hold its connection for ever
+    body_timeout_s: float = 30.0
 
 
 def ensemble_fields(gen: api.Generation) -> dict[str, Any]:
@@ -213,6 +220,8 @@ class Gateway:
             )
         except InferenceServerException as exc:
             raise classify(str(exc.message()), exc.status()) from None
+        except grpc.RpcError as exc:  # what tritonclient does not wrap: as the stream's
+            raise _rpc_error(exc) from None
         texts = _texts(result, FEEDBACK_OUTPUT)
         if not texts:
             raise UnavailableError("the feedback model answered without FEEDBACK_RESULT")
@@ -231,10 +240,15 @@ async def _transport_errors_classified(responses: Any) -> AsyncIterator[Any]:
         except StopAsyncIteration:
             return
         except grpc.RpcError as exc:
-            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-            code = exc.code() if callable(getattr(exc, "code", None)) else None
-            raise classify(str(details or exc), None if code is None else str(code)) from None
+            raise _rpc_error(exc) from None
         yield item
+
+
+def _rpc_error(exc: grpc.RpcError) -> TierCacheClientError:
+    """A gRPC failure as the client's typed error."""
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    return classify(str(details or exc), None if code is None else str(code))
 
 
 def _count(result: Any, name: str) -> int | None:
@@ -291,6 +305,30 @@ class GatewayMetrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+MAX_AUTHORIZATION_CHARS = 1024  # a key is tens of characters; gRPC bounds its metadata
+
+
+class MalformedKey(Exception):
+    """An Authorization header no key file can hold and gRPC metadata cannot carry (a 401, as
+    an unknown key is, decided here: sent on, gRPC would refuse it as an internal error)."""
+
+    message = (
+        "malformed API key: the Authorization header must be printable ASCII, at most "
+        f"{MAX_AUTHORIZATION_CHARS} characters"
+    )
+
+
+def authorization(request: Request) -> str | None:
+    """The request's Authorization header, to forward to Triton; MalformedKey for one that
+    cannot be forwarded (non-ASCII, a tab or control character, over MAX_AUTHORIZATION_CHARS)."""
+    value = request.headers.get("authorization")
+    if value and (
+        len(value) > MAX_AUTHORIZATION_CHARS or not (value.isascii() and value.isprintable())
+    ):
+        raise MalformedKey(MalformedKey.message)
+    return value or None
+
+
 def _no_valid_key(message: str) -> bool:
     """Whether a refusal is for the key itself (missing or unknown: 401), not for what a valid
     key asked (another tenant, an adapter or cache_control word it may not use: 403)."""
@@ -305,6 +343,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         message = str(exc.message)
     elif isinstance(exc, InvalidRequest):
         status, kind, code, message = 400, "invalid_request_error", None, str(exc.message)
+    elif isinstance(exc, MalformedKey):
+        status, kind, code, message = 401, "authentication_error", "invalid_api_key", exc.message
     elif isinstance(exc, ForbiddenError) and _no_valid_key(exc.message):
         status, kind, code = 401, "authentication_error", "invalid_api_key"
         message = exc.message
@@ -393,7 +433,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse({"object": "list", "data": data})
 
     async def serve(request: Request, chat: bool) -> Any:
-        body, refused = await json_body(request)
+        body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
         try:
@@ -404,16 +444,16 @@ def create_app(settings: GatewaySettings) -> Starlette:
                 adapters=settings.adapters,
                 cache_header=request.headers.get("cache-control"),
             )
+            key = authorization(request)
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
-        authorization = request.headers.get("authorization")
-        hit = await edge_hit(gen, authorization)
+        hit = await edge_hit(gen, key)
         if hit is not None:
             if gen.stream:
                 return await streamed(request, gen, _replayed(hit))
             metrics.answers.labels(hit.cache_status).inc()
             return JSONResponse(api.completion(gen, hit), headers=cache_headers(hit))
-        stream = the_gateway().generate(gen, authorization)
+        stream = the_gateway().generate(gen, key)
         if gen.stream:
             return await streamed(request, gen, stream)
         try:
@@ -472,21 +512,12 @@ def create_app(settings: GatewaySettings) -> Starlette:
     async def feedback(request: Request) -> Any:
         """POST /v1/feedback {"answer_id", "verdict": "good" | "bad"}: the feedback model's
         answer, as the caller's API key's tenant (docs/gateway.md)."""
-        body, refused = await json_body(request)
+        body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
-        if not isinstance(body, dict) or set(body) - {"answer_id", "verdict"}:
-            return error_response(
-                InvalidRequest('the body must be {"answer_id": "...", "verdict": "good"|"bad"}')
-            )
-        answer_id, verdict = body.get("answer_id"), body.get("verdict")
-        if not isinstance(answer_id, str) or not answer_id:
-            return error_response(InvalidRequest("'answer_id' must be a non-empty string"))
-        if verdict not in ("good", "bad"):
-            return error_response(InvalidRequest('\'verdict\' must be "good" or "bad"'))
-        authorization = request.headers.get("authorization")
         try:
-            answer = await the_gateway().feedback(answer_id, verdict, authorization)
+            answer_id, verdict = api.parse_feedback(body)
+            answer = await the_gateway().feedback(answer_id, verdict, authorization(request))
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         return JSONResponse(answer)
@@ -543,22 +574,39 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-MAX_BODY_BYTES = 4 << 20  # a request body; the ensemble's own limits are far below this
+JSON_ESCAPED_CHAR_BYTES = 6  # "\uXXXX": a character as a client that escapes non-ASCII sends it
+# A request body: the longest prompt and history the ensemble accepts (its default limits), every
+# character escaped, the JSON around each history turn, and 28 KiB for every other field; 512 KiB.
+MAX_BODY_BYTES = (
+    JSON_ESCAPED_CHAR_BYTES * (DEFAULT_LIMITS.max_prompt_chars + DEFAULT_LIMITS.max_history_chars)
+    + 64 * DEFAULT_LIMITS.max_history_turns
+    + (28 << 10)
+)
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-async def json_body(request: Request) -> tuple[Any, JSONResponse | None]:
+async def json_body(request: Request, timeout_s: float) -> tuple[Any, JSONResponse | None]:
     """The request body as JSON, or the error response that refuses it: 413 past
-    MAX_BODY_BYTES, 400 for a body that is not JSON."""
+    MAX_BODY_BYTES, 408 when it has not all arrived within `timeout_s`, 400 for a body that is
+    not JSON."""
     try:
-        return json.loads(await bounded_body(request)), None
+        async with asyncio.timeout(timeout_s):
+            body = await bounded_body(request)
+        return json.loads(body), None
     except BodyTooLarge as exc:
         return None, JSONResponse(
             api.error_body(str(exc), "invalid_request_error", "request_too_large"),
             status_code=413,
+        )
+    except TimeoutError:  # the connection goes with it: the rest of the body may still come
+        message = f"the request body did not arrive within {timeout_s:g} s"
+        return None, JSONResponse(
+            api.error_body(message, "invalid_request_error", "request_timeout"),
+            status_code=408,
+            headers={"connection": "close"},
         )
     except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past int limits
         return None, error_response(InvalidRequest("the request body is not JSON"))
@@ -569,12 +617,12 @@ async def bounded_body(request: Request) -> bytes:
     when Content-Length says so)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 10} KiB")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES >> 10} KiB")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -590,8 +638,9 @@ def cache_headers(outcome: api.Outcome) -> dict[str, str]:
 
 def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
     """uvicorn's configuration of the gateway: no access log (Prometheus counts requests), no
-    proxy-header rewriting (the gateway trusts no forwarded client address), no Server header.
-    uvicorn picks uvloop and httptools, which the requirements install."""
+    proxy-header rewriting (the gateway trusts no forwarded client address), no Server header,
+    at most `settings.max_connections` connections. uvicorn picks uvloop and httptools, which
+    the requirements install."""
     import uvicorn
 
     return uvicorn.Config(
@@ -602,6 +651,11 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
         access_log=False,
         proxy_headers=False,
         server_header=False,
+        limit_concurrency=settings.max_connections,
+        # auto is httptools (installed), not h11: h11 bounds headers but parses them in Python on
+        # every edge hit; httptools bounds neither their size nor their time: a proxy must
+        # (docs/gateway.md)
+        http="auto",
     )
 
 

@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.errors import InvalidRequest
+from tiercache.exact.request import DEFAULT_LIMITS
 
 MAX_STOP_WORDS = 4  # OpenAI's own limit on `stop`
+# the ensemble's history limit plus the last user turn: a longer list is refused before any of
+# its messages is read
+MAX_MESSAGES = DEFAULT_LIMITS.max_history_turns + 1
+MAX_ANSWER_ID_CHARS = 512  # an answer id is about 106 characters (tiercache.exact.answer_ids)
 CACHE_CONTROL_HEADER_WORDS = ("no-cache", "no-store")
 MAX_AGE_RE = re.compile(r"^max-age=(\d+)$")
 
@@ -143,6 +148,11 @@ def conversation(messages: object) -> tuple[tuple[dict[str, str], ...], str]:
     assistant turn asks for a continuation, which the chat template does not render."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(
+            f"'messages' has {len(messages)} messages, over the limit of {MAX_MESSAGES} "
+            f"({MAX_MESSAGES - 1} turns of history and the last user message)"
+        )
     turns: list[dict[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -224,6 +234,23 @@ def parse_request(
         chat=chat,
         include_usage=include_usage,
     )
+
+
+def parse_feedback(body: object) -> tuple[str, str]:
+    """`POST /v1/feedback`'s body as (answer_id, verdict); InvalidRequest naming the problem."""
+    if not isinstance(body, dict) or set(body) - {"answer_id", "verdict"}:
+        raise InvalidRequest('the body must be {"answer_id": "...", "verdict": "good"|"bad"}')
+    answer_id, verdict = body.get("answer_id"), body.get("verdict")
+    if not isinstance(answer_id, str) or not answer_id:
+        raise InvalidRequest("'answer_id' must be a non-empty string")
+    if len(answer_id) > MAX_ANSWER_ID_CHARS:
+        raise InvalidRequest(
+            f"'answer_id' has {len(answer_id)} characters, over the limit of "
+            f"{MAX_ANSWER_ID_CHARS}: not an answer id"
+        )
+    if verdict not in ("good", "bad"):
+        raise InvalidRequest('\'verdict\' must be "good" or "bad"')
+    return _utf8("answer_id", answer_id), verdict
 
 
 class UnknownModel(InvalidRequest):
