@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,8 @@ from redis_server import RedisServer
 
 from tiercache.cli import main as tiercache_main
 from tiercache.errors import Unavailable
-from tiercache.exact.invalidation import Invalidator, signed_member
+from tiercache.exact import invalidation as invalidation_module
+from tiercache.exact.invalidation import Invalidator, recorded_members, signed_member
 from tiercache.exact.keys import REDIS_INVALIDATIONS, tenant_scope
 from tiercache.exact.redis_tier import Signer
 from tiercache.exact.tiered import TieredCache
@@ -280,21 +282,25 @@ def test_forged_invalidations_are_ignored_and_counted(
     assert holds(replica, Tier.L1, "k") and replica.get("k") is not None
 
     # The record: a replica that starts later reads it; forged members are skipped.
+    # Scored now (in the range a catch-up reads, the member's own at_s a later one) or in the
+    # future (never written by a replica: not even read).
     genuine = signed_member(fleet, events, Invalidation(InvalidationKind.TAG, "kb:v0", 5.0))
     body = genuine.split("|", 1)[1]
+    now_s = time.time() - 1
     members = {
-        wipe.member(): later_s,  # an older release's format, unsigned
-        signed_member(stranger, events, wipe): later_s,  # another secret
-        genuine.replace("kb:v0", "kb:v1"): later_s,  # a genuine record altered
-        genuine.replace(body, f"{later_s!r}|tag:kb:v0"): later_s,  # a later at_s for it
-        signed_member(fleet, f"{redis_prefix}other", wipe): later_s,  # bound to another key
+        wipe.member(): now_s,  # an older release's format, unsigned
+        signed_member(stranger, events, wipe): now_s,  # another secret
+        genuine.replace("kb:v0", "kb:v1"): now_s,  # a genuine record altered
+        genuine.replace(body, f"{later_s!r}|tag:kb:v0"): now_s,  # a later at_s for it
+        signed_member(fleet, f"{redis_prefix}other", wipe): now_s,  # bound to another key
     }
     client.zadd(events, members)
+    client.zadd(events, {f"future-{i}": later_s for i in range(3000)})  # three pages' worth
     give_secret(tmp_path / "late")
     late = open_replica(tmp_path / "late", redis_server.url, redis_prefix)
     late_listener = invalidation_listener(late)
     assert late_listener is not None and late_listener.stats().connected
-    assert late_listener.stats().forged == len(members)
+    assert late_listener.stats().forged == len(members)  # the future ones never read
     assert late_listener.stats().caught_up == 1  # the genuine "unrelated" key only
     late.put("k2", "answer", tags=("kb:v1", "kb:v0"), created_s=time.time() - 1)
     assert late.get("k2") is not None
@@ -314,3 +320,111 @@ def test_two_caches_in_one_process_do_not_skip_each_others_messages(
     wait_until(lambda: not holds(b, Tier.L1, "k"))
     a.close()
     b.close()
+
+
+def test_a_replayed_key_message_spares_the_answer_generated_since(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Someone with access to Redis captures a genuine key invalidation and publishes it again
+    after the answer was generated anew: the new answer stays in every tier, and its semantic
+    row is not forgotten."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    forgotten: list[list[str]] = []
+    listener.on_dropped(lambda inv, digests: forgotten.append(digests))
+    client = redis.Redis.from_url(redis_server.url)
+    spy = client.pubsub(ignore_subscribe_messages=True)
+    spy.subscribe(f"{redis_prefix}invalidations")
+    replica.put("k", "the old answer", created_s=time.time() - 1)
+    Invalidator(admin, redis_link(admin)).key("k")
+    wait_until(lambda: forgotten == [["k"]])
+    captured = None
+    deadline = time.monotonic() + TIMEOUT_S
+    while captured is None and time.monotonic() < deadline:
+        message = spy.get_message(timeout=0.1)  # None also for the subscription's own reply
+        if message is not None and message["type"] == "message":
+            captured = message["data"]
+    assert captured is not None
+    assert not holds(replica, Tier.L1, "k")
+    time.sleep(0.2)  # past the skew allowance (0.05 s): an answer generated after it
+    replica.put("k", "the new answer", created_s=time.time())
+    for _ in range(3):
+        client.publish(f"{redis_prefix}invalidations", captured)
+    wait_until(lambda: listener.stats().received == 4)
+    assert holds(replica, Tier.L1, "k") and holds(replica, Tier.L2, "k")
+    found = replica.get("k")
+    assert found is not None and found.entry.text == "the new answer"
+    assert forgotten == [["k"]]  # the replays forgot no row
+    assert listener.stats().dropped == 2  # the first message's L1 and L2 copies only
+    spy.close()
+    admin.close()
+    replica.close()
+
+
+def test_recorded_members_reads_every_member_once_in_pages(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Pages follow the scores; a run of one score longer than a page is read by offset; the
+    bounds hold."""
+    client = redis.Redis.from_url(redis_server.url)
+    events = f"{redis_prefix}paged"
+    members = {f"same-{i:04d}": 10.0 for i in range(2500)}
+    members |= {f"spread-{i:04d}": 11.0 + i / 1000 for i in range(1500)}
+    members |= {"early": 1.0, "future": 1e12}
+    client.zadd(events, members)
+    read = list(recorded_members(client, events, 5.0, 1e9, page=1000))
+    assert len(read) == len(set(read)) == 4000
+    assert {m.decode() for m in read} == set(members) - {"early", "future"}
+    everything = list(recorded_members(client, events, None, 1e12, page=7))
+    assert len(everything) == len(members)
+    assert list(recorded_members(client, events, 1e11, 1e11)) == []
+
+
+def test_a_failing_catch_up_keeps_the_subscription(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catch-up that fails (a slow or flooded record) is retried on its own; the listener
+    stays subscribed meanwhile and applies what is published."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    original = invalidation_module.recorded_members
+    failures = [2]
+
+    def flaky(*args: object, **kwargs: object) -> Iterator[bytes]:
+        if failures[0] > 0 and threading.current_thread() is listener._thread:
+            failures[0] -= 1
+            raise redis.exceptions.TimeoutError("a flooded record")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(invalidation_module, "recorded_members", flaky)
+    client = redis.Redis.from_url(redis_server.url)
+    client.client_kill_filter(_type="pubsub")  # the listener reconnects, then catches up
+    wait_until(lambda: listener.stats().catch_up_failures >= 1)
+    assert not listener.stats().connected  # not every recorded watermark noted yet
+    replica.put("k", "answer", created_s=time.time() - 1)
+    Invalidator(admin, redis_link(admin)).key("k")
+    wait_until(lambda: not holds(replica, Tier.L1, "k"))  # heard while the catch-up failed
+    wait_until(lambda: listener.stats().connected)  # the third attempt read the record
+    assert listener.stats().catch_up_failures == 2
+    admin.close()
+    replica.close()
+
+
+def test_a_flooded_record_is_read_up_to_the_cap(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Junk scored in range beyond CATCH_UP_MAX members: the catch-up stops there, counts it,
+    and the listener is subscribed and connected all the same."""
+    monkeypatch.setattr(invalidation_module, "CATCH_UP_MAX", 50)
+    client = redis.Redis.from_url(redis_server.url)
+    client.zadd(f"{redis_prefix}invalidated", {f"junk-{i}": time.time() - 10 for i in range(80)})
+    give_secret(tmp_path / "late")
+    late = open_replica(tmp_path / "late", redis_server.url, redis_prefix)
+    listener = invalidation_listener(late)
+    assert listener is not None and listener.stats().connected
+    assert (listener.stats().truncated, listener.stats().forged) == (1, 50)
+    late.close()

@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,9 @@ if TYPE_CHECKING:  # the Redis client is imported only by processes with L3
 log = logging.getLogger(__name__)
 
 _TAG_HEX = 64  # the hex of an HMAC-SHA256
+APPLIED_MEMO = 4096  # messages a listener remembers having applied (replays are not swept)
+CATCH_UP_PAGE = 1000  # members read per call when a listener catches up
+CATCH_UP_MAX = 200_000  # members one catch-up reads at most (a flooded record is cut there)
 
 
 def signed_member(signer: Signer, events: str, inv: Invalidation) -> str:
@@ -99,6 +102,46 @@ def verified_member(signer: Signer, events: str, member: str | bytes) -> Invalid
     return Invalidation.from_member(ident, float(at_text))
 
 
+def recorded_members(
+    client: Any, events: str, since: float | None, upper: float, page: int = CATCH_UP_PAGE
+) -> Iterator[bytes]:
+    """The members of the sorted set `events` scored from `since` (None: the lowest) to
+    `upper`, lowest first, read `page` at a time: each call bounded in size and time, however
+    large the set. Pages follow the scores (the next starts at the last score read, skipping
+    the members already read there), so members removed below the cursor meanwhile (the
+    record's trimming) shift nothing; a run of equal scores longer than a page is read by
+    offset within that score."""
+    low: str = "-inf" if since is None else repr(since)
+    seen_at_low: set[bytes] = set()
+    while True:
+        rows: Any = client.zrangebyscore(
+            events, low, repr(upper), start=0, num=page, withscores=True
+        )
+        if not rows:
+            return
+        last = float(rows[-1][1])
+        fresh = [(m, float(sc)) for m, sc in rows if m not in seen_at_low]
+        for member, _ in fresh:
+            yield bytes(member)
+        if len(rows) < page:
+            return
+        if all(float(sc) == last for _, sc in rows):  # a page of one score: by offset in it
+            offset = len(rows)
+            while True:
+                more: Any = client.zrangebyscore(
+                    events, repr(last), repr(last), start=offset, num=page, withscores=True
+                )
+                for member, _ in more:
+                    yield bytes(member)
+                offset += len(more)
+                if len(more) < page:
+                    break
+            low, seen_at_low = f"({last!r}", set()
+            continue
+        low = repr(last)
+        seen_at_low = {m for m, sc in rows if float(sc) == last}
+
+
 def checked_digest(value: str, what: str) -> str:
     """A hex SHA-256 digest as keys and adapter versions are written (lower case, no spaces);
     InvalidRequest otherwise, rather than an invalidation that silently matches nothing."""
@@ -109,9 +152,14 @@ def checked_digest(value: str, what: str) -> str:
 
 
 def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> list[str]:
-    """Delete what `inv` kills from `store`; the keys deleted. A key costs one delete; a tag,
-    tenant or adapter a scan of the whole store."""
+    """Delete what `inv` kills from `store`; the keys deleted. A key costs a read and one
+    delete; a tag, tenant or adapter a scan of the whole store. An entry written clearly after
+    `inv` (`applies` says no: an answer generated again since) is left alone, so a message
+    replayed from Redis never deletes a newer answer."""
     if inv.kind is InvalidationKind.KEY:
+        held = store.peek(inv.value)
+        if held is None or not applies(inv, inv.value, held, skew_s):
+            return []
         return [inv.value] if store.delete(inv.value) else []
     victims = [key for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
     if victims:
@@ -139,6 +187,8 @@ class ListenerStats:
     # messages and records ignored because their signature did not verify (forged, another
     # fleet's, an older release's)
     forged: int = 0
+    truncated: int = 0  # catch-ups cut at CATCH_UP_MAX members (a flooded record)
+    catch_up_failures: int = 0  # catch-ups that failed while subscribed (retried)
     # By kind (`InvalidationKind.value`; a kind never counted may be absent):
     received_by_kind: dict[str, int] = field(default_factory=dict)  # messages, as `received`
     applied_by_kind: dict[str, int] = field(default_factory=dict)  # news: raised a watermark
@@ -183,6 +233,9 @@ class InvalidationListener:
         self._lock = threading.Lock()
         self._received = self._caught_up = self._reconnects = self._dropped = 0
         self._forged = 0
+        self._applied: dict[tuple[InvalidationKind, str, float, str], None] = {}
+        self._truncated = 0  # catch-ups stopped at CATCH_UP_MAX members
+        self._catch_up_failures = 0
         self._thread: threading.Thread | None = None
 
     def on_dropped(self, callback: DroppedFn) -> None:
@@ -212,20 +265,33 @@ class InvalidationListener:
 
         errors = (redis.exceptions.RedisError, OSError, ValueError)
         pubsub: Any = None
-        first = True
+        first = True  # no catch-up has completed yet: the first notes, it does not sweep
+        catch_up_due: float | None = None  # monotonic time of the next catch-up attempt
         next_ping = 0.0
         while not self._stop.is_set():
             if pubsub is None:
                 try:
-                    pubsub = self._connect(catch_up_sweeps=not first)
+                    pubsub = self._subscribe()
                 except errors as exc:
                     self._disconnected(exc, first)
                     self._attempted.set()
                     self._stop.wait(self._retry_s)
                     continue
-                self._attempted.set()
-                first = False
+                catch_up_due = 0.0
                 next_ping = time.monotonic() + self._ping_s
+            if catch_up_due is not None and time.monotonic() >= catch_up_due:
+                # Subscribed first, so what is published meanwhile arrives on the channel; a
+                # catch-up that fails (a slow or flooded record) is retried on its own while the
+                # subscription stays, so the replica never stops hearing new invalidations.
+                try:
+                    self._catch_up(catch_up_sweeps=not first)
+                except errors as exc:
+                    self._catch_up_failed(exc, first)
+                    catch_up_due = time.monotonic() + self._retry_s
+                else:
+                    catch_up_due = None
+                    first = False
+                self._attempted.set()
             try:
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
                 if time.monotonic() >= next_ping:  # a dead peer that never closed the socket
@@ -251,7 +317,11 @@ class InvalidationListener:
                 continue
             if inv.origin != self.table.origin:
                 news = self.table.note(inv, from_redis=True)
-                self._apply(inv, sweep_local=True, noted=True)
+                # A message this listener applied before (a replay of a captured one) is not
+                # swept again: reads check its watermark, and a replayed tag would cost a
+                # scan each time. One too old to kill anything servable is not swept either.
+                if self._first_hearing(inv) and not self._past_horizon(inv):
+                    self._apply(inv, sweep_local=True, noted=True)
                 lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
                 with self._lock:
                     self._received += 1
@@ -264,18 +334,41 @@ class InvalidationListener:
                         log.exception("invalidation callback failed")
         self._close_quietly(pubsub)
 
-    def _connect(self, catch_up_sweeps: bool) -> Any:
-        """Subscribe first, then read the watermarks recorded since the newest one seen: an
-        invalidation published in between arrives twice, which is harmless."""
+    def _subscribe(self) -> Any:
         pubsub = self.link.client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.subscribe(self.channel)
-            since = self.table.newest_s - 2 * self.table.skew_s if self.table.newest_s else "-inf"
-            rows: Any = self.link.client.zrangebyscore(self.events, since, "+inf", withscores=True)
         except BaseException:
             self._close_quietly(pubsub)
             raise
-        for member, _score in rows:
+        return pubsub
+
+    def _catch_up(self, catch_up_sweeps: bool) -> None:
+        """Read the watermarks recorded since the newest one seen (an invalidation published
+        meanwhile arrives twice, which is harmless), in pages (`recorded_members`): scores up
+        to Redis's clock now (a member scored in the future was never written by a replica),
+        at most CATCH_UP_MAX members (past that the record is flooded: logged, counted, and
+        the rest left unread rather than the listener never finishing)."""
+        client = self.link.client
+        since = self.table.newest_s - 2 * self.table.skew_s if self.table.newest_s else None
+        seconds, micros = client.time()
+        upper = float(seconds) + float(micros) / 1e6
+        read = 0
+        for member in recorded_members(client, self.events, since, upper):
+            read += 1
+            if read > CATCH_UP_MAX:
+                with self._lock:
+                    self._truncated += 1
+                log.error(
+                    "Redis's invalidation record %s holds more than %d members since %s: the "
+                    "catch-up stopped there (a flooded record: remove what the fleet did not "
+                    "sign, tiercache_redis_forged_total counts it); reads miss the watermarks "
+                    "recorded past them until the next catch-up",
+                    self.events,
+                    CATCH_UP_MAX,
+                    since,
+                )
+                break
             try:
                 found = verified_member(self._signer, self.events, member)
             except ValueError:  # signed, yet not a record: never written by this release
@@ -288,7 +381,8 @@ class InvalidationListener:
             # At start every recorded watermark is noted; reads check them, so no sweep is
             # needed. After an outage only the news is swept.
             news = self.table.note(inv, from_redis=True)
-            if news and catch_up_sweeps:
+            swept = news and catch_up_sweeps and not self._past_horizon(inv)
+            if swept and self._first_hearing(inv):
                 self._apply(inv, sweep_local=True, noted=True)
             with self._lock:
                 self._caught_up += 1
@@ -297,7 +391,21 @@ class InvalidationListener:
         if self._connected.is_set() is False:
             log.info("invalidation listener subscribed to %s", self.channel)
         self._connected.set()
-        return pubsub
+
+    def _catch_up_failed(self, exc: BaseException, first: bool) -> None:
+        """A catch-up that failed while the subscription holds: retried every `retry_s`."""
+        self._connected.clear()
+        with self._lock:
+            self._catch_up_failures += 1
+        log.warning(
+            "invalidation listener %s: reading the recorded watermarks failed (%s: %s)%s; "
+            "still subscribed, retrying every %.1f s",
+            self.channel,
+            type(exc).__name__,
+            exc,
+            " at start" if first else "",
+            self._retry_s,
+        )
 
     def _apply(self, inv: Invalidation, sweep_local: bool, noted: bool = False) -> None:
         """Note the watermark (reads are right from here on), then reclaim the space."""
@@ -315,13 +423,50 @@ class InvalidationListener:
             self._dropped += len(dropped)  # entries, counted once per tier
             self._by_kind["dropped"][inv.kind.value] += len(dropped)
         digests = list(dict.fromkeys(dropped))
-        if inv.kind is InvalidationKind.KEY and inv.value not in digests:
+        if (
+            inv.kind is InvalidationKind.KEY
+            and inv.value not in digests
+            and not self._newer_held(inv)
+        ):
             digests.append(inv.value)  # another process on the host may have swept it first
         for callback in self._callbacks:
             try:
                 callback(inv, digests)
             except Exception:  # noqa: BLE001 - a listener's hook must not stop the thread
                 log.exception("invalidation callback failed")
+
+    def _first_hearing(self, inv: Invalidation) -> bool:
+        """Whether this listener has not applied this very message before (its kind, value,
+        time and origin; the last APPLIED_MEMO of them remembered, all forgotten when full: a
+        replay past that is swept again, which `sweep`'s and `_newer_held`'s checks keep
+        harmless to answers generated since)."""
+        ident = (inv.kind, inv.value, inv.at_s, inv.origin)
+        with self._lock:
+            if ident in self._applied:
+                return False
+            if len(self._applied) >= APPLIED_MEMO:
+                self._applied.clear()
+            self._applied[ident] = None
+            return True
+
+    def _past_horizon(self, inv: Invalidation) -> bool:
+        """Whether `inv` is too old to kill anything a reader would serve (the table's
+        forgetting rule, `forget_before_s`): a replayed message the table had forgotten is news
+        to it again, and must not sweep answers generated since."""
+        cutoff = forget_before_s(self.cache.now(), self.table.horizon_s, self.table.skew_s)
+        return cutoff is not None and inv.at_s < cutoff
+
+    def _newer_held(self, inv: Invalidation) -> bool:
+        """Whether a local tier holds an answer under `inv`'s key written clearly after it
+        (generated again since): its semantic row is that answer's, not the invalidated one's."""
+        for _, store in self.cache.local_stores():
+            try:
+                held = store.peek(inv.value)
+            except Exception:  # noqa: BLE001 - unknown: forget the row (recall, not correctness)
+                continue
+            if held is not None and not applies(inv, inv.value, held, self.table.skew_s):
+                return True
+        return False
 
     def _disconnected(self, exc: BaseException, first: bool) -> None:
         was_connected = self._connected.is_set()
@@ -354,6 +499,8 @@ class InvalidationListener:
                 self._reconnects,
                 self._dropped,
                 forged=self._forged,
+                truncated=self._truncated,
+                catch_up_failures=self._catch_up_failures,
                 received_by_kind=dict(self._by_kind["received"]),
                 applied_by_kind=dict(self._by_kind["applied"]),
                 replayed_by_kind=dict(self._by_kind["replayed"]),
