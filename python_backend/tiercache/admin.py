@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import re
 import threading
@@ -174,6 +175,21 @@ def parse_admin(text: str) -> dict[str, Any]:
     return parse_admin_ops(text, ADMIN_OPS)
 
 
+def _finite(item: dict[str, Any], name: str) -> float | None:
+    """`item[name]` (a number, checked) as a finite float; InvalidRequest for one that is not
+    (an integer past float's range, which JSON allows)."""
+    value = item.get(name)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be a finite number")
+    return number
+
+
 def raw_inputs(item: dict[str, Any]) -> RawInputs:
     """A warmed prompt's ensemble inputs, type-checked as the wire would (values are
     prompt_cache's to validate)."""
@@ -198,13 +214,13 @@ def raw_inputs(item: dict[str, Any]) -> RawInputs:
     for name in ("stream", "raw_prompt"):
         if name in item and not isinstance(item[name], bool):
             raise InvalidRequest(f"{name} must be a boolean")
-    temperature, top_p = item.get("temperature"), item.get("top_p")
+    temperature, top_p = _finite(item, "temperature"), _finite(item, "top_p")
     return RawInputs(
         text_input=item.get("text_input"),
         max_tokens=item.get("max_tokens"),
         stream=item.get("stream"),
-        temperature=None if temperature is None else float(temperature),
-        top_p=None if top_p is None else float(top_p),
+        temperature=temperature,
+        top_p=top_p,
         top_k=item.get("top_k"),
         seed=item.get("seed"),
         stop_words=words,

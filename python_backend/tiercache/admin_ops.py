@@ -15,8 +15,8 @@ def parse_admin(text: str, ops: Mapping[str, Collection[str]]) -> dict[str, Any]
     (`ops` maps each op to the keys it takes, `op` included)."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"ADMIN is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # also numbers past int limits, deep nesting
+        raise InvalidRequest(f"ADMIN is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict) or data.get("op") not in ops:
         raise InvalidRequest(f"ADMIN must be a JSON object with op one of {sorted(ops)}")
     unknown = set(data) - set(ops[data["op"]])

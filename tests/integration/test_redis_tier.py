@@ -37,6 +37,7 @@ from tiercache.exact.request import RawInputs
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.generation import Generations
+from tiercache.lora.fleet import MAX_METADATA_BYTES, AdapterFleet, AdapterVersion
 from tiercache.vocabulary import CacheStatus, Tier
 
 from .replicas import (
@@ -138,8 +139,9 @@ def test_forged_l3_values_are_counted_misses_never_served_nor_copied(
         assert client.exists(name(key)) == 1, key  # left alone (the next write-back replaces it)
     assert l3.forged == len(planted)
     assert link.health().forged[REDIS_VALUES] == len(planted)
+    client.set(f"{redis_prefix}e:".encode() + b"\xff\xfe", genuine)  # a name no fleet writes
     assert [key for key, _ in l3.scan()] == ["genuine"]  # a sweep sees only signed entries
-    assert l3.forged == 2 * len(planted)
+    assert l3.forged == 2 * len(planted)  # the undecodable name skipped before its value
     found = replica.get("genuine")
     assert found is not None and found.entry.text == "the real answer"
     replica.put("unsigned", "generated again", created_s=time.time())  # the write-back
@@ -422,3 +424,25 @@ def test_replica_starts_and_serves_with_redis_down(
     link = redis_link(cache)
     assert link is not None and not link.health().available
     cache.close()
+
+
+def test_malformed_fleet_metadata_is_skipped(redis_server: RedisServer, redis_prefix: str) -> None:
+    """Adapter fleet metadata is not signed (docs/security.md): a nested, oversized or
+    malformed value is skipped with a warning, never an error for the fleet's readers."""
+    link = RedisLink.from_url(redis_server.url, redis_prefix)
+    fleet = AdapterFleet(link, "replica-a")
+    assert fleet.publish([AdapterVersion("caps", "d" * 64, 1000, time.time(), "replica-a")])
+    client = raw_client(redis_server)
+    client.hset(
+        link.key("adapters"),
+        mapping={
+            "nested": "[" * 100_000,
+            "huge": "x" * (MAX_METADATA_BYTES + 1),
+            "not-json": "{",
+            "wrong-shape": "[]",
+        },
+    )
+    found = fleet.fleet()
+    assert found is not None
+    versions, _ = found
+    assert list(versions) == ["caps"]

@@ -82,6 +82,20 @@ def test_warm_then_prompt_cache_hits_exact(admin: Admin) -> None:
     assert other.status is CacheStatus.MISS
 
 
+def test_warm_refuses_a_number_past_floats_range_for_that_prompt_alone(admin: Admin) -> None:
+    result = run(
+        admin,
+        op="warm",
+        prompts=[
+            {"text_input": "x", "answer": "y", "temperature": 10**400},
+            {"text_input": "Capital of France?", "answer": "Paris."},
+        ],
+    )
+    items = result["prompts"]
+    assert [i["status"] for i in items] == ["error", "stored"]
+    assert "temperature must be a finite number" in items[0]["error"]
+
+
 def test_warm_again_replaces_the_answer(admin: Admin) -> None:
     first = run(admin, op="warm", prompts=[{"text_input": "Capital of France?", "answer": "Lyon."}])
     again = run(
@@ -198,6 +212,9 @@ def test_invalidate_adapter_name_without_adapters_is_not_found(admin: Admin) -> 
         '{"op": "warm", "prompts": {}}',
         '{"op": "warm", "adapters": "french"}',
         '{"op": "warm", "adapters": ["french"]}',  # no lora_cache behind this admin
+        "1" * 5000,  # a number past Python's int-parsing limit
+        '{"op": "stats", "n": ' + "1" * 5000 + "}",
+        "[" * 100_000,  # nesting past the JSON decoder's recursion limit
     ],
 )
 def test_bad_admin_is_invalid_request(admin: Admin, text: str) -> None:

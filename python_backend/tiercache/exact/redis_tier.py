@@ -565,7 +565,10 @@ class RedisStore:
             for raw, stored in zip(names, values, strict=True):
                 if stored is None:
                     continue
-                name = raw.decode()
+                try:
+                    name = raw.decode()
+                except UnicodeDecodeError:  # never a name this fleet writes (prefix, hex digest)
+                    continue
                 data = self._signer.unseal(name, stored)  # forged: skipped (and counted)
                 if data is None:
                     continue

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 ADAPTERS = "adapters"
 USES = "adapter_uses"
+MAX_METADATA_BYTES = 4096  # one adapter's JSON is about 150 bytes
 _MISSING = object()
 
 # KEYS[1] the hash; ARGV: name, value (JSON), digest, updated_s. 1 when written.
@@ -194,9 +195,12 @@ class AdapterFleet:
         versions: dict[str, AdapterVersion] = {}
         for key, value in raw_adapters.items():
             name = key.decode("utf-8", "replace")
+            if len(value) > MAX_METADATA_BYTES:  # never written by a replica: not even parsed
+                log.warning("ignored oversized fleet metadata for adapter %r", name[:80])
+                continue
             try:
                 versions[name] = AdapterVersion.from_json(name, value)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 log.warning("ignored malformed fleet metadata for adapter %r", name)
         uses = {}
         for key, value in raw_uses.items():
