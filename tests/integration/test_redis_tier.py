@@ -15,6 +15,7 @@ import redis
 from redis_server import RedisServer
 
 from tiercache.errors import ConfigError
+from tiercache.exact import redis_tier
 from tiercache.exact.codec import CacheEntry, encode_entry
 from tiercache.exact.keys import (
     REDIS_VALUES,
@@ -446,3 +447,31 @@ def test_malformed_fleet_metadata_is_skipped(redis_server: RedisServer, redis_pr
     assert found is not None
     versions, _ = found
     assert list(versions) == ["caps"]
+
+
+def test_l3_values_are_read_only_up_to_the_bound(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value longer than MAX_VALUE_BYTES is read no further and refused as forged (a reader
+    pays the bound, not the value's size), a name holding no string is a plain miss (no breaker
+    opened), and an entry too long to share is kept in L1 and L2 only."""
+    monkeypatch.setattr(redis_tier, "MAX_VALUE_BYTES", 2000)
+    replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    l3 = replica.store(Tier.L3)
+    assert isinstance(l3, RedisStore)
+    client = raw_client(redis_server)
+    replica.put("short", "x" * 100, created_s=time.time() - 1)
+    replica.put("long", "y" * 3000, created_s=time.time() - 1)
+    assert client.exists(f"{redis_prefix}e:short") == 1
+    assert client.exists(f"{redis_prefix}e:long") == 0  # never shared
+    found = replica.get("long")
+    assert found is not None and found.tier is Tier.L1
+    genuine = client.get(f"{redis_prefix}e:short")
+    assert genuine is not None
+    client.set(f"{redis_prefix}e:padded", genuine + b"z" * 5000)  # huge, planted
+    client.hset(f"{redis_prefix}e:hash", mapping={"a": "b"})
+    assert l3.get("padded") is None and l3.get("hash") is None
+    assert l3.forged == 1  # the oversized one; the hash is no value at all
+    assert redis_link(replica) is not None and not redis_link(replica).breaker.is_open  # type: ignore[union-attr]
+    assert sorted(key for key, _ in l3.scan()) == ["short"]
+    replica.close()

@@ -93,6 +93,11 @@ _FORGED_LOG_S = 60.0  # at most one warning per signer this often: a forger must
 # noeviction policy, a read-only replica, a wrong type) fails only that call.
 _OUTAGE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _SCAN_BATCH = 500
+# An L3 value is read at most this long (GETRANGE): a longer one was never written by a replica
+# (`RedisStore.put` does not share one) and is refused as forged, so a huge value planted in
+# Redis costs a reader this much memory, not its size. An answer of the 1,024-token limit takes a
+# few KiB.
+MAX_VALUE_BYTES = 4 << 20
 
 
 class Breaker:
@@ -430,6 +435,31 @@ class RedisLink:
         self.client.close()
 
 
+def bounded_get(client: Any, name: str) -> bytes | None:
+    """The value of `name`, read at most MAX_VALUE_BYTES + 1 bytes long (a longer one shows as
+    that long, and is refused); None when there is none (no L3 value is ever empty: each has a
+    signed header)."""
+    try:
+        found: Any = client.getrange(name, 0, MAX_VALUE_BYTES)
+    except redis.exceptions.ResponseError as exc:
+        if str(exc).startswith("WRONGTYPE"):  # not a string: nothing this fleet wrote, a miss
+            return None
+        raise
+    return bytes(found) if isinstance(found, bytes) and found else None
+
+
+def bounded_mget(client: Any, names: list[bytes]) -> list[bytes | None]:
+    """`bounded_get` of every name in one round trip (a pipeline, not a transaction); a name
+    that holds no string (WRONGTYPE) is None, as MGET has it."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.getrange(name, 0, MAX_VALUE_BYTES)
+    return [
+        bytes(found) if isinstance(found, bytes) and found else None
+        for found in pipe.execute(raise_on_error=False)
+    ]
+
+
 class RedisStore:
     """L3: exact-cache entries in Redis, shared by every replica (a `tiercache.exact.stores.Store`).
 
@@ -480,14 +510,14 @@ class RedisStore:
 
     def get(self, key: str) -> CacheEntry | None:
         name = self._key(key)
-        return self._read(key, name, self.link.call(lambda c: c.get(name), None))
+        return self._read(key, name, self.link.call(lambda c: bounded_get(c, name), None))
 
     def _read(self, key: str, name: str, stored: Any) -> CacheEntry | None:
         """A request's read of what Redis returned for `key` (counted; a corrupt one dropped;
-        a forged one a counted miss)."""
+        a forged one, or one longer than MAX_VALUE_BYTES, a counted miss)."""
         if stored is None:
             return read_stored(self, "L3", key, None)
-        data = self._signer.unseal(name, stored)
+        data = self._unseal(name, stored)
         if data is None:
             self._count(misses=1)
             return None
@@ -500,14 +530,22 @@ class RedisStore:
         if self.link.breaker.is_open:
             return None
         name = self._key(key)
-        stored: Any = self.link.call(lambda c: c.get(name), None)
-        return None if stored is None else peeked(self._signer.unseal(name, stored))
+        stored: Any = self.link.call(lambda c: bounded_get(c, name), None)
+        return None if stored is None else peeked(self._unseal(name, stored))
 
     def get_or_raise(self, key: str) -> CacheEntry | None:
         """`get` for a read whose caller writes back what it read (a merge): Unavailable when
         Redis could not be asked, where `get` says None (a miss)."""
         name = self._key(key)
-        return self._read(key, name, self.link.call_or_raise(lambda c: c.get(name)))
+        return self._read(key, name, self.link.call_or_raise(lambda c: bounded_get(c, name)))
+
+    def _unseal(self, name: str, stored: bytes) -> bytes | None:
+        """The value's payload, or None (counted as forged) for one whose signature does not
+        verify or that is longer than MAX_VALUE_BYTES (read no further)."""
+        if len(stored) > MAX_VALUE_BYTES:
+            self._signer.refuse(name)
+            return None
+        return self._signer.unseal(name, stored)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)
@@ -515,6 +553,10 @@ class RedisStore:
             return  # already expired: never serve it, and do not overwrite a live one with it
         name = self._key(key)
         data = self._signer.seal(name, encode_entry(entry))
+        if len(data) > MAX_VALUE_BYTES:  # readers would refuse it: kept in L1 and L2 only
+            log.warning("an entry of %d bytes is not shared through Redis (%d at most)",
+                        len(data), MAX_VALUE_BYTES)  # fmt: skip
+            return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.link.call(lambda c: c.set(name, data, px=px), None)
 
@@ -559,7 +601,7 @@ class RedisStore:
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         start = len(self._entry_prefix)
         for names in self._names():
-            values = self.link.call(lambda c, n=names: c.mget(n), None)  # type: ignore[misc]
+            values = self.link.call(lambda c, n=names: bounded_mget(c, n), None)  # type: ignore[misc]
             if values is None:
                 return
             for raw, stored in zip(names, values, strict=True):
@@ -569,7 +611,7 @@ class RedisStore:
                     name = raw.decode()
                 except UnicodeDecodeError:  # never a name this fleet writes (prefix, hex digest)
                     continue
-                data = self._signer.unseal(name, stored)  # forged: skipped (and counted)
+                data = self._unseal(name, stored)  # forged or oversized: skipped (and counted)
                 if data is None:
                     continue
                 try:
