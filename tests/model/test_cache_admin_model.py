@@ -141,6 +141,20 @@ def test_bad_json_with_no_token_is_forbidden_first(pb_utils: ModuleType, model: 
     assert response.error().message().startswith("forbidden: ")
 
 
+def test_an_undecodable_admin_with_no_token_is_forbidden_and_counted(
+    pb_utils: ModuleType, model: Any
+) -> None:
+    """ADMIN is not even decoded before the token is checked: bytes that are not UTF-8, or a
+    batch of two, from a caller without the token are a counted refusal, not an input error."""
+    for value in (
+        np.array([[b"\xff\xfe"]], dtype=np.object_),
+        np.array([[b"a"], [b"b"]], dtype=np.object_),
+    ):
+        (response,) = model.execute([pb_utils.InferenceRequest([pb_utils.Tensor("ADMIN", value)])])
+        assert response.error().message().startswith("forbidden: ")
+    assert refused(model) == {"missing": 2, "wrong": 0}
+
+
 @pytest.mark.parametrize("op", EVERY_OP, ids=lambda op: op["op"] + "-" + "-".join(sorted(op)))
 def test_every_op_served_with_the_token(
     pb_utils: ModuleType, model: Any, token: str, lora_cache: list[list[str]], op: dict

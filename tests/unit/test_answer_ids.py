@@ -64,6 +64,22 @@ def test_an_altered_id_is_refused_at_every_byte() -> None:
             ids.open(text, "scope-a")
 
 
+def test_an_id_has_one_spelling() -> None:
+    """The last base64url character carries unused bits; an id with any of them set decodes
+    to the same bytes, and is refused: every character of an id is checked."""
+    ids = AnswerIds(SECRET)
+    answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    last = alphabet.index(answer_id[-1])
+    unused = (4 - len(answer_id[len(PREFIX) :]) % 4) % 4 * 2  # bits the decoder drops
+    assert unused > 0
+    spellings = [answer_id[:-1] + alphabet[last | bit] for bit in range(1, 1 << unused)]
+    for other in spellings:
+        with pytest.raises(InvalidRequest):
+            ids.open(other, "scope-a")
+    assert ids.open(answer_id, "scope-a").digest == DIGEST
+
+
 @pytest.mark.parametrize(
     "text",
     ["", "a1.", "not an id", DIGEST, "a9." + "A" * (ID_CHARS - 3), "a2." + "*" * (ID_CHARS - 3)],

@@ -20,7 +20,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 inputs = io.Inputs(request)
-                result = self.stage.run(inputs.string("ADMIN"), inputs.string("ADMIN_TOKEN"))
+                token = inputs.string("ADMIN_TOKEN")
+                self.stage.gate.check(token)  # before ADMIN is even decoded
+                result = self.stage.run(inputs.string("ADMIN"), token)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 responses.append(io.error_response(exc))
                 continue

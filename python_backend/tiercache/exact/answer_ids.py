@@ -161,6 +161,9 @@ class AnswerIds:
             )
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest("answer_id is not an answer id (not base64url)") from exc
+        if base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii") != encoded:
+            # the last character's unused bits set: one id, one spelling
+            raise InvalidRequest("answer_id is not an answer id (not canonical base64url)")
         if len(sealed) != NONCE_BYTES + body_format.size + 16:
             raise InvalidRequest("answer_id is not an answer id (wrong length)")
         nonce, box = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
