@@ -169,3 +169,21 @@ def test_the_standalone_gateway_listens_beyond_loopback_only_with_keys(
     assert [c.limit_concurrency for c in served] == [512, 64]
     monkeypatch.delenv(API_KEYS_FILE_ENV)
     assert main(["gateway", "--host", "::1"]) == 0  # loopback needs no key file
+
+
+def test_an_unavailable_servers_address_stays_out_of_the_answer() -> None:
+    """Triton's address in gRPC's transport error, a stage's Redis URL: not the caller's to
+    know (the gateway's log keeps them)."""
+    for message, kept in [
+        ("failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.5:8001: refused",
+         "failed to connect to all addresses"),
+        ("Redis redis://10.0.0.7:6379/0 is unavailable: applied on this replica only",
+         "applied on this replica only"),
+        ("ipv6:[fd00::5]:8001 is down", "is down"),
+    ]:  # fmt: skip
+        body = app.error_response(UnavailableError(message)).body.decode()
+        assert kept in body and "10.0.0" not in body and "fd00" not in body, body
+    assert (
+        "the ensemble is not ready"
+        in app.error_response(UnavailableError("the ensemble is not ready")).body.decode()
+    )

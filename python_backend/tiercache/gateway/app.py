@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -335,6 +336,19 @@ def _no_valid_key(message: str) -> bool:
     return "API key is required" in message or "unknown API key" in message
 
 
+# Where the gateway's servers are is not the caller's to know: gRPC's transport errors name
+# Triton's address ("ipv4:10.0.0.5:8001"), a stage's Redis errors its URL (password masked).
+_ADDRESSES = re.compile(r"\b(?:ipv4|ipv6|unix|dns):\S+|\brediss?://\S+")
+
+
+def _public(message: str) -> str:
+    """`message` with server addresses and URLs taken out (the log keeps them)."""
+    scrubbed = _ADDRESSES.sub("<server>", message)
+    if scrubbed != message:
+        log.warning("unavailable: %s", message)
+    return scrubbed
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     """OpenAI's error JSON with the status code OpenAI uses for that kind of error; a server
     error carries no traceback."""
@@ -355,7 +369,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, InvalidRequestError):
         status, kind, code, message = 400, "invalid_request_error", None, exc.message
     elif isinstance(exc, UnavailableError):
-        status, kind, code, message = 503, "server_error", "unavailable", exc.message
+        status, kind, code, message = 503, "server_error", "unavailable", _public(exc.message)
     elif isinstance(exc, TierCacheClientError) and exc.kind == "capacity":
         status, kind, code, message = 429, "rate_limit_error", "capacity", exc.message
     else:
