@@ -20,6 +20,7 @@ from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import REDIS_SEMANTIC_ROWS
 from tiercache.exact.redis_tier import Signer
 from tiercache.exact.tiered import TieredCache
+from tiercache.semantic import redis_rows
 from tiercache.semantic.redis_rows import STREAM, RowSharing, SharedRow, sign_fields
 from tiercache.semantic.row_log import scope_tag
 from tiercache.semantic.store import SemanticStore
@@ -127,3 +128,47 @@ def test_forged_semantic_rows_are_skipped_and_counted(
     assert (stats.read, stats.added, stats.malformed) == (1 + len(forged), 1, 0)
     assert stats.forged == len(forged)
     assert b.link.health().forged[REDIS_SEMANTIC_ROWS] == len(forged)
+
+
+def test_oversized_rows_are_never_read_whole(
+    hosts: list[Host],
+    redis_server: RedisServer,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows planted larger than MAX_ROW_BYTES come to the follower as a marker (counted as
+    forged, skipped, the id past them), and a batch stops at MAX_BATCH_BYTES: a flooded stream
+    costs a reader its bounds, not the rows' size. The genuine rows around them are indexed."""
+    monkeypatch.setattr(redis_rows, "MAX_ROW_BYTES", 4096)
+    monkeypatch.setattr(redis_rows, "MAX_BATCH_BYTES", 3 * 4096)
+    a = Host(tmp_path / "a", redis_server.url, redis_prefix)
+    hosts.append(a)
+    scope = "scope-shared"
+    client = redis.Redis.from_url(redis_server.url)
+    key = redis_prefix + STREAM
+    prompts = [f"prompt {i} " + "p" * 3000 for i in range(4)]  # rows of about 3.4 KB
+    for i, prompt in enumerate(prompts):
+        digest = f"d-{i}"
+        a.cache.put(digest, f"answer {i}", created_s=time.time() - 1)
+        a.store.append(scope, digest, prompt, unit(i))
+        assert a.sharing.publish(scope, digest, prompt, unit(i))
+        client.xadd(key, {"m": b"x" * 10_000, "v": b"", "t": b""})  # planted, oversized
+    read_sizes: list[int] = []
+    original = redis_rows.RowFollower._apply
+
+    def spy(self: Any, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+        read_sizes.append(sum(len(v) for _, fields in entries for v in fields.values()))
+        original(self, entries)
+
+    monkeypatch.setattr(redis_rows.RowFollower, "_apply", spy)
+    b = Host(tmp_path / "b", redis_server.url, redis_prefix)
+    hosts.append(b)
+    b.sharing.start()
+    assert b.sharing.follower.wait_caught_up(TIMEOUT_S)
+    assert sorted(b.rows(scope)) == [(f"d-{i}", prompts[i]) for i in range(4)]
+    stats = b.sharing.follower.stats()
+    assert (stats.read, stats.added, stats.forged) == (8, 4, 4)
+    assert len(read_sizes) >= 2  # the four genuine rows do not fit one batch's budget
+    assert max(read_sizes) <= 3 * 4096 + 4096  # one row past the budget at most
+    client.close()

@@ -542,16 +542,25 @@ class _FakeStream:
     def xinfo_stream(self, key: str) -> dict[str, bytes]:
         return {"last-generated-id": self.entries[-1][0].encode()}
 
-    def xread(self, streams: dict[str, str], count: int, block: int) -> list[Any]:
-        after = tuple(int(part) for part in streams[self.key].split("-"))
-        new = [
-            (ident.encode(), {name.encode(): value for name, value in fields.items()})
-            for ident, fields in self.entries
-            if tuple(int(part) for part in ident.split("-")) > after
-        ][:count]
-        if not new:
-            threading.Event().wait(block / 1000)  # as XREAD BLOCK on an idle stream
-        return [[self.key.encode(), new]] if new else []
+    def register_script(self, source: str) -> Callable[..., Any]:
+        """The follower's bounded read (`redis_rows._BOUNDED_READ`): the entries after an
+        exclusive start id, at most `count`, as Lua returns them (fields flattened); these
+        rows are small, so no size bound is reached."""
+
+        def run(keys: list[str], args: list[Any], client: Any = None) -> list[Any]:
+            assert keys == [self.key] and str(args[0]).startswith("(")
+            after = tuple(int(part) for part in str(args[0])[1:].split("-"))
+            new = [
+                [
+                    ident.encode(),
+                    [x for name, value in fields.items() for x in (name.encode(), value)],
+                ]
+                for ident, fields in self.entries
+                if tuple(int(part) for part in ident.split("-")) > after
+            ][: int(args[1])]
+            return [new, 0]
+
+        return run
 
 
 def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(

@@ -79,6 +79,31 @@ DEFAULT_MAX_ROWS = 1_000_000
 _MISSING = object()
 _LAST_ID_META = b"meta:redis-stream:"  # + the stream key: the last id this host has stored
 _SIGNED_FIELDS = ("m", "v")  # a row's fields, in the order its tag `t` covers them
+# A row is read at most this long (its vector and the prompt's text take tens of KiB at the
+# prompt limit); a longer one comes as a marker the follower counts as forged. A batch stops
+# adding rows past MAX_BATCH_BYTES (one row at least), so a stream flooded with large rows costs
+# a reader a few MiB a batch, not the rows' size.
+MAX_ROW_BYTES = 256 << 10
+MAX_BATCH_BYTES = 8 << 20
+# XRANGE after the last id read, each row's size checked inside Redis: a longer row's fields are
+# replaced by {"oversized": <bytes>}; rows past the batch's byte budget are left for the next.
+_BOUNDED_READ = """
+local rows = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
+local max_row, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local out, total = {}, 0
+for _, row in ipairs(rows) do
+  local size = 0
+  for _, value in ipairs(row[2]) do size = size + string.len(value) end
+  if size > max_row then
+    row[2] = {'oversized', tostring(size)}
+    size = 0
+  end
+  if #out > 0 and total + size > budget then return {out, 1} end
+  total = total + size
+  out[#out + 1] = row
+end
+return {out, 0}
+"""
 
 
 def sign_fields(signer: Signer, key: str, fields: dict[str, bytes]) -> dict[str, bytes]:
@@ -294,9 +319,12 @@ class RowFollower:
         self._embedder = embedder
         self._dimensions = dimensions
         self._batch_rows = batch_rows
-        # A blocking read must end well inside the socket timeout, which would count it as an
-        # outage otherwise.
+        # The wait between reads that found nothing (the read itself never blocks in Redis; it
+        # once did, and had to end well inside the socket timeout).
         self._block_ms = max(1, int(1000 * min(block_s, 0.5 * link.timeout_s)))
+        self._block_s = self._block_ms / 1000  # the wait between reads that found nothing
+        self._script: Any = None  # _BOUNDED_READ, registered on the first read
+        self._cut = False  # the last read stopped at MAX_BATCH_BYTES
         self._retry_s = retry_s
         self._clock = clock
         self._origin = store.log_id.hex()
@@ -386,14 +414,27 @@ class RowFollower:
                     log.exception("applying %d semantic rows from Redis failed", len(entries))
                     self._stop.wait(self._retry_s)
                     continue
-            if len(entries) < self._batch_rows and not self._caught_up.is_set():
+            if len(entries) < self._batch_rows and not self._cut and not self._caught_up.is_set():
                 self._caught_up.set()
                 log.info("semantic rows caught up from Redis (%s)", self._describe())
         self._release_lock()
 
     def _read(self, client: Any) -> Any:
-        streams = {self.key: self._last_id}
-        return client.xread(streams, count=self._batch_rows, block=self._block_ms)
+        """The rows after the last id read, bounded in size (`_BOUNDED_READ`), in XREAD's
+        reply shape; an empty reply waits `block_s` first (the read itself never blocks)."""
+        if self._script is None:
+            self._script = client.register_script(_BOUNDED_READ)
+        rows, cut = self._script(
+            keys=[self.key],
+            args=[f"({self._last_id}", self._batch_rows, MAX_ROW_BYTES, MAX_BATCH_BYTES],
+            client=client,
+        )
+        self._cut = bool(cut)  # stopped at the byte budget: more rows follow at once
+        if not rows:
+            self._stop.wait(self._block_s)
+            return []
+        entries = [(entry_id, _pairs(fields)) for entry_id, fields in rows]
+        return [[self.key, entries]]
 
     def _take_lock(self) -> bool:
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -559,6 +600,12 @@ def _entries(reply: Any, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
             ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             out.append((ident, dict(fields or {})))
     return out
+
+
+def _pairs(flat: Any) -> dict[bytes, bytes]:
+    """A stream entry's fields as Lua returns them (field, value, field, value, ...)."""
+    items = list(flat or [])
+    return {bytes(items[i]): bytes(items[i + 1]) for i in range(0, len(items) - 1, 2)}
 
 
 def _id_tuple(stream_id: str) -> tuple[int, int]:
