@@ -143,6 +143,8 @@ def test_forged_l3_values_are_counted_misses_never_served_nor_copied(
     client.set(f"{redis_prefix}e:".encode() + b"\xff\xfe", genuine)  # a name no fleet writes
     assert [key for key, _ in l3.scan()] == ["genuine"]  # a sweep sees only signed entries
     assert l3.forged == 2 * len(planted)  # the undecodable name skipped before its value
+    assert all(l3.peek(key) is None for key in planted)  # a background read counts nothing
+    assert l3.forged == 2 * len(planted)
     found = replica.get("genuine")
     assert found is not None and found.entry.text == "the real answer"
     replica.put("unsigned", "generated again", created_s=time.time())  # the write-back

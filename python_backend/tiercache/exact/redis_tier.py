@@ -243,14 +243,20 @@ class Signer:
         """`data` as stored under `name`: `TCA1` | tag | data."""
         return SEALED + self.tag(name, data) + data
 
-    def unseal(self, name: str, stored: bytes) -> bytes | None:
-        """The data of a value `seal` made for `name`; None (counted) for anything else."""
+    def unseal(self, name: str, stored: bytes, count: bool = True) -> bytes | None:
+        """The data of a value `seal` made for `name`; None for anything else (counted unless
+        `count` is False: a background read that a request's read will count)."""
         head = len(SEALED) + TAG_BYTES
-        if len(stored) < head or stored[: len(SEALED)] != SEALED:
-            self.refuse(name)
-            return None
         data = stored[head:]
-        return data if self.verify(stored[len(SEALED) : head], name, data) else None
+        if (
+            len(stored) >= head
+            and stored[: len(SEALED)] == SEALED
+            and hmac.compare_digest(stored[len(SEALED) : head], self.tag(name, data))
+        ):
+            return data
+        if count:
+            self.refuse(name)
+        return None
 
     def refuse(self, name: str) -> None:
         """Count one value under `name` that is not ours (and log, at most once a minute)."""
@@ -531,7 +537,7 @@ class RedisStore:
             return None
         name = self._key(key)
         stored: Any = self.link.call(lambda c: bounded_get(c, name), None)
-        return None if stored is None else peeked(self._unseal(name, stored))
+        return None if stored is None else peeked(self._unseal(name, stored, count=False))
 
     def get_or_raise(self, key: str) -> CacheEntry | None:
         """`get` for a read whose caller writes back what it read (a merge): Unavailable when
@@ -539,13 +545,15 @@ class RedisStore:
         name = self._key(key)
         return self._read(key, name, self.link.call_or_raise(lambda c: bounded_get(c, name)))
 
-    def _unseal(self, name: str, stored: bytes) -> bytes | None:
-        """The value's payload, or None (counted as forged) for one whose signature does not
-        verify or that is longer than MAX_VALUE_BYTES (read no further)."""
+    def _unseal(self, name: str, stored: bytes, count: bool = True) -> bytes | None:
+        """The value's payload, or None (counted as forged unless `count` is False) for one
+        whose signature does not verify or that is longer than MAX_VALUE_BYTES (read no
+        further)."""
         if len(stored) > MAX_VALUE_BYTES:
-            self._signer.refuse(name)
+            if count:
+                self._signer.refuse(name)
             return None
-        return self._signer.unseal(name, stored)
+        return self._signer.unseal(name, stored, count)
 
     def put(self, key: str, entry: CacheEntry) -> None:
         ttl_s = self._redis_ttl_s(entry)
