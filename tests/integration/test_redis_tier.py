@@ -5,6 +5,7 @@ a replica with another secret refuses to start), the password from the environme
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -443,12 +444,17 @@ def test_malformed_fleet_metadata_is_skipped(redis_server: RedisServer, redis_pr
             "huge": "x" * (MAX_METADATA_BYTES + 1),
             "not-json": "{",
             "wrong-shape": "[]",
+            "far-future": json.dumps(
+                {"digest": "e" * 64, "bytes": 1, "updated_s": 1e300, "replica": "x"}
+            ),
+            "not-a-time": '{"digest": "x", "bytes": 1, "updated_s": NaN}',
         },
     )
     found = fleet.fleet()
     assert found is not None
     versions, _ = found
     assert list(versions) == ["caps"]
+    assert fleet.report([])  # the admin's list reads them: no error (was OverflowError)
 
 
 def test_l3_values_are_read_only_up_to_the_bound(

@@ -13,6 +13,7 @@ import pytest
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.errors import ConfigError, InvalidRequest, NotFound, Unavailable
+from tiercache.lora import registry as registry_module
 from tiercache.lora.registry import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -98,20 +99,63 @@ def test_unchanged_files_are_not_read_again(
 ) -> None:
     registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
     first = registry.resolve("caps")
-    reads: list[Path] = []
-    original = Path.read_bytes
-
-    def counting(self: Path) -> bytes:
-        reads.append(self)
-        return original(self)
-
-    monkeypatch.setattr(Path, "read_bytes", counting)
+    reads = count_reads(monkeypatch)
     for _ in range(5):
         assert registry.resolve("caps") == first
     assert reads == []
     rewrite(root / "caps" / WEIGHTS_FILE, (root / "caps" / WEIGHTS_FILE).read_bytes() + b" ")
     assert registry.resolve("caps").digest != first.digest
     assert {p.name for p in reads} == {CONFIG_FILE, WEIGHTS_FILE}
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The adapter files the registry reads from here on (each read appends its path)."""
+    reads: list[Path] = []
+    original = registry_module._read_regular
+
+    def counting(name: str, path: Path) -> bytes:
+        reads.append(path)
+        return original(name, path)
+
+    monkeypatch.setattr(registry_module, "_read_regular", counting)
+    return reads
+
+
+def test_a_future_mtime_does_not_make_every_resolve_read_again(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files copied with their times from a host whose clock runs ahead: the change time,
+    which the kernel sets, decides whether a signature is fresh, not the mtime."""
+    ahead_ns = time.time_ns() + 3600 * 10**9
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        os.utime(root / "caps" / name, ns=(ahead_ns, ahead_ns))
+    registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    first = registry.resolve("caps")
+    reads = count_reads(monkeypatch)
+    for _ in range(5):
+        assert registry.resolve("caps") == first
+    assert reads == []
+
+
+def test_an_adapter_file_that_is_not_a_regular_file_or_too_large_is_refused(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO in place of the weights (a read would block, and the registry's lock with it) and
+    a file over MAX_ADAPTER_FILE_BYTES: Unavailable naming the adapter, at once; the other
+    adapters resolve as before."""
+    piped = root / "piped"
+    piped.mkdir()
+    shutil.copy(root / "caps" / CONFIG_FILE, piped / CONFIG_FILE)
+    os.mkfifo(piped / WEIGHTS_FILE)
+    registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="piped.*not a regular file"):
+        registry.resolve("piped")
+    assert time.monotonic() - started < 5
+    assert registry.resolve("caps").name == "caps"
+    monkeypatch.setattr(registry_module, "MAX_ADAPTER_FILE_BYTES", 64)
+    with pytest.raises(Unavailable, match="french.*over the"):
+        registry_of(root, state / "2", clock, wall_clock_ns=in_a_minute).resolve("french")
 
 
 def in_a_minute() -> int:

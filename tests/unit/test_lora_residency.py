@@ -440,3 +440,25 @@ def test_an_adapter_no_budget_could_hold_is_no_lost_byte(
     residency.forget(mid)
     residency.plan(mid, disk.read)  # read again: more bytes (up to 800) would have kept it
     assert residency.stats().host_shadow_gained_s == pytest.approx(0.5)
+
+
+def test_an_alias_folder_gets_its_own_weights_under_its_own_name(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Two names over identical files (one digest, two task ids): the engines key adapters by
+    task id and digest, so each name's first plan carries the weights, named as that name's
+    (a plan for `beta` that reused `alpha`'s identity was refused by llm, on every request)."""
+    residency = make()
+    alpha = disk.add("alpha", 1)
+    beta = AdapterRef("beta", 2, alpha.digest)
+    first = residency.plan(alpha, disk.read)
+    assert first.weights is not None and first.weights.ref == alpha
+    aliased = residency.plan(beta, disk.read)
+    assert (aliased.tier, aliased.evict) == (HOST_TIER, ())
+    assert aliased.weights is not None and aliased.weights.ref == beta
+    assert aliased.weights.weights == first.weights.weights
+    again = residency.plan(beta, disk.read)
+    assert (again.tier, again.weights) == (ENGINE_TIER, None)
+    back = residency.plan(alpha, disk.read)  # the mirror held beta's: alpha's weights go again
+    assert back.weights is not None and back.weights.ref == alpha
+    assert disk.reads == ["alpha"]  # one read from disk for both names

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 ADAPTERS = "adapters"
 USES = "adapter_uses"
 MAX_METADATA_BYTES = 4096  # one adapter's JSON is about 150 bytes
+MAX_UPDATED_S = 253_402_300_800.0  # 10000-01-01: past it (or NaN, inf) no time a replica wrote
 _MISSING = object()
 
 # KEYS[1] the hash; ARGV: name, value (JSON), digest, updated_s. 1 when written.
@@ -89,12 +90,17 @@ class AdapterVersion:
 
     @classmethod
     def from_json(cls, name: str, text: str | bytes) -> AdapterVersion:
+        """ValueError (also KeyError, TypeError) for what a replica never writes: Redis's
+        fleet metadata is not signed."""
         data = json.loads(text)
+        updated_s = float(data["updated_s"])
+        if not 0.0 <= updated_s < MAX_UPDATED_S:
+            raise ValueError(f"updated_s {updated_s!r} is not a time")
         return cls(
             name,
             str(data["digest"]),
             int(data["bytes"]),
-            float(data["updated_s"]),
+            updated_s,
             str(data.get("replica", "")),
         )
 
@@ -372,4 +378,7 @@ class FleetSync:
 
 
 def _when(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    except (OverflowError, OSError, ValueError):  # no time a replica writes (from_json refuses)
+        return repr(seconds)

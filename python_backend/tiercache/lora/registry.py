@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -74,6 +75,9 @@ _TASK_ID_PAIR = re.compile(r'"([^"\\]{1,128})": *([0-9]{1,18})\b')
 KNOWN_IN_MESSAGE = 20  # names listed in an unknown-adapter message
 READ_ATTEMPTS = 3  # a folder that changes under every read attempt is reported as Unavailable
 RACY_NS = 2_000_000_000  # a signature younger than this may miss a write in the same tick
+# An adapter's files are read whole by prompt_cache and lora_cache: a larger one (a whole model's
+# weights put in an adapter folder by mistake) is refused, not loaded (docs/lora.md).
+MAX_ADAPTER_FILE_BYTES = 2 << 30
 
 Signature = tuple[tuple[int, int, int, int], ...]
 """(inode, size, mtime_ns, ctime_ns) of each adapter file, in ADAPTER_FILES order."""
@@ -248,7 +252,10 @@ class AdapterRegistry:
 
     def _load(self, entry: _Entry) -> None:
         signature, config, weights = _read_files(entry.name, entry.folder)
-        newest_ns = max(max(mtime_ns, ctime_ns) for _, _, mtime_ns, ctime_ns in signature)
+        # ctime, which every write sets to the kernel's clock: an mtime in the future (copied
+        # with its times from a host whose clock runs ahead) would keep the entry racy, and
+        # re-read on every resolve, until this clock passed it
+        newest_ns = max(ctime_ns for _, _, _, ctime_ns in signature)
         entry.racy = newest_ns >= self._wall_clock_ns() - RACY_NS
         previous, previous_problem = entry.ref, entry.problem
         entry.signature, entry.ref, entry.problem = signature, None, None
@@ -376,8 +383,8 @@ def _read_files(name: str, folder: Path) -> tuple[Signature, bytes, bytes]:
     for _ in range(READ_ATTEMPTS):
         before = _signature(name, folder)
         try:
-            config = (folder / CONFIG_FILE).read_bytes()
-            weights = (folder / WEIGHTS_FILE).read_bytes()
+            config = _read_regular(name, folder / CONFIG_FILE)
+            weights = _read_regular(name, folder / WEIGHTS_FILE)
         except FileNotFoundError:
             continue  # replaced or removed between the stat and the read: look again
         except OSError as exc:
@@ -385,6 +392,30 @@ def _read_files(name: str, folder: Path) -> tuple[Signature, bytes, bytes]:
         if _signature(name, folder) == before:
             return before, config, weights
     raise Unavailable(f"adapter {name!r} kept changing while it was read; retry")
+
+
+def _read_regular(name: str, path: Path) -> bytes:
+    """The bytes of the regular file `path`, at most MAX_ADAPTER_FILE_BYTES; Unavailable for
+    anything else (a FIFO or a device would block the read, and with it the registry's lock;
+    a file over the bound is refused unread). Opened without blocking, checked on the open
+    descriptor."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unavailable(f"adapter {name!r}: {path.name} is not a regular file")
+        if st.st_size > MAX_ADAPTER_FILE_BYTES:
+            raise Unavailable(
+                f"adapter {name!r}: {path.name} has {st.st_size} bytes, over the "
+                f"{MAX_ADAPTER_FILE_BYTES >> 30} GiB an adapter file may have"
+            )
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1  # closed by the handle
+            return handle.read(MAX_ADAPTER_FILE_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _check_files(name: str, config: bytes, weights: bytes) -> None:

@@ -24,6 +24,7 @@ still asks for is loaded like any other, without evicting the current one.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -99,6 +100,12 @@ class _Resident(Generic[V]):
     last_use: int  # a use counter: which version of a pinned name is newest; snapshot order
     last_use_s: float
     value: V
+
+
+def as_named(weights: AdapterWeights, ref: AdapterRef) -> AdapterWeights:
+    """`weights` (kept by digest) as the files of `ref`: the same bytes under another name
+    (an alias folder: one digest, its own task id) are that name's files."""
+    return weights if weights.ref == ref else dataclasses.replace(weights, ref=ref)
 
 
 class _Tier(Generic[V]):
@@ -251,7 +258,11 @@ class Residency:
         `read`'s errors (Unavailable: no tier holds this version anymore) pass through."""
         current = self._latest(ref.name) == ref.digest
         with self._lock:
-            if reload:
+            resident = self._engine.get(ref.digest)
+            if reload or (resident is not None and resident.ref != ref):
+                # Reloading; or the same files under another name (an alias folder): the
+                # engines key adapters by task id and digest, so they hold them for that name
+                # only, and this one's weights must go with the plan.
                 self._engine.remove(ref.digest)
             if self._engine.get(ref.digest) is not None:
                 self._hits[ENGINE_TIER] += 1
@@ -259,7 +270,8 @@ class Residency:
             held = self._host.get(ref.digest)
             if held is not None:
                 self._hits[HOST_TIER] += 1
-                return self._admit(ref, held.value, held.nbytes, HOST_TIER, 0.0, current)
+                weights = as_named(held.value, ref)
+                return self._admit(ref, weights, held.nbytes, HOST_TIER, 0.0, current)
         started = self._clock()
         weights = read(ref)
         read_s = self._clock() - started
@@ -272,7 +284,10 @@ class Residency:
             self._host_shadow.credit(ref.digest, read_s)  # a larger host tier: no read
             if self._host.get(ref.digest) is None:
                 self._keep(weights, read_s)
-            if self._engine.get(ref.digest) is not None and not reload:
+            planned = self._engine.get(ref.digest)
+            if planned is not None and planned.ref != ref:  # an alias planned meanwhile
+                self._engine.remove(ref.digest)
+            elif planned is not None and not reload:
                 # Another thread planned it while this one read: the engine gets it from there.
                 return self._admit(ref, None, weights.nbytes, DISK_TIER, read_s, current)
             return self._admit(ref, weights, weights.nbytes, DISK_TIER, read_s, current)
