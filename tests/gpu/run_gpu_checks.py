@@ -313,6 +313,16 @@ def check_device_rows(native: Any, testing: Any, torch: Any) -> list[Row]:
         out.append((f"device rows ({what})", "refused", "-", "-", "-", outcome))
     if table.count() != 0:
         out.append((name, "refused rows were counted", "-", "-", "-", "FAIL"))
+    for kind, make in (
+        ("DeviceTable", lambda: native.DeviceTable(WIDTH, 2**62 + 1, device=0, host_mirror=True)),
+        ("ReplicaSet", lambda: native.ReplicaSet(WIDTH, 2**62 + 1, devices=[0])),
+    ):  # a byte size that would wrap: refused before anything is allocated
+        try:
+            make()
+            outcome = "FAIL: accepted"
+        except ValueError as e:
+            outcome = "ok" if "4 TiB" in str(e) else f"FAIL: {' '.join(str(e).split())}"
+        out.append((f"{kind} capacity past 4 TiB", "refused", "-", "-", "-", outcome))
     return out
 
 

@@ -166,6 +166,21 @@ def test_opening_refuses_row_counts_past_the_capacity(
         native.SharedTable(path, WIDTH, 10)
 
 
+def test_an_open_that_finds_the_counts_damaged_retires_the_table(tmp_path: Path) -> None:
+    """Whoever mapped the file before keeps reading it: the open that finds its counts damaged
+    marks it retired, so they reopen through the manifest (only `claimed` damaged leaves their
+    own reads working, and would leave them on a table no one publishes to)."""
+    path = tmp_path / "t.tbl"
+    reader = native.SharedTable(path, WIDTH, 10)
+    reader.publish(np.ones((3, WIDTH), dtype=np.float32))
+    _write_u64(path, CLAIMED_OFFSET, 99)
+    assert reader.count() == 3 and not reader.retired()
+    with pytest.raises(native.TableFormatError, match="damaged"):
+        native.SharedTable(path, WIDTH, 10)
+    assert reader.retired()
+    reader.close()
+
+
 def test_a_count_damaged_after_the_open_is_refused_by_every_use(tmp_path: Path) -> None:
     path = tmp_path / "t.tbl"
     table = native.SharedTable(path, WIDTH, 10)

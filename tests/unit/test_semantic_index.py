@@ -934,3 +934,28 @@ def test_the_graphs_follow_a_byte_budget_and_are_valued_by_the_searches_they_sav
     assert index.graphs_value_reading()[1] == index.graph_bytes()  # nothing wanting
     assert index.stats().graphs_loaded >= 1
     index.close()
+
+
+def test_a_damaged_table_is_rebuilt_in_a_new_epoch_and_its_readers_follow(
+    tmp_path: Path,
+) -> None:
+    """A scope's table whose header counts are damaged (here `claimed`, which leaves a reader's
+    own reads working): the next process to open it rebuilds it from the log in the next
+    epoch, and a process that had the damaged file mapped finds it retired and reopens, so it
+    sees rows published after the rebuild."""
+    store = SemanticStore(tmp_path / "sem")
+    vectors = _random_rows(12, 3)
+    _fill(store, vectors[:10])
+    reader = SemanticIndex(store, DIM)
+    assert reader.search("s", vectors[0], k=1)[0].digest == "d0"
+    damaged = Path(_table_of(reader).path)
+    with open(damaged, "r+b") as f:  # layout version 1: `claimed` at byte 192
+        f.seek(192)
+        f.write((1 << 40).to_bytes(8, "little"))
+    writer = SemanticIndex(store, DIM)  # another process of the host (its own mapping)
+    assert writer.search("s", vectors[1], k=1)[0].digest == "d1"  # rebuilt from the log
+    assert Path(_table_of(writer).path) != damaged and not damaged.exists()
+    _fill(store, vectors[10:], first=10)
+    assert reader.search("s", vectors[11], k=1)[0].digest == "d11"
+    assert reader.stats().tables_reopened >= 1
+    store.close()

@@ -279,7 +279,14 @@ SharedTable::SharedTable(const std::string& path, std::uint32_t width, std::uint
     h->generation.fetch_add(1, std::memory_order_acq_rel);
     set_boot_id(&h->fixed, boot_id);
   }
-  check_counts(*h, path, capacity);  // throws with the flock released by ~Fd
+  try {
+    check_counts(*h, path, capacity);
+  } catch (const TableFormatError&) {
+    // Damaged: whoever opened it before keeps reading it through its mapping. Retired, they
+    // reopen through the manifest, where the rebuilt table is (semantic/shared_rows.py).
+    h->retired.store(1, std::memory_order_release);
+    throw;  // the flock is released by ~Fd
+  }
   flock(fd.get(), LOCK_UN);
 }
 

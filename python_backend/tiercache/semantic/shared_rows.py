@@ -169,6 +169,7 @@ class ScopeTables:
         if manifest is None:
             return None
         table = self._open_locked(tag, manifest)
+        manifest = self.row_log.manifest(tag) or manifest  # a damaged table moved it on
         count = table.count()
         have = np.array(table.ids(count), dtype=np.uint64)
         # ids this log has not given out yet: the table holds another log's rows (a log
@@ -213,13 +214,23 @@ class ScopeTables:
         log.info("scope %s has no rows left: its table and graphs were deleted", tag[:12])
 
     def _open_locked(self, tag: str, manifest: TableManifest) -> native.SharedTable:
+        """The manifest's table; a damaged one is started again, empty, in the next epoch
+        (the manifest moved there, the damaged file unlinked): processes that still map the
+        damaged file find it retired (the native open marks it so) and reopen the new one."""
         path = self.table_path(tag, manifest.epoch)
         try:
             return native.SharedTable(path, manifest.width, manifest.capacity)
         except native.TableFormatError:  # not a table of ours (damaged): start it again
-            log.warning("table %s is unreadable; rebuilt from the log", path.name)
+            epoch = manifest.epoch + 1
+            fresh = self.table_path(tag, epoch)
+            log.warning("table %s is unreadable; rebuilt from the log as %s", path.name, fresh.name)
+            fresh.unlink(missing_ok=True)  # left by a writer that died while replacing
+            table = native.SharedTable(fresh, manifest.width, manifest.capacity)
+            self.row_log.set_manifest(
+                tag, TableManifest(manifest.scope, epoch, manifest.width, manifest.capacity)
+            )
             path.unlink(missing_ok=True)
-            return native.SharedTable(path, manifest.width, manifest.capacity)
+            return table
 
     def _replace_locked(
         self,

@@ -139,6 +139,10 @@ DeviceTable::DeviceTable(int device, std::uint32_t width, std::uint64_t capacity
     : impl_(new Impl) {
   detail::require_device(device);
   if (width == 0 || capacity == 0) throw std::invalid_argument("width and capacity must be > 0");
+  // The byte size must not wrap (a wrapped size would allocate a few bytes that publishes then
+  // overrun): at most 4 TiB of rows, the host table's bound.
+  if (capacity > (std::uint64_t{1} << 42) / (std::uint64_t{width} * sizeof(float)))
+    throw std::invalid_argument("capacity must leave the rows at most 4 TiB");
   Impl& d = *impl_;
   d.device = device;
   d.width = width;

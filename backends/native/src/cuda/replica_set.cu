@@ -199,6 +199,9 @@ ReplicaSet::ReplicaSet(std::vector<int> devices, std::uint32_t width, std::uint6
   for (int device : devices) detail::require_device(device);
   if (devices.empty()) throw std::invalid_argument("at least one device");
   if (width == 0 || capacity == 0) throw std::invalid_argument("width and capacity must be > 0");
+  // The byte size must not wrap (see DeviceTable): at most 4 TiB of rows.
+  if (capacity > (std::uint64_t{1} << 42) / (std::uint64_t{width} * sizeof(float)))
+    throw std::invalid_argument("capacity must leave the rows at most 4 TiB");
   Impl& s = *impl_;
   s.width = width;
   s.capacity = capacity;
