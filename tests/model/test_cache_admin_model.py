@@ -161,6 +161,7 @@ def test_every_op_served_with_the_token(
 ) -> None:
     assert result(call(pb_utils, model, json.dumps(op), token))["op"] == op["op"]
     assert refused(model) == {"missing": 0, "wrong": 0}
+    assert model.stage.gate.stats().allowed == 1  # one call, counted once
 
 
 def test_token_file_named_by_the_environment(

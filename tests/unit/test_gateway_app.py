@@ -95,8 +95,22 @@ def test_a_body_announced_and_not_sent_is_a_408(url: str) -> None:
 
 
 def test_the_body_bound_follows_the_ensemble_s_limits() -> None:
-    escaped = 6 * (DEFAULT_LIMITS.max_prompt_chars + DEFAULT_LIMITS.max_history_chars)
-    assert escaped < app.MAX_BODY_BYTES == 512 << 10
+    """The longest prompt and history the ensemble takes, every character an emoji escaped as a
+    surrogate pair (12 bytes), fit under the bound."""
+    import json
+
+    emoji = "\U0001f600"
+    body = json.dumps(
+        {
+            "model": BASE,
+            "messages": [
+                {"role": "user", "content": emoji * (DEFAULT_LIMITS.max_history_chars // 2)},
+                {"role": "assistant", "content": emoji * (DEFAULT_LIMITS.max_history_chars // 2)},
+                {"role": "user", "content": emoji * DEFAULT_LIMITS.max_prompt_chars},
+            ],
+        }
+    ).encode()
+    assert len(body) < app.MAX_BODY_BYTES == 992 << 10
 
 
 def test_more_messages_than_the_history_limit_are_refused_before_reading_them() -> None:
@@ -180,6 +194,7 @@ def test_an_unavailable_servers_address_stays_out_of_the_answer() -> None:
         ("Redis redis://10.0.0.7:6379/0 is unavailable: applied on this replica only",
          "applied on this replica only"),
         ("ipv6:[fd00::5]:8001 is down", "is down"),
+        ("DNS resolution failed for triton.internal.10.0.0.9:8001", "DNS resolution failed"),
     ]:  # fmt: skip
         body = app.error_response(UnavailableError(message)).body.decode()
         assert kept in body and "10.0.0" not in body and "fd00" not in body, body

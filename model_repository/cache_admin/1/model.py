@@ -20,9 +20,8 @@ class TritonPythonModel:
         for request in requests:
             try:
                 inputs = io.Inputs(request)
-                token = inputs.string("ADMIN_TOKEN")
-                self.stage.gate.check(token)  # before ADMIN is even decoded
-                result = self.stage.run(inputs.string("ADMIN"), token)
+                self.stage.gate.check(inputs.string("ADMIN_TOKEN"))  # before ADMIN is decoded
+                result = self.stage.run_allowed(inputs.string("ADMIN"))
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 responses.append(io.error_response(exc))
                 continue

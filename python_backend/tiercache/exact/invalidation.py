@@ -75,7 +75,10 @@ log = logging.getLogger(__name__)
 _TAG_HEX = 64  # the hex of an HMAC-SHA256
 APPLIED_MEMO = 4096  # messages a listener remembers having applied (replays are not swept)
 CATCH_UP_PAGE = 1000  # members read per call when a listener catches up
-CATCH_UP_MAX = 200_000  # members one catch-up reads at most (a flooded record is cut there)
+# Members that do not verify one catch-up reads at most (a record flooded with junk is cut
+# there; genuine members are all read, the pages keep memory bounded)
+CATCH_UP_MAX_FORGED = 1_000_000
+CATCH_UP_TRUNCATED_RETRY_S = 60.0  # the next attempt after a catch-up cut by a flood
 
 
 def signed_member(signer: Signer, events: str, inv: Invalidation) -> str:
@@ -168,8 +171,9 @@ def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> li
 
 
 DroppedFn = Callable[[Invalidation, list[str]], None]
-"""Told which digests a received invalidation dropped locally (for a key: always that digest);
-the semantic index forgets their rows."""
+"""Told which digests a received invalidation dropped locally (for a key: that digest, unless a
+local tier holds an answer under it written after the invalidation); the semantic index forgets
+their rows."""
 
 ReceivedFn = Callable[[Invalidation, float], None]
 """Told of each message from another process once it is applied (watermark noted, local tiers
@@ -187,7 +191,7 @@ class ListenerStats:
     # messages and records ignored because their signature did not verify (forged, another
     # fleet's, an older release's)
     forged: int = 0
-    truncated: int = 0  # catch-ups cut at CATCH_UP_MAX members (a flooded record)
+    truncated: int = 0  # catch-ups cut at CATCH_UP_MAX_FORGED forged members (a flood)
     catch_up_failures: int = 0  # catch-ups that failed while subscribed (retried)
     # By kind (`InvalidationKind.value`; a kind never counted may be absent):
     received_by_kind: dict[str, int] = field(default_factory=dict)  # messages, as `received`
@@ -234,7 +238,7 @@ class InvalidationListener:
         self._received = self._caught_up = self._reconnects = self._dropped = 0
         self._forged = 0
         self._applied: dict[tuple[InvalidationKind, str, float, str], None] = {}
-        self._truncated = 0  # catch-ups stopped at CATCH_UP_MAX members
+        self._truncated = 0  # catch-ups stopped at CATCH_UP_MAX_FORGED forged members
         self._catch_up_failures = 0
         self._thread: threading.Thread | None = None
 
@@ -267,6 +271,10 @@ class InvalidationListener:
         pubsub: Any = None
         first = True  # no catch-up has completed yet: the first notes, it does not sweep
         catch_up_due: float | None = None  # monotonic time of the next catch-up attempt
+        # Where the pending catch-up starts, fixed when it became due: messages handled between
+        # a failed attempt and the next raise the table's newest watermark, and starting from
+        # it would skip what was recorded while this replica was away.
+        catch_up_since: float | None = None
         next_ping = 0.0
         while not self._stop.is_set():
             if pubsub is None:
@@ -277,6 +285,11 @@ class InvalidationListener:
                     self._attempted.set()
                     self._stop.wait(self._retry_s)
                     continue
+                since = self._since()
+                if catch_up_due is None or catch_up_since is None or since is None:
+                    catch_up_since = since if catch_up_due is None else None
+                else:
+                    catch_up_since = min(catch_up_since, since)
                 catch_up_due = 0.0
                 next_ping = time.monotonic() + self._ping_s
             if catch_up_due is not None and time.monotonic() >= catch_up_due:
@@ -284,13 +297,18 @@ class InvalidationListener:
                 # catch-up that fails (a slow or flooded record) is retried on its own while the
                 # subscription stays, so the replica never stops hearing new invalidations.
                 try:
-                    self._catch_up(catch_up_sweeps=not first)
+                    complete = self._catch_up(catch_up_since, catch_up_sweeps=not first)
                 except errors as exc:
                     self._catch_up_failed(exc, first)
                     catch_up_due = time.monotonic() + self._retry_s
                 else:
-                    catch_up_due = None
-                    first = False
+                    if complete:
+                        catch_up_due, catch_up_since = None, None
+                        first = False
+                    else:  # cut by a flood: again later, from the same point
+                        catch_up_due = time.monotonic() + max(
+                            self._retry_s, CATCH_UP_TRUNCATED_RETRY_S
+                        )
                 self._attempted.set()
             try:
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
@@ -343,39 +361,47 @@ class InvalidationListener:
             raise
         return pubsub
 
-    def _catch_up(self, catch_up_sweeps: bool) -> None:
-        """Read the watermarks recorded since the newest one seen (an invalidation published
+    def _since(self) -> float | None:
+        """Where a catch-up starts: the newest watermark read from Redis, less the skew
+        allowance (None: the record's start)."""
+        newest = self.table.newest_s
+        return newest - 2 * self.table.skew_s if newest else None
+
+    def _catch_up(self, since: float | None, catch_up_sweeps: bool) -> bool:
+        """Read the watermarks recorded from `since` (None: all; an invalidation published
         meanwhile arrives twice, which is harmless), in pages (`recorded_members`): scores up
-        to Redis's clock now (a member scored in the future was never written by a replica),
-        at most CATCH_UP_MAX members (past that the record is flooded: logged, counted, and
-        the rest left unread rather than the listener never finishing)."""
+        to Redis's clock now (a member scored in the future was never written by a replica).
+        Every genuine member is read; past CATCH_UP_MAX_FORGED members that do not verify the
+        record is flooded: logged, counted, and False (not caught up: the listener does not
+        report connected, and tries again later from the same point). True when complete."""
         client = self.link.client
-        since = self.table.newest_s - 2 * self.table.skew_s if self.table.newest_s else None
         seconds, micros = client.time()
         upper = float(seconds) + float(micros) / 1e6
-        read = 0
+        forged = 0
         for member in recorded_members(client, self.events, since, upper):
-            read += 1
-            if read > CATCH_UP_MAX:
-                with self._lock:
-                    self._truncated += 1
-                log.error(
-                    "Redis's invalidation record %s holds more than %d members since %s: the "
-                    "catch-up stopped there (a flooded record: remove what the fleet did not "
-                    "sign, tiercache_redis_forged_total counts it); reads miss the watermarks "
-                    "recorded past them until the next catch-up",
-                    self.events,
-                    CATCH_UP_MAX,
-                    since,
-                )
-                break
             try:
                 found = verified_member(self._signer, self.events, member)
             except ValueError:  # signed, yet not a record: never written by this release
                 found = None
             if found is None:
+                forged += 1
                 with self._lock:
                     self._forged += 1
+                if forged >= CATCH_UP_MAX_FORGED:
+                    with self._lock:
+                        self._truncated += 1
+                    self._connected.clear()
+                    log.error(
+                        "Redis's invalidation record %s holds over %d members this fleet did "
+                        "not sign since %s (a flood: remove them; tiercache_redis_forged_total "
+                        "counts them): the catch-up stopped there and is tried again in %.0f s; "
+                        "until it completes, reads may miss watermarks recorded past them",
+                        self.events,
+                        CATCH_UP_MAX_FORGED,
+                        since,
+                        max(self._retry_s, CATCH_UP_TRUNCATED_RETRY_S),
+                    )
+                    return False
                 continue
             inv = found
             # At start every recorded watermark is noted; reads check them, so no sweep is
@@ -391,6 +417,7 @@ class InvalidationListener:
         if self._connected.is_set() is False:
             log.info("invalidation listener subscribed to %s", self.channel)
         self._connected.set()
+        return True
 
     def _catch_up_failed(self, exc: BaseException, first: bool) -> None:
         """A catch-up that failed while the subscription holds: retried every `retry_s`."""

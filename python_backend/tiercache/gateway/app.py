@@ -338,7 +338,10 @@ def _no_valid_key(message: str) -> bool:
 
 # Where the gateway's servers are is not the caller's to know: gRPC's transport errors name
 # Triton's address ("ipv4:10.0.0.5:8001"), a stage's Redis errors its URL (password masked).
-_ADDRESSES = re.compile(r"\b(?:ipv4|ipv6|unix|dns):\S+|\brediss?://\S+")
+_ADDRESSES = re.compile(
+    r"\b(?:ipv4|ipv6|unix|dns):\S+|\brediss?://\S+"
+    r"|\[[0-9A-Fa-f:.]+\]:\d{1,5}\b|\b[\w.-]+:\d{3,5}\b"  # [v6]:port, host:port
+)
 
 
 def _public(message: str) -> str:
@@ -588,7 +591,9 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-JSON_ESCAPED_CHAR_BYTES = 6  # "\uXXXX": a character as a client that escapes non-ASCII sends it
+# "\uXXXX\uXXXX": a character outside the BMP (an emoji) as a client that escapes non-ASCII
+# sends it; the ensemble's limits count characters
+JSON_ESCAPED_CHAR_BYTES = 12
 # A request body: the longest prompt and history the ensemble accepts (its default limits), every
 # character escaped, the JSON around each history turn, and 28 KiB for every other field; 512 KiB.
 MAX_BODY_BYTES = (
@@ -607,15 +612,14 @@ async def json_body(request: Request, timeout_s: float) -> tuple[Any, JSONRespon
     MAX_BODY_BYTES, 408 when it has not all arrived within `timeout_s`, 400 for a body that is
     not JSON."""
     try:
-        async with asyncio.timeout(timeout_s):
-            body = await bounded_body(request)
+        body = await asyncio.wait_for(bounded_body(request), timeout_s)  # 3.10 has no timeout()
         return json.loads(body), None
     except BodyTooLarge as exc:
         return None, JSONResponse(
             api.error_body(str(exc), "invalid_request_error", "request_too_large"),
             status_code=413,
         )
-    except TimeoutError:  # the connection goes with it: the rest of the body may still come
+    except asyncio.TimeoutError:  # the connection goes with it: the rest may still come
         message = f"the request body did not arrive within {timeout_s:g} s"
         return None, JSONResponse(
             api.error_body(message, "invalid_request_error", "request_timeout"),

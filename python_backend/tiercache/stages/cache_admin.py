@@ -80,6 +80,10 @@ class CacheAdminStage:
         first: nothing else is looked at), else InvalidRequest, NotFound, Unavailable as
         raised."""
         self.gate.check(token)
+        return self.run_allowed(text)
+
+    def run_allowed(self, text: str | None) -> str:
+        """`run` for a call whose token was checked (`gate.check`) before ADMIN was decoded."""
         if not text:
             raise InvalidRequest("ADMIN is required")
         answer: AdminAnswer = self.admin.run(text)
