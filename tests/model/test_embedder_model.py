@@ -1,6 +1,7 @@
 """model_repository/embedder/1/model.py against the pb_utils stand-in, with a fake sentence
 embedder: torch's threads are set from `torch_threads` before the embedder loads, each request
-gets its own vectors, and a request without TEXT gets its own error."""
+gets its own vectors, a request without TEXT or with a text over MAX_TEXT_BYTES gets its own
+error, and a failed encode answers its batch's requests with its error."""
 
 from __future__ import annotations
 
@@ -62,9 +63,18 @@ def test_threads_first_then_one_response_per_request(
         return pb_utils.InferenceRequest([pb_utils.Tensor("TEXT", array)])
 
     no_text = pb_utils.InferenceRequest([])
-    responses = instance.execute([request("a", "bbb"), no_text, request("cc")])
-    instance.finalize()
-    first, missing, last = responses
+    huge = request("x", "y" * (module.MAX_TEXT_BYTES + 1))  # a direct caller's megabytes
+    responses = instance.execute([request("a", "bbb"), no_text, huge, request("cc")])
+    first, missing, refused, last = responses
     assert first.output_tensors()[0].as_numpy()[:, 0].tolist() == [1.0, 3.0]
     assert missing.has_error() and "TEXT is required" in missing.error().message()
+    assert refused.has_error() and "over the" in refused.error().message()  # for it alone
     assert last.output_tensors()[0].as_numpy()[:, 0].tolist() == [2.0]
+
+    def broken(texts: Sequence[str]) -> np.ndarray:
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(instance.stage, "embed", broken)  # the batch's requests get its error
+    failed = instance.execute([request("a"), request("b")])
+    assert all(r.has_error() and "out of memory" in r.error().message() for r in failed)
+    instance.finalize()

@@ -299,6 +299,10 @@ def test_a_forged_envelope_behind_a_replayed_answer_seal_is_refused_every_time(
     assert final(pb_utils, served) == ("the answer", "exact")
     assert len(model.stage._hits) == 1  # the good hit only
     assert engine.calls == []
+    # an envelope of megabytes (a direct call) is refused before any seal's HMAC reads it
+    (huge,) = run(pb_utils, model, [with_input(good, "ENVELOPE", b"{" + b" " * (1 << 20))])
+    (response,) = huge
+    assert response.has_error() and "over 1048576" in response.error().message()
 
 
 def test_a_miss_is_generated_only_with_its_envelope_and_adapter_sealed(

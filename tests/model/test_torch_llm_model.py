@@ -526,6 +526,27 @@ def test_unsealed_or_altered_generations_are_forbidden_alone(
     assert model.stage.finished["stop"].metric.value() == 1
 
 
+def test_an_oversized_envelope_or_a_full_queue_is_refused_before_the_worker(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked in execute, not on the one worker: an ENVELOPE over MAX_ENVELOPE_BYTES is
+    refused unread, and past MAX_QUEUED waiting requests a call is refused at once (llm treats
+    it as any engine failure); the good request is served either way."""
+    torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")  # after the stand-in
+    good = seals.engine_inputs(sealer, ENVELOPE=envelope_text(sealer, on_adapter()))
+    huge = tensors(pb_utils, ENVELOPE=b"x" * (torch_llm_stage.MAX_ENVELOPE_BYTES + 1))
+    refused, served = call_batch(pb_utils, model, [huge, good])
+    (response,) = refused
+    assert response.has_error() and "over" in response.error().message()
+    assert [text(pb_utils, r) for r in served] == ["Hello", " there"]
+    monkeypatch.setattr(torch_llm_stage, "MAX_QUEUED", 0)
+    (full,) = call_batch(pb_utils, model, [good])
+    (response,) = full
+    assert response.has_error() and "requests waiting" in response.error().message()
+    model.stage.metrics.flush()
+    assert model.stage.finished["error"].metric.value() == 2
+
+
 def test_unsealed_forged_or_mismatched_loads_are_forbidden_alone(
     pb_utils: ModuleType, model: Any, sealer: Sealer
 ) -> None:

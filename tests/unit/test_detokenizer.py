@@ -159,3 +159,17 @@ def test_top_k_limits_choices() -> None:
     allowed = set(torch.topk(logits()[0], 3).indices.tolist())
     chosen = set(picks(request, count=200))
     assert chosen <= allowed and len(chosen) > 1
+
+
+def test_a_temperature_near_zero_samples_the_best_token_not_nan() -> None:
+    """1e-40 passes the request's checks; dividing raw logits by it overflowed to inf / inf =
+    NaN, and the draw then took the vocabulary's last token on every step (a seeded request's
+    answer, cached as clean). Shifted first, it is greedy."""
+    rows = torch.randn(5, 1, 1000, generator=torch.Generator().manual_seed(1)) * 10
+    for temperature in (1e-40, 1e-30, 1e-8):
+        sampler = _Sampler(GenerationRequest("p", temperature=temperature, seed=3), "cpu")
+        assert [sampler.pick(row, i) for i, row in enumerate(rows)] == [
+            int(row.argmax()) for row in rows
+        ]
+    normal = _Sampler(GenerationRequest("p", temperature=1.0, seed=3), "cpu")
+    assert all(0 <= normal.pick(row, i) < 1000 for i, row in enumerate(rows))

@@ -959,3 +959,38 @@ def test_a_damaged_table_is_rebuilt_in_a_new_epoch_and_its_readers_follow(
     assert reader.search("s", vectors[11], k=1)[0].digest == "d11"
     assert reader.stats().tables_reopened >= 1
     store.close()
+
+
+def test_the_verifiers_kept_scores_serve_one_search_only(tmp_path: Path) -> None:
+    """VerifiedChoice keeps the last query's scores for the retries of one search; kept across
+    searches, a lookup that found them (no model call: milliseconds faster) would tell its
+    caller that someone, in any scope, had just asked the same against the same candidate."""
+    from tiercache.semantic.verifier import VerifiedChoice
+
+    class Guard:
+        def score(self, query: str, candidate: str, cosine: float) -> float:
+            return cosine
+
+    calls: list[int] = []
+
+    def score_pairs(queries: list[str], texts: list[str], guard: list[float]) -> np.ndarray:
+        calls.append(len(texts))
+        return np.full(len(texts), 0.9)
+
+    choose = VerifiedChoice(Guard(), score_pairs, 0.5)
+    embed = _Embed({"q1 reworded": unit(1, 0.05)})
+    stage = _stage(tmp_path, embed)
+    stage._choose = choose
+    stage.answers.store(Tier.L1).put("digest-1", CacheEntry("answer one", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope-a", "digest-1", "q1", unit(1, 0))
+    stage.index.add("scope-b", "digest-2", "q1", unit(1, 0))
+    (first,) = stage.lookup(["q1 reworded"], ["scope-a"])
+    assert first.outcome is SemanticOutcome.HIT and calls == [1]
+    stage.lookup(["q1 reworded"], ["scope-b"])  # another scope, the same texts
+    assert calls == [1, 1]  # scored again, not read from the first search's scores
+    choose("q", [("c", 0.9)])
+    choose("q", [("c", 0.9)])  # within one search (a retry): kept
+    assert calls == [1, 1, 1]
+    choose.forget()
+    choose("q", [("c", 0.9)])
+    assert calls == [1, 1, 1, 1]

@@ -16,8 +16,14 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbedderConfig
 from tiercache.errors import InvalidRequest
+from tiercache.exact.request import DEFAULT_LIMITS
 from tiercache.stages.embedder import open_embedder
 from tiercache.triton import io
+
+# A text to embed: embedding_cache sends prompts prompt_cache accepted and its screen let
+# through (a few hundred tokens); anyone calling this model directly gets no more. The
+# tokenizer reads a text whole before it truncates it (seconds and gigabytes for megabytes).
+MAX_TEXT_BYTES = DEFAULT_LIMITS.max_prompt_bytes
 
 
 class TritonPythonModel:
@@ -32,7 +38,7 @@ class TritonPythonModel:
         responses: list = [None] * len(requests)
         for i, request in enumerate(requests):
             try:
-                texts = io.Inputs(request).batch_strings("TEXT")
+                texts = io.Inputs(request).batch_strings("TEXT", MAX_TEXT_BYTES)
                 if not texts:
                     raise InvalidRequest("TEXT is required")
                 batches.append(texts)
@@ -41,7 +47,14 @@ class TritonPythonModel:
                 responses[i] = io.error_response(exc)
         flat = [t for texts in batches if texts for t in texts]
         if flat:
-            vectors = self.stage.embed(flat)
+            try:
+                vectors = self.stage.embed(flat)
+            except Exception as exc:  # noqa: BLE001 - the batch's requests get its error
+                for i, texts in enumerate(batches):
+                    if texts:
+                        responses[i] = io.error_response(exc)
+                self.stage.after_batch()
+                return responses
             offset = 0
             for i, texts in enumerate(batches):
                 if texts:

@@ -1,6 +1,7 @@
 """Triton model `torch_llm` (decoupled): the PyTorch engine (tiercache.stages.torch_llm).
-execute() only enqueues; the stage's worker checks each request's seal, decodes its inputs, runs
-it and streams each chunk of an answer as a response through the sink below."""
+execute() checks each request's seal and decodes its inputs (a forged or malformed call is
+answered there, never queued), then queues it; the stage's worker runs it and streams each
+chunk of an answer as a response through the sink below."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EngineConfig
 from tiercache.engine.adapters import AdapterOrder
+from tiercache.errors import InvalidRequest
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.seal import ENGINE_INPUTS, Sealer
-from tiercache.stages.torch_llm import decode_call, open_torch_llm
+from tiercache.stages.torch_llm import MAX_ENVELOPE_BYTES, decode_call, open_torch_llm
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -29,6 +31,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def decode(request: object, sealer: Sealer) -> tuple[AdapterOrder, GenerationRequest | None]:
     inputs = io.Inputs(request)
     blobs = {name: inputs.blob(name) for name in (*ENGINE_INPUTS, "ENGINE_SEAL")}
+    envelope = blobs.get("ENVELOPE")
+    if envelope is not None and len(envelope) > MAX_ENVELOPE_BYTES:
+        raise InvalidRequest(f"ENVELOPE: {len(envelope)} bytes, over {MAX_ENVELOPE_BYTES}")
     return decode_call(sealer, blobs)
 
 
@@ -83,7 +88,12 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sink = Sink(request.get_response_sender())
-            self.stage.submit(lambda r=request: decode(r, self.stage.sealer), sink)
+            try:  # here, not on the worker: a forged call never waits in line nor costs it
+                decoded = decode(request, self.stage.sealer)
+            except Exception as exc:  # noqa: BLE001 - this request's error
+                self.stage.refuse(exc, sink)
+                continue
+            self.stage.submit(lambda d=decoded: d, sink)
         return None
 
     def finalize(self) -> None:

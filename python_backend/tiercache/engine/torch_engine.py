@@ -579,7 +579,10 @@ class _Sampler:
         (shape [1, vocab])."""
         if self.rng is None:
             return int(torch.argmax(logits, dim=-1)[0])
-        scores = logits[0].float() / self.request.temperature
+        raw = logits[0].float()
+        # Shifted so the best score is 0 before dividing: a temperature near 0 (1e-40 passes the
+        # request's checks) then gives -inf to the rest, i.e. greedy, not inf / inf = NaN
+        scores = (raw - raw.max()) / self.request.temperature
         if self.request.top_k > 0:
             k = min(self.request.top_k, scores.shape[-1])
             kth = torch.topk(scores, k).values[-1]
@@ -592,7 +595,10 @@ class _Sampler:
                 torch.zeros_like(drop).scatter(0, order, drop), float("-inf")
             )
         cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1).cpu().numpy()
-        index = int(np.searchsorted(cdf, self._draw(position) * cdf[-1], side="right"))
+        draw = self._draw(position)  # drawn whatever happens next: the stream stays aligned
+        if not np.isfinite(cdf[-1]) or cdf[-1] <= 0.0:  # nothing sampleable: the best token
+            return int(torch.argmax(raw))
+        index = int(np.searchsorted(cdf, draw * cdf[-1], side="right"))
         return min(index, len(cdf) - 1)
 
 

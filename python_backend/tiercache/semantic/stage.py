@@ -147,6 +147,9 @@ class EmbeddingCache:
         ]
         neighbours = [n for n in found_rows if n.similarity >= self.min_similarity]
         outcome = SemanticOutcome.MISS
+        forget = getattr(self._choose, "forget", None)
+        if forget is not None:  # a chooser's memo serves one search's retries, no other caller
+            forget()
         while neighbours:
             chosen = self._choose(prompt, [(n.prompt, n.similarity) for n in neighbours])
             if chosen is None:

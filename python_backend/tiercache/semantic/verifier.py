@@ -244,7 +244,9 @@ class VerifiedChoice:
     evaluates (`choose_by_verifier`).
 
     When the chosen candidate's answer is gone the stage asks again with it removed; the scores
-    of the last query are kept, so a retry does not run the model again."""
+    of the last query are kept, so a retry does not run the model again. The stage calls
+    `forget` at the start of each search: kept across requests, they would let a caller time
+    whether another (another tenant, in another scope) just asked the same."""
 
     def __init__(
         self,
@@ -290,6 +292,10 @@ class VerifiedChoice:
             if score >= self.threshold and score > best_score:
                 best, best_score = i, score
         return best
+
+    def forget(self) -> None:
+        """Drop the kept scores (a new search begins)."""
+        self._last_query, self._last_scores = None, {}
 
     def score(self, query: str, candidate: str, cosine: float) -> float:
         """The verifier's P(same question) for a candidate (the trust gate's score: a

@@ -30,7 +30,7 @@ from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
 from tiercache.engine.threads import ThreadRole, pass_thread_count, set_torch_threads, usable_cpus
 from tiercache.engine.torch_engine import TorchEngine
-from tiercache.errors import ConfigError, InvalidRequest, TierCacheError
+from tiercache.errors import ConfigError, InvalidRequest, TierCacheError, Unavailable
 from tiercache.exact.request import GenerationRequest
 from tiercache.machine import GpuMemoryProbe, GpuReading, nvml_card
 from tiercache.memory import MemoryTrimmer
@@ -52,6 +52,11 @@ OP_FINISH = {LOAD: "loaded", LIST: "listed", EVICT: "evicted"}
 # the adapter protocol's expected turn, not an error.
 FINISH_REASONS = ("stop", "length", "cancelled", "content_filter", "error", "adapter_missing")
 _STOP = object()
+# Requests waiting for the one worker at most: each holds its inputs (an adapter's files among
+# them) until it runs, and llm sends one per generation it runs (a few at a time).
+MAX_QUEUED = 256
+# An envelope is a few KiB; a call carrying a larger one was not made by llm
+MAX_ENVELOPE_BYTES = 1 << 20
 
 
 class EngineSink(Protocol):
@@ -217,9 +222,25 @@ class TorchLlmStage:
         self.kv_pool_bytes.set(kv.bytes)
 
     def submit(self, decode: Decode, sink: EngineSink) -> None:
-        """Queue one request for the worker."""
+        """Queue one request for the worker; past MAX_QUEUED waiting, refused at once
+        (Unavailable: the caller, llm, answers it as any engine failure)."""
+        if self._queue.qsize() >= MAX_QUEUED:
+            self.refuse(
+                Unavailable(f"the engine has {MAX_QUEUED} requests waiting; try again"), sink
+            )
+            return
         self._queue.put((decode, sink))
         self.queue_depth.set(self._queue.qsize())
+
+    def refuse(self, exc: BaseException, sink: EngineSink) -> None:
+        """Answer a request the worker will not run (its inputs refused before queueing, or
+        the queue full) with `exc`, counted as the worker counts its errors."""
+        self.finished["error"].increment(1)
+        io.log.warning("engine request refused: %s", exc)
+        try:
+            sink.send_error(exc)
+        except Exception:  # noqa: BLE001 - e.g. the client is gone
+            io.log.exception("could not send an error response")
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not _STOP:

@@ -156,12 +156,20 @@ class Inputs:
             parts.append((array.shape, value))
         return tuple(parts)
 
-    def batch_strings(self, name: str) -> list[str] | None:
-        """All texts of a BYTES input whose batch dimension may exceed 1 (one per row)."""
+    def batch_strings(self, name: str, max_bytes: int | None = None) -> list[str] | None:
+        """All texts of a BYTES input whose batch dimension may exceed 1 (one per row);
+        InvalidRequest for a value over `max_bytes` (checked before anything is decoded)."""
         tensor = self._tensors.get(name)
         if tensor is None:
             return None
-        return [_decode(name, value) for value in tensor.as_numpy().reshape(-1)]
+        values = tensor.as_numpy().reshape(-1)
+        if max_bytes is not None:
+            for value in values:
+                if isinstance(value, (bytes, str)) and len(value) > max_bytes:
+                    raise InvalidRequest(
+                        f"{name}: a value of {len(value)} bytes, over the {max_bytes} allowed"
+                    )
+        return [_decode(name, value) for value in values]
 
     def vector(self, name: str) -> np.ndarray | None:
         """A numeric tensor as it came (e.g. an embedding), batch dimension included."""
