@@ -48,6 +48,13 @@ def _serve(args: argparse.Namespace) -> int:
     from tiercache.errors import ConfigError
 
     state_dir = Path(args.state_dir).resolve()
+    from tiercache.exact.stores import make_private_dir
+
+    try:  # 0700 before anything is written in it: it holds every tenant's answers
+        make_private_dir(state_dir)
+    except OSError as exc:
+        print(f"tiercache: state dir {state_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     token_file = (
         Path(args.admin_token_file).resolve()
         if args.admin_token_file
@@ -112,12 +119,14 @@ def _serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    server.start()
     gateway: subprocess.Popen | None = None
     # tritonserver runs in its own session, so a terminal's Ctrl-C reaches only us; we forward it
-    # as Triton's clean shutdown. SIGTERM is treated the same way.
+    # as Triton's clean shutdown. SIGTERM and SIGHUP (the terminal or SSH session closed) are
+    # treated the same way, from before the start: no server is left holding its ports.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
+        server.start()
         server.wait_ready(args.ready_timeout)
         if args.gateway:
             gateway = _start_gateway(args, server, gateway_host)
@@ -144,8 +153,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         code = _supervise(server, args)
         print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
+        server.stop()  # stage processes it left behind, in its process group
         return code or 0
-    except ServerError as exc:
+    except (ServerError, OSError) as exc:
         print(f"tiercache: {exc}", file=sys.stderr)
         server.stop()
         return 1
@@ -155,6 +165,28 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if gateway is not None:
             _stop_gateway(gateway)
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: seconds, more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def _port_in_use(host: str, port: int) -> str:
@@ -292,11 +324,11 @@ def _invalidate(args: argparse.Namespace) -> int:
     from tiercache.exact.keys import tenant_scope
     from tiercache.exact.redis_tier import RedisLink, RedisStore, check_fleet_secret
     from tiercache.exact.tiered import TieredCache
-    from tiercache.stages.parts import host_secret, secret_source
+    from tiercache.stages.parts import read_host_secret, secret_source
     from tiercache.vocabulary import InvalidationKind, Tier
 
     try:
-        secret = host_secret(Path(args.state_dir))
+        secret = read_host_secret(Path(args.state_dir))
         link = RedisLink.from_url(
             args.redis_url, args.redis_prefix, timeout_s=args.timeout_s, secret=secret
         )
@@ -306,7 +338,7 @@ def _invalidate(args: argparse.Namespace) -> int:
     cache = TieredCache([(Tier.L3, RedisStore(link))])
     try:
         # Redis away: not checked here, and the Invalidator reports it below.
-        check_fleet_secret(link, secret, secret_source(Path(args.state_dir)))
+        check_fleet_secret(link, secret, secret_source(Path(args.state_dir)), register=False)
         if args.key:
             kind, value = InvalidationKind.KEY, checked_digest(args.key, "--key")
         elif args.tag:
@@ -382,7 +414,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         help="the Triton behind this gateway has an API key file (on its host): allow a "
         "non-loopback --host without $TIERCACHE_API_KEYS_FILE here",
     )
-    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--port", type=port_number, default=8080)
     gw.add_argument(
         "--max-connections",
         type=int,
@@ -533,6 +565,9 @@ def _keys(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tiercache: {exc.message}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a folder that cannot be made, a path whose parent is a file
+        print(f"tiercache: key file {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -586,12 +621,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`authorization: Bearer <key>` header (default: $TIERCACHE_API_KEYS_FILE; none: the "
         "tenant input is trusted as sent)",
     )
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--http-port", type=port_number, default=8000)
+    serve.add_argument("--grpc-port", type=port_number, default=8001)
+    serve.add_argument("--metrics-port", type=port_number, default=8002)
     serve.add_argument(
         "--gateway-port",
-        type=int,
+        type=port_number,
         default=8080,
         help="the OpenAI-compatible endpoint's port (`tiercache gateway`, docs/gateway.md)",
     )
@@ -617,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--watch-interval-s",
-        type=float,
+        type=positive_seconds,
         default=2.0,
         help="how often stage processes are checked (default 2 s)",
     )

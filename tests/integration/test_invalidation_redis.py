@@ -249,6 +249,34 @@ def test_cli_invalidates_a_tenant_with_the_fleets_secret(
     replica.close()
 
 
+def test_the_cli_never_makes_a_secret_nor_registers_one(
+    redis_server: RedisServer,
+    redis_prefix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run from a host without the fleet's secret (a wrong --state-dir), the command refuses
+    and creates no secret there; run against a Redis no replica has registered a fingerprint in
+    (a fresh one, a restarted one), it publishes without registering its own: a secret that was
+    not the fleet's would otherwise lock every replica out at its next start."""
+    monkeypatch.delenv("TIERCACHE_SECRET_FILE", raising=False)
+    empty = tmp_path / "not-a-state-dir"
+    code = tiercache_main(
+        ["invalidate", "--tag", "x", "--redis-url", redis_server.url,
+         "--redis-prefix", redis_prefix, "--state-dir", str(empty)]
+    )  # fmt: skip
+    assert code == 1 and "no server secret" in capsys.readouterr().err
+    assert not (empty / "secret").exists()
+    give_secret(tmp_path / "admin-host")
+    assert tiercache_main(
+        ["invalidate", "--tag", "x", "--redis-url", redis_server.url,
+         "--redis-prefix", redis_prefix, "--state-dir", str(tmp_path / "admin-host")]
+    ) == 0  # fmt: skip
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.exists(f"{redis_prefix}secret_fingerprint") == 0
+
+
 def test_forged_invalidations_are_ignored_and_counted(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path
 ) -> None:

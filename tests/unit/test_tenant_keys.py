@@ -57,6 +57,23 @@ def test_keys_are_stored_hashed_in_a_private_file(tmp_path: Path) -> None:
     assert [g.tenant for g in list_grants(path)] == ["acme"]
 
 
+def test_keys_added_and_revoked_through_a_symlink_change_its_target(tmp_path: Path) -> None:
+    """The server reads the link's target (`serve` resolves the path): revoking through the
+    link must change that file, not put a new file in the link's place."""
+    target = tmp_path / "secure" / "keys.json"
+    key, grant = add_key(target, "acme")
+    link = tmp_path / "keys-link.json"
+    link.symlink_to(target)
+    other, _ = add_key(link, "globex")
+    assert link.is_symlink()
+    assert revoke_key(link, grant.key_id)
+    assert link.is_symlink()
+    served = KeyFile(target)
+    with pytest.raises(Forbidden):
+        served.authorize(key)
+    assert served.authorize(other).tenant == "globex"
+
+
 def test_a_missing_or_unknown_key_is_forbidden(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     key, _ = add_key(path, "acme")
@@ -169,6 +186,29 @@ def test_the_keys_command_adds_lists_and_revokes(
     assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 0
     assert main(["keys", "--file", str(path), "revoke", grant.key_id]) == 1
     assert list_grants(path) == []
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    capsys.readouterr()
+    assert main(["keys", "--file", str(blocked / "keys.json"), "add", "--tenant", "x"]) == 1
+    assert "key file" in capsys.readouterr().err  # an error, not a traceback
+
+
+def test_serve_refuses_ports_out_of_range_and_a_watch_interval_of_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tiercache.cli import main
+
+    for argv in (
+        ["serve", "--gateway-port", "70000"],
+        ["serve", "--grpc-port", "-1"],
+        ["serve", "--watch-interval-s", "0"],
+        ["gateway", "--port", "0"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "65535" in err or "more than 0" in err, err
 
 
 def test_every_cache_control_word_is_one_a_key_can_allow_or_refuse() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType
 
+from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
 
 Digest = NewType("Digest", str)
@@ -174,6 +175,18 @@ def load_or_create_secret(path: Path) -> bytes:
     finally:
         tmp.unlink(missing_ok=True)
     return _read_secret(path)
+
+
+def read_secret(path: Path) -> bytes:
+    """The server secret at `path`, never created: ConfigError when there is none (an admin
+    tool given the wrong place must not make a secret of its own)."""
+    try:
+        return _read_secret(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no server secret at {path}: give the replicas' secret file ($TIERCACHE_SECRET_FILE, "
+            "or --state-dir naming the folder that holds `secret`)"
+        ) from None
 
 
 def replace_secret(path: Path, secret: bytes) -> None:

@@ -676,7 +676,7 @@ class RedisStore:
         self.link.close()
 
 
-def check_fleet_secret(link: RedisLink, secret: bytes, source: str) -> bool:
+def check_fleet_secret(link: RedisLink, secret: bytes, source: str, register: bool = True) -> bool:
     """Check that `secret` (read from `source`, named in errors) is the fleet's: Redis keeps only
     its fingerprint (`<prefix>secret_fingerprint`, set by the first replica to start, SET NX),
     never the secret. ConfigError, saying how to give this replica the fleet's secret, when the
@@ -684,13 +684,20 @@ def check_fleet_secret(link: RedisLink, secret: bytes, source: str) -> bool:
     (never adopted: whoever can write Redis would choose every replica's secret). That legacy key
     holding this secret is deleted (the fingerprint takes its place). True once checked; False
     when Redis could not be asked (warned: the replica starts, and what another fleet's replicas
-    wrote would be refused as forged)."""
+    wrote would be refused as forged). `register` False (an admin tool, not a replica) only
+    reads: no fingerprint is set where none is (it would make its secret the fleet's, and lock
+    the replicas out when it is not theirs), and the legacy key is left as it is."""
     fingerprint = secret_fingerprint(secret).encode("ascii")
     fingerprint_key = link.key("secret_fingerprint")
     legacy_key = link.key("secret")
 
     def check(c: redis.Redis) -> tuple[str, bytes | None]:
         legacy: Any = c.get(legacy_key)
+        if not register:
+            if legacy is not None and not hmac.compare_digest(bytes(legacy), secret):
+                return "legacy", None
+            stored_now: Any = c.get(fingerprint_key)
+            return "fingerprint", None if stored_now is None else bytes(stored_now)
         if legacy is not None:
             if not hmac.compare_digest(bytes(legacy), secret):
                 return "legacy", None

@@ -222,6 +222,7 @@ def add_key(
     )
     if grant.cache_control is not None:
         _names("the new key", sorted(grant.cache_control), CACHE_CONTROL_NAMES)
+    path = path.resolve()  # a symlink's target is what the server reads: edit that file
     with _locked(path):
         entries = _entries(path)
         entries.append({**grant.to_json(), "sha256": hash_key(key)})
@@ -231,6 +232,7 @@ def add_key(
 
 def revoke_key(path: Path, key_id: str) -> bool:
     """Remove the key `key_id`; False when there is none."""
+    path = path.resolve()  # a symlink's target is what the server reads: edit that file
     with _locked(path):
         entries = _entries(path)
         kept = [e for e in entries if e.get("id") != key_id]

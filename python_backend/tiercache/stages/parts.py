@@ -30,7 +30,7 @@ from tiercache.engine.model_source import resolve_model
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.eviction import named_policy
 from tiercache.exact.invalidation import InvalidationListener, RestartSweeper
-from tiercache.exact.keys import EngineIdentity, load_or_create_secret, tenant_scope
+from tiercache.exact.keys import EngineIdentity, load_or_create_secret, read_secret, tenant_scope
 from tiercache.exact.l2_values import L2Values, l2_values_map_bytes
 from tiercache.exact.prompt_cache import PromptCache, ResolveAdapter
 from tiercache.exact.redis_tier import (
@@ -208,6 +208,12 @@ def host_secret(state_path: Path) -> bytes:
         return load_or_create_secret(Path(named))
     make_private_dir(state_path)  # 0700: it holds the secret and every tenant's answers
     return load_or_create_secret(state_path / "secret")
+
+
+def read_host_secret(state_path: Path) -> bytes:
+    """`host_secret` for an admin tool: read, never created (ConfigError when missing)."""
+    named = os.environ.get("TIERCACHE_SECRET_FILE")
+    return read_secret(Path(named) if named else state_path / "secret")
 
 
 def open_sealer(state_path: Path) -> Sealer:
