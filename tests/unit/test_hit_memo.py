@@ -103,3 +103,9 @@ def test_bad_and_long_requests_are_not_memoized() -> None:
     assert len(cache._canonical) == 0 and len(cache._requests) == 0
     cache.lookup(REQUESTS[0])
     assert len(cache._canonical) == 1 and len(cache._requests) == 1
+    # short raw, long once normalized: U+FDFA is one character NFKC makes 18 (bounded by the
+    # raw key's length alone, 1,024 of them took 83 MiB of memo)
+    grown = RawInputs("\ufdfa" * 900)
+    assert len(grown.text_input or "") <= MEMO_MAX_CHARS
+    assert cache.lookup(grown) == prompts().lookup(grown)
+    assert len(cache._canonical) == 1 and len(cache._requests) == 1

@@ -127,6 +127,26 @@ def test_a_stored_cost_or_temperature_that_is_not_a_number_at_least_0_is_corrupt
         decode_entry(_with_payload(json.dumps(fields).encode()))
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[]",  # checksummed, yet not an object
+        json.dumps({"text": "x", "finish_reason": "stop", "generated_tokens": 1e999}).encode(),
+        json.dumps({"text": "x", "finish_reason": "stop", "generated_tokens": 2**31}).encode(),
+        json.dumps({"text": "x", "finish_reason": "stop", "generated_tokens": -1}).encode(),
+        json.dumps(
+            {"text": "x", "finish_reason": "stop", "generated_tokens": 1, "prompt_tokens": 2**40}
+        ).encode(),
+    ],
+)
+def test_a_payload_that_is_not_an_entry_is_corrupt_not_an_error(payload: bytes) -> None:
+    """Each raised AttributeError or OverflowError, which the stores did not take for a
+    corrupt entry (never dropped, a traceback on every read), or a token count an int32
+    cannot carry (every hit on it refused by llm's seal check)."""
+    with pytest.raises(CorruptEntry):
+        decode_entry(_with_payload(payload))
+
+
 def test_l1_keeps_the_answer_that_took_longer_to_generate() -> None:
     """L1's default policy weighs generation seconds: of two answers of one size, asked for as
     often, the one that took 20 s outlives the one that took 0.3 s, whichever came first."""

@@ -133,6 +133,8 @@ def decode_entry(data: bytes) -> CacheEntry:
         raise CorruptEntry("checksum mismatch")
     try:
         fields = json.loads(payload.decode("utf-8"))
+        if not isinstance(fields, dict):
+            raise TypeError(f"the payload is a {type(fields).__name__}, not an object")
         tags = fields.get("tags", [])
         if not isinstance(tags, list):
             raise TypeError(f"tags is a {type(tags).__name__}, not a list")
@@ -141,18 +143,38 @@ def decode_entry(data: bytes) -> CacheEntry:
             created_s=created_s,
             ttl_s=ttl_s,
             finish_reason=str(fields["finish_reason"]),
-            generated_tokens=int(fields["generated_tokens"]),
+            generated_tokens=_tokens(fields["generated_tokens"]),
             tags=tuple(str(t) for t in tags),
             tenant_scope=str(fields.get("scope", "")),
             adapter=str(fields.get("adapter", "")),
-            prompt_tokens=int(fields.get("prompt_tokens", 0)),
+            prompt_tokens=_tokens(fields.get("prompt_tokens", 0)),
             mean_logprob=_optional_float(fields.get("mean_logprob")),
             generation_s=_nonnegative(fields.get("generation_s", 0.0), MAX_GENERATION_S),
             temperature=_nonnegative(fields.get("temperature", 0.0), MAX_STORED_TEMPERATURE),
             endorsements=_count(fields.get("endorsements", 0)),
         )
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
         raise CorruptEntry(f"payload does not decode: {exc}") from exc
+
+
+def _tokens(value: object) -> int:
+    """A stored token count, 0..2**31-1 (an int32 tensor carries it to llm, whose seal covers
+    the stored value: one past that range would fail every hit); ValueError otherwise."""
+    count = int(value)  # type: ignore[call-overload]
+    if not 0 <= count <= MAX_TOKEN_COUNT:
+        raise ValueError(f"token count {count} is out of range")
+    return count
+
+
+MAX_TOKEN_COUNT = 2**31 - 1
 
 
 def _count(value: object) -> int:

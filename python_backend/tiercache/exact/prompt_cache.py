@@ -114,7 +114,10 @@ class PromptCache:
             return canonicalize(raw, self.limits), None
         canonical = self._canonical.get(key)
         if canonical is None:
-            canonical = self._canonical.put(key, canonicalize(raw, self.limits))
+            canonical = canonicalize(raw, self.limits)
+            if not _small(canonical.request):  # NFKC grew it (up to 18x): not worth the memory
+                return canonical, None
+            self._canonical.put(key, canonical)
         return canonical, key
 
     def _request(
@@ -214,6 +217,13 @@ class PromptCache:
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return result(digest, CacheStatus.BYPASS, write_back, scope, semantic, draft=draft)
         return result(digest, CacheStatus.MISS, write_back, scope, semantic, draft=draft)
+
+
+def _small(request: GenerationRequest) -> bool:
+    """Whether a canonical request is small enough to memoize: its prompt and history within
+    MEMO_MAX_CHARS after normalization, as the raw key's bound is before it."""
+    history = sum(len(content) for _, content in request.history)
+    return max(len(request.prompt), history) <= MEMO_MAX_CHARS
 
 
 def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:
