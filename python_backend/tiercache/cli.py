@@ -124,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
     # as Triton's clean shutdown. SIGTERM and SIGHUP (the terminal or SSH session closed) are
     # treated the same way, from before the start: no server is left holding its ports.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # kept ignored under nohup
+        signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         server.start()
         server.wait_ready(args.ready_timeout)
