@@ -28,7 +28,7 @@ from tiercache.engine.kv_cache import BlockHash, KvBlockPool, KvStats, block_has
 from tiercache.engine.threads import ThreadRole
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import MAX_ENVELOPE_BYTES, Envelope
 from tiercache.stages.seal import Sealer
 from tiercache_dev import pb_utils_stub
 
@@ -534,7 +534,7 @@ def test_an_oversized_envelope_or_a_full_queue_is_refused_before_the_worker(
     it as any engine failure); the good request is served either way."""
     torch_llm_stage = importlib.import_module("tiercache.stages.torch_llm")  # after the stand-in
     good = seals.engine_inputs(sealer, ENVELOPE=envelope_text(sealer, on_adapter()))
-    huge = tensors(pb_utils, ENVELOPE=b"x" * (torch_llm_stage.MAX_ENVELOPE_BYTES + 1))
+    huge = tensors(pb_utils, ENVELOPE=b"x" * (MAX_ENVELOPE_BYTES + 1))
     refused, served = call_batch(pb_utils, model, [huge, good])
     (response,) = refused
     assert response.has_error() and "over" in response.error().message()

@@ -11,8 +11,8 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
-from tiercache.errors import InvalidRequest
 from tiercache.exact.flights import EngineUsage
+from tiercache.stages.envelope import check_envelope_size
 from tiercache.stages.llm import HIT_INPUTS, HIT_KEY_MAX_BYTES, LlmInput, LlmStage, open_llm
 from tiercache.stages.seal import (
     Part,
@@ -26,7 +26,6 @@ from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-MAX_ENVELOPE_BYTES = 1 << 20  # an envelope is a few KiB; a larger one was not made by a stage
 
 
 class Responder:
@@ -88,8 +87,7 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
         return known
     status = inputs.string("LOOKUP_STATUS") or ""
     data = inputs.blob("ENVELOPE")
-    if data is not None and len(data) > MAX_ENVELOPE_BYTES:  # refused before any seal's HMAC
-        raise InvalidRequest(f"ENVELOPE: {len(data)} bytes, over {MAX_ENVELOPE_BYTES}")
+    check_envelope_size(data)
     cached_text = inputs.string("CACHED_TEXT") or ""
     similarity = inputs.number("SIMILARITY")
     vector = inputs.vector("EMBEDDING")

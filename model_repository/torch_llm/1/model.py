@@ -19,10 +19,10 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EngineConfig
 from tiercache.engine.adapters import AdapterOrder
-from tiercache.errors import InvalidRequest
 from tiercache.exact.request import GenerationRequest
+from tiercache.stages.envelope import check_envelope_size
 from tiercache.stages.seal import ENGINE_INPUTS, Sealer
-from tiercache.stages.torch_llm import MAX_ENVELOPE_BYTES, decode_call, open_torch_llm
+from tiercache.stages.torch_llm import decode_call, open_torch_llm
 from tiercache.triton import io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -31,9 +31,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def decode(request: object, sealer: Sealer) -> tuple[AdapterOrder, GenerationRequest | None]:
     inputs = io.Inputs(request)
     blobs = {name: inputs.blob(name) for name in (*ENGINE_INPUTS, "ENGINE_SEAL")}
-    envelope = blobs.get("ENVELOPE")
-    if envelope is not None and len(envelope) > MAX_ENVELOPE_BYTES:
-        raise InvalidRequest(f"ENVELOPE: {len(envelope)} bytes, over {MAX_ENVELOPE_BYTES}")
+    check_envelope_size(blobs.get("ENVELOPE"))
     return decode_call(sealer, blobs)
 
 
@@ -93,7 +91,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - this request's error
                 self.stage.refuse(exc, sink)
                 continue
-            self.stage.submit(lambda d=decoded: d, sink)
+            self.stage.submit(decoded, sink)
         return None
 
     def finalize(self) -> None:

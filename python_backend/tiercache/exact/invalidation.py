@@ -286,10 +286,12 @@ class InvalidationListener:
                     self._stop.wait(self._retry_s)
                     continue
                 since = self._since()
-                if catch_up_due is None or catch_up_since is None or since is None:
-                    catch_up_since = since if catch_up_due is None else None
-                else:
+                if catch_up_due is None:  # none pending: from the newest watermark read
+                    catch_up_since = since
+                elif catch_up_since is not None and since is not None:  # pending: never later
                     catch_up_since = min(catch_up_since, since)
+                else:
+                    catch_up_since = None  # from the record's start
                 catch_up_due = 0.0
                 next_ping = time.monotonic() + self._ping_s
             if catch_up_due is not None and time.monotonic() >= catch_up_due:

@@ -115,7 +115,7 @@ class PromptCache:
         canonical = self._canonical.get(key)
         if canonical is None:
             canonical = canonicalize(raw, self.limits)
-            if not _small(canonical.request):  # NFKC grew it (up to 18x): not worth the memory
+            if not small_request(canonical.request):  # NFKC grew it (up to 18x)
                 return canonical, None
             self._canonical.put(key, canonical)
         return canonical, key
@@ -219,7 +219,7 @@ class PromptCache:
         return result(digest, CacheStatus.MISS, write_back, scope, semantic, draft=draft)
 
 
-def _small(request: GenerationRequest) -> bool:
+def small_request(request: GenerationRequest) -> bool:
     """Whether a canonical request is small enough to memoize: its prompt and history within
     MEMO_MAX_CHARS after normalization, as the raw key's bound is before it."""
     history = sum(len(content) for _, content in request.history)

@@ -591,11 +591,11 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-# "\uXXXX\uXXXX": a character outside the BMP (an emoji) as a client that escapes non-ASCII
-# sends it; the ensemble's limits count characters
+# 12 bytes: a character outside the BMP (an emoji, "\ud83d\ude00") as a client that escapes
+# non-ASCII sends it; the ensemble's limits count characters
 JSON_ESCAPED_CHAR_BYTES = 12
 # A request body: the longest prompt and history the ensemble accepts (its default limits), every
-# character escaped, the JSON around each history turn, and 28 KiB for every other field; 512 KiB.
+# character escaped, the JSON around each history turn, and 28 KiB for every other field; 992 KiB.
 MAX_BODY_BYTES = (
     JSON_ESCAPED_CHAR_BYTES * (DEFAULT_LIMITS.max_prompt_chars + DEFAULT_LIMITS.max_history_chars)
     + 64 * DEFAULT_LIMITS.max_history_turns

@@ -29,6 +29,14 @@ from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
 ENVELOPE_VERSION = 3
 ENVELOPE_TENSOR = "ENVELOPE"
+MAX_ENVELOPE_BYTES = 1 << 20  # an envelope is a few KiB; a larger one was not made by a stage
+
+
+def check_envelope_size(data: bytes | None) -> None:
+    """InvalidRequest for an ENVELOPE over MAX_ENVELOPE_BYTES: refused before any seal's HMAC
+    reads it (a direct caller's megabytes would cost the stage's thread their hashing)."""
+    if data is not None and len(data) > MAX_ENVELOPE_BYTES:
+        raise InvalidRequest(f"{ENVELOPE_TENSOR}: {len(data)} bytes, over {MAX_ENVELOPE_BYTES}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,17 +203,21 @@ def secret_source(state_path: Path) -> str:
 def host_secret(state_path: Path) -> bytes:
     """This host's server secret: the file `$TIERCACHE_SECRET_FILE` names (the replicas of one
     fleet are given one file), else `<state>/secret`, created (0600) on first use."""
+    path = secret_path(state_path)
+    if path == state_path / "secret":
+        make_private_dir(state_path)  # 0700: it holds the secret and every tenant's answers
+    return load_or_create_secret(path)
+
+
+def secret_path(state_path: Path) -> Path:
+    """This host's secret file: `$TIERCACHE_SECRET_FILE`, else `<state>/secret`."""
     named = os.environ.get("TIERCACHE_SECRET_FILE")
-    if named:
-        return load_or_create_secret(Path(named))
-    make_private_dir(state_path)  # 0700: it holds the secret and every tenant's answers
-    return load_or_create_secret(state_path / "secret")
+    return Path(named) if named else state_path / "secret"
 
 
 def read_host_secret(state_path: Path) -> bytes:
     """`host_secret` for an admin tool: read, never created (ConfigError when missing)."""
-    named = os.environ.get("TIERCACHE_SECRET_FILE")
-    return read_secret(Path(named) if named else state_path / "secret")
+    return read_secret(secret_path(state_path))
 
 
 def open_sealer(state_path: Path) -> Sealer:

@@ -9,7 +9,7 @@ from tiercache.budgets import BudgetThread, LatencyObjective
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
-from tiercache.exact.prompt_cache import LookupResult, PromptCache
+from tiercache.exact.prompt_cache import LookupResult, PromptCache, small_request
 from tiercache.exact.request import RawInputs
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
@@ -82,9 +82,7 @@ class PromptCacheStage:
     def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int, int]) -> bytes:
         """The envelope's wire form, sealed with the exact hit's `text` and `tokens`; memoized
         for exact hits (a miss's envelope is sealed once and its answer generated anyway)."""
-        request = envelope.request
-        history_chars = sum(len(content) for _, content in request.history)
-        too_long = max(len(text), len(request.prompt), history_chars) > MEMO_MAX_CHARS
+        too_long = len(text) > MEMO_MAX_CHARS or not small_request(envelope.request)
         if envelope.status is not CacheStatus.EXACT or too_long:
             return envelope.seal(self.sealer, text, tokens)
         key = (envelope, text, tokens)

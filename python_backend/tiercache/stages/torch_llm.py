@@ -10,7 +10,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from tiercache.budgets import Budget, BudgetThread, LatencyObjective
@@ -55,8 +54,6 @@ _STOP = object()
 # Requests waiting for the one worker at most: each holds its inputs (an adapter's files among
 # them) until it runs, and llm sends one per generation it runs (a few at a time).
 MAX_QUEUED = 256
-# An envelope is a few KiB; a call carrying a larger one was not made by llm
-MAX_ENVELOPE_BYTES = 1 << 20
 
 
 class EngineSink(Protocol):
@@ -81,9 +78,8 @@ class EngineSink(Protocol):
     def send_error(self, exc: BaseException) -> None: ...
 
 
-Decode = Callable[[], tuple[AdapterOrder, GenerationRequest | None]]
-"""Reads one request's inputs into its adapter order and request (InvalidRequest on bad input);
-run on the worker."""
+EngineCall = tuple[AdapterOrder, GenerationRequest | None]
+"""One request's adapter order and generation, decoded (its seals checked) in execute."""
 
 
 class TorchLlmStage:
@@ -221,7 +217,7 @@ class TorchLlmStage:
         self.kv_lookups["miss"].seen = kv.lookups - kv.hit_lookups
         self.kv_pool_bytes.set(kv.bytes)
 
-    def submit(self, decode: Decode, sink: EngineSink) -> None:
+    def submit(self, call: EngineCall, sink: EngineSink) -> None:
         """Queue one request for the worker; past MAX_QUEUED waiting, refused at once
         (Unavailable: the caller, llm, answers it as any engine failure)."""
         if self._queue.qsize() >= MAX_QUEUED:
@@ -229,43 +225,37 @@ class TorchLlmStage:
                 Unavailable(f"the engine has {MAX_QUEUED} requests waiting; try again"), sink
             )
             return
-        self._queue.put((decode, sink))
+        self._queue.put((call, sink))
         self.queue_depth.set(self._queue.qsize())
 
     def refuse(self, exc: BaseException, sink: EngineSink) -> None:
-        """Answer a request the worker will not run (its inputs refused before queueing, or
-        the queue full) with `exc`, counted as the worker counts its errors."""
-        self.finished["error"].increment(1)
-        io.log.warning("engine request refused: %s", exc)
+        """Answer a request with `exc`, counted by its finish reason and logged: one that
+        failed on the worker, or one it will not run (inputs refused in execute, queue full)."""
+        reason = "adapter_missing" if is_not_in_engine(exc) else "error"
+        self.finished[reason].increment(1)
+        if reason == "adapter_missing":  # the protocol's turn: the caller sends weights
+            io.log.info("engine request refused: %s", exc)
+        elif isinstance(exc, TierCacheError):  # a refused request: its message is enough
+            io.log.warning("engine request refused: %s", exc)
+        else:
+            io.log.error("engine request failed", exc_info=exc)
         try:
             sink.send_error(exc)
-        except Exception:  # noqa: BLE001 - e.g. the client is gone
+        except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
             io.log.exception("could not send an error response")
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not _STOP:
             self.queue_depth.set(self._queue.qsize())
-            decode, sink = job
+            (order, request), sink = job
             # the objective's clock starts here, not at submit: the queue holds earlier
             # requests' whole generations, which no cache memory shortens
             started = time.monotonic()
             before = self.engine.adapters.stats()
             try:
-                order, request = decode()
                 self._serve(order, request, sink, started)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
-                reason = "adapter_missing" if is_not_in_engine(exc) else "error"
-                self.finished[reason].increment(1)
-                if reason == "adapter_missing":  # the protocol's turn: the caller sends weights
-                    io.log.info("engine request refused: %s", exc)
-                elif isinstance(exc, TierCacheError):  # a refused request: its message is enough
-                    io.log.warning("engine request refused: %s", exc)
-                else:
-                    io.log.error("engine request failed", exc_info=exc)
-                try:
-                    sink.send_error(exc)
-                except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
-                    io.log.exception("could not send an error response")
+                self.refuse(exc, sink)
             finally:
                 adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
                 self._record_adapters(before, adapters)
