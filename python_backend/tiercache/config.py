@@ -209,6 +209,15 @@ PARAMETERS: dict[str, _Spec] = {
         "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
         "trusted as sent",
     ),
+    "envelope_max_age_s": _Spec(
+        300.0,
+        "The oldest envelope (prompt_cache's sealed hand-over) a stage acts on, in seconds "
+        "(plus 10: issue times are rounded down to 10 s). Bounds how long a caller can replay "
+        "its own kept envelopes after anything it was checked against changed; a revoked key's "
+        "are refused at once (docs/security.md). Keep it above the longest time a request may "
+        "queue between prompt_cache and llm",
+        min=1,
+    ),
     "disk_headroom_bytes": _Spec(
         512 << 20,
         "Free disk kept on the state directory's filesystem: under it L2 stops growing its "
@@ -466,6 +475,8 @@ class EmbeddingCacheConfig(_TiersConfig):
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")
     semantic_max_scopes_per_tenant: int = shared("semantic_max_scopes_per_tenant")
+    api_keys_file: str = shared("api_keys_file")
+    envelope_max_age_s: float = shared("envelope_max_age_s")
     embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
     target_precision: float = param(
         0.0,
@@ -622,6 +633,8 @@ class LlmConfig(_TiersConfig):
     semantic_max_bytes: int = shared("semantic_max_bytes")
     semantic_max_scopes: int = shared("semantic_max_scopes")
     semantic_max_scopes_per_tenant: int = shared("semantic_max_scopes_per_tenant")
+    api_keys_file: str = shared("api_keys_file")
+    envelope_max_age_s: float = shared("envelope_max_age_s")
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
     lora_model: str = shared("lora_model")
@@ -708,6 +721,8 @@ class LoraCacheConfig(_RedisConfig):
 
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
+    api_keys_file: str = shared("api_keys_file")
+    envelope_max_age_s: float = shared("envelope_max_age_s")
     engine_model: str = param("torch_llm", "The engine it keeps warm (BLS target of load/list)")
     engine_kind: str = param(
         EngineKind.TORCH_LLM.value,
@@ -776,6 +791,7 @@ class EngineConfig(_StateConfig):
     model: str = shared("model")
     device: str = shared("device")
     torch_threads: str = torch_threads_param(embedder=False)
+    envelope_max_age_s: float = shared("envelope_max_age_s")
     adapters_dir: str = shared("adapters_dir")
     adapters_manifest: str = shared("adapters_manifest")
     lora_slots: int = param(

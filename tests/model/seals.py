@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import Envelope, seal_of
+from tiercache.stages.envelope import Envelope, Freshness, seal_of
 from tiercache.stages.parts import open_adapter_cipher, open_sealer
 from tiercache.stages.seal import (
     ADMIN_LABEL,
@@ -82,7 +82,9 @@ def sealed_payload(sealer: Sealer, payload: bytes, cached_text: str = "") -> byt
 
 def opened(sealer: Sealer, data: bytes | str, cached_text: str = "") -> Envelope:
     """The envelope a stage sent, its seal checked (Forbidden when unsealed or altered)."""
-    return Envelope.open(data.encode() if isinstance(data, str) else data, sealer, cached_text)
+    return Envelope.open(
+        data.encode() if isinstance(data, str) else data, sealer, Freshness(), cached_text
+    )
 
 
 def altered(data: bytes, old: bytes, new: bytes) -> bytes:
@@ -264,7 +266,7 @@ def engine_call(sealer: Sealer, request: Any) -> tuple[Any, GenerationRequest | 
     for tensor in request.inputs():
         (value,) = tensor.as_numpy().reshape(-1)
         blobs[tensor.name()] = value.encode() if isinstance(value, str) else bytes(value)
-    return decode_call(sealer, blobs)
+    return decode_call(sealer, Freshness(), blobs)
 
 
 # ---- lora_cache's admin calls (llm, cache_admin -> lora_cache) ----------------------------------

@@ -24,9 +24,10 @@ from tiercache.errors import Forbidden
 from tiercache.exact.answer_ids import AnswerRef, ServedAs
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tenant_keys import RELOAD_CHECK_S, add_key, revoke_key
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE
 from tiercache.semantic.entry_trust import read_trust, verification_stamp
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, issued_now
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import CacheStatus
@@ -703,3 +704,49 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     assert answer_ref(model, anonymous) is None
     with pytest.raises(Forbidden):
         answer_ref(model, first, OTHER_TENANT)
+
+
+def test_kept_envelopes_are_refused_once_their_key_is_revoked_or_they_are_old(
+    pb_utils: ModuleType,
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    sealer: Sealer,
+    engine: FakeTorchLlm,
+) -> None:
+    """With the deployment's key file, llm acts on an envelope only while the API key that
+    sent it is in the file: a caller's kept sealed tensors (a miss, an exact hit llm keeps
+    decoded) replayed after its key is revoked are refused, and nothing is generated; an
+    envelope older than envelope_max_age_s is refused with or without a key file."""
+    keys_file = tmp_path / "api_keys.json"
+    _, grant = add_key(keys_file, "acme")
+    instance = load_model("llm").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "api_keys_file": str(keys_file)}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    try:
+        exact, miss = CacheStatus.EXACT, CacheStatus.MISS
+        hit = to_llm(
+            pb_utils,
+            sealer,
+            envelope(sealer, exact, "1" * 64, "the answer", key=grant.key_hash),
+            "the answer",
+            exact,
+        )
+        asked = to_llm(pb_utils, sealer, envelope(sealer, miss, "2" * 64, key=grant.key_hash))
+        keyless = to_llm(pb_utils, sealer, envelope(sealer, miss, "3" * 64))
+        old = envelope(sealer, miss, "4" * 64, key=grant.key_hash, issued_s=issued_now() - 400)
+        served, generated, *refused = run(
+            pb_utils, instance, [hit, asked, keyless, to_llm(pb_utils, sealer, old)]
+        )
+        assert final(pb_utils, served) == ("the answer", "exact")
+        assert final(pb_utils, generated) == ("Hello there", "miss")
+        assert_forbidden(pb_utils, refused[0], "names no API key, and this server requires one")
+        assert_forbidden(pb_utils, refused[1], "over the 300 s a request may take")
+        assert len(engine.calls) == 1
+        assert revoke_key(keys_file, grant.key_id)
+        time.sleep(RELOAD_CHECK_S + 0.1)  # the key file is looked at at most once a second
+        for responses in run(pb_utils, instance, [hit, asked]):
+            assert_forbidden(pb_utils, responses, "the API key that sent this request has been")
+        assert len(engine.calls) == 1
+    finally:
+        instance.finalize()

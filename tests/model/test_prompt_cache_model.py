@@ -20,7 +20,7 @@ from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import key_fields, tenant_scope
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tenant_keys import add_key
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import Tier
 
@@ -176,9 +176,9 @@ def test_an_exact_hit_sends_its_stored_token_counts_under_the_seal(
     tokens = pb_utils.get_output_tensor_by_name(hit, "CACHED_TOKENS").as_numpy()
     assert tokens.tolist() == [[31, 12, 1]]
     data = pb_utils.get_output_tensor_by_name(hit, "ENVELOPE").as_numpy()[0, 0]
-    assert Envelope.open(data, sealer, "answer", (31, 12, 1)).status == "exact"
+    assert Envelope.open(data, sealer, Freshness(), "answer", (31, 12, 1)).status == "exact"
     with pytest.raises(Forbidden, match="does not verify"):
-        Envelope.open(data, sealer, "answer", (31, 12, 0))
+        Envelope.open(data, sealer, Freshness(), "answer", (31, 12, 0))
 
 
 def test_a_repeated_hit_is_sealed_with_its_current_answer(

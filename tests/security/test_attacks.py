@@ -24,13 +24,14 @@ import pytest
 import redis
 import tritonclient.grpc as grpcclient
 from integration.conftest import REPO, metric_value
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from tiercache.adapter_types import AdapterRef, adapter_digest
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.exact.codec import CacheEntry, encode_entry
 from tiercache.exact.request import GenerationRequest
+from tiercache.exact.tenant_keys import add_key, revoke_key
 from tiercache.exact.watermarks import Invalidation
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_exact_cache, open_sealer
@@ -558,3 +559,67 @@ def test_a_padded_tenant_cannot_tell_a_hit_from_a_miss(served: Served) -> None:
     with client(served, "acme") as acme:
         seen = [acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status for _ in (1, 2)]
     assert seen == ["miss", "exact"]  # acme is another tenant: its own miss, then its hit
+
+
+# the ensemble's hand-over from embedding_cache and lora_cache to llm: (stage output, llm input)
+TO_LLM = (
+    ("ANSWER_TEXT", "CACHED_TEXT"),
+    ("ANSWER_STATUS", "LOOKUP_STATUS"),
+    *((name, name) for name in ("SIMILARITY", "EMBEDDING", "ANSWER_SEAL", "ANSWER_TOKENS")),
+    *((name, name) for name in ("NEIGHBOURS", "HIT_TRUST")),
+)
+LORA_TO_LLM = tuple((n, n) for n in ("LORA_CONFIG", "LORA_WEIGHTS", "LORA_EVICT", "LORA_SEAL"))
+
+
+def handed_on(
+    result: grpcclient.InferResult, names: tuple[tuple[str, str], ...]
+) -> list[grpcclient.InferInput]:
+    """A stage's outputs as the ensemble hands them to the next stage's inputs, unchanged."""
+    inputs = []
+    for output, name in names:
+        array = result.as_numpy(output)
+        t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    return inputs
+
+
+def test_a_revoked_keys_kept_envelopes_are_refused(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    """A caller keeps what each stage sealed for its own request (the envelope from the edge,
+    embedding_cache's answer, lora_cache's plan for an adapter) and replays them by hand: llm
+    generates while the key is valid; once it is revoked, every stage that acts on the envelope
+    refuses it (embedding_cache's lookup, lora_cache's plan, llm's generation), within a second
+    (the key file's reload check)."""
+    keys_file = served.state_dir.parent / "api_keys.json"
+    key, grant = add_key(keys_file, "acme")
+    result = raw.infer(
+        "prompt_cache",
+        [
+            tensor("text_input", unique("Name a revoked key's colour.")),
+            tensor("max_tokens", MAX_TOKENS),
+            tensor("lora_name", "brief"),
+        ],
+        headers={"authorization": f"Bearer {key}"},
+    )
+    data = result.as_numpy("ENVELOPE").reshape(-1)[0]
+    assert Envelope.decode(data[SEAL_CHARS:]).key == grant.key_hash
+    lookup = [tensor("ENVELOPE", data), tensor("CACHED_TEXT", "")]
+    planned = [tensor("ENVELOPE", data), tensor("LOOKUP_STATUS", "miss")]
+    answer = raw.infer("embedding_cache", lookup)
+    assert answer.as_numpy("ANSWER_STATUS").reshape(-1)[0] == b"miss"
+    plan = raw.infer("lora_cache", planned)
+    to_llm = [tensor("ENVELOPE", data), *handed_on(answer, TO_LLM), *handed_on(plan, LORA_TO_LLM)]
+    responses, error = stream_outcome(served, "llm", to_llm)
+    assert error is None and responses  # the replay is generated while the key is valid
+    assert revoke_key(keys_file, grant.key_id)
+    time.sleep(2.0)  # each stage looks at the key file at most once a second
+    revoked = "the API key that sent this request has been revoked"
+    for _ in range(3):  # embedding_cache's instances each read the file
+        message = unary_error(raw, "embedding_cache", lookup)
+        assert forbidden(message) and revoked in message
+    message = unary_error(raw, "lora_cache", planned)
+    assert forbidden(message) and revoked in message
+    responses, error = stream_outcome(served, "llm", to_llm)
+    assert forbidden(error) and revoked in (error or "") and not responses

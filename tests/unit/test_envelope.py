@@ -4,14 +4,25 @@ canonical encoding, and hostile input refused as InvalidRequest (its seal: test_
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import Digest, key_fields
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import ENVELOPE_VERSION, Envelope, ReceivedEnvelope
+from tiercache.exact.tenant_keys import KeyFile, add_key, hash_key, revoke_key
+from tiercache.stages.envelope import (
+    ENVELOPE_VERSION,
+    ISSUE_STEP_S,
+    Envelope,
+    Freshness,
+    ReceivedEnvelope,
+    issued_now,
+)
 from tiercache.stages.seal import Sealer
+
+ISSUED_S = 1_790_000_000  # a fixed issue time: these envelopes are built at import
 from tiercache.vocabulary import CacheStatus
 
 FULL = Envelope(
@@ -46,6 +57,8 @@ FULL = Envelope(
     max_age_s=2.5,
     draft_digest="f" * 64,
     verify_semantic=True,
+    key="c" * 64,
+    issued_s=ISSUED_S,
 )
 
 
@@ -127,6 +140,9 @@ _DELETE = object()
         (_mutated(("status",), "hit"), "status 'hit' is unknown"),
         (_mutated(("digest",), 7), "digest has the wrong type"),
         (_mutated(("cache_tags",), "kb"), "cache_tags has the wrong type"),
+        (_mutated(("key",), None), "key has the wrong type"),
+        (_mutated(("issued_s",), 1.5), "issued_s has the wrong type"),
+        (_mutated(("issued_s",), _DELETE), "lacks 'issued_s'"),
     ],
 )
 def test_hostile_input_is_an_invalid_request(data: bytes, fragment: str) -> None:
@@ -136,11 +152,85 @@ def test_hostile_input_is_an_invalid_request(data: bytes, fragment: str) -> None
 
 def test_a_received_envelope_is_checked_and_decoded_once_and_only_when_asked() -> None:
     sealer = Sealer(b"k" * 32)
-    received = ReceivedEnvelope(b"not sealed", sealer)  # a hit passed on never looks at it
+    # a hit passed on never looks at it
+    received = ReceivedEnvelope(b"not sealed", sealer, Freshness())
     with pytest.raises(Forbidden, match="not sealed"):
         received.get()
-    good = ReceivedEnvelope(FULL.seal(sealer), sealer)
+    good = ReceivedEnvelope(FULL.seal(sealer), sealer, Freshness(clock=lambda: ISSUED_S))
     assert good.get() is good.get() and good.get() == FULL
     assert good.seal == FULL.seal(sealer)[:64].decode()
     with pytest.raises(InvalidRequest, match="ENVELOPE is required"):
-        ReceivedEnvelope(None, sealer).get()
+        ReceivedEnvelope(None, sealer, Freshness()).get()
+
+
+# -- freshness: a sealed envelope is acted on while it is recent and its key still allows it ----
+
+
+def test_an_envelope_is_issued_now_in_steps() -> None:
+    assert issued_now(lambda: 1_790_000_009.9) == 1_790_000_000
+    assert issued_now(lambda: 1_790_000_010.0) == 1_790_000_010
+    made = Envelope(request=GenerationRequest(prompt="hi"))
+    assert made.issued_s % ISSUE_STEP_S == 0 and made.issued_s == issued_now()
+    # two envelopes made in one step are equal: prompt_cache's memo of sealed hits holds
+    assert Envelope(request=GenerationRequest(prompt="hi"), issued_s=made.issued_s) == made
+
+
+@pytest.mark.parametrize(
+    ("age_s", "fragment"),
+    [
+        (0.0, None),
+        (300.0 + ISSUE_STEP_S, None),  # the step's rounding is allowed for
+        (300.0 + ISSUE_STEP_S + 1, "issued 311 s ago, over the 300 s"),
+        (-60.0, None),
+        (-61.0, "61 s ahead of this host's clock"),
+    ],
+)
+def test_an_envelope_older_than_its_age_is_refused(age_s: float, fragment: str | None) -> None:
+    fresh = Freshness(300.0, clock=lambda: ISSUED_S + age_s)
+    if fragment is None:
+        fresh.check(FULL)
+    else:
+        with pytest.raises(Forbidden, match=fragment):
+            fresh.check(FULL)
+
+
+def test_a_kept_envelope_is_checked_again_on_every_read() -> None:
+    """A stage may keep a received envelope (llm's memo of decoded hits): its seal is checked
+    once, its freshness on every read."""
+    now = [float(ISSUED_S)]
+    sealer = Sealer(b"k" * 32)
+    kept = ReceivedEnvelope(FULL.seal(sealer), sealer, Freshness(60.0, clock=lambda: now[0]))
+    assert kept.get() == FULL
+    now[0] += 60 + ISSUE_STEP_S + 1
+    with pytest.raises(Forbidden, match="over the 60 s"):
+        kept.get()
+
+
+def _keyed(tmp_path: Path, adapters: list[str] | None = None) -> tuple[Path, str, Envelope]:
+    path = tmp_path / "api_keys.json"
+    key, grant = add_key(path, "acme", adapters=adapters)
+    assert grant.key_hash == hash_key(key)
+    request = GenerationRequest(prompt="hi", lora_name="brief")
+    return path, grant.key_id, Envelope(request=request, key=grant.key_hash)
+
+
+def test_a_revoked_keys_envelope_is_refused(tmp_path: Path) -> None:
+    now = [1_000.0]  # the key file's reload check (at most once a second) follows this clock
+    path, key_id, envelope = _keyed(tmp_path)
+    fresh = Freshness(keys=KeyFile(path, clock=lambda: now[0]))
+    fresh.check(envelope)
+    assert revoke_key(path, key_id)
+    now[0] += 2
+    with pytest.raises(Forbidden, match="has been revoked"):
+        fresh.check(envelope)
+    with pytest.raises(Forbidden, match="names no API key, and this server requires one"):
+        fresh.check(Envelope(request=envelope.request))
+    Freshness().check(Envelope(request=envelope.request))  # no key file: no key asked for
+
+
+def test_an_envelope_for_an_adapter_its_key_no_longer_allows_is_refused(tmp_path: Path) -> None:
+    path, _, envelope = _keyed(tmp_path, adapters=["caps"])  # brief is not among them
+    with pytest.raises(Forbidden, match="may no longer use 'brief'"):
+        Freshness(keys=KeyFile(path)).check(envelope)
+    base = Envelope(request=GenerationRequest(prompt="hi"), key=envelope.key)
+    Freshness(keys=KeyFile(path)).check(base)  # the base model is every key's

@@ -9,7 +9,7 @@ import pytest
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import Envelope, ReceivedEnvelope, seal_of
+from tiercache.stages.envelope import Envelope, Freshness, ReceivedEnvelope, seal_of
 from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
@@ -25,6 +25,7 @@ from tiercache.vocabulary import CacheStatus
 
 SEALER = Sealer.from_secret(b"s" * 32)
 OTHER = Sealer.from_secret(b"t" * 32)  # another deployment's secret
+FRESH = Freshness(float("inf"))  # seals only here: the envelopes are built at import
 MISS = Envelope(
     request=GenerationRequest(prompt="what is a cache?", tenant_scope="a" * 64),
     status=CacheStatus.MISS,
@@ -36,16 +37,16 @@ MISS = Envelope(
 def test_a_sealed_envelope_opens_with_the_same_secret_only() -> None:
     data = MISS.seal(SEALER)
     assert len(seal_of(data)) == SEAL_CHARS
-    assert Envelope.open(data, SEALER) == MISS
+    assert Envelope.open(data, SEALER, FRESH) == MISS
     with pytest.raises(Forbidden, match="does not verify"):
-        Envelope.open(data, OTHER)
+        Envelope.open(data, OTHER, FRESH)
 
 
 def test_an_unsealed_envelope_is_forbidden() -> None:
     with pytest.raises(Forbidden, match="does not verify"):
-        Envelope.open(MISS.encode(), SEALER)  # the bare JSON: its first 64 bytes are no seal
+        Envelope.open(MISS.encode(), SEALER, FRESH)  # the bare JSON: its first 64 bytes are no seal
     with pytest.raises(InvalidRequest, match="is required"):
-        Envelope.open(b"", SEALER)
+        Envelope.open(b"", SEALER, FRESH)
 
 
 def test_an_altered_envelope_is_forbidden() -> None:
@@ -53,30 +54,30 @@ def test_an_altered_envelope_is_forbidden() -> None:
     forged = data.replace(b'"write_back":true', b'"write_back":false')
     assert forged != data
     with pytest.raises(Forbidden):
-        Envelope.open(forged, SEALER)
+        Envelope.open(forged, SEALER, FRESH)
     other_tenant = data.replace(b"a" * 64, b"b" * 64)
     with pytest.raises(Forbidden):
-        Envelope.open(other_tenant, SEALER)
+        Envelope.open(other_tenant, SEALER, FRESH)
 
 
 def test_the_envelope_seal_binds_the_exact_hits_text() -> None:
     hit = Envelope(request=MISS.request, status=CacheStatus.EXACT, digest=MISS.digest)
     data = hit.seal(SEALER, "the cached answer")
-    assert Envelope.open(data, SEALER, "the cached answer") == hit
+    assert Envelope.open(data, SEALER, FRESH, "the cached answer") == hit
     with pytest.raises(Forbidden):
-        Envelope.open(data, SEALER, "a forged answer")
+        Envelope.open(data, SEALER, FRESH, "a forged answer")
     with pytest.raises(Forbidden):  # an exact hit's envelope cannot pass as a miss's
-        ReceivedEnvelope(data, SEALER).get()
+        ReceivedEnvelope(data, SEALER, FRESH).get()
 
 
 def test_the_envelope_seal_binds_the_exact_hits_token_counts() -> None:
     hit = Envelope(request=MISS.request, status=CacheStatus.EXACT, digest=MISS.digest)
     data = hit.seal(SEALER, "the cached answer", (31, 12, 1))
-    assert Envelope.open(data, SEALER, "the cached answer", (31, 12, 1)) == hit
-    assert ReceivedEnvelope(data, SEALER, "the cached answer", (31, 12, 1)).get() == hit
+    assert Envelope.open(data, SEALER, FRESH, "the cached answer", (31, 12, 1)) == hit
+    assert ReceivedEnvelope(data, SEALER, FRESH, "the cached answer", (31, 12, 1)).get() == hit
     for forged in ((31, 13, 1), (0, 0, 0), (12, 31, 1), (31, 12, 0)):
         with pytest.raises(Forbidden):
-            Envelope.open(data, SEALER, "the cached answer", forged)
+            Envelope.open(data, SEALER, FRESH, "the cached answer", forged)
     # unknown counts seal as before counts existed: the text alone
     plain = hit.seal(SEALER, "the cached answer")
     assert plain == hit.seal(SEALER, "the cached answer", (0, 0, 0))

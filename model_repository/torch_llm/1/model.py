@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import EngineConfig
 from tiercache.engine.adapters import AdapterOrder
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import check_envelope_size
+from tiercache.stages.envelope import Freshness, check_envelope_size
 from tiercache.stages.seal import ENGINE_INPUTS, Sealer
 from tiercache.stages.torch_llm import decode_call, open_torch_llm
 from tiercache.triton import io
@@ -28,11 +28,13 @@ from tiercache.triton import io
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def decode(request: object, sealer: Sealer) -> tuple[AdapterOrder, GenerationRequest | None]:
+def decode(
+    request: object, sealer: Sealer, freshness: Freshness
+) -> tuple[AdapterOrder, GenerationRequest | None]:
     inputs = io.Inputs(request)
     blobs = {name: inputs.blob(name) for name in (*ENGINE_INPUTS, "ENGINE_SEAL")}
     check_envelope_size(blobs.get("ENVELOPE"))
-    return decode_call(sealer, blobs)
+    return decode_call(sealer, freshness, blobs)
 
 
 class Sink:
@@ -87,7 +89,7 @@ class TritonPythonModel:
         for request in requests:
             sink = Sink(request.get_response_sender())
             try:  # here, not on the worker: a forged call never waits in line nor costs it
-                decoded = decode(request, self.stage.sealer)
+                decoded = decode(request, self.stage.sealer, self.stage.freshness)
             except Exception as exc:  # noqa: BLE001 - this request's error
                 self.stage.refuse(exc, sink)
                 continue

@@ -53,6 +53,9 @@ class TenantGrant:
     tenant: str
     adapters: frozenset[str] | None = None
     cache_control: frozenset[str] | None = None
+    # the key's SHA-256 as the file stores it: what an envelope names the key by (a stage
+    # checks a kept envelope's key is still there: tiercache.stages.envelope.Freshness)
+    key_hash: str = ""
 
     def check(self, tenant_input: str | None, lora_name: str, control: CacheControl) -> None:
         """Forbidden when the request names another tenant, an adapter or a cache_control
@@ -128,6 +131,12 @@ class KeyFile:
             raise Forbidden("unknown API key")
         return grant
 
+    def grant_of(self, key_hash: str) -> TenantGrant | None:
+        """The grant of the key whose SHA-256 is `key_hash` (None: not, or no longer, in the
+        file)."""
+        self._maybe_reload()
+        return self._grants.get(key_hash)
+
     def grants(self) -> list[TenantGrant]:
         """The grants read last."""
         with self._lock:
@@ -187,7 +196,7 @@ def _entry(path: Path, index: int, entry: object) -> tuple[str, TenantGrant]:
         raise ConfigError(f"{where}: 'id' and 'tenant' must be strings")
     adapters = _names(where, entry.get("adapters"), None)
     words = _names(where, entry.get("cache_control"), CACHE_CONTROL_NAMES)
-    return digest, TenantGrant(key_id, tenant, adapters, words)
+    return digest, TenantGrant(key_id, tenant, adapters, words, digest)
 
 
 def _names(where: str, value: object, allowed: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -219,13 +228,14 @@ def add_key(
         tenant,
         None if adapters is None else frozenset(adapters),
         None if cache_control is None else frozenset(cache_control),
+        hash_key(key),
     )
     if grant.cache_control is not None:
         _names("the new key", sorted(grant.cache_control), CACHE_CONTROL_NAMES)
     path = path.resolve()  # a symlink's target is what the server reads: edit that file
     with _locked(path):
         entries = _entries(path)
-        entries.append({**grant.to_json(), "sha256": hash_key(key)})
+        entries.append({**grant.to_json(), "sha256": grant.key_hash})
         _write(path, entries)
     return key, grant
 

@@ -25,9 +25,9 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.semantic.verifier import VerifiedChoice, open_verified_choice
 from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.envelope import Envelope, check_sealed, seal_of
+from tiercache.stages.envelope import Envelope, Freshness, check_sealed, seal_of
 from tiercache.stages.memory_budgets import follow_l1
-from tiercache.stages.parts import ExactTiers, open_exact_cache, open_sealer
+from tiercache.stages.parts import ExactTiers, open_exact_cache, open_freshness, open_sealer
 from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
@@ -68,10 +68,18 @@ class EmbeddingCacheStage:
     """Batched semantic lookups with their metrics. Semantic caching is an optimisation: a
     failing lookup sends its requests on as misses (logged), never as errors."""
 
-    def __init__(self, stage: EmbeddingCache, metrics: tm.Metrics, sealer: Sealer) -> None:
+    def __init__(
+        self,
+        stage: EmbeddingCache,
+        metrics: tm.Metrics,
+        sealer: Sealer,
+        freshness: Freshness | None = None,
+    ) -> None:
         self.core = stage
         self.budgets: BudgetThread | None = None  # L1 following the machine, if asked
         self.sealer = sealer
+        # what an envelope must be past its seal to be looked up (age; key, with a key file)
+        self.freshness = freshness if freshness is not None else Freshness()
         # (envelope, text, tokens) of an exact hit whose envelope seal verified -> its answer's
         # seal for llm: a repeated hit skips both HMACs (tiercache.exact.memo; the key is the
         # check's and the seal's whole input)
@@ -103,8 +111,8 @@ class EmbeddingCacheStage:
 
     def open(self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS) -> Envelope:
         """prompt_cache's envelope, its seal checked (bound to the exact hit's `cached_text` and
-        `tokens`)."""
-        return Envelope.open(data, self.sealer, cached_text, tokens)
+        `tokens`) and its freshness."""
+        return Envelope.open(data, self.sealer, self.freshness, cached_text, tokens)
 
     def seal(self, envelope_seal: str, answer: Answer) -> str:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
@@ -317,7 +325,8 @@ def open_embedding_cache(
 
         tiers.listener.on_dropped(forget)
     metrics = tm.Metrics(model_name, instance=instance_name)
-    stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()))
+    freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
+    stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()), freshness)
     if verified is not None:
         stage.watch_verifier(verified)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied

@@ -12,24 +12,45 @@ wire the envelope is its seal (tiercache.stages.seal, 64 hex characters, over th
 exact hit's text) followed by the JSON; `open` checks the seal before it parses anything, so an
 unsealed or altered envelope is Forbidden, and a malformed, unknown-version or mistyped one is
 an InvalidRequest, for that request alone.
+
+A seal proves that this server's pipeline made an envelope, not that its caller may still send
+it: a caller of prompt_cache holds its own requests' sealed envelopes and could replay them
+into the later stages after its API key was revoked. So an envelope also carries when it was
+issued and the hash of the API key that sent it, and a stage acts on it only while it is
+recent and that key still allows it (`Freshness`, checked by `Envelope.open` after the seal).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.errors import InvalidRequest
+from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
+from tiercache.exact.tenant_keys import KeyFile
 from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
 from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
-ENVELOPE_VERSION = 3
+ENVELOPE_VERSION = 4
 ENVELOPE_TENSOR = "ENVELOPE"
 MAX_ENVELOPE_BYTES = 1 << 20  # an envelope is a few KiB; a larger one was not made by a stage
+# An envelope's issue time is whole seconds rounded down to this step, so a repeated exact hit
+# seals the same envelope for up to this long (prompt_cache's memo) and the age check allows it.
+ISSUE_STEP_S = 10
+DEFAULT_MAX_AGE_S = 300.0  # envelope_max_age_s's default (tiercache.config)
+FUTURE_SLACK_S = 60.0  # how far ahead of a stage's clock an issue time may be (a clock step)
+
+
+def issued_now(clock: Callable[[], float] = time.time) -> int:
+    """The issue time of an envelope made now: the host's clock in whole seconds, rounded down
+    to ISSUE_STEP_S."""
+    now = int(clock())
+    return now - now % ISSUE_STEP_S
 
 
 def check_envelope_size(data: bytes | None) -> None:
@@ -54,6 +75,11 @@ class Envelope:
     draft_digest: str = ""
     # cache_control `verify-semantic`: llm has the engine verify a semantic hit before serving it
     verify_semantic: bool = False
+    # SHA-256 of the API key that sent the request (tiercache.exact.tenant_keys; "" without a
+    # key file, and in llm's engine calls, which no caller sees)
+    key: str = ""
+    # when it was made (`issued_now`): a stage refuses it once older than envelope_max_age_s
+    issued_s: int = field(default_factory=issued_now)
 
     def seal(self, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS) -> bytes:
         """The wire form: the seal over the JSON and `cached_text` (prompt_cache's exact hit's
@@ -64,11 +90,19 @@ class Envelope:
 
     @classmethod
     def open(
-        cls, data: bytes | None, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS
+        cls,
+        data: bytes | None,
+        sealer: Sealer,
+        freshness: Freshness,
+        cached_text: str = "",
+        tokens: Tokens = NO_TOKENS,
     ) -> Envelope:
         """The envelope in the wire form `data`, its seal checked against `cached_text` and
-        `tokens` first: Forbidden when unsealed or altered, InvalidRequest when malformed."""
-        return cls.decode(check_sealed(data, sealer, cached_text, tokens))
+        `tokens` first, then `freshness`: Forbidden when unsealed, altered, too old or sent
+        with a key that no longer allows it, InvalidRequest when malformed."""
+        envelope = cls.decode(check_sealed(data, sealer, cached_text, tokens))
+        freshness.check(envelope)
+        return envelope
 
     def encode(self) -> bytes:
         """Canonical JSON (sorted keys, UTF-8), versioned; unsealed (see `seal`)."""
@@ -103,6 +137,8 @@ class Envelope:
             "max_age_s": self.max_age_s,
             "draft_digest": self.draft_digest,
             "verify_semantic": self.verify_semantic,
+            "key": self.key,
+            "issued_s": self.issued_s,
         }
         text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return text.encode("utf-8")
@@ -162,7 +198,57 @@ class Envelope:
             max_age_s=_read(top, "max_age_s", float, ENVELOPE_TENSOR, optional=True),
             draft_digest=_read(top, "draft_digest", str, ENVELOPE_TENSOR),
             verify_semantic=_read(top, "verify_semantic", bool, ENVELOPE_TENSOR),
+            key=_read(top, "key", str, ENVELOPE_TENSOR),
+            issued_s=_read(top, "issued_s", int, ENVELOPE_TENSOR),
         )
+
+
+class Freshness:
+    """What a stage checks of an envelope past its seal before acting on it: that it was issued
+    at most `max_age_s` ago (plus ISSUE_STEP_S) and not ahead of the clock, and, with the
+    deployment's key file, that the API key that sent it is still there and still allows its
+    adapter. Revoking a key thus ends its kept envelopes' replays within a second (the key
+    file's reload check), and `max_age_s` bounds what a replay can do after anything else a
+    request was checked against changed (an adapter taken out of the folder, a key's words).
+    A stage without a key file (or whose envelopes no caller sees: torch_llm's engine calls)
+    checks the age alone."""
+
+    __slots__ = ("max_age_s", "keys", "_clock")
+
+    def __init__(
+        self,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        keys: KeyFile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_age_s = max_age_s
+        self.keys = keys
+        self._clock = clock
+
+    def check(self, envelope: Envelope) -> None:
+        """Forbidden, naming why, unless `envelope` may still be acted on."""
+        age_s = self._clock() - envelope.issued_s
+        if age_s > self.max_age_s + ISSUE_STEP_S:
+            raise Forbidden(
+                f"{ENVELOPE_TENSOR} was issued {age_s:.0f} s ago, over the {self.max_age_s:g} s "
+                "a request may take between stages (envelope_max_age_s): a replay, or a "
+                "stalled stage"
+            )
+        if age_s < -FUTURE_SLACK_S:
+            raise Forbidden(f"{ENVELOPE_TENSOR} is dated {-age_s:.0f} s ahead of this host's clock")
+        if self.keys is None:
+            return
+        if not envelope.key:
+            raise Forbidden(
+                f"{ENVELOPE_TENSOR} names no API key, and this server requires one (stages "
+                "started with different key files?)"
+            )
+        grant = self.keys.grant_of(envelope.key)
+        if grant is None:
+            raise Forbidden("the API key that sent this request has been revoked")
+        lora_name = envelope.request.lora_name
+        if lora_name and grant.adapters is not None and lora_name not in grant.adapters:
+            raise Forbidden(f"the API key that sent this request may no longer use {lora_name!r}")
 
 
 def check_sealed(
@@ -194,13 +280,19 @@ class ReceivedEnvelope:
     """An envelope as a stage received it, checked and decoded on first use: a stage that only
     passes a hit on never pays for it, and no stage does it twice."""
 
-    __slots__ = ("data", "_sealer", "_cached_text", "_tokens", "_envelope")
+    __slots__ = ("data", "_sealer", "_freshness", "_cached_text", "_tokens", "_envelope")
 
     def __init__(
-        self, data: bytes | None, sealer: Sealer, cached_text: str = "", tokens: Tokens = NO_TOKENS
+        self,
+        data: bytes | None,
+        sealer: Sealer,
+        freshness: Freshness,
+        cached_text: str = "",
+        tokens: Tokens = NO_TOKENS,
     ) -> None:
         self.data = data
         self._sealer = sealer
+        self._freshness = freshness
         self._cached_text = cached_text
         self._tokens = tokens
         self._envelope: Envelope | None = None
@@ -211,11 +303,17 @@ class ReceivedEnvelope:
         return seal_of(self.data)
 
     def get(self) -> Envelope:
-        """The envelope; Forbidden when unsealed or altered, InvalidRequest when missing or
+        """The envelope; Forbidden when unsealed, altered or no longer fresh (checked on every
+        call: a stage may keep a received envelope), InvalidRequest when missing or
         malformed."""
-        if self._envelope is None:
-            self._envelope = Envelope.open(self.data, self._sealer, self._cached_text, self._tokens)
-        return self._envelope
+        envelope = self._envelope
+        if envelope is None:
+            self._envelope = envelope = Envelope.open(
+                self.data, self._sealer, self._freshness, self._cached_text, self._tokens
+            )
+        else:
+            self._freshness.check(envelope)
+        return envelope
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:

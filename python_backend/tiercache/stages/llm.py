@@ -56,12 +56,19 @@ from tiercache.stages.common import (
     status_counters,
 )
 from tiercache.stages.contract import LLM, llm_terms, write_terms
-from tiercache.stages.envelope import ENVELOPE_TENSOR, Envelope, ReceivedEnvelope, seal_of
+from tiercache.stages.envelope import (
+    ENVELOPE_TENSOR,
+    Envelope,
+    Freshness,
+    ReceivedEnvelope,
+    seal_of,
+)
 from tiercache.stages.parts import (
     ExactTiers,
     load_secret,
     open_adapter_cipher,
     open_exact_cache,
+    open_freshness,
     open_sealer,
     padding_policy,
 )
@@ -253,8 +260,10 @@ class EngineBls:
         Triton version, so an abandoned generation runs to max_tokens and is discarded.
         A call for an adapter that goes out without its files while another request's files
         for it wait for the engine's answer carries them too (`expect`)."""
-        envelope = Envelope(request=request).seal(self.sealer)
         with self._streams:  # held until the stream ends (engine_streams)
+            # sealed as it goes out (issued now: torch_llm checks its age), no key: no caller
+            # sees an engine call
+            envelope = Envelope(request=request).seal(self.sealer)
             # the adapter's files decided when the call goes out: the engine takes calls in
             # order, and files another request brought may have come while this one waited
             lora, carried = self._with_expected(request, lora)
@@ -383,13 +392,13 @@ class LlmStage:
         secret: bytes,
         sealer: Sealer,
         cipher: AdapterCipher,
+        freshness: Freshness | None = None,
     ) -> None:
         self.config = config
         self.sealer = sealer
+        # what an envelope must be past its seal to be served (age; key, with a key file)
+        self.freshness = freshness or Freshness(config.envelope_max_age_s)
         self.answer_ids = AnswerIds(secret)
-        # (envelope, exact hit's text, tokens) -> (digest, tenant scope): a repeated exact hit
-        # names its answer without decoding its envelope again (tiercache.exact.memo)
-        self._id_terms: Memo[tuple[str, str]] = Memo()
         # exact hits decoded, by their inputs as received (`known_hit`): a repeated hit skips
         # decoding its inputs and the HMAC over them
         self._hits: Memo[LlmInput] = Memo(HIT_MEMO_ENTRIES)
@@ -512,10 +521,11 @@ class LlmStage:
             what="embedding_cache's answer",
         )
         if answer["ANSWER_STATUS"] != CacheStatus.EXACT:
-            return ReceivedEnvelope(data, self.sealer)
+            return ReceivedEnvelope(data, self.sealer, self.freshness)
         tokens = answer.get("ANSWER_TOKENS")
         counts = tokens_of(tokens if isinstance(tokens, np.ndarray) else None)
-        return ReceivedEnvelope(data, self.sealer, str(answer["ANSWER_TEXT"]), counts)
+        text = str(answer["ANSWER_TEXT"])
+        return ReceivedEnvelope(data, self.sealer, self.freshness, text, counts)
 
     def known_hit(self, key: tuple[object, ...] | None) -> LlmInput | None:
         """The exact hit decoded earlier from inputs equal to `key` byte for byte
@@ -564,8 +574,11 @@ class LlmStage:
 
     def serve(self, item: LlmInput, responder: Responder, arrival_s: float) -> None:
         """Answer one request through `responder` (a hit at once, a miss from a worker); its
-        final response names the answer (`answer_id`) when the request has a digest."""
+        final response names the answer (`answer_id`) when the request has a digest. Every
+        request's envelope is checked (its seal once, its freshness every time: a kept hit
+        may be replayed)."""
         try:
+            item.envelope.get()
             answer_id = self.answer_id(item)
             if answer_id is not None:
                 responder.identify(answer_id)
@@ -592,10 +605,10 @@ class LlmStage:
                 item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0, score=item.hit_score
             )
             return self._issue(ref, envelope.request.tenant_scope)
-        digest, scope = self._own_terms(item)
-        if not digest:
+        envelope = item.envelope.get()
+        if not envelope.digest:
             return None
-        return self._issue(AnswerRef(digest, ServedAs.OWN), scope)
+        return self._issue(AnswerRef(envelope.digest, ServedAs.OWN), envelope.request.tenant_scope)
 
     def _issue(self, ref: AnswerRef, scope: str) -> str | None:
         """The id, or None (logged) for a digest that is not one: the answer is served without
@@ -605,21 +618,6 @@ class LlmStage:
         except ValueError:
             io.log.exception("no answer id for %r", ref.digest[:80])
             return None
-
-    def _own_terms(self, item: LlmInput) -> tuple[str, str]:
-        """The request's digest and tenant scope, memoized for exact hits (whose sealed
-        envelopes repeat: prompt_cache memoizes them too)."""
-        received = item.envelope
-        too_long = not worth_keeping(item.cached_text, received.data)
-        if item.status != CacheStatus.EXACT or too_long:
-            envelope = received.get()
-            return envelope.digest or "", envelope.request.tenant_scope
-        key = (received.data, item.cached_text, item.tokens)
-        terms = self._id_terms.get(key)
-        if terms is None:
-            envelope = received.get()
-            terms = self._id_terms.put(key, (envelope.digest or "", envelope.request.tenant_scope))
-        return terms
 
     def _serve(self, item: LlmInput, responder: Responder) -> None:
         status = item.status
@@ -827,7 +825,9 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     secret = load_secret(config.cache(), tiers.link)  # answer ids, padding
     metrics = tm.Metrics(model_name)
     state = config.state_path()
-    stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), open_adapter_cipher(state))
+    freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
+    cipher = open_adapter_cipher(state)
+    stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), cipher, freshness)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     stage.sharing = share_rows(stage, config, tiers)
     write_terms(state, LLM, llm_terms(stage.padding))  # what the gateway's edge must match

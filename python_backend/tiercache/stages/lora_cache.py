@@ -18,9 +18,15 @@ from tiercache.lora.stage import LoraCache
 from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
 from tiercache.stages.common import engine_inputs
-from tiercache.stages.envelope import ReceivedEnvelope
+from tiercache.stages.envelope import Freshness, ReceivedEnvelope
 from tiercache.stages.memory_budgets import start_budgets
-from tiercache.stages.parts import open_adapter_cipher, open_fleet, open_lora_core, open_sealer
+from tiercache.stages.parts import (
+    open_adapter_cipher,
+    open_fleet,
+    open_freshness,
+    open_lora_core,
+    open_sealer,
+)
 from tiercache.stages.seal import ADMIN_LABEL, LORA_LABEL, Part, Sealer, lora_inputs, seal_tensors
 from tiercache.stages.transport import AdapterCipher
 from tiercache.triton import io
@@ -123,11 +129,14 @@ class LoraCacheStage:
         cipher: AdapterCipher,
         trtllm: TrtllmLoraConverter | None = None,
         fleet: FleetSync | None = None,
+        freshness: Freshness | None = None,
     ) -> None:
         """`plans` must be the `on_plan` hook `core` was built with."""
         self.budgets: BudgetThread | None = None  # the host tier following the machine
         self.core = core
         self.sealer = sealer
+        # what an envelope must be past its seal to plan for (age; key, with a key file)
+        self.freshness = freshness if freshness is not None else Freshness()
         self.cipher = cipher
         self.trtllm = trtllm
         self.fleet = fleet
@@ -169,7 +178,7 @@ class LoraCacheStage:
     def received(self, data: bytes | None) -> ReceivedEnvelope:
         """prompt_cache's envelope, checked when it is first read. Its seal is checked as that of
         a request without an exact hit (no cached text): lora_cache plans misses only."""
-        return ReceivedEnvelope(data, self.sealer)
+        return ReceivedEnvelope(data, self.sealer, self.freshness)
 
     def plan(self, envelope: ReceivedEnvelope, lookup_status: str | None) -> LoraPlan | None:
         """The plan for one ensemble request (None: no adapter involved); the envelope is
@@ -251,7 +260,9 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     cipher = open_adapter_cipher(config.state_path())
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
-    stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, open_fleet(config, core))
+    freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
+    fleet = open_fleet(config, core)
+    stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, fleet, freshness)
     if config.host_max_bytes > 0:  # 0 keeps nothing: no budget to follow
         stage.budgets = start_budgets(
             config.memory_headroom_bytes,

@@ -24,6 +24,7 @@ from tiercache.config import (
     LlmConfig,
     LoraCacheConfig,
     PromptCacheConfig,
+    api_keys_path,
     name_list,
 )
 from tiercache.engine.model_source import resolve_model
@@ -40,6 +41,7 @@ from tiercache.exact.redis_tier import (
     check_fleet_secret,
 )
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store, make_private_dir
+from tiercache.exact.tenant_keys import KeyFile
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import DEFAULT_MAX_EVENTS, HostWatermarks, InvalidationTable
 from tiercache.lora.fleet import AdapterFleet, FleetSync, local_versions, replica_id
@@ -48,6 +50,7 @@ from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import EngineAdmin, LoraCache, latest_digest
 from tiercache.machine import DiskRoom
 from tiercache.padding import PaddingPolicy
+from tiercache.stages.envelope import Freshness
 from tiercache.stages.seal import Sealer
 from tiercache.stages.transport import AdapterCipher
 from tiercache.vocabulary import Tier
@@ -224,6 +227,15 @@ def open_sealer(state_path: Path) -> Sealer:
     """The stages' sealer (tiercache.stages.seal) under this host's secret: every stage of one
     server reads the same secret file, never Redis."""
     return Sealer.from_secret(host_secret(state_path))
+
+
+def open_freshness(max_age_s: float, api_keys_file: str | None = None) -> Freshness:
+    """What a stage checks of an envelope past its seal (tiercache.stages.envelope.Freshness):
+    its age, and with the deployment's key file (the parameter, else $TIERCACHE_API_KEYS_FILE;
+    None: the stage checks no key, as torch_llm, whose envelopes come from llm alone) that the
+    key that sent it still allows it."""
+    keys_path = None if api_keys_file is None else api_keys_path(api_keys_file)
+    return Freshness(max_age_s, KeyFile(keys_path) if keys_path is not None else None)
 
 
 def open_adapter_cipher(state_path: Path) -> AdapterCipher:

@@ -72,7 +72,8 @@ class PromptCacheStage:
         self.requests[result.status.value].increment(1)
         if result.tier is not None:
             self.hits[result.tier].increment(1)
-        sealed = self._seal(envelope_of(result), result.text, result.tokens)
+        key = "" if grant is None else grant.key_hash
+        sealed = self._seal(envelope_of(result, key), result.text, result.tokens)
         took_s = time.perf_counter() - started
         self.lookup_s.observe(took_s)
         if self.hit_objective is not None and result.status is CacheStatus.EXACT:
@@ -102,9 +103,10 @@ class PromptCacheStage:
         self.cache.cache.close()
 
 
-def envelope_of(result: LookupResult) -> Envelope:
-    """The envelope of a lookup, also on an exact hit: llm reads the hit's tenant scope from it
-    to decide response-time padding (tiercache.padding)."""
+def envelope_of(result: LookupResult, key: str = "") -> Envelope:
+    """The envelope of a lookup, also on an exact hit (llm reads the hit's tenant scope from it
+    to decide response-time padding, tiercache.padding), issued now, naming the API key that
+    sent it by its hash (`key`; "" without a key file)."""
     return Envelope(
         request=result.request,
         status=result.status,
@@ -116,6 +118,7 @@ def envelope_of(result: LookupResult) -> Envelope:
         max_age_s=result.max_age_s,
         draft_digest=result.draft_digest,
         verify_semantic=result.verify_semantic,
+        key=key,
     )
 
 

@@ -34,9 +34,9 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.machine import GpuMemoryProbe, GpuReading, nvml_card
 from tiercache.memory import MemoryTrimmer
 from tiercache.stages.common import DraftMetrics
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.memory_budgets import start_budgets
-from tiercache.stages.parts import open_adapters, open_sealer
+from tiercache.stages.parts import open_adapters, open_freshness, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
@@ -90,9 +90,12 @@ class TorchLlmStage:
         trimmer: MemoryTrimmer,
         metrics: tm.Metrics,
         sealer: Sealer,
+        freshness: Freshness | None = None,
     ) -> None:
         self.engine = engine
         self.sealer = sealer
+        # the engine calls' envelopes are llm's, made as each call goes out: their age alone
+        self.freshness = freshness if freshness is not None else Freshness()
         self.refusal = refusal
         self.trimmer = trimmer
         self.budgets: BudgetThread | None = None  # the KV pool following the host's memory
@@ -411,7 +414,9 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     prefetch(engine, config)
     metrics = tm.Metrics(model_name)
     trimmer = MemoryTrimmer(config.memory_trim_interval_s)
-    stage = TorchLlmStage(engine, refusal, trimmer, metrics, open_sealer(config.state_path()))
+    sealer = open_sealer(config.state_path())
+    freshness = open_freshness(config.envelope_max_age_s)  # no key: llm's calls carry none
+    stage = TorchLlmStage(engine, refusal, trimmer, metrics, sealer, freshness)
     if engine.on_gpu:  # "auto" may have picked a GPU
         if config.memory_headroom_bytes or config.cache_memory_bytes:
             log.warning(
@@ -508,11 +513,12 @@ def engine_budgets(engine: TorchEngine, config: EngineConfig) -> list[Budget]:
 
 
 def decode_call(
-    sealer: Sealer, blobs: dict[str, bytes | None]
+    sealer: Sealer, freshness: Freshness, blobs: dict[str, bytes | None]
 ) -> tuple[AdapterOrder, GenerationRequest | None]:
     """One engine call from its BYTES inputs (by name; None: omitted), its ENGINE_SEAL checked
-    over all of them before anything is parsed, then the envelope's own seal: the engine is
-    internal (llm and lora_cache call it). Forbidden when unsealed or altered."""
+    over all of them before anything is parsed, then the envelope's own seal and `freshness`:
+    the engine is internal (llm and lora_cache call it). Forbidden when unsealed, altered or
+    too old."""
     check_tensors(
         sealer,
         (blobs.get("ENGINE_SEAL") or b"").decode("ascii", "replace"),
@@ -522,7 +528,7 @@ def decode_call(
         what="the engine call",
     )
     data = blobs.get("ENVELOPE")
-    request = Envelope.open(data, sealer).request if data else None
+    request = Envelope.open(data, sealer, freshness).request if data else None
     order = AdapterOrder.parse(
         op=_text(blobs.get("LORA_OP")),
         lora=_text(blobs.get("LORA")),

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.exact.codec import CacheEntry
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, Freshness
 from tiercache_dev import pb_utils_stub as pb
 from tiercache_dev.console import invocation
 from tiercache_dev.paths import BENCH_FIXTURES as FIXTURES
@@ -195,7 +195,9 @@ def cache_the_answer(ensemble: Ensemble, public: dict[str, np.ndarray]) -> None:
     model = ensemble.models["prompt_cache"]
     (response,) = model.execute([pb.InferenceRequest([pb.Tensor(k, v) for k, v in public.items()])])
     envelope = next(t for t in response.output_tensors() if t.name() == "ENVELOPE")
-    digest = Envelope.open(bytes(envelope.as_numpy().reshape(-1)[0]), model.stage.sealer).digest
+    digest = Envelope.open(
+        bytes(envelope.as_numpy().reshape(-1)[0]), model.stage.sealer, Freshness()
+    ).digest
     assert digest is not None
     for _, store in model.stage.cache.cache.stores():
         store.put(digest, CacheEntry(ANSWER, created_s=time.time()))

@@ -230,7 +230,7 @@ def bench_seals(n: int, max_tokens: int) -> dict[str, float]:
     from tiercache.exact.keys import Digest
     from tiercache.exact.memo import Memo
     from tiercache.exact.request import GenerationRequest
-    from tiercache.stages.envelope import Envelope, check_sealed, seal_of
+    from tiercache.stages.envelope import Envelope, Freshness, check_sealed, seal_of
     from tiercache.stages.seal import (
         ANSWER_LABEL,
         ANSWER_TENSORS,
@@ -255,7 +255,7 @@ def bench_seals(n: int, max_tokens: int) -> dict[str, float]:
 
     def one_hit() -> None:
         data = envelope.seal(sealer, text)  # prompt_cache
-        opened = Envelope.open(data, sealer, text)  # embedding_cache
+        opened = Envelope.open(data, sealer, Freshness(), text)  # embedding_cache
         bound = seal_of(data)
         sent = answer_tensors(text, opened.status.value, 0.0, None)
         seal = seal_tensors(sealer, ANSWER_LABEL, ANSWER_TENSORS, sent, bound=bound)
