@@ -21,10 +21,9 @@ from tiercache.stages.envelope import (
     issued_now,
 )
 from tiercache.stages.seal import Sealer
-
-ISSUED_S = 1_790_000_000  # a fixed issue time: these envelopes are built at import
 from tiercache.vocabulary import CacheStatus
 
+ISSUED_S = 1_790_000_000  # a fixed issue time: these envelopes are built at import
 FULL = Envelope(
     request=GenerationRequest(
         prompt='héllo \u2603 "quoted"',
