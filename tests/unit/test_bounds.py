@@ -44,6 +44,7 @@ from tiercache.semantic.row_log import (
     check_vector,
     scope_tag,
 )
+from tiercache.semantic.shared_rows import LEFTOVER_AGE_S
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
@@ -707,3 +708,23 @@ def test_a_table_whose_count_is_past_its_capacity_is_rebuilt_from_the_log(
     assert searcher.exitcode == 0
     digests = found.get()
     assert digests[0] == "d2" and sorted(digests) == ["d0", "d1", "d2"]
+
+
+def test_unfinished_table_files_are_swept_once_old(tmp_path: Path) -> None:
+    """A process killed while creating a table leaves its private file (`<table>.tmp.<pid>.
+    <random>`, a whole table's size): the next store to open the folder deletes it once it is
+    an hour old, and leaves a young one (a creation in progress) and every other file alone."""
+    tables = tmp_path / "sem" / "tables"
+    tables.mkdir(parents=True)
+    old, young = tables / "ab.cd.0.tbl.tmp.123.456", tables / "ab.cd.1.tbl.tmp.124.457"
+    kept = [young, tables / "ab.cd.0.tbl", tables / "ab.lock"]
+    for path in (old, *kept):
+        path.write_bytes(b"x" * 64)
+    an_hour_ago = time.time() - LEFTOVER_AGE_S - 5
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    os.utime(tables / "ab.cd.0.tbl", (an_hour_ago, an_hour_ago))
+    store = SemanticStore(tmp_path / "sem")
+    assert not old.exists() and all(path.exists() for path in kept)
+    assert store.tables.sweep_leftovers(now_s=time.time() + LEFTOVER_AGE_S + 5) == 1  # young
+    assert not young.exists()
+    store.close()

@@ -8,7 +8,9 @@ release/acquire ordering (backends/README.md), so readers never copy or catch up
 Files, under the folder the store is given (default `<semantic state>/tables/`):
 `<scope tag>.<log id>.<epoch>.tbl`, the scope's current table, and `<scope tag>.lock`, an
 `flock` that every process holds while it publishes to, rebuilds or replaces that scope's
-table. The
+table. A table is built under a private name (`<table>.tmp.<pid>.<random>`) and linked into
+place; a process killed while building one leaves that file behind, which the next store to
+open the folder deletes once it is an hour old (`sweep_leftovers`). The
 current epoch, width and capacity are in the log's manifest for the scope (`TableManifest`),
 so a process never guesses which file is current. One file per scope keeps each scope's flat
 scan one contiguous matrix; a table starts at `INITIAL_CAPACITY` rows (the file is allocated
@@ -28,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +45,9 @@ from tiercache.semantic.row_log import INITIAL_CAPACITY, RowLog, TableManifest
 log = logging.getLogger(__name__)
 
 _PUBLISH_CHUNK = 8192  # rows per publish call when a table is rebuilt
+# A table's private file lives for the milliseconds of its creation; one this old was left by
+# a process killed while creating it (the native create unlinks it on every other way out).
+LEFTOVER_AGE_S = 3600.0
 
 
 def capacity_for(rows: int) -> int:
@@ -61,6 +67,24 @@ class ScopeTables:
         self.row_log = row_log
         self.path = path
         make_private_dir(path)  # 0700: the tables hold every tenant's prompt vectors
+        self.sweep_leftovers()
+
+    def sweep_leftovers(self, now_s: float | None = None) -> int:
+        """Delete the private files of table creations that never finished (`*.tbl.tmp.*`
+        older than LEFTOVER_AGE_S): each is a whole table's size of disk. Returns how many."""
+        now_s = time.time() if now_s is None else now_s
+        swept = 0
+        for leftover in self.path.glob("*.tbl.tmp.*"):
+            try:
+                if now_s - leftover.lstat().st_mtime < LEFTOVER_AGE_S:
+                    continue  # being created now, perhaps
+                leftover.unlink()
+            except OSError:  # gone meanwhile (another process swept it), or not ours to delete
+                continue
+            swept += 1
+        if swept:
+            log.warning("deleted %d unfinished table files left by killed processes", swept)
+        return swept
 
     def table_path(self, tag: str, epoch: int) -> Path:
         """Named by the row log's id too: a table of another log (rebuilt after damage, or a
