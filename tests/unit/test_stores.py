@@ -67,6 +67,20 @@ def test_put_get_round_trip(store: Store) -> None:
     assert store.get("k") == e
 
 
+def test_a_drop_deletes_only_what_was_read(store: Store) -> None:
+    """`delete_if_same`: a reader drops the entry it found unusable, never one another process
+    wrote in between (the write that replaced it stays)."""
+    old, new = entry("expired", ttl_s=1.0), entry("fresh")
+    store.put("k", old)
+    assert store.get("k") == old
+    store.put("k", new)  # another process, between the read and the drop
+    assert store.delete_if_same("k", old) is False
+    assert store.get("k") == new
+    assert store.delete_if_same("k", None) is False  # it decodes: nothing corrupt to drop
+    assert store.delete_if_same("k", new) is True
+    assert store.get("k") is None and store.delete_if_same("k", new) is False
+
+
 def test_overwrite(store: Store) -> None:
     store.put("k", entry("first"))
     store.put("k", entry("second"))
@@ -284,6 +298,20 @@ def test_lmdb_corrupt_value_is_a_counted_miss_and_dropped(tmp_path: Path, raw: b
     assert (stats.corrupt, stats.misses, stats.entries) == (1, 1, 1)
     assert store.delete("bad") is False
     assert store.get("good") == entry("fine")
+    store.close()
+
+
+def test_lmdb_a_corrupt_value_rewritten_before_its_drop_stays(tmp_path: Path) -> None:
+    """A read found the value corrupt; another process wrote a good one before the drop: the
+    drop (`delete_if_same(key, None)`) leaves it, and deletes a value still corrupt."""
+    path = tmp_path / "l2"
+    LmdbStore(path, 1 << 20).close()
+    _raw_put(path, "bad", b"XXXX" + encode_entry(entry("payload"))[4:])
+    _raw_put(path, "rewritten", encode_entry(entry("fine")))
+    store = LmdbStore(path, 1 << 20)
+    assert store.delete_if_same("rewritten", None) is False
+    assert store.get("rewritten") == entry("fine")
+    assert store.delete_if_same("bad", None) is True
     store.close()
 
 

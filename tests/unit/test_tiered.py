@@ -271,3 +271,36 @@ def test_exists_refuses_what_is_too_old_for_this_reader(l2: LmdbStore, clock: Fa
     clock.now += 60
     assert not reader.exists("k") and reader.get("k") is None
     assert TieredCache([(Tier.L2, l2)], clock=clock).exists("k")
+
+
+class Raced(LmdbStore):
+    """L2 where another process writes `fresh` right after this process read the key (between
+    its read and its drop of what it read)."""
+
+    fresh: CacheEntry | None = None
+
+    def get(self, key: str) -> CacheEntry | None:
+        found = super().get(key)
+        if self.fresh is not None:
+            self.put(key, self.fresh)
+            self.fresh = None
+        return found
+
+
+def test_an_expired_entry_is_dropped_but_not_an_answer_written_after_the_read(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A read finds the entry expired and drops it: an answer another process stored between
+    that read and the drop stays (and is the next read's hit); one still expired goes."""
+    l2 = Raced(tmp_path / "l2", 1 << 20)
+    cache = TieredCache([(Tier.L2, l2)], clock=clock)
+    cache.put("k", "old", ttl_s=10)
+    clock.now += 11
+    l2.fresh = CacheEntry(text="new", created_s=clock.now)
+    assert cache.get("k") is None  # the old one, expired
+    found = cache.get("k")
+    assert found is not None and found.entry.text == "new"
+    cache.put("j", "old", ttl_s=10)
+    clock.now += 11
+    assert cache.get("j") is None and l2.peek("j") is None  # dropped: nothing replaced it
+    l2.close()

@@ -441,6 +441,12 @@ class RedisLink:
         self.client.close()
 
 
+# Deletes a key only while it holds the bytes given (a value written since is left).
+_DELETE_IF_EQUAL = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+
+
 def bounded_get(client: Any, name: str) -> bytes | None:
     """The value of `name`, read at most MAX_VALUE_BYTES + 1 bytes long (a longer one shows as
     that long, and is refused); None when there is none (no L3 value is ever empty: each has a
@@ -580,6 +586,20 @@ class RedisStore:
     def delete(self, key: str) -> bool:
         removed = bool(self.link.call(lambda c: c.delete(self._key(key)), 0))
         return removed
+
+    def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool:
+        """Read, compared here (unsealed and decoded), then deleted by a script only while
+        Redis still holds those very bytes. A value that does not verify is never deleted
+        this way (`get` counts it forged and leaves it)."""
+        name = self._key(key)
+        stored: Any = self.link.call(lambda c: bounded_get(c, name), None)
+        if stored is None:
+            return False
+        data = self._unseal(name, stored, count=False)
+        if data is None or peeked(data) != seen:
+            return False
+        deleted = self.link.call(lambda c: c.eval(_DELETE_IF_EQUAL, 1, name, stored), 0)
+        return bool(deleted)
 
     def delete_many(self, keys: Iterable[str]) -> int:
         names = [self._key(k) for k in keys]

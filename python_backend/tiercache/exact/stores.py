@@ -83,6 +83,13 @@ class Store(Protocol):
 
     def delete(self, key: str) -> bool: ...
 
+    def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool:
+        """Delete `key` only while it still holds what a read found there: an entry equal to
+        `seen`, or, `seen` None, a value that does not decode (a corrupt one). How a reader
+        drops what it found unusable (expired, invalidated, corrupt) without deleting an
+        answer another process wrote in between. True if deleted."""
+        ...
+
     def delete_many(self, keys: Iterable[str]) -> int:
         """Delete `keys`; how many were present. (A loop over `delete` where nothing batches.)"""
         ...
@@ -267,10 +274,20 @@ class MemoryStore:
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            self._shadow.discard(key)  # deleted, not evicted: a later miss is no lost hit
-            removed = self._discard(key)
-            self._removed += removed
-            return removed
+            return self._delete_locked(key)
+
+    def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool:
+        with self._lock:
+            held = self._entries.get(key)
+            if held is None or seen is None or held != seen:  # L1 holds no undecodable value
+                return False
+            return self._delete_locked(key)
+
+    def _delete_locked(self, key: str) -> bool:
+        self._shadow.discard(key)  # deleted, not evicted: a later miss is no lost hit
+        removed = self._discard(key)
+        self._removed += removed
+        return removed
 
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(self.delete(key) for key in keys)
@@ -515,7 +532,7 @@ def _open_checked(
 class _CountingStore(Protocol):
     def _count(self, *, hits: int = 0, misses: int = 0, corrupt: int = 0) -> None: ...
 
-    def delete(self, key: str) -> bool: ...
+    def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool: ...
 
 
 def peeked(data: bytes | None) -> CacheEntry | None:
@@ -542,7 +559,7 @@ def read_stored(
     except CorruptEntry as exc:
         log.warning("%s entry %s is corrupt (%s); dropped", tier, key, exc)
         store._count(misses=1, corrupt=1)
-        store.delete(key)
+        store.delete_if_same(key, None)  # unless another process wrote it meanwhile
         return None
     store._count(hits=1)
     return entry
@@ -1015,6 +1032,20 @@ class LmdbStore:
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key]) == 1
+
+    def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool:
+        """Compared and deleted in one write transaction (LMDB has one writer at a time)."""
+        raw = key.encode()
+        with self._resized_is_an_error(), self._env.begin(write=True, buffers=False) as txn:
+            data = txn.get(raw)
+            if data is None or peeked(data) != seen:
+                return False
+            txn.delete(raw)
+        with self._lock:
+            self._removed += 1
+        if self._values is not None:
+            self._values.forget([raw])
+        return True
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """One write transaction (one commit) for all of them."""

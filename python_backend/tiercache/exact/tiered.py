@@ -171,7 +171,7 @@ class TieredCache:
             if entry is None:
                 continue
             if entry.expired(now) or self.invalidations.covers(key, entry):
-                self._drop(tier, store, key)
+                self._drop(tier, store, key, entry)
                 unusable = True
                 continue
             age_s = now - entry.created_s
@@ -442,9 +442,11 @@ class TieredCache:
                 log.exception("reading the host's invalidation log failed")
 
     @staticmethod
-    def _drop(tier: Tier, store: Store, key: str) -> None:
+    def _drop(tier: Tier, store: Store, key: str, seen: CacheEntry) -> None:
+        """Drop the unusable entry `seen` read from `store`, unless another process replaced
+        it meanwhile (a fresh answer written between this read and the drop stays)."""
         try:
-            store.delete(key)
+            store.delete_if_same(key, seen)
         except Exception:  # noqa: BLE001 - it stays a miss; the next read tries again
             log.exception("dropping %s from %s failed", key, tier.value)
 
