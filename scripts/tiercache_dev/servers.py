@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from tiercache.config import ADAPTERS_DIR_ENV
+from tiercache.config import ADAPTERS_DIR_ENV, API_KEYS_FILE_ENV
 from tiercache.server import (
     RESTRICTABLE_APIS,
     Exposure,
@@ -69,8 +69,9 @@ def triton(
     (emptied here) receives its output; `adapters_dir` is the stages' adapters folder
     (tiercache.config.ADAPTERS_DIR_ENV); `env` adds other variables. Exposed as `tiercache serve`
     exposes it, except that MEASUREMENT_OPEN_APIS are open; cache_admin calls need the admin token
-    (`admin_token`)."""
-    overrides = dict(env or {})
+    (`admin_token`). Without API keys unless `env` names a key file: a developer's shell that
+    sets $TIERCACHE_API_KEYS_FILE does not change what a measurement sends."""
+    overrides = {API_KEYS_FILE_ENV: "", **(env or {})}
     if adapters_dir is not None:
         overrides[ADAPTERS_DIR_ENV] = str(adapters_dir)
     if log_path is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tiercache.exact.request import GenerationRequest
-from tiercache.stages.envelope import Envelope, Freshness, seal_of
+from tiercache.stages.envelope import Envelope, Freshness, check_sealed, seal_of
 from tiercache.stages.parts import open_adapter_cipher, open_sealer
 from tiercache.stages.seal import (
     ADMIN_LABEL,
@@ -82,9 +82,9 @@ def sealed_payload(sealer: Sealer, payload: bytes, cached_text: str = "") -> byt
 
 def opened(sealer: Sealer, data: bytes | str, cached_text: str = "") -> Envelope:
     """The envelope a stage sent, its seal checked (Forbidden when unsealed or altered)."""
-    return Envelope.open(
-        data.encode() if isinstance(data, str) else data, sealer, Freshness(), cached_text
-    )
+    wire = data.encode() if isinstance(data, str) else data
+    # the seal only: what a stage sent (a keyed envelope's key is the later stages' to check)
+    return Envelope.decode(check_sealed(wire, sealer, cached_text))
 
 
 def altered(data: bytes, old: bytes, new: bytes) -> bytes:

@@ -19,7 +19,7 @@ from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import key_fields, tenant_scope
 from tiercache.exact.request import GenerationRequest
-from tiercache.exact.tenant_keys import add_key
+from tiercache.exact.tenant_keys import add_key, hash_key
 from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import Tier
@@ -381,8 +381,11 @@ def test_with_a_key_file_the_tenant_comes_from_the_callers_key(
         errors = [r.error().message() if r.has_error() else None for r in responses]
         assert all(e is not None and e.startswith("forbidden: ") for e in errors[:4]), errors
         assert errors[4:] == [None, None]
-        scopes = {envelope(pb_utils, r, sealer).request.tenant_scope for r in responses[4:]}
-        assert scopes == {tenant_scope(load_secret_of(tmp_path), "acme")}
+        sent = [envelope(pb_utils, r, sealer) for r in responses[4:]]
+        assert {e.request.tenant_scope for e in sent} == {
+            tenant_scope(load_secret_of(tmp_path), "acme")
+        }
+        assert {e.key for e in sent} == {hash_key(acme_key)}  # the later stages check it again
         assert flushed(instance).requests["forbidden"].metric.value() == 4
     finally:
         instance.finalize()

@@ -3,12 +3,13 @@ canonical encoding, and hostile input refused as InvalidRequest (its seal: test_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.keys import Digest, key_fields
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tenant_keys import KeyFile, add_key, hash_key, revoke_key
@@ -59,6 +60,7 @@ FULL = Envelope(
     key="c" * 64,
     issued_s=ISSUED_S,
 )
+UNKEYED = dataclasses.replace(FULL, key="")  # as a server without a key file sends it
 
 
 @pytest.mark.parametrize(
@@ -155,9 +157,9 @@ def test_a_received_envelope_is_checked_and_decoded_once_and_only_when_asked() -
     received = ReceivedEnvelope(b"not sealed", sealer, Freshness())
     with pytest.raises(Forbidden, match="not sealed"):
         received.get()
-    good = ReceivedEnvelope(FULL.seal(sealer), sealer, Freshness(clock=lambda: ISSUED_S))
-    assert good.get() is good.get() and good.get() == FULL
-    assert good.seal == FULL.seal(sealer)[:64].decode()
+    good = ReceivedEnvelope(UNKEYED.seal(sealer), sealer, Freshness(clock=lambda: ISSUED_S))
+    assert good.get() is good.get() and good.get() == UNKEYED
+    assert good.seal == UNKEYED.seal(sealer)[:64].decode()
     with pytest.raises(InvalidRequest, match="ENVELOPE is required"):
         ReceivedEnvelope(None, sealer, Freshness()).get()
 
@@ -168,8 +170,9 @@ def test_a_received_envelope_is_checked_and_decoded_once_and_only_when_asked() -
 def test_an_envelope_is_issued_now_in_steps() -> None:
     assert issued_now(lambda: 1_790_000_009.9) == 1_790_000_000
     assert issued_now(lambda: 1_790_000_010.0) == 1_790_000_010
+    before = issued_now()
     made = Envelope(request=GenerationRequest(prompt="hi"))
-    assert made.issued_s % ISSUE_STEP_S == 0 and made.issued_s == issued_now()
+    assert made.issued_s % ISSUE_STEP_S == 0 and before <= made.issued_s <= issued_now()
     # two envelopes made in one step are equal: prompt_cache's memo of sealed hits holds
     assert Envelope(request=GenerationRequest(prompt="hi"), issued_s=made.issued_s) == made
 
@@ -187,22 +190,25 @@ def test_an_envelope_is_issued_now_in_steps() -> None:
 def test_an_envelope_older_than_its_age_is_refused(age_s: float, fragment: str | None) -> None:
     fresh = Freshness(300.0, clock=lambda: ISSUED_S + age_s)
     if fragment is None:
-        fresh.check(FULL)
+        fresh.check(UNKEYED)
     else:
         with pytest.raises(Forbidden, match=fragment):
-            fresh.check(FULL)
+            fresh.check(UNKEYED)
 
 
-def test_a_kept_envelope_is_checked_again_on_every_read() -> None:
+def test_a_kept_envelope_is_checked_again_for_each_request() -> None:
     """A stage may keep a received envelope (llm's memo of decoded hits): its seal is checked
-    once, its freshness on every read."""
+    once, its freshness again by `fresh` (once per request)."""
     now = [float(ISSUED_S)]
     sealer = Sealer(b"k" * 32)
-    kept = ReceivedEnvelope(FULL.seal(sealer), sealer, Freshness(60.0, clock=lambda: now[0]))
-    assert kept.get() == FULL
+    kept = ReceivedEnvelope(UNKEYED.seal(sealer), sealer, Freshness(60.0, clock=lambda: now[0]))
+    assert kept.fresh() == UNKEYED and kept.get() == UNKEYED
     now[0] += 60 + ISSUE_STEP_S + 1
     with pytest.raises(Forbidden, match="over the 60 s"):
-        kept.get()
+        kept.fresh()
+    stale = ReceivedEnvelope(UNKEYED.seal(sealer), sealer, Freshness(60.0, clock=lambda: now[0]))
+    with pytest.raises(Forbidden, match="over the 60 s"):
+        stale.get()  # checked when first read
 
 
 def _keyed(tmp_path: Path, adapters: list[str] | None = None) -> tuple[Path, str, Envelope]:
@@ -225,6 +231,9 @@ def test_a_revoked_keys_envelope_is_refused(tmp_path: Path) -> None:
     with pytest.raises(Forbidden, match="names no API key, and this server requires one"):
         fresh.check(Envelope(request=envelope.request))
     Freshness().check(Envelope(request=envelope.request))  # no key file: no key asked for
+    # a stage without the key file prompt_cache read cannot check the key: it refuses
+    with pytest.raises(Unavailable, match="without the API key file prompt_cache reads"):
+        Freshness().check(envelope)
 
 
 def test_an_envelope_for_an_adapter_its_key_no_longer_allows_is_refused(tmp_path: Path) -> None:

@@ -27,8 +27,9 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.exact.keys import REDIS_VALUES
 from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
-from tiercache.exact.redis_tier import RedisLink, RedisStore
+from tiercache.exact.redis_tier import RedisLink, RedisStore, Signer
 from tiercache.exact.stores import GREEDY, SAMPLED, LmdbStore, MemoryStore, Store, answer_group
 from tiercache.machine import DiskReading, DiskRoom
 
@@ -79,6 +80,36 @@ def test_a_drop_deletes_only_what_was_read(store: Store) -> None:
     assert store.delete_if_same("k", None) is False  # it decodes: nothing corrupt to drop
     assert store.delete_if_same("k", new) is True
     assert store.get("k") is None and store.delete_if_same("k", new) is False
+
+
+def test_redis_a_drop_leaves_a_value_written_after_its_read(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis: the drop reads the value, compares it here, then deletes by a script only while
+    Redis still holds the very bytes read; a value written between the read and the script
+    stays. And a corrupt value (sealed, not an entry) is dropped by a request's read."""
+    server = request.getfixturevalue("redis_server")
+    prefix = request.getfixturevalue("redis_prefix")
+    secret = b"k" * 32
+    store = RedisStore(RedisLink.from_url(server.url, prefix, secret=secret), 1 << 20,
+                       clock=lambda: 1.0, stats_max_age_s=0)  # fmt: skip
+    old, new = entry("expired", ttl_s=1.0), entry("fresh")
+    store.put("k", old)
+    unseal = store._unseal
+
+    def written_meanwhile(name: str, stored: bytes, count: bool = True) -> bytes | None:
+        store.put("k", new)  # another replica, after the read and before the script
+        return unseal(name, stored, count)
+
+    monkeypatch.setattr(store, "_unseal", written_meanwhile)
+    assert store.delete_if_same("k", old) is False
+    monkeypatch.undo()
+    assert store.get("k") == new
+    name = f"{prefix}e:bad"
+    sealed = Signer(secret, REDIS_VALUES).seal(name, b"TCE1 not really an entry")
+    store.link.client.set(name, sealed)
+    assert store.get("bad") is None and store.link.client.exists(name) == 0
+    store.close()
 
 
 def test_overwrite(store: Store) -> None:

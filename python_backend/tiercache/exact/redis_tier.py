@@ -441,10 +441,12 @@ class RedisLink:
         self.client.close()
 
 
-# Deletes a key only while it holds the bytes given (a value written since is left).
-_DELETE_IF_EQUAL = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
+# Deletes a key only while its value's SHA-1 is the one given (a value written since is left).
+_DELETE_IF_SAME = """
+local value = redis.call('GET', KEYS[1])
+if value and redis.sha1hex(value) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 def bounded_get(client: Any, name: str) -> bytes | None:
@@ -589,8 +591,10 @@ class RedisStore:
 
     def delete_if_same(self, key: str, seen: CacheEntry | None) -> bool:
         """Read, compared here (unsealed and decoded), then deleted by a script only while
-        Redis still holds those very bytes. A value that does not verify is never deleted
-        this way (`get` counts it forged and leaves it)."""
+        Redis still holds those very bytes (compared by SHA-1: the value does not travel
+        back). A value that does not verify is never deleted this way (`get` counts it forged
+        and leaves it). A Redis that refuses scripts (an ACL without @scripting) leaves the
+        entry, logged; its TTL still ends it."""
         name = self._key(key)
         stored: Any = self.link.call(lambda c: bounded_get(c, name), None)
         if stored is None:
@@ -598,8 +602,8 @@ class RedisStore:
         data = self._unseal(name, stored, count=False)
         if data is None or peeked(data) != seen:
             return False
-        deleted = self.link.call(lambda c: c.eval(_DELETE_IF_EQUAL, 1, name, stored), 0)
-        return bool(deleted)
+        same = hashlib.sha1(stored, usedforsecurity=False).hexdigest()
+        return bool(self.link.call(lambda c: c.eval(_DELETE_IF_SAME, 1, name, same), 0))
 
     def delete_many(self, keys: Iterable[str]) -> int:
         names = [self._key(k) for k in keys]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
 from tiercache.exact.tenant_keys import KeyFile
@@ -237,6 +237,12 @@ class Freshness:
         if age_s < -FUTURE_SLACK_S:
             raise Forbidden(f"{ENVELOPE_TENSOR} is dated {-age_s:.0f} s ahead of this host's clock")
         if self.keys is None:
+            if envelope.key:  # prompt_cache checked a key this stage cannot check again
+                raise Unavailable(
+                    "this stage runs without the API key file prompt_cache reads: give every "
+                    "stage the same api_keys_file (or $TIERCACHE_API_KEYS_FILE, as tiercache "
+                    "serve --api-keys sets it)"
+                )
             return
         if not envelope.key:
             raise Forbidden(
@@ -245,7 +251,10 @@ class Freshness:
             )
         grant = self.keys.grant_of(envelope.key)
         if grant is None:
-            raise Forbidden("the API key that sent this request has been revoked")
+            raise Forbidden(
+                "the API key that sent this request has been revoked (or the stages read "
+                "different key files)"
+            )
         lora_name = envelope.request.lora_name
         if lora_name and grant.adapters is not None and lora_name not in grant.adapters:
             raise Forbidden(f"the API key that sent this request may no longer use {lora_name!r}")
@@ -303,17 +312,23 @@ class ReceivedEnvelope:
         return seal_of(self.data)
 
     def get(self) -> Envelope:
-        """The envelope; Forbidden when unsealed, altered or no longer fresh (checked on every
-        call: a stage may keep a received envelope), InvalidRequest when missing or
-        malformed."""
+        """The envelope, its seal and freshness checked when first read; Forbidden when
+        unsealed, altered or not fresh, InvalidRequest when missing or malformed."""
         envelope = self._envelope
         if envelope is None:
             self._envelope = envelope = Envelope.open(
                 self.data, self._sealer, self._freshness, self._cached_text, self._tokens
             )
-        else:
-            self._freshness.check(envelope)
         return envelope
+
+    def fresh(self) -> Envelope:
+        """`get`, its freshness checked again if it was read before: a stage that keeps a
+        received envelope for later requests (llm's decoded hits) calls this once per
+        request."""
+        if self._envelope is None:
+            return self.get()
+        self._freshness.check(self._envelope)
+        return self._envelope
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:

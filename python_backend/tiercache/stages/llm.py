@@ -558,6 +558,7 @@ class LlmStage:
         unless lora_cache's seal over them (bound to the envelope's) verifies and its adapter
         files open (tiercache.stages.transport)."""
         trtllm = self.engine.trtllm is not None
+        envelope.get()  # a stale or revoked envelope costs no HMAC or decryption of the files
         check_tensors(
             self.sealer,
             lora_seal,
@@ -578,7 +579,7 @@ class LlmStage:
         request's envelope is checked (its seal once, its freshness every time: a kept hit
         may be replayed)."""
         try:
-            item.envelope.get()
+            item.envelope.fresh()
             answer_id = self.answer_id(item)
             if answer_id is not None:
                 responder.identify(answer_id)
