@@ -594,6 +594,7 @@ def test_a_revoked_keys_kept_envelopes_are_refused(
     (the key file's reload check)."""
     keys_file = served.state_dir.parent / "api_keys.json"
     key, grant = add_key(keys_file, "acme")
+    time.sleep(2.0)  # each stage looks at the key file at most once a second
     result = raw.infer(
         "prompt_cache",
         [
@@ -616,7 +617,7 @@ def test_a_revoked_keys_kept_envelopes_are_refused(
     assert revoke_key(keys_file, grant.key_id)
     time.sleep(2.0)  # each stage looks at the key file at most once a second
     revoked = "the API key that sent this request has been revoked"
-    for _ in range(3):  # embedding_cache's instances each read the file
+    for _ in range(3):  # whichever of embedding_cache's instances answers refuses it
         message = unary_error(raw, "embedding_cache", lookup)
         assert forbidden(message) and revoked in message
     message = unary_error(raw, "lora_cache", planned)
