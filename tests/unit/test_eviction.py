@@ -28,7 +28,7 @@ from tiercache.eviction import (
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.kv_simulation import replay_policy
-from tiercache.lora.residency import Residency
+from tiercache.lora.residency import Residency, by_name_and_digest
 
 K = TypeVar("K", bound=Hashable)
 
@@ -492,8 +492,9 @@ def test_residency_tells_each_tiers_policy() -> None:
     for ref in (refs[0], refs[1], refs[0], refs[2]):
         residency.plan(ref, lambda r: versions[r.digest])
     digests = [ref.digest for ref in refs]
-    assert engine.told("admit") == [digests[0], digests[1], digests[2]]
-    assert digests[0] in engine.told("access")
-    assert (digests[1],) in engine.told("nominate") and engine.told("remove") == [digests[1]]
+    keys = [by_name_and_digest(ref) for ref in refs]  # the engine holds (task id, digest)
+    assert engine.told("admit") == keys
+    assert keys[0] in engine.told("access")
+    assert (keys[1],) in engine.told("nominate") and engine.told("remove") == [keys[1]]
     assert host.told("admit") == digests and digests[0] in host.told("access")
     assert residency.engine_digests() == {digests[0], digests[2]}

@@ -457,8 +457,35 @@ def test_an_alias_folder_gets_its_own_weights_under_its_own_name(
     assert (aliased.tier, aliased.evict) == (HOST_TIER, ())
     assert aliased.weights is not None and aliased.weights.ref == beta
     assert aliased.weights.weights == first.weights.weights
-    again = residency.plan(beta, disk.read)
-    assert (again.tier, again.weights) == (ENGINE_TIER, None)
-    back = residency.plan(alpha, disk.read)  # the mirror held beta's: alpha's weights go again
-    assert back.weights is not None and back.weights.ref == alpha
+    # the mirror holds both names, each a slot, as the engines do: alternating requests send
+    # no files again (it held one entry per digest, and sent the files on every switch)
+    for ref in (beta, alpha, beta, alpha):
+        again = residency.plan(ref, disk.read)
+        assert (again.tier, again.weights, again.evict) == (ENGINE_TIER, None, ())
     assert disk.reads == ["alpha"]  # one read from disk for both names
+    assert {(r.name, r.task_id) for r in residency.snapshot().engine} == {("alpha", 1), ("beta", 2)}
+    assert residency.stats().resident[ENGINE_TIER] == 2
+
+
+def test_evicting_an_alias_version_drops_every_name_over_it(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """The engines evict by digest, so every name over the evicted files goes with it: the
+    mirror drops them all, and the next request for either name sends its files again (the
+    mirror never claims an adapter the engine dropped)."""
+    residency = make(engine_slots=2)
+    alpha = disk.add("alpha", 1)
+    beta = AdapterRef("beta", 2, alpha.digest)
+    residency.plan(alpha, disk.read)
+    residency.plan(beta, disk.read)
+    gamma = residency.plan(disk.add("gamma", 3), disk.read)  # a slot is needed: alpha's go
+    assert gamma.evict == (alpha.digest,)
+    assert {r.name for r in residency.snapshot().engine} == {"gamma"}
+    assert residency.stats().evictions[ENGINE_TIER] == 2  # both names
+    back = residency.plan(beta, disk.read)
+    assert back.weights is not None and back.weights.ref == beta
+    assert {r.name for r in residency.snapshot().engine} == {"gamma", "beta"}
+    # the engine reporting the digest gone (dropped on its own): every name over it goes
+    residency.plan(alpha, disk.read)  # evicts gamma: alpha and beta are held again
+    assert residency.drop([alpha.digest]) == 2
+    assert residency.snapshot().engine == ()

@@ -108,27 +108,44 @@ def as_named(weights: AdapterWeights, ref: AdapterRef) -> AdapterWeights:
     return weights if weights.ref == ref else dataclasses.replace(weights, ref=ref)
 
 
+def by_digest(ref: AdapterRef) -> str:
+    """The host tier's key: one copy of the files per version, whatever names share it."""
+    return ref.digest
+
+
+def by_name_and_digest(ref: AdapterRef) -> str:
+    """The engine mirror's key: the engines hold adapters by task id and digest, so two names
+    over identical files (an alias folder) are two adapters there, each with its own slot."""
+    return f"{ref.task_id}:{ref.digest}"
+
+
 class _Tier(Generic[V]):
-    """A bounded map digest -> resident; evicts in the policy's order, skipping protected ones.
-    Tells its policy of every add, use and removal. Not thread-safe by itself: Residency's lock
-    guards it (and so the policy)."""
+    """A bounded map key -> resident (`key` of its ref); evicts in the policy's order, skipping
+    protected ones. Tells its policy of every add, use and removal. Not thread-safe by itself:
+    Residency's lock guards it (and so the policy)."""
 
     def __init__(
-        self, name: str, max_count: int, max_bytes: int, policy: EvictionPolicy[str]
+        self,
+        name: str,
+        max_count: int,
+        max_bytes: int,
+        policy: EvictionPolicy[str],
+        key: Callable[[AdapterRef], str] = by_digest,
     ) -> None:
         self.name = name
         self.max_count = max_count
         self.max_bytes = max_bytes  # 0: no byte bound
+        self.key = key
         self._policy = policy
         self.items: dict[str, _Resident[V]] = {}
         self.nbytes = 0
 
-    def get(self, digest: str) -> _Resident[V] | None:
-        return self.items.get(digest)
+    def get(self, key: str) -> _Resident[V] | None:
+        return self.items.get(key)
 
     def use(self, resident: _Resident[V], uses: int, now: float) -> None:
         resident.last_use, resident.last_use_s = uses, now
-        self._policy.access(resident.ref.digest)
+        self._policy.access(self.key(resident.ref))
 
     def can_hold(self, nbytes: int) -> bool:
         return self.max_count >= 1 and (not self.max_bytes or nbytes <= self.max_bytes)
@@ -139,46 +156,53 @@ class _Tier(Generic[V]):
         protected: Callable[[_Resident[V]], bool],
         forced: Sequence[str] = (),
     ) -> list[_Resident[V]] | None:
-        """Who to evict so one more resident of `nbytes` fits: the `forced` digests first, then
+        """Who to evict so one more resident of `nbytes` fits: the `forced` keys first, then
         the policy's nominees, skipping protected residents; None when it cannot fit. Changes
         nothing."""
-        chosen = [self.items[d] for d in forced if d in self.items]
+        chosen = [self.items[k] for k in forced if k in self.items]
         over_count = len(self.items) - len(chosen) + 1 - self.max_count
         over_bytes = self.nbytes - sum(r.nbytes for r in chosen) + nbytes - self.max_bytes
         if not self.max_bytes:
             over_bytes = 0
         if over_count <= 0 and over_bytes <= 0:
             return chosen
-        kept = {r.ref.digest for r in chosen}
+        kept = {self.key(r.ref) for r in chosen}
 
-        def skip(digest: str) -> bool:
-            return digest in kept or protected(self.items[digest])
+        def skip(key: str) -> bool:
+            return key in kept or protected(self.items[key])
 
-        nominees = [self.items[d] for d in self._policy.nominate(over_count, over_bytes, skip)]
+        nominees = [self.items[k] for k in self._policy.nominate(over_count, over_bytes, skip)]
         if len(nominees) < over_count or sum(r.nbytes for r in nominees) < over_bytes:
             return None
         return chosen + nominees
 
     def add(self, resident: _Resident[V], cost_s: float = 0.0) -> None:
         """`cost_s`: what fetching the value cost (the disk read), for value-aware policies."""
-        self.remove(resident.ref.digest)
-        self.items[resident.ref.digest] = resident
+        key = self.key(resident.ref)
+        self.remove(key)
+        self.items[key] = resident
         self.nbytes += resident.nbytes
         # a tier bounded by count alone: every adapter takes one slot (a value-aware policy
         # would otherwise evict the largest first where bytes are not what runs out)
         size = resident.nbytes if self.max_bytes else 1
-        self._policy.admit(resident.ref.digest, size, cost_s=cost_s)
+        self._policy.admit(key, size, cost_s=cost_s)
 
     def nominate_bytes(self, nbytes: int) -> list[str]:
         """The policy's victims for `nbytes` (nothing protected), to shrink to a budget."""
-        return self._policy.nominate(0, nbytes, lambda digest: False)
+        return self._policy.nominate(0, nbytes, lambda key: False)
 
-    def remove(self, digest: str) -> _Resident[V] | None:
-        resident = self.items.pop(digest, None)
+    def remove(self, key: str) -> _Resident[V] | None:
+        resident = self.items.pop(key, None)
         if resident is not None:
             self.nbytes -= resident.nbytes
-            self._policy.remove(digest)
+            self._policy.remove(key)
         return resident
+
+    def remove_digest(self, digest: str) -> list[_Resident[V]]:
+        """Remove every resident of version `digest`, whatever its name: what an engine's
+        eviction of that digest drops."""
+        keys = [key for key, resident in self.items.items() if resident.ref.digest == digest]
+        return [resident for key in keys if (resident := self.remove(key)) is not None]
 
 
 # -- residency --------------------------------------------------------------------------------
@@ -228,6 +252,7 @@ class Residency:
             engine_slots,
             engine_max_bytes,
             engine_policy if engine_policy is not None else LruPolicy(),
+            key=by_name_and_digest,
         )
         # host_max_bytes 0 means "keep nothing" (not "unbounded"): memory must have a bound.
         self._host: _Tier[AdapterWeights] = _Tier(
@@ -257,14 +282,11 @@ class Residency:
         always returns the weights. CapacityError when pinned adapters leave no room for it;
         `read`'s errors (Unavailable: no tier holds this version anymore) pass through."""
         current = self._latest(ref.name) == ref.digest
+        key = by_name_and_digest(ref)  # an alias folder's name is an adapter of its own
         with self._lock:
-            resident = self._engine.get(ref.digest)
-            if reload or (resident is not None and resident.ref != ref):
-                # Reloading; or the same files under another name (an alias folder): the
-                # engines key adapters by task id and digest, so they hold them for that name
-                # only, and this one's weights must go with the plan.
-                self._engine.remove(ref.digest)
-            if self._engine.get(ref.digest) is not None:
+            if reload:
+                self._engine.remove(key)
+            if self._engine.get(key) is not None:
                 self._hits[ENGINE_TIER] += 1
                 return self._admit(ref, None, 0, ENGINE_TIER, 0.0, current)
             held = self._host.get(ref.digest)
@@ -284,10 +306,8 @@ class Residency:
             self._host_shadow.credit(ref.digest, read_s)  # a larger host tier: no read
             if self._host.get(ref.digest) is None:
                 self._keep(weights, read_s)
-            planned = self._engine.get(ref.digest)
-            if planned is not None and planned.ref != ref:  # an alias planned meanwhile
-                self._engine.remove(ref.digest)
-            elif planned is not None and not reload:
+            planned = self._engine.get(key)
+            if planned is not None and not reload:
                 # Another thread planned it while this one read: the engine gets it from there.
                 return self._admit(ref, None, weights.nbytes, DISK_TIER, read_s, current)
             return self._admit(ref, weights, weights.nbytes, DISK_TIER, read_s, current)
@@ -296,13 +316,13 @@ class Residency:
         """The engine said it does not hold `ref`: drop it from the mirror (True if it was
         there). The next plan for it carries its weights."""
         with self._lock:
-            return self._engine.remove(ref.digest) is not None
+            return self._engine.remove(by_name_and_digest(ref)) is not None
 
     def drop(self, digests: Iterable[str]) -> int:
         """The engine reports these versions gone (e.g. dropped on its own to make room): drop
         them from the mirror; returns how many were there."""
         with self._lock:
-            return sum(self._engine.remove(digest) is not None for digest in digests)
+            return sum(len(self._engine.remove_digest(digest)) for digest in digests)
 
     def mark_resident(self, weights: AdapterWeights) -> tuple[str, ...]:
         """The engine loaded this version on its own (prefetch at start): record it in the
@@ -359,7 +379,7 @@ class Residency:
 
     def engine_digests(self) -> frozenset[str]:
         with self._lock:
-            return frozenset(self._engine.items)
+            return frozenset(resident.ref.digest for resident in self._engine.items.values())
 
     # -- internals (lock held) -----------------------------------------------------------------
 
@@ -376,14 +396,14 @@ class Residency:
         Everything is computed before anything changes, so a CapacityError leaves the mirror as
         the engine has it."""
         engine = self._engine
-        held = engine.get(ref.digest)
+        held = engine.get(by_name_and_digest(ref))
         stale = [
-            digest
-            for digest, resident in engine.items.items()
-            if current and resident.ref.name == ref.name and digest != ref.digest
+            key
+            for key, resident in engine.items.items()
+            if current and resident.ref.name == ref.name and resident.ref.digest != ref.digest
         ]
         if held is not None:
-            victims = [engine.items[digest] for digest in stale]
+            victims = [engine.items[key] for key in stale]
         else:
             if not engine.can_hold(nbytes):
                 raise CapacityError(
@@ -397,9 +417,11 @@ class Residency:
                     f"adapters are pinned ({', '.join(sorted(self.pinned))})"
                 )
             victims = found
-        for victim in victims:
-            engine.remove(victim.ref.digest)
-        self._evictions[ENGINE_TIER] += len(victims)
+        # The engines evict by digest: every name over a victim's files goes with it (never
+        # `ref`'s own: the digest being loaded is protected, and stale versions are others).
+        evict = tuple(dict.fromkeys(v.ref.digest for v in victims))
+        for digest in evict:
+            self._evictions[ENGINE_TIER] += len(engine.remove_digest(digest))
         self._uses += 1
         now = self._clock()
         if held is None:
@@ -410,7 +432,6 @@ class Residency:
         kept = self._host.get(ref.digest)
         if kept is not None:  # the host copy stays warm while the engine uses it (for retries)
             self._host.use(kept, self._uses, now)
-        evict = tuple(v.ref.digest for v in victims)
         return LoraPlan(ref, tier, weights, evict, read_s)
 
     def _pinned_check(self, loading: AdapterRef) -> Callable[[_Resident[None]], bool]:
