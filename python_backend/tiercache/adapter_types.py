@@ -128,6 +128,24 @@ class TrtllmRequestLora:
         return out
 
 
+def held_key(ref: AdapterRef) -> str:
+    """How one adapter the engine holds is named in an eviction (lora_cache's LORA_EVICT) and
+    in the engine's report of what it dropped: `<task id>:<digest>`. The engines hold adapters
+    by both, so two names over identical files (an alias folder) are two adapters."""
+    return f"{ref.task_id}:{ref.digest}"
+
+
+def split_held_key(text: str) -> tuple[int, str] | None:
+    """The (task id, digest) a `held_key` names; None for a bare digest (an eviction of every
+    name over those files). ValueError for anything else."""
+    task_id, sep, digest = text.partition(":")
+    if not sep:
+        return None
+    if not (task_id.isascii() and task_id.isdigit()) or not digest or ":" in digest:
+        raise ValueError(f"{text[:80]!r} is not <task id>:<digest>")
+    return int(task_id), digest
+
+
 def engine_task_id(ref: AdapterRef) -> int:
     """A uint64 `lora_task_id` unique to the version: (ref.task_id << 32) | digest[:8]. Why
     the version and not the name: see "Task ids" in `tiercache.lora.trtllm`."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import seals
 
-from tiercache.adapter_types import AdapterRef
+from tiercache.adapter_types import AdapterRef, held_key
 from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE, AdapterRegistry
@@ -35,7 +35,7 @@ class FakeEngine:
     def __init__(self, pb_utils: ModuleType, sealer: Sealer) -> None:
         self.pb = pb_utils
         self.sealer = sealer
-        self.held: dict[str, dict[str, Any]] = {}  # digest -> AdapterRef as JSON object
+        self.held: dict[str, dict[str, Any]] = {}  # held key -> AdapterRef as JSON object
         self.calls: list[dict[str, Any]] = []
         self.error = ""  # when set, every call fails with it
 
@@ -54,12 +54,13 @@ class FakeEngine:
             finish, text = "listed", json.dumps(list(self.held.values()))
         else:
             assert op == "load" and values["LORA_WEIGHTS"] and values["LORA_CONFIG"]
-            evicted = json.loads(values.get("LORA_EVICT", b"[]"))
-            for digest in evicted:
-                self.held.pop(digest, None)
+            evicted = json.loads(values.get("LORA_EVICT", b"[]"))  # held keys (task id:digest)
+            for key in evicted:
+                self.held.pop(key, None)
             ref = json.loads(values["LORA"])
-            load_ms = 0.0 if ref["digest"] in self.held else 2.5
-            self.held[ref["digest"]] = ref
+            key = f"{ref['task_id']}:{ref['digest']}"
+            load_ms = 0.0 if key in self.held else 2.5
+            self.held[key] = ref
             finish, text = "loaded", json.dumps({"load_ms": load_ms, "evicted": evicted})
 
         def tensor(name: str, value: str) -> Any:
@@ -300,10 +301,10 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
         ]
     )
     (response,) = model.execute([miss(pb_utils, sealer, brief)])
-    assert json.loads(outputs(pb_utils, response)["LORA_EVICT"]) == [caps.digest]
+    assert json.loads(outputs(pb_utils, response)["LORA_EVICT"]) == [held_key(caps)]
     (again,) = model.execute([miss(pb_utils, sealer, caps)])
     out = outputs(pb_utils, again)
-    assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("host", [french.digest])
+    assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("host", [held_key(french)])
     assert out["LORA_WEIGHTS"]  # the engine dropped it: the weights go again, from memory
     m = flushed(model)
     assert m.evictions["engine"].metric.value() == 2
@@ -334,7 +335,7 @@ def test_a_changed_folder_is_a_new_version_and_in_flight_requests_keep_the_old_o
     request = miss(pb_utils, sealer, new)
     (fresh,) = model.execute([request])
     out = outputs(pb_utils, fresh)
-    assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("disk", [old.digest])
+    assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("disk", [held_key(old)])
     assert opened(pb_utils, cipher, request, fresh) == files(adapters, "brief")
     # the old version is still in host memory for stragglers, without evicting the new one
     (straggler,) = model.execute([miss(pb_utils, sealer, old)])
@@ -401,7 +402,7 @@ def test_list_reports_each_version_in_its_tier_and_the_engines_own_list(
 ) -> None:
     french = registry.resolve("french")
     model.execute([miss(pb_utils, sealer, french)])
-    engine.held[french.digest] = json.loads(french.to_json())  # llm passed it on
+    engine.held[held_key(french)] = json.loads(french.to_json())  # llm passed it on
     (response,) = model.execute([admin(pb_utils, sealer, op="list")])
     out = outputs(pb_utils, response)
     assert (out["LORA"], out["LORA_WEIGHTS"]) == ("", b"")
@@ -449,7 +450,7 @@ def test_warm_loads_into_the_engine_before_the_first_request(
     assert report["op"] == "warm"
     assert report["warmed"] == {"brief": "loaded", "caps": "loaded"}
     brief, caps = registry.resolve("brief"), registry.resolve("caps")
-    assert set(engine.held) == {brief.digest, caps.digest}
+    assert set(engine.held) == {held_key(brief), held_key(caps)}
     load = engine.calls[0]
     assert load["LORA_OP"] == b"load" and AdapterRef.from_json(load["LORA"].decode()) == brief
     assert (load["LORA_CONFIG"].decode(), load["LORA_WEIGHTS"]) == files(adapters, "brief")
@@ -463,8 +464,8 @@ def test_warm_loads_into_the_engine_before_the_first_request(
     (again,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps", "french"])])
     report = json.loads(outputs(pb_utils, again)["ADMIN_RESULT"])
     assert report["warmed"] == {"caps": "already loaded", "french": "loaded"}
-    assert json.loads(engine.calls[-2]["LORA_EVICT"]) == [brief.digest]
-    assert brief.digest not in engine.held and len(engine.held) == 2
+    assert json.loads(engine.calls[-2]["LORA_EVICT"]) == [held_key(brief)]
+    assert held_key(brief) not in engine.held and len(engine.held) == 2
 
 
 def test_warm_of_an_unknown_adapter_is_not_found_and_loads_nothing(
@@ -527,7 +528,7 @@ def test_prefetch_marks_resident_and_pins_stay(
     assert outputs(pb_utils, first)["LORA_TIER"] == "engine"  # torch_llm loaded it at its start
     model.execute([miss(pb_utils, sealer, caps)])
     (third,) = model.execute([miss(pb_utils, sealer, brief)])
-    assert json.loads(outputs(pb_utils, third)["LORA_EVICT"]) == [caps.digest]  # not french
+    assert json.loads(outputs(pb_utils, third)["LORA_EVICT"]) == [held_key(caps)]  # not french
     report = model.stage.core.list_report()
     assert [r["pinned"] for r in report["adapters"] if r["name"] == "french"] == [True]
 
@@ -675,7 +676,7 @@ def test_unsealed_or_altered_admin_calls_are_refused(
     report = json.loads(outputs(pb_utils, served)["ADMIN_RESULT"])
     assert report["warmed"] == {"brief": "loaded"}
     brief = registry.resolve("brief")
-    assert set(engine.held) == {brief.digest}  # nothing of the refused calls was loaded
+    assert set(engine.held) == {held_key(brief)}  # nothing of the refused calls was loaded
     loads = [c for c in engine.calls if c["LORA_OP"] == b"load"]
     assert [AdapterRef.from_json(c["LORA"].decode()) for c in loads] == [brief]
     assert flushed(model).requests["error"].metric.value() == len(refused)

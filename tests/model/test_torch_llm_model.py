@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import seals
 
-from tiercache.adapter_types import AdapterRef, adapter_digest
+from tiercache.adapter_types import AdapterRef, adapter_digest, held_key
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
 from tiercache.engine.events import StreamEvent
@@ -328,9 +328,9 @@ def test_load_list_generate_evict(pb_utils: ModuleType, model: Any, sealer: Seal
     assert (text(pb_utils, chunk), text(pb_utils, final)) == ("Hello", " there")
     assert text(pb_utils, final, "FINISH_REASON") == "stop"
 
-    evict = json.dumps([ref.digest, "zz"])
+    evict = json.dumps([held_key(ref), "zz"])
     (evicted,) = call(pb_utils, model, sealer, LORA_OP="evict", LORA_EVICT=evict)
-    assert json.loads(text(pb_utils, evicted)) == {"evicted": [ref.digest]}
+    assert json.loads(text(pb_utils, evicted)) == {"evicted": [held_key(ref)]}
     (missing,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer, ref))
     assert missing.error().code() == pb_utils.TritonError.NOT_FOUND
     assert "not found in cache" in missing.error().message()

@@ -9,6 +9,7 @@ else the repository's `.tiercache/`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from tiercache.adapter_types import (  # noqa: E402
     AdapterRef,
     AdapterWeights,
     adapter_digest,
+    held_key,
 )
 from tiercache.engine import adapters as engine_adapters  # noqa: E402
 from tiercache.engine.adapters import (  # noqa: E402
@@ -616,15 +618,40 @@ def test_an_order_evicts_then_loads_and_never_evicts_what_it_generates_with(
     order = AdapterOrder.parse(
         config_json=caps.config_json,
         weights=caps.weights,
-        evict=json.dumps([french.ref.digest, caps.ref.digest]),
+        evict=json.dumps([held_key(french.ref), held_key(caps.ref)]),
         request=request,
     )
     assert order.ref == order.needs == caps.ref
     done = adapters.prepare(order)
-    assert done.evicted == (french.ref.digest,) and done.load_s > 0
+    assert done.evicted == (held_key(french.ref),) and done.load_s > 0
     assert [e["name"] for e in adapters.resident()] == ["caps"]
     evict_all = AdapterOrder.parse(op="evict", evict=json.dumps([caps.ref.digest]))
-    assert adapters.prepare(evict_all).evicted == (caps.ref.digest,)
+    assert adapters.prepare(evict_all).evicted == (held_key(caps.ref),)
+
+
+def test_an_order_evicts_one_name_over_shared_files_and_a_digest_evicts_all(
+    adapters: EngineAdapters,
+) -> None:
+    """Two names over identical files (an alias folder) are two adapters: an order naming one
+    (`held_key`) leaves the other; a bare digest drops both; never the adapter generated
+    with."""
+    french = adapter_weights("french")
+    alias = dataclasses.replace(french, ref=AdapterRef("french-alias", 9, french.ref.digest))
+    adapters.load(french)
+    adapters.load(alias)
+    one = AdapterOrder.parse(op="evict", evict=json.dumps([held_key(alias.ref)]))
+    assert adapters.prepare(one).evicted == (held_key(alias.ref),)
+    assert [e["name"] for e in adapters.resident()] == ["french"]
+    adapters.load(alias)
+    request = GenerationRequest(
+        PROMPT, lora_name="french", lora_task_id=1, lora_digest=french.ref.digest
+    )
+    keep = AdapterOrder.parse(evict=json.dumps([held_key(french.ref)]), request=request)
+    assert keep.needs == french.ref and adapters.prepare(keep).evicted == ()
+    both = AdapterOrder.parse(op="evict", evict=json.dumps([french.ref.digest]))
+    assert sorted(adapters.prepare(both).evicted) == sorted(
+        [held_key(french.ref), held_key(alias.ref)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -636,7 +663,9 @@ def test_an_order_evicts_then_loads_and_never_evicts_what_it_generates_with(
         ({"op": "load", "config_json": "{}"}, "sent together"),
         ({"op": "load", "config_json": "{}", "weights": b""}, "need an adapter version"),
         ({"op": "load", "lora": AdapterRef("a", 1, "d").to_json()}, "load needs"),
-        ({"op": "evict", "evict": '{"a": 1}'}, "JSON list of digests"),
+        ({"op": "evict", "evict": '{"a": 1}'}, "JSON list of held adapters"),
+        ({"op": "evict", "evict": '["x:"]'}, "is not <task id>:<digest>"),
+        ({"op": "evict", "evict": '["one:d"]'}, "is not <task id>:<digest>"),
     ],
 )
 def test_bad_orders_are_rejected(inputs: dict[str, Any], message: str) -> None:

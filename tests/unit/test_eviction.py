@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import pytest
 
-from tiercache.adapter_types import AdapterRef, AdapterWeights
+from tiercache.adapter_types import AdapterRef, AdapterWeights, held_key
 from tiercache.engine.kv_cache import BlockHash, KvBlockPool, block_hashes, kv_salt
 from tiercache.eviction import (
     EvictionPolicy,
@@ -28,7 +28,7 @@ from tiercache.eviction import (
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.kv_simulation import replay_policy
-from tiercache.lora.residency import Residency, by_name_and_digest
+from tiercache.lora.residency import Residency
 
 K = TypeVar("K", bound=Hashable)
 
@@ -492,7 +492,7 @@ def test_residency_tells_each_tiers_policy() -> None:
     for ref in (refs[0], refs[1], refs[0], refs[2]):
         residency.plan(ref, lambda r: versions[r.digest])
     digests = [ref.digest for ref in refs]
-    keys = [by_name_and_digest(ref) for ref in refs]  # the engine holds (task id, digest)
+    keys = [held_key(ref) for ref in refs]  # the engine holds (task id, digest)
     assert engine.told("admit") == keys
     assert keys[0] in engine.told("access")
     assert (keys[1],) in engine.told("nominate") and engine.told("remove") == [keys[1]]

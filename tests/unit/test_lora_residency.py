@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tiercache.adapter_types import AdapterRef, AdapterWeights
+from tiercache.adapter_types import AdapterRef, AdapterWeights, held_key
 from tiercache.errors import CapacityError, ConfigError, Unavailable
 from tiercache.eviction import SkipKey, named_policy, take_victims
 from tiercache.lora.residency import LoraPlan, Residency
@@ -115,10 +115,10 @@ def test_engine_is_lru_by_slots_and_host_serves_the_evicted(
     residency.plan(b, disk.read)
     residency.plan(a, disk.read)  # a is now more recent than b
     plan = residency.plan(c, disk.read)
-    assert plan.evict == (b.digest,)
+    assert plan.evict == (held_key(b),)
     assert engine_names(residency) == ["c", "a"]
     again = residency.plan(b, disk.read)
-    assert (again.tier, again.evict) == (HOST_TIER, (a.digest,))
+    assert (again.tier, again.evict) == (HOST_TIER, (held_key(a),))
     assert again.weights is disk.versions[b.digest]
     assert disk.reads == ["a", "b", "c"]
     assert residency.stats().evictions[ENGINE_TIER] == 2
@@ -129,7 +129,7 @@ def test_engine_byte_budget(make: MakeResidency, disk: FakeDisk) -> None:
     a, b, c = disk.add("a", 1, 100), disk.add("b", 2, 100), disk.add("c", 3, 120)
     residency.plan(a, disk.read)
     residency.plan(b, disk.read)
-    assert residency.plan(c, disk.read).evict == (a.digest,)  # 100 + 120 <= 250
+    assert residency.plan(c, disk.read).evict == (held_key(a),)  # 100 + 120 <= 250
     big = disk.add("big", 4, 300)
     with pytest.raises(CapacityError, match="engine_max_bytes"):
         residency.plan(big, disk.read)
@@ -175,7 +175,7 @@ def test_pinned_adapters_stay_in_the_engine(make: MakeResidency, disk: FakeDisk)
     residency.plan(a, disk.read)
     residency.plan(b, disk.read)
     for ref in (c, b, c):  # a is least recently used throughout, yet stays
-        assert a.digest not in residency.plan(ref, disk.read).evict
+        assert held_key(a) not in residency.plan(ref, disk.read).evict
     assert sorted(engine_names(residency)) == ["a", "c"]
     assert [x.pinned for x in residency.snapshot().engine if x.name == "a"] == [True]
 
@@ -208,7 +208,7 @@ def test_new_version_evicts_the_old_one_from_the_engine(
     new = disk.add("a", 1, version="v2")  # the folder changed: same name and task id
     plan = residency.plan(new, disk.read)
     assert plan.tier == DISK_TIER and plan.weights is not None
-    assert plan.evict == (old.digest,)  # even though a free slot was left
+    assert plan.evict == (held_key(old),)  # even though a free slot was left
     assert [x.digest for x in residency.snapshot().engine] == [new.digest]
     # a late request resolved before the change finishes on the old version, from host memory,
     # without evicting the current one
@@ -217,7 +217,7 @@ def test_new_version_evicts_the_old_one_from_the_engine(
     assert (late.tier, late.evict) == (HOST_TIER, ())
     assert late.weights is not None and late.weights.ref == old
     # the next request for the current version drops the old one again
-    assert residency.plan(new, disk.read).evict == (old.digest,)
+    assert residency.plan(new, disk.read).evict == (held_key(old),)
 
 
 def test_gone_version_is_unavailable(make: MakeResidency, disk: FakeDisk) -> None:
@@ -237,7 +237,7 @@ def test_old_versions_of_a_pinned_name_are_not_pinned(make: MakeResidency, disk:
     residency.plan(v1, disk.read)
     residency.plan(v2, disk.read)
     b = disk.add("b", 2)
-    assert residency.plan(b, disk.read).evict == (v1.digest,)
+    assert residency.plan(b, disk.read).evict == (held_key(v1),)
 
 
 def test_forget_then_replan_sends_the_weights(make: MakeResidency, disk: FakeDisk) -> None:
@@ -260,7 +260,7 @@ def test_mark_resident_records_a_prefetch(make: MakeResidency, disk: FakeDisk) -
     a, b, c = disk.add("a", 1), disk.add("b", 2), disk.add("c", 3)
     for ref in (a, b):
         assert residency.mark_resident(disk.versions[ref.digest]) == ()
-    assert residency.mark_resident(disk.versions[c.digest]) == (a.digest,)
+    assert residency.mark_resident(disk.versions[c.digest]) == (held_key(a),)
     assert residency.plan(c, disk.read).tier == ENGINE_TIER
     assert disk.reads == []
     assert host_names(residency) == ["c", "b", "a"]
@@ -317,7 +317,7 @@ def test_a_custom_policy_chooses_the_victims(make: MakeResidency, disk: FakeDisk
     residency.plan(small, disk.read)
     residency.plan(big, disk.read)
     residency.plan(small, disk.read)
-    assert residency.plan(disk.add("c", 3), disk.read).evict == (big.digest,)
+    assert residency.plan(disk.add("c", 3), disk.read).evict == (held_key(big),)
 
 
 @pytest.mark.parametrize(("policy", "kept"), [("lru", False), ("gdsf", True)])
@@ -354,11 +354,11 @@ def test_an_engine_that_obeys_the_plans_always_holds_what_it_needs(
         plan = residency.plan(ref, disk.read)
         held -= set(plan.evict)
         if plan.weights is None:
-            assert ref.digest in held, f"step {step}: engine lacks {ref.short}"
+            assert held_key(ref) in held, f"step {step}: engine lacks {ref.short}"
         else:
-            held.add(ref.digest)
+            held.add(held_key(ref))
         assert len(held) <= 3
-        assert held == residency.engine_digests()
+        assert {key.partition(":")[2] for key in held} == residency.engine_digests()
 
 
 def test_disk_reads_do_not_block_engine_hits(make: MakeResidency, disk: FakeDisk) -> None:
@@ -467,25 +467,26 @@ def test_an_alias_folder_gets_its_own_weights_under_its_own_name(
     assert residency.stats().resident[ENGINE_TIER] == 2
 
 
-def test_evicting_an_alias_version_drops_every_name_over_it(
+def test_an_alias_is_evicted_alone_and_never_its_pinned_or_loading_sibling(
     make: MakeResidency, disk: FakeDisk
 ) -> None:
-    """The engines evict by digest, so every name over the evicted files goes with it: the
-    mirror drops them all, and the next request for either name sends its files again (the
-    mirror never claims an adapter the engine dropped)."""
-    residency = make(engine_slots=2)
+    """Evictions name one adapter (task id and digest): evicting one name over shared files
+    leaves the other; a name over the files being loaded can make room for it; a pinned
+    name's alias is not pinned; and the engine reporting a bare digest gone drops every name
+    over it."""
+    residency = make(engine_slots=1)
     alpha = disk.add("alpha", 1)
     beta = AdapterRef("beta", 2, alpha.digest)
     residency.plan(alpha, disk.read)
-    residency.plan(beta, disk.read)
-    gamma = residency.plan(disk.add("gamma", 3), disk.read)  # a slot is needed: alpha's go
-    assert gamma.evict == (alpha.digest,)
-    assert {r.name for r in residency.snapshot().engine} == {"gamma"}
-    assert residency.stats().evictions[ENGINE_TIER] == 2  # both names
-    back = residency.plan(beta, disk.read)
-    assert back.weights is not None and back.weights.ref == beta
-    assert {r.name for r in residency.snapshot().engine} == {"gamma", "beta"}
-    # the engine reporting the digest gone (dropped on its own): every name over it goes
-    residency.plan(alpha, disk.read)  # evicts gamma: alpha and beta are held again
-    assert residency.drop([alpha.digest]) == 2
-    assert residency.snapshot().engine == ()
+    switched = residency.plan(beta, disk.read)  # one slot: alpha makes room for its alias
+    assert switched.evict == (held_key(alpha),) and switched.weights is not None
+    pinned = make(engine_slots=2, pinned=["alpha"])
+    pinned.plan(alpha, disk.read)
+    pinned.plan(beta, disk.read)
+    gamma = pinned.plan(disk.add("gamma", 3), disk.read)  # beta goes, pinned alpha stays
+    assert gamma.evict == (held_key(beta),)
+    assert {r.name for r in pinned.snapshot().engine} == {"alpha", "gamma"}
+    assert pinned.drop([held_key(alpha)]) == 1  # one adapter gone
+    pinned.plan(beta, disk.read)
+    assert pinned.drop([alpha.digest]) == 1  # a bare digest: every name over it (beta)
+    assert {r.name for r in pinned.snapshot().engine} == {"gamma"}

@@ -74,7 +74,12 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from tiercache.adapter_types import AdapterRef, AdapterWeights, not_in_engine_message
+from tiercache.adapter_types import (
+    AdapterRef,
+    AdapterWeights,
+    not_in_engine_message,
+    split_held_key,
+)
 from tiercache.budgets import Budget, cache_budget
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.errors import CapacityError, ConfigError, Forbidden, InvalidRequest, NotFound
@@ -103,8 +108,9 @@ OPS = (GENERATE, LOAD, LIST, EVICT)
 class AdapterOrder:
     """What one engine request asks of the adapters, decoded from the torch_llm inputs.
 
-    Done in this order: `evict` (never the digest of `needs`), then `weights` loaded, then the
-    op itself.
+    Done in this order: `evict` (never `needs` itself), then `weights` loaded, then the op
+    itself. `evict` names held adapters (`held_key`: task id and digest), or bare digests (every
+    name over those files).
     """
 
     op: str = GENERATE
@@ -153,22 +159,31 @@ class AdapterOrder:
                 )
         elif op == LOAD:
             raise InvalidRequest("LORA_OP load needs LORA_CONFIG and LORA_WEIGHTS")
-        digests: tuple[str, ...] = ()
+        evicted: tuple[str, ...] = ()
         if evict:
             try:
                 parsed = json.loads(evict)
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(f"LORA_EVICT is not valid JSON: {exc}") from exc
             if not isinstance(parsed, list) or not all(isinstance(d, str) for d in parsed):
-                raise InvalidRequest("LORA_EVICT must be a JSON list of digests (strings)")
-            digests = tuple(parsed)
-        return cls(op, ref, loaded, digests, needs)
+                raise InvalidRequest(
+                    "LORA_EVICT must be a JSON list of held adapters (<task id>:<digest>) or "
+                    "digests (strings)"
+                )
+            for item in parsed:
+                try:
+                    split_held_key(item)
+                except ValueError as exc:
+                    raise InvalidRequest(f"LORA_EVICT: {exc}") from None
+            evicted = tuple(parsed)
+        return cls(op, ref, loaded, evicted, needs)
 
 
 @dataclass(frozen=True, slots=True)
 class OrderResult:
     load_s: float  # 0.0 when nothing was loaded (or it was already held)
-    evicted: tuple[str, ...]  # digests no longer held: asked for, or dropped to make room
+    # the adapters no longer held (`held_key`s): asked for, or dropped to make room
+    evicted: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,6 +466,16 @@ class EngineAdapters:
                 self._shadow.discard(key)
         return bool(keys)
 
+    def evict_key(self, key: AdapterKey) -> bool:
+        """Drop one held adapter (task id, digest), leaving other names over the same files;
+        False if it was not held."""
+        held = key in self._held
+        if held:
+            self._drop(key)
+        with self._budget_lock:
+            self._shadow.discard(key)
+        return held
+
     def remove_free_slots(self) -> int:
         """Delete the free slots from the model (a module walk each) and return how many; the
         next loads inject afresh. For a lowered `max_slots`, and tests."""
@@ -472,17 +497,21 @@ class EngineAdapters:
     def prepare(self, order: AdapterOrder) -> OrderResult:
         """Evict, then load, as `order` asks; the op itself is the caller's. A new byte budget
         (`resize`) takes effect first."""
-        before = {digest for _, digest in self._held}
+        before = set(self._held)
         # the adapter this order generates with, or loads (a load of one held is a no-op)
         kept = order.needs or (order.weights.ref if order.weights is not None else None)
         self._follow_budget(None if kept is None else _key(kept))
-        keep = None if order.needs is None else order.needs.digest
-        for digest in order.evict:
-            if digest != keep:
-                self.evict(digest)
+        needs = None if order.needs is None else _key(order.needs)
+        for item in order.evict:
+            key = split_held_key(item)
+            if key is None:  # a bare digest: every name over those files
+                if needs is None or item != needs[1]:
+                    self.evict(item)
+            elif key != needs:
+                self.evict_key(key)
         load_s = 0.0 if order.weights is None else self.load(order.weights)
-        after = {digest for _, digest in self._held}
-        return OrderResult(load_s, tuple(sorted(before - after)))
+        gone = before - set(self._held)
+        return OrderResult(load_s, tuple(sorted(f"{task}:{digest}" for task, digest in gone)))
 
     # ---- internals ------------------------------------------------------------------------
 

@@ -1,11 +1,14 @@
 """Where each adapter version lives: the engine's slots, host memory, or only on disk.
 
-Three tiers, each keyed by version digest:
+Three tiers:
 
-- engine: a MIRROR of what the engine holds. `lora_cache` is its single owner: it decides what
-  the engine loads and evicts (each plan says so) and the engine obeys. Bounded by a number of
-  slots and optionally bytes. Pinned names are never evicted from it.
-- host: the weights themselves, in this process's memory, bounded by count and bytes. It also
+- engine: a MIRROR of what the engine holds, keyed as the engines key adapters, by task id and
+  digest (`held_key`: two names over identical files, an alias folder, are two adapters, each
+  in its own slot). `lora_cache` is its single owner: it decides what the engine loads and
+  evicts (each plan says so, by held key) and the engine obeys. Bounded by a number of slots
+  and optionally bytes. Pinned names are never evicted from it.
+- host: the weights themselves, keyed by version digest (one copy whatever the names), in
+  this process's memory, bounded by count and bytes. It also
   keeps older versions of an adapter for requests resolved before the folder changed, so those
   finish on the version they started with. An adapter larger than the whole host budget passes
   through without being kept (never a "cache is full" error).
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tiercache.adapter_types import AdapterRef, AdapterWeights
+from tiercache.adapter_types import AdapterRef, AdapterWeights, held_key, split_held_key
 from tiercache.errors import CapacityError, ConfigError
 from tiercache.eviction import EvictionPolicy, LruPolicy
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER
@@ -53,7 +56,8 @@ class LoraPlan:
     ref: AdapterRef
     tier: str  # where the version was found: ENGINE_TIER, HOST_TIER or DISK_TIER
     weights: AdapterWeights | None  # None: the engine already holds it; else what to send
-    evict: tuple[str, ...]  # digests the engine drops first (room, and older versions)
+    # the adapters (`held_key`s) the engine drops first (room, and older versions)
+    evict: tuple[str, ...]
     read_s: float = 0.0  # time spent reading it from disk (0 unless tier is DISK_TIER)
 
 
@@ -79,7 +83,7 @@ class ResidencyStats:
 
     hits: Mapping[str, int]  # plans by the tier the version was found in
     loads: Mapping[str, int]  # engine: loads ordered (and prefetches); host: disk reads kept
-    evictions: Mapping[str, int]  # engine: digests planned out; host: weights dropped
+    evictions: Mapping[str, int]  # engine: adapters planned out; host: weights dropped
     resident: Mapping[str, int]  # adapters now in the engine mirror and the host tier
     resident_bytes: Mapping[str, int]
     disk_reads: int
@@ -111,12 +115,6 @@ def as_named(weights: AdapterWeights, ref: AdapterRef) -> AdapterWeights:
 def by_digest(ref: AdapterRef) -> str:
     """The host tier's key: one copy of the files per version, whatever names share it."""
     return ref.digest
-
-
-def by_name_and_digest(ref: AdapterRef) -> str:
-    """The engine mirror's key: the engines hold adapters by task id and digest, so two names
-    over identical files (an alias folder) are two adapters there, each with its own slot."""
-    return f"{ref.task_id}:{ref.digest}"
 
 
 class _Tier(Generic[V]):
@@ -252,7 +250,7 @@ class Residency:
             engine_slots,
             engine_max_bytes,
             engine_policy if engine_policy is not None else LruPolicy(),
-            key=by_name_and_digest,
+            key=held_key,
         )
         # host_max_bytes 0 means "keep nothing" (not "unbounded"): memory must have a bound.
         self._host: _Tier[AdapterWeights] = _Tier(
@@ -282,7 +280,7 @@ class Residency:
         always returns the weights. CapacityError when pinned adapters leave no room for it;
         `read`'s errors (Unavailable: no tier holds this version anymore) pass through."""
         current = self._latest(ref.name) == ref.digest
-        key = by_name_and_digest(ref)  # an alias folder's name is an adapter of its own
+        key = held_key(ref)  # an alias folder's name is an adapter of its own
         with self._lock:
             if reload:
                 self._engine.remove(key)
@@ -316,18 +314,29 @@ class Residency:
         """The engine said it does not hold `ref`: drop it from the mirror (True if it was
         there). The next plan for it carries its weights."""
         with self._lock:
-            return self._engine.remove(by_name_and_digest(ref)) is not None
+            return self._engine.remove(held_key(ref)) is not None
 
-    def drop(self, digests: Iterable[str]) -> int:
-        """The engine reports these versions gone (e.g. dropped on its own to make room): drop
-        them from the mirror; returns how many were there."""
+    def drop(self, gone: Iterable[str]) -> int:
+        """The engine reports these adapters gone (`held_key`s; a bare digest: every name over
+        it), e.g. dropped on its own to make room: drop them from the mirror; returns how many
+        were there."""
         with self._lock:
-            return sum(len(self._engine.remove_digest(digest)) for digest in digests)
+            dropped = 0
+            for item in gone:
+                try:
+                    whole = split_held_key(item) is None
+                except ValueError:
+                    continue  # not a key: nothing of ours
+                if whole:
+                    dropped += len(self._engine.remove_digest(item))
+                else:
+                    dropped += self._engine.remove(item) is not None
+            return dropped
 
     def mark_resident(self, weights: AdapterWeights) -> tuple[str, ...]:
         """The engine loaded this version on its own (prefetch at start): record it in the
-        mirror, keep its weights in the host tier, and return the digests that made room (the
-        engine is expected to have dropped them, or never to have held them)."""
+        mirror, keep its weights in the host tier, and return the adapters (`held_key`s) that
+        made room (the engine is expected to have dropped them, or never to have held them)."""
         current = self._latest(weights.ref.name) == weights.ref.digest
         with self._lock:
             if self._host.get(weights.ref.digest) is None:
@@ -396,7 +405,7 @@ class Residency:
         Everything is computed before anything changes, so a CapacityError leaves the mirror as
         the engine has it."""
         engine = self._engine
-        held = engine.get(by_name_and_digest(ref))
+        held = engine.get(held_key(ref))
         stale = [
             key
             for key, resident in engine.items.items()
@@ -417,11 +426,12 @@ class Residency:
                     f"adapters are pinned ({', '.join(sorted(self.pinned))})"
                 )
             victims = found
-        # The engines evict by digest: every name over a victim's files goes with it (never
-        # `ref`'s own: the digest being loaded is protected, and stale versions are others).
-        evict = tuple(dict.fromkeys(v.ref.digest for v in victims))
-        for digest in evict:
-            self._evictions[ENGINE_TIER] += len(engine.remove_digest(digest))
+        # by name and digest, as the engines hold them: another name over a victim's files
+        # (an alias folder) stays
+        evict = tuple(held_key(v.ref) for v in victims)
+        for key in evict:
+            engine.remove(key)
+        self._evictions[ENGINE_TIER] += len(victims)
         self._uses += 1
         now = self._clock()
         if held is None:
@@ -444,8 +454,8 @@ class Residency:
                 name not in newest or resident.last_use > newest[name].last_use
             ):
                 newest[name] = resident
-        protected = {r.ref.digest for r in newest.values()} | {loading.digest}
-        return lambda resident: resident.ref.digest in protected
+        protected = {held_key(r.ref) for r in newest.values()} | {held_key(loading)}
+        return lambda resident: held_key(resident.ref) in protected
 
     def _keep(self, weights: AdapterWeights, read_s: float = 0.0) -> None:
         """Keep `weights` (read from disk in `read_s`) in the host tier if it can hold them at

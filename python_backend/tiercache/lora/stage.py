@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tiercache.adapter_types import AdapterRef
+from tiercache.adapter_types import AdapterRef, held_key
 from tiercache.admin_ops import parse_admin
 from tiercache.errors import InvalidRequest, TierCacheError
 from tiercache.exact.request import GenerationRequest
@@ -36,7 +36,8 @@ class EngineAdmin(Protocol):
         ...
 
     def load(self, plan: LoraPlan) -> tuple[float, tuple[str, ...]]:
-        """Evict `plan.evict`, load `plan.weights`; returns (load_ms, digests no longer held).
+        """Evict `plan.evict`, load `plan.weights`; returns (load_ms, the adapters no longer
+        held, as `held_key`s).
         Raises a TierCacheError when the engine refuses."""
         ...
 
@@ -157,7 +158,7 @@ class LoraCache:
                 self.residency.forget(ref)
                 warmed[ref.name] = f"error: {exc.client_message()}"
                 continue
-            self.residency.drop(d for d in evicted if d != ref.digest)
+            self.residency.drop(key for key in evicted if key != held_key(ref))
             warmed[ref.name] = LOADED if load_ms > 0 else ALREADY_LOADED
         return {**self.list_report(), "op": "warm", "warmed": warmed}
 
@@ -172,17 +173,29 @@ class LoraCache:
         listing = self.registry.listing()
         current = {item.ref.digest for item in listing if item.ref is not None}
         now = self._clock()
-        rows: dict[str, dict[str, Any]] = {}
+        # by name and version: two names over identical files (an alias folder) are two rows
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        held: dict[str, dict[str, Any]] = {}  # a version's files in memory, under any name
         for tier, residents in ((ENGINE_TIER, snapshot.engine), (HOST_TIER, snapshot.host)):
             for resident in residents:
-                if resident.digest not in rows:
-                    rows[resident.digest] = _row(resident, tier, now, resident.digest in current)
+                row = _row(resident, tier, now, resident.digest in current)
+                rows.setdefault((resident.name, resident.digest), row)
+                if tier == HOST_TIER:
+                    held.setdefault(resident.digest, row)
         problems = []
         for item in listing:
             if item.ref is None:
                 problems.append({"name": item.name, "tier": "", "problem": item.problem})
-            elif item.ref.digest not in rows:
-                rows[item.ref.digest] = {
+            elif (item.ref.name, item.ref.digest) in rows:
+                continue
+            elif item.ref.digest in held:  # its files are in memory under another name
+                rows[(item.ref.name, item.ref.digest)] = {
+                    **held[item.ref.digest],
+                    **json.loads(item.ref.to_json()),
+                    "pinned": item.ref.name in self.residency.pinned,
+                }
+            else:
+                rows[(item.ref.name, item.ref.digest)] = {
                     **json.loads(item.ref.to_json()),
                     "tier": DISK_TIER,
                     "current": True,
