@@ -132,7 +132,12 @@ def held_key(ref: AdapterRef) -> str:
     """How one adapter the engine holds is named in an eviction (lora_cache's LORA_EVICT) and
     in the engine's report of what it dropped: `<task id>:<digest>`. The engines hold adapters
     by both, so two names over identical files (an alias folder) are two adapters."""
-    return f"{ref.task_id}:{ref.digest}"
+    return held_key_of(ref.task_id, ref.digest)
+
+
+def held_key_of(task_id: int, digest: str) -> str:
+    """`held_key` from its parts (the engine keeps adapters by (task id, digest))."""
+    return f"{task_id}:{digest}"
 
 
 def split_held_key(text: str) -> tuple[int, str] | None:

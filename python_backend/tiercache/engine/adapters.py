@@ -77,6 +77,7 @@ from safetensors.torch import load as load_safetensors
 from tiercache.adapter_types import (
     AdapterRef,
     AdapterWeights,
+    held_key_of,
     not_in_engine_message,
     split_held_key,
 )
@@ -511,7 +512,7 @@ class EngineAdapters:
                 self.evict_key(key)
         load_s = 0.0 if order.weights is None else self.load(order.weights)
         gone = before - set(self._held)
-        return OrderResult(load_s, tuple(sorted(f"{task}:{digest}" for task, digest in gone)))
+        return OrderResult(load_s, tuple(sorted(held_key_of(*key) for key in gone)))
 
     # ---- internals ------------------------------------------------------------------------
 

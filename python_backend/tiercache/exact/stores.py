@@ -1041,21 +1041,22 @@ class LmdbStore:
             if data is None or peeked(data) != seen:
                 return False
             txn.delete(raw)
-        with self._lock:
-            self._removed += 1
-        if self._values is not None:
-            self._values.forget([raw])
+        self._deleted([raw])
         return True
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """One write transaction (one commit) for all of them."""
         with self._resized_is_an_error(), self._env.begin(write=True) as txn:
             gone = [raw for raw in (key.encode() for key in keys) if txn.delete(raw)]
+        self._deleted(gone)
+        return len(gone)
+
+    def _deleted(self, gone: list[bytes]) -> None:
+        """Count deletions committed, and drop them from the values' record."""
         with self._lock:
             self._removed += len(gone)
         if self._values is not None and gone:
             self._values.forget(gone)
-        return len(gone)
 
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         """One read transaction over the whole map; decoding every entry costs about as much

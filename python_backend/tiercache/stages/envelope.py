@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercache.config import PARAMETERS
 from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import HISTORY_ROLES, GenerationRequest, Turn
@@ -42,7 +43,7 @@ MAX_ENVELOPE_BYTES = 1 << 20  # an envelope is a few KiB; a larger one was not m
 # An envelope's issue time is whole seconds rounded down to this step, so a repeated exact hit
 # seals the same envelope for up to this long (prompt_cache's memo) and the age check allows it.
 ISSUE_STEP_S = 10
-DEFAULT_MAX_AGE_S = 300.0  # envelope_max_age_s's default (tiercache.config)
+DEFAULT_MAX_AGE_S: float = PARAMETERS["envelope_max_age_s"].default
 FUTURE_SLACK_S = 60.0  # how far ahead of a stage's clock an issue time may be (a clock step)
 
 
