@@ -478,6 +478,13 @@ class EmbeddingCacheConfig(_TiersConfig):
     api_keys_file: str = shared("api_keys_file")
     envelope_max_age_s: float = shared("envelope_max_age_s")
     embedder_model: str = param("embedder", "The Triton model that embeds (BLS target)")
+    embedder_timeout_s: float = param(
+        5.0,
+        "How long a lookup waits for the embedder's answer; past it the lookup's requests go "
+        "on as misses, and later lookups do too, at once, until the late call answers "
+        "(docs/faults.md). 0: wait as long as the embedder takes",
+        min=0,
+    )
     target_precision: float = param(
         0.0,
         "The guard's operating point: the precision it aims for on its calibration data "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -36,6 +37,7 @@ from .conftest import (
     RawOutcome,
     metric_value,
     raw_stream_infer,
+    settled_metric,
     start_server,
     tensor,
 )
@@ -47,6 +49,7 @@ REFUSE_PATTERN = "(?i)forbidden topic"
 REFUSAL_TEXT = "That topic is not served here."
 RECOVERY_TIMEOUT_S = 120.0
 VICTIM_DEADLINE_S = 20.0  # the client deadline of a request whose stub is killed under it
+EMBEDDER_TIMEOUT_S = 2.0  # embedding_cache's deadline on its embedder calls in this server
 L2_MAX_BYTES = 1 << 30  # CacheConfig's default: the test process opens the server's L2 too
 
 
@@ -66,7 +69,16 @@ def fault_repository(root: Path, redis_url: str, prefix: str) -> Path:
         "refuse_prompt_pattern": REFUSE_PATTERN,
         "refusal_text": REFUSAL_TEXT,
     }
-    return copy_repository(MODEL_REPOSITORY, root / "model_repository", parameters)
+    parameters["embedding_cache"] = {
+        **parameters["embedding_cache"],
+        "embedder_timeout_s": str(EMBEDDER_TIMEOUT_S),
+    }
+    repository = copy_repository(MODEL_REPOSITORY, root / "model_repository", parameters)
+    # the embedder, held while a HOLD file lies beside it (held_embedder.py)
+    version = repository / "embedder" / "1"
+    (version / "model.py").rename(version / "real_model.py")
+    shutil.copyfile(Path(__file__).with_name("held_embedder.py"), version / "model.py")
+    return repository
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +193,59 @@ def l2_keys(state: Path) -> set[str]:
         return {key for key, _ in store.scan()}
     finally:
         store.close()
+
+
+# -- a dependency that stops answering ------------
+
+
+def test_an_embedder_that_stops_answering_costs_lookups_one_deadline(faults: Faults) -> None:
+    """The embedder's execute held (its stub healthy to Triton, answering nothing): a new prompt
+    is still answered, as a miss, once embedding_cache's deadline passed; later new prompts are
+    not held at all while the late call is out; cached answers keep being served; and once the
+    embedder answers again, lookups embed again."""
+    server = faults.server
+    tag = uuid.uuid4().hex[:6]
+    cached = f"Name one use of the embedder deadline {tag}."
+    assert ask(server, cached, max_tokens=4).cache_status == "miss"
+    lookups = "tiercache_embedding_cache_lookups_total"
+    late = "tiercache_embedding_cache_embedder_late_total"
+    errors_before = settled_metric(server, lookups, outcome="error")
+    late_before = settled_metric(server, late)
+    hold = faults.repository / "embedder" / "1" / "HOLD"
+    hold.touch()
+    try:
+        fresh = [f"Name {n} colours of the sea {tag}." for n in ("two", "three", "four", "five")]
+        results = [ask(server, prompt, max_tokens=4) for prompt in fresh]
+        assert [r.cache_status for r in results] == ["miss"] * len(fresh)
+        assert all(r.text for r in results)
+        hit = ask(server, cached, max_tokens=4)
+        assert hit.cache_status == "exact"
+        errors = settled_metric(server, lookups, outcome="error") - errors_before
+        timed_out = settled_metric(server, late, event="timed_out")
+        refused = settled_metric(server, late, event="refused")
+        # one late call per embedding_cache instance at most; every other lookup refused at once
+        assert errors == len(fresh)
+        assert 1 <= timed_out <= 2
+        assert timed_out + refused - late_before == len(fresh)
+        assert server_died(server) is False
+        print(
+            f"\nembedder held: {len(fresh)} new prompts answered as misses in "
+            f"{', '.join(f'{r.latency_s:.2f}' for r in results)} s ({timed_out:g} waited "
+            f"{EMBEDDER_TIMEOUT_S:g} s, {refused:g} refused at once); "
+            f"exact hit {hit.latency_s:.3f} s"
+        )
+    finally:
+        hold.unlink(missing_ok=True)
+    # the late calls end once the embedder answers; lookups then embed again (not `error`)
+    deadline = time.monotonic() + 60
+    while True:
+        before = settled_metric(server, lookups, outcome="error")
+        result = ask(server, f"Name six colours of the sky {uuid.uuid4().hex[:6]}.", max_tokens=4)
+        assert result.cache_status == "miss"
+        if settled_metric(server, lookups, outcome="error") == before:
+            break
+        assert time.monotonic() < deadline, "lookups still fail a minute after the release"
+        time.sleep(0.5)
 
 
 # -- refusals ------------

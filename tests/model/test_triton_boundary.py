@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -406,6 +408,57 @@ def test_bls_stream_is_kept_when_read_abandoned_or_failed(
     next(reader)
     reader.close()  # abandoned after one response
     assert len(keeper) == 2
+
+
+def test_bls_deadline_answers_unavailable_once_then_refuses_until_the_late_call_ends(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A callee that stops answering costs one call its deadline; later calls are refused at
+    once (no second thread, no second wait) until the late one returns; then calls go through."""
+    release = threading.Event()
+    calls: list[str] = []
+    ok = pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])
+
+    def callee(request: Any) -> list[Any]:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            release.wait(30)
+        return [ok]
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "slow", callee)
+    client = tb.BlsClient("slow", label="embedder", timeout_s=0.2)
+    try:
+        with pytest.raises(Unavailable, match=r"embedder: no answer within 0\.2 s"):
+            client.infer([], ["OUT"])
+        with pytest.raises(Unavailable, match="an earlier call has had no answer"):
+            client.infer([], ["OUT"])
+        assert len(calls) == 1  # the refused call never reached the callee
+        assert (client.deadline.timed_out, client.deadline.refused) == (1, 1)
+        release.set()
+        for _ in range(100):  # the late call ends on the worker
+            if client.deadline._late is not None and client.deadline._late.done():
+                break
+            time.sleep(0.01)
+        assert client.infer([], ["OUT"]) is ok
+        assert len(calls) == 2 and calls[0] == calls[1] != threading.current_thread().name
+    finally:
+        release.set()
+        client.close()
+
+
+def test_bls_deadline_passes_the_callees_error_and_needs_a_positive_timeout(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", _callee(NotFound("no such row"), pb_utils, tb))
+    client = tb.BlsClient("bad", timeout_s=5.0)
+    try:
+        with pytest.raises(NotFound, match="no such row"):
+            client.infer([], ["OUT"])
+        assert client.deadline.timed_out == 0
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        tb.Deadline(0.0, "x")
 
 
 def test_delta_counter_counts_growth_once(tb: ModuleType) -> None:

@@ -5,7 +5,7 @@ it; every other request passes through with the exact lookup's status."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +77,7 @@ class EmbeddingCacheStage:
     ) -> None:
         self.core = stage
         self.budgets: BudgetThread | None = None  # L1 following the machine, if asked
+        self.closing: list[Callable[[], None]] = []  # called by close(), after the core
         self.sealer = sealer
         # what an envelope must be past its seal to be looked up (age; key, with a key file)
         self.freshness = freshness if freshness is not None else Freshness()
@@ -222,6 +223,8 @@ class EmbeddingCacheStage:
             self.budgets.close()
         self.metrics.close()
         self.core.close()
+        for close in self.closing:
+            close()
 
 
 def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
@@ -240,10 +243,14 @@ def answer_seal(sealer: Sealer, envelope_seal: str, answer: Answer) -> str:
 
 
 class EmbedderBls:
-    """The embedder model over BLS: all texts as one [n, 1] batch, [n, d] vectors back."""
+    """The embedder model over BLS: all texts as one [n, 1] batch, [n, d] vectors back, each
+    call waited for at most `timeout_s` (0: no deadline; `tiercache.triton.bls.Deadline`)."""
 
-    def __init__(self, model_name: str) -> None:
-        self.client = BlsClient(model_name, label="embedder")
+    def __init__(self, model_name: str, timeout_s: float = 0.0) -> None:
+        self.client = BlsClient(model_name, label="embedder", timeout_s=timeout_s or None)
+
+    def close(self) -> None:
+        self.client.close()
 
     def __call__(self, texts: Sequence[str]) -> np.ndarray:
         batch = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
@@ -272,6 +279,7 @@ def open_embedding_cache(
         )
         choose, score = verified, verified.score
     tiers: ExactTiers = open_exact_cache(config.cache())
+    embedder = EmbedderBls(config.embedder_model, config.embedder_timeout_s)
     trust = None
     if config.semantic_max_error > 0:
         policy = TrustPolicy(
@@ -302,7 +310,7 @@ def open_embedding_cache(
             config.flat_max_rows,
         ),
         tiers.cache,
-        EmbedderBls(config.embedder_model),
+        embedder,
         choose,
         identity.key,
         top_k=config.top_k,
@@ -327,6 +335,25 @@ def open_embedding_cache(
     metrics = tm.Metrics(model_name, instance=instance_name)
     freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()), freshness)
+    stage.closing.append(embedder.close)
+    if embedder.client.deadline is not None:
+        deadline = embedder.client.deadline
+        late = status_counters(
+            metrics,
+            "tiercache_embedding_cache_embedder_late_total",
+            "Embedder calls with no answer within embedder_timeout_s (timed_out), and lookups "
+            "not sent while such a call was still out (refused); their requests went on as misses",
+            "event",
+            ["timed_out", "refused"],
+        )
+        timed_out = tm.DeltaCounter(late["timed_out"])
+        refused = tm.DeltaCounter(late["refused"])
+
+        def count_late() -> None:
+            timed_out.update(deadline.timed_out)
+            refused.update(deadline.refused)
+
+        metrics.on_flush(count_late)
     if verified is not None:
         stage.watch_verifier(verified)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied

@@ -4,7 +4,9 @@ A called model's typed error reaches the caller as the same typed error (`io.fro
 a caller's fault (InvalidRequest, NotFound) keeps its message as the called model worded it, so
 the client sees the same words whichever stage raised it; a dependency's failure (Unavailable,
 capacity, internal) is prefixed with the callee's label, so the client learns which dependency
-failed. Decoupled streams are handed to a `StreamKeeper` when read or abandoned (see there).
+failed. Decoupled streams are handed to a `StreamKeeper` when read or abandoned (see there). A unary
+call can be given a deadline (`Deadline`): Triton's own request timeout bounds only the time a
+request waits in a scheduler's queue, not a callee that stopped answering.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 import triton_python_backend_utils as pb_utils
 
-from tiercache.errors import InvalidRequest, NotFound, TierCacheError
+from tiercache.errors import InvalidRequest, NotFound, TierCacheError, Unavailable
 from tiercache.triton.io import from_triton_error
+
+T = TypeVar("T")
 
 
 class StreamKeeper:
@@ -89,19 +95,72 @@ def typed_error(message: str, code: int | None, label: str) -> TierCacheError:
     return type(exc)(f"{label}: {exc.message}")
 
 
+class Deadline:
+    """Blocking calls run on one worker thread of their own, each waited for at most `timeout_s`.
+
+    A call past its deadline raises `Unavailable` (naming `label`) in the caller and is left to
+    finish on the worker; until it does, every later call is refused at once with `Unavailable`,
+    so a callee that hangs costs one request one timeout, not every request one, and never more
+    than one thread. BLS calls may come from any thread of the stub while `execute` runs
+    (python_backend's `InferRequest::Exec` only refuses them in `initialize` and `finalize`).
+    """
+
+    def __init__(self, timeout_s: float, label: str) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.label = label
+        self.timed_out = 0  # calls that ran past their deadline
+        self.refused = 0  # calls refused while an earlier one was still out
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"deadline-{label}"[:15])
+        self._late: Future[Any] | None = None
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], T]) -> T:
+        """`call()`'s result or its exception, or `Unavailable` past the deadline."""
+        with self._lock:
+            late = self._late
+            if late is not None:
+                if not late.done():
+                    self.refused += 1
+                    raise Unavailable(
+                        f"{self.label}: an earlier call has had no answer for more than "
+                        f"{self.timeout_s:g} s; not calling again until it answers"
+                    )
+                self._late = None
+            future = self._pool.submit(call)
+        try:
+            return future.result(self.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._late = future
+                self.timed_out += 1
+            raise Unavailable(f"{self.label}: no answer within {self.timeout_s:g} s") from None
+
+    def close(self) -> None:
+        """Stop taking calls; a late one is left to end on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class BlsClient:
     """Calls to one Triton model from inside a stage.
 
     `label` names the callee in the messages of its failures ("engine torch_llm", "embedder");
-    `keeper` holds finished decoupled streams (one per model process is enough).
+    `keeper` holds finished decoupled streams (one per model process is enough); `timeout_s`
+    bounds each unary call (`infer`, through a `Deadline`); None waits as long as the callee.
     """
 
     def __init__(
-        self, model_name: str, label: str = "", keeper: StreamKeeper | None = None
+        self,
+        model_name: str,
+        label: str = "",
+        keeper: StreamKeeper | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.model_name = model_name
         self.label = label or model_name
         self.keeper = keeper if keeper is not None else StreamKeeper()
+        self.deadline = Deadline(timeout_s, self.label) if timeout_s is not None else None
 
     def request(self, inputs: Sequence[Any], outputs: Sequence[str]) -> Any:
         """The `pb_utils.InferenceRequest` of one call (for `infer`/`stream`)."""
@@ -112,10 +171,20 @@ class BlsClient:
         )
 
     def infer(self, inputs: Sequence[Any], outputs: Sequence[str]) -> Any:
-        """One unary call; its response, or the callee's typed error raised."""
-        response = self.request(inputs, outputs).exec()
+        """One unary call; its response, or the callee's typed error raised (`Unavailable`
+        past the deadline, with one)."""
+        request = self.request(inputs, outputs)
+        if self.deadline is None:
+            response = request.exec()
+        else:
+            response = self.deadline.run(request.exec)
         raise_if_error(response, self.label)
         return response
+
+    def close(self) -> None:
+        """Release the deadline's worker (streams held by the keeper stay its concern)."""
+        if self.deadline is not None:
+            self.deadline.close()
 
     def stream(
         self, inputs: Sequence[Any], outputs: Sequence[str], *, cancel_on_close: bool = False
