@@ -105,12 +105,28 @@ class Feedback:
         self.ids = ids
         self.invalidator = invalidator
 
-    def give(self, answer_id: str, verdict: Verdict, tenant_scope: str) -> FeedbackReport:
-        """Act on `verdict` for the answer `answer_id` names, given by `tenant_scope`.
-        InvalidRequest for something that is not an answer id, Forbidden for an id not issued
-        to this tenant by this deployment; Unavailable when Redis cannot be reached (a bad
-        answer is then invalidated on this host only: send the feedback again)."""
+    def give(
+        self,
+        answer_id: str,
+        verdict: Verdict,
+        tenant_scope: str,
+        adapters: frozenset[str] | None = None,
+    ) -> FeedbackReport:
+        """Act on `verdict` for the answer `answer_id` names, given by `tenant_scope` with a
+        key that may use `adapters` (None: any). InvalidRequest for something that is not an
+        answer id, Forbidden for an id not issued to this tenant by this deployment or for an
+        answer of an adapter the key may not use; Unavailable when Redis cannot be reached (a
+        bad answer is then invalidated on this host only: send the feedback again)."""
         ref = self.ids.open(answer_id, tenant_scope)
+        if not ref.adapter_allowed(adapters):
+            raise Forbidden(
+                "this API key may not use the adapter of the answer answer_id names"
+                + (
+                    " (the id is of a format that does not say which)"
+                    if ref.adapter is None
+                    else ""
+                )
+            )
         cache = self.invalidator.cache
         found = cache.peek(ref.digest)  # not a request; also notes the watermarks issued since
         if found is not None and found.tenant_scope not in ("", tenant_scope):

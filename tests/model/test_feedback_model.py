@@ -16,7 +16,7 @@ import numpy as np
 
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.keys import tenant_scope
-from tiercache.exact.tenant_keys import add_key
+from tiercache.exact.tenant_keys import RELOAD_CHECK_S, add_key
 from tiercache.stages.contract import (
     CHECK_INTERVAL_S,
     LLM,
@@ -168,8 +168,32 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
             [call(pb_utils, f"Bearer {cheap_key}", ANSWER_ID=answer_id, VERDICT="bad")]
         )
         assert "may not use cache_control no-cache" in str(result(bad))
+        # a key limited to some adapters judges answers of those, and of the base model, only
+        brief_key, _ = add_key(keys, "acme", adapters=["brief"])
+        time.sleep(max(CHECK_INTERVAL_S, RELOAD_CHECK_S) + 0.1)  # the key file is re-read
+        ids = AnswerIds(secret)
+        caps_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), scope, "caps")
+        brief_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), scope, "brief")
+        verdicts = [
+            (caps_id, "bad"),
+            (caps_id, "good"),
+            (brief_id, "good"),
+            (answer_id, "good"),  # the base model's
+        ]
+        answers = instance.execute(
+            [call(pb_utils, f"Bearer {brief_key}", ANSWER_ID=i, VERDICT=v) for i, v in verdicts]
+        )
+        outcomes = [result(r) for r in answers]
+        for refused in outcomes[:2]:
+            assert "may not use the adapter of the answer answer_id names" in str(refused)
+        assert [o["accepted"] for o in outcomes[2:]] == [True, True]  # type: ignore[index]
+        (full,) = instance.execute(
+            [call(pb_utils, f"Bearer {acme_key}", ANSWER_ID=caps_id, VERDICT="good")]
+        )
+        assert result(full)["accepted"] is True  # type: ignore[index]
         stage = instance.stage
         stage.metrics.flush()
         assert stage.refused["closed"].metric.value() == 2
+        assert stage.refused["forbidden"].metric.value() == 6
     finally:
         instance.finalize()

@@ -241,6 +241,34 @@ def test_feedback_is_taken_only_from_the_tenant_that_was_served(served: Served) 
         assert acme.generate_text(prompt, max_tokens=MAX_TOKENS).cache_status != "exact"
 
 
+def test_a_key_limited_to_some_adapters_judges_only_their_answers(served: Served) -> None:
+    """An acme key that may use `brief` only, holding the answer id of an acme answer made with
+    `caps` (another acme key's), can neither drop that answer (`bad`) nor endorse it (`good`):
+    the id names its adapter. Its own adapter's answers and the base model's it judges."""
+    keys_file = served.state_dir.parent / "api_keys.json"
+    limited, _ = add_key(keys_file, "acme", adapters=["brief"])
+    time.sleep(2.0)  # each stage looks at the key file at most once a second
+    caps_prompt = unique("Name a colour of the sea.")
+    with (
+        client(served, "acme") as acme,
+        TierCacheClient(served.grpc_url, timeout_s=300, api_key=limited) as brief_only,
+    ):
+        caps = acme.generate_text(caps_prompt, max_tokens=MAX_TOKENS, lora_name="caps")
+        assert caps.answer_id is not None
+        for verdict in ("bad", "good"):
+            with pytest.raises(ForbiddenError, match="may not use the adapter"):
+                brief_only.feedback(caps.answer_id, verdict)
+        again = acme.generate_text(caps_prompt, max_tokens=MAX_TOKENS, lora_name="caps")
+        assert again.cache_status == "exact"
+        own = brief_only.generate_text(
+            unique("Name a colour of the sky."), max_tokens=MAX_TOKENS, lora_name="brief"
+        )
+        base = brief_only.generate_text(unique("Name a colour of grass."), max_tokens=MAX_TOKENS)
+        for answer in (own, base):
+            assert answer.answer_id is not None
+            assert brief_only.feedback(answer.answer_id, "good")["accepted"] is True
+
+
 # -- closed internal stages -------------------------------------------------------------------
 
 

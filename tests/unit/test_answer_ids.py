@@ -4,6 +4,7 @@ and cannot be forged or altered."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import os
 import select
@@ -16,7 +17,15 @@ import pytest
 
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact import answer_ids
-from tiercache.exact.answer_ids import ID_CHARS, PREFIX, AnswerIds, AnswerRef, ServedAs
+from tiercache.exact.answer_ids import (
+    BASE_MODEL_TAG,
+    ID_CHARS,
+    PREFIX,
+    AnswerIds,
+    AnswerRef,
+    ServedAs,
+    adapter_tag,
+)
 
 SECRET = bytes(range(32))
 DIGEST = hashlib.sha256(b"an answer").hexdigest()
@@ -27,7 +36,7 @@ def test_an_id_opens_to_what_it_names_for_its_tenant() -> None:
     ids = AnswerIds(SECRET)
     ref = AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.875, 1_700_000_000.5, score=0.9375)
     opened = ids.open(ids.issue(ref, "scope-a"), "scope-a")
-    assert opened == ref
+    assert opened == dataclasses.replace(ref, adapter=BASE_MODEL_TAG)
     own = ids.open(ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.OWN), "scope-a"), "scope-a")
     assert (own.digest, own.served, own.similarity) == (OTHER_DIGEST, ServedAs.OWN, 0.0)
     assert own.issued_s > 1_700_000_000  # stamped at issue when the ref does not say
@@ -64,20 +73,38 @@ def test_an_altered_id_is_refused_at_every_byte() -> None:
             ids.open(text, "scope-a")
 
 
+def _old_id(prefix: str, body_format: str, *fields: object, scope: str = "scope-a") -> str:
+    """An id in a format issued before (still opened): `fields` packed and sealed as it was."""
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from tiercache.exact.keys import derive_key
+
+    body = struct.pack(body_format, *fields)
+    nonce = os.urandom(12)
+    aead = AESGCM(derive_key(SECRET, "answer ids"))
+    sealed = nonce + aead.encrypt(nonce, body, b"tiercache answer id\x00" + scope.encode())
+    return prefix + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode()
+
+
 def test_an_id_has_one_spelling() -> None:
-    """The last base64url character carries unused bits; an id with any of them set decodes
-    to the same bytes, and is refused: every character of an id is checked."""
+    """The last base64url character may carry unused bits; an id with any of them set decodes
+    to the same bytes, and is refused: every character of an id is checked. Today's ids are a
+    multiple of 3 bytes (no unused bits); the format before them (a2., still opened) is not."""
     ids = AnswerIds(SECRET)
     answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")
+    assert len(answer_id[len(PREFIX) :]) % 4 == 0  # no unused bits: one spelling by itself
+    old = _old_id("a2.", ">B32sffd", 0, bytes.fromhex(DIGEST), 0.0, 0.0, 1_700_000_000.5)
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
-    last = alphabet.index(answer_id[-1])
-    unused = (4 - len(answer_id[len(PREFIX) :]) % 4) % 4 * 2  # bits the decoder drops
+    last = alphabet.index(old[-1])
+    unused = (4 - len(old[3:]) % 4) % 4 * 2  # bits the decoder drops
     assert unused > 0
-    spellings = [answer_id[:-1] + alphabet[last | bit] for bit in range(1, 1 << unused)]
+    spellings = [old[:-1] + alphabet[last | bit] for bit in range(1, 1 << unused)]
     for other in spellings:
         with pytest.raises(InvalidRequest):
             ids.open(other, "scope-a")
-    assert ids.open(answer_id, "scope-a").digest == DIGEST
+    assert ids.open(old, "scope-a").digest == ids.open(answer_id, "scope-a").digest == DIGEST
 
 
 @pytest.mark.parametrize(
@@ -93,6 +120,30 @@ def test_what_is_not_an_id_is_an_invalid_request(text: str) -> None:
 def test_a_digest_that_is_not_32_hex_bytes_is_a_programming_error() -> None:
     with pytest.raises(ValueError):
         AnswerIds(SECRET).issue(AnswerRef("abc", ServedAs.OWN), "scope-a")
+
+
+def test_an_id_names_its_requests_adapter_for_keys_limited_to_some() -> None:
+    """A key limited to some adapters may judge answers of those and of the base model only;
+    the id says which adapter (sealed: the name is not readable from it)."""
+    ids = AnswerIds(SECRET)
+    brief = ids.open(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a", "brief"), "scope-a")
+    base = ids.open(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a"), "scope-a")
+    assert brief.adapter == adapter_tag("brief") != adapter_tag("caps")
+    assert base.adapter == BASE_MODEL_TAG
+    assert brief.adapter_allowed(None) and brief.adapter_allowed(frozenset({"caps", "brief"}))
+    assert not brief.adapter_allowed(frozenset({"caps"}))
+    assert not brief.adapter_allowed(frozenset())
+    assert base.adapter_allowed(frozenset({"caps"})) and base.adapter_allowed(frozenset())
+    assert len(ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a", "brief")) == ID_CHARS
+
+
+def test_an_id_of_the_format_before_the_adapter_opens_for_unlimited_keys_only() -> None:
+    old = _old_id("a2.", ">B32sffd", 0, bytes.fromhex(DIGEST), 0.0, 0.5, 1_700_000_000.5)
+    assert len(old) != ID_CHARS
+    opened = AnswerIds(SECRET).open(old, "scope-a")
+    assert opened == AnswerRef(DIGEST, ServedAs.OWN, 0.0, 1_700_000_000.5, 0.5, None)
+    assert opened.adapter_allowed(None)
+    assert not opened.adapter_allowed(frozenset({"brief"}))  # cannot tell: refused
 
 
 def test_an_id_of_the_format_before_the_score_still_opens() -> None:

@@ -2,9 +2,11 @@
 
 Every response whose request has a digest carries an `answer_id`: which cache entry the answer
 is (the request's own digest for an exact hit, a generation or a verified semantic hit; the
-neighbour's for a semantic hit), how it was served and, for a semantic hit, the similarity it
-was served at and the trust gate's score (tiercache.semantic.entry_trust; 0.0 without one).
-The `feedback` model takes the id back (tiercache.feedback).
+neighbour's for a semantic hit), how it was served, for a semantic hit the similarity it was
+served at and the trust gate's score (tiercache.semantic.entry_trust; 0.0 without one), and
+the adapter the request named (`adapter_tag`: a key limited to some adapters may give feedback
+only on answers of those, or of the base model). The `feedback` model takes the id back
+(tiercache.feedback).
 
 The id is sealed, not merely signed: AES-256-GCM under `derive_key(secret, "answer ids")`, a
 random 96-bit nonce per id, the tenant scope it was served to as associated data.
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import hashlib
 import os
 import struct
 import threading
@@ -40,11 +44,13 @@ from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import derive_key
 
 ANSWER_IDS_PURPOSE = "answer ids"
-PREFIX = "a2."  # the format's version: an id of another format is refused, not misread
+PREFIX = "a3."  # the format's version: an id of another format is refused, not misread
 NONCE_BYTES = 12
 NONCES_PER_BATCH = 256
-# served as, digest, similarity, trust score, issued at (unix seconds)
-_BODY = struct.Struct(">B32sffd")
+ADAPTER_TAG_BYTES = 16
+BASE_MODEL_TAG = bytes(ADAPTER_TAG_BYTES)  # a request without an adapter
+# served as, digest, similarity, trust score, issued at (unix seconds), adapter tag
+_BODY = struct.Struct(f">B32sffd{ADAPTER_TAG_BYTES}s")
 _AAD = b"tiercache answer id\x00"
 
 
@@ -55,9 +61,23 @@ def _id_chars(prefix: str, body: struct.Struct) -> int:
 
 ID_CHARS = _id_chars(PREFIX, _BODY)
 """Every id's length (characters): the same for every answer."""
-# The format before the trust score, still opened (its score reads 0.0): ids already handed out
+# Earlier formats, still opened (ids already handed out): before the adapter tag (its tag reads
+# None: unknown), and before the trust score too (its score reads 0.0)
+_V2_PREFIX, _V2_BODY = "a2.", struct.Struct(">B32sffd")
+_V2_CHARS = _id_chars(_V2_PREFIX, _V2_BODY)
 _V1_PREFIX, _V1_BODY = "a1.", struct.Struct(">B32sfd")
 _V1_CHARS = _id_chars(_V1_PREFIX, _V1_BODY)
+
+
+@functools.lru_cache(maxsize=1024)
+def adapter_tag(lora_name: str) -> bytes:
+    """What an answer id names its request's adapter by (sealed inside the id): the first 16
+    bytes of the SHA-256 of the adapter's name; BASE_MODEL_TAG without one."""
+    if not lora_name:
+        return BASE_MODEL_TAG
+    return hashlib.sha256(b"tiercache adapter\x00" + lora_name.encode("utf-8")).digest()[
+        :ADAPTER_TAG_BYTES
+    ]
 
 
 class ServedAs(int, Enum):
@@ -74,6 +94,20 @@ class AnswerRef:
     similarity: float = 0.0  # a semantic hit's (the neighbour's cosine); 0.0 otherwise
     issued_s: float = 0.0  # when the answer was served (unix seconds)
     score: float = 0.0  # a semantic hit's calibrated score, when a trust gate decided it
+    # the request's adapter (`adapter_tag`); None in an id issued before ids named it
+    adapter: bytes | None = None
+
+    def adapter_allowed(self, adapters: frozenset[str] | None) -> bool:
+        """Whether a key that may use `adapters` (None: any) may judge this answer: one of
+        the base model, or of an adapter among them. An id that does not name its adapter
+        passes only a key without an adapter limit."""
+        if adapters is None:
+            return True
+        if self.adapter is None:
+            return False
+        return self.adapter == BASE_MODEL_TAG or any(
+            adapter_tag(name) == self.adapter for name in adapters
+        )
 
 
 class _Nonces:
@@ -125,9 +159,9 @@ class AnswerIds:
         self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
         self._nonces = _Nonces(random_bytes)
 
-    def issue(self, ref: AnswerRef, tenant_scope: str) -> str:
-        """The id of the answer `ref` names, served to `tenant_scope` (issued now unless `ref`
-        says when)."""
+    def issue(self, ref: AnswerRef, tenant_scope: str, lora_name: str = "") -> str:
+        """The id of the answer `ref` names, served to `tenant_scope` for a request that named
+        adapter `lora_name` ("": the base model) (issued now unless `ref` says when)."""
         try:
             digest = bytes.fromhex(ref.digest)
         except ValueError as exc:
@@ -135,7 +169,9 @@ class AnswerIds:
         if len(digest) != 32:
             raise ValueError(f"an answer's digest is 32 bytes, got {len(digest)}")
         issued_s = ref.issued_s or time.time()
-        body = _BODY.pack(ref.served.value, digest, ref.similarity, ref.score, issued_s)
+        body = _BODY.pack(
+            ref.served.value, digest, ref.similarity, ref.score, issued_s, adapter_tag(lora_name)
+        )
         nonce = self._nonces.take()
         sealed = nonce + self._aead.encrypt(nonce, body, _AAD + tenant_scope.encode("utf-8"))
         return PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
@@ -147,6 +183,8 @@ class AnswerIds:
         text = answer_id.strip()
         if text.startswith(PREFIX) and len(text) == ID_CHARS:
             body_format = _BODY
+        elif text.startswith(_V2_PREFIX) and len(text) == _V2_CHARS:
+            body_format = _V2_BODY
         elif text.startswith(_V1_PREFIX) and len(text) == _V1_CHARS:
             body_format = _V1_BODY
         else:
@@ -174,13 +212,18 @@ class AnswerIds:
                 "answer_id was not issued to this tenant by this deployment (another tenant's, "
                 "altered, or from before a secret rotation)"
             ) from exc
+        adapter: bytes | None = None
         if body_format is _V1_BODY:
             served, digest, similarity, issued_s = _V1_BODY.unpack(body)
             score = 0.0
+        elif body_format is _V2_BODY:
+            served, digest, similarity, score, issued_s = _V2_BODY.unpack(body)
         else:
-            served, digest, similarity, score, issued_s = _BODY.unpack(body)
+            served, digest, similarity, score, issued_s, adapter = _BODY.unpack(body)
         try:
             served_as = ServedAs(served)
         except ValueError as exc:  # sealed by us, so only a newer release's kind
             raise InvalidRequest(f"answer_id: unknown kind {served}") from exc
-        return AnswerRef(digest.hex(), served_as, float(similarity), float(issued_s), float(score))
+        return AnswerRef(
+            digest.hex(), served_as, float(similarity), float(issued_s), float(score), adapter
+        )

@@ -114,7 +114,9 @@ class EdgeCache:
             return None
         answer_id = None
         if self.ids is not None and result.digest is not None:
-            answer_id = self.ids.issue(AnswerRef(result.digest, ServedAs.OWN), scope)
+            answer_id = self.ids.issue(
+                AnswerRef(result.digest, ServedAs.OWN), scope, result.request.lora_name
+            )
         return EdgeHit(result.text, result.tier.value, result.tokens, answer_id)
 
     def _padded(self, raw: RawInputs, grant: TenantGrant | None) -> bool:

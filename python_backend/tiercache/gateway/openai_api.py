@@ -22,7 +22,7 @@ MAX_STOP_WORDS = 4  # OpenAI's own limit on `stop`
 # the ensemble's history limit plus the last user turn: a longer list is refused before any of
 # its messages is read
 MAX_MESSAGES = DEFAULT_LIMITS.max_history_turns + 1
-MAX_ANSWER_ID_CHARS = 512  # an answer id is about 106 characters (tiercache.exact.answer_ids)
+MAX_ANSWER_ID_CHARS = 512  # an answer id is 127 characters (tiercache.exact.answer_ids)
 CACHE_CONTROL_HEADER_WORDS = ("no-cache", "no-store")
 MAX_AGE_RE = re.compile(r"^max-age=(\d+)$")
 

@@ -83,13 +83,15 @@ class FeedbackStage:
             for reason in ("forbidden", "invalid", "closed", "unavailable")
         }
 
-    def tenant_scope(
+    def caller(
         self, tenant: str | None, authorization: object = None, bad: bool = False
-    ) -> str:
-        """The caller's tenant scope (see the module's docstring). A `bad` verdict makes the
-        entry be generated again, as `cache_control: no-cache` would: a key that may not use
-        that word may not give it (Forbidden)."""
+    ) -> tuple[str, frozenset[str] | None]:
+        """The caller's tenant scope (see the module's docstring), and the adapters its key may
+        use (None: any; always None without a key file). A `bad` verdict makes the entry be
+        generated again, as `cache_control: no-cache` would: a key that may not use that word
+        may not give it (Forbidden)."""
         name = canonical_tenant(tenant)
+        adapters = None
         if self.keys is not None:
             grant = self.keys.authorize(key_from_parameter(authorization))
             if tenant is not None and name != grant.tenant:
@@ -100,7 +102,8 @@ class FeedbackStage:
                     "amounts to (the answer is generated again)"
                 )
             name = grant.tenant
-        return tenant_scope(self._secret, name)
+            adapters = grant.adapters
+        return tenant_scope(self._secret, name), adapters
 
     def give(
         self,
@@ -116,12 +119,12 @@ class FeedbackStage:
             raise Unavailable(f"feedback is closed: {self.agrees.reason}")
         try:
             judged = parse_verdict(verdict)
-            scope = self.tenant_scope(tenant, authorization, bad=judged is Verdict.BAD)
+            scope, adapters = self.caller(tenant, authorization, bad=judged is Verdict.BAD)
             if not answer_id:
                 raise InvalidRequest("answer_id is required (the answer_id of a response)")
             if len(answer_id) > MAX_ANSWER_ID_CHARS:
                 raise InvalidRequest("answer_id is not an answer id (too long)")
-            report = self.core.give(answer_id, judged, scope)
+            report = self.core.give(answer_id, judged, scope, adapters)
         except Unavailable:
             self.refused["unavailable"].increment(1)
             raise

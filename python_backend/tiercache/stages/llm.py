@@ -605,17 +605,20 @@ class LlmStage:
             ref = AnswerRef(
                 item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0, score=item.hit_score
             )
-            return self._issue(ref, envelope.request.tenant_scope)
+            return self._issue(ref, envelope.request.tenant_scope, envelope.request.lora_name)
         envelope = item.envelope.get()
         if not envelope.digest:
             return None
-        return self._issue(AnswerRef(envelope.digest, ServedAs.OWN), envelope.request.tenant_scope)
+        request = envelope.request
+        return self._issue(
+            AnswerRef(envelope.digest, ServedAs.OWN), request.tenant_scope, request.lora_name
+        )
 
-    def _issue(self, ref: AnswerRef, scope: str) -> str | None:
+    def _issue(self, ref: AnswerRef, scope: str, lora_name: str) -> str | None:
         """The id, or None (logged) for a digest that is not one: the answer is served without
         an id rather than not at all."""
         try:
-            return self.answer_ids.issue(ref, scope)
+            return self.answer_ids.issue(ref, scope, lora_name)
         except ValueError:
             io.log.exception("no answer id for %r", ref.digest[:80])
             return None

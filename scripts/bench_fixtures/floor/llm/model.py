@@ -7,7 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ANSWER_ID = np.array([[b"a2." + b"A" * 103]], dtype=np.object_)  # 106 characters, as ID_CHARS
+ANSWER_ID = np.array([[b"a3." + b"A" * 124]], dtype=np.object_)  # 127 characters, as ID_CHARS
 
 
 class TritonPythonModel:
