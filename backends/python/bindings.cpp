@@ -416,6 +416,10 @@ void bind_cuda(nb::module_& m) {
 NB_MODULE(_core, m) {
   m.doc() = "tiercache's native library: a shared-memory row table and its CUDA replicas.";
   m.attr("LAYOUT_VERSION") = tiercache::kTableLayoutVersion;
+  m.def("lock_clock", &tiercache::SharedTable::lock_clock,
+        "The clock a publish's lock timeout runs on: 'monotonic' (a step of the wall clock "
+        "neither ends nor stretches the wait) or 'realtime' (C libraries without "
+        "pthread_mutex_clocklock).");
 
   nb::exception<tiercache::TableFormatError>(m, "TableFormatError", PyExc_ValueError);
   nb::exception<tiercache::TableFullError>(m, "TableFullError", PyExc_RuntimeError);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import platform
 import re
 import signal
 import stat
@@ -390,8 +391,10 @@ def test_a_writer_killed_mid_publish_is_recovered(tmp_path: Path) -> None:
     try:
         wait_until(lambda: table.claimed() == 12)  # holds the lock, 7 rows claimed
         assert table.count() == 5 and len(table.snapshot()) == 5  # unpublished rows: unseen
+        started = time.monotonic()
         with pytest.raises(TimeoutError, match="live writer"):
             table.publish(np.zeros((1, WIDTH), dtype=np.float32), timeout_s=0.2)
+        assert time.monotonic() - started >= 0.19  # the deadline is the timeout's, not earlier
     finally:
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
@@ -414,6 +417,16 @@ def _hold_the_lock(path: str, capacity: int, hold_s: float) -> None:
     table = native.SharedTable(path, WIDTH, capacity)
     ids = check_ids(0, 7)
     table.publish(testing.make_rows(ids, WIDTH), ids, _pause_after_copy_s=hold_s)
+
+
+def test_the_lock_timeout_runs_on_the_monotonic_clock_with_glibc() -> None:
+    """A publish's lock deadline does not move with the wall clock (NTP steps, an operator
+    setting the time) where the C library has pthread_mutex_clocklock (glibc >= 2.30, as on
+    every machine this project is built for); the timeout itself is tested below."""
+    libc = platform.libc_ver()
+    if libc[0] != "glibc" or tuple(int(x) for x in libc[1].split(".")[:2]) < (2, 30):
+        pytest.skip(f"C library {libc}: the lock deadline runs on CLOCK_REALTIME")
+    assert native.lock_clock() == "monotonic"
 
 
 @pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])

@@ -332,6 +332,24 @@ bool SharedTable::retired() const {
 
 void SharedTable::retire() { header()->retired.store(1, std::memory_order_release); }
 
+namespace {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+constexpr clockid_t kLockClock = CLOCK_MONOTONIC;
+int timed_lock(pthread_mutex_t* mutex, const timespec& deadline) {
+  return pthread_mutex_clocklock(mutex, CLOCK_MONOTONIC, &deadline);
+}
+#else
+constexpr clockid_t kLockClock = CLOCK_REALTIME;
+int timed_lock(pthread_mutex_t* mutex, const timespec& deadline) {
+  return pthread_mutex_timedlock(mutex, &deadline);
+}
+#endif
+}  // namespace
+
+const char* SharedTable::lock_clock() {
+  return kLockClock == CLOCK_MONOTONIC ? "monotonic" : "realtime";
+}
+
 void SharedTable::lock_writer(const PublishOptions& options, bool* recovered) {
   if (std::isnan(options.lock_timeout_s))
     throw std::invalid_argument("lock_timeout_s is NaN (< 0 or inf: wait forever)");
@@ -342,8 +360,12 @@ void SharedTable::lock_writer(const PublishOptions& options, bool* recovered) {
   if (options.lock_timeout_s < 0 || options.lock_timeout_s > kForeverS) {
     rc = pthread_mutex_lock(&h->writer_lock);
   } else {
+    // The deadline runs on CLOCK_MONOTONIC where the C library can wait on it
+    // (pthread_mutex_clocklock, glibc >= 2.30), so a step of the wall clock (NTP, an operator)
+    // neither ends the wait early nor stretches it; elsewhere, CLOCK_REALTIME as POSIX's
+    // pthread_mutex_timedlock requires.
     timespec deadline{};
-    clock_gettime(CLOCK_REALTIME, &deadline);
+    clock_gettime(kLockClock, &deadline);
     double whole = std::floor(options.lock_timeout_s);
     deadline.tv_sec += static_cast<time_t>(whole);
     deadline.tv_nsec += static_cast<long>((options.lock_timeout_s - whole) * 1e9);
@@ -351,7 +373,7 @@ void SharedTable::lock_writer(const PublishOptions& options, bool* recovered) {
       deadline.tv_sec += 1;
       deadline.tv_nsec -= 1000000000L;
     }
-    rc = pthread_mutex_timedlock(&h->writer_lock, &deadline);
+    rc = timed_lock(&h->writer_lock, deadline);
   }
   *recovered = false;
   if (rc == EOWNERDEAD) {

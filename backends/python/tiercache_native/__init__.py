@@ -21,6 +21,7 @@ from ._core import (
     cuda_device_count,
     cuda_status,
     fence,
+    lock_clock,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "cuda_device_count",
     "cuda_status",
     "fence",
+    "lock_clock",
 ]

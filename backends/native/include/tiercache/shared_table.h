@@ -96,6 +96,8 @@ class SharedTable {
   // Marks the table as replaced: publish raises TableRetiredError from now on, and readers that
   // poll `retired()` reopen the path (where the replacement was renamed into place).
   void retire();
+  // The clock the writer lock's deadline runs on: "monotonic" (glibc >= 2.30) or "realtime".
+  static const char* lock_clock();
 
   std::uint64_t capacity() const { return capacity_; }
   std::uint32_t width() const { return width_; }
