@@ -484,6 +484,7 @@ class EmbeddingCacheConfig(_TiersConfig):
         "on as misses, and later lookups do too, at once, until the late call answers "
         "(docs/faults.md). 0: wait as long as the embedder takes",
         min=0,
+        max=3600,
     )
     target_precision: float = param(
         0.0,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -446,7 +448,7 @@ def test_bls_deadline_answers_unavailable_once_then_refuses_until_the_late_call_
         client.close()
 
 
-def test_bls_deadline_passes_the_callees_error_and_needs_a_positive_timeout(
+def test_bls_deadline_passes_the_callees_errors_and_needs_a_bounded_timeout(
     tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", _callee(NotFound("no such row"), pb_utils, tb))
@@ -457,8 +459,86 @@ def test_bls_deadline_passes_the_callees_error_and_needs_a_positive_timeout(
         assert client.deadline.timed_out == 0
     finally:
         client.close()
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        tb.Deadline(0.0, "x")
+    deadline = tb.Deadline(5.0, "x")
+    try:
+
+        def own_timeout() -> None:
+            raise TimeoutError("the callee's own socket timed out")
+
+        with pytest.raises(TimeoutError, match="the callee's own"):  # not taken for a deadline
+            deadline.run(own_timeout)
+        assert (deadline.timed_out, deadline._late) == (0, None)
+    finally:
+        deadline.close()
+    with pytest.raises(Unavailable, match="x: closed"):
+        deadline.run(lambda: 1)
+    for bad in (0.0, -1.0, 1e10, float("inf")):
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            tb.Deadline(bad, "x")
+
+
+def test_bls_deadline_withdraws_a_call_queued_past_its_deadline(tb: ModuleType) -> None:
+    """Two threads call at once while the callee hangs: the one that started is the late call,
+    the one queued behind it is withdrawn (it never runs); later calls are refused until the
+    late one ends, then run."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    def hang(name: str) -> str:
+        ran.append(name)
+        release.wait(30)
+        return name
+
+    deadline = tb.Deadline(0.3, "embedder")
+    outcomes: dict[str, object] = {}
+
+    def caller(name: str) -> None:
+        try:
+            outcomes[name] = deadline.run(lambda: hang(name))
+        except Unavailable as exc:
+            outcomes[name] = exc
+
+    try:
+        threads = [threading.Thread(target=caller, args=(n,)) for n in ("first", "second")]
+        threads[0].start()
+        time.sleep(0.05)  # "first" is on the worker
+        threads[1].start()
+        for thread in threads:
+            thread.join(10)
+        assert all(isinstance(o, Unavailable) for o in outcomes.values())
+        assert ran == ["first"] and deadline.timed_out == 2
+        with pytest.raises(Unavailable, match="an earlier call"):
+            deadline.run(lambda: "third")
+        release.set()
+        for _ in range(200):
+            if deadline._late.done():
+                break
+            time.sleep(0.01)
+        assert deadline.run(lambda: "fourth") == "fourth"
+        assert ran == ["first"]  # the withdrawn call never ran
+    finally:
+        release.set()
+        deadline.close()
+
+
+def test_a_hung_deadline_call_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    """The worker is a daemon: a process whose callee never returns still exits."""
+    script = tmp_path / "hung.py"
+    script.write_text(
+        "import sys, threading\n"
+        "from tiercache_dev import pb_utils_stub\n"
+        "sys.modules['triton_python_backend_utils'] = pb_utils_stub\n"
+        "from tiercache.triton.bls import Deadline\n"
+        "d = Deadline(0.1, 'x')\n"
+        "try:\n"
+        "    d.run(threading.Event().wait)\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.strip() == "Unavailable"
 
 
 def test_delta_counter_counts_growth_once(tb: ModuleType) -> None:

@@ -109,7 +109,7 @@ def test_an_id_has_one_spelling() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "a1.", "not an id", DIGEST, "a9." + "A" * (ID_CHARS - 3), "a2." + "*" * (ID_CHARS - 3)],
+    ["", "a1.", "not an id", DIGEST, "a9." + "A" * (ID_CHARS - 3), PREFIX + "*" * (ID_CHARS - 3)],
 )
 def test_what_is_not_an_id_is_an_invalid_request(text: str) -> None:
     with pytest.raises(InvalidRequest) as caught:

@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
+from tiercache.errors import Unavailable
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.machine import DiskRoom
@@ -78,6 +79,7 @@ class EmbeddingCacheStage:
         self.core = stage
         self.budgets: BudgetThread | None = None  # L1 following the machine, if asked
         self.closing: list[Callable[[], None]] = []  # called by close(), after the core
+        self._unavailable_logged_s = float("-inf")  # a dependency down: logged once a minute
         self.sealer = sealer
         # what an envelope must be past its seal to be looked up (age; key, with a key file)
         self.freshness = freshness if freshness is not None else Freshness()
@@ -166,8 +168,16 @@ class EmbeddingCacheStage:
                 [e.request.tenant_scope for e in envelopes],  # a hit must stay in its tenant
                 [e.request.greedy for e in envelopes],  # the engine can verify these
             )
-        except Exception:  # noqa: BLE001 - semantic caching is an optimisation: fall through
-            io.log.exception("semantic lookup failed; the requests go on as misses")
+        except Exception as exc:  # noqa: BLE001 - semantic caching is an optimisation
+            if isinstance(exc, Unavailable):  # a dependency (the embedder): one line a minute
+                now = time.monotonic()  # at most, not a traceback per lookup
+                if now - self._unavailable_logged_s >= 60.0:
+                    self._unavailable_logged_s = now
+                    io.log.warning(
+                        "semantic lookups fail; their requests go on as misses: %s", exc.message
+                    )
+            else:
+                io.log.exception("semantic lookup failed; the requests go on as misses")
             self.outcomes["error"].increment(len(envelopes))
             return [Answer("", e.status.value) for e in envelopes]
         elapsed = time.perf_counter() - started

@@ -75,7 +75,8 @@ class FeedbackStage:
             reason: m.counter(
                 "tiercache_feedback_refused_total",
                 "Feedback refused: forbidden (no or another API key, a key without no-cache, an "
-                "id of another tenant or deployment), invalid (not an answer id, an unknown "
+                "id of another tenant or deployment, an answer of an adapter the key may not "
+                "use), invalid (not an answer id, an unknown "
                 "verdict), closed (prompt_cache runs with another API key file or secret), "
                 "unavailable (Redis down: a bad answer was invalidated on this host only)",
                 reason=reason,

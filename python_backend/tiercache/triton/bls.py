@@ -11,12 +11,12 @@ request waits in a scheduler's queue, not a callee that stopped answering.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import triton_python_backend_utils as pb_utils
@@ -96,29 +96,63 @@ def typed_error(message: str, code: int | None, label: str) -> TierCacheError:
 
 
 class Deadline:
-    """Blocking calls run on one worker thread of their own, each waited for at most `timeout_s`.
+    """Blocking calls run on one worker thread of their own (a daemon: a call that never returns
+    does not keep the process from exiting), each waited for at most `timeout_s`.
 
     A call past its deadline raises `Unavailable` (naming `label`) in the caller and is left to
     finish on the worker; until it does, every later call is refused at once with `Unavailable`,
-    so a callee that hangs costs one request one timeout, not every request one, and never more
-    than one thread. BLS calls may come from any thread of the stub while `execute` runs
-    (python_backend's `InferRequest::Exec` only refuses them in `initialize` and `finalize`).
+    so a callee that hangs costs one call one timeout, not every call one, and never more than
+    one thread. Calls from several threads run one at a time, and a call's deadline counts from
+    when it was made: one still queued at its deadline is withdrawn (it never runs). The late
+    call goes on after the caller's `execute` returned; python_backend's `InferRequest::Exec`
+    refuses BLS only while the model initializes or finalizes, and a call cut short by the
+    stub's finalize just ends the worker's wait with its error.
     """
 
+    MAX_TIMEOUT_S = 86_400.0  # past a day, "no deadline" is what is meant (and what overflows)
+
     def __init__(self, timeout_s: float, label: str) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= self.MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout_s must be > 0 and <= {self.MAX_TIMEOUT_S:g}, got {timeout_s}"
+            )
         self.timeout_s = timeout_s
         self.label = label
-        self.timed_out = 0  # calls that ran past their deadline
-        self.refused = 0  # calls refused while an earlier one was still out
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"deadline-{label}"[:15])
+        self.timed_out = 0  # calls with no answer within their deadline
+        self.refused = 0  # calls refused while a late one was still out
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
         self._late: Future[Any] | None = None
+        self._closed = False
         self._lock = threading.Lock()
+        self._worker = threading.Thread(
+            target=self._work, name=f"deadline-{label}"[:15], daemon=True
+        )
+        self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            call, future = item
+            if not future.set_running_or_notify_cancel():
+                continue  # withdrawn by its caller while queued
+            try:
+                result = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller as raised
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del call, future, item  # the late call's response is not kept past its end
 
     def run(self, call: Callable[[], T]) -> T:
-        """`call()`'s result or its exception, or `Unavailable` past the deadline."""
+        """`call()`'s result or its exception, or `Unavailable` past the deadline, while a late
+        call is out, or once closed."""
         with self._lock:
+            if self._closed:
+                raise Unavailable(f"{self.label}: closed")
             late = self._late
             if late is not None:
                 if not late.done():
@@ -128,18 +162,24 @@ class Deadline:
                         f"{self.timeout_s:g} s; not calling again until it answers"
                     )
                 self._late = None
-            future = self._pool.submit(call)
-        try:
-            return future.result(self.timeout_s)
-        except FutureTimeout:
-            with self._lock:
+            future: Future[T] = Future()
+            self._calls.put((call, future))
+        done, _ = wait([future], self.timeout_s)
+        if future in done:
+            return future.result()  # the callee's own exceptions too, TimeoutError included
+        with self._lock:
+            self.timed_out += 1
+            # Withdrawn if it had not started (queued behind another call); else it is the
+            # call the worker is stuck in (or will be), and later calls wait for its end.
+            if not future.cancel() and (self._late is None or self._late.done()):
                 self._late = future
-                self.timed_out += 1
-            raise Unavailable(f"{self.label}: no answer within {self.timeout_s:g} s") from None
+        raise Unavailable(f"{self.label}: no answer within {self.timeout_s:g} s")
 
     def close(self) -> None:
-        """Stop taking calls; a late one is left to end on its own."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Take no more calls; the worker ends after the call it is in, if any."""
+        with self._lock:
+            self._closed = True
+            self._calls.put(None)
 
 
 class BlsClient:
