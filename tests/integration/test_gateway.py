@@ -218,7 +218,12 @@ def test_sse_framing_and_headers(gateway: str) -> None:
     events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
     assert events[-1]["choices"][0]["finish_reason"] and "tiercache" in events[-1]
-    bad = httpx.post(f"{gateway}/v1/chat/completions", content=b"{not json", timeout=30)
+    bad = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 
 

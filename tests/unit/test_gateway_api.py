@@ -201,7 +201,19 @@ def test_a_gateway_without_triton_answers_503_and_bounds_bodies() -> None:
         down = httpx2.post(f"{url}/v1/completions", json=body, timeout=60)
         assert down.status_code == 503 and down.json()["error"]["type"] == "server_error"
         assert httpx2.get(f"{url}/health", timeout=60).status_code == 503
-        big = httpx2.post(f"{url}/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1), timeout=60)
+        as_json = {"content-type": "application/json"}
+        big = httpx2.post(
+            f"{url}/v1/completions",
+            content=b"x" * (MAX_BODY_BYTES + 1),
+            headers=as_json,
+            timeout=60,
+        )
         assert big.status_code == 413
-        huge = httpx2.post(f"{url}/v1/completions", content=b'{"n": ' + b"9" * 5000 + b"}")
+        huge = httpx2.post(
+            f"{url}/v1/completions", content=b'{"n": ' + b"9" * 5000 + b"}", headers=as_json
+        )
         assert huge.status_code == 400
+        # a body not sent as JSON (what a web page can post across sites without a preflight)
+        plain = httpx2.post(f"{url}/v1/completions", content=b"{}", timeout=60)
+        assert plain.status_code == 415
+        assert plain.json()["error"]["code"] == "unsupported_media_type"

@@ -83,8 +83,8 @@ def test_a_body_announced_and_not_sent_is_a_408(url: str) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as conn:
         conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 100\r\n\r\n{"
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{"
         )
         answer = b""
         while chunk := conn.recv(4096):  # the gateway closes the connection after its answer

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import json
 import logging
 import re
@@ -50,6 +52,7 @@ from tiercache.errors import InvalidRequest
 from tiercache.exact.request import DEFAULT_LIMITS, RawInputs
 from tiercache.gateway import openai_api as api
 from tiercache.gateway.edge import EdgeCache, open_edge
+from tiercache.gateway.protocol import DEFAULT_MAX_PIPELINED, DEFAULT_STALLED_PEER_S
 from tiercache_client.client import (
     FEEDBACK_MODEL,
     FEEDBACK_OUTPUT,
@@ -107,6 +110,16 @@ class GatewaySettings:
     # a request's whole body must arrive within this (408 past it): a body announced and never
     # sent would otherwise hold its connection for ever
     body_timeout_s: float = 30.0
+    # requests a client may pipeline behind the one in progress on a connection (past it: 400
+    # and the connection closed; tiercache.gateway.protocol)
+    max_pipelined: int = DEFAULT_MAX_PIPELINED
+    # a peer that acknowledges none of a response's bytes for this long loses its connection
+    # (TCP_USER_TIMEOUT; a client waiting for a slow answer owes none and is not affected)
+    stalled_peer_s: float = DEFAULT_STALLED_PEER_S
+    # the Host header must name this server by a loopback name (DNS rebinding from a web page
+    # the operator opens cannot reach a gateway on 127.0.0.1). None: on where `server_config`
+    # listens on a loopback address, off elsewhere (an app built alone: off)
+    loopback_hosts_only: bool | None = None
 
 
 def ensemble_fields(gen: api.Generation) -> dict[str, Any]:
@@ -450,6 +463,12 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse({"object": "list", "data": data})
 
     async def serve(request: Request, chat: bool) -> Any:
+        try:
+            key = authorization(request)
+        except MalformedKey as exc:
+            return error_response(exc)
+        if edge is not None and (refusal := edge.refuses_key(key)) is not None:
+            return error_response(ForbiddenError(refusal))  # a 401, before any parsing
         body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
@@ -461,7 +480,6 @@ def create_app(settings: GatewaySettings) -> Starlette:
                 adapters=settings.adapters,
                 cache_header=request.headers.get("cache-control"),
             )
-            key = authorization(request)
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         hit = await edge_hit(gen, key)
@@ -473,11 +491,21 @@ def create_app(settings: GatewaySettings) -> Starlette:
         stream = the_gateway().generate(gen, key)
         if gen.stream:
             return await streamed(request, gen, stream)
-        try:
+
+        async def whole() -> api.Outcome:
             outcome = api.Outcome()
-            async for item in stream:
-                if isinstance(item, api.Outcome):
-                    outcome = item
+            try:
+                async for item in stream:
+                    if isinstance(item, api.Outcome):
+                        outcome = item
+            finally:  # also when cancelled: closing the stream cancels the gRPC call
+                await stream.aclose()  # type: ignore[attr-defined]
+            return outcome
+
+        try:
+            outcome = await unless_disconnected(request, whole())
+        except ClientGone:
+            return client_gone()
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         metrics.answers.labels(outcome.cache_status or "unknown").inc()
@@ -489,10 +517,13 @@ def create_app(settings: GatewaySettings) -> Starlette:
         """Server-Sent Events; the first item is awaited before the response starts, so an
         error the ensemble answers at once (a bad key, a bad word) is a plain error response
         with its status code, not an event."""
-        try:
-            first = await anext(stream)
+        try:  # for a padded tenant the first item is the whole answer: watch the client
+            first = await unless_disconnected(request, anext(stream))
         except StopAsyncIteration:
             return error_response(UnavailableError("the ensemble sent nothing"))
+        except ClientGone:
+            await stream.aclose()  # type: ignore[attr-defined]
+            return client_gone()
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         headers = {"cache-control": "no-cache"}
@@ -512,8 +543,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
                         break
                     metrics.chunks.inc()
                     yield _sse(api.chunk(gen, item))
-                    if await request.is_disconnected():
-                        return  # closes `stream`, which cancels the gRPC call
+                    # A client that leaves is seen by Starlette's own listener, which cancels
+                    # this generator (its `finally` closes `stream`: the gRPC call is cancelled).
+                    # No poll per chunk: each would let uvicorn read on what the client
+                    # pipelined meanwhile.
                     item = await anext(stream, None)
                 yield _sse("[DONE]")
             except asyncio.CancelledError:
@@ -554,7 +587,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
         ],
-        middleware=[Middleware(CountRequests, metrics=metrics)],
+        middleware=[
+            Middleware(CountRequests, metrics=metrics),
+            *([Middleware(LoopbackHostOnly)] if settings.loopback_hosts_only else []),
+        ],
         lifespan=lifespan,
     )
 
@@ -564,6 +600,99 @@ async def _replayed(outcome: api.Outcome) -> AsyncIterator[str | api.Outcome]:
     if outcome.text:
         yield outcome.text
     yield outcome
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """`work`'s result (an awaitable), or ClientGone once the client disconnected first: `work`
+    is then cancelled (a generation's stream closed with it, which cancels its gRPC call)."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has disconnected (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": counted, never delivered
+
+
+def client_gone() -> Response:
+    return Response(status_code=CLIENT_GONE_STATUS)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the address a server listens on is a loopback one."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class LoopbackHostOnly:
+    """Pure ASGI middleware: a request whose Host header does not name this server by a
+    loopback name (localhost, 127.0.0.1, ::1, *.localhost) is refused with 421 before any route
+    runs. A web page the operator opens can make the browser send requests to 127.0.0.1 under
+    a name it controls (DNS rebinding) and read the answers; its Host header then names that
+    name."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = ""
+            for name, value in scope.get("headers", ()):
+                if name == b"host":
+                    host = host_name(value.decode("latin-1"))
+                    break
+            if host not in LOOPBACK_NAMES and not host.endswith(".localhost"):
+                body = orjson.dumps(
+                    api.error_body(
+                        "this gateway listens on loopback and answers requests for a loopback "
+                        "host name only (localhost, 127.0.0.1, [::1])",
+                        "invalid_request_error",
+                        "misdirected_request",
+                    )
+                )
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 421,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 class CountRequests:
@@ -608,9 +737,18 @@ class BodyTooLarge(Exception):
 
 
 async def json_body(request: Request, timeout_s: float) -> tuple[Any, JSONResponse | None]:
-    """The request body as JSON, or the error response that refuses it: 413 past
+    """The request body as JSON, or the error response that refuses it: 415 unless it is sent
+    as application/json (a web page can post text/plain across sites without asking; it cannot
+    send application/json without a preflight this server does not grant), 413 past
     MAX_BODY_BYTES, 408 when it has not all arrived within `timeout_s`, 400 for a body that is
     not JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        message = "the request body must be sent as content-type: application/json"
+        return None, JSONResponse(
+            api.error_body(message, "invalid_request_error", "unsupported_media_type"),
+            status_code=415,
+        )
     try:
         body = await asyncio.wait_for(bounded_body(request), timeout_s)  # 3.10 has no timeout()
         return json.loads(body), None
@@ -661,6 +799,10 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
     the requirements install."""
     import uvicorn
 
+    from tiercache.gateway.protocol import bounded_protocol
+
+    if settings.loopback_hosts_only is None:
+        settings = dataclasses.replace(settings, loopback_hosts_only=is_loopback(host))
     return uvicorn.Config(
         create_app(settings),
         host=host,
@@ -670,10 +812,11 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
         proxy_headers=False,
         server_header=False,
         limit_concurrency=settings.max_connections,
-        # auto is httptools (installed), not h11: h11 bounds headers but parses them in Python on
-        # every edge hit; httptools bounds neither their size nor their time: a proxy must
-        # (docs/gateway.md)
-        http="auto",
+        # httptools (installed), not h11: h11 bounds headers but parses them in Python on every
+        # edge hit; httptools bounds neither their size nor their time: a proxy must
+        # (docs/gateway.md). With the gateway's bounds on pipelining, disconnects and peers
+        # that stop reading (tiercache.gateway.protocol).
+        http=bounded_protocol(settings.max_pipelined, settings.stalled_peer_s),
     )
 
 

@@ -31,7 +31,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from tiercache.config import LlmConfig, PromptCacheConfig, parse_config
-from tiercache.errors import ConfigError, TierCacheError
+from tiercache.errors import ConfigError, Forbidden, TierCacheError
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.request import RawInputs
@@ -94,6 +94,19 @@ class EdgeCache:
         # Redis reads are network round trips (up to redis_timeout_s): the gateway then runs
         # lookups on a worker thread instead of its event loop.
         self.blocking = tiers is not None and tiers.link is not None
+
+    def refuses_key(self, authorization: str | None) -> str | None:
+        """Why the key file prompt_cache uses refuses this Authorization header (no key, an
+        unknown one), decided here before anything is parsed or sent to Triton; None when it
+        would pass it, or when this process cannot tell (no key file; another one than
+        prompt_cache's)."""
+        if self.keys is None or not self.contract.holds():
+            return None
+        try:
+            self.keys.authorize(key_from_parameter(authorization))
+        except Forbidden as exc:
+            return exc.message
+        return None
 
     def answer(self, raw: RawInputs, authorization: str | None) -> EdgeHit | None:
         if not self.contract.holds():

@@ -169,6 +169,53 @@ def conversation(messages: object) -> tuple[tuple[dict[str, str], ...], str]:
     return tuple(turns[:-1]), turns[-1]["content"]
 
 
+# Fields the engine cannot honour, and the values that ask nothing of it (null, or these): a
+# request asking for more is refused, not answered as if it had not (and cached that way).
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ((),),
+    "functions": ((),),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "audio": (),
+    "modalities": ((), ("text",)),
+    "prediction": (),
+}
+
+
+def _same(value: object, neutral: object) -> bool:
+    """`value` is `neutral`: a number of either kind for a number (never a boolean), else the
+    same type and value."""
+    if isinstance(neutral, (int, float)) and not isinstance(neutral, bool):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """InvalidRequest naming the first field that asks for something this server does not do
+    (log probabilities, tools, JSON mode, logit bias, penalties, echo, suffix, audio)."""
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = tuple(value)
+        if any(_same(value, ok) for ok in neutral):
+            continue
+        raise InvalidRequest(
+            f"'{name}' is not supported by this server (only its default, or null, is accepted)"
+        )
+
+
 def parse_request(
     body: object, *, chat: bool, base_model: str, adapters: frozenset[str], cache_header: str | None
 ) -> Generation:
@@ -182,8 +229,9 @@ def parse_request(
     if model != base_model and model not in adapters:
         raise UnknownModel(model)
     n = body.get("n")  # null is the default, as for every optional field
-    if n is not None and n != 1:
+    if n is not None and (type(n) is not int or n != 1):
         raise InvalidRequest("'n' must be 1: one completion per request")
+    refuse_unsupported(body)
     history: tuple[dict[str, str], ...] = ()
     if chat:
         history, prompt = conversation(body.get("messages"))

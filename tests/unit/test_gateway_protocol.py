@@ -1,0 +1,163 @@
+"""The gateway's connection bounds (tiercache.gateway.protocol) and its other edges facing
+hostile clients, on a real uvicorn over real sockets: pipelined requests past the bound, a
+client that leaves while a request waits (also with another request pipelined behind it), a
+client that stops reading a response, and the Host header on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import pytest
+import uvicorn
+
+from tiercache.gateway import app
+from tiercache.gateway.protocol import bounded_protocol
+from tiercache.server import free_port
+
+BODY = b'{"model": "tiercache", "prompt": "Hi", "max_tokens": 4}'
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[str]:
+    """A TCP port that accepts connections and never answers (a Triton that hangs)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def hung() -> Iterator[str]:
+    """A gateway whose Triton never answers: a generation waits for its 30 s deadline."""
+    with blackhole() as triton:
+        settings = app.GatewaySettings(triton_url=triton, timeout_s=30, max_pipelined=2)
+        with app.running_in_thread(settings, free_port()) as base:
+            yield base
+
+
+def _request(path: str = "/v1/completions", body: bytes = BODY) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=20)
+
+
+def _metric(base: str, code: str) -> float:
+    text = httpx2.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("tiercache_gateway_requests_total{") and f'code="{code}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_requests_pipelined_past_the_bound_close_the_connection(hung: str) -> None:
+    """A request in progress and 20 small ones pipelined behind it: answered 400 and closed at
+    once (the bound is 2 here), not parsed and queued while the first waits on Triton."""
+    started = time.monotonic()
+    with _connect(hung) as conn:
+        conn.sendall(_request() + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n" * 20)
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    assert time.monotonic() - started < 15  # not after the first request's 30 s deadline
+
+
+def test_a_client_that_leaves_while_its_answer_is_pending_cancels_it(hung: str) -> None:
+    """The client goes while the generation waits (once alone, once with a request pipelined
+    behind it, which uvicorn alone would mark as the only one gone): the request ends as 499
+    (client closed request) long before its 30 s deadline."""
+    for pipelined in (b"", b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"):
+        before = _metric(hung, "499")
+        with _connect(hung) as conn:
+            conn.sendall(_request() + pipelined)
+            time.sleep(0.5)  # the request reached the gateway and waits on Triton
+        deadline = time.monotonic() + 10
+        while _metric(hung, "499") == before:
+            assert time.monotonic() < deadline, f"not cancelled (pipelined: {pipelined!r})"
+            time.sleep(0.1)
+
+
+def test_the_host_header_must_name_loopback_on_a_loopback_gateway(hung: str) -> None:
+    for host, expected in (("127.0.0.1", 200), ("localhost:1", 200), ("evil.example", 421)):
+        answer = httpx2.get(f"{hung}/v1/models", headers={"host": host}, timeout=10)
+        assert answer.status_code == expected, host
+    refused = httpx2.get(f"{hung}/v1/models", headers={"host": "evil.example:80"}, timeout=10)
+    assert refused.json()["error"]["code"] == "misdirected_request"
+    assert app.host_name("[::1]:8080") == "::1" and app.host_name("LocalHost") == "localhost"
+    assert app.is_loopback("127.0.0.1") and app.is_loopback("::1")
+    assert not app.is_loopback("0.0.0.0") and not app.is_loopback("10.0.0.1")
+
+
+async def _endless(scope: Any, receive: Any, send: Any) -> None:
+    """An ASGI app that streams without end: what a long answer is to a client that stops
+    reading it."""
+    await receive()  # the request (no body)
+    gone = asyncio.ensure_future(receive())  # then its disconnect
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    chunk = b"x" * 65536
+    while not gone.done():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await asyncio.sleep(0)
+
+
+def test_a_client_that_stops_reading_loses_its_connection() -> None:
+    """A client that reads nothing of a streamed response (its receive window closes) keeps
+    its connection only about `stalled_peer_s` (TCP_USER_TIMEOUT), not for ever."""
+    config = uvicorn.Config(
+        _endless,
+        host="127.0.0.1",
+        port=free_port(),
+        log_level="critical",
+        lifespan="off",
+        http=bounded_protocol(stalled_peer_s=1.0),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect(("127.0.0.1", config.port))
+        conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        opened = time.monotonic()
+        while not server.server_state.connections:
+            time.sleep(0.05)
+        while server.server_state.connections:  # never read: dropped by the kernel
+            assert time.monotonic() - opened < 60, "the stalled connection was kept"
+            time.sleep(0.1)
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
