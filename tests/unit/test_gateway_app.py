@@ -160,6 +160,36 @@ def test_feedback_classifies_every_client_error() -> None:
         asyncio.run(gateway.feedback("a1", "good", None))
 
 
+class _CountingClient:
+    def __init__(self) -> None:
+        self.probes = 0
+
+    async def is_server_ready(self) -> bool:
+        self.probes += 1
+        await asyncio.sleep(0.01)
+        return True
+
+    async def is_model_ready(self, name: str) -> bool:
+        return True
+
+
+def test_health_asks_triton_at_most_once_a_second() -> None:
+    """`GET /health` needs no key: a flood of it costs Triton one probe per second, shared by
+    the requests that arrive while it is out."""
+    gateway = app.Gateway.__new__(app.Gateway)  # no channel: the client is a stand-in
+    gateway.settings = app.GatewaySettings()
+    gateway._ready = None
+    gateway.client = client = _CountingClient()  # type: ignore[assignment]
+
+    async def flood() -> list[bool]:
+        first = await asyncio.gather(*(gateway.ready() for _ in range(50)))
+        await asyncio.sleep(app.Gateway.READY_FOR_S + 0.05)
+        return [*first, await gateway.ready()]
+
+    assert all(asyncio.run(flood()))
+    assert client.probes == 2
+
+
 def test_the_server_bounds_its_connections() -> None:
     config = app.server_config(app.GatewaySettings(max_connections=7), "127.0.0.1", 0)
     assert config.limit_concurrency == 7

@@ -158,11 +158,22 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.client = grpc_aio.InferenceServerClient(settings.triton_url)
+        self._ready: tuple[float, asyncio.Future[bool]] | None = None  # (asked at, answer)
 
     async def close(self) -> None:
         await self.client.close()
 
+    READY_FOR_S = 1.0  # `GET /health` needs no key: at most one pair of probes a second
+
     async def ready(self) -> bool:
+        """Whether Triton and the ensemble are ready, asked at most once per READY_FOR_S (the
+        answer is shared meanwhile, also by requests that arrive while it is being asked)."""
+        now = time.monotonic()
+        if self._ready is None or now - self._ready[0] >= self.READY_FOR_S:
+            self._ready = (now, asyncio.ensure_future(self._probe()))
+        return await asyncio.shield(self._ready[1])
+
+    async def _probe(self) -> bool:
         try:
             return bool(
                 await self.client.is_server_ready()
