@@ -161,3 +161,11 @@ def test_a_client_that_stops_reading_loses_its_connection() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> None:
+    missing = httpx2.get(f"{hung}/v2/models", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx2.get(f"{hung}/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in wrong.headers["allow"]

@@ -602,7 +602,24 @@ def create_app(settings: GatewaySettings) -> Starlette:
             Middleware(CountRequests, metrics=metrics),
             *([Middleware(LoopbackHostOnly)] if settings.loopback_hosts_only else []),
         ],
+        exception_handlers={404: no_route, 405: no_route},
         lifespan=lifespan,
+    )
+
+
+async def no_route(request: Request, exc: Exception) -> Response:
+    """A path or method the gateway has no route for, in OpenAI's error JSON (Starlette answers
+    these in plain text)."""
+    status = getattr(exc, "status_code", 404)
+    if status == 405:
+        message = f"{request.method} is not allowed on {request.url.path[:200]}"
+        code = "method_not_allowed"
+    else:
+        message = f"no route {request.url.path[:200]} (the API is under /v1)"
+        code = "not_found"
+    headers = getattr(exc, "headers", None)
+    return JSONResponse(
+        api.error_body(message, "invalid_request_error", code), status_code=status, headers=headers
     )
 
 
