@@ -232,3 +232,10 @@ def test_an_unavailable_servers_address_stays_out_of_the_answer() -> None:
         "the ensemble is not ready"
         in app.error_response(UnavailableError("the ensemble is not ready")).body.decode()
     )
+
+
+def test_an_ensemble_that_is_not_loaded_is_a_503_and_an_unknown_adapter_a_404() -> None:
+    unloaded = app.served_error("Request for unknown model: 'ensemble' is not found", None)
+    assert app.error_response(unloaded).status_code == 503
+    adapter = app.served_error("unknown adapter 'x'", "StatusCode.NOT_FOUND")
+    assert app.error_response(adapter).status_code == 404

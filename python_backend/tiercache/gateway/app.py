@@ -201,7 +201,7 @@ class Gateway:
         try:
             async for result, error in _transport_errors_classified(responses):
                 if error is not None:
-                    raise classify(str(error.message()), error.status())
+                    raise served_error(str(error.message()), error.status())
                 if result is None:
                     continue
                 for text in _texts(result, "text_output"):
@@ -628,6 +628,15 @@ async def _replayed(outcome: api.Outcome) -> AsyncIterator[str | api.Outcome]:
     if outcome.text:
         yield outcome.text
     yield outcome
+
+
+def served_error(message: str, status: str | None) -> TierCacheClientError:
+    """The typed error of an ensemble call; Triton's "unknown model" (the ensemble not loaded,
+    or unloaded) is the server's trouble, a 503, not a model the caller named (a 404)."""
+    exc = classify(message, status)
+    if isinstance(exc, NotFoundError) and "unknown model" in exc.message.lower():
+        return UnavailableError(f"the ensemble is not loaded: {exc.message}", status=status)
+    return exc
 
 
 class ClientGone(Exception):
