@@ -169,3 +169,59 @@ def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> 
     wrong = httpx2.get(f"{hung}/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     assert "POST" in wrong.headers["allow"]
+
+
+@contextlib.contextmanager
+def _bounded_server(**bounds: Any) -> Iterator[tuple[uvicorn.Server, int]]:
+    config = uvicorn.Config(
+        _endless,
+        host="127.0.0.1",
+        port=free_port(),
+        log_level="critical",
+        lifespan="off",
+        http=bounded_protocol(**bounds),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        yield server, config.port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _closed_within(conn: socket.socket, seconds: float) -> bytes:
+    """What the server sent before it closed the connection (AssertionError if it did not
+    within `seconds`)."""
+    conn.settimeout(seconds)
+    answer = b""
+    try:
+        while chunk := conn.recv(4096):
+            answer += chunk
+    except TimeoutError:
+        raise AssertionError(f"still open after {seconds} s") from None
+    return answer
+
+
+def test_headers_must_arrive_in_time_and_fit() -> None:
+    """A connection that sends nothing, or trickles its headers, is closed after
+    header_timeout_s; a request line and headers over max_header_bytes is a 400."""
+    with _bounded_server(header_timeout_s=0.5, max_header_bytes=2048) as (_, port):
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            assert _closed_within(idle, 5) == b""
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+            for _ in range(3):  # one header every 0.3 s: never complete within 0.5 s
+                time.sleep(0.3)
+                with contextlib.suppress(OSError):
+                    slow.sendall(b"x-slow: 1\r\n")
+            assert _closed_within(slow, 5) == b""
+        with socket.create_connection(("127.0.0.1", port)) as big:
+            big.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: " + b"a" * 4096 + b"\r\n\r\n")
+            assert _closed_within(big, 5).startswith(b"HTTP/1.1 400")
+    for bad in ({"header_timeout_s": 0}, {"max_header_bytes": 10}, {"max_pipelined": -1}):
+        with pytest.raises(ValueError):
+            bounded_protocol(**bad)

@@ -52,7 +52,12 @@ from tiercache.errors import InvalidRequest
 from tiercache.exact.request import DEFAULT_LIMITS, RawInputs
 from tiercache.gateway import openai_api as api
 from tiercache.gateway.edge import EdgeCache, open_edge
-from tiercache.gateway.protocol import DEFAULT_MAX_PIPELINED, DEFAULT_STALLED_PEER_S
+from tiercache.gateway.protocol import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_PIPELINED,
+    DEFAULT_STALLED_PEER_S,
+)
 from tiercache_client.client import (
     FEEDBACK_MODEL,
     FEEDBACK_OUTPUT,
@@ -116,6 +121,10 @@ class GatewaySettings:
     # a peer that acknowledges none of a response's bytes for this long loses its connection
     # (TCP_USER_TIMEOUT; a client waiting for a slow answer owes none and is not affected)
     stalled_peer_s: float = DEFAULT_STALLED_PEER_S
+    # a request's line and headers: at most this many bytes (else 400, closed), complete within
+    # header_timeout_s of the connection opening or of the request's first byte (else closed)
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # the Host header must name this server by a loopback name (DNS rebinding from a web page
     # the operator opens cannot reach a gateway on 127.0.0.1). None: on where `server_config`
     # listens on a loopback address, off elsewhere (an app built alone: off)
@@ -849,11 +858,15 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
         proxy_headers=False,
         server_header=False,
         limit_concurrency=settings.max_connections,
-        # httptools (installed), not h11: h11 bounds headers but parses them in Python on every
-        # edge hit; httptools bounds neither their size nor their time: a proxy must
-        # (docs/gateway.md). With the gateway's bounds on pipelining, disconnects and peers
-        # that stop reading (tiercache.gateway.protocol).
-        http=bounded_protocol(settings.max_pipelined, settings.stalled_peer_s),
+        # httptools (installed), not h11, which parses headers in Python on every edge hit;
+        # with the gateway's bounds on headers, pipelining, disconnects and peers that stop
+        # reading (tiercache.gateway.protocol).
+        http=bounded_protocol(
+            settings.max_pipelined,
+            settings.stalled_peer_s,
+            settings.max_header_bytes,
+            settings.header_timeout_s,
+        ),
     )
 
 
