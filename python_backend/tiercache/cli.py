@@ -422,6 +422,13 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         default=512,
         help="open connections (or running requests) past which a request is a 503 (default 512)",
     )
+    gw.add_argument(
+        "--max-requests-per-key",
+        type=int,
+        default=128,
+        help="generations one API key may have in flight at once, past which its next is a 429 "
+        "(default 128; 0: no limit; requests without a key are not counted)",
+    )
     gw.add_argument("--model-name", default="tiercache", help="the base model's `model` id")
     gw.add_argument(
         "--adapters-dir",
@@ -463,6 +470,9 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.max_connections < 1:
         print("error: --max-connections must be at least 1", file=sys.stderr)
         return 2
+    if args.max_requests_per_key < 0:
+        print("error: --max-requests-per-key must be 0 (no limit) or more", file=sys.stderr)
+        return 2
     adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
     names: frozenset[str] = frozenset()
     if adapters_dir:
@@ -487,6 +497,7 @@ def _gateway(args: argparse.Namespace) -> int:
         adapters=names,
         timeout_s=args.timeout_s,
         max_connections=args.max_connections,
+        max_requests_per_key=args.max_requests_per_key,
         model_repository=repository,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
     )

@@ -225,3 +225,46 @@ def test_headers_must_arrive_in_time_and_fit() -> None:
     for bad in ({"header_timeout_s": 0}, {"max_header_bytes": 10}, {"max_pipelined": -1}):
         with pytest.raises(ValueError):
             bounded_protocol(**bad)
+
+
+def test_one_key_may_have_only_so_many_generations_in_flight() -> None:
+    """With 2 per key: a third concurrent request of the same key is a 429 at once, another
+    key's is taken, and once the first two end (their clients gone) the key is served again."""
+    with blackhole() as triton:
+        settings = app.GatewaySettings(triton_url=triton, timeout_s=30, max_requests_per_key=2)
+        with app.running_in_thread(settings, free_port()) as base:
+            held = []
+            for _ in range(2):
+                conn = _connect(base)
+                conn.sendall(_request_with_key(b"Bearer key-a"))
+                held.append(conn)
+            time.sleep(0.5)
+            with _connect(base) as third:
+                third.sendall(_request_with_key(b"Bearer key-a"))
+                answer = third.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 429") and b"too_many_requests" in answer
+            with _connect(base) as other:
+                other.sendall(_request_with_key(b"Bearer key-b"))
+                other.settimeout(1.0)
+                with pytest.raises(TimeoutError):  # taken: it waits on Triton like the others
+                    other.recv(4096)
+            for conn in held:
+                conn.close()
+            deadline = time.monotonic() + 10
+            while True:
+                with _connect(base) as again:
+                    again.sendall(_request_with_key(b"Bearer key-a"))
+                    again.settimeout(0.5)
+                    try:
+                        early = again.recv(4096)
+                    except TimeoutError:
+                        break  # taken
+                assert early.startswith(b"HTTP/1.1 429"), early[:60]
+                assert time.monotonic() < deadline, "the key's count never went down"
+                time.sleep(0.2)
+
+
+def _request_with_key(authorization: bytes) -> bytes:
+    return _request().replace(
+        b"host: 127.0.0.1\r\n", b"host: 127.0.0.1\r\nauthorization: " + authorization + b"\r\n"
+    )

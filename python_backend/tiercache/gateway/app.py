@@ -115,6 +115,9 @@ class GatewaySettings:
     # a request's whole body must arrive within this (408 past it): a body announced and never
     # sent would otherwise hold its connection for ever
     body_timeout_s: float = 30.0
+    # generations one API key may have in flight at once (past it: 429), so that one caller
+    # cannot take every connection; requests without a key are not counted (0: no limit)
+    max_requests_per_key: int = 128
     # requests a client may pipeline behind the one in progress on a connection (past it: 400
     # and the connection closed; tiercache.gateway.protocol)
     max_pipelined: int = DEFAULT_MAX_PIPELINED
@@ -610,6 +613,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
         middleware=[
             Middleware(CountRequests, metrics=metrics),
             *([Middleware(LoopbackHostOnly)] if settings.loopback_hosts_only else []),
+            *(
+                [Middleware(PerKeyLimit, limit=settings.max_requests_per_key)]
+                if settings.max_requests_per_key > 0
+                else []
+            ),
         ],
         exception_handlers={404: no_route, 405: no_route},
         lifespan=lifespan,
@@ -701,6 +709,59 @@ def host_name(host_header: str) -> str:
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class PerKeyLimit:
+    """Pure ASGI middleware: at most `limit` generation requests in flight per Authorization
+    header (a stream counts until its last byte is sent); one more is answered 429 at once.
+    The count lives in this process: with several gateway processes each has its own."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight: dict[bytes, int] = {}  # only keys with requests in flight
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = b""
+        if scope["type"] == "http" and scope.get("path") in GENERATION_ROUTES:
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    key = value.strip()
+                    break
+        if not key:
+            await self.app(scope, receive, send)
+            return
+        held = self.in_flight.get(key, 0)
+        if held >= self.limit:
+            body = orjson.dumps(
+                api.error_body(
+                    f"this API key already has {held} requests in flight, the most one key may "
+                    "have at once: wait for some to finish",
+                    "rate_limit_error",
+                    "too_many_requests",
+                )
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight[key] = held + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self.in_flight[key] - 1
+            if left:
+                self.in_flight[key] = left
+            else:
+                del self.in_flight[key]
 
 
 class LoopbackHostOnly:
