@@ -5,6 +5,7 @@ command's loopback rule. No Triton: the gateway runs in front of a closed port."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -164,13 +165,17 @@ class _CountingClient:
     def __init__(self) -> None:
         self.probes = 0
 
-    async def is_server_ready(self) -> bool:
+    async def is_server_ready(self, client_timeout: float | None = None) -> bool:
+        assert client_timeout == app.Gateway.PROBE_TIMEOUT_S  # a hung Triton is not waited on
         self.probes += 1
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.takes_s)
         return True
 
-    async def is_model_ready(self, name: str) -> bool:
+    async def is_model_ready(self, name: str, client_timeout: float | None = None) -> bool:
+        assert client_timeout == app.Gateway.PROBE_TIMEOUT_S
         return True
+
+    takes_s = 0.01
 
 
 def test_health_asks_triton_at_most_once_a_second() -> None:
@@ -188,6 +193,38 @@ def test_health_asks_triton_at_most_once_a_second() -> None:
 
     assert all(asyncio.run(flood()))
     assert client.probes == 2
+    # a probe still out after READY_FOR_S is waited on, not doubled
+    gateway._ready = None
+    client.takes_s = app.Gateway.READY_FOR_S * 1.5
+
+    async def slow() -> list[bool]:
+        first = asyncio.ensure_future(gateway.ready())
+        await asyncio.sleep(app.Gateway.READY_FOR_S + 0.1)
+        return [await gateway.ready(), await first]
+
+    assert all(asyncio.run(slow()))
+    assert client.probes == 3
+
+
+def test_a_cancelled_request_cancels_the_work_it_waited_on() -> None:
+    """unless_disconnected's caller cancelled (a shutdown): the generation goes with it."""
+
+    class NeverGone:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+    async def scenario() -> bool:
+        work = asyncio.ensure_future(asyncio.sleep(3600))
+        waiter = asyncio.ensure_future(app.unless_disconnected(NeverGone(), work))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0)
+        return work.cancelled()
+
+    assert asyncio.run(scenario())
 
 
 def test_the_server_bounds_its_connections() -> None:

@@ -43,13 +43,14 @@ from prometheus_client import (
 )
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
 from tiercache.errors import InvalidRequest
 from tiercache.exact.request import DEFAULT_LIMITS, RawInputs
+from tiercache.exact.tenant_keys import key_from_parameter
 from tiercache.gateway import openai_api as api
 from tiercache.gateway.edge import EdgeCache, open_edge
 from tiercache.gateway.protocol import (
@@ -176,20 +177,25 @@ class Gateway:
         await self.client.close()
 
     READY_FOR_S = 1.0  # `GET /health` needs no key: at most one pair of probes a second
+    PROBE_TIMEOUT_S = 2.0  # a Triton that hangs is not ready
 
     async def ready(self) -> bool:
         """Whether Triton and the ensemble are ready, asked at most once per READY_FOR_S (the
         answer is shared meanwhile, also by requests that arrive while it is being asked)."""
         now = time.monotonic()
-        if self._ready is None or now - self._ready[0] >= self.READY_FOR_S:
+        pending = self._ready is not None and not self._ready[1].done()
+        if not pending and (self._ready is None or now - self._ready[0] >= self.READY_FOR_S):
             self._ready = (now, asyncio.ensure_future(self._probe()))
+        assert self._ready is not None
         return await asyncio.shield(self._ready[1])
 
     async def _probe(self) -> bool:
+        """One pair of probes, each answered within PROBE_TIMEOUT_S or taken as not ready."""
+        timeout = self.PROBE_TIMEOUT_S
         try:
             return bool(
-                await self.client.is_server_ready()
-                and await self.client.is_model_ready(self.settings.ensemble)
+                await self.client.is_server_ready(client_timeout=timeout)
+                and await self.client.is_model_ready(self.settings.ensemble, client_timeout=timeout)
             )
         except Exception:  # noqa: BLE001 - not ready, whatever the transport said
             return False
@@ -667,13 +673,23 @@ async def unless_disconnected(request: Request, work: Any) -> Any:
     listener = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request cancelled (a shutdown): its work goes with it
+        task.cancel()
+        raise
     finally:
         listener.cancel()
     if task.done():
         return task.result()
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
+    try:
         await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        cancelling = getattr(current, "cancelling", None)  # Python >= 3.11
+        if cancelling is not None and cancelling():  # our own cancellation, not the task's
+            raise
+    except Exception:  # noqa: BLE001 - the work's failure, once its client is gone: moot
+        pass
     raise ClientGone()
 
 
@@ -722,14 +738,16 @@ class PerKeyLimit:
     def __init__(self, app: Any, limit: int) -> None:
         self.app = app
         self.limit = limit
-        self.in_flight: dict[bytes, int] = {}  # only keys with requests in flight
+        self.in_flight: dict[str, int] = {}  # only keys with requests in flight
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        key = b""
+        key: str | None = None
         if scope["type"] == "http" and scope.get("path") in GENERATION_ROUTES:
             for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    key = value.strip()
+                if name == b"authorization":  # the first, as `authorization` forwards it
+                    # counted by the key itself, as prompt_cache reads it: "Bearer K",
+                    # "bearer  K" and "K" are one key
+                    key = key_from_parameter(value.decode("latin-1"))
                     break
         if not key:
             await self.app(scope, receive, send)
@@ -843,7 +861,7 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def json_body(request: Request, timeout_s: float) -> tuple[Any, JSONResponse | None]:
+async def json_body(request: Request, timeout_s: float) -> tuple[Any, Response | None]:
     """The request body as JSON, or the error response that refuses it: 415 unless it is sent
     as application/json (a web page can post text/plain across sites without asking; it cannot
     send application/json without a preflight this server does not grant), 413 past
@@ -873,6 +891,8 @@ async def json_body(request: Request, timeout_s: float) -> tuple[Any, JSONRespon
         )
     except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past int limits
         return None, error_response(InvalidRequest("the request body is not JSON"))
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        return None, client_gone()
 
 
 async def bounded_body(request: Request) -> bytes:

@@ -2,12 +2,15 @@
 server facing the internet needs and uvicorn 0.54 does not set.
 
 - **Request headers**: httptools bounds neither their size nor the time they take. Here a
-  request's line and headers together may hold `max_header_bytes` (16 KiB; past it 400 and the
-  connection closed), and must be complete within `header_timeout_s` (10 s) of the connection
-  opening or of the request's first byte: a connection that sends nothing, or trickles its
+  request's line and headers together may hold `max_header_bytes` (16 KiB, counted as raw bytes
+  received: httptools reports a header only once its line ends, so one endless line would pass
+  a count of the headers it reports; past it 431 and the connection closed), and must be
+  complete within `header_timeout_s` (10 s) of the connection opening, of the request's first
+  byte, or of the previous response's end: a connection that sends nothing, or trickles its
   headers a byte at a time (slowloris), is closed, so idle sockets cannot hold every slot under
   `--max-connections`. (Between requests uvicorn's own keep-alive timeout, 5 s, closes an idle
-  connection.)
+  connection.) The timer does not run while a response is in progress: uvicorn then stops
+  reading, so what a client pipelined waits in the kernel, not on the client.
 
 - **Pipelined requests**: uvicorn parses every request a client sends ahead on one connection
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
@@ -46,10 +49,6 @@ class PipelineTooDeep(Exception):
     """Raised from the parser's callback: httptools stops parsing and uvicorn answers 400."""
 
 
-class HeadersTooLarge(Exception):
-    """Raised from the parser's callback, as PipelineTooDeep."""
-
-
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_pipelined = DEFAULT_MAX_PIPELINED
     stalled_peer_s = DEFAULT_STALLED_PEER_S
@@ -59,11 +58,21 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._running: Any = None  # the request cycle started last (the one in progress)
-        self._header_bytes = 0  # of the request being parsed
+        # Bytes received since the last request's headers completed: httptools calls back a
+        # header only once its line ends, so one endless header line is counted here, raw.
+        self._head_bytes = 0
+        self._in_head = True  # no request's headers completed since the last one's body
         self._header_timer: asyncio.TimerHandle | None = None
 
+    # -- the header timer: armed while the client owes a request head and nothing else runs
+
+    def _responding(self) -> bool:
+        return self._running is not None and not self._running.response_complete
+
     def _arm_header_timer(self) -> None:
-        if self._header_timer is None:
+        # Not while a response is in progress: uvicorn then stops reading, and a pipelined
+        # head that arrived in part waits in the kernel for the response's end, not the client.
+        if self._header_timer is None and not self._responding():
             self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _disarm_header_timer(self) -> None:
@@ -76,23 +85,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    def _count_header_bytes(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > self.max_header_bytes:
-            raise HeadersTooLarge(f"request line and headers over {self.max_header_bytes} bytes")
-
-    def on_message_begin(self) -> None:
-        self._header_bytes = 0
-        self._arm_header_timer()
-        super().on_message_begin()
-
-    def on_url(self, url: bytes) -> None:
-        self._count_header_bytes(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value) + 4)
-        super().on_header(name, value)
+    # -- uvicorn's hooks
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -106,15 +99,61 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         except OSError:  # not a TCP socket after all, or a kernel without it: as uvicorn is
             pass
 
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            room = self.max_header_bytes - self._head_bytes
+            if len(data) > room:  # parse up to the bound: the head must end within it
+                super().data_received(data[:room])
+                if self.transport.is_closing():
+                    return
+                if self._in_head:
+                    self._refuse(431, "Request Header Fields Too Large")
+                    return
+                self.data_received(data[room:])  # a body, or the next request
+                return
+            self._head_bytes += len(data)
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._arm_header_timer()
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
-        in_progress = self.cycle is not None and not self.cycle.response_complete
-        if in_progress and len(self.pipeline) >= self.max_pipelined:
+        self._in_head = False
+        self._head_bytes = 0
+        if self._responding() and len(self.pipeline) >= self.max_pipelined:
             raise PipelineTooDeep(f"more than {self.max_pipelined} pipelined requests")
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        self._in_head = True  # what comes next is the next request's head
+        self._head_bytes = 0
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next pipelined request, if one is queued
+        self._arm_header_timer()  # else reading resumes: the client owes the next head
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (ours: PipelineTooDeep): nothing is
+        written into a response in progress, whose bytes it would corrupt; the connection is
+        closed either way."""
+        if self._responding():
+            self.transport.close()
+            return
+        super().send_400_response(msg)
+
+    def _refuse(self, status: int, reason: str) -> None:
+        if not self._responding() and not self.transport.is_closing():
+            head = f"HTTP/1.1 {status} {reason}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            self.transport.write(head.encode("ascii"))
+        self.transport.close()
+
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._running = cycle
+        self._disarm_header_timer()
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
