@@ -129,23 +129,10 @@ async def _endless(scope: Any, receive: Any, send: Any) -> None:
 def test_a_client_that_stops_reading_loses_its_connection() -> None:
     """A client that reads nothing of a streamed response (its receive window closes) keeps
     its connection only about `stalled_peer_s` (TCP_USER_TIMEOUT), not for ever."""
-    config = uvicorn.Config(
-        _endless,
-        host="127.0.0.1",
-        port=free_port(),
-        log_level="critical",
-        lifespan="off",
-        http=bounded_protocol(stalled_peer_s=1.0),
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
+    with _bounded_server(stalled_peer_s=1.0) as (server, port):
         conn = socket.socket()
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        conn.connect(("127.0.0.1", config.port))
+        conn.connect(("127.0.0.1", port))
         conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         opened = time.monotonic()
         while not server.server_state.connections:
@@ -154,9 +141,6 @@ def test_a_client_that_stops_reading_loses_its_connection() -> None:
             assert time.monotonic() - opened < 60, "the stalled connection was kept"
             time.sleep(0.1)
         conn.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> None:

@@ -727,6 +727,14 @@ def host_name(host_header: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+async def send_error(send: Any, status: int, message: str, kind: str, code: str) -> None:
+    """OpenAI's error JSON sent straight from an ASGI middleware (no route ran)."""
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    body = orjson.dumps(api.error_body(message, kind, code))
+    await send({"type": "http.response.body", "body": body})
+
+
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -754,22 +762,14 @@ class PerKeyLimit:
             return
         held = self.in_flight.get(key, 0)
         if held >= self.limit:
-            body = orjson.dumps(
-                api.error_body(
-                    f"this API key already has {held} requests in flight, the most one key may "
-                    "have at once: wait for some to finish",
-                    "rate_limit_error",
-                    "too_many_requests",
-                )
+            await send_error(
+                send,
+                429,
+                f"this API key already has {held} requests in flight, the most one key may have "
+                "at once: wait for some to finish",
+                "rate_limit_error",
+                "too_many_requests",
             )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 429,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
             return
         self.in_flight[key] = held + 1
         try:
@@ -800,22 +800,14 @@ class LoopbackHostOnly:
                     host = host_name(value.decode("latin-1"))
                     break
             if host not in LOOPBACK_NAMES and not host.endswith(".localhost"):
-                body = orjson.dumps(
-                    api.error_body(
-                        "this gateway listens on loopback and answers requests for a loopback "
-                        "host name only (localhost, 127.0.0.1, [::1])",
-                        "invalid_request_error",
-                        "misdirected_request",
-                    )
+                await send_error(
+                    send,
+                    421,
+                    "this gateway listens on loopback and answers requests for a loopback host "
+                    "name only (localhost, 127.0.0.1, [::1])",
+                    "invalid_request_error",
+                    "misdirected_request",
                 )
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 421,
-                        "headers": [(b"content-type", b"application/json")],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
 

@@ -203,9 +203,10 @@ def _same(value: object, neutral: object) -> bool:
 def refuse_unsupported(body: dict[str, Any]) -> None:
     """InvalidRequest naming the first field that asks for something this server does not do
     (log probabilities, tools, JSON mode, logit bias, penalties, echo, suffix, audio)."""
-    for name, neutral in _NEUTRAL.items():
-        value = body.get(name)
-        if value is None:
+    for name in body:  # a request's few fields, not every name below
+        neutral = _NEUTRAL.get(name)
+        value = body[name]
+        if neutral is None or value is None:
             continue
         if isinstance(value, list):
             value = tuple(value)
