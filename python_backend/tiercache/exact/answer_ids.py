@@ -110,13 +110,14 @@ class AnswerRef:
         )
 
 
-class _Nonces:
+class Nonces:
     """Random 96-bit nonces drawn from the OS's CSPRNG (`random_bytes`, os.urandom) NONCES_PER_BATCH
     at a time: one `getrandom` system call per batch instead of one per response, and no other
     system call per nonce. Each nonce is handed out once: a child forked by Python (os.fork, and
     multiprocessing's fork) starts a batch of its own, because `_after_fork_in_child` resets
     every live instance there, with a new lock in case another thread held the old one at the
-    fork. A process forked without Python's fork hooks must not issue ids. Thread-safe."""
+    fork. A process forked without Python's fork hooks must not issue ids. Thread-safe. Also
+    the gateway's response ids (random, not secret, drawn the same way for the same cost)."""
 
     __slots__ = ("__weakref__", "_random_bytes", "_lock", "_batch", "_next")
 
@@ -138,7 +139,7 @@ class _Nonces:
             return self._batch[start : start + NONCE_BYTES]
 
 
-_LIVE_NONCES: weakref.WeakSet[_Nonces] = weakref.WeakSet()
+_LIVE_NONCES: weakref.WeakSet[Nonces] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -157,7 +158,7 @@ class AnswerIds:
     def __init__(self, secret: bytes, random_bytes: Callable[[int], bytes] = os.urandom) -> None:
         """`random_bytes(n)`: n bytes from a CSPRNG, for the ids' nonces."""
         self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
-        self._nonces = _Nonces(random_bytes)
+        self._nonces = Nonces(random_bytes)
 
     def issue(self, ref: AnswerRef, tenant_scope: str, lora_name: str = "") -> str:
         """The id of the answer `ref` names, served to `tenant_scope` for a request that named
