@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from tiercache.gateway import app
-from tiercache.gateway.protocol import bounded_protocol
+from tiercache.gateway.protocol import bounded_protocol, whole_body_received
 from tiercache.server import free_port
 
 BODY = b'{"model": "tiercache", "prompt": "Hi", "max_tokens": 4}'
@@ -152,9 +152,9 @@ def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> 
 
 
 @contextlib.contextmanager
-def _bounded_server(**bounds: Any) -> Iterator[tuple[uvicorn.Server, int]]:
+def _bounded_server(app_: Any = None, **bounds: Any) -> Iterator[tuple[uvicorn.Server, int]]:
     config = uvicorn.Config(
-        _endless,
+        app_ or _endless,
         host="127.0.0.1",
         port=free_port(),
         log_level="critical",
@@ -280,3 +280,53 @@ def test_a_pipelined_head_waiting_on_a_long_answer_is_not_timed_out() -> None:
                 big.sendall(_request(body=body))
                 answer = big.recv(4096)
             assert answer.startswith(b"HTTP/1.1 404") and b"model_not_found" in answer
+
+
+async def _tell_body(scope: Any, receive: Any, send: Any) -> None:
+    """Answers `whole` when the request's body had all arrived as the app began (no deadline
+    needed to read it), else `partial`, after reading it."""
+    if scope["type"] != "http":
+        return
+    whole = whole_body_received(receive)
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    payload = b"whole" if whole else b"partial"
+    headers = [(b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _response(conn: socket.socket) -> bytes:
+    conn.settimeout(5)
+    answer = b""
+    while not answer.endswith((b"whole", b"partial")):
+        chunk = conn.recv(4096)
+        assert chunk, f"closed after {answer!r}"
+        answer += chunk
+    return answer
+
+
+def test_a_whole_request_makes_no_timer_and_a_partial_head_is_still_timed_out() -> None:
+    """Heads and bodies that come whole (every client's) cost no timer: none is pending after
+    a response on a kept-alive connection, and the body is read without a deadline. A head
+    begun after a response, or pipelined behind one, is still closed after header_timeout_s."""
+    with _bounded_server(_tell_body, header_timeout_s=0.5) as (server, port):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(_request(path="/"))
+            assert _response(conn).endswith(b"whole")
+            time.sleep(0.1)
+            (protocol,) = server.server_state.connections
+            assert protocol._header_timer is None  # type: ignore[attr-defined]
+            conn.sendall(_request(path="/")[:-5])  # the body's last 5 bytes come later
+            time.sleep(0.3)
+            conn.sendall(_request(path="/")[-5:])
+            assert _response(conn).endswith(b"partial")  # read under its deadline
+            conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0")  # a slow head, after a response
+            started = time.monotonic()
+            assert _closed_within(conn, 5) == b""
+            assert time.monotonic() - started >= 0.4
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(_request(path="/") + b"GET / HTTP/1.1\r\nhost: 127.0")  # pipelined
+            assert _response(conn).endswith(b"whole")
+            assert _closed_within(conn, 5) == b""

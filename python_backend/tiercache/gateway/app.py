@@ -58,6 +58,7 @@ from tiercache.gateway.protocol import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_PIPELINED,
     DEFAULT_STALLED_PEER_S,
+    whole_body_received,
 )
 from tiercache_client.client import (
     FEEDBACK_MODEL,
@@ -895,7 +896,9 @@ async def json_body(request: Request, timeout_s: float) -> tuple[Any, Response |
             status_code=415,
         )
     try:
-        if _timeout is not None:  # a timer handle; wait_for makes a task as well (3.11)
+        if whole_body_received(request.receive):  # came with its head: nothing to wait for
+            body = await bounded_body(request)
+        elif _timeout is not None:  # a timer handle; wait_for makes a task as well (3.11)
             async with _timeout(timeout_s):
                 body = await bounded_body(request)
         else:  # Python 3.10 has no asyncio.timeout

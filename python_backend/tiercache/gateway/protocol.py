@@ -5,12 +5,14 @@ server facing the internet needs and uvicorn 0.54 does not set.
   request's line and headers together may hold `max_header_bytes` (16 KiB, counted as raw bytes
   received: httptools reports a header only once its line ends, so one endless line would pass
   a count of the headers it reports; past it 431 and the connection closed), and must be
-  complete within `header_timeout_s` (10 s) of the connection opening, of the request's first
-  byte, or of the previous response's end: a connection that sends nothing, or trickles its
-  headers a byte at a time (slowloris), is closed, so idle sockets cannot hold every slot under
-  `--max-connections`. (Between requests uvicorn's own keep-alive timeout, 5 s, closes an idle
-  connection.) The timer does not run while a response is in progress: uvicorn then stops
-  reading, so what a client pipelined waits in the kernel, not on the client.
+  complete within `header_timeout_s` (10 s) of the connection opening or of the request's first
+  byte (of the previous response's end, for a head that had begun during it): a connection
+  that sends nothing, or trickles its headers a byte at a time (slowloris), is closed, so idle
+  sockets cannot hold every slot under `--max-connections`. (Between requests uvicorn's own
+  keep-alive timeout, 5 s, closes an idle connection.) The timer is made only when what
+  arrived leaves a head incomplete, so a whole head costs none. It does not run while a
+  response is in progress: uvicorn then stops reading, so what a client pipelined waits in the
+  kernel, not on the client.
 
 - **Pipelined requests**: uvicorn parses every request a client sends ahead on one connection
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
@@ -62,6 +64,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # header only once its line ends, so one endless header line is counted here, raw.
         self._head_bytes = 0
         self._in_head = True  # no request's headers completed since the last one's body
+        self._head_open = False  # a request's head has begun and is not complete
         self._header_timer: asyncio.TimerHandle | None = None
 
     # -- the header timer: armed while the client owes a request head and nothing else runs
@@ -100,6 +103,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             pass
 
     def data_received(self, data: bytes) -> None:
+        self._received(data)
+        # Armed only when what arrived left a head incomplete: a request whose head comes
+        # whole (every client's) never makes a timer.
+        if self._head_open and not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _received(self, data: bytes) -> None:
         if self._in_head:
             room = self.max_header_bytes - self._head_bytes
             if len(data) > room:  # parse up to the bound: the head must end within it
@@ -109,19 +119,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 if self._in_head:
                     self._refuse(431, "Request Header Fields Too Large")
                     return
-                self.data_received(data[room:])  # a body, or the next request
+                self._received(data[room:])  # a body, or the next request
                 return
             self._head_bytes += len(data)
         super().data_received(data)
 
     def on_message_begin(self) -> None:
         self._in_head = True
-        self._arm_header_timer()
+        self._head_open = True
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self._in_head = False
+        self._head_open = False
         self._head_bytes = 0
         if self._responding() and len(self.pipeline) >= self.max_pipelined:
             raise PipelineTooDeep(f"more than {self.max_pipelined} pipelined requests")
@@ -134,7 +145,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts the next pipelined request, if one is queued
-        self._arm_header_timer()  # else reading resumes: the client owes the next head
+        if self._head_open:  # part of the next head came during the response: owed from now
+            self._arm_header_timer()
+        # else nothing is owed yet: uvicorn's keep-alive timeout closes an idle connection
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (ours: PipelineTooDeep): nothing is
@@ -192,3 +205,10 @@ def bounded_protocol(
             "header_timeout_s": header_timeout_s,
         },
     )
+
+
+def whole_body_received(receive: Any) -> bool:
+    """Whether the request behind ASGI `receive` has its whole body in hand already (uvicorn's
+    httptools cycle clears `more_body` when the message completes), so that reading it cannot
+    wait and needs no deadline. False for any other server's `receive`."""
+    return getattr(getattr(receive, "__self__", None), "more_body", True) is False
