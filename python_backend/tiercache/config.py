@@ -263,6 +263,15 @@ PARAMETERS: dict[str, _Spec] = {
     "lora_model": _Spec(
         "lora_cache", "The lora_cache model (BLS target for adapter weights and warm-ups)"
     ),
+    "lora_timeout_s": _Spec(
+        120.0,
+        "How long a call to lora_model (an adapter's files the engine lost, for llm; a warm-up, "
+        "for cache_admin) waits for its answer; past it the call fails as unavailable, and "
+        "later calls do too, at once, until the late one answers (docs/faults.md). 0: wait as "
+        "long as lora_cache takes",
+        min=0,
+        max=3600,
+    ),
     "device": _Spec(
         "auto",
         "Where the model runs: auto (a GPU if torch sees one), cpu, cuda or cuda:<index>",
@@ -447,6 +456,7 @@ class CacheAdminConfig(_LookupConfig):
     adapter warm-ups to."""
 
     lora_model: str = shared("lora_model")
+    lora_timeout_s: float = shared("lora_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -646,6 +656,7 @@ class LlmConfig(_TiersConfig):
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
     lora_model: str = shared("lora_model")
+    lora_timeout_s: float = shared("lora_timeout_s")
     verify_semantic: bool = param(
         False,
         "Serve a semantic hit only once the engine verified it, in one forward pass over prompt "

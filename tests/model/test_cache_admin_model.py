@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -98,6 +100,51 @@ def test_adapters_forwarded_over_bls(
     assert ok["adapters"] == {"warmed": {"caps": "loaded"}}
     missing = call(pb_utils, model, '{"op": "warm", "adapters": ["nope"]}', token)
     assert missing.has_error() and missing.error().code() == pb_utils.TritonError.NOT_FOUND
+
+
+def test_a_warm_up_lora_cache_does_not_answer_fails_after_lora_timeout_s(
+    pb_utils: ModuleType,
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    lora_cache: list[list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lora_cache holds a warm-up: the admin call fails as unavailable after lora_timeout_s,
+    the next at once while the first is out, and warm-ups go through once it answered."""
+    serve = pb_utils.BLS_MODELS["lora_cache"]
+    release = threading.Event()
+
+    def held(request: Any) -> list[Any]:
+        assert release.wait(30), "never released"
+        return serve(request)
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", held)
+    monkeypatch.delenv("TIERCACHE_ADMIN_TOKEN_FILE", raising=False)
+    instance = load_model("cache_admin").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "lora_timeout_s": "0.3"}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "cache_admin"})
+    token = (tmp_path / "admin_token").read_bytes().hex()
+    warm = '{"op": "warm", "adapters": ["caps"]}'
+    try:
+        started = time.monotonic()
+        first = call(pb_utils, instance, warm, token)
+        assert 0.25 < time.monotonic() - started < 5
+        assert first.has_error() and first.error().code() == pb_utils.TritonError.UNAVAILABLE
+        assert "no answer within 0.3 s" in first.error().message()
+        started = time.monotonic()
+        second = call(pb_utils, instance, warm, token)
+        assert second.has_error() and "not calling again" in second.error().message()
+        assert time.monotonic() - started < 0.25
+        release.set()
+        client = instance.stage.closing[0].__self__  # the BlsClient to lora_cache
+        client.deadline._late.result(timeout=10)  # the held call answers
+        assert result(call(pb_utils, instance, warm, token))["adapters"]["warmed"] == {
+            "caps": "loaded"
+        }
+    finally:
+        release.set()
+        instance.finalize()
 
 
 def test_token_file_is_private_and_kept(model: Any, tmp_path: Path, token: str) -> None:

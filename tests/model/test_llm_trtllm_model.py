@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -494,4 +496,47 @@ def test_speculative_steps_draft_from_the_kept_answer_and_give_the_plain_answer(
         instance.stage.metrics.flush()  # the same draft metrics as torch_llm's, from llm
         assert instance.stage.drafts.accepted["answer"].metric.value() == speculated
     finally:
+        instance.finalize()
+
+
+def test_a_lora_cache_that_stops_answering_costs_one_deadline(
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    llm_module: Any,
+    tmp_path: Path,
+    engine: FakeTensorrtLlm,
+    lora_cache: FakeLoraCache,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine lost the adapter and lora_cache's `weights` call hangs: with lora_timeout_s
+    0.5 the request fails as unavailable after it, the next one at once (not a second wait)
+    while the late call is out, and they are served again once it answers."""
+    release = threading.Event()
+
+    def held(request: Any) -> list[Any]:
+        assert release.wait(30), "never released"
+        return lora_cache(request)
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "lora_cache", held)
+    instance = llm_module.TritonPythonModel()
+    config = json.dumps({"parameters": params(tmp_path, lora_timeout_s="0.5")})
+    instance.initialize({"model_config": config, "model_name": "llm"})
+    task = np.array([[TASK_ID]], np.uint64)
+    try:
+        started = time.monotonic()
+        first = call(pb_utils, instance, sealer, on_french(), LORA_TASK_ID=task)
+        waited = time.monotonic() - started
+        assert first[-1].has_error() and "no answer within 0.5 s" in first[-1].error().message()
+        assert 0.4 < waited < 5, waited
+        started = time.monotonic()
+        second = call(pb_utils, instance, sealer, on_french(), LORA_TASK_ID=task)
+        assert second[-1].has_error() and "not calling again" in second[-1].error().message()
+        assert time.monotonic() - started < 0.4
+        release.set()
+        late = instance.stage.engine.lora_client.deadline._late  # the call still out
+        late.result(timeout=10)  # it answers now
+        third = call(pb_utils, instance, sealer, on_french(), LORA_TASK_ID=task)
+        assert answer(pb_utils, third) == ("Bonjour", "bypass")
+    finally:
+        release.set()
         instance.finalize()

@@ -5,6 +5,7 @@ admin token (tiercache.admin.AdminGate); refused calls are counted."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tiercache.admin import (
@@ -30,8 +31,8 @@ class LoraAdminBls:
     pipeline only, and the admin token guards them here. lora_cache's NotFound and
     InvalidRequest reach the admin's caller as they are (tiercache.triton.bls)."""
 
-    def __init__(self, model_name: str, sealer: Sealer) -> None:
-        self.client = BlsClient(model_name)
+    def __init__(self, model_name: str, sealer: Sealer, timeout_s: float | None = None) -> None:
+        self.client = BlsClient(model_name, timeout_s=timeout_s)
         self.sealer = sealer
 
     def __call__(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +75,7 @@ class CacheAdminStage:
         self.metrics = metrics
         tm.InvalidatorMetrics(metrics, admin.invalidator)
         self.gate_metrics = AdminGateMetrics(metrics, gate)
+        self.closing: list[Callable[[], None]] = []  # called by close(), after the cache
 
     def run(self, text: str | None, token: str | None) -> str:
         """One ADMIN call's JSON result: Forbidden unless `token` is the admin token (checked
@@ -92,6 +94,8 @@ class CacheAdminStage:
     def close(self) -> None:
         self.metrics.close()
         self.admin.cache.close()
+        for close in self.closing:
+            close()
 
 
 def open_cache_admin(config: CacheAdminConfig, model_name: str) -> CacheAdminStage:
@@ -100,15 +104,19 @@ def open_cache_admin(config: CacheAdminConfig, model_name: str) -> CacheAdminSta
     gate = AdminGate(load_or_create_admin_token(admin_token_path(config.state_path())))
     adapters = open_adapters(config.adapters_path(), config.state_path(), config.adapters_manifest)
     tiers = open_exact_cache(config.cache())
+    lora = LoraAdminBls(
+        config.lora_model, open_sealer(config.state_path()), config.lora_timeout_s or None
+    )
     admin = admin_over(
         config,
         tiers,
         resolve_model(config.model).identity,
         adapters.resolve,
-        LoraAdminBls(config.lora_model, open_sealer(config.state_path())),
+        lora,
     )
     metrics = tm.Metrics(model_name)
     stage = CacheAdminStage(admin, gate, metrics)
+    stage.closing.append(lora.client.close)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     metrics.start()
     return stage

@@ -178,7 +178,7 @@ class EngineBls:
         self.sealer = sealer
         self.cipher = cipher
         self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
-        self.lora_client = BlsClient(config.lora_model)
+        self.lora_client = BlsClient(config.lora_model, timeout_s=config.lora_timeout_s or None)
         self._on_kv = on_kv
         # (source, proposed, accepted) per speculative step of a finished TensorRT-LLM answer
         self.on_drafts: Callable[[tuple[tuple[str, int, int], ...]], None] | None = None
@@ -768,6 +768,7 @@ class LlmStage:
         if self.padding_timer is not None:
             self.padding_timer.close()  # after the core: its last misses may still be held
         self.engine.client.keeper.clear()
+        self.engine.lora_client.close()
         self.metrics.close()
 
 
