@@ -139,6 +139,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="train on top of the guard: its score's log-odds is an input (pairs without one "
         "are left out)",
     )
+    p.add_argument(
+        "--negative-weight",
+        type=float,
+        default=1.0,
+        help="weight of a 'different question' example in the loss against 1 for a same one "
+        "(over 1: a false hit costs more, for a verifier run at high precision)",
+    )
     p.add_argument("--layers", type=int, default=6, help="keep MiniLM's first N layers (1-6)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -149,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not 1 <= args.layers <= 6:
         raise SystemExit(f"--layers {args.layers}: 1 to 6")
+    if not args.negative_weight > 0:
+        raise SystemExit(f"--negative-weight {args.negative_weight}: must be > 0")
     import torch
     from peft import LoraConfig, get_peft_model
     from tqdm import tqdm
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.guard_input:
         groups.append({"params": [guard_weight], "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.01)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
+    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="none")
     total_steps = args.epochs * ((len(examples) + args.batch - 1) // args.batch)
     warmup = max(1, total_steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -249,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     guard_logits([row[3] or 0.0 for row in rows]), dtype=torch.float32
                 )
                 logits = logits + guard_weight * guard
-            loss = loss_fn(logits, labels)
+            weights = torch.where(labels > 0.5, 1.0, args.negative_weight)
+            loss = (loss_fn(logits, labels) * weights).sum() / weights.sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -310,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "lr": args.lr,
             "max_length": args.max_length,
             "layers": args.layers,
+            "negative_weight": args.negative_weight,
             "seed": args.seed,
         },
         "init": init_info,
