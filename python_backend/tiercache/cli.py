@@ -429,6 +429,13 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         help="generations one API key may have in flight at once, past which its next is a 429 "
         "(default 128; 0: no limit; requests without a key are not counted)",
     )
+    gw.add_argument(
+        "--requests-per-minute-per-key",
+        type=int,
+        default=0,
+        help="generation requests one API key may send a minute (a burst of that many, then "
+        "evenly), past which its next is a 429 with retry-after (default 0: no limit)",
+    )
     gw.add_argument("--model-name", default="tiercache", help="the base model's `model` id")
     gw.add_argument(
         "--adapters-dir",
@@ -473,6 +480,9 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.max_requests_per_key < 0:
         print("error: --max-requests-per-key must be 0 (no limit) or more", file=sys.stderr)
         return 2
+    if args.requests_per_minute_per_key < 0:
+        print("error: --requests-per-minute-per-key must be 0 (no limit) or more", file=sys.stderr)
+        return 2
     adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
     names: frozenset[str] = frozenset()
     if adapters_dir:
@@ -498,6 +508,7 @@ def _gateway(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         max_connections=args.max_connections,
         max_requests_per_key=args.max_requests_per_key,
+        requests_per_minute_per_key=args.requests_per_minute_per_key,
         model_repository=repository,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
     )

@@ -330,3 +330,45 @@ def test_a_whole_request_makes_no_timer_and_a_partial_head_is_still_timed_out() 
             conn.sendall(_request(path="/") + b"GET / HTTP/1.1\r\nhost: 127.0")  # pipelined
             assert _response(conn).endswith(b"whole")
             assert _closed_within(conn, 5) == b""
+
+
+def test_key_rate_is_a_token_bucket_per_key() -> None:
+    now = [0.0]
+    rate = app.KeyRate(per_minute=3, max_keys=2, clock=lambda: now[0])
+    assert [rate.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
+    assert rate.take("a") == pytest.approx(20.0)  # one token every 20 s, none taken
+    assert rate.take("b") == 0.0  # another key has its own
+    now[0] = 19.0
+    assert rate.take("a") == pytest.approx(1.0)
+    now[0] = 20.0
+    assert rate.take("a") == 0.0 and rate.take("a") > 0
+    rate.take("c")  # a third key: the least recently used ("b") is dropped
+    assert list(rate.buckets) == ["a", "c"]
+    with pytest.raises(ValueError):
+        app.KeyRate(per_minute=0)
+
+
+def test_a_key_past_its_requests_per_minute_is_a_429_with_retry_after() -> None:
+    """With 2 a minute: a key's third request (here each a quick 404 for an unknown model) is
+    a 429 `rate_limit_exceeded` naming when to retry; another key is served."""
+    body = b'{"model": "no-such-model", "prompt": "Hi", "max_tokens": 4}'
+    with blackhole() as triton:
+        settings = app.GatewaySettings(triton_url=triton, requests_per_minute_per_key=2)
+        with app.running_in_thread(settings, free_port()) as base:
+            answers = []
+            for key in (b"Bearer key-a", b"Bearer key-a", b"bearer  key-a", b"Bearer key-b"):
+                with _connect(base) as conn:
+                    conn.sendall(
+                        _request_with_key(key)
+                        .replace(BODY, body)
+                        .replace(
+                            f"content-length: {len(BODY)}".encode(),
+                            f"content-length: {len(body)}".encode(),
+                        )
+                    )
+                    answers.append(conn.recv(4096))
+    assert [a[:12] for a in answers] == [b"HTTP/1.1 404"] * 2 + [b"HTTP/1.1 429", b"HTTP/1.1 404"]
+    head, _, text = answers[2].partition(b"\r\n\r\n")
+    assert b"rate_limit_exceeded" in text
+    retry = [line for line in head.lower().split(b"\r\n") if line.startswith(b"retry-after:")]
+    assert retry and 1 <= int(retry[0].split(b":")[1]) <= 30

@@ -23,10 +23,12 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,9 @@ class GatewaySettings:
     # generations one API key may have in flight at once (past it: 429), so that one caller
     # cannot take every connection; requests without a key are not counted (0: no limit)
     max_requests_per_key: int = 128
+    # generation requests one API key may send a minute (past it: 429 with retry-after;
+    # KeyRate), 0: no limit
+    requests_per_minute_per_key: int = 0
     # requests a client may pipeline behind the one in progress on a connection (past it: 400
     # and the connection closed; tiercache.gateway.protocol)
     max_pipelined: int = DEFAULT_MAX_PIPELINED
@@ -646,8 +651,14 @@ def create_app(settings: GatewaySettings) -> Starlette:
             Middleware(CountRequests, metrics=metrics),
             *([Middleware(LoopbackHostOnly)] if settings.loopback_hosts_only else []),
             *(
-                [Middleware(PerKeyLimit, limit=settings.max_requests_per_key)]
-                if settings.max_requests_per_key > 0
+                [
+                    Middleware(
+                        PerKeyLimit,
+                        limit=settings.max_requests_per_key,
+                        per_minute=settings.requests_per_minute_per_key,
+                    )
+                ]
+                if settings.max_requests_per_key > 0 or settings.requests_per_minute_per_key > 0
                 else []
             ),
         ],
@@ -753,9 +764,16 @@ def host_name(host_header: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-async def send_error(send: Any, status: int, message: str, kind: str, code: str) -> None:
+async def send_error(
+    send: Any,
+    status: int,
+    message: str,
+    kind: str,
+    code: str,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     """OpenAI's error JSON sent straight from an ASGI middleware (no route ran)."""
-    headers = [(b"content-type", b"application/json")]
+    headers = ((b"content-type", b"application/json"), *headers)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     body = orjson.dumps(api.error_body(message, kind, code))
     await send({"type": "http.response.body", "body": body})
@@ -764,15 +782,55 @@ async def send_error(send: Any, status: int, message: str, kind: str, code: str)
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
-class PerKeyLimit:
-    """Pure ASGI middleware: at most `limit` generation requests in flight per Authorization
-    header (a stream counts until its last byte is sent); one more is answered 429 at once.
-    The count lives in this process: with several gateway processes each has its own."""
+class KeyRate:
+    """Requests per minute per API key, as a token bucket per key: `per_minute` tokens, refilled
+    evenly over a minute, one taken per request; a key may send a burst of `per_minute`, then
+    one every 60 / `per_minute` s. At most `max_keys` buckets are kept, the least recently used
+    dropped first (a dropped key starts again with a full bucket, as an idle one would). For one
+    event loop (not thread-safe)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(
+        self,
+        per_minute: int,
+        max_keys: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if per_minute < 1:
+            raise ValueError(f"per_minute must be >= 1, got {per_minute}")
+        self.capacity = float(per_minute)
+        self.refill_per_s = per_minute / 60.0
+        self.max_keys = max_keys
+        self.clock = clock
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key: (tokens, at)
+
+    def take(self, key: str) -> float:
+        """0 when `key` may send a request now (its token taken), else the seconds until it
+        may (nothing taken)."""
+        now = self.clock()
+        tokens, at = self.buckets.pop(key, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - at) * self.refill_per_s)
+        wait = 0.0
+        if tokens >= 1.0:
+            tokens -= 1.0
+        else:
+            wait = (1.0 - tokens) / self.refill_per_s
+        self.buckets[key] = (tokens, now)  # the most recently used last
+        while len(self.buckets) > self.max_keys:
+            self.buckets.popitem(last=False)
+        return wait
+
+
+class PerKeyLimit:
+    """Pure ASGI middleware, per Authorization header, for generation requests: at most
+    `limit` in flight (a stream counts until its last byte is sent; 0: no limit) and, with
+    `per_minute`, at most that many a minute (`KeyRate`); a request past either is answered 429
+    at once. The counts live in this process: with several gateway processes each has its own."""
+
+    def __init__(self, app: Any, limit: int, per_minute: int = 0) -> None:
         self.app = app
         self.limit = limit
         self.in_flight: dict[str, int] = {}  # only keys with requests in flight
+        self.rate = KeyRate(per_minute) if per_minute > 0 else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key: str | None = None
@@ -787,7 +845,7 @@ class PerKeyLimit:
             await self.app(scope, receive, send)
             return
         held = self.in_flight.get(key, 0)
-        if held >= self.limit:
+        if self.limit and held >= self.limit:
             await send_error(
                 send,
                 429,
@@ -795,6 +853,18 @@ class PerKeyLimit:
                 "at once: wait for some to finish",
                 "rate_limit_error",
                 "too_many_requests",
+            )
+            return
+        if self.rate is not None and (wait := self.rate.take(key)) > 0:
+            per_minute = int(self.rate.capacity)
+            await send_error(
+                send,
+                429,
+                f"this API key sent more than {per_minute} requests a minute, the most one key "
+                f"may send: try again in {wait:.1f} s",
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                headers=((b"retry-after", str(math.ceil(wait)).encode()),),
             )
             return
         self.in_flight[key] = held + 1
