@@ -343,7 +343,8 @@ def test_key_rate_is_a_token_bucket_per_key() -> None:
     now[0] = 20.0
     assert rate.take("a") == 0.0 and rate.take("a") > 0
     rate.take("c")  # a third key: the least recently used ("b") is dropped
-    assert list(rate.buckets) == ["a", "c"]
+    assert len(rate.buckets) == 2 and rate.take("a") > 0  # "a" was used after "b": kept
+    assert rate.take("b") == 0.0  # "b" starts again with a full bucket
     with pytest.raises(ValueError):
         app.KeyRate(per_minute=0)
 
@@ -372,3 +373,63 @@ def test_a_key_past_its_requests_per_minute_is_a_429_with_retry_after() -> None:
     assert b"rate_limit_exceeded" in text
     retry = [line for line in head.lower().split(b"\r\n") if line.startswith(b"retry-after:")]
     assert retry and 1 <= int(retry[0].split(b":")[1]) <= 30
+
+
+async def _early(scope: Any, receive: Any, send: Any) -> None:
+    """Answers `early` at once, reading none of the request's body (as a 401 or 404 does)."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"5")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"early"})
+
+
+def _trickled_until_closed(conn: socket.socket, trickle: bytes, limit_s: float = 5.0) -> float:
+    """Sends `trickle` every 0.2 s until the server closes the connection; the seconds that
+    took (AssertionError past `limit_s`)."""
+    started = time.monotonic()
+    conn.settimeout(0.2)
+    while time.monotonic() - started < limit_s:
+        try:
+            conn.sendall(trickle)
+            if conn.recv(4096) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed
+            return time.monotonic() - started
+    raise AssertionError(f"still open after {limit_s} s of {trickle!r}")
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "trickle"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n", b"\r\n"),  # blank lines
+        (  # the rest of a body the route never read
+            b"POST / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 1000000\r\n\r\nab",
+            b"x",
+        ),
+        (  # after an upgrade request, every later read is the upgrade's
+            b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: upgrade\r\nupgrade: foo\r\n\r\n",
+            b"x",
+        ),
+    ],
+    ids=["blank-lines", "unread-body", "upgrade"],
+)
+def test_bytes_that_make_no_request_after_a_response_are_timed_out(
+    request_bytes: bytes, trickle: bytes
+) -> None:
+    """uvicorn cancels its keep-alive timer on any bytes: a client that answers a response with
+    bytes that never make a whole request is still closed after header_timeout_s (0.5 s)."""
+    with _bounded_server(_early, header_timeout_s=0.5) as (_, port):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(request_bytes)
+            conn.settimeout(5)
+            answer = b""
+            while not answer.endswith(b"early"):
+                chunk = conn.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            took = _trickled_until_closed(conn, trickle)
+            # the upgrade's bytes may also be refused at once (uvicorn closes on some)
+            assert took < 3 and (took > 0.3 or b"upgrade" in request_bytes), took

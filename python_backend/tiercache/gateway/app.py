@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import ipaddress
 import json
 import logging
@@ -785,7 +786,8 @@ GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 class KeyRate:
     """Requests per minute per API key, as a token bucket per key: `per_minute` tokens, refilled
     evenly over a minute, one taken per request; a key may send a burst of `per_minute`, then
-    one every 60 / `per_minute` s. At most `max_keys` buckets are kept, the least recently used
+    one every 60 / `per_minute` s. Buckets are kept by a 16-byte digest of the key (a key may be
+    kilobytes long and need not be valid), for at most `max_keys` keys, the least recently used
     dropped first (a dropped key starts again with a full bucket, as an idle one would). For one
     event loop (not thread-safe)."""
 
@@ -801,20 +803,22 @@ class KeyRate:
         self.refill_per_s = per_minute / 60.0
         self.max_keys = max_keys
         self.clock = clock
-        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key: (tokens, at)
+        # the key's digest: (tokens, when they were counted)
+        self.buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
 
     def take(self, key: str) -> float:
         """0 when `key` may send a request now (its token taken), else the seconds until it
         may (nothing taken)."""
         now = self.clock()
-        tokens, at = self.buckets.pop(key, (self.capacity, now))
+        name = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        tokens, at = self.buckets.pop(name, (self.capacity, now))
         tokens = min(self.capacity, tokens + (now - at) * self.refill_per_s)
         wait = 0.0
         if tokens >= 1.0:
             tokens -= 1.0
         else:
             wait = (1.0 - tokens) / self.refill_per_s
-        self.buckets[key] = (tokens, now)  # the most recently used last
+        self.buckets[name] = (tokens, now)  # the most recently used last
         while len(self.buckets) > self.max_keys:
             self.buckets.popitem(last=False)
         return wait

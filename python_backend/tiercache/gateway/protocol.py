@@ -8,11 +8,13 @@ server facing the internet needs and uvicorn 0.54 does not set.
   complete within `header_timeout_s` (10 s) of the connection opening or of the request's first
   byte (of the previous response's end, for a head that had begun during it): a connection
   that sends nothing, or trickles its headers a byte at a time (slowloris), is closed, so idle
-  sockets cannot hold every slot under `--max-connections`. (Between requests uvicorn's own
-  keep-alive timeout, 5 s, closes an idle connection.) The timer is made only when what
-  arrived leaves a head incomplete, so a whole head costs none. It does not run while a
-  response is in progress: uvicorn then stops reading, so what a client pipelined waits in the
-  kernel, not on the client.
+  sockets cannot hold every slot under `--max-connections`. Between requests uvicorn's own
+  keep-alive timeout, 5 s, closes a connection that sends nothing; bytes that do not make a
+  whole request (part of a head, the rest of a body its route did not read, blank lines,
+  anything after an upgrade request) arm the timer, which only a complete head disarms. A
+  request that comes whole is running by the end of the read, so it makes no timer. The
+  timer does not run while a response is in progress: uvicorn then stops reading, so what a
+  client pipelined waits in the kernel, not on the client.
 
 - **Pipelined requests**: uvicorn parses every request a client sends ahead on one connection
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
@@ -104,9 +106,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._received(data)
-        # Armed only when what arrived left a head incomplete: a request whose head comes
-        # whole (every client's) never makes a timer.
-        if self._head_open and not self.transport.is_closing():
+        # Bytes that started no request (an incomplete head, the rest of a body its route never
+        # read, blank lines, anything after an upgrade request) must become a whole request in
+        # time: uvicorn cancels its keep-alive timer on any bytes. A request that came whole
+        # is running now, so it made no timer (`_arm_header_timer` skips while one runs).
+        if not self.transport.is_closing():
             self._arm_header_timer()
 
     def _received(self, data: bytes) -> None:
@@ -145,9 +149,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts the next pipelined request, if one is queued
-        if self._head_open:  # part of the next head came during the response: owed from now
-            self._arm_header_timer()
-        # else nothing is owed yet: uvicorn's keep-alive timeout closes an idle connection
+        if self._head_open or not self._in_head:  # part of the next head, or of this
+            self._arm_header_timer()  # request's unread body, is owed: from now
+        # else nothing is owed yet: uvicorn's keep-alive timeout closes an idle connection, and
+        # the next bytes arm the timer (data_received)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (ours: PipelineTooDeep): nothing is
