@@ -5,13 +5,14 @@ server facing the internet needs and uvicorn 0.54 does not set.
   request's line and headers together may hold `max_header_bytes` (16 KiB, counted as raw bytes
   received: httptools reports a header only once its line ends, so one endless line would pass
   a count of the headers it reports; past it 431 and the connection closed), and must be
-  complete within `header_timeout_s` (10 s) of the connection opening or of the request's first
-  byte (of the previous response's end, for a head that had begun during it): a connection
-  that sends nothing, or trickles its headers a byte at a time (slowloris), is closed, so idle
-  sockets cannot hold every slot under `--max-connections`. Between requests uvicorn's own
+  complete within `header_timeout_s` (10 s) of the connection opening or of the previous
+  response's end: a connection that sends nothing, or trickles its headers a byte at a time
+  (slowloris), is closed, so idle sockets cannot hold every slot under `--max-connections`. The
+  timer is made only when needed; between requests uvicorn's own
   keep-alive timeout, 5 s, closes a connection that sends nothing; bytes that do not make a
   whole request (part of a head, the rest of a body its route did not read, blank lines,
-  anything after an upgrade request) arm the timer, which only a complete head disarms. A
+  anything after an upgrade request) arm the timer (its deadline still counted from the
+  response's end), which only a complete head disarms. A
   request that comes whole is running by the end of the read, so it makes no timer. The
   timer does not run while a response is in progress: uvicorn then stops reading, so what a
   client pipelined waits in the kernel, not on the client.
@@ -68,6 +69,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # no request's headers completed since the last one's body
         self._head_open = False  # a request's head has begun and is not complete
         self._header_timer: asyncio.TimerHandle | None = None
+        self._owed_since = 0.0  # the loop's time since which the client owes a request
 
     # -- the header timer: armed while the client owes a request head and nothing else runs
 
@@ -78,7 +80,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # Not while a response is in progress: uvicorn then stops reading, and a pipelined
         # head that arrived in part waits in the kernel for the response's end, not the client.
         if self._header_timer is None and not self._responding():
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+            deadline = self._owed_since + self.header_timeout_s
+            self._header_timer = self.loop.call_at(deadline, self._headers_late)
 
     def _disarm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -94,6 +97,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._owed_since = self.loop.time()
         self._arm_header_timer()  # a connection that never sends a request is closed too
         sock = transport.get_extra_info("socket")
         timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
@@ -149,6 +153,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts the next pipelined request, if one is queued
+        self._owed_since = self.loop.time()  # the next request is owed from now
         if self._head_open or not self._in_head:  # part of the next head, or of this
             self._arm_header_timer()  # request's unread body, is owed: from now
         # else nothing is owed yet: uvicorn's keep-alive timeout closes an idle connection, and
