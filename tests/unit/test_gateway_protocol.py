@@ -436,3 +436,27 @@ def test_bytes_that_make_no_request_after_a_response_are_timed_out(
             took = _trickled_until_closed(conn, trickle)
             # the upgrade's bytes may also be refused at once (uvicorn closes on some)
             assert took < 3 and (took > 0.3 or b"upgrade" in request_bytes), took
+
+
+def test_a_request_pipelined_behind_a_large_body_is_not_taken_for_a_large_head() -> None:
+    """A POST whose body ends inside the first 16 KiB of a read, and a GET with a 2 KiB head
+    pipelined behind it in the same read: both answered (the header bound counts the GET's
+    head afresh; before, the read's first 16 KiB ending inside a head was refused as 431)."""
+    body = b"b" * 15_000
+    post = (
+        b"POST / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    get = b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nx-pad: " + b"p" * 2000 + b"\r\n\r\n"
+    with _bounded_server(_tell_body) as (_, port):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(post + get)
+            conn.settimeout(5)
+            answer = b""
+            while answer.count(b"whole") < 2:
+                chunk = conn.recv(4096)
+                assert chunk, answer
+                answer += chunk
+    assert answer.count(b"HTTP/1.1 200") == 2

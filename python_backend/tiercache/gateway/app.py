@@ -1040,6 +1040,9 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
         proxy_headers=False,
         server_header=False,
         limit_concurrency=settings.max_connections,
+        # no WebSocket upgrades (the gateway has no WebSocket route, and the header timer of
+        # tiercache.gateway.protocol would outlive a connection handed to another protocol)
+        ws="none",
         # httptools (installed), not h11, which parses headers in Python on every edge hit;
         # with the gateway's bounds on headers, pipelining, disconnects and peers that stop
         # reading (tiercache.gateway.protocol).

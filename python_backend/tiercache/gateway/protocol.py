@@ -70,6 +70,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_open = False  # a request's head has begun and is not complete
         self._header_timer: asyncio.TimerHandle | None = None
         self._owed_since = 0.0  # the loop's time since which the client owes a request
+        self._heads_done = 0  # request heads completed on this connection
 
     # -- the header timer: armed while the client owes a request head and nothing else runs
 
@@ -121,10 +122,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head:
             room = self.max_header_bytes - self._head_bytes
             if len(data) > room:  # parse up to the bound: the head must end within it
+                heads = self._heads_done
                 super().data_received(data[:room])
                 if self.transport.is_closing():
                     return
-                if self._in_head:
+                # still in the same head: too large; a head that ended in the slice may have
+                # been followed by a whole body and the start of a pipelined request's head,
+                # counted afresh from here on
+                if self._in_head and self._heads_done == heads:
                     self._refuse(431, "Request Header Fields Too Large")
                     return
                 self._received(data[room:])  # a body, or the next request
@@ -138,6 +143,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._heads_done += 1
         self._disarm_header_timer()
         self._in_head = False
         self._head_open = False
