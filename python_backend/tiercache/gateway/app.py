@@ -799,6 +799,7 @@ class KeyRate:
     ) -> None:
         if per_minute < 1:
             raise ValueError(f"per_minute must be >= 1, got {per_minute}")
+        self.per_minute = per_minute
         self.capacity = float(per_minute)
         self.refill_per_s = per_minute / 60.0
         self.max_keys = max_keys
@@ -810,7 +811,7 @@ class KeyRate:
         """0 when `key` may send a request now (its token taken), else the seconds until it
         may (nothing taken)."""
         now = self.clock()
-        name = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        name = hashlib.blake2b(key.encode(), digest_size=16).digest()
         tokens, at = self.buckets.pop(name, (self.capacity, now))
         tokens = min(self.capacity, tokens + (now - at) * self.refill_per_s)
         wait = 0.0
@@ -860,12 +861,11 @@ class PerKeyLimit:
             )
             return
         if self.rate is not None and (wait := self.rate.take(key)) > 0:
-            per_minute = int(self.rate.capacity)
             await send_error(
                 send,
                 429,
-                f"this API key sent more than {per_minute} requests a minute, the most one key "
-                f"may send: try again in {wait:.1f} s",
+                f"this API key sent more than {self.rate.per_minute} requests a minute, the most "
+                f"one key may send: try again in {wait:.1f} s",
                 "rate_limit_error",
                 "rate_limit_exceeded",
                 headers=((b"retry-after", str(math.ceil(wait)).encode()),),
@@ -953,9 +953,6 @@ class BodyTooLarge(Exception):
     pass
 
 
-_timeout = getattr(asyncio, "timeout", None)
-
-
 async def json_body(request: Request, timeout_s: float) -> tuple[Any, Response | None]:
     """The request body as JSON, or the error response that refuses it: 415 unless it is sent
     as application/json (a web page can post text/plain across sites without asking; it cannot
@@ -972,10 +969,7 @@ async def json_body(request: Request, timeout_s: float) -> tuple[Any, Response |
     try:
         if whole_body_received(request.receive):  # came with its head: nothing to wait for
             body = await bounded_body(request)
-        elif _timeout is not None:  # a timer handle; wait_for makes a task as well (3.11)
-            async with _timeout(timeout_s):
-                body = await bounded_body(request)
-        else:  # Python 3.10 has no asyncio.timeout
+        else:
             body = await asyncio.wait_for(bounded_body(request), timeout_s)
         return json.loads(body), None
     except BodyTooLarge as exc:

@@ -7,15 +7,14 @@ server facing the internet needs and uvicorn 0.54 does not set.
   a count of the headers it reports; past it 431 and the connection closed), and must be
   complete within `header_timeout_s` (10 s) of the connection opening or of the previous
   response's end: a connection that sends nothing, or trickles its headers a byte at a time
-  (slowloris), is closed, so idle sockets cannot hold every slot under `--max-connections`. The
-  timer is made only when needed; between requests uvicorn's own
-  keep-alive timeout, 5 s, closes a connection that sends nothing; bytes that do not make a
-  whole request (part of a head, the rest of a body its route did not read, blank lines,
-  anything after an upgrade request) arm the timer (its deadline still counted from the
-  response's end), which only a complete head disarms. A
-  request that comes whole is running by the end of the read, so it makes no timer. The
-  timer does not run while a response is in progress: uvicorn then stops reading, so what a
-  client pipelined waits in the kernel, not on the client.
+  (slowloris), is closed, so idle sockets cannot hold every slot under `--max-connections`.
+  The timer is made only when needed: between requests uvicorn's own keep-alive timeout, 5 s,
+  closes a connection that sends nothing; bytes that do not make a whole request (part of a
+  head, the rest of a body its route did not read, blank lines, anything after an upgrade
+  request) arm the timer (its deadline still counted from the response's end), which only a
+  complete head disarms. A request that comes whole is running by the end of the read, so it
+  makes no timer. The timer does not run while a response is in progress: uvicorn then stops
+  reading, so what a client pipelined waits in the kernel, not on the client.
 
 - **Pipelined requests**: uvicorn parses every request a client sends ahead on one connection
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
