@@ -272,6 +272,16 @@ PARAMETERS: dict[str, _Spec] = {
         min=0,
         max=3600,
     ),
+    "engine_timeout_s": _Spec(
+        600.0,
+        "How long a stream from engine_model (a generation, for llm; an adapter's load or the "
+        "engine's list, for lora_cache) waits for its next response, the first counted from the "
+        "call, queueing in the engine included; past it the request fails as unavailable, and "
+        "while 4 such streams are still out later calls fail at once (docs/faults.md). 0: wait "
+        "as long as the engine takes",
+        min=0,
+        max=86400,
+    ),
     "device": _Spec(
         "auto",
         "Where the model runs: auto (a GPU if torch sees one), cpu, cuda or cuda:<index>",
@@ -655,6 +665,7 @@ class LlmConfig(_TiersConfig):
     envelope_max_age_s: float = shared("envelope_max_age_s")
     engine_model: str = shared("engine_model")
     engine_kind: str = shared("engine_kind")
+    engine_timeout_s: float = shared("engine_timeout_s")
     lora_model: str = shared("lora_model")
     lora_timeout_s: float = shared("lora_timeout_s")
     verify_semantic: bool = param(
@@ -743,6 +754,7 @@ class LoraCacheConfig(_RedisConfig):
     api_keys_file: str = shared("api_keys_file")
     envelope_max_age_s: float = shared("envelope_max_age_s")
     engine_model: str = param("torch_llm", "The engine it keeps warm (BLS target of load/list)")
+    engine_timeout_s: float = shared("engine_timeout_s")
     engine_kind: str = param(
         EngineKind.TORCH_LLM.value,
         "torch_llm: adapters go out as PEFT files; tensorrt_llm: also as TensorRT-LLM's "

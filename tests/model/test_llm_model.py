@@ -6,6 +6,7 @@ engine calls carry ENGINE_SEAL, which the fake torch_llm checks as torch_llm doe
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 import time
@@ -749,4 +750,61 @@ def test_kept_envelopes_are_refused_once_their_key_is_revoked_or_they_are_old(
             assert_forbidden(pb_utils, responses, "the API key that sent this request has been")
         assert len(engine.calls) == 1
     finally:
+        instance.finalize()
+
+
+def test_an_engine_that_stops_answering_fails_the_miss_after_engine_timeout_s(
+    pb_utils: ModuleType,
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    sealer: Sealer,
+    engine: FakeTorchLlm,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch_llm takes a generation and sends nothing: with engine_timeout_s 0.5 the miss fails
+    as unavailable after it, alone, and nothing is stored; once the engine answers again the
+    next miss is generated."""
+    importlib.import_module("tiercache.stages.torch_llm")  # the fake engine's decoder: torch,
+    # imported now, not inside the first call's 0.5 s
+    release = threading.Event()
+
+    def held(request: Any) -> Iterator[Any]:
+        responses = engine(request)
+        assert release.wait(WAIT_S), "never released"
+        yield from responses
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", held)
+    instance = load_model("llm").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "engine_timeout_s": "0.5"}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    try:
+        stalled, later = "1" * 64, "2" * 64
+        started = time.monotonic()
+        (responses,) = run(
+            pb_utils,
+            instance,
+            [
+                to_llm(
+                    pb_utils, sealer, envelope(sealer, CacheStatus.MISS, stalled, write_back=True)
+                )
+            ],
+        )
+        waited = time.monotonic() - started
+        (response,) = responses
+        assert response.has_error() and response.error().code() == pb_utils.TritonError.UNAVAILABLE
+        assert "engine torch_llm: no response within 0.5 s" in response.error().message()
+        assert 0.4 < waited < 10, waited
+        release.set()
+        (served,) = run(
+            pb_utils,
+            instance,
+            [to_llm(pb_utils, sealer, envelope(sealer, CacheStatus.MISS, later, write_back=True))],
+        )
+        assert final(pb_utils, served) == ("Hello there", "miss")
+        instance.stage.core.drain()
+        cache = instance.stage.core.cache
+        assert cache.get(stalled) is None and cache.get(later).entry.text == "Hello there"
+    finally:
+        release.set()
         instance.finalize()

@@ -5,9 +5,11 @@ sealed calls only. Envelopes and admin calls are sealed as the pipeline seals th
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -487,6 +489,44 @@ def test_warm_reports_an_engine_failure_per_name(
     assert "out of adapter memory" in report["warmed"]["caps"]
     # the mirror does not believe the engine holds it: the first request sends the weights
     assert {r["name"]: r["tier"] for r in report["adapters"]}["caps"] == "host"
+
+
+def test_a_load_the_engine_never_answers_fails_after_engine_timeout_s(
+    start: Start,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    engine: FakeEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine takes a warm-up's load and answers nothing: with engine_timeout_s 0.5 the
+    warm-up reports the name unavailable after it, and the mirror does not count the adapter
+    loaded; once the engine answers (the late load went through), warming again finds it
+    there."""
+    importlib.import_module("tiercache.stages.torch_llm")  # the fake engine's decoder (torch)
+    release = threading.Event()
+
+    def held(request: Any) -> Iterator[Any]:
+        answers = engine(request)
+        assert release.wait(30), "never released"
+        yield from answers
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", held)
+    model = start(engine_slots="2", engine_timeout_s="0.5")
+    try:
+        started = time.monotonic()
+        (response,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps"])])
+        assert 0.4 < time.monotonic() - started < 10
+        report = json.loads(outputs(pb_utils, response)["ADMIN_RESULT"])
+        assert report["warmed"]["caps"].startswith("error: unavailable:")
+        assert "engine torch_llm: no response within 0.5 s" in report["warmed"]["caps"]
+        assert {r["name"]: r["tier"] for r in report["adapters"]}["caps"] == "host"
+        release.set()
+        (again,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps"])])
+        report = json.loads(outputs(pb_utils, again)["ADMIN_RESULT"])
+        assert report["warmed"] == {"caps": "already loaded"}
+        assert {r["name"]: r["tier"] for r in report["adapters"]}["caps"] == "engine"
+    finally:
+        release.set()
 
 
 def test_weights_op_sends_them_again_after_the_engine_lost_them(

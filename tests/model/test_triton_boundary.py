@@ -541,6 +541,109 @@ def test_a_hung_deadline_call_does_not_keep_the_process_alive(tmp_path: Path) ->
     assert done.stdout.strip() == "Unavailable"
 
 
+class _HeldStream:
+    """A decoupled stream's responses: `first` of them at once, the rest once `release` is set
+    (the stand-in's `exec` iterates whatever the handler returns)."""
+
+    def __init__(self, responses: list[Any], first: int) -> None:
+        self.responses = responses
+        self.first = first
+        self.release = threading.Event()
+        self.read = 0
+
+    def __iter__(self) -> Any:
+        for i, response in enumerate(self.responses):
+            if i == self.first:
+                assert self.release.wait(30), "never released"
+            self.read += 1
+            yield response
+
+
+def test_bls_stream_deadline_fails_a_stalled_stream_and_refuses_while_too_many_are_out(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose next response does not come within stream_idle_s fails as unavailable
+    (after the responses that came, in order); while max_stalled such streams are still being
+    read, new calls are refused before reaching the callee; once one ends, calls go through,
+    and every stream reaches the keeper when its reader is done with it."""
+    ok = [pb_utils.InferenceResponse([tb.bytes_tensor("OUT", [str(i)])]) for i in range(3)]
+    streams: list[_HeldStream] = []
+
+    def callee(request: Any) -> Any:
+        streams.append(_HeldStream(ok, first=1))
+        return streams[-1]
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "engine", callee)
+    keeper = tb.StreamKeeper(30.0)
+    client = tb.BlsClient("engine", label="engine e", keeper=keeper, stream_idle_s=0.2)
+    watch = client.stream_deadline
+    watch.max_stalled = 2
+    try:
+        for n in range(2):
+            got = []
+            started = time.monotonic()
+            with pytest.raises(Unavailable, match=r"engine e: no response within 0\.2 s"):
+                for response in client.stream([], ["OUT"]):
+                    got.append(tb.output_string(response, "OUT"))
+            assert got == ["0"]  # the one that came, then the failure
+            assert 0.15 < time.monotonic() - started < 5
+            assert watch.stalled() == n + 1
+        with pytest.raises(Unavailable, match="2 earlier calls have had no response"):
+            list(client.stream([], ["OUT"]))
+        assert len(streams) == 2 and (watch.timed_out, watch.refused) == (2, 1)
+        assert len(keeper) == 0  # still being read
+        streams[0].release.set()  # the first stalled stream ends; its reader drops the rest
+        for _ in range(200):
+            if watch.stalled() == 1:
+                break
+            time.sleep(0.01)
+        assert watch.stalled() == 1 and len(keeper) == 1
+        assert streams[0].read == 2  # read up to the response after the stall, then dropped
+        streams.clear()
+        monkeypatch.setitem(pb_utils.BLS_MODELS, "engine", lambda request: ok)
+        out = [tb.output_string(r, "OUT") for r in client.stream([], ["OUT"])]
+        assert out == ["0", "1", "2"] and len(keeper) == 2
+    finally:
+        for stream in streams:
+            stream.release.set()
+
+
+def test_bls_stream_deadline_passes_errors_and_an_abandoned_stream_is_kept(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a stream deadline the callee's error response is raised typed, an exception of
+    the stream itself reaches the caller, and a stream the caller stops reading is dropped by
+    its reader and kept."""
+    monkeypatch.setitem(
+        pb_utils.BLS_MODELS, "bad", _callee(NotFound("no such adapter"), pb_utils, tb)
+    )
+    keeper = tb.StreamKeeper(30.0)
+    client = tb.BlsClient("bad", keeper=keeper, stream_idle_s=5.0)
+    with pytest.raises(NotFound, match="no such adapter"):
+        list(client.stream([], ["OUT"]))
+
+    def broken(request: Any) -> Any:
+        yield pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])
+        raise RuntimeError("the stub lost the stream")
+
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", broken)
+    with pytest.raises(RuntimeError, match="lost the stream"):
+        list(client.stream([], ["OUT"]))
+    ok = pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", lambda request: [ok] * 5)
+    reader = client.stream([], ["OUT"])
+    next(reader)
+    reader.close()
+    for _ in range(200):
+        if len(keeper) == 3:
+            break
+        time.sleep(0.01)
+    assert len(keeper) == 3 and client.stream_deadline.stalled() == 0
+    for bad in (0.0, -1.0, 1e10, float("inf")):
+        with pytest.raises(ValueError, match="idle_s must be > 0"):
+            tb.StreamDeadline(bad, "x")
+
+
 def test_delta_counter_counts_growth_once(tb: ModuleType) -> None:
     metrics = tb.Metrics("m")
     counter = tb.DeltaCounter(metrics.counter("c_total", "c"))

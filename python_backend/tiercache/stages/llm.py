@@ -177,7 +177,11 @@ class EngineBls:
         self.model_name = config.engine_model
         self.sealer = sealer
         self.cipher = cipher
-        self.client = BlsClient(config.engine_model, label=f"engine {config.engine_model}")
+        self.client = BlsClient(
+            config.engine_model,
+            label=f"engine {config.engine_model}",
+            stream_idle_s=config.engine_timeout_s or None,
+        )
         self.lora_client = BlsClient(config.lora_model, timeout_s=config.lora_timeout_s or None)
         self._on_kv = on_kv
         # (source, proposed, accepted) per speculative step of a finished TensorRT-LLM answer

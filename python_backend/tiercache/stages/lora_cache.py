@@ -50,10 +50,10 @@ class EngineBls:
     """`EngineAdmin` over BLS: torch_llm's LORA_OP "list" and "load" (its inputs have no batch
     dimension: max_batch_size 0)."""
 
-    def __init__(self, model_name: str, sealer: Sealer) -> None:
+    def __init__(self, model_name: str, sealer: Sealer, timeout_s: float | None = None) -> None:
         self.model_name = model_name
         self.sealer = sealer
-        self.client = BlsClient(model_name, label=f"engine {model_name}")
+        self.client = BlsClient(model_name, label=f"engine {model_name}", stream_idle_s=timeout_s)
 
     def list_adapters(self) -> Any:
         text = self._call("listed", engine_inputs(self.sealer, {"LORA_OP": "list"}))
@@ -256,7 +256,11 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     metrics = tm.Metrics(model_name)
     plans = PlanCounter(metrics)
     sealer = open_sealer(config.state_path())
-    core = open_lora_core(config, EngineBls(config.engine_model, sealer), on_plan=plans)
+    core = open_lora_core(
+        config,
+        EngineBls(config.engine_model, sealer, config.engine_timeout_s or None),
+        on_plan=plans,
+    )
     cipher = open_adapter_cipher(config.state_path())
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).

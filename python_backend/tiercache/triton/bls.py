@@ -6,7 +6,8 @@ the client sees the same words whichever stage raised it; a dependency's failure
 capacity, internal) is prefixed with the callee's label, so the client learns which dependency
 failed. Decoupled streams are handed to a `StreamKeeper` when read or abandoned (see there). A unary
 call can be given a deadline (`Deadline`): Triton's own request timeout bounds only the time a
-request waits in a scheduler's queue, not a callee that stopped answering.
+request waits in a scheduler's queue, not a callee that stopped answering; a decoupled stream can
+be given one per response (`StreamDeadline`).
 """
 
 from __future__ import annotations
@@ -182,12 +183,135 @@ class Deadline:
             self._calls.put(None)
 
 
+_END = object()  # a stream's reader has read its last response
+
+
+class _Raised:
+    """What a stream's reader raised, handed to the caller to raise."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _StreamReader:
+    """One stream read on a daemon thread: its responses, then `_END` or `_Raised`, go to
+    `queue`; the stream goes to `keep` when the thread is done with it."""
+
+    def __init__(
+        self,
+        watch: StreamDeadline,
+        responses: Iterable[Any],
+        keep: Callable[[object], None],
+    ) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.abandoned = False  # the caller stopped reading: drop what comes
+        self.finished = False
+        self.stalled = False  # counted in the watch's stalled readers
+        self._watch = watch
+        self._thread = threading.Thread(
+            target=self._pump, args=(responses, keep), name="bls-stream", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self, responses: Iterable[Any], keep: Callable[[object], None]) -> None:
+        try:
+            for response in responses:
+                if self.abandoned:
+                    break  # the rest stays in the stream, which the keeper holds
+                self.queue.put(response)
+            self.queue.put(_END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as raised
+            self.queue.put(_Raised(exc))
+        finally:
+            keep(responses)  # here, with the GIL, as StreamKeeper needs
+            del responses
+            self._watch._finished(self)
+
+
+class StreamDeadline:
+    """Waits at most `idle_s` for each response of a decoupled stream (the first counted from
+    the call). A stream is read on a daemon thread of its own; past the wait the caller gets
+    `Unavailable` (naming `label`) and the thread is left to finish (what it reads is dropped).
+    While `max_stalled` such threads are still out, new streams are refused at once, so a
+    callee that stopped answering holds at most that many threads. Each stream costs a thread
+    start and a queue hand-off per response (tens of microseconds: for engine generations and
+    adapter loads, not for hits)."""
+
+    MAX_IDLE_S = Deadline.MAX_TIMEOUT_S
+
+    def __init__(self, idle_s: float, label: str, max_stalled: int = 4) -> None:
+        if not 0 < idle_s <= self.MAX_IDLE_S:
+            raise ValueError(f"idle_s must be > 0 and <= {self.MAX_IDLE_S:g}, got {idle_s}")
+        if max_stalled < 1:
+            raise ValueError(f"max_stalled must be >= 1, got {max_stalled}")
+        self.idle_s = idle_s
+        self.label = label
+        self.max_stalled = max_stalled
+        self.timed_out = 0  # streams that went idle_s without a response
+        self.refused = 0  # streams refused while max_stalled readers were out
+        self._stalled = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> None:
+        """Unavailable while `max_stalled` stalled streams are still being read."""
+        with self._lock:
+            if self._stalled >= self.max_stalled:
+                self.refused += 1
+                raise Unavailable(
+                    f"{self.label}: {self._stalled} earlier calls have had no response for more "
+                    f"than {self.idle_s:g} s; not calling again until one answers"
+                )
+
+    def read(
+        self, responses: Iterable[Any], keep: Callable[[object], None]
+    ) -> Generator[Any, None, None]:
+        """`responses`' responses in order, each waited for at most idle_s (then
+        `Unavailable`); what the stream raises, raised here. `keep` gets the stream once its
+        reader is done with it."""
+        reader = _StreamReader(self, responses, keep)
+        try:
+            while True:
+                try:
+                    item = reader.queue.get(timeout=self.idle_s)
+                except queue.Empty:
+                    with self._lock:
+                        self.timed_out += 1
+                        if not reader.finished:
+                            reader.stalled = True
+                            self._stalled += 1
+                    raise Unavailable(
+                        f"{self.label}: no response within {self.idle_s:g} s"
+                    ) from None
+                if item is _END:
+                    return
+                if isinstance(item, _Raised):
+                    raise item.exc
+                yield item
+        finally:
+            reader.abandoned = True
+
+    def stalled(self) -> int:
+        """Readers past their wait that are still out."""
+        with self._lock:
+            return self._stalled
+
+    def _finished(self, reader: _StreamReader) -> None:
+        with self._lock:
+            reader.finished = True
+            if reader.stalled:
+                reader.stalled = False
+                self._stalled -= 1
+
+
 class BlsClient:
     """Calls to one Triton model from inside a stage.
 
     `label` names the callee in the messages of its failures ("engine torch_llm", "embedder");
     `keeper` holds finished decoupled streams (one per model process is enough); `timeout_s`
-    bounds each unary call (`infer`, through a `Deadline`); None waits as long as the callee.
+    bounds each unary call (`infer`, through a `Deadline`); `stream_idle_s` each response of a
+    stream (`StreamDeadline`); None waits as long as the callee.
     """
 
     def __init__(
@@ -196,11 +320,15 @@ class BlsClient:
         label: str = "",
         keeper: StreamKeeper | None = None,
         timeout_s: float | None = None,
+        stream_idle_s: float | None = None,
     ) -> None:
         self.model_name = model_name
         self.label = label or model_name
         self.keeper = keeper if keeper is not None else StreamKeeper()
         self.deadline = Deadline(timeout_s, self.label) if timeout_s is not None else None
+        self.stream_deadline = (
+            StreamDeadline(stream_idle_s, self.label) if stream_idle_s is not None else None
+        )
 
     def request(self, inputs: Sequence[Any], outputs: Sequence[str]) -> Any:
         """The `pb_utils.InferenceRequest` of one call (for `infer`/`stream`)."""
@@ -232,10 +360,16 @@ class BlsClient:
         """A decoupled call's responses, in order; the first error response is raised typed.
         The stream goes to the keeper when it ends, is abandoned or fails. `cancel_on_close`
         also cancels what the callee has not sent yet (python_backend >= 25.05; a no-op once
-        the stream has ended, and on older versions)."""
+        the stream has ended, and on older versions). With `stream_idle_s`, a response that
+        does not come within it raises `Unavailable`, as does a call while too many streams
+        are stalled (`StreamDeadline`)."""
+        watch = self.stream_deadline
+        if watch is not None:
+            watch.admit()
         responses = self.request(inputs, outputs).exec(decoupled=True)
+        reading = None if watch is None else watch.read(responses, self.keeper.keep)
         try:
-            for response in responses:
+            for response in responses if reading is None else reading:
                 raise_if_error(response, self.label)
                 yield response
         finally:
@@ -243,4 +377,7 @@ class BlsClient:
                 cancel: Callable[[], None] | None = getattr(responses, "cancel", None)
                 if cancel is not None:
                     cancel()
-            self.keeper.keep(responses)
+            if reading is None:
+                self.keeper.keep(responses)
+            else:
+                reading.close()  # its reader drops what comes now, then keeps the stream
