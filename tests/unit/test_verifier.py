@@ -254,6 +254,57 @@ def test_a_verifier_trained_on_top_of_the_guard_adds_the_guards_log_odds(tmp_pat
             PairVerifier(folder)
 
 
+def test_a_fully_tuned_verifier_keeps_its_trained_weights_and_refuses_other_tensors(
+    tmp_path: Path,
+) -> None:
+    """`train.verifier --full --layers 2` writes every trained tensor (the two kept layers, the
+    pooler, the classifier; not the embeddings) and no adapter; it loads with those tensors,
+    scores as the trained model did, and a file with a tensor missing, extra or of another
+    shape, or an unknown `hyper.tuning`, is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from tiercache.semantic.verifier import FULL_WEIGHTS
+    from tiercache_dev.train import verifier as train
+
+    folder = tmp_path / "v"
+    argv = ["--train", str(hard_pairs_file(tmp_path / "pairs.jsonl")), "--out", str(folder)]
+    argv += ["--guard-input", "--layers", "2", "--batch", "4", "--threads", "1", "--full"]
+    assert train.main(argv) == 0
+    info = json.loads((folder / INFO_FILE).read_text())
+    assert info["hyper"]["tuning"] == "full" and info["hyper"]["lr"] == 5e-5
+    assert not (folder / "adapter_config.json").exists()
+    tensors = load_file(str(folder / FULL_WEIGHTS))
+    assert not any(name.startswith("bert.embeddings.") for name in tensors)
+    assert {name.split(".")[3] for name in tensors if ".layer." in name} == {"0", "1"}
+    assert "classifier.weight" in tensors and "bert.pooler.dense.weight" in tensors
+    verifier = PairVerifier(folder, threads=1, dtype="float32", packed_linears=False)
+    assert verifier.layers == 2
+    loaded = dict(verifier._model.named_parameters())
+    for name in ("classifier.weight", "bert.encoder.layer.1.output.dense.bias"):
+        assert np.array_equal(loaded[name].detach().numpy(), tensors[name].numpy())
+    query, text = ["How do I learn topic 3?"], ["How can I learn topic 3?"]
+    before = verifier.scores(query, text, [0.5])[0]
+    tensors["classifier.bias"] = tensors["classifier.bias"] + 2.0  # the file is what is read
+    save_file(tensors, str(folder / FULL_WEIGHTS))
+    after = PairVerifier(folder, threads=1, dtype="float32").scores(query, text, [0.5])[0]
+    assert np.log(after / (1 - after)) - np.log(before / (1 - before)) == pytest.approx(2.0, 1e-4)
+    shrunk = {k: v for k, v in tensors.items() if k != "classifier.bias"}
+    wide = {**tensors, "classifier.bias": tensors["classifier.bias"].repeat(2)}
+    extra = {
+        **tensors,
+        "bert.encoder.layer.2.output.dense.bias": tensors["classifier.bias"].clone(),
+    }
+    for bad, message in ((shrunk, "missing"), (wide, "has shape"), (extra, "extra")):
+        save_file(bad, str(folder / FULL_WEIGHTS))
+        with pytest.raises(ConfigError, match=message):
+            PairVerifier(folder, threads=1)
+    (folder / INFO_FILE).write_text(json.dumps({**info, "hyper": {**info["hyper"], "tuning": "x"}}))
+    with pytest.raises(ConfigError, match="hyper.tuning 'x'"):
+        PairVerifier(folder, threads=1)
+    with pytest.raises(SystemExit, match="not with --full"):
+        train.main([*argv, "--init", str(folder)])
+
+
 def test_the_shipped_verifier_loads_by_name_and_tells_rewordings_from_other_questions() -> None:
     """`builtin` is the verifier the package ships (trained on top of the guard, its operating
     point chosen on the dev pairs): it loads over the packaged embedder, states its data and

@@ -47,6 +47,9 @@ BUILTIN_FOLDER = Path(__file__).with_name("verifier_qqp")
 FORMAT = "tiercache-semantic-verifier/1"
 MAX_LENGTH = 96  # tokens per (query, candidate) pair when verifier.json does not say
 FULL_LAYERS = 6  # MiniLM-L6's encoder layers
+# a fully fine-tuned verifier's weights (`hyper.tuning: full`): every tensor past the word
+# embeddings, which stay the base's
+FULL_WEIGHTS = "verifier_model.safetensors"
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 GUARD_CLIP = 1e-6  # guard scores are clipped to [GUARD_CLIP, 1 - GUARD_CLIP] before the log-odds
 
@@ -126,6 +129,9 @@ class PairVerifier:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= 6:
             raise ConfigError(f"semantic verifier {where}: hyper.layers {layers!r}")
         self.layers = layers
+        tuning = _section(info, "hyper").get("tuning", "lora")
+        if tuning not in ("lora", "full"):
+            raise ConfigError(f"semantic verifier {where}: hyper.tuning {tuning!r}")
         self.guard_weight: float | None = None
         self.guard_digest: str | None = None  # the guard whose scores it was trained on
         if "guard_input" in info:
@@ -168,7 +174,10 @@ class PairVerifier:
             self._tokenizer = AutoTokenizer.from_pretrained(str(base))
             model = BertForSequenceClassification.from_pretrained(str(base), num_labels=1)
             keep_layers(model, layers)
-            model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
+            if tuning == "full":
+                model = _with_full_weights(model, where / FULL_WEIGHTS).eval()
+            else:
+                model = PeftModel.from_pretrained(model, str(where)).merge_and_unload().eval()
             self.packed_layers = 0
             if self.dtype == "int8":
                 model = _quantized(model)
@@ -216,6 +225,31 @@ class PairVerifier:
         if self.guard_weight is not None and guard is not None:
             logits = logits + self.guard_weight * guard_logits(guard)
         return 1.0 / (1.0 + np.exp(-logits))
+
+
+def _with_full_weights(model: Any, path: Path) -> Any:
+    """`model` with a full fine-tuning's tensors loaded (`FULL_WEIGHTS`); ConfigError unless the
+    file holds, with their shapes, exactly the tensors of every kept layer, the pooler and the
+    classifier (the embeddings stay the base's)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    expected = {
+        name: parameter.shape
+        for name, parameter in model.named_parameters()
+        if not name.startswith("bert.embeddings.")
+    }
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(expected))[:3]
+        raise ConfigError(
+            f"{path.name}: not this model's tensors (missing {missing}, extra {extra})"
+        )
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name]:
+            raise ConfigError(f"{path.name}: {name} has shape {tuple(tensor.shape)}")
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    return model
 
 
 def _quantized(model: Any) -> Any:

@@ -11,7 +11,7 @@ Usage::
     .venv/bin/python -m tiercache_dev.train.verifier --train .perf/verifier_pairs.jsonl \
         [--dev ../shared/eval/semantic_pairs_dev.jsonl] [--out .perf/verifier] [--one-order] \
         [--max-pairs N] [--epochs 1] [--batch 32] [--rank 8] [--lr 3e-4] [--threads 2] \
-        [--guard-input] [--layers 6]
+        [--guard-input] [--layers 6] [--full]
 
 Trains on the `train` split of QQP only (index mod 20 in 1..9; every row is checked): the
 candidates serving hands the verifier (`tiercache_dev.train.hard_pairs`: the index's top-k past
@@ -28,10 +28,13 @@ the guard score's log-odds (hard_pairs writes each candidate's `guard`; the pair
 which serving never hands the verifier, are left out), so the cross-encoder learns where the
 guard is wrong. The dev pairs carry no guard score, so it prints no dev figures: judge it with
 `tiercache eval-semantic --verifier`. `--layers N` keeps the first N of MiniLM's six layers.
+`--full` fine-tunes every weight of the kept layers, the pooler and the classifier instead of a
+LoRA adapter (the embeddings stay MiniLM's, frozen): a larger file, `verifier_model.safetensors`.
 
-Writes `--out`: the adapter (peft's `adapter_config.json`, `adapter_model.safetensors`) and
-`verifier.json` (the base weights' digest, data, split, rows, hyper-parameters, the dev figures).
-Shows progress with tqdm; deterministic for a seed on one machine.
+Writes `--out`: the adapter (peft's `adapter_config.json`, `adapter_model.safetensors`; with
+`--full` the trained weights, `verifier_model.safetensors`) and `verifier.json` (the base
+weights' digest, data, split, rows, hyper-parameters, the dev figures). Shows progress with
+tqdm; deterministic for a seed on one machine.
 """
 
 from __future__ import annotations
@@ -95,14 +98,15 @@ so a commercial deployment must train its own (docs/semantic_guard.md says how).
 """
 
 
-def portable(folder: Path, base_id: str) -> None:
+def portable(folder: Path, base_id: str, adapter: bool = True) -> None:
     """Make a written verifier folder name no path of this machine: peft records the base
     weights' folder in adapter_config.json and its model card; the base is named by its id
     instead (PairVerifier passes the weights itself), and the card is replaced by ours."""
-    config_path = folder / "adapter_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = base_id
-    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if adapter:
+        config_path = folder / "adapter_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["base_model_name_or_path"] = base_id
+        config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(MODEL_CARD, encoding="utf-8")
 
 
@@ -123,7 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4, help="peak; linear warm-up and decay")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak, with a linear warm-up and decay; default 3e-4 (LoRA), 5e-5 (--full)",
+    )
     p.add_argument("--max-length", type=int, default=64, help="tokens per pair")
     p.add_argument(
         "--one-order",
@@ -147,6 +156,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(over 1: a false hit costs more, for a verifier run at high precision)",
     )
     p.add_argument("--layers", type=int, default=6, help="keep MiniLM's first N layers (1-6)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="fine-tune every weight past the embeddings instead of a LoRA adapter",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -158,13 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--layers {args.layers}: 1 to 6")
     if not args.negative_weight > 0:
         raise SystemExit(f"--negative-weight {args.negative_weight}: must be > 0")
+    if args.full and args.init is not None:
+        raise SystemExit("--init goes on training an adapter: not with --full")
+    if args.lr is None:
+        args.lr = 5e-5 if args.full else 3e-4
     import torch
     from peft import LoraConfig, get_peft_model
     from tqdm import tqdm
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from tiercache.semantic.embedder import resolve_embedder
-    from tiercache.semantic.verifier import guard_logits, keep_layers
+    from tiercache.semantic.verifier import FULL_WEIGHTS, guard_logits, keep_layers
 
     init_info = None
     if args.init is not None:  # checked now, not after half an hour of training
@@ -206,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         target_modules=LORA_TARGETS,
         modules_to_save=["classifier", "pooler"],
     )
-    if args.init is not None:  # go on training an adapter this script wrote
+    if args.full:  # every weight past the embeddings, which stay MiniLM's
+        model = base
+        for parameter in model.bert.embeddings.parameters():
+            parameter.requires_grad = False
+    elif args.init is not None:  # go on training an adapter this script wrote
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(base, str(args.init), is_trainable=True)
@@ -302,7 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dev pairs, score >= {t}: precision {shown_p}, recall {recall:.3f}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(args.out))
+    if args.full:
+        from safetensors.torch import save_file
+
+        trained = {
+            name: tensor.detach().contiguous()
+            for name, tensor in model.named_parameters()
+            if tensor.requires_grad
+        }
+        save_file(trained, str(args.out / FULL_WEIGHTS))
+    else:
+        model.save_pretrained(str(args.out))
     info = {
         "format": "tiercache-semantic-verifier/1",
         "base": {"embedder": identity.embedder_id, "revision": identity.revision},
@@ -315,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         "hyper": {
             "epochs": args.epochs,
             "batch": args.batch,
-            "rank": args.rank,
-            "lora_targets": LORA_TARGETS,
+            "tuning": "full" if args.full else "lora",
+            "rank": None if args.full else args.rank,
+            "lora_targets": None if args.full else LORA_TARGETS,
             "lr": args.lr,
             "max_length": args.max_length,
             "layers": args.layers,
@@ -341,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "guard": load_guard().scoring_digest(),
         }
     (args.out / "verifier.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-    portable(args.out, identity.embedder_id)
+    portable(args.out, identity.embedder_id, adapter=not args.full)
     progress(f"trained in {train_s:.0f} s; wrote {args.out}")
     return 0
 
