@@ -3,6 +3,7 @@ in-process. Metrics record what they are given so tests can read them back."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable
@@ -87,7 +88,8 @@ class InferenceRequest:
         return json.dumps(self.kwargs.get("parameters") or {})
 
     def exec(self, decoupled: bool = False) -> Any:
-        """A decoupled call yields every response; otherwise the one response."""
+        """A decoupled call yields every response, and, as python_backend's does, returns only
+        once the first one came (a handler may yield them lazily); otherwise the one response."""
         name = self.kwargs.get("model_name", "")
         handler = BLS_MODELS.get(name)
         if handler is None:
@@ -95,7 +97,11 @@ class InferenceRequest:
             responses = [InferenceResponse([], error=error)]
         else:
             responses = handler(self)
-        return iter(responses) if decoupled else responses[0]
+        if not decoupled:
+            return responses[0]
+        rest = iter(responses)
+        first = next(rest, None)
+        return rest if first is None else itertools.chain([first], rest)
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

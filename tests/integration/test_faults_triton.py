@@ -29,7 +29,12 @@ from redis_server import RedisServer
 
 from tiercache.exact.stores import LmdbStore
 from tiercache.server import REDIS_STAGES, TritonServer, copy_repository
-from tiercache_client import GenerationResult, TierCacheClient, TierCacheClientError
+from tiercache_client import (
+    GenerationResult,
+    TierCacheClient,
+    TierCacheClientError,
+    UnavailableError,
+)
 from tiercache_dev.perf.analyzer import install_perf_analyzer, run_perf_analyzer
 
 from .conftest import (
@@ -50,6 +55,7 @@ REFUSAL_TEXT = "That topic is not served here."
 RECOVERY_TIMEOUT_S = 120.0
 VICTIM_DEADLINE_S = 20.0  # the client deadline of a request whose stub is killed under it
 EMBEDDER_TIMEOUT_S = 2.0  # embedding_cache's deadline on its embedder calls in this server
+ENGINE_TIMEOUT_S = 15.0  # llm's deadline per engine response here (a loaded CI waits seconds)
 L2_MAX_BYTES = 1 << 30  # CacheConfig's default: the test process opens the server's L2 too
 
 
@@ -73,11 +79,13 @@ def fault_repository(root: Path, redis_url: str, prefix: str) -> Path:
         **parameters["embedding_cache"],
         "embedder_timeout_s": str(EMBEDDER_TIMEOUT_S),
     }
+    parameters["llm"] = {**parameters["llm"], "engine_timeout_s": str(ENGINE_TIMEOUT_S)}
     repository = copy_repository(MODEL_REPOSITORY, root / "model_repository", parameters)
-    # the embedder, held while a HOLD file lies beside it (held_embedder.py)
-    version = repository / "embedder" / "1"
-    (version / "model.py").rename(version / "real_model.py")
-    shutil.copyfile(Path(__file__).with_name("held_embedder.py"), version / "model.py")
+    # the embedder and the engine, each held while a HOLD file lies beside it (held_model.py)
+    for model in ("embedder", "torch_llm"):
+        version = repository / model / "1"
+        (version / "model.py").rename(version / "real_model.py")
+        shutil.copyfile(Path(__file__).with_name("held_model.py"), version / "model.py")
     return repository
 
 
@@ -247,6 +255,42 @@ def test_an_embedder_that_stops_answering_costs_lookups_one_deadline(faults: Fau
             break
         assert time.monotonic() < deadline, "lookups still fail a minute after the release"
         time.sleep(0.5)
+
+
+def test_an_engine_that_stops_answering_fails_a_miss_after_engine_timeout_s(
+    faults: Faults,
+) -> None:
+    """torch_llm's execute held (its stub healthy to Triton, answering nothing): a new prompt
+    fails as unavailable once llm's deadline per engine response passed, counted as timed out;
+    cached answers keep being served meanwhile; once the engine answers again, misses are
+    generated again."""
+    server = faults.server
+    tag = uuid.uuid4().hex[:6]
+    cached = f"Name one use of the engine deadline {tag}."
+    assert ask(server, cached, max_tokens=4).cache_status == "miss"
+    late = "tiercache_llm_engine_late_total"
+    timed_out_before = settled_metric(server, late, event="timed_out")
+    hold = faults.repository / "torch_llm" / "1" / "HOLD"
+    hold.touch()
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as info:
+            ask(server, f"Name two rivers of the north {tag}.", max_tokens=4)
+        waited = time.monotonic() - started
+        assert f"no response within {ENGINE_TIMEOUT_S:g} s" in str(info.value)
+        assert ENGINE_TIMEOUT_S - 0.5 < waited < ENGINE_TIMEOUT_S + 30, waited
+        hit = ask(server, cached, max_tokens=4)
+        assert hit.cache_status == "exact"
+        assert settled_metric(server, late, event="timed_out") - timed_out_before == 1
+        assert server_died(server) is False
+        print(
+            f"\nengine held: a new prompt failed after {waited:.2f} s ({info.value}); "
+            f"exact hit {hit.latency_s:.3f} s"
+        )
+    finally:
+        hold.unlink(missing_ok=True)
+    result = ask(server, f"Name three rivers of the south {tag}.", max_tokens=4)
+    assert result.cache_status == "miss" and result.text
 
 
 # -- refusals ------------

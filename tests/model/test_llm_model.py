@@ -795,6 +795,9 @@ def test_an_engine_that_stops_answering_fails_the_miss_after_engine_timeout_s(
         assert response.has_error() and response.error().code() == pb_utils.TritonError.UNAVAILABLE
         assert "engine torch_llm: no response within 0.5 s" in response.error().message()
         assert 0.4 < waited < 10, waited
+        instance.stage.metrics.flush()
+        late = {e: c.metric.value() for e, c in instance.stage.engine_late.items()}
+        assert late == {"timed_out": 1, "refused": 0}  # tiercache_llm_engine_late_total
         release.set()
         (served,) = run(
             pb_utils,

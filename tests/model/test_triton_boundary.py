@@ -608,6 +608,33 @@ def test_bls_stream_deadline_fails_a_stalled_stream_and_refuses_while_too_many_a
             stream.release.set()
 
 
+def test_bls_stream_deadline_bounds_a_call_whose_first_response_never_comes(
+    tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """python_backend's `exec(decoupled=True)` returns only with the callee's first response
+    (the stand-in does too): an engine that never sends one fails the call after idle_s, and
+    the stream's reader, which opened it, keeps it once the callee answers."""
+    ok = [pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])]
+    held = _HeldStream(ok, first=0)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "engine", lambda request: held)
+    keeper = tb.StreamKeeper(30.0)
+    client = tb.BlsClient("engine", label="engine e", keeper=keeper, stream_idle_s=0.2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match=r"engine e: no response within 0\.2 s"):
+            next(client.stream([], ["OUT"]))
+        assert 0.15 < time.monotonic() - started < 5
+        assert client.stream_deadline.stalled() == 1 and len(keeper) == 0
+        held.release.set()
+        for _ in range(200):
+            if client.stream_deadline.stalled() == 0:
+                break
+            time.sleep(0.01)
+        assert client.stream_deadline.stalled() == 0 and len(keeper) == 1
+    finally:
+        held.release.set()
+
+
 def test_bls_stream_deadline_passes_errors_and_an_abandoned_stream_is_kept(
     tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:

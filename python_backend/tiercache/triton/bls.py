@@ -196,27 +196,33 @@ class _Raised:
 
 
 class _StreamReader:
-    """One stream read on a daemon thread: its responses, then `_END` or `_Raised`, go to
-    `queue`; the stream goes to `keep` when the thread is done with it."""
+    """One stream opened and read on a daemon thread (python_backend's `exec(decoupled=True)`
+    itself waits for the callee's first response): its responses, then `_END` or `_Raised`, go
+    to `queue`; the stream goes to `keep` when the thread is done with it."""
 
     def __init__(
         self,
         watch: StreamDeadline,
-        responses: Iterable[Any],
+        open_stream: Callable[[], Iterable[Any]],
         keep: Callable[[object], None],
     ) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.abandoned = False  # the caller stopped reading: drop what comes
         self.finished = False
         self.stalled = False  # counted in the watch's stalled readers
+        self.stream: Iterable[Any] | None = None  # once open
         self._watch = watch
         self._thread = threading.Thread(
-            target=self._pump, args=(responses, keep), name="bls-stream", daemon=True
+            target=self._pump, args=(open_stream, keep), name="bls-stream", daemon=True
         )
         self._thread.start()
 
-    def _pump(self, responses: Iterable[Any], keep: Callable[[object], None]) -> None:
+    def _pump(
+        self, open_stream: Callable[[], Iterable[Any]], keep: Callable[[object], None]
+    ) -> None:
+        responses = None
         try:
+            responses = self.stream = open_stream()
             for response in responses:
                 if self.abandoned:
                     break  # the rest stays in the stream, which the keeper holds
@@ -225,7 +231,8 @@ class _StreamReader:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as raised
             self.queue.put(_Raised(exc))
         finally:
-            keep(responses)  # here, with the GIL, as StreamKeeper needs
+            if responses is not None:
+                keep(responses)  # here, with the GIL, as StreamKeeper needs
             del responses
             self._watch._finished(self)
 
@@ -265,12 +272,17 @@ class StreamDeadline:
                 )
 
     def read(
-        self, responses: Iterable[Any], keep: Callable[[object], None]
+        self,
+        open_stream: Callable[[], Iterable[Any]],
+        keep: Callable[[object], None],
+        cancel_on_close: bool = False,
     ) -> Generator[Any, None, None]:
-        """`responses`' responses in order, each waited for at most idle_s (then
-        `Unavailable`); what the stream raises, raised here. `keep` gets the stream once its
-        reader is done with it."""
-        reader = _StreamReader(self, responses, keep)
+        """The responses of the stream `open_stream()` opens (on the reader's thread), in order,
+        each waited for at most idle_s (then `Unavailable`); what opening or the stream raises,
+        raised here. `keep` gets the stream once its reader is done with it;
+        `cancel_on_close`: a stream the caller stops reading before its end is cancelled."""
+        reader = _StreamReader(self, open_stream, keep)
+        ended = False
         try:
             while True:
                 try:
@@ -285,12 +297,18 @@ class StreamDeadline:
                         f"{self.label}: no response within {self.idle_s:g} s"
                     ) from None
                 if item is _END:
+                    ended = True
                     return
                 if isinstance(item, _Raised):
                     raise item.exc
                 yield item
         finally:
             reader.abandoned = True
+            stream = reader.stream  # None: not open yet (its reader drops what comes)
+            if cancel_on_close and not ended and stream is not None:
+                cancel: Callable[[], None] | None = getattr(stream, "cancel", None)
+                if cancel is not None:
+                    cancel()
 
     def stalled(self) -> int:
         """Readers past their wait that are still out."""
@@ -366,10 +384,20 @@ class BlsClient:
         watch = self.stream_deadline
         if watch is not None:
             watch.admit()
+            request = self.request(inputs, outputs)
+            reading = watch.read(
+                lambda: request.exec(decoupled=True), self.keeper.keep, cancel_on_close
+            )
+            try:
+                for response in reading:
+                    raise_if_error(response, self.label)
+                    yield response
+            finally:
+                reading.close()  # its reader drops what comes now, then keeps the stream
+            return
         responses = self.request(inputs, outputs).exec(decoupled=True)
-        reading = None if watch is None else watch.read(responses, self.keeper.keep)
         try:
-            for response in responses if reading is None else reading:
+            for response in responses:
                 raise_if_error(response, self.label)
                 yield response
         finally:
@@ -377,7 +405,4 @@ class BlsClient:
                 cancel: Callable[[], None] | None = getattr(responses, "cancel", None)
                 if cancel is not None:
                     cancel()
-            if reading is None:
-                self.keeper.keep(responses)
-            else:
-                reading.close()  # its reader drops what comes now, then keeps the stream
+            self.keeper.keep(responses)
