@@ -598,7 +598,7 @@ def test_bls_stream_deadline_fails_a_stalled_stream_and_refuses_while_too_many_a
                 break
             time.sleep(0.01)
         assert watch.stalled() == 1 and len(keeper) == 1
-        assert streams[0].read == 2  # read up to the response after the stall, then dropped
+        assert streams[0].read == 3  # read to its end once released, the rest dropped
         streams.clear()
         monkeypatch.setitem(pb_utils.BLS_MODELS, "engine", lambda request: ok)
         out = [tb.output_string(r, "OUT") for r in client.stream([], ["OUT"])]
@@ -635,6 +635,61 @@ def test_bls_stream_deadline_bounds_a_call_whose_first_response_never_comes(
         held.release.set()
 
 
+class _CancellableStream(_HeldStream):
+    """A held stream with python_backend's cancel() (the stand-in's exec hides a handler's)."""
+
+    def __init__(self, responses: list[Any], first: int) -> None:
+        super().__init__(responses, first)
+        self.cancelled = 0
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["stream-open", "first-response-late"])
+def test_a_stream_past_its_deadline_is_cancelled_once_and_read_to_its_end(
+    tb: ModuleType,
+    pb_utils: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    opened: bool,
+) -> None:
+    """With cancel_on_close, a stream the deadline gives up on is cancelled once: at once when
+    it is open, else as it opens (python_backend's exec returns with the first response); its
+    reader then reads it to its end (python_backend lets go of a stream only then), drops what
+    it reads, and keeps it."""
+    ok = [pb_utils.InferenceResponse([tb.bytes_tensor("OUT", [str(i)])]) for i in range(3)]
+    held = _CancellableStream(ok, first=1)
+    open_now = threading.Event()
+    if opened:
+        open_now.set()
+
+    def exec_(self: Any, decoupled: bool = False) -> Any:
+        assert open_now.wait(30), "never opened"
+        return held
+
+    monkeypatch.setattr(pb_utils.InferenceRequest, "exec", exec_)
+    keeper = tb.StreamKeeper(30.0)
+    client = tb.BlsClient("engine", label="engine e", keeper=keeper, stream_idle_s=0.2)
+    try:
+        got = []
+        with pytest.raises(Unavailable, match="no response within"):
+            for response in client.stream([], ["OUT"], cancel_on_close=True):
+                got.append(tb.output_string(response, "OUT"))
+        assert got == (["0"] if opened else [])
+        assert held.cancelled == (1 if opened else 0)
+        open_now.set()
+        held.release.set()
+        for _ in range(200):
+            if len(keeper) == 1:
+                break
+            time.sleep(0.01)
+        assert held.cancelled == 1 and held.read == 3 and len(keeper) == 1
+        assert client.stream_deadline.stalled() == 0
+    finally:
+        open_now.set()
+        held.release.set()
+
+
 def test_bls_stream_deadline_passes_errors_and_an_abandoned_stream_is_kept(
     tb: ModuleType, pb_utils: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -657,15 +712,18 @@ def test_bls_stream_deadline_passes_errors_and_an_abandoned_stream_is_kept(
     with pytest.raises(RuntimeError, match="lost the stream"):
         list(client.stream([], ["OUT"]))
     ok = pb_utils.InferenceResponse([tb.bytes_tensor("OUT", ["x"])])
-    monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", lambda request: [ok] * 5)
+    held = _HeldStream([ok] * 5, first=1)
+    monkeypatch.setitem(pb_utils.BLS_MODELS, "bad", lambda request: held)
     reader = client.stream([], ["OUT"])
     next(reader)
-    reader.close()
+    reader.close()  # left after one response; the rest comes after
+    held.release.set()
     for _ in range(200):
         if len(keeper) == 3:
             break
         time.sleep(0.01)
     assert len(keeper) == 3 and client.stream_deadline.stalled() == 0
+    assert held.read == 5  # read to its end, dropped
     for bad in (0.0, -1.0, 1e10, float("inf")):
         with pytest.raises(ValueError, match="idle_s must be > 0"):
             tb.StreamDeadline(bad, "x")

@@ -50,8 +50,7 @@ class StreamKeeper:
         self._lock = threading.Lock()
 
     def keep(self, stream: object) -> None:
-        """Hold `stream` for hold_s; drop those held longer (outside the lock: dropping an
-        unfinished iterator waits for its remaining responses)."""
+        """Hold `stream` for hold_s; drop those held longer (outside the lock)."""
         now = self._clock()
         expired = []
         with self._lock:
@@ -198,35 +197,55 @@ class _Raised:
 class _StreamReader:
     """One stream opened and read on a daemon thread (python_backend's `exec(decoupled=True)`
     itself waits for the callee's first response): its responses, then `_END` or `_Raised`, go
-    to `queue`; the stream goes to `keep` when the thread is done with it."""
+    to `queue`. Once the caller stops reading, the rest is read and dropped: python_backend
+    lets go of a stream's iterator only once its last response was read. The stream goes to
+    `keep` when the thread is done with it; with `cancel_on_close`, a stream the caller left
+    before its end is cancelled once (by the caller if it was open then, else here as it
+    opens)."""
 
     def __init__(
         self,
         watch: StreamDeadline,
         open_stream: Callable[[], Iterable[Any]],
         keep: Callable[[object], None],
+        cancel_on_close: bool,
     ) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.abandoned = False  # the caller stopped reading: drop what comes
         self.finished = False
         self.stalled = False  # counted in the watch's stalled readers
         self.stream: Iterable[Any] | None = None  # once open
+        self.lock = threading.Lock()  # `abandoned` against `stream`: one cancel
+        self._cancel_on_close = cancel_on_close
         self._watch = watch
         self._thread = threading.Thread(
             target=self._pump, args=(open_stream, keep), name="bls-stream", daemon=True
         )
         self._thread.start()
 
+    def abandon(self, cancel: bool) -> None:
+        """The caller stops reading; `cancel`: cancel the stream if it is open (else it is
+        cancelled as it opens, with `cancel_on_close`)."""
+        with self.lock:
+            self.abandoned = True
+            stream = self.stream
+        if cancel and stream is not None:
+            _cancel(stream)
+
     def _pump(
         self, open_stream: Callable[[], Iterable[Any]], keep: Callable[[object], None]
     ) -> None:
         responses = None
         try:
-            responses = self.stream = open_stream()
+            responses = open_stream()
+            with self.lock:
+                self.stream = responses
+                left = self.abandoned
+            if left and self._cancel_on_close:
+                _cancel(responses)
             for response in responses:
-                if self.abandoned:
-                    break  # the rest stays in the stream, which the keeper holds
-                self.queue.put(response)
+                if not self.abandoned:
+                    self.queue.put(response)
             self.queue.put(_END)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as raised
             self.queue.put(_Raised(exc))
@@ -237,12 +256,20 @@ class _StreamReader:
             self._watch._finished(self)
 
 
+def _cancel(stream: object) -> None:
+    """python_backend's cancel of a BLS stream (>= 25.05; none before)."""
+    cancel: Callable[[], None] | None = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
 class StreamDeadline:
     """Waits at most `idle_s` for each response of a decoupled stream (the first counted from
-    the call). A stream is read on a daemon thread of its own; past the wait the caller gets
-    `Unavailable` (naming `label`) and the thread is left to finish (what it reads is dropped).
-    While `max_stalled` such threads are still out, new streams are refused at once, so a
-    callee that stopped answering holds at most that many threads. Each stream costs a thread
+    the call). A stream is opened and read on a daemon thread of its own; past the wait the
+    caller gets `Unavailable` (naming `label`) and the thread is left to read the stream to its
+    end (dropping what it reads). While `max_stalled` such threads are still out, new streams
+    are refused at once: a callee that stopped answering holds the threads of the calls that
+    were waiting on it then, and at most `max_stalled` - 1 more. Each stream costs a thread
     start and a queue hand-off per response (tens of microseconds: for engine generations and
     adapter loads, not for hits)."""
 
@@ -281,7 +308,7 @@ class StreamDeadline:
         each waited for at most idle_s (then `Unavailable`); what opening or the stream raises,
         raised here. `keep` gets the stream once its reader is done with it;
         `cancel_on_close`: a stream the caller stops reading before its end is cancelled."""
-        reader = _StreamReader(self, open_stream, keep)
+        reader = _StreamReader(self, open_stream, keep, cancel_on_close)
         ended = False
         try:
             while True:
@@ -289,13 +316,18 @@ class StreamDeadline:
                     item = reader.queue.get(timeout=self.idle_s)
                 except queue.Empty:
                     with self._lock:
-                        self.timed_out += 1
-                        if not reader.finished:
-                            reader.stalled = True
-                            self._stalled += 1
-                    raise Unavailable(
-                        f"{self.label}: no response within {self.idle_s:g} s"
-                    ) from None
+                        try:  # one that came as the wait ended is taken, not failed
+                            item = reader.queue.get_nowait()
+                        except queue.Empty:
+                            item = None
+                            self.timed_out += 1
+                            if not reader.finished:
+                                reader.stalled = True
+                                self._stalled += 1
+                    if item is None:
+                        raise Unavailable(
+                            f"{self.label}: no response within {self.idle_s:g} s"
+                        ) from None
                 if item is _END:
                     ended = True
                     return
@@ -303,12 +335,7 @@ class StreamDeadline:
                     raise item.exc
                 yield item
         finally:
-            reader.abandoned = True
-            stream = reader.stream  # None: not open yet (its reader drops what comes)
-            if cancel_on_close and not ended and stream is not None:
-                cancel: Callable[[], None] | None = getattr(stream, "cancel", None)
-                if cancel is not None:
-                    cancel()
+            reader.abandon(cancel_on_close and not ended)
 
     def stalled(self) -> int:
         """Readers past their wait that are still out."""
@@ -402,7 +429,5 @@ class BlsClient:
                 yield response
         finally:
             if cancel_on_close:
-                cancel: Callable[[], None] | None = getattr(responses, "cancel", None)
-                if cancel is not None:
-                    cancel()
+                _cancel(responses)
             self.keeper.keep(responses)
