@@ -520,6 +520,13 @@ def test_a_load_the_engine_never_answers_fails_after_engine_timeout_s(
         assert report["warmed"]["caps"].startswith("error: unavailable:")
         assert "engine torch_llm: no response within 0.5 s" in report["warmed"]["caps"]
         assert {r["name"]: r["tier"] for r in report["adapters"]}["caps"] == "host"
+        # the report's listing of the engine waited too: two streams given up on
+        assert report["engine_reported"] is None and "no response" in report["engine_error"]
+        model.stage.metrics.flush()  # tiercache_lora_engine_late_total
+        assert {e: c.metric.value() for e, c in model.stage.engine_late.items()} == {
+            "timed_out": 2,
+            "refused": 0,
+        }
         release.set()
         (again,) = model.execute([admin(pb_utils, sealer, op="warm", names=["caps"])])
         report = json.loads(outputs(pb_utils, again)["ADMIN_RESULT"])

@@ -21,6 +21,26 @@ def status_counters(
     return {value: metrics.counter(name, description, **{label: value}) for value in values}
 
 
+def export_late_calls(
+    metrics: tm.Metrics, deadline: Any, name: str, description: str
+) -> dict[str, tm._DeferredMetric]:
+    """Counters `name{event="timed_out"|"refused"}` that follow a `Deadline` or
+    `StreamDeadline`'s counts (`deadline.timed_out`, `.refused`) at each flush; none (an empty
+    dict) without a deadline."""
+    if deadline is None:
+        return {}
+    late = status_counters(metrics, name, description, "event", ["timed_out", "refused"])
+    timed_out = tm.DeltaCounter(late["timed_out"])
+    refused = tm.DeltaCounter(late["refused"])
+
+    def count() -> None:
+        timed_out.update(deadline.timed_out)
+        refused.update(deadline.refused)
+
+    metrics.on_flush(count)
+    return late
+
+
 def export_redis(metrics: tm.Metrics, tiers: ExactTiers) -> bool:
     """Redis health and invalidation-listener metrics for tiers with L3; False (and nothing
     exported) without L3."""

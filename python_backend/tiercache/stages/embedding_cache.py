@@ -25,7 +25,7 @@ from tiercache.semantic.stage import ChooseFn, EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.semantic.verifier import VerifiedChoice, open_verified_choice
-from tiercache.stages.common import export_redis, status_counters
+from tiercache.stages.common import export_late_calls, export_redis, status_counters
 from tiercache.stages.envelope import Envelope, Freshness, check_sealed, seal_of
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_freshness, open_sealer
@@ -346,24 +346,13 @@ def open_embedding_cache(
     freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
     stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()), freshness)
     stage.closing.append(embedder.close)
-    if embedder.client.deadline is not None:
-        deadline = embedder.client.deadline
-        late = status_counters(
-            metrics,
-            "tiercache_embedding_cache_embedder_late_total",
-            "Embedder calls with no answer within embedder_timeout_s (timed_out), and lookups "
-            "not sent while such a call was still out (refused); their requests went on as misses",
-            "event",
-            ["timed_out", "refused"],
-        )
-        timed_out = tm.DeltaCounter(late["timed_out"])
-        refused = tm.DeltaCounter(late["refused"])
-
-        def count_late() -> None:
-            timed_out.update(deadline.timed_out)
-            refused.update(deadline.refused)
-
-        metrics.on_flush(count_late)
+    export_late_calls(
+        metrics,
+        embedder.client.deadline,
+        "tiercache_embedding_cache_embedder_late_total",
+        "Embedder calls with no answer within embedder_timeout_s (timed_out), and lookups "
+        "not sent while such a call was still out (refused); their requests went on as misses",
+    )
     if verified is not None:
         stage.watch_verifier(verified)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied

@@ -52,6 +52,7 @@ from tiercache.stages.common import (
     admin_inputs,
     admin_seal,
     engine_inputs,
+    export_late_calls,
     export_redis,
     status_counters,
 )
@@ -446,26 +447,14 @@ class LlmStage:
             buckets=tm.GENERATION_BUCKETS_S,
         )
         self.engine = EngineBls(config, sealer, cipher, self._record_kv)
-        watch = self.engine.client.stream_deadline
-        self.engine_late: dict[str, Any] = {}  # by event, with engine_timeout_s
-        if watch is not None:
-            late = self.engine_late = status_counters(
-                m,
-                "tiercache_llm_engine_late_total",
-                "Engine streams with no response within engine_timeout_s (timed_out), and "
-                "engine calls not made while too many such streams were still out (refused); "
-                "their requests failed as unavailable",
-                "event",
-                ["timed_out", "refused"],
-            )
-            late_timed_out = tm.DeltaCounter(late["timed_out"])
-            late_refused = tm.DeltaCounter(late["refused"])
-
-            def count_late() -> None:
-                late_timed_out.update(watch.timed_out)
-                late_refused.update(watch.refused)
-
-            m.on_flush(count_late)
+        self.engine_late = export_late_calls(  # by event; none without engine_timeout_s
+            m,
+            self.engine.client.stream_deadline,
+            "tiercache_llm_engine_late_total",
+            "Engine streams with no response within engine_timeout_s (timed_out), and engine "
+            "calls not made while too many such streams were still out (refused); their "
+            "requests failed as unavailable",
+        )
         if self.engine.trtllm is not None:
             self.drafts = DraftMetrics(m)  # TensorRT-LLM's speculative steps (torch_llm: its own)
             self.engine.on_drafts = self.drafts.record

@@ -17,7 +17,7 @@ from tiercache.lora.residency import LoraPlan, Residency
 from tiercache.lora.stage import LoraCache
 from tiercache.lora.trtllm import TrtllmLoraConverter
 from tiercache.lora.types import DISK_TIER, ENGINE_TIER, HOST_TIER, TIERS
-from tiercache.stages.common import engine_inputs
+from tiercache.stages.common import engine_inputs, export_late_calls
 from tiercache.stages.envelope import Freshness, ReceivedEnvelope
 from tiercache.stages.memory_budgets import start_budgets
 from tiercache.stages.parts import (
@@ -133,6 +133,8 @@ class LoraCacheStage:
     ) -> None:
         """`plans` must be the `on_plan` hook `core` was built with."""
         self.budgets: BudgetThread | None = None  # the host tier following the machine
+        # tiercache_lora_engine_late_total by event (with engine_timeout_s; open_stage)
+        self.engine_late: dict[str, Any] = {}
         self.core = core
         self.sealer = sealer
         # what an envelope must be past its seal to plan for (age; key, with a key file)
@@ -256,17 +258,22 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     metrics = tm.Metrics(model_name)
     plans = PlanCounter(metrics)
     sealer = open_sealer(config.state_path())
-    core = open_lora_core(
-        config,
-        EngineBls(config.engine_model, sealer, config.engine_timeout_s or None),
-        on_plan=plans,
+    engine = EngineBls(config.engine_model, sealer, config.engine_timeout_s or None)
+    engine_late = export_late_calls(  # by event; none without engine_timeout_s
+        metrics,
+        engine.client.stream_deadline,
+        "tiercache_lora_engine_late_total",
+        "Adapter loads and listings with no response from the engine within engine_timeout_s "
+        "(timed_out), and those not sent while too many such streams were still out (refused)",
     )
+    core = open_lora_core(config, engine, on_plan=plans)
     cipher = open_adapter_cipher(config.state_path())
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
     freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
     fleet = open_fleet(config, core)
     stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, fleet, freshness)
+    stage.engine_late = engine_late
     if config.host_max_bytes > 0:  # 0 keeps nothing: no budget to follow
         stage.budgets = start_budgets(
             config.memory_headroom_bytes,
