@@ -994,3 +994,59 @@ def test_the_verifiers_kept_scores_serve_one_search_only(tmp_path: Path) -> None
     choose.forget()
     choose("q", [("c", 0.9)])
     assert calls == [1, 1, 1, 1]
+
+
+def test_processes_starting_cold_together_build_a_scope_s_graph_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two indexes (two stage processes) open the same large scope at once with no saved
+    graph: the first builds it while holding the scope's build lock; the second waits for
+    the lock and loads the graph the first saved instead of building its own."""
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    real_build = ScopeSearch.build_hnsw
+    builders: list[str] = []
+
+    def slow_build(self: ScopeSearch, rows: np.ndarray) -> None:
+        builders.append(threading.current_thread().name)
+        time.sleep(0.5)  # long enough for the other to arrive meanwhile
+        real_build(self, rows)
+
+    monkeypatch.setattr(ScopeSearch, "build_hnsw", slow_build)
+    started: dict[str, SemanticIndex] = {}
+
+    def start(name: str) -> None:
+        started[name] = _start(store)
+
+    threads = [threading.Thread(target=start, args=(n,), name=n) for n in ("first", "second")]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join(30)
+    assert builders == ["first"]
+    first, second = started["first"].stats(), started["second"].stats()
+    assert (first.graphs_built, first.graphs_loaded) == (1, 0)
+    assert (second.graphs_built, second.graphs_loaded) == (0, 1)
+    assert len(_graph_files(store)) == 1
+    assert _agree_with_flat(started["second"], _random_rows(50, 3)) >= 47
+
+
+def test_a_build_lock_held_too_long_is_given_up_and_the_caller_builds(tmp_path: Path) -> None:
+    from tiercache.semantic.graph_files import GraphFiles
+
+    graphs = GraphFiles(tmp_path / "graphs")
+    with graphs.building("s") as held:
+        assert held
+        with graphs.building("t", wait_s=0.2) as other_scope:
+            assert other_scope  # one lock per scope
+        started = time.monotonic()
+        with graphs.building("s", wait_s=0.2) as again:
+            assert not again  # waited its 0.2 s; builds all the same
+        assert 0.15 < time.monotonic() - started < 5
+    with graphs.building("s", wait_s=0.2) as after:
+        assert after
+    unwritable = GraphFiles(tmp_path / "file" / "graphs")
+    (tmp_path / "file").write_text("not a folder")
+    with unwritable.building("s") as none:
+        assert not none

@@ -12,6 +12,7 @@ loads the newest one that covers a prefix of the table's rows, then adds only th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -317,11 +318,16 @@ class SemanticIndex:
         rows = scope.table.snapshot()
         covered = self._load_graph(scope, rows)
         if covered is None:
-            scope.build_hnsw(rows)
-            self._built += 1
-            log.info("built a graph of %d rows in %.1f s", len(rows), _since(started))
-            self._save_graph(scope)
-            return
+            with contextlib.ExitStack() as building:
+                if self.graphs is not None:  # another process may be building it: wait
+                    building.enter_context(self.graphs.building(scope.name))
+                    covered = self._load_graph(scope, rows)  # saved while this one waited
+                if covered is None:
+                    scope.build_hnsw(rows)
+                    self._built += 1
+                    log.info("built a graph of %d rows in %.1f s", len(rows), _since(started))
+                    self._save_graph(scope)
+                    return
         self._loaded += 1
         scope.hnsw_add(rows)
         log.info(
