@@ -446,6 +446,79 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     assert (cached.cache_status, cached.text) == ("exact", reference.text)
 
 
+def test_engine_stub_killed_mid_generation(faults: Faults) -> None:
+    """SIGKILL torch_llm's stub while it generates an answer. torch_llm is decoupled, so Triton
+    2.51 does not restart it either: the request in flight fails (llm's engine stream ends in
+    an error, or its deadline per response passes), later misses fail, while exact hits are
+    still served (they never reach the engine). After a restart of the server on the same
+    state, nothing half-written was stored: the killed prompt is generated again, whole."""
+    server = faults.server
+    prompt = f"Write a long story about a river pilot ({uuid.uuid4().hex[:6]})."
+    max_tokens = 64
+    reference = ask(server, prompt, tenant="ref-engine-kill", max_tokens=max_tokens)
+    assert reference.cache_status == "miss" and reference.text
+    cached = f"Name one use of an engine kill test {uuid.uuid4().hex[:6]}."
+    assert ask(server, cached, max_tokens=4).cache_status == "miss"
+    tenant = f"engine-kill-{uuid.uuid4().hex[:6]}"
+
+    chunks: list[str] = []
+    outcome: list[tuple[float, object]] = []
+    first_chunk = threading.Event()
+
+    def victim() -> None:
+        try:
+            with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120) as c:
+                for item in c.generate(prompt, tenant=tenant, max_tokens=max_tokens):
+                    if isinstance(item, str):
+                        chunks.append(item)
+                        first_chunk.set()
+                    else:
+                        outcome.append((time.monotonic(), item))
+        except TierCacheClientError as exc:
+            outcome.append((time.monotonic(), exc))
+        finally:
+            first_chunk.set()
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert first_chunk.wait(RECOVERY_TIMEOUT_S)
+    pid = stub_pid(server, "torch_llm")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(ENGINE_TIMEOUT_S + 60)
+    assert not thread.is_alive(), "the in-flight request was never ended by the server"
+    ((ended, result),) = outcome
+    assert isinstance(result, TierCacheClientError), "a killed generation must not succeed"
+    assert "engine torch_llm" in str(result), result
+    aborted = server_died(server)  # tritonserver itself may abort (the llm kill test says when)
+    if not aborted:
+        asked = time.monotonic()
+        with pytest.raises(TierCacheClientError) as miss_failed:
+            ask(server, f"Name two river pilots {uuid.uuid4().hex[:6]}.", max_tokens=4)
+        miss_s = time.monotonic() - asked
+        hit = ask(server, cached, max_tokens=4)
+        assert hit.cache_status == "exact" and hit.text
+    server.stop()
+    stop_stray_stubs(faults.repository)
+    restarted = time.monotonic()
+    faults.server = server = start_server(
+        faults.state, "triton-faults-engine-kill.log", faults.repository
+    )
+    restart_s = time.monotonic() - restarted
+    if aborted:
+        print("\ntritonserver aborted after the engine stub kill")
+    else:
+        print(
+            f"\ntorch_llm stub {pid} killed after {len(chunks)} chunks; the in-flight request "
+            f"ended {ended - killed:.1f} s after the kill with {result!r}; a new miss failed in "
+            f"{miss_s:.2f} s ({miss_failed.value}); an exact hit was served in "
+            f"{hit.latency_s:.3f} s; server restart on the same state {restart_s:.1f} s"
+        )
+    # Nothing half-written: the same prompt is the whole greedy answer, generated again.
+    again = ask(server, prompt, tenant=tenant, max_tokens=max_tokens)
+    assert (again.cache_status, again.text) == ("miss", reference.text)
+
+
 def test_prompt_cache_stub_killed_under_requests(faults: Faults) -> None:
     """SIGKILL prompt_cache's stub under a stream of exact hits. Triton 2.51 did not restart it
     either (no restart is logged): every request fails at once with "Stub process

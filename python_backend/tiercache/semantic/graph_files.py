@@ -143,6 +143,8 @@ class GraphFiles:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
+            fd = -1
+        if fd < 0:  # outside the except: the caller's errors carry no OSError as context
             yield False
             return
         try:

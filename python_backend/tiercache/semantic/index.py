@@ -321,6 +321,8 @@ class SemanticIndex:
             with contextlib.ExitStack() as building:
                 if self.graphs is not None:  # another process may be building it: wait
                     building.enter_context(self.graphs.building(scope.name))
+                    started = time.perf_counter()
+                    rows = scope.table.snapshot()  # rows may have come while it waited
                     covered = self._load_graph(scope, rows)  # saved while this one waited
                 if covered is None:
                     scope.build_hnsw(rows)
