@@ -355,6 +355,43 @@ def test_cancelled_stream_never_leaves_a_partial_answer(faults: Faults) -> None:
 # -- Python backend stubs killed ------------
 
 
+@dataclass(slots=True)
+class Victim:
+    """A streamed request read on a thread of its own, for a stub killed under it: its chunks,
+    and its end as (when, the final result or the client's error)."""
+
+    thread: threading.Thread
+    chunks: list[str]
+    outcome: list[tuple[float, object]]
+
+
+def stream_victim(
+    server: TritonServer, prompt: str, tenant: str, max_tokens: int, timeout_s: float
+) -> Victim:
+    """Start `prompt`'s streamed request; returns once its first chunk came (or it ended)."""
+    victim = Victim(threading.Thread(target=lambda: None), [], [])
+    first_chunk = threading.Event()
+
+    def read() -> None:
+        try:
+            with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=timeout_s) as c:
+                for item in c.generate(prompt, tenant=tenant, max_tokens=max_tokens):
+                    if isinstance(item, str):
+                        victim.chunks.append(item)
+                        first_chunk.set()
+                    else:
+                        victim.outcome.append((time.monotonic(), item))
+        except TierCacheClientError as exc:
+            victim.outcome.append((time.monotonic(), exc))
+        finally:
+            first_chunk.set()
+
+    victim.thread = threading.Thread(target=read)
+    victim.thread.start()
+    assert first_chunk.wait(RECOVERY_TIMEOUT_S)
+    return victim
+
+
 def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     """SIGKILL llm's stub while it streams an answer. llm is decoupled, and Triton 2.51's Python
     backend restarts a dead stub only for models that are not (python_be.cc restarts it in the
@@ -370,29 +407,7 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     assert reference.cache_status == "miss" and reference.text
     tenant = f"kill-{uuid.uuid4().hex[:6]}"
 
-    chunks: list[str] = []
-    outcome: list[tuple[float, object]] = []
-    first_chunk = threading.Event()
-
-    def victim() -> None:
-        try:
-            with TierCacheClient(
-                f"127.0.0.1:{server.ports.grpc}", timeout_s=VICTIM_DEADLINE_S
-            ) as c:
-                for item in c.generate(prompt, tenant=tenant, max_tokens=max_tokens):
-                    if isinstance(item, str):
-                        chunks.append(item)
-                        first_chunk.set()
-                    else:
-                        outcome.append((time.monotonic(), item))
-        except TierCacheClientError as exc:
-            outcome.append((time.monotonic(), exc))
-        finally:
-            first_chunk.set()
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    assert first_chunk.wait(RECOVERY_TIMEOUT_S)
+    victim = stream_victim(server, prompt, tenant, max_tokens, VICTIM_DEADLINE_S)
     pid = stub_pid(server, "llm")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -417,10 +432,10 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
         assert all("is not healthy" in e for _, e in probe_errors), probe_errors
         with pytest.raises(TierCacheClientError, match="is not healthy"):
             ask(server, prompt, tenant="ref-kill", max_tokens=max_tokens)  # a cached answer too
-    thread.join(VICTIM_DEADLINE_S + 60)
-    assert not thread.is_alive(), "the in-flight request outlived its client deadline"
-    ended_s, result = outcome[0]
-    assert len(outcome) == 1
+    victim.thread.join(VICTIM_DEADLINE_S + 60)
+    assert not victim.thread.is_alive(), "the in-flight request outlived its client deadline"
+    ended_s, result = victim.outcome[0]
+    assert len(victim.outcome) == 1
     assert isinstance(result, TierCacheClientError), "a killed generation must not succeed"
 
     server.stop()
@@ -432,10 +447,10 @@ def test_llm_stub_killed_mid_generation(faults: Faults) -> None:
     slowest = max((s for s, _ in probe_errors), default=0.0)
     first = probe_errors[0][1] if probe_errors else "(the server had exited)"
     print(
-        f"\nllm stub {pid} killed after {len(chunks)} chunks; {len(probe_errors)} probes in 10 s "
-        f"all failed in at most {slowest * 1e3:.0f} ms with {first!r}; the in-flight request "
-        f"ended {ended_s - killed:.1f} s after the kill with {result!r}; server restart on the "
-        f"same state {restart_s:.1f} s"
+        f"\nllm stub {pid} killed after {len(victim.chunks)} chunks; {len(probe_errors)} probes "
+        f"in 10 s all failed in at most {slowest * 1e3:.0f} ms with {first!r}; the in-flight "
+        f"request ended {ended_s - killed:.1f} s after the kill with {result!r}; server restart "
+        f"on the same state {restart_s:.1f} s"
     )
 
     # Nothing half-written: the same prompt is the whole greedy answer, generated again.
@@ -461,33 +476,13 @@ def test_engine_stub_killed_mid_generation(faults: Faults) -> None:
     assert ask(server, cached, max_tokens=4).cache_status == "miss"
     tenant = f"engine-kill-{uuid.uuid4().hex[:6]}"
 
-    chunks: list[str] = []
-    outcome: list[tuple[float, object]] = []
-    first_chunk = threading.Event()
-
-    def victim() -> None:
-        try:
-            with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=120) as c:
-                for item in c.generate(prompt, tenant=tenant, max_tokens=max_tokens):
-                    if isinstance(item, str):
-                        chunks.append(item)
-                        first_chunk.set()
-                    else:
-                        outcome.append((time.monotonic(), item))
-        except TierCacheClientError as exc:
-            outcome.append((time.monotonic(), exc))
-        finally:
-            first_chunk.set()
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    assert first_chunk.wait(RECOVERY_TIMEOUT_S)
+    victim = stream_victim(server, prompt, tenant, max_tokens, 120)
     pid = stub_pid(server, "torch_llm")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    thread.join(ENGINE_TIMEOUT_S + 60)
-    assert not thread.is_alive(), "the in-flight request was never ended by the server"
-    ((ended, result),) = outcome
+    victim.thread.join(ENGINE_TIMEOUT_S + 60)
+    assert not victim.thread.is_alive(), "the in-flight request was never ended by the server"
+    ((ended, result),) = victim.outcome
     assert isinstance(result, TierCacheClientError), "a killed generation must not succeed"
     assert "engine torch_llm" in str(result), result
     aborted = server_died(server)  # tritonserver itself may abort (the llm kill test says when)
@@ -509,9 +504,9 @@ def test_engine_stub_killed_mid_generation(faults: Faults) -> None:
         print("\ntritonserver aborted after the engine stub kill")
     else:
         print(
-            f"\ntorch_llm stub {pid} killed after {len(chunks)} chunks; the in-flight request "
-            f"ended {ended - killed:.1f} s after the kill with {result!r}; a new miss failed in "
-            f"{miss_s:.2f} s ({miss_failed.value}); an exact hit was served in "
+            f"\ntorch_llm stub {pid} killed after {len(victim.chunks)} chunks; the in-flight "
+            f"request ended {ended - killed:.1f} s after the kill with {result!r}; a new miss "
+            f"failed in {miss_s:.2f} s ({miss_failed.value}); an exact hit was served in "
             f"{hit.latency_s:.3f} s; server restart on the same state {restart_s:.1f} s"
         )
     # Nothing half-written: the same prompt is the whole greedy answer, generated again.

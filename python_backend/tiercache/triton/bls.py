@@ -185,23 +185,14 @@ class Deadline:
 _END = object()  # a stream's reader has read its last response
 
 
-class _Raised:
-    """What a stream's reader raised, handed to the caller to raise."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
 class _StreamReader:
     """One stream opened and read on a daemon thread (python_backend's `exec(decoupled=True)`
-    itself waits for the callee's first response): its responses, then `_END` or `_Raised`, go
-    to `queue`. Once the caller stops reading, the rest is read and dropped: python_backend
-    lets go of a stream's iterator only once its last response was read. The stream goes to
-    `keep` when the thread is done with it; with `cancel_on_close`, a stream the caller left
-    before its end is cancelled once (by the caller if it was open then, else here as it
-    opens)."""
+    itself waits for the callee's first response): its responses, then `_END` or what it
+    raised, go to `queue`. Once the caller stops reading, the rest is read and dropped:
+    python_backend lets go of a stream's iterator only once its last response was read. The
+    stream goes to `keep` when the thread is done with it; with `cancel_on_close`, a stream
+    the caller left before its end is cancelled once (by the caller if it was open then, else
+    here as it opens)."""
 
     def __init__(
         self,
@@ -248,7 +239,7 @@ class _StreamReader:
                     self.queue.put(response)
             self.queue.put(_END)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as raised
-            self.queue.put(_Raised(exc))
+            self.queue.put(exc)
         finally:
             if responses is not None:
                 keep(responses)  # here, with the GIL, as StreamKeeper needs
@@ -331,8 +322,8 @@ class StreamDeadline:
                 if item is _END:
                     ended = True
                     return
-                if isinstance(item, _Raised):
-                    raise item.exc
+                if isinstance(item, BaseException):  # a response is never one
+                    raise item
                 yield item
         finally:
             reader.abandon(cancel_on_close and not ended)
@@ -410,24 +401,23 @@ class BlsClient:
         are stalled (`StreamDeadline`)."""
         watch = self.stream_deadline
         if watch is not None:
-            watch.admit()
-            request = self.request(inputs, outputs)
-            reading = watch.read(
+            watch.admit()  # refused before anything is sent
+        request = self.request(inputs, outputs)
+        reading: Generator[Any, None, None] | None = None
+        if watch is None:
+            responses = request.exec(decoupled=True)
+        else:
+            responses = reading = watch.read(
                 lambda: request.exec(decoupled=True), self.keeper.keep, cancel_on_close
             )
-            try:
-                for response in reading:
-                    raise_if_error(response, self.label)
-                    yield response
-            finally:
-                reading.close()  # its reader drops what comes now, then keeps the stream
-            return
-        responses = self.request(inputs, outputs).exec(decoupled=True)
         try:
             for response in responses:
                 raise_if_error(response, self.label)
                 yield response
         finally:
-            if cancel_on_close:
-                _cancel(responses)
-            self.keeper.keep(responses)
+            if reading is not None:
+                reading.close()  # its reader cancels, drops what comes, then keeps the stream
+            else:
+                if cancel_on_close:
+                    _cancel(responses)
+                self.keeper.keep(responses)
