@@ -12,13 +12,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from redis_server import RedisServer
 
 from tiercache.cli import main as tiercache_main
-from tiercache.errors import Unavailable
+from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact import invalidation as invalidation_module
 from tiercache.exact.invalidation import Invalidator, recorded_members, signed_member
 from tiercache.exact.keys import REDIS_INVALIDATIONS, tenant_scope
@@ -497,3 +498,128 @@ def test_a_retried_catch_up_starts_where_the_failed_one_did(
     assert back.get("k") is None
     admin.close()
     back.close()
+
+
+def test_members_planted_oversized_reach_a_reader_as_markers(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Redis takes sorted-set members of up to 512 MB: a writer planting a few huge ones in the
+    record must not cost each listener their size. They come as short markers, refused as
+    forged; the genuine members around them are all read."""
+    client = redis.Redis.from_url(redis_server.url)
+    events = f"{redis_prefix}invalidated"
+    past = time.time() - 10
+    client.zadd(events, {f"huge-{i}-".encode() + b"x" * (4 << 20): past for i in range(3)})
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    Invalidator(admin, redis_link(admin)).key("k")  # a genuine one after them
+    read = list(recorded_members(client, events, None, time.time() + 1, page=2))
+    assert len(read) == 4
+    assert max(len(m) for m in read) <= invalidation_module.MAX_MEMBER_BYTES
+    assert sum(m.startswith(b"oversized:") for m in read) == 3
+    give_secret(tmp_path / "late")
+    late = open_replica(tmp_path / "late", redis_server.url, redis_prefix)
+    listener = invalidation_listener(late)
+    assert listener is not None and listener.stats().connected
+    assert listener.stats().forged == 3 and listener.stats().caught_up == 1
+    late.put("k", "answer", created_s=time.time() - 5)
+    assert late.get("k") is None  # the genuine watermark, read past the planted ones
+    with pytest.raises(InvalidRequest, match="at most 512 characters"):
+        Invalidator(admin, redis_link(admin)).tag("t" * 513)
+    admin.close()
+    late.close()
+
+
+def test_an_oversized_message_is_refused_before_its_signature(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    fleet = Signer(FLEET_SECRET, REDIS_INVALIDATIONS)
+    channel = f"{redis_prefix}invalidations"
+    inv = Invalidation(InvalidationKind.KEY, "k", time.time(), "elsewhere")
+    padded = json.dumps({**json.loads(inv.to_json()), "pad": "x" * 10_000}).encode()
+    client = redis.Redis.from_url(redis_server.url)
+    client.publish(channel, fleet.seal(channel, padded))  # signed, yet longer than any we send
+    Invalidator(admin, redis_link(admin)).key("unrelated")
+    wait_until(lambda: listener.stats().received == 1)
+    assert listener.stats().forged == 1
+    admin.close()
+    replica.close()
+
+
+def test_a_record_written_late_is_caught_up_after_a_newer_one_was_heard(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An issuer reads Redis's clock, then spends a while (its host log, a long local sweep)
+    before recording. Meanwhile another issuer's later invalidation reaches a replica, whose
+    subscription then drops; the late record is published while it is away. On reconnecting
+    the replica catches up from the newest invalidation it heard (less the skew): the record
+    is scored by when it was written, so the catch-up reads it although its `at_s` is older."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    link = redis_link(admin)
+    assert link is not None
+    invalidator = Invalidator(admin, link)
+    slow_at_s = float(link.client.time()[0]) + float(link.client.time()[1]) / 1e6
+    time.sleep(0.5)  # the slow issuer is busy; another one invalidates meanwhile
+    invalidator.key("other")
+    wait_until(lambda: listener.stats().received == 1)
+    replica.put("k", "the old answer", created_s=slow_at_s - 5)
+    gate = threading.Event()
+    subscribe = listener._subscribe
+
+    def held() -> object:
+        gate.wait(TIMEOUT_S)
+        return subscribe()
+
+    monkeypatch.setattr(listener, "_subscribe", held)
+    redis.Redis.from_url(redis_server.url).client_kill_filter(_type="pubsub")
+    wait_until(lambda: listener.stats().reconnects >= 1)
+    late = Invalidation(InvalidationKind.KEY, "k", slow_at_s, admin.invalidations.origin)
+    link.call_or_raise(lambda c: invalidator._record(c, link, late))  # heard by nobody
+    gate.set()
+    wait_until(lambda: listener.stats().connected and listener.stats().caught_up >= 1)
+    assert replica.get("k") is None
+    admin.close()
+    replica.close()
+
+
+def test_a_connection_that_stops_answering_pings_is_replaced(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer gone without closing the socket (a black-holed route) sends no pong: after two
+    pings unanswered the listener reconnects, catches up, and applies what it missed."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    link = redis_link(replica)
+    assert link is not None
+    listener = invalidation_module.InvalidationListener(
+        link, replica, poll_s=0.05, retry_s=0.1, ping_s=0.2
+    )
+    deaf = [True]
+    subscribe = listener._subscribe
+
+    def silent() -> object:
+        pubsub: Any = subscribe()
+        if deaf[0]:  # pings go nowhere and nothing arrives: as a black hole would
+            deaf[0] = False
+            pubsub.ping = lambda *a, **k: None
+            pubsub.get_message = lambda *a, **k: time.sleep(0.05)
+        return pubsub
+
+    monkeypatch.setattr(listener, "_subscribe", silent)
+    listener.start()
+    try:
+        assert listener.wait_connected(5)
+        replica.put("k", "answer", created_s=time.time() - 1)
+        Invalidator(admin, redis_link(admin)).key("k")  # published while it hears nothing
+        wait_until(lambda: listener.stats().reconnects >= 1)
+        wait_until(lambda: not holds(replica, Tier.L1, "k"))
+    finally:
+        listener.close()
+    admin.close()
+    replica.close()

@@ -483,3 +483,42 @@ def test_l3_values_are_read_only_up_to_the_bound(
     assert redis_link(replica) is not None and not redis_link(replica).breaker.is_open  # type: ignore[union-attr]
     assert sorted(key for key, _ in l3.scan()) == ["short"]
     replica.close()
+
+
+def test_a_scan_reads_values_in_calls_bounded_in_bytes(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep scans L3 in batches of names: the values are sized inside Redis, one over
+    MAX_VALUE_BYTES is never sent (refused as forged), and one call returns at most
+    MAX_BATCH_BYTES of values, so values planted at the bound under many names cost a reader
+    the batch bound a call, not the batch's size."""
+    monkeypatch.setattr(redis_tier, "MAX_VALUE_BYTES", 2000)
+    monkeypatch.setattr(redis_tier, "MAX_BATCH_BYTES", 3000)
+    replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    l3 = replica.store(Tier.L3)
+    assert isinstance(l3, RedisStore)
+    for i in range(6):
+        replica.put(f"k{i}", f"{i}" * 700, created_s=time.time() - 1)
+    client = raw_client(redis_server)
+    genuine = client.get(f"{redis_prefix}e:k0")
+    assert genuine is not None and 700 < len(genuine) <= 2000
+    for i in range(4):
+        client.set(f"{redis_prefix}e:planted{i}", b"z" * 1_000_000)
+    replies: list[int] = []
+    real_eval = client.eval
+
+    def measured(*args: object) -> object:
+        reply = real_eval(*args)  # type: ignore[arg-type]
+        replies.append(sum(len(v) for v in reply if isinstance(v, bytes)))  # type: ignore[union-attr]
+        return reply
+
+    monkeypatch.setattr(client, "eval", measured)
+    names = sorted(client.scan_iter(match=f"{redis_prefix}e:*"))
+    values = redis_tier.bounded_mget(client, names)
+    assert len(values) == len(names) == 10
+    assert sum(v is redis_tier.OVERSIZED for v in values) == 4
+    assert sum(isinstance(v, bytes) and v.startswith(genuine[:8]) for v in values) >= 1
+    assert len(replies) >= 2 and max(replies) <= 3000  # six values of ~850 bytes: 3 a call
+    assert sorted(key for key, _ in l3.scan()) == [f"k{i}" for i in range(6)]
+    assert l3.forged == 4
+    replica.close()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tiercache.errors import Unavailable
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator, sweep
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
@@ -392,3 +393,80 @@ def test_host_watermarks_without_a_horizon_keep_every_record(tmp_path: Path) -> 
     assert reopened.swept_until_s() == 5.0
     reopened.close()
     marks.close()
+
+
+def test_a_malformed_host_record_is_skipped_not_the_end_of_reading(tmp_path: Path) -> None:
+    """A record that is JSON of another shape (a null at_s, a list) is skipped: the records
+    after it are still noted, and again on the next read."""
+    marks = HostWatermarks(tmp_path / "inv")
+    marks.record(Invalidation(T, "first", 10.0))
+    with marks._env.begin(write=True) as txn:  # written past the API, as a damaged file might
+        raw = txn.get(marks._SEQ)
+        seq = int.from_bytes(raw, "big")
+        for i, bad in enumerate((b'{"kind": "tag", "value": "x", "at_s": null}', b"[1, 2]")):
+            txn.put(marks._key(seq + 1 + i), bad)
+        txn.put(marks._SEQ, (seq + 2).to_bytes(8, "big"))
+    marks.record(Invalidation(T, "after", 20.0))
+    table = InvalidationTable()
+    assert marks.catch_up(table) == 2
+    assert table.covers("k", entry(created_s=15.0, tags=("after",)))
+    marks.record(Invalidation(T, "later", 30.0))
+    assert marks.catch_up(table) == 1
+    marks.close()
+
+
+def test_an_invalidation_the_host_log_cannot_record_is_reported(tmp_path: Path) -> None:
+    """Without Redis the host's log is how the host's other processes learn of an invalidation:
+    when it cannot record one (full), the caller is told, not only the log."""
+    marks = HostWatermarks(tmp_path / "inv", map_bytes=64 << 10)
+    l1, l2 = MemoryStore(1 << 20), LmdbStore(tmp_path / "l2", 1 << 20)
+    cache = TieredCache([(Tier.L1, l1), (Tier.L2, l2)], clock=FakeClock(), host_marks=marks)
+    invalidator = Invalidator(cache)
+    with pytest.raises(Unavailable, match="could not record"):
+        for i in range(10_000):
+            invalidator.key(f"{i:064x}")
+    key = "f" * 64  # as long as the ones that filled the log
+    cache.put(key, "x", created_s=990.0)
+    with pytest.raises(Unavailable, match="applied in this process"):
+        invalidator.key(key)
+    assert cache.get(key) is None  # applied here all the same
+    cache.close()
+    marks.close()
+
+
+def test_endorsement_checks_from_many_threads_never_fail_a_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hits on several threads note when each key's copy was last compared; a prune of that
+    memo while other threads add to it must not raise into a hit."""
+    import threading
+
+    from tiercache.exact import tiered
+
+    monkeypatch.setattr(tiered, "MAX_CHECKED_KEYS", 2_000)
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))], clock=FakeClock())
+    cache.endorsement_check_s = 3600.0
+    held = entry(created_s=990.0)
+    failures: list[BaseException] = []
+
+    def hits(worker: int) -> None:
+        try:
+            for i in range(40_000):
+                cache._check_endorsements(f"{worker}-{i}", held, None)
+        except BaseException as exc:  # noqa: BLE001 - what the test looks for
+            failures.append(exc)
+
+    import sys
+
+    threads = [threading.Thread(target=hits, args=(w,)) for w in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often: the race shows in most runs
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    cache.close()

@@ -77,8 +77,47 @@ APPLIED_MEMO = 4096  # messages a listener remembers having applied (replays are
 CATCH_UP_PAGE = 1000  # members read per call when a listener catches up
 # Members that do not verify one catch-up reads at most (a record flooded with junk is cut
 # there; genuine members are all read, the pages keep memory bounded)
-CATCH_UP_MAX_FORGED = 1_000_000
+CATCH_UP_MAX_FORGED = 200_000
 CATCH_UP_TRUNCATED_RETRY_S = 60.0  # the next attempt after a catch-up cut by a flood
+# The longest value an invalidation may name (a digest is 64 characters, a tag at most 128): its
+# member then stays under MAX_MEMBER_BYTES.
+MAX_VALUE_CHARS = 512
+# A member of the record is read at most this long: a genuine one is under 700 bytes (a tag of
+# MAX_VALUE_CHARS UTF-8 characters at most 3 bytes each would not be; values are ASCII). A
+# longer member, planted by a Redis writer (Redis takes members of up to 512 MB), reaches the
+# reader as a marker it refuses as forged (`_BOUNDED_PAGE`), so a page of CATCH_UP_PAGE
+# members costs a listener at most about 2 MB, whatever the record holds.
+MAX_MEMBER_BYTES = 2048
+# A message on the channel longer than this is refused before its signature is checked (a
+# genuine one is a few hundred bytes). What Redis sends one subscriber is bounded by its own
+# `client-output-buffer-limit pubsub` (32 MB by default), not by this.
+MAX_MESSAGE_BYTES = 8192
+
+# One page of the record (ZRANGEBYSCORE ... WITHSCORES LIMIT), each member longer than ARGV[5]
+# replaced inside Redis by a marker no signature verifies ("oversized:<its SHA-1>": distinct
+# per member, so a page boundary at its score still skips it once read).
+_BOUNDED_PAGE = """
+local rows = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], ARGV[2], 'WITHSCORES', 'LIMIT',
+                        ARGV[3], ARGV[4])
+local longest = tonumber(ARGV[5])
+for i = 1, #rows, 2 do
+  if string.len(rows[i]) > longest then rows[i] = 'oversized:' .. redis.sha1hex(rows[i]) end
+end
+return rows
+"""
+
+
+# Records a member scored by Redis's clock as it is added, then publishes the message; the
+# record's size. The member's own (signed) `at_s` was read from Redis's clock earlier, before
+# the issuer's host log write; a score of the insertion time keeps the record in the order it
+# was written, so a listener that catches up from the newest invalidation it heard (less the
+# skew) also reads one whose `at_s` is older but that was recorded after it.
+_RECORD_AND_PUBLISH = """
+local now = redis.call('TIME')
+redis.call('ZADD', KEYS[1], now[1] .. '.' .. string.format('%06d', tonumber(now[2])), ARGV[1])
+redis.call('PUBLISH', KEYS[2], ARGV[2])
+return redis.call('ZCARD', KEYS[1])
+"""
 
 
 def signed_member(signer: Signer, events: str, inv: Invalidation) -> str:
@@ -105,44 +144,49 @@ def verified_member(signer: Signer, events: str, member: str | bytes) -> Invalid
     return Invalidation.from_member(ident, float(at_text))
 
 
+def _page(
+    client: Any, events: str, low: str, high: str, start: int, num: int
+) -> list[tuple[bytes, float]]:
+    """One page of `events` by score, as (member, score); members longer than MAX_MEMBER_BYTES
+    come as a marker (`_BOUNDED_PAGE`)."""
+    flat: Any = client.eval(_BOUNDED_PAGE, 1, events, low, high, start, num, MAX_MEMBER_BYTES)
+    return [(bytes(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
 def recorded_members(
     client: Any, events: str, since: float | None, upper: float, page: int = CATCH_UP_PAGE
 ) -> Iterator[bytes]:
     """The members of the sorted set `events` scored from `since` (None: the lowest) to
     `upper`, lowest first, read `page` at a time: each call bounded in size and time, however
-    large the set. Pages follow the scores (the next starts at the last score read, skipping
-    the members already read there), so members removed below the cursor meanwhile (the
-    record's trimming) shift nothing; a run of equal scores longer than a page is read by
-    offset within that score."""
+    large the set (a member over MAX_MEMBER_BYTES comes as a marker that never verifies). Pages
+    follow the scores (the next starts at the last score read, skipping the members already
+    read there), so members removed below the cursor meanwhile (the record's trimming) shift
+    nothing; a run of equal scores longer than a page is read by offset within that score."""
     low: str = "-inf" if since is None else repr(since)
     seen_at_low: set[bytes] = set()
     while True:
-        rows: Any = client.zrangebyscore(
-            events, low, repr(upper), start=0, num=page, withscores=True
-        )
+        rows = _page(client, events, low, repr(upper), 0, page)
         if not rows:
             return
-        last = float(rows[-1][1])
-        fresh = [(m, float(sc)) for m, sc in rows if m not in seen_at_low]
-        for member, _ in fresh:
-            yield bytes(member)
+        last = rows[-1][1]
+        for member, _ in rows:
+            if member not in seen_at_low:
+                yield member
         if len(rows) < page:
             return
-        if all(float(sc) == last for _, sc in rows):  # a page of one score: by offset in it
+        if all(score == last for _, score in rows):  # a page of one score: by offset in it
             offset = len(rows)
             while True:
-                more: Any = client.zrangebyscore(
-                    events, repr(last), repr(last), start=offset, num=page, withscores=True
-                )
+                more = _page(client, events, repr(last), repr(last), offset, page)
                 for member, _ in more:
-                    yield bytes(member)
+                    yield member
                 offset += len(more)
                 if len(more) < page:
                     break
             low, seen_at_low = f"({last!r}", set()
             continue
         low = repr(last)
-        seen_at_low = {m for m, sc in rows if float(sc) == last}
+        seen_at_low = {m for m, score in rows if score == last}
 
 
 def checked_digest(value: str, what: str) -> str:
@@ -276,6 +320,7 @@ class InvalidationListener:
         # it would skip what was recorded while this replica was away.
         catch_up_since: float | None = None
         next_ping = 0.0
+        heard = 0.0  # monotonic time the connection last delivered anything (a pong included)
         while not self._stop.is_set():
             if pubsub is None:
                 try:
@@ -293,7 +338,8 @@ class InvalidationListener:
                 else:
                     catch_up_since = None  # from the record's start
                 catch_up_due = 0.0
-                next_ping = time.monotonic() + self._ping_s
+                next_ping = heard = time.monotonic()
+                next_ping += self._ping_s
             if catch_up_due is not None and time.monotonic() >= catch_up_due:
                 # Subscribed first, so what is published meanwhile arrives on the channel; a
                 # catch-up that fails (a slow or flooded record) is retried on its own while the
@@ -312,11 +358,21 @@ class InvalidationListener:
                             self._retry_s, CATCH_UP_TRUNCATED_RETRY_S
                         )
                 self._attempted.set()
+                # the channel was not read meanwhile: a ping now, its pong due as usual
+                heard = next_ping = time.monotonic()
             try:
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
-                if time.monotonic() >= next_ping:  # a dead peer that never closed the socket
+                now = time.monotonic()
+                if message is not None:
+                    heard = now
+                elif now - heard > 2 * self._ping_s + self._poll_s:
+                    # Pinged twice and no pong: a peer gone without closing the socket (a
+                    # black-holed route, a moved server). The pings themselves keep TCP's
+                    # keepalive from ever probing, so only this notices.
+                    raise ConnectionError(f"no answer to a ping in {now - heard:.1f} s")
+                if now >= next_ping:
                     pubsub.ping()
-                    next_ping = time.monotonic() + self._ping_s
+                    next_ping = now + self._ping_s
             except errors as exc:
                 self._close_quietly(pubsub)
                 pubsub = None
@@ -325,7 +381,9 @@ class InvalidationListener:
             if message is None or message.get("type") != "message":
                 continue
             data = message["data"]
-            signed = self._signer.unseal(self.channel, data if isinstance(data, bytes) else b"")
+            if not isinstance(data, bytes) or len(data) > MAX_MESSAGE_BYTES:
+                data = b""  # never one this fleet sent: refused before any HMAC over it
+            signed = self._signer.unseal(self.channel, data)
             if signed is None:  # forged (counted by the signer and here), never acted on
                 with self._lock:
                     self._forged += 1
@@ -380,7 +438,9 @@ class InvalidationListener:
         seconds, micros = client.time()
         upper = float(seconds) + float(micros) / 1e6
         forged = 0
-        for member in recorded_members(client, self.events, since, upper):
+        for read, member in enumerate(recorded_members(client, self.events, since, upper)):
+            if read % 1024 == 1023 and self._stop.is_set():
+                return False  # closing: not caught up (the thread ends)
             try:
                 found = verified_member(self._signer, self.events, member)
             except ValueError:  # signed, yet not a record: never written by this release
@@ -731,22 +791,37 @@ class Invalidator:
         every reader checks the watermark), avoiding a scan of every L3 entry."""
         if not value:
             raise ValueError(f"an invalidation by {kind.value} needs a value")
+        if len(value) > MAX_VALUE_CHARS:
+            raise InvalidRequest(
+                f"an invalidation by {kind.value} names at most {MAX_VALUE_CHARS} characters, "
+                f"got {len(value)}"
+            )
         table = self.cache.invalidations
         redis_s = self._redis_time()
         at_s = self.cache.now() if redis_s is None else redis_s
         inv = Invalidation(kind, value, at_s, table.origin)
         table.note(inv)
+        host_failed: BaseException | None = None
         if self.cache.host_marks is not None:
             try:
                 self.cache.host_marks.record(inv)  # the host's other processes, before the sweep
-            except Exception:  # noqa: BLE001 - the sweep and Redis still reach what they reach
+            except Exception as exc:  # noqa: BLE001 - the sweep and Redis still reach what they reach
                 log.exception("recording %s in the host's invalidation log failed", inv.member())
+                host_failed = exc
         local = 0
         for _, store in self.cache.local_stores():
             local += len(sweep(store, inv, table.skew_s))
         self._count(inv, local, issued=True)
         link = self.link
         if link is None:
+            if host_failed is not None:  # nothing else tells the host's other processes
+                raise Unavailable(
+                    f"the host's invalidation log could not record the invalidation of "
+                    f"{kind.value} {value!r} ({type(host_failed).__name__}: {host_failed}): "
+                    "it was applied in this process and swept from this host's L2; the other "
+                    "processes of the host keep serving their own copies (L1) until they "
+                    "restart"
+                )
             return InvalidationReport(inv, local, 0, False)
         if redis_s is None:
             raise Unavailable(
@@ -791,12 +866,13 @@ class Invalidator:
         needs it for what its L2 or an unswept L3 still holds."""
         events, channel = link.key("invalidated"), link.key("invalidations")
         signer = link.signer(REDIS_INVALIDATIONS)
-        pipe = client.pipeline(transaction=False)
-        pipe.zadd(events, {signed_member(signer, events, inv): inv.at_s})
-        pipe.zcard(events)
         message = replace(inv, published_s=self.cache.now()).to_json().encode("utf-8")
-        pipe.publish(channel, signer.seal(channel, message))
-        held = int(pipe.execute()[1])
+        held = int(
+            client.eval(
+                _RECORD_AND_PUBLISH, 2, events, channel,
+                signed_member(signer, events, inv), signer.seal(channel, message),
+            )
+        )  # fmt: skip
         if held <= self.max_events:
             return
         cutoff = forget_before_s(inv.at_s, self.horizon_s, self.cache.invalidations.skew_s)

@@ -462,16 +462,53 @@ def bounded_get(client: Any, name: str) -> bytes | None:
     return bytes(found) if isinstance(found, bytes) and found else None
 
 
+# The values of KEYS in order, for a scan: each string at most ARGV[1] bytes long (a longer one
+# comes as the integer -1, never read; what is not a string, or absent, as nil), and the reply
+# at most ARGV[2] bytes: it ends before the value that would pass that, so the caller reads
+# the rest in another call. Sized inside Redis, so a batch of values planted at 4 MiB each
+# costs the reader at most ARGV[2] bytes a call, not the batch's size.
+_BOUNDED_VALUES = """
+local out = {}
+local total = 0
+for i, name in ipairs(KEYS) do
+  local n = redis.pcall('STRLEN', name)
+  if type(n) ~= 'number' or n == 0 then
+    out[i] = false
+  elseif n > tonumber(ARGV[1]) then
+    out[i] = -1
+  else
+    if i > 1 and total + n > tonumber(ARGV[2]) then return out end
+    total = total + n
+    out[i] = redis.call('GET', name)
+  end
+end
+return out
+"""
+# The most bytes of values one call of `bounded_mget` reads (at least one value is read)
+MAX_BATCH_BYTES = 8 << 20
+OVERSIZED = b""  # bounded_mget's marker for a value over MAX_VALUE_BYTES (refused as forged)
+
+
 def bounded_mget(client: Any, names: list[bytes]) -> list[bytes | None]:
-    """`bounded_get` of every name in one round trip (a pipeline, not a transaction); a name
-    that holds no string (WRONGTYPE) is None, as MGET has it."""
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.getrange(name, 0, MAX_VALUE_BYTES)
-    return [
-        bytes(found) if isinstance(found, bytes) and found else None
-        for found in pipe.execute(raise_on_error=False)
-    ]
+    """The value of every name, as `bounded_get` reads one (None: absent or not a string;
+    OVERSIZED: longer than MAX_VALUE_BYTES, not read), in as few round trips as the byte bound
+    allows (MAX_BATCH_BYTES a call)."""
+    found: list[bytes | None] = []
+    while len(found) < len(names):
+        rest = names[len(found) :]
+        reply: Any = client.eval(
+            _BOUNDED_VALUES, len(rest), *rest, MAX_VALUE_BYTES, MAX_BATCH_BYTES
+        )
+        if not reply:  # never for a non-empty batch (its first value is always read)
+            raise RuntimeError("Redis returned no values for a batch")
+        for value in reply:
+            if isinstance(value, bytes):
+                found.append(value or None)
+            elif value == -1:
+                found.append(OVERSIZED)
+            else:
+                found.append(None)
+    return found
 
 
 class RedisStore:
@@ -638,6 +675,9 @@ class RedisStore:
                 return
             for raw, stored in zip(names, values, strict=True):
                 if stored is None:
+                    continue
+                if stored is OVERSIZED:  # over MAX_VALUE_BYTES: refused unread, as a get does
+                    self._signer.refuse(raw.decode("utf-8", "replace"))
                     continue
                 try:
                     name = raw.decode()

@@ -226,7 +226,9 @@ class TieredCache:
         """Forget the keys not compared within `endorsement_check_s` (their next hit starts the
         clock again); all of them if that is not enough."""
         cutoff = now - self.endorsement_check_s
-        for key in [k for k, at in self._checked.items() if at < cutoff]:
+        # Other threads' hits add keys meanwhile: iterate over a copy (list() of a dict's items
+        # is taken without running Python code, so no insertion interleaves with it).
+        for key in [k for k, at in list(self._checked.items()) if at < cutoff]:
             self._checked.pop(key, None)
         if len(self._checked) >= MAX_CHECKED_KEYS:
             self._checked.clear()

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SKEW_S = 0.05
 DEFAULT_MAX_EVENTS = 100_000
+# What `Invalidation.from_json` raises on a record that is not one (bad JSON, a list, a null
+# at_s): such a record is skipped, never the end of reading the ones after it
+MALFORMED_RECORD = (ValueError, KeyError, TypeError, AttributeError)
 _WARN_EVERY_S = 60.0  # at most one "kept past max_events" warning per table or log this often
 
 
@@ -364,7 +367,7 @@ class HostWatermarks:
         while cutoff is not None and held > self.max_events and cursor.key().startswith(b"e"):
             try:
                 at_s = Invalidation.from_json(bytes(cursor.value())).at_s
-            except (ValueError, KeyError) as exc:
+            except MALFORMED_RECORD as exc:
                 log.warning("dropping a malformed invalidation record: %s", exc)
                 at_s = -math.inf
             if at_s >= cutoff:
@@ -394,7 +397,7 @@ class HostWatermarks:
                         try:
                             table.note(Invalidation.from_json(value))
                             noted += 1
-                        except (ValueError, KeyError) as exc:
+                        except MALFORMED_RECORD as exc:  # skipped: the ones after it still count
                             log.warning("skipping a malformed invalidation record: %s", exc)
                 self._seen = max(self._seen, newest)
                 return noted
