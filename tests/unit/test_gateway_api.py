@@ -34,6 +34,8 @@ def test_a_chat_request_becomes_one_generation() -> None:
     on_caps = parse({"model": "caps", "prompt": "Hi", "stream": True}, chat=False)
     assert (on_caps.lora_name, on_caps.stream, on_caps.chat) == ("caps", True, False)
     assert parse(chat(unknown_field=1, user="u-1")).user == "u-1"  # unknown fields ignored
+    assert parse(chat(top_k=5, min_p=0, repetition_penalty=1)).top_k == 5  # neutral: accepted
+    assert parse(chat()).top_k is None
 
 
 @pytest.mark.parametrize(
@@ -68,7 +70,26 @@ def test_a_chat_request_becomes_one_generation() -> None:
         (chat(stream="yes"), "'stream' must be a boolean"),
         (chat(tiercache=[]), "'tiercache' must be an object"),
         (chat(stream_options=True), "'stream_options' must be an object"),
-        (chat(stream_options={"include_usage": 1}), "include_usage' must be a boolean"),
+        (
+            chat(stream=True, stream_options={"include_usage": 1}),
+            "include_usage' must be a boolean",
+        ),
+        (chat(stream_options={"include_usage": True}), "only allowed when 'stream' is true"),
+        (
+            chat(
+                messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, USER]
+            ),
+            "carries tool_calls",
+        ),
+        (
+            chat(messages=[{"role": "assistant", "content": "x", "function_call": {"n": 1}}, USER]),
+            "carries function_call",
+        ),
+        (chat(messages=[{"role": "user", "content": "x", "tool_call_id": "1"}]), "tool_call_id"),
+        (chat(top_k=-1), "'top_k' must be in"),
+        (chat(top_k=True), "'top_k' must be an integer"),
+        (chat(min_p=0.1), "'min_p' is not supported"),
+        (chat(repetition_penalty=1.2), "'repetition_penalty' is not supported"),
         (chat(tiercache={"cache_control": 1}), "must be a string"),
     ],
 )
@@ -139,6 +160,8 @@ def test_cache_control_comes_from_the_header_and_the_body() -> None:
     assert api.cache_control_words(None, None) is None
     assert api.cache_control_words("No-Cache, private, max-age=60", None) == "no-cache, max-age=60"
     assert api.cache_control_words("max-age=abc", "tag=docs") == "tag=docs"
+    assert api.cache_control_words('max-age="0", no-store', None) == "max-age=0, no-store"
+    assert api.cache_control_words('max-age="', None) is None
     gen = parse(chat(tiercache={"cache_control": "no-semantic"}), header="no-store")
     assert gen.cache_control == "no-store, no-semantic"
 

@@ -276,3 +276,28 @@ def test_an_ensemble_that_is_not_loaded_is_a_503_and_an_unknown_adapter_a_404() 
     assert app.error_response(unloaded).status_code == 503
     adapter = app.served_error("unknown adapter 'x'", "StatusCode.NOT_FOUND")
     assert app.error_response(adapter).status_code == 404
+
+
+def test_every_cache_control_line_reaches_the_request(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP combines repeated header lines: a no-store sent on a second Cache-Control line is as
+    binding as on the first (Starlette's `get` returns the first line alone)."""
+    import httpx2
+
+    seen: list[api.Generation] = []
+    parse = api.parse_request
+
+    def spy(*args: Any, **kwargs: Any) -> api.Generation:
+        seen.append(parse(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(api, "parse_request", spy)
+    body = b'{"model": "tiercache", "messages": [{"role": "user", "content": "Hi"}]}'
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"cache-control", b"max-age=600"),
+        (b"cache-control", b'no-store, max-age="0"'),
+    ]
+    httpx2.post(f"{url}/v1/chat/completions", content=body, headers=headers, timeout=60)
+    assert seen and seen[0].cache_control == "max-age=600, no-store, max-age=0"

@@ -149,6 +149,7 @@ def ensemble_fields(gen: api.Generation) -> dict[str, Any]:
         "max_tokens": gen.max_tokens,
         "temperature": gen.temperature,
         "top_p": gen.top_p,
+        "top_k": gen.top_k,
         "seed": gen.seed,
         "stop_words": list(gen.stop_words) or None,
         "cache_control": gen.cache_control,
@@ -539,7 +540,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
                 chat=chat,
                 base_model=settings.base_model,
                 adapters=settings.adapters,
-                cache_header=request.headers.get("cache-control"),
+                # every Cache-Control line, as HTTP combines them (the first alone would drop
+                # a no-store sent on a second)
+                cache_header=", ".join(request.headers.getlist("cache-control")) or None,
             )
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)

@@ -41,6 +41,7 @@ class Generation:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # not OpenAI's; vLLM-style clients send it (0: off)
     seed: int | None = None
     stop_words: tuple[str, ...] = ()
     cache_control: str | None = None
@@ -96,6 +97,9 @@ def cache_control_words(header: str | None, extra: object) -> str | None:
     words: list[str] = []
     for raw in (header or "").split(","):
         word = raw.strip().lower()
+        name, eq, value = word.partition("=")
+        if eq and len(value) >= 2 and value[0] == value[-1] == '"':
+            word = f"{name.strip()}={value[1:-1]}"  # max-age="0": the quoted form, RFC 9111
         if word in CACHE_CONTROL_HEADER_WORDS or MAX_AGE_RE.match(word):
             words.append(word)
     if extra is not None:
@@ -121,6 +125,9 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 def _content(message: dict[str, Any], i: int) -> str:
     """A message's text: a string, or a list of text parts (joined by newlines, as OpenAI-
     compatible servers do). Images, audio and tool calls are refused by name."""
+    for name in ("tool_calls", "function_call", "tool_call_id"):
+        if message.get(name):  # whatever the content beside it: never dropped silently
+            raise InvalidRequest(f"'messages[{i}]' carries {name}: tools are not supported")
     content = message.get("content")
     if isinstance(content, str):
         return _utf8(f"messages[{i}].content", content)
@@ -138,8 +145,6 @@ def _content(message: dict[str, Any], i: int) -> str:
                 raise InvalidRequest(f"'messages[{i}].content[{j}].text' must be a string")
             texts.append(_utf8(f"messages[{i}].content[{j}].text", text))
         return "\n".join(texts)
-    if content is None and message.get("tool_calls"):
-        raise InvalidRequest(f"'messages[{i}]' carries tool calls: tools are not supported")
     raise InvalidRequest(f"'messages[{i}].content' must be a string or a list of text parts")
 
 
@@ -192,6 +197,9 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "audio": (),
     "modalities": ((), ("text",)),
     "prediction": (),
+    # vLLM-style sampling fields the engine does not take (top_k it does: parse_request)
+    "min_p": (0,),
+    "repetition_penalty": (1,),
 }
 
 
@@ -257,6 +265,8 @@ def parse_request(
     if options is not None:
         if not isinstance(options, dict):
             raise InvalidRequest("'stream_options' must be an object")
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise InvalidRequest("'stream_options.include_usage' must be a boolean")
@@ -279,6 +289,7 @@ def parse_request(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, 2**31 - 1),
         seed=_integer(body, "seed", 0, 2**63 - 1),
         stop_words=stop_words,
         cache_control=None if cache_control is None else _utf8("cache_control", cache_control),
