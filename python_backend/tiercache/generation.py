@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
-from tiercache.errors import TierCacheError, Unavailable
+from tiercache.errors import CapacityError, TierCacheError, Unavailable
+from tiercache.exact.codec import CacheEntry
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.flights import EngineUsage, Flight, FlightTable, abandoned_error
 from tiercache.exact.keys import Digest
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
 CLEAN_FINISHES = frozenset({"stop", "length"})
+# Misses one llm instance holds, queued or being answered, before it refuses more at once: a
+# client that gave up does not cancel its queued miss (Triton 2.51 does not pass an ensemble's
+# cancellation on), so without a bound a burst queues engine work no one waits for.
+MAX_PENDING_MISSES = 1024
 # Served to every requester as the answer, never stored or indexed: the engine flagged it (a
 # refusal; tiercache.engine.policy).
 SERVED_UNCACHED_FINISHES = frozenset({CONTENT_FILTER})
@@ -97,8 +102,9 @@ class _Directives:
     max_age_s: float | None = None
     draft_digest: str = ""  # where this prompt's greedy answers are kept as drafts
     neighbours: tuple[str, ...] = ()  # its semantic neighbours' answer digests (more drafts)
-    # a semantic hit's answer the engine verifies first (`verify-semantic`); "" for none
-    verify: str = ""
+    # a semantic hit's answer the engine verifies first (`verify-semantic`); None for none (an
+    # empty answer is one to verify)
+    verify: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +146,12 @@ class Generations:
         clock: Callable[[], float] = time.perf_counter,
         leases: LeaseCoordinator | None = None,
         confidence: ConfidencePolicy | None = None,
+        max_pending: int = MAX_PENDING_MISSES,
     ) -> None:
         """`leases` coalesces misses across replicas (None: this process only); `confidence`
-        decides how long an unsure answer is kept (tiercache.exact.confidence; None: like any)."""
+        decides how long an unsure answer is kept (tiercache.exact.confidence; None: like any).
+        `max_pending`: misses submitted and not yet answered, past which a new one is refused at
+        once (CapacityError) rather than queued behind them."""
         self.cache = cache
         self.confidence = confidence or ConfidencePolicy()
         self._leases = leases
@@ -156,6 +165,9 @@ class Generations:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-serve")
         self._producers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-gen")
         self._lock = threading.Lock()
+        self.max_pending = max_pending
+        self._pending = 0  # misses submitted and not yet answered
+        self._refused = 0  # misses refused because max_pending were pending
         self._generations = self._write_backs = self._write_failures = 0
         self._remote_waits = self._remote_hits = 0
         self._lease_takeovers = self._lease_wait_timeouts = 0
@@ -199,7 +211,7 @@ class Generations:
         max_age_s: float | None = None,
         draft_digest: str = "",
         neighbours: tuple[str, ...] = (),
-        verify: str = "",
+        verify: str | None = None,
         on_verified: Callable[[bool | None], None] | None = None,
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
@@ -217,20 +229,55 @@ class Generations:
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
         directives = _Directives(tags, max_age_s, draft_digest, neighbours, verify)
-        self._pool.submit(
-            self._serve_miss,
-            request,
-            digest,
-            status,
-            write_back,
-            responder,
-            after_store,
-            generate,
-            directives,
-            on_verified,
-        )
+        with self._lock:
+            full = self._pending >= self.max_pending
+            if full:
+                self._refused += 1
+            else:
+                self._pending += 1
+        if full:
+            if verify is not None and on_verified is not None:
+                on_verified(None)
+            responder.send_error(
+                CapacityError(
+                    f"{self.max_pending} requests are already waiting for the engine here: "
+                    "retry later"
+                )
+            )
+            return
+        try:
+            self._pool.submit(
+                self._serve_counted,
+                request,
+                digest,
+                status,
+                write_back,
+                responder,
+                after_store,
+                generate,
+                directives,
+                on_verified,
+            )
+        except RuntimeError as exc:  # the stage is closing: its pool takes no more
+            with self._lock:
+                self._pending -= 1
+            responder.send_error(Unavailable(f"the llm stage is closing: {exc}"))
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _serve_counted(self, *args: Any) -> None:
+        """`_serve_miss`, counted among the pending misses until it returns."""
+        try:
+            self._serve_miss(*args)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """(misses submitted and not yet answered, misses refused for max_pending so far)."""
+        with self._lock:
+            return self._pending, self._refused
 
     def _serve_miss(
         self,
@@ -251,22 +298,33 @@ class Generations:
             key = flight_key(digest, status, directives.max_age_s, write_back)
             flight, leader = self.flights.join(key)
             if not leader and self._on_follow is not None:
-                self._on_follow()
+                try:
+                    self._on_follow()
+                except Exception:  # noqa: BLE001 - a count must not leave the follower unserved
+                    log.exception("on_follow callback failed")
         if leader:
             # Only a looked-up miss may be answered by an entry stored since its lookup; `bypass`
             # (no-cache, semantic-only) asked not to be served from the exact cache.
             recheck = status == "miss"
-            self._producers.submit(
-                self._produce,
-                flight,
-                request,
-                digest,
-                write_back,
-                after_store,
-                recheck,
-                generate,
-                directives,
-            )
+            try:
+                self._producers.submit(
+                    self._produce,
+                    flight,
+                    request,
+                    digest,
+                    write_back,
+                    after_store,
+                    recheck,
+                    generate,
+                    directives,
+                )
+            except Exception as exc:  # noqa: BLE001 - no producer: end the flight, never leave it
+                log.exception("starting a generation failed")
+                failed = Unavailable(f"the generation could not start: {type(exc).__name__}")
+                if digest is None:
+                    flight.finish(failed)
+                else:
+                    self.flights.complete(flight, failed)
         verified: bool | None = None  # the verify outcome; None: the engine's run did not say
         try:
             parts: list[str] = []
@@ -280,19 +338,22 @@ class Generations:
                 answer = "".join(parts)
                 text = None if request.stream else answer
                 usage = flight.usage
+                finish_reason = flight.finish_reason
+                tokens = None if usage is None else (usage.prompt_tokens, flight.generated_tokens)
+                if flight.stored is not None:  # an answer stored meanwhile: as a hit reports it
+                    prompt_tokens, completion_tokens, finish_reason = flight.stored
+                    tokens = (prompt_tokens, completion_tokens)
                 # only an answer the engine generated to its end says whether the candidate
-                # was its own (an answer stored meanwhile or another replica's has no finish)
-                if directives.verify and flight.finish_reason in ("stop", "length"):
+                # was its own (an answer stored meanwhile or another replica's does not)
+                if (
+                    directives.verify is not None
+                    and flight.stored is None
+                    and flight.finish_reason in ("stop", "length")
+                ):
                     verified = answer == directives.verify
                     status = CacheStatus.VERIFIED.value if verified else status
                 responder.send_final(
-                    text,
-                    status,
-                    usage=usage,
-                    finish_reason=flight.finish_reason,
-                    tokens=None
-                    if usage is None
-                    else (usage.prompt_tokens, flight.generated_tokens),
+                    text, status, usage=usage, finish_reason=finish_reason, tokens=tokens
                 )
         except TierCacheError as exc:
             responder.send_error(exc)
@@ -301,7 +362,7 @@ class Generations:
             responder.send_error(exc)
         finally:
             self.flights.leave(flight)
-            if directives.verify and on_verified is not None:
+            if directives.verify is not None and on_verified is not None:
                 on_verified(verified)  # once per request, whatever became of it
 
     def _produce(
@@ -325,12 +386,12 @@ class Generations:
                 # A flight for this digest may have finished between the lookup and now.
                 found = self.cache.get(digest, max_age_s)
                 if found is not None:
-                    flight.append(found.entry.text)
+                    flight.serve_stored(found.entry)
                     return
                 if write_back and self._leases is not None:
-                    lease, text = self._take_turn(flight, digest, max_age_s)
-                    if text is not None:
-                        flight.append(text)
+                    lease, remote = self._take_turn(flight, digest, max_age_s)
+                    if remote is not None:
+                        flight.serve_stored(remote)
                         return
             started_s = self.cache.now()
             # drafts only from the cache, read here; an answer not stored is not kept as one
@@ -338,7 +399,9 @@ class Generations:
             drafted = self._with_drafts(own, directives)
             record = self._run_engine(flight, drafted, generate or self._generate)
             stored = False
-            if flight.abandoned or record.finish_reason == "cancelled":
+            # abandoned only if nobody joined meanwhile: it then leaves the table at once, so a
+            # request arriving from here on starts afresh rather than join a dropped answer
+            if record.finish_reason == "cancelled" or self.flights.retire_if_abandoned(flight):
                 error = abandoned_error()
             elif record.finish_reason in SERVED_UNCACHED_FINISHES:
                 log.info(
@@ -373,7 +436,10 @@ class Generations:
             error = Unavailable(f"generation failed: {type(exc).__name__}: {exc}")
         finally:
             if lease is not None and self._leases is not None:
-                self._leases.release(lease)  # after the store: waiting replicas find the answer
+                try:  # after the store: waiting replicas find the answer
+                    self._leases.release(lease)
+                except Exception:  # noqa: BLE001 - the flight must end whatever the lease did
+                    log.exception("releasing the lease on %s failed", digest)
             if digest is None:
                 flight.finish(error)
             else:
@@ -390,7 +456,7 @@ class Generations:
         if not request.speculate:
             return request
         drafts: list[tuple[str, str]] = []
-        if directives.verify:  # embedding_cache's hit in the request's scope, under its seal
+        if directives.verify:  # embedding_cache's hit in the request's scope (empty: no draft)
             drafts.append((DraftSource.VERIFY.value, directives.verify))
         wanted = [(DraftSource.ANSWER.value, d) for d in (directives.draft_digest,) if d]
         wanted += [(DraftSource.NEIGHBOUR.value, d) for d in directives.neighbours]
@@ -428,8 +494,8 @@ class Generations:
 
     def _take_turn(
         self, flight: Flight, digest: Digest, max_age_s: float | None
-    ) -> tuple[Lease | None, str | None]:
-        """Across replicas: (our lease, None) to generate; (None, text) when another replica's
+    ) -> tuple[Lease | None, CacheEntry | None]:
+        """Across replicas: (our lease, None) to generate; (None, entry) when another replica's
         answer arrived; (None, None) to generate without a lease (Redis unavailable, or the
         other replica took longer than `wait_s`). Raises if every local requester left."""
         leases = self._leases
@@ -449,7 +515,7 @@ class Generations:
                     if found is not None:
                         leases.release(lease)
                         self._count_remote(hit=True)
-                        return None, found.entry.text
+                        return None, found.entry
                     self._count_remote(takeover=True)
                 return lease, None
             if state is LeaseState.UNAVAILABLE:
@@ -461,7 +527,7 @@ class Generations:
                 found = self.cache.get(digest, max_age_s)
                 if found is not None:
                     self._count_remote(hit=True)
-                    return None, found.entry.text
+                    return None, found.entry
                 if flight.abandoned:
                     raise abandoned_error()
                 if self._clock() >= deadline:

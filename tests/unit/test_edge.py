@@ -148,3 +148,43 @@ def test_a_padded_tenant_is_not_even_looked_up_a_trusted_one_is_served(tmp_path:
     assert hit is not None and hit.text == "for the trusted tenant"
     assert cache.answer(raw, "Bearer not-a-key") is None
     assert cache.answer(raw, None) is None
+
+
+def test_the_tiers_own_terms_are_part_of_the_contract(tmp_path: Path) -> None:
+    """A stage restarted with another ttl_s, Redis (or prefix) or adapters folder publishes
+    other terms: an edge built with the old ones serves nothing until it is built again. The
+    Redis password never appears."""
+    from tiercache.config import PromptCacheConfig
+    from tiercache.stages.contract import deployment_terms
+
+    base = PromptCacheConfig(state_dir=str(tmp_path))
+    variants = {
+        "ttl_s": PromptCacheConfig(state_dir=str(tmp_path), ttl_s=3600.0),
+        "redis": PromptCacheConfig(state_dir=str(tmp_path), redis_url="redis://:pw@h:6379/0"),
+        "prefix": PromptCacheConfig(
+            state_dir=str(tmp_path), redis_url="redis://:pw@h:6379/0", redis_prefix="other:"
+        ),
+        "adapters": PromptCacheConfig(state_dir=str(tmp_path), adapters_dir=str(tmp_path / "a")),
+    }
+    expected = {
+        PROMPT_CACHE: prompt_cache_terms(
+            None, SECRET, ENGINE, DEFAULT_LIMITS, deployment_terms(base)
+        )
+    }
+    clock = Clock()
+    contract = check(tmp_path, expected, clock)
+    publish(tmp_path, expected)
+    clock.now += 1.0
+    assert contract.holds()
+    for name, config in variants.items():
+        published = prompt_cache_terms(
+            None, SECRET, ENGINE, DEFAULT_LIMITS, deployment_terms(config)
+        )
+        assert published != expected[PROMPT_CACHE], name
+        write_terms(tmp_path, PROMPT_CACHE, published)
+        clock.now += 1.0
+        assert not contract.holds() and "deployment" in contract.reason, name
+        assert "pw" not in contract_path(tmp_path, PROMPT_CACHE).read_text()
+    write_terms(tmp_path, PROMPT_CACHE, expected[PROMPT_CACHE])
+    clock.now += 1.0
+    assert contract.holds()

@@ -63,6 +63,7 @@ class Recorder:
     ) -> None:
         self.usage = usage
         self.finish_reason = finish_reason
+        self.tokens = tokens
         if similarity is None:
             self._record("final", text, status, last=True)
         else:
@@ -720,3 +721,124 @@ def test_an_answer_is_stored_with_what_generating_it_cost_and_its_temperature() 
     assert found is not None and len(records) == 1
     assert found.entry.generation_s == records[0].duration_s > 0.0
     assert found.entry.temperature == pytest.approx(0.7)
+
+
+def test_an_answer_stored_since_the_lookup_reports_how_it_ended(cache: TieredCache) -> None:
+    """Served instead of a generation, a stored answer says what a hit on it would: its finish
+    reason (`length` tells a client the answer was cut at max_tokens) and its token counts."""
+    cache.put(DIGEST, "from cache", finish_reason="length", generated_tokens=7, prompt_tokens=12)
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "from cache", "miss")]
+    assert (r.finish_reason, r.tokens) == ("length", (12, 7))
+    stage.close()
+
+
+def test_a_producer_that_cannot_start_fails_its_flight_and_frees_it(
+    cache: TieredCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread for the generation (the producer pool cannot grow): the leader and its
+    followers get an error, and the flight leaves the table (a later request starts afresh)."""
+    stage = make_stage(cache, FakeEngine())
+
+    def no_thread(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(stage._producers, "submit", no_thread)
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    calls = r.wait()
+    assert calls[0][0] == "error" and "could not start" in str(calls[0][1])
+    assert stage.flights.in_flight() == 0
+    monkeypatch.undo()
+    again = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, again)
+    assert again.wait() == [("final", "Hello", "miss")]
+    stage.close()
+
+
+def test_a_lease_release_that_fails_still_ends_the_flight(cache: TieredCache) -> None:
+    class BrokenRelease:
+        wait_s = 1.0
+
+        def acquire(self, digest: str) -> tuple[LeaseState, Lease | None]:
+            return LeaseState.ACQUIRED, Lease(digest, "token")
+
+        def release(self, lease: Lease) -> None:
+            raise ValueError("a reply Redis should never send")
+
+        def close(self) -> None:
+            pass
+
+    stage = make_stage(cache, FakeEngine(), leases=BrokenRelease())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "Hello", "miss")]
+    deadline = time.monotonic() + TIMEOUT_S
+    while stage.flights.in_flight():
+        assert time.monotonic() < deadline, "the flight never left the table"
+        time.sleep(0.01)
+    stage.close()
+
+
+def test_a_request_joining_as_the_last_one_leaves_gets_the_answer(cache: TieredCache) -> None:
+    """The only requester cancels and its generation ends abandoned; a new identical request
+    that arrives while that generation is still being reported must not join it (it would be
+    told "abandoned" with nothing wrong): it starts afresh and gets the answer."""
+    gate, reporting, release = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_report(record: GenerationRecord) -> None:
+        reporting.set()
+        assert release.wait(TIMEOUT_S)
+
+    engine = FakeEngine(gate=gate)
+    stage = make_stage(cache, engine, on_generation=slow_report)
+    leaving = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, leaving)
+    engine.wait_started()
+    leaving.cancelled.set()
+    assert leaving.wait() == [("cancelled",)]
+    gate.set()
+    assert reporting.wait(TIMEOUT_S)  # decided abandoned, not yet completed
+    joining = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, joining)
+    time.sleep(0.1)  # let it join (or lead) before the report ends
+    release.set()
+    assert joining.wait() == [("final", "Hello", "miss")]
+    stage.close()
+
+
+def test_misses_past_the_pending_bound_are_refused_at_once(cache: TieredCache) -> None:
+    """A burst bigger than `max_pending` queues no engine work for the rest: each is refused
+    at once with a capacity error; once the queue drains, misses are served again."""
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine, max_pending=3, max_workers=1)
+    waiting = [Recorder() for _ in range(3)]
+    for i, r in enumerate(waiting):
+        stage.submit_miss(GenerationRequest(prompt=f"q{i}"), Digest(f"{i:064x}"), "miss", True, r)
+    refused = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, refused)
+    calls = refused.wait()
+    assert calls[0][0] == "error" and type(calls[0][1]).__name__ == "CapacityError"
+    assert stage.pending == (3, 1)
+    assert engine.gate is not None
+    engine.gate.set()
+    for r in waiting:
+        assert r.wait()[0][0] == "final"
+    later = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, later)
+    assert later.wait() == [("final", "Hello", "miss")]
+    stage.close()
+
+
+def test_an_empty_answer_to_verify_is_verified_and_reported(cache: TieredCache) -> None:
+    """A semantic hit whose cached answer is empty is still one to verify: the engine's own
+    empty answer makes it `verified`, and the outcome is reported once."""
+    outcomes: list[bool | None] = []
+    stage = make_stage(cache, FakeEngine(chunks=()))
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "semantic", True, r, verify="", on_verified=outcomes.append)
+    assert r.wait() == [("final", "", "verified")]
+    assert outcomes == [True]
+    stage.close()

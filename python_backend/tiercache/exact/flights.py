@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tiercache.errors import TierCacheError, Unavailable
+from tiercache.exact.codec import CacheEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +48,20 @@ class Flight:
     finish_reason: str | None = None
     # Tokens the generation produced, once it ended.
     generated_tokens: int = 0
+    # An answer stored since the lookup served it instead (here, or another replica's): its
+    # (prompt tokens, completion tokens, finish reason), as a hit on it reports them.
+    stored: tuple[int, int, str] | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:
         with self._cond:
             self.chunks.append(chunk)
             self._cond.notify_all()
+
+    def serve_stored(self, entry: CacheEntry) -> None:
+        """Answer with `entry` (stored since the lookup) instead of a generation."""
+        self.stored = (entry.prompt_tokens, entry.generated_tokens, entry.finish_reason)
+        self.append(entry.text)
 
     def finish(self, error: TierCacheError | None = None) -> None:
         with self._cond:
@@ -120,6 +129,17 @@ class FlightTable:
             if self._flights.get(flight.key) is flight:
                 del self._flights[flight.key]
         flight.finish(error)
+
+    def retire_if_abandoned(self, flight: Flight) -> bool:
+        """Whether every requester has left `flight`; if so it leaves the table now, so no
+        request joins it between this decision and its completion (one arriving later starts
+        afresh)."""
+        with self._lock, flight._cond:
+            if flight.subscribers > 0:
+                return False
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+            return True
 
     def in_flight(self) -> int:
         with self._lock:

@@ -41,6 +41,7 @@ from tiercache.stages.contract import (
     LLM,
     PROMPT_CACHE,
     ContractCheck,
+    deployment_terms,
     llm_terms,
     prompt_cache_terms,
 )
@@ -168,7 +169,9 @@ def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
         {
             PROMPT_CACHE: (
                 config.state_path(),
-                prompt_cache_terms(keys_path, secret, lookup.engine, lookup.limits),
+                prompt_cache_terms(
+                    keys_path, secret, lookup.engine, lookup.limits, deployment_terms(config)
+                ),
             ),
             LLM: (llm.state_path(), llm_terms(padding)),
         }

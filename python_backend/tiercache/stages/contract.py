@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from tiercache.exact.keys import EngineIdentity, secret_fingerprint
 from tiercache.exact.request import Limits
@@ -45,10 +46,15 @@ def contract_path(state_dir: Path, stage: str) -> Path:
 
 
 def prompt_cache_terms(
-    keys_file: Path | None, secret: bytes, engine: EngineIdentity, limits: Limits
+    keys_file: Path | None,
+    secret: bytes,
+    engine: EngineIdentity,
+    limits: Limits,
+    deployment: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What prompt_cache decides a hit by: who the caller is (the key file, or none: the tenant
-    input is trusted), the digest's key and engine, the limits a request must pass."""
+    input is trusted), the digest's key and engine, the limits a request must pass, and the
+    tiers' own terms (`deployment_terms`)."""
     return {
         **caller_terms(keys_file, secret),
         "model": engine.model_id,
@@ -58,6 +64,28 @@ def prompt_cache_terms(
             "max_tokens": limits.max_tokens,
             "max_stop_words": limits.max_stop_words,
         },
+        "deployment": dict(deployment or {}),
+    }
+
+
+def deployment_terms(config: Any) -> dict[str, Any]:
+    """What else decides which stored answers a hit may be (a prompt_cache-like config): how old
+    an entry may be served (`ttl_s`, `redis_max_ttl_s`), which Redis it shares (URL without its
+    password, and prefix: with another one, or none, the edge would hear other invalidations
+    than the stages), and where adapters resolve from (another folder, other adapter digests).
+    A stage restarted with other values makes the edge stop serving until it is built again."""
+    redis = None
+    if config.redis_url:
+        parts = urlsplit(config.redis_url)
+        netloc = f"{parts.hostname or ''}:{parts.port or ''}"
+        redis = {"url": urlunsplit((parts.scheme, netloc, parts.path, "", "")),
+                 "prefix": config.redis_prefix}  # fmt: skip
+    return {
+        "ttl_s": config.ttl_s,
+        "redis_max_ttl_s": config.redis_max_ttl_s,
+        "redis": redis,
+        "adapters": str(config.adapters_path().resolve()),
+        "adapters_manifest": config.adapters_manifest,
     }
 
 

@@ -14,7 +14,12 @@ from tiercache.exact.request import RawInputs
 from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
-from tiercache.stages.contract import PROMPT_CACHE, prompt_cache_terms, write_terms
+from tiercache.stages.contract import (
+    PROMPT_CACHE,
+    deployment_terms,
+    prompt_cache_terms,
+    write_terms,
+)
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
@@ -131,7 +136,9 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None
     stage = PromptCacheStage(cache, metrics, open_sealer(config.state_path()), keys)
-    terms = prompt_cache_terms(keys_path, secret, cache.engine, cache.limits)
+    terms = prompt_cache_terms(
+        keys_path, secret, cache.engine, cache.limits, deployment_terms(config)
+    )
     write_terms(config.state_path(), PROMPT_CACHE, terms)  # what the gateway's edge must match
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     if config.hit_objective_s > 0:
