@@ -220,3 +220,21 @@ def test_every_cache_control_word_is_one_a_key_can_allow_or_refuse() -> None:
         assert used_words(CacheControl.parse(word)) == (word,), word
     valued = used_words(CacheControl.parse("max-age=5 tag=kb:v1"))
     assert valued == ("max-age", "tag")
+
+
+def test_a_key_files_tenant_is_named_as_every_stage_names_tenants(tmp_path: Path) -> None:
+    """A key file written by hand with "acme " (or a compatibility form) names the tenant an
+    invalidation and a `tenant` input call "acme": one scope, not two."""
+    path = tmp_path / "keys.json"
+    key, added = add_key(path, " ａｃｍｅ ")  # full-width letters, spaces around
+    assert added.tenant == "acme"
+    document = json.loads(path.read_text())
+    document["keys"][0]["tenant"] = "acme "  # as an operator's editor might leave it
+    path.write_text(json.dumps(document))
+    grant = KeyFile(path).authorize(key)
+    assert grant.tenant == "acme"
+    front = prompts()
+    keyed = front.lookup(RawInputs("What is Triton?"), grant=grant)
+    assert keyed.request.tenant_scope == tenant_scope(SECRET, "acme")
+    named = front.lookup(RawInputs("What is Triton?", tenant="acme"), grant=grant)
+    assert named.digest == keyed.digest

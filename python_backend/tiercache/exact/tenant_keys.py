@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiercache.errors import ConfigError, Forbidden
-from tiercache.exact.request import CacheControl
+from tiercache.errors import ConfigError, Forbidden, InvalidRequest
+from tiercache.exact.request import CacheControl, canonical_tenant
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,19 @@ def _entry(path: Path, index: int, entry: object) -> tuple[str, TenantGrant]:
         raise ConfigError(f"{where}: 'sha256' must be the key's hex SHA-256")
     if not isinstance(tenant, str) or not isinstance(key_id, str):
         raise ConfigError(f"{where}: 'id' and 'tenant' must be strings")
+    tenant = _tenant(where, tenant)
     adapters = _names(where, entry.get("adapters"), None)
     words = _names(where, entry.get("cache_control"), CACHE_CONTROL_NAMES)
     return digest, TenantGrant(key_id, tenant, adapters, words, digest)
+
+
+def _tenant(where: str, name: str) -> str:
+    """A key's tenant as every stage names tenants (`canonical_tenant`: NFKC, stripped), so a
+    key file's "acme " is the tenant an invalidation or a `tenant` input calls "acme"."""
+    try:
+        return canonical_tenant(name)
+    except InvalidRequest as exc:
+        raise ConfigError(f"{where}: 'tenant' {exc}") from exc
 
 
 def _names(where: str, value: object, allowed: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -225,7 +235,7 @@ def add_key(
     key_id = "k_" + secrets.token_hex(6)
     grant = TenantGrant(
         key_id,
-        tenant,
+        _tenant("the new key", tenant),
         None if adapters is None else frozenset(adapters),
         None if cache_control is None else frozenset(cache_control),
         hash_key(key),
