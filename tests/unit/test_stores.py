@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -489,8 +490,40 @@ def test_lmdb_garbage_database_is_moved_aside(tmp_path: Path) -> None:
 _HEADER = struct.Struct("<4sddI32s")
 
 
-def _with_payload(payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, 1.0, 0.0, len(payload), hashlib.sha256(payload).digest()) + payload
+def _with_payload(payload: bytes, created_s: float = 1.0, ttl_s: float = 0.0) -> bytes:
+    """A well-formed TCE2 entry around `payload` (its checksum right: only the payload is off)."""
+    times = struct.pack("<ddI", created_s, ttl_s, len(payload))
+    checksum = hashlib.sha256(times + payload).digest()
+    return _HEADER.pack(MAGIC, created_s, ttl_s, len(payload), checksum) + payload
+
+
+def _v1(payload: bytes, created_s: float = 1.0, ttl_s: float = 0.0) -> bytes:
+    """An entry as releases before 2026-12-06 wrote it: TCE1, the payload alone hashed."""
+    checksum = hashlib.sha256(payload).digest()
+    return _HEADER.pack(b"TCE1", created_s, ttl_s, len(payload), checksum) + payload
+
+
+def test_a_flipped_bit_in_the_header_times_is_corrupt() -> None:
+    """TCE2's checksum covers created_s and ttl_s: a flipped exponent bit that would move an
+    entry's creation past every invalidation (and its age below every max-age) is caught."""
+    data = bytearray(encode_entry(entry("answer", created_s=1_700_000_000.0)))
+    data[4 + 7] ^= 0x01  # created_s's top byte: about 6.8e9 s after 1970
+    with pytest.raises(CorruptEntry, match="checksum"):
+        decode_entry(bytes(data))
+    data = bytearray(encode_entry(entry("answer", created_s=1_700_000_000.0)))
+    data[12 + 2] ^= 0x10  # ttl_s
+    with pytest.raises(CorruptEntry, match="checksum"):
+        decode_entry(bytes(data))
+
+
+def test_entries_written_before_the_header_was_hashed_still_decode_if_they_make_sense() -> None:
+    payload = json.dumps({"text": "old", "finish_reason": "stop", "generated_tokens": 2}).encode()
+    old = decode_entry(_v1(payload, created_s=1_700_000_000.0, ttl_s=60.0))
+    assert (old.text, old.created_s, old.ttl_s) == ("old", 1_700_000_000.0, 60.0)
+    assert peek_created_s(_v1(payload)) == 1.0
+    for created_s, ttl_s in ((6.8e9, 0.0), (math.inf, 0.0), (math.nan, 0.0), (1.0, -5.0)):
+        with pytest.raises(CorruptEntry, match="make no sense"):
+            decode_entry(_v1(payload, created_s, ttl_s))
 
 
 @pytest.mark.parametrize(

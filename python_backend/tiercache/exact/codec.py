@@ -1,8 +1,12 @@
 """Cache entries and their on-disk encoding.
 
-Layout (little endian): magic `TCE1` | created_s f64 | ttl_s f64 | payload length u32 |
-SHA-256 of the payload (32 bytes) | payload (UTF-8 JSON). Any mismatch (magic, length, checksum,
-JSON) raises `CorruptEntry`; stores turn that into a miss and drop the entry.
+Layout (little endian): magic `TCE2` | created_s f64 | ttl_s f64 | payload length u32 |
+SHA-256 of the header's created_s, ttl_s and length and the payload (32 bytes) | payload (UTF-8
+JSON). Any mismatch (magic, length, checksum, JSON) raises `CorruptEntry`; stores turn that into
+a miss and drop the entry. `TCE1`, written before 2026-12-06, hashed the payload alone, so a
+flipped bit in its created_s could move an entry past every invalidation and expiry; such
+entries are still read, their times checked for sense instead (finite, ttl_s not negative,
+created_s not more than a day ahead of the clock), until they are written again.
 
 The payload's optional fields (`tags`, `scope`, `adapter`: what invalidation matches on;
 `prompt_tokens`) are written only when set and read as empty when absent, so entries written
@@ -13,11 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
+import time
 from dataclasses import dataclass
 
-MAGIC = b"TCE1"
+MAGIC = b"TCE2"
+_MAGIC_V1 = b"TCE1"  # read, never written
 _HEADER = struct.Struct("<4sddI32s")
+_TIMES = struct.Struct("<ddI")  # what TCE2's checksum covers ahead of the payload
+# A TCE1 entry claiming a creation further ahead of this host's clock than this is corrupt
+MAX_FUTURE_S = 86_400.0
 # Fixed per-entry overhead counted in L1 byte budgets, on top of the text's and metadata's
 # characters: the LRU's own slots (139 B per entry under tracemalloc), the entry object (96),
 # the 64-character key (113) and the headers of the text and scope strings (49 each), on
@@ -114,8 +124,9 @@ def encode_entry(entry: CacheEntry) -> bytes:
         separators=(",", ":"),
         ensure_ascii=False,
     ).encode("utf-8")
+    times = _TIMES.pack(entry.created_s, entry.ttl_s, len(payload))
     header = _HEADER.pack(
-        MAGIC, entry.created_s, entry.ttl_s, len(payload), hashlib.sha256(payload).digest()
+        MAGIC, entry.created_s, entry.ttl_s, len(payload), hashlib.sha256(times + payload).digest()
     )
     return header + payload
 
@@ -124,13 +135,21 @@ def decode_entry(data: bytes) -> CacheEntry:
     if len(data) < _HEADER.size:
         raise CorruptEntry(f"entry of {len(data)} bytes is shorter than its header")
     magic, created_s, ttl_s, length, checksum = _HEADER.unpack_from(data)
-    if magic != MAGIC:
+    if magic not in (MAGIC, _MAGIC_V1):
         raise CorruptEntry(f"bad magic {magic!r}")
     payload = bytes(data[_HEADER.size :])
     if len(payload) != length:
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {length}")
-    if hashlib.sha256(payload).digest() != checksum:
+    covered = payload if magic == _MAGIC_V1 else _TIMES.pack(created_s, ttl_s, length) + payload
+    if hashlib.sha256(covered).digest() != checksum:
         raise CorruptEntry("checksum mismatch")
+    if magic == _MAGIC_V1 and not (
+        math.isfinite(created_s)
+        and math.isfinite(ttl_s)
+        and ttl_s >= 0
+        and created_s <= time.time() + MAX_FUTURE_S
+    ):
+        raise CorruptEntry(f"an old entry's times make no sense: {created_s!r}, {ttl_s!r}")
     try:
         fields = json.loads(payload.decode("utf-8"))
         if not isinstance(fields, dict):
@@ -207,6 +226,6 @@ def _optional_float(value: object) -> float | None:
 def peek_created_s(data: bytes | memoryview) -> float:
     """Creation time from the header alone (for eviction scans: a value read in place, not
     copied); raises `CorruptEntry`."""
-    if len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
+    if len(data) < _HEADER.size or bytes(data[:4]) not in (MAGIC, _MAGIC_V1):
         raise CorruptEntry("bad header")
     return float(_HEADER.unpack_from(data)[1])
