@@ -470,3 +470,19 @@ def test_endorsement_checks_from_many_threads_never_fail_a_hit(
         sys.setswitchinterval(interval)
     assert failures == []
     cache.close()
+
+
+def test_a_key_sweep_spares_an_answer_written_between_its_read_and_its_delete() -> None:
+    class Interleaved(MemoryStore):
+        """A store where another process writes a new answer right after the sweep's read."""
+
+        def peek(self, key: str) -> CacheEntry | None:
+            held = super().peek(key)
+            self.put(key, entry(created_s=2_000.0))  # generated again, after the watermark
+            return held
+
+    store = Interleaved(1 << 20)
+    store.put("k", entry(created_s=900.0))
+    assert sweep(store, Invalidation(InvalidationKind.KEY, "k", 1_000.0)) == []
+    kept = MemoryStore.peek(store, "k")
+    assert kept is not None and kept.created_s == 2_000.0

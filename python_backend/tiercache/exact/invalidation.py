@@ -207,7 +207,8 @@ def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> li
         held = store.peek(inv.value)
         if held is None or not applies(inv, inv.value, held, skew_s):
             return []
-        return [inv.value] if store.delete(inv.value) else []
+        # only the entry read: an answer written since (generated again) stays
+        return [inv.value] if store.delete_if_same(inv.value, held) else []
     victims = [key for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
     if victims:
         store.delete_many(victims)
