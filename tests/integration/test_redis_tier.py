@@ -448,6 +448,8 @@ def test_malformed_fleet_metadata_is_skipped(redis_server: RedisServer, redis_pr
                 {"digest": "e" * 64, "bytes": 1, "updated_s": 1e300, "replica": "x"}
             ),
             "not-a-time": '{"digest": "x", "bytes": 1, "updated_s": NaN}',
+            "infinite-size": '{"digest": "%s", "bytes": 1e400, "updated_s": 1}' % ("e" * 64),
+            "not-a-digest": json.dumps({"digest": "x" * 4000, "bytes": 1, "updated_s": 1}),
         },
     )
     found = fleet.fleet()
@@ -522,3 +524,17 @@ def test_a_scan_reads_values_in_calls_bounded_in_bytes(
     assert sorted(key for key, _ in l3.scan()) == [f"k{i}" for i in range(6)]
     assert l3.forged == 4
     replica.close()
+
+
+def test_fleet_warnings_are_kept_per_adapter_whatever_redis_offers(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A writer cycling the fleet's digest for one adapter cannot grow a replica's memory of
+    what it warned about: one entry per local adapter."""
+    link = RedisLink.from_url(redis_server.url, redis_prefix)
+    fleet = AdapterFleet(link, "replica-a")
+    mine = AdapterVersion("caps", "d" * 64, 1000, 1.0, "replica-a")
+    for i in range(200):
+        theirs = AdapterVersion("caps", f"{i:064x}", 1000, 2.0, "x")
+        assert fleet.mismatched([mine], {"caps": theirs}) == [(mine, theirs)]
+    assert len(fleet._warned) == 1

@@ -396,3 +396,25 @@ def test_concurrent_assignment_gives_each_name_one_id(tmp_path: Path) -> None:
         thread.join(timeout=30)
     assert results[0] == results[1]
     assert sorted(results[0].values()) == list(range(1, 31))
+
+
+def test_a_task_id_that_cannot_be_recorded_fails_one_resolve_not_the_adapter(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ids file cannot be written once (a full disk): that resolve is unavailable, the next
+    one loads the adapter, and the listing names the problem meanwhile instead of failing."""
+    registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    assign = registry._task_ids.assign
+    failures = [1]
+
+    def full_disk(name: str) -> int:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(28, "No space left on device")
+        return assign(name)
+
+    monkeypatch.setattr(registry._task_ids, "assign", full_disk)
+    with pytest.raises(Unavailable, match="task id could not be recorded"):
+        registry.resolve("caps")
+    assert registry.resolve("caps").name == "caps"
+    assert {item.name for item in registry.listing()} == {"caps", "french"}

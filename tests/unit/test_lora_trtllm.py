@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -378,3 +379,16 @@ def test_converter_keeps_recent_conversions_within_max_bytes(french: AdapterWeig
     none = TrtllmLoraConverter(max_bytes=0)
     assert none.convert(french) is not none.convert(french)
     assert none.held_bytes == 0
+
+
+@pytest.mark.parametrize("shape", [[-1, -4], [-2, -2], [2**40, 0], [0, 4], [4, 2**31]])
+def test_shapes_no_tensor_can_have_are_refused_as_the_callers_error(shape: list[int]) -> None:
+    """A negative pair multiplies to a positive element count and passed the offsets check; a
+    dimension of 2**40 overflowed the int32 config: each was an internal error."""
+    name = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"
+    count = max(1, math.prod(shape))
+    body = np.zeros(count if count < 1024 else 0, "<f4").tobytes()
+    header = {name: {"dtype": "F32", "shape": shape, "data_offsets": [0, len(body)]}}
+    text = json.dumps(header).encode()
+    with pytest.raises(InvalidRequest, match="has shape"):
+        convert_peft(peft_config(), struct.pack("<Q", len(text)) + text + body)

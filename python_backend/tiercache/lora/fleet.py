@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 ADAPTERS = "adapters"
 USES = "adapter_uses"
 MAX_METADATA_BYTES = 4096  # one adapter's JSON is about 150 bytes
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # an adapter version's digest, as replicas write it
 MAX_UPDATED_S = 253_402_300_800.0  # 10000-01-01: past it (or NaN, inf) no time a replica wrote
 _MISSING = object()
 
@@ -96,13 +98,12 @@ class AdapterVersion:
         updated_s = float(data["updated_s"])
         if not 0.0 <= updated_s < MAX_UPDATED_S:
             raise ValueError(f"updated_s {updated_s!r} is not a time")
-        return cls(
-            name,
-            str(data["digest"]),
-            int(data["bytes"]),
-            updated_s,
-            str(data.get("replica", "")),
-        )
+        digest, nbytes = data["digest"], data["bytes"]
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise ValueError("digest is not a 64-character hex digest")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 2**63:
+            raise ValueError(f"bytes {str(nbytes)[:40]!r} is not a size")
+        return cls(name, digest, nbytes, updated_s, str(data.get("replica", ""))[:256])
 
 
 def replica_id(state_path: Path) -> str:
@@ -136,7 +137,9 @@ class AdapterFleet:
         self.uses_key = link.key(USES)
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}  # uses not yet added to Redis
-        self._warned: set[tuple[str, str, str]] = set()
+        # name -> the (local, fleet) digests last warned about: one entry per local adapter,
+        # whatever Redis offers
+        self._warned: dict[str, tuple[str, str]] = {}
 
     def count_use(self, name: str) -> None:
         """One request needed adapter `name` (no Redis call: see `flush_uses`)."""
@@ -206,8 +209,8 @@ class AdapterFleet:
                 continue
             try:
                 versions[name] = AdapterVersion.from_json(name, value)
-            except (ValueError, KeyError, TypeError, RecursionError):
-                log.warning("ignored malformed fleet metadata for adapter %r", name)
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                log.warning("ignored malformed fleet metadata for adapter %r", name[:80])
         uses = {}
         for key, value in raw_uses.items():
             try:
@@ -234,10 +237,10 @@ class AdapterFleet:
             if theirs is None or theirs.digest == mine.digest:
                 continue
             out.append((mine, theirs))
-            pair = (mine.name, mine.digest, theirs.digest)
+            pair = (mine.digest, theirs.digest)
             with self._lock:
-                new = pair not in self._warned
-                self._warned.add(pair)
+                new = self._warned.get(mine.name) != pair
+                self._warned[mine.name] = pair
             if new:
                 log.warning(
                     "adapter %s: this replica's folder holds version %s (files of %s), but the "

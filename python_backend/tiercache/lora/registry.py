@@ -266,7 +266,17 @@ class AdapterRegistry:
             if previous_problem is None or previous_problem.message != exc.message:
                 log.warning("adapter %s in %s: %s", entry.name, entry.folder, exc.message)
             return
-        task_id = self._task_ids.assign(entry.name)
+        try:
+            task_id = self._task_ids.assign(entry.name)
+        except Exception as exc:
+            # not loaded: the next resolve tries again (with the signature kept, it would
+            # find neither a version nor a problem until the files changed)
+            entry.signature = None
+            log.warning("adapter %s: its task id could not be recorded: %s", entry.name, exc)
+            raise Unavailable(
+                f"adapter {entry.name!r}: its task id could not be recorded "
+                f"({type(exc).__name__}); retry"
+            ) from exc
         entry.ref = AdapterRef(entry.name, task_id, adapter_digest(config, weights))
         if entry.ref != previous:
             log.info("adapter %s is version %s (task id %d)", entry.name, entry.ref.short, task_id)

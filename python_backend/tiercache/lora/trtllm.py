@@ -440,6 +440,9 @@ def _read_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
             raise InvalidRequest(f"{bad}: entry {name!r} lacks dtype, shape or offsets") from exc
         if kind not in _SAFETENSORS_DTYPES:
             raise InvalidRequest(f"{where}: tensor {name!r} has dtype {kind}, not a float type")
+        if not all(0 < d < 2**31 for d in shape):
+            # a negative pair multiplies to a positive count; a rank past int32 fits no config
+            raise InvalidRequest(f"{bad}: tensor {name!r} has shape {shape[:8]}")
         layout = np.dtype(_SAFETENSORS_DTYPES[kind])
         count = math.prod(shape)
         if not 0 <= begin <= end <= len(body) or end - begin != count * layout.itemsize:
