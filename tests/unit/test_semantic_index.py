@@ -353,6 +353,8 @@ def test_screen_counts_tokens_of_non_ascii_text(screen: Any) -> None:
     "text",
     [
         "How do I reset my password " + "x" * 120,  # a word over 100 characters is one [UNK]
+        # a control character the tokenizer deletes joins two words of 60 into one of 120
+        "what is " + "a" * 60 + "\x1f" + "a" * 60 + "b?",
         "What does 😀 mean in a text message?",  # emoji: [UNK]
         "如何重置我的密码？",  # CJK: [UNK] each
         "비밀번호를 재설정하려면 어떻게 해야 하나요?",  # Hangul: tokens, but not Latin
@@ -1051,3 +1053,67 @@ def test_a_build_lock_held_too_long_is_given_up_and_the_caller_builds(tmp_path: 
     (tmp_path / "file").write_text("not a folder")
     with unwritable.building("s") as none:
         assert not none
+
+
+def test_an_l3_that_cannot_be_read_stops_a_compaction_instead_of_emptying_it(
+    tmp_path: Path,
+) -> None:
+    """Answers held only in Redis are not gone while Redis is down: `exists` raises, and the
+    compaction deletes nothing (it would have deleted the row of every such answer)."""
+    from tiercache.errors import Unavailable
+    from tiercache.exact.redis_tier import RedisLink, RedisStore
+
+    link = RedisLink.from_url("redis://127.0.0.1:1/0", secret=b"s" * 32, environ={})
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20)), (Tier.L3, RedisStore(link))])
+    cache.put("d-local", "held here", created_s=time.time() - 1)
+    store = SemanticStore(tmp_path / "sem")
+    for digest in ("d-local", "d-shared"):
+        store.append("s", digest, "p", unit(1, 0))
+    assert cache.exists("d-local")
+    with pytest.raises(Unavailable):
+        cache.exists("d-shared")
+    with pytest.raises(Unavailable):
+        store.compact(cache.exists)
+    assert [r.digest for r in store.rows_since(0)] == ["d-local", "d-shared"]
+    cache.close()
+
+
+def test_a_vector_kept_in_l1_does_not_keep_its_batch_alive(tmp_path: Path) -> None:
+    """The embedder returns a batch; each text's vector is a row of it. L1 counts one row's
+    bytes per entry, so it must hold a copy, not a view pinning the whole batch."""
+    cache = VectorCache(tmp_path / "vec", DIM)
+    batch = np.stack([unit(1, i) for i in range(8)])
+    key = vector_key("emb@1", "third")
+    cache.put(key, batch[3])
+    held = cache._l1[key]
+    assert held.base is None and np.array_equal(held, batch[3])
+    cache.close()
+
+
+def test_one_damaged_scope_fails_neither_the_start_nor_the_others_lookups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scope whose table cannot be opened (damaged files): a start's refresh logs it and
+    opens the rest; in a batch, its request is a miss and the others are served."""
+    embed = _Embed({"q good": unit(1, 0.05), "q bad": unit(1, 0.05)})
+    stage = _stage(tmp_path, embed)
+    stage.answers.store(Tier.L1).put("d-good", CacheEntry("good answer", 0.0))  # type: ignore[union-attr]
+    stage.answers.store(Tier.L1).put("d-bad", CacheEntry("bad answer", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope-good", "d-good", "q", unit(1, 0))
+    stage.index.add("scope-bad", "d-bad", "q", unit(1, 0))
+    tables = stage.index.store.tables
+    open_current = tables.open_current
+    broken = scope_tag("scope-bad")
+
+    def damaged(tag: str, width: int) -> Any:
+        if tag == broken:
+            raise ValueError("a table's manifest says capacity 0")
+        return open_current(tag, width)
+
+    monkeypatch.setattr(tables, "open_current", damaged)
+    stage.index._scopes.clear()  # as after a restart: every scope opened again
+    stage.index.refresh()  # did raise: the stage never loaded
+    assert stage.index.scopes_failed == 1
+    good, bad = stage.lookup(["q good", "q bad"], ["scope-good", "scope-bad"])
+    assert (good.outcome, good.text) == (SemanticOutcome.HIT, "good answer")
+    assert bad.outcome is SemanticOutcome.MISS and stage.search_failures == 1

@@ -348,7 +348,11 @@ class TieredCache:
         self._catch_up()
         now = self._clock()
         for _, store in self._stores:
-            entry = store.get(key)
+            # Redis's `get` says None when Redis could not be asked: ask strictly, so an outage
+            # is an error here, never "gone" (compaction would delete the rows of every answer
+            # held only there)
+            strict = getattr(store, "get_or_raise", None)
+            entry = strict(key) if strict is not None else store.get(key)
             if entry is None or entry.expired(now):
                 continue
             if self.default_ttl_s > 0 and now - entry.created_s >= self.default_ttl_s:

@@ -65,6 +65,8 @@ def resolve_embedder(name: str = DEFAULT_EMBEDDER) -> tuple[Path, EmbedderIdenti
 
 # Share of a text's letters that must be Latin for the semantic cache to take it (see Screen).
 MIN_LATIN_LETTERS = 0.9
+# ASCII control characters but tab, newline and carriage return: BERT's tokenizer deletes them
+_ASCII_CONTROLS = {c: None for c in [*range(32), 127] if chr(c) not in "\t\n\r"}
 
 
 class Screen:
@@ -99,7 +101,10 @@ class Screen:
             # ASCII: each token covers at least one character, and only a word over 100
             # characters becomes [UNK] (printable ASCII is all in the vocabulary), so a short
             # text needs no tokenizer (which costs about 40 us).
-            if len(text) <= self.max_tokens - 2 and all(len(w) <= 100 for w in text.split()):
+            # Words as the tokenizer sees them: it deletes control characters (\x0b, \x1f...),
+            # which str.split() takes for spaces, so "aaa\x1faaa" is one word to it.
+            words = text.translate(_ASCII_CONTROLS).split()
+            if len(text) <= self.max_tokens - 2 and all(len(w) <= 100 for w in words):
                 return None
         elif not latin_enough(text):
             return self.UNSUPPORTED

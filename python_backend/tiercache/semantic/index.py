@@ -117,6 +117,7 @@ class SemanticIndex:
         self._flat_s_per_row = 0.0  # a flat scan's seconds per row (moving average)
         self._graph_search_s = 0.0  # a graph search's seconds (moving average, every scope)
         self.graphs_dropped = 0
+        self.scopes_failed = 0  # scopes a refresh could not open (damaged files): logged
 
     def refresh(self) -> int:
         """Open every scope's table of the host (a start: large scopes get their graph here,
@@ -124,9 +125,17 @@ class SemanticIndex:
         with self._lock:
             for _, manifest in self.store.manifests():
                 if manifest.width == self.dimensions:
-                    scope = self._open(manifest.scope, background=False)
-                    if scope is not None and scope.hnsw is not None:
-                        scope.hnsw_add(scope.table.snapshot())
+                    try:
+                        scope = self._open(manifest.scope, background=False)
+                        if scope is not None and scope.hnsw is not None:
+                            scope.hnsw_add(scope.table.snapshot())
+                    except Exception:  # noqa: BLE001 - one damaged scope must not stop a start
+                        self.scopes_failed += 1
+                        log.exception(
+                            "opening semantic scope %s... failed; it is tried again at its next "
+                            "search",
+                            manifest.scope[:8],
+                        )
             visible = sum(s.count for s in self._scopes.values())
             fresh, self._visible = max(0, visible - self._visible), visible
             return fresh

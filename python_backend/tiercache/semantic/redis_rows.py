@@ -652,7 +652,7 @@ class RowSharing:
             cache.invalidations,
             lock_path=follower_lock_path(store.path),
             ready=(lambda: listener.stats().connected) if listener is not None else lambda: True,
-            answer_exists=lambda digest: cache.get(digest, request=False) is not None,
+            answer_exists=cache.exists,  # strict: an unreadable tier stops a compaction
             embedder=embedder,
             dimensions=dimensions,
             batch_rows=batch_rows,

@@ -104,6 +104,8 @@ class EmbeddingCache:
         self.draft_neighbours = draft_neighbours
         self.draft_min_similarity = draft_min_similarity
         self.scope_mismatches = 0  # candidates refused: their answer is another tenant's
+        self.search_failures = 0  # lookups answered as misses because their scope's search failed
+        self._failed_scopes: set[str] = set()  # logged once each
 
     def vectors_for(
         self, prompts: Sequence[str], tenant_scopes: Sequence[str] | None = None
@@ -229,7 +231,15 @@ class EmbeddingCache:
                 results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
-            results.append(self.search(prompt, scope, vector, cached, tenant, verifiable[i]))
+            try:
+                result = self.search(prompt, scope, vector, cached, tenant, verifiable[i])
+            except Exception:  # noqa: BLE001 - one broken scope: a miss for its request alone
+                self.search_failures += 1
+                if scope not in self._failed_scopes:
+                    self._failed_scopes.add(scope)
+                    log.exception("searching scope %s... failed; its lookups are misses", scope[:8])
+                result = SemanticLookup(SemanticOutcome.MISS, vector, vector_cached=cached)
+            results.append(result)
         return results
 
     def close(self) -> None:

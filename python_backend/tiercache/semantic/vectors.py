@@ -122,7 +122,9 @@ class VectorCache:
     def put(self, key: bytes, vector: np.ndarray, cost_s: float = 0.0) -> None:
         """Store a vector just embedded; `cost_s` is what embedding it took (its share of the
         embedder's call), what L1 would have saved had it kept an evicted copy."""
-        vector = np.ascontiguousarray(vector, dtype=np.float32)
+        # a copy: a row of the embedder's batch is a view that would keep the whole batch alive
+        # in L1, up to its size times the budget
+        vector = np.array(vector, dtype=np.float32, copy=True)
         if self._disk is not None and self._disk.state() != ROOM:
             with self._lock:
                 self.l2_skipped += 1
