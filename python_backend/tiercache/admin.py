@@ -386,6 +386,10 @@ class Admin:
             answer = item.get("answer")
             if not isinstance(answer, str) or not answer:
                 raise InvalidRequest("answer must be a non-empty string")
+            try:
+                answer.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON allows a lone surrogate; UTF-8 does not
+                raise InvalidRequest("answer is not valid Unicode (a lone surrogate?)") from exc
             # The digest through prompt_cache's own path, without reading the cache: an answer
             # already there is replaced.
             found = self.prompts.lookup(

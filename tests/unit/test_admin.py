@@ -96,6 +96,20 @@ def test_warm_refuses_a_number_past_floats_range_for_that_prompt_alone(admin: Ad
     assert "temperature must be a finite number" in items[0]["error"]
 
 
+def test_warm_refuses_an_answer_with_a_lone_surrogate_for_that_prompt_alone(admin: Admin) -> None:
+    result = run(
+        admin,
+        op="warm",
+        prompts=[
+            {"text_input": "x", "answer": "bad \ud800 answer"},
+            {"text_input": "Capital of France?", "answer": "Paris."},
+        ],
+    )
+    items = result["prompts"]
+    assert [i["status"] for i in items] == ["error", "stored"]
+    assert "not valid Unicode" in items[0]["error"]
+
+
 def test_warm_again_replaces_the_answer(admin: Admin) -> None:
     first = run(admin, op="warm", prompts=[{"text_input": "Capital of France?", "answer": "Lyon."}])
     again = run(
