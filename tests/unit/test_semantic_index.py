@@ -1117,3 +1117,17 @@ def test_one_damaged_scope_fails_neither_the_start_nor_the_others_lookups(
     good, bad = stage.lookup(["q good", "q bad"], ["scope-good", "scope-bad"])
     assert (good.outcome, good.text) == (SemanticOutcome.HIT, "good answer")
     assert bad.outcome is SemanticOutcome.MISS and stage.search_failures == 1
+
+
+def test_a_row_pointing_at_another_adapters_answer_is_not_served(tmp_path: Path) -> None:
+    """A scope names its adapter, and so does each answer: a row of the base model's scope
+    that points at an adapter's answer (a damaged log, a forged shared row) is refused."""
+    embed = _Embed({"q reworded": unit(1, 0.05)})
+    stage = _stage(tmp_path, embed)
+    l1 = stage.answers.store(Tier.L1)
+    l1.put("d-caps", CacheEntry("AN ANSWER IN CAPS", 0.0, adapter="c" * 64))  # type: ignore[union-attr]
+    stage.index.add("scope", "d-caps", "q", unit(1, 0))
+    (base,) = stage.lookup(["q reworded"], ["scope"], None, None, [""])
+    assert base.outcome is SemanticOutcome.STALE and stage.scope_mismatches == 1
+    (caps,) = stage.lookup(["q reworded"], ["scope"], None, None, ["c" * 64])
+    assert (caps.outcome, caps.text) == (SemanticOutcome.HIT, "AN ANSWER IN CAPS")

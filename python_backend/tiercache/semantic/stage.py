@@ -134,6 +134,7 @@ class EmbeddingCache:
         cached: bool,
         tenant_scope: str | None = None,
         can_verify: bool = False,
+        adapter: str | None = None,
     ) -> SemanticLookup:
         """The candidate of `scope` the guard likes best, if its answer still exists.
 
@@ -141,7 +142,8 @@ class EmbeddingCache:
         with `tenant_scope`, the answer a row points to must also belong to that tenant
         (its cache entry's `tenant_scope`) before it is served: a row written with another
         tenant's answer digest (a forged shared row, a damaged log) is refused, counted in
-        `scope_mismatches` and logged, and treated as a stale candidate. `can_verify`: the
+        `scope_mismatches` and logged, and treated as a stale candidate; with `adapter` (the
+        request's adapter digest, "" for the base model), so must its adapter. `can_verify`: the
         request may be verified by the engine (greedy), so a trust gate may ask for it."""
         found_rows = self.index.search(scope, vector, self.top_k)
         drafts = tuple(n.digest for n in found_rows if n.similarity >= self.draft_min_similarity)[
@@ -161,6 +163,10 @@ class EmbeddingCache:
             neighbour = neighbours.pop(chosen)
             found = self.answers.get(neighbour.digest)
             if found is not None and not self._same_tenant(found.entry.tenant_scope, tenant_scope):
+                found = None
+            if found is not None and adapter is not None and found.entry.adapter != adapter:
+                self.scope_mismatches += 1  # a row pointing at another adapter's answer
+                log.warning("a semantic candidate's answer is another adapter's; not served")
                 found = None
             if found is not None:
                 entry = found.entry
@@ -212,6 +218,7 @@ class EmbeddingCache:
         scopes: Sequence[str],
         tenant_scopes: Sequence[str] | None = None,
         can_verify: Sequence[bool] | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> list[SemanticLookup]:
         """One result per prompt, in order; prompts the screen refuses are not embedded (their
         result has an empty vector, so the llm stage does not index them either). With
@@ -232,7 +239,15 @@ class EmbeddingCache:
                 continue
             vector, cached = vectors[i]
             try:
-                result = self.search(prompt, scope, vector, cached, tenant, verifiable[i])
+                result = self.search(
+                    prompt,
+                    scope,
+                    vector,
+                    cached,
+                    tenant,
+                    verifiable[i],
+                    None if adapters is None else adapters[i],
+                )
             except Exception:  # noqa: BLE001 - one broken scope: a miss for its request alone
                 self.search_failures += 1
                 if scope not in self._failed_scopes:

@@ -167,6 +167,7 @@ class EmbeddingCacheStage:
                 [e.semantic_scope for e in envelopes],
                 [e.request.tenant_scope for e in envelopes],  # a hit must stay in its tenant
                 [e.request.greedy for e in envelopes],  # the engine can verify these
+                [e.request.lora_digest for e in envelopes],  # ... and to its adapter
             )
         except Exception as exc:  # noqa: BLE001 - semantic caching is an optimisation
             if isinstance(exc, Unavailable):  # a dependency (the embedder): one line a minute
