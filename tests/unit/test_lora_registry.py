@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -418,3 +419,35 @@ def test_a_task_id_that_cannot_be_recorded_fails_one_resolve_not_the_adapter(
         registry.resolve("caps")
     assert registry.resolve("caps").name == "caps"
     assert {item.name for item in registry.listing()} == {"caps", "french"}
+
+
+def test_reading_a_changed_adapter_does_not_hold_up_the_others(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter's files are read and hashed without the registry's lock: while a large
+    changed adapter is read, another adapter resolves at once (prompt_cache resolves on its
+    hit path)."""
+    registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    registry.resolve("caps"), registry.resolve("french")
+    reading, release = threading.Event(), threading.Event()
+    read_files = registry_module._read_files
+
+    def slow(name: str, folder: Path) -> Any:
+        if name == "caps":
+            reading.set()
+            assert release.wait(10)
+        return read_files(name, folder)
+
+    monkeypatch.setattr(registry_module, "_read_files", slow)
+    rewrite(root / "caps" / WEIGHTS_FILE, (root / "caps" / WEIGHTS_FILE).read_bytes() + b" ")
+    changed: list[AdapterRef] = []
+    reader = threading.Thread(target=lambda: changed.append(registry.resolve("caps")))
+    reader.start()
+    assert reading.wait(10)
+    started = time.monotonic()
+    assert registry.resolve("french").name == "french"
+    waited = time.monotonic() - started
+    release.set()
+    reader.join(10)
+    assert waited < 1.0, f"resolving another adapter waited {waited:.2f} s"
+    assert changed and changed[0].name == "caps"

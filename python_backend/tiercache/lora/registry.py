@@ -159,7 +159,16 @@ class AdapterRegistry:
         """The current version of adapter `name` (errors as in the module docstring)."""
         check_name(name)
         with self._lock:
-            return self._current(self._entry(name))
+            entry = self._entry(name)
+            if not self._changed(entry):
+                return self._ready(entry)
+        # Its files changed (or are too fresh to trust): read and hash them without the lock,
+        # so resolves of every other adapter (prompt_cache's hit path among them) do not wait
+        # on this one's bytes (up to 2 GiB a file).
+        loaded = _read_checked(entry.name, entry.folder)
+        with self._lock:
+            self._commit(entry, loaded)
+            return self._ready(entry)
 
     def read(self, ref: AdapterRef) -> AdapterWeights:
         """The files of version `ref`, checked against its digest. Unavailable when the folder no
@@ -237,21 +246,25 @@ class AdapterRegistry:
             raise NotFound(f"unknown adapter {name!r} (known: {known})")
         return entry
 
-    def _current(self, entry: _Entry) -> AdapterRef:
+    def _changed(self, entry: _Entry) -> bool:
+        """Whether `entry`'s files must be read (again); NotFound when its folder is gone."""
         if not entry.from_manifest and not entry.folder.is_dir():
             del self._entries[entry.name]
             raise NotFound(f"unknown adapter {entry.name!r}: its folder was removed")
-        signature = _signature(entry.name, entry.folder)
-        if signature != entry.signature or entry.racy:
-            self._load(entry)
+        return entry.racy or _signature(entry.name, entry.folder) != entry.signature
+
+    def _ready(self, entry: _Entry) -> AdapterRef:
         if entry.problem is not None:
             raise entry.problem
         if entry.ref is None:
             raise RuntimeError(f"adapter {entry.name!r}: loaded without a version or a problem")
         return entry.ref
 
-    def _load(self, entry: _Entry) -> None:
-        signature, config, weights = _read_files(entry.name, entry.folder)
+    def _commit(self, entry: _Entry, loaded: _Loaded) -> None:
+        """`entry` as its files were read (`_read_checked`): a version with its task id, or
+        the problem they have. Two resolves that read at once both commit; should the older
+        read commit last, the next resolve sees the newer signature and reads again."""
+        signature = loaded.signature
         # ctime, which every write sets to the kernel's clock: an mtime in the future (copied
         # with its times from a host whose clock runs ahead) would keep the entry racy, and
         # re-read on every resolve, until this clock passed it
@@ -259,12 +272,10 @@ class AdapterRegistry:
         entry.racy = newest_ns >= self._wall_clock_ns() - RACY_NS
         previous, previous_problem = entry.ref, entry.problem
         entry.signature, entry.ref, entry.problem = signature, None, None
-        try:
-            _check_files(entry.name, config, weights)
-        except Unavailable as exc:
-            entry.problem = exc
-            if previous_problem is None or previous_problem.message != exc.message:
-                log.warning("adapter %s in %s: %s", entry.name, entry.folder, exc.message)
+        if loaded.problem is not None:
+            entry.problem = loaded.problem
+            if previous_problem is None or previous_problem.message != loaded.problem.message:
+                log.warning("adapter %s in %s: %s", entry.name, entry.folder, entry.problem.message)
             return
         try:
             task_id = self._task_ids.assign(entry.name)
@@ -277,7 +288,7 @@ class AdapterRegistry:
                 f"adapter {entry.name!r}: its task id could not be recorded "
                 f"({type(exc).__name__}); retry"
             ) from exc
-        entry.ref = AdapterRef(entry.name, task_id, adapter_digest(config, weights))
+        entry.ref = AdapterRef(entry.name, task_id, loaded.digest)
         if entry.ref != previous:
             log.info("adapter %s is version %s (task id %d)", entry.name, entry.ref.short, task_id)
 
@@ -385,6 +396,27 @@ def _signature(name: str, folder: Path) -> Signature:
             raise Unavailable(f"adapter {name!r}: cannot stat {file_name}: {exc.strerror}") from exc
         parts.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """An adapter's files as one read found them: their signature, and their digest or the
+    problem they have."""
+
+    signature: Signature
+    digest: str
+    problem: Unavailable | None
+
+
+def _read_checked(name: str, folder: Path) -> _Loaded:
+    """Read, check and hash adapter `name`'s files (no lock held: the slow part of a resolve).
+    Unavailable when they cannot be read; a content problem is returned, not raised."""
+    signature, config, weights = _read_files(name, folder)
+    try:
+        _check_files(name, config, weights)
+    except Unavailable as exc:
+        return _Loaded(signature, "", exc)
+    return _Loaded(signature, adapter_digest(config, weights), None)
 
 
 def _read_files(name: str, folder: Path) -> tuple[Signature, bytes, bytes]:
