@@ -599,6 +599,47 @@ def test_a_padded_tenant_cannot_tell_a_hit_from_a_miss(served: Served) -> None:
     assert seen == ["miss", "exact"]  # acme is another tenant: its own miss, then its hit
 
 
+def test_a_padded_tenant_calling_prompt_cache_directly_learns_nothing(
+    raw: grpcclient.InferenceServerClient, served: Served
+) -> None:
+    """prompt_cache is the edge: anyone may call it. For a padded tenant it does not look the
+    request up (llm does, behind its padding), so a direct call of a prompt the tenant has
+    cached says `miss`, carries no text and asks embedding_cache for no semantic lookup; the
+    ensemble still answers it, padded and masked (llm serves the stored answer when it finds
+    one). A trusted tenant's hit is still found at the edge."""
+    prompt = unique("Name two rivers, briefly.")
+    with client(served, "public") as public:
+        first = public.generate_text(prompt, max_tokens=MAX_TOKENS)
+        again = public.generate_text(prompt, max_tokens=MAX_TOKENS)
+    assert first.text == again.text and again.cache_status == "masked"
+    result = raw.infer(
+        "prompt_cache",
+        [tensor("text_input", prompt), tensor("max_tokens", MAX_TOKENS)],
+        headers={"authorization": f"Bearer {served.keys['public']}"},
+    )
+    data = result.as_numpy("ENVELOPE").reshape(-1)[0]
+    envelope = Envelope.decode(data[SEAL_CHARS:])
+    assert envelope.status.value == "miss" and not envelope.semantic_lookup
+    assert result.as_numpy("CACHED_TEXT").reshape(-1)[0] == b""
+    acme = raw.infer(  # a trusted tenant's own hit is still found at the edge
+        "prompt_cache",
+        [tensor("text_input", prompt), tensor("max_tokens", MAX_TOKENS)],
+        headers={"authorization": f"Bearer {served.keys['acme']}"},
+    )
+    acme_status = Envelope.decode(acme.as_numpy("ENVELOPE").reshape(-1)[0][SEAL_CHARS:]).status
+    assert acme_status.value == "miss"  # acme never asked it: another tenant's scope
+    with client(served, "acme") as trusted:
+        trusted.generate_text(prompt, max_tokens=MAX_TOKENS)
+    acme = raw.infer(
+        "prompt_cache",
+        [tensor("text_input", prompt), tensor("max_tokens", MAX_TOKENS)],
+        headers={"authorization": f"Bearer {served.keys['acme']}"},
+    )
+    assert Envelope.decode(acme.as_numpy("ENVELOPE").reshape(-1)[0][SEAL_CHARS:]).status.value == (
+        "exact"
+    )
+
+
 # the ensemble's hand-over from embedding_cache and lora_cache to llm: (stage output, llm input)
 TO_LLM = (
     ("ANSWER_TEXT", "CACHED_TEXT"),

@@ -188,3 +188,32 @@ def test_the_tiers_own_terms_are_part_of_the_contract(tmp_path: Path) -> None:
     write_terms(tmp_path, PROMPT_CACHE, expected[PROMPT_CACHE])
     clock.now += 1.0
     assert contract.holds()
+
+
+def test_prompt_cache_does_not_look_up_what_llm_pads(tmp_path: Path) -> None:
+    """llm publishes whom it pads (trusted tenants as hashes of their scopes); prompt_cache
+    then treats a padded tenant's request as a miss without reading the cache, and with no
+    semantic lookup, so a direct caller learns nothing; trusted tenants are looked up as
+    before. Without llm's document, or with padding off, everyone is looked up."""
+    from tiercache.exact.keys import tenant_scope
+    from tiercache.stages.contract import PaddedTenants
+
+    clock = Clock()
+    padded = PaddedTenants(tmp_path, clock=clock)
+    lookup = PromptCache(TieredCache([(Tier.L1, MemoryStore(1 << 20))]), SECRET, ENGINE)
+    lookup.deferred = padded.pads
+    raw_public = RawInputs("What is Triton?", tenant="public")
+    raw_trusted = RawInputs("What is Triton?", tenant="acme")
+    stored(lookup, raw_public, "the public tenant's answer")
+    stored(lookup, raw_trusted, "acme's answer")
+    assert lookup.lookup(raw_public).status.value == "exact"  # no document: as before
+    trusted = frozenset({tenant_scope(SECRET, "acme")})
+    write_terms(tmp_path, LLM, llm_terms(PaddingPolicy(0.05, 0.0, trusted)))
+    clock.now += 1.0
+    public = lookup.lookup(raw_public)
+    assert (public.status.value, public.text, public.semantic_lookup) == ("miss", "", False)
+    assert lookup.lookup(raw_trusted).text == "acme's answer"
+    assert tenant_scope(SECRET, "acme") not in contract_path(tmp_path, LLM).read_text()
+    write_terms(tmp_path, LLM, llm_terms(PaddingPolicy()))  # padding off again
+    clock.now += 1.0
+    assert lookup.lookup(raw_public).text == "the public tenant's answer"

@@ -86,6 +86,9 @@ class PromptCache:
         # raw inputs -> canonical form; (raw inputs, scope, adapter version) -> request, digest.
         self._canonical: Memo[Canonical] = Memo()
         self._requests: Memo[tuple[GenerationRequest, Digest | None]] = Memo()
+        # Tenant scopes whose requests are not looked up here (llm pads their responses, and
+        # looks the answer up behind the padding): None, every tenant's are
+        self.deferred: Callable[[str], bool] | None = None
 
     def scope(self, tenant: str) -> TenantScope:
         """The scope of the tenant named `tenant` (memoized)."""
@@ -191,7 +194,14 @@ class PromptCache:
         adapter = request.lora_digest
         write_back = not control.no_store
         exact_lookup = not (control.no_cache or control.semantic_only)
-        found = self.cache.get(digest, control.max_age_s) if read and exact_lookup else None
+        # A padded tenant's request is not looked up here: a caller may call this stage
+        # directly, and what it found would reach them unpadded and unmasked. It goes on as a
+        # miss, and llm serves the stored answer (its re-check before generating) behind the
+        # padding; no semantic lookup (embedding_cache answers a direct caller too).
+        deferred = self.deferred is not None and self.deferred(tenant)
+        found = None
+        if read and exact_lookup and not deferred:
+            found = self.cache.get(digest, control.max_age_s)
         if found is not None:  # an exact hit needs no semantic scope: not computed
             entry = found.entry
             return result(
@@ -207,7 +217,7 @@ class PromptCache:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
         # A semantic hit's age is not checked, so a request with max-age is not looked up by
         # meaning; embedding_cache then embeds nothing, so its answer is not indexed either.
-        semantic = bool(scope) and control.max_age_s is None
+        semantic = bool(scope) and control.max_age_s is None and not deferred
         # Greedy answers to this prompt under other max_tokens or stop words: drafts for its
         # speculative decoding, sampled or greedy (a miss only: a hit is not decoded); llm keeps
         # only a greedy answer there.

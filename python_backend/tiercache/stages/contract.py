@@ -12,7 +12,9 @@ serves nothing while one differs or is missing: it fails closed, and every reque
 to the ensemble.
 
 The documents hold no secret: the secret appears as its one-way fingerprint
-(`tiercache.exact.keys.secret_fingerprint`), trusted tenants as a digest of their scopes.
+(`tiercache.exact.keys.secret_fingerprint`), trusted tenants as digests of their scopes. llm's
+document also tells prompt_cache whom llm pads (`PaddedTenants`): those are not looked up at
+the edge.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ CALLER_TERMS = ("api_keys_file", "secret")
 
 
 def llm_terms(padding: PaddingPolicy) -> dict[str, Any]:
-    """What llm decides a hit's timing by: whether it pads, and whom it does not."""
+    """What llm decides a hit's timing by: whether it pads, and whom it does not (each
+    trusted scope as its SHA-256, which prompt_cache matches: `PaddedTenants`)."""
     if not padding.enabled:
         return {"padding": None}
     trusted = hashlib.sha256("\n".join(sorted(padding.trusted)).encode()).hexdigest()
@@ -112,8 +115,74 @@ def llm_terms(padding: PaddingPolicy) -> dict[str, Any]:
             "floor_s": padding.floor_s,
             "jitter_s": padding.jitter_s,
             "trusted": trusted,
+            "trusted_hashes": sorted(_scope_hash(scope) for scope in padding.trusted),
         }
     }
+
+
+def _scope_hash(scope: str) -> str:
+    return hashlib.sha256(scope.encode("utf-8")).hexdigest()
+
+
+class PaddedTenants:
+    """Which tenant scopes llm pads, as llm published them (`<state>/edge/llm.json`), so that
+    prompt_cache does not look their requests up: its answer would reach a caller who calls it
+    directly, unpadded and unmasked (llm looks the answer up behind its padding instead).
+    Re-read when the file changes (a stat at most every `interval_s`). Without a readable file
+    (no llm has started on this state folder): nobody is padded, as before llm starts; a
+    document without the hashes (an older release's) pads every tenant. Thread-safe."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        interval_s: float = CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = contract_path(state_dir, LLM)
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._checked = -float("inf")
+        self._stamp: tuple[int, int, int] | None = None
+        self._policy: tuple[bool, frozenset[str]] = (False, frozenset())  # (pads, trusted)
+
+    def pads(self, tenant_scope: str) -> bool:
+        now = self._clock()
+        if now - self._checked >= self._interval_s:
+            with self._lock:
+                if now - self._checked >= self._interval_s:
+                    self._checked = now
+                    self._reload()
+        pads, trusted = self._policy  # one tuple: read whole, as it was written
+        return pads and _scope_hash(tenant_scope) not in trusted
+
+    def _reload(self) -> None:
+        try:
+            st = os.stat(self._path)
+            stamp: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        pads, trusted = False, frozenset[str]()
+        if stamp is not None:
+            try:
+                padding = json.loads(self._path.read_text()).get("padding")
+            except (OSError, ValueError, AttributeError):
+                padding = None
+                log.warning("llm's published terms %s cannot be read", self._path)
+            if isinstance(padding, dict):
+                hashes = padding.get("trusted_hashes", [])
+                pads = True
+                trusted = frozenset(h for h in hashes if isinstance(h, str))
+        if (pads, trusted) != self._policy:
+            log.info(
+                "prompt_cache %s lookups of padded tenants (%d trusted tenants)",
+                "defers" if pads else "makes",
+                len(trusted),
+            )
+        self._policy = (pads, trusted)
 
 
 def write_terms(state_dir: Path, stage: str, terms: Mapping[str, Any]) -> None:

@@ -16,6 +16,7 @@ from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.contract import (
     PROMPT_CACHE,
+    PaddedTenants,
     deployment_terms,
     prompt_cache_terms,
     write_terms,
@@ -132,6 +133,7 @@ def open_prompt_cache(config: PromptCacheConfig, model_name: str) -> PromptCache
     the adapter registry and its metrics (started)."""
     embedder_key = resolve_embedder(config.embedder)[1].key if config.embedder else ""
     cache, tiers, secret = open_lookup(config, embedder_key)
+    cache.deferred = PaddedTenants(config.state_path()).pads  # llm looks those up, padded
     metrics = tm.Metrics(model_name)
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None
