@@ -96,10 +96,10 @@ def _serve(args: argparse.Namespace) -> int:
         f"it: tiercache-client stats --admin-token-file {token_file})\n"
         f"tiercache: {keys_note}"
     )
-    if not is_loopback(exposure.host) or not is_loopback(exposure.metrics_host or LOOPBACK):
+    if not is_loopback(exposure.host) or not is_loopback(exposure.metrics_address):
         print(
             f"tiercache: listening on {exposure.host} (metrics on "
-            f"{exposure.metrics_host or exposure.host}), not only loopback: reachable from the "
+            f"{exposure.metrics_address}), not only loopback: reachable from the "
             "network, unencrypted (docs/security.md)",
             file=sys.stderr,
         )
@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.gateway:
             gateway = _start_gateway(args, server, gateway_host)
         grpc = server.grpc_url
-        metrics = f"{connect_host(exposure.metrics_host or exposure.host)}:{args.metrics_port}"
+        metrics = f"{connect_host(exposure.metrics_address)}:{args.metrics_port}"
         http = (
             f"HTTP {connect_host(exposure.host)}:{args.http_port}" if exposure.http else "no HTTP"
         )
@@ -614,7 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
         "127.0.0.1: this host only); 0.0.0.0 is every interface (docs/security.md)",
     )
     serve.add_argument(
-        "--metrics-host", default="", help="address the metrics port listens on (default: --host)"
+        "--metrics-host",
+        default="",
+        help="address the metrics port listens on (default: --host if it is loopback, else "
+        "127.0.0.1: the metrics tell hits from misses; docs/security.md)",
     )
     serve.add_argument(
         "--http",

@@ -56,8 +56,10 @@ class Exposure:
     """Where tritonserver listens and which of its APIs a client may call.
 
     `host` is the address gRPC (and HTTP, when `http`) bind to; `metrics_host` the metrics
-    port's (default: `host`). `restricted_apis` need the restricted header (`args`). The default
-    is loopback only, HTTP off, everything in RESTRICTABLE_APIS restricted."""
+    port's (default: `host` when it is a loopback address, else 127.0.0.1: the metrics tell a
+    hit from a miss, which padded tenants must not learn, so reaching them from the network is
+    the operator's explicit choice). `restricted_apis` need the restricted header (`args`). The
+    default is loopback only, HTTP off, everything in RESTRICTABLE_APIS restricted."""
 
     host: str = LOOPBACK
     metrics_host: str | None = None
@@ -69,6 +71,13 @@ class Exposure:
         if unknown:
             raise ValueError(f"not restrictable here: {unknown}; choose from {RESTRICTABLE_APIS}")
 
+    @property
+    def metrics_address(self) -> str:
+        """Where the metrics port listens (`metrics_host`, or as the class docstring says)."""
+        if self.metrics_host:
+            return self.metrics_host
+        return self.host if is_loopback(self.host) else LOOPBACK
+
     def args(self, restricted_value: str) -> list[str]:
         """tritonserver's flags for this exposure; `restricted_value` is the header value that
         opens the restricted APIs (it shows in tritonserver's command line: see
@@ -78,7 +87,7 @@ class Exposure:
             # file, tiercache.exact.tenant_keys); no other header is forwarded.
             f"--grpc-header-forward-pattern={AUTH_HEADER_PATTERN}",
             f"--grpc-address={_bracketed(self.host)}",
-            f"--metrics-address={_bracketed(self.metrics_host or self.host)}",
+            f"--metrics-address={_bracketed(self.metrics_address)}",
             f"--allow-http={'true' if self.http else 'false'}",
             "--allow-sagemaker=false",
             "--allow-vertex-ai=false",

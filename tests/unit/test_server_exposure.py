@@ -177,3 +177,15 @@ def test_ipv6_addresses_go_to_triton_in_brackets() -> None:
 )  # fmt: skip
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def test_the_metrics_stay_on_loopback_unless_the_operator_names_an_address() -> None:
+    """The metrics tell a hit from a miss (padded tenants must not learn which): a server on
+    every interface keeps its metrics port on loopback unless --metrics-host says otherwise."""
+    everywhere = flags(server(exposure=Exposure(host="0.0.0.0")).command(INSTALL, Path("/b")))
+    assert everywhere["--grpc-address"] == "0.0.0.0"
+    assert everywhere["--metrics-address"] == "127.0.0.1"
+    chosen = Exposure(host="0.0.0.0", metrics_host="0.0.0.0")
+    assert flags(server(exposure=chosen).command(INSTALL, Path("/b")))["--metrics-address"] == (
+        "0.0.0.0"
+    )
