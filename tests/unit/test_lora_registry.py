@@ -149,10 +149,20 @@ def test_an_adapter_file_that_is_not_a_regular_file_or_too_large_is_refused(
     shutil.copy(root / "caps" / CONFIG_FILE, piped / CONFIG_FILE)
     os.mkfifo(piped / WEIGHTS_FILE)
     registry = registry_of(root, state, clock, wall_clock_ns=in_a_minute)
+    opened: list[str] = []
+    real_open = os.open
+
+    def recorded(path: Any, *args: Any, **kwargs: Any) -> int:
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(registry_module.os, "open", recorded)
     started = time.monotonic()
     with pytest.raises(Unavailable, match="piped.*not a regular file"):
         registry.resolve("piped")
     assert time.monotonic() - started < 5
+    assert str(piped / WEIGHTS_FILE) not in opened  # refused by its type, never opened
+    monkeypatch.undo()
     assert registry.resolve("caps").name == "caps"
     monkeypatch.setattr(registry_module, "MAX_ADAPTER_FILE_BYTES", 64)
     with pytest.raises(Unavailable, match="french.*over the"):

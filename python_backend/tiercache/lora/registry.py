@@ -439,8 +439,11 @@ def _read_files(name: str, folder: Path) -> tuple[Signature, bytes, bytes]:
 def _read_regular(name: str, path: Path) -> bytes:
     """The bytes of the regular file `path`, at most MAX_ADAPTER_FILE_BYTES; Unavailable for
     anything else (a FIFO or a device would block the read, and with it the registry's lock;
-    a file over the bound is refused unread). Opened without blocking, checked on the open
-    descriptor."""
+    a file over the bound is refused unread). Anything but a regular file is refused before it
+    is opened (opening a device can act on it), then opened without blocking and checked again
+    on the open descriptor (it may have been replaced between the two)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise Unavailable(f"adapter {name!r}: {path.name} is not a regular file")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
