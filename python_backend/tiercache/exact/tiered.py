@@ -213,7 +213,11 @@ class TieredCache:
         if last is not None and now - last < self.endorsement_check_s:
             return
         if len(self._checked) >= MAX_CHECKED_KEYS:
-            self._prune_checked(now)
+            # Forgotten whole, by a new dict: hits on other threads write to this memo without
+            # a lock, so no iteration over it is safe (even a copy of its items can be cut
+            # short by a collection that lets another thread run). A key forgotten starts its
+            # clock again at its next hit.
+            self._checked = {}
         self._checked[key] = now
         if last is None:
             return
@@ -221,17 +225,6 @@ class TieredCache:
             self._endorsement_queue().put_nowait((key, held.created_s, held.endorsements, l1))
         except queue.Full:
             pass
-
-    def _prune_checked(self, now: float) -> None:
-        """Forget the keys not compared within `endorsement_check_s` (their next hit starts the
-        clock again); all of them if that is not enough."""
-        cutoff = now - self.endorsement_check_s
-        # Other threads' hits add keys meanwhile: iterate over a copy (list() of a dict's items
-        # is taken without running Python code, so no insertion interleaves with it).
-        for key in [k for k, at in list(self._checked.items()) if at < cutoff]:
-            self._checked.pop(key, None)
-        if len(self._checked) >= MAX_CHECKED_KEYS:
-            self._checked.clear()
 
     def _endorsement_queue(
         self,
