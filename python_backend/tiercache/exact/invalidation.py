@@ -79,11 +79,10 @@ CATCH_UP_PAGE = 1000  # members read per call when a listener catches up
 # there; genuine members are all read, the pages keep memory bounded)
 CATCH_UP_MAX_FORGED = 200_000
 CATCH_UP_TRUNCATED_RETRY_S = 60.0  # the next attempt after a catch-up cut by a flood
-# The longest value an invalidation may name (a digest is 64 characters, a tag at most 128): its
-# member then stays under MAX_MEMBER_BYTES.
+# The longest value an invalidation may name, in UTF-8 bytes (a digest is 64 characters, a
+# request's tag at most 128): its member then stays under MAX_MEMBER_BYTES.
 MAX_VALUE_CHARS = 512
-# A member of the record is read at most this long: a genuine one is under 700 bytes (a tag of
-# MAX_VALUE_CHARS UTF-8 characters at most 3 bytes each would not be; values are ASCII). A
+# A member of the record is read at most this long: a genuine one is under 700 bytes. A
 # longer member, planted by a Redis writer (Redis takes members of up to 512 MB), reaches the
 # reader as a marker it refuses as forged (`_BOUNDED_PAGE`), so a page of CATCH_UP_PAGE
 # members costs a listener at most about 2 MB, whatever the record holds.
@@ -792,10 +791,11 @@ class Invalidator:
         every reader checks the watermark), avoiding a scan of every L3 entry."""
         if not value:
             raise ValueError(f"an invalidation by {kind.value} needs a value")
-        if len(value) > MAX_VALUE_CHARS:
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_VALUE_CHARS:  # an admin's non-ASCII tag, too: its member must fit
             raise InvalidRequest(
-                f"an invalidation by {kind.value} names at most {MAX_VALUE_CHARS} characters, "
-                f"got {len(value)}"
+                f"an invalidation by {kind.value} names at most {MAX_VALUE_CHARS} characters "
+                f"(UTF-8 bytes), got {size}"
             )
         table = self.cache.invalidations
         redis_s = self._redis_time()
