@@ -171,6 +171,8 @@ def engine_tokenizer(model: str = "smollm2-135m-instruct") -> Tokenize:
     from transformers import AutoTokenizer
 
     from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.prompt import prompt_token_ids
+    from tiercache.exact.request import GenerationRequest
 
     source = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(
@@ -178,10 +180,7 @@ def engine_tokenizer(model: str = "smollm2-135m-instruct") -> Tokenize:
     )
 
     def tokenize(prompt: str) -> list[int]:
-        encoded: Any = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        return prompt_token_ids(tok, GenerationRequest(prompt))
 
     return tokenize
 
