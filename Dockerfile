@@ -76,4 +76,4 @@ COPY deploy deploy
 # de-quantised weights, the engine, the admin token) lives in the volume.
 EXPOSE 8001 8002 8080
 VOLUME ["/var/lib/tiercache"]
-CMD ["/bin/sh", "-c", "exec /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh '--grpc-header-forward-pattern=^authorization$' --allow-http=false --allow-sagemaker=false --allow-vertex-ai=false --grpc-restricted-protocol=model-repository,model-config,shared-memory,trace,logging:tiercache-restricted=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"]
+CMD ["/bin/sh", "-c", "exec /opt/tiercache/deploy/tensorrt_llm/entrypoint.sh '--grpc-header-forward-pattern=^authorization$' --allow-http=false --allow-sagemaker=false --allow-vertex-ai=false --grpc-restricted-protocol=model-repository,model-config,shared-memory,statistics,trace,logging:tiercache-restricted=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"]

@@ -41,8 +41,17 @@ HOST_ENV = "TIERCACHE_HOST"
 # Triton's API groups (--grpc-restricted-protocol / --http-restricted-api) that no client of the
 # ensemble needs, and that would let a client unload models, read every stage's parameters,
 # map shared-memory regions (the path of CVE-2025-23319/23320/23334), trace requests or change
-# logging. Open ones: health, metadata, inference, statistics.
-RESTRICTABLE_APIS = ("model-repository", "model-config", "shared-memory", "trace", "logging")
+# logging, or read the per-model statistics (a model's inference count rises on a miss only, so
+# a caller of a padded tenant could tell a hit from a miss). Open ones: health, metadata,
+# inference.
+RESTRICTABLE_APIS = (
+    "model-repository",
+    "model-config",
+    "shared-memory",
+    "statistics",
+    "trace",
+    "logging",
+)
 RESTRICTED_KEY = "tiercache-restricted"
 # Triton prefixes the key of a restricted gRPC protocol: this is the header a gRPC call sends.
 GRPC_RESTRICTED_HEADER = f"triton-grpc-protocol-{RESTRICTED_KEY}"

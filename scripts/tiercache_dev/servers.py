@@ -49,9 +49,10 @@ __all__ = [
 READY_TIMEOUT_S = 600.0  # a first start converts the weights and loads the LLM: minutes on 2 CPUs
 REDIS_READY_TIMEOUT_S = 10.0
 # What a measurement server opens beyond `tiercache serve`'s defaults (tiercache.server.Exposure):
-# perf_analyzer reads the model's config (ModelConfig) before it sends a request. Everything else
+# perf_analyzer reads the model's config (ModelConfig) before it sends a request and the models'
+# statistics (ModelStatistics: its server-side figures) around each measurement. Everything else
 # stays as served: loopback, no HTTP, the other APIs restricted.
-MEASUREMENT_OPEN_APIS = ("model-config",)
+MEASUREMENT_OPEN_APIS = ("model-config", "statistics")
 
 
 def triton(

@@ -36,6 +36,9 @@ RESTRICTED_CALLS: dict[str, Callable[[grpcclient.InferenceServerClient, dict], A
         "probe", "/tiercache-probe", 64, headers=h
     ),
     "cuda shared-memory status": lambda c, h: c.get_cuda_shared_memory_status(headers=h),
+    "statistics (a model's inference count tells a hit from a miss)": lambda c, h: (
+        c.get_inference_statistics("llm", headers=h)
+    ),
     "trace settings": lambda c, h: c.get_trace_settings(headers=h),
     "trace update": lambda c, h: c.update_trace_settings(settings={"trace_rate": "1"}, headers=h),
     "log settings": lambda c, h: c.get_log_settings(headers=h),

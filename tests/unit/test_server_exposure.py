@@ -49,6 +49,7 @@ def test_defaults_are_loopback_grpc_only_with_the_rest_restricted() -> None:
         "model-repository",
         "model-config",
         "shared-memory",
+        "statistics",
         "trace",
         "logging",
     }
