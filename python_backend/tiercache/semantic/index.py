@@ -479,18 +479,32 @@ class SemanticIndex:
         as a new row), and every process hides the rows on that list. Hidden until the process
         restarts; after that such a row is a `stale` miss (its answer is gone), never a wrong
         answer. A process that handles the message only after the answer was generated and
-        indexed again also hides the new row (recall, not correctness)."""
+        indexed again also hides the new row (recall, not correctness).
+
+        The log is read and written without the index's lock (searches go on: a large
+        invalidation held it for seconds), which is taken only to note the hidden rows; a scope
+        this process opens meanwhile is as one opened after the call (its forgotten rows are
+        `stale` misses)."""
         wanted = sorted(set(digests))
         if not wanted:
             return 0
         with self._lock:
-            forgotten = 0
-            for name, scope in self._scopes.items():
-                seqs = set(self.store.forget_digests(scope_tag(name), wanted)) - scope.dead
-                if seqs:
+            tags = {name: scope_tag(name) for name in self._scopes}
+            sizes = {tags[name]: scope.count for name, scope in self._scopes.items()}
+        present = self.store.present_digests(sizes, wanted)
+        hidden = {
+            name: set(self.store.forget_digests(tag, present[tag]))
+            for name, tag in tags.items()
+            if tag in present
+        }
+        forgotten = 0
+        with self._lock:
+            for name, seqs in hidden.items():
+                scope = self._scopes.get(name)
+                if scope is not None and (seqs := seqs - scope.dead):
                     scope.dead |= seqs
                     forgotten += len(seqs)
-            return forgotten
+        return forgotten
 
     def size(self, scope: str | None = None) -> int:
         """Rows in `scope`'s table, or in every table this process has opened."""

@@ -461,6 +461,41 @@ class RowLog:
                 vectors.append(row.vector)
         return (np.stack(vectors) if vectors else np.zeros((0, width), np.float32)), bad
 
+    def present_digests(
+        self, scopes: Mapping[str, int], digests: Sequence[str]
+    ) -> dict[str, list[str]]:
+        """Which of `digests` each scope holds a row or a forgotten list for: tag -> those
+        digests, sorted (scopes without one left out). `scopes` maps a scope's tag to about how
+        many rows it has: a scope with fewer rows than digests wanted has its keys read in
+        order, a larger one is asked digest by digest, so a scope costs the smaller of the two.
+        One read transaction: no writer of any process waits for it."""
+        wanted = {d.encode("utf-8") for d in digests}
+        found: dict[str, list[str]] = {}
+        with self._env.begin() as txn:
+            for tag, rows in scopes.items():
+                scope = bytes.fromhex(tag)
+                hits: set[bytes] = set()
+                if rows < len(wanted):
+                    cursor = txn.cursor()
+                    for prefix in (_DIGEST + scope, _FORGOTTEN + scope):
+                        if not cursor.set_range(prefix):
+                            continue
+                        for key in cursor.iternext(values=False):
+                            if not key.startswith(prefix):
+                                break
+                            if key[len(prefix) :] in wanted:
+                                hits.add(key[len(prefix) :])
+                else:
+                    hits = {
+                        d
+                        for d in wanted
+                        if txn.get(_DIGEST + scope + d) is not None
+                        or txn.get(_FORGOTTEN + scope + d) is not None
+                    }
+                if hits:
+                    found[tag] = sorted(h.decode("utf-8") for h in hits)
+        return found
+
     def forget_digests(self, tag: str, digests: list[str]) -> list[int]:
         """The rows of these answer digests that were forgotten in scope `tag`: each digest's
         current row moves to its forgotten list (`f` keys) and loses the digest key, so the
