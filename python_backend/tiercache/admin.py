@@ -5,13 +5,13 @@ The admin runs in its own process, over the host's tiers: L2 (LMDB on this host)
 not reachable from here:
 
 - `stats` reports L2 and L3; L1's counters are prompt_cache's metrics.
-- `invalidate` with Redis goes through `Invalidator`: L3 is swept and every replica process
-  (prompt_cache included) drops its L1/L2 copies. Without Redis it is local: the host's L2 is
-  swept, but a prompt_cache process keeps serving what its L1 already holds until that entry is
-  evicted from L1 (bounded by `l1_max_bytes`) or expires. Deploy Redis for invalidations that
-  must reach every process.
-- `flush` empties L2 and L3; L1 copies stay (as above). It gives space back; to stop serving
-  something, invalidate it.
+- `invalidate` goes through `Invalidator`: the watermark goes into the host's invalidation log,
+  which every process of the host notes before each read (prompt_cache's L1 copies are not
+  served either), and the host's L2 is swept; with Redis it is also recorded and published, L3
+  is swept, and every replica does the same.
+- `flush` empties this host's L2 and the shared L3, and writes no watermark: L1 copies, and
+  other replicas' L2, keep serving what they hold until it ages out. It gives space back; to
+  stop serving something, invalidate it.
 
 `warm` stores answers under exactly the digest prompt_cache computes: each prompt goes through
 `PromptCache.lookup` (validation, canonicalization, tenant scope, adapter version, cache_control),
@@ -330,7 +330,10 @@ class Admin:
         for tier, store in self.cache.stores():
             flushed[tier.value] = store.stats().entries
             store.clear()
-        return {"op": "flush", "flushed": flushed, "note": "prompt_cache's L1 keeps its copies"}
+        note = (
+            "prompt_cache's L1 and other replicas' L2 keep their copies; invalidate to stop serving"
+        )
+        return {"op": "flush", "flushed": flushed, "note": note}
 
     def _adapter_digest(self, value: str) -> str:
         """A content digest as given; anything else is an adapter name, resolved to the digest of

@@ -40,6 +40,7 @@ from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
 from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
+from tiercache.exact.request import echo
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.entry_trust import record_outcome
 from tiercache.semantic.penalties import raise_floor
@@ -58,7 +59,7 @@ def parse_verdict(text: str | None) -> Verdict:
         return Verdict((text or "").strip().lower())
     except ValueError:
         raise InvalidRequest(
-            f"verdict must be one of {[v.value for v in Verdict]}, got {text!r}"
+            f"verdict must be one of {[v.value for v in Verdict]}, got {echo(text or '')}"
         ) from None
 
 

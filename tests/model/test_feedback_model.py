@@ -197,3 +197,45 @@ def test_with_a_key_file_the_tenant_is_the_keys_and_without_prompt_cache_s_it_is
         assert stage.refused["forbidden"].metric.value() == 6
     finally:
         instance.finalize()
+
+
+def test_errors_tell_the_caller_no_paths_no_redis_address_and_no_echo_of_large_inputs(
+    load_model: Callable[[str], ModuleType], pb_utils: ModuleType, tmp_path: Path
+) -> None:
+    from tiercache.errors import Unavailable
+
+    keys = tmp_path / "keys.json"
+    acme_key, _ = add_key(keys, "acme")
+    instance = start(load_model, tmp_path, keys)
+    try:
+        secret = (tmp_path / "secret").read_bytes()
+        answer_id = AnswerIds(secret).issue(
+            AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9), tenant_scope(secret, "acme")
+        )
+
+        def give(**inputs: str) -> Any:
+            (response,) = instance.execute([call(pb_utils, f"Bearer {acme_key}", **inputs)])
+            return result(response)
+
+        closed = str(give(ANSWER_ID=answer_id, VERDICT="good"))
+        assert "feedback is closed" in closed and str(tmp_path) not in closed
+        write_terms(tmp_path, PROMPT_CACHE, caller_terms(keys, secret))
+        write_terms(tmp_path, LLM, {"padding": None})
+        time.sleep(CHECK_INTERVAL_S)
+        # Inputs far over their bound: refused before decoding, never echoed back whole.
+        for name, value in (("VERDICT", "x" * 100_000), ("ANSWER_ID", "a" * 100_000)):
+            inputs = {"ANSWER_ID": answer_id, "VERDICT": "good", name: value}
+            refused = str(give(**inputs))
+            assert name in refused and len(refused) < 300, refused[:300]
+        odd = str(give(ANSWER_ID=answer_id, VERDICT="meh" * 5))
+        assert "verdict must be one of" in odd and len(odd) < 300
+        # An invalidation Redis did not take: the caller is not told where Redis is.
+
+        def unreachable(*_: Any, **__: Any) -> Any:
+            raise Unavailable("Redis redis://10.9.8.7:6390/0 is unavailable: applied here only")
+
+        instance.stage.core.give = unreachable
+        failed = str(give(ANSWER_ID=answer_id, VERDICT="bad"))
+        assert "applied on this server only" in failed and "10.9.8.7" not in failed
+    finally:
+        instance.finalize()

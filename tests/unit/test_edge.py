@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tiercache.exact.keys import EngineIdentity
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.request import DEFAULT_LIMITS, RawInputs
@@ -217,3 +219,36 @@ def test_prompt_cache_does_not_look_up_what_llm_pads(tmp_path: Path) -> None:
     write_terms(tmp_path, LLM, llm_terms(PaddingPolicy()))  # padding off again
     clock.now += 1.0
     assert lookup.lookup(raw_public).text == "the public tenant's answer"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["not json", "[]", '{"other": 1}', '{"padding": 7}', '{"padding": {"trusted_hashes": 1}}'],
+)
+def test_terms_that_cannot_be_read_defer_every_tenant(tmp_path: Path, damage: str) -> None:
+    """llm's terms file there but unreadable or not llm's document: prompt_cache cannot know
+    whom llm pads, so it defers every tenant (it looked every one up: failing open)."""
+    from tiercache.exact.keys import tenant_scope
+    from tiercache.stages.contract import PaddedTenants
+
+    clock = Clock()
+    padded = PaddedTenants(tmp_path, clock=clock)
+    write_terms(tmp_path, LLM, llm_terms(PaddingPolicy()))  # padding off: nobody deferred
+    assert not padded.pads(tenant_scope(SECRET, "acme"))
+    contract_path(tmp_path, LLM).write_text(damage)
+    clock.now += 1.0
+    assert padded.pads(tenant_scope(SECRET, "acme"))
+    assert padded.pads(tenant_scope(SECRET, "public"))
+
+
+def test_a_padding_llm_that_cannot_publish_its_terms_does_not_start(tmp_path: Path) -> None:
+    """Terms that other stages rely on (whom llm pads) are required: a failed write raises;
+    other terms are only logged."""
+    from tiercache.errors import ConfigError
+
+    blocked = tmp_path / "state"
+    blocked.mkdir()
+    (blocked / "edge").write_text("a file where the folder should be")
+    with pytest.raises(ConfigError, match="could not publish llm's terms"):
+        write_terms(blocked, LLM, llm_terms(PaddingPolicy(0.05, 0.0)), required=True)
+    write_terms(blocked, LLM, llm_terms(PaddingPolicy()))  # not required: logged only

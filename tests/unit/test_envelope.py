@@ -164,6 +164,27 @@ def test_a_received_envelope_is_checked_and_decoded_once_and_only_when_asked() -
         ReceivedEnvelope(None, sealer, Freshness()).get()
 
 
+def test_an_oversized_envelope_is_refused_before_its_seal_is_computed() -> None:
+    """Every stage's seal check (check_sealed: embedding_cache, lora_cache, llm, torch_llm)
+    refuses an ENVELOPE over MAX_ENVELOPE_BYTES before the HMAC reads it."""
+    from tiercache.stages.envelope import MAX_ENVELOPE_BYTES
+
+    class Counting(Sealer):
+        checked = 0
+
+        def check(self, *args: object, **kwargs: object) -> None:
+            Counting.checked += 1
+            super().check(*args, **kwargs)  # type: ignore[arg-type]
+
+    sealer = Counting(b"k" * 32)
+    huge = b"0" * 64 + b"{" + b" " * MAX_ENVELOPE_BYTES + b"}"
+    with pytest.raises(InvalidRequest, match="over"):
+        ReceivedEnvelope(huge, sealer, Freshness()).get()
+    with pytest.raises(InvalidRequest, match="over"):
+        Envelope.open(huge, sealer, Freshness(), "a cached answer")
+    assert Counting.checked == 0
+
+
 # -- freshness: a sealed envelope is acted on while it is recent and its key still allows it ----
 
 

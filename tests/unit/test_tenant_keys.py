@@ -19,6 +19,7 @@ from tiercache.exact.stores import MemoryStore
 from tiercache.exact.tenant_keys import (
     KeyFile,
     add_key,
+    hash_key,
     key_from_parameter,
     list_grants,
     revoke_key,
@@ -136,9 +137,37 @@ def test_the_file_is_reloaded_when_it_changes(tmp_path: Path) -> None:
     clock.now_s += 2
     with pytest.raises(Forbidden, match="unknown API key"):
         keys.authorize(first)
-    path.write_text("{not json")  # a broken edit: the keys read before stay in force
+    good = path.read_text()
+    path.write_text("{not json")  # a broken edit: every key refused until it is mended
+    clock.now_s += 2
+    with pytest.raises(Forbidden, match="unknown API key"):
+        keys.authorize(second)
+    path.write_text(good)
     clock.now_s += 2
     assert keys.authorize(second).tenant == "globex"
+
+
+def test_a_key_file_removed_or_broken_refuses_every_key_until_it_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failing closed: a file deleted, or broken by an edit meant to revoke a leaked key, must
+    not leave the keys read before in force (they stayed until a restart). Reported once."""
+    path = tmp_path / "keys.json"
+    leaked, _ = add_key(path, "acme")
+    clock = Clock()
+    keys = KeyFile(path, clock=clock)
+    assert keys.authorize(leaked).tenant == "acme"
+    saved = path.read_text()
+    path.unlink()
+    for _ in range(3):
+        clock.now_s += 2
+        with pytest.raises(Forbidden, match="unknown API key"):
+            keys.authorize(leaked)
+        assert keys.grant_of(hash_key(leaked)) is None
+    assert caplog.text.count("every API key is refused") == 1
+    path.write_text(saved)
+    clock.now_s += 2
+    assert keys.authorize(leaked).tenant == "acme"
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import FeedbackConfig
+from tiercache.exact.request import DEFAULT_LIMITS
 from tiercache.exact.tenant_keys import AUTH_PARAMETER
-from tiercache.stages.feedback import open_feedback
+from tiercache.stages.feedback import MAX_ANSWER_ID_CHARS, MAX_VERDICT_BYTES, open_feedback
 from tiercache.triton import io
 
 
@@ -26,10 +27,10 @@ class TritonPythonModel:
                 key = None
                 if self.stage.keys is not None:  # the forwarded authorization header
                     key = io.request_parameter(request, AUTH_PARAMETER)
-                answer = self.stage.give(
-                    inputs.string("ANSWER_ID"),
-                    inputs.string("VERDICT"),
-                    inputs.string("tenant"),
+                answer = self.stage.give(  # each bounded before it is decoded
+                    inputs.string("ANSWER_ID", MAX_ANSWER_ID_CHARS),
+                    inputs.string("VERDICT", MAX_VERDICT_BYTES),
+                    inputs.string("tenant", DEFAULT_LIMITS.max_tenant_bytes),
                     key,
                 )
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response

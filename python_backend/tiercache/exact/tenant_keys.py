@@ -150,25 +150,54 @@ class KeyFile:
             self._checked_s = now
         try:
             self._reload()
-        except ConfigError as exc:  # keep serving with the keys last read; say why
+        except ConfigError as exc:
+            # Failing closed: a file removed or broken to revoke a key must not leave every
+            # key read before in force. Every key is refused until the file reads again.
+            with self._lock:
+                self._grants = {}
             _log_reload_failure(self.path, exc)
 
     def _reload(self) -> None:
+        """Read the file when its signature changed. ConfigError when it cannot be read or
+        parsed; the signature of a file that failed is kept, so it is read again only once
+        it changes (and its failure is reported once)."""
         try:
             stat = self.path.stat()
         except OSError as exc:
+            with self._lock:
+                known, self._signature = self._signature == _MISSING, _MISSING
+            if known:
+                raise _Unchanged from None
             raise ConfigError(f"API key file {self.path} cannot be read: {exc}") from exc
         signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         with self._lock:
             if signature == self._signature:
                 return
+            self._signature = signature
         grants = {entry_hash: grant for entry_hash, grant in _read(self.path)}
         with self._lock:
-            self._grants, self._signature = grants, signature
+            if self._signature == signature:
+                self._grants = grants
+
+
+_MISSING = (-1, -1, -1)  # the signature of a file that could not be found (stat failed)
+
+
+class _Unchanged(ConfigError):
+    """The file is still missing, as at the last check: nothing new to report."""
+
+    def __init__(self) -> None:
+        super().__init__("unchanged")
 
 
 def _log_reload_failure(path: Path, exc: ConfigError) -> None:
-    log.error("API key file %s not reloaded (the keys read before stay): %s", path, exc.message)
+    if isinstance(exc, _Unchanged):
+        return
+    log.error(
+        "API key file %s cannot be used; every API key is refused until it can: %s",
+        path,
+        exc.message,
+    )
 
 
 def _read(path: Path) -> Iterator[tuple[str, TenantGrant]]:

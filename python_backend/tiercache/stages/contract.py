@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tiercache.errors import ConfigError
 from tiercache.exact.keys import EngineIdentity, secret_fingerprint
 from tiercache.exact.request import Limits
 from tiercache.padding import PaddingPolicy
@@ -128,9 +129,10 @@ class PaddedTenants:
     """Which tenant scopes llm pads, as llm published them (`<state>/edge/llm.json`), so that
     prompt_cache does not look their requests up: its answer would reach a caller who calls it
     directly, unpadded and unmasked (llm looks the answer up behind its padding instead).
-    Re-read when the file changes (a stat at most every `interval_s`). Without a readable file
-    (no llm has started on this state folder): nobody is padded, as before llm starts; a
-    document without the hashes (an older release's) pads every tenant. Thread-safe."""
+    Re-read when the file changes (a stat at most every `interval_s`). Without the file (no
+    llm has started on this state folder): nobody is padded, as before llm starts. A file that
+    is there but cannot be read or is not llm's document, and a document without the hashes
+    (an older release's), pad every tenant: failing closed. Thread-safe."""
 
     def __init__(
         self,
@@ -168,14 +170,24 @@ class PaddedTenants:
         pads, trusted = False, frozenset[str]()
         if stamp is not None:
             try:
-                padding = json.loads(self._path.read_text()).get("padding")
-            except (OSError, ValueError, AttributeError):
-                padding = None
-                log.warning("llm's published terms %s cannot be read", self._path)
-            if isinstance(padding, dict):
-                hashes = padding.get("trusted_hashes", [])
+                document = json.loads(self._path.read_text())
+                if not isinstance(document, dict) or "padding" not in document:
+                    raise ValueError("not llm's terms")
+                padding = document["padding"]
+            except (OSError, ValueError) as exc:
+                padding = {}  # unknown terms: every tenant deferred, as if all were padded
+                log.warning(
+                    "llm's published terms %s cannot be read (%s): prompt_cache defers every "
+                    "tenant's lookup to llm until they can",
+                    self._path,
+                    exc,
+                )
+            if padding is not None:
+                hashes = padding.get("trusted_hashes", []) if isinstance(padding, dict) else []
                 pads = True
-                trusted = frozenset(h for h in hashes if isinstance(h, str))
+                trusted = frozenset(
+                    h for h in (hashes if isinstance(hashes, list) else []) if isinstance(h, str)
+                )
         if (pads, trusted) != self._policy:
             log.info(
                 "prompt_cache %s lookups of padded tenants (%d trusted tenants)",
@@ -185,16 +197,25 @@ class PaddedTenants:
         self._policy = (pads, trusted)
 
 
-def write_terms(state_dir: Path, stage: str, terms: Mapping[str, Any]) -> None:
+def write_terms(
+    state_dir: Path, stage: str, terms: Mapping[str, Any], *, required: bool = False
+) -> None:
     """Publish `stage`'s terms for the edge (atomically: a reader sees the old file or the
-    new one). A failure is logged, not raised: the edge then stays closed, the stage serves."""
+    new one). A failure is logged, not raised: the edge then stays closed, the stage serves;
+    unless `required` (terms another stage relies on for safety, as prompt_cache does on whom
+    llm pads), when it raises ConfigError and the stage does not start."""
     path = contract_path(state_dir, stage)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         tmp.write_text(json.dumps(terms, sort_keys=True))
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:
+        if required:
+            raise ConfigError(
+                f"could not publish {stage}'s terms in {path.parent} ({exc.strerror or exc}); "
+                "other stages rely on them"
+            ) from exc
         log.exception("could not publish %s's terms for the gateway's edge layer", stage)
 
 

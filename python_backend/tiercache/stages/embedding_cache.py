@@ -26,7 +26,13 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.semantic.verifier import VerifiedChoice, open_verified_choice
 from tiercache.stages.common import export_late_calls, export_redis, status_counters
-from tiercache.stages.envelope import Envelope, Freshness, check_sealed, seal_of
+from tiercache.stages.envelope import (
+    Envelope,
+    Freshness,
+    check_envelope_size,
+    check_sealed,
+    seal_of,
+)
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_freshness, open_sealer
 from tiercache.stages.seal import (
@@ -133,6 +139,7 @@ class EmbeddingCacheStage:
         (envelope, text, token counts): what verified once verifies again."""
         if not cached_text:
             return None
+        check_envelope_size(data)  # before the memo hashes it
         memoized = data is not None and worth_keeping(cached_text, data)
         key = (data, cached_text, tokens)
         sealed = self._hits.get(key) if memoized else None

@@ -266,9 +266,10 @@ def check_sealed(
 ) -> bytes:
     """The envelope's JSON in the wire form `data`, undecoded, once its seal verifies against
     `cached_text` and `tokens`: Forbidden when unsealed or altered, InvalidRequest when
-    missing."""
+    missing or over MAX_ENVELOPE_BYTES (before its HMAC reads it)."""
     if not data:
         raise InvalidRequest(f"{ENVELOPE_TENSOR} is required")
+    check_envelope_size(data)
     payload = data[SEAL_CHARS:]
     parts = hit_parts(cached_text, tokens)
     sealer.check(seal_of(data), ENVELOPE_LABEL, payload, *parts, what=ENVELOPE_TENSOR)

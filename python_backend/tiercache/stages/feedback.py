@@ -9,6 +9,9 @@ a feedback model configured without prompt_cache's key file refuses rather than 
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from tiercache.config import FeedbackConfig
 from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, ServedAs
@@ -28,7 +31,22 @@ from tiercache.stages.contract import (
 from tiercache.stages.parts import load_secret, open_exact_cache
 from tiercache.triton import metrics as tm
 
+log = logging.getLogger(__name__)
+_closed_logged = [""]  # the reason logged last
+_closed_lock = threading.Lock()
+
+
+def _log_closed(reason: str) -> None:
+    """Why feedback is closed, in the server's log: once while the reason stays the same."""
+    with _closed_lock:
+        if reason == _closed_logged[0]:
+            return
+        _closed_logged[0] = reason
+    log.warning("feedback refuses verdicts: %s", reason)
+
+
 MAX_ANSWER_ID_CHARS = 256  # far above an id's length: longer input is refused before decoding
+MAX_VERDICT_BYTES = 16  # "good" or "bad", with room for blanks
 
 
 class FeedbackStage:
@@ -117,7 +135,13 @@ class FeedbackStage:
         `Feedback.give` (and Forbidden for the API key, Unavailable while closed)."""
         if self.agrees is not None and not self.agrees.holds():
             self.refused["closed"].increment(1)
-            raise Unavailable(f"feedback is closed: {self.agrees.reason}")
+            _log_closed(
+                self.agrees.reason
+            )  # the reason names files: the operator's, not the caller's
+            raise Unavailable(
+                "feedback is closed: this host's prompt_cache has not published the same API "
+                "key file and secret (the server's log says why)"
+            )
         try:
             judged = parse_verdict(verdict)
             scope, adapters = self.caller(tenant, authorization, bad=judged is Verdict.BAD)
@@ -126,9 +150,14 @@ class FeedbackStage:
             if len(answer_id) > MAX_ANSWER_ID_CHARS:
                 raise InvalidRequest("answer_id is not an answer id (too long)")
             report = self.core.give(answer_id, judged, scope, adapters)
-        except Unavailable:
+        except Unavailable as exc:
             self.refused["unavailable"].increment(1)
-            raise
+            # The invalidation's own message names Redis's address and the host log's error.
+            log.warning("a verdict could not be acted on: %s", exc.message)
+            raise Unavailable(
+                "the bad verdict's invalidation was applied on this server only: it could not "
+                "be recorded for the others (the server's log says why); send it again"
+            ) from None
         except InvalidRequest as exc:  # Forbidden is one
             self.refused["forbidden" if isinstance(exc, Forbidden) else "invalid"].increment(1)
             raise

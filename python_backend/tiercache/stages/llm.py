@@ -848,6 +848,8 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     stage = LlmStage(config, tiers, metrics, secret, open_sealer(state), cipher, freshness)
     export_redis(metrics, tiers)  # with L3: Redis health and invalidations applied
     stage.sharing = share_rows(stage, config, tiers)
-    write_terms(state, LLM, llm_terms(stage.padding))  # what the gateway's edge must match
+    # What the gateway's edge must match, and whom prompt_cache must not look up (padded
+    # tenants): required when llm pads, since prompt_cache would otherwise look them all up.
+    write_terms(state, LLM, llm_terms(stage.padding), required=stage.padding.enabled)
     metrics.start()
     return stage

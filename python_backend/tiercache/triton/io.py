@@ -175,9 +175,16 @@ class Inputs:
         """A numeric tensor as it came (e.g. an embedding), batch dimension included."""
         return self._array(name)
 
-    def string(self, name: str) -> str | None:
+    def string(self, name: str, max_bytes: int | None = None) -> str | None:
+        """One BYTES value as text; InvalidRequest when it is over `max_bytes` (checked before
+        it is decoded)."""
         array = self._array(name)
-        return None if array is None else _decode(name, _one(name, array))
+        if array is None:
+            return None
+        value = _one(name, array)
+        if max_bytes is not None and isinstance(value, (bytes, str)) and len(value) > max_bytes:
+            raise InvalidRequest(f"{name}: {len(value)} bytes, over the {max_bytes} allowed")
+        return _decode(name, value)
 
     def blob(self, name: str) -> bytes | None:
         """One BYTES value as raw bytes (binary payloads such as adapter weights)."""
