@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
-from tiercache.frequency_sketch import FrequencySketch
+from tiercache.frequency_sketch import FrequencySketch, sketch_bytes
 
 K = TypeVar("K", bound=Hashable)
 
@@ -242,7 +242,9 @@ class GreedyDualFrequencyPolicy(Generic[K]):
 
     `capacity`: the number of keys the store holds when full, sizing the sketch; 0 (unknown)
     starts small and builds a sketch four times larger each time the live keys outgrow it
-    (the live keys keep their counts in the new one; keys no longer held are forgotten).
+    (the live keys keep their counts in the new one; keys no longer held are forgotten), while
+    it stays within `limit_sketch`'s bytes (a sketch costs about 256 bytes per key of capacity:
+    unbounded, a store of many small entries held as much again in its sketch).
     Heap with lazy deletion: admit/access push an entry (O(log n)), stale entries are skipped and
     the heap is rebuilt when they outnumber the live ones; `nominate` pops and pushes back.
     """
@@ -256,6 +258,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         "_heap",
         "_hits",
         "_inflation",
+        "_max_sketch_bytes",
         "_offered",
         "_sequence",
         "_sketch",
@@ -272,6 +275,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             raise ValueError(f"capacity must be >= 0 keys, got {capacity}")
         self._capacity = capacity
         self._sketch = FrequencySketch(capacity or self._START_CAPACITY)
+        self._max_sketch_bytes: int | None = None  # `limit_sketch`; None: unbounded
         self._inflation = 0.0
         self._sequence = 0
         # key -> (value, sequence, size, weight): weight is cost per unit of size
@@ -312,11 +316,41 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             self._heap = [(v, s, k) for k, (v, s, _, _) in self._entries.items()]
             heapq.heapify(self._heap)
 
+    @property
+    def sketch_bytes(self) -> int:
+        """The bytes the frequency sketch holds (beyond the entries' own)."""
+        return self._sketch.nbytes
+
+    def limit_sketch(self, max_bytes: int) -> None:
+        """Bound a growing sketch (`capacity` 0) to `max_bytes`, never below its starting size:
+        it stops growing there, and a larger one is rebuilt at the largest size that fits (the
+        live keys keep their counts). A store that gives its budget calls this with its share."""
+        self._max_sketch_bytes = max_bytes
+        if self._capacity:
+            return
+        fitting = self._fitting_capacity(self._sketch.capacity)
+        if fitting < self._sketch.capacity:
+            self._rebuild(fitting)
+
+    def _fitting_capacity(self, at_most: int) -> int:
+        """The largest capacity, a power-of-four multiple of the start's and at most
+        `at_most`, whose sketch fits the limit (the start's whatever the limit)."""
+        capacity = self._START_CAPACITY
+        limit = self._max_sketch_bytes
+        while capacity * 4 <= at_most and (limit is None or sketch_bytes(capacity * 4) <= limit):
+            capacity *= 4
+        return capacity
+
     def _grow(self) -> None:
         if self._capacity or len(self._entries) <= self._sketch.capacity:
             return
+        wanted = self._fitting_capacity(self._sketch.capacity * 4)
+        if wanted > self._sketch.capacity:
+            self._rebuild(wanted)
+
+    def _rebuild(self, capacity: int) -> None:
         old = self._sketch
-        self._sketch = FrequencySketch(old.capacity * 4)
+        self._sketch = FrequencySketch(capacity)
         for key in self._entries:  # the live keys keep their counts; the others are forgotten
             for _ in range(old.estimate(key)):
                 self._sketch.add(key)

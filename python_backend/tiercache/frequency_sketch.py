@@ -53,6 +53,11 @@ def _power_of_two(at_least: int) -> int:
     return 1 << max(at_least - 1, 1).bit_length()
 
 
+def sketch_bytes(capacity: int, *, horizon: int = 100, width: int = 25) -> int:
+    """The bytes a `FrequencySketch` of these dimensions holds (its counters and doorkeeper)."""
+    return _ROWS * _power_of_two(capacity * width) + (_power_of_two(capacity * horizon * 8) >> 3)
+
+
 class FrequencySketch:
     """Estimated recent request count per key (0 for a key never added, at most 16).
 
@@ -89,6 +94,11 @@ class FrequencySketch:
         self._door = bytearray(door_bits >> 3)
         self._door_mask = door_bits - 1
         self.additions = 0  # since the last aging
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its counters and doorkeeper hold."""
+        return sum(len(row) for row in self._rows) + len(self._door)
 
     def _indexes(self, key: Hashable) -> tuple[int, int]:
         """Two 32-bit numbers for double hashing (index i = first + i * step): a digest's own

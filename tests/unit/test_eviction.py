@@ -24,6 +24,7 @@ from tiercache.eviction import (
     OldestFirstPolicy,
     ShadowChoicePolicy,
     SkipKey,
+    named_policy,
 )
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
@@ -298,6 +299,41 @@ def test_greedy_dual_without_a_capacity_grows_its_sketch_and_keeps_counting() ->
     assert len(gd) == 3000
     assert gd.frequency(7) >= 2 and gd.frequency(2999) >= 1
     assert 7 not in gd.nominate(3000 - 1)[:2000]  # asked for twice: among the last to go
+
+
+def test_a_growing_sketch_stays_within_its_limit_and_shrinks_to_a_new_one() -> None:
+    """A sketch costs about 256 bytes per key of capacity: L1 with many short answers held as
+    much again in it (64 MiB beside 64 MiB of entries). `limit_sketch` bounds it."""
+    from tiercache.frequency_sketch import sketch_bytes
+
+    gd: GreedyDualFrequencyPolicy[int] = GreedyDualFrequencyPolicy()
+    start = gd.sketch_bytes
+    gd.limit_sketch(start * 4)  # room for one growth (x4 capacity is about x4 bytes)
+    for _ in range(5):
+        gd.admit(7, 1)
+    for key in range(20_000):
+        gd.admit(key, 1)
+    assert gd.sketch_bytes <= start * 4 and gd._sketch.capacity == 4096  # noqa: SLF001
+    assert sketch_bytes(4096 * 4) > start * 4  # the next growth would not have fit
+    assert gd.frequency(7) >= 6  # counts kept through the growth
+    gd.limit_sketch(1)  # below the start: rebuilt at the start's size, counts kept
+    assert gd.sketch_bytes == start and gd.frequency(7) >= 6
+    assert len(gd) == 20_000 and 7 not in gd.nominate(19_000)[:10_000]
+
+
+def test_l1s_sketch_takes_at_most_an_eighth_of_its_budget_beyond_it() -> None:
+    from tiercache.exact.codec import CacheEntry
+    from tiercache.exact.stores import SKETCH_SHARE, MemoryStore
+
+    budget = 16 << 20
+    store = MemoryStore(budget, named_policy("gdsf"))
+    for i in range(60_000):  # short answers: about 760 bytes each counted, 22,000 of them fit
+        store.put(f"k{i}", CacheEntry(f"answer {i} " + "x" * 300, created_s=1.0))
+    policy = store._policy  # noqa: SLF001
+    assert store.stats().entries > 16_384  # unbounded, the sketch grew to 65,536 keys: 16 MiB
+    assert policy.sketch_bytes <= budget // SKETCH_SHARE
+    store.resize(1 << 20)
+    assert policy.sketch_bytes <= max((1 << 20) // SKETCH_SHARE, 256 << 10)
 
 
 def _single_block_hits(policy: EvictionPolicy[int], keys: list[int], capacity: int) -> int:

@@ -214,6 +214,26 @@ def test_release_is_idempotent_and_insert_after_release_fails() -> None:
         pool.insert(lease, BlockHash(b"k" * 32), 1, lambda: "z")
 
 
+def test_a_policy_that_raises_at_release_leaves_no_block_pinned() -> None:
+    """Every block is unpinned before the policy hears of any: a policy failing part way
+    (MemoryError while its sketch grows) left the blocks it had not reached pinned for ever."""
+
+    class Failing(LruPolicy[BlockHash]):
+        def admit(self, key: BlockHash, size: int = 1, **kwargs: object) -> None:
+            raise MemoryError("the sketch could not grow")
+
+    pool: KvBlockPool[str] = KvBlockPool(1000, B, policy=Failing())
+    hashes = block_hashes(list(range(12)), B, SALT)
+    lease = pool.acquire(hashes, 12)
+    for index, key in enumerate(hashes):
+        assert pool.insert(lease, key, 10, lambda i=index: f"block{i}")
+    with pytest.raises(MemoryError):
+        pool.release(lease)
+    stats = pool.stats()
+    assert stats.pinned_blocks == 0 and pool._pinned_bytes == 0  # noqa: SLF001
+    pool.release(lease)  # a second release still does nothing
+
+
 def test_byte_budget_is_never_exceeded_under_random_load() -> None:
     rng = random.Random(7)
     budget = 100

@@ -320,12 +320,15 @@ class KvBlockPool(Generic[P]):
         Leaf first, so that every unpinned block was used after its descendants: the least
         recently used unpinned block is then a leaf, and the LRU policy finds its victim without
         walking past ancestors. The order within one lease never decides between two victims:
-        its blocks form one chain, of which at most one is a leaf."""
+        its blocks form one chain, of which at most one is a leaf. Every block is unpinned
+        before the policy hears of any: a policy that raises part way (out of memory while its
+        sketch grows) cannot leave the rest pinned for ever."""
         if lease.released:
             return
         lease.released = True
-        for block in reversed(lease.blocks):
+        for block in lease.blocks:
             self._unpin(block)
+        for block in reversed(lease.blocks):
             if block.key in lease.admitted:
                 self._policy.admit(block.key, block.nbytes)
             else:

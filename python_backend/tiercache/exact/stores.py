@@ -119,6 +119,9 @@ SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log
 RESIZE_SLICE_BYTES = 1 << 20  # L1 evicts at most this much per hold of its lock when resized
 
 
+SKETCH_SHARE = 8  # L1's policy's frequency sketch: at most 1/SKETCH_SHARE of its budget beyond it
+
+
 class MemoryStore:
     """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
     `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
@@ -150,6 +153,15 @@ class MemoryStore:
         self._skew = (0.0, -math.inf)  # the last hit skew and when it was computed (monotonic)
         self._shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(max_bytes))
         self._costs = KnownCosts(10_000)  # known generation seconds admitted, windowed
+        self._limit_sketch(max_bytes)
+
+    def _limit_sketch(self, max_bytes: int) -> None:
+        """Keep a policy's frequency sketch (gdsf) within an eighth of the budget beyond it
+        (its starting 256 KiB at least): it grew with the keys held, to as much again as the
+        entries of a store of short answers."""
+        limit = getattr(self._policy, "limit_sketch", None)
+        if limit is not None:
+            limit(max_bytes // SKETCH_SHARE)
 
     def get(self, key: str) -> CacheEntry | None:
         with self._lock:
@@ -235,6 +247,7 @@ class MemoryStore:
         with self._lock:
             self._max_bytes = max_bytes
             self._shadow.resize(shadow_bytes(max_bytes))
+            self._limit_sketch(max_bytes)
         while True:  # in slices, the lock released between them: lookups go on meanwhile
             with self._lock:
                 over = self._bytes - self._max_bytes
