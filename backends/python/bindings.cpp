@@ -96,7 +96,13 @@ void bind_table(nb::module_& m) {
       .def(
           "__init__",
           [](SharedTable* self, const std::filesystem::path& path, std::uint32_t width,
-             std::uint64_t capacity) { new (self) SharedTable(path.string(), width, capacity); },
+             std::uint64_t capacity) {
+            std::string where = path.string();
+            // Sizing a new file (posix_fallocate of gigabytes on tmpfs) and the file's flock can
+            // take a while: other Python threads (searches) go on meanwhile.
+            nb::gil_scoped_release released;
+            new (self) SharedTable(where, width, capacity);
+          },
           "path"_a, "width"_a, "capacity"_a,
           "Open the table file at `path`, creating it (complete, atomically) when absent.\n"
           "An existing file must hold a table of this width and capacity (TableFormatError).")

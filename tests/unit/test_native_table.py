@@ -131,10 +131,12 @@ def test_opening_validates_the_header(tmp_path: Path) -> None:
     assert issubclass(native.TableFormatError, ValueError)
     junk = tmp_path / "junk.tbl"
     junk.write_bytes(b"x" * 8192)
+    junk.chmod(0o600)  # private, as a table is: its content is what is refused
     with pytest.raises(native.TableFormatError, match="bad magic"):
         native.SharedTable(junk, WIDTH, 10)
     short = tmp_path / "short.tbl"
     short.write_bytes(b"x" * 10)
+    short.chmod(0o600)
     with pytest.raises(native.TableFormatError, match="too short"):
         native.SharedTable(short, WIDTH, 10)
     with pytest.raises(ValueError, match="width"):
@@ -221,6 +223,43 @@ def test_the_first_open_after_a_reboot_starts_empty(tmp_path: Path) -> None:
     assert reopened.publish(np.ones((1, WIDTH), dtype=np.float32)) == 0
     again = native.SharedTable(path, WIDTH, 10)  # same boot now: no second reset
     assert (again.count(), again.generation()) == (1, 1)
+
+
+def test_a_table_with_no_stored_boot_is_not_reset(tmp_path: Path) -> None:
+    """An empty stored boot id proves no reboot (a file made where the boot id could not be
+    read): resetting it under a live writer would rewind `count` under readers' views."""
+    path = tmp_path / "t.tbl"
+    with native.SharedTable(path, WIDTH, 10) as table:
+        table.publish(np.ones((3, WIDTH), dtype=np.float32))
+    with open(path, "r+b") as f:
+        f.seek(56)
+        f.write(b"\0" * 48)
+    reopened = native.SharedTable(path, WIDTH, 10)
+    assert (reopened.count(), reopened.generation()) == (3, 0)
+
+
+@pytest.mark.parametrize("unsafe", ["group-writable", "other-readable", "symlink", "owner"])
+def test_only_a_private_regular_file_of_this_user_is_opened(tmp_path: Path, unsafe: str) -> None:
+    """A table file another local user could write (a planted file in a shared /dev/shm
+    folder) is refused before it is mapped or locked: they could read every tenant's vectors,
+    rewrite rows, truncate it under the readers or hold its lock for ever."""
+    path = tmp_path / "t.tbl"
+    with native.SharedTable(path, WIDTH, 10) as table:
+        table.publish(np.ones((2, WIDTH), dtype=np.float32))
+    if unsafe == "group-writable":
+        path.chmod(0o620)
+    elif unsafe == "other-readable":
+        path.chmod(0o604)
+    elif unsafe == "symlink":
+        real = tmp_path / "elsewhere.tbl"
+        path.rename(real)
+        path.symlink_to(real)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("changing a file's owner needs root")
+        os.chown(path, 4242, 4242)
+    with pytest.raises((RuntimeError, OSError), match="not a private regular file|cannot open"):
+        native.SharedTable(path, WIDTH, 10)
 
 
 def test_creation_leaves_no_temporary_files(tmp_path: Path) -> None:

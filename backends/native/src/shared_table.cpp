@@ -187,7 +187,12 @@ void create_table_file(const std::string& path, std::uint32_t width, std::uint64
   h->fixed.rows_offset = l.rows_offset;
   h->fixed.ids_offset = l.ids_offset;
   h->fixed.file_bytes = l.file_bytes;
-  set_boot_id(&h->fixed, current_boot_id());
+  // A table stores the boot that wrote it, so that the first open after a reboot starts it
+  // empty; without one, a later process that can read it would reset a table in use.
+  std::string boot_id = current_boot_id();
+  if (boot_id.empty())
+    throw std::runtime_error("cannot read /proc/sys/kernel/random/boot_id: a table needs it");
+  set_boot_id(&h->fixed, boot_id);
   h->count.store(0, std::memory_order_relaxed);
   h->claimed.store(0, std::memory_order_relaxed);
   h->generation.store(0, std::memory_order_relaxed);
@@ -241,18 +246,29 @@ SharedTable::SharedTable(const std::string& path, std::uint32_t width, std::uint
   if (capacity == 0 || capacity > kMaxRowBytes / (std::uint64_t{width} * sizeof(float)))
     throw std::invalid_argument("capacity must be at least 1 and the rows at most 4 TiB");
 
-  int raw = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (raw < 0 && errno == ENOENT) {
+  // O_NOFOLLOW: a link planted at the table's name is refused, not followed to another file.
+  int raw = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  for (int attempt = 0; raw < 0 && errno == ENOENT && attempt < 3; ++attempt) {
+    // Absent (or unlinked by another process's cleanup between its link and this open).
     create_table_file(path, width, capacity);
-    raw = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    raw = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   }
   if (raw < 0) throw std::runtime_error(errno_text("cannot open " + path, errno));
   Fd fd(raw);
 
+  // Only a table this user made, private to it, is mapped (before anything waits on it): a
+  // file another local user could write would let them read every tenant's vectors, rewrite
+  // published rows, truncate it under the readers, or hold its lock for ever.
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) throw std::runtime_error(errno_text("fstat " + path, errno));
+  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) != 0)
+    throw std::runtime_error(path + ": not a private regular file of this user (mode " +
+                             std::to_string(st.st_mode & 07777) + ", owner " +
+                             std::to_string(st.st_uid) + "); refused");
+
   // Validation and the reboot reset run under an exclusive flock, so two processes opening a
   // stale file reset it once. flock is released by the kernel if this process dies.
   if (flock(fd.get(), LOCK_EX) != 0) throw std::runtime_error(errno_text("flock " + path, errno));
-  struct stat st {};
   if (fstat(fd.get(), &st) != 0) throw std::runtime_error(errno_text("fstat " + path, errno));
   if (static_cast<std::uint64_t>(st.st_size) < kPage)
     throw TableFormatError(path + ": too short to be a tiercache table");
@@ -269,7 +285,10 @@ SharedTable::SharedTable(const std::string& path, std::uint32_t width, std::uint
   TableHeader* h = header();
   std::string boot_id = current_boot_id();
   const char* stored = h->fixed.boot_id;
-  if (!boot_id.empty() && std::strncmp(stored, boot_id.c_str(), sizeof(h->fixed.boot_id)) != 0) {
+  // Reset only when both boots are known: an empty stored id (a file made where the boot id
+  // could not be read) or an unreadable current one proves no reboot.
+  if (!boot_id.empty() && stored[0] != '\0' &&
+      std::strncmp(stored, boot_id.c_str(), sizeof(h->fixed.boot_id)) != 0) {
     // Written in an earlier boot: no process of that boot is alive to hold the lock, and the
     // rows may have reached the disk out of order. Start empty.
     init_writer_lock(&h->writer_lock);
