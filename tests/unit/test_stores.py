@@ -751,3 +751,36 @@ def test_l2_evicting_early_pauses_after_an_eviction_that_freed_nothing(
         time.sleep(0.002)
     store.close()
     assert len(calls) == 1
+
+
+def test_the_held_answer_put_again_with_a_new_verdict_counts_that_verdict_alone() -> None:
+    """feedback's `good` re-puts the held entry with one more endorsement: L1 counts the new
+    one as a request (as `endorse` does). Re-admitting it counted every endorsement again
+    (three verdicts: a count of 10 where 4 is right) and made it look proven."""
+    from tiercache.exact.codec import CacheEntry
+
+    def endorsed_by_put(times: int) -> int:
+        store = MemoryStore(1 << 20, named_policy("gdsf"))
+        entry = CacheEntry("an answer", created_s=1.0, generation_s=0.5)
+        store.put("k", entry)
+        for n in range(1, times + 1):
+            entry = CacheEntry("an answer", created_s=1.0, generation_s=0.5, endorsements=n)
+            store.put("k", entry)
+        held = store.peek("k")
+        assert held is not None and held.endorsements == times
+        return store._policy.frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
+
+    def endorsed_by_endorse(times: int) -> int:
+        store = MemoryStore(1 << 20, named_policy("gdsf"))
+        store.put("k", CacheEntry("an answer", created_s=1.0, generation_s=0.5))
+        for n in range(1, times + 1):
+            store.endorse("k", 1.0, n)
+        return store._policy.frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
+
+    assert endorsed_by_put(3) == endorsed_by_endorse(3) == 4
+    # Another answer under the key (a new generation) is admitted as before.
+    store = MemoryStore(1 << 20, named_policy("gdsf"))
+    store.put("k", CacheEntry("an answer", created_s=1.0))
+    store.put("k", CacheEntry("a newer answer", created_s=2.0))
+    held = store.peek("k")
+    assert held is not None and held.text == "a newer answer"

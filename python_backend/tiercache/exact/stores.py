@@ -202,6 +202,19 @@ class MemoryStore:
     def put(self, key: str, entry: CacheEntry) -> None:
         size = entry.size_bytes
         with self._lock:
+            held = self._entries.get(key)
+            if (
+                held is not None
+                and held.created_s == entry.created_s
+                and dataclasses.replace(held, endorsements=entry.endorsements) == entry
+            ):
+                # The held answer again with more `good` verdicts (feedback's put_entry): each
+                # new one counts as a request, as `endorse` does; re-admitting it counted all of
+                # them again and made it look proven to the policy's admission prior.
+                self._entries[key] = entry
+                for _ in range(entry.endorsements - held.endorsements):
+                    self._access(key)
+                return
             if size > self._max_bytes:
                 self._rejected += 1
                 self._removed += self._discard(key)  # never serve an older value under this key
