@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,6 +118,18 @@ class GenerationRecord:
     finish_reason: str
     stored: bool
     mean_logprob: float | None = None  # the engine's (tiercache.exact.confidence)
+    engine_s: float | None = None  # the engine's own seconds (StreamEvent.engine_s)
+
+    @property
+    def cost_s(self) -> float:
+        """What the answer cost to make, for the caches' eviction: the engine's own seconds
+        when it reports them (never more than the call took), else the call's duration, which
+        counts the wait behind other requests too (a caller flooding the engine with distinct
+        prompts would make its answers look that much dearer)."""
+        spent = self.engine_s
+        if spent is None or not math.isfinite(spent) or spent < 0:
+            return self.duration_s
+        return min(spent, self.duration_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +586,7 @@ class Generations:
         finish: str | None = None
         tokens = 0
         mean_logprob: float | None = None
+        engine_s: float | None = None
         for event in generate(request):
             if event.text:
                 if ttft is None:
@@ -581,6 +595,7 @@ class Generations:
             if event.finish_reason is not None:
                 finish, tokens = event.finish_reason, event.generated_tokens
                 mean_logprob = event.mean_logprob
+                engine_s = event.engine_s
                 flight.finish_reason = finish
                 flight.generated_tokens = tokens
                 flight.usage = EngineUsage(
@@ -588,7 +603,8 @@ class Generations:
                 )
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
-        return GenerationRecord(ttft, self._clock() - started, tokens, finish, False, mean_logprob)
+        duration = self._clock() - started
+        return GenerationRecord(ttft, duration, tokens, finish, False, mean_logprob, engine_s)
 
     def _store(
         self,
@@ -613,7 +629,7 @@ class Generations:
                 created_s=started_s,  # an invalidation issued while it generated covers it
                 prompt_tokens=prompt_tokens,
                 mean_logprob=record.mean_logprob,
-                generation_s=record.duration_s,
+                generation_s=record.cost_s,
                 temperature=request.temperature,
             )
         except Exception:  # noqa: BLE001 - a failed write-back must not fail the answer

@@ -74,6 +74,7 @@ class FakeTorchLlm:
         final += [out("PROMPT_TOKENS", 3), out("REUSED_TOKENS", 0), out("COMPUTED_TOKENS", 3)]
         final.append(out("SPECULATED_TOKENS", 1))
         final.append(pb.Tensor("MEAN_LOGPROB", np.array([-0.25], dtype=np.float32)))
+        final.append(pb.Tensor("ENGINE_S", np.array([2.0**-20], dtype=np.float32)))
         return [pb.InferenceResponse([out("TEXT", "Hello")]), pb.InferenceResponse(final)]
 
 
@@ -503,6 +504,7 @@ def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
     stored = model.stage.core.cache.get("a" * 64).entry
     assert (stored.prompt_tokens, stored.generated_tokens) == (3, 2)
     assert stored.mean_logprob == -0.25  # the engine's MEAN_LOGPROB, stored with the answer
+    assert stored.generation_s == 2.0**-20  # its ENGINE_S (under the call): not its queueing
 
     exact = CacheStatus.EXACT
     hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12, 1))

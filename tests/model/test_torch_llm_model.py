@@ -456,6 +456,8 @@ def test_final_response_and_metrics_report_speculation_by_draft_source(
     assert int_output(pb_utils, final, "SPECULATED_TOKENS") == 6
     logprob = pb_utils.get_output_tensor_by_name(final, "MEAN_LOGPROB").as_numpy()[0]
     assert logprob == -0.5  # the answer's confidence goes to llm with it
+    spent = float(pb_utils.get_output_tensor_by_name(final, "ENGINE_S").as_numpy()[0])
+    assert 0.0 <= spent < 60.0  # the engine's own seconds: an answer's cost, its queue left out
     plain = call(pb_utils, model, sealer, ENVELOPE=envelope_text(sealer, GenerationRequest("Hi")))
     assert int_output(pb_utils, plain[-1], "SPECULATED_TOKENS") == 0
     model.stage.metrics.flush()

@@ -90,6 +90,7 @@ class FakeEngine:
     raises: BaseException | None = None
     gate: threading.Event | None = None
     mean_logprob: float | None = None
+    engine_s: float | None = None
     calls: int = 0
     started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -113,6 +114,7 @@ class FakeEngine:
                 reused_tokens=32,
                 computed_tokens=8,
                 mean_logprob=self.mean_logprob,
+                engine_s=self.engine_s,
             )
 
     def wait_started(self, count: int = 1) -> None:
@@ -721,6 +723,42 @@ def test_an_answer_is_stored_with_what_generating_it_cost_and_its_temperature() 
     assert found is not None and len(records) == 1
     assert found.entry.generation_s == records[0].duration_s > 0.0
     assert found.entry.temperature == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize(
+    ("engine_s", "expected"),
+    [
+        (0.25, 0.25),
+        (None, "duration"),
+        (float("nan"), "duration"),
+        (-1.0, "duration"),
+        (1e9, "duration"),
+    ],
+)
+def test_an_answers_cost_is_the_engines_own_seconds_not_its_queues(
+    engine_s: float | None, expected: float | str
+) -> None:
+    """The engine's ENGINE_S (from when its worker took the request up) is the answer's cost:
+    the call's duration counts the wait behind other requests, so a caller flooding the engine
+    with distinct prompts made its answers look that much dearer to L1's and L2's eviction.
+    Unknown or impossible values fall back to the duration (and never exceed it)."""
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20))], default_ttl_s=3600.0)
+    records: list[GenerationRecord] = []
+    gate = threading.Event()
+    engine = FakeEngine(engine_s=engine_s, gate=gate)
+    stage = make_stage(cache, engine, on_generation=records.append)
+    responder = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, responder)
+    engine.wait_started()
+    time.sleep(0.3)  # queued behind others: the call's duration grows, the engine's own does not
+    gate.set()
+    assert responder.wait()[-1][:2] == ("final", "Hello")
+    found = cache.get(DIGEST)
+    stage.close()
+    assert found is not None and len(records) == 1
+    assert records[0].duration_s >= 0.3
+    want = records[0].duration_s if expected == "duration" else expected
+    assert found.entry.generation_s == pytest.approx(want)
 
 
 def test_an_answer_stored_since_the_lookup_reports_how_it_ended(cache: TieredCache) -> None:

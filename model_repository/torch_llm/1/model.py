@@ -60,8 +60,10 @@ class Sink:
         computed: int,
         speculated: int = 0,
         mean_logprob: float | None = None,
+        engine_s: float | None = None,
     ) -> None:
         logprob = float("nan") if mean_logprob is None else mean_logprob
+        spent = float("nan") if engine_s is None else engine_s
         response = pb_utils.InferenceResponse(
             [
                 io.bytes_tensor("TEXT", [text], batched=False),
@@ -72,6 +74,7 @@ class Sink:
                 io.scalar_tensor("COMPUTED_TOKENS", computed, np.int32, False),
                 io.scalar_tensor("SPECULATED_TOKENS", speculated, np.int32, False),
                 io.scalar_tensor("MEAN_LOGPROB", logprob, np.float32, False),
+                io.scalar_tensor("ENGINE_S", spent, np.float32, False),
             ]
         )
         self.sender.send(response, flags=FINAL)

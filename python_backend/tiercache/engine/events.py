@@ -31,6 +31,10 @@ class StreamEvent:
     # token's, its end included, at temperature 1); None when the engine does not report it (a
     # refusal, TensorRT-LLM). exp() of it is the answer's confidence (tiercache.confidence).
     mean_logprob: float | None = None
+    # On the last event: the seconds the engine spent on this request, from when its worker took
+    # it up (adapter switch, prefill, decoding), not counting the wait behind earlier requests;
+    # None when the engine does not report it (TensorRT-LLM's path). An answer's cost is this.
+    engine_s: float | None = None
     # On the last event: the answer's token ids (its end token not included); empty from
     # engines that do not report them (TensorRT-LLM's path).
     token_ids: tuple[int, ...] = ()

@@ -101,6 +101,7 @@ ENGINE_OUTPUTS = [
     "COMPUTED_TOKENS",
     "SPECULATED_TOKENS",
     "MEAN_LOGPROB",
+    "ENGINE_S",
 ]
 
 
@@ -297,6 +298,7 @@ class EngineBls:
                     computed_tokens=io.output_int(response, "COMPUTED_TOKENS") or 0,
                     accepted_tokens=io.output_int(response, "SPECULATED_TOKENS") or 0,
                     mean_logprob=io.output_float(response, "MEAN_LOGPROB"),
+                    engine_s=io.output_float(response, "ENGINE_S"),
                 )
 
     def _generate_trtllm(

@@ -73,6 +73,7 @@ class EngineSink(Protocol):
         computed: int,
         speculated: int = 0,
         mean_logprob: float | None = None,
+        engine_s: float | None = None,
     ) -> None: ...
 
     def send_error(self, exc: BaseException) -> None: ...
@@ -309,6 +310,7 @@ class TorchLlmStage:
                 event.computed_tokens,
                 event.accepted_tokens,
                 event.mean_logprob,
+                time.monotonic() - started,  # the engine's own seconds: not its queue's
             )
             self.tokens.increment(event.generated_tokens)
             self.prompt_tokens.increment(event.prompt_tokens)
