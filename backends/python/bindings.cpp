@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -120,6 +121,8 @@ void bind_table(nb::module_& m) {
               throw nb::value_error("timeout_s must be >= 0 (None or inf: wait forever)");
             tiercache::PublishOptions options;
             options.lock_timeout_s = timeout_s ? *timeout_s : -1.0;
+            if (!std::isfinite(pause_after_copy_s) || pause_after_copy_s < 0.0)
+              throw nb::value_error("_pause_after_copy_s must be finite and >= 0");
             options.pause_after_copy_s = pause_after_copy_s;
             nb::gil_scoped_release release;
             return table.publish(rows.data(), ids ? ids->data() : nullptr, n, options).first;
@@ -306,6 +309,8 @@ void bind_cuda(nb::module_& m) {
       .def(
           "watch_mirror",
           [](DeviceTable& t, std::uint64_t until, double timeout_s) {
+            if (!std::isfinite(timeout_s) || timeout_s < 0.0)  // a clock duration from inf: UB
+              throw nb::value_error("timeout_s must be finite and >= 0");
             std::vector<std::uint64_t> r;
             {
               nb::gil_scoped_release release;

@@ -262,6 +262,15 @@ def test_only_a_private_regular_file_of_this_user_is_opened(tmp_path: Path, unsa
         native.SharedTable(path, WIDTH, 10)
 
 
+@pytest.mark.parametrize("pause", [float("inf"), float("nan"), -1.0])
+def test_the_pause_hook_refuses_what_no_clock_can_wait(tmp_path: Path, pause: float) -> None:
+    """A non-finite duration converted to the clock's integer ticks is undefined behaviour."""
+    with native.SharedTable(tmp_path / "t.tbl", WIDTH, 4) as table:
+        with pytest.raises(ValueError, match="finite"):
+            table.publish(np.ones((1, WIDTH), dtype=np.float32), _pause_after_copy_s=pause)
+        assert table.count() == 0
+
+
 def test_creation_leaves_no_temporary_files(tmp_path: Path) -> None:
     native.SharedTable(tmp_path / "t.tbl", WIDTH, 10).close()
     assert sorted(os.listdir(tmp_path)) == ["t.tbl"]

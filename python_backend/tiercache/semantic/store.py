@@ -9,7 +9,9 @@ catching up on the log (`tiercache.semantic.index`).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +33,9 @@ from tiercache.semantic.shared_rows import ScopeTables
 
 log = logging.getLogger(__name__)
 _DISK_LOG_INTERVAL_S = 60.0
+
+
+_DISK_FULL = os.strerror(errno.ENOSPC)  # the native table's errors end with strerror's text
 
 
 class SemanticStore(RowLog):
@@ -151,7 +156,9 @@ class SemanticStore(RowLog):
         the next publish to the scope takes it), while the disk is short of the headroom."""
         if isinstance(exc, lmdb.DiskError):
             return True
-        if isinstance(exc, RuntimeError) and not str(exc).startswith("cannot size"):
+        if isinstance(exc, RuntimeError) and not (
+            str(exc).startswith("cannot size") or _DISK_FULL in str(exc)
+        ):
             return False
         return self._disk is not None and self._disk.state() != ROOM
 
