@@ -307,6 +307,35 @@ def test_the_slots_tell_their_eviction_policy_and_evict_its_victim() -> None:
     assert slots.stats().lru_evictions == 1
 
 
+def test_listing_the_adapters_is_not_an_eviction_plan() -> None:
+    """`resident` ranks by the policy's nomination; a removal of an adapter it listed (a new
+    version's explicit eviction) then counted as an eviction under gdsf, raising its aging
+    level to that adapter's value. The listing withdraws its offer."""
+    from tiercache.eviction import GreedyDualFrequencyPolicy
+
+    config = json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    )
+    tensors = {
+        "base_model.model.q_proj.lora_A.weight": torch.ones(2, 4),
+        "base_model.model.q_proj.lora_B.weight": torch.ones(4, 2),
+    }
+    from safetensors.torch import save
+
+    class OneLayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4)
+
+    policy: GreedyDualFrequencyPolicy[Any] = GreedyDualFrequencyPolicy(4)
+    slots = EngineAdapters(OneLayer().eval(), max_slots=4, policy=policy)
+    for i, name in enumerate(("a", "b", "c"), start=1):
+        slots.load(AdapterWeights(AdapterRef(name, i, name), config, save(tensors)))
+    assert len(slots.resident()) == 3
+    assert slots.evict("b")  # an explicit eviction, not the policy's choice
+    assert policy.inflation == 0.0
+
+
 def test_a_load_into_full_slots_evicts_the_least_recently_used(
     bench: Bench, adapters: EngineAdapters
 ) -> None:

@@ -312,6 +312,9 @@ class EngineAdapters:
         recently used, by default), then any it does not rank. JSON-ready: the engine's `list`
         op."""
         order = [key for key in self._policy.nominate(len(self._held)) if key in self._held]
+        # A listing, not a plan: nominating nothing withdraws the offer (gdsf would count a
+        # later removal of any listed adapter, a new version's, as an eviction and age by it).
+        self._policy.nominate(0)
         ranked = set(order)
         order += [key for key in self._held if key not in ranked]
         return [
