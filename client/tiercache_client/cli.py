@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -356,8 +357,8 @@ def _warm(client: TierCacheClient, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (argparse exits 2 itself on bad arguments)."""
     args = build_parser().parse_args(argv)
-    if args.timeout <= 0:
-        print("error: --timeout must be > 0", file=sys.stderr)
+    if not 0 < args.timeout < math.inf:  # NaN too
+        print("error: --timeout must be > 0 and finite", file=sys.stderr)
         return 2
     token = None
     if args.command in ADMIN_COMMANDS:

@@ -12,6 +12,7 @@ admin_token=...)` sends it with every admin call.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import threading
@@ -249,8 +250,8 @@ class TierCacheClient:
         admin_token: str | None = None,
         api_key: str | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:  # NaN too: a wait on NaN never ends
+            raise ValueError(f"timeout_s must be > 0 and finite, got {timeout_s}")
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self.url = url
         self.model = model

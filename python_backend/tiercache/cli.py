@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -153,19 +154,28 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         code = _supervise(server, args)
-        print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
+        if code is not None:
+            print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
         server.stop()  # stage processes it left behind, in its process group
-        return code or 0
+        return _exit_status(code) if code is not None else 1
     except (ServerError, OSError) as exc:
         print(f"tiercache: {exc}", file=sys.stderr)
         server.stop()
         return 1
     except KeyboardInterrupt:
         print("tiercache: stopping tritonserver", file=sys.stderr)
-        return server.stop() or 0
+        return _exit_status(server.stop() or 0)
     finally:
-        if gateway is not None:
-            _stop_gateway(gateway)
+        try:
+            if gateway is not None:
+                _stop_gateway(gateway)
+        finally:
+            server.stop()  # whatever ended serve (any exception): no tritonserver left behind
+
+
+def _exit_status(code: int) -> int:
+    """A process's return code as a shell reports it: 128 + the signal that killed it."""
+    return 128 - code if code < 0 else code
 
 
 def port_number(text: str) -> int:
@@ -185,8 +195,8 @@ def positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    if not 0 < value < math.inf:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be more than 0 and finite, got {text}")
     return value
 
 
@@ -194,6 +204,7 @@ def _port_in_use(host: str, port: int) -> str:
     """Why `port` cannot be listened on at `host` ("" when it can)."""
     import socket
 
+    host = host.strip("[]")  # "[::1]", as --host may write an IPv6 address
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         # as uvicorn binds: connections it closed (TIME_WAIT) do not make the port busy
@@ -265,18 +276,18 @@ def _stop_gateway(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
+def _supervise(server: TritonServer, args: argparse.Namespace) -> int | None:
     """Wait for tritonserver to exit; meanwhile, unless --no-restart, restart it when one of its
     stage processes dies (Triton does not restart a dead Python stub, and every request through
     that stage fails until the server restarts). Gives up after --max-restarts restarts within
-    an hour. Returns tritonserver's exit code."""
+    an hour. Returns tritonserver's exit code; None when it gave up (or had no server)."""
     watch = StageWatch(server)
     watch.reset()
     restarts: list[float] = []
     while True:
         process = server.process
         if process is None:
-            return 1
+            return None
         try:
             return process.wait(timeout=args.watch_interval_s)
         except subprocess.TimeoutExpired:
@@ -295,7 +306,7 @@ def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
                 flush=True,
             )
             server.stop()
-            return 1
+            return None  # gave up: serve exits 1, without claiming an exit code of Triton's
         restarts.append(now)
         print(
             f"tiercache: stage process {names} died; Triton does not restart it, so every "
@@ -304,7 +315,7 @@ def _supervise(server: TritonServer, args: argparse.Namespace) -> int:
             flush=True,
         )
         started = time.monotonic()
-        server.stop(timeout_s=args.exit_timeout_secs + 20)
+        server.stop()  # its --exit-timeout-secs, and 20 s more
         server.start()
         server.wait_ready(args.ready_timeout)
         watch.reset()
@@ -394,7 +405,7 @@ def _add_invalidate(sub: argparse._SubParsersAction) -> None:
         help="do not scan L3 for a tag/tenant/adapter (its entries are never served again and "
         "expire with their TTL)",
     )
-    inv.add_argument("--timeout-s", type=float, default=2.0)
+    inv.add_argument("--timeout-s", type=positive_seconds, default=2.0)
 
 
 def _add_gateway(sub: argparse._SubParsersAction) -> None:
@@ -443,7 +454,9 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         help="the server's adapters folder: each adapter becomes a `model` id (default: "
         "$TIERCACHE_ADAPTERS_DIR, else none)",
     )
-    gw.add_argument("--timeout-s", type=float, default=300.0, help="a whole generation")
+    gw.add_argument(
+        "--timeout-s", type=positive_seconds, default=300.0, help="a whole generation"
+    )
     gw.add_argument(
         "--model-repository",
         default=None,

@@ -165,7 +165,7 @@ PARAMETERS: dict[str, _Spec] = {
         0.25, "Socket connect/read timeout of one Redis call", min=0, min_open=True
     ),
     "redis_retry_s": _Spec(
-        1.0, "After a Redis failure, Redis is tried again at most this often", min=0, min_open=True
+        1.0, "After a Redis failure, Redis is tried again at most this often", min=0.05
     ),
     "redis_max_ttl_s": _Spec(
         7 * 86400.0,
@@ -187,6 +187,7 @@ PARAMETERS: dict[str, _Spec] = {
         "maps: about 65k exhaust vm.max_map_count); a row that would start one more is not "
         "indexed (counted and logged, never an error)",
         min=1,
+        max=60_000,
     ),
     "semantic_max_scopes_per_tenant": _Spec(
         256,
@@ -322,7 +323,8 @@ def torch_threads_param(embedder: bool) -> Any:
     )
     return param(
         AUTO,
-        "torch's intra-op threads in this process, set before the weights load: a count >= 1, "
+        "torch's intra-op threads in this process, set before the weights load: a count from 1 to "
+        "256, "
         f"or auto: {share} (a CPU quota is not seen: set a count there). Why: docs/usage.md, "
         "CPU threads",
         pattern=TORCH_THREADS_PATTERN,
@@ -798,8 +800,7 @@ class LoraCacheConfig(_RedisConfig):
     fleet_sync_s: float = param(
         10.0,
         "With redis_url: publish this replica's adapters and usage counts this often",
-        min=0,
-        min_open=True,
+        min=1.0,
     )
 
     def extra_problems(self) -> list[str]:
@@ -968,6 +969,13 @@ def check_values(config: Any) -> list[str]:
     extra = getattr(config, "extra_problems", None)
     if not problems and extra is not None:
         problems.extend(extra())
+    total = getattr(config, "semantic_max_scopes", None)
+    per_tenant = getattr(config, "semantic_max_scopes_per_tenant", None)
+    if not problems and total is not None and per_tenant is not None and per_tenant > total:
+        problems.append(
+            f"parameter 'semantic_max_scopes_per_tenant' ({per_tenant}) must be at most "
+            f"semantic_max_scopes ({total}): above it one tenant could take every scope"
+        )
     return problems
 
 

@@ -186,8 +186,10 @@ def prepare_backends(install: TritonInstall, dest: Path) -> Path:
     for source in sources:
         target = python_dir / source.name
         st = source.stat()
-        if target.exists() and target.stat().st_size == st.st_size:
-            continue
+        if target.exists():
+            held = target.stat()  # copy2 keeps the time: a new build of the same size differs
+            if held.st_size == st.st_size and held.st_mtime_ns == st.st_mtime_ns:
+                continue
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         shutil.copy2(source, tmp)
         tmp.replace(target)
@@ -319,12 +321,17 @@ class TritonServer:
             time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT (Triton's clean shutdown), then SIGKILL to the process group if it hangs.
-        Stubs left behind (seen after a stub of the same server died) are killed too: they
-        are in tritonserver's process group, which it leads (`start_new_session`)."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGINT (Triton's clean shutdown), then SIGKILL to the process group if it hangs
+        past `timeout_s` (default: its own `--exit-timeout-secs` and 20 s more, so the time
+        given to requests in flight is kept). Stubs left behind (seen after a stub of the same
+        server died) are killed too: they are in tritonserver's process group, which it leads
+        (`start_new_session`). Interrupted while it waits (a second Ctrl-C or SIGTERM), it
+        kills the group before the interruption goes on: nothing is left holding the ports."""
         if self.process is None:
             return None
+        if timeout_s is None:
+            timeout_s = self.exit_timeout_s + 20.0
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -332,6 +339,11 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+                raise
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # stragglers; none after a clean exit
         return self.process.returncode

@@ -178,3 +178,25 @@ def test_direct_construction_is_checked_too() -> None:
     with pytest.raises(ConfigError, match="hit_padding_ms"):
         LlmConfig(hit_padding_ms=-1)
     assert EngineConfig(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "fragment"),
+    [
+        (LlmConfig, {"semantic_max_scopes": "100"}, "semantic_max_scopes_per_tenant' \\(256\\)"),
+        (LlmConfig, {"semantic_max_scopes": "100000"}, "semantic_max_scopes"),
+        (EngineConfig, {"torch_threads": "100000"}, "torch_threads"),
+        (LlmConfig, {"redis_retry_s": "0.000001"}, "redis_retry_s"),
+        (LoraCacheConfig, {"fleet_sync_s": "0.000001"}, "fleet_sync_s"),
+    ],
+)
+def test_values_that_disable_a_protection_are_refused(
+    cls: type, values: dict[str, str], fragment: str
+) -> None:
+    """A per-tenant scope cap above the host's lets one tenant take every scope; 100,000 scopes
+    exhaust vm.max_map_count; 100,000 torch threads; a Redis retry or fleet sync every
+    microsecond is a busy loop."""
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(cls, values)
+    ok = {"semantic_max_scopes": "100", "semantic_max_scopes_per_tenant": "100"}
+    assert parse_config(LlmConfig, ok).semantic_max_scopes_per_tenant == 100

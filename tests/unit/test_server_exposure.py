@@ -190,3 +190,141 @@ def test_the_metrics_stay_on_loopback_unless_the_operator_names_an_address() -> 
     assert flags(server(exposure=chosen).command(INSTALL, Path("/b")))["--metrics-address"] == (
         "0.0.0.0"
     )
+
+
+# -- stopping, exit codes and arguments (a review of serve and the client) ----------------------
+
+
+def _ignoring_sigint(tmp_path: Path) -> "subprocess.Popen[bytes]":
+    """A stand-in for tritonserver that ignores SIGINT, in its own session as Triton is."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
+         "signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def test_stop_waits_the_servers_own_exit_timeout_and_more() -> None:
+    """--exit-timeout-secs 120 was cut at 30 s by stop()'s fixed default."""
+    srv = TritonServer(Path("/repo"), Path("/state"), ports=Ports(1, 2, 3), exit_timeout_s=120)
+    waited: list[float | None] = []
+
+    class Process:
+        pid, returncode = 1 << 22, 0
+
+        def poll(self) -> None:
+            return None
+
+        def send_signal(self, sig: int) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            waited.append(timeout)
+            return 0
+
+    srv.process = Process()  # type: ignore[assignment]
+    srv.stop()
+    assert waited == [140.0]
+
+
+def test_an_interrupt_while_stopping_leaves_no_server_behind(tmp_path: Path) -> None:
+    """A second Ctrl-C (or SIGTERM) during stop()'s wait escaped before the SIGKILL: the
+    server, in its own session, kept running and holding its ports."""
+    srv = TritonServer(Path("/repo"), tmp_path, ports=Ports(1, 2, 3), exit_timeout_s=60)
+    process = _ignoring_sigint(tmp_path)
+    assert process.stdout is not None and process.stdout.readline() == b"up\n"
+    srv.process = process
+    real_wait = process.wait
+    calls = []
+
+    def interrupted(timeout: float | None = None) -> int:
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the second signal, while stop() waits
+        return real_wait(timeout)
+
+    process.wait = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        srv.stop()
+    assert process.poll() is not None and process.returncode == -9
+
+
+def test_exit_status_reports_a_signal_as_a_shell_does() -> None:
+    from tiercache.cli import _exit_status
+
+    assert (_exit_status(-9), _exit_status(-15), _exit_status(0), _exit_status(3)) == (
+        137,
+        143,
+        0,
+        3,
+    )
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "0", "-1"])
+def test_seconds_arguments_are_finite_and_positive(text: str) -> None:
+    for argv in (
+        ["serve", "--watch-interval-s", text],
+        ["invalidate", "--tag", "t", "--redis-url", "redis://x", "--timeout-s", text],
+        ["gateway", "--timeout-s", text],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0.0])
+def test_the_client_refuses_a_timeout_that_never_ends(timeout: float) -> None:
+    from tiercache_client import TierCacheClient
+
+    with pytest.raises(ValueError, match="finite"):
+        TierCacheClient("127.0.0.1:1", timeout_s=timeout)
+
+
+def test_a_bracketed_ipv6_host_is_probed_as_an_address() -> None:
+    import socket
+
+    from tiercache.cli import _port_in_use
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        port = s.getsockname()[1]
+    assert _port_in_use("[::1]", port) == ""
+
+
+def test_a_backend_copy_of_the_same_size_but_another_build_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from tiercache.server import prepare_backends
+
+    root = tmp_path / "triton"
+    (root / "backends" / "python").mkdir(parents=True)
+    lib = root / "backends" / "python" / "libtriton_python.so"
+    utils = root / "backends" / "python" / "triton_python_backend_utils.py"
+    stub = root / "backends" / "python" / "triton_python_backend_stub"
+    for f in (lib, utils, stub):
+        f.write_bytes(b"old!")
+
+    class Install:
+        pass
+
+    install = Install()
+    install.root = root  # type: ignore[attr-defined]
+    install.stub = lambda: stub  # type: ignore[attr-defined]
+    dest = tmp_path / "copies"
+    prepare_backends(install, dest)  # type: ignore[arg-type]
+    copied = next(dest.rglob("libtriton_python.so"))
+    assert copied.read_bytes() == b"old!"
+    lib.write_bytes(b"new!")  # a new build of the same size
+    os.utime(lib, ns=(lib.stat().st_atime_ns, lib.stat().st_mtime_ns + 10**9))
+    prepare_backends(install, dest)  # type: ignore[arg-type]
+    assert copied.read_bytes() == b"new!"

@@ -25,7 +25,7 @@ from tiercache.errors import ConfigError
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-TORCH_THREADS_PATTERN = r"auto|[1-9][0-9]*"
+TORCH_THREADS_PATTERN = r"auto|[1-9]|[1-9][0-9]|1[0-9][0-9]|2[0-4][0-9]|25[0-6]"  # 1 to 256
 """What a `torch_threads` parameter may be: `auto`, or a thread count >= 1."""
 
 
