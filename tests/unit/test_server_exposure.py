@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,11 +197,8 @@ def test_the_metrics_stay_on_loopback_unless_the_operator_names_an_address() -> 
 # -- stopping, exit codes and arguments (a review of serve and the client) ----------------------
 
 
-def _ignoring_sigint(tmp_path: Path) -> "subprocess.Popen[bytes]":
+def _ignoring_sigint(tmp_path: Path) -> subprocess.Popen[bytes]:
     """A stand-in for tritonserver that ignores SIGINT, in its own session as Triton is."""
-    import subprocess
-    import sys
-
     return subprocess.Popen(
         [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
          "signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
