@@ -282,6 +282,20 @@ def test_features_are_symmetric_and_fixed_length() -> None:
         ("Pick one book", "Pick two books", 1.0),
         ("What is pi to 3.14?", "What is pi to 3.15?", 1.0),
         ("What does roll No. 1 mean?", "What does roll no.1 mean?", 0.0),
+        # A review found these served as one question: a sign, a leading point, digits past a
+        # float's, a version read as its digits, and the same numbers in another order.
+        ("Is -3 greater than 2?", "Is 3 greater than 2?", 1.0),
+        ("What is -40 degrees in Fahrenheit?", "What is 40 degrees in Fahrenheit?", 1.0),
+        ("What is .5 times 4?", "What is 5 times 4?", 1.0),
+        ("Balance of account 12345678901234567", "Balance of account 12345678901234568", 1.0),
+        ("What changed in version 1.2.3?", "What changed in version 123?", 1.0),
+        ("What is 2^10?", "What is 10^2?", 1.0),
+        ("What is 1/4 of 100?", "What is 4/1 of 100?", 1.0),
+        # ...and what still agrees: a range's dash, a name's, trailing zeros, number words.
+        ("Read pages 3-4", "Read pages 3 4", 0.0),
+        ("COVID-19 cases in May", "COVID 19 cases in May", 0.0),
+        ("It costs 3.50 dollars", "It costs 3.5 dollars", 0.0),
+        ("Top five of 100", "Top 5 of 100", 0.0),
     ],
 )
 def test_number_mismatch(a: str, b: str, expected: float) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -39,9 +40,11 @@ FEATURE_NAMES: tuple[str, ...] = (
 - cosine: the embedding cosine, as given.
 - number_mismatch: 0 when the multisets of numbers agree; 0.5 when one side has a number the
   other lacks ("top 10 movies" / "top movies"); 1 when both do, a substitution ("top 5" /
-  "top 10"). Numbers: digits (5, 2,000, 3.5, 2nd, 2GB) and number words (two..ninety, hundred,
-  dozen...); the word "one" counts only against a side that has a number too, since it is
-  mostly a pronoun ("how can one ...").
+  "top 10"), and when the same numbers come in another order ("2^10" / "10^2", "1/4" /
+  "4/1"). Numbers: digits (5, 2,000, 3.5, 2nd, 2GB), with a sign ("-40") or a leading point
+  (".5"), compared exactly (17-digit account numbers, versions such as 1.2.3), and number words
+  (two..ninety, hundred, dozen...); the word "one" counts only against a side that has a number
+  too, since it is mostly a pronoun ("how can one ...").
 - negation_mismatch: 1 when the sides hold different numbers of negations (not, n't, no,
   never, none, nothing, without, cannot, ...) or a word is the un-/in-/im-/il-/ir-/dis-/non-
   form of a word on the other side ("safe" / "unsafe"), and the texts are otherwise
@@ -123,7 +126,8 @@ class TextProfile:
     order: tuple[str, ...]  # stemmed content words and pivot prepositions, in reading order
     vocabulary: frozenset[str]  # every lowercased word and its stem, function words included
     prefixes: frozenset[str]  # the first 5 letters of every vocabulary word of 5 or more
-    numbers: tuple[float, ...]  # sorted; digits and number words except "one"
+    numbers: tuple[str, ...]  # canonical texts (_parse_number), sorted; without "one"
+    number_order: tuple[str, ...]  # the same, in reading order
     has_word_one: bool  # "one" as a word (a 1 only against a side that has a number)
     negations: int  # how many negation words
     entities: frozenset[str]  # stemmed proper nouns, acronyms and alphanumeric names
@@ -159,15 +163,32 @@ def _is_content(low: str) -> bool:
     return not (low in STOPWORDS or low in NEGATIONS or low in NUMBER_WORDS or low[0].isdigit())
 
 
-def _parse_number(token: str) -> float | None:
+def _parse_number(token: str, prefix: str = "") -> str | None:
+    """The token's number as an exact canonical text ("-40", "0.5", "12345678901234567",
+    "1.2.3"), so that equal values compare equal and no two different ones do (floats merged
+    integers past 2**53 and read 1.2.3 as 123). `prefix`: the text just before the token, for
+    a sign ("-40") or a leading point (".5")."""
     match = _NUMBER.match(token)
     if match is None:
         return None
     digits = re.sub(r",(?=\d{3}(?!\d))", "", match.group(0)).replace(",", ".")
-    try:
-        return float(digits)
-    except ValueError:  # 1.2.3 (a version): compare its digits
-        return float(re.sub(r"\D", "", digits))
+    if prefix.endswith(".") and not prefix[:-1][-1:].isalnum():  # ".5", not "no.1" or "3.5"
+        digits = "0." + digits if "." not in digits else digits
+        prefix = prefix[:-1]
+    # "-40", not the dash of a range ("3-4") or of a word ("COVID-19")
+    negative = prefix.endswith(("-", "\u2212")) and not prefix[:-1][-1:].isalnum()
+    if digits.count(".") > 1:  # a version or a date: its text is its identity
+        return ("-" if negative else "") + digits
+    value = Decimal(digits).normalize()
+    if negative and value:
+        value = -value
+    return _canonical(value)
+
+
+def _canonical(value: Decimal) -> str:
+    """A number's one text: 100 and 1E+2 and 100.0 are "100"."""
+    text = format(value.normalize(), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _is_entity_token(token: str, sentence_start: bool) -> bool:
@@ -192,7 +213,7 @@ def profile(text: str) -> TextProfile:
     text = text.replace("\u2019", "'").replace("\u2018", "'")
     words: list[str] = []
     entities: set[str] = set()
-    numbers: list[float] = []
+    numbers: list[str] = []
     has_word_one = False
     sentence_start = True
     last_end = 0
@@ -214,13 +235,13 @@ def profile(text: str) -> TextProfile:
             entities.add(stem(low))
         sentence_start = False
         if low[0].isdigit():
-            value = _parse_number(low)
+            value = _parse_number(low, text[max(0, match.start() - 2) : match.start()])
             if value is not None:
                 numbers.append(value)
         elif low == "one":
             has_word_one = True
         elif low in NUMBER_WORDS:
-            numbers.append(NUMBER_WORDS[low])
+            numbers.append(_canonical(Decimal(repr(NUMBER_WORDS[low]))))
         words.append(low)
 
     negations = 0
@@ -245,6 +266,7 @@ def profile(text: str) -> TextProfile:
         vocabulary=frozenset(vocabulary),
         prefixes=frozenset(w[:5] for w in vocabulary if len(w) >= 5),
         numbers=tuple(sorted(numbers)),
+        number_order=tuple(numbers),
         has_word_one=has_word_one,
         negations=negations,
         entities=frozenset(entities),
@@ -260,10 +282,12 @@ def _side_count(p_has_extra: bool, q_has_extra: bool) -> float:
 def _number_mismatch(p: TextProfile, q: TextProfile) -> float:
     a = Counter(p.numbers)
     b = Counter(q.numbers)
+    if p.numbers == q.numbers and p.number_order != q.number_order:
+        return 1.0  # the same numbers in another order: "2^10" / "10^2", "1/4" / "4/1"
     if p.has_word_one and (q.has_word_one or q.numbers):
-        a[1.0] += 1
+        a["1"] += 1
     if q.has_word_one and (p.has_word_one or p.numbers):
-        b[1.0] += 1
+        b["1"] += 1
     return _side_count(bool(a - b), bool(b - a))
 
 
