@@ -90,3 +90,39 @@ def test_bad_feedback_on_a_semantic_hit_keeps_the_regenerated_answer_from_that_r
     (near,) = stage.lookup(["closer"], ["scope"], ["scope-a"])
     assert near.outcome is SemanticOutcome.HIT
     answers.close()
+
+
+def test_a_floor_that_cannot_be_read_is_never_taken_for_none(tmp_path: Path) -> None:
+    """With a shared tier unreadable (Redis down), a floor a `bad` verdict left only there is
+    unknown: the hit is verified by the engine when it can be, else a miss (it was served as
+    if no floor had been set)."""
+
+    class Down(MemoryStore):
+        def get(self, key: str):  # type: ignore[no-untyped-def]
+            raise ConnectionError("Redis is down")
+
+        def get_or_raise(self, key: str):  # type: ignore[no-untyped-def]
+            raise ConnectionError("Redis is down")
+
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    answers = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2), (Tier.L3, Down(1 << 20))]
+    )
+    query = unit(1, 0.3)
+    stage = EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        answers,
+        lambda texts: np.stack([query for _ in texts]),
+        lambda q, candidates: 0 if candidates else None,
+        "emb@1",
+        min_similarity=0.5,
+    )
+    answers.put(DIGEST, "an answer", tenant_scope="scope-a")
+    stage.index.add("scope", DIGEST, "p", unit(1, 0))
+    (missed,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert missed.outcome is SemanticOutcome.UNTRUSTED
+    (checked,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], can_verify=[True])
+    assert checked.outcome is SemanticOutcome.HIT and checked.verify
+    assert stage.unread_records == 2
+    answers.close()

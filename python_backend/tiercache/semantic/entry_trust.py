@@ -485,21 +485,29 @@ class TrustGate:
         self, digest: str, score: float, tenant_scope: str | None, can_verify: bool
     ) -> Decision:
         scope = tenant_scope or ""
-        calibration = self.calibration(scope)
-        trust = read_trust(self.cache, digest, scope)
+        calibration, calibrated = self.calibration_checked(scope)
+        trust, complete = _read(self.cache, trust_key(digest), scope, MAX_OBSERVATIONS)
+        if not (calibrated and complete):
+            # A shared tier could not be read (Redis down): refutations recorded only there
+            # are unknown, and the prior alone would serve. Failing closed.
+            return Decision.VERIFY if can_verify else Decision.MISS
         return self.policy.decide(trust, score, can_verify, calibration, random.random())
 
     def calibration(self, tenant_scope: str) -> Calibration:
         """`tenant_scope`'s calibration from its record as the shared tiers hold it now
         (recomputed only when the record changed)."""
+        return self.calibration_checked(tenant_scope)[0]
+
+    def calibration_checked(self, tenant_scope: str) -> tuple[Calibration, bool]:
+        """`calibration`, and whether every shared tier could be read (`read_sides`)."""
         key = tenant_trust_key(tenant_scope)
-        texts, _ = read_sides(self.cache, key, tenant_scope)
+        texts, complete = read_sides(self.cache, key, tenant_scope)
         text = "\x00".join(texts)
         with self._memo_lock:
             memo = self._calibrations.get(tenant_scope)
             if memo is not None and memo[0] == text:
                 self._calibrations.move_to_end(tenant_scope)
-                return memo[1]
+                return memo[1], complete
         trust = EntryTrust(limit=TENANT_OBSERVATIONS)
         for one in texts:
             trust.merge(_decode_or_prior(one, key, TENANT_OBSERVATIONS))
@@ -509,4 +517,4 @@ class TrustGate:
             self._calibrations.move_to_end(tenant_scope)
             while len(self._calibrations) > MEMO_TENANTS:
                 self._calibrations.popitem(last=False)
-        return found
+        return found, complete

@@ -37,7 +37,15 @@ def read_floor(cache: TieredCache, digest: str, tenant_scope: str | None = None)
     """The similarity a rewording needs to be served `digest`'s answer: the highest floor the
     shared tiers hold (`read_sides`: another tenant's, an expired or invalidated one left out);
     None when none was set. One that does not parse is ignored (logged)."""
-    texts, _ = read_sides(cache, floor_key(digest), tenant_scope)
+    return read_floor_checked(cache, digest, tenant_scope)[0]
+
+
+def read_floor_checked(
+    cache: TieredCache, digest: str, tenant_scope: str | None = None
+) -> tuple[float | None, bool]:
+    """`read_floor`, and whether every shared tier could be read: False (Redis down) means a
+    floor held only there is not known, and a hit must not be served on its absence."""
+    texts, complete = read_sides(cache, floor_key(digest), tenant_scope)
     floors = []
     for text in texts:
         try:
@@ -50,7 +58,7 @@ def read_floor(cache: TieredCache, digest: str, tenant_scope: str | None = None)
             log.warning("ignoring a malformed similarity floor for %s...", digest[:12])
             continue
         floors.append(value)
-    return max(floors, default=None)
+    return max(floors, default=None), complete
 
 
 def raise_floor(cache: TieredCache, digest: str, served_at: float, tenant_scope: str) -> float:

@@ -18,7 +18,7 @@ from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.entry_trust import Decision, TrustGate
 from tiercache.semantic.index import SemanticIndex
-from tiercache.semantic.penalties import read_floor
+from tiercache.semantic.penalties import read_floor_checked
 from tiercache.semantic.vectors import VectorCache, vector_key
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class EmbeddingCache:
         self.draft_neighbours = draft_neighbours
         self.draft_min_similarity = draft_min_similarity
         self.scope_mismatches = 0  # candidates refused: their answer is another tenant's
+        self.unread_records = 0  # candidates whose floor could not be read (failing closed)
         self.search_failures = 0  # lookups answered as misses because their scope's search failed
         self._failed_scopes: set[str] = set()  # logged once each
 
@@ -173,7 +174,9 @@ class EmbeddingCache:
                 if self.confidence.unsure(entry.mean_logprob):
                     outcome = SemanticOutcome.UNSURE  # the engine was unsure of it: not reworded
                     continue
-                floor = read_floor(self.answers, neighbour.digest, tenant_scope)
+                floor, floor_known = read_floor_checked(
+                    self.answers, neighbour.digest, tenant_scope
+                )
                 if floor is not None and neighbour.similarity < floor:
                     outcome = SemanticOutcome.PENALISED  # judged wrong this close before
                     continue
@@ -185,6 +188,14 @@ class EmbeddingCache:
                         outcome = SemanticOutcome.UNTRUSTED
                         continue
                     verify = decision is Decision.VERIFY
+                if not floor_known:
+                    # A shared tier could not be read (Redis down): a floor a `bad` verdict
+                    # left there is unknown. Failing closed: verified by the engine, or a miss.
+                    self.unread_records += 1
+                    if not can_verify:
+                        outcome = SemanticOutcome.UNTRUSTED
+                        continue
+                    verify = True
                 return SemanticLookup(
                     SemanticOutcome.HIT,
                     vector,
