@@ -227,6 +227,16 @@ def test_threshold_for_takes_the_lowest_row_from_which_on_all_rows_qualify(tmp_p
             "rows",
         ),
         ({"cosine_floor": float("nan")}, "non-finite"),
+        ({"vetoes": {"number_mismatch": float("nan")}}, "non-finite"),  # it would never fire
+        (
+            {
+                "operating_table": {
+                    "columns": ["threshold", "precision", "recall"],
+                    "rows": [[0.5, float("nan"), 0.5]],  # it would pass every target
+                }
+            },
+            "non-finite",
+        ),
     ],
 )
 def test_malformed_model_is_a_config_error(

@@ -105,7 +105,11 @@ class GuardConfig:
         except (KeyError, TypeError, ValueError) as exc:
             detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
             raise ConfigError(f"{source}: malformed semantic guard model: {detail}") from None
-        for value in (config.intercept, config.cosine_floor, *config.coefficients):
+        numbers = [config.intercept, config.cosine_floor, *config.coefficients]
+        numbers += [value for _, value in config.vetoes]  # a NaN veto never fires
+        numbers += [n for r in config.operating_table for n in (r.threshold, r.precision, r.recall)]
+        numbers.append(config.default_target_precision)
+        for value in numbers:
             if not math.isfinite(value):
                 raise ConfigError(f"{source}: non-finite number in the semantic guard model")
         return config
