@@ -163,6 +163,19 @@ def kv_reuse_decision(mode: str, api_keys: Path | None) -> tuple[bool, str]:
     return False, f"off: the API key file names {len(tenants)} tenants and there is no cache salt"
 
 
+def kv_reuse_tenant(mode: str, api_keys: Path | None) -> str:
+    """The one tenant `auto` turned prefix KV reuse on for ("" otherwise): llm refuses every
+    other tenant's request (`trtllm_kv_reuse_tenant`), since a tenant added to the key file
+    without a restart would share its cached prefixes."""
+    reuse, _ = kv_reuse_decision(mode, api_keys)
+    if mode != "auto" or not reuse or api_keys is None:
+        return ""
+    from tiercache.exact.tenant_keys import list_grants
+
+    (tenant,) = {grant.tenant for grant in list_grants(api_keys)}
+    return str(tenant)
+
+
 def rewrite_tensorrt_llm(
     config: Any, repository: Path, engine: EngineFacts, kv_reuse: bool = False
 ) -> None:
@@ -191,10 +204,17 @@ def rewrite_lora_cache(config: Any, engine: EngineFacts) -> None:
         raise ValueError(f"lora_cache's config lacks the TensorRT-LLM outputs {missing}")
 
 
-def rewrite_llm(config: Any, repository: Path, engine: EngineFacts, kv_reuse: bool = False) -> None:
+def rewrite_llm(
+    config: Any,
+    repository: Path,
+    engine: EngineFacts,
+    kv_reuse: bool = False,
+    kv_reuse_tenant: str = "",
+) -> None:
     """llm's engine parameters. Speculative steps resend the prompt every step, so they are on
     (the engine's max_draft_len) only with prefix KV reuse; without it each step would compute
-    the prompt again."""
+    the prompt again. The engine's own max_draft_len is always given (it shortens every
+    request's room), and the one tenant KV reuse is on for, when `auto` chose it."""
     set_parameters(
         config,
         {
@@ -204,6 +224,8 @@ def rewrite_llm(config: Any, repository: Path, engine: EngineFacts, kv_reuse: bo
             "trtllm_max_input_len": str(engine.max_input_len),
             "trtllm_max_seq_len": str(engine.max_seq_len),
             "trtllm_max_draft_len": str(engine.max_draft_len if kv_reuse else 0),
+            "trtllm_build_draft_len": str(engine.max_draft_len),
+            "trtllm_kv_reuse_tenant": kv_reuse_tenant if kv_reuse else "",
         },
     )
     add_input(config, "LORA_TASK_ID", mc.TYPE_UINT64, [1])
@@ -249,11 +271,13 @@ def assemble(
     trtllm_config: Path = TRTLLM_CONFIG,
     force: bool = False,
     kv_reuse: bool = False,
+    kv_reuse_tenant: str = "",
 ) -> Path:
     """Write the GPU repository into `output` (absolute paths in it point inside `output`);
     returns `output`. `engine_dir` is build_engine.py's output folder (engine/, tokenizer/,
     build.json); without it the engine files are left out. `kv_reuse`: see
-    `kv_reuse_decision` (off unless asked)."""
+    `kv_reuse_decision` (off unless asked); `kv_reuse_tenant`: the one tenant it is on for
+    (`kv_reuse_tenant`), "" when on for every tenant by the operator's choice."""
     build = load_build_engine()
     output = output.resolve()
     if output.exists():
@@ -283,7 +307,7 @@ def assemble(
     write_config(target / "config.pbtxt", trt, "deploy/tensorrt_llm/tensorrt_llm/config.pbtxt")
     for name, rewrite in (
         ("lora_cache", lambda c: rewrite_lora_cache(c, facts)),
-        ("llm", lambda c: rewrite_llm(c, output, facts, kv_reuse)),
+        ("llm", lambda c: rewrite_llm(c, output, facts, kv_reuse, kv_reuse_tenant)),
         ("ensemble", rewrite_ensemble),
     ):
         config = read_config(output / name / "config.pbtxt")
@@ -388,7 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         reuse, why = kv_reuse_decision(args.kv_reuse, args.api_keys)
-        out = assemble(args.output, args.engine_dir, force=args.force, kv_reuse=reuse)
+        out = assemble(
+            args.output,
+            args.engine_dir,
+            force=args.force,
+            kv_reuse=reuse,
+            kv_reuse_tenant=kv_reuse_tenant(args.kv_reuse, args.api_keys),
+        )
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
         print(f"assemble_repository: {exc}", file=sys.stderr)
         return 2

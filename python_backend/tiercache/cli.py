@@ -454,9 +454,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         help="the server's adapters folder: each adapter becomes a `model` id (default: "
         "$TIERCACHE_ADAPTERS_DIR, else none)",
     )
-    gw.add_argument(
-        "--timeout-s", type=positive_seconds, default=300.0, help="a whole generation"
-    )
+    gw.add_argument("--timeout-s", type=positive_seconds, default=300.0, help="a whole generation")
     gw.add_argument(
         "--model-repository",
         default=None,

@@ -716,6 +716,21 @@ class LlmConfig(_TiersConfig):
     trtllm_max_seq_len: int = param(
         0, "engine_kind tensorrt_llm: the engine's --max_seq_len (0: not checked here)", min=0
     )
+    trtllm_build_draft_len: int = param(
+        0,
+        "engine_kind tensorrt_llm: the engine's own --max_draft_len (TensorRT-LLM takes that "
+        "many tokens off every request's room in max_seq_len, drafts or not; a request that "
+        "would not fit is refused here rather than cut short there); 0: none",
+        min=0,
+        max=4096,
+    )
+    trtllm_kv_reuse_tenant: str = param(
+        "",
+        "engine_kind tensorrt_llm with the engine's prefix KV reuse on for the one tenant of the "
+        "API key file (assemble_repository.py --kv-reuse auto): that tenant's name. Requests of "
+        "any other tenant are refused: added to the key file without a restart, they would share "
+        "its cached prefixes (the engine takes no per-tenant salt). Empty: no check",
+    )
     trtllm_max_draft_len: int = param(
         0,
         "engine_kind tensorrt_llm: speculative decoding of greedy requests with external draft "

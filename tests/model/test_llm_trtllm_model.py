@@ -410,6 +410,29 @@ def test_too_long_prompt_is_refused_before_the_engine(
     assert engine.calls == []
 
 
+def test_with_kv_reuse_for_one_tenant_another_tenant_is_refused_before_the_engine(
+    pb_utils: ModuleType, sealer: Sealer, llm_module: Any, engine: FakeTensorrtLlm, tmp_path: Path
+) -> None:
+    """The engine reuses prefixes for the one tenant the key file named at assembly; a tenant
+    added to the key file since (no restart) would share that tenant's cached prefixes."""
+    from tiercache.exact.keys import tenant_scope
+
+    instance = llm_module.TritonPythonModel()
+    config = {"parameters": params(tmp_path, trtllm_kv_reuse_tenant="acme")}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    secret = (tmp_path / "secret").read_bytes()
+    try:
+        acme = GenerationRequest("Hi", max_tokens=5, tenant_scope=tenant_scope(secret, "acme"))
+        assert answer(pb_utils, call(pb_utils, instance, sealer, acme))[0] == "Bonjo"  # 5 tokens
+        globex = GenerationRequest("Hi", max_tokens=5, tenant_scope=tenant_scope(secret, "globex"))
+        refused = call(pb_utils, instance, sealer, globex)
+    finally:
+        instance.finalize()
+    assert refused[0].has_error()
+    assert "one tenant only" in refused[0].error().message()
+    assert len(engine.calls) == 1  # acme's alone reached the engine
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -409,6 +409,8 @@ def test_assemble_with_an_engine_uses_its_files_and_limits(
     # without prefix KV reuse every step would compute the prompt again: off
     out = assemble.assemble(tmp_path / "repo-no-reuse", drafting)
     assert params(configs_of(out)["llm"])["trtllm_max_draft_len"] == "0"
+    # ...but the engine still takes its draft room off every request: llm must know it
+    assert params(configs_of(out)["llm"])["trtllm_build_draft_len"] == "8"
 
 
 def test_assembled_kv_reuse_is_off_unless_one_tenant_or_the_operator_says_so(
@@ -422,7 +424,13 @@ def test_assembled_kv_reuse_is_off_unless_one_tenant_or_the_operator_says_so(
     add_key(keys, "acme")
     add_key(keys, "acme")  # two keys, one tenant
     assert assemble.kv_reuse_decision("auto", keys)[0] is True
+    # llm is told the one tenant: a tenant added later, without a restart, is refused there
+    assert assemble.kv_reuse_tenant("auto", keys) == "acme"
+    assert assemble.kv_reuse_tenant("on", keys) == ""  # every tenant, by the operator's choice
+    one = assemble.assemble(tmp_path / "one", kv_reuse=True, kv_reuse_tenant="acme")
+    assert params(configs_of(one)["llm"])["trtllm_kv_reuse_tenant"] == "acme"
     add_key(keys, "globex")
+    assert assemble.kv_reuse_tenant("auto", keys) == ""
     reuse, why = assemble.kv_reuse_decision("auto", keys)
     assert reuse is False and "2 tenants" in why
     assert assemble.kv_reuse_decision("on", keys)[0] is True

@@ -217,6 +217,7 @@ INVALID = [
     pytest.param("hi", {"top_p": 1.01}, "top_p", id="top-p-over-1"),
     pytest.param("hi", {"top_p": math.nan}, "top_p", id="top-p-nan"),
     pytest.param("hi", {"top_k": -1}, "top_k", id="top-k-negative"),
+    pytest.param("hi", {"top_k": 2**32 + 1, "temperature": 0.5}, "top_k", id="top-k-past-int32"),
     pytest.param("hi", {"seed": -1, "temperature": 0.5}, "seed", id="seed-negative"),
     pytest.param("hi", {"seed": 2**64}, "seed", id="seed-over-uint64"),
     pytest.param("hi", {"stop_words": [str(i) for i in range(5)]}, "stop_words", id="stops"),

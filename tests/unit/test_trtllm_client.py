@@ -162,6 +162,9 @@ def test_end_id_falls_back_to_eos_without_im_end() -> None:
     [
         (EngineLimits(max_input_len=3), 4, "max_input_len of 3"),
         (EngineLimits(max_seq_len=10), 7, "max_seq_len of 10"),
+        # an engine built with --max-draft-len 2 takes 2 off every request's room: 4 + 6 + 2
+        # tokens would have been cut to 4 + 4 there, silently, and stored as finished
+        (EngineLimits(max_seq_len=10, draft_len=2), 6, "draft room \\(2\\)"),
     ],
 )
 def test_prompts_the_engine_was_not_built_for_are_refused(
@@ -296,6 +299,28 @@ def test_kv_cache_reuse_is_reported_from_the_response_that_carries_it() -> None:
     list(c.events(request, c.request(request), outputs, seen.append))
     assert seen == [KvCacheReuse(reused_blocks=3, new_blocks=1, total_blocks=4)]
     assert kv_cache_reuse(response([1])) is None
+
+
+def test_kv_counts_on_every_streamed_response_are_reported_once() -> None:
+    """The backend writes the request's KV block totals into every streamed response: adding
+    them per response counted a request's blocks once per token."""
+    c, tok = client()
+    seen: list[KvCacheReuse] = []
+    request = GenerationRequest("Hi", max_tokens=50)
+    counts = {"kv_cache_reused_blocks": 3, "kv_cache_alloc_new_blocks": 1}
+    outputs = [
+        response(tok.ids("a"), **counts, kv_cache_alloc_total_blocks=4),
+        response(tok.ids("b"), **counts, kv_cache_alloc_total_blocks=4),
+        response([2], **counts, kv_cache_alloc_total_blocks=5),
+    ]
+    list(c.events(request, c.request(request), outputs, seen.append))
+    assert seen == [KvCacheReuse(reused_blocks=3, new_blocks=1, total_blocks=5)]
+    # and once for a stream given up early (a stop word, a closed client)
+    seen.clear()
+    stream = c.events(request, c.request(request), outputs, seen.append)
+    next(stream)
+    stream.close()
+    assert len(seen) == 1
 
 
 def test_engine_errors_propagate_from_the_response_stream() -> None:

@@ -123,10 +123,12 @@ def random_seed() -> int:
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     """What the engine was built for (`trtllm-build --max_input_len / --max_seq_len`); 0 means
-    unknown, not checked."""
+    unknown, not checked. `draft_len`: its `--max_draft_len`, which TensorRT-LLM takes off
+    every request's room in max_seq_len (it shortens the output silently otherwise)."""
 
     max_input_len: int = 0
     max_seq_len: int = 0
+    draft_len: int = 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -275,10 +277,14 @@ class TrtllmClient:
                 f"the prompt is {prompt_tokens} tokens with its chat template, over the "
                 f"engine's max_input_len of {limits.max_input_len}"
             )
-        if limits.max_seq_len and prompt_tokens + max_tokens > limits.max_seq_len:
+        if (
+            limits.max_seq_len
+            and prompt_tokens + max_tokens + limits.draft_len > limits.max_seq_len
+        ):
+            drafts = f" and its draft room ({limits.draft_len})" if limits.draft_len else ""
             raise InvalidRequest(
-                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"engine's max_seq_len of {limits.max_seq_len}"
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}){drafts} "
+                f"exceeds the engine's max_seq_len of {limits.max_seq_len}"
             )
 
     def _word_ids(self, word: str) -> list[int]:
@@ -317,13 +323,30 @@ class TrtllmClient:
         """The engine's streamed responses (each as {output name: array}) as StreamEvents, in
         the CPU engine's contract: text chunks, then one last event with the finish reason.
         Returns as soon as the answer is complete; the caller cancels the rest of the stream."""
+        reuse_seen: list[KvCacheReuse] = []
+        try:
+            yield from self._events(request, call, outputs, reuse_seen)
+        finally:
+            # The engine writes the request's KV block counts (totals) into every streamed
+            # response: reported once, the last seen, whatever ended the stream.
+            reuse = reuse_seen[-1] if reuse_seen else None
+            if reuse is not None and on_kv_cache is not None:
+                on_kv_cache(reuse)
+
+    def _events(
+        self,
+        request: GenerationRequest,
+        call: TrtllmCall,
+        outputs: Iterable[Mapping[str, np.ndarray]],
+        reuse_seen: list[KvCacheReuse],
+    ) -> Iterator[StreamEvent]:
         detok = self._detokenizer(self.tokenizer, request.stop_words)
         generated: list[int] = []
         prompt = call.prompt_tokens
         for output in outputs:
             reuse = kv_cache_reuse(output)
-            if reuse is not None and on_kv_cache is not None:
-                on_kv_cache(reuse)
+            if reuse is not None:
+                reuse_seen[:] = [reuse]
             for token in new_tokens(output):
                 if token in self.eos_ids:
                     yield StreamEvent(detok.flush(), "stop", len(generated), prompt)

@@ -355,8 +355,10 @@ def canonicalize(raw: RawInputs, limits: Limits = DEFAULT_LIMITS) -> Canonical:
     top_p = DEFAULT_TOP_P if raw.top_p is None else raw.top_p
     top_p = _check_float("top_p", top_p, 0.0, 1.0, low_open=True)
     top_k = DEFAULT_TOP_K if raw.top_k is None else int(raw.top_k)
-    if top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {_echo_number(top_k)}")
+    if not 0 <= top_k < 2**31:  # the engines take it as int32 (a larger one wrapped around)
+        raise InvalidRequest(
+            f"top_k must be in [0, 2**31 - 1] (0 disables it), got {_echo_number(top_k)}"
+        )
     seed = raw.seed
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidRequest(f"seed must fit in uint64, got {_echo_number(seed)}")

@@ -34,12 +34,13 @@ from tiercache.engine.trtllm_client import (
     load_tokenizer,
     request_lora_from_arrays,
 )
-from tiercache.errors import InvalidRequest, TierCacheError, Unavailable
+from tiercache.errors import Forbidden, InvalidRequest, TierCacheError, Unavailable
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
+from tiercache.exact.keys import tenant_scope
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import MEMO_ENTRIES, MEMO_MAX_CHARS, Memo, worth_keeping
-from tiercache.exact.request import GenerationRequest
+from tiercache.exact.request import GenerationRequest, canonical_tenant
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
@@ -189,10 +190,16 @@ class EngineBls:
         # (source, proposed, accepted) per speculative step of a finished TensorRT-LLM answer
         self.on_drafts: Callable[[tuple[tuple[str, int, int], ...]], None] | None = None
         self.trtllm: TrtllmClient | None = None
+        # the one tenant scope the engine's prefix KV reuse may serve (trtllm_kv_reuse_tenant)
+        self.kv_reuse_scope: str | None = None
         if config.engine_kind == EngineKind.TENSORRT_LLM:
             self.trtllm = TrtllmClient(
                 load_tokenizer(config.tokenizer_dir),
-                limits=EngineLimits(config.trtllm_max_input_len, config.trtllm_max_seq_len),
+                limits=EngineLimits(
+                    config.trtllm_max_input_len,
+                    config.trtllm_max_seq_len,
+                    config.trtllm_build_draft_len,
+                ),
                 max_draft_len=config.trtllm_max_draft_len,
             )
         # Engine calls open at once (torch_llm: more wait here, not in the engine's queue).
@@ -306,6 +313,11 @@ class EngineBls:
     ) -> Iterator[StreamEvent]:
         """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
         stop word) cancels the rest of the engine's stream."""
+        if self.kv_reuse_scope is not None and request.tenant_scope != self.kv_reuse_scope:
+            raise Forbidden(
+                "this server's engine reuses cached prefixes for one tenant only (it was started "
+                "with an API key file of one tenant); restart it to serve another"
+            )
         call = trtllm.request(request, lora.trtllm)
         if trtllm.speculates(request, call):
             for event in trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv):
@@ -449,6 +461,9 @@ class LlmStage:
             buckets=tm.GENERATION_BUCKETS_S,
         )
         self.engine = EngineBls(config, sealer, cipher, self._record_kv)
+        if config.trtllm_kv_reuse_tenant:
+            tenant = canonical_tenant(config.trtllm_kv_reuse_tenant)  # as prompt_cache names it
+            self.engine.kv_reuse_scope = tenant_scope(secret, tenant)
         self.engine_late = export_late_calls(  # by event; none without engine_timeout_s
             m,
             self.engine.client.stream_deadline,
