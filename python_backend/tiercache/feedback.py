@@ -140,7 +140,11 @@ class Feedback:
         if ref.served is ServedAs.SEMANTIC and ref.score > 0.0:
             try:  # what the trust gate learns from: the verdict on the hit it let through
                 right = verdict is Verdict.GOOD  # stamped by the id: each id counts once
-                record_outcome(cache, ref.digest, ref.score, right, tenant_scope, ref.issued_s)
+                # the entry's adapter; unknown once it is gone: no tenant calibration learns
+                adapter = found.adapter if found is not None else None
+                record_outcome(
+                    cache, ref.digest, ref.score, right, tenant_scope, ref.issued_s, adapter
+                )
             except Exception:  # noqa: BLE001 - the verdict is acted on; the outcome is extra
                 log.exception("recording a verdict against %s... failed", ref.digest[:12])
         if verdict is Verdict.GOOD:

@@ -388,3 +388,20 @@ def test_the_gate_fails_closed_when_a_shared_tier_cannot_be_read(tmp_path: Path)
     served = TrustGate(readable, policy, lambda q, c, cos: 0.995)
     assert served.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.SERVE
     answers.close()
+
+
+def test_an_adapters_outcomes_calibrate_that_adapters_entries_alone(tmp_path: Path) -> None:
+    """A key limited to adapter A could send verdicts on A's hits and move the calibration of
+    every entry of its tenant (the base model's, adapter B's). The calibration is per adapter
+    now; an outcome whose entry's adapter is unknown (gone) teaches no calibration."""
+    cache = tiers(tmp_path)
+    a = "a" * 64
+    for i in range(5):
+        assert record_outcome(cache, DIGEST, 0.9, True, "scope-a", 100.0 + i, adapter=a)
+    assert len(read_tenant_trust(cache, "scope-a", a).observations) == 5
+    assert not read_tenant_trust(cache, "scope-a").observations  # the base model's: untouched
+    assert not read_tenant_trust(cache, "scope-a", "b" * 64).observations
+    assert record_outcome(cache, DIGEST, 0.9, False, "scope-a", 200.0, adapter=None)
+    assert len(read_tenant_trust(cache, "scope-a", a).observations) == 5
+    assert not read_tenant_trust(cache, "scope-a").observations
+    cache.close()

@@ -340,9 +340,11 @@ def trust_key(digest: str) -> str:
     return side_key(_PURPOSE, digest)
 
 
-def tenant_trust_key(tenant_scope: str) -> str:
-    """The cache key of the outcomes of every entry of `tenant_scope`."""
-    return side_key(_TENANT_PURPOSE, tenant_scope)
+def tenant_trust_key(tenant_scope: str, adapter: str = "") -> str:
+    """The cache key of the outcomes of every entry of `tenant_scope` and `adapter` (its
+    digest; "" for the base model): a key limited to one adapter teaches the calibration of
+    that adapter's entries alone, never its tenant's others."""
+    return side_key(_TENANT_PURPOSE, tenant_scope + ("\x00" + adapter if adapter else ""))
 
 
 def encode_trust(trust: EntryTrust) -> str:
@@ -385,9 +387,10 @@ def read_trust(cache: TieredCache, digest: str, tenant_scope: str | None = None)
     return _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)[0]
 
 
-def read_tenant_trust(cache: TieredCache, tenant_scope: str) -> EntryTrust:
-    """The outcomes of all of `tenant_scope`'s entries (its `Calibration`)."""
-    return _read(cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS)[0]
+def read_tenant_trust(cache: TieredCache, tenant_scope: str, adapter: str = "") -> EntryTrust:
+    """The outcomes of all of `tenant_scope`'s entries of `adapter` (their `Calibration`)."""
+    key = tenant_trust_key(tenant_scope, adapter)
+    return _read(cache, key, tenant_scope, TENANT_OBSERVATIONS)[0]
 
 
 def _read(
@@ -432,9 +435,12 @@ def record_outcome(
     right: bool,
     tenant_scope: str,
     stamp: float,
+    adapter: str | None = "",
 ) -> bool:
     """Add one outcome (`stamp`: an answer id's issue time, or a `verification_stamp`) to
-    `digest`'s record and to its tenant's, merged from the shared tiers and written to every
+    `digest`'s record and to its tenant's for `adapter` (the entry's adapter digest, "" for
+    the base model; None, not known: the entry's record alone), merged from the shared tiers
+    and written to every
     tier. False, writing nothing, when `stamp` was counted already, or when a shared tier could
     not be read (writing the rest back would overwrite what it holds: the outcome is lost
     instead, never the record). Two processes or replicas recording at the same moment may
@@ -445,9 +451,8 @@ def record_outcome(
     with lock:
         created_s = cache.now()  # before the read: an invalidation since covers what it read
         trust, complete = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
-        tenant, tenant_complete = _read(
-            cache, tenant_trust_key(tenant_scope), tenant_scope, TENANT_OBSERVATIONS
-        )
+        tenant_key = tenant_trust_key(tenant_scope, adapter or "")
+        tenant, tenant_complete = _read(cache, tenant_key, tenant_scope, TENANT_OBSERVATIONS)
         if not (complete and tenant_complete):
             log.warning(
                 "an outcome for %s... not recorded: a shared tier is unreadable", digest[:12]
@@ -458,9 +463,10 @@ def record_outcome(
         cache.put(
             trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope, created_s=created_s
         )
-        if tenant.observe(score, right, stamp):
-            key = tenant_trust_key(tenant_scope)
-            cache.put(key, encode_trust(tenant), tenant_scope=tenant_scope, created_s=created_s)
+        if adapter is not None and tenant.observe(score, right, stamp):
+            cache.put(
+                tenant_key, encode_trust(tenant), tenant_scope=tenant_scope, created_s=created_s
+            )
         return True
 
 
@@ -482,10 +488,17 @@ class TrustGate:
         self._memo_lock = threading.Lock()
 
     def decide(
-        self, digest: str, score: float, tenant_scope: str | None, can_verify: bool
+        self,
+        digest: str,
+        score: float,
+        tenant_scope: str | None,
+        can_verify: bool,
+        adapter: str = "",
     ) -> Decision:
+        """`adapter`: the entry's adapter digest ("" for the base model), whose calibration
+        within the tenant applies."""
         scope = tenant_scope or ""
-        calibration, calibrated = self.calibration_checked(scope)
+        calibration, calibrated = self.calibration_checked(scope, adapter)
         trust, complete = _read(self.cache, trust_key(digest), scope, MAX_OBSERVATIONS)
         if not (calibrated and complete):
             # A shared tier could not be read (Redis down): refutations recorded only there
@@ -493,28 +506,28 @@ class TrustGate:
             return Decision.VERIFY if can_verify else Decision.MISS
         return self.policy.decide(trust, score, can_verify, calibration, random.random())
 
-    def calibration(self, tenant_scope: str) -> Calibration:
-        """`tenant_scope`'s calibration from its record as the shared tiers hold it now
-        (recomputed only when the record changed)."""
-        return self.calibration_checked(tenant_scope)[0]
+    def calibration(self, tenant_scope: str, adapter: str = "") -> Calibration:
+        """`tenant_scope`'s calibration for `adapter`'s entries from its record as the shared
+        tiers hold it now (recomputed only when the record changed)."""
+        return self.calibration_checked(tenant_scope, adapter)[0]
 
-    def calibration_checked(self, tenant_scope: str) -> tuple[Calibration, bool]:
+    def calibration_checked(self, tenant_scope: str, adapter: str = "") -> tuple[Calibration, bool]:
         """`calibration`, and whether every shared tier could be read (`read_sides`)."""
-        key = tenant_trust_key(tenant_scope)
+        key = tenant_trust_key(tenant_scope, adapter)
         texts, complete = read_sides(self.cache, key, tenant_scope)
         text = "\x00".join(texts)
         with self._memo_lock:
-            memo = self._calibrations.get(tenant_scope)
+            memo = self._calibrations.get(key)
             if memo is not None and memo[0] == text:
-                self._calibrations.move_to_end(tenant_scope)
+                self._calibrations.move_to_end(key)
                 return memo[1], complete
         trust = EntryTrust(limit=TENANT_OBSERVATIONS)
         for one in texts:
             trust.merge(_decode_or_prior(one, key, TENANT_OBSERVATIONS))
         found = Calibration(trust.observations)
         with self._memo_lock:
-            self._calibrations[tenant_scope] = (text, found)
-            self._calibrations.move_to_end(tenant_scope)
+            self._calibrations[key] = (text, found)
+            self._calibrations.move_to_end(key)
             while len(self._calibrations) > MEMO_TENANTS:
                 self._calibrations.popitem(last=False)
         return found, complete

@@ -183,7 +183,9 @@ class EmbeddingCache:
                 score, verify = 0.0, False
                 if self.trust is not None:
                     score = self.trust.score(prompt, neighbour.prompt, neighbour.similarity)
-                    decision = self.trust.decide(neighbour.digest, score, tenant_scope, can_verify)
+                    decision = self.trust.decide(
+                        neighbour.digest, score, tenant_scope, can_verify, entry.adapter
+                    )
                     if decision is Decision.MISS:
                         outcome = SemanticOutcome.UNTRUSTED
                         continue

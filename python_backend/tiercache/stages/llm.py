@@ -724,8 +724,11 @@ class LlmStage:
         digest = item.neighbours[0]
         stamp = verification_stamp(envelope.digest or "", digest, item.cached_text)
         try:
-            cache, tenant = self.core.cache, envelope.request.tenant_scope
-            record_outcome(cache, digest, item.hit_score, right, tenant, stamp)
+            cache, request = self.core.cache, envelope.request
+            adapter = request.lora_digest  # a semantic hit's answer is of the request's adapter
+            record_outcome(
+                cache, digest, item.hit_score, right, request.tenant_scope, stamp, adapter
+            )
         except Exception:  # noqa: BLE001 - the answer is served; the outcome is extra
             io.log.exception("recording a verification against %s... failed", digest[:12])
 
