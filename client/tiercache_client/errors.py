@@ -73,6 +73,10 @@ _KIND_CLASSES: dict[str, type[TierCacheClientError]] = {
     "not found": NotFoundError,
     "unavailable": UnavailableError,
     "capacity": CapacityError,
+    # the server's own kinds for its failures: known, so that a kind word later in their text
+    # ("internal: ValueError: ... not found: x") is not taken for theirs
+    "internal": ServerError,
+    "config": ServerError,
 }
 
 _STATUS_CLASSES: dict[str, type[TierCacheClientError]] = {
@@ -106,13 +110,16 @@ def classify(message: str, status: str | None = None) -> TierCacheClientError:
     names a connection failure becomes `ServerUnreachableError`; Triton's "unknown model" becomes
     `NotFoundError`; anything else is a `ServerError` carrying the whole message.
     """
-    match = _KIND_RE.search(message)
+    code = status.rsplit(".", 1)[-1].upper() if status else ""
+    lowered = message.lower()
+    # gRPC's own "failed to connect to all addresses; last error: UNAVAILABLE: ..." carries a
+    # kind word too: the transport's failure is recognised first
+    unreachable = code == "UNAVAILABLE" and lowered.startswith(_UNREACHABLE_MARKERS)
+    match = None if unreachable else _KIND_RE.search(message)
     if match is not None:
         cls = _KIND_CLASSES[match.group(1).lower()]
         return cls(message[match.end() :].strip() or message, status=status)
-    code = status.rsplit(".", 1)[-1].upper() if status else ""
-    lowered = message.lower()
-    if code == "UNAVAILABLE" and any(m in lowered for m in _UNREACHABLE_MARKERS):
+    if unreachable:
         return ServerUnreachableError(message, status=status)
     if code in _STATUS_CLASSES:
         return _STATUS_CLASSES[code](message, status=status)

@@ -102,6 +102,17 @@ def test_classify_connection_failure_and_unknown_model() -> None:
     err = classify(msg, "StatusCode.UNAVAILABLE")
     assert type(err) is ServerUnreachableError and isinstance(err, UnavailableError)
     assert type(classify("Request for unknown model: 'foo' is not found")) is NotFoundError
+    # gRPC's message carries a kind word ("UNAVAILABLE:"): the connection failure is recognised
+    msg = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:1: Socket closed"
+    err = classify(msg, "StatusCode.UNAVAILABLE")
+    assert type(err) is ServerUnreachableError and "failed to connect" in str(err)
+    # a server failure whose text holds another kind word keeps its own kind
+    assert type(classify("internal: ValueError: key not found: x", "StatusCode.INTERNAL")) is (
+        ServerError
+    )
+    # a stage's own unavailability, naming a connection problem, is not an unreachable server
+    err = classify("unavailable: Redis connection refused", "StatusCode.UNAVAILABLE")
+    assert type(err) is UnavailableError
 
 
 # ---------------------------------------------------------------- input tensors
