@@ -172,3 +172,13 @@ def test_a_password_given_twice_is_refused_without_showing_it() -> None:
     assert link.client.connection_pool.connection_kwargs["password"] == "pa55"
     assert "pa55" not in link.url
     link.close()
+
+
+def test_a_stream_entry_whose_id_is_not_a_redis_id_is_skipped() -> None:
+    """A hostile store's id ("x") was kept as the follower's place and made `_id_tuple` raise
+    at every start, killing the follower without releasing the host's lock."""
+    from tiercache.semantic.redis_rows import _entries, _id_tuple
+
+    reply = [[b"k", [(b"1-1", {b"m": b"1"}), (b"x", {b"m": b"2"}), (b"2-0", {b"m": b"3"})]]]
+    assert [ident for ident, _ in _entries(reply, "k")] == ["1-1", "2-0"]
+    assert _id_tuple("x") == (0, 0) and _id_tuple("17-3") == (17, 3)

@@ -1131,3 +1131,56 @@ def test_a_row_pointing_at_another_adapters_answer_is_not_served(tmp_path: Path)
     assert base.outcome is SemanticOutcome.STALE and stage.scope_mismatches == 1
     (caps,) = stage.lookup(["q reworded"], ["scope"], None, None, ["c" * 64])
     assert (caps.outcome, caps.text) == (SemanticOutcome.HIT, "AN ANSWER IN CAPS")
+
+
+# -- compaction after a review: progress, forgotten rows, a compaction cut short ----------------
+
+
+def test_a_compaction_that_frees_too_little_also_takes_the_rows_worth_least(
+    tmp_path: Path,
+) -> None:
+    """A few dead rows at every pass (answers evicted all the time) freed too little: the log
+    stayed past its mark and every write started another full pass, for good."""
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(100, 1))
+    assert store.compact(lambda digest: digest != "d5") == 1  # under the mark: the dead row
+    store._compactor._compact_at_bytes = 0  # noqa: SLF001 - still past the mark after it
+    assert store.compact(lambda digest: digest != "d6") == 1 + 9  # and a tenth of the rest
+    assert store.live_count(scope_tag("s")) == 100 - 11
+    store.close()
+
+
+def test_forgotten_rows_are_compacted_away_with_their_lists(tmp_path: Path) -> None:
+    """An invalidated digest's row stayed live (and a copy was added each time its answer was
+    indexed again); its forgotten list was never freed."""
+    from tiercache.semantic.row_log import _FORGOTTEN, _tag_bytes
+
+    store = SemanticStore(tmp_path / "sem")
+    index = SemanticIndex(store, DIM, persist_graphs=False)
+    index.add("s", "d1", "p1", unit(1, 0))
+    index.add("s", "d2", "p2", unit(0, 1))
+    assert index.search("s", unit(1, 0))
+    assert index.forget(["d1"]) == 1
+    index.add("s", "d1", "p1 again", unit(1, 0.1))  # generated and indexed again
+    tag = scope_tag("s")
+    assert store.live_count(tag) == 3
+    assert store.compact(lambda digest: True) == 1  # the forgotten copy, nothing live
+    assert store.live_count(tag) == 2
+    with store._env.begin() as txn:  # noqa: SLF001
+        assert txn.get(_FORGOTTEN + _tag_bytes("s") + b"d1") is None
+    assert [n.prompt for n in index.search("s", unit(1, 0), k=2)][0] == "p1 again"
+    index.close()
+
+
+def test_a_table_ahead_of_the_log_is_synced_at_its_next_open(tmp_path: Path) -> None:
+    """A compaction cut short between its deletes and its sync left the scope's table with
+    rows the log no longer has: an emptied scope kept its place under the caps for good."""
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(10, 2))
+    tag = scope_tag("s")
+    seqs = store.scope_seqs(tag)
+    store.delete_compacted([(seq, ("s", f"d{i}")) for i, seq in enumerate(seqs[:4])])  # no sync
+    table = store.tables.open_current(tag, DIM)
+    assert table is not None and table.count() == 6 == store.live_count(tag)
+    table.close()
+    store.close()

@@ -185,6 +185,18 @@ class Compactor:
         second, second_tags = self._delete(rows[half:])
         return first + second, first_tags | second_tags
 
+    def _delete_all(
+        self, rows: list[tuple[int, tuple[str, str] | None]]
+    ) -> tuple[int, set[str]]:
+        """`_delete` in transactions of `_COMPACT_BATCH` rows."""
+        touched: set[str] = set()
+        deleted = 0
+        for start in range(0, len(rows), _COMPACT_BATCH):
+            count, tags = self._delete(rows[start : start + _COMPACT_BATCH])
+            deleted += count
+            touched |= tags
+        return deleted, touched
+
     def wait(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""
         with self._lock:
@@ -200,9 +212,13 @@ class Compactor:
         fallback_fraction: float = 0.1,
         answer_value: Callable[[str], float] | None = None,
     ) -> int:
-        """Delete rows whose answer no longer exists; if none, the `fallback_fraction` whose
-        answers are worth least (`answer_value`: the exact cache's value of an answer digest;
-        ties, and without it every row, oldest first).
+        """Delete rows whose answer no longer exists, and rows an invalidation made forgotten
+        (their digest's key names a newer row, or none: `RowLog.superseded`); if there were
+        none, or the log is still past its mark after them, also the `fallback_fraction` of
+        the rows whose answers are worth least (`answer_value`: the exact cache's value of an
+        answer digest; ties, and without it every row, oldest first). A few dead rows alone
+        freed too little to bring the log under its mark, and every write started another
+        full pass.
         Then each touched scope's table is rewritten without them (the old one retired).
         Keeps only each row's scope and digest in memory (not its vector), and deletes in
         transactions of `_COMPACT_BATCH` rows: LMDB copies the pages it changes, so one
@@ -214,18 +230,19 @@ class Compactor:
             rows.append((seq, brief))
             if row is None or not answer_exists(row.digest):
                 dead.append((seq, brief))
-        if not dead:
-            count = max(1, int(len(rows) * fallback_fraction))
+        gone = {seq for seq, _ in dead}
+        superseded = self._log.superseded([item for item in rows if item[0] not in gone])
+        dead += [item for item in rows if item[0] in superseded]
+        gone |= superseded
+        deleted, touched = self._delete_all(dead)
+        if not dead or self._log.data_bytes() >= self._compact_at_bytes:
+            live = [item for item in rows if item[0] not in gone]
             if answer_value is not None:  # a stable sort: rows are in seq order, oldest first
-                rows.sort(key=lambda item: answer_value(item[1][1]) if item[1] else -math.inf)
-            dead = rows[:count]
-        del rows
-        touched: set[str] = set()
-        deleted = 0
-        for start in range(0, len(dead), _COMPACT_BATCH):
-            count, tags = self._delete(dead[start : start + _COMPACT_BATCH])
-            deleted += count
+                live.sort(key=lambda item: answer_value(item[1][1]) if item[1] else -math.inf)
+            more, tags = self._delete_all(live[: max(1, int(len(rows) * fallback_fraction))])
+            deleted += more
             touched |= tags
+        del rows
         for tag in touched:
             with self._tables.locked(tag):
                 synced = self._tables.sync_scope(tag)

@@ -54,6 +54,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -364,6 +365,12 @@ class RowFollower:
         return True
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        finally:  # whatever ends the thread: another process of the host may take over
+            self._release_lock()
+
+    def _follow(self) -> None:
         check_reset = True
         next_probe = 0.0
         disk_logged_s = -60.0
@@ -417,7 +424,6 @@ class RowFollower:
             if len(entries) < self._batch_rows and not self._cut and not self._caught_up.is_set():
                 self._caught_up.set()
                 log.info("semantic rows caught up from Redis (%s)", self._describe())
-        self._release_lock()
 
     def _read(self, client: Any) -> Any:
         """The rows after the last id read, bounded in size (`_BOUNDED_READ`), in XREAD's
@@ -598,8 +604,14 @@ def _entries(reply: Any, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
             entries = entries[0]
         for entry_id, fields in entries:
             ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            if not _STREAM_ID.fullmatch(ident):  # not a Redis id: a hostile store's; skipped
+                log.warning("skipping a semantic row whose stream id is malformed")
+                continue
             out.append((ident, dict(fields or {})))
     return out
+
+
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
 def _pairs(flat: Any) -> dict[bytes, bytes]:
@@ -609,8 +621,13 @@ def _pairs(flat: Any) -> dict[bytes, bytes]:
 
 
 def _id_tuple(stream_id: str) -> tuple[int, int]:
+    """A stream id's two numbers; (0, 0) for one that is not an id (a hostile store's, kept by
+    an older release): read again from the start, which is idempotent."""
     ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
 
 
 def follower_lock_path(semantic_path: Path) -> Path:

@@ -344,8 +344,41 @@ class RowLog:
                     digest_key = _DIGEST + tag + digest.encode("utf-8")
                     if txn.get(digest_key) == seq.to_bytes(8, "big"):
                         txn.delete(digest_key)
+                    self._unforget(txn, _FORGOTTEN + tag + digest.encode("utf-8"), seq)
                     touched.add(tag.hex())
         return deleted, touched
+
+    @staticmethod
+    def _unforget(txn: Any, key: bytes, seq: int) -> None:
+        """Take a deleted row's seq off its digest's forgotten list (the list goes when empty):
+        the lists grew with every invalidated digest and nothing freed them."""
+        listed = txn.get(key)
+        if not listed:
+            return
+        mine = seq.to_bytes(8, "big")
+        kept = b"".join(
+            listed[i : i + 8] for i in range(0, len(listed), 8) if listed[i : i + 8] != mine
+        )
+        if kept:
+            txn.put(key, kept)
+        else:
+            txn.delete(key)
+
+    def superseded(self, rows: Sequence[tuple[int, tuple[str, str] | None]]) -> set[int]:
+        """The seqs of `rows` (seq, (scope, digest)) whose digest's key in their scope names
+        another row, or none: rows an invalidation made forgotten (`forget_digests`), kept
+        live until now and duplicated when the answer was indexed again. One read
+        transaction."""
+        found: set[int] = set()
+        with self._env.begin() as txn:
+            for seq, brief in rows:
+                if brief is None:
+                    continue
+                scope, digest = brief
+                named = txn.get(_DIGEST + _tag_bytes(scope) + digest.encode("utf-8"))
+                if named != seq.to_bytes(8, "big"):
+                    found.add(seq)
+        return found
 
     @staticmethod
     def _unindex(txn: Any, tag: bytes, seq: int) -> None:

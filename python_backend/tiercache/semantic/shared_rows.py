@@ -126,7 +126,9 @@ class ScopeTables:
             again is None
             or again.epoch != manifest.epoch
             or table.retired()
-            or count < self.row_log.live_count(tag)
+            # behind the log, or ahead of it: a compaction cut short between its deletes and
+            # its sync (an emptied scope otherwise kept its place under the caps for good)
+            or count != self.row_log.live_count(tag)
             or (count and int(np.max(table.ids(count))) >= self.row_log.head())
         ):
             table.close()
