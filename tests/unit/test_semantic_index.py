@@ -570,6 +570,35 @@ def test_a_graph_of_other_rows_is_never_used(tmp_path: Path) -> None:
     assert _agree_with_flat(forged, _random_rows(100, 2)) >= 95
 
 
+def test_a_graph_whose_labels_are_not_the_tables_rows_is_refused(tmp_path: Path) -> None:
+    """A graph written by someone who can write the state folder, with this log's prefix and a
+    matching digest but labels past the table: its spot check raised hnswlib's RuntimeError
+    (not a GraphFileError: never deleted, retried each minute), and a label past the rows
+    failed every search of the scope."""
+    import hnswlib
+
+    from tiercache.semantic.graph_files import HNSW_EF_CONSTRUCTION, HNSW_M
+
+    store = SemanticStore(tmp_path / "sem")
+    vectors = _random_rows(300, 0)
+    _fill(store, vectors)
+    _start(store)
+    (own,) = _graph_files(store)
+    tag, rows, prefix, _, ext = own.name.split(".")
+    own.unlink()
+    forged = hnswlib.Index(space="ip", dim=DIM)
+    forged.init_index(max_elements=300, M=HNSW_M, ef_construction=HNSW_EF_CONSTRUCTION)
+    forged.add_items(vectors, np.arange(1000, 1300))  # the right vectors, labels past the rows
+    tmp = store.path / "graphs" / "forged"
+    forged.save_index(str(tmp))
+    tmp.rename(tmp.with_name(f"{tag}.{rows}.{prefix}.{file_digest(tmp)}.{ext}"))
+    index = _start(store)
+    stats = index.stats()
+    assert (stats.graphs_loaded, stats.graph_files_rejected) == (0, 1)
+    assert _agree_with_flat(index, _random_rows(100, 2)) >= 95
+    assert index.search("s", vectors[7], k=1)[0].digest == "d7"
+
+
 def test_a_graph_saved_before_compaction_is_not_used_after_it(tmp_path: Path) -> None:
     store = SemanticStore(tmp_path / "sem")
     rows = _random_rows(300, 0)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tiercache.semantic.row_log import scope_tag
 
 # HNSW parameters. They are hashed into every saved graph's prefix digest, so a graph built with
@@ -102,6 +104,10 @@ class GraphFiles:
             raise GraphFileError(f"hnswlib: {exc}") from exc
         if index.get_current_count() != file.rows:
             raise GraphFileError(f"it holds {index.get_current_count()} rows, not {file.rows}")
+        labels = np.asarray(index.get_ids_list(), dtype=np.int64)
+        if len(labels) != file.rows or not np.array_equal(np.sort(labels), np.arange(file.rows)):
+            # a label past the table would fail every search of the scope (or read past it)
+            raise GraphFileError("its labels are not the table's rows 0..rows-1")
         index.set_ef(HNSW_EF_SEARCH)
         return index
 

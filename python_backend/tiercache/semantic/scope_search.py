@@ -100,7 +100,10 @@ class ScopeSearch:
     def holds_own_vectors(index: Any, rows: np.ndarray, count: int) -> bool:
         """Spot check of a loaded graph: a few of its stored vectors equal the table's rows."""
         labels = sorted({0, count // 3, (2 * count) // 3, count - 1})
-        stored = np.asarray(index.get_items(labels), dtype=np.float32)
+        try:
+            stored = np.asarray(index.get_items(labels), dtype=np.float32)
+        except RuntimeError:  # hnswlib: "Label not found": not this table's graph
+            return False
         return bool(np.array_equal(stored, rows[labels]))
 
     def search(self, rows: np.ndarray, query: np.ndarray, k: int) -> list[tuple[float, int]]:
@@ -117,6 +120,7 @@ class ScopeSearch:
         index: Any = self.hnsw
         labels, _ = index.knn_query(query, k=min(k, self.graph_rows))
         candidates = labels[0].astype(np.int64)
+        candidates = candidates[(candidates >= 0) & (candidates < count)]  # never past the rows
         if self.graph_rows < count:  # the rows past the graph's end, scanned flat
             scores = rows[self.graph_rows :] @ query
             kk = min(k, len(scores))
