@@ -611,6 +611,17 @@ def test_a_graph_saved_before_compaction_is_not_used_after_it(tmp_path: Path) ->
     assert all(n.digest != "d5" for n in index.search("s", rows[5], k=5))
 
 
+def test_a_compaction_that_shrinks_a_scope_deletes_its_larger_graphs(tmp_path: Path) -> None:
+    """A graph covering more rows than the compacted scope holds can never match again (a row
+    inside it is gone): it stayed on disk until the scope grew past it."""
+    store = SemanticStore(tmp_path / "sem")
+    _fill(store, _random_rows(300, 0))
+    _start(store)
+    assert [f.name.split(".")[1] for f in _graph_files(store)] == ["300"]
+    store.compact(lambda digest: digest not in {"d5", "d6"})
+    assert _graph_files(store) == []
+
+
 def test_saving_a_graph_of_the_same_rows_again_writes_nothing(tmp_path: Path) -> None:
     store = SemanticStore(tmp_path / "sem")
     _fill(store, _random_rows(300, 0))

@@ -20,6 +20,7 @@ from typing import Protocol
 import lmdb
 import numpy as np
 
+from tiercache.semantic.graph_files import GraphFiles
 from tiercache.semantic.row_log import RowLog, ScopeLimitReached
 from tiercache.semantic.shared_rows import ScopeTables
 
@@ -243,9 +244,11 @@ class Compactor:
             deleted += more
             touched |= tags
         del rows
+        graphs = GraphFiles(self._log.path / "graphs")
         for tag in touched:
             with self._tables.locked(tag):
                 synced = self._tables.sync_scope(tag)
                 if synced is not None:
                     synced.close()
+                graphs.discard_over(tag, self._log.live_count(tag))
         return deleted

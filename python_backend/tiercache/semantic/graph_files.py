@@ -137,6 +137,22 @@ class GraphFiles:
     def discard(self, file: GraphFile) -> None:
         file.path.unlink(missing_ok=True)
 
+    def discard_over(self, tag: str, rows: int) -> int:
+        """Delete scope `tag`'s files covering more than `rows` rows: after a compaction
+        rewrote the scope's table down to `rows`, a row inside their prefix is gone, so they can
+        never match again (they stayed until the scope grew past them). How many went."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return 0
+        gone = 0
+        for name in names:
+            match = _GRAPH_NAME.match(name)
+            if match and match.group(1) == tag and int(match.group(2)) > rows:
+                (self.path / name).unlink(missing_ok=True)
+                gone += 1
+        return gone
+
     @contextlib.contextmanager
     def building(self, scope: str, wait_s: float = BUILD_WAIT_S) -> Iterator[bool]:
         """Held while this process builds `scope`'s graph, so that processes starting cold
