@@ -628,8 +628,9 @@ class EmbeddingCacheConfig(_TiersConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class EmbedderConfig:
-    """`embedder`: one encode call per batch of requests."""
+class EmbedderConfig(_StateConfig):
+    """`embedder`: one encode call per batch of requests; it takes only texts sealed by this
+    server's stages (its state folder's secret)."""
 
     embedder: str = shared("embedder")
     device: str = shared("device")
@@ -642,9 +643,6 @@ class EmbedderConfig:
     )
     # The dev package's embedder_rss diagnostic: one trim after 3,000 batches gave 217 MiB back.
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
-
-    def __post_init__(self) -> None:
-        raise_problems(type(self), check_values(self))
 
 
 @dataclass(frozen=True, slots=True)

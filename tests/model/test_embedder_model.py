@@ -1,13 +1,15 @@
 """model_repository/embedder/1/model.py against the pb_utils stand-in, with a fake sentence
 embedder: torch's threads are set from `torch_threads` before the embedder loads, each request
 gets its own vectors, a request without TEXT or with a text over MAX_TEXT_BYTES gets its own
-error, and a failed encode answers its batch's requests with its error."""
+error, a text without its seal (or with another's) is refused for its request alone, and a
+failed encode answers its batch's requests with its error."""
 
 from __future__ import annotations
 
 import importlib
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,6 +17,8 @@ import numpy as np
 import pytest
 
 from tiercache.engine.threads import ThreadRole
+from tiercache.stages.parts import open_sealer
+from tiercache.stages.seal import EMBED_LABEL
 
 
 class FakeEmbedder:
@@ -36,6 +40,7 @@ def test_threads_first_then_one_response_per_request(
     pb_utils: ModuleType,
     load_model: Callable[[str], ModuleType],
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     module = load_model("embedder")
     stage = importlib.import_module("tiercache.stages.embedder")  # after the stand-in
@@ -52,15 +57,22 @@ def test_threads_first_then_one_response_per_request(
         "torch_threads": {"string_value": "auto"},
         "device": {"string_value": "cpu"},
         "packed_linears": {"string_value": "false"},
+        "state_dir": {"string_value": str(tmp_path)},
     }
     instance.initialize(
         {"model_config": json.dumps({"parameters": params}), "model_name": "embedder"}
     )
     assert events == [("auto", ThreadRole.EMBEDDER), ("embedder", False)]
 
-    def request(*texts: str) -> Any:
+    sealer = open_sealer(tmp_path)  # the deployment's, as embedding_cache's
+
+    def request(*texts: str, sealed: bool = True) -> Any:
         array = np.array([[t.encode()] for t in texts], dtype=np.object_)
-        return pb_utils.InferenceRequest([pb_utils.Tensor("TEXT", array)])
+        tensors = [pb_utils.Tensor("TEXT", array)]
+        if sealed:
+            seals = [[sealer.seal(EMBED_LABEL, t.encode()).encode()] for t in texts]
+            tensors.append(pb_utils.Tensor("TEXT_SEAL", np.array(seals, dtype=np.object_)))
+        return pb_utils.InferenceRequest(tensors)
 
     no_text = pb_utils.InferenceRequest([])
     huge = request("x", "y" * (module.MAX_TEXT_BYTES + 1))  # a direct caller's megabytes
@@ -70,6 +82,25 @@ def test_threads_first_then_one_response_per_request(
     assert missing.has_error() and "TEXT is required" in missing.error().message()
     assert refused.has_error() and "over the" in refused.error().message()  # for it alone
     assert last.output_tensors()[0].as_numpy()[:, 0].tolist() == [2.0]
+
+    # A direct caller without seals (or with another text's) is refused before the embedder
+    # runs, for its request alone: the one instance every lookup waits on stays free.
+    unsealed = request("a direct caller's batch", sealed=False)
+    texts = np.array([[b"mine"], [b"yours"]], dtype=np.object_)
+    seals = np.array(
+        [
+            [sealer.seal(EMBED_LABEL, b"yours").encode()],
+            [sealer.seal(EMBED_LABEL, b"mine").encode()],
+        ],
+        dtype=np.object_,
+    )
+    swapped = pb_utils.InferenceRequest(
+        [pb_utils.Tensor("TEXT", texts), pb_utils.Tensor("TEXT_SEAL", seals)]
+    )
+    refused_unsealed, refused_swapped, served = instance.execute([unsealed, swapped, request("ok")])
+    assert refused_unsealed.has_error() and "not sealed" in refused_unsealed.error().message()
+    assert refused_swapped.has_error() and "does not verify" in refused_swapped.error().message()
+    assert served.output_tensors()[0].as_numpy()[:, 0].tolist() == [2.0]
 
     def broken(texts: Sequence[str]) -> np.ndarray:
         raise MemoryError("out of memory")

@@ -18,6 +18,7 @@ from tiercache.config import EmbedderConfig
 from tiercache.errors import InvalidRequest
 from tiercache.exact.request import DEFAULT_LIMITS
 from tiercache.stages.embedder import open_embedder
+from tiercache.stages.seal import SEAL_CHARS
 from tiercache.triton import io
 
 # A text to embed: embedding_cache sends prompts prompt_cache accepted and its screen let
@@ -32,15 +33,19 @@ class TritonPythonModel:
         self.stage = open_embedder(config, args["model_name"])
 
     def execute(self, requests: list) -> list:
-        """Each request may hold a batch of texts ([n, 1], as embedding_cache sends them) and
-        gets [n, d] back."""
+        """Each request may hold a batch of texts ([n, 1], as embedding_cache sends them), each
+        with its seal (TEXT_SEAL, [n, 1]: an internal stage), and gets [n, d] back."""
         batches: list[list[str] | None] = []
         responses: list = [None] * len(requests)
         for i, request in enumerate(requests):
             try:
-                texts = io.Inputs(request).batch_strings("TEXT", MAX_TEXT_BYTES)
+                inputs = io.Inputs(request)
+                texts = inputs.batch_strings("TEXT", MAX_TEXT_BYTES)  # bounded, then decoded
                 if not texts:
                     raise InvalidRequest("TEXT is required")
+                # sealed over their UTF-8 bytes as embedding_cache sent them; before the tokenizer
+                raw = [t.encode("utf-8") for t in texts]
+                self.stage.check(raw, inputs.batch_strings("TEXT_SEAL", SEAL_CHARS))
                 batches.append(texts)
             except Exception as exc:  # noqa: BLE001 - this request's error response
                 batches.append(None)

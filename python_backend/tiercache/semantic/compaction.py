@@ -186,9 +186,7 @@ class Compactor:
         second, second_tags = self._delete(rows[half:])
         return first + second, first_tags | second_tags
 
-    def _delete_all(
-        self, rows: list[tuple[int, tuple[str, str] | None]]
-    ) -> tuple[int, set[str]]:
+    def _delete_all(self, rows: list[tuple[int, tuple[str, str] | None]]) -> tuple[int, set[str]]:
         """`_delete` in transactions of `_COMPACT_BATCH` rows."""
         touched: set[str] = set()
         deleted = 0

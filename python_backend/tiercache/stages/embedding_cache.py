@@ -38,6 +38,7 @@ from tiercache.stages.parts import ExactTiers, open_exact_cache, open_freshness,
 from tiercache.stages.seal import (
     ANSWER_LABEL,
     ANSWER_TENSORS,
+    EMBED_LABEL,
     NO_TOKENS,
     Sealer,
     Tokens,
@@ -264,15 +265,23 @@ class EmbedderBls:
     """The embedder model over BLS: all texts as one [n, 1] batch, [n, d] vectors back, each
     call waited for at most `timeout_s` (0: no deadline; `tiercache.triton.bls.Deadline`)."""
 
-    def __init__(self, model_name: str, timeout_s: float = 0.0) -> None:
+    def __init__(
+        self, model_name: str, timeout_s: float = 0.0, sealer: Sealer | None = None
+    ) -> None:
         self.client = BlsClient(model_name, label="embedder", timeout_s=timeout_s or None)
+        self.sealer = sealer  # each text sealed (EMBED_LABEL): the embedder takes no other
 
     def close(self) -> None:
         self.client.close()
 
     def __call__(self, texts: Sequence[str]) -> np.ndarray:
-        batch = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
-        response = self.client.infer([pb_utils.Tensor("TEXT", batch)], ["EMBEDDING"])
+        encoded = [t.encode("utf-8") for t in texts]
+        batch = np.array([[b] for b in encoded], dtype=np.object_)
+        tensors = [pb_utils.Tensor("TEXT", batch)]
+        if self.sealer is not None:
+            seals = [[self.sealer.seal(EMBED_LABEL, b).encode("ascii")] for b in encoded]
+            tensors.append(pb_utils.Tensor("TEXT_SEAL", np.array(seals, dtype=np.object_)))
+        response = self.client.infer(tensors, ["EMBEDDING"])
         vectors: np.ndarray = pb_utils.get_output_tensor_by_name(response, "EMBEDDING").as_numpy()
         return vectors
 
@@ -297,7 +306,8 @@ def open_embedding_cache(
         )
         choose, score = verified, verified.score
     tiers: ExactTiers = open_exact_cache(config.cache())
-    embedder = EmbedderBls(config.embedder_model, config.embedder_timeout_s)
+    sealer = open_sealer(config.state_path())
+    embedder = EmbedderBls(config.embedder_model, config.embedder_timeout_s, sealer)
     trust = None
     if config.semantic_max_error > 0:
         policy = TrustPolicy(
@@ -352,7 +362,7 @@ def open_embedding_cache(
         tiers.listener.on_dropped(forget)
     metrics = tm.Metrics(model_name, instance=instance_name)
     freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)
-    stage = EmbeddingCacheStage(core, metrics, open_sealer(config.state_path()), freshness)
+    stage = EmbeddingCacheStage(core, metrics, sealer, freshness)
     stage.closing.append(embedder.close)
     export_late_calls(
         metrics,

@@ -41,6 +41,7 @@ ANSWER_LABEL = "answer"
 LORA_LABEL = "lora"
 ENGINE_LABEL = "engine"
 ADMIN_LABEL = "lora admin"
+EMBED_LABEL = "embed"  # each text embedding_cache sends the embedder (TEXT_SEAL, one per row)
 
 
 class Sealer:

@@ -50,7 +50,7 @@ from tiercache.exact.request import GenerationRequest
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_sealer
-from tiercache.stages.seal import Sealer
+from tiercache.stages.seal import EMBED_LABEL, Sealer
 from tiercache.vocabulary import CacheStatus
 from tiercache_dev.console import exit_on_sigterm, invocation
 from tiercache_dev.paths import MODEL_REPOSITORY
@@ -271,8 +271,9 @@ def measure(
     def pass_through(prompt: str) -> None:
         client.infer("embedding_cache", stage_inputs(sealer, prompt, args.max_tokens, False))
 
-    def embed(text: str) -> None:
-        client.infer("embedder", [bytes_input("TEXT", [text])])
+    def embed(text: str) -> None:  # sealed as embedding_cache seals it (an internal stage)
+        seal = sealer.seal(EMBED_LABEL, text.encode("utf-8"))
+        client.infer("embedder", [bytes_input("TEXT", [text]), bytes_input("TEXT_SEAL", [seal])])
 
     prompts = PromptSource()
     print("warming up (not counted)", flush=True)
