@@ -28,6 +28,7 @@ import heapq
 import itertools
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -174,15 +175,39 @@ class PaddedResponder:
         release_s: float,
         scheduler: Scheduler,
         clock: Callable[[], float] = time.monotonic,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
+        """`on_done`: called once the request's last response (final, error or cancellation)
+        has gone out: what a caller counting held requests needs."""
         self.inner = inner
         self.release_s = release_s
         self._scheduler = scheduler
         self._clock = clock
         self._lock = threading.Lock()
         self._held: list[Action] = []
+        self._final_held = False
         self._released = False
         self._scheduled = False
+        self._on_done = on_done
+
+    def _ended(self) -> None:
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
+
+    def _send_last(self, action: Action) -> None:
+        """A request's last response: `on_done` follows it, whatever the send did."""
+
+        def last() -> None:
+            try:
+                action()
+            finally:
+                self._ended()
+
+        with self._lock:
+            if not self._released:
+                self._final_held = True
+        self._send(last)
 
     def _send(self, action: Action) -> None:
         with self._lock:
@@ -201,6 +226,14 @@ class PaddedResponder:
         with self._lock:
             held, self._held = self._held, []
             self._released = True
+            if held and self._final_held and self.inner.is_cancelled():
+                # The client left while its answer was held: it gets the cancellation, not
+                # the answer (whether it was a hit or a miss, the same).
+                try:
+                    self.inner.send_cancelled()
+                finally:
+                    self._ended()
+                return
             for action in held:
                 action()
 
@@ -223,9 +256,9 @@ class PaddedResponder:
     ) -> None:
         inner = self.inner
         if finish_reason is None and tokens is None:
-            self._send(lambda: inner.send_final(text, status, similarity, usage))
+            self._send_last(lambda: inner.send_final(text, status, similarity, usage))
         else:
-            self._send(
+            self._send_last(
                 lambda: inner.send_final(
                     text,
                     status,
@@ -237,13 +270,13 @@ class PaddedResponder:
             )
 
     def send_cancelled(self) -> None:
-        self._send(self.inner.send_cancelled)
+        self._send_last(self.inner.send_cancelled)
 
     def identify(self, answer_id: str) -> None:
         self.inner.identify(answer_id)
 
     def send_error(self, exc: BaseException) -> None:
-        self._send(lambda: self.inner.send_error(exc))
+        self._send_last(lambda: self.inner.send_error(exc))
 
 
 MASKED_STATUS = "masked"
@@ -289,6 +322,9 @@ class MaskedResponder:
 
 
 def uniform_source(seed: int | None = None) -> Callable[[], float]:
-    """A thread-safe uniform [0, 1) source for the jitter (random.Random's `random` holds the GIL
-    for its whole call)."""
+    """A thread-safe uniform [0, 1) source for the jitter: the system's (os.urandom: a
+    Mersenne Twister's state can be rebuilt from its outputs, and the jitter must not be
+    predicted), or with a `seed` a reproducible one (tests and replays)."""
+    if seed is None:
+        return secrets.SystemRandom().random
     return random.Random(seed).random

@@ -294,6 +294,9 @@ def test_direct_calls_of_the_internal_stages_are_refused(
         "lora_cache list": [tensor("ADMIN", '{"op": "list"}')],
         "lora_cache warm": [tensor("ADMIN", '{"op": "warm", "names": ["caps"]}')],
         "lora_cache plan": [tensor("ENVELOPE", bare), tensor("LOOKUP_STATUS", "miss")],
+        # its texts unsealed, or sealed with a guess: refused before the tokenizer
+        "embedder": [tensor("TEXT", "a direct caller's text")],
+        "embedder guessed": [tensor("TEXT", "x"), tensor("TEXT_SEAL", "0" * SEAL_CHARS)],
     }
     for name, inputs in unary.items():
         model = name.split()[0]

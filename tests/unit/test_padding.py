@@ -20,6 +20,7 @@ from tiercache.padding import (
     PaddedResponder,
     PaddingPolicy,
     ResponseTimer,
+    uniform_source,
 )
 from tiercache.stages.parts import padding_policy
 
@@ -229,3 +230,47 @@ def test_a_masked_hit_and_a_masked_miss_send_the_same_shape() -> None:
     MaskedResponder(exact).send_final("Paris.", "exact")
     MaskedResponder(fresh).send_final("Paris.", "miss", None, (0, 15), finish_reason="length")
     assert exact.sent == fresh.sent
+
+
+def test_the_end_of_a_held_request_is_reported_once_after_its_last_response() -> None:
+    """llm counts held padded requests (at most MAX_HELD_PADDED): each is counted out once its
+    final, error or cancellation has gone, not when its worker returned (the answers held until
+    the floor were not counted at all)."""
+    for last in ("final", "error", "cancelled"):
+        ended: list[int] = []
+        clock, scheduler, inner = FakeClock(100.0), FakeScheduler(), RecordingResponder()
+        responder = PaddedResponder(
+            inner, 100.5, scheduler, clock, on_done=lambda: ended.append(1)
+        )
+        responder.send_chunk("a")
+        if last == "final":
+            responder.send_final("b", "miss")
+        elif last == "error":
+            responder.send_error(RuntimeError("boom"))
+        else:
+            responder.send_cancelled()
+        assert ended == []  # held: not gone yet
+        scheduler.run_due(100.5)
+        assert ended == [1], last
+
+
+def test_a_client_gone_while_its_answer_is_held_gets_the_cancellation_only() -> None:
+    ended: list[int] = []
+    clock, scheduler, inner = FakeClock(100.0), FakeScheduler(), RecordingResponder()
+    responder = PaddedResponder(inner, 100.5, scheduler, clock, on_done=lambda: ended.append(1))
+    responder.send_chunk("the answer")
+    responder.send_final(" in full", "exact")
+    inner.cancelled = True  # the client left during the hold
+    scheduler.run_due(100.5)
+    assert inner.sent == [("cancelled",)] and ended == [1]
+
+
+def test_the_jitter_is_the_systems_unless_seeded() -> None:
+    """A Mersenne Twister's state can be rebuilt from its outputs; the system's cannot."""
+    import random
+    import secrets
+
+    draw = uniform_source()
+    assert isinstance(getattr(draw, "__self__", None), secrets.SystemRandom)
+    assert 0.0 <= draw() < 1.0
+    assert uniform_source(7)() == random.Random(7).random()

@@ -34,7 +34,13 @@ from tiercache.engine.trtllm_client import (
     load_tokenizer,
     request_lora_from_arrays,
 )
-from tiercache.errors import Forbidden, InvalidRequest, TierCacheError, Unavailable
+from tiercache.errors import (
+    CapacityError,
+    Forbidden,
+    InvalidRequest,
+    TierCacheError,
+    Unavailable,
+)
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.keys import tenant_scope
@@ -159,6 +165,10 @@ def _blob(value: Part) -> bytes:
         return value.encode("utf-8")
     return value if isinstance(value, bytes) else b""
 
+
+# Padded requests one llm instance holds at once, from arrival to their last response (each
+# keeps its answer and Triton's request until the floor): more are refused at once.
+MAX_HELD_PADDED = 4096
 
 # Adapter files llm keeps until the engine was seen to take them (`EngineBls.expect`): a few
 # new adapters at once, within a byte bound; one dropped only costs the engine's refusal.
@@ -514,6 +524,8 @@ class LlmStage:
         self.padding = padding_policy(config, secret)
         self.padding_timer = ResponseTimer() if self.padding.enabled else None
         self.padding_jitter = uniform_source()
+        self._held_padded = 0  # padded requests from arrival to their last response
+        self._held_lock = threading.Lock()
         link = tiers.link
         self.core = Generations(
             tiers.cache,
@@ -746,8 +758,19 @@ class LlmStage:
         timer = self.padding_timer
         if timer is None or not self.padding.pads(envelope.get().request.tenant_scope):
             return responder
+        with self._held_lock:  # decided on arrival, before any lookup: it tells nothing
+            if self._held_padded >= MAX_HELD_PADDED:
+                raise CapacityError(
+                    f"{MAX_HELD_PADDED} padded requests are held already; try again later"
+                )
+            self._held_padded += 1
         release_s = self.padding.release_at(arrival_s, self.padding_jitter)
-        return MaskedResponder(PaddedResponder(responder, release_s, timer))
+        padded = PaddedResponder(responder, release_s, timer, on_done=self._padded_done)
+        return MaskedResponder(padded)
+
+    def _padded_done(self) -> None:
+        with self._held_lock:
+            self._held_padded -= 1
 
     def _index_writer(
         self, envelope: Envelope, vector: np.ndarray | None
