@@ -239,7 +239,9 @@ def test_the_end_of_a_held_request_is_reported_once_after_its_last_response() ->
     for last in ("final", "error", "cancelled"):
         ended: list[int] = []
         clock, scheduler, inner = FakeClock(100.0), FakeScheduler(), RecordingResponder()
-        responder = PaddedResponder(inner, 100.5, scheduler, clock, on_done=lambda: ended.append(1))
+        responder = PaddedResponder(
+            inner, 100.5, scheduler, clock, on_done=lambda e=ended: e.append(1)
+        )
         responder.send_chunk("a")
         if last == "final":
             responder.send_final("b", "miss")
