@@ -279,8 +279,10 @@ class EngineBls:
     def _generate_torch(
         self, request: GenerationRequest, lora: EngineLora
     ) -> Iterator[StreamEvent]:
-        """One engine call, as a stream of events. BLS requests cannot be cancelled in this
-        Triton version, so an abandoned generation runs to max_tokens and is discarded.
+        """One engine call, as a stream of events. A stream given up on (the engine's deadline,
+        a flight nobody waits for) is cancelled where python_backend can (25.05 and later:
+        torch_llm then stops generating); before that the generation runs to max_tokens and is
+        discarded.
         A call for an adapter that goes out without its files while another request's files
         for it wait for the engine's answer carries them too (`expect`)."""
         with self._streams:  # held until the stream ends (engine_streams)
@@ -298,7 +300,9 @@ class EngineBls:
                 values["LORA_EVICT"] = json.dumps(list(lora.evict))
             try:
                 inputs = engine_inputs(self.sealer, values)
-                responses = iter(self.client.stream(inputs, ENGINE_OUTPUTS))
+                responses = iter(
+                    self.client.stream(inputs, ENGINE_OUTPUTS, cancel_on_close=True)
+                )
                 first = next(responses, None)
             finally:  # answered (the engine holds the adapter) or refused (not sent again)
                 self._confirmed(carried)
