@@ -149,6 +149,12 @@ def test_a_url_is_shown_without_its_password(url: str, shown: str) -> None:
     link.close()
 
 
+@pytest.mark.parametrize("url", ["redis://u:pa#55@h:6379", "redis://u:pa/55@h:6379/0"])
+def test_a_password_that_breaks_the_url_is_not_shown_in_pieces(url: str) -> None:
+    """An unescaped "#" or "/" ends the host part before the "@": the URL came out whole."""
+    assert "55" not in redact_url(url) and "6379" not in redact_url(url)
+
+
 def test_the_password_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
     assert redis_password({}) is None
     assert redis_password({PASSWORD_ENV: "pa55"}) == "pa55"

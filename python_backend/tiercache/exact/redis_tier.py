@@ -157,6 +157,10 @@ def redact_url(url: str) -> str:
         password = parts.password
     except ValueError:  # not a URL we can take apart: show none of it
         return "(a redis_url that does not parse)"
+    if "@" in url and "@" not in parts.netloc:
+        # an unescaped "#", "/" or "?" in the password ends the host part before its "@": the
+        # parts hold pieces of the password, so none of the URL can be shown
+        return "(a redis_url that does not parse)"
     netloc = parts.netloc
     if password is not None:
         user = parts.username or ""

@@ -34,6 +34,7 @@ from tiercache.exact.codec import (
     encode_entry,
     peek_created_s,
 )
+from tiercache.log_throttle import LogThrottle
 from tiercache.machine import CRITICAL, ROOM, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
@@ -708,6 +709,7 @@ class LmdbStore:
         self._hits = self._misses = self._evictions = self._corrupt = 0
         self._evicted_hits = self._removed = 0  # this process's evictions' and deletions'
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
+        self._damage_log = LogThrottle()
         self._resized_logged_s = -60.0
         self._evict_early = evict_early
         self._early = threading.Event()  # set: the evictor thread looks at the mark again
@@ -744,7 +746,13 @@ class LmdbStore:
             with self._env.begin(buffers=False) as txn:
                 data = txn.get(key.encode())
         except LMDB_DAMAGE as exc:
-            log.warning("L2 read of %s met a damaged page (%s); a miss", key, exc)
+            if self._damage_log.ready():  # a caller can repeat the read at will
+                log.warning(
+                    "L2 read of %s met a damaged page (%s); a miss (%d more not logged)",
+                    key[:12],
+                    exc,
+                    self._damage_log.suppressed,
+                )
             self._count(misses=1, corrupt=1)
             return None
         except lmdb.MapResizedError:

@@ -63,6 +63,7 @@ from tiercache.gateway.protocol import (
     DEFAULT_STALLED_PEER_S,
     whole_body_received,
 )
+from tiercache.log_throttle import LogThrottle
 from tiercache_client.client import (
     FEEDBACK_MODEL,
     FEEDBACK_OUTPUT,
@@ -419,11 +420,16 @@ _ADDRESSES = re.compile(
 )
 
 
+_UNAVAILABLE_LOG = LogThrottle()  # a caller can repeat a failing request at will
+
+
 def _public(message: str) -> str:
-    """`message` with server addresses and URLs taken out (the log keeps them)."""
+    """`message` with server addresses and URLs taken out (the log keeps them, at most a line
+    a minute)."""
     scrubbed = _ADDRESSES.sub("<server>", message)
-    if scrubbed != message:
-        log.warning("unavailable: %s", message)
+    if scrubbed != message and _UNAVAILABLE_LOG.ready():
+        skipped = _UNAVAILABLE_LOG.suppressed
+        log.warning("unavailable: %s (%d more in the last minute not logged)", message, skipped)
     return scrubbed
 
 
@@ -1032,7 +1038,9 @@ def server_config(settings: GatewaySettings, host: str, port: int) -> Any:
         create_app(settings),
         host=host,
         port=port,
-        log_level="warning",
+        # uvicorn warns once per unparseable request and per request past the connection limit:
+        # anyone could fill the log with them
+        log_level="error",
         access_log=False,
         proxy_headers=False,
         server_header=False,

@@ -202,15 +202,22 @@ class AdapterFleet:
             return None
         raw_adapters, raw_uses = found
         versions: dict[str, AdapterVersion] = {}
+        bad: list[str] = []
         for key, value in raw_adapters.items():
             name = key.decode("utf-8", "replace")
             if len(value) > MAX_METADATA_BYTES:  # never written by a replica: not even parsed
-                log.warning("ignored oversized fleet metadata for adapter %r", name[:80])
+                bad.append(name)
                 continue
             try:
                 versions[name] = AdapterVersion.from_json(name, value)
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                log.warning("ignored malformed fleet metadata for adapter %r", name[:80])
+                bad.append(name)
+        if bad:  # one line a sync, whatever a hostile Redis holds
+            log.warning(
+                "ignored oversized or malformed fleet metadata of %d adapters (first: %r)",
+                len(bad),
+                bad[0][:80],
+            )
         uses = {}
         for key, value in raw_uses.items():
             try:
@@ -251,7 +258,7 @@ class AdapterFleet:
                     _when(mine.updated_s),
                     theirs.digest[:12],
                     _when(theirs.updated_s),
-                    theirs.replica,
+                    repr(theirs.replica[:64]),  # unsigned text from Redis: quoted, cut
                 )
         return out
 

@@ -300,9 +300,7 @@ class EngineBls:
                 values["LORA_EVICT"] = json.dumps(list(lora.evict))
             try:
                 inputs = engine_inputs(self.sealer, values)
-                responses = iter(
-                    self.client.stream(inputs, ENGINE_OUTPUTS, cancel_on_close=True)
-                )
+                responses = iter(self.client.stream(inputs, ENGINE_OUTPUTS, cancel_on_close=True))
                 first = next(responses, None)
             finally:  # answered (the engine holds the adapter) or refused (not sent again)
                 self._confirmed(carried)
