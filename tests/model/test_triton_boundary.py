@@ -232,6 +232,23 @@ def test_histogram_is_aggregated_and_flushed_as_bucket_counters(
         metrics.histogram("bad_seconds", "b", buckets=[0.1, 0.01])
 
 
+def test_a_failing_flush_hook_freezes_no_metric(tb: ModuleType) -> None:
+    """A hook that raised stopped the whole flush: every metric of the stage froze."""
+    metrics = tb.Metrics("m")
+    counter = metrics.counter("c_total", "c")
+    seen: list[int] = []
+
+    def broken() -> None:
+        raise RuntimeError("a reading failed")
+
+    metrics.on_flush(broken)
+    metrics.on_flush(lambda: seen.append(1))
+    counter.increment(3)
+    metrics.flush()
+    metrics.flush()
+    assert counter.metric.value() == 3 and seen == [1, 1]
+
+
 def test_store_metrics_count_eviction_deltas(tb: ModuleType) -> None:
     store = MemoryStore(3 * CacheEntry("x", 0.0).size_bytes)
     metrics = tb.Metrics("m")

@@ -22,6 +22,7 @@ from tiercache.exact.leases import LeaseStats
 from tiercache.exact.redis_tier import SIGNED, RedisHealth
 from tiercache.exact.stores import StoreStats
 from tiercache.exact.watermarks import Invalidation
+from tiercache.log_throttle import LogThrottle
 from tiercache.vocabulary import InvalidationKind, Tier, choices
 
 log = logging.getLogger("tiercache")
@@ -145,6 +146,7 @@ class Metrics:
             self.labels["instance"] = instance
         self._families: dict[str, Any] = {}
         self._metrics: list[_DeferredMetric | _LocalHistogram] = []
+        self._hook_log = LogThrottle()
         self._hooks: list[Callable[[], None]] = []
         self._interval_s = flush_interval_s
         self._stop = threading.Event()
@@ -185,8 +187,17 @@ class Metrics:
         self._thread.start()
 
     def flush(self) -> None:
+        """Run the hooks, each on its own (one that fails no longer stopped the flush, freezing
+        every metric of the stage: it is logged at most once a minute), then flush."""
         for hook in self._hooks:
-            hook()
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the other hooks and the metrics go on
+                if self._hook_log.ready():
+                    log.exception(
+                        "a metrics hook failed (%d more failures not logged)",
+                        self._hook_log.suppressed,
+                    )
         for metric in self._metrics:
             metric.flush()
 
