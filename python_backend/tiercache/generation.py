@@ -446,7 +446,8 @@ class Generations:
             error = exc
         except Exception as exc:  # noqa: BLE001 - every subscriber gets the error; traceback logged
             log.exception("generation failed")
-            error = Unavailable(f"generation failed: {type(exc).__name__}: {exc}")
+            # its type only: the text (paths, CUDA's messages) stays in the log above
+            error = Unavailable(f"generation failed: {type(exc).__name__}")
         finally:
             if lease is not None and self._leases is not None:
                 try:  # after the store: waiting replicas find the answer

@@ -241,7 +241,8 @@ def test_engine_error_reaches_every_subscriber(cache: TieredCache, raises: Excep
         assert calls[:-1] == [("chunk", "Hel"), ("chunk", "lo")]
         kind, exc = calls[-1]
         assert kind == "error" and isinstance(exc, Unavailable)
-        assert ("boom" if isinstance(raises, RuntimeError) else "engine gone") in str(exc)
+        assert ("RuntimeError" if isinstance(raises, RuntimeError) else "engine gone") in str(exc)
+        assert "boom" not in str(exc)  # an unexpected error's text stays in the log
     assert engine.calls == 1
     assert stored_text(cache) is None
     assert stage.stats().write_backs == 0
@@ -533,7 +534,7 @@ def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
     r = Recorder()
     stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
     calls = r.wait()
-    assert calls[0][0] == "error" and "L2 read failed" in str(calls[0][1])
+    assert calls[0][0] == "error" and "OSError" in str(calls[0][1])  # its text: in the log
     assert leases.released == [Lease(f"lease:{DIGEST}", "token")]
     stage.close()
 

@@ -68,13 +68,15 @@ _BY_KIND: dict[str, type[TierCacheError]] = {cls.kind: cls for cls, _ in reverse
 
 def to_triton_error(exc: BaseException) -> pb_utils.TritonError:
     """The core's error as a Triton error; unexpected errors are logged with their traceback and
-    reach the client as a one-line INTERNAL message."""
+    reach the client as a one-line INTERNAL message naming their type only (their text can
+    hold file paths, addresses or another request's data: the server's log keeps it)."""
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return pb_utils.TritonError(exc.client_message(), getattr(pb_utils.TritonError, code))
     log.exception("unexpected error", exc_info=exc)
     return pb_utils.TritonError(
-        f"internal: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
+        f"internal: {type(exc).__name__} (details in the server's log)",
+        pb_utils.TritonError.INTERNAL,
     )
 
 
