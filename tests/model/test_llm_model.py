@@ -813,3 +813,41 @@ def test_an_engine_that_stops_answering_fails_the_miss_after_engine_timeout_s(
     finally:
         release.set()
         instance.finalize()
+
+
+def test_a_padded_tenant_is_refused_alike_while_the_engine_refuses_calls(
+    pb_utils: ModuleType,
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    sealer: Sealer,
+    engine: FakeTorchLlm,
+) -> None:
+    """An engine whose stream watch refuses new calls fails a miss and not a hit: a padded
+    tenant's caller could tell which prompts were cached by the error. Its requests are refused
+    alike before any lookup then (a tenant that is not padded is not checked)."""
+    instance = load_model("llm").TritonPythonModel()
+    params = {"state_dir": str(tmp_path), "hit_padding_ms": "50", "engine_timeout_s": "30"}
+    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    try:
+        watch = instance.stage.engine.client.stream_deadline
+        watch._stalled = watch.max_stalled  # noqa: SLF001 - four engine streams out, unanswered
+        exact = CacheStatus.EXACT
+        hit = envelope(sealer, exact, "1" * 64, "the answer")
+        miss = envelope(sealer, CacheStatus.MISS, "2" * 64, write_back=True)
+        refused = run(
+            pb_utils,
+            instance,
+            [
+                to_llm(pb_utils, sealer, hit, "the answer", exact),
+                to_llm(pb_utils, sealer, miss),
+            ],
+        )
+        messages = [r[-1].error().message() for r in refused if r[-1].has_error()]
+        assert len(messages) == 2 and messages[0] == messages[1]
+        assert "no response" in messages[0]
+        watch._stalled = 0  # noqa: SLF001 - the engine answers again
+        (served,) = run(pb_utils, instance, [to_llm(pb_utils, sealer, hit, "the answer", exact)])
+        assert final(pb_utils, served)[0] == "the answer"
+    finally:
+        instance.finalize()

@@ -320,16 +320,27 @@ class EngineBls:
                     engine_s=io.output_float(response, "ENGINE_S"),
                 )
 
-    def _generate_trtllm(
-        self, trtllm: TrtllmClient, request: GenerationRequest, lora: EngineLora
-    ) -> Iterator[StreamEvent]:
-        """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
-        stop word) cancels the rest of the engine's stream."""
+    def check_tenant(self, request: GenerationRequest) -> None:
+        """Forbidden for a tenant the engine's prefix KV reuse must not serve
+        (`trtllm_kv_reuse_tenant`)."""
         if self.kv_reuse_scope is not None and request.tenant_scope != self.kv_reuse_scope:
             raise Forbidden(
                 "this server's engine reuses cached prefixes for one tenant only (it was started "
                 "with an API key file of one tenant); restart it to serve another"
             )
+
+    def check_admits(self) -> None:
+        """Unavailable while the engine's stream watch refuses new calls (`StreamDeadline`)."""
+        watch = self.client.stream_deadline
+        if watch is not None:
+            watch.admit()
+
+    def _generate_trtllm(
+        self, trtllm: TrtllmClient, request: GenerationRequest, lora: EngineLora
+    ) -> Iterator[StreamEvent]:
+        """One generation on Triton's TensorRT-LLM backend model. An answer that ends early (a
+        stop word) cancels the rest of the engine's stream."""
+        self.check_tenant(request)
         call = trtllm.request(request, lora.trtllm)
         if trtllm.speculates(request, call):
             for event in trtllm.speculative_events(request, call, self._trtllm_step, self._on_kv):
@@ -627,6 +638,12 @@ class LlmStage:
             answer_id = self.answer_id(item)
             if answer_id is not None:
                 responder.identify(answer_id)
+            request = item.envelope.get().request
+            self.engine.check_tenant(request)  # a refused tenant's hits too: not the cache's
+            if self.padding_timer is not None and self.padding.pads(request.tenant_scope):
+                # An engine that refuses calls would fail a padded miss and not a hit: the
+                # error would tell one from the other. Refused alike, before any lookup.
+                self.engine.check_admits()
             responder = self._padded(responder, item.envelope, arrival_s)
         except Exception as exc:  # noqa: BLE001 - no envelope: its error, at once (see count_error)
             self.count_error(responder, exc)
