@@ -104,11 +104,18 @@ def engine(pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
 def model(
     load_model: Callable[[str], ModuleType], tmp_path: Path, engine: FakeTorchLlm
 ) -> Iterator[Any]:
-    instance = load_model("llm").TritonPythonModel()
-    config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
-    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    instance = start_llm(load_model, tmp_path)
     yield instance
     instance.finalize()
+
+
+def start_llm(load_model: Callable[[str], ModuleType], state: Path, **params: str) -> Any:
+    """The llm model initialized on the state folder `state` with `params`."""
+    instance = load_model("llm").TritonPythonModel()
+    values = {"state_dir": str(state), **params}
+    config = {"parameters": {k: {"string_value": v} for k, v in values.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    return instance
 
 
 def run(pb_utils: ModuleType, model: Any, batch: list[list[Any]]) -> list[list[Any]]:
@@ -722,10 +729,7 @@ def test_kept_envelopes_are_refused_once_their_key_is_revoked_or_they_are_old(
     envelope older than envelope_max_age_s is refused with or without a key file."""
     keys_file = tmp_path / "api_keys.json"
     _, grant = add_key(keys_file, "acme")
-    instance = load_model("llm").TritonPythonModel()
-    parameters = {"state_dir": str(tmp_path), "api_keys_file": str(keys_file)}
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    instance = start_llm(load_model, tmp_path, api_keys_file=str(keys_file))
     try:
         exact, miss = CacheStatus.EXACT, CacheStatus.MISS
         hit = to_llm(
@@ -776,10 +780,7 @@ def test_an_engine_that_stops_answering_fails_the_miss_after_engine_timeout_s(
         yield from responses
 
     monkeypatch.setitem(pb_utils.BLS_MODELS, "torch_llm", held)
-    instance = load_model("llm").TritonPythonModel()
-    parameters = {"state_dir": str(tmp_path), "engine_timeout_s": "0.5"}
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    instance = start_llm(load_model, tmp_path, engine_timeout_s="0.5")
     try:
         stalled, later = "1" * 64, "2" * 64
         started = time.monotonic()
@@ -825,10 +826,7 @@ def test_a_padded_tenant_is_refused_alike_while_the_engine_refuses_calls(
     """An engine whose stream watch refuses new calls fails a miss and not a hit: a padded
     tenant's caller could tell which prompts were cached by the error. Its requests are refused
     alike before any lookup then (a tenant that is not padded is not checked)."""
-    instance = load_model("llm").TritonPythonModel()
-    params = {"state_dir": str(tmp_path), "hit_padding_ms": "50", "engine_timeout_s": "30"}
-    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
-    instance.initialize({"model_config": json.dumps(config), "model_name": "llm"})
+    instance = start_llm(load_model, tmp_path, hit_padding_ms="50", engine_timeout_s="30")
     try:
         watch = instance.stage.engine.client.stream_deadline
         watch._stalled = watch.max_stalled  # noqa: SLF001 - four engine streams out, unanswered

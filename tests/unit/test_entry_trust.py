@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from redis_down import tiers_with_l3_down
 
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.invalidation import Invalidator
@@ -369,22 +370,12 @@ def test_the_gate_fails_closed_when_a_shared_tier_cannot_be_read(tmp_path: Path)
     """Redis down: an entry's refutations recorded only there are unknown, and the prior alone
     served it. Now such an entry is verified when it can be, else missed."""
 
-    class Down(MemoryStore):
-        def get(self, key: str):  # type: ignore[no-untyped-def]
-            raise ConnectionError("Redis is down")
-
-        def get_or_raise(self, key: str):  # type: ignore[no-untyped-def]
-            raise ConnectionError("Redis is down")
-
-    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
-    answers = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2), (Tier.L3, Down(1 << 20))]
-    )
+    answers = tiers_with_l3_down(tmp_path)
     policy = TrustPolicy(0.5, 0.25, audit_rate=0.0)  # lenient: the prior alone serves
     gate = TrustGate(answers, policy, lambda q, c, cos: 0.995)
     assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.MISS
     assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=True) is Decision.VERIFY
-    readable = TieredCache([(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)])
+    readable = TieredCache([(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, answers.store(Tier.L2))])
     served = TrustGate(readable, policy, lambda q, c, cos: 0.995)
     assert served.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.SERVE
     answers.close()

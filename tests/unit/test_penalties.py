@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+from redis_down import tiers_with_l3_down
 
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.invalidation import Invalidator
@@ -29,6 +30,20 @@ def unit(*values: float) -> np.ndarray:
     vector = np.zeros(DIM, dtype=np.float32)
     vector[: len(values)] = values
     return vector / np.linalg.norm(vector)
+
+
+def semantic_stage(tmp_path: Path, answers: TieredCache, query: np.ndarray) -> EmbeddingCache:
+    """embedding_cache's core over `answers`, every prompt embedded as `query`, the first
+    candidate chosen."""
+    return EmbeddingCache(
+        VectorCache(tmp_path / "vec", DIM),
+        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
+        answers,
+        lambda texts: np.stack([query for _ in texts]),
+        lambda q, candidates: 0 if candidates else None,
+        "emb@1",
+        min_similarity=0.5,
+    )
 
 
 def tiers(tmp_path: Path) -> TieredCache:
@@ -60,16 +75,7 @@ def test_bad_feedback_on_a_semantic_hit_keeps_the_regenerated_answer_from_that_r
     tmp_path: Path,
 ) -> None:
     answers = tiers(tmp_path)
-    query = unit(1, 0.3)
-    stage = EmbeddingCache(
-        VectorCache(tmp_path / "vec", DIM),
-        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
-        answers,
-        lambda texts: np.stack([query for _ in texts]),
-        lambda q, candidates: 0 if candidates else None,
-        "emb@1",
-        min_similarity=0.5,
-    )
+    stage = semantic_stage(tmp_path, answers, unit(1, 0.3))
     answers.put(DIGEST, "a wrong answer for it", tenant_scope="scope-a")
     stage.index.add("scope", DIGEST, "p", unit(1, 0))
     (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
@@ -97,27 +103,8 @@ def test_a_floor_that_cannot_be_read_is_never_taken_for_none(tmp_path: Path) -> 
     unknown: the hit is verified by the engine when it can be, else a miss (it was served as
     if no floor had been set)."""
 
-    class Down(MemoryStore):
-        def get(self, key: str):  # type: ignore[no-untyped-def]
-            raise ConnectionError("Redis is down")
-
-        def get_or_raise(self, key: str):  # type: ignore[no-untyped-def]
-            raise ConnectionError("Redis is down")
-
-    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
-    answers = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2), (Tier.L3, Down(1 << 20))]
-    )
-    query = unit(1, 0.3)
-    stage = EmbeddingCache(
-        VectorCache(tmp_path / "vec", DIM),
-        SemanticIndex(SemanticStore(tmp_path / "sem"), DIM),
-        answers,
-        lambda texts: np.stack([query for _ in texts]),
-        lambda q, candidates: 0 if candidates else None,
-        "emb@1",
-        min_similarity=0.5,
-    )
+    answers = tiers_with_l3_down(tmp_path)
+    stage = semantic_stage(tmp_path, answers, unit(1, 0.3))
     answers.put(DIGEST, "an answer", tenant_scope="scope-a")
     stage.index.add("scope", DIGEST, "p", unit(1, 0))
     (missed,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])

@@ -710,7 +710,7 @@ class LmdbStore:
         self._evicted_hits = self._removed = 0  # this process's evictions' and deletions'
         self._env = open_lmdb(path, max_bytes, "L2 store", clock)
         self._damage_log = LogThrottle()
-        self._resized_logged_s = -60.0
+        self._resized_log = LogThrottle()
         self._evict_early = evict_early
         self._early = threading.Event()  # set: the evictor thread looks at the mark again
         self._evictor: threading.Thread | None = None  # started at the first early eviction
@@ -756,9 +756,7 @@ class LmdbStore:
             self._count(misses=1, corrupt=1)
             return None
         except lmdb.MapResizedError:
-            now = time.monotonic()
-            if now - self._resized_logged_s >= 60.0:  # once a minute, not on every read
-                self._resized_logged_s = now
+            if self._resized_log.ready():  # once a minute, not on every read
                 log.warning(map_resized_message(self.path, self._max_bytes) + "; a miss")
             self._count(misses=1)
             return None

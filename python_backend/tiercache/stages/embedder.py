@@ -24,7 +24,7 @@ class EmbedderStage:
         embedder: Embedder,
         trimmer: MemoryTrimmer,
         metrics: tm.Metrics,
-        sealer: Sealer | None = None,
+        sealer: Sealer,
     ) -> None:
         self.embedder = embedder
         self.sealer = sealer
@@ -36,9 +36,7 @@ class EmbedderStage:
     def check(self, texts: Sequence[bytes], seals: Sequence[str] | None) -> None:
         """Forbidden unless every text carries its seal (`EMBED_LABEL`): the embedder is an
         internal stage (a direct caller's large batches would hold the one instance every
-        lookup waits on). Checked over the raw bytes, before anything is decoded."""
-        if self.sealer is None:
-            return
+        lookup waits on). Checked over the texts' UTF-8 bytes, before the tokenizer."""
         if seals is None or len(seals) != len(texts):
             raise Forbidden(
                 "TEXT is not sealed: this stage is internal and takes requests from this "

@@ -10,7 +10,6 @@ a feedback model configured without prompt_cache's key file refuses rather than 
 from __future__ import annotations
 
 import logging
-import threading
 
 from tiercache.config import FeedbackConfig
 from tiercache.errors import Forbidden, InvalidRequest, Unavailable
@@ -32,18 +31,6 @@ from tiercache.stages.parts import load_secret, open_exact_cache
 from tiercache.triton import metrics as tm
 
 log = logging.getLogger(__name__)
-_closed_logged = [""]  # the reason logged last
-_closed_lock = threading.Lock()
-
-
-def _log_closed(reason: str) -> None:
-    """Why feedback is closed, in the server's log: once while the reason stays the same."""
-    with _closed_lock:
-        if reason == _closed_logged[0]:
-            return
-        _closed_logged[0] = reason
-    log.warning("feedback refuses verdicts: %s", reason)
-
 
 MAX_ANSWER_ID_CHARS = 256  # far above an id's length: longer input is refused before decoding
 MAX_VERDICT_BYTES = 16  # "good" or "bad", with room for blanks
@@ -64,6 +51,7 @@ class FeedbackStage:
         no tenant (else, or unknown, answers are masked: `FeedbackReport.to_json`; None: not
         masked)."""
         self.agrees = agrees
+        self._closed_logged = ""  # the reason feedback refuses verdicts, as last logged
         self.unpadded = unpadded
         self.core = feedback
         self._secret = secret
@@ -135,9 +123,10 @@ class FeedbackStage:
         `Feedback.give` (and Forbidden for the API key, Unavailable while closed)."""
         if self.agrees is not None and not self.agrees.holds():
             self.refused["closed"].increment(1)
-            _log_closed(
-                self.agrees.reason
-            )  # the reason names files: the operator's, not the caller's
+            reason = self.agrees.reason  # it names files: for the operator, not the caller
+            if reason != self._closed_logged:  # once while the reason stays the same
+                self._closed_logged = reason
+                log.warning("feedback refuses verdicts: %s", reason)
             raise Unavailable(
                 "feedback is closed: this host's prompt_cache has not published the same API "
                 "key file and secret (the server's log says why)"
