@@ -199,6 +199,23 @@ def test_pinned_bytes_can_leave_no_room(make: MakeResidency, disk: FakeDisk) -> 
     assert engine_names(residency) == ["a"]
 
 
+def test_a_plan_that_cannot_fit_withdraws_its_offer(make: MakeResidency, disk: FakeDisk) -> None:
+    """No room (the pinned adapter's bytes): the policy nominated `b`, and the plan was refused.
+    Under gdsf, `b`'s later removal as a stale version then counted as an eviction and raised
+    the aging level to `b`'s value; a refused plan withdraws its offer."""
+    from tiercache.eviction import GreedyDualFrequencyPolicy
+
+    policy: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy(4)
+    residency = make(engine_slots=3, engine_max_bytes=250, pinned=["a"], engine_policy=policy)
+    a, b = disk.add("a", 1, 200), disk.add("b", 2, 40)
+    residency.plan(a, disk.read)
+    residency.plan(b, disk.read)
+    with pytest.raises(CapacityError, match="pinned"):
+        residency.plan(disk.add("c", 3, 100), disk.read)
+    assert residency.plan(disk.add("b", 2, 40, version="v2"), disk.read).evict == (held_key(b),)
+    assert policy.inflation == 0.0
+
+
 def test_new_version_evicts_the_old_one_from_the_engine(
     make: MakeResidency, disk: FakeDisk
 ) -> None:

@@ -171,6 +171,9 @@ class _Tier(Generic[V]):
 
         nominees = [self.items[k] for k in self._policy.nominate(over_count, over_bytes, skip)]
         if len(nominees) < over_count or sum(r.nbytes for r in nominees) < over_bytes:
+            # no plan: withdraw the offer, or a later explicit removal of a nominee would
+            # count as an eviction (gdsf would raise its aging level to that adapter's value)
+            self._policy.nominate(0)
             return None
         return chosen + nominees
 
