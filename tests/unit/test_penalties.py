@@ -113,3 +113,27 @@ def test_a_floor_that_cannot_be_read_is_never_taken_for_none(tmp_path: Path) -> 
     assert checked.outcome is SemanticOutcome.HIT and checked.verify
     assert stage.unread_records == 2
     answers.close()
+
+
+def test_the_stage_memoizes_guard_profiles_per_scope(tmp_path: Path) -> None:
+    """embedding_cache's search opens the guard's profile memo for its scope: the same prompt
+    looked up in another tenant's scope is profiled again (the memo's saving is no signal of
+    what another tenant asked), and again in the first scope is not."""
+    from tiercache.semantic import features as feats
+
+    answers = tiers(tmp_path)
+    stage = semantic_stage(tmp_path, answers, unit(1, 0.3))
+
+    def score_first(query: str, candidates: list[tuple[str, float]]) -> None:
+        feats.features(query, *candidates[0])  # the guard's work, then no choice: a miss
+
+    stage._choose = score_first  # type: ignore[method-assign]
+    for scope in ("scope-a", "scope-b"):
+        stage.index.add(scope, hashlib.sha256(scope.encode()).hexdigest(), "p", unit(1, 0))
+    stage.lookup(["the same words"], ["scope-a"], ["scope-a"])
+    misses = feats.profile_memo_misses()
+    stage.lookup(["the same words"], ["scope-a"], ["scope-a"])
+    assert feats.profile_memo_misses() == misses
+    stage.lookup(["the same words"], ["scope-b"], ["scope-b"])
+    assert feats.profile_memo_misses() == misses + 2  # the query and its candidate, again
+    answers.close()

@@ -615,7 +615,7 @@ def measure_latency(
     Baseline: then the nearest cosine against the threshold.
     """
     n = min(limit, len(corpus.pairs))
-    feats.profile.cache_clear()
+    feats.clear_profile_memo()
     for text in corpus.inserted:
         feats.profile(text)
     guard_samples: list[float] = []

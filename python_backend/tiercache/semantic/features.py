@@ -9,6 +9,10 @@ the clear-cut signals.
 Contract:
 - Pure and deterministic: a text is profiled once (`profile`, memoized) and a pair of profiles
   plus the cosine gives a fixed-length float vector in the order of `FEATURE_NAMES`.
+- The memo is kept per scope (`memo_scope`, which the semantic stage opens around each
+  search): a profile memoized in one tenant's lookups is never reused by another's, so the
+  time a lookup takes (a memoized text saves about 20 us) tells nobody which texts another
+  tenant looked up.
 - Symmetric: swapping query and candidate gives the same vector.
 - Only general English resources: a short function-word list, negation words, number words,
   auxiliaries and a few prepositions, a crude suffix stemmer. No word list was tuned on
@@ -23,6 +27,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
@@ -207,9 +214,43 @@ def _is_participle(low: str) -> bool:
     return (len(low) > 3 and (low.endswith("ed") or low.endswith("en"))) or low in _IRREGULAR
 
 
+_MEMO_SCOPE: ContextVar[str] = ContextVar("tiercache_profile_memo_scope", default="")
+
+
+@contextmanager
+def memo_scope(scope: str) -> Iterator[None]:
+    """Inside the block, `profile` memoizes under `scope` only (one tenant's texts apart from
+    every other's); outside any block, under the empty scope."""
+    token = _MEMO_SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _MEMO_SCOPE.reset(token)
+
+
 @lru_cache(maxsize=8192)
+def _memoized(scope: str, text: str) -> TextProfile:
+    del scope  # a key only: the same text gets its own entry in each scope
+    return profile_text(text)
+
+
 def profile(text: str) -> TextProfile:
-    """The features' view of one (normalized) text; memoized, since a cached prompt recurs."""
+    """`profile_text`, memoized (a cached prompt recurs) within the current `memo_scope`."""
+    return _memoized(_MEMO_SCOPE.get(), text)
+
+
+def clear_profile_memo() -> None:
+    """Forget every memoized profile, of every scope."""
+    _memoized.cache_clear()
+
+
+def profile_memo_misses() -> int:
+    """How many profiles the memo has computed so far (its misses)."""
+    return _memoized.cache_info().misses
+
+
+def profile_text(text: str) -> TextProfile:
+    """The features' view of one (normalized) text, computed (not memoized)."""
     text = text.replace("\u2019", "'").replace("\u2018", "'")
     words: list[str] = []
     entities: set[str] = set()

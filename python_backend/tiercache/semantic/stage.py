@@ -17,6 +17,7 @@ from tiercache.exact.codec import token_accounting
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.entry_trust import Decision, TrustGate
+from tiercache.semantic.features import memo_scope
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.penalties import read_floor_checked
 from tiercache.semantic.vectors import VectorCache, vector_key
@@ -145,7 +146,21 @@ class EmbeddingCache:
         tenant's answer digest (a forged shared row, a damaged log) is refused, counted in
         `scope_mismatches` and logged, and treated as a stale candidate; with `adapter` (the
         request's adapter digest, "" for the base model), so must its adapter. `can_verify`: the
-        request may be verified by the engine (greedy), so a trust gate may ask for it."""
+        request may be verified by the engine (greedy), so a trust gate may ask for it. The
+        guard's text profiles are memoized within `scope` only (`features.memo_scope`)."""
+        with memo_scope(scope):
+            return self._search(prompt, scope, vector, cached, tenant_scope, can_verify, adapter)
+
+    def _search(
+        self,
+        prompt: str,
+        scope: str,
+        vector: np.ndarray,
+        cached: bool,
+        tenant_scope: str | None,
+        can_verify: bool,
+        adapter: str | None,
+    ) -> SemanticLookup:
         found_rows = self.index.search(scope, vector, self.top_k)
         drafts = tuple(n.digest for n in found_rows if n.similarity >= self.draft_min_similarity)[
             : self.draft_neighbours

@@ -61,7 +61,7 @@ def guard_feature_costs(pairs: list[tuple[str, str]], rounds: int = 200) -> tupl
     started = time.perf_counter()
     for _ in range(rounds):
         for text in texts:
-            feats.profile.__wrapped__(text)
+            feats.profile_text(text)
     profile_us = (time.perf_counter() - started) / (rounds * len(texts)) * 1e6
     for q, c in pairs:
         feats.features(q, c, 0.9)  # memoize the profiles
