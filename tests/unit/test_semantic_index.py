@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -145,6 +146,27 @@ def test_vector_cache_short_of_disk_keeps_vectors_in_l1_only(tmp_path: Path) -> 
     reopened = VectorCache(tmp_path / "vec", DIM)
     assert reopened.get(short) is None and reopened.get(kept) is not None
     reopened.close()
+
+
+def test_a_full_vector_l2_starts_over_keeps_the_new_vector_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """L2's map full: it is emptied (vectors are recomputable) and the vector that met the full
+    map is written after it, never lost from L2 nor failed; the warning comes once a minute
+    however often it fills."""
+    dims = 1024
+    cache = VectorCache(tmp_path / "vec", dims, l1_max_bytes=0, l2_max_bytes=256 << 10)
+    rng = np.random.default_rng(0)
+    with caplog.at_level(logging.WARNING, logger="tiercache.semantic.vectors"):
+        for i in range(400):
+            key, vector = vector_key("emb@1", f"text {i}"), rng.random(dims, dtype=np.float32)
+            cache.put(key, vector)
+            assert np.array_equal(cache.get(key), vector)  # from L2 (L1 holds nothing)
+    assert cache.l2_clears >= 2 and cache.stats().l2_clears == cache.l2_clears
+    assert [r.getMessage() for r in caplog.records] == [
+        "vector cache L2 is full; cleared (clears so far: 1; raise vector_l2_max_bytes if this recurs)"
+    ]
+    cache.close()
 
 
 def test_vector_cache_l1_is_an_lru_in_bytes_that_resizes_and_values_its_next_byte(

@@ -23,6 +23,7 @@ import lmdb
 import numpy as np
 
 from tiercache.exact.stores import check_readers, open_lmdb
+from tiercache.log_throttle import LogThrottle
 from tiercache.machine import ROOM, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 
@@ -61,6 +62,7 @@ class VectorCacheStats:
     corrupt: int
     l1_entries: int
     l2_skipped: int = 0  # vectors kept in L1 only: the disk short of its headroom
+    l2_clears: int = 0  # times L2 was full and started over
 
 
 class VectorCache:
@@ -78,6 +80,8 @@ class VectorCache:
         self.path = path
         self._disk = disk
         self.l2_skipped = 0  # vectors not written to L2 for want of disk
+        self.l2_clears = 0  # times L2 was full and started over
+        self._clear_log = LogThrottle()
         # Damaged while stopped: moved aside and rebuilt empty (vectors are recomputable).
         # Created 0700 with 0600 files (`open_lmdb`).
         self._env = open_lmdb(path, l2_max_bytes, "vector cache")
@@ -129,17 +133,41 @@ class VectorCache:
             with self._lock:
                 self.l2_skipped += 1
         else:
-            try:
-                with self._env.begin(write=True) as txn:
-                    txn.put(key, encode_vector(vector))
-            except lmdb.MapFullError:
-                # Vectors are re-computable: when the budget is full, start over, never fail.
-                log.warning("vector cache L2 is full; cleared")
-                with self._env.begin(write=True) as txn:
-                    txn.drop(self._env.open_db(), delete=False)
+            self._write(key, encode_vector(vector))
         with self._lock:
             self._shadow.credit(key, cost_s)
             self._admit(key, vector)
+
+    def _write(self, key: bytes, blob: bytes) -> None:
+        """Into L2. Vectors are recomputable: when its budget is full, L2 starts over and takes
+        this one; never fails for it (at worst the vector stays in L1 only). LMDB reuses the
+        pages a commit freed only two commits later (the one before stays readable), so the
+        emptying commits twice before the retry: the second on the empty table."""
+        for attempt in range(3):
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(key, blob)
+                return
+            except lmdb.MapFullError:
+                if attempt == 2:
+                    return  # larger than the whole budget: L1 only
+            try:
+                for _ in range(2):
+                    with self._env.begin(write=True) as txn:
+                        txn.drop(self._env.open_db(), delete=False)
+            except lmdb.MapFullError:
+                if self._clear_log.ready():
+                    log.warning("vector cache L2 is full and could not be cleared; L1 only")
+                return
+            if attempt == 0:
+                with self._lock:
+                    self.l2_clears += 1
+                if self._clear_log.ready():  # a budget too small for its traffic clears often
+                    log.warning(
+                        "vector cache L2 is full; cleared (clears so far: %d; raise "
+                        "vector_l2_max_bytes if this recurs)",
+                        self.l2_clears,
+                    )
 
     def _admit(self, key: bytes, vector: np.ndarray) -> None:
         """Into L1 as the most recently used (lock held); least recently used out past the
@@ -199,6 +227,7 @@ class VectorCache:
                 self._corrupt,
                 len(self._l1),
                 self.l2_skipped,
+                self.l2_clears,
             )
 
     def close(self) -> None:

@@ -381,7 +381,20 @@ def open_embedding_cache(
             "disk_headroom_bytes",
         )
     )
-    metrics.on_flush(lambda: skipped.update(vectors.stats().l2_skipped))
+    clears = tm.DeltaCounter(
+        metrics.counter(
+            "tiercache_vector_l2_clears_total",
+            "Times the prompt vectors' L2 was full and was emptied (vector_l2_max_bytes too "
+            "small for the traffic when it recurs)",
+        )
+    )
+
+    def flush_vectors() -> None:
+        stats = vectors.stats()
+        skipped.update(stats.l2_skipped)
+        clears.update(stats.l2_clears)
+
+    metrics.on_flush(flush_vectors)
     # its answers' L1 follows the machine, as prompt_cache's does, and so do its vectors' L1
     others = []
     if config.vector_l1_max_bytes > 0:
