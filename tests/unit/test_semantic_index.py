@@ -164,7 +164,8 @@ def test_a_full_vector_l2_starts_over_keeps_the_new_vector_and_logs_once(
             assert np.array_equal(cache.get(key), vector)  # from L2 (L1 holds nothing)
     assert cache.l2_clears >= 2 and cache.stats().l2_clears == cache.l2_clears
     assert [r.getMessage() for r in caplog.records] == [
-        "vector cache L2 is full; cleared (clears so far: 1; raise vector_l2_max_bytes if this recurs)"
+        "vector cache L2 is full; cleared (clears so far: 1; "
+        "raise vector_l2_max_bytes if this recurs)"
     ]
     cache.close()
 
