@@ -608,6 +608,44 @@ def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
     store.close()
 
 
+def test_the_redis_follower_compacts_at_the_mark_by_the_answers_values(tmp_path: Path) -> None:
+    """Shared rows taking the log past its compaction mark: the follower compacts then, as the
+    llm stage's writes do (it compacted only once the map was full, when deleting a row needs
+    pages the map no longer has: the log stayed full), giving up the rows whose answers are
+    worth least (it gave up the oldest, whatever they were worth)."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+    count = 0
+    rng = np.random.default_rng(0)
+    while not store.compaction_due():  # this host's own rows, up to the mark
+        store.log_rows([("s", f"d{count}", "p", unit(*rng.random(DIM)))])
+        count += 1
+    oldest = {f"d{i}" for i in range(count // 5)}  # worth most; the oldest went first before
+    secret = b"s" * 32
+    key = "t:" + STREAM
+    signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+    entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
+    row = SharedRow.of_entry("s", "shared", "p", unit(1, 0), "", entry, origin="other-host")
+    stream = _FakeStream(key, [sign_fields(signer, key, row.to_fields())])
+    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    follower = RowFollower(
+        link,
+        store,
+        InvalidationTable(),
+        lock_path=tmp_path / "follower.lock",
+        answer_value=lambda digest: 9.0 if digest in oldest else 1.0,
+        retry_s=0.05,
+    ).start()
+    try:
+        assert follower.wait_caught_up(30)
+    finally:
+        follower.close()
+    kept = {r.digest for r in store.rows_since(0)}
+    assert "shared" in kept and oldest <= kept
+    assert len(kept) == count + 1 - max(1, (count + 1) // 10)  # the tenth worth least went
+    assert not store.compaction_due()
+    store.close()
+
+
 def test_the_redis_follower_waits_while_the_disk_is_critical_and_loses_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

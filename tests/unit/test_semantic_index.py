@@ -467,6 +467,38 @@ def test_when_every_answer_lives_compaction_gives_up_the_rows_worth_least(tmp_pa
     store.close()
 
 
+def test_one_compaction_at_a_time_on_the_host(tmp_path: Path) -> None:
+    """The llm stage's compaction thread and the Redis row follower compact the same log; two
+    at once each gave up a tenth. The second waits for the first (the host's flock, across
+    processes as across threads) and, the log under its mark after it, deletes nothing."""
+    store = SemanticStore(tmp_path / "sem")
+    for i in range(20):
+        store.append("s", f"d{i}", "p", unit(1, i))
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_exists(digest: str) -> bool:
+        inside.set()
+        release.wait(10)
+        return True
+
+    first: list[int] = []
+    worker = threading.Thread(target=lambda: first.append(store.compact(slow_exists, 0.1)))
+    worker.start()
+    assert inside.wait(10)
+    second: list[int] = []
+    waiter = threading.Thread(target=lambda: second.append(store.compact(lambda d: True, 0.1)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # waiting for the first compaction
+    release.set()
+    worker.join(10)
+    waiter.join(10)
+    assert (first, second) == ([2], [0])
+    assert len(list(store.rows_since(0))) == 18
+    assert store.compact(lambda d: True, 0.1) == 1  # alone, an explicit compaction runs
+    store.close()
+
+
 # ---- saved HNSW graphs ----------------------------------------------------------------------
 # LMDB opens an environment once per process, so the "processes" below share one SemanticStore;
 # each SemanticIndex has its own graph, as each stage process does.

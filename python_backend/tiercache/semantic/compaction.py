@@ -5,16 +5,21 @@ cache (else the tenth whose answers are worth least to the exact cache, oldest f
 equals), then rewrites the touched scopes' shared tables without them
 (`ScopeTables.sync_scope`). It runs on one background thread per process, started by the write
 that finds the log past `_COMPACT_AT_FRACTION` of its map, so the write-back of a miss never
-waits for it: compacting a large log takes seconds.
+waits for it: compacting a large log takes seconds. One compaction of a log runs at a time on
+the host (an `flock` on `compaction.lock` beside it): the llm stage's thread of each process and
+the Redis row follower compact the same log, and two at once gave up twice the rows.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Protocol
 
 import lmdb
@@ -31,6 +36,7 @@ _COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropp
 _COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
 _COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
 _APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
+COMPACTION_LOCK = "compaction.lock"  # in the log's folder: one compaction at a time per host
 
 Row = tuple[str, str, str, np.ndarray]
 """(scope, answer digest, normalized prompt, vector): a row to append, before it has a seq."""
@@ -196,6 +202,11 @@ class Compactor:
             touched |= tags
         return deleted, touched
 
+    def due(self) -> bool:
+        """Whether the log's data pages passed the mark where compaction starts (while the map
+        still has the free pages that deleting needs)."""
+        return self._log.data_bytes() >= self._compact_at_bytes
+
     def wait(self, timeout_s: float = 60.0) -> bool:
         """Wait for a running background compaction (and its appends); False on timeout."""
         with self._lock:
@@ -221,7 +232,38 @@ class Compactor:
         Then each touched scope's table is rewritten without them (the old one retired).
         Keeps only each row's scope and digest in memory (not its vector), and deletes in
         transactions of `_COMPACT_BATCH` rows: LMDB copies the pages it changes, so one
-        transaction over a nearly full map could not even delete."""
+        transaction over a nearly full map could not even delete.
+        One at a time on the host (`COMPACTION_LOCK`): a call that had to wait for another
+        thread's or process's compaction returns 0 when the log is under its mark after it."""
+        with self._host_exclusive() as waited:
+            if waited and self._log.data_bytes() < self._compact_at_bytes:
+                return 0  # the compaction it waited for made the room
+            return self._compact(answer_exists, fallback_fraction, answer_value)
+
+    @contextmanager
+    def _host_exclusive(self) -> Iterator[bool]:
+        """Holds the host's compaction lock (an flock: threads and processes alike, each call
+        on its own descriptor); yields whether another holder had it first."""
+        fd = os.open(
+            self._log.path / COMPACTION_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
+        )
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                waited = False
+            except BlockingIOError:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                waited = True
+            yield waited
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _compact(
+        self,
+        answer_exists: Callable[[str], bool],
+        fallback_fraction: float,
+        answer_value: Callable[[str], float] | None,
+    ) -> int:
         dead: list[tuple[int, tuple[str, str] | None]] = []
         rows: list[tuple[int, tuple[str, str] | None]] = []
         for seq, row in self._log.scan():

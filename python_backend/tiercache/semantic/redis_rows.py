@@ -300,6 +300,7 @@ class RowFollower:
         lock_path: Path,
         ready: Callable[[], bool] = lambda: True,
         answer_exists: Callable[[str], bool] = lambda digest: True,
+        answer_value: Callable[[str], float] | None = None,
         embedder: str = "",
         dimensions: int = 0,
         batch_rows: int = 512,
@@ -308,7 +309,8 @@ class RowFollower:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`embedder`/`dimensions` ("" / 0: any) keep rows this host cannot search out of its
-        log; `answer_exists` is for compaction when the log is full (as in the llm stage)."""
+        log; `answer_exists` and `answer_value` are for compaction when the log is full (as in
+        the llm stage: rows whose answers are gone, else those worth least, go)."""
         self.link = link
         self.store = store
         self.invalidations = invalidations
@@ -317,6 +319,7 @@ class RowFollower:
         self._lock_path = lock_path
         self._ready = ready
         self._answer_exists = answer_exists
+        self._answer_value = answer_value
         self._embedder = embedder
         self._dimensions = dimensions
         self._batch_rows = batch_rows
@@ -550,7 +553,20 @@ class RowFollower:
             self._log([], meta, {})
         for tag, (seqs, vectors) in fresh.items():
             self.store.tables.publish(tag, seqs, np.stack(vectors))
+        if self.store.compaction_due():
+            # as the llm stage's writes do: at the mark, while the map still has the free pages
+            # deleting needs (a log this follower filled to the brim could not even delete)
+            self._compact()
         return sum(len(seqs) for seqs, _ in fresh.values())
+
+    def _compact(self) -> None:
+        started = time.perf_counter()
+        deleted = self.store.compact(self._answer_exists, answer_value=self._answer_value)
+        log.info(
+            "semantic log compacted by the Redis row follower: %d rows deleted in %.1f s",
+            deleted,
+            time.perf_counter() - started,
+        )
 
     def _log(
         self,
@@ -561,7 +577,7 @@ class RowFollower:
         try:
             return self.store.log_rows(rows, meta, tenants=tenants)[1]
         except lmdb.MapFullError:
-            self.store.compact(self._answer_exists)
+            self._compact()
             return self.store.log_rows(rows, meta, tenants=tenants)[1]
 
     def _describe(self) -> str:
@@ -670,6 +686,7 @@ class RowSharing:
             lock_path=follower_lock_path(store.path),
             ready=(lambda: listener.stats().connected) if listener is not None else lambda: True,
             answer_exists=cache.exists,  # strict: an unreadable tier stops a compaction
+            answer_value=cache.answer_value,
             embedder=embedder,
             dimensions=dimensions,
             batch_rows=batch_rows,

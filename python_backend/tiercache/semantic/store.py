@@ -191,6 +191,11 @@ class SemanticStore(RowLog):
         """Compact now, on this thread (`Compactor.compact`); the number of rows deleted."""
         return self._compactor.compact(answer_exists, fallback_fraction, answer_value)
 
+    def compaction_due(self) -> bool:
+        """Past the mark where compaction starts (`Compactor.due`): for writers that do not go
+        through `append_or_compact` (the Redis row follower)."""
+        return self._compactor.due()
+
     def close(self) -> None:
         self.wait_compacted()
         super().close()
