@@ -106,6 +106,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
     gateway_host = exposure.host if args.api_keys else LOOPBACK
     if args.gateway:
+        from tiercache.gateway.app import metrics_networks
+
+        try:
+            metrics_networks(args.gateway_metrics_from)
+        except ValueError as exc:
+            print(f"tiercache: --gateway-metrics-from: {exc}", file=sys.stderr)
+            return 2
         if not is_loopback(exposure.host) and not args.api_keys:
             print(
                 "tiercache: the OpenAI endpoint stays on loopback: without an API key file "
@@ -246,6 +253,8 @@ def _start_gateway(args: argparse.Namespace, server: TritonServer, host: str) ->
     adapters = adapters_path(args.adapters_dir, Path(args.state_dir).resolve())
     if adapters.is_dir():
         command += ["--adapters-dir", str(adapters.resolve())]
+    for network in args.gateway_metrics_from:
+        command += ["--metrics-from", network]
     env = {**os.environ, **server.env_overrides}
     process = subprocess.Popen(command, start_new_session=True, env=env)
     url = f"http://{connect_host(host)}:{args.gateway_port}/health"
@@ -447,6 +456,15 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         help="generation requests one API key may send a minute (a burst of that many, then "
         "evenly), past which its next is a 429 with retry-after (default 0: no limit)",
     )
+    gw.add_argument(
+        "--metrics-from",
+        action="append",
+        default=[],
+        metavar="NETWORK",
+        help="peers GET /metrics answers, anyone else gets a 403 (its counts are every "
+        "tenant's volume and hit ratio): addresses or networks (CIDR), comma-separated or "
+        "repeated; `any` for everyone (default: loopback, this host only)",
+    )
     gw.add_argument("--model-name", default="tiercache", help="the base model's `model` id")
     gw.add_argument(
         "--adapters-dir",
@@ -473,7 +491,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
 def _gateway(args: argparse.Namespace) -> int:
     import uvicorn  # the gateway's server: imported only for this command
 
-    from tiercache.gateway.app import GatewaySettings, server_config
+    from tiercache.gateway.app import GatewaySettings, metrics_networks, server_config
 
     keys_file = os.environ.get(API_KEYS_FILE_ENV, "")
     if not is_loopback(args.host) and not (keys_file or args.server_has_api_keys):
@@ -493,6 +511,11 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     if args.requests_per_minute_per_key < 0:
         print("error: --requests-per-minute-per-key must be 0 (no limit) or more", file=sys.stderr)
+        return 2
+    try:
+        metrics_from = metrics_networks(args.metrics_from)
+    except ValueError as exc:
+        print(f"error: --metrics-from: {exc}", file=sys.stderr)
         return 2
     adapters_dir = args.adapters_dir or os.environ.get(ADAPTERS_DIR_ENV) or ""
     names: frozenset[str] = frozenset()
@@ -522,6 +545,7 @@ def _gateway(args: argparse.Namespace) -> int:
         requests_per_minute_per_key=args.requests_per_minute_per_key,
         model_repository=repository,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
+        metrics_from=metrics_from,
     )
     edge = f"edge layer on {repository}" if repository else "no edge layer"
     print(
@@ -666,6 +690,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=port_number,
         default=8080,
         help="the OpenAI-compatible endpoint's port (`tiercache gateway`, docs/gateway.md)",
+    )
+    serve.add_argument(
+        "--gateway-metrics-from",
+        action="append",
+        default=[],
+        metavar="NETWORK",
+        help="peers the OpenAI endpoint's GET /metrics answers (`tiercache gateway "
+        "--metrics-from`; default loopback)",
     )
     serve.add_argument(
         "--no-gateway",

@@ -460,3 +460,36 @@ def test_a_request_pipelined_behind_a_large_body_is_not_taken_for_a_large_head()
                 assert chunk, answer
                 answer += chunk
     assert answer.count(b"HTTP/1.1 200") == 2
+
+
+def test_metrics_answer_the_operators_peers_only() -> None:
+    """GET /metrics counts every tenant's answers: by default it answers this host only (a
+    403 with OpenAI's error body for any other peer), and `--metrics-from` names who else.
+    Checked on real sockets: a gateway whose metrics are for 10.0.0.0/8 refuses loopback."""
+    with blackhole() as triton:
+        closed = app.GatewaySettings(
+            triton_url=triton, metrics_from=app.metrics_networks(["10.0.0.0/8"])
+        )
+        with app.running_in_thread(closed, free_port()) as base:
+            refused = httpx2.get(f"{base}/metrics", timeout=10)
+        with app.running_in_thread(app.GatewaySettings(triton_url=triton), free_port()) as base:
+            served = httpx2.get(f"{base}/metrics", timeout=10)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "metrics_restricted"
+    assert "tiercache_gateway" not in refused.text
+    assert served.status_code == 200 and "tiercache_gateway_requests_total" in served.text
+
+
+def test_metrics_networks_and_peers() -> None:
+    loopback = app.metrics_networks([])
+    assert app.peer_in("127.0.0.1", loopback) and app.peer_in("::1", loopback)
+    assert not app.peer_in("10.1.2.3", loopback) and not app.peer_in(None, loopback)
+    assert not app.peer_in("not an address", loopback)
+    named = app.metrics_networks(["10.0.0.0/8, 192.168.1.7", "loopback"])
+    assert app.peer_in("10.1.2.3", named) and app.peer_in("192.168.1.7", named)
+    assert app.peer_in("::ffff:10.1.2.3", named)  # a dual-stack listener's IPv4 peer
+    assert app.peer_in("127.0.0.1", named) and not app.peer_in("192.168.1.8", named)
+    everyone = app.metrics_networks(["any"])
+    assert app.peer_in("203.0.113.9", everyone) and app.peer_in("2001:db8::1", everyone)
+    with pytest.raises(ValueError, match="'10.0.0.0/33' is not an address"):
+        app.metrics_networks(["10.0.0.0/33"])

@@ -101,6 +101,49 @@ SIMILARITY_HEADER = "x-tiercache-similarity"
 ANSWER_ID_HEADER = "x-tiercache-answer-id"
 
 
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOOPBACK_NETWORKS: tuple[IpNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+)
+
+
+def metrics_networks(specs: list[str]) -> tuple[IpNetwork, ...]:
+    """`--metrics-from` values: addresses or networks (CIDR), `loopback`, or `any`; none given:
+    loopback. ValueError names a value that is none of these."""
+    networks: list[IpNetwork] = []
+    for spec in specs or ["loopback"]:
+        for part in spec.split(","):
+            part = part.strip().lower()
+            if part == "loopback":
+                networks += LOOPBACK_NETWORKS
+            elif part == "any":
+                networks += [ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")]
+            else:
+                try:
+                    networks.append(ipaddress.ip_network(part.strip("[]"), strict=False))
+                except ValueError:
+                    raise ValueError(
+                        f"{part!r} is not an address, a network (CIDR), 'loopback' or 'any'"
+                    ) from None
+    return tuple(networks)
+
+
+def peer_in(host: str | None, networks: tuple[IpNetwork, ...]) -> bool:
+    """Whether a peer's address (the socket's: the gateway trusts no forwarded header) is in
+    one of `networks`; an unknown or unparsable peer is not. An IPv4-mapped IPv6 peer
+    (::ffff:a.b.c.d, a dual-stack listener) counts as its IPv4 address."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return any(address.version == n.version and address in n for n in networks)
+
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     """Where the ensemble is, and what the gateway calls the models it serves."""
@@ -141,6 +184,9 @@ class GatewaySettings:
     # the operator opens cannot reach a gateway on 127.0.0.1). None: on where `server_config`
     # listens on a loopback address, off elsewhere (an app built alone: off)
     loopback_hosts_only: bool | None = None
+    # peers `GET /metrics` answers (anyone else: 403): its counts are every tenant's volume
+    # and hit ratio. Default this host only; `metrics_networks(["any"])` opens it to all
+    metrics_from: tuple[IpNetwork, ...] = ()
 
 
 def ensemble_fields(gen: api.Generation) -> dict[str, Any]:
@@ -513,7 +559,18 @@ def create_app(settings: GatewaySettings) -> Starlette:
             answer_id=hit.answer_id,
         )
 
+    metrics_from = settings.metrics_from or LOOPBACK_NETWORKS
+
     async def prometheus(request: Request) -> Response:
+        peer = request.client.host if request.client is not None else None
+        if not peer_in(peer, metrics_from):
+            message = (
+                "GET /metrics is served to the operator's addresses only (`tiercache gateway "
+                "--metrics-from`; default this host): it counts every tenant's answers"
+            )
+            return JSONResponse(
+                api.error_body(message, "permission_error", "metrics_restricted"), status_code=403
+            )
         return metrics.exposition()
 
     def the_gateway() -> Gateway:
