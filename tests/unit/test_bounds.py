@@ -608,6 +608,76 @@ def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
     store.close()
 
 
+def test_while_compactions_fail_the_log_stops_at_its_mark_and_compacts_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compactions that cannot read a tier (Redis down) delete nothing. Rows past the mark
+    used to be appended anyway, until the map was full, and a full map cannot commit even one
+    row's delete: the log stayed full after Redis came back. Now past the mark rows wait for a
+    compaction (and are dropped while it fails); once the tiers read again it compacts."""
+    from tiercache.semantic import compaction
+
+    monkeypatch.setattr(compaction, "_RETRY_PAUSE_S", 0.0)  # every write may start one
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+    rng = np.random.default_rng(0)
+    down = [True]
+
+    def exists(digest: str) -> bool:
+        if down[0]:
+            raise ConnectionError("redis is down")
+        return digest.endswith("7")  # most answers gone meanwhile
+
+    with caplog.at_level(logging.ERROR):
+        for i in range(1500):  # writes slower than a failing compaction; more than fill it
+            store.append_or_compact("s", f"d{i}", "p", unit(*rng.random(DIM)), exists)
+            assert store.wait_compacted(30)
+    assert store.compaction_due()
+    assert store.data_bytes() < 0.65 * (256 << 10)  # the mark (0.6) and a row; full was 0.77
+    failures = [r for r in caplog.records if "compacting the semantic log failed" in r.message]
+    assert len(failures) == 1  # once a minute, not once a write (1,500 lines before)
+    down[0] = False  # the next write's compaction works: it can delete, and rows go in again
+    store.append_or_compact("s", "first", "p", unit(1, 0), exists)
+    assert store.wait_compacted(30)
+    store.append_or_compact("s", "after", "p", unit(0, 1), exists)
+    assert store.wait_compacted(30)
+    assert "after" in {r.digest for r in store.rows_since(0)}
+    assert not store.compaction_due()
+    store.close()
+
+
+def test_after_a_failed_compaction_rows_wait_a_pause_before_the_next(tmp_path: Path) -> None:
+    """A failed compaction (a tier unreadable) is not retried by every write: rows past the
+    mark wait (bounded) for `_RETRY_PAUSE_S`, then the next write starts one, and they are
+    appended after it."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+    rng = np.random.default_rng(1)
+    calls = [0]
+    down = [True]
+
+    def exists(digest: str) -> bool:
+        calls[0] += 1
+        if down[0]:
+            raise ConnectionError("redis is down")
+        return digest.endswith("3")
+
+    i = 0
+    while not store.compaction_due():
+        store.append_or_compact("s", f"d{i}", "p", unit(*rng.random(DIM)), exists)
+        i += 1
+    assert store.wait_compacted(30)
+    tried = calls[0]
+    for j in range(50):  # within the pause: no compaction, the rows wait
+        assert store.append_or_compact("s", f"w{j}", "p", unit(*rng.random(DIM)), exists) is None
+    assert store.wait_compacted(30) and calls[0] == tried
+    down[0] = False
+    store._compactor._failed_s -= 60.0  # the pause is over
+    store.append_or_compact("s", "last", "p", unit(1, 0), exists)
+    assert store.wait_compacted(30)
+    kept = {r.digest for r in store.rows_since(0)}
+    assert {f"w{j}" for j in range(50)} | {"last"} <= kept
+    store.close()
+
+
 def test_the_redis_follower_compacts_at_the_mark_by_the_answers_values(tmp_path: Path) -> None:
     """Shared rows taking the log past its compaction mark: the follower compacts then, as the
     llm stage's writes do (it compacted only once the map was full, when deleting a row needs

@@ -25,6 +25,7 @@ from typing import Protocol
 import lmdb
 import numpy as np
 
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.graph_files import GraphFiles
 from tiercache.semantic.row_log import RowLog, ScopeLimitReached
 from tiercache.semantic.shared_rows import ScopeTables
@@ -36,6 +37,7 @@ _COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropp
 _COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
 _COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
 _APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
+_RETRY_PAUSE_S = 5.0  # after a failed compaction, before another starts (rows wait meanwhile)
 COMPACTION_LOCK = "compaction.lock"  # in the log's folder: one compaction at a time per host
 
 Row = tuple[str, str, str, np.ndarray]
@@ -70,6 +72,8 @@ class Compactor:
         self._lock = threading.Lock()
         self._pending: list[tuple[Row, str]] = []  # (row, tenant scope)
         self._thread: threading.Thread | None = None
+        self._failed_s = -math.inf  # when a compaction last failed (monotonic)
+        self._failure_log = LogThrottle()
 
     def append_or_compact(
         self,
@@ -88,23 +92,28 @@ class Compactor:
         free pages even to delete) and are appended after it (at most `_MAX_PENDING`; more
         are dropped: a row missing costs a later semantic hit, never a wrong one). The
         caller, a miss's write-back, never waits for it: compacting a large log takes
-        seconds."""
+        seconds. Past the mark a row is never appended before a compaction has brought the log
+        under it: while compactions fail (Redis unreadable: they delete nothing) rows waited,
+        were dropped after three rounds, and the next write appended again, until the map was
+        full, and on a full map not even one row can be deleted (LMDB copies the pages a delete
+        changes): the log stayed full for good."""
         with self._lock:
             if self._thread is not None:
                 if len(self._pending) < _MAX_PENDING:
                     self._pending.append((row, tenant))
                 return None
         seq: int | None = None
-        try:
-            seq = self._append_many([row], tenants={row[0]: tenant})[0]
-        except lmdb.MapFullError:
-            pass
+        if not self.due():  # past the mark nothing is appended before a compaction (below)
+            try:
+                seq = self._append_many([row], tenants={row[0]: tenant})[0]
+            except lmdb.MapFullError:
+                pass
         if seq is not None and self._log.data_bytes() < self._compact_at_bytes:
             return seq
         with self._lock:
             if seq is None and len(self._pending) < _MAX_PENDING:
                 self._pending.append((row, tenant))
-            if self._thread is None:
+            if self._thread is None and time.monotonic() - self._failed_s >= _RETRY_PAUSE_S:
                 self._thread = threading.Thread(
                     target=self._compact_then_append,
                     args=(answer_exists, answer_value),
@@ -121,7 +130,10 @@ class Compactor:
     ) -> None:
         """Compact, then append the rows that waited, `_APPEND_BATCH` at a time, until none
         is left; if the log fills again first, compact again, at most `_COMPACTION_ROUNDS`
-        times, then drop what still waits (logged)."""
+        times, then drop what still waits (logged). A compaction that fails (a tier it must
+        read is down) ends the rounds: the rows past the mark wait for the next one, which the
+        first write `_RETRY_PAUSE_S` later starts; the failure is logged once a minute."""
+        failed = False
         for _ in range(_COMPACTION_ROUNDS):
             started = time.perf_counter()
             try:
@@ -132,7 +144,16 @@ class Compactor:
                     time.perf_counter() - started,
                 )
             except Exception:  # noqa: BLE001 - the waiting rows are tried anyway
-                log.exception("compacting the semantic log failed")
+                failed = True
+                with self._lock:
+                    self._failed_s = time.monotonic()
+                if self._failure_log.ready():  # a Redis outage fails every one: not a flood
+                    log.exception(
+                        "compacting the semantic log failed (%d more since the last line; "
+                        "tried again %.0f s after a failure, rows past the mark wait)",
+                        self._failure_log.suppressed,
+                        _RETRY_PAUSE_S,
+                    )
             while True:
                 with self._lock:
                     if not self._pending:
@@ -154,6 +175,10 @@ class Compactor:
                     with self._lock:
                         self._pending[:0] = left
                     break  # full again: another round
+            if failed:
+                with self._lock:  # the rows left wait (bounded) for the next compaction
+                    self._thread = None
+                return
         with self._lock:
             dropped, self._pending = len(self._pending), []
             self._thread = None

@@ -535,7 +535,11 @@ class RowFollower:
         """Rows through the write path (log, then tables); how many were new. `tenants` names
         each row's tenant scope by scope (a new scope counts toward that tenant's cap). A batch
         the log refuses (a width that differs from the scope's, a new scope past a cap) is
-        retried row by row, skipping those."""
+        retried row by row, skipping those. Past the compaction mark it compacts first, and a
+        compaction that fails leaves the batch unapplied (read again later): rows never take
+        the log past its mark while compactions fail, or a full map could not even delete."""
+        if self.store.compaction_due():
+            self._compact()
         try:
             fresh = self._log(rows, meta, tenants)
         except ValueError:
