@@ -252,3 +252,31 @@ def test_a_padding_llm_that_cannot_publish_its_terms_does_not_start(tmp_path: Pa
     with pytest.raises(ConfigError, match="could not publish llm's terms"):
         write_terms(blocked, LLM, llm_terms(PaddingPolicy(0.05, 0.0)), required=True)
     write_terms(blocked, LLM, llm_terms(PaddingPolicy()))  # not required: logged only
+
+
+def test_with_one_kv_reuse_tenant_the_edge_serves_no_other(tmp_path: Path) -> None:
+    """llm refuses every tenant but `trtllm_kv_reuse_tenant`'s, hits included (a 403): the
+    edge served another tenant's cached answer with a 200 (and the flip told a hit). It serves
+    that tenant only, and an llm published without that restriction breaks the contract."""
+    keys_file = tmp_path / "keys.json"
+    only_key, only = add_key(keys_file, "only")
+    other_key, other = add_key(keys_file, "other")
+    scope = PromptCache(TieredCache([]), SECRET, ENGINE).scope("only")
+    lookup = PromptCache(TieredCache([(Tier.L1, MemoryStore(1 << 20))]), SECRET, ENGINE)
+    expected = {
+        PROMPT_CACHE: prompt_cache_terms(keys_file, SECRET, ENGINE, DEFAULT_LIMITS),
+        LLM: llm_terms(PaddingPolicy(), scope),
+    }
+    publish(tmp_path, expected)
+    cache = EdgeCache(
+        lookup, PaddingPolicy(), check(tmp_path, expected), KeyFile(keys_file), None, None, scope
+    )
+    raw = RawInputs("What is Triton?")
+    stored(lookup, raw, "for the one tenant", only)
+    stored(lookup, raw, "for another tenant", other)
+    assert cache.answer(raw, f"Bearer {other_key}") is None  # the ensemble answers its 403
+    hit = cache.answer(raw, f"Bearer {only_key}")
+    assert hit is not None and hit.text == "for the one tenant"
+    publish(tmp_path, {LLM: llm_terms(PaddingPolicy())})  # an llm serving every tenant
+    stale = check(tmp_path, expected)
+    assert not stale.holds()

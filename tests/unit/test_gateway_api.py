@@ -3,6 +3,7 @@ and the response objects the gateway builds."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -25,6 +26,25 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], **fields}
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"guided_json": {"type": "object"}},  # vLLM's constrained decoding: answered unconstrained
+        {"ignore_eos": True},
+        {"min_tokens": 20},
+        {"reasoning_effort": "high"},
+        {"tiercache": {"cache-control": "no-store"}},  # a misspelt tiercache field
+        {"prompt": "Hi"},  # /v1/completions' field on the chat route
+    ],
+)
+def test_a_field_the_server_does_not_know_is_a_400_naming_it(body: dict[str, object]) -> None:
+    """Ignored, such a request was answered (and cached, then served to the next caller) as
+    if it had not asked for anything; OpenAI's own server refuses it likewise."""
+    name = next(iter(body["tiercache"])) if "tiercache" in body else next(iter(body))
+    with pytest.raises(InvalidRequest, match=f"unrecognized .*{re.escape(repr(name))}"):
+        parse(chat(**body))
+
+
 def test_a_chat_request_becomes_one_generation() -> None:
     gen = parse(chat(max_completion_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop="\n"))
     assert (gen.prompt, gen.model, gen.lora_name, gen.stream) == ("Hi", BASE, None, False)
@@ -33,7 +53,7 @@ def test_a_chat_request_becomes_one_generation() -> None:
     assert parse(chat(max_tokens=7)).max_tokens == 7
     on_caps = parse({"model": "caps", "prompt": "Hi", "stream": True}, chat=False)
     assert (on_caps.lora_name, on_caps.stream, on_caps.chat) == ("caps", True, False)
-    assert parse(chat(unknown_field=1, user="u-1")).user == "u-1"  # unknown fields ignored
+    assert parse(chat(store=False, metadata={"app": "x"}, user="u-1")).user == "u-1"
     assert parse(chat(top_k=5, min_p=0, repetition_penalty=1)).top_k == 5  # neutral: accepted
     assert parse(chat()).top_k is None
 

@@ -241,6 +241,18 @@ def test_one_key_may_have_only_so_many_generations_in_flight() -> None:
             with _connect(base) as bare:
                 bare.sendall(_request_with_key(b"key-a"))
                 assert bare.recv(4096).startswith(b"HTTP/1.1 429")
+            with _connect(base) as feedback:  # a Triton call too (a `bad` one invalidates)
+                verdict = b'{"answer_id": "x", "verdict": "bad"}'
+                feedback.sendall(
+                    _request_with_key(b"Bearer key-a")
+                    .replace(b"/v1/completions", b"/v1/feedback")
+                    .replace(
+                        f"content-length: {len(BODY)}".encode(),
+                        b"content-length: %d" % len(verdict),
+                    )
+                    .replace(BODY, verdict)
+                )
+                assert feedback.recv(4096).startswith(b"HTTP/1.1 429")
             for conn in held:
                 conn.close()
             deadline = time.monotonic() + 10

@@ -609,6 +609,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
             )
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
+        del body  # its parsed JSON (many times the body's bytes) is not held while it generates
         hit = await edge_hit(gen, key)
         if hit is not None:
             if gen.stream:
@@ -847,6 +848,9 @@ async def send_error(
 
 
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# what the per-key limits count: every route that costs a Triton call (a `bad` verdict writes
+# an invalidation; feedback was not counted)
+LIMITED_ROUTES = GENERATION_ROUTES | {"/v1/feedback"}
 
 
 class KeyRate:
@@ -892,7 +896,8 @@ class KeyRate:
 
 
 class PerKeyLimit:
-    """Pure ASGI middleware, per Authorization header, for generation requests: at most
+    """Pure ASGI middleware, per Authorization header, for generation and feedback requests
+    (`LIMITED_ROUTES`): at most
     `limit` in flight (a stream counts until its last byte is sent; 0: no limit) and, with
     `per_minute`, at most that many a minute (`KeyRate`); a request past either is answered 429
     at once. The counts live in this process: with several gateway processes each has its own."""
@@ -905,7 +910,7 @@ class PerKeyLimit:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         key: str | None = None
-        if scope["type"] == "http" and scope.get("path") in GENERATION_ROUTES:
+        if scope["type"] == "http" and scope.get("path") in LIMITED_ROUTES:
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":  # the first, as `authorization` forwards it
                     # counted by the key itself, as prompt_cache reads it: "Bearer K",

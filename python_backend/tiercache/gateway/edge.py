@@ -45,7 +45,7 @@ from tiercache.stages.contract import (
     llm_terms,
     prompt_cache_terms,
 )
-from tiercache.stages.parts import ExactTiers, open_lookup, padding_policy
+from tiercache.stages.parts import ExactTiers, kv_reuse_scope, open_lookup, padding_policy
 from tiercache.vocabulary import CacheStatus
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,13 @@ class EdgeCache:
         keys: KeyFile | None = None,
         tiers: ExactTiers | None = None,
         ids: AnswerIds | None = None,
+        kv_reuse_scope: str | None = None,
     ) -> None:
-        """`ids`: the deployment's answer ids (None: hits served here carry no answer id)."""
+        """`ids`: the deployment's answer ids (None: hits served here carry no answer id);
+        `kv_reuse_scope`: the one tenant scope llm serves (`trtllm_kv_reuse_tenant`; None:
+        every tenant)."""
         self.lookup = lookup
+        self.kv_reuse_scope = kv_reuse_scope
         self.ids = ids
         self.padding = padding
         self.contract = contract
@@ -126,6 +130,8 @@ class EdgeCache:
         scope = result.request.tenant_scope
         if self.padding.pads(scope):
             return None
+        if self.kv_reuse_scope is not None and scope != self.kv_reuse_scope:
+            return None  # llm refuses this tenant, hits included: the ensemble answers the 403
         answer_id = None
         if self.ids is not None and result.digest is not None:
             answer_id = self.ids.issue(
@@ -165,6 +171,7 @@ def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
     keys_path = config.api_keys_path()
     keys = KeyFile(keys_path) if keys_path is not None else None
     padding = padding_policy(llm, secret)
+    only = kv_reuse_scope(llm, secret)
     contract = ContractCheck(
         {
             PROMPT_CACHE: (
@@ -173,7 +180,7 @@ def open_edge(repository: Path, state_dir: Path | None = None) -> EdgeCache:
                     keys_path, secret, lookup.engine, lookup.limits, deployment_terms(config)
                 ),
             ),
-            LLM: (llm.state_path(), llm_terms(padding)),
+            LLM: (llm.state_path(), llm_terms(padding, only)),
         }
     )
-    return EdgeCache(lookup, padding, contract, keys, tiers, AnswerIds(secret))
+    return EdgeCache(lookup, padding, contract, keys, tiers, AnswerIds(secret), only)

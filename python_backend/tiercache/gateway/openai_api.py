@@ -1,10 +1,12 @@
 """The OpenAI API's request and response shapes, as the gateway takes and answers them.
 
-Requests are checked here, before anything reaches Triton: unknown fields are ignored (as
-OpenAI's own server does for fields it does not know), a field of the wrong type or range is a
-400 naming it, `n` other than 1 is refused. Responses follow OpenAI's objects (`chat.completion`,
-`chat.completion.chunk`, `text_completion`) plus one documented extra field, `tiercache`, with
-the cache status and similarity.
+Requests are checked here, before anything reaches Triton: a field this server does not know
+is a 400 naming it (as OpenAI's own server answers "Unrecognized request argument"; ignoring it
+would answer, and cache, a request asking for more, such as vLLM's `guided_json`, as if it had
+not), a field of the wrong type or range is a 400 naming it, `n` other than 1 is refused.
+Responses follow OpenAI's objects (`chat.completion`, `chat.completion.chunk`,
+`text_completion`) plus one documented extra field, `tiercache`, with the cache status and
+similarity.
 """
 
 from __future__ import annotations
@@ -211,6 +213,32 @@ def _same(value: object, neutral: object) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
+# Fields read by `parse_request` (by route), and fields that change nothing of the answer
+# (OpenAI's bookkeeping: stored completions, their tags, the service tier): accepted, ignored.
+_READ_COMMON = frozenset(
+    {"model", "n", "max_tokens", "stream", "stream_options", "user", "tiercache", "stop",
+     "temperature", "top_p", "top_k", "seed"}
+)  # fmt: skip
+_READ_CHAT = _READ_COMMON | {"messages", "max_completion_tokens"}
+_READ_COMPLETION = _READ_COMMON | {"prompt"}
+_BOOKKEEPING = frozenset({"store", "metadata", "service_tier"})
+_TIERCACHE_FIELDS = frozenset({"cache_control"})
+
+
+def refuse_unknown(body: dict[str, Any], *, chat: bool) -> None:
+    """InvalidRequest naming the first field this server does not know, at the top level or
+    inside `tiercache` (a misspelt `cache_control` would otherwise be a request without it)."""
+    known = _READ_CHAT if chat else _READ_COMPLETION
+    for name in body:
+        if name not in known and name not in _NEUTRAL and name not in _BOOKKEEPING:
+            raise InvalidRequest(f"unrecognized request argument supplied: {name[:80]!r}")
+    extra = body.get("tiercache")
+    if isinstance(extra, dict):
+        for name in extra:
+            if name not in _TIERCACHE_FIELDS:
+                raise InvalidRequest(f"unrecognized field in 'tiercache': {name[:80]!r}")
+
+
 def refuse_unsupported(body: dict[str, Any]) -> None:
     """InvalidRequest naming the first field that asks for something this server does not do
     (log probabilities, tools, JSON mode, logit bias, penalties, echo, suffix, audio)."""
@@ -243,6 +271,7 @@ def parse_request(
     n = body.get("n")  # null is the default, as for every optional field
     if n is not None and (type(n) is not int or n != 1):
         raise InvalidRequest("'n' must be 1: one completion per request")
+    refuse_unknown(body, chat=chat)
     refuse_unsupported(body)
     history: tuple[dict[str, str], ...] = ()
     if chat:

@@ -105,20 +105,24 @@ def caller_terms(keys_file: Path | None, secret: bytes) -> dict[str, Any]:
 CALLER_TERMS = ("api_keys_file", "secret")
 
 
-def llm_terms(padding: PaddingPolicy) -> dict[str, Any]:
+def llm_terms(padding: PaddingPolicy, kv_reuse_scope: str | None = None) -> dict[str, Any]:
     """What llm decides a hit's timing by: whether it pads, and whom it does not (each
-    trusted scope as its SHA-256, which prompt_cache matches: `PaddedTenants`)."""
+    trusted scope as its SHA-256, which prompt_cache matches: `PaddedTenants`); and, with an
+    engine reusing prefixes for one tenant (`trtllm_kv_reuse_tenant`), that tenant's scope as
+    its SHA-256: llm refuses every other tenant, hits included, and so must the edge."""
+    terms: dict[str, Any] = {"padding": None}
+    if kv_reuse_scope is not None:
+        terms["kv_reuse_tenant"] = _scope_hash(kv_reuse_scope)
     if not padding.enabled:
-        return {"padding": None}
+        return terms
     trusted = hashlib.sha256("\n".join(sorted(padding.trusted)).encode()).hexdigest()
-    return {
-        "padding": {
-            "floor_s": padding.floor_s,
-            "jitter_s": padding.jitter_s,
-            "trusted": trusted,
-            "trusted_hashes": sorted(_scope_hash(scope) for scope in padding.trusted),
-        }
+    terms["padding"] = {
+        "floor_s": padding.floor_s,
+        "jitter_s": padding.jitter_s,
+        "trusted": trusted,
+        "trusted_hashes": sorted(_scope_hash(scope) for scope in padding.trusted),
     }
+    return terms
 
 
 def _scope_hash(scope: str) -> str:

@@ -43,10 +43,9 @@ from tiercache.errors import (
 )
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
-from tiercache.exact.keys import tenant_scope
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import MEMO_ENTRIES, MEMO_MAX_CHARS, Memo, worth_keeping
-from tiercache.exact.request import GenerationRequest, canonical_tenant
+from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
@@ -73,6 +72,7 @@ from tiercache.stages.envelope import (
 )
 from tiercache.stages.parts import (
     ExactTiers,
+    kv_reuse_scope,
     load_secret,
     open_adapter_cipher,
     open_exact_cache,
@@ -484,9 +484,7 @@ class LlmStage:
             buckets=tm.GENERATION_BUCKETS_S,
         )
         self.engine = EngineBls(config, sealer, cipher, self._record_kv)
-        if config.trtllm_kv_reuse_tenant:
-            tenant = canonical_tenant(config.trtllm_kv_reuse_tenant)  # as prompt_cache names it
-            self.engine.kv_reuse_scope = tenant_scope(secret, tenant)
+        self.engine.kv_reuse_scope = kv_reuse_scope(config, secret)
         self.engine_late = export_late_calls(  # by event; none without engine_timeout_s
             m,
             self.engine.client.stream_deadline,
@@ -912,6 +910,9 @@ def open_llm(config: LlmConfig, model_name: str) -> LlmStage:
     stage.sharing = share_rows(stage, config, tiers)
     # What the gateway's edge must match, and whom prompt_cache must not look up (padded
     # tenants): required when llm pads, since prompt_cache would otherwise look them all up.
-    write_terms(state, LLM, llm_terms(stage.padding), required=stage.padding.enabled)
+    # With one KV-reuse tenant they are required too: the edge must refuse every other tenant.
+    terms = llm_terms(stage.padding, stage.engine.kv_reuse_scope)
+    required = stage.padding.enabled or stage.engine.kv_reuse_scope is not None
+    write_terms(state, LLM, terms, required=required)
     metrics.start()
     return stage

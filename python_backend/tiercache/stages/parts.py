@@ -40,6 +40,7 @@ from tiercache.exact.redis_tier import (
     check_eviction_policy,
     check_fleet_secret,
 )
+from tiercache.exact.request import canonical_tenant
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store, make_private_dir
 from tiercache.exact.tenant_keys import KeyFile
 from tiercache.exact.tiered import TieredCache
@@ -338,6 +339,14 @@ def open_fleet(config: LoraCacheConfig, stage: LoraCache) -> FleetSync | None:
         choose_warm=choose,
         warm_top=config.prefetch_fleet_top,
     ).start()
+
+
+def kv_reuse_scope(config: LlmConfig, secret: bytes) -> str | None:
+    """The one tenant scope llm lets reach an engine with prefix KV reuse on
+    (`trtllm_kv_reuse_tenant`, named as prompt_cache names a tenant); None: every tenant."""
+    if not config.trtllm_kv_reuse_tenant:
+        return None
+    return tenant_scope(secret, canonical_tenant(config.trtllm_kv_reuse_tenant))
 
 
 def padding_policy(config: LlmConfig, secret: bytes) -> PaddingPolicy:
