@@ -596,6 +596,19 @@ def test_a_request_for_an_adapter_not_held_fails_before_generating(
     assert f"LoRA task {ref.task_id}" in caught.value.message
 
 
+def with_tensor(key: str) -> AdapterWeights:
+    """The committed adapter's file with one more tensor under `key` (zeros, the shape of the
+    parameter it names, so that loading it would succeed), as another version."""
+    from safetensors.torch import load, save
+
+    weights = adapter_weights("french", 21, "e" * 64)
+    tensors = load(weights.weights)
+    like = next(t for k, t in tensors.items() if "lora_A" in k)
+    shape = (576,) if key.endswith("norm.weight") else tuple(like.shape)
+    tensors[key] = torch.zeros(shape, dtype=like.dtype)
+    return replace(weights, weights=save(tensors))
+
+
 def bad_config(**changes: Any) -> AdapterWeights:
     weights = adapter_weights("french")
     config = json.loads(weights.config_json)
@@ -614,8 +627,26 @@ def bad_config(**changes: Any) -> AdapterWeights:
         (bad_config(target_modules=["q_proj", "k_proj", "v_proj"]), "weights missing"),
         (replace(adapter_weights("french"), weights=b"not safetensors"), "not valid safetensors"),
         (replace(adapter_weights("french"), config_json="{"), "not valid JSON"),
+        (replace(adapter_weights("french"), config_json="[" * 100_000), "not valid JSON"),
+        (with_tensor("base_model.model.model.norm.weight"), "not LoRA weights"),  # the base's
+        (  # another slot's tensor, as peft names it in the model
+            with_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.slot0.weight"),
+            "not LoRA weights",
+        ),
     ],
-    ids=["ia3", "rank0", "target", "modules_to_save", "shape", "missing", "bytes", "json"],
+    ids=[
+        "ia3",
+        "rank0",
+        "target",
+        "modules_to_save",
+        "shape",
+        "missing",
+        "bytes",
+        "json",
+        "nesting",
+        "base_tensor",
+        "other_slot",
+    ],
 )
 def test_a_bad_adapter_is_rejected_and_the_model_keeps_serving(
     bench: Bench, adapters: EngineAdapters, weights: AdapterWeights, message: str

@@ -267,6 +267,7 @@ def test_removed_folder_disappears(root: Path, state: Path, clock: FakeClock) ->
         (lambda d: (d / CONFIG_FILE).write_text("{not json"), "not valid JSON"),
         (lambda d: (d / CONFIG_FILE).write_text('{"peft_type": "IA3"}'), "expected 'LORA'"),
         (lambda d: (d / CONFIG_FILE).write_text("[]"), "not a JSON object"),
+        (lambda d: (d / CONFIG_FILE).write_text("[" * 100_000), "not valid JSON"),  # nesting
         (lambda d: (d / WEIGHTS_FILE).write_bytes(b"\x10\x00"), "not a whole safetensors"),
     ],
 )
@@ -295,6 +296,29 @@ def test_broken_folder_recovers_when_fixed(root: Path, state: Path, clock: FakeC
             registry.resolve("caps")
     rewrite(root / "caps" / CONFIG_FILE, good)
     assert registry.resolve("caps") == before
+
+
+def test_a_broken_folders_error_does_not_grow_with_each_request(
+    root: Path, state: Path, clock: FakeClock
+) -> None:
+    """The remembered problem was raised again as the same object: each raise added the
+    caller's frames to its traceback (each request's prompt kept alive) for as long as the
+    folder stayed broken. Each request gets its own error now."""
+    later = time.time_ns() + 10_000_000_000  # the files are old by then: their problem is kept
+    registry = registry_of(root, state, clock, wall_clock_ns=lambda: later)
+    rewrite(root / "caps" / CONFIG_FILE, b'{"peft_type": "IA3"}')
+    raised = []
+    for _ in range(50):
+        with pytest.raises(Unavailable) as info:
+            registry.resolve("caps")
+        raised.append(info.value)
+    assert len({id(e) for e in raised}) == 50
+    depth = 0
+    tb = raised[-1].__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    assert depth < 10
+    assert raised[-1].message == raised[0].message
 
 
 def test_missing_root_serves_no_adapters(tmp_path: Path, state: Path, clock: FakeClock) -> None:

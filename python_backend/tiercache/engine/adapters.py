@@ -141,7 +141,7 @@ class AdapterOrder:
         if lora:
             try:
                 ref = AdapterRef.from_json(lora)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise InvalidRequest(
                     f"LORA must be JSON {{name, task_id, digest}}: {exc!r}"
                 ) from exc
@@ -164,7 +164,7 @@ class AdapterOrder:
         if evict:
             try:
                 parsed = json.loads(evict)
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidRequest(f"LORA_EVICT is not valid JSON: {exc}") from exc
             if not isinstance(parsed, list) or not all(isinstance(d, str) for d in parsed):
                 raise InvalidRequest(
@@ -562,7 +562,7 @@ class EngineAdapters:
         where = f"adapter {weights.ref.short}"
         try:
             data = json.loads(weights.config_json)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: deep nesting
             raise InvalidRequest(f"{where}: adapter_config.json is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise InvalidRequest(f"{where}: adapter_config.json must be a JSON object")
@@ -758,6 +758,19 @@ class EngineAdapters:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_PEFT_CONFIG_WARNING)
                 inject_adapter_in_model(config, self.model, name, low_cpu_mem_usage=True)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise InvalidRequest(f"{where} does not fit the model: {exc}") from exc
+        # peft loads a key that is not one of the new adapter's own tensors as it is (loading
+        # is not strict): a file holding a base-model key, or another slot's, rewrote that
+        # parameter for every request. Only this slot's own tensors are taken.
+        own = self._file_keys(name)
+        stray = [key for key in state_dict if key not in own]
+        if stray:
+            raise InvalidRequest(
+                f"{where}: {len(stray)} tensors are not LoRA weights of the adapter's modules, "
+                f"e.g. {stray[0][:120]!r}; not loaded"
+            )
+        try:
             result: Any = set_peft_model_state_dict(  # typed as a bare namedtuple
                 self.model, state_dict, adapter_name=name, low_cpu_mem_usage=True
             )
@@ -774,6 +787,20 @@ class EngineAdapters:
                 f"{where}: weights missing for {len(missing)} tensors, e.g. "
                 f"{missing[0].replace(marker, '.')}"
             )
+
+    def _file_keys(self, name: str) -> set[str]:
+        """The file keys of slot `name`'s tensors, by `_new_slot`'s rule (peft's: the LoRA
+        layer's parameter name less the adapter name, under `base_model.model.`)."""
+        keys = set()
+        for module_name, module in self.model.named_modules():
+            if not isinstance(module, BaseTunerLayer):
+                continue
+            for param_name, _ in module.named_parameters():
+                parts = param_name.split(".")
+                if name in parts:
+                    kept = [part for part in parts if part != name]
+                    keys.add(".".join(["base_model.model", module_name, *kept]))
+        return keys
 
     def _remove_from_model(self, name: str) -> None:
         """Delete adapter `name` from every LoRA layer and the model's peft config. The layers

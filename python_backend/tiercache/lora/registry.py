@@ -40,6 +40,7 @@ problems are ConfigError.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -255,7 +256,10 @@ class AdapterRegistry:
 
     def _ready(self, entry: _Entry) -> AdapterRef:
         if entry.problem is not None:
-            raise entry.problem
+            # a copy each time: raising the stored one again added every caller's frames to
+            # its traceback, and kept them (each request's prompt among them) for as long as
+            # the folder stayed broken
+            raise copy.copy(entry.problem).with_traceback(None)
         if entry.ref is None:
             raise RuntimeError(f"adapter {entry.name!r}: loaded without a version or a problem")
         return entry.ref
@@ -334,7 +338,7 @@ class AdapterRegistry:
         problem, naming the manifest."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ConfigError(f"adapters manifest {path}: cannot read it: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("adapters"), list):
             raise ConfigError(f'adapters manifest {path}: expected {{"adapters": [...]}}')
@@ -467,7 +471,7 @@ def _check_files(name: str, config: bytes, weights: bytes) -> None:
     """Unavailable unless `config` is a PEFT LoRA config and `weights` a whole safetensors file."""
     try:
         document = json.loads(config.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting
         raise Unavailable(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise Unavailable(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
@@ -554,7 +558,9 @@ class TaskIds:
             data = json.loads(raw.decode("utf-8"))
             ids = {str(name): int(task_id) for name, task_id in data["task_ids"].items()}
             next_id = int(data["next_task_id"])
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (
+            UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError
+        ) as exc:  # fmt: skip
             return self._repair(raw, exc)
         return ids, max([next_id, *(i + 1 for i in ids.values())])
 

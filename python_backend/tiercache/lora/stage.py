@@ -258,6 +258,6 @@ def _ref(value: Any) -> AdapterRef:
         if not isinstance(data["task_id"], int) or isinstance(data["task_id"], bool):
             raise ValueError("task_id must be an integer")
         ref = AdapterRef(str(data["name"]), data["task_id"], str(data["digest"]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f'ADMIN op "weights": "lora" must be an AdapterRef: {exc}') from exc
     return check_ref(ref)

@@ -363,7 +363,7 @@ def _numpy_dtype(name: str) -> np.dtype[Any]:
 def _parse_config(config_json: str, where: str) -> dict[str, Any]:
     try:
         options = json.loads(config_json)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"{where}: adapter_config.json is not valid JSON: {exc}") from exc
     if not isinstance(options, dict):
         raise InvalidRequest(f"{where}: adapter_config.json is not a JSON object")
@@ -423,7 +423,7 @@ def _read_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
         raise InvalidRequest(f"{bad}: header runs past the end of the file")
     try:
         header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"{bad}: header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise InvalidRequest(f"{bad}: header is not a JSON object")
