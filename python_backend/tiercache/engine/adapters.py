@@ -795,7 +795,7 @@ class EngineAdapters:
         for module_name, module in self.model.named_modules():
             if not isinstance(module, BaseTunerLayer):
                 continue
-            for param_name, _ in module.named_parameters():
+            for param_name, _ in module.named_parameters():  # type: ignore[attr-defined]
                 parts = param_name.split(".")
                 if name in parts:
                     kept = [part for part in parts if part != name]
