@@ -309,7 +309,19 @@ class Generations:
             flight, leader = Flight(key="", subscribers=1), True
         else:
             key = flight_key(digest, status, directives.max_age_s, write_back)
-            flight, leader = self.flights.join(key)
+
+            def stale(running: Flight) -> bool:
+                """An invalidation since `running` started covers what it generates."""
+                made = CacheEntry(
+                    "",
+                    created_s=running.started_s,
+                    tags=directives.tags,
+                    tenant_scope=request.tenant_scope,
+                    adapter=request.lora_digest,
+                )
+                return self.cache.invalidates(digest, made)
+
+            flight, leader = self.flights.join(key, self.cache.now(), stale)
             if not leader and self._on_follow is not None:
                 try:
                     self._on_follow()

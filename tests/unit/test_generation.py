@@ -173,6 +173,37 @@ def test_identical_misses_coalesce_into_one_generation(cache: TieredCache) -> No
     stage.close()
 
 
+@pytest.mark.parametrize("by", ["tenant", "key", "tag"])
+def test_a_miss_after_an_invalidation_does_not_join_the_generation_it_kills(
+    cache: TieredCache, by: str
+) -> None:
+    """A generation under way when its tenant (key, tag) is invalidated is not stored; a
+    request arriving after the invalidation joined it all the same and was served the answer
+    the invalidation killed. It starts its own generation now; the first one's request keeps
+    its answer (it asked before the invalidation)."""
+    from tiercache.exact.invalidation import Invalidator
+
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine)
+    request = dataclasses.replace(REQUEST, tenant_scope="scope-a")
+    directives = {"tags": ("faq",)}
+    before, after = Recorder(), Recorder()
+    stage.submit_miss(request, DIGEST, "miss", True, before, **directives)
+    engine.wait_started()
+    cache.now = lambda: time.time() + 1.0  # type: ignore[method-assign] # past the skew
+    getattr(Invalidator(cache), by)({"tenant": "scope-a", "key": DIGEST, "tag": "faq"}[by])
+    cache.now = lambda: time.time() + 2.0  # type: ignore[method-assign] # later still
+    stage.submit_miss(request, DIGEST, "miss", True, after, **directives)
+    engine.wait_started()  # a second generation, not a follower of the first
+    assert engine.gate is not None
+    engine.gate.set()
+    assert before.wait() == [("final", "Hello", "miss")]
+    assert after.wait() == [("final", "Hello", "miss")]
+    assert (engine.calls, stage.stats().coalesced) == (2, 0)
+    assert stored_text(cache) == "Hello"  # the second answer, made after the invalidation
+    stage.close()
+
+
 def test_stream_sends_chunks_then_final_without_text(cache: TieredCache) -> None:
     stage = make_stage(cache, FakeEngine())
     r = Recorder()

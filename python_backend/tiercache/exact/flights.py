@@ -51,6 +51,9 @@ class Flight:
     # An answer stored since the lookup served it instead (here, or another replica's): its
     # (prompt tokens, completion tokens, finish reason), as a hit on it reports them.
     stored: tuple[int, int, str] | None = None
+    # When it was created (the cache's clock): what its answer would be stored as made at, at
+    # the latest, for telling whether an invalidation since covers it (`FlightTable.join`).
+    started_s: float = 0.0
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:
@@ -107,17 +110,32 @@ class FlightTable:
         self._flights: dict[str, Flight] = {}
         self.coalesced_total = 0
 
-    def join(self, key: str) -> tuple[Flight, bool]:
-        with self._lock:
-            flight = self._flights.get(key)
-            if flight is not None:
-                flight.subscribers += 1
-                flight.followers += 1
-                self.coalesced_total += 1
-                return flight, False
-            flight = Flight(key, subscribers=1)
-            self._flights[key] = flight
-            return flight, True
+    def join(
+        self, key: str, now_s: float = 0.0, stale: Callable[[Flight], bool] | None = None
+    ) -> tuple[Flight, bool]:
+        """The running flight for `key` and False, or a new one (started at `now_s`) and True.
+        A running flight that `stale` refuses (an invalidation issued since it started covers
+        its answer) leaves the table first: its subscribers keep it, and the request starts
+        afresh instead of being served the answer the invalidation killed."""
+        checked: Flight | None = None
+        while True:
+            with self._lock:
+                flight = self._flights.get(key)
+                if flight is None:
+                    flight = Flight(key, subscribers=1, started_s=now_s)
+                    self._flights[key] = flight
+                    return flight, True
+                if stale is None or checked is flight:
+                    flight.subscribers += 1
+                    flight.followers += 1
+                    self.coalesced_total += 1
+                    return flight, False
+            if stale(flight):  # outside the lock: it may read the host's invalidation log
+                with self._lock:
+                    if self._flights.get(key) is flight:
+                        del self._flights[key]
+            else:
+                checked = flight
 
     def leave(self, flight: Flight) -> None:
         with self._lock, flight._cond:

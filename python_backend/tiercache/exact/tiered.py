@@ -354,6 +354,12 @@ class TieredCache:
                 return True
         return False
 
+    def invalidates(self, key: str, entry: CacheEntry) -> bool:
+        """Whether an invalidation this process knows of (the host's log caught up first)
+        covers `entry` under `key`: for an answer not stored yet (one being generated)."""
+        self._catch_up()
+        return self.invalidations.covers(key, entry)
+
     def answer_value(self, key: str) -> float:
         """What `key`'s answer is worth to this host's L2 (its GreedyDual-Size-Frequency value,
         `tiercache.exact.l2_values`); 0.0 when unknown (no L2 values, or none for the key): for
