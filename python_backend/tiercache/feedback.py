@@ -91,7 +91,7 @@ class FeedbackReport:
         return {
             "verdict": self.verdict.value,
             "accepted": True,
-            "served": self.served.name.lower(),
+            "served": self.served.kind,
             "invalidated": self.invalidated,
             "published": self.published,
             "endorsed": self.endorsed,
@@ -137,6 +137,14 @@ class Feedback:
         # the serving host's clock) and generated again is not the one this verdict is about.
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         replaced = table.covers(ref.digest, served)
+        # An answer served from the cache (an exact or semantic hit) was made before its id:
+        # one held now that was made clearly after the id is another answer (the served one
+        # was invalidated by a tag or an adapter, which the id does not carry, or expired or
+        # was evicted, which leaves no watermark), and the verdict is not about it. A
+        # generation's entry is made after its id (queued first): not decidable that way.
+        cached = ref.served in (ServedAs.CACHED, ServedAs.SEMANTIC)
+        if cached and found is not None and found.created_s > served.created_s:
+            replaced = True
         if ref.served is ServedAs.SEMANTIC and ref.score > 0.0:
             try:  # what the trust gate learns from: the verdict on the hit it let through
                 right = verdict is Verdict.GOOD  # stamped by the id: each id counts once

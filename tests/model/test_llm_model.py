@@ -705,9 +705,14 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     assert answer_ref(model, first) is not None
     ids = [pb_utils_stub.get_output_tensor_by_name(r[0], "ANSWER_ID") for r in (first, again)]
     assert ids[0].as_numpy()[0] != ids[1].as_numpy()[0]
-    for responses, digest in ((first, "1" * 64), (again, "1" * 64), (generated, "3" * 64)):
+    hits_and_miss = (
+        (first, "1" * 64, ServedAs.CACHED),  # exact hits: made before their ids
+        (again, "1" * 64, ServedAs.CACHED),
+        (generated, "3" * 64, ServedAs.OWN),
+    )
+    for responses, digest, served in hits_and_miss:
         ref = answer_ref(model, responses)
-        assert ref is not None and (ref.digest, ref.served) == (digest, ServedAs.OWN)
+        assert ref is not None and (ref.digest, ref.served) == (digest, served)
     ref = answer_ref(model, semantic)
     assert ref is not None and (ref.digest, ref.served) == ("5" * 64, ServedAs.SEMANTIC)
     assert ref.similarity == pytest.approx(0.8125)

@@ -40,6 +40,8 @@ def test_an_id_opens_to_what_it_names_for_its_tenant() -> None:
     own = ids.open(ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.OWN), "scope-a"), "scope-a")
     assert (own.digest, own.served, own.similarity) == (OTHER_DIGEST, ServedAs.OWN, 0.0)
     assert own.issued_s > 1_700_000_000  # stamped at issue when the ref does not say
+    hit = ids.open(ids.issue(AnswerRef(OTHER_DIGEST, ServedAs.CACHED), "scope-a"), "scope-a")
+    assert hit.served is ServedAs.CACHED and hit.served.kind == own.served.kind == "own"
 
 
 def test_an_id_opens_for_no_other_tenant_and_no_other_secret() -> None:

@@ -91,13 +91,41 @@ def test_a_watermark_within_the_skew_of_the_answer_does_not_count_as_covering_it
     setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:
     """`issued_s` is the serving host's clock: an invalidation that is not clearly later than
-    the answer (within the skew allowance) may have come before it, so bad invalidates again."""
+    the answer (within the skew allowance) may have come before it, so bad invalidates again
+    (an answer held that is not clearly newer than the id may be the one served)."""
     feedback, cache, clock, ids = setup
     cache.put(DIGEST, "an answer", tenant_scope=SCOPE)
     answered = served(ids, clock)
     Invalidator(cache).key(DIGEST)  # the same instant, by another hand
-    cache.put(DIGEST, "again", tenant_scope=SCOPE, created_s=clock.now + 1.0)
     assert feedback.give(answered, Verdict.BAD, SCOPE).invalidated
+
+
+@pytest.mark.parametrize("verdict", [Verdict.BAD, Verdict.GOOD])
+@pytest.mark.parametrize("gone", ["tag", "evicted"])
+def test_a_verdict_with_an_old_id_does_not_act_on_a_newer_answer(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds], verdict: Verdict, gone: str
+) -> None:
+    """The answer an id names was invalidated by its tag (which the id does not carry) or
+    evicted (which leaves no watermark), and generated again: a verdict with the old id
+    invalidated (or endorsed) the new answer, fleet-wide. An answer made clearly after the id
+    was issued is not the one the verdict is about."""
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "first answer", tenant_scope=SCOPE, tags=("faq",))
+    clock.now += 1.0
+    old_id = ids.issue(AnswerRef(DIGEST, ServedAs.CACHED, issued_s=clock.now), SCOPE)  # a hit
+    clock.now += 1.0
+    if gone == "tag":
+        Invalidator(cache).tag("faq")
+    else:
+        for _, store in cache.stores():
+            store.delete(DIGEST)
+    clock.now += 1.0
+    cache.put(DIGEST, "generated again", tenant_scope=SCOPE, tags=("faq",))
+    report = feedback.give(old_id, verdict, SCOPE)
+    assert not report.invalidated and not report.endorsed
+    found = cache.get(DIGEST)
+    assert found is not None and found.entry.text == "generated again"
+    assert found.entry.endorsements == 0
 
 
 def test_an_id_that_names_another_tenants_entry_is_refused(

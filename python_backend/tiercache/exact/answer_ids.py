@@ -81,8 +81,19 @@ def adapter_tag(lora_name: str) -> bytes:
 
 
 class ServedAs(int, Enum):
-    OWN = 0  # the request's own entry: an exact hit, a generation, a verified semantic hit
+    # the request's own entry: a generation, a verified semantic hit (and, in ids issued before
+    # CACHED, an exact hit)
+    OWN = 0
     SEMANTIC = 1  # a neighbour's entry, served as a semantic hit
+    # the request's own entry served from the cache (an exact hit): made before the id was
+    # issued, so an entry made clearly after it is another answer (tiercache.feedback)
+    CACHED = 2
+
+    @property
+    def kind(self) -> str:
+        """What reports and metrics call it: an exact hit is "own", as a generation is (the id
+        is sealed, and nothing a caller reads from it tells a hit from a miss)."""
+        return "semantic" if self is ServedAs.SEMANTIC else "own"
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ class EdgeCache:
         answer_id = None
         if self.ids is not None and result.digest is not None:
             answer_id = self.ids.issue(
-                AnswerRef(result.digest, ServedAs.OWN), scope, result.request.lora_name
+                AnswerRef(result.digest, ServedAs.CACHED), scope, result.request.lora_name
             )
         return EdgeHit(result.text, result.tier.value, result.tokens, answer_id)
 

@@ -13,7 +13,7 @@ import logging
 
 from tiercache.config import FeedbackConfig
 from tiercache.errors import Forbidden, InvalidRequest, Unavailable
-from tiercache.exact.answer_ids import AnswerIds, ServedAs
+from tiercache.exact.answer_ids import AnswerIds
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.keys import tenant_scope
 from tiercache.exact.request import canonical_tenant
@@ -63,10 +63,10 @@ class FeedbackStage:
                 "Verdicts taken on served answers, by verdict and by how the answer was served "
                 "(own: exact hit or generated; semantic: a neighbour's answer)",
                 verdict=v.value,
-                served=s.name.lower(),
+                served=s,
             )
             for v in Verdict
-            for s in ServedAs
+            for s in ("own", "semantic")
         }
         self.invalidations = m.counter(
             "tiercache_feedback_invalidations_total",
@@ -150,7 +150,7 @@ class FeedbackStage:
         except InvalidRequest as exc:  # Forbidden is one
             self.refused["forbidden" if isinstance(exc, Forbidden) else "invalid"].increment(1)
             raise
-        self.taken[(report.verdict, report.served)].increment(1)
+        self.taken[(report.verdict, report.served.kind)].increment(1)
         if report.invalidated:
             self.invalidations.increment(1)
         if report.endorsed:

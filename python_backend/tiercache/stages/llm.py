@@ -669,8 +669,10 @@ class LlmStage:
         if not envelope.digest:
             return None
         request = envelope.request
+        # an exact hit's entry was made before this id; a generation's is made after it
+        served = ServedAs.CACHED if item.status == CacheStatus.EXACT else ServedAs.OWN
         return self._issue(
-            AnswerRef(envelope.digest, ServedAs.OWN), request.tenant_scope, request.lora_name
+            AnswerRef(envelope.digest, served), request.tenant_scope, request.lora_name
         )
 
     def _issue(self, ref: AnswerRef, scope: str, lora_name: str) -> str | None:
