@@ -548,3 +548,33 @@ def test_a_key_sweep_spares_an_answer_written_between_its_read_and_its_delete() 
     assert sweep(store, Invalidation(InvalidationKind.KEY, "k", 1_000.0)) == []
     kept = MemoryStore.peek(store, "k")
     assert kept is not None and kept.created_s == 2_000.0
+
+
+class _WritesAfterScan:
+    """A store whose scan, once read to its end, sees `key` written again with `fresh` (a
+    request generating the answer again while a sweep over a large store runs)."""
+
+    def __init__(self, inner: Store, key: str, fresh: CacheEntry) -> None:
+        self.inner, self.key, self.fresh = inner, key, fresh
+
+    def scan(self) -> Iterator[tuple[str, CacheEntry]]:
+        yield from self.inner.scan()
+        self.inner.put(self.key, self.fresh)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("kind", ["l1", "l2"])
+def test_a_sweep_keeps_an_answer_written_again_after_its_scan(tmp_path: Path, kind: str) -> None:
+    """A tenant's (tag's, adapter's) sweep scans the whole store and then deletes: an answer
+    generated again between the two (after the watermark) was deleted with the old ones."""
+    store: Store = MemoryStore(1 << 20) if kind == "l1" else LmdbStore(tmp_path / "l2", 1 << 22)
+    store.put("old", entry(100.0, tenant_scope="tenant-a"))
+    store.put("again", entry(100.0, tenant_scope="tenant-a"))
+    fresh = entry(300.0, tenant_scope="tenant-a")  # generated after the invalidation at 200
+    racing = _WritesAfterScan(store, "again", fresh)
+    inv = Invalidation(InvalidationKind.TENANT, "tenant-a", 200.0)
+    assert sorted(sweep(racing, inv)) == ["old"]  # type: ignore[arg-type]
+    assert store.peek("old") is None
+    assert store.peek("again") == fresh

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import InvalidRequest, Unavailable
+from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import REDIS_INVALIDATIONS
 from tiercache.exact.stores import Store, open_private
 from tiercache.exact.tiered import TieredCache
@@ -208,10 +209,9 @@ def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> li
             return []
         # only the entry read: an answer written since (generated again) stays
         return [inv.value] if store.delete_if_same(inv.value, held) else []
-    victims = [key for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
-    if victims:
-        store.delete_many(victims)
-    return victims
+    found = [(key, entry) for key, entry in store.scan() if applies(inv, key, entry, skew_s)]
+    # only what the scan found: an answer written since (generated again) stays
+    return store.delete_unchanged(found) if found else []
 
 
 DroppedFn = Callable[[Invalidation, list[str]], None]
@@ -703,7 +703,7 @@ class RestartSweeper:
             "sweeping this host's L2 for %d invalidation watermarks issued since its last sweep",
             len(news),
         )
-        victims: list[str] = []
+        victims: list[tuple[str, CacheEntry]] = []
         scanned = 0
         entries = l2.scan()
         try:
@@ -713,12 +713,13 @@ class RestartSweeper:
                     log.info("L2 sweep at start stopped after %d entries (closing)", scanned)
                     return None
                 if table.covers(key, entry):
-                    victims.append(key)
+                    victims.append((key, entry))
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()  # ends the scan's read transaction
-        removed = l2.delete_many(victims) if victims else 0
+        # only what the scan found: an answer written since (generated again) stays
+        removed = len(l2.delete_unchanged(victims)) if victims else 0
         until_s = news[-1].at_s
         self.marks.mark_swept(until_s)
         seconds = self._timer() - started

@@ -654,6 +654,12 @@ class RedisStore:
             removed += int(self.link.call(lambda c, b=batch: c.delete(*b), 0))  # type: ignore[misc]
         return removed
 
+    def delete_unchanged(self, found: list[tuple[str, CacheEntry]]) -> list[str]:
+        """Each by `delete_if_same` (a read and a compare-and-delete script: two round trips a
+        key, for sweeps, which are rare; a batched DEL deleted what other replicas wrote
+        between the scan and the delete)."""
+        return [key for key, entry in found if self.delete_if_same(key, entry)]
+
     def _names(self) -> Iterator[list[bytes]]:
         """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan."""
         cursor = 0

@@ -95,6 +95,12 @@ class Store(Protocol):
         """Delete `keys`; how many were present. (A loop over `delete` where nothing batches.)"""
         ...
 
+    def delete_unchanged(self, found: list[tuple[str, CacheEntry]]) -> list[str]:
+        """Delete each key while it still holds the entry a scan found there (an answer
+        written since, generated again after an invalidation, stays); the keys deleted. What
+        an invalidation sweep deletes with: its scan takes seconds over a large store."""
+        ...
+
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         """Every readable entry, for invalidation sweeps. Best effort: entries written or deleted
         during the scan may or may not appear; corrupt ones are skipped. Not counted as hits."""
@@ -318,6 +324,9 @@ class MemoryStore:
 
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(self.delete(key) for key in keys)
+
+    def delete_unchanged(self, found: list[tuple[str, CacheEntry]]) -> list[str]:
+        return [key for key, entry in found if self.delete_if_same(key, entry)]
 
     def scan(self) -> Iterator[tuple[str, CacheEntry]]:
         with self._lock:  # a snapshot, not counted as reads: the policy's order is unchanged
@@ -1082,6 +1091,15 @@ class LmdbStore:
             gone = [raw for raw in (key.encode() for key in keys) if txn.delete(raw)]
         self._deleted(gone)
         return len(gone)
+
+    def delete_unchanged(self, found: list[tuple[str, CacheEntry]]) -> list[str]:
+        """In chunks (`_delete_chunked`), each key only while its entry is no newer than the
+        one found: an entry is replaced only by a newer answer (or the same answer again)."""
+        scanned = {key.encode(): entry.created_s for key, entry in found}
+        with self._resized_is_an_error():
+            gone = self._delete_chunked(list(scanned), scanned)
+        self._deleted(gone)
+        return [key.decode() for key in gone]
 
     def _deleted(self, gone: list[bytes]) -> None:
         """Count deletions committed, and drop them from the values' record."""
