@@ -885,3 +885,20 @@ def test_with_a_ttft_objective_each_generation_is_timed_and_its_state_published(
         assert state == 2  # LATE
     finally:
         instance.finalize()
+
+
+def test_a_request_its_caller_gave_up_while_queued_is_not_run(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm gave up on it (its deadline, a flight nobody waits for) while it waited: the worker
+    answered it only after the adapter switch, the tokenization and the whole prefill. Now it
+    is answered as cancelled before any of them."""
+    lookups = model.stage.engine.kv_stats().lookups
+    gone = [True]
+    monkeypatch.setattr(pb_utils_stub.ResponseSender, "is_cancelled", lambda self: gone[0])
+    (final,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
+    assert text(pb_utils, final, "FINISH_REASON") == "cancelled"
+    assert model.stage.engine.kv_stats().lookups == lookups  # no prompt reached the engine
+    gone[0] = False
+    (served,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
+    assert text(pb_utils, served, "FINISH_REASON") == "stop"  # the worker goes on

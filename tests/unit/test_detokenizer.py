@@ -49,6 +49,15 @@ def test_holds_back_four_byte_char_across_tokens() -> None:
     assert all("\ufffd" not in text for text in emitted)
 
 
+def test_a_stop_word_never_matches_a_character_still_being_decoded() -> None:
+    """An emoji's first bytes decode as U+FFFD until its last arrive: a stop word holding
+    U+FFFD matched that and cut the answer ('I love ' with finish "stop", its final text
+    holding no U+FFFD at all)."""
+    grin = "😀".encode()
+    emitted, stopped, rest = run([b"I love ", grin[:2], grin[2:], b" emoji"], ("\ufffd",))
+    assert not stopped and "".join(emitted) + rest == "I love 😀 emoji"
+
+
 def test_never_emits_partial_stop_word() -> None:
     emitted, stopped, _ = run([b"abcEN", b"D", b"more"], stop_words=("END",))
     assert stopped

@@ -279,3 +279,16 @@ def test_a_conversations_next_turn_reuses_the_blocks_of_the_turns_before(engine:
     raw = GenerationRequest(raw_text, max_tokens=MAX_TOKENS, raw_prompt=True)
     templated = GenerationRequest(TURNS[2], max_tokens=MAX_TOKENS)
     assert engine.prompt_ids(raw)[0].tolist() == engine.prompt_ids(templated)[0].tolist()
+
+
+def test_a_request_cancelled_before_its_prefill_runs_no_prompt_and_pins_nothing(
+    engine: Any,
+) -> None:
+    """The prefill is the longest step (seconds for a long prompt on a CPU): a request its
+    caller left before it is answered as cancelled without it, and holds no block."""
+    lookups = engine.kv_stats().lookups
+    events = list(engine.generate(GenerationRequest(TURNS[0], max_tokens=4), lambda: True))
+    assert [(e.text, e.finish_reason) for e in events] == [("", "cancelled")]
+    stats = engine.kv_stats()
+    assert stats.blocks == 0 and stats.pinned_blocks == 0
+    assert stats.lookups == lookups + 1  # looked up (its blocks), nothing computed

@@ -360,6 +360,9 @@ class TorchEngine:
             return False
 
         try:
+            if is_cancelled():  # before the prefill, the longest step (seconds on a long prompt)
+                yield event("", "cancelled")
+                return
             with torch.inference_mode():
                 began = time.perf_counter()
                 with self._many_tokens():
@@ -629,15 +632,16 @@ class _Detokenizer:
         """New safe text, and whether a stop word ended the answer (text cut before it)."""
         self.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         self._pushed = len(token_ids)
-        cut = min((i for w in self.stop_words if (i := self.text.find(w)) >= 0), default=-1)
+        safe = len(self.text)
+        if self.text.endswith(REPLACEMENT_CHAR):
+            safe -= 1  # an unfinished character: no stop word may match it (a U+FFFD in one did)
+        whole = self.text[:safe]
+        cut = min((i for w in self.stop_words if (i := whole.find(w)) >= 0), default=-1)
         if cut >= 0:
             new = self.text[self.emitted : cut] if cut > self.emitted else ""
             self.emitted = max(self.emitted, cut)
             return new, True
-        safe = len(self.text)
-        if self.text.endswith(REPLACEMENT_CHAR):
-            safe -= 1
-        safe -= self._stop_prefix_len(self.text[:safe])
+        safe -= self._stop_prefix_len(whole)
         if safe <= self.emitted:
             return "", False
         new = self.text[self.emitted : safe]

@@ -255,18 +255,35 @@ class TorchLlmStage:
             # the objective's clock starts here, not at submit: the queue holds earlier
             # requests' whole generations, which no cache memory shortens
             started = time.monotonic()
+            if order.op == GENERATE and self._cancelled(sink):
+                continue  # gone while it waited: no adapter switch, no prefill for nobody
             before = self.engine.adapters.stats()
             try:
                 self._serve(order, request, sink, started)
             except Exception as exc:  # noqa: BLE001 - this request's error; the worker goes on
                 self.refuse(exc, sink)
             finally:
-                adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
-                self._record_adapters(before, adapters)
-                self._record_kv(kv)
-                self._record_stall(before, adapters, kv)
-                self._trim_memory()
-                self._release_gpu_memory(adapters, kv)
+                try:
+                    adapters, kv = self.engine.adapters.stats(), self.engine.kv_stats()
+                    self._record_adapters(before, adapters)
+                    self._record_kv(kv)
+                    self._record_stall(before, adapters, kv)
+                    self._trim_memory()
+                    self._release_gpu_memory(adapters, kv)
+                except Exception:  # noqa: BLE001 - the only worker: it must go on serving
+                    io.log.exception("the engine's bookkeeping after a request failed")
+
+    def _cancelled(self, sink: EngineSink) -> bool:
+        """Whether the caller gave up on a request while it waited in the queue (llm's
+        deadline, a flight nobody waits for any more); if so it is answered as cancelled."""
+        try:
+            if not sink.is_cancelled():
+                return False
+            self.finished["cancelled"].increment(1)
+            sink.send_final("", "cancelled", 0, 0, 0, 0)
+        except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others
+            io.log.exception("could not answer a cancelled request")
+        return True
 
     def _serve(
         self,
