@@ -550,7 +550,8 @@ class Generations:
                 waited = True
                 self._count_remote(wait=True)
             while True:
-                found = self.cache.get(digest, max_age_s)
+                # a poll every 50 ms, not a request (its lookup was counted): nothing counted
+                found = self.cache.get(digest, max_age_s, request=False)
                 if found is not None:
                     self._count_remote(hit=True)
                     return None, found.entry

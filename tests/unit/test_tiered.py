@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 
+from tiercache.errors import Unavailable
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import Reach, TieredCache, TierSlot
@@ -129,6 +131,9 @@ class Broken(MemoryStore):
     def get(self, key: str) -> CacheEntry | None:
         raise OSError("read failed")
 
+    def peek(self, key: str) -> CacheEntry | None:
+        raise OSError("read failed")
+
     def put(self, key: str, entry: CacheEntry) -> None:
         raise OSError("disk full")
 
@@ -200,6 +205,28 @@ def test_exists_raises_on_a_broken_tier_and_fills_nothing(
     assert not cache.exists("k")  # expired
     with pytest.raises(OSError, match="read failed"):
         TieredCache([(Tier.L1, Broken(1 << 20)), (Tier.L2, l2)], clock=clock).exists("k")
+
+
+def test_exists_takes_an_unreadable_l2_for_an_error_and_counts_no_read(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2's `get` takes a damaged page or a map another process resized for a miss: `exists`
+    (what compaction deletes rows by) took such an L2 for "the answer is gone". And reads
+    that are not requests (`exists`, a draft's `get(request=False)`) counted as requests in
+    L2's hits and eviction values."""
+    l2 = LmdbStore(tmp_path / "l2", 1 << 22)
+    cache = TieredCache([(Tier.L2, l2)], clock=clock)
+    cache.put("k", "answer")
+    hits = l2.stats().hits
+    assert cache.exists("k") and cache.get("k", request=False) is not None
+    assert l2.stats().hits == hits
+
+    def resized(*args: object, **kwargs: object) -> None:
+        raise lmdb.MapResizedError("another process grew the map")
+
+    monkeypatch.setattr(l2, "_env", type("Env", (), {"begin": staticmethod(resized)})())
+    with pytest.raises(Unavailable, match="could not be read"):
+        cache.exists("k")
 
 
 class Logged(MemoryStore):

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import lmdb
 
+from tiercache.errors import Unavailable
 from tiercache.eviction import EvictionPolicy, KnownCosts, LruPolicy, OldestFirstPolicy
 from tiercache.exact.codec import (
     MAX_ENDORSEMENTS,
@@ -1069,6 +1070,17 @@ class LmdbStore:
                 data = txn.get(key.encode())
         except (*LMDB_DAMAGE, lmdb.MapResizedError):
             return None
+        return peeked(data)
+
+    def get_or_raise(self, key: str) -> CacheEntry | None:
+        """`peek` for a decision that must not take an unreadable L2 for a missing answer
+        (semantic compaction deletes the rows of answers that are gone): Unavailable where
+        `peek` says None for a damaged page or a map another process resized."""
+        try:
+            with self._env.begin(buffers=False) as txn:
+                data = txn.get(key.encode())
+        except (*LMDB_DAMAGE, lmdb.MapResizedError) as exc:
+            raise Unavailable(f"L2 {self.path} could not be read: {type(exc).__name__}") from exc
         return peeked(data)
 
     def delete(self, key: str) -> bool:

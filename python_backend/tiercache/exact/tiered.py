@@ -164,7 +164,9 @@ class TieredCache:
             if i == 1 and l1 is not None:
                 l1_missed = time.perf_counter()
             try:
-                entry = store.get(key)
+                # a read that is not a request (a draft's, a row's) counts no hit or request
+                # in a tier's eviction values
+                entry = store.get(key) if request else store.peek(key)
             except Exception:  # noqa: BLE001 - a broken tier costs a miss, not the request
                 log.exception("reading %s from %s failed; a miss there", key, tier.value)
                 continue
@@ -341,11 +343,11 @@ class TieredCache:
         self._catch_up()
         now = self._clock()
         for _, store in self._stores:
-            # Redis's `get` says None when Redis could not be asked: ask strictly, so an outage
-            # is an error here, never "gone" (compaction would delete the rows of every answer
-            # held only there)
+            # L2's and Redis's reads say None when they could not read: ask strictly, so a
+            # damaged page or an outage is an error here, never "gone" (compaction would delete
+            # the rows of every answer held only there); not a request: nothing counted
             strict = getattr(store, "get_or_raise", None)
-            entry = strict(key) if strict is not None else store.get(key)
+            entry = strict(key) if strict is not None else store.peek(key)
             if entry is None or entry.expired(now):
                 continue
             if self.default_ttl_s > 0 and now - entry.created_s >= self.default_ttl_s:
