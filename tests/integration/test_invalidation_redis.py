@@ -623,3 +623,31 @@ def test_a_connection_that_stops_answering_pings_is_replaced(
         listener.close()
     admin.close()
     replica.close()
+
+
+def test_a_slow_first_catch_up_holds_the_start_until_it_ends(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis answers, its invalidation record takes longer to read than the start waits for
+    an answer (a long record: every bad verdict adds a member): the stage started serving its
+    own tiers, invalidated entries among them, and logged that Redis did not answer. It waits
+    for the record now (up to CATCH_UP_WAIT_S)."""
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    link = redis_link(replica)
+    assert link is not None
+    listener = invalidation_module.InvalidationListener(link, replica, poll_s=0.05, retry_s=0.1)
+    catch_up = listener._catch_up
+
+    def slow(*args: Any, **kwargs: Any) -> bool:
+        time.sleep(2.0)
+        return catch_up(*args, **kwargs)
+
+    monkeypatch.setattr(listener, "_catch_up", slow)
+    listener.start()
+    try:
+        started = time.monotonic()
+        assert listener.wait_first_attempt(0.5, catching_up_s=30.0)
+        assert time.monotonic() - started >= 1.5 and listener.subscribed
+    finally:
+        listener.close()
+    replica.close()

@@ -80,6 +80,9 @@ CATCH_UP_PAGE = 1000  # members read per call when a listener catches up
 # there; genuine members are all read, the pages keep memory bounded)
 CATCH_UP_MAX_FORGED = 200_000
 CATCH_UP_TRUNCATED_RETRY_S = 60.0  # the next attempt after a catch-up cut by a flood
+# a replica whose Redis answers waits this long at start for its invalidation record to be read
+# whole (a long one: every bad verdict adds a member) before it serves from its own tiers
+CATCH_UP_WAIT_S = 120.0
 # The longest value an invalidation may name, in UTF-8 bytes (a digest is 64 characters, a
 # request's tag at most 128): its member then stays under MAX_MEMBER_BYTES.
 MAX_VALUE_CHARS = 512
@@ -278,6 +281,7 @@ class InvalidationListener:
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._attempted = threading.Event()  # the first connection attempt ended, either way
+        self._subscribed = threading.Event()  # Redis answered once (its record being read)
         self._lock = threading.Lock()
         self._received = self._caught_up = self._reconnects = self._dropped = 0
         self._forged = 0
@@ -301,12 +305,20 @@ class InvalidationListener:
     def wait_connected(self, timeout_s: float) -> bool:
         return self._connected.wait(timeout_s)
 
-    def wait_first_attempt(self, timeout_s: float) -> bool:
+    def wait_first_attempt(self, timeout_s: float, catching_up_s: float = CATCH_UP_WAIT_S) -> bool:
         """Wait (at most `timeout_s`) for the first connection attempt to end; True when it
         connected, so that every watermark recorded in Redis is noted (a replica started after
-        an invalidation must not serve what its L2 kept). False at once when Redis refused."""
-        self._attempted.wait(timeout_s)
+        an invalidation must not serve what its L2 kept). False at once when Redis refused.
+        Redis answered but its record still being read (a long one): up to `catching_up_s`
+        more, since serving before it ends serves what was invalidated while this was down."""
+        if not self._attempted.wait(timeout_s) and self._subscribed.is_set():
+            self._attempted.wait(catching_up_s)
         return self._connected.is_set()
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether Redis answered this listener at least once."""
+        return self._subscribed.is_set()
 
     def _run(self) -> None:
         import redis  # only processes with L3 import the client
@@ -330,6 +342,7 @@ class InvalidationListener:
                     self._attempted.set()
                     self._stop.wait(self._retry_s)
                     continue
+                self._subscribed.set()
                 since = self._since()
                 if catch_up_due is None:  # none pending: from the newest watermark read
                     catch_up_since = since

@@ -155,9 +155,12 @@ def open_exact_cache(
     # invalidated while it was down. Redis down: the local tiers serve at once (docs/replicas.md).
     if not listener.wait_first_attempt(2 * config.redis_timeout_s + 1.0):
         log.warning(
-            "Redis %s did not answer at start: entries invalidated while this replica was down "
-            "can be served from its own tiers until Redis is back",
+            "Redis %s %s at start: entries invalidated while this replica was down can be "
+            "served from its own tiers until it is",
             link.url or "(injected client)",
+            "answered but its invalidation record could not be read whole"
+            if listener.subscribed
+            else "did not answer",
         )
     # Then give back the space of what was invalidated while it was down, for good: once the
     # listener has caught up (now, or when Redis is back), off the request path.
