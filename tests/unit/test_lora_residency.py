@@ -237,6 +237,24 @@ def test_new_version_evicts_the_old_one_from_the_engine(
     assert residency.plan(new, disk.read).evict == (held_key(old),)
 
 
+def test_an_old_version_the_host_tier_cannot_hold_stays_in_the_engine_for_late_requests(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """The folder changed and the host tier holds no copy of the old version (larger than
+    the tier: it passed through). Evicted from the engine by the new version's first plan, a
+    request resolved before the change then failed: the folder no longer has it. It stays in
+    the engine (a policy victim like any other) and the late request is an engine hit."""
+    residency = make(engine_slots=3, host_max_bytes=50)
+    old = disk.add("a", 1, nbytes=100, version="v1")
+    residency.plan(old, disk.read)
+    new = disk.add("a", 1, nbytes=100, version="v2")
+    assert residency.plan(new, disk.read).evict == ()
+    disk.remove(old)
+    late = residency.plan(old, disk.read)
+    assert (late.tier, late.evict) == (ENGINE_TIER, ())
+    assert sorted(x.digest for x in residency.snapshot().engine) == sorted([old.digest, new.digest])
+
+
 def test_gone_version_is_unavailable(make: MakeResidency, disk: FakeDisk) -> None:
     residency = make(host_max_adapters=0)
     old = disk.add("a", 1, version="v1")

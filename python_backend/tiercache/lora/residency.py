@@ -409,10 +409,18 @@ class Residency:
         the engine has it."""
         engine = self._engine
         held = engine.get(held_key(ref))
+        # Older versions of the name leave the engine with the current one's first plan, when
+        # the host tier keeps a copy: a request resolved before the change still finishes on
+        # its version from there. Without one (an adapter larger than the host tier passes
+        # through it; the copy was evicted) the folder no longer has it either, so it stays
+        # in the engine until the policy evicts it like any other.
         stale = [
             key
             for key, resident in engine.items.items()
-            if current and resident.ref.name == ref.name and resident.ref.digest != ref.digest
+            if current
+            and resident.ref.name == ref.name
+            and resident.ref.digest != ref.digest
+            and resident.ref.digest in self._host.items
         ]
         if held is not None:
             victims = [engine.items[key] for key in stale]
