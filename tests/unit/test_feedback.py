@@ -243,6 +243,36 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
     assert l1.peek(DIGEST) is None
 
 
+def test_an_l1_copy_replaced_in_the_shared_tiers_is_dropped_at_a_later_hit(
+    setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
+) -> None:
+    """Another process replaced the answer in L2 (a warm, a `no-cache` request): this
+    process's L1 copy, with no TTL, was served for good. The comparison a hit past
+    `endorsement_check_s` queues drops it when every shared tier holds a newer answer; the
+    next request reads the new one."""
+    feedback, cache, clock, ids = setup
+    cache.put(DIGEST, "the old answer", tenant_scope=SCOPE)
+    l2 = cache.store(Tier.L2)
+    assert l2 is not None
+    ticks = [0.0]
+    other = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
+        clock=clock,
+        endorsement_check_s=5.0,
+        monotonic=lambda: ticks[0],
+    )
+    assert other.get(DIGEST) is not None  # into this process's L1
+    assert other.get(DIGEST) is not None  # its first L1 hit: the clock starts
+    clock.now += 10.0
+    cache.put(DIGEST, "the new answer", tenant_scope=SCOPE)  # replaced, elsewhere
+    ticks[0] = 6.0
+    hit = other.get(DIGEST)
+    assert hit is not None and hit.entry.text == "the old answer"  # still, this once
+    assert other.wait_endorsements() and other.l1_replaced == 1
+    found = other.get(DIGEST)
+    assert found is not None and found.entry.text == "the new answer"
+
+
 @pytest.mark.parametrize("b_has_l1", [True, False], ids=["l1-hits", "no-l1"])
 def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
     tmp_path: Path, redis_server: RedisServer, redis_prefix: str, b_has_l1: bool

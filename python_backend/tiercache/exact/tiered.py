@@ -129,6 +129,7 @@ class TieredCache:
         # key (a hit's read of L2/L3, not every hit's): when feedback endorsed the answer since
         # L1 took its copy (in another process, on another replica), L1 counts the new verdicts.
         self.endorsement_check_s = endorsement_check_s
+        self.l1_replaced = 0  # L1 copies dropped: every shared tier held a newer answer
         self._monotonic = monotonic
         self._checked: dict[str, float] = {}  # key -> when its L1 copy was last compared
         # An L2 hit compares too where Redis may hold newer verdicts (no L1 here, or L1 no
@@ -269,7 +270,15 @@ class TieredCache:
                 due.task_done()
 
     def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore | None) -> None:
-        copies = [c for c in self._shared_copies(key) if c[2].created_s == created_s]
+        shared = self._shared_copies(key)
+        if l1 is not None and shared and all(c[2].created_s > created_s for c in shared):
+            # Every shared tier holds a newer answer (a warm, a `no-cache` request, on another
+            # process): L1's copy was replaced, and without a TTL it was served for good.
+            held = l1.peek(key)
+            if held is not None and held.created_s == created_s and l1.delete_if_same(key, held):
+                self.l1_replaced += 1
+            return
+        copies = [c for c in shared if c[2].created_s == created_s]
         best = max([count, *(entry.endorsements for _, _, entry in copies)])
         if best > count and l1 is not None:  # L1's copy, if it holds one (0 otherwise)
             self.endorsements_caught += l1.endorse(key, created_s, best)
