@@ -185,3 +185,27 @@ def test_release_deletes_only_its_own_lease(redis_server: RedisServer, redis_pre
     assert two.release(lease2) is True and two.held("d") is False
     two.close()
     link.close()
+
+
+def test_releasing_a_lost_lease_keeps_renewing_a_newer_one_for_the_same_digest(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """One process: a lease expired (a stalled generation), and the next request for that
+    digest took a new one; the first generation's late release unregistered the new one, by
+    name, which then expired mid-generation (another replica generated the answer again)."""
+    from tiercache.exact.redis_tier import RedisLink
+
+    link = RedisLink.from_url(redis_server.url, redis_prefix)
+    leases = LeaseCoordinator(link, ttl_s=0.6)
+    state, old = leases.acquire("d")
+    assert state is LeaseState.ACQUIRED and old is not None
+    link.call_or_raise(lambda c: c.delete(old.name))  # it expired meanwhile
+    state, new = leases.acquire("d")
+    assert state is LeaseState.ACQUIRED and new is not None
+    assert leases.release(old) is False  # not its lease any more
+    assert leases.stats().active == 1
+    time.sleep(1.5)  # well past the TTL: renewed all along
+    assert leases.held("d") is True
+    assert leases.release(new) is True
+    leases.close()
+    link.close()

@@ -92,6 +92,8 @@ class LeaseCoordinator:
         self._owner = uuid.uuid4().hex
         self._release = link.client.register_script(_RELEASE)
         self._renew = link.client.register_script(_RENEW)
+        # by token: a lease lost (expired) and a newer one for the same digest may both be
+        # held in this process; releasing the old one must not stop renewing the new one
         self._active: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,7 +118,7 @@ class LeaseCoordinator:
                 self._held += 1
                 return LeaseState.HELD, None
             self._acquired += 1
-            self._active[lease.name] = lease
+            self._active[lease.token] = lease
         self._ensure_renewer()
         return LeaseState.ACQUIRED, lease
 
@@ -132,7 +134,7 @@ class LeaseCoordinator:
     def release(self, lease: Lease) -> bool:
         """Delete the lease if it is still ours; False if it expired or Redis is away."""
         with self._lock:
-            self._active.pop(lease.name, None)
+            self._active.pop(lease.token, None)
         released = self.link.call(lambda c: self._release(keys=[lease.name], args=[lease.token]), 0)
         return bool(released)
 
@@ -156,7 +158,7 @@ class LeaseCoordinator:
                 )
                 if renewed is not None and not renewed:
                     with self._lock:
-                        still = self._active.pop(lease.name, None) is not None
+                        still = self._active.pop(lease.token, None) is not None
                         self._lost += still
                     if still:
                         log.warning(
