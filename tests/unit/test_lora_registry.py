@@ -485,3 +485,37 @@ def test_reading_a_changed_adapter_does_not_hold_up_the_others(
     reader.join(10)
     assert waited < 1.0, f"resolving another adapter waited {waited:.2f} s"
     assert changed and changed[0].name == "caps"
+
+
+def test_concurrent_resolves_of_a_changed_adapter_read_its_files_once(
+    root: Path, state: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of requests naming an adapter just changed (the gateway's edge resolves on up to
+    32 threads): each read the whole files at once (up to 2 GiB each). One reads; the others
+    wait for its result."""
+    import threading
+
+    from tiercache.lora import registry as registry_module
+
+    later = time.time_ns() + 10_000_000_000  # the files are not racy: one read settles them
+    registry = registry_of(root, state, clock, wall_clock_ns=lambda: later)
+    before = registry.resolve("caps")
+    rewrite(root / "caps" / CONFIG_FILE, (root / "caps" / CONFIG_FILE).read_bytes() + b" ")
+    reads = []
+    real = registry_module._read_checked
+
+    def slow(name: str, folder: Path) -> object:
+        reads.append(name)
+        time.sleep(0.2)
+        return real(name, folder)
+
+    monkeypatch.setattr(registry_module, "_read_checked", slow)
+    found: list[object] = []
+    threads = [
+        threading.Thread(target=lambda: found.append(registry.resolve("caps"))) for _ in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert reads == ["caps"] and len(set(found)) == 1 and found[0] != before

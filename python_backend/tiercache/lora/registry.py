@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.adapter_types import (
@@ -123,6 +123,9 @@ class _Entry:
     racy: bool = False  # `signature` too close to the files' timestamps to be trusted
     ref: AdapterRef | None = None
     problem: TierCacheError | None = None  # the content problem of `signature`'s files
+    # one reader of its files at a time: concurrent resolves of a changed adapter wait for
+    # that read rather than each hold a whole copy (up to 2 GiB a file) at once
+    reading: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class AdapterRegistry:
@@ -165,11 +168,15 @@ class AdapterRegistry:
                 return self._ready(entry)
         # Its files changed (or are too fresh to trust): read and hash them without the lock,
         # so resolves of every other adapter (prompt_cache's hit path among them) do not wait
-        # on this one's bytes (up to 2 GiB a file).
-        loaded = _read_checked(entry.name, entry.folder)
-        with self._lock:
-            self._commit(entry, loaded)
-            return self._ready(entry)
+        # on this one's bytes (up to 2 GiB a file); one thread at a time for this adapter.
+        with entry.reading:
+            with self._lock:
+                if not self._changed(entry):  # read by the thread this one waited for
+                    return self._ready(entry)
+            loaded = _read_checked(entry.name, entry.folder)
+            with self._lock:
+                self._commit(entry, loaded)
+                return self._ready(entry)
 
     def read(self, ref: AdapterRef) -> AdapterWeights:
         """The files of version `ref`, checked against its digest. Unavailable when the folder no
