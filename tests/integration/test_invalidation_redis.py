@@ -21,6 +21,7 @@ from redis_server import RedisServer
 from tiercache.cli import main as tiercache_main
 from tiercache.errors import InvalidRequest, Unavailable
 from tiercache.exact import invalidation as invalidation_module
+from tiercache.exact.codec import CacheEntry
 from tiercache.exact.invalidation import Invalidator, recorded_members, signed_member
 from tiercache.exact.keys import REDIS_INVALIDATIONS, tenant_scope
 from tiercache.exact.redis_tier import Signer
@@ -651,3 +652,33 @@ def test_a_slow_first_catch_up_holds_the_start_until_it_ends(
     finally:
         listener.close()
     replica.close()
+
+
+def test_a_process_started_later_on_the_host_knows_what_the_host_heard_without_redis_record(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Redis's invalidation record lost (a restart without persistence; members deleted by
+    whoever can write to it: signatures stop forged records, not deleted ones): a process of
+    the host started afterwards served an L2 entry invalidated while the host's other process
+    was running. What a process hears is kept in the host's log, once per watermark."""
+    running = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
+    running.put("k", "old answer", created_s=time.time() - 1)
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    Invalidator(admin, redis_link(admin)).key("k")
+    listener = invalidation_listener(running)
+    assert listener is not None
+    wait_until(lambda: listener.stats().received >= 1)
+    link = redis_link(admin)
+    assert link is not None
+    link.call_or_raise(lambda c: c.delete(link.key("invalidated")))  # the record is gone
+    marks = running.host_marks
+    assert marks is not None
+    assert marks.keep_heard([Invalidation(InvalidationKind.KEY, "k", time.time() - 0.5)]) == 0
+    l2 = running.store(Tier.L2)
+    assert l2 is not None
+    l2.put("k", CacheEntry("old answer", time.time() - 1))  # a copy the sweep did not reach
+    running.close()  # the host restarts
+    started = open_replica(tmp_path / "host", redis_server.url, redis_prefix)
+    assert started.get("k") is None  # the host's log refuses it
+    admin.close()
+    started.close()

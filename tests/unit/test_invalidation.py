@@ -578,3 +578,19 @@ def test_a_sweep_keeps_an_answer_written_again_after_its_scan(tmp_path: Path, ki
     assert sorted(sweep(racing, inv)) == ["old"]  # type: ignore[arg-type]
     assert store.peek("old") is None
     assert store.peek("again") == fresh
+
+
+def test_heard_watermarks_are_kept_once_and_their_markers_leave_with_them(tmp_path: Path) -> None:
+    """Every process of a host hears the same invalidations from Redis: the host's log keeps
+    each once (a newer one for the same value again); a trimmed record takes its marker with
+    it, so the value can be kept again later."""
+    marks = HostWatermarks(tmp_path / "log", max_events=2, horizon_s=10.0, clock=lambda: 1000.0)
+    first = Invalidation(InvalidationKind.KEY, "a", 100.0)
+    assert marks.keep_heard([first, first]) == 1
+    assert marks.keep_heard([first]) == 0  # another process heard it too
+    assert marks.keep_heard([Invalidation(InvalidationKind.KEY, "a", 200.0)]) == 1  # newer
+    table = InvalidationTable()
+    assert marks.catch_up(table) == 2
+    later = [Invalidation(InvalidationKind.TAG, v, at) for v, at in (("b", 300.0), ("c", 400.0))]
+    assert marks.keep_heard(later) == 2  # past max_events: the two "a" records are trimmed
+    assert marks.keep_heard([Invalidation(InvalidationKind.KEY, "a", 200.0)]) == 1

@@ -66,6 +66,7 @@ from tiercache.exact.watermarks import (
     applies,
     forget_before_s,
 )
+from tiercache.log_throttle import LogThrottle
 from tiercache.vocabulary import InvalidationKind, Tier
 
 if TYPE_CHECKING:  # the Redis client is imported only by processes with L3
@@ -83,6 +84,7 @@ CATCH_UP_TRUNCATED_RETRY_S = 60.0  # the next attempt after a catch-up cut by a 
 # a replica whose Redis answers waits this long at start for its invalidation record to be read
 # whole (a long one: every bad verdict adds a member) before it serves from its own tiers
 CATCH_UP_WAIT_S = 120.0
+KEEP_HEARD_BATCH = 4096  # heard watermarks kept in the host's log per write transaction
 # The longest value an invalidation may name, in UTF-8 bytes (a digest is 64 characters, a
 # request's tag at most 128): its member then stays under MAX_MEMBER_BYTES.
 MAX_VALUE_CHARS = 512
@@ -282,6 +284,7 @@ class InvalidationListener:
         self._connected = threading.Event()
         self._attempted = threading.Event()  # the first connection attempt ended, either way
         self._subscribed = threading.Event()  # Redis answered once (its record being read)
+        self._keep_log = LogThrottle()
         self._lock = threading.Lock()
         self._received = self._caught_up = self._reconnects = self._dropped = 0
         self._forged = 0
@@ -408,6 +411,8 @@ class InvalidationListener:
                 continue
             if inv.origin != self.table.origin:
                 news = self.table.note(inv, from_redis=True)
+                if news:
+                    self._keep_on_host([inv])
                 # A message this listener applied before (a replay of a captured one) is not
                 # swept again: reads check its watermark, and a replayed tag would cost a
                 # scan each time. One too old to kill anything servable is not swept either.
@@ -451,6 +456,7 @@ class InvalidationListener:
         seconds, micros = client.time()
         upper = float(seconds) + float(micros) / 1e6
         forged = 0
+        heard: list[Invalidation] = []
         for read, member in enumerate(recorded_members(client, self.events, since, upper)):
             if read % 1024 == 1023 and self._stop.is_set():
                 return False  # closing: not caught up (the thread ends)
@@ -482,6 +488,11 @@ class InvalidationListener:
             # At start every recorded watermark is noted; reads check them, so no sweep is
             # needed. After an outage only the news is swept.
             news = self.table.note(inv, from_redis=True)
+            if news:
+                heard.append(inv)
+                if len(heard) >= KEEP_HEARD_BATCH:
+                    self._keep_on_host(heard)
+                    heard = []
             swept = news and catch_up_sweeps and not self._past_horizon(inv)
             if swept and self._first_hearing(inv):
                 self._apply(inv, sweep_local=True, noted=True)
@@ -489,10 +500,24 @@ class InvalidationListener:
                 self._caught_up += 1
                 self._by_kind["applied"][inv.kind.value] += news
                 self._by_kind["replayed"][inv.kind.value] += news and catch_up_sweeps
+        self._keep_on_host(heard)
         if self._connected.is_set() is False:
             log.info("invalidation listener subscribed to %s", self.channel)
         self._connected.set()
         return True
+
+    def _keep_on_host(self, heard: list[Invalidation]) -> None:
+        """Into the host's log (`HostWatermarks.keep_heard`), so that a process of this host
+        started later knows them without Redis's record; a failure is logged (once a minute),
+        the watermarks hold in this process all the same."""
+        marks = self.cache.host_marks
+        if marks is None or not heard:
+            return
+        try:
+            marks.keep_heard(heard)
+        except Exception:  # noqa: BLE001 - the table holds them; the host's log is a copy
+            if self._keep_log.ready():
+                log.exception("keeping %d heard invalidations in the host's log failed", len(heard))
 
     def _catch_up_failed(self, exc: BaseException, first: bool) -> None:
         """A catch-up that failed while the subscription holds: retried every `retry_s`."""

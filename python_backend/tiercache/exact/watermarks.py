@@ -30,6 +30,7 @@ cache (the sweep, the Redis listener, the issuer) is `tiercache.exact.invalidati
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import logging
@@ -356,22 +357,66 @@ class HostWatermarks:
                 return
             first = int.from_bytes(cursor.key()[1:], "big")
             if seq - first + 1 > self.max_events:
-                self._trim(cursor, seq - first + 1)
+                self._trim(cursor, seq - first + 1, txn)
 
-    def _trim(self, cursor: Any, held: int) -> None:
+    @staticmethod
+    def _heard_key(inv: Invalidation) -> bytes:
+        """The marker of a watermark heard from Redis (`keep_heard`): one per kind and value."""
+        name = f"{inv.kind.value}\n{inv.value}".encode("utf-8", "surrogatepass")
+        return b"h" + hashlib.sha256(name).digest()[:16]
+
+    def keep_heard(self, invs: list[Invalidation]) -> int:
+        """Append the watermarks this host heard from Redis, in one transaction, each unless
+        the log already holds it at least as new (every process of the host hears the same
+        ones): a process of this host started later learns them from here even when Redis no
+        longer has them (restarted without persistence; members deleted by whoever can write
+        to it: signatures stop forged records, not deleted ones). How many were appended."""
+        if not invs:
+            return 0
+        appended = 0
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(self._SEQ)
+            seq = int.from_bytes(raw, "big") if raw else 0
+            for inv in invs:
+                marker = self._heard_key(inv)
+                held = txn.get(marker)
+                if held is not None and self._FLOAT.unpack(bytes(held))[0] >= inv.at_s:
+                    continue
+                seq += 1
+                txn.put(self._key(seq), inv.to_json().encode())
+                txn.put(marker, self._FLOAT.pack(inv.at_s))
+                appended += 1
+            if not appended:
+                return 0
+            txn.put(self._SEQ, seq.to_bytes(8, "big"))
+            cursor = txn.cursor()
+            if cursor.set_range(b"e"):
+                first = int.from_bytes(cursor.key()[1:], "big")
+                if seq - first + 1 > self.max_events:
+                    self._trim(cursor, seq - first + 1, txn)
+        return appended
+
+    def _trim(self, cursor: Any, held: int, txn: Any = None) -> None:
         """Forget the oldest records that are past the horizon while more than `max_events`
-        are held; `cursor` is on the oldest."""
+        are held; `cursor` is on the oldest (`txn`, its transaction, for the markers of heard
+        records: a marker goes with the record it was written for)."""
         now_s = self._clock()
         cutoff = forget_before_s(now_s, self.horizon_s, self.skew_s)
         forgotten = 0
         while cutoff is not None and held > self.max_events and cursor.key().startswith(b"e"):
             try:
-                at_s = Invalidation.from_json(bytes(cursor.value())).at_s
+                old: Invalidation | None = Invalidation.from_json(bytes(cursor.value()))
+                at_s = old.at_s if old is not None else -math.inf
             except MALFORMED_RECORD as exc:
                 log.warning("dropping a malformed invalidation record: %s", exc)
-                at_s = -math.inf
+                old, at_s = None, -math.inf
             if at_s >= cutoff:
                 break
+            if txn is not None and old is not None:
+                marker = self._heard_key(old)
+                kept = txn.get(marker)
+                if kept is not None and self._FLOAT.unpack(bytes(kept))[0] <= at_s:
+                    txn.delete(marker)
             cursor.delete()  # moves to the next record
             held -= 1
             forgotten += 1
