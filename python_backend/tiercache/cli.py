@@ -446,15 +446,17 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
         "--max-requests-per-key",
         type=int,
         default=128,
-        help="generations one API key may have in flight at once, past which its next is a 429 "
-        "(default 128; 0: no limit; requests without a key are not counted)",
+        help="generations and feedback calls one API key may have in flight at once, past "
+        "which its next is a 429 (default 128; 0: no limit; requests without a key are not "
+        "counted)",
     )
     gw.add_argument(
         "--requests-per-minute-per-key",
         type=int,
         default=0,
-        help="generation requests one API key may send a minute (a burst of that many, then "
-        "evenly), past which its next is a 429 with retry-after (default 0: no limit)",
+        help="generation and feedback requests one API key may send a minute (a burst of that "
+        "many, then evenly), past which its next is a 429 with retry-after (default 0: no "
+        "limit)",
     )
     gw.add_argument(
         "--metrics-from",

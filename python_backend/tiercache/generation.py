@@ -315,13 +315,13 @@ class Generations:
                 made = CacheEntry(
                     "",
                     created_s=running.started_s,
-                    tags=directives.tags,
+                    tags=running.tags,  # its leader's, which its answer is stored with
                     tenant_scope=request.tenant_scope,
                     adapter=request.lora_digest,
                 )
                 return self.cache.invalidates(digest, made)
 
-            flight, leader = self.flights.join(key, self.cache.now(), stale)
+            flight, leader = self.flights.join(key, self.cache.now(), stale, directives.tags)
             if not leader and self._on_follow is not None:
                 try:
                     self._on_follow()

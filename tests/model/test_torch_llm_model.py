@@ -891,8 +891,8 @@ def test_a_request_its_caller_gave_up_while_queued_is_not_run(
     pb_utils: ModuleType, model: Any, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llm gave up on it (its deadline, a flight nobody waits for) while it waited: the worker
-    answered it only after the adapter switch, the tokenization and the whole prefill. Now it
-    is answered as cancelled before any of them."""
+    answered it only after the tokenization and the whole prefill. Now it is answered as
+    cancelled once the adapter work it carried is done (lora_cache's mirror counts on it)."""
     lookups = model.stage.engine.kv_stats().lookups
     gone = [True]
     monkeypatch.setattr(pb_utils_stub.ResponseSender, "is_cancelled", lambda self: gone[0])

@@ -617,7 +617,7 @@ def test_while_compactions_fail_the_log_stops_at_its_mark_and_compacts_after(
     compaction (and are dropped while it fails); once the tiers read again it compacts."""
     from tiercache.semantic import compaction
 
-    monkeypatch.setattr(compaction, "_RETRY_PAUSE_S", 0.0)  # every write may start one
+    monkeypatch.setattr(compaction, "RETRY_PAUSE_S", 0.0)  # every write may start one
     store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
     rng = np.random.default_rng(0)
     down = [True]
@@ -647,7 +647,7 @@ def test_while_compactions_fail_the_log_stops_at_its_mark_and_compacts_after(
 
 def test_after_a_failed_compaction_rows_wait_a_pause_before_the_next(tmp_path: Path) -> None:
     """A failed compaction (a tier unreadable) is not retried by every write: rows past the
-    mark wait (bounded) for `_RETRY_PAUSE_S`, then the next write starts one, and they are
+    mark wait (bounded) for `RETRY_PAUSE_S`, then the next write starts one, and they are
     appended after it."""
     store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
     rng = np.random.default_rng(1)
@@ -713,6 +713,50 @@ def test_the_redis_follower_compacts_at_the_mark_by_the_answers_values(tmp_path:
     assert "shared" in kept and oldest <= kept
     assert len(kept) == count + 1 - max(1, (count + 1) // 10)  # the tenth worth least went
     assert not store.compaction_due()
+    store.close()
+
+
+def test_a_follower_whose_compaction_fails_waits_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log past its mark and a tier unreadable (each compaction fails): the follower ran a
+    whole compaction and logged a traceback at every retry (every `retry_s`). It tries again
+    after the pause and logs once a minute; the rows wait in Redis."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+    rng = np.random.default_rng(2)
+    i = 0
+    while not store.compaction_due():
+        store.log_rows([("s", f"d{i}", "p", unit(*rng.random(DIM)))])
+        i += 1
+    secret = b"s" * 32
+    key = "t:" + STREAM
+    signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+    entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
+    row = SharedRow.of_entry("s", "shared", "p", unit(1, 0), "", entry, origin="other-host")
+    stream = _FakeStream(key, [sign_fields(signer, key, row.to_fields())])
+    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    asked = [0]
+
+    def unreadable(digest: str) -> bool:
+        asked[0] += 1
+        raise ConnectionError("redis is down")
+
+    with caplog.at_level(logging.ERROR):
+        follower = RowFollower(
+            link,
+            store,
+            InvalidationTable(),
+            lock_path=tmp_path / "follower.lock",
+            answer_exists=unreadable,
+            retry_s=0.05,
+        ).start()
+        try:
+            time.sleep(1.0)  # about twenty retries
+        finally:
+            follower.close()
+    assert asked[0] == 1  # one compaction tried, none again within the pause
+    assert caplog.text.count("applying 1 semantic rows from Redis failed") == 1
+    assert "shared" not in {r.digest for r in store.rows_since(0)}  # it waits in Redis
     store.close()
 
 

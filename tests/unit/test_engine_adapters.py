@@ -609,6 +609,33 @@ def with_tensor(key: str) -> AdapterWeights:
     return replace(weights, weights=save(tensors))
 
 
+def test_keys_as_peft_reads_them_and_copies_of_the_models_own_tensors_load(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    """Only stray tensors refuse an adapter: keys without the `base_model.model.` prefix (as
+    peft's functional API saves them) are the adapter's own, and a copy of a base parameter
+    the model holds as it is (an embedding `save_embedding_layers` put in the file) is left
+    out; the answer is the committed adapter's."""
+    from safetensors.torch import load, save
+
+    reference = adapter_weights("french")
+    adapters.load(reference)
+    adapters.activate(reference.ref)
+    expected = bench.logits()
+    adapters.activate(None)
+    adapters.evict(reference.ref.digest)
+    tensors = load(reference.weights)
+    bare = {key.removeprefix("base_model.model."): t for key, t in tensors.items()}
+    norm = dict(bench.engine.model.named_parameters())["model.norm.weight"]
+    bare["base_model.model.model.norm.weight"] = norm.detach().clone()
+    variant = replace(reference, ref=AdapterRef("french", 22, "f" * 64), weights=save(bare))
+    adapters.load(variant)
+    adapters.activate(variant.ref)
+    assert torch.equal(bench.logits(), expected)
+    adapters.activate(None)
+    assert torch.equal(bench.logits(), bench.base_logits)
+
+
 def bad_config(**changes: Any) -> AdapterWeights:
     weights = adapter_weights("french")
     config = json.loads(weights.config_json)
@@ -628,10 +655,10 @@ def bad_config(**changes: Any) -> AdapterWeights:
         (replace(adapter_weights("french"), weights=b"not safetensors"), "not valid safetensors"),
         (replace(adapter_weights("french"), config_json="{"), "not valid JSON"),
         (replace(adapter_weights("french"), config_json="[" * 100_000), "not valid JSON"),
-        (with_tensor("base_model.model.model.norm.weight"), "not LoRA weights"),  # the base's
+        (with_tensor("base_model.model.model.norm.weight"), "neither LoRA weights"),  # base's
         (  # another slot's tensor, as peft names it in the model
             with_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.slot0.weight"),
-            "not LoRA weights",
+            "neither LoRA weights",
         ),
     ],
     ids=[

@@ -54,6 +54,7 @@ def test_a_chat_request_becomes_one_generation() -> None:
     on_caps = parse({"model": "caps", "prompt": "Hi", "stream": True}, chat=False)
     assert (on_caps.lora_name, on_caps.stream, on_caps.chat) == ("caps", True, False)
     assert parse(chat(store=False, metadata={"app": "x"}, user="u-1")).user == "u-1"
+    assert parse(chat(safety_identifier="s", prompt_cache_key="k")).prompt == "Hi"
     assert parse(chat(top_k=5, min_p=0, repetition_penalty=1)).top_k == 5  # neutral: accepted
     assert parse(chat()).top_k is None
 

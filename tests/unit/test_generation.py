@@ -186,14 +186,13 @@ def test_a_miss_after_an_invalidation_does_not_join_the_generation_it_kills(
     engine = FakeEngine(gate=threading.Event())
     stage = make_stage(cache, engine)
     request = dataclasses.replace(REQUEST, tenant_scope="scope-a")
-    directives = {"tags": ("faq",)}
     before, after = Recorder(), Recorder()
-    stage.submit_miss(request, DIGEST, "miss", True, before, **directives)
+    stage.submit_miss(request, DIGEST, "miss", True, before, tags=("faq",))
     engine.wait_started()
     cache.now = lambda: time.time() + 1.0  # type: ignore[method-assign] # past the skew
     getattr(Invalidator(cache), by)({"tenant": "scope-a", "key": DIGEST, "tag": "faq"}[by])
     cache.now = lambda: time.time() + 2.0  # type: ignore[method-assign] # later still
-    stage.submit_miss(request, DIGEST, "miss", True, after, **directives)
+    stage.submit_miss(request, DIGEST, "miss", True, after)  # without the tag: the flight's
     engine.wait_started()  # a second generation, not a follower of the first
     assert engine.gate is not None
     engine.gate.set()
@@ -201,6 +200,8 @@ def test_a_miss_after_an_invalidation_does_not_join_the_generation_it_kills(
     assert after.wait() == [("final", "Hello", "miss")]
     assert (engine.calls, stage.stats().coalesced) == (2, 0)
     assert stored_text(cache) == "Hello"  # the second answer, made after the invalidation
+    found = cache.get(DIGEST)
+    assert found is not None and found.entry.tags == ()  # the second flight's own tags
     stage.close()
 
 

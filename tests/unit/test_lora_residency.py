@@ -255,6 +255,24 @@ def test_an_old_version_the_host_tier_cannot_hold_stays_in_the_engine_for_late_r
     assert sorted(x.digest for x in residency.snapshot().engine) == sorted([old.digest, new.digest])
 
 
+def test_an_old_version_kept_for_late_requests_is_the_first_to_make_room(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Kept in the engine without a host copy, an old version is the first victim when room is
+    needed (the policy would give it up last: it is its name's most recently used), and for a
+    pinned name it never keeps the new version out (it was protected as the name's most
+    recently used, and every plan for the new one was refused until a restart)."""
+    residency = make(engine_slots=3, engine_max_bytes=250, host_max_bytes=50, pinned=["a"])
+    other = disk.add("b", 2, nbytes=50)
+    residency.plan(other, disk.read)
+    old = disk.add("a", 1, nbytes=150, version="v1")
+    residency.plan(old, disk.read)
+    new = disk.add("a", 1, nbytes=150, version="v2")
+    plan = residency.plan(new, disk.read)  # 350 bytes would not fit: the old version goes
+    assert plan.evict == (held_key(old),)
+    assert sorted(engine_names(residency)) == ["a", "b"]
+
+
 def test_gone_version_is_unavailable(make: MakeResidency, disk: FakeDisk) -> None:
     residency = make(host_max_adapters=0)
     old = disk.add("a", 1, version="v1")

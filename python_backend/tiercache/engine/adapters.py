@@ -98,6 +98,7 @@ UNSUPPORTED_KEYS = (
     "target_parameters",
 )
 _PEFT_CONFIG_WARNING = "Already found a `peft_config` attribute"
+PEFT_PREFIX = "base_model.model."  # what an adapter file's keys start with (peft)
 
 AdapterKey = tuple[int, str]  # (task_id, digest)
 
@@ -762,14 +763,10 @@ class EngineAdapters:
             raise InvalidRequest(f"{where} does not fit the model: {exc}") from exc
         # peft loads a key that is not one of the new adapter's own tensors as it is (loading
         # is not strict): a file holding a base-model key, or another slot's, rewrote that
-        # parameter for every request. Only this slot's own tensors are taken.
-        own = self._file_keys(name)
-        stray = [key for key in state_dict if key not in own]
-        if stray:
-            raise InvalidRequest(
-                f"{where}: {len(stray)} tensors are not LoRA weights of the adapter's modules, "
-                f"e.g. {stray[0][:120]!r}; not loaded"
-            )
+        # parameter for every request. Only this slot's own tensors are taken; a copy of a
+        # parameter the model already holds as it is (an embedding peft saved with the
+        # adapter, `save_embedding_layers`) is left out, anything else refuses the adapter.
+        state_dict = self._own_tensors(name, state_dict, where)
         try:
             result: Any = set_peft_model_state_dict(  # typed as a bare namedtuple
                 self.model, state_dict, adapter_name=name, low_cpu_mem_usage=True
@@ -788,6 +785,44 @@ class EngineAdapters:
                 f"{missing[0].replace(marker, '.')}"
             )
 
+    def _own_tensors(
+        self, name: str, state_dict: dict[str, torch.Tensor], where: str
+    ) -> dict[str, torch.Tensor]:
+        """`state_dict` less the tensors equal to the model's own (nothing to load); an
+        InvalidRequest naming a tensor that is neither slot `name`'s nor such a copy. Keys are
+        read as peft reads them: the `base_model.model.` prefix optional, a DoRA magnitude
+        (`lora_magnitude_vector`) without its `.weight`."""
+        own = self._file_keys(name)
+        params: dict[str, torch.nn.Parameter] | None = None
+        same: list[str] = []
+        stray: list[str] = []
+        for key, tensor in state_dict.items():
+            file_key = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
+            if file_key.endswith(".lora_magnitude_vector"):
+                file_key += ".weight"
+            if file_key in own:
+                continue
+            if params is None:
+                params = dict(self.model.named_parameters())
+            held = params.get(file_key[len(PEFT_PREFIX) :])
+            if (
+                held is not None
+                and held.device.type != "meta"
+                and held.shape == tensor.shape
+                and torch.equal(held.detach(), tensor.to(device=held.device, dtype=held.dtype))
+            ):
+                same.append(key)
+            else:
+                stray.append(key)
+        if stray:
+            raise InvalidRequest(
+                f"{where}: {len(stray)} tensors are neither LoRA weights of the adapter's "
+                f"modules nor the model's own, e.g. {stray[0][:120]!r}; not loaded"
+            )
+        if not same:
+            return state_dict
+        return {key: t for key, t in state_dict.items() if key not in same}
+
     def _file_keys(self, name: str) -> set[str]:
         """The file keys of slot `name`'s tensors, by `_new_slot`'s rule (peft's: the LoRA
         layer's parameter name less the adapter name, under `base_model.model.`)."""
@@ -799,7 +834,7 @@ class EngineAdapters:
                 parts = param_name.split(".")
                 if name in parts:
                     kept = [part for part in parts if part != name]
-                    keys.add(".".join(["base_model.model", module_name, *kept]))
+                    keys.add(PEFT_PREFIX + ".".join([module_name, *kept]))
         return keys
 
     def _remove_from_model(self, name: str) -> None:

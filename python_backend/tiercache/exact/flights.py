@@ -54,6 +54,9 @@ class Flight:
     # When it was created (the cache's clock): what its answer would be stored as made at, at
     # the latest, for telling whether an invalidation since covers it (`FlightTable.join`).
     started_s: float = 0.0
+    # The tags its answer is stored with (its leader's; not part of the key): what an
+    # invalidation by tag since it started kills.
+    tags: tuple[str, ...] = ()
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:
@@ -111,9 +114,14 @@ class FlightTable:
         self.coalesced_total = 0
 
     def join(
-        self, key: str, now_s: float = 0.0, stale: Callable[[Flight], bool] | None = None
+        self,
+        key: str,
+        now_s: float = 0.0,
+        stale: Callable[[Flight], bool] | None = None,
+        tags: tuple[str, ...] = (),
     ) -> tuple[Flight, bool]:
-        """The running flight for `key` and False, or a new one (started at `now_s`) and True.
+        """The running flight for `key` and False, or a new one (started at `now_s`, its
+        answer to be stored with `tags`) and True.
         A running flight that `stale` refuses (an invalidation issued since it started covers
         its answer) leaves the table first: its subscribers keep it, and the request starts
         afresh instead of being served the answer the invalidation killed."""
@@ -122,7 +130,7 @@ class FlightTable:
             with self._lock:
                 flight = self._flights.get(key)
                 if flight is None:
-                    flight = Flight(key, subscribers=1, started_s=now_s)
+                    flight = Flight(key, subscribers=1, started_s=now_s, tags=tags)
                     self._flights[key] = flight
                     return flight, True
                 if stale is None or checked is flight:

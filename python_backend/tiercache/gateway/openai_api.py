@@ -214,14 +214,18 @@ def _same(value: object, neutral: object) -> bool:
 
 
 # Fields read by `parse_request` (by route), and fields that change nothing of the answer
-# (OpenAI's bookkeeping: stored completions, their tags, the service tier): accepted, ignored.
+# (OpenAI's bookkeeping: stored completions, their tags, the service tier, the end-user and
+# prompt-cache identifiers that replace `user`): accepted, ignored.
 _READ_COMMON = frozenset(
     {"model", "n", "max_tokens", "stream", "stream_options", "user", "tiercache", "stop",
      "temperature", "top_p", "top_k", "seed"}
 )  # fmt: skip
 _READ_CHAT = _READ_COMMON | {"messages", "max_completion_tokens"}
 _READ_COMPLETION = _READ_COMMON | {"prompt"}
-_BOOKKEEPING = frozenset({"store", "metadata", "service_tier"})
+_BOOKKEEPING = frozenset(
+    {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+     "prompt_cache_retention"}
+)  # fmt: skip
 _TIERCACHE_FIELDS = frozenset({"cache_control"})
 
 

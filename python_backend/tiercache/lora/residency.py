@@ -153,15 +153,27 @@ class _Tier(Generic[V]):
         nbytes: int,
         protected: Callable[[_Resident[V]], bool],
         forced: Sequence[str] = (),
+        preferred: Sequence[str] = (),
     ) -> list[_Resident[V]] | None:
         """Who to evict so one more resident of `nbytes` fits: the `forced` keys first, then
-        the policy's nominees, skipping protected residents; None when it cannot fit. Changes
+        as many of the `preferred` ones (in order, not protected) as it takes, then the
+        policy's nominees, skipping protected residents; None when it cannot fit. Changes
         nothing."""
         chosen = [self.items[k] for k in forced if k in self.items]
-        over_count = len(self.items) - len(chosen) + 1 - self.max_count
-        over_bytes = self.nbytes - sum(r.nbytes for r in chosen) + nbytes - self.max_bytes
-        if not self.max_bytes:
-            over_bytes = 0
+
+        def over() -> tuple[int, int]:
+            count = len(self.items) - len(chosen) + 1 - self.max_count
+            size = self.nbytes - sum(r.nbytes for r in chosen) + nbytes - self.max_bytes
+            return count, (size if self.max_bytes else 0)
+
+        over_count, over_bytes = over()
+        for key in preferred:
+            if over_count <= 0 and over_bytes <= 0:
+                break
+            resident = self.items.get(key)
+            if resident is not None and resident not in chosen and not protected(resident):
+                chosen.append(resident)
+                over_count, over_bytes = over()
         if over_count <= 0 and over_bytes <= 0:
             return chosen
         kept = {self.key(r.ref) for r in chosen}
@@ -414,14 +426,16 @@ class Residency:
         # its version from there. Without one (an adapter larger than the host tier passes
         # through it; the copy was evicted) the folder no longer has it either, so it stays
         # in the engine until the policy evicts it like any other.
-        stale = [
+        older = [
             key
             for key, resident in engine.items.items()
-            if current
-            and resident.ref.name == ref.name
-            and resident.ref.digest != ref.digest
-            and resident.ref.digest in self._host.items
+            if current and resident.ref.name == ref.name and resident.ref.digest != ref.digest
         ]
+        stale = [key for key in older if engine.items[key].ref.digest in self._host.items]
+        # those without a host copy are the first victims when room is needed, before the
+        # policy's own (the newest of them is the name's most recently used: the policy would
+        # give it up last)
+        kept_older = [key for key in older if key not in stale]
         if held is not None:
             victims = [engine.items[key] for key in stale]
         else:
@@ -430,7 +444,9 @@ class Residency:
                     f"adapter {ref.short} ({nbytes} bytes) is larger than the engine's adapter "
                     f"budget (engine_max_bytes {engine.max_bytes})"
                 )
-            found = engine.victims(nbytes, self._pinned_check(ref), forced=stale)
+            found = engine.victims(
+                nbytes, self._pinned_check(ref), forced=stale, preferred=kept_older
+            )
             if found is None:
                 raise CapacityError(
                     f"no engine adapter slot can be freed for {ref.short}: the resident "
@@ -457,10 +473,14 @@ class Residency:
 
     def _pinned_check(self, loading: AdapterRef) -> Callable[[_Resident[None]], bool]:
         """Protected in the engine: the adapter being loaded, and per pinned name its most
-        recently used version (older versions of a pinned name are not pinned)."""
+        recently used version (older versions of a pinned name are not pinned; for the name
+        being loaded, the version being loaded is its pinned one: an old version kept in the
+        engine for late requests must not keep its new one out)."""
         newest: dict[str, _Resident[None]] = {}
         for resident in self._engine.items.values():
             name = resident.ref.name
+            if name == loading.name:
+                continue
             if name in self.pinned and (
                 name not in newest or resident.last_use > newest[name].last_use
             ):

@@ -37,7 +37,7 @@ _COMPACTION_ROUNDS = 3  # compactions in a row before the waiting rows are dropp
 _COMPACT_AT_FRACTION = 0.6  # of the log's map, in data pages: compaction starts there
 _COMPACT_BATCH = 64  # rows deleted per write transaction by a compaction
 _APPEND_BATCH = 16  # rows that waited for a compaction, appended per transaction after it
-_RETRY_PAUSE_S = 5.0  # after a failed compaction, before another starts (rows wait meanwhile)
+RETRY_PAUSE_S = 5.0  # after a failed compaction, before another starts (rows wait meanwhile)
 COMPACTION_LOCK = "compaction.lock"  # in the log's folder: one compaction at a time per host
 
 Row = tuple[str, str, str, np.ndarray]
@@ -113,7 +113,7 @@ class Compactor:
         with self._lock:
             if seq is None and len(self._pending) < _MAX_PENDING:
                 self._pending.append((row, tenant))
-            if self._thread is None and time.monotonic() - self._failed_s >= _RETRY_PAUSE_S:
+            if self._thread is None and time.monotonic() - self._failed_s >= RETRY_PAUSE_S:
                 self._thread = threading.Thread(
                     target=self._compact_then_append,
                     args=(answer_exists, answer_value),
@@ -132,7 +132,7 @@ class Compactor:
         is left; if the log fills again first, compact again, at most `_COMPACTION_ROUNDS`
         times, then drop what still waits (logged). A compaction that fails (a tier it must
         read is down) ends the rounds: the rows past the mark wait for the next one, which the
-        first write `_RETRY_PAUSE_S` later starts; the failure is logged once a minute."""
+        first write `RETRY_PAUSE_S` later starts; the failure is logged once a minute."""
         failed = False
         for _ in range(_COMPACTION_ROUNDS):
             started = time.perf_counter()
@@ -152,7 +152,7 @@ class Compactor:
                         "compacting the semantic log failed (%d more since the last line; "
                         "tried again %.0f s after a failure, rows past the mark wait)",
                         self._failure_log.suppressed,
-                        _RETRY_PAUSE_S,
+                        RETRY_PAUSE_S,
                     )
             while True:
                 with self._lock:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -70,6 +71,8 @@ from tiercache.exact.keys import REDIS_SEMANTIC_ROWS
 from tiercache.exact.redis_tier import RedisLink, Signer
 from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import InvalidationTable
+from tiercache.log_throttle import LogThrottle
+from tiercache.semantic import compaction
 from tiercache.semantic.row_log import ScopeLimitReached
 from tiercache.semantic.store import SemanticStore
 
@@ -275,6 +278,10 @@ class FollowerStats:
     forged: int = 0  # entries whose tag did not verify: not signed with the fleet's secret
 
 
+class CompactionPending(Exception):
+    """The log is past its mark and its last compaction failed moments ago: the batch waits."""
+
+
 class DiskShort(Exception):
     """The state directory's disk is too short to log rows from other replicas now."""
 
@@ -320,6 +327,8 @@ class RowFollower:
         self._ready = ready
         self._answer_exists = answer_exists
         self._answer_value = answer_value
+        self._compact_failed_s = -math.inf  # when its last compaction failed (monotonic)
+        self._apply_log = LogThrottle()
         self._embedder = embedder
         self._dimensions = dimensions
         self._batch_rows = batch_rows
@@ -407,7 +416,7 @@ class RowFollower:
                     self._apply(entries)
                 except (DiskShort, lmdb.Error, RuntimeError) as exc:
                     if not isinstance(exc, DiskShort) and not self.store.disk_error(exc):
-                        log.exception("applying %d semantic rows from Redis failed", len(entries))
+                        self._apply_failed(len(entries))
                         self._stop.wait(self._retry_s)
                         continue
                     now = time.monotonic()  # they wait in Redis: the id is not advanced
@@ -421,7 +430,7 @@ class RowFollower:
                     self._stop.wait(self._retry_s)
                     continue
                 except Exception:  # noqa: BLE001 - the thread must go on; the id is not advanced
-                    log.exception("applying %d semantic rows from Redis failed", len(entries))
+                    self._apply_failed(len(entries))
                     self._stop.wait(self._retry_s)
                     continue
             if len(entries) < self._batch_rows and not self._cut and not self._caught_up.is_set():
@@ -563,9 +572,29 @@ class RowFollower:
             self._compact()
         return sum(len(seqs) for seqs, _ in fresh.values())
 
+    def _apply_failed(self, rows: int) -> None:
+        """Logged with its traceback at most once a minute (retried every `retry_s`: a
+        compaction failing for as long as a tier cannot be read would log each retry)."""
+        if self._apply_log.ready():
+            log.exception(
+                "applying %d semantic rows from Redis failed (%d more failures since the last "
+                "line); retried every %.1f s",
+                rows,
+                self._apply_log.suppressed,
+                self._retry_s,
+            )
+
     def _compact(self) -> None:
+        """Compact now (the log is past its mark); a compaction that failed less than
+        `RETRY_PAUSE_S` ago is not run again: CompactionPending, and the batch waits."""
+        if time.monotonic() - self._compact_failed_s < compaction.RETRY_PAUSE_S:
+            raise CompactionPending("the semantic log's last compaction failed; tried again soon")
         started = time.perf_counter()
-        deleted = self.store.compact(self._answer_exists, answer_value=self._answer_value)
+        try:
+            deleted = self.store.compact(self._answer_exists, answer_value=self._answer_value)
+        except Exception:
+            self._compact_failed_s = time.monotonic()
+            raise
         log.info(
             "semantic log compacted by the Redis row follower: %d rows deleted in %.1f s",
             deleted,

@@ -255,8 +255,6 @@ class TorchLlmStage:
             # the objective's clock starts here, not at submit: the queue holds earlier
             # requests' whole generations, which no cache memory shortens
             started = time.monotonic()
-            if order.op == GENERATE and self._cancelled(sink):
-                continue  # gone while it waited: no adapter switch, no prefill for nobody
             before = self.engine.adapters.stats()
             try:
                 self._serve(order, request, sink, started)
@@ -292,8 +290,12 @@ class TorchLlmStage:
         sink: EngineSink,
         started: float,
     ) -> None:
+        # the adapter work it carries first, whatever became of its caller: lora_cache's mirror
+        # counts the weights it sent, and the evictions it planned, as done
         done = self.engine.adapters.prepare(order)
         if order.op == GENERATE and request is not None:
+            if self._cancelled(sink):
+                return  # gone while it waited: no prompt run for nobody
             self._generate(request, sink, started)
             return
         if order.op == LOAD:
