@@ -206,9 +206,9 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "api_keys_file": _Spec(
         "",
-        "JSON file of hashed API keys -> tenants (tiercache.tenant_keys; `tiercache keys add` "
-        "writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the `tenant` input is "
-        "trusted as sent",
+        "JSON file of hashed API keys -> tenants (tiercache.exact.tenant_keys; "
+        "`tiercache keys add` writes it); empty: $TIERCACHE_API_KEYS_FILE, else none and the "
+        "`tenant` input is trusted as sent",
     ),
     "envelope_max_age_s": _Spec(
         300.0,

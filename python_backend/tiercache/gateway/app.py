@@ -170,14 +170,14 @@ class GatewaySettings:
     # generation requests one API key may send a minute (past it: 429 with retry-after;
     # KeyRate), 0: no limit
     requests_per_minute_per_key: int = 0
-    # requests a client may pipeline behind the one in progress on a connection (past it: 400
-    # and the connection closed; tiercache.gateway.protocol)
+    # requests a client may pipeline behind the one in progress on a connection (past it: the
+    # connection closed, nothing written; tiercache.gateway.protocol)
     max_pipelined: int = DEFAULT_MAX_PIPELINED
     # a peer that acknowledges none of a response's bytes for this long loses its connection
     # (TCP_USER_TIMEOUT; a client waiting for a slow answer owes none and is not affected)
     stalled_peer_s: float = DEFAULT_STALLED_PEER_S
-    # a request's line and headers: at most this many bytes (else 400, closed), complete within
-    # header_timeout_s of the connection opening or of the request's first byte (else closed)
+    # a request's line and headers: at most this many bytes (else 431, closed), complete within
+    # header_timeout_s of the connection opening or of the previous response's end (else closed)
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # the Host header must name this server by a loopback name (DNS rebinding from a web page

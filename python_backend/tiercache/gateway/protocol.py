@@ -20,7 +20,8 @@ server facing the internet needs and uvicorn 0.54 does not set.
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
   KiB once parsed), and it reads on whenever the request in progress reads or a response
   completes. Past `max_pipelined` requests queued behind the one in progress the connection is
-  answered 400 and closed, before the rest of what was read is parsed.
+  closed, nothing written (a response is in progress on it), before the rest of what was read
+  is parsed.
 - **Disconnects**: when the connection is lost, uvicorn marks only the newest request as
   disconnected; here every request of the connection is, so the one streaming an answer learns
   it (and cancels its gRPC call) even when the client had pipelined another behind it.
