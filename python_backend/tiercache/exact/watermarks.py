@@ -339,6 +339,7 @@ class HostWatermarks:
         self._seen = 0
         self._lock = threading.Lock()
         self._forgotten = 0
+        self._heard_not_kept = 0
         self._overflow = OverflowCounter(f"the host's invalidation log {path}")
 
     @staticmethod
@@ -370,36 +371,50 @@ class HostWatermarks:
         the log already holds it at least as new (every process of the host hears the same
         ones): a process of this host started later learns them from here even when Redis no
         longer has them (restarted without persistence; members deleted by whoever can write
-        to it: signatures stop forged records, not deleted ones). How many were appended."""
+        to it: signatures stop forged records, not deleted ones). How many were appended.
+        A copy, so it never takes the log past `max_events` (the oldest past the horizon are
+        forgotten first): the ones that do not fit are left to Redis's record, counted in
+        `heard_not_kept` (the host's own invalidations are always recorded)."""
         if not invs:
             return 0
         appended = 0
         with self._env.begin(write=True) as txn:
             raw = txn.get(self._SEQ)
             seq = int.from_bytes(raw, "big") if raw else 0
+            cursor = txn.cursor()
+            held = 0
+            if cursor.set_range(b"e"):
+                held = seq - int.from_bytes(cursor.key()[1:], "big") + 1
+                if held + len(invs) > self.max_events:  # room for them, as far as it goes
+                    held = self._trim(cursor, held + len(invs), txn, warn=False) - len(invs)
             for inv in invs:
                 marker = self._heard_key(inv)
-                held = txn.get(marker)
-                if held is not None and self._FLOAT.unpack(bytes(held))[0] >= inv.at_s:
+                kept = txn.get(marker)
+                if kept is not None and self._FLOAT.unpack(bytes(kept))[0] >= inv.at_s:
+                    continue
+                if held + appended >= self.max_events:
+                    with self._lock:
+                        self._heard_not_kept += 1
                     continue
                 seq += 1
                 txn.put(self._key(seq), inv.to_json().encode())
                 txn.put(marker, self._FLOAT.pack(inv.at_s))
                 appended += 1
-            if not appended:
-                return 0
-            txn.put(self._SEQ, seq.to_bytes(8, "big"))
-            cursor = txn.cursor()
-            if cursor.set_range(b"e"):
-                first = int.from_bytes(cursor.key()[1:], "big")
-                if seq - first + 1 > self.max_events:
-                    self._trim(cursor, seq - first + 1, txn)
+            if appended:
+                txn.put(self._SEQ, seq.to_bytes(8, "big"))
         return appended
 
-    def _trim(self, cursor: Any, held: int, txn: Any = None) -> None:
+    @property
+    def heard_not_kept(self) -> int:
+        """Watermarks heard from Redis that this process left out of the host's log (full)."""
+        with self._lock:
+            return self._heard_not_kept
+
+    def _trim(self, cursor: Any, held: int, txn: Any = None, warn: bool = True) -> int:
         """Forget the oldest records that are past the horizon while more than `max_events`
         are held; `cursor` is on the oldest (`txn`, its transaction, for the markers of heard
-        records: a marker goes with the record it was written for)."""
+        records: a marker goes with the record it was written for). `held` less those
+        forgotten."""
         now_s = self._clock()
         cutoff = forget_before_s(now_s, self.horizon_s, self.skew_s)
         forgotten = 0
@@ -422,8 +437,9 @@ class HostWatermarks:
             forgotten += 1
         with self._lock:
             self._forgotten += forgotten
-            if held > self.max_events:
+            if held > self.max_events and warn:  # a copy (`keep_heard`) only makes room
                 self._overflow.kept(held, self.max_events, self.horizon_s, now_s)
+        return held
 
     def catch_up(self, table: InvalidationTable) -> int:
         """Note in `table` every record since the last call; how many there were."""
