@@ -896,9 +896,19 @@ def test_a_request_its_caller_gave_up_while_queued_is_not_run(
     lookups = model.stage.engine.kv_stats().lookups
     gone = [True]
     monkeypatch.setattr(pb_utils_stub.ResponseSender, "is_cancelled", lambda self: gone[0])
-    (final,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
+    ref, config_json, weights = tiny_version("carried", 7, seed=7)
+    (final,) = call(
+        pb_utils,
+        model,
+        sealer,
+        ENVELOPE=request_json(sealer, ref),
+        LORA_CONFIG=config_json,
+        LORA_WEIGHTS=weights,
+    )[-1:]
     assert text(pb_utils, final, "FINISH_REASON") == "cancelled"
     assert model.stage.engine.kv_stats().lookups == lookups  # no prompt reached the engine
+    held = [a["digest"] for a in model.stage.engine.adapters.resident()]
+    assert ref.digest in held  # the weights it carried were loaded: lora_cache counts on it
     gone[0] = False
     (served,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
     assert text(pb_utils, served, "FINISH_REASON") == "stop"  # the worker goes on

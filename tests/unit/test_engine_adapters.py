@@ -626,10 +626,17 @@ def test_keys_as_peft_reads_them_and_copies_of_the_models_own_tensors_load(
     adapters.evict(reference.ref.digest)
     tensors = load(reference.weights)
     bare = {key.removeprefix("base_model.model."): t for key, t in tensors.items()}
-    norm = dict(bench.engine.model.named_parameters())["model.norm.weight"]
-    bare["base_model.model.model.norm.weight"] = norm.detach().clone()
+    params = dict(bench.engine.model.named_parameters(remove_duplicate=False))
+    for name in ("model.norm.weight", "model.embed_tokens.weight"):
+        bare["base_model.model." + name] = params[name].detach().clone()
+    embedding = params["model.embed_tokens.weight"].detach().clone()
+    bare["base_model.model.lm_head.weight"] = embedding  # tied: the head is the embedding
     variant = replace(reference, ref=AdapterRef("french", 22, "f" * 64), weights=save(bare))
+    recycled = adapters.stats().recycled_loads
     adapters.load(variant)
+    # the copies are not the adapter's: its bytes and its signature are the reference's, so
+    # the reference's free slot took it
+    assert adapters.stats().recycled_loads == recycled + 1
     adapters.activate(variant.ref)
     assert torch.equal(bench.logits(), expected)
     adapters.activate(None)

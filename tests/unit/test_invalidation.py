@@ -593,6 +593,8 @@ def test_heard_watermarks_are_kept_once_and_their_markers_leave_with_them(tmp_pa
     assert marks.catch_up(table) == 2
     later = [Invalidation(InvalidationKind.TAG, v, at) for v, at in (("b", 300.0), ("c", 400.0))]
     assert marks.keep_heard(later) == 2  # room made: the two "a" records are trimmed
+    assert marks.keep_heard(later) == 0  # another process's: nothing made room for them
+    assert marks.catch_up(InvalidationTable()) == 2  # the log as it was: b and c
     assert marks.keep_heard([Invalidation(InvalidationKind.KEY, "a", 200.0)]) == 1
     young = HostWatermarks(tmp_path / "young", max_events=2, horizon_s=10.0, clock=lambda: 1.0)
     heard = [Invalidation(InvalidationKind.KEY, v, 0.5) for v in ("x", "y", "z")]

@@ -273,6 +273,23 @@ def test_an_old_version_kept_for_late_requests_is_the_first_to_make_room(
     assert sorted(engine_names(residency)) == ["a", "b"]
 
 
+def test_a_late_request_for_an_old_version_never_evicts_the_pinned_current_one(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Pinned `a`: its current version stays protected when a late request brings the old one
+    back from the host tier (the unpinned least recently used goes instead)."""
+    residency = make(engine_slots=3, pinned=["a"])
+    v1 = disk.add("a", 1, version="v1")
+    residency.plan(v1, disk.read)
+    v2 = disk.add("a", 1, version="v2")
+    residency.plan(v2, disk.read)  # v1 leaves the engine; the host tier keeps it
+    b, c = disk.add("b", 2), disk.add("c", 3)
+    residency.plan(b, disk.read)
+    residency.plan(c, disk.read)
+    late = residency.plan(v1, disk.read)
+    assert late.evict == (held_key(b),)
+
+
 def test_gone_version_is_unavailable(make: MakeResidency, disk: FakeDisk) -> None:
     residency = make(host_max_adapters=0)
     old = disk.add("a", 1, version="v1")

@@ -398,7 +398,9 @@ class EngineAdapters:
         started = self._clock()
         try:
             config = self._parse_config(weights)
-            state_dict = self._parse_weights(weights)
+            # keys as peft reads them, copies of the model's own tensors left out: what the
+            # slot holds, so its bytes and its signature (a recycled slot) are its own
+            state_dict = self._without_copies(self._parse_weights(weights))
         except InvalidRequest:
             self._load_failures += 1
             raise
@@ -763,10 +765,15 @@ class EngineAdapters:
             raise InvalidRequest(f"{where} does not fit the model: {exc}") from exc
         # peft loads a key that is not one of the new adapter's own tensors as it is (loading
         # is not strict): a file holding a base-model key, or another slot's, rewrote that
-        # parameter for every request. Only this slot's own tensors are taken; a copy of a
-        # parameter the model already holds as it is (an embedding peft saved with the
-        # adapter, `save_embedding_layers`) is left out, anything else refuses the adapter.
-        state_dict = self._own_tensors(name, state_dict, where)
+        # parameter for every request. Only this slot's own tensors are taken (copies of the
+        # model's own were left out by `load`); anything else refuses the adapter.
+        own = self._file_keys(name)
+        stray = [key for key in state_dict if key not in own]
+        if stray:
+            raise InvalidRequest(
+                f"{where}: {len(stray)} tensors are neither LoRA weights of the adapter's "
+                f"modules nor the model's own, e.g. {stray[0][:120]!r}; not loaded"
+            )
         try:
             result: Any = set_peft_model_state_dict(  # typed as a bare namedtuple
                 self.model, state_dict, adapter_name=name, low_cpu_mem_usage=True
@@ -785,43 +792,31 @@ class EngineAdapters:
                 f"{missing[0].replace(marker, '.')}"
             )
 
-    def _own_tensors(
-        self, name: str, state_dict: dict[str, torch.Tensor], where: str
-    ) -> dict[str, torch.Tensor]:
-        """`state_dict` less the tensors equal to the model's own (nothing to load); an
-        InvalidRequest naming a tensor that is neither slot `name`'s nor such a copy. Keys are
-        read as peft reads them: the `base_model.model.` prefix optional, a DoRA magnitude
-        (`lora_magnitude_vector`) without its `.weight`."""
-        own = self._file_keys(name)
+    def _without_copies(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state_dict` with its keys as peft reads them (the `base_model.model.` prefix added
+        where it is left out, a DoRA magnitude's `.weight` added), less the tensors equal to
+        a parameter the model holds (an embedding peft saved with the adapter,
+        `save_embedding_layers`, and its tied head): nothing to load. Compared in slices of
+        rows, on the parameter's device."""
         params: dict[str, torch.nn.Parameter] | None = None
-        same: list[str] = []
-        stray: list[str] = []
+        kept: dict[str, torch.Tensor] = {}
         for key, tensor in state_dict.items():
             file_key = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
             if file_key.endswith(".lora_magnitude_vector"):
                 file_key += ".weight"
-            if file_key in own:
-                continue
-            if params is None:
-                params = dict(self.model.named_parameters())
-            held = params.get(file_key[len(PEFT_PREFIX) :])
-            if (
-                held is not None
-                and held.device.type != "meta"
-                and held.shape == tensor.shape
-                and torch.equal(held.detach(), tensor.to(device=held.device, dtype=held.dtype))
-            ):
-                same.append(key)
-            else:
-                stray.append(key)
-        if stray:
-            raise InvalidRequest(
-                f"{where}: {len(stray)} tensors are neither LoRA weights of the adapter's "
-                f"modules nor the model's own, e.g. {stray[0][:120]!r}; not loaded"
-            )
-        if not same:
-            return state_dict
-        return {key: t for key, t in state_dict.items() if key not in same}
+            if "lora_" not in file_key:  # only a base parameter's key can be a copy
+                if params is None:
+                    params = dict(self.model.named_parameters(remove_duplicate=False))
+                    model: Any = self.model  # a transformers model: its embeddings
+                    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", 0)
+                    embeddings = model.get_input_embeddings() if tied else None
+                    if embeddings is not None and "lm_head.weight" not in params:
+                        # a tied head packed for oneDNN holds no parameter of its own
+                        params["lm_head.weight"] = embeddings.weight
+                if _is_copy(tensor, _model_parameter(params, file_key[len(PEFT_PREFIX) :])):
+                    continue
+            kept[file_key] = tensor
+        return kept
 
     def _file_keys(self, name: str) -> set[str]:
         """The file keys of slot `name`'s tensors, by `_new_slot`'s rule (peft's: the LoRA
@@ -869,3 +864,29 @@ def adapter_slots_budget(adapters: EngineAdapters, floor_bytes: int, ceiling_byt
         "adapter_slots", floor_bytes, ceiling_bytes, adapters.resize, adapters.shadow_reading,
         adapters.held_bytes,
     )  # fmt: skip
+
+
+def _model_parameter(params: dict[str, torch.nn.Parameter], name: str) -> torch.nn.Parameter | None:
+    """The model's parameter an adapter file's base key names: as it is, or with peft's
+    `base_layer` (the module wrapped by an earlier adapter's layer, or not yet)."""
+    found = params.get(name)
+    if found is not None:
+        return found
+    if ".base_layer." in name:
+        return params.get(name.replace(".base_layer.", ".", 1))
+    head, _, last = name.rpartition(".")
+    return params.get(f"{head}.base_layer.{last}") if head else None
+
+
+def _is_copy(tensor: torch.Tensor, held: torch.nn.Parameter | None, rows: int = 4096) -> bool:
+    """Whether `tensor` holds exactly `held`'s values, compared a slice of rows at a time on
+    `held`'s device (an embedding is not copied there whole); never for a parameter on the
+    meta device (not loaded yet)."""
+    if held is None or held.device.type == "meta" or held.shape != tensor.shape:
+        return False
+    if tensor.dim() == 0:
+        return bool(torch.equal(held.detach(), tensor.to(device=held.device, dtype=held.dtype)))
+    return all(
+        torch.equal(mine, theirs.to(device=held.device, dtype=held.dtype))
+        for mine, theirs in zip(held.detach().split(rows), tensor.split(rows), strict=True)
+    )

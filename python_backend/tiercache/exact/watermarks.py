@@ -46,6 +46,7 @@ from typing import Any
 
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import check_readers, open_lmdb
+from tiercache.log_throttle import LogThrottle
 from tiercache.vocabulary import InvalidationKind
 
 log = logging.getLogger(__name__)
@@ -340,6 +341,7 @@ class HostWatermarks:
         self._lock = threading.Lock()
         self._forgotten = 0
         self._heard_not_kept = 0
+        self._heard_log = LogThrottle()
         self._overflow = OverflowCounter(f"the host's invalidation log {path}")
 
     @staticmethod
@@ -377,24 +379,29 @@ class HostWatermarks:
         `heard_not_kept` (the host's own invalidations are always recorded)."""
         if not invs:
             return 0
-        appended = 0
+        appended = left_out = 0
         with self._env.begin(write=True) as txn:
-            raw = txn.get(self._SEQ)
-            seq = int.from_bytes(raw, "big") if raw else 0
-            cursor = txn.cursor()
-            held = 0
-            if cursor.set_range(b"e"):
-                held = seq - int.from_bytes(cursor.key()[1:], "big") + 1
-                if held + len(invs) > self.max_events:  # room for them, as far as it goes
-                    held = self._trim(cursor, held + len(invs), txn, warn=False) - len(invs)
+            fresh: dict[bytes, Invalidation] = {}  # the log holds none of them yet
             for inv in invs:
                 marker = self._heard_key(inv)
                 kept = txn.get(marker)
                 if kept is not None and self._FLOAT.unpack(bytes(kept))[0] >= inv.at_s:
                     continue
+                if marker not in fresh or fresh[marker].at_s < inv.at_s:
+                    fresh[marker] = inv
+            if not fresh:
+                return 0
+            raw = txn.get(self._SEQ)
+            seq = int.from_bytes(raw, "big") if raw else 0
+            cursor = txn.cursor()
+            held = 0
+            if cursor.set_range(b"e") and cursor.key().startswith(b"e"):
+                held = seq - int.from_bytes(cursor.key()[1:], "big") + 1
+                if held + len(fresh) > self.max_events:  # room for them, as far as it goes
+                    held = self._trim(cursor, held + len(fresh), txn, warn=False) - len(fresh)
+            for marker, inv in fresh.items():
                 if held + appended >= self.max_events:
-                    with self._lock:
-                        self._heard_not_kept += 1
+                    left_out += 1
                     continue
                 seq += 1
                 txn.put(self._key(seq), inv.to_json().encode())
@@ -402,6 +409,19 @@ class HostWatermarks:
                 appended += 1
             if appended:
                 txn.put(self._SEQ, seq.to_bytes(8, "big"))
+        if left_out:
+            with self._lock:
+                self._heard_not_kept += left_out
+            if self._heard_log.ready():
+                log.warning(
+                    "the host's invalidation log %s holds max_events (%d) records: %d heard "
+                    "from Redis not kept in it (%d in all; they hold in the running processes "
+                    "and in Redis's record)",
+                    self.path,
+                    self.max_events,
+                    left_out,
+                    self.heard_not_kept,
+                )
         return appended
 
     @property

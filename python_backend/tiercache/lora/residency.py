@@ -445,7 +445,7 @@ class Residency:
                     f"budget (engine_max_bytes {engine.max_bytes})"
                 )
             found = engine.victims(
-                nbytes, self._pinned_check(ref), forced=stale, preferred=kept_older
+                nbytes, self._pinned_check(ref, current), forced=stale, preferred=kept_older
             )
             if found is None:
                 raise CapacityError(
@@ -471,15 +471,18 @@ class Residency:
             self._host.use(kept, self._uses, now)
         return LoraPlan(ref, tier, weights, evict, read_s)
 
-    def _pinned_check(self, loading: AdapterRef) -> Callable[[_Resident[None]], bool]:
+    def _pinned_check(
+        self, loading: AdapterRef, current: bool = False
+    ) -> Callable[[_Resident[None]], bool]:
         """Protected in the engine: the adapter being loaded, and per pinned name its most
-        recently used version (older versions of a pinned name are not pinned; for the name
-        being loaded, the version being loaded is its pinned one: an old version kept in the
-        engine for late requests must not keep its new one out)."""
+        recently used version (older versions of a pinned name are not pinned). When the
+        current version of its name is being loaded, that one is the name's pinned version:
+        an old version kept in the engine for late requests must not keep it out (a late
+        request for the old version protects the name's newest as before)."""
         newest: dict[str, _Resident[None]] = {}
         for resident in self._engine.items.values():
             name = resident.ref.name
-            if name == loading.name:
+            if current and name == loading.name:
                 continue
             if name in self.pinned and (
                 name not in newest or resident.last_use > newest[name].last_use
