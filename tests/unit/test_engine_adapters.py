@@ -643,6 +643,40 @@ def test_keys_as_peft_reads_them_and_copies_of_the_models_own_tensors_load(
     assert torch.equal(bench.logits(), bench.base_logits)
 
 
+def test_a_dora_adapter_as_peft_saves_it_loads_and_answers_as_peft(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    """peft saves a DoRA magnitude as `...lora_magnitude_vector`, without the `.weight` its
+    parameter has: read as peft reads it, not a stray tensor. The engine's logits with it are
+    peft's own (to the packed kernels' last bits: tests/unit/test_packed_linear.py)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save
+
+    from tiercache.engine.model_source import resolve_model
+    from tiercache.engine.torch_engine import load_model
+
+    state = Path(os.environ.get("TIERCACHE_STATE_DIR") or REPO / ".tiercache")
+    _, base = load_model(resolve_model(), state / "models", "cpu")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    dora = get_peft_model(base, config).eval()
+    torch.manual_seed(0)
+    for name, param in dora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    tensors = {k: t.contiguous() for k, t in get_peft_model_state_dict(dora).items()}
+    assert any(k.endswith(".lora_magnitude_vector") for k in tensors)
+    config_json = json.dumps(config.to_dict(), default=sorted)
+    weights = save(tensors)
+    ref = AdapterRef("dora", 23, adapter_digest(config_json.encode(), weights))
+    adapters.load(AdapterWeights(ref, config_json, weights))
+    adapters.activate(ref)
+    with torch.inference_mode():
+        expected = dora(input_ids=bench.input_ids).logits[0, -1]
+    assert torch.allclose(bench.logits(), expected, atol=2e-2)
+    assert not torch.allclose(bench.logits(), bench.base_logits, atol=2e-2)  # it acts
+    adapters.activate(None)
+
+
 def bad_config(**changes: Any) -> AdapterWeights:
     weights = adapter_weights("french")
     config = json.loads(weights.config_json)
