@@ -678,25 +678,37 @@ def test_after_a_failed_compaction_rows_wait_a_pause_before_the_next(tmp_path: P
     store.close()
 
 
-def test_the_redis_follower_compacts_at_the_mark_by_the_answers_values(tmp_path: Path) -> None:
-    """Shared rows taking the log past its compaction mark: the follower compacts then, as the
-    llm stage's writes do (it compacted only once the map was full, when deleting a row needs
-    pages the map no longer has: the log stayed full), giving up the rows whose answers are
-    worth least (it gave up the oldest, whatever they were worth)."""
-    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+def _fill_to_the_mark(store: SemanticStore, seed: int) -> int:
+    """Rows d0, d1, ... of scope "s" logged (no compaction) until the log is past its
+    compaction mark; how many."""
+    rng = np.random.default_rng(seed)
     count = 0
-    rng = np.random.default_rng(0)
-    while not store.compaction_due():  # this host's own rows, up to the mark
+    while not store.compaction_due():
         store.log_rows([("s", f"d{count}", "p", unit(*rng.random(DIM)))])
         count += 1
-    oldest = {f"d{i}" for i in range(count // 5)}  # worth most; the oldest went first before
+    return count
+
+
+def _one_shared_row() -> RedisLink:
+    """A Redis stream holding one row ("shared", scope "s") another replica shared, signed."""
     secret = b"s" * 32
     key = "t:" + STREAM
     signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
     entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
     row = SharedRow.of_entry("s", "shared", "p", unit(1, 0), "", entry, origin="other-host")
     stream = _FakeStream(key, [sign_fields(signer, key, row.to_fields())])
-    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    return RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+
+
+def test_the_redis_follower_compacts_at_the_mark_by_the_answers_values(tmp_path: Path) -> None:
+    """Shared rows taking the log past its compaction mark: the follower compacts then, as the
+    llm stage's writes do (it compacted only once the map was full, when deleting a row needs
+    pages the map no longer has: the log stayed full), giving up the rows whose answers are
+    worth least (it gave up the oldest, whatever they were worth)."""
+    store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
+    count = _fill_to_the_mark(store, seed=0)  # this host's own rows
+    oldest = {f"d{i}" for i in range(count // 5)}  # worth most; the oldest went first before
+    link = _one_shared_row()
     follower = RowFollower(
         link,
         store,
@@ -723,18 +735,8 @@ def test_a_follower_whose_compaction_fails_waits_and_logs_once(
     whole compaction and logged a traceback at every retry (every `retry_s`). It tries again
     after the pause and logs once a minute; the rows wait in Redis."""
     store = SemanticStore(tmp_path / "sem", max_bytes=256 << 10)
-    rng = np.random.default_rng(2)
-    i = 0
-    while not store.compaction_due():
-        store.log_rows([("s", f"d{i}", "p", unit(*rng.random(DIM)))])
-        i += 1
-    secret = b"s" * 32
-    key = "t:" + STREAM
-    signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
-    entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
-    row = SharedRow.of_entry("s", "shared", "p", unit(1, 0), "", entry, origin="other-host")
-    stream = _FakeStream(key, [sign_fields(signer, key, row.to_fields())])
-    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    _fill_to_the_mark(store, seed=2)
+    link = _one_shared_row()
     asked = [0]
 
     def unreadable(digest: str) -> bool:

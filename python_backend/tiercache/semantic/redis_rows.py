@@ -50,6 +50,7 @@ bytes (1.9 KB per 384-float row).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -569,10 +570,8 @@ class RowFollower:
         if self.store.compaction_due():
             # as the llm stage's writes do: at the mark, while the map still has the free pages
             # deleting needs (a log this follower filled to the brim could not even delete)
-            try:
-                self._compact()
-            except CompactionPending:
-                pass  # these rows are in: the next batch waits for it instead
+            with contextlib.suppress(CompactionPending):  # these rows are in: the next
+                self._compact()  # batch waits for the compaction instead
         return sum(len(seqs) for seqs, _ in fresh.values())
 
     def _apply_failed(self, rows: int) -> None:
