@@ -538,3 +538,45 @@ def test_fleet_warnings_are_kept_per_adapter_whatever_redis_offers(
         theirs = AdapterVersion("caps", f"{i:064x}", 1000, 2.0, "x")
         assert fleet.mismatched([mine], {"caps": theirs}) == [(mine, theirs)]
     assert len(fleet._warned) == 1
+
+
+def test_a_sweep_deletes_only_what_it_found_in_two_round_trips_a_batch(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`delete_unchanged` deletes an entry only while Redis holds the bytes the sweep found:
+    one rewritten by another replica since, one deleted, and one replaced by a forged value
+    stay as they are; the rest go, a batch at a time in two calls (values, then one
+    compare-and-delete script), not two a key."""
+    monkeypatch.setattr(redis_tier, "_SCAN_BATCH", 3)
+    replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    l3 = replica.store(Tier.L3)
+    assert isinstance(l3, RedisStore)
+    for i in range(8):
+        replica.put(f"k{i}", f"answer {i}", created_s=time.time() - 1)
+    found = sorted(l3.scan())
+    assert [key for key, _ in found] == [f"k{i}" for i in range(8)]
+    other = open_replica(tmp_path / "b", redis_server.url, redis_prefix)
+    other.put("k1", "answer 1, generated again", created_s=time.time())
+    client = raw_client(redis_server)
+    client.delete(f"{redis_prefix}e:k4")
+    client.set(f"{redis_prefix}e:k6", b"forged" * 10)
+    link = redis_link(replica)
+    assert link is not None
+    calls: list[str] = []
+    real_eval = link.client.eval
+
+    def counted(*args: object) -> object:
+        calls.append("eval")
+        return real_eval(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(link.client, "eval", counted)
+    removed = l3.delete_unchanged(found)
+    assert sorted(removed) == ["k0", "k2", "k3", "k5", "k7"]
+    assert len(calls) == 6  # three batches of three: a read and a delete each
+    assert client.get(f"{redis_prefix}e:k6") == b"forged" * 10  # left, as a get leaves it
+    assert client.exists(f"{redis_prefix}e:k4") == 0
+    again = l3.get("k1")
+    assert again is not None and again.text == "answer 1, generated again"
+    assert sorted(key for key, _ in l3.scan()) == ["k1"]
+    other.close()
+    replica.close()

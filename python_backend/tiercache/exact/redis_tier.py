@@ -451,6 +451,21 @@ local value = redis.call('GET', KEYS[1])
 if value and redis.sha1hex(value) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# `_DELETE_IF_SAME` for a batch: KEYS[i] is deleted only while its value's SHA-1 is ARGV[i]
+# (a value over ARGV[#KEYS + 1] bytes is never read); the reply is a 1 or 0 per key, in order.
+_DELETE_EACH_IF_SAME = """
+local most = tonumber(ARGV[#KEYS + 1])
+local out = {}
+for i, name in ipairs(KEYS) do
+  out[i] = 0
+  local n = redis.pcall('STRLEN', name)
+  if type(n) == 'number' and n > 0 and n <= most then
+    local value = redis.call('GET', name)
+    if redis.sha1hex(value) == ARGV[i] then out[i] = redis.call('DEL', name) end
+  end
+end
+return out
+"""
 
 
 def bounded_get(client: Any, name: str) -> bytes | None:
@@ -655,10 +670,42 @@ class RedisStore:
         return removed
 
     def delete_unchanged(self, found: list[tuple[str, CacheEntry]]) -> list[str]:
-        """Each by `delete_if_same` (a read and a compare-and-delete script: two round trips a
-        key, for sweeps, which are rare; a batched DEL deleted what other replicas wrote
-        between the scan and the delete)."""
-        return [key for key, entry in found if self.delete_if_same(key, entry)]
+        """`delete_if_same` for each, a batch of `_SCAN_BATCH` keys at a time: their values
+        read (`bounded_mget`) and compared here, then one script deletes those whose bytes
+        Redis still holds (a plain DEL deleted what other replicas wrote between the scan and
+        the delete). Two round trips a batch, where each key cost two; a batch Redis fails
+        stops the rest (nothing more deleted, the sweep's count says so)."""
+        removed: list[str] = []
+        for i in range(0, len(found), _SCAN_BATCH):
+            batch = found[i : i + _SCAN_BATCH]
+            names = [self._key(key) for key, _ in batch]
+            encoded = [name.encode() for name in names]
+            values = self.link.call(lambda c, n=encoded: bounded_mget(c, n), None)  # type: ignore[misc]
+            if values is None:
+                break
+            keys: list[str] = []
+            shas: list[str] = []
+            for (key, seen), name, stored in zip(batch, names, values, strict=True):
+                if not stored:  # absent, or OVERSIZED (never written by a replica)
+                    continue
+                data = self._unseal(name, stored, count=False)
+                if data is None or peeked(data) != seen:
+                    continue
+                keys.append(key)
+                shas.append(hashlib.sha1(stored, usedforsecurity=False).hexdigest())
+            if not keys:
+                continue
+            doomed = [self._key(key) for key in keys]
+            reply: Any = self.link.call(
+                lambda c, k=doomed, a=shas: c.eval(  # type: ignore[misc]
+                    _DELETE_EACH_IF_SAME, len(k), *k, *a, MAX_VALUE_BYTES
+                ),
+                None,
+            )
+            if reply is None:
+                break
+            removed += [key for key, gone in zip(keys, reply, strict=True) if int(gone)]
+        return removed
 
     def _names(self) -> Iterator[list[bytes]]:
         """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan."""
