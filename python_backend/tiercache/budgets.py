@@ -57,8 +57,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import ConfigError
+from tiercache.log_throttle import LogThrottle
+from tiercache.memory import malloc_trim
 
 log = logging.getLogger(__name__)
+
+MAX_BUDGET_BYTES = 1 << 53
+"""No budget, floor or published row is larger (8 PiB: past any machine, exact in a float)."""
 
 
 @dataclass
@@ -75,12 +80,21 @@ class Budget:
     value_per_byte: Callable[[], float]
     # what the cache holds now (None: it evicts at once when resized, nothing to wait for)
     held: Callable[[], int] | None = None
+    # what a cache that evicts at once holds now (None: unknown, or `held` says it); the part of
+    # a budget the cache does not fill frees no memory when cut, so a shortfall is taken below
+    # it (a half-empty L1 or pool cut by its budget freed nothing for tens of ticks)
+    used: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor_bytes <= self.ceiling_bytes:
             raise ConfigError(
                 f"budget {self.name}: floor {self.floor_bytes} must be within 0..ceiling "
                 f"{self.ceiling_bytes}"
+            )
+        if self.ceiling_bytes > MAX_BUDGET_BYTES:
+            raise ConfigError(
+                f"budget {self.name}: ceiling {self.ceiling_bytes} bytes is past any machine "
+                f"(at most {MAX_BUDGET_BYTES})"
             )
         self.current_bytes = min(max(self.current_bytes, self.floor_bytes), self.ceiling_bytes)
 
@@ -150,6 +164,10 @@ class BudgetController:
         self._over: dict[str, int] = {b.name: 0 for b in self.budgets}
         self.last_available = 0
         self.values: dict[str, float] = {b.name: 0.0 for b in self.budgets}  # as last read
+        # ties between the host's budgets are broken by a name every process sees alike (its
+        # ledger file's): by OWN, each process preferred the other's and neither grew
+        self._own_key = ledger.path.name if ledger is not None else OWN
+        self._floors_log = LogThrottle()
 
     def tick(self) -> list[Decision]:
         """Read, decide, apply; the budgets that changed (and a "floors" note when the
@@ -169,7 +187,8 @@ class BudgetController:
     def _own(self) -> list[LedgerEntry]:
         return [
             LedgerEntry(OWN, b.name, b.current_bytes, self.values[b.name], b.floor_bytes,
-                        b.ceiling_bytes, self.objective_state, self._over[b.name])
+                        b.ceiling_bytes, self.objective_state, self._over[b.name],
+                        self.total_bytes > 0)
             for b in self.budgets
         ]  # fmt: skip
 
@@ -180,6 +199,11 @@ class BudgetController:
         own_bytes = sum(b.current_bytes for b in self.budgets)
         host_bytes = sum(e.bytes for e in entries)
         part = own_bytes / host_bytes if host_bytes > 0 else 1.0
+        # a surplus is shared by ceilings: by bytes, a process squeezed to zero floors took
+        # none of it and stayed at 0 for good
+        own_ceilings = sum(b.ceiling_bytes for b in self.budgets)
+        host_ceilings = sum(e.ceiling for e in entries)
+        grow_part = own_ceilings / host_ceilings if host_ceilings > 0 else 1.0
         shortfall = self.headroom_bytes - available
         settling = self._settling > 0
         if settling:
@@ -196,21 +220,30 @@ class BudgetController:
             )
             if shortfall <= 0:
                 return []
-            decisions = self._shrink(max(int(shortfall * part), 1), "shrink", take_over=True)
+            decisions = self._shrink(
+                max(int(shortfall * part), 1), "shrink", take_over=True, unfilled=True
+            )
             if any(d.reason == "shrink" for d in decisions):
                 self._settling = self.settle_ticks
             if self._shrunk_short > 0:
                 decisions.append(Decision("*", self._shrunk_short, 0, "floors"))
-                log.warning(
-                    "memory headroom short by %d bytes with every cache budget at its floor",
-                    self._shrunk_short,
-                )
+                if self._floors_log.ready():  # every tick while short: once a minute
+                    log.warning(
+                        "memory headroom short by %d bytes with every cache budget at its "
+                        "floor (%d such ticks not logged)",
+                        self._shrunk_short,
+                        self._floors_log.suppressed,
+                    )
             return decisions
         room = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if self.total_bytes <= 0:
-            return self._grow(int(room * self.grow_fraction * part)) if room > 0 else []
+            return self._grow(int(room * self.grow_fraction * grow_part)) if room > 0 else []
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
+        # under the total, only the budgets of processes that joined it (a stage with a
+        # headroom alone publishes too, for the shortfall's shares, but holds no part of it)
+        entries = [e for e in entries if e.joins_total]
+        host_bytes = sum(e.bytes for e in entries)
         giving = self._giving > 0
         if giving:
             self._giving -= 1
@@ -245,7 +278,7 @@ class BudgetController:
         # room under the total (and in memory, with a headroom) goes to the host's most
         # valuable budget that can grow, if it is ours, a step at a time
         grow_room = min(unclaimed, room) if self.headroom_bytes > 0 else unclaimed
-        best = _most_valuable(entries)
+        best = _most_valuable(entries, self._own_key)
         if grow_room <= 0 or best is None or best.owner != OWN:
             return []
         budget = next(b for b in self.budgets if b.name == best.name)
@@ -296,7 +329,9 @@ class BudgetController:
         if not givers:
             return []
         low = min(givers, key=lambda b: (self.values[b.name], b.name))
-        best = _most_valuable([e for e in host if not (e.owner == OWN and e.name == low.name)])
+        best = _most_valuable(
+            [e for e in host if not (e.owner == OWN and e.name == low.name)], self._own_key
+        )
         low_value = self.values[low.name]
         if best is None or best.value <= 0.0 or best.value < self.move_ratio * low_value:
             return []
@@ -309,18 +344,28 @@ class BudgetController:
             decisions.append(self._apply(gainer, gainer.current_bytes + take, "grow"))
         return decisions
 
-    def _shrink(self, shortfall: int, reason: str, take_over: bool = False) -> list[Decision]:
+    def _shrink(
+        self, shortfall: int, reason: str, take_over: bool = False, unfilled: bool = False
+    ) -> list[Decision]:
         """Shrink the least valuable first, to floors at most; what could not be taken is
-        left in `_shrunk_short`."""
+        left in `_shrunk_short`. `unfilled` (memory short): a budget is first brought down to
+        what its cache holds (`Budget.used`, or `held`), which frees nothing and so covers
+        none of the shortfall; what it takes below that does."""
         decisions = []
         for budget in sorted(self.budgets, key=lambda b: self.values[b.name]):
             if shortfall <= 0:
                 break
-            take = min(budget.current_bytes - budget.floor_bytes, shortfall)
-            if take <= 0:
-                continue
-            decisions.append(self._apply(budget, budget.current_bytes - take, reason, take_over))
-            shortfall -= take
+            start = budget.current_bytes
+            if unfilled:
+                holds = budget.used if budget.used is not None else budget.held
+                if holds is not None:
+                    start = min(start, max(int(holds()), budget.floor_bytes))
+            take = min(start - budget.floor_bytes, shortfall)
+            if take > 0:
+                decisions.append(self._apply(budget, start - take, reason, take_over))
+                shortfall -= take
+            elif start < budget.current_bytes:
+                decisions.append(self._apply(budget, start, reason, take_over))
         self._shrunk_short = max(shortfall, 0)
         return decisions
 
@@ -416,6 +461,9 @@ class LedgerEntry:
     # close to it: hold) or LATE (missed): see `LatencyObjective`
     objective: int = 0
     over: int = 0  # bytes of it past the total, taken for that process's missed objective
+    # its process holds it under a total (cache_memory_bytes); one with a headroom alone
+    # publishes for the shortfall's shares and counts toward no total
+    joins_total: bool = True
 
 
 def _cut_bytes(entries: Sequence[LedgerEntry], total: int, excess: int) -> int:
@@ -447,12 +495,17 @@ def _cut_bytes(entries: Sequence[LedgerEntry], total: int, excess: int) -> int:
     return int(round(own))
 
 
-def _most_valuable(entries: Sequence[LedgerEntry]) -> LedgerEntry | None:
-    """The entry below its ceiling worth the most per byte (ties: the smallest, then by name)."""
+def _most_valuable(entries: Sequence[LedgerEntry], own_key: str = OWN) -> LedgerEntry | None:
+    """The entry below its ceiling worth the most per byte (ties: the smallest, then by its
+    process's ledger file name, `own_key` standing for this process's, so every process picks
+    the same one, then by name)."""
     growable = [e for e in entries if e.bytes < e.ceiling]
     if not growable:
         return None
-    return max(growable, key=lambda e: (e.value, -e.bytes, e.owner, e.name))
+    return max(
+        growable,
+        key=lambda e: (e.value, -e.bytes, own_key if e.owner == OWN else e.owner, e.name),
+    )
 
 
 QUIET_LOOKS = 10
@@ -519,7 +572,8 @@ class HostLedger:
         """Write `own`; every live process's entries (`own` as given, owner OWN), or None when
         the folder cannot be used."""
         document = [
-            [e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective, e.over] for e in own
+            [e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective, e.over, int(e.joins_total)]
+            for e in own
         ]
         entries = list(own)
         try:
@@ -573,7 +627,7 @@ def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
     except Exception:  # noqa: BLE001 - a torn or hostile file: no say, never a failed tick
         return []
     ok = all(
-        0 <= e.floor <= e.bytes <= e.ceiling
+        0 <= e.floor <= e.bytes <= e.ceiling <= MAX_BUDGET_BYTES
         and 0 <= e.over <= e.bytes
         and math.isfinite(e.value)
         and e.value >= 0
@@ -583,12 +637,15 @@ def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
 
 
 def _entry(owner: str, row: list[object]) -> LedgerEntry:
-    """One published row: name, bytes, value, floor, ceiling, then (newer writers) objective
-    and over; a writer of an older version has its say without them. ValueError otherwise."""
-    if not isinstance(row, list) or not 5 <= len(row) <= 7:
-        raise ValueError("a ledger row has 5 to 7 fields")
+    """One published row: name, bytes, value, floor, ceiling, then (newer writers) objective,
+    over and whether it joins the total; a writer of an older version has its say without
+    them (joining the total, as every budget did then). ValueError otherwise."""
+    if not isinstance(row, list) or not 5 <= len(row) <= 8:
+        raise ValueError("a ledger row has 5 to 8 fields")
     name, nbytes, value, floor, ceiling, *rest = row
-    objective, over = (list(rest) + [SLACK, 0])[:2]
+    objective, over, joins = (list(rest) + [SLACK, 0, 1][len(rest) :])[:3]
+    if joins not in (0, 1):
+        raise ValueError("joins_total is 0 or 1")
     return LedgerEntry(
         owner,
         str(name),
@@ -598,6 +655,7 @@ def _entry(owner: str, row: list[object]) -> LedgerEntry:
         int(ceiling),  # type: ignore[call-overload]
         min(max(int(objective), SLACK), LATE),  # type: ignore[call-overload]
         int(over),  # type: ignore[call-overload]
+        joins == 1,
     )
 
 
@@ -620,12 +678,28 @@ def cache_budget(
     resize: Callable[[int], int],
     gained: Callable[[], tuple[float, float]],
     held: Callable[[], int] | None = None,
+    used: Callable[[], int] | None = None,
 ) -> Budget:
     """A cache's budget starting at its fixed size (`ceiling_bytes`, the floor capped to it),
     valued by what one more byte of it would save (`gained`: its shadow queue's cumulative
     seconds saved and its span in bytes, `ShadowValue`)."""
     floor = min(floor_bytes, ceiling_bytes)
-    return Budget(name, floor, ceiling_bytes, ceiling_bytes, resize, ShadowValue(gained), held=held)
+    return Budget(
+        name, floor, ceiling_bytes, ceiling_bytes, resize, ShadowValue(gained), held=held,
+        used=used,
+    )  # fmt: skip
+
+
+def release_after(decisions: Sequence[Decision], trim: Callable[[], bool] = malloc_trim) -> bool:
+    """After a tick that shrank a budget, return the freed heap to the machine (`trim`): what
+    the caches let go stays in the process otherwise (glibc keeps freed pages), the reading
+    never improved, and the next shrinks took the same shortfall again, down to the floors
+    (an L1 of 40,000 answers, 89 MiB, resized to 1 MiB: the process's RSS stayed 80 MiB over
+    where it started, 5 after a trim). Whether it trimmed."""
+    if any(d.new_bytes < d.old_bytes for d in decisions if d.reason != "floors"):
+        trim()
+        return True
+    return False
 
 
 class BudgetThread:

@@ -236,8 +236,9 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "cache_memory_bytes": _Spec(
         0,
-        "What the host's cache budgets may hold together (the answers' L1s, the adapters kept "
-        "in host memory and the KV pool, in every stage process; set the same in each): bytes "
+        "What the cache budgets of the host's stages that set it may hold together (every "
+        "budget of such a stage: answers' L1s, prompt vectors, semantic graphs, adapters in "
+        "host memory, the engine's KV pool and adapter slots; set the same in each): bytes "
         "move to the cache where one more byte saves the most engine time, measured "
         "(tiercache.budgets; each stage's fixed sizes are then ceilings; 0: off, each budget "
         "stays its fixed size; docs/budgets.md)",
@@ -447,8 +448,8 @@ class PromptCacheConfig(_LookupConfig):
         "percentile of its last 64 in the last minute): while it is missed (hits coming from "
         "L2 or Redis instead of L1), L1 grows past cache_memory_bytes a step a look, if its "
         "shadow shows more bytes would help, up to l1_max_bytes, memory headroom allowing; met "
-        "with 20 % to spare, it gives them back a step every 8 looks. Acts only with "
-        "memory_headroom_bytes or cache_memory_bytes (0: none; docs/budgets.md)",
+        "with 20 % to spare, it gives them back a step every 8 looks. Acts only under "
+        "cache_memory_bytes (0: none; docs/budgets.md)",
         min=0,
     )
     embedder: str = param(

@@ -139,45 +139,77 @@ class HostMemoryProbe:
         own = mount / path.lstrip("/")
         return own if (own / probe_file).exists() else mount
 
-    def _v2_limit(self, folder: Path) -> int | None:
-        """The smallest `memory.max` of the group and its ancestors up to the mount (a parent's
-        limit binds too: a systemd slice, a pod)."""
-        limits = []
+    def _levels(self, folder: Path, mount: Path) -> list[Path]:
+        """The group's directory and each ancestor's up to the mount (a parent's limit binds
+        too: a systemd slice, a pod)."""
+        levels = [folder]
         here = folder
-        while True:
-            value = _read_int(here / "memory.max")
-            if value is not None:
-                limits.append(value)
-            if here == self.cgroup_root or self.cgroup_root not in here.parents:
-                break
+        while here != mount and mount in here.parents:
             here = here.parent
-        return min(limits) if limits else None
+            levels.append(here)
+        return levels
 
     def read(self) -> HostReading:
+        """The reading; raises OSError when neither the cgroup nor /proc/meminfo gives one
+        (a budget tick that raises holds every budget where it is, rather than reading 0 bytes
+        available and squeezing every cache to its floor)."""
         info = _meminfo(self.proc)
         total = info.get("MemTotal", 0)
         system_available = info.get("MemAvailable", info.get("MemFree", 0))
         group = self._group()
         if group is not None:
             version, folder = group
-            if version == "v2":
-                limit = self._v2_limit(folder)
-                usage = _read_int(folder / "memory.current")
-                inactive = _stat_value(folder / "memory.stat", "inactive_file")
-            else:
-                limit = _read_int(folder / "memory.limit_in_bytes")
-                # a parent's limit binds too (a slice, a pod): the kernel's own minimum
-                inherited = _stat_value(folder / "memory.stat", "hierarchical_memory_limit")
-                if limit is not None and inherited:
-                    limit = min(limit, inherited)
-                usage = _read_int(folder / "memory.usage_in_bytes")
-                inactive = _stat_value(folder / "memory.stat", "total_inactive_file")
-            if limit is not None and usage is not None and limit < UNLIMITED:
-                limit = min(limit, total) if total else limit
-                used = max(usage - inactive, 0)
-                available = min(max(limit - used, 0), system_available or limit)
-                return HostReading(limit, used, available, f"cgroup {version} {folder}")
+            found = self._binding(version, folder, total)
+            if found is not None:
+                limit, used, available, level = found
+                if system_available:
+                    available = min(available, system_available)
+                return HostReading(limit, used, available, f"cgroup {version} {level}")
+        if not total:
+            raise OSError(f"no host memory reading: {self.proc / 'meminfo'} gives no MemTotal")
         return HostReading(total, max(total - system_available, 0), system_available, "meminfo")
+
+    def _binding(self, version: str, folder: Path, total: int) -> tuple[int, int, int, Path] | None:
+        """(limit, used, available, level) of the level that leaves the least: each level with
+        a limit is compared with that level's own use (a slice's limit with the slice's use,
+        siblings included: this group's use alone overstated what is left). A level whose use
+        cannot be read counts this group's (a lower bound); None when no level has a limit."""
+        if version == "v2":
+            mount = self.cgroup_root
+            limit_file, usage_file, inactive_key = "memory.max", "memory.current", "inactive_file"
+        else:
+            mount = self.cgroup_root / "memory"
+            limit_file = "memory.limit_in_bytes"
+            usage_file, inactive_key = "memory.usage_in_bytes", "total_inactive_file"
+        own_usage = _read_int(folder / usage_file)
+        own_inactive = _stat_value(folder / "memory.stat", inactive_key)
+        limits: list[tuple[int, Path, int | None, int]] = []
+        for level in self._levels(folder, mount):
+            limit = _read_int(level / limit_file)
+            if limit is None or limit >= UNLIMITED:
+                continue
+            usage = _read_int(level / usage_file)
+            inactive = _stat_value(level / "memory.stat", inactive_key)
+            limits.append((limit, level, usage, inactive))
+        if version == "v1":
+            # the kernel's own minimum over the ancestors, for those a namespace hides: their
+            # use is not visible, this group's stands for it
+            inherited = _stat_value(folder / "memory.stat", "hierarchical_memory_limit")
+            if 0 < inherited < UNLIMITED:
+                limits.append((inherited, folder, own_usage, own_inactive))
+        best: tuple[int, int, int, Path] | None = None
+        for limit, level, usage, inactive in limits:
+            if usage is None:
+                usage, inactive = own_usage, own_inactive
+            if usage is None:
+                continue
+            if total:
+                limit = min(limit, total)
+            used = max(usage - inactive, 0)
+            available = max(limit - used, 0)
+            if best is None or available < best[2]:
+                best = (limit, used, available, level)
+        return best
 
 
 class GpuMemoryProbe:

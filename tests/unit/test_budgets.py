@@ -15,6 +15,7 @@ import pytest
 from tiercache.budgets import (
     GIVE_BACK_TICKS,
     LATE,
+    MAX_BUDGET_BYTES,
     MAX_LEDGER_BYTES,
     MET,
     OWN,
@@ -28,6 +29,7 @@ from tiercache.budgets import (
     LatencyObjective,
     LedgerEntry,
     ShadowValue,
+    release_after,
 )
 from tiercache.engine.kv_cache import KvBlockPool
 from tiercache.errors import ConfigError
@@ -383,6 +385,9 @@ def test_the_ledger_ignores_torn_stale_or_hostile_files(tmp_path: Path) -> None:
     stale.write_text(json.dumps([["kv", 5, 9.0, 0, 10, 0]]))
     os.utime(stale, (time.time() - 3600, time.time() - 3600))  # left from before a restart
     (folder / f"good.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10, 0]]))
+    vast = [["kv", 10**400, 1.0, 0, 10**400, 0]]  # a float of it overflowed every tick
+    (folder / f"vast.{alive}").write_text(json.dumps(vast))
+    (folder / f"joins-two.{alive}").write_text(json.dumps([["kv", 5, 1.0, 0, 10, 0, 0, 2]]))
     own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
     host = HostLedger(folder, "prompt_cache", stale_s=60).publish(own)
     assert host == own + [LedgerEntry(f"good.{alive}", "kv", 5, 1.0, 0, 10)]
@@ -499,7 +504,7 @@ def test_a_missed_objective_grows_its_own_valuable_budget_past_the_total_then_gi
     assert engine.tick() == [Decision("kv_pool", 52 * MIB, 48 * MIB, "shrink")]
     assert engine.tick() == []  # nothing past the total left
     published = json.loads((folder / f"torch_llm.{os.getpid()}").read_text())
-    assert published == [["kv_pool", 48 * MIB, 2.0, 0, 128 * MIB, SLACK, 0]]
+    assert published == [["kv_pool", 48 * MIB, 2.0, 0, 128 * MIB, SLACK, 0, 1]]
     assert l1.sizes == []  # l1 was never cut or grown for any of it
 
 
@@ -626,13 +631,18 @@ def test_bytes_kept_for_a_met_objective_survive_a_cut_of_other_excess(tmp_path: 
 
 
 def test_a_cache_that_rounds_its_budget_down_never_makes_over_negative() -> None:
+    """Grown past the total for a missed objective, a cache that takes less than it was
+    given (8 MiB for 68) holds nothing past the total: nothing to give back later."""
     rounded = Budget("kv_pool", 0, 128 * MIB, 64 * MIB, lambda size: 8 * MIB, lambda: 1.0)
+    state = [LATE]
     controller = BudgetController(
         [rounded], Machine(100 * GIB), headroom_bytes=0, total_bytes=64 * MIB,
-        objective=lambda: LATE,
+        objective=lambda: state[0],
     )  # fmt: skip
-    controller.tick()
-    assert all(0 <= over for over in controller._over.values())
+    assert controller.tick() == [Decision("kv_pool", 64 * MIB, 8 * MIB, "grow")]
+    assert controller._own()[0].over == 0
+    state[0] = SLACK
+    assert not [d for d in controller.tick() if d.reason == "shrink"]  # nothing to give back
 
 
 def test_a_process_held_at_its_floors_leaves_its_part_of_the_excess_to_the_others(
@@ -658,3 +668,127 @@ def test_a_process_held_at_its_floors_leaves_its_part_of_the_excess_to_the_other
     publish_all(a, b)
     assert a.tick() == [Decision("a", 64 * MIB, 48 * MIB, "shrink")]
     assert b.tick() == [Decision("b", 64 * MIB, 16 * MIB, "shrink")]
+
+
+def test_a_budget_past_any_machine_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="past any machine"):
+        Budget("l1", 0, MAX_BUDGET_BYTES + 1, 0, Cache(1.0).resize, lambda: 1.0)
+
+
+def test_a_shortfall_is_taken_below_what_a_cache_holds_not_from_its_unfilled_budget() -> None:
+    """An L1 of 256 MiB holding 50: cutting its budget to 236 frees nothing, so a 20 MiB
+    shortfall brings it to what it holds and takes the 20 below that, at once (cut from the
+    budget, the first byte freed came tens of ticks later)."""
+    l1 = Cache(value=1.0)
+    held = {"l1": 50 * MIB}
+    controller = BudgetController(
+        [Budget("l1", MIB, 256 * MIB, 256 * MIB, l1.resize, lambda: 1.0,
+                used=lambda: held["l1"])],
+        Machine(available=80 * MIB),
+        headroom_bytes=100 * MIB,
+    )  # fmt: skip
+    assert controller.tick() == [Decision("l1", 256 * MIB, 30 * MIB, "shrink")]
+    quiet = BudgetController(
+        [Budget("l1", 40 * MIB, 256 * MIB, 256 * MIB, l1.resize, lambda: 1.0,
+                used=lambda: 10 * MIB)],
+        Machine(available=80 * MIB),
+        headroom_bytes=100 * MIB,
+    )  # fmt: skip
+    # under its floor already: the budget comes to the floor, and the shortfall is reported
+    assert quiet.tick() == [
+        Decision("l1", 256 * MIB, 40 * MIB, "shrink"),
+        Decision("*", 20 * MIB, 0, "floors"),
+    ]
+
+
+def test_under_a_total_a_stage_with_a_headroom_alone_holds_no_part_of_it(tmp_path: Path) -> None:
+    """prompt_cache and the engine share a 96 MiB total; embedding_cache has a headroom only
+    (it publishes for the shortfall's shares): its 128 MiB are no excess over the total."""
+    folder = tmp_path / "budgets"
+    machine = Machine(100 * GIB)
+    joined = BudgetController(
+        [ledger_budget("l1", Cache(1.0), 64 * MIB, 48 * MIB),
+         ledger_budget("kv_pool", Cache(1.0), 64 * MIB, 48 * MIB)],
+        machine, headroom_bytes=0, ledger=HostLedger(folder, "joined", pid=os.getpid()),
+        total_bytes=96 * MIB,
+    )  # fmt: skip
+    alone = BudgetController(
+        [ledger_budget("vectors", Cache(1.0), 128 * MIB, 128 * MIB)],
+        machine, headroom_bytes=MIB, ledger=HostLedger(folder, "alone", pid=os.getppid()),
+    )  # fmt: skip
+    publish_all(joined, alone)
+    assert not [d for d in joined.tick() if d.reason == "shrink"]
+    published = json.loads((folder / f"alone.{os.getppid()}").read_text())
+    assert published[0][-1] == 0  # it says it holds no part of a total
+
+
+def test_equal_values_across_processes_do_not_hold_growth_under_the_total(tmp_path: Path) -> None:
+    """Two idle instances of one stage (values 0, equal bytes): every process must pick the
+    same budget to grow. Each picked the other's (its own entries sort first) and neither grew:
+    5 + 5 MiB of a 64 MiB total, for good."""
+    folder = tmp_path / "budgets"
+    machine = Machine(100 * GIB)
+    caches = [Cache(0.0), Cache(0.0)]
+    controllers = [
+        BudgetController(
+            [ledger_budget("l1", cache, 64 * MIB, 5 * MIB)],
+            machine,
+            headroom_bytes=0,
+            ledger=HostLedger(folder, "embedding_cache", pid=pid),
+            total_bytes=64 * MIB,
+            settle_ticks=0,
+        )  # fmt: skip
+        for cache, pid in zip(caches, (os.getpid(), os.getppid()), strict=True)
+    ]
+    publish_all(*controllers)
+    for _ in range(20):
+        for controller in controllers:
+            controller.tick()
+    held = sum(c.budgets[0].current_bytes for c in controllers)
+    assert held == 64 * MIB
+
+
+def test_a_budget_squeezed_to_a_zero_floor_grows_back_without_a_total(tmp_path: Path) -> None:
+    """Without a total a surplus is shared by ceilings: shared by bytes, a process whose
+    budgets were all at 0 took no part of it and stayed at 0 with the machine free."""
+    folder = tmp_path / "budgets"
+    machine = Machine(20 * GIB)
+    kv = Cache(1.0)
+    engine = BudgetController(
+        [ledger_budget("kv_pool", kv, 64 * MIB, 0)], machine, headroom_bytes=GIB,
+        ledger=HostLedger(folder, "torch_llm", pid=os.getpid()),
+    )  # fmt: skip
+    answers = BudgetController(
+        [ledger_budget("l1", Cache(1.0), 64 * MIB, 64 * MIB)], machine, headroom_bytes=GIB,
+        ledger=HostLedger(folder, "prompt_cache", pid=os.getppid()),
+    )  # fmt: skip
+    publish_all(engine, answers)
+    assert engine.tick() == [Decision("kv_pool", 0, 64 * MIB, "grow")]
+
+
+def test_a_shortfall_at_the_floors_is_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    controller = BudgetController(
+        [budget("only", Cache(1.0), 10 * MIB, 64 * MIB, 10 * MIB)], Machine(0),
+        headroom_bytes=50 * MIB, settle_ticks=0,
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="tiercache.budgets"):
+        for _ in range(5):
+            assert controller.tick() == [Decision("*", 50 * MIB, 0, "floors")]
+    assert sum("every cache budget at its floor" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_tick_that_shrank_returns_the_freed_heap() -> None:
+    trims: list[int] = []
+
+    def trim() -> bool:
+        trims.append(1)
+        return True
+
+    assert release_after([Decision("l1", 64 * MIB, 32 * MIB, "shrink")], trim)
+    assert release_after([Decision("vectors", 8 * MIB, 4 * MIB, "move")], trim)
+    assert not release_after([Decision("l1", 32 * MIB, 48 * MIB, "grow")], trim)
+    assert not release_after([Decision("*", 20 * MIB, 0, "floors")], trim)
+    assert not release_after([], trim)
+    assert len(trims) == 2

@@ -286,3 +286,42 @@ def test_a_failing_nvml_reading_is_no_gpus_not_a_crash() -> None:
 
     nvml.nvmlDeviceGetMemoryInfo = lost  # type: ignore[method-assign]
     assert GpuMemoryProbe(nvml, pid=1).read() == []
+
+
+def test_a_parents_limit_is_held_against_the_parents_own_use_v2(tmp_path: Path) -> None:
+    """A slice of 4 GiB holding 3.5 (this group 1, its siblings the rest): 0.5 GiB is left,
+    not the 3 that the slice's limit less this group's use would say."""
+    proc = proc_tree(tmp_path, "0::/slice/server\n")
+    sys = tmp_path / "sys"
+    write(sys / "cgroup.controllers", "memory\n")
+    write(sys / "slice" / "memory.max", f"{4 * GIB}\n")
+    write(sys / "slice" / "memory.current", f"{7 * GIB // 2}\n")
+    write(sys / "slice" / "server" / "memory.max", "max\n")
+    write(sys / "slice" / "server" / "memory.current", f"{GIB}\n")
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.available_bytes) == (4 * GIB, GIB // 2)
+    assert reading.source.endswith("slice")
+
+
+def test_a_parents_limit_is_held_against_the_parents_own_use_v1(tmp_path: Path) -> None:
+    proc = proc_tree(tmp_path, "4:memory:/pod/container\n")
+    mount = tmp_path / "sys" / "memory"
+    write(mount / "pod" / "memory.limit_in_bytes", f"{4 * GIB}\n")
+    write(mount / "pod" / "memory.usage_in_bytes", f"{3 * GIB}\n")
+    write(mount / "pod" / "memory.stat", f"total_inactive_file {GIB // 2}\n")
+    group = mount / "pod" / "container"
+    write(group / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(group / "memory.usage_in_bytes", f"{GIB}\n")
+    write(group / "memory.stat", f"hierarchical_memory_limit {4 * GIB}\ntotal_inactive_file 0\n")
+    reading = HostMemoryProbe(proc, tmp_path / "sys").read()
+    assert (reading.limit_bytes, reading.used_bytes) == (4 * GIB, 5 * GIB // 2)
+    assert reading.available_bytes == 3 * GIB // 2
+
+
+def test_no_reading_at_all_is_an_error_not_zero_bytes_left(tmp_path: Path) -> None:
+    """Without /proc/meminfo and a cgroup limit nothing is known: the budget tick that asks
+    fails and holds every budget, where 0 bytes available squeezed every cache to its floor."""
+    proc = tmp_path / "proc"
+    write(proc / "self" / "cgroup", "0::/\n")
+    with pytest.raises(OSError, match="no host memory reading"):
+        HostMemoryProbe(proc, tmp_path / "sys").read()

@@ -342,6 +342,11 @@ class MemoryStore:
             self._bytes = 0
             self._policy.clear()
 
+    def used_bytes(self) -> int:
+        """The bytes its entries hold now (its budget's unfilled part frees nothing)."""
+        with self._lock:
+            return self._bytes
+
     def stats(self) -> StoreStats:
         skew, computed_s = self._skew
         fresh = time.monotonic() - computed_s < SKEW_INTERVAL_S

@@ -19,6 +19,7 @@ from tiercache.budgets import (
     Decision,
     HostLedger,
     cache_budget,
+    release_after,
 )
 from tiercache.exact.stores import MemoryStore
 from tiercache.machine import HostMemoryProbe
@@ -146,6 +147,7 @@ def start_budgets(
     )
 
     def on_tick(decisions: list[Decision]) -> None:
+        release_after(decisions)
         free.set(controller.last_available)
         if late is not None:
             late.set(controller.objective_state)
@@ -206,8 +208,13 @@ def follow_l1(
         budgets.insert(
             0,
             cache_budget(
-                "l1", config.l1_min_bytes, config.l1_max_bytes, l1.resize, l1.shadow_reading
-            ),
+                "l1",
+                config.l1_min_bytes,
+                config.l1_max_bytes,
+                l1.resize,
+                l1.shadow_reading,
+                used=l1.used_bytes,
+            ),  # fmt: skip
         )
     return start_budgets(
         config.memory_headroom_bytes,
