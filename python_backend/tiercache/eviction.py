@@ -90,6 +90,13 @@ class EvictionPolicy(Protocol[K]):
         An unknown key is not admitted by it (a frequency-aware policy still counts the request)."""
         ...
 
+    def endorse(self, key: K, count: int) -> None:
+        """`count` more `good` verdicts on the held `key`'s value (tiercache.feedback): each
+        ranks it as one more request would, for as long as that value is held (an admission
+        or removal forgets them; they are not reads, so they prove nothing about how often
+        such keys are hit). An unknown key is ignored."""
+        ...
+
     def remove(self, key: K) -> None:
         """`key` left the store (deleted, evicted, expired, dropped). An unknown key is ignored:
         stores report removals without checking first."""
@@ -155,6 +162,10 @@ class LruPolicy(Generic[K]):
         except KeyError:
             pass
 
+    def endorse(self, key: K, count: int) -> None:
+        if count > 0:
+            self.access(key)
+
     def remove(self, key: K) -> None:
         self._order.pop(key, None)
 
@@ -189,6 +200,9 @@ class OldestFirstPolicy(Generic[K]):
         self._entries[key] = (created_s, size)
 
     def access(self, key: K) -> None:
+        pass
+
+    def endorse(self, key: K, count: int) -> None:
         pass
 
     def remove(self, key: K) -> None:
@@ -253,6 +267,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         "_admissions",
         "_capacity",
         "_cost",
+        "_endorsed",
         "_entries",
         "_groups",
         "_heap",
@@ -266,6 +281,14 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     )
 
     _START_CAPACITY = 1024
+    # what its own structures hold per key beyond an LRU's (a store adds it to each entry's
+    # size: `entry_overhead_bytes`): the ranked tuple, up to two heap items (the heap is
+    # rebuilt past twice the live keys; an item re-ranked by a read holds that read's copy of
+    # the key), the unproven record. Under tracemalloc on CPython 3.11, an L1 of 20,000 short
+    # answers, a third of them read three times with keys made afresh, the sketch aside (the
+    # store bounds it apart): 973 B held a key under GDSF against 527 under LRU; uncounted,
+    # L1 held 2.0 times what it counted, against LRU's 1.09
+    entry_overhead_bytes = 448
     ADMISSION_WINDOW = 10_000  # admissions per class before both counts halve
     MIN_DISCOUNT = 0.5
     GROUP_EVIDENCE = 100  # admissions a group needs before its rate discounts or is compared
@@ -292,6 +315,10 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._cost = KnownCosts(self.ADMISSION_WINDOW)  # known costs per admission, windowed
         # held keys not hit yet -> (their admission class, their group)
         self._unproven: dict[K, tuple[int, int]] = {}
+        # held keys -> the `good` verdicts on their value, added to their frequency (kept out
+        # of the sketch, which remembers a key after it leaves: counted there at each
+        # admission, an endorsed answer gained them again every time it came back)
+        self._endorsed: dict[K, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -304,6 +331,11 @@ class GreedyDualFrequencyPolicy(Generic[K]):
     def frequency(self, key: K) -> int:
         """The sketch's estimate of recent requests for `key` (kept or not)."""
         return self._sketch.estimate(key)
+
+    def ranked_frequency(self, key: K) -> int:
+        """What `key`'s rank counts as its requests: the sketch's estimate and the `good`
+        verdicts on its held value."""
+        return self._sketch.estimate(key) + self._endorsed.get(key, 0)
 
     def _rank(self, key: K, frequency: int, size: int, weight: float) -> None:
         value = self._inflation + frequency * weight
@@ -370,9 +402,13 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             return
 
     def first_sight_discount(self) -> float:
-        """What a never-seen key's weight is multiplied by now (see the class docstring)."""
+        """What a never-seen key's weight is multiplied by now (see the class docstring); 1.0
+        while seen keys show no hits at all (their count halved to nothing over millions of
+        admissions never read: the division failed every admission of a new key)."""
         first = self._hits[0] / self._admissions[0]
         seen = self._hits[1] / self._admissions[1]
+        if seen <= 0.0:
+            return 1.0
         return max(self.MIN_DISCOUNT, min(1.0, first / seen))
 
     def group_discount(self, group: int) -> float:
@@ -396,6 +432,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self, key: K, size: int = 1, *, created_s: float = 0.0, cost_s: float = 0.0, group: int = 0
     ) -> None:
         seen = int(self._sketch.estimate(key) > 0)
+        self._endorsed.pop(key, None)  # a new value: the old one's verdicts are not its own
         self._unproven[key] = (seen, group)
         admissions = self._admissions
         admissions[seen] += 1.0
@@ -427,11 +464,19 @@ class GreedyDualFrequencyPolicy(Generic[K]):
             self._groups[proven[1]][0] += 1.0
         entry = self._entries.get(key)
         if entry is not None:
-            self._rank(key, frequency, entry[2], entry[3])
+            self._rank(key, frequency + self._endorsed.get(key, 0), entry[2], entry[3])
+
+    def endorse(self, key: K, count: int) -> None:
+        entry = self._entries.get(key)
+        if entry is None or count <= 0:
+            return
+        endorsed = self._endorsed[key] = self._endorsed.get(key, 0) + count
+        self._rank(key, self._sketch.estimate(key) + endorsed, entry[2], entry[3])
 
     def remove(self, key: K) -> None:
         entry = self._entries.pop(key, None)
         self._unproven.pop(key, None)
+        self._endorsed.pop(key, None)
         offered = self._offered.pop(key, None)
         if entry is not None and offered == entry[1]:
             self._inflation = max(self._inflation, entry[0])  # evicted: the level rises to it
@@ -444,20 +489,22 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         popped: list[tuple[float, int, K]] = []
         chosen: list[K] = []
         total = 0
-        while heap and (len(chosen) < count or total < size):
-            item = heapq.heappop(heap)
-            _value, sequence, key = item
-            entry = entries.get(key)
-            if entry is None or entry[1] != sequence:
-                continue  # stale
-            popped.append(item)
-            if skip is not None and skip(key):
-                continue
-            chosen.append(key)
-            total += entry[2]
-            self._offered[key] = sequence
-        for item in popped:
-            heapq.heappush(heap, item)
+        try:
+            while heap and (len(chosen) < count or total < size):
+                item = heapq.heappop(heap)
+                _value, sequence, key = item
+                entry = entries.get(key)
+                if entry is None or entry[1] != sequence:
+                    continue  # stale
+                popped.append(item)
+                if skip is not None and skip(key):
+                    continue
+                chosen.append(key)
+                total += entry[2]
+                self._offered[key] = sequence
+        finally:  # a `skip` that raised left the keys popped so far out of the order for good
+            for item in popped:
+                heapq.heappush(heap, item)
         return chosen
 
     def clear(self) -> None:
@@ -465,6 +512,7 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._heap.clear()
         self._offered.clear()
         self._unproven.clear()
+        self._endorsed.clear()
         self._hits = [1.0, 1.0]
         self._admissions = [1.0, 1.0]
         self._groups.clear()
@@ -607,6 +655,10 @@ class ShadowChoicePolicy(Generic[K]):
         self._sizes[key] = size
         if _sampled(key, self._one_in):
             self._request(key, size, cost_s, group)
+
+    def endorse(self, key: K, count: int) -> None:
+        self._gdsf.endorse(key, count)
+        self._lru.endorse(key, count)
 
     def access(self, key: K) -> None:
         self._gdsf.access(key)

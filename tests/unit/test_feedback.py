@@ -13,7 +13,7 @@ from redis_server import RedisServer
 from test_invalidation import FakeClock
 
 from tiercache.errors import Forbidden, InvalidRequest
-from tiercache.eviction import named_policy
+from tiercache.eviction import GreedyDualFrequencyPolicy, named_policy
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
@@ -28,6 +28,10 @@ SECRET = bytes(range(32))
 SCOPE = "scope-a"
 DIGEST = hashlib.sha256(b"an answer").hexdigest()
 KEPT = hashlib.sha256(b"a neighbour's answer").hexdigest()
+
+GDSF_ENTRY_BYTES = (
+    GreedyDualFrequencyPolicy.entry_overhead_bytes
+)  # what L1 adds per entry under gdsf
 
 
 @pytest.fixture
@@ -186,7 +190,7 @@ def test_an_endorsed_answer_outranks_an_equal_one_in_the_next_l1_that_admits_it(
     assert feedback.give(served(ids, clock, KEPT), Verdict.GOOD, SCOPE).endorsed
     l2 = cache.store(Tier.L2)
     assert l2 is not None
-    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes
+    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes + GDSF_ENTRY_BYTES
     other = TieredCache(
         [(Tier.L1, MemoryStore(2 * size + 8, named_policy("gdsf"))), (Tier.L2, l2)], clock=clock
     )
@@ -211,7 +215,7 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
         cache.put(digest, "same size", tenant_scope=SCOPE, generation_s=1.0)
     l2 = cache.store(Tier.L2)
     assert l2 is not None
-    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes
+    size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes + GDSF_ENTRY_BYTES
     ticks = [0.0]
     other = TieredCache(
         [(Tier.L1, MemoryStore(2 * size + 8, named_policy("gdsf"))), (Tier.L2, l2)],

@@ -197,7 +197,8 @@ def test_l1_keeps_the_answer_that_took_longer_to_generate() -> None:
     """L1's default policy weighs generation seconds: of two answers of one size, asked for as
     often, the one that took 20 s outlives the one that took 0.3 s, whichever came first."""
     for slow_first in (True, False):
-        store = MemoryStore(2 * entry("x").size_bytes, named_policy("gdsf"))
+        gdsf = named_policy("gdsf")
+        store = MemoryStore(2 * (entry("x").size_bytes + gdsf.entry_overhead_bytes), gdsf)  # type: ignore[attr-defined]
         order = [("slow", 20.0), ("fast", 0.3)]
         for key, seconds in order if slow_first else order[::-1]:
             store.put(key, entry("x", generation_s=seconds))
@@ -768,14 +769,14 @@ def test_the_held_answer_put_again_with_a_new_verdict_counts_that_verdict_alone(
             store.put("k", entry)
         held = store.peek("k")
         assert held is not None and held.endorsements == times
-        return store._policy.frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
+        return store._policy.ranked_frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
 
     def endorsed_by_endorse(times: int) -> int:
         store = MemoryStore(1 << 20, named_policy("gdsf"))
         store.put("k", CacheEntry("an answer", created_s=1.0, generation_s=0.5))
         for n in range(1, times + 1):
             store.endorse("k", 1.0, n)
-        return store._policy.frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
+        return store._policy.ranked_frequency("k")  # type: ignore[attr-defined]  # noqa: SLF001
 
     assert endorsed_by_put(3) == endorsed_by_endorse(3) == 4
     # Another answer under the key (a new generation) is admitted as before.

@@ -146,6 +146,9 @@ class MemoryStore:
         self._max_bytes = max_bytes
         self._policy: EvictionPolicy[str] = policy if policy is not None else LruPolicy()
         self._access = self._policy.access  # bound once: the hit path's only policy call
+        # what the policy holds per entry beyond an LRU's slots (ENTRY_OVERHEAD_BYTES counts
+        # those), counted in every entry's size
+        self._policy_bytes = int(getattr(self._policy, "entry_overhead_bytes", 0))
         self._entries: dict[str, CacheEntry] = {}
         self._sizes: dict[str, int] = {}
         self._bytes = 0
@@ -208,7 +211,7 @@ class MemoryStore:
             return self._entries.get(key)
 
     def put(self, key: str, entry: CacheEntry) -> None:
-        size = entry.size_bytes
+        size = entry.size_bytes + self._policy_bytes
         with self._lock:
             held = self._entries.get(key)
             if (
@@ -220,8 +223,7 @@ class MemoryStore:
                 # new one counts as a request, as `endorse` does; re-admitting it counted all of
                 # them again and made it look proven to the policy's admission prior.
                 self._entries[key] = entry
-                for _ in range(entry.endorsements - held.endorsements):
-                    self._access(key)
+                self._policy.endorse(key, entry.endorsements - held.endorsements)
                 return
             if size > self._max_bytes:
                 self._rejected += 1
@@ -236,15 +238,22 @@ class MemoryStore:
             self._bytes += size - replaced
             self._shadow.discard(key)
             self._costs.add(entry.generation_s or 0.0)
-            self._policy.admit(
-                key,
-                size,
-                created_s=entry.created_s,
-                cost_s=entry.generation_s,
-                group=answer_group(entry),
-            )
-            for _ in range(entry.endorsements):  # a `good` verdict counts as a request
-                self._access(key)
+            try:
+                self._policy.admit(
+                    key,
+                    size,
+                    created_s=entry.created_s,
+                    cost_s=entry.generation_s,
+                    group=answer_group(entry),
+                )
+            except BaseException:
+                # stored but unknown to the policy, it could never be evicted: once such
+                # entries filled the budget every put failed
+                self._discard(key)
+                raise
+            # each `good` verdict ranks it as a request would, while this value is held (into
+            # the frequency sketch, which outlives it, each admission counted them again)
+            self._policy.endorse(key, entry.endorsements)
 
     def endorse(self, key: str, created_s: float, endorsements: int) -> int:
         """The held copy of `key`'s answer made at `created_s` now has `endorsements` `good`
@@ -256,8 +265,7 @@ class MemoryStore:
             if held is None or held.created_s != created_s or endorsements <= held.endorsements:
                 return 0
             self._entries[key] = dataclasses.replace(held, endorsements=endorsements)
-            for _ in range(endorsements - held.endorsements):
-                self._access(key)
+            self._policy.endorse(key, endorsements - held.endorsements)
             return endorsements - held.endorsements
 
     def resize(self, max_bytes: int) -> int:
