@@ -672,7 +672,8 @@ class LlmConfig(_TiersConfig):
     verify_semantic: bool = param(
         False,
         "Serve a semantic hit only once the engine verified it, in one forward pass over prompt "
-        "plus answer, as exactly its own output (status verified); otherwise decode on from the "
+        "plus answer (its first 256 tokens; drafted steps past them), as exactly its own "
+        "output (status verified); otherwise decode on from the "
         "agreed prefix (a miss). Off: a semantic hit is served as the guard accepted it; a "
         "request asks for it with the cache_control word verify-semantic",
     )

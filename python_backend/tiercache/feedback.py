@@ -42,7 +42,7 @@ from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.request import echo
 from tiercache.exact.tiered import TieredCache
-from tiercache.semantic.entry_trust import record_outcome
+from tiercache.semantic.entry_trust import feedback_stamp, length_class, record_outcome
 from tiercache.semantic.penalties import raise_floor
 
 log = logging.getLogger(__name__)
@@ -147,12 +147,19 @@ class Feedback:
             replaced = True
         if ref.served is ServedAs.SEMANTIC and ref.score > 0.0:
             try:  # what the trust gate learns from: the verdict on the hit it let through
-                right = verdict is Verdict.GOOD  # stamped by the id: each id counts once
-                # the entry's adapter; unknown once it is gone: no tenant calibration learns
-                adapter = found.adapter if found is not None else None
+                right = verdict is Verdict.GOOD
+                # the entry's adapter and answer length; unknown once it is gone or replaced:
+                # no tenant calibration learns, and its own record counts the id once
+                adapter, answer_class, stamp = None, 0, ref.issued_s
+                if found is not None and not replaced:
+                    adapter, answer_class = found.adapter, length_class(found.text)
+                    # one of each verdict per answer: a semantic hit's id is issued afresh at
+                    # each serve, and asking again to say `good` again added one each time
+                    stamp = feedback_stamp(ref.digest, found.created_s, right)
                 record_outcome(
-                    cache, ref.digest, ref.score, right, tenant_scope, ref.issued_s, adapter
-                )
+                    cache, ref.digest, ref.score, right, tenant_scope, stamp, adapter,
+                    answer_class,
+                )  # fmt: skip
             except Exception:  # noqa: BLE001 - the verdict is acted on; the outcome is extra
                 log.exception("recording a verdict against %s... failed", ref.digest[:12])
         if verdict is Verdict.GOOD:

@@ -631,11 +631,28 @@ def test_a_hit_the_trust_gate_sends_to_verify_is_checked_and_its_outcome_recorde
     ref = answer_ref(model, at_once)
     assert ref is not None and (ref.digest, ref.score) == (served, 0.875)
     assert len(engine.calls) == 2 and read_trust(cache, served, TENANT).observations == []
+    sampled_request = GenerationRequest(
+        "What is Triton?", tenant_scope=TENANT, temperature=0.7, seed=3
+    )
+    sampled = envelope(
+        sealer, CacheStatus.MISS, "f" * 64, request=sampled_request, semantic_scope="s" * 64,
+        verify_semantic=True,
+    )  # fmt: skip
+    drawn = "8" * 64
+    checked = to_llm(
+        pb_utils, sealer, sampled, "Goodbye", "semantic", 0.9, neighbours=(drawn,),
+        trust=(0.75, False),
+    )  # fmt: skip
+    (refuted_draw,) = run(pb_utils, model, [checked])
+    assert final(pb_utils, refuted_draw) == ("Hello there", "miss")  # a draw, not the answer
+    assert len(engine.calls) == 3
+    time.sleep(0.2)  # an outcome is recorded just after the final response, if at all
+    assert read_trust(cache, drawn, TENANT).observations == []  # a draw teaches nothing
     forged = [t for t in same if t.name() != "HIT_TRUST"]
     forged.append(pb_utils.Tensor("HIT_TRUST", np.array([[0.75, 0.0]], dtype=np.float32)))
     (refused,) = run(pb_utils, model, [forged])
     assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
-    assert len(engine.calls) == 2
+    assert len(engine.calls) == 3
 
 
 def test_a_failure_to_record_an_outcome_never_fails_the_request(

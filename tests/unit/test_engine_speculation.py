@@ -82,6 +82,19 @@ def run(
     return "".join(e.text for e in events), final.finish_reason, final.generated_tokens
 
 
+def plain(engine: Any, request: GenerationRequest) -> Any:
+    """`run`'s result for plain decoding with the cache off: no drafts, no speculation, and no
+    prefix KV reused or stored (a pool of its own, `kv_reuse` off). A reference computed after
+    a speculative run on the same pool reused the blocks that run's prefill (prompt and draft
+    in one pass) stored, and shared its rounding."""
+    pool, reuse = engine.kv_pool, engine.kv_reuse
+    engine.kv_pool, engine.kv_reuse = KvBlockPool(64 << 20, BLOCK), False
+    try:
+        return run(engine, request, (), speculate=False)
+    finally:
+        engine.kv_pool, engine.kv_reuse = pool, reuse
+
+
 def test_a_draft_the_model_agrees_with_saves_passes_and_changes_nothing(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,9 +127,9 @@ def test_a_draft_the_model_agrees_with_saves_passes_and_changes_nothing(
 )
 def test_any_draft_gives_plain_decodings_answer(engine: Any, drafts: tuple[str, ...]) -> None:
     request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
-    assert run(engine, request, drafts, speculate=True) == run(
-        engine, request, drafts, speculate=False
-    )
+    reference = plain(engine, request)
+    assert run(engine, request, drafts, speculate=True) == reference
+    assert run(engine, request, drafts, speculate=True) == reference  # its prompt blocks reused
 
 
 def test_stop_words_and_the_token_limit_cut_a_draft_where_plain_decoding_stops(
@@ -129,8 +142,8 @@ def test_stop_words_and_the_token_limit_cut_a_draft_where_plain_decoding_stops(
         GenerationRequest(PROMPT, max_tokens=MAX_TOKENS, stop_words=(stop,)),
         GenerationRequest(PROMPT, max_tokens=7),
     ):
-        spec = run(engine, request, (full,), speculate=True)
-        assert spec == run(engine, request, (full,), speculate=False)
+        reference = plain(engine, request)
+        assert run(engine, request, (full,), speculate=True) == reference
     assert run(engine, GenerationRequest(PROMPT, max_tokens=7), (full,), True)[1:] == ("length", 7)
     # the draft runs past the stop word: its tokens after the answer's end are not counted
     stopped = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS, stop_words=(stop,))
@@ -149,7 +162,7 @@ def test_with_prefix_kv_reuse_across_block_boundaries(engine: Any) -> None:
         engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
         warm = run(engine, first, (answer,), True, source)  # stores the prompt's blocks
         again = run(engine, first, (answer,), True, source)  # reuses them
-        assert warm == again == run(engine, first, (answer,), speculate=False)
+        assert warm == again == plain(engine, first)
 
 
 def test_the_engines_recent_answers_draft_later_requests_of_their_scope_only(
@@ -358,10 +371,10 @@ def test_a_wrong_or_partly_right_answer_to_verify_gives_plain_decodings(
     engine: Any, answer: str
 ) -> None:
     request = GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)
-    plain = run(engine, request, (), speculate=False)
-    assert verified(engine, request, answer) == plain
-    prefix = plain[0][: len(plain[0]) // 2] + " and then something else entirely."
-    assert verified(engine, request, prefix) == plain
+    reference = plain(engine, request)
+    assert verified(engine, request, answer) == reference
+    prefix = reference[0][: len(reference[0]) // 2] + " and then something else entirely."
+    assert verified(engine, request, prefix) == reference
     assert engine.last_drafter.by_source["verify"].accepted > 0  # its right half was kept
 
 

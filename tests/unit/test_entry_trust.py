@@ -16,6 +16,7 @@ from tiercache.exact.stores import LmdbStore, MemoryStore
 from tiercache.exact.tiered import TieredCache
 from tiercache.feedback import Feedback, Verdict
 from tiercache.semantic.entry_trust import (
+    LENGTH_CLASSES,
     Calibration,
     Decision,
     EntryTrust,
@@ -23,10 +24,13 @@ from tiercache.semantic.entry_trust import (
     TrustPolicy,
     decode_trust,
     encode_trust,
+    feedback_stamp,
+    length_class,
     read_tenant_trust,
     read_trust,
     record_outcome,
     replay,
+    tenant_trust_key,
     trust_key,
     verification_stamp,
 )
@@ -222,9 +226,10 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
                                    [True, False])  # fmt: skip
     assert verify.outcome is SemanticOutcome.HIT and verify.verify and verify.score == 0.995
     assert sampled.outcome is SemanticOutcome.UNTRUSTED and not sampled.text
+    length = length_class("the neighbour's answer")  # answers of its length calibrate it
     for i in range(40):  # its other entries' hits at such scores were verified right
         other = hashlib.sha256(f"entry {i}".encode()).hexdigest()
-        record_outcome(answers, other, 0.99, True, "scope-a", float(i + 1))
+        record_outcome(answers, other, 0.99, True, "scope-a", float(i + 1), "", length)
     (hit,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], [False])
     assert hit.outcome is SemanticOutcome.HIT and (hit.score, hit.verify) == (0.995, False)
     for stamp in (100.0, 101.0):  # this entry refuted twice (one refutation leaves 0.9503)
@@ -238,18 +243,23 @@ def test_the_gate_serves_verifies_or_misses_a_chosen_candidate_by_its_entrys_rec
     # feedback on a hit the gate decided: its id carries the score
     ids = AnswerIds(bytes(32))
     feedback = Feedback(ids, Invalidator(answers))
-    good = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1000.0, 0.99), "scope-a")
+    held = answers.peek(DIGEST)
+    assert held is not None
+    served = held.created_s + 10.0  # when its hits were served
+    good = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, served, 0.99), "scope-a")
     for _ in range(3):
         feedback.give(good, Verdict.GOOD, "scope-a")  # replayed: counted once
-    bad = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1001.0, 0.98), "scope-a")
+    again = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, served + 1, 0.99), "scope-a")
+    feedback.give(again, Verdict.GOOD, "scope-a")  # the answer served again: counted once
+    bad = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, served + 2, 0.98), "scope-a")
     feedback.give(bad, Verdict.BAD, "scope-a")
-    ungated = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, 1002.0), "scope-a")
+    ungated = ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, 0.9, served + 3), "scope-a")
     feedback.give(ungated, Verdict.GOOD, "scope-a")  # no score: nothing to learn at
     assert read_trust(answers, DIGEST, "scope-a").observations == [
         (0.995, False, 100.0),
         (0.995, False, 101.0),
-        (pytest.approx(0.99), True, 1000.0),
-        (pytest.approx(0.98), False, 1001.0),
+        (pytest.approx(0.99), True, feedback_stamp(DIGEST, held.created_s, True)),
+        (pytest.approx(0.98), False, feedback_stamp(DIGEST, held.created_s, False)),
     ]
     stage.close()
 
@@ -396,3 +406,37 @@ def test_an_adapters_outcomes_calibrate_that_adapters_entries_alone(tmp_path: Pa
     assert len(read_tenant_trust(cache, "scope-a", a).observations) == 5
     assert not read_tenant_trust(cache, "scope-a").observations
     cache.close()
+
+
+def test_answer_lengths_calibrate_their_own_class(tmp_path: Path) -> None:
+    """How often an engine's answer is exactly the cached one depends on its length: a key
+    verifying rewordings at max_tokens 1 (one-token answers: nearly always right) filled the
+    tenant's calibration, and its long answers were then served unverified. Each length class
+    of a tenant and adapter calibrates its own."""
+    assert [length_class("x" * n) for n in (0, 1, 3, 4, 15, 16, 63, 64, 255, 256, 4095, 9999)] == [
+        0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 6,
+    ]  # fmt: skip
+    assert length_class("é" * 2) == 1  # by UTF-8 bytes
+    cache = tiers(tmp_path)
+    short = length_class("Yes")
+    for i in range(20):
+        assert record_outcome(cache, f"{i:064x}", 0.8, True, "scope-a", 100.0 + i, "", short)
+    assert len(read_tenant_trust(cache, "scope-a", "", short).observations) == 20
+    long_answer = length_class("a long answer " * 40)
+    assert not read_tenant_trust(cache, "scope-a", "", long_answer).observations
+    gate = TrustGate(cache, TrustPolicy(max_error=0.05), lambda q, c, s: s)
+    learnt, untaught = gate.calibration("scope-a", "", short), gate.calibration("scope-b")
+    assert learnt.slope != untaught.slope
+    assert gate.calibration("scope-a", "", long_answer).slope == untaught.slope
+    with pytest.raises(ValueError, match="length class"):
+        tenant_trust_key("scope-a", "", LENGTH_CLASSES)
+    cache.close()
+
+
+def test_a_verdict_of_each_kind_counts_once_per_answer() -> None:
+    first = feedback_stamp(DIGEST, 100.0, True)
+    assert first == feedback_stamp(DIGEST, 100.0, True)  # another id, the same answer
+    assert first != feedback_stamp(DIGEST, 100.0, False)  # a `bad` on it counts apart
+    assert first != feedback_stamp(DIGEST, 101.0, True)  # the answer made again
+    assert 2**49 <= first < 2**50
+    assert not 2**48 <= first < 2**49  # never a verification's stamp

@@ -332,7 +332,9 @@ _PURPOSE = b"tiercache semantic trust"
 _PREFIX = "semantic-trust:"
 
 
-_TENANT_PURPOSE = b"tiercache semantic trust of a tenant"
+_TENANT_PURPOSE = b"tiercache semantic trust of a tenant, by answer length"
+_FEEDBACK_PURPOSE = b"tiercache semantic trust, one verdict of each kind per answer"
+LENGTH_CLASSES = 7
 
 
 def trust_key(digest: str) -> str:
@@ -340,11 +342,35 @@ def trust_key(digest: str) -> str:
     return side_key(_PURPOSE, digest)
 
 
-def tenant_trust_key(tenant_scope: str, adapter: str = "") -> str:
+def length_class(answer: str) -> int:
+    """The class of a cached answer's length whose outcomes calibrate each other: its UTF-8
+    bytes in powers of 4 (0: under 4 bytes, 1: under 16, ..., 6: 4,096 and more). How often
+    an engine's answer is exactly the cached one depends on its length above all (a one-token
+    answer nearly always; a long one rarely): pooled, a tenant's short answers, verified by
+    the hundred at max_tokens 1, calibrated its long ones to be served unverified."""
+    size = max(len(answer.encode("utf-8")), 1)
+    return min((size.bit_length() - 1) // 2, LENGTH_CLASSES - 1)
+
+
+def tenant_trust_key(tenant_scope: str, adapter: str = "", answer_class: int = 0) -> str:
     """The cache key of the outcomes of every entry of `tenant_scope` and `adapter` (its
-    digest; "" for the base model): a key limited to one adapter teaches the calibration of
-    that adapter's entries alone, never its tenant's others."""
-    return side_key(_TENANT_PURPOSE, tenant_scope + ("\x00" + adapter if adapter else ""))
+    digest; "" for the base model) whose answer is of `answer_class` (`length_class`): a key
+    limited to one adapter teaches the calibration of that adapter's entries alone, never its
+    tenant's others, and an answer length teaches its own."""
+    if not 0 <= answer_class < LENGTH_CLASSES:
+        raise ValueError(f"an answer length class is in 0..{LENGTH_CLASSES - 1}")
+    return side_key(_TENANT_PURPOSE, "\x00".join((tenant_scope, adapter, str(answer_class))))
+
+
+def feedback_stamp(entry_digest: str, created_s: float, right: bool) -> float:
+    """The stamp of a `good` (`right`) or `bad` verdict on the answer `entry_digest` holds,
+    made at `created_s`: the same for every verdict of that kind on that answer, so each
+    answer counts one of each (stamped by the answer id, which each semantic hit issues
+    afresh, asking again and saying `good` each time added an outcome each time): a whole
+    number in [2**49, 2**50), never a verification's stamp nor an answer id's issue time."""
+    material = "\x00".join((entry_digest, repr(float(created_s)), "good" if right else "bad"))
+    digest = side_key(_FEEDBACK_PURPOSE, material)
+    return float(int(digest[:12], 16) | 1 << 49)
 
 
 def encode_trust(trust: EntryTrust) -> str:
@@ -387,9 +413,12 @@ def read_trust(cache: TieredCache, digest: str, tenant_scope: str | None = None)
     return _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)[0]
 
 
-def read_tenant_trust(cache: TieredCache, tenant_scope: str, adapter: str = "") -> EntryTrust:
-    """The outcomes of all of `tenant_scope`'s entries of `adapter` (their `Calibration`)."""
-    key = tenant_trust_key(tenant_scope, adapter)
+def read_tenant_trust(
+    cache: TieredCache, tenant_scope: str, adapter: str = "", answer_class: int = 0
+) -> EntryTrust:
+    """The outcomes of all of `tenant_scope`'s entries of `adapter` whose answers are of
+    `answer_class` (their `Calibration`)."""
+    key = tenant_trust_key(tenant_scope, adapter, answer_class)
     return _read(cache, key, tenant_scope, TENANT_OBSERVATIONS)[0]
 
 
@@ -436,10 +465,12 @@ def record_outcome(
     tenant_scope: str,
     stamp: float,
     adapter: str | None = "",
+    answer_class: int = 0,
 ) -> bool:
-    """Add one outcome (`stamp`: an answer id's issue time, or a `verification_stamp`) to
-    `digest`'s record and to its tenant's for `adapter` (the entry's adapter digest, "" for
-    the base model; None, not known: the entry's record alone), merged from the shared tiers
+    """Add one outcome (`stamp`: a `feedback_stamp`, an answer id's issue time, or a
+    `verification_stamp`) to `digest`'s record and to its tenant's for `adapter` (the entry's
+    adapter digest, "" for the base model; None, not known: the entry's record alone) and
+    `answer_class` (the `length_class` of the entry's answer), merged from the shared tiers
     and written to every
     tier. False, writing nothing, when `stamp` was counted already, or when a shared tier could
     not be read (writing the rest back would overwrite what it holds: the outcome is lost
@@ -451,7 +482,7 @@ def record_outcome(
     with lock:
         created_s = cache.now()  # before the read: an invalidation since covers what it read
         trust, complete = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
-        tenant_key = tenant_trust_key(tenant_scope, adapter or "")
+        tenant_key = tenant_trust_key(tenant_scope, adapter or "", answer_class)
         tenant, tenant_complete = _read(cache, tenant_key, tenant_scope, TENANT_OBSERVATIONS)
         if not (complete and tenant_complete):
             log.warning(
@@ -494,11 +525,12 @@ class TrustGate:
         tenant_scope: str | None,
         can_verify: bool,
         adapter: str = "",
+        answer_class: int = 0,
     ) -> Decision:
-        """`adapter`: the entry's adapter digest ("" for the base model), whose calibration
-        within the tenant applies."""
+        """`adapter`: the entry's adapter digest ("" for the base model) and `answer_class`
+        its answer's `length_class`, whose calibration within the tenant applies."""
         scope = tenant_scope or ""
-        calibration, calibrated = self.calibration_checked(scope, adapter)
+        calibration, calibrated = self.calibration_checked(scope, adapter, answer_class)
         trust, complete = _read(self.cache, trust_key(digest), scope, MAX_OBSERVATIONS)
         if not (calibrated and complete):
             # A shared tier could not be read (Redis down): refutations recorded only there
@@ -506,14 +538,18 @@ class TrustGate:
             return Decision.VERIFY if can_verify else Decision.MISS
         return self.policy.decide(trust, score, can_verify, calibration, random.random())
 
-    def calibration(self, tenant_scope: str, adapter: str = "") -> Calibration:
-        """`tenant_scope`'s calibration for `adapter`'s entries from its record as the shared
-        tiers hold it now (recomputed only when the record changed)."""
-        return self.calibration_checked(tenant_scope, adapter)[0]
+    def calibration(
+        self, tenant_scope: str, adapter: str = "", answer_class: int = 0
+    ) -> Calibration:
+        """`tenant_scope`'s calibration for `adapter`'s entries of `answer_class` from its
+        record as the shared tiers hold it now (recomputed only when the record changed)."""
+        return self.calibration_checked(tenant_scope, adapter, answer_class)[0]
 
-    def calibration_checked(self, tenant_scope: str, adapter: str = "") -> tuple[Calibration, bool]:
+    def calibration_checked(
+        self, tenant_scope: str, adapter: str = "", answer_class: int = 0
+    ) -> tuple[Calibration, bool]:
         """`calibration`, and whether every shared tier could be read (`read_sides`)."""
-        key = tenant_trust_key(tenant_scope, adapter)
+        key = tenant_trust_key(tenant_scope, adapter, answer_class)
         texts, complete = read_sides(self.cache, key, tenant_scope)
         text = "\x00".join(texts)
         with self._memo_lock:

@@ -16,7 +16,7 @@ import numpy as np
 from tiercache.exact.codec import token_accounting
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
-from tiercache.semantic.entry_trust import Decision, TrustGate
+from tiercache.semantic.entry_trust import Decision, TrustGate, length_class
 from tiercache.semantic.features import memo_scope
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.penalties import read_floor_checked
@@ -199,8 +199,9 @@ class EmbeddingCache:
                 if self.trust is not None:
                     score = self.trust.score(prompt, neighbour.prompt, neighbour.similarity)
                     decision = self.trust.decide(
-                        neighbour.digest, score, tenant_scope, can_verify, entry.adapter
-                    )
+                        neighbour.digest, score, tenant_scope, can_verify, entry.adapter,
+                        length_class(entry.text),
+                    )  # fmt: skip
                     if decision is Decision.MISS:
                         outcome = SemanticOutcome.UNTRUSTED
                         continue

@@ -50,7 +50,7 @@ from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
-from tiercache.semantic.entry_trust import record_outcome, verification_stamp
+from tiercache.semantic.entry_trust import length_class, record_outcome, verification_stamp
 from tiercache.semantic.redis_rows import RowSharing
 from tiercache.semantic.store import SemanticStore
 from tiercache.stages.common import (
@@ -729,7 +729,10 @@ class LlmStage:
             outcome = "unchecked" if ok is None else "verified" if ok else "refuted"
             self.verifications[outcome].increment(1)
             self.requests[CacheStatus.VERIFIED.value if ok else envelope.status.value].increment(1)
-            if ok is not None and item.hit_score > 0.0 and item.neighbours:
+            # a sampled request's engine answer is a draw, not the model's one answer: its
+            # mismatch says nothing of the cached one (the gate sends only greedy ones)
+            greedy = envelope.request.greedy
+            if ok is not None and greedy and item.hit_score > 0.0 and item.neighbours:
                 self._learn(item, envelope, ok)
 
         self.core.submit_miss(
@@ -758,8 +761,9 @@ class LlmStage:
             cache, request = self.core.cache, envelope.request
             adapter = request.lora_digest  # a semantic hit's answer is of the request's adapter
             record_outcome(
-                cache, digest, item.hit_score, right, request.tenant_scope, stamp, adapter
-            )
+                cache, digest, item.hit_score, right, request.tenant_scope, stamp, adapter,
+                length_class(item.cached_text),
+            )  # fmt: skip
         except Exception:  # noqa: BLE001 - the answer is served; the outcome is extra
             io.log.exception("recording a verification against %s... failed", digest[:12])
 

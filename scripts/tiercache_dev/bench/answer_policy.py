@@ -243,6 +243,7 @@ class CostBlind:
         self._inner = inner
         self.access = inner.access
         self.remove = inner.remove
+        self.endorse = inner.endorse
         self.nominate = inner.nominate
         self.clear = inner.clear
 
