@@ -590,7 +590,10 @@ class HostLedger:
         now = time.time()
         for path in names:
             pid = path.name.rsplit(".", 1)[-1]
-            if not pid.isdigit() or int(pid) <= 1 or not _alive(int(pid)):
+            if not pid.isdigit() or int(pid) <= 1:
+                continue
+            if not _alive(int(pid)):
+                _remove_left(path, now - self.stale_s)
                 continue
             entries.extend(_read_entries(path, now - self.stale_s))
         return entries
@@ -604,6 +607,20 @@ class HostLedger:
 
 MAX_LEDGER_BYTES = 64 << 10
 MAX_LEDGER_ENTRIES = 16
+
+
+def _remove_left(path: Path, fresh_after: float) -> None:
+    """A file left by a process that is gone (killed: `close` never ran), once it is stale
+    too: the folder grew by one a crash, and each look signalled every pid in it. A live
+    process in another pid namespace sharing the folder looks gone from here, but its file is
+    fresh (rewritten each look), so it stays; one removed all the same is written again at
+    that process's next look."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_mtime < fresh_after:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:

@@ -249,8 +249,10 @@ PARAMETERS: dict[str, _Spec] = {
     ),
     "budget_interval_s": _Spec(
         1.0,
-        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes)",
+        "How often the budgets are looked at (memory_headroom_bytes, cache_memory_bytes; at "
+        "most 10 s: the host's other processes take a budget not published for 30 s as gone)",
         min=0.05,
+        max=10,
     ),
     "confidence_floor": _Spec(
         0.0,

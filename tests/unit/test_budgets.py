@@ -792,3 +792,24 @@ def test_a_tick_that_shrank_returns_the_freed_heap() -> None:
     assert not release_after([Decision("*", 20 * MIB, 0, "floors")], trim)
     assert not release_after([], trim)
     assert len(trims) == 2
+
+
+def test_a_file_left_by_a_process_that_is_gone_is_removed_once_stale(tmp_path: Path) -> None:
+    """A killed stage never closed its ledger: its file stayed, one a crash, and every look
+    signalled its pid. Gone and stale, it is removed; gone but fresh (a process in another pid
+    namespace, which rewrites it each look) it stays; a live one's stale file stays."""
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    row = json.dumps([["kv", 5, 1.0, 0, 10, 0]])
+    old = time.time() - 3600
+    for name in ("crashed.999999999", "elsewhere.999999998", f"stuck.{os.getppid()}"):
+        (folder / name).write_text(row)
+    os.utime(folder / "crashed.999999999", (old, old))
+    os.utime(folder / f"stuck.{os.getppid()}", (old, old))
+    own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
+    assert HostLedger(folder, "prompt_cache", stale_s=60).publish(own) == own
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "elsewhere.999999998",
+        f"prompt_cache.{os.getpid()}",
+        f"stuck.{os.getppid()}",
+    ]

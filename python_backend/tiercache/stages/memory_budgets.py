@@ -64,9 +64,10 @@ def start_budgets(
         def available() -> int:
             return probe.read().available_bytes
 
-    # a process that has not published for ten looks (at least 10 s) is gone or stuck
+    # a process that has not published for ten looks (at least 30 s, three looks of the
+    # slowest interval a stage may have: each reader judges by its own) is gone or stuck
     folder = "budgets" if memory == "host" else f"budgets-{memory}"
-    ledger = HostLedger(state_dir / folder, name, stale_s=max(10 * interval_s, 10.0))
+    ledger = HostLedger(state_dir / folder, name, stale_s=max(10 * interval_s, 30.0))
     controller = BudgetController(
         budgets,
         available,
