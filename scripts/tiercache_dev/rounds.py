@@ -50,14 +50,17 @@ def level_pairs(
     configs: Sequence[T], rounds: int, levels: Sequence[int]
 ) -> Iterator[tuple[int, int, T]]:
     """(round, level, config) in the order to run them: in each round, for each level, every
-    configuration back to back, the order reversed from one level (or round) to the next, so
-    each ratio pairs measurements taken seconds apart."""
-    pairs = [(round_no, level) for round_no in range(1, rounds + 1) for level in levels]
-    if not pairs:
+    configuration back to back, so each ratio pairs measurements taken seconds apart; the order
+    reversed from one level to the next within a round, and each level's order reversed from
+    one round to the next (numbered through the blocks instead, with two levels, each level
+    kept its order in every round: a drift or a warm server biased its ratios one way)."""
+    if rounds < 1 or not levels:
         raise ValueError("level_pairs needs at least one round and one level")
-    for k, config in serpentine(configs, len(pairs)):
-        round_no, level = pairs[k - 1]
-        yield round_no, level, config
+    for round_no in range(1, rounds + 1):
+        for index, level in enumerate(levels):
+            forwards = (round_no + index) % 2 == 1
+            for config in configs if forwards else list(reversed(configs)):
+                yield round_no, level, config
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import seals
 
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
-from tiercache.semantic.entry_trust import record_outcome
+from tiercache.semantic.entry_trust import length_class, record_outcome
 from tiercache.semantic.vectors import vector_key
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.seal import Sealer
@@ -491,9 +491,11 @@ def test_with_a_max_error_the_trust_gate_serves_verifies_or_misses_under_its_sea
             core.index.add(scope, digest, prompt, row)
         score = core.trust.score(prompt, prompt, 1.0)
         assert score > 0.99  # the same text: the guard is sure
+        length = length_class("answer 1")  # answers of this length calibrate each other
         for i in range(40):  # the tenant's other hits at this score were verified right
-            record_outcome(core.answers, f"{i:064x}", score, True, "", float(i + 1))
-        record_outcome(core.answers, "1" * 64, score, False, "", 99.0)  # the engine refuted it
+            record_outcome(core.answers, f"{i:064x}", score, True, "", float(i + 1), "", length)
+        # the engine refuted it
+        record_outcome(core.answers, "1" * 64, score, False, "", 99.0, "", length)
         greedy = GenerationRequest(prompt)
         sampled = GenerationRequest(prompt, temperature=0.7)
         asks = [

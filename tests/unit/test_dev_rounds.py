@@ -21,11 +21,13 @@ def test_serpentine_alternates_direction() -> None:
 
 
 def test_serpentine_cancels_a_linear_drift() -> None:
-    # A load rising by one unit per slot: over two rounds each configuration's mean slot is equal.
-    slots: dict[str, list[int]] = {}
-    for slot, (_, config) in enumerate(serpentine(["a", "b", "c"], 2)):
-        slots.setdefault(config, []).append(slot)
-    assert {sum(v) for v in slots.values()} == {5}
+    # A load rising by one unit per slot: over an even number of rounds each configuration's
+    # mean slot is equal (over an odd number it is not, which is why the defaults are 4)
+    for rounds in (2, 4):
+        slots: dict[str, list[int]] = {}
+        for slot, (_, config) in enumerate(serpentine(["a", "b", "c"], rounds)):
+            slots.setdefault(config, []).append(slot)
+        assert len({sum(v) for v in slots.values()}) == 1, rounds
 
 
 def test_serpentine_refuses_zero_rounds() -> None:
@@ -40,11 +42,15 @@ def test_level_pairs_run_the_configurations_back_to_back_at_each_level() -> None
         (1, 1, "b"),
         (1, 4, "b"),
         (1, 4, "a"),
+        (2, 1, "b"),  # each level's order turns from one round to the next
         (2, 1, "a"),
-        (2, 1, "b"),
-        (2, 4, "b"),
         (2, 4, "a"),
+        (2, 4, "b"),
     ]
+    for levels in ([1], [1, 4], [1, 2, 4]):
+        for level in levels:
+            firsts = [c for r, lv, c in level_pairs(["a", "b"], 4, levels) if lv == level][::2]
+            assert firsts == ["a", "b", "a", "b"] or firsts == ["b", "a", "b", "a"], levels
     with pytest.raises(ValueError, match="at least one"):
         list(level_pairs(["a"], 1, []))
 

@@ -69,5 +69,9 @@ def test_the_floor_sends_what_the_real_stages_send_on_an_exact_hit(tmp_path: Pat
     assert set(real.sent) == {step.model for step in steps}
     for step in steps:
         assert floor.sent[step.model] == real.sent[step.model], step.model
+        # as many bytes of values to serialize and read (the floor's envelope was 2 bytes
+        # against the real one's 700)
+        ours, theirs = sum(real.sizes[step.model].values()), sum(floor.sizes[step.model].values())
+        assert 0.9 * ours <= theirs <= 1.25 * ours, (step.model, ours, theirs)
     for last in (real_last, floor_last):
         assert len(last["ANSWER_ID"].reshape(-1)[0]) == ID_CHARS

@@ -86,7 +86,7 @@ def test_redis_with_compare_is_refused(pairs: Path, capsys: pytest.CaptureFixtur
 
 
 def test_rounds_default_to_three_with_compare_and_one_without(pairs: Path) -> None:
-    assert args_for(pairs, "--compare").rounds == 3
+    assert args_for(pairs, "--compare").rounds == 4
     assert args_for(pairs, "--compare", "--rounds", "5").rounds == 5
     assert args_for(pairs).rounds == 1
     assert args_for(pairs, "--redis").redis

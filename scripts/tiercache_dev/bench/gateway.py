@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1:8:7", help="perf_analyzer --concurrency-range")
     p.add_argument("--stability-percentage", type=float, default=20.0, help="perf_analyzer -s")
     p.add_argument("--max-trials", type=int, default=6, help="perf_analyzer -r")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (even: see rounds.py)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--perf-analyzer", type=Path, default=None, help="skip the install; use this")

@@ -129,8 +129,10 @@ class Ensemble:
             if not floor:
                 model.stage.metrics.close()
         self.seconds = {step.model: 0.0 for step in self.steps}
-        # each step's outputs in the last request: name -> (dtype, shape)
+        # each step's outputs in the last request: name -> (dtype, shape), and the bytes of
+        # each BYTES output's values (what the stub serializes and the next step reads)
         self.sent: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self.sizes: dict[str, dict[str, int]] = {}
 
     def run(self, public: dict[str, np.ndarray], timed: bool = True) -> dict[str, np.ndarray]:
         """One request through every step; the tensors the last step sent."""
@@ -152,6 +154,9 @@ class Ensemble:
                 raise RuntimeError(f"{step.model}: {response.error().message()}")
             last = {t.name(): t.as_numpy() for t in response.output_tensors()}
             self.sent[step.model] = {k: (str(v.dtype), v.shape) for k, v in last.items()}
+            self.sizes[step.model] = {
+                k: sum(len(x) for x in v.reshape(-1)) for k, v in last.items() if v.dtype == object
+            }
             for name, value in last.items():
                 tensors[step.outputs.get(name, name)] = value
         return last
@@ -211,8 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=5000, help="exact hits per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--distinct",
+        type=int,
+        default=1,
+        help="distinct cached prompts the hits cycle through (1: one prompt, served from the "
+        "stages' memos after its first time; more than 1,024: every hit does its whole work)",
+    )
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     args = parser.parse_args(argv)
+    if args.distinct < 1 or args.requests < 1 or args.rounds < 1:
+        parser.error("--distinct, --requests and --rounds must be at least 1")
     with stand_in():
         return run(args, argv)
 
@@ -243,26 +257,41 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         ensemble = Ensemble(steps, Path(tmp) / "tiercache")
         floor = Ensemble(steps, Path(tmp) / "floor", floor=True)
         try:
-            public = public_inputs(PROMPT)
-            cache_the_answer(ensemble, public)
-            final = ensemble.run(public, timed=False)
-            status = final["CACHE_STATUS"].reshape(-1)[0]
-            if status != b"exact":
-                raise SystemExit(f"error: the request is not an exact hit ({status!r})")
+            prompts = (
+                [PROMPT]
+                if args.distinct == 1
+                else [f"{PROMPT} (variant {i})" for i in range(args.distinct)]
+            )
+            inputs = [public_inputs(p) for p in prompts]
+            for public in inputs:
+                cache_the_answer(ensemble, public)
+            for public in (inputs[0], inputs[-1]):
+                final = ensemble.run(public, timed=False)
+                status = final["CACHE_STATUS"].reshape(-1)[0]
+                if status != b"exact":
+                    raise SystemExit(f"error: the request is not an exact hit ({status!r})")
             runs = {"tiercache": ensemble, "floor": floor}
+            for which in runs.values():  # each warmed alike: one pass over the prompts
+                for public in inputs:
+                    which.run(public, timed=False)
             per_round: dict[str, dict[str, list[float]]] = {
                 name: {step.model: [] for step in steps} for name in runs
             }
-            for _ in range(args.rounds):  # interleaved: tiercache, then the floor, each round
-                for name, which in runs.items():
+            for round_no in range(args.rounds):  # interleaved, the order turning each round
+                order = list(runs.items()) if round_no % 2 == 0 else list(runs.items())[::-1]
+                for name, which in order:
                     which.seconds = dict.fromkeys(which.seconds, 0.0)
-                    for _ in range(args.requests):
-                        which.run(public)
+                    for i in range(args.requests):
+                        which.run(inputs[i % len(inputs)])
                     which.flush_metrics()
                     for model, seconds in which.seconds.items():
                         per_round[name][model].append(seconds * 1e6 / args.requests)
             print(f"`{invocation('tiercache_dev.bench.hit_path', argv)}`")
-            print(f"{args.requests} exact hits per round, median of {args.rounds} rounds\n")
+            print(
+                f"{args.requests} exact hits per round"
+                + (f" over {args.distinct} distinct prompts" if args.distinct > 1 else "")
+                + f", median of {args.rounds} rounds\n"
+            )
             print("| step | tiercache us per hit (range) | floor us per hit (range) | added |")
             print("|---|---:|---:|---:|")
             for model in per_round["tiercache"]:

@@ -92,7 +92,17 @@ from tiercache_dev.servers import TritonServer, running_all, triton
 from tiercache_dev.stats import mean, median, percentile
 
 PROMPT = "What is Triton Inference Server?"
-RESPONSE_CACHE_BYTES = 1 << 20
+RESPONSE_CACHE_BYTES = 1 << 20  # per distinct prompt: 4 KiB more past the first 256
+MAX_DISTINCT = 100_000
+
+
+def hit_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts the hits cycle through: `--prompt` alone, or `--distinct` variants of it."""
+    if args.distinct == 1:
+        return [args.prompt]
+    return [f"{args.prompt} (variant {i})" for i in range(args.distinct)]
+
+
 TIERCACHE, FLOOR, RESPONSE_CACHE = "tiercache", "floor", "response-cache"
 LABELS = {
     TIERCACHE: "tiercache exact hit",
@@ -121,7 +131,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default=PROMPT, help="the one prompt every request sends")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
     p.add_argument("--lookups", type=int, default=2000, help="in-process misses to time")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the configurations")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="interleaved rounds of the configurations (even: each level's order turns from one "
+        "round to the next, so a drift charges both alike)",
+    )
+    p.add_argument(
+        "--distinct",
+        type=int,
+        default=1,
+        help="distinct cached prompts the hits cycle through (1: the one prompt repeated, which "
+        "the stages serve from their memos after its first time: 1,024 canonical requests and "
+        "envelopes, 512 decoded hits in llm; more than those: every hit does its whole work)",
+    )
     add_background_load_arguments(p)
     p.add_argument(
         "--only",
@@ -144,6 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.rounds < 1 or args.lookups < 10:
         p.error("--rounds must be >= 1 and --lookups >= 10")
+    if not 1 <= args.distinct <= MAX_DISTINCT:
+        p.error(f"--distinct must be within 1..{MAX_DISTINCT}")
     check_background_load_arguments(p, args)
     args.only = set(args.only or [TIERCACHE, FLOOR, RESPONSE_CACHE, "stage"])
     return args
@@ -330,11 +356,15 @@ def build_response_cache_repository(dest: Path) -> Path:
     return dest
 
 
-def write_input_data(path: Path, prompt: str, max_tokens: int | None) -> Path:
-    entry: dict[str, dict] = {"text_input": {"content": [prompt], "shape": [1]}}
-    if max_tokens is not None:
-        entry["max_tokens"] = {"content": [max_tokens], "shape": [1]}
-    path.write_text(json.dumps({"data": [entry]}, ensure_ascii=False) + "\n", encoding="utf-8")
+def write_input_data(path: Path, prompts: Sequence[str], max_tokens: int | None) -> Path:
+    """perf_analyzer's input data: one entry per prompt, which it sends in turn."""
+    entries: list[dict[str, dict]] = []
+    for prompt in prompts:
+        entry: dict[str, dict] = {"text_input": {"content": [prompt], "shape": [1]}}
+        if max_tokens is not None:
+            entry["max_tokens"] = {"content": [max_tokens], "shape": [1]}
+        entries.append(entry)
+    path.write_text(json.dumps({"data": entries}, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
 
 
@@ -491,7 +521,8 @@ class Configuration:
 
 def configurations(args: argparse.Namespace, tmp: Path) -> list[Configuration]:
     """The wanted configurations' servers (not started) and their inputs."""
-    hit = write_input_data(tmp / "hit.json", args.prompt, args.max_tokens)
+    prompts = hit_prompts(args)
+    hit = write_input_data(tmp / "hit.json", prompts, args.max_tokens)
     out = []
     if TIERCACHE in args.only:
         repository = MODEL_REPOSITORY
@@ -518,13 +549,14 @@ def configurations(args: argparse.Namespace, tmp: Path) -> list[Configuration]:
         )
     if RESPONSE_CACHE in args.only:
         repository = build_response_cache_repository(tmp / "response-cache-repository")
-        extra = ["--cache-config", f"local,size={RESPONSE_CACHE_BYTES}"]
+        size = RESPONSE_CACHE_BYTES + max(len(prompts) - 256, 0) * 4096
+        extra = ["--cache-config", f"local,size={size}"]
         out.append(
             Configuration(
                 RESPONSE_CACHE,
                 serve(args, RESPONSE_CACHE, repository, extra),
                 "echo",
-                write_input_data(tmp / "echo.json", args.prompt, None),
+                write_input_data(tmp / "echo.json", prompts, None),
                 ["--async"],
             )
         )
@@ -532,19 +564,37 @@ def configurations(args: argparse.Namespace, tmp: Path) -> list[Configuration]:
 
 
 def cache_the_prompt(args: argparse.Namespace, server: TritonServer) -> None:
-    """Send the prompt twice with the client; the second must be an exact hit."""
-    from tiercache_client import TierCacheClient
+    """Send the prompt twice with the client; the second must be an exact hit. With
+    `--distinct`, the other variants get the same answer through the admin API's `warm` (no
+    generation each), and the last one must be an exact hit too."""
+    from tiercache.admin import admin_token_path
+    from tiercache_client import TierCacheClient, read_admin_token
 
-    with TierCacheClient(f"127.0.0.1:{server.ports.grpc}", timeout_s=600) as client:
-        first = client.generate_text(args.prompt, max_tokens=args.max_tokens)
-        second = client.generate_text(args.prompt, max_tokens=args.max_tokens)
+    prompts = hit_prompts(args)
+    token = read_admin_token(admin_token_path(args.state_dir)) if len(prompts) > 1 else None
+    url = f"127.0.0.1:{server.ports.grpc}"
+    with TierCacheClient(url, timeout_s=600, admin_token=token) as client:
+        first = client.generate_text(prompts[0], max_tokens=args.max_tokens)
+        second = client.generate_text(prompts[0], max_tokens=args.max_tokens)
+        checks = [second]
+        if len(prompts) > 1:
+            for start in range(1, len(prompts), 500):
+                items = [
+                    {"text_input": p, "max_tokens": args.max_tokens, "answer": first.text}
+                    for p in prompts[start : start + 500]
+                ]
+                warmed = client.warm(items)
+                if warmed.get("failed"):
+                    raise RuntimeError(f"warming the variants failed: {warmed}")
+            checks.append(client.generate_text(prompts[-1], max_tokens=args.max_tokens))
     progress(
         f"  tiercache: first request {first.cache_status} in {first.latency_s * 1000:.1f} ms, "
         f"second {second.cache_status} in {second.latency_s * 1000:.1f} ms"
+        + (f"; {len(prompts) - 1} more variants warmed" if len(prompts) > 1 else "")
     )
-    if second.cache_status != "exact":
+    if any(check.cache_status != "exact" for check in checks):
         raise RuntimeError(
-            f"the repeated prompt was not an exact hit ({second.cache_status!r}); "
+            f"a cached prompt was not an exact hit ({[c.cache_status for c in checks]}); "
             f"see {display_path(server.log_path or Path('server log'))}"
         )
 
@@ -705,8 +755,13 @@ def build_report(
         f"(nvidia-pytriton), {perf_version}",
         f"- perf_analyzer: gRPC, `--concurrency-range {args.concurrency}`, "
         f"`--measurement-interval {args.measurement_ms}`, `-s {args.stability_percentage:g}`, "
-        f"`-r {args.max_trials}`; one prompt ({len(args.prompt)} chars), "
-        f"max_tokens {args.max_tokens}; "
+        f"`-r {args.max_trials}`; "
+        + (
+            f"one prompt ({len(args.prompt)} chars), "
+            if args.distinct == 1
+            else f"{args.distinct} distinct cached prompts in turn (`--distinct`), "
+        )
+        + f"max_tokens {args.max_tokens}; "
         + (
             f"{args.rounds} interleaved rounds, the configurations back to back at each level "
             "(latencies: medians of the rounds; ratios: per round, median and range)"

@@ -170,7 +170,7 @@ LABELS = {
     OFF: "caching off (no-cache no-store no-semantic, kv_reuse false)",
     RESPONSE_CACHE: "Triton response cache (llm_plain over BLS to torch_llm)",
 }
-COMPARE_DEFAULT_ROUNDS = 3
+COMPARE_DEFAULT_ROUNDS = 4  # even: the serpentine cancels a steady drift only over pairs of rounds
 ISSUE_MIN_DURATION_S = 90  # issue 15: at least this long per configuration per round
 TOP_THREAD_GROUPS = 8  # thread groups listed per configuration in compare.md
 # Each ratio of the comparison: (name, numerator, denominator, run metric); computed per round.
