@@ -627,3 +627,68 @@ def test_eval_semantic_prints_and_writes_the_intervals(tmp_path: Path, capsys: A
         code, _ = run(tmp_path, "--bootstrap", bad)
         assert code == 2
         assert "--bootstrap must be 0 or at least 100" in capsys.readouterr().err
+
+
+def test_texts_serving_refuses_are_never_candidates_nor_looked_up(tmp_path: Path) -> None:
+    """Serving neither indexes nor looks up a text its screen refuses (emoji, [UNK], too
+    long): the evaluation once searched them and counted hits serving cannot make."""
+    pairs = ev.load_pairs(write_pairs(tmp_path / "p.jsonl", PAIRS))
+    corpus = ev.build_corpus(pairs)
+
+    def refuses(text: str) -> str | None:
+        return "unsupported" if text in (CAPITAL, "How can I change my password?") else None
+
+    plain = ev.embed_corpus(corpus, fake_embed)
+    screened = ev.embed_corpus(corpus, fake_embed, screen=refuses)
+    assert not np.allclose(plain.inserted, screened.inserted)
+    before = ev.search_topk(plain.inserted, plain.queries, 3)
+    after = ev.search_topk(screened.inserted, screened.queries, 3)
+    capital, password = 0, 2  # the pairs whose `a` and whose `b` are refused
+    assert ev.choose_by_cosine(before.cosine, 0.9)[capital] == 0  # served before
+    assert ev.choose_by_cosine(after.cosine, 0.9)[capital] == -1  # never a candidate
+    assert (after.cosine[password] == 0.0).all()  # the refused query finds nothing
+    code, result = run(tmp_path)  # the fake embedder: no screen unless one is given
+    assert code == 0 and result["guard"]["counts"]["s1"]["correct"] == 1
+
+
+def test_a_query_identical_to_an_inserted_text_is_served_it_whatever_the_scores(
+    tmp_path: Path,
+) -> None:
+    """prompt_cache answers it before the semantic stage decides: a guard or verifier score
+    under the threshold must not turn it into a miss, nor another candidate win over it."""
+    rows = [
+        {"a": RESET_PIN, "b": RESET_PIN, "label": 1, "source": "s"},
+        {"a": RESET, "b": "How can I change my password?", "label": 1, "source": "s"},
+    ]
+    corpus = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows)))
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
+    scores = np.array([[0.1, 0.9], [0.2, 0.1]])  # the identical text scored low, another high
+    served = ev.served_exactly(corpus, candidates, scores)
+    identical = int(np.nonzero(candidates.index[0] == corpus.query_match[0])[0][0])
+    assert served[0, identical] == 1.0 and ev.choose_by_verifier(served, 0.95)[0] == identical
+    assert (served[1] == scores[1]).all()  # no identical text: unchanged
+    assert (scores[0] == [0.1, 0.9]).all()  # a copy
+
+
+def test_the_verifier_scores_one_lookup_at_a_time_as_serving_batches(tmp_path: Path) -> None:
+    """Serving scores one query's candidates per call; batches of many queries' pairs padded
+    and rounded otherwise (up to 1e-3 apart in bfloat16)."""
+    rows = [
+        {"a": CAPITAL, "b": "Which city is France's capital?", "label": 1, "source": "s"},
+        {"a": RESET, "b": "How can I change my password?", "label": 1, "source": "s"},
+        {"a": RESET_PIN, "b": "Where do penguins live?", "label": 0, "source": "s"},
+    ]
+    corpus = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows)))
+    embedded = ev.embed_corpus(corpus, fake_embed)
+    candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
+    guard_scores = np.array([[0.9, 0.0], [0.8, 0.7], [0.0, 0.0]])
+    calls: list[list[str]] = []
+
+    def score_pairs(queries: Sequence[str], texts: Sequence[str], guard: Sequence[float]) -> Any:
+        calls.append(list(queries))
+        return np.full(len(texts), 0.5)
+
+    out = ev.verifier_scores(corpus, candidates, guard_scores, score_pairs)
+    assert calls == [["Which city is France's capital?"], ["How can I change my password?"] * 2]
+    assert (out == np.array([[0.5, 0.0], [0.5, 0.5], [0.0, 0.0]])).all()

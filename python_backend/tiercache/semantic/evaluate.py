@@ -215,9 +215,17 @@ class Embedded:
 
 
 def embed_corpus(
-    corpus: Corpus, embed: EmbedFn, progress: Progress | None = None, chunk: int = 512
+    corpus: Corpus,
+    embed: EmbedFn,
+    progress: Progress | None = None,
+    chunk: int = 512,
+    screen: Callable[[str], str | None] | None = None,
 ) -> Embedded:
-    """Embed every distinct text once (both sides), in chunks, reporting progress."""
+    """Embed every distinct text once (both sides), in chunks, reporting progress. A text
+    `screen` refuses (`tiercache.semantic.embedder.Screen.check`: serving neither indexes nor
+    looks it up) gets the zero vector: cosine 0 with everything, under every floor, so it is
+    never a candidate and its query never finds one (the evaluation once searched them, and
+    counted hits serving cannot make: 35 on gptcache-mock's dev pairs at the guard's point)."""
     order = list(dict.fromkeys([*corpus.inserted, *(p.b for p in corpus.pairs)]))
     position = {text: i for i, text in enumerate(order)}
     parts: list[np.ndarray] = []
@@ -235,6 +243,11 @@ def embed_corpus(
     vectors = np.concatenate(parts)
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     vectors = vectors / np.maximum(norms, 1e-12)
+    if screen is not None:
+        refused = [i for i, text in enumerate(order) if screen(text) is not None]
+        vectors[refused] = 0.0
+        if progress is not None and refused:
+            progress(f"screen: {len(refused)} texts serving would neither index nor look up")
     inserted = vectors[[position[t] for t in corpus.inserted]]
     queries = vectors[[position[p.b] for p in corpus.pairs]]
     return Embedded(
@@ -515,23 +528,40 @@ def verifier_scores(
     guard_scores: np.ndarray,
     score_pairs: Callable[[Sequence[str], Sequence[str], Sequence[float]], np.ndarray],
     progress: Progress | None = None,
-    batch: int = 256,
 ) -> np.ndarray:
     """(n_pairs, k) the verifier's P(same question) of every candidate the guard's floor and
     vetoes let through (score > 0), 0 for the others: the verifier runs after the vetoes, as
-    serving would run it. `score_pairs` gets the queries, the candidates and their guard
-    scores (`tiercache.semantic.verifier.PairVerifier.scores`)."""
+    serving would run it, one call per query over its candidates, as serving batches them (a
+    batch of many queries' pairs pads and rounds otherwise: up to 1e-3 apart in bfloat16).
+    `score_pairs` gets the queries, the candidates and their guard scores
+    (`tiercache.semantic.verifier.PairVerifier.scores`)."""
     out = np.zeros(candidates.index.shape, dtype=np.float64)
-    todo = [(i, j) for i, j in zip(*np.nonzero(guard_scores > 0.0), strict=True)]
-    for begin in range(0, len(todo), batch):
-        part = todo[begin : begin + batch]
-        queries = [corpus.pairs[i].b for i, _ in part]
-        texts = [corpus.inserted[candidates.index[i, j]] for i, j in part]
-        guard = [float(guard_scores[i, j]) for i, j in part]
-        for (i, j), value in zip(part, score_pairs(queries, texts, guard), strict=True):
+    rows = [i for i in range(candidates.index.shape[0]) if (guard_scores[i] > 0.0).any()]
+    for done, i in enumerate(rows, 1):
+        columns = [j for j in range(candidates.index.shape[1]) if guard_scores[i, j] > 0.0]
+        texts = [corpus.inserted[candidates.index[i, j]] for j in columns]
+        guard = [float(guard_scores[i, j]) for j in columns]
+        values = score_pairs([corpus.pairs[i].b] * len(columns), texts, guard)
+        for j, value in zip(columns, values, strict=True):
             out[i, j] = value
-        if progress is not None:
-            progress(f"verifier: {min(len(todo), begin + batch)}/{len(todo)} candidates")
+        if progress is not None and (done % 256 == 0 or done == len(rows)):
+            progress(f"verifier: {done}/{len(rows)} lookups")
+    return out
+
+
+def served_exactly(corpus: Corpus, candidates: Candidates, scores: np.ndarray) -> np.ndarray:
+    """`scores` (a guard's or a verifier's, (n_pairs, k)) with the candidate identical to its
+    query (normalized as the cache keys it) at 1.0: serving answers such a query from the exact
+    cache before the semantic stage decides anything. A query serving refuses (the zero vector:
+    `embed_corpus`) finds nothing the exact way either here, since the semantic lookup is what
+    the pairs measure: such a query, identical to an inserted text that the screen refused too,
+    is counted a miss here where serving would answer it from the exact cache."""
+    out = np.array(scores, dtype=np.float64, copy=True)
+    match = corpus.query_match
+    for i in np.nonzero(match >= 0)[0]:
+        hits = np.nonzero(candidates.index[i] == match[i])[0]
+        if hits.size and candidates.cosine[i, hits[0]] > 0.0:
+            out[i, hits[0]] = 1.0
     return out
 
 
@@ -861,9 +891,11 @@ def run_eval(
     embed_factory: Callable[[], EmbedFn] | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    screen: Callable[[str], str | None] | None = None,
 ) -> dict[str, Any]:
     """The whole command on parsed arguments (output: stdout, progress: stderr); returns what
-    `--json` writes."""
+    `--json` writes. `screen`: which texts serving refuses (default, with the real embedder:
+    its `Screen`; with `embed_factory`: none unless given)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     if args.k < 1:
@@ -896,13 +928,18 @@ def run_eval(
                 f"embedding with {embedder.identity.embedder_id}"
             )
         embed: EmbedFn = embedder.embed
+        if screen is None:
+            from tiercache.semantic.embedder import Screen
+
+            screen = Screen().check
     else:
         embed = embed_factory()
     load_s = time.perf_counter() - load_start
-    embedded = embed_corpus(corpus, embed, progress)
+    embedded = embed_corpus(corpus, embed, progress, screen=screen)
     candidates = search_topk(embedded.inserted, embedded.queries, args.k)
     matrix = candidate_features(corpus, candidates)
-    scores = guard.score_matrix(matrix)
+    guard_scores = guard.score_matrix(matrix)  # what the verifier reads
+    scores = served_exactly(corpus, candidates, guard_scores)
     threshold = guard.threshold
     floor = guard.config.cosine_floor
     guard_chosen = choose_by_score(scores, candidates.cosine, threshold, floor)
@@ -1037,7 +1074,11 @@ def run_eval(
             )
         except ConfigError as exc:
             raise InvalidRequest(f"{exc.client_message()} (--verifier-threshold)") from None
-        vscores = verifier_scores(corpus, candidates, scores, verifier.scores, progress)
+        vscores = served_exactly(
+            corpus,
+            candidates,
+            verifier_scores(corpus, candidates, guard_scores, verifier.scores, progress),
+        )
         hits_chosen = choose_by_verifier(vscores, verifier_threshold)
         served_by = "the verifier's"
         counts = tally(corpus, candidates, hits_chosen)

@@ -312,8 +312,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
             if args.profile:
                 profiler = cProfile.Profile()
                 profiler.enable()
-                for _ in range(args.requests):
-                    ensemble.run(public)
+                for i in range(args.requests):
+                    ensemble.run(inputs[i % len(inputs)])
                 profiler.disable()
                 print()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         source_targets[name] = float(value)
 
     from tiercache.semantic import evaluate as ev
-    from tiercache.semantic.embedder import Embedder
+    from tiercache.semantic.embedder import Embedder, Screen
     from tiercache.semantic.verifier import (
         INFO_FILE,
         PairVerifier,
@@ -117,12 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     if corpus.rule != "clusters":
         raise SystemExit(f"{args.pairs}: no clusters; the point is chosen on clustered pairs")
     guard = ev.load_guard()
-    embedded = ev.embed_corpus(corpus, Embedder().embed, progress)
+    # as serving decides (and eval-semantic evaluates): texts the screen refuses are never
+    # candidates nor looked up, and a query identical to an inserted text is an exact hit
+    embedded = ev.embed_corpus(corpus, Embedder().embed, progress, screen=Screen().check)
     candidates = ev.search_topk(embedded.inserted, embedded.queries, ev.DEFAULT_K)
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
     verifier = PairVerifier(args.verifier, dtype=args.dtype)
     check_guard(verifier, guard, args.verifier)
-    vscores = ev.verifier_scores(corpus, candidates, scores, verifier.scores, progress)
+    vscores = ev.served_exactly(
+        corpus,
+        candidates,
+        ev.verifier_scores(corpus, candidates, scores, verifier.scores, progress),
+    )
     rows: list[dict[str, Any]] = []
     for t in GRID:
         counts = ev.tally(corpus, candidates, ev.choose_by_verifier(vscores, t))
