@@ -85,7 +85,7 @@ def test_redis_with_compare_is_refused(pairs: Path, capsys: pytest.CaptureFixtur
     assert "--redis cannot be combined with --compare" in capsys.readouterr().err
 
 
-def test_rounds_default_to_three_with_compare_and_one_without(pairs: Path) -> None:
+def test_rounds_default_to_four_with_compare_and_one_without(pairs: Path) -> None:
     assert args_for(pairs, "--compare").rounds == 4
     assert args_for(pairs, "--compare", "--rounds", "5").rounds == 5
     assert args_for(pairs).rounds == 1
@@ -178,6 +178,17 @@ def three_rounds() -> list[Run]:
     ]
 
 
+def test_a_round_with_failed_requests_is_left_out_of_the_ratios(pairs: Path) -> None:
+    """Requests that fail fast raise a run's throughput: such a run must not enter a ratio."""
+    runs = three_rounds()
+    failing = runs[6]  # tiercache, round 3
+    failing.statuses["status:error"] = 40
+    thr = compare_ratios(runs)["tiercache/response-cache throughput"]
+    assert thr is not None and thr.values == pytest.approx((1.2, 1.2))
+    md = compare_report(args_for(pairs, "--compare"), runs, MIX, 900.0, "pa", "none")
+    assert "Left out of the medians and ratios" in md and "round 3" in md
+
+
 def test_ratios_are_taken_per_round() -> None:
     ratios = compare_ratios(three_rounds())
     thr = ratios["tiercache/response-cache throughput"]
@@ -229,7 +240,7 @@ def test_report_final_line_without_the_response_cache(pairs: Path) -> None:
 
 
 def test_summary_shape(pairs: Path) -> None:
-    args = args_for(pairs, "--compare")
+    args = args_for(pairs, "--compare", "--rounds", "3")
     runs = three_rounds()
     runs[0].cpu = cpu_breakdown(
         {"llm": CpuSample(1.0, 4, 10, 1)}, {"llm": CpuSample(11.0, 5, 30, 6)}, 100.0, 2

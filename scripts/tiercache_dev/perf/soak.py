@@ -1282,10 +1282,12 @@ def run_ok(run: Run) -> bool:
 
 
 def per_round(runs: Sequence[Run], config: str, metric: str) -> dict[int, float]:
-    """{round: the run's `metric`} of one configuration, over the rounds that measured it."""
+    """{round: the run's `metric`} of one configuration, over the rounds that measured it
+    without an error (`run_ok`: a run whose requests failed fast showed a higher throughput,
+    and went into the ratios as it was)."""
     out = {}
     for r in runs:
-        value = r.metric(metric) if r.config == config else None
+        value = r.metric(metric) if r.config == config and run_ok(r) else None
         if value is not None:
             out[r.round] = value
     return out
@@ -1491,6 +1493,15 @@ def compare_report(
         "errors (all rounds) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    left_out = [r for r in runs if r.level is not None and not run_ok(r)]
+    if left_out:
+        md.insert(
+            md.index("### Medians over the rounds") + 1,
+            "\nLeft out of the medians and ratios (a failed request, or perf_analyzer's exit "
+            "status): "
+            + ", ".join(f"{LABELS[r.config]} round {r.round}" for r in left_out)
+            + ".",
+        )
     for config in configs:
         m = medians(runs, config)
         measured = len(per_round(runs, config, "throughput"))
