@@ -571,8 +571,12 @@ class HostLedger:
     def publish(self, own: Sequence[LedgerEntry]) -> list[LedgerEntry] | None:
         """Write `own`; every live process's entries (`own` as given, owner OWN), or None when
         the folder cannot be used."""
+        # the eighth field only for a budget outside the total: a reader of an earlier
+        # version refuses rows of more than seven fields (the whole file), and its default,
+        # joining, is what every other row says
         document = [
-            [e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective, e.over, int(e.joins_total)]
+            [e.name, e.bytes, e.value, e.floor, e.ceiling, e.objective, e.over]
+            + ([] if e.joins_total else [0])
             for e in own
         ]
         entries = list(own)

@@ -544,9 +544,9 @@ def test_a_sweep_deletes_only_what_it_found_in_two_round_trips_a_batch(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`delete_unchanged` deletes an entry only while Redis holds the bytes the sweep found:
-    one rewritten by another replica since, one deleted, and one replaced by a forged value
-    stay as they are; the rest go, a batch at a time in two calls (values, then one
-    compare-and-delete script), not two a key."""
+    one rewritten by another replica since the scan or since the batch's read, one deleted, and
+    one replaced by a forged value stay as they are; the rest go, a batch at a time in two calls
+    (values, then one compare-and-delete script), not two a key."""
     monkeypatch.setattr(redis_tier, "_SCAN_BATCH", 3)
     replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
     l3 = replica.store(Tier.L3)
@@ -570,13 +570,30 @@ def test_a_sweep_deletes_only_what_it_found_in_two_round_trips_a_batch(
         return real_eval(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(link.client, "eval", counted)
+    real_mget = redis_tier.bounded_mget
+
+    def rewritten_after_reading(c: redis.Redis, names: list[bytes]) -> list[bytes | None]:
+        """Another replica writes between the batch's read and its delete: k2 the same
+        length (the script's SHA-1 keeps it), k5 another length (its STRLEN keeps it)."""
+        values = real_mget(c, names)
+        for name in names:
+            if name.endswith((b":k2", b":k5")):
+                value = client.get(name)
+                assert value is not None
+                grown = b"x" if name.endswith(b":k5") else b""
+                client.set(name, value[:-1] + bytes([value[-1] ^ 1]) + grown)
+        return values
+
+    monkeypatch.setattr(redis_tier, "bounded_mget", rewritten_after_reading)
     removed = l3.delete_unchanged(found)
-    assert sorted(removed) == ["k0", "k2", "k3", "k5", "k7"]
+    assert sorted(removed) == ["k0", "k3", "k7"]
     assert len(calls) == 6  # three batches of three: a read and a delete each
+    for kept in ("k2", "k5"):
+        assert client.exists(f"{redis_prefix}e:{kept}") == 1
     assert client.get(f"{redis_prefix}e:k6") == b"forged" * 10  # left, as a get leaves it
     assert client.exists(f"{redis_prefix}e:k4") == 0
     again = l3.get("k1")
     assert again is not None and again.text == "answer 1, generated again"
-    assert sorted(key for key, _ in l3.scan()) == ["k1"]
+    assert sorted(key for key, _ in l3.scan()) == ["k1"]  # k2 and k5 no longer verify
     other.close()
     replica.close()

@@ -63,3 +63,15 @@ def test_the_store_replay_counts_hits_and_their_cost() -> None:
     # one answer held, LRU: a b a a b -> only the fourth request (a, right after a) hits
     outcome = replay_store([0, 1, 0, 0, 1], 1, LruPolicy(), [2.0, 3.0])
     assert (outcome.hits, outcome.saved) == (1, 2.0)
+
+
+def test_every_policy_gets_room_for_the_same_count_of_answers() -> None:
+    """L1 adds GDSF's own bytes per entry to each size: a store sized by answers alone held
+    half as many under gdsf as under the others, which the comparison then charged to gdsf."""
+    from tiercache.eviction import named_policy
+    from tiercache_dev.bench.answer_policy import CostBlind, replay_store
+
+    trace = list(range(100)) * 2  # 100 distinct answers, asked twice in turn
+    costs = [1.0] * 100
+    for policy in (named_policy("gdsf"), named_policy("lru"), CostBlind(named_policy("gdsf"))):
+        assert replay_store(trace, 100, policy, costs).hits == 100, policy

@@ -504,7 +504,9 @@ def test_a_missed_objective_grows_its_own_valuable_budget_past_the_total_then_gi
     assert engine.tick() == [Decision("kv_pool", 52 * MIB, 48 * MIB, "shrink")]
     assert engine.tick() == []  # nothing past the total left
     published = json.loads((folder / f"torch_llm.{os.getpid()}").read_text())
-    assert published == [["kv_pool", 48 * MIB, 2.0, 0, 128 * MIB, SLACK, 0, 1]]
+    assert published == [
+        ["kv_pool", 48 * MIB, 2.0, 0, 128 * MIB, SLACK, 0]
+    ]  # joining: seven fields
     assert l1.sizes == []  # l1 was never cut or grown for any of it
 
 
@@ -719,7 +721,9 @@ def test_under_a_total_a_stage_with_a_headroom_alone_holds_no_part_of_it(tmp_pat
     publish_all(joined, alone)
     assert not [d for d in joined.tick() if d.reason == "shrink"]
     published = json.loads((folder / f"alone.{os.getppid()}").read_text())
-    assert published[0][-1] == 0  # it says it holds no part of a total
+    assert len(published[0]) == 8 and published[0][-1] == 0  # it holds no part of a total
+    joining = json.loads((folder / f"joined.{os.getpid()}").read_text())
+    assert {len(row) for row in joining} == {7}  # as an earlier version writes and reads
 
 
 def test_equal_values_across_processes_do_not_hold_growth_under_the_total(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ spread, and the background load a benchmark can start beside itself."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -142,3 +143,19 @@ def test_bench_report_pairs_each_round_and_writes_the_summary() -> None:
     )
     assert summary["ratios"]["tiercache/floor infer/s c=1"]["rounds"] == pytest.approx([0.8, 0.8])
     assert summary["background_load"] == "none"
+
+
+def test_bench_input_data_has_one_entry_per_prompt(tmp_path: Path) -> None:
+    """perf_analyzer sends the entries in turn; a prompt passed as one string once became
+    one-character prompts, none of them cached."""
+    import json
+
+    from tiercache_dev.bench.prompt_cache import write_input_data
+
+    written = json.loads(
+        write_input_data(tmp_path / "in.json", ["What is Triton?", "Two"], 16).read_text()
+    )
+    assert [e["text_input"]["content"] for e in written["data"]] == [["What is Triton?"], ["Two"]]
+    assert written["data"][0]["max_tokens"] == {"content": [16], "shape": [1]}
+    with pytest.raises(TypeError, match="list of prompts"):
+        write_input_data(tmp_path / "bad.json", "What is Triton?", 16)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from tiercache.semantic.entry_trust import (
     encode_trust,
     feedback_stamp,
     length_class,
+    pooled_trust_key,
     read_tenant_trust,
     read_trust,
     record_outcome,
@@ -440,3 +441,23 @@ def test_a_verdict_of_each_kind_counts_once_per_answer() -> None:
     assert first != feedback_stamp(DIGEST, 101.0, True)  # the answer made again
     assert 2**49 <= first < 2**50
     assert not 2**48 <= first < 2**49  # never a verification's stamp
+
+
+def test_a_class_without_outcomes_reads_the_tenants_record_from_before_the_classes(
+    tmp_path: Path,
+) -> None:
+    """An upgrade must not start every tenant over from the prior: a length class with no
+    record of its own is judged by the tenant's pooled record (read only) until it has one."""
+    cache = tiers(tmp_path)
+    pooled = EntryTrust(limit=256)
+    for i in range(30):
+        pooled.observe(0.95, False, 10.0 + i)  # this tenant's hits were refuted: too kind
+    cache.put(pooled_trust_key("scope-a"), encode_trust(pooled), tenant_scope="scope-a")
+    gate = TrustGate(cache, TrustPolicy(max_error=0.05), lambda q, c, s: s)
+    untaught = gate.calibration("scope-b", "", 3)
+    before = gate.calibration("scope-a", "", 3)
+    assert before.slope != untaught.slope  # the pooled record's lesson holds
+    assert record_outcome(cache, DIGEST, 0.9, True, "scope-a", 500.0, "", 3)
+    own = gate.calibration("scope-a", "", 3)
+    assert own.slope == Calibration([(0.9, True, 500.0)]).slope  # its own record from then on
+    cache.close()

@@ -657,13 +657,19 @@ def test_a_query_identical_to_an_inserted_text_is_served_it_whatever_the_scores(
     """prompt_cache answers it before the semantic stage decides: a guard or verifier score
     under the threshold must not turn it into a miss, nor another candidate win over it."""
     rows = [
-        {"a": RESET_PIN, "b": RESET_PIN, "label": 1, "source": "s"},
-        {"a": RESET, "b": "How can I change my password?", "label": 1, "source": "s"},
-    ]
+        {"a": RESET_PIN, "b": RESET_PIN, "label": 1, "source": "s", "cluster_a": 1,
+         "cluster_b": 1},
+        {"a": RESET, "b": "How can I change my password?", "label": 1, "source": "s",
+         "cluster_a": 2, "cluster_b": 2},
+    ]  # fmt: skip
     corpus = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "p.jsonl", rows)))
     embedded = ev.embed_corpus(corpus, fake_embed)
     candidates = ev.search_topk(embedded.inserted, embedded.queries, 2)
     scores = np.array([[0.1, 0.9], [0.2, 0.1]])  # the identical text scored low, another high
+    own_a = [{k: v for k, v in row.items() if not k.startswith("cluster")} for row in rows]
+    unjudged = ev.build_corpus(ev.load_pairs(write_pairs(tmp_path / "o.jsonl", own_a)))
+    # by the pair's own `a` alone another pair's identical text counts false: scores decide
+    assert (ev.served_exactly(unjudged, candidates, scores) == scores).all()
     served = ev.served_exactly(corpus, candidates, scores)
     identical = int(np.nonzero(candidates.index[0] == corpus.query_match[0])[0][0])
     assert served[0, identical] == 1.0 and ev.choose_by_verifier(served, 0.95)[0] == identical

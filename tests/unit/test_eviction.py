@@ -632,7 +632,7 @@ def _structure_bytes(policy_name: str, count: int = 5000) -> float:
 def test_l1_counts_what_gdsf_holds_per_entry_beyond_an_lru() -> None:
     """ENTRY_OVERHEAD_BYTES counts an LRU's slots; GDSF holds more per key (ranked tuples,
     heap items, the unproven record), which it reports and L1 adds to each entry's size
-    (uncounted, an L1 held about 1.6 times its budget in short answers)."""
+    (uncounted, an L1 held 2.0 times what it counted in short answers, the sketch aside)."""
     extra = _structure_bytes("gdsf") - _structure_bytes("lru")
     counted = GreedyDualFrequencyPolicy.entry_overhead_bytes
     assert 0.8 * counted <= extra <= 1.1 * counted  # 451 B measured at 5,000 answers

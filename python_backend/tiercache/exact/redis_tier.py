@@ -451,21 +451,36 @@ local value = redis.call('GET', KEYS[1])
 if value and redis.sha1hex(value) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-# `_DELETE_IF_SAME` for a batch: KEYS[i] is deleted only while its value's SHA-1 is ARGV[i]
-# (a value over ARGV[#KEYS + 1] bytes is never read); the reply is a 1 or 0 per key, in order.
+# `_DELETE_IF_SAME` for a batch: KEYS[i] is deleted only while its value is ARGV[2i] bytes
+# long (checked by STRLEN first, so a value rewritten to another length is never read) and its
+# SHA-1 is ARGV[2i - 1]; the reply is a 1 or 0 per key, in order. The caller bounds a call's
+# bytes (MAX_BATCH_BYTES).
 _DELETE_EACH_IF_SAME = """
-local most = tonumber(ARGV[#KEYS + 1])
 local out = {}
 for i, name in ipairs(KEYS) do
   out[i] = 0
   local n = redis.pcall('STRLEN', name)
-  if type(n) == 'number' and n > 0 and n <= most then
+  if type(n) == 'number' and n > 0 and n == tonumber(ARGV[2 * i]) then
     local value = redis.call('GET', name)
-    if redis.sha1hex(value) == ARGV[i] then out[i] = redis.call('DEL', name) end
+    if redis.sha1hex(value) == ARGV[2 * i - 1] then out[i] = redis.call('DEL', name) end
   end
 end
 return out
 """
+
+
+def _by_bytes(items: list[tuple[str, bytes]], most: int) -> Iterator[list[tuple[str, bytes]]]:
+    """`items` in runs whose values add up to at most `most` bytes (at least one item each)."""
+    run: list[tuple[str, bytes]] = []
+    size = 0
+    for item in items:
+        if run and size + len(item[1]) > most:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += len(item[1])
+    if run:
+        yield run
 
 
 def bounded_get(client: Any, name: str) -> bytes | None:
@@ -673,8 +688,9 @@ class RedisStore:
         """`delete_if_same` for each, a batch of `_SCAN_BATCH` keys at a time: their values
         read (`bounded_mget`) and compared here, then one script deletes those whose bytes
         Redis still holds (a plain DEL deleted what other replicas wrote between the scan and
-        the delete). Two round trips a batch, where each key cost two; a batch Redis fails
-        stops the rest (nothing more deleted, the sweep's count says so)."""
+        the delete). Two round trips a batch, where each key cost two (more where a batch's
+        values pass MAX_BATCH_BYTES: the script reads at most that much a call); a batch Redis
+        fails stops the rest (nothing more deleted, the sweep's count says so)."""
         removed: list[str] = []
         for i in range(0, len(found), _SCAN_BATCH):
             batch = found[i : i + _SCAN_BATCH]
@@ -683,28 +699,27 @@ class RedisStore:
             values = self.link.call(lambda c, n=encoded: bounded_mget(c, n), None)  # type: ignore[misc]
             if values is None:
                 break
-            keys: list[str] = []
-            shas: list[str] = []
+            unchanged: list[tuple[str, bytes]] = []
             for (key, seen), name, stored in zip(batch, names, values, strict=True):
                 if not stored:  # absent, or OVERSIZED (never written by a replica)
                     continue
                 data = self._unseal(name, stored, count=False)
-                if data is None or peeked(data) != seen:
-                    continue
-                keys.append(key)
-                shas.append(hashlib.sha1(stored, usedforsecurity=False).hexdigest())
-            if not keys:
-                continue
-            doomed = [self._key(key) for key in keys]
-            reply: Any = self.link.call(
-                lambda c, k=doomed, a=shas: c.eval(  # type: ignore[misc]
-                    _DELETE_EACH_IF_SAME, len(k), *k, *a, MAX_VALUE_BYTES
-                ),
-                None,
-            )
-            if reply is None:
-                break
-            removed += [key for key, gone in zip(keys, reply, strict=True) if int(gone)]
+                if data is not None and peeked(data) == seen:
+                    unchanged.append((key, stored))
+            for part in _by_bytes(unchanged, MAX_BATCH_BYTES):
+                doomed = [self._key(key) for key, _ in part]
+                checks: list[str | int] = []
+                for _, stored in part:
+                    checks += [hashlib.sha1(stored, usedforsecurity=False).hexdigest(), len(stored)]
+                reply: Any = self.link.call(
+                    lambda c, k=doomed, a=checks: c.eval(  # type: ignore[misc]
+                        _DELETE_EACH_IF_SAME, len(k), *k, *a
+                    ),
+                    None,
+                )
+                if reply is None:
+                    return removed
+                removed += [key for (key, _), gone in zip(part, reply, strict=True) if int(gone)]
         return removed
 
     def _names(self) -> Iterator[list[bytes]]:

@@ -131,12 +131,13 @@ SKETCH_SHARE = 8  # L1's policy's frequency sketch: at most 1/SKETCH_SHARE of it
 
 
 class MemoryStore:
-    """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes`), evicted in the order of
-    `policy` (LRU when not given: a hit is one `access` call, O(1); the stages pass the one their
-    `l1_eviction` names, GreedyDual-Size-Frequency by default: about 2 us a hit). Each entry is
-    admitted with its size, its generation seconds as its cost and its `answer_group`, then
-    counted as asked for once more per `good` verdict it holds (`CacheEntry.endorsements`; one
-    given to a copy already held, `endorse`, counts the same way). Entries
+    """L1: in-process entries bounded in bytes (`CacheEntry.size_bytes` and the policy's own
+    `entry_overhead_bytes` per entry, if it has any), evicted in the order of `policy` (LRU when
+    not given: a hit is one `access` call, O(1); the stages pass the one their `l1_eviction`
+    names, GreedyDual-Size-Frequency by default: about 2 us a hit). Each entry is admitted with
+    its size, its generation seconds as its cost and its `answer_group`, then ranked as asked for
+    once more per `good` verdict it holds (`CacheEntry.endorsements`, `EvictionPolicy.endorse`;
+    one given to a copy already held, `endorse`, counts the same way). Entries
     larger than the whole budget are not stored (and an older value under their key is
     dropped)."""
 

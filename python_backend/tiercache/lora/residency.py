@@ -385,6 +385,11 @@ class Residency:
         with self._lock:
             return self._host_shadow.gained_s, float(self._host_shadow.bytes)
 
+    def host_bytes(self) -> int:
+        """What the host tier holds now (its budget's unfilled part frees nothing)."""
+        with self._lock:
+            return self._host.nbytes
+
     def resize_host(self, max_bytes: int) -> int:
         """A new byte bound for the host tier (tiercache.budgets): versions are dropped at once,
         in its policy's order, down to it; returns it. The engine's mirror is untouched (a

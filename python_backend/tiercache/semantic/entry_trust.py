@@ -9,13 +9,14 @@ never does). So the log-odds that serving an entry at score `s` is right is
     t = slope * logit(s) + offset + b_entry
 
 with (slope, offset) the tenant's calibration (a priori Normal(1, SLOPE_SD) and Normal(0,
-PRIOR_SD)), its posterior on a grid from the outcomes of all the tenant's entries (`Calibration`,
-the last TENANT_OBSERVATIONS), and b_entry the entry's own deviation (a priori Normal(0,
-ENTRY_SD)) from its outcomes (the last MAX_OBSERVATIONS). An entry's prediction integrates the
-tenant's posterior at its score, spread by ENTRY_SD, taken without the entry's own outcomes
-(`Calibration.excluding`), and then counts those: an approximation of the joint posterior (the
-entry's outcomes at other scores are moved by the tenant's mean slope), on grids, no fitting
-loop. Per tenant, so one tenant's verdicts never move what another is served.
+PRIOR_SD)), its posterior on a grid from the outcomes of the tenant's entries of the same
+adapter and answer length class (`Calibration`, the last TENANT_OBSERVATIONS; `length_class`),
+and b_entry the entry's own deviation (a priori Normal(0, ENTRY_SD)) from its outcomes (the last
+MAX_OBSERVATIONS). An entry's prediction integrates the tenant's posterior at its score, spread
+by ENTRY_SD, taken without the entry's own outcomes (`Calibration.excluding`), and then counts
+those: an approximation of the joint posterior (the entry's outcomes at other scores are moved
+by the tenant's mean slope), on grids, no fitting loop. Per tenant, so one tenant's verdicts
+never move what another is served.
 
 A deployment states its maximum error rate `max_error`; an entry is served when its predictive
 P(right) is at least 1 - max_error, sent to the engine to verify (the answer is then exactly the
@@ -28,8 +29,10 @@ wrong).
 
 Where it runs: `embedding_cache` decides with a `TrustGate` when a deployment sets
 `semantic_max_error`; `llm` records each verification of a gated hit, `feedback` each verdict on
-one. Every outcome carries a stamp (a `verification_stamp` of what was checked, or the answer
-id's issue time), so one check or one id counts once, on every replica. An entry's outcomes and
+one (of greedy requests only). Every outcome carries a stamp (a `verification_stamp` of what was
+checked, a `feedback_stamp` of the answer a verdict is on, or, for an answer no longer held, the
+answer id's issue time), so one check, or one verdict of each kind on an answer, counts once, on
+every replica. An entry's outcomes and
 its tenant's are side entries in the exact cache's shared tiers (tiercache.semantic.side_entries:
 the answer's tenant and TTL; L2 and L3), read merged from both tiers and written back whole; an
 outcome is dropped, never the record, when a shared tier cannot be read; two processes or
@@ -333,6 +336,9 @@ _PREFIX = "semantic-trust:"
 
 
 _TENANT_PURPOSE = b"tiercache semantic trust of a tenant, by answer length"
+# the tenant's record before it was kept by answer length (read while a class has none of its
+# own: an upgrade does not start every tenant over from the prior)
+_POOLED_PURPOSE = b"tiercache semantic trust of a tenant"
 _FEEDBACK_PURPOSE = b"tiercache semantic trust, one verdict of each kind per answer"
 LENGTH_CLASSES = 7
 
@@ -360,6 +366,12 @@ def tenant_trust_key(tenant_scope: str, adapter: str = "", answer_class: int = 0
     if not 0 <= answer_class < LENGTH_CLASSES:
         raise ValueError(f"an answer length class is in 0..{LENGTH_CLASSES - 1}")
     return side_key(_TENANT_PURPOSE, "\x00".join((tenant_scope, adapter, str(answer_class))))
+
+
+def pooled_trust_key(tenant_scope: str, adapter: str = "") -> str:
+    """The key of a tenant's (and adapter's) record as versions before the answer length
+    classes kept it: all lengths together."""
+    return side_key(_POOLED_PURPOSE, tenant_scope + ("\x00" + adapter if adapter else ""))
 
 
 def feedback_stamp(entry_digest: str, created_s: float, right: bool) -> float:
@@ -551,6 +563,13 @@ class TrustGate:
         """`calibration`, and whether every shared tier could be read (`read_sides`)."""
         key = tenant_trust_key(tenant_scope, adapter, answer_class)
         texts, complete = read_sides(self.cache, key, tenant_scope)
+        if not texts and complete:
+            # none for this class yet: the tenant's record from before the classes, if any,
+            # read only (what the tenant was judged by until the upgrade; new outcomes go to
+            # the class's own record, which replaces it once it has one)
+            texts, complete = read_sides(
+                self.cache, pooled_trust_key(tenant_scope, adapter), tenant_scope
+            )
         text = "\x00".join(texts)
         with self._memo_lock:
             memo = self._calibrations.get(key)

@@ -243,16 +243,33 @@ def embed_corpus(
     vectors = np.concatenate(parts)
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     vectors = vectors / np.maximum(norms, 1e-12)
-    if screen is not None:
-        refused = [i for i, text in enumerate(order) if screen(text) is not None]
-        vectors[refused] = 0.0
-        if progress is not None and refused:
-            progress(f"screen: {len(refused)} texts serving would neither index nor look up")
     inserted = vectors[[position[t] for t in corpus.inserted]]
     queries = vectors[[position[p.b] for p in corpus.pairs]]
-    return Embedded(
+    embedded = Embedded(
         np.ascontiguousarray(inserted), np.ascontiguousarray(queries), seconds, len(order)
     )
+    return embedded if screen is None else apply_screen(corpus, embedded, screen, progress)
+
+
+def apply_screen(
+    corpus: Corpus,
+    embedded: Embedded,
+    screen: Callable[[str], str | None],
+    progress: Progress | None = None,
+) -> Embedded:
+    """`embedded` with the zero vector for every text `screen` refuses (see `embed_corpus`)."""
+    inserted = embedded.inserted.copy()
+    queries = embedded.queries.copy()
+    refused_a = [i for i, text in enumerate(corpus.inserted) if screen(text) is not None]
+    refused_b = [i for i, pair in enumerate(corpus.pairs) if screen(pair.b) is not None]
+    inserted[refused_a] = 0.0
+    queries[refused_b] = 0.0
+    if progress is not None and (refused_a or refused_b):
+        progress(
+            f"screen: {len(refused_a)} inserted texts and {len(refused_b)} queries that serving "
+            "would neither index nor look up"
+        )
+    return Embedded(inserted, queries, embedded.seconds, embedded.texts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,8 +572,12 @@ def served_exactly(corpus: Corpus, candidates: Candidates, scores: np.ndarray) -
     cache before the semantic stage decides anything. A query serving refuses (the zero vector:
     `embed_corpus`) finds nothing the exact way either here, since the semantic lookup is what
     the pairs measure: such a query, identical to an inserted text that the screen refused too,
-    is counted a miss here where serving would answer it from the exact cache."""
+    is counted a miss here where serving would answer it from the exact cache. Only when hits
+    are judged by clusters: by the pair's own `a` alone (a file without clusters), serving
+    another pair's identical text counts false whatever serving does, so the scores decide."""
     out = np.array(scores, dtype=np.float64, copy=True)
+    if corpus.rule != "clusters":
+        return out
     match = corpus.query_match
     for i in np.nonzero(match >= 0)[0]:
         hits = np.nonzero(candidates.index[i] == match[i])[0]

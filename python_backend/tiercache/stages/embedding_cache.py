@@ -405,6 +405,7 @@ def open_embedding_cache(
                 config.vector_l1_max_bytes,
                 vectors.resize,
                 vectors.shadow_reading,
+                used=lambda: vectors.l1_bytes,
             )
         )
     if config.semantic_graph_max_bytes > 0:  # the graphs of large scopes, bounded

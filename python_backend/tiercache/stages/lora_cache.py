@@ -293,5 +293,5 @@ def adapter_host_budget(residency: Residency, floor_bytes: int, ceiling_bytes: i
     byte would save (disk reads of adapter versions it dropped lately, asked for again)."""
     return cache_budget(
         "adapters_host", floor_bytes, ceiling_bytes, residency.resize_host,
-        residency.host_shadow_reading,
+        residency.host_shadow_reading, used=residency.host_bytes,
     )  # fmt: skip

@@ -45,6 +45,7 @@ def start_budgets(
     objective_name: str = "ttft",
     memory: str = "host",
     on_close: Callable[[], None] | None = None,
+    trim: bool = True,
 ) -> BudgetThread | None:
     """The started controller thread (the caller closes it), or None when `headroom_bytes` and
     `total_bytes` are 0. Its budgets are published under `state_dir`/budgets as `name`
@@ -55,7 +56,9 @@ def start_budgets(
     `memory`: what `available` reads ("host", or "gpu-<uuid>" for a card's memory: its ledger
     is `state_dir`/budgets-gpu-<uuid>, shared with the processes on the same card only); the
     label of the headroom and available gauges. `on_close`: run when the thread closes (after
-    the ledger's file is removed), e.g. to release the probe."""
+    the ledger's file is removed), e.g. to release the probe. `trim`: after a tick that shrank
+    a budget of host memory, return the freed heap to the machine (`release_after`; a stage's
+    `memory_trim_interval_s` 0 turns it off; a card's budgets never trim the host's heap)."""
     if (headroom_bytes <= 0 and total_bytes <= 0) or not budgets:
         return None
     if available is None:
@@ -148,7 +151,8 @@ def start_budgets(
     )
 
     def on_tick(decisions: list[Decision]) -> None:
-        release_after(decisions)
+        if trim and memory == "host":
+            release_after(decisions)
         free.set(controller.last_available)
         if late is not None:
             late.set(controller.objective_state)

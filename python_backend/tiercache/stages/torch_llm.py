@@ -457,6 +457,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
             metrics,
             config.state_path(),
             model_name,
+            trim=config.memory_trim_interval_s > 0,
             total_bytes=config.cache_memory_bytes,
             objective=stage.objective.state if stage.objective is not None else None,
         )

@@ -108,9 +108,10 @@ class Outcome:
 def replay_store(
     trace: Sequence[int], capacity: int, policy: EvictionPolicy[str], costs: Sequence[float]
 ) -> Outcome:
-    """The trace through an L1 of `capacity` equal-size answers: a miss stores the answer with
-    its cost as its generation seconds."""
-    size = CacheEntry("", 0.0).size_bytes
+    """The trace through an L1 of `capacity` equal-size answers (whatever each policy holds per
+    entry besides: every policy gets room for the same count, as the optimum is given it): a
+    miss stores the answer with its cost as its generation seconds."""
+    size = CacheEntry("", 0.0).size_bytes + int(getattr(policy, "entry_overhead_bytes", 0))
     store = MemoryStore(capacity * size, policy)
     hits, saved = 0, 0.0
     for index, key in enumerate(trace):
@@ -244,6 +245,10 @@ class CostBlind:
         self.access = inner.access
         self.remove = inner.remove
         self.endorse = inner.endorse
+        self.entry_overhead_bytes = getattr(inner, "entry_overhead_bytes", 0)
+        limit = getattr(inner, "limit_sketch", None)
+        if limit is not None:  # the store bounds its sketch as it bounds gdsf's own
+            self.limit_sketch = limit
         self.nominate = inner.nominate
         self.clear = inner.clear
 

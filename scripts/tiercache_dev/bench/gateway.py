@@ -280,13 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ENSEMBLE,
                     ["-m", "ensemble", "-i", "grpc", "-u", f"127.0.0.1:{tiercache.ports.grpc}",
                      "--streaming", "--input-data",
-                     str(write_input_data(tmp / "hit.json", args.prompt, args.max_tokens))],
+                     str(write_input_data(tmp / "hit.json", [args.prompt], args.max_tokens))],
                     tiercache,
                 ),
                 Target(
                     RESPONSE_CACHE,
                     ["-m", "echo", "-i", "grpc", "-u", f"127.0.0.1:{cache.ports.grpc}", "--async",
-                     "--input-data", str(write_input_data(tmp / "echo.json", args.prompt, None))],
+                     "--input-data", str(write_input_data(tmp / "echo.json", [args.prompt], None))],
                     cache,
                 ),
             ]  # fmt: skip

@@ -88,7 +88,7 @@ from tiercache_dev.rounds import (
     level_pairs,
     paired_ratio,
 )
-from tiercache_dev.servers import TritonServer, running_all, triton
+from tiercache_dev.servers import TritonServer, fresh_state, running_all, triton
 from tiercache_dev.stats import mean, median, percentile
 
 PROMPT = "What is Triton Inference Server?"
@@ -358,6 +358,8 @@ def build_response_cache_repository(dest: Path) -> Path:
 
 def write_input_data(path: Path, prompts: Sequence[str], max_tokens: int | None) -> Path:
     """perf_analyzer's input data: one entry per prompt, which it sends in turn."""
+    if isinstance(prompts, str):  # a string is a sequence of one-character prompts
+        raise TypeError("write_input_data takes a list of prompts, not one string")
     entries: list[dict[str, dict]] = []
     for prompt in prompts:
         entry: dict[str, dict] = {"text_input": {"content": [prompt], "shape": [1]}}
@@ -496,11 +498,15 @@ def measure(
 def serve(
     args: argparse.Namespace, name: str, repository: Path, extra: Sequence[str] = ()
 ) -> TritonServer:
-    """A tritonserver for one configuration, not started (enter it with servers.running)."""
+    """A tritonserver for one configuration, not started (enter it with servers.running), on
+    a state dir of its own for this run (`args.run_states`; the converted weights linked from
+    --state-dir): a state dir shared with earlier runs held their answers and their semantic
+    index, so a prompt cached by one run was answered by another's variants."""
     log_path = args.out_dir / "bench" / f"{name}-server.log"
-    server = triton(
-        repository, args.state_dir, log_path=log_path, extra_args=extra, exit_timeout_s=2
-    )
+    state = fresh_state(args.run_states, args.state_dir, name)
+    server = triton(repository, state, log_path=log_path, extra_args=extra, exit_timeout_s=2)
+    if name == TIERCACHE:
+        args.tiercache_state = state
     progress(
         f"starting tritonserver: {LABELS[name]} ({display_path(repository)}, grpc "
         f"{server.ports.grpc}, log {display_path(log_path)})"
@@ -571,7 +577,8 @@ def cache_the_prompt(args: argparse.Namespace, server: TritonServer) -> None:
     from tiercache_client import TierCacheClient, read_admin_token
 
     prompts = hit_prompts(args)
-    token = read_admin_token(admin_token_path(args.state_dir)) if len(prompts) > 1 else None
+    state = args.tiercache_state
+    token = read_admin_token(admin_token_path(state)) if len(prompts) > 1 else None
     url = f"127.0.0.1:{server.ports.grpc}"
     with TierCacheClient(url, timeout_s=600, admin_token=token) as client:
         first = client.generate_text(prompts[0], max_tokens=args.max_tokens)
@@ -956,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     measurements: list[Measurement] = []
     load = BackgroundLoad(args.background_load, args.background_duty)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
+        args.run_states = Path(tmp_name) / "states"
         configs = configurations(args, Path(tmp_name))
         if configs:
             progress("starting every configuration's tritonserver (up for the whole run)")

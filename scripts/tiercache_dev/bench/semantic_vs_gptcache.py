@@ -199,9 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     results["gptcache_put_s"] = round(put_s, 2)
 
     say("tiercache: exact top-k search, guard and plain cosine")
+    # as tiercache serves (eval-semantic's protocol): its screen's refused texts are never
+    # indexed nor looked up, a query identical to an inserted text is an exact hit; GPTCache
+    # above searched every text, as it does
+    from tiercache.semantic.embedder import Screen
+
+    embedded = ev.apply_screen(corpus, embedded, Screen().check, say)
     candidates = ev.search_topk(embedded.inserted, embedded.queries, args.k)
     guard = load_guard()
-    scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
+    scores = ev.served_exactly(
+        corpus, candidates, guard.score_matrix(ev.candidate_features(corpus, candidates))
+    )
     guard_counts = ev.tally(
         corpus,
         candidates,

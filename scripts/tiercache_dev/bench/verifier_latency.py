@@ -85,11 +85,11 @@ def judge(pairs_path: Path, verifiers: dict[str, PairVerifier]) -> None:
     them) for each of `verifiers`, on what the guard's floor and vetoes let through
     (eval-semantic's protocol)."""
     from tiercache.semantic import evaluate as ev
-    from tiercache.semantic.embedder import Embedder
+    from tiercache.semantic.embedder import Embedder, Screen
 
     pairs = ev.load_pairs(pairs_path)
     corpus = ev.build_corpus(pairs)
-    embedded = ev.embed_corpus(corpus, Embedder().embed)
+    embedded = ev.embed_corpus(corpus, Embedder().embed, screen=Screen().check)
     candidates = ev.search_topk(embedded.inserted, embedded.queries, ev.DEFAULT_K)
     guard = ev.load_guard()
     scores = guard.score_matrix(ev.candidate_features(corpus, candidates))
@@ -98,7 +98,9 @@ def judge(pairs_path: Path, verifiers: dict[str, PairVerifier]) -> None:
     print("|---|---:|" + "---|" * len(sources))
     found = {}
     for name, verifier in verifiers.items():
-        found[name] = ev.verifier_scores(corpus, candidates, scores, verifier.scores)
+        found[name] = ev.served_exactly(
+            corpus, candidates, ev.verifier_scores(corpus, candidates, scores, verifier.scores)
+        )
     points = {v.default_threshold for v in verifiers.values()} - {None}
     for t in sorted({0.7, 0.79, 0.85, *points}):
         for name, vscores in found.items():

@@ -1498,9 +1498,7 @@ def compare_report(
         md.insert(
             md.index("### Medians over the rounds") + 1,
             "\nLeft out of the medians and ratios (a failed request, or perf_analyzer's exit "
-            "status): "
-            + ", ".join(f"{LABELS[r.config]} round {r.round}" for r in left_out)
-            + ".",
+            "status): " + ", ".join(f"{LABELS[r.config]} round {r.round}" for r in left_out) + ".",
         )
     for config in configs:
         m = medians(runs, config)
