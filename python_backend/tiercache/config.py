@@ -70,6 +70,10 @@ def name_list(text: str) -> tuple[str, ...]:
 # ---- declaring parameters ---------------------------------------------------------------------
 
 
+MAX_SECONDS = 1e9  # about 31 years: any duration a stage takes, far under Python's TIMEOUT_MAX
+MAX_MAP_BYTES = 1 << 44  # an LMDB map of 16 TiB: every map of a host shares the address space
+
+
 def param(
     default: Any,
     doc: str,
@@ -132,6 +136,7 @@ PARAMETERS: dict[str, _Spec] = {
         1 << 30,
         "Byte budget of the host's L2 (LMDB map size; every process of the host shares it)",
         min=1 << 20,
+        max=MAX_MAP_BYTES,
     ),
     "ttl_s": _Spec(
         0.0,
@@ -179,7 +184,10 @@ PARAMETERS: dict[str, _Spec] = {
         "The sentence embedder of the semantic cache (its identity enters every semantic scope)",
     ),
     "semantic_max_bytes": _Spec(
-        2 << 30, "Byte budget of the semantic row log (LMDB map size)", min=1 << 20
+        2 << 30,
+        "Byte budget of the semantic row log (LMDB map size)",
+        min=1 << 20,
+        max=MAX_MAP_BYTES,
     ),
     "semantic_max_scopes": _Spec(
         4096,
@@ -608,7 +616,10 @@ class EmbeddingCacheConfig(_TiersConfig):
         min=1,
     )
     vector_l2_max_bytes: int = param(
-        1 << 30, "Byte budget of the host's cache of prompt vectors (LMDB map size)", min=1 << 20
+        1 << 30,
+        "Byte budget of the host's cache of prompt vectors (LMDB map size)",
+        min=1 << 20,
+        max=MAX_MAP_BYTES,
     )
     semantic_graph_max_bytes: int = param(
         0,
@@ -692,9 +703,8 @@ class LlmConfig(_TiersConfig):
     lease_ttl_s: float = param(
         10.0,
         "With redis_url: a dead replica's generation lease expires after this (renewed "
-        "while alive)",
-        min=0,
-        min_open=True,
+        "while alive, every third of it: under a second it would call Redis without pause)",
+        min=1,
     )
     lease_wait_s: float = param(
         60.0,
@@ -996,6 +1006,30 @@ def check_values(config: Any) -> list[str]:
     return problems
 
 
+def _shown(value: float) -> str:
+    """A number as a range error shows it: exact (a `:g` of 1048575 read 1.04858e+06, and of an
+    integer past a float's range raised instead of reporting)."""
+    if isinstance(value, int):
+        text = str(value)
+        return text if len(text) <= 40 else f"a number of {len(text)} digits"
+    if value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value)
+
+
+def implied_max(name: str) -> float | None:
+    """The bound of a field that states none, by its unit: past these a value only overflows
+    (a wait past Python's TIMEOUT_MAX killed the thread that waited; bytes past 2^53 are past any
+    machine and a float's exact integers)."""
+    if name.endswith("_ms"):
+        return MAX_SECONDS * 1000
+    if name.endswith("_s"):
+        return MAX_SECONDS
+    if name.endswith("_bytes"):
+        return 1 << 53
+    return None
+
+
 def _check_field(f: dataclasses.Field[Any], value: Any) -> str | None:
     meta = f.metadata
     allowed = meta.get("choices")
@@ -1009,11 +1043,13 @@ def _check_field(f: dataclasses.Field[Any], value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):
         return f"parameter {f.name!r} must be a finite number, got {value!r}"
     low, high, low_open = meta.get("min"), meta.get("max"), meta.get("min_open", False)
+    if high is None:
+        high = implied_max(f.name)
     if low is not None and (value < low or (low_open and value == low)):
         relation = ">" if low_open else ">="
-        return f"parameter {f.name!r} must be {relation} {low:g}, got {value:g}"
+        return f"parameter {f.name!r} must be {relation} {_shown(low)}, got {_shown(value)}"
     if high is not None and value > high:
-        return f"parameter {f.name!r} must be <= {high:g}, got {value:g}"
+        return f"parameter {f.name!r} must be <= {_shown(high)}, got {_shown(value)}"
     return None
 
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tiercache.config import implied_max
 from tiercache_dev.paths import REPO_ROOT
 
 DOC_PATH = REPO_ROOT / "docs" / "configuration.md"
@@ -109,7 +110,7 @@ def _render_stage(stage: str, cls: type) -> str:
             f"`{field.name}`",
             _type_name(kind),
             _default(field),
-            _allowed(meta, kind, unit=field.name.endswith("_bytes")),
+            _allowed(meta, kind, unit=field.name.endswith("_bytes"), name=field.name),
             _cell(doc),
         )
         lines.append("| " + " | ".join(cells) + " |")
@@ -148,11 +149,17 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _allowed(meta: Mapping[str, Any], kind: Any, unit: bool) -> str:
+def _allowed(meta: Mapping[str, Any], kind: Any, unit: bool, name: str = "") -> str:
     choices: Sequence[Any] | None = meta.get("choices")
     if choices:
         return ", ".join(f"`{_value(c)}`" for c in choices)
+    if meta.get("pattern"):
+        return f"matching `{meta['pattern']}`"
     low, high = meta.get("min"), meta.get("max")
+    if high is None and kind in (int, float):
+        high = implied_max(name)  # the bound a unit implies (`tiercache.config`)
+        if high is not None and kind is int:
+            high = int(high)
     opening = "(" if meta.get("min_open") else "["
     if low is not None and high is not None:
         return f"{opening}{_number(low, unit)}, {_number(high, unit)}]"
@@ -161,7 +168,7 @@ def _allowed(meta: Mapping[str, Any], kind: Any, unit: bool) -> str:
     if high is not None:
         return f"<= {_number(high, unit)}"
     if kind is bool:
-        return "`true`, `false`"
+        return "`true`, `false` (or 1, yes, on; 0, no, off; any case)"
     return ""
 
 

@@ -141,7 +141,7 @@ def test_every_problem_in_one_message() -> None:
                 "engine_kind": "vllm",  # not a choice
                 "max_concurrency": "0",  # below its minimum
                 "hit_padding_ms": "-5",  # below its minimum
-                "lease_ttl_s": "0",  # must be > 0
+                "lease_ttl_s": "0",  # must be >= 1
                 "redis_timeout_s": "inf",  # not finite
                 "engine_streams": "two",  # not an integer
                 "l1_max_bytes": "1",  # not llm's
@@ -152,7 +152,7 @@ def test_every_problem_in_one_message() -> None:
         "parameter 'engine_kind' must be one of torch_llm, tensorrt_llm, got 'vllm'",
         "parameter 'max_concurrency' must be >= 1, got 0",
         "parameter 'hit_padding_ms' must be >= 0, got -5",
-        "parameter 'lease_ttl_s' must be > 0, got 0",
+        "parameter 'lease_ttl_s' must be >= 1, got 0",
         "parameter 'redis_timeout_s' must be a finite number",
         "parameter 'engine_streams':",
         "unknown parameter 'l1_max_bytes'",
@@ -200,3 +200,27 @@ def test_values_that_disable_a_protection_are_refused(
         parse_config(cls, values)
     ok = {"semantic_max_scopes": "100", "semantic_max_scopes_per_tenant": "100"}
     assert parse_config(LlmConfig, ok).semantic_max_scopes_per_tenant == 100
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        # exact numbers in range errors: a `:g` read 1048575 as 1.04858e+06 on both sides
+        ({"l2_max_bytes": "1048575"}, "must be >= 1048576, got 1048575"),
+        ({"max_concurrency": "-" + "9" * 400}, "got a number of 401 digits"),  # it raised
+        ({"lease_wait_s": "10.000001e9"}, "must be <= 1000000000, got 10000001000"),
+        ({"redis_timeout_s": "1000000000.5"}, "must be <= 1000000000, got 1000000000.5"),
+        # a wait past Python's TIMEOUT_MAX killed the thread that waited: a bound by unit
+        ({"hit_padding_ms": "1e13"}, "'hit_padding_ms' must be <= 1000000000000"),
+        ({"redis_timeout_s": "1e10"}, "'redis_timeout_s' must be <= 1000000000"),
+        # an LMDB map past the address space failed at open without naming the parameter
+        ({"l2_max_bytes": str(1 << 48)}, "'l2_max_bytes' must be <= 17592186044416"),
+        ({"lease_ttl_s": "0.001"}, "'lease_ttl_s' must be >= 1"),
+    ],
+)
+def test_range_errors_name_exact_bounds_and_units_bound_what_states_none(
+    values: dict[str, str], fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(LlmConfig, values)
+    assert fragment in info.value.message

@@ -785,3 +785,14 @@ def test_the_held_answer_put_again_with_a_new_verdict_counts_that_verdict_alone(
     store.put("k", CacheEntry("a newer answer", created_s=2.0))
     held = store.peek("k")
     assert held is not None and held.text == "a newer answer"
+
+
+def test_a_map_the_address_space_cannot_take_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """l2_max_bytes of 2^70 raised OverflowError, 2^48 lmdb.MemoryError: tracebacks at a
+    stage's load that named no parameter."""
+    from tiercache.errors import ConfigError
+    from tiercache.exact.stores import open_lmdb
+
+    for size in (1 << 70, 1 << 48):
+        with pytest.raises(ConfigError, match="cannot be mapped"):
+            open_lmdb(tmp_path / f"l2-{size.bit_length()}", size, "L2")

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import lmdb
 
-from tiercache.errors import Unavailable
+from tiercache.errors import ConfigError, Unavailable
 from tiercache.eviction import EvictionPolicy, KnownCosts, LruPolicy, OldestFirstPolicy
 from tiercache.exact.codec import (
     MAX_ENDORSEMENTS,
@@ -519,6 +519,12 @@ def open_lmdb(
     with _exclusive(path.with_name(path.name + ".open-lock")):
         try:
             env = _open_checked(path, map_size, max_readers, durable)
+        except (lmdb.MemoryError, OverflowError) as exc:
+            # a map the address space cannot take: the operator's byte budget, named
+            raise ConfigError(
+                f"{what} {path}: a map of {map_size} bytes cannot be mapped ({exc}); give it a "
+                "smaller byte budget"
+            ) from None
         except (DamagedDatabase, *LMDB_DAMAGE) as exc:
             stamp = f"{int(clock())}-{os.getpid()}-{secrets.token_hex(3)}"
             aside = path.with_name(f"{path.name}.corrupt-{stamp}")
