@@ -285,10 +285,29 @@ def test_a_request_cancelled_before_its_prefill_runs_no_prompt_and_pins_nothing(
     engine: Any,
 ) -> None:
     """The prefill is the longest step (seconds for a long prompt on a CPU): a request its
-    caller left before it is answered as cancelled without it, and holds no block."""
+    caller left before it is answered as cancelled without it, and holds no block. Nor does it
+    look its prompt up: a lookup was counted, its blocks' reuses raised and the policy told of
+    an access, and its event reported the whole prompt computed."""
     lookups = engine.kv_stats().lookups
     events = list(engine.generate(GenerationRequest(TURNS[0], max_tokens=4), lambda: True))
     assert [(e.text, e.finish_reason) for e in events] == [("", "cancelled")]
+    assert (events[0].reused_tokens, events[0].computed_tokens) == (0, 0)
     stats = engine.kv_stats()
     assert stats.blocks == 0 and stats.pinned_blocks == 0
-    assert stats.lookups == lookups + 1  # looked up (its blocks), nothing computed
+    assert stats.lookups == lookups  # nothing looked up, nothing computed
+
+
+def test_a_failure_storing_the_prompts_blocks_does_not_fail_the_request(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill worked: a copy out of memory or a broken pool while storing its blocks
+    ended the request."""
+    plain = generate(engine, request(TURNS[0]), reuse=False)
+
+    def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.kv_pool, "insert", broken)
+    answer = generate(engine, request(TURNS[0]))
+    assert (answer.text, answer.finish_reason) == (plain.text, plain.finish_reason)
+    assert engine.kv_stats().pinned_blocks == 0

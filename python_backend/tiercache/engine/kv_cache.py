@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 import threading
 import time
@@ -29,8 +30,11 @@ from typing import Any, Generic, NewType, TypeVar
 from tiercache.budgets import Budget, cache_budget
 from tiercache.errors import ConfigError
 from tiercache.eviction import EvictionPolicy, ShadowChoicePolicy
+from tiercache.log_throttle import LogThrottle
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
+
+log = logging.getLogger(__name__)
 
 BlockHash = NewType("BlockHash", bytes)
 """SHA-256 digest (32 bytes) of a block's parent key, salt and token ids."""
@@ -237,6 +241,8 @@ class KvBlockPool(Generic[P]):
         self._fit = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed n, sum x, sum y, sum xx, sum xy
         self._evict_s = 0.0
         self._target_lock = threading.Lock()
+        self._policy_failures = 0  # policy calls that raised (the pool went on without them)
+        self._policy_log = LogThrottle()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -250,13 +256,6 @@ class KvBlockPool(Generic[P]):
                 f"{len(hashes)} blocks of {self.tokens_per_block} tokens are more than the "
                 f"{prompt_tokens} prompt tokens"
             )
-        with self._target_lock:
-            target, self._target = self._target, None
-        if target is not None:  # a new budget (`resize`) takes effect here, on the engine thread
-            self.max_bytes = target
-            self._shadow.resize(shadow_bytes(target))
-        if self._bytes > self.max_bytes:
-            self._shrink()
         found: list[_Block[P]] = []
         for key in hashes:
             block = self._blocks.get(key)
@@ -266,6 +265,15 @@ class KvBlockPool(Generic[P]):
         for block in found:
             self._pin(block)
             block.reuses += 1
+        with self._target_lock:
+            target, self._target = self._target, None
+        if target is not None:  # a new budget (`resize`) takes effect here, on the engine thread
+            self.max_bytes = target
+            self._shadow.resize(shadow_bytes(target))
+        if self._bytes > self.max_bytes:
+            # after the chain is pinned: shrinking first evicted the very prefix this request
+            # was about to reuse, to compute it again and evict another for it
+            self._shrink()
         for key in hashes[len(found) :]:  # the chain goes on among blocks evicted lately
             if not self._shadow.credit(key):
                 break
@@ -329,10 +337,13 @@ class KvBlockPool(Generic[P]):
         for block in lease.blocks:
             self._unpin(block)
         for block in reversed(lease.blocks):
-            if block.key in lease.admitted:
-                self._policy.admit(block.key, block.nbytes)
-            else:
-                self._policy.access(block.key)
+            try:
+                if block.key in lease.admitted:
+                    self._policy.admit(block.key, block.nbytes)
+                else:
+                    self._policy.access(block.key)
+            except Exception:  # noqa: BLE001 - the pool stays usable: `_victim` finds such blocks
+                self._policy_failed("telling the policy of a released block")
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -441,16 +452,43 @@ class KvBlockPool(Generic[P]):
         with self._target_lock:
             return self.max_bytes if self._target is None else self._target
 
+    def _victim(self) -> _Block[P] | None:
+        """The next block to evict: the policy's nominee when it names an unpinned leaf, else
+        (a policy that failed to hear of a block, or names one it was told to skip) any
+        unpinned leaf the pool holds, so a broken policy degrades the order, never the pool;
+        None when every block is pinned or a parent."""
+        try:
+            victims = self._policy.nominate(1, skip=self._kept)
+        except Exception:  # noqa: BLE001 - as below
+            victims = []
+            self._policy_failed("asking the policy for a victim")
+        block = self._blocks.get(victims[0]) if victims else None
+        if block is not None and block.evictable:
+            return block
+        found = next((b for b in self._blocks.values() if b.evictable), None)
+        if found is not None:
+            self._policy_failed("the policy named no evictable block where the pool holds one")
+        return found
+
+    def _policy_failed(self, what: str) -> None:
+        self._policy_failures += 1
+        if self._policy_log.ready():
+            log.exception(
+                "KV pool: %s failed (%d failures so far; the pool goes on in its own order)",
+                what,
+                self._policy_failures,
+            )
+
     def _shrink(self) -> None:
         """Evict unpinned blocks, the policy's order, until the pool is within its budget or
         only pinned blocks (and their parents) are left."""
         began = time.perf_counter()
         try:
             while self._bytes > self.max_bytes:
-                victims = self._policy.nominate(1, skip=self._kept)
-                if not victims:
+                victim = self._victim()
+                if victim is None:
                     return
-                self._evict(self._blocks[victims[0]])
+                self._evict(victim)
         finally:
             self._evict_s += time.perf_counter() - began
 
@@ -458,8 +496,8 @@ class KvBlockPool(Generic[P]):
         """Evict the policy's victims among unpinned leaves until `nbytes` more fit; False,
         evicting nothing, if they cannot fit even with every unpinned block gone. Every ancestor
         of a pinned block is pinned (leases pin whole chains from the root), so all unpinned
-        blocks are reachable by peeling leaves: a policy that names none while unpinned bytes
-        remain is broken (RuntimeError)."""
+        blocks are reachable by peeling leaves (`_victim` falls back to that when the policy
+        names none: a policy that failed once broke every later insert)."""
         if self._pinned_bytes + nbytes > self.max_bytes:
             return False
         if self._bytes + nbytes <= self.max_bytes:
@@ -467,13 +505,10 @@ class KvBlockPool(Generic[P]):
         began = time.perf_counter()
         try:
             while self._bytes + nbytes > self.max_bytes:
-                victims = self._policy.nominate(1, skip=self._kept)
-                if not victims:
-                    raise RuntimeError("the KV pool's policy nominated no unpinned leaf")
-                block = self._blocks[victims[0]]
-                if not block.evictable:
-                    raise RuntimeError("the KV pool's policy nominated a block it was told to skip")
-                self._evict(block)
+                victim = self._victim()
+                if victim is None:  # only pinned bytes and their parents: not cached
+                    return False
+                self._evict(victim)
         finally:
             self._evict_s += time.perf_counter() - began
         return True
@@ -485,10 +520,13 @@ class KvBlockPool(Generic[P]):
         self._evicted_reuses += block.reuses
         self._evicted_bytes += block.nbytes
         self._shadow.add(block.key, block.nbytes, self.block_cost_s)
-        self._policy.remove(block.key)
         parent = block.parent
-        if parent is not None:
+        if parent is not None:  # before the policy hears of it: one that raises keeps no parent
             parent.children -= 1
+        try:
+            self._policy.remove(block.key)
+        except Exception:  # noqa: BLE001 - the pool's own count is already right
+            self._policy_failed("telling the policy of an eviction")
 
 
 def kv_pool_budget(pool: KvBlockPool[Any], floor_bytes: int, ceiling_bytes: int) -> Budget:

@@ -47,6 +47,7 @@ from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
 from tiercache.exact.request import GenerationRequest
+from tiercache.log_throttle import LogThrottle
 from tiercache.packed_linear import pack_and_log
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class TorchEngine:
         self.device = pick_device(device)
         # CPU work is done when the call returns; timing a GPU's would need a synchronize
         self._timed_prefill = str(self.device).startswith("cpu")
+        self._store_failures = LogThrottle()
         self.tokenizer, self.model = load_model(source, cache_dir, self.device)
         self.packed_layers = 0
         if packed_linears and not self.on_gpu:
@@ -285,11 +287,15 @@ class TorchEngine:
         generated: list[int] = []
         hashes: list[BlockHash] = []
         lease: KvLease[torch.Tensor] | None = None
-        if self.kv_reuse:
+        # a request its caller left before this point is answered cancelled below: it looks
+        # nothing up (a lookup counted, blocks' reuses raised, the policy told of an access
+        # for a prompt that never ran) and computes nothing
+        cancelled_early = is_cancelled()
+        if self.kv_reuse and not cancelled_early:
             hashes = block_hashes(prompt_list, self.kv_pool.tokens_per_block, scope)
             lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
         reused = 0 if lease is None else lease.reused_tokens
-        computed = prompt_tokens - reused
+        computed = 0 if cancelled_early else prompt_tokens - reused
 
         logprobs: list[float] = []  # each picked token's, in answer order (its end included)
 
@@ -360,7 +366,7 @@ class TorchEngine:
             return False
 
         try:
-            if is_cancelled():  # before the prefill, the longest step (seconds on a long prompt)
+            if cancelled_early or is_cancelled():  # before the prefill, the longest step
                 yield event("", "cancelled")
                 return
             with torch.inference_mode():
@@ -535,9 +541,19 @@ class TorchEngine:
             )
 
         nbytes = self.kv_bytes_per_token * size
-        for index in range(len(lease.blocks), len(hashes)):
-            if not self.kv_pool.insert(lease, hashes[index], nbytes, block_at(index)):
-                return
+        try:
+            for index in range(len(lease.blocks), len(hashes)):
+                if not self.kv_pool.insert(lease, hashes[index], nbytes, block_at(index)):
+                    return
+        except Exception:  # noqa: BLE001 - the prefill worked: the request goes on uncached
+            # (a copy out of memory on a card the budgets keep near full, a broken policy)
+            lease.broken = True
+            if self._store_failures.ready():
+                log.exception(
+                    "storing a prompt's KV blocks failed; the request goes on without them "
+                    "(%d such failures not logged)",
+                    self._store_failures.suppressed,
+                )
 
 
 def _full_attention_only(model: Any) -> bool:
