@@ -104,6 +104,21 @@ def _serve(args: argparse.Namespace) -> int:
             "network, unencrypted (docs/security.md)",
             file=sys.stderr,
         )
+    # Triton binds its ports only once every model has loaded: a busy one showed as an exit
+    # minutes later, and one held by another server answered our readiness poll instead
+    wanted = [("gRPC", exposure.host, args.grpc_port, "--grpc-port")]
+    wanted.append(("metrics", exposure.metrics_address, args.metrics_port, "--metrics-port"))
+    if exposure.http:
+        wanted.append(("HTTP", exposure.host, args.http_port, "--http-port"))
+    for name, host, port, flag in wanted:
+        busy = _port_in_use(host, port)
+        if busy:
+            print(
+                f"tiercache: the {name} port {port} is in use ({busy}): another tritonserver "
+                f"(an earlier `tiercache serve`?), or pick another with {flag}",
+                file=sys.stderr,
+            )
+            return 1
     gateway_host = exposure.host if args.api_keys else LOOPBACK
     if args.gateway:
         from tiercache.gateway.app import metrics_networks

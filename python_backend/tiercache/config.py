@@ -958,9 +958,15 @@ class EngineConfig(_StateConfig):
     memory_trim_interval_s: float = shared("memory_trim_interval_s")
 
     def extra_problems(self) -> list[str]:
+        problems = []
         if self.refuse_prompt_pattern and not self.refusal_text:
-            return ["refusal_text must not be empty when refuse_prompt_pattern is set"]
-        return []
+            problems.append("refusal_text must not be empty when refuse_prompt_pattern is set")
+        prefetch = name_list(self.lora_prefetch)
+        if len(prefetch) > self.lora_slots:  # one was dropped at start, or none fit (0 slots)
+            problems.append(
+                f"lora_prefetch names {len(prefetch)} adapters but lora_slots is {self.lora_slots}"
+            )
+        return problems
 
     def models_path(self) -> Path:
         return self.state_path() / "models"

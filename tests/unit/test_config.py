@@ -167,6 +167,7 @@ def test_every_problem_in_one_message() -> None:
         (LoraCacheConfig, {"prefetch": "a,b,c", "engine_slots": "2"}, "engine_slots is 2"),
         (EngineConfig, {"refuse_prompt_pattern": "x", "refusal_text": ""}, "refusal_text"),
         (EngineConfig, {"device": "gpu"}, "parameter 'device' must match"),
+        (EngineConfig, {"lora_prefetch": "a,b,c", "lora_slots": "2"}, "lora_slots is 2"),
     ],
 )
 def test_cross_field_and_pattern_checks(cls: type, values: dict[str, str], fragment: str) -> None:

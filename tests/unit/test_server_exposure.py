@@ -327,3 +327,24 @@ def test_a_backend_copy_of_the_same_size_but_another_build_is_replaced(
     os.utime(lib, ns=(lib.stat().st_atime_ns, lib.stat().st_mtime_ns + 10**9))
     prepare_backends(install, dest)  # type: ignore[arg-type]
     assert copied.read_bytes() == b"new!"
+
+
+def test_serve_refuses_a_busy_grpc_port_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Triton binds its ports only once every model has loaded: a busy gRPC port showed as an
+    exit minutes later, and one held by another server answered the readiness poll ("ready")
+    for a server that was not ours."""
+    import socket
+
+    from tiercache.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(
+            ["serve", "--state-dir", str(tmp_path), "--grpc-port", str(port), "--no-gateway"]
+        )
+    assert code == 1
+    assert f"the gRPC port {port} is in use" in capsys.readouterr().err
