@@ -766,9 +766,20 @@ class LlmConfig(_TiersConfig):
     )
 
     def extra_problems(self) -> list[str]:
+        problems = []
         if self.engine_kind == EngineKind.TENSORRT_LLM and not self.tokenizer_dir:
-            return ["engine_kind tensorrt_llm needs tokenizer_dir (the engine's)"]
-        return []
+            problems.append("engine_kind tensorrt_llm needs tokenizer_dir (the engine's)")
+        if 0 < self.trtllm_build_draft_len < self.trtllm_max_draft_len:
+            problems.append(
+                f"trtllm_max_draft_len {self.trtllm_max_draft_len} is more than the engine's "
+                f"trtllm_build_draft_len {self.trtllm_build_draft_len}"
+            )
+        if 0 < self.trtllm_max_seq_len < self.trtllm_max_input_len:
+            problems.append(
+                f"trtllm_max_input_len {self.trtllm_max_input_len} is more than "
+                f"trtllm_max_seq_len {self.trtllm_max_seq_len}"
+            )
+        return problems
 
     def semantic_path(self) -> Path:
         return self.state_path() / "semantic"

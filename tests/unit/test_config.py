@@ -168,6 +168,16 @@ def test_every_problem_in_one_message() -> None:
         (EngineConfig, {"refuse_prompt_pattern": "x", "refusal_text": ""}, "refusal_text"),
         (EngineConfig, {"device": "gpu"}, "parameter 'device' must match"),
         (EngineConfig, {"lora_prefetch": "a,b,c", "lora_slots": "2"}, "lora_slots is 2"),
+        (
+            LlmConfig,
+            {"trtllm_build_draft_len": "4", "trtllm_max_draft_len": "8"},
+            "more than the engine's trtllm_build_draft_len 4",
+        ),
+        (
+            LlmConfig,
+            {"trtllm_max_input_len": "4096", "trtllm_max_seq_len": "2048"},
+            "trtllm_max_input_len 4096 is more than trtllm_max_seq_len 2048",
+        ),
     ],
 )
 def test_cross_field_and_pattern_checks(cls: type, values: dict[str, str], fragment: str) -> None:
