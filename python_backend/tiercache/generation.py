@@ -31,9 +31,12 @@ from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tiered import TieredCache
+from tiercache.log_throttle import LogThrottle
 from tiercache.vocabulary import CacheStatus, DraftSource
 
 log = logging.getLogger(__name__)
+# records a damaged or planted state directory serves on every request: once a minute
+_DAMAGE_LOG = LogThrottle()
 
 GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
 CLEAN_FINISHES = frozenset({"stop", "length"})
@@ -496,7 +499,13 @@ class Generations:
                 continue
             entry = found.entry
             if entry.tenant_scope != request.tenant_scope or entry.adapter != request.lora_digest:
-                log.warning("draft %s... is another scope's answer: not used", digest[:8])
+                if _DAMAGE_LOG.ready():
+                    log.warning(
+                        "draft %s... is another scope's answer: not used (%d such lines not "
+                        "logged)",
+                        digest[:8],
+                        _DAMAGE_LOG.suppressed,
+                    )
                 continue
             if all(entry.text != text for _, text in drafts):
                 drafts.append((source, entry.text))

@@ -597,3 +597,24 @@ def test_a_sweep_deletes_only_what_it_found_in_two_round_trips_a_batch(
     assert sorted(key for key, _ in l3.scan()) == ["k1"]  # k2 and k5 no longer verify
     other.close()
     replica.close()
+
+
+def test_a_fleet_hash_planted_past_its_bound_is_not_read(
+    redis_server: RedisServer, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet's hashes are unsigned: one planted with 200,000 fields cost each replica's
+    sync 167 MiB and seconds, every sync. Sized first, one past the bound reads as empty; the
+    other is read as before."""
+    from tiercache.lora import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "MAX_FLEET_FIELDS", 5)
+    link = RedisLink.from_url(redis_server.url, redis_prefix)
+    fleet = AdapterFleet(link, "replica-a")
+    client = raw_client(redis_server)
+    client.hset(fleet.uses_key, mapping={f"planted{i}": 1 for i in range(6)})
+    version = AdapterVersion("caps", "d" * 64, 1000, 1.0, "replica-a")
+    client.hset(fleet.adapters_key, "caps", version.to_json())
+    found = fleet.fleet()
+    assert found is not None
+    versions, uses = found
+    assert list(versions) == ["caps"] and uses == {}

@@ -912,3 +912,16 @@ def test_a_request_its_caller_gave_up_while_queued_is_not_run(
     gone[0] = False
     (served,) = call(pb_utils, model, sealer, ENVELOPE=request_json(sealer), LORA_OP="")[-1:]
     assert text(pb_utils, served, "FINISH_REASON") == "stop"  # the worker goes on
+
+
+def test_refused_engine_requests_are_logged_once_a_minute(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller can repeat a request the engine refuses (past the context window, a control
+    token) at will: each was a warning line."""
+    huge = tensors(pb_utils, ENVELOPE=b"x" * (MAX_ENVELOPE_BYTES + 1))
+    with caplog.at_level("WARNING", logger="tiercache"):
+        for _ in range(20):
+            (refused,) = call_batch(pb_utils, model, [huge])
+            assert refused[0].has_error()
+    assert len([r for r in caplog.records if "engine request refused" in r.getMessage()]) <= 1

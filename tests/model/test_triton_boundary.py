@@ -754,3 +754,16 @@ def test_delta_counter_counts_growth_once(tb: ModuleType) -> None:
         counter.update(total)
     metrics.flush()
     assert counter.counter.metric.value() == 3 + 4
+
+
+def test_unexpected_errors_are_logged_once_a_minute(
+    tb: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug a caller can reach was one traceback per request."""
+    with caplog.at_level("ERROR", logger="tiercache"):
+        for _ in range(50):
+            try:
+                raise RuntimeError("boom")
+            except RuntimeError as exc:
+                tb.to_triton_error(exc)
+    assert len([r for r in caplog.records if "unexpected error" in r.getMessage()]) <= 1

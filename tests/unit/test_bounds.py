@@ -816,8 +816,12 @@ def _stage(tmp_path: Path, query: np.ndarray) -> EmbeddingCache:
 
 
 def test_a_row_pointing_at_another_tenants_answer_is_not_served(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tiercache.log_throttle import LogThrottle
+    from tiercache.semantic import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_DAMAGE_LOG", LogThrottle())  # once a minute: fresh
     stage = _stage(tmp_path, unit(1, 0))
     l1 = stage.answers.store(Tier.L1)
     assert l1 is not None
@@ -828,6 +832,11 @@ def test_a_row_pointing_at_another_tenants_answer_is_not_served(
         (refused,) = stage.lookup(["q"], ["attacker-scope"], ["attacker"])
     assert refused.outcome is SemanticOutcome.STALE and refused.text == ""
     assert stage.scope_mismatches == 1 and "another tenant scope" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):  # repeated on every lookup that meets the row: logged once a minute
+            stage.lookup(["q"], ["attacker-scope"], ["attacker"])
+    assert stage.scope_mismatches == 6 and "another tenant scope" not in caplog.text
     (served,) = stage.lookup(["q"], ["attacker-scope"], ["victim"])
     assert (served.outcome, served.text) == (SemanticOutcome.HIT, "victim's answer")
     stage.close()

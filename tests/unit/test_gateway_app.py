@@ -301,3 +301,16 @@ def test_every_cache_control_line_reaches_the_request(
     ]
     httpx2.post(f"{url}/v1/chat/completions", content=body, headers=headers, timeout=60)
     assert seen and seen[0].cache_control == "max-age=600, no-store, max-age=0"
+
+
+def test_unexpected_failures_are_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """A stage that is down answers every client retry with the same INTERNAL error: each was
+    a traceback in the gateway's log."""
+    from tiercache_client.errors import ServerError
+
+    with caplog.at_level("ERROR", logger="tiercache.gateway"):
+        for _ in range(50):
+            response = app.error_response(ServerError("Stub process is not healthy"))
+            assert response.status_code == 500
+    logged = [r for r in caplog.records if "request failed" in r.getMessage()]
+    assert len(logged) <= 1

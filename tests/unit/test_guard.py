@@ -420,3 +420,17 @@ def test_a_profile_is_memoized_within_one_scope_only() -> None:
     with feats.memo_scope("tenant-b"):
         assert feats.profile(text) == feats.profile_text(text)
         assert feats.profile_memo_misses() == misses + 1  # computed again in another scope
+
+
+def test_a_long_text_is_profiled_each_time_never_memoized() -> None:
+    """The memo is bounded by count: a profile of a 16,000-character prompt holds about 650
+    KiB, and variants of one long cached prompt filled 8,192 entries (about 5 GiB)."""
+    from tiercache.semantic import features as feats
+
+    long_text = "why does my cache miss " * 400  # 9,200 characters
+    before = feats.profile_memo_misses()
+    first, second = feats.profile(long_text), feats.profile(long_text)
+    assert first == second and feats.profile_memo_misses() == before  # not through the memo
+    feats.profile("a short question?")
+    feats.profile("a short question?")
+    assert feats.profile_memo_misses() == before + 1  # short texts still memoized

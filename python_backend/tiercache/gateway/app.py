@@ -80,6 +80,7 @@ from tiercache_client.errors import (
 )
 
 log = logging.getLogger("tiercache.gateway")
+_FAILED_LOG = LogThrottle()  # requests failed on an unexpected error: once a minute
 
 
 class JSONResponse(Response):
@@ -503,7 +504,11 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, TierCacheClientError) and exc.kind == "capacity":
         status, kind, code, message = 429, "rate_limit_error", "capacity", exc.message
     else:
-        log.exception("request failed", exc_info=exc)
+        # a stage that is down answers every retry so: a traceback each, once a minute
+        if _FAILED_LOG.ready():
+            log.error(
+                "request failed (%d such failures not logged)", _FAILED_LOG.suppressed, exc_info=exc
+            )
         status, kind, code, message = 500, "server_error", None, "internal error"
     return JSONResponse(api.error_body(message, kind, code), status_code=status)
 

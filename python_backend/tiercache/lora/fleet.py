@@ -41,13 +41,16 @@ from typing import Any
 
 from tiercache.errors import TierCacheError
 from tiercache.exact.redis_tier import RedisLink
+from tiercache.log_throttle import LogThrottle
 from tiercache.lora.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
+_OVERSIZED_LOG = LogThrottle()
 
 ADAPTERS = "adapters"
 USES = "adapter_uses"
 MAX_METADATA_BYTES = 4096  # one adapter's JSON is about 150 bytes
+MAX_FLEET_FIELDS = 10_000  # adapters (and use counts) one sync reads at most
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # an adapter version's digest, as replicas write it
 MAX_UPDATED_S = 253_402_300_800.0  # 10000-01-01: past it (or NaN, inf) no time a replica wrote
 _MISSING = object()
@@ -191,11 +194,27 @@ class AdapterFleet:
         """The fleet's latest version and use count of each adapter; None when Redis is down."""
 
         def read(client: Any) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+            # sized first: the hashes are unsigned, and one planted with 200,000 fields cost
+            # each replica's sync (every sync_s) 167 MiB and seconds; one past the bound is
+            # read as empty (said once a minute)
             pipe = client.pipeline(transaction=False)
-            pipe.hgetall(self.adapters_key)
-            pipe.hgetall(self.uses_key)
-            adapters, uses = pipe.execute()
-            return adapters, uses
+            pipe.hlen(self.adapters_key)
+            pipe.hlen(self.uses_key)
+            sizes = [int(n) for n in pipe.execute()]
+            pipe = client.pipeline(transaction=False)
+            keys = (self.adapters_key, self.uses_key)
+            wanted = [key for key, n in zip(keys, sizes, strict=True) if n <= MAX_FLEET_FIELDS]
+            for key in wanted:
+                pipe.hgetall(key)
+            values = dict(zip(wanted, pipe.execute(), strict=True)) if wanted else {}
+            if len(wanted) < len(keys) and _OVERSIZED_LOG.ready():
+                log.warning(
+                    "the adapter fleet's hashes hold %s fields (at most %d read): ignored; "
+                    "planted in Redis, or more adapters than a fleet keeps",
+                    " and ".join(str(n) for n in sizes),
+                    MAX_FLEET_FIELDS,
+                )
+            return values.get(self.adapters_key, {}), values.get(self.uses_key, {})
 
         found: Any = self.link.call(read, _MISSING)
         if found is _MISSING:

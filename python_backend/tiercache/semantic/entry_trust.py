@@ -56,9 +56,12 @@ from enum import Enum
 import numpy as np
 
 from tiercache.exact.tiered import TieredCache
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.side_entries import read_sides, side_key
 
 log = logging.getLogger(__name__)
+# records a damaged or planted state directory serves on every request: once a minute
+_DAMAGE_LOG = LogThrottle()
 
 PRIOR_SD = 1.5  # logit units: a priori scores are right within about 4x odds
 SLOPE_SD = 0.5  # a tenant's slope on the score's logit, a priori Normal(1, SLOPE_SD)
@@ -451,7 +454,12 @@ def _decode_or_prior(text: str, key: str, limit: int) -> EntryTrust:
     try:
         return decode_trust(text, limit)
     except (ValueError, TypeError):  # json's errors are ValueErrors
-        log.warning("ignoring a malformed trust record %s...", key[:12])
+        if _DAMAGE_LOG.ready():
+            log.warning(
+                "ignoring a malformed trust record %s... (%d such lines not logged)",
+                key[:12],
+                _DAMAGE_LOG.suppressed,
+            )
         return EntryTrust(limit=limit)
 
 

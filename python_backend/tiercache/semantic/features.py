@@ -234,8 +234,17 @@ def _memoized(scope: str, text: str) -> TextProfile:
     return profile_text(text)
 
 
+# Texts longer than this are profiled each time, never memoized: the memo is bounded by count,
+# and a profile of a 16,000-character prompt holds about 650 KiB (a caller sending variants of
+# one long cached prompt filled 8,192 entries: about 5 GiB a process)
+PROFILE_MEMO_MAX_CHARS = 4096
+
+
 def profile(text: str) -> TextProfile:
-    """`profile_text`, memoized (a cached prompt recurs) within the current `memo_scope`."""
+    """`profile_text`, memoized (a cached prompt recurs) within the current `memo_scope`, for
+    texts of at most PROFILE_MEMO_MAX_CHARS."""
+    if len(text) > PROFILE_MEMO_MAX_CHARS:
+        return profile_text(text)
     return _memoized(_MEMO_SCOPE.get(), text)
 
 

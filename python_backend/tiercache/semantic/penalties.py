@@ -19,9 +19,12 @@ import logging
 import math
 
 from tiercache.exact.tiered import TieredCache
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.side_entries import read_sides, side_key
 
 log = logging.getLogger(__name__)
+# records a damaged or planted state directory serves on every request: once a minute
+_DAMAGE_LOG = LogThrottle()
 
 MARGIN = 0.01  # above the similarity a wrong hit was served at
 _PURPOSE = b"tiercache semantic floor"
@@ -55,7 +58,12 @@ def read_floor_checked(
             if math.isnan(value):
                 raise ValueError("nan")
         except ValueError:
-            log.warning("ignoring a malformed similarity floor for %s...", digest[:12])
+            if _DAMAGE_LOG.ready():
+                log.warning(
+                    "ignoring a malformed similarity floor for %s... (%d such lines not logged)",
+                    digest[:12],
+                    _DAMAGE_LOG.suppressed,
+                )
             continue
         floors.append(value)
     return max(floors, default=None), complete

@@ -16,6 +16,7 @@ import numpy as np
 from tiercache.exact.codec import token_accounting
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.tiered import TieredCache
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.entry_trust import Decision, TrustGate, length_class
 from tiercache.semantic.features import memo_scope
 from tiercache.semantic.index import SemanticIndex
@@ -23,6 +24,8 @@ from tiercache.semantic.penalties import read_floor_checked
 from tiercache.semantic.vectors import VectorCache, vector_key
 
 log = logging.getLogger(__name__)
+# records a damaged or planted state directory serves on every request: once a minute
+_DAMAGE_LOG = LogThrottle()
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 NO_VECTOR = np.zeros(0, dtype=np.float32)
@@ -182,7 +185,12 @@ class EmbeddingCache:
                 found = None
             if found is not None and adapter is not None and found.entry.adapter != adapter:
                 self.scope_mismatches += 1  # a row pointing at another adapter's answer
-                log.warning("a semantic candidate's answer is another adapter's; not served")
+                if _DAMAGE_LOG.ready():
+                    log.warning(
+                        "a semantic candidate's answer is another adapter's; not served (%d "
+                        "such lines not logged)",
+                        _DAMAGE_LOG.suppressed,
+                    )
                 found = None
             if found is not None:
                 entry = found.entry
@@ -233,12 +241,14 @@ class EmbeddingCache:
         if tenant_scope is None or answer_scope == tenant_scope:
             return True
         self.scope_mismatches += 1
-        log.warning(
-            "a semantic candidate's answer belongs to another tenant scope (%s..., not %s...); "
-            "not served",
-            answer_scope[:8],
-            tenant_scope[:8],
-        )
+        if _DAMAGE_LOG.ready():
+            log.warning(
+                "a semantic candidate's answer belongs to another tenant scope (%s..., not "
+                "%s...); not served (%d such lines not logged)",
+                answer_scope[:8],
+                tenant_scope[:8],
+                _DAMAGE_LOG.suppressed,
+            )
         return False
 
     def lookup(

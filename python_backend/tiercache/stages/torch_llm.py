@@ -31,6 +31,7 @@ from tiercache.engine.threads import ThreadRole, pass_thread_count, set_torch_th
 from tiercache.engine.torch_engine import TorchEngine
 from tiercache.errors import ConfigError, InvalidRequest, TierCacheError, Unavailable
 from tiercache.exact.request import GenerationRequest
+from tiercache.log_throttle import LogThrottle
 from tiercache.machine import GpuMemoryProbe, GpuReading, nvml_card
 from tiercache.memory import MemoryTrimmer
 from tiercache.stages.common import DraftMetrics
@@ -104,6 +105,8 @@ class TorchLlmStage:
         self._kv_budget_seen = engine.kv_pool.max_bytes
         self._slot_drops_seen = 0
         self.objective: LatencyObjective | None = None  # ttft_objective_s, if set
+        self._refusals_log = LogThrottle()  # refused requests a caller can repeat at will
+        self._failures_log = LogThrottle()
         self.metrics = m = metrics
         self.tokens = m.counter("tiercache_engine_generated_tokens_total", "Tokens generated")
         self.prompt_tokens = m.counter("tiercache_engine_prompt_tokens_total", "Prompt tokens run")
@@ -240,9 +243,18 @@ class TorchLlmStage:
         if reason == "adapter_missing":  # the protocol's turn: the caller sends weights
             io.log.info("engine request refused: %s", exc)
         elif isinstance(exc, TierCacheError):  # a refused request: its message is enough
-            io.log.warning("engine request refused: %s", exc)
-        else:
-            io.log.error("engine request failed", exc_info=exc)
+            if self._refusals_log.ready():  # a caller can repeat one at will: once a minute
+                io.log.warning(
+                    "engine request refused: %s (%d refusals not logged)",
+                    str(exc)[:500],
+                    self._refusals_log.suppressed,
+                )
+        elif self._failures_log.ready():
+            io.log.error(
+                "engine request failed (%d failures not logged)",
+                self._failures_log.suppressed,
+                exc_info=exc,
+            )
         try:
             sink.send_error(exc)
         except Exception:  # noqa: BLE001 - e.g. the client is gone; keep serving others

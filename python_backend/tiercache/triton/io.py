@@ -31,8 +31,10 @@ from tiercache.errors import (
     Unavailable,
 )
 from tiercache.exact.request import RawInputs
+from tiercache.log_throttle import LogThrottle
 
 log = logging.getLogger("tiercache")
+_UNEXPECTED_LOG = LogThrottle()  # unexpected errors: their tracebacks, once a minute
 
 # A stage process that crashes (SIGSEGV, or SIGABRT from a corrupted heap) prints every thread's
 # Python stack to stderr, which is tritonserver's log; Triton itself only reports the stub as
@@ -73,7 +75,12 @@ def to_triton_error(exc: BaseException) -> pb_utils.TritonError:
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return pb_utils.TritonError(exc.client_message(), getattr(pb_utils.TritonError, code))
-    log.exception("unexpected error", exc_info=exc)
+    if _UNEXPECTED_LOG.ready():  # a caller can repeat what reaches a bug: once a minute
+        log.error(
+            "unexpected error (%d such errors not logged)",
+            _UNEXPECTED_LOG.suppressed,
+            exc_info=exc,
+        )
     return pb_utils.TritonError(
         f"internal: {type(exc).__name__} (details in the server's log)",
         pb_utils.TritonError.INTERNAL,
