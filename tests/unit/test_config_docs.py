@@ -57,15 +57,15 @@ def test_a_row_carries_type_default_allowed_values_and_doc() -> None:
     text = config_docs.render({"demo": _Documented})
     # a byte count states no bound: its unit implies one (tiercache.config.implied_max)
     assert (
-        "| `size_bytes` | `int` | `67108864` (64 MiB) | <= 9007199254740992 (8192 TiB) | "
+        "| `size_bytes` | `int` | `67108864` (64 MiB) | <= 4611686018427387904 (4194304 TiB) | "
         "the \\| budget |" in text
     )
     assert "| `mode` | `str` | `auto` | `auto`, `cpu` | how |" in text
     assert "| `ratio` | `float` | `0.5` | [0, 1] | a share |" in text
     assert "| `share` | `float` | `1` | > 0 | a &lt;part> of `<all>` |" in text
     assert (
-        "| `floor_bytes` | `int` | `2097152` (2 MiB) | [1048576 (1 MiB), 9007199254740992 "
-        "(8192 TiB)] | a floor |" in text
+        "| `floor_bytes` | `int` | `2097152` (2 MiB) | [1048576 (1 MiB), 4611686018427387904 "
+        "(4194304 TiB)] | a floor |" in text
     )
     booleans = "`true`, `false` (or 1, yes, on; 0, no, off; any case)"
     assert f"| `on` | `bool` | `true` | {booleans} | a switch |" in text
