@@ -177,6 +177,29 @@ def llm_answer(
     return tensors
 
 
+def llm_exact(envelope: bytes, text: str, tokens: tuple[int, int, int] = (0, 0, 0)) -> list[Any]:
+    """An exact hit as the ensemble hands it to llm: prompt_cache's envelope, text and token
+    counts (EXACT_TEXT, EXACT_TOKENS, under the envelope's seal), with embedding_cache's
+    pass-through for it (`EmbeddingCacheStage.exact_hit`: empty and unsealed)."""
+    import triton_python_backend_utils as pb_utils
+
+    from tiercache.triton import io
+
+    return [
+        io.bytes_tensor("ENVELOPE", [envelope]),
+        io.bytes_tensor("EXACT_TEXT", [text]),
+        pb_utils.Tensor("EXACT_TOKENS", np.array([tokens], dtype=np.int32)),
+        io.bytes_tensor("CACHED_TEXT", [""]),
+        io.bytes_tensor("LOOKUP_STATUS", [CacheStatus.EXACT.value]),
+        io.scalar_tensor("SIMILARITY", 0.0, np.float32),
+        pb_utils.Tensor("EMBEDDING", np.zeros((1, 0), np.float32)),
+        pb_utils.Tensor("ANSWER_TOKENS", np.zeros((1, 3), dtype=np.int32)),
+        io.bytes_tensor("NEIGHBOURS", [""]),
+        pb_utils.Tensor("HIT_TRUST", trust_array(0.0, False).reshape(1, -1)),
+        io.bytes_tensor("ANSWER_SEAL", [""]),
+    ]
+
+
 # ---- lora_cache's adapter tensors, as llm receives them -----------------------------------------
 
 

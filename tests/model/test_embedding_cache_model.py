@@ -1,7 +1,8 @@
 """model_repository/embedding_cache/1/model.py against the pb_utils stand-in, with a fake embedder
-behind BLS. embedding_cache is internal: it takes prompt_cache's sealed envelope (bound to the
-exact hit's CACHED_TEXT) and seals its answer for llm (ANSWER_SEAL); an unsealed or altered
-envelope is refused alone, nothing embedded or sealed for it, and the rest of its batch served."""
+behind BLS. embedding_cache is internal: it takes prompt_cache's sealed envelope and seals its
+answer for llm (ANSWER_SEAL); an unsealed or altered envelope is refused alone, nothing embedded
+or sealed for it, and the rest of its batch served. An exact hit's text goes from prompt_cache to
+llm directly: here it gets an empty, unsealed pass-through."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import seals
 
+from tiercache.errors import Forbidden
 from tiercache.exact.keys import Digest
 from tiercache.exact.request import GenerationRequest
 from tiercache.semantic.entry_trust import length_class, record_outcome
@@ -139,11 +141,12 @@ def assert_forbidden(pb_utils: ModuleType, response: Any, fragment: str) -> None
 def test_only_sealed_envelopes_are_looked_up_and_answered_with_a_seal(
     pb_utils: ModuleType, model: Any, sealer: Sealer, embedder: FakeEmbedder
 ) -> None:
-    """An envelope sent without its seal, one moved to another tenant's semantic scope, an
-    exact hit sent with another CACHED_TEXT (which embedding_cache would seal as the answer), a
-    miss turned into an exact hit, one sealed by another deployment: each refused alone, nothing
-    embedded or sealed for it; the good semantic miss and the good exact hit of the batch are
-    answered, each with an ANSWER_SEAL llm accepts."""
+    """An envelope sent without its seal, one moved to another tenant's semantic scope, one
+    sealed by another deployment: each refused alone, nothing embedded or sealed for it; the
+    good semantic miss of the batch is answered with an ANSWER_SEAL llm accepts. Requests
+    that come with an exact hit's text (the real one, a planted one, one with a miss turned
+    into an exact hit) are not looked up and get the empty, unsealed pass-through
+    (`exact_hit`): the hit's text goes from prompt_cache to llm, which checks it."""
     stranger = Sealer.from_secret(b"another deployment's secret....")
     looked_up = semantic_miss(sealer, "How do I bake bread?")
     hit = envelope(sealer, "What is Triton?", CacheStatus.EXACT, "the answer")
@@ -153,100 +156,70 @@ def test_only_sealed_envelopes_are_looked_up_and_answered_with_a_seal(
         request(
             pb_utils, seals.altered(semantic_miss(sealer, "Whose scope?"), b"s" * 64, b"t" * 64)
         ),
-        request(pb_utils, hit, "the attacker's answer"),
-        request(pb_utils, seals.altered(planted, b'"status":"miss"', b'"status":"exact"'), "x"),
         request(pb_utils, semantic_miss(stranger, "Another deployment?")),
         request(pb_utils, looked_up),
+        request(pb_utils, hit, "the attacker's answer"),
+        request(pb_utils, seals.altered(planted, b'"status":"miss"', b'"status":"exact"'), "x"),
+        request(pb_utils, semantic_miss(sealer, "Skipped by its text?"), "x"),
         request(pb_utils, hit, "the answer"),
     ]
-    *refused, miss, exact = model.execute(requests)
+    *refused, miss, planted_text, altered_hit, skipped, exact = model.execute(requests)
+    assert len(refused) == 3
     for response in refused:
         assert_forbidden(pb_utils, response, "ENVELOPE's seal does not verify")
-    # the good ones, sealed for llm (bound to their envelopes)
+    # the good miss, sealed for llm (bound to its envelope)
     out = answer(miss)
     assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("", "miss")
     assert out["EMBEDDING"].shape == (1, embedder.dimensions)
     seals.check_answer(sealer, looked_up, out)
-    out = answer(exact)
-    assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("the answer", "exact")
-    seals.check_answer(sealer, hit, out)
+    # anything with a text: the pass-through, carrying nothing and sealed by nothing
+    for response in (planted_text, altered_hit, skipped, exact):
+        out = answer(response)
+        assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"], out["ANSWER_SEAL"]) == ("", "exact", "")
+        assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [0, 0, 0]
+        with pytest.raises(Forbidden, match="not sealed"):
+            seals.check_answer(sealer, hit, out)
     # only the good semantic miss was embedded, and only its vector is kept
     assert embedder.calls == [["How do I bake bread?"]]
     core = model.stage.core
-    prompts = ["A direct call?", "Whose scope?", "Another deployment?", "How do I bake bread?"]
+    prompts = [
+        "A direct call?",
+        "Whose scope?",
+        "Another deployment?",
+        "How do I bake bread?",
+        "Skipped by its text?",
+    ]
     kept = [p for p in prompts if core.vectors.get(vector_key(core.embedder_key, p)) is not None]
     assert kept == ["How do I bake bread?"]
     model.stage.metrics.flush()
     outcomes = {k: c.metric.value() for k, c in model.stage.outcomes.items() if c.metric.value()}
-    assert outcomes == {"error": len(refused), "miss": 1, "skipped": 1}
+    assert outcomes == {"error": len(refused), "miss": 1, "skipped": 4}
 
 
-def test_an_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
+def test_an_empty_exact_hits_token_counts_pass_on_only_as_prompt_cache_sealed_them(
     pb_utils: ModuleType, model: Any, sealer: Sealer
 ) -> None:
-    """CACHED_TOKENS are bound into the envelope's seal: passed on as ANSWER_TOKENS (under
-    embedding_cache's own seal) when they are the ones prompt_cache sealed, refused otherwise."""
+    """An exact hit whose stored answer is empty (the engine stopped at once) has no text to
+    hand llm directly: its envelope is opened here, against the CACHED_TOKENS bound into its
+    seal, and passed on as ANSWER_TOKENS under this stage's seal; other counts are refused."""
     sent = Envelope(
         request=GenerationRequest("What is Triton?"),
         status=CacheStatus.EXACT,
         digest=Digest("d" * 64),
     )
-    data = seals.sealed(sealer, sent, "the answer", (31, 12, 1))
+    empty = seals.sealed(sealer, sent, "", (31, 0, 0))
 
     def with_tokens(tokens: list[int]) -> Any:
-        hit = request(pb_utils, data, "the answer")
+        hit = request(pb_utils, empty, "")
         tensors = [*hit.inputs(), pb_utils.Tensor("CACHED_TOKENS", np.array([tokens], np.int32))]
         return pb_utils.InferenceRequest(tensors)
 
-    good, forged = model.execute([with_tokens([31, 12, 1]), with_tokens([31, 12, 0])])
-    out = answer(good)
-    assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 12, 1]
-    seals.check_answer(sealer, data, out)
-    assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")
-    # An empty stored answer (the engine stopped at once) is an exact hit decoded on the way:
-    # its token counts go on too, so llm can check the envelope's seal over them.
-    empty = seals.sealed(sealer, sent, "", (31, 0, 0))
-    hit = request(pb_utils, empty, "")
-    tensors = [*hit.inputs(), pb_utils.Tensor("CACHED_TOKENS", np.array([[31, 0, 0]], np.int32))]
-    (passed,) = model.execute([pb_utils.InferenceRequest(tensors)])
+    passed, forged = model.execute([with_tokens([31, 0, 0]), with_tokens([31, 0, 1])])
     out = answer(passed)
     assert (out["ANSWER_TEXT"], out["ANSWER_STATUS"]) == ("", "exact")
     assert out["ANSWER_TOKENS"].reshape(-1).tolist() == [31, 0, 0]
     seals.check_answer(sealer, empty, out)
-
-
-def test_a_repeated_exact_hit_is_answered_from_its_memo_and_a_forgery_still_is_not(
-    pb_utils: ModuleType, model: Any, sealer: Sealer
-) -> None:
-    """An exact hit's checks and seal are memoized by its whole input (envelope, text, token
-    counts): the repeat gets the same sealed answer, and the same envelope with another answer
-    or other token counts, after the good one was memoized, is refused as before."""
-    data = envelope(sealer, "What is Triton?", CacheStatus.EXACT, "the answer")
-
-    def hit(text: str, tokens: list[int] | None = None) -> Any:
-        sent = request(pb_utils, data, text)
-        if tokens is None:
-            return sent
-        counts = pb_utils.Tensor("CACHED_TOKENS", np.array([tokens], np.int32))
-        return pb_utils.InferenceRequest([*sent.inputs(), counts])
-
-    (first,) = model.execute([hit("the answer")])
-    again, other_text, other_tokens, third = model.execute(
-        [hit("the answer"), hit("another answer"), hit("the answer", [5, 5, 1]), hit("the answer")]
-    )
-
-    def sent(response: Any) -> tuple[str, str, str, list[int]]:
-        out = answer(response)
-        tokens = out["ANSWER_TOKENS"].reshape(-1).tolist()
-        return out["ANSWER_TEXT"], out["ANSWER_STATUS"], out["ANSWER_SEAL"], tokens
-
-    assert sent(again) == sent(first) == sent(third)
-    seals.check_answer(sealer, data, answer(again))
-    assert_forbidden(pb_utils, other_text, "ENVELOPE's seal does not verify")
-    assert_forbidden(pb_utils, other_tokens, "ENVELOPE's seal does not verify")
-    model.stage.metrics.flush()
-    assert model.stage.outcomes["skipped"].metric.value() == 3
-    assert model.stage.outcomes["error"].metric.value() == 2
+    assert_forbidden(pb_utils, forged, "ENVELOPE's seal does not verify")
 
 
 def test_the_verifier_parameters_choose_the_stages_decision(

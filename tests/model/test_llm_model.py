@@ -254,6 +254,55 @@ def test_a_hit_is_served_only_with_embedding_cache_s_seal(
     assert counted(model) == {"exact": 1, "error": len(refused)}
 
 
+def test_an_exact_hit_is_served_from_prompt_cache_s_text_only_as_its_envelope_sealed_it(
+    pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
+) -> None:
+    """The ensemble hands llm an exact hit's text and token counts from prompt_cache (EXACT_TEXT,
+    EXACT_TOKENS) beside embedding_cache's empty, unsealed pass-through: served with its
+    counts when the envelope's seal verifies over them; another text, other counts, a text on
+    a miss's envelope, an envelope sealed with a text that is not an exact hit's: each
+    refused alone. Decoded once for inputs equal byte for byte (`LlmStage.known_hit`), the
+    forgeries after that still refused; and the pass-through without the text is no answer."""
+    exact = CacheStatus.EXACT
+    hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 1))
+    good = seals.llm_exact(hit, "the answer", (7, 3, 1))
+    miss = envelope(sealer, CacheStatus.MISS, "3" * 64, write_back=True)
+    # an envelope sealed with a text but saying miss (no stage makes one; refused all the same)
+    odd = envelope(sealer, CacheStatus.MISS, "4" * 64, "the answer", tokens=(7, 3, 1))
+
+    def counts(values: list[int]) -> list[Any]:
+        tokens = type(good[0])("EXACT_TOKENS", np.array([values], dtype=np.int32))
+        return [tokens if t.name() == "EXACT_TOKENS" else t for t in good]
+
+    (first,) = run(pb_utils, model, [good])
+    names = {t.name(): t.as_numpy().reshape(-1)[0] for t in first[0].output_tensors()}
+    assert final(pb_utils, first) == ("the answer", "exact")
+    assert (int(names["PROMPT_TOKENS"]), int(names["COMPLETION_TOKENS"])) == (7, 3)
+    assert names["FINISH_REASON"].decode() == "length"
+    checked = []
+    received = model.stage.received_exact
+    model.stage.received_exact = lambda *args: checked.append(args) or received(*args)
+    batch = [
+        good,
+        with_input(good, "EXACT_TEXT", "the attacker's answer"),
+        counts([7, 3, 0]),
+        with_input(good, "ENVELOPE", miss),
+        with_input(good, "ENVELOPE", odd),
+        [t for t in good if t.name() != "EXACT_TEXT"],
+        good,
+    ]
+    again, *refused, odd_one, bare, third = run(pb_utils, model, batch)
+    assert final(pb_utils, again) == final(pb_utils, third) == ("the answer", "exact")
+    for responses in refused:
+        assert_forbidden(pb_utils, responses, "ENVELOPE's seal does not verify")
+    assert_forbidden(pb_utils, odd_one, "not an exact hit's")
+    assert_forbidden(pb_utils, bare, "embedding_cache's answer is not sealed")
+    assert len(checked) == len(refused) + 1  # the good hit's repeats: taken as decoded before
+    assert len(model.stage._hits) == 1  # the good hit only
+    assert engine.calls == []
+    assert counted(model) == {"exact": 3, "error": len(refused) + 2}
+
+
 def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refused(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:

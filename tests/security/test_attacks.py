@@ -329,8 +329,9 @@ def test_direct_calls_of_the_internal_stages_are_refused(
 def test_a_replayed_envelope_cannot_carry_a_forged_answer(
     raw: grpcclient.InferenceServerClient, served: Served
 ) -> None:
-    """The attacker's own sealed envelope (from the edge) with a planted answer, status or
-    vector: refused by llm; the ensemble then generates and keeps the real answer."""
+    """The attacker's own sealed envelope (from the edge) with a planted answer (as
+    embedding_cache's or as prompt_cache's exact hit), status or vector: refused by llm; the
+    ensemble then generates and keeps the real answer."""
     prompt = unique("What colour is the sky?")
     data, envelope = sealed_envelope_of(raw, served, prompt)
     assert envelope.status is CacheStatus.MISS and envelope.write_back
@@ -345,6 +346,17 @@ def test_a_replayed_envelope_cannot_carry_a_forged_answer(
             tensor("ANSWER_SEAL", "0" * SEAL_CHARS),
         ]
         assert forbidden(stream_outcome(served, "llm", forged)[1]), status
+    # the exact hit's own way in: a text beside the attacker's miss envelope (whose seal binds
+    # no text), with embedding_cache's empty pass-through
+    exact = [
+        tensor("ENVELOPE", data),
+        tensor("EXACT_TEXT", "attacker's text"),
+        tensor("CACHED_TEXT", ""),
+        tensor("LOOKUP_STATUS", "exact"),
+        tensor("SIMILARITY", 0.0),
+        tensor("EMBEDDING", np.zeros(0, dtype=np.float32)),
+    ]
+    assert forbidden(stream_outcome(served, "llm", exact)[1])
     planted = [
         tensor("ENVELOPE", data),
         tensor("CACHED_TEXT", ""),

@@ -1,5 +1,6 @@
 """Triton model `embedding_cache`: open the sealed envelope, look requests up by meaning in one
-batch (tiercache.stages.embedding_cache), encode each request's answer, sealed, for llm."""
+batch (tiercache.stages.embedding_cache), encode each request's answer, sealed, for llm (an
+exact hit's answer goes from prompt_cache to llm directly: its pass-through here is empty)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 inputs = io.Inputs(request)
-                data = inputs.blob("ENVELOPE")
                 cached_text = inputs.string("CACHED_TEXT") or ""
-                tokens = tokens_of(inputs.vector("CACHED_TOKENS"))
-                # no decoding on an exact hit, and its seals memoized
-                hit = self.stage.sealed_exact_hit(data, cached_text, tokens)
+                # an exact hit goes from prompt_cache to llm directly: nothing to check here
+                hit = self.stage.exact_hit(cached_text)
                 if hit is not None:
-                    responses[i] = encode(*hit)
+                    responses[i] = encode(hit, "")
                     continue
+                data = inputs.blob("ENVELOPE")
+                tokens = tokens_of(inputs.vector("CACHED_TOKENS"))
                 seals[i] = seal_of(data)
                 envelope = self.stage.open(data, cached_text, tokens)
                 answer = self.stage.pass_through(envelope, cached_text, tokens)

@@ -1,6 +1,7 @@
 """Triton model `llm` (decoupled): check and decode the envelope, embedding_cache's answer and
-lora_cache's adapter files (each sealed; the files encrypted), hand them to the stage
-(tiercache.stages.llm), and encode its responses."""
+lora_cache's adapter files (each sealed; the files encrypted), or an exact hit's text as
+prompt_cache sealed it with the envelope, hand them to the stage (tiercache.stages.llm), and
+encode its responses."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
 from tiercache.exact.flights import EngineUsage
 from tiercache.stages.envelope import check_envelope_size
-from tiercache.stages.llm import HIT_INPUTS, HIT_KEY_MAX_BYTES, LlmInput, LlmStage, open_llm
+from tiercache.stages.llm import (
+    EXACT_INPUTS,
+    HIT_INPUTS,
+    HIT_KEY_MAX_BYTES,
+    LlmInput,
+    LlmStage,
+    open_llm,
+)
 from tiercache.stages.seal import (
     Part,
     answer_tensors,
@@ -23,7 +31,7 @@ from tiercache.stages.seal import (
     trust_of,
 )
 from tiercache.triton import io
-from tiercache.vocabulary import is_hit
+from tiercache.vocabulary import CacheStatus, is_hit
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -81,6 +89,9 @@ class Responder:
 def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     """One request's inputs, their seals checked (Forbidden when unsealed or altered); an
     exact hit decoded before from the same inputs is taken as it was (`LlmStage.known_hit`)."""
+    exact_text = inputs.string("EXACT_TEXT") or ""
+    if exact_text:
+        return decode_exact(inputs, stage, exact_text)
     key = inputs.raw_key(HIT_INPUTS, HIT_KEY_MAX_BYTES)
     known = stage.known_hit(key)
     if known is not None:
@@ -119,6 +130,24 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
         lora=lora,
         neighbours=neighbours_of(neighbours),
     )
+
+
+def decode_exact(inputs: io.Inputs, stage: LlmStage, text: str) -> LlmInput:
+    """An exact hit with an answer, as prompt_cache handed it on (EXACT_TEXT, EXACT_TOKENS,
+    under the envelope's seal); embedding_cache's pass-through is not read. Kept like any
+    decoded hit (`LlmStage.known_hit`, its key tagged apart from the other hits')."""
+    raw = inputs.raw_key(EXACT_INPUTS, HIT_KEY_MAX_BYTES)
+    key = None if raw is None else ("exact", *raw)
+    known = stage.known_hit(key)
+    if known is not None:
+        return known
+    data = inputs.blob("ENVELOPE")
+    check_envelope_size(data)
+    counts = tokens_of(inputs.vector("EXACT_TOKENS"))
+    envelope = stage.received_exact(data, text, counts)
+    item = LlmInput(envelope, CacheStatus.EXACT.value, text, None, None, NO_LORA, counts)
+    stage.remember_hit(key, item)
+    return item
 
 
 class TritonPythonModel:

@@ -15,7 +15,6 @@ from tiercache.budgets import BudgetThread, cache_budget
 from tiercache.config import EmbeddingCacheConfig
 from tiercache.errors import Unavailable
 from tiercache.exact.confidence import ConfidencePolicy
-from tiercache.exact.memo import Memo, worth_keeping
 from tiercache.machine import DiskRoom
 from tiercache.semantic.embedder import Screen, resolve_embedder
 from tiercache.semantic.entry_trust import ScoreFn, TrustGate, TrustPolicy
@@ -26,13 +25,7 @@ from tiercache.semantic.store import SemanticStore
 from tiercache.semantic.vectors import VectorCache
 from tiercache.semantic.verifier import VerifiedChoice, open_verified_choice
 from tiercache.stages.common import export_late_calls, export_redis, status_counters
-from tiercache.stages.envelope import (
-    Envelope,
-    Freshness,
-    check_envelope_size,
-    check_sealed,
-    seal_of,
-)
+from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import ExactTiers, open_exact_cache, open_freshness, open_sealer
 from tiercache.stages.seal import (
@@ -72,6 +65,10 @@ class Answer:
     verify: bool = False
 
 
+# What this stage sends llm for an exact hit, unsealed (`EmbeddingCacheStage.exact_hit`)
+EXACT_PASS = Answer("", CacheStatus.EXACT.value)
+
+
 class EmbeddingCacheStage:
     """Batched semantic lookups with their metrics. Semantic caching is an optimisation: a
     failing lookup sends its requests on as misses (logged), never as errors."""
@@ -90,10 +87,6 @@ class EmbeddingCacheStage:
         self.sealer = sealer
         # what an envelope must be past its seal to be looked up (age; key, with a key file)
         self.freshness = freshness if freshness is not None else Freshness()
-        # (envelope, text, tokens) of an exact hit whose envelope seal verified -> its answer's
-        # seal for llm: a repeated hit skips both HMACs (tiercache.exact.memo; the key is the
-        # check's and the seal's whole input)
-        self._hits: Memo[str] = Memo()
         self.metrics = m = metrics
         self.outcomes = status_counters(
             m,
@@ -128,31 +121,18 @@ class EmbeddingCacheStage:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
         return answer_seal(self.sealer, envelope_seal, answer)
 
-    def sealed_exact_hit(
-        self, data: bytes | None, cached_text: str, tokens: Tokens = NO_TOKENS
-    ) -> tuple[Answer, str] | None:
-        """An exact hit's pass-through answer and the seal llm checks over it (bound to the
-        envelope's seal), its envelope's seal checked but the envelope not decoded; None
-        without `cached_text` (then `open` the envelope). prompt_cache seals an envelope
-        together with a non-empty answer only on an exact hit, whose envelope asks no semantic
-        lookup, so a seal that verifies over `cached_text` says all this stage needs to know
-        (Forbidden when it does not). Memoized by the check's and the seal's whole input
-        (envelope, text, token counts): what verified once verifies again."""
+    def exact_hit(self, cached_text: str) -> Answer | None:
+        """An exact hit's answer, or None without `cached_text` (then `open` the envelope).
+        prompt_cache hands an exact hit's text and token counts to llm directly (EXACT_TEXT,
+        EXACT_TOKENS), where the envelope's seal is checked over them; what this stage sends for
+        it is EXACT_PASS, which carries nothing (no text, no seal: llm reads none of it for an
+        exact hit, and refuses it as an answer). So the envelope is neither checked nor decoded
+        here: a direct caller that sends a text with any envelope gets nothing but the
+        lookup it asked this stage to skip."""
         if not cached_text:
             return None
-        check_envelope_size(data)  # before the memo hashes it
-        memoized = data is not None and worth_keeping(cached_text, data)
-        key = (data, cached_text, tokens)
-        sealed = self._hits.get(key) if memoized else None
-        if sealed is None:
-            check_sealed(data, self.sealer, cached_text, tokens)
-        answer = Answer(cached_text, CacheStatus.EXACT.value, tokens=tokens)
-        if sealed is None:
-            sealed = self.seal(seal_of(data), answer)
-            if memoized:
-                self._hits.put(key, sealed)
         self.outcomes["skipped"].increment(1)
-        return answer, sealed
+        return EXACT_PASS
 
     def pass_through(
         self, envelope: Envelope, cached_text: str, tokens: Tokens = NO_TOKENS

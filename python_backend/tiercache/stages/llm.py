@@ -415,6 +415,9 @@ HIT_INPUTS = (
     "HIT_TRUST",
     "ANSWER_SEAL",
 )
+# What llm reads of an exact hit with an answer (model.py's `decode`): prompt_cache's envelope,
+# text and token counts, handed on directly (embedding_cache's answer is empty for it).
+EXACT_INPUTS = ("ENVELOPE", "EXACT_TEXT", "EXACT_TOKENS")
 # a key holds at most this many bytes of values (an answer and its envelope, as `worth_keeping`
 # allows for ASCII text); an entry also holds the answer's text and the decoded envelope, up to
 # about 60 KiB in all, hence half a memo's usual entries (about 30 MiB at most)
@@ -579,6 +582,16 @@ class LlmStage:
         counts = tokens_of(tokens if isinstance(tokens, np.ndarray) else None)
         text = str(answer["ANSWER_TEXT"])
         return ReceivedEnvelope(data, self.sealer, self.freshness, text, counts)
+
+    def received_exact(self, data: bytes | None, text: str, tokens: Tokens) -> ReceivedEnvelope:
+        """An exact hit as prompt_cache handed it on (EXACT_TEXT, EXACT_TOKENS): its envelope,
+        opened now against them (the seal binds an envelope to its exact hit's text and token
+        counts; prompt_cache seals a text only with an exact hit's envelope, and one that says
+        anything else is Forbidden all the same). Nothing of embedding_cache's is read."""
+        envelope = ReceivedEnvelope(data, self.sealer, self.freshness, text, tokens)
+        if envelope.get().status != CacheStatus.EXACT:
+            raise Forbidden("EXACT_TEXT came with an envelope that is not an exact hit's")
+        return envelope
 
     def known_hit(self, key: tuple[object, ...] | None) -> LlmInput | None:
         """The exact hit decoded earlier from inputs equal to `key` byte for byte

@@ -6,8 +6,11 @@ hands a later stage something it acts on seals that too, bound to the envelope's
 that acts on an input checks its seal first and refuses (Forbidden) what is unsealed or altered:
 
   prompt_cache     seals ENVELOPE with CACHED_TEXT and CACHED_TOKENS   (label "envelope")
+                   (an exact hit's, which llm also receives directly:
+                   EXACT_TEXT, EXACT_TOKENS)
   embedding_cache  seals its answer (text, status, similarity, vector,
-                   token counts)                                        ("answer")
+                   token counts), except an exact hit's empty
+                   pass-through, which llm never reads                  ("answer")
   lora_cache       seals the adapter files and evictions it sends       ("lora")
   llm, lora_cache  seal every engine call (all of torch_llm's inputs)   ("engine")
   llm, cache_admin seal lora_cache's admin calls (ADMIN)                ("lora admin")

@@ -1,7 +1,7 @@
 """No-op `llm` (decoupled) for the benchmark floor: one final response per request carrying
-TEXT_OUTPUT = CACHED_TEXT, CACHE_STATUS = LOOKUP_STATUS, ANSWER_ID (a constant as long as a real
-answer id, tiercache.exact.answer_ids.ID_CHARS), the token counts and FINISH_REASON, the outputs
-the real stage sends on a hit."""
+TEXT_OUTPUT = EXACT_TEXT (prompt_cache's hit, handed on directly), CACHE_STATUS = LOOKUP_STATUS,
+ANSWER_ID (a constant as long as a real answer id, tiercache.exact.answer_ids.ID_CHARS), the
+token counts and FINISH_REASON, the outputs the real stage sends on a hit."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -13,7 +13,7 @@ ANSWER_ID = np.array([[b"a3." + b"A" * 124]], dtype=np.object_)  # 127 character
 class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
-            text = pb_utils.get_input_tensor_by_name(request, "CACHED_TEXT").as_numpy()
+            text = pb_utils.get_input_tensor_by_name(request, "EXACT_TEXT").as_numpy()
             status = pb_utils.get_input_tensor_by_name(request, "LOOKUP_STATUS").as_numpy()
             response = pb_utils.InferenceResponse(
                 output_tensors=[
