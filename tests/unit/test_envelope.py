@@ -128,7 +128,16 @@ _DELETE = object()
         (_mutated(("request", "max_tokens"), True), "max_tokens has the wrong type"),
         (_mutated(("request", "stream"), 1), "stream has the wrong type"),
         (_mutated(("request", "stop_words"), ["a", 1]), "list of strings"),
-        (_mutated(("request", "temperature"), float("nan")), "must be finite"),
+        # NaN, Infinity and numbers past a double are not JSON to the decoder (so every float
+        # it reads is finite)
+        (_mutated(("request", "temperature"), float("nan")), "not JSON"),
+        (_mutated(("request", "top_p"), float("inf")), "not JSON"),
+        (
+            _mutated(("max_age_s",), 1.0).replace(b'"max_age_s": 1.0', b'"max_age_s": 1e999'),
+            "infinity",
+        ),
+        # an integer past 64 bits is read as a float: not an integer
+        (_mutated(("issued_s",), 2**70), "issued_s has the wrong type"),
         (_mutated(("request", "history"), [["robot", "x"]]), "role, content\\] pairs"),
         (_mutated(("request", "history"), [[["user"], "x"]]), "role, content\\] pairs"),
         (_mutated(("request", "history"), [["user", "x", "y"]]), "role, content\\] pairs"),
