@@ -1,4 +1,5 @@
-"""Shared fixtures: a real `redis-server` on a free loopback port (tests/redis_server.py).
+"""Shared fixtures: a real `redis-server` on a free loopback port (tests/redis_server.py), and
+the garbage collector given back its frozen objects after each test.
 
 Tests that need Redis fail (not skip) when `redis-server` is missing, naming the fix; set
 TIERCACHE_SKIP_REDIS=1 to skip them on purpose.
@@ -6,12 +7,23 @@ TIERCACHE_SKIP_REDIS=1 to skip them on purpose.
 
 from __future__ import annotations
 
+import gc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from redis_server import RedisServer
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_after() -> Iterator[None]:
+    """A stage's `initialize` freezes what it made (`io.freeze_startup_objects`: a stub lives as
+    long as its stage); the tests start many stages in one process, so what a test froze is
+    unfrozen after it, and cyclic garbage of its finished stages (open LMDB environments among
+    it) is collected as it would be without the freeze."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

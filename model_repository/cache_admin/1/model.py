@@ -14,6 +14,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(CacheAdminConfig, args)
         self.stage = open_cache_admin(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         responses = []

@@ -31,6 +31,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(EmbedderConfig, args)
         self.stage = open_embedder(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         """Each request may hold a batch of texts ([n, 1], as embedding_cache sends them), each

@@ -20,6 +20,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(EmbeddingCacheConfig, args)
         self.stage = open_embedding_cache(config, args["model_name"], args["model_instance_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)

@@ -18,6 +18,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(FeedbackConfig, args)
         self.stage = open_feedback(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         responses = []

@@ -19,6 +19,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(LoraCacheConfig, args)
         self.stage = open_lora_cache_stage(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         responses = []

@@ -16,6 +16,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(PromptCacheConfig, args)
         self.stage = open_prompt_cache(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> list:
         responses = []

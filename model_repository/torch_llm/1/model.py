@@ -87,6 +87,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, _ = io.load_config(EngineConfig, args)
         self.stage = open_torch_llm(config, args["model_name"])
+        io.freeze_startup_objects()
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -11,6 +11,7 @@ only the message (which starts with the error's `kind`) arrives.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import logging
 import math
@@ -42,6 +43,17 @@ _UNEXPECTED_LOG = LogThrottle()  # unexpected errors: their tracebacks, once a m
 if not faulthandler.is_enabled():
     faulthandler.enable(all_threads=True)
 T = TypeVar("T")
+
+
+def freeze_startup_objects() -> None:
+    """The end of a stage's `initialize`: what it made while starting (modules, its stores and
+    indexes, an engine's model) is collected once and then kept out of the cyclic garbage
+    collector's sight (`gc.freeze`). Those objects live as long as the stub, and a full
+    collection, which the requests' own objects set off every few thousand hits, otherwise walks
+    all of them each time: in process (tiercache_dev.bench.hit_path, 3,000 distinct exact hits
+    a round), full collections took 494 ms over the run unfrozen and 141 ms frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_config(cls: type[T], args: dict[str, str]) -> tuple[T, dict[str, Any]]:
