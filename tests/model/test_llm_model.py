@@ -220,18 +220,20 @@ def envelope(
 def test_a_hit_is_served_only_with_embedding_cache_s_seal(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
-    """A hit called directly (no ANSWER_SEAL), a hit whose text was forged, a miss turned into
-    an exact hit with planted text, a hit's sealed answer moved onto another tenant's envelope,
-    a semantic hit whose similarity was raised: each refused alone; the good hit is served."""
+    """A hit called directly (no ANSWER_SEAL), a miss turned into an exact hit with planted
+    text, a semantic hit's sealed answer moved onto another tenant's envelope, a semantic hit
+    whose similarity was raised, and an exact hit's text in embedding_cache's answer, sealed
+    (no stage sends one that way: it comes from prompt_cache): each refused alone; the good
+    hit, handed on as the ensemble does (`seals.llm_exact`), is served."""
     exact = CacheStatus.EXACT
     hit = envelope(sealer, exact, "1" * 64, "the answer")
-    good = to_llm(pb_utils, sealer, hit, "the answer", exact)
+    good = seals.llm_exact(hit, "the answer")
     other = envelope(
         sealer,
-        exact,
+        CacheStatus.MISS,
         "2" * 64,
-        "the answer",
-        GenerationRequest("What is Triton?", tenant_scope=OTHER_TENANT),
+        semantic_scope="s" * 64,
+        request=GenerationRequest("What is Triton?", tenant_scope=OTHER_TENANT),
     )
     miss = envelope(sealer, CacheStatus.MISS, "3" * 64, write_back=True)
     planted = with_input(to_llm(pb_utils, sealer, miss), "LOOKUP_STATUS", "exact")
@@ -239,19 +241,20 @@ def test_a_hit_is_served_only_with_embedding_cache_s_seal(
     near = to_llm(pb_utils, sealer, semantic, "close enough", "semantic", similarity=0.7)
     batch = [
         to_llm(pb_utils, sealer, hit, "the answer", exact, answer_seal=""),
-        with_input(good, "CACHED_TEXT", "the attacker's answer"),
         with_input(planted, "CACHED_TEXT", "planted"),
-        with_input(good, "ENVELOPE", other),
+        with_input(near, "ENVELOPE", other),
         with_input(near, "SIMILARITY", np.float32(0.99)),
+        to_llm(pb_utils, sealer, hit, "the answer", exact),
         good,
     ]
-    *refused, served = run(pb_utils, model, batch)
-    assert_forbidden(pb_utils, refused[0], "embedding_cache's answer is not sealed")
-    for responses in refused[1:]:
+    unsealed, *forged, text_in_answer, served = run(pb_utils, model, batch)
+    assert_forbidden(pb_utils, unsealed, "embedding_cache's answer is not sealed")
+    for responses in forged:
         assert_forbidden(pb_utils, responses, "embedding_cache's answer's seal does not verify")
+    assert_forbidden(pb_utils, text_in_answer, "comes from prompt_cache (EXACT_TEXT)")
     assert final(pb_utils, served) == ("the answer", "exact")
     assert engine.calls == []
-    assert counted(model) == {"exact": 1, "error": len(refused)}
+    assert counted(model) == {"exact": 1, "error": 2 + len(forged)}
 
 
 def test_an_exact_hit_is_served_from_prompt_cache_s_text_only_as_its_envelope_sealed_it(
@@ -306,14 +309,15 @@ def test_an_exact_hit_is_served_from_prompt_cache_s_text_only_as_its_envelope_se
 def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refused(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
-    """An exact hit is decoded once for all inputs equal to its own byte for byte
+    """An exact hit that comes through embedding_cache (its stored answer is empty: the engine
+    stopped at once) is decoded once for all inputs equal to its own byte for byte
     (`LlmStage.known_hit`): the good hit served again without decoding or checking it again,
-    then the same envelope and ANSWER_SEAL with another text, other token counts, another
+    then the same envelope and ANSWER_SEAL with a text, other token counts, another
     similarity, neighbours or a vector added: each decoded and refused as before."""
     exact = CacheStatus.EXACT
-    hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 0))
-    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(7, 3, 0))
-    assert final(pb_utils, run(pb_utils, model, [good])[0]) == ("the answer", "exact")
+    hit = envelope(sealer, exact, "1" * 64, "", tokens=(7, 0, 0))
+    good = to_llm(pb_utils, sealer, hit, "", exact, tokens=(7, 0, 0))
+    assert final(pb_utils, run(pb_utils, model, [good])[0]) == ("", "exact")
     checked = []
     received = model.stage.received
     model.stage.received = lambda *args: checked.append(args) or received(*args)
@@ -322,7 +326,7 @@ def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refuse
         good,
         with_input(good, "CACHED_TEXT", "the attacker's answer"),
         [
-            type(t)("ANSWER_TOKENS", np.array([[7, 3, 1]], dtype=np.int32))
+            type(t)("ANSWER_TOKENS", np.array([[7, 0, 1]], dtype=np.int32))
             if t.name() == "ANSWER_TOKENS"
             else t
             for t in good
@@ -333,7 +337,7 @@ def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refuse
         good,
     ]
     again, *refused, third = run(pb_utils, model, batch)
-    assert final(pb_utils, again) == final(pb_utils, third) == ("the answer", "exact")
+    assert final(pb_utils, again) == final(pb_utils, third) == ("", "exact")
     for responses in refused:
         assert_forbidden(pb_utils, responses, "embedding_cache's answer's seal does not verify")
     assert len(checked) == len(refused)  # the good hit's repeats: taken as decoded before
@@ -344,18 +348,19 @@ def test_a_repeated_exact_hit_skips_its_seal_check_and_a_forgery_is_still_refuse
 def test_a_forged_envelope_behind_a_replayed_answer_seal_is_refused_every_time(
     pb_utils: ModuleType, model: Any, sealer: Sealer, engine: FakeTorchLlm
 ) -> None:
-    """embedding_cache's answer seal binds the envelope's seal, not its body: an envelope whose
-    body was altered after its seal passes that check, fails its own, and is never taken as a
-    decoded hit (`LlmStage.remember_hit` opens the envelope first), so each replay is refused."""
+    """embedding_cache's answer seal binds the envelope's seal, not its body: an envelope (of
+    an exact hit with an empty stored answer) whose body was altered after its seal passes that
+    check, fails its own, and is never taken as a decoded hit (`LlmStage.remember_hit` opens
+    the envelope first), so each replay is refused."""
     exact = CacheStatus.EXACT
-    hit = envelope(sealer, exact, "1" * 64, "the answer", tokens=(7, 3, 0))
+    hit = envelope(sealer, exact, "1" * 64, "", tokens=(7, 0, 0))
     forged = hit[:-1] + (b"}" if hit[-1:] != b"}" else b" ")
-    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(7, 3, 0))
+    good = to_llm(pb_utils, sealer, hit, "", exact, tokens=(7, 0, 0))
     bad = with_input(good, "ENVELOPE", forged)
     first, second, served = run(pb_utils, model, [bad, bad, good])
     for responses in (first, second):
         assert_forbidden(pb_utils, responses, "ENVELOPE's seal does not verify")
-    assert final(pb_utils, served) == ("the answer", "exact")
+    assert final(pb_utils, served) == ("", "exact")
     assert len(model.stage._hits) == 1  # the good hit only
     assert engine.calls == []
     # an envelope of megabytes (a direct call) is refused before any seal's HMAC reads it
@@ -564,15 +569,20 @@ def test_token_counts_a_miss_reports_and_stores_and_a_hit_reports_as_sealed(
 
     exact = CacheStatus.EXACT
     hit = envelope(sealer, exact, "b" * 64, "the answer", tokens=(31, 12, 1))
-    good = to_llm(pb_utils, sealer, hit, "the answer", exact, tokens=(31, 12, 1))
+    good = seals.llm_exact(hit, "the answer", (31, 12, 1))
     semantic = envelope(sealer, CacheStatus.MISS, "c" * 64, semantic_scope="s" * 64)
     near = to_llm(pb_utils, sealer, semantic, "close", "semantic", 0.9, tokens=(40, 7, 0))
-    forged = [t for t in good if t.name() != "ANSWER_TOKENS"]
-    forged.append(pb_utils.Tensor("ANSWER_TOKENS", np.array([[31, 12, 0]], dtype=np.int32)))
-    served, near_served, refused = run(pb_utils, model, [good, near, forged])
+    forged = [t for t in good if t.name() != "EXACT_TOKENS"]
+    forged.append(pb_utils.Tensor("EXACT_TOKENS", np.array([[31, 12, 0]], dtype=np.int32)))
+    forged_near = [t for t in near if t.name() != "ANSWER_TOKENS"]
+    forged_near.append(pb_utils.Tensor("ANSWER_TOKENS", np.array([[40, 9, 0]], dtype=np.int32)))
+    served, near_served, refused, refused_near = run(
+        pb_utils, model, [good, near, forged, forged_near]
+    )
     assert counts(served) == (31, 12) and counts(near_served) == (40, 7)
     assert finish(served) == "length" and finish(near_served) == "stop"  # as they were stored
-    assert_forbidden(pb_utils, refused, "embedding_cache's answer's seal does not verify")
+    assert_forbidden(pb_utils, refused, "ENVELOPE's seal does not verify")
+    assert_forbidden(pb_utils, refused_near, "embedding_cache's answer's seal does not verify")
 
 
 def test_a_miss_drafts_from_the_neighbours_embedding_cache_sealed(
@@ -756,7 +766,7 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     its similarity; each opens only for the tenant it was served to; a request without a digest
     gets none; a repeated exact hit gets a fresh id for the same entry."""
     exact = envelope(sealer, CacheStatus.EXACT, "1" * 64, "the answer")
-    hit = to_llm(pb_utils, sealer, exact, "the answer", CacheStatus.EXACT)
+    hit = seals.llm_exact(exact, "the answer")
     asks = envelope(sealer, CacheStatus.MISS, "2" * 64, semantic_scope="s" * 64)
     near = to_llm(
         pb_utils, sealer, asks, "close enough", "semantic", 0.8125, neighbours=("5" * 64,)
@@ -803,12 +813,8 @@ def test_kept_envelopes_are_refused_once_their_key_is_revoked_or_they_are_old(
     instance = start_llm(load_model, tmp_path, api_keys_file=str(keys_file))
     try:
         exact, miss = CacheStatus.EXACT, CacheStatus.MISS
-        hit = to_llm(
-            pb_utils,
-            sealer,
-            envelope(sealer, exact, "1" * 64, "the answer", key=grant.key_hash),
-            "the answer",
-            exact,
+        hit = seals.llm_exact(
+            envelope(sealer, exact, "1" * 64, "the answer", key=grant.key_hash), "the answer"
         )
         asked = to_llm(pb_utils, sealer, envelope(sealer, miss, "2" * 64, key=grant.key_hash))
         keyless = to_llm(pb_utils, sealer, envelope(sealer, miss, "3" * 64))
@@ -908,7 +914,7 @@ def test_a_padded_tenant_is_refused_alike_while_the_engine_refuses_calls(
             pb_utils,
             instance,
             [
-                to_llm(pb_utils, sealer, hit, "the answer", exact),
+                seals.llm_exact(hit, "the answer"),
                 to_llm(pb_utils, sealer, miss),
             ],
         )
@@ -916,7 +922,7 @@ def test_a_padded_tenant_is_refused_alike_while_the_engine_refuses_calls(
         assert len(messages) == 2 and messages[0] == messages[1]
         assert "no response" in messages[0]
         watch._stalled = 0  # noqa: SLF001 - the engine answers again
-        (served,) = run(pb_utils, instance, [to_llm(pb_utils, sealer, hit, "the answer", exact)])
+        (served,) = run(pb_utils, instance, [seals.llm_exact(hit, "the answer")])
         assert final(pb_utils, served)[0] == "the answer"
     finally:
         instance.finalize()

@@ -21,11 +21,15 @@ def test_a_started_stage_froze_its_objects_after_collecting_its_garbage(
     load_model: Callable[[str], ModuleType], tmp_path: Path
 ) -> None:
     gc.unfreeze()
-    garbage = _Node()
-    gone = weakref.ref(garbage)
-    del garbage
-    kept = _Node()
-    assert gone() is not None and gc.get_freeze_count() == 0
+    gc.disable()  # no automatic collection between here and the stage's own
+    try:
+        garbage = _Node()
+        gone = weakref.ref(garbage)
+        del garbage
+        kept = _Node()
+        assert gone() is not None and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
     model = load_model("prompt_cache").TritonPythonModel()
     config = {"parameters": {"state_dir": {"string_value": str(tmp_path)}}}
     model.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})

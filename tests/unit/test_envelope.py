@@ -272,3 +272,16 @@ def test_an_envelope_for_an_adapter_its_key_no_longer_allows_is_refused(tmp_path
         Freshness(keys=KeyFile(path)).check(envelope)
     base = Envelope(request=GenerationRequest(prompt="hi"), key=envelope.key)
     Freshness(keys=KeyFile(path)).check(base)  # the base model is every key's
+
+
+def test_the_decoders_field_tables_follow_the_dataclasses_order() -> None:
+    """`Envelope.decode` builds the request and the envelope from its field tables by position:
+    each table names the dataclass's fields in their order (the round trips above cannot see
+    two swapped fields of one type and value)."""
+    from tiercache.stages import envelope as codec
+
+    request_names = [name for name, _, _ in codec._REQUEST_FIELDS]
+    assert request_names == [f.name for f in dataclasses.fields(GenerationRequest)]
+    assert (request_names[codec._HISTORY], request_names[codec._DRAFTS]) == ("history", "drafts")
+    envelope_names = ["request", *(name for name, _, _ in codec._ENVELOPE_FIELDS)]
+    assert envelope_names == [f.name for f in dataclasses.fields(Envelope)]

@@ -119,6 +119,23 @@ def test_cpu_repository_lines_up(assemble: ModuleType) -> None:
     assemble.check_repository(ROOT / "model_repository")
 
 
+@pytest.mark.parametrize("which", ["cpu", "gpu"])
+def test_an_exact_hits_text_goes_from_prompt_cache_to_llm(which: str, gpu_repo: Path) -> None:
+    """llm's EXACT_TEXT and EXACT_TOKENS are optional (a stage may be called without them), so
+    the checker would not miss them: a dropped mapping would refuse every exact hit. Each is
+    prompt_cache's output of the same type and shape, in both ensembles."""
+    repository = ROOT / "model_repository" if which == "cpu" else gpu_repo
+    configs = configs_of(repository)
+    steps = {step.model_name: step for step in configs["ensemble"].ensemble_scheduling.step}
+    sent = {v: k for k, v in steps["prompt_cache"].output_map.items()}
+    produced = by_name(configs["prompt_cache"].output)
+    consumed = by_name(configs["llm"].input)
+    for ours, theirs in (("EXACT_TEXT", "CACHED_TEXT"), ("EXACT_TOKENS", "CACHED_TOKENS")):
+        assert sent[steps["llm"].input_map[ours]] == theirs
+        assert consumed[ours].data_type == produced[theirs].data_type
+        assert list(consumed[ours].dims) == list(produced[theirs].dims)
+
+
 def test_committed_stage_parameters_are_ones_the_stages_accept() -> None:
     from tiercache.config import STAGE_CONFIGS, parse_config
 

@@ -89,9 +89,8 @@ class Responder:
 def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     """One request's inputs, their seals checked (Forbidden when unsealed or altered); an
     exact hit decoded before from the same inputs is taken as it was (`LlmStage.known_hit`)."""
-    exact_text = inputs.string("EXACT_TEXT") or ""
-    if exact_text:
-        return decode_exact(inputs, stage, exact_text)
+    if inputs.blob("EXACT_TEXT"):
+        return decode_exact(inputs, stage)
     key = inputs.raw_key(HIT_INPUTS, HIT_KEY_MAX_BYTES)
     known = stage.known_hit(key)
     if known is not None:
@@ -132,7 +131,7 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     )
 
 
-def decode_exact(inputs: io.Inputs, stage: LlmStage, text: str) -> LlmInput:
+def decode_exact(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     """An exact hit with an answer, as prompt_cache handed it on (EXACT_TEXT, EXACT_TOKENS,
     under the envelope's seal); embedding_cache's pass-through is not read. Kept like any
     decoded hit (`LlmStage.known_hit`, its key tagged apart from the other hits')."""
@@ -143,6 +142,7 @@ def decode_exact(inputs: io.Inputs, stage: LlmStage, text: str) -> LlmInput:
         return known
     data = inputs.blob("ENVELOPE")
     check_envelope_size(data)
+    text = inputs.string("EXACT_TEXT") or ""
     counts = tokens_of(inputs.vector("EXACT_TOKENS"))
     envelope = stage.received_exact(data, text, counts)
     item = LlmInput(envelope, CacheStatus.EXACT.value, text, None, None, NO_LORA, counts)

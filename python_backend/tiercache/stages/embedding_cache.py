@@ -1,6 +1,7 @@
 """The `embedding_cache` stage: on an exact miss, embed the prompt (BLS to the `embedder` model),
 search the request's semantic scope, and serve a reworded request's answer if the guard passes
-it; every other request passes through with the exact lookup's status."""
+it; every other request passes through with the exact lookup's status (an exact hit's with an
+empty answer: its text goes from prompt_cache to llm directly, `EmbeddingCacheStage.exact_hit`)."""
 
 from __future__ import annotations
 

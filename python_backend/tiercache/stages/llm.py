@@ -116,10 +116,10 @@ ENGINE_OUTPUTS = [
 class LlmInput:
     """One request to llm, as model.py decoded it."""
 
-    # decoded when needed: an exact hit without padding never decodes it (a semantic hit does,
-    # to read its verify-semantic word, unless the deployment's verify_semantic says it all)
+    # checked and decoded when first read (an exact hit's at once, `received_exact`; a semantic
+    # hit's to read its verify-semantic word, unless the deployment's verify_semantic says it all)
     envelope: ReceivedEnvelope
-    status: str  # embedding_cache's: exact, semantic, miss or bypass
+    status: str  # exact (prompt_cache's hit, or embedding_cache's), semantic, miss or bypass
     cached_text: str  # the answer to serve on a hit
     similarity: float | None  # a semantic hit's
     vector: np.ndarray | None  # the prompt's embedding (indexed with a new answer)
@@ -402,8 +402,9 @@ def _output_array(response: object, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-# What llm reads of a hit (model.py's `decode`): an exact hit whose inputs are these tensors
-# byte for byte decodes to what it did before (`LlmStage.known_hit`).
+# What llm reads of a hit that comes through embedding_cache (model.py's `decode`): an exact hit
+# (with an empty stored answer) whose inputs are these tensors byte for byte decodes to what it
+# did before (`LlmStage.known_hit`); one with a text is keyed by EXACT_INPUTS.
 HIT_INPUTS = (
     "LOOKUP_STATUS",
     "ENVELOPE",
@@ -565,8 +566,9 @@ class LlmStage:
     ) -> ReceivedEnvelope:
         """The envelope, once embedding_cache's seal over its answer (the tensors
         ANSWER_TENSORS, bound to the envelope's seal) verifies; Forbidden otherwise. The envelope
-        itself is checked when first read, against the exact hit's text on an exact hit (as
-        prompt_cache sealed it) and against none otherwise."""
+        itself is checked when first read: on an exact hit (whose stored answer is empty: one
+        with a text comes as EXACT_TEXT, `received_exact`, and is refused here) against that
+        empty text and the token counts, as prompt_cache sealed them; against none otherwise."""
         check_tensors(
             self.sealer,
             answer_seal,
@@ -578,9 +580,14 @@ class LlmStage:
         )
         if answer["ANSWER_STATUS"] != CacheStatus.EXACT:
             return ReceivedEnvelope(data, self.sealer, self.freshness)
+        text = str(answer["ANSWER_TEXT"])
+        if text:  # no stage sends one this way (`received_exact`): refused, not served
+            raise Forbidden(
+                "an exact hit's text comes from prompt_cache (EXACT_TEXT), not in "
+                "embedding_cache's answer"
+            )
         tokens = answer.get("ANSWER_TOKENS")
         counts = tokens_of(tokens if isinstance(tokens, np.ndarray) else None)
-        text = str(answer["ANSWER_TEXT"])
         return ReceivedEnvelope(data, self.sealer, self.freshness, text, counts)
 
     def received_exact(self, data: bytes | None, text: str, tokens: Tokens) -> ReceivedEnvelope:
@@ -595,8 +602,9 @@ class LlmStage:
 
     def known_hit(self, key: tuple[object, ...] | None) -> LlmInput | None:
         """The exact hit decoded earlier from inputs equal to `key` byte for byte
-        (`io.Inputs.raw_key` over HIT_INPUTS): decoding is a function of those inputs alone,
-        so it is what decoding them again would give, their seal checked then."""
+        (`io.Inputs.raw_key` over HIT_INPUTS, or tagged "exact" over EXACT_INPUTS): decoding
+        is a function of those inputs alone, so it is what decoding them again would give,
+        their seal checked then."""
         return None if key is None else self._hits.get(key)
 
     def remember_hit(self, key: tuple[object, ...] | None, item: LlmInput) -> None:
