@@ -493,3 +493,37 @@ def test_huge_numbers_are_not_echoed_whole() -> None:
     assert "\u2026" in info.value.message and len(info.value.message) < 200
     with pytest.raises(InvalidRequest, match="max_tokens must be in"):
         canonicalize(RawInputs("hi", max_tokens=-(10**4000)))
+
+
+def test_pinned_is_replace_of_the_scope_and_adapter_fields() -> None:
+    """`GenerationRequest.pinned` builds the request field by field: it must equal
+    `dataclasses.replace` of its three fields for a request whose every field differs from
+    its default (a field added to the class and not to `pinned` would fail here)."""
+    import dataclasses
+
+    request = GenerationRequest(
+        "What is Triton?",
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        seed=11,
+        stop_words=("END",),
+        stream=True,
+        lora_name="caps",
+        lora_task_id=2,
+        lora_digest="0" * 64,
+        tenant_scope="old",
+        history=(("user", "Hi"),),
+        raw_prompt=True,
+        speculate=False,
+        drafts=(("answer", "x"),),
+        index_answer=False,
+    )
+    defaults = GenerationRequest("")
+    for f in dataclasses.fields(GenerationRequest):
+        assert getattr(request, f.name) != getattr(defaults, f.name), f.name
+    pinned = request.pinned("s" * 64, 5, "1" * 64)
+    assert pinned == dataclasses.replace(
+        request, tenant_scope="s" * 64, lora_task_id=5, lora_digest="1" * 64
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,9 +132,11 @@ class PromptCache:
         made = None if key is None else self._requests.get(key)
         if made is not None:
             return made
-        request = dataclasses.replace(canonical.request, tenant_scope=tenant)
-        if ref is not None:
-            request = dataclasses.replace(request, lora_task_id=ref.task_id, lora_digest=ref.digest)
+        request = canonical.request
+        if ref is None:
+            request = request.pinned(tenant, request.lora_task_id, request.lora_digest)
+        else:
+            request = request.pinned(tenant, ref.task_id, ref.digest)
         digest = None
         if canonical.cacheable:
             digest = request_digest(tenant, self.engine, request, request.lora_digest)

@@ -10,6 +10,7 @@ parameters that cannot change a greedy result are all normalized away.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -273,6 +274,30 @@ class GenerationRequest:
     # index); llm sets it false for a request whose answer is not stored (`no-store`).
     index_answer: bool = True
 
+    def pinned(self, tenant_scope: str, lora_task_id: int, lora_digest: str) -> GenerationRequest:
+        """This request pinned to its tenant scope and adapter version (prompt_cache, once per
+        request): `dataclasses.replace` of those three fields, built directly (a third of its
+        time; tests/unit/test_request.py checks that the two agree)."""
+        return GenerationRequest(
+            self.prompt,
+            self.max_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.seed,
+            self.stop_words,
+            self.stream,
+            self.lora_name,
+            lora_task_id,
+            lora_digest,
+            tenant_scope,
+            self.history,
+            self.raw_prompt,
+            self.speculate,
+            self.drafts,
+            self.index_answer,
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -288,6 +313,7 @@ def normalize_text(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
+@functools.lru_cache(maxsize=4096)  # a few values per deployment (temperatures, top_p)
 def canonical_float(value: float) -> float:
     """The shortest decimal that round-trips through float32, so FP32 0.7 and Python 0.7 agree;
     -0.0 is 0.0 (they compare and hash equal, so one must not key differently from the other)."""
