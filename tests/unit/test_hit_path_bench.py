@@ -75,3 +75,32 @@ def test_the_floor_sends_what_the_real_stages_send_on_an_exact_hit(tmp_path: Pat
         assert 0.9 * ours <= theirs <= 1.25 * ours, (step.model, ours, theirs)
     for last in (real_last, floor_last):
         assert len(last["ANSWER_ID"].reshape(-1)[0]) == ID_CHARS
+
+
+def test_evict_mib_reads_its_buffer_before_each_timed_step_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--evict-mib` reads its buffer once before every timed step (outside the step's timer),
+    never on an untimed run; a size past 1 GiB is refused."""
+
+    class Counted:
+        reads = 0
+
+        def sum(self) -> int:
+            Counted.reads += 1
+            return 0
+
+    steps = ensemble_steps((MODEL_REPOSITORY / "ensemble" / "config.pbtxt").read_text())
+    with stand_in(), contextlib.ExitStack() as stack:
+        floor = Ensemble(steps, tmp_path / "floor", floor=True)
+        stack.callback(floor.close)
+        floor.evict = Counted()  # type: ignore[assignment]
+        public = public_inputs(PROMPT)
+        floor.run(public, timed=False)
+        assert Counted.reads == 0
+        floor.run(public)
+        assert Counted.reads == len(steps)
+    assert main(["--requests", "5", "--rounds", "2", "--evict-mib", "1"]) == 0
+    assert "| all steps |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--evict-mib", "2048"])

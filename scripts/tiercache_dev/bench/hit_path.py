@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m tiercache_dev.bench.hit_path [--requests 5000] [--rounds 5] [--profile N]
+    python -m tiercache_dev.bench.hit_path [--requests 5000] [--rounds 5] [--distinct K]
+        [--evict-mib M] [--profile N]
 
 `make bench` compares a hit through tritonserver with a floor of no-op stages; on a shared
 machine that ratio moves by more than the few percent a change to the hit path makes (the same
@@ -16,8 +17,9 @@ stages' own work per hit (decoding, lookups, seals, answer ids, metrics, buildin
 not Triton's IPC nor pb_utils.Tensor's serialization, which the floor pays too. The floor's
 no-op steps (scripts/bench_fixtures/floor) run the same way, in the same rounds, interleaved.
 Reported per step: median over rounds of the mean microseconds per hit (and the range), the
-floor's, and what the stage adds; and their sums. `--profile N` also prints cProfile's top N
-functions by own time over one more round.
+floor's, and what the stage adds; and their sums. `--evict-mib M` reads M MiB before each step
+(untimed), so that each starts with the CPU caches evicted, as after a hop between a server's
+processes. `--profile N` also prints cProfile's top N functions by own time over one more round.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class Ensemble:
             if not floor:
                 model.stage.metrics.close()
         self.seconds = {step.model: 0.0 for step in self.steps}
+        # read before each timed step when set (`--evict-mib`): a step then runs as after a hop
+        # between processes, with what it touches evicted from the CPU caches
+        self.evict: np.ndarray | None = None
         # each step's outputs in the last untimed request: name -> (dtype, shape), and the bytes of
         # each BYTES output's values (what the stub serializes and the next step reads)
         self.sent: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -145,6 +150,8 @@ class Ensemble:
                 if source in tensors
             ]
             model = self.models[step.model]
+            if timed and self.evict is not None:
+                self.evict.sum()  # the step starts with the CPU caches holding other data
             started = time.perf_counter()
             responses = self._execute(model, inputs)
             if timed:
@@ -226,10 +233,19 @@ def main(argv: list[str] | None = None) -> int:
         help="distinct cached prompts the hits cycle through (1: one prompt, served from the "
         "stages' memos after its first time; more than 1,024: every hit does its whole work)",
     )
+    parser.add_argument(
+        "--evict-mib",
+        type=int,
+        default=0,
+        help="before each step (outside its timer), read this many MiB to evict the CPU caches, "
+        "as a hop between processes does (0: not; 16 is past a 2-core VM's caches)",
+    )
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     args = parser.parse_args(argv)
     if args.distinct < 1 or args.requests < 1 or args.rounds < 1:
         parser.error("--distinct, --requests and --rounds must be at least 1")
+    if not 0 <= args.evict_mib <= 1024:
+        parser.error("--evict-mib must be between 0 and 1024")
     with stand_in():
         return run(args, argv)
 
@@ -259,6 +275,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiercache-hit-path-") as tmp:
         ensemble = Ensemble(steps, Path(tmp) / "tiercache")
         floor = Ensemble(steps, Path(tmp) / "floor", floor=True)
+        if args.evict_mib:
+            ensemble.evict = floor.evict = np.ones(args.evict_mib << 20, dtype=np.uint8)
         try:
             prompts = (
                 [PROMPT]
