@@ -29,12 +29,13 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 inputs = io.Inputs(request)
-                cached_text = inputs.string("CACHED_TEXT") or ""
-                # an exact hit goes from prompt_cache to llm directly: nothing to check here
-                hit = self.stage.exact_hit(cached_text)
+                # an exact hit goes from prompt_cache to llm directly: nothing to check here,
+                # nor its text to decode
+                hit = self.stage.exact_hit(inputs.blob("CACHED_TEXT"))
                 if hit is not None:
                     responses[i] = encode(hit, "")
                     continue
+                cached_text = inputs.string("CACHED_TEXT") or ""
                 data = inputs.blob("ENVELOPE")
                 tokens = tokens_of(inputs.vector("CACHED_TOKENS"))
                 seals[i] = seal_of(data)

@@ -122,8 +122,9 @@ class EmbeddingCacheStage:
         """The seal llm checks over this answer, bound to the envelope's (`answer_seal`)."""
         return answer_seal(self.sealer, envelope_seal, answer)
 
-    def exact_hit(self, cached_text: str) -> Answer | None:
-        """An exact hit's answer, or None without `cached_text` (then `open` the envelope).
+    def exact_hit(self, cached_text: bytes | str | None) -> Answer | None:
+        """An exact hit's answer, or None without `cached_text` (then `open` the envelope; the
+        text as received: only whether there is one matters here).
         prompt_cache hands an exact hit's text and token counts to llm directly (EXACT_TEXT,
         EXACT_TOKENS), where the envelope's seal is checked over them; what this stage sends for
         it is EXACT_PASS, which carries nothing (no text, no seal: llm reads none of it for an
