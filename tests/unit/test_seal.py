@@ -3,11 +3,14 @@ altered, moved between fields or hops, or sealed under another deployment's secr
 
 from __future__ import annotations
 
+import hmac
+import struct
+
 import numpy as np
 import pytest
 
 from tiercache.errors import Forbidden, InvalidRequest
-from tiercache.exact.keys import Digest
+from tiercache.exact.keys import Digest, derive_key
 from tiercache.exact.request import GenerationRequest
 from tiercache.stages.envelope import Envelope, Freshness, ReceivedEnvelope, seal_of
 from tiercache.stages.seal import (
@@ -133,3 +136,17 @@ def test_a_seal_of_any_text_is_refused_as_forbidden() -> None:
     for forged in ("é" * 64, "\udcff" * 64, "0" * 63):
         with pytest.raises(Forbidden, match="does not verify"):
             SEALER.check(forged, ANSWER_LABEL, b"x", what="answer")
+
+
+def test_a_seal_is_hmac_sha256_of_the_label_and_length_prefixed_parts() -> None:
+    """The keyed context is copied per seal, never updated in place: every seal, however many
+    came before it and in whatever order, equals the one-shot HMAC of its own message."""
+    key = derive_key(b"s" * 32, "stage seal")
+    parts = (b"", b"x" * 700, "é".encode())
+    message = b"answer" + b"".join(struct.pack(">Q", len(p)) + p for p in parts)
+    expected = hmac.digest(key, message, "sha256").hex()
+    sealer = Sealer(key)
+    assert [sealer.seal(ANSWER_LABEL, *parts) for _ in range(3)] == [expected] * 3
+    assert sealer.seal(ENGINE_LABEL) != expected
+    assert sealer.seal(ANSWER_LABEL, *parts) == expected
+    assert SEALER.seal(ANSWER_LABEL, *parts) == expected
