@@ -96,10 +96,14 @@ def _document(scope: TenantScope, engine: EngineIdentity, adapter_digest: str) -
     }
 
 
+# json.dumps with these options, built once (dumps builds an encoder per call); stateless, so
+# shared by every thread
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _sha256_of(document: dict) -> str:
     """SHA-256 over a canonical JSON encoding (sorted keys, no spaces, UTF-8)."""
-    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+    return hashlib.sha256(_CANONICAL_JSON.encode(document).encode("utf-8")).hexdigest()
 
 
 def request_digest(
