@@ -50,6 +50,37 @@ def test_a_memo_forgets_everything_when_a_new_key_finds_it_full() -> None:
         Memo(0)
 
 
+def test_a_memo_is_full_at_its_characters_too() -> None:
+    memo: Memo[int] = Memo(100, max_chars=MEMO_MAX_CHARS)
+    memo.put("a", 1, MEMO_MAX_CHARS - 10)
+    memo.put("b", 2, 10)
+    assert (len(memo), memo.chars) == (2, MEMO_MAX_CHARS)
+    memo.put("b", 3, 10)  # an old key is replaced, counted once
+    assert (memo.get("b"), len(memo), memo.chars) == (3, 2, MEMO_MAX_CHARS)
+    memo.put("c", 4, 1)  # one character over: cleared first
+    assert (memo.get("a"), memo.get("c"), len(memo), memo.chars) == (None, 4, 1, 1)
+    memo.put("d", 5, MEMO_MAX_CHARS + 1)  # larger than the whole memo: not kept, nothing lost
+    assert (memo.get("d"), memo.get("c"), memo.chars) == (None, 4, 1)
+    with pytest.raises(ValueError, match="characters"):
+        Memo(10, max_chars=MEMO_MAX_CHARS - 1)
+
+
+def test_a_few_thousand_hot_prompts_stay_memoized() -> None:
+    """2,048 distinct prompts asked in turn: after the first pass every lookup is a memo hit
+    (1,024 entries were cleared every 1,024 new requests, so none ever hit), and the memos
+    count each entry's text."""
+    cache = prompts()
+    raws = [RawInputs(f"What is the capital of country number {i}?") for i in range(2048)]
+    first = [cache.lookup(raw) for raw in raws]
+    held = (len(cache._canonical), len(cache._requests))
+    assert held == (2048, 2048) and cache._canonical.chars > 2048 * 2 * 38
+    again = [cache.lookup(raw) for raw in raws]
+    assert again == first
+    # the memoized request objects themselves: nothing was canonicalized or digested again
+    assert all(a.request is b.request for a, b in zip(again, first, strict=True))
+    assert (len(cache._canonical), len(cache._requests)) == held
+
+
 def test_repeated_lookups_equal_a_fresh_cache_s() -> None:
     memoized = prompts()
     for raw in REQUESTS:

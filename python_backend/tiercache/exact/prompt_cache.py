@@ -119,7 +119,7 @@ class PromptCache:
             canonical = canonicalize(raw, self.limits)
             if not small_request(canonical.request):  # NFKC grew it (up to 18x)
                 return canonical, None
-            self._canonical.put(key, canonical)
+            self._canonical.put(key, canonical, 2 * canonical.request.text_chars())
         return canonical, key
 
     def _request(
@@ -141,7 +141,7 @@ class PromptCache:
         if canonical.cacheable:
             digest = request_digest(tenant, self.engine, request, request.lora_digest)
         made = (request, digest)
-        return made if key is None else self._requests.put(key, made)
+        return made if key is None else self._requests.put(key, made, 2 * request.text_chars())
 
     def lookup(
         self, raw: RawInputs, read: bool = True, grant: TenantGrant | None = None

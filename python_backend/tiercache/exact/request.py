@@ -274,6 +274,12 @@ class GenerationRequest:
     # index); llm sets it false for a request whose answer is not stored (`no-store`).
     index_answer: bool = True
 
+    def text_chars(self) -> int:
+        """The characters of text it holds (prompt, history, stop words): what a memo entry
+        holding it, or its raw inputs, counts for it (tiercache.exact.memo)."""
+        history = sum(len(content) for _, content in self.history)
+        return len(self.prompt) + history + sum(len(word) for word in self.stop_words)
+
     def pinned(self, tenant_scope: str, lora_task_id: int, lora_digest: str) -> GenerationRequest:
         """This request pinned to its tenant scope and adapter version (prompt_cache, once per
         request): `dataclasses.replace` of those three fields, built directly (a third of its

@@ -44,7 +44,7 @@ from tiercache.errors import (
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
 from tiercache.exact.leases import LeaseCoordinator
-from tiercache.exact.memo import MEMO_ENTRIES, MEMO_MAX_CHARS, Memo, worth_keeping
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
@@ -420,10 +420,9 @@ HIT_INPUTS = (
 # text and token counts, handed on directly (embedding_cache's answer is empty for it).
 EXACT_INPUTS = ("ENVELOPE", "EXACT_TEXT", "EXACT_TOKENS")
 # a key holds at most this many bytes of values (an answer and its envelope, as `worth_keeping`
-# allows for ASCII text); an entry also holds the answer's text and the decoded envelope, up to
-# about 60 KiB in all, hence half a memo's usual entries (about 30 MiB at most)
+# allows for ASCII text); an entry also holds the answer's text and the decoded envelope (the
+# memo counts an entry's characters: `remember_hit`)
 HIT_KEY_MAX_BYTES = 5 * MEMO_MAX_CHARS + 1024
-HIT_MEMO_ENTRIES = MEMO_ENTRIES // 2
 
 
 class LlmStage:
@@ -447,7 +446,7 @@ class LlmStage:
         self.answer_ids = AnswerIds(secret)
         # exact hits decoded, by their inputs as received (`known_hit`): a repeated hit skips
         # decoding its inputs and the HMAC over them
-        self._hits: Memo[LlmInput] = Memo(HIT_MEMO_ENTRIES)
+        self._hits: Memo[LlmInput] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -620,10 +619,12 @@ class LlmStage:
         ):
             return
         try:
-            item.envelope.get()  # decoded once here; the request reads it next (its answer id)
+            request = item.envelope.get().request  # decoded once here; read next (answer id)
         except TierCacheError:
             return  # the request's own error follows when it reads the envelope
-        self._hits.put(key, item)
+        # the key's answer and envelope, the entry's answer and decoded request
+        held = 2 * len(item.cached_text) + len(item.envelope.data or b"") + request.text_chars()
+        self._hits.put(key, item, held)
 
     def received_lora(
         self, envelope: ReceivedEnvelope, lora_seal: str | None, tensors: dict[str, Part]

@@ -95,7 +95,11 @@ class PromptCacheStage:
         key = (envelope, text, tokens)
         sealed = self._sealed.get(key)
         if sealed is None:
-            sealed = self._sealed.put(key, envelope.seal(self.sealer, text, tokens))
+            sealed = envelope.seal(self.sealer, text, tokens)
+            # the key's text and envelope (its request), the sealed bytes (both again)
+            self._sealed.put(
+                key, sealed, 2 * len(text) + len(sealed) + envelope.request.text_chars()
+            )
         return sealed
 
     def count_error(self, exc: BaseException) -> None:
