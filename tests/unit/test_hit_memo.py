@@ -65,6 +65,26 @@ def test_a_memo_is_full_at_its_characters_too() -> None:
         Memo(10, max_chars=MEMO_MAX_CHARS - 1)
 
 
+def test_a_memo_full_at_its_entries_starts_counting_again() -> None:
+    memo: Memo[int] = Memo(2)
+    memo.put("a", 1, 100)
+    memo.put("b", 2, 200)
+    memo.put("c", 3, 7)
+    assert (memo.get("a"), memo.get("c"), len(memo), memo.chars) == (None, 3, 1, 7)
+
+
+def test_padding_the_inputs_counts_in_the_memos() -> None:
+    """Spaces that normalization removes are still held by the memo's key (the inputs as
+    received): they count, so padded requests cannot fill a memo past its characters."""
+    cache = prompts()
+    padded = RawInputs("What is Triton?" + " " * 3000, cache_control=" " * 500)
+    cache.lookup(padded)
+    assert cache._canonical.chars >= 3515 and cache._requests.chars >= 3515
+    plain = prompts()
+    plain.lookup(RawInputs("What is Triton?"))
+    assert plain._canonical.chars < 100
+
+
 def test_a_few_thousand_hot_prompts_stay_memoized() -> None:
     """2,048 distinct prompts asked in turn: after the first pass every lookup is a memo hit
     (1,024 entries were cleared every 1,024 new requests, so none ever hit), and the memos

@@ -10,7 +10,9 @@ values too large to be worth keeping (`MEMO_MAX_CHARS`) are not memoized.
 Full means `MEMO_ENTRIES` entries or `MEMO_CHARS` characters of the texts they hold (each
 caller says what an entry holds), whichever comes first: a workload's few thousand hot
 prompts stay memoized (1,024 entries were cleared every 1,024 distinct requests, so 2,048 hot
-prompts never hit), while a memo of long texts stays within 16 MiB. Measured under
+prompts never hit), while a memo of long texts holds at most MEMO_CHARS characters of them
+(what its callers count: the texts of the inputs as received and of what was computed from
+them, padding included; objects add about 1 KB an entry). Measured under
 tracemalloc (the hit path's stand-in ensemble, 4,096 distinct 90-character prompts, each
 asked once after its answer was cached): prompt_cache's three memos and llm's held 15 MiB in
 all, about 3.7 KB per hot prompt; the memos' counts then stood at 0.8 M characters (the
@@ -18,6 +20,7 @@ request memos) and 3.3 M (the sealed envelopes, llm's hits), under MEMO_CHARS.""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -38,7 +41,7 @@ class Memo(Generic[V]):
     """Values by key, at most `max_entries` of them holding at most `max_chars` characters
     of text (all forgotten when a new key finds it full)."""
 
-    __slots__ = ("_chars", "_data", "_max", "_max_chars")
+    __slots__ = ("_chars", "_data", "_lock", "_max", "_max_chars")
 
     def __init__(self, max_entries: int = MEMO_ENTRIES, max_chars: int = MEMO_CHARS) -> None:
         if max_entries < 1:
@@ -49,22 +52,25 @@ class Memo(Generic[V]):
         self._max = max_entries
         self._max_chars = max_chars
         self._chars = 0
+        self._lock = threading.Lock()  # puts only (a get reads the dict as it is)
 
     def get(self, key: Hashable) -> V | None:
         return self._data.get(key)
 
     def put(self, key: Hashable, value: V, chars: int = 0) -> V:
         """Remember `value` under `key`, an entry whose key and value hold `chars` characters
-        of text (more than `max_chars`: not kept); returns it."""
-        data = self._data
-        if key not in data:
-            if chars > self._max_chars:
-                return value
-            if len(data) >= self._max or self._chars + chars > self._max_chars:
-                data.clear()
-                self._chars = 0
-            self._chars += chars
-        data[key] = value
+        of text (more than `max_chars`: not kept); returns it. A memoized function's value for
+        a key never changes, so a key put again keeps the count it was first put with."""
+        if chars > self._max_chars:
+            return value
+        with self._lock:
+            data = self._data
+            if key not in data:
+                if len(data) >= self._max or self._chars + chars > self._max_chars:
+                    data.clear()
+                    self._chars = 0
+                self._chars += chars
+            data[key] = value
         return value
 
     @property

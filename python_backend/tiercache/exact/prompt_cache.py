@@ -119,11 +119,15 @@ class PromptCache:
             canonical = canonicalize(raw, self.limits)
             if not small_request(canonical.request):  # NFKC grew it (up to 18x)
                 return canonical, None
-            self._canonical.put(key, canonical, 2 * canonical.request.text_chars())
+            self._canonical.put(key, canonical, raw_chars(raw) + canonical.request.text_chars())
         return canonical, key
 
     def _request(
-        self, canonical: Canonical, raw_key: tuple[object, ...] | None, tenant: TenantScope
+        self,
+        canonical: Canonical,
+        raw_key: tuple[object, ...] | None,
+        tenant: TenantScope,
+        raw: RawInputs,
     ) -> tuple[GenerationRequest, Digest | None]:
         """The request pinned to its tenant scope and adapter version, and its digest (None when
         it is not cacheable); memoized by the raw inputs they follow from."""
@@ -141,7 +145,9 @@ class PromptCache:
         if canonical.cacheable:
             digest = request_digest(tenant, self.engine, request, request.lora_digest)
         made = (request, digest)
-        return made if key is None else self._requests.put(key, made, 2 * request.text_chars())
+        if key is None:
+            return made
+        return self._requests.put(key, made, raw_chars(raw) + request.text_chars())
 
     def lookup(
         self, raw: RawInputs, read: bool = True, grant: TenantGrant | None = None
@@ -161,7 +167,7 @@ class PromptCache:
         tenant = self._scope(tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         control = canonical.cache_control
-        request, digest = self._request(canonical, raw_key, tenant)
+        request, digest = self._request(canonical, raw_key, tenant, raw)
 
         def result(
             digest: Digest | None,
@@ -235,6 +241,18 @@ def small_request(request: GenerationRequest) -> bool:
     MEMO_MAX_CHARS after normalization, as the raw key's bound is before it."""
     history = sum(len(content) for _, content in request.history)
     return max(len(request.prompt), history) <= MEMO_MAX_CHARS
+
+
+def raw_chars(raw: RawInputs) -> int:
+    """The characters of text `raw`'s memo key holds (its texts as received, which
+    normalization may shrink: padding is counted here, not in the canonical request)."""
+    chars = 0
+    for text in (raw.text_input, raw.tenant, raw.cache_control, raw.lora_name, raw.history):
+        if isinstance(text, (str, bytes)):
+            chars += len(text)
+    for word in raw.stop_words or ():
+        chars += len(word) if isinstance(word, (str, bytes)) else 0
+    return chars
 
 
 def _raw_key(raw: RawInputs) -> tuple[object, ...] | None:

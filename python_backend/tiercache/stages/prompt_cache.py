@@ -96,10 +96,9 @@ class PromptCacheStage:
         sealed = self._sealed.get(key)
         if sealed is None:
             sealed = envelope.seal(self.sealer, text, tokens)
-            # the key's text and envelope (its request), the sealed bytes (both again)
-            self._sealed.put(
-                key, sealed, 2 * len(text) + len(sealed) + envelope.request.text_chars()
-            )
+            # the key's answer and envelope (its request); the sealed bytes (the envelope's JSON)
+            held = len(text) + len(sealed) + envelope.request.text_chars()
+            self._sealed.put(key, sealed, held)
         return sealed
 
     def count_error(self, exc: BaseException) -> None:

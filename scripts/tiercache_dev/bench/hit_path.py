@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="distinct cached prompts the hits cycle through (1: one prompt, served from the "
-        "stages' memos after its first time; more than 1,024: every hit does its whole work)",
+        "stages' memos after its first time; up to 4,096, the memos' entries, the same once "
+        "each was asked (the sealed envelopes and llm's hits while their envelope's 10 s issue "
+        "step lasts); more: every hit does its whole work)",
     )
     parser.add_argument(
         "--evict-mib",

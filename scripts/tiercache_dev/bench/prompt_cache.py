@@ -143,8 +143,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="distinct cached prompts the hits cycle through (1: the one prompt repeated, which "
-        "the stages serve from their memos after its first time: 1,024 canonical requests and "
-        "envelopes, 512 decoded hits in llm; more than those: every hit does its whole work)",
+        "the stages serve from their memos after its first time; up to 4,096, the memos' "
+        "entries, the same once each was asked (the sealed envelopes and llm's decoded hits "
+        "while their envelope's 10 s issue step lasts); more: every hit does its whole work)",
     )
     add_background_load_arguments(p)
     p.add_argument(
