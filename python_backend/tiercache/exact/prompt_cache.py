@@ -119,15 +119,11 @@ class PromptCache:
             canonical = canonicalize(raw, self.limits)
             if not small_request(canonical.request):  # NFKC grew it (up to 18x)
                 return canonical, None
-            self._canonical.put(key, canonical, raw_chars(raw) + canonical.request.text_chars())
+            self._canonical.put(key, canonical, key_chars(key) + canonical.request.text_chars())
         return canonical, key
 
     def _request(
-        self,
-        canonical: Canonical,
-        raw_key: tuple[object, ...] | None,
-        tenant: TenantScope,
-        raw: RawInputs,
+        self, canonical: Canonical, raw_key: tuple[object, ...] | None, tenant: TenantScope
     ) -> tuple[GenerationRequest, Digest | None]:
         """The request pinned to its tenant scope and adapter version, and its digest (None when
         it is not cacheable); memoized by the raw inputs they follow from."""
@@ -145,9 +141,9 @@ class PromptCache:
         if canonical.cacheable:
             digest = request_digest(tenant, self.engine, request, request.lora_digest)
         made = (request, digest)
-        if key is None:
+        if raw_key is None:
             return made
-        return self._requests.put(key, made, raw_chars(raw) + request.text_chars())
+        return self._requests.put(key, made, key_chars(raw_key) + request.text_chars())
 
     def lookup(
         self, raw: RawInputs, read: bool = True, grant: TenantGrant | None = None
@@ -167,7 +163,7 @@ class PromptCache:
         tenant = self._scope(tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         control = canonical.cache_control
-        request, digest = self._request(canonical, raw_key, tenant, raw)
+        request, digest = self._request(canonical, raw_key, tenant)
 
         def result(
             digest: Digest | None,
@@ -243,15 +239,15 @@ def small_request(request: GenerationRequest) -> bool:
     return max(len(request.prompt), history) <= MEMO_MAX_CHARS
 
 
-def raw_chars(raw: RawInputs) -> int:
-    """The characters of text `raw`'s memo key holds (its texts as received, which
-    normalization may shrink: padding is counted here, not in the canonical request)."""
+def key_chars(raw_key: tuple[object, ...]) -> int:
+    """The characters of text a raw memo key (`_raw_key`) holds: the inputs as received, which
+    normalization may shrink (padding counts here, not in the canonical request)."""
     chars = 0
-    for text in (raw.text_input, raw.tenant, raw.cache_control, raw.lora_name, raw.history):
-        if isinstance(text, (str, bytes)):
-            chars += len(text)
-    for word in raw.stop_words or ():
-        chars += len(word) if isinstance(word, (str, bytes)) else 0
+    for field in raw_key:
+        if isinstance(field, (str, bytes)):
+            chars += len(field)
+        elif isinstance(field, tuple):  # the stop words
+            chars += sum(len(word) for word in field if isinstance(word, (str, bytes)))
     return chars
 
 
