@@ -19,7 +19,7 @@ from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.keys import key_fields, tenant_scope
 from tiercache.exact.request import GenerationRequest
-from tiercache.exact.tenant_keys import add_key, hash_key
+from tiercache.exact.tenant_keys import add_key, hash_key, revoke_key
 from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.seal import Sealer
 from tiercache.vocabulary import Tier
@@ -202,6 +202,77 @@ def test_a_repeated_hit_is_sealed_with_its_current_answer(
     assert envelope(pb_utils, changed, sealer).status == "exact"
     with pytest.raises(Forbidden, match="does not verify"):
         seals.opened(sealer, sent(changed), "answer")
+
+
+def test_a_repeated_request_is_prepared_once_and_read_as_the_tiers_stand(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage keeps a request prepared for its lookup by its inputs as received
+    (`PromptCacheStage._prepare`), but reads the tiers and checks the padded tenants on every
+    request: a deleted answer is a miss at once, a tenant padded since is not looked up, and
+    the same inputs with one byte more are prepared apart. The sealed hit follows the issue
+    time's step."""
+    stage = model.stage
+    (miss,) = model.execute([make_request(pb_utils)])
+    digest = envelope(pb_utils, miss, sealer).digest
+    stage.cache.cache.put(digest, "answer")
+    (hit,) = model.execute([make_request(pb_utils)])
+    assert output(pb_utils, hit, "CACHED_TEXT") == "answer" and len(stage._prepared) == 1
+    issued = [1000]
+    monkeypatch.setattr("tiercache.stages.prompt_cache.issued_now", lambda: issued[0])
+    (first,) = model.execute([make_request(pb_utils)])
+    issued[0] = 1010
+    (later,) = model.execute([make_request(pb_utils)])
+    assert [envelope(pb_utils, r, sealer).issued_s for r in (first, later)] == [1000, 1010]
+    assert stage.cache.cache.delete(digest)
+    (gone,) = model.execute([make_request(pb_utils)])
+    assert envelope(pb_utils, gone, sealer).status == "miss"
+    assert output(pb_utils, gone, "CACHED_TEXT") == ""
+    stage.cache.cache.put(digest, "answer")
+    stage.cache.deferred = lambda scope: True  # every tenant padded now: llm looks it up
+    (deferred,) = model.execute([make_request(pb_utils)])
+    assert envelope(pb_utils, deferred, sealer).status == "miss"
+    stage.cache.deferred = None
+    (other,) = model.execute([make_request(pb_utils, b"What is Triton? ")])
+    assert envelope(pb_utils, other, sealer).status == "exact"  # the same canonical prompt
+    assert len(stage._prepared) == 2
+    assert flushed(model).requests["exact"].metric.value() == 4
+
+
+def test_the_same_inputs_under_two_keys_are_prepared_for_each_keys_tenant(
+    load_model: Callable[[str], ModuleType], pb_utils: ModuleType, tmp_path: Path, sealer: Sealer
+) -> None:
+    """With a key file, a request prepared for one caller's key is not served to another's:
+    the grant is part of what the stage keeps it by, and a key removed from the file is
+    refused on its next request, whatever was kept for it."""
+    keys = tmp_path / "keys.json"
+    acme_key, acme_grant = add_key(keys, "acme")
+    globex_key, _ = add_key(keys, "globex")
+    instance = load_model("prompt_cache").TritonPythonModel()
+    parameters = {"state_dir": str(tmp_path), "api_keys_file": str(keys)}
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    instance.initialize({"model_config": json.dumps(config), "model_name": "prompt_cache"})
+
+    def call(key: str) -> Any:
+        request = make_request(pb_utils)
+        request.kwargs["parameters"] = {"authorization": f"Bearer {key}"}
+        (response,) = instance.execute([request])
+        return response
+
+    try:
+        acme = envelope(pb_utils, call(acme_key), sealer)
+        instance.stage.cache.cache.put(acme.digest, "for acme")
+        assert output(pb_utils, call(acme_key), "CACHED_TEXT") == "for acme"
+        globex = call(globex_key)
+        assert envelope(pb_utils, globex, sealer).status == "miss"
+        assert output(pb_utils, globex, "CACHED_TEXT") == ""
+        assert envelope(pb_utils, globex, sealer).key == hash_key(globex_key)
+        assert revoke_key(keys, acme_grant.key_id)
+        instance.stage.keys._checked_s = float("-inf")  # the reload check due now
+        refused = call(acme_key)
+        assert refused.has_error() and refused.error().message().startswith("forbidden: ")
+    finally:
+        instance.finalize()
 
 
 def test_l2_only_entry_is_a_hit_from_l2(model: Any, pb_utils: ModuleType, sealer: Sealer) -> None:

@@ -159,6 +159,40 @@ def test_raw_key_is_equal_only_for_inputs_equal_byte_for_byte(
     assert key(t=text, s=np.zeros((1, 64), dtype=np.float32)) is None  # 9 + 256 bytes
 
 
+def test_key_holds_every_input_as_received(tb: ModuleType, pb_utils: ModuleType) -> None:
+    """`Inputs.key`: every input the request carries, named; equal only for the same tensors
+    byte for byte in the same order; none past `max_bytes` or for a BYTES tensor of several
+    values or of anything but bytes or text. `key_chars` counts the values' bytes."""
+    text = np.array([[b"an answer"]], dtype=np.object_)
+    score = np.array([[0.5]], dtype=np.float32)
+
+    def key(max_bytes: int = 100, **inputs: np.ndarray) -> Any:
+        return tb.Inputs(request_with(pb_utils, **inputs)).key(max_bytes)
+
+    base = key(t=text, s=score)
+    assert base is not None and base == key(t=text.copy(), s=score.copy())
+    assert tb.key_chars(base) == 9 + 4
+    variants = [
+        key(t=np.array([[b"another"]], dtype=np.object_), s=score),
+        key(t=np.array([["an answer"]], dtype=np.object_), s=score),  # text, not bytes
+        key(t=text.reshape(1), s=score),
+        key(t=text, s=score.astype(np.float64)),
+        key(t=text, s=score.view(np.int32)),  # the same bytes, another dtype
+        key(t=text, s=np.array([[0.25]], dtype=np.float32)),
+        key(t=text),
+        key(t=text, s=score, other=score),  # one input more
+        key(u=text, s=score),  # another name
+        key(s=score, t=text),  # another order
+    ]
+    assert all(v is not None and v != base for v in variants)
+    assert len(set(variants)) == len(variants)
+    assert key(max_bytes=12, t=text, s=score) is None
+    assert key(max_bytes=13, t=text, s=score) is not None
+    assert key(t=np.array([[1]], dtype=np.object_), s=score) is None
+    assert key(t=np.array([[b"an", b"answer"]], dtype=np.object_), s=score) is None
+    assert key(t=text, s=np.zeros((1, 64), dtype=np.float32)) is None
+
+
 def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None:
     response = pb_utils.InferenceResponse(
         [tb.bytes_tensor("S", ["☃"]), tb.scalar_tensor("N", 5, np.int32, batched=False)]

@@ -8,7 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import EmbeddingCacheConfig
-from tiercache.stages.embedding_cache import Answer, open_embedding_cache
+from tiercache.stages.embedding_cache import EXACT_PASS, Answer, open_embedding_cache
 from tiercache.stages.envelope import Envelope, seal_of
 from tiercache.stages.seal import neighbours_text, tokens_array, tokens_of, trust_array
 from tiercache.triton import io
@@ -31,9 +31,10 @@ class TritonPythonModel:
                 inputs = io.Inputs(request)
                 # an exact hit goes from prompt_cache to llm directly: nothing to check here,
                 # nor its text to decode
-                hit = self.stage.exact_hit(inputs.blob("CACHED_TEXT"))
-                if hit is not None:
-                    responses[i] = encode(hit, "")
+                if self.stage.exact_hit(inputs.blob("CACHED_TEXT")) is not None:  # EXACT_PASS
+                    responses[i] = pb_utils.InferenceResponse(
+                        [pb_utils.Tensor(n, a) for n, a in EXACT_PASS_ARRAYS]
+                    )
                     continue
                 cached_text = inputs.string("CACHED_TEXT") or ""
                 data = inputs.blob("ENVELOPE")
@@ -59,18 +60,26 @@ class TritonPythonModel:
         self.stage.close()
 
 
-def encode(answer: Answer, seal: str) -> object:
+def arrays(answer: Answer, seal: str) -> list[tuple[str, np.ndarray]]:
+    """A response's output arrays by name: `answer` and its seal (bound to the envelope's)."""
     vector = answer.vector
     embedding = NO_VECTOR if vector is None else vector.reshape(1, -1).astype(np.float32)
-    return pb_utils.InferenceResponse(
-        [
-            io.bytes_tensor("ANSWER_TEXT", [answer.text]),
-            io.bytes_tensor("ANSWER_STATUS", [answer.status]),
-            io.scalar_tensor("SIMILARITY", answer.similarity, np.float32),
-            pb_utils.Tensor("EMBEDDING", embedding),
-            io.bytes_tensor("ANSWER_SEAL", [seal]),
-            pb_utils.Tensor("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 3)),
-            io.bytes_tensor("NEIGHBOURS", [neighbours_text(answer.neighbours)]),
-            pb_utils.Tensor("HIT_TRUST", trust_array(answer.score, answer.verify).reshape(1, -1)),
-        ]
-    )
+    return [
+        ("ANSWER_TEXT", io.bytes_array(answer.text)),
+        ("ANSWER_STATUS", io.bytes_array(answer.status)),
+        ("SIMILARITY", np.array([[answer.similarity]], dtype=np.float32)),
+        ("EMBEDDING", embedding),
+        ("ANSWER_SEAL", io.bytes_array(seal)),
+        ("ANSWER_TOKENS", tokens_array(answer.tokens).reshape(1, 3)),
+        ("NEIGHBOURS", io.bytes_array(neighbours_text(answer.neighbours))),
+        ("HIT_TRUST", trust_array(answer.score, answer.verify).reshape(1, -1)),
+    ]
+
+
+def encode(answer: Answer, seal: str) -> object:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in arrays(answer, seal)])
+
+
+# An exact hit's pass-through (EXACT_PASS, unsealed) is the same every time: its arrays are
+# built once and shared by every such response (nothing writes them; pb_utils.Tensor copies).
+EXACT_PASS_ARRAYS = tuple(arrays(EXACT_PASS, ""))

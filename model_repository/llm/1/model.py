@@ -61,22 +61,23 @@ class Responder:
         finish_reason: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
-        outputs = [io.bytes_tensor("CACHE_STATUS", [status])]
+        tensor = pb_utils.Tensor
+        outputs = [tensor("CACHE_STATUS", io.bytes_array(status))]
         if self.answer_id is not None:
-            outputs.append(io.bytes_tensor("ANSWER_ID", [self.answer_id]))
+            outputs.append(tensor("ANSWER_ID", io.bytes_array(self.answer_id)))
         if tokens is not None:
-            outputs.append(io.scalar_tensor("PROMPT_TOKENS", tokens[0], np.int32))
-            outputs.append(io.scalar_tensor("COMPLETION_TOKENS", tokens[1], np.int32))
+            outputs.append(tensor("PROMPT_TOKENS", np.array([[tokens[0]]], dtype=np.int32)))
+            outputs.append(tensor("COMPLETION_TOKENS", np.array([[tokens[1]]], dtype=np.int32)))
         if finish_reason is not None:
-            outputs.append(io.bytes_tensor("FINISH_REASON", [finish_reason]))
+            outputs.append(tensor("FINISH_REASON", io.bytes_array(finish_reason)))
         if similarity is not None:
-            outputs.append(io.scalar_tensor("CACHE_SIMILARITY", similarity, np.float32))
+            outputs.append(tensor("CACHE_SIMILARITY", np.array([[similarity]], dtype=np.float32)))
         if usage is not None:
             outputs.append(io.scalar_tensor("KV_REUSED_TOKENS", usage.reused_tokens, np.int32))
             outputs.append(io.scalar_tensor("KV_COMPUTED_TOKENS", usage.computed_tokens, np.int32))
             outputs.append(io.scalar_tensor("SPECULATED_TOKENS", usage.speculated_tokens, np.int32))
         if text is not None:
-            outputs.insert(0, io.bytes_tensor("TEXT_OUTPUT", [text]))
+            outputs.insert(0, tensor("TEXT_OUTPUT", io.bytes_array(text)))
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
 
     def send_cancelled(self) -> None:
@@ -89,8 +90,13 @@ class Responder:
 def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     """One request's inputs, their seals checked (Forbidden when unsealed or altered); an
     exact hit decoded before from the same inputs is taken as it was (`LlmStage.known_hit`)."""
+    exact = inputs.raw_key(EXACT_INPUTS, HIT_KEY_MAX_BYTES)
+    if exact is not None and exact[1] is not None and exact[1][1]:  # an EXACT_TEXT: kept?
+        known = stage.known_hit(("exact", *exact))
+        if known is not None:
+            return known
     if inputs.blob("EXACT_TEXT"):
-        return decode_exact(inputs, stage)
+        return decode_exact(inputs, stage, exact)
     key = inputs.raw_key(HIT_INPUTS, HIT_KEY_MAX_BYTES)
     known = stage.known_hit(key)
     if known is not None:
@@ -131,15 +137,12 @@ def decode(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
     )
 
 
-def decode_exact(inputs: io.Inputs, stage: LlmStage) -> LlmInput:
+def decode_exact(inputs: io.Inputs, stage: LlmStage, raw: tuple[object, ...] | None) -> LlmInput:
     """An exact hit with an answer, as prompt_cache handed it on (EXACT_TEXT, EXACT_TOKENS,
     under the envelope's seal); embedding_cache's pass-through is not read. Kept like any
-    decoded hit (`LlmStage.known_hit`, its key tagged apart from the other hits')."""
-    raw = inputs.raw_key(EXACT_INPUTS, HIT_KEY_MAX_BYTES)
+    decoded hit (`LlmStage.known_hit`, keyed by `raw`, the inputs EXACT_INPUTS as received,
+    tagged apart from the other hits')."""
     key = None if raw is None else ("exact", *raw)
-    known = stage.known_hit(key)
-    if known is not None:
-        return known
     data = inputs.blob("ENVELOPE")
     check_envelope_size(data)
     text = inputs.string("EXACT_TEXT") or ""

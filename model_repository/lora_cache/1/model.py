@@ -6,13 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tiercache.config import LoraCacheConfig
-from tiercache.stages.lora_cache import open_lora_cache_stage
+from tiercache.lora.stage import HIT_STATUSES
+from tiercache.stages.lora_cache import OUTPUTS, open_lora_cache_stage
 from tiercache.stages.seal import Part
 from tiercache.triton import io
 from tiercache.vocabulary import is_hit
+
+# A hit's response (what `_respond` sends for no plan, unsealed): every output empty. The
+# arrays are shared by every hit's response (nothing writes them; pb_utils.Tensor copies).
+HIT_OUTPUTS = tuple((name, np.array([[b""]], dtype=np.object_)) for name in (*OUTPUTS, "LORA_SEAL"))
 
 
 class TritonPythonModel:
@@ -37,8 +43,11 @@ class TritonPythonModel:
             seal = inputs.string("ADMIN_SEAL")
             plan, result = self.stage.admin(admin, seal)  # Forbidden unless sealed
             return self._respond(self.stage.outputs(plan, seal or "", result), "")
-        envelope = self.stage.received(inputs.blob("ENVELOPE"))
         status = inputs.string("LOOKUP_STATUS")
+        if status in HIT_STATUSES:  # answered from a cache: no adapter, the envelope unread
+            self.stage.count_hit()
+            return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in HIT_OUTPUTS])
+        envelope = self.stage.received(inputs.blob("ENVELOPE"))
         plan = self.stage.plan(envelope, status)
         outputs = self.stage.outputs(plan, envelope.seal)
         # llm checks LORA_SEAL on misses only: a hit's response goes unsealed (a forged status

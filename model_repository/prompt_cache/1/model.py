@@ -25,7 +25,7 @@ class TritonPythonModel:
                 key = None
                 if self.stage.keys is not None:  # the forwarded authorization header
                     key = io.request_parameter(request, AUTH_PARAMETER)
-                envelope, cached_text, tokens = self.stage.lookup(io.read_raw_inputs(request), key)
+                envelope, cached_text, tokens = self.stage.lookup(io.Inputs(request), key)
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 self.stage.count_error(exc)
                 responses.append(io.error_response(exc))

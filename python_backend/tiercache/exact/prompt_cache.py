@@ -28,7 +28,7 @@ from tiercache.exact.request import (
     canonicalize,
 )
 from tiercache.exact.tenant_keys import TenantGrant
-from tiercache.exact.tiered import TieredCache
+from tiercache.exact.tiered import Lookup, TieredCache
 from tiercache.vocabulary import CacheStatus, Tier
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,14 @@ class PromptCache:
         return canonical, key
 
     def _request(
-        self, canonical: Canonical, raw_key: tuple[object, ...] | None, tenant: TenantScope
+        self,
+        canonical: Canonical,
+        raw_key: tuple[object, ...] | None,
+        tenant: TenantScope,
+        ref: AdapterRef | None,
     ) -> tuple[GenerationRequest, Digest | None]:
-        """The request pinned to its tenant scope and adapter version, and its digest (None when
-        it is not cacheable); memoized by the raw inputs they follow from."""
-        ref = self._adapter(canonical.request.lora_name)
+        """The request pinned to its tenant scope and adapter version `ref`, and its digest
+        (None when it is not cacheable); memoized by the raw inputs they follow from."""
         key = None if raw_key is None else (raw_key, tenant, ref)
         made = None if key is None else self._requests.get(key)
         if made is not None:
@@ -154,6 +157,13 @@ class PromptCache:
         digest whether or not one is there). With a `grant` (the caller's API key,
         tiercache.exact.tenant_keys) the tenant is the grant's, and a request naming another
         tenant, or an adapter or cache_control word the grant does not allow, is Forbidden."""
+        prepared = self.prepare(raw, grant)
+        return self.result(prepared, self.read_exact(prepared) if read else None)
+
+    def prepare(self, raw: RawInputs, grant: TenantGrant | None = None) -> Prepared:
+        """`raw` validated, canonicalized and pinned to its tenant scope (the `grant`'s, with
+        one) and adapter version, with its digest: all of `lookup` but the tiers' read.
+        InvalidRequest, NotFound and Forbidden as `lookup` raises them."""
         canonical, raw_key = self._canonicalize(raw)
         tenant_name = canonical.tenant
         if grant is not None:
@@ -162,8 +172,35 @@ class PromptCache:
             tenant_name = grant.tenant
         tenant = self._scope(tenant_name)
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
+        ref = self._adapter(canonical.request.lora_name)
+        request, digest = self._request(canonical, raw_key, tenant, ref)
+        return Prepared(canonical, tenant, request, digest, ref)
+
+    def current(self, prepared: Prepared) -> bool:
+        """Whether a kept `prepare` result still stands: its adapter (if any) resolves to the
+        version it was pinned to (NotFound once the adapter is gone). Everything else in it
+        follows from the raw inputs and the grant alone."""
+        name = prepared.request.lora_name
+        return not name or self._adapter(name) == prepared.ref
+
+    def read_exact(self, prepared: Prepared) -> Lookup | None:
+        """The exact tiers' answer to a prepared request; None on a miss, or where it is not
+        looked up there: not cacheable, `no-cache` or `semantic-only`, or a padded tenant's
+        (llm looks those up behind the padding: a caller may call this stage directly, and
+        what it found would reach them unpadded and unmasked)."""
+        control = prepared.canonical.cache_control
+        if prepared.digest is None or control.no_cache or control.semantic_only:
+            return None
+        if self.deferred is not None and self.deferred(prepared.tenant):
+            return None
+        return self.cache.get(prepared.digest, control.max_age_s)
+
+    def result(self, prepared: Prepared, found: Lookup | None) -> LookupResult:
+        """The lookup's outcome for a prepared request given the exact tiers' answer `found`
+        (`read_exact`'s; None: a miss, or not read)."""
+        request, digest = prepared.request, prepared.digest
+        tenant, canonical = prepared.tenant, prepared.canonical
         control = canonical.cache_control
-        request, digest = self._request(canonical, raw_key, tenant)
 
         def result(
             digest: Digest | None,
@@ -194,17 +231,6 @@ class PromptCache:
 
         if digest is None:
             return result(None, CacheStatus.BYPASS, False)
-        adapter = request.lora_digest
-        write_back = not control.no_store
-        exact_lookup = not (control.no_cache or control.semantic_only)
-        # A padded tenant's request is not looked up here: a caller may call this stage
-        # directly, and what it found would reach them unpadded and unmasked. It goes on as a
-        # miss, and llm serves the stored answer (its re-check before generating) behind the
-        # padding; no semantic lookup (embedding_cache answers a direct caller too).
-        deferred = self.deferred is not None and self.deferred(tenant)
-        found = None
-        if read and exact_lookup and not deferred:
-            found = self.cache.get(digest, control.max_age_s)
         if found is not None:  # an exact hit needs no semantic scope: not computed
             entry = found.entry
             return result(
@@ -215,6 +241,12 @@ class PromptCache:
                 tier=found.tier,
                 tokens=token_accounting(entry),
             )
+        adapter = request.lora_digest
+        write_back = not control.no_store
+        # A padded tenant's request goes on as a miss (`read_exact`), and llm serves the stored
+        # answer (its re-check before generating) behind the padding; no semantic lookup
+        # (embedding_cache answers a direct caller too).
+        deferred = self.deferred is not None and self.deferred(tenant)
         scope = ""
         if self.embedder_key and canonical.semantic_eligible:
             scope = semantic_scope(tenant, self.engine, request, self.embedder_key, adapter)
@@ -230,6 +262,29 @@ class PromptCache:
         if control.semantic_only:  # no exact lookup: `bypass` unless the semantic one hits
             return result(digest, CacheStatus.BYPASS, write_back, scope, semantic, draft=draft)
         return result(digest, CacheStatus.MISS, write_back, scope, semantic, draft=draft)
+
+
+class Prepared:
+    """A request as `PromptCache.prepare` made it: canonical, pinned to its tenant scope and
+    adapter version `ref`, with its digest (None: not cacheable). A plain object, hashed by
+    identity: PromptCacheStage keeps it by the raw inputs it came from and keys its sealed
+    envelopes by it."""
+
+    __slots__ = ("canonical", "digest", "ref", "request", "tenant")
+
+    def __init__(
+        self,
+        canonical: Canonical,
+        tenant: TenantScope,
+        request: GenerationRequest,
+        digest: Digest | None,
+        ref: AdapterRef | None,
+    ) -> None:
+        self.canonical = canonical
+        self.tenant = tenant
+        self.request = request
+        self.digest = digest
+        self.ref = ref
 
 
 def small_request(request: GenerationRequest) -> bool:

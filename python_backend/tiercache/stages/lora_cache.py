@@ -194,6 +194,10 @@ class LoraCacheStage:
             self.fleet.fleet.count_use(plan.ref.name)
         return plan
 
+    def count_hit(self) -> None:
+        """A request answered from a cache (an exact or semantic hit): no adapter, no plan."""
+        self.requests["none"].increment(1)
+
     def admin(self, text: str, seal: str | None) -> tuple[LoraPlan | None, str]:
         """One admin call (internal: from llm and cache_admin, sealed): the plan it made
         (`weights`) and its JSON result, with the fleet's view on `list` and `warm` when Redis

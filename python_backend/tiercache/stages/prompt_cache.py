@@ -8,10 +8,11 @@ import time
 from tiercache.budgets import BudgetThread, LatencyObjective
 from tiercache.config import PromptCacheConfig
 from tiercache.errors import Forbidden
+from tiercache.exact.codec import token_accounting
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
-from tiercache.exact.prompt_cache import LookupResult, PromptCache, small_request
-from tiercache.exact.request import RawInputs
-from tiercache.exact.tenant_keys import KeyFile, key_from_parameter
+from tiercache.exact.prompt_cache import LookupResult, Prepared, PromptCache, small_request
+from tiercache.exact.tenant_keys import KeyFile, TenantGrant, key_from_parameter
+from tiercache.exact.tiered import Lookup
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.stages.common import export_redis, status_counters
 from tiercache.stages.contract import (
@@ -21,10 +22,11 @@ from tiercache.stages.contract import (
     prompt_cache_terms,
     write_terms,
 )
-from tiercache.stages.envelope import Envelope
+from tiercache.stages.envelope import Envelope, issued_now
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
-from tiercache.stages.seal import Sealer
+from tiercache.stages.seal import NO_TOKENS, Sealer, Tokens
+from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.vocabulary import CacheStatus, Tier, choices
 
@@ -38,8 +40,9 @@ class PromptCacheStage:
         self.cache = cache
         self.sealer = sealer
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
-        # (envelope, answer) -> the sealed envelope of an exact hit: a repeated hit skips the
-        # envelope's JSON and its HMAC (tiercache.exact.memo)
+        # (raw inputs, grant) -> the request prepared for its lookup (`_prepare`)
+        self._prepared: Memo[Prepared] = Memo()
+        # (prepared request, answer, key, issue time) -> an exact hit's sealed envelope
         self._sealed: Memo[bytes] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
@@ -63,7 +66,7 @@ class PromptCacheStage:
         self.hit_objective: LatencyObjective | None = None  # hit_objective_s, if set
 
     def lookup(
-        self, raw: RawInputs, authorization: object = None
+        self, inputs: io.Inputs, authorization: object = None
     ) -> tuple[bytes, str, tuple[int, int, int]]:
         """The sealed envelope for the later stages (bound to the answer), the cached answer
         ("" unless an exact hit) and its stored token accounting (tiercache.stages.seal.Tokens;
@@ -74,31 +77,57 @@ class PromptCacheStage:
         grant = None
         if self.keys is not None:
             grant = self.keys.authorize(key_from_parameter(authorization))
-        result = self.cache.lookup(raw, grant=grant)
-        self.requests[result.status.value].increment(1)
-        if result.tier is not None:
-            self.hits[result.tier].increment(1)
+        prepared = self._prepare(inputs, grant)
+        found = self.cache.read_exact(prepared)
         key = "" if grant is None else grant.key_hash
-        sealed = self._seal(envelope_of(result, key), result.text, result.tokens)
+        if found is None:
+            result = self.cache.result(prepared, None)
+            self.requests[result.status.value].increment(1)
+            sealed = envelope_of(result, key).seal(self.sealer)
+            text, tokens = "", NO_TOKENS
+        else:
+            self.requests[CacheStatus.EXACT.value].increment(1)
+            self.hits[found.tier].increment(1)
+            entry = found.entry
+            text, tokens = entry.text, token_accounting(entry)
+            sealed = self._sealed_hit(prepared, found, text, tokens, key)
         took_s = time.perf_counter() - started
         self.lookup_s.observe(took_s)
-        if self.hit_objective is not None and result.status is CacheStatus.EXACT:
+        if self.hit_objective is not None and found is not None:
             self.hit_objective.observe(took_s)
-        return sealed, result.text, result.tokens
+        return sealed, text, tokens
 
-    def _seal(self, envelope: Envelope, text: str, tokens: tuple[int, int, int]) -> bytes:
-        """The envelope's wire form, sealed with the exact hit's `text` and `tokens`; memoized
-        for exact hits (a miss's envelope is sealed once and its answer generated anyway)."""
-        too_long = len(text) > MEMO_MAX_CHARS or not small_request(envelope.request)
-        if envelope.status is not CacheStatus.EXACT or too_long:
-            return envelope.seal(self.sealer, text, tokens)
-        key = (envelope, text, tokens)
-        sealed = self._sealed.get(key)
+    def _prepare(self, inputs: io.Inputs, grant: TenantGrant | None) -> Prepared:
+        """The request prepared for its lookup (PromptCache.prepare), kept by its inputs exactly
+        as received and the caller's grant, while it stands (`PromptCache.current`): a repeated
+        request reads no input and builds no object before the tiers' read."""
+        raw_key = inputs.key(MEMO_MAX_CHARS)
+        key = None if raw_key is None else (raw_key, grant)
+        prepared = None if key is None else self._prepared.get(key)
+        if prepared is not None and self.cache.current(prepared):
+            return prepared
+        prepared = self.cache.prepare(io.raw_inputs(inputs), grant)
+        if raw_key is not None and small_request(prepared.request):  # NFKC may have grown it
+            chars = io.key_chars(raw_key) + prepared.request.text_chars()
+            self._prepared.put((raw_key, grant), prepared, chars)
+        return prepared
+
+    def _sealed_hit(
+        self, prepared: Prepared, found: Lookup, text: str, tokens: Tokens, key: str
+    ) -> bytes:
+        """An exact hit's envelope in its wire form, sealed with its answer `text` and `tokens`:
+        memoized by the prepared request, the answer, the key that sent it and the issue time
+        (a repeated hit skips the envelope's JSON and its HMAC; tiercache.exact.memo)."""
+        issued_s = issued_now()
+        memo_key = (prepared, text, tokens, key, issued_s)
+        sealed = self._sealed.get(memo_key)
         if sealed is None:
+            envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
             sealed = envelope.seal(self.sealer, text, tokens)
-            # the key's answer and envelope (its request); the sealed bytes (the envelope's JSON)
-            held = len(text) + len(sealed) + envelope.request.text_chars()
-            self._sealed.put(key, sealed, held)
+            if len(text) <= MEMO_MAX_CHARS and small_request(prepared.request):
+                # the key's answer and request (the prepared one it holds); the sealed bytes
+                held = len(text) + len(sealed) + prepared.request.text_chars()
+                self._sealed.put(memo_key, sealed, held)
         return sealed
 
     def count_error(self, exc: BaseException) -> None:
@@ -112,10 +141,11 @@ class PromptCacheStage:
         self.cache.cache.close()
 
 
-def envelope_of(result: LookupResult, key: str = "") -> Envelope:
+def envelope_of(result: LookupResult, key: str = "", issued_s: int | None = None) -> Envelope:
     """The envelope of a lookup, also on an exact hit (llm reads the hit's tenant scope from it
-    to decide response-time padding, tiercache.padding), issued now, naming the API key that
-    sent it by its hash (`key`; "" without a key file)."""
+    to decide response-time padding, tiercache.padding), issued at `issued_s` (None: now,
+    tiercache.stages.envelope.issued_now), naming the API key that sent it by its hash (`key`;
+    "" without a key file)."""
     return Envelope(
         request=result.request,
         status=result.status,
@@ -128,6 +158,7 @@ def envelope_of(result: LookupResult, key: str = "") -> Envelope:
         draft_digest=result.draft_digest,
         verify_semantic=result.verify_semantic,
         key=key,
+        issued_s=issued_now() if issued_s is None else issued_s,
     )
 
 

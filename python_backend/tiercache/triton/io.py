@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -118,6 +119,9 @@ def error_response(exc: BaseException) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=[], error=to_triton_error(exc))
 
 
+_NAME = operator.methodcaller("name")
+
+
 class Inputs:
     """One request's input tensors, looked up by name.
 
@@ -130,7 +134,8 @@ class Inputs:
     __slots__ = ("_tensors",)
 
     def __init__(self, request: Any) -> None:
-        self._tensors = {tensor.name(): tensor for tensor in request.inputs()}
+        tensors = request.inputs()  # by name without a Python loop (llm has 16 inputs)
+        self._tensors = dict(zip(map(_NAME, tensors), tensors, strict=True))
 
     def names(self) -> list[str]:
         """The names of the inputs the request carries."""
@@ -175,6 +180,33 @@ class Inputs:
             if size > max_bytes:
                 return None
             parts.append((array.shape, value))
+        return tuple(parts)
+
+    def key(self, max_bytes: int) -> tuple[tuple[object, ...], ...] | None:
+        """Every input the request carries, exactly as received, as a hashable key: each one's
+        name, then its values (a BYTES tensor's one value, as `raw_key` reads it) or its
+        dtype and bytes, then its shape. Two requests with equal keys carry the same tensors
+        byte for byte (in the same order: one sent in another order is another key). None as
+        `raw_key` (over `max_bytes`, a BYTES tensor of several values or of anything else)."""
+        parts: list[tuple[object, ...]] = []
+        size = 0
+        for name, tensor in self._tensors.items():
+            array = tensor.as_numpy()
+            if array.dtype.kind != "O":
+                size += array.nbytes
+                if size > max_bytes:  # checked before anything is copied
+                    return None
+                parts.append((name, array.dtype.str, array.tobytes(), array.shape))
+                continue
+            if array.size != 1:
+                return None
+            value = array.item()
+            if not isinstance(value, (bytes, str)):
+                return None
+            size += len(value)
+            if size > max_bytes:
+                return None
+            parts.append((name, value, array.shape))
         return tuple(parts)
 
     def batch_strings(self, name: str, max_bytes: int | None = None) -> list[str] | None:
@@ -300,11 +332,21 @@ RAW_INPUT_READERS: dict[str, Callable[[Inputs, str], object]] = {
 }
 
 
+def key_chars(key: tuple[tuple[object, ...], ...]) -> int:
+    """The bytes (or characters) of the values an `Inputs.key` holds: what a memo keyed by it
+    counts (tiercache.exact.memo)."""
+    return sum(len(part[-2]) for part in key)  # type: ignore[misc, arg-type]
+
+
 def read_raw_inputs(request: Any) -> RawInputs:
     """The public ensemble inputs of one request; text as the raw bytes, which `canonicalize`
     bounds in size before it decodes and normalizes them. Only the inputs the request carries
     are read (a request usually sends two or three of the thirteen); the rest stay None."""
-    inputs = Inputs(request)
+    return raw_inputs(Inputs(request))
+
+
+def raw_inputs(inputs: Inputs) -> RawInputs:
+    """`read_raw_inputs` of a request's inputs already looked up by name."""
     values = {
         name: read(inputs, name)
         for name in inputs.names()
@@ -349,6 +391,12 @@ def _one_value(value: str | bytes, batched: bool) -> np.ndarray:
             _ONE_VALUE.clear()
         _ONE_VALUE[(value, batched)] = array
     return array
+
+
+def bytes_array(value: str | bytes, batched: bool = True) -> np.ndarray:
+    """The BYTES array of one value, shape [1, 1] (batched) or [1]; a short value's is shared
+    (`_one_value`): never write to it."""
+    return _one_value(value, batched)
 
 
 def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:
