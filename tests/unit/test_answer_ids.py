@@ -63,6 +63,31 @@ def test_every_id_has_one_length_and_repeats_tell_nothing() -> None:
     assert DIGEST not in hit and DIGEST[:16] not in hit
 
 
+def test_an_id_issued_from_a_digest_is_the_refs_and_each_scope_keeps_its_own() -> None:
+    """`issue_digest` (an exact hit's id, its parts kept per answer, scope and adapter) opens
+    as `issue` of the same ref does, for its own scope and adapter only, however many ids of
+    other answers were issued in between (the kept parts forgotten when full)."""
+    ids = AnswerIds(SECRET)
+    first = ids.issue_digest(DIGEST, ServedAs.CACHED, "scope-a", "caps")
+    for i in range(answer_ids._KNOWN_PARTS + 1):
+        ids.issue_digest(hashlib.sha256(str(i).encode()).hexdigest(), ServedAs.OWN, "scope-b")
+    for answer_id in (first, ids.issue_digest(DIGEST, ServedAs.CACHED, "scope-a", "caps")):
+        opened = ids.open(answer_id, "scope-a")
+        assert (opened.digest, opened.served, opened.similarity, opened.score) == (
+            DIGEST,
+            ServedAs.CACHED,
+            0.0,
+            0.0,
+        )
+        assert opened.adapter == adapter_tag("caps") and opened.issued_s > 1_700_000_000
+        with pytest.raises(Forbidden):
+            ids.open(answer_id, "scope-b")
+    other = ids.open(ids.issue_digest(DIGEST, ServedAs.OWN, "scope-b"), "scope-b")
+    assert other.adapter == BASE_MODEL_TAG and other.served is ServedAs.OWN
+    with pytest.raises(ValueError, match="hex"):
+        ids.issue_digest("not hex", ServedAs.CACHED, "scope-a")
+
+
 def test_an_altered_id_is_refused_at_every_byte() -> None:
     ids = AnswerIds(SECRET)
     answer_id = ids.issue(AnswerRef(DIGEST, ServedAs.OWN), "scope-a")

@@ -52,6 +52,8 @@ BASE_MODEL_TAG = bytes(ADAPTER_TAG_BYTES)  # a request without an adapter
 # served as, digest, similarity, trust score, issued at (unix seconds), adapter tag
 _BODY = struct.Struct(f">B32sffd{ADAPTER_TAG_BYTES}s")
 _AAD = b"tiercache answer id\x00"
+_URL_SAFE = bytes.maketrans(b"+/", b"-_")  # base64url, as base64.urlsafe_b64encode writes it
+_KNOWN_PARTS = 4096  # answers whose digest bytes, tag and associated data are kept (`_parts_of`)
 
 
 def _id_chars(prefix: str, body: struct.Struct) -> int:
@@ -164,29 +166,63 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class AnswerIds:
     """Issues and opens answer ids under one deployment's secret. Thread-safe."""
 
-    __slots__ = ("_aead", "_nonces")
+    __slots__ = ("_aead", "_nonces", "_parts")
 
     def __init__(self, secret: bytes, random_bytes: Callable[[int], bytes] = os.urandom) -> None:
         """`random_bytes(n)`: n bytes from a CSPRNG, for the ids' nonces."""
         self._aead = AESGCM(derive_key(secret, ANSWER_IDS_PURPOSE))
         self._nonces = Nonces(random_bytes)
+        # (digest, tenant scope, adapter) -> what every id of that answer there seals alike:
+        # the digest's bytes, the adapter tag and the associated data (an exact hit's id is
+        # issued again on every repeat; a fresh nonce makes each id new all the same)
+        self._parts: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
 
     def issue(self, ref: AnswerRef, tenant_scope: str, lora_name: str = "") -> str:
         """The id of the answer `ref` names, served to `tenant_scope` for a request that named
         adapter `lora_name` ("": the base model) (issued now unless `ref` says when)."""
+        parts = self._parts_of(ref.digest, tenant_scope, lora_name)
+        return self._seal(parts, ref.served, ref.similarity, ref.score, ref.issued_s)
+
+    def issue_digest(
+        self, digest: str, served: ServedAs, tenant_scope: str, lora_name: str = ""
+    ) -> str:
+        """`issue(AnswerRef(digest, served), tenant_scope, lora_name)`, issued now, without
+        building the ref (an exact hit's id: its request's own digest)."""
+        return self._seal(self._parts_of(digest, tenant_scope, lora_name), served, 0.0, 0.0, 0.0)
+
+    def _parts_of(
+        self, digest: str, tenant_scope: str, lora_name: str
+    ) -> tuple[bytes, bytes, bytes]:
+        key = (digest, tenant_scope, lora_name)
+        parts = self._parts.get(key)
+        if parts is not None:
+            return parts
         try:
-            digest = bytes.fromhex(ref.digest)
+            raw = bytes.fromhex(digest)
         except ValueError as exc:
-            raise ValueError(f"an answer's digest is hex, got {ref.digest!r}") from exc
-        if len(digest) != 32:
-            raise ValueError(f"an answer's digest is 32 bytes, got {len(digest)}")
-        issued_s = ref.issued_s or time.time()
-        body = _BODY.pack(
-            ref.served.value, digest, ref.similarity, ref.score, issued_s, adapter_tag(lora_name)
-        )
+            raise ValueError(f"an answer's digest is hex, got {digest!r}") from exc
+        if len(raw) != 32:
+            raise ValueError(f"an answer's digest is 32 bytes, got {len(raw)}")
+        parts = (raw, adapter_tag(lora_name), _AAD + tenant_scope.encode("utf-8"))
+        if len(self._parts) >= _KNOWN_PARTS:
+            self._parts = {}  # a new dict: other threads may be reading this one
+        self._parts[key] = parts
+        return parts
+
+    def _seal(
+        self,
+        parts: tuple[bytes, bytes, bytes],
+        served: ServedAs,
+        similarity: float,
+        score: float,
+        issued_s: float,
+    ) -> str:
+        digest, tag, aad = parts
+        body = _BODY.pack(served, digest, similarity, score, issued_s or time.time(), tag)
         nonce = self._nonces.take()
-        sealed = nonce + self._aead.encrypt(nonce, body, _AAD + tenant_scope.encode("utf-8"))
-        return PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
+        sealed = nonce + self._aead.encrypt(nonce, body, aad)
+        encoded = binascii.b2a_base64(sealed, newline=False).translate(_URL_SAFE)
+        return PREFIX + encoded.rstrip(b"=").decode("ascii")
 
     def open(self, answer_id: str, tenant_scope: str) -> AnswerRef:
         """What `answer_id` names. InvalidRequest when it is not an answer id at all;

@@ -693,9 +693,13 @@ class LlmStage:
         request = envelope.request
         # an exact hit's entry was made before this id; a generation's is made after it
         served = ServedAs.CACHED if item.status == CacheStatus.EXACT else ServedAs.OWN
-        return self._issue(
-            AnswerRef(envelope.digest, served), request.tenant_scope, request.lora_name
-        )
+        try:
+            return self.answer_ids.issue_digest(
+                envelope.digest, served, request.tenant_scope, request.lora_name
+            )
+        except ValueError:
+            io.log.exception("no answer id for %r", envelope.digest[:80])
+            return None
 
     def _issue(self, ref: AnswerRef, scope: str, lora_name: str) -> str | None:
         """The id, or None (logged) for a digest that is not one: the answer is served without
