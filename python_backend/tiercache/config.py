@@ -221,7 +221,7 @@ PARAMETERS: dict[str, _Spec] = {
     "envelope_max_age_s": _Spec(
         300.0,
         "The oldest envelope (prompt_cache's sealed hand-over) a stage acts on, in seconds "
-        "(plus 10: issue times are rounded down to 10 s). Bounds how long a caller can replay "
+        "(plus 60: issue times are rounded down to a minute). Bounds how long a caller can replay "
         "its own kept envelopes after anything it was checked against changed; a revoked key's "
         "are refused at once (docs/security.md). Keep it above the longest time a request may "
         "queue between prompt_cache and llm",

@@ -198,8 +198,8 @@ def test_an_oversized_envelope_is_refused_before_its_seal_is_computed() -> None:
 
 
 def test_an_envelope_is_issued_now_in_steps() -> None:
-    assert issued_now(lambda: 1_790_000_009.9) == 1_790_000_000
-    assert issued_now(lambda: 1_790_000_010.0) == 1_790_000_010
+    assert issued_now(lambda: 1_790_000_039.9) == 1_789_999_980  # whole minutes since 1970
+    assert issued_now(lambda: 1_790_000_040.0) == 1_790_000_040
     before = issued_now()
     made = Envelope(request=GenerationRequest(prompt="hi"))
     assert made.issued_s % ISSUE_STEP_S == 0 and before <= made.issued_s <= issued_now()
@@ -212,7 +212,7 @@ def test_an_envelope_is_issued_now_in_steps() -> None:
     [
         (0.0, None),
         (300.0 + ISSUE_STEP_S, None),  # the step's rounding is allowed for
-        (300.0 + ISSUE_STEP_S + 1, "issued 311 s ago, over the 300 s"),
+        (300.0 + ISSUE_STEP_S + 1, f"issued {301 + ISSUE_STEP_S} s ago, over the 300 s"),
         (-60.0, None),
         (-61.0, "61 s ahead of this host's clock"),
     ],

@@ -50,6 +50,23 @@ def test_a_short_run_times_every_step_of_an_exact_hit(capsys: pytest.CaptureFixt
     assert after == before
 
 
+def test_opcodes_counts_each_steps_instructions_per_hit(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--opcodes N`: bytecode instructions per hit, each step and all, ours against the
+    floor's; a step that does its work runs more of them than a no-op step, and the counting
+    leaves every model's `execute` as it was."""
+    assert main(["--requests", "6", "--rounds", "1", "--opcodes", "4"]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("Bytecode instructions per hit") :]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")][1:]
+    counts = {row[0][2:]: [int(v.rstrip(" |")) for v in row[1:4]] for row in rows}
+    assert list(counts) == ["prompt_cache", "embedding_cache", "lora_cache", "llm", "all steps"]
+    for ours, floor, added in counts.values():
+        assert ours > floor > 0 and abs(added - (ours - floor)) <= 1
+    assert counts["all steps"][0] == pytest.approx(
+        sum(v[0] for k, v in counts.items() if k != "all steps"), abs=2
+    )
+
+
 def test_the_floor_sends_what_the_real_stages_send_on_an_exact_hit(tmp_path: Path) -> None:
     """The floor is the same ensemble with no-op steps: each of its steps must send the tensors
     (names, dtypes, shapes) the real step sends on an exact hit (the floor's llm once lacked

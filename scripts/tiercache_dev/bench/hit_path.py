@@ -3,7 +3,7 @@
 Usage::
 
     python -m tiercache_dev.bench.hit_path [--requests 5000] [--rounds 5] [--distinct K]
-        [--evict-mib M] [--profile N]
+        [--evict-mib M] [--profile N] [--opcodes N]
 
 `make bench` compares a hit through tritonserver with a floor of no-op stages; on a shared
 machine that ratio moves by more than the few percent a change to the hit path makes (the same
@@ -19,7 +19,8 @@ no-op steps (scripts/bench_fixtures/floor) run the same way, in the same rounds,
 Reported per step: median over rounds of the mean microseconds per hit (and the range), the
 floor's, and what the stage adds; and their sums. `--evict-mib M` reads M MiB before each step
 (untimed), so that each starts with the CPU caches evicted, as after a hop between a server's
-processes. `--profile N` also prints cProfile's top N functions by own time over one more round.
+processes. `--profile N` also prints cProfile's top N functions by own time over one more round;
+`--opcodes N` counts the bytecode instructions each step runs per hit over N more hits.
 """
 
 from __future__ import annotations
@@ -218,6 +219,46 @@ def cache_the_answer(ensemble: Ensemble, public: dict[str, np.ndarray]) -> None:
         store.put(digest, CacheEntry(ANSWER, created_s=time.time()))
 
 
+def count_opcodes(
+    ensemble: Ensemble, inputs: Sequence[dict[str, np.ndarray]], requests: int
+) -> dict[str, float]:
+    """Bytecode instructions the interpreter runs per hit in each step (its model's `execute`
+    and everything it calls on the request's thread), over `requests` untimed hits: a count
+    that a shared machine's noise does not move, where the timings above move by several
+    percent. Python code only: C work (numpy, the HMAC, LMDB) counts nothing here."""
+    counts = dict.fromkeys(ensemble.models, 0)
+    current: list[str] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[current[0]] += 1
+        return trace
+
+    saved = {name: model.execute for name, model in ensemble.models.items()}
+
+    def traced(name: str, execute: Any) -> Any:
+        def run(requests: list[Any]) -> Any:
+            current[:] = [name]
+            sys.settrace(trace)
+            try:
+                return execute(requests)
+            finally:
+                sys.settrace(None)
+
+        return run
+
+    try:
+        for name, model in ensemble.models.items():
+            model.execute = traced(name, saved[name])
+        for i in range(requests):
+            ensemble.run(inputs[i % len(inputs)], timed=False)
+    finally:
+        for name, model in ensemble.models.items():
+            model.execute = saved[name]
+    return {name: count / requests for name, count in counts.items()}
+
+
 def shown(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
@@ -232,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="distinct cached prompts the hits cycle through (1: one prompt, served from the "
         "stages' memos after its first time; up to 4,096, the memos' entries, the same once "
-        "each was asked (the sealed envelopes and llm's hits while their envelope's 10 s issue "
-        "step lasts); more: every hit does its whole work)",
+        "each was asked (the sealed envelopes and llm's hits while their envelope's one-minute "
+        "issue step lasts); more: every hit does its whole work)",
     )
     parser.add_argument(
         "--evict-mib",
@@ -243,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         "as a hop between processes does (0: not; 16 is past a 2-core VM's caches)",
     )
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
+    parser.add_argument(
+        "--opcodes",
+        type=int,
+        default=0,
+        help="also count the bytecode instructions per hit of each step over this many more "
+        "hits (at most --requests), traced: noise-free, where timings are not",
+    )
     args = parser.parse_args(argv)
     if args.distinct < 1 or args.requests < 1 or args.rounds < 1:
         parser.error("--distinct, --requests and --rounds must be at least 1")
@@ -332,6 +380,22 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
                 f"| all steps | {shown(totals['tiercache'])} | {shown(totals['floor'])} | "
                 f"{added:.1f} |"
             )
+            if args.opcodes:
+                requests = min(args.requests, args.opcodes)
+                counted = {
+                    name: count_opcodes(which, inputs, requests) for name, which in runs.items()
+                }
+                print(
+                    f"\nBytecode instructions per hit (sys.settrace, {requests} hits; the "
+                    "stand-in pb_utils's own counted alike in both)\n"
+                )
+                print("| step | tiercache | floor | added |")
+                print("|---|---:|---:|---:|")
+                for model in counted["tiercache"]:
+                    ours, theirs = counted["tiercache"][model], counted["floor"][model]
+                    print(f"| {model} | {ours:.0f} | {theirs:.0f} | {ours - theirs:.0f} |")
+                ours, theirs = sum(counted["tiercache"].values()), sum(counted["floor"].values())
+                print(f"| all steps | {ours:.0f} | {theirs:.0f} | {ours - theirs:.0f} |")
             if args.profile:
                 profiler = cProfile.Profile()
                 profiler.enable()
