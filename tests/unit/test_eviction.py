@@ -170,6 +170,52 @@ def full_with_a_hot_key() -> tuple[GreedyDualFrequencyPolicy[str], set[str]]:
     return gd, held
 
 
+class _AppliedAtOnce(GreedyDualFrequencyPolicy[str]):
+    ACCESS_BATCH = 1  # every access applied as it comes, as before accesses were batched
+
+
+def test_greedy_dual_batched_accesses_rank_as_accesses_applied_at_once() -> None:
+    """Accesses recorded and applied in batches (`ACCESS_BATCH`) leave the policy exactly as
+    applying each at once does: the same victims, values, sequence numbers and frequencies,
+    through admissions, endorsements, removals, nominations and the sketch's growth and
+    aging, whatever comes between two accesses."""
+    rng = random.Random(7)
+    batched: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy()
+    at_once = _AppliedAtOnce()
+    held: set[str] = set()
+    for step in range(40_000):
+        key = f"k{int(rng.paretovariate(1.1)) % 3000}"
+        roll, size, cost_s = rng.random(), rng.randint(1, 50), rng.random() * 3
+        for policy in (batched, at_once):
+            if roll < 0.55:
+                policy.access(key)
+            elif roll < 0.85:
+                policy.admit(key, size, cost_s=cost_s, group=step % 2)
+            elif roll < 0.88:
+                policy.endorse(key, 1)
+            elif roll < 0.93:
+                policy.remove(key)
+        if roll < 0.55:
+            pass
+        elif roll < 0.85:
+            held.add(key)
+        elif 0.88 <= roll < 0.93:
+            held.discard(key)
+        elif roll >= 0.99:
+            victims = batched.nominate(3, 40)
+            assert victims == at_once.nominate(3, 40)
+            for victim in victims:
+                batched.remove(victim)
+                at_once.remove(victim)
+                held.discard(victim)
+        if step % 997 == 0:
+            assert batched.frequency(key) == at_once.frequency(key)
+            assert batched.inflation == at_once.inflation
+    assert batched.nominate(len(held)) == at_once.nominate(len(held))
+    assert batched.first_sight_discount() == at_once.first_sight_discount()
+    assert batched.sketch_bytes == at_once.sketch_bytes and len(batched) == len(at_once)
+
+
 def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() -> None:
     gd, held = full_with_a_hot_key()
     evicted = []
