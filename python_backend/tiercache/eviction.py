@@ -28,6 +28,7 @@ holds the contract suite every policy passes.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
@@ -35,6 +36,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from tiercache.frequency_sketch import FrequencySketch, sketch_bytes
 
 K = TypeVar("K", bound=Hashable)
+
+log = logging.getLogger(__name__)
 
 MAX_COST_S = 86_400.0  # a cost above a day counts as a day (a broken or hostile figure)
 
@@ -330,10 +333,16 @@ class GreedyDualFrequencyPolicy(Generic[K]):
         self._pending: list[K] = []  # accesses not applied yet, oldest first (`_apply`)
 
     def _apply(self) -> None:
-        """Apply the recorded accesses, in the order they came."""
+        """Apply the recorded accesses, in the order they came. One that fails (out of memory
+        in a heap push) is lost, logged, and the rest applied: the call that applies them
+        (a removal, an admission) must still do its own work, as it did when each access was
+        applied by the read that made it."""
         pending, self._pending = self._pending, []
         for key in pending:
-            self._access_now(key)
+            try:
+                self._access_now(key)
+            except Exception:  # noqa: BLE001 - one access's rank, never the caller's work
+                log.exception("applying a recorded access failed; that access is not counted")
 
     def __len__(self) -> int:
         return len(self._entries)

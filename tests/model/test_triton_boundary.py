@@ -267,6 +267,48 @@ def test_histogram_is_aggregated_and_flushed_as_bucket_counters(
         metrics.histogram("bad_seconds", "b", buckets=[0.1, 0.01])
 
 
+def test_updates_from_many_threads_are_each_counted_once_and_kept_bounded(
+    tb: ModuleType,
+) -> None:
+    """Increments and observations are appended without a lock and summed by the flush:
+    four threads' updates, flushed while they run, all arrive, none twice; with no flush the
+    appended updates are summed on the request's thread past _FOLD_AT, so they stay bounded."""
+    metrics = tb.Metrics("m")
+    counter = metrics.counter("c_total", "c")
+    histogram = metrics.histogram("h_seconds", "h", buckets=[0.5])
+    done = threading.Event()
+
+    def flushing() -> None:
+        while not done.is_set():
+            metrics.flush()
+
+    def updating() -> None:
+        for i in range(20_000):
+            counter.increment(1)
+            histogram.observe(0.25 if i % 2 else 0.75)
+
+    flusher = threading.Thread(target=flushing)
+    flusher.start()
+    workers = [threading.Thread(target=updating) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    done.set()
+    flusher.join()
+    metrics.flush()
+    assert counter.metric.value() == 80_000 and histogram.metric.value() == 80_000
+    bucket = next(
+        m for m in metrics._families["h_seconds_bucket"].metrics if m.labels["le"] == "0.5"
+    )
+    assert bucket.value() == 40_000
+    for _ in range(3 * tb._FOLD_AT):
+        counter.increment(2)
+    assert len(counter._increments) <= tb._FOLD_AT
+    metrics.flush()
+    assert counter.metric.value() == 80_000 + 6 * tb._FOLD_AT
+
+
 def test_a_failing_flush_hook_freezes_no_metric(tb: ModuleType) -> None:
     """A hook that raised stopped the whole flush: every metric of the stage froze."""
     metrics = tb.Metrics("m")

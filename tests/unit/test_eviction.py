@@ -211,9 +211,38 @@ def test_greedy_dual_batched_accesses_rank_as_accesses_applied_at_once() -> None
         if step % 997 == 0:
             assert batched.frequency(key) == at_once.frequency(key)
             assert batched.inflation == at_once.inflation
+        if step % 4001 == 0:  # runs of accesses alone: batches applied by `access` itself
+            for _ in range(3 * GreedyDualFrequencyPolicy.ACCESS_BATCH + 7):
+                reread = f"k{int(rng.paretovariate(1.1)) % 3000}"
+                batched.access(reread)
+                at_once.access(reread)
+            assert len(batched._pending) < GreedyDualFrequencyPolicy.ACCESS_BATCH
     assert batched.nominate(len(held)) == at_once.nominate(len(held))
     assert batched.first_sight_discount() == at_once.first_sight_discount()
     assert batched.sketch_bytes == at_once.sketch_bytes and len(batched) == len(at_once)
+
+
+def test_greedy_dual_a_failing_recorded_access_costs_only_its_own_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An access that fails when its batch is applied (out of memory in a heap push) is lost
+    alone: the removal that applied the batch still removes its key, and the other accesses
+    count."""
+    gd: GreedyDualFrequencyPolicy[str] = GreedyDualFrequencyPolicy()
+    fill(gd, dict.fromkeys("abc", 1))
+    gd.access("a")
+    gd.access("b")
+    access_now = GreedyDualFrequencyPolicy._access_now
+
+    def failing(self: GreedyDualFrequencyPolicy[str], key: str) -> None:
+        if key == "a":
+            raise MemoryError("a heap push")
+        access_now(self, key)
+
+    monkeypatch.setattr(GreedyDualFrequencyPolicy, "_access_now", failing)
+    before = gd.frequency("b")  # applies the two: "a" fails, "b" counts
+    gd.remove("c")
+    assert len(gd) == 2 and "c" not in gd.nominate(3) and before >= 2
 
 
 def test_greedy_dual_keeps_a_key_asked_for_again_through_a_scan_of_new_ones() -> None:

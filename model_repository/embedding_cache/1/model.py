@@ -81,5 +81,6 @@ def encode(answer: Answer, seal: str) -> object:
 
 
 # An exact hit's pass-through (EXACT_PASS, unsealed) is the same every time: its arrays are
-# built once and shared by every such response (nothing writes them; pb_utils.Tensor copies).
-EXACT_PASS_ARRAYS = tuple(arrays(EXACT_PASS, ""))
+# built once and shared by every such response, read-only (the backend serializes or copies
+# each into the response's own buffer when it is sent).
+EXACT_PASS_ARRAYS = tuple((name, io.read_only(array)) for name, array in arrays(EXACT_PASS, ""))

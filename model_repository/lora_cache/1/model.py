@@ -17,8 +17,11 @@ from tiercache.triton import io
 from tiercache.vocabulary import is_hit
 
 # A hit's response (what `_respond` sends for no plan, unsealed): every output empty. The
-# arrays are shared by every hit's response (nothing writes them; pb_utils.Tensor copies).
-HIT_OUTPUTS = tuple((name, np.array([[b""]], dtype=np.object_)) for name in (*OUTPUTS, "LORA_SEAL"))
+# arrays are shared by every hit's response, read-only (the backend serializes each into the
+# response's own buffer when it is sent).
+HIT_OUTPUTS = tuple(
+    (name, io.read_only(np.array([[b""]], dtype=np.object_))) for name in (*OUTPUTS, "LORA_SEAL")
+)
 
 
 class TritonPythonModel:
@@ -44,7 +47,8 @@ class TritonPythonModel:
             plan, result = self.stage.admin(admin, seal)  # Forbidden unless sealed
             return self._respond(self.stage.outputs(plan, seal or "", result), "")
         status = inputs.string("LOOKUP_STATUS")
-        if status in HIT_STATUSES:  # answered from a cache: no adapter, the envelope unread
+        if status in HIT_STATUSES:  # answered from a cache: no adapter, the envelope unused
+            inputs.blob("ENVELOPE")  # but a malformed one is still this request's error
             self.stage.count_hit()
             return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in HIT_OUTPUTS])
         envelope = self.stage.received(inputs.blob("ENVELOPE"))

@@ -134,7 +134,10 @@ class Inputs:
     __slots__ = ("_tensors",)
 
     def __init__(self, request: Any) -> None:
-        tensors = request.inputs()  # by name without a Python loop (llm has 16 inputs)
+        tensors = request.inputs()  # a list (zip below reads it twice)
+        if not isinstance(tensors, list):
+            tensors = list(tensors)
+        # by name without a Python loop (llm has 16 inputs)
         self._tensors = dict(zip(map(_NAME, tensors), tensors, strict=True))
 
     def names(self) -> list[str]:
@@ -387,15 +390,25 @@ def _one_value(value: str | bytes, batched: bool) -> np.ndarray:
     array = np.empty((1, 1) if batched else (1,), dtype=np.object_)
     array.flat[0] = value.encode("utf-8") if isinstance(value, str) else value
     if short:
+        array.setflags(write=False)  # shared by every response that sends it
         if len(_ONE_VALUE) >= _ONE_VALUE_MAX:
             _ONE_VALUE.clear()
         _ONE_VALUE[(value, batched)] = array
     return array
 
 
+def read_only(array: np.ndarray) -> np.ndarray:
+    """`array`, made read-only (its own copy when it is a view), for a module's output arrays
+    shared by every response that sends them."""
+    if array.base is not None:
+        array = array.copy()
+    array.setflags(write=False)
+    return array
+
+
 def bytes_array(value: str | bytes, batched: bool = True) -> np.ndarray:
     """The BYTES array of one value, shape [1, 1] (batched) or [1]; a short value's is shared
-    (`_one_value`): never write to it."""
+    and read-only (`_one_value`)."""
     return _one_value(value, batched)
 
 

@@ -240,11 +240,12 @@ def count_opcodes(
     def traced(name: str, execute: Any) -> Any:
         def run(requests: list[Any]) -> Any:
             current[:] = [name]
+            before = sys.gettrace()  # a debugger's or coverage's, put back after
             sys.settrace(trace)
             try:
                 return execute(requests)
             finally:
-                sys.settrace(None)
+                sys.settrace(before)
 
         return run
 
