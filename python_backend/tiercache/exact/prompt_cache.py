@@ -264,27 +264,18 @@ class PromptCache:
         return result(digest, CacheStatus.MISS, write_back, scope, semantic, draft=draft)
 
 
+@dataclass(eq=False, slots=True)
 class Prepared:
     """A request as `PromptCache.prepare` made it: canonical, pinned to its tenant scope and
-    adapter version `ref`, with its digest (None: not cacheable). A plain object, hashed by
-    identity: PromptCacheStage keeps it by the raw inputs it came from and keys its sealed
+    adapter version `ref`, with its digest (None: not cacheable). Hashed by identity
+    (`eq=False`): PromptCacheStage keeps it by the raw inputs it came from and keys its sealed
     envelopes by it."""
 
-    __slots__ = ("canonical", "digest", "ref", "request", "tenant")
-
-    def __init__(
-        self,
-        canonical: Canonical,
-        tenant: TenantScope,
-        request: GenerationRequest,
-        digest: Digest | None,
-        ref: AdapterRef | None,
-    ) -> None:
-        self.canonical = canonical
-        self.tenant = tenant
-        self.request = request
-        self.digest = digest
-        self.ref = ref
+    canonical: Canonical
+    tenant: TenantScope
+    request: GenerationRequest
+    digest: Digest | None
+    ref: AdapterRef | None
 
 
 def small_request(request: GenerationRequest) -> bool:

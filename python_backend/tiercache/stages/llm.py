@@ -686,28 +686,32 @@ class LlmStage:
             ref = AnswerRef(
                 item.neighbours[0], ServedAs.SEMANTIC, item.similarity or 0.0, score=item.hit_score
             )
-            return self._issue(ref, envelope.request.tenant_scope, envelope.request.lora_name)
+            request = envelope.request
+            return self._issue(
+                ref.digest, self.answer_ids.issue, ref, request.tenant_scope, request.lora_name
+            )
         envelope = item.envelope.get()
         if not envelope.digest:
             return None
         request = envelope.request
         # an exact hit's entry was made before this id; a generation's is made after it
         served = ServedAs.CACHED if item.status == CacheStatus.EXACT else ServedAs.OWN
-        try:
-            return self.answer_ids.issue_digest(
-                envelope.digest, served, request.tenant_scope, request.lora_name
-            )
-        except ValueError:
-            io.log.exception("no answer id for %r", envelope.digest[:80])
-            return None
+        return self._issue(
+            envelope.digest,
+            self.answer_ids.issue_digest,
+            envelope.digest,
+            served,
+            request.tenant_scope,
+            request.lora_name,
+        )
 
-    def _issue(self, ref: AnswerRef, scope: str, lora_name: str) -> str | None:
-        """The id, or None (logged) for a digest that is not one: the answer is served without
-        an id rather than not at all."""
+    def _issue(self, digest: str, issue: Callable[..., str], *args: object) -> str | None:
+        """`issue(*args)`, or None (logged) for a `digest` that is not one: the answer is served
+        without an id rather than not at all."""
         try:
-            return self.answer_ids.issue(ref, scope, lora_name)
+            return issue(*args)
         except ValueError:
-            io.log.exception("no answer id for %r", ref.digest[:80])
+            io.log.exception("no answer id for %r", digest[:80])
             return None
 
     def _serve(self, item: LlmInput, responder: Responder) -> None:

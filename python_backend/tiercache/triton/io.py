@@ -185,32 +185,14 @@ class Inputs:
             parts.append((array.shape, value))
         return tuple(parts)
 
-    def key(self, max_bytes: int) -> tuple[tuple[object, ...], ...] | None:
-        """Every input the request carries, exactly as received, as a hashable key: each one's
-        name, then its values (a BYTES tensor's one value, as `raw_key` reads it) or its
-        dtype and bytes, then its shape. Two requests with equal keys carry the same tensors
-        byte for byte (in the same order: one sent in another order is another key). None as
-        `raw_key` (over `max_bytes`, a BYTES tensor of several values or of anything else)."""
-        parts: list[tuple[object, ...]] = []
-        size = 0
-        for name, tensor in self._tensors.items():
-            array = tensor.as_numpy()
-            if array.dtype.kind != "O":
-                size += array.nbytes
-                if size > max_bytes:  # checked before anything is copied
-                    return None
-                parts.append((name, array.dtype.str, array.tobytes(), array.shape))
-                continue
-            if array.size != 1:
-                return None
-            value = array.item()
-            if not isinstance(value, (bytes, str)):
-                return None
-            size += len(value)
-            if size > max_bytes:
-                return None
-            parts.append((name, value, array.shape))
-        return tuple(parts)
+    def key(self, max_bytes: int) -> tuple[tuple[str, ...], tuple[object, ...]] | None:
+        """Every input the request carries, exactly as received, as a hashable key: their
+        names, in the order they came, and `raw_key` of them. Two requests with equal keys carry
+        the same tensors byte for byte (in the same order: another order is another key).
+        None as `raw_key`."""
+        names = tuple(self._tensors)
+        parts = self.raw_key(names, max_bytes)
+        return None if parts is None else (names, parts)
 
     def batch_strings(self, name: str, max_bytes: int | None = None) -> list[str] | None:
         """All texts of a BYTES input whose batch dimension may exceed 1 (one per row);
@@ -335,10 +317,10 @@ RAW_INPUT_READERS: dict[str, Callable[[Inputs, str], object]] = {
 }
 
 
-def key_chars(key: tuple[tuple[object, ...], ...]) -> int:
+def key_chars(key: tuple[tuple[str, ...], tuple[object, ...]]) -> int:
     """The bytes (or characters) of the values an `Inputs.key` holds: what a memo keyed by it
-    counts (tiercache.exact.memo)."""
-    return sum(len(part[-2]) for part in key)  # type: ignore[misc, arg-type]
+    counts (tiercache.exact.memo). Each `raw_key` part ends with its values."""
+    return sum(len(part[-1]) for part in key[1])  # type: ignore[misc, index, arg-type]
 
 
 def read_raw_inputs(request: Any) -> RawInputs:
