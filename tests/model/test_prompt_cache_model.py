@@ -196,6 +196,16 @@ def test_a_repeated_hit_is_sealed_with_its_current_answer(
 
     first, again = model.execute([make_request(pb_utils), make_request(pb_utils)])
     assert sent(first) == sent(again) and output(pb_utils, again, "CACHED_TEXT") == "answer"
+
+    def arrays(response: Any) -> list[Any]:
+        names = ("ENVELOPE", "CACHED_TEXT", "CACHED_TOKENS")
+        return [pb_utils.get_output_tensor_by_name(response, n).as_numpy() for n in names]
+
+    # the repeat sends the arrays the first hit built, read-only (nothing can alter them)
+    for built, shared in zip(arrays(first), arrays(again), strict=True):
+        assert shared is built and not shared.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            shared[...] = shared
     model.stage.cache.cache.put(digest, "a newer answer")
     (changed,) = model.execute([make_request(pb_utils)])
     assert output(pb_utils, changed, "CACHED_TEXT") == "a newer answer"

@@ -203,6 +203,29 @@ def test_output_tensors_round_trip(tb: ModuleType, pb_utils: ModuleType) -> None
     assert tb.output_int(response, "absent") is None
 
 
+def test_a_hits_answer_and_small_counts_are_built_once_and_shared_read_only(
+    tb: ModuleType,
+) -> None:
+    """A hit's answer (sent again on every repeat) and small token counts get one array each,
+    shared and read-only; a long answer (past MEMO_MAX_CHARS) and a large count get their own."""
+    from tiercache.exact.memo import MEMO_MAX_CHARS
+
+    answer = "The answer, longer than the statuses' 32 characters: ünïcode too."
+    first = tb.shared_bytes_array(answer)
+    assert first.shape == (1, 1) and first[0, 0] == answer.encode("utf-8")
+    assert tb.shared_bytes_array(answer) is first and not first.flags.writeable
+    long_answer = "x" * (MEMO_MAX_CHARS + 1)
+    own = tb.shared_bytes_array(long_answer)
+    assert own[0, 0] == long_answer.encode() and own.flags.writeable
+    assert tb.shared_bytes_array(long_answer) is not own
+    count = tb.int32_array(31)
+    assert count.dtype == np.int32 and count.tolist() == [[31]]
+    assert tb.int32_array(31) is count and not count.flags.writeable
+    large = tb.int32_array(1 << 20)
+    assert large.tolist() == [[1 << 20]] and tb.int32_array(1 << 20) is not large
+    assert tb.int32_array(-1).tolist() == [[-1]]
+
+
 def test_load_config(tb: ModuleType) -> None:
     model_config = {"parameters": {"ttl_s": {"string_value": "30"}}, "name": "prompt_cache"}
     config, raw = tb.load_config(PromptCacheConfig, {"model_config": json.dumps(model_config)})

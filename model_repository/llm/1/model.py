@@ -66,8 +66,8 @@ class Responder:
         if self.answer_id is not None:
             outputs.append(tensor("ANSWER_ID", io.bytes_array(self.answer_id)))
         if tokens is not None:
-            outputs.append(tensor("PROMPT_TOKENS", np.array([[tokens[0]]], dtype=np.int32)))
-            outputs.append(tensor("COMPLETION_TOKENS", np.array([[tokens[1]]], dtype=np.int32)))
+            outputs.append(tensor("PROMPT_TOKENS", io.int32_array(tokens[0])))
+            outputs.append(tensor("COMPLETION_TOKENS", io.int32_array(tokens[1])))
         if finish_reason is not None:
             outputs.append(tensor("FINISH_REASON", io.bytes_array(finish_reason)))
         if similarity is not None:
@@ -76,8 +76,9 @@ class Responder:
             outputs.append(io.scalar_tensor("KV_REUSED_TOKENS", usage.reused_tokens, np.int32))
             outputs.append(io.scalar_tensor("KV_COMPUTED_TOKENS", usage.computed_tokens, np.int32))
             outputs.append(io.scalar_tensor("SPECULATED_TOKENS", usage.speculated_tokens, np.int32))
-        if text is not None:
-            outputs.insert(0, tensor("TEXT_OUTPUT", io.bytes_array(text)))
+        if text is not None:  # a hit's answer comes again: its array is kept
+            array = io.shared_bytes_array(text) if is_hit(status) else io.bytes_array(text)
+            outputs.insert(0, tensor("TEXT_OUTPUT", array))
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL)
 
     def send_cancelled(self) -> None:

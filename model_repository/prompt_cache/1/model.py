@@ -8,7 +8,6 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import PromptCacheConfig
 from tiercache.exact.tenant_keys import AUTH_PARAMETER
 from tiercache.stages.prompt_cache import open_prompt_cache
-from tiercache.stages.seal import tokens_array
 from tiercache.triton import io
 
 
@@ -30,10 +29,11 @@ class TritonPythonModel:
                 self.stage.count_error(exc)
                 responses.append(io.error_response(exc))
                 continue
+            tensor = pb_utils.Tensor
             outputs = [
-                io.bytes_tensor("ENVELOPE", [envelope]),
-                io.bytes_tensor("CACHED_TEXT", [cached_text]),
-                pb_utils.Tensor("CACHED_TOKENS", tokens_array(tokens).reshape(1, 3)),
+                tensor("ENVELOPE", envelope),
+                tensor("CACHED_TEXT", cached_text),
+                tensor("CACHED_TOKENS", tokens),
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses

@@ -4,6 +4,9 @@ envelope every later stage reads."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
+
+import numpy as np
 
 from tiercache.budgets import BudgetThread, LatencyObjective
 from tiercache.config import PromptCacheConfig
@@ -25,10 +28,25 @@ from tiercache.stages.contract import (
 from tiercache.stages.envelope import Envelope, issued_now
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
-from tiercache.stages.seal import NO_TOKENS, Sealer, Tokens
+from tiercache.stages.seal import NO_TOKENS, Sealer, Tokens, tokens_array
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.vocabulary import CacheStatus, Tier, choices
+
+
+class Outputs(NamedTuple):
+    """The stage's output arrays, shaped as its tensors: ENVELOPE and CACHED_TEXT BYTES [1, 1],
+    CACHED_TOKENS INT32 [1, 3]."""
+
+    envelope: np.ndarray
+    cached_text: np.ndarray
+    cached_tokens: np.ndarray
+
+
+def outputs_of(sealed: bytes, text: str, tokens: Tokens) -> Outputs:
+    return Outputs(
+        io.bytes_array(sealed), io.bytes_array(text), tokens_array(tokens).reshape(1, 3)
+    )
 
 
 class PromptCacheStage:
@@ -42,8 +60,8 @@ class PromptCacheStage:
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
         # (raw inputs, grant) -> the request prepared for its lookup (`_prepare`)
         self._prepared: Memo[Prepared] = Memo()
-        # (prepared request, answer, key, issue time) -> an exact hit's sealed envelope
-        self._sealed: Memo[bytes] = Memo()
+        # (prepared request, answer, key, issue time) -> an exact hit's outputs (`Outputs`)
+        self._sealed: Memo[Outputs] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -65,14 +83,12 @@ class PromptCacheStage:
         self.budgets: BudgetThread | None = None  # L1 following the host's memory, if asked
         self.hit_objective: LatencyObjective | None = None  # hit_objective_s, if set
 
-    def lookup(
-        self, inputs: io.Inputs, authorization: object = None
-    ) -> tuple[bytes, str, tuple[int, int, int]]:
-        """The sealed envelope for the later stages (bound to the answer), the cached answer
-        ("" unless an exact hit) and its stored token accounting (tiercache.stages.seal.Tokens;
-        zeros unless known); InvalidRequest / NotFound for this request alone, Forbidden
-        when a key file is configured and `authorization` (the forwarded header) carries no
-        key that allows the request."""
+    def lookup(self, inputs: io.Inputs, authorization: object = None) -> Outputs:
+        """The stage's outputs (`Outputs`): the sealed envelope for the later stages (bound to
+        the answer), the cached answer ("" unless an exact hit) and its stored token accounting
+        (tiercache.stages.seal.Tokens; zeros unless known); InvalidRequest / NotFound for this
+        request alone, Forbidden when a key file is configured and `authorization` (the
+        forwarded header) carries no key that allows the request."""
         started = time.perf_counter()
         grant = None
         if self.keys is not None:
@@ -83,19 +99,16 @@ class PromptCacheStage:
         if found is None:
             result = self.cache.result(prepared, None)
             self.requests[result.status.value].increment(1)
-            sealed = envelope_of(result, key).seal(self.sealer)
-            text, tokens = "", NO_TOKENS
+            outputs = outputs_of(envelope_of(result, key).seal(self.sealer), "", NO_TOKENS)
         else:
             self.requests[CacheStatus.EXACT.value].increment(1)
             self.hits[found.tier].increment(1)
-            entry = found.entry
-            text, tokens = entry.text, token_accounting(entry)
-            sealed = self._sealed_hit(prepared, found, text, tokens, key)
+            outputs = self._sealed_hit(prepared, found, key)
         took_s = time.perf_counter() - started
         self.lookup_s.observe(took_s)
         if self.hit_objective is not None and found is not None:
             self.hit_objective.observe(took_s)
-        return sealed, text, tokens
+        return outputs
 
     def _prepare(self, inputs: io.Inputs, grant: TenantGrant | None) -> Prepared:
         """The request prepared for its lookup (PromptCache.prepare), kept by its inputs exactly
@@ -112,23 +125,26 @@ class PromptCacheStage:
             self._prepared.put((raw_key, grant), prepared, chars)
         return prepared
 
-    def _sealed_hit(
-        self, prepared: Prepared, found: Lookup, text: str, tokens: Tokens, key: str
-    ) -> bytes:
-        """An exact hit's envelope in its wire form, sealed with its answer `text` and `tokens`:
+    def _sealed_hit(self, prepared: Prepared, found: Lookup, key: str) -> Outputs:
+        """An exact hit's outputs, its envelope sealed with its answer and token accounting:
         memoized by the prepared request, the answer, the key that sent it and the issue time
-        (a repeated hit skips the envelope's JSON and its HMAC; tiercache.exact.memo)."""
+        (a repeated hit skips the envelope's JSON, its HMAC and the arrays;
+        tiercache.exact.memo), the memo's arrays read-only."""
+        entry = found.entry
+        text, tokens = entry.text, token_accounting(entry)
         issued_s = issued_now()
         memo_key = (prepared, text, tokens, key, issued_s)
-        sealed = self._sealed.get(memo_key)
-        if sealed is None:
+        outputs = self._sealed.get(memo_key)
+        if outputs is None:
             envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
-            sealed = envelope.seal(self.sealer, text, tokens)
+            outputs = outputs_of(envelope.seal(self.sealer, text, tokens), text, tokens)
             if len(text) <= MEMO_MAX_CHARS and small_request(prepared.request):
+                for array in outputs:
+                    array.setflags(write=False)  # shared by every response that sends it
                 # the key's answer and request (the prepared one it holds); the sealed bytes
-                held = len(text) + len(sealed) + prepared.request.text_chars()
-                self._sealed.put(memo_key, sealed, held)
-        return sealed
+                held = len(text) + len(outputs.envelope[0, 0]) + prepared.request.text_chars()
+                self._sealed.put(memo_key, outputs, held)
+        return outputs
 
     def count_error(self, exc: BaseException) -> None:
         """A request answered with an error (bad inputs, unknown adapter; refused: forbidden)."""

@@ -32,6 +32,7 @@ from tiercache.errors import (
     TierCacheError,
     Unavailable,
 )
+from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.request import RawInputs
 from tiercache.log_throttle import LogThrottle
 
@@ -392,6 +393,37 @@ def bytes_array(value: str | bytes, batched: bool = True) -> np.ndarray:
     """The BYTES array of one value, shape [1, 1] (batched) or [1]; a short value's is shared
     and read-only (`_one_value`)."""
     return _one_value(value, batched)
+
+
+# a hit's answer, sent again on every repeat of its prompt: its [1, 1] array by the answer
+_SHARED_TEXTS: Memo[np.ndarray] = Memo()
+_SMALL_INTS = 1 << 14  # token counts under this: their INT32 [1, 1] arrays built once
+_INT32: dict[int, np.ndarray] = {}
+
+
+def shared_bytes_array(value: str) -> np.ndarray:
+    """`bytes_array(value)` (batched) built once while the value is among those kept (a
+    hit's answer, sent on every repeat: up to MEMO_MAX_CHARS characters, a Memo's worth),
+    shared and read-only like a short value's."""
+    array = _SHARED_TEXTS.get(value)
+    if array is None:
+        array = _one_value(value, True)
+        if len(value) <= MEMO_MAX_CHARS:
+            array.setflags(write=False)  # shared by every response that sends it
+            _SHARED_TEXTS.put(value, array, 2 * len(value))  # the text and its bytes
+    return array
+
+
+def int32_array(value: int) -> np.ndarray:
+    """The INT32 [1, 1] array of `value` (a token count); shared and read-only for small
+    non-negative values, built once each."""
+    array = _INT32.get(value)
+    if array is None:
+        array = np.array([[value]], dtype=np.int32)
+        if 0 <= value < _SMALL_INTS:
+            array.setflags(write=False)
+            _INT32[value] = array
+    return array
 
 
 def bytes_tensor(name: str, values: Sequence[str | bytes], batched: bool = True) -> Any:
