@@ -106,6 +106,8 @@ class TieredCache:
         if len(set(names)) != len(names):
             raise ValueError(f"a tier named twice in {[n.value for n in names]}")
         self._stores = [(t.tier, t.store) for t in self.tiers]
+        first = self._stores[0][1] if self._stores else None
+        self._l1 = first if isinstance(first, MemoryStore) else None  # this process's, if any
         # Shared tiers first (peers see the answer soonest), nearest first; then this process's.
         self._write_order = [t for t in self.tiers if t.reach is not Reach.PROCESS] + [
             t for t in self.tiers if t.reach is Reach.PROCESS
@@ -158,7 +160,7 @@ class TieredCache:
         self._catch_up()
         now = self._clock()
         tiers = self._stores
-        l1 = tiers[0][1] if request and tiers and isinstance(tiers[0][1], MemoryStore) else None
+        l1 = self._l1 if request else None
         l1_missed = 0.0  # when L1 missed: what the lower tiers then cost is what L1 would save
         unusable = False  # a lower tier held it, but not fit to serve
         for i, (tier, store) in enumerate(tiers):

@@ -70,6 +70,7 @@ class PromptCacheStage:
             "status",
             (*choices(CacheStatus), "error", "forbidden"),
         )
+        self._exact = self.requests[CacheStatus.EXACT.value]
         self.hits = {
             tier: m.counter(
                 "tiercache_prompt_cache_hits_total", "Exact hits by tier", tier=tier.value
@@ -101,7 +102,7 @@ class PromptCacheStage:
             self.requests[result.status.value].increment(1)
             outputs = outputs_of(envelope_of(result, key).seal(self.sealer), "", NO_TOKENS)
         else:
-            self.requests[CacheStatus.EXACT.value].increment(1)
+            self._exact.increment(1)
             self.hits[found.tier].increment(1)
             outputs = self._sealed_hit(prepared, found, key)
         took_s = time.perf_counter() - started

@@ -286,7 +286,7 @@ class Inputs:
 def _one(name: str, array: np.ndarray) -> Any:
     if array.size != 1:
         raise InvalidRequest(f"{name} must hold exactly one value, got shape {list(array.shape)}")
-    return array.reshape(-1)[0]
+    return array.item()  # the one value, without a view of the array
 
 
 def _decode(name: str, value: Any) -> str:

@@ -1,0 +1,361 @@
+"""Where the CPU goes on the hit path, per process, thread, library and function, in tiercache
+and in the floor side by side: `make bench` (`tiercache_dev.bench.prompt_cache`) run under a
+system-wide sampling profile (Linux `perf record -a -g`).
+
+    .venv/bin/python -m tiercache_dev.diagnostics.cpu_profile --out-dir .perf/cpu-profile \\
+        -- --only tiercache --only floor --distinct 2048 --rounds 2 --concurrency 1
+
+Everything after `--` goes to the benchmark (one concurrency level: a request's share of the
+samples is counted over the windows in which each configuration's server was the one at work,
+at that level's median throughput). The benchmark keeps every configuration's server up and
+measures them in turn; each 0.5 s of the profile is charged to the configuration whose
+tritonserver took samples in it while the others' took next to none, and a sample to its
+process: the tritonserver, or the stage whose model.py its Python backend stub runs (read from
+/proc while the run goes on). The tables give CPU microseconds per request, by stage, by
+shared object and by function (C functions only: interpreted Python shows as the interpreter's
+own functions, `_PyEval_EvalFrameDefault` first; `tiercache_dev.bench.hit_path --opcodes`
+counts the Python side). `perf` must be installed and allowed to profile the whole system
+(root, or kernel.perf_event_paranoid <= 0); without it the command says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache_dev.console import display_path, progress
+from tiercache_dev.paths import REPO_ROOT
+
+WINDOW_S = 0.5  # the profile is charged to configurations in windows this long
+# a window is one configuration's when its tritonserver took at least this many samples a
+# second in it and every other configuration's at most OTHERS_MAX in the window
+BUSY_PER_S = 60
+OTHERS_MAX = 2
+STAGE = re.compile(r"/([A-Za-z0-9_]+)/\d+/model\.py")
+CONFIGURATIONS = {  # what a tritonserver's --model-repository names, as the benchmark builds it
+    "floor-repository": "floor",
+    "response-cache-repository": "response-cache",
+}
+
+
+@dataclass(slots=True)
+class Sample:
+    pid: int
+    tid: int
+    time_s: float
+    frames: list[tuple[str, str]] = field(default_factory=list)  # (function, object), leaf first
+
+
+def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
+    """The samples of `perf script -F pid,tid,time,ip,sym,dso` output (call chains included)."""
+    sample: Sample | None = None
+    for line in lines:
+        if not line.strip():
+            if sample is not None:
+                yield sample
+                sample = None
+            continue
+        if line[0] not in " \t":
+            head, _, rest = line.partition(" ")
+            pid, _, tid = head.partition("/")
+            try:
+                sample = Sample(int(pid), int(tid), float(rest.strip().rstrip(":")))
+            except ValueError:
+                sample = None  # a line of another format: skipped with its frames
+            continue
+        if sample is None:
+            continue
+        match = re.match(r"\s*[0-9a-f]+ (.*) \((.*)\)$", line.rstrip("\n"))
+        if match:
+            sample.frames.append((match.group(1), os.path.basename(match.group(2))))
+    if sample is not None:
+        yield sample
+
+
+def process_name(args: str, parents: dict[int, str], ppid: int) -> str | None:
+    """'<configuration>:tritonserver' or '<configuration>:<stage>' for a process of the run
+    (its command line `args`, its parent's name in `parents`), None for any other."""
+    if "tritonserver" in args and "--model-repository" in args and "stub" not in args:
+        repository = re.search(r"--model-repository[= ](\S+)", args)
+        folder = Path(repository.group(1)).name if repository else ""
+        return f"{CONFIGURATIONS.get(folder, 'tiercache')}:tritonserver"
+    stage = STAGE.search(args)
+    parent = parents.get(ppid)
+    if "triton_python_backend_stub" in args and stage and parent:
+        return f"{parent.split(':')[0]}:{stage.group(1)}"
+    return None
+
+
+def read_processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process now."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        out[int(entry.name)] = (ppid, args)
+    return out
+
+
+class ProcessWatch:
+    """Names the run's tritonservers and stubs from /proc every `every_s` until stopped."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        self.names: dict[int, str] = {}
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-watch", daemon=True)
+
+    def __enter__(self) -> ProcessWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.note()
+
+    def note(self) -> None:
+        processes = read_processes()
+        for pid, (ppid, args) in sorted(processes.items()):  # parents first, mostly
+            name = process_name(args, self.names, ppid)
+            if name is not None:
+                self.names[pid] = name
+        for pid, (ppid, args) in processes.items():  # a stub seen before its server
+            if pid not in self.names:
+                name = process_name(args, self.names, ppid)
+                if name is not None:
+                    self.names[pid] = name
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.note()
+            self._stop.wait(self._every_s)
+
+
+def windows(samples: Sequence[Sample], names: dict[int, str]) -> dict[int, str]:
+    """Window index -> the configuration at work in it (`WINDOW_S`, `BUSY_PER_S`)."""
+    busy: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for sample in samples:
+        name = names.get(sample.pid, "")
+        if name.endswith(":tritonserver"):
+            busy[int(sample.time_s / WINDOW_S)][name.split(":")[0]] += 1
+    out = {}
+    for index, counts in busy.items():
+        (top, count), *rest = counts.most_common() or [("", 0)]
+        if count >= BUSY_PER_S * WINDOW_S and all(n <= OTHERS_MAX for _, n in rest):
+            out[index] = top
+    return out
+
+
+@dataclass(slots=True)
+class Profile:
+    """CPU microseconds per request, by configuration and by key."""
+
+    per_request: dict[str, dict[str, float]]
+    seconds: dict[str, float]  # each configuration's windows, in all
+
+
+def charge(
+    samples: Sequence[Sample],
+    names: dict[int, str],
+    at_work: dict[int, str],
+    rates: dict[str, float],
+    frequency: float,
+    key: str,
+    stage: str | None = None,
+) -> Profile:
+    """Per configuration, CPU us per request by `key`: 'process' (stage or tritonserver),
+    'thread', 'object' (the leaf frame's shared object) or 'function' (the leaf's function and
+    object); `stage` keeps one stage's samples only. A request's share is the configuration's
+    samples over its windows' seconds times its throughput (`rates`, requests per second)."""
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for sample in samples:
+        config = at_work.get(int(sample.time_s / WINDOW_S))
+        name = names.get(sample.pid)
+        if config is None or name is None or not name.startswith(config + ":"):
+            continue
+        process = name.split(":", 1)[1]
+        if stage is not None and process != stage:
+            continue
+        leaf = sample.frames[0] if sample.frames else ("?", "?")
+        if key == "process":
+            counts[config][process] += 1
+        elif key == "thread":  # ranked below: thread ids differ between configurations
+            counts[config][f"{process}\0{'main' if sample.tid == sample.pid else sample.tid}"] += 1
+        elif key == "object":
+            counts[config][leaf[1]] += 1
+        else:
+            counts[config][f"{leaf[0][:60]} ({leaf[1][:28]})"] += 1
+    if key == "thread":
+        counts = {config: ranked_threads(counter) for config, counter in counts.items()}
+    seconds = collections.Counter(at_work.values())
+    per_request = {}
+    for config, counter in counts.items():
+        requests = seconds[config] * WINDOW_S * rates[config]
+        per_request[config] = {k: n / frequency / requests * 1e6 for k, n in counter.items()}
+    return Profile(per_request, {c: n * WINDOW_S for c, n in seconds.items()})
+
+
+def ranked_threads(counter: collections.Counter[str]) -> collections.Counter[str]:
+    """'process\0tid' counts renamed 'process main' (the thread a stub serves requests on)
+    and 'process thread N', N by samples, most first, so configurations line up."""
+    out: collections.Counter[str] = collections.Counter()
+    ranks: collections.Counter[str] = collections.Counter()
+    for name, count in counter.most_common():
+        process, _, tid = name.partition("\0")
+        if tid == "main":
+            out[f"{process} main"] += count
+            continue
+        ranks[process] += 1
+        out[f"{process} thread {ranks[process]}"] += count
+    return out
+
+
+def table(profile: Profile, first: str, second: str, rows: int) -> list[str]:
+    """Markdown rows: each key's us per request in both configurations and the difference,
+    the largest difference first."""
+    a, b = profile.per_request.get(first, {}), profile.per_request.get(second, {})
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0.0) - b.get(k, 0.0)))
+    out = [f"| | {first} us/request | {second} us/request | difference |", "|---|---:|---:|---:|"]
+    for k in keys[:rows]:
+        out.append(f"| {k} | {a.get(k, 0.0):.1f} | {b.get(k, 0.0):.1f} | "
+                   f"{a.get(k, 0.0) - b.get(k, 0.0):+.1f} |")  # fmt: skip
+    out.append(
+        f"| all | {sum(a.values()):.1f} | {sum(b.values()):.1f} | "
+        f"{sum(a.values()) - sum(b.values()):+.1f} |"
+    )
+    return out
+
+
+def check_perf() -> str:
+    perf = shutil.which("perf")
+    if perf is None:
+        raise SystemExit("error: `perf` (linux-tools / linux-perf) is not installed")
+    paranoid = Path("/proc/sys/kernel/perf_event_paranoid")
+    level = int(paranoid.read_text()) if paranoid.exists() else 2
+    if os.geteuid() != 0 and level > 0:
+        raise SystemExit(
+            f"error: profiling the whole system needs root or kernel.perf_event_paranoid <= 0 "
+            f"(it is {level})"
+        )
+    return perf
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, bench_args = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / ".perf" / "cpu-profile")
+    parser.add_argument("--frequency", type=int, default=499, help="samples per second per CPU")
+    parser.add_argument("--rows", type=int, default=12, help="rows per table")
+    parser.add_argument(
+        "--stages",
+        default="prompt_cache,embedding_cache,lora_cache,llm,tritonserver",
+        help="the processes given a table by object and by function",
+    )
+    args = parser.parse_args(argv)
+    perf = check_perf()
+    levels = [a for i, a in enumerate(bench_args) if i and bench_args[i - 1] == "--concurrency"]
+    if not levels or not re.fullmatch(r"\d+", levels[-1]):
+        raise SystemExit("error: give the benchmark one level: `-- ... --concurrency N`")
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "perf.data"
+    bench = [sys.executable, "-m", "tiercache_dev.bench.prompt_cache", *bench_args,
+             "--out-dir", str(out / "bench")]  # fmt: skip
+    progress(f"profiling `{' '.join(bench[1:])}` ({args.frequency} Hz, every CPU)")
+    recorder = subprocess.Popen(
+        [perf, "record", "-a", "-g", "-F", str(args.frequency), "-o", str(data)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(out / "perf-record.log", "w"),  # noqa: SIM115 - closed with the process
+    )
+    try:
+        with ProcessWatch() as watch:
+            code = subprocess.call(bench, cwd=REPO_ROOT)
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=120)
+    if code != 0:
+        raise SystemExit(f"error: the benchmark exited {code} (its output is above)")
+    summary = json.loads((out / "bench" / "bench_prompt_cache.json").read_text())
+    rates = {
+        config: by_level[levels[-1]]["infer_per_s"]
+        for config, by_level in summary["levels"].items()
+    }
+    progress("reading the profile (perf script)")
+    started = time.monotonic()
+    script = subprocess.Popen(
+        [perf, "script", "-i", str(data), "-F", "pid,tid,time,ip,sym,dso"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+    )
+    assert script.stdout is not None
+    samples = [s for s in parse_perf_script(script.stdout) if s.pid in watch.names]
+    script.wait()
+    progress(
+        f"  {len(samples)} samples of the run's processes in {time.monotonic() - started:.0f} s"
+    )
+    at_work = windows(samples, watch.names)
+    configs = sorted(set(at_work.values()), key=lambda c: c != "tiercache")
+    if len(configs) < 2:
+        raise SystemExit(f"error: the profile shows {configs or 'no'} configuration at work")
+    first, second = configs[0], configs[1]
+    report = [
+        f"# CPU per request on the hit path: {first} against {second}",
+        "",
+        f"`{' '.join(['.venv/bin/python -m tiercache_dev.diagnostics.cpu_profile', *argv, '--', *bench_args])}`",  # noqa: E501
+        "",
+        f"perf record -a -g at {args.frequency} Hz; windows at work: "
+        + ", ".join(f"{c} {s:.0f} s" for c, s in charge(
+            samples, watch.names, at_work, rates, args.frequency, "process").seconds.items())
+        + "; throughput: " + ", ".join(f"{c} {rates[c]:.0f} infer/s" for c in configs),
+        "",
+        "## By process",
+        "",
+        *table(charge(samples, watch.names, at_work, rates, args.frequency, "process"),
+               first, second, args.rows),
+        "",
+        "## By thread",
+        "",
+        *table(charge(samples, watch.names, at_work, rates, args.frequency, "thread"),
+               first, second, args.rows),
+    ]  # fmt: skip
+    for stage in args.stages.split(","):
+        for key in ("object", "function"):
+            profile = charge(samples, watch.names, at_work, rates, args.frequency, key, stage)
+            report += ["", f"## {stage}, by {key}", "", *table(profile, first, second, args.rows)]
+    path = out / "cpu_profile.md"
+    path.write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    progress(f"wrote {display_path(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""tiercache_dev.diagnostics.cpu_profile: reading `perf script`, naming the run's processes and
+charging samples to configurations per request (the profile itself needs perf and root)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache_dev.diagnostics import cpu_profile as cp
+
+SCRIPT = """\
+100/100 10.000100:
+\t    7f00 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)
+\t    7f01 [unknown] ([unknown])
+
+100/105 10.100000:
+\tffffffff81 futex_wake ([kernel.kallsyms])
+\t    ee017 syscall (/usr/lib/x86_64-linux-gnu/libc.so.6)
+
+not a sample line
+\t    1 lost (frame)
+
+200/200 10.2:
+"""
+
+
+def test_parse_perf_script_reads_each_sample_with_its_frames_leaf_first() -> None:
+    samples = list(cp.parse_perf_script(SCRIPT.splitlines(keepends=True)))
+    assert [(s.pid, s.tid, s.time_s) for s in samples] == [
+        (100, 100, 10.0001),
+        (100, 105, 10.1),
+        (200, 200, 10.2),
+    ]
+    assert samples[0].frames == [
+        ("_PyEval_EvalFrameDefault", "libpython3.11.so.1.0"),
+        ("[unknown]", "[unknown]"),
+    ]
+    assert samples[1].frames[0] == ("futex_wake", "[kernel.kallsyms]")
+    assert samples[2].frames == []
+
+
+def test_process_names_follow_the_repository_and_the_stub_model() -> None:
+    parents: dict[int, str] = {}
+    ours = "/x/bin/tritonserver --model-repository=/repo/model_repository --backend-directory=/b"
+    floor = "/x/bin/tritonserver --model-repository=/tmp/run/floor-repository --log-file=l"
+    parents[1] = cp.process_name(ours, parents, 0) or ""
+    parents[2] = cp.process_name(floor, parents, 0) or ""
+    assert parents == {1: "tiercache:tritonserver", 2: "floor:tritonserver"}
+    stub = "/b/python/triton_python_backend_stub /repo/model_repository/llm/1/model.py shm 1"
+    assert cp.process_name(stub, parents, 1) == "tiercache:llm"
+    floor_stub = stub.replace("/repo/model_repository/llm", "/tmp/run/floor-repository/llm")
+    assert cp.process_name(floor_stub, parents, 2) == "floor:llm"
+    assert cp.process_name(stub, parents, 99) is None  # its server not seen
+    assert cp.process_name("/usr/bin/python3 -m pytest", parents, 1) is None
+
+
+def samples_of(pid: int, tid: int, times: list[float], leaf: str = "f") -> list[cp.Sample]:
+    return [cp.Sample(pid, tid, t, [(leaf, "lib.so")]) for t in times]
+
+
+def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_at_work() -> None:
+    names = {
+        1: "tiercache:tritonserver",
+        11: "tiercache:llm",
+        2: "floor:tritonserver",
+        21: "floor:llm",
+    }
+    frequency = 100.0
+    # 0.0-1.0 s: ours at work (two windows); 1.0-1.5 s: the floor's; 1.5-2.0 s: both (neither)
+    ours = samples_of(1, 1, [i / 100 for i in range(100)])
+    stage = samples_of(11, 11, [i / 100 for i in range(0, 100, 2)], "eval")
+    theirs = samples_of(2, 2, [1 + i / 100 for i in range(50)])
+    their_stage = samples_of(21, 21, [1 + i / 100 for i in range(0, 50, 5)], "eval")
+    both = samples_of(1, 1, [1.5 + i / 100 for i in range(50)]) + samples_of(
+        2, 2, [1.5 + i / 100 for i in range(50)]
+    )
+    stray = samples_of(99, 99, [0.5])  # another process: not charged
+    samples = ours + stage + theirs + their_stage + both + stray
+    at_work = cp.windows(samples, names)
+    assert at_work == {0: "tiercache", 1: "tiercache", 2: "floor"}
+    rates = {"tiercache": 100.0, "floor": 50.0}  # requests per second
+    profile = cp.charge(samples, names, at_work, rates, frequency, "process")
+    assert profile.seconds == {"tiercache": 1.0, "floor": 0.5}
+    # ours: 100 samples of 10 ms over 100 requests -> 10,000 us each; llm 50 -> 5,000
+    assert profile.per_request["tiercache"] == pytest.approx(
+        {"tritonserver": 10_000.0, "llm": 5_000.0}
+    )
+    # the floor: 50 samples over 25 requests -> 20,000 us; llm 10 -> 4,000
+    assert profile.per_request["floor"] == pytest.approx({"tritonserver": 20_000.0, "llm": 4_000.0})
+    by_function = cp.charge(samples, names, at_work, rates, frequency, "function", "llm")
+    assert by_function.per_request == {
+        "tiercache": pytest.approx({"eval (lib.so)": 5_000.0}),
+        "floor": pytest.approx({"eval (lib.so)": 4_000.0}),
+    }
+    rows = cp.table(profile, "tiercache", "floor", 5)
+    assert rows[2] == "| llm | 5000.0 | 4000.0 | +1000.0 |"  # the largest difference first
+    assert rows[-1] == "| all | 15000.0 | 24000.0 | -9000.0 |"
+
+
+def test_threads_line_up_by_rank_with_the_serving_thread_apart() -> None:
+    names = {1: "tiercache:tritonserver", 11: "tiercache:llm"}
+    samples = (  # all in the first window (0.0 to 0.5 s)
+        samples_of(1, 1, [i / 100 for i in range(40)])
+        + samples_of(11, 11, [i / 100 for i in range(0, 40, 2)])  # the stub's serving thread
+        + samples_of(11, 17, [i / 100 for i in range(0, 40, 5)])
+        + samples_of(1, 5, [i / 100 for i in range(0, 40, 4)])
+        + samples_of(1, 4, [i / 100 for i in range(0, 40, 10)])
+    )
+    at_work = cp.windows(samples, names)
+    assert at_work == {0: "tiercache"}
+    profile = cp.charge(samples, names, at_work, {"tiercache": 10.0}, 100.0, "thread")
+    # five requests in the window; a sample is 10 ms: 2,000 us a request
+    assert profile.per_request["tiercache"] == pytest.approx(
+        {
+            "tritonserver main": 80_000.0,
+            "tritonserver thread 1": 20_000.0,
+            "tritonserver thread 2": 8_000.0,
+            "llm main": 40_000.0,
+            "llm thread 1": 16_000.0,
+        }
+    )
