@@ -12,7 +12,7 @@ SCRIPT = """\
 \t    7f00 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)
 \t    7f01 [unknown] ([unknown])
 
-100/105 10.100000:
+ 100/105  10.100000:
 \tffffffff81 futex_wake ([kernel.kallsyms])
 \t    ee017 syscall (/usr/lib/x86_64-linux-gnu/libc.so.6)
 

@@ -67,8 +67,8 @@ def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
                 yield sample
                 sample = None
             continue
-        if line[0] not in " \t":
-            head, _, rest = line.partition(" ")
+        if not line.startswith("\t"):  # a sample's line (pids are padded with spaces)
+            head, _, rest = line.strip().partition(" ")
             pid, _, tid = head.partition("/")
             try:
                 sample = Sample(int(pid), int(tid), float(rest.strip().rstrip(":")))
@@ -259,6 +259,26 @@ def check_perf() -> str:
     return perf
 
 
+def record(perf: str, bench: list[str], data: Path, frequency: int, out: Path) -> dict[int, str]:
+    """Run `bench` under `perf record -a -g` into `data`; the run's processes by pid."""
+    progress(f"profiling `{' '.join(bench[1:])}` ({frequency} Hz, every CPU)")
+    with open(out / "perf-record.log", "w") as log:
+        recorder = subprocess.Popen(
+            [perf, "record", "-a", "-g", "-F", str(frequency), "-o", str(data)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            with ProcessWatch() as watch:
+                code = subprocess.call(bench, cwd=REPO_ROOT)
+        finally:
+            recorder.send_signal(signal.SIGINT)
+            recorder.wait(timeout=120)
+    if code != 0:
+        raise SystemExit(f"error: the benchmark exited {code} (its output is above)")
+    return watch.names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_args: list[str] = []
@@ -277,6 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="prompt_cache,embedding_cache,lora_cache,llm,tritonserver",
         help="the processes given a table by object and by function",
     )
+    parser.add_argument(
+        "--analyse-only",
+        action="store_true",
+        help="read the profile --out-dir holds from an earlier run again (no benchmark)",
+    )
     args = parser.parse_args(argv)
     perf = check_perf()
     levels = [a for i, a in enumerate(bench_args) if i and bench_args[i - 1] == "--concurrency"]
@@ -287,20 +312,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = out / "perf.data"
     bench = [sys.executable, "-m", "tiercache_dev.bench.prompt_cache", *bench_args,
              "--out-dir", str(out / "bench")]  # fmt: skip
-    progress(f"profiling `{' '.join(bench[1:])}` ({args.frequency} Hz, every CPU)")
-    recorder = subprocess.Popen(
-        [perf, "record", "-a", "-g", "-F", str(args.frequency), "-o", str(data)],
-        stdout=subprocess.DEVNULL,
-        stderr=open(out / "perf-record.log", "w"),  # noqa: SIM115 - closed with the process
-    )
-    try:
-        with ProcessWatch() as watch:
-            code = subprocess.call(bench, cwd=REPO_ROOT)
-    finally:
-        recorder.send_signal(signal.SIGINT)
-        recorder.wait(timeout=120)
-    if code != 0:
-        raise SystemExit(f"error: the benchmark exited {code} (its output is above)")
+    names_path = out / "processes.json"
+    if not args.analyse_only:
+        names_path.write_text(json.dumps(record(perf, bench, data, args.frequency, out)))
+    elif not data.exists() or not names_path.exists():
+        raise SystemExit(f"error: {display_path(out)} holds no profile of an earlier run")
+    names = {int(pid): name for pid, name in json.loads(names_path.read_text()).items()}
     summary = json.loads((out / "bench" / "bench_prompt_cache.json").read_text())
     rates = {
         config: by_level[levels[-1]]["infer_per_s"]
@@ -316,12 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors="replace",
     )
     assert script.stdout is not None
-    samples = [s for s in parse_perf_script(script.stdout) if s.pid in watch.names]
+    samples = [s for s in parse_perf_script(script.stdout) if s.pid in names]
     script.wait()
     progress(
         f"  {len(samples)} samples of the run's processes in {time.monotonic() - started:.0f} s"
     )
-    at_work = windows(samples, watch.names)
+    at_work = windows(samples, names)
     configs = sorted(set(at_work.values()), key=lambda c: c != "tiercache")
     if len(configs) < 2:
         raise SystemExit(f"error: the profile shows {configs or 'no'} configuration at work")
@@ -333,22 +350,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"perf record -a -g at {args.frequency} Hz; windows at work: "
         + ", ".join(f"{c} {s:.0f} s" for c, s in charge(
-            samples, watch.names, at_work, rates, args.frequency, "process").seconds.items())
+            samples, names, at_work, rates, args.frequency, "process").seconds.items())
         + "; throughput: " + ", ".join(f"{c} {rates[c]:.0f} infer/s" for c in configs),
         "",
         "## By process",
         "",
-        *table(charge(samples, watch.names, at_work, rates, args.frequency, "process"),
+        *table(charge(samples, names, at_work, rates, args.frequency, "process"),
                first, second, args.rows),
         "",
         "## By thread",
         "",
-        *table(charge(samples, watch.names, at_work, rates, args.frequency, "thread"),
+        *table(charge(samples, names, at_work, rates, args.frequency, "thread"),
                first, second, args.rows),
     ]  # fmt: skip
     for stage in args.stages.split(","):
         for key in ("object", "function"):
-            profile = charge(samples, watch.names, at_work, rates, args.frequency, key, stage)
+            profile = charge(samples, names, at_work, rates, args.frequency, key, stage)
             report += ["", f"## {stage}, by {key}", "", *table(profile, first, second, args.rows)]
     path = out / "cpu_profile.md"
     path.write_text("\n".join(report) + "\n")
