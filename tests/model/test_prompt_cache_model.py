@@ -214,6 +214,29 @@ def test_a_repeated_hit_is_sealed_with_its_current_answer(
         seals.opened(sealer, sent(changed), "answer")
 
 
+def test_each_prompts_hits_are_issued_in_its_own_steps(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exact hit's envelope is issued in steps that turn at its prompt's own second
+    (`issue_turn` of its digest): hot prompts' memoized envelopes do not all turn at once."""
+    from tiercache.stages import envelope as env
+
+    now = time.time()
+    monkeypatch.setattr(
+        "tiercache.stages.prompt_cache.issued_now",
+        lambda turn_s=0: env.issued_now(lambda: now, turn_s),
+    )
+    issued = {}
+    for prompt in (b"What is Triton?", b"What is LMDB?", b"What is Redis?", b"What is a cache?"):
+        (miss,) = model.execute([make_request(pb_utils, prompt)])
+        digest = envelope(pb_utils, miss, sealer).digest
+        model.stage.cache.cache.put(digest, "answer")
+        (hit,) = model.execute([make_request(pb_utils, prompt)])
+        issued[digest] = envelope(pb_utils, hit, sealer).issued_s
+    assert issued == {d: env.issued_now(lambda: now, env.issue_turn(d)) for d in issued}
+    assert len(set(issued.values())) > 1  # four prompts, their own turns
+
+
 def test_a_repeated_request_is_prepared_once_and_read_as_the_tiers_stand(
     model: Any, pb_utils: ModuleType, sealer: Sealer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,7 +252,7 @@ def test_a_repeated_request_is_prepared_once_and_read_as_the_tiers_stand(
     (hit,) = model.execute([make_request(pb_utils)])
     assert output(pb_utils, hit, "CACHED_TEXT") == "answer" and len(stage._prepared) == 1
     issued = [1000]
-    monkeypatch.setattr("tiercache.stages.prompt_cache.issued_now", lambda: issued[0])
+    monkeypatch.setattr("tiercache.stages.prompt_cache.issued_now", lambda turn_s=0: issued[0])
     (first,) = model.execute([make_request(pb_utils)])
     issued[0] = 1010
     (later,) = model.execute([make_request(pb_utils)])

@@ -159,3 +159,27 @@ def test_bench_input_data_has_one_entry_per_prompt(tmp_path: Path) -> None:
     assert written["data"][0]["max_tokens"] == {"content": [16], "shape": [1]}
     with pytest.raises(TypeError, match="list of prompts"):
         write_input_data(tmp_path / "bad.json", "What is Triton?", 16)  # type: ignore[arg-type]
+
+
+def test_the_benchmark_waits_for_idle_servers_and_says_what_kept_one_busy() -> None:
+    """`settle` returns once every server's processes have been idle for two windows in a
+    row, and measures anyway (saying which process was busy) when one never goes idle."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from tiercache_dev.bench.prompt_cache import settle
+
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        waited = settle({"idle": SimpleNamespace(process=idle)}, timeout_s=30)  # type: ignore[dict-item]
+        assert waited.startswith("idle after ")
+        servers = {"idle": SimpleNamespace(process=idle), "busy": SimpleNamespace(process=busy)}
+        refused = settle(servers, timeout_s=3)  # type: ignore[arg-type]
+        assert refused.startswith("still busy after 3 s (busy python")
+        assert refused.endswith("of a core); measured anyway")
+    finally:
+        for process in (idle, busy):
+            process.kill()
+            process.wait()

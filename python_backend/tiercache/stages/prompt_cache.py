@@ -25,7 +25,7 @@ from tiercache.stages.contract import (
     prompt_cache_terms,
     write_terms,
 )
-from tiercache.stages.envelope import Envelope, issued_now
+from tiercache.stages.envelope import Envelope, issue_turn, issued_now
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import NO_TOKENS, Sealer, Tokens, tokens_array
@@ -44,9 +44,7 @@ class Outputs(NamedTuple):
 
 
 def outputs_of(sealed: bytes, text: str, tokens: Tokens) -> Outputs:
-    return Outputs(
-        io.bytes_array(sealed), io.bytes_array(text), tokens_array(tokens).reshape(1, 3)
-    )
+    return Outputs(io.bytes_array(sealed), io.bytes_array(text), tokens_array(tokens).reshape(1, 3))
 
 
 class PromptCacheStage:
@@ -133,7 +131,7 @@ class PromptCacheStage:
         tiercache.exact.memo), the memo's arrays read-only."""
         entry = found.entry
         text, tokens = entry.text, token_accounting(entry)
-        issued_s = issued_now()
+        issued_s = issued_now(turn_s=issue_turn(prepared.digest or ""))  # this prompt's step
         memo_key = (prepared, text, tokens, key, issued_s)
         outputs = self._sealed.get(memo_key)
         if outputs is None:

@@ -419,6 +419,50 @@ class ServerCpu:
         return sum(by_process.values()), by_process
 
 
+SETTLE_CORES = 0.1  # a run's servers are idle once their processes use under this much CPU
+SETTLE_WINDOW_S = 1.0  # over each of two windows this long in a row
+SETTLE_TIMEOUT_S = 180.0
+
+
+def settle(servers: dict[str, TritonServer], timeout_s: float = SETTLE_TIMEOUT_S) -> str:
+    """Wait until every server's processes are idle (under SETTLE_CORES of CPU over two
+    SETTLE_WINDOW_S windows in a row), so that the first round shares the machine with no
+    configuration's start-up or warm-up work (tiercache's warmed variants written to its
+    tiers, indexed by meaning); what was waited for, for the report."""
+    labels: dict[str, dict[int, str]] = {name: {} for name in servers}
+
+    def cpu_s() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, server in servers.items():
+            if server.process is None:
+                continue
+            processes = labelled_processes(server.process.pid, labels[name])
+            for label, sample in cpu_snapshot(processes).items():
+                out[f"{name} {label}"] = sample.cpu_s
+        return out
+
+    started = time.monotonic()
+    before, quiet, busy = cpu_s(), 0, {}
+    while quiet < 2:
+        if time.monotonic() - started > timeout_s:
+            return f"still busy after {timeout_s:.0f} s ({shown_busy(busy)}); measured anyway"
+        time.sleep(SETTLE_WINDOW_S)
+        now = cpu_s()
+        used = {k: v - before.get(k, v) for k, v in now.items()}
+        if sum(used.values()) < SETTLE_CORES * SETTLE_WINDOW_S:
+            quiet += 1
+        else:
+            quiet, busy = 0, used
+        before = now
+    waited = time.monotonic() - started
+    return f"idle after {waited:.0f} s" + (f" (last busy: {shown_busy(busy)})" if busy else "")
+
+
+def shown_busy(used: dict[str, float]) -> str:
+    top = sorted(used.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{label} {seconds / SETTLE_WINDOW_S:.0%} of a core" for label, seconds in top)
+
+
 def measure(
     args: argparse.Namespace,
     perf_analyzer: Path,
@@ -745,6 +789,7 @@ def build_report(
     wall_s: float,
     perf_version: str,
     load: str,
+    settled: str = "",
 ) -> tuple[str, str, bool, dict]:
     """(plain-text table for the terminal, Markdown, whether every wanted figure was measured,
     the JSON summary)."""
@@ -777,6 +822,7 @@ def build_report(
             else "one round"
         ),
         f"- background load: {load}",
+        f"- the servers before the first round (`settle`): {settled or 'not waited for'}",
         "",
         "| configuration | concurrency | p50 ms | p99 ms | infer/s |",
         "|---|---:|---:|---:|---:|",
@@ -962,6 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     measurements: list[Measurement] = []
+    settled = ""  # what the run waited for before its first round (`settle`)
     load = BackgroundLoad(args.background_load, args.background_duty)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
         args.run_states = Path(tmp_name) / "states"
@@ -974,6 +1021,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c in configs:
                     if c.name == TIERCACHE:
                         cache_the_prompt(args, c.server)
+                progress("waiting for every server to be idle")
+                settled = settle({c.name: c.server for c in configs})
+                progress(f"  {settled}")
                 progress(f"background load: {load.describe()}")
                 by_round: dict[tuple[str, int], Measurement] = {}
                 for round_no, level, config in level_pairs(configs, args.rounds, args.levels):
@@ -994,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measurements = list(by_round.values())
 
     text, md, complete, summary = build_report(
-        args, measurements, stage, time.monotonic() - started, version, load.describe()
+        args, measurements, stage, time.monotonic() - started, version, load.describe(), settled
     )
     print()
     print(text)
