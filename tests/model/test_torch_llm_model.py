@@ -636,7 +636,9 @@ def test_with_a_memory_headroom_the_kv_pool_follows_the_host(
         "kv_pool_max_bytes": {"string_value": "1000"},
         "kv_pool_min_bytes": {"string_value": "20"},
         "memory_headroom_bytes": {"string_value": str(1 << 60)},
-        "budget_interval_s": {"string_value": "0.05"},
+        # the first resize comes one interval after the start: long enough for the insert
+        # below to come first on a loaded machine (at 0.05 s it did not always)
+        "budget_interval_s": {"string_value": "1.0"},
     }
     instance = start_stage(load_model, monkeypatch, params, FakeEngine)
     try:

@@ -77,8 +77,10 @@ def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_a
     samples = ours + stage + theirs + their_stage + both + stray
     at_work = cp.windows(samples, names)
     assert at_work == {0: "tiercache", 1: "tiercache", 2: "floor"}
+    intervals = cp.intervals_of(at_work)
+    assert intervals == [(0.0, 0.5, "tiercache"), (0.5, 1.0, "tiercache"), (1.0, 1.5, "floor")]
     rates = {"tiercache": 100.0, "floor": 50.0}  # requests per second
-    profile = cp.charge(samples, names, at_work, rates, frequency, "process")
+    profile = cp.charge(samples, names, intervals, rates, frequency, "process")
     assert profile.seconds == {"tiercache": 1.0, "floor": 0.5}
     # ours: 100 samples of 10 ms over 100 requests -> 10,000 us each; llm 50 -> 5,000
     assert profile.per_request["tiercache"] == pytest.approx(
@@ -86,7 +88,7 @@ def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_a
     )
     # the floor: 50 samples over 25 requests -> 20,000 us; llm 10 -> 4,000
     assert profile.per_request["floor"] == pytest.approx({"tritonserver": 20_000.0, "llm": 4_000.0})
-    by_function = cp.charge(samples, names, at_work, rates, frequency, "function", "llm")
+    by_function = cp.charge(samples, names, intervals, rates, frequency, "function", "llm")
     assert by_function.per_request == {
         "tiercache": pytest.approx({"eval (lib.so)": 5_000.0}),
         "floor": pytest.approx({"eval (lib.so)": 4_000.0}),
@@ -94,6 +96,27 @@ def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_a
     rows = cp.table(profile, "tiercache", "floor", 5)
     assert rows[2] == "| llm | 5000.0 | 4000.0 | +1000.0 |"  # the largest difference first
     assert rows[-1] == "| all | 15000.0 | 24000.0 | -9000.0 |"
+
+
+def test_the_benchmarks_measured_windows_are_charged_and_nothing_between_them() -> None:
+    """With the benchmark's own windows (its JSON's `measured_windows`), a sample between two
+    measurements (a warm-up pass, a server starting) is charged to nobody, and a window's
+    seconds are its length."""
+    names = {1: "tiercache:tritonserver", 2: "floor:tritonserver"}
+    samples = (
+        samples_of(1, 1, [10.0 + i / 100 for i in range(100)])  # 10.0-11.0: ours measured
+        + samples_of(1, 1, [20.0 + i / 100 for i in range(100)])  # 20.0-21.0: a warm-up
+        + samples_of(2, 2, [30.0 + i / 100 for i in range(50)])  # 30.0-30.5: the floor
+    )
+    intervals = [(30.0, 30.5, "floor"), (10.0, 11.0, "tiercache")]  # any order
+    rates = {"tiercache": 10.0, "floor": 10.0}
+    profile = cp.charge(samples, names, intervals, rates, 100.0, "process")
+    assert profile.seconds == {"tiercache": 1.0, "floor": 0.5}
+    # ours: 1 s of CPU over 10 requests; the floor's 0.5 s over 5
+    assert profile.per_request == {
+        "tiercache": pytest.approx({"tritonserver": 100_000.0}),
+        "floor": pytest.approx({"tritonserver": 100_000.0}),
+    }
 
 
 def test_threads_line_up_by_rank_with_the_serving_thread_apart() -> None:
@@ -107,7 +130,9 @@ def test_threads_line_up_by_rank_with_the_serving_thread_apart() -> None:
     )
     at_work = cp.windows(samples, names)
     assert at_work == {0: "tiercache"}
-    profile = cp.charge(samples, names, at_work, {"tiercache": 10.0}, 100.0, "thread")
+    profile = cp.charge(
+        samples, names, cp.intervals_of(at_work), {"tiercache": 10.0}, 100.0, "thread"
+    )
     # five requests in the window; a sample is 10 ms: 2,000 us a request
     assert profile.per_request["tiercache"] == pytest.approx(
         {

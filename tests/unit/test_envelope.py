@@ -4,9 +4,7 @@ canonical encoding, and hostile input refused as InvalidRequest (its seal: test_
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,6 @@ from tiercache.stages.envelope import (
     Envelope,
     Freshness,
     ReceivedEnvelope,
-    issue_turn,
     issued_now,
 )
 from tiercache.stages.seal import Sealer
@@ -208,26 +205,6 @@ def test_an_envelope_is_issued_now_in_steps() -> None:
     assert made.issued_s % ISSUE_STEP_S == 0 and before <= made.issued_s <= issued_now()
     # two envelopes made in one step are equal: prompt_cache's memo of sealed hits holds
     assert Envelope(request=GenerationRequest(prompt="hi"), issued_s=made.issued_s) == made
-
-
-def test_each_prompts_issue_step_turns_at_its_own_second() -> None:
-    """An exact hit's envelopes are issued in steps that turn at a second drawn from its
-    digest (`issue_turn`): never ahead of the clock, at most a step behind, the same issue time
-    within a step, and the turns of many prompts spread over the whole step."""
-    clock = 1_789_999_980  # a whole minute
-    assert issued_now(lambda: clock + 16.9, turn_s=17) == clock + 17 - ISSUE_STEP_S
-    assert issued_now(lambda: clock + 17.0, turn_s=17) == clock + 17
-    assert issued_now(lambda: clock + 76.9, turn_s=17) == clock + 17
-    assert issued_now(lambda: clock + 77.5, turn_s=17) == clock + 77
-    for turn in range(ISSUE_STEP_S):
-        for t in range(clock, clock + 2 * ISSUE_STEP_S):
-            issued = issued_now(lambda t=t: t + 0.5, turn_s=turn)
-            assert t - ISSUE_STEP_S < issued <= t and (issued - turn) % ISSUE_STEP_S == 0
-    digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(2048)]
-    turns = Counter(issue_turn(d) for d in digests)
-    assert set(turns) == set(range(ISSUE_STEP_S))  # every second of the step holds turns
-    assert max(turns.values()) < 3 * len(digests) / ISSUE_STEP_S  # none holds a burst
-    assert issue_turn("") == 0 and issue_turn(digests[0]) == int(digests[0][:8], 16) % 60
 
 
 @pytest.mark.parametrize(

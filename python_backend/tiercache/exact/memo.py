@@ -59,8 +59,10 @@ class Memo(Generic[V]):
 
     def put(self, key: Hashable, value: V, chars: int = 0) -> V:
         """Remember `value` under `key`, an entry whose key and value hold `chars` characters
-        of text (more than `max_chars`: not kept); returns it. A memoized function's value for
-        a key never changes, so a key put again keeps the count it was first put with."""
+        of text (more than `max_chars`: not kept); returns it. A key put again replaces its
+        value and keeps the count it was first put with (a memoized function's value for a key
+        never changes; a caller that replaces one, prompt_cache's sealed hit of a new issue
+        step, puts a value of the same size)."""
         if chars > self._max_chars:
             return value
         with self._lock:

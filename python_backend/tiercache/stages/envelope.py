@@ -51,22 +51,11 @@ DEFAULT_MAX_AGE_S: float = PARAMETERS["envelope_max_age_s"].default
 FUTURE_SLACK_S = 60.0  # how far ahead of a stage's clock an issue time may be (a clock step)
 
 
-def issued_now(clock: Callable[[], float] = time.time, turn_s: int = 0) -> int:
+def issued_now(clock: Callable[[], float] = time.time) -> int:
     """The issue time of an envelope made now: the host's clock in whole seconds, rounded down
-    to the last ISSUE_STEP_S boundary, the boundaries `turn_s` seconds past the minute (0 to
-    ISSUE_STEP_S - 1: `issue_turn`)."""
+    to ISSUE_STEP_S."""
     now = int(clock())
-    return now - (now - turn_s) % ISSUE_STEP_S
-
-
-def issue_turn(digest: str) -> int:
-    """The second of each issue step at which an exact hit's envelopes turn, drawn from its
-    request's digest (hex). The stages keep a prompt's sealed envelope (prompt_cache) and its
-    decoded hit (llm) for one issue step; with one turn for every prompt, each hot prompt's
-    next hit after the turn paid its whole path at once, a burst of slow hits every step
-    (2,048 prompts at 370 requests/s: the first 5.5 s of every minute). Spread by prompt, the
-    same share of hits is spread evenly instead."""
-    return int(digest[:8] or "0", 16) % ISSUE_STEP_S
+    return now - now % ISSUE_STEP_S
 
 
 def check_envelope_size(data: bytes | None) -> None:

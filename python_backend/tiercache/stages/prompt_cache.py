@@ -25,7 +25,7 @@ from tiercache.stages.contract import (
     prompt_cache_terms,
     write_terms,
 )
-from tiercache.stages.envelope import Envelope, issue_turn, issued_now
+from tiercache.stages.envelope import Envelope, issued_now
 from tiercache.stages.memory_budgets import follow_l1
 from tiercache.stages.parts import open_lookup, open_sealer
 from tiercache.stages.seal import NO_TOKENS, Sealer, Tokens, tokens_array
@@ -58,8 +58,8 @@ class PromptCacheStage:
         self.keys = keys  # None: the tenant input is trusted (no api_keys_file)
         # (raw inputs, grant) -> the request prepared for its lookup (`_prepare`)
         self._prepared: Memo[Prepared] = Memo()
-        # (prepared request, answer, key, issue time) -> an exact hit's outputs (`Outputs`)
-        self._sealed: Memo[Outputs] = Memo()
+        # (prepared request, answer, key) -> (issue time, an exact hit's outputs: `Outputs`)
+        self._sealed: Memo[tuple[int, Outputs]] = Memo()
         self.metrics = m = metrics
         self.requests = status_counters(
             m,
@@ -126,23 +126,27 @@ class PromptCacheStage:
 
     def _sealed_hit(self, prepared: Prepared, found: Lookup, key: str) -> Outputs:
         """An exact hit's outputs, its envelope sealed with its answer and token accounting:
-        memoized by the prepared request, the answer, the key that sent it and the issue time
-        (a repeated hit skips the envelope's JSON, its HMAC and the arrays;
-        tiercache.exact.memo), the memo's arrays read-only."""
+        memoized by the prepared request, the answer and the key that sent it, for the issue
+        step it was issued in (a repeated hit skips the envelope's JSON, its HMAC and the
+        arrays; tiercache.exact.memo), the memo's arrays read-only. A new step's envelope
+        replaces the last one in place: one entry per hot prompt, so the memo never fills up
+        with past steps' envelopes (and is never cleared for them)."""
         entry = found.entry
         text, tokens = entry.text, token_accounting(entry)
-        issued_s = issued_now(turn_s=issue_turn(prepared.digest or ""))  # this prompt's step
-        memo_key = (prepared, text, tokens, key, issued_s)
-        outputs = self._sealed.get(memo_key)
-        if outputs is None:
-            envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
-            outputs = outputs_of(envelope.seal(self.sealer, text, tokens), text, tokens)
-            if len(text) <= MEMO_MAX_CHARS and small_request(prepared.request):
-                for array in outputs:
-                    array.setflags(write=False)  # shared by every response that sends it
-                # the key's answer and request (the prepared one it holds); the sealed bytes
-                held = len(text) + len(outputs.envelope[0, 0]) + prepared.request.text_chars()
-                self._sealed.put(memo_key, outputs, held)
+        issued_s = issued_now()
+        memo_key = (prepared, text, tokens, key)
+        kept = self._sealed.get(memo_key)
+        if kept is not None and kept[0] == issued_s:
+            return kept[1]
+        envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
+        outputs = outputs_of(envelope.seal(self.sealer, text, tokens), text, tokens)
+        if len(text) <= MEMO_MAX_CHARS and small_request(prepared.request):
+            for array in outputs:
+                array.setflags(write=False)  # shared by every response that sends it
+            # the key's answer and request (the prepared one it holds); the arrays' answer
+            # and sealed envelope
+            held = 2 * len(text) + len(outputs.envelope[0, 0]) + prepared.request.text_chars()
+            self._sealed.put(memo_key, (issued_s, outputs), held)
         return outputs
 
     def count_error(self, exc: BaseException) -> None:

@@ -692,10 +692,16 @@ def measure_round(
         )
     before = status_counts(config.server.ports.metrics) if config.name == TIERCACHE else None
     cpu = ServerCpu(config.server, config.model)
+    start_s = time.monotonic()
     result = measure(
         args, pa, config.name, round_no, config.model, config.server, config.input_data,
         config.transport, level,
     )  # fmt: skip
+    # when each measurement ran (CLOCK_MONOTONIC, as `perf record -k CLOCK_MONOTONIC` stamps its
+    # samples: tiercache_dev.diagnostics.cpu_profile charges only these)
+    args.measured_windows.append(
+        {"config": config.name, "level": level, "start_s": start_s, "end_s": time.monotonic()}
+    )
     per_request = cpu.per_request_ms()
     if per_request is not None and level in result.levels:
         result.cpu_ms[level], result.cpu_ms_by_process[level] = per_request
@@ -1038,6 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     measurements: list[Measurement] = []
+    args.measured_windows = []
     settled = ""  # what the run waited for before its first round (`settle`)
     load = BackgroundLoad(args.background_load, args.background_duty)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
@@ -1083,6 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(text)
+    summary["measured_windows"] = args.measured_windows
     write_report(args.out_dir, "bench_prompt_cache", md, summary)
     return 0 if complete else 1
 

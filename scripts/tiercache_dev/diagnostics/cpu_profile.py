@@ -6,21 +6,26 @@ system-wide sampling profile (Linux `perf record -a -g`).
         -- --only tiercache --only floor --distinct 2048 --rounds 2 --concurrency 1
 
 Everything after `--` goes to the benchmark (one concurrency level: a request's share of the
-samples is counted over the windows in which each configuration's server was the one at work,
-at that level's median throughput). The benchmark keeps every configuration's server up and
-measures them in turn; each 0.5 s of the profile is charged to the configuration whose
-tritonserver took samples in it while the others' took next to none, and a sample to its
+samples is counted over the windows in which each configuration was measured, at that level's
+median throughput). The benchmark keeps every configuration's server up and measures them in
+turn, and records when each measurement ran (`measured_windows` in its JSON, on the clock
+`perf record -k CLOCK_MONOTONIC` stamps samples with): a sample is charged to the configuration
+measured at that moment (the warm-up pass and the rest of the run are left out), and to its
 process: the tritonserver, or the stage whose model.py its Python backend stub runs (read from
-/proc while the run goes on). The tables give CPU microseconds per request, by stage, by
-shared object and by function (C functions only: interpreted Python shows as the interpreter's
-own functions, `_PyEval_EvalFrameDefault` first; `tiercache_dev.bench.hit_path --opcodes`
-counts the Python side). `perf` must be installed and allowed to profile the whole system
-(root, or kernel.perf_event_paranoid <= 0); without it the command says so and stops.
+/proc while the run goes on). A benchmark JSON without those windows is charged by half seconds
+in which one configuration's tritonserver alone was busy. The tables give CPU microseconds
+per request, by stage, by shared object and by function (C functions only: interpreted
+Python shows as the interpreter's own functions, `_PyEval_EvalFrameDefault` first;
+`tiercache_dev.bench.hit_path --opcodes` counts the Python side). `perf` must be installed and
+allowed to profile the whole system (root, or kernel.perf_event_paranoid <= 0; to read an
+earlier run's profile again, `--analyse-only`, installed is enough); without it the command
+says so and stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -87,7 +92,7 @@ def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
 def process_name(args: str, parents: dict[int, str], ppid: int) -> str | None:
     """'<configuration>:tritonserver' or '<configuration>:<stage>' for a process of the run
     (its command line `args`, its parent's name in `parents`), None for any other."""
-    if "tritonserver" in args and "--model-repository" in args and "stub" not in args:
+    if Path(args.split(" ", 1)[0]).name == "tritonserver" and "--model-repository" in args:
         repository = re.search(r"--model-repository[= ](\S+)", args)
         folder = Path(repository.group(1)).name if repository else ""
         return f"{CONFIGURATIONS.get(folder, 'tiercache')}:tritonserver"
@@ -105,7 +110,8 @@ def read_processes() -> dict[int, tuple[int, str]]:
         if not entry.name.isdigit():
             continue
         try:
-            args = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            raw = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
+            args = raw.decode(errors="replace")
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
@@ -165,6 +171,14 @@ def windows(samples: Sequence[Sample], names: dict[int, str]) -> dict[int, str]:
     return out
 
 
+Interval = tuple[float, float, str]  # (start s, end s, configuration), on the samples' clock
+
+
+def intervals_of(at_work: dict[int, str]) -> list[Interval]:
+    """`windows`' half seconds as intervals."""
+    return [(i * WINDOW_S, (i + 1) * WINDOW_S, c) for i, c in sorted(at_work.items())]
+
+
 @dataclass(slots=True)
 class Profile:
     """CPU microseconds per request, by configuration and by key."""
@@ -176,7 +190,7 @@ class Profile:
 def charge(
     samples: Sequence[Sample],
     names: dict[int, str],
-    at_work: dict[int, str],
+    intervals: Sequence[Interval],
     rates: dict[str, float],
     frequency: float,
     key: str,
@@ -186,9 +200,14 @@ def charge(
     'thread', 'object' (the leaf frame's shared object) or 'function' (the leaf's function and
     object); `stage` keeps one stage's samples only. A request's share is the configuration's
     samples over its windows' seconds times its throughput (`rates`, requests per second)."""
+    intervals = sorted(intervals)
+    starts = [start for start, _, _ in intervals]
     counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for sample in samples:
-        config = at_work.get(int(sample.time_s / WINDOW_S))
+        at = bisect.bisect_right(starts, sample.time_s) - 1
+        config = None
+        if at >= 0 and sample.time_s < intervals[at][1]:  # [start, end)
+            config = intervals[at][2]
         name = names.get(sample.pid)
         if config is None or name is None or not name.startswith(config + ":"):
             continue
@@ -206,12 +225,14 @@ def charge(
             counts[config][f"{leaf[0][:60]} ({leaf[1][:28]})"] += 1
     if key == "thread":
         counts = {config: ranked_threads(counter) for config, counter in counts.items()}
-    seconds = collections.Counter(at_work.values())
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for start, end, config in intervals:
+        seconds[config] += end - start
     per_request = {}
     for config, counter in counts.items():
-        requests = seconds[config] * WINDOW_S * rates[config]
+        requests = seconds[config] * rates[config]
         per_request[config] = {k: n / frequency / requests * 1e6 for k, n in counter.items()}
-    return Profile(per_request, {c: n * WINDOW_S for c, n in seconds.items()})
+    return Profile(per_request, dict(seconds))
 
 
 def ranked_threads(counter: collections.Counter[str]) -> collections.Counter[str]:
@@ -245,10 +266,14 @@ def table(profile: Profile, first: str, second: str, rows: int) -> list[str]:
     return out
 
 
-def check_perf() -> str:
+def check_perf(record: bool = True) -> str:
+    """The perf binary; SystemExit when it is missing or (to `record`) not allowed to profile
+    the whole system."""
     perf = shutil.which("perf")
     if perf is None:
         raise SystemExit("error: `perf` (linux-tools / linux-perf) is not installed")
+    if not record:
+        return perf
     paranoid = Path("/proc/sys/kernel/perf_event_paranoid")
     level = int(paranoid.read_text()) if paranoid.exists() else 2
     if os.geteuid() != 0 and level > 0:
@@ -264,7 +289,18 @@ def record(perf: str, bench: list[str], data: Path, frequency: int, out: Path) -
     progress(f"profiling `{' '.join(bench[1:])}` ({frequency} Hz, every CPU)")
     with open(out / "perf-record.log", "w") as log:
         recorder = subprocess.Popen(
-            [perf, "record", "-a", "-g", "-F", str(frequency), "-o", str(data)],
+            [
+                perf,
+                "record",
+                "-a",
+                "-g",
+                "-k",
+                "CLOCK_MONOTONIC",
+                "-F",
+                str(frequency),
+                "-o",
+                str(data),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=log,
         )
@@ -303,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="read the profile --out-dir holds from an earlier run again (no benchmark)",
     )
     args = parser.parse_args(argv)
-    perf = check_perf()
+    perf = check_perf(record=not args.analyse_only)
     levels = [a for i, a in enumerate(bench_args) if i and bench_args[i - 1] == "--concurrency"]
     if not levels or not re.fullmatch(r"\d+", levels[-1]):
         raise SystemExit("error: give the benchmark one level: `-- ... --concurrency N`")
@@ -319,9 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: {display_path(out)} holds no profile of an earlier run")
     names = {int(pid): name for pid, name in json.loads(names_path.read_text()).items()}
     summary = json.loads((out / "bench" / "bench_prompt_cache.json").read_text())
+    level = levels[-1]
     rates = {
-        config: by_level[levels[-1]]["infer_per_s"]
+        config: by_level[level]["infer_per_s"]
         for config, by_level in summary["levels"].items()
+        if level in by_level
     }
     progress("reading the profile (perf script)")
     started = time.monotonic()
@@ -338,34 +376,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(
         f"  {len(samples)} samples of the run's processes in {time.monotonic() - started:.0f} s"
     )
-    at_work = windows(samples, names)
-    configs = sorted(set(at_work.values()), key=lambda c: c != "tiercache")
+    measured = summary.get("measured_windows") or []
+    intervals = [
+        (w["start_s"], w["end_s"], w["config"])
+        for w in measured
+        if str(w["level"]) == level and w["config"] in rates
+    ] or [iv for iv in intervals_of(windows(samples, names)) if iv[2] in rates]
+    configs = sorted({c for _, _, c in intervals}, key=lambda c: c != "tiercache")
     if len(configs) < 2:
-        raise SystemExit(f"error: the profile shows {configs or 'no'} configuration at work")
+        raise SystemExit(
+            f"error: the profile shows {configs or 'no'} configuration measured at "
+            f"concurrency {level} (the benchmark's report says which it measured)"
+        )
     first, second = configs[0], configs[1]
     report = [
         f"# CPU per request on the hit path: {first} against {second}",
         "",
         f"`{' '.join(['.venv/bin/python -m tiercache_dev.diagnostics.cpu_profile', *argv, '--', *bench_args])}`",  # noqa: E501
         "",
-        f"perf record -a -g at {args.frequency} Hz; windows at work: "
+        f"perf record -a -g at {args.frequency} Hz; "
+        + ("measured windows" if measured else "half seconds at work")
+        + ": "
         + ", ".join(f"{c} {s:.0f} s" for c, s in charge(
-            samples, names, at_work, rates, args.frequency, "process").seconds.items())
+            samples, names, intervals, rates, args.frequency, "process").seconds.items())
         + "; throughput: " + ", ".join(f"{c} {rates[c]:.0f} infer/s" for c in configs),
         "",
         "## By process",
         "",
-        *table(charge(samples, names, at_work, rates, args.frequency, "process"),
+        *table(charge(samples, names, intervals, rates, args.frequency, "process"),
                first, second, args.rows),
         "",
         "## By thread",
         "",
-        *table(charge(samples, names, at_work, rates, args.frequency, "thread"),
+        *table(charge(samples, names, intervals, rates, args.frequency, "thread"),
                first, second, args.rows),
     ]  # fmt: skip
     for stage in args.stages.split(","):
         for key in ("object", "function"):
-            profile = charge(samples, names, at_work, rates, args.frequency, key, stage)
+            profile = charge(samples, names, intervals, rates, args.frequency, key, stage)
             report += ["", f"## {stage}, by {key}", "", *table(profile, first, second, args.rows)]
     path = out / "cpu_profile.md"
     path.write_text("\n".join(report) + "\n")
