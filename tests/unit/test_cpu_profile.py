@@ -38,26 +38,36 @@ def test_parse_perf_script_reads_each_sample_with_its_frames_leaf_first() -> Non
     assert samples[2].frames == []
 
 
-def test_process_names_follow_the_repository_and_the_stub_model() -> None:
-    parents: dict[int, str] = {}
-    ours = "/x/bin/tritonserver --model-repository=/repo/model_repository --backend-directory=/b"
-    floor = "/x/bin/tritonserver --model-repository=/tmp/run/floor-repository --log-file=l"
-    parents[1] = cp.process_name(ours, parents, 0) or ""
-    parents[2] = cp.process_name(floor, parents, 0) or ""
-    assert parents == {1: "tiercache:tritonserver", 2: "floor:tritonserver"}
-    stub = "/b/python/triton_python_backend_stub /repo/model_repository/llm/1/model.py shm 1"
-    assert cp.process_name(stub, parents, 1) == "tiercache:llm"
-    floor_stub = stub.replace("/repo/model_repository/llm", "/tmp/run/floor-repository/llm")
-    assert cp.process_name(floor_stub, parents, 2) == "floor:llm"
-    assert cp.process_name(stub, parents, 99) is None  # its server not seen
-    assert cp.process_name("/usr/bin/python3 -m pytest", parents, 1) is None
+def test_processes_and_windows_come_from_the_benchmarks_report() -> None:
+    """The benchmark's JSON names each configuration's processes (a model's second instance
+    under its stage's name) and when each level was measured."""
+    summary = {
+        "processes": {
+            "tiercache": {"1": "tritonserver", "11": "llm", "12": "embedding_cache#1"},
+            "floor": {"2": "tritonserver", "21": "llm"},
+        },
+        "measured_windows": [
+            {"config": "tiercache", "level": 1, "start_s": 10.0, "end_s": 11.0},
+            {"config": "floor", "level": 1, "start_s": 11.5, "end_s": 12.0},
+            {"config": "floor", "level": 4, "start_s": 13.0, "end_s": 14.0},
+        ],
+    }
+    assert cp.names_of(summary) == {
+        1: "tiercache:tritonserver",
+        11: "tiercache:llm",
+        12: "tiercache:embedding_cache",
+        2: "floor:tritonserver",
+        21: "floor:llm",
+    }
+    assert cp.intervals_of(summary, "1") == [(10.0, 11.0, "tiercache"), (11.5, 12.0, "floor")]
+    assert cp.intervals_of({}, "1") == [] and cp.names_of({}) == {}
 
 
 def samples_of(pid: int, tid: int, times: list[float], leaf: str = "f") -> list[cp.Sample]:
     return [cp.Sample(pid, tid, t, [(leaf, "lib.so")]) for t in times]
 
 
-def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_at_work() -> None:
+def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_measured() -> None:
     names = {
         1: "tiercache:tritonserver",
         11: "tiercache:llm",
@@ -65,7 +75,7 @@ def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_a
         21: "floor:llm",
     }
     frequency = 100.0
-    # 0.0-1.0 s: ours at work (two windows); 1.0-1.5 s: the floor's; 1.5-2.0 s: both (neither)
+    # 0.0-1.0 s: ours measured (two windows); 1.0-1.5 s: the floor; 1.5-2.0 s: neither
     ours = samples_of(1, 1, [i / 100 for i in range(100)])
     stage = samples_of(11, 11, [i / 100 for i in range(0, 100, 2)], "eval")
     theirs = samples_of(2, 2, [1 + i / 100 for i in range(50)])
@@ -75,10 +85,7 @@ def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_a
     )
     stray = samples_of(99, 99, [0.5])  # another process: not charged
     samples = ours + stage + theirs + their_stage + both + stray
-    at_work = cp.windows(samples, names)
-    assert at_work == {0: "tiercache", 1: "tiercache", 2: "floor"}
-    intervals = cp.intervals_of(at_work)
-    assert intervals == [(0.0, 0.5, "tiercache"), (0.5, 1.0, "tiercache"), (1.0, 1.5, "floor")]
+    intervals = [(0.0, 0.5, "tiercache"), (0.5, 1.0, "tiercache"), (1.0, 1.5, "floor")]
     rates = {"tiercache": 100.0, "floor": 50.0}  # requests per second
     profile = cp.charge(samples, names, intervals, rates, frequency, "process")
     assert profile.seconds == {"tiercache": 1.0, "floor": 0.5}
@@ -121,18 +128,15 @@ def test_the_benchmarks_measured_windows_are_charged_and_nothing_between_them() 
 
 def test_threads_line_up_by_rank_with_the_serving_thread_apart() -> None:
     names = {1: "tiercache:tritonserver", 11: "tiercache:llm"}
-    samples = (  # all in the first window (0.0 to 0.5 s)
+    samples = (  # all in the one window (0.0 to 0.5 s)
         samples_of(1, 1, [i / 100 for i in range(40)])
         + samples_of(11, 11, [i / 100 for i in range(0, 40, 2)])  # the stub's serving thread
         + samples_of(11, 17, [i / 100 for i in range(0, 40, 5)])
         + samples_of(1, 5, [i / 100 for i in range(0, 40, 4)])
         + samples_of(1, 4, [i / 100 for i in range(0, 40, 10)])
     )
-    at_work = cp.windows(samples, names)
-    assert at_work == {0: "tiercache"}
-    profile = cp.charge(
-        samples, names, cp.intervals_of(at_work), {"tiercache": 10.0}, 100.0, "thread"
-    )
+    intervals = [(0.0, 0.5, "tiercache")]
+    profile = cp.charge(samples, names, intervals, {"tiercache": 10.0}, 100.0, "thread")
     # five requests in the window; a sample is 10 ms: 2,000 us a request
     assert profile.per_request["tiercache"] == pytest.approx(
         {

@@ -463,6 +463,23 @@ def shown_busy(used: dict[str, float]) -> str:
     return ", ".join(f"{label} {seconds / SETTLE_WINDOW_S:.0%} of a core" for label, seconds in top)
 
 
+def pa_base(
+    model: str,
+    server: TritonServer,
+    transport: Sequence[str],
+    input_data: Path,
+    window_ms: int,
+    trials: int,
+) -> list[str]:
+    """perf_analyzer's arguments for one model of `server` over `input_data`, in windows of
+    `window_ms`, at most `trials` of them (the level and stability left to the caller)."""
+    return [
+        "-m", model, "-i", "grpc", "-u", f"127.0.0.1:{server.ports.grpc}", *transport,
+        "--input-data", str(input_data),
+        "--measurement-interval", str(window_ms), "--max-trials", str(trials),
+    ]  # fmt: skip
+
+
 def measure(
     args: argparse.Namespace,
     perf_analyzer: Path,
@@ -478,21 +495,7 @@ def measure(
     windows it is measured again with twice the stability percentage."""
     bench_dir = args.out_dir / "bench"
     stem = f"{config}-r{round_no}-c{level}"
-    base = [
-        "-m",
-        model,
-        "-i",
-        "grpc",
-        "-u",
-        f"127.0.0.1:{server.ports.grpc}",
-        *transport,
-        "--input-data",
-        str(input_data),
-        "--measurement-interval",
-        str(args.measurement_ms),
-        "--max-trials",
-        str(args.max_trials),
-    ]
+    base = pa_base(model, server, transport, input_data, args.measurement_ms, args.max_trials)
     pa_args = [
         *base,
         "--concurrency-range",
@@ -552,9 +555,9 @@ def warm_pass(args: argparse.Namespace, perf_analyzer: Path, config: Configurati
     # half again at WARM_RATE; any three pass at -s 100
     window_ms = max(1000, int(1500 * max(args.distinct, 1) / WARM_RATE / 3))
     pa_args = [
-        "-m", config.model, "-i", "grpc", "-u", f"127.0.0.1:{config.server.ports.grpc}",
-        *config.transport, "--input-data", str(config.input_data),
-        "--measurement-interval", str(window_ms), "--max-trials", "3",
+        *pa_base(
+            config.model, config.server, config.transport, config.input_data, window_ms, 3
+        ),
         "--stability-percentage", "100", "--concurrency-range", "1",
     ]  # fmt: skip
     run = run_perf_analyzer(
@@ -702,6 +705,7 @@ def measure_round(
     args.measured_windows.append(
         {"config": config.name, "level": level, "start_s": start_s, "end_s": time.monotonic()}
     )
+    args.processes.setdefault(config.name, {}).update(cpu.labels)  # pid -> process label
     per_request = cpu.per_request_ms()
     if per_request is not None and level in result.levels:
         result.cpu_ms[level], result.cpu_ms_by_process[level] = per_request
@@ -1045,6 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     measurements: list[Measurement] = []
     args.measured_windows = []
+    args.processes = {}  # configuration -> its server's processes measured (pid -> label)
     settled = ""  # what the run waited for before its first round (`settle`)
     load = BackgroundLoad(args.background_load, args.background_duty)
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as tmp_name:
@@ -1091,6 +1096,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(text)
     summary["measured_windows"] = args.measured_windows
+    summary["processes"] = {
+        config: {str(pid): label for pid, label in labels.items()}
+        for config, labels in args.processes.items()
+    }
     write_report(args.out_dir, "bench_prompt_cache", md, summary)
     return 0 if complete else 1
 

@@ -11,9 +11,9 @@ median throughput). The benchmark keeps every configuration's server up and meas
 turn, and records when each measurement ran (`measured_windows` in its JSON, on the clock
 `perf record -k CLOCK_MONOTONIC` stamps samples with): a sample is charged to the configuration
 measured at that moment (the warm-up pass and the rest of the run are left out), and to its
-process: the tritonserver, or the stage whose model.py its Python backend stub runs (read from
-/proc while the run goes on). A benchmark JSON without those windows is charged by half seconds
-in which one configuration's tritonserver alone was busy. The tables give CPU microseconds
+process: the tritonserver, or the stage whose model.py its Python backend stub runs (the
+benchmark's JSON names each configuration's processes, `processes`). The tables give CPU
+microseconds
 per request, by stage, by shared object and by function (C functions only: interpreted
 Python shows as the interpreter's own functions, `_PyEval_EvalFrameDefault` first;
 `tiercache_dev.bench.hit_path --opcodes` counts the Python side). `perf` must be installed and
@@ -34,7 +34,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,16 +42,7 @@ from pathlib import Path
 from tiercache_dev.console import display_path, progress
 from tiercache_dev.paths import REPO_ROOT
 
-WINDOW_S = 0.5  # the profile is charged to configurations in windows this long
-# a window is one configuration's when its tritonserver took at least this many samples a
-# second in it and every other configuration's at most OTHERS_MAX in the window
-BUSY_PER_S = 60
-OTHERS_MAX = 2
-STAGE = re.compile(r"/([A-Za-z0-9_]+)/\d+/model\.py")
-CONFIGURATIONS = {  # what a tritonserver's --model-repository names, as the benchmark builds it
-    "floor-repository": "floor",
-    "response-cache-repository": "response-cache",
-}
+Interval = tuple[float, float, str]  # (start s, end s, configuration), on the samples' clock
 
 
 @dataclass(slots=True)
@@ -89,94 +79,23 @@ def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
         yield sample
 
 
-def process_name(args: str, parents: dict[int, str], ppid: int) -> str | None:
-    """'<configuration>:tritonserver' or '<configuration>:<stage>' for a process of the run
-    (its command line `args`, its parent's name in `parents`), None for any other."""
-    if Path(args.split(" ", 1)[0]).name == "tritonserver" and "--model-repository" in args:
-        repository = re.search(r"--model-repository[= ](\S+)", args)
-        folder = Path(repository.group(1)).name if repository else ""
-        return f"{CONFIGURATIONS.get(folder, 'tiercache')}:tritonserver"
-    stage = STAGE.search(args)
-    parent = parents.get(ppid)
-    if "triton_python_backend_stub" in args and stage and parent:
-        return f"{parent.split(':')[0]}:{stage.group(1)}"
-    return None
+def names_of(summary: dict) -> dict[int, str]:
+    """pid -> '<configuration>:<process>' ('tritonserver' or the stage; a model's second
+    instance under its stage's name) from the benchmark's JSON (`processes`)."""
+    return {
+        int(pid): f"{config}:{label.split('#')[0]}"
+        for config, labels in summary.get("processes", {}).items()
+        for pid, label in labels.items()
+    }
 
 
-def read_processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process now."""
-    out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
-            args = raw.decode(errors="replace")
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        out[int(entry.name)] = (ppid, args)
-    return out
-
-
-class ProcessWatch:
-    """Names the run's tritonservers and stubs from /proc every `every_s` until stopped."""
-
-    def __init__(self, every_s: float = 2.0) -> None:
-        self.names: dict[int, str] = {}
-        self._every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="process-watch", daemon=True)
-
-    def __enter__(self) -> ProcessWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.note()
-
-    def note(self) -> None:
-        processes = read_processes()
-        for pid, (ppid, args) in sorted(processes.items()):  # parents first, mostly
-            name = process_name(args, self.names, ppid)
-            if name is not None:
-                self.names[pid] = name
-        for pid, (ppid, args) in processes.items():  # a stub seen before its server
-            if pid not in self.names:
-                name = process_name(args, self.names, ppid)
-                if name is not None:
-                    self.names[pid] = name
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.note()
-            self._stop.wait(self._every_s)
-
-
-def windows(samples: Sequence[Sample], names: dict[int, str]) -> dict[int, str]:
-    """Window index -> the configuration at work in it (`WINDOW_S`, `BUSY_PER_S`)."""
-    busy: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for sample in samples:
-        name = names.get(sample.pid, "")
-        if name.endswith(":tritonserver"):
-            busy[int(sample.time_s / WINDOW_S)][name.split(":")[0]] += 1
-    out = {}
-    for index, counts in busy.items():
-        (top, count), *rest = counts.most_common() or [("", 0)]
-        if count >= BUSY_PER_S * WINDOW_S and all(n <= OTHERS_MAX for _, n in rest):
-            out[index] = top
-    return out
-
-
-Interval = tuple[float, float, str]  # (start s, end s, configuration), on the samples' clock
-
-
-def intervals_of(at_work: dict[int, str]) -> list[Interval]:
-    """`windows`' half seconds as intervals."""
-    return [(i * WINDOW_S, (i + 1) * WINDOW_S, c) for i, c in sorted(at_work.items())]
+def intervals_of(summary: dict, level: str) -> list[Interval]:
+    """The benchmark's measured windows at concurrency `level` (`measured_windows`)."""
+    return [
+        (w["start_s"], w["end_s"], w["config"])
+        for w in summary.get("measured_windows", [])
+        if str(w["level"]) == level
+    ]
 
 
 @dataclass(slots=True)
@@ -284,8 +203,8 @@ def check_perf(record: bool = True) -> str:
     return perf
 
 
-def record(perf: str, bench: list[str], data: Path, frequency: int, out: Path) -> dict[int, str]:
-    """Run `bench` under `perf record -a -g` into `data`; the run's processes by pid."""
+def record(perf: str, bench: list[str], data: Path, frequency: int, out: Path) -> None:
+    """Run `bench` under `perf record -a -g` into `data`."""
     progress(f"profiling `{' '.join(bench[1:])}` ({frequency} Hz, every CPU)")
     with open(out / "perf-record.log", "w") as log:
         recorder = subprocess.Popen(
@@ -305,14 +224,12 @@ def record(perf: str, bench: list[str], data: Path, frequency: int, out: Path) -
             stderr=log,
         )
         try:
-            with ProcessWatch() as watch:
-                code = subprocess.call(bench, cwd=REPO_ROOT)
+            code = subprocess.call(bench, cwd=REPO_ROOT)
         finally:
             recorder.send_signal(signal.SIGINT)
             recorder.wait(timeout=120)
     if code != 0:
         raise SystemExit(f"error: the benchmark exited {code} (its output is above)")
-    return watch.names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -348,13 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = out / "perf.data"
     bench = [sys.executable, "-m", "tiercache_dev.bench.prompt_cache", *bench_args,
              "--out-dir", str(out / "bench")]  # fmt: skip
-    names_path = out / "processes.json"
+    report_path = out / "bench" / "bench_prompt_cache.json"
     if not args.analyse_only:
-        names_path.write_text(json.dumps(record(perf, bench, data, args.frequency, out)))
-    elif not data.exists() or not names_path.exists():
+        record(perf, bench, data, args.frequency, out)
+    elif not data.exists() or not report_path.exists():
         raise SystemExit(f"error: {display_path(out)} holds no profile of an earlier run")
-    names = {int(pid): name for pid, name in json.loads(names_path.read_text()).items()}
-    summary = json.loads((out / "bench" / "bench_prompt_cache.json").read_text())
+    summary = json.loads(report_path.read_text())
+    names = names_of(summary)
     level = levels[-1]
     rates = {
         config: by_level[level]["infer_per_s"]
@@ -376,12 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(
         f"  {len(samples)} samples of the run's processes in {time.monotonic() - started:.0f} s"
     )
-    measured = summary.get("measured_windows") or []
-    intervals = [
-        (w["start_s"], w["end_s"], w["config"])
-        for w in measured
-        if str(w["level"]) == level and w["config"] in rates
-    ] or [iv for iv in intervals_of(windows(samples, names)) if iv[2] in rates]
+    intervals = [iv for iv in intervals_of(summary, level) if iv[2] in rates]
     configs = sorted({c for _, _, c in intervals}, key=lambda c: c != "tiercache")
     if len(configs) < 2:
         raise SystemExit(
@@ -394,9 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"`{' '.join(['.venv/bin/python -m tiercache_dev.diagnostics.cpu_profile', *argv, '--', *bench_args])}`",  # noqa: E501
         "",
-        f"perf record -a -g at {args.frequency} Hz; "
-        + ("measured windows" if measured else "half seconds at work")
-        + ": "
+        f"perf record -a -g at {args.frequency} Hz; measured windows: "
         + ", ".join(f"{c} {s:.0f} s" for c, s in charge(
             samples, names, intervals, rates, args.frequency, "process").seconds.items())
         + "; throughput: " + ", ".join(f"{c} {rates[c]:.0f} infer/s" for c in configs),
