@@ -20,7 +20,7 @@ from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
 from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import LmdbStore, MemoryStore
-from tiercache.exact.tiered import TieredCache
+from tiercache.exact.tiered import ENDORSEMENT_RECHECK_S, TieredCache
 from tiercache.feedback import Feedback, Verdict, parse_verdict
 from tiercache.vocabulary import Tier
 
@@ -34,13 +34,18 @@ GDSF_ENTRY_BYTES = (
 )  # what L1 adds per entry under gdsf
 
 
-@pytest.fixture
-def setup(tmp_path: Path) -> Iterator[tuple[Feedback, TieredCache, FakeClock, AnswerIds]]:
+@pytest.fixture(params=["l2-values", "no-values"])
+def setup(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Feedback, TieredCache, FakeClock, AnswerIds]]:
+    """L2 with its shared values (what the stages open, with a change token) and without (an
+    `oldest` L2: every check of an L1 copy compares it)."""
     clock = FakeClock()
-    cache = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20))],
-        clock=clock,
-    )
+    values = None
+    if request.param == "l2-values":
+        values = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, clock=clock)
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20, values=values)
+    cache = TieredCache([(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)], clock=clock)
     ids = AnswerIds(SECRET)
     yield Feedback(ids, Invalidator(cache)), cache, clock, ids
     cache.close()
@@ -275,6 +280,62 @@ def test_an_l1_copy_replaced_in_the_shared_tiers_is_dropped_at_a_later_hit(
     assert other.wait_endorsements() and other.l1_replaced == 1
     found = other.get(DIGEST)
     assert found is not None and found.entry.text == "the new answer"
+
+
+def test_a_check_that_finds_l2_unwritten_since_the_last_comparison_skips_it(
+    tmp_path: Path,
+) -> None:
+    """Without Redis, whatever a comparison could find (a verdict, a replaced answer) was
+    written to this host's L2, which moves its change token: a check finding the token as it
+    was at the key's last comparison queues none. A write to L2 (any key, any process of the
+    host) makes the next check compare; so does `ENDORSEMENT_RECHECK_S` after the last
+    comparison, whatever the token says (a write whose token failed to be recorded)."""
+    clock = FakeClock()
+    values = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, clock=clock)
+    writer = TieredCache(
+        [(Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20, values=values))], clock=clock
+    )
+    writer.put(DIGEST, "an answer", tenant_scope=SCOPE)
+    l2 = writer.store(Tier.L2)
+    assert isinstance(l2, LmdbStore)
+    token = l2.change_token()
+    assert token is not None
+    ticks = [0.0]
+    reader = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
+        clock=clock,
+        endorsement_check_s=5.0,
+        monotonic=lambda: ticks[0],
+    )
+
+    def compared_after_hit_at(tick: float) -> bool:
+        ticks[0] = tick
+        before = reader.endorsement_checks_skipped
+        hit = reader.get(DIGEST)
+        assert hit is not None and hit.tier is Tier.L1
+        assert reader.wait_endorsements()
+        return reader.endorsement_checks_skipped == before
+
+    assert reader.get(DIGEST) is not None  # into L1
+    assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
+    assert compared_after_hit_at(6.0)  # the first check compares: no token was seen before it
+    assert not compared_after_hit_at(12.0)  # nothing written since
+    assert not compared_after_hit_at(18.0)
+    assert l2.change_token() == token  # hits write no token
+    writer.put(KEPT, "another answer", tenant_scope=SCOPE)  # another key, another process
+    assert l2.change_token() != token
+    assert compared_after_hit_at(24.0)
+    assert not compared_after_hit_at(30.0)
+    assert compared_after_hit_at(24.0 + ENDORSEMENT_RECHECK_S)  # the bound, unwritten or not
+    # a replaced answer is found at the check after the write, as without the token
+    clock.now += 10.0
+    writer.put(DIGEST, "the new answer", tenant_scope=SCOPE)
+    assert compared_after_hit_at(30.0 + ENDORSEMENT_RECHECK_S)
+    assert reader.l1_replaced == 1
+    found = reader.get(DIGEST)
+    assert found is not None and found.entry.text == "the new answer"
+    reader.close()
+    writer.close()
 
 
 @pytest.mark.parametrize("b_has_l1", [True, False], ids=["l1-hits", "no-l1"])

@@ -347,3 +347,42 @@ def test_an_unrecorded_entry_from_before_the_last_eviction_ages(tmp_path: Path) 
     # asked 0.2 (stale), old unrecorded at L 0.5, fresh 0.6, new unrecorded 0.5 + median 0.1
     assert v.nominate(entries, 4) == [b"asked", b"old-unrecorded", b"fresh", b"new-unrecorded"]
     v.close()
+
+
+def test_the_change_token_moves_at_every_admission_and_nothing_else(tmp_path: Path) -> None:
+    """What a process's L1 compares before asking L2 about its copies
+    (`TieredCache._check_endorsements`): a new token at every admission (a new answer, the
+    same one endorsed) in any process, and at a clear; none at hits, sweeps or evictions (which
+    change no answer an L1 holds), and a sweep or an eviction never takes the token away."""
+    v = values(tmp_path)
+    first = v.change_token()
+    assert first is not None  # written as the file starts
+    v.admitted("a", 10, 1.0, created_s=1.0)
+    v.admitted("b", 10, 1.0, created_s=1.0)
+    after_writes = v.change_token()
+    assert after_writes not in (None, first)
+    v.hit("a")
+    v.flush()
+    assert v.sweep({b"a", b"b"}, v.now() + 1.0) == 0  # the token is no orphan record
+    assert v.change_token() == after_writes
+    v.evicted([b"b"])
+    assert v.change_token() == after_writes and v.value("a") is not None
+    v.admitted("a", 10, 1.0, endorsements=1, created_s=1.0)  # the same answer, endorsed
+    endorsed = v.change_token()
+    assert endorsed not in (None, after_writes)
+    other = (  # another process writes: this one sees the token move
+        "import sys; from pathlib import Path; from tiercache.exact.l2_values import L2Values\n"
+        "v = L2Values(Path(sys.argv[1]), int(sys.argv[2])); v.admitted('c', 10, 1.0); v.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run(
+        [sys.executable, "-c", other, str(tmp_path / "l2-values"), str(MIN_MAP_BYTES)],
+        check=True,
+        env=env,
+        timeout=60,
+    )
+    assert v.change_token() not in (None, endorsed)
+    moved = v.change_token()
+    v.forget_all()
+    assert v.change_token() not in (None, moved)
+    v.close()

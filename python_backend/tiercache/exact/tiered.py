@@ -66,6 +66,9 @@ class TierSlot:
 
 
 ENDORSEMENT_CHECK_S = 30.0  # an L1 copy's verdicts compared with the shared tiers' (per key)
+# ... but only when L2 was written since the last comparison (its change token moved), or this
+# long after it whatever the token says (a write whose token was not recorded: the values failed)
+ENDORSEMENT_RECHECK_S = 600.0
 MAX_CHECKED_KEYS = 100_000  # the keys whose last comparison is remembered
 ENDORSEMENT_QUEUE = 1024  # comparisons waiting for the background thread, at most
 
@@ -133,10 +136,20 @@ class TieredCache:
         self.endorsement_check_s = endorsement_check_s
         self.l1_replaced = 0  # L1 copies dropped: every shared tier held a newer answer
         self._monotonic = monotonic
-        self._checked: dict[str, float] = {}  # key -> when its L1 copy was last compared
+        # key -> (when its copy was last checked, L2's change token at its last comparison
+        # (None: compare at the next check), when it was last compared)
+        self._checked: dict[str, tuple[float, bytes | None, float]] = {}
         # An L2 hit compares too where Redis may hold newer verdicts (no L1 here, or L1 no
         # longer holds the key: this host's L2 copy is otherwise compared only on L1 hits).
         self._l2_behind_l3 = any(t is Tier.L3 for t, _ in self._stores)
+        # Without Redis, every change a comparison could find was written to this host's L2,
+        # whose change token then moved: a check finding the token as it was at the key's last
+        # comparison skips it. With Redis, another host's verdicts move no token here.
+        l2 = self.store(Tier.L2)
+        self._change_token: Callable[[], bytes | None] | None = (
+            None if self._l2_behind_l3 else getattr(l2, "change_token", None)
+        )
+        self.endorsement_checks_skipped = 0  # checks that found L2 unchanged (no comparison)
         self._due: queue.Queue[tuple[str, float, int, MemoryStore | None] | None] | None = None
         self._checker: threading.Thread | None = None  # started by the first comparison
         self._checker_lock = threading.Lock()
@@ -209,13 +222,16 @@ class TieredCache:
         `endorsement_check_s` per key (the first hit only starts the clock: the copy was taken
         from those tiers just now): queue a comparison of the copy's `good` verdicts with the
         shared tiers' copy of the same answer, made off the request's thread
-        (`_compare_endorsements`); a full queue drops it (a later hit asks again). The hit
-        itself pays a clock read and a dict lookup."""
+        (`_compare_endorsements`); a full queue drops it (a later hit asks again). Without
+        Redis, a check that finds L2's change token as it was before the key's last comparison
+        skips it (nothing was written to L2 since, so nothing it could find changed), up to
+        `ENDORSEMENT_RECHECK_S` after that comparison. The hit itself pays a clock read and a
+        dict lookup; a check, a read of the token too."""
         if self.endorsement_check_s <= 0:
             return
         now = self._monotonic()
-        last = self._checked.get(key)
-        if last is not None and now - last < self.endorsement_check_s:
+        seen = self._checked.get(key)
+        if seen is not None and now - seen[0] < self.endorsement_check_s:
             return
         if len(self._checked) >= MAX_CHECKED_KEYS:
             # Forgotten whole, by a new dict: hits on other threads write to this memo without
@@ -223,13 +239,21 @@ class TieredCache:
             # short by a collection that lets another thread run). A key forgotten starts its
             # clock again at its next hit.
             self._checked = {}
-        self._checked[key] = now
-        if last is None:
+        if seen is None:
+            self._checked[key] = (now, None, now)
+            return
+        # read before the comparison reads L2: a write after this read moves the token again
+        token = None if self._change_token is None else self._change_token()
+        if token is not None and token == seen[1] and now - seen[2] < ENDORSEMENT_RECHECK_S:
+            self._checked[key] = (now, token, seen[2])
+            self.endorsement_checks_skipped += 1
             return
         try:
             self._endorsement_queue().put_nowait((key, held.created_s, held.endorsements, l1))
         except queue.Full:
-            pass
+            self._checked[key] = (now, None, seen[2])  # not compared: the next check will
+            return
+        self._checked[key] = (now, token, now)
 
     def _endorsement_queue(
         self,
