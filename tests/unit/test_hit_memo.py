@@ -39,38 +39,78 @@ def prompts(adapters: dict[str, AdapterRef] | None = None) -> PromptCache:
     return PromptCache(cache, SECRET, ENGINE, resolve_adapter=lambda name: versions[name])
 
 
-def test_a_memo_forgets_everything_when_a_new_key_finds_it_full() -> None:
+def test_a_full_memo_turns_a_generation_and_keeps_what_was_asked_for_since() -> None:
+    """A new key that finds the current generation full makes it the old one (the generation
+    before it is forgotten); a key found in the old one moves to the current one."""
     memo: Memo[int] = Memo(2)
     memo.put("a", 1)
     memo.put("b", 2)
-    assert memo.put("b", 3) == 3 and len(memo) == 2  # an old key is replaced, nothing cleared
-    memo.put("c", 4)
-    assert (memo.get("a"), memo.get("b"), memo.get("c"), len(memo)) == (None, None, 4, 1)
+    assert memo.put("b", 3) == 3 and len(memo) == 2  # an old key is replaced, nothing turned
+    memo.put("c", 4)  # full: {a, b} are the old generation now, {c} the current one
+    assert (memo.get("c"), len(memo)) == (4, 3)
+    assert memo.get("a") == 1  # from the old generation, moved to the current one
+    memo.put("d", 5)  # full again ({c, a}): {a, b} forgotten, {c, a} the old generation
+    assert (memo.get("b"), memo.get("a"), memo.get("c"), memo.get("d")) == (None, 1, 4, 5)
     with pytest.raises(ValueError, match="at least one"):
         Memo(0)
 
 
-def test_a_memo_is_full_at_its_characters_too() -> None:
+def test_a_memo_generation_is_full_at_its_characters_too() -> None:
     memo: Memo[int] = Memo(100, max_chars=MEMO_MAX_CHARS)
     memo.put("a", 1, MEMO_MAX_CHARS - 10)
     memo.put("b", 2, 10)
     assert (len(memo), memo.chars) == (2, MEMO_MAX_CHARS)
     memo.put("b", 3, 10)  # an old key is replaced, counted once
     assert (memo.get("b"), len(memo), memo.chars) == (3, 2, MEMO_MAX_CHARS)
-    memo.put("c", 4, 1)  # one character over: cleared first
-    assert (memo.get("a"), memo.get("c"), len(memo), memo.chars) == (None, 4, 1, 1)
-    memo.put("d", 5, MEMO_MAX_CHARS + 1)  # larger than the whole memo: not kept, nothing lost
-    assert (memo.get("d"), memo.get("c"), memo.chars) == (None, 4, 1)
+    memo.put("c", 4, 1)  # one character over: a new generation first
+    assert (memo.get("c"), len(memo), memo.chars) == (4, 3, MEMO_MAX_CHARS + 1)
+    memo.put("d", 5, MEMO_MAX_CHARS + 1)  # larger than a generation: not kept, nothing lost
+    assert (memo.get("d"), memo.get("c"), memo.get("b")) == (None, 4, 3)  # b moved: {c, b}
+    assert memo.chars == MEMO_MAX_CHARS + 11  # b counts in each generation until the next turn
+    assert memo.get("a") == 1  # 4,086 characters do not fit beside c and b: a turn, {a} now
+    assert (memo.chars, memo.get("c"), memo.get("b")) == (4086 + 11, 4, 3)
     with pytest.raises(ValueError, match="characters"):
         Memo(10, max_chars=MEMO_MAX_CHARS - 1)
 
 
-def test_a_memo_full_at_its_entries_starts_counting_again() -> None:
+def test_a_memo_generation_full_at_its_entries_starts_counting_again() -> None:
     memo: Memo[int] = Memo(2)
     memo.put("a", 1, 100)
     memo.put("b", 2, 200)
     memo.put("c", 3, 7)
-    assert (memo.get("a"), memo.get("c"), len(memo), memo.chars) == (None, 3, 1, 7)
+    assert (memo.get("c"), len(memo), memo.chars) == (3, 3, 307)
+    memo.put("d", 4, 1)
+    memo.put("e", 5, 2)  # {a, b} forgotten
+    assert (memo.get("a"), len(memo), memo.chars) == (None, 3, 10)
+
+
+def test_hot_keys_outlive_the_cold_ones_passing_by() -> None:
+    """A hot set asked for between turns survives any number of keys asked for once: a memo
+    cleared when full lost it at every clear (here every 128 keys, the two generations'
+    entries)."""
+    memo: Memo[int] = Memo(64)
+    hot = [f"hot {i}" for i in range(32)]
+    for key in hot:
+        memo.put(key, 1)
+    for cold in range(10_000):
+        memo.put(f"cold {cold}", 0)
+        key = hot[cold % len(hot)]  # each hot key asked for once every 32 cold keys
+        assert memo.get(key) == 1, (cold, key)
+    assert len(memo) <= 2 * 64
+
+
+def test_an_issue_steps_keys_stay_memoized_past_a_generation_of_live_entries() -> None:
+    """llm's decoded hits are keyed by their envelope, which names its issue step: each step
+    brings every hot prompt's key anew. 3,000 hot prompts in a memo of 4,096 entries a
+    generation: within the second step every prompt's second request hits (a memo cleared when
+    full threw away the step's first 1,096 keys when it filled, and asked for them again)."""
+    memo: Memo[str] = Memo()
+    prompts = [f"prompt {i}" for i in range(3000)]
+    for step in (1, 2, 3):
+        for prompt in prompts:
+            if memo.get((prompt, step)) is None:
+                memo.put((prompt, step), prompt, 100)
+        assert all(memo.get((prompt, step)) == prompt for prompt in prompts), step
 
 
 def test_padding_the_inputs_counts_in_the_memos() -> None:

@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         help="distinct cached prompts the hits cycle through (1: one prompt, served from the "
         "stages' memos after its first time; up to 4,096, the memos' entries, the same once "
         "each was asked (the sealed envelopes and llm's hits while their envelope's one-minute "
-        "issue step lasts); more: every hit does its whole work)",
+        "issue step lasts); more: a part of them (a memo keeps two generations of 4,096: about "
+        "half of the hits at 6,000), the others do their whole work)",
     )
     parser.add_argument(
         "--evict-mib",

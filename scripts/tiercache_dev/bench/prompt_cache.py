@@ -145,7 +145,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="distinct cached prompts the hits cycle through (1: the one prompt repeated, which "
         "the stages serve from their memos after its first time; up to 4,096, the memos' "
         "entries, the same once each was asked (the sealed envelopes and llm's decoded hits "
-        "while their envelope's one-minute issue step lasts); more: every hit does its whole work)",
+        "while their envelope's one-minute issue step lasts); more: a part of them (a memo "
+        "keeps two generations of 4,096: about half of the hits at 6,000), the others do their "
+        "whole work)",
     )
     add_background_load_arguments(p)
     p.add_argument(
