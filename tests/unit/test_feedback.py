@@ -38,8 +38,7 @@ GDSF_ENTRY_BYTES = (
 def setup(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Feedback, TieredCache, FakeClock, AnswerIds]]:
-    """L2 with its shared values (what the stages open, with a change token) and without (an
-    `oldest` L2: every check of an L1 copy compares it)."""
+    """L2 with its shared values (what the stages open) and without (an `oldest` L2)."""
     clock = FakeClock()
     values = None
     if request.param == "l2-values":
@@ -286,15 +285,12 @@ def test_a_check_that_finds_l2_unwritten_since_the_last_comparison_skips_it(
     tmp_path: Path,
 ) -> None:
     """Without Redis, whatever a comparison could find (a verdict, a replaced answer) was
-    written to this host's L2, which moves its change token: a check finding the token as it
-    was at the key's last comparison queues none. A write to L2 (any key, any process of the
-    host) makes the next check compare; so does `ENDORSEMENT_RECHECK_S` after the last
-    comparison, whatever the token says (a write whose token failed to be recorded)."""
+    written to this host's L2, which moves its change token (LMDB's last transaction id, by
+    whichever process wrote): a check finding the token as it was before the key's last
+    comparison queues none. A write to L2 (any key) makes the next check compare; so does
+    `ENDORSEMENT_RECHECK_S` after the last comparison, whatever the token says."""
     clock = FakeClock()
-    values = L2Values(tmp_path / "l2-values", MIN_MAP_BYTES, clock=clock)
-    writer = TieredCache(
-        [(Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20, values=values))], clock=clock
-    )
+    writer = TieredCache([(Tier.L2, LmdbStore(tmp_path / "l2", 1 << 20))], clock=clock)
     writer.put(DIGEST, "an answer", tenant_scope=SCOPE)
     l2 = writer.store(Tier.L2)
     assert isinstance(l2, LmdbStore)
@@ -310,32 +306,74 @@ def test_a_check_that_finds_l2_unwritten_since_the_last_comparison_skips_it(
 
     def compared_after_hit_at(tick: float) -> bool:
         ticks[0] = tick
-        before = reader.endorsement_checks_skipped
+        before = reader.endorsements_compared
         hit = reader.get(DIGEST)
         assert hit is not None and hit.tier is Tier.L1
         assert reader.wait_endorsements()
-        return reader.endorsement_checks_skipped == before
+        return reader.endorsements_compared == before + 1
 
     assert reader.get(DIGEST) is not None  # into L1
     assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
-    assert compared_after_hit_at(6.0)  # the first check compares: no token was seen before it
+    assert not compared_after_hit_at(3.0)  # within endorsement_check_s
+    assert compared_after_hit_at(6.0)  # the first check compares: no token was kept before it
     assert not compared_after_hit_at(12.0)  # nothing written since
     assert not compared_after_hit_at(18.0)
-    assert l2.change_token() == token  # hits write no token
-    writer.put(KEPT, "another answer", tenant_scope=SCOPE)  # another key, another process
+    assert reader.endorsement_checks_skipped == 2
+    assert l2.change_token() == token  # reads and hits write nothing
+    writer.put(KEPT, "another answer", tenant_scope=SCOPE)  # another key
     assert l2.change_token() != token
     assert compared_after_hit_at(24.0)
     assert not compared_after_hit_at(30.0)
     assert compared_after_hit_at(24.0 + ENDORSEMENT_RECHECK_S)  # the bound, unwritten or not
+    # a verdict given since (feedback writes the endorsed entry) is taken up at the next check
+    ids = AnswerIds(SECRET)
+    assert Feedback(ids, Invalidator(writer)).give(served(ids, clock), Verdict.GOOD, SCOPE).endorsed
+    assert compared_after_hit_at(30.0 + ENDORSEMENT_RECHECK_S)
+    assert reader.endorsements_caught == 1
     # a replaced answer is found at the check after the write, as without the token
     clock.now += 10.0
     writer.put(DIGEST, "the new answer", tenant_scope=SCOPE)
-    assert compared_after_hit_at(30.0 + ENDORSEMENT_RECHECK_S)
+    assert compared_after_hit_at(36.0 + ENDORSEMENT_RECHECK_S)
     assert reader.l1_replaced == 1
     found = reader.get(DIGEST)
     assert found is not None and found.entry.text == "the new answer"
     reader.close()
     writer.close()
+
+
+def test_a_comparison_that_could_not_read_l2_keeps_no_token(tmp_path: Path) -> None:
+    """A shared tier that fails to read leaves the comparison incomplete: the next check
+    compares again instead of skipping on the token read before it."""
+    clock = FakeClock()
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    ticks = [0.0]
+    reader = TieredCache(
+        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
+        clock=clock,
+        endorsement_check_s=5.0,
+        monotonic=lambda: ticks[0],
+    )
+    reader.put(DIGEST, "an answer", tenant_scope=SCOPE)
+    assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
+    broken = [True]
+    peek = l2.peek
+
+    def failing_peek(key: str) -> CacheEntry | None:
+        if broken[0]:
+            raise OSError("a broken disk")
+        return peek(key)
+
+    l2.peek = failing_peek  # type: ignore[method-assign]
+    for tick in (6.0, 12.0):  # each check compares: the failed one kept no token
+        ticks[0] = tick
+        assert reader.get(DIGEST) is not None and reader.wait_endorsements()
+    assert (reader.endorsements_compared, reader.endorsement_checks_skipped) == (0, 0)
+    broken[0] = False
+    for tick in (18.0, 24.0):  # read: compared once, then skipped
+        ticks[0] = tick
+        assert reader.get(DIGEST) is not None and reader.wait_endorsements()
+    assert (reader.endorsements_compared, reader.endorsement_checks_skipped) == (1, 1)
+    reader.close()
 
 
 @pytest.mark.parametrize("b_has_l1", [True, False], ids=["l1-hits", "no-l1"])

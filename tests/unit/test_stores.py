@@ -11,7 +11,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -796,3 +799,33 @@ def test_a_map_the_address_space_cannot_take_is_a_config_error_naming_it(tmp_pat
     for size in (1 << 70, 1 << 48):
         with pytest.raises(ConfigError, match="cannot be mapped"):
             open_lmdb(tmp_path / f"l2-{size.bit_length()}", size, "L2")
+
+
+def test_l2s_change_token_moves_with_any_processs_write_and_not_with_reads(
+    tmp_path: Path,
+) -> None:
+    """`LmdbStore.change_token` (what an L1 copy's owner checks before comparing it with L2):
+    LMDB's last transaction id, moved by every write from any process of the host (here a
+    real one: LMDB opens an environment once per process), whatever that process's settings;
+    reads move nothing."""
+    store = LmdbStore(tmp_path / "l2", 1 << 20)
+    store.put("a", CacheEntry("one", 1.0))
+    first = store.change_token()
+    assert first is not None
+    assert store.get("a") is not None and store.peek("a") is not None
+    assert store.change_token() == first
+    writer = (
+        "import sys; from pathlib import Path\n"
+        "from tiercache.exact.codec import CacheEntry\n"
+        "from tiercache.exact.stores import LmdbStore\n"
+        "s = LmdbStore(Path(sys.argv[1]), 1 << 20); s.put('b', CacheEntry('two', 2.0)); s.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run(
+        [sys.executable, "-c", writer, str(tmp_path / "l2")], check=True, env=env, timeout=60
+    )
+    moved = store.change_token()
+    assert moved is not None and moved != first
+    assert store.delete("b")
+    assert store.change_token() not in (None, moved)
+    store.close()

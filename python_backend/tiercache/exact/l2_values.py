@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import struct
 import threading
 import time
@@ -54,10 +53,7 @@ log = logging.getLogger(__name__)
 
 # H, weight, count, endorsements, the entry's created_s, when the record was written
 _RECORD = struct.Struct("<ddIIdd")
-_META_KEY = b"\x00meta"  # never an answer key (hex digests); nor is any key that starts with NUL
-# 8 random bytes, new at every admission (`change_token`): what an L1 copy's owner compares to
-# tell whether any entry of L2 was written since it last compared its copy with L2's
-_CHANGES_KEY = b"\x00changes"
+_META_KEY = b"\x00meta"  # never an answer key (hex digests)
 # version, the boot id it was written under, L, known cost sum and count, hit skew, when the
 # last eviction was
 _META = struct.Struct("<4s16sddddd")
@@ -125,7 +121,6 @@ class L2Values:
                 log.info("L2 values %s: written under another boot or format; rebuilt", self.path)
                 txn.drop(self._env.open_db(), delete=False)
             txn.put(_META_KEY, self._pack_meta([0.0] * 5))
-            self._changed(txn)
 
     def _failed(self, what: str) -> None:
         now = self._monotonic()
@@ -149,25 +144,6 @@ class L2Values:
 
     def _pack_meta(self, numbers: list[float]) -> bytes:
         return _META.pack(_VERSION, self._boot, *numbers)
-
-    @staticmethod
-    def _changed(txn: lmdb.Transaction) -> None:
-        """A new change token (random, never a count: a count started again after a rebuild
-        could come back to a value a reader holds)."""
-        txn.put(_CHANGES_KEY, random.getrandbits(64).to_bytes(8, "big"))
-
-    def change_token(self) -> bytes | None:
-        """A value that changes whenever an entry is admitted to L2 (written, replaced,
-        endorsed) in any process of the host: equal tokens read at two moments mean no
-        admission happened between them, unless recording one failed (each failure logged).
-        None when it cannot be read."""
-        try:
-            with self._env.begin() as txn:
-                raw = txn.get(_CHANGES_KEY)
-        except Exception:  # noqa: BLE001 - unknown: the caller compares as if it changed
-            self._failed("reading the change token")
-            return None
-        return None if raw is None else bytes(raw)
 
     @staticmethod
     def _record(
@@ -219,7 +195,6 @@ class L2Values:
                     weight = cost_s / max(size, 1)
                 value = inflation + count * weight
                 txn.put(raw_key, _RECORD.pack(value, weight, count, endorsements, created_s, now))
-                self._changed(txn)
         except Exception:  # noqa: BLE001 - advice only: the entry is stored
             self._failed("recording an admission")
 
@@ -334,7 +309,7 @@ class L2Values:
                 repeats = [
                     max(record[2] - 1, 0)
                     for raw_key, raw in txn.cursor()
-                    if raw_key[:1] != b"\x00" and (record := self._record(raw)) is not None
+                    if raw_key != _META_KEY and (record := self._record(raw)) is not None
                 ]
             skew = top_share(repeats)
             with self._env.begin(write=True) as txn:
@@ -356,7 +331,7 @@ class L2Values:
                 stale = [
                     raw_key
                     for raw_key, raw in txn.cursor()
-                    if raw_key[:1] != b"\x00"
+                    if raw_key != _META_KEY
                     and raw_key not in live
                     and ((record := self._record(raw)) is None or record[5] < since_s)
                 ]
@@ -388,7 +363,6 @@ class L2Values:
                 meta = self._meta(txn)
                 txn.drop(self._env.open_db(), delete=False)
                 txn.put(_META_KEY, self._pack_meta(meta))
-                self._changed(txn)
         except Exception:  # noqa: BLE001 - advice only
             self._failed("forgetting every entry")
 

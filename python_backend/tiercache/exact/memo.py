@@ -89,8 +89,12 @@ class Memo(Generic[V]):
         if value is None:
             return None
         with self._lock:  # asked for again: into the current generation
-            if key not in self._data:
-                self._add(key, value, self._old_sizes.get(key, 0))
+            # read again under the lock: a turn since may have forgotten it, or a put since
+            # may hold a newer value in the current generation
+            held = self._old.get(key)
+            chars = self._old_sizes.get(key)
+            if held is not None and chars is not None and key not in self._data:
+                self._add(key, held, chars)
         return value
 
     def put(self, key: Hashable, value: V, chars: int = 0) -> V:

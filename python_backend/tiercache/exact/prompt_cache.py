@@ -33,7 +33,7 @@ from tiercache.vocabulary import CacheStatus, Tier
 
 log = logging.getLogger(__name__)
 
-TENANT_SCOPE_MEMO = 4096  # tenant names whose scope is kept (cleared when full)
+TENANT_SCOPE_MEMO = 4096  # tenant names whose scope is kept (a generation: tiercache.exact.memo)
 
 ResolveAdapter = Callable[[str], AdapterRef]
 """lora_name -> the adapter's current version (NotFound for an unknown name)."""

@@ -657,8 +657,6 @@ class EntryValues(Protocol):
 
     def value(self, key: str) -> tuple[float, int] | None: ...
 
-    def change_token(self) -> bytes | None: ...
-
     def reader_check(self) -> int: ...
 
     def close(self) -> None: ...
@@ -1072,12 +1070,15 @@ class LmdbStore:
             self._values.admitted(key, len(stored), held.generation_s, endorsements, created_s)
         return endorsements - held.endorsements
 
-    def change_token(self) -> bytes | None:
+    def change_token(self) -> int | None:
         """A value that changes at every write to L2 from any process of the host (a new
-        answer, a replaced one, an endorsement), kept by the shared values
-        (`L2Values.change_token`); None without values or when it cannot be read (then a reader
-        must take L2 as changed)."""
-        return None if self._values is None else self._values.change_token()
+        answer, a replaced one, an endorsement, a deletion: LMDB's last committed transaction
+        id, read from the map's meta page without a transaction); None when it cannot be read
+        (then a reader must take L2 as changed)."""
+        try:
+            return int(self._env.info()["last_txnid"])
+        except lmdb.Error:
+            return None
 
     def value(self, key: str) -> float | None:
         """What `key`'s entry is worth by the shared values (None without values, or for an

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
@@ -71,6 +71,19 @@ ENDORSEMENT_CHECK_S = 30.0  # an L1 copy's verdicts compared with the shared tie
 ENDORSEMENT_RECHECK_S = 600.0
 MAX_CHECKED_KEYS = 100_000  # the keys whose last comparison is remembered
 ENDORSEMENT_QUEUE = 1024  # comparisons waiting for the background thread, at most
+
+
+class _Due(NamedTuple):
+    """A comparison `_check_endorsements` queued: the key, its L1 copy's answer (`created_s`)
+    and verdicts, the L1 holding it (None: an L2 hit behind Redis), and the change token read
+    before it and when (kept once it went through)."""
+
+    key: str
+    created_s: float
+    endorsements: int
+    l1: MemoryStore | None
+    token: int | None
+    checked_s: float
 
 
 class Closeable(Protocol):
@@ -136,21 +149,23 @@ class TieredCache:
         self.endorsement_check_s = endorsement_check_s
         self.l1_replaced = 0  # L1 copies dropped: every shared tier held a newer answer
         self._monotonic = monotonic
-        # key -> (when its copy was last checked, L2's change token at its last comparison
-        # (None: compare at the next check), when it was last compared)
-        self._checked: dict[str, tuple[float, bytes | None, float]] = {}
+        # key -> (when its copy was last checked, L2's change token as read before its last
+        # comparison that went through (None: compare at the next check), when that was)
+        self._checked: dict[str, tuple[float, int | None, float]] = {}
         # An L2 hit compares too where Redis may hold newer verdicts (no L1 here, or L1 no
         # longer holds the key: this host's L2 copy is otherwise compared only on L1 hits).
         self._l2_behind_l3 = any(t is Tier.L3 for t, _ in self._stores)
         # Without Redis, every change a comparison could find was written to this host's L2,
-        # whose change token then moved: a check finding the token as it was at the key's last
-        # comparison skips it. With Redis, another host's verdicts move no token here.
+        # whose change token then moved (`LmdbStore.change_token`: LMDB's last transaction id,
+        # whoever wrote): a check finding the token as it was before the key's last comparison
+        # skips it. With Redis, another host's verdicts move no token here.
         l2 = self.store(Tier.L2)
-        self._change_token: Callable[[], bytes | None] | None = (
+        self._change_token: Callable[[], int | None] | None = (
             None if self._l2_behind_l3 else getattr(l2, "change_token", None)
         )
         self.endorsement_checks_skipped = 0  # checks that found L2 unchanged (no comparison)
-        self._due: queue.Queue[tuple[str, float, int, MemoryStore | None] | None] | None = None
+        self.endorsements_compared = 0  # comparisons made (its thread only)
+        self._due: queue.Queue[_Due | None] | None = None
         self._checker: threading.Thread | None = None  # started by the first comparison
         self._checker_lock = threading.Lock()
         self.endorsements_caught = 0  # verdicts L1 copies took up this way (its thread only)
@@ -248,16 +263,14 @@ class TieredCache:
             self._checked[key] = (now, token, seen[2])
             self.endorsement_checks_skipped += 1
             return
-        try:
-            self._endorsement_queue().put_nowait((key, held.created_s, held.endorsements, l1))
-        except queue.Full:
-            self._checked[key] = (now, None, seen[2])  # not compared: the next check will
-            return
-        self._checked[key] = (now, token, now)
+        # the token is kept once the comparison went through (`_compare_endorsements`); until
+        # then, and if it fails or a full queue drops it, the next check compares
+        self._checked[key] = (now, None, seen[2])
+        due = _Due(key, held.created_s, held.endorsements, l1, token, now)
+        with contextlib.suppress(queue.Full):
+            self._endorsement_queue().put_nowait(due)
 
-    def _endorsement_queue(
-        self,
-    ) -> queue.Queue[tuple[str, float, int, MemoryStore | None] | None]:
+    def _endorsement_queue(self) -> queue.Queue[_Due | None]:
         due = self._due
         if due is None:
             with self._checker_lock:
@@ -275,7 +288,8 @@ class TieredCache:
         request reads it (`peek`: nothing counted; L3's answers None at once while Redis is
         known down); when one holds more verdicts for the same answer (same `created_s`), L1
         counts the new ones (`MemoryStore.endorse`). A failing tier is skipped: a rank, never
-        the answer."""
+        the answer. A comparison that read every shared tier keeps the change token read before
+        it, so the key's next check can skip (`_check_endorsements`); one that did not, none."""
         due = self._due
         assert due is not None
         while True:
@@ -284,26 +298,31 @@ class TieredCache:
                 due.task_done()
                 return
             try:
-                self._compare_one(*item)
+                if self._compare_one(item.key, item.created_s, item.endorsements, item.l1):
+                    self.endorsements_compared += 1
+                    if item.token is not None:
+                        self._checked[item.key] = (item.checked_s, item.token, item.checked_s)
             except Exception:  # noqa: BLE001 - one comparison lost, never the thread
                 now = time.monotonic()
                 if now - self._compare_logged_s >= 60.0:
                     self._compare_logged_s = now
                     log.exception(
-                        "comparing %s's verdicts with the shared tiers failed", item[0][:12]
+                        "comparing %s's verdicts with the shared tiers failed", item.key[:12]
                     )
             finally:
                 due.task_done()
 
-    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore | None) -> None:
-        shared = self._shared_copies(key)
+    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore | None) -> bool:
+        """One comparison (`_compare_endorsements`); whether every shared tier could be read."""
+        failed: list[Tier] = []
+        shared = self._shared_copies(key, failed)
         if l1 is not None and shared and all(c[2].created_s > created_s for c in shared):
             # Every shared tier holds a newer answer (a warm, a `no-cache` request, on another
             # process): L1's copy was replaced, and without a TTL it was served for good.
             held = l1.peek(key)
             if held is not None and held.created_s == created_s and l1.delete_if_same(key, held):
                 self.l1_replaced += 1
-            return
+            return not failed
         copies = [c for c in shared if c[2].created_s == created_s]
         best = max([count, *(entry.endorsements for _, _, entry in copies)])
         if best > count and l1 is not None:  # L1's copy, if it holds one (0 otherwise)
@@ -317,6 +336,7 @@ class TieredCache:
             if self.invalidations.covers(key, entry):
                 continue
             self.l2_endorsements_caught += endorse(key, created_s, best)  # errors: logged above
+        return not failed
 
     def shared_copies(self, key: str) -> list[CacheEntry]:
         """`key`'s entry as each shared tier (not L1) holds it, read as no request reads it
@@ -324,7 +344,11 @@ class TieredCache:
         read is skipped (logged). Expiry and invalidations are the caller's to judge."""
         return [entry for _, _, entry in self._shared_copies(key)]
 
-    def _shared_copies(self, key: str) -> list[tuple[Tier, Store, CacheEntry]]:
+    def _shared_copies(
+        self, key: str, failed: list[Tier] | None = None
+    ) -> list[tuple[Tier, Store, CacheEntry]]:
+        """As `shared_copies`, with each entry's tier and store; a tier that failed to read is
+        added to `failed`."""
         copies: list[tuple[Tier, Store, CacheEntry]] = []
         for tier, store in self._stores:
             if tier is Tier.L1:
@@ -334,6 +358,8 @@ class TieredCache:
                 entry = peek(key) if peek is not None else store.get(key)
             except Exception:  # noqa: BLE001 - a broken tier: the others decide
                 log.exception("reading %s from %s failed", key[:12], tier.value)
+                if failed is not None:
+                    failed.append(tier)
                 continue
             if entry is not None:
                 copies.append((tier, store, entry))
