@@ -59,6 +59,7 @@ from pathlib import Path
 from tiercache.errors import ConfigError
 from tiercache.log_throttle import LogThrottle
 from tiercache.memory import malloc_trim
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -739,7 +740,7 @@ class BudgetThread:
         self.interval_s = interval_s
         self._on_tick = on_tick
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="budgets", daemon=True)
+        self._thread = NamedThread(target=self._run, name="budgets", daemon=True)
 
     def start(self) -> BudgetThread:
         self._thread.start()

@@ -32,6 +32,7 @@ from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.tiered import TieredCache
 from tiercache.log_throttle import LogThrottle
+from tiercache.threads import name_this_thread
 from tiercache.vocabulary import CacheStatus, DraftSource
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,12 @@ class Generations:
         self.flights = FlightTable()
         # Two pools: readers block on their flight, so producers must never queue behind them
         # (one shared pool deadlocks once every worker is a waiting reader).
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-serve")
-        self._producers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llm-gen")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="llm-serve", initializer=name_this_thread
+        )
+        self._producers = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="llm-gen", initializer=name_this_thread
+        )
         self._lock = threading.Lock()
         self.max_pending = max_pending
         self._pending = 0  # misses submitted and not yet answered

@@ -37,6 +37,7 @@ from typing import Protocol
 
 from tiercache.exact.flights import EngineUsage
 from tiercache.generation import Responder
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class ResponseTimer:
         self._queue = DueQueue()
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="llm-padding", daemon=True)
+        self._thread = NamedThread(target=self._run, name="llm-padding", daemon=True)
         self._thread.start()
 
     def schedule(self, due_s: float, action: Action) -> None:

@@ -494,13 +494,15 @@ def test_requests_that_want_other_answers_lead_their_own_flight(
     cache: TieredCache, second: str, max_age_s: float | None, write_back: bool
 ) -> None:
     engine = FakeEngine(gate=threading.Event())
-    stage = make_stage(cache, engine)
+    follows = Follows(1)
+    stage = make_stage(cache, engine, on_follow=follows)
     first, other, same = Recorder(), Recorder(), Recorder()
     stage.submit_miss(REQUEST, DIGEST, "miss", True, first)
     engine.wait_started()
     stage.submit_miss(REQUEST, DIGEST, second, write_back, other, max_age_s=max_age_s)
     engine.wait_started()
     stage.submit_miss(REQUEST, DIGEST, "miss", True, same)  # joins the first flight
+    assert follows.reached.wait(TIMEOUT_S)  # joined before the gate opens, not after
     assert engine.gate is not None
     engine.gate.set()
     for r, status in ((first, "miss"), (other, second), (same, "miss")):

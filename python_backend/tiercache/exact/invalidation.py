@@ -67,6 +67,7 @@ from tiercache.exact.watermarks import (
     forget_before_s,
 )
 from tiercache.log_throttle import LogThrottle
+from tiercache.threads import NamedThread
 from tiercache.vocabulary import InvalidationKind, Tier
 
 if TYPE_CHECKING:  # the Redis client is imported only by processes with L3
@@ -300,7 +301,7 @@ class InvalidationListener:
         self._received_callbacks.append(callback)
 
     def start(self) -> InvalidationListener:
-        self._thread = threading.Thread(target=self._run, name="tiercache-invalidations")
+        self._thread = NamedThread(target=self._run, name="tiercache-invalidations")
         self._thread.daemon = True  # never keeps a stub process alive; close() joins it
         self._thread.start()
         return self
@@ -687,7 +688,7 @@ class RestartSweeper:
         self.report: RestartSweepReport | None = None  # the last pass's, once done
 
     def start(self) -> RestartSweeper:
-        self._thread = threading.Thread(target=self._run, name="tiercache-restart-sweep")
+        self._thread = NamedThread(target=self._run, name="tiercache-restart-sweep")
         self._thread.daemon = True  # never keeps a stub process alive; close() joins it
         self._thread.start()
         return self

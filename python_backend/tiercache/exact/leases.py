@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from tiercache.threads import NamedThread
+
 if TYPE_CHECKING:
     from tiercache.exact.redis_tier import RedisLink
 
@@ -142,7 +144,7 @@ class LeaseCoordinator:
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._renew_loop, name="tiercache-leases")
+            self._thread = NamedThread(target=self._renew_loop, name="tiercache-leases")
             self._thread.daemon = True
             self._thread.start()
 

@@ -39,6 +39,7 @@ from tiercache.log_throttle import LogThrottle
 from tiercache.machine import CRITICAL, ROOM, DiskRoom
 from tiercache.shadow import ShadowQueue, shadow_bytes
 from tiercache.stats import top_share
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -849,9 +850,7 @@ class LmdbStore:
             if self._closing:
                 return
             if self._evictor is None:
-                self._evictor = threading.Thread(
-                    target=self._evict_ahead, name="l2-evict", daemon=True
-                )
+                self._evictor = NamedThread(target=self._evict_ahead, name="l2-evict", daemon=True)
                 self._evictor.start()
         self._early.set()
 

@@ -27,6 +27,7 @@ from typing import NamedTuple, Protocol
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
+from tiercache.threads import NamedThread
 from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class TieredCache:
             with self._checker_lock:
                 if self._due is None:
                     self._due = queue.Queue(maxsize=ENDORSEMENT_QUEUE)
-                    self._checker = threading.Thread(
+                    self._checker = NamedThread(
                         target=self._compare_endorsements, name="l1-endorsements", daemon=True
                     )
                     self._checker.start()

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import re
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -64,6 +63,7 @@ from tiercache.gateway.protocol import (
     whole_body_received,
 )
 from tiercache.log_throttle import LogThrottle
+from tiercache.threads import NamedThread
 from tiercache_client.client import (
     FEEDBACK_MODEL,
     FEEDBACK_OUTPUT,
@@ -1138,7 +1138,7 @@ def running_in_thread(
 
     config = server_config(settings, host, port)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="tiercache-gateway", daemon=True)
+    thread = NamedThread(target=server.run, name="tiercache-gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not server.started:

@@ -43,6 +43,7 @@ from tiercache.errors import TierCacheError
 from tiercache.exact.redis_tier import RedisLink
 from tiercache.log_throttle import LogThrottle
 from tiercache.lora.registry import AdapterRegistry
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 _OVERSIZED_LOG = LogThrottle()
@@ -348,7 +349,7 @@ class FleetSync:
         self.syncs = 0
 
     def start(self) -> FleetSync:
-        self._thread = threading.Thread(target=self._run, name="tiercache-adapter-fleet")
+        self._thread = NamedThread(target=self._run, name="tiercache-adapter-fleet")
         self._thread.daemon = True
         self._thread.start()
         return self

@@ -29,6 +29,7 @@ from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.graph_files import GraphFiles
 from tiercache.semantic.row_log import RowLog, ScopeLimitReached
 from tiercache.semantic.shared_rows import ScopeTables
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Compactor:
             if seq is None and len(self._pending) < _MAX_PENDING:
                 self._pending.append((row, tenant))
             if self._thread is None and time.monotonic() - self._failed_s >= RETRY_PAUSE_S:
-                self._thread = threading.Thread(
+                self._thread = NamedThread(
                     target=self._compact_then_append,
                     args=(answer_exists, answer_value),
                     name="semantic-compaction",

@@ -25,6 +25,7 @@ from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
 from tiercache.semantic.row_log import check_vector, scope_tag
 from tiercache.semantic.scope_search import ScopeSearch, graph_bytes_for
 from tiercache.semantic.store import SemanticStore
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class SemanticIndex:
         failed_s = self._build_failed.get(name)
         if failed_s is not None and time.monotonic() - failed_s < _BUILD_RETRY_S:
             return  # failed lately: scan flat, try again later
-        builder = threading.Thread(
+        builder = NamedThread(
             target=self._build_detached, args=(name,), name="semantic-graph", daemon=True
         )
         self._builders[name] = builder

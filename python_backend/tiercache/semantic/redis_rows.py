@@ -76,6 +76,7 @@ from tiercache.log_throttle import LogThrottle
 from tiercache.semantic import compaction
 from tiercache.semantic.row_log import ScopeLimitReached
 from tiercache.semantic.store import SemanticStore
+from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ class RowFollower:
         return self._origin
 
     def start(self) -> RowFollower:
-        self._thread = threading.Thread(target=self._run, name="tiercache-semantic-follower")
+        self._thread = NamedThread(target=self._run, name="tiercache-semantic-follower")
         self._thread.daemon = True  # close() joins it; never keeps a stub process alive
         self._thread.start()
         return self

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import queue
-import threading
 import time
 from typing import Protocol
 
@@ -39,6 +38,7 @@ from tiercache.stages.envelope import Envelope, Freshness
 from tiercache.stages.memory_budgets import start_budgets
 from tiercache.stages.parts import open_adapters, open_freshness, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, Sealer, check_tensors
+from tiercache.threads import NamedThread
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 
@@ -208,7 +208,7 @@ class TorchLlmStage:
         )
         self._seed_counters()
         self._queue: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name="torch_llm", daemon=True)
+        self._worker = NamedThread(target=self._run, name="torch_llm", daemon=True)
         self._worker.start()
 
     def _seed_counters(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import triton_python_backend_utils as pb_utils
 
 from tiercache.errors import InvalidRequest, NotFound, TierCacheError, Unavailable
+from tiercache.threads import NamedThread
 from tiercache.triton.io import from_triton_error
 
 T = TypeVar("T")
@@ -126,9 +127,7 @@ class Deadline:
         self._late: Future[Any] | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._worker = threading.Thread(
-            target=self._work, name=f"deadline-{label}"[:15], daemon=True
-        )
+        self._worker = NamedThread(target=self._work, name=f"deadline-{label}"[:15], daemon=True)
         self._worker.start()
 
     def _work(self) -> None:
@@ -209,7 +208,7 @@ class _StreamReader:
         self.lock = threading.Lock()  # `abandoned` against `stream`: one cancel
         self._cancel_on_close = cancel_on_close
         self._watch = watch
-        self._thread = threading.Thread(
+        self._thread = NamedThread(
             target=self._pump, args=(open_stream, keep), name="bls-stream", daemon=True
         )
         self._thread.start()

@@ -24,6 +24,7 @@ from tiercache.exact.redis_tier import SIGNED, RedisHealth
 from tiercache.exact.stores import StoreStats
 from tiercache.exact.watermarks import Invalidation
 from tiercache.log_throttle import LogThrottle
+from tiercache.threads import NamedThread
 from tiercache.vocabulary import InvalidationKind, Tier, choices
 
 log = logging.getLogger("tiercache")
@@ -220,7 +221,7 @@ class Metrics:
         self._hooks.append(hook)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread = NamedThread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def flush(self) -> None:
