@@ -38,6 +38,23 @@ def test_parse_perf_script_reads_each_sample_with_its_frames_leaf_first() -> Non
     assert samples[2].frames == []
 
 
+def test_a_script_with_each_threads_name_reads_it() -> None:
+    """`-F comm,pid,tid,...`: the kernel's thread name first (it may hold spaces)."""
+    script = (
+        "triton_python_b   100/100  10.000100:\n"
+        "\t    7f00 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)\n\n"
+        "l1-endorsements   100/105  10.100000:\n\n"
+        "Chrome IO thread  7/9 3.5:\n"
+    )
+    samples = list(cp.parse_perf_script(script.splitlines(keepends=True)))
+    assert [(s.comm, s.pid, s.tid, s.time_s) for s in samples] == [
+        ("triton_python_b", 100, 100, 10.0001),
+        ("l1-endorsements", 100, 105, 10.1),
+        ("Chrome IO thread", 7, 9, 3.5),
+    ]
+    assert samples[0].frames == [("_PyEval_EvalFrameDefault", "libpython3.11.so.1.0")]
+
+
 def test_processes_and_windows_come_from_the_benchmarks_report() -> None:
     """The benchmark's JSON names each configuration's processes (a model's second instance
     under its stage's name) and when each level was measured."""
@@ -63,8 +80,10 @@ def test_processes_and_windows_come_from_the_benchmarks_report() -> None:
     assert cp.intervals_of({}, "1") == [] and cp.names_of({}) == {}
 
 
-def samples_of(pid: int, tid: int, times: list[float], leaf: str = "f") -> list[cp.Sample]:
-    return [cp.Sample(pid, tid, t, [(leaf, "lib.so")]) for t in times]
+def samples_of(
+    pid: int, tid: int, times: list[float], leaf: str = "f", comm: str = ""
+) -> list[cp.Sample]:
+    return [cp.Sample(pid, tid, t, [(leaf, "lib.so")], comm) for t in times]
 
 
 def test_samples_are_charged_per_request_in_the_windows_each_configuration_was_measured() -> None:
@@ -145,5 +164,27 @@ def test_threads_line_up_by_rank_with_the_serving_thread_apart() -> None:
             "tritonserver thread 2": 8_000.0,
             "llm main": 40_000.0,
             "llm thread 1": 16_000.0,
+        }
+    )
+
+
+def test_a_thread_named_for_the_kernel_is_counted_by_its_name() -> None:
+    """tiercache.threads names the stages' threads: those are counted by name (threads of one
+    name together); one that kept its process's name is ranked as before."""
+    names = {11: "tiercache:llm"}
+    samples = (
+        samples_of(11, 11, [i / 100 for i in range(0, 40, 2)], comm="triton_python_b")
+        + samples_of(11, 17, [i / 100 for i in range(0, 40, 5)], comm="llm-serve_0")
+        + samples_of(11, 18, [i / 100 for i in range(0, 40, 10)], comm="llm-serve_0")
+        + samples_of(11, 19, [i / 100 for i in range(0, 40, 8)], comm="triton_python_b")
+    )
+    profile = cp.charge(
+        samples, names, [(0.0, 0.5, "tiercache")], {"tiercache": 10.0}, 100.0, "thread"
+    )
+    assert profile.per_request["tiercache"] == pytest.approx(
+        {
+            "llm main": 40_000.0,
+            "llm llm-serve_0": 24_000.0,  # two threads of one name
+            "llm thread 1": 10_000.0,  # the stub's own unnamed thread
         }
     )

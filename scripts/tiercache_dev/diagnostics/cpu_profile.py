@@ -14,7 +14,9 @@ measured at that moment (the warm-up pass and the rest of the run are left out),
 process: the tritonserver, or the stage whose model.py its Python backend stub runs (the
 benchmark's JSON names each configuration's processes, `processes`). The tables give CPU
 microseconds
-per request, by stage, by shared object and by function (C functions only: interpreted
+per request, by stage, by thread (a stub's serving thread as `main`; the threads tiercache names
+for the kernel, `tiercache.threads`, by their names; the others ranked by samples), by shared
+object and by function (C functions only: interpreted
 Python shows as the interpreter's own functions, `_PyEval_EvalFrameDefault` first;
 `tiercache_dev.bench.hit_path --opcodes` counts the Python side). `perf` must be installed and
 allowed to profile the whole system (root, or kernel.perf_event_paranoid <= 0; to read an
@@ -51,10 +53,15 @@ class Sample:
     tid: int
     time_s: float
     frames: list[tuple[str, str]] = field(default_factory=list)  # (function, object), leaf first
+    comm: str = ""  # the thread's kernel name ("" from a script without it)
+
+
+_HEAD = re.compile(r"^\s*(?:(?P<comm>\S.*?)\s+)?(?P<pid>\d+)/(?P<tid>\d+)\s+(?P<time>[\d.]+):\s*$")
 
 
 def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
-    """The samples of `perf script -F pid,tid,time,ip,sym,dso` output (call chains included)."""
+    """The samples of `perf script -F comm,pid,tid,time,ip,sym,dso` output (call chains
+    included; a script without `comm` reads too, each sample's comm "")."""
     sample: Sample | None = None
     for line in lines:
         if not line.strip():
@@ -63,12 +70,15 @@ def parse_perf_script(lines: Iterable[str]) -> Iterator[Sample]:
                 sample = None
             continue
         if not line.startswith("\t"):  # a sample's line (pids are padded with spaces)
-            head, _, rest = line.strip().partition(" ")
-            pid, _, tid = head.partition("/")
-            try:
-                sample = Sample(int(pid), int(tid), float(rest.strip().rstrip(":")))
-            except ValueError:
-                sample = None  # a line of another format: skipped with its frames
+            head = _HEAD.match(line.rstrip("\n"))
+            sample = None  # a line of another format: skipped with its frames
+            if head is not None:
+                sample = Sample(
+                    int(head["pid"]),
+                    int(head["tid"]),
+                    float(head["time"]),
+                    comm=head["comm"] or "",
+                )
             continue
         if sample is None:
             continue
@@ -121,6 +131,9 @@ def charge(
     samples over its windows' seconds times its throughput (`rates`, requests per second)."""
     intervals = sorted(intervals)
     starts = [start for start, _, _ in intervals]
+    # a thread named for the kernel (tiercache.threads) is counted by its name; one that kept
+    # its process's name (the main thread's) is ranked with the other unnamed ones
+    main_comm = {s.pid: s.comm for s in samples if s.tid == s.pid and s.comm}
     counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for sample in samples:
         at = bisect.bisect_right(starts, sample.time_s) - 1
@@ -137,7 +150,13 @@ def charge(
         if key == "process":
             counts[config][process] += 1
         elif key == "thread":  # ranked below: thread ids differ between configurations
-            counts[config][f"{process}\0{'main' if sample.tid == sample.pid else sample.tid}"] += 1
+            if sample.tid == sample.pid:
+                thread = "main"
+            elif sample.comm and sample.comm != main_comm.get(sample.pid):
+                thread = f"={sample.comm}"
+            else:
+                thread = str(sample.tid)
+            counts[config][f"{process}\0{thread}"] += 1
         elif key == "object":
             counts[config][leaf[1]] += 1
         else:
@@ -155,14 +174,19 @@ def charge(
 
 
 def ranked_threads(counter: collections.Counter[str]) -> collections.Counter[str]:
-    """'process\0tid' counts renamed 'process main' (the thread a stub serves requests on)
-    and 'process thread N', N by samples, most first, so configurations line up."""
+    """'process\0tid' counts renamed 'process main' (the thread a stub serves requests on),
+    'process NAME' for a thread named for the kernel ('process\0=NAME', threads of one name
+    together) and 'process thread N' for the others, N by samples, most first, so
+    configurations line up."""
     out: collections.Counter[str] = collections.Counter()
     ranks: collections.Counter[str] = collections.Counter()
     for name, count in counter.most_common():
         process, _, tid = name.partition("\0")
         if tid == "main":
             out[f"{process} main"] += count
+            continue
+        if tid.startswith("="):
+            out[f"{process} {tid[1:]}"] += count
             continue
         ranks[process] += 1
         out[f"{process} thread {ranks[process]}"] += count
@@ -281,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress("reading the profile (perf script)")
     started = time.monotonic()
     script = subprocess.Popen(
-        [perf, "script", "-i", str(data), "-F", "pid,tid,time,ip,sym,dso"],
+        [perf, "script", "-i", str(data), "-F", "comm,pid,tid,time,ip,sym,dso"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
