@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -115,7 +116,11 @@ def metric_value(server: TritonServer, name: str, **labels: str) -> float:
     return total
 
 
-METRICS_FLUSH_S = 0.25  # tiercache.triton.metrics.Metrics' default flush interval
+# The servers these tests start flush their stages' metrics every 0.25 s (the default is 1 s,
+# tiercache.triton.metrics.flush_interval_s), so a test reading a metric waits less.
+METRICS_FLUSH_ENV = "TIERCACHE_METRICS_FLUSH_S"  # tiercache.triton.metrics.FLUSH_ENV
+os.environ[METRICS_FLUSH_ENV] = "0.25"
+METRICS_FLUSH_S = 0.25
 
 
 def settled_metric(server: TritonServer, name: str, timeout_s: float = 30, **labels: str) -> float:

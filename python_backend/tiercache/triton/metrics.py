@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,6 +41,39 @@ LAG_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0
 
 
 _FOLD_AT = 4096  # appended updates summed on the request's thread past this (no flush lately)
+
+FLUSH_ENV = "TIERCACHE_METRICS_FLUSH_S"
+DEFAULT_FLUSH_S = 1.0
+MAX_FLUSH_S = 60.0
+
+
+def flush_interval_s(environ: Mapping[str, str] | None = None) -> float:
+    """How often each stage sends its metric updates to Triton: $TIERCACHE_METRICS_FLUSH_S
+    (seconds, above 0 and at most MAX_FLUSH_S), else DEFAULT_FLUSH_S. Each flush sends one
+    round trip to the server per series that moved, which the server's threads answer between
+    requests: at 0.25 s, about one a request on `make bench`'s hits at concurrency 1, and the
+    server CPU per hit was 1 to 5 % higher than at 1 s or more (docs/observability.md). A value
+    that is not such a number is logged and the default used."""
+    raw = (os.environ if environ is None else environ).get(FLUSH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_FLUSH_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_FLUSH_S:
+        log.warning(
+            "%s=%r is not a number of seconds above 0 and at most %g; flushing every %g s",
+            FLUSH_ENV,
+            raw,
+            MAX_FLUSH_S,
+            DEFAULT_FLUSH_S,
+        )
+        return DEFAULT_FLUSH_S
+    return value
+
+
+_interval = flush_interval_s  # the name `Metrics.__init__`'s parameter shadows
 
 
 class _DeferredMetric:
@@ -176,9 +210,11 @@ class Metrics:
     updates every `flush_interval_s`, so a scrape sees them at most that much later."""
 
     def __init__(
-        self, model_name: str, flush_interval_s: float = 0.25, instance: str | None = None
+        self, model_name: str, flush_interval_s: float | None = None, instance: str | None = None
     ) -> None:
-        """`instance` adds an `instance` label (for models that run several instances)."""
+        """`instance` adds an `instance` label (for models that run several instances);
+        `flush_interval_s` None: the module's `flush_interval_s()` ($TIERCACHE_METRICS_FLUSH_S,
+        default 1 s)."""
         self.labels = {"model": model_name}
         if instance is not None:
             self.labels["instance"] = instance
@@ -186,7 +222,7 @@ class Metrics:
         self._metrics: list[_DeferredMetric | _LocalHistogram] = []
         self._hook_log = LogThrottle()
         self._hooks: list[Callable[[], None]] = []
-        self._interval_s = flush_interval_s
+        self._interval_s = flush_interval_s if flush_interval_s is not None else _interval()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
