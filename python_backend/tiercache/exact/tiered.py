@@ -68,7 +68,7 @@ class TierSlot:
 
 ENDORSEMENT_CHECK_S = 30.0  # an L1 copy's verdicts compared with the shared tiers' (per key)
 # ... but only when L2 was written since the last comparison (its change token moved), or this
-# long after it whatever the token says (a write whose token was not recorded: the values failed)
+# long after it whatever the token says (a bound on what a token could miss)
 ENDORSEMENT_RECHECK_S = 600.0
 MAX_CHECKED_KEYS = 100_000  # the keys whose last comparison is remembered
 ENDORSEMENT_QUEUE = 1024  # comparisons waiting for the background thread, at most
