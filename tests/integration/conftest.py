@@ -117,7 +117,7 @@ def metric_value(server: TritonServer, name: str, **labels: str) -> float:
 
 
 # The servers these tests start flush their stages' metrics every 0.25 s (the default is 1 s,
-# tiercache.triton.metrics.flush_interval_s), so a test reading a metric waits less.
+# tiercache.triton.metrics.configured_flush_s), so a test reading a metric waits less.
 METRICS_FLUSH_ENV = "TIERCACHE_METRICS_FLUSH_S"  # tiercache.triton.metrics.FLUSH_ENV
 os.environ[METRICS_FLUSH_ENV] = "0.25"
 METRICS_FLUSH_S = 0.25

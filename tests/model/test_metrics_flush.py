@@ -19,9 +19,9 @@ def metrics(pb_utils: ModuleType) -> ModuleType:
 def test_the_default_is_one_second_and_the_environment_can_change_it(
     metrics: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert metrics.flush_interval_s({}) == metrics.DEFAULT_FLUSH_S == 1.0
-    assert metrics.flush_interval_s({metrics.FLUSH_ENV: " 0.25 "}) == 0.25
-    assert metrics.flush_interval_s({metrics.FLUSH_ENV: "60"}) == 60.0
+    assert metrics.configured_flush_s({}) == metrics.DEFAULT_FLUSH_S == 1.0
+    assert metrics.configured_flush_s({metrics.FLUSH_ENV: " 0.25 "}) == 0.25
+    assert metrics.configured_flush_s({metrics.FLUSH_ENV: "60"}) == 60.0
     monkeypatch.setenv(metrics.FLUSH_ENV, "2.5")
     stage_metrics = metrics.Metrics("prompt_cache")
     assert stage_metrics._interval_s == 2.5  # noqa: SLF001 - what the flusher waits between flushes
@@ -33,5 +33,5 @@ def test_an_unusable_value_is_logged_and_the_default_used(
     metrics: ModuleType, raw: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tiercache"):
-        assert metrics.flush_interval_s({metrics.FLUSH_ENV: raw}) == metrics.DEFAULT_FLUSH_S
+        assert metrics.configured_flush_s({metrics.FLUSH_ENV: raw}) == metrics.DEFAULT_FLUSH_S
     assert metrics.FLUSH_ENV in caplog.text and repr(raw) in caplog.text

@@ -19,7 +19,7 @@ from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
 from tiercache.exact.invalidation import Invalidator
 from tiercache.exact.l2_values import MIN_MAP_BYTES, L2Values
 from tiercache.exact.redis_tier import RedisLink, RedisStore
-from tiercache.exact.stores import LmdbStore, MemoryStore
+from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.tiered import ENDORSEMENT_RECHECK_S, TieredCache
 from tiercache.feedback import Feedback, Verdict, parse_verdict
 from tiercache.vocabulary import Tier
@@ -48,6 +48,19 @@ def setup(
     ids = AnswerIds(SECRET)
     yield Feedback(ids, Invalidator(cache)), cache, clock, ids
     cache.close()
+
+
+def beside(
+    l2: Store, clock: FakeClock, ticks: list[float], l1: MemoryStore | None = None
+) -> TieredCache:
+    """Another process's tiers over the same L2: its own L1 (1 MiB unless given), a check of
+    its copies every 5 s on the clock `ticks[0]`."""
+    return TieredCache(
+        [(Tier.L1, l1 if l1 is not None else MemoryStore(1 << 20)), (Tier.L2, l2)],
+        clock=clock,
+        endorsement_check_s=5.0,
+        monotonic=lambda: ticks[0],
+    )
 
 
 def served(ids: AnswerIds, clock: FakeClock, digest: str = DIGEST, scope: str = SCOPE) -> str:
@@ -221,12 +234,7 @@ def test_an_l1_that_already_holds_the_answer_takes_up_good_verdicts_on_a_later_h
     assert l2 is not None
     size = CacheEntry("same size", 0.0, tenant_scope=SCOPE).size_bytes + GDSF_ENTRY_BYTES
     ticks = [0.0]
-    other = TieredCache(
-        [(Tier.L1, MemoryStore(2 * size + 8, named_policy("gdsf"))), (Tier.L2, l2)],
-        clock=clock,
-        endorsement_check_s=5.0,
-        monotonic=lambda: ticks[0],
-    )
+    other = beside(l2, clock, ticks, MemoryStore(2 * size + 8, named_policy("gdsf")))
     for digest in (KEPT, DIGEST):  # both held; the one to be endorsed admitted first
         assert other.get(digest) is not None
     for digest in (KEPT, DIGEST):
@@ -263,12 +271,7 @@ def test_an_l1_copy_replaced_in_the_shared_tiers_is_dropped_at_a_later_hit(
     l2 = cache.store(Tier.L2)
     assert l2 is not None
     ticks = [0.0]
-    other = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
-        clock=clock,
-        endorsement_check_s=5.0,
-        monotonic=lambda: ticks[0],
-    )
+    other = beside(l2, clock, ticks)
     assert other.get(DIGEST) is not None  # into this process's L1
     assert other.get(DIGEST) is not None  # its first L1 hit: the clock starts
     clock.now += 10.0
@@ -297,12 +300,7 @@ def test_a_check_that_finds_l2_unwritten_since_the_last_comparison_skips_it(
     token = l2.change_token()
     assert token is not None
     ticks = [0.0]
-    reader = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
-        clock=clock,
-        endorsement_check_s=5.0,
-        monotonic=lambda: ticks[0],
-    )
+    reader = beside(l2, clock, ticks)
 
     def compared_after_hit_at(tick: float) -> bool:
         ticks[0] = tick
@@ -347,12 +345,7 @@ def test_a_comparison_that_could_not_read_l2_keeps_no_token(tmp_path: Path) -> N
     clock = FakeClock()
     l2 = LmdbStore(tmp_path / "l2", 1 << 20)
     ticks = [0.0]
-    reader = TieredCache(
-        [(Tier.L1, MemoryStore(1 << 20)), (Tier.L2, l2)],
-        clock=clock,
-        endorsement_check_s=5.0,
-        monotonic=lambda: ticks[0],
-    )
+    reader = beside(l2, clock, ticks)
     reader.put(DIGEST, "an answer", tenant_scope=SCOPE)
     assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
     broken = [True]

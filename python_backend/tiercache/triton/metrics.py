@@ -47,7 +47,7 @@ DEFAULT_FLUSH_S = 1.0
 MAX_FLUSH_S = 60.0
 
 
-def flush_interval_s(environ: Mapping[str, str] | None = None) -> float:
+def configured_flush_s(environ: Mapping[str, str] | None = None) -> float:
     """How often each stage sends its metric updates to Triton: $TIERCACHE_METRICS_FLUSH_S
     (seconds, above 0 and at most MAX_FLUSH_S), else DEFAULT_FLUSH_S. Each flush sends one
     round trip to the server per series that moved, which the server's threads answer between
@@ -71,9 +71,6 @@ def flush_interval_s(environ: Mapping[str, str] | None = None) -> float:
         )
         return DEFAULT_FLUSH_S
     return value
-
-
-_interval = flush_interval_s  # the name `Metrics.__init__`'s parameter shadows
 
 
 class _DeferredMetric:
@@ -213,7 +210,7 @@ class Metrics:
         self, model_name: str, flush_interval_s: float | None = None, instance: str | None = None
     ) -> None:
         """`instance` adds an `instance` label (for models that run several instances);
-        `flush_interval_s` None: the module's `flush_interval_s()` ($TIERCACHE_METRICS_FLUSH_S,
+        `flush_interval_s` None: `configured_flush_s()` ($TIERCACHE_METRICS_FLUSH_S,
         default 1 s)."""
         self.labels = {"model": model_name}
         if instance is not None:
@@ -222,7 +219,9 @@ class Metrics:
         self._metrics: list[_DeferredMetric | _LocalHistogram] = []
         self._hook_log = LogThrottle()
         self._hooks: list[Callable[[], None]] = []
-        self._interval_s = flush_interval_s if flush_interval_s is not None else _interval()
+        if flush_interval_s is None:
+            flush_interval_s = configured_flush_s()
+        self._interval_s = flush_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
