@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 from redis_server import RedisServer
 from test_invalidation import FakeClock
@@ -341,22 +342,29 @@ def test_a_check_that_finds_l2_unwritten_since_the_last_comparison_skips_it(
 
 def test_a_comparison_that_could_not_read_l2_keeps_no_token(tmp_path: Path) -> None:
     """A shared tier that fails to read leaves the comparison incomplete: the next check
-    compares again instead of skipping on the token read before it."""
+    compares again instead of skipping. L2 fails as a damaged map does (LMDB raises
+    CorruptedError when a read transaction opens), which `peek` takes for a missing answer:
+    the comparison's read says it failed."""
     clock = FakeClock()
     l2 = LmdbStore(tmp_path / "l2", 1 << 20)
     ticks = [0.0]
     reader = beside(l2, clock, ticks)
     reader.put(DIGEST, "an answer", tenant_scope=SCOPE)
     assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
+    env = l2._env
     broken = [True]
-    peek = l2.peek
 
-    def failing_peek(key: str) -> CacheEntry | None:
-        if broken[0]:
-            raise OSError("a broken disk")
-        return peek(key)
+    class Damaged:
+        def begin(self, *args: object, **kwargs: object) -> object:
+            if broken[0]:
+                raise lmdb.CorruptedError("a damaged page")
+            return env.begin(*args, **kwargs)
 
-    l2.peek = failing_peek  # type: ignore[method-assign]
+        def __getattr__(self, name: str) -> object:
+            return getattr(env, name)
+
+    l2._env = Damaged()
+    assert l2.peek(DIGEST) is None  # what `peek` makes of it
     for tick in (6.0, 12.0):  # each check compares: the failed one kept no token
         ticks[0] = tick
         assert reader.get(DIGEST) is not None and reader.wait_endorsements()
@@ -366,6 +374,44 @@ def test_a_comparison_that_could_not_read_l2_keeps_no_token(tmp_path: Path) -> N
         ticks[0] = tick
         assert reader.get(DIGEST) is not None and reader.wait_endorsements()
     assert (reader.endorsements_compared, reader.endorsement_checks_skipped) == (1, 1)
+    l2._env = env
+    reader.close()
+
+
+def test_the_token_kept_is_the_one_the_comparisons_read_saw(tmp_path: Path) -> None:
+    """A commit shows in L2's meta page (`change_token`) while its metadata is synced, before
+    a new read transaction sees it. A check that read the token in that window, and whose
+    comparison then read the snapshot before the commit, must keep the snapshot's token:
+    keeping the one read first would skip every later check, and the write (here an answer
+    replaced on another process) would go unseen until `ENDORSEMENT_RECHECK_S`."""
+    clock = FakeClock()
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    real_token = l2.change_token
+    ahead = [False]
+
+    def token_in_the_window() -> int | None:
+        token = real_token()
+        return None if token is None else token + (1 if ahead[0] else 0)
+
+    l2.change_token = token_in_the_window  # type: ignore[method-assign]
+    ticks = [0.0]
+    reader = beside(l2, clock, ticks)
+    reader.put(DIGEST, "the old answer", tenant_scope=SCOPE)
+    assert reader.get(DIGEST) is not None  # the first L1 hit: the clock starts
+    ticks[0] = 6.0
+    ahead[0] = True  # the next commit shows in the meta page; the comparison reads before it
+    assert reader.get(DIGEST) is not None and reader.wait_endorsements()
+    assert reader.endorsements_compared == 1
+    ahead[0] = False
+    writer = TieredCache([(Tier.L2, l2)], clock=clock)
+    clock.now += 10.0
+    writer.put(DIGEST, "the new answer", tenant_scope=SCOPE)  # that commit, now seen by reads
+    ticks[0] = 12.0
+    assert reader.get(DIGEST) is not None and reader.wait_endorsements()
+    assert (reader.endorsements_compared, reader.endorsement_checks_skipped) == (2, 0)
+    assert reader.l1_replaced == 1
+    found = reader.get(DIGEST)
+    assert found is not None and found.entry.text == "the new answer"
     reader.close()
 
 

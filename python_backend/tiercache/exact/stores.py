@@ -1105,12 +1105,21 @@ class LmdbStore:
         """`peek` for a decision that must not take an unreadable L2 for a missing answer
         (semantic compaction deletes the rows of answers that are gone): Unavailable where
         `peek` says None for a damaged page or a map another process resized."""
+        return self.peek_with_token(key)[0]
+
+    def peek_with_token(self, key: str) -> tuple[CacheEntry | None, int]:
+        """`get_or_raise`, and the change token of the snapshot that read it (the id of the last
+        transaction it sees). A comparison keeps this one, not a `change_token` read before it:
+        a commit shows in the meta page `change_token` reads while its metadata is being
+        synced, before a new read transaction sees it, so a token read first can name a write
+        the read then missed."""
         try:
             with self._env.begin(buffers=False) as txn:
                 data = txn.get(key.encode())
+                token = int(txn.id())
         except (*LMDB_DAMAGE, lmdb.MapResizedError) as exc:
             raise Unavailable(f"L2 {self.path} could not be read: {type(exc).__name__}") from exc
-        return peeked(data)
+        return peeked(data), token
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key]) == 1

@@ -76,14 +76,12 @@ ENDORSEMENT_QUEUE = 1024  # comparisons waiting for the background thread, at mo
 
 class _Due(NamedTuple):
     """A comparison `_check_endorsements` queued: the key, its L1 copy's answer (`created_s`)
-    and verdicts, the L1 holding it (None: an L2 hit behind Redis), and the change token read
-    before it and when (kept once it went through)."""
+    and verdicts, the L1 holding it (None: an L2 hit behind Redis), and when it was checked."""
 
     key: str
     created_s: float
     endorsements: int
     l1: MemoryStore | None
-    token: int | None
     checked_s: float
 
 
@@ -158,8 +156,8 @@ class TieredCache:
         self._l2_behind_l3 = any(t is Tier.L3 for t, _ in self._stores)
         # Without Redis, every change a comparison could find was written to this host's L2,
         # whose change token then moved (`LmdbStore.change_token`: LMDB's last transaction id,
-        # whoever wrote): a check finding the token as it was before the key's last comparison
-        # skips it. With Redis, another host's verdicts move no token here.
+        # whoever wrote): a check finding the token of the L2 snapshot the key's last
+        # comparison read skips it. With Redis, another host's verdicts move no token here.
         l2 = self.store(Tier.L2)
         self._change_token: Callable[[], int | None] | None = (
             None if self._l2_behind_l3 else getattr(l2, "change_token", None)
@@ -258,16 +256,17 @@ class TieredCache:
         if seen is None:
             self._checked[key] = (now, None, now)
             return
-        # read before the comparison reads L2: a write after this read moves the token again
+        # the token of the L2 snapshot the key's last comparison read (`_compare_one`): one
+        # written since shows here, in L2's meta page, no later than to a new read
         token = None if self._change_token is None else self._change_token()
         if token is not None and token == seen[1] and now - seen[2] < ENDORSEMENT_RECHECK_S:
             self._checked[key] = (now, token, seen[2])
             self.endorsement_checks_skipped += 1
             return
-        # the token is kept once the comparison went through (`_compare_endorsements`); until
+        # a token is kept once the comparison went through (`_compare_endorsements`); until
         # then, and if it fails or a full queue drops it, the next check compares
         self._checked[key] = (now, None, seen[2])
-        due = _Due(key, held.created_s, held.endorsements, l1, token, now)
+        due = _Due(key, held.created_s, held.endorsements, l1, now)
         with contextlib.suppress(queue.Full):
             self._endorsement_queue().put_nowait(due)
 
@@ -289,8 +288,9 @@ class TieredCache:
         request reads it (`peek`: nothing counted; L3's answers None at once while Redis is
         known down); when one holds more verdicts for the same answer (same `created_s`), L1
         counts the new ones (`MemoryStore.endorse`). A failing tier is skipped: a rank, never
-        the answer. A comparison that read every shared tier keeps the change token read before
-        it, so the key's next check can skip (`_check_endorsements`); one that did not, none."""
+        the answer. A comparison that read every shared tier keeps the change token of the L2
+        snapshot it read, so the key's next check can skip (`_check_endorsements`) while L2
+        has had no write since; one that did not, none."""
         due = self._due
         assert due is not None
         while True:
@@ -299,10 +299,13 @@ class TieredCache:
                 due.task_done()
                 return
             try:
-                if self._compare_one(item.key, item.created_s, item.endorsements, item.l1):
+                read, token = self._compare_one(
+                    item.key, item.created_s, item.endorsements, item.l1
+                )
+                if read:
                     self.endorsements_compared += 1
-                    if item.token is not None:
-                        self._checked[item.key] = (item.checked_s, item.token, item.checked_s)
+                    if token is not None and self._change_token is not None:
+                        self._checked[item.key] = (item.checked_s, token, item.checked_s)
             except Exception:  # noqa: BLE001 - one comparison lost, never the thread
                 now = time.monotonic()
                 if now - self._compare_logged_s >= 60.0:
@@ -313,17 +316,22 @@ class TieredCache:
             finally:
                 due.task_done()
 
-    def _compare_one(self, key: str, created_s: float, count: int, l1: MemoryStore | None) -> bool:
-        """One comparison (`_compare_endorsements`); whether every shared tier could be read."""
+    def _compare_one(
+        self, key: str, created_s: float, count: int, l1: MemoryStore | None
+    ) -> tuple[bool, int | None]:
+        """One comparison (`_compare_endorsements`): whether every shared tier could be read,
+        and the change token of the L2 snapshot it read (None: an L2 without one)."""
         failed: list[Tier] = []
-        shared = self._shared_copies(key, failed)
+        tokens: list[int] = []
+        shared = self._shared_copies(key, failed, tokens)
+        token = tokens[0] if tokens else None
         if l1 is not None and shared and all(c[2].created_s > created_s for c in shared):
             # Every shared tier holds a newer answer (a warm, a `no-cache` request, on another
             # process): L1's copy was replaced, and without a TTL it was served for good.
             held = l1.peek(key)
             if held is not None and held.created_s == created_s and l1.delete_if_same(key, held):
                 self.l1_replaced += 1
-            return not failed
+            return not failed, token
         copies = [c for c in shared if c[2].created_s == created_s]
         best = max([count, *(entry.endorsements for _, _, entry in copies)])
         if best > count and l1 is not None:  # L1's copy, if it holds one (0 otherwise)
@@ -337,7 +345,7 @@ class TieredCache:
             if self.invalidations.covers(key, entry):
                 continue
             self.l2_endorsements_caught += endorse(key, created_s, best)  # errors: logged above
-        return not failed
+        return not failed, token
 
     def shared_copies(self, key: str) -> list[CacheEntry]:
         """`key`'s entry as each shared tier (not L1) holds it, read as no request reads it
@@ -346,17 +354,24 @@ class TieredCache:
         return [entry for _, _, entry in self._shared_copies(key)]
 
     def _shared_copies(
-        self, key: str, failed: list[Tier] | None = None
+        self, key: str, failed: list[Tier] | None = None, tokens: list[int] | None = None
     ) -> list[tuple[Tier, Store, CacheEntry]]:
         """As `shared_copies`, with each entry's tier and store; a tier that failed to read is
-        added to `failed`."""
+        added to `failed`. With `tokens`, an L2 that has change tokens is read with its
+        snapshot's (`LmdbStore.peek_with_token`, which raises where `peek` would say None for
+        a damaged page), appended to it."""
         copies: list[tuple[Tier, Store, CacheEntry]] = []
         for tier, store in self._stores:
             if tier is Tier.L1:
                 continue
             try:
-                peek = getattr(store, "peek", None)
-                entry = peek(key) if peek is not None else store.get(key)
+                with_token = getattr(store, "peek_with_token", None)
+                if tokens is not None and tier is Tier.L2 and with_token is not None:
+                    entry, token = with_token(key)
+                    tokens.append(token)
+                else:
+                    peek = getattr(store, "peek", None)
+                    entry = peek(key) if peek is not None else store.get(key)
             except Exception:  # noqa: BLE001 - a broken tier: the others decide
                 log.exception("reading %s from %s failed", key[:12], tier.value)
                 if failed is not None:
