@@ -23,11 +23,18 @@ def test_a_named_thread_has_its_name_in_the_kernel_cut_to_its_limit() -> None:
     def record() -> None:
         seen[threading.current_thread().name] = kernel_name(threading.get_native_id())
 
-    for name in ("metrics", "l1-endorsements-and-more"):
+    names = ("metrics", "l1-endorsements-and-more", "tiercache-invalidations", "tiercache-")
+    for name in names:
         thread = NamedThread(target=record, name=name, daemon=True)
         thread.start()
         thread.join(10)
-    assert seen == {"metrics": "metrics", "l1-endorsements-and-more": "l1-endorsements"}
+    # "tiercache-" is left out (every stage thread would share it), unless it is all there is
+    assert seen == {
+        "metrics": "metrics",
+        "l1-endorsements-and-more": "l1-endorsements",
+        "tiercache-invalidations": "invalidations",
+        "tiercache-": "tiercache-",
+    }
     assert len("l1-endorsements") == KERNEL_NAME_BYTES
     # a plain thread keeps the process's name: what the helper is for
     plain: list[str] = []
