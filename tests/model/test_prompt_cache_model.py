@@ -207,6 +207,7 @@ def test_a_repeated_hit_is_sealed_with_its_current_answer(
         assert shared is built and not shared.flags.writeable
         with pytest.raises(ValueError, match="read-only"):
             shared[...] = shared
+        assert shared.base is None  # not a view whose base another could still write to
     model.stage.cache.cache.put(digest, "a newer answer")
     (changed,) = model.execute([make_request(pb_utils)])
     assert output(pb_utils, changed, "CACHED_TEXT") == "a newer answer"
@@ -244,6 +245,9 @@ def test_a_repeated_request_is_prepared_once_and_read_as_the_tiers_stand(
     stage.cache.deferred = lambda scope: True  # every tenant padded now: llm looks it up
     (deferred,) = model.execute([make_request(pb_utils)])
     assert envelope(pb_utils, deferred, sealer).status == "miss"
+    # a padded tenant's request is not kept (its time here must not tell it was asked before)
+    model.execute([make_request(pb_utils, b"Padded: what is Triton?")])
+    assert len(stage._prepared) == 1
     stage.cache.deferred = None
     (other,) = model.execute([make_request(pb_utils, b"What is Triton? ")])
     assert envelope(pb_utils, other, sealer).status == "exact"  # the same canonical prompt

@@ -9,6 +9,7 @@ import pytest
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.exact import prompt_cache as prompt_cache_module
 from tiercache.exact.keys import EngineIdentity
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo
 from tiercache.exact.prompt_cache import PromptCache
@@ -181,6 +182,62 @@ def test_the_same_inputs_under_two_keys_stay_two_tenants(tmp_path: Path) -> None
     # a grant's limits are checked on every request, memoized or not
     with pytest.raises(Forbidden):
         cache.lookup(RawInputs("Bonjour", lora_name="french"), grant=keys.authorize(globex_key))
+
+
+def counting_canonicalize(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every request canonicalized from now on (not taken from a memo), by its prompt."""
+    made: list[str] = []
+    real = prompt_cache_module.canonicalize
+
+    def counted(raw: RawInputs, *args: object) -> object:
+        made.append(str(raw.text_input))
+        return real(raw, *args)
+
+    monkeypatch.setattr(prompt_cache_module, "canonicalize", counted)
+    return made
+
+
+def test_one_tenants_request_is_not_memoized_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With API keys the raw inputs name no tenant: the canonical form is kept per tenant, so
+    another tenant's identical request takes none of it (a memo's hit is a few microseconds
+    faster: it would tell that caller what another tenant asked lately). Two keys of one
+    tenant share it, as they share its cache."""
+    path = tmp_path / "keys.json"
+    acme_key, _ = add_key(path, "acme")
+    acme_again, _ = add_key(path, "acme")
+    globex_key, _ = add_key(path, "globex")
+    keys = KeyFile(path)
+    cache = prompts()
+    made = counting_canonicalize(monkeypatch)
+    raw = RawInputs("What is Triton?")
+    cache.lookup(raw, grant=keys.authorize(acme_key))
+    assert len(made) == 1
+    cache.lookup(raw, grant=keys.authorize(globex_key))
+    assert len(made) == 2  # not acme's
+    cache.lookup(raw, grant=keys.authorize(acme_again))
+    cache.lookup(raw, grant=keys.authorize(globex_key))
+    assert len(made) == 2
+
+
+def test_a_padded_tenants_requests_are_never_memoized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded tenant's time in prompt_cache must not depend on what was asked before (its
+    padding starts in llm): its requests are canonicalized and digested every time, and kept
+    in no memo, while another tenant's are."""
+    cache = prompts()
+    padded = cache.scope("public")
+    cache.deferred = lambda scope: scope == padded
+    made = counting_canonicalize(monkeypatch)
+    public = RawInputs("What is Triton?", tenant="public")
+    first = cache.lookup(public)
+    again = cache.lookup(public)
+    assert len(made) == 2 and first == again
+    assert first.status is CacheStatus.MISS  # not looked up here: llm does, padded
+    assert len(cache._canonical) == 0 and len(cache._requests) == 0
+    cache.lookup(RawInputs("What is Triton?", tenant="acme"))
+    cache.lookup(RawInputs("What is Triton?", tenant="acme"))
+    assert len(made) == 3 and len(cache._canonical) == 1 and len(cache._requests) == 1
 
 
 def test_bad_and_long_requests_are_not_memoized() -> None:

@@ -82,7 +82,10 @@ class PromptCache:
         # few tenants; bounded, so a caller naming endless tenants costs memory only up to this).
         self._scopes: Memo[TenantScope] = Memo(TENANT_SCOPE_MEMO)
         # A repeated request (an exact hit's usual case) skips canonicalizing and digesting:
-        # raw inputs -> canonical form; (raw inputs, scope, adapter version) -> request, digest.
+        # (raw inputs, the API key's tenant) -> canonical form; (raw inputs, scope, adapter
+        # version) -> request, digest. Both are kept per tenant (the raw inputs name the tenant
+        # without an API key), and never for a padded tenant (`memoizes`): a memo's hit is a few
+        # microseconds faster, which would tell a caller that the same request was made lately.
         self._canonical: Memo[Canonical] = Memo()
         self._requests: Memo[tuple[GenerationRequest, Digest | None]] = Memo()
         # Tenant scopes whose requests are not looked up here (llm pads their responses, and
@@ -108,19 +111,30 @@ class PromptCache:
             raise NotFound(f"unknown adapter {name!r}: no adapters are configured")
         return self.resolve_adapter(name)
 
-    def _canonicalize(self, raw: RawInputs) -> tuple[Canonical, tuple[object, ...] | None]:
-        """`canonicalize(raw)`, memoized (InvalidRequest is never), and the memo's key for
-        `raw` (None when its prompt is too long to memoize)."""
+    def memoizes(self, tenant: TenantScope) -> bool:
+        """Whether requests of the tenant with scope `tenant` may be kept in memos (here and in
+        the stage): not a padded tenant's (`deferred`), whose time in this stage must not
+        depend on what was asked before. Asked only when a memo is about to keep something,
+        never on a memo's hit."""
+        return self.deferred is None or not self.deferred(tenant)
+
+    def _canonicalize(
+        self, raw: RawInputs, grant: TenantGrant | None
+    ) -> tuple[Canonical, tuple[object, ...] | None, bool]:
+        """`canonicalize(raw)`, memoized (InvalidRequest is never) by the raw inputs and the
+        grant's tenant; the raw inputs' memo key (None when its prompt is too long to
+        memoize), and whether the canonical form was computed now (not yet kept: `prepare`
+        keeps it once it knows the tenant)."""
         key = _raw_key(raw)
         if key is None:
-            return canonicalize(raw, self.limits), None
-        canonical = self._canonical.get(key)
-        if canonical is None:
-            canonical = canonicalize(raw, self.limits)
-            if not small_request(canonical.request):  # NFKC grew it (up to 18x)
-                return canonical, None
-            self._canonical.put(key, canonical, key_chars(key) + canonical.request.text_chars())
-        return canonical, key
+            return canonicalize(raw, self.limits), None, True
+        canonical = self._canonical.get((key, None if grant is None else grant.tenant))
+        if canonical is not None:
+            return canonical, key, False
+        canonical = canonicalize(raw, self.limits)
+        if not small_request(canonical.request):  # NFKC grew it (up to 18x)
+            return canonical, None, True
+        return canonical, key, True
 
     def _request(
         self,
@@ -130,7 +144,8 @@ class PromptCache:
         ref: AdapterRef | None,
     ) -> tuple[GenerationRequest, Digest | None]:
         """The request pinned to its tenant scope and adapter version `ref`, and its digest
-        (None when it is not cacheable); memoized by the raw inputs they follow from."""
+        (None when it is not cacheable); memoized by the raw inputs they follow from (not a
+        padded tenant's: `memoizes`)."""
         key = None if raw_key is None else (raw_key, tenant, ref)
         made = None if key is None else self._requests.get(key)
         if made is not None:
@@ -144,7 +159,7 @@ class PromptCache:
         if canonical.cacheable:
             digest = request_digest(tenant, self.engine, request, request.lora_digest)
         made = (request, digest)
-        if raw_key is None:
+        if raw_key is None or not self.memoizes(tenant):
             return made
         return self._requests.put(key, made, key_chars(raw_key) + request.text_chars())
 
@@ -164,13 +179,18 @@ class PromptCache:
         """`raw` validated, canonicalized and pinned to its tenant scope (the `grant`'s, with
         one) and adapter version, with its digest: all of `lookup` but the tiers' read.
         InvalidRequest, NotFound and Forbidden as `lookup` raises them."""
-        canonical, raw_key = self._canonicalize(raw)
+        canonical, raw_key, computed = self._canonicalize(raw, grant)
         tenant_name = canonical.tenant
         if grant is not None:
             named = canonical.tenant if raw.tenant is not None else None
             grant.check(named, canonical.request.lora_name, canonical.cache_control)
             tenant_name = grant.tenant
         tenant = self._scope(tenant_name)
+        if computed and raw_key is not None and self.memoizes(tenant):
+            chars = key_chars(raw_key) + canonical.request.text_chars()
+            self._canonical.put(
+                (raw_key, None if grant is None else grant.tenant), canonical, chars
+            )
         # The engine keys its prefix KV blocks by the tenant scope (never in key_fields()).
         ref = self._adapter(canonical.request.lora_name)
         request, digest = self._request(canonical, raw_key, tenant, ref)

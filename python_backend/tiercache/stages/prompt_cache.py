@@ -112,14 +112,20 @@ class PromptCacheStage:
     def _prepare(self, inputs: io.Inputs, grant: TenantGrant | None) -> Prepared:
         """The request prepared for its lookup (PromptCache.prepare), kept by its inputs exactly
         as received and the caller's grant, while it stands (`PromptCache.current`): a repeated
-        request reads no input and builds no object before the tiers' read."""
+        request reads no input and builds no object before the tiers' read. A padded tenant's
+        is never kept (its time here must not tell whether it was asked before)."""
         raw_key = inputs.key(MEMO_MAX_CHARS)
         key = None if raw_key is None else (raw_key, grant)
         prepared = None if key is None else self._prepared.get(key)
         if prepared is not None and self.cache.current(prepared):
             return prepared
         prepared = self.cache.prepare(io.raw_inputs(inputs), grant)
-        if raw_key is not None and small_request(prepared.request):  # NFKC may have grown it
+        # not a padded tenant's (`PromptCache.memoizes`); NFKC may have grown the request
+        if (
+            raw_key is not None
+            and small_request(prepared.request)
+            and self.cache.memoizes(prepared.tenant)
+        ):
             chars = io.key_chars(raw_key) + prepared.request.text_chars()
             self._prepared.put((raw_key, grant), prepared, chars)
         return prepared
@@ -134,15 +140,18 @@ class PromptCacheStage:
         entry = found.entry
         text, tokens = entry.text, token_accounting(entry)
         issued_s = issued_now()
+        # a long answer is never kept: not hashed for a memo key either (a new string each hit)
+        short = len(text) <= MEMO_MAX_CHARS
         memo_key = (prepared, text, tokens, key)
-        kept = self._sealed.get(memo_key)
+        kept = self._sealed.get(memo_key) if short else None
         if kept is not None and kept[0] == issued_s:
             return kept[1]
         envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
         outputs = outputs_of(envelope.seal(self.sealer, text, tokens), text, tokens)
-        if len(text) <= MEMO_MAX_CHARS and small_request(prepared.request):
-            for array in outputs:
-                array.setflags(write=False)  # shared by every response that sends it
+        if short and small_request(prepared.request):
+            # shared by every response that sends them: read-only, a view copied (its base
+            # would stay writable)
+            outputs = Outputs(*(io.read_only(array) for array in outputs))
             # the key's answer and request (the prepared one it holds); the arrays' answer
             # and sealed envelope
             held = 2 * len(text) + len(outputs.envelope[0, 0]) + prepared.request.text_chars()
