@@ -168,7 +168,8 @@ def test_the_openai_endpoint_takes_the_tenant_from_the_key(served: Served) -> No
     """`tiercache serve`'s OpenAI endpoint (docs/gateway.md) with the API key file: no key and an
     unknown key are 401 with OpenAI's error JSON; acme's key is served, and a second call of
     acme's is an exact hit while globex's same request is not (another tenant's scope); globex
-    asking an adapter its key may not use is a 403."""
+    asking an adapter its key may not use is a 403. An unknown key is refused before its body
+    is read, on the feedback route too."""
     import httpx2 as httpx
     import openai
 
@@ -191,6 +192,13 @@ def test_the_openai_endpoint_takes_the_tenant_from_the_key(served: Served) -> No
         timeout=60,
     )
     assert junk.status_code == 401 and "unknown API key" in junk.text
+    junk_feedback = httpx.post(  # and so on the feedback route
+        f"{url}/feedback",
+        content=b"{not json",
+        headers={"content-type": "application/json", "authorization": "Bearer tc_" + "B" * 43},
+        timeout=60,
+    )
+    assert junk_feedback.status_code == 401 and "unknown API key" in junk_feedback.text
     statuses = []
     for tenant in ("acme", "acme", "globex"):
         oai = openai.OpenAI(base_url=url, api_key=served.keys[tenant], max_retries=0)

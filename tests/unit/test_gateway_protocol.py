@@ -143,6 +143,71 @@ def test_a_client_that_stops_reading_loses_its_connection() -> None:
         conn.close()
 
 
+def test_a_client_that_reads_slowly_loses_its_connection() -> None:
+    """A client that takes 4 KiB of a streamed response every tenth of a second (its window
+    opens, so what the server sends is acknowledged and TCP_USER_TIMEOUT never fires) would
+    hold its connection for as long as the answer lasts, a long one for hours at a slower
+    pace: a response whose writing stays paused (the write buffer over its high-water mark) for
+    `stalled_peer_s` is aborted."""
+    with _bounded_server(stalled_peer_s=1.0) as (server, port):
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect(("127.0.0.1", port))
+        conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        conn.settimeout(1.0)
+        opened = time.monotonic()
+        while not server.server_state.connections:
+            time.sleep(0.05)
+        read = 0
+        with contextlib.suppress(OSError):
+            while server.server_state.connections:
+                assert time.monotonic() - opened < 30, "the trickling reader was kept"
+                read += len(conn.recv(4096))
+                time.sleep(0.1)
+        assert read > 0  # it did read: TCP's own timer alone would not have dropped it
+        conn.close()
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _get(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+        return answer
+
+
+def test_idle_connections_make_room_for_requests() -> None:
+    """Sockets opened and left (no request head, or half of one) hold no slot a request needs:
+    with every slot taken by them, a request closes the longest-waiting and is served, where
+    uvicorn alone answers 503 until the header timer closes them (and an attacker opens them
+    again as fast). The limit still holds against connections that run requests."""
+    with _bounded_server(_ok, limit_concurrency=4, header_timeout_s=60) as (server, port):
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        idle[0].sendall(b"GET / HTTP/1.1\r\nhost: 12")  # a slowloris's start
+        time.sleep(0.3)
+        assert len(server.server_state.connections) < 4  # the newest made room as they came
+        assert _get(port).startswith(b"HTTP/1.1 200")
+        assert _closed_within(idle[0], 5) == b""  # the longest-waiting, closed
+        for conn in idle:
+            conn.close()
+    with _bounded_server(limit_concurrency=3, header_timeout_s=60) as (server, port):
+        streams = []
+        for _ in range(2):  # two connections streaming without end: running, not idle
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            streams.append(conn)
+        time.sleep(0.3)
+        assert _get(port).startswith(b"HTTP/1.1 503")
+        for conn in streams:
+            conn.close()
+
+
 def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> None:
     missing = httpx2.get(f"{hung}/v2/models", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
@@ -152,13 +217,16 @@ def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> 
 
 
 @contextlib.contextmanager
-def _bounded_server(app_: Any = None, **bounds: Any) -> Iterator[tuple[uvicorn.Server, int]]:
+def _bounded_server(
+    app_: Any = None, limit_concurrency: int | None = None, **bounds: Any
+) -> Iterator[tuple[uvicorn.Server, int]]:
     config = uvicorn.Config(
         app_ or _endless,
         host="127.0.0.1",
         port=free_port(),
         log_level="critical",
         lifespan="off",
+        limit_concurrency=limit_concurrency,
         http=bounded_protocol(**bounds),
     )
     server = uvicorn.Server(config)

@@ -694,13 +694,24 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     async def feedback(request: Request) -> Any:
         """POST /v1/feedback {"answer_id", "verdict": "good" | "bad"}: the feedback model's
-        answer, as the caller's API key's tenant (docs/gateway.md)."""
+        answer, as the caller's API key's tenant (docs/gateway.md). A missing or unknown key
+        is refused before the body is read, as for a generation; a client that leaves cancels
+        the call."""
+        try:
+            key = authorization(request)
+        except MalformedKey as exc:
+            return error_response(exc)
+        if edge is not None and (refusal := edge.refuses_key(key)) is not None:
+            return error_response(ForbiddenError(refusal))  # a 401, before any parsing
         body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
         try:
             answer_id, verdict = api.parse_feedback(body)
-            answer = await the_gateway().feedback(answer_id, verdict, authorization(request))
+            call = the_gateway().feedback(answer_id, verdict, key)
+            answer = await unless_disconnected(request, call)
+        except ClientGone:
+            return client_gone()
         except Exception as exc:  # noqa: BLE001 - this request's error response
             return error_response(exc)
         return JSONResponse(answer)

@@ -7,7 +7,14 @@ server facing the internet needs and uvicorn 0.54 does not set.
   a count of the headers it reports; past it 431 and the connection closed), and must be
   complete within `header_timeout_s` (10 s) of the connection opening or of the previous
   response's end: a connection that sends nothing, or trickles its headers a byte at a time
-  (slowloris), is closed, so idle sockets cannot hold every slot under `--max-connections`.
+  (slowloris), is closed.
+- **Connection slots**: uvicorn counts every open connection against `--max-connections`
+  (`limit_concurrency`) and answers 503 to any request while they reach it, idle ones
+  included, so sockets opened and left (closed by the header timer, but opened again as fast)
+  could hold every slot. A new connection, and a request whose head completes, first close the
+  connections that owe a request head and run nothing (opened and left, a slowloris's trickle,
+  a keep-alive connection between requests), longest-waiting first, until there is room; a
+  slot is refused only while the connections that hold them are all running requests.
   The timer is made only when needed: between requests uvicorn's own keep-alive timeout, 5 s,
   closes a connection that sends nothing; bytes that do not make a whole request (part of a
   head, the rest of a body its route did not read, blank lines, anything after an upgrade
@@ -30,7 +37,10 @@ server facing the internet needs and uvicorn 0.54 does not set.
   long as the client keeps the socket open. Each connection's socket gets `TCP_USER_TIMEOUT`:
   the kernel drops it once data it sent stays unacknowledged for `stalled_peer_s` (zero-window
   probes included), and the request sees a disconnect. A client that only waits for a slow
-  answer sends and owes nothing, so it is not affected.
+  answer sends and owes nothing, so it is not affected. A client that takes a few bytes now
+  and then (enough to keep TCP's timer from firing) keeps the transport's write buffer over
+  its high-water mark: a response whose writing stays paused for `stalled_peer_s` without the
+  buffer draining to its low-water mark (a few KiB a minute) is aborted as well.
 
 The class is made per gateway (`bounded_protocol`) because uvicorn builds one instance per
 connection with its own arguments.
@@ -71,6 +81,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._owed_since = 0.0  # the loop's time since which the client owes a request
         self._heads_done = 0  # request heads completed on this connection
+        self._write_timer: asyncio.TimerHandle | None = None  # writing paused since it was made
 
     # -- the header timer: armed while the client owes a request head and nothing else runs
 
@@ -94,11 +105,61 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    # -- connection slots: idle connections make room for those with requests
+
+    def _owes_head(self) -> bool:
+        """Runs nothing and waits for a request head (none begun, or one begun and not done)."""
+        return (
+            self._in_head
+            and not self._responding()
+            and not self.pipeline
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
+
+    def _make_room(self) -> None:
+        """Close other connections that owe a request head, longest-waiting first, until the
+        open connections are fewer than `limit_concurrency` (uvicorn's 503 counts them all)."""
+        limit = self.limit_concurrency
+        connections = self.connections
+        if limit is None or len(connections) < limit:
+            return
+        idle = [
+            c
+            for c in connections
+            if c is not self and isinstance(c, BoundedHttpToolsProtocol) and c._owes_head()
+        ]
+        idle.sort(key=lambda c: c._owed_since)
+        for connection in idle:
+            if len(connections) < limit:
+                return
+            connection.transport.close()
+            connections.discard(connection)  # its connection_lost comes later; it discards too
+
+    # -- writing paused too long: a peer that takes a few bytes now and then
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.stalled_peer_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()  # not close(): that would wait for the buffer to drain
+
     # -- uvicorn's hooks
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._owed_since = self.loop.time()
+        self._make_room()
         self._arm_header_timer()  # a connection that never sends a request is closed too
         sock = transport.get_extra_info("socket")
         timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
@@ -150,6 +211,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         if self._responding() and len(self.pipeline) >= self.max_pipelined:
             raise PipelineTooDeep(f"more than {self.max_pipelined} pipelined requests")
+        self._make_room()  # before uvicorn counts the connections for its 503
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -187,6 +249,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         cycles = [cycle for cycle, _ in self.pipeline]
         if self._running is not None:
             cycles.append(self._running)
