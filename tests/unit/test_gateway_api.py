@@ -51,6 +51,9 @@ def test_a_chat_request_becomes_one_generation() -> None:
     assert (gen.max_tokens, gen.temperature, gen.top_p, gen.seed) == (5, 0.5, 0.9, 3)
     assert gen.stop_words == ("\n",) and gen.chat
     assert parse(chat(max_tokens=7)).max_tokens == 7
+    assert parse(chat(max_completion_tokens=5, max_tokens=7)).max_tokens == 5  # the newer name
+    with pytest.raises(InvalidRequest, match="max_tokens"):  # checked beside it all the same
+        parse(chat(max_completion_tokens=5, max_tokens="abc"))
     on_caps = parse({"model": "caps", "prompt": "Hi", "stream": True}, chat=False)
     assert (on_caps.lora_name, on_caps.stream, on_caps.chat) == ("caps", True, False)
     assert parse(chat(store=False, metadata={"app": "x"}, user="u-1")).user == "u-1"

@@ -280,9 +280,12 @@ def parse_request(
     history: tuple[dict[str, str], ...] = ()
     if chat:
         history, prompt = conversation(body.get("messages"))
+        # both checked (a wrong max_tokens is an error even beside max_completion_tokens), the
+        # newer name taken first
+        legacy = _integer(body, "max_tokens", 1, 2**31 - 1)
         max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
         if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
+            max_tokens = legacy
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
