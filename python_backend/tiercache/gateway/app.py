@@ -592,13 +592,21 @@ def create_app(settings: GatewaySettings) -> Starlette:
         data = [{"id": i, "object": "model", "created": 0, "owned_by": "tiercache"} for i in ids]
         return JSONResponse({"object": "list", "data": data})
 
-    async def serve(request: Request, chat: bool) -> Any:
+    def checked_key(request: Request) -> tuple[str | None, JSONResponse | None]:
+        """The request's Authorization, or its refusal (a 401) when it is malformed, or when
+        the edge's copy of the key file refuses it: decided before the body is read."""
         try:
             key = authorization(request)
         except MalformedKey as exc:
-            return error_response(exc)
+            return None, error_response(exc)
         if edge is not None and (refusal := edge.refuses_key(key)) is not None:
-            return error_response(ForbiddenError(refusal))  # a 401, before any parsing
+            return None, error_response(ForbiddenError(refusal))
+        return key, None
+
+    async def serve(request: Request, chat: bool) -> Any:
+        key, refused_key = checked_key(request)
+        if refused_key is not None:
+            return refused_key
         body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
@@ -697,12 +705,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
         answer, as the caller's API key's tenant (docs/gateway.md). A missing or unknown key
         is refused before the body is read, as for a generation; a client that leaves cancels
         the call."""
-        try:
-            key = authorization(request)
-        except MalformedKey as exc:
-            return error_response(exc)
-        if edge is not None and (refusal := edge.refuses_key(key)) is not None:
-            return error_response(ForbiddenError(refusal))  # a 401, before any parsing
+        key, refused_key = checked_key(request)
+        if refused_key is not None:
+            return refused_key
         body, refused = await json_body(request, settings.body_timeout_s)
         if refused is not None:
             return refused
