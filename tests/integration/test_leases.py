@@ -187,6 +187,35 @@ def test_release_deletes_only_its_own_lease(redis_server: RedisServer, redis_pre
     link.close()
 
 
+def test_a_lease_no_replica_could_have_set_is_taken_over(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Leases are not signed: one planted with no expiry, or with a longer one than lease_ttl_s
+    (every acquisition and renewal sets it), would make every miss of its digest wait
+    `wait_s`. It is taken over at once; a replica's live lease is still waited for."""
+    from tiercache.exact.redis_tier import RedisLink
+
+    link = RedisLink.from_url(redis_server.url, redis_prefix)
+    leases = LeaseCoordinator(link, ttl_s=2.0)
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(f"{redis_prefix}lease:forever", b"planted")  # no expiry
+    client.set(f"{redis_prefix}lease:long", b"planted", px=3_600_000)  # an hour
+    for digest in ("forever", "long"):
+        state, lease = leases.acquire(digest)
+        assert state is LeaseState.ACQUIRED and lease is not None, digest
+        left = client.pttl(f"{redis_prefix}lease:{digest}")
+        assert 0 < left <= 2000  # ours now, with a lease's expiry
+        assert leases.release(lease)
+    other = LeaseCoordinator(link, ttl_s=2.0)
+    state, lease = other.acquire("live")
+    assert state is LeaseState.ACQUIRED and lease is not None
+    assert leases.acquire("live") == (LeaseState.HELD, None)
+    assert leases.stats().acquired == 2
+    other.close()
+    leases.close()
+    link.close()
+
+
 def test_releasing_a_lost_lease_keeps_renewing_a_newer_one_for_the_same_digest(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:

@@ -62,6 +62,13 @@ def raw_client(server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(server.url)
 
 
+def sent_by(client: redis.Redis) -> Callable[[], int]:
+    """What Redis sends its clients from now on, in bytes (INFO's total_net_output_bytes; a
+    call of it counts the INFO reply before it, a few KiB)."""
+    before = int(client.info("stats")["total_net_output_bytes"])
+    return lambda: int(client.info("stats")["total_net_output_bytes"]) - before
+
+
 def test_entry_ttl_becomes_redis_expiry_capped_by_max_ttl(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:
@@ -386,6 +393,40 @@ def test_an_older_releases_clear_secret_is_deleted_or_refused_never_adopted(
     assert check_fleet_secret(dead, other, "a test") is False  # Redis away: not checked
 
 
+def test_entry_names_longer_than_a_replicas_are_never_read(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Names are filtered by length inside Redis when L3 is scanned (a sweep, the entry count
+    of the metrics): one planted a megabyte long is counted, never sent to the process."""
+    replica = open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    l3 = replica.store(Tier.L3)
+    assert isinstance(l3, RedisStore)
+    replica.put("k", "an answer", created_s=time.time() - 1)
+    client = raw_client(redis_server)
+    client.set(f"{redis_prefix}e:" + "x" * 1_000_000, b"planted")
+    sent = sent_by(client)
+    assert [key for key, _ in l3.scan()] == ["k"]
+    assert l3.stats().entries == 1
+    assert sent() < 100_000
+    assert l3.long_names == 2  # once by the scan, once by the count
+    replica.close()
+    assert redis_tier.logged_name("a\nb" * 100).endswith("(cut)")
+    assert "\n" not in redis_tier.logged_name("a\nb")
+
+
+def test_a_starting_replica_reads_only_a_short_fingerprint(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A value planted a megabyte long where the fleet keeps its secret's fingerprint refuses
+    the replica (not the fleet's, as any other value would) for the cost of 256 bytes."""
+    client = raw_client(redis_server)
+    client.set(f"{redis_prefix}secret_fingerprint", b"f" * 1_000_000)
+    sent = sent_by(client)
+    with pytest.raises(ConfigError, match="not the fleet's"):
+        open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    assert sent() < 100_000
+
+
 def test_the_password_comes_from_the_environment_and_is_never_shown(
     redis_factory: Callable[[], RedisServer],
     redis_prefix: str,
@@ -478,9 +519,11 @@ def test_l3_values_are_read_only_up_to_the_bound(
     assert found is not None and found.tier is Tier.L1
     genuine = client.get(f"{redis_prefix}e:short")
     assert genuine is not None
-    client.set(f"{redis_prefix}e:padded", genuine + b"z" * 5000)  # huge, planted
+    client.set(f"{redis_prefix}e:padded", genuine + b"z" * 1_000_000)  # huge, planted
     client.hset(f"{redis_prefix}e:hash", mapping={"a": "b"})
+    sent = sent_by(client)
     assert l3.get("padded") is None and l3.get("hash") is None
+    assert sent() < 100_000  # the bound read (2,000 bytes), not the megabyte
     assert l3.forged == 1  # the oversized one; the hash is no value at all
     assert redis_link(replica) is not None and not redis_link(replica).breaker.is_open  # type: ignore[union-attr]
     assert sorted(key for key, _ in l3.scan()) == ["short"]

@@ -823,6 +823,9 @@ class Invalidator:
         self._issued: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
         self._published = 0
+        # Redis's clock less this host's, at the last invalidation with Redis (None before)
+        self.redis_clock_offset_s: float | None = None
+        self._clock_log = LogThrottle()
 
     def invalidate(
         self, kind: InvalidationKind, value: str, sweep_shared: bool = True
@@ -839,6 +842,8 @@ class Invalidator:
             )
         table = self.cache.invalidations
         redis_s = self._redis_time()
+        if redis_s is not None:
+            self._check_clock(redis_s)
         at_s = self.cache.now() if redis_s is None else redis_s
         inv = Invalidation(kind, value, at_s, table.origin)
         table.note(inv)
@@ -892,6 +897,27 @@ class Invalidator:
     def stats(self) -> InvalidatorStats:
         with self._lock:
             return InvalidatorStats(dict(self._issued), self._published, dict(self._dropped))
+
+    def _check_clock(self, redis_s: float) -> None:
+        """Warn (at most once a minute) when Redis's clock, which times every watermark, is
+        off this host's by more than the skew allowance: behind, an answer this host (or a
+        replica on its time) made up to that offset before the invalidation is not covered
+        by it and stays served; ahead, answers made up to that offset after it are dropped.
+        Every replica's and Redis's clocks must agree within `skew_s` (NTP)."""
+        offset = redis_s - self.cache.now()
+        self.redis_clock_offset_s = offset
+        skew_s = self.cache.invalidations.skew_s
+        if abs(offset) > skew_s and self._clock_log.ready():
+            log.warning(
+                "Redis's clock is %.3f s %s this host's (past the %.3f s skew allowance): "
+                "invalidations are timed by Redis's clock, so %s; synchronise the clocks (NTP)",
+                abs(offset),
+                "behind" if offset < 0 else "ahead of",
+                skew_s,
+                "an answer made here just before one is not covered by it and stays served"
+                if offset < 0
+                else "answers made here just after one are dropped too",
+            )
 
     def _redis_time(self) -> float | None:
         """Redis's clock (every replica's watermarks on one clock); None without Redis."""

@@ -14,7 +14,10 @@ leader of a local flight first takes a lease in Redis
 - Redis unavailable: no lease, it generates (the local flight still coalesces this replica).
 
 A leader that loses its lease (a renewal found another token or none) keeps generating: at worst
-two replicas generate the same answer, never a wrong one.
+two replicas generate the same answer, never a wrong one. Leases are not signed: one that no
+replica could have set (no expiry, or longer than `ttl_s`, which every acquisition and renewal
+sets) is taken over rather than waited for, so a lease planted in Redis cannot make every miss
+of its digest wait `wait_s`. Replicas sharing a Redis must share `lease_ttl_s`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from tiercache.log_throttle import LogThrottle
 from tiercache.threads import NamedThread
 
 if TYPE_CHECKING:
@@ -35,6 +39,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# KEYS[1] lease, ARGV[1] token, ARGV[2] ttl in ms: take the lease when nobody holds it (1), or
+# when what holds it cannot be a replica's lease (2: no expiry, or longer than a lease's ttl,
+# which every acquisition and renewal sets: planted by whoever can write Redis, it would make
+# every miss of that digest wait `wait_s`); 0 when another replica holds it.
+_ACQUIRE = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+local left = redis.call('pttl', KEYS[1])
+if left == -1 or left > tonumber(ARGV[2]) then
+  redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
+return 0
+"""
 # KEYS[1] lease, ARGV[1] token: delete only our own lease.
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -92,6 +111,7 @@ class LeaseCoordinator:
         self.poll_s = poll_s
         self._sleep = sleep
         self._owner = uuid.uuid4().hex
+        self._take = link.client.register_script(_ACQUIRE)
         self._release = link.client.register_script(_RELEASE)
         self._renew = link.client.register_script(_RENEW)
         # by token: a lease lost (expired) and a newer one for the same digest may both be
@@ -101,6 +121,8 @@ class LeaseCoordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._acquired = self._held = self._unavailable = self._lost = 0
+        self._replaced = 0  # leases taken over that no replica could have set (`_ACQUIRE`)
+        self._replaced_log = LogThrottle()
 
     def _name(self, digest: str) -> str:
         return self.link.key("lease", digest)
@@ -110,17 +132,26 @@ class LeaseCoordinator:
         px = max(1, int(self.ttl_s * 1000))
         missing = object()
         taken: Any = self.link.call(
-            lambda c: c.set(lease.name, lease.token, nx=True, px=px), missing
+            lambda c: self._take(keys=[lease.name], args=[lease.token, px]), missing
         )
         with self._lock:
             if taken is missing:
                 self._unavailable += 1
                 return LeaseState.UNAVAILABLE, None
-            if not taken:
+            if not int(taken):
                 self._held += 1
                 return LeaseState.HELD, None
             self._acquired += 1
+            self._replaced += int(taken) == 2
             self._active[lease.token] = lease
+        if int(taken) == 2 and self._replaced_log.ready():
+            log.warning(
+                "took over %s, which held no replica's lease (no expiry, or one longer than "
+                "lease_ttl_s): planted in Redis, or left by a replica with a longer lease_ttl_s "
+                "(give every replica the same); %d so far",
+                lease.name,
+                self._replaced,
+            )
         self._ensure_renewer()
         return LeaseState.ACQUIRED, lease
 

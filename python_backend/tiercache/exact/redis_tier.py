@@ -93,6 +93,17 @@ _FORGED_LOG_S = 60.0  # at most one warning per signer this often: a forger must
 # noeviction policy, a read-only replica, a wrong type) fails only that call.
 _OUTAGE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _SCAN_BATCH = 500
+# The longest entry name a replica writes past the prefix (a hex digest; room to spare): SCAN's
+# names are filtered by length inside Redis (`_SCAN_NAMES`), so a name planted hundreds of MB
+# long never reaches a process.
+MAX_ENTRY_NAME_CHARS = 256
+# The entries one count for the metrics reads at most: millions of keys planted under the
+# entries' prefix cost a count this many names, not their number.
+MAX_COUNTED_NAMES = 1_000_000
+# What a log line shows of a name found in Redis (anyone who can write Redis chooses it)
+_LOGGED_NAME_CHARS = 80
+# The secret's fingerprint and an older release's secret are read at most this long at start
+_SHORT_READ = 256
 # An L3 value is read at most this long (GETRANGE): a longer one was never written by a replica
 # (`RedisStore.put` does not share one) and is refused as forged, so a huge value planted in
 # Redis costs a reader this much memory, not its size. An answer of the 1,024-token limit takes a
@@ -276,7 +287,7 @@ class Signer:
                 "refused %s in Redis that this fleet's secret did not sign (%s; %d so far): "
                 "written by someone without the secret, or by an older release",
                 self.purpose,
-                name,
+                logged_name(name),
                 count,
             )
 
@@ -483,6 +494,29 @@ def _by_bytes(items: list[tuple[str, bytes]], most: int) -> Iterator[list[tuple[
         yield run
 
 
+def logged_name(name: str) -> str:
+    """A name read from Redis as a log line may show it: its repr (no line breaks), cut."""
+    shown = repr(name[: _LOGGED_NAME_CHARS + 1])
+    return shown if len(name) <= _LOGGED_NAME_CHARS else shown + " (cut)"
+
+
+# One SCAN page, its names filtered by length inside Redis: [cursor, names kept, names dropped]
+_SCAN_NAMES = """
+local page = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+local limit = tonumber(ARGV[4])
+local kept = {}
+local dropped = 0
+for _, name in ipairs(page[2]) do
+  if string.len(name) <= limit then
+    kept[#kept + 1] = name
+  else
+    dropped = dropped + 1
+  end
+end
+return {page[1], kept, dropped}
+"""
+
+
 def bounded_get(client: Any, name: str) -> bytes | None:
     """The value of `name`, read at most MAX_VALUE_BYTES + 1 bytes long (a longer one shows as
     that long, and is refused); None when there is none (no L3 value is ever empty: each has a
@@ -584,6 +618,7 @@ class RedisStore:
         self._lock = threading.Lock()
         self._hits = self._misses = self._corrupt = 0
         self._counted: tuple[float, int, int] | None = None  # (at, entries, bytes)
+        self.long_names = 0  # entry names longer than any a replica writes, left unread
 
     def _key(self, key: str) -> str:
         return self._entry_prefix + key
@@ -723,19 +758,27 @@ class RedisStore:
         return removed
 
     def _names(self) -> Iterator[list[bytes]]:
-        """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan."""
+        """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan. A name
+        longer than any a replica writes is left in Redis unread (`_SCAN_NAMES`), and counted
+        in `long_names`."""
         cursor = 0
         pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self._entry_prefix) + "*"
+        limit = len(self._entry_prefix.encode("utf-8")) + MAX_ENTRY_NAME_CHARS
         while True:
             found = self.link.call(
-                lambda c, at=cursor: c.scan(at, match=pattern, count=_SCAN_BATCH),  # type: ignore[misc]
+                lambda c, at=cursor: c.eval(  # type: ignore[misc]
+                    _SCAN_NAMES, 0, at, pattern, _SCAN_BATCH, limit
+                ),
                 None,
             )
             if found is None:
                 return
-            cursor, names = found
+            cursor, names, dropped = int(found[0]), found[1], int(found[2])
+            if dropped:
+                with self._lock:
+                    self.long_names += dropped
             if names:
-                yield list(names)
+                yield [bytes(name) for name in names]
             if cursor == 0:
                 return
 
@@ -749,7 +792,7 @@ class RedisStore:
                 if stored is None:
                     continue
                 if stored is OVERSIZED:  # over MAX_VALUE_BYTES: refused unread, as a get does
-                    self._signer.refuse(raw.decode("utf-8", "replace"))
+                    self._signer.refuse(raw.decode("utf-8", "replace"))  # logged cut
                     continue
                 try:
                     name = raw.decode()
@@ -772,8 +815,17 @@ class RedisStore:
         now = time.monotonic()
         if counted is not None and now - counted[0] < self._stats_max_age_s:
             return counted[1], counted[2]
-        entries = total = 0
+        entries = total = read = 0
         for names in self._names():
+            read += len(names)
+            if read > MAX_COUNTED_NAMES:  # names planted by the million: a lower bound
+                log.warning(
+                    "L3's entry count stopped at %d names under %s (MAX_COUNTED_NAMES): the "
+                    "metrics show a lower bound",
+                    MAX_COUNTED_NAMES,
+                    logged_name(self._entry_prefix),
+                )
+                break
 
             def lengths(c: redis.Redis, n: list[bytes] = names) -> list[int]:
                 pipe = c.pipeline(transaction=False)
@@ -784,7 +836,9 @@ class RedisStore:
             sizes: list[int] = self.link.call(lengths, [])
             entries += len(sizes)
             total += sum(int(s) for s in sizes)
-        self._counted = (now, entries, total)
+        # stamped when it ended: a count that took longer than the interval is not begun again
+        # at once
+        self._counted = (time.monotonic(), entries, total)
         return entries, total
 
     def stats(self) -> StoreStats:
@@ -827,15 +881,20 @@ def check_fleet_secret(link: RedisLink, secret: bytes, source: str, register: bo
     fingerprint_key = link.key("secret_fingerprint")
     legacy_key = link.key("secret")
 
+    def short(c: redis.Redis, name: str) -> bytes | None:
+        # at most _SHORT_READ bytes (GETRANGE): whatever was planted there, a starting stage
+        # reads no more; None when absent (or empty)
+        found: Any = c.getrange(name, 0, _SHORT_READ - 1)
+        return bytes(found) or None
+
     def check(c: redis.Redis) -> tuple[str, bytes | None]:
-        legacy: Any = c.get(legacy_key)
+        legacy = short(c, legacy_key)
         if not register:
-            if legacy is not None and not hmac.compare_digest(bytes(legacy), secret):
+            if legacy is not None and not hmac.compare_digest(legacy, secret):
                 return "legacy", None
-            stored_now: Any = c.get(fingerprint_key)
-            return "fingerprint", None if stored_now is None else bytes(stored_now)
+            return "fingerprint", short(c, fingerprint_key)
         if legacy is not None:
-            if not hmac.compare_digest(bytes(legacy), secret):
+            if not hmac.compare_digest(legacy, secret):
                 return "legacy", None
             c.set(fingerprint_key, fingerprint, nx=True)
             c.delete(legacy_key)
@@ -847,8 +906,7 @@ def check_fleet_secret(link: RedisLink, secret: bytes, source: str, register: bo
                 fingerprint_key,
             )
         c.set(fingerprint_key, fingerprint, nx=True)
-        stored: Any = c.get(fingerprint_key)
-        return "fingerprint", None if stored is None else bytes(stored)
+        return "fingerprint", short(c, fingerprint_key)
 
     found = link.call(check, None)
     where = link.url or "(injected client)"
