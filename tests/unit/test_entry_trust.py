@@ -193,6 +193,22 @@ def test_a_record_that_does_not_parse_is_the_prior_alone(tmp_path: Path, text: s
     cache.close()
 
 
+def test_the_gate_fails_closed_on_a_record_that_does_not_parse(tmp_path: Path) -> None:
+    """A record that does not parse held outcomes nobody can read now (refutations among them):
+    the gate takes it as unknown, as an unreadable tier, and verifies or misses instead of
+    serving on the prior; a new outcome replaces it, and the gate decides again."""
+    cache = tiers(tmp_path)
+    policy = TrustPolicy(0.5, 0.25, audit_rate=0.0)  # lenient: the prior alone serves
+    gate = TrustGate(cache, policy, lambda q, c, cos: 0.995)
+    assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.SERVE
+    cache.put(trust_key(DIGEST), "semantic-trust:[[NaN", tenant_scope="scope-a")
+    assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.MISS
+    assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=True) is Decision.VERIFY
+    assert record_outcome(cache, DIGEST, 0.995, True, "scope-a", 7.0)
+    assert gate.decide(DIGEST, 0.995, "scope-a", can_verify=False) is Decision.SERVE
+    cache.close()
+
+
 def unit(*values: float) -> np.ndarray:
     vector = np.zeros(DIM, dtype=np.float32)
     vector[: len(values)] = values

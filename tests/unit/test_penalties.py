@@ -115,6 +115,25 @@ def test_a_floor_that_cannot_be_read_is_never_taken_for_none(tmp_path: Path) -> 
     answers.close()
 
 
+def test_a_floor_that_does_not_parse_is_never_taken_for_none(tmp_path: Path) -> None:
+    """A floor that does not parse (a writer's bug, a damaged tier) was raised by a `bad`
+    verdict nobody can read now: the hit is verified when it can be, else a miss, as for an
+    unreadable tier; raising the floor again replaces it."""
+    answers = tiers(tmp_path)
+    stage = semantic_stage(tmp_path, answers, unit(1, 0.3))
+    answers.put(DIGEST, "an answer", tenant_scope="scope-a")
+    stage.index.add("scope", DIGEST, "p", unit(1, 0))
+    answers.put(floor_key(DIGEST), "semantic-floor:not a number", tenant_scope="scope-a")
+    (missed,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert missed.outcome is SemanticOutcome.UNTRUSTED and stage.unread_records == 1
+    (checked,) = stage.lookup(["reworded"], ["scope"], ["scope-a"], can_verify=[True])
+    assert checked.outcome is SemanticOutcome.HIT and checked.verify
+    assert raise_floor(answers, DIGEST, 0.5, "scope-a") == 0.5 + MARGIN
+    (served,) = stage.lookup(["reworded"], ["scope"], ["scope-a"])
+    assert served.outcome is SemanticOutcome.HIT and not served.verify
+    answers.close()
+
+
 def test_the_stage_memoizes_guard_profiles_per_scope(tmp_path: Path) -> None:
     """embedding_cache's search opens the guard's profile memo for its scope: the same prompt
     looked up in another tenant's scope is profiled again (the memo's saving is no signal of

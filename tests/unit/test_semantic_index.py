@@ -264,6 +264,46 @@ def test_stage_hits_a_stored_answer_and_embeds_each_text_once(tmp_path: Path) ->
     assert embed.calls == [["q1 reworded"]]
 
 
+def test_a_damaged_table_row_is_a_miss_not_another_answers_hit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One value of a scope's table row changed on disk (the table has no checksum, the row
+    log has) would give that row any similarity and its answer to every query of the scope:
+    a candidate whose row is no longer a unit vector is left out (logged), a miss."""
+    embed = _Embed({"how do i reset my password": unit(0, 1)})
+    stage = _stage(tmp_path, embed)
+    stage.answers.store(Tier.L1).put("digest-1", CacheEntry("Paris", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "digest-1", "what is the capital of france", unit(1, 0))
+    (before,) = stage.lookup(["how do i reset my password"], ["scope"])
+    assert before.outcome is SemanticOutcome.MISS
+    (table,) = (tmp_path / "sem").rglob("*.tbl")
+    at = table.read_bytes().find(unit(1, 0).tobytes())
+    assert at > 0
+    with table.open("r+b") as damaged:  # the mapped table sees it at once (MAP_SHARED)
+        damaged.seek(at + 4)  # the row's second value: 0.0 -> 50.0
+        damaged.write(np.float32(50.0).tobytes())
+    (after,) = stage.lookup(["how do i reset my password"], ["scope"])
+    assert after.outcome is SemanticOutcome.MISS and after.text == ""
+    assert "table rows found damaged" in caplog.text
+
+
+def test_a_vector_the_index_refuses_is_a_miss_and_not_kept(tmp_path: Path) -> None:
+    """An embedder that misbehaves (a vector not of unit length would score past every true
+    neighbour; one of another width fails the search): the prompt is a miss without a search,
+    its vector is neither kept nor indexed, and it is counted."""
+    embed = _Embed({"q": 3.0 * unit(1, 0), "wide": np.ones(DIM + 1, np.float32) / 3.0})
+    stage = _stage(tmp_path, embed)
+    stage.answers.store(Tier.L1).put("digest-1", CacheEntry("answer", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "digest-1", "p", unit(1, 0))
+    for _ in range(2):
+        (refused,) = stage.lookup(["q"], ["scope"])
+        assert refused.outcome is SemanticOutcome.MISS and len(refused.vector) == 0
+    assert embed.calls == [["q"], ["q"]]  # not kept: embedded again
+    (wide,) = stage.lookup(["wide"], ["scope"])
+    assert wide.outcome is SemanticOutcome.MISS and len(wide.vector) == 0
+    assert stage.bad_vectors == 3
+
+
 def test_stage_keeps_vectors_per_tenant(tmp_path: Path) -> None:
     """A vector embedded for one tenant never answers another's lookup: its fast path would
     tell the second tenant that someone sent the same text before."""

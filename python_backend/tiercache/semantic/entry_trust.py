@@ -439,28 +439,34 @@ def read_tenant_trust(
 
 def _read(
     cache: TieredCache, key: str, tenant_scope: str | None, limit: int
-) -> tuple[EntryTrust, bool]:
-    """The record under `key` merged from every shared tier, and whether every tier could be
-    read (`read_sides`)."""
+) -> tuple[EntryTrust, bool, bool]:
+    """The record under `key` merged from every shared tier, whether every tier could be read
+    (`read_sides`), and whether every record it found parsed (one that did not is left out:
+    a decision must take it as unknown and fail closed, a new outcome may replace it)."""
     texts, complete = read_sides(cache, key, tenant_scope)
     trust = EntryTrust(limit=limit)
+    parsed = True
     for text in texts:
-        trust.merge(_decode_or_prior(text, key, limit))
-    return trust, complete
+        decoded = _decoded(text, key, limit)
+        if decoded is None:
+            parsed = False
+            continue
+        trust.merge(decoded)
+    return trust, complete, parsed
 
 
-def _decode_or_prior(text: str, key: str, limit: int) -> EntryTrust:
-    """The record `text` holds; one that does not parse (logged): no outcomes."""
+def _decoded(text: str, key: str, limit: int) -> EntryTrust | None:
+    """The record `text` holds; None (logged) for one that does not parse."""
     try:
         return decode_trust(text, limit)
     except (ValueError, TypeError):  # json's errors are ValueErrors
         if _DAMAGE_LOG.ready():
             log.warning(
-                "ignoring a malformed trust record %s... (%d such lines not logged)",
+                "a malformed trust record %s...: taken as unknown (%d such lines not logged)",
                 key[:12],
                 _DAMAGE_LOG.suppressed,
             )
-        return EntryTrust(limit=limit)
+        return None
 
 
 def verification_stamp(request_digest: str, entry_digest: str, answer: str) -> float:
@@ -501,9 +507,11 @@ def record_outcome(
     lock = _RECORDING[int(hashlib.sha256(tenant_scope.encode("utf-8")).digest()[0]) % 16]
     with lock:
         created_s = cache.now()  # before the read: an invalidation since covers what it read
-        trust, complete = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
+        # a record that did not parse is replaced by what is written now (it held nothing
+        # readable); a tier that could not be read is not overwritten
+        trust, complete, _ = _read(cache, trust_key(digest), tenant_scope, MAX_OBSERVATIONS)
         tenant_key = tenant_trust_key(tenant_scope, adapter or "", answer_class)
-        tenant, tenant_complete = _read(cache, tenant_key, tenant_scope, TENANT_OBSERVATIONS)
+        tenant, tenant_complete, _ = _read(cache, tenant_key, tenant_scope, TENANT_OBSERVATIONS)
         if not (complete and tenant_complete):
             log.warning(
                 "an outcome for %s... not recorded: a shared tier is unreadable", digest[:12]
@@ -535,7 +543,7 @@ class TrustGate:
         self.policy = policy
         self.score = score
         # each tenant's calibration with its record's text, the most recently used last
-        self._calibrations: OrderedDict[str, tuple[str, Calibration]] = OrderedDict()
+        self._calibrations: OrderedDict[str, tuple[str, tuple[Calibration, bool]]] = OrderedDict()
         self._memo_lock = threading.Lock()
 
     def decide(
@@ -551,10 +559,11 @@ class TrustGate:
         its answer's `length_class`, whose calibration within the tenant applies."""
         scope = tenant_scope or ""
         calibration, calibrated = self.calibration_checked(scope, adapter, answer_class)
-        trust, complete = _read(self.cache, trust_key(digest), scope, MAX_OBSERVATIONS)
-        if not (calibrated and complete):
-            # A shared tier could not be read (Redis down): refutations recorded only there
-            # are unknown, and the prior alone would serve. Failing closed.
+        trust, complete, parsed = _read(self.cache, trust_key(digest), scope, MAX_OBSERVATIONS)
+        if not (calibrated and complete and parsed):
+            # A shared tier could not be read (Redis down), or a record did not parse:
+            # refutations recorded there are unknown, and the prior alone would serve.
+            # Failing closed.
             return Decision.VERIFY if can_verify else Decision.MISS
         return self.policy.decide(trust, score, can_verify, calibration, random.random())
 
@@ -568,7 +577,8 @@ class TrustGate:
     def calibration_checked(
         self, tenant_scope: str, adapter: str = "", answer_class: int = 0
     ) -> tuple[Calibration, bool]:
-        """`calibration`, and whether every shared tier could be read (`read_sides`)."""
+        """`calibration`, and whether every shared tier could be read (`read_sides`) and every
+        record found parsed (False otherwise: a decision fails closed)."""
         key = tenant_trust_key(tenant_scope, adapter, answer_class)
         texts, complete = read_sides(self.cache, key, tenant_scope)
         if not texts and complete:
@@ -583,14 +593,19 @@ class TrustGate:
             memo = self._calibrations.get(key)
             if memo is not None and memo[0] == text:
                 self._calibrations.move_to_end(key)
-                return memo[1], complete
+                return memo[1][0], complete and memo[1][1]
         trust = EntryTrust(limit=TENANT_OBSERVATIONS)
+        parsed = True
         for one in texts:
-            trust.merge(_decode_or_prior(one, key, TENANT_OBSERVATIONS))
+            decoded = _decoded(one, key, TENANT_OBSERVATIONS)
+            if decoded is None:
+                parsed = False
+                continue
+            trust.merge(decoded)
         found = Calibration(trust.observations)
         with self._memo_lock:
-            self._calibrations[key] = (text, found)
+            self._calibrations[key] = (text, (found, parsed))
             self._calibrations.move_to_end(key)
             while len(self._calibrations) > MEMO_TENANTS:
                 self._calibrations.popitem(last=False)
-        return found, complete
+        return found, complete and parsed

@@ -85,9 +85,10 @@ class SemanticIndex:
     top k from the row log, by seq. A table found retired (compaction, growth) is reopened.
 
     Graph files (`persist_graphs`, under `<row log>/graphs`) are saved after a build, after a
-    load that had to add many rows on top (a restart after a crash), and at `close`; searches
-    never write one, except the save right after a scope first grows past `flat_max_rows`, which
-    costs less than that build.
+    load that had to add many rows on top (a restart after a crash), when the graphs' budget
+    drops one (on a thread of its own), and at `close`; a search never writes one itself
+    (a search builds a first graph in the background; the index builds them in place only while
+    it opens, before it serves).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class SemanticIndex:
         self._wanting: dict[str, int] = {}  # scope -> bytes of the graph it lacks for the budget
         self._graph_gained_s = 0.0
         self._unsaved: list[tuple[str, Any, int, str]] = []  # dropped under the lock, to save
+        self._savers: set[threading.Thread] = set()  # saving dropped graphs (`_save_later`)
         self._flat_s_per_row = 0.0  # a flat scan's seconds per row (moving average)
         self._graph_search_s = 0.0  # a graph search's seconds (moving average, every scope)
         self.graphs_dropped = 0
@@ -230,6 +232,25 @@ class SemanticIndex:
             total -= size
         return detached
 
+    def _save_later(self, detached: list[tuple[str, Any, int, str]]) -> None:
+        """Save the graphs a search dropped (a grown graph past the budget) on a thread of
+        their own: a large one is a file of a hundred MB and more, written and hashed, which
+        the search and the lookups batched with it must not wait for. `wait_graphs` joins it."""
+        if not detached or self.graphs is None:
+            return
+
+        def run() -> None:
+            try:
+                self._save_detached(detached)
+            finally:
+                with self._lock:
+                    self._savers.discard(thread)
+
+        thread = NamedThread(target=run, name="semantic-graph-save", daemon=True)
+        with self._lock:
+            self._savers.add(thread)
+        thread.start()
+
     def _save_detached(self, detached: list[tuple[str, Any, int, str]]) -> None:
         """Save graphs no scope holds any more (nothing else touches them): outside the lock,
         so searches do not wait for the file and its checksum. Best effort."""
@@ -308,18 +329,18 @@ class SemanticIndex:
                 self._builders.pop(name, None)
 
     def wait_graphs(self, timeout_s: float = 120.0) -> bool:
-        """Wait for the graphs being built in the background; False on timeout."""
+        """Wait for the graphs being built or saved in the background; False on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                builders = list(self._builders.values())
+                builders = [*self._builders.values(), *self._savers]
             if not builders:
                 return True
             for builder in builders:
                 builder.join(max(0.0, deadline - time.monotonic()))
             if time.monotonic() >= deadline:
                 with self._lock:
-                    return not self._builders
+                    return not self._builders and not self._savers
 
     def _attach_graph(self, scope: ScopeSearch) -> None:
         """Give a scope that outgrew the flat scan its graph: the newest saved one that matches
@@ -428,7 +449,7 @@ class SemanticIndex:
             if rows.dead:
                 nearest = [(sim, i) for sim, i in nearest if int(ids[i]) not in rows.dead][:k]
             unsaved, self._unsaved = self._unsaved, []
-        self._save_detached(unsaved)
+        self._save_later(unsaved)
         found = self._metadata([int(ids[i]) for _, i in nearest])
         return [
             Neighbour(similarity, row.digest, row.prompt)

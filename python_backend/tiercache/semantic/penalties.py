@@ -47,7 +47,8 @@ def read_floor_checked(
     cache: TieredCache, digest: str, tenant_scope: str | None = None
 ) -> tuple[float | None, bool]:
     """`read_floor`, and whether every shared tier could be read: False (Redis down) means a
-    floor held only there is not known, and a hit must not be served on its absence."""
+    floor held only there is not known, and a hit must not be served on its absence. A floor
+    that does not parse is not known either (False: failing closed, as for an unread tier)."""
     texts, complete = read_sides(cache, floor_key(digest), tenant_scope)
     floors = []
     for text in texts:
@@ -60,10 +61,12 @@ def read_floor_checked(
         except ValueError:
             if _DAMAGE_LOG.ready():
                 log.warning(
-                    "ignoring a malformed similarity floor for %s... (%d such lines not logged)",
+                    "a malformed similarity floor for %s...: taken as unknown, no hit served "
+                    "on its answer (%d such lines not logged)",
                     digest[:12],
                     _DAMAGE_LOG.suppressed,
                 )
+            complete = False
             continue
         floors.append(value)
     return max(floors, default=None), complete

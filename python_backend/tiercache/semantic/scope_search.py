@@ -9,18 +9,24 @@ are scanned flat). The graph only nominates rows; similarities always come from 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tiercache_native as native
 
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.graph_files import (
     GRAPH_FORMAT,
     HNSW_EF_CONSTRUCTION,
     HNSW_EF_SEARCH,
     HNSW_M,
 )
+from tiercache.semantic.row_log import NORM_TOLERANCE
+
+log = logging.getLogger(__name__)
+_DAMAGE_LOG = LogThrottle()
 
 GRAPH_FIXED_BYTES = 5 << 19  # a graph's own fixed cost (hnswlib 0.8: its label locks, ~2.5 MiB)
 GRAPH_SLOT_BYTES = 48  # per element of capacity, used or not (hnswlib's per-slot arrays)
@@ -54,6 +60,7 @@ class ScopeSearch:
     dead: set[int] = field(default_factory=set)
     last_search_s: float = 0.0  # monotonic time of its last search (the graph budget's order)
     graph_search_s: float = 0.0  # recent seconds per search with its graph (moving average)
+    damaged: int = 0  # candidates left out: their table row was no finite unit vector (`_sound`)
 
     def graph_bytes(self) -> int:
         """What its graph holds in this process's memory (`graph_bytes_for`); 0 without one."""
@@ -116,7 +123,7 @@ class ScopeSearch:
             scores = rows @ query
             top = np.argpartition(-scores, k - 1)[:k] if k < count else np.arange(count)
             top = top[np.argsort(-scores[top], kind="stable")]
-            return [(float(scores[i]), int(i)) for i in top]
+            return self._sound(rows, [(float(scores[i]), int(i)) for i in top])
         index: Any = self.hnsw
         labels, _ = index.knn_query(query, k=min(k, self.graph_rows))
         candidates = labels[0].astype(np.int64)
@@ -130,4 +137,31 @@ class ScopeSearch:
         # graph can cost recall but never report a wrong similarity.
         scores = rows[candidates] @ query
         order = np.argsort(-scores, kind="stable")[:k]
-        return [(float(scores[j]), int(candidates[j])) for j in order]
+        return self._sound(rows, [(float(scores[j]), int(candidates[j])) for j in order])
+
+    def _sound(self, rows: np.ndarray, found: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        """`found` less the candidates whose table row is no longer what was written (a finite
+        unit vector, as the log's checksummed copy is): one value of a row changed on disk
+        would give that row any similarity, and its answer to every query of the scope. Left
+        out, counted in `damaged` and logged (the scope's table is rebuilt from the log when
+        its file is replaced): a miss, never a wrong hit."""
+        if not found:
+            return found
+        picked = rows[np.fromiter((i for _, i in found), dtype=np.int64, count=len(found))]
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.linalg.norm(picked.astype(np.float64), axis=1)
+        sound = np.abs(norms - 1.0) <= NORM_TOLERANCE  # NaN: False
+        if bool(sound.all()):
+            return found
+        kept = [pair for pair, ok in zip(found, sound, strict=True) if ok]
+        self.damaged += len(found) - len(kept)
+        if _DAMAGE_LOG.ready():
+            log.error(
+                "scope %s...: %d of its table rows found damaged (not a finite unit vector) and "
+                "left out of a search (%d such lines not logged): stop the server and remove "
+                "the scope's table file so that it is rebuilt from the row log",
+                self.name[:12],
+                len(found) - len(kept),
+                _DAMAGE_LOG.suppressed,
+            )
+        return kept

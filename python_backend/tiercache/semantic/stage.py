@@ -21,6 +21,7 @@ from tiercache.semantic.entry_trust import Decision, TrustGate, length_class
 from tiercache.semantic.features import memo_scope
 from tiercache.semantic.index import SemanticIndex
 from tiercache.semantic.penalties import read_floor_checked
+from tiercache.semantic.row_log import InvalidVector, check_vector
 from tiercache.semantic.vectors import VectorCache, vector_key
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class EmbeddingCache:
         self.scope_mismatches = 0  # candidates refused: their answer is another tenant's
         self.unread_records = 0  # candidates whose floor could not be read (failing closed)
         self.search_failures = 0  # lookups answered as misses because their scope's search failed
+        self.bad_vectors = 0  # prompts' vectors the index refuses (`_sound_vector`): misses
         self._failed_scopes: set[str] = set()  # logged once each
 
     def vectors_for(
@@ -127,9 +129,36 @@ class EmbeddingCache:
             fresh = self._embed([prompts[i] for i in missing])
             each_s = (time.perf_counter() - started) / len(missing)
             for i, vector in zip(missing, fresh, strict=True):
-                self.vectors.put(keys[i], vector, each_s)
                 found[i] = vector
+                if self._index_takes(vector) is None:  # one the index would refuse: not kept
+                    self.vectors.put(keys[i], vector, each_s)
         return [(v, i not in missing) for i, v in enumerate(found) if v is not None]
+
+    def _sound_vector(self, vector: np.ndarray) -> bool:
+        """Whether a prompt's vector is one the index takes (`check_vector`: its width, finite
+        values, unit norm): an embedder that misbehaves (a config of another width, a vector
+        not normalized, which would score past every true neighbour) makes a miss, never a
+        search; counted in `bad_vectors` and logged."""
+        refused = self._index_takes(vector)
+        if refused is None:
+            return True
+        self.bad_vectors += 1
+        if _DAMAGE_LOG.ready():
+            log.error(
+                "the embedder gave a vector the index refuses (%s); its prompt is a miss "
+                "(%d such lines not logged)",
+                refused,
+                _DAMAGE_LOG.suppressed,
+            )
+        return False
+
+    def _index_takes(self, vector: np.ndarray) -> InvalidVector | None:
+        """Why the index would refuse `vector` (`check_vector`); None when it takes it."""
+        try:
+            check_vector(vector, self.index.dimensions)
+        except InvalidVector as exc:
+            return exc
+        return None
 
     def search(
         self,
@@ -277,6 +306,9 @@ class EmbeddingCache:
                 results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
+            if not cached and not self._sound_vector(vector):
+                results.append(SemanticLookup(SemanticOutcome.MISS, NO_VECTOR))  # nor indexed
+                continue
             try:
                 result = self.search(
                     prompt,
