@@ -11,8 +11,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
+import grpc
 import httpx2
 import pytest
 import uvicorn
@@ -101,6 +103,52 @@ def test_a_client_that_leaves_while_its_answer_is_pending_cancels_it(hung: str) 
         while _metric(hung, "499") == before:
             assert time.monotonic() < deadline, f"not cancelled (pipelined: {pipelined!r})"
             time.sleep(0.1)
+
+
+class _StuckTriton:
+    """A gRPC server in Triton's place whose stream never answers: it records when a call
+    comes and when the call ends (the gateway cancelled it, or the channel went)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.ended = threading.Event()
+        handler = grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService",
+            {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self._stream)},
+        )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    def _stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        context.add_callback(self.ended.set)
+        next(requests, None)  # the request arrived
+        self.started.set()
+        while context.is_active():
+            time.sleep(0.02)
+        yield from ()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_closes_the_gateways_grpc_call(stream: bool) -> None:
+    """What the 499 counter cannot show: the gateway's call to Triton itself ends when the
+    client goes (a whole answer pending, a stream before its first chunk), long before the
+    call's own 30 s deadline; a generation nobody waits for is not kept open."""
+    triton = _StuckTriton()
+    triton.server.start()
+    settings = app.GatewaySettings(triton_url=f"127.0.0.1:{triton.port}", timeout_s=30)
+    body = b'{"model": "tiercache", "prompt": "Hi", "max_tokens": 4, "stream": %s}' % (
+        b"true" if stream else b"false"
+    )
+    try:
+        with app.running_in_thread(settings, free_port()) as base:
+            with _connect(base) as conn:
+                conn.sendall(_request(body=body))
+                assert triton.started.wait(10), "the call never reached Triton"
+                assert not triton.ended.is_set()
+            assert triton.ended.wait(10), "the gRPC call was kept open after the client left"
+    finally:
+        triton.server.stop(0)
 
 
 def test_the_host_header_must_name_loopback_on_a_loopback_gateway(hung: str) -> None:
