@@ -498,6 +498,15 @@ def test_malformed_fleet_metadata_is_skipped(redis_server: RedisServer, redis_pr
     versions, _ = found
     assert list(versions) == ["caps"]
     assert fleet.report([])  # the admin's list reads them: no error (was OverflowError)
+    # a value or a name planted a megabyte long is left in Redis, never sent to a reader
+    client.hset(link.key("adapters"), "huge-value", "x" * 1_000_000)
+    client.hset(link.key("adapter_uses"), "y" * 1_000_000, 1)
+    client.hset(link.key("adapter_uses"), "caps", "9" * 1_000_000)
+    sent = sent_by(client)
+    found = fleet.fleet()
+    assert sent() < 100_000
+    assert found is not None and list(found[0]) == ["caps"] and "caps" not in found[1]
+    link.close()
 
 
 def test_l3_values_are_read_only_up_to_the_bound(

@@ -58,6 +58,13 @@ def registry_of(root: Path, state: Path, clock: FakeClock, **kwargs: object) -> 
     return AdapterRegistry(root, state, clock=clock, **kwargs)  # type: ignore[arg-type]
 
 
+def changed_weights(path: Path) -> bytes:
+    """The safetensors file at `path` with its last data byte changed: another version, whole."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    return bytes(data)
+
+
 def rewrite(path: Path, data: bytes) -> None:
     """Replace a file as an operator's copy does: a new file renamed over the old one."""
     tmp = path.with_name(path.name + ".new")
@@ -104,7 +111,7 @@ def test_unchanged_files_are_not_read_again(
     for _ in range(5):
         assert registry.resolve("caps") == first
     assert reads == []
-    rewrite(root / "caps" / WEIGHTS_FILE, (root / "caps" / WEIGHTS_FILE).read_bytes() + b" ")
+    rewrite(root / "caps" / WEIGHTS_FILE, changed_weights(root / "caps" / WEIGHTS_FILE))
     assert registry.resolve("caps").digest != first.digest
     assert {p.name for p in reads} == {CONFIG_FILE, WEIGHTS_FILE}
 
@@ -269,6 +276,11 @@ def test_removed_folder_disappears(root: Path, state: Path, clock: FakeClock) ->
         (lambda d: (d / CONFIG_FILE).write_text("[]"), "not a JSON object"),
         (lambda d: (d / CONFIG_FILE).write_text("[" * 100_000), "not valid JSON"),  # nesting
         (lambda d: (d / WEIGHTS_FILE).write_bytes(b"\x10\x00"), "not a whole safetensors"),
+        # copied in place and read half-written: the header whole, part of the data
+        (
+            lambda d: (d / WEIGHTS_FILE).write_bytes((d / WEIGHTS_FILE).read_bytes()[:-100]),
+            "still being written",
+        ),
     ],
 )
 def test_broken_folder_is_unavailable_naming_the_adapter(
@@ -473,7 +485,7 @@ def test_reading_a_changed_adapter_does_not_hold_up_the_others(
         return read_files(name, folder)
 
     monkeypatch.setattr(registry_module, "_read_files", slow)
-    rewrite(root / "caps" / WEIGHTS_FILE, (root / "caps" / WEIGHTS_FILE).read_bytes() + b" ")
+    rewrite(root / "caps" / WEIGHTS_FILE, changed_weights(root / "caps" / WEIGHTS_FILE))
     changed: list[AdapterRef] = []
     reader = threading.Thread(target=lambda: changed.append(registry.resolve("caps")))
     reader.start()

@@ -255,6 +255,27 @@ def test_an_old_version_the_host_tier_cannot_hold_stays_in_the_engine_for_late_r
     assert sorted(x.digest for x in residency.snapshot().engine) == sorted([old.digest, new.digest])
 
 
+def test_with_the_engine_full_the_policys_victim_goes_before_an_old_version_kept_for_late_requests(
+    make: MakeResidency, disk: FakeDisk
+) -> None:
+    """Every slot taken, the old version of `a` held in the engine only (larger than the host
+    tier), the folder changed: the new version's first plan evicts the policy's victim, whose
+    files the folder still has (a request of its own is loaded again), not the old version,
+    which a request resolved before the change could find nowhere else."""
+    residency = make(engine_slots=3, host_max_bytes=50)
+    b = disk.add("b", 2, nbytes=40)
+    residency.plan(b, disk.read)
+    c = disk.add("c", 3, nbytes=40)
+    residency.plan(c, disk.read)
+    old = disk.add("a", 1, nbytes=100, version="v1")
+    residency.plan(old, disk.read)
+    new = disk.add("a", 1, nbytes=100, version="v2")
+    assert residency.plan(new, disk.read).evict == (held_key(b),)  # the least recently used
+    disk.remove(old)
+    late = residency.plan(old, disk.read)
+    assert (late.tier, late.evict) == (ENGINE_TIER, ())
+
+
 def test_an_old_version_kept_for_late_requests_is_the_first_to_make_room(
     make: MakeResidency, disk: FakeDisk
 ) -> None:

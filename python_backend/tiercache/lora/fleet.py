@@ -52,6 +52,27 @@ ADAPTERS = "adapters"
 USES = "adapter_uses"
 MAX_METADATA_BYTES = 4096  # one adapter's JSON is about 150 bytes
 MAX_FLEET_FIELDS = 10_000  # adapters (and use counts) one sync reads at most
+MAX_FIELD_NAME_BYTES = 256  # an adapter's name (NAME_PATTERN: 64 characters) with room to spare
+MAX_USE_BYTES = 32  # a use count's decimal digits
+# One hash's fields and values, those longer than a replica writes left in Redis unread (the
+# hashes are unsigned: a value planted hundreds of MB long was read by every sync): [the kept
+# fields and values, flat; how many were left]
+_BOUNDED_FIELDS = """
+local name_limit = tonumber(ARGV[1])
+local value_limit = tonumber(ARGV[2])
+local flat = redis.call('HGETALL', KEYS[1])
+local kept = {}
+local left = 0
+for i = 1, #flat, 2 do
+  if string.len(flat[i]) <= name_limit and string.len(flat[i + 1]) <= value_limit then
+    kept[#kept + 1] = flat[i]
+    kept[#kept + 1] = flat[i + 1]
+  else
+    left = left + 1
+  end
+end
+return {kept, left}
+"""
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # an adapter version's digest, as replicas write it
 MAX_UPDATED_S = 253_402_300_800.0  # 10000-01-01: past it (or NaN, inf) no time a replica wrote
 _MISSING = object()
@@ -204,10 +225,21 @@ class AdapterFleet:
             sizes = [int(n) for n in pipe.execute()]
             pipe = client.pipeline(transaction=False)
             keys = (self.adapters_key, self.uses_key)
+            limits = {self.adapters_key: MAX_METADATA_BYTES, self.uses_key: MAX_USE_BYTES}
             wanted = [key for key, n in zip(keys, sizes, strict=True) if n <= MAX_FLEET_FIELDS]
-            for key in wanted:
-                pipe.hgetall(key)
-            values = dict(zip(wanted, pipe.execute(), strict=True)) if wanted else {}
+            for key in wanted:  # sized inside Redis: a long name or value is never sent
+                pipe.eval(_BOUNDED_FIELDS, 1, key, MAX_FIELD_NAME_BYTES, limits[key])
+            values: dict[str, dict[bytes, bytes]] = {}
+            left = 0
+            for key, (flat, dropped) in zip(wanted, pipe.execute() if wanted else [], strict=True):
+                values[key] = dict(zip(flat[::2], flat[1::2], strict=True))
+                left += int(dropped)
+            if left and _OVERSIZED_LOG.ready():
+                log.warning(
+                    "the adapter fleet's hashes hold %d fields with a name or value longer "
+                    "than a replica writes: left unread (planted in Redis)",
+                    left,
+                )
             if len(wanted) < len(keys) and _OVERSIZED_LOG.ready():
                 log.warning(
                     "the adapter fleet's hashes hold %s fields (at most %d read): ignored; "
@@ -225,7 +257,7 @@ class AdapterFleet:
         bad: list[str] = []
         for key, value in raw_adapters.items():
             name = key.decode("utf-8", "replace")
-            if len(value) > MAX_METADATA_BYTES:  # never written by a replica: not even parsed
+            if len(value) > MAX_METADATA_BYTES:  # filtered in Redis; kept as a second bound
                 bad.append(name)
                 continue
             try:

@@ -487,10 +487,44 @@ def _check_files(name: str, config: bytes, weights: bytes) -> None:
         raise Unavailable(
             f"adapter {name!r}: {CONFIG_FILE} has peft_type {peft_type!r}, expected 'LORA'"
         )
-    # safetensors: an 8-byte little-endian header length, then that many bytes of JSON header.
+    # safetensors: an 8-byte little-endian header length, that many bytes of JSON header, then
+    # the tensors' data, which the header's data_offsets must cover exactly (a file copied in
+    # place and read half-written has a whole header and part of its data: the engine would
+    # refuse it as the caller's bad input, where the folder is what is not ready)
     header_bytes = int.from_bytes(weights[:8], "little") if len(weights) >= 8 else -1
     if header_bytes < 2 or len(weights) < 8 + header_bytes or weights[8:9] != b"{":
         raise Unavailable(f"adapter {name!r}: {WEIGHTS_FILE} is not a whole safetensors file")
+    data_bytes = len(weights) - 8 - header_bytes
+    if _data_end(weights[8 : 8 + header_bytes]) != data_bytes:
+        raise Unavailable(
+            f"adapter {name!r}: {WEIGHTS_FILE} is not a whole safetensors file (its header "
+            f"describes other than the {data_bytes} bytes of data it holds: still being written?)"
+        )
+
+
+def _data_end(header: bytes) -> int | None:
+    """Where a safetensors header's tensors end in its data (the largest `data_offsets` end; 0
+    without tensors); None for a header that is not one."""
+    try:
+        document = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    end = 0
+    for key, entry in document.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(x) is int and x >= 0 for x in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            return None
+        end = max(end, offsets[1])
+    return end
 
 
 # -- task ids ---------------------------------------------------------------------------------

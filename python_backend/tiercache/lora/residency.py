@@ -437,9 +437,10 @@ class Residency:
             if current and resident.ref.name == ref.name and resident.ref.digest != ref.digest
         ]
         stale = [key for key in older if engine.items[key].ref.digest in self._host.items]
-        # those without a host copy are the first victims when room is needed, before the
-        # policy's own (the newest of them is the name's most recently used: the policy would
-        # give it up last)
+        # Those without a host copy serve late requests nothing else can (the folder holds
+        # the new version): the policy's own victims go instead when they make room without
+        # them; when its choice takes one of them anyway, they go first and alone (the policy
+        # would give the newest up last, as its name's most recently used, after others).
         kept_older = [key for key in older if key not in stale]
         if held is not None:
             victims = [engine.items[key] for key in stale]
@@ -449,9 +450,10 @@ class Residency:
                     f"adapter {ref.short} ({nbytes} bytes) is larger than the engine's adapter "
                     f"budget (engine_max_bytes {engine.max_bytes})"
                 )
-            found = engine.victims(
-                nbytes, self._pinned_check(ref, current), forced=stale, preferred=kept_older
-            )
+            protect = self._pinned_check(ref, current)
+            found = engine.victims(nbytes, protect, forced=stale)
+            if found is None or any(held_key(v.ref) in kept_older for v in found):
+                found = engine.victims(nbytes, protect, forced=stale, preferred=kept_older)
             if found is None:
                 raise CapacityError(
                     f"no engine adapter slot can be freed for {ref.short}: the resident "
