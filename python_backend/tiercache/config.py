@@ -962,8 +962,9 @@ class EngineConfig(_StateConfig):
     )
     refuse_prompt_pattern: str = param(
         "",
-        "A prompt this regex matches (re.search over the canonical prompt) is answered with "
-        "refusal_text and finish reason content_filter, never cached; empty: refuse nothing",
+        "A prompt this regex matches (re.search over the canonical prompt and every turn of its "
+        "history) is answered with refusal_text and finish reason content_filter, never "
+        "cached; empty: refuse nothing",
     )
     refusal_text: str = param("I can't help with that request.", "The refusal's text")
     memory_trim_interval_s: float = shared("memory_trim_interval_s")

@@ -426,6 +426,10 @@ class Generations:
                     if remote is not None:
                         flight.serve_stored(remote)
                         return
+            # every requester left while this waited for a producer (or a lease): no engine run
+            # for nobody, and no request joins it from here on
+            if self.flights.retire_if_abandoned(flight):
+                raise abandoned_error()
             started_s = self.cache.now()
             # drafts only from the cache, read here; an answer not stored is not kept as one
             own = dataclasses.replace(request, drafts=(), index_answer=write_back)
@@ -569,7 +573,9 @@ class Generations:
                 if found is not None:
                     self._count_remote(hit=True)
                     return None, found.entry
-                if flight.abandoned:
+                # retired, not only read: a request joining between this check and the
+                # flight's end would be given the abandoned error it did not earn
+                if self.flights.retire_if_abandoned(flight):
                     raise abandoned_error()
                 if self._clock() >= deadline:
                     self._count_remote(wait_timeout=True)
@@ -615,20 +621,31 @@ class Generations:
         tokens = 0
         mean_logprob: float | None = None
         engine_s: float | None = None
-        for event in generate(request):
-            if event.text:
-                if ttft is None:
-                    ttft = self._clock() - started
-                flight.append(event.text)
-            if event.finish_reason is not None:
-                finish, tokens = event.finish_reason, event.generated_tokens
-                mean_logprob = event.mean_logprob
-                engine_s = event.engine_s
-                flight.finish_reason = finish
-                flight.generated_tokens = tokens
-                flight.usage = EngineUsage(
-                    event.reused_tokens, event.computed_tokens, event.accepted_tokens
-                )
+        events = generate(request)
+        try:
+            for event in events:
+                if event.text:
+                    if ttft is None:
+                        ttft = self._clock() - started
+                    flight.append(event.text)
+                if event.finish_reason is not None:
+                    finish, tokens = event.finish_reason, event.generated_tokens
+                    mean_logprob = event.mean_logprob
+                    engine_s = event.engine_s
+                    flight.finish_reason = finish
+                    flight.generated_tokens = tokens
+                    flight.usage = EngineUsage(
+                        event.reused_tokens, event.computed_tokens, event.accepted_tokens
+                    )
+                elif flight.abandoned and self.flights.retire_if_abandoned(flight):
+                    # every requester left: the stream is closed (the engine's call cancelled)
+                    # rather than run to max_tokens for nobody; never stored
+                    finish = "cancelled"
+                    break
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # a generator's: its stream closed, the engine's call cancelled
         if finish is None:
             raise Unavailable("engine stream ended without a finish reason")
         duration = self._clock() - started

@@ -338,6 +338,71 @@ def test_every_subscriber_cancelled_is_not_stored(cache: TieredCache) -> None:
     assert stage.stats().write_backs == 0
 
 
+class SteppedEngine:
+    """A GenerateFn of 1,000 one-token steps that waits on `gate` after its first; `closed` is
+    set when its stream is closed (or ends), as a BLS stream's closing cancels the call."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.first = threading.Event()
+        self.closed = threading.Event()
+        self.steps = 0
+
+    def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        try:
+            for i in range(1000):
+                if i == 1:
+                    self.first.set()
+                    assert self.gate.wait(TIMEOUT_S)
+                self.steps += 1
+                yield StreamEvent("x")
+            yield StreamEvent("", "length", generated_tokens=1000)
+        finally:
+            self.closed.set()
+
+
+def test_a_generation_every_requester_left_stops_and_closes_its_stream(
+    cache: TieredCache,
+) -> None:
+    """The only requester cancels mid-answer: the generation stops at the next step and its
+    stream is closed (the engine's call cancelled) instead of running to max_tokens for
+    nobody; nothing is stored."""
+    engine = SteppedEngine()
+    stage = make_stage(cache, engine)  # type: ignore[arg-type]
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert engine.first.wait(TIMEOUT_S)
+    r.cancelled.set()
+    assert r.wait() == [("cancelled",)]
+    engine.gate.set()
+    assert engine.closed.wait(TIMEOUT_S)
+    assert engine.steps < 10
+    stage.close()
+    assert stored_text(cache) is None
+
+
+def test_a_miss_left_before_its_engine_run_starts_runs_none(cache: TieredCache) -> None:
+    """One engine worker, busy with a generation whose requester left; a second miss queues
+    behind it and its requester leaves too: when its turn comes it gets no engine run (before,
+    every miss queued and cancelled still ran to the end, past the pending bound)."""
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine, max_workers=1)
+    first, queued = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, first)
+    engine.wait_started()
+    first.cancelled.set()
+    assert first.wait() == [("cancelled",)]  # its reader is gone; its producer still runs
+    other = GenerationRequest(prompt="another question")
+    stage.submit_miss(other, Digest("e" * 64), "miss", True, queued)
+    queued.cancelled.set()
+    assert queued.wait() == [("cancelled",)]
+    assert engine.gate is not None
+    engine.gate.set()
+    stage.close()
+    assert engine.calls == 1
+    assert stored_text(cache) is None and stored_text(cache, "e" * 64) is None
+
+
 def test_entry_stored_after_lookup_skips_generation(cache: TieredCache) -> None:
     engine = FakeEngine()
     cache.put(DIGEST, "from cache")

@@ -60,6 +60,13 @@ def test_matching_prompt_is_refused_without_generating() -> None:
     events = list(policy.generate(GenerationRequest(prompt="Tell me the SECRET recipe"), generate))
     assert events == [StreamEvent("No.", CONTENT_FILTER)]
     assert called == []
+    # asked in an earlier turn, then referred to: the model reads every turn, so is the policy
+    earlier = GenerationRequest(
+        prompt="Answer my previous question.",
+        history=(("user", "What is the secret recipe?"), ("assistant", "Let me think.")),
+    )
+    assert policy.refuses(earlier)
+    assert not policy.refuses(GenerationRequest(prompt="hi", history=(("user", "hello"),)))
 
 
 def test_other_prompts_reach_the_engine() -> None:

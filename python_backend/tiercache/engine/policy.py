@@ -45,7 +45,15 @@ class RefusalPolicy:
         return cls(compiled, text)
 
     def refuses(self, request: GenerationRequest) -> bool:
-        return self.pattern is not None and self.pattern.search(request.prompt) is not None
+        """Whether the pattern is found in the prompt or in any turn of its history (the model
+        reads them all: a refused question asked in an earlier turn, then "answer my previous
+        question", is refused too)."""
+        pattern = self.pattern
+        if pattern is None:
+            return False
+        if pattern.search(request.prompt) is not None:
+            return True
+        return any(pattern.search(content) is not None for _, content in request.history)
 
     def generate(
         self, request: GenerationRequest, generate: Callable[[], Iterator[StreamEvent]]
