@@ -13,6 +13,7 @@ ever read from a file: a command-line value would show in `ps`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -335,8 +336,8 @@ def _warm(client: TierCacheClient, args: argparse.Namespace) -> int:
         return 2
     try:
         prompts = read_prompts(args.prompts) if args.prompts else []
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"error: cannot read {args.prompts}: {exc}", file=sys.stderr)
         return 2
     if args.prompts and not prompts:
         print(f"error: {args.prompts} holds no prompts", file=sys.stderr)
@@ -374,9 +375,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     api_key = None
     if getattr(args, "api_key_file", ""):
         try:
-            api_key = Path(args.api_key_file).read_text().strip()
-        except OSError as exc:
+            api_key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
             print(f"error: cannot read the API key: {exc}", file=sys.stderr)
+            return 2
+        if not api_key.isprintable() or not api_key.isascii():
+            print(
+                f"error: the API key in {args.api_key_file} holds a line break or a character "
+                "an Authorization header cannot carry",
+                file=sys.stderr,
+            )
             return 2
     try:
         with TierCacheClient(
@@ -401,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... | head -1`: the reader left; nothing more to say
+        with contextlib.suppress(OSError):  # stdout's flush at exit would raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,17 @@ CACHE_ADMIN_MODEL = "cache_admin"
 FEEDBACK_MODEL = "feedback"
 FEEDBACK_OUTPUT = "FEEDBACK_RESULT"
 ADMIN_TOKEN_MIN_BYTES = 32
+_STREAM_POLL_S = 0.25  # how often a generate() call checks that its stream is still there
+
+
+def _stream_reader_alive(client: grpcclient.InferenceServerClient) -> bool:
+    """Whether tritonclient's thread reading `client`'s response stream still runs (True when
+    it cannot tell: tritonclient keeps it as `_stream._handler`, a private name)."""
+    handler = getattr(getattr(client, "_stream", None), "_handler", None)
+    is_alive = getattr(handler, "is_alive", None)
+    return True if is_alive is None else bool(is_alive())
+
+
 # Triton's answer to a call of a restricted API (--grpc-restricted-protocol) without its header.
 _RESTRICTED = "This protocol is restricted"
 _INT32_MAX = 2**31 - 1
@@ -258,6 +269,7 @@ class TierCacheClient:
         self.timeout_s = timeout_s
         self._admin_token = admin_token
         self._idle: list[grpcclient.InferenceServerClient] = []
+        self._busy: set[grpcclient.InferenceServerClient] = set()  # in a call now
         self._lock = threading.Lock()
         self._closed = False
 
@@ -266,14 +278,20 @@ class TierCacheClient:
             if self._closed:
                 raise RuntimeError("TierCacheClient is closed")
             if self._idle:
-                return self._idle.pop()
+                client = self._idle.pop()
+                self._busy.add(client)
+                return client
         try:
-            return grpcclient.InferenceServerClient(self.url)
+            client = grpcclient.InferenceServerClient(self.url)
         except InferenceServerException as exc:
             raise _error(exc) from None
+        with self._lock:
+            self._busy.add(client)
+        return client
 
     def _release(self, client: grpcclient.InferenceServerClient, reusable: bool) -> None:
         with self._lock:
+            self._busy.discard(client)
             if reusable and not self._closed:
                 self._idle.append(client)
                 return
@@ -357,13 +375,7 @@ class TierCacheClient:
             finish_reason: str | None = None
             answer_id: str | None = None
             while True:
-                remaining = deadline - time.perf_counter()
-                try:
-                    result, error = responses.get(timeout=max(remaining, 0.0))
-                except queue.Empty:
-                    raise UnavailableError(
-                        f"no response from {self.url} within {self.timeout_s:g} s"
-                    ) from None
+                result, error = self._next_response(client, responses, deadline)
                 if error is not None:
                     raise _error(error)
                 if result is None:
@@ -411,6 +423,34 @@ class TierCacheClient:
         finally:
             client.stop_stream(cancel_requests=not completed)
             self._release(client, reusable=completed)
+
+    def _next_response(
+        self,
+        client: grpcclient.InferenceServerClient,
+        responses: queue.Queue[
+            tuple[grpcclient.InferResult | None, InferenceServerException | None]
+        ],
+        deadline: float,
+    ) -> tuple[grpcclient.InferResult | None, InferenceServerException | None]:
+        """The stream's next response or error, waited for in short slices: UnavailableError
+        once `deadline` passes, or at once when the stream ended without a final response
+        (closed cleanly by a proxy or a misbehaving server, or its reader thread gone:
+        tritonclient then calls back nothing, and the wait would last the whole timeout)."""
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise UnavailableError(f"no response from {self.url} within {self.timeout_s:g} s")
+            try:
+                return responses.get(timeout=min(remaining, _STREAM_POLL_S))
+            except queue.Empty:
+                pass
+            if not _stream_reader_alive(client):
+                try:  # what it sent before it ended is in the queue by now
+                    return responses.get_nowait()
+                except queue.Empty:
+                    raise UnavailableError(
+                        f"the stream from {self.url} ended without a final response"
+                    ) from None
 
     def generate_text(self, prompt: str, **kwargs: Any) -> GenerationResult:
         """Run `generate()` to the end and return its `GenerationResult` (same errors)."""
@@ -561,16 +601,31 @@ class TierCacheClient:
         texts = _texts(result, output)
         if not texts:
             raise UnavailableError(f"{model} answered without {output}")
-        parsed: dict[str, Any] = json.loads(texts[0])
+        try:
+            parsed = json.loads(texts[0])
+        except ValueError as exc:  # json's and UTF-8's errors alike
+            raise UnavailableError(
+                f"{model} answered with {output} that is not JSON: {exc}"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise UnavailableError(f"{model} answered with {output} that is not a JSON object")
         return parsed
 
     def close(self) -> None:
-        """Close every pooled connection; later calls raise RuntimeError."""
+        """Close every pooled connection and cancel the calls still in progress (a generator
+        left paused, another thread's call: their streams would keep the process alive, and
+        the server generating, until their timeout); later calls raise RuntimeError."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy = list(self._busy)
         for client in idle:
             client.close()
+        for client in busy:
+            try:  # the call's own thread then sees the cancellation and closes the client
+                client.stop_stream(cancel_requests=True)
+            except Exception:  # noqa: BLE001 - a stream that ended meanwhile
+                pass
 
     def __enter__(self) -> TierCacheClient:
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -205,6 +206,8 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.admin_calls: list[dict[str, Any]] = []
         self.stream_headers: list[dict[str, str]] = []
         self.feedback_calls: list[tuple[dict[str, str], dict[str, str]]] = []
+        self.hang_started = threading.Event()
+        self.hang_ended = threading.Event()
 
     def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -305,6 +308,14 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             if prompt == "slow":
                 time.sleep(3)
                 continue
+            if prompt == "vanish":  # the stream closed cleanly, no response at all (a proxy)
+                return
+            if prompt == "hang":  # never answers; notes when the client's call ends
+                context.add_callback(self.hang_ended.set)
+                self.hang_started.set()
+                while context.is_active():
+                    time.sleep(0.02)
+                return
             for chunk in ("Hello", ", world"):
                 resp = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
                 _bytes_output(resp, "text_output", [chunk])
@@ -375,6 +386,46 @@ def test_generate_times_out(fake_server: tuple[str, _FakeTriton]) -> None:
     with TierCacheClient(url, timeout_s=0.5) as client, pytest.raises(UnavailableError):
         client.generate_text("slow")
     assert time.monotonic() - start < 2.5
+
+
+def test_a_stream_that_ends_without_a_final_response_fails_at_once(
+    fake_server: tuple[str, _FakeTriton],
+) -> None:
+    """A stream closed cleanly with nothing sent (a proxy, a misbehaving server): tritonclient
+    calls back nothing, and the call waited its whole timeout, then said "no response"."""
+    url, _ = fake_server
+    start = time.monotonic()
+    with TierCacheClient(url, timeout_s=30) as client:
+        with pytest.raises(UnavailableError, match="ended without a final response"):
+            client.generate_text("vanish")
+        assert client.generate_text("hi").text == "Hello, world"  # still usable
+    assert time.monotonic() - start < 5
+
+
+def test_close_cancels_a_call_in_progress(fake_server: tuple[str, _FakeTriton]) -> None:
+    """A generation another thread waits on (or a generator left paused) when the client is
+    closed: its stream is cancelled, the server sees the call end and the waiting thread gets
+    an error, instead of both holding on (and keeping the process alive) until the timeout."""
+    url, servicer = fake_server
+    servicer.hang_started.clear()
+    servicer.hang_ended.clear()
+    client = TierCacheClient(url, timeout_s=60)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.generate_text("hang")
+        except BaseException as exc:  # noqa: BLE001 - what the waiting thread was told
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    assert servicer.hang_started.wait(10)
+    client.close()
+    assert servicer.hang_ended.wait(5), "the server's call was kept open"
+    waiting.join(5)
+    assert not waiting.is_alive() and outcome
+    assert isinstance(outcome[0], TierCacheClientError)
 
 
 def test_health(fake_server: tuple[str, _FakeTriton]) -> None:
@@ -477,6 +528,23 @@ def test_cli_generate_stream(
     out, err = capsys.readouterr()
     assert out == "Hello, world\n"
     assert err.startswith("[cache: semantic (sim 0.938) | ")
+
+
+def test_cli_files_it_cannot_use_are_one_line_errors(
+    fake_server: tuple[str, _FakeTriton], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompts file that is not UTF-8 and an API key file holding a line break (which no
+    Authorization header can carry) are an `error:` line and exit code 2, not a traceback or
+    the server's "internal: Invalid metadata"."""
+    url, _ = fake_server
+    latin = tmp_path / "prompts.jsonl"
+    latin.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    assert main(["warm", "--url", url, "--prompts", str(latin)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot read {latin}")
+    key = tmp_path / "key"
+    key.write_text("tc_first\ntc_second\n")
+    assert main(["generate", "hi", "--url", url, "--api-key-file", str(key)]) == 2
+    assert "line break" in capsys.readouterr().err
 
 
 def test_cli_generate_json(
