@@ -5,6 +5,7 @@ changes."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -168,6 +169,37 @@ def test_a_key_file_removed_or_broken_refuses_every_key_until_it_is_back(
     path.write_text(saved)
     clock.now_s += 2
     assert keys.authorize(leaked).tenant == "acme"
+
+
+def test_a_key_file_that_cannot_be_read_is_tried_again_and_used_once_it_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file another user's edit left unreadable to the stages (`sudo tiercache keys add`
+    makes it root's, 0600) refuses every key; given back with chown or chmod, which move only
+    its ctime, it is read again at the next check (it stayed refused until a restart or
+    another edit). The failure is logged once a minute, not at every check."""
+    path = tmp_path / "keys.json"
+    key, _ = add_key(path, "acme")
+    clock = Clock()
+    keys = KeyFile(path, clock=clock)
+    real = Path.read_bytes
+    denied = [True]
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path and denied[0]:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    os.utime(path, ns=(1, 1))  # another edit: the next check reads it, and cannot
+    for _ in range(3):
+        clock.now_s += 2
+        with pytest.raises(Forbidden, match="unknown API key"):
+            keys.authorize(key)
+    assert caplog.text.count("cannot be read") == 1
+    denied[0] = False  # given back: nothing of the file changed but its ctime, if that
+    clock.now_s += 2
+    assert keys.authorize(key).tenant == "acme"
 
 
 @pytest.mark.parametrize(

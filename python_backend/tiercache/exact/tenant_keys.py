@@ -34,6 +34,7 @@ from typing import Any
 
 from tiercache.errors import ConfigError, Forbidden, InvalidRequest
 from tiercache.exact.request import CacheControl, canonical_tenant
+from tiercache.log_throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class KeyFile:
         self._clock = clock
         self._lock = threading.Lock()
         self._grants: dict[str, TenantGrant] = {}
-        self._signature: tuple[int, int, int] | None = None
+        self._signature: tuple[int, int, int, int] | None = None
         self._reload()  # a missing or malformed file fails the stage's start (ConfigError)
         self._checked_s = clock()
 
@@ -169,18 +170,31 @@ class KeyFile:
             if known:
                 raise _Unchanged from None
             raise ConfigError(f"API key file {self.path} cannot be read: {exc}") from exc
-        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        # ctime too: chmod and chown move it alone (a file made unreadable to the stages by
+        # an edit as another user, then given back, must be read again)
+        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         with self._lock:
             if signature == self._signature:
                 return
             self._signature = signature
-        grants = {entry_hash: grant for entry_hash, grant in _read(self.path)}
+        try:
+            grants = {entry_hash: grant for entry_hash, grant in _read(self.path)}
+        except _Unreadable:
+            with self._lock:  # not kept: read again at the next check, whatever changed
+                if self._signature == signature:
+                    self._signature = None
+            raise
         with self._lock:
             if self._signature == signature:
                 self._grants = grants
 
 
-_MISSING = (-1, -1, -1)  # the signature of a file that could not be found (stat failed)
+_MISSING = (-1, -1, -1, -1)  # the signature of a file that could not be found (stat failed)
+
+
+class _Unreadable(ConfigError):
+    """The file is there but could not be read (permissions, too many open files): not a
+    verdict on its contents, so it is tried again at the next check."""
 
 
 class _Unchanged(ConfigError):
@@ -190,8 +204,13 @@ class _Unchanged(ConfigError):
         super().__init__("unchanged")
 
 
+_UNREADABLE_LOG = LogThrottle()  # an unreadable file is tried again at every check
+
+
 def _log_reload_failure(path: Path, exc: ConfigError) -> None:
     if isinstance(exc, _Unchanged):
+        return
+    if isinstance(exc, _Unreadable) and not _UNREADABLE_LOG.ready():
         return
     log.error(
         "API key file %s cannot be used; every API key is refused until it can: %s",
@@ -202,8 +221,12 @@ def _log_reload_failure(path: Path, exc: ConfigError) -> None:
 
 def _read(path: Path) -> Iterator[tuple[str, TenantGrant]]:
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise _Unreadable(f"API key file {path} cannot be read: {exc}") from exc
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError too
         raise ConfigError(f"API key file {path} is not readable JSON: {exc}") from exc
     if not isinstance(document, dict) or document.get("version") != KEYS_VERSION:
         raise ConfigError(f"API key file {path}: expected {{'version': {KEYS_VERSION}, 'keys'}}")
