@@ -30,6 +30,7 @@ from tiercache.server import (
     TritonServer,
     connect_host,
     is_loopback,
+    tied_to_this_thread,
 )
 
 
@@ -90,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         exit_timeout_s=args.exit_timeout_secs,
         env_overrides=overrides,
         exposure=exposure,
+        tied=True,  # a supervisor killed leaves no server behind holding the ports
     )
     print(
         f"tiercache: starting tritonserver on {args.model_repository} (state in {args.state_dir})\n"
@@ -271,7 +273,12 @@ def _start_gateway(args: argparse.Namespace, server: TritonServer, host: str) ->
     for network in args.gateway_metrics_from:
         command += ["--metrics-from", network]
     env = {**os.environ, **server.env_overrides}
-    process = subprocess.Popen(command, start_new_session=True, env=env)
+    process = subprocess.Popen(
+        command,
+        start_new_session=True,
+        env=env,
+        preexec_fn=tied_to_this_thread(),  # noqa: PLW1509 - killed with the supervisor
+    )
     url = f"http://{connect_host(host)}:{args.gateway_port}/health"
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
     deadline = time.monotonic() + GATEWAY_READY_S

@@ -10,6 +10,7 @@ behind a header whose value is random per server and never printed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import ipaddress
 import logging
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,9 +214,37 @@ class Ports:
         return cls(free_port(), free_port(), free_port())
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def tied_to_this_thread() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen` that has the child sent SIGTERM when the thread
+    that starts it ends, this process's death included (Linux's `PR_SET_PDEATHSIG`): a
+    supervisor killed (SIGKILL, a crash) leaves no tritonserver, stubs or gateway behind
+    holding its ports. None where prctl cannot be had (not Linux). The library is opened
+    here, in the parent: the child, forked from a process with threads, only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def tie() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the tie: as if after it
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie
+
+
 @dataclass(slots=True)
 class TritonServer:
-    """One tritonserver process serving `model_repository` with the venv first on PATH."""
+    """One tritonserver process serving `model_repository` with the venv first on PATH.
+    `tied`: it gets SIGTERM when the thread that started it ends (`tied_to_this_thread`), as
+    `tiercache serve` wants for the server it supervises."""
 
     model_repository: Path
     state_dir: Path
@@ -229,6 +258,7 @@ class TritonServer:
     # value seen once (it is in tritonserver's command line) opens nothing after a new start.
     restricted_value: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     process: subprocess.Popen | None = None
+    tied: bool = False
 
     @property
     def grpc_url(self) -> str:
@@ -293,6 +323,7 @@ class TritonServer:
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
+            preexec_fn=tied_to_this_thread() if self.tied else None,  # noqa: PLW1509 - see there
         )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

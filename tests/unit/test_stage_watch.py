@@ -1,7 +1,13 @@
-"""Finding tritonserver's stage processes (Python-backend stubs) in /proc, and their deaths."""
+"""Finding tritonserver's stage processes (Python-backend stubs) in /proc, and their deaths;
+children tied to the supervisor that started them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from tiercache.server import StageWatch, TritonServer, stage_processes
@@ -70,3 +76,42 @@ def test_stage_watch_reports_each_death_once_and_watches_new_stubs() -> None:
     assert watch.dead() == {1: "llm"}
     assert watch.dead() == {}
     assert watch.dead() == {3: "embedding_cache"}
+
+
+def test_a_tied_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """`tiercache serve` starts tritonserver and the gateway tied to itself
+    (`tied_to_this_thread`): a supervisor killed with SIGKILL, which runs no cleanup, leaves
+    neither behind holding its ports. Here a parent process starts a sleeping child tied to it
+    and is killed; the child goes too."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from tiercache.server import tied_to_this_thread\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+        "                         start_new_session=True, preexec_fn=tied_to_this_thread())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the tied child outlived its parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
