@@ -54,8 +54,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:  # 0700 before anything is written in it: it holds every tenant's answers
         make_private_dir(state_dir)
+        owner = state_dir.stat().st_uid
     except OSError as exc:
         print(f"tiercache: state dir {state_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if owner != os.geteuid():
+        # Its owner could plant the secret, the admin token or the Python backend's stub
+        # binary there (a /tmp path created first by another local user, or a link to theirs)
+        print(
+            f"tiercache: state dir {state_dir} belongs to uid {owner}, not to this user "
+            f"(uid {os.geteuid()}): whoever owns it could plant the server secret, the admin "
+            "token or the backend's binaries in it. Use a folder of your own (--state-dir, "
+            "$TIERCACHE_STATE_DIR), or chown this one",
+            file=sys.stderr,
+        )
         return 1
     token_file = (
         Path(args.admin_token_file).resolve()

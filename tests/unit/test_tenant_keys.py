@@ -272,6 +272,28 @@ def test_serve_refuses_ports_out_of_range_and_a_watch_interval_of_zero(
         assert "65535" in err or "more than 0" in err, err
 
 
+def test_serve_refuses_a_state_dir_another_user_owns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A state dir another user owns (a /tmp path they created first, or a link to theirs):
+    they could plant the secret, the admin token or the backend's binaries in it. `serve`
+    refuses it before writing or starting anything."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    from tiercache.cli import main
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, 12345, 12345)
+    assert main(["serve", "--state-dir", str(theirs)]) == 1
+    err = capsys.readouterr().err
+    assert "belongs to uid 12345" in err
+    assert list(theirs.iterdir()) == []  # nothing written
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    assert main(["serve", "--state-dir", str(link)]) == 1
+
+
 def test_every_cache_control_word_is_one_a_key_can_allow_or_refuse() -> None:
     """A word missing from `used_words` would pass every key's cache_control limit unseen."""
     from tiercache.exact.request import CacheControl
