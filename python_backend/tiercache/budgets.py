@@ -238,6 +238,11 @@ class BudgetController:
             return decisions
         room = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if self.total_bytes <= 0:
+            # What the budgets were given and their caches have not filled is memory promised
+            # already: growing an unfilled budget uses none, so without this an idle cache was
+            # granted half the same surplus again every tick, up to its ceiling, and a burst
+            # then passed the headroom
+            room -= self._unfilled()
             return self._grow(int(room * self.grow_fraction * grow_part)) if room > 0 else []
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
@@ -369,6 +374,16 @@ class BudgetController:
                 decisions.append(self._apply(budget, start, reason, take_over))
         self._shrunk_short = max(shortfall, 0)
         return decisions
+
+    def _unfilled(self) -> int:
+        """The bytes this process's budgets allow that their caches do not hold (by the same
+        reading a shrink takes: `used`, else `held`; a budget without one counts none)."""
+        unfilled = 0
+        for budget in self.budgets:
+            holds = budget.used if budget.used is not None else budget.held
+            if holds is not None:
+                unfilled += max(budget.current_bytes - int(holds()), 0)
+        return unfilled
 
     def _grow(self, room: int) -> list[Decision]:
         decisions = []

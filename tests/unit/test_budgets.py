@@ -141,6 +141,37 @@ def test_room_grows_the_most_valuable_first_by_a_fraction_of_the_surplus_up_to_c
     assert controller.tick() == []  # at the ceilings
 
 
+def test_an_unfilled_budget_is_memory_promised_and_an_idle_cache_stops_growing() -> None:
+    """A budget its cache has not filled uses no memory, so the machine's surplus did not
+    move: it was granted half the same surplus again every tick, up to its ceiling, and a
+    burst then passed the headroom. The unfilled part counts as promised: the budget settles
+    at what the surplus allows over what the cache holds."""
+    cache = Cache(value=1.0)
+    held = [10 * MIB]
+    machine = Machine(available=60 * MIB)
+    controller = BudgetController(
+        [
+            Budget(
+                "l1", MIB, 200 * MIB, 15 * MIB, cache.resize, lambda: cache.value,
+                used=lambda: held[0],
+            )
+        ],
+        machine,
+        headroom_bytes=40 * MIB,
+        hysteresis=0.0,
+        grow_fraction=0.5,
+    )  # fmt: skip
+    for _ in range(30):
+        controller.tick()
+    # the surplus is 20 MiB: the budget may promise at most that past the 10 MiB it holds
+    assert controller.budgets[0].current_bytes <= 30 * MIB
+    held[0] = 25 * MIB  # the cache fills (and the machine has 15 MiB less)
+    machine.available -= 15 * MIB
+    for _ in range(30):
+        controller.tick()
+    assert controller.budgets[0].current_bytes <= 30 * MIB
+
+
 def test_within_the_hysteresis_band_nothing_moves() -> None:
     cache = Cache(value=1.0)
     machine = Machine(available=220 * MIB)
