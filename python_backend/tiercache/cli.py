@@ -166,6 +166,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.start()
         server.wait_ready(args.ready_timeout)
+        watch = StageWatch(server)
+        watch.reset()  # now: a stage that dies while the gateway starts is a death seen
         if args.gateway:
             gateway = _start_gateway(args, server, gateway_host)
         grpc = server.grpc_url
@@ -189,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
             "  Ctrl-C stops the server.",
             flush=True,
         )
-        code = _supervise(server, args)
+        code = _supervise(server, args, watch)
         if code is not None:
             print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
         server.stop()  # stage processes it left behind, in its process group
@@ -319,48 +321,63 @@ def _stop_gateway(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _supervise(server: TritonServer, args: argparse.Namespace) -> int | None:
-    """Wait for tritonserver to exit; meanwhile, unless --no-restart, restart it when one of its
-    stage processes dies (Triton does not restart a dead Python stub, and every request through
-    that stage fails until the server restarts). Gives up after --max-restarts restarts within
-    an hour. Returns tritonserver's exit code; None when it gave up (or had no server)."""
-    watch = StageWatch(server)
-    watch.reset()
+def _supervise(server: TritonServer, args: argparse.Namespace, watch: StageWatch) -> int | None:
+    """Wait for tritonserver; meanwhile, unless --no-restart, restart it when one of its stage
+    processes dies (Triton does not restart a dead Python stub, and every request through that
+    stage fails until the server restarts), when tritonserver itself fails (a stub that died
+    holding its IPC mutex aborts it: docs/faults.md), and when a restart fails to come up (the
+    next try counts as a restart too). Gives up after --max-restarts restarts within an hour.
+    Returns the exit code of a tritonserver that exited cleanly (0) or failed with restarts off;
+    None when it gave up (or had no server). `watch` saw the server's stages when it was
+    ready."""
     restarts: list[float] = []
     while True:
         process = server.process
         if process is None:
             return None
         try:
-            return process.wait(timeout=args.watch_interval_s)
+            code: int | None = process.wait(timeout=args.watch_interval_s)
         except subprocess.TimeoutExpired:
-            pass
-        dead = watch.dead() if args.restart else {}
-        if not dead or process.poll() is not None:
-            continue
-        now = time.monotonic()
-        restarts = [t for t in restarts if now - t < 3600.0]
-        names = ", ".join(f"{model} (pid {pid})" for pid, model in sorted(dead.items()))
-        if len(restarts) >= args.max_restarts:
+            code = None
+        if code is not None:
+            if code == 0 or not args.restart:
+                return code
+            why = f"tritonserver exited with code {code}"
+        else:
+            dead = watch.dead() if args.restart else {}
+            if not dead or process.poll() is not None:
+                continue
+            names = ", ".join(f"{model} (pid {pid})" for pid, model in sorted(dead.items()))
+            why = (
+                f"stage process {names} died; Triton does not restart it, so every request "
+                "through it would fail"
+            )
+        started = time.monotonic()
+        while True:  # a restart that does not come up is tried again, counted like the first
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < 3600.0]
+            if len(restarts) >= args.max_restarts:
+                print(
+                    f"tiercache: {why}; {len(restarts)} restarts in the last hour already "
+                    "(--max-restarts): stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                server.stop()
+                return None  # gave up: serve exits 1, without claiming an exit code of Triton's
+            restarts.append(now)
             print(
-                f"tiercache: stage process {names} died; {len(restarts)} restarts in the last "
-                "hour already (--max-restarts): stopping",
+                f"tiercache: {why}: restarting tritonserver (cached answers are on disk)",
                 file=sys.stderr,
                 flush=True,
             )
-            server.stop()
-            return None  # gave up: serve exits 1, without claiming an exit code of Triton's
-        restarts.append(now)
-        print(
-            f"tiercache: stage process {names} died; Triton does not restart it, so every "
-            "request through it would fail: restarting tritonserver (cached answers are on disk)",
-            file=sys.stderr,
-            flush=True,
-        )
-        started = time.monotonic()
-        server.stop()  # its --exit-timeout-secs, and 20 s more
-        server.start()
-        server.wait_ready(args.ready_timeout)
+            server.stop()  # its --exit-timeout-secs, and 20 s more
+            try:
+                server.start()
+                server.wait_ready(args.ready_timeout)
+                break
+            except ServerError as exc:
+                why = f"the restart failed ({exc})"
         watch.reset()
         print(
             f"tiercache: ready again after {time.monotonic() - started:.1f} s "

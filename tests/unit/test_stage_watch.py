@@ -115,3 +115,78 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+class _TritonProcess:
+    """A tritonserver stand-in: `wait` returns `code` once `exits` is set, else times out."""
+
+    def __init__(self, code: int | None = None) -> None:
+        self.code = code
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:
+            raise subprocess.TimeoutExpired("tritonserver", timeout or 0)
+        return self.code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class _Supervised:
+    """What `_supervise` drives: each start makes the next process of `processes`; each
+    wait_ready raises the next of `ready_errors` (None: ready)."""
+
+    def __init__(
+        self, processes: list[_TritonProcess], ready_errors: list[Exception | None]
+    ) -> None:
+        self.processes = processes
+        self.ready_errors = ready_errors
+        self.process: _TritonProcess | None = processes.pop(0)
+        self.starts = self.stops = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.process = self.processes.pop(0)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        error = self.ready_errors.pop(0)
+        if error is not None:
+            raise error
+
+    def stop(self) -> None:
+        self.stops += 1
+
+    def stage_processes(self) -> dict[int, str]:
+        return {}
+
+
+def _supervised(server: _Supervised, max_restarts: int = 5) -> int | None:
+    import argparse
+
+    from tiercache.cli import _supervise
+
+    args = argparse.Namespace(
+        watch_interval_s=0.01, restart=True, max_restarts=max_restarts, ready_timeout=1.0
+    )
+    watch = StageWatch(server)  # type: ignore[arg-type]
+    watch.reset()
+    return _supervise(server, args, watch)  # type: ignore[arg-type]
+
+
+def test_a_failed_tritonserver_is_restarted_and_a_failed_restart_tried_again() -> None:
+    """tritonserver itself failing (a stub that died holding its IPC mutex aborts it) was the
+    end of `tiercache serve`, as was a restart that did not come up: both are restarts now,
+    counted against --max-restarts; a clean exit (0) still ends the supervision."""
+    from tiercache.server import ServerError
+
+    server = _Supervised(
+        [_TritonProcess(134), _TritonProcess(1), _TritonProcess(0)],
+        [ServerError("not ready within 1 s"), None],
+    )
+    assert _supervised(server) == 0
+    assert server.starts == 2  # the failed start, then the one that came up
+    given_up = _Supervised(
+        [_TritonProcess(134), _TritonProcess(134), _TritonProcess(134)], [None, None]
+    )
+    assert _supervised(given_up, max_restarts=2) is None
+    assert given_up.starts == 2
