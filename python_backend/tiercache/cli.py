@@ -124,6 +124,18 @@ def _serve(args: argparse.Namespace) -> int:
     wanted.append(("metrics", exposure.metrics_address, args.metrics_port, "--metrics-port"))
     if exposure.http:
         wanted.append(("HTTP", exposure.host, args.http_port, "--http-port"))
+    if args.gateway:
+        wanted.append(("OpenAI endpoint", exposure.host, args.gateway_port, "--gateway-port"))
+    by_port: dict[int, str] = {}
+    for name, _, port, flag in wanted:  # one port named twice passed the probe, then failed
+        if port in by_port:  # only once every model had loaded, minutes later
+            print(
+                f"tiercache: {flag} {port} is also {by_port[port]}: give each its own port",
+                file=sys.stderr,
+            )
+            return 1
+        by_port[port] = f"the {name} port"
+    wanted = wanted[:-1] if args.gateway else wanted  # the gateway's is probed below
     for name, host, port, flag in wanted:
         busy = _port_in_use(host, port)
         if busy:
@@ -235,6 +247,17 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"must be more than 0 and finite, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -758,8 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not start the OpenAI-compatible endpoint",
     )
-    serve.add_argument("--exit-timeout-secs", type=int, default=10)
-    serve.add_argument("--ready-timeout", type=float, default=600.0)
+    serve.add_argument("--exit-timeout-secs", type=non_negative_int, default=10)
+    serve.add_argument("--ready-timeout", type=positive_seconds, default=600.0)
     serve.add_argument(
         "--no-restart",
         dest="restart",
@@ -768,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-restarts",
-        type=int,
+        type=non_negative_int,
         default=5,
         help="restarts allowed within an hour before giving up (default 5)",
     )

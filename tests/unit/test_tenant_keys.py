@@ -264,12 +264,30 @@ def test_serve_refuses_ports_out_of_range_and_a_watch_interval_of_zero(
         ["serve", "--grpc-port", "-1"],
         ["serve", "--watch-interval-s", "0"],
         ["gateway", "--port", "0"],
+        ["serve", "--max-restarts", "-1"],
+        ["serve", "--ready-timeout", "nan"],
+        ["serve", "--exit-timeout-secs", "-1"],
     ):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2, argv
         err = capsys.readouterr().err
-        assert "65535" in err or "more than 0" in err, err
+        assert "65535" in err or "more than 0" in err or "0 or more" in err, err
+
+
+def test_serve_refuses_one_port_named_twice_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same port for gRPC and metrics (or the OpenAI endpoint) passed the probe and
+    failed only once every model had loaded, minutes later."""
+    from tiercache.cli import main
+
+    state = tmp_path / "state"
+    argv = ["serve", "--state-dir", str(state), "--grpc-port", "18001"]
+    assert main([*argv, "--metrics-port", "18001"]) == 1
+    assert "--metrics-port 18001 is also the gRPC port" in capsys.readouterr().err
+    assert main([*argv, "--metrics-port", "18002", "--gateway-port", "18002"]) == 1
+    assert "--gateway-port 18002 is also the metrics port" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_state_dir_another_user_owns(
