@@ -241,7 +241,8 @@ def test_idle_connections_make_room_for_requests() -> None:
         time.sleep(0.3)
         assert len(server.server_state.connections) < 4  # the newest made room as they came
         assert _get(port).startswith(b"HTTP/1.1 200")
-        assert _closed_within(idle[0], 5) == b""  # the longest-waiting, closed
+        # the server closed those that made room (which ones: the order it accepted them in)
+        assert sum(_closed_by_server(conn) for conn in idle) >= 3
         for conn in idle:
             conn.close()
     with _bounded_server(limit_concurrency=3, header_timeout_s=60) as (server, port):
@@ -287,6 +288,17 @@ def _bounded_server(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def _closed_by_server(conn: socket.socket) -> bool:
+    """Whether the server has closed `conn` (it reads as ended within a second)."""
+    conn.settimeout(1.0)
+    try:
+        return conn.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
 
 
 def _closed_within(conn: socket.socket, seconds: float) -> bytes:
