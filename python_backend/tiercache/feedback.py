@@ -31,7 +31,6 @@ also name an entry of that tenant (a second check, should a forged id ever open)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -172,14 +171,18 @@ class Feedback:
             return FeedbackReport(verdict, ref.served, False, False, endorsed)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
-        if replaced:
-            return FeedbackReport(verdict, ref.served, False, False)
-        report = self.invalidator.key(ref.digest)  # first: it stops the answer being served
+        report = None if replaced else self.invalidator.key(ref.digest)  # first: stops serving
         if ref.served is ServedAs.SEMANTIC:
+            # The floor is about the neighbour and the similarity it was served at, not one
+            # version of its answer: raised even when the answer was replaced since (a second
+            # `bad`, at a higher similarity, after the first one's invalidation), so the
+            # regenerated answer is not served to that rewording again.
             try:  # the floor outlives the answer (another key): its regeneration needs it
                 raise_floor(cache, ref.digest, ref.similarity, tenant_scope)
             except Exception:  # noqa: BLE001 - the invalidation stands; the floor is extra
                 log.exception("raising the similarity floor of %s... failed", ref.digest[:12])
+        if report is None:
+            return FeedbackReport(verdict, ref.served, False, False)
         return FeedbackReport(verdict, ref.served, True, report.published)
 
 
@@ -187,8 +190,10 @@ def endorse(cache: TieredCache, digest: str, created_s: float) -> bool:
     """Count one more `good` verdict on `digest`'s entry made at `created_s` (the one that was
     served): the highest count any shared tier holds for it (L2 and L3: never a process's L1,
     whose copy may predate other verdicts; another replica may have counted one in L3 that this
-    host's L2 has not seen), plus one, written back to every tier. False when no shared tier
-    holds that entry (expired, invalidated, evicted, generated again) or its count is already
+    host's L2 has not seen), plus one, written to every tier holding that answer
+    (`TieredCache.endorse_entry`: never over a newer one, nor into a tier that lost it). False
+    when no shared tier holds that entry (expired, invalidated, evicted, generated again) or
+    its count is already
     at MAX_ENDORSEMENTS. Two verdicts at the same instant may count as one: a rank, not a
     tally (tiercache_feedback_total counts every verdict)."""
     now = cache.now()
@@ -202,5 +207,5 @@ def endorse(cache: TieredCache, digest: str, created_s: float) -> bool:
     entry = max(held, key=lambda e: e.endorsements)
     if entry.endorsements >= MAX_ENDORSEMENTS:
         return False
-    raised = dataclasses.replace(entry, endorsements=entry.endorsements + 1)
-    return cache.put_entry(digest, raised) is not None
+    # only the tiers that hold this answer: one holding a newer answer is not reverted to it
+    return cache.endorse_entry(digest, created_s, entry.endorsements + 1) > 0

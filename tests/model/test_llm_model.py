@@ -764,7 +764,8 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     """An exact hit's and a miss's ANSWER_ID name the request's own digest; a semantic hit's
     names the neighbour whose answer it serves (from embedding_cache's sealed NEIGHBOURS) and
     its similarity; each opens only for the tenant it was served to; a request without a digest
-    gets none; a repeated exact hit gets a fresh id for the same entry."""
+    gets none, nor does a generation that is not stored; a repeated exact hit gets a fresh id
+    for the same entry."""
     exact = envelope(sealer, CacheStatus.EXACT, "1" * 64, "the answer")
     hit = seals.llm_exact(exact, "the answer")
     asks = envelope(sealer, CacheStatus.MISS, "2" * 64, semantic_scope="s" * 64)
@@ -776,8 +777,18 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
         request=GenerationRequest("Hi", tenant_scope=TENANT), status=CacheStatus.MISS
     )
     no_digest = seals.sealed(sealer, unkeyed, "", (0, 0, 0))
-    batch = [hit, hit, near, to_llm(pb_utils, sealer, miss), to_llm(pb_utils, sealer, no_digest)]
-    first, again, semantic, generated, anonymous = run(pb_utils, model, batch)
+    not_stored = envelope(sealer, CacheStatus.MISS, "4" * 64, write_back=False)  # no-store
+    batch = [
+        hit,
+        hit,
+        near,
+        to_llm(pb_utils, sealer, miss),
+        to_llm(pb_utils, sealer, no_digest),
+        to_llm(pb_utils, sealer, not_stored),
+    ]
+    first, again, semantic, generated, anonymous, unstored = run(pb_utils, model, batch)
+    # a generation not stored gets none: its digest names whatever else is cached under it
+    assert answer_ref(model, unstored) is None
     assert answer_ref(model, first) is not None
     ids = [pb_utils_stub.get_output_tensor_by_name(r[0], "ANSWER_ID") for r in (first, again)]
     assert ids[0].as_numpy()[0] != ids[1].as_numpy()[0]

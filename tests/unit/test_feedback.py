@@ -478,6 +478,43 @@ def test_a_verdict_given_on_another_host_reaches_this_hosts_l2_through_redis(
     b.close()
 
 
+def test_good_never_writes_the_served_answer_over_a_newer_one(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Host A's L2 still holds the answer that was served; host B generated it again (a
+    `no-cache` request: no watermark) into its L2 and L3. A `good` verdict given on A endorses
+    A's copy and leaves L3's newer answer alone (it wrote A's old copy to every tier,
+    reverting the fleet's answer until its TTL)."""
+    clock = FakeClock()
+
+    def host(name: str) -> TieredCache:
+        link = RedisLink.from_url(redis_server.url, redis_prefix, secret=b"f" * 32)
+        return TieredCache(
+            [
+                (Tier.L2, LmdbStore(tmp_path / name / "l2", 1 << 20)),
+                (Tier.L3, RedisStore(link, clock=clock, stats_max_age_s=0)),
+            ],
+            clock=clock,
+        )
+
+    a, b = host("a"), host("b")
+    a.put(DIGEST, "the old answer", tenant_scope=SCOPE)
+    ids = AnswerIds(SECRET)
+    served_id = served(ids, clock)  # the old answer, served from A
+    clock.now += 10.0
+    b.put(DIGEST, "the new answer", tenant_scope=SCOPE)  # L3 now holds B's
+    report = Feedback(ids, Invalidator(a)).give(served_id, Verdict.GOOD, SCOPE)
+    assert report.endorsed  # A's own copy took it
+    l2_a, l3 = a.store(Tier.L2), a.store(Tier.L3)
+    assert l2_a is not None and l3 is not None
+    mine = l2_a.peek(DIGEST)
+    assert mine is not None and (mine.text, mine.endorsements) == ("the old answer", 1)
+    shared = l3.get(DIGEST)
+    assert shared is not None and (shared.text, shared.endorsements) == ("the new answer", 0)
+    a.close()
+    b.close()
+
+
 def test_another_tenants_feedback_is_refused_and_changes_nothing(
     setup: tuple[Feedback, TieredCache, FakeClock, AnswerIds],
 ) -> None:

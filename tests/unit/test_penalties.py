@@ -98,6 +98,31 @@ def test_bad_feedback_on_a_semantic_hit_keeps_the_regenerated_answer_from_that_r
     answers.close()
 
 
+def test_a_second_bad_verdict_raises_the_floor_although_the_answer_was_replaced(
+    tmp_path: Path,
+) -> None:
+    """The neighbour's answer served to two rewordings (at 0.80 and at 0.90) and judged `bad`
+    by both: the second verdict comes after the first one's invalidation, which covers the
+    answer it names, yet the floor is about the neighbour and the similarity it was served at:
+    it rises to 0.91 (it stayed at 0.81, and the regenerated answer was served to the second
+    rewording again)."""
+    answers = tiers(tmp_path)
+    answers.put(DIGEST, "a wrong answer for both", tenant_scope="scope-a")
+    ids = AnswerIds(bytes(32))
+    issued = answers.now()
+    first, second = (
+        ids.issue(AnswerRef(DIGEST, ServedAs.SEMANTIC, at, issued_s=issued), "scope-a")
+        for at in (0.80, 0.90)
+    )
+    feedback = Feedback(ids, Invalidator(answers))
+    assert feedback.give(first, Verdict.BAD, "scope-a").invalidated
+    assert read_floor(answers, DIGEST, "scope-a") == round(0.80 + MARGIN, 6)
+    answers.put(DIGEST, "generated again", tenant_scope="scope-a", created_s=answers.now() + 1)
+    assert not feedback.give(second, Verdict.BAD, "scope-a").invalidated  # not this answer
+    assert read_floor(answers, DIGEST, "scope-a") == round(0.90 + MARGIN, 6)
+    answers.close()
+
+
 def test_a_floor_that_cannot_be_read_is_never_taken_for_none(tmp_path: Path) -> None:
     """With a shared tier unreadable (Redis down), a floor a `bad` verdict left only there is
     unknown: the hit is verified by the engine when it can be, else a miss (it was served as

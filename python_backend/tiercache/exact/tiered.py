@@ -15,6 +15,7 @@ old for that one request; they stay for others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -508,6 +509,42 @@ class TieredCache:
         if failure is not None:
             raise failure
         return entry
+
+    def endorse_entry(self, key: str, created_s: float, endorsements: int) -> int:
+        """Give `key`'s answer made at `created_s` `endorsements` `good` verdicts in every tier
+        that holds that answer (feedback's endorsement), and in no other: a tier holding a
+        newer answer (generated again elsewhere, no watermark) or none (evicted) is left as it
+        is, where writing the endorsed copy back would revert or refill it. Stores that endorse
+        in place (L1, L2) re-read their copy under their own lock or transaction; L3 is read,
+        then written only when its copy is that answer (another replica replacing it in between
+        can still lose to this write, for one entry's TTL). How many tiers took it; 0, writing
+        nothing, when an invalidation this process knows of covers the answer."""
+        self._catch_up()
+        probe = CacheEntry("", created_s)
+        if self.invalidations.covers(key, probe):
+            return 0
+        took = 0
+        failure: Exception | None = None
+        for slot in self._write_order:
+            store = slot.store
+            try:
+                endorse = getattr(store, "endorse", None)
+                if endorse is not None:
+                    took += endorse(key, created_s, endorsements) > 0
+                    continue
+                peek = getattr(store, "peek", None)
+                held = peek(key) if peek is not None else store.get(key)
+                if held is None or held.created_s != created_s:
+                    continue
+                if held.endorsements >= endorsements:
+                    continue
+                store.put(key, dataclasses.replace(held, endorsements=endorsements))
+                took += 1
+            except Exception as exc:  # noqa: BLE001 - re-raised below: the others still take it
+                failure = failure or exc
+        if failure is not None and not took:
+            raise failure
+        return took
 
     def note_invalidations(self) -> None:
         """Note the host's invalidations recorded since the last read (as every read does

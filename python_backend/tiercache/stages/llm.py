@@ -678,7 +678,8 @@ class LlmStage:
         """The id of the answer `item` will be served (tiercache.exact.answer_ids): a semantic
         hit's names the neighbour's entry it serves (unless the engine verifies it: then the
         answer is the request's own generation); anything else the request's own digest. None
-        for a request without a digest (sampled without a seed: never stored)."""
+        for a request without a digest (sampled without a seed: never stored), and for a
+        generation that is not stored (`no-store`)."""
         if item.status == CacheStatus.SEMANTIC and not self._verifies(item):
             if not item.neighbours:
                 return None
@@ -692,6 +693,10 @@ class LlmStage:
             )
         envelope = item.envelope.get()
         if not envelope.digest:
+            return None
+        if item.status != CacheStatus.EXACT and not envelope.write_back:
+            # a generation that is not stored (`no-store`): its digest names whatever answer
+            # is cached under it, not this one, which a verdict must not act on
             return None
         request = envelope.request
         # an exact hit's entry was made before this id; a generation's is made after it
