@@ -286,7 +286,12 @@ class TierCacheClient:
         except InferenceServerException as exc:
             raise _error(exc) from None
         with self._lock:
-            self._busy.add(client)
+            closed = self._closed  # `close()` ran while this one was being made
+            if not closed:
+                self._busy.add(client)
+        if closed:
+            client.close()
+            raise RuntimeError("TierCacheClient is closed")
         return client
 
     def _release(self, client: grpcclient.InferenceServerClient, reusable: bool) -> None:
@@ -421,7 +426,10 @@ class TierCacheClient:
                 answer_id=answer_id,
             )
         finally:
-            client.stop_stream(cancel_requests=not completed)
+            try:
+                client.stop_stream(cancel_requests=not completed)
+            except Exception:  # noqa: BLE001 - `close()` on another thread stopped it meanwhile
+                completed = False  # not reused: its stream's state is not known
             self._release(client, reusable=completed)
 
     def _next_response(
@@ -439,7 +447,12 @@ class TierCacheClient:
         while True:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
-                raise UnavailableError(f"no response from {self.url} within {self.timeout_s:g} s")
+                try:  # what already arrived is served, however long the caller took
+                    return responses.get_nowait()
+                except queue.Empty:
+                    raise UnavailableError(
+                        f"no response from {self.url} within {self.timeout_s:g} s"
+                    ) from None
             try:
                 return responses.get(timeout=min(remaining, _STREAM_POLL_S))
             except queue.Empty:

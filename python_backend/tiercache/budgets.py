@@ -238,12 +238,14 @@ class BudgetController:
             return decisions
         room = available - int(self.headroom_bytes * (1.0 + self.hysteresis))
         if self.total_bytes <= 0:
-            # What the budgets were given and their caches have not filled is memory promised
-            # already: growing an unfilled budget uses none, so without this an idle cache was
-            # granted half the same surplus again every tick, up to its ceiling, and a burst
-            # then passed the headroom
-            room -= self._unfilled()
-            return self._grow(int(room * self.grow_fraction * grow_part)) if room > 0 else []
+            # a budget grows by what its own cache has not filled less (`_grow`: growing an
+            # unfilled budget uses no memory, so an idle cache was granted half the same
+            # surplus again every tick, up to its ceiling, and a burst then passed the headroom)
+            return (
+                self._grow(int(room * self.grow_fraction * grow_part), fill_first=True)
+                if room > 0
+                else []
+            )
         if host is None:
             return []  # without the others' budgets, growing could pass the total: hold
         # under the total, only the budgets of processes that joined it (a stage with a
@@ -375,22 +377,24 @@ class BudgetController:
         self._shrunk_short = max(shortfall, 0)
         return decisions
 
-    def _unfilled(self) -> int:
-        """The bytes this process's budgets allow that their caches do not hold (by the same
-        reading a shrink takes: `used`, else `held`; a budget without one counts none)."""
-        unfilled = 0
-        for budget in self.budgets:
-            holds = budget.used if budget.used is not None else budget.held
-            if holds is not None:
-                unfilled += max(budget.current_bytes - int(holds()), 0)
-        return unfilled
+    @staticmethod
+    def _unfilled(budget: Budget) -> int:
+        """The bytes `budget` allows that its cache does not hold (by the reading a shrink
+        takes: `used`, else `held`; 0 without one)."""
+        holds = budget.used if budget.used is not None else budget.held
+        return 0 if holds is None else max(budget.current_bytes - int(holds()), 0)
 
-    def _grow(self, room: int) -> list[Decision]:
+    def _grow(self, room: int, fill_first: bool = False) -> list[Decision]:
+        """Give `room` to the budgets, the most valuable per byte first, up to their ceilings.
+        `fill_first`: a budget is given `room` less what its cache has not filled of it yet
+        (another budget's unfilled bytes do not hold it back: a graph budget its scopes never
+        fill must not keep L1 at its floor after a squeeze)."""
         decisions = []
         for budget in sorted(self.budgets, key=lambda b: -self.values[b.name]):
             if room <= 0:
                 break
-            give = min(budget.ceiling_bytes - budget.current_bytes, room)
+            allowed = room - self._unfilled(budget) if fill_first else room
+            give = min(budget.ceiling_bytes - budget.current_bytes, allowed)
             if give <= 0:
                 continue
             decisions.append(self._apply(budget, budget.current_bytes + give, "grow"))

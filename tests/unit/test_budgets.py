@@ -172,6 +172,29 @@ def test_an_unfilled_budget_is_memory_promised_and_an_idle_cache_stops_growing()
     assert controller.budgets[0].current_bytes <= 30 * MIB
 
 
+def test_another_budgets_unfilled_bytes_do_not_keep_a_full_cache_from_growing() -> None:
+    """A graph budget its scopes never fill sits at its ceiling with nothing held: L1, full at
+    its floor after a squeeze, grows back by the surplus all the same (counting every budget's
+    unfilled bytes against the surplus kept it at its floor while the memory sat free)."""
+    graphs, l1 = Cache(value=2.0), Cache(value=1.0)
+    held_l1 = [MIB]
+    controller = BudgetController(
+        [
+            Budget(
+                "graphs", MIB, 512 * MIB, 512 * MIB, graphs.resize, lambda: graphs.value,
+                used=lambda: 0,
+            ),
+            Budget("l1", MIB, 64 * MIB, MIB, l1.resize, lambda: l1.value, used=lambda: held_l1[0]),
+        ],
+        Machine(available=2 * GIB),
+        headroom_bytes=512 * MIB,
+        hysteresis=0.0,
+        grow_fraction=0.5,
+    )  # fmt: skip
+    controller.tick()
+    assert controller.budgets[1].current_bytes == 64 * MIB
+
+
 def test_within_the_hysteresis_band_nothing_moves() -> None:
     cache = Cache(value=1.0)
     machine = Machine(available=220 * MIB)

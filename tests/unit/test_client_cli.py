@@ -402,6 +402,20 @@ def test_a_stream_that_ends_without_a_final_response_fails_at_once(
     assert time.monotonic() - start < 5
 
 
+def test_a_caller_slower_than_the_timeout_still_gets_what_arrived(
+    fake_server: tuple[str, _FakeTriton],
+) -> None:
+    """The server answered within the timeout; the caller took longer over its chunks: what
+    is already there is served, not a timeout."""
+    url, _ = fake_server
+    with TierCacheClient(url, timeout_s=1.0) as client:
+        stream = client.generate("hi")
+        assert next(stream) == "Hello"
+        time.sleep(1.5)
+        rest = list(stream)
+    assert rest[0] == ", world" and isinstance(rest[-1], GenerationResult)
+
+
 def test_close_cancels_a_call_in_progress(fake_server: tuple[str, _FakeTriton]) -> None:
     """A generation another thread waits on (or a generator left paused) when the client is
     closed: its stream is cancelled, the server sees the call end and the waiting thread gets

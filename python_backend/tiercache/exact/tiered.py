@@ -517,26 +517,25 @@ class TieredCache:
         is, where writing the endorsed copy back would revert or refill it. Stores that endorse
         in place (L1, L2) re-read their copy under their own lock or transaction; L3 is read,
         then written only when its copy is that answer (another replica replacing it in between
-        can still lose to this write, for one entry's TTL). How many tiers took it; 0, writing
-        nothing, when an invalidation this process knows of covers the answer."""
+        can still lose to this write, for one entry's TTL). A copy an invalidation this process
+        knows of covers (by key, tenant, tag or adapter) is left as it is. How many tiers took
+        it."""
         self._catch_up()
-        probe = CacheEntry("", created_s)
-        if self.invalidations.covers(key, probe):
-            return 0
         took = 0
         failure: Exception | None = None
         for slot in self._write_order:
             store = slot.store
             try:
-                endorse = getattr(store, "endorse", None)
-                if endorse is not None:
-                    took += endorse(key, created_s, endorsements) > 0
-                    continue
                 peek = getattr(store, "peek", None)
                 held = peek(key) if peek is not None else store.get(key)
                 if held is None or held.created_s != created_s:
                     continue
-                if held.endorsements >= endorsements:
+                # its own tenant, tags and adapter: an invalidation of any of them covers it
+                if self.invalidations.covers(key, held) or held.endorsements >= endorsements:
+                    continue
+                endorse = getattr(store, "endorse", None)
+                if endorse is not None:  # re-read in place: replaced since, it takes none
+                    took += endorse(key, created_s, endorsements) > 0
                     continue
                 store.put(key, dataclasses.replace(held, endorsements=endorsements))
                 took += 1

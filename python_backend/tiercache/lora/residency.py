@@ -148,6 +148,11 @@ class _Tier(Generic[V]):
     def can_hold(self, nbytes: int) -> bool:
         return self.max_count >= 1 and (not self.max_bytes or nbytes <= self.max_bytes)
 
+    def withdraw_offers(self) -> None:
+        """Forget the last `victims` call's nominees (a plan not taken): a later explicit
+        removal of one of them must not count as an eviction."""
+        self._policy.nominate(0)
+
     def victims(
         self,
         nbytes: int,
@@ -453,6 +458,7 @@ class Residency:
             protect = self._pinned_check(ref, current)
             found = engine.victims(nbytes, protect, forced=stale)
             if found is None or any(held_key(v.ref) in kept_older for v in found):
+                engine.withdraw_offers()  # that plan is not taken
                 found = engine.victims(nbytes, protect, forced=stale, preferred=kept_older)
             if found is None:
                 raise CapacityError(

@@ -39,7 +39,8 @@ def floor_key(digest: str) -> str:
 def read_floor(cache: TieredCache, digest: str, tenant_scope: str | None = None) -> float | None:
     """The similarity a rewording needs to be served `digest`'s answer: the highest floor the
     shared tiers hold (`read_sides`: another tenant's, an expired or invalidated one left out);
-    None when none was set. One that does not parse is ignored (logged)."""
+    None when none was set. One that does not parse is left out here (logged);
+    `read_floor_checked` says it was not known."""
     return read_floor_checked(cache, digest, tenant_scope)[0]
 
 
