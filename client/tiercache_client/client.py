@@ -446,24 +446,15 @@ class TierCacheClient:
         tritonclient then calls back nothing, and the wait would last the whole timeout)."""
         while True:
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                try:  # what already arrived is served, however long the caller took
-                    return responses.get_nowait()
-                except queue.Empty:
-                    raise UnavailableError(
-                        f"no response from {self.url} within {self.timeout_s:g} s"
-                    ) from None
-            try:
-                return responses.get(timeout=min(remaining, _STREAM_POLL_S))
+            try:  # what already arrived is served, however long the caller took
+                return responses.get(timeout=min(max(remaining, 0.0), _STREAM_POLL_S))
             except queue.Empty:
                 pass
-            if not _stream_reader_alive(client):
-                try:  # what it sent before it ended is in the queue by now
-                    return responses.get_nowait()
-                except queue.Empty:
-                    raise UnavailableError(
-                        f"the stream from {self.url} ended without a final response"
-                    ) from None
+            if remaining <= 0:
+                raise UnavailableError(f"no response from {self.url} within {self.timeout_s:g} s")
+            # a reader gone puts nothing more: an empty queue then is the stream's end
+            if not _stream_reader_alive(client) and responses.empty():
+                raise UnavailableError(f"the stream from {self.url} ended without a final response")
 
     def generate_text(self, prompt: str, **kwargs: Any) -> GenerationResult:
         """Run `generate()` to the end and return its `GenerationResult` (same errors)."""

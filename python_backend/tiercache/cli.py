@@ -124,18 +124,19 @@ def _serve(args: argparse.Namespace) -> int:
     wanted.append(("metrics", exposure.metrics_address, args.metrics_port, "--metrics-port"))
     if exposure.http:
         wanted.append(("HTTP", exposure.host, args.http_port, "--http-port"))
-    if args.gateway:
-        wanted.append(("OpenAI endpoint", exposure.host, args.gateway_port, "--gateway-port"))
+    # one port named twice passed the probe, then failed only once every model had loaded
+    gateway_port = (
+        [("OpenAI endpoint", args.gateway_port, "--gateway-port")] if args.gateway else []
+    )
     by_port: dict[int, str] = {}
-    for name, _, port, flag in wanted:  # one port named twice passed the probe, then failed
-        if port in by_port:  # only once every model had loaded, minutes later
+    for name, port, flag in [(n, p, f) for n, _, p, f in wanted] + gateway_port:
+        if port in by_port:
             print(
                 f"tiercache: {flag} {port} is also {by_port[port]}: give each its own port",
                 file=sys.stderr,
             )
             return 1
         by_port[port] = f"the {name} port"
-    wanted = wanted[:-1] if args.gateway else wanted  # the gateway's is probed below
     for name, host, port, flag in wanted:
         busy = _port_in_use(host, port)
         if busy:

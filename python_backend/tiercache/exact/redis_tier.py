@@ -73,6 +73,7 @@ from tiercache.exact.keys import (
     secret_fingerprint,
 )
 from tiercache.exact.stores import StoreStats, peeked, read_stored
+from tiercache.log_throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ MAX_ENTRY_NAME_CHARS = 256
 MAX_COUNTED_NAMES = 1_000_000
 # What a log line shows of a name found in Redis (anyone who can write Redis chooses it)
 _LOGGED_NAME_CHARS = 80
+_COUNT_CUT_LOG = LogThrottle()  # a count stopped at MAX_COUNTED_NAMES: said once a minute
 # The secret's fingerprint and an older release's secret are read at most this long at start
 _SHORT_READ = 256
 # An L3 value is read at most this long (GETRANGE): a longer one was never written by a replica
@@ -792,7 +794,7 @@ class RedisStore:
                 if stored is None:
                     continue
                 if stored is OVERSIZED:  # over MAX_VALUE_BYTES: refused unread, as a get does
-                    self._signer.refuse(raw.decode("utf-8", "replace"))  # logged cut
+                    self._signer.refuse(raw.decode("utf-8", "replace"))
                     continue
                 try:
                     name = raw.decode()
@@ -819,12 +821,13 @@ class RedisStore:
         for names in self._names():
             read += len(names)
             if read > MAX_COUNTED_NAMES:  # names planted by the million: a lower bound
-                log.warning(
-                    "L3's entry count stopped at %d names under %s (MAX_COUNTED_NAMES): the "
-                    "metrics show a lower bound",
-                    MAX_COUNTED_NAMES,
-                    logged_name(self._entry_prefix),
-                )
+                if _COUNT_CUT_LOG.ready():
+                    log.warning(
+                        "L3's entry count stopped at %d names under %s (MAX_COUNTED_NAMES): "
+                        "the metrics show a lower bound",
+                        MAX_COUNTED_NAMES,
+                        logged_name(self._entry_prefix),
+                    )
                 break
 
             def lengths(c: redis.Redis, n: list[bytes] = names) -> list[int]:

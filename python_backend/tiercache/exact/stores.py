@@ -221,7 +221,7 @@ class MemoryStore:
                 and held.created_s == entry.created_s
                 and dataclasses.replace(held, endorsements=entry.endorsements) == entry
             ):
-                # The held answer again with more `good` verdicts (feedback's put_entry): each
+                # The held answer again with more `good` verdicts (filled from a lower tier): each
                 # new one counts as a request, as `endorse` does; re-admitting it counted all of
                 # them again and made it look proven to the policy's admission prior.
                 self._entries[key] = entry

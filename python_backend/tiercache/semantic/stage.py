@@ -119,7 +119,9 @@ class EmbeddingCache:
     ) -> list[tuple[np.ndarray, bool]]:
         """Each prompt's vector and whether it came from the vector cache (kept per tenant
         scope: another tenant's vector is never reused, whose fast lookup would tell that the
-        text was sent before); the ones not cached are embedded in one call and stored."""
+        text was sent before); the ones not cached are embedded in one call and stored. One
+        the index would refuse (`_sound_vector`) is neither stored nor returned: its prompt
+        gets an empty vector (NO_VECTOR)."""
         tenants = [""] * len(prompts) if tenant_scopes is None else tenant_scopes
         keys = [vector_key(self.embedder_key, p, t) for p, t in zip(prompts, tenants, strict=True)]
         found = [self.vectors.get(k) for k in keys]
@@ -129,9 +131,11 @@ class EmbeddingCache:
             fresh = self._embed([prompts[i] for i in missing])
             each_s = (time.perf_counter() - started) / len(missing)
             for i, vector in zip(missing, fresh, strict=True):
-                found[i] = vector
-                if self._index_takes(vector) is None:  # one the index would refuse: not kept
+                if self._sound_vector(vector):
                     self.vectors.put(keys[i], vector, each_s)
+                    found[i] = vector
+                else:
+                    found[i] = NO_VECTOR
         return [(v, i not in missing) for i, v in enumerate(found) if v is not None]
 
     def _sound_vector(self, vector: np.ndarray) -> bool:
@@ -139,26 +143,19 @@ class EmbeddingCache:
         values, unit norm): an embedder that misbehaves (a config of another width, a vector
         not normalized, which would score past every true neighbour) makes a miss, never a
         search; counted in `bad_vectors` and logged."""
-        refused = self._index_takes(vector)
-        if refused is None:
-            return True
-        self.bad_vectors += 1
-        if _DAMAGE_LOG.ready():
-            log.error(
-                "the embedder gave a vector the index refuses (%s); its prompt is a miss "
-                "(%d such lines not logged)",
-                refused,
-                _DAMAGE_LOG.suppressed,
-            )
-        return False
-
-    def _index_takes(self, vector: np.ndarray) -> InvalidVector | None:
-        """Why the index would refuse `vector` (`check_vector`); None when it takes it."""
         try:
             check_vector(vector, self.index.dimensions)
         except InvalidVector as exc:
-            return exc
-        return None
+            self.bad_vectors += 1
+            if _DAMAGE_LOG.ready():
+                log.error(
+                    "the embedder gave a vector the index refuses (%s); its prompt is a miss "
+                    "(%d such lines not logged)",
+                    exc,
+                    _DAMAGE_LOG.suppressed,
+                )
+            return False
+        return True
 
     def search(
         self,
@@ -306,8 +303,8 @@ class EmbeddingCache:
                 results.append(SemanticLookup(SemanticOutcome(refused[i]), NO_VECTOR))
                 continue
             vector, cached = vectors[i]
-            if not cached and not self._sound_vector(vector):
-                results.append(SemanticLookup(SemanticOutcome.MISS, NO_VECTOR))  # nor indexed
+            if not vector.size:  # refused by `vectors_for`: a miss, neither searched nor indexed
+                results.append(SemanticLookup(SemanticOutcome.MISS, NO_VECTOR))
                 continue
             try:
                 result = self.search(
