@@ -136,11 +136,12 @@ class Feedback:
         # the serving host's clock) and generated again is not the one this verdict is about.
         served = CacheEntry("", ref.issued_s + 2 * table.skew_s, tenant_scope=tenant_scope)
         replaced = table.covers(ref.digest, served)
-        # An answer served from the cache (an exact or semantic hit) was made before its id:
-        # one held now that was made clearly after the id is another answer (the served one
-        # was invalidated by a tag or an adapter, which the id does not carry, or expired or
-        # was evicted, which leaves no watermark), and the verdict is not about it. A
-        # generation's entry is made after its id (queued first): not decidable that way.
+        # An answer served from the cache (an exact or semantic hit), or generated (its id is
+        # issued with the final response), was made before its id: one held now that was made
+        # clearly after the id is another answer (the served one was invalidated by a tag or
+        # an adapter, which the id does not carry, or expired or was evicted, which leaves no
+        # watermark), and the verdict is not about it. An OWN id (a generation's, issued before
+        # 2026-12-07 ahead of its answer) is not decidable that way.
         cached = ref.served in (ServedAs.CACHED, ServedAs.SEMANTIC)
         if cached and found is not None and found.created_s > served.created_s:
             replaced = True

@@ -765,7 +765,9 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     names the neighbour whose answer it serves (from embedding_cache's sealed NEIGHBOURS) and
     its similarity; each opens only for the tenant it was served to; a request without a digest
     gets none, nor does a generation that is not stored; a repeated exact hit gets a fresh id
-    for the same entry."""
+    for the same entry. A generation's id is issued once its answer is made (stamped at or
+    after the stored entry's time, and sealed as naming an answer made before it), so a
+    verdict sent after that answer was generated again does not act on the new one."""
     exact = envelope(sealer, CacheStatus.EXACT, "1" * 64, "the answer")
     hit = seals.llm_exact(exact, "the answer")
     asks = envelope(sealer, CacheStatus.MISS, "2" * 64, semantic_scope="s" * 64)
@@ -795,11 +797,14 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     hits_and_miss = (
         (first, "1" * 64, ServedAs.CACHED),  # exact hits: made before their ids
         (again, "1" * 64, ServedAs.CACHED),
-        (generated, "3" * 64, ServedAs.OWN),
+        (generated, "3" * 64, ServedAs.CACHED),  # a generation's: issued once it is made
     )
     for responses, digest, served in hits_and_miss:
         ref = answer_ref(model, responses)
         assert ref is not None and (ref.digest, ref.served) == (digest, served)
+    made = model.stage.core.cache.get(Digest("3" * 64))
+    ref = answer_ref(model, generated)
+    assert made is not None and ref is not None and made.entry.created_s <= ref.issued_s
     ref = answer_ref(model, semantic)
     assert ref is not None and (ref.digest, ref.served) == ("5" * 64, ServedAs.SEMANTIC)
     assert ref.similarity == pytest.approx(0.8125)

@@ -83,12 +83,13 @@ def adapter_tag(lora_name: str) -> bytes:
 
 
 class ServedAs(int, Enum):
-    # the request's own entry: a generation, a verified semantic hit (and, in ids issued before
-    # CACHED, an exact hit)
+    # the request's own entry, in ids issued before its answer was made (a generation's id
+    # until 2026-12-07, and an exact hit's before CACHED): only opened, no longer issued
     OWN = 0
     SEMANTIC = 1  # a neighbour's entry, served as a semantic hit
-    # the request's own entry served from the cache (an exact hit): made before the id was
-    # issued, so an entry made clearly after it is another answer (tiercache.feedback)
+    # the request's own entry, made before the id was issued: an exact hit's, and since
+    # 2026-12-07 a generation's (issued with its final response), so an entry made clearly
+    # after the id is another answer (tiercache.feedback)
     CACHED = 2
 
     @property

@@ -6,6 +6,7 @@ padding for untrusted tenants, cross-replica leases and shared semantic rows are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import threading
@@ -47,7 +48,13 @@ from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
-from tiercache.generation import GenerateFn, GenerationRecord, Generations, Responder
+from tiercache.generation import (
+    AnswerIdSource,
+    GenerateFn,
+    GenerationRecord,
+    Generations,
+    Responder,
+)
 from tiercache.padding import MaskedResponder, PaddedResponder, ResponseTimer, uniform_source
 from tiercache.semantic.embedder import resolve_embedder
 from tiercache.semantic.entry_trust import length_class, record_outcome, verification_stamp
@@ -674,12 +681,17 @@ class LlmStage:
             self.requests["error"].increment(1)
             responder.send_error(exc)
 
-    def answer_id(self, item: LlmInput) -> str | None:
+    def answer_id(self, item: LlmInput) -> AnswerIdSource | None:
         """The id of the answer `item` will be served (tiercache.exact.answer_ids): a semantic
         hit's names the neighbour's entry it serves (unless the engine verifies it: then the
         answer is the request's own generation); anything else the request's own digest. None
         for a request without a digest (sampled without a seed: never stored), and for a
-        generation that is not stored (`no-store`)."""
+        generation that is not stored (`no-store`). A generation's (a miss, a verified hit) is
+        issued when its final response is sent (a function here): its answer is made by then
+        (stored with its generation's start as `created_s`), so the id says, as an exact hit's
+        does, that it names an answer made before it, and a verdict sent after the answer was
+        generated again (expired, evicted, or invalidated and asked for anew) is not taken for
+        one on the new answer (tiercache.feedback)."""
         if item.status == CacheStatus.SEMANTIC and not self._verifies(item):
             if not item.neighbours:
                 return None
@@ -699,16 +711,17 @@ class LlmStage:
             # is cached under it, not this one, which a verdict must not act on
             return None
         request = envelope.request
-        # an exact hit's entry was made before this id; a generation's is made after it
-        served = ServedAs.CACHED if item.status == CacheStatus.EXACT else ServedAs.OWN
-        return self._issue(
+        issue = (  # the request's own entry, made before the id is issued
             envelope.digest,
             self.answer_ids.issue_digest,
             envelope.digest,
-            served,
+            ServedAs.CACHED,
             request.tenant_scope,
             request.lora_name,
         )
+        if item.status == CacheStatus.EXACT:
+            return self._issue(*issue)
+        return functools.partial(self._issue, *issue)  # once the generation has made it
 
     def _issue(self, digest: str, issue: Callable[..., str], *args: object) -> str | None:
         """`issue(*args)`, or None (logged) for a `digest` that is not one: the answer is served
