@@ -670,3 +670,86 @@ def test_a_fleet_hash_planted_past_its_bound_is_not_read(
     assert found is not None
     versions, uses = found
     assert list(versions) == ["caps"] and uses == {}
+
+
+def test_replicas_writing_side_records_at_once_keep_both_changes(
+    redis_server: RedisServer,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Side records (a similarity floor, a semantic entry's outcomes) are merged into each
+    shared tier as they are written, compared and set as one step: a replica whose read came
+    before another replica's write (simulated: its read sees nothing) keeps the higher floor
+    and both outcomes in L3, where writing back what it read kept only its own; a compare-and-
+    set that another writer beats is made again from what Redis holds then."""
+    from tiercache.semantic import entry_trust, penalties
+
+    def l3_store() -> RedisStore:
+        return RedisStore(RedisLink.from_url(redis_server.url, redis_prefix, secret=FLEET_SECRET))
+
+    def replica(name: str) -> tuple[TieredCache, RedisStore]:
+        l3 = l3_store()
+        tiers = [(Tier.L2, LmdbStore(tmp_path / name, 1 << 22)), (Tier.L3, l3)]
+        return TieredCache(tiers), l3
+
+    (a, _), (b, _), (c, l3) = replica("a"), replica("b"), replica("c")
+    digest = "e" * 64
+    assert penalties.raise_floor(a, digest, 0.90, "scope-a") == pytest.approx(0.91)
+    assert entry_trust.record_outcome(a, digest, 0.9, False, "scope-a", 1.0)
+    stale_floor = penalties.read_floor
+    monkeypatch.setattr(penalties, "read_floor", lambda *args: None)  # read before a's write
+    penalties.raise_floor(b, digest, 0.85, "scope-a")
+    monkeypatch.setattr(penalties, "read_floor", stale_floor)
+    stale_read = entry_trust._read
+
+    def before_a(cache: TieredCache, key: str, scope: str | None, limit: int) -> object:
+        return entry_trust.EntryTrust(limit=limit), True, True
+
+    monkeypatch.setattr(entry_trust, "_read", before_a)
+    assert entry_trust.record_outcome(b, digest, 0.8, False, "scope-a", 2.0)
+    monkeypatch.setattr(entry_trust, "_read", stale_read)
+    # a third replica, whose L2 holds nothing, reads what L3 kept
+    assert penalties.read_floor(c, digest, "scope-a") == pytest.approx(0.91)
+    stamps = [s for _, _, s in entry_trust.read_trust(c, digest, "scope-a").observations]
+    assert sorted(stamps) == [1.0, 2.0]
+
+    key, seen = "f" * 64, []
+
+    def append(held: CacheEntry | None) -> CacheEntry:
+        seen.append(None if held is None else held.text)
+        if len(seen) == 1:  # another replica writes between this read and this write
+            l3_store().put(key, CacheEntry("theirs", 1.0))
+        return CacheEntry(f"{seen[-1] or ''}+mine", 2.0)
+
+    assert l3.merge(key, append)
+    assert seen == [None, "theirs"]  # made again from what Redis held then
+    found = l3.get(key)
+    assert found is not None and found.text == "theirs+mine"
+    for cache in (a, b, c):
+        cache.close()
+
+
+def test_an_endorsement_never_reverts_an_answer_another_replica_wrote_since(
+    redis_server: RedisServer, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`good` feedback raises L3's copy of the answer it was given on only while L3 still holds
+    that answer: one generated again by another replica between the endorsement's read
+    (simulated: the read still sees the old one) and its write stays, unreverted."""
+    l3 = RedisStore(RedisLink.from_url(redis_server.url, redis_prefix, secret=FLEET_SECRET))
+    cache = TieredCache([(Tier.L3, l3)])
+    key, served = "a" * 64, CacheEntry("the served answer", 100.0)
+    l3.put(key, CacheEntry("generated again elsewhere", 200.0))
+    monkeypatch.setattr(l3, "peek", lambda k: served)  # read before the other replica's write
+    assert cache.endorse_entry(key, 100.0, 1) == 0
+    monkeypatch.undo()
+    found = l3.get(key)
+    assert found is not None and (found.text, found.endorsements) == (
+        "generated again elsewhere",
+        0,
+    )
+    l3.put(key, served)
+    assert cache.endorse_entry(key, 100.0, 1) == 1
+    found = l3.get(key)
+    assert found is not None and (found.text, found.endorsements) == ("the served answer", 1)
+    cache.close()

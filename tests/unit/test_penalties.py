@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 from redis_down import tiers_with_l3_down
 
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
@@ -181,3 +182,20 @@ def test_the_stage_memoizes_guard_profiles_per_scope(tmp_path: Path) -> None:
     stage.lookup(["the same words"], ["scope-b"], ["scope-b"])
     assert feats.profile_memo_misses() == misses + 2  # the query and its candidate, again
     answers.close()
+
+
+def test_a_floor_raised_on_a_stale_read_keeps_the_higher_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process raised the floor between this one's read and its write (simulated: its
+    read sees none): L2 compares and writes in one transaction, so the higher floor stays."""
+    from tiercache.semantic import penalties
+
+    cache = tiers(tmp_path)
+    raise_floor(cache, DIGEST, 0.95, "scope-a")
+    monkeypatch.setattr(penalties, "read_floor", lambda *args: None)
+    raise_floor(cache, DIGEST, 0.8, "scope-a")
+    monkeypatch.undo()
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
+    raise_floor(cache, DIGEST, 0.97, "scope-a")  # a higher one still goes in
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.97 + MARGIN, 6)

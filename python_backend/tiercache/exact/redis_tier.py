@@ -481,6 +481,25 @@ end
 return out
 """
 
+# Sets KEYS[1] to ARGV[2] (for ARGV[3] milliseconds; "": no expiry) only while it holds what
+# the caller read: ARGV[1] "" for nothing readable (no key, or not a string: `bounded_get`
+# reads those as none), else the SHA-1 of its first ARGV[4] bytes (what `bounded_get` reads);
+# 1 if set, 0 when another writer came in between.
+_SET_IF_SAME = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+local seen = ''
+if kind == 'string' then
+  seen = redis.sha1hex(redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1))
+end
+if seen ~= ARGV[1] then return 0 end
+if ARGV[3] == '' then redis.call('SET', KEYS[1], ARGV[2])
+else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return 1
+"""
+MERGE_ATTEMPTS = 8  # compare-and-set tries of one merge before it gives up (Unavailable)
+_READ_BYTES = str(MAX_VALUE_BYTES + 1)  # what `bounded_get` reads of a value
+_SCRIPTS_LOG = LogThrottle()  # a Redis that refuses scripts: said once a minute
+
 
 def _by_bytes(items: list[tuple[str, bytes]], most: int) -> Iterator[list[tuple[str, bytes]]]:
     """`items` in runs whose values add up to at most `most` bytes (at least one item each)."""
@@ -683,6 +702,53 @@ class RedisStore:
             return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.link.call(lambda c: c.set(name, data, px=px), None)
+
+    def merge(
+        self,
+        key: str,
+        make: Callable[[CacheEntry | None], CacheEntry | None],
+        attempts: int = MERGE_ATTEMPTS,
+    ) -> bool:
+        """Write what `make` makes of `key`'s entry (None: absent, unreadable or forged) only
+        while Redis still holds what was read (a compare-and-set by script, `_SET_IF_SAME`),
+        read and made again when another replica wrote in between, at most `attempts` times
+        (then Unavailable); False, writing nothing, when `make` says None. Unavailable when
+        Redis cannot be asked. A Redis that refuses scripts (an ACL without @scripting) gets a
+        plain write of the last value made (logged by the link): another writer's change in
+        between is then lost, as it was before merges."""
+        name = self._key(key)
+        for _ in range(attempts):
+            stored = self.link.call_or_raise(lambda c: bounded_get(c, name))
+            held = None if stored is None else peeked(self._unseal(name, stored, count=False))
+            entry = make(held)
+            if entry is None:
+                return False
+            ttl_s = self._redis_ttl_s(entry)
+            if ttl_s is not None and ttl_s <= 0:
+                return False  # already expired: never written, as `put`
+            data = self._signer.seal(name, encode_entry(entry))
+            if len(data) > MAX_VALUE_BYTES:
+                log.warning("a record of %d bytes is not shared through Redis (%d at most)",
+                            len(data), MAX_VALUE_BYTES)  # fmt: skip
+                return False
+            seen = "" if stored is None else hashlib.sha1(stored, usedforsecurity=False).hexdigest()
+            px = "" if ttl_s is None else str(max(1, int(ttl_s * 1000)))
+
+            def swap(c: redis.Redis, seen: str = seen, data: bytes = data, px: str = px) -> int:
+                try:
+                    return int(c.eval(_SET_IF_SAME, 1, name, seen, data, px, _READ_BYTES))
+                except redis.exceptions.ResponseError as exc:  # refused, not an outage
+                    if _SCRIPTS_LOG.ready():
+                        log.warning("Redis refused a merge's script (%s): written plainly", exc)
+                    return -1
+
+            done = self.link.call_or_raise(swap)
+            if done < 0:
+                self.put(key, entry)  # scripts refused: the write as it was before merges
+                return True
+            if done:
+                return True
+        raise Unavailable(f"L3's {logged_name(name)} kept changing: {attempts} merges lost")
 
     def _redis_ttl_s(self, entry: CacheEntry) -> float | None:
         """Seconds Redis should keep `entry` (None: no expiry)."""

@@ -798,16 +798,8 @@ class LmdbStore:
 
     def put(self, key: str, entry: CacheEntry) -> None:
         data = encode_entry(entry)
-        disk = ROOM if self._disk is None else self._disk.state()
+        disk = self._make_room(len(data))
         with self._resized_is_an_error():
-            live = self._live_bytes() + len(data)
-            limit = self._limit(disk)
-            if live > limit:
-                with self._evict_lock:  # one evicting thread per process; the others re-check
-                    if self._live_bytes() + len(data) > self._limit(disk):  # after it
-                        self._evict()
-            elif self._evict_early and live > limit - self._early_band(limit):
-                self._evict_soon()
             try:
                 self._write(key.encode(), data)
             except lmdb.MapFullError:
@@ -823,6 +815,60 @@ class LmdbStore:
             self._values.admitted(
                 key, len(data), entry.generation_s, entry.endorsements, entry.created_s
             )
+
+    def _make_room(self, nbytes: int) -> str:
+        """Evict before a write of `nbytes` that would pass the limit (or wake the early
+        evictor within its band); the disk's state (DiskRoom's) the limit was taken at."""
+        disk = ROOM if self._disk is None else self._disk.state()
+        with self._resized_is_an_error():
+            live = self._live_bytes() + nbytes
+            limit = self._limit(disk)
+            if live > limit:
+                with self._evict_lock:  # one evicting thread per process; the others re-check
+                    if self._live_bytes() + nbytes > self._limit(disk):  # after it
+                        self._evict()
+            elif self._evict_early and live > limit - self._early_band(limit):
+                self._evict_soon()
+        return disk
+
+    def merge(self, key: str, make: Callable[[CacheEntry | None], CacheEntry | None]) -> bool:
+        """Write what `make` makes of `key`'s entry (None: absent or undecodable), read and
+        written in one write transaction (LMDB's writers take turns, across processes too), so
+        no other writer's change comes in between; False, writing nothing, when `make` says
+        None. For small records merged in place (`TieredCache.merge_side`): room is made as
+        for a `put` of what the key holds now."""
+        raw_key = key.encode()
+        with self._resized_is_an_error(), self._env.begin(buffers=True) as txn:
+            held = txn.get(raw_key)
+            self._make_room(0 if held is None else len(held))
+        try:
+            written = self._merged(raw_key, make)
+        except lmdb.MapFullError:
+            with self._evict_lock:  # as `put`: room, then once more
+                self._evict(fraction=max(0.5, self._evict_fraction))
+            written = self._merged(raw_key, make)
+        if written is None:
+            return False
+        made, size = written
+        if self._values is not None:
+            self._values.admitted(key, size, made.generation_s, made.endorsements, made.created_s)
+        return True
+
+    def _merged(
+        self, raw_key: bytes, make: Callable[[CacheEntry | None], CacheEntry | None]
+    ) -> tuple[CacheEntry, int] | None:
+        """`merge`'s transaction: the entry written and its size, or None (nothing written)."""
+        with self._resized_is_an_error(), self._env.begin(write=True) as txn:
+            data = txn.get(raw_key)
+            try:
+                made = make(None if data is None else decode_entry(bytes(data)))
+            except CorruptEntry:
+                made = make(None)
+            if made is None:
+                return None
+            stored = encode_entry(made)
+            txn.put(raw_key, stored)
+        return made, len(stored)
 
     def _limit(self, disk: str) -> int:
         """The live bytes writes keep under: the high-water mark, and while the disk is short

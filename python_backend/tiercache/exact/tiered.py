@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -515,11 +516,11 @@ class TieredCache:
         that holds that answer (feedback's endorsement), and in no other: a tier holding a
         newer answer (generated again elsewhere, no watermark) or none (evicted) is left as it
         is, where writing the endorsed copy back would revert or refill it. Stores that endorse
-        in place (L1, L2) re-read their copy under their own lock or transaction; L3 is read,
-        then written only when its copy is that answer (another replica replacing it in between
-        can still lose to this write, for one entry's TTL). A copy an invalidation this process
-        knows of covers (by key, tenant, tag or adapter) is left as it is. How many tiers took
-        it."""
+        in place (L1, L2) re-read their copy under their own lock or transaction; L3 is written
+        by a compare-and-set (`RedisStore.merge`) only while it holds that answer (another
+        replica replacing it in between is read again, and left). A copy an invalidation this
+        process knows of covers (by key, tenant, tag or adapter) is left as it is. How many
+        tiers took it."""
         self._catch_up()
         took = 0
         failure: Exception | None = None
@@ -537,8 +538,71 @@ class TieredCache:
                 if endorse is not None:  # re-read in place: replaced since, it takes none
                     took += endorse(key, created_s, endorsements) > 0
                     continue
+                merge = getattr(store, "merge", None)
+                if merge is not None:  # L3: set only while it still holds that answer
+                    took += bool(merge(key, functools.partial(_endorsed, created_s, endorsements)))
+                    continue
                 store.put(key, dataclasses.replace(held, endorsements=endorsements))
                 took += 1
+            except Exception as exc:  # noqa: BLE001 - re-raised below: the others still take it
+                failure = failure or exc
+        if failure is not None and not took:
+            raise failure
+        return took
+
+    def merge_side(
+        self,
+        key: str,
+        merge: Callable[[str | None], str | None],
+        tenant_scope: str,
+        created_s: float | None = None,
+    ) -> int:
+        """Write `key`'s side record (tiercache.semantic.side_entries: a floor, a trust record)
+        in each shared tier as `merge` makes it of the text that tier holds now (None: none
+        usable there: absent, undecodable, expired, of another tenant, or covered by an
+        invalidation this process knows of), read and written as one step per tier (LMDB: one
+        write transaction; Redis: a compare-and-set, tried again when another writer came in
+        between; `merge` may be called more than once), so two processes or replicas merging
+        at once both keep their change, where a read, then a `put`, kept the last writer's.
+        `merge` returning None leaves that tier as it is. Not L1: side records are never read
+        from it. The record belongs to `tenant_scope` and is stamped `created_s` (default now:
+        an invalidation issued since covers it, and it is then not written). How many tiers
+        took it; the first failure is raised when none did."""
+        self._catch_up()
+        stamped = self._clock() if created_s is None else created_s
+        invalidations = self.invalidations
+
+        def make(held: CacheEntry | None) -> CacheEntry | None:
+            usable = (
+                held is not None
+                and not held.expired(self._clock())
+                and held.tenant_scope in ("", tenant_scope)
+                and not invalidations.covers(key, held)
+            )
+            text = merge(held.text if usable and held is not None else None)
+            if text is None:
+                return None
+            entry = CacheEntry(
+                text=text, created_s=stamped, ttl_s=self.default_ttl_s, tenant_scope=tenant_scope
+            )
+            return None if invalidations.covers(key, entry) else entry
+
+        took = 0
+        failure: Exception | None = None
+        for slot in self._write_order:
+            if slot.reach is Reach.PROCESS:
+                continue
+            store = slot.store
+            try:
+                merge_in = getattr(store, "merge", None)
+                if merge_in is not None:
+                    took += bool(merge_in(key, make))
+                    continue
+                peek = getattr(store, "peek", None)  # a store without one: read, then written
+                entry = make(peek(key) if peek is not None else store.get(key))
+                if entry is not None:
+                    store.put(key, entry)
+                    took += 1
             except Exception as exc:  # noqa: BLE001 - re-raised below: the others still take it
                 failure = failure or exc
         if failure is not None and not took:
@@ -599,3 +663,11 @@ class TieredCache:
             store.close()
         if self.host_marks is not None:
             self.host_marks.close()
+
+
+def _endorsed(created_s: float, endorsements: int, held: CacheEntry | None) -> CacheEntry | None:
+    """`held` with `endorsements` `good` verdicts when it is the answer made at `created_s` and
+    has fewer; None (nothing written) otherwise: a merge's step for `endorse_entry`."""
+    if held is None or held.created_s != created_s or held.endorsements >= endorsements:
+        return None
+    return dataclasses.replace(held, endorsements=endorsements)

@@ -34,10 +34,10 @@ checked, a `feedback_stamp` of the answer a verdict is on, or, for an answer no 
 answer id's issue time), so one check, or one verdict of each kind on an answer, counts once, on
 every replica. An entry's outcomes and
 its tenant's are side entries in the exact cache's shared tiers (tiercache.semantic.side_entries:
-the answer's tenant and TTL; L2 and L3), read merged from both tiers and written back whole; an
-outcome is dropped, never the record, when a shared tier cannot be read; two processes or
-replicas recording at the same moment may keep one of their outcomes (a lost observation, never
-a wrong one).
+the answer's tenant and TTL; L2 and L3), read merged from both tiers and written back merged
+with what each tier holds at that moment (`TieredCache.merge_side`: compared and written as one
+step, so two processes or replicas recording at the same moment both keep their outcomes); an
+outcome is dropped, never the record, when a shared tier cannot be read.
 """
 
 from __future__ import annotations
@@ -500,8 +500,8 @@ def record_outcome(
     and written to every
     tier. False, writing nothing, when `stamp` was counted already, or when a shared tier could
     not be read (writing the rest back would overwrite what it holds: the outcome is lost
-    instead, never the record). Two processes or replicas recording at the same moment may
-    keep one of their outcomes (a lost observation, never a wrong one)."""
+    instead, never the record). Two processes or replicas recording at the same moment both
+    keep their outcomes: each tier merges what it holds as it is written (`_merge_into`)."""
     if not stamp:
         raise ValueError("an outcome needs a stamp (a verification's, or an answer id's)")
     lock = _RECORDING[int(hashlib.sha256(tenant_scope.encode("utf-8")).digest()[0]) % 16]
@@ -519,14 +519,29 @@ def record_outcome(
             return False
         if not trust.observe(score, right, stamp):
             return False
-        cache.put(
-            trust_key(digest), encode_trust(trust), tenant_scope=tenant_scope, created_s=created_s
-        )
+        _merge_into(cache, trust_key(digest), trust, tenant_scope, created_s)
         if adapter is not None and tenant.observe(score, right, stamp):
-            cache.put(
-                tenant_key, encode_trust(tenant), tenant_scope=tenant_scope, created_s=created_s
-            )
+            _merge_into(cache, tenant_key, tenant, tenant_scope, created_s)
         return True
+
+
+def _merge_into(
+    cache: TieredCache, key: str, trust: EntryTrust, tenant_scope: str, created_s: float
+) -> None:
+    """Write `trust` (what was read, with the new outcome) into each shared tier merged with
+    what that tier holds at the moment of writing (`TieredCache.merge_side`: another process's
+    or replica's outcome recorded since the read is kept, not overwritten)."""
+
+    def merged(held: str | None) -> str:
+        record = EntryTrust(list(trust.observations), trust.limit)
+        if held is not None:
+            found = _decoded(held, key, trust.limit)
+            if found is not None:  # one that does not parse is replaced
+                found.merge(record)  # the tier's own first: the new outcome stays the latest
+                record = found
+        return encode_trust(record)
+
+    cache.merge_side(key, merged, tenant_scope, created_s)
 
 
 # (query, candidate text, cosine) -> the calibrated P(serving it is right) that chose it

@@ -74,10 +74,27 @@ def read_floor_checked(
 
 
 def raise_floor(cache: TieredCache, digest: str, served_at: float, tenant_scope: str) -> float:
-    """Raise `digest`'s floor above `served_at` (by MARGIN; never lowered); the floor now."""
+    """Raise `digest`'s floor above `served_at` (by MARGIN; never lowered); the floor now. Each
+    shared tier keeps the higher of what it holds and the new floor, compared and written as
+    one step (`TieredCache.merge_side`): two replicas raising it at once keep the higher, where
+    a read, then a write, could leave the lower one in Redis."""
     current = read_floor(cache, digest, tenant_scope)
     floor = round(served_at + MARGIN, 6)
     if current is not None and current >= floor:
         return current
-    cache.put(floor_key(digest), f"{_PREFIX}{floor!r}", tenant_scope=tenant_scope)
+
+    def higher(held: str | None) -> str | None:
+        value = None if held is None else _parsed(held)
+        return None if value is not None and value >= floor else f"{_PREFIX}{floor!r}"
+
+    cache.merge_side(floor_key(digest), higher, tenant_scope)
     return floor
+
+
+def _parsed(text: str) -> float | None:
+    """The floor `text` holds; None for one that does not parse (replaced by a new one)."""
+    try:
+        value = float(text[len(_PREFIX) :]) if text.startswith(_PREFIX) else math.nan
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
