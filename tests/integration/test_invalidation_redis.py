@@ -420,6 +420,39 @@ def test_a_replayed_key_message_spares_the_answer_generated_since(
     replica.close()
 
 
+def test_a_late_key_message_spares_a_row_whose_answer_another_replica_made_since(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A key invalidation heard late (the listener was away; here handed to it directly),
+    after another replica generated the answer again: that answer is only in L3, not in this
+    host's tiers, and the row (which names the digest; its answer is read from the tiers) is
+    not forgotten; nor is it when this host's L2 still held the old copy, which is dropped."""
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", redis_server.url, redis_prefix)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    forgotten: list[list[str]] = []
+    listener.on_dropped(lambda inv, digests: forgotten.append(digests))
+    issued_s = time.time() - 1.0
+    admin.put("k", "the new answer", created_s=time.time())  # L3 (and admin's host) only
+    late = Invalidation(InvalidationKind.KEY, "k", issued_s, origin="elsewhere")
+    listener._apply(late, sweep_local=True)
+    assert forgotten == [[]]
+    local_l2 = replica.store(Tier.L2)
+    assert local_l2 is not None
+    local_l2.put("k", CacheEntry("the old answer", issued_s - 1.0))
+    listener._apply(late, sweep_local=True)
+    assert forgotten == [[], []]  # the old copy dropped, the row kept for the new answer
+    assert local_l2.peek("k") is None
+    found = replica.get("k")
+    assert found is not None and found.entry.text == "the new answer"
+    gone = Invalidation(InvalidationKind.KEY, "gone", issued_s, origin="elsewhere")
+    listener._apply(gone, sweep_local=True)  # nothing generated since: its row is forgotten
+    assert forgotten[-1] == ["gone"]
+    admin.close()
+    replica.close()
+
+
 def test_recorded_members_reads_every_member_once_in_pages(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:

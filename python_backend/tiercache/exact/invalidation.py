@@ -551,12 +551,11 @@ class InvalidationListener:
             self._dropped += len(dropped)  # entries, counted once per tier
             self._by_kind["dropped"][inv.kind.value] += len(dropped)
         digests = list(dict.fromkeys(dropped))
-        if (
-            inv.kind is InvalidationKind.KEY
-            and inv.value not in digests
-            and not self._newer_held(inv)
-        ):
-            digests.append(inv.value)  # another process on the host may have swept it first
+        if inv.kind is InvalidationKind.KEY:
+            if self._newer_held(inv):  # its row now leads to the answer generated since
+                digests = [d for d in digests if d != inv.value]
+            elif inv.value not in digests:
+                digests.append(inv.value)  # another process on the host may have swept it first
         for callback in self._callbacks:
             try:
                 callback(inv, digests)
@@ -585,9 +584,13 @@ class InvalidationListener:
         return cutoff is not None and inv.at_s < cutoff
 
     def _newer_held(self, inv: Invalidation) -> bool:
-        """Whether a local tier holds an answer under `inv`'s key written clearly after it
-        (generated again since): its semantic row is that answer's, not the invalidated one's."""
-        for _, store in self.cache.local_stores():
+        """Whether a tier holds an answer under `inv`'s key written clearly after it (generated
+        again since, on this host or by another replica, in L3): its semantic row is that
+        answer's, not the invalidated one's (a row names a digest; its answer is read from the
+        tiers). L3 is read too (one round trip per key message; none while its breaker is
+        open): a late or replayed message forgot the row of an answer another replica had
+        generated again, which this host's tiers did not hold yet."""
+        for _, store in self.cache.stores():
             try:
                 held = store.peek(inv.value)
             except Exception:  # noqa: BLE001 - unknown: forget the row (recall, not correctness)

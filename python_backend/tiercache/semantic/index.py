@@ -500,8 +500,9 @@ class SemanticIndex:
         digest key to its forgotten list in the log (so the answer, generated again, is indexed
         as a new row), and every process hides the rows on that list. Hidden until the process
         restarts; after that such a row is a `stale` miss (its answer is gone), never a wrong
-        answer. A process that handles the message only after the answer was generated and
-        indexed again also hides the new row (recall, not correctness).
+        answer. A message handled only after the answer was generated again (here or by
+        another replica) names no digest for it: the listener finds the newer answer in a tier,
+        L3 included (`InvalidationListener._newer_held`), and the row stays.
 
         The log is read and written without the index's lock (searches go on: a large
         invalidation held it for seconds), which is taken only to note the hidden rows; a scope
