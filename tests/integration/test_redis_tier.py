@@ -670,6 +670,14 @@ def test_a_fleet_hash_planted_past_its_bound_is_not_read(
     assert found is not None
     versions, uses = found
     assert list(versions) == ["caps"] and uses == {}
+    # a value planted long is left unread: sized inside Redis, never copied there either
+    client.delete(fleet.uses_key)
+    client.hset(fleet.uses_key, mapping={"caps": 3, "brief": "9" * (1 << 20)})
+    client.config_resetstat()
+    found = fleet.fleet()
+    assert found is not None and found[1] == {"caps": 3}
+    stats = client.info("commandstats")
+    assert "cmdstat_hgetall" not in stats and stats["cmdstat_hstrlen"]["calls"] >= 2
 
 
 def test_replicas_writing_side_records_at_once_keep_both_changes(

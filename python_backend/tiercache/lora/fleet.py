@@ -56,17 +56,19 @@ MAX_FIELD_NAME_BYTES = 256  # an adapter's name (NAME_PATTERN: 64 characters) wi
 MAX_USE_BYTES = 32  # a use count's decimal digits
 # One hash's fields and values, those longer than a replica writes left in Redis unread (the
 # hashes are unsigned: a value planted hundreds of MB long was read by every sync): [the kept
-# fields and values, flat; how many were left]
+# fields and values, flat; how many were left]. Values are sized (HSTRLEN) before one is read,
+# so a planted one is never copied, not even inside Redis; names are read to be sized.
 _BOUNDED_FIELDS = """
 local name_limit = tonumber(ARGV[1])
 local value_limit = tonumber(ARGV[2])
-local flat = redis.call('HGETALL', KEYS[1])
+local names = redis.call('HKEYS', KEYS[1])
 local kept = {}
 local left = 0
-for i = 1, #flat, 2 do
-  if string.len(flat[i]) <= name_limit and string.len(flat[i + 1]) <= value_limit then
-    kept[#kept + 1] = flat[i]
-    kept[#kept + 1] = flat[i + 1]
+for _, name in ipairs(names) do
+  if string.len(name) <= name_limit
+      and redis.call('HSTRLEN', KEYS[1], name) <= value_limit then
+    kept[#kept + 1] = name
+    kept[#kept + 1] = redis.call('HGET', KEYS[1], name)
   else
     left = left + 1
   end
