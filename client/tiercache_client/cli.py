@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before giving up (default: 300)"
     )
+    common.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation may go without a response before giving up (default: off; "
+        "--timeout still bounds the whole call)",
+    )
     common.add_argument("--model", default="ensemble", help=argparse.SUPPRESS)
     admin = argparse.ArgumentParser(add_help=False, parents=[common])
     admin.add_argument(
@@ -361,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.timeout < math.inf:  # NaN too
         print("error: --timeout must be > 0 and finite", file=sys.stderr)
         return 2
+    if args.idle_timeout is not None and not 0 < args.idle_timeout < math.inf:
+        print("error: --idle-timeout must be > 0 and finite", file=sys.stderr)
+        return 2
     token = None
     if args.command in ADMIN_COMMANDS:
         try:
@@ -388,7 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         with TierCacheClient(
-            args.url, model=args.model, timeout_s=args.timeout, admin_token=token, api_key=api_key
+            args.url,
+            model=args.model,
+            timeout_s=args.timeout,
+            admin_token=token,
+            api_key=api_key,
+            idle_timeout_s=args.idle_timeout,
         ) as client:
             if args.command == "generate":
                 return _generate(client, args)

@@ -244,7 +244,10 @@ class TierCacheClient:
     """Client of one tiercache server (`url` is gRPC "host:port").
 
     `timeout_s` bounds a whole `generate()` call and each health RPC; when it passes,
-    `UnavailableError` is raised. `admin_token` (`read_admin_token`) goes with every
+    `UnavailableError` is raised. `idle_timeout_s` (None: off) also fails a `generate()` call
+    when no response arrives for that long, the first counted from the call: a long generation
+    that streams steadily may then be given a long `timeout_s`, and a stalled one still fails
+    soon. `admin_token` (`read_admin_token`) goes with every
     `cache_admin` call (`stats`, `invalidate`, `flush`, `warm`, `admin`); without it the server
     refuses them (`ForbiddenError`). `api_key` (`tiercache keys add`) goes with every generation
     as the `authorization: Bearer <key>` header: a server with an API key file takes the tenant
@@ -260,9 +263,13 @@ class TierCacheClient:
         *,
         admin_token: str | None = None,
         api_key: str | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         if not 0 < timeout_s < math.inf:  # NaN too: a wait on NaN never ends
             raise ValueError(f"timeout_s must be > 0 and finite, got {timeout_s}")
+        if idle_timeout_s is not None and not 0 < idle_timeout_s < math.inf:
+            raise ValueError(f"idle_timeout_s must be > 0 and finite, got {idle_timeout_s}")
+        self.idle_timeout_s = idle_timeout_s
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self.url = url
         self.model = model
@@ -323,8 +330,8 @@ class TierCacheClient:
         `GenerationResult` last. The options are `build_inputs`'s.
 
         Raises a `TierCacheClientError` subclass for server or transport errors (mapped by
-        `errors.classify`), `UnavailableError` when `timeout_s` passes. Closing the generator
-        early cancels the request.
+        `errors.classify`), `UnavailableError` when `timeout_s` passes, or `idle_timeout_s`
+        with no response. Closing the generator early cancels the request.
         """
         inputs = build_inputs(
             prompt,
@@ -354,7 +361,7 @@ class TierCacheClient:
         completed = False
         try:
             start = time.perf_counter()
-            deadline = start + self.timeout_s
+            deadline = self._deadline(start)
             try:
                 client.start_stream(
                     on_response, stream_timeout=self.timeout_s, headers=self._headers
@@ -381,6 +388,7 @@ class TierCacheClient:
             answer_id: str | None = None
             while True:
                 result, error = self._next_response(client, responses, deadline)
+                deadline = self._deadline(start)  # each response restarts the idle wait
                 if error is not None:
                     raise _error(error)
                 if result is None:
@@ -432,25 +440,39 @@ class TierCacheClient:
                 completed = False  # not reused: its stream's state is not known
             self._release(client, reusable=completed)
 
+    def _deadline(self, start: float) -> tuple[float, float]:
+        """When the wait for the next response ends: (the whole call's end, started at
+        `start`; that or, with `idle_timeout_s`, the idle wait's end from now if sooner)."""
+        whole = start + self.timeout_s
+        if self.idle_timeout_s is None:
+            return whole, whole
+        return whole, min(whole, time.perf_counter() + self.idle_timeout_s)
+
     def _next_response(
         self,
         client: grpcclient.InferenceServerClient,
         responses: queue.Queue[
             tuple[grpcclient.InferResult | None, InferenceServerException | None]
         ],
-        deadline: float,
+        deadline: tuple[float, float],
     ) -> tuple[grpcclient.InferResult | None, InferenceServerException | None]:
         """The stream's next response or error, waited for in short slices: UnavailableError
-        once `deadline` passes, or at once when the stream ended without a final response
-        (closed cleanly by a proxy or a misbehaving server, or its reader thread gone:
-        tritonclient then calls back nothing, and the wait would last the whole timeout)."""
+        once `deadline` (`_deadline`'s) passes, or at once when the stream ended without a
+        final response (closed cleanly by a proxy or a misbehaving server, or its reader thread
+        gone: tritonclient then calls back nothing, and the wait would last the whole
+        timeout)."""
+        whole, ends = deadline
         while True:
-            remaining = deadline - time.perf_counter()
+            remaining = ends - time.perf_counter()
             try:  # what already arrived is served, however long the caller took
                 return responses.get(timeout=min(max(remaining, 0.0), _STREAM_POLL_S))
             except queue.Empty:
                 pass
             if remaining <= 0:
+                if ends < whole:
+                    raise UnavailableError(
+                        f"no response from {self.url} for {self.idle_timeout_s:g} s (idle timeout)"
+                    )
                 raise UnavailableError(f"no response from {self.url} within {self.timeout_s:g} s")
             # a reader gone puts nothing more: an empty queue then is the stream's end
             if not _stream_reader_alive(client) and responses.empty():

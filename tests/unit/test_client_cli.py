@@ -310,6 +310,21 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
                 continue
             if prompt == "vanish":  # the stream closed cleanly, no response at all (a proxy)
                 return
+            if prompt in ("drip", "stall"):  # a chunk every 0.3 s for 1.8 s; or one, then 3 s
+                for i in range(6 if prompt == "drip" else 1):
+                    time.sleep(0.3)
+                    resp = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
+                    _bytes_output(resp, "text_output", [str(i)])
+                    resp.parameters["triton_final_response"].bool_param = False
+                    yield service_pb2.ModelStreamInferResponse(infer_response=resp)
+                if prompt == "stall":
+                    time.sleep(3)
+                    continue
+                final = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
+                _bytes_output(final, "cache_status", ["miss"])
+                final.parameters["triton_final_response"].bool_param = True
+                yield service_pb2.ModelStreamInferResponse(infer_response=final)
+                continue
             if prompt == "hang":  # never answers; notes when the client's call ends
                 context.add_callback(self.hang_ended.set)
                 self.hang_started.set()
@@ -386,6 +401,25 @@ def test_generate_times_out(fake_server: tuple[str, _FakeTriton]) -> None:
     with TierCacheClient(url, timeout_s=0.5) as client, pytest.raises(UnavailableError):
         client.generate_text("slow")
     assert time.monotonic() - start < 2.5
+
+
+def test_an_idle_timeout_fails_a_stalled_stream_and_lets_a_steady_one_run(
+    fake_server: tuple[str, _FakeTriton],
+) -> None:
+    """`idle_timeout_s`: a generation streaming a chunk every 0.3 s runs its 1.8 s under an idle
+    timeout of 1 s (the whole-call timeout alone, at 1 s, fails it); one that sends a chunk and
+    then nothing fails within about the idle timeout, not the call's 30 s."""
+    url, _ = fake_server
+    with TierCacheClient(url, timeout_s=30, idle_timeout_s=1.0) as client:
+        assert client.generate_text("drip").text == "012345"
+        start = time.monotonic()
+        with pytest.raises(UnavailableError, match="for 1 s \\(idle timeout\\)"):
+            client.generate_text("stall")
+        assert time.monotonic() - start < 3
+    with TierCacheClient(url, timeout_s=1.0) as client, pytest.raises(UnavailableError):
+        client.generate_text("drip")
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        TierCacheClient(url, idle_timeout_s=0)
 
 
 def test_a_stream_that_ends_without_a_final_response_fails_at_once(
@@ -858,3 +892,10 @@ def test_cli_feedback_sends_the_id_verdict_tenant_and_api_key(
     assert "forbidden" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a verdict argparse does not know
         main(["feedback", ANSWER_ID, "meh", "--url", url])
+
+
+def test_the_idle_timeout_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--idle-timeout` must be positive and finite, as `--timeout` (NaN included)."""
+    for bad in ("0", "-1", "nan", "inf"):
+        assert main(["generate", "hi", "--idle-timeout", bad]) == 2
+        assert "--idle-timeout must be > 0 and finite" in capsys.readouterr().err
