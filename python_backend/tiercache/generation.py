@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 _DAMAGE_LOG = LogThrottle()
 
 GenerateFn = Callable[[GenerationRequest], Iterator[StreamEvent]]
-# an answer id, or what issues it when the final response is sent (`Responder.identify`)
-AnswerIdSource = str | Callable[[], str | None]
 CLEAN_FINISHES = frozenset({"stop", "length"})
 # Misses one llm instance holds, queued or being answered, before it refuses more at once: a
 # client that gave up does not cancel its queued miss (Triton 2.51 does not pass an ensemble's
@@ -94,11 +92,8 @@ class Responder(Protocol):
         """Only the final flag: the client went away."""
         ...
 
-    def identify(self, answer_id: AnswerIdSource) -> None:
-        """The answer's id (tiercache.exact.answer_ids), sent with the final response; or a
-        function that issues it (None: no id) when the final response is sent: a generation's
-        id is issued once its answer is made, so that it can say its answer was made before it
-        (`ServedAs.CACHED`: a verdict then tells that answer from one generated again later)."""
+    def identify(self, answer_id: str) -> None:
+        """The answer's id (tiercache.exact.answer_ids), sent with the final response."""
         ...
 
     def send_error(self, exc: BaseException) -> None: ...

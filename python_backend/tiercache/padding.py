@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tiercache.exact.flights import EngineUsage
-from tiercache.generation import AnswerIdSource, Responder
+from tiercache.generation import Responder
 from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class PaddedResponder:
     def send_cancelled(self) -> None:
         self._send_last(self.inner.send_cancelled)
 
-    def identify(self, answer_id: AnswerIdSource) -> None:
+    def identify(self, answer_id: str) -> None:
         self.inner.identify(answer_id)
 
     def send_error(self, exc: BaseException) -> None:
@@ -315,7 +315,7 @@ class MaskedResponder:
     def send_cancelled(self) -> None:
         self.inner.send_cancelled()
 
-    def identify(self, answer_id: AnswerIdSource) -> None:
+    def identify(self, answer_id: str) -> None:
         self.inner.identify(answer_id)  # an id tells nothing (tiercache.exact.answer_ids)
 
     def send_error(self, exc: BaseException) -> None:

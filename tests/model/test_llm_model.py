@@ -59,6 +59,7 @@ class FakeTorchLlm:
         self.pb = pb_utils
         self.sealer = sealer
         self.calls: list[tuple[Any, GenerationRequest | None]] = []
+        self.finish_reason = "stop"  # what its final response says (content_filter: a refusal)
 
     def __call__(self, request: Any) -> list[Any]:
         assert request.kwargs["model_name"] == "torch_llm"
@@ -70,7 +71,8 @@ class FakeTorchLlm:
                 return pb.Tensor(name, np.array([value.encode()], dtype=np.object_))
             return pb.Tensor(name, np.array([value], dtype=np.int32))
 
-        final = [out("TEXT", " there"), out("FINISH_REASON", "stop"), out("GENERATED_TOKENS", 2)]
+        final = [out("TEXT", " there"), out("FINISH_REASON", self.finish_reason)]
+        final.append(out("GENERATED_TOKENS", 2))
         final += [out("PROMPT_TOKENS", 3), out("REUSED_TOKENS", 0), out("COMPUTED_TOKENS", 3)]
         final.append(out("SPECULATED_TOKENS", 1))
         final.append(pb.Tensor("MEAN_LOGPROB", np.array([-0.25], dtype=np.float32)))
@@ -811,6 +813,36 @@ def test_every_answer_is_named_for_feedback_by_the_entry_it_serves(
     assert answer_ref(model, anonymous) is None
     with pytest.raises(Forbidden):
         answer_ref(model, first, OTHER_TENANT)
+
+
+def test_a_generations_id_is_issued_before_padding_holds_it_and_a_refusal_gets_none(
+    pb_utils: ModuleType,
+    load_model: Callable[[str], ModuleType],
+    tmp_path: Path,
+    sealer: Sealer,
+    engine: FakeTorchLlm,
+) -> None:
+    """A padded tenant's generation: its id is issued when the final response is handed in,
+    well before the padding floor releases it (so the release does for a held miss what it
+    does for a held hit: no id issued there), and sent with it; an answer the engine refused
+    (`content_filter`: served, not cached) gets no id, whose digest would name another
+    answer."""
+    instance = start_llm(load_model, tmp_path, hit_padding_ms="400")
+    try:
+        start = time.time()
+        miss = envelope(sealer, CacheStatus.MISS, "3" * 64, write_back=True)
+        (generated,) = run(pb_utils, instance, [to_llm(pb_utils, sealer, miss)])
+        assert time.time() - start >= 0.4  # held to the floor
+        ref = answer_ref(instance, generated)
+        assert ref is not None and ref.digest == "3" * 64
+        assert ref.issued_s < start + 0.3  # issued as the worker handed it in, not at release
+        engine.finish_reason = "content_filter"
+        refused = envelope(sealer, CacheStatus.MISS, "4" * 64, write_back=True)
+        (response,) = run(pb_utils, instance, [to_llm(pb_utils, sealer, refused)])
+        assert final(pb_utils, response)[0] == "Hello there"
+        assert answer_ref(instance, response) is None
+    finally:
+        instance.finalize()
 
 
 def test_kept_envelopes_are_refused_once_their_key_is_revoked_or_they_are_old(

@@ -13,7 +13,6 @@ import triton_python_backend_utils as pb_utils
 from tiercache.config import LlmConfig
 from tiercache.engine.adapter_call import NO_LORA
 from tiercache.exact.flights import EngineUsage
-from tiercache.generation import AnswerIdSource
 from tiercache.stages.envelope import check_envelope_size
 from tiercache.stages.llm import (
     EXACT_INPUTS,
@@ -42,9 +41,9 @@ class Responder:
 
     def __init__(self, sender: object) -> None:
         self.sender = sender
-        self.answer_id: AnswerIdSource | None = None
+        self.answer_id: str | None = None
 
-    def identify(self, answer_id: AnswerIdSource) -> None:
+    def identify(self, answer_id: str) -> None:
         self.answer_id = answer_id
 
     def is_cancelled(self) -> bool:
@@ -64,11 +63,8 @@ class Responder:
     ) -> None:
         tensor = pb_utils.Tensor
         outputs = [tensor("CACHE_STATUS", io.bytes_array(status))]
-        answer_id = self.answer_id
-        if answer_id is not None and not isinstance(answer_id, str):
-            answer_id = answer_id()  # a generation's, issued now that its answer is made
-        if answer_id is not None:
-            outputs.append(tensor("ANSWER_ID", io.bytes_array(answer_id)))
+        if self.answer_id is not None:
+            outputs.append(tensor("ANSWER_ID", io.bytes_array(self.answer_id)))
         if tokens is not None:
             outputs.append(tensor("PROMPT_TOKENS", io.int32_array(tokens[0])))
             outputs.append(tensor("COMPLETION_TOKENS", io.int32_array(tokens[1])))

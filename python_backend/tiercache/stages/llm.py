@@ -44,12 +44,13 @@ from tiercache.errors import (
 )
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.confidence import ConfidencePolicy
+from tiercache.exact.flights import EngineUsage
 from tiercache.exact.leases import LeaseCoordinator
 from tiercache.exact.memo import MEMO_MAX_CHARS, Memo, worth_keeping
 from tiercache.exact.request import GenerationRequest
 from tiercache.exact.stores import LmdbStore
 from tiercache.generation import (
-    AnswerIdSource,
+    SERVED_UNCACHED_FINISHES,
     GenerateFn,
     GenerationRecord,
     Generations,
@@ -175,6 +176,59 @@ def _blob(value: Part) -> bytes:
 
 # Padded requests one llm instance holds at once, from arrival to their last response (each
 # keeps its answer and Triton's request until the floor): more are refused at once.
+# A generation's answer id, issued from its final response's finish reason (`LlmStage.answer_id`)
+LazyAnswerId = Callable[[str | None], str | None]
+
+
+class IdentifiedAtFinal:
+    """A generation's responder (`outer`: padded and masked when its tenant is) whose answer id
+    is issued when its final response is handed in, once the answer is made, and given to the
+    `innermost` responder (the one that sends it): before padding holds the final, so a held
+    miss's release does what a held hit's does; none (logged) should issuing fail."""
+
+    __slots__ = ("_outer", "_innermost", "_issue")
+
+    def __init__(self, outer: Responder, innermost: Responder, issue: LazyAnswerId) -> None:
+        self._outer = outer
+        self._innermost = innermost
+        self._issue = issue
+
+    def is_cancelled(self) -> bool:
+        return self._outer.is_cancelled()
+
+    def send_chunk(self, text: str) -> None:
+        self._outer.send_chunk(text)
+
+    def send_final(
+        self,
+        text: str | None,
+        status: str,
+        similarity: float | None = None,
+        usage: EngineUsage | None = None,
+        finish_reason: str | None = None,
+        tokens: tuple[int, int] | None = None,
+    ) -> None:
+        try:
+            answer_id = self._issue(finish_reason)
+        except Exception:  # noqa: BLE001 - the answer is served without an id, not lost
+            io.log.exception("no answer id for a generated answer")
+            answer_id = None
+        if answer_id is not None:
+            self._innermost.identify(answer_id)
+        self._outer.send_final(
+            text, status, similarity, usage, finish_reason=finish_reason, tokens=tokens
+        )
+
+    def send_cancelled(self) -> None:
+        self._outer.send_cancelled()
+
+    def identify(self, answer_id: str) -> None:
+        self._innermost.identify(answer_id)
+
+    def send_error(self, exc: BaseException) -> None:
+        self._outer.send_error(exc)
+
+
 MAX_HELD_PADDED = 4096
 
 # Adapter files llm keeps until the engine was seen to take them (`EngineBls.expect`): a few
@@ -663,8 +717,9 @@ class LlmStage:
         try:
             item.envelope.fresh()
             answer_id = self.answer_id(item)
-            if answer_id is not None:
+            if isinstance(answer_id, str):
                 responder.identify(answer_id)
+            innermost = responder
             request = item.envelope.get().request
             self.engine.check_tenant(request)  # a refused tenant's hits too: not the cache's
             if self.padding_timer is not None and self.padding.pads(request.tenant_scope):
@@ -672,6 +727,8 @@ class LlmStage:
                 # error would tell one from the other. Refused alike, before any lookup.
                 self.engine.check_admits()
             responder = self._padded(responder, item.envelope, arrival_s)
+            if answer_id is not None and not isinstance(answer_id, str):
+                responder = IdentifiedAtFinal(responder, innermost, answer_id)
         except Exception as exc:  # noqa: BLE001 - no envelope: its error, at once (see count_error)
             self.count_error(responder, exc)
             return
@@ -681,17 +738,18 @@ class LlmStage:
             self.requests["error"].increment(1)
             responder.send_error(exc)
 
-    def answer_id(self, item: LlmInput) -> AnswerIdSource | None:
+    def answer_id(self, item: LlmInput) -> str | LazyAnswerId | None:
         """The id of the answer `item` will be served (tiercache.exact.answer_ids): a semantic
         hit's names the neighbour's entry it serves (unless the engine verifies it: then the
         answer is the request's own generation); anything else the request's own digest. None
         for a request without a digest (sampled without a seed: never stored), and for a
         generation that is not stored (`no-store`). A generation's (a miss, a verified hit) is
-        issued when its final response is sent (a function here): its answer is made by then
-        (stored with its generation's start as `created_s`), so the id says, as an exact hit's
-        does, that it names an answer made before it, and a verdict sent after the answer was
-        generated again (expired, evicted, or invalidated and asked for anew) is not taken for
-        one on the new answer (tiercache.feedback)."""
+        issued when its final response is handed in (a function here, of the final's finish
+        reason: `IdentifiedAtFinal`): its answer is made by then (stored with its generation's
+        start as `created_s`), so the id says, as an exact hit's does, that it names an answer
+        made before it, and a verdict sent after the answer was generated again (expired,
+        evicted, or invalidated and asked for anew) is not taken for one on the new answer
+        (tiercache.feedback). An answer served but not stored (a refusal) gets none."""
         if item.status == CacheStatus.SEMANTIC and not self._verifies(item):
             if not item.neighbours:
                 return None
@@ -721,7 +779,13 @@ class LlmStage:
         )
         if item.status == CacheStatus.EXACT:
             return self._issue(*issue)
-        return functools.partial(self._issue, *issue)  # once the generation has made it
+        return functools.partial(self._generated_id, issue)  # once the generation has made it
+
+    def _generated_id(self, issue: tuple[Any, ...], finish_reason: str | None) -> str | None:
+        """A generation's id (`answer_id`), or None for an answer served but not stored."""
+        if finish_reason in SERVED_UNCACHED_FINISHES:
+            return None  # not cached: the digest names another answer, or none
+        return self._issue(*issue)
 
     def _issue(self, digest: str, issue: Callable[..., str], *args: object) -> str | None:
         """`issue(*args)`, or None (logged) for a `digest` that is not one: the answer is served
