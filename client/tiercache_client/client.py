@@ -247,7 +247,8 @@ class TierCacheClient:
     `UnavailableError` is raised. `idle_timeout_s` (None: off) also fails a `generate()` call
     when no response arrives for that long, the first counted from the call: a long generation
     that streams steadily may then be given a long `timeout_s`, and a stalled one still fails
-    soon. `admin_token` (`read_admin_token`) goes with every
+    soon (an answer sent as one final response, unstreamed, sends nothing before it: there it
+    bounds the whole generation). `admin_token` (`read_admin_token`) goes with every
     `cache_admin` call (`stats`, `invalidate`, `flush`, `warm`, `admin`); without it the server
     refuses them (`ForbiddenError`). `api_key` (`tiercache keys add`) goes with every generation
     as the `authorization: Bearer <key>` header: a server with an API key file takes the tenant

@@ -738,6 +738,30 @@ def test_replicas_writing_side_records_at_once_keep_both_changes(
         cache.close()
 
 
+def test_a_merge_over_a_planted_empty_value_or_without_scripts_still_writes(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """An empty string planted under a record's name reads as none, and the compare-and-set
+    takes it as none too (it never matched: every merge failed); a user whose ACL refuses
+    scripts gets a plain write of the merged record, as before merges."""
+    client = raw_client(redis_server)
+    l3 = RedisStore(RedisLink.from_url(redis_server.url, redis_prefix, secret=FLEET_SECRET))
+    key = "9" * 64
+    client.set(redis_prefix + "e:" + key, b"")
+    assert l3.merge(key, lambda held: CacheEntry(f"{held is None}", 1.0))
+    found = l3.get(key)
+    assert found is not None and found.text == "True"
+    client.acl_setuser(
+        "noscripts", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+        commands=["+@all", "-@scripting"],
+    )  # fmt: skip
+    url = f"redis://noscripts:pw@127.0.0.1:{redis_server.port}/0"
+    limited = RedisStore(RedisLink.from_url(url, redis_prefix, secret=FLEET_SECRET))
+    assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}+1", 2.0))
+    found = l3.get(key)
+    assert found is not None and found.text == "True+1"
+
+
 def test_an_endorsement_never_reverts_an_answer_another_replica_wrote_since(
     redis_server: RedisServer, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

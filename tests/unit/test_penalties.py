@@ -199,3 +199,26 @@ def test_a_floor_raised_on_a_stale_read_keeps_the_higher_one(
     assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
     raise_floor(cache, DIGEST, 0.97, "scope-a")  # a higher one still goes in
     assert read_floor(cache, DIGEST, "scope-a") == round(0.97 + MARGIN, 6)
+
+
+def test_a_tier_already_holding_a_higher_floor_answers_while_another_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raising a floor L2 already holds higher, while L3 cannot be reached: L2 needed no change
+    and answered, so the raise is not reported as failed (L3's failure alone is not raised)."""
+    from tiercache.exact.codec import CacheEntry
+    from tiercache.semantic import penalties
+
+    class Unreachable(MemoryStore):
+        def peek(self, key: str) -> CacheEntry | None:
+            raise ConnectionError("Redis is down")
+
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    cache = TieredCache([(Tier.L2, l2), (Tier.L3, Unreachable(1 << 20))])
+    raise_floor(cache, DIGEST, 0.95, "scope-a")
+    monkeypatch.setattr(penalties, "read_floor", lambda *args: None)  # a read before L2's
+    assert raise_floor(cache, DIGEST, 0.8, "scope-a") == round(0.8 + MARGIN, 6)
+    monkeypatch.undo()
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
+    with pytest.raises(ConnectionError):  # every tier failed: said
+        TieredCache([(Tier.L3, Unreachable(1 << 20))]).merge_side("k", lambda held: "x", "s")

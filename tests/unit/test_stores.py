@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -828,4 +829,54 @@ def test_l2s_change_token_moves_with_any_processs_write_and_not_with_reads(
     assert moved is not None and moved != first
     assert store.delete("b")
     assert store.change_token() not in (None, moved)
+    store.close()
+
+
+def test_lmdb_merge_that_meets_a_full_disk_evicts_and_tries_again_and_never_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge (a side record read and written in one transaction) meets the disk short and
+    full as a `put` does: it evicts and writes again; failing again, it is counted as
+    rejected and raised, and the key's copy is left as it was (a floor must not fall), and for
+    a while no merge evicts again for want of disk. With room, the error is the caller's."""
+    free = [1 << 40]
+    disk = DiskRoom(
+        tmp_path, 1 << 30, interval_s=0.0, read=lambda p: DiskReading(str(p), 1 << 41, free[0])
+    )
+    store = LmdbStore(tmp_path / "l2", 8 << 20, disk=disk)
+    for i in range(20):
+        store.put(f"k{i:02d}", entry(f"answer {i}", created_s=float(i)))
+    store.put("floor", entry("0.5", created_s=30.0))
+    free[0] = (1 << 30) - 1  # short of the 1 GiB headroom
+    real = store._merged
+    failures = [1]
+
+    def merged(raw_key: bytes, make: Any) -> Any:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return real(raw_key, make)
+
+    def higher(held: CacheEntry | None) -> CacheEntry:
+        return entry(f"{held.text if held else ''}+1", created_s=40.0)
+
+    monkeypatch.setattr(store, "_merged", merged)
+    before = store.stats().evictions
+    assert store.merge("floor", higher)
+    assert store.peek("floor") == entry("0.5+1", created_s=40.0)
+    evicted = store.stats().evictions
+    assert evicted > before and store.stats().rejected == 0
+    failures[0] = 2
+    with pytest.raises(lmdb.DiskError):
+        store.merge("floor", higher)
+    assert store.peek("floor") == entry("0.5+1", created_s=40.0)  # kept, not deleted
+    assert store.stats().rejected == 1 and store.stats().evictions == evicted + 1
+    failures[0] = 1
+    with pytest.raises(lmdb.DiskError):  # paused: no eviction now
+        store.merge("floor", higher)
+    assert store.stats().evictions == evicted + 1
+    free[0] = 1 << 40  # room: the error is the caller's
+    failures[0] = 1
+    with pytest.raises(lmdb.DiskError):
+        store.merge("floor", higher)
     store.close()

@@ -222,8 +222,8 @@ def sweep(store: Store, inv: Invalidation, skew_s: float = DEFAULT_SKEW_S) -> li
 
 DroppedFn = Callable[[Invalidation, list[str]], None]
 """Told which digests a received invalidation dropped locally (for a key: that digest, unless a
-local tier holds an answer under it written after the invalidation); the semantic index forgets
-their rows."""
+tier, L3 included, holds an answer under it written after the invalidation); the semantic
+index forgets their rows."""
 
 ReceivedFn = Callable[[Invalidation, float], None]
 """Told of each message from another process once it is applied (watermark noted, local tiers

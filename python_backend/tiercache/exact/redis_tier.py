@@ -482,13 +482,13 @@ return out
 """
 
 # Sets KEYS[1] to ARGV[2] (for ARGV[3] milliseconds; "": no expiry) only while it holds what
-# the caller read: ARGV[1] "" for nothing readable (no key, or not a string: `bounded_get`
-# reads those as none), else the SHA-1 of its first ARGV[4] bytes (what `bounded_get` reads);
-# 1 if set, 0 when another writer came in between.
+# the caller read: ARGV[1] "" for nothing readable (no key, an empty string, or not a string:
+# `bounded_get` reads those as none), else the SHA-1 of its first ARGV[4] bytes (what
+# `bounded_get` reads); 1 if set, 0 when another writer came in between.
 _SET_IF_SAME = """
 local kind = redis.call('TYPE', KEYS[1]).ok
 local seen = ''
-if kind == 'string' then
+if kind == 'string' and redis.call('STRLEN', KEYS[1]) > 0 then
   seen = redis.sha1hex(redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1))
 end
 if seen ~= ARGV[1] then return 0 end
@@ -498,6 +498,17 @@ return 1
 """
 MERGE_ATTEMPTS = 8  # compare-and-set tries of one merge before it gives up (Unavailable)
 _READ_BYTES = str(MAX_VALUE_BYTES + 1)  # what `bounded_get` reads of a value
+
+
+def _scripts_refused(exc: redis.exceptions.ResponseError) -> bool:
+    """Whether Redis refused to run a script at all (an ACL without @scripting, EVAL renamed
+    away), as opposed to failing one it ran (out of memory, a read-only replica)."""
+    text = str(exc)
+    return isinstance(exc, redis.exceptions.NoPermissionError) or text.startswith(
+        ("NOPERM", "unknown command", "ERR unknown command")
+    )
+
+
 _SCRIPTS_LOG = LogThrottle()  # a Redis that refuses scripts: said once a minute
 
 
@@ -737,7 +748,9 @@ class RedisStore:
             def swap(c: redis.Redis, seen: str = seen, data: bytes = data, px: str = px) -> int:
                 try:
                     return int(c.eval(_SET_IF_SAME, 1, name, seen, data, px, _READ_BYTES))
-                except redis.exceptions.ResponseError as exc:  # refused, not an outage
+                except redis.exceptions.ResponseError as exc:
+                    if not _scripts_refused(exc):
+                        raise  # OOM, BUSY, READONLY...: a failed write, not a refused script
                     if _SCRIPTS_LOG.ready():
                         log.warning("Redis refused a merge's script (%s): written plainly", exc)
                     return -1

@@ -126,6 +126,7 @@ def answer_group(entry: CacheEntry) -> int:
 
 SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log n/100))
 RESIZE_SLICE_BYTES = 1 << 20  # L1 evicts at most this much per hold of its lock when resized
+MERGE_SLACK_BYTES = 1024  # room a merge makes beyond what its key holds: what it may add
 
 
 SKETCH_SHARE = 8  # L1's policy's frequency sketch: at most 1/SKETCH_SHARE of its budget beyond it
@@ -836,17 +837,32 @@ class LmdbStore:
         written in one write transaction (LMDB's writers take turns, across processes too), so
         no other writer's change comes in between; False, writing nothing, when `make` says
         None. For small records merged in place (`TieredCache.merge_side`): room is made as
-        for a `put` of what the key holds now."""
+        for a `put` of what the key holds now and `MERGE_SLACK_BYTES`; a full map or, while the
+        disk is short, a failed write evicts and tries once more, as `put` does (a merge never
+        deletes the key's older copy instead: a floor must not fall). A write that still fails
+        is counted as rejected and raised."""
         raw_key = key.encode()
-        with self._resized_is_an_error(), self._env.begin(buffers=True) as txn:
+        with self._resized_is_an_error(), self._env.begin() as txn:
             held = txn.get(raw_key)
-            self._make_room(0 if held is None else len(held))
+        disk = self._make_room((0 if held is None else len(held)) + MERGE_SLACK_BYTES)
         try:
             written = self._merged(raw_key, make)
         except lmdb.MapFullError:
             with self._evict_lock:  # as `put`: room, then once more
                 self._evict(fraction=max(0.5, self._evict_fraction))
             written = self._merged(raw_key, make)
+        except lmdb.Error:  # ENOSPC, EIO, EDQUOT while the disk is short: as `put`
+            if disk == ROOM or time.monotonic() < self._disk_pause_until_s:
+                raise
+            try:
+                with self._evict_lock:
+                    self._evict()
+                written = self._merged(raw_key, make)
+            except lmdb.Error:
+                self._disk_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
+                with self._lock:
+                    self._rejected += 1
+                raise
         if written is None:
             return False
         made, size = written

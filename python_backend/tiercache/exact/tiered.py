@@ -567,7 +567,8 @@ class TieredCache:
         `merge` returning None leaves that tier as it is. Not L1: side records are never read
         from it. The record belongs to `tenant_scope` and is stamped `created_s` (default now:
         an invalidation issued since covers it, and it is then not written). How many tiers
-        took it; the first failure is raised when none did."""
+        took it; the first failure is raised when every tier failed (one that needed no
+        change, a floor already as high, answered)."""
         self._catch_up()
         stamped = self._clock() if created_s is None else created_s
         invalidations = self.invalidations
@@ -587,7 +588,7 @@ class TieredCache:
             )
             return None if invalidations.covers(key, entry) else entry
 
-        took = 0
+        took = answered = 0
         failure: Exception | None = None
         for slot in self._write_order:
             if slot.reach is Reach.PROCESS:
@@ -597,15 +598,16 @@ class TieredCache:
                 merge_in = getattr(store, "merge", None)
                 if merge_in is not None:
                     took += bool(merge_in(key, make))
-                    continue
-                peek = getattr(store, "peek", None)  # a store without one: read, then written
-                entry = make(peek(key) if peek is not None else store.get(key))
-                if entry is not None:
-                    store.put(key, entry)
-                    took += 1
+                else:
+                    peek = getattr(store, "peek", None)  # a store without one: read, then put
+                    entry = make(peek(key) if peek is not None else store.get(key))
+                    if entry is not None:
+                        store.put(key, entry)
+                        took += 1
+                answered += 1
             except Exception as exc:  # noqa: BLE001 - re-raised below: the others still take it
                 failure = failure or exc
-        if failure is not None and not took:
+        if failure is not None and not answered:
             raise failure
         return took
 
