@@ -30,7 +30,6 @@ import math
 import os
 import re
 import threading
-import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +48,9 @@ from tiercache.exact.invalidation import Invalidator, checked_digest
 from tiercache.exact.keys import SECRET_BYTES, load_or_create_secret, tenant_scope
 from tiercache.exact.prompt_cache import PromptCache
 from tiercache.exact.redis_tier import RedisLink
-from tiercache.exact.request import RawInputs
+from tiercache.exact.request import RawInputs, canonical_tenant, checked_tag
 from tiercache.exact.tiered import TieredCache
-from tiercache.vocabulary import InvalidationKind
+from tiercache.vocabulary import InvalidationKind, Tier
 
 log = logging.getLogger("tiercache")
 
@@ -274,8 +273,11 @@ class Admin:
         tiers: dict[str, Any] = {"l1": {"reachable": False, "note": L1_NOTE}}
         for tier, store in self.cache.stores():
             s = store.stats()
+            reachable = True  # this host's tiers answer or raise; Redis is asked
+            if tier is Tier.L3 and self.link is not None:
+                reachable = bool(self.link.call(lambda c: c.ping(), False))
             tiers[tier.value] = {
-                "reachable": True,
+                "reachable": reachable,
                 "entries": s.entries,
                 "bytes": s.bytes,
                 "max_bytes": s.max_bytes,
@@ -304,8 +306,11 @@ class Admin:
             raise InvalidRequest("invalidate: sweep_shared must be a boolean")
         kind = InvalidationKind(name)
         if kind is InvalidationKind.TENANT:
-            # normalized as prompt_cache normalizes the tenant input (tiercache.exact.request)
-            value = tenant_scope(self._secret, unicodedata.normalize("NFKC", value).strip())
+            # checked and normalized as prompt_cache takes the tenant input (a lone surrogate,
+            # an over-long name: the caller's error, not an internal one)
+            value = tenant_scope(self._secret, canonical_tenant(value))
+        elif kind is InvalidationKind.TAG:
+            value = checked_tag(value.strip(), "invalidate: tag")  # else it could match nothing
         elif kind is InvalidationKind.ADAPTER:
             value = self._adapter_digest(value.strip())
         elif kind is InvalidationKind.KEY:
@@ -326,10 +331,20 @@ class Admin:
         }
 
     def flush(self) -> dict[str, Any]:
+        """Delete every entry of each tier; Unavailable, naming what was flushed before, when
+        one cannot be (Redis down or failing part way: send it again)."""
         flushed: dict[str, int] = {}
         for tier, store in self.cache.stores():
-            flushed[tier.value] = store.stats().entries
-            store.clear()
+            entries = store.stats().entries
+            try:
+                store.clear()
+            except Unavailable as exc:
+                done = ", ".join(f"{name} ({n} entries)" for name, n in flushed.items())
+                raise Unavailable(
+                    f"{tier.value} could not be flushed ({exc}); flushed before it: "
+                    f"{done or 'nothing'}; send it again"
+                ) from None
+            flushed[tier.value] = entries
         note = (
             "prompt_cache's L1 and other replicas' L2 keep their copies; invalidate to stop serving"
         )

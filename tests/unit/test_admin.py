@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import multiprocessing
+import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -164,6 +165,43 @@ def test_invalidate_tenant_and_tag_locally(admin: Admin, clock: Clock) -> None:
     run(admin, op="warm", prompts=[{"text_input": "a", "answer": "4", "tenant": "acme"}])
     again = admin.prompts.lookup(RawInputs("a", tenant="acme"))
     assert (again.status, again.text) == (CacheStatus.EXACT, "4")
+
+
+def test_invalidate_refuses_a_tenant_or_tag_that_could_match_nothing(admin: Admin) -> None:
+    """A tenant name that is not valid Unicode (a lone surrogate) or too long, and a tag that
+    no request can carry (cache_control's tag alphabet), are the caller's error, not an
+    internal one nor an invalidation that silently matches nothing; a tag with blanks around
+    it is taken trimmed."""
+    for op in (
+        {"tenant": "\ud800"},
+        {"tenant": "t" * 10_000},
+        {"tag": "kb v7"},
+        {"tag": "k" * 200},
+    ):
+        with pytest.raises(InvalidRequest):
+            run(admin, op="invalidate", **op)
+    assert run(admin, op="invalidate", tag=" kb:v7 ")["value"] == "kb:v7"
+
+
+def test_flush_says_when_a_tier_could_not_be_flushed(tmp_path: Path) -> None:
+    """With Redis down, a flush empties this host's L2 and then says L3 was not flushed
+    (Unavailable, naming what was), instead of answering that it flushed nothing there; stats
+    say L3 is unreachable."""
+    from tiercache.errors import Unavailable
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    url = f"redis://127.0.0.1:{port.getsockname()[1]}/0"  # nothing listens
+    port.close()
+    config = CacheAdminConfig(state_dir=str(tmp_path), l2_max_bytes=16 << 20, redis_url=url)
+    admin = open_admin(config, ENGINE)
+    try:
+        run(admin, op="warm", prompts=[{"text_input": "a", "answer": "1"}])
+        assert run(admin, op="stats")["tiers"]["l3"]["reachable"] is False
+        with pytest.raises(Unavailable, match="l3 could not be flushed.*l2 \\(1 entries\\)"):
+            run(admin, op="flush", confirm=True)
+    finally:
+        admin.cache.close()
 
 
 def test_invalidate_by_key(admin: Admin) -> None:

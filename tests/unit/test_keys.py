@@ -162,6 +162,28 @@ def test_short_secret_file_is_rejected(tmp_path: Path) -> None:
         load_or_create_secret(path)
 
 
+def test_a_secret_another_user_could_have_chosen_is_refused(tmp_path: Path) -> None:
+    """A secret (or admin token) file writable by other users, or owned by a user other than
+    this one or root (planted in a shared folder, or through a link), is refused with a
+    message that says why, rather than used: whoever chose it would hold the seals. One this
+    user owns, read through a link (a mounted secret), is taken."""
+    from tiercache.errors import ConfigError
+
+    path = tmp_path / "secret"
+    path.write_bytes(os.urandom(SECRET_BYTES))
+    path.chmod(0o666)
+    with pytest.raises(ConfigError, match="can be written by other users"):
+        load_or_create_secret(path)
+    path.chmod(0o644)
+    link = tmp_path / "mounted"
+    link.symlink_to(path)
+    assert load_or_create_secret(link) == path.read_bytes()
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 54321, 54321)
+        with pytest.raises(ConfigError, match="owned by uid 54321"):
+            load_or_create_secret(link)
+
+
 def _race(path: Path, barrier: object, results: object) -> None:
     barrier.wait()  # type: ignore[attr-defined]
     results.put(load_or_create_secret(path))  # type: ignore[attr-defined]

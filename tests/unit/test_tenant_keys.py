@@ -59,6 +59,24 @@ def test_keys_are_stored_hashed_in_a_private_file(tmp_path: Path) -> None:
     assert [g.tenant for g in list_grants(path)] == ["acme"]
 
 
+def test_a_rewritten_key_file_keeps_its_owner_and_mode(tmp_path: Path) -> None:
+    """Adding or revoking a key rewrites the file whole: the new one keeps the old one's mode
+    (a service group's read bit) and, where this user may give it, its owner and group (an
+    operator's sudo must not leave a root-owned 0600 file the server cannot read)."""
+    path = tmp_path / "keys.json"
+    _, grant = add_key(path, "acme")
+    path.chmod(0o640)
+    add_key(path, "globex")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    owner = (54321, 54322) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, *owner)
+    assert revoke_key(path, grant.key_id)
+    info = path.stat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (*owner, 0o640)
+    assert [g.tenant for g in list_grants(path)] == ["globex"]
+
+
 def test_keys_added_and_revoked_through_a_symlink_change_its_target(tmp_path: Path) -> None:
     """The server reads the link's target (`serve` resolves the path): revoking through the
     link must change that file, not put a new file in the link's place."""

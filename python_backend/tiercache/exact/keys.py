@@ -181,6 +181,25 @@ def load_or_create_secret(path: Path) -> bytes:
     return _read_secret(path)
 
 
+def check_trusted_file(path: Path, info: os.stat_result, what: str) -> None:
+    """ConfigError unless the file `info` describes (`path`, followed through links: a mounted
+    secret is often one) could only have been chosen by this process's user or root: owned by
+    one of them and writable by no one else. A secret or token another user planted (in a shared
+    or group-writable folder, or by a link) would be theirs to know: the seals, or the admin
+    gate, would be theirs too."""
+    trusted = {os.geteuid(), 0}
+    if info.st_uid not in trusted:
+        raise ConfigError(
+            f"{what} {path} is owned by uid {info.st_uid}, not by this user or root: another "
+            "user may have put it there; make it this user's (chown) or remove it"
+        )
+    if info.st_mode & 0o022:
+        raise ConfigError(
+            f"{what} {path} can be written by other users (mode {info.st_mode & 0o777:o}): "
+            "chmod 600 it"
+        )
+
+
 def read_secret(path: Path) -> bytes:
     """The server secret at `path`, never created: ConfigError when there is none (an admin
     tool given the wrong place must not make a secret of its own)."""
@@ -211,7 +230,9 @@ def replace_secret(path: Path, secret: bytes) -> None:
 
 
 def _read_secret(path: Path) -> bytes:
-    data = path.read_bytes()
+    with path.open("rb") as handle:
+        check_trusted_file(path, os.fstat(handle.fileno()), "secret file")
+        data = handle.read()
     if len(data) < SECRET_BYTES:
         raise RuntimeError(f"server secret file {path} is shorter than {SECRET_BYTES} bytes")
     return data

@@ -838,10 +838,11 @@ class RedisStore:
                 removed += [key for (key, _), gone in zip(part, reply, strict=True) if int(gone)]
         return removed
 
-    def _names(self) -> Iterator[list[bytes]]:
-        """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan. A name
-        longer than any a replica writes is left in Redis unread (`_SCAN_NAMES`), and counted
-        in `long_names`."""
+    def _names(self, strict: bool = False) -> Iterator[list[bytes]]:
+        """This prefix's entry keys, in batches; stops quietly if Redis fails mid-scan (`strict`:
+        raises Unavailable instead, for an operator's call that must say it). A name longer
+        than any a replica writes is left in Redis unread (`_SCAN_NAMES`), and counted in
+        `long_names`."""
         cursor = 0
         pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self._entry_prefix) + "*"
         limit = len(self._entry_prefix.encode("utf-8")) + MAX_ENTRY_NAME_CHARS
@@ -853,6 +854,8 @@ class RedisStore:
                 None,
             )
             if found is None:
+                if strict:
+                    raise Unavailable(f"Redis {self.link.url or ''} failed during a scan".strip())
                 return
             cursor, names, dropped = int(found[0]), found[1], int(found[2])
             if dropped:
@@ -888,8 +891,10 @@ class RedisStore:
                     continue
 
     def clear(self) -> None:
-        for names in self._names():
-            self.link.call(lambda c, n=names: c.unlink(*n), 0)  # type: ignore[misc]
+        """Delete every entry of this prefix; Unavailable when Redis cannot be asked or fails
+        part way (what was deleted by then stays deleted: send it again)."""
+        for names in self._names(strict=True):
+            self.link.call_or_raise(lambda c, n=names: c.unlink(*n))  # type: ignore[misc]
 
     def _count_entries(self) -> tuple[int, int]:
         counted = self._counted

@@ -153,12 +153,7 @@ class CacheControl:
             elif name == "max-age":
                 max_ages.append(_parse_max_age(value))
             elif name == "tag":
-                if not _TAG_PATTERN.match(value):
-                    raise InvalidRequest(
-                        f"cache_control tag {echo(value)} is not 1-128 characters of letters, "
-                        "digits and _ . : / @ + = -"
-                    )
-                tags.add(value)
+                tags.add(checked_tag(value, "cache_control tag"))
             else:
                 unknown.add(raw)
         if unknown:
@@ -460,6 +455,16 @@ def _decode(name: str, value: str | bytes) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def checked_tag(value: str, what: str = "tag") -> str:
+    """`value` when it is a cache tag (1-128 characters of letters, digits and _ . : / @ + =
+    -, what `cache_control: tag=` takes); InvalidRequest naming `what` otherwise."""
+    if not _TAG_PATTERN.match(value):
+        raise InvalidRequest(
+            f"{what} {echo(value)} is not 1-128 characters of letters, digits and _ . : / @ + = -"
+        )
+    return value
 
 
 def canonical_tenant(value: str | bytes | None, limits: Limits = DEFAULT_LIMITS) -> str:

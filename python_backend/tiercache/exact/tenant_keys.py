@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import tempfile
 import threading
 import time
@@ -327,17 +328,50 @@ def _entries(path: Path) -> list[dict[str, Any]]:
 
 
 def _write(path: Path, entries: list[dict[str, Any]]) -> None:
+    """The key file replaced whole (readers see the old one or the new one), durably (the
+    folder synced after the rename: a revoked key does not come back after a power cut). The
+    new file keeps the old one's owner, group and mode where this user may give them (an
+    operator's `sudo tiercache keys revoke` must not leave a root-owned 0600 file the server's
+    user cannot read, which refuses every key); a new file is 0600."""
     text = json.dumps({"version": KEYS_VERSION, "keys": entries}, indent=2, sort_keys=True)
+    try:
+        before: os.stat_result | None = path.stat()
+    except FileNotFoundError:
+        before = None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text + "\n")
             handle.flush()
+            if before is not None:
+                _keep_owner(handle.fileno(), before, path)
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _keep_owner(fd: int, before: os.stat_result, path: Path) -> None:
+    """Give the open new key file the old one's owner, group and mode (read and write bits:
+    whoever read the old one reads the new one); an owner this user may not give is logged,
+    not fatal."""
+    if (before.st_uid, before.st_gid) != (os.geteuid(), os.getegid()):
+        try:
+            os.fchown(fd, before.st_uid, before.st_gid)
+        except PermissionError:
+            log.warning(
+                "the key file %s was owned by uid %d and is now this user's: the server must "
+                "still be able to read it (chown it back)",
+                path,
+                before.st_uid,
+            )
+    os.fchmod(fd, stat.S_IMODE(before.st_mode) & 0o666)
 
 
 @contextlib.contextmanager
