@@ -311,3 +311,30 @@ def test_a_failure_storing_the_prompts_blocks_does_not_fail_the_request(
     answer = generate(engine, request(TURNS[0]))
     assert (answer.text, answer.finish_reason) == (plain.text, plain.finish_reason)
     assert engine.kv_stats().pinned_blocks == 0
+
+
+def test_a_lowered_budget_is_taken_up_by_a_request_that_looks_nothing_up(engine: Any) -> None:
+    """`resize` records a new budget for the engine thread: a request without a lookup (reuse
+    switched off, a caller gone before its prefill) takes it up too, instead of the pool
+    holding more than its budget until the next lookup."""
+    for turn in TURNS[:3]:
+        generate(engine, request(turn))
+    held = engine.kv_stats().bytes
+    block_bytes = engine.kv_bytes_per_token * BLOCK
+    assert held > 2 * block_bytes
+    engine.kv_pool.resize(block_bytes)
+    generate(engine, request(TURNS[0]), reuse=False)
+    assert engine.kv_stats().bytes <= block_bytes
+    engine.kv_pool.resize(256 << 20)
+    list(engine.generate(request(TURNS[1]), lambda: True))  # gone before its prefill
+    assert engine.kv_pool.max_bytes == 256 << 20
+
+
+def test_a_stream_closed_mid_answer_releases_its_blocks_at_once(engine: Any) -> None:
+    """A generation closed mid-answer (torch_llm closes it when a send fails) unpins its
+    prompt's blocks then, not whenever the generator is collected."""
+    events = engine.generate(GenerationRequest(f"{SYSTEM} {TURNS[0]}", tenant_scope=SCOPE_A))
+    next(events)  # the prefill ran: the prompt's blocks are pinned while it streams
+    assert engine.kv_stats().pinned_blocks > 0
+    events.close()
+    assert engine.kv_stats().pinned_blocks == 0

@@ -246,6 +246,19 @@ class KvBlockPool(Generic[P]):
 
     # ---- requests ---------------------------------------------------------------------------
 
+    def settle_budget(self) -> None:
+        """Take up a new budget `resize` recorded, evicting unpinned blocks down to it: on the
+        engine thread, at each lookup (`acquire`) and at each request that looks nothing up
+        (reuse switched off, a caller gone before its prefill), so a lowered budget is not
+        left waiting for a lookup."""
+        with self._target_lock:
+            target, self._target = self._target, None
+        if target is not None:
+            self.max_bytes = target
+            self._shadow.resize(shadow_bytes(target))
+        if self._bytes > self.max_bytes:
+            self._shrink()
+
     def acquire(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> KvLease[P]:
         """Pin the longest cached chain of `hashes` (a prompt's `block_hashes`) and count the
         lookup. The lease's `reused_tokens` leave at least one prompt token to compute, so the
@@ -265,15 +278,9 @@ class KvBlockPool(Generic[P]):
         for block in found:
             self._pin(block)
             block.reuses += 1
-        with self._target_lock:
-            target, self._target = self._target, None
-        if target is not None:  # a new budget (`resize`) takes effect here, on the engine thread
-            self.max_bytes = target
-            self._shadow.resize(shadow_bytes(target))
-        if self._bytes > self.max_bytes:
-            # after the chain is pinned: shrinking first evicted the very prefix this request
-            # was about to reuse, to compute it again and evict another for it
-            self._shrink()
+        # after the chain is pinned: shrinking first evicted the very prefix this request was
+        # about to reuse, to compute it again and evict another for it
+        self.settle_budget()
         for key in hashes[len(found) :]:  # the chain goes on among blocks evicted lately
             if not self._shadow.credit(key):
                 break

@@ -13,7 +13,7 @@ text by its start would need the whole answer held back before the first chunk i
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from tiercache.engine.events import CONTENT_FILTER, StreamEvent
@@ -57,8 +57,9 @@ class RefusalPolicy:
 
     def generate(
         self, request: GenerationRequest, generate: Callable[[], Iterator[StreamEvent]]
-    ) -> Iterator[StreamEvent]:
-        """The refusal as one final event when the prompt matches, else `generate()`'s events."""
+    ) -> Generator[StreamEvent, None, None]:
+        """The refusal as one final event when the prompt matches, else `generate()`'s events
+        (closing it closes `generate()`'s generator: its KV lease is released then)."""
         if self.refuses(request):
             yield StreamEvent(self.text, CONTENT_FILTER)
             return

@@ -294,6 +294,8 @@ class TorchEngine:
         if self.kv_reuse and not cancelled_early:
             hashes = block_hashes(prompt_list, self.kv_pool.tokens_per_block, scope)
             lease = self.kv_pool.acquire(hashes, prompt_tokens)  # released in `finally` below
+        else:
+            self.kv_pool.settle_budget()  # a lowered budget, taken up without a lookup
         reused = 0 if lease is None else lease.reused_tokens
         computed = 0 if cancelled_early else prompt_tokens - reused
 

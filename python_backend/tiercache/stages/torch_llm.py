@@ -4,11 +4,13 @@ evictions, a load, then the op); `submit` only enqueues."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from tiercache.budgets import Budget, BudgetThread, LatencyObjective
@@ -23,6 +25,7 @@ from tiercache.engine.adapters import (
     AdapterStats,
     adapter_slots_budget,
 )
+from tiercache.engine.events import StreamEvent
 from tiercache.engine.kv_cache import KvStats, kv_pool_budget
 from tiercache.engine.model_source import resolve_model
 from tiercache.engine.policy import RefusalPolicy
@@ -322,6 +325,10 @@ class TorchLlmStage:
         events = self.refusal.generate(
             request, lambda: self.engine.generate(request, sink.is_cancelled)
         )
+        with contextlib.closing(events):  # a send that fails mid-stream releases the KV lease now
+            self._stream(events, sink, started)
+
+    def _stream(self, events: Iterator[StreamEvent], sink: EngineSink, started: float) -> None:
         first = True
         for event in events:
             # to the first event: the adapter switch, the KV lookup and the prefill; a refusal
