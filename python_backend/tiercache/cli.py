@@ -49,6 +49,17 @@ def _serve(args: argparse.Namespace) -> int:
     from tiercache.admin import ADMIN_TOKEN_FILE_ENV, admin_token_path, load_or_create_admin_token
     from tiercache.errors import ConfigError
 
+    if not is_loopback(args.host) and not args.api_keys and not args.trust_tenants:
+        print(
+            f"error: --host {args.host} is not loopback and no API key file is configured: "
+            "anyone who reaches the port could name any tenant and be served its cached "
+            "answers (docs/security.md). Give one (`tiercache keys add`, then --api-keys "
+            f"FILE or ${API_KEYS_FILE_ENV}), or pass --trust-tenants if every caller that can "
+            "reach it may act as any tenant",
+            file=sys.stderr,
+        )
+        return 2
+
     state_dir = Path(args.state_dir).resolve()
     from tiercache.exact.stores import make_private_dir
 
@@ -724,6 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(HOST_ENV) or LOOPBACK,
         help="address gRPC (and HTTP with --http) listen on (default: $TIERCACHE_HOST, else "
         "127.0.0.1: this host only); 0.0.0.0 is every interface (docs/security.md)",
+    )
+    serve.add_argument(
+        "--trust-tenants",
+        action="store_true",
+        help="allow a non-loopback --host without an API key file: the tenant input is then "
+        "trusted as sent by anyone who reaches the port (docs/security.md)",
     )
     serve.add_argument(
         "--metrics-host",

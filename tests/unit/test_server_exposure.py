@@ -348,3 +348,26 @@ def test_serve_refuses_a_busy_grpc_port_before_starting_anything(
         )
     assert code == 1
     assert f"the gRPC port {port} is in use" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tenants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an API key file the tenant input is trusted as sent: on a non-loopback address
+    anyone who reaches the port could name any tenant. `serve` refuses that (as the gateway
+    does) unless --trust-tenants says so; with it, start goes on (here to the busy-port check,
+    which stops it before anything runs)."""
+    import socket
+
+    from tiercache.cli import main
+
+    monkeypatch.delenv("TIERCACHE_API_KEYS_FILE", raising=False)
+    base = ["serve", "--state-dir", str(tmp_path), "--no-gateway", "--host", "0.0.0.0"]
+    assert main(base) == 2
+    assert "--trust-tenants" in capsys.readouterr().err
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main([*base, "--trust-tenants", "--grpc-port", str(port)]) == 1
+    assert f"the gRPC port {port} is in use" in capsys.readouterr().err
