@@ -430,6 +430,7 @@ def _invalidate(args: argparse.Namespace) -> int:
     from tiercache.exact.invalidation import Invalidator, checked_digest
     from tiercache.exact.keys import tenant_scope
     from tiercache.exact.redis_tier import RedisLink, RedisStore, check_fleet_secret
+    from tiercache.exact.request import canonical_tenant, checked_tag
     from tiercache.exact.tiered import TieredCache
     from tiercache.stages.parts import read_host_secret, secret_source
     from tiercache.vocabulary import InvalidationKind, Tier
@@ -449,13 +450,13 @@ def _invalidate(args: argparse.Namespace) -> int:
         if args.key:
             kind, value = InvalidationKind.KEY, checked_digest(args.key, "--key")
         elif args.tag:
-            kind, value = InvalidationKind.TAG, args.tag
+            kind, value = InvalidationKind.TAG, checked_tag(args.tag.strip(), "--tag")
         elif args.adapter:
             kind, value = InvalidationKind.ADAPTER, checked_digest(args.adapter, "--adapter")
         else:
             kind = InvalidationKind.TENANT
-            # normalized as prompt_cache normalizes the tenant input (tiercache.exact.request)
-            value = tenant_scope(secret, unicodedata.normalize("NFKC", args.tenant).strip())
+            # checked and normalized as prompt_cache takes the tenant input
+            value = tenant_scope(secret, canonical_tenant(args.tenant))
         report = Invalidator(cache, link).invalidate(kind, value, sweep_shared=not args.no_sweep)
     except TierCacheError as exc:
         print(f"tiercache: {exc.client_message()}", file=sys.stderr)
@@ -674,7 +675,6 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
 def _keys(args: argparse.Namespace) -> int:
     """`tiercache keys add|list|revoke`: the key file prompt_cache reads (re-read within a
     second of a change, so no restart)."""
-    import unicodedata
 
     from tiercache.errors import ConfigError
     from tiercache.exact.tenant_keys import add_key, list_grants, revoke_key

@@ -275,6 +275,13 @@ def test_cli_invalidates_a_tenant_with_the_fleets_secret(
     assert "TIERCACHE_SECRET_FILE" in capsys.readouterr().err
     assert tiercache_main(["invalidate", "--tag", "x", "--redis-url", "redis://127.0.0.1:1/0",
                            "--state-dir", str(tmp_path / "admin-host")]) == 1  # fmt: skip
+    # a tenant that is not valid Unicode, a tag no request can carry: one line, no traceback
+    for bad in (["--tenant", "\udc80"], ["--tag", "kb v7"]):
+        assert tiercache_main(["invalidate", *bad, "--redis-url", redis_server.url,
+                               "--redis-prefix", redis_prefix,
+                               "--state-dir", str(tmp_path / "admin-host")]) == 1  # fmt: skip
+        err = capsys.readouterr().err
+        assert err.startswith("tiercache: ") and "Traceback" not in err
     replica.close()
 
 

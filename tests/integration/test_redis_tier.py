@@ -15,7 +15,7 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, Unavailable
 from tiercache.exact import redis_tier
 from tiercache.exact.codec import CacheEntry, encode_entry
 from tiercache.exact.keys import (
@@ -760,6 +760,10 @@ def test_a_merge_over_a_planted_empty_value_or_without_scripts_still_writes(
     assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}+1", 2.0))
     found = l3.get(key)
     assert found is not None and found.text == "True+1"
+    # a flush scans with a script too: it says why it cannot, rather than "send it again"
+    with pytest.raises(Unavailable, match="refuses scripts"):
+        limited.clear()
+    assert l3.get(key) is not None
 
 
 def test_an_endorsement_never_reverts_an_answer_another_replica_wrote_since(

@@ -158,15 +158,19 @@ def test_secret_differs_per_path(tmp_path: Path) -> None:
 def test_short_secret_file_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     path.write_bytes(b"short")
+    path.chmod(0o600)  # whatever the umask
     with pytest.raises(RuntimeError, match="shorter"):
         load_or_create_secret(path)
 
 
 def test_a_secret_another_user_could_have_chosen_is_refused(tmp_path: Path) -> None:
-    """A secret (or admin token) file writable by other users, or owned by a user other than
-    this one or root (planted in a shared folder, or through a link), is refused with a
-    message that says why, rather than used: whoever chose it would hold the seals. One this
-    user owns, read through a link (a mounted secret), is taken."""
+    """A secret (or admin token) file that another user may write (writable by others, or by
+    a group this process is not in), or that another user (not root) owns in a folder another
+    user may write (planted in a shared folder, or reached through a link), is refused with a
+    message that says why, rather than used: whoever chose it would hold the seals. Taken: one
+    read through a link (a mounted secret); one writable by this process's own group (a
+    volume's fsGroup); one of another uid in a folder only this user or root writes (a
+    secret bind-mounted into a container running as root)."""
     from tiercache.errors import ConfigError
 
     path = tmp_path / "secret"
@@ -174,14 +178,25 @@ def test_a_secret_another_user_could_have_chosen_is_refused(tmp_path: Path) -> N
     path.chmod(0o666)
     with pytest.raises(ConfigError, match="can be written by other users"):
         load_or_create_secret(path)
-    path.chmod(0o644)
+    path.chmod(0o660)  # its group is this process's
     link = tmp_path / "mounted"
     link.symlink_to(path)
     assert load_or_create_secret(link) == path.read_bytes()
-    if os.geteuid() == 0:  # only root can give a file away
-        os.chown(path, 54321, 54321)
-        with pytest.raises(ConfigError, match="owned by uid 54321"):
-            load_or_create_secret(link)
+    if os.geteuid() != 0:  # only root can give a file away
+        return
+    os.chown(path, 54321, os.getegid())
+    assert load_or_create_secret(link) == path.read_bytes()  # in a folder only root writes
+    os.chown(path, 54321, 54322)
+    with pytest.raises(ConfigError, match="can be written by other users"):
+        load_or_create_secret(link)  # its group (not this process's) may write it
+    path.chmod(0o640)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    planted = shared / "secret"
+    os.link(path, planted)
+    with pytest.raises(ConfigError, match="owned by uid 54321.*another user may write"):
+        load_or_create_secret(planted)
 
 
 def _race(path: Path, barrier: object, results: object) -> None:

@@ -872,9 +872,9 @@ def test_lmdb_merge_that_meets_a_full_disk_evicts_and_tries_again_and_never_dele
     assert store.peek("floor") == entry("0.5+1", created_s=40.0)  # kept, not deleted
     assert store.stats().rejected == 1 and store.stats().evictions == evicted + 1
     failures[0] = 1
-    with pytest.raises(lmdb.DiskError):  # paused: no eviction now
+    with pytest.raises(lmdb.DiskError):  # paused: no eviction now, counted as rejected
         store.merge("floor", higher)
-    assert store.stats().evictions == evicted + 1
+    assert store.stats().evictions == evicted + 1 and store.stats().rejected == 2
     free[0] = 1 << 40  # room: the error is the caller's
     failures[0] = 1
     with pytest.raises(lmdb.DiskError):

@@ -181,22 +181,44 @@ def load_or_create_secret(path: Path) -> bytes:
     return _read_secret(path)
 
 
+def _others_may_write(info: os.stat_result) -> bool:
+    """Whether a user other than this process's (or root) may write what `info` describes:
+    writable by others, or by a group this process is not in."""
+    if info.st_mode & 0o002:
+        return True
+    groups = {os.getegid(), *os.getgroups()}
+    return bool(info.st_mode & 0o020) and info.st_gid not in groups
+
+
 def check_trusted_file(path: Path, info: os.stat_result, what: str) -> None:
     """ConfigError unless the file `info` describes (`path`, followed through links: a mounted
-    secret is often one) could only have been chosen by this process's user or root: owned by
-    one of them and writable by no one else. A secret or token another user planted (in a shared
-    or group-writable folder, or by a link) would be theirs to know: the seals, or the admin
-    gate, would be theirs too."""
-    trusted = {os.geteuid(), 0}
-    if info.st_uid not in trusted:
-        raise ConfigError(
-            f"{what} {path} is owned by uid {info.st_uid}, not by this user or root: another "
-            "user may have put it there; make it this user's (chown) or remove it"
-        )
-    if info.st_mode & 0o022:
+    secret is often one) could only have been chosen by this process's user or root. Refused:
+    a file another user may write (writable by others, or by a group this process is not in);
+    and a file owned by another user (not root) in a folder another user may write (a shared
+    or group-writable folder, where they could have planted it). A secret or token another
+    user chose would be theirs to know: the seals, or the admin gate, would be theirs too. A
+    file of another uid in a folder only this user or root writes (a secret bind-mounted into
+    a container running as root, a mounted secret volume) is the operator's, and taken."""
+    if _others_may_write(info):
         raise ConfigError(
             f"{what} {path} can be written by other users (mode {info.st_mode & 0o777:o}): "
             "chmod 600 it"
+        )
+    if info.st_uid in (os.geteuid(), 0):
+        return
+    folder = Path(os.path.realpath(path)).parent
+    try:
+        planted = _others_may_write(folder.stat()) or folder.stat().st_uid not in (
+            os.geteuid(),
+            0,
+        )
+    except OSError:
+        planted = True
+    if planted:
+        raise ConfigError(
+            f"{what} {path} is owned by uid {info.st_uid}, not by this user or root, in a "
+            f"folder ({folder}) another user may write: they may have put it there; make it "
+            "this user's (chown) or remove it"
         )
 
 

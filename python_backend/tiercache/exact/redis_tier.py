@@ -846,14 +846,25 @@ class RedisStore:
         cursor = 0
         pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self._entry_prefix) + "*"
         limit = len(self._entry_prefix.encode("utf-8")) + MAX_ENTRY_NAME_CHARS
+        refused: list[BaseException] = []
+
+        def scan(c: redis.Redis, at: int) -> Any:
+            try:
+                return c.eval(_SCAN_NAMES, 0, at, pattern, _SCAN_BATCH, limit)
+            except redis.exceptions.ResponseError as exc:
+                if strict and _scripts_refused(exc):
+                    refused.append(exc)
+                    return None
+                raise
+
         while True:
-            found = self.link.call(
-                lambda c, at=cursor: c.eval(  # type: ignore[misc]
-                    _SCAN_NAMES, 0, at, pattern, _SCAN_BATCH, limit
-                ),
-                None,
-            )
+            found = self.link.call(lambda c, at=cursor: scan(c, at), None)  # type: ignore[misc]
             if found is None:
+                if refused:
+                    raise Unavailable(
+                        f"Redis refuses scripts ({refused[0]}): tiercache scans L3 with one; "
+                        "give this user @scripting, or clear the prefix in Redis itself"
+                    )
                 if strict:
                     raise Unavailable(f"Redis {self.link.url or ''} failed during a scan".strip())
                 return

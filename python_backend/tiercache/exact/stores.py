@@ -847,21 +847,21 @@ class LmdbStore:
         disk = self._make_room((0 if held is None else len(held)) + MERGE_SLACK_BYTES)
         try:
             written = self._merged(raw_key, make)
-        except lmdb.MapFullError:
-            with self._evict_lock:  # as `put`: room, then once more
-                self._evict(fraction=max(0.5, self._evict_fraction))
-            written = self._merged(raw_key, make)
-        except lmdb.Error:  # ENOSPC, EIO, EDQUOT while the disk is short: as `put`
-            if disk == ROOM or time.monotonic() < self._disk_pause_until_s:
+        except lmdb.Error as exc:
+            full = isinstance(exc, lmdb.MapFullError)
+            if not full and disk == ROOM:
+                raise  # with room: the caller's error, as `put` says it
+            if not full and time.monotonic() < self._disk_pause_until_s:
+                self._reject()  # a while after such a failure: no eviction for want of disk
                 raise
             try:
-                with self._evict_lock:
-                    self._evict()
+                with self._evict_lock:  # as `put`: room, then once more
+                    self._evict(fraction=max(0.5, self._evict_fraction) if full else None)
                 written = self._merged(raw_key, make)
             except lmdb.Error:
-                self._disk_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
-                with self._lock:
-                    self._rejected += 1
+                if not full:
+                    self._disk_pause_until_s = time.monotonic() + DISK_RETRY_PAUSE_S
+                self._reject()
                 raise
         if written is None:
             return False
@@ -869,6 +869,10 @@ class LmdbStore:
         if self._values is not None:
             self._values.admitted(key, size, made.generation_s, made.endorsements, made.created_s)
         return True
+
+    def _reject(self) -> None:
+        with self._lock:
+            self._rejected += 1
 
     def _merged(
         self, raw_key: bytes, make: Callable[[CacheEntry | None], CacheEntry | None]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -353,6 +354,9 @@ def _write(path: Path, entries: list[dict[str, Any]]) -> None:
     folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(folder)
+    except OSError as exc:  # a file system that cannot sync a folder: the file is in place
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(folder)
 
@@ -366,10 +370,11 @@ def _keep_owner(fd: int, before: os.stat_result, path: Path) -> None:
             os.fchown(fd, before.st_uid, before.st_gid)
         except PermissionError:
             log.warning(
-                "the key file %s was owned by uid %d and is now this user's: the server must "
+                "the key file %s was owned by %d:%d and is now this user's: the server must "
                 "still be able to read it (chown it back)",
                 path,
                 before.st_uid,
+                before.st_gid,
             )
     os.fchmod(fd, stat.S_IMODE(before.st_mode) & 0o666)
 

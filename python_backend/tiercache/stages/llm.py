@@ -174,8 +174,6 @@ def _blob(value: Part) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
-# Padded requests one llm instance holds at once, from arrival to their last response (each
-# keeps its answer and Triton's request until the floor): more are refused at once.
 # A generation's answer id, issued from its final response's finish reason (`LlmStage.answer_id`)
 LazyAnswerId = Callable[[str | None], str | None]
 
@@ -229,6 +227,8 @@ class IdentifiedAtFinal:
         self._outer.send_error(exc)
 
 
+# Padded requests one llm instance holds at once, from arrival to their last response (each
+# keeps its answer and Triton's request until the floor): more are refused at once.
 MAX_HELD_PADDED = 4096
 
 # Adapter files llm keeps until the engine was seen to take them (`EngineBls.expect`): a few
