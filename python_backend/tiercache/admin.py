@@ -397,7 +397,8 @@ class Admin:
         return self.lora_admin(op)
 
     def warm_prompt(self, item: object) -> dict[str, Any]:
-        """Store one prompt's answer; reports `stored` with its digest, or `error` and why."""
+        """Store one prompt's answer; reports `stored` with its digest, or `error` and why (a
+        store that fails too: the prompts before and after it are still reported)."""
         try:
             if not isinstance(item, dict):
                 raise InvalidRequest("each prompt must be a JSON object")
@@ -429,4 +430,8 @@ class Admin:
                 raise Unavailable("an invalidation issued this instant covers it: warm it again")
         except TierCacheError as exc:
             return {"status": "error", "error": exc.client_message()}
+        except Exception as exc:  # noqa: BLE001 - this prompt's failure; the others still go
+            # (a full disk, a damaged store): logged whole, reported by type only (no paths)
+            log.exception("warming a prompt failed")
+            return {"status": "error", "error": f"storing it failed: {type(exc).__name__}"}
         return {"status": "stored", "digest": found.digest}

@@ -111,6 +111,27 @@ def test_warm_refuses_an_answer_with_a_lone_surrogate_for_that_prompt_alone(admi
     assert "not valid Unicode" in items[0]["error"]
 
 
+def test_a_store_failing_mid_warm_is_that_prompts_error_alone(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that fails on one prompt (a full disk, a damaged file) is reported for that
+    prompt; the ones before and after it are stored and said to be, instead of the whole warm
+    failing after some prompts were stored without saying which."""
+    real = admin.cache.put
+
+    def put(key: str, text: str, **kwargs: object) -> object:
+        if text == "2":
+            raise OSError(28, "No space left on device")
+        return real(key, text, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(admin.cache, "put", put)
+    prompts = [{"text_input": t, "answer": a} for t, a in (("a", "1"), ("b", "2"), ("c", "3"))]
+    result = run(admin, op="warm", prompts=prompts)
+    assert [p["status"] for p in result["prompts"]] == ["stored", "error", "stored"]
+    assert result["prompts"][1]["error"] == "storing it failed: OSError"
+    assert (result["stored"], result["failed"]) == (2, 1)
+
+
 def test_warm_again_replaces_the_answer(admin: Admin) -> None:
     first = run(admin, op="warm", prompts=[{"text_input": "Capital of France?", "answer": "Lyon."}])
     again = run(
