@@ -93,11 +93,17 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {ADMIN_TOKEN_FILE_ENV: str(token_file)}  # the stage uses the file printed here
     keys_note = "no API key file: the tenant input is trusted as sent (docs/security.md)"
     if args.api_keys:
+        from tiercache.exact.keys import check_trusted_file
         from tiercache.exact.tenant_keys import KeyFile
 
         keys_file = Path(args.api_keys).resolve()
         try:
             tenants = len({g.tenant for g in KeyFile(keys_file).grants()})
+            # whoever may write it may mint a key for any tenant
+            check_trusted_file(keys_file, keys_file.stat(), "API key file")
+        except OSError as exc:
+            print(f"tiercache: API key file {keys_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         except ConfigError as exc:
             print(f"tiercache: {exc.message}", file=sys.stderr)
             return 1

@@ -371,3 +371,20 @@ def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tena
         port = held.getsockname()[1]
         assert main([*base, "--trust-tenants", "--grpc-port", str(port)]) == 1
     assert f"the gRPC port {port} is in use" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_api_key_file_others_may_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whoever may write the API key file may mint a key for any tenant: `serve` refuses one
+    writable by other users before starting anything."""
+    from tiercache.cli import main
+    from tiercache.exact.tenant_keys import add_key
+
+    keys = tmp_path / "keys" / "api_keys.json"
+    add_key(keys, "acme")
+    keys.chmod(0o666)
+    state = tmp_path / "state"
+    assert main(["serve", "--state-dir", str(state), "--no-gateway", "--api-keys", str(keys)]) == 1
+    err = capsys.readouterr().err
+    assert "API key file" in err and "can be written by other users" in err
