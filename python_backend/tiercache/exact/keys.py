@@ -208,10 +208,8 @@ def check_trusted_file(path: Path, info: os.stat_result, what: str) -> None:
         return
     folder = Path(os.path.realpath(path)).parent
     try:
-        planted = _others_may_write(folder.stat()) or folder.stat().st_uid not in (
-            os.geteuid(),
-            0,
-        )
+        found = folder.stat()
+        planted = _others_may_write(found) or found.st_uid not in (os.geteuid(), 0)
     except OSError:
         planted = True
     if planted:

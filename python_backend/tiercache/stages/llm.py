@@ -769,23 +769,28 @@ class LlmStage:
             # is cached under it, not this one, which a verdict must not act on
             return None
         request = envelope.request
-        issue = (  # the request's own entry, made before the id is issued
-            envelope.digest,
+        if item.status != CacheStatus.EXACT:  # issued once the generation has made it
+            return functools.partial(self._generated_id, envelope.digest, request)
+        return self._own_id(envelope.digest, request)
+
+    def _own_id(self, digest: str, request: GenerationRequest) -> str | None:
+        """The id of the request's own entry, made before the id is issued (`ServedAs.CACHED`)."""
+        return self._issue(
+            digest,
             self.answer_ids.issue_digest,
-            envelope.digest,
+            digest,
             ServedAs.CACHED,
             request.tenant_scope,
             request.lora_name,
         )
-        if item.status == CacheStatus.EXACT:
-            return self._issue(*issue)
-        return functools.partial(self._generated_id, issue)  # once the generation has made it
 
-    def _generated_id(self, issue: tuple[Any, ...], finish_reason: str | None) -> str | None:
+    def _generated_id(
+        self, digest: str, request: GenerationRequest, finish_reason: str | None
+    ) -> str | None:
         """A generation's id (`answer_id`), or None for an answer served but not stored."""
         if finish_reason in SERVED_UNCACHED_FINISHES:
             return None  # not cached: the digest names another answer, or none
-        return self._issue(*issue)
+        return self._own_id(digest, request)
 
     def _issue(self, digest: str, issue: Callable[..., str], *args: object) -> str | None:
         """`issue(*args)`, or None (logged) for a `digest` that is not one: the answer is served
