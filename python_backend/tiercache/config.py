@@ -894,6 +894,14 @@ class EngineConfig(_StateConfig):
         "Floor of the adapter slots' budget (memory_headroom_bytes, cache_memory_bytes)",
         min=1,
     )
+    queue_max_adapter_bytes: int = param(
+        1 << 30,
+        "Adapter files (LORA_CONFIG and LORA_WEIGHTS) that requests waiting for the engine may "
+        "hold in memory together; a request that carries files past it is refused at once "
+        "(unavailable, try again) unless nothing with files waits, so an adapter larger than "
+        "the bound still loads alone (0: no bound but the queue's 256 requests)",
+        min=0,
+    )
     kv_reuse: bool = param(True, "Paged prefix KV reuse across requests")
     tokens_per_block: int = param(32, "KV block size in tokens; only full blocks are reused", min=1)
     kv_pool_max_bytes: int = param(256 << 20, "Byte budget of the KV block pool", min=0)

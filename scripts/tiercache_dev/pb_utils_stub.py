@@ -177,9 +177,9 @@ class ResponseSender:
         return False
 
 
-def execute_decoupled(model: Any, batch: list[list[Tensor]], wait_s: float) -> list[list[Any]]:
-    """Requests (each its input tensors) through one execute() of a decoupled model; each
-    one's responses once its final one arrived."""
+def submit_decoupled(model: Any, batch: list[list[Tensor]]) -> list[ResponseSender]:
+    """Requests (each its input tensors) through one execute() of a decoupled model, not
+    waited for: each one's sender, whose `done` its final response sets."""
     senders, requests = [], []
     for inputs in batch:
         sender = ResponseSender()
@@ -188,6 +188,13 @@ def execute_decoupled(model: Any, batch: list[list[Tensor]], wait_s: float) -> l
         senders.append(sender)
         requests.append(request)
     model.execute(requests)
+    return senders
+
+
+def execute_decoupled(model: Any, batch: list[list[Tensor]], wait_s: float) -> list[list[Any]]:
+    """Requests (each its input tensors) through one execute() of a decoupled model; each
+    one's responses once its final one arrived."""
+    senders = submit_decoupled(model, batch)
     for sender in senders:
         assert sender.done.wait(wait_s), "no final response"
     return [sender.responses for sender in senders]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -547,6 +548,68 @@ def test_an_oversized_envelope_or_a_full_queue_is_refused_before_the_worker(
     assert response.has_error() and "requests waiting" in response.error().message()
     model.stage.metrics.flush()
     assert model.stage.finished["error"].metric.value() == 2
+
+
+def test_adapter_files_waiting_for_the_engine_are_bounded_by_bytes(
+    pb_utils: ModuleType, model: Any, sealer: Sealer
+) -> None:
+    """queue_max_adapter_bytes: while a load's files wait behind a generation, a second load
+    that would take the waiting files past the bound is refused at once (unavailable), and the
+    waiting one is served; once the worker took it, the same load queues and loads; an adapter
+    larger than the bound still loads when none waits."""
+    (ref1, config1, weights1), (ref2, config2, weights2) = (
+        tiny_version("one", 1, seed=1),
+        tiny_version("two", 2, seed=2),
+    )
+
+    stage = model.stage
+    stage.max_queued_adapter_bytes = len(weights1) + len(config1)  # room for the first only
+    entered, release = threading.Event(), threading.Event()
+    generate = stage.engine.generate
+
+    def held(request: GenerationRequest, is_cancelled: Callable[[], bool]) -> Iterator[Any]:
+        entered.set()
+        assert release.wait(WAIT_S)
+        yield from generate(request, is_cancelled)
+
+    stage.engine.generate = held
+    (blocker,) = pb_utils_stub.submit_decoupled(
+        model, [seals.engine_inputs(sealer, ENVELOPE=envelope_text(sealer, on_adapter()))]
+    )
+    assert entered.wait(WAIT_S)  # the worker is inside the generation: what follows waits
+    first, second = pb_utils_stub.submit_decoupled(
+        model,
+        [
+            seals.engine_inputs(sealer, **load_inputs(ref1, config1, weights1)),
+            seals.engine_inputs(sealer, **load_inputs(ref2, config2, weights2)),
+        ],
+    )
+    assert second.done.is_set() and not first.done.is_set()
+    (refused,) = second.responses
+    assert refused.has_error() and "queue_max_adapter_bytes" in refused.error().message()
+    release.set()
+    for sender in (blocker, first):
+        assert sender.done.wait(WAIT_S)
+    assert text(pb_utils, first.responses[-1], "FINISH_REASON") == "loaded"
+    again = call(pb_utils, model, sealer, **load_inputs(ref2, config2, weights2))
+    assert text(pb_utils, again[-1], "FINISH_REASON") == "loaded"
+    assert stage._queued_adapter_bytes == 0
+    stage.max_queued_adapter_bytes = 1  # smaller than any adapter: one alone still loads
+    evict = call(pb_utils, model, sealer, LORA_OP="evict", LORA_EVICT=json.dumps([ref1.digest]))
+    assert not evict[-1].has_error()
+    reload = call(pb_utils, model, sealer, **load_inputs(ref1, config1, weights1))
+    assert text(pb_utils, reload[-1], "FINISH_REASON") == "loaded"
+    assert stage._queued_adapter_bytes == 0
+    assert [a["digest"] for a in stage.engine.adapters.resident()] == [ref2.digest, ref1.digest]
+
+
+def load_inputs(ref: AdapterRef, config: str, weights: bytes) -> dict[str, str | bytes]:
+    return {
+        "LORA_OP": "load",
+        "LORA": ref.to_json(),
+        "LORA_CONFIG": config,
+        "LORA_WEIGHTS": weights,
+    }
 
 
 def test_unsealed_forged_or_mismatched_loads_are_forbidden_alone(

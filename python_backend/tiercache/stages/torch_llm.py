@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -211,6 +212,11 @@ class TorchLlmStage:
         )
         self._seed_counters()
         self._queue: queue.Queue = queue.Queue()
+        # adapter files held by waiting requests (queue_max_adapter_bytes); the worker frees
+        # a request's share as it takes it
+        self.max_queued_adapter_bytes = 0
+        self._queued_adapter_bytes = 0
+        self._queued_lock = threading.Lock()
         self._worker = NamedThread(target=self._run, name="torch_llm", daemon=True)
         self._worker.start()
 
@@ -228,15 +234,37 @@ class TorchLlmStage:
         self.kv_pool_bytes.set(kv.bytes)
 
     def submit(self, call: EngineCall, sink: EngineSink) -> None:
-        """Queue one request for the worker; past MAX_QUEUED waiting, refused at once
-        (Unavailable: the caller, llm, answers it as any engine failure)."""
+        """Queue one request for the worker; past MAX_QUEUED waiting, or with adapter files
+        that would take the waiting ones past `max_queued_adapter_bytes` (while any wait),
+        refused at once (Unavailable: the caller, llm, answers it as any engine failure)."""
         if self._queue.qsize() >= MAX_QUEUED:
             self.refuse(
                 Unavailable(f"the engine has {MAX_QUEUED} requests waiting; try again"), sink
             )
             return
+        size = _adapter_bytes(call)
+        if size:
+            with self._queued_lock:
+                held, bound = self._queued_adapter_bytes, self.max_queued_adapter_bytes
+                if bound and held and held + size > bound:
+                    refused: Unavailable | None = Unavailable(
+                        f"the requests waiting for the engine hold {held} bytes of adapter "
+                        f"files; {size} more would pass queue_max_adapter_bytes ({bound}); "
+                        "try again"
+                    )
+                else:
+                    refused, self._queued_adapter_bytes = None, held + size
+            if refused is not None:
+                self.refuse(refused, sink)
+                return
         self._queue.put((call, sink))
         self.queue_depth.set(self._queue.qsize())
+
+    def _taken(self, call: EngineCall) -> None:
+        """The worker took `call` off the queue: its adapter files no longer count as waiting."""
+        if size := _adapter_bytes(call):
+            with self._queued_lock:
+                self._queued_adapter_bytes -= size
 
     def refuse(self, exc: BaseException, sink: EngineSink) -> None:
         """Answer a request with `exc`, counted by its finish reason and logged: one that
@@ -266,7 +294,9 @@ class TorchLlmStage:
     def _run(self) -> None:
         while (job := self._queue.get()) is not _STOP:
             self.queue_depth.set(self._queue.qsize())
-            (order, request), sink = job
+            call, sink = job
+            self._taken(call)
+            order, request = call
             # the objective's clock starts here, not at submit: the queue holds earlier
             # requests' whole generations, which no cache memory shortens
             started = time.monotonic()
@@ -426,6 +456,12 @@ class TorchLlmStage:
         self.metrics.close()
 
 
+def _adapter_bytes(call: EngineCall) -> int:
+    """The adapter files a call carries (0: none)."""
+    weights = call[0].weights
+    return weights.nbytes if weights is not None else 0
+
+
 def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     """torch's threads set (`torch_threads`), then the engine (weights converted once under the
     state folder), its refusal policy, the `lora_prefetch` adapters loaded, its metrics
@@ -457,6 +493,7 @@ def open_torch_llm(config: EngineConfig, model_name: str) -> TorchLlmStage:
     sealer = open_sealer(config.state_path())
     freshness = open_freshness(config.envelope_max_age_s)  # no key: llm's calls carry none
     stage = TorchLlmStage(engine, refusal, trimmer, metrics, sealer, freshness)
+    stage.max_queued_adapter_bytes = config.queue_max_adapter_bytes
     if engine.on_gpu:  # "auto" may have picked a GPU
         if config.memory_headroom_bytes or config.cache_memory_bytes:
             log.warning(
