@@ -814,6 +814,13 @@ class LoraCacheConfig(_RedisConfig):
     )
     host_max_adapters: int = param(32, "Adapters whose weights lora_cache keeps in memory", min=0)
     host_max_bytes: int = param(256 << 20, "Byte bound of the adapters kept in memory", min=0)
+    transport_cache_bytes: int = param(
+        256 << 20,
+        "Byte bound of the encrypted copies of adapter files lora_cache keeps, so that an "
+        "adapter sent to the engine again is not encrypted again (least recently sent out "
+        "first; 0: every send encrypted anew; docs/security.md)",
+        min=0,
+    )
     host_min_bytes: int = param(
         16 << 20,
         "Floor of the host tier's budget (memory_headroom_bytes, cache_memory_bytes)",

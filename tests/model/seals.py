@@ -37,7 +37,7 @@ from tiercache.stages.seal import (
     text_bytes,
     trust_array,
 )
-from tiercache.stages.transport import AdapterCipher
+from tiercache.stages.transport import AdapterCipher, seal_views
 from tiercache.vocabulary import CacheStatus
 
 
@@ -207,8 +207,10 @@ def lora_seal(
     sealer: Sealer, envelope: bytes, values: dict[str, Part], trtllm: bool = False
 ) -> str:
     """LORA_SEAL as lora_cache makes it over its adapter tensors `values` (by name; absent ones
-    empty) for the envelope `envelope`."""
-    return seal_tensors(sealer, LORA_LABEL, lora_inputs(trtllm), values, bound=seal_of(envelope))
+    empty) for the envelope `envelope` (its boxes by their seal views)."""
+    return seal_tensors(
+        sealer, LORA_LABEL, lora_inputs(trtllm), seal_views(values), bound=seal_of(envelope)
+    )
 
 
 # The adapter files lora_cache encrypts (tiercache.stages.transport): bytes, and numpy arrays.
@@ -263,7 +265,7 @@ def check_lora(
         seal,
         LORA_LABEL,
         lora_inputs(trtllm),
-        values,
+        seal_views(values),
         bound=seal_of(envelope),
         what="lora_cache's adapter tensors",
     )

@@ -25,7 +25,7 @@ from tiercache.errors import ConfigError, Forbidden
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import CONFIG_FILE, WEIGHTS_FILE, AdapterRegistry
 from tiercache.stages.seal import ENGINE_LABEL, Sealer
-from tiercache.stages.transport import AdapterCipher
+from tiercache.stages.transport import HEADER_BYTES, AdapterCipher
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 NAMES = ("french", "caps", "brief")
@@ -267,7 +267,7 @@ def test_first_request_loads_from_disk_then_the_engine_holds_it(
     assert AdapterRef.from_json(out["LORA"]) == french
     # the files go out encrypted for llm: nothing of them in clear
     config, weights = files(adapters, "french")
-    assert out["LORA_CONFIG"].startswith(b"tcbox1") and out["LORA_WEIGHTS"].startswith(b"tcbox1")
+    assert out["LORA_CONFIG"].startswith(b"tcbox2") and out["LORA_WEIGHTS"].startswith(b"tcbox2")
     assert (
         config.encode()[:64] not in out["LORA_CONFIG"] and weights[:64] not in out["LORA_WEIGHTS"]
     )
@@ -292,10 +292,15 @@ def test_first_request_loads_from_disk_then_the_engine_holds_it(
 
 
 def test_more_adapters_than_slots_evict_the_least_recently_used(
-    model: Any, pb_utils: ModuleType, sealer: Sealer, registry: AdapterRegistry
+    model: Any,
+    pb_utils: ModuleType,
+    sealer: Sealer,
+    cipher: AdapterCipher,
+    registry: AdapterRegistry,
+    adapters: Path,
 ) -> None:
     french, caps, brief = (registry.resolve(n) for n in NAMES)
-    model.execute(
+    first = model.execute(
         [
             miss(pb_utils, sealer, french),
             miss(pb_utils, sealer, caps),
@@ -304,10 +309,18 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
     )
     (response,) = model.execute([miss(pb_utils, sealer, brief)])
     assert json.loads(outputs(pb_utils, response)["LORA_EVICT"]) == [held_key(caps)]
-    (again,) = model.execute([miss(pb_utils, sealer, caps)])
+    request = miss(pb_utils, sealer, caps)
+    (again,) = model.execute([request])
     out = outputs(pb_utils, again)
     assert (out["LORA_TIER"], json.loads(out["LORA_EVICT"])) == ("host", [held_key(french)])
     assert out["LORA_WEIGHTS"]  # the engine dropped it: the weights go again, from memory
+    # ... encrypted once (transport_cache_bytes): the same body, its key wrapped for this request
+    sent_before = outputs(pb_utils, first[1])["LORA_WEIGHTS"]
+    assert out["LORA_WEIGHTS"][HEADER_BYTES:] == sent_before[HEADER_BYTES:]
+    assert out["LORA_WEIGHTS"][:HEADER_BYTES] != sent_before[:HEADER_BYTES]
+    assert opened(pb_utils, cipher, request, again)[1] == files(adapters, "caps")[1]
+    envelope = pb_utils.get_input_tensor_by_name(request, "ENVELOPE").as_numpy()[0, 0]
+    check_lora_seal(pb_utils, sealer, envelope, again)
     m = flushed(model)
     assert m.evictions["engine"].metric.value() == 2
     assert m.resident["host"].metric.value() == 3

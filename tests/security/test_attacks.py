@@ -36,6 +36,7 @@ from tiercache.exact.watermarks import Invalidation
 from tiercache.stages.envelope import Envelope
 from tiercache.stages.parts import open_exact_cache, open_sealer
 from tiercache.stages.seal import ENGINE_INPUTS, ENGINE_LABEL, SEAL_CHARS, seal_tensors
+from tiercache.stages.transport import OVERHEAD
 from tiercache.vocabulary import CacheStatus, InvalidationKind
 from tiercache_client import (
     ForbiddenError,
@@ -442,8 +443,8 @@ def test_a_replayed_envelope_gets_only_ciphertext_of_an_adapter(
     config, weights = adapter_files("brief")
     sent_config = plan.as_numpy("LORA_CONFIG").reshape(-1)[0]
     sent_weights = plan.as_numpy("LORA_WEIGHTS").reshape(-1)[0]
-    assert sent_config.startswith(b"tcbox1") and sent_weights.startswith(b"tcbox1")
-    assert len(sent_weights) == len(weights) + 34  # magic, nonce and tag: nothing else
+    assert sent_config.startswith(b"tcbox2") and sent_weights.startswith(b"tcbox2")
+    assert len(sent_weights) == len(weights) + OVERHEAD  # the box's header and tag: nothing else
     for clear, sent in ((config.encode(), sent_config), (weights, sent_weights)):
         assert not any(clear[i : i + 32] in sent for i in range(0, len(clear) - 32, 4096))
     assert b"target_modules" not in sent_config and b"lora_A" not in sent_weights

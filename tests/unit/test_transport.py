@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from tiercache.errors import Forbidden, InvalidRequest
-from tiercache.stages.transport import MAGIC, OVERHEAD, AdapterCipher
+from tiercache.stages.transport import (
+    HEADER_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    OVERHEAD,
+    TAG_BYTES,
+    AdapterCipher,
+    seal_view,
+    seal_views,
+)
 
 SECRET = b"s" * 32
 BOUND = "e" * 64  # an envelope's seal
@@ -80,3 +89,65 @@ def test_an_authentic_box_that_holds_no_array_is_an_invalid_request(
 def test_a_transport_key_has_32_bytes() -> None:
     with pytest.raises(ValueError, match="32 bytes"):
         AdapterCipher(b"short")
+
+
+def test_a_kept_body_is_sent_again_under_a_fresh_wrapping() -> None:
+    """With a body_key, a version's body is encrypted once and kept: a second box for another
+    request carries the same body under another wrapping, and each opens only for its own
+    request; bodies past max_body_bytes go least recently sent first."""
+    weights = bytes(range(256)) * 4
+    body = len(weights) + NONCE_BYTES + TAG_BYTES
+    cipher = AdapterCipher.from_secret(SECRET, max_body_bytes=2 * body + body // 2)
+    first = cipher.close("LORA_WEIGHTS", weights, BOUND, "v1")
+    second = cipher.close("LORA_WEIGHTS", weights, "f" * 64, "v1")
+    assert first[HEADER_BYTES:] == second[HEADER_BYTES:]  # the body: encrypted once
+    assert first[:HEADER_BYTES] != second[:HEADER_BYTES]  # its data key wrapped per request
+    assert cipher.open("LORA_WEIGHTS", first, BOUND) == weights
+    assert cipher.open("LORA_WEIGHTS", second, "f" * 64) == weights
+    with pytest.raises(Forbidden, match="does not open"):
+        cipher.open("LORA_WEIGHTS", second, BOUND)
+    # another tensor of the same version is another body
+    config = cipher.close("LORA_CONFIG", weights, BOUND, "v1")
+    assert config[HEADER_BYTES:] != first[HEADER_BYTES:]
+    assert cipher.body_bytes == 2 * body
+    cipher.close("LORA_WEIGHTS", weights, BOUND, "v2")  # a third body: v1's weights go first
+    assert cipher.body_bytes == 2 * body
+    again = cipher.close("LORA_WEIGHTS", weights, BOUND, "v1")
+    assert again[HEADER_BYTES:] != first[HEADER_BYTES:]  # encrypted anew
+    assert cipher.open("LORA_WEIGHTS", again, BOUND) == weights
+    # without a bound nothing is kept, and without a key neither
+    plain = AdapterCipher.from_secret(SECRET)
+    assert (
+        plain.close("LORA_WEIGHTS", weights, BOUND, "v1")[HEADER_BYTES:]
+        != plain.close("LORA_WEIGHTS", weights, BOUND, "v1")[HEADER_BYTES:]
+    )
+    assert (
+        cipher.close("LORA_WEIGHTS", b"x", BOUND)[HEADER_BYTES:]
+        != cipher.close("LORA_WEIGHTS", b"x", BOUND)[HEADER_BYTES:]
+    )
+    assert plain.body_bytes == 0
+
+
+def test_a_body_moved_altered_or_cut_does_not_open(cipher: AdapterCipher) -> None:
+    """A seal covers a box's header and tag only (seal_view): every other change of the body
+    is caught by opening it."""
+    kept = AdapterCipher.from_secret(SECRET, max_body_bytes=1 << 20)
+    one = kept.close("LORA_WEIGHTS", b"a" * 100, BOUND, "v1")
+    two = kept.close("LORA_WEIGHTS", b"b" * 100, BOUND, "v2")
+    middle = HEADER_BYTES + 10
+    altered = [
+        one[:HEADER_BYTES] + two[HEADER_BYTES:],  # another version's body under one's key
+        one[:middle] + bytes([one[middle] ^ 1]) + one[middle + 1 :],  # a bit of the text
+        one[:middle] + one[middle + 1 :],  # a byte cut
+        one[:-TAG_BYTES] + b"\0" + one[-TAG_BYTES:],  # a byte added
+    ]
+    assert seal_view(altered[1]) == seal_view(one)  # what the seal cannot see ...
+    for box in altered:
+        with pytest.raises(Forbidden, match="does not open"):
+            kept.open("LORA_WEIGHTS", box, BOUND)  # ... opening does
+    assert seal_view(one) == one[:HEADER_BYTES] + one[-TAG_BYTES:]
+    assert seal_view(b"no box") == b"no box" and seal_view(b"") == b""
+    assert seal_views({"LORA_WEIGHTS": one, "LORA_EVICT": "[]"}) == {
+        "LORA_WEIGHTS": seal_view(one),
+        "LORA_EVICT": "[]",
+    }

@@ -101,7 +101,7 @@ from tiercache.stages.seal import (
     lora_inputs,
     tokens_of,
 )
-from tiercache.stages.transport import AdapterCipher
+from tiercache.stages.transport import AdapterCipher, seal_views
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -700,7 +700,7 @@ class LlmStage:
             lora_seal,
             LORA_LABEL,
             lora_inputs(trtllm),
-            tensors,
+            seal_views(tensors),
             bound=envelope.seal,
             what="lora_cache's adapter tensors",
         )

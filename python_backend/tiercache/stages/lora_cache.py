@@ -28,7 +28,7 @@ from tiercache.stages.parts import (
     open_sealer,
 )
 from tiercache.stages.seal import ADMIN_LABEL, LORA_LABEL, Part, Sealer, lora_inputs, seal_tensors
-from tiercache.stages.transport import AdapterCipher
+from tiercache.stages.transport import AdapterCipher, seal_views
 from tiercache.triton import io
 from tiercache.triton import metrics as tm
 from tiercache.triton.bls import BlsClient
@@ -216,13 +216,18 @@ class LoraCacheStage:
         seal, or the admin call's): only a stage with the secret opens them."""
         if plan is None:
             return dict(zip(OUTPUTS, ("", b"", b"", "", "", admin_result), strict=True))
-        weights, close = plan.weights, self.cipher.close
+        weights, close, version = plan.weights, self.cipher.close, plan.ref.digest
         values: dict[str, Part] = {
             "LORA": plan.ref.to_json(),
             "LORA_CONFIG": close(
-                "LORA_CONFIG", weights.config_json.encode("utf-8") if weights else b"", bound
+                "LORA_CONFIG",
+                weights.config_json.encode("utf-8") if weights else b"",
+                bound,
+                version,
             ),
-            "LORA_WEIGHTS": close("LORA_WEIGHTS", weights.weights if weights else b"", bound),
+            "LORA_WEIGHTS": close(
+                "LORA_WEIGHTS", weights.weights if weights else b"", bound, version
+            ),
             "LORA_EVICT": json.dumps(list(plan.evict)),
             "LORA_TIER": plan.tier,
             "ADMIN_RESULT": admin_result,
@@ -232,7 +237,7 @@ class LoraCacheStage:
             for key, name in TRTLLM_OUTPUTS.items():
                 array = trt.get(key)  # the weights and their config only when the engine lacks them
                 if name in CLOSED_ARRAYS:
-                    values[name] = self.cipher.close_array(name, array, bound)
+                    values[name] = self.cipher.close_array(name, array, bound, version)
                 elif array is not None:
                     values[name] = np.ascontiguousarray(array)
         return values
@@ -241,7 +246,7 @@ class LoraCacheStage:
         """LORA_SEAL over the adapter tensors of a plan's response (as sent: the files closed),
         bound to the envelope's."""
         names = lora_inputs(self.trtllm is not None)
-        return seal_tensors(self.sealer, LORA_LABEL, names, values, bound=envelope.seal)
+        return seal_tensors(self.sealer, LORA_LABEL, names, seal_views(values), bound=envelope.seal)
 
     def close(self) -> None:
         if self.budgets is not None:
@@ -271,7 +276,7 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
         "(timed_out), and those not sent while too many such streams were still out (refused)",
     )
     core = open_lora_core(config, engine, on_plan=plans)
-    cipher = open_adapter_cipher(config.state_path())
+    cipher = open_adapter_cipher(config.state_path(), config.transport_cache_bytes)
     # With redis_url: this replica's adapter versions and usage shared with the fleet, and the
     # fleet's most-used adapters warmed at start (tiercache.lora.fleet).
     freshness = open_freshness(config.envelope_max_age_s, config.api_keys_file)

@@ -242,10 +242,11 @@ def open_freshness(max_age_s: float, api_keys_file: str | None = None) -> Freshn
     return Freshness(max_age_s, KeyFile(keys_path) if keys_path is not None else None)
 
 
-def open_adapter_cipher(state_path: Path) -> AdapterCipher:
+def open_adapter_cipher(state_path: Path, max_body_bytes: int = 0) -> AdapterCipher:
     """What closes and opens the adapter files lora_cache sends llm (tiercache.stages.transport),
-    under this host's secret like the seals."""
-    return AdapterCipher.from_secret(host_secret(state_path))
+    under this host's secret like the seals; lora_cache keeps up to `max_body_bytes` of the
+    encrypted files it sends."""
+    return AdapterCipher.from_secret(host_secret(state_path), max_body_bytes)
 
 
 def open_adapters(adapters_dir: Path, state_dir: Path, manifest: str) -> AdapterRegistry:
