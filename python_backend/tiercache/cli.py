@@ -45,13 +45,34 @@ def exposure_from(args: argparse.Namespace) -> Exposure:
     )
 
 
+# tritonserver's own flags that choose where a front end listens (after `--`)
+ADDRESS_FLAGS = ("--grpc-address", "--http-address", "--metrics-address", "--sagemaker-address")
+
+
+def passed_addresses(tritonserver_args: list[str]) -> list[str]:
+    """The addresses named by tritonserver flags passed after `--` (`--flag=A` or `--flag A`)."""
+    found = []
+    for i, arg in enumerate(tritonserver_args):
+        flag, eq, value = arg.partition("=")
+        if flag not in ADDRESS_FLAGS:
+            continue
+        if eq:
+            found.append(value)
+        elif i + 1 < len(tritonserver_args):
+            found.append(tritonserver_args[i + 1])
+    return found
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tiercache.admin import ADMIN_TOKEN_FILE_ENV, admin_token_path, load_or_create_admin_token
     from tiercache.errors import ConfigError
 
-    if not is_loopback(args.host) and not args.api_keys and not args.trust_tenants:
+    # --host, or an address flag after `--`, that is not loopback: the same rule for both
+    exposed = [a for a in (args.host, *passed_addresses(args.tritonserver_args)) if a]
+    open_to = next((a for a in exposed if not is_loopback(a)), None)
+    if open_to is not None and not args.api_keys and not args.trust_tenants:
         print(
-            f"error: --host {args.host} is not loopback and no API key file is configured: "
+            f"error: {open_to} is not loopback and no API key file is configured: "
             "anyone who reaches the port could name any tenant and be served its cached "
             "answers (docs/security.md). Give one (`tiercache keys add`, then --api-keys "
             f"FILE or ${API_KEYS_FILE_ENV}), or pass --trust-tenants if every caller that can "
@@ -93,14 +114,11 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {ADMIN_TOKEN_FILE_ENV: str(token_file)}  # the stage uses the file printed here
     keys_note = "no API key file: the tenant input is trusted as sent (docs/security.md)"
     if args.api_keys:
-        from tiercache.exact.keys import check_trusted_file
         from tiercache.exact.tenant_keys import KeyFile
 
-        keys_file = Path(args.api_keys).resolve()
-        try:
+        keys_file = Path(args.api_keys).absolute()
+        try:  # refused too when another user could have chosen it (keys.check_trusted_file)
             tenants = len({g.tenant for g in KeyFile(keys_file).grants()})
-            # whoever may write it may mint a key for any tenant
-            check_trusted_file(keys_file, keys_file.stat(), "API key file")
         except OSError as exc:
             print(f"tiercache: API key file {keys_file}: {exc.strerror or exc}", file=sys.stderr)
             return 1

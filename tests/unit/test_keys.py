@@ -197,6 +197,43 @@ def test_a_secret_another_user_could_have_chosen_is_refused(tmp_path: Path) -> N
     os.link(path, planted)
     with pytest.raises(ConfigError, match="owned by uid 54321.*another user may write"):
         load_or_create_secret(planted)
+    # a name for a root-owned file of known content, planted where another user may write:
+    # every check of the file itself passes, so the way to it is what is refused
+    known = tmp_path / "known"
+    known.write_bytes(b"NAME=a file anyone can read\n" * 2)
+    known.chmod(0o644)
+    theirs = shared / "theirs"
+    theirs.symlink_to(known)
+    os.lchown(theirs, 54321, 54321)  # another user's link, in a sticky shared folder
+    ours = shared / "ours"
+    ours.symlink_to(known)  # root's own link, but in a folder others may replace it in
+    os.link(known, shared / "hard")  # a hard link: a root-owned file in a shared folder
+    for name, fragment in (
+        ("theirs", "reached through a link"),
+        ("ours", "reached through a link"),
+        ("hard", "owned by uid 0.*another user may write"),
+    ):
+        with pytest.raises(ConfigError, match=fragment):
+            load_or_create_secret(shared / name)
+    mounted = tmp_path / "via"
+    mounted.symlink_to(theirs)  # a trusted link to an untrusted one: the chain is walked
+    with pytest.raises(ConfigError, match="reached through a link"):
+        load_or_create_secret(mounted)
+
+
+def test_a_file_other_than_the_one_the_path_names_is_refused(tmp_path: Path) -> None:
+    """The file opened must be the one the name leads to now: one swapped in between the open
+    and the check (a link moved) is refused rather than trusted on another file's checks."""
+    from tiercache.errors import ConfigError
+    from tiercache.exact.keys import check_trusted_file
+
+    one, other = tmp_path / "one", tmp_path / "other"
+    for path in (one, other):
+        path.write_bytes(os.urandom(SECRET_BYTES))
+        path.chmod(0o600)
+    check_trusted_file(one, one.stat(), "secret file")
+    with pytest.raises(ConfigError, match="changed while it was read"):
+        check_trusted_file(one, other.stat(), "secret file")
 
 
 def _race(path: Path, barrier: object, results: object) -> None:

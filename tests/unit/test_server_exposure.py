@@ -371,6 +371,12 @@ def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tena
         port = held.getsockname()[1]
         assert main([*base, "--trust-tenants", "--grpc-port", str(port)]) == 1
     assert f"the gRPC port {port} is in use" in capsys.readouterr().err
+    # the same through tritonserver's own flags after `--`, in either form
+    loopback = ["serve", "--state-dir", str(tmp_path), "--no-gateway"]
+    for tail in (["--grpc-address=0.0.0.0"], ["--http-address", "10.1.2.3"]):
+        assert main([*loopback, "--", *tail]) == 2
+        err = capsys.readouterr().err
+        assert f"{tail[-1].split('=')[-1]} is not loopback" in err and "--trust-tenants" in err
 
 
 def test_serve_refuses_an_api_key_file_others_may_write(
@@ -388,3 +394,11 @@ def test_serve_refuses_an_api_key_file_others_may_write(
     assert main(["serve", "--state-dir", str(state), "--no-gateway", "--api-keys", str(keys)]) == 1
     err = capsys.readouterr().err
     assert "API key file" in err and "can be written by other users" in err
+
+
+def test_the_addresses_passed_to_tritonserver_are_found_in_both_forms() -> None:
+    from tiercache.cli import passed_addresses
+
+    args = ["--log-verbose=1", "--grpc-address=0.0.0.0", "--metrics-address", "::1", "--x", "y"]
+    assert passed_addresses(args) == ["0.0.0.0", "::1"]
+    assert passed_addresses(["--http-address"]) == []  # no value: tritonserver's own error

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,15 +201,15 @@ def test_a_key_file_that_cannot_be_read_is_tried_again_and_used_once_it_can(
     key, _ = add_key(path, "acme")
     clock = Clock()
     keys = KeyFile(path, clock=clock)
-    real = Path.read_bytes
+    real = Path.open
     denied = [True]
 
-    def read_bytes(self: Path) -> bytes:
+    def opened(self: Path, *args: Any, **kwargs: Any) -> Any:
         if self == path and denied[0]:
             raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(Path, "open", opened)
     os.utime(path, ns=(1, 1))  # another edit: the next check reads it, and cannot
     for _ in range(3):
         clock.now_s += 2
@@ -357,3 +358,61 @@ def test_a_key_files_tenant_is_named_as_every_stage_names_tenants(tmp_path: Path
     assert keyed.request.tenant_scope == tenant_scope(SECRET, "acme")
     named = front.lookup(RawInputs("What is Triton?", tenant="acme"), grant=grant)
     assert named.digest == keyed.digest
+
+
+def test_a_key_file_another_user_could_have_chosen_is_refused_at_every_read(
+    tmp_path: Path,
+) -> None:
+    """The key file is read live by every stage: one replaced by, or reached through, what
+    another user may change (a folder others may write) refuses every key from the next
+    check on, as a broken file does, and is taken again once it is safe."""
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    path = folder / "keys.json"
+    key, _ = add_key(path, "acme")
+    clock = Clock()
+    keys = KeyFile(path, clock=clock)
+    assert keys.authorize(key).tenant == "acme"
+    folder.chmod(0o777)  # another user could now rename their own file into place
+    os.utime(path, ns=(1, 1))
+    clock.now_s += 2
+    with pytest.raises(Forbidden, match="unknown API key"):
+        keys.authorize(key)
+    with pytest.raises(ConfigError, match="another user may write"):
+        KeyFile(path)  # and a stage starting now does not start on it
+    folder.chmod(0o755)
+    os.utime(path, ns=(2, 2))
+    clock.now_s += 2
+    assert keys.authorize(key).tenant == "acme"
+
+
+def test_a_revoke_in_force_is_reported_done_whatever_the_folder_sync_or_owner_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the new file is renamed into place the change is in force: a folder that then
+    cannot be synced (EIO) is logged, not raised (`keys revoke` would otherwise report a
+    revoke that took effect as failed); an owner the user namespace cannot map (fchown's
+    EINVAL in a rootless container) is logged as one this user may not give."""
+    import errno
+
+    path = tmp_path / "keys.json"
+    leaked, entry = add_key(path, "acme")
+    kept, _ = add_key(path, "acme")
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    def fchown(fd: int, uid: int, gid: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "fchown", fchown)
+    monkeypatch.setattr(os, "geteuid", lambda: 54321)  # the file is another user's to it
+    assert revoke_key(path, entry.key_id)
+    assert "could not be synced" in caplog.text and "now this user's" in caplog.text
+    keys = KeyFile(path)
+    assert keys.grant_of(hash_key(leaked)) is None
+    assert keys.authorize(kept).tenant == "acme"

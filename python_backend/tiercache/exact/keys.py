@@ -12,6 +12,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType
@@ -190,34 +191,69 @@ def _others_may_write(info: os.stat_result) -> bool:
     return bool(info.st_mode & 0o020) and info.st_gid not in groups
 
 
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
+
+
+def _placed_by_us(folder: os.stat_result) -> bool:
+    """Whether only this process's user or root could have put an entry in the folder `folder`
+    (made it, or replaced it since): one owned by this user or root that no other user may
+    write. A shared folder, sticky or not, is not: where hard links to others' files may be
+    made (fs.protected_hardlinks off, as in many containers), another user can plant a name
+    for a root-owned file of known content there."""
+    return folder.st_uid in (os.geteuid(), 0) and not _others_may_write(folder)
+
+
 def check_trusted_file(path: Path, info: os.stat_result, what: str) -> None:
-    """ConfigError unless the file `info` describes (`path`, followed through links: a mounted
-    secret is often one) could only have been chosen by this process's user or root. Refused:
-    a file another user may write (writable by others, or by a group this process is not in);
-    and a file owned by another user (not root) in a folder another user may write (a shared
-    or group-writable folder, where they could have planted it). A secret or token another
-    user chose would be theirs to know: the seals, or the admin gate, would be theirs too. A
-    file of another uid in a folder only this user or root writes (a secret bind-mounted into
-    a container running as root, a mounted secret volume) is the operator's, and taken."""
+    """ConfigError unless the file `info` describes (the `fstat` of the file opened at `path`)
+    could only have been chosen by this process's user or root, and is the file `path` names.
+    Refused: a file another user may write (writable by others, or by a group this process is
+    not in); a link on the way to it (a mounted secret is often one) that another user could
+    have made or replaced (theirs, or in a folder they may write: a link to a root-owned file
+    of known content would pass every check of the file itself); and the file itself when
+    another user could have put it in its folder or may replace it (a folder they own or may
+    write, sticky or not). A secret or token another user chose
+    would be theirs to know: the seals, or the admin gate, would be theirs too. A file of
+    another uid in a folder only this user or root writes (a secret bind-mounted into a
+    container running as root, a mounted secret volume) is the operator's, and taken."""
     if _others_may_write(info):
         raise ConfigError(
             f"{what} {path} can be written by other users (mode {info.st_mode & 0o777:o}): "
             "chmod 600 it"
         )
-    if info.st_uid in (os.geteuid(), 0):
-        return
-    folder = Path(os.path.realpath(path)).parent
-    try:
-        found = folder.stat()
-        planted = _others_may_write(found) or found.st_uid not in (os.geteuid(), 0)
-    except OSError:
-        planted = True
-    if planted:
+    name = Path(os.path.abspath(path))
+    for _ in range(MAX_LINKS + 1):
+        folder = name.parent
+        try:
+            entry, holder = os.lstat(name), folder.stat()
+        except OSError as exc:
+            raise ConfigError(f"{what} {path}: {name} cannot be checked: {exc}") from exc
+        if not stat.S_ISLNK(entry.st_mode):
+            break
+        if entry.st_uid not in (os.geteuid(), 0) or not _placed_by_us(holder):
+            raise ConfigError(
+                f"{what} {path} is reached through a link ({name}) another user could have "
+                "made or replaced: point the setting at the file itself, or keep the link "
+                "in a folder only this user or root may write"
+            )
+        name = Path(os.path.normpath(folder / os.readlink(name)))
+    else:
+        raise ConfigError(f"{what} {path}: more than {MAX_LINKS} links on the way")
+    if (entry.st_dev, entry.st_ino) != (info.st_dev, info.st_ino):
+        raise ConfigError(f"{what} {path} changed while it was read: try again")
+    if not _placed_by_us(holder):
         raise ConfigError(
-            f"{what} {path} is owned by uid {info.st_uid}, not by this user or root, in a "
-            f"folder ({folder}) another user may write: they may have put it there; make it "
-            "this user's (chown) or remove it"
+            f"{what} {path} (owned by uid {info.st_uid}) is in a folder ({folder}) another "
+            "user may write or owns: they may have put it there, or may replace it; keep it "
+            "in a folder only this user or root may write"
         )
+
+
+def read_trusted_file(path: Path, what: str) -> bytes:
+    """The bytes of the file at `path`, ConfigError unless `check_trusted_file` takes it
+    (checked on the file opened, so it is the file read)."""
+    with path.open("rb") as handle:
+        check_trusted_file(path, os.fstat(handle.fileno()), what)
+        return handle.read()
 
 
 def read_secret(path: Path) -> bytes:
@@ -250,9 +286,7 @@ def replace_secret(path: Path, secret: bytes) -> None:
 
 
 def _read_secret(path: Path) -> bytes:
-    with path.open("rb") as handle:
-        check_trusted_file(path, os.fstat(handle.fileno()), "secret file")
-        data = handle.read()
+    data = read_trusted_file(path, "secret file")
     if len(data) < SECRET_BYTES:
         raise RuntimeError(f"server secret file {path} is shorter than {SECRET_BYTES} bytes")
     return data

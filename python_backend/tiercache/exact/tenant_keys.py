@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.errors import ConfigError, Forbidden, InvalidRequest
+from tiercache.exact.keys import read_trusted_file
 from tiercache.exact.request import CacheControl, canonical_tenant
 from tiercache.log_throttle import LogThrottle
 
@@ -222,8 +223,8 @@ def _log_reload_failure(path: Path, exc: ConfigError) -> None:
 
 
 def _read(path: Path) -> Iterator[tuple[str, TenantGrant]]:
-    try:
-        data = path.read_bytes()
+    try:  # whoever could have chosen it may mint a key for any tenant: checked at each read
+        data = read_trusted_file(path, "API key file")
     except OSError as exc:
         raise _Unreadable(f"API key file {path} cannot be read: {exc}") from exc
     try:
@@ -351,14 +352,22 @@ def _write(path: Path, entries: list[dict[str, Any]]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    # the new file is in force from here: a folder that cannot be synced (or opened to sync
+    # it: a write-and-search-only folder) is logged, so the change is still reported done
     try:
-        os.fsync(folder)
-    except OSError as exc:  # a file system that cannot sync a folder: the file is in place
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(folder)
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # those: nothing to sync there
+            log.warning(
+                "the key file %s is replaced, but its folder could not be synced (%s): the "
+                "change could be lost in a power cut",
+                path,
+                exc,
+            )
 
 
 def _keep_owner(fd: int, before: os.stat_result, path: Path) -> None:
@@ -368,7 +377,7 @@ def _keep_owner(fd: int, before: os.stat_result, path: Path) -> None:
     if (before.st_uid, before.st_gid) != (os.geteuid(), os.getegid()):
         try:
             os.fchown(fd, before.st_uid, before.st_gid)
-        except PermissionError:
+        except OSError:  # not permitted; EINVAL for an id the user namespace does not map
             log.warning(
                 "the key file %s was owned by %d:%d and is now this user's: the server must "
                 "still be able to read it (chown it back)",
