@@ -738,12 +738,14 @@ def test_replicas_writing_side_records_at_once_keep_both_changes(
         cache.close()
 
 
-def test_a_merge_over_a_planted_empty_value_or_without_scripts_still_writes(
+def test_a_merge_over_a_planted_empty_value_or_without_scripts_compares_and_sets(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:
     """An empty string planted under a record's name reads as none, and the compare-and-set
     takes it as none too (it never matched: every merge failed); a user whose ACL refuses
-    scripts gets a plain write of the merged record, as before merges."""
+    scripts gets the same compare-and-set by a transaction (another replica's write between
+    the read and the set is read and merged, not overwritten); one that refuses transactions
+    too gets nothing written (Unavailable), not a plain write."""
     client = raw_client(redis_server)
     l3 = RedisStore(RedisLink.from_url(redis_server.url, redis_prefix, secret=FLEET_SECRET))
     key = "9" * 64
@@ -760,6 +762,28 @@ def test_a_merge_over_a_planted_empty_value_or_without_scripts_still_writes(
     assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}+1", 2.0))
     found = l3.get(key)
     assert found is not None and found.text == "True+1"
+    seen: list[str | None] = []
+
+    def append(held: CacheEntry | None) -> CacheEntry:
+        seen.append(held.text if held else None)
+        if len(seen) == 1:  # another replica writes between this read and the set
+            l3.put(key, CacheEntry("theirs", 3.0))
+        return CacheEntry(f"{held.text if held else ''}+mine", 4.0)
+
+    assert limited.merge(key, append)
+    assert seen == ["True+1", "theirs"]
+    found = l3.get(key)
+    assert found is not None and found.text == "theirs+mine"
+    client.acl_setuser(
+        "nomerge", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+        commands=["+@all", "-@scripting", "-@transaction"],
+    )  # fmt: skip
+    url = f"redis://nomerge:pw@127.0.0.1:{redis_server.port}/0"
+    refused = RedisStore(RedisLink.from_url(url, redis_prefix, secret=FLEET_SECRET))
+    with pytest.raises(Unavailable, match="refuses both scripts and transactions"):
+        refused.merge(key, lambda held: CacheEntry("a plain write", 5.0))
+    found = l3.get(key)
+    assert found is not None and found.text == "theirs+mine"
     # a flush scans with a script too: it says why it cannot, rather than "send it again"
     with pytest.raises(Unavailable, match="refuses scripts"):
         limited.clear()

@@ -222,3 +222,33 @@ def test_a_tier_already_holding_a_higher_floor_answers_while_another_fails(
     assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
     with pytest.raises(ConnectionError):  # every tier failed: said
         TieredCache([(Tier.L3, Unreachable(1 << 20))]).merge_side("k", lambda held: "x", "s")
+
+
+def test_a_tier_that_missed_a_floor_gets_it_at_the_next_raise_and_its_failures_are_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A floor raised while L3 was down reached L2 only: the next raise, even a lower one,
+    offers the highest floor known to every tier, so L3 gets the one L2 holds; and L3's
+    failure, not raised while L2 answered, is logged rather than lost."""
+    from tiercache.exact import tiered
+    from tiercache.exact.codec import CacheEntry
+    from tiercache.log_throttle import LogThrottle
+
+    down = [True]
+
+    class Flaky(MemoryStore):
+        def peek(self, key: str) -> CacheEntry | None:
+            if down[0]:
+                raise ConnectionError("Redis is down")
+            return self.get(key)
+
+    monkeypatch.setattr(tiered, "_SIDE_FAILURES_LOG", LogThrottle())
+    l2, l3 = LmdbStore(tmp_path / "l2", 1 << 20), Flaky(1 << 20)
+    cache = TieredCache([(Tier.L2, l2), (Tier.L3, l3)])
+    assert raise_floor(cache, DIGEST, 0.95, "scope-a") == round(0.95 + MARGIN, 6)
+    assert "was not merged into L3: Redis is down" in caplog.text
+    down[0] = False
+    assert raise_floor(cache, DIGEST, 0.9, "scope-a") == round(0.95 + MARGIN, 6)
+    only_l3 = TieredCache([(Tier.L3, l3)])
+    assert read_floor(only_l3, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)
+    assert read_floor(cache, DIGEST, "scope-a") == round(0.95 + MARGIN, 6)

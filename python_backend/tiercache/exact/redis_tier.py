@@ -549,6 +549,34 @@ return {page[1], kept, dropped}
 """
 
 
+def _set_if_same_watched(
+    client: redis.Redis, name: str, stored: bytes | None, data: bytes, px: str
+) -> int:
+    """`_SET_IF_SAME` without a script, for a Redis whose ACL refuses them: `name` set to
+    `data` (expiring in `px` ms, "" for never) only while it still reads as `stored`, as
+    `bounded_get` reads (WATCH, read, MULTI, SET, EXEC); 1 when set, 0 when it had changed.
+    Unavailable when transactions are refused too: nothing is written."""
+    try:
+        with client.pipeline(transaction=True) as pipe:
+            pipe.watch(name)
+            if bounded_get(pipe, name) != stored:
+                return 0
+            pipe.multi()
+            pipe.set(name, data, px=int(px) if px else None)
+            pipe.execute()
+            return 1
+    except redis.exceptions.WatchError:
+        return 0  # another writer since the read: read and made again
+    except redis.exceptions.ResponseError as exc:
+        if not _scripts_refused(exc):
+            raise
+        raise Unavailable(
+            f"Redis refuses both scripts and transactions ({exc}): L3's records are not "
+            "merged (a plain write could revert another replica's change); allow @scripting "
+            "or @transaction to this user"
+        ) from exc
+
+
 def bounded_get(client: Any, name: str) -> bytes | None:
     """The value of `name`, read at most MAX_VALUE_BYTES + 1 bytes long (a longer one shows as
     that long, and is refused); None when there is none (no L3 value is ever empty: each has a
@@ -724,9 +752,11 @@ class RedisStore:
         while Redis still holds what was read (a compare-and-set by script, `_SET_IF_SAME`),
         read and made again when another replica wrote in between, at most `attempts` times
         (then Unavailable); False, writing nothing, when `make` says None. Unavailable when
-        Redis cannot be asked. A Redis that refuses scripts (an ACL without @scripting) gets a
-        plain write of the last value made (logged by the link): another writer's change in
-        between is then lost, as it was before merges."""
+        Redis cannot be asked. A Redis that refuses scripts (an ACL without @scripting) gets
+        the same compare-and-set by a transaction (WATCH, MULTI, EXEC); one that refuses both
+        gets nothing written (Unavailable): a plain write could revert another replica's
+        change made in between (a lower floor over a higher one, an endorsement over an
+        answer generated again)."""
         name = self._key(key)
         for _ in range(attempts):
             stored = self.link.call_or_raise(lambda c: bounded_get(c, name))
@@ -745,21 +775,27 @@ class RedisStore:
             seen = "" if stored is None else hashlib.sha1(stored, usedforsecurity=False).hexdigest()
             px = "" if ttl_s is None else str(max(1, int(ttl_s * 1000)))
 
-            def swap(c: redis.Redis, seen: str = seen, data: bytes = data, px: str = px) -> int:
+            def swap(
+                c: redis.Redis,
+                seen: str = seen,
+                stored: bytes | None = stored,
+                data: bytes = data,
+                px: str = px,
+            ) -> int:
                 try:
                     return int(c.eval(_SET_IF_SAME, 1, name, seen, data, px, _READ_BYTES))
                 except redis.exceptions.ResponseError as exc:
                     if not _scripts_refused(exc):
                         raise  # OOM, BUSY, READONLY...: a failed write, not a refused script
                     if _SCRIPTS_LOG.ready():
-                        log.warning("Redis refused a merge's script (%s): written plainly", exc)
-                    return -1
+                        log.warning(
+                            "Redis refused a merge's script (%s): compared and set by a "
+                            "transaction instead",
+                            exc,
+                        )
+                return _set_if_same_watched(c, name, stored, data, px)
 
-            done = self.link.call_or_raise(swap)
-            if done < 0:
-                self.put(key, entry)  # scripts refused: the write as it was before merges
-                return True
-            if done:
+            if self.link.call_or_raise(swap):
                 return True
         raise Unavailable(f"L3's {logged_name(name)} kept changing: {attempts} merges lost")
 

@@ -29,10 +29,12 @@ from typing import NamedTuple, Protocol
 from tiercache.exact.codec import CacheEntry
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.watermarks import HostWatermarks, InvalidationTable
+from tiercache.log_throttle import LogThrottle
 from tiercache.threads import NamedThread
 from tiercache.vocabulary import Tier
 
 log = logging.getLogger(__name__)
+_SIDE_FAILURES_LOG = LogThrottle()  # a shared tier that keeps failing side records
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,6 +609,15 @@ class TieredCache:
                 answered += 1
             except Exception as exc:  # noqa: BLE001 - re-raised below: the others still take it
                 failure = failure or exc
+                if _SIDE_FAILURES_LOG.ready():  # raised only when every tier failed: said here
+                    log.warning(
+                        "a side record (%s) was not merged into %s: %s (%d such failures not "
+                        "logged)",
+                        key[:12],
+                        slot.tier.name,
+                        exc,
+                        _SIDE_FAILURES_LOG.suppressed,
+                    )
         if failure is not None and not answered:
             raise failure
         return took

@@ -77,11 +77,14 @@ def raise_floor(cache: TieredCache, digest: str, served_at: float, tenant_scope:
     """Raise `digest`'s floor above `served_at` (by MARGIN; never lowered); the floor now. Each
     shared tier keeps the higher of what it holds and the new floor, compared and written as
     one step (`TieredCache.merge_side`): two replicas raising it at once keep the higher, where
-    a read, then a write, could leave the lower one in Redis."""
+    a read, then a write, could leave the lower one in Redis. Every shared tier is offered the
+    highest floor known (this one, or a higher one a tier holds), even when a tier already
+    holds it: one that was down when that floor was raised would otherwise never get it (a
+    tier as high as that needs no write)."""
     current = read_floor(cache, digest, tenant_scope)
     floor = round(served_at + MARGIN, 6)
-    if current is not None and current >= floor:
-        return current
+    if current is not None and current > floor:
+        floor = current
 
     def higher(held: str | None) -> str | None:
         value = None if held is None else _parsed(held)
