@@ -126,7 +126,8 @@ def answer_group(entry: CacheEntry) -> int:
 
 SKEW_INTERVAL_S = 5.0  # L1's hit skew is recomputed at most this often (O(n log n/100))
 RESIZE_SLICE_BYTES = 1 << 20  # L1 evicts at most this much per hold of its lock when resized
-MERGE_SLACK_BYTES = 1024  # room a merge makes beyond what its key holds: what it may add
+MERGE_SLACK_BYTES = 16 << 10  # room a merge makes beyond what its key holds: what it may add
+# (a side record at its largest: a trust record of 256 observations, about 8 KB, and margin)
 
 
 SKETCH_SHARE = 8  # L1's policy's frequency sketch: at most 1/SKETCH_SHARE of its budget beyond it
