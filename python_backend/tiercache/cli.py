@@ -45,21 +45,27 @@ def exposure_from(args: argparse.Namespace) -> Exposure:
     )
 
 
-# tritonserver's own flags that choose where a front end listens (after `--`)
-ADDRESS_FLAGS = ("--grpc-address", "--http-address", "--metrics-address", "--sagemaker-address")
+# tritonserver's own flags that choose where a front end listens, or open one (`serve` sets
+# them from --host, --http and --metrics-host, after the flags passed through `--`)
+FRONT_END_FLAGS = (
+    "--grpc-address",
+    "--http-address",
+    "--metrics-address",
+    "--allow-http",
+    "--allow-sagemaker",
+    "--allow-vertex-ai",
+)
 
 
-def passed_addresses(tritonserver_args: list[str]) -> list[str]:
-    """The addresses named by tritonserver flags passed after `--` (`--flag=A` or `--flag A`)."""
+def front_end_flags(tritonserver_args: list[str]) -> list[str]:
+    """The flags passed after `--` that name a front end's address or open one, abbreviated
+    too (Triton's parser takes any unambiguous prefix of an option, as getopt_long does)."""
     found = []
-    for i, arg in enumerate(tritonserver_args):
-        flag, eq, value = arg.partition("=")
-        if flag not in ADDRESS_FLAGS:
-            continue
-        if eq:
-            found.append(value)
-        elif i + 1 < len(tritonserver_args):
-            found.append(tritonserver_args[i + 1])
+    for arg in tritonserver_args:
+        name = arg.partition("=")[0]
+        if len(name) > len("--") and name.startswith("--"):
+            if any(flag.startswith(name) for flag in FRONT_END_FLAGS):
+                found.append(name)
     return found
 
 
@@ -67,12 +73,18 @@ def _serve(args: argparse.Namespace) -> int:
     from tiercache.admin import ADMIN_TOKEN_FILE_ENV, admin_token_path, load_or_create_admin_token
     from tiercache.errors import ConfigError
 
-    # --host, or an address flag after `--`, that is not loopback: the same rule for both
-    exposed = [a for a in (args.host, *passed_addresses(args.tritonserver_args)) if a]
-    open_to = next((a for a in exposed if not is_loopback(a)), None)
-    if open_to is not None and not args.api_keys and not args.trust_tenants:
+    passed = front_end_flags(args.tritonserver_args)
+    if passed:
         print(
-            f"error: {open_to} is not loopback and no API key file is configured: "
+            f"error: {', '.join(passed)} after `--`: serve decides where Triton listens and "
+            "what it opens (--host, --http, --metrics-host, --open-api; docs/security.md), "
+            "and its own flags would override these anyway",
+            file=sys.stderr,
+        )
+        return 2
+    if not is_loopback(args.host) and not args.api_keys and not args.trust_tenants:
+        print(
+            f"error: --host {args.host} is not loopback and no API key file is configured: "
             "anyone who reaches the port could name any tenant and be served its cached "
             "answers (docs/security.md). Give one (`tiercache keys add`, then --api-keys "
             f"FILE or ${API_KEYS_FILE_ENV}), or pass --trust-tenants if every caller that can "
@@ -102,9 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 1
     token_file = (
-        Path(args.admin_token_file).resolve()
+        Path(args.admin_token_file).absolute()  # not resolved: its links are checked
         if args.admin_token_file
-        else admin_token_path(state_dir).resolve()
+        else admin_token_path(state_dir).absolute()
     )
     try:
         load_or_create_admin_token(token_file)  # there before cache_admin starts: printable now

@@ -289,8 +289,10 @@ class TritonServer:
             f"--grpc-port={self.ports.grpc}",
             f"--metrics-port={self.ports.metrics}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
-            *self.exposure.args(self.restricted_value),
             *self.extra_args,
+            # last: Triton takes an option's last value, so nothing in extra_args reopens
+            # what the exposure closes (an address, HTTP, SageMaker, Vertex AI)
+            *self.exposure.args(self.restricted_value),
         ]
 
     def environment(self, install: TritonInstall) -> dict[str, str]:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -739,7 +740,7 @@ def test_replicas_writing_side_records_at_once_keep_both_changes(
 
 
 def test_a_merge_over_a_planted_empty_value_or_without_scripts_compares_and_sets(
-    redis_server: RedisServer, redis_prefix: str
+    redis_server: RedisServer, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An empty string planted under a record's name reads as none, and the compare-and-set
     takes it as none too (it never matched: every merge failed); a user whose ACL refuses
@@ -774,6 +775,23 @@ def test_a_merge_over_a_planted_empty_value_or_without_scripts_compares_and_sets
     assert seen == ["True+1", "theirs"]
     found = l3.get(key)
     assert found is not None and found.text == "theirs+mine"
+    # a write after WATCH and the transaction's own read: EXEC refuses, read and made again
+    real_get, raced = redis_tier.bounded_get, []
+
+    def racing_get(client: Any, name: str) -> bytes | None:
+        value = real_get(client, name)
+        if isinstance(client, redis.client.Pipeline) and not raced:
+            raced.append(name)
+            l3.put(key, CacheEntry("raced", 6.0))
+        return value
+
+    monkeypatch.setattr(redis_tier, "bounded_get", racing_get)
+    seen.clear()
+    assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}+2", 7.0))
+    monkeypatch.undo()
+    assert raced
+    found = l3.get(key)
+    assert found is not None and found.text == "raced+2"
     client.acl_setuser(
         "nomerge", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
         commands=["+@all", "-@scripting", "-@transaction"],
@@ -783,7 +801,7 @@ def test_a_merge_over_a_planted_empty_value_or_without_scripts_compares_and_sets
     with pytest.raises(Unavailable, match="refuses both scripts and transactions"):
         refused.merge(key, lambda held: CacheEntry("a plain write", 5.0))
     found = l3.get(key)
-    assert found is not None and found.text == "theirs+mine"
+    assert found is not None and found.text == "raced+2"
     # a flush scans with a script too: it says why it cannot, rather than "send it again"
     with pytest.raises(Unavailable, match="refuses scripts"):
         limited.clear()

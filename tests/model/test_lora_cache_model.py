@@ -321,6 +321,8 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
     assert opened(pb_utils, cipher, request, again)[1] == files(adapters, "caps")[1]
     envelope = pb_utils.get_input_tensor_by_name(request, "ENVELOPE").as_numpy()[0, 0]
     check_lora_seal(pb_utils, sealer, envelope, again)
+    kept = flushed(model).transport_bytes.metric.value()
+    assert kept == model.stage.cipher.body_bytes > len(files(adapters, "caps")[1])
     m = flushed(model)
     assert m.evictions["engine"].metric.value() == 2
     assert m.resident["host"].metric.value() == 3

@@ -277,3 +277,67 @@ def test_the_draft_digest_ignores_what_only_changes_the_answers_length() -> None
     }
     assert len(others) == 6 and not others & same
     assert of() != request_digest(scope, ENGINE, REQUEST)  # never an answer's key
+
+
+def test_links_in_the_folders_of_the_path_are_checked_and_followed_as_the_kernel_does(
+    tmp_path: Path,
+) -> None:
+    """Every component is followed as the kernel follows it: a link among the folders is
+    checked like one in the file's name (another user's, or in a folder others may write, is
+    refused), and a relative link through a linked folder resolves from where the link really
+    is (a legitimate layout, taken)."""
+    from tiercache.errors import ConfigError
+
+    real = tmp_path / "opt" / "conf"
+    (real / "tc").mkdir(parents=True)
+    (real / "shared").mkdir()
+    secret = real / "shared" / "secret"
+    secret.write_bytes(os.urandom(SECRET_BYTES))
+    secret.chmod(0o600)
+    (real / "tc" / "secret").symlink_to(Path("..") / "shared" / "secret")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "tc").symlink_to(real / "tc")  # /etc/tc -> /opt/conf/tc, then ../shared/secret
+    assert load_or_create_secret(etc / "tc" / "secret") == secret.read_bytes()
+    assert load_or_create_secret(tmp_path / "etc" / ".." / "etc" / "tc" / "secret")
+    shared = tmp_path / "public"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "cfg").symlink_to(real / "shared")  # a folder reached through a public link
+    with pytest.raises(ConfigError, match="reached through a link"):
+        load_or_create_secret(shared / "cfg" / "secret")
+
+
+def test_a_secret_volume_mounted_read_only_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kubernetes secret volume: a world-writable (1777) tmpfs folder, mounted read-only,
+    holding `secret -> ..data/secret` and `..data -> ..<timestamp>`. Nobody can plant
+    anything on a read-only mount, so it is taken; the same folder writable is refused."""
+    from tiercache.errors import ConfigError
+    from tiercache.exact import keys
+
+    volume = tmp_path / "secret-volume"
+    (volume / "..2026_12_07").mkdir(parents=True)
+    data = volume / "..2026_12_07" / "secret"
+    data.write_bytes(os.urandom(SECRET_BYTES))
+    data.chmod(0o444)
+    (volume / "..data").symlink_to("..2026_12_07")
+    (volume / "secret").symlink_to(Path("..data") / "secret")
+    volume.chmod(0o1777)
+    with pytest.raises(ConfigError, match="reached through a link"):
+        load_or_create_secret(volume / "secret")  # writable: a link there could be planted
+    real_statvfs = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, result: os.statvfs_result) -> None:
+            self.f_flag = result.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(
+        keys.os,
+        "statvfs",
+        lambda where: (
+            ReadOnly(real_statvfs(where)) if Path(where) == volume else real_statvfs(where)
+        ),
+    )
+    assert load_or_create_secret(volume / "secret") == data.read_bytes()

@@ -70,9 +70,15 @@ def test_restricted_value_is_random_per_server_and_not_in_repr() -> None:
     assert first.restricted_value not in repr(first)
 
 
-def test_extra_args_come_last_so_an_operator_can_override() -> None:
-    command = server(extra_args=["--log-verbose=1"]).command(INSTALL, Path("/b"))
-    assert command[-1] == "--log-verbose=1"
+def test_extra_args_cannot_reopen_what_the_exposure_closes() -> None:
+    """An operator's extra flags reach tritonserver, but the exposure's come after them
+    (Triton takes an option's last value): an address or a front end in them is overridden."""
+    srv = server(extra_args=["--log-verbose=1", "--grpc-address=0.0.0.0", "--allow-http=true"])
+    command = srv.command(INSTALL, Path("/b"))
+    assert "--log-verbose=1" in command
+    found = flags(command)  # the last value of each flag, as Triton reads them
+    assert found["--grpc-address"] == "127.0.0.1" and found["--allow-http"] == "false"
+    assert command.index("--grpc-address=0.0.0.0") < command.index("--grpc-address=127.0.0.1")
 
 
 def test_http_when_asked_is_restricted_too() -> None:
@@ -371,12 +377,12 @@ def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tena
         port = held.getsockname()[1]
         assert main([*base, "--trust-tenants", "--grpc-port", str(port)]) == 1
     assert f"the gRPC port {port} is in use" in capsys.readouterr().err
-    # the same through tritonserver's own flags after `--`, in either form
+    # tritonserver's own front-end flags after `--` (abbreviated too) are serve's to set
     loopback = ["serve", "--state-dir", str(tmp_path), "--no-gateway"]
-    for tail in (["--grpc-address=0.0.0.0"], ["--http-address", "10.1.2.3"]):
+    for tail in (["--grpc-addr=0.0.0.0"], ["--http-address", "10.1.2.3"], ["--allow-sage=1"]):
         assert main([*loopback, "--", *tail]) == 2
         err = capsys.readouterr().err
-        assert f"{tail[-1].split('=')[-1]} is not loopback" in err and "--trust-tenants" in err
+        assert tail[0].partition("=")[0] in err and "serve decides where Triton listens" in err
 
 
 def test_serve_refuses_an_api_key_file_others_may_write(
@@ -396,9 +402,40 @@ def test_serve_refuses_an_api_key_file_others_may_write(
     assert "API key file" in err and "can be written by other users" in err
 
 
-def test_the_addresses_passed_to_tritonserver_are_found_in_both_forms() -> None:
-    from tiercache.cli import passed_addresses
+def test_front_end_flags_passed_to_tritonserver_are_found_abbreviated_too() -> None:
+    from tiercache.cli import front_end_flags
 
-    args = ["--log-verbose=1", "--grpc-address=0.0.0.0", "--metrics-address", "::1", "--x", "y"]
-    assert passed_addresses(args) == ["0.0.0.0", "::1"]
-    assert passed_addresses(["--http-address"]) == []  # no value: tritonserver's own error
+    args = ["--log-verbose=1", "--grpc-addr=0.0.0.0", "--metrics-address", "::1", "--grpc-port=1"]
+    assert front_end_flags(args) == ["--grpc-addr", "--metrics-address"]
+    assert front_end_flags(["--allow-vertex-ai=true", "--allow-grpc=true", "--grpc-use-ssl=1"]) == [
+        "--allow-vertex-ai"
+    ]
+
+
+def test_serve_checks_the_links_of_the_admin_token_file_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The admin token file is checked as named, not after resolving it: a link in a folder
+    others may write, to a root-owned file anyone can read, is refused before anything
+    starts (resolved first, the link was never seen and the file's content became the token)."""
+    import socket
+
+    from tiercache.cli import main
+
+    known = tmp_path / "known"
+    known.write_bytes(b"NAME=a file anyone can read\n" * 2)
+    known.chmod(0o644)
+    public = tmp_path / "public"
+    public.mkdir()
+    public.chmod(0o1777)
+    (public / "token").symlink_to(known)
+    state = tmp_path / "state"
+    with socket.socket() as held:  # were the token taken, start would stop here, not run
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        code = main(
+            ["serve", "--state-dir", str(state), "--no-gateway", "--admin-token-file",
+             str(public / "token"), "--grpc-port", str(held.getsockname()[1])]
+        )  # fmt: skip
+    assert code == 1
+    assert "reached through a link" in capsys.readouterr().err

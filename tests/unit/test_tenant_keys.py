@@ -380,8 +380,7 @@ def test_a_key_file_another_user_could_have_chosen_is_refused_at_every_read(
         keys.authorize(key)
     with pytest.raises(ConfigError, match="another user may write"):
         KeyFile(path)  # and a stage starting now does not start on it
-    folder.chmod(0o755)
-    os.utime(path, ns=(2, 2))
+    folder.chmod(0o755)  # made safe again, the file itself untouched: taken at the next check
     clock.now_s += 2
     assert keys.authorize(key).tenant == "acme"
 
@@ -394,6 +393,8 @@ def test_a_revoke_in_force_is_reported_done_whatever_the_folder_sync_or_owner_sa
     revoke that took effect as failed); an owner the user namespace cannot map (fchown's
     EINVAL in a rootless container) is logged as one this user may not give."""
     import errno
+
+    from tiercache.exact import keys as keys_module
 
     path = tmp_path / "keys.json"
     leaked, entry = add_key(path, "acme")
@@ -411,6 +412,7 @@ def test_a_revoke_in_force_is_reported_done_whatever_the_folder_sync_or_owner_sa
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "fchown", fchown)
     monkeypatch.setattr(os, "geteuid", lambda: 54321)  # the file is another user's to it
+    monkeypatch.setattr(keys_module, "_placed_by_us", lambda folder, where: True)
     assert revoke_key(path, entry.key_id)
     assert "could not be synced" in caplog.text and "now this user's" in caplog.text
     keys = KeyFile(path)

@@ -194,53 +194,86 @@ def _others_may_write(info: os.stat_result) -> bool:
 MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
 
 
-def _placed_by_us(folder: os.stat_result) -> bool:
-    """Whether only this process's user or root could have put an entry in the folder `folder`
-    (made it, or replaced it since): one owned by this user or root that no other user may
-    write. A shared folder, sticky or not, is not: where hard links to others' files may be
-    made (fs.protected_hardlinks off, as in many containers), another user can plant a name
-    for a root-owned file of known content there."""
-    return folder.st_uid in (os.geteuid(), 0) and not _others_may_write(folder)
+def _placed_by_us(folder: os.stat_result, where: str) -> bool:
+    """Whether only this process's user or root could have put an entry in the folder `where`
+    (`folder` its stat; made the entry, or replaced it since): one owned by this user or root
+    that no other user may write, or one on a read-only mount (a Kubernetes secret volume is
+    a world-writable tmpfs folder, mounted read-only). A shared folder, sticky or not, is not:
+    where hard links to others' files may be made (fs.protected_hardlinks off, as in many
+    containers), another user can plant a name for a root-owned file of known content."""
+    if folder.st_uid not in (os.geteuid(), 0):
+        return False
+    if not _others_may_write(folder):
+        return True
+    try:
+        return bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _walk(path: Path, what: str) -> tuple[os.stat_result, os.stat_result, str]:
+    """Follow `path` as the kernel does, each component in turn, every link on the way (in a
+    folder of the path too, relative or absolute): the final entry's lstat, its folder's stat
+    and that folder's real path. ConfigError for a link another user could have made or
+    replaced (theirs, or in a folder `_placed_by_us` does not take)."""
+    pending = list(path.absolute().parts[1:])
+    current, links = "/", 0
+    try:
+        while pending:
+            part = pending.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":  # `current` has no link in it: its parent is the real one
+                current = os.path.dirname(current)
+                continue
+            name = os.path.join(current, part)
+            entry = os.lstat(name)
+            if stat.S_ISLNK(entry.st_mode):
+                links += 1
+                if links > MAX_LINKS:
+                    raise ConfigError(f"{what} {path}: more than {MAX_LINKS} links on the way")
+                held = entry.st_uid in (os.geteuid(), 0)
+                if not held or not _placed_by_us(os.stat(current), current):
+                    raise ConfigError(
+                        f"{what} {path} is reached through a link ({name}) another user could "
+                        "have made or replaced: point the setting at the file itself, or keep "
+                        "the link in a folder only this user or root may write"
+                    )
+                target = os.readlink(name)
+                if os.path.isabs(target):
+                    current = "/"
+                pending = [*Path(target).parts[1 if os.path.isabs(target) else 0 :], *pending]
+                continue
+            if not pending:
+                return entry, os.stat(current), current
+            current = name
+    except OSError as exc:  # the file was opened: a name that no longer leads there changed
+        raise ConfigError(f"{what} {path} changed while it was read ({exc}): try again") from exc
+    raise ConfigError(f"{what} {path} names a folder, not a file")
 
 
 def check_trusted_file(path: Path, info: os.stat_result, what: str) -> None:
     """ConfigError unless the file `info` describes (the `fstat` of the file opened at `path`)
     could only have been chosen by this process's user or root, and is the file `path` names.
     Refused: a file another user may write (writable by others, or by a group this process is
-    not in); a link on the way to it (a mounted secret is often one) that another user could
-    have made or replaced (theirs, or in a folder they may write: a link to a root-owned file
-    of known content would pass every check of the file itself); and the file itself when
-    another user could have put it in its folder or may replace it (a folder they own or may
-    write, sticky or not). A secret or token another user chose
-    would be theirs to know: the seals, or the admin gate, would be theirs too. A file of
-    another uid in a folder only this user or root writes (a secret bind-mounted into a
-    container running as root, a mounted secret volume) is the operator's, and taken."""
+    not in); a link on the way to it, in the file's name or in a folder's (a mounted secret is
+    often one), that another user could have made or replaced (theirs, or in a folder they may
+    write: a link to a root-owned file of known content would pass every check of the file
+    itself); and the file itself when another user could have put it in its folder or may
+    replace it (a folder they own or may write, sticky or not, unless mounted read-only). A
+    secret or token another user chose would be theirs to know: the seals, or the admin gate,
+    would be theirs too. A file of another uid in a folder only this user or root writes (a
+    secret bind-mounted into a container running as root, a mounted secret volume) is the
+    operator's, and taken."""
     if _others_may_write(info):
         raise ConfigError(
             f"{what} {path} can be written by other users (mode {info.st_mode & 0o777:o}): "
             "chmod 600 it"
         )
-    name = Path(os.path.abspath(path))
-    for _ in range(MAX_LINKS + 1):
-        folder = name.parent
-        try:
-            entry, holder = os.lstat(name), folder.stat()
-        except OSError as exc:
-            raise ConfigError(f"{what} {path}: {name} cannot be checked: {exc}") from exc
-        if not stat.S_ISLNK(entry.st_mode):
-            break
-        if entry.st_uid not in (os.geteuid(), 0) or not _placed_by_us(holder):
-            raise ConfigError(
-                f"{what} {path} is reached through a link ({name}) another user could have "
-                "made or replaced: point the setting at the file itself, or keep the link "
-                "in a folder only this user or root may write"
-            )
-        name = Path(os.path.normpath(folder / os.readlink(name)))
-    else:
-        raise ConfigError(f"{what} {path}: more than {MAX_LINKS} links on the way")
+    entry, holder, folder = _walk(path, what)
     if (entry.st_dev, entry.st_ino) != (info.st_dev, info.st_ino):
         raise ConfigError(f"{what} {path} changed while it was read: try again")
-    if not _placed_by_us(holder):
+    if not _placed_by_us(holder, folder):
         raise ConfigError(
             f"{what} {path} (owned by uid {info.st_uid}) is in a folder ({folder}) another "
             "user may write or owns: they may have put it there, or may replace it; keep it "

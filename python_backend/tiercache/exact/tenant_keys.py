@@ -227,6 +227,8 @@ def _read(path: Path) -> Iterator[tuple[str, TenantGrant]]:
         data = read_trusted_file(path, "API key file")
     except OSError as exc:
         raise _Unreadable(f"API key file {path} cannot be read: {exc}") from exc
+    except ConfigError as exc:  # its folder or a link may be made safe without touching it
+        raise _Unreadable(exc.message) from exc
     try:
         document = json.loads(data.decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError too

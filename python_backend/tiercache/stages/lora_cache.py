@@ -163,6 +163,10 @@ class LoraCacheStage:
             "tier",
             (ENGINE_TIER, HOST_TIER),
         )
+        self.transport_bytes = m.gauge(
+            "tiercache_lora_transport_cache_bytes",
+            "Bytes of the encrypted adapter files kept to be sent again (transport_cache_bytes)",
+        )
         m.on_flush(self._refresh)
 
     def count_error(self) -> None:
@@ -176,6 +180,7 @@ class LoraCacheStage:
         self.resident[DISK_TIER].set(len(self.core.registry.names()))
         tm.update_all(self.loads, stats.loads)
         tm.update_all(self.evictions, stats.evictions)
+        self.transport_bytes.set(self.cipher.body_bytes)
 
     def received(self, data: bytes | None) -> ReceivedEnvelope:
         """prompt_cache's envelope, checked when it is first read. Its seal is checked as that of

@@ -6,7 +6,7 @@ Usage::
     .venv/bin/python -m tiercache_dev.train.qqp_pairs --source FILE --split train --clusters \\
         --out .perf/qqp_train_c.jsonl
     .venv/bin/python -m tiercache_dev.train.hard_pairs --pairs .perf/qqp_train_c.jsonl \\
-        --out .perf/verifier_pairs.jsonl [--block 5000] [--k 5]
+        --out .perf/verifier_pairs.jsonl [--block 5000] [--k 5] [--swap]
 
 Reads a pairs file of QQP's train split with clusters (every row must be a train row) and runs,
 block by block (`--block` pairs, about the dev file's size, so that neighbours are as dense as
@@ -96,12 +96,26 @@ def mine(
                 yield {"a": pair.b, "b": pair.a, "label": pair.label, "index": index, "rank": -1}
 
 
+def swapped(pair: Pair) -> Pair:
+    """`pair` with its sides (and their clusters) exchanged: which one was asked first is
+    arbitrary in QQP, so the other order is as real a case."""
+    from tiercache.semantic.evaluate import Pair
+
+    return Pair(pair.b, pair.a, pair.label, pair.source, pair.cluster_b, pair.cluster_a)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=Path, required=True, help="train split with clusters")
     parser.add_argument("--out", type=Path, default=PERF_DIR / "verifier_pairs.jsonl")
     parser.add_argument("--block", type=int, default=5000, help="pairs searched together")
     parser.add_argument("--k", type=int, default=5, help="candidates per query")
+    parser.add_argument(
+        "--swap",
+        action="store_true",
+        help="each pair's sides swapped first: every b inserted, every a searched (other "
+        "queries, other neighbours: as many cases again from the same rows)",
+    )
     args = parser.parse_args(argv)
 
     from tiercache.semantic.embedder import Embedder
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.pairs}: {len(pairs)} pairs but {len(indices)} indices")
     if pairs[0].cluster_a is None:
         raise SystemExit(f"{args.pairs}: no clusters (qqp_pairs --clusters)")
+    if args.swap:
+        pairs = [swapped(pair) for pair in pairs]
     rows = mine(pairs, indices, Embedder().embed, load_guard(), args.block, args.k)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     written = positives = 0
