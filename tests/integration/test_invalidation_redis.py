@@ -140,6 +140,45 @@ def test_a_cut_off_listener_catches_up_when_redis_returns(
     replica.close()
 
 
+def test_a_catch_up_notes_every_watermark_before_it_sweeps(
+    redis_factory: Callable[[], RedisServer], redis_prefix: str, tmp_path: Path
+) -> None:
+    """After an outage the recorded key invalidations are all noted before the first sweep
+    (each key's sweep reads L3 too): none of their answers is served while the sweeps of
+    the ones before it run."""
+    server = redis_factory()
+    admin = open_replica(tmp_path / "admin", server.url, redis_prefix)
+    replica = open_replica(tmp_path / "replica", server.url, redis_prefix, redis_retry_s=1.0)
+    listener = invalidation_listener(replica)
+    assert listener is not None and listener.wait_connected(5)
+    keys = [f"{i}" * 64 for i in range(1, 4)]
+    for key in keys:
+        replica.put(key, "old answer", created_s=time.time() - 1)
+    served_at_first_sweep: list[list[bool]] = []
+    apply = listener._apply
+
+    def first_sweep_looks(inv: Any, **kwargs: Any) -> Any:
+        if not served_at_first_sweep:
+            served_at_first_sweep.append([replica.get(key) is not None for key in keys])
+        return apply(inv, **kwargs)
+
+    listener._apply = first_sweep_looks  # type: ignore[method-assign]
+    server.kill()
+    wait_until(lambda: not listener.stats().connected)
+    server.start()
+    link = redis_link(admin)
+    assert link is not None
+    wait_until(lambda: link.call(lambda c: c.ping(), False))
+    invalidator = Invalidator(admin, link)
+    for key in keys:  # sent while the replica was not subscribed
+        invalidator.key(key)
+    wait_until(lambda: listener.stats().connected and listener.stats().caught_up >= len(keys))
+    wait_until(lambda: not any(holds(replica, Tier.L1, key) for key in keys))
+    assert served_at_first_sweep == [[False, False, False]]
+    admin.close()
+    replica.close()
+
+
 def test_a_replica_started_later_never_serves_what_was_invalidated(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path
 ) -> None:

@@ -458,6 +458,7 @@ class InvalidationListener:
         upper = float(seconds) + float(micros) / 1e6
         forged = 0
         heard: list[Invalidation] = []
+        sweeps: list[Invalidation] = []
         for read, member in enumerate(recorded_members(client, self.events, since, upper)):
             if read % 1024 == 1023 and self._stop.is_set():
                 return False  # closing: not caught up (the thread ends)
@@ -483,6 +484,7 @@ class InvalidationListener:
                         since,
                         max(self._retry_s, CATCH_UP_TRUNCATED_RETRY_S),
                     )
+                    self._finish_catch_up(heard, sweeps)  # what was read is not read again
                     return False
                 continue
             inv = found
@@ -496,16 +498,28 @@ class InvalidationListener:
                     heard = []
             swept = news and catch_up_sweeps and not self._past_horizon(inv)
             if swept and self._first_hearing(inv):
-                self._apply(inv, sweep_local=True, noted=True)
+                sweeps.append(inv)  # swept once every watermark is noted (_finish_catch_up)
             with self._lock:
                 self._caught_up += 1
                 self._by_kind["applied"][inv.kind.value] += news
                 self._by_kind["replayed"][inv.kind.value] += news and catch_up_sweeps
-        self._keep_on_host(heard)
+        self._finish_catch_up(heard, sweeps)
         if self._connected.is_set() is False:
             log.info("invalidation listener subscribed to %s", self.channel)
         self._connected.set()
         return True
+
+    def _finish_catch_up(self, heard: list[Invalidation], sweeps: list[Invalidation]) -> None:
+        """What a catch-up leaves until the record's every watermark read is noted (reads
+        check those, so what they cover stops being served at once, however many there are):
+        the news kept on the host, then each message's sweep of the local tiers (a key
+        message reads L3 too, `_newer_held`: thousands of round trips after a long outage,
+        which no longer hold back the watermarks after them). Closing: the sweeps are left."""
+        self._keep_on_host(heard)
+        for inv in sweeps:
+            if self._stop.is_set():
+                return
+            self._apply(inv, sweep_local=True, noted=True)
 
     def _keep_on_host(self, heard: list[Invalidation]) -> None:
         """Into the host's log (`HostWatermarks.keep_heard`), so that a process of this host
