@@ -760,9 +760,25 @@ def test_a_merge_over_a_planted_empty_value_or_without_scripts_compares_and_sets
     )  # fmt: skip
     url = f"redis://noscripts:pw@127.0.0.1:{redis_server.port}/0"
     limited = RedisStore(RedisLink.from_url(url, redis_prefix, secret=FLEET_SECRET))
+    evals: list[str] = []
+    real_eval = redis.Redis.eval
+
+    def counted_eval(self: redis.Redis, script: str, *args: Any) -> Any:
+        evals.append(script)
+        return real_eval(self, script, *args)
+
+    monkeypatch.setattr(redis.Redis, "eval", counted_eval)
     assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}+1", 2.0))
     found = l3.get(key)
     assert found is not None and found.text == "True+1"
+    assert evals == [redis_tier._SET_IF_SAME]  # refused once: the next merges skip it
+    assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}", 2.5))
+    assert len(evals) == 1
+    monkeypatch.setattr(redis_tier, "SCRIPTS_RETRY_S", 0.0)  # the retry's time come: asked again
+    limited._scripts_off_until = 0.0
+    assert limited.merge(key, lambda held: CacheEntry(f"{held.text if held else ''}", 2.6))
+    assert len(evals) == 2
+    monkeypatch.undo()
     seen: list[str | None] = []
 
     def append(held: CacheEntry | None) -> CacheEntry:

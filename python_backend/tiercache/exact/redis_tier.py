@@ -510,6 +510,7 @@ def _scripts_refused(exc: redis.exceptions.ResponseError) -> bool:
 
 
 _SCRIPTS_LOG = LogThrottle()  # a Redis that refuses scripts: said once a minute
+SCRIPTS_RETRY_S = 60.0  # after a refused merge script, merges use transactions this long
 
 
 def _by_bytes(items: list[tuple[str, bytes]], most: int) -> Iterator[list[tuple[str, bytes]]]:
@@ -679,6 +680,8 @@ class RedisStore:
         self._hits = self._misses = self._corrupt = 0
         self._counted: tuple[float, int, int] | None = None  # (at, entries, bytes)
         self.long_names = 0  # entry names longer than any a replica writes, left unread
+        # monotonic time until which merges skip the script Redis refused (asked again after)
+        self._scripts_off_until = 0.0
 
     def _key(self, key: str) -> str:
         return self._entry_prefix + key
@@ -756,7 +759,8 @@ class RedisStore:
         the same compare-and-set by a transaction (WATCH, MULTI, EXEC); one that refuses both
         gets nothing written (Unavailable): a plain write could revert another replica's
         change made in between (a lower floor over a higher one, an endorsement over an
-        answer generated again)."""
+        answer generated again). A refused script is not asked again for SCRIPTS_RETRY_S:
+        merges in between go straight to the transaction (one round trip fewer each)."""
         name = self._key(key)
         for _ in range(attempts):
             stored = self.link.call_or_raise(lambda c: bounded_get(c, name))
@@ -782,11 +786,14 @@ class RedisStore:
                 data: bytes = data,
                 px: str = px,
             ) -> int:
+                if time.monotonic() < self._scripts_off_until:
+                    return _set_if_same_watched(c, name, stored, data, px)
                 try:
                     return int(c.eval(_SET_IF_SAME, 1, name, seen, data, px, _READ_BYTES))
                 except redis.exceptions.ResponseError as exc:
                     if not _scripts_refused(exc):
                         raise  # OOM, BUSY, READONLY...: a failed write, not a refused script
+                    self._scripts_off_until = time.monotonic() + SCRIPTS_RETRY_S
                     if _SCRIPTS_LOG.ready():
                         log.warning(
                             "Redis refused a merge's script (%s): compared and set by a "
