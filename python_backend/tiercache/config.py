@@ -826,6 +826,12 @@ class LoraCacheConfig(_RedisConfig):
         "Floor of the host tier's budget (memory_headroom_bytes, cache_memory_bytes)",
         min=1,
     )
+    transport_cache_min_bytes: int = param(
+        16 << 20,
+        "Floor of the transport cache's budget (memory_headroom_bytes, cache_memory_bytes; "
+        "transport_cache_bytes its ceiling)",
+        min=0,
+    )
     memory_headroom_bytes: int = shared("memory_headroom_bytes")
     cache_memory_bytes: int = shared("cache_memory_bytes")
     budget_interval_s: float = shared("budget_interval_s")

@@ -745,19 +745,29 @@ def test_unsealed_or_altered_admin_calls_are_refused(
 
 
 def test_with_a_total_the_host_tier_follows_the_budgets(start: Start, tmp_path: Path) -> None:
-    """cache_memory_bytes under the host tier's fixed size: its budget comes down to the total
-    within a tick, published in the host's ledger beside the other stages' budgets."""
+    """cache_memory_bytes under the host tier's and the transport cache's fixed sizes: their
+    budgets come down to the total within a tick, each at or above its floor, published in
+    the host's ledger beside the other stages' budgets."""
     instance = start(
         engine_slots="2",
         cache_memory_bytes=str(32 << 20),
         host_min_bytes=str(1 << 20),
+        transport_cache_min_bytes=str(2 << 20),
         budget_interval_s="0.05",
     )
     residency = instance.stage.core.residency
+    cipher = instance.stage.cipher
+
+    def total() -> int:
+        return residency._host.max_bytes + cipher.max_body_bytes
+
     deadline = time.monotonic() + 10.0
-    while residency._host.max_bytes != 32 << 20 and time.monotonic() < deadline:
+    while total() > 32 << 20 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert residency._host.max_bytes == 32 << 20
+    assert total() <= 32 << 20
+    assert residency._host.max_bytes >= 1 << 20 and cipher.max_body_bytes >= 2 << 20
+    names = {budget.name for budget in instance.stage.budgets.controller.budgets}
+    assert names == {"adapters_host", "adapters_transport"}
     (published,) = (tmp_path / "state" / "budgets").glob("lora_cache.*")
     assert instance.stage.budgets is not None
     instance.finalize()

@@ -151,3 +151,33 @@ def test_a_body_moved_altered_or_cut_does_not_open(cipher: AdapterCipher) -> Non
         "LORA_WEIGHTS": seal_view(one),
         "LORA_EVICT": "[]",
     }
+
+
+def test_the_kept_bodies_follow_their_budget_and_measure_what_more_would_save() -> None:
+    """`resize` drops the least recently sent bodies at once down to the new bound; a body
+    dropped, or too large to keep, and sent again is credited with its encryption's seconds
+    in `shadow_reading` (what the memory controller values the budget by); a body kept and
+    sent again credits nothing."""
+    weights = bytes(range(256)) * 64
+    body = len(weights) + NONCE_BYTES + TAG_BYTES
+    cipher = AdapterCipher.from_secret(SECRET, max_body_bytes=2 * body)
+    for version in ("v1", "v2"):
+        cipher.close("LORA_WEIGHTS", weights, BOUND, version)
+    assert cipher.body_bytes == 2 * body
+    cipher.close("LORA_WEIGHTS", weights, BOUND, "v1")  # kept: no encryption, nothing credited
+    assert cipher.shadow_reading()[0] == 0.0
+    assert cipher.resize(body) == body
+    assert cipher.body_bytes == body  # v2, sent least recently, went
+    gained, span = cipher.shadow_reading()
+    assert gained == 0.0 and span == body  # dropped, not yet asked for again
+    first = cipher.close("LORA_WEIGHTS", weights, BOUND, "v2")  # asked again: encrypted anew
+    gained, _ = cipher.shadow_reading()
+    assert gained > 0.0
+    assert cipher.open("LORA_WEIGHTS", first, BOUND) == weights
+    assert cipher.resize(0) == 0 and cipher.body_bytes == 0
+    cipher.close("LORA_WEIGHTS", weights, BOUND, "v3")  # too large to keep: shadowed
+    again = cipher.close("LORA_WEIGHTS", weights, BOUND, "v3")
+    assert cipher.shadow_reading()[0] > gained  # a bound of one body would have saved that
+    assert cipher.body_bytes == 0 and cipher.open("LORA_WEIGHTS", again, BOUND) == weights
+    with pytest.raises(ValueError, match=">= 0"):
+        cipher.resize(-1)

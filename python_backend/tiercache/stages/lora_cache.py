@@ -288,11 +288,20 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
     fleet = open_fleet(config, core)
     stage = LoraCacheStage(core, metrics, plans, sealer, cipher, trtllm, fleet, freshness)
     stage.engine_late = engine_late
-    if config.host_max_bytes > 0:  # 0 keeps nothing: no budget to follow
+    budgets: list[Budget] = []  # a bound of 0 keeps nothing: no budget to follow
+    if config.host_max_bytes > 0:
+        budgets.append(
+            adapter_host_budget(core.residency, config.host_min_bytes, config.host_max_bytes)
+        )
+    if config.transport_cache_bytes > 0:
+        budgets.append(
+            transport_budget(cipher, config.transport_cache_min_bytes, config.transport_cache_bytes)
+        )
+    if budgets:
         stage.budgets = start_budgets(
             config.memory_headroom_bytes,
             config.budget_interval_s,
-            [adapter_host_budget(core.residency, config.host_min_bytes, config.host_max_bytes)],
+            budgets,
             metrics,
             config.state_path(),
             model_name,
@@ -300,6 +309,15 @@ def open_lora_cache_stage(config: LoraCacheConfig, model_name: str) -> LoraCache
         )
     metrics.start()
     return stage
+
+
+def transport_budget(cipher: AdapterCipher, floor_bytes: int, ceiling_bytes: int) -> Budget:
+    """The transport cache's budget: between its floor and its fixed size, valued by the
+    encryptions of adapter bodies it dropped lately and had to make again."""
+    return cache_budget(
+        "adapters_transport", floor_bytes, ceiling_bytes, cipher.resize, cipher.shadow_reading,
+        used=lambda: cipher.body_bytes,
+    )  # fmt: skip
 
 
 def adapter_host_budget(residency: Residency, floor_bytes: int, ceiling_bytes: int) -> Budget:

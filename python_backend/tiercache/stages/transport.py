@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tiercache.errors import Forbidden, InvalidRequest
 from tiercache.exact.keys import derive_key
+from tiercache.shadow import ShadowQueue, shadow_bytes
 
 TRANSPORT_PURPOSE = "adapter transport"
 MAGIC = b"tcbox2"  # the format's version: a box from another format is refused, not misread
@@ -52,19 +54,24 @@ OVERHEAD = HEADER_BYTES + TAG_BYTES
 
 class AdapterCipher:
     """Opens and closes adapter tensors under one deployment's transport key; keeps the bodies
-    of what it closed with a `body_key`, up to `max_body_bytes` (0: none kept)."""
+    of what it closed with a `body_key`, up to `max_body_bytes` (0: none kept), a budget the
+    memory controller may move (`resize`, valued by `shadow_reading`: the encryptions a
+    larger one would have saved)."""
 
-    __slots__ = ("_aead", "_bodies", "_body_bytes", "_lock", "max_body_bytes")
+    __slots__ = ("_aead", "_bodies", "_body_bytes", "_lock", "_shadow", "max_body_bytes")
 
     def __init__(self, key: bytes, max_body_bytes: int = 0) -> None:
         if len(key) != 32:
             raise ValueError("an adapter transport key has 32 bytes (AES-256)")
         self._aead = AESGCM(key)
         self.max_body_bytes = max_body_bytes
-        # (name, body_key) -> (data key, nonce + ciphertext + tag), least recently sent first
-        self._bodies: OrderedDict[tuple[str, str], tuple[bytes, bytes]] = OrderedDict()
+        # (name, body_key) -> (data key, nonce + ciphertext + tag, seconds its encryption
+        # took), least recently sent first
+        self._bodies: OrderedDict[tuple[str, str], tuple[bytes, bytes, float]] = OrderedDict()
         self._body_bytes = 0
         self._lock = threading.Lock()
+        # the bodies dropped lately (tiercache.shadow); none when no body is ever kept
+        self._shadow: ShadowQueue[tuple[str, str]] = ShadowQueue(self._shadow_span())
 
     @classmethod
     def from_secret(cls, secret: bytes, max_body_bytes: int = 0) -> AdapterCipher:
@@ -74,6 +81,36 @@ class AdapterCipher:
     def body_bytes(self) -> int:
         """Bytes of the bodies kept."""
         return self._body_bytes
+
+    def resize(self, max_bytes: int) -> int:
+        """A new byte bound for the bodies kept (tiercache.budgets): the least recently sent
+        are dropped at once down to it; returns it. Only for a cipher that keeps bodies
+        (`max_body_bytes` > 0 when made): 0 here keeps none for now, and the shadow still
+        measures what they would save."""
+        if max_bytes < 0:
+            raise ValueError(f"the transport cache's budget must be >= 0 bytes, got {max_bytes}")
+        with self._lock:
+            self.max_body_bytes = max_bytes
+            self._shadow.resize(self._shadow_span())
+            self._trim()
+            return max_bytes
+
+    def shadow_reading(self) -> tuple[float, float]:
+        """(encryption seconds the bodies dropped lately would have saved when sent again,
+        cumulative; the bytes the shadow spans now): `ShadowValue`'s reading."""
+        with self._lock:
+            return self._shadow.gained_s, float(self._shadow.bytes)
+
+    def _shadow_span(self) -> int:
+        # at least 1 byte: its latest drop is kept alone, so a budget cut to nothing can
+        # still show that bodies are asked for again
+        return max(shadow_bytes(self.max_body_bytes), 1)
+
+    def _trim(self) -> None:
+        while self._body_bytes > self.max_body_bytes and self._bodies:
+            old_key, (_, old, spent_s) = self._bodies.popitem(last=False)
+            self._body_bytes -= len(old)
+            self._shadow.add(old_key, len(old), spent_s)
 
     def close(self, name: str, data: bytes, bound: str, body_key: str | None = None) -> bytes:
         """`data` (the tensor `name` of the answer bound to the seal `bound`) as a box: MAGIC,
@@ -94,25 +131,27 @@ class AdapterCipher:
     def _body(
         self, name: str, body_key: str | None, data: Callable[[], bytes]
     ) -> tuple[bytes, bytes]:
-        key = None if body_key is None or not self.max_body_bytes else (name, body_key)
+        key = None if body_key is None else (name, body_key)
         if key is not None:
             with self._lock:
                 kept = self._bodies.get(key)
                 if kept is not None:
                     self._bodies.move_to_end(key)
-                    return kept
+                    return kept[0], kept[1]
+        started = time.perf_counter()
         data_key, nonce = AESGCM.generate_key(bit_length=KEY_BYTES * 8), os.urandom(NONCE_BYTES)
-        body = (data_key, nonce + AESGCM(data_key).encrypt(nonce, data(), _body_associated(name)))
-        size = len(body[1])
-        if key is not None and size <= self.max_body_bytes:
+        sealed = nonce + AESGCM(data_key).encrypt(nonce, data(), _body_associated(name))
+        spent_s = time.perf_counter() - started
+        if key is not None:
             with self._lock:
-                if key not in self._bodies:
-                    self._bodies[key] = body
-                    self._body_bytes += size
-                while self._body_bytes > self.max_body_bytes:
-                    _, (_, old) = self._bodies.popitem(last=False)
-                    self._body_bytes -= len(old)
-        return body
+                self._shadow.credit(key, spent_s)  # a larger budget would have kept it
+                if len(sealed) > self.max_body_bytes:
+                    self._shadow.add(key, len(sealed), spent_s)  # never fits: worth that much
+                elif key not in self._bodies:
+                    self._bodies[key] = (data_key, sealed, spent_s)
+                    self._body_bytes += len(sealed)
+                    self._trim()
+        return data_key, sealed
 
     def open(self, name: str, box: bytes | None, bound: str) -> bytes:
         """The bytes in `box`; b"" for an empty box. Forbidden when the box was not closed by
