@@ -192,6 +192,48 @@ def test_an_answer_an_invalidation_already_covers_is_not_written(
     assert l2.get("k") is not None
 
 
+def test_a_side_record_merged_from_an_older_one_is_as_old_as_what_it_carries(
+    l2: LmdbStore, clock: FakeClock
+) -> None:
+    """A side record merged over one a tier holds keeps the older one's time (it carries what
+    that one held), so a tenant invalidation issued in between, and heard here only after the
+    merge, covers it; it expires default_ttl_s after the first (no record outlives the horizon
+    the watermarks are kept for). Merged after hearing it, or once expired, the record starts
+    afresh."""
+    from tiercache.exact.watermarks import Invalidation
+    from tiercache.semantic.side_entries import read_sides
+    from tiercache.vocabulary import InvalidationKind
+
+    cache = TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=100.0)
+    first_s = clock.now
+    assert cache.merge_side("side", lambda held: (held or "") + "a", "scope-a") == 1
+    clock.now += 30
+    issued_s = clock.now  # another replica invalidates the tenant; heard here later
+    clock.now += 10
+    assert cache.merge_side("side", lambda held: (held or "") + "b", "scope-a") == 1
+    held = l2.get("side")
+    assert held is not None and held.text == "ab"
+    assert held.created_s == first_s and held.ttl_s == 100.0
+    assert read_sides(cache, "side", "scope-a")[0] == ["ab"]
+    cache.invalidations.note(Invalidation(InvalidationKind.TENANT, "scope-a", issued_s))
+    assert read_sides(cache, "side", "scope-a")[0] == []  # what it carried went with the tenant
+    clock.now += 1
+    assert cache.merge_side("side", lambda held: (held or "") + "c", "scope-a") == 1
+    held = l2.get("side")
+    assert held is not None and held.created_s == clock.now and held.ttl_s == 100.0
+    assert read_sides(cache, "side", "scope-a")[0] == ["c"]
+    clock.now += 100.0  # expired: the next merge starts afresh
+    assert read_sides(cache, "side", "scope-a")[0] == []
+    assert cache.merge_side("side", lambda held: (held or "") + "e", "scope-a") == 1
+    assert read_sides(cache, "side", "scope-a")[0] == ["e"]
+    # without a default TTL the merged record never expires, as before
+    forever = TieredCache([(Tier.L2, l2)], clock=clock)
+    clock.now += 5
+    assert forever.merge_side("side", lambda held: (held or "") + "d", "scope-a") == 1
+    held = l2.get("side")
+    assert held is not None and held.text == "ed" and held.ttl_s == 0.0
+
+
 def test_exists_raises_on_a_broken_tier_and_fills_nothing(
     l1: MemoryStore, clock: FakeClock
 ) -> None:

@@ -568,7 +568,12 @@ class TieredCache:
         at once both keep their change, where a read, then a `put`, kept the last writer's.
         `merge` returning None leaves that tier as it is. Not L1: side records are never read
         from it. The record belongs to `tenant_scope` and is stamped `created_s` (default now:
-        an invalidation issued since covers it, and it is then not written). How many tiers
+        an invalidation issued since covers it, and it is then not written), or, when it
+        merges a tier's record made before that, as old as that record (what it carries is:
+        an invalidation issued in between and not yet heard here covers it when it is, and it
+        expires `default_ttl_s` after that record was first made, as an answer does; a record
+        outliving the horizon could come back once the watermark covering it is forgotten).
+        How many tiers
         took it; the first failure is raised when every tier failed (one that needed no
         change, a floor already as high, answered)."""
         self._catch_up()
@@ -588,6 +593,11 @@ class TieredCache:
             entry = CacheEntry(
                 text=text, created_s=stamped, ttl_s=self.default_ttl_s, tenant_scope=tenant_scope
             )
+            if usable and held is not None and held.created_s < stamped:
+                # It carries what `held` held: as old as that, so an invalidation issued since
+                # then and not yet heard here covers it when it is; and it ages out with it
+                # (no record outlives `default_ttl_s`, the horizon watermarks are kept for).
+                entry = dataclasses.replace(entry, created_s=held.created_s)
             return None if invalidations.covers(key, entry) else entry
 
         took = answered = 0
