@@ -608,6 +608,41 @@ def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
     store.close()
 
 
+def test_a_shared_row_with_an_overlong_digest_is_malformed_and_the_follower_moves_on(
+    tmp_path: Path,
+) -> None:
+    """A signed row whose answer digest passes LMDB's key limit made the whole batch's
+    transaction fail (lmdb.BadValsizeError, not a ValueError), retried forever without the
+    stream id moving: every host's follower stopped there. It is malformed now, and the rows
+    after it are indexed; the log itself refuses such a digest as a ValueError."""
+    store = SemanticStore(tmp_path / "sem")
+    secret = b"s" * 32
+    key = "t:" + STREAM
+
+    def shared(scope: str, digest: str, vector: np.ndarray) -> dict[str, bytes]:
+        entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
+        row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
+        signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+        return sign_fields(signer, key, row.to_fields())
+
+    stream = _FakeStream(key, [shared("a1", "d" * 600, unit(1, 0)), shared("a1", "d2", unit(0, 1))])
+    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+    follower = RowFollower(
+        link, store, InvalidationTable(), lock_path=tmp_path / "follower.lock", retry_s=0.05
+    ).start()
+    try:
+        assert follower.wait_caught_up(30)
+    finally:
+        follower.close()
+    stats = follower.stats()
+    assert (stats.read, stats.added, stats.malformed, stats.last_id) == (2, 1, 1, "2-0")
+    assert {r.digest for r in store.rows_since(0)} == {"d2"}
+    with pytest.raises(ValueError, match="at most 128 bytes"):
+        store.append("a1", "d" * 600, "p", unit(1, 0))
+    assert {r.digest for r in store.rows_since(0)} == {"d2"}
+    store.close()
+
+
 def test_while_compactions_fail_the_log_stops_at_its_mark_and_compacts_after(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,11 +23,22 @@ from tiercache.exact.tiered import TieredCache
 from tiercache.machine import DiskReading, DiskRoom
 from tiercache.semantic.graph_files import file_digest
 from tiercache.semantic.index import SemanticIndex, estimated_graph_bytes
-from tiercache.semantic.row_log import INITIAL_CAPACITY, scope_tag
+from tiercache.semantic.row_log import (
+    INITIAL_CAPACITY,
+    IndexRow,
+    decode_row,
+    encode_row,
+    scope_tag,
+)
 from tiercache.semantic.scope_search import ScopeSearch
 from tiercache.semantic.stage import EmbeddingCache, SemanticOutcome
 from tiercache.semantic.store import SemanticStore
-from tiercache.semantic.vectors import ENTRY_OVERHEAD_BYTES, VectorCache, vector_key
+from tiercache.semantic.vectors import (
+    ENTRY_OVERHEAD_BYTES,
+    VectorCache,
+    encode_vector,
+    vector_key,
+)
 from tiercache.vocabulary import Tier
 
 DIM = 8
@@ -128,6 +139,18 @@ def test_vector_cache_l1_l2_and_corruption(tmp_path: Path) -> None:
     damaged = VectorCache(tmp_path / "vec", DIM)
     assert damaged.get(key) is None
     assert damaged.stats().corrupt == 1
+    damaged.close()
+    # a value whose checksum holds but that no embedder gives (norm 2, a NaN): it would
+    # score past every true neighbour; refused as corrupt, dropped, and embedded again
+    for planted in (np.full(DIM, 2.0 / np.sqrt(DIM), dtype=np.float32), unit(1) * np.nan):
+        env = lmdb.open(str(tmp_path / "vec"))
+        with env.begin(write=True) as txn:
+            txn.put(key, encode_vector(planted))
+        env.close()
+        forged = VectorCache(tmp_path / "vec", DIM)
+        assert forged.get(key) is None and forged.stats().corrupt == 1
+        assert forged.get(key) is None and forged.stats().corrupt == 1  # dropped: a miss now
+        forged.close()
     assert vector_key("emb@1", "hello") != vector_key("emb@2", "hello")
 
 
@@ -160,6 +183,7 @@ def test_a_full_vector_l2_starts_over_keeps_the_new_vector_and_logs_once(
     with caplog.at_level(logging.WARNING, logger="tiercache.semantic.vectors"):
         for i in range(400):
             key, vector = vector_key("emb@1", f"text {i}"), rng.random(dims, dtype=np.float32)
+            vector /= np.linalg.norm(vector)  # as the embedder gives them (L2 refuses others)
             cache.put(key, vector)
             assert np.array_equal(cache.get(key), vector)  # from L2 (L1 holds nothing)
     assert cache.l2_clears >= 2 and cache.stats().l2_clears == cache.l2_clears
@@ -487,6 +511,36 @@ def test_compaction_keeps_rows_with_live_answers(tmp_path: Path) -> None:
     deleted = store.compact(lambda digest: digest in {"d2", "d7"})
     assert deleted == 8
     assert [r.digest for r in store.rows_since(0)] == ["d2", "d7"]
+
+
+def test_a_row_claimed_back_after_compaction_scanned_is_spared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer whose row compaction's scan found gone, generated and stored again before
+    the delete: its append hands the existing row back (one row per digest), and the delete
+    then removed it, leaving a live answer with no row on this host for its lifetime. The
+    row is spared now, and the next compaction deletes it only if its answer is gone again."""
+    store = SemanticStore(tmp_path / "sem")
+    for i in range(4):
+        store.append("s", f"d{i}", "p", unit(1, i))
+    delete = store.delete_compacted
+    came_back: list[int] = []
+
+    def delete_after_a_comeback(rows: Any, spare_claimed_after: int | None = None) -> Any:
+        if not came_back:  # d1's answer is stored again between the scan and the delete
+            came_back.append(store.append("s", "d1", "p", unit(1, 1)))
+        return delete(rows, spare_claimed_after)
+
+    monkeypatch.setattr(store, "delete_compacted", delete_after_a_comeback)
+    assert store.compact(lambda digest: digest == "d3") == 2  # d0 and d2; d1 came back
+    monkeypatch.undo()
+    assert came_back == [1]  # the existing row, handed back
+    assert [r.digest for r in store.rows_since(0)] == ["d1", "d3"]
+    index = SemanticIndex(store, DIM)
+    assert index.search("s", unit(1, 1), k=1)[0].digest == "d1"
+    assert store.compact(lambda digest: digest == "d3") == 1  # gone again: deleted this time
+    assert [r.digest for r in store.rows_since(0)] == ["d3"]
+    store.close()
 
 
 def test_when_every_answer_lives_compaction_gives_up_the_rows_worth_least(tmp_path: Path) -> None:
@@ -919,6 +973,36 @@ def test_a_full_table_grows_into_a_new_one_and_a_graph_keeps_its_rows(tmp_path: 
     assert (stats.tables_reopened, stats.graphs_built, stats.rows) == (1, 1, len(vectors))
     assert _table_of(reader).capacity() > old_capacity >= INITIAL_CAPACITY
     assert _agree_with_flat(reader, _random_rows(100, 2)) >= 95
+
+
+def test_a_row_whose_checksum_holds_over_fields_of_other_types_is_damaged(
+    tmp_path: Path,
+) -> None:
+    """A row no encode_row of this release wrote (a digest that is a number, a created_s that
+    is NaN), its checksum made over it, is skipped as damaged: taken as a row it stopped
+    compaction (AttributeError in every retry) and failed every lookup that chose it."""
+    good = IndexRow(0, "s", "d", "p", unit(1, 0), 5.0)
+    assert decode_row(0, encode_row(good)) is not None
+    for planted in (
+        IndexRow(0, "s", 123, "p", unit(1, 0), 5.0),  # type: ignore[arg-type]
+        IndexRow(0, ["s"], "d", "p", unit(1, 0), 5.0),  # type: ignore[arg-type]
+        IndexRow(0, "s", "d", None, unit(1, 0), 5.0),  # type: ignore[arg-type]
+        IndexRow(0, "s", "d", "p", unit(1, 0), float("nan")),
+    ):
+        assert decode_row(0, encode_row(planted)) is None
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "good", "p", unit(1, 0))
+    seq = store.append("s", "bad", "p", unit(1, 0.1))
+    store.close()
+    env = lmdb.open(str(tmp_path / "sem"))
+    with env.begin(write=True) as txn:  # the row's digest a number, its checksum made again
+        planted = IndexRow(seq, "s", 123, "p", unit(1, 0.1), 5.0)  # type: ignore[arg-type]
+        txn.put(b"r" + seq.to_bytes(8, "big"), encode_row(planted))
+    env.close()
+    reopened = SemanticStore(tmp_path / "sem")
+    index = SemanticIndex(reopened, DIM)
+    assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
+    reopened.close()
 
 
 def test_a_damaged_row_missing_from_the_table_is_dropped_from_the_log(tmp_path: Path) -> None:

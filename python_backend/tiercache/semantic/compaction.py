@@ -203,27 +203,31 @@ class Compactor:
                 return batch[i:]
         return []
 
-    def _delete(self, rows: list[tuple[int, tuple[str, str] | None]]) -> tuple[int, set[str]]:
-        """`RowLog.delete_compacted`, in halves when the map lacks the free pages one
-        transaction of `rows` copies (its rows' digest keys are spread over the whole log, and
-        which pages are free depends on the log's layout): MapFullError only when a single
-        row cannot be deleted."""
+    def _delete(
+        self, rows: list[tuple[int, tuple[str, str] | None]], mark: int
+    ) -> tuple[int, set[str]]:
+        """`RowLog.delete_compacted` (sparing the rows claimed since `mark`), in halves when
+        the map lacks the free pages one transaction of `rows` copies (its rows' digest keys
+        are spread over the whole log, and which pages are free depends on the log's layout):
+        MapFullError only when a single row cannot be deleted."""
         try:
-            return self._log.delete_compacted(rows)
+            return self._log.delete_compacted(rows, spare_claimed_after=mark)
         except lmdb.MapFullError:
             if len(rows) == 1:
                 raise
         half = len(rows) // 2
-        first, first_tags = self._delete(rows[:half])
-        second, second_tags = self._delete(rows[half:])
+        first, first_tags = self._delete(rows[:half], mark)
+        second, second_tags = self._delete(rows[half:], mark)
         return first + second, first_tags | second_tags
 
-    def _delete_all(self, rows: list[tuple[int, tuple[str, str] | None]]) -> tuple[int, set[str]]:
+    def _delete_all(
+        self, rows: list[tuple[int, tuple[str, str] | None]], mark: int
+    ) -> tuple[int, set[str]]:
         """`_delete` in transactions of `_COMPACT_BATCH` rows."""
         touched: set[str] = set()
         deleted = 0
         for start in range(0, len(rows), _COMPACT_BATCH):
-            count, tags = self._delete(rows[start : start + _COMPACT_BATCH])
+            count, tags = self._delete(rows[start : start + _COMPACT_BATCH], mark)
             deleted += count
             touched |= tags
         return deleted, touched
@@ -292,6 +296,8 @@ class Compactor:
     ) -> int:
         dead: list[tuple[int, tuple[str, str] | None]] = []
         rows: list[tuple[int, tuple[str, str] | None]] = []
+        # an answer stored again after the scan judged it gone claims its row back: spared
+        mark = self._log.claims_mark()
         for seq, row in self._log.scan():
             brief = None if row is None else (row.scope, row.digest)
             rows.append((seq, brief))
@@ -301,12 +307,12 @@ class Compactor:
         superseded = self._log.superseded([item for item in rows if item[0] not in gone])
         dead += [item for item in rows if item[0] in superseded]
         gone |= superseded
-        deleted, touched = self._delete_all(dead)
+        deleted, touched = self._delete_all(dead, mark)
         if not dead or self._log.data_bytes() >= self._compact_at_bytes:
             live = [item for item in rows if item[0] not in gone]
             if answer_value is not None:  # a stable sort: rows are in seq order, oldest first
                 live.sort(key=lambda item: answer_value(item[1][1]) if item[1] else -math.inf)
-            more, tags = self._delete_all(live[: max(1, int(len(rows) * fallback_fraction))])
+            more, tags = self._delete_all(live[: max(1, int(len(rows) * fallback_fraction))], mark)
             deleted += more
             touched |= tags
         del rows

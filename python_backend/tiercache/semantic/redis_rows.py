@@ -74,7 +74,7 @@ from tiercache.exact.tiered import TieredCache
 from tiercache.exact.watermarks import InvalidationTable
 from tiercache.log_throttle import LogThrottle
 from tiercache.semantic import compaction
-from tiercache.semantic.row_log import ScopeLimitReached
+from tiercache.semantic.row_log import MAX_DIGEST_BYTES, ScopeLimitReached
 from tiercache.semantic.store import SemanticStore
 from tiercache.threads import NamedThread
 
@@ -206,6 +206,8 @@ class SharedRow:
             texts += [meta[k] for k in ("tenant", "adapter", "origin")]
             if not all(isinstance(t, str) for t in texts) or not meta["scope"]:
                 raise ValueError("a field that must be text is not")
+            if len(meta["digest"].encode("utf-8")) > MAX_DIGEST_BYTES:
+                raise ValueError(f"an answer digest longer than {MAX_DIGEST_BYTES} bytes")
             return cls(
                 meta["scope"],
                 meta["digest"],

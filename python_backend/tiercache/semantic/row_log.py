@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import struct
 import threading
 import time
@@ -137,11 +138,14 @@ def decode_row(seq: int, blob: bytes) -> IndexRow | None:
     vector = np.frombuffer(body[: 4 * dimensions], dtype=np.float32).copy()
     try:
         meta = json.loads(body[4 * dimensions :].decode("utf-8"))
-        return IndexRow(
-            seq, meta["scope"], meta["digest"], meta["prompt"], vector, created_s, checksum
-        )
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        fields = meta["scope"], meta["digest"], meta["prompt"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         return None
+    # a checksum that holds over fields of other types (not written by encode_row) would
+    # stop compaction and every lookup that chose the row: damaged, skipped like the rest
+    if not all(isinstance(field, str) for field in fields) or not math.isfinite(created_s):
+        return None
+    return IndexRow(seq, *fields, vector, created_s, checksum)
 
 
 _SCOPE_ROW = b"x"  # x<tag><seq>: the scope's live rows, in seq order
@@ -153,12 +157,27 @@ _LOG_ID_KEY = b"meta:log"
 _META_PREFIX = b"meta:"  # the log's own values (not rows); see log_rows(meta=...)
 _OWNER = b"o"  # o<tag>: the tag (`scope_tag`) of the tenant scope that started the scope
 _TENANT_SCOPES = b"c"  # c<tenant tag>: how many scopes the tenant started (`o` keys naming it)
+# k<seq>: the claim count (`_CLAIMS_KEY`) when `log_rows` last handed this existing row back
+# for an answer stored again: a compaction that scanned before it spares the row
+_CLAIMED = b"k"
+_CLAIMS_KEY = b"meta:claims"
+# An answer digest's most bytes (a hex SHA-256 has 64): the digest is part of an LMDB key,
+# which holds at most 511 bytes, and a longer one failed the whole batch's transaction
+MAX_DIGEST_BYTES = 128
 _MANIFEST_HEAD = struct.Struct("<QIQ")  # epoch, width, capacity; then the scope, UTF-8
 
 
 def scope_tag(scope: str) -> str:
     """A scope's name in the log's keys, its table files and its graph files."""
     return hashlib.sha256(scope.encode("utf-8")).hexdigest()[:24]
+
+
+def _checked_digest(digest: str) -> str:
+    """`digest`, or ValueError when it is longer than MAX_DIGEST_BYTES (or not text)."""
+    if not isinstance(digest, str) or len(digest.encode("utf-8")) > MAX_DIGEST_BYTES:
+        shown = repr(digest)[:40]
+        raise ValueError(f"an answer digest of at most {MAX_DIGEST_BYTES} bytes, got {shown}")
+    return digest
 
 
 def _tag_bytes(scope: str) -> bytes:
@@ -325,17 +344,37 @@ class RowLog:
                 seq = int.from_bytes(key[1:], "big")
                 yield seq, decode_row(seq, blob)
 
+    def claims_mark(self) -> int:
+        """How many times `log_rows` has handed an existing row back for an answer stored
+        again: a compaction reads it before its scan, and `delete_compacted` spares the rows
+        claimed since (their answer came back after the scan judged it gone)."""
+        with self._env.begin() as txn:
+            raw = txn.get(_CLAIMS_KEY)
+        return int.from_bytes(raw, "big") if raw else 0
+
     def delete_compacted(
-        self, rows: Sequence[tuple[int, tuple[str, str] | None]]
+        self,
+        rows: Sequence[tuple[int, tuple[str, str] | None]],
+        spare_claimed_after: int | None = None,
     ) -> tuple[int, set[str]]:
         """Compaction's delete: rows given as (seq, (scope, digest)), or (seq, None) for a
         damaged row, go with their scope entries (and the digest key, when it still names the
-        row) in one write transaction. Returns how many rows were deleted and the tags of the
-        scopes touched, whose tables must then be synced."""
+        row) in one write transaction; with `spare_claimed_after` (`claims_mark` before the
+        scan), not those `log_rows` handed back since. Returns how many rows were deleted and
+        the tags of the scopes touched, whose tables must then be synced."""
         touched: set[str] = set()
         deleted = 0
         with self._env.begin(write=True) as txn:
             for seq, brief in rows:
+                claimed = txn.get(_CLAIMED + seq.to_bytes(8, "big"))
+                if (
+                    spare_claimed_after is not None
+                    and claimed is not None
+                    and int.from_bytes(claimed, "big") > spare_claimed_after
+                ):
+                    continue  # its answer was stored again after the scan: it lives
+                if claimed is not None:
+                    txn.delete(_CLAIMED + seq.to_bytes(8, "big"))
                 deleted += bool(txn.delete(_row_key(seq)))
                 if brief is not None:  # a damaged row's scope entry goes at its next sync
                     scope, digest = brief
@@ -400,13 +439,14 @@ class RowLog:
         `tenants` names, by scope, the tenant scope a row of a new scope starts it for (the
         scope's tenant; a scope not named: ""); it matters only for scopes not yet in the log.
 
-        All or nothing: InvalidVector for a vector `check_vector` refuses, ScopeLimitReached
-        for a row that would start a scope past `max_scopes` or past its tenant's
-        `max_scopes_per_tenant` (both ValueError)."""
+        All or nothing: InvalidVector for a vector `check_vector` refuses, ValueError for a
+        digest longer than MAX_DIGEST_BYTES, ScopeLimitReached for a row that would start a
+        scope past `max_scopes` or past its tenant's `max_scopes_per_tenant` (all
+        ValueError)."""
         seqs: list[int] = []
         fresh: dict[str, tuple[list[int], list[np.ndarray]]] = {}
         rows = [
-            (scope, digest, prompt, check_vector(vector, self.dimensions))
+            (scope, _checked_digest(digest), prompt, check_vector(vector, self.dimensions))
             for scope, digest, prompt, vector in rows
         ]
         with self._env.begin(write=True) as txn:
@@ -422,6 +462,10 @@ class RowLog:
                 known = txn.get(digest_key)
                 if known is not None and txn.get(_ROW_PREFIX + known) is not None:
                     seqs.append(int.from_bytes(known, "big"))
+                    raw_claims = txn.get(_CLAIMS_KEY)
+                    claims = (int.from_bytes(raw_claims, "big") if raw_claims else 0) + 1
+                    txn.put(_CLAIMS_KEY, claims.to_bytes(8, "big"))
+                    txn.put(_CLAIMED + bytes(known), claims.to_bytes(8, "big"))
                     continue
                 manifest = self._manifest(txn, tag)
                 if manifest is None:

@@ -25,6 +25,7 @@ import numpy as np
 from tiercache.exact.stores import check_readers, open_lmdb
 from tiercache.log_throttle import LogThrottle
 from tiercache.machine import ROOM, DiskRoom
+from tiercache.semantic.row_log import InvalidVector, check_vector
 from tiercache.shadow import ShadowQueue, shadow_bytes
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,21 @@ def encode_vector(vector: np.ndarray) -> bytes:
 
 
 def decode_vector(blob: bytes, dimensions: int) -> np.ndarray | None:
-    """The vector, or None when the bytes are not a whole, intact vector of `dimensions`."""
+    """The vector, or None when the bytes are not a whole, intact vector of `dimensions` the
+    index takes (`check_vector`: finite, unit norm). The checksum is not keyed: it catches a
+    damaged page, and the check catches a value that passes it but would score past every
+    true neighbour (a vector of norm 2 matched every row at 2.0)."""
     data = bytes(blob[_CHECKSUM_BYTES:])
     if len(data) != 4 * dimensions or hashlib.sha256(data).digest()[:_CHECKSUM_BYTES] != bytes(
         blob[:_CHECKSUM_BYTES]
     ):
         return None
-    return np.frombuffer(data, dtype=np.float32).copy()
+    vector = np.frombuffer(data, dtype=np.float32).copy()
+    try:
+        check_vector(vector, dimensions)
+    except InvalidVector:
+        return None
+    return vector
 
 
 @dataclass(frozen=True, slots=True)
