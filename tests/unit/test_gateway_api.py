@@ -60,6 +60,16 @@ def test_a_chat_request_becomes_one_generation() -> None:
     assert parse(chat(safety_identifier="s", prompt_cache_key="k")).prompt == "Hi"
     assert parse(chat(top_k=5, min_p=0, repetition_penalty=1)).top_k == 5  # neutral: accepted
     assert parse(chat()).top_k is None
+    # OpenAI's seed is a signed 64-bit integer: a negative one in two's complement, distinct
+    assert [parse(chat(seed=s)).seed for s in (-1, -(2**63), 2**63 - 1)] == [
+        2**64 - 1,
+        2**63,
+        2**63 - 1,
+    ]
+    with pytest.raises(InvalidRequest, match="'seed' must be in"):
+        parse(chat(seed=2**63))
+    # null is the default, as for every other field
+    assert not parse(chat(stream=True, stream_options={"include_usage": None})).include_usage
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,14 @@ def test_a_client_that_leaves_closes_the_gateways_grpc_call(stream: bool) -> Non
 
 
 def test_the_host_header_must_name_loopback_on_a_loopback_gateway(hung: str) -> None:
-    for host, expected in (("127.0.0.1", 200), ("localhost:1", 200), ("evil.example", 421)):
+    for host, expected in (
+        ("127.0.0.1", 200),
+        ("localhost:1", 200),
+        ("127.0.0.2:8000", 200),  # any loopback address (`serve --host 127.0.0.2` probes so)
+        ("[::1]:1", 200),
+        ("evil.example", 421),
+        ("127.0.0.1.evil.example", 421),
+    ):
         answer = httpx2.get(f"{hung}/v1/models", headers={"host": host}, timeout=10)
         assert answer.status_code == expected, host
     refused = httpx2.get(f"{hung}/v1/models", headers={"host": "evil.example:80"}, timeout=10)
@@ -255,6 +262,42 @@ def test_idle_connections_make_room_for_requests() -> None:
         assert _get(port).startswith(b"HTTP/1.1 503")
         for conn in streams:
             conn.close()
+
+
+def test_a_connection_answered_before_its_body_came_makes_room() -> None:
+    """Requests answered without their bodies being read (a 401 or 415 given first, a route
+    that reads none), their bodies never sent: such a connection owes only that body, and
+    made no room (it was neither owing a head nor running), so a handful of them held every
+    slot with no key at all. They make room now, as idle ones do."""
+    head = b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100000\r\n\r\n"
+    with _bounded_server(_ok, limit_concurrency=4, header_timeout_s=60) as (_, port):
+        owing = []
+        for _ in range(4):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            conn.sendall(head)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")  # answered; the body is owed
+            owing.append(conn)
+        for _ in range(3):
+            assert _get(port).startswith(b"HTTP/1.1 200")
+        assert sum(_closed_by_server(conn) for conn in owing) >= 1
+        for conn in owing:
+            conn.close()
+
+
+def test_a_head_pipelined_behind_a_long_body_in_one_read_is_still_bounded() -> None:
+    """A POST with a 20 KB body and, in the same write, a GET whose head carries a 100 KB
+    header: the body ran past the first 16 KiB slice and the rest of the read went to the
+    parser uncounted, so the GET was answered (the same GET alone is a 431). Now the
+    connection is closed at the GET's 16 KiB (with the POST's answer, still in progress when
+    the head overflowed: nothing is written into a response under way)."""
+    body = b"b" * 20_000
+    post = b"POST / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 20000\r\n\r\n" + body
+    get = b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: " + b"p" * 100_000 + b"\r\n\r\n"
+    with _bounded_server(_tell_body) as (_, port):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(post + get)
+            answer = _closed_within(conn, 10)
+    assert answer.count(b"HTTP/1.1 200") <= 1  # the GET is never answered
 
 
 def test_unknown_routes_and_methods_answer_in_openai_s_error_json(hung: str) -> None:

@@ -164,7 +164,7 @@ class GatewaySettings:
     max_connections: int = 512
     # a request's whole body must arrive within this (408 past it): a body announced and never
     # sent would otherwise hold its connection for ever
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = 10.0
     # generations one API key may have in flight at once (past it: 429), so that one caller
     # cannot take every connection; requests without a key are not counted (0: no limit)
     max_requests_per_key: int = 128
@@ -468,6 +468,7 @@ _ADDRESSES = re.compile(
 
 
 _UNAVAILABLE_LOG = LogThrottle()  # a caller can repeat a failing request at will
+_EDGE_LOG = LogThrottle()  # the edge layer's failed lookups: once a minute
 
 
 def _public(message: str) -> str:
@@ -549,7 +550,12 @@ def create_app(settings: GatewaySettings) -> Starlette:
             else:  # the host's memory-mapped L2 and this process's L1: microseconds
                 hit = edge.answer(raw, authorization)
         except Exception:  # noqa: BLE001 - the edge is a shortcut: the ensemble answers instead
-            log.exception("the edge layer's lookup failed; asking the ensemble")
+            if _EDGE_LOG.ready():  # a caller can repeat a failing lookup at will
+                log.exception(
+                    "the edge layer's lookup failed; asking the ensemble (%d such failures "
+                    "not logged)",
+                    _EDGE_LOG.suppressed,
+                )
             return None
         if hit is None:
             return None
@@ -845,6 +851,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def loopback_host_name(host: str) -> bool:
+    """Whether a Host header's name (`host_name`) names this machine: localhost, *.localhost,
+    or a loopback address (127.0.0.0/8, ::1). A page using DNS rebinding sends its own name."""
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def host_name(host_header: str) -> str:
     """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
     host = host_header.strip().lower()
@@ -976,10 +993,10 @@ class PerKeyLimit:
 
 class LoopbackHostOnly:
     """Pure ASGI middleware: a request whose Host header does not name this server by a
-    loopback name (localhost, 127.0.0.1, ::1, *.localhost) is refused with 421 before any route
-    runs. A web page the operator opens can make the browser send requests to 127.0.0.1 under
-    a name it controls (DNS rebinding) and read the answers; its Host header then names that
-    name."""
+    loopback name (localhost, *.localhost, a loopback address: 127.0.0.0/8, ::1) is refused
+    with 421 before any route runs. A web page the operator opens can make the browser send
+    requests to 127.0.0.1 under a name it controls (DNS rebinding) and read the answers; its
+    Host header then names that name."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -991,7 +1008,7 @@ class LoopbackHostOnly:
                 if name == b"host":
                     host = host_name(value.decode("latin-1"))
                     break
-            if host not in LOOPBACK_NAMES and not host.endswith(".localhost"):
+            if not loopback_host_name(host):
                 await send_error(
                     send,
                     421,

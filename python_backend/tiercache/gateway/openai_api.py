@@ -79,6 +79,13 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None
     return value
 
 
+def _seed(body: dict[str, Any]) -> int | None:
+    """OpenAI's `seed`, a signed 64-bit integer, as the ensemble's uint64: a negative one in
+    two's complement (-1 -> 2**64 - 1), so that distinct seeds stay distinct."""
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    return None if seed is None else seed % 2**64
+
+
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -303,7 +310,8 @@ def parse_request(
             raise InvalidRequest("'stream_options' must be an object")
         if not stream:
             raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
-        include_usage = options.get("include_usage", False)
+        include_usage = options.get("include_usage")
+        include_usage = False if include_usage is None else include_usage  # null: the default
         if not isinstance(include_usage, bool):
             raise InvalidRequest("'stream_options.include_usage' must be a boolean")
     user = body.get("user")
@@ -326,7 +334,7 @@ def parse_request(
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
         top_k=_integer(body, "top_k", 0, 2**31 - 1),
-        seed=_integer(body, "seed", 0, 2**63 - 1),
+        seed=_seed(body),
         stop_words=stop_words,
         cache_control=None if cache_control is None else _utf8("cache_control", cache_control),
         user=user,

@@ -4,7 +4,9 @@ server facing the internet needs and uvicorn 0.54 does not set.
 - **Request headers**: httptools bounds neither their size nor the time they take. Here a
   request's line and headers together may hold `max_header_bytes` (16 KiB, counted as raw bytes
   received: httptools reports a header only once its line ends, so one endless line would pass
-  a count of the headers it reports; past it 431 and the connection closed), and must be
+  a count of the headers it reports; past it 431 and the connection closed; a head pipelined
+  behind a body in the same read is counted from the slice of `max_header_bytes` where it
+  begins, so it may reach twice that), and must be
   complete within `header_timeout_s` (10 s) of the connection opening or of the previous
   response's end: a connection that sends nothing, or trickles its headers a byte at a time
   (slowloris), is closed.
@@ -20,8 +22,11 @@ server facing the internet needs and uvicorn 0.54 does not set.
   head, the rest of a body its route did not read, blank lines, anything after an upgrade
   request) arm the timer (its deadline still counted from the response's end), which only a
   complete head disarms. A request that comes whole is running by the end of the read, so it
-  makes no timer. The timer does not run while a response is in progress: uvicorn then stops
-  reading, so what a client pipelined waits in the kernel, not on the client.
+  makes no timer. A connection whose request was answered before its body was read (a 401 or
+  413 given first, a route that reads none) owes only the rest of that body: it is closed to
+  make room like one that owes a head. The timer does not run while a response is in
+  progress: uvicorn then stops reading, so what a client pipelined waits in the kernel, not
+  on the client.
 
 - **Pipelined requests**: uvicorn parses every request a client sends ahead on one connection
   and queues it without limit (one small `GET` is about 25 bytes on the wire and a couple of
@@ -108,14 +113,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     # -- connection slots: idle connections make room for those with requests
 
     def _owes_head(self) -> bool:
-        """Runs nothing and waits for a request head (none begun, or one begun and not done)."""
-        return (
-            self._in_head
-            and not self._responding()
-            and not self.pipeline
-            and self.transport is not None
-            and not self.transport.is_closing()
-        )
+        """Runs nothing and waits for a request head (none begun, or one begun and not done),
+        or for the rest of a body whose request was answered without reading it (a refusal
+        before the body, a route that reads none): that body serves no request."""
+        if (
+            self._responding()
+            or self.pipeline
+            or self.transport is None
+            or self.transport.is_closing()
+        ):
+            return False
+        return self._in_head or (self._running is not None and self._running.response_complete)
 
     def _make_room(self) -> None:
         """Close other connections that owe a request head, longest-waiting first, until the
@@ -180,6 +188,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_header_timer()
 
     def _received(self, data: bytes) -> None:
+        if not self._in_head and len(data) > self.max_header_bytes:
+            # a body: fed in slices, so that a head pipelined behind it in this read is
+            # counted from the slice where it begins (a head may then reach twice the bound)
+            step = self.max_header_bytes
+            for start in range(0, len(data), step):
+                self._received(data[start : start + step])
+                if self.transport.is_closing():
+                    return
+            return
         if self._in_head:
             room = self.max_header_bytes - self._head_bytes
             if len(data) > room:  # parse up to the bound: the head must end within it
