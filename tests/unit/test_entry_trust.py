@@ -463,7 +463,8 @@ def test_a_class_without_outcomes_reads_the_tenants_record_from_before_the_class
     tmp_path: Path,
 ) -> None:
     """An upgrade must not start every tenant over from the prior: a length class with no
-    record of its own is judged by the tenant's pooled record (read only) until it has one."""
+    record of its own is judged by the refutations of the tenant's pooled record (read only)
+    until it has one; the pooled record's verifications never make a class kinder."""
     cache = tiers(tmp_path)
     pooled = EntryTrust(limit=256)
     for i in range(30):
@@ -476,4 +477,28 @@ def test_a_class_without_outcomes_reads_the_tenants_record_from_before_the_class
     assert record_outcome(cache, DIGEST, 0.9, True, "scope-a", 500.0, "", 3)
     own = gate.calibration("scope-a", "", 3)
     assert own.slope == Calibration([(0.9, True, 500.0)]).slope  # its own record from then on
+    # a pooled record of verifications (short answers, by the hundred) makes no class kinder:
+    # only its refutations are read
+    kind = EntryTrust(limit=256)
+    for i in range(200):
+        kind.observe(0.6, True, 10.0 + i)
+    kind.observe(0.99, False, 999.0)
+    cache.put(pooled_trust_key("scope-c"), encode_trust(kind), tenant_scope="scope-c")
+    judged = gate.calibration("scope-c", "", 4)
+    assert judged.slope == Calibration([(0.99, False, 999.0)]).slope
+    assert judged.slope != Calibration(kind.observations).slope
     cache.close()
+
+
+def test_the_calibrations_kept_are_bounded() -> None:
+    """Each calibration kept the versions of itself without an entry's own outcomes, up to 256
+    of about 20 KB, for each of 1,024 tenants: 5.4 GB at worst. Now MEMO_EXCLUDING each, and
+    a version not kept is computed again alike."""
+    from tiercache.semantic import entry_trust
+
+    outcomes = [(0.5 + i / 200, i % 3 != 0, 100.0 + i) for i in range(64)]
+    tenant = Calibration(outcomes)
+    versions = [tenant.excluding([one]) for one in outcomes]
+    assert len(tenant._without) <= entry_trust.MEMO_EXCLUDING
+    again = tenant.excluding([outcomes[0]])  # dropped long since: computed again, the same
+    assert np.array_equal(again.weights, versions[0].weights)

@@ -1024,6 +1024,33 @@ def test_a_damaged_row_missing_from_the_table_is_dropped_from_the_log(tmp_path: 
     assert reopened.live_count(tag) == 1 and reopened.scope_seqs(tag) == [0]
 
 
+def test_a_damaged_row_compaction_deletes_leaves_its_scope(tmp_path: Path) -> None:
+    """A published row that bit rot damaged: compaction deletes it, and now its scope's entry
+    and live count with it (a damaged row names no scope, and a sync reads only the rows its
+    table lacks, so the entry stayed, counted live, for good)."""
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "good", "p", unit(1, 0))
+    bad = store.append("s", "bad", "p", unit(1, 0.1))
+    store.append("other", "elsewhere", "p", unit(0, 1))
+    store.close()
+    env = lmdb.open(str(tmp_path / "sem"))
+    with env.begin(write=True) as txn:
+        key = b"r" + bad.to_bytes(8, "big")
+        blob = bytearray(txn.get(key))
+        blob[-1] ^= 0xFF
+        txn.put(key, bytes(blob))
+    env.close()
+    reopened = SemanticStore(tmp_path / "sem")
+    tag = scope_tag("s")
+    assert reopened.live_count(tag) == 2
+    assert reopened.compact(lambda digest: True) == 1  # the damaged row alone
+    assert reopened.live_count(tag) == 1 and reopened.scope_seqs(tag) == [0]
+    assert reopened.live_count(scope_tag("other")) == 1
+    index = SemanticIndex(reopened, DIM)
+    assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
+    reopened.close()
+
+
 def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Path) -> None:
     """A scope that crosses flat_max_rows (or whose rows compaction rewrote) got its graph built
     inside search(), holding the index lock: every lookup of the process waited (1.6 s per

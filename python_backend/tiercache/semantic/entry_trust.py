@@ -69,7 +69,11 @@ ENTRY_SD = 1.0  # how far one entry strays from its tenant's calibration, a prio
 MAX_OBSERVATIONS = 64  # per entry, the most recent kept
 TENANT_OBSERVATIONS = 256  # per tenant (its calibration, which every entry starts from)
 AUDIT_RATE = 0.05  # of the hits a gate would serve, the share verified anyway (greedy ones)
-MEMO_TENANTS = 1024  # tenants whose calibration a gate keeps computed
+# Tenant calibrations a gate keeps computed, and the calibrations without an entry's own
+# outcomes each keeps (`excluding`): about 20 KB each, so at most about 256 x 17 x 20 KB, 90 MB,
+# where 1,024 x 257 came to 5.4 GB; one not kept costs a recomputation over a 20 x 61 grid
+MEMO_TENANTS = 256
+MEMO_EXCLUDING = 16
 # t: a candidate's log-odds of being right; the grid its posterior is kept on
 T_GRID = np.linspace(-10.0, 14.0, 481)
 _T_STEP = float(T_GRID[1] - T_GRID[0])
@@ -203,7 +207,7 @@ class Calibration:
         key = frozenset(o[2] for o in own)
         found = self._without.get(key)
         if found is None:  # kept: an entry's next decisions reuse it until an outcome changes it
-            if len(self._without) >= 256:
+            if len(self._without) >= MEMO_EXCLUDING:
                 self._without.clear()
             found = Calibration(log_post=self._log_post - _log_likelihood(own))
             self._without[key] = found
@@ -596,14 +600,18 @@ class TrustGate:
         record found parsed (False otherwise: a decision fails closed)."""
         key = tenant_trust_key(tenant_scope, adapter, answer_class)
         texts, complete = read_sides(self.cache, key, tenant_scope)
+        pooled = False
         if not texts and complete:
             # none for this class yet: the tenant's record from before the classes, if any,
-            # read only (what the tenant was judged by until the upgrade; new outcomes go to
-            # the class's own record, which replaces it once it has one)
+            # read only and its refutations alone (what the tenant was judged by until the
+            # upgrade can make this class stricter, never kinder: its verifications may be of
+            # short answers by the hundred, which made long ones look safe); new outcomes go
+            # to the class's own record, which replaces it once it has one
             texts, complete = read_sides(
                 self.cache, pooled_trust_key(tenant_scope, adapter), tenant_scope
             )
-        text = "\x00".join(texts)
+            pooled = bool(texts)
+        text = ("pooled\x00" if pooled else "") + "\x00".join(texts)
         with self._memo_lock:
             memo = self._calibrations.get(key)
             if memo is not None and memo[0] == text:
@@ -617,7 +625,10 @@ class TrustGate:
                 parsed = False
                 continue
             trust.merge(decoded)
-        found = Calibration(trust.observations)
+        observations = trust.observations
+        if pooled:
+            observations = [o for o in observations if not o[1]]
+        found = Calibration(observations)
         with self._memo_lock:
             self._calibrations[key] = (text, (found, parsed))
             self._calibrations.move_to_end(key)

@@ -376,7 +376,9 @@ class RowLog:
                 if claimed is not None:
                     txn.delete(_CLAIMED + seq.to_bytes(8, "big"))
                 deleted += bool(txn.delete(_row_key(seq)))
-                if brief is not None:  # a damaged row's scope entry goes at its next sync
+                if brief is None:  # damaged: its scope is unknown, so looked for in each
+                    touched |= self._unindex_anywhere(txn, seq)
+                else:
                     scope, digest = brief
                     tag = _tag_bytes(scope)
                     self._unindex(txn, tag, seq)
@@ -386,6 +388,24 @@ class RowLog:
                     self._unforget(txn, _FORGOTTEN + tag + digest.encode("utf-8"), seq)
                     touched.add(tag.hex())
         return deleted, touched
+
+    def _unindex_anywhere(self, txn: Any, seq: int) -> set[str]:
+        """Take `seq` off whichever scope lists it (a damaged row names none; a scope's sync
+        reads only the rows its table lacks, so the entry stayed, counted live, for good):
+        one lookup per scope, for rows that bit rot damaged. The tags touched."""
+        tags = []
+        cursor = txn.cursor()
+        if cursor.set_range(_MANIFEST):
+            for key in cursor.iternext(values=False):
+                if not key.startswith(_MANIFEST):
+                    break
+                tags.append(bytes(key[len(_MANIFEST) :]))
+        touched = set()
+        for tag in tags:
+            if txn.get(_SCOPE_ROW + tag + seq.to_bytes(8, "big")) is not None:
+                self._unindex(txn, tag, seq)
+                touched.add(tag.hex())
+        return touched
 
     @staticmethod
     def _unforget(txn: Any, key: bytes, seq: int) -> None:
