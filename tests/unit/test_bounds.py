@@ -568,31 +568,21 @@ class _FakeStream:
         return run
 
 
-def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
-    tmp_path: Path,
-) -> None:
-    """Rows shared by another replica start scopes under the tenant their answer carries: a
-    tenant past its cap is refused (counted, never an error) and another tenant's row of the
-    same batch is still indexed."""
-    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
-    secret = b"s" * 32
-    key = "t:" + STREAM
+SHARED_SECRET = b"s" * 32
 
-    def shared(scope: str, digest: str, tenant: str, vector: np.ndarray) -> dict[str, bytes]:
-        entry = CacheEntry("", created_s=time.time() - 1, tenant_scope=tenant)
-        row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
-        signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
-        return sign_fields(signer, key, row.to_fields())
 
-    stream = _FakeStream(
-        key,
-        [
-            shared("a1", "d1", "tenant-a", unit(1, 0)),
-            shared("a2", "d2", "tenant-a", unit(0, 1)),
-            shared("b1", "d3", "tenant-b", unit(1, 1)),
-        ],
-    )
-    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
+def _signed_row(scope: str, digest: str, tenant: str, vector: np.ndarray) -> dict[str, bytes]:
+    """A row another replica shared through the stream, signed with SHARED_SECRET."""
+    entry = CacheEntry("", created_s=time.time() - 1, tenant_scope=tenant)
+    row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
+    signer = RedisLink(None, secret=SHARED_SECRET).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
+    return sign_fields(signer, "t:" + STREAM, row.to_fields())
+
+
+def _follow(store: SemanticStore, rows: list[dict[str, bytes]], tmp_path: Path) -> Any:
+    """A follower run over a stream of `rows` until it caught up; its stats."""
+    stream = _FakeStream("t:" + STREAM, rows)
+    link = RedisLink(stream, prefix="t:", secret=SHARED_SECRET)  # type: ignore[arg-type]
     follower = RowFollower(
         link, store, InvalidationTable(), lock_path=tmp_path / "follower.lock", retry_s=0.05
     ).start()
@@ -600,7 +590,22 @@ def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
         assert follower.wait_caught_up(30)
     finally:
         follower.close()
-    stats = follower.stats()
+    return follower.stats()
+
+
+def test_the_redis_follower_counts_each_shared_row_under_its_answers_tenant(
+    tmp_path: Path,
+) -> None:
+    """Rows shared by another replica start scopes under the tenant their answer carries: a
+    tenant past its cap is refused (counted, never an error) and another tenant's row of the
+    same batch is still indexed."""
+    store = SemanticStore(tmp_path / "sem", max_scopes_per_tenant=1)
+    rows = [
+        _signed_row("a1", "d1", "tenant-a", unit(1, 0)),
+        _signed_row("a2", "d2", "tenant-a", unit(0, 1)),
+        _signed_row("b1", "d3", "tenant-b", unit(1, 1)),
+    ]
+    stats = _follow(store, rows, tmp_path)
     assert (stats.read, stats.added, stats.forged, stats.last_id) == (3, 2, 0, "3-0")
     assert {r.digest for r in store.rows_since(0)} == {"d1", "d3"}
     assert (store.scopes_started_by("tenant-a"), store.scopes_started_by("tenant-b")) == (1, 1)
@@ -616,25 +621,11 @@ def test_a_shared_row_with_an_overlong_digest_is_malformed_and_the_follower_move
     stream id moving: every host's follower stopped there. It is malformed now, and the rows
     after it are indexed; the log itself refuses such a digest as a ValueError."""
     store = SemanticStore(tmp_path / "sem")
-    secret = b"s" * 32
-    key = "t:" + STREAM
-
-    def shared(scope: str, digest: str, vector: np.ndarray) -> dict[str, bytes]:
-        entry = CacheEntry("", created_s=time.time() - 1, tenant_scope="tenant-a")
-        row = SharedRow.of_entry(scope, digest, "p", vector, "", entry, origin="other-host")
-        signer = RedisLink(None, secret=secret).signer(REDIS_SEMANTIC_ROWS)  # type: ignore[arg-type]
-        return sign_fields(signer, key, row.to_fields())
-
-    stream = _FakeStream(key, [shared("a1", "d" * 600, unit(1, 0)), shared("a1", "d2", unit(0, 1))])
-    link = RedisLink(stream, prefix="t:", secret=secret)  # type: ignore[arg-type]
-    follower = RowFollower(
-        link, store, InvalidationTable(), lock_path=tmp_path / "follower.lock", retry_s=0.05
-    ).start()
-    try:
-        assert follower.wait_caught_up(30)
-    finally:
-        follower.close()
-    stats = follower.stats()
+    rows = [
+        _signed_row("a1", "d" * 600, "tenant-a", unit(1, 0)),
+        _signed_row("a1", "d2", "tenant-a", unit(0, 1)),
+    ]
+    stats = _follow(store, rows, tmp_path)
     assert (stats.read, stats.added, stats.malformed, stats.last_id) == (2, 1, 1, "2-0")
     assert {r.digest for r in store.rows_since(0)} == {"d2"}
     with pytest.raises(ValueError, match="at most 128 bytes"):

@@ -105,18 +105,23 @@ def test_hnsw_above_the_flat_limit_finds_the_same_rows(tmp_path: Path) -> None:
     assert agree >= 95
 
 
-def test_damaged_row_is_skipped(tmp_path: Path) -> None:
-    store = SemanticStore(tmp_path / "sem")
-    store.append("s", "good", "p", unit(1, 0))
-    seq = store.append("s", "bad", "p", unit(1, 0.1))
-    store.close()
-    env = lmdb.open(str(tmp_path / "sem"))
+def _damage_row(path: Path, seq: int) -> None:
+    """Flip the last byte of the log's row `seq` (bit rot: its checksum no longer holds)."""
+    env = lmdb.open(str(path))
     with env.begin(write=True) as txn:
         key = b"r" + seq.to_bytes(8, "big")
         blob = bytearray(txn.get(key))
         blob[-1] ^= 0xFF
         txn.put(key, bytes(blob))
     env.close()
+
+
+def test_damaged_row_is_skipped(tmp_path: Path) -> None:
+    store = SemanticStore(tmp_path / "sem")
+    store.append("s", "good", "p", unit(1, 0))
+    seq = store.append("s", "bad", "p", unit(1, 0.1))
+    store.close()
+    _damage_row(tmp_path / "sem", seq)
     index = SemanticIndex(SemanticStore(tmp_path / "sem"), DIM)
     assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
 
@@ -1010,13 +1015,7 @@ def test_a_damaged_row_missing_from_the_table_is_dropped_from_the_log(tmp_path: 
     store.append("s", "good", "p", unit(1, 0))
     seqs, _ = store.log_rows([("s", "bad", "p", unit(1, 0.1))])  # logged, never published
     store.close()
-    env = lmdb.open(str(tmp_path / "sem"))
-    with env.begin(write=True) as txn:
-        key = b"r" + seqs[0].to_bytes(8, "big")
-        blob = bytearray(txn.get(key))
-        blob[-1] ^= 0xFF
-        txn.put(key, bytes(blob))
-    env.close()
+    _damage_row(tmp_path / "sem", seqs[0])
     reopened = SemanticStore(tmp_path / "sem")
     index = SemanticIndex(reopened, DIM)
     assert [n.digest for n in index.search("s", unit(1, 0), k=5)] == ["good"]
@@ -1033,13 +1032,7 @@ def test_a_damaged_row_compaction_deletes_leaves_its_scope(tmp_path: Path) -> No
     bad = store.append("s", "bad", "p", unit(1, 0.1))
     store.append("other", "elsewhere", "p", unit(0, 1))
     store.close()
-    env = lmdb.open(str(tmp_path / "sem"))
-    with env.begin(write=True) as txn:
-        key = b"r" + bad.to_bytes(8, "big")
-        blob = bytearray(txn.get(key))
-        blob[-1] ^= 0xFF
-        txn.put(key, bytes(blob))
-    env.close()
+    _damage_row(tmp_path / "sem", bad)
     reopened = SemanticStore(tmp_path / "sem")
     tag = scope_tag("s")
     assert reopened.live_count(tag) == 2
