@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from tiercache.engine.drafts import AnswerIndex  # noqa: E402
 from tiercache.engine.kv_cache import KvBlockPool  # noqa: E402
+from tiercache.errors import InvalidRequest  # noqa: E402
 from tiercache.exact.request import GenerationRequest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -376,6 +377,74 @@ def test_a_wrong_or_partly_right_answer_to_verify_gives_plain_decodings(
     prefix = reference[0][: len(reference[0]) // 2] + " and then something else entirely."
     assert verified(engine, request, prefix) == reference
     assert engine.last_drafter.by_source["verify"].accepted > 0  # its right half was kept
+
+
+def test_a_verifying_pass_stores_no_blocks_and_the_next_plain_prefill_does(
+    engine: Any,
+) -> None:
+    """A prompt and a cached answer run in one pass, whose shapes round otherwise than the
+    prompt's alone (a 250-word prompt's KV 4e-5 apart on 2 threads): its blocks were stored,
+    and a request reusing them, even one that asked for no speculation, read what speculation
+    computed. They are not stored now; the next plain prefill of the prompt stores them,
+    bitwise those of a pool that never saw speculation."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+    prompt = " ".join(words[i % len(words)] for i in range(250))  # short ones rounded alike
+    request = GenerationRequest(prompt, max_tokens=64, tenant_scope="b" * 64)
+
+    def blocks() -> dict[Any, torch.Tensor]:
+        return {key: block.payload for key, block in engine.kv_pool._blocks.items()}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as the review measured; short prompts rounded alike here
+    try:
+        engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+        plain_answer = run(engine, request, (), speculate=False)[0]
+        plain_blocks = blocks()
+        assert len(plain_blocks) >= 4
+        for answer in (plain_answer, "The answer is a list of buckets and keys. " * 10):
+            engine.kv_pool = KvBlockPool(64 << 20, BLOCK)
+            assert verified(engine, request, answer)[0] == plain_answer
+            assert not blocks()  # none from the pass with the answer behind the prompt
+            run(engine, request, (), speculate=False)
+            stored = blocks()
+            assert stored.keys() == plain_blocks.keys()
+            assert all(torch.equal(stored[key], plain_blocks[key]) for key in stored)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -3}, "max_tokens must be >= 1"),
+        ({"temperature": 2.5}, "temperature must be in"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_k": -1}, "top_k must be in"),
+        ({"temperature": 0.5, "seed": -1}, "seed must fit"),
+    ],
+)
+def test_values_out_of_range_are_refused_before_any_model_work(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, change: dict[str, Any], fragment: str
+) -> None:
+    """An engine call is sealed by llm; the engine still checks what it is handed (max_tokens
+    0 gave a token, a negative one kept a whole draft to verify)."""
+    counted = Counted(engine, monkeypatch)
+    request = replace(GenerationRequest(PROMPT, max_tokens=4), **change)
+    with pytest.raises(InvalidRequest, match=fragment):
+        next(iter(engine.generate(request)))
+    assert counted.calls == 0
+
+
+def test_a_drafts_text_is_cut_to_what_max_tokens_can_use(engine: Any) -> None:
+    """A draft of a megabyte was compared and retokenized at every step; what no answer of
+    max_tokens could use is cut first."""
+    from tiercache.engine.torch_engine import DRAFT_CHARS_PER_TOKEN
+
+    request = GenerationRequest(PROMPT, max_tokens=4)
+    run(engine, request, ("word " * 200_000,), speculate=True, source="neighbour")
+    answers = engine.last_drafter._answers
+    assert answers and all(len(a.tokens) <= 4 * DRAFT_CHARS_PER_TOKEN for a in answers)
 
 
 def test_verifying_with_prompt_blocks_reused_and_a_sampled_request(engine: Any) -> None:

@@ -147,6 +147,7 @@ _DELETE = object()
         (_mutated(("request", "drafts"), [["index", "x"]]), "source, text\\] pairs"),
         (_mutated(("request", "drafts"), [["answer", 5]]), "source, text\\] pairs"),
         (_mutated(("request", "drafts"), "x"), "drafts has the wrong type"),
+        (_mutated(("request", "drafts"), [["answer", "x"]] * 9), "drafts holds 9, at most 8"),
         (_mutated(("status",), "hit"), "status 'hit' is unknown"),
         (_mutated(("digest",), 7), "digest has the wrong type"),
         (_mutated(("cache_tags",), "kb"), "cache_tags has the wrong type"),

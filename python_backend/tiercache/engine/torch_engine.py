@@ -46,7 +46,7 @@ from tiercache.engine.model_source import ModelSource
 from tiercache.engine.prompt import prompt_token_ids
 from tiercache.errors import InvalidRequest
 from tiercache.eviction import named_policy
-from tiercache.exact.request import GenerationRequest
+from tiercache.exact.request import MAX_TEMPERATURE, GenerationRequest
 from tiercache.log_throttle import LogThrottle
 from tiercache.packed_linear import pack_and_log
 
@@ -70,6 +70,29 @@ def context_window(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+# A draft's text past this many characters a token of max_tokens can be no use (a token of the
+# vocabulary spans far fewer): cut there, so a long draft costs no retokenizing per step
+DRAFT_CHARS_PER_TOKEN = 32
+
+
+def check_ranges(request: GenerationRequest) -> None:
+    """InvalidRequest for sampling values out of their ranges. prompt_cache checks them as a
+    request comes in; an engine call is sealed by llm, and this is the engine's own check of
+    what it is handed (max_tokens 0 still gave a token, a negative one kept a draft whole)."""
+    if request.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if not 0.0 <= request.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {request.temperature}"
+        )
+    if not 0.0 < request.top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {request.top_p}")
+    if not 0 <= request.top_k < 2**31:
+        raise InvalidRequest(f"top_k must be in [0, 2**31 - 1], got {request.top_k}")
+    if request.seed is not None and not 0 <= request.seed < 2**64:
+        raise InvalidRequest(f"seed must fit in uint64, got {request.seed}")
 
 
 def check_context(prompt_tokens: int, max_tokens: int, window: int | None) -> None:
@@ -254,9 +277,11 @@ class TorchEngine:
         gives, up to the pass's rounding (see `__init__`); a step yields the picked token plus
         every draft token the model agreed with.
 
-        Raises, before any output or model work: InvalidRequest when the prompt's tokens plus
-        `max_tokens` exceed the model's context window (`check_context`); NotFound ("... not
-        found in cache") when the request's adapter is not loaded."""
+        Raises, before any output or model work: InvalidRequest for values out of range
+        (`check_ranges`) and when the prompt's tokens plus `max_tokens` exceed the model's
+        context window (`check_context`); NotFound ("... not found in cache") when the
+        request's adapter is not loaded."""
+        check_ranges(request)
         input_ids = self.prompt_ids(request)
         prompt_tokens = int(input_ids.shape[1])
         check_context(prompt_tokens, request.max_tokens, self.context_tokens)
@@ -267,7 +292,8 @@ class TorchEngine:
         scope = kv_salt(self.identity.revision, request.tenant_scope, request.lora_digest)
         drafter = None
         if self.speculate and request.speculate and (request.greedy or self.speculate_sampled):
-            texts = [cut_at_stop(text, request.stop_words) for _, text in request.drafts]
+            most = request.max_tokens * DRAFT_CHARS_PER_TOKEN
+            texts = [cut_at_stop(text[:most], request.stop_words) for _, text in request.drafts]
             answers = [
                 (source, self.encode_text(text))
                 for (source, _), text in zip(request.drafts, texts, strict=True)
@@ -379,7 +405,11 @@ class TorchEngine:
                     self.kv_pool.observe_prefill(
                         time.perf_counter() - began, computed + len(verify_ids)
                     )
-                if lease is not None:
+                if lease is not None and not verify_ids:
+                    # Not from a pass with an answer behind the prompt: its shapes round
+                    # otherwise, and the requests reusing its blocks (even those asking for no
+                    # speculation) would read what speculation computed. The next plain
+                    # prefill of this prompt stores them.
                     self._store_blocks(lease, hashes, out.past_key_values)
                 if verify_ids and drafter is not None:
                     # A whole answer verified in the prefill pass (`prefill_draft`): the

@@ -334,8 +334,14 @@ def _history(value: list[Any], where: str) -> tuple[Turn, ...]:
     return tuple(turns)
 
 
+MAX_REQUEST_DRAFTS = 8  # llm hands on at most 6: an answer, 4 neighbours, a semantic hit's
+
+
 def _drafts(value: list[Any], where: str) -> tuple[tuple[str, str], ...]:
-    """The engine call's drafts: a list of [source, text] pairs of the sources llm hands on."""
+    """The engine call's drafts: a list of [source, text] pairs of the sources llm hands on,
+    at most MAX_REQUEST_DRAFTS (each is compared with the answer at every decoding step)."""
+    if len(value) > MAX_REQUEST_DRAFTS:
+        raise InvalidRequest(f"{where}.drafts holds {len(value)}, at most {MAX_REQUEST_DRAFTS}")
     drafts: list[tuple[str, str]] = []
     for draft in value:
         if (
