@@ -1044,6 +1044,31 @@ def test_a_damaged_row_compaction_deletes_leaves_its_scope(tmp_path: Path) -> No
     reopened.close()
 
 
+def test_a_long_tail_joins_the_graph_a_bounded_step_a_search(tmp_path: Path) -> None:
+    """Rows past a scope's graph (thousands, caught up from Redis after an outage) were all
+    added inside one search, under the index's lock: seconds of every lookup. Each search adds
+    at most _GRAPH_ADD_ROWS now; the rest is scanned flat, so every row is found meanwhile."""
+    from tiercache.semantic import index as index_module
+
+    store = SemanticStore(tmp_path / "sem")
+    vectors = _random_rows(1_800, 3)
+    _fill(store, vectors[:100])
+    index = _start(store)
+    scope = index._scopes["s"]
+    assert scope.hnsw is not None and scope.graph_rows == 100
+    _fill(store, vectors[100:], first=100)
+    step, tail = index_module._GRAPH_ADD_ROWS, index_module._GRAPH_TAIL_ROWS
+    expected = 100
+    for _ in range(4):
+        assert index.search("s", vectors[1_799], k=1)[0].digest == "d1799"  # the tail, flat
+        if 1_800 - expected >= tail:  # a tail this short waits for more rows
+            expected += min(step, 1_800 - expected)
+        assert scope.graph_rows == expected
+    assert expected == 100 + 3 * step  # three steps taken, the last 164 rows scanned flat
+    assert index.search("s", vectors[50], k=1)[0].digest == "d50"
+    store.close()
+
+
 def test_a_graph_needed_while_serving_is_built_off_the_search_path(tmp_path: Path) -> None:
     """A scope that crosses flat_max_rows (or whose rows compaction rewrote) got its graph built
     inside search(), holding the index lock: every lookup of the process waited (1.6 s per
