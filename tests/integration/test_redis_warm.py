@@ -425,6 +425,25 @@ def test_usage_counts_add_up_across_replicas_and_survive_an_outage(
     b.link.close()
 
 
+def test_a_use_count_planted_as_no_integer_is_replaced_and_the_others_counted_once(
+    tmp_path: Path, redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """With one field of the counts hash holding no integer, the pipeline raised after every
+    other increment had run, and the flush put them all back: each flush added them again."""
+    a, _ = fleet_of(tmp_path, "a", redis_server.url, redis_prefix)
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.hset(a.uses_key, "french", "notanumber")
+    for _ in range(3):
+        a.count_use("caps")
+    a.count_use("french")
+    for _ in range(3):  # flushes after the first have nothing left to add
+        assert a.flush_uses()
+    found = a.fleet()
+    assert found is not None and found[1] == {"caps": 3, "french": 1}
+    raw.close()
+    a.link.close()
+
+
 def test_fleet_sync_warms_the_fleets_top_adapters_retrying_until_the_engine_takes_them(
     tmp_path: Path, redis_server: RedisServer, redis_prefix: str
 ) -> None:

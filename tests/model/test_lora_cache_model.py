@@ -494,6 +494,19 @@ def test_warm_of_an_unknown_adapter_is_not_found_and_loads_nothing(
     assert engine.calls == []
 
 
+def test_warm_reports_a_broken_folder_per_name_and_warms_the_rest(
+    model: Any, pb_utils: ModuleType, sealer: Sealer, engine: FakeEngine, adapters: Path
+) -> None:
+    """One adapter folder that cannot be read (its weights gone) failed the whole warm call,
+    and the fleet's warm-up, which retries the list, warmed nothing for two minutes."""
+    (adapters / "brief" / "adapter_model.safetensors").unlink()
+    (response,) = model.execute([admin(pb_utils, sealer, op="warm", names=["brief", "caps"])])
+    report = json.loads(outputs(pb_utils, response)["ADMIN_RESULT"])
+    assert report["warmed"]["caps"] == "loaded"
+    assert report["warmed"]["brief"].startswith("error: ")
+    assert [c["LORA_OP"] for c in engine.calls].count(b"load") == 1  # caps alone
+
+
 def test_warm_reports_an_engine_failure_per_name(
     model: Any, pb_utils: ModuleType, sealer: Sealer, engine: FakeEngine
 ) -> None:

@@ -403,6 +403,18 @@ def test_a_recycled_slot_computes_what_a_fresh_injection_and_peft_compute(
     assert torch.equal(bench.logits(), bench.base_logits)
 
 
+def test_a_regex_target_loads_as_the_modules_it_names(
+    bench: Bench, adapters: EngineAdapters
+) -> None:
+    """A target_modules regex is matched here, with a timeout, and peft is handed the module
+    names it matched: the same adapter as the list form, to the bit."""
+    as_regex = variant("french", "regex", target_modules=r".*\.(q_proj|v_proj)")
+    adapters.load(as_regex)
+    adapters.activate(as_regex.ref)
+    torch.testing.assert_close(bench.logits(), bench.reference_logits("french"), rtol=0, atol=0)
+    adapters.activate(None)
+
+
 def test_a_recycled_slot_takes_the_new_adapters_lora_alpha(
     bench: Bench, adapters: EngineAdapters
 ) -> None:
@@ -691,6 +703,9 @@ def bad_config(**changes: Any) -> AdapterWeights:
         (bad_config(r=0), "rank r must be a positive integer"),
         (bad_config(target_modules=["q_proj", "nope_proj"]), r"\['nope_proj'\] are not modules"),
         (bad_config(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
+        (bad_config(target_modules=r"(.|.)*\d\d\d"), "takes too long to match"),  # re: hours
+        (bad_config(target_modules="(unclosed"), "not a valid regex"),
+        (bad_config(target_modules=r".*\.nothing_proj"), "matches no module"),
         (bad_config(r=4), "does not fit the model"),  # weights are rank 8: fails mid-load
         (bad_config(target_modules=["q_proj", "k_proj", "v_proj"]), "weights missing"),
         (replace(adapter_weights("french"), weights=b"not safetensors"), "not valid safetensors"),
@@ -707,6 +722,9 @@ def bad_config(**changes: Any) -> AdapterWeights:
         "rank0",
         "target",
         "modules_to_save",
+        "regex_backtracking",
+        "regex_invalid",
+        "regex_no_module",
         "shape",
         "missing",
         "bytes",

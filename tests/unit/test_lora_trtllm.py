@@ -313,6 +313,35 @@ def test_broken_pairs_and_files_are_refused() -> None:
         convert_peft(peft_config(), save_safetensors({}))
 
 
+def test_tensors_sharing_bytes_or_padded_far_past_the_file_are_refused() -> None:
+    """One wide A/B pair whose bytes every other tensor shares, or one wide module among
+    hundreds of narrow ones: a 116 KB file made a 24 MB table (rows padded to the longest),
+    and a few MB would have made tens of GB. The format's rule (byte ranges back to back) and
+    a bound on the padding refuse both."""
+    tensors = synthetic()
+    data = bytearray(save_safetensors(tensors))
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    first, second = sorted(
+        (n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0]
+    )[:2]
+    header[second]["data_offsets"] = header[first]["data_offsets"]  # the same bytes twice
+    text = json.dumps(header).encode()
+    shared = struct.pack("<Q", len(text)) + text + bytes(data[8 + header_len :])
+    with pytest.raises(InvalidRequest, match="overlap or leave a gap"):
+        convert_peft(peft_config(), shared)
+    uneven = {  # q_proj 8 -> 8 in 300 layers, and one down_proj of 12 -> 4,096
+        f"{PREFIX}.{layer}.self_attn.q_proj.lora_{part}.weight": np.ones(shape, np.float32)
+        for layer in range(300)
+        for part, shape in (("A", (4, 8)), ("B", (8, 4)))
+    }
+    uneven[f"{PREFIX}.0.mlp.down_proj.lora_A.weight"] = np.ones((4, 12), np.float32)
+    uneven[f"{PREFIX}.0.mlp.down_proj.lora_B.weight"] = np.ones((40_000, 4), np.float32)
+    with pytest.raises(InvalidRequest, match="too uneven"):
+        convert_peft(peft_config(), save_safetensors(uneven))
+    assert convert_peft(peft_config(), save_safetensors(synthetic())).rows == 6  # as before
+
+
 def test_float16_overflow_is_refused() -> None:
     tensors = synthetic()
     tensors[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"][0, 0] = 40000.0  # x2 > float16 max

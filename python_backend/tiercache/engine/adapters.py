@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import regex
 import torch
 from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -98,6 +99,10 @@ UNSUPPORTED_KEYS = (
     "target_parameters",
 )
 _PEFT_CONFIG_WARNING = "Already found a `peft_config` attribute"
+# The most one module name, and all of them, may take an adapter's target_modules regex to
+# match (a pattern with catastrophic backtracking is refused; peft's own `re` has no timeout)
+REGEX_TIMEOUT_S = 0.05
+REGEX_TOTAL_S = 1.0
 PEFT_PREFIX = "base_model.model."  # what an adapter file's keys start with (peft)
 
 AdapterKey = tuple[int, str]  # (task_id, digest)
@@ -577,7 +582,9 @@ class EngineAdapters:
         for key in UNSUPPORTED_KEYS:
             if data.get(key):
                 raise InvalidRequest(f"{where}: {key} is not supported by this engine")
-        self._check_targets(where, data.get("target_modules"))
+        targets = self._check_targets(where, data.get("target_modules"))
+        if targets is not None:  # a regex, resolved here: peft gets the names it matched
+            data["target_modules"] = targets
         data.pop("runtime_config", None)  # peft's own loader drops it too
         try:
             with warnings.catch_warnings():
@@ -590,21 +597,39 @@ class EngineAdapters:
         config.inference_mode = True
         return config
 
-    def _check_targets(self, where: str, targets: object) -> None:
+    def _check_targets(self, where: str, targets: object) -> list[str] | None:
         """Each listed target names a module of this model (peft's rule: the full name or a
-        dotted suffix); a regex string must match at least one full name."""
+        dotted suffix); a regex string must match at least one full name, and is returned
+        resolved: the full names it matches, for peft to take instead of matching it itself.
+        A regex is the adapter file's, run on this engine's one worker: matched under
+        REGEX_TIMEOUT_S per name and REGEX_TOTAL_S in all (the `regex` module's timeout;
+        `(.|.)*!` against a module name ran for hours in `re`), else refused."""
         if isinstance(targets, str):
             if targets == "all-linear":
-                return
+                return None
             try:
-                pattern = re.compile(targets)
-            except re.error as exc:
+                re.compile(targets)  # peft's own rule for what a valid pattern is
+                pattern = regex.compile(targets)
+                deadline = time.monotonic() + REGEX_TOTAL_S
+                matched = []
+                for name in self._module_names:
+                    if pattern.fullmatch(name, timeout=REGEX_TIMEOUT_S):
+                        matched.append(name)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+            except (re.error, regex.error) as exc:
                 raise InvalidRequest(
                     f"{where}: target_modules is not a valid regex: {exc}"
                 ) from exc
-            if not any(pattern.fullmatch(name) for name in self._module_names):
+            except TimeoutError as exc:
+                raise InvalidRequest(
+                    f"{where}: target_modules {targets[:80]!r} takes too long to match (over "
+                    f"{REGEX_TIMEOUT_S:g} s on a module name, or {REGEX_TOTAL_S:g} s on all): "
+                    "list the modules instead"
+                ) from exc
+            if not matched:
                 raise InvalidRequest(f"{where}: target_modules {targets!r} matches no module")
-            return
+            return matched
         if not isinstance(targets, list) or not targets:
             raise InvalidRequest(f"{where}: target_modules must be a non-empty list or a regex")
         missing = [
@@ -615,6 +640,7 @@ class EngineAdapters:
         ]
         if missing:
             raise InvalidRequest(f"{where}: target_modules {missing} are not modules of the model")
+        return None
 
     @staticmethod
     def _parse_weights(weights: AdapterWeights) -> dict[str, torch.Tensor]:

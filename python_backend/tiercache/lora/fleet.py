@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from tiercache.errors import TierCacheError
 from tiercache.exact.redis_tier import RedisLink
 from tiercache.log_throttle import LogThrottle
@@ -47,6 +49,7 @@ from tiercache.threads import NamedThread
 
 log = logging.getLogger(__name__)
 _OVERSIZED_LOG = LogThrottle()
+_USES_LOG = LogThrottle()  # use counts in Redis that were no integers: once a minute
 
 ADAPTERS = "adapters"
 USES = "adapter_uses"
@@ -174,7 +177,10 @@ class AdapterFleet:
             self._pending[name] = self._pending.get(name, 0) + 1
 
     def flush_uses(self) -> bool:
-        """Add the counted uses to Redis; on failure they stay counted here."""
+        """Add the counted uses to Redis; on failure they stay counted here. A field Redis
+        holds that is no count (planted, or damaged) is replaced by this replica's count: with
+        one such field the whole pipeline raised after every other increment had run, and
+        each flush added them all again."""
         with self._lock:
             pending, self._pending = self._pending, {}
         if not pending:
@@ -184,7 +190,19 @@ class AdapterFleet:
             pipe = client.pipeline(transaction=False)
             for name, uses in pending.items():
                 pipe.hincrby(self.uses_key, name, uses)
-            pipe.execute()
+            results = pipe.execute(raise_on_error=False)
+            broken = {
+                name: uses
+                for (name, uses), result in zip(pending.items(), results, strict=True)
+                if isinstance(result, redis.exceptions.ResponseError)
+            }
+            if broken:
+                client.hset(self.uses_key, mapping=broken)
+                if _USES_LOG.ready():
+                    log.warning(
+                        "adapter use counts in Redis that were no integers were replaced: %s",
+                        ", ".join(sorted(broken)[:8]),
+                    )
             return True
 
         if self.link.call(add, False):

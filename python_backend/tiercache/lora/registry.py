@@ -257,7 +257,8 @@ class AdapterRegistry:
     def _changed(self, entry: _Entry) -> bool:
         """Whether `entry`'s files must be read (again); NotFound when its folder is gone."""
         if not entry.from_manifest and not entry.folder.is_dir():
-            del self._entries[entry.name]
+            if self._entries.get(entry.name) is entry:  # a rescan may have dropped it already
+                del self._entries[entry.name]
             raise NotFound(f"unknown adapter {entry.name!r}: its folder was removed")
         return entry.racy or _signature(entry.name, entry.folder) != entry.signature
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tiercache.adapter_types import AdapterRef, held_key
 from tiercache.admin_ops import parse_admin
-from tiercache.errors import InvalidRequest, TierCacheError
+from tiercache.errors import InvalidRequest, NotFound, TierCacheError
 from tiercache.exact.request import GenerationRequest
 from tiercache.lora.registry import AdapterRegistry, check_name, check_ref
 from tiercache.lora.residency import LoraPlan, Residency, ResidentAdapter
@@ -146,8 +146,19 @@ class LoraCache:
         return AdminAnswer(result, plan)
 
     def warm(self, names: Sequence[str]) -> dict[str, Any]:
-        refs = [self.registry.resolve(name) for name in names]  # all known, or nothing loads
+        """Load `names` into the engine; NotFound for an unknown name, before anything is
+        loaded. A name whose folder cannot be read now (broken, being rewritten) is that
+        name's error, not every name's (one such folder kept the fleet's warm-up from warming
+        anything)."""
+        refs: list[AdapterRef] = []
         warmed: dict[str, str] = {}
+        for name in names:
+            try:
+                refs.append(self.registry.resolve(name))
+            except NotFound:
+                raise
+            except TierCacheError as exc:
+                warmed[name] = f"error: {exc.client_message()}"
         for ref in refs:
             try:
                 # reload: always send the weights; loading a held version is a no-op for the

@@ -260,13 +260,24 @@ def convert_peft(
         rows.append((MODULE_IDS[module], layer, a, b * np.float32(scale)))
 
     row_size = max(a.size + b.size for _, _, a, b in rows)
+    own = sum(a.size + b.size for _, _, a, b in rows)
+    if len(rows) * row_size > MAX_PADDING * own + (1 << 20):
+        # every row is padded to the longest: one wide module among hundreds of narrow ones
+        # (a 116 KB file made 24 MB) would cost the process many times the adapter's size
+        raise InvalidRequest(
+            f"{where}: {len(rows)} rows padded to {row_size} values each are "
+            f"{len(rows) * row_size / own:.0f} times the adapter's own {own} (at most "
+            f"{MAX_PADDING}): its modules' sizes are too uneven for TensorRT-LLM's table"
+        )
     lora_weights = np.zeros((len(rows), row_size), dtype=out_dtype)
     with np.errstate(over="ignore"):  # an overflow shows as infinity, refused just below
         for i, (_, _, a, b) in enumerate(rows):
             lora_weights[i, : a.size] = a.ravel()
             lora_weights[i, a.size : a.size + b.size] = b.ravel()
-    if not np.isfinite(lora_weights.astype(np.float32)).all():
-        raise InvalidRequest(f"{where}: weights are not finite in {dtype} (overflow or NaN)")
+            if not np.isfinite(lora_weights[i].astype(np.float32)).all():  # a row at a time
+                raise InvalidRequest(
+                    f"{where}: weights are not finite in {dtype} (overflow or NaN)"
+                )
     lora_config = np.array([(m, layer, a.shape[0]) for m, layer, a, _ in rows], dtype=np.int32)
     lora_weights.flags.writeable = False
     lora_config.flags.writeable = False
@@ -380,7 +391,7 @@ def _parse_config(config_json: str, where: str) -> dict[str, Any]:
         )
     targets = options.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(str(t) for t in targets if t not in HF_TO_TRTLLM)
+        unknown = sorted(str(t) for t in targets if not isinstance(t, str) or t not in HF_TO_TRTLLM)
         if unknown:
             raise InvalidRequest(
                 f"{where}: target modules {unknown} have no TensorRT-LLM LoRA module "
@@ -412,6 +423,11 @@ def _check_fits(
         )
 
 
+# The most TensorRT-LLM's table of rows, each padded to the longest, may hold against the
+# adapter's own values (a real adapter's modules differ in size by well under 2x)
+MAX_PADDING = 4
+
+
 def _read_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
     """name -> float32 array of a safetensors file: an 8-byte little-endian header length, a JSON
     header {name: {dtype, shape, data_offsets}} (offsets relative to the end of the header)."""
@@ -428,6 +444,7 @@ def _read_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
     if not isinstance(header, dict):
         raise InvalidRequest(f"{bad}: header is not a JSON object")
     body = memoryview(data)[8 + header_len :]
+    _check_layout(header, len(body), bad)
     tensors: dict[str, np.ndarray] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -456,3 +473,25 @@ def _read_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
             raise InvalidRequest(f"{where}: tensor {name!r} holds NaN or infinity")
         tensors[str(name)] = array.reshape(shape)
     return tensors
+
+
+def _check_layout(header: dict[str, Any], body_bytes: int, bad: str) -> None:
+    """The tensors' byte ranges follow one another from the body's start to its end, without
+    gaps or overlaps (the format's rule, as the safetensors library holds it): tensors that
+    share bytes made a 116 KB file convert to 24 MB."""
+    ranges = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"{bad}: entry {name!r} lacks dtype, shape or offsets") from exc
+        ranges.append((begin, end))
+    at = 0
+    for begin, end in sorted(ranges):
+        if begin != at:
+            raise InvalidRequest(f"{bad}: its tensors' bytes overlap or leave a gap at {at}")
+        at = end
+    if at != body_bytes:
+        raise InvalidRequest(f"{bad}: its tensors end at byte {at} of {body_bytes}")
