@@ -492,8 +492,8 @@ def test_a_class_without_outcomes_reads_the_tenants_record_from_before_the_class
 
 def test_the_calibrations_kept_are_bounded() -> None:
     """Each calibration kept the versions of itself without an entry's own outcomes, up to 256
-    of about 20 KB, for each of 1,024 tenants: 5.4 GB at worst. Now MEMO_EXCLUDING each, and
-    a version not kept is computed again alike."""
+    of about 20 KB, for each of 1,024 tenants: 5.4 GB at worst. Now MEMO_EXCLUDING each, the
+    least recently used out, and a version not kept is computed again alike."""
     from tiercache.semantic import entry_trust
 
     outcomes = [(0.5 + i / 200, i % 3 != 0, 100.0 + i) for i in range(64)]
@@ -502,3 +502,5 @@ def test_the_calibrations_kept_are_bounded() -> None:
     assert len(tenant._without) <= entry_trust.MEMO_EXCLUDING
     again = tenant.excluding([outcomes[0]])  # dropped long since: computed again, the same
     assert np.array_equal(again.weights, versions[0].weights)
+    recent = tenant.excluding([outcomes[-1]])  # among the kept: the same object
+    assert recent is versions[-1]

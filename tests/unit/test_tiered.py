@@ -192,14 +192,15 @@ def test_an_answer_an_invalidation_already_covers_is_not_written(
     assert l2.get("k") is not None
 
 
-def test_a_side_record_merged_from_an_older_one_is_as_old_as_what_it_carries(
+def test_a_side_record_merged_from_an_older_one_is_back_dated_towards_it(
     l2: LmdbStore, clock: FakeClock
 ) -> None:
-    """A side record merged over one a tier holds keeps the older one's time (it carries what
-    that one held), so a tenant invalidation issued in between, and heard here only after the
-    merge, covers it; it expires default_ttl_s after the first (no record outlives the horizon
-    the watermarks are kept for). Merged after hearing it, or once expired, the record starts
-    afresh."""
+    """A side record merged over one a tier holds is back-dated towards it, at most
+    SIDE_LAG_S: a tenant invalidation issued in between, and heard here only after the merge,
+    covers what it carries (stamped "now", it did not). Never further: a floor raised again
+    and again lives ttl_s after its last raise, and one merged under a lowered ttl_s is not
+    written already expired."""
+    from tiercache.exact.tiered import SIDE_LAG_S
     from tiercache.exact.watermarks import Invalidation
     from tiercache.semantic.side_entries import read_sides
     from tiercache.vocabulary import InvalidationKind
@@ -212,8 +213,9 @@ def test_a_side_record_merged_from_an_older_one_is_as_old_as_what_it_carries(
     clock.now += 10
     assert cache.merge_side("side", lambda held: (held or "") + "b", "scope-a") == 1
     held = l2.get("side")
-    assert held is not None and held.text == "ab"
-    assert held.created_s == first_s and held.ttl_s == 100.0
+    lag = min(SIDE_LAG_S, 100.0 / 4)  # a quarter of ttl_s, when that is less
+    assert held is not None and held.text == "ab" and held.created_s == clock.now - lag
+    assert first_s < held.created_s <= issued_s
     assert read_sides(cache, "side", "scope-a")[0] == ["ab"]
     cache.invalidations.note(Invalidation(InvalidationKind.TENANT, "scope-a", issued_s))
     assert read_sides(cache, "side", "scope-a")[0] == []  # what it carried went with the tenant
@@ -221,7 +223,14 @@ def test_a_side_record_merged_from_an_older_one_is_as_old_as_what_it_carries(
     assert cache.merge_side("side", lambda held: (held or "") + "c", "scope-a") == 1
     held = l2.get("side")
     assert held is not None and held.created_s == clock.now and held.ttl_s == 100.0
-    assert read_sides(cache, "side", "scope-a")[0] == ["c"]
+    stamped = held.created_s
+    for _ in range(6):  # raised every 50 s, far past its first making's ttl_s
+        clock.now += 50
+        assert cache.merge_side("side", lambda held: (held or "") + "+", "scope-a") == 1
+        held = l2.get("side")
+        stamped = max(stamped, clock.now - lag)
+        assert held is not None and held.created_s == stamped
+    assert read_sides(cache, "side", "scope-a")[0] == ["c++++++"]
     clock.now += 100.0  # expired: the next merge starts afresh
     assert read_sides(cache, "side", "scope-a")[0] == []
     assert cache.merge_side("side", lambda held: (held or "") + "e", "scope-a") == 1
@@ -232,6 +241,10 @@ def test_a_side_record_merged_from_an_older_one_is_as_old_as_what_it_carries(
     assert forever.merge_side("side", lambda held: (held or "") + "d", "scope-a") == 1
     held = l2.get("side")
     assert held is not None and held.text == "ed" and held.ttl_s == 0.0
+    clock.now += 1000  # ttl_s lowered to 30 s: a record back-dated 60 s would be expired
+    short = TieredCache([(Tier.L2, l2)], clock=clock, default_ttl_s=30.0)
+    assert short.merge_side("side", lambda held: (held or "") + "f", "scope-a") == 1
+    assert read_sides(short, "side", "scope-a")[0] == ["edf"]
 
 
 def test_exists_raises_on_a_broken_tier_and_fills_nothing(

@@ -179,5 +179,12 @@ def test_the_kept_bodies_follow_their_budget_and_measure_what_more_would_save() 
     again = cipher.close("LORA_WEIGHTS", weights, BOUND, "v3")
     assert cipher.shadow_reading()[0] > gained  # a bound of one body would have saved that
     assert cipher.body_bytes == 0 and cipher.open("LORA_WEIGHTS", again, BOUND) == weights
-    with pytest.raises(ValueError, match=">= 0"):
-        cipher.resize(-1)
+    for wrong in (-1, 2 * body + 1):  # not past the bound it was made with either
+        with pytest.raises(ValueError, match="must be 0 to"):
+            cipher.resize(wrong)
+    # a body no budget could keep (past that bound) is never counted: the controller would
+    # give this cache memory for nothing
+    small = AdapterCipher.from_secret(SECRET, max_body_bytes=body // 2)
+    for _ in range(3):
+        small.close("LORA_WEIGHTS", weights, BOUND, "v9")
+    assert small.shadow_reading() == (0.0, 0.0) and small.body_bytes == 0

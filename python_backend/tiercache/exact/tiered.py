@@ -93,6 +93,12 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
+# How far a merged side record is back-dated towards the record it merges: an invalidation
+# issued that long before the merge and heard after it (listener lag, a reconnect's catch-up)
+# still covers what the record carries; a longer outage of the listener is not covered
+SIDE_LAG_S = 60.0
+
+
 class TieredCache:
     """`tiers`, nearest first: `TierSlot`s, or (Tier, Store) pairs that take the tier's usual
     reach. Any tier may be left out: the llm stage writes through L2 (and L3) only, since its own
@@ -569,13 +575,13 @@ class TieredCache:
         `merge` returning None leaves that tier as it is. Not L1: side records are never read
         from it. The record belongs to `tenant_scope` and is stamped `created_s` (default now:
         an invalidation issued since covers it, and it is then not written), or, when it
-        merges a tier's record made before that, as old as that record (what it carries is:
-        an invalidation issued in between and not yet heard here covers it when it is, and it
-        expires `default_ttl_s` after that record was first made, as an answer does; a record
-        outliving the horizon could come back once the watermark covering it is forgotten).
-        How many tiers
-        took it; the first failure is raised when every tier failed (one that needed no
-        change, a floor already as high, answered)."""
+        merges a tier's record made before that, back-dated towards that record by at most
+        SIDE_LAG_S, or a quarter of `default_ttl_s` when that is less (what it carries is
+        older: a tenant invalidation issued that long before, and heard here only after the
+        merge, covers it; a record never outlives the horizon `default_ttl_s` after its
+        stamp, so no forgotten watermark brings it back). How many tiers took it; the first
+        failure is raised when every tier failed (one that needed no change, a floor already
+        as high, answered)."""
         self._catch_up()
         stamped = self._clock() if created_s is None else created_s
         invalidations = self.invalidations
@@ -594,10 +600,22 @@ class TieredCache:
                 text=text, created_s=stamped, ttl_s=self.default_ttl_s, tenant_scope=tenant_scope
             )
             if usable and held is not None and held.created_s < stamped:
-                # It carries what `held` held: as old as that, so an invalidation issued since
-                # then and not yet heard here covers it when it is; and it ages out with it
-                # (no record outlives `default_ttl_s`, the horizon watermarks are kept for).
-                entry = dataclasses.replace(entry, created_s=held.created_s)
+                # It carries what `held` held: back-dated towards it, so an invalidation issued
+                # up to SIDE_LAG_S before and not yet heard here covers it when it is; not
+                # further (a record back-dated to its first making aged out `default_ttl_s`
+                # after it however often it was raised, and one written under a lowered ttl_s
+                # was expired as written), and never to a time at which it is already expired
+                lag = (
+                    SIDE_LAG_S
+                    if self.default_ttl_s <= 0
+                    else min(
+                        SIDE_LAG_S,
+                        self.default_ttl_s / 4,  # it lives 3/4 of ttl_s after a raise
+                    )
+                )
+                back = dataclasses.replace(entry, created_s=max(held.created_s, stamped - lag))
+                if not back.expired(self._clock()):
+                    entry = back
             return None if invalidations.covers(key, entry) else entry
 
         took = answered = 0

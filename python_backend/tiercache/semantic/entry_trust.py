@@ -69,11 +69,12 @@ ENTRY_SD = 1.0  # how far one entry strays from its tenant's calibration, a prio
 MAX_OBSERVATIONS = 64  # per entry, the most recent kept
 TENANT_OBSERVATIONS = 256  # per tenant (its calibration, which every entry starts from)
 AUDIT_RATE = 0.05  # of the hits a gate would serve, the share verified anyway (greedy ones)
-# Tenant calibrations a gate keeps computed, and the calibrations without an entry's own
-# outcomes each keeps (`excluding`): about 20 KB each, so at most about 256 x 17 x 20 KB, 90 MB,
-# where 1,024 x 257 came to 5.4 GB; one not kept costs a recomputation over a 20 x 61 grid
-MEMO_TENANTS = 256
-MEMO_EXCLUDING = 16
+# Calibrations a gate keeps computed (one per tenant, adapter and answer-length class: a
+# rebuild from 256 outcomes takes milliseconds), and the versions without an entry's own
+# outcomes each keeps (`excluding`, least recently used out): about 20 KB each, so at most
+# about 512 x 9 x 20 KB, 92 MB, where 1,024 x 257 came to 5.4 GB
+MEMO_TENANTS = 512
+MEMO_EXCLUDING = 8
 # t: a candidate's log-odds of being right; the grid its posterior is kept on
 T_GRID = np.linspace(-10.0, 14.0, 481)
 _T_STEP = float(T_GRID[1] - T_GRID[0])
@@ -192,7 +193,8 @@ class Calibration:
             log_post = _LOG_CALIBRATION_PRIOR + _log_likelihood(observations)
         self._log_post = log_post
         self._stamps = frozenset(stamp for _, _, stamp in observations if stamp)
-        self._without: dict[frozenset[float], Calibration] = {}  # `excluding`'s, by stamps
+        # `excluding`'s, by stamps, least recently used first
+        self._without: OrderedDict[frozenset[float], Calibration] = OrderedDict()
         post = np.exp(log_post - log_post.max())
         self.weights = post / post.sum()
         self.slope = float((self.weights.sum(axis=1) * SLOPES).sum())
@@ -206,11 +208,14 @@ class Calibration:
             return self
         key = frozenset(o[2] for o in own)
         found = self._without.get(key)
-        if found is None:  # kept: an entry's next decisions reuse it until an outcome changes it
-            if len(self._without) >= MEMO_EXCLUDING:
-                self._without.clear()
-            found = Calibration(log_post=self._log_post - _log_likelihood(own))
-            self._without[key] = found
+        if found is not None:
+            self._without.move_to_end(key)
+            return found
+        # kept: an entry's next decisions reuse it until an outcome changes it
+        found = Calibration(log_post=self._log_post - _log_likelihood(own))
+        self._without[key] = found
+        while len(self._without) > MEMO_EXCLUDING:
+            self._without.popitem(last=False)
         return found
 
     def log_prior_at(self, at: float) -> np.ndarray:

@@ -58,13 +58,22 @@ class AdapterCipher:
     memory controller may move (`resize`, valued by `shadow_reading`: the encryptions a
     larger one would have saved)."""
 
-    __slots__ = ("_aead", "_bodies", "_body_bytes", "_lock", "_shadow", "max_body_bytes")
+    __slots__ = (
+        "_aead",
+        "_bodies",
+        "_body_bytes",
+        "_ceiling",
+        "_lock",
+        "_shadow",
+        "max_body_bytes",
+    )
 
     def __init__(self, key: bytes, max_body_bytes: int = 0) -> None:
         if len(key) != 32:
             raise ValueError("an adapter transport key has 32 bytes (AES-256)")
         self._aead = AESGCM(key)
         self.max_body_bytes = max_body_bytes
+        self._ceiling = max_body_bytes  # what `resize` may give it at most: its fixed size
         # (name, body_key) -> (data key, nonce + ciphertext + tag, seconds its encryption
         # took), least recently sent first
         self._bodies: OrderedDict[tuple[str, str], tuple[bytes, bytes, float]] = OrderedDict()
@@ -83,12 +92,15 @@ class AdapterCipher:
         return self._body_bytes
 
     def resize(self, max_bytes: int) -> int:
-        """A new byte bound for the bodies kept (tiercache.budgets): the least recently sent
-        are dropped at once down to it; returns it. Only for a cipher that keeps bodies
-        (`max_body_bytes` > 0 when made): 0 here keeps none for now, and the shadow still
-        measures what they would save."""
-        if max_bytes < 0:
-            raise ValueError(f"the transport cache's budget must be >= 0 bytes, got {max_bytes}")
+        """A new byte bound for the bodies kept (tiercache.budgets), at most the one it was
+        made with: the least recently sent are dropped at once down to it; returns it. Only
+        for a cipher that keeps bodies (`max_body_bytes` > 0 when made): 0 here keeps none for
+        now, and the shadow still measures what they would save (a body larger than the
+        cipher's own bound could be kept by no budget: it is never counted)."""
+        if not 0 <= max_bytes <= self._ceiling:
+            raise ValueError(
+                f"the transport cache's budget must be 0 to {self._ceiling} bytes, got {max_bytes}"
+            )
         with self._lock:
             self.max_body_bytes = max_bytes
             self._shadow.resize(self._shadow_span())
@@ -146,7 +158,8 @@ class AdapterCipher:
             with self._lock:
                 self._shadow.credit(key, spent_s)  # a larger budget would have kept it
                 if len(sealed) > self.max_body_bytes:
-                    self._shadow.add(key, len(sealed), spent_s)  # never fits: worth that much
+                    if len(sealed) <= self._ceiling:  # a larger budget would keep it
+                        self._shadow.add(key, len(sealed), spent_s)
                 elif key not in self._bodies:
                     self._bodies[key] = (data_key, sealed, spent_s)
                     self._body_bytes += len(sealed)
