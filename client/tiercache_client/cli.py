@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .client import GenerationResult, TierCacheClient, read_admin_token
+from .client import WARM_CALL_PROMPTS, GenerationResult, TierCacheClient, read_admin_token
 from .errors import InvalidRequestError, NotFoundError, TierCacheClientError
 
 DEFAULT_URL = "localhost:8001"
@@ -329,7 +329,7 @@ def read_prompts(path: str) -> list[dict]:
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:  # integers past the limit, nesting
                 raise InvalidRequestError(f"{path}:{number}: not JSON: {exc}") from None
             if not isinstance(item, dict):
                 raise InvalidRequestError(f"{path}:{number}: not a JSON object")
@@ -349,7 +349,12 @@ def _warm(client: TierCacheClient, args: argparse.Namespace) -> int:
     if args.prompts and not prompts:
         print(f"error: {args.prompts} holds no prompts", file=sys.stderr)
         return 2
-    report = client.warm(prompts, args.adapters)
+
+    def progress(done: int, total: int) -> None:
+        if total > WARM_CALL_PROMPTS:  # a file sent in parts: say how far it is
+            print(f"warm: {done} of {total} prompts sent", file=sys.stderr)
+
+    report = client.warm(prompts, args.adapters, on_progress=progress)
     for name, outcome in sorted(((report.get("adapters") or {}).get("warmed") or {}).items()):
         print(f"adapter {name}: {outcome}")
     failed = 0

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -238,6 +238,26 @@ def read_admin_token(path: str | os.PathLike[str]) -> str:
             f"{ADMIN_TOKEN_MIN_BYTES}"
         )
     return data.hex()
+
+
+WARM_CALL_PROMPTS = 1_000  # the server's MAX_WARM_PROMPTS
+WARM_CALL_BYTES = 16 << 20  # of JSON a call, well under the server's 64 MiB
+
+
+def _warm_calls(items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """`items` in parts of at most WARM_CALL_PROMPTS and about WARM_CALL_BYTES (one item
+    larger than that goes alone)."""
+    part: list[dict[str, Any]] = []
+    size = 0
+    for item in items:
+        item_bytes = len(json.dumps(item, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if part and (len(part) >= WARM_CALL_PROMPTS or size + item_bytes > WARM_CALL_BYTES):
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += item_bytes
+    if part:
+        yield part
 
 
 class TierCacheClient:
@@ -570,16 +590,35 @@ class TierCacheClient:
         return self.admin({"op": "flush", "confirm": True})
 
     def warm(
-        self, prompts: Sequence[dict[str, Any]] = (), adapters: Sequence[str] = ()
+        self,
+        prompts: Sequence[dict[str, Any]] = (),
+        adapters: Sequence[str] = (),
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
         """Pre-load answers (`{"text_input", "answer", ...ensemble inputs}` each; reported per
-        item) and load adapters into the engine (`NotFoundError` for an unknown name)."""
-        op: dict[str, Any] = {"op": "warm"}
-        if prompts:
-            op["prompts"] = list(prompts)
-        if adapters:
-            op["adapters"] = [_check_str("adapter name", n) for n in adapters]
-        return self.admin(op)
+        item) and load adapters into the engine (`NotFoundError` for an unknown name). Sent in
+        calls of at most WARM_CALL_PROMPTS prompts and about WARM_CALL_BYTES (the server takes
+        1,000 a call); `on_progress(done, total)` after each. A call that fails raises, the
+        report of the parts before it lost: the prompts stored so far stay stored."""
+        items = list(prompts)
+        names = [_check_str("adapter name", n) for n in adapters]
+        report: dict[str, Any] = {"op": "warm"}
+        if not items:
+            return self.admin({**report, "adapters": names}) if names else self.admin(report)
+        report.update(prompts=[], stored=0, failed=0)
+        for chunk in _warm_calls(items):
+            op: dict[str, Any] = {"op": "warm", "prompts": chunk}
+            if names:  # with the first part only
+                op["adapters"], names = names, []
+            part = self.admin(op)
+            if "adapters" in part:  # the first part's, which named them
+                report.setdefault("adapters", part["adapters"])
+            report["prompts"].extend(part.get("prompts") or [])
+            report["stored"] += int(part.get("stored") or 0)
+            report["failed"] += int(part.get("failed") or 0)
+            if on_progress is not None:
+                on_progress(len(report["prompts"]), len(items))
+        return report
 
     def feedback(
         self, answer_id: str, verdict: str, *, tenant: str | None = None

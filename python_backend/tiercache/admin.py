@@ -115,6 +115,12 @@ def load_or_create_admin_token(path: Path) -> str:
     return token
 
 
+MAX_ADMIN_BYTES = 64 << 20  # one admin call's JSON (a warm call's prompts and answers)
+MAX_WARM_PROMPTS = 1_000  # prompts of one warm call (the client sends a file in parts)
+MAX_WARM_ADAPTERS = 64  # adapter names of one warm call
+MAX_WARM_ANSWER_CHARS = 1 << 20  # a warmed answer's length (a generation's is far shorter)
+
+
 @dataclass(frozen=True, slots=True)
 class GateStats:
     """Admin calls let through and refused since start (monotonic totals)."""
@@ -361,10 +367,23 @@ class Admin:
         return resolve(value).digest
 
     def warm(self, prompts: object, adapters: object) -> dict[str, Any]:
+        """At most MAX_WARM_PROMPTS prompts and MAX_WARM_ADAPTERS adapters a call: the stage
+        is one instance, and a call of a million stored on for minutes after its client gave
+        up, every other admin call (an invalidation) waiting behind it (`tiercache-client
+        warm` sends a larger file in parts)."""
         if prompts is None and adapters is None:
             raise InvalidRequest("warm needs prompts, adapters or both")
         if prompts is not None and not isinstance(prompts, list):
             raise InvalidRequest("warm: prompts must be a list of objects")
+        if isinstance(prompts, list) and len(prompts) > MAX_WARM_PROMPTS:
+            raise InvalidRequest(
+                f"warm: {len(prompts)} prompts in one call, at most {MAX_WARM_PROMPTS} (send "
+                "them in parts: tiercache-client warm does)"
+            )
+        if isinstance(adapters, list) and len(adapters) > MAX_WARM_ADAPTERS:
+            raise InvalidRequest(
+                f"warm: {len(adapters)} adapters in one call, at most {MAX_WARM_ADAPTERS}"
+            )
         names: list[str] = []
         if adapters is not None:
             if not isinstance(adapters, list) or not all(
@@ -405,6 +424,10 @@ class Admin:
             answer = item.get("answer")
             if not isinstance(answer, str) or not answer:
                 raise InvalidRequest("answer must be a non-empty string")
+            if len(answer) > MAX_WARM_ANSWER_CHARS:  # no generation makes one this long
+                raise InvalidRequest(
+                    f"answer holds {len(answer)} characters, at most {MAX_WARM_ANSWER_CHARS}"
+                )
             try:
                 answer.encode("utf-8")
             except UnicodeEncodeError as exc:  # JSON allows a lone surrogate; UTF-8 does not

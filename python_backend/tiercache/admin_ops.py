@@ -17,7 +17,8 @@ def parse_admin(text: str, ops: Mapping[str, Collection[str]]) -> dict[str, Any]
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # also numbers past int limits, deep nesting
         raise InvalidRequest(f"ADMIN is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(data, dict) or data.get("op") not in ops:
+    # an op that is no string (a list, an object) cannot be looked up: it is no op either
+    if not isinstance(data, dict) or not isinstance(data.get("op"), str) or data["op"] not in ops:
         raise InvalidRequest(f"ADMIN must be a JSON object with op one of {sorted(ops)}")
     unknown = set(data) - set(ops[data["op"]])
     if unknown:

@@ -43,6 +43,7 @@ from tiercache.exact.request import echo
 from tiercache.exact.tiered import TieredCache
 from tiercache.semantic.entry_trust import feedback_stamp, length_class, record_outcome
 from tiercache.semantic.penalties import raise_floor
+from tiercache.vocabulary import InvalidationKind
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,9 @@ class Feedback:
                     else ""
                 )
             )
+        # a bad verdict sent again after Redis refused the first: its invalidation was applied
+        # here, so the watermark below covers the answer, and is published now
+        retry = self.invalidator.unpublished(InvalidationKind.KEY, ref.digest)
         cache = self.invalidator.cache
         found = cache.peek(ref.digest)  # not a request; also notes the watermarks issued since
         if found is not None and found.tenant_scope not in ("", tenant_scope):
@@ -145,7 +149,7 @@ class Feedback:
         cached = ref.served in (ServedAs.CACHED, ServedAs.SEMANTIC)
         if cached and found is not None and found.created_s > served.created_s:
             replaced = True
-        if ref.served is ServedAs.SEMANTIC and ref.score > 0.0:
+        if ref.served is ServedAs.SEMANTIC and ref.score > 0.0 and not retry:
             try:  # what the trust gate learns from: the verdict on the hit it let through
                 right = verdict is Verdict.GOOD
                 # the entry's adapter and answer length; unknown once it is gone or replaced:
@@ -172,7 +176,10 @@ class Feedback:
             return FeedbackReport(verdict, ref.served, False, False, endorsed)
         # Covered only by a watermark clearly after the answer was served (the skew allowance
         # past `issued_s`, which is another host's clock): a doubtful case invalidates again.
-        report = None if replaced else self.invalidator.key(ref.digest)  # first: stops serving
+        # first: stops serving
+        report = None if replaced and not retry else self.invalidator.key(ref.digest)
+        if report is not None and report.published:  # Redis answers: what it missed goes too
+            self.invalidator.publish_pending()
         if ref.served is ServedAs.SEMANTIC:
             # The floor is about the neighbour and the similarity it was served at, not one
             # version of its answer: raised even when the answer was replaced since (a second

@@ -83,6 +83,27 @@ def test_warm_then_prompt_cache_hits_exact(admin: Admin) -> None:
     assert other.status is CacheStatus.MISS
 
 
+def test_warm_is_bounded_per_call_and_an_op_that_is_no_string_is_a_clear_error(
+    admin: Admin,
+) -> None:
+    """One call of a million prompts stored on for minutes after its client gave up, every
+    other admin call waiting behind it; a warmed answer could be any size; an op that was a
+    list or an object was an internal TypeError."""
+    from tiercache.admin import MAX_WARM_ANSWER_CHARS, MAX_WARM_PROMPTS
+    from tiercache.errors import InvalidRequest
+
+    many = [{"text_input": f"p{i}", "answer": "a"} for i in range(MAX_WARM_PROMPTS + 1)]
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_WARM_PROMPTS}"):
+        run(admin, op="warm", prompts=many)
+    assert admin.prompts.lookup(RawInputs("p0")).status is CacheStatus.MISS  # none stored
+    long = {"text_input": "q", "answer": "x" * (MAX_WARM_ANSWER_CHARS + 1)}
+    (item,) = run(admin, op="warm", prompts=[long])["prompts"]
+    assert item["status"] == "error" and "at most" in item["error"]
+    for op in ([], {}, 5):
+        with pytest.raises(InvalidRequest, match="op one of"):
+            admin.run(json.dumps({"op": op}))
+
+
 def test_warm_refuses_a_number_past_floats_range_for_that_prompt_alone(admin: Admin) -> None:
     result = run(
         admin,

@@ -739,6 +739,25 @@ def test_cli_warm(
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert main(["warm", "--url", url, "--adapter", "nope"]) == 2
     assert main(["warm", "--url", url]) == 2
+    # a line past what JSON readers take (an integer of 5,000 digits, deep nesting): the
+    # line named, exit 2, no traceback
+    for text in ("1" * 5_000, "[" * 100_000):
+        odd = tmp_path / "odd.jsonl"
+        odd.write_text('{"text_input": "a", "answer": "b"}\n' + text + "\n")
+        assert main(["warm", "--url", url, "--prompts", str(odd)]) == 2
+        assert "odd.jsonl:2" in capsys.readouterr().err
+    # a file of 2,500 prompts goes in three calls of at most 1,000 (the server's bound), the
+    # adapters with the first, progress on stderr, every prompt reported once
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(f'{{"text_input": "p{i}", "answer": "b"}}\n' for i in range(2_500)))
+    calls = len(fake.admin_calls)
+    assert main(["warm", "--url", url, "--prompts", str(many), "--adapter", "caps"]) == 0
+    sent = fake.admin_calls[calls:]
+    assert [len(c["prompts"]) for c in sent] == [1_000, 1_000, 500]
+    assert [c.get("adapters") for c in sent] == [["caps"], None, None]
+    captured = capsys.readouterr()
+    assert "warm: 2500 of 2500 prompts sent" in captured.err
+    assert captured.out.count(": stored") == 2_500 and "adapter caps: loaded" in captured.out
 
 
 # ---------------------------------------------------------------- admin token

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
+import redis
 from redis_server import RedisServer
 from test_invalidation import FakeClock
 
-from tiercache.errors import Forbidden, InvalidRequest
+from tiercache.errors import Forbidden, InvalidRequest, Unavailable
 from tiercache.eviction import GreedyDualFrequencyPolicy, named_policy
 from tiercache.exact.answer_ids import AnswerIds, AnswerRef, ServedAs
 from tiercache.exact.codec import MAX_ENDORSEMENTS, CacheEntry
@@ -23,7 +26,7 @@ from tiercache.exact.redis_tier import RedisLink, RedisStore
 from tiercache.exact.stores import LmdbStore, MemoryStore, Store
 from tiercache.exact.tiered import ENDORSEMENT_RECHECK_S, TieredCache
 from tiercache.feedback import Feedback, Verdict, parse_verdict
-from tiercache.vocabulary import Tier
+from tiercache.vocabulary import InvalidationKind, Tier
 
 SECRET = bytes(range(32))
 SCOPE = "scope-a"
@@ -586,3 +589,58 @@ def test_good_endorses_a_miss_whose_id_was_issued_before_its_generation_started(
     clock.now += 5.0  # waited in the engine's queue
     cache.put(DIGEST, "the answer", tenant_scope=SCOPE)
     assert feedback.give(answer_id, Verdict.GOOD, SCOPE).endorsed
+
+
+def test_a_bad_verdict_sent_again_after_redis_came_back_reaches_the_other_replicas(
+    tmp_path: Path, redis_factory: Callable[[], RedisServer], redis_prefix: str
+) -> None:
+    """Redis down: the bad verdict's invalidation is applied here and the caller is told to
+    send it again. Sent again once Redis is back, the local watermark covered the answer and
+    nothing was ever published: every other replica kept serving it. It is published now,
+    and the trust outcome of the first try is not counted twice."""
+    server = redis_factory()
+    clock = FakeClock()
+    link = RedisLink.from_url(server.url, redis_prefix, secret=b"f" * 32)
+    l2 = LmdbStore(tmp_path / "l2", 1 << 20)
+    cache = TieredCache(
+        [(Tier.L2, l2), (Tier.L3, RedisStore(link, clock=clock, stats_max_age_s=0))],
+        clock=clock,
+    )
+    ids = AnswerIds(SECRET)
+    feedback = Feedback(ids, Invalidator(cache, link))
+    cache.put(DIGEST, "a wrong answer", tenant_scope=SCOPE)
+    answer_id = served(ids, clock)
+    clock.now += 1
+    server.kill()
+    with pytest.raises(Unavailable):
+        feedback.give(answer_id, Verdict.BAD, SCOPE)
+    assert cache.peek(DIGEST) is None  # applied here
+    assert feedback.invalidator.unpublished(InvalidationKind.KEY, DIGEST)
+    server.start()
+    clock.now += 1
+    raw = redis.Redis.from_url(server.url)
+    heard = raw.pubsub()
+    heard.subscribe(redis_prefix + "invalidations")
+    assert heard.get_message(timeout=5)["type"] == "subscribe"
+    report, deadline = None, time.monotonic() + 30
+    while report is None:  # the link's breaker tries Redis again after its retry interval
+        assert time.monotonic() < deadline, "Redis never answered again"
+        report = _given(feedback, answer_id)
+        if report is None:
+            time.sleep(0.2)
+    assert report.invalidated and report.published
+    assert not feedback.invalidator.unpublished(InvalidationKind.KEY, DIGEST)
+    message = heard.get_message(timeout=5)
+    assert message is not None and DIGEST.encode() in message["data"]
+    assert raw.zcard(redis_prefix + "invalidated") == 1  # recorded for replicas that reconnect
+    heard.close()
+    raw.close()
+    cache.close()
+
+
+def _given(feedback: Feedback, answer_id: str) -> Any:
+    """The report of a bad verdict, or None while Redis still refuses it (a retry)."""
+    try:
+        return feedback.give(answer_id, Verdict.BAD, SCOPE)
+    except Unavailable:
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from tiercache.admin import MAX_ADMIN_BYTES
 from tiercache.config import CacheAdminConfig
 from tiercache.stages.cache_admin import open_cache_admin
 from tiercache.triton import io
@@ -22,7 +23,7 @@ class TritonPythonModel:
             try:
                 inputs = io.Inputs(request)
                 self.stage.gate.check(inputs.string("ADMIN_TOKEN"))  # before ADMIN is decoded
-                result = self.stage.run_allowed(inputs.string("ADMIN"))
+                result = self.stage.run_allowed(inputs.string("ADMIN", MAX_ADMIN_BYTES))
             except Exception as exc:  # noqa: BLE001 - mapped to this request's error response
                 responses.append(io.error_response(exc))
                 continue

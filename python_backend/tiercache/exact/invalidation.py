@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -796,6 +796,9 @@ class RestartSweeper:
             self._thread = None
 
 
+MAX_PENDING = 4096  # invalidations applied while Redis was down, kept to publish again
+
+
 @dataclass(frozen=True, slots=True)
 class InvalidationReport:
     invalidation: Invalidation
@@ -843,6 +846,9 @@ class Invalidator:
         # Redis's clock less this host's, at the last invalidation with Redis (None before)
         self.redis_clock_offset_s: float | None = None
         self._clock_log = LogThrottle()
+        # applied here but not published (Redis down): member -> (kind, value, sweep_shared),
+        # the oldest first, for `publish_pending`
+        self._pending: OrderedDict[str, tuple[InvalidationKind, str, bool]] = OrderedDict()
 
     def invalidate(
         self, kind: InvalidationKind, value: str, sweep_shared: bool = True
@@ -887,6 +893,7 @@ class Invalidator:
                 )
             return InvalidationReport(inv, local, 0, False)
         if redis_s is None:
+            self._keep_pending(inv, sweep_shared)
             raise Unavailable(
                 f"Redis {link.url or ''} is unavailable: the invalidation of {kind.value} "
                 f"{value!r} was applied on this replica only"
@@ -899,12 +906,46 @@ class Invalidator:
             link.call_or_raise(lambda c: self._record(c, link, inv))
             with self._lock:
                 self._published += 1
+                self._pending.pop(inv.member(), None)
+        except BaseException:
+            self._keep_pending(inv, sweep_shared)
+            raise
         finally:  # swept also when publishing failed: what L3 holds is dropped either way
             l3 = self.cache.store(Tier.L3)
             if l3 is not None and (kind is InvalidationKind.KEY or sweep_shared):
                 shared = len(sweep(l3, inv, table.skew_s))
             self._count(inv, shared)
         return InvalidationReport(inv, local, shared, True)
+
+    def _keep_pending(self, inv: Invalidation, sweep_shared: bool) -> None:
+        """Keep `inv`, applied here but not published, for `publish_pending` (at most
+        MAX_PENDING, the oldest dropped first, logged)."""
+        with self._lock:
+            self._pending.pop(inv.member(), None)
+            self._pending[inv.member()] = (inv.kind, inv.value, sweep_shared)
+            while len(self._pending) > MAX_PENDING:
+                member, _ = self._pending.popitem(last=False)
+                log.warning("an unpublished invalidation (%s) is no longer kept to publish", member)
+
+    def unpublished(self, kind: InvalidationKind, value: str) -> bool:
+        """Whether an invalidation of `kind` `value` was applied here and not published."""
+        with self._lock:
+            return f"{kind.value}:{value}" in self._pending
+
+    def publish_pending(self) -> int:
+        """Issue again, now that Redis may answer, the invalidations applied here while it did
+        not (Redis's clock times them anew: a replica that reconnects catches up from the
+        newest score it saw). How many were published; stops at the first that is not."""
+        with self._lock:
+            pending = list(self._pending.values())
+        published = 0
+        for kind, value, sweep_shared in pending:
+            try:
+                self.invalidate(kind, value, sweep_shared)
+            except Unavailable:
+                break
+            published += 1
+        return published
 
     def _count(self, inv: Invalidation, dropped: int, issued: bool = False) -> None:
         with self._lock:
