@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections import deque
@@ -512,7 +513,9 @@ def _cut_bytes(entries: Sequence[LedgerEntry], total: int, excess: int) -> int:
     left = {o: cuttable[o] - overage[o] for o in owners}
     if rest > 0 and sum(left.values()) > 0:
         own += min(rest, sum(left.values())) * left.get(OWN, 0.0) / sum(left.values())
-    return int(round(own))
+    # up, not to the nearest: with three processes each one's part of a few bytes rounded to
+    # 0, the host stayed a byte over the total, and being over blocks every move and growth
+    return math.ceil(own) if own > 0 else 0
 
 
 def _most_valuable(entries: Sequence[LedgerEntry], own_key: str = OWN) -> LedgerEntry | None:
@@ -572,12 +575,15 @@ class HostLedger:
     the processes' caches under a total.
 
     The folder is the state directory's: what is in it is read as hostile. A file counts only
-    if it is a regular file (not a link, a FIFO or a device) of at most `MAX_LEDGER_BYTES`,
-    written within `stale_s` (a process that stopped publishing, or a file left from before a
-    restart whose pid was reused, is ignored), named for a live process other than pid 0 or 1,
+    if it is a regular file (not a link, a FIFO or a device) of this user's of at most
+    `MAX_LEDGER_BYTES`, written within `stale_s` and not in the future (a process that stopped
+    publishing, or a file left from before a restart whose pid was reused, is ignored), named
+    for a live process other than pid 0 or 1, among the first `MAX_LEDGER_FILES` a look reads,
     and holds at most `MAX_LEDGER_ENTRIES` well-formed entries (a budget within its floor and
-    ceiling, a finite value >= 0); anything else costs that file its say, nothing more. A
-    folder that cannot be read or written: `publish` returns None (logged once)."""
+    ceiling, a finite value >= 0); anything else costs that file its say, nothing more. The
+    folder is made 0700, and one that is a link or another user's is not used; each write
+    goes through a temporary file of its own (O_EXCL). A folder that cannot be read or
+    written: `publish` returns None (logged once)."""
 
     def __init__(
         self, folder: Path, name: str, pid: int | None = None, stale_s: float = 30.0
@@ -601,9 +607,15 @@ class HostLedger:
         ]
         entries = list(own)
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_name(self.path.name + ".tmp")
-            temporary.write_text(json.dumps(document))
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder = os.lstat(self.folder)
+            if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid():
+                # a link to elsewhere, or another user's: its files are not ours to remove
+                raise OSError(f"{self.folder} is a link or another user's folder")
+            # a name of its own (O_EXCL, 0600): at a fixed name, a planted link took the write
+            fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=self.path.name + ".")
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(document))
             os.replace(temporary, self.path)
             names = [p for p in self.folder.iterdir() if p != self.path]
         except OSError:
@@ -612,6 +624,7 @@ class HostLedger:
                 log.warning("budget ledger in %s unavailable; this process alone", self.folder)
             return None
         now = time.time()
+        read = 0
         for path in names:
             pid = path.name.rsplit(".", 1)[-1]
             if not pid.isdigit() or int(pid) <= 1:
@@ -619,7 +632,10 @@ class HostLedger:
             if not _alive(int(pid)):
                 _remove_left(path, now - self.stale_s)
                 continue
-            entries.extend(_read_entries(path, now - self.stale_s))
+            if read >= MAX_LEDGER_FILES:  # a folder planted full: the rest have no say
+                break
+            read += 1
+            entries.extend(_read_entries(path, now - self.stale_s, now))
         return entries
 
     def close(self) -> None:
@@ -631,6 +647,8 @@ class HostLedger:
 
 MAX_LEDGER_BYTES = 64 << 10
 MAX_LEDGER_ENTRIES = 16
+MAX_LEDGER_FILES = 64  # other processes' files read a look (a host runs a few stages)
+LEDGER_CLOCK_SLACK_S = 5.0  # a file written later than now by more than this is planted
 
 
 def _remove_left(path: Path, fresh_after: float) -> None:
@@ -647,14 +665,20 @@ def _remove_left(path: Path, fresh_after: float) -> None:
         pass
 
 
-def _read_entries(path: Path, fresh_after: float) -> list[LedgerEntry]:
+def _read_entries(path: Path, fresh_after: float, now: float | None = None) -> list[LedgerEntry]:
     """One process's entries, or none when its file is not what a stage writes (see
-    `HostLedger`)."""
+    `HostLedger`): another user's file (another local user could plant one naming pid 2,
+    always alive, with a budget of 2**53 bytes: every cut then came to nothing), one stamped
+    in the future (it would never go stale), or one out of bounds."""
     try:
         info = os.lstat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_LEDGER_BYTES:
             return []
+        if info.st_uid != os.geteuid():
+            return []
         if info.st_mtime < fresh_after:
+            return []
+        if now is not None and info.st_mtime > now + LEDGER_CLOCK_SLACK_S:
             return []
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as handle:

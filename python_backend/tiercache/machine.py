@@ -135,9 +135,12 @@ class HostMemoryProbe:
     @staticmethod
     def _existing(mount: Path, path: str, probe_file: str) -> Path:
         """The group's directory under `mount`, or the mount itself (a cgroup namespace shows
-        this process's group as the root)."""
+        this process's group as the root, a path that is not there). A directory that exists
+        is the group's even without `probe_file` (its parent did not delegate the memory
+        controller): the levels above it, each read for its own limit, still bind; taking the
+        mount for it skipped them (a pod's 1 GiB read as the host's 61 GB)."""
         own = mount / path.lstrip("/")
-        return own if (own / probe_file).exists() else mount
+        return own if (own / probe_file).exists() or own.is_dir() else mount
 
     def _levels(self, folder: Path, mount: Path) -> list[Path]:
         """The group's directory and each ancestor's up to the mount (a parent's limit binds

@@ -88,5 +88,8 @@ class ShadowQueue(Generic[K]):
 
 
 def shadow_bytes(budget_bytes: int) -> int:
-    """The shadow span of a cache whose budget is `budget_bytes`."""
-    return int(budget_bytes * SHADOW_FRACTION)
+    """The shadow span of a cache whose budget is `budget_bytes`: at least 1 byte, so that it
+    keeps its latest eviction alone even at a budget of 0 (a budget cut to a floor of 0, its
+    shadow keeping nothing, showed no value, and under a total was never given bytes again
+    while any other showed some)."""
+    return max(int(budget_bytes * SHADOW_FRACTION), 1)

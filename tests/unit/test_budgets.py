@@ -447,6 +447,47 @@ def test_the_ledger_ignores_torn_stale_or_hostile_files(tmp_path: Path) -> None:
     assert host == own + [LedgerEntry(f"good.{alive}", "kv", 5, 1.0, 0, 10)]
 
 
+def test_the_ledger_refuses_planted_futures_floods_and_links(tmp_path: Path) -> None:
+    """A file stamped in the future never went stale (a planted row of 2**53 bytes named for
+    pid 2, always alive, made every cut come to nothing); a folder planted full was read
+    whole at every look; a link at the fixed temporary name took the ledger's write; a
+    ledger folder that is a link led its stale-file removal elsewhere."""
+    from tiercache.budgets import MAX_LEDGER_FILES
+
+    folder = tmp_path / "budgets"
+    folder.mkdir()
+    alive = os.getppid()
+    future = folder / f"future.{alive}"
+    future.write_text(json.dumps([["kv", 5, 1.0, 0, 10, 0]]))
+    os.utime(future, (time.time() + 10**8, time.time() + 10**8))
+    target = tmp_path / "precious"
+    target.write_text("kept")
+    (folder / f"prompt_cache.{os.getpid()}.tmp").symlink_to(target)  # the old fixed name
+    own = [LedgerEntry(OWN, "l1", 3, 0.5, 0, 10)]
+    assert HostLedger(folder, "prompt_cache", stale_s=60).publish(own) == own
+    assert target.read_text() == "kept"
+    future.unlink()
+    for i in range(MAX_LEDGER_FILES + 10):
+        (folder / f"flood{i:03d}.{alive}").write_text(json.dumps([["kv", 1, 1.0, 0, 10, 0]]))
+    found = HostLedger(folder, "prompt_cache", stale_s=60).publish(own)
+    assert found is not None and len(found) == 1 + MAX_LEDGER_FILES
+    linked = tmp_path / "linked"
+    linked.symlink_to(folder, target_is_directory=True)
+    assert HostLedger(linked, "prompt_cache", stale_s=60).publish(own) is None
+
+
+def test_a_share_of_a_few_bytes_over_the_total_is_cut_not_rounded_away() -> None:
+    """Three processes a byte over the total between them: each part rounded to 0, nobody
+    cut, and the host stayed over the total, which blocks every move and growth for good."""
+    from tiercache.budgets import _cut_bytes
+
+    entries = [
+        LedgerEntry(owner, "l1", held, 1.0, 0, 1000)
+        for owner, held in ((OWN, 334), ("b.2", 334), ("c.3", 333))
+    ]  # 1,001 held under a total of 1,000: half a byte each for the first two
+    assert _cut_bytes(entries, 1000, 1) == 1
+
+
 def test_an_unusable_ledger_folder_leaves_a_process_alone_and_holding_under_a_total(
     tmp_path: Path,
 ) -> None:

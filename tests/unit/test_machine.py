@@ -268,6 +268,22 @@ def test_a_parents_limit_binds_v2(tmp_path: Path) -> None:
     assert (reading.limit_bytes, reading.available_bytes) == (3 * GIB, 2 * GIB)
 
 
+def test_a_group_without_the_memory_controller_still_reads_its_parents_limit(
+    tmp_path: Path,
+) -> None:
+    """A service that moved itself into a child group its parent did not delegate memory to:
+    the child has no memory.max. The probe took the mount root for its group and read the
+    host's meminfo, not the pod's 1 GiB."""
+    proc = proc_tree(tmp_path, "0::/pod/leaf\n")
+    sys = tmp_path / "sys"
+    write(sys / "cgroup.controllers", "memory\n")
+    write(sys / "pod" / "memory.max", f"{GIB}\n")
+    write(sys / "pod" / "memory.current", f"{GIB - 64 * (1 << 20)}\n")
+    (sys / "pod" / "leaf").mkdir()
+    reading = HostMemoryProbe(proc, sys).read()
+    assert (reading.limit_bytes, reading.available_bytes) == (GIB, 64 * (1 << 20))
+
+
 def test_a_parents_limit_binds_v1(tmp_path: Path) -> None:
     proc = proc_tree(tmp_path, "4:memory:/container\n")
     group = tmp_path / "sys" / "memory" / "container"

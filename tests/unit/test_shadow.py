@@ -134,3 +134,13 @@ def test_no_credit_when_a_lower_tier_held_the_answer_unusable_or_the_read_is_no_
     assert cache.get("b") is None  # a request's: its generation seconds
     assert l1.stats().shadow_gained_s == pytest.approx(5.0)
     l2.close()
+
+
+def test_a_budget_cut_to_nothing_still_measures_its_latest_eviction() -> None:
+    """A budget of 0 had a shadow of 0 bytes, which keeps nothing: its value read 0 for good,
+    and under a total it was never given bytes again while any other budget showed some."""
+    from tiercache.shadow import shadow_bytes
+
+    shadow: ShadowQueue[str] = ShadowQueue(shadow_bytes(0))
+    shadow.add("block", 4096, 0.5)
+    assert shadow.credit("block") and shadow.gained_s == 0.5

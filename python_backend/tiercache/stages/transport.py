@@ -79,7 +79,7 @@ class AdapterCipher:
         self._bodies: OrderedDict[tuple[str, str], tuple[bytes, bytes, float]] = OrderedDict()
         self._body_bytes = 0
         self._lock = threading.Lock()
-        # the bodies dropped lately (tiercache.shadow); none when no body is ever kept
+        # the bodies dropped lately (tiercache.shadow: what a larger budget would save)
         self._shadow: ShadowQueue[tuple[str, str]] = ShadowQueue(self._shadow_span())
 
     @classmethod
@@ -116,7 +116,7 @@ class AdapterCipher:
     def _shadow_span(self) -> int:
         # at least 1 byte: its latest drop is kept alone, so a budget cut to nothing can
         # still show that bodies are asked for again
-        return max(shadow_bytes(self.max_body_bytes), 1)
+        return shadow_bytes(self.max_body_bytes)
 
     def _trim(self) -> None:
         while self._body_bytes > self.max_body_bytes and self._bodies:
