@@ -310,10 +310,10 @@ def parse_request(
             raise InvalidRequest("'stream_options' must be an object")
         if not stream:
             raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
-        include_usage = options.get("include_usage")
-        include_usage = False if include_usage is None else include_usage  # null: the default
-        if not isinstance(include_usage, bool):
+        asked = options.get("include_usage")
+        if asked is not None and not isinstance(asked, bool):  # null: the default
             raise InvalidRequest("'stream_options.include_usage' must be a boolean")
+        include_usage = bool(asked)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string")
