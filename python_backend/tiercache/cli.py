@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import unicodedata
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tiercache.config import ADAPTERS_DIR_ENV, API_KEYS_FILE_ENV, adapters_path, default_state_dir
@@ -57,14 +58,32 @@ FRONT_END_FLAGS = (
 )
 
 
-def front_end_flags(tritonserver_args: list[str]) -> list[str]:
-    """The flags passed after `--` that name a front end's address or open one, abbreviated
-    too (Triton's parser takes any unambiguous prefix of an option, as getopt_long does)."""
+# tritonserver's flags `serve` sets and relies on: a port it probes and points the gateway at,
+# the repository and backends it prepared, the exit timeout its stop waits for (passed after
+# `--`, Triton took them, and serve waited for a server on another port until it killed it)
+SERVE_SET_FLAGS = (
+    "--model-repository",
+    "--model-store",
+    "--backend-directory",
+    "--cache-directory",
+    "--http-port",
+    "--grpc-port",
+    "--metrics-port",
+    "--exit-timeout-secs",
+)
+
+
+def front_end_flags(
+    tritonserver_args: list[str], flags: Sequence[str] = FRONT_END_FLAGS
+) -> list[str]:
+    """The flags passed after `--` among `flags` (by default those that name a front end's
+    address or open one), abbreviated too (Triton's parser takes any unambiguous prefix of an
+    option, as getopt_long does)."""
     found = []
     for arg in tritonserver_args:
         name = arg.partition("=")[0]
         if len(name) > len("--") and name.startswith("--"):
-            if any(flag.startswith(name) for flag in FRONT_END_FLAGS):
+            if any(flag.startswith(name) for flag in flags):
                 found.append(name)
     return found
 
@@ -79,6 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
             f"error: {', '.join(passed)} after `--`: serve decides where Triton listens and "
             "what it opens (--host, --http, --metrics-host, --open-api; docs/security.md), "
             "and its own flags would override these anyway",
+            file=sys.stderr,
+        )
+        return 2
+    owned = front_end_flags(args.tritonserver_args, SERVE_SET_FLAGS)
+    if owned:
+        print(
+            f"error: {', '.join(owned)} after `--`: serve sets these itself and relies on "
+            "them (it probes and points the gateway at its ports, stops the server within its "
+            "exit timeout); use serve's own --grpc-port, --http-port, --metrics-port, "
+            "--exit-timeout-secs and --model-repository",
             file=sys.stderr,
         )
         return 2
@@ -216,7 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    gateway: subprocess.Popen | None = None
+    gateways: list[subprocess.Popen] = []  # the OpenAI gateway running now (restarted: new)
     # tritonserver runs in its own session, so a terminal's Ctrl-C reaches only us; we forward it
     # as Triton's clean shutdown. SIGTERM and SIGHUP (the terminal or SSH session closed) are
     # treated the same way, from before the start: no server is left holding its ports.
@@ -229,7 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
         watch = StageWatch(server)
         watch.reset()  # now: a stage that dies while the gateway starts is a death seen
         if args.gateway:
-            gateway = _start_gateway(args, server, gateway_host)
+            gateways.append(_start_gateway(args, server, gateway_host))
         grpc = server.grpc_url
         metrics = f"{connect_host(exposure.metrics_address)}:{args.metrics_port}"
         http = (
@@ -241,7 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
             "/v1/chat/completions -H 'content-type: application/json' -d "
             '\'{"model": "tiercache", "messages": [{"role": "user", "content": '
             '"What is the capital of France?"}]}\'\n'
-            if gateway is not None
+            if gateways
             else ""
         )
         print(
@@ -251,7 +280,14 @@ def _serve(args: argparse.Namespace) -> int:
             "  Ctrl-C stops the server.",
             flush=True,
         )
-        code = _supervise(server, args, watch)
+
+        def restart_gateway() -> subprocess.Popen:
+            if gateways and gateways[0].poll() is None:
+                _stop_gateway(gateways[0])
+            gateways[:] = [_start_gateway(args, server, gateway_host)]
+            return gateways[0]
+
+        code = _supervise(server, args, watch, gateways, restart_gateway)
         if code is not None:
             print(f"tiercache: tritonserver exited with code {code}", file=sys.stderr)
         server.stop()  # stage processes it left behind, in its process group
@@ -265,8 +301,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _exit_status(server.stop() or 0)
     finally:
         try:
-            if gateway is not None:
-                _stop_gateway(gateway)
+            for running in gateways:
+                _stop_gateway(running)
         finally:
             server.stop()  # whatever ended serve (any exception): no tritonserver left behind
 
@@ -392,15 +428,23 @@ def _stop_gateway(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _supervise(server: TritonServer, args: argparse.Namespace, watch: StageWatch) -> int | None:
+def _supervise(
+    server: TritonServer,
+    args: argparse.Namespace,
+    watch: StageWatch,
+    gateways: list[subprocess.Popen] | None = None,
+    restart_gateway: Callable[[], subprocess.Popen] | None = None,
+) -> int | None:
     """Wait for tritonserver; meanwhile, unless --no-restart, restart it when one of its stage
-    processes dies (Triton does not restart a dead Python stub, and every request through that
-    stage fails until the server restarts), when tritonserver itself fails (a stub that died
-    holding its IPC mutex aborts it: docs/faults.md), and when a restart fails to come up (the
-    next try counts as a restart too). Gives up after --max-restarts restarts within an hour.
-    Returns the exit code of a tritonserver that exited cleanly (0) or failed with restarts off;
-    None when it gave up (or had no server). `watch` saw the server's stages when it was
-    ready."""
+    processes dies or stays stopped by a signal (Triton does not restart a dead Python stub,
+    and every request through that stage fails until the server restarts), when tritonserver
+    itself fails (a stub that died holding its IPC mutex aborts it: docs/faults.md), and when
+    a restart fails to come up (the next try counts as a restart too, after a pause of 1, 2,
+    4 ... 60 s); and the OpenAI gateway (`gateways[0]`, by `restart_gateway`) when it exits.
+    Gives up after --max-restarts restarts within an hour. Returns the exit code of a
+    tritonserver that exited cleanly (0) or failed with restarts off; None when it gave up,
+    the gateway exited with restarts off (or there was no server). `watch` saw the server's
+    stages when it was ready."""
     restarts: list[float] = []
     while True:
         process = server.process
@@ -410,6 +454,30 @@ def _supervise(server: TritonServer, args: argparse.Namespace, watch: StageWatch
             code: int | None = process.wait(timeout=args.watch_interval_s)
         except subprocess.TimeoutExpired:
             code = None
+        if code is None and gateways and gateways[0].poll() is not None:
+            gone = f"the OpenAI gateway exited with code {gateways[0].returncode}"
+            if not args.restart or restart_gateway is None:
+                print(f"tiercache: {gone}: stopping", file=sys.stderr, flush=True)
+                server.stop()
+                return None
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < 3600.0]
+            if len(restarts) >= args.max_restarts:
+                print(
+                    f"tiercache: {gone}; {len(restarts)} restarts in the last hour already "
+                    "(--max-restarts): stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                server.stop()
+                return None
+            restarts.append(now)
+            print(f"tiercache: {gone}: starting it again", file=sys.stderr, flush=True)
+            try:
+                restart_gateway()
+            except (ServerError, OSError) as exc:  # tried again at the next look
+                print(f"tiercache: the gateway did not start ({exc})", file=sys.stderr)
+            continue
         if code is not None:
             if code == 0 or not args.restart:
                 return code
@@ -420,10 +488,11 @@ def _supervise(server: TritonServer, args: argparse.Namespace, watch: StageWatch
                 continue
             names = ", ".join(f"{model} (pid {pid})" for pid, model in sorted(dead.items()))
             why = (
-                f"stage process {names} died; Triton does not restart it, so every request "
-                "through it would fail"
+                f"stage process {names} died (or stayed stopped by a signal); Triton does not "
+                "restart it, so every request through it would fail"
             )
         started = time.monotonic()
+        failures = 0
         while True:  # a restart that does not come up is tried again, counted like the first
             now = time.monotonic()
             restarts = [t for t in restarts if now - t < 3600.0]
@@ -443,11 +512,14 @@ def _supervise(server: TritonServer, args: argparse.Namespace, watch: StageWatch
                 flush=True,
             )
             server.stop()  # its --exit-timeout-secs, and 20 s more
+            if failures:  # 1, 2, 4 ... 60 s: a cause that lasts minutes (memory, disk) is
+                time.sleep(min(60.0, 2.0 ** (failures - 1)))  # not tried through at once
             try:
                 server.start()
                 server.wait_ready(args.ready_timeout)
                 break
-            except ServerError as exc:
+            except (ServerError, OSError) as exc:  # a fork that failed (ENOMEM, EAGAIN) too
+                failures += 1
                 why = f"the restart failed ({exc})"
         watch.reset()
         print(

@@ -381,12 +381,12 @@ class TritonServer:
             os.killpg(self.process.pid, signal.SIGKILL)  # stragglers; none after a clean exit
         return self.process.returncode
 
-    def stage_processes(self) -> dict[int, str]:
+    def stage_processes(self, stopped: set[int] | None = None) -> dict[int, str]:
         """pid -> model name of each live Python-backend stub of this server (empty when the
-        server is not running)."""
+        server is not running); `stopped` (given) gets those stopped by a signal."""
         if self.process is None or self.process.poll() is not None:
             return {}
-        return stage_processes(self.process.pid)
+        return stage_processes(self.process.pid, stopped=stopped)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -401,10 +401,13 @@ class TritonServer:
         self.stop()
 
 
-def stage_processes(server_pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+def stage_processes(
+    server_pid: int, proc: Path = Path("/proc"), stopped: set[int] | None = None
+) -> dict[int, str]:
     """pid -> model name of each live `triton_python_backend_stub` child of `server_pid`: one
     per model instance (`<repository>/<model>/1/model.py` is its first argument). A stub that
-    died and was not reaped yet (a zombie) is not live. Linux only (reads /proc)."""
+    died and was not reaped yet (a zombie) is not live; one stopped by a signal (state T) is,
+    and goes into `stopped` when that is given. Linux only (reads /proc)."""
     stubs: dict[int, str] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -420,6 +423,8 @@ def stage_processes(server_pid: int, proc: Path = Path("/proc")) -> dict[int, st
         if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub"):
             model_py = Path(os.fsdecode(argv[1]))
             stubs[int(entry.name)] = model_py.parent.parent.name
+            if stopped is not None and fields[0] == "T":
+                stopped.add(int(entry.name))
     return stubs
 
 
@@ -433,14 +438,27 @@ class StageWatch:
 
     server: TritonServer
     seen: dict[int, str] = field(default_factory=dict)
+    # a stub stopped by a signal (SIGSTOP) this many looks in a row serves nothing, as a dead
+    # one: every request through it waits, and the server looks healthy
+    stopped_looks: int = 3
+    _stopped: dict[int, int] = field(default_factory=dict)  # pid -> looks it was seen stopped
+    _reported: set[int] = field(default_factory=set)  # stopped ones reported dead already
 
     def reset(self) -> None:
         self.seen = self.server.stage_processes()
+        self._stopped, self._reported = {}, set()
 
     def dead(self) -> dict[int, str]:
-        """Stubs seen before and gone now (pid -> model); new ones are watched from now on."""
-        alive = self.server.stage_processes()
+        """Stubs seen before and gone now, or stopped `stopped_looks` looks in a row (pid ->
+        model); new ones are watched from now on."""
+        stopped: set[int] = set()
+        alive = self.server.stage_processes(stopped)
         gone = {pid: model for pid, model in self.seen.items() if pid not in alive}
+        self._stopped = {pid: self._stopped.get(pid, 0) + 1 for pid in stopped}
+        for pid, looks in self._stopped.items():
+            if looks >= self.stopped_looks and pid in alive and pid not in self._reported:
+                self._reported.add(pid)
+                gone[pid] = alive[pid]
         self.seen = alive
         return gone
 

@@ -151,6 +151,22 @@ def test_secret_created_once_with_mode_0600(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["secret"]
 
 
+def test_a_secret_others_may_read_is_taken_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A secret volume's default mode is 0644: whoever reads the secret can forge seals and
+    sign Redis values. It was taken silently; it is taken with a warning now (0600 is not)."""
+    path = tmp_path / "secret"
+    load_or_create_secret(path)
+    with caplog.at_level("WARNING", logger="tiercache.exact.keys"):
+        load_or_create_secret(path)
+    assert "can be read by other users" not in caplog.text
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="tiercache.exact.keys"):
+        assert len(load_or_create_secret(path)) == SECRET_BYTES
+    assert "can be read by other users (mode 644)" in caplog.text
+
+
 def test_secret_differs_per_path(tmp_path: Path) -> None:
     assert load_or_create_secret(tmp_path / "a") != load_or_create_secret(tmp_path / "b")
 

@@ -383,6 +383,13 @@ def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tena
         assert main([*loopback, "--", *tail]) == 2
         err = capsys.readouterr().err
         assert tail[0].partition("=")[0] in err and "serve decides where Triton listens" in err
+    # and the flags serve sets and relies on: a port it probes and points the gateway at (it
+    # waited out --ready-timeout for a server on the wrong port, then killed it), the exit
+    # timeout its stop waits for, the repository and backends it prepared
+    for tail in (["--grpc-port=9001"], ["--exit-timeout-secs", "300"], ["--model-repo=/x"]):
+        assert main([*loopback, "--", *tail]) == 2
+        err = capsys.readouterr().err
+        assert tail[0].partition("=")[0] in err and "serve sets these itself" in err
 
 
 def test_serve_refuses_an_api_key_file_others_may_write(

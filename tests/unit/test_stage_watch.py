@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tiercache.server import StageWatch, TritonServer, stage_processes
 
@@ -56,8 +57,11 @@ class _Server(TritonServer):
         super().__init__(model_repository=Path("r"), state_dir=Path("s"))
         self.snapshots = snapshots
 
-    def stage_processes(self) -> dict[int, str]:
-        return self.snapshots.pop(0)
+    def stage_processes(self, stopped: set[int] | None = None) -> dict[int, str]:
+        snapshot = self.snapshots.pop(0)
+        if stopped is not None:
+            stopped.update(pid for pid, model in snapshot.items() if model.endswith(" (T)"))
+        return snapshot
 
 
 def test_stage_watch_reports_each_death_once_and_watches_new_stubs() -> None:
@@ -76,6 +80,35 @@ def test_stage_watch_reports_each_death_once_and_watches_new_stubs() -> None:
     assert watch.dead() == {1: "llm"}
     assert watch.dead() == {}
     assert watch.dead() == {3: "embedding_cache"}
+
+
+def test_a_stub_stopped_by_a_signal_for_three_looks_is_dead() -> None:
+    """A stage stopped with SIGSTOP (or stuck stopped) is alive in /proc and serves nothing:
+    every request through it waits, and the server looks healthy. Seen stopped three looks
+    in a row it counts as dead (once); stopped for a look or two (a debugger, a pause) not."""
+    server = _Server(
+        [
+            {1: "llm", 2: "prompt_cache"},
+            {1: "llm", 2: "prompt_cache (T)"},
+            {1: "llm", 2: "prompt_cache"},  # resumed: the count starts again
+            {1: "llm", 2: "prompt_cache (T)"},
+            {1: "llm", 2: "prompt_cache (T)"},
+            {1: "llm", 2: "prompt_cache (T)"},  # the third look in a row
+            {1: "llm", 2: "prompt_cache (T)"},
+        ]
+    )
+    watch = StageWatch(server)
+    watch.reset()
+    assert [watch.dead() for _ in range(5)] == [{}, {}, {}, {}, {2: "prompt_cache (T)"}]
+    assert watch.dead() == {}  # reported once
+
+
+def test_stage_processes_names_the_stopped_ones(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path)
+    add_process(proc, 106, 100, [STUB, "/r/lora_cache/1/model.py", "shm"], state="T")
+    stopped: set[int] = set()
+    assert stage_processes(100, proc, stopped=stopped)[106] == "lora_cache"
+    assert stopped == {106}
 
 
 def test_a_tied_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
@@ -123,6 +156,10 @@ class _TritonProcess:
     def __init__(self, code: int | None = None) -> None:
         self.code = code
 
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
     def wait(self, timeout: float | None = None) -> int:
         if self.code is None:
             raise subprocess.TimeoutExpired("tritonserver", timeout or 0)
@@ -156,11 +193,16 @@ class _Supervised:
     def stop(self) -> None:
         self.stops += 1
 
-    def stage_processes(self) -> dict[int, str]:
+    def stage_processes(self, stopped: set[int] | None = None) -> dict[int, str]:
         return {}
 
 
-def _supervised(server: _Supervised, max_restarts: int = 5) -> int | None:
+def _supervised(
+    server: _Supervised,
+    max_restarts: int = 5,
+    gateways: list[Any] | None = None,
+    restart_gateway: Any = None,
+) -> int | None:
     import argparse
 
     from tiercache.cli import _supervise
@@ -170,7 +212,7 @@ def _supervised(server: _Supervised, max_restarts: int = 5) -> int | None:
     )
     watch = StageWatch(server)  # type: ignore[arg-type]
     watch.reset()
-    return _supervise(server, args, watch)  # type: ignore[arg-type]
+    return _supervise(server, args, watch, gateways, restart_gateway)  # type: ignore[arg-type]
 
 
 def test_a_failed_tritonserver_is_restarted_and_a_failed_restart_tried_again() -> None:
@@ -190,3 +232,44 @@ def test_a_failed_tritonserver_is_restarted_and_a_failed_restart_tried_again() -
     )
     assert _supervised(given_up, max_restarts=2) is None
     assert given_up.starts == 2
+
+
+def test_a_gateway_that_exits_is_started_again_and_counts_as_a_restart() -> None:
+    """The OpenAI gateway was started and never watched: dead (OOM, a crash), the endpoint
+    stayed down while serve said it was ready. It is started again now, counted against
+    --max-restarts; a start that fails is tried at the next look."""
+    from tiercache.server import ServerError
+
+    server = _Supervised([_TritonProcess(None)], [])
+    gateways = [_TritonProcess(137)]  # exited
+    starts: list[int] = []
+
+    def restart_gateway() -> Any:
+        starts.append(len(starts))
+        if len(starts) == 1:
+            raise ServerError("the gateway did not listen within 60 s")
+        gateways[:] = [_TritonProcess(None)]  # up
+        server.process = _TritonProcess(0)  # and the server ends cleanly: supervision ends
+        return gateways[0]
+
+    assert _supervised(server, gateways=gateways, restart_gateway=restart_gateway) == 0
+    assert starts == [0, 1]
+    given_up = _Supervised([_TritonProcess(None)], [])
+    assert _supervised(given_up, 2, [_TritonProcess(1)], lambda: None) is None
+    assert given_up.stops == 1
+
+
+def test_a_restart_whose_start_raises_oserror_is_tried_again() -> None:
+    """A fork that failed (ENOMEM, EAGAIN) raised OSError out of the restart loop, which ended
+    serve whatever --max-restarts said; it is a failed restart now, tried again after a pause."""
+
+    class _ForkFails(_Supervised):
+        def start(self) -> None:
+            if self.starts == 0:
+                self.starts += 1
+                raise OSError(12, "Cannot allocate memory")
+            super().start()
+
+    server = _ForkFails([_TritonProcess(134), _TritonProcess(0)], [None])
+    assert _supervised(server) == 0
+    assert server.starts == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import stat
@@ -19,6 +20,8 @@ from typing import NewType
 
 from tiercache.errors import ConfigError
 from tiercache.exact.request import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 Digest = NewType("Digest", str)
 """Hex SHA-256 of a canonical request encoding; the exact-cache key."""
@@ -175,11 +178,25 @@ def load_or_create_secret(path: Path) -> bytes:
             os.fsync(handle.fileno())
         try:
             os.link(tmp, path)
+            _sync_folder(path.parent)  # the name too: a power cut lost it, and every entry
         except FileExistsError:
             pass
     finally:
         tmp.unlink(missing_ok=True)
     return _read_secret(path)
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync `folder` (a name just made in it survives a power cut); a folder that cannot be
+    opened or synced (some filesystems) is logged, not raised: the file itself is written."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning("could not sync the folder %s after writing a secret in it: %s", folder, exc)
 
 
 def _others_may_write(info: os.stat_result) -> bool:
@@ -314,14 +331,26 @@ def replace_secret(path: Path, secret: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        _sync_folder(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def _read_secret(path: Path) -> bytes:
-    data = read_trusted_file(path, "secret file")
+    with path.open("rb") as handle:
+        info = os.fstat(handle.fileno())
+        check_trusted_file(path, info, "secret file")
+        data = handle.read()
     if len(data) < SECRET_BYTES:
         raise RuntimeError(f"server secret file {path} is shorter than {SECRET_BYTES} bytes")
+    if info.st_mode & 0o044:  # a Kubernetes secret volume's default mode is 0644
+        log.warning(
+            "the server secret %s can be read by other users (mode %o): whoever reads it can "
+            "forge stage seals, work out tenant scopes and sign Redis values; make it 0600 "
+            "(or 0400, a secret volume's defaultMode)",
+            path,
+            stat.S_IMODE(info.st_mode),
+        )
     return data
 
 
