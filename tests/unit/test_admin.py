@@ -83,6 +83,24 @@ def test_warm_then_prompt_cache_hits_exact(admin: Admin) -> None:
     assert other.status is CacheStatus.MISS
 
 
+def test_a_value_under_a_requests_key_made_for_another_tenant_or_adapter_is_a_miss(
+    admin: Admin,
+) -> None:
+    """L2's checksum does not cover the key: a value moved under another key (a damaged page
+    pointer, a local writer) was served as that request's answer, another tenant's included.
+    A value whose tenant scope or adapter is not the request's is a miss now."""
+    (item,) = run(
+        admin, op="warm", prompts=[{"text_input": "Capital?", "answer": "Paris.", "tenant": "acme"}]
+    )["prompts"]
+    digest = item["digest"]
+    hit = admin.prompts.lookup(RawInputs("Capital?", tenant="acme"))
+    assert (hit.status, hit.text) == (CacheStatus.EXACT, "Paris.")
+    for moved in ({"tenant_scope": "f" * 64}, {"adapter": "a" * 64}):
+        admin.cache.put(digest, "someone else's answer", **moved)  # type: ignore[arg-type]
+        found = admin.prompts.lookup(RawInputs("Capital?", tenant="acme"))
+        assert found.status is CacheStatus.MISS and found.text == ""
+
+
 def test_warm_is_bounded_per_call_and_an_op_that_is_no_string_is_a_clear_error(
     admin: Admin,
 ) -> None:

@@ -880,3 +880,31 @@ def test_lmdb_merge_that_meets_a_full_disk_evicts_and_tries_again_and_never_dele
     with pytest.raises(lmdb.DiskError):
         store.merge("floor", higher)
     store.close()
+
+
+def test_a_reader_killed_inside_a_read_does_not_stop_l2_taking_writes(tmp_path: Path) -> None:
+    """A process killed holding a read transaction leaves its reader slot: LMDB then reuses no
+    page freed since, and the map filled though the live entries fit. Each write met
+    MapFullError, evicted half of L2 and failed again (5,891 of 6,000 in a review's run). The
+    write now frees the dead readers' slots first and goes through."""
+    store = LmdbStore(tmp_path / "l2", 4 << 20)
+    for i in range(2_000):
+        store.put(f"k{i}", CacheEntry("x" * 200, 1.0))
+    script = (
+        "import lmdb, os, signal, sys\n"
+        "env = lmdb.open(sys.argv[1], subdir=True, readonly=True, lock=True, max_dbs=0)\n"
+        "txn = env.begin()\n"
+        "txn.get(b'k1')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script, str(tmp_path / "l2")], check=False)
+    assert child.returncode == -9
+    failed = 0
+    for i in range(6_000):
+        try:
+            store.put(f"n{i}", CacheEntry("y" * 200, 2.0))
+        except lmdb.Error:
+            failed += 1
+    assert failed == 0
+    assert store.get("n5999") is not None
+    store.close()
