@@ -428,6 +428,23 @@ def _stop_gateway(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def _restart_allowed(restarts: list[float], most: int, why: str) -> bool:
+    """Whether one more restart fits --max-restarts within the last hour (then counted in
+    `restarts`, which keeps only that hour); else says why serve stops."""
+    now = time.monotonic()
+    restarts[:] = [t for t in restarts if now - t < 3600.0]
+    if len(restarts) >= most:
+        print(
+            f"tiercache: {why}; {len(restarts)} restarts in the last hour already "
+            "(--max-restarts): stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    restarts.append(now)
+    return True
+
+
 def _supervise(
     server: TritonServer,
     args: argparse.Namespace,
@@ -460,18 +477,9 @@ def _supervise(
                 print(f"tiercache: {gone}: stopping", file=sys.stderr, flush=True)
                 server.stop()
                 return None
-            now = time.monotonic()
-            restarts = [t for t in restarts if now - t < 3600.0]
-            if len(restarts) >= args.max_restarts:
-                print(
-                    f"tiercache: {gone}; {len(restarts)} restarts in the last hour already "
-                    "(--max-restarts): stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if not _restart_allowed(restarts, args.max_restarts, gone):
                 server.stop()
                 return None
-            restarts.append(now)
             print(f"tiercache: {gone}: starting it again", file=sys.stderr, flush=True)
             try:
                 restart_gateway()
@@ -494,18 +502,9 @@ def _supervise(
         started = time.monotonic()
         failures = 0
         while True:  # a restart that does not come up is tried again, counted like the first
-            now = time.monotonic()
-            restarts = [t for t in restarts if now - t < 3600.0]
-            if len(restarts) >= args.max_restarts:
-                print(
-                    f"tiercache: {why}; {len(restarts)} restarts in the last hour already "
-                    "(--max-restarts): stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if not _restart_allowed(restarts, args.max_restarts, why):
                 server.stop()
                 return None  # gave up: serve exits 1, without claiming an exit code of Triton's
-            restarts.append(now)
             print(
                 f"tiercache: {why}: restarting tritonserver (cached answers are on disk)",
                 file=sys.stderr,
