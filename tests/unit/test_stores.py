@@ -908,3 +908,53 @@ def test_a_reader_killed_inside_a_read_does_not_stop_l2_taking_writes(tmp_path: 
     assert failed == 0
     assert store.get("n5999") is not None
     store.close()
+
+
+def test_a_damaged_page_met_by_the_eviction_scan_still_evicts_what_was_read(
+    tmp_path: Path,
+) -> None:
+    """A damaged page met while the eviction scan walks L2: the error escaped into `put`, and
+    every write at the high-water mark failed until a restart. What the scan read before it
+    is ranked and evicted now, and the write goes through."""
+    store = LmdbStore(tmp_path / "l2", 1 << 20)
+    for i in range(300):
+        store.put(f"k{i:03d}", CacheEntry("x" * 100, float(i)))
+    real = store._env
+
+    class DamagedScan:
+        """The environment, with a read-only cursor that meets a damaged page halfway."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def begin(self, **kwargs: Any) -> Any:
+            txn = real.begin(**kwargs)
+            if kwargs.get("write"):
+                return txn
+
+            class Txn:
+                def __enter__(self) -> Any:
+                    txn.__enter__()
+                    return self
+
+                def __exit__(self, *exc: Any) -> Any:
+                    return txn.__exit__(*exc)
+
+                def cursor(self) -> Any:
+                    for n, item in enumerate(txn.cursor()):
+                        if n == 150:
+                            raise lmdb.CorruptedError("mdb_cursor_next: MDB_CORRUPTED")
+                        yield item
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(txn, name)
+
+            return Txn()
+
+    store._env = DamagedScan()  # type: ignore[assignment]
+    with store._evict_lock:
+        store._evict(fraction=0.5)  # raised before
+    store._env = real
+    held = sum(store.get(f"k{i:03d}") is not None for i in range(300))
+    assert 200 <= held < 300  # half of the 150 read went (the oldest)
+    store.close()

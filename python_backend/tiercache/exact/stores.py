@@ -1050,15 +1050,30 @@ class LmdbStore:
             # buffers: each value read in place (its header, its length), not copied whole:
             # the scan covers every entry, and copying them all made one eviction of a 2 GiB
             # file of 16 KB answers take 250 ms (perf.disk_squeeze); keys are copied
-            with self._env.begin(buffers=True) as txn:
-                for raw, value in txn.cursor():
-                    try:
-                        created_s = peek_created_s(value)
-                    except CorruptEntry:
-                        broken.append(bytes(raw))
-                        continue
-                    ages.append((bytes(raw), created_s))
-                    sizes.append(len(value))
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    for raw, value in txn.cursor():
+                        try:
+                            created_s = peek_created_s(value)
+                        except CorruptEntry:
+                            broken.append(bytes(raw))
+                            continue
+                        ages.append((bytes(raw), created_s))
+                        sizes.append(len(value))
+            except LMDB_DAMAGE as exc:
+                # a damaged page met by the scan: what it read is ranked and evicted, so the
+                # writes waiting for room go on (raised, every write at the mark failed until
+                # a restart moved the file aside); reads of the damage are misses meanwhile
+                if self._damage_log.ready():
+                    log.error(
+                        "L2 %s has a damaged page (%s): evicting from the %d entries read before "
+                        "it; restart to rebuild it",
+                        self.path,
+                        exc,
+                        len(ages),
+                    )
+                if not ages and not broken:
+                    raise
             if self._closing:  # closing while the scan ran: nothing deleted
                 return
             share = self._evict_fraction if fraction is None else fraction
