@@ -211,7 +211,15 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
-        return cls(free_port(), free_port(), free_port())
+        """Three distinct free ports: each probe socket is held until all three are chosen
+        (closed one at a time, the kernel could hand the same port out twice)."""
+        with contextlib.ExitStack() as held:
+            ports = []
+            for _ in range(3):
+                probe = held.enter_context(socket.socket())
+                probe.bind(("127.0.0.1", 0))
+                ports.append(int(probe.getsockname()[1]))
+        return cls(*ports)
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)

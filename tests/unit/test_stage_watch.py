@@ -273,3 +273,13 @@ def test_a_restart_whose_start_raises_oserror_is_tried_again() -> None:
     server = _ForkFails([_TritonProcess(134), _TritonProcess(0)], [None])
     assert _supervised(server) == 0
     assert server.starts == 2
+
+
+def test_free_ports_are_three_distinct_ones() -> None:
+    """Each probe socket closed before the next was bound, the kernel could hand one port out
+    twice: Triton then failed to bind, or two front ends shared a port."""
+    from tiercache.server import Ports
+
+    for _ in range(50):
+        ports = Ports.free()
+        assert len({ports.http, ports.grpc, ports.metrics}) == 3
