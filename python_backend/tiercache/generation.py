@@ -63,6 +63,25 @@ def flight_key(digest: Digest, status: str, max_age_s: float | None, write_back:
     return f"{digest}|{status}|{age}|{'store' if write_back else 'no-store'}"
 
 
+_MISPLACED_LOG = LogThrottle()  # values under a request's key made for another: once a minute
+
+
+def _made_for(found: Any, request: GenerationRequest) -> Any:
+    """`found` (a tier lookup) when its entry was stored for `request`'s tenant scope and
+    adapter (`CacheEntry.made_for`), else None: a value under this key made for another
+    tenant or adapter is a miss here too, as in prompt_cache, and the answer generated now is
+    written over it (a padded tenant's request is looked up here alone)."""
+    if found is None or found.entry.made_for(request.tenant_scope, request.lora_digest):
+        return found
+    if _MISPLACED_LOG.ready():
+        log.error(
+            "a cached answer under a request's key belongs to another tenant or adapter: "
+            "generated again (%d such values not logged)",
+            _MISPLACED_LOG.suppressed,
+        )
+    return None
+
+
 class Responder(Protocol):
     """What the stage needs from one request's response channel."""
 
@@ -417,12 +436,12 @@ class Generations:
             max_age_s = directives.max_age_s
             if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
-                found = self.cache.get(digest, max_age_s)
+                found = _made_for(self.cache.get(digest, max_age_s), request)
                 if found is not None:
                     flight.serve_stored(found.entry)
                     return
                 if write_back and self._leases is not None:
-                    lease, remote = self._take_turn(flight, digest, max_age_s)
+                    lease, remote = self._take_turn(flight, request, digest, max_age_s)
                     if remote is not None:
                         flight.serve_stored(remote)
                         return
@@ -537,7 +556,11 @@ class Generations:
             log.exception("keeping %s as a draft failed", draft_digest)
 
     def _take_turn(
-        self, flight: Flight, digest: Digest, max_age_s: float | None
+        self,
+        flight: Flight,
+        request: GenerationRequest,
+        digest: Digest,
+        max_age_s: float | None,
     ) -> tuple[Lease | None, CacheEntry | None]:
         """Across replicas: (our lease, None) to generate; (None, entry) when another replica's
         answer arrived; (None, None) to generate without a lease (Redis unavailable, or the
@@ -552,7 +575,7 @@ class Generations:
             if state is LeaseState.ACQUIRED and lease is not None:
                 if waited:  # the holder may have stored its answer just before letting go
                     try:
-                        found = self.cache.get(digest, max_age_s)
+                        found = _made_for(self.cache.get(digest, max_age_s), request)
                     except BaseException:
                         leases.release(lease)  # not yet _produce's to release: never leak it
                         raise
@@ -569,7 +592,7 @@ class Generations:
                 self._count_remote(wait=True)
             while True:
                 # a poll every 50 ms, not a request (its lookup was counted): nothing counted
-                found = self.cache.get(digest, max_age_s, request=False)
+                found = _made_for(self.cache.get(digest, max_age_s, request=False), request)
                 if found is not None:
                     self._count_remote(hit=True)
                     return None, found.entry

@@ -221,6 +221,25 @@ def test_non_stream_sends_one_final_with_text(cache: TieredCache) -> None:
     stage.close()
 
 
+def test_a_value_made_for_another_tenant_or_adapter_is_generated_again_and_written_over(
+    cache: TieredCache,
+) -> None:
+    """llm's re-check before generating served whatever sat under the key: another tenant's
+    answer moved there (L2's checksum does not cover the key) went out as this request's,
+    with no engine call, and stayed. It is generated again now and written over."""
+    for moved in ({"tenant_scope": "b" * 64}, {"adapter": "c" * 64}):
+        cache.put(DIGEST, "tenant B's answer", **moved)  # type: ignore[arg-type]
+        engine = FakeEngine()
+        stage = make_stage(cache, engine)
+        r = Recorder()
+        stage.submit_miss(
+            dataclasses.replace(REQUEST, tenant_scope="a" * 64), DIGEST, "miss", True, r
+        )
+        assert r.wait() == [("final", "Hello", "miss")] and engine.calls == 1
+        assert stored_text(cache) == "Hello"
+        stage.close()
+
+
 def test_serve_hit_is_one_final() -> None:
     r = Recorder()
     Generations.serve_hit("cached", "exact", r)

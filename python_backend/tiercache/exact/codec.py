@@ -84,6 +84,13 @@ class CacheEntry:
     def expired(self, now_s: float) -> bool:
         return self.ttl_s > 0 and now_s >= self.created_s + self.ttl_s
 
+    def made_for(self, tenant_scope: str, adapter: str) -> bool:
+        """Whether this answer was stored for a request of `tenant_scope` and `adapter`
+        version: a value under a key is checked against the request before it is served (L2's
+        checksum does not cover the key, so a value moved under another one would be served
+        as its answer, another tenant's included)."""
+        return self.tenant_scope in ("", tenant_scope) and self.adapter == adapter
+
     @property
     def size_bytes(self) -> int:
         """What this entry costs an in-memory tier (text as UTF-8 plus fixed overhead)."""

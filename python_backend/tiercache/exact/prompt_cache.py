@@ -40,7 +40,6 @@ ResolveAdapter = Callable[[str], AdapterRef]
 """lora_name -> the adapter's current version (NotFound for an unknown name)."""
 
 
-
 _MISPLACED_LOG = LogThrottle()  # values under another request's key: once a minute
 
 
@@ -50,7 +49,7 @@ def _belongs(entry: CacheEntry, request: GenerationRequest) -> bool:
     (L3's signature does), so a value moved under another key (a damaged page pointer, a
     local writer) would be served as this one, another tenant's included; such a value is a
     miss, logged, and the answer generated again is written over it."""
-    if entry.tenant_scope in ("", request.tenant_scope) and entry.adapter == request.lora_digest:
+    if entry.made_for(request.tenant_scope, request.lora_digest):
         return True
     if _MISPLACED_LOG.ready():
         log.error(
@@ -59,6 +58,7 @@ def _belongs(entry: CacheEntry, request: GenerationRequest) -> bool:
             _MISPLACED_LOG.suppressed,
         )
     return False
+
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
