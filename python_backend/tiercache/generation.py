@@ -30,7 +30,7 @@ from tiercache.exact.flights import EngineUsage, Flight, FlightTable, abandoned_
 from tiercache.exact.keys import Digest
 from tiercache.exact.leases import Lease, LeaseCoordinator, LeaseState
 from tiercache.exact.request import GenerationRequest
-from tiercache.exact.tiered import TieredCache
+from tiercache.exact.tiered import Lookup, TieredCache, made_for
 from tiercache.log_throttle import LogThrottle
 from tiercache.threads import name_this_thread
 from tiercache.vocabulary import CacheStatus, DraftSource
@@ -61,25 +61,6 @@ def flight_key(digest: Digest, status: str, max_age_s: float | None, write_back:
         return digest
     age = "" if max_age_s is None else repr(max_age_s)
     return f"{digest}|{status}|{age}|{'store' if write_back else 'no-store'}"
-
-
-_MISPLACED_LOG = LogThrottle()  # values under a request's key made for another: once a minute
-
-
-def _made_for(found: Any, request: GenerationRequest) -> Any:
-    """`found` (a tier lookup) when its entry was stored for `request`'s tenant scope and
-    adapter (`CacheEntry.made_for`), else None: a value under this key made for another
-    tenant or adapter is a miss here too, as in prompt_cache, and the answer generated now is
-    written over it (a padded tenant's request is looked up here alone)."""
-    if found is None or found.entry.made_for(request.tenant_scope, request.lora_digest):
-        return found
-    if _MISPLACED_LOG.ready():
-        log.error(
-            "a cached answer under a request's key belongs to another tenant or adapter: "
-            "generated again (%d such values not logged)",
-            _MISPLACED_LOG.suppressed,
-        )
-    return None
 
 
 class Responder(Protocol):
@@ -436,7 +417,7 @@ class Generations:
             max_age_s = directives.max_age_s
             if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
-                found = _made_for(self.cache.get(digest, max_age_s), request)
+                found = self._stored(digest, max_age_s, request)
                 if found is not None:
                     flight.serve_stored(found.entry)
                     return
@@ -555,6 +536,19 @@ class Generations:
         except Exception:  # noqa: BLE001 - a draft is an optimisation
             log.exception("keeping %s as a draft failed", draft_digest)
 
+    def _stored(
+        self,
+        digest: Digest,
+        max_age_s: float | None,
+        request: GenerationRequest,
+        counted: bool = True,
+    ) -> Lookup | None:
+        """The tiers' answer under `digest` made for `request` (`made_for`: a value made for
+        another tenant or adapter is a miss here too, as in prompt_cache, and the answer
+        generated now is written over it; a padded tenant's request is looked up here alone)."""
+        found = self.cache.get(digest, max_age_s, request=counted)
+        return made_for(found, request.tenant_scope, request.lora_digest)
+
     def _take_turn(
         self,
         flight: Flight,
@@ -575,7 +569,7 @@ class Generations:
             if state is LeaseState.ACQUIRED and lease is not None:
                 if waited:  # the holder may have stored its answer just before letting go
                     try:
-                        found = _made_for(self.cache.get(digest, max_age_s), request)
+                        found = self._stored(digest, max_age_s, request)
                     except BaseException:
                         leases.release(lease)  # not yet _produce's to release: never leak it
                         raise
@@ -592,7 +586,7 @@ class Generations:
                 self._count_remote(wait=True)
             while True:
                 # a poll every 50 ms, not a request (its lookup was counted): nothing counted
-                found = _made_for(self.cache.get(digest, max_age_s, request=False), request)
+                found = self._stored(digest, max_age_s, request, counted=False)
                 if found is not None:
                     self._count_remote(hit=True)
                     return None, found.entry

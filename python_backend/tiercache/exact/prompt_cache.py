@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tiercache.adapter_types import AdapterRef
 from tiercache.errors import NotFound
-from tiercache.exact.codec import CacheEntry, token_accounting
+from tiercache.exact.codec import token_accounting
 from tiercache.exact.keys import (
     Digest,
     EngineIdentity,
@@ -28,8 +28,7 @@ from tiercache.exact.request import (
     canonicalize,
 )
 from tiercache.exact.tenant_keys import TenantGrant
-from tiercache.exact.tiered import Lookup, TieredCache
-from tiercache.log_throttle import LogThrottle
+from tiercache.exact.tiered import Lookup, TieredCache, made_for
 from tiercache.vocabulary import CacheStatus, Tier
 
 log = logging.getLogger(__name__)
@@ -38,26 +37,6 @@ TENANT_SCOPE_MEMO = 4096  # tenant names whose scope is kept (a generation: tier
 
 ResolveAdapter = Callable[[str], AdapterRef]
 """lora_name -> the adapter's current version (NotFound for an unknown name)."""
-
-
-_MISPLACED_LOG = LogThrottle()  # values under another request's key: once a minute
-
-
-def _belongs(entry: CacheEntry, request: GenerationRequest) -> bool:
-    """Whether a value found under a request's key is one made for a request like it: its
-    tenant scope and adapter version are the request's. L2's checksum does not cover the key
-    (L3's signature does), so a value moved under another key (a damaged page pointer, a
-    local writer) would be served as this one, another tenant's included; such a value is a
-    miss, logged, and the answer generated again is written over it."""
-    if entry.made_for(request.tenant_scope, request.lora_digest):
-        return True
-    if _MISPLACED_LOG.ready():
-        log.error(
-            "a cached answer under a request's key belongs to another tenant or adapter: "
-            "served as a miss (%d such values not logged)",
-            _MISPLACED_LOG.suppressed,
-        )
-    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +251,7 @@ class PromptCache:
 
         if digest is None:
             return result(None, CacheStatus.BYPASS, False)
-        if found is not None and not _belongs(found.entry, request):
-            found = None  # another request's value under this key: a miss, written over
+        found = made_for(found, request.tenant_scope, request.lora_digest)  # else a miss
         if found is not None:  # an exact hit needs no semantic scope: not computed
             entry = found.entry
             return result(

@@ -43,6 +43,26 @@ class Lookup:
     tier: Tier
 
 
+_MISPLACED_LOG = LogThrottle()  # values under a request's key made for another: once a minute
+
+
+def made_for(found: Lookup | None, tenant_scope: str, adapter: str) -> Lookup | None:
+    """`found` when its entry was stored for a request of `tenant_scope` and `adapter`
+    (`CacheEntry.made_for`), else None, logged: L2's checksum does not cover the key (L3's
+    signature does), so a value moved under another key (a damaged page pointer, a local
+    writer) would be served as that request's answer, another tenant's included. The
+    callers treat it as a miss, and the answer generated again is written over it."""
+    if found is None or found.entry.made_for(tenant_scope, adapter):
+        return found
+    if _MISPLACED_LOG.ready():
+        log.error(
+            "a cached answer under a request's key belongs to another tenant or adapter: a "
+            "miss (%d such values not logged)",
+            _MISPLACED_LOG.suppressed,
+        )
+    return None
+
+
 class Reach(str, Enum):
     """Who reads a tier besides this process: what decides the order of writes (shared tiers
     first) and what an invalidation message makes each process drop (this host's tiers)."""

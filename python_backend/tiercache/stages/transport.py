@@ -80,7 +80,7 @@ class AdapterCipher:
         self._body_bytes = 0
         self._lock = threading.Lock()
         # the bodies dropped lately (tiercache.shadow: what a larger budget would save)
-        self._shadow: ShadowQueue[tuple[str, str]] = ShadowQueue(self._shadow_span())
+        self._shadow: ShadowQueue[tuple[str, str]] = ShadowQueue(shadow_bytes(self.max_body_bytes))
 
     @classmethod
     def from_secret(cls, secret: bytes, max_body_bytes: int = 0) -> AdapterCipher:
@@ -103,7 +103,7 @@ class AdapterCipher:
             )
         with self._lock:
             self.max_body_bytes = max_bytes
-            self._shadow.resize(self._shadow_span())
+            self._shadow.resize(shadow_bytes(self.max_body_bytes))
             self._trim()
             return max_bytes
 
@@ -112,11 +112,6 @@ class AdapterCipher:
         cumulative; the bytes the shadow spans now): `ShadowValue`'s reading."""
         with self._lock:
             return self._shadow.gained_s, float(self._shadow.bytes)
-
-    def _shadow_span(self) -> int:
-        # at least 1 byte: its latest drop is kept alone, so a budget cut to nothing can
-        # still show that bodies are asked for again
-        return shadow_bytes(self.max_body_bytes)
 
     def _trim(self) -> None:
         while self._body_bytes > self.max_body_bytes and self._bodies:
