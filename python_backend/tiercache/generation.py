@@ -149,6 +149,27 @@ class GenerationStats:
     lease_wait_timeouts: int = 0  # waits that gave up after `wait_s` and generated here too
 
 
+class _PendingSlot:
+    """One of `Generations.max_pending`'s slots, released once: by the request that took it,
+    or, when it leads a flight, by the flight's producer (`handed`)."""
+
+    __slots__ = ("_owner", "_released", "handed")
+
+    def __init__(self, owner: Generations | None) -> None:
+        self._owner = owner
+        self._released = owner is None
+        self.handed = False
+
+    def release(self) -> None:
+        owner = self._owner
+        if owner is None:
+            return
+        with owner._lock:
+            if not self._released:
+                self._released = True
+                owner._pending -= 1
+
+
 class Generations:
     """Hits served whole; misses coalesced into one generation per digest (and across replicas
     with leases), streamed to every subscriber and written back when clean."""
@@ -167,7 +188,8 @@ class Generations:
     ) -> None:
         """`leases` coalesces misses across replicas (None: this process only); `confidence`
         decides how long an unsure answer is kept (tiercache.exact.confidence; None: like any).
-        `max_pending`: misses submitted and not yet answered, past which a new one is refused at
+        `max_pending`: misses submitted and not yet answered (a flight's generation holds its
+        leader's place until it ends, requesters or not), past which a new one is refused at
         once (CapacityError) rather than queued behind them."""
         self.cache = cache
         self.confidence = confidence or ConfidencePolicy()
@@ -287,16 +309,21 @@ class Generations:
     # -- internals -----------------------------------------------------------------------------
 
     def _serve_counted(self, *args: Any) -> None:
-        """`_serve_miss`, counted among the pending misses until it returns."""
+        """`_serve_miss`, counted among the pending misses until it returns, or, when it leads a
+        flight, until that flight's generation ends: the slot goes to the producer, so work a
+        cancelled requester left behind (a queued producer, its flight, a lease) stays within
+        max_pending."""
+        slot = _PendingSlot(self)
         try:
-            self._serve_miss(*args)
+            self._serve_miss(*args, slot=slot)
         finally:
-            with self._lock:
-                self._pending -= 1
+            if not slot.handed:
+                slot.release()
 
     @property
     def pending(self) -> tuple[int, int]:
-        """(misses submitted and not yet answered, misses refused for max_pending so far)."""
+        """(misses submitted and not yet answered or whose generation still runs, misses
+        refused for max_pending so far)."""
         with self._lock:
             return self._pending, self._refused
 
@@ -311,8 +338,15 @@ class Generations:
         generate: GenerateFn | None = None,
         directives: _Directives | None = None,
         on_verified: Callable[[bool | None], None] | None = None,
+        *,
+        slot: _PendingSlot | None = None,
     ) -> None:
         directives = directives or _Directives()
+        if responder.is_cancelled():  # cancelled while queued: no flight, no generation
+            responder.send_cancelled()
+            if directives.verify is not None and on_verified is not None:
+                on_verified(None)
+            return
         if digest is None:
             flight, leader = Flight(key="", subscribers=1), True
         else:
@@ -340,6 +374,8 @@ class Generations:
             # (no-cache, semantic-only) asked not to be served from the exact cache.
             recheck = status == "miss"
             try:
+                if slot is not None:
+                    slot.handed = True  # the producer releases it when the generation ends
                 self._producers.submit(
                     self._produce,
                     flight,
@@ -350,8 +386,11 @@ class Generations:
                     recheck,
                     generate,
                     directives,
+                    slot=slot,
                 )
             except Exception as exc:  # noqa: BLE001 - no producer: end the flight, never leave it
+                if slot is not None:
+                    slot.handed = False
                 log.exception("starting a generation failed")
                 failed = Unavailable(f"the generation could not start: {type(exc).__name__}")
                 if digest is None:
@@ -408,12 +447,19 @@ class Generations:
         recheck: bool = True,
         generate: GenerateFn | None = None,
         directives: _Directives | None = None,
+        *,
+        slot: _PendingSlot | None = None,
     ) -> None:
-        """Run one generation into `flight`; store it only if clean, complete and wanted."""
+        """Run one generation into `flight`; store it only if clean, complete and wanted.
+        `slot`: its leader's pending slot, released as the flight ends."""
         error: TierCacheError | None = None
         lease: Lease | None = None
         directives = directives or _Directives()
         try:
+            # every requester left while this waited for a producer: no lookup, no lease, no
+            # engine run for nobody, and no request joins it from here on
+            if self.flights.retire_if_abandoned(flight):
+                raise abandoned_error()
             max_age_s = directives.max_age_s
             if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
@@ -472,12 +518,17 @@ class Generations:
             log.exception("generation failed")
             # its type only: the text (paths, CUDA's messages) stays in the log above
             error = Unavailable(f"generation failed: {type(exc).__name__}")
+        except BaseException as exc:  # the thread is being stopped: never a partial answer served
+            error = Unavailable(f"generation stopped: {type(exc).__name__}")
+            raise
         finally:
             if lease is not None and self._leases is not None:
                 try:  # after the store: waiting replicas find the answer
                     self._leases.release(lease)
                 except Exception:  # noqa: BLE001 - the flight must end whatever the lease did
                     log.exception("releasing the lease on %s failed", digest)
+            if slot is not None:  # before the subscribers wake: one may send the next miss
+                slot.release()
             if digest is None:
                 flight.finish(error)
             else:

@@ -20,12 +20,15 @@ WEIGHTS = EngineLora('{"peft_type": "LORA"}', b"safetensors", ("cd" * 32,))
 class Engine:
     """Holds adapters by digest; answers like torch_llm for one it does not hold."""
 
-    def __init__(self, holds: bool) -> None:
+    def __init__(self, holds: bool, turns: bool = False) -> None:
         self.holds = holds
+        self.turns = turns  # first an empty event, as EngineBls yields once the call has its turn
         self.calls: list[EngineLora] = []
 
     def __call__(self, request: GenerationRequest, lora: EngineLora) -> Iterator[StreamEvent]:
         self.calls.append(lora)
+        if self.turns:
+            yield StreamEvent("")
         ref = adapter_ref(request)
         if ref is not None and not self.holds and not lora.loads:
             raise NotFound(not_in_engine_message(ref))
@@ -89,3 +92,18 @@ def test_other_errors_and_base_requests_are_not_retried() -> None:
     with pytest.raises(NotFound):
         list(generate_with_adapter(failing, fetch_ok, base, EngineLora()))
     assert len(calls) == 1
+
+
+def test_a_lost_adapter_is_retried_after_the_calls_turn_and_the_turns_pass_through() -> None:
+    """EngineBls yields an empty event once its call has an engine stream (so that a caller
+    nobody waits for any more closes it there); the engine's refusal comes after it, and is
+    still retried once with the weights; the empty events reach the caller, not as output."""
+    engine = Engine(holds=False, turns=True)
+    events = list(generate_with_adapter(engine, fetch_ok, WITH_ADAPTER, EngineLora()))
+    assert [(e.text, e.finish_reason) for e in events] == [
+        ("", None),
+        ("", None),
+        ("a", None),
+        ("b", "stop"),
+    ]
+    assert engine.calls == [EngineLora(), WEIGHTS]

@@ -328,11 +328,12 @@ def test_cancelled_subscriber_gets_cancelled_others_get_text(cache: TieredCache)
     engine = FakeEngine(gate=threading.Event())
     follows = Follows(1)
     stage = make_stage(cache, engine, on_follow=follows)
-    staying, leaving = Recorder(), Recorder(cancelled=True)
+    staying, leaving = Recorder(), Recorder()
     stage.submit_miss(REQUEST, DIGEST, "miss", True, staying)
     engine.wait_started()
     stage.submit_miss(REQUEST, DIGEST, "miss", True, leaving)
     assert follows.reached.wait(TIMEOUT_S)
+    leaving.cancelled.set()
     assert leaving.wait() == [("cancelled",)]
     assert engine.gate is not None
     engine.gate.set()
@@ -987,6 +988,110 @@ def test_misses_past_the_pending_bound_are_refused_at_once(cache: TieredCache) -
     stage.submit_miss(REQUEST, DIGEST, "miss", True, later)
     assert later.wait() == [("final", "Hello", "miss")]
     stage.close()
+
+
+def test_work_cancelled_requesters_leave_behind_stays_within_the_pending_bound(
+    cache: TieredCache,
+) -> None:
+    """A flight's generation holds its leader's pending slot until it ends: misses whose
+    requesters all cancelled while their producers queued behind a busy engine still count,
+    so a caller who sends and cancels cannot pile up flights and queued producers; the queued
+    ones start no engine call, and their slots come back as each ends."""
+    engine = FakeEngine(gate=threading.Event())
+    stage = make_stage(cache, engine, max_pending=4, max_workers=2)
+    requesters = [Recorder() for _ in range(4)]
+    for i, r in enumerate(requesters):
+        stage.submit_miss(GenerationRequest(prompt=f"q{i}"), Digest(f"{i:064x}"), "miss", True, r)
+    engine.wait_started(2)  # two producers in the engine; the other two requests queue
+
+    def cancel(rs: list[Recorder]) -> None:
+        for r in rs:
+            r.cancelled.set()
+        for r in rs:
+            assert r.wait() == [("cancelled",)]
+
+    cancel(requesters[:2])  # their readers go; the queued two lead flights, producers queued
+    deadline = time.monotonic() + TIMEOUT_S
+    while stage.flights.in_flight() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stage.flights.in_flight() == 4
+    cancel(requesters[2:])
+    refused = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, refused)
+    calls = refused.wait()
+    assert calls[0][0] == "error" and type(calls[0][1]).__name__ == "CapacityError"
+    assert stage.pending == (4, 1)
+    assert engine.gate is not None
+    engine.gate.set()
+    deadline = time.monotonic() + TIMEOUT_S
+    while stage.pending[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stage.pending == (0, 1)
+    assert engine.calls == 2  # the two queued producers found nobody waiting
+    assert stage.flights.in_flight() == 0
+    stage.close()
+
+
+def test_a_miss_cancelled_before_its_turn_starts_no_flight(cache: TieredCache) -> None:
+    """A request already cancelled when a worker takes it up is answered cancelled at once:
+    it joins no flight and leads none (no producer, no lookup, no lease)."""
+    engine = FakeEngine()
+    looked_up: list[str] = []
+    stage = make_stage(cache, engine)
+    stage._stored = lambda *args: looked_up.append("re-check")  # type: ignore[method-assign]
+    r = Recorder(cancelled=True)
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("cancelled",)]
+    stage.close()
+    assert looked_up == [] and engine.calls == 0
+    assert stage.flights.in_flight() == 0 and stage.pending == (0, 0)
+
+
+class TurnEngine:
+    """A GenerateFn holding one of `slots` engine streams per call, as EngineBls does: an empty
+    event once the call has its turn, then (`sent`) the call going out."""
+
+    def __init__(self, slots: int) -> None:
+        self.streams = threading.BoundedSemaphore(slots)
+        self.gate = threading.Event()
+        self.sent: list[str] = []
+        self.waiting = threading.Event()
+
+    def __call__(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        if not self.streams.acquire(blocking=False):
+            self.waiting.set()
+            self.streams.acquire()
+        try:
+            yield StreamEvent("")
+            self.sent.append(request.prompt)
+            if request.prompt == "first":
+                assert self.gate.wait(TIMEOUT_S)
+            yield StreamEvent("x", "stop", generated_tokens=1)
+        finally:
+            self.streams.release()
+
+
+def test_a_flight_everyone_left_while_it_waited_for_an_engine_stream_sends_no_call(
+    cache: TieredCache,
+) -> None:
+    """The engine call's turn is an event: a flight whose requesters all left while it waited
+    for a stream is closed there, before its call goes out."""
+    engine = TurnEngine(slots=1)
+    stage = make_stage(cache, engine)
+    first, second = Recorder(), Recorder()
+    stage.submit_miss(GenerationRequest(prompt="first"), DIGEST, "miss", True, first)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not engine.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stage.submit_miss(GenerationRequest(prompt="second"), Digest("e" * 64), "miss", True, second)
+    assert engine.waiting.wait(TIMEOUT_S)
+    second.cancelled.set()
+    assert second.wait() == [("cancelled",)]
+    engine.gate.set()
+    assert first.wait() == [("final", "x", "miss")]
+    stage.close()
+    assert engine.sent == ["first"]
+    assert stored_text(cache, "e" * 64) is None
 
 
 def test_an_empty_answer_to_verify_is_verified_and_reported(cache: TieredCache) -> None:

@@ -58,11 +58,16 @@ def generate_with_adapter(
     call: EngineCall, fetch: FetchWeights, request: GenerationRequest, lora: EngineLora
 ) -> Iterator[StreamEvent]:
     """Stream `call(request, lora)`; if the engine says it does not hold the request's adapter
-    (before any output, and only when no weights were sent), fetch them and call once more."""
+    (before any output, and only when no weights were sent), fetch them and call once more.
+    Events with neither text nor a finish (the call's turn on the engine, `EngineBls`) pass
+    through as they come: they are not output."""
     ref = adapter_ref(request)
     events = call(request, lora)
     try:
         first = next(events, None)
+        while first is not None and not first.text and first.finish_reason is None:
+            yield first
+            first = next(events, None)
     except TierCacheError as exc:
         if ref is None or lora.loads or not is_not_in_engine(exc):
             raise

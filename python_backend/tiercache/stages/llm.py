@@ -347,6 +347,9 @@ class EngineBls:
         A call for an adapter that goes out without its files while another request's files
         for it wait for the engine's answer carries them too (`expect`)."""
         with self._streams:  # held until the stream ends (engine_streams)
+            # its turn: an event with nothing in it, so that a caller whose requesters all left
+            # while it waited closes the stream here, before the call goes out
+            yield StreamEvent(text="")
             # sealed as it goes out (issued now: torch_llm checks its age), no key: no caller
             # sees an engine call
             envelope = Envelope(request=request).seal(self.sealer)
