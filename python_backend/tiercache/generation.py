@@ -213,6 +213,8 @@ class Generations:
         self._refused = 0  # misses refused because max_pending were pending
         self._generations = self._write_backs = self._write_failures = 0
         self._remote_waits = self._remote_hits = 0
+        # digest -> this process's flight holding its cross-replica lease (`_take_turn`)
+        self._leased: dict[str, Flight] = {}
         self._lease_takeovers = self._lease_wait_timeouts = 0
 
     # -- entry points (called from execute) ------------------------------------------------
@@ -469,6 +471,9 @@ class Generations:
                     return
                 if write_back and self._leases is not None:
                     lease, remote = self._take_turn(flight, request, digest, max_age_s)
+                    if lease is not None:
+                        with self._lock:
+                            self._leased[digest] = flight
                     if remote is not None:
                         flight.serve_stored(remote)
                         return
@@ -527,6 +532,9 @@ class Generations:
                     self._leases.release(lease)
                 except Exception:  # noqa: BLE001 - the flight must end whatever the lease did
                     log.exception("releasing the lease on %s failed", digest)
+                with self._lock:
+                    if digest is not None and self._leased.get(digest) is flight:
+                        del self._leased[digest]
             if slot is not None:  # before the subscribers wake: one may send the next miss
                 slot.release()
             if digest is None:
@@ -630,7 +638,7 @@ class Generations:
                         return None, found.entry
                     self._count_remote(takeover=True)
                 return lease, None
-            if state is LeaseState.UNAVAILABLE:
+            if state is LeaseState.UNAVAILABLE or self._held_by_superseded(digest):
                 return None, None
             if not waited:
                 waited = True
@@ -645,6 +653,8 @@ class Generations:
                 # flight's end would be given the abandoned error it did not earn
                 if self.flights.retire_if_abandoned(flight):
                     raise abandoned_error()
+                if self._held_by_superseded(digest):
+                    return None, None
                 if self._clock() >= deadline:
                     self._count_remote(wait_timeout=True)
                     log.warning(
@@ -659,6 +669,14 @@ class Generations:
                 if not held:
                     break  # released without an answer, or expired: take it
                 leases.pause()
+
+    def _held_by_superseded(self, digest: Digest) -> bool:
+        """Whether this process's own flight holds `digest`'s lease and an invalidation has
+        superseded it: its answer will not be stored, so a newer flight generates at once
+        (without a lease) rather than wait for it to end."""
+        with self._lock:
+            holder = self._leased.get(digest)
+        return holder is not None and holder.superseded
 
     @property
     def leases(self) -> LeaseCoordinator | None:

@@ -637,6 +637,50 @@ class HandOverLeases:
         pass
 
 
+class OneHolderLeases(HandOverLeases):
+    """A LeaseCoordinator stand-in whose first acquire wins and whose lease stays held."""
+
+    wait_s = 60.0
+
+    def acquire(self, digest: str) -> tuple[LeaseState, Lease | None]:
+        self.calls += 1
+        if self.calls == 1:
+            return LeaseState.ACQUIRED, Lease(f"lease:{digest}", "first")
+        return LeaseState.HELD, None
+
+    def held(self, digest: str) -> bool | None:
+        return True
+
+
+def test_a_miss_after_an_invalidation_does_not_wait_for_the_killed_generations_lease(
+    cache: TieredCache,
+) -> None:
+    """The generation an invalidation killed still holds its cross-replica lease until it
+    ends; the flight that replaces it in this process generates at once instead of waiting
+    for that lease (up to lease_wait_s, a minute) for an answer that will not be stored."""
+    from tiercache.exact.invalidation import Invalidator
+
+    engine = FakeEngine(gate=threading.Event())
+    leases = OneHolderLeases()
+    stage = make_stage(cache, engine, leases=leases)
+    before, after = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, before)
+    engine.wait_started()
+    cache.now = lambda: time.time() + 1.0  # type: ignore[method-assign] # past the skew
+    Invalidator(cache).key(DIGEST)
+    cache.now = lambda: time.time() + 2.0  # type: ignore[method-assign]
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, after)
+    engine.wait_started()  # while the first still runs, holding the lease
+    assert leases.calls == 2
+    assert engine.gate is not None
+    engine.gate.set()
+    assert after.wait() == [("final", "Hello", "miss")]
+    assert before.wait() == [("final", "Hello", "miss")]
+    assert stored_text(cache) == "Hello"
+    stage.close()
+    assert leases.released == [Lease(f"lease:{DIGEST}", "first")]
+
+
 def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
     class FailsAfterWaiting(TieredCache):
         reads = 0

@@ -57,6 +57,9 @@ class Flight:
     # The tags its answer is stored with (its leader's; not part of the key): what an
     # invalidation by tag since it started kills.
     tags: tuple[str, ...] = ()
+    # Left the table for a newer flight because an invalidation covers its answer: one still
+    # holding its cross-replica lease is not waited for by that newer flight.
+    superseded: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:
@@ -142,6 +145,7 @@ class FlightTable:
                 with self._lock:
                     if self._flights.get(key) is flight:
                         del self._flights[key]
+                        flight.superseded = True
             else:
                 checked = flight
 
