@@ -138,3 +138,30 @@ def test_completing_a_stale_flight_keeps_the_new_one() -> None:
 
 def test_abandoned_error_is_unavailable() -> None:
     assert isinstance(abandoned_error(), Unavailable)
+
+
+def test_a_slow_cancellation_check_holds_up_no_writer() -> None:
+    """A reader asks whether its requester cancelled outside the flight's lock: the chunk
+    written meanwhile goes in at once (before, the writer and every `leave` waited for the
+    answer, which python_backend's sender gets from Triton's core)."""
+    flight = Flight("k", subscribers=1)
+    asking, answer = threading.Event(), threading.Event()
+
+    def is_cancelled() -> bool:
+        asking.set()
+        assert answer.wait(10)
+        return False
+
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.extend(flight.read(is_cancelled, poll_s=0.01)))
+    reader.start()
+    assert asking.wait(10)
+    appended = threading.Thread(target=flight.append, args=("x",))
+    appended.start()
+    appended.join(2)
+    written = not appended.is_alive()
+    answer.set()
+    flight.finish()
+    reader.join(10)
+    assert written
+    assert got == ["x"]

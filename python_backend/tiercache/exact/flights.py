@@ -90,17 +90,21 @@ class Flight:
     def read(
         self, is_cancelled: Callable[[], bool] = lambda: False, poll_s: float = 0.05
     ) -> Iterator[str]:
-        """Yield every chunk from the first; raise the flight's error; stop if `is_cancelled`."""
+        """Yield every chunk from the first; raise the flight's error; stop if `is_cancelled`.
+        `is_cancelled` is asked outside the flight's lock (python_backend's asks Triton's core:
+        one slow answer must not hold up the flight's writer, nor the table's `leave`)."""
         index = 0
         while True:
+            if index >= len(self.chunks) and not self.done and is_cancelled():
+                return
             with self._cond:
-                while index >= len(self.chunks) and not self.done:
-                    if is_cancelled():
-                        return
+                if index >= len(self.chunks) and not self.done:
                     self._cond.wait(poll_s)
                 pending = self.chunks[index:]
                 index = len(self.chunks)
                 finished, error = self.done, self.error
+            if not pending and not finished:
+                continue
             yield from pending
             if finished and index >= len(self.chunks):
                 if error is not None:
