@@ -366,6 +366,8 @@ class Generations:
                 return self.cache.invalidates(digest, made)
 
             flight, leader = self.flights.join(key, self.cache.now(), stale, directives.tags)
+            if after_store is not None and flight.after_store is None:
+                flight.after_store = after_store  # a follower's when the leader brought none
             if not leader and self._on_follow is not None:
                 try:
                     self._on_follow()
@@ -510,6 +512,7 @@ class Generations:
                 )
                 if stored and directives.draft_digest and request.greedy:
                     self._keep_draft(directives.draft_digest, flight.text(), request, started_s)
+                after_store = after_store or flight.after_store
                 if stored and after_store is not None:
                     self._run_after_store(after_store)
             if self._on_generation is not None:

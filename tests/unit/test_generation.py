@@ -522,6 +522,27 @@ def test_after_store_runs_once_only_when_the_answer_is_stored(cache: TieredCache
     assert not_stored == []
 
 
+def test_a_followers_index_write_runs_when_its_leader_brought_none(cache: TieredCache) -> None:
+    """A semantic hit being verified carries no vector (its prompt is not indexed by it); a
+    plain miss for the same prompt that joins its flight does, and its index write runs once
+    the answer is stored (before, the leader's None decided for every follower)."""
+    engine = FakeEngine(gate=threading.Event())
+    follows = Follows(1)
+    stage = make_stage(cache, engine, on_follow=follows)
+    indexed: list[str] = []
+    verifying, plain = Recorder(), Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, verifying, None, verify="Hello")
+    engine.wait_started()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, plain, lambda: indexed.append("indexed"))
+    assert follows.reached.wait(TIMEOUT_S)
+    assert engine.gate is not None
+    engine.gate.set()
+    assert verifying.wait() == [("final", "Hello", "verified")]
+    assert plain.wait()[0][:2] == ("final", "Hello")
+    stage.close()
+    assert indexed == ["indexed"]
+
+
 def test_failing_after_store_does_not_fail_the_answer(cache: TieredCache) -> None:
     def broken() -> None:
         raise RuntimeError("index unavailable")

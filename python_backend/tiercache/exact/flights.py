@@ -60,6 +60,9 @@ class Flight:
     # Left the table for a newer flight because an invalidation covers its answer: one still
     # holding its cross-replica lease is not waited for by that newer flight.
     superseded: bool = False
+    # What runs once its answer is stored (the semantic index write): its leader's, or the
+    # first subscriber's that brought one (a verified semantic hit leading brings none).
+    after_store: Callable[[], None] | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def append(self, chunk: str) -> None:
