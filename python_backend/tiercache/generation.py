@@ -110,6 +110,18 @@ class _Directives:
     # a semantic hit's answer the engine verifies first (`verify-semantic`); None for none (an
     # empty answer is one to verify)
     verify: str | None = None
+    # prompt_cache's ttl_s (0: none): the oldest stored answer it would serve
+    serve_ttl_s: float = 0.0
+
+    @property
+    def read_age_s(self) -> float | None:
+        """The oldest stored answer this miss takes instead of a generation: its max-age and
+        prompt_cache's ttl_s, whichever is less (None: any, under this stage's own ttl_s)."""
+        if self.serve_ttl_s <= 0:
+            return self.max_age_s
+        if self.max_age_s is None:
+            return self.serve_ttl_s
+        return min(self.max_age_s, self.serve_ttl_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,10 +270,12 @@ class Generations:
         neighbours: tuple[str, ...] = (),
         verify: str | None = None,
         on_verified: Callable[[bool | None], None] | None = None,
+        serve_ttl_s: float = 0.0,
     ) -> None:
         """Serve a miss on a worker thread; returns at once (the model is decoupled).
         `tags` go with the stored answer; `max_age_s` bounds the age of a cached answer this
-        request accepts instead of a generation (its cache_control directives).
+        request accepts instead of a generation (its cache_control directives), and so does
+        `serve_ttl_s` (prompt_cache's ttl_s, 0: none), whichever is less.
         `draft_digest` (tiercache.exact.keys.draft_digest): the answer kept there goes to the
         engine as a draft for speculative decoding, and a greedy request's answer is kept there
         once stored. The answers under `neighbours` (its nearest semantic neighbours') go
@@ -273,7 +287,7 @@ class Generations:
         `after_store` runs once the answer is stored (the semantic index write), if it is.
         `generate` replaces the stage's engine call for this request if it leads its flight (it
         carries per-request engine inputs, such as the adapter weights lora_cache sent)."""
-        directives = _Directives(tags, max_age_s, draft_digest, neighbours, verify)
+        directives = _Directives(tags, max_age_s, draft_digest, neighbours, verify, serve_ttl_s)
         with self._lock:
             full = self._pending >= self.max_pending
             if full:
@@ -464,7 +478,7 @@ class Generations:
             # engine run for nobody, and no request joins it from here on
             if self.flights.retire_if_abandoned(flight):
                 raise abandoned_error()
-            max_age_s = directives.max_age_s
+            max_age_s = directives.read_age_s
             if digest is not None and recheck:
                 # A flight for this digest may have finished between the lookup and now.
                 found = self._stored(digest, max_age_s, request)

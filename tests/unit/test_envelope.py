@@ -57,6 +57,7 @@ FULL = Envelope(
     max_age_s=2.5,
     draft_digest="f" * 64,
     verify_semantic=True,
+    serve_ttl_s=3600.0,
     key="c" * 64,
     issued_s=ISSUED_S,
 )

@@ -958,6 +958,22 @@ def test_an_answer_stored_since_the_lookup_reports_how_it_ended(cache: TieredCac
     stage.close()
 
 
+@pytest.mark.parametrize(("serve_ttl_s", "served"), [(0.0, "from cache"), (60.0, "from cache"),
+                                                     (5.0, "Hello")])  # fmt: skip
+def test_the_re_check_serves_no_answer_older_than_prompt_cache_would(
+    cache: TieredCache, serve_ttl_s: float, served: str
+) -> None:
+    """llm's read of the tiers before it generates keeps to prompt_cache's ttl_s (the
+    envelope's `serve_ttl_s`) as well as its own: a padded tenant's answers all come through
+    it, and llm's ttl_s (0 here: no cap) may be longer than the age prompt_cache serves."""
+    cache.put(DIGEST, "from cache", created_s=time.time() - 10.0)
+    stage = make_stage(cache, FakeEngine())
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r, serve_ttl_s=serve_ttl_s)
+    assert r.wait() == [("final", served, "miss")]
+    stage.close()
+
+
 def test_a_producer_that_cannot_start_fails_its_flight_and_frees_it(
     cache: TieredCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -38,7 +38,7 @@ from tiercache.exact.tenant_keys import KeyFile
 from tiercache.stages.seal import ENVELOPE_LABEL, NO_TOKENS, SEAL_CHARS, Sealer, Tokens, hit_parts
 from tiercache.vocabulary import REQUEST_DRAFT_SOURCES, CacheStatus
 
-ENVELOPE_VERSION = 4
+ENVELOPE_VERSION = 5
 ENVELOPE_TENSOR = "ENVELOPE"
 MAX_ENVELOPE_BYTES = 1 << 20  # an envelope is a few KiB; a larger one was not made by a stage
 # An envelope's issue time is whole seconds rounded down to this step, so a repeated exact hit
@@ -80,6 +80,9 @@ class Envelope:
     draft_digest: str = ""
     # cache_control `verify-semantic`: llm has the engine verify a semantic hit before serving it
     verify_semantic: bool = False
+    # prompt_cache's ttl_s: the oldest answer it serves, which llm's own reads of the tiers (the
+    # re-check before generating, another replica's answer) keep to as well (0: no cap)
+    serve_ttl_s: float = 0.0
     # SHA-256 of the API key that sent the request (tiercache.exact.tenant_keys; "" without a
     # key file, and in llm's engine calls, which no caller sees)
     key: str = ""
@@ -142,6 +145,7 @@ class Envelope:
             "max_age_s": self.max_age_s,
             "draft_digest": self.draft_digest,
             "verify_semantic": self.verify_semantic,
+            "serve_ttl_s": self.serve_ttl_s,
             "key": self.key,
             "issued_s": self.issued_s,
         }
@@ -388,6 +392,7 @@ _ENVELOPE_FIELDS: tuple[tuple[str, type, bool], ...] = (
     ("max_age_s", float, True),
     ("draft_digest", str, False),
     ("verify_semantic", bool, False),
+    ("serve_ttl_s", float, False),
     ("key", str, False),
     ("issued_s", int, False),
 )

@@ -827,6 +827,7 @@ class LlmStage:
             self.engine.call_with(item.lora),
             tags=envelope.cache_tags,
             max_age_s=envelope.max_age_s,
+            serve_ttl_s=envelope.serve_ttl_s,
             draft_digest=envelope.draft_digest,
             neighbours=item.neighbours,
         )
@@ -865,6 +866,7 @@ class LlmStage:
             self.engine.call_with(item.lora),
             tags=envelope.cache_tags,
             max_age_s=envelope.max_age_s,
+            serve_ttl_s=envelope.serve_ttl_s,
             draft_digest=envelope.draft_digest,
             verify=item.cached_text,
             on_verified=verified,

@@ -98,7 +98,8 @@ class PromptCacheStage:
         if found is None:
             result = self.cache.result(prepared, None)
             self.requests[result.status.value].increment(1)
-            outputs = outputs_of(envelope_of(result, key).seal(self.sealer), "", NO_TOKENS)
+            envelope = envelope_of(result, key, serve_ttl_s=self.cache.cache.default_ttl_s)
+            outputs = outputs_of(envelope.seal(self.sealer), "", NO_TOKENS)
         else:
             self._exact.increment(1)
             self.hits[found.tier].increment(1)
@@ -146,7 +147,8 @@ class PromptCacheStage:
         kept = self._sealed.get(memo_key) if short else None
         if kept is not None and kept[0] == issued_s:
             return kept[1]
-        envelope = envelope_of(self.cache.result(prepared, found), key, issued_s)
+        result = self.cache.result(prepared, found)
+        envelope = envelope_of(result, key, issued_s, self.cache.cache.default_ttl_s)
         outputs = outputs_of(envelope.seal(self.sealer, text, tokens), text, tokens)
         if short and small_request(prepared.request):
             # shared by every response that sends them: read-only, a view copied (its base
@@ -169,11 +171,14 @@ class PromptCacheStage:
         self.cache.cache.close()
 
 
-def envelope_of(result: LookupResult, key: str = "", issued_s: int | None = None) -> Envelope:
+def envelope_of(
+    result: LookupResult, key: str = "", issued_s: int | None = None, serve_ttl_s: float = 0.0
+) -> Envelope:
     """The envelope of a lookup, also on an exact hit (llm reads the hit's tenant scope from it
     to decide response-time padding, tiercache.padding), issued at `issued_s` (None: now,
     tiercache.stages.envelope.issued_now), naming the API key that sent it by its hash (`key`;
-    "" without a key file)."""
+    "" without a key file), with the oldest answer prompt_cache serves (`serve_ttl_s`, its
+    ttl_s), which llm's reads keep to too."""
     return Envelope(
         request=result.request,
         status=result.status,
@@ -185,6 +190,7 @@ def envelope_of(result: LookupResult, key: str = "", issued_s: int | None = None
         max_age_s=result.max_age_s,
         draft_digest=result.draft_digest,
         verify_semantic=result.verify_semantic,
+        serve_ttl_s=serve_ttl_s,
         key=key,
         issued_s=issued_now() if issued_s is None else issued_s,
     )
