@@ -1,8 +1,12 @@
 """`tiercache-client`: command line for a tiercache server.
 
 Exit codes: 0 success; 1 server/transport error or server not ready; 2 invalid request, not
-found, refused (no or a wrong admin token), bad command-line arguments, or a warmed prompt the
-server refused; 130 interrupted.
+found, refused (no or a wrong admin token), bad command-line arguments, or a warmed prompt or
+adapter the server could not warm; 130 interrupted.
+
+What the server sends (model names, answer ids, reports, error texts) is shown with its
+control characters escaped: a server must not move the terminal's cursor or rewrite its lines.
+The generated text itself goes to stdout as it is.
 
 The admin commands (stats, invalidate, flush, warm) send the operator's admin token, read from
 --admin-token-file (default: $TIERCACHE_ADMIN_TOKEN_FILE, else <state dir>/admin_token with the
@@ -161,15 +165,25 @@ def _api_key_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def shown(value: object) -> str:
+    """`value` as text for the terminal: every character `str.isprintable` refuses (escapes,
+    line breaks, bidi overrides) written as its escape, e.g. \\x1b."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _feedback(client: TierCacheClient, args: argparse.Namespace) -> int:
     report = client.feedback(args.answer_id, args.verdict, tenant=args.tenant)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
+    verdict = shown(report.get("verdict"))
     if "served" in report:
-        print(f"{report.get('verdict')} ({report['served']}): {report.get('reaches', '?')}")
+        print(f"{verdict} ({shown(report['served'])}): {shown(report.get('reaches', '?'))}")
     else:  # a deployment that pads some tenant says no more (docs/security.md)
-        print(f"{report.get('verdict')}: accepted")
+        print(f"{verdict}: accepted")
     return 0
 
 
@@ -179,7 +193,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def summary_line(result: GenerationResult) -> str:
     """The stderr summary, e.g. "[cache: semantic (sim 0.953) | 1.23 ms | first chunk 0.90 ms]"."""
-    cache = f"cache: {result.cache_status or 'unknown'}"
+    cache = f"cache: {shown(result.cache_status or 'unknown')}"
     if result.similarity is not None:
         cache += f" (sim {result.similarity:.3f})"
     parts = [cache, f"{result.latency_s * 1000.0:.2f} ms"]
@@ -187,8 +201,10 @@ def summary_line(result: GenerationResult) -> str:
         parts.append(f"prefix KV reused {result.kv_reused_tokens} tokens")
     if result.first_chunk_s is not None:
         parts.append(f"first chunk {result.first_chunk_s * 1000.0:.2f} ms")
+    if result.finish_reason and result.finish_reason != "stop":
+        parts.append(f"finished: {shown(result.finish_reason)}")
     if result.answer_id:
-        parts.append(f"answer {result.answer_id}")
+        parts.append(f"answer {shown(result.answer_id)}")
     return "[" + " | ".join(parts) + "]"
 
 
@@ -218,6 +234,9 @@ def _generate(client: TierCacheClient, args: argparse.Namespace) -> int:
                     "kv_reused_tokens": item.kv_reused_tokens,
                     "kv_computed_tokens": item.kv_computed_tokens,
                     "speculated_tokens": item.speculated_tokens,
+                    "finish_reason": item.finish_reason,
+                    "prompt_tokens": item.prompt_tokens,
+                    "completion_tokens": item.completion_tokens,
                     "answer_id": item.answer_id,
                 }
                 print(json.dumps(record, ensure_ascii=False))
@@ -237,7 +256,7 @@ def _health(client: TierCacheClient) -> int:
     print(f"live: {'yes' if state['live'] else 'no'}")
     print(f"ready: {'yes' if state['ready'] else 'no'}")
     for name, ready in sorted(state["models"].items()):
-        print(f"model {name}: {'ready' if ready else 'not ready'}")
+        print(f"model {shown(name)}: {'ready' if ready else 'not ready'}")
     return 0 if state["ready"] else 1
 
 
@@ -250,10 +269,10 @@ def adapter_rows(report: dict) -> list[tuple[str, ...]]:
         digest = str(entry.get("digest", ""))
         rows.append(
             (
-                str(entry.get("name", "")),
-                str(entry.get("task_id", "")),
-                digest[:12],
-                str(entry.get("tier", "")),
+                shown(entry.get("name", "")),
+                shown(entry.get("task_id", "")),
+                shown(digest[:12]),
+                shown(entry.get("tier", "")),
                 "yes" if digest in engine else "no",
                 "yes" if entry.get("pinned") else "no",
             )
@@ -266,11 +285,17 @@ def _adapters(client: TierCacheClient, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
-    for name, outcome in sorted((report.get("warmed") or {}).items()):
-        print(f"warm {name}: {outcome}")
+    warmed = report.get("warmed") or {}
+    for name, outcome in sorted(warmed.items()):
+        print(f"warm {shown(name)}: {shown(outcome)}")
     header = ("adapter", "task", "digest", "tier", "in engine", "pinned")
     print_table([header, *adapter_rows(report)])
-    return 0
+    return 2 if _warm_failures(warmed) else 0
+
+
+def _warm_failures(warmed: dict) -> int:
+    """How many of lora_cache's warm outcomes (`{name: "loaded" | ... | "error: ..."}`) failed."""
+    return sum(1 for outcome in warmed.values() if str(outcome).startswith("error"))
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
@@ -290,11 +315,12 @@ def _stats(client: TierCacheClient, args: argparse.Namespace) -> int:
     rows: list[tuple[str, ...]] = [("tier", *STAT_COLUMNS)]
     notes = []
     for tier, values in sorted(report.get("tiers", {}).items()):
+        tier = shown(tier)
         if not values.get("reachable", True):
             rows.append((tier, *("-" for _ in STAT_COLUMNS)))
-            notes.append(f"{tier}: {values.get('note', 'not reachable')}")
+            notes.append(f"{tier}: {shown(values.get('note', 'not reachable'))}")
             continue
-        rows.append((tier, *(str(values.get(c, "")) for c in STAT_COLUMNS)))
+        rows.append((tier, *(shown(values.get(c, "")) for c in STAT_COLUMNS)))
     print_table(rows)
     for note in notes:
         print(note)
@@ -304,8 +330,9 @@ def _stats(client: TierCacheClient, args: argparse.Namespace) -> int:
 def _invalidate(client: TierCacheClient, args: argparse.Namespace) -> int:
     report = client.invalidate(key=args.key, tag=args.tag, tenant=args.tenant, adapter=args.adapter)
     print(
-        f"invalidated {report.get('kind')}: dropped {report.get('dropped_l2', 0)} from L2, "
-        f"{report.get('dropped_l3', 0)} from L3; reaches {report.get('reaches', '?')}"
+        f"invalidated {shown(report.get('kind'))}: dropped {shown(report.get('dropped_l2', 0))} "
+        f"from L2, {shown(report.get('dropped_l3', 0))} from L3; reaches "
+        f"{shown(report.get('reaches', '?'))}"
     )
     return 0
 
@@ -316,7 +343,7 @@ def _flush(client: TierCacheClient, args: argparse.Namespace) -> int:
         return 2
     report = client.flush()
     for tier, count in sorted((report.get("flushed") or {}).items()):
-        print(f"flushed {tier}: {count} entries")
+        print(f"flushed {shown(tier)}: {shown(count)} entries")
     return 0
 
 
@@ -355,15 +382,16 @@ def _warm(client: TierCacheClient, args: argparse.Namespace) -> int:
             print(f"warm: {done} of {total} prompts sent", file=sys.stderr)
 
     report = client.warm(prompts, args.adapters, on_progress=progress)
-    for name, outcome in sorted(((report.get("adapters") or {}).get("warmed") or {}).items()):
-        print(f"adapter {name}: {outcome}")
-    failed = 0
+    warmed = (report.get("adapters") or {}).get("warmed") or {}
+    for name, outcome in sorted(warmed.items()):
+        print(f"adapter {shown(name)}: {shown(outcome)}")
+    failed = _warm_failures(warmed)
     for number, item in enumerate(report.get("prompts") or [], 1):
         if item.get("status") == "stored":
-            print(f"prompt {number}: stored {str(item.get('digest', ''))[:16]}")
+            print(f"prompt {number}: stored {shown(str(item.get('digest', ''))[:16])}")
         else:
             failed += 1
-            print(f"prompt {number}: {item.get('error', item.get('status'))}")
+            print(f"prompt {number}: {shown(item.get('error', item.get('status')))}")
     return 2 if failed else 0
 
 
@@ -421,10 +449,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return admin[args.command](client, args)
             return _health(client)
     except (InvalidRequestError, NotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {shown(exc)}", file=sys.stderr)
         return 2
     except TierCacheClientError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {shown(exc)}", file=sys.stderr)
+        return 1
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        # a report of another shape than this client reads (another release's server, or not
+        # a tiercache server): said as such, not a traceback
+        print(
+            f"error: the server's answer is not what this client reads ({type(exc).__name__}: "
+            f"{shown(exc)}); is the server the same tiercache release?",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -214,10 +214,30 @@ def build_inputs(
 
 
 def _texts(result: grpcclient.InferResult, name: str) -> list[str]:
+    """The strings of output `name` ([] when absent); UnavailableError when not UTF-8 (what a
+    server sends is checked like any input)."""
     array = result.as_numpy(name)
     if array is None:
         return []
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+    except UnicodeDecodeError as exc:
+        raise UnavailableError(f"the server's {name} is not UTF-8: {exc}") from None
+
+
+def _number(result: grpcclient.InferResult, name: str, kind: type[int] | type[float]) -> Any:
+    """The first value of output `name` as `kind` (None when absent or empty);
+    UnavailableError for one that is not a number."""
+    array = result.as_numpy(name)
+    if array is None or not array.size:
+        return None
+    try:
+        value = kind(array.reshape(-1)[0])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UnavailableError(f"the server's {name} is not a number: {exc}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UnavailableError(f"the server's {name} is not a finite number")
+    return value
 
 
 def _is_final(result: grpcclient.InferResult) -> bool:
@@ -242,6 +262,20 @@ def read_admin_token(path: str | os.PathLike[str]) -> str:
 
 WARM_CALL_PROMPTS = 1_000  # the server's MAX_WARM_PROMPTS
 WARM_CALL_BYTES = 16 << 20  # of JSON a call, well under the server's 64 MiB
+
+
+WARM_CALL_ADAPTERS = 64  # the server's MAX_WARM_ADAPTERS
+
+
+def _report_field(report: dict[str, Any], name: str, kind: type) -> Any:
+    """`report[name]` as `kind` (its empty value when absent or null); UnavailableError for one
+    of another kind (a server's answer is checked like any input)."""
+    value = report.get(name)
+    if value is None:
+        return kind()
+    if type(value) is not kind or (kind is list and not all(isinstance(v, dict) for v in value)):
+        raise UnavailableError(f"the server's warm report has a malformed {name!r}")
+    return value
 
 
 def _warm_calls(items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
@@ -423,9 +457,9 @@ class TierCacheClient:
                 statuses = _texts(result, "cache_status")
                 if statuses:
                     cache_status = statuses[0]
-                sim = result.as_numpy("cache_similarity")
-                if sim is not None and sim.size:
-                    similarity = float(sim.reshape(-1)[0])
+                sim = _number(result, "cache_similarity", float)
+                if sim is not None:
+                    similarity = sim
                 finish = _texts(result, "finish_reason")
                 if finish and finish[0]:
                     finish_reason = finish[0]
@@ -433,9 +467,9 @@ class TierCacheClient:
                 if ids and ids[0]:
                     answer_id = ids[0]
                 for name in TOKEN_OUTPUTS:
-                    value = result.as_numpy(name)
-                    if value is not None and value.size:
-                        usage[name] = int(value.reshape(-1)[0])
+                    value = _number(result, name, int)
+                    if value is not None:
+                        usage[name] = value
                 if _is_final(result):
                     break
             completed = True
@@ -596,26 +630,29 @@ class TierCacheClient:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
         """Pre-load answers (`{"text_input", "answer", ...ensemble inputs}` each; reported per
-        item) and load adapters into the engine (`NotFoundError` for an unknown name). Sent in
-        calls of at most WARM_CALL_PROMPTS prompts and about WARM_CALL_BYTES (the server takes
-        1,000 a call); `on_progress(done, total)` after each. A call that fails raises, the
+        item) and load adapters into the engine (`NotFoundError` for an unknown name), the
+        adapters first. Sent in calls of at most WARM_CALL_ADAPTERS names, then of at most
+        WARM_CALL_PROMPTS prompts and about WARM_CALL_BYTES (the server takes 64 and 1,000 a
+        call); `on_progress(done, total)` after each part of prompts. A call that fails raises, the
         report of the parts before it lost: the prompts stored so far stay stored."""
         items = list(prompts)
         names = [_check_str("adapter name", n) for n in adapters]
         report: dict[str, Any] = {"op": "warm"}
-        if not items:
-            return self.admin({**report, "adapters": names}) if names else self.admin(report)
-        report.update(prompts=[], stored=0, failed=0)
+        if not items and not names:
+            return self.admin(report)
+        if items:
+            report.update(prompts=[], stored=0, failed=0)
+        warmed: dict[str, Any] = {}
+        for start in range(0, len(names), WARM_CALL_ADAPTERS):  # first: prompts may name them
+            part = self.admin({"op": "warm", "adapters": names[start : start + WARM_CALL_ADAPTERS]})
+            listed = _report_field(part, "adapters", dict)  # lora_cache's list, as it stands
+            warmed.update(_report_field(listed, "warmed", dict))
+            report["adapters"] = {**listed, "warmed": warmed}
         for chunk in _warm_calls(items):
-            op: dict[str, Any] = {"op": "warm", "prompts": chunk}
-            if names:  # with the first part only
-                op["adapters"], names = names, []
-            part = self.admin(op)
-            if "adapters" in part:  # the first part's, which named them
-                report.setdefault("adapters", part["adapters"])
-            report["prompts"].extend(part.get("prompts") or [])
-            report["stored"] += int(part.get("stored") or 0)
-            report["failed"] += int(part.get("failed") or 0)
+            part = self.admin({"op": "warm", "prompts": chunk})
+            report["prompts"].extend(_report_field(part, "prompts", list))
+            report["stored"] += _report_field(part, "stored", int)
+            report["failed"] += _report_field(part, "failed", int)
             if on_progress is not None:
                 on_progress(len(report["prompts"]), len(items))
         return report
@@ -664,12 +701,12 @@ class TierCacheClient:
             raise _error(exc) from None
         finally:
             self._release(client, reusable)
-        texts = _texts(result, output)
+        texts = _texts(result, output)  # UnavailableError when not UTF-8
         if not texts:
             raise UnavailableError(f"{model} answered without {output}")
         try:
             parsed = json.loads(texts[0])
-        except ValueError as exc:  # json's and UTF-8's errors alike
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the limit
             raise UnavailableError(
                 f"{model} answered with {output} that is not JSON: {exc}"
             ) from None

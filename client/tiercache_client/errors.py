@@ -96,6 +96,7 @@ _UNREACHABLE_MARKERS = (
     "failed to connect",
     "connection refused",
     "dns resolution failed",
+    "errors resolving",  # gRPC's for a host name that does not resolve
     "name resolution",
     "socket closed",
     "connection reset",

@@ -88,10 +88,26 @@ def front_end_flags(
     return found
 
 
+def gateway_packages_missing() -> list[str]:
+    """The gateway's packages (the `gateway` extra) this install lacks."""
+    import importlib.util
+
+    return [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tiercache.admin import ADMIN_TOKEN_FILE_ENV, admin_token_path, load_or_create_admin_token
     from tiercache.errors import ConfigError
 
+    missing = gateway_packages_missing()
+    if args.gateway and missing:
+        print(
+            f"error: the gateway (on by default) needs {', '.join(missing)}, which this "
+            "install lacks: install the gateway extra (`pip install 'tiercache[gateway]'`; "
+            "`make serve` installs it), or pass --no-gateway to serve Triton's gRPC alone",
+            file=sys.stderr,
+        )
+        return 2
     passed = front_end_flags(args.tritonserver_args)
     if passed:
         print(
@@ -550,6 +566,9 @@ def _invalidate(args: argparse.Namespace) -> int:
     except TierCacheError as exc:
         print(f"tiercache: {exc.client_message()}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # redis-py's for a URL it cannot read (no redis:// scheme)
+        print(f"tiercache: --redis-url: {exc}", file=sys.stderr)
+        return 2
     cache = TieredCache([(Tier.L3, RedisStore(link))])
     try:
         # Redis away: not checked here, and the Invalidator reports it below.
@@ -685,6 +704,14 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    missing = gateway_packages_missing()
+    if missing:
+        print(
+            f"error: the gateway needs {', '.join(missing)}, which this install lacks: install "
+            "the gateway extra (`pip install 'tiercache[gateway]'`)",
+            file=sys.stderr,
+        )
+        return 2
     import uvicorn  # the gateway's server: imported only for this command
 
     from tiercache.gateway.app import GatewaySettings, metrics_networks, server_config
@@ -796,8 +823,9 @@ def _keys(args: argparse.Namespace) -> int:
         if args.keys_command == "add":
             tenant = unicodedata.normalize("NFKC", args.tenant).strip()  # as prompt_cache does
             key, grant = add_key(path, tenant, names(args.adapters), names(args.cache_control))
-            print(f"{key}\n(key id {grant.key_id}, tenant {grant.tenant!r}; stored hashed in "
-                  f"{path}: this is the only time the key is shown)")  # fmt: skip
+            print(key)  # alone on stdout: `tiercache keys add ... > tenant.key` is the key file
+            print(f"(key id {grant.key_id}, tenant {grant.tenant!r}; stored hashed in {path}: "
+                  "this is the only time the key is shown)", file=sys.stderr)  # fmt: skip
             return 0
         if args.keys_command == "list":
             for grant in list_grants(path):

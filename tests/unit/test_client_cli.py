@@ -37,7 +37,13 @@ from tiercache_client import (
     classify,
     read_admin_token,
 )
-from tiercache_client.cli import build_parser, default_admin_token_file, main, summary_line
+from tiercache_client.cli import (
+    build_parser,
+    default_admin_token_file,
+    main,
+    shown,
+    summary_line,
+)
 
 TOKEN_BYTES = bytes(range(32))  # what the fake server's admin token file holds
 TOKEN = TOKEN_BYTES.hex()
@@ -190,12 +196,20 @@ def test_build_inputs_non_str_prompt() -> None:
 # ---------------------------------------------------------------- fake Triton
 
 
-def _bytes_output(resp: service_pb2.ModelInferResponse, name: str, values: list[str]) -> None:
+def _bytes_output(
+    resp: service_pb2.ModelInferResponse, name: str, values: list[str] | list[bytes]
+) -> None:
     out = resp.outputs.add()
     out.name, out.datatype = name, "BYTES"
     out.shape.extend([1, len(values)])
-    array = np.array([v.encode() for v in values], dtype=np.object_)
+    array = np.array([v if isinstance(v, bytes) else v.encode() for v in values], dtype=np.object_)
     resp.raw_output_contents.append(serialize_byte_tensor(array).item())
+
+
+def _warm_outcome(name: str) -> str:
+    """lora_cache's outcome for one adapter it warms: "broken" fails, as a folder it cannot
+    read would (reported, not raised), the rest load."""
+    return "error: cannot read its weights" if name == "broken" else "loaded"
 
 
 class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -208,6 +222,10 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.feedback_calls: list[tuple[dict[str, str], dict[str, str]]] = []
         self.hang_started = threading.Event()
         self.hang_ended = threading.Event()
+        # what a broken or hostile server sends: cache_admin's raw answer instead of its own,
+        # and more model names in the repository index
+        self.admin_answer: bytes | None = None
+        self.extra_models: list[str] = []
 
     def ServerLive(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -217,8 +235,13 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryIndex(self, request: Any, context: Any) -> Any:
         M = service_pb2.RepositoryIndexResponse.ModelIndex
+        extra = [M(name=name, state="READY") for name in self.extra_models]
         return service_pb2.RepositoryIndexResponse(
-            models=[M(name="ensemble", version="1", state="READY"), M(name="engine", state="")]
+            models=[
+                M(name="ensemble", version="1", state="READY"),
+                M(name="engine", state=""),
+                *extra,
+            ]
         )
 
     def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -237,6 +260,10 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         if deserialize_bytes_tensor(raw)[0].decode() != TOKEN:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "forbidden: wrong admin token")
         self.admin_calls.append(op)
+        if self.admin_answer is not None:
+            resp = service_pb2.ModelInferResponse(model_name="cache_admin", id=request.id)
+            _bytes_output(resp, "ADMIN_RESULT", [self.admin_answer])
+            return resp
         if op["op"] == "adapters":
             return self._adapters(request, op.get("warm") or [], context)
         return self._cache_admin(request, op, context)
@@ -266,7 +293,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             "engine_reported": [{"name": "caps", "digest": "ab" * 32}],
         }
         if warm:
-            report["warmed"] = {name: "loaded" for name in warm}
+            report["warmed"] = {name: _warm_outcome(name) for name in warm}
         resp = service_pb2.ModelInferResponse(model_name="cache_admin", id=request.id)
         _bytes_output(resp, "ADMIN_RESULT", [json.dumps(report)])
         return resp
@@ -288,7 +315,7 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
                     else {"status": "error", "error": "invalid request: answer"}
                     for p in op.get("prompts", [])
                 ],
-                "adapters": {"warmed": {n: "loaded" for n in op.get("adapters", [])}},
+                "adapters": {"warmed": {n: _warm_outcome(n) for n in op.get("adapters", [])}},
             },
         }
         resp = service_pb2.ModelInferResponse(model_name="cache_admin", id=request.id)
@@ -310,6 +337,15 @@ class _FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
                 continue
             if prompt == "vanish":  # the stream closed cleanly, no response at all (a proxy)
                 return
+            if prompt in ("bad-utf8", "bad-number"):  # a broken server's final response
+                final = service_pb2.ModelInferResponse(model_name="ensemble", id=req.id)
+                if prompt == "bad-utf8":
+                    _bytes_output(final, "cache_status", [b"\xff\xfe"])
+                else:
+                    _bytes_output(final, "kv_reused_tokens", ["zz"])
+                final.parameters["triton_final_response"].bool_param = True
+                yield service_pb2.ModelStreamInferResponse(infer_response=final)
+                continue
             if prompt in ("drip", "stall"):  # a chunk every 0.3 s for 1.8 s; or one, then 3 s
                 for i in range(6 if prompt == "drip" else 1):
                     time.sleep(0.3)
@@ -611,6 +647,9 @@ def test_cli_generate_json(
         "kv_reused_tokens",
         "kv_computed_tokens",
         "speculated_tokens",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
         "answer_id",
     }
     assert record["answer_id"] == ANSWER_ID
@@ -723,11 +762,10 @@ def test_cli_warm(
     good = tmp_path / "good.jsonl"
     good.write_text('{"text_input": "a", "answer": "b", "tenant": "t"}\n\n')
     assert main(["warm", "--url", url, "--prompts", str(good), "--adapter", "caps"]) == 0
-    assert fake.admin_calls[-1] == {
-        "op": "warm",
-        "prompts": [{"text_input": "a", "answer": "b", "tenant": "t"}],
-        "adapters": ["caps"],
-    }
+    assert fake.admin_calls[-2:] == [
+        {"op": "warm", "adapters": ["caps"]},  # the adapters first: prompts may name them
+        {"op": "warm", "prompts": [{"text_input": "a", "answer": "b", "tenant": "t"}]},
+    ]
     out = capsys.readouterr().out
     assert "adapter caps: loaded" in out and "prompt 1: stored" in out
     refused = tmp_path / "refused.jsonl"
@@ -746,15 +784,15 @@ def test_cli_warm(
         odd.write_text('{"text_input": "a", "answer": "b"}\n' + text + "\n")
         assert main(["warm", "--url", url, "--prompts", str(odd)]) == 2
         assert "odd.jsonl:2" in capsys.readouterr().err
-    # a file of 2,500 prompts goes in three calls of at most 1,000 (the server's bound), the
-    # adapters with the first, progress on stderr, every prompt reported once
+    # a file of 2,500 prompts goes in three calls of at most 1,000 (the server's bound), after
+    # the adapters' own, progress on stderr, every prompt reported once
     many = tmp_path / "many.jsonl"
     many.write_text("".join(f'{{"text_input": "p{i}", "answer": "b"}}\n' for i in range(2_500)))
     calls = len(fake.admin_calls)
     assert main(["warm", "--url", url, "--prompts", str(many), "--adapter", "caps"]) == 0
     sent = fake.admin_calls[calls:]
-    assert [len(c["prompts"]) for c in sent] == [1_000, 1_000, 500]
-    assert [c.get("adapters") for c in sent] == [["caps"], None, None]
+    assert [len(c.get("prompts", [])) for c in sent] == [0, 1_000, 1_000, 500]
+    assert [c.get("adapters") for c in sent] == [["caps"], None, None, None]
     captured = capsys.readouterr()
     assert "warm: 2500 of 2500 prompts sent" in captured.err
     assert captured.out.count(": stored") == 2_500 and "adapter caps: loaded" in captured.out
@@ -918,3 +956,91 @@ def test_the_idle_timeout_flag_is_checked(capsys: pytest.CaptureFixture[str]) ->
     for bad in ("0", "-1", "nan", "inf"):
         assert main(["generate", "hi", "--idle-timeout", bad]) == 2
         assert "--idle-timeout must be > 0 and finite" in capsys.readouterr().err
+
+
+def test_warm_splits_adapters_and_an_adapter_that_fails_to_warm_fails_the_command(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """More than 64 adapter names (the server's bound for one call) go in calls of 64; an
+    adapter lora_cache reports it could not warm exits 2 (before, 0: a deploy script read it
+    as loaded), in `warm` and in `adapters --warm` alike."""
+    url, fake = fake_server
+    names = [f"a{i}" for i in range(65)]
+    calls = len(fake.admin_calls)
+    argv = ["warm", "--url", url]
+    for name in names:
+        argv += ["--adapter", name]
+    assert main(argv) == 0
+    assert [c["adapters"] for c in fake.admin_calls[calls:]] == [names[:64], names[64:]]
+    assert capsys.readouterr().out.count(": loaded") == 65
+    assert main(["warm", "--url", url, "--adapter", "caps", "--adapter", "broken"]) == 2
+    assert "adapter broken: error: cannot read its weights" in capsys.readouterr().out
+    assert main(["adapters", "--url", url, "--warm", "broken"]) == 2
+    assert main(["adapters", "--url", url, "--warm", "caps"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "answer"),
+    [
+        (["stats"], b"\xff not utf-8"),
+        (["stats"], b'{"tiers": ["l1"]}'),
+        (["flush", "--yes"], b'{"flushed": ["l2"]}'),
+        (["warm", "--prompts", "PROMPTS"], b'{"stored": "many"}'),
+        (["warm", "--prompts", "PROMPTS"], b'{"prompts": ["x"]}'),
+        (["warm", "--adapter", "caps"], b'{"adapters": {"warmed": ["caps"]}}'),
+        (["stats"], b"[" * 100_000),
+    ],
+)
+def test_a_malformed_server_answer_is_an_error_not_a_traceback(
+    fake_server: tuple[str, _FakeTriton],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    argv: list[str],
+    answer: bytes,
+) -> None:
+    url, fake = fake_server
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text_input": "a", "answer": "b"}\n')
+    fake.admin_answer = answer
+    try:
+        code = main([a.replace("PROMPTS", str(prompts)) for a in argv] + ["--url", url])
+    finally:
+        fake.admin_answer = None
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("prompt", ["bad-utf8", "bad-number"])
+def test_a_malformed_generation_result_is_a_client_error(
+    fake_server: tuple[str, _FakeTriton], prompt: str
+) -> None:
+    """A final response whose strings are not UTF-8 or whose numbers are not numbers raises
+    the client's own UnavailableError (callers catch TierCacheClientError), not Python's."""
+    url, _ = fake_server
+    with TierCacheClient(url, timeout_s=10) as client, pytest.raises(UnavailableError):
+        client.generate_text(prompt)
+
+
+def test_what_a_server_names_reaches_the_terminal_escaped(
+    fake_server: tuple[str, _FakeTriton], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model name carrying an escape sequence (which could rewrite the operator's terminal)
+    is printed with its control characters escaped."""
+    url, fake = fake_server
+    fake.extra_models = ["\x1b[2Jevil\nmodel ensemble: ready"]
+    try:
+        assert main(["health", "--url", url]) == 0
+    finally:
+        fake.extra_models = []
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "model \\x1b[2Jevil\\nmodel ensemble: ready: ready" in out
+    assert shown("caf\u00e9 \u202e") == "caf\u00e9 \\u202e"
+
+
+def test_an_unresolvable_host_is_unreachable() -> None:
+    assert isinstance(
+        classify("errors resolving nosuchhost.invalid:1: ...", "StatusCode.UNAVAILABLE"),
+        ServerUnreachableError,
+    )

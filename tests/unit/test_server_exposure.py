@@ -356,6 +356,39 @@ def test_serve_refuses_a_busy_grpc_port_before_starting_anything(
     assert f"the gRPC port {port} is in use" in capsys.readouterr().err
 
 
+def test_serve_and_gateway_without_the_gateway_packages_say_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed without the `gateway` extra (`pip install .`), `serve` (whose gateway is on by
+    default) and `gateway` name the extra and --no-gateway and exit 2 before making anything
+    (before: a ModuleNotFoundError traceback, after the state folder and its token)."""
+    import tiercache.cli as cli
+
+    monkeypatch.setattr(cli, "gateway_packages_missing", lambda: ["starlette", "uvicorn"])
+    state = tmp_path / "state"
+    assert cli.main(["serve", "--state-dir", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert "tiercache[gateway]" in err and "--no-gateway" in err and "Traceback" not in err
+    assert not state.exists()
+    assert cli.main(["gateway"]) == 2
+    assert "tiercache[gateway]" in capsys.readouterr().err
+
+
+def test_invalidate_names_a_redis_url_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercache.cli import main
+
+    (tmp_path / "secret").write_bytes(bytes(range(32)))
+    (tmp_path / "secret").chmod(0o600)
+    code = main(
+        ["invalidate", "--redis-url", "localhost:6379", "--tag", "x", "--state-dir", str(tmp_path)]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: --redis-url: ") and "Traceback" not in err
+
+
 def test_serve_refuses_a_network_host_without_api_keys_unless_told_to_trust_tenants(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

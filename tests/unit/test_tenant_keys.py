@@ -256,7 +256,10 @@ def test_the_keys_command_adds_lists_and_revokes(
 
     path = tmp_path / "keys.json"
     assert main(["keys", "--file", str(path), "add", "--tenant", " Acme ", "--adapters", ""]) == 0
-    key = capsys.readouterr().out.splitlines()[0]
+    added = capsys.readouterr()
+    key = added.out.strip()
+    assert added.out == key + "\n"  # the key alone: `... add > acme.key` is a key file
+    assert "only time the key is shown" in added.err
     grant = KeyFile(path).authorize(key)
     assert (grant.tenant, grant.adapters, grant.cache_control) == ("Acme", frozenset(), None)
     assert main(["keys", "--file", str(path), "list"]) == 0
