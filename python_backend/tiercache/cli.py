@@ -587,6 +587,14 @@ def _invalidate(args: argparse.Namespace) -> int:
     except TierCacheError as exc:
         print(f"tiercache: {exc.client_message()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "tiercache: interrupted; the invalidation is published before the L3 sweep starts "
+            "(the sweep only frees memory): run the same command again to be sure, which is "
+            "safe (a later invalidation of the same value covers all the first one did)",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         cache.close()
     inv = report.invalidation
