@@ -316,6 +316,38 @@ def test_a_damaged_table_row_is_a_miss_not_another_answers_hit(
     assert "table rows found damaged" in caplog.text
 
 
+def test_a_table_row_that_is_not_its_ids_row_in_the_log_is_a_miss_not_its_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two rows' vectors swapped in a scope's table file (or an id changed: either pairs a
+    sound unit vector with another row's id): the query's nearest row would name the other
+    row, whose answer was served as a semantic hit. A candidate whose table vector is not its
+    row's in the log (a fingerprint kept with the row's metadata) is left out: a miss."""
+    embed = _Embed({"how do i reset my password": unit(0, 1)})
+    stage = _stage(tmp_path, embed)
+    answers = stage.answers.store(Tier.L1)
+    answers.put("digest-a", CacheEntry("Open Settings, then Reset", 0.0))  # type: ignore[union-attr]
+    answers.put("digest-b", CacheEntry("Paris", 0.0))  # type: ignore[union-attr]
+    stage.index.add("scope", "digest-a", "how to reset a password", unit(0, 1))
+    stage.index.add("scope", "digest-b", "what is the capital of france", unit(1, 0))
+    (before,) = stage.lookup(["how do i reset my password"], ["scope"])
+    assert (before.outcome, before.text) == (SemanticOutcome.HIT, "Open Settings, then Reset")
+    (table,) = (tmp_path / "sem").rglob("*.tbl")
+    data = table.read_bytes()
+    a, b = data.find(unit(0, 1).tobytes()), data.find(unit(1, 0).tobytes())
+    assert a > 0 and b > 0
+    width = len(unit(0, 1).tobytes())
+    with table.open("r+b") as damaged:  # the mapped table sees it at once (MAP_SHARED)
+        damaged.seek(a)
+        damaged.write(unit(1, 0).tobytes())
+        damaged.seek(b)
+        damaged.write(unit(0, 1).tobytes())
+    assert table.read_bytes()[b : b + width] == unit(0, 1).tobytes()
+    (after,) = stage.lookup(["how do i reset my password"], ["scope"])
+    assert after.outcome is SemanticOutcome.MISS and after.text == ""
+    assert "is not its row" in caplog.text
+
+
 def test_a_vector_the_index_refuses_is_a_miss_and_not_kept(tmp_path: Path) -> None:
     """An embedder that misbehaves (a vector not of unit length would score past every true
     neighbour; one of another width fails the search): the prompt is a miss without a search,

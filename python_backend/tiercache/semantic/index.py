@@ -13,6 +13,7 @@ loads the newest one that covers a prefix of the table's rows, then adds only th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
 from tiercache.semantic.row_log import check_vector, scope_tag
 from tiercache.semantic.scope_search import ScopeSearch, graph_bytes_for
@@ -52,6 +54,16 @@ class _RowMeta:
     scope: str
     digest: str
     prompt: str
+    vector_print: bytes  # `_vector_print` of the log's checksummed vector
+
+
+def _vector_print(vector: np.ndarray) -> bytes:
+    """A row's vector, fingerprinted: the table's copy of a row must be the log's, bit for bit
+    (the table is published from the log's float32 vectors)."""
+    return hashlib.blake2b(np.ascontiguousarray(vector, np.float32).data, digest_size=8).digest()
+
+
+_MISMATCH_LOG = LogThrottle()
 
 
 def _since(started: float) -> float:
@@ -455,11 +467,32 @@ class SemanticIndex:
             unsaved, self._unsaved = self._unsaved, []
         self._save_later(unsaved)
         found = self._metadata([int(ids[i]) for _, i in nearest])
-        return [
-            Neighbour(similarity, row.digest, row.prompt)
-            for (similarity, _), row in zip(nearest, found, strict=True)
-            if row is not None and row.scope == scope
-        ]
+        neighbours = []
+        for (similarity, i), row in zip(nearest, found, strict=True):
+            if row is None or row.scope != scope:
+                continue
+            if _vector_print(snapshot[i]) != row.vector_print:
+                self._mismatched(rows, int(ids[i]))
+                continue
+            neighbours.append(Neighbour(similarity, row.digest, row.prompt))
+        return neighbours
+
+    def _mismatched(self, scope: ScopeSearch, seq: int) -> None:
+        """A table row whose vector is not its id's row in the log (an id or a row changed in
+        the table's file): its similarity is some other row's, so it is left out, a miss, never
+        another row's answer served for it; counted with the damaged rows and logged."""
+        with self._lock:
+            scope.damaged += 1
+        if _MISMATCH_LOG.ready():
+            log.error(
+                "scope %s...: a table row's vector is not its row %d's in the log (an id or a "
+                "vector changed in the table's file) and was left out of a search (%d such lines "
+                "not logged): stop the server and remove the scope's table file so that it is "
+                "rebuilt from the row log",
+                scope.name[:12],
+                seq,
+                _MISMATCH_LOG.suppressed,
+            )
 
     def _timed(self, scope: ScopeSearch, rows: int, seconds: float) -> None:
         """Note a search's time (lock held) for the graphs' value: a search with a graph saved
@@ -488,7 +521,9 @@ class SemanticIndex:
                 cache.clear()
             for seq, row in zip(wanted, self.store.rows(wanted), strict=True):
                 if row is not None:
-                    cache[seq] = _RowMeta(row.scope, row.digest, row.prompt)
+                    cache[seq] = _RowMeta(
+                        row.scope, row.digest, row.prompt, _vector_print(row.vector)
+                    )
         return [cache.get(seq) for seq in seqs]
 
     def add(self, scope: str, digest: str, prompt: str, vector: np.ndarray) -> int:
