@@ -1480,3 +1480,24 @@ def test_a_table_ahead_of_the_log_is_synced_at_its_next_open(tmp_path: Path) -> 
     assert table is not None and table.count() == 6 == store.live_count(tag)
     table.close()
     store.close()
+
+
+def test_a_table_whose_count_is_damaged_after_it_was_mapped_is_rebuilt_not_failed(
+    tmp_path: Path,
+) -> None:
+    """The published count of a table a process already maps, damaged past its capacity: the
+    table's own reads refuse it (TableFormatError) but do not retire it, so every search of
+    the scope in that process failed until a restart. The search opens it again, which
+    rebuilds it from the log, and answers."""
+    store = SemanticStore(tmp_path / "sem")
+    vectors = _random_rows(6, 4)
+    _fill(store, vectors)
+    reader = SemanticIndex(store, DIM)
+    assert reader.search("s", vectors[0], k=1)[0].digest == "d0"
+    damaged = Path(_table_of(reader).path)
+    with open(damaged, "r+b") as f:  # layout version 1: `count` at byte 128
+        f.seek(128)
+        f.write((1 << 40).to_bytes(8, "little"))
+    assert reader.search("s", vectors[3], k=1)[0].digest == "d3"
+    assert Path(_table_of(reader).path) != damaged
+    store.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tiercache_native import TableFormatError
 
 from tiercache.log_throttle import LogThrottle
 from tiercache.semantic.graph_files import GraphFile, GraphFileError, GraphFiles
@@ -166,8 +167,16 @@ class SemanticIndex:
         meanwhile), or here (a start: `refresh`)."""
         scope = self._scopes.get(name)
         if scope is not None and not scope.table.retired():
-            self._grow_graph(scope, background)
-            return scope
+            try:
+                self._grow_graph(scope, background)
+                return scope
+            except TableFormatError as exc:
+                # its header damaged since it was mapped (the open checks it, a mapped table
+                # does not retire itself): opened again below, which rebuilds it from the log,
+                # rather than fail every search of the scope in this process until a restart
+                log.error(
+                    "scope %s...: its table is damaged (%s); rebuilt from the log", name[:12], exc
+                )
         table = self.store.tables.open_current(scope_tag(name), self.dimensions)
         if table is None:
             gone = self._scopes.pop(name, None)
