@@ -273,7 +273,10 @@ def _report_field(report: dict[str, Any], name: str, kind: type) -> Any:
     value = report.get(name)
     if value is None:
         return kind()
-    if type(value) is not kind or (kind is list and not all(isinstance(v, dict) for v in value)):
+    malformed = type(value) is not kind or (
+        isinstance(value, list) and not all(isinstance(v, dict) for v in value)
+    )
+    if malformed:
         raise UnavailableError(f"the server's warm report has a malformed {name!r}")
     return value
 
