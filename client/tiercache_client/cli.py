@@ -282,10 +282,10 @@ def adapter_rows(report: dict) -> list[tuple[str, ...]]:
 
 def _adapters(client: TierCacheClient, args: argparse.Namespace) -> int:
     report = client.adapters(warm=args.warm)
+    warmed = report.get("warmed") or {}
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
-    warmed = report.get("warmed") or {}
+        return 2 if _warm_failures(warmed) else 0
     for name, outcome in sorted(warmed.items()):
         print(f"warm {shown(name)}: {shown(outcome)}")
     header = ("adapter", "task", "digest", "tier", "in engine", "pinned")

@@ -1,4 +1,5 @@
-"""`tiercache`: the server-side command line (`tiercache serve`, `tiercache invalidate`).
+"""`tiercache`: the server-side command line (`serve`, `keys`, `gateway`, `invalidate`,
+`eval-semantic`, `simulate-kv`).
 
 `tiercache serve` is safe by default (docs/security.md): tritonserver on 127.0.0.1 only, no HTTP,
 the APIs clients do not need restricted, and cache_admin behind the admin token, whose file it

@@ -976,6 +976,7 @@ def test_warm_splits_adapters_and_an_adapter_that_fails_to_warm_fails_the_comman
     assert main(["warm", "--url", url, "--adapter", "caps", "--adapter", "broken"]) == 2
     assert "adapter broken: error: cannot read its weights" in capsys.readouterr().out
     assert main(["adapters", "--url", url, "--warm", "broken"]) == 2
+    assert main(["adapters", "--url", url, "--warm", "broken", "--json"]) == 2
     assert main(["adapters", "--url", url, "--warm", "caps"]) == 0
 
 
