@@ -117,13 +117,18 @@ return rows
 # record's size. The member's own (signed) `at_s` was read from Redis's clock earlier, before
 # the issuer's host log write; a score of the insertion time keeps the record in the order it
 # was written, so a listener that catches up from the newest invalidation it heard (less the
-# skew) also reads one whose `at_s` is older but that was recorded after it.
+# skew) also reads one whose `at_s` is older but that was recorded after it. A record that fails
+# (its key of another type: planted, or left by something else) still publishes, and returns -1:
+# one bad key must not keep every invalidation from the replicas that are listening.
 _RECORD_AND_PUBLISH = """
 local now = redis.call('TIME')
-redis.call('ZADD', KEYS[1], now[1] .. '.' .. string.format('%06d', tonumber(now[2])), ARGV[1])
+local added = redis.pcall('ZADD', KEYS[1], now[1] .. '.' .. string.format('%06d', tonumber(now[2])),
+                          ARGV[1])
 redis.call('PUBLISH', KEYS[2], ARGV[2])
+if type(added) == 'table' and added['err'] then return -1 end
 return redis.call('ZCARD', KEYS[1])
 """
+_UNRECORDED_LOG = LogThrottle()
 
 
 def signed_member(signer: Signer, events: str, inv: Invalidation) -> str:
@@ -416,8 +421,11 @@ class InvalidationListener:
                     self._keep_on_host([inv])
                 # A message this listener applied before (a replay of a captured one) is not
                 # swept again: reads check its watermark, and a replayed tag would cost a
-                # scan each time. One too old to kill anything servable is not swept either.
-                if self._first_hearing(inv) and not self._past_horizon(inv):
+                # scan each time. Nor is one whose watermark the table held already (its
+                # catch-up, or the host's log, noted it: reads refuse what it covers; past the
+                # memo, a loop of captured messages swept each time). One too old to kill
+                # anything servable is not swept either.
+                if news and self._first_hearing(inv) and not self._past_horizon(inv):
                     self._apply(inv, sweep_local=True, noted=True)
                 lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
                 with self._lock:
@@ -843,6 +851,7 @@ class Invalidator:
         self._issued: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
         self._published = 0
+        self._unrecorded = 0  # published, but Redis's log key was not a sorted set
         # Redis's clock less this host's, at the last invalidation with Redis (None before)
         self.redis_clock_offset_s: float | None = None
         self._clock_log = LogThrottle()
@@ -998,6 +1007,19 @@ class Invalidator:
                 signed_member(signer, events, inv), signer.seal(channel, message),
             )
         )  # fmt: skip
+        if held < 0:
+            with self._lock:
+                self._unrecorded += 1
+            if _UNRECORDED_LOG.ready():
+                log.error(
+                    "invalidation published but not recorded: %s is not a sorted set (planted, "
+                    "or written by something else), so replicas that connect later cannot catch "
+                    "up on it; delete that key (%d such invalidations, %d lines not logged)",
+                    events,
+                    self._unrecorded,
+                    _UNRECORDED_LOG.suppressed,
+                )
+            return
         if held <= self.max_events:
             return
         cutoff = forget_before_s(inv.at_s, self.horizon_s, self.cache.invalidations.skew_s)
