@@ -608,6 +608,38 @@ def test_a_flooded_record_is_read_up_to_the_cap(
     late.close()
 
 
+def test_a_replica_reads_no_l3_value_until_it_has_caught_up_on_the_record(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone with access to Redis captures a signed answer, sets it again after its key was
+    invalidated, and floods the invalidation record ahead of the watermark so that a replica
+    starting now cannot catch up: that replica served the replayed answer from L3 (it had no
+    watermark for it). L3 is read only once the listener has every recorded watermark; once
+    the flood is gone and the catch-up completes, the watermark keeps the answer out."""
+    monkeypatch.setattr(invalidation_module, "CATCH_UP_MAX_FORGED", 50)
+    monkeypatch.setattr(invalidation_module, "CATCH_UP_TRUNCATED_RETRY_S", 0.2)
+    admin = open_replica(tmp_path / "admin", redis_server.url, redis_prefix)
+    admin.put("k", "the old answer", created_s=time.time() - 1)
+    client = redis.Redis.from_url(redis_server.url)
+    captured = client.get(f"{redis_prefix}e:k")
+    assert captured is not None
+    Invalidator(admin, redis_link(admin)).key("k")
+    assert client.get(f"{redis_prefix}e:k") is None
+    client.set(f"{redis_prefix}e:k", captured)  # replayed
+    junk = {f"junk-{i}": time.time() - 10 for i in range(80)}  # scored ahead of the watermark
+    client.zadd(f"{redis_prefix}invalidated", junk)  # type: ignore[arg-type]
+    give_secret(tmp_path / "late")
+    late = open_replica(tmp_path / "late", redis_server.url, redis_prefix)
+    listener = invalidation_listener(late)
+    assert listener is not None and not listener.caught_up()
+    assert late.get("k") is None  # not read from L3 (before: "the old answer")
+    client.zrem(f"{redis_prefix}invalidated", *junk)
+    wait_until(listener.caught_up)
+    assert late.get("k") is None  # read now, and covered by the watermark
+    admin.close()
+    late.close()
+
+
 def test_a_retried_catch_up_starts_where_the_failed_one_did(
     redis_server: RedisServer, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -314,6 +314,11 @@ class InvalidationListener:
     def wait_connected(self, timeout_s: float) -> bool:
         return self._connected.wait(timeout_s)
 
+    def caught_up(self) -> bool:
+        """Whether this listener is subscribed and has noted every watermark Redis's record
+        holds (False before its first catch-up, after one cut short, and while cut off)."""
+        return self._connected.is_set()
+
     def wait_first_attempt(self, timeout_s: float, catching_up_s: float = CATCH_UP_WAIT_S) -> bool:
         """Wait (at most `timeout_s`) for the first connection attempt to end; True when it
         connected, so that every watermark recorded in Redis is noted (a replica started after

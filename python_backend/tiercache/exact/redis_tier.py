@@ -682,6 +682,11 @@ class RedisStore:
         self.long_names = 0  # entry names longer than any a replica writes, left unread
         # monotonic time until which merges skip the script Redis refused (asked again after)
         self._scripts_off_until = 0.0
+        # Whether this process has every watermark Redis's invalidation record holds (the
+        # listener's catch-up, `open_exact_cache`): until then nothing is read from here, so a
+        # value replayed after an invalidation this process has not heard is never served
+        self.ready: Callable[[], bool] = lambda: True
+        self.unready_reads = 0  # reads refused while not ready
 
     def _key(self, key: str) -> str:
         return self._entry_prefix + key
@@ -692,8 +697,18 @@ class RedisStore:
         return self._signer.refused
 
     def get(self, key: str) -> CacheEntry | None:
+        if not self._ready():
+            self._count(misses=1)
+            return None
         name = self._key(key)
         return self._read(key, name, self.link.call(lambda c: bounded_get(c, name), None))
+
+    def _ready(self) -> bool:
+        if self.ready():
+            return True
+        with self._lock:
+            self.unready_reads += 1
+        return False
 
     def _read(self, key: str, name: str, stored: Any) -> CacheEntry | None:
         """A request's read of what Redis returned for `key` (counted; a corrupt one dropped;
@@ -710,7 +725,7 @@ class RedisStore:
         """The stored entry, read as no request does: nothing counted, a corrupt or forged
         value left alone (a request's `get` drops it), and None at once while the breaker is
         open (never its probe): for background comparisons (an L1 copy's verdicts)."""
-        if self.link.breaker.is_open:
+        if self.link.breaker.is_open or not self._ready():
             return None
         name = self._key(key)
         stored: Any = self.link.call(lambda c: bounded_get(c, name), None)
@@ -718,7 +733,11 @@ class RedisStore:
 
     def get_or_raise(self, key: str) -> CacheEntry | None:
         """`get` for a read whose caller writes back what it read (a merge): Unavailable when
-        Redis could not be asked, where `get` says None (a miss)."""
+        Redis could not be asked, where `get` says None (a miss); so too while not `ready`."""
+        if not self._ready():
+            raise Unavailable(
+                "L3 is not read until this process has caught up on Redis's invalidation record"
+            )
         name = self._key(key)
         return self._read(key, name, self.link.call_or_raise(lambda c: bounded_get(c, name)))
 
