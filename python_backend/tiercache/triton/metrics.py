@@ -80,7 +80,7 @@ class _DeferredMetric:
     on the hit path cost more than the whole cache lookup, so requests only touch local numbers.
     """
 
-    __slots__ = ("_metric", "_lock", "_delta", "_value", "_sent", "_observations", "_increments")
+    __slots__ = ("_metric", "_lock", "_delta", "_value", "_sent", "_increments")
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric
@@ -88,7 +88,6 @@ class _DeferredMetric:
         self._delta = 0.0
         self._value: float | None = None
         self._sent: float | None = None  # the gauge value last sent (a flush sends changes)
-        self._observations: list[float] = []
         # increments not yet summed: a request appends (atomic, no lock: a lock taken with the
         # CPU caches cold cost 9 us in process, an append 4), the flush sums them
         self._increments: deque[float] = deque()
@@ -115,22 +114,26 @@ class _DeferredMetric:
         with self._lock:
             self._value = value
 
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._observations.append(value)
-
     def flush(self) -> None:
+        """Send what changed since the last flush; what a failed send held is kept for the
+        next one (it was lost)."""
         self._fold()
         with self._lock:
-            delta, value, observations = self._delta, self._value, self._observations
-            self._delta, self._value, self._observations = 0.0, None, []
-        if delta:
-            self._metric.increment(delta)
-        if value is not None and value != self._sent:  # flush hooks set gauges every time
-            self._metric.set(value)
-            self._sent = value
-        for observation in observations:
-            self._metric.observe(observation)
+            delta, value = self._delta, self._value
+            self._delta, self._value = 0.0, None
+        try:
+            if delta:
+                self._metric.increment(delta)
+                delta = 0.0
+            if value is not None and value != self._sent:  # flush hooks set gauges every time
+                self._metric.set(value)
+                self._sent = value
+        except BaseException:
+            with self._lock:
+                self._delta += delta
+                if self._value is None:
+                    self._value = value
+            raise
 
 
 class _LocalHistogram:
@@ -218,6 +221,8 @@ class Metrics:
         self._families: dict[str, Any] = {}
         self._metrics: list[_DeferredMetric | _LocalHistogram] = []
         self._hook_log = LogThrottle()
+        self._flush_log = LogThrottle()
+        self._flush_lock = threading.Lock()
         self._hooks: list[Callable[[], None]] = []
         if flush_interval_s is None:
             flush_interval_s = configured_flush_s()
@@ -271,8 +276,17 @@ class Metrics:
                         "a metrics hook failed (%d more failures not logged)",
                         self._hook_log.suppressed,
                     )
-        for metric in self._metrics:
-            metric.flush()
+        with self._flush_lock:  # one flusher at a time: close's last flush and the thread's
+            for metric in self._metrics:
+                try:
+                    metric.flush()
+                except Exception:  # noqa: BLE001 - one metric's failure must not freeze the rest
+                    if self._flush_log.ready():
+                        log.exception(
+                            "flushing a metric failed; its updates are kept for the next flush "
+                            "(%d more failures not logged)",
+                            self._flush_log.suppressed,
+                        )
 
     def close(self) -> None:
         self._stop.set()
