@@ -428,6 +428,22 @@ def test_a_starting_replica_reads_only_a_short_fingerprint(
     assert sent() < 100_000
 
 
+@pytest.mark.parametrize("name", ["secret_fingerprint", "secret"])
+def test_a_fingerprint_key_of_another_type_refuses_the_replica(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path, name: str
+) -> None:
+    """A hash planted where the fleet keeps its secret's fingerprint (or the legacy key): the
+    secret cannot be checked, so the replica does not start, saying which key to delete
+    (before, Redis's WRONGTYPE read as "did not answer": it started unchecked)."""
+    client = raw_client(redis_server)
+    client.hset(f"{redis_prefix}{name}", "x", "y")
+    try:
+        with pytest.raises(ConfigError, match="another type"):
+            open_replica(tmp_path / "a", redis_server.url, redis_prefix)
+    finally:
+        client.delete(f"{redis_prefix}{name}")
+
+
 def test_the_password_comes_from_the_environment_and_is_never_shown(
     redis_factory: Callable[[], RedisServer],
     redis_prefix: str,

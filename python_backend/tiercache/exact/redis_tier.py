@@ -1048,6 +1048,14 @@ def check_fleet_secret(link: RedisLink, secret: bytes, source: str, register: bo
         return bytes(found) or None
 
     def check(c: redis.Redis) -> tuple[str, bytes | None]:
+        try:
+            return checked(c)
+        except redis.exceptions.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return "wrongtype", None
+
+    def checked(c: redis.Redis) -> tuple[str, bytes | None]:
         legacy = short(c, legacy_key)
         if not register:
             if legacy is not None and not hmac.compare_digest(legacy, secret):
@@ -1084,6 +1092,14 @@ def check_fleet_secret(link: RedisLink, secret: bytes, source: str, register: bo
         "copy the secret file of a replica of the fleet (<state>/secret, 0600) over "
         f"{source}, or point $TIERCACHE_SECRET_FILE at a file holding it"
     )
+    if outcome == "wrongtype":
+        raise ConfigError(
+            f"Redis {where} holds a value of another type than a string in {fingerprint_key} "
+            f"or {legacy_key} (planted, or written by something else sharing the prefix): this "
+            "replica's secret cannot be checked against the fleet's, so it does not start. "
+            "Delete those keys (the first replica to start sets the fingerprint again), or give "
+            "this fleet a prefix of its own (redis_prefix)"
+        )
     if outcome == "legacy":
         raise ConfigError(
             f"Redis {where} holds {legacy_key}, the server secret in clear text as an older "
