@@ -161,6 +161,9 @@ class GenerationStats:
     lease_wait_timeouts: int = 0  # waits that gave up after `wait_s` and generated here too
 
 
+LEASE_READ_EVERY = 20  # lease polls per read of the tiers while another replica generates
+
+
 class _PendingSlot:
     """One of `Generations.max_pending`'s slots, released once: by the request that took it,
     or, when it leads a flight, by the flight's producer (`handed`)."""
@@ -660,12 +663,18 @@ class Generations:
             if not waited:
                 waited = True
                 self._count_remote(wait=True)
+            polls = 0
             while True:
-                # a poll every 50 ms, not a request (its lookup was counted): nothing counted
-                found = self._stored(digest, max_age_s, request, counted=False)
-                if found is not None:
-                    self._count_remote(hit=True)
-                    return None, found.entry
+                # a poll every 50 ms; the tiers read at its first and every LEASE_READ_EVERY-th
+                # (the holder stores its answer before it lets go, which the read after the
+                # next acquire finds: a value planted under the key, up to 4 MiB read and
+                # checked, is not read 20 times a second), not a request: nothing counted
+                if polls % LEASE_READ_EVERY == 0:
+                    found = self._stored(digest, max_age_s, request, counted=False)
+                    if found is not None:
+                        self._count_remote(hit=True)
+                        return None, found.entry
+                polls += 1
                 # retired, not only read: a request joining between this check and the
                 # flight's end would be given the abandoned error it did not earn
                 if self.flights.retire_if_abandoned(flight):

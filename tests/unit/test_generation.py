@@ -702,6 +702,46 @@ def test_a_miss_after_an_invalidation_does_not_wait_for_the_killed_generations_l
     assert leases.released == [Lease(f"lease:{DIGEST}", "first")]
 
 
+def test_a_lease_wait_reads_the_tiers_once_a_second_not_every_poll() -> None:
+    """While another replica holds the lease, the waiter polls the lease every 50 ms and reads
+    the tiers (a value planted under the key is read up to 4 MiB and checked) only every
+    LEASE_READ_EVERY polls; the answer stored before the holder let go is found by the read
+    after the next acquire."""
+    from tiercache.generation import LEASE_READ_EVERY
+
+    class CountingReads(TieredCache):
+        reads = 0
+
+        def get(self, key: str, max_age_s: float | None = None, request: bool = True):  # type: ignore[override]
+            self.reads += 1
+            return super().get(key, max_age_s, request)
+
+    class HeldFor(HandOverLeases):
+        polls = 0
+
+        def held(self, digest: str) -> bool | None:
+            self.polls += 1
+            if self.polls == 2 * LEASE_READ_EVERY:  # the holder stores, then lets go
+                cache.put(DIGEST, "the other replica's answer")
+            return self.polls < 2 * LEASE_READ_EVERY
+
+        def pause(self) -> None:
+            pass
+
+    cache = CountingReads([(Tier.L2, MemoryStore(1 << 20))])
+    leases = HeldFor()
+    engine = FakeEngine()
+    stage = make_stage(cache, engine, leases=leases)  # type: ignore[arg-type]
+    r = Recorder()
+    stage.submit_miss(REQUEST, DIGEST, "miss", True, r)
+    assert r.wait() == [("final", "the other replica's answer", "miss")]
+    stage.close()
+    assert engine.calls == 0
+    # the re-check before the lease, two in the wait, the one after the takeover
+    assert cache.reads == 4
+    assert leases.released == [Lease(f"lease:{DIGEST}", "token")]
+
+
 def test_lease_taken_over_is_released_when_the_read_after_it_fails() -> None:
     class FailsAfterWaiting(TieredCache):
         reads = 0
