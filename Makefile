@@ -55,6 +55,7 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 # backends/README.md). pip -q hides the compiler; the first build takes about 20 s on 2 cores.
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(PIP) install --disable-pip-version-check -q --no-deps --no-build-isolation ./backends
+	@$(PY) -c "import tiercache_native._core" || { echo "tiercache_native built without its extension (CMake found no Python headers or nanobind? see backends/README.md)" >&2; exit 1; }
 	touch $(NATIVE_STAMP)
 
 serve: setup
@@ -70,7 +71,7 @@ test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 perf: setup
-	$(PY) -m tiercache_dev.perf.run --out $(PERF_DIR)
+	$(PY) -m tiercache_dev.perf.run --out $(PERF_DIR) --pairs $(PAIRS)
 
 bench: setup
 	$(PY) -m tiercache_dev.bench.prompt_cache

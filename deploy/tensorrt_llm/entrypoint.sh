@@ -3,6 +3,18 @@
 # repository around it, then serve it. Arguments go to tritonserver.
 set -eu
 here="$(cd "$(dirname "$0")" && pwd)"
+# Triton listens on every interface of the container; who reaches it is decided where its ports
+# are published. Without an API key file the `tenant` input is trusted as sent, so anyone who
+# reaches the port could act as any tenant: as `tiercache serve` does off loopback, that takes
+# the operator's word (TIERCACHE_TRUST_TENANTS=1, e.g. with the ports published on loopback).
+if [ -z "${TIERCACHE_API_KEYS_FILE:-}" ] && [ "${TIERCACHE_TRUST_TENANTS:-0}" != 1 ]; then
+    echo "tiercache: no API key file (TIERCACHE_API_KEYS_FILE): anyone who reaches the gRPC" \
+        "port could name any tenant and be served its cached answers (docs/security.md)." \
+        "Mount a key file made with \`tiercache keys add\` and set TIERCACHE_API_KEYS_FILE," \
+        "or set TIERCACHE_TRUST_TENANTS=1 if every caller that can reach the published" \
+        "ports may act as any tenant (ports published on 127.0.0.1 only, say)" >&2
+    exit 2
+fi
 engine_dir="${TIERCACHE_ENGINE_DIR:-/var/lib/tiercache/trtllm-engine}"
 repository="${TIERCACHE_GPU_REPOSITORY:-/opt/tiercache/gpu_repository}"
 

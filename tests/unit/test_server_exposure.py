@@ -168,6 +168,33 @@ def test_docker_image_starts_triton_with_the_same_defaults() -> None:
     assert "EXPOSE 8001 8002" in dockerfile.read_text()
 
 
+def test_the_gpu_image_refuses_to_trust_tenants_unless_told_to(tmp_path: Path) -> None:
+    """Inside the container Triton listens on every interface: without an API key file the
+    entrypoint refuses to start (exit 2, before building or serving anything) unless
+    TIERCACHE_TRUST_TENANTS=1 says every caller that can reach the ports may act as any tenant,
+    as `tiercache serve` asks off loopback (before, a `-p 8001:8001` served any caller as any
+    tenant)."""
+    import shutil
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "deploy" / "tensorrt_llm" / "entrypoint.sh"
+    shell = shutil.which("sh")
+    assert shell is not None
+    for tool in ("dirname",):  # what the script runs before its check
+        found = shutil.which(tool)
+        assert found is not None
+        (tmp_path / tool).symlink_to(found)
+    ran = subprocess.run(
+        [shell, str(script)],
+        env={"PATH": str(tmp_path)},  # no python3 or tritonserver to reach: it stops first
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ran.returncode == 2
+    assert "TIERCACHE_TRUST_TENANTS=1" in ran.stderr and "TIERCACHE_API_KEYS_FILE" in ran.stderr
+
+
 def test_ipv6_addresses_go_to_triton_in_brackets() -> None:
     """A bare "::1" makes tritonserver 2.51 exit ("Name or service not known"); "[::1]" serves."""
     found = flags(server(exposure=Exposure(host="::1", http=True)).command(INSTALL, Path("/b")))

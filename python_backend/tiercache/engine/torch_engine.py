@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from tiercache.engine.adapter_call import adapter_ref
 from tiercache.engine.adapters import EngineAdapters
@@ -591,6 +590,10 @@ class TorchEngine:
 def _full_attention_only(model: Any) -> bool:
     """Blocks are stitched into a DynamicCache of plain (full-attention) layers; sliding-window
     or other layer kinds would need their own handling."""
+    # here, not at the module's top: the GPU image imports this module with the transformers
+    # TensorRT-LLM pins (to de-quantise the packaged weights), which may predate DynamicLayer
+    from transformers.cache_utils import DynamicLayer
+
     cache = DynamicCache(config=model.config)
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
