@@ -52,12 +52,14 @@ def counts_by_label(samples: list[Sample], metric: str, label: str) -> dict[str,
     return out
 
 
-def status_counts(port: int, settle_s: float = 0.3, max_wait_s: float = 5.0) -> dict[str, float]:
+def status_counts(port: int, settle_s: float = 1.2, max_wait_s: float = 8.0) -> dict[str, float]:
     """tiercache's counters: requests by cache status (prompt_cache), plus the llm stage's
     `generations` and `coalesced` (misses that joined an identical in-flight generation).
 
-    The stages flush their metrics from a thread every 0.25 s, so this scrapes until two scrapes
-    `settle_s` apart agree (at most `max_wait_s`). {} when the metrics port does not answer."""
+    The stages flush their metrics from a thread every second (tiercache.triton.metrics's
+    DEFAULT_FLUSH_S), so this scrapes until two scrapes `settle_s` apart, longer than that,
+    agree (at most `max_wait_s`; 0.3 s apart, two scrapes between flushes agreed while the last
+    updates were still unsent). {} when the metrics port does not answer."""
 
     def scrape() -> dict[str, float]:
         samples = scrape_metrics(port)

@@ -137,12 +137,25 @@ def test_bench_report_pairs_each_round_and_writes_the_summary() -> None:
     args = parse_args(["--concurrency", "1", "--rounds", "2", "--only", TIERCACHE, "--only", FLOOR])
     text, md, complete, summary = build_report(args, measurements, None, 10.0, "pa", "none")
     assert complete
+    # issue 15's targets (before: 1.25 and 0.8, which printed PASS for figures the docs call
+    # missed)
     assert (
-        "| tiercache p50 / floor p50 (target <= 1.25) | 1 | 1.20 (1.20-1.20, 2 rounds) | PASS |"
+        "| tiercache p50 / floor p50 (target <= 1.15) | 1 | 1.20 (1.20-1.20, 2 rounds) | MISS |"
         in md
     )
+    assert "| tiercache infer/s / floor infer/s (target >= 0.85) | 1 | 0.80" in md
     assert summary["ratios"]["tiercache/floor infer/s c=1"]["rounds"] == pytest.approx([0.8, 0.8])
     assert summary["background_load"] == "none"
+    assert summary["targets"] == {"p50_ratio_max": 1.15, "throughput_ratio_min": 0.85}
+    # a run whose requests were not all checked as exact hits gives no verdict
+    args.unchecked_hits = True
+    _, md, _, summary = build_report(args, measurements, None, 10.0, "pa", "none")
+    assert "| 1.20 (1.20-1.20, 2 rounds) | n/a |" in md
+    assert summary["every_request_an_exact_hit"] is False
+    # a round lost: not complete, and said
+    args.unchecked_hits = False
+    _, md, complete, _ = build_report(args, measurements[:3], None, 10.0, "pa", "none")
+    assert not complete and "rounds lost (not measured" in md and "tiercache c=1 round 2" in md
 
 
 def test_bench_input_data_has_one_entry_per_prompt(tmp_path: Path) -> None:

@@ -303,8 +303,13 @@ def test_generation_bounds_per_round(pairs: Path) -> None:
     theirs.statuses["engine:generations"] = 6
     lone = run(TIERCACHE, 2, 1.0, 100)  # round 2: no response cache run
     lone.statuses["engine:generations"] = 1
-    bounds = generation_bounds([mine, theirs, lone], mix)
-    assert list(bounds) == [1]
+    failed_mine = run(TIERCACHE, 3, 1.0, 100)  # round 3: tiercache's run failed
+    failed_mine.statuses["engine:generations"] = 1
+    failed_mine.returncode = 1
+    failed_theirs = run(RESPONSE_CACHE, 3, 1.0, 100)
+    failed_theirs.statuses["engine:generations"] = 1
+    bounds = generation_bounds([mine, theirs, lone, failed_mine, failed_theirs], mix)
+    assert list(bounds) == [1]  # a failed run is left out, as from the ratios
     b = bounds[1]
     assert b["tiercache_generations_per_request"] == pytest.approx(0.5)
     assert b["response_cache_generations_per_request"] == pytest.approx(0.75)
