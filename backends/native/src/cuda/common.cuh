@@ -50,6 +50,7 @@ class DeviceGuard {
       TIERCACHE_CUDA(cudaSetDevice(device));
       restore_ = true;
     }
+    ok_ = true;
   }
   DeviceGuard(int device, std::nothrow_t) noexcept {
     if (cudaGetDevice(&previous_) != cudaSuccess) return;
@@ -70,7 +71,7 @@ class DeviceGuard {
  private:
   int previous_ = 0;
   bool restore_ = false;
-  bool ok_ = true;
+  bool ok_ = false;  // set once the device is current: a nothrow guard that failed says so
 };
 
 // Launches `kernel` and returns this launch's own error. A <<<>>> launch reports a bad
