@@ -274,15 +274,10 @@ def test_a_redis_clock_off_this_hosts_is_warned_about(
     monkeypatch.setattr(
         invalidator, "_redis_time", lambda: (lambda s: None if s is None else s - 2.0)(real())
     )
-    cache.put("made-here", "answer", tags=("behind",), created_s=time.time() - 1.0)
-    report = invalidator.tag("behind")
+    invalidator.tag("behind")
     assert invalidator.redis_clock_offset_s is not None
     assert invalidator.redis_clock_offset_s < -1.5
     assert "Redis's clock is" in caplog.text and "behind" in caplog.text
-    # timed by this host's clock, which is ahead: the answer made here a second before it is
-    # covered (timed by Redis's, 2 s behind, it was not, and stayed served)
-    assert report.invalidation.at_s >= time.time() - 0.5
-    assert cache.get("made-here") is None
     cache.close()
 
 

@@ -881,9 +881,7 @@ class Invalidator:
         redis_s = self._redis_time()
         if redis_s is not None:
             self._check_clock(redis_s)
-        # Redis's clock times it, unless this host's is ahead: an answer made here just before
-        # is then covered too (a Redis behind by minutes left every one of them served)
-        at_s = self.cache.now() if redis_s is None else max(redis_s, self.cache.now())
+        at_s = self.cache.now() if redis_s is None else redis_s
         inv = Invalidation(kind, value, at_s, table.origin)
         table.note(inv)
         host_failed: BaseException | None = None
@@ -973,12 +971,11 @@ class Invalidator:
             return InvalidatorStats(dict(self._issued), self._published, dict(self._dropped))
 
     def _check_clock(self, redis_s: float) -> None:
-        """Warn (at most once a minute) when Redis's clock, which times every watermark (this
-        host's when it is ahead), is off this host's by more than the skew allowance: behind,
-        an answer a replica ahead of this host made up to the offset before an invalidation
-        issued on Redis's time elsewhere is not covered and stays served; ahead, answers made up
-        to that offset after it are dropped. Every replica's and Redis's clocks must agree
-        within `skew_s` (NTP)."""
+        """Warn (at most once a minute) when Redis's clock, which times every watermark, is
+        off this host's by more than the skew allowance: behind, an answer this host (or a
+        replica on its time) made up to that offset before the invalidation is not covered
+        by it and stays served; ahead, answers made up to that offset after it are dropped.
+        Every replica's and Redis's clocks must agree within `skew_s` (NTP)."""
         offset = redis_s - self.cache.now()
         self.redis_clock_offset_s = offset
         skew_s = self.cache.invalidations.skew_s
@@ -989,8 +986,7 @@ class Invalidator:
                 abs(offset),
                 "behind" if offset < 0 else "ahead of",
                 skew_s,
-                "an answer made on a clock ahead of Redis's just before one issued elsewhere is "
-                "not covered by it and stays served"
+                "an answer made here just before one is not covered by it and stays served"
                 if offset < 0
                 else "answers made here just after one are dropped too",
             )
