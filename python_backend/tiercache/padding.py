@@ -11,9 +11,10 @@ than a hit could; a miss that runs past the release time is not slowed down furt
 The floor is fixed, not learnt from recent misses: a floor that follows the observed miss latency
 moves with load and with other tenants' traffic, which is itself a signal, and a fixed floor costs
 what it says. It must be set at or above the slowest miss that is to be hidden (docs/isolation.md
-has the measured misses of the reference model). The floor counts from when prompt_cache
-received the request (the envelope's `received_s`), so the stages before llm are under it too.
-What it cannot hide: a miss made slower than the floor. Anyone who can send requests can keep
+has the measured misses of the reference model). The floor counts from llm's receipt of the
+request: the stages before it (lora_cache reading an adapter from disk) add to it, and a caller
+who times them learns what they did (docs/security.md). Nor can it hide a miss made slower than
+the floor. Anyone who can send requests can keep
 the engine busy (long answers on its `engine_streams`), and a padded tenant's miss then waits
 behind them while a hit does not; padding hides hits from misses only while the engine answers
 a miss within the floor.

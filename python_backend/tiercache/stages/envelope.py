@@ -83,10 +83,6 @@ class Envelope:
     # prompt_cache's ttl_s: the oldest answer it serves, which llm's own reads of the tiers (the
     # re-check before generating, another replica's answer) keep to as well (0: no cap)
     serve_ttl_s: float = 0.0
-    # when prompt_cache received the request (this host's wall clock; 0 on an exact hit's):
-    # llm pads a padded tenant's response from here, so the stages before llm (lora_cache
-    # reading an adapter from disk) are under the floor too
-    received_s: float = 0.0
     # SHA-256 of the API key that sent the request (tiercache.exact.tenant_keys; "" without a
     # key file, and in llm's engine calls, which no caller sees)
     key: str = ""
@@ -150,7 +146,6 @@ class Envelope:
             "draft_digest": self.draft_digest,
             "verify_semantic": self.verify_semantic,
             "serve_ttl_s": self.serve_ttl_s,
-            "received_s": self.received_s,
             "key": self.key,
             "issued_s": self.issued_s,
         }
@@ -398,7 +393,6 @@ _ENVELOPE_FIELDS: tuple[tuple[str, type, bool], ...] = (
     ("draft_digest", str, False),
     ("verify_semantic", bool, False),
     ("serve_ttl_s", float, False),
-    ("received_s", float, False),
     ("key", str, False),
     ("issued_s", int, False),
 )

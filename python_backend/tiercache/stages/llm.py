@@ -10,7 +10,6 @@ import functools
 import itertools
 import json
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -234,9 +233,6 @@ MAX_HELD_PADDED = 4096
 
 # Adapter files llm keeps until the engine was seen to take them (`EngineBls.expect`): a few
 # new adapters at once, within a byte bound; one dropped only costs the engine's refusal.
-# The most of a padded request's floor its time before llm counts for (the envelope's
-# received_s; a clock step never moves a release further)
-MAX_PADDING_HEAD_START_S = 60.0
 MAX_UNCONFIRMED_ADAPTERS = 8
 MAX_UNCONFIRMED_BYTES = 256 << 20
 
@@ -913,12 +909,6 @@ class LlmStage:
                     f"{MAX_HELD_PADDED} padded requests are held already; try again later"
                 )
             self._held_padded += 1
-        # from when prompt_cache received it (this host's wall clock), not from here: the stages
-        # between (lora_cache reading an adapter that left the host's memory) must not show
-        received_s = envelope.get().received_s
-        if received_s > 0:
-            waited_s = time.time() - received_s
-            arrival_s -= min(max(waited_s, 0.0), MAX_PADDING_HEAD_START_S)
         release_s = self.padding.release_at(arrival_s, self.padding_jitter)
         padded = PaddedResponder(responder, release_s, timer, on_done=self._padded_done)
         return MaskedResponder(padded)

@@ -89,7 +89,6 @@ class PromptCacheStage:
         request alone, Forbidden when a key file is configured and `authorization` (the
         forwarded header) carries no key that allows the request."""
         started = time.perf_counter()
-        received_s = time.time()
         grant = None
         if self.keys is not None:
             grant = self.keys.authorize(key_from_parameter(authorization))
@@ -99,8 +98,7 @@ class PromptCacheStage:
         if found is None:
             result = self.cache.result(prepared, None)
             self.requests[result.status.value].increment(1)
-            ttl_s = self.cache.cache.default_ttl_s
-            envelope = envelope_of(result, key, serve_ttl_s=ttl_s, received_s=received_s)
+            envelope = envelope_of(result, key, serve_ttl_s=self.cache.cache.default_ttl_s)
             outputs = outputs_of(envelope.seal(self.sealer), "", NO_TOKENS)
         else:
             self._exact.increment(1)
@@ -178,14 +176,12 @@ def envelope_of(
     key: str = "",
     issued_s: int | None = None,
     serve_ttl_s: float = 0.0,
-    received_s: float = 0.0,
 ) -> Envelope:
     """The envelope of a lookup, also on an exact hit (llm reads the hit's tenant scope from it
     to decide response-time padding, tiercache.padding), issued at `issued_s` (None: now,
     tiercache.stages.envelope.issued_now), naming the API key that sent it by its hash (`key`;
     "" without a key file), with the oldest answer prompt_cache serves (`serve_ttl_s`, its
-    ttl_s), which llm's reads keep to too, and when the request came (`received_s`, a miss's:
-    llm's padding counts from there)."""
+    ttl_s), which llm's reads keep to too."""
     return Envelope(
         request=result.request,
         status=result.status,
@@ -198,7 +194,6 @@ def envelope_of(
         draft_digest=result.draft_digest,
         verify_semantic=result.verify_semantic,
         serve_ttl_s=serve_ttl_s,
-        received_s=received_s,
         key=key,
         issued_s=issued_now() if issued_s is None else issued_s,
     )

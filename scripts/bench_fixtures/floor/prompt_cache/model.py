@@ -11,7 +11,7 @@ def _bytes(name, value):
     return pb_utils.Tensor(name, np.array([[value]], dtype=np.object_))
 
 
-ENVELOPE_FILLER = b"{" + b" " * 701 + b"}"  # the real envelope less its prompt: 703 bytes
+ENVELOPE_FILLER = b"{" + b" " * 684 + b"}"  # the real envelope less its prompt: 686 bytes
 
 
 class TritonPythonModel:
