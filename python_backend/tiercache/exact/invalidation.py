@@ -426,11 +426,10 @@ class InvalidationListener:
                     self._keep_on_host([inv])
                 # A message this listener applied before (a replay of a captured one) is not
                 # swept again: reads check its watermark, and a replayed tag would cost a
-                # scan each time. Nor is one whose watermark the table held already (its
-                # catch-up, or the host's log, noted it: reads refuse what it covers; past the
-                # memo, a loop of captured messages swept each time). One too old to kill
-                # anything servable is not swept either.
-                if news and self._first_hearing(inv) and not self._past_horizon(inv):
+                # scan each time. One too old to kill anything servable is not swept either.
+                # (Sweeping only news was tried and taken back: a process whose table noted
+                # the watermark from the host's log first never forgot the semantic rows.)
+                if self._first_hearing(inv) and not self._past_horizon(inv):
                     self._apply(inv, sweep_local=True, noted=True)
                 lag_s = max(0.0, self.cache.now() - (inv.published_s or inv.at_s))
                 with self._lock:
