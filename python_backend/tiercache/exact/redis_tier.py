@@ -104,6 +104,7 @@ MAX_COUNTED_NAMES = 1_000_000
 # What a log line shows of a name found in Redis (anyone who can write Redis chooses it)
 _LOGGED_NAME_CHARS = 80
 _COUNT_CUT_LOG = LogThrottle()  # a count stopped at MAX_COUNTED_NAMES: said once a minute
+_UNREADY_LOG = LogThrottle()  # L3 not read before the listener caught up: said once a minute
 # The secret's fingerprint and an older release's secret are read at most this long at start
 _SHORT_READ = 256
 # An L3 value is read at most this long (GETRANGE): a longer one was never written by a replica
@@ -708,6 +709,15 @@ class RedisStore:
             return True
         with self._lock:
             self.unready_reads += 1
+        if _UNREADY_LOG.ready():
+            log.warning(
+                "L3 (%s) not read: this process's invalidation listener has not caught up on "
+                "Redis's record (starting, cut off, or the record unreadable); its reads are "
+                "misses until it has (%d such reads; %d lines not logged)",
+                self.link.url or "(injected client)",
+                self.unready_reads,
+                _UNREADY_LOG.suppressed,
+            )
         return False
 
     def _read(self, key: str, name: str, stored: Any) -> CacheEntry | None:
