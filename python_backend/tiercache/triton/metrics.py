@@ -264,9 +264,20 @@ class Metrics:
         self._thread = NamedThread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float = -1) -> None:
         """Run the hooks, each on its own (one that fails no longer stopped the flush, freezing
-        every metric of the stage: it is logged at most once a minute), then flush."""
+        every metric of the stage: it is logged at most once a minute), then flush; one flusher
+        at a time, hooks included (close's last flush and the thread's: the hooks' delta
+        counters have one updater). `timeout_s` (>= 0): give up if another flush holds on."""
+        if not self._flush_lock.acquire(timeout=timeout_s):
+            log.warning("metrics not flushed: another flush still runs after %.0f s", timeout_s)
+            return
+        try:
+            self._flush_locked()
+        finally:
+            self._flush_lock.release()
+
+    def _flush_locked(self) -> None:
         for hook in self._hooks:
             try:
                 hook()
@@ -276,23 +287,23 @@ class Metrics:
                         "a metrics hook failed (%d more failures not logged)",
                         self._hook_log.suppressed,
                     )
-        with self._flush_lock:  # one flusher at a time: close's last flush and the thread's
-            for metric in self._metrics:
-                try:
-                    metric.flush()
-                except Exception:  # noqa: BLE001 - one metric's failure must not freeze the rest
-                    if self._flush_log.ready():
-                        log.exception(
-                            "flushing a metric failed; its updates are kept for the next flush "
-                            "(%d more failures not logged)",
-                            self._flush_log.suppressed,
-                        )
+        for metric in self._metrics:
+            try:
+                metric.flush()
+            except Exception:  # noqa: BLE001 - one metric's failure must not freeze the rest
+                if self._flush_log.ready():
+                    log.exception(
+                        "flushing a metric failed; a counter's or gauge's updates are kept "
+                        "for the next flush, a histogram's lost (%d more failures not "
+                        "logged)",
+                        self._flush_log.suppressed,
+                    )
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.flush()
+        self.flush(timeout_s=10)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
