@@ -22,11 +22,11 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .client import WARM_CALL_PROMPTS, GenerationResult, TierCacheClient, read_admin_token
-from .errors import InvalidRequestError, NotFoundError, TierCacheClientError
+from .errors import InvalidRequestError, NotFoundError, TierCacheClientError, UnavailableError
 
 DEFAULT_URL = "localhost:8001"
 ADMIN_TOKEN_FILE_ENV = "TIERCACHE_ADMIN_TOKEN_FILE"
@@ -165,6 +165,26 @@ def _api_key_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _reported(
+    command: Callable[[TierCacheClient, argparse.Namespace], int],
+    client: TierCacheClient,
+    args: argparse.Namespace,
+) -> int:
+    """`command`, which prints a report the server sent: one of another shape than this client
+    reads (another release's server, or not a tiercache server) is the client's error (exit
+    1), not a traceback. Only the report's reading: an encoding error writing to the terminal,
+    or one of the client's own, still says what it is."""
+    try:
+        return command(client, args)
+    except UnicodeError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        raise UnavailableError(
+            f"the server's answer is not what this client reads ({type(exc).__name__}: "
+            f"{shown(exc)}); is the server the same tiercache release?"
+        ) from None
+
+
 def shown(value: object) -> str:
     """`value` as text for the terminal: every character `str.isprintable` refuses (escapes,
     line breaks, bidi overrides) written as its escape, e.g. \\x1b."""
@@ -283,14 +303,15 @@ def adapter_rows(report: dict) -> list[tuple[str, ...]]:
 def _adapters(client: TierCacheClient, args: argparse.Namespace) -> int:
     report = client.adapters(warm=args.warm)
     warmed = report.get("warmed") or {}
+    failed = _warm_failures(warmed)  # read before anything is printed
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
-        return 2 if _warm_failures(warmed) else 0
+        return 2 if failed else 0
     for name, outcome in sorted(warmed.items()):
         print(f"warm {shown(name)}: {shown(outcome)}")
     header = ("adapter", "task", "digest", "tier", "in engine", "pinned")
     print_table([header, *adapter_rows(report)])
-    return 2 if _warm_failures(warmed) else 0
+    return 2 if failed else 0
 
 
 def _warm_failures(warmed: dict) -> int:
@@ -440,28 +461,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ) as client:
             if args.command == "generate":
                 return _generate(client, args)
-            if args.command == "adapters":
-                return _adapters(client, args)
-            if args.command == "feedback":
-                return _feedback(client, args)
-            admin = {"stats": _stats, "invalidate": _invalidate, "flush": _flush, "warm": _warm}
-            if args.command in admin:
-                return admin[args.command](client, args)
-            return _health(client)
+            reports = {
+                "adapters": _adapters,
+                "feedback": _feedback,
+                "stats": _stats,
+                "invalidate": _invalidate,
+                "flush": _flush,
+                "warm": _warm,
+                "health": lambda c, _args: _health(c),
+            }
+            return _reported(reports[args.command], client, args)
     except (InvalidRequestError, NotFoundError) as exc:
         print(f"error: {shown(exc)}", file=sys.stderr)
         return 2
     except TierCacheClientError as exc:
         print(f"error: {shown(exc)}", file=sys.stderr)
-        return 1
-    except (AttributeError, TypeError, ValueError, KeyError) as exc:
-        # a report of another shape than this client reads (another release's server, or not
-        # a tiercache server): said as such, not a traceback
-        print(
-            f"error: the server's answer is not what this client reads ({type(exc).__name__}: "
-            f"{shown(exc)}); is the server the same tiercache release?",
-            file=sys.stderr,
-        )
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -64,16 +64,21 @@ def generate_with_adapter(
     ref = adapter_ref(request)
     events = call(request, lora)
     try:
-        first = next(events, None)
-        while first is not None and not first.text and first.finish_reason is None:
-            yield first
+        try:
             first = next(events, None)
-    except TierCacheError as exc:
-        if ref is None or lora.loads or not is_not_in_engine(exc):
-            raise
-        events = call(request, fetch(ref))
-        first = next(events, None)
-    if first is None:
-        return
-    yield first
-    yield from events
+            while first is not None and not first.text and first.finish_reason is None:
+                yield first
+                first = next(events, None)
+        except TierCacheError as exc:
+            if ref is None or lora.loads or not is_not_in_engine(exc):
+                raise
+            events = call(request, fetch(ref))
+            first = next(events, None)
+        if first is None:
+            return
+        yield first
+        yield from events
+    finally:  # closed here too when the caller closes this one (its engine stream released)
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
