@@ -170,15 +170,13 @@ class _PendingSlot:
 
     __slots__ = ("_owner", "_released", "handed")
 
-    def __init__(self, owner: Generations | None) -> None:
+    def __init__(self, owner: Generations) -> None:
         self._owner = owner
-        self._released = owner is None
+        self._released = False
         self.handed = False
 
     def release(self) -> None:
         owner = self._owner
-        if owner is None:
-            return
         with owner._lock:
             if not self._released:
                 self._released = True
@@ -384,7 +382,7 @@ class Generations:
 
             flight, leader = self.flights.join(key, self.cache.now(), stale, directives.tags)
             if after_store is not None and flight.after_store is None:
-                flight.after_store = after_store  # a follower's when the leader brought none
+                flight.after_store = after_store  # the leader's, or a follower's if it had none
             if not leader and self._on_follow is not None:
                 try:
                     self._on_follow()
@@ -403,7 +401,6 @@ class Generations:
                     request,
                     digest,
                     write_back,
-                    after_store,
                     recheck,
                     generate,
                     directives,
@@ -464,15 +461,15 @@ class Generations:
         request: GenerationRequest,
         digest: Digest | None,
         write_back: bool,
-        after_store: Callable[[], None] | None = None,
         recheck: bool = True,
         generate: GenerateFn | None = None,
         directives: _Directives | None = None,
         *,
         slot: _PendingSlot | None = None,
     ) -> None:
-        """Run one generation into `flight`; store it only if clean, complete and wanted.
-        `slot`: its leader's pending slot, released as the flight ends."""
+        """Run one generation into `flight`; store it only if clean, complete and wanted (then
+        run the flight's `after_store`). `slot`: its leader's pending slot, released as the
+        flight ends."""
         error: TierCacheError | None = None
         lease: Lease | None = None
         directives = directives or _Directives()
@@ -529,9 +526,8 @@ class Generations:
                 )
                 if stored and directives.draft_digest and request.greedy:
                     self._keep_draft(directives.draft_digest, flight.text(), request, started_s)
-                after_store = after_store or flight.after_store
-                if stored and after_store is not None:
-                    self._run_after_store(after_store)
+                if stored and flight.after_store is not None:
+                    self._run_after_store(flight.after_store)
             if self._on_generation is not None:
                 try:
                     self._on_generation(dataclasses.replace(record, stored=stored))

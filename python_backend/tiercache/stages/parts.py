@@ -142,10 +142,8 @@ def open_exact_cache(
     marks = HostWatermarks(
         config.invalidations_path(), max_events, horizon_s=horizon_s, clock=clock
     )
-    l3 = None
     if link is not None:
-        l3 = RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)
-        tiers.append((Tier.L3, l3))
+        tiers.append((Tier.L3, RedisStore(link, max_ttl_s=config.redis_max_ttl_s, clock=clock)))
     cache = TieredCache(
         tiers, clock=clock, default_ttl_s=config.ttl_s, invalidations=table, host_marks=marks
     )
@@ -156,8 +154,9 @@ def open_exact_cache(
     # L3 is read only while the listener has every recorded watermark: a value replayed into
     # Redis after an invalidation this process has not noted (its record unreadable, cut off)
     # is never served; the local tiers are (Redis down at start: docs/replicas.md)
-    assert l3 is not None
-    l3.ready = listener.caught_up
+    l3 = cache.store(Tier.L3)
+    if isinstance(l3, RedisStore):
+        l3.ready = listener.caught_up
     # Serve nothing before the recorded watermarks are noted: this replica's L2 may hold entries
     # invalidated while it was down. Redis down: the local tiers serve at once (docs/replicas.md).
     if not listener.wait_first_attempt(2 * config.redis_timeout_s + 1.0):
